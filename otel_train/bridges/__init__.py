@@ -1,0 +1,1 @@
+"""Bridges: sinks fed at each flush from the OTel SDK through the StepReader."""

@@ -1,0 +1,43 @@
+"""The sink seam: everything that receives flattened scalars at each flush.
+
+A sink gets `(step, wall_time, scalars)` from the StepReader on the background worker, plus text,
+histograms and hyperparameters from the explicit logger API. `Sink` is a null object: subclasses
+override only what their backend supports. Sinks never run on the training thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class Sink:
+    """Base sink: every method is a no-op. Override what the backend supports."""
+
+    name = "sink"
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        """One call per flush with every flattened scalar of the interval (keys like `train/loss`)."""
+
+    def write_text(self, key: str, text: str, step: int) -> None:
+        """A text entry (markdown allowed), e.g. generated samples."""
+
+    def write_samples(self, key: str, rows: Sequence[tuple[str, str]], step: int) -> None:
+        """Validation samples as (prompt, output) pairs. Default: one markdown table as text."""
+        lines = ["| prompt | output |", "| --- | --- |"]
+        for prompt, output in rows:
+            lines.append(f"| {_md_cell(prompt)} | {_md_cell(output)} |")
+        self.write_text(key, "\n".join(lines), step)
+
+    def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
+        """Raw values of a distribution (the backend bins them)."""
+
+    def write_hparams(self, params: Mapping[str, Any]) -> None:
+        """Hyperparameters (already redacted), once or a few times per run."""
+
+    def close(self, final_scalars: Mapping[str, float]) -> None:
+        """End of run: the last value of every scalar key (for hparams' final metrics)."""
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "<br>")

@@ -1,0 +1,325 @@
+"""Config: one frozen dataclass, resolved from kwargs > environment > YAML file > defaults.
+
+Standard OpenTelemetry variables are honoured (`OTEL_EXPORTER_OTLP_ENDPOINT`, `..._PROTOCOL`,
+`..._HEADERS`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_METRIC_EXPORT_INTERVAL`);
+every field also reads `OTEL_TRAIN_<FIELD>` (for example `OTEL_TRAIN_LOG_INTERVAL=50`).
+Invalid settings raise `ConfigError` at `init()`, naming the setting, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+OtlpProtocol = Literal["http/protobuf", "grpc"]
+TimingLogOption = Literal["max", "minmax", "all"]
+
+
+class ConfigError(ValueError):
+    """A setting is invalid. The message names the setting, the bad value and the fix."""
+
+
+@dataclass(frozen=True)
+class Config:
+    # identity
+    service_name: str = "otel-train"
+    run_name: str | None = None  # default: <UTC date-time>-<4 hex>
+    run_id: str | None = None  # default: scheduler job id (torchrun/SLURM) or a new uuid
+    resource_attributes: dict[str, str] = field(default_factory=dict)
+    # where local output goes: <output_dir>/<run_name>/
+    output_dir: str = "runs"
+    run_dir_enabled: bool = True
+    # OTLP push (off unless an endpoint is set)
+    otlp_endpoint: str | None = None
+    otlp_protocol: OtlpProtocol = "http/protobuf"
+    otlp_headers: dict[str, str] = field(default_factory=dict)
+    otlp_timeout_s: float = 5.0
+    otlp_insecure: bool = True
+    metric_export_interval_s: float = 10.0
+    # in-process Prometheus pull endpoint: http://<host>:<port + local_rank>/metrics; 0 disables
+    prometheus_port: int = 9464
+    prometheus_host: str = "127.0.0.1"
+    console_exporter: bool = False  # print OTel metrics/spans to stdout (debugging)
+    # flush cadence and hot-path bounds
+    log_interval: int = 10  # flush every N steps
+    log_interval_s: float = 30.0  # ... or after this many seconds (single-process only)
+    max_metric_names: int = 128  # distinct record() names; more are dropped and counted
+    max_values_per_interval: int = 10_000  # per name, between flushes
+    queue_size: int = 8  # flush batches waiting for the background worker
+    shutdown_timeout_s: float = 2.0
+    # timers and traces
+    timing_log_level: int = 1  # timers with level > this cost ~nothing (Megatron semantics)
+    timing_log_option: TimingLogOption = "minmax"
+    traces: bool = True
+    trace_first: int = 3  # sample the first N steps ...
+    trace_every: int = 100  # ... then every N-th step
+    # console
+    verbosity: int = 1  # 0 quiet, 1 summary lines + final table, 2 also debug
+    progress_bar: bool = True
+    total_steps: int | None = None
+    # health
+    loss_spike_factor: float = 3.0  # loss > factor x recent EWMA mean is a spike
+    stall_timeout_s: float = 300.0
+    # bridges
+    tensorboard: bool = False
+    wandb: bool = False
+    mlflow: bool = False
+    bridge_all_ranks: bool = False
+    bridge_queue_size: int = 64
+    wandb_project: str = "otel-train"
+    wandb_entity: str | None = None
+    wandb_group: str | None = None
+    wandb_tags: tuple[str, ...] = ()
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    mlflow_tracking_uri: str | None = None  # default: file store under the run dir
+    mlflow_experiment: str = "otel-train"
+    samples_to_show: int = 4
+    # hardware
+    hardware: bool = True
+    hardware_interval_s: float = 5.0
+    peak_flops: float | None = None  # override the peak table (FLOP/s per GPU)
+    flops_per_token: float | None = None
+    # distributed
+    straggler_threshold: float = 0.8
+    straggler_ewma: float = 0.3
+    collective_timeout_s: float = 60.0
+
+
+_SECRET_RE = re.compile(r"(key|token|secret|passw|auth|credential|header|cookie|bearer)", re.I)
+REDACTED = "***"
+
+# Standard OTel variables → field. Parsed specially; OTEL_TRAIN_<FIELD> is generic.
+_STANDARD_ENV = {
+    "OTEL_SERVICE_NAME": "service_name",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "otlp_endpoint",
+    "OTEL_EXPORTER_OTLP_PROTOCOL": "otlp_protocol",
+    "OTEL_EXPORTER_OTLP_HEADERS": "otlp_headers",
+    "OTEL_RESOURCE_ATTRIBUTES": "resource_attributes",
+    "OTEL_METRIC_EXPORT_INTERVAL": "metric_export_interval_s",  # milliseconds in the spec
+    "OTEL_EXPORTER_OTLP_TIMEOUT": "otlp_timeout_s",  # seconds in the Python SDK
+}
+CONFIG_FILE_ENV = "OTEL_TRAIN_CONFIG"
+
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+_HINTS = typing.get_type_hints(Config)
+
+
+def env_name(field_name: str) -> str:
+    return f"OTEL_TRAIN_{field_name.upper()}"
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> Config:
+    """Resolve a Config: `overrides` (kwargs) > environment > YAML file > defaults."""
+    environ = os.environ if environ is None else environ
+    overrides = dict(overrides or {})
+    values: dict[str, tuple[Any, str]] = {}  # field -> (value, where it came from)
+
+    path = config_file or overrides.pop("config_file", None) or environ.get(CONFIG_FILE_ENV)
+    if path:
+        for name, value in _read_yaml(path).items():
+            values[name] = (value, f"{path}:{name}")
+    for env_key, name in _STANDARD_ENV.items():
+        if env_key in environ and environ[env_key].strip() != "":
+            values[name] = (_parse_standard_env(env_key, environ[env_key]), env_key)
+    for name in FIELDS:
+        key = env_name(name)
+        if key in environ and environ[key].strip() != "":
+            values[name] = (environ[key], key)
+    for name, value in overrides.items():
+        if name not in FIELDS:
+            raise ConfigError(
+                f"init() got an unknown setting {name!r}. Known settings: {', '.join(sorted(FIELDS))}."
+            )
+        values[name] = (value, f"init({name}=...)")
+
+    resolved = {name: _coerce(name, value, source) for name, (value, source) in values.items()}
+    config = Config(**resolved)
+    validate(config)
+    return config
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {path!r} (from {CONFIG_FILE_ENV} or config_file=) does not exist. "
+            "Fix the path or unset it."
+        ) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of settings, got {type(data).__name__}.")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"config file {path!r} has unknown settings {unknown}. Known: {', '.join(sorted(FIELDS))}.")
+    return data
+
+
+def _parse_standard_env(env_key: str, raw: str) -> Any:
+    if env_key in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_RESOURCE_ATTRIBUTES"):
+        return parse_key_values(raw, env_key)
+    if env_key == "OTEL_METRIC_EXPORT_INTERVAL":
+        try:
+            return float(raw) / 1000.0
+        except ValueError:
+            raise ConfigError(
+                f"{env_key}={raw!r} is not a number of milliseconds. Set it to e.g. 10000 or unset it."
+            ) from None
+    return raw
+
+
+def parse_key_values(raw: str, setting: str) -> dict[str, str]:
+    """Parse the OTel `k1=v1,k2=v2` format (values may be percent-encoded)."""
+    from urllib.parse import unquote
+
+    out: dict[str, str] = {}
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        if "=" not in item:
+            # Never echo the raw value: it may hold a header secret.
+            raise ConfigError(
+                f"{setting} has an entry without '=' (entry #{len(out) + 1}). Use the form key1=value1,key2=value2."
+            )
+        key, value = item.split("=", 1)
+        out[unquote(key.strip())] = unquote(value.strip())
+    return out
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    hint = _HINTS[name]
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    optional = origin in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+
+    def bad(expected: str) -> ConfigError:
+        shown = REDACTED if _SECRET_RE.search(name) else repr(value)
+        return ConfigError(f"setting {name} (from {source}) = {shown} is invalid: expected {expected}.")
+
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise bad("true or false")
+    if hint is int:
+        if isinstance(value, bool):
+            raise bad("an integer")
+        try:
+            return int(str(value).strip()) if not isinstance(value, int) else value
+        except ValueError:
+            raise bad("an integer") from None
+    if hint is float:
+        if isinstance(value, bool):
+            raise bad("a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad("a number") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if origin is Literal:
+        if value not in args:
+            raise bad(f"one of {', '.join(map(repr, args))}")
+        return value
+    if origin is dict:
+        if isinstance(value, str):
+            return parse_key_values(value, source)
+        if not isinstance(value, Mapping):
+            raise bad("a mapping of strings")
+        return {str(k): str(v) for k, v in value.items()}
+    if origin is tuple:
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        if isinstance(value, (list, tuple)):
+            return tuple(str(v) for v in value)
+        raise bad("a list of strings")
+    return value
+
+
+def validate(config: Config) -> None:
+    def need(cond: bool, name: str, fix: str) -> None:
+        if not cond:
+            value = getattr(config, name)
+            shown = REDACTED if _SECRET_RE.search(name) else repr(value)
+            raise ConfigError(f"setting {name} = {shown} is invalid: {fix} (env {env_name(name)}).")
+
+    need(config.log_interval >= 1, "log_interval", "use a whole number of steps >= 1")
+    need(config.log_interval_s > 0, "log_interval_s", "use a positive number of seconds")
+    need(0 <= config.prometheus_port <= 65535, "prometheus_port", "use a TCP port 1-65535, or 0 to disable")
+    need(config.metric_export_interval_s > 0, "metric_export_interval_s", "use a positive number of seconds")
+    need(0 < config.otlp_timeout_s <= 60, "otlp_timeout_s", "use seconds in (0, 60] (the SDK's unit is seconds)")
+    need(config.timing_log_level in (0, 1, 2), "timing_log_level", "use 0, 1 or 2")
+    need(config.trace_first >= 0, "trace_first", "use an integer >= 0")
+    need(config.trace_every >= 1, "trace_every", "use an integer >= 1")
+    need(config.verbosity in (0, 1, 2), "verbosity", "use 0 (quiet), 1 or 2")
+    need(config.max_metric_names >= 1, "max_metric_names", "use an integer >= 1")
+    need(config.max_values_per_interval >= 1, "max_values_per_interval", "use an integer >= 1")
+    need(config.queue_size >= 1, "queue_size", "use an integer >= 1")
+    need(config.bridge_queue_size >= 1, "bridge_queue_size", "use an integer >= 1")
+    need(0 < config.shutdown_timeout_s <= 60, "shutdown_timeout_s", "use seconds in (0, 60]")
+    need(config.total_steps is None or config.total_steps >= 1, "total_steps", "use a positive integer or leave unset")
+    need(config.loss_spike_factor > 1, "loss_spike_factor", "use a factor > 1")
+    need(config.stall_timeout_s > 0, "stall_timeout_s", "use a positive number of seconds")
+    need(config.hardware_interval_s > 0, "hardware_interval_s", "use a positive number of seconds")
+    need(config.peak_flops is None or config.peak_flops > 0, "peak_flops", "use FLOP/s > 0 or leave unset")
+    need(0 < config.straggler_threshold < 1, "straggler_threshold", "use a score in (0, 1), e.g. 0.8")
+    need(0 < config.straggler_ewma <= 1, "straggler_ewma", "use a smoothing factor in (0, 1]")
+    need(config.collective_timeout_s > 0, "collective_timeout_s", "use a positive number of seconds")
+    need(bool(config.service_name.strip()), "service_name", "use a non-empty name")
+    if config.otlp_endpoint is not None:
+        need(
+            re.match(r"^https?://[^/\s]+", config.otlp_endpoint) is not None,
+            "otlp_endpoint",
+            "use a URL such as http://localhost:4318 (HTTP) or http://localhost:4317 (gRPC), or unset it",
+        )
+    for name in ("run_name", "run_id"):
+        value = getattr(config, name)
+        need(
+            value is None or re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$", value) is not None,
+            name,
+            "use letters, digits and _ . : - (max 128 characters)",
+        )
+
+
+def is_secret_key(key: str) -> bool:
+    return _SECRET_RE.search(key) is not None
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """Replace secret-looking values (by key name) with '***', recursively."""
+    if key and is_secret_key(key):
+        return REDACTED if value not in (None, "", {}, ()) else value
+    if isinstance(value, Mapping):
+        return {str(k): redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    return value
+
+
+def config_as_dict(config: Config) -> dict[str, Any]:
+    """The resolved config with secrets redacted (for config.json, bridges, logs)."""
+    return redact(dataclasses.asdict(config))

@@ -1,0 +1,272 @@
+"""The metric catalogue: every instrument otel_train creates, named once.
+
+Code, dashboards, alert rules and bridges import these specs; nobody retypes a metric name.
+Names follow OpenTelemetry conventions (dotted lower case, UCUM units, no unit or `_total`
+in the name); GPU metrics use the `hw.*` semantic conventions where they exist.
+
+`key` is the bridge key (TensorBoard / W&B / MLflow / JSONL); `{attr}` placeholders are filled
+from the data point's attributes, so `train.phase.duration{train.phase=forward}` becomes
+`timers/forward`.  Histograms then gain `/mean`, `/max`, ...; counters their delta under `key` and
+a rate under `key + "_per_s"`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Kind(str, Enum):
+    COUNTER = "counter"
+    HISTOGRAM = "histogram"
+    GAUGE = "gauge"  # synchronous gauge, set on the flush worker
+    OBSERVABLE_GAUGE = "observable_gauge"  # read from a cache by an SDK callback
+    OBSERVABLE_COUNTER = "observable_counter"
+    OBSERVABLE_UP_DOWN_COUNTER = "observable_up_down_counter"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    unit: str
+    description: str
+    key: str
+    attributes: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    gpu_only: bool = False
+
+    @property
+    def prometheus_name(self) -> str:
+        """Series name on the in-process pull endpoint (opentelemetry-exporter-prometheus)."""
+        return prometheus_name(self, collector=False)
+
+    @property
+    def collector_prometheus_name(self) -> str:
+        """Series name through the OTel Collector's prometheus exporter (otlptranslator)."""
+        return prometheus_name(self, collector=True)
+
+
+# Seconds-scaled buckets: the SDK default buckets are for milliseconds.
+STEP_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+)  # fmt: skip
+PHASE_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
+)  # fmt: skip
+
+# Attribute keys (data point attributes; identity lives in the Resource).
+PHASE = "train.phase"
+ERROR_TYPE = "error.type"
+REASON = "otel_train.reason"
+EVENT = "otel_train.event"
+STRAGGLER_KIND = "straggler.kind"  # relative | individual
+STAT = "stat"  # min | max | mean | median
+HW_ID = "hw.id"
+HW_NAME = "hw.name"
+THROTTLE_REASON = "hw.gpu.throttle.reason"
+DIRECTION = "network.io.direction"
+MEMORY_STATE = "system.memory.state"
+
+# Resource attribute keys that must become labels on every Prometheus series (both paths).
+RUN_ID = "run_id"
+RANK = "rank"
+LABEL_RESOURCE_KEYS: tuple[str, ...] = (RUN_ID, RANK, "local_rank", "host.name")
+
+S = Kind  # short alias for the table below
+
+
+def _m(
+    name: str,
+    kind: Kind,
+    unit: str,
+    description: str,
+    key: str,
+    attributes: tuple[str, ...] = (),
+    buckets: tuple[float, ...] | None = None,
+    gpu_only: bool = False,
+) -> MetricSpec:
+    return MetricSpec(name, kind, unit, description, key, attributes, buckets, gpu_only)
+
+
+# --- training ------------------------------------------------------------------------------------
+STEPS = _m("train.steps", S.COUNTER, "{step}", "Completed training steps.", "train/steps")
+TOKENS = _m("train.tokens", S.COUNTER, "{token}", "Tokens processed.", "throughput/tokens")
+SAMPLES = _m("train.samples", S.COUNTER, "{sample}", "Samples processed.", "throughput/samples")
+STEP_DURATION = _m(
+    "train.step.duration", S.HISTOGRAM, "s", "Wall time of one training step.", "timers/step",
+    buckets=STEP_BUCKETS,
+)  # fmt: skip
+PHASE_DURATION = _m(
+    "train.phase.duration", S.HISTOGRAM, "s", "Wall time of a timed phase (forward, backward, ...).",
+    "timers/{train.phase}", attributes=(PHASE, ERROR_TYPE), buckets=PHASE_BUCKETS,
+)  # fmt: skip
+CURRENT_STEP = _m("train.step.current", S.GAUGE, "{step}", "Index of the last completed step.", "train/step")
+LAST_STEP_TIME = _m(
+    "train.step.last_timestamp", S.GAUGE, "s", "Unix time at which the last step completed.",
+    "health/last_step_time",
+)  # fmt: skip
+TOTAL_STEPS = _m("train.steps.planned", S.GAUGE, "{step}", "Planned number of steps (when known).", "train/steps_planned")
+ETA = _m("train.eta", S.GAUGE, "s", "Estimated time to the planned last step.", "progress/eta_s")
+LOSS = _m("train.loss", S.GAUGE, "", "Training loss (last value of the interval).", "train/loss")
+LEARNING_RATE = _m("train.learning_rate", S.GAUGE, "", "Learning rate.", "train/learning_rate")
+GRAD_NORM = _m("train.grad.norm", S.GAUGE, "", "Global gradient norm.", "train/grad_norm")
+EVAL_LOSS = _m("eval.loss", S.GAUGE, "", "Validation loss.", "eval/loss")
+EVAL_PERPLEXITY = _m("eval.perplexity", S.GAUGE, "", "Validation perplexity.", "eval/perplexity")
+EVAL_ACCURACY = _m("eval.accuracy", S.GAUGE, "1", "Validation top-1 token accuracy.", "eval/accuracy")
+
+# --- health ----------------------------------------------------------------------------------------
+NONFINITE_LOSS = _m(
+    "train.loss.nonfinite", S.COUNTER, "{value}", "Non-finite (NaN/Inf) loss values seen.",
+    "health/nonfinite_loss",
+)  # fmt: skip
+HEALTH_EVENTS = _m(
+    "train.health.events", S.COUNTER, "{event}",
+    "Health events (nonfinite, loss_spike, straggler, stall, gpu_lost, memory_pressure, mfu_over_100).",
+    "health/{otel_train.event}", attributes=(EVENT,),
+)  # fmt: skip
+DROPPED = _m(
+    "otel_train.dropped", S.COUNTER, "{value}",
+    "Measurements otel_train dropped (bad value, bad or excess name, full queue, slow sink).",
+    "otel_train/dropped/{otel_train.reason}", attributes=(REASON,),
+)  # fmt: skip
+
+# --- distributed -----------------------------------------------------------------------------------
+STRAGGLER_SCORE = _m(
+    "train.straggler.score", S.GAUGE, "1",
+    "Straggler score of this rank (reference time / this rank's time; 1 = healthy, lower = slower).",
+    "stragglers/{straggler.kind}", attributes=(STRAGGLER_KIND, PHASE),
+)  # fmt: skip
+PHASE_CROSS_RANK = _m(
+    "train.phase.cross_rank", S.GAUGE, "s",
+    "Cross-rank statistic (min/max/mean/median) of a phase's mean time over the interval.",
+    "timers/{train.phase}/ranks_{stat}", attributes=(PHASE, STAT),
+)  # fmt: skip
+
+# --- throughput and efficiency ---------------------------------------------------------------------
+FLOPS = _m("train.flops.rate", S.GAUGE, "{flop}/s", "Achieved model FLOP/s per GPU.", "throughput/flops_per_s")
+MFU = _m("train.mfu", S.GAUGE, "1", "Model FLOPs utilization vs the device's peak.", "throughput/mfu")
+ENERGY_PER_TOKEN = _m("train.energy.per_token", S.GAUGE, "J", "GPU energy per token.", "energy/joules_per_token")
+ENERGY_PER_STEP = _m("train.energy.per_step", S.GAUGE, "J", "GPU energy per step.", "energy/joules_per_step")
+POWER_AVERAGE = _m("train.power.average", S.GAUGE, "W", "Average GPU power over the interval.", "energy/avg_power_w")
+
+# --- GPU (hw.* semantic conventions where they exist) ----------------------------------------------
+_GPU = (HW_ID, HW_NAME)
+GPU_UTILIZATION = _m("hw.gpu.utilization", S.OBSERVABLE_GAUGE, "1", "GPU busy fraction.", "gpu/{hw.id}/utilization", _GPU, gpu_only=True)
+GPU_MEMORY_UTILIZATION = _m(
+    "hw.gpu.memory.utilization", S.OBSERVABLE_GAUGE, "1", "GPU memory controller busy fraction.",
+    "gpu/{hw.id}/memory_utilization", _GPU, gpu_only=True,
+)  # fmt: skip
+GPU_MEMORY_USAGE = _m("hw.gpu.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory used.", "gpu/{hw.id}/memory_used", _GPU, gpu_only=True)
+GPU_MEMORY_LIMIT = _m("hw.gpu.memory.limit", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory total.", "gpu/{hw.id}/memory_limit", _GPU, gpu_only=True)
+GPU_TEMPERATURE = _m("hw.temperature", S.OBSERVABLE_GAUGE, "Cel", "GPU temperature.", "gpu/{hw.id}/temperature", _GPU, gpu_only=True)
+GPU_POWER = _m("hw.power", S.OBSERVABLE_GAUGE, "W", "GPU power draw.", "gpu/{hw.id}/power", _GPU, gpu_only=True)
+GPU_ENERGY = _m("hw.energy", S.OBSERVABLE_COUNTER, "J", "GPU energy since driver load.", "gpu/{hw.id}/energy", _GPU, gpu_only=True)
+GPU_ERRORS = _m(
+    "hw.errors", S.OBSERVABLE_COUNTER, "{error}", "GPU errors (ECC corrected/uncorrected, XID).",
+    "gpu/{hw.id}/errors/{error.type}", (*_GPU, ERROR_TYPE), gpu_only=True,
+)  # fmt: skip
+GPU_CLOCK_SM = _m("hw.gpu.clock.sm", S.OBSERVABLE_GAUGE, "Hz", "SM clock.", "gpu/{hw.id}/clock_sm", _GPU, gpu_only=True)
+GPU_CLOCK_MEMORY = _m("hw.gpu.clock.memory", S.OBSERVABLE_GAUGE, "Hz", "Memory clock.", "gpu/{hw.id}/clock_memory", _GPU, gpu_only=True)
+GPU_THROTTLE = _m(
+    "hw.gpu.throttle", S.OBSERVABLE_GAUGE, "1", "1 while a clock-event/throttle reason is active.",
+    "gpu/{hw.id}/throttle/{hw.gpu.throttle.reason}", (*_GPU, THROTTLE_REASON), gpu_only=True,
+)  # fmt: skip
+GPU_PCIE_THROUGHPUT = _m(
+    "hw.gpu.pcie.throughput", S.OBSERVABLE_GAUGE, "By/s", "PCIe throughput.",
+    "gpu/{hw.id}/pcie/{network.io.direction}", (*_GPU, DIRECTION), gpu_only=True,
+)  # fmt: skip
+CUDA_MEMORY_ALLOCATED = _m("train.cuda.memory.allocated", S.GAUGE, "By", "CUDA allocator: allocated.", "cuda/memory_allocated", gpu_only=True)
+CUDA_MEMORY_RESERVED = _m("train.cuda.memory.reserved", S.GAUGE, "By", "CUDA allocator: reserved.", "cuda/memory_reserved", gpu_only=True)
+CUDA_MEMORY_PEAK = _m("train.cuda.memory.peak", S.GAUGE, "By", "CUDA allocator: peak allocated over the interval.", "cuda/memory_peak", gpu_only=True)
+CUDA_ALLOC_RETRIES = _m("train.cuda.alloc_retries", S.COUNTER, "{retry}", "CUDA allocator retries.", "cuda/alloc_retries", gpu_only=True)
+CUDA_OOMS = _m("train.cuda.ooms", S.COUNTER, "{event}", "CUDA out-of-memory events.", "cuda/ooms", gpu_only=True)
+
+# --- host ------------------------------------------------------------------------------------------
+PROCESS_CPU_UTILIZATION = _m("process.cpu.utilization", S.OBSERVABLE_GAUGE, "1", "Process CPU use (1 = one core).", "host/process_cpu")
+PROCESS_MEMORY_USAGE = _m("process.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "Process resident memory.", "host/process_rss")
+SYSTEM_MEMORY_USAGE = _m(
+    "system.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "Host memory by state (used, free).",
+    "host/memory_{system.memory.state}", (MEMORY_STATE,),
+)  # fmt: skip
+
+CATALOGUE: tuple[MetricSpec, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricSpec))
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOGUE}
+
+# `ot.record()` names that map onto catalogue instruments. Anything else becomes a gauge named
+# `train.<name>` (or the name itself when it already has a namespace such as `eval.` or `train.`).
+RECORD_ALIASES: dict[str, str] = {
+    "loss": LOSS.name,
+    "lr": LEARNING_RATE.name,
+    "learning_rate": LEARNING_RATE.name,
+    "grad_norm": GRAD_NORM.name,
+    "eval_loss": EVAL_LOSS.name,
+    "val_loss": EVAL_LOSS.name,
+    "perplexity": EVAL_PERPLEXITY.name,
+    "accuracy": EVAL_ACCURACY.name,
+}
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_.]{0,120}$")
+
+
+def instrument_name_for(record_name: str) -> str | None:
+    """Map a user's record name (`loss`, `train/loss`, `eval/perplexity`) to an instrument name.
+
+    Returns None when the name cannot be made valid (it is then dropped and counted).
+    """
+    raw = record_name.strip().lower().replace("/", ".").replace("-", "_").replace(" ", "_")
+    raw = re.sub(r"\.+", ".", raw).strip(".")
+    if raw in RECORD_ALIASES:
+        return RECORD_ALIASES[raw]
+    if "." not in raw:
+        raw = f"train.{raw}"
+    if raw.startswith("train.") and raw[6:] in RECORD_ALIASES:
+        return RECORD_ALIASES[raw[6:]]
+    return raw if _NAME_RE.match(raw) else None
+
+
+def default_key(instrument_name: str) -> str:
+    """Bridge key for an instrument that is not in the catalogue (a user's own)."""
+    return instrument_name.replace(".", "/")
+
+
+# --- Prometheus naming (both export paths) ---------------------------------------------------------
+_UNIT_WORDS = {
+    "s": "seconds", "ms": "milliseconds", "By": "bytes", "W": "watts", "J": "joules", "Cel": "celsius",
+    "Hz": "hertz", "%": "percent",
+}  # fmt: skip
+_PER_UNIT_WORDS = {"s": "second", "m": "minute", "h": "hour", "d": "day"}
+
+
+def _unit_suffix(unit: str) -> str:
+    unit = re.sub(r"\{[^}]*\}", "", unit)  # annotations such as {token} are dropped
+    if not unit or unit == "1":
+        return ""
+    if "/" in unit:
+        num, den = unit.split("/", 1)
+        parts = [_UNIT_WORDS.get(num, num) if num else "", "per", _PER_UNIT_WORDS.get(den, den)]
+        return "_".join(p for p in parts if p)
+    return _UNIT_WORDS.get(unit, unit)
+
+
+def prometheus_name(spec: MetricSpec, collector: bool) -> str:
+    """The Prometheus series base name for `spec` (histograms add _bucket/_sum/_count).
+
+    The two paths differ only for gauges with unit `1`: the Collector (otlptranslator) appends
+    `_ratio`; opentelemetry-exporter-prometheus does not.
+    """
+    base = re.sub(r"[^a-zA-Z0-9_]", "_", spec.name)
+    base = re.sub(r"__+", "_", base)
+    suffix = _unit_suffix(spec.unit)
+    if collector and spec.unit == "1" and spec.kind in (Kind.GAUGE, Kind.OBSERVABLE_GAUGE):
+        suffix = "ratio"
+    # otlptranslator skips a unit word already present anywhere in the name; the Python exporter
+    # only skips it when the name already ends with it.
+    tokens = base.split("_")
+    present = all(w in tokens for w in suffix.split("_")) if collector else base.endswith(suffix)
+    if suffix and not present:
+        base = f"{base}_{suffix}"
+    if spec.kind in (Kind.COUNTER, Kind.OBSERVABLE_COUNTER):
+        base = f"{base}_total"
+    return base

@@ -1,0 +1,139 @@
+"""otel_train: OpenTelemetry-native observability for ML training.
+
+    import otel_train as ot
+
+    ot.init(total_steps=1000)
+    for step in range(1000):
+        with ot.step(step, tokens=batch_tokens):
+            with ot.timer("forward"):
+                loss = model(batch)
+            ot.record("loss", loss)          # a tensor stays on device until the flush
+    ot.shutdown()
+
+Importing this package is light: no torch, SDK exporters, wandb or tensorboard are imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from otel_train import session as _session_mod
+from otel_train.config import Config, ConfigError
+from otel_train.timing import span, step, timed, timer
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Meter
+
+    from otel_train.session import Session
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "__version__",
+    "current_session",
+    "finish",
+    "get_meter",
+    "init",
+    "log_histogram",
+    "log_hyperparams",
+    "log_metrics",
+    "log_samples",
+    "log_text",
+    "record",
+    "shutdown",
+    "span",
+    "step",
+    "timed",
+    "timer",
+]
+
+
+def init(config_file: str | None = None, **settings: Any) -> Session:
+    """Start telemetry for this process (idempotent; returns the running session if any).
+
+    Settings are `Config` fields; precedence: keyword arguments > environment (`OTEL_*`,
+    `OTEL_TRAIN_*`) > YAML file (`config_file` or `OTEL_TRAIN_CONFIG`) > defaults. Invalid settings
+    raise `ConfigError` naming the setting and the fix. Use as `with ot.init(...):` to shut down
+    at the end of the block.
+    """
+    return _session_mod.init(config_file=config_file, settings=settings)
+
+
+def shutdown() -> None:
+    """Final flush, then stop every exporter within `shutdown_timeout_s`. Safe to call twice."""
+    _session_mod.shutdown()
+
+
+finish = shutdown
+
+
+def current_session() -> Session | None:
+    return _session_mod._current
+
+
+def record(name: str, value: Any) -> None:
+    """Record a scalar (number or 1-element tensor; tensors are not synced until the flush).
+
+    Never raises: bad names and values are dropped and counted, with one warning per name.
+    """
+    session = _session_mod._current
+    if session is not None:
+        try:
+            session.buffer.add_scalar(name, value)
+        except Exception:
+            session.buffer.drop("invalid_type")
+
+
+def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
+    """Record several scalars (`{"eval/loss": v, ...}`); they leave with the next flush."""
+    session = _session_mod._current
+    if session is None:
+        return
+    try:
+        items = list(metrics.items())
+    except Exception:
+        session.buffer.drop("invalid_type")
+        return
+    for name, value in items:
+        record(f"{prefix}{name}" if isinstance(name, str) else name, value)
+
+
+def log_hyperparams(params: Mapping[str, Any]) -> None:
+    """Hyperparameters for every bridge (secret-looking keys are redacted)."""
+    session = _session_mod._current
+    if session is not None:
+        session.message("hparams", "hparams", _session_mod.redacted_hparams(params), None)
+
+
+def log_text(name: str, text: str, step: int | None = None) -> None:
+    session = _session_mod._current
+    if session is not None:
+        session.message("text", str(name), str(text), step)
+
+
+def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: str = "samples") -> None:
+    """Validation samples as (prompt, output) pairs: a console table and an entry in every bridge."""
+    session = _session_mod._current
+    if session is not None:
+        limit = session.config.samples_to_show
+        session.message("samples", name, [(str(p), str(o)) for p, o in list(rows)[:limit]], step)
+
+
+def log_histogram(name: str, values: Any, step: int | None = None) -> None:
+    """A distribution (sequence or tensor); resolved on the background worker."""
+    session = _session_mod._current
+    if session is not None:
+        session.message("histogram", str(name), values, step)
+
+
+def get_meter() -> Meter:
+    """The library's OTel meter: instruments you create on it reach every exporter and bridge."""
+    session = _session_mod._current
+    if session is None:
+        from opentelemetry.metrics import NoOpMeter
+
+        return NoOpMeter("otel_train")
+    return session.meter

@@ -1,0 +1,119 @@
+"""Console: progress bar, one summary line per flush, sample tables, and an end-of-run timer table.
+
+Verbosity 0 prints nothing; 1 (default) prints summaries, samples and the final table; the progress
+bar is drawn only on a terminal. Runs on the worker thread, rank 0 only.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+from otel_train.bridges.base import Sink
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.1f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.1f} ms"
+    seconds_int = int(seconds)
+    if seconds_int < 3600:
+        return f"{seconds_int // 60}:{seconds_int % 60:02d}"
+    return f"{seconds_int // 3600}:{seconds_int % 3600 // 60:02d}:{seconds_int % 60:02d}"
+
+
+class ConsoleSink(Sink):
+    name = "console"
+
+    def __init__(self, verbosity: int, progress_bar: bool, total_steps: int | None, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.verbosity = verbosity
+        self.total_steps = total_steps
+        self.bar = progress_bar and verbosity > 0 and self.stream.isatty()
+        self.started = time.time()
+        self._steps = 0.0
+        # Timer totals for the end-of-run table: name -> [total seconds, count].
+        self.timers: dict[str, list[float]] = {}
+        self.step_total = 0.0
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        self._accumulate(scalars)
+        if self.verbosity == 0:
+            return
+        parts = [f"step {step + 1}" + (f"/{self.total_steps}" if self.total_steps else "")]
+        for key, label, fmt in (
+            ("train/loss", "loss", "{:.4f}"),
+            ("train/learning_rate", "lr", "{:.2e}"),
+            ("timers/step/mean", "step", None),
+            ("throughput/tokens_per_s", "tok/s", "si"),
+            ("train/grad_norm", "grad", "{:.3f}"),
+            ("eval/loss", "val_loss", "{:.4f}"),
+            ("throughput/mfu", "mfu", "{:.1%}"),
+        ):
+            if key not in scalars:
+                continue
+            value = scalars[key]
+            text = _duration(value) if fmt is None else _si(value) if fmt == "si" else fmt.format(value)
+            parts.append(f"{label} {text}")
+        if "progress/eta_s" in scalars:
+            parts.append(f"eta {_duration(scalars['progress/eta_s'])}")
+        line = " | ".join(parts)
+        if self.bar and self.total_steps:
+            done = min(1.0, (step + 1) / self.total_steps)
+            filled = int(done * 24)
+            rate = (step + 1) / max(1e-9, wall_time - self.started)
+            line = f"[{'#' * filled}{'.' * (24 - filled)}] {done:4.0%} {rate:.1f} it/s | " + line
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def _accumulate(self, scalars: Mapping[str, float]) -> None:
+        for key, value in scalars.items():
+            if not key.startswith("timers/") or not key.endswith("/total"):
+                continue
+            name = key[len("timers/") : -len("/total")]
+            if "/" in name:
+                continue  # error variants and cross-rank stats
+            count = scalars.get(f"timers/{name}/count", 0.0)
+            entry = self.timers.setdefault(name, [0.0, 0.0])
+            entry[0] += value
+            entry[1] += count
+
+    def write_samples(self, key: str, rows: Sequence[tuple[str, str]], step: int) -> None:
+        if self.verbosity == 0 or not rows:
+            return
+        width = 100
+        self.stream.write(f"--- {key} at step {step} " + "-" * max(0, width - len(key) - 16) + "\n")
+        for prompt, output in rows:
+            shown = (prompt + output).replace("\n", "⏎")
+            self.stream.write(f"  {prompt!r:>16} → {shown[: width - 22]}\n")
+        self.stream.flush()
+
+    def write_text(self, key: str, text: str, step: int) -> None:
+        if self.verbosity >= 2:
+            self.stream.write(f"[{key} @ {step}] {text}\n")
+
+    def close(self, final_scalars: Mapping[str, float]) -> None:
+        if self.verbosity == 0:
+            return
+        self.stream.write(self.timer_table())
+        self.stream.flush()
+
+    def timer_table(self) -> str:
+        if not self.timers:
+            return ""
+        step = self.timers.get("step")
+        reference = step[0] if step and step[0] > 0 else sum(t for t, _ in self.timers.values())
+        lines = [f"{'timer':<20} {'total':>10} {'mean':>10} {'count':>8} {'% time':>7}"]
+        for name, (total, count) in sorted(self.timers.items(), key=lambda kv: -kv[1][0]):
+            mean = total / count if count else 0.0
+            share = 100.0 * total / reference if reference else 0.0
+            lines.append(f"{name:<20} {total:>9.2f}s {mean * 1000:>8.2f}ms {int(count):>8d} {share:>6.1f}%")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,157 @@
+"""StepReader: a delta-temporality MetricReader collected at each flush, flattened for the sinks.
+
+Flattening rules (one key per value; every backend gets the same keys):
+
+- gauge                   -> `key`: the last value of the interval
+- up-down counter         -> `key`: the current (cumulative) value
+- counter                 -> `key`: the interval's delta, and `key + "_per_s"`: delta / interval seconds
+- histogram               -> `key/mean`, `key/min`, `key/max`, `key/count`, `key/total` (the sum), and
+                             `key/p50`, `key/p95` when the quantile falls in a bucket with two finite
+                             bounds (linear interpolation, clamped to the observed min/max)
+- attributes              -> key segments: catalogue keys name them (`timers/{train.phase}` ->
+                             `timers/forward`); other attributes are appended as `/value`
+- instruments not in the catalogue (a user's own) -> the name with `.` as `/` (`my.metric` -> `my/metric`)
+
+Collected on the background worker only (collect() runs the SDK's aggregation in the caller).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry.sdk.metrics import Counter, Histogram, ObservableCounter
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Gauge,
+    MetricReader,
+    MetricsData,
+    Sum,
+)
+from opentelemetry.sdk.metrics.export import Histogram as HistogramData
+
+from otel_train import semconv
+
+# Attributes that never become key segments (identity lives in the Resource; these are noise).
+_IGNORED_ATTRIBUTES = frozenset({"otel.metric.overflow"})
+
+
+class StepReader(MetricReader):
+    def __init__(self) -> None:
+        super().__init__(
+            preferred_temporality={
+                Counter: AggregationTemporality.DELTA,
+                Histogram: AggregationTemporality.DELTA,
+                ObservableCounter: AggregationTemporality.DELTA,
+            }
+        )
+        self._latest: MetricsData | None = None
+
+    def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
+        self._latest = metrics_data
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._latest = None
+
+    def collect_scalars(self, interval_s: float) -> dict[str, float]:
+        """Collect now (in this thread) and flatten to `{key: value}`."""
+        self._latest = None
+        self.collect()
+        data, self._latest = self._latest, None
+        return flatten(data, interval_s) if data is not None else {}
+
+
+def key_for(instrument_name: str, attributes: Mapping[str, Any]) -> str:
+    spec = semconv.BY_NAME.get(instrument_name)
+    template = spec.key if spec is not None else semconv.default_key(instrument_name)
+    used: set[str] = set()
+    for attr, value in attributes.items():
+        placeholder = "{" + attr + "}"
+        if placeholder in template:
+            template = template.replace(placeholder, _segment(value))
+            used.add(attr)
+    extra = [_segment(v) for k, v in sorted(attributes.items()) if k not in used and k not in _IGNORED_ATTRIBUTES]
+    # A placeholder whose attribute is absent is dropped with its separator.
+    parts = [p for p in template.split("/") if p and not (p.startswith("{") and p.endswith("}"))]
+    return "/".join(parts + extra)
+
+
+def _segment(value: Any) -> str:
+    text = str(value).strip().replace("/", "_").replace(" ", "_")
+    return text or "_"
+
+
+def flatten(data: MetricsData, interval_s: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                _flatten_metric(metric.name, metric.data, interval_s, out)
+    return out
+
+
+def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, float]) -> None:
+    if isinstance(data, Gauge):
+        for point in data.data_points:
+            out[key_for(name, point.attributes or {})] = float(point.value)
+    elif isinstance(data, Sum):
+        for point in data.data_points:
+            key = key_for(name, point.attributes or {})
+            if data.is_monotonic and data.aggregation_temporality == AggregationTemporality.DELTA:
+                out[key] = float(point.value)
+                if interval_s > 0:
+                    out[key + "_per_s"] = float(point.value) / interval_s
+            else:
+                out[key] = float(point.value)
+    elif isinstance(data, HistogramData):
+        for point in data.data_points:
+            if point.count == 0:
+                continue
+            key = key_for(name, point.attributes or {})
+            out[key + "/mean"] = point.sum / point.count
+            out[key + "/count"] = float(point.count)
+            out[key + "/total"] = float(point.sum)
+            if point.min is not None and math.isfinite(point.min):
+                out[key + "/min"] = float(point.min)
+            if point.max is not None and math.isfinite(point.max):
+                out[key + "/max"] = float(point.max)
+            for q, suffix in ((0.5, "p50"), (0.95, "p95")):
+                estimate = bucket_quantile(q, point.explicit_bounds, point.bucket_counts, point.min, point.max)
+                if estimate is not None:
+                    out[f"{key}/{suffix}"] = estimate
+
+
+def bucket_quantile(
+    q: float,
+    bounds: Any,
+    counts: Any,
+    observed_min: float | None = None,
+    observed_max: float | None = None,
+) -> float | None:
+    """Quantile estimate from explicit buckets, or None when no honest estimate exists.
+
+    The bucket holding the q-th observation must have finite bounds on both sides after clamping
+    to the observed min/max (the first bucket is bounded below by min, the last above by max).
+    """
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank = q * total
+    cumulative = 0.0
+    for i, count in enumerate(counts):
+        if count == 0:
+            continue
+        if cumulative + count >= rank:
+            lower = bounds[i - 1] if i > 0 else observed_min
+            upper = bounds[i] if i < len(bounds) else observed_max
+            if observed_min is not None and lower is not None:
+                lower = max(lower, observed_min)
+            if observed_max is not None and upper is not None:
+                upper = min(upper, observed_max)
+            if lower is None or upper is None or not (math.isfinite(lower) and math.isfinite(upper)):
+                return None
+            fraction = (rank - cumulative) / count
+            return float(lower + (upper - lower) * fraction)
+        cumulative += count
+    return None

@@ -1,0 +1,199 @@
+"""The hot-path accumulator: the training thread only appends here.
+
+Nothing in this module calls the OTel SDK, touches a device value or does I/O. A flush swaps
+the interval's containers for fresh ones (O(number of names)) and hands the old ones, as a
+`FlushBatch`, to the background worker, which resolves tensors and feeds the SDK and sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_train import semconv
+
+log = logging.getLogger("otel_train")
+
+MAX_ERROR_TYPES = 8
+
+
+@dataclass
+class SpanRecord:
+    """A timer or step interval on a sampled step, turned into a span at the flush."""
+
+    name: str
+    start_ns: int  # perf_counter_ns
+    end_ns: int
+    step: int
+    error: str | None = None
+    kind: str = "phase"  # "step" | "phase" | "mark"
+    attributes: dict[str, str | int | float] | None = None
+
+
+@dataclass
+class FlushBatch:
+    seq: int
+    step: int
+    wall_time: float
+    elapsed_s: float
+    steps: int
+    tokens: int
+    samples: int
+    step_durations: list[float]
+    phases: dict[str, list[float]]
+    phase_errors: dict[tuple[str, str], list[float]]
+    scalars: dict[str, list[Any]]  # instrument name -> raw values (numbers or tensors)
+    cuda_timers: list[tuple[str, Any, Any]]  # (phase, start event, end event)
+    spans: list[SpanRecord]
+    dropped: dict[str, int]
+    perf_to_epoch_ns: int
+    cuda_event: Any = None  # recorded on the training stream at the flush, when tensors are on CUDA
+    final: bool = False
+    messages: list[Any] = field(default_factory=list)
+
+
+class Buffer:
+    """Per-process accumulator for one flush interval."""
+
+    def __init__(self, max_names: int, max_values: int) -> None:
+        self.max_names = max_names
+        self.max_values = max_values
+        self._name_map: dict[str, str | None] = {}  # record name -> instrument name (None: rejected)
+        self._owners: dict[str, str] = {}  # instrument name -> first record name that claimed it
+        self.warned: set[str] = set()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.scalars: dict[str, list[Any]] = {}
+        self.phases: dict[str, list[float]] = {}
+        self.phase_errors: dict[tuple[str, str], list[float]] = {}
+        self.step_durations: list[float] = []
+        self.cuda_timers: list[tuple[str, Any, Any]] = []
+        self.spans: list[SpanRecord] = []
+        self.dropped: dict[str, int] = {}
+        self.steps = 0
+        self.tokens = 0
+        self.samples = 0
+
+    # --- hot path ------------------------------------------------------------------------------
+    def add_scalar(self, name: str, value: Any) -> None:
+        values = self.scalars.get(name)
+        if values is None:
+            values = self._open_scalar(name)
+            if values is None:
+                return
+        if len(values) < self.max_values:
+            if value.__class__ is not float and value.__class__ is not int and getattr(value, "requires_grad", False):
+                value = value.detach()  # never keep an autograd graph alive until the flush
+            values.append(value)
+        else:
+            self.drop("too_many_values")
+
+    def add_phase(self, name: str, seconds: float) -> None:
+        values = self.phases.get(name)
+        if values is None:
+            values = self.phases[name] = []
+        if len(values) < self.max_values:
+            values.append(seconds)
+        else:
+            self.drop("too_many_values")
+
+    def add_phase_error(self, name: str, error: str, seconds: float) -> None:
+        key = (name, error)
+        values = self.phase_errors.get(key)
+        if values is None:
+            if len(self.phase_errors) >= MAX_ERROR_TYPES * 4:
+                self.drop("too_many_error_types")
+                return
+            values = self.phase_errors[key] = []
+        if len(values) < self.max_values:
+            values.append(seconds)
+
+    def drop(self, reason: str, count: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+    # --- first sight of a name (once per name, not per step) ------------------------------------
+    def _open_scalar(self, name: str) -> list[Any] | None:
+        """Register a record() name. Keys of `self.scalars` are record names; the worker merges
+        names that map to the same instrument."""
+        if not isinstance(name, str):
+            self.drop("invalid_name")
+            self._warn_once(repr(name), f"record() name {name!r} is not a string; dropped.")
+            return None
+        if name not in self._name_map:
+            self._name_map[name] = self._map_name(name)
+        if self._name_map[name] is None:
+            self.drop("invalid_name")
+            return None
+        values: list[Any] = []
+        self.scalars[name] = values
+        return values
+
+    def _map_name(self, name: str) -> str | None:
+        if len(self._name_map) >= self.max_names * 8:
+            # Bound the map itself when a caller invents names without end.
+            self._name_map.clear()
+        instrument = semconv.instrument_name_for(name)
+        if instrument is None:
+            self._warn_once(name, f"record() name {name!r} cannot be made a valid metric name; dropped.")
+            return None
+        spec = semconv.BY_NAME.get(instrument)
+        if spec is not None and spec.kind is not semconv.Kind.GAUGE:
+            self._warn_once(name, f"record() name {name!r} collides with the {spec.kind.value} {instrument!r}; dropped.")
+            return None
+        owner = self._owners.get(instrument)
+        if owner is None:
+            if spec is None and sum(1 for i in self._owners if i not in semconv.BY_NAME) >= self.max_names:
+                self._warn_once(
+                    name,
+                    f"record() name {name!r} exceeds max_metric_names={self.max_names} distinct names; dropped "
+                    "(raise OTEL_TRAIN_MAX_METRIC_NAMES if intended).",
+                )
+                return None
+            self._owners[instrument] = name
+        elif owner != name:
+            self._warn_once(name, f"record() names {owner!r} and {name!r} both map to {instrument!r}; merged.")
+        return instrument
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned and len(self.warned) < 1000:
+            self.warned.add(key)
+            log.warning(message)
+
+    def instrument_for(self, record_name: str) -> str | None:
+        return self._name_map.get(record_name)
+
+    # --- flush ----------------------------------------------------------------------------------
+    def take(self, seq: int, step: int, elapsed_s: float, perf_to_epoch_ns: int) -> FlushBatch:
+        """Swap out this interval's data (called on the training thread; O(names))."""
+        scalars: dict[str, list[Any]] = {}
+        for record_name, values in self.scalars.items():
+            instrument = self._name_map.get(record_name)
+            if instrument is None or not values:
+                continue
+            merged = scalars.get(instrument)
+            if merged is None:
+                scalars[instrument] = values
+            else:
+                merged.extend(values)
+        batch = FlushBatch(
+            seq=seq,
+            step=step,
+            wall_time=time.time(),
+            elapsed_s=elapsed_s,
+            steps=self.steps,
+            tokens=self.tokens,
+            samples=self.samples,
+            step_durations=self.step_durations,
+            phases=self.phases,
+            phase_errors=self.phase_errors,
+            scalars=scalars,
+            cuda_timers=self.cuda_timers,
+            spans=self.spans,
+            dropped=self.dropped,
+            perf_to_epoch_ns=perf_to_epoch_ns,
+        )
+        self._reset()
+        return batch

@@ -1,0 +1,264 @@
+"""OpenTelemetry pipelines: one MeterProvider, TracerProvider and LoggerProvider per process.
+
+- OTLP (HTTP/protobuf by default, or gRPC) for metrics, spans and logs, with bounded timeouts;
+- the Prometheus pull endpoint on `prometheus_host:prometheus_port + local_rank`;
+- console exporters for debugging;
+- the StepReader (bridges) is passed in and registered on the same MeterProvider.
+
+Every exporter is wrapped in a fork guard: a forked child (a DataLoader worker) inherits the SDK's
+threads, which the SDK restarts after fork; without the guard the child would re-export the
+parent's frozen values under the same identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    MetricExporter,
+    MetricExportResult,
+    MetricReader,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from otel_train import semconv
+from otel_train.config import Config
+
+log = logging.getLogger("otel_train")
+
+
+# --- fork guards -----------------------------------------------------------------------------------
+class ForkGuardMetricExporter(MetricExporter):
+    def __init__(self, inner: MetricExporter) -> None:
+        super().__init__(
+            preferred_temporality=inner._preferred_temporality,
+            preferred_aggregation=inner._preferred_aggregation,
+        )
+        self._inner = inner
+        self._pid = os.getpid()
+
+    def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        if os.getpid() != self._pid:
+            return MetricExportResult.SUCCESS  # a forked child never exports
+        return self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return os.getpid() != self._pid or self._inner.force_flush(timeout_millis=timeout_millis)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        if os.getpid() == self._pid:
+            self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+
+class ForkGuardSpanExporter(SpanExporter):
+    def __init__(self, inner: SpanExporter) -> None:
+        self._inner = inner
+        self._pid = os.getpid()
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        if os.getpid() != self._pid:
+            return SpanExportResult.SUCCESS
+        return self._inner.export(spans)
+
+    def shutdown(self) -> None:
+        if os.getpid() == self._pid:
+            self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return os.getpid() != self._pid or self._inner.force_flush(timeout_millis)
+
+
+class ForkGuardLogExporter(LogRecordExporter):
+    def __init__(self, inner: LogRecordExporter) -> None:
+        self._inner = inner
+        self._pid = os.getpid()
+
+    def export(self, batch: Sequence[Any]) -> LogRecordExportResult:
+        if os.getpid() != self._pid:
+            return LogRecordExportResult.SUCCESS
+        return self._inner.export(batch)
+
+    def shutdown(self) -> None:
+        if os.getpid() == self._pid:
+            self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
+# --- builders --------------------------------------------------------------------------------------
+def _otlp_url(config: Config, signal: str) -> str:
+    assert config.otlp_endpoint is not None
+    base = config.otlp_endpoint.rstrip("/")
+    if config.otlp_protocol == "grpc":
+        return base
+    return f"{base}/v1/{signal}"
+
+
+def _otlp_exporters(config: Config) -> tuple[MetricExporter, SpanExporter, LogRecordExporter]:
+    headers = dict(config.otlp_headers)
+    timeout = config.otlp_timeout_s  # seconds: the Python SDK's unit
+    if config.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcLogs
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpans
+
+        insecure = config.otlp_insecure and not config.otlp_endpoint.startswith("https")  # type: ignore[union-attr]
+        endpoint = _otlp_url(config, "metrics")
+        return (
+            GrpcMetrics(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
+            GrpcSpans(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
+            GrpcLogs(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
+        )
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return (
+        OTLPMetricExporter(endpoint=_otlp_url(config, "metrics"), headers=headers, timeout=timeout),
+        OTLPSpanExporter(endpoint=_otlp_url(config, "traces"), headers=headers, timeout=timeout),
+        OTLPLogExporter(endpoint=_otlp_url(config, "logs"), headers=headers, timeout=timeout),
+    )
+
+
+@dataclass
+class PullEndpoint:
+    url: str
+    server: Any
+    thread: threading.Thread
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def start_pull_endpoint(
+    config: Config, local_rank: int, label_keys: Sequence[str]
+) -> tuple[MetricReader | None, PullEndpoint | None]:
+    """Prometheus pull endpoint; a busy port warns once (naming port and setting) and is skipped."""
+    if config.prometheus_port == 0:
+        return None, None
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    port = config.prometheus_port + local_rank
+    registry = CollectorRegistry()
+    keys = frozenset(label_keys)
+    reader = PrometheusMetricReader(registry=registry, resource_attribute_filter=keys.__contains__)
+    try:
+        server, thread = start_http_server(port, addr=config.prometheus_host, registry=registry)
+    except OSError as exc:
+        log.warning(
+            "otel_train: Prometheus pull endpoint %s:%d is unavailable (%s); continuing without it. "
+            "Set OTEL_TRAIN_PROMETHEUS_PORT to a free base port (the endpoint uses port + local_rank), "
+            "or 0 to disable.",
+            config.prometheus_host,
+            port,
+            exc.strerror or exc,
+        )
+        return None, None
+    return reader, PullEndpoint(f"http://{config.prometheus_host}:{port}/metrics", server, thread)
+
+
+@dataclass
+class Telemetry:
+    resource: Resource
+    meter_provider: MeterProvider
+    tracer_provider: TracerProvider | None
+    logger_provider: LoggerProvider | None
+    pull_endpoint: PullEndpoint | None
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def shutdown(self, timeout_s: float) -> bool:
+        """Shut every provider down on a helper thread; give up after `timeout_s`.
+
+        The SDK's own timeouts are not honoured by the OTLP exporters (seconds vs millis, retries),
+        so the bound is enforced here. Returns False when something was abandoned.
+        """
+        steps: list[Callable[[], Any]] = []
+        if self.tracer_provider is not None:
+            steps.append(self.tracer_provider.shutdown)
+        if self.logger_provider is not None:
+            steps.append(self.logger_provider.shutdown)
+        millis = max(1, int(timeout_s * 1000))
+        steps.append(lambda: self.meter_provider.shutdown(timeout_millis=millis))
+        if self.pull_endpoint is not None:
+            steps.append(self.pull_endpoint.close)
+
+        def run() -> None:
+            for step in steps:
+                try:
+                    step()
+                except Exception as exc:  # shutdown must not raise into the training's exit path
+                    log.debug("otel_train: shutdown step failed: %s", exc)
+
+        thread = threading.Thread(target=run, name="otel_train-shutdown", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.warning(
+                "otel_train: exporters did not finish within %.1fs (collector down or slow?); "
+                "abandoning the last export. Local run-dir files are complete.",
+                timeout_s,
+            )
+            return False
+        return True
+
+
+def build_telemetry(config: Config, resource: Resource, step_reader: MetricReader, local_rank: int) -> Telemetry:
+    readers: list[MetricReader] = [step_reader]
+    tracer_provider: TracerProvider | None = None
+    logger_provider: LoggerProvider | None = None
+    span_exporters: list[SpanExporter] = []
+    log_exporters: list[LogRecordExporter] = []
+    interval_ms = config.metric_export_interval_s * 1000
+
+    if config.otlp_endpoint:
+        metrics, spans, logs = _otlp_exporters(config)
+        readers.append(
+            PeriodicExportingMetricReader(
+                ForkGuardMetricExporter(metrics),
+                export_interval_millis=interval_ms,
+                export_timeout_millis=config.otlp_timeout_s * 1000,
+            )
+        )
+        span_exporters.append(ForkGuardSpanExporter(spans))
+        log_exporters.append(ForkGuardLogExporter(logs))
+    if config.console_exporter:
+        from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        readers.append(
+            PeriodicExportingMetricReader(ForkGuardMetricExporter(ConsoleMetricExporter()), export_interval_millis=interval_ms)
+        )
+        span_exporters.append(ForkGuardSpanExporter(ConsoleSpanExporter()))
+        log_exporters.append(ForkGuardLogExporter(ConsoleLogRecordExporter()))
+
+    pull_reader, pull_endpoint = start_pull_endpoint(config, local_rank, semconv.LABEL_RESOURCE_KEYS)
+    if pull_reader is not None:
+        readers.append(pull_reader)
+
+    meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+    if span_exporters and config.traces:
+        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        for exporter in span_exporters:
+            tracer_provider.add_span_processor(
+                BatchSpanProcessor(exporter, schedule_delay_millis=2000, export_timeout_millis=config.otlp_timeout_s * 1000)
+            )
+    if log_exporters:
+        logger_provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
+        for log_exporter in log_exporters:
+            logger_provider.add_log_record_processor(BatchLogRecordProcessor(log_exporter, schedule_delay_millis=2000))
+    return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint)

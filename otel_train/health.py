@@ -1,0 +1,138 @@
+"""Health signals: non-finite losses, loss spikes, stalls, and the event channel others use.
+
+Detection never syncs the device on the training thread: loss values are resolved in the flush's
+one batched transfer on the background worker, and checked there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from opentelemetry._logs import SeverityNumber
+
+from otel_train import semconv
+from otel_train.interval import Interval
+
+log = logging.getLogger("otel_train")
+
+AttributeValue = str | int | float | bool
+_SEVERITY = {"INFO": SeverityNumber.INFO, "WARNING": SeverityNumber.WARN, "ERROR": SeverityNumber.ERROR}
+
+
+class HealthEvents:
+    """One way out for every health event: counter + OTel log record + events JSONL + log line.
+
+    Thread-safe; called from the worker, the hardware sampler and the reducer.
+    """
+
+    def __init__(
+        self,
+        counter: Any,
+        otel_logger: Any | None,
+        events_path: Path | None,
+        base_attributes: Mapping[str, AttributeValue],
+        echo: bool,
+    ) -> None:
+        self._counter = counter
+        self._otel_logger = otel_logger
+        self._events_path = events_path
+        self._base = dict(base_attributes)
+        self._echo = echo
+        self._lock = threading.Lock()
+        self.listeners: list[Callable[[str, str, dict[str, AttributeValue]], None]] = []
+        self.count = 0
+
+    def emit(
+        self,
+        event: str,
+        message: str,
+        attributes: Mapping[str, AttributeValue] | None = None,
+        severity: str = "WARNING",
+    ) -> None:
+        attrs: dict[str, AttributeValue] = {**self._base, **(attributes or {}), semconv.EVENT: event}
+        self._counter.add(1, {semconv.EVENT: event})
+        if self._otel_logger is not None:
+            try:
+                self._otel_logger.emit(
+                    severity_number=_SEVERITY.get(severity, SeverityNumber.WARN),
+                    severity_text=severity,
+                    body=message,
+                    attributes=attrs,
+                    event_name=f"otel_train.{event}",
+                )
+            except Exception as exc:  # an exporter problem must not stop the caller
+                log.debug("otel_train: could not emit a log record: %s", exc)
+        with self._lock:
+            self.count += 1
+            if self._events_path is not None:
+                try:
+                    with self._events_path.open("a", encoding="utf-8") as fh:
+                        fh.write(json.dumps({"time": time.time(), "event": event, "message": message, **attrs}) + "\n")
+                except OSError as exc:
+                    log.warning("otel_train: cannot write %s (%s); health events stay in OTel only.", self._events_path, exc)
+                    self._events_path = None
+        if self._echo:
+            log.warning("otel_train %s: %s", event, message)
+        for listener in list(self.listeners):
+            try:
+                listener(event, message, attrs)
+            except Exception as exc:
+                log.warning("otel_train: health-event callback failed: %s", exc)
+
+
+class HealthMonitor:
+    """Flush listener: non-finite loss counting, loss spikes (EWMA), stall watchdog state."""
+
+    def __init__(self, events: HealthEvents, nonfinite_counter: Any, spike_factor: float, warmup: int = 5) -> None:
+        self._events = events
+        self._nonfinite = nonfinite_counter
+        self._spike_factor = spike_factor
+        self._warmup = warmup
+        self._ewma: float | None = None
+        self._seen = 0
+        self.nonfinite_loss = 0
+
+    def note_nonfinite(self, instrument: str, count: int, step: int) -> None:
+        """Called by the worker while resolving values (before they are dropped)."""
+        if instrument != semconv.LOSS.name or count == 0:
+            return
+        self.nonfinite_loss += count
+        self._nonfinite.add(count)
+        self._events.emit(
+            "nonfinite",
+            f"{count} non-finite loss value(s) in the interval ending at step {step}",
+            {"step": step},
+            severity="ERROR",
+        )
+
+    def on_flush(self, interval: Interval) -> None:
+        losses = interval.scalars.get(semconv.LOSS.name)
+        if not losses:
+            return
+        for value in losses:
+            self._check_spike(value, interval.step)
+
+    def _check_spike(self, value: float, step: int) -> None:
+        if self._ewma is not None and self._seen >= self._warmup and value > self._spike_factor * self._ewma > 0:
+            self._events.emit(
+                "loss_spike",
+                f"loss {value:.4g} at step {step} is {value / self._ewma:.1f}x its recent mean {self._ewma:.4g}",
+                {"step": step, "loss": value},
+            )
+            return  # a spike does not move the baseline
+        self._ewma = value if self._ewma is None else 0.9 * self._ewma + 0.1 * value
+        self._seen += 1
+
+    def close(self) -> None:
+        pass
+
+
+def is_finite(value: float) -> bool:
+    return math.isfinite(value)

@@ -1,0 +1,36 @@
+"""What one flush hands to listeners (hardware, health, distributed), resolved to host floats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class Interval:
+    seq: int  # flush sequence number: the same on every rank for the same flush
+    step: int  # index of the last completed step (-1 before the first)
+    wall_time: float  # time.time() at the flush
+    elapsed_s: float  # wall seconds since the previous flush
+    steps: int  # steps completed in this interval
+    tokens: int
+    samples: int
+    step_durations: list[float] = field(default_factory=list)  # seconds, one per step
+    phases: dict[str, list[float]] = field(default_factory=dict)  # timer name -> durations (s)
+    scalars: dict[str, list[float]] = field(default_factory=dict)  # instrument name -> finite values
+    final: bool = False  # the last flush, from shutdown()
+
+    def phase_mean(self, name: str) -> float | None:
+        values = self.phases.get(name)
+        return sum(values) / len(values) if values else None
+
+
+class FlushListener(Protocol):
+    """Called on the background worker at every flush, before the bridges collect.
+
+    Gauges a listener sets here appear in the same flush's bridge output.
+    """
+
+    def on_flush(self, interval: Interval) -> None: ...
+
+    def close(self) -> None: ...

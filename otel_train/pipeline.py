@@ -1,0 +1,389 @@
+"""The background worker: everything a flush does off the training thread.
+
+For each `FlushBatch` it (1) resolves device values in one batched transfer, drops and counts bad
+ones, (2) feeds the OTel SDK instruments, (3) turns sampled steps into spans, (4) runs the flush
+listeners (health, hardware, cross-rank reduction), (5) collects the StepReader and (6) hands the
+flattened scalars to the sinks. Text, samples, histograms and hyperparameters travel through the
+same queue so they keep their order with the scalars.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from otel_train import semconv
+from otel_train.bridges.base import Sink
+from otel_train.bridges.step_reader import StepReader
+from otel_train.buffer import FlushBatch, SpanRecord
+from otel_train.health import HealthMonitor
+from otel_train.interval import FlushListener, Interval
+
+log = logging.getLogger("otel_train")
+
+
+@dataclass
+class Message:
+    """A non-scalar item from the explicit logger API (text, samples, histogram, hparams)."""
+
+    kind: str  # "text" | "samples" | "histogram" | "hparams"
+    key: str
+    payload: Any
+    step: int
+
+
+class Instruments:
+    """The SDK instruments otel_train records into (created once; user gauges created lazily)."""
+
+    def __init__(self, meter: Any, max_user_gauges: int) -> None:
+        self.meter = meter
+        self.steps = meter.create_counter(semconv.STEPS.name, semconv.STEPS.unit, semconv.STEPS.description)
+        self.tokens = meter.create_counter(semconv.TOKENS.name, semconv.TOKENS.unit, semconv.TOKENS.description)
+        self.samples = meter.create_counter(semconv.SAMPLES.name, semconv.SAMPLES.unit, semconv.SAMPLES.description)
+        self.step_duration = _histogram(meter, semconv.STEP_DURATION)
+        self.phase_duration = _histogram(meter, semconv.PHASE_DURATION)
+        self.current_step = _gauge(meter, semconv.CURRENT_STEP)
+        self.last_step_time = _gauge(meter, semconv.LAST_STEP_TIME)
+        self.total_steps = _gauge(meter, semconv.TOTAL_STEPS)
+        self.eta = _gauge(meter, semconv.ETA)
+        self.nonfinite_loss = meter.create_counter(
+            semconv.NONFINITE_LOSS.name, semconv.NONFINITE_LOSS.unit, semconv.NONFINITE_LOSS.description
+        )
+        self.health_events = meter.create_counter(
+            semconv.HEALTH_EVENTS.name, semconv.HEALTH_EVENTS.unit, semconv.HEALTH_EVENTS.description
+        )
+        self.dropped = meter.create_counter(semconv.DROPPED.name, semconv.DROPPED.unit, semconv.DROPPED.description)
+        self._gauges: dict[str, Any] = {}
+        self._max_user_gauges = max_user_gauges
+        # Pre-register every drop reason at zero so the series exists before the first drop.
+        self.dropped.add(0, {semconv.REASON: "nonfinite"})
+
+    def gauge(self, instrument: str) -> Any | None:
+        gauge = self._gauges.get(instrument)
+        if gauge is None:
+            spec = semconv.BY_NAME.get(instrument)
+            if spec is None and len(self._gauges) >= self._max_user_gauges + len(semconv.CATALOGUE):
+                return None
+            if spec is not None:
+                gauge = _gauge(self.meter, spec)
+            else:
+                gauge = self.meter.create_gauge(instrument, "", "Recorded with otel_train.record().")
+            self._gauges[instrument] = gauge
+        return gauge
+
+
+def _histogram(meter: Any, spec: semconv.MetricSpec) -> Any:
+    return meter.create_histogram(
+        spec.name, spec.unit, spec.description, explicit_bucket_boundaries_advisory=list(spec.buckets or ())
+    )
+
+
+def _gauge(meter: Any, spec: semconv.MetricSpec) -> Any:
+    return meter.create_gauge(spec.name, spec.unit, spec.description)
+
+
+def step_trace_ids(run_id: str, step: int) -> tuple[int, int]:
+    """(trace id, virtual root span id) derived from (run id, step): every rank's span for step N
+    lands in one trace with no communication."""
+    digest = hashlib.sha256(f"otel_train/{run_id}/{step}".encode()).digest()
+    trace_id = int.from_bytes(digest[:16], "big") or 1
+    span_id = int.from_bytes(digest[16:24], "big") or 1
+    return trace_id, span_id
+
+
+class SpanWriter:
+    """Turns SpanRecords (perf-counter timestamps) into OTel spans with explicit times."""
+
+    def __init__(self, tracer: Any, run_id: str, rank: int) -> None:
+        self._tracer = tracer
+        self._run_id = run_id
+        self._rank = rank
+
+    def write(self, records: Sequence[SpanRecord], perf_to_epoch_ns: int) -> None:
+        steps = {r.step: r for r in records if r.kind == "step"}
+        parents: dict[int, Any] = {}
+        for step, record in sorted(steps.items()):
+            span = self._start(f"train.step {step}", record, perf_to_epoch_ns, self._virtual_root(step))
+            span.set_attribute("train.step", step)
+            parents[step] = trace.set_span_in_context(span)
+            span.end(end_time=record.end_ns + perf_to_epoch_ns)
+        for record in records:
+            if record.kind == "step":
+                continue
+            parent = parents.get(record.step) if record.kind == "phase" else None
+            context = parent if parent is not None else self._virtual_root(record.step)
+            span = self._start(record.name, record, perf_to_epoch_ns, context)
+            span.set_attribute(semconv.PHASE, record.name)
+            span.set_attribute("train.step", record.step)
+            for key, value in (record.attributes or {}).items():
+                span.set_attribute(key, value)
+            span.end(end_time=record.end_ns + perf_to_epoch_ns)
+
+    def _virtual_root(self, step: int) -> Any:
+        trace_id, root_id = step_trace_ids(self._run_id, step)
+        root = SpanContext(trace_id, root_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+        return trace.set_span_in_context(NonRecordingSpan(root))
+
+    def _start(self, name: str, record: SpanRecord, perf_to_epoch_ns: int, context: Any) -> Any:
+        span = self._tracer.start_span(
+            name, context=context, kind=SpanKind.INTERNAL, start_time=record.start_ns + perf_to_epoch_ns
+        )
+        span.set_attribute(semconv.RANK, self._rank)
+        if record.error:
+            span.set_status(Status(StatusCode.ERROR, record.error))
+            span.set_attribute(semconv.ERROR_TYPE, record.error)
+        return span
+
+
+def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
+    """Turn recorded values (numbers, 0-dim or 1-element tensors) into finite floats.
+
+    Device tensors are stacked and copied in ONE transfer. Returns (finite values, drop counts).
+    """
+    dropped: dict[str, int] = {}
+    out: list[float | None] = [None] * len(values)
+    tensors: list[tuple[int, Any]] = []
+    for i, value in enumerate(values):
+        cls = value.__class__
+        if cls is float or cls is int:
+            out[i] = float(value)
+        elif cls is bool or value is None or isinstance(value, (str, bytes)):
+            dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+        elif hasattr(value, "numel") and hasattr(value, "detach"):
+            if value.numel() == 1:
+                tensors.append((i, value))
+            else:
+                dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1
+        else:
+            try:
+                out[i] = float(value)  # numpy scalars, Decimal, ...
+            except (TypeError, ValueError):
+                dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+    if tensors:
+        import torch
+
+        by_device: dict[Any, list[tuple[int, Any]]] = {}
+        for i, tensor in tensors:
+            by_device.setdefault(tensor.device, []).append((i, tensor))
+        for group in by_device.values():
+            try:
+                stacked = torch.stack([t.detach().reshape(()).to(torch.float64) for _, t in group]).cpu()
+            except Exception:  # mixed dtypes that cannot convert (complex, ...)
+                dropped["invalid_type"] = dropped.get("invalid_type", 0) + len(group)
+                continue
+            for (i, _), resolved in zip(group, stacked.tolist(), strict=True):
+                out[i] = resolved
+    finite: list[float] = []
+    for value in out:
+        if value is None:
+            continue
+        if math.isfinite(value):
+            finite.append(value)
+        else:
+            dropped["nonfinite"] = dropped.get("nonfinite", 0) + 1
+    return finite, dropped
+
+
+class Worker:
+    """The one background thread that turns flushes into telemetry."""
+
+    def __init__(
+        self,
+        instruments: Instruments,
+        step_reader: StepReader,
+        sinks: list[Sink],
+        listeners: list[FlushListener],
+        health: HealthMonitor,
+        span_writer: SpanWriter | None,
+        queue_size: int,
+        total_steps: int | None,
+        on_stall: Callable[[float], None] | None = None,
+        stall_timeout_s: float = 300.0,
+    ) -> None:
+        self.instruments = instruments
+        self.step_reader = step_reader
+        self.sinks = sinks
+        self.listeners = listeners
+        self.health = health
+        self.span_writer = span_writer
+        self.total_steps = total_steps
+        self.queue: queue.Queue[FlushBatch | Message | None] = queue.Queue(maxsize=queue_size)
+        self.dropped_messages = 0
+        self.final_scalars: dict[str, float] = {}
+        self.flushes = 0
+        self.busy_s = 0.0  # worker time spent processing, for benchmarks
+        self._on_stall = on_stall
+        self._stall_timeout_s = stall_timeout_s
+        self._stall_reported = False
+        self._last_batch_time = time.monotonic()
+        self._errors_warned: set[str] = set()
+        self._started_at = time.time()
+        self._steps_done = 0
+        self._thread = threading.Thread(target=self._run, name="otel_train-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit_message(self, message: Message) -> None:
+        try:
+            self.queue.put_nowait(message)
+        except queue.Full:
+            self.dropped_messages += 1
+
+    def stop(self, timeout_s: float) -> bool:
+        """Ask the worker to finish what is queued and stop; False if it did not within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
+                break
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    return False
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self.queue.get(timeout=min(self._stall_timeout_s, 5.0))
+            except queue.Empty:
+                self._check_stall()
+                continue
+            if item is None:
+                return
+            started = time.perf_counter()
+            try:
+                if isinstance(item, Message):
+                    self._deliver_message(item)
+                else:
+                    self._last_batch_time = time.monotonic()
+                    self._stall_reported = False
+                    self._process(item)
+            except Exception as exc:  # never let one bad flush kill telemetry
+                self._warn_once("flush", f"otel_train: a flush failed and was skipped: {exc!r}")
+            finally:
+                self.busy_s += time.perf_counter() - started
+
+    def _check_stall(self) -> None:
+        idle = time.monotonic() - self._last_batch_time
+        if self.flushes and not self._stall_reported and idle >= self._stall_timeout_s and self._on_stall:
+            self._stall_reported = True
+            self._on_stall(idle)
+
+    # --- one flush ------------------------------------------------------------------------------
+    def _process(self, batch: FlushBatch) -> None:
+        interval = self._resolve(batch)
+        self._feed(batch, interval)
+        if self.span_writer is not None and batch.spans:
+            self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
+        for listener in self.listeners:
+            try:
+                listener.on_flush(interval)
+            except Exception as exc:
+                self._warn_once(type(listener).__name__, f"otel_train: {type(listener).__name__} failed: {exc!r}")
+        scalars = self.step_reader.collect_scalars(interval.elapsed_s)
+        self.final_scalars.update(scalars)
+        self.flushes += 1
+        for sink in self.sinks:
+            try:
+                sink.write_scalars(interval.step, interval.wall_time, scalars)
+            except Exception as exc:
+                self._warn_once(sink.name, f"otel_train: sink {sink.name} failed: {exc!r}")
+
+    def _resolve(self, batch: FlushBatch) -> Interval:
+        if batch.cuda_event is not None:
+            batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
+        scalars: dict[str, list[float]] = {}
+        for instrument, raw in batch.scalars.items():
+            values, dropped = resolve_values(raw)
+            for reason, count in dropped.items():
+                batch.dropped[reason] = batch.dropped.get(reason, 0) + count
+            self.health.note_nonfinite(instrument, dropped.get("nonfinite", 0), batch.step)
+            if values:
+                scalars[instrument] = values
+        phases = {name: list(values) for name, values in batch.phases.items()}
+        for name, start, end in batch.cuda_timers:
+            try:
+                end.synchronize()
+                phases.setdefault(name, []).append(start.elapsed_time(end) / 1000.0)
+            except Exception:
+                batch.dropped["cuda_timer"] = batch.dropped.get("cuda_timer", 0) + 1
+        return Interval(
+            seq=batch.seq,
+            step=batch.step,
+            wall_time=batch.wall_time,
+            elapsed_s=batch.elapsed_s,
+            steps=batch.steps,
+            tokens=batch.tokens,
+            samples=batch.samples,
+            step_durations=batch.step_durations,
+            phases=phases,
+            scalars=scalars,
+            final=batch.final,
+        )
+
+    def _feed(self, batch: FlushBatch, interval: Interval) -> None:
+        ins = self.instruments
+        if interval.steps:
+            ins.steps.add(interval.steps)
+            ins.current_step.set(interval.step)
+            ins.last_step_time.set(interval.wall_time)
+        if interval.tokens:
+            ins.tokens.add(interval.tokens)
+        if interval.samples:
+            ins.samples.add(interval.samples)
+        for seconds in interval.step_durations:
+            ins.step_duration.record(seconds)
+        for name, values in interval.phases.items():
+            attributes = {semconv.PHASE: name}
+            for seconds in values:
+                ins.phase_duration.record(seconds, attributes)
+        for (name, error), values in batch.phase_errors.items():
+            attributes = {semconv.PHASE: name, semconv.ERROR_TYPE: error}
+            for seconds in values:
+                ins.phase_duration.record(seconds, attributes)
+        for instrument, values in interval.scalars.items():
+            gauge = ins.gauge(instrument)
+            if gauge is None:
+                batch.dropped["too_many_names"] = batch.dropped.get("too_many_names", 0) + 1
+                continue
+            gauge.set(values[-1])
+        for reason, count in batch.dropped.items():
+            ins.dropped.add(count, {semconv.REASON: reason})
+        self._steps_done += interval.steps
+        if self.total_steps:
+            ins.total_steps.set(self.total_steps)
+            remaining = self.total_steps - (interval.step + 1)
+            elapsed = interval.wall_time - self._started_at
+            if self._steps_done and remaining >= 0:
+                ins.eta.set(remaining * elapsed / self._steps_done)
+
+    def _deliver_message(self, message: Message) -> None:
+        for sink in self.sinks:
+            try:
+                if message.kind == "text":
+                    sink.write_text(message.key, message.payload, message.step)
+                elif message.kind == "samples":
+                    sink.write_samples(message.key, message.payload, message.step)
+                elif message.kind == "histogram":
+                    sink.write_histogram(message.key, message.payload, message.step)
+                elif message.kind == "hparams":
+                    sink.write_hparams(message.payload)
+            except Exception as exc:
+                self._warn_once(sink.name, f"otel_train: sink {sink.name} failed: {exc!r}")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._errors_warned:
+            self._errors_warned.add(key)
+            log.warning(message)

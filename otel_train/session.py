@@ -1,0 +1,390 @@
+"""Session: owns providers, readers, buffer, worker and identity. `_current` is the one global.
+
+The training thread talks to the session only through `begin_step`, `end_step`, `end_timer`,
+`record` and `flush`, all plain-Python appends and counters; everything else happens on the worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import queue
+import secrets
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+
+from otel_train import semconv
+from otel_train.bridges.base import Sink
+from otel_train.bridges.console import ConsoleSink
+from otel_train.bridges.rundir import RunDirSink, write_json
+from otel_train.bridges.step_reader import StepReader
+from otel_train.buffer import Buffer, SpanRecord
+from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, load_config, redact
+from otel_train.distributed import Identity, detect_identity
+from otel_train.exporters import Telemetry, build_telemetry
+from otel_train.health import HealthEvents, HealthMonitor
+from otel_train.interval import FlushListener
+from otel_train.pipeline import Instruments, Message, SpanWriter, Worker
+
+log = logging.getLogger("otel_train")
+
+_current: Session | None = None  # the one global: the active session of this process
+_MAX_SPAN_RECORDS = 10_000
+
+
+class Session:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.identity: Identity = detect_identity(config.run_id)
+        self.run_name = config.run_name or _default_run_name()
+        self.is_reporting_rank = self.identity.rank == 0 or config.bridge_all_ranks
+        self.run_dir = self._make_run_dir()
+        self.resource = self._resource()
+
+        self.step_reader = StepReader()
+        self.telemetry: Telemetry = build_telemetry(config, self.resource, self.step_reader, self.identity.local_rank)
+        self.meter = self.telemetry.meter_provider.get_meter("otel_train", _version())
+        self.instruments = Instruments(self.meter, config.max_metric_names)
+        otel_logger = (
+            self.telemetry.logger_provider.get_logger("otel_train")
+            if self.telemetry.logger_provider is not None
+            else None
+        )
+        self.events = HealthEvents(
+            self.instruments.health_events,
+            otel_logger,
+            self.run_dir / f"events.rank{self.identity.rank}.jsonl" if self.run_dir else None,
+            {semconv.RANK: self.identity.rank, "host.name": self.identity.host},
+            echo=config.verbosity > 0,
+        )
+        self.health = HealthMonitor(self.events, self.instruments.nonfinite_loss, config.loss_spike_factor)
+        self.console: ConsoleSink | None = None
+        self.sinks: list[Sink] = self._sinks()
+        self.listeners: list[FlushListener] = [self.health]
+        tracer = (
+            self.telemetry.tracer_provider.get_tracer("otel_train", _version())
+            if self.telemetry.tracer_provider is not None
+            else None
+        )
+        self.worker = Worker(
+            self.instruments,
+            self.step_reader,
+            self.sinks,
+            self.listeners,
+            self.health,
+            SpanWriter(tracer, self.identity.run_id, self.identity.rank) if tracer is not None else None,
+            queue_size=config.queue_size,
+            total_steps=config.total_steps,
+            on_stall=self._on_stall,
+            stall_timeout_s=config.stall_timeout_s,
+        )
+
+        # hot-path state
+        self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
+        self.timing_level = config.timing_log_level
+        self.step_index = -1  # last completed step
+        self.sampled = False  # is the current step traced?
+        self._step_index_running = 0
+        self._step_start_ns = 0
+        self._seq = 0
+        self._last_flush = time.perf_counter()
+        self._interval_steps = config.log_interval
+        self._time_flush = not self.identity.distributed  # time-based flushes would desync ranks
+        self._interval_s = config.log_interval_s
+        self._perf_to_epoch_ns = time.time_ns() - time.perf_counter_ns()
+        self._closed = False
+        self._lock = threading.Lock()
+        self.dropped_flushes = 0
+
+        if self.run_dir is not None and self.is_reporting_rank:
+            self._write_run_files()
+        self.worker.start()
+
+    # --- construction helpers ---------------------------------------------------------------------
+    def _make_run_dir(self) -> Path | None:
+        if not self.config.run_dir_enabled:
+            return None
+        path = Path(self.config.output_dir) / self.run_name
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"output_dir: cannot write the run directory {str(path)!r} ({exc.strerror or exc}). "
+                "Point OTEL_TRAIN_OUTPUT_DIR / init(output_dir=...) at a writable directory, "
+                "or set run_dir_enabled=False."
+            ) from None
+        return path
+
+    def _resource(self) -> Resource:
+        ident = self.identity
+        attributes: dict[str, Any] = {
+            k: v
+            for k, v in self.config.resource_attributes.items()
+            if not is_secret_key(k)  # a secret-looking resource attribute would reach every exporter
+        }
+        attributes.update(
+            {
+                "service.name": self.config.service_name,
+                "service.instance.id": ident.instance_id,
+                semconv.RUN_ID: ident.run_id,
+                semconv.RANK: ident.rank,
+                "local_rank": ident.local_rank,
+                "world_size": ident.world_size,
+                "node_rank": ident.node_rank,
+                "host.name": ident.host,
+                "process.pid": os.getpid(),
+                "otel_train.run_name": self.run_name,
+            }
+        )
+        return Resource.create(attributes)
+
+    def _sinks(self) -> list[Sink]:
+        sinks: list[Sink] = []
+        if not self.is_reporting_rank:
+            return sinks
+        if self.run_dir is not None:
+            sinks.append(RunDirSink(self.run_dir, self.identity.rank, self.config.total_steps))
+        if self.identity.rank == 0:
+            self.console = ConsoleSink(self.config.verbosity, self.config.progress_bar, self.config.total_steps)
+            sinks.append(self.console)
+        return sinks
+
+    def _write_run_files(self) -> None:
+        from otel_train.envinfo import collect_env
+
+        assert self.run_dir is not None
+        resolved = config_as_dict(self.config)
+        resolved.update({"run_name": self.run_name, "run_id": self.identity.run_id})
+        write_json(self.run_dir / "config.json", resolved)
+        write_json(self.run_dir / "env.json", collect_env())
+
+    def add_listener(self, listener: FlushListener) -> None:
+        self.listeners.append(listener)
+
+    # --- hot path (training thread) ------------------------------------------------------------
+    def begin_step(self, step: int | None) -> int:
+        index = self.step_index + 1 if step is None else step
+        cfg = self.config
+        self.sampled = self.worker.span_writer is not None and (
+            index < cfg.trace_first or index % cfg.trace_every == 0
+        )
+        self._step_index_running = index
+        return index
+
+    def end_step(
+        self, index: int, start_ns: int, end_ns: int, tokens: int | None, samples: int | None, failed: bool
+    ) -> None:
+        buf = self.buffer
+        self.step_index = index
+        if self.sampled:
+            if len(buf.spans) < _MAX_SPAN_RECORDS:
+                buf.spans.append(SpanRecord("step", start_ns, end_ns, index, "StepFailed" if failed else None, "step"))
+            self.sampled = False
+        if failed:
+            return
+        buf.steps += 1
+        buf.step_durations.append((end_ns - start_ns) * 1e-9)
+        if tokens:
+            buf.tokens += tokens
+        if samples:
+            buf.samples += samples
+        if buf.steps >= self._interval_steps or (
+            self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s
+        ):
+            self.flush()
+
+    def end_timer(self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None) -> None:
+        seconds = (end_ns - start_ns) * 1e-9
+        if error is None:
+            self.buffer.add_phase(name, seconds)
+        else:
+            self.buffer.add_phase_error(name, error.__name__, seconds)
+        if self.sampled and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
+            self.buffer.spans.append(
+                SpanRecord(name, start_ns, end_ns, self._step_index_running, error.__name__ if error else None)
+            )
+
+    def end_mark(
+        self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None, attributes: Mapping[str, Any] | None
+    ) -> None:
+        """An eval / checkpoint span: always traced (rare and short), and timed as a phase."""
+        self.end_timer(name, start_ns, end_ns, error)
+        if self.worker.span_writer is not None and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
+            attrs = {str(k): v for k, v in (attributes or {}).items() if isinstance(v, (str, int, float, bool))}
+            self.buffer.spans.append(
+                SpanRecord(name, start_ns, end_ns, max(self.step_index, 0), error.__name__ if error else None, "mark", attrs)
+            )
+
+    def flush(self, final: bool = False) -> bool:
+        """Hand the interval to the worker. Never blocks when not distributed: if the queue is full
+        the data stays in the buffer (counters keep summing) and the next step tries again."""
+        now = time.perf_counter()
+        if not final and self.worker.queue.full() and not self.identity.distributed:
+            self.dropped_flushes += 1
+            return False
+        with self._lock:
+            batch = self.buffer.take(self._seq, self.step_index, now - self._last_flush, self._perf_to_epoch_ns)
+            self._seq += 1
+        batch.final = final
+        self._last_flush = now
+        if "torch" in sys.modules and any(_on_cuda(v) for vs in batch.scalars.values() for v in vs[-1:]):
+            batch.cuda_event = _record_cuda_event()
+        try:
+            if self.identity.distributed or final:
+                # Every rank must hand every flush over (its collective pairs with the peers').
+                self.worker.queue.put(batch, timeout=self.config.collective_timeout_s if not final else 1.0)
+            else:
+                self.worker.queue.put_nowait(batch)
+        except queue.Full:
+            self.dropped_flushes += 1
+            return False
+        return True
+
+    # --- explicit logger API (not per step) ---------------------------------------------------------
+    def message(self, kind: str, key: str, payload: Any, step: int | None) -> None:
+        self.worker.submit_message(Message(kind, key, payload, self.step_index if step is None else step))
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    def _on_stall(self, idle_s: float) -> None:
+        self.events.emit(
+            "stall", f"no completed step for {idle_s:.0f}s after step {self.step_index}", {"step": self.step_index}
+        )
+
+    def shutdown(self) -> None:
+        """Final flush, drain the worker, close sinks, stop exporters: bounded by shutdown_timeout_s
+        for the network part. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        started = time.monotonic()
+        budget = self.config.shutdown_timeout_s
+        self.flush(final=True)
+        self.worker.stop(timeout_s=max(0.2, budget * 0.5))
+        for listener in self.listeners:
+            try:
+                listener.close()
+            except Exception as exc:
+                log.debug("otel_train: listener close failed: %s", exc)
+        for sink in self.sinks:
+            try:
+                sink.close(dict(self.worker.final_scalars))
+            except Exception as exc:
+                log.warning("otel_train: closing %s failed: %s", sink.name, exc)
+        remaining = max(0.1, budget - (time.monotonic() - started))
+        self.telemetry.shutdown(remaining)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        shutdown()
+
+    @property
+    def prometheus_url(self) -> str | None:
+        endpoint = self.telemetry.pull_endpoint
+        return endpoint.url if endpoint is not None else None
+
+
+def _on_cuda(value: Any) -> bool:
+    device = getattr(value, "device", None)
+    return device is not None and getattr(device, "type", "") == "cuda"
+
+
+def _record_cuda_event() -> Any:
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()  # on the training thread's current stream; the worker waits on it
+    return event
+
+
+def _default_run_name() -> str:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{secrets.token_hex(2)}"
+
+
+def _version() -> str:
+    from otel_train import __version__
+
+    return __version__
+
+
+# --- module-level lifecycle ------------------------------------------------------------------------
+_hooks_installed = False
+_previous_sigterm: Any = None
+
+
+def init(
+    config: Config | None = None, config_file: str | None = None, settings: Mapping[str, Any] | None = None
+) -> Session:
+    """Start (or return) the process's session."""
+    global _current
+    if _current is not None:
+        return _current
+    resolved = config or load_config(settings, config_file=config_file)
+    session = Session(resolved)
+    _current = session
+    _install_hooks()
+    return session
+
+
+def shutdown() -> None:
+    global _current
+    session = _current
+    if session is None:
+        return
+    _current = None  # from here on every record call is a no-op
+    session.shutdown()
+
+
+def current() -> Session | None:
+    return _current
+
+
+def _forget_in_child() -> None:
+    """After fork (DataLoader workers): the child never exports and every API call is a no-op."""
+    global _current
+    _current = None
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    shutdown()
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+        return
+    # Re-deliver with the default action so the exit status still says "terminated by SIGTERM".
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_hooks() -> None:
+    global _hooks_installed, _previous_sigterm
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(shutdown)
+    os.register_at_fork(after_in_child=_forget_in_child)
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous in (signal.SIG_DFL, None) or callable(previous):
+            _previous_sigterm = previous if callable(previous) else None
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def redacted_hparams(params: Mapping[str, Any]) -> dict[str, Any]:
+    return redact(dict(params))

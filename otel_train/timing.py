@@ -1,0 +1,191 @@
+"""step(), timed(), timer(), span(): the instrumentation you put in a training loop.
+
+Each is a context manager and a decorator. Before `init()` they do nothing; a timer above the
+configured `timing_log_level` returns a shared no-op object. On the training thread they only read
+`perf_counter_ns` and append to the session buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from time import perf_counter_ns
+from types import TracebackType
+from typing import Any, TypeVar, overload
+
+from otel_train import session as _session_mod
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _NullScope:
+    """Shared no-op scope for disabled timers."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NullScope:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _NullScope()
+
+
+class StepScope:
+    """`with ot.step(n, tokens=..., samples=...):` or `@ot.step` / `@ot.step(tokens=...)`."""
+
+    __slots__ = ("_index", "_session", "_start", "index", "samples", "tokens")
+
+    def __init__(self, index: int | None, tokens: int | None, samples: int | None) -> None:
+        self.index = index
+        self.tokens = tokens
+        self.samples = samples
+        self._session: _session_mod.Session | None = None
+
+    def __enter__(self) -> StepScope:
+        session = _session_mod._current
+        self._session = session
+        if session is not None:
+            self._index = session.begin_step(self.index)
+            self._start = perf_counter_ns()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        session = self._session
+        if session is not None:
+            session.end_step(self._index, self._start, perf_counter_ns(), self.tokens, self.samples, exc_type is not None)
+            self._session = None
+
+    def __call__(self, fn: F) -> F:
+        tokens, samples = self.tokens, self.samples
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                with StepScope(None, tokens, samples):
+                    return await fn(*args, **kwargs)
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with StepScope(None, tokens, samples):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+
+@overload
+def step(index: F, *, tokens: int | None = None, samples: int | None = None) -> F: ...
+@overload
+def step(index: int | None = None, *, tokens: int | None = None, samples: int | None = None) -> StepScope: ...
+def step(index: Any = None, *, tokens: int | None = None, samples: int | None = None) -> Any:
+    """Mark one training step. Steps are numbered from 0; `index=None` continues from the last."""
+    if callable(index):
+        return StepScope(None, tokens, samples)(index)
+    return StepScope(index, tokens, samples)
+
+
+class TimerScope:
+    __slots__ = ("_cuda_start", "_session", "_start", "cuda", "name")
+
+    def __init__(self, name: str, cuda: bool) -> None:
+        self.name = name
+        self.cuda = cuda
+
+    def __enter__(self) -> TimerScope:
+        session = _session_mod._current
+        self._session = session
+        if session is not None:
+            self._cuda_start = _cuda_event() if self.cuda else None
+            self._start = perf_counter_ns()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        session = self._session
+        if session is None:
+            return
+        end = perf_counter_ns()
+        if self._cuda_start is not None:
+            end_event = _cuda_event()
+            session.buffer.cuda_timers.append((self.name, self._cuda_start, end_event))
+        else:
+            session.end_timer(self.name, self._start, end, exc_type)
+        self._session = None
+
+
+def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullScope:
+    """`with ot.timer("forward"):` — time a phase. `cuda=True` times the device work with CUDA
+    events (resolved on the worker, no sync on the training thread)."""
+    session = _session_mod._current
+    if session is None or level > session.timing_level:
+        return _NULL
+    return TimerScope(name, cuda)
+
+
+def timed(name: str, level: int = 1, cuda: bool = False) -> Callable[[F], F]:
+    """Decorator form of `timer`: `@ot.timed("forward")` (sync and async functions)."""
+
+    def decorate(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                with timer(name, level, cuda):
+                    return await fn(*args, **kwargs)
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            session = _session_mod._current
+            if session is None or level > session.timing_level:
+                return fn(*args, **kwargs)
+            with TimerScope(name, cuda):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+class MarkScope:
+    """`with ot.span("eval"):` — a short span that is always traced, also timed as a phase."""
+
+    __slots__ = ("_session", "_start", "attributes", "name")
+
+    def __init__(self, name: str, attributes: Mapping[str, Any] | None) -> None:
+        self.name = name
+        self.attributes = attributes
+
+    def __enter__(self) -> MarkScope:
+        self._session = _session_mod._current
+        self._start = perf_counter_ns()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._session is not None:
+            self._session.end_mark(self.name, self._start, perf_counter_ns(), exc_type, self.attributes)
+
+
+def span(name: str, attributes: Mapping[str, Any] | None = None) -> MarkScope:
+    return MarkScope(name, attributes)
+
+
+def _cuda_event() -> Any:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

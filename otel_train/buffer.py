@@ -63,6 +63,7 @@ class Buffer:
         self._name_map: dict[str, str | None] = {}  # record name -> instrument name (None: rejected)
         self._owners: dict[str, str] = {}  # instrument name -> first record name that claimed it
         self.warned: set[str] = set()
+        self._user_names = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -122,9 +123,14 @@ class Buffer:
             self.drop("invalid_name")
             self._warn_once(repr(name), f"record() name {name!r} is not a string; dropped.")
             return None
-        if name not in self._name_map:
-            self._name_map[name] = self._map_name(name)
-        if self._name_map[name] is None:
+        if name in self._name_map:
+            instrument = self._name_map[name]
+        else:
+            instrument = self._map_name(name)
+            # Rejections are cached only up to a bound, so invented names cannot grow the map.
+            if instrument is not None or len(self._name_map) < self.max_names * 8:
+                self._name_map[name] = instrument
+        if instrument is None:
             self.drop("invalid_name")
             return None
         values: list[Any] = []
@@ -132,9 +138,6 @@ class Buffer:
         return values
 
     def _map_name(self, name: str) -> str | None:
-        if len(self._name_map) >= self.max_names * 8:
-            # Bound the map itself when a caller invents names without end.
-            self._name_map.clear()
         instrument = semconv.instrument_name_for(name)
         if instrument is None:
             self._warn_once(name, f"record() name {name!r} cannot be made a valid metric name; dropped.")
@@ -145,13 +148,16 @@ class Buffer:
             return None
         owner = self._owners.get(instrument)
         if owner is None:
-            if spec is None and sum(1 for i in self._owners if i not in semconv.BY_NAME) >= self.max_names:
+            if spec is None and self._user_names >= self.max_names:
                 self._warn_once(
-                    name,
-                    f"record() name {name!r} exceeds max_metric_names={self.max_names} distinct names; dropped "
-                    "(raise OTEL_TRAIN_MAX_METRIC_NAMES if intended).",
+                    "<max_metric_names>",
+                    f"record() got more than max_metric_names={self.max_names} distinct names (first over: {name!r}); "
+                    "new names are dropped and counted as otel_train.dropped{reason=invalid_name}. "
+                    "Raise OTEL_TRAIN_MAX_METRIC_NAMES if intended.",
                 )
                 return None
+            if spec is None:
+                self._user_names += 1
             self._owners[instrument] = name
         elif owner != name:
             self._warn_once(name, f"record() names {owner!r} and {name!r} both map to {instrument!r}; merged.")

@@ -49,7 +49,7 @@ class Config:
     # flush cadence and hot-path bounds
     log_interval: int = 10  # flush every N steps
     log_interval_s: float = 30.0  # ... or after this many seconds (single-process only)
-    max_metric_names: int = 128  # distinct record() names; more are dropped and counted
+    max_metric_names: int = 64  # distinct record() names; more are dropped and counted
     max_values_per_interval: int = 10_000  # per name, between flushes
     queue_size: int = 8  # flush batches waiting for the background worker
     shutdown_timeout_s: float = 2.0

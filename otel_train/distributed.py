@@ -133,7 +133,9 @@ def create_telemetry_group(identity: Identity, timeout_s: float) -> Any | None:
     try:
         return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=float(timeout_s)))
     except Exception as exc:
-        logger.warning("otel_train: cannot create the gloo telemetry group (%s); cross-rank stats are off", exc)
+        logger.warning(
+            "otel_train: cannot create the gloo telemetry group (%s); cross-rank stats are off", exc
+        )
         return None
 
 
@@ -159,7 +161,9 @@ def agree_run_id(identity: Identity, group: Any | None) -> Identity:
     try:
         dist.broadcast(buf, src=0, group=group)
     except Exception as exc:
-        logger.warning("otel_train: run id agreement failed (%s); using the local run id %s", exc, identity.run_id)
+        logger.warning(
+            "otel_train: run id agreement failed (%s); using the local run id %s", exc, identity.run_id
+        )
         return identity
     n = int(buf[0])
     agreed = bytes(buf[1 : 1 + n].tolist()).decode("utf-8", errors="replace")

@@ -160,7 +160,9 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
         elif cls is bool or value is None or isinstance(value, (str, bytes)):
             dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
         elif hasattr(value, "numel") and hasattr(value, "detach"):
-            if value.numel() == 1:
+            if value.is_complex():
+                dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+            elif value.numel() == 1:
                 tensors.append((i, value))
             else:
                 dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1

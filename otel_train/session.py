@@ -19,22 +19,21 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
-
-from opentelemetry.sdk.resources import Resource
+from typing import TYPE_CHECKING, Any
 
 from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
 from otel_train.bridges.rundir import RunDirSink, write_json
-from otel_train.bridges.step_reader import StepReader
 from otel_train.buffer import Buffer, SpanRecord
 from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, load_config, redact
 from otel_train.distributed import Identity, detect_identity
-from otel_train.exporters import Telemetry, build_telemetry
-from otel_train.health import HealthEvents, HealthMonitor
 from otel_train.interval import FlushListener
-from otel_train.pipeline import Instruments, Message, SpanWriter, Worker
+
+if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
+    from opentelemetry.sdk.resources import Resource
+
+    from otel_train.exporters import Telemetry
 
 log = logging.getLogger("otel_train")
 
@@ -44,6 +43,11 @@ _MAX_SPAN_RECORDS = 10_000
 
 class Session:
     def __init__(self, config: Config) -> None:
+        from otel_train.bridges.step_reader import StepReader
+        from otel_train.exporters import build_telemetry
+        from otel_train.health import HealthEvents, HealthMonitor
+        from otel_train.pipeline import Instruments, SpanWriter, Worker
+
         self.config = config
         self.identity: Identity = detect_identity(config.run_id)
         self.run_name = config.run_name or _default_run_name()
@@ -129,6 +133,8 @@ class Session:
         return path
 
     def _resource(self) -> Resource:
+        from opentelemetry.sdk.resources import Resource
+
         ident = self.identity
         attributes: dict[str, Any] = {
             k: v
@@ -255,6 +261,8 @@ class Session:
 
     # --- explicit logger API (not per step) ---------------------------------------------------------
     def message(self, kind: str, key: str, payload: Any, step: int | None) -> None:
+        from otel_train.pipeline import Message
+
         self.worker.submit_message(Message(kind, key, payload, self.step_index if step is None else step))
 
     # --- lifecycle -----------------------------------------------------------------------------------

@@ -1,0 +1,206 @@
+"""MLflow bridge through `MlflowClient` (no global `mlflow.start_run` state, safe on a worker thread).
+
+* Tracking URI: the `tracking_uri` argument, else `MLFLOW_TRACKING_URI`, else a local SQLite store
+  `sqlite:///<run_dir>/mlflow/mlflow.db` with artifacts in `<run_dir>/mlflow/artifacts`. MLflow 3.x
+  refuses the old `./mlruns` file store unless `MLFLOW_ALLOW_FILE_STORE=true` (it is in maintenance
+  mode), and SQLite needs no server: `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow/mlflow.db`.
+  Pass one shared URI (a server, or one SQLite file under `output_dir`) to compare runs in one UI.
+* The client and run are created lazily at the first write, on the bridge's thread.
+* Params are flattened (`a.b`), keys sanitised to MLflow's character set, values truncated to
+  MLflow's limit (6000 characters), sent in batches of 100. MLflow forbids changing a logged param,
+  so a later different value for the same key is skipped (logged at DEBUG).
+* Metrics keep their `/` (MLflow groups by it); characters MLflow rejects become `_`. One
+  `log_batch` per flush (chunked at 1000 metrics), each metric with the training step.
+* Text goes to `text/<key>/step_<step>.md`, histograms to `histograms/<key>/step_<step>.json`
+  (64 bins plus count/min/max/mean/std), as run artifacts.
+* `close` ends the run as FINISHED.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from otel_train.bridges.base import Sink
+from otel_train.bridges.threaded import BridgeImportError, ensure_writable_dir
+
+logger = logging.getLogger("otel_train")
+
+MAX_KEY_LENGTH = 250
+MAX_PARAM_VALUE_LENGTH = 6000
+PARAMS_PER_BATCH = 100
+METRICS_PER_BATCH = 1000
+_BAD_CHARS = re.compile(r"[^/\w.\- ]")  # MLflow's set minus ':' (rejected on Windows)
+
+
+def sanitize_key(key: str) -> str:
+    """A key MLflow accepts: allowed characters only, no empty/`.`/`..` path parts, <= 250 chars."""
+    key = _BAD_CHARS.sub("_", key)
+    parts = [p for p in key.split("/") if p not in ("", ".", "..")]
+    return "/".join(parts)[:MAX_KEY_LENGTH].rstrip("/") or "_"
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested mappings become `a.b` keys; values become strings (lists/dicts as JSON)."""
+    out: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten_params(value, f"{name}."))
+        elif isinstance(value, str):
+            out[name] = value
+        elif isinstance(value, (bool, int, float)) or value is None:
+            out[name] = str(value)
+        else:
+            try:
+                out[name] = json.dumps(value, default=str)
+            except (TypeError, ValueError):
+                out[name] = str(value)
+    return out
+
+
+def default_tracking_uri(run_dir: Path) -> str:
+    return "sqlite:///" + str((run_dir / "mlflow" / "mlflow.db").resolve())
+
+
+class MlflowSink(Sink):
+    """Logs one MLflow run."""
+
+    name = "mlflow"
+
+    def __init__(
+        self,
+        run_dir: Path | str,
+        tracking_uri: str | None,
+        experiment: str,
+        run_name: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        tags: Mapping[str, str] | None = None,
+    ) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("mlflow") is None:
+            raise BridgeImportError("MLflow", "mlflow")
+        self.run_dir = Path(run_dir)
+        self.local_store = not (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        if self.local_store:
+            ensure_writable_dir(self.run_dir / "mlflow", "MLflow")
+            self.tracking_uri = default_tracking_uri(self.run_dir)
+        else:
+            self.tracking_uri = tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
+        self.experiment = experiment
+        self.run_name = run_name
+        self.tags = dict(tags or {})
+        self._pending_params = dict(params or {})
+        self._logged_params: dict[str, str] = {}
+        self._client: Any = None
+        self.run_id: str | None = None
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def _ensure_run(self) -> Any:
+        if self._client is not None:
+            return self._client
+        try:
+            from mlflow import MlflowClient
+        except ImportError as exc:
+            raise BridgeImportError("MLflow", "mlflow", exc) from exc
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        experiment_id = self._experiment_id(client)
+        run = client.create_run(experiment_id, run_name=self.run_name, tags=self.tags or None)
+        self._client, self.run_id = client, run.info.run_id
+        if self._pending_params:
+            params, self._pending_params = self._pending_params, {}
+            self._log_params(params)
+        return client
+
+    def _experiment_id(self, client: Any) -> str:
+        existing = client.get_experiment_by_name(self.experiment)
+        if existing is not None:
+            return str(existing.experiment_id)
+        artifact_location = None
+        if self.local_store:
+            artifact_location = (self.run_dir / "mlflow" / "artifacts").resolve().as_uri()
+        try:
+            return str(client.create_experiment(self.experiment, artifact_location=artifact_location))
+        except Exception:
+            existing = client.get_experiment_by_name(self.experiment)  # another rank created it
+            if existing is None:
+                raise
+            return str(existing.experiment_id)
+
+    def _log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        batch: list[Any] = []
+        for key, value in flatten_params(params).items():
+            name = sanitize_key(key)
+            text = value[:MAX_PARAM_VALUE_LENGTH]
+            previous = self._logged_params.get(name)
+            if previous is not None:
+                if previous != text:
+                    logger.debug("otel_train: MLflow param %r cannot change; keeping %r", name, previous)
+                continue
+            self._logged_params[name] = text
+            batch.append(Param(name, text))
+        for i in range(0, len(batch), PARAMS_PER_BATCH):
+            self._client.log_batch(self.run_id, params=batch[i : i + PARAMS_PER_BATCH], synchronous=True)
+
+    # -- Sink API ---------------------------------------------------------------------------------
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        client = self._ensure_run()
+        timestamp = int(wall_time * 1000)
+        metrics = [Metric(sanitize_key(k), float(v), timestamp, int(step)) for k, v in scalars.items()]
+        for i in range(0, len(metrics), METRICS_PER_BATCH):
+            client.log_batch(self.run_id, metrics=metrics[i : i + METRICS_PER_BATCH], synchronous=True)
+
+    def write_text(self, key: str, text: str, step: int) -> None:
+        client = self._ensure_run()
+        client.log_text(self.run_id, text, f"text/{sanitize_key(key)}/step_{step:09d}.md")
+
+    def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
+        import numpy as np
+
+        array = np.asarray(values, dtype=np.float64).ravel()
+        array = array[np.isfinite(array)]
+        if array.size == 0:
+            return
+        counts, edges = np.histogram(array, bins=64)
+        doc = {
+            "key": key,
+            "step": step,
+            "count": int(array.size),
+            "min": float(array.min()),
+            "max": float(array.max()),
+            "mean": float(array.mean()),
+            "std": float(array.std()),
+            "bin_edges": [float(e) for e in edges],
+            "counts": [int(c) for c in counts],
+        }
+        client = self._ensure_run()
+        client.log_dict(self.run_id, doc, f"histograms/{sanitize_key(key)}/step_{step:09d}.json")
+
+    def write_hparams(self, params: Mapping[str, Any]) -> None:
+        self._ensure_run()
+        self._log_params(params)
+
+    def close(self, final_scalars: Mapping[str, float]) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._client is None:
+            if not self._pending_params:
+                return  # nothing was ever written: do not create an empty run
+            self._ensure_run()
+        self._client.set_terminated(self.run_id, status="FINISHED", end_time=int(time.time() * 1000))

@@ -1,0 +1,152 @@
+"""TensorBoard bridge: scalars, text, histograms and hparams through `torch.utils.tensorboard`.
+
+Layout: one log dir per run under a common root (the session passes `<output_dir>/<run_name>/tensorboard`),
+so `tensorboard --logdir <output_dir>` lists every run side by side.
+
+HParams: `SummaryWriter.add_hparams` writes into a new sub-run directory (`<log_dir>/<timestamp>/`) with
+copies of the metrics, which shows every run twice and splits the metrics from their curves. This
+sink instead writes the hparams plugin's `session_start_info` straight into the run's own log dir at
+the first `write_hparams`, and `session_end_info` at `close`. It writes no `experiment` summary, so the
+HParams dashboard builds the table from the union of all runs' hparams and takes each metric
+column from the run's own scalar curves (last value = final metric); runs with different hparam
+keys therefore compare correctly under one `--logdir`. The plugin keeps only the first
+`session_start_info` of a run, so keys passed to later `write_hparams` calls are not added to it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from otel_train.bridges.base import Sink
+from otel_train.bridges.threaded import BridgeImportError, ensure_writable_dir
+
+logger = logging.getLogger("otel_train")
+
+
+class TensorBoardSink(Sink):
+    """Writes one TensorBoard run into `log_dir` (created if missing)."""
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: Path | str, run_name: str, *, flush_secs: int = 30) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # torch or tensorboard missing
+            raise BridgeImportError("TensorBoard", "tensorboard", exc) from exc
+        self.log_dir = Path(log_dir)
+        self.run_name = run_name
+        ensure_writable_dir(self.log_dir, "TensorBoard")
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+        self._seen: set[str] = set()
+        self._last_step = 0
+        self._hparams_written = False
+        self._closed = False
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, float(value), global_step=step, walltime=wall_time)
+            self._seen.add(key)
+        self._last_step = max(self._last_step, step)
+        self._writer.flush()  # make every flush visible to a running TensorBoard
+
+    def write_text(self, key: str, text: str, step: int) -> None:
+        self._writer.add_text(key, text, global_step=step)
+        self._writer.flush()
+
+    def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
+        import numpy as np
+
+        array = np.asarray(values, dtype=np.float64).ravel()
+        array = array[np.isfinite(array)]
+        if array.size == 0:
+            return  # add_histogram raises on an empty histogram
+        self._writer.add_histogram(key, array, global_step=step)
+        self._writer.flush()
+
+    def write_hparams(self, params: Mapping[str, Any]) -> None:
+        if self._hparams_written:
+            logger.debug("otel_train: TensorBoard keeps the first hparams of a run; later ones are ignored")
+            return
+        self._writer._get_file_writer().add_summary(_session_start_summary(flatten_hparams(params)))
+        self._hparams_written = True
+        self._writer.flush()
+
+    def close(self, final_scalars: Mapping[str, float]) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        now = time.time()
+        for key, value in final_scalars.items():
+            if key not in self._seen:  # a final value the curves never carried
+                self._writer.add_scalar(key, float(value), global_step=self._last_step, walltime=now)
+        if self._hparams_written:
+            self._writer._get_file_writer().add_summary(_session_end_summary(now))
+        self._writer.flush()
+        self._writer.close()
+
+
+def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, bool | float | str]:
+    """Nested mappings become `a.b` keys; values become bool, float or str (what TensorBoard accepts)."""
+    out: dict[str, bool | float | str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            if value:
+                out.update(flatten_hparams(value, f"{name}."))
+            else:
+                out[name] = "{}"
+        elif isinstance(value, bool):
+            out[name] = value
+        elif isinstance(value, (int, float)):
+            out[name] = float(value) if math.isfinite(value) else str(value)
+        elif isinstance(value, str):
+            out[name] = value
+        elif value is None:
+            out[name] = "None"
+        else:
+            try:
+                out[name] = json.dumps(value, default=str)
+            except (TypeError, ValueError):
+                out[name] = str(value)
+    return out
+
+
+def _hparams_summary(tag: str, plugin_data: Any) -> Any:
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams import metadata
+
+    smd = SummaryMetadata(
+        plugin_data=SummaryMetadata.PluginData(
+            plugin_name=metadata.PLUGIN_NAME, content=plugin_data.SerializeToString()
+        )
+    )
+    return Summary(value=[Summary.Value(tag=tag, metadata=smd)])
+
+
+def _session_start_summary(hparams: Mapping[str, bool | float | str]) -> Any:
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    info = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+    for key, value in hparams.items():
+        if isinstance(value, bool):
+            info.hparams[key].bool_value = value
+        elif isinstance(value, float):
+            info.hparams[key].number_value = value
+        else:
+            info.hparams[key].string_value = value
+    data = plugin_data_pb2.HParamsPluginData(session_start_info=info, version=metadata.PLUGIN_DATA_VERSION)
+    return _hparams_summary(metadata.SESSION_START_INFO_TAG, data)
+
+
+def _session_end_summary(end_time: float) -> Any:
+    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+
+    info = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=end_time)
+    data = plugin_data_pb2.HParamsPluginData(session_end_info=info, version=metadata.PLUGIN_DATA_VERSION)
+    return _hparams_summary(metadata.SESSION_END_INFO_TAG, data)

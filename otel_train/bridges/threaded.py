@@ -1,0 +1,254 @@
+"""ThreadedSink: gives one backend its own bounded queue and daemon thread.
+
+A slow or hung backend (a `wandb.log` that blocks, a TensorBoard writer on a remote file system,
+an MLflow server that times out) must never delay the caller, which is the shared background worker
+that feeds every sink. Each backend therefore gets a `ThreadedSink`:
+
+* Every call is copied and put on a bounded queue without blocking. When the queue is full the
+  call is dropped and counted (`dropped`); the first drop logs one warning on the `otel_train`
+  logger.
+* A backend call that raises logs one warning naming the backend (later errors go to DEBUG) and is
+  counted (`errors`). After `max_consecutive_failures` failures in a row the backend is disabled
+  (`disabled`): one more warning, and every later call is dropped and counted. A success resets
+  the consecutive count, so a backend with occasional errors keeps working.
+* `close(final_scalars, timeout)` queues the inner `close` and waits at most `timeout` seconds for
+  the queue to drain. A backend that is still stuck after that is abandoned (its thread is a
+  daemon thread, so it cannot keep the process alive) and `closed_cleanly` is False.
+
+The module also holds the two errors every bridge raises at construction time.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from otel_train.bridges.base import Sink
+
+logger = logging.getLogger("otel_train")
+
+_CLOSE = "close"
+
+
+class BridgeImportError(ImportError):
+    """The backend package of a bridge is not installed. The message names the extra to install."""
+
+    def __init__(self, backend: str, extra: str, cause: BaseException | None = None) -> None:
+        detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        super().__init__(
+            f"the {backend} bridge needs the {extra!r} package, which could not be imported{detail}. "
+            f"Install it with: pip install 'otel-train[{extra}]', or turn the bridge off."
+        )
+        self.backend = backend
+        self.extra = extra
+
+
+class BridgeSetupError(RuntimeError):
+    """A bridge cannot start: for example its log directory cannot be created or written."""
+
+
+def ensure_writable_dir(path: Any, backend: str) -> None:
+    """Create `path` (and parents) and prove it is writable with a probe file.
+
+    Raises `BridgeSetupError` naming the path and the reason. Uses a real write, not permission bits,
+    so it also catches read-only file systems and runs as root.
+    """
+    import os
+    import tempfile
+
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".otel-train-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise BridgeSetupError(
+            f"the {backend} bridge cannot write to its directory {path!r}: "
+            f"{exc.strerror or exc} ({type(exc).__name__}). "
+            "Point output_dir at a writable location, or turn the bridge off."
+        ) from exc
+
+
+class ThreadedSink(Sink):
+    """Wraps `inner` so its calls run on a dedicated daemon thread behind a bounded queue."""
+
+    def __init__(
+        self,
+        inner: Sink,
+        queue_size: int = 64,
+        name: str | None = None,
+        *,
+        max_consecutive_failures: int = 5,
+        close_timeout_s: float = 10.0,
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        self.inner = inner
+        self.name: str = str(name or getattr(inner, "name", type(inner).__name__))
+        self.max_consecutive_failures = max(1, int(max_consecutive_failures))
+        self.close_timeout_s = close_timeout_s
+        self._queue: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
+        self._dropped = 0
+        self._errors = 0
+        self._consecutive = 0
+        self._disabled = False
+        self._closing = False
+        self._closed_cleanly = False
+        self._warned_drop = False
+        self._warned_error = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"otel-train-{self.name}", daemon=True)
+        self._thread.start()
+
+    # -- counters ---------------------------------------------------------------------------------
+
+    @property
+    def dropped(self) -> int:
+        """Calls dropped because the queue was full, the backend was disabled, or after close."""
+        return self._dropped
+
+    @property
+    def errors(self) -> int:
+        """Backend calls that raised."""
+        return self._errors
+
+    @property
+    def disabled(self) -> bool:
+        return self._disabled
+
+    @property
+    def pending(self) -> int:
+        """Calls waiting in the queue (not counting one the backend may be executing)."""
+        return self._queue.qsize()
+
+    @property
+    def closed_cleanly(self) -> bool:
+        """True once `close` drained the queue and the inner close returned within the timeout."""
+        return self._closed_cleanly
+
+    # -- Sink API (never blocks) ------------------------------------------------------------------
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        self._submit("write_scalars", (step, wall_time, dict(scalars)))
+
+    def write_text(self, key: str, text: str, step: int) -> None:
+        self._submit("write_text", (key, text, step))
+
+    def write_samples(self, key: str, rows: Sequence[tuple[str, str]], step: int) -> None:
+        self._submit("write_samples", (key, [tuple(r) for r in rows], step))
+
+    def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
+        self._submit("write_histogram", (key, list(values), step))
+
+    def write_hparams(self, params: Mapping[str, Any]) -> None:
+        self._submit("write_hparams", (dict(params),))
+
+    def close(self, final_scalars: Mapping[str, float], timeout: float | None = None) -> None:
+        """Queue the inner close and wait at most `timeout` seconds (default `close_timeout_s`)."""
+        timeout = self.close_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        item = (_CLOSE, (dict(final_scalars),))
+        while True:
+            try:
+                self._queue.put(item, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+                break
+            except queue.Full:
+                if not self._thread.is_alive() or time.monotonic() >= deadline:
+                    break
+        self._done.wait(max(0.0, deadline - time.monotonic()))
+        if not self._done.is_set():
+            left = self._queue.qsize()
+            logger.warning(
+                "otel_train: the %s bridge did not finish within %.1f s; abandoning it "
+                "(%d queued call(s) not written). Its data may be incomplete.",
+                self.name,
+                timeout,
+                left,
+            )
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _submit(self, method: str, args: tuple[Any, ...]) -> None:
+        if self._disabled or self._closing:
+            self._count_drop(None)
+            return
+        try:
+            self._queue.put_nowait((method, args))
+        except queue.Full:
+            self._count_drop(
+                "otel_train: the %s bridge is falling behind (queue of %d full); dropping its updates "
+                "(counted in dropped). Training is not slowed down. This warning is shown once."
+            )
+
+    def _count_drop(self, message: str | None) -> None:
+        with self._lock:
+            self._dropped += 1
+            warn = message is not None and not self._warned_drop
+            if warn:
+                self._warned_drop = True
+        if warn and message is not None:
+            logger.warning(message, self.name, self._queue.maxsize)
+
+    def _run(self) -> None:
+        while True:
+            method, args = self._queue.get()
+            if method == _CLOSE:
+                self._call(method, args)
+                self._closed_cleanly = True
+                self._done.set()
+                return
+            if self._disabled:
+                with self._lock:
+                    self._dropped += 1
+                continue
+            self._call(method, args)
+
+    def _call(self, method: str, args: tuple[Any, ...]) -> None:
+        if self._disabled and method != _CLOSE:
+            return
+        try:
+            getattr(self.inner, method)(*args)
+        except Exception as exc:  # a backend failure must never escape the bridge
+            with self._lock:
+                self._errors += 1
+                self._consecutive += 1
+                first = not self._warned_error
+                self._warned_error = True
+                disable = (
+                    method != _CLOSE
+                    and not self._disabled
+                    and self._consecutive >= self.max_consecutive_failures
+                )
+                if disable:
+                    self._disabled = True
+            if first:
+                logger.warning(
+                    "otel_train: the %s bridge failed in %s: %s: %s. Training continues; further "
+                    "errors from this bridge are logged at DEBUG.",
+                    self.name,
+                    method,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=exc if logger.isEnabledFor(logging.DEBUG) else None,
+                )
+            else:
+                logger.debug("otel_train: the %s bridge failed in %s", self.name, method, exc_info=exc)
+            if disable:
+                logger.warning(
+                    "otel_train: the %s bridge failed %d times in a row and is now disabled for the "
+                    "rest of the run.",
+                    self.name,
+                    self._consecutive,
+                )
+        else:
+            self._consecutive = 0

@@ -1,0 +1,269 @@
+"""Weights & Biases bridge.
+
+* `wandb.init` runs lazily, at the first write, on the bridge's own thread (see `ThreadedSink`), never at
+  `otel_train.init()` and never on the training thread.
+* Mode "auto" is "offline" unless W&B credentials exist (`WANDB_API_KEY`, or an `api.wandb.ai` login in
+  the netrc file that `wandb login` writes); a `WANDB_MODE` environment variable wins over "auto".
+  W&B never prompts.
+* Every series uses the training step as its x axis: `define_metric("train/step")` and
+  `define_metric("*", step_metric="train/step")`; each flush is ONE `run.log` call carrying
+  `train/step`. W&B's own `_step` just counts log calls.
+* The config is the redacted dict the session passes in. W&B's own metadata capture (argv, git remote,
+  code, environment, system metrics) is switched off: argv and git remotes are where secrets leak
+  (failure-modes §5.4), and otel_train already samples GPUs.
+* The run id, URL, mode and local directory are saved to `<run_dir>/wandb_run.json` (for `wandb sync`).
+* `close` summarises the final scalars and runs `run.finish()` in a helper thread joined with a timeout,
+  so a hung upload cannot hold the job (wandb/wandb#5601). If a W&B run is already active in the
+  process (the user called `wandb.init` themselves) the sink logs into it and does not finish it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from otel_train.bridges.base import Sink
+from otel_train.bridges.threaded import BridgeImportError, ensure_writable_dir
+
+logger = logging.getLogger("otel_train")
+
+STEP_KEY = "train/step"
+RUN_INFO_FILE = "wandb_run.json"
+
+
+def has_wandb_credentials(environ: Mapping[str, str] | None = None) -> bool:
+    """True if W&B could log in without a prompt: WANDB_API_KEY, or a netrc entry for the W&B host."""
+    import netrc
+    from urllib.parse import urlparse
+
+    environ = os.environ if environ is None else environ
+    if environ.get("WANDB_API_KEY", "").strip():
+        return True
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    path = environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        auth = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
+
+
+def resolve_mode(mode: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The `mode` passed to `wandb.init`. None lets an explicit WANDB_MODE decide ("auto" only)."""
+    environ = os.environ if environ is None else environ
+    if mode != "auto":
+        return mode
+    if environ.get("WANDB_MODE", "").strip():
+        return None
+    return "online" if has_wandb_credentials(environ) else "offline"
+
+
+def _wandb_id(value: str) -> str:
+    """W&B run ids allow letters, digits, '-' and '_' (at most 64 characters here)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", value)[:64]
+
+
+class WandbSink(Sink):
+    """Logs one W&B run (per rank when `rank` is given) into `run_dir/wandb/`."""
+
+    name = "wandb"
+
+    def __init__(
+        self,
+        run_dir: Path | str,
+        config_dict: Mapping[str, Any],
+        project: str,
+        entity: str | None = None,
+        group: str | None = None,
+        tags: Sequence[str] = (),
+        mode: str = "auto",
+        run_name: str | None = None,
+        run_id: str | None = None,
+        rank: int | None = None,
+        *,
+        finish_timeout_s: float = 10.0,
+    ) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise BridgeImportError("W&B", "wandb")
+        self.run_dir = Path(run_dir)
+        ensure_writable_dir(self.run_dir, "W&B")
+        self.config = dict(config_dict)
+        self.project = project
+        self.entity = entity
+        self.tags = list(tags)
+        self.mode = mode
+        self.rank = rank
+        # rank=None: the one run of the job. rank=N (bridge_all_ranks): one run per rank, grouped.
+        suffix = f"-rank{rank}" if rank is not None else ""
+        self.run_name = f"{run_name}{suffix}" if run_name else None
+        self.run_id = _wandb_id(f"{run_id}{suffix}") if run_id else None
+        self.group = group or (run_name if rank is not None else None)
+        self.finish_timeout_s = finish_timeout_s
+        self._run: Any = None
+        self._owns_run = True
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def _ensure_run(self) -> Any:
+        if self._run is not None:
+            return self._run
+        try:
+            import wandb
+        except ImportError as exc:
+            raise BridgeImportError("W&B", "wandb", exc) from exc
+        if wandb.run is not None:  # the user's own run: log into it, leave its lifecycle alone
+            self._run, self._owns_run = wandb.run, False
+            self._run.config.update(self.config, allow_val_change=True)
+        else:
+            mode = resolve_mode(self.mode)
+            try:
+                self._run = self._init(wandb, mode)
+            except Exception as exc:
+                if self.mode != "auto" or mode != "online":
+                    raise
+                # wandb/wandb#9865, #7671: an online init that fails must not cost the run its data
+                logger.warning(
+                    "otel_train: wandb.init (online) failed (%s: %s); logging offline instead. "
+                    "Upload later with `wandb sync`.",
+                    type(exc).__name__,
+                    exc,
+                )
+                self._run = self._init(wandb, "offline")
+        self._run.define_metric(STEP_KEY)
+        self._run.define_metric("*", step_metric=STEP_KEY)
+        self._save_run_info()
+        return self._run
+
+    def _init(self, wandb: Any, mode: str | None) -> Any:
+        return wandb.init(
+            project=self.project,
+            entity=self.entity,
+            name=self.run_name,
+            id=self.run_id,
+            resume="allow" if self.run_id else None,
+            group=self.group,
+            tags=self.tags or None,
+            dir=str(self.run_dir),
+            mode=mode,
+            config=self.config,
+            settings=self._settings(wandb),
+        )
+
+    @staticmethod
+    def _settings(wandb: Any) -> Any:
+        wanted: dict[str, Any] = {
+            "silent": True,
+            "console": "off",
+            "x_disable_stats": True,  # no second GPU/CPU sampler (wandb/wandb#8359)
+            "x_disable_meta": True,  # no argv/env/host capture (secrets, failure-modes §5.4)
+            "x_disable_machine_info": True,
+            "disable_git": True,  # git remotes can hold credentials
+            "save_code": False,
+            "disable_code": True,
+            "x_save_requirements": False,
+            "disable_job_creation": True,
+        }
+        fields = getattr(wandb.Settings, "model_fields", None)
+        if fields is not None:
+            wanted = {k: v for k, v in wanted.items() if k in fields}
+        return wandb.Settings(**wanted)
+
+    def _save_run_info(self) -> None:
+        run = self._run
+        info: dict[str, Any] = {
+            "id": getattr(run, "id", None),
+            "name": getattr(run, "name", None),
+            "project": getattr(run, "project", None),
+            "entity": getattr(run, "entity", None),
+            "group": self.group,
+            "url": getattr(run, "url", None),
+            "offline": bool(getattr(run, "offline", False)),
+            "dir": None,
+            "sync_command": None,
+        }
+        files_dir = getattr(run, "dir", None)  # <dir>/wandb/<offline-run-...>/files
+        if files_dir:
+            local = str(Path(files_dir).parent)
+            info["dir"] = local
+            if info["offline"]:
+                info["sync_command"] = f"wandb sync {local}"
+        try:
+            (self.run_dir / RUN_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            logger.debug("otel_train: could not write %s: %s", RUN_INFO_FILE, exc)
+
+    # -- Sink API ---------------------------------------------------------------------------------
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        run = self._ensure_run()
+        row: dict[str, Any] = {key: float(value) for key, value in scalars.items()}
+        row[STEP_KEY] = step
+        run.log(row)
+
+    def write_text(self, key: str, text: str, step: int) -> None:
+        import wandb
+
+        run = self._ensure_run()
+        run.log({key: wandb.Table(columns=["text"], data=[[text]]), STEP_KEY: step})
+
+    def write_samples(self, key: str, rows: Sequence[tuple[str, str]], step: int) -> None:
+        import wandb
+
+        run = self._ensure_run()
+        table = wandb.Table(columns=["prompt", "output"], data=[[str(p), str(o)] for p, o in rows])
+        run.log({key: table, STEP_KEY: step})
+
+    def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
+        import wandb
+
+        finite = [float(v) for v in values if math.isfinite(v)]
+        if not finite:
+            return
+        run = self._ensure_run()
+        run.log({key: wandb.Histogram(finite), STEP_KEY: step})
+
+    def write_hparams(self, params: Mapping[str, Any]) -> None:
+        run = self._ensure_run()
+        run.config.update(dict(params), allow_val_change=True)
+
+    def close(self, final_scalars: Mapping[str, float]) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        run = self._run
+        if run is None:
+            return  # never initialised: nothing was written, do not create an empty run now
+        for key, value in final_scalars.items():
+            run.summary[key] = float(value)
+        if not self._owns_run:
+            return
+        errors: list[BaseException] = []
+
+        def finish() -> None:
+            try:
+                run.finish()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=finish, name="otel-train-wandb-finish", daemon=True)
+        thread.start()
+        thread.join(self.finish_timeout_s)
+        if thread.is_alive():
+            logger.warning(
+                "otel_train: wandb finish did not complete within %.1f s; leaving it. "
+                "The local copy is in %s (upload it later with `wandb sync`).",
+                self.finish_timeout_s,
+                self.run_dir / "wandb",
+            )
+        elif errors:
+            raise errors[0]

@@ -1,0 +1,5 @@
+from __future__ import annotations
+
+from otel_train.demo.train import main
+
+raise SystemExit(main())

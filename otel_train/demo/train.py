@@ -1,0 +1,482 @@
+"""The reference instrumented training: a tiny character-level transformer on Python source.
+
+Run it with `python -m otel_train.demo` (or `otel-train demo`). The loop below uses only the
+public otel_train API, exactly as a user would. `--uninstrumented` runs the very same loop with
+a plain no-op stand-in for the API instead (for the overhead benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
+
+import torch
+
+from otel_train.demo.data import CharVocab, get_batch, load_text, split, unigram_entropy
+from otel_train.demo.model import CharTransformer, ModelConfig, flops_per_token
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+SAMPLE_PROMPTS = ("def ", "import ", "class ")
+
+# Defaults are tuned so the whole demo (training, eval, sampling, checkpoint) takes about a
+# minute and a half on 2 CPU cores and ends far below the unigram baseline (~3.1 nats).
+DEFAULT_STEPS = 600
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_CONTEXT = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# The slice of the otel_train API the demo uses, and a no-op stand-in for --uninstrumented.
+
+
+class Telemetry(Protocol):
+    def init(self, **settings: Any) -> Any: ...
+    def shutdown(self) -> Any: ...
+    def step(self, step: int, *, tokens: int, samples: int) -> AbstractContextManager[Any]: ...
+    def timer(self, name: str, level: int = ..., cuda: bool = ...) -> AbstractContextManager[Any]: ...
+    def timed(self, name: str, level: int = ...) -> Callable[[F], F]: ...
+    def record(self, name: str, value: Any) -> Any: ...
+    def span(self, name: str) -> AbstractContextManager[Any]: ...
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> Any: ...
+    def log_samples(self, samples: list[tuple[str, str]], step: int | None = None) -> Any: ...
+    def log_hyperparams(self, params: dict[str, Any]) -> Any: ...
+
+
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
+class _NullSession:
+    run_dir = None
+
+    def __enter__(self) -> _NullSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class NullTelemetry:
+    """Same methods as the otel_train API, doing nothing. Not otel_train: a plain shim."""
+
+    def init(self, **settings: Any) -> _NullSession:
+        return _NullSession()
+
+    def shutdown(self) -> None:
+        return None
+
+    def step(self, step: int, *, tokens: int, samples: int) -> AbstractContextManager[Any]:
+        return _NULL_CONTEXT
+
+    def timer(self, name: str, level: int = 1, cuda: bool = False) -> AbstractContextManager[Any]:
+        return _NULL_CONTEXT
+
+    def timed(self, name: str, level: int = 1) -> Callable[[F], F]:
+        return lambda fn: fn
+
+    def record(self, name: str, value: Any) -> None:
+        return None
+
+    def span(self, name: str) -> AbstractContextManager[Any]:
+        return _NULL_CONTEXT
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        return None
+
+    def log_samples(self, samples: list[tuple[str, str]], step: int | None = None) -> None:
+        return None
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        return None
+
+
+def telemetry(instrumented: bool) -> Telemetry:
+    if not instrumented:
+        return NullTelemetry()
+    import otel_train
+
+    return cast(Telemetry, otel_train)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain training helpers (no telemetry).
+
+
+def lr_at(it: int, max_lr: float, warmup: int, total: int, min_lr: float) -> float:
+    """Linear warmup to `max_lr` over `warmup` iterations, then cosine decay to `min_lr` at `total`.
+
+    `it` is the 0-based iteration: lr_at(0) = max_lr / warmup, lr_at(warmup) = max_lr,
+    lr_at(total) = min_lr (and min_lr beyond).
+    """
+    if warmup > 0 and it < warmup:
+        return max_lr * (it + 1) / warmup
+    progress = min(1.0, (it - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds CUDA
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch wheels
+        return
+    np.random.seed(seed % 2**32)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available here; use --device cpu or auto")
+    return torch.device(name)
+
+
+def make_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on biases, LayerNorm gains)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), fused=device.type == "cuda")
+
+
+@torch.no_grad()
+def evaluate(
+    model: CharTransformer,
+    val_data: torch.Tensor,
+    batch_size: int,
+    context: int,
+    batches: int,
+    seed: int,
+    device: torch.device,
+) -> tuple[float, float]:
+    """Mean val loss and top-1 next-character accuracy over fixed (seeded) val batches."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device)
+    for _ in range(batches):
+        x, y = get_batch(val_data, batch_size, context, gen, device)
+        logits, loss = model(x, y)
+        assert loss is not None
+        loss_sum += loss
+        correct += (logits.argmax(dim=-1) == y).float().mean()
+    model.train()
+    return (loss_sum / batches).item(), (correct / batches).item()
+
+
+def generate_samples(
+    model: CharTransformer,
+    vocab: CharVocab,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    device: torch.device,
+) -> list[tuple[str, str]]:
+    """(prompt, continuation) pairs, sampled with temperature under torch.no_grad()."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    out: list[tuple[str, str]] = []
+    with torch.no_grad():
+        for prompt in prompts:
+            idx = vocab.encode(prompt)[None, :].to(device)
+            ids = model.generate(idx, max_new_tokens, temperature=temperature, generator=gen)
+            out.append((prompt, vocab.decode(ids[0, idx.size(1) :].tolist())))
+    model.train()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    steps: int
+    train_loss: float  # mean training loss over the last eval interval
+    val_loss: float
+    val_accuracy: float
+    unigram_baseline: float
+    wall_s: float
+    run_dir: Path | None
+    checkpoint: Path | None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m otel_train.demo",
+        description="Train a tiny character-level transformer on Python source, instrumented with otel_train.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
+    g.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    g.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="context length (characters)")
+    g.add_argument("--layers", type=int, default=4)
+    g.add_argument("--d-model", type=int, default=128)
+    g.add_argument("--heads", type=int, default=4)
+    g.add_argument("--untied", action="store_true", help="untie the output head from the token embedding")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--warmup", type=int, default=50, help="warmup steps")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--eval-interval", type=int, default=100, help="steps between evals (and at the end)")
+    g.add_argument("--eval-batches", type=int, default=8)
+    g.add_argument("--sample-interval", type=int, default=200, help="steps between samples (and at the end)")
+    g.add_argument("--sample-tokens", type=int, default=80, help="characters generated per prompt")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    g.add_argument("--data", default=None, help="a text file (default: the Python stdlib's own source)")
+    g.add_argument("--max-chars", type=int, default=2_000_000, help="cap on corpus characters")
+    g.add_argument("--seed", type=int, default=1337)
+    t = p.add_argument_group("telemetry")
+    t.add_argument("--run-name", default=None, help="default: demo-<UTC time>")
+    t.add_argument(
+        "--output-dir", default=None, help="run dirs go under here (default: otel_train's, ./runs)"
+    )
+    t.add_argument("--log-interval", type=int, default=10, help="flush telemetry every N steps")
+    t.add_argument("--otlp-endpoint", default=None, help="e.g. http://localhost:4318 (default: no OTLP push)")
+    t.add_argument("--prometheus-port", type=int, default=9464, help="pull endpoint port, 0 disables")
+    t.add_argument("--trace-every", type=int, default=100, help="trace every N-th step")
+    t.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    t.add_argument(
+        "--no-wandb", dest="wandb", action="store_false", help="(W&B runs offline unless configured)"
+    )
+    t.add_argument("--no-mlflow", dest="mlflow", action="store_false")
+    t.add_argument("--quiet", action="store_true", help="no console output from the demo or otel_train")
+    t.add_argument("--uninstrumented", action="store_true", help="same loop, no otel_train calls (benchmark)")
+    return p
+
+
+def train(args: argparse.Namespace, ot: Telemetry) -> Result:
+    t_start = time.perf_counter()
+    say: Callable[..., None] = (lambda *a, **k: None) if args.quiet else print
+    seed_everything(args.seed)
+    device = resolve_device(args.device)
+
+    text = load_text(args.data, args.max_chars)
+    vocab = CharVocab.from_text(text)
+    train_data, val_data = split(vocab.encode(text), val_fraction=0.1)
+    baseline = unigram_entropy(train_data, vocab.size)
+    cfg = ModelConfig(
+        vocab_size=vocab.size,
+        context=args.context,
+        n_layer=args.layers,
+        n_head=args.heads,
+        d_model=args.d_model,
+        tie_weights=not args.untied,
+    )
+    model = CharTransformer(cfg).to(device)
+    fpt = flops_per_token(cfg, model.num_params(non_embedding=True))
+    optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
+    prompts = [p for p in SAMPLE_PROMPTS if vocab.can_encode(p)] or [text[0]]
+    batch_gen = torch.Generator().manual_seed(args.seed)
+    tokens_per_step = args.batch_size * args.context
+    on_gpu = device.type == "cuda"  # time device work with CUDA events (no sync on this thread)
+    run_name = args.run_name or time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime())
+
+    settings: dict[str, Any] = {
+        "run_name": run_name,
+        "log_interval": args.log_interval,
+        "total_steps": args.steps,
+        "verbosity": 0 if args.quiet else 1,
+        "prometheus_port": args.prometheus_port,
+        "tensorboard": args.tensorboard,
+        "wandb": args.wandb,
+        "mlflow": args.mlflow,
+        "trace_every": args.trace_every,
+        "flops_per_token": fpt,
+    }
+    if args.output_dir is not None:
+        settings["output_dir"] = args.output_dir
+    if args.otlp_endpoint is not None:
+        settings["otlp_endpoint"] = args.otlp_endpoint
+
+    say(
+        f"otel_train demo: {model.num_params(non_embedding=False) / 1e6:.2f}M params "
+        f"({model.num_params() / 1e6:.2f}M non-embedding), vocab {vocab.size}, "
+        f"{len(train_data):,} train / {len(val_data):,} val chars, device {device}, "
+        f"unigram baseline {baseline:.3f} nats" + (" [uninstrumented]" if args.uninstrumented else "")
+    )
+
+    train_loss_sum = torch.zeros((), device=device)  # on-device running sum: no per-step sync
+    train_loss_count = 0
+    train_loss = val_loss = val_acc = float("nan")
+    checkpoint: Path | None = None
+    run_dir: Path | None = None
+
+    with ot.init(**settings) as session:
+        run_dir = getattr(session, "run_dir", None)
+        ot.log_hyperparams(
+            {
+                **asdict(cfg),
+                "steps": args.steps,
+                "batch_size": args.batch_size,
+                "lr": args.lr,
+                "min_lr": args.min_lr,
+                "warmup": args.warmup,
+                "weight_decay": args.weight_decay,
+                "grad_clip": args.grad_clip,
+                "seed": args.seed,
+                "data": args.data or "python-stdlib",
+                "train_chars": len(train_data),
+                "val_chars": len(val_data),
+                "params": model.num_params(non_embedding=False),
+                "non_embedding_params": model.num_params(),
+                "flops_per_token": fpt,
+                "device": str(device),
+            }
+        )
+        sample = ot.timed("generate", level=2)(generate_samples)
+
+        model.train()
+        for step in range(args.steps):  # 0-based, like otel_train (its console shows step + 1)
+            done = step + 1
+            lr = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            with ot.step(step, tokens=tokens_per_step, samples=args.batch_size):
+                with ot.timer("data"):
+                    x, y = get_batch(train_data, args.batch_size, args.context, batch_gen, device)
+                with ot.timer("forward", cuda=on_gpu):
+                    _, loss = model(x, y)
+                    assert loss is not None
+                with ot.timer("backward", cuda=on_gpu):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                with ot.timer("optimizer", cuda=on_gpu):
+                    with ot.timer("grad_clip", level=2):
+                        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                    optimizer.step()
+                loss = loss.detach()
+                ot.record("loss", loss)  # a tensor: resolved by otel_train at the flush, not here
+                ot.record("lr", lr)
+                ot.record("grad_norm", grad_norm)
+            train_loss_sum += loss
+            train_loss_count += 1
+
+            last = done == args.steps
+            if done % args.eval_interval == 0 or last:
+                with ot.span("eval"):
+                    val_loss, val_acc = evaluate(
+                        model, val_data, args.batch_size, args.context, args.eval_batches, args.seed, device
+                    )
+                    train_loss = train_loss_sum.item() / train_loss_count
+                    train_loss_sum.zero_()
+                    train_loss_count = 0
+                    ot.log_metrics(
+                        {
+                            "eval/loss": val_loss,
+                            "eval/perplexity": math.exp(min(val_loss, 50.0)),
+                            "eval/accuracy": val_acc,
+                        },
+                        step=step,
+                    )
+                if args.uninstrumented:  # otherwise otel_train's console shows progress
+                    say(
+                        f"step {done:>5}/{args.steps}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  "
+                        f"ppl {math.exp(min(val_loss, 50.0)):.2f}  acc {val_acc:.3f}  "
+                        f"lr {lr:.2e}  {time.perf_counter() - t_start:.0f}s"
+                    )
+            if done % args.sample_interval == 0 or last:
+                with ot.span("generate"):
+                    samples = sample(
+                        model, vocab, prompts, args.sample_tokens, args.temperature, args.seed + done, device
+                    )
+                ot.log_samples(samples, step=step)
+                if args.uninstrumented:
+                    for prompt, output in samples:
+                        say(f"  sample {(prompt + output)!r}")
+
+        with ot.span("checkpoint"):
+            ckpt_dir = run_dir if run_dir is not None else _default_run_dir(args.output_dir, run_name)
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint = ckpt_dir / "checkpoint.pt"
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "config": asdict(cfg),
+                    "vocab": "".join(vocab.chars),
+                    "step": args.steps,
+                },
+                checkpoint,
+            )
+
+    return Result(
+        steps=args.steps,
+        train_loss=train_loss,
+        val_loss=val_loss,
+        val_accuracy=val_acc,
+        unigram_baseline=baseline,
+        wall_s=time.perf_counter() - t_start,
+        run_dir=Path(run_dir) if run_dir is not None else None,
+        checkpoint=checkpoint,
+    )
+
+
+def _default_run_dir(output_dir: str | None, run_name: str) -> Path:
+    base = output_dir or os.environ.get("OTEL_TRAIN_OUTPUT_DIR") or "runs"
+    return Path(base) / run_name
+
+
+def print_outputs(result: Result, args: argparse.Namespace) -> None:
+    """Say where everything went (only what exists, so it is always accurate)."""
+    print(
+        f"done: {result.steps} steps in {result.wall_s:.1f}s; train loss {result.train_loss:.3f}, "
+        f"val loss {result.val_loss:.3f} (ppl {math.exp(min(result.val_loss, 50.0)):.2f}, "
+        f"acc {result.val_accuracy:.3f}); unigram baseline {result.unigram_baseline:.3f}"
+    )
+    if result.checkpoint is not None:
+        print(f"  checkpoint   {result.checkpoint}")
+    run_dir = result.run_dir
+    if run_dir is None or not run_dir.exists():
+        return
+    print(f"  run dir      {run_dir}")
+    for path in sorted(run_dir.glob("*.jsonl")):
+        print(f"  jsonl        {path}")
+    if args.tensorboard and any(run_dir.rglob("events.out.tfevents.*")):
+        print(f"  TensorBoard  tensorboard --logdir {run_dir.parent}")
+    if args.wandb:
+        offline = sorted(run_dir.rglob("offline-run-*"))
+        if offline:
+            print(f"  W&B          wandb sync {offline[-1]}")
+    if args.mlflow:
+        stores = sorted(p for p in run_dir.rglob("mlruns") if p.is_dir())
+        databases = sorted(run_dir.rglob("mlflow*.db"))
+        if stores:
+            print(f"  MLflow       mlflow ui --backend-store-uri {stores[0].resolve().as_uri()}")
+        elif databases:
+            print(f"  MLflow       mlflow ui --backend-store-uri sqlite:///{databases[0].resolve()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("steps", "batch_size", "context", "log_interval", "eval_interval", "sample_interval"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.eval_batches < 1:
+        raise SystemExit("--eval-batches must be >= 1")
+    result = train(args, telemetry(not args.uninstrumented))
+    if not args.quiet:
+        print_outputs(result, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,308 @@
+"""Model FLOPs per token and the peak-FLOP/s table that MFU divides by.
+
+Conventions (state them, because MFU numbers are only comparable under the same ones):
+
+* **Training FLOPs per token** follow the PaLM paper (Chowdhery et al. 2022, appendix B):
+  ``6·N + 12·L·s·d`` where ``N`` is the non-embedding parameter count, ``L`` the number of layers,
+  ``s`` the sequence length and ``d`` the model width (heads × head dim). ``6N`` is forward (2N) +
+  backward (4N) of every weight matmul; ``12·L·s·d`` is the attention score and value matmuls
+  (``QKᵀ`` and ``A·V``: 2·s·d each per token per layer forward, ×3 for forward + backward).
+  The attention term counts the full ``s × s`` matrix, as PaLM, Megatron and torchtitan do; pass
+  ``causal=True`` to halve it (what a FlashAttention causal kernel actually computes).
+  Activation recomputation is *not* counted (that would be HFU, not MFU).
+* **Non-embedding parameters** are parameters used only by ``nn.Embedding`` lookups (token and
+  positional tables) and they are excluded: a lookup does no FLOPs. A tied output projection (the
+  embedding matrix reused by the LM head) does real matmul work and is counted once.
+* **Peaks** are dense (no 2:4 sparsity) tensor-core FLOP/s per GPU from the vendors' datasheets.
+  ``fp32`` means non-tensor FP32 (PyTorch's default matmul precision, ``allow_tf32=False``), ``tf32``
+  the TF32 tensor-core rate. MFU > 100 % means the peak (or the FLOPs) is wrong: torchtitan #668
+  used a TF32 peak for BF16 training, PR #4779 got "MFU ~152 %" on a device missing from the table.
+  An unknown device therefore gets **no** MFU rather than a guess.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PEAK_FLOPS_ENV = "OTEL_TRAIN_PEAK_FLOPS"
+DTYPES: tuple[str, ...] = ("fp8", "bf16", "fp16", "tf32", "fp32")
+
+_DTYPE_ALIASES = {
+    "bfloat16": "bf16", "torch.bfloat16": "bf16", "bf16": "bf16",
+    "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "fp16": "fp16",
+    "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "fp32": "fp32",
+    "tf32": "tf32", "tensorfloat32": "tf32",
+    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+    "torch.float8_e4m3fn": "fp8", "torch.float8_e5m2": "fp8",
+}  # fmt: skip
+
+
+def normalize_dtype(dtype: Any) -> str | None:
+    """'bf16' for 'bf16', 'bfloat16', torch.bfloat16, ...; None when not a known compute dtype."""
+    return _DTYPE_ALIASES.get(str(dtype).strip().lower())
+
+
+def transformer_flops_per_token(
+    n_params: int | float,
+    n_layers: int,
+    seq_len: int,
+    d_model: int,
+    *,
+    causal: bool = False,
+    include_attention: bool = True,
+) -> float:
+    """Training (forward + backward) FLOPs per token of a decoder/encoder transformer.
+
+    ``6·n_params + 12·n_layers·seq_len·d_model`` (PaLM appendix B); the attention term is halved
+    with ``causal=True`` and dropped with ``include_attention=False``. ``n_params`` must exclude
+    embedding lookups (see the module docstring).
+    """
+    if n_params < 0 or n_layers < 0 or seq_len < 0 or d_model < 0:
+        raise ValueError("transformer_flops_per_token: all sizes must be >= 0")
+    attention = 12.0 * n_layers * seq_len * d_model if include_attention else 0.0
+    if causal:
+        attention /= 2.0
+    return 6.0 * float(n_params) + attention
+
+
+def count_non_embedding_params(model: Any) -> int:
+    """Parameters that take part in matmuls: every parameter except those owned only by
+    ``nn.Embedding`` / ``nn.EmbeddingBag`` modules. A tied LM head (the same tensor owned by an
+    embedding and a Linear) counts once."""
+    from torch import nn
+
+    lookup_only: dict[int, int] = {}
+    compute: dict[int, int] = {}
+    for module in model.modules():
+        is_lookup = isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        for param in module.parameters(recurse=False):
+            (lookup_only if is_lookup else compute)[id(param)] = param.numel()
+    # Tied weights that some Linear uses (e.g. lm_head.weight = wte.weight) are registered on the
+    # Linear too, so they land in `compute`. Functional reuse (F.linear(x, wte.weight)) is not
+    # visible from the module tree: pass n_params yourself for such models.
+    return sum(compute.values())
+
+
+_LAYER_ATTRS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+_WIDTH_ATTRS = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
+
+
+def _config_int(model: Any, names: tuple[str, ...]) -> int | None:
+    for holder in (getattr(model, "config", None), getattr(model, "args", None), model):
+        if holder is None:
+            continue
+        for name in names:
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def detect_layers_and_width(model: Any) -> tuple[int | None, int | None]:
+    """Best-effort (n_layers, d_model) of a torch transformer.
+
+    Order: a HF-style ``config`` (``num_hidden_layers``/``hidden_size``, ``n_layer``/``n_embd``),
+    then ``nn.TransformerEncoderLayer``/``DecoderLayer`` and ``nn.MultiheadAttention`` modules,
+    then the longest ``nn.ModuleList`` for layers and the token embedding's width.
+    """
+    from torch import nn
+
+    n_layers = _config_int(model, _LAYER_ATTRS)
+    d_model = _config_int(model, _WIDTH_ATTRS)
+    modules = list(model.modules())
+    if n_layers is None:
+        torch_layers = [
+            m for m in modules if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+        ]
+        if torch_layers:
+            n_layers = len(torch_layers)
+        else:
+            lists = [m for m in modules if isinstance(m, nn.ModuleList) and len(m) > 0]
+            if lists:
+                n_layers = max(len(m) for m in lists)
+    if d_model is None:
+        mha = [m for m in modules if isinstance(m, nn.MultiheadAttention)]
+        if mha:
+            d_model = int(mha[0].embed_dim)
+        else:
+            emb = [m for m in modules if isinstance(m, nn.Embedding)]
+            if emb:
+                d_model = int(emb[0].embedding_dim)
+    return n_layers, d_model
+
+
+def flops_per_token_from_model(
+    model: Any,
+    seq_len: int,
+    *,
+    n_layers: int | None = None,
+    d_model: int | None = None,
+    causal: bool = False,
+) -> float:
+    """Training FLOPs per token of ``model`` at ``seq_len`` (PaLM convention, see module doc).
+
+    ``n_layers``/``d_model`` are detected when not given (see ``detect_layers_and_width``); if they
+    cannot be detected a ``ValueError`` names the argument to pass, rather than returning a number
+    that silently lacks the attention term.
+    """
+    detected_layers, detected_width = detect_layers_and_width(model)
+    layers = n_layers if n_layers is not None else detected_layers
+    width = d_model if d_model is not None else detected_width
+    if layers is None or width is None:
+        missing = " and ".join(n for n, v in (("n_layers", layers), ("d_model", width)) if v is None)
+        raise ValueError(
+            f"flops_per_token_from_model: could not detect {missing} of {type(model).__name__}; "
+            f"pass {missing} explicitly (or compute transformer_flops_per_token yourself)."
+        )
+    return transformer_flops_per_token(
+        count_non_embedding_params(model), layers, seq_len, width, causal=causal
+    )
+
+
+# --- peak table --------------------------------------------------------------------------------------
+T = 1e12
+
+
+@dataclass(frozen=True)
+class PeakEntry:
+    name: str  # short id used in the source string: "table:<name>"
+    pattern: str  # regex, case-insensitive, searched in the device name
+    flops: Mapping[str, float | None]  # dtype -> dense FLOP/s (None: no such tensor-core path)
+    source: str
+
+
+def _p(
+    fp8: float | None, bf16: float | None, fp16: float | None, tf32: float | None, fp32: float
+) -> dict[str, float | None]:
+    def s(v: float | None) -> float | None:
+        return None if v is None else v * T
+
+    return {"fp8": s(fp8), "bf16": s(bf16), "fp16": s(fp16), "tf32": s(tf32), "fp32": s(fp32)}
+
+
+# Most specific patterns first. Numbers in TFLOP/s, dense (datasheet sparse figures / 2).
+PEAK_TABLE: tuple[PeakEntry, ...] = (
+    PeakEntry(
+        "h100-nvl",
+        r"H100\s*NVL",
+        _p(1670.5, 835.5, 835.5, 417.5, 60),
+        "NVIDIA H100 datasheet (NVL column, per GPU; sparse/2)",
+    ),
+    PeakEntry(
+        "h100-pcie",
+        r"H100\s*PCIe",
+        _p(1513, 756.5, 756.5, 378, 51),
+        "NVIDIA H100 datasheet (PCIe column; sparse/2)",
+    ),
+    PeakEntry(
+        "gh200",
+        r"GH200",
+        _p(1979, 989.5, 989.5, 494.7, 67),
+        "NVIDIA GH200 datasheet (H100/H200-class Hopper GPU; sparse/2)",
+    ),
+    PeakEntry(
+        "h100-sxm",
+        r"H100",
+        _p(1979, 989.5, 989.5, 494.7, 67),
+        "NVIDIA H100 datasheet (SXM column; sparse/2); other H100 names assumed SXM",
+    ),
+    PeakEntry(
+        "h200-nvl",
+        r"H200\s*NVL",
+        _p(1670.5, 835.5, 835.5, 417.5, 60),
+        "NVIDIA H200 datasheet (NVL column; sparse/2)",
+    ),
+    PeakEntry(
+        "h200-sxm", r"H200", _p(1979, 989.5, 989.5, 494.7, 67), "NVIDIA H200 datasheet (SXM column; sparse/2)"
+    ),
+    PeakEntry("h20", r"\bH20\b", _p(296, 148, 148, 74, 44), "NVIDIA H20 product brief (dense)"),
+    PeakEntry(
+        "b200",
+        r"\bB200\b",
+        _p(4500, 2250, 2250, 1100, 75),
+        "NVIDIA HGX B200 datasheet (8-GPU totals / 8, sparse/2)",
+    ),
+    PeakEntry(
+        "a100-pcie",
+        r"A100.*PCIe",
+        _p(None, 312, 312, 156, 19.5),
+        "NVIDIA A100 datasheet (PCIe: same peak as SXM, lower sustained clocks)",
+    ),
+    PeakEntry("a100-sxm", r"A100", _p(None, 312, 312, 156, 19.5), "NVIDIA A100 datasheet (SXM; dense)"),
+    PeakEntry("l40s", r"L40S", _p(733, 366, 366, 183, 91.6), "NVIDIA L40S datasheet (sparse/2)"),
+    PeakEntry("l4", r"\bL4\b", _p(242.5, 121, 121, 60, 30.3), "NVIDIA L4 datasheet (sparse/2)"),
+    PeakEntry(
+        "rtx-4090",
+        r"RTX\s*4090",
+        _p(330.3, 165.2, 165.2, 82.6, 82.6),
+        "NVIDIA Ada whitepaper, RTX 4090 (FP32-accumulate tensor rates; dense)",
+    ),
+    PeakEntry("v100", r"V100", _p(None, None, 125, None, 15.7), "NVIDIA V100 datasheet (SXM2; no BF16/TF32)"),
+    PeakEntry(
+        "mi325x",
+        r"MI325X",
+        _p(2614.9, 1307.4, 1307.4, 653.7, 163.4),
+        "AMD Instinct MI325X data sheet (dense)",
+    ),
+    PeakEntry(
+        "mi300x",
+        r"MI300X",
+        _p(2614.9, 1307.4, 1307.4, 653.7, 163.4),
+        "AMD Instinct MI300X data sheet (dense)",
+    ),
+)
+
+
+def match_peak_entry(device_name: str | None) -> PeakEntry | None:
+    if not device_name:
+        return None
+    for entry in PEAK_TABLE:
+        if re.search(entry.pattern, device_name, flags=re.IGNORECASE):
+            return entry
+    return None
+
+
+def resolve_peak(
+    device_name: str | None,
+    dtype: Any = "bf16",
+    override: float | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[float | None, str | None]:
+    """(peak FLOP/s per GPU, source) for MFU, or (None, None) when unknown.
+
+    Order: ``override`` (the ``peak_flops`` setting; reported as ``env:OTEL_TRAIN_PEAK_FLOPS`` when
+    that variable supplied it), then ``OTEL_TRAIN_PEAK_FLOPS``, then the table
+    (``table:<entry>:<dtype>``). An unknown device or a dtype the device has no tensor path for
+    returns (None, None): no MFU rather than a wrong one.
+    """
+    env = os.environ if environ is None else environ
+    env_value: float | None = None
+    raw = env.get(PEAK_FLOPS_ENV, "").strip()
+    if raw:
+        try:
+            env_value = float(raw)
+        except ValueError:
+            env_value = None
+        if env_value is not None and not env_value > 0:
+            env_value = None
+    if override is not None and override > 0:
+        source = (
+            f"env:{PEAK_FLOPS_ENV}"
+            if env_value is not None and env_value == float(override)
+            else "config:peak_flops"
+        )
+        return float(override), source
+    if env_value is not None:
+        return env_value, f"env:{PEAK_FLOPS_ENV}"
+    key = normalize_dtype(dtype)
+    entry = match_peak_entry(device_name)
+    if entry is None or key is None:
+        return None, None
+    value = entry.flops.get(key)
+    if value is None:
+        return None, None
+    return value, f"table:{entry.name}:{key}"

@@ -1,0 +1,217 @@
+"""The instrumentation API: no-op before init, steps, timers (nesting, threads, async, errors),
+levels, idempotent lifecycle, and the flattening the bridges receive."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+import otel_train as ot
+from otel_train import semconv
+from otel_train.testing import capture_metrics
+
+
+def test_everything_is_a_noop_before_init() -> None:
+    assert ot.current_session() is None
+    with ot.step(0, tokens=10):
+        with ot.timer("forward"):
+            ot.record("loss", 1.0)
+    ot.log_metrics({"a": 1})
+    ot.log_text("t", "x")
+    ot.shutdown()  # nothing to shut down, still fine
+
+    @ot.timed("f")
+    def f() -> int:
+        return 3
+
+    assert f() == 3
+
+
+def test_init_is_idempotent_and_context_manager(tmp_path) -> None:
+    with ot.init(prometheus_port=0, verbosity=0, output_dir=str(tmp_path)) as session:
+        assert ot.init() is session
+        assert session.run_dir is not None and session.run_dir.parent == tmp_path
+    assert ot.current_session() is None
+    ot.shutdown()
+
+
+def test_steps_timers_and_flattened_keys() -> None:
+    with capture_metrics(log_interval=4, run_id="r1") as cap:
+        for i in range(8):
+            with ot.step(i, tokens=100, samples=2):
+                with ot.timer("forward"):
+                    time.sleep(0.002)
+                with ot.timer("backward"):
+                    pass
+                ot.record("loss", 3.0 - i)
+    first = cap.flushes[0][1]
+    assert cap.flushes[0][0] == 3
+    assert first["train/steps"] == 4
+    assert first["throughput/tokens"] == 400
+    assert first["throughput/tokens_per_s"] > 0
+    assert first["timers/forward/count"] == 4
+    assert first["timers/forward/mean"] >= 0.002
+    assert first["timers/forward/min"] <= first["timers/forward/mean"] <= first["timers/forward/max"]
+    assert "timers/forward/p50" in first
+    assert first["timers/step/count"] == 4
+    assert first["train/loss"] == 0.0  # last value of the interval (3 - 3)
+    assert cap.last("train/loss") == -4.0
+
+
+def test_decorators_nesting_threads_async_and_errors() -> None:
+    @ot.step
+    def train_step() -> None:
+        with ot.timer("outer"):
+            with ot.timer("inner"):
+                pass
+
+    @ot.timed("async_phase")
+    async def async_work() -> int:
+        await asyncio.sleep(0.001)
+        return 7
+
+    @ot.timed("raises")
+    def boom() -> None:
+        raise ValueError("boom")
+
+    def worker() -> None:
+        for _ in range(5):
+            with ot.timer("thread_phase"):
+                pass
+
+    with capture_metrics(log_interval=100) as cap:
+        for _ in range(3):
+            train_step()
+        assert asyncio.run(async_work()) == 7
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with pytest.raises(ValueError, match="boom"):
+            boom()
+    flushed = cap.flushes[-1][1]
+    assert flushed["train/steps"] == 3
+    assert flushed["timers/outer/count"] == 3 and flushed["timers/inner/count"] == 3
+    assert flushed["timers/async_phase/count"] == 1
+    assert flushed["timers/thread_phase/count"] == 15
+    assert flushed["timers/raises/ValueError/count"] == 1  # error.type attribute -> key segment
+
+
+def test_timing_level_filters_timers() -> None:
+    with capture_metrics(log_interval=100, timing_log_level=1) as cap:
+        with ot.step(0):
+            with ot.timer("coarse", level=0):
+                pass
+            with ot.timer("fine", level=2):
+                pass
+    flushed = cap.flushes[-1][1]
+    assert "timers/coarse/count" in flushed
+    assert not any(k.startswith("timers/fine") for k in flushed)
+
+
+def test_log_metrics_prefix_and_eval_keys() -> None:
+    with capture_metrics(log_interval=100) as cap:
+        with ot.step(0):
+            pass
+        ot.log_metrics({"loss": 1.25, "perplexity": 3.49, "accuracy": 0.5}, step=0, prefix="eval/")
+        ot.log_metrics({"my_metric": 2})
+    flushed = cap.flushes[-1][1]
+    assert flushed["eval/loss"] == 1.25
+    assert flushed["eval/perplexity"] == 3.49
+    assert flushed["eval/accuracy"] == 0.5
+    assert flushed["train/my_metric"] == 2
+
+
+def test_user_instruments_on_library_meter_reach_bridges() -> None:
+    with capture_metrics(log_interval=2) as cap:
+        meter = ot.get_meter()
+        counter = meter.create_counter("my.widgets")
+        hist = meter.create_histogram("my.latency", unit="s")
+        for i in range(4):
+            with ot.step(i):
+                counter.add(2)
+                hist.record(0.5)
+    # User instruments record at call time; each flush carries the delta collected so far.
+    assert sum(v for _, v in cap.series("my/widgets")) == 8
+    assert sum(v for _, v in cap.series("my/latency/count")) == 4
+    assert cap.last("my/latency/mean") == 0.5
+
+
+def test_total_steps_gives_eta_and_progress_file(tmp_path) -> None:
+    session = ot.init(prometheus_port=0, verbosity=0, log_interval=5, total_steps=20, output_dir=str(tmp_path))
+    for i in range(10):
+        with ot.step(i, tokens=10):
+            time.sleep(0.001)
+    ot.shutdown()
+    rows = [json.loads(line) for line in (session.run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[:2]] == [4, 9]
+    assert rows[0]["progress/eta_s"] > 0
+    assert rows[0]["train/steps"] == 5
+    progress = (session.run_dir / "progress.txt").read_text().splitlines()
+    assert "step 5/20" in progress[0] and "tokens 50" in progress[0] and "eta" in progress[0]
+    assert json.loads((session.run_dir / "config.json").read_text())["total_steps"] == 20
+    env = json.loads((session.run_dir / "env.json").read_text())
+    assert env["python"] and "opentelemetry-sdk" in env["packages"]
+
+
+def test_console_summary_and_timer_table(capsys) -> None:
+    ot.init(prometheus_port=0, verbosity=1, log_interval=2, run_dir_enabled=False)
+    for i in range(4):
+        with ot.step(i, tokens=10):
+            with ot.timer("forward"):
+                pass
+            ot.record("loss", 1.5)
+    ot.log_samples([("def ", "main():")], step=3)
+    ot.shutdown()
+    out = capsys.readouterr().out
+    assert "step 2 | loss 1.5000" in out
+    assert "'def ' → def main():" in out
+    assert "timer" in out and "forward" in out and "% time" in out
+
+
+def test_quiet_mode_prints_nothing(capsys) -> None:
+    ot.init(prometheus_port=0, verbosity=0, log_interval=1, run_dir_enabled=False)
+    with ot.step(0):
+        ot.record("loss", 1.0)
+    ot.shutdown()
+    assert capsys.readouterr().out == ""
+
+
+def test_public_api_is_pinned() -> None:
+    assert sorted(ot.__all__) == sorted([
+        "Config", "ConfigError", "__version__", "current_session", "finish", "get_meter", "init",
+        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "record",
+        "shutdown", "span", "step", "timed", "timer",
+    ])  # fmt: skip
+
+
+def test_import_is_light() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, otel_train; "
+        "heavy = [m for m in ('torch', 'wandb', 'tensorboard', 'mlflow', 'pynvml', 'grpc', "
+        "'opentelemetry.exporter.otlp.proto.http', 'opentelemetry.sdk.metrics') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_semconv_catalogue_is_consistent() -> None:
+    names = [m.name for m in semconv.CATALOGUE]
+    assert len(names) == len(set(names))
+    for spec in semconv.CATALOGUE:
+        assert spec.name == spec.name.lower() and "total" not in spec.name
+        if spec.kind is semconv.Kind.HISTOGRAM:
+            assert spec.unit == "s" and spec.buckets, spec.name  # seconds need explicit buckets
+    assert semconv.instrument_name_for("loss") == "train.loss"
+    assert semconv.instrument_name_for("train/loss") == "train.loss"
+    assert semconv.instrument_name_for("eval/perplexity") == "eval.perplexity"
+    assert semconv.instrument_name_for("9 bad!") is None

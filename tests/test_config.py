@@ -1,0 +1,81 @@
+"""Config precedence (kwargs > env > file > defaults) and error messages that name the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from otel_train.config import Config, ConfigError, config_as_dict, load_config
+
+
+def test_defaults() -> None:
+    config = load_config({}, environ={})
+    assert config == Config()
+    assert config.prometheus_port == 9464
+    assert config.otlp_protocol == "http/protobuf"
+
+
+def test_precedence_kwargs_over_env_over_file(tmp_path) -> None:
+    path = tmp_path / "ot.yaml"
+    path.write_text("log_interval: 7\nverbosity: 2\ntrace_every: 50\nservice_name: from-file\n")
+    env = {"OTEL_TRAIN_LOG_INTERVAL": "9", "OTEL_SERVICE_NAME": "from-env", "OTEL_TRAIN_CONFIG": str(path)}
+    config = load_config({"log_interval": 11}, environ=env)
+    assert config.log_interval == 11  # kwargs
+    assert config.service_name == "from-env"  # env over file
+    assert config.verbosity == 2 and config.trace_every == 50  # file over defaults
+
+
+def test_standard_otel_variables() -> None:
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20abc,x-tenant=t1",
+        "OTEL_RESOURCE_ATTRIBUTES": "team=ml,cluster=c1",
+        "OTEL_METRIC_EXPORT_INTERVAL": "15000",
+    }
+    config = load_config({}, environ=env)
+    assert config.otlp_endpoint == "http://collector:4318"
+    assert config.otlp_protocol == "grpc"
+    assert config.otlp_headers == {"authorization": "Bearer abc", "x-tenant": "t1"}
+    assert config.resource_attributes == {"team": "ml", "cluster": "c1"}
+    assert config.metric_export_interval_s == 15.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "fragments"),
+    [
+        ({"log_interval": 0}, {}, ["log_interval", "0", ">= 1", "OTEL_TRAIN_LOG_INTERVAL"]),
+        ({}, {"OTEL_TRAIN_LOG_INTERVAL": "ten"}, ["log_interval", "OTEL_TRAIN_LOG_INTERVAL", "'ten'", "integer"]),
+        ({"otlp_protocol": "udp"}, {}, ["otlp_protocol", "'udp'", "'grpc'"]),
+        ({}, {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"}, ["otlp_endpoint", "http://localhost:4318"]),
+        ({"prometheus_port": 70000}, {}, ["prometheus_port", "70000", "0 to disable"]),
+        ({"timing_log_level": 3}, {}, ["timing_log_level", "0, 1 or 2"]),
+        ({"bogus": 1}, {}, ["unknown setting", "'bogus'"]),
+        ({}, {"OTEL_METRIC_EXPORT_INTERVAL": "soon"}, ["OTEL_METRIC_EXPORT_INTERVAL", "milliseconds"]),
+        ({"run_name": "bad name/.."}, {}, ["run_name", "letters, digits"]),
+    ],
+)
+def test_invalid_settings_name_setting_value_and_fix(overrides, env, fragments) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides, environ=env)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_bad_yaml_file(tmp_path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("log_interval: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config({}, environ={}, config_file=str(path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config({}, environ={}, config_file=str(tmp_path / "missing.yaml"))
+    path.write_text("nonsense_key: 1\n")
+    with pytest.raises(ConfigError, match="unknown settings"):
+        load_config({}, environ={}, config_file=str(path))
+
+
+def test_secret_header_never_echoed_in_errors_or_dict() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({}, environ={"OTEL_EXPORTER_OTLP_HEADERS": "authorization=SECRET-MARKER,broken"})
+    assert "SECRET-MARKER" not in str(info.value)
+    config = load_config({"otlp_headers": {"authorization": "SECRET-MARKER"}}, environ={})
+    assert "SECRET-MARKER" not in repr(config_as_dict(config))

@@ -1,0 +1,145 @@
+"""OTLP export against a real receiver (HTTP/protobuf and gRPC), and an unavailable collector."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from otlp_receiver import grpc_receiver, http_receiver, refused_endpoint, tarpit
+
+import otel_train as ot
+from otel_train import semconv
+from otel_train.pipeline import step_trace_ids
+
+
+def _train(steps: int = 25, sleep: float = 0.0) -> None:
+    for i in range(steps):
+        with ot.step(i, tokens=64, samples=4):
+            with ot.timer("forward"):
+                time.sleep(sleep)
+            with ot.timer("backward"):
+                pass
+            ot.record("loss", 2.0 - i * 0.01)
+            ot.record("lr", 1e-3)
+    with ot.span("eval"):
+        ot.log_metrics({"eval/loss": 1.5, "eval/perplexity": 4.48})
+
+
+def _run(endpoint: str, protocol: str) -> ot.Session:
+    session = ot.init(
+        otlp_endpoint=endpoint,
+        otlp_protocol=protocol,
+        run_id="otlp-test-run",
+        prometheus_port=0,
+        verbosity=0,
+        log_interval=5,
+        metric_export_interval_s=0.5,
+        trace_first=2,
+        trace_every=10,
+    )
+    _train()
+    ot.shutdown()
+    return session
+
+
+def _check_metrics(received) -> None:
+    points = received.metric_points()
+    for spec in (semconv.STEPS, semconv.TOKENS, semconv.STEP_DURATION, semconv.PHASE_DURATION, semconv.LOSS,
+                 semconv.LEARNING_RATE, semconv.EVAL_LOSS, semconv.LAST_STEP_TIME):  # fmt: skip
+        assert spec.name in points, f"{spec.name} missing; got {sorted(points)}"
+        for resource, metric, unit in points[spec.name]:
+            assert unit == spec.unit, (spec.name, unit)
+            assert resource["run_id"] == "otlp-test-run"
+            assert resource["rank"] == 0
+            assert resource["service.name"] == "otel-train"
+            assert resource["service.instance.id"] == "otlp-test-run-rank0"
+    # cumulative totals are right in the last export
+    steps = points[semconv.STEPS.name][-1][1]
+    assert steps.sum.data_points[0].as_int == 25 or steps.sum.data_points[0].as_double == 25
+    hist = points[semconv.STEP_DURATION.name][-1][1].histogram
+    assert hist.data_points[0].count == 25
+    assert list(hist.data_points[0].explicit_bounds) == list(semconv.STEP_BUCKETS)
+    phases = {
+        kv.value.string_value
+        for dp in points[semconv.PHASE_DURATION.name][-1][1].histogram.data_points
+        for kv in dp.attributes
+        if kv.key == semconv.PHASE
+    }
+    assert {"forward", "backward", "eval"} <= phases
+
+
+def _check_spans(received) -> None:
+    spans = [span for _, span in received.spans()]
+    steps = {s.name: s for s in spans if s.name.startswith("train.step ")}
+    assert set(steps) == {"train.step 0", "train.step 1", "train.step 10", "train.step 20"}
+    for name, span in steps.items():
+        step = int(name.split()[-1])
+        trace_id, root_id = step_trace_ids("otlp-test-run", step)
+        assert int.from_bytes(span.trace_id, "big") == trace_id  # deterministic from (run id, step)
+        assert int.from_bytes(span.parent_span_id, "big") == root_id  # child of the virtual root
+        children = [s for s in spans if s.parent_span_id == span.span_id]
+        assert sorted(c.name for c in children) == ["backward", "forward"]
+        for child in children:
+            assert span.start_time_unix_nano <= child.start_time_unix_nano <= child.end_time_unix_nano
+            assert child.end_time_unix_nano <= span.end_time_unix_nano
+    assert any(s.name == "eval" for s in spans)  # eval marks are always traced
+    assert not any(s.name == "train.step 5" for s in spans)  # unsampled
+
+
+def test_otlp_http_metrics_spans_resource() -> None:
+    with http_receiver() as (endpoint, received):
+        _run(endpoint, "http/protobuf")
+        deadline = time.monotonic() + 5
+        while not (received.metrics and received.traces) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    _check_metrics(received)
+    _check_spans(received)
+
+
+def test_otlp_grpc_metrics_spans_resource() -> None:
+    with grpc_receiver() as (endpoint, received):
+        _run(endpoint, "grpc")
+    _check_metrics(received)
+    _check_spans(received)
+
+
+def test_health_events_leave_as_log_records() -> None:
+    with http_receiver() as (endpoint, received):
+        ot.init(otlp_endpoint=endpoint, prometheus_port=0, verbosity=0, log_interval=2)
+        for i in range(4):
+            with ot.step(i):
+                ot.record("loss", float("nan") if i == 3 else 1.0)
+        ot.shutdown()
+    records = received.log_records()
+    events = [r for _, r in records if r.event_name == "otel_train.nonfinite"]
+    assert events, [r.event_name for _, r in records]
+    points = received.metric_points()
+    nonfinite = points[semconv.NONFINITE_LOSS.name][-1][1].sum.data_points[0]
+    assert (nonfinite.as_int or nonfinite.as_double) == 1
+
+
+@pytest.mark.parametrize("kind", ["refused", "tarpit"])
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_collector_unavailable_does_not_block(kind: str, protocol: str) -> None:
+    """Training completes and shutdown returns; the real figure is in bench/. Generous bound only
+    guards against hangs (OTel defaults take 40-50 s)."""
+    ctx = tarpit() if kind == "tarpit" else None
+    endpoint = ctx.__enter__() if ctx else refused_endpoint()
+    try:
+        ot.init(
+            otlp_endpoint=endpoint,
+            otlp_protocol=protocol,
+            prometheus_port=0,
+            verbosity=0,
+            log_interval=5,
+            metric_export_interval_s=0.2,
+            otlp_timeout_s=1.0,
+            shutdown_timeout_s=2.0,
+        )
+        _train(steps=40)
+        started = time.monotonic()
+        ot.shutdown()
+        assert time.monotonic() - started < 15
+    finally:
+        if ctx:
+            ctx.__exit__(None, None, None)

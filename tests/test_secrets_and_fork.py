@@ -1,0 +1,104 @@
+"""Secrets never leave; forked DataLoader workers never export."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from otlp_receiver import http_receiver
+from torch.utils.data import DataLoader, Dataset
+
+import otel_train as ot
+from otel_train import semconv
+
+MARKERS = ("MARKER-ENV-7f3a", "MARKER-FIELD-19cd", "MARKER-HEADER-55be", "MARKER-HPARAM-a0a0")
+
+
+def test_secrets_never_reach_files_console_or_payloads(tmp_path, monkeypatch, capfd) -> None:
+    env_marker, field_marker, header_marker, hparam_marker = MARKERS
+    monkeypatch.setenv("WANDB_API_KEY", env_marker)
+    monkeypatch.setenv("MY_SERVICE_TOKEN", env_marker)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"authorization=Bearer {header_marker}")
+    with http_receiver() as (endpoint, received):
+        session = ot.init(
+            otlp_endpoint=endpoint,
+            output_dir=str(tmp_path),
+            prometheus_port=0,
+            verbosity=2,
+            log_interval=2,
+            resource_attributes={"team": "ml", "api_token": field_marker},
+        )
+        ot.log_hyperparams({"lr": 1e-3, "api_key": hparam_marker, "nested": {"password": hparam_marker}})
+        for i in range(4):
+            with ot.step(i):
+                ot.record("loss", 1.0)
+        ot.shutdown()
+    out, err = capfd.readouterr()
+    files = [p for p in Path(session.run_dir).rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"config.json", "env.json", "metrics.rank0.jsonl", "hparams.json"}
+    for marker in MARKERS:
+        assert marker not in out and marker not in err, marker
+        for path in files:
+            assert marker.encode() not in path.read_bytes(), (marker, path)
+        for body in received.raw:
+            assert marker.encode() not in body, marker
+    # the header was used for what it is for: authenticating the export
+    assert any(h.get("authorization") == f"Bearer {header_marker}" for h in received.headers)
+    assert received.metrics and received.raw
+
+
+class _Tokens(Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        # Worker processes call the API too; in a forked child it must be a no-op.
+        with ot.timer("worker_side"):
+            ot.record("worker_value", float(index))
+        return torch.full((4,), index)
+
+
+def test_forked_dataloader_workers_export_nothing() -> None:
+    with http_receiver() as (endpoint, received):
+        ot.init(
+            otlp_endpoint=endpoint,
+            prometheus_port=0,
+            verbosity=0,
+            log_interval=2,
+            metric_export_interval_s=0.2,
+            run_dir_enabled=False,
+        )
+        loader = DataLoader(_Tokens(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+        steps = 0
+        for epoch in range(2):
+            for batch in loader:
+                with ot.step(tokens=int(batch.numel()), samples=batch.shape[0]):
+                    time.sleep(0.06)  # give the children's restarted SDK threads time to tick
+                steps += 1
+        time.sleep(0.5)
+        ot.shutdown()
+    pids = {
+        resource["process.pid"]
+        for request in received.metrics
+        for resource in [
+            {kv.key: kv.value.int_value for kv in rm.resource.attributes if kv.key == "process.pid"}
+            for rm in request.resource_metrics
+        ]
+    }
+    assert pids == {os.getpid()}
+    points = received.metric_points()
+    # A child re-exporting the parent's frozen cumulative values would show up as a decrease.
+    exported = [
+        dp.as_int or dp.as_double
+        for _, metric, _ in points[semconv.STEPS.name]
+        for dp in metric.sum.data_points
+    ]
+    assert len(exported) >= 3
+    assert exported == sorted(exported), exported
+    last_steps = points[semconv.STEPS.name][-1][1].sum.data_points[0]
+    assert (last_steps.as_int or last_steps.as_double) == steps == 16
+    last_tokens = points[semconv.TOKENS.name][-1][1].sum.data_points[0]
+    assert (last_tokens.as_int or last_tokens.as_double) == 16 * 16
+    assert semconv.instrument_name_for("worker_value") not in points  # workers' records went nowhere

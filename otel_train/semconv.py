@@ -152,9 +152,9 @@ MFU = _m(
     "train.mfu", S.GAUGE, "1", "Model FLOPs utilization vs the device's peak.", "throughput/mfu",
     attributes=(PEAK_SOURCE,),
 )  # fmt: skip
-ENERGY_PER_TOKEN = _m("train.energy.per_token", S.GAUGE, "J", "GPU energy per token.", "energy/joules_per_token")
-ENERGY_PER_STEP = _m("train.energy.per_step", S.GAUGE, "J", "GPU energy per step.", "energy/joules_per_step")
-POWER_AVERAGE = _m("train.power.average", S.GAUGE, "W", "Average GPU power over the interval.", "energy/avg_power_w")
+ENERGY_PER_TOKEN = _m("train.energy.per_token", S.GAUGE, "J", "GPU energy per token.", "energy/joules_per_token", gpu_only=True)
+ENERGY_PER_STEP = _m("train.energy.per_step", S.GAUGE, "J", "GPU energy per step.", "energy/joules_per_step", gpu_only=True)
+POWER_AVERAGE = _m("train.power.average", S.GAUGE, "W", "Average GPU power over the interval.", "energy/avg_power_w", gpu_only=True)
 
 # --- GPU (hw.* semantic conventions where they exist) ----------------------------------------------
 _GPU = (HW_ID, HW_NAME)

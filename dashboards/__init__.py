@@ -1,0 +1,1 @@
+"""Grafana dashboards for otel_train, generated from the metric catalogue (`dashboards/build.py`)."""

@@ -1,0 +1,862 @@
+"""Generate otel_train's Grafana dashboards from the metric catalogue (`otel_train/semconv.py`).
+
+    python -m dashboards.build            # (re)write dashboards/json/<uid>.json
+    python -m dashboards.build --check    # exit 1 when the committed JSON is stale
+    python -m dashboards.build --out DIR  # write somewhere else (tests)
+
+Every metric name comes from a `MetricSpec`; nothing here retypes one.  Every query works on both
+export paths: the in-process pull endpoint (opentelemetry-exporter-prometheus) and the OTel
+Collector's prometheus exporter.  They differ only for unit-"1" gauges, which the Collector names
+`<name>_ratio`; those are selected with `{__name__=~"<name>(_ratio)?", ...}` (see `selector`), and
+every query aggregates with an explicit `by (...)` so that the label sets of the two paths (scope
+labels, job/instance) never matter.
+
+The output is plain dashboard JSON for Grafana file provisioning, with sorted keys and stable panel
+ids, so that regeneration is byte-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+if __package__ in (None, ""):  # run as `python dashboards/build.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from grafana_foundation_sdk.builders.common import ReduceDataOptions
+from grafana_foundation_sdk.builders.dashboard import (
+    Dashboard,
+    DashboardLink,
+    DatasourceVariable,
+    QueryVariable,
+    Row,
+    ThresholdsConfig,
+)
+from grafana_foundation_sdk.builders.heatmap import Panel as HeatmapPanel
+from grafana_foundation_sdk.builders.heatmap import RowsHeatmapOptions, YAxisConfig
+from grafana_foundation_sdk.builders.prometheus import Dataquery
+from grafana_foundation_sdk.builders.stat import Panel as StatPanel
+from grafana_foundation_sdk.builders.table import Panel as TablePanel
+from grafana_foundation_sdk.builders.timeseries import Panel as TimeseriesPanel
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import BigValueGraphMode, HeatmapCellLayout
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardLinkType,
+    DataSourceRef,
+    Threshold,
+    ThresholdsMode,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+from otel_train import semconv as sc
+from otel_train.semconv import Kind, MetricSpec
+
+JSON_DIR = Path(__file__).resolve().parent / "json"
+TAGS = ["otel_train", "generated"]
+DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
+RATE = "$__rate_interval"
+RANGE = "$__range"
+GPU_NOTE = "GPU-only: empty on runs without NVIDIA GPUs."
+
+_GAUGE_KINDS = (Kind.GAUGE, Kind.OBSERVABLE_GAUGE)
+_HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+# --- labels (attribute keys as Prometheus label names) ---------------------------------------------
+def label(key: str) -> str:
+    """Prometheus label name of an OTel attribute key (`train.phase` -> `train_phase`)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+_HOST_KEY = "host.name"
+assert _HOST_KEY in sc.LABEL_RESOURCE_KEYS
+RUN = label(sc.RUN_ID)
+RANK = label(sc.RANK)
+HOST = label(_HOST_KEY)
+PHASE = label(sc.PHASE)
+STRAGGLER_KIND = label(sc.STRAGGLER_KIND)
+STAT = label(sc.STAT)
+EVENT = label(sc.EVENT)
+REASON = label(sc.REASON)
+HW_ID = label(sc.HW_ID)
+HW_NAME = label(sc.HW_NAME)
+THROTTLE_REASON = label(sc.THROTTLE_REASON)
+DIRECTION = label(sc.DIRECTION)
+MEMORY_STATE = label(sc.MEMORY_STATE)
+ERROR_TYPE = label(sc.ERROR_TYPE)
+
+# Dashboard variables: (name, label shown in Grafana, label name filtered on).
+VAR_RUN, VAR_HOST, VAR_RANK = "run_id", "host", "rank"
+VARIABLES: tuple[tuple[str, str, str], ...] = (
+    (VAR_RUN, "Run", RUN),
+    (VAR_HOST, "Host", HOST),
+    (VAR_RANK, "Rank", RANK),
+)
+
+# Prometheus' own alert series (not an otel_train metric).
+ALERTS = "ALERTS"
+
+
+# --- selectors ------------------------------------------------------------------------------------
+def has_two_names(spec: MetricSpec) -> bool:
+    """True when the pull endpoint and the Collector name `spec` differently (unit-"1" gauges)."""
+    return spec.prometheus_name != spec.collector_prometheus_name
+
+
+def name_regex(spec: MetricSpec) -> str:
+    """`__name__` regex matching the series name of `spec` on both export paths."""
+    pull, collector = spec.prometheus_name, spec.collector_prometheus_name
+    if pull == collector:
+        return pull
+    if not collector.startswith(pull):
+        raise ValueError(f"cannot build a suffix alternation for {pull!r} / {collector!r}")
+    return f"{pull}({collector[len(pull) :]})?"
+
+
+def selector(
+    spec: MetricSpec, suffix: str = "", *, rank: bool = True, host: bool = True, **extra: str
+) -> str:
+    """Series selector for `spec`, filtered by the dashboard variables.
+
+    `suffix` is `_bucket`/`_sum`/`_count` for histograms.  `extra` adds label matchers; a value
+    starting with `~` is a regex match (`stat="~min|max"`).  Unit-"1" gauges are selected with
+    a `__name__` alternation so that both namings match.
+    """
+    if suffix and (spec.kind is not Kind.HISTOGRAM or suffix not in _HISTOGRAM_SUFFIXES):
+        raise ValueError(f"suffix {suffix!r} does not apply to {spec.name}")
+    matchers = [f'{RUN}=~"${VAR_RUN}"']
+    if host:
+        matchers.append(f'{HOST}=~"${VAR_HOST}"')
+    if rank:
+        matchers.append(f'{RANK}=~"${VAR_RANK}"')
+    for key, value in extra.items():
+        op, value = ("=~", value[1:]) if value.startswith("~") else ("=", value)
+        matchers.append(f'{key}{op}"{value}"')
+    if has_two_names(spec):
+        if suffix:
+            raise ValueError(f"{spec.name}: histogram names never differ between paths")
+        return "{" + ", ".join([f'__name__=~"{name_regex(spec)}"', *matchers]) + "}"
+    return f"{spec.prometheus_name}{suffix}{{{', '.join(matchers)}}}"
+
+
+def rate(spec: MetricSpec, suffix: str = "", window: str = RATE, fn: str = "rate", **kw: object) -> str:
+    return f"{fn}({selector(spec, suffix, **kw)}[{window}])"  # type: ignore[arg-type]
+
+
+def agg(op: str, by: str, inner: str) -> str:
+    return f"{op} by ({by}) ({inner})"
+
+
+def quantile(q: float, spec: MetricSpec, by: str, window: str = RATE) -> str:
+    return f"histogram_quantile({q}, {agg('sum', f'le, {by}', rate(spec, '_bucket', window))})"
+
+
+def mean(spec: MetricSpec, by: str, window: str = RATE) -> str:
+    """Mean of a histogram over the window: rate(sum) / rate(count)."""
+    return f"{agg('sum', by, rate(spec, '_sum', window))} / {agg('sum', by, rate(spec, '_count', window))}"
+
+
+# --- panel model ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str = ""
+    instant: bool = False
+    fmt: PromQueryFormat = PromQueryFormat.TIME_SERIES
+
+
+@dataclass(frozen=True)
+class PanelDef:
+    title: str
+    targets: tuple[Target, ...]
+    viz: str = "timeseries"  # timeseries | stat | table | heatmap
+    unit: str = "short"
+    width: int = 12
+    height: int = 8
+    description: str = ""
+    thresholds: tuple[tuple[float | None, str], ...] = ()
+    min_val: float | None = None
+
+
+@dataclass(frozen=True)
+class DashboardDef:
+    uid: str
+    title: str
+    description: str
+    rows: tuple[tuple[str, tuple[PanelDef, ...]], ...] = field(default_factory=tuple)
+
+    def panels(self) -> Iterable[PanelDef]:
+        for _, panels in self.rows:
+            yield from panels
+
+
+def ts(title: str, *targets: Target, **kw: object) -> PanelDef:
+    return PanelDef(title, targets, "timeseries", **kw)  # type: ignore[arg-type]
+
+
+def stat(title: str, *targets: Target, **kw: object) -> PanelDef:
+    return PanelDef(title, targets, "stat", width=6, height=5, **kw)  # type: ignore[arg-type]
+
+
+def table(title: str, *targets: Target, **kw: object) -> PanelDef:
+    instant = tuple(Target(t.expr, t.legend, True, PromQueryFormat.TABLE) for t in targets)
+    return PanelDef(title, instant, "table", **kw)  # type: ignore[arg-type]
+
+
+def T(expr: str, legend: str = "") -> Target:
+    return Target(expr, legend)
+
+
+# --- which catalogue metrics an expression reads --------------------------------------------------
+def _names_to_specs() -> dict[str, MetricSpec]:
+    names: dict[str, MetricSpec] = {}
+    for spec in sc.CATALOGUE:
+        for base in {spec.prometheus_name, spec.collector_prometheus_name}:
+            names[base] = spec
+            if spec.kind is Kind.HISTOGRAM:
+                for suffix in _HISTOGRAM_SUFFIXES:
+                    names[base + suffix] = spec
+    return names
+
+
+_NAMES = _names_to_specs()
+_IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def specs_in(expr: str) -> tuple[MetricSpec, ...]:
+    """Catalogue specs an expression reads (by series name, either naming)."""
+    found = {_NAMES[tok].name: _NAMES[tok] for tok in _IDENT.findall(expr) if tok in _NAMES}
+    return tuple(found[name] for name in sorted(found))
+
+
+def panel_gpu_only(panel: PanelDef) -> bool:
+    return any(spec.gpu_only for t in panel.targets for spec in specs_in(t.expr))
+
+
+# --- the four dashboards --------------------------------------------------------------------------
+_R = f"{RUN}, {RANK}"
+_GPU_BY = f"{RUN}, {HOST}, {HW_ID}, {HW_NAME}"
+_GPU_LEGEND = f"{{{{{HOST}}}}} {{{{{HW_ID}}}}}"
+
+
+def _lg(*labels: str, prefix: str = "", suffix: str = "") -> str:
+    """Legend format such as `{{run_id}} rank {{rank}}`."""
+    parts = [f"{{{{{RUN}}}}}"]
+    for name in labels:
+        parts.append(f"rank {{{{{RANK}}}}}" if name == RANK else f"{{{{{name}}}}}")
+    text = " ".join(parts)
+    return f"{prefix}{text}{suffix}"
+
+
+def overview() -> DashboardDef:
+    step = sc.STEP_DURATION
+    return DashboardDef(
+        "otel-train-overview",
+        "otel_train / Training overview",
+        "Loss, evaluation, learning rate, throughput, MFU and step time of one or more runs.",
+        (
+            (
+                "Progress",
+                (
+                    stat("Current step", T(agg("max", RUN, selector(sc.CURRENT_STEP)), _lg()), unit="none"),
+                    stat(
+                        "Progress",
+                        T(
+                            f"{agg('max', RUN, selector(sc.CURRENT_STEP))} / {agg('max', RUN, selector(sc.TOTAL_STEPS))}",
+                            _lg(),
+                        ),
+                        unit="percentunit",
+                    ),
+                    stat("ETA", T(agg("max", RUN, selector(sc.ETA)), _lg()), unit="dtdurations"),
+                    stat("Tokens/s (all ranks)", T(agg("sum", RUN, rate(sc.TOKENS)), _lg()), unit="short"),
+                ),
+            ),
+            (
+                "Loss and optimizer",
+                (
+                    ts("Training loss", T(agg("avg", RUN, selector(sc.LOSS)), _lg())),
+                    ts("Learning rate", T(agg("max", RUN, selector(sc.LEARNING_RATE)), _lg())),
+                    ts("Gradient norm", T(agg("max", RUN, selector(sc.GRAD_NORM)), _lg())),
+                    ts("Eval loss", T(agg("avg", RUN, selector(sc.EVAL_LOSS)), _lg())),
+                    ts("Eval perplexity", T(agg("avg", RUN, selector(sc.EVAL_PERPLEXITY)), _lg())),
+                    ts(
+                        "Eval accuracy",
+                        T(agg("avg", RUN, selector(sc.EVAL_ACCURACY)), _lg()),
+                        unit="percentunit",
+                    ),
+                ),
+            ),
+            (
+                "Throughput and efficiency",
+                (
+                    ts("Tokens/s", T(agg("sum", RUN, rate(sc.TOKENS)), _lg())),
+                    ts("Samples/s", T(agg("sum", RUN, rate(sc.SAMPLES)), _lg())),
+                    ts("Steps/s", T(agg("avg", RUN, rate(sc.STEPS)), _lg())),
+                    ts("MFU", T(agg("avg", RUN, selector(sc.MFU)), _lg()), unit="percentunit", min_val=0),
+                    ts(
+                        "Achieved FLOP/s per GPU", T(agg("avg", RUN, selector(sc.FLOPS)), _lg()), unit="flops"
+                    ),
+                    ts("ETA over time", T(agg("max", RUN, selector(sc.ETA)), _lg()), unit="s"),
+                ),
+            ),
+            (
+                "Step time",
+                (
+                    ts(
+                        "Step time p50 / p95 / p99",
+                        T(quantile(0.5, step, RUN), _lg(suffix=" p50")),
+                        T(quantile(0.95, step, RUN), _lg(suffix=" p95")),
+                        T(quantile(0.99, step, RUN), _lg(suffix=" p99")),
+                        T(mean(step, RUN), _lg(suffix=" mean")),
+                        unit="s",
+                    ),
+                    PanelDef(
+                        "Step time distribution",
+                        (
+                            Target(
+                                agg("sum", "le", rate(step, "_bucket", fn="increase")),
+                                "{{le}}",
+                                fmt=PromQueryFormat.HEATMAP,
+                            ),
+                        ),
+                        "heatmap",
+                        unit="s",
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+def ranks() -> DashboardDef:
+    step, phase, score, cross = sc.STEP_DURATION, sc.PHASE_DURATION, sc.STRAGGLER_SCORE, sc.PHASE_CROSS_RANK
+    slow_by = f"{RUN}, {HOST}, {RANK}"
+    score_by = f"{RUN}, {HOST}, {RANK}, {STRAGGLER_KIND}, {PHASE}"
+    return DashboardDef(
+        "otel-train-ranks",
+        "otel_train / Ranks and stragglers",
+        "Per-rank step and phase times, straggler scores and cross-rank spread.",
+        (
+            (
+                "Per-rank times",
+                (
+                    ts("Mean step time by rank", T(mean(step, _R), _lg(RANK)), unit="s"),
+                    ts("Step time p95 by rank", T(quantile(0.95, step, _R), _lg(RANK)), unit="s"),
+                    ts(
+                        "Mean phase time by rank",
+                        T(mean(phase, f"{_R}, {PHASE}"), _lg(RANK, PHASE)),
+                        unit="s",
+                        width=24,
+                    ),
+                    PanelDef(
+                        "Mean step time per rank (heatmap)",
+                        (Target(mean(step, RANK), f"{{{{{RANK}}}}}"),),
+                        "heatmap",
+                        unit="s",
+                        width=24,
+                        description="One row per rank; a straggler shows as a hot row.",
+                    ),
+                ),
+            ),
+            (
+                "Stragglers",
+                (
+                    ts(
+                        "Straggler score (1 = healthy, lower = slower)",
+                        T(
+                            agg("min", f"{_R}, {STRAGGLER_KIND}, {PHASE}", selector(score)),
+                            _lg(RANK, STRAGGLER_KIND, PHASE),
+                        ),
+                        unit="none",
+                        min_val=0,
+                        width=24,
+                    ),
+                    table(
+                        "Slowest ranks (mean step time over the range)",
+                        T(f"topk(8, {mean(step, slow_by, RANGE)})"),
+                        unit="s",
+                    ),
+                    table(
+                        "Lowest straggler scores",
+                        T(f"bottomk(8, {agg('min', score_by, selector(score))})"),
+                        unit="none",
+                    ),
+                ),
+            ),
+            (
+                "Cross-rank statistics",
+                (
+                    ts(
+                        "Cross-rank min / max of phase time",
+                        T(
+                            agg(
+                                "max",
+                                f"{RUN}, {PHASE}, {STAT}",
+                                selector(cross, rank=False, host=False, stat="~min|max"),
+                            ),
+                            _lg(PHASE, STAT),
+                        ),
+                        unit="s",
+                    ),
+                    ts(
+                        "Cross-rank spread (max / min)",
+                        T(
+                            f"{agg('max', f'{RUN}, {PHASE}', selector(cross, rank=False, host=False, stat='max'))}"
+                            f" / {agg('max', f'{RUN}, {PHASE}', selector(cross, rank=False, host=False, stat='min'))}",
+                            _lg(PHASE),
+                        ),
+                        unit="none",
+                        description="1 = all ranks equally fast; 1.5 = the slowest rank takes 50% longer.",
+                    ),
+                    table(
+                        "Slowest and fastest rank per phase",
+                        T(
+                            agg(
+                                "max",
+                                f"{RUN}, {PHASE}, {STAT}",
+                                selector(cross, rank=False, host=False, stat="~argmax_rank|argmin_rank"),
+                            )
+                        ),
+                        unit="none",
+                        width=24,
+                        description="Rank index with the longest (argmax_rank) and shortest (argmin_rank) mean phase time.",
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+def gpus_host() -> DashboardDef:
+    host_by = f"{RUN}, {HOST}, {RANK}"
+    return DashboardDef(
+        "otel-train-gpus-host",
+        "otel_train / GPUs and host",
+        "GPU utilization, memory, temperature, power, energy, throttling, clocks; host CPU and memory.",
+        (
+            (
+                "GPU",
+                (
+                    ts(
+                        "GPU utilization",
+                        T(agg("max", _GPU_BY, selector(sc.GPU_UTILIZATION)), _GPU_LEGEND),
+                        unit="percentunit",
+                        min_val=0,
+                    ),
+                    ts(
+                        "GPU memory controller utilization",
+                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_UTILIZATION)), _GPU_LEGEND),
+                        unit="percentunit",
+                        min_val=0,
+                    ),
+                    ts(
+                        "GPU memory used",
+                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_USAGE)), _GPU_LEGEND),
+                        unit="bytes",
+                    ),
+                    ts(
+                        "GPU memory used (fraction of total)",
+                        T(
+                            f"{agg('max', _GPU_BY, selector(sc.GPU_MEMORY_USAGE))}"
+                            f" / {agg('max', _GPU_BY, selector(sc.GPU_MEMORY_LIMIT))}",
+                            _GPU_LEGEND,
+                        ),
+                        unit="percentunit",
+                        min_val=0,
+                    ),
+                    ts(
+                        "GPU temperature",
+                        T(agg("max", _GPU_BY, selector(sc.GPU_TEMPERATURE)), _GPU_LEGEND),
+                        unit="celsius",
+                    ),
+                    ts("GPU power", T(agg("max", _GPU_BY, selector(sc.GPU_POWER)), _GPU_LEGEND), unit="watt"),
+                    ts(
+                        "GPU energy rate",
+                        T(agg("max", _GPU_BY, rate(sc.GPU_ENERGY)), _GPU_LEGEND),
+                        unit="watt",
+                        description="Rate of the driver's energy counter (average power).",
+                    ),
+                    ts(
+                        "GPU throttle / clock-event reasons",
+                        T(
+                            agg("max", f"{_GPU_BY}, {THROTTLE_REASON}", selector(sc.GPU_THROTTLE)),
+                            f"{_GPU_LEGEND} {{{{{THROTTLE_REASON}}}}}",
+                        ),
+                        unit="none",
+                    ),
+                    ts(
+                        "GPU clocks",
+                        T(agg("max", _GPU_BY, selector(sc.GPU_CLOCK_SM)), f"{_GPU_LEGEND} SM"),
+                        T(agg("max", _GPU_BY, selector(sc.GPU_CLOCK_MEMORY)), f"{_GPU_LEGEND} memory"),
+                        unit="hertz",
+                    ),
+                    ts(
+                        "PCIe throughput",
+                        T(
+                            agg("max", f"{_GPU_BY}, {DIRECTION}", selector(sc.GPU_PCIE_THROUGHPUT)),
+                            f"{_GPU_LEGEND} {{{{{DIRECTION}}}}}",
+                        ),
+                        unit="Bps",
+                    ),
+                    ts(
+                        "GPU errors",
+                        T(
+                            agg("sum", f"{_GPU_BY}, {ERROR_TYPE}", rate(sc.GPU_ERRORS, fn="increase")),
+                            f"{_GPU_LEGEND} {{{{{ERROR_TYPE}}}}}",
+                        ),
+                        unit="short",
+                    ),
+                ),
+            ),
+            (
+                "Energy",
+                (
+                    ts(
+                        "Energy per token",
+                        T(agg("avg", RUN, selector(sc.ENERGY_PER_TOKEN)), _lg()),
+                        unit="joule",
+                    ),
+                    ts(
+                        "Energy per step",
+                        T(agg("avg", RUN, selector(sc.ENERGY_PER_STEP)), _lg()),
+                        unit="joule",
+                    ),
+                    ts(
+                        "Average GPU power by rank",
+                        T(agg("max", _R, selector(sc.POWER_AVERAGE)), _lg(RANK)),
+                        unit="watt",
+                    ),
+                ),
+            ),
+            (
+                "CUDA allocator",
+                (
+                    ts(
+                        "CUDA memory by rank",
+                        T(agg("max", _R, selector(sc.CUDA_MEMORY_ALLOCATED)), _lg(RANK, suffix=" allocated")),
+                        T(agg("max", _R, selector(sc.CUDA_MEMORY_RESERVED)), _lg(RANK, suffix=" reserved")),
+                        T(agg("max", _R, selector(sc.CUDA_MEMORY_PEAK)), _lg(RANK, suffix=" peak")),
+                        unit="bytes",
+                    ),
+                    ts(
+                        "CUDA allocator retries and OOMs",
+                        T(
+                            agg("sum", _R, rate(sc.CUDA_ALLOC_RETRIES, fn="increase")),
+                            _lg(RANK, suffix=" retries"),
+                        ),
+                        T(agg("sum", _R, rate(sc.CUDA_OOMS, fn="increase")), _lg(RANK, suffix=" OOMs")),
+                        unit="short",
+                    ),
+                ),
+            ),
+            (
+                "Host",
+                (
+                    ts(
+                        "Process CPU (1 = one core)",
+                        T(agg("max", host_by, selector(sc.PROCESS_CPU_UTILIZATION)), _lg(HOST, RANK)),
+                        unit="percentunit",
+                        min_val=0,
+                        width=8,
+                    ),
+                    ts(
+                        "Process resident memory",
+                        T(agg("max", host_by, selector(sc.PROCESS_MEMORY_USAGE)), _lg(HOST, RANK)),
+                        unit="bytes",
+                        width=8,
+                    ),
+                    ts(
+                        "Host memory by state",
+                        T(
+                            agg(
+                                "max",
+                                f"{RUN}, {HOST}, {MEMORY_STATE}",
+                                selector(sc.SYSTEM_MEMORY_USAGE, rank=False),
+                            ),
+                            _lg(HOST, MEMORY_STATE),
+                        ),
+                        unit="bytes",
+                        width=8,
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+def health() -> DashboardDef:
+    stale = ((None, "green"), (120.0, "orange"), (600.0, "red"))
+    return DashboardDef(
+        "otel-train-health",
+        "otel_train / Health",
+        "Stalls, non-finite losses, loss spikes and other health events, dropped measurements, firing alerts.",
+        (
+            (
+                "Liveness",
+                (
+                    stat(
+                        "Time since last step (slowest rank)",
+                        T(f"time() - {agg('min', RUN, selector(sc.LAST_STEP_TIME))}", _lg()),
+                        unit="s",
+                        thresholds=stale,
+                    ),
+                    stat(
+                        "Non-finite losses in range",
+                        T(agg("sum", RUN, rate(sc.NONFINITE_LOSS, window=RANGE, fn="increase")), _lg()),
+                        unit="short",
+                        thresholds=((None, "green"), (1.0, "red")),
+                    ),
+                    stat(
+                        "Health events in range",
+                        T(agg("sum", RUN, rate(sc.HEALTH_EVENTS, window=RANGE, fn="increase")), _lg()),
+                        unit="short",
+                        thresholds=((None, "green"), (1.0, "orange")),
+                    ),
+                    stat(
+                        "Dropped measurements in range",
+                        T(agg("sum", RUN, rate(sc.DROPPED, window=RANGE, fn="increase")), _lg()),
+                        unit="short",
+                        thresholds=((None, "green"), (1.0, "orange")),
+                    ),
+                    ts(
+                        "Time since last step by rank (stall)",
+                        T(f"time() - {agg('max', _R, selector(sc.LAST_STEP_TIME))}", _lg(RANK)),
+                        unit="s",
+                        thresholds=stale,
+                    ),
+                    ts(
+                        "Step rate by rank (0 = stalled)",
+                        T(agg("sum", _R, rate(sc.STEPS)), _lg(RANK)),
+                        unit="short",
+                    ),
+                ),
+            ),
+            (
+                "Numerics and events",
+                (
+                    ts(
+                        "Non-finite losses by rank",
+                        T(agg("sum", _R, rate(sc.NONFINITE_LOSS, fn="increase")), _lg(RANK)),
+                        unit="short",
+                    ),
+                    ts("Training loss by rank", T(agg("max", _R, selector(sc.LOSS)), _lg(RANK))),
+                    ts(
+                        "Health events by kind (loss spikes, stalls, stragglers, ...)",
+                        T(agg("sum", f"{RUN}, {EVENT}", rate(sc.HEALTH_EVENTS, fn="increase")), _lg(EVENT)),
+                        unit="short",
+                    ),
+                    table(
+                        "Health events in range by rank",
+                        T(agg("sum", f"{_R}, {EVENT}", rate(sc.HEALTH_EVENTS, window=RANGE, fn="increase"))),
+                        unit="short",
+                    ),
+                ),
+            ),
+            (
+                "Telemetry and alerts",
+                (
+                    ts(
+                        "Dropped measurements by reason",
+                        T(agg("sum", f"{_R}, {REASON}", rate(sc.DROPPED, fn="increase")), _lg(RANK, REASON)),
+                        unit="short",
+                    ),
+                    table(
+                        "Firing alerts",
+                        T(
+                            agg(
+                                "max",
+                                f"alertname, severity, {RUN}, {HOST}, {RANK}",
+                                f'{ALERTS}{{alertstate="firing", {RUN}=~"${VAR_RUN}"}}',
+                            )
+                        ),
+                        description="Prometheus' ALERTS series (otel_train alert rules and any others carrying run_id).",
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+DASHBOARDS = (overview, ranks, gpus_host, health)
+
+
+# --- rendering ------------------------------------------------------------------------------------
+def _variable(
+    name: str, text: str, label_name: str, previous: Sequence[tuple[str, str, str]]
+) -> QueryVariable:
+    # The steps counter exists on every rank of every run, on both export paths.
+    filters = ", ".join(f'{lbl}=~"${var}"' for var, _, lbl in previous)
+    source = sc.STEPS.prometheus_name + (f"{{{filters}}}" if filters else "")
+    sort = VariableSort.NUMERICAL_ASC if name == VAR_RANK else VariableSort.ALPHABETICAL_ASC
+    return (
+        QueryVariable(name)
+        .label(text)
+        .query(f"label_values({source}, {label_name})")
+        .datasource(DS)
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(sort)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(VariableOption(selected=True, text="All", value="$__all"))
+    )
+
+
+def _description(panel: PanelDef) -> str:
+    specs = [s for t in panel.targets for s in specs_in(t.expr)]
+    seen: dict[str, MetricSpec] = {s.name: s for s in specs}
+    lines = [panel.description] if panel.description else []
+    lines += [f"`{s.name}`: {s.description}" for s in seen.values()]
+    if panel_gpu_only(panel):
+        lines.append(GPU_NOTE)
+    return "\n".join(lines)
+
+
+def _render_panel(panel: PanelDef, panel_id: int) -> object:
+    if panel.viz == "timeseries":
+        builder: object = TimeseriesPanel()
+    elif panel.viz == "stat":
+        builder = (
+            StatPanel()
+            .graph_mode(BigValueGraphMode.AREA)
+            .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]))
+        )
+    elif panel.viz == "table":
+        builder = TablePanel()
+    elif panel.viz == "heatmap":
+        builder = HeatmapPanel().calculate(False).y_axis(YAxisConfig().unit(panel.unit))
+        if all(t.fmt is not PromQueryFormat.HEATMAP for t in panel.targets):  # one row per series
+            builder = builder.rows_frame(RowsHeatmapOptions().layout(HeatmapCellLayout.UNKNOWN))
+    else:
+        raise ValueError(panel.viz)
+    b = builder  # type: ignore[assignment]
+    b = (
+        b.id(panel_id)  # type: ignore[attr-defined]
+        .title(panel.title)
+        .description(_description(panel))
+        .datasource(DS)
+        .unit(panel.unit)
+        .span(panel.width)
+        .height(panel.height)
+    )
+    if panel.min_val is not None:
+        b = b.min(panel.min_val)
+    if panel.thresholds:
+        steps = [Threshold(value=v, color=c) for v, c in panel.thresholds]
+        b = b.thresholds(ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(steps))
+    for i, target in enumerate(panel.targets):
+        q = Dataquery().expr(target.expr).ref_id(chr(ord("A") + i)).datasource(DS).format(target.fmt)
+        q = q.legend_format(target.legend) if target.legend else q
+        q = q.instant() if target.instant else q.range()
+        b = b.with_target(q)
+    return b
+
+
+def build_dashboard(spec: DashboardDef) -> object:
+    dash = (
+        Dashboard(spec.title)
+        .uid(spec.uid)
+        .description(spec.description)
+        .tags(TAGS)
+        .refresh("30s")
+        .time("now-1h", "now")
+        .timezone("browser")
+        .links(
+            [
+                DashboardLink("otel_train")
+                .type(DashboardLinkType.DASHBOARDS)
+                .tags(["otel_train"])
+                .as_dropdown(True)
+                .include_vars(True)
+                .keep_time(True)
+            ]
+        )
+        .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
+    )
+    for i, (name, text, lbl) in enumerate(VARIABLES):
+        dash = dash.with_variable(_variable(name, text, lbl, VARIABLES[:i]))
+    panel_id = 0
+    for row_title, panels in spec.rows:
+        panel_id += 1
+        dash = dash.with_row(Row(row_title).id(panel_id))
+        for panel in panels:
+            panel_id += 1
+            dash = dash.with_panel(_render_panel(panel, panel_id))  # type: ignore[arg-type]
+    return dash.build()
+
+
+def render(spec: DashboardDef) -> str:
+    return JSONEncoder(sort_keys=True, indent=2).encode(build_dashboard(spec)) + "\n"
+
+
+def dashboard_defs() -> list[DashboardDef]:
+    return [make() for make in DASHBOARDS]
+
+
+class DashboardQuery(NamedTuple):
+    uid: str
+    title: str
+    expr: str
+    gpu_only: bool
+
+
+def all_queries() -> list[DashboardQuery]:
+    """Every (dashboard uid, panel title, PromQL expr, gpu_only) in the generated dashboards."""
+    return [
+        DashboardQuery(d.uid, p.title, t.expr, panel_gpu_only(p))
+        for d in dashboard_defs()
+        for p in d.panels()
+        for t in p.targets
+    ]
+
+
+def generate(out_dir: Path) -> dict[Path, str]:
+    """Write every dashboard to `out_dir/<uid>.json`; returns {path: text}."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for spec in dashboard_defs():
+        path = out_dir / f"{spec.uid}.json"
+        text = render(spec)
+        path.write_text(text, encoding="utf-8")
+        written[path] = text
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=JSON_DIR, help="output directory (default: dashboards/json)"
+    )
+    parser.add_argument("--check", action="store_true", help="fail when the JSON in --out is stale")
+    args = parser.parse_args(argv)
+    expected = {f"{d.uid}.json": render(d) for d in dashboard_defs()}
+    if args.check:
+        present = {p.name: p.read_text(encoding="utf-8") for p in sorted(args.out.glob("*.json"))}
+        if present != expected:
+            stale = sorted(
+                set(present) ^ set(expected) | {k for k in expected if present.get(k) != expected[k]}
+            )
+            print(
+                f"stale dashboards in {args.out}: {', '.join(stale)}; run `make dashboards`", file=sys.stderr
+            )
+            return 1
+        return 0
+    for path in args.out.glob("*.json"):  # drop dashboards that no longer exist
+        if path.name not in expected:
+            path.unlink()
+    written = generate(args.out)
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

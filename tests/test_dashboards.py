@@ -1,0 +1,443 @@
+"""Generated Grafana dashboards: fresh, catalogue-derived, well-formed, and every query returns data.
+
+The integration test starts a real Prometheus that scrapes a fake pull endpoint serving every
+non-GPU catalogue metric for two runs, one with the in-process pull endpoint's names and one with
+the OTel Collector's (`_ratio` on unit-"1" gauges), and evaluates every non-GPU dashboard query
+against each run through `/api/v1/query`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import free_port, require_binary
+from dashboard_queries import (
+    DashboardQuery,
+    all_queries,
+    assert_all_queries_return_data,
+    instant_query,
+    query_failures,
+    substitute_variables,
+)
+
+from dashboards import build
+from otel_train import semconv as sc
+from otel_train.semconv import Kind, MetricSpec
+
+JSON_DIR = Path(build.__file__).resolve().parent / "json"
+REQUIRED_VARIABLES = {"datasource", "run_id", "rank", "host"}
+
+
+def _committed() -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(JSON_DIR.glob("*.json"))}
+
+
+def _dashboards() -> dict[str, dict]:
+    return {name: json.loads(data) for name, data in _committed().items()}
+
+
+def _panels(dashboard: dict) -> Iterator[dict]:
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # collapsed rows nest their panels
+
+
+# --- (a) staleness ---------------------------------------------------------------------------------
+def test_committed_json_is_fresh(tmp_path: Path) -> None:
+    build.generate(tmp_path)
+    fresh = {p.name: p.read_bytes() for p in sorted(tmp_path.glob("*.json"))}
+    committed = _committed()
+    stale = sorted(set(fresh) ^ set(committed) | {n for n in fresh if fresh[n] != committed.get(n)})
+    assert not stale, f"dashboards/json is stale ({', '.join(stale)}): run `make dashboards`"
+
+
+def test_generation_is_deterministic(tmp_path: Path) -> None:
+    first = {p.name: p.read_bytes() for p in build.generate(tmp_path / "a")}
+    second = {p.name: p.read_bytes() for p in build.generate(tmp_path / "b")}
+    assert first == second
+
+
+# --- (b) every metric name is catalogue-derived ------------------------------------------------------
+_FUNCTIONS = {
+    "rate", "increase", "irate", "delta", "histogram_quantile", "time", "vector", "abs", "clamp_min",
+    "clamp_max", "sum", "avg", "min", "max", "count", "topk", "bottomk", "quantile", "stddev",
+    "label_values",
+}  # fmt: skip
+_KEYWORDS = {"and", "or", "unless", "bool", "offset"}
+_AGGREGATIONS = ("sum", "avg", "min", "max", "count", "quantile", "stddev", "stdvar", "group")
+
+
+def _catalogue_names() -> dict[str, MetricSpec]:
+    names: dict[str, MetricSpec] = {}
+    for spec in sc.CATALOGUE:
+        bases = {spec.prometheus_name, spec.collector_prometheus_name}
+        for base in bases:
+            suffixes = ("_bucket", "_sum", "_count") if spec.kind is Kind.HISTOGRAM else ("",)
+            for suffix in suffixes:
+                names[base + suffix] = spec
+    return names
+
+
+CATALOGUE_NAMES = _catalogue_names()
+TWO_NAMED = {s.name for s in sc.CATALOGUE if s.prometheus_name != s.collector_prometheus_name}
+
+
+def parse_metric_names(expr: str) -> tuple[list[str], list[str]]:
+    """(bare metric names, `__name__=~` regexes) referenced by a PromQL expression."""
+    regexes = re.findall(r'__name__\s*=~\s*"([^"]*)"', expr)
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    text = re.sub(r"\[[^\]]*\]", "", text)  # range selectors
+    text = re.sub(r"\{[^}]*\}", "{}", text)  # label matchers
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    text = re.sub(r"(?<![\w.])\d+(\.\d+)?([eE][+-]?\d+)?", " ", text)  # numbers
+    names = []
+    for match in re.finditer(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\()?", text):
+        token, call = match.group(1), match.group(2)
+        if call:
+            assert token in _FUNCTIONS, f"unknown PromQL function {token!r} in {expr!r}"
+        elif token not in _KEYWORDS:
+            names.append(token)
+    return names, regexes
+
+
+def _check_names(expr: str) -> None:
+    names, regexes = parse_metric_names(expr)
+    assert names or regexes, f"no metric in {expr!r}"
+    for name in names:
+        if name == build.ALERTS:
+            continue
+        assert name in CATALOGUE_NAMES, f"{name!r} is not a catalogue-derived series name ({expr!r})"
+        spec = CATALOGUE_NAMES[name]
+        assert spec.name not in TWO_NAMED, (
+            f"{name!r} (unit-1 gauge) differs between export paths; use "
+            f'{{__name__=~"{spec.prometheus_name}(_ratio)?"}} ({expr!r})'
+        )
+    for regex in regexes:
+        matched = {spec.name for n, spec in CATALOGUE_NAMES.items() if re.fullmatch(regex, n)}
+        assert len(matched) == 1, f"__name__ regex {regex!r} must match exactly one metric, got {matched}"
+        spec = sc.BY_NAME[matched.pop()]
+        assert spec.name in TWO_NAMED, f"{regex!r}: {spec.name} has one name; select it by name"
+        assert regex == f"{spec.prometheus_name}(_ratio)?", regex
+        assert re.fullmatch(regex, spec.prometheus_name) and re.fullmatch(
+            regex, spec.collector_prometheus_name
+        )
+
+
+def _all_json_exprs() -> list[tuple[str, str, str]]:
+    out = []
+    for file_name, dash in _dashboards().items():
+        for panel in _panels(dash):
+            for target in panel.get("targets", []):
+                out.append((file_name, panel["title"], target["expr"]))
+    return out
+
+
+def test_every_metric_name_is_catalogue_derived() -> None:
+    exprs = [expr for _, _, expr in _all_json_exprs()] + [q.expr for q in all_queries()]
+    assert len(exprs) >= 100
+    for expr in exprs:
+        _check_names(expr)
+
+
+def test_variable_queries_are_catalogue_derived() -> None:
+    for dash in _dashboards().values():
+        for var in dash["templating"]["list"]:
+            if var["type"] == "query":
+                match = re.fullmatch(r"label_values\((.*), (\w+)\)", var["query"])
+                assert match, var["query"]
+                _check_names(match.group(1))
+
+
+def test_queries_aggregate_explicitly() -> None:
+    for _, title, expr in _all_json_exprs():
+        assert " by (" in expr, f"{title}: aggregate with an explicit `by (...)`: {expr}"
+        bare = re.search(rf"\b({'|'.join(_AGGREGATIONS)})\s*\(", expr)
+        assert bare is None, f"{title}: aggregation without `by (...)`: {expr}"
+
+
+def test_unit_one_gauges_use_the_alternation() -> None:
+    assert {
+        s.name for s in sc.CATALOGUE if s.unit == "1" and s.kind in (Kind.GAUGE, Kind.OBSERVABLE_GAUGE)
+    } == TWO_NAMED
+    for spec in sc.CATALOGUE:
+        sel = build.selector(spec)
+        if spec.name in TWO_NAMED:
+            assert sel.startswith(f'{{__name__=~"{spec.prometheus_name}(_ratio)?", ')
+        else:
+            assert sel.startswith(spec.prometheus_name + "{")
+
+
+def test_every_catalogue_metric_has_a_panel() -> None:
+    used = {spec.name for q in all_queries() for spec in build.specs_in(q.expr)}
+    missing = sorted({s.name for s in sc.CATALOGUE} - used)
+    assert not missing, f"catalogue metrics without a dashboard panel: {missing}"
+
+
+def test_gpu_only_marking_follows_the_catalogue() -> None:
+    for q in all_queries():
+        specs = build.specs_in(q.expr)
+        panel_specs = [
+            s for p in all_queries() if (p.uid, p.title) == (q.uid, q.title) for s in build.specs_in(p.expr)
+        ]
+        assert q.gpu_only == any(s.gpu_only for s in panel_specs), (q.title, [s.name for s in specs])
+    assert any(q.gpu_only for q in all_queries()) and not all(q.gpu_only for q in all_queries())
+
+
+# --- (c) well-formed JSON ----------------------------------------------------------------------------
+def test_dashboards_are_well_formed() -> None:
+    dashboards = _dashboards()
+    assert len(dashboards) == 4
+    uids = [d["uid"] for d in dashboards.values()]
+    assert len(set(uids)) == len(uids)
+    for file_name, dash in dashboards.items():
+        assert file_name == f"{dash['uid']}.json"
+        assert "apiVersion" not in dash and "spec" not in dash, "plain dashboard JSON, not a k8s Manifest"
+        variables = {v["name"]: v for v in dash["templating"]["list"]}
+        assert set(variables) >= REQUIRED_VARIABLES, f"{file_name}: variables {sorted(variables)}"
+        assert variables["run_id"]["multi"] and variables["run_id"]["includeAll"]
+        assert variables["datasource"]["query"] == "prometheus"
+        ids, titles = [], []
+        for panel in _panels(dash):
+            ids.append(panel["id"])
+            if panel["type"] == "row":
+                continue
+            titles.append(panel["title"])
+            assert panel["datasource"]["uid"] == "${datasource}"
+            targets = panel.get("targets") or []
+            assert targets, f"{file_name}: panel {panel['title']!r} has no target"
+            for target in targets:
+                assert target["expr"].strip(), f"{file_name}: {panel['title']!r} has an empty expr"
+                assert target["datasource"]["uid"] == "${datasource}"
+            assert len({t["refId"] for t in targets}) == len(targets)
+        assert len(set(ids)) == len(ids), f"{file_name}: duplicate panel ids"
+        assert len(set(titles)) == len(titles), f"{file_name}: duplicate panel titles"
+
+
+def test_sdk_decodes_the_json() -> None:
+    from grafana_foundation_sdk.cog.plugins import register_default_plugins
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    register_default_plugins()
+    for file_name, dash in _dashboards().items():
+        model = Dashboard.from_json(dash)
+        assert model.uid == dash["uid"] and len(model.panels or []) == len(dash["panels"]), file_name
+
+
+def test_all_queries_matches_the_json() -> None:
+    from_json = sorted((f.removesuffix(".json"), title, expr) for f, title, expr in _all_json_exprs())
+    exported = sorted((q.uid, q.title, q.expr) for q in all_queries())
+    assert from_json == exported
+
+
+def test_substitute_variables() -> None:
+    expr = 'rate(x{run_id=~"$run_id", rank=~"${rank}"}[$__rate_interval]) / y[$__range]'
+    assert substitute_variables(expr, {"run_id": "r1"}) == 'rate(x{run_id=~"r1", rank=~".*"}[1m]) / y[5m]'
+
+
+# --- (d) every non-GPU query returns data from a real Prometheus -------------------------------------
+RUNS = {"run-pull": False, "run-collector": True}  # run id -> Collector naming
+RANKS = (0, 1, 2, 3)
+ATTRIBUTE_VALUES: dict[str, tuple[str, ...]] = {
+    sc.PHASE: ("data", "forward", "backward", "optimizer"),
+    sc.STRAGGLER_KIND: ("relative", "individual"),
+    sc.STAT: ("min", "max", "mean", "median", "argmin_rank", "argmax_rank"),
+    sc.EVENT: ("loss_spike", "straggler"),
+    sc.REASON: ("queue_full", "bad_value"),
+    sc.MEMORY_STATE: ("used", "free"),
+}
+OPTIONAL_ATTRIBUTES = {sc.ERROR_TYPE}  # only present on errors
+
+
+class FakeTrainingEndpoint:
+    """A prometheus_client collector that serves every non-GPU catalogue metric for 2 runs x 4 ranks.
+
+    Generated from the catalogue (kind, unit, attributes, buckets), so a new metric is covered as
+    soon as it is added.  Rank 3 is a straggler (1.5x slower).  Counters grow with wall time.
+    """
+
+    def __init__(self) -> None:
+        self.start = time.time()
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+            Metric,
+        )
+
+        now = time.time()
+        elapsed = now - self.start + 1.0
+        for spec in sc.CATALOGUE:
+            if spec.gpu_only:
+                continue
+            attrs = [a for a in spec.attributes if a not in OPTIONAL_ATTRIBUTES]
+            for run_id, collector in RUNS.items():
+                name = spec.collector_prometheus_name if collector else spec.prometheus_name
+                labels = [build.label(k) for k in (*sc.LABEL_RESOURCE_KEYS, *attrs)]
+                family: Metric
+                if spec.kind is Kind.HISTOGRAM:
+                    family = HistogramMetricFamily(name, spec.description, labels=labels)
+                elif spec.kind in (Kind.COUNTER, Kind.OBSERVABLE_COUNTER):
+                    family = CounterMetricFamily(name.removesuffix("_total"), spec.description, labels=labels)
+                else:
+                    family = GaugeMetricFamily(name, spec.description, labels=labels)
+                for rank in RANKS:
+                    for combo in _combinations([ATTRIBUTE_VALUES.get(a, ("other",)) for a in attrs]):
+                        identity = {
+                            sc.RUN_ID: run_id,
+                            sc.RANK: str(rank),
+                            "local_rank": str(rank % 2),
+                            "host.name": f"node-{rank // 2}",
+                        }
+                        values = [*(identity.get(k, "other") for k in sc.LABEL_RESOURCE_KEYS), *combo]
+                        self._add(
+                            family, spec, rank, dict(zip(attrs, combo, strict=True)), values, now, elapsed
+                        )
+                yield family
+
+    @staticmethod
+    def _add(family, spec: MetricSpec, rank: int, attrs: dict[str, str], values, now: float, elapsed: float):  # type: ignore[no-untyped-def]
+        slow = 1.5 if rank == 3 else 1.0
+        if spec.kind is Kind.HISTOGRAM:
+            assert spec.buckets, spec.name
+            phase = attrs.get(sc.PHASE)
+            mean = slow * (0.2 if phase is None else 0.01 * (1 + ATTRIBUTE_VALUES[sc.PHASE].index(phase)))
+            count = 1.0 + 5.0 * elapsed
+            buckets = [
+                (str(le), count * (0.0 if le < mean else 0.5 if le < 1.5 * mean else 1.0))
+                for le in spec.buckets
+            ]
+            family.add_metric(values, [*buckets, ("+Inf", count)], sum_value=count * 1.25 * mean)
+        elif spec.kind in (Kind.COUNTER, Kind.OBSERVABLE_COUNTER):
+            family.add_metric(values, elapsed * (4096.0 if spec is sc.TOKENS else 2.0))
+        elif spec is sc.LAST_STEP_TIME:
+            family.add_metric(values, now - 0.2 * slow)
+        elif spec is sc.STRAGGLER_SCORE:
+            family.add_metric(values, 1.0 / slow)
+        elif spec is sc.PHASE_CROSS_RANK:
+            stats = {"min": 0.1, "max": 0.15, "argmin_rank": 0.0, "argmax_rank": float(RANKS[-1])}
+            family.add_metric(values, stats.get(attrs[sc.STAT], 0.11))
+        elif spec.unit == "1":
+            family.add_metric(values, 0.4)
+        else:
+            family.add_metric(values, 100.0 + rank)
+
+
+def _combinations(value_lists: list[tuple[str, ...]]) -> Iterator[tuple[str, ...]]:
+    if not value_lists:
+        yield ()
+        return
+    for head in value_lists[0]:
+        for tail in _combinations(value_lists[1:]):
+            yield (head, *tail)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"prometheus exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("prometheus did not become ready")
+
+
+@pytest.fixture(scope="module")
+def prometheus_with_fake_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Prometheus scraping the fake endpoint every second, with rate() data and a firing alert."""
+    binary = require_binary("prometheus")
+    from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+
+    tmp_path = tmp_path_factory.mktemp("prometheus")
+    registry = CollectorRegistry()
+    registry.register(FakeTrainingEndpoint())
+    assert generate_latest(registry)  # a broken fake endpoint fails here, not as "no data"
+    target_port = free_port()
+    server, thread = start_http_server(target_port, addr="127.0.0.1", registry=registry)
+
+    steps = sc.STEPS.prometheus_name
+    (tmp_path / "rules.yml").write_text(
+        "groups:\n"
+        "  - name: dashboard_test\n"
+        "    rules:\n"
+        "      - alert: OtelTrainDashboardTest\n"
+        f"        expr: max by (run_id, rank) ({steps}) > 0\n"
+        "        labels: {severity: info}\n"
+    )
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "rule_files: [rules.yml]\n"
+        "scrape_configs:\n"
+        "  - job_name: otel_train\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]\n"
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc)
+        # A few scrapes so that rate() over 1m has two samples, and one rule evaluation for ALERTS.
+        deadline = time.monotonic() + 30
+        while not (
+            instant_query(url, f"rate({steps}[1m])") and instant_query(url, 'ALERTS{alertstate="firing"}')
+        ):
+            assert time.monotonic() < deadline, "prometheus scraped no data from the fake endpoint"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+QUERIES = all_queries()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("run_id", list(RUNS))
+@pytest.mark.parametrize("query", QUERIES, ids=[f"{q.uid}:{q.title}:{i}" for i, q in enumerate(QUERIES)])
+def test_query_returns_data(prometheus_with_fake_run: str, query: DashboardQuery, run_id: str) -> None:
+    """Each non-GPU query has data on both namings (run-pull: pull endpoint, run-collector: Collector)."""
+    if query.gpu_only:
+        pytest.skip("GPU-only panel: needs NVIDIA GPUs (hw.*/CUDA metrics); the fake endpoint serves none")
+    failures = query_failures(prometheus_with_fake_run, [query], variables={"run_id": run_id})
+    assert not failures, failures[0][1]
+
+
+@pytest.mark.integration
+def test_assert_all_queries_return_data(prometheus_with_fake_run: str) -> None:
+    """The reusable check, with every dashboard variable set to one value."""
+    variables = {"run_id": "run-collector", "host": "node-1", "rank": "3"}
+    checked = assert_all_queries_return_data(prometheus_with_fake_run, exclude_gpu=True, variables=variables)
+    assert checked == len([q for q in QUERIES if not q.gpu_only]) > 40
+    with pytest.raises(AssertionError, match="no data"):
+        assert_all_queries_return_data(prometheus_with_fake_run, variables={"run_id": "no-such-run"})

@@ -45,6 +45,7 @@ RES_GPU_DRIVER_VERSION = "hw.gpu.driver_version"
 MEMORY_PRESSURE_RATIO = 0.95  # reserved (allocator) or used (NVML) / limit above this -> event
 MEMORY_PRESSURE_REARM = 0.90  # ... re-armed once back below this
 MAX_XID_EVENTS_PER_SAMPLE = 64
+_GPU_THREAD = "otel-train-hw-gpu"
 
 # Clock-event (throttle) reasons -> NVML bits. GpuIdle and ApplicationsClocksSetting are not
 # slowdowns and are left out. "sw_slowdown" is SyncBoost (software lowered clocks to match the
@@ -346,7 +347,6 @@ class HardwareMonitor:
         self._devices: list[_DeviceState] = []
         self._unsupported_codes: frozenset[int] = frozenset()
         self._lost_codes: frozenset[int] = frozenset()
-        self._timeout_code: int | None = None
         self._gpu_lock = threading.Lock()
         self._gpu_snapshot = _GpuSnapshot()
         self._host_obs: Mapping[str, list[Observation]] = {}
@@ -409,7 +409,6 @@ class HardwareMonitor:
             self._devices = [_DeviceState(d) for d in disc.devices]
             self._unsupported_codes = _codes(disc.nvml, _UNSUPPORTED_CODES)
             self._lost_codes = _codes(disc.nvml, _LOST_CODES)
-            self._timeout_code = getattr(disc.nvml, "NVML_ERROR_TIMEOUT", None)
             d = disc.devices[0]
             log.info("otel_train: GPU metrics on for %s (%s)", d.name, d.uuid)
             self._create_gpu_instruments()
@@ -419,7 +418,7 @@ class HardwareMonitor:
         self._create_flush_instruments()
         if background:
             if self._devices:
-                self._spawn(self._gpu_loop, "otel-train-hw-gpu")
+                self._spawn(self._gpu_loop, _GPU_THREAD)
             self._spawn(self._host_loop, "otel-train-hw-host")
 
     def sample_once(self) -> None:
@@ -441,9 +440,10 @@ class HardwareMonitor:
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        gpu_thread_running = any(t.is_alive() and t.name == "otel-train-hw-gpu" for t in self._threads)
-        if not gpu_thread_running and not any(t.name == "otel-train-hw-gpu" for t in self._threads):
-            self._release_nvml()  # no sampler thread: release here (it does so itself otherwise)
+        if not any(t.name == _GPU_THREAD for t in self._threads):
+            self._release_nvml()  # no sampler thread: release here (the thread does so on exit)
+        if not self._started and self._discovery is not None and self._discovery.nvml is not None:
+            _quiet_shutdown(self._discovery.nvml)  # discovered for resource attributes only
 
     # -- discovery / instruments -------------------------------------------------------------------
     def _discover(self) -> Discovery:

@@ -53,7 +53,13 @@ class Session:
         self.run_name = config.run_name or _default_run_name()
         self.is_reporting_rank = self.identity.rank == 0 or config.bridge_all_ranks
         self.run_dir = self._make_run_dir()
-        self.resource = self._resource()
+        gpu_discovery = None
+        if config.hardware:
+            from otel_train.hardware import discover_with_timeout
+
+            # Before the Resource: the rank's GPU UUID and PCI bus id join DCGM series to ranks.
+            gpu_discovery = discover_with_timeout(self.identity.local_rank, timeout_s=5.0)
+        self.resource = self._resource(gpu_discovery.resource_attributes() if gpu_discovery else {})
 
         self.step_reader = StepReader()
         self.telemetry: Telemetry = build_telemetry(config, self.resource, self.step_reader, self.identity.local_rank)
@@ -75,6 +81,15 @@ class Session:
         self.console: ConsoleSink | None = None
         self.sinks: list[Sink] = self._sinks()
         self.listeners: list[FlushListener] = [self.health]
+        self.hardware = None
+        if config.hardware:
+            from otel_train.hardware import HardwareMonitor
+
+            self.hardware = HardwareMonitor(
+                config, self.meter, self.events, self.identity.local_rank, discovery=gpu_discovery
+            )
+            self.hardware.start()
+            self.listeners.append(self.hardware)
         tracer = (
             self.telemetry.tracer_provider.get_tracer("otel_train", _version())
             if self.telemetry.tracer_provider is not None
@@ -132,7 +147,7 @@ class Session:
             ) from None
         return path
 
-    def _resource(self) -> Resource:
+    def _resource(self, gpu_attributes: Mapping[str, str]) -> Resource:
         from opentelemetry.sdk.resources import Resource
 
         ident = self.identity
@@ -141,6 +156,7 @@ class Session:
             for k, v in self.config.resource_attributes.items()
             if not is_secret_key(k)  # a secret-looking resource attribute would reach every exporter
         }
+        attributes.update(gpu_attributes)
         attributes.update(
             {
                 "service.name": self.config.service_name,

@@ -1,0 +1,140 @@
+"""Real NVML + CUDA checks (run on a GPU machine; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from otel_train import semconv as sc
+from otel_train.config import Config
+from otel_train.hardware import RES_GPU_UUID, HardwareMonitor
+from otel_train.interval import Interval
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and an NVIDIA driver"),
+]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, dict[str, Any]]] = []
+
+    def emit(
+        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
+    ) -> None:
+        self.items.append((event, message, dict(attributes or {})))
+
+
+def points(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict[str, Any], float]]]:
+    out: dict[str, list[tuple[dict[str, Any], float]]] = {}
+    data = reader.get_metrics_data()
+    for rm in data.resource_metrics if data else []:
+        for scope in rm.scope_metrics:
+            for metric in scope.metrics:
+                out[metric.name] = [(dict(p.attributes or {}), p.value) for p in metric.data.data_points]
+    return out
+
+
+def one(pts: dict[str, list[tuple[dict[str, Any], float]]], name: str) -> float:
+    [(_, v)] = pts[name]
+    return v
+
+
+def matmul_workload(seconds: float) -> int:
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    n = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(20):
+            a = (a @ b).clamp_(-1, 1)
+        torch.cuda.synchronize()
+        n += 20
+    return n
+
+
+@pytest.fixture
+def monitor() -> Iterator[tuple[HardwareMonitor, InMemoryMetricReader, Events]]:
+    pytest.importorskip("pynvml")
+    torch.cuda.init()
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    events = Events()
+    mon = HardwareMonitor(Config(hardware_interval_s=0.25), provider.get_meter("gpu-test"), events, 0)
+    mon.start()
+    yield mon, reader, events
+    mon.close(timeout_s=2)
+    provider.shutdown()
+
+
+def test_real_nvml_values_are_plausible(
+    monitor: tuple[HardwareMonitor, InMemoryMetricReader, Events],
+) -> None:
+    mon, reader, events = monitor
+    assert mon.gpu_available
+    torch_uuid = str(torch.cuda.get_device_properties(0).uuid).lower()
+    assert mon.gpu_resource_attributes()[RES_GPU_UUID].lower().removeprefix("gpu-") == torch_uuid
+    assert mon.wait_for_samples(1, timeout_s=10)
+    before = points(reader)
+    matmul_workload(2.0)
+    seen = mon._samples
+    assert mon.wait_for_samples(seen + 2, timeout_s=10)
+    after = points(reader)
+
+    util = one(after, sc.GPU_UTILIZATION.name)
+    assert 0.0 <= util <= 1.0
+    used, limit = one(after, sc.GPU_MEMORY_USAGE.name), one(after, sc.GPU_MEMORY_LIMIT.name)
+    assert 0 < used <= limit
+    assert 20 <= one(after, sc.GPU_TEMPERATURE.name) <= 100
+    assert one(after, sc.GPU_POWER.name) > 0
+    if sc.GPU_ENERGY.name in before:
+        assert one(after, sc.GPU_ENERGY.name) > one(before, sc.GPU_ENERGY.name)
+    assert one(after, sc.GPU_CLOCK_SM.name) > 100e6
+    assert {a[sc.THROTTLE_REASON] for a, _ in after.get(sc.GPU_THROTTLE.name, [])} <= {
+        "power_cap", "thermal", "hw_slowdown", "sw_slowdown",
+    }  # fmt: skip
+    for attrs, _ in after[sc.GPU_UTILIZATION.name]:
+        assert attrs[sc.HW_ID].lower().removeprefix("gpu-") == torch_uuid
+    assert not [e for e in events.items if e[0] == "gpu_lost"]
+
+
+def test_allocator_energy_and_mfu_at_flush(
+    monitor: tuple[HardwareMonitor, InMemoryMetricReader, Events],
+) -> None:
+    mon, reader, _ = monitor
+    mon.set_flops_per_token(1e9)
+    assert mon.wait_for_samples(1, timeout_s=10)
+    mon.on_flush(Interval(seq=0, step=0, wall_time=time.time(), elapsed_s=1.0, steps=1, tokens=1, samples=1))
+    start = time.monotonic()
+    n = matmul_workload(1.5)
+    seen = mon._samples
+    assert mon.wait_for_samples(seen + 1, timeout_s=10)
+    mon.on_flush(
+        Interval(
+            seq=1,
+            step=n,
+            wall_time=time.time(),
+            elapsed_s=time.monotonic() - start,
+            steps=n,
+            tokens=n * 100,
+            samples=n,
+        )
+    )
+    pts = points(reader)
+    assert one(pts, sc.CUDA_MEMORY_ALLOCATED.name) > 0
+    assert one(pts, sc.CUDA_MEMORY_RESERVED.name) >= one(pts, sc.CUDA_MEMORY_ALLOCATED.name)
+    assert one(pts, sc.CUDA_MEMORY_PEAK.name) > 0
+    if sc.POWER_AVERAGE.name in pts:  # energy counter supported (Volta+)
+        assert 10 < one(pts, sc.POWER_AVERAGE.name) < 2000
+        assert one(pts, sc.ENERGY_PER_STEP.name) > 0
+    assert one(pts, sc.FLOPS.name) > 0
+    peak, _ = mon.resolve_peak()
+    if peak is not None:
+        assert 0 < one(pts, sc.MFU.name) < 1

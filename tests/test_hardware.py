@@ -1,0 +1,502 @@
+"""HardwareMonitor against the fake NVML with a real MeterProvider + InMemoryMetricReader."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, FakeGpu, FakeNvml, gpu_uuid
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from otel_train import semconv as sc
+from otel_train.config import Config
+from otel_train.hardware import (
+    RES_GPU_DRIVER_VERSION,
+    RES_GPU_NAME,
+    RES_GPU_PCI_BUS_ID,
+    RES_GPU_UUID,
+    HardwareMonitor,
+    parse_cuda_visible_devices,
+)
+from otel_train.interval import Interval
+
+GPU_SPECS = [s for s in sc.CATALOGUE if s.name.startswith("hw.")]
+HOST_SPECS = [sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEMORY_USAGE]
+
+
+@dataclass
+class Events:
+    items: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+
+    def emit(
+        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
+    ) -> None:
+        self.items.append((event, message, dict(attributes or {})))
+
+    def named(self, event: str) -> list[tuple[str, str, dict[str, Any]]]:
+        return [e for e in self.items if e[0] == event]
+
+
+@dataclass
+class Rig:
+    reader: InMemoryMetricReader
+    provider: MeterProvider
+    events: Events
+    monitors: list[HardwareMonitor] = field(default_factory=list)
+
+    def monitor(self, nvml: Any = None, local_rank: int = 0, **kw: Any) -> HardwareMonitor:
+        settings = {"hardware_interval_s": 0.02, **kw.pop("settings", {})}
+        mon = HardwareMonitor(
+            Config(**settings), self.provider.get_meter("otel_train"), self.events, local_rank, nvml=nvml,
+            environ=kw.pop("environ", {}), **kw,
+        )  # fmt: skip
+        self.monitors.append(mon)
+        return mon
+
+    def points(self) -> dict[str, list[tuple[dict[str, Any], float, str]]]:
+        """name -> [(attributes, value, unit)] of the current collection."""
+        out: dict[str, list[tuple[dict[str, Any], float, str]]] = {}
+        data = self.reader.get_metrics_data()
+        for rm in data.resource_metrics if data else []:
+            for scope in rm.scope_metrics:
+                for metric in scope.metrics:
+                    for p in metric.data.data_points:
+                        out.setdefault(metric.name, []).append(
+                            (dict(p.attributes or {}), p.value, metric.unit)
+                        )
+        return out
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    r = Rig(reader, provider, Events())
+    yield r
+    for mon in r.monitors:
+        mon.close()
+    provider.shutdown()
+
+
+def value(points: dict[str, list[tuple[dict[str, Any], float, str]]], name: str, **attrs: str) -> float:
+    matches = [v for a, v, _ in points.get(name, []) if all(a.get(k) == want for k, want in attrs.items())]
+    assert len(matches) == 1, (name, attrs, points.get(name))
+    return matches[0]
+
+
+def interval(**kw: Any) -> Interval:
+    base: dict[str, Any] = {
+        "seq": 1,
+        "step": 9,
+        "wall_time": 0.0,
+        "elapsed_s": 10.0,
+        "steps": 10,
+        "tokens": 0,
+        "samples": 0,
+    }
+    base.update(kw)
+    return Interval(**base)
+
+
+# --- catalogue conformance --------------------------------------------------------------------------------
+def test_gpu_metrics_match_catalogue_names_units_attributes(rig: Rig) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(0), clock_reasons=0x4 | 0x40, xids=[48])
+    nvml = FakeNvml([gpu])
+    mon = rig.monitor(nvml)
+    mon.start(background=False)
+    mon.sample_once()
+    pts = rig.points()
+    for spec in GPU_SPECS:
+        assert spec.name in pts, spec.name
+        for attrs, _, unit in pts[spec.name]:
+            assert unit == spec.unit, spec.name
+            assert set(attrs) == set(spec.attributes), (spec.name, attrs)
+            assert attrs[sc.HW_ID] == gpu.uuid and attrs[sc.HW_NAME] == gpu.name
+    assert value(pts, sc.GPU_UTILIZATION.name) == pytest.approx(0.75)
+    assert value(pts, sc.GPU_MEMORY_UTILIZATION.name) == pytest.approx(0.30)
+    assert value(pts, sc.GPU_MEMORY_USAGE.name) == gpu.memory_used
+    assert value(pts, sc.GPU_MEMORY_LIMIT.name) == gpu.memory_total
+    assert value(pts, sc.GPU_TEMPERATURE.name) == 55
+    assert value(pts, sc.GPU_POWER.name) == pytest.approx(350.0)  # mW -> W
+    assert value(pts, sc.GPU_ENERGY.name) == pytest.approx(1000.0)  # mJ -> J
+    assert value(pts, sc.GPU_CLOCK_SM.name) == pytest.approx(1980e6)  # MHz -> Hz
+    assert value(pts, sc.GPU_CLOCK_MEMORY.name) == pytest.approx(2619e6)
+    assert value(pts, sc.GPU_PCIE_THROUGHPUT.name, **{sc.DIRECTION: "receive"}) == 2000 * 1024
+    assert value(pts, sc.GPU_PCIE_THROUGHPUT.name, **{sc.DIRECTION: "transmit"}) == 1000 * 1024
+    throttle = {a[sc.THROTTLE_REASON]: v for a, v, _ in pts[sc.GPU_THROTTLE.name]}
+    assert throttle == {"power_cap": 1, "thermal": 1, "hw_slowdown": 0, "sw_slowdown": 0}
+    errors = {a[sc.ERROR_TYPE]: v for a, v, _ in pts[sc.GPU_ERRORS.name]}
+    assert errors == {"ecc_corrected": 0, "ecc_uncorrected": 0, "xid": 1}
+    for spec in HOST_SPECS:
+        assert spec.name in pts or spec is sc.PROCESS_CPU_UTILIZATION  # CPU needs a 2nd sample
+        for attrs, _, unit in pts.get(spec.name, []):
+            assert unit == spec.unit and set(attrs) == set(spec.attributes)
+
+
+def test_gpu_resource_attributes(rig: Rig) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(3), name="NVIDIA H200", pci_bus_id="00000000:9A:00.0")
+    mon = rig.monitor(FakeNvml([gpu], driver_version="560.35.03"))
+    assert mon.gpu_resource_attributes() == {
+        RES_GPU_UUID: gpu.uuid,
+        RES_GPU_PCI_BUS_ID: "00000000:9A:00.0",  # bytes in the NVML struct, decoded
+        RES_GPU_NAME: "NVIDIA H200",
+        RES_GPU_DRIVER_VERSION: "560.35.03",
+    }
+
+
+def test_unsupported_values_are_absent_not_zero_and_not_asked_again(rig: Rig) -> None:
+    gpu = FakeGpu(
+        uuid=gpu_uuid(0),
+        unsupported={
+            "nvmlDeviceGetUtilizationRates",
+            "nvmlDeviceGetTotalEccErrors",
+            "nvmlDeviceGetPowerUsage",
+        },
+        no_permission={"nvmlDeviceGetTemperature"},  # MIG in a container
+    )
+    nvml = FakeNvml([gpu])
+    mon = rig.monitor(nvml)
+    mon.start(background=False)
+    mon.sample_once()
+    mon.sample_once()
+    pts = rig.points()
+    for spec in (sc.GPU_UTILIZATION, sc.GPU_MEMORY_UTILIZATION, sc.GPU_POWER, sc.GPU_TEMPERATURE):
+        assert spec.name not in pts, spec.name
+    assert {a[sc.ERROR_TYPE] for a, _, _ in pts[sc.GPU_ERRORS.name]} == {"xid"}
+    assert value(pts, sc.GPU_MEMORY_USAGE.name) == gpu.memory_used  # the other fields still work
+    assert value(pts, sc.GPU_ENERGY.name) == pytest.approx(1000.0)
+    assert nvml.calls["nvmlDeviceGetUtilizationRates"] == 1  # remembered, not polled again
+    assert nvml.calls["nvmlDeviceGetTemperature"] == 1
+
+
+def test_throttle_reasons_fall_back_to_the_old_function(rig: Rig) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(0), clock_reasons=0x8, unsupported={"nvmlDeviceGetCurrentClocksEventReasons"})
+    mon = rig.monitor(FakeNvml([gpu]))
+    mon.start(background=False)
+    mon.sample_once()
+    throttle = {a[sc.THROTTLE_REASON]: v for a, v, _ in rig.points()[sc.GPU_THROTTLE.name]}
+    assert throttle == {"power_cap": 0, "thermal": 0, "hw_slowdown": 1, "sw_slowdown": 0}
+
+
+def test_callbacks_read_only_the_cache(rig: Rig) -> None:
+    nvml = FakeNvml()
+    mon = rig.monitor(nvml)
+    mon.start(background=False)
+    mon.sample_once()
+    before = dict(nvml.calls)
+    for _ in range(3):
+        assert rig.points()[sc.GPU_UTILIZATION.name]
+    assert dict(nvml.calls) == before
+
+
+# --- device mapping --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("visible", "local_rank", "expected"),
+    [
+        ("1,0", 0, 1),  # rank-local device 0 is physical GPU 1
+        ("1,0", 1, 0),
+        (None, 1, 1),  # unset: all devices, local rank's index
+        (f"{gpu_uuid(1)},{gpu_uuid(0)}", 0, 1),  # UUID form
+        (gpu_uuid(1)[:12], 3, 1),  # unique UUID prefix; one GPU per process: any local rank
+    ],
+)
+def test_cuda_visible_devices_maps_local_rank_to_uuid(
+    rig: Rig, visible: str | None, local_rank: int, expected: int
+) -> None:
+    nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0)), FakeGpu(uuid=gpu_uuid(1), name="NVIDIA A100-SXM4-80GB")])
+    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    mon = rig.monitor(nvml, local_rank=local_rank, environ=environ)
+    mon.start(background=False)
+    mon.sample_once()
+    assert mon.gpu_resource_attributes()[RES_GPU_UUID] == gpu_uuid(expected)
+    ids = {a[sc.HW_ID] for a, _, _ in rig.points()[sc.GPU_MEMORY_USAGE.name]}
+    assert ids == {gpu_uuid(expected)}  # only the GPU this rank uses
+
+
+def test_hidden_or_ambiguous_devices_give_no_gpu(rig: Rig) -> None:
+    nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0)), FakeGpu(uuid=gpu_uuid(1))])
+    assert rig.monitor(nvml, environ={"CUDA_VISIBLE_DEVICES": "-1"}).gpu_resource_attributes() == {}
+    assert (
+        rig.monitor(nvml, local_rank=5, environ={"CUDA_VISIBLE_DEVICES": "0,1"}).gpu_resource_attributes()
+        == {}
+    )
+    assert nvml.initialized == 0  # each failed discovery shut NVML down again
+
+
+def test_parse_cuda_visible_devices() -> None:
+    assert parse_cuda_visible_devices(None) is None
+    assert parse_cuda_visible_devices("") == []
+    assert parse_cuda_visible_devices("1, 0") == ["1", "0"]
+    assert parse_cuda_visible_devices("0,-1,2") == ["0"]  # CUDA stops at the first invalid entry
+    assert parse_cuda_visible_devices("GPU-abc,MIG-GPU-abc/1/0") == ["GPU-abc", "MIG-GPU-abc/1/0"]
+
+
+class FakeTorchCuda:
+    """The torch.cuda calls the monitor makes (host-side only)."""
+
+    def __init__(self, uuids: list[str], stats: dict[str, int] | None = None, total: int = 100) -> None:
+        self.uuids = uuids
+        self.stats = dict(stats or {})
+        self.total = total
+        self.peak_resets = 0
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return len(self.uuids)
+
+    def current_device(self) -> int:
+        return 0
+
+    def get_device_properties(self, index: int) -> Any:
+        return type(
+            "Props", (), {"uuid": self.uuids[index].removeprefix("GPU-"), "total_memory": self.total}
+        )()
+
+    def get_device_name(self, index: int) -> str:
+        return "NVIDIA H100 80GB HBM3"
+
+    def memory_stats(self, device: int) -> dict[str, int]:
+        return dict(self.stats)
+
+    def reset_peak_memory_stats(self, device: int) -> None:
+        self.peak_resets += 1
+
+
+def test_initialised_torch_uuid_wins_over_index_order(rig: Rig) -> None:
+    # CUDA's default FASTEST_FIRST order can differ from NVML's PCI order: torch's UUID is exact.
+    nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0)), FakeGpu(uuid=gpu_uuid(1))])
+    torch_cuda = FakeTorchCuda([gpu_uuid(1), gpu_uuid(0)])
+    mon = rig.monitor(nvml, torch_cuda=torch_cuda, environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert mon.gpu_resource_attributes()[RES_GPU_UUID] == gpu_uuid(1)
+
+
+# --- failure modes ---------------------------------------------------------------------------------------
+def test_hung_nvml_call_does_not_block_collection(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    nvml = FakeNvml()
+    skew = [0.0]
+    mon = rig.monitor(nvml, clock=lambda: time.monotonic() + skew[0])
+    mon.start()  # background sampler threads
+    assert mon.wait_for_samples(1, timeout_s=10)
+    nvml.hang("nvmlDeviceGetUtilizationRates")
+    try:
+        assert nvml.hanging.wait(10), "the sampler never reached the hung call"
+        result: dict[str, Any] = {}
+
+        def collect() -> None:
+            result["points"] = rig.points()
+            mon.on_flush(interval(tokens=100))  # the flush worker is not blocked either
+            result["done"] = True
+
+        t = threading.Thread(target=collect, daemon=True)
+        t.start()
+        t.join(10)  # liveness, not speed: without the cache this would block until release()
+        assert result.get("done"), "collection blocked on the hung NVML call"
+        assert value(result["points"], sc.GPU_UTILIZATION.name) == pytest.approx(0.75)  # cached value
+        assert nvml.hanging.is_set()  # the sampler is still stuck while we collected
+        skew[0] = 60.0  # a minute later the flush says so, naming the call
+        with caplog.at_level(logging.WARNING, logger="otel_train.hardware"):
+            mon.on_flush(interval())
+        assert "stuck in nvmlDeviceGetUtilizationRates" in caplog.text
+    finally:
+        nvml.release()
+    mon.close()
+
+
+def test_hung_nvml_init_is_abandoned(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    nvml = FakeNvml()
+    nvml.hang("nvmlInit")
+    try:
+        mon = rig.monitor(nvml, init_timeout_s=0.2)
+        with caplog.at_level(logging.INFO, logger="otel_train.hardware"):
+            mon.start(background=False)
+        assert not mon.gpu_available
+        assert "did not return" in caplog.text
+        assert not any(n.startswith("hw.") for n in rig.points())
+    finally:
+        nvml.release()
+
+
+def test_gpu_lost_stops_its_gauges_and_emits_one_event(rig: Rig) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(0))
+    nvml = FakeNvml([gpu])
+    mon = rig.monitor(nvml)
+    mon.start(background=False)
+    mon.sample_once()
+    assert sc.GPU_UTILIZATION.name in rig.points()
+    gpu.lost = True
+    for _ in range(3):
+        mon.sample_once()
+    pts = rig.points()
+    for spec in GPU_SPECS:  # gauges and the observable counters alike: no more points
+        assert spec.name not in pts, spec.name
+    lost = rig.events.named("gpu_lost")
+    assert len(lost) == 1
+    assert lost[0][2][sc.HW_ID] == gpu.uuid
+    calls = sum(nvml.calls.values())
+    mon.sample_once()
+    assert sum(nvml.calls.values()) == calls  # the lost handle is not polled any more
+    assert sc.PROCESS_MEMORY_USAGE.name in pts  # host metrics go on
+
+
+@pytest.mark.parametrize("code", [NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_DRIVER_NOT_LOADED])
+def test_no_nvml_means_no_gpu_metrics_and_one_info_line(
+    rig: Rig, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    nvml = FakeNvml()
+    nvml.init_error = code
+    mon = rig.monitor(nvml)
+    with caplog.at_level(logging.DEBUG, logger="otel_train.hardware"):
+        mon.start(background=False)
+        mon.sample_once()
+        mon.on_flush(interval())
+    records = [r for r in caplog.records if r.name == "otel_train.hardware" and r.levelno >= logging.INFO]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert "no GPU metrics" in records[0].getMessage()
+    pts = rig.points()
+    assert not [n for n in pts if n.startswith("hw.")]
+    assert sc.PROCESS_MEMORY_USAGE.name in pts
+    assert mon.gpu_resource_attributes() == {}
+
+
+def test_missing_pynvml_package(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    mon = rig.monitor(None)
+    with caplog.at_level(logging.INFO, logger="otel_train.hardware"):
+        mon.start(background=False)
+    assert not mon.gpu_available
+    assert "nvidia-ml-py not importable" in caplog.text
+
+
+def test_hardware_disabled_does_nothing(rig: Rig) -> None:
+    nvml = FakeNvml()
+    mon = rig.monitor(nvml, settings={"hardware": False})
+    mon.start()
+    mon.on_flush(interval())
+    assert mon.gpu_resource_attributes() == {}
+    assert rig.points() == {}
+    assert sum(nvml.calls.values()) == 0
+
+
+def test_close_shuts_nvml_down(rig: Rig) -> None:
+    nvml = FakeNvml()
+    mon = rig.monitor(nvml)
+    mon.start()
+    assert mon.wait_for_samples(2, timeout_s=10)
+    mon.close(timeout_s=5)
+    assert nvml.initialized == 0
+    assert nvml.calls["nvmlEventSetFree"] == 1
+
+
+# --- host ------------------------------------------------------------------------------------------------
+def test_host_metrics(rig: Rig) -> None:
+    import psutil
+
+    mon = rig.monitor(FakeNvml())
+    mon.start(background=False)
+    mon.sample_once()
+    sum(i * i for i in range(20000))  # a little CPU between the two samples
+    mon.sample_once()
+    pts = rig.points()
+    assert value(pts, sc.PROCESS_CPU_UTILIZATION.name) >= 0.0
+    assert value(pts, sc.PROCESS_MEMORY_USAGE.name) > 10 * 1024**2
+    used = value(pts, sc.SYSTEM_MEMORY_USAGE.name, **{sc.MEMORY_STATE: "used"})
+    free = value(pts, sc.SYSTEM_MEMORY_USAGE.name, **{sc.MEMORY_STATE: "free"})
+    assert used > 0 and free > 0
+    assert used + free == pytest.approx(psutil.virtual_memory().total, rel=0.05)
+
+
+# --- flush: allocator, pressure, energy ------------------------------------------------------------------
+def test_cuda_allocator_gauges_counters_and_pressure(rig: Rig) -> None:
+    stats = {
+        "allocated_bytes.all.current": 40,
+        "reserved_bytes.all.current": 60,
+        "allocated_bytes.all.peak": 55,
+        "num_alloc_retries": 2,
+        "num_ooms": 0,
+    }
+    torch_cuda = FakeTorchCuda([gpu_uuid(0)], stats, total=100)
+    mon = rig.monitor(FakeNvml([FakeGpu(uuid=gpu_uuid(0), memory_used=1)]), torch_cuda=torch_cuda)
+    mon.start(background=False)
+    mon.sample_once()
+    mon.on_flush(interval())
+    pts = rig.points()
+    assert value(pts, sc.CUDA_MEMORY_ALLOCATED.name) == 40
+    assert value(pts, sc.CUDA_MEMORY_RESERVED.name) == 60
+    assert value(pts, sc.CUDA_MEMORY_PEAK.name) == 55
+    assert value(pts, sc.CUDA_ALLOC_RETRIES.name) == 2
+    assert torch_cuda.peak_resets == 1  # the peak is per interval
+    assert not rig.events.named("memory_pressure")
+
+    torch_cuda.stats.update({"num_alloc_retries": 5, "num_ooms": 1, "reserved_bytes.all.current": 97})
+    mon.on_flush(interval())
+    mon.on_flush(interval())  # still high: no second event
+    pts = rig.points()
+    assert value(pts, sc.CUDA_ALLOC_RETRIES.name) == 5  # cumulative counter: 2 + 3
+    assert value(pts, sc.CUDA_OOMS.name) == 1
+    assert len(rig.events.named("memory_pressure")) == 1
+
+    torch_cuda.stats["reserved_bytes.all.current"] = 50
+    mon.on_flush(interval())
+    torch_cuda.stats["reserved_bytes.all.current"] = 99
+    mon.on_flush(interval())
+    assert len(rig.events.named("memory_pressure")) == 2  # re-armed after it dropped
+
+
+def test_nvml_memory_pressure_without_torch(rig: Rig) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(0), memory_total=100, memory_used=96)
+    mon = rig.monitor(FakeNvml([gpu]))
+    mon.start(background=False)
+    mon.sample_once()
+    mon.on_flush(interval())
+    [(_, message, _)] = rig.events.named("memory_pressure")
+    assert "96.0%" in message
+
+
+def test_energy_per_step_token_and_average_power(rig: Rig) -> None:
+    now = [100.0]
+    gpu = FakeGpu(uuid=gpu_uuid(0), energy_mj=1_000_000)
+    mon = rig.monitor(FakeNvml([gpu]), clock=lambda: now[0])
+    mon.start(background=False)
+    mon.sample_once()
+    mon.on_flush(interval())  # baseline
+    assert sc.POWER_AVERAGE.name not in rig.points()
+    now[0] = 110.0
+    gpu.energy_mj += 3_000_000  # 3000 J in 10 s = 300 W
+    mon.sample_once()
+    mon.on_flush(interval(elapsed_s=10.0, steps=5, tokens=5000))
+    pts = rig.points()
+    assert value(pts, sc.POWER_AVERAGE.name) == pytest.approx(300.0)
+    assert value(pts, sc.ENERGY_PER_STEP.name) == pytest.approx(600.0)
+    assert value(pts, sc.ENERGY_PER_TOKEN.name) == pytest.approx(0.6)
+    for spec in (sc.POWER_AVERAGE, sc.ENERGY_PER_STEP, sc.ENERGY_PER_TOKEN):
+        assert pts[spec.name][0][2] == spec.unit
+
+
+def test_energy_waits_for_a_new_sample(rig: Rig) -> None:
+    now = [100.0]
+    gpu = FakeGpu(uuid=gpu_uuid(0))
+    mon = rig.monitor(FakeNvml([gpu]), clock=lambda: now[0])
+    mon.start(background=False)
+    mon.sample_once()
+    mon.on_flush(interval())
+    mon.on_flush(interval())  # no new sample: nothing (not a fake 0 W)
+    assert sc.POWER_AVERAGE.name not in rig.points()
+
+
+def test_discovery_for_resource_only_is_released_on_close(rig: Rig) -> None:
+    nvml = FakeNvml()
+    mon = rig.monitor(nvml)
+    assert mon.gpu_resource_attributes()[RES_GPU_UUID] == gpu_uuid(0)
+    mon.close()
+    assert nvml.initialized == 0

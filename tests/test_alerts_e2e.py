@@ -1,0 +1,142 @@
+"""End to end: fake rank endpoints -> real Prometheus (the alert pack, windows 30x shorter) -> real Alertmanager.
+
+Three fake 4-rank runs serve pull endpoints with prometheus_client on 127.0.0.1 (one endpoint per
+rank, series named from otel_train.semconv as the in-process exporter names them):
+  run "slow":     rank 3's forward phase and step take 2x as long  -> TrainingStraggler for rank 3 only
+  run "balanced": every rank alike                                  -> no alert at all
+  run "frozen":   rank 1's steps counter stops after a few seconds  -> TrainingRankStalled for rank 1
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from promstack import alertmanager, prometheus, shorten_rules, wait_until
+
+from otel_train import semconv
+
+RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules"
+LABELS = ["run_id", "rank", "local_rank", "host_name", "otel_scope_name"]
+TICK_S = 0.1  # one fake step per tick on every rank
+
+
+@dataclass
+class FakeRank:
+    run_id: str
+    rank: int
+    step_s: float
+    freeze_after_s: float | None = None
+    port: int = field(default_factory=free_port)
+
+    def __post_init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = {
+            "run_id": self.run_id,
+            "rank": str(self.rank),
+            "local_rank": str(self.rank),
+            "host_name": "node0",
+            "otel_scope_name": "otel_train",
+        }
+        self.steps = Counter(semconv.STEPS.prometheus_name, "steps", LABELS, registry=self.registry).labels(
+            **labels
+        )
+        self.step_hist = Histogram(
+            semconv.STEP_DURATION.prometheus_name,
+            "step",
+            LABELS,
+            buckets=semconv.STEP_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels)
+        self.phase_hist = Histogram(
+            semconv.PHASE_DURATION.prometheus_name,
+            "phase",
+            [*LABELS, "train_phase"],
+            buckets=semconv.PHASE_BUCKETS,
+            registry=self.registry,
+        ).labels(**labels, train_phase="forward")
+        self.server, self.thread = start_http_server(self.port, addr="127.0.0.1", registry=self.registry)
+
+    def tick(self, elapsed_s: float) -> None:
+        if self.freeze_after_s is not None and elapsed_s > self.freeze_after_s:
+            return
+        self.steps.inc()
+        self.step_hist.observe(self.step_s)
+        self.phase_hist.observe(self.step_s * 0.6)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_ranks() -> Iterator[list[FakeRank]]:
+    ranks = [FakeRank("slow", r, 0.2 if r == 3 else 0.1) for r in range(4)]
+    ranks += [FakeRank("balanced", r, 0.1) for r in range(4)]
+    ranks += [FakeRank("frozen", r, 0.1, freeze_after_s=3.0 if r == 1 else None) for r in range(4)]
+    stop = threading.Event()
+    start = time.monotonic()
+
+    def loop() -> None:
+        while not stop.wait(TICK_S):
+            for fake in ranks:
+                fake.tick(time.monotonic() - start)
+
+    worker = threading.Thread(target=loop, name="fake-ranks", daemon=True)
+    worker.start()
+    try:
+        yield ranks
+    finally:
+        stop.set()
+        worker.join(timeout=5)
+        for fake in ranks:
+            fake.close()
+
+
+def _firing(am, **labels: str) -> list[dict]:
+    return [a for a in am.alerts(**labels) if a["status"]["state"] == "active"]
+
+
+@pytest.mark.integration
+def test_straggler_and_rank_stall_reach_alertmanager(fake_ranks: list[FakeRank], tmp_path: Path) -> None:
+    rules = shorten_rules(sorted(RULES_DIR.glob("*.yml")), tmp_path, for_="5s", scale=30)
+    targets = [f"127.0.0.1:{f.port}" for f in fake_ranks]
+    with alertmanager() as am, prometheus(targets=targets, rule_files=rules, alertmanager_url=am.url) as prom:
+        wait_until(lambda: prom.targets_up() == len(targets), timeout=20, what="all fake ranks scraped")
+
+        straggler = wait_until(
+            lambda: _firing(am, alertname="TrainingStraggler", run_id="slow"),
+            timeout=60,
+            what=f"TrainingStraggler in Alertmanager\n{prom.log()}",
+        )
+        stalled = wait_until(
+            lambda: _firing(am, alertname="TrainingRankStalled", run_id="frozen"),
+            timeout=60,
+            what="TrainingRankStalled in Alertmanager",
+        )
+
+        # the slow rank and only it, flagged on its forward phase and its step time
+        assert {a["labels"]["rank"] for a in straggler} == {"3"}
+        assert {a["labels"]["train_phase"] for a in straggler} <= {"forward", "step"}
+        slow = straggler[0]
+        assert slow["labels"]["severity"] == "warning" and slow["labels"]["host_name"] == "node0"
+        assert "rank 3 of run slow" in slow["annotations"]["summary"]
+        assert {a["labels"]["rank"] for a in stalled} == {"1"}
+        assert stalled[0]["labels"]["severity"] == "critical"
+
+        # the balanced run: nothing at all, not even pending; no straggler in the other runs
+        assert not prom.alerts(run_id="balanced")
+        assert not _firing(am, run_id="balanced")
+        assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStraggler")} == {"slow"}
+        assert not _firing(am, alertname="TrainingStalled")
+        # the median the straggler is measured against
+        median = prom.value(
+            'otel_train:phase_seconds:median_over_ranks5m{run_id="slow",train_phase="forward"}'
+        )
+        assert median == pytest.approx(0.06, rel=0.01)

@@ -38,20 +38,57 @@ from otel_train.config import Config
 log = logging.getLogger("otel_train")
 
 
+# --- export status: one warning per outage instead of the SDK's line per retry -------------------
+class ExportStatus:
+    """Reports a collector outage once and its recovery once (the SDK logs every retry)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.failing = False
+        self.failures = 0
+
+    def report(self, ok: bool, signal: str) -> None:
+        if ok and self.failing:
+            self.failing = False
+            log.warning("otel_train: OTLP export to %s works again.", self.endpoint)
+        elif not ok:
+            self.failures += 1
+            if not self.failing:
+                self.failing = True
+                log.warning(
+                    "otel_train: OTLP %s export to %s failed (collector down or unreachable?). Training continues; "
+                    "exports retry every interval and cumulative totals stay right when it returns.",
+                    signal,
+                    self.endpoint,
+                )
+
+
+def quiet_sdk_exporter_logs() -> None:
+    """Silence the OTLP exporters' per-retry log lines unless the user configured those loggers."""
+    for name in ("opentelemetry.exporter.otlp",):
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.CRITICAL)
+
+
 # --- fork guards -----------------------------------------------------------------------------------
 class ForkGuardMetricExporter(MetricExporter):
-    def __init__(self, inner: MetricExporter) -> None:
+    def __init__(self, inner: MetricExporter, status: ExportStatus | None = None) -> None:
         super().__init__(
             preferred_temporality=inner._preferred_temporality,
             preferred_aggregation=inner._preferred_aggregation,
         )
         self._inner = inner
         self._pid = os.getpid()
+        self._status = status
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         if os.getpid() != self._pid:
             return MetricExportResult.SUCCESS  # a forked child never exports
-        return self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        if self._status is not None:
+            self._status.report(result == MetricExportResult.SUCCESS, "metrics")
+        return result
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return os.getpid() != self._pid or self._inner.force_flush(timeout_millis=timeout_millis)
@@ -62,14 +99,18 @@ class ForkGuardMetricExporter(MetricExporter):
 
 
 class ForkGuardSpanExporter(SpanExporter):
-    def __init__(self, inner: SpanExporter) -> None:
+    def __init__(self, inner: SpanExporter, status: ExportStatus | None = None) -> None:
         self._inner = inner
         self._pid = os.getpid()
+        self._status = status
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
         if os.getpid() != self._pid:
             return SpanExportResult.SUCCESS
-        return self._inner.export(spans)
+        result = self._inner.export(spans)
+        if self._status is not None:
+            self._status.report(result == SpanExportResult.SUCCESS, "span")
+        return result
 
     def shutdown(self) -> None:
         if os.getpid() == self._pid:
@@ -225,15 +266,17 @@ def build_telemetry(config: Config, resource: Resource, step_reader: MetricReade
     interval_ms = config.metric_export_interval_s * 1000
 
     if config.otlp_endpoint:
+        quiet_sdk_exporter_logs()
+        status = ExportStatus(config.otlp_endpoint)
         metrics, spans, logs = _otlp_exporters(config)
         readers.append(
             PeriodicExportingMetricReader(
-                ForkGuardMetricExporter(metrics),
+                ForkGuardMetricExporter(metrics, status),
                 export_interval_millis=interval_ms,
                 export_timeout_millis=config.otlp_timeout_s * 1000,
             )
         )
-        span_exporters.append(ForkGuardSpanExporter(spans))
+        span_exporters.append(ForkGuardSpanExporter(spans, status))
         log_exporters.append(ForkGuardLogExporter(logs))
     if config.console_exporter:
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter

@@ -61,6 +61,7 @@ KIND_RELATIVE = "relative"
 KIND_INDIVIDUAL = "individual"
 
 PACK_VERSION = 1.0
+MAX_REPORTS_PER_FLUSH = 5  # rank 0 logs and emits at most this many new stragglers per flush (slowest first)
 MAX_TIMERS = 64
 ANNOUNCE_SLOTS = 4
 NAME_FLOATS = 8  # 6 bytes per float64 (exact below 2**53): names up to 48 UTF-8 bytes travel
@@ -417,18 +418,24 @@ class StragglerScorer:
         world_size: int,
         hosts: Sequence[str] = (),
         relative: bool = True,
+        rank_ids: Sequence[int] | None = None,
     ) -> list[RankScores]:
+        """Scores for every index of the reductions' `values`; `rank_ids` maps an index to the rank
+        the EWMA/best-so-far state is kept under (default: the index itself)."""
         out: list[RankScores] = []
-        for rank in range(world_size):
+        for index in range(world_size):
+            rank = rank_ids[index] if rank_ids is not None else index
             scores = RankScores(rank)
-            host = hosts[rank] if rank < len(hosts) else ""
+            host = hosts[index] if index < len(hosts) else ""
             own: dict[str, float] = {}
             for name, red in reductions.items():
-                v = red.values[rank] if rank < len(red.values) else None
+                v = red.values[index] if index < len(red.values) else None
                 if v is not None and v > 0 and name != STEP_PHASE and phase_category(name) != "communication":
                     own[name] = v
             step_red = reductions.get(STEP_PHASE)
-            own_step = step_red.values[rank] if step_red is not None and rank < len(step_red.values) else None
+            own_step = (
+                step_red.values[index] if step_red is not None and index < len(step_red.values) else None
+            )
             if relative:
                 self._relative(rank, host, own, reductions, own_step, scores)
             self._individual(rank, host, own, own_step, scores, report=relative)
@@ -662,7 +669,9 @@ class CrossRankReducer:
             if steps and STEP_PHASE not in own:
                 own[STEP_PHASE] = sum(steps) / len(steps)
             reductions = reduce_timings([own])
-            all_scores = self.scorer.update(reductions, 1, [self.identity.host], relative=False)
+            all_scores = self.scorer.update(
+                reductions, 1, [self.identity.host], relative=False, rank_ids=[self.identity.rank]
+            )
             mine = all_scores[0]
             all_scores = []
         self.last_reductions = reductions
@@ -698,9 +707,16 @@ class CrossRankReducer:
         chronic = [r for s in all_scores for r in s.reports if r.chronic]
         now = {(r.rank, r.kind) for r in chronic}
         if self.identity.rank == 0:
-            for report in chronic:
-                if (report.rank, report.kind) in self._flagged:
-                    continue
+            new = sorted((r for r in chronic if (r.rank, r.kind) not in self._flagged), key=lambda r: r.score)
+            if len(new) > MAX_REPORTS_PER_FLUSH:
+                logger.warning(
+                    "otel_train: %d new stragglers at step %d; reporting the %d slowest (%s)",
+                    len(new),
+                    interval.step,
+                    MAX_REPORTS_PER_FLUSH,
+                    ", ".join(f"rank {r.rank} {r.kind} {r.score:.2f}" for r in new[:MAX_REPORTS_PER_FLUSH]),
+                )
+            for report in new[:MAX_REPORTS_PER_FLUSH]:
                 message = (
                     f"straggler: rank {report.rank} ({report.host}) {report.kind} score {report.score:.2f} "
                     f"(this interval {report.raw_score:.2f}, threshold {self.scorer.threshold}); "

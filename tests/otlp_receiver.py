@@ -73,7 +73,7 @@ def _free_port() -> int:
 
 
 @contextmanager
-def http_receiver() -> Iterator[tuple[str, Received]]:
+def http_receiver(port: int | None = None) -> Iterator[tuple[str, Received]]:
     received = Received()
     lock = threading.Lock()
     kinds = {
@@ -109,7 +109,8 @@ def http_receiver() -> Iterator[tuple[str, Received]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", _free_port()), Handler)
+    ThreadingHTTPServer.allow_reuse_address = True
+    server = ThreadingHTTPServer(("127.0.0.1", port or _free_port()), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

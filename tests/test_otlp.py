@@ -143,3 +143,34 @@ def test_collector_unavailable_does_not_block(kind: str, protocol: str) -> None:
     finally:
         if ctx:
             ctx.__exit__(None, None, None)
+
+
+def test_collector_outage_warns_once_and_recovery_is_reported(caplog) -> None:
+    """Collector down at start, then up on the same port: one warning for the outage, one for the
+    recovery, no SDK retry spam, and the cumulative totals arrive right after it returns."""
+    import logging
+
+    from conftest import free_port
+
+    caplog.set_level(logging.WARNING)
+    port = free_port()
+    ot.init(otlp_endpoint=f"http://127.0.0.1:{port}", prometheus_port=0, verbosity=0, log_interval=1,
+            metric_export_interval_s=0.2, otlp_timeout_s=0.5)  # fmt: skip
+    for i in range(5):
+        with ot.step(i):
+            pass
+    time.sleep(1.0)
+    with http_receiver(port=port) as (_, received):
+        for i in range(5, 10):
+            with ot.step(i):
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not received.metrics:
+            time.sleep(0.1)
+        ot.shutdown()
+    messages = [r.getMessage() for r in caplog.records if r.name == "otel_train"]
+    assert sum("failed (collector down" in m for m in messages) == 1, messages
+    assert sum("works again" in m for m in messages) == 1, messages
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
+    steps = received.metric_points()[semconv.STEPS.name][-1][1].sum.data_points[0]
+    assert (steps.as_int or steps.as_double) == 10  # cumulative: nothing lost across the outage

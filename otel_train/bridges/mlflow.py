@@ -4,6 +4,9 @@
   `sqlite:///<run_dir>/mlflow/mlflow.db` with artifacts in `<run_dir>/mlflow/artifacts`. MLflow 3.x
   refuses the old `./mlruns` file store unless `MLFLOW_ALLOW_FILE_STORE=true` (it is in maintenance
   mode), and SQLite needs no server: `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow/mlflow.db`.
+  A fresh SQLite store runs ~330 schema migrations (3-8 s of CPU); the sink therefore copies an
+  empty, migrated database cached per MLflow version in `~/.cache/otel_train/` (`XDG_CACHE_HOME`
+  honoured), so only the first run on a machine pays for them.
   Pass one shared URI (a server, or one SQLite file under `output_dir`) to compare runs in one UI.
 * The client and run are created lazily at the first write, on the bridge's thread.
 * Params are flattened (`a.b`), keys sanitised to MLflow's character set, values truncated to
@@ -18,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -69,6 +73,52 @@ def default_tracking_uri(run_dir: Path) -> str:
     return "sqlite:///" + str((run_dir / "mlflow" / "mlflow.db").resolve())
 
 
+def _template_db() -> Path:
+    import mlflow
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "otel_train"
+    return cache / f"mlflow-{mlflow.__version__}-empty.db"
+
+
+def seed_local_store(db_path: Path, artifact_root: Path) -> bool:
+    """Start a new local store from a cached, already migrated empty database. False if not done.
+
+    Any failure (cache not writable, a schema MLflow rejects) leaves `db_path` absent, and MLflow then
+    creates and migrates it itself.
+    """
+    if db_path.exists():
+        return False
+    import shutil
+    import sqlite3
+    import threading
+
+    template = _template_db()
+    try:
+        if not template.is_file():
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            template.parent.mkdir(parents=True, exist_ok=True)
+            tmp = template.with_name(f".{template.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+            store = SqlAlchemyStore("sqlite:///" + str(tmp), str(template.parent / "unused-artifacts"))
+            store.engine.dispose()
+            os.replace(tmp, template)  # atomic: concurrent runs see a complete template or none
+        partial = db_path.with_name(db_path.name + ".partial")
+        shutil.copyfile(template, partial)
+        with sqlite3.connect(partial) as conn:  # MLflow's "Default" experiment: artifacts in this run dir
+            conn.execute(
+                "UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                ((artifact_root / "0").resolve().as_uri(),),
+            )
+        conn.close()
+        os.replace(partial, db_path)
+        return True
+    except Exception as exc:
+        logger.debug("otel_train: MLflow store template not used (%s); MLflow will migrate a new store", exc)
+        with contextlib.suppress(OSError):
+            db_path.with_name(db_path.name + ".partial").unlink()
+        return False
+
+
 class MlflowSink(Sink):
     """Logs one MLflow run."""
 
@@ -113,6 +163,8 @@ class MlflowSink(Sink):
             from mlflow import MlflowClient
         except ImportError as exc:
             raise BridgeImportError("MLflow", "mlflow", exc) from exc
+        if self.local_store:
+            seed_local_store(self.run_dir / "mlflow" / "mlflow.db", self.run_dir / "mlflow" / "artifacts")
         client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment_id(client)
         run = client.create_run(experiment_id, run_name=self.run_name, tags=self.tags or None)

@@ -105,19 +105,19 @@ def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, floa
             else:
                 out[key] = float(point.value)
     elif isinstance(data, HistogramData):
-        for point in data.data_points:
-            if point.count == 0:
+        for hpoint in data.data_points:
+            if hpoint.count == 0:
                 continue
-            key = key_for(name, point.attributes or {})
-            out[key + "/mean"] = point.sum / point.count
-            out[key + "/count"] = float(point.count)
-            out[key + "/total"] = float(point.sum)
-            if point.min is not None and math.isfinite(point.min):
-                out[key + "/min"] = float(point.min)
-            if point.max is not None and math.isfinite(point.max):
-                out[key + "/max"] = float(point.max)
+            key = key_for(name, hpoint.attributes or {})
+            out[key + "/mean"] = hpoint.sum / hpoint.count
+            out[key + "/count"] = float(hpoint.count)
+            out[key + "/total"] = float(hpoint.sum)
+            if hpoint.min is not None and math.isfinite(hpoint.min):
+                out[key + "/min"] = float(hpoint.min)
+            if hpoint.max is not None and math.isfinite(hpoint.max):
+                out[key + "/max"] = float(hpoint.max)
             for q, suffix in ((0.5, "p50"), (0.95, "p95")):
-                estimate = bucket_quantile(q, point.explicit_bounds, point.bucket_counts, point.min, point.max)
+                estimate = bucket_quantile(q, hpoint.explicit_bounds, hpoint.bucket_counts, hpoint.min, hpoint.max)
                 if estimate is not None:
                     out[f"{key}/{suffix}"] = estimate
 

@@ -1,0 +1,55 @@
+"""SIGTERM and exceptions: the final flush lands in the run dir and the exit status is preserved."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import otel_train as ot
+    ot.init(output_dir=sys.argv[1], run_name="r", prometheus_port=0, verbosity=0, log_interval=1000)
+    print("ready", flush=True)
+    step = 0
+    while True:
+        with ot.step(step, tokens=1):
+            ot.record("loss", 1.0)
+        step += 1
+        if sys.argv[2] == "raise" and step == 50:
+            raise RuntimeError("training bug")
+        time.sleep(0.001)
+    """
+)
+
+
+def _run(tmp_path: Path, mode: str) -> tuple[int, list[dict], float]:
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path), mode], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    if mode == "term":
+        time.sleep(0.5)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=30)
+    elapsed = time.monotonic() - started
+    path = tmp_path / "r" / "metrics.rank0.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return code, rows, elapsed
+
+
+def test_sigterm_final_flush_and_exit_status(tmp_path) -> None:
+    code, rows, _ = _run(tmp_path, "term")
+    assert code == -signal.SIGTERM  # still "terminated by SIGTERM" for the scheduler
+    assert rows and rows[-1]["train/steps"] > 0  # the partial interval (< log_interval) was flushed
+
+
+def test_exception_final_flush_and_exit_code(tmp_path) -> None:
+    code, rows, _ = _run(tmp_path, "raise")
+    assert code == 1
+    assert sum(r.get("train/steps", 0) for r in rows) == 50

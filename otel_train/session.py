@@ -27,7 +27,7 @@ from otel_train.bridges.console import ConsoleSink
 from otel_train.bridges.rundir import RunDirSink, write_json
 from otel_train.buffer import Buffer, SpanRecord
 from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, load_config, redact
-from otel_train.distributed import Identity, detect_identity
+from otel_train.distributed import Identity, agree_run_id, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
@@ -50,6 +50,10 @@ class Session:
 
         self.config = config
         self.identity: Identity = detect_identity(config.run_id)
+        # A dedicated gloo group: telemetry's one collective per flush runs on the worker thread and
+        # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
+        self.telemetry_group = create_telemetry_group(self.identity, config.collective_timeout_s)
+        self.identity = agree_run_id(self.identity, self.telemetry_group)
         self.run_name = config.run_name or _default_run_name()
         self.is_reporting_rank = self.identity.rank == 0 or config.bridge_all_ranks
         self.run_dir = self._make_run_dir()
@@ -90,6 +94,10 @@ class Session:
             )
             self.hardware.start()
             self.listeners.append(self.hardware)
+        from otel_train.straggler import CrossRankReducer
+
+        self.reducer = CrossRankReducer(self.identity, self.meter, self.events, config, group=self.telemetry_group)
+        self.listeners.append(self.reducer)
         tracer = (
             self.telemetry.tracer_provider.get_tracer("otel_train", _version())
             if self.telemetry.tracer_provider is not None

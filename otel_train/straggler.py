@@ -610,6 +610,10 @@ class CrossRankReducer:
         )
 
     def on_flush(self, interval: Interval) -> None:
+        if interval.final:
+            # Shutdown flushes are not aligned across ranks (a peer may already be gone), so they
+            # never issue a collective; the last aligned flush already carried the cross-rank view.
+            return
         with self._lock:
             if self._closed:
                 return

@@ -1,0 +1,104 @@
+"""Rank identity from launcher environments, and run id agreement over a real gloo group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from multirank import run_ranks
+
+from otel_train.distributed import Identity, agree_run_id, detect_identity
+
+
+def test_single_process_defaults() -> None:
+    ident = detect_identity(None, environ={})
+    assert (ident.rank, ident.local_rank, ident.world_size, ident.node_rank) == (0, 0, 1, 0)
+    assert not ident.distributed and ident.run_id_source == "generated" and len(ident.run_id) == 12
+    assert ident.host and ident.instance_id == f"{ident.run_id}-rank0"
+
+
+def test_torchrun_env() -> None:
+    env = {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "GROUP_RANK": "2",
+        "TORCHELASTIC_RUN_ID": "job-42",
+    }
+    ident = detect_identity(None, environ=env)
+    assert (ident.rank, ident.local_rank, ident.world_size, ident.node_rank) == (5, 1, 8, 2)
+    assert (ident.run_id, ident.run_id_source) == ("job-42", "torchelastic")
+
+
+def test_torchrun_default_run_id_none_is_absent() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "1"}
+    ident = detect_identity(None, environ=env)
+    assert ident.run_id != "none" and ident.run_id_source == "generated"
+    assert ident.node_rank == 1  # rank // LOCAL_WORLD_SIZE when no node rank is given
+
+
+def test_slurm_env() -> None:
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_ID": "777",
+    }
+    ident = detect_identity(None, environ=env)
+    assert (ident.rank, ident.local_rank, ident.world_size, ident.node_rank) == (3, 1, 4, 1)
+    assert (ident.run_id, ident.run_id_source) == ("777", "slurm")
+
+
+def test_open_mpi_env() -> None:
+    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}  # fmt: skip
+    ident = detect_identity(None, environ=env)
+    assert (ident.rank, ident.local_rank, ident.world_size, ident.node_rank) == (2, 0, 4, 1)
+
+
+def test_precedence_explicit_then_env_then_scheduler() -> None:
+    env = {"OTEL_TRAIN_RUN_ID": "mine", "SLURM_JOB_ID": "777"}
+    assert detect_identity("given", environ=env).run_id_source == "explicit"
+    assert detect_identity(None, environ=env).run_id == "mine"
+
+
+def test_agree_without_group_is_identity() -> None:
+    ident = Identity("abc", rank=1, world_size=2)
+    assert agree_run_id(ident, None) is ident
+
+
+def agree_target(rank: int, world: int, env_run_id: str | None) -> dict[str, Any]:
+    import os
+
+    from otel_train.distributed import create_telemetry_group
+
+    if env_run_id is None:
+        os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    else:
+        os.environ["TORCHELASTIC_RUN_ID"] = env_run_id
+    os.environ.pop("SLURM_JOB_ID", None)
+    os.environ.pop("OTEL_TRAIN_RUN_ID", None)
+    ident = detect_identity(None)
+    group = create_telemetry_group(ident, 10.0)
+    agreed = agree_run_id(ident, group)
+    return {
+        "before": ident.run_id,
+        "after": agreed.run_id,
+        "source": agreed.run_id_source,
+        "rank": agreed.rank,
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("env_run_id", [None, "none", "rdzv-7"])
+def test_agree_run_id_over_gloo(env_run_id: str | None) -> None:
+    results = run_ranks(4, agree_target, (env_run_id,), timeout=60)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    afters = {r["after"] for r in results}
+    assert afters == {results[0]["before"]}  # everyone has rank 0's id
+    if env_run_id == "rdzv-7":
+        assert afters == {"rdzv-7"} and {r["source"] for r in results} == {"torchelastic"}
+    else:
+        assert len({r["before"] for r in results}) == 4  # generated ids differed before agreement
+        assert [r["source"] for r in results] == ["generated", "agreed", "agreed", "agreed"]

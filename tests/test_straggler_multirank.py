@@ -1,0 +1,287 @@
+"""CrossRankReducer on REAL torch.distributed gloo ranks (4 processes on CPU).
+
+Each child calls the reducer's `on_flush` directly with synthetic per-rank Intervals, counts every
+torch.distributed collective entry point it calls (monkeypatched inside the child) and reports back.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from multirank import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_reduce",
+    "broadcast",
+    "gather",
+    "reduce",
+    "barrier",
+)
+
+BASE = {"data": 0.002, "forward": 0.030, "backward": 0.060, "optimizer": 0.005}
+STEP = 0.25  # the gradient all-reduce equalises step time across ranks
+
+
+def _count_collectives() -> dict[str, int]:
+    """Wrap torch.distributed's collective entry points in this process; returns the live counts."""
+    import torch.distributed as dist
+
+    counts: dict[str, int] = {}
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, _name: str = name, _orig: Any = original, **kwargs: Any) -> Any:
+            counts[_name] = counts.get(_name, 0) + 1
+            return _orig(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+    return counts
+
+
+def _interval(seq: int, phases: Mapping[str, float]) -> Any:
+    from otel_train.interval import Interval
+
+    return Interval(
+        seq=seq,
+        step=(seq + 1) * 10 - 1,
+        wall_time=time.time(),
+        elapsed_s=10 * STEP,
+        steps=10,
+        tokens=0,
+        samples=0,
+        step_durations=[STEP] * 10,
+        phases={name: [value] * 10 for name, value in phases.items()},
+    )
+
+
+def _phases(rank: int, seq: int, scenario: str) -> dict[str, float]:
+    jitter = 1.0 + 0.01 * ((rank * 7 + seq * 3) % 5 - 2)  # deterministic ±2 %
+    phases = {name: value * jitter for name, value in BASE.items()}
+    if scenario == "compute" and rank == 2:
+        phases["forward"] *= 1.5
+        phases["backward"] *= 1.5
+    if scenario == "data" and rank == 1:
+        phases["data"] = 0.050
+    if scenario == "timersets":
+        if rank == 3:
+            phases["rank3_only"] = 0.5
+        if rank == 1 and seq == 0:
+            del phases["optimizer"]  # rank 1 first runs "optimizer" at the second flush
+    phases["allreduce"] = STEP - sum(phases.values())  # fast ranks wait longer in the collective
+    return phases
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def emit(
+        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
+    ) -> None:
+        self.events.append((event, dict(attributes or {})))
+
+
+def _gauges(reader: Any) -> dict[str, dict[tuple[tuple[str, Any], ...], float]]:
+    out: dict[str, dict[tuple[tuple[str, Any], ...], float]] = {}
+    data = reader.get_metrics_data()
+    for rm in data.resource_metrics if data else []:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for point in metric.data.data_points:
+                    out.setdefault(metric.name, {})[tuple(sorted(point.attributes.items()))] = point.value
+    return out
+
+
+def _record_reports(sink: list[list[tuple[int, str, str, str]]], reports: list[Any]) -> None:
+    sink.append([(r.rank, r.kind, r.phase, r.category) for r in reports])
+
+
+def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) -> dict[str, Any]:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from otel_train.config import Config
+    from otel_train.distributed import create_telemetry_group, detect_identity
+    from otel_train.straggler import CrossRankReducer
+
+    identity = detect_identity(None)
+    assert identity.rank == rank and identity.world_size == world
+    config = Config(timing_log_option="all", collective_timeout_s=20.0)
+    results: dict[str, Any] = {}
+    for scenario in scenarios:
+        group = create_telemetry_group(identity, config.collective_timeout_s)
+        reader = InMemoryMetricReader()
+        meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+        events = _Events()
+        flagged: list[list[tuple[int, str, str, str]]] = []
+        reducer = CrossRankReducer(
+            identity,
+            meter,
+            events,
+            config,
+            group=group,
+            on_straggler=functools.partial(_record_reports, flagged),
+        )
+        counts = _count_collectives()
+        per_flush: list[int] = []
+        first_flag: int | None = None
+        for seq in range(flushes):
+            before = sum(counts.values())
+            n_flagged = len(flagged)
+            reducer.on_flush(_interval(seq, _phases(rank, seq, scenario)))
+            per_flush.append(sum(counts.values()) - before)
+            if first_flag is None and len(flagged) > n_flagged:
+                first_flag = seq
+        reductions = reducer.last_reductions
+        results[scenario] = {
+            "per_flush": per_flush,
+            "counts": dict(counts),
+            "first_flag": first_flag,
+            "flagged": flagged[-1] if flagged else [],
+            "events": events.events,
+            "gauges": _gauges(reader),
+            "forward_values": reductions["forward"].values,
+            "reductions": {n: (r.n, r.argmin, r.argmax, r.values) for n, r in reductions.items()},
+            "disabled": reducer.disabled_reason,
+        }
+        reducer.close()
+        import torch.distributed as dist
+
+        for name in COLLECTIVES:  # unwrap before the next scenario
+            original = getattr(dist, name, None)
+            if original is not None and hasattr(original, "__wrapped__"):
+                setattr(dist, name, original.__wrapped__)
+    return results
+
+
+@pytest.fixture(scope="module")
+def scenario_results() -> list[dict[str, Any]]:
+    return run_ranks(4, scenarios_target, (["balanced", "compute", "data", "timersets"], 5), timeout=90)
+
+
+def test_exactly_one_collective_per_flush(scenario_results: list[dict[str, Any]]) -> None:
+    for rank_result in scenario_results:
+        for scenario, res in rank_result.items():
+            assert res["per_flush"] == [1] * 5, (scenario, res["counts"])
+            gathers = {k: v for k, v in res["counts"].items() if v}
+            assert len(gathers) == 1 and next(iter(gathers)).startswith("all_gather"), gathers
+            assert "all_gather_object" not in gathers
+            assert res["disabled"] is None
+
+
+def test_balanced_flags_nothing(scenario_results: list[dict[str, Any]]) -> None:
+    for res in (r["balanced"] for r in scenario_results):
+        assert res["first_flag"] is None and res["events"] == []
+
+
+def test_compute_straggler_flagged_with_compute_phase(scenario_results: list[dict[str, Any]]) -> None:
+    for rank, rank_result in enumerate(scenario_results):
+        res = rank_result["compute"]
+        assert res["first_flag"] is not None and res["first_flag"] <= 2  # within 3 flushes
+        # every rank's callback sees the same verdict
+        assert res["flagged"] == [(2, "relative", res["flagged"][0][2], "compute")]
+        assert res["flagged"][0][2] in ("forward", "backward")
+        if rank == 0:
+            (event,) = res["events"]
+            assert event[0] == "straggler"
+            assert event[1]["rank"] == 2 and event[1]["category"] == "compute" and event[1]["host.name"]
+            cross = res["gauges"]["train.phase.cross_rank"]
+            assert cross[(("stat", "argmax_rank"), ("train.phase", "forward"))] == 2
+            assert cross[(("stat", "argmin_rank"), ("train.phase", "allreduce"))] == 2  # it waits least
+            assert cross[(("stat", "max"), ("train.phase", "forward"))] == pytest.approx(0.045, rel=0.03)
+        else:
+            assert res["events"] == []
+            assert "train.phase.cross_rank" not in res["gauges"]  # rank 0 only
+        score = res["gauges"]["train.straggler.score"][
+            (("straggler.kind", "relative"), ("train.phase", "all"))
+        ]
+        assert (score < 0.8) == (rank == 2)
+
+
+def test_data_straggler_attributed_to_data(scenario_results: list[dict[str, Any]]) -> None:
+    res0 = scenario_results[0]["data"]
+    assert res0["flagged"] == [(1, "relative", "data", "data")]
+    (event,) = res0["events"]
+    assert event[1]["rank"] == 1 and event[1]["category"] == "data" and event[1]["train.phase"] == "data"
+
+
+def test_differing_timer_sets_reduce_by_name(scenario_results: list[dict[str, Any]]) -> None:
+    for res in (r["timersets"] for r in scenario_results):
+        reds = res["reductions"]
+        n, argmin, argmax, values = reds["rank3_only"]
+        assert (n, argmin, argmax) == (1, 3, 3) and values[:3] == (None, None, None)
+        assert reds["optimizer"][0] == 4  # rank 1's late timer joined without misalignment
+        fwd = reds["forward"][3]
+        assert all(v == pytest.approx(0.030, rel=0.03) for v in fwd)
+        assert res["first_flag"] is None
+
+
+def single_rank_target(rank: int, world: int) -> dict[str, Any]:
+    from otel_train.config import Config
+    from otel_train.distributed import create_telemetry_group, detect_identity
+    from otel_train.straggler import CrossRankReducer
+
+    identity = detect_identity(None)
+    counts = _count_collectives()
+    group = create_telemetry_group(identity, 5.0)
+    reducer = CrossRankReducer(identity, None, None, Config(), group=group)
+    for seq in range(3):
+        reducer.on_flush(_interval(seq, _phases(rank, seq, "balanced")))
+    return {"counts": counts, "collectives": reducer.collectives, "group": group is not None}
+
+
+def test_world_size_one_issues_no_collective() -> None:
+    (res,) = run_ranks(1, single_rank_target, (), timeout=60)
+    assert res == {"counts": {}, "collectives": 0, "group": False}
+
+
+def dead_peer_target(rank: int, world: int, mode: str, timeout_s: float) -> dict[str, Any]:
+    from otel_train.config import Config
+    from otel_train.distributed import create_telemetry_group, detect_identity
+    from otel_train.straggler import CrossRankReducer
+
+    identity = detect_identity(None)
+    config = Config(collective_timeout_s=timeout_s)
+    group = create_telemetry_group(identity, timeout_s)
+    reducer = CrossRankReducer(identity, None, None, config, group=group)
+    reducer.on_flush(_interval(0, _phases(rank, 0, "balanced")))
+    assert reducer.disabled_reason is None
+    if rank == 3:
+        if mode == "silent":  # alive, but never flushes again (hung training, or finished early)
+            time.sleep(timeout_s + 4)
+        return {"rank": 3}
+    time.sleep(0.5)
+    start = time.monotonic()
+    reducer.on_flush(_interval(1, _phases(rank, 1, "balanced")))
+    took = time.monotonic() - start
+    collectives = reducer.collectives
+    reducer.on_flush(_interval(2, _phases(rank, 2, "balanced")))  # disabled: no further collective
+    return {
+        "took": took,
+        "disabled": reducer.disabled_reason,
+        "collectives_before": collectives,
+        "collectives_after": reducer.collectives,
+    }
+
+
+@pytest.mark.parametrize("mode", ["exit", "silent"])
+def test_dead_peer_disables_instead_of_hanging(mode: str) -> None:
+    timeout_s = 3.0
+    results = run_ranks(4, dead_peer_target, (mode, timeout_s), timeout=60)
+    for res in results[:3]:
+        assert res["disabled"] is not None and "all_gather failed" in res["disabled"]
+        assert res["took"] < timeout_s + 3.0
+        assert res["collectives_after"] == res["collectives_before"] == 2

@@ -87,7 +87,7 @@ class Config:
     flops_per_token: float | None = None
     # distributed
     straggler_threshold: float = 0.8
-    straggler_ewma: float = 0.3
+    straggler_ewma: float = 0.5
     collective_timeout_s: float = 60.0
 
 

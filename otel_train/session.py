@@ -190,7 +190,45 @@ class Session:
         if self.identity.rank == 0:
             self.console = ConsoleSink(self.config.verbosity, self.config.progress_bar, self.config.total_steps)
             sinks.append(self.console)
+        sinks.extend(self._bridges())
         return sinks
+
+    def _bridges(self) -> list[Sink]:
+        """TensorBoard / W&B / MLflow, each behind its own bounded queue and thread. A missing
+        package or an unwritable directory raises here, at init(), naming the extra or the path."""
+        from otel_train.bridges.threaded import BridgeImportError, BridgeSetupError, ThreadedSink
+
+        cfg = self.config
+        if not (cfg.tensorboard or cfg.wandb or cfg.mlflow):
+            return []
+        run_dir = self.run_dir or Path(cfg.output_dir) / self.run_name
+        rank_suffix = self.identity.rank if cfg.bridge_all_ranks else None
+        name = self.run_name if rank_suffix is None else f"{self.run_name}-rank{rank_suffix}"
+        bridges: list[Sink] = []
+        try:
+            if cfg.tensorboard:
+                from otel_train.bridges.tensorboard import TensorBoardSink
+
+                bridges.append(TensorBoardSink(run_dir / "tensorboard", name))
+            if cfg.wandb:
+                from otel_train.bridges.wandb import WandbSink
+
+                bridges.append(
+                    WandbSink(
+                        run_dir, {"otel_train": config_as_dict(cfg)}, cfg.wandb_project, cfg.wandb_entity,
+                        cfg.wandb_group, cfg.wandb_tags, cfg.wandb_mode, self.run_name, self.identity.run_id,
+                        rank_suffix,
+                    )  # fmt: skip
+                )
+            if cfg.mlflow:
+                from otel_train.bridges.mlflow import MlflowSink
+
+                bridges.append(MlflowSink(run_dir, cfg.mlflow_tracking_uri, cfg.mlflow_experiment, name))
+        except (BridgeImportError, BridgeSetupError) as exc:
+            for bridge in bridges:
+                bridge.close({})
+            raise ConfigError(str(exc)) from None
+        return [ThreadedSink(b, cfg.bridge_queue_size, b.name) for b in bridges]
 
     def _write_run_files(self) -> None:
         from otel_train.envinfo import collect_env

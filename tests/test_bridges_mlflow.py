@@ -1,0 +1,89 @@
+"""MLflow bridge against a real local SQLite store, read back with MlflowClient."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from readback import read_mlflow
+
+from otel_train.bridges.mlflow import MlflowSink, default_tracking_uri, sanitize_key, seed_local_store
+from otel_train.bridges.threaded import BridgeSetupError
+from otel_train.config import Config, config_as_dict
+
+pytest.importorskip("mlflow")
+
+MARKER = "SENTINEL-MLFLOW-beef"
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_mlflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def test_local_store_round_trip(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "run-m"
+    params = config_as_dict(Config(otlp_headers={"authorization": f"Bearer {MARKER}"}, run_name="run-m"))
+    params["long"] = "x" * 10_000
+    sink = MlflowSink(run_dir, None, "exp-1", "run-m", params)
+    for step in (10, 20, 30):
+        sink.write_scalars(step, time.time(), {"train/loss": 10.0 / step, "timers/forward/mean": 0.25})
+    sink.write_text("samples/note", "**bold**", 20)
+    sink.write_samples("samples/val", [("2+2=", "4")], 30)
+    sink.write_histogram("grad/norm", [1.0, 2.0, 2.0, 3.0, float("nan")], 30)
+    sink.write_hparams({"lr": 3e-4, "run_name": "changed"})  # a changed param is skipped, not an error
+    sink.close({"train/loss": 1 / 3})
+
+    uri = default_tracking_uri(run_dir)
+    assert uri.startswith("sqlite:///") and (run_dir / "mlflow" / "mlflow.db").is_file()
+    run = read_mlflow(uri, "exp-1")
+    assert run.status == "FINISHED" and run.run_name == "run-m"
+    assert run.metrics["train/loss"] == [(10, 1.0), (20, 0.5), (30, pytest.approx(1 / 3))]
+    assert run.metrics["timers/forward/mean"] == [(10, 0.25), (20, 0.25), (30, 0.25)]
+    assert run.params["lr"] == "0.0003" and run.params["run_name"] == "run-m"
+    assert run.params["otlp_headers"] == "***" and run.params["wandb_tags"] == "[]"
+    assert len(run.params["long"]) == 6000  # MLflow's param value limit
+    assert run.artifacts["text/samples/note/step_000000020.md"] == "**bold**"
+    assert "| 2+2= | 4 |" in run.artifacts["text/samples/val/step_000000030.md"]
+    hist = json.loads(run.artifacts["histograms/grad/norm/step_000000030.json"])
+    assert hist["count"] == 4 and sum(hist["counts"]) == 4 and hist["min"] == 1.0 and hist["max"] == 3.0
+    # artifacts stay under the run dir (not ./mlruns in the working directory)
+    assert (run_dir / "mlflow" / "artifacts").is_dir()
+    assert not Path("mlruns").exists()
+    # the store started from the migrated template (or was migrated by MLflow): either way it is
+    # never re-seeded once it exists
+    assert not seed_local_store(run_dir / "mlflow" / "mlflow.db", run_dir / "mlflow" / "artifacts")
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert MARKER.encode() not in path.read_bytes(), path
+
+
+def test_keys_are_sanitized() -> None:
+    assert sanitize_key("train/loss") == "train/loss"
+    assert sanitize_key("eval/acc@1 (top)") == "eval/acc_1 _top_"
+    assert sanitize_key("/a//b/./../c/") == "a/b/c"
+    assert sanitize_key("k:v") == "k_v"
+    assert len(sanitize_key("k" * 300)) == 250
+
+
+def test_explicit_tracking_uri_shared_by_two_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a user-given URI keeps MLflow's default artifact root (./mlruns)
+    # seeded from the cached migrated template (what the default local store does), so this test
+    # does not pay for MLflow's schema migrations a second time
+    seed_local_store(tmp_path / "shared.db", tmp_path / "artifacts")
+    uri = "sqlite:///" + str(tmp_path / "shared.db")
+    for name in ("a", "b"):
+        sink = MlflowSink(tmp_path / name, uri, "shared", name, {"name": name})
+        sink.write_scalars(1, time.time(), {"train/loss": 1.0})
+        sink.close({})
+    assert read_mlflow(uri, "shared", "b").params == {"name": "b"}
+
+
+def test_unwritable_run_dir_names_the_path(tmp_path: Path) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    with pytest.raises(BridgeSetupError, match=re.escape("file.txt/run/mlflow")):
+        MlflowSink(blocker / "run", None, "e", "r")

@@ -1,0 +1,151 @@
+"""ThreadedSink: a slow, hung or failing backend never delays or breaks the caller."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from otel_train.bridges.base import Sink
+from otel_train.bridges.threaded import ThreadedSink
+
+
+class Recording(Sink):
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.closed = threading.Event()
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        self.calls.append(("scalars", (step, dict(scalars))))
+
+    def write_text(self, key: str, text: str, step: int) -> None:
+        self.calls.append(("text", (key, text, step)))
+
+    def write_histogram(self, key: str, values: Any, step: int) -> None:
+        self.calls.append(("histogram", (key, list(values), step)))
+
+    def write_hparams(self, params: Mapping[str, Any]) -> None:
+        self.calls.append(("hparams", dict(params)))
+
+    def close(self, final_scalars: Mapping[str, float]) -> None:
+        self.calls.append(("close", dict(final_scalars)))
+        self.closed.set()
+
+
+class Slow(Recording):
+    """Every write blocks for 5 s, like a hung wandb.log or a remote-FS TensorBoard writer."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        self.started.set()
+        self.release.wait(5.0)
+        super().write_scalars(step, wall_time, scalars)
+
+
+class Raising(Recording):
+    name = "broken-backend"
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        raise RuntimeError("backend exploded")
+
+
+def test_calls_are_forwarded_in_order_and_close_drains() -> None:
+    inner = Recording()
+    sink = ThreadedSink(inner, queue_size=16, name="rec")
+    scalars = {"train/loss": 1.0}
+    sink.write_hparams({"lr": 0.1})
+    sink.write_scalars(1, 0.0, scalars)
+    scalars["train/loss"] = 99.0  # the caller may reuse its dict: the sink copied it
+    sink.write_text("k", "t", 1)
+    sink.write_samples("s", [("p", "o")], 1)  # base default: rendered as text by the inner sink
+    sink.write_histogram("h", (1.0, 2.0), 1)
+    sink.close({"train/loss": 1.0}, timeout=5)
+    assert sink.closed_cleanly and sink.dropped == 0 and sink.errors == 0
+    assert [c[0] for c in inner.calls] == ["hparams", "scalars", "text", "text", "histogram", "close"]
+    assert inner.calls[1] == ("scalars", (1, {"train/loss": 1.0}))
+    sink.write_scalars(2, 0.0, {})  # after close: dropped, not queued, no error
+    assert sink.dropped == 1
+
+
+def test_slow_backend_never_blocks_the_caller(caplog: pytest.LogCaptureFixture) -> None:
+    inner = Slow()
+    sink = ThreadedSink(inner, queue_size=4, name="slow")
+    sink.write_scalars(0, 0.0, {"x": 0.0})
+    assert inner.started.wait(2.0)  # the worker is now stuck inside the 5 s write
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        for step in range(1, 101):
+            sink.write_scalars(step, 0.0, {"x": float(step)})
+    # All 100 calls returned while the backend was stuck in its first 5 s write: had any call waited
+    # for the backend, it could not have finished before `release` below. Exactly queue_size were
+    # queued, the rest dropped and counted.
+    assert not inner.release.is_set() and len(inner.calls) == 0
+    assert sink.pending == 4
+    assert sink.dropped == 96
+    drops = [r for r in caplog.records if "falling behind" in r.getMessage()]
+    assert len(drops) == 1 and "slow" in drops[0].getMessage()  # warned once, naming the backend
+    inner.release.set()
+    sink.close({}, timeout=10)
+    assert sink.closed_cleanly
+    assert [c[1][0] for c in inner.calls if c[0] == "scalars"] == [0, 1, 2, 3, 4]
+
+
+def test_close_is_bounded_when_the_backend_hangs(caplog: pytest.LogCaptureFixture) -> None:
+    inner = Slow()
+    sink = ThreadedSink(inner, queue_size=2, name="hung")
+    sink.write_scalars(0, 0.0, {"x": 0.0})
+    sink.write_scalars(1, 0.0, {"x": 1.0})
+    sink.write_scalars(2, 0.0, {"x": 2.0})
+    assert inner.started.wait(2.0)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        sink.close({}, timeout=0.3)
+    assert time.monotonic() - t0 < 2.0  # far below the backend's 5 s stall
+    assert not sink.closed_cleanly and not inner.closed.is_set()
+    assert any("did not finish within" in r.getMessage() and "hung" in r.getMessage() for r in caplog.records)
+    inner.release.set()
+
+
+def test_raising_backend_warns_once_then_is_disabled(caplog: pytest.LogCaptureFixture) -> None:
+    inner = Raising()
+    sink = ThreadedSink(inner, queue_size=64, name="broken-backend", max_consecutive_failures=3)
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        for step in range(10):
+            sink.write_scalars(step, 0.0, {"x": 1.0})  # never raises into the caller
+        sink.write_text("k", "t", 1)
+        sink.close({"x": 1.0}, timeout=5)
+    messages = [r.getMessage() for r in caplog.records]
+    failures = [m for m in messages if "failed in write_scalars" in m]
+    assert len(failures) == 1 and "broken-backend" in failures[0] and "backend exploded" in failures[0]
+    assert sum("now disabled" in m for m in messages) == 1
+    assert sink.disabled and sink.errors == 3
+    assert sink.dropped == 8  # 7 scalars + 1 text after disabling
+    assert inner.calls == [("close", {"x": 1.0})]  # close still reaches the backend to release it
+    assert sink.closed_cleanly
+
+
+def test_intermittent_failures_do_not_disable() -> None:
+    class Flaky(Recording):
+        def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+            if step % 2:
+                raise OSError("transient")
+            super().write_scalars(step, wall_time, scalars)
+
+    inner = Flaky()
+    sink = ThreadedSink(inner, queue_size=64, max_consecutive_failures=2)
+    for step in range(10):
+        sink.write_scalars(step, 0.0, {"x": 1.0})
+    sink.close({}, timeout=5)
+    assert not sink.disabled and sink.errors == 5
+    assert [c[1][0] for c in inner.calls if c[0] == "scalars"] == [0, 2, 4, 6, 8]

@@ -1,0 +1,110 @@
+"""W&B bridge in offline mode, read back from the `.wandb` transaction log (no mock of wandb).
+
+wandb.init + finish spawns wandb-core (~1.5 s), so there is one full round-trip test here and one in
+the conformance test; mode resolution is tested without starting W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from readback import read_wandb_offline
+
+from otel_train.bridges.threaded import BridgeSetupError
+from otel_train.bridges.wandb import WandbSink, has_wandb_credentials, resolve_mode
+from otel_train.config import Config, config_as_dict
+
+pytest.importorskip("wandb")
+
+MARKER = "SENTINEL-WANDB-c0ffee"
+
+
+def test_offline_round_trip_and_no_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # W&B captures argv and the environment in its metadata unless told not to (failure-modes §5.4)
+    monkeypatch.setattr("sys.argv", ["train.py", f"--wandb_key={MARKER}"])
+    monkeypatch.setenv("MY_SERVICE_TOKEN", MARKER)
+    run_dir = tmp_path / "runs" / "run-w"
+    config = config_as_dict(Config(otlp_headers={"authorization": f"Bearer {MARKER}"}, run_name="run-w"))
+    assert MARKER not in json.dumps(config)
+    sink = WandbSink(
+        run_dir,
+        config,
+        project="otel-train-tests",
+        group="g1",
+        tags=("unit",),
+        mode="auto",
+        run_name="run-w",
+        run_id="job:42",
+    )
+    for step in (10, 20, 30):
+        sink.write_scalars(step, time.time(), {"train/loss": 10.0 / step, "throughput/tokens_per_s": 1e5})
+    sink.write_text("samples/note", "**bold**", 20)
+    sink.write_samples("samples/val", [("2+2=", "4")], 30)
+    sink.write_histogram("grad/norm", [1.0, 2.0, 2.0, 3.0, float("inf")], 30)
+    sink.write_hparams({"lr": 3e-4})
+    sink.close({"train/loss": 1 / 3})
+
+    run = read_wandb_offline(run_dir)
+    assert run.exited and run.name == "run-w" and run.group == "g1" and run.tags == ["unit"]
+    assert run.run_id == "job-42"  # ':' is not allowed in W&B ids
+    # every series is plotted against the training step
+    assert {"name": "train/step", "glob_name": "", "step_metric": ""} in run.metric_defs
+    assert {"name": "", "glob_name": "*", "step_metric": "train/step"} in run.metric_defs
+    assert run.series("train/loss") == [(10, 1.0), (20, 0.5), (30, pytest.approx(1 / 3))]
+    assert run.series("throughput/tokens_per_s") == [(10, 1e5), (20, 1e5), (30, 1e5)]
+    # one history row per flush: each scalar row carries all keys of that flush
+    scalar_rows = [r for r in run.history if "train/loss" in r]
+    assert len(scalar_rows) == 3 and all("throughput/tokens_per_s" in r for r in scalar_rows)
+    [(step, note)] = run.series("samples/note")
+    assert step == 20 and run.table(note) == {"columns": ["text"], "data": [["**bold**"]]}
+    [(step, val)] = run.series("samples/val")
+    assert step == 30 and run.table(val)["data"] == [["2+2=", "4"]]
+    [(step, hist)] = run.series("grad/norm")
+    assert step == 30 and hist["_type"] == "histogram" and sum(hist["values"]) == 4
+    assert run.config["lr"] == 3e-4 and run.config["otlp_headers"] == "***"
+    assert run.config["run_name"] == "run-w"
+    assert run.summary["train/loss"] == pytest.approx(1 / 3)
+
+    info = json.loads((run_dir / "wandb_run.json").read_text())
+    assert info["id"] == "job-42" and info["offline"] is True
+    assert info["sync_command"] == f"wandb sync {run.run_dir}"
+    # the planted secret is nowhere in the run dir (config, .wandb log, metadata, debug logs)
+    for path in run_dir.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            assert MARKER.encode() not in path.read_bytes(), path
+
+
+def test_no_run_is_created_when_nothing_was_written(tmp_path: Path) -> None:
+    sink = WandbSink(tmp_path / "run", {}, project="p", run_name="r")
+    sink.close({"train/loss": 1.0})
+    assert not (tmp_path / "run" / "wandb").exists()
+
+
+def test_rank_runs_are_named_and_grouped(tmp_path: Path) -> None:
+    sink = WandbSink(tmp_path, {}, project="p", run_name="exp", run_id="u1", rank=3)
+    assert (sink.run_name, sink.run_id, sink.group) == ("exp-rank3", "u1-rank3", "exp")
+    single = WandbSink(tmp_path, {}, project="p", run_name="exp", run_id="u1")
+    assert (single.run_name, single.run_id, single.group) == ("exp", "u1", None)
+
+
+def test_auto_mode_is_offline_without_credentials(tmp_path: Path) -> None:
+    netrc = tmp_path / "netrc"
+    env = {"NETRC": str(netrc)}
+    assert resolve_mode("auto", env) == "offline"
+    assert resolve_mode("auto", {**env, "WANDB_API_KEY": "k" * 40}) == "online"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    assert has_wandb_credentials(env) and resolve_mode("auto", env) == "online"
+    assert resolve_mode("auto", {**env, "WANDB_MODE": "disabled"}) is None  # wandb reads WANDB_MODE
+    assert resolve_mode("offline", {"WANDB_API_KEY": "k"}) == "offline"
+
+
+def test_unwritable_run_dir_names_the_path(tmp_path: Path) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    with pytest.raises(BridgeSetupError, match=re.escape("file.txt/run")):
+        WandbSink(blocker / "run", {}, project="p")

@@ -88,7 +88,12 @@ def record(name: str, value: Any) -> None:
 
 
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
-    """Record several scalars (`{"eval/loss": v, ...}`); they leave with the next flush."""
+    """Record several scalars (`{"eval/loss": v, ...}`).
+
+    Without `step` they leave with the next flush. With `step` (eval results after step N) they are
+    flushed now, filed under the last completed step; in a multi-rank run they ride with the next
+    aligned flush instead, since an extra flush would desynchronise the ranks' collectives.
+    """
     session = _session_mod._current
     if session is None:
         return
@@ -99,6 +104,8 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
         return
     for name, value in items:
         record(f"{prefix}{name}" if isinstance(name, str) else name, value)
+    if step is not None and not session.identity.distributed:
+        session.flush()
 
 
 def log_hyperparams(params: Mapping[str, Any]) -> None:

@@ -120,6 +120,8 @@ def test_log_metrics_prefix_and_eval_keys() -> None:
             pass
         ot.log_metrics({"loss": 1.25, "perplexity": 3.49, "accuracy": 0.5}, step=0, prefix="eval/")
         ot.log_metrics({"my_metric": 2})
+    # step= flushes at once, filed under that step (log_interval=100 would not flush otherwise)
+    assert [(s, f["eval/loss"]) for s, f in cap.flushes if "eval/loss" in f][0] == (0, 1.25)
     flushed = cap.flushes[-1][1]
     assert flushed["eval/loss"] == 1.25
     assert flushed["eval/perplexity"] == 3.49

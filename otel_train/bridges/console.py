@@ -48,6 +48,8 @@ class ConsoleSink(Sink):
         self._accumulate(scalars)
         if self.verbosity == 0:
             return
+        if "train/steps" not in scalars and not any(k.startswith("eval/") for k in scalars):
+            return  # nothing new to show (e.g. the shutdown flush after the last interval)
         parts = [f"step {step + 1}" + (f"/{self.total_steps}" if self.total_steps else "")]
         for key, label, fmt in (
             ("train/loss", "loss", "{:.4f}"),
@@ -90,7 +92,7 @@ class ConsoleSink(Sink):
         if self.verbosity == 0 or not rows:
             return
         width = 100
-        self.stream.write(f"--- {key} at step {step} " + "-" * max(0, width - len(key) - 16) + "\n")
+        self.stream.write(f"--- {key} after step {step + 1} " + "-" * max(0, width - len(key) - 16) + "\n")
         for prompt, output in rows:
             shown = (prompt + output).replace("\n", "⏎")
             self.stream.write(f"  {prompt!r:>16} → {shown[: width - 22]}\n")

@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import random
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -216,48 +217,64 @@ class Result:
     checkpoint: Path | None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except for flags and unset (None) options."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0 or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m otel_train.demo",
         description="Train a tiny character-level transformer on Python source, instrumented with otel_train.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
-    g.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    g.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="sequences per step")
     g.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="context length (characters)")
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--d-model", type=int, default=128)
-    g.add_argument("--heads", type=int, default=4)
+    g.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    g.add_argument("--d-model", type=int, default=128, help="model width")
+    g.add_argument("--heads", type=int, default=4, help="attention heads")
     g.add_argument("--untied", action="store_true", help="untie the output head from the token embedding")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine")
     g.add_argument("--warmup", type=int, default=50, help="warmup steps")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay (matrices only)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm")
     g.add_argument("--eval-interval", type=int, default=100, help="steps between evals (and at the end)")
-    g.add_argument("--eval-batches", type=int, default=8)
+    g.add_argument("--eval-batches", type=int, default=8, help="val batches per eval")
     g.add_argument("--sample-interval", type=int, default=200, help="steps between samples (and at the end)")
     g.add_argument("--sample-tokens", type=int, default=80, help="characters generated per prompt")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    g.add_argument("--data", default=None, help="a text file (default: the Python stdlib's own source)")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    g.add_argument(
+        "--device", choices=("cpu", "cuda", "auto"), default="auto", help="auto: cuda if available"
+    )
+    g.add_argument("--data", default=None, help="a text file; when unset, the Python stdlib's own source")
     g.add_argument("--max-chars", type=int, default=2_000_000, help="cap on corpus characters")
-    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--seed", type=int, default=1337, help="seeds init, batches, eval and samples")
     t = p.add_argument_group("telemetry")
-    t.add_argument("--run-name", default=None, help="default: demo-<UTC time>")
+    t.add_argument("--run-name", default=None, help="when unset, demo-<UTC time>-<4 hex>")
     t.add_argument(
-        "--output-dir", default=None, help="run dirs go under here (default: otel_train's, ./runs)"
+        "--output-dir", default=None, help="run dirs go under here; when unset, otel_train's (./runs)"
     )
     t.add_argument("--log-interval", type=int, default=10, help="flush telemetry every N steps")
-    t.add_argument("--otlp-endpoint", default=None, help="e.g. http://localhost:4318 (default: no OTLP push)")
+    t.add_argument(
+        "--otlp-endpoint", default=None, help="e.g. http://localhost:4318; when unset, no OTLP push"
+    )
     t.add_argument("--prometheus-port", type=int, default=9464, help="pull endpoint port, 0 disables")
     t.add_argument("--trace-every", type=int, default=100, help="trace every N-th step")
-    t.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    t.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="no TensorBoard bridge")
     t.add_argument(
-        "--no-wandb", dest="wandb", action="store_false", help="(W&B runs offline unless configured)"
+        "--no-wandb",
+        dest="wandb",
+        action="store_false",
+        help="no W&B bridge (W&B runs offline unless configured)",
     )
-    t.add_argument("--no-mlflow", dest="mlflow", action="store_false")
+    t.add_argument("--no-mlflow", dest="mlflow", action="store_false", help="no MLflow bridge")
     t.add_argument("--quiet", action="store_true", help="no console output from the demo or otel_train")
     t.add_argument("--uninstrumented", action="store_true", help="same loop, no otel_train calls (benchmark)")
     return p
@@ -288,7 +305,8 @@ def train(args: argparse.Namespace, ot: Telemetry) -> Result:
     batch_gen = torch.Generator().manual_seed(args.seed)
     tokens_per_step = args.batch_size * args.context
     on_gpu = device.type == "cuda"  # time device work with CUDA events (no sync on this thread)
-    run_name = args.run_name or time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime())
+    # Not from the seeded `random`: two runs started in the same second must not collide.
+    run_name = args.run_name or time.strftime("demo-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
 
     settings: dict[str, Any] = {
         "run_name": run_name,

@@ -65,8 +65,11 @@ class Instruments:
         self.dropped = meter.create_counter(semconv.DROPPED.name, semconv.DROPPED.unit, semconv.DROPPED.description)
         self._gauges: dict[str, Any] = {}
         self._max_user_gauges = max_user_gauges
-        # Pre-register every drop reason at zero so the series exists before the first drop.
+        # Zero-valued series from the start, so increase() in alert rules sees the first event.
         self.dropped.add(0, {semconv.REASON: "nonfinite"})
+        self.nonfinite_loss.add(0)
+        for event in ("nonfinite", "loss_spike", "straggler", "stall"):
+            self.health_events.add(0, {semconv.EVENT: event})
 
     def gauge(self, instrument: str) -> Any | None:
         gauge = self._gauges.get(instrument)

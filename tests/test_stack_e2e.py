@@ -1,0 +1,141 @@
+"""The whole path on real components: 4 real torch.distributed (gloo) ranks training on CPU with
+their pull endpoints, a real Prometheus (Debian 2.42) evaluating the shipped alert pack (test-only
+copy with short windows) and a real Alertmanager. Then every dashboard query is evaluated against
+that Prometheus."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from dashboard_queries import assert_all_queries_return_data
+from multirank import run_ranks
+from promstack import alertmanager, prometheus, shorten_rules, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.multirank]
+
+RULES_DIR = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "rules"
+WORLD = 4
+
+
+def _free_base_port(count: int) -> int:
+    for base in range(21000, 30000, 17):
+        try:
+            socks = []
+            for i in range(count):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", base + i))
+                socks.append(sock)
+            for sock in socks:
+                sock.close()
+            return base
+        except OSError:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, slow_rank: int,
+          freeze_rank: int, run_id: str) -> int:  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    import otel_train as ot
+
+    ot.init(
+        prometheus_port=base_port, run_id=run_id, output_dir=out_dir, verbosity=0, log_interval=2,
+        total_steps=100_000, collective_timeout_s=5.0, peak_flops=1e12, flops_per_token=1e6,
+        hardware_interval_s=1.0,
+    )  # fmt: skip
+    synced = freeze_rank < 0  # a frozen peer would hang the training's own collectives
+    deadline = time.monotonic() + seconds
+    step = 0
+    while True:
+        if not synced and time.monotonic() >= deadline:
+            break
+        if rank == freeze_rank and step >= 40:
+            time.sleep(0.05)  # alive (endpoint still served), but no more steps
+            continue
+        slow = 1.5 if rank == slow_rank else 1.0
+        with ot.step(step, tokens=256, samples=8):
+            with ot.timer("data"):
+                time.sleep(0.004)
+            with ot.timer("forward"):
+                time.sleep(0.02 * slow)
+            with ot.timer("backward"):
+                time.sleep(0.02 * slow)
+            if synced:
+                with ot.timer("allreduce"):
+                    # the training's own collective; also agrees on when to stop, so no rank is left
+                    # waiting in an all_reduce its peers never join
+                    done = torch.tensor([1.0 if time.monotonic() >= deadline else 0.0])
+                    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+            ot.record("loss", 3.0 / (1 + 0.01 * step))
+            ot.record("lr", 1e-3)
+            ot.record("grad_norm", 1.0)
+        if step % 50 == 0:
+            ot.log_metrics({"eval/loss": 2.0, "eval/perplexity": 7.4, "eval/accuracy": 0.4})
+        step += 1
+        if synced and done.item() > 0:
+            break
+    ot.shutdown()
+    return step
+
+
+def _scenario(tmp_path: Path, name: str, seconds: float, slow_rank: int = -1, freeze_rank: int = -1):
+    base = _free_base_port(WORLD)
+    targets = [f"127.0.0.1:{base + r}" for r in range(WORLD)]
+    rules = shorten_rules(sorted(RULES_DIR.glob("*.yml")), tmp_path / f"rules-{name}", for_="5s", scale=30)
+    results: list[int] = []
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            results.extend(run_ranks(WORLD, _rank, (base, str(tmp_path), seconds, slow_rank, freeze_rank, name),
+                                     timeout=seconds + 120, env={"LOCAL_WORLD_SIZE": str(WORLD)}))  # fmt: skip
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=train)
+    return thread, targets, rules, results, errors
+
+
+def test_straggler_alert_fires_for_the_slow_rank_and_dashboards_have_data(tmp_path) -> None:
+    thread, targets, rules, _, errors = _scenario(tmp_path, "slow", seconds=75, slow_rank=2)
+    with alertmanager() as am, prometheus(targets=targets, rule_files=rules, alertmanager_url=am.url) as prom:
+        thread.start()
+        try:
+            firing = wait_until(lambda: am.alerts(alertname="TrainingStraggler"), timeout=70, what="straggler alert")
+            assert {a["labels"]["rank"] for a in firing} == {"2"}
+            assert all(a["labels"]["run_id"] == "slow" for a in firing)
+            # every dashboard query returns data from this real run (GPU-only panels excluded)
+            assert_all_queries_return_data(prom.url, exclude_gpu=True, variables={"run_id": "slow"}, wait_s=20)
+        finally:
+            thread.join()
+    assert not errors, errors
+
+
+def test_balanced_run_fires_no_straggler_alert(tmp_path) -> None:
+    thread, targets, rules, results, errors = _scenario(tmp_path, "balanced", seconds=45)
+    with alertmanager() as am, prometheus(targets=targets, rule_files=rules, alertmanager_url=am.url) as prom:
+        thread.start()
+        thread.join()
+        assert not errors, errors
+        assert min(results) > 100  # it trained
+        assert prom.query('ALERTS{alertname="TrainingStraggler"}') == []
+        assert am.alerts(alertname="TrainingStraggler") == []
+
+
+def test_frozen_rank_fires_rank_stalled(tmp_path) -> None:
+    thread, targets, rules, _, errors = _scenario(tmp_path, "frozen", seconds=60, freeze_rank=1)
+    with alertmanager() as am, prometheus(targets=targets, rule_files=rules, alertmanager_url=am.url):
+        thread.start()
+        try:
+            stalled = wait_until(lambda: am.alerts(alertname="TrainingRankStalled"), timeout=55, what="rank stalled")
+            assert {a["labels"]["rank"] for a in stalled} == {"1"}
+        finally:
+            thread.join()
+    assert not errors, errors

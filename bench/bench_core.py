@@ -49,7 +49,9 @@ def _sdk_pipeline() -> tuple[object, object]:
 
 def bench_measurements(n: int) -> list[tuple[str, float, float]]:
     provider, meter = _sdk_pipeline()
-    hist = meter.create_histogram("train.phase.duration", "s", explicit_bucket_boundaries_advisory=semconv.PHASE_BUCKETS)
+    hist = meter.create_histogram(
+        "train.phase.duration", "s", explicit_bucket_boundaries_advisory=semconv.PHASE_BUCKETS
+    )
     gauge = meter.create_gauge("train.loss")
     counter = meter.create_counter("train.tokens")
     attrs = {"train.phase": "forward", "run_id": "r", "rank": 0}
@@ -102,8 +104,12 @@ def bench_full_step(n: int) -> tuple[float, float, float]:
     """step + 4 timers + 6 scalars: otel_train, direct SDK (histograms/gauges + a span per step
     when sampled is left out to favour the SDK), and bare loop."""
     provider, meter = _sdk_pipeline()
-    step_hist = meter.create_histogram("train.step.duration", "s", explicit_bucket_boundaries_advisory=semconv.STEP_BUCKETS)
-    phase_hist = meter.create_histogram("train.phase.duration", "s", explicit_bucket_boundaries_advisory=semconv.PHASE_BUCKETS)
+    step_hist = meter.create_histogram(
+        "train.step.duration", "s", explicit_bucket_boundaries_advisory=semconv.STEP_BUCKETS
+    )
+    phase_hist = meter.create_histogram(
+        "train.phase.duration", "s", explicit_bucket_boundaries_advisory=semconv.PHASE_BUCKETS
+    )
     gauges = [meter.create_gauge(f"train.s{i}") for i in range(6)]
     steps = meter.create_counter("train.steps")
     phase_attrs = [{"train.phase": p} for p in ("data", "forward", "backward", "optimizer")]
@@ -155,7 +161,7 @@ def bench_flush(rounds: int, bridges: bool) -> tuple[float, float, float]:
     session = ot.current_session()
     assert session is not None
     costs = []
-    for r in range(rounds):
+    for _r in range(rounds):
         for i in range(10):
             with ot.step(tokens=512):
                 for phase in ("data", "forward", "backward", "optimizer"):
@@ -178,7 +184,7 @@ def bench_memory(steps: int) -> tuple[float, float]:
     proc = psutil.Process()
     ot.init(prometheus_port=0, verbosity=0, output_dir=tmp, log_interval=100)
     warm = 2_000
-    for i in range(warm):
+    for _ in range(warm):
         with ot.step(tokens=512):
             with ot.timer("forward"):
                 pass
@@ -237,7 +243,9 @@ def main() -> int:
 
     ours, sdk, bare = bench_full_step(n // 5)
     print("\n## Fully instrumented step: step + 4 timers + 6 scalars (µs/step)")
-    print(f"otel_train {ours:.2f}   direct OTel SDK {sdk:.2f}   ratio {ours / sdk:.2f}   (bare loop {bare:.3f})")
+    print(
+        f"otel_train {ours:.2f}   direct OTel SDK {sdk:.2f}   ratio {ours / sdk:.2f}   (bare loop {bare:.3f})"
+    )
 
     print("\n## Flush on the training thread (µs) and worker time per flush (ms)")
     for bridges in (False, True):
@@ -247,7 +255,9 @@ def main() -> int:
 
     steps = 20_000 if args.quick else 100_000
     growth, dropped = bench_memory(steps)
-    print(f"\n## RSS growth over {steps:,} instrumented steps: {growth:.1f} MiB (flushes deferred: {dropped:.0f})")
+    print(
+        f"\n## RSS growth over {steps:,} instrumented steps: {growth:.1f} MiB (flushes deferred: {dropped:.0f})"
+    )
 
     print("\n## shutdown() with the collector down (s; budget 2.0)")
     for label, seconds in bench_shutdown_collector_down():

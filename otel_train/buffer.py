@@ -86,7 +86,11 @@ class Buffer:
             if values is None:
                 return
         if len(values) < self.max_values:
-            if value.__class__ is not float and value.__class__ is not int and getattr(value, "requires_grad", False):
+            if (
+                value.__class__ is not float
+                and value.__class__ is not int
+                and getattr(value, "requires_grad", False)
+            ):
                 value = value.detach()  # never keep an autograd graph alive until the flush
             values.append(value)
         else:
@@ -144,7 +148,9 @@ class Buffer:
             return None
         spec = semconv.BY_NAME.get(instrument)
         if spec is not None and spec.kind is not semconv.Kind.GAUGE:
-            self._warn_once(name, f"record() name {name!r} collides with the {spec.kind.value} {instrument!r}; dropped.")
+            self._warn_once(
+                name, f"record() name {name!r} collides with the {spec.kind.value} {instrument!r}; dropped."
+            )
             return None
         owner = self._owners.get(instrument)
         if owner is None:
@@ -160,7 +166,9 @@ class Buffer:
                 self._user_names += 1
             self._owners[instrument] = name
         elif owner != name:
-            self._warn_once(name, f"record() names {owner!r} and {name!r} both map to {instrument!r}; merged.")
+            self._warn_once(
+                name, f"record() names {owner!r} and {name!r} both map to {instrument!r}; merged."
+            )
         return instrument
 
     def _warn_once(self, key: str, message: str) -> None:

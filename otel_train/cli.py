@@ -10,9 +10,15 @@ from urllib.parse import urlparse
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="otel-train", description="OpenTelemetry-native observability for ML training.")
+    parser = argparse.ArgumentParser(
+        prog="otel-train", description="OpenTelemetry-native observability for ML training."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="train a tiny char-level transformer, fully instrumented (--help for flags)", add_help=False)
+    sub.add_parser(
+        "demo",
+        help="train a tiny char-level transformer, fully instrumented (--help for flags)",
+        add_help=False,
+    )
     sub.add_parser("doctor", help="check configuration, endpoints, NVML and optional packages")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -49,17 +55,28 @@ def doctor() -> int:
                 print(f"otlp: {config.otlp_endpoint} ({config.otlp_protocol}) reachable")
         except OSError as exc:
             ok = False
-            print(f"otlp: {config.otlp_endpoint} NOT reachable ({exc}); training still runs, exports are dropped")
+            print(
+                f"otlp: {config.otlp_endpoint} NOT reachable ({exc}); training still runs, exports are dropped"
+            )
     else:
         print("otlp: off (set OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://127.0.0.1:4318)")
     if config.prometheus_port:
         with socket.socket() as sock:
             busy = sock.connect_ex((config.prometheus_host, config.prometheus_port)) == 0
         state = "BUSY (another job?)" if busy else "free"
-        print(f"prometheus pull endpoint: {config.prometheus_host}:{config.prometheus_port}+local_rank ({state})")
-    for extra, module in (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow"), ("gpu", "pynvml")):
+        print(
+            f"prometheus pull endpoint: {config.prometheus_host}:{config.prometheus_port}+local_rank ({state})"
+        )
+    for extra, module in (
+        ("tensorboard", "tensorboard"),
+        ("wandb", "wandb"),
+        ("mlflow", "mlflow"),
+        ("gpu", "pynvml"),
+    ):
         present = find_spec(module) is not None
-        print(f"extra [{extra}]: {'installed' if present else 'missing: pip install otel-train[' + extra + ']'}")
+        print(
+            f"extra [{extra}]: {'installed' if present else 'missing: pip install otel-train[' + extra + ']'}"
+        )
     if find_spec("pynvml") is not None:
         try:
             import pynvml

@@ -165,7 +165,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} must hold a mapping of settings, got {type(data).__name__}.")
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
-        raise ConfigError(f"config file {path!r} has unknown settings {unknown}. Known: {', '.join(sorted(FIELDS))}.")
+        raise ConfigError(
+            f"config file {path!r} has unknown settings {unknown}. Known: {', '.join(sorted(FIELDS))}."
+        )
     return data
 
 
@@ -271,7 +273,11 @@ def validate(config: Config) -> None:
     need(config.log_interval_s > 0, "log_interval_s", "use a positive number of seconds")
     need(0 <= config.prometheus_port <= 65535, "prometheus_port", "use a TCP port 1-65535, or 0 to disable")
     need(config.metric_export_interval_s > 0, "metric_export_interval_s", "use a positive number of seconds")
-    need(0 < config.otlp_timeout_s <= 60, "otlp_timeout_s", "use seconds in (0, 60] (the SDK's unit is seconds)")
+    need(
+        0 < config.otlp_timeout_s <= 60,
+        "otlp_timeout_s",
+        "use seconds in (0, 60] (the SDK's unit is seconds)",
+    )
     need(config.timing_log_level in (0, 1, 2), "timing_log_level", "use 0, 1 or 2")
     need(config.trace_first >= 0, "trace_first", "use an integer >= 0")
     need(config.trace_every >= 1, "trace_every", "use an integer >= 1")
@@ -281,7 +287,11 @@ def validate(config: Config) -> None:
     need(config.queue_size >= 1, "queue_size", "use an integer >= 1")
     need(config.bridge_queue_size >= 1, "bridge_queue_size", "use an integer >= 1")
     need(0 < config.shutdown_timeout_s <= 60, "shutdown_timeout_s", "use seconds in (0, 60]")
-    need(config.total_steps is None or config.total_steps >= 1, "total_steps", "use a positive integer or leave unset")
+    need(
+        config.total_steps is None or config.total_steps >= 1,
+        "total_steps",
+        "use a positive integer or leave unset",
+    )
     need(config.loss_spike_factor > 1, "loss_spike_factor", "use a factor > 1")
     need(config.stall_timeout_s > 0, "stall_timeout_s", "use a positive number of seconds")
     need(config.hardware_interval_s > 0, "hardware_interval_s", "use a positive number of seconds")

@@ -257,7 +257,9 @@ class Telemetry:
         return True
 
 
-def build_telemetry(config: Config, resource: Resource, step_reader: MetricReader, local_rank: int) -> Telemetry:
+def build_telemetry(
+    config: Config, resource: Resource, step_reader: MetricReader, local_rank: int
+) -> Telemetry:
     readers: list[MetricReader] = [step_reader]
     tracer_provider: TracerProvider | None = None
     logger_provider: LoggerProvider | None = None
@@ -284,7 +286,9 @@ def build_telemetry(config: Config, resource: Resource, step_reader: MetricReade
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
         readers.append(
-            PeriodicExportingMetricReader(ForkGuardMetricExporter(ConsoleMetricExporter()), export_interval_millis=interval_ms)
+            PeriodicExportingMetricReader(
+                ForkGuardMetricExporter(ConsoleMetricExporter()), export_interval_millis=interval_ms
+            )
         )
         span_exporters.append(ForkGuardSpanExporter(ConsoleSpanExporter()))
         log_exporters.append(ForkGuardLogExporter(ConsoleLogRecordExporter()))
@@ -298,10 +302,14 @@ def build_telemetry(config: Config, resource: Resource, step_reader: MetricReade
         tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         for exporter in span_exporters:
             tracer_provider.add_span_processor(
-                BatchSpanProcessor(exporter, schedule_delay_millis=2000, export_timeout_millis=config.otlp_timeout_s * 1000)
+                BatchSpanProcessor(
+                    exporter, schedule_delay_millis=2000, export_timeout_millis=config.otlp_timeout_s * 1000
+                )
             )
     if log_exporters:
         logger_provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
         for log_exporter in log_exporters:
-            logger_provider.add_log_record_processor(BatchLogRecordProcessor(log_exporter, schedule_delay_millis=2000))
+            logger_provider.add_log_record_processor(
+                BatchLogRecordProcessor(log_exporter, schedule_delay_millis=2000)
+            )
     return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -74,9 +73,16 @@ class HealthEvents:
             if self._events_path is not None:
                 try:
                     with self._events_path.open("a", encoding="utf-8") as fh:
-                        fh.write(json.dumps({"time": time.time(), "event": event, "message": message, **attrs}) + "\n")
+                        fh.write(
+                            json.dumps({"time": time.time(), "event": event, "message": message, **attrs})
+                            + "\n"
+                        )
                 except OSError as exc:
-                    log.warning("otel_train: cannot write %s (%s); health events stay in OTel only.", self._events_path, exc)
+                    log.warning(
+                        "otel_train: cannot write %s (%s); health events stay in OTel only.",
+                        self._events_path,
+                        exc,
+                    )
                     self._events_path = None
         if self._echo:
             log.warning("otel_train %s: %s", event, message)
@@ -90,7 +96,9 @@ class HealthEvents:
 class HealthMonitor:
     """Flush listener: non-finite loss counting, loss spikes (EWMA), stall watchdog state."""
 
-    def __init__(self, events: HealthEvents, nonfinite_counter: Any, spike_factor: float, warmup: int = 5) -> None:
+    def __init__(
+        self, events: HealthEvents, nonfinite_counter: Any, spike_factor: float, warmup: int = 5
+    ) -> None:
         self._events = events
         self._nonfinite = nonfinite_counter
         self._spike_factor = spike_factor
@@ -120,7 +128,11 @@ class HealthMonitor:
             self._check_spike(value, interval.step)
 
     def _check_spike(self, value: float, step: int) -> None:
-        if self._ewma is not None and self._seen >= self._warmup and value > self._spike_factor * self._ewma > 0:
+        if (
+            self._ewma is not None
+            and self._seen >= self._warmup
+            and value > self._spike_factor * self._ewma > 0
+        ):
             self._events.emit(
                 "loss_spike",
                 f"loss {value:.4g} at step {step} is {value / self._ewma:.1f}x its recent mean {self._ewma:.4g}",
@@ -132,7 +144,3 @@ class HealthMonitor:
 
     def close(self) -> None:
         pass
-
-
-def is_finite(value: float) -> bool:
-    return math.isfinite(value)

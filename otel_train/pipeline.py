@@ -48,8 +48,12 @@ class Instruments:
     def __init__(self, meter: Any, max_user_gauges: int) -> None:
         self.meter = meter
         self.steps = meter.create_counter(semconv.STEPS.name, semconv.STEPS.unit, semconv.STEPS.description)
-        self.tokens = meter.create_counter(semconv.TOKENS.name, semconv.TOKENS.unit, semconv.TOKENS.description)
-        self.samples = meter.create_counter(semconv.SAMPLES.name, semconv.SAMPLES.unit, semconv.SAMPLES.description)
+        self.tokens = meter.create_counter(
+            semconv.TOKENS.name, semconv.TOKENS.unit, semconv.TOKENS.description
+        )
+        self.samples = meter.create_counter(
+            semconv.SAMPLES.name, semconv.SAMPLES.unit, semconv.SAMPLES.description
+        )
         self.step_duration = _histogram(meter, semconv.STEP_DURATION)
         self.phase_duration = _histogram(meter, semconv.PHASE_DURATION)
         self.current_step = _gauge(meter, semconv.CURRENT_STEP)
@@ -62,7 +66,9 @@ class Instruments:
         self.health_events = meter.create_counter(
             semconv.HEALTH_EVENTS.name, semconv.HEALTH_EVENTS.unit, semconv.HEALTH_EVENTS.description
         )
-        self.dropped = meter.create_counter(semconv.DROPPED.name, semconv.DROPPED.unit, semconv.DROPPED.description)
+        self.dropped = meter.create_counter(
+            semconv.DROPPED.name, semconv.DROPPED.unit, semconv.DROPPED.description
+        )
         self._gauges: dict[str, Any] = {}
         self._max_user_gauges = max_user_gauges
         # Zero-valued series from the start, so increase() in alert rules sees the first event.
@@ -296,7 +302,9 @@ class Worker:
             try:
                 listener.on_flush(interval)
             except Exception as exc:
-                self._warn_once(type(listener).__name__, f"otel_train: {type(listener).__name__} failed: {exc!r}")
+                self._warn_once(
+                    type(listener).__name__, f"otel_train: {type(listener).__name__} failed: {exc!r}"
+                )
         scalars = self.step_reader.collect_scalars(interval.elapsed_s)
         self.final_scalars.update(scalars)
         self.flushes += 1

@@ -13,7 +13,7 @@ a rate under `key + "_per_s"`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -69,7 +69,9 @@ HW_NAME = "hw.name"
 THROTTLE_REASON = "hw.gpu.throttle.reason"
 DIRECTION = "network.io.direction"
 MEMORY_STATE = "system.memory.state"
-PEAK_SOURCE = "peak.source"  # where the MFU denominator came from: table:<entry>:<dtype> | config:peak_flops | env:...
+PEAK_SOURCE = (
+    "peak.source"  # where the MFU denominator came from: table:<entry>:<dtype> | config:peak_flops | env:...
+)
 
 # Resource attribute keys that must become labels on every Prometheus series (both paths).
 RUN_ID = "run_id"
@@ -109,7 +111,9 @@ LAST_STEP_TIME = _m(
     "train.step.last_timestamp", S.GAUGE, "s", "Unix time at which the last step completed.",
     "health/last_step_time",
 )  # fmt: skip
-TOTAL_STEPS = _m("train.steps.planned", S.GAUGE, "{step}", "Planned number of steps (when known).", "train/steps_planned")
+TOTAL_STEPS = _m(
+    "train.steps.planned", S.GAUGE, "{step}", "Planned number of steps (when known).", "train/steps_planned"
+)
 ETA = _m("train.eta", S.GAUGE, "s", "Estimated time to the planned last step.", "progress/eta_s")
 LOSS = _m("train.loss", S.GAUGE, "", "Training loss (last value of the interval).", "train/loss")
 LEARNING_RATE = _m("train.learning_rate", S.GAUGE, "", "Learning rate.", "train/learning_rate")
@@ -147,33 +151,98 @@ PHASE_CROSS_RANK = _m(
 )  # fmt: skip
 
 # --- throughput and efficiency ---------------------------------------------------------------------
-FLOPS = _m("train.flops.rate", S.GAUGE, "{flop}/s", "Achieved model FLOP/s per GPU.", "throughput/flops_per_s")
+FLOPS = _m(
+    "train.flops.rate", S.GAUGE, "{flop}/s", "Achieved model FLOP/s per GPU.", "throughput/flops_per_s"
+)
 MFU = _m(
     "train.mfu", S.GAUGE, "1", "Model FLOPs utilization vs the device's peak.", "throughput/mfu",
     attributes=(PEAK_SOURCE,),
 )  # fmt: skip
-ENERGY_PER_TOKEN = _m("train.energy.per_token", S.GAUGE, "J", "GPU energy per token.", "energy/joules_per_token", gpu_only=True)
-ENERGY_PER_STEP = _m("train.energy.per_step", S.GAUGE, "J", "GPU energy per step.", "energy/joules_per_step", gpu_only=True)
-POWER_AVERAGE = _m("train.power.average", S.GAUGE, "W", "Average GPU power over the interval.", "energy/avg_power_w", gpu_only=True)
+ENERGY_PER_TOKEN = _m(
+    "train.energy.per_token", S.GAUGE, "J", "GPU energy per token.", "energy/joules_per_token", gpu_only=True
+)
+ENERGY_PER_STEP = _m(
+    "train.energy.per_step", S.GAUGE, "J", "GPU energy per step.", "energy/joules_per_step", gpu_only=True
+)
+POWER_AVERAGE = _m(
+    "train.power.average",
+    S.GAUGE,
+    "W",
+    "Average GPU power over the interval.",
+    "energy/avg_power_w",
+    gpu_only=True,
+)
 
 # --- GPU (hw.* semantic conventions where they exist) ----------------------------------------------
 _GPU = (HW_ID, HW_NAME)
-GPU_UTILIZATION = _m("hw.gpu.utilization", S.OBSERVABLE_GAUGE, "1", "GPU busy fraction.", "gpu/{hw.id}/utilization", _GPU, gpu_only=True)
+GPU_UTILIZATION = _m(
+    "hw.gpu.utilization",
+    S.OBSERVABLE_GAUGE,
+    "1",
+    "GPU busy fraction.",
+    "gpu/{hw.id}/utilization",
+    _GPU,
+    gpu_only=True,
+)
 GPU_MEMORY_UTILIZATION = _m(
     "hw.gpu.memory.utilization", S.OBSERVABLE_GAUGE, "1", "GPU memory controller busy fraction.",
     "gpu/{hw.id}/memory_utilization", _GPU, gpu_only=True,
 )  # fmt: skip
-GPU_MEMORY_USAGE = _m("hw.gpu.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory used.", "gpu/{hw.id}/memory_used", _GPU, gpu_only=True)
-GPU_MEMORY_LIMIT = _m("hw.gpu.memory.limit", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory total.", "gpu/{hw.id}/memory_limit", _GPU, gpu_only=True)
-GPU_TEMPERATURE = _m("hw.temperature", S.OBSERVABLE_GAUGE, "Cel", "GPU temperature.", "gpu/{hw.id}/temperature", _GPU, gpu_only=True)
-GPU_POWER = _m("hw.power", S.OBSERVABLE_GAUGE, "W", "GPU power draw.", "gpu/{hw.id}/power", _GPU, gpu_only=True)
-GPU_ENERGY = _m("hw.energy", S.OBSERVABLE_COUNTER, "J", "GPU energy since driver load.", "gpu/{hw.id}/energy", _GPU, gpu_only=True)
+GPU_MEMORY_USAGE = _m(
+    "hw.gpu.memory.usage",
+    S.OBSERVABLE_UP_DOWN_COUNTER,
+    "By",
+    "GPU memory used.",
+    "gpu/{hw.id}/memory_used",
+    _GPU,
+    gpu_only=True,
+)
+GPU_MEMORY_LIMIT = _m(
+    "hw.gpu.memory.limit",
+    S.OBSERVABLE_UP_DOWN_COUNTER,
+    "By",
+    "GPU memory total.",
+    "gpu/{hw.id}/memory_limit",
+    _GPU,
+    gpu_only=True,
+)
+GPU_TEMPERATURE = _m(
+    "hw.temperature",
+    S.OBSERVABLE_GAUGE,
+    "Cel",
+    "GPU temperature.",
+    "gpu/{hw.id}/temperature",
+    _GPU,
+    gpu_only=True,
+)
+GPU_POWER = _m(
+    "hw.power", S.OBSERVABLE_GAUGE, "W", "GPU power draw.", "gpu/{hw.id}/power", _GPU, gpu_only=True
+)
+GPU_ENERGY = _m(
+    "hw.energy",
+    S.OBSERVABLE_COUNTER,
+    "J",
+    "GPU energy since driver load.",
+    "gpu/{hw.id}/energy",
+    _GPU,
+    gpu_only=True,
+)
 GPU_ERRORS = _m(
     "hw.errors", S.OBSERVABLE_COUNTER, "{error}", "GPU errors (ECC corrected/uncorrected, XID).",
     "gpu/{hw.id}/errors/{error.type}", (*_GPU, ERROR_TYPE), gpu_only=True,
 )  # fmt: skip
-GPU_CLOCK_SM = _m("hw.gpu.clock.sm", S.OBSERVABLE_GAUGE, "Hz", "SM clock.", "gpu/{hw.id}/clock_sm", _GPU, gpu_only=True)
-GPU_CLOCK_MEMORY = _m("hw.gpu.clock.memory", S.OBSERVABLE_GAUGE, "Hz", "Memory clock.", "gpu/{hw.id}/clock_memory", _GPU, gpu_only=True)
+GPU_CLOCK_SM = _m(
+    "hw.gpu.clock.sm", S.OBSERVABLE_GAUGE, "Hz", "SM clock.", "gpu/{hw.id}/clock_sm", _GPU, gpu_only=True
+)
+GPU_CLOCK_MEMORY = _m(
+    "hw.gpu.clock.memory",
+    S.OBSERVABLE_GAUGE,
+    "Hz",
+    "Memory clock.",
+    "gpu/{hw.id}/clock_memory",
+    _GPU,
+    gpu_only=True,
+)
 GPU_THROTTLE = _m(
     "hw.gpu.throttle", S.OBSERVABLE_GAUGE, "1", "1 while a clock-event/throttle reason is active.",
     "gpu/{hw.id}/throttle/{hw.gpu.throttle.reason}", (*_GPU, THROTTLE_REASON), gpu_only=True,
@@ -182,15 +251,49 @@ GPU_PCIE_THROUGHPUT = _m(
     "hw.gpu.pcie.throughput", S.OBSERVABLE_GAUGE, "By/s", "PCIe throughput.",
     "gpu/{hw.id}/pcie/{network.io.direction}", (*_GPU, DIRECTION), gpu_only=True,
 )  # fmt: skip
-CUDA_MEMORY_ALLOCATED = _m("train.cuda.memory.allocated", S.GAUGE, "By", "CUDA allocator: allocated.", "cuda/memory_allocated", gpu_only=True)
-CUDA_MEMORY_RESERVED = _m("train.cuda.memory.reserved", S.GAUGE, "By", "CUDA allocator: reserved.", "cuda/memory_reserved", gpu_only=True)
-CUDA_MEMORY_PEAK = _m("train.cuda.memory.peak", S.GAUGE, "By", "CUDA allocator: peak allocated over the interval.", "cuda/memory_peak", gpu_only=True)
-CUDA_ALLOC_RETRIES = _m("train.cuda.alloc_retries", S.COUNTER, "{retry}", "CUDA allocator retries.", "cuda/alloc_retries", gpu_only=True)
-CUDA_OOMS = _m("train.cuda.ooms", S.COUNTER, "{event}", "CUDA out-of-memory events.", "cuda/ooms", gpu_only=True)
+CUDA_MEMORY_ALLOCATED = _m(
+    "train.cuda.memory.allocated",
+    S.GAUGE,
+    "By",
+    "CUDA allocator: allocated.",
+    "cuda/memory_allocated",
+    gpu_only=True,
+)
+CUDA_MEMORY_RESERVED = _m(
+    "train.cuda.memory.reserved",
+    S.GAUGE,
+    "By",
+    "CUDA allocator: reserved.",
+    "cuda/memory_reserved",
+    gpu_only=True,
+)
+CUDA_MEMORY_PEAK = _m(
+    "train.cuda.memory.peak",
+    S.GAUGE,
+    "By",
+    "CUDA allocator: peak allocated over the interval.",
+    "cuda/memory_peak",
+    gpu_only=True,
+)
+CUDA_ALLOC_RETRIES = _m(
+    "train.cuda.alloc_retries",
+    S.COUNTER,
+    "{retry}",
+    "CUDA allocator retries.",
+    "cuda/alloc_retries",
+    gpu_only=True,
+)
+CUDA_OOMS = _m(
+    "train.cuda.ooms", S.COUNTER, "{event}", "CUDA out-of-memory events.", "cuda/ooms", gpu_only=True
+)
 
 # --- host ------------------------------------------------------------------------------------------
-PROCESS_CPU_UTILIZATION = _m("process.cpu.utilization", S.OBSERVABLE_GAUGE, "1", "Process CPU use (1 = one core).", "host/process_cpu")
-PROCESS_MEMORY_USAGE = _m("process.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "Process resident memory.", "host/process_rss")
+PROCESS_CPU_UTILIZATION = _m(
+    "process.cpu.utilization", S.OBSERVABLE_GAUGE, "1", "Process CPU use (1 = one core).", "host/process_cpu"
+)
+PROCESS_MEMORY_USAGE = _m(
+    "process.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "Process resident memory.", "host/process_rss"
+)
 SYSTEM_MEMORY_USAGE = _m(
     "system.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "Host memory by state (used, free).",
     "host/memory_{system.memory.state}", (MEMORY_STATE,),

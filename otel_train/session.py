@@ -66,7 +66,9 @@ class Session:
         self.resource = self._resource(gpu_discovery.resource_attributes() if gpu_discovery else {})
 
         self.step_reader = StepReader()
-        self.telemetry: Telemetry = build_telemetry(config, self.resource, self.step_reader, self.identity.local_rank)
+        self.telemetry: Telemetry = build_telemetry(
+            config, self.resource, self.step_reader, self.identity.local_rank
+        )
         self.meter = self.telemetry.meter_provider.get_meter("otel_train", _version())
         self.instruments = Instruments(self.meter, config.max_metric_names)
         otel_logger = (
@@ -96,7 +98,9 @@ class Session:
             self.listeners.append(self.hardware)
         from otel_train.straggler import CrossRankReducer
 
-        self.reducer = CrossRankReducer(self.identity, self.meter, self.events, config, group=self.telemetry_group)
+        self.reducer = CrossRankReducer(
+            self.identity, self.meter, self.events, config, group=self.telemetry_group
+        )
         self.listeners.append(self.reducer)
         tracer = (
             self.telemetry.tracer_provider.get_tracer("otel_train", _version())
@@ -188,7 +192,9 @@ class Session:
         if self.run_dir is not None:
             sinks.append(RunDirSink(self.run_dir, self.identity.rank, self.config.total_steps))
         if self.identity.rank == 0:
-            self.console = ConsoleSink(self.config.verbosity, self.config.progress_bar, self.config.total_steps)
+            self.console = ConsoleSink(
+                self.config.verbosity, self.config.progress_bar, self.config.total_steps
+            )
             sinks.append(self.console)
         sinks.extend(self._bridges())
         return sinks
@@ -215,10 +221,17 @@ class Session:
 
                 bridges.append(
                     WandbSink(
-                        run_dir, {"otel_train": config_as_dict(cfg)}, cfg.wandb_project, cfg.wandb_entity,
-                        cfg.wandb_group, cfg.wandb_tags, cfg.wandb_mode, self.run_name, self.identity.run_id,
+                        run_dir,
+                        {"otel_train": config_as_dict(cfg)},
+                        cfg.wandb_project,
+                        cfg.wandb_entity,
+                        cfg.wandb_group,
+                        cfg.wandb_tags,
+                        cfg.wandb_mode,
+                        self.run_name,
+                        self.identity.run_id,
                         rank_suffix,
-                    )  # fmt: skip
+                    )
                 )
             if cfg.mlflow:
                 from otel_train.bridges.mlflow import MlflowSink
@@ -259,7 +272,9 @@ class Session:
         self.step_index = index
         if self.sampled:
             if len(buf.spans) < _MAX_SPAN_RECORDS:
-                buf.spans.append(SpanRecord("step", start_ns, end_ns, index, "StepFailed" if failed else None, "step"))
+                buf.spans.append(
+                    SpanRecord("step", start_ns, end_ns, index, "StepFailed" if failed else None, "step")
+                )
             self.sampled = False
         if failed:
             return
@@ -282,18 +297,35 @@ class Session:
             self.buffer.add_phase_error(name, error.__name__, seconds)
         if self.sampled and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
             self.buffer.spans.append(
-                SpanRecord(name, start_ns, end_ns, self._step_index_running, error.__name__ if error else None)
+                SpanRecord(
+                    name, start_ns, end_ns, self._step_index_running, error.__name__ if error else None
+                )
             )
 
     def end_mark(
-        self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None, attributes: Mapping[str, Any] | None
+        self,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        error: type[BaseException] | None,
+        attributes: Mapping[str, Any] | None,
     ) -> None:
         """An eval / checkpoint span: always traced (rare and short), and timed as a phase."""
         self.end_timer(name, start_ns, end_ns, error)
         if self.worker.span_writer is not None and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
-            attrs = {str(k): v for k, v in (attributes or {}).items() if isinstance(v, (str, int, float, bool))}
+            attrs = {
+                str(k): v for k, v in (attributes or {}).items() if isinstance(v, (str, int, float, bool))
+            }
             self.buffer.spans.append(
-                SpanRecord(name, start_ns, end_ns, max(self.step_index, 0), error.__name__ if error else None, "mark", attrs)
+                SpanRecord(
+                    name,
+                    start_ns,
+                    end_ns,
+                    max(self.step_index, 0),
+                    error.__name__ if error else None,
+                    "mark",
+                    attrs,
+                )
             )
 
     def flush(self, final: bool = False) -> bool:
@@ -304,7 +336,9 @@ class Session:
             self.dropped_flushes += 1
             return False
         with self._lock:
-            batch = self.buffer.take(self._seq, self.step_index, now - self._last_flush, self._perf_to_epoch_ns)
+            batch = self.buffer.take(
+                self._seq, self.step_index, now - self._last_flush, self._perf_to_epoch_ns
+            )
             self._seq += 1
         batch.final = final
         self._last_flush = now
@@ -330,7 +364,9 @@ class Session:
     # --- lifecycle -----------------------------------------------------------------------------------
     def _on_stall(self, idle_s: float) -> None:
         self.events.emit(
-            "stall", f"no completed step for {idle_s:.0f}s after step {self.step_index}", {"step": self.step_index}
+            "stall",
+            f"no completed step for {idle_s:.0f}s after step {self.step_index}",
+            {"step": self.step_index},
         )
 
     def shutdown(self) -> None:
@@ -360,7 +396,9 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         shutdown()
 
     @property

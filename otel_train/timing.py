@@ -58,7 +58,9 @@ class StepScope:
     ) -> None:
         session = self._session
         if session is not None:
-            session.end_step(self._index, self._start, perf_counter_ns(), self.tokens, self.samples, exc_type is not None)
+            session.end_step(
+                self._index, self._start, perf_counter_ns(), self.tokens, self.samples, exc_type is not None
+            )
             self._session = None
 
     def __call__(self, fn: F) -> F:

@@ -17,9 +17,8 @@ from otel_train.testing import capture_metrics
 
 def test_everything_is_a_noop_before_init() -> None:
     assert ot.current_session() is None
-    with ot.step(0, tokens=10):
-        with ot.timer("forward"):
-            ot.record("loss", 1.0)
+    with ot.step(0, tokens=10), ot.timer("forward"):
+        ot.record("loss", 1.0)
     ot.log_metrics({"a": 1})
     ot.log_text("t", "x")
     ot.shutdown()  # nothing to shut down, still fine
@@ -65,9 +64,8 @@ def test_steps_timers_and_flattened_keys() -> None:
 def test_decorators_nesting_threads_async_and_errors() -> None:
     @ot.step
     def train_step() -> None:
-        with ot.timer("outer"):
-            with ot.timer("inner"):
-                pass
+        with ot.timer("outer"), ot.timer("inner"):
+            pass
 
     @ot.timed("async_phase")
     async def async_work() -> int:
@@ -103,12 +101,11 @@ def test_decorators_nesting_threads_async_and_errors() -> None:
 
 
 def test_timing_level_filters_timers() -> None:
-    with capture_metrics(log_interval=100, timing_log_level=1) as cap:
-        with ot.step(0):
-            with ot.timer("coarse", level=0):
-                pass
-            with ot.timer("fine", level=2):
-                pass
+    with capture_metrics(log_interval=100, timing_log_level=1) as cap, ot.step(0):
+        with ot.timer("coarse", level=0):
+            pass
+        with ot.timer("fine", level=2):
+            pass
     flushed = cap.flushes[-1][1]
     assert "timers/coarse/count" in flushed
     assert not any(k.startswith("timers/fine") for k in flushed)
@@ -121,7 +118,7 @@ def test_log_metrics_prefix_and_eval_keys() -> None:
         ot.log_metrics({"loss": 1.25, "perplexity": 3.49, "accuracy": 0.5}, step=0, prefix="eval/")
         ot.log_metrics({"my_metric": 2})
     # step= flushes at once, filed under that step (log_interval=100 would not flush otherwise)
-    assert [(s, f["eval/loss"]) for s, f in cap.flushes if "eval/loss" in f][0] == (0, 1.25)
+    assert next((s, f["eval/loss"]) for s, f in cap.flushes if "eval/loss" in f) == (0, 1.25)
     flushed = cap.flushes[-1][1]
     assert flushed["eval/loss"] == 1.25
     assert flushed["eval/perplexity"] == 3.49
@@ -145,7 +142,9 @@ def test_user_instruments_on_library_meter_reach_bridges() -> None:
 
 
 def test_total_steps_gives_eta_and_progress_file(tmp_path) -> None:
-    session = ot.init(prometheus_port=0, verbosity=0, log_interval=5, total_steps=20, output_dir=str(tmp_path))
+    session = ot.init(
+        prometheus_port=0, verbosity=0, log_interval=5, total_steps=20, output_dir=str(tmp_path)
+    )
     for i in range(10):
         with ot.step(i, tokens=10):
             time.sleep(0.001)

@@ -16,32 +16,32 @@ SERIES_BUDGET = 200
 
 
 def test_bad_values_never_raise_and_are_counted(caplog) -> None:
-    with capture_metrics(log_interval=100) as cap:
-        with ot.step(0):
-            for value in (float("nan"), float("inf"), -math.inf, None, "1.5", b"x", True, object(),
-                          torch.ones(3), torch.tensor([float("nan")]), torch.tensor(2.5, requires_grad=True) * 2,
-                          torch.tensor(1 + 2j)):  # fmt: skip
-                ot.record("loss", value)
-            ot.record("loss", 0.75)
-            ot.log_metrics(None)  # type: ignore[arg-type]
-            ot.log_metrics({"ok": 1.0, 3: 2.0})  # type: ignore[dict-item]
+    with capture_metrics(log_interval=100) as cap, ot.step(0):
+        for value in (float("nan"), float("inf"), -math.inf, None, "1.5", b"x", True, object(),
+                      torch.ones(3), torch.tensor([float("nan")]), torch.tensor(2.5, requires_grad=True) * 2,
+                      torch.tensor(1 + 2j)):  # fmt: skip
+            ot.record("loss", value)
+        ot.record("loss", 0.75)
+        ot.log_metrics(None)  # type: ignore[arg-type]
+        ot.log_metrics({"ok": 1.0, 3: 2.0})  # type: ignore[dict-item]
     flushed = cap.flushes[-1][1]
     assert flushed["train/loss"] == 0.75
     assert flushed["train/ok"] == 1.0
     assert flushed["health/nonfinite_loss"] == 4  # nan, inf, -inf, tensor(nan)
     assert flushed["otel_train/dropped/nonfinite"] == 4
-    assert flushed["otel_train/dropped/invalid_type"] >= 6  # None, str, bytes, bool, object, complex, bad dict
+    assert (
+        flushed["otel_train/dropped/invalid_type"] >= 6
+    )  # None, str, bytes, bool, object, complex, bad dict
     assert flushed["otel_train/dropped/non_scalar_tensor"] == 1
     assert flushed["otel_train/dropped/invalid_name"] == 1  # the int key
 
 
 def test_grad_tensor_is_detached_and_resolved() -> None:
     weight = torch.tensor(3.0, requires_grad=True)
-    with capture_metrics(log_interval=1) as cap:
-        with ot.step(0):
-            loss = weight * 2
-            ot.record("loss", loss)
-            loss.backward()  # the recorded value must not hold the graph or break backward
+    with capture_metrics(log_interval=1) as cap, ot.step(0):
+        loss = weight * 2
+        ot.record("loss", loss)
+        loss.backward()  # the recorded value must not hold the graph or break backward
     assert cap.last("train/loss") == 6.0
 
 
@@ -99,4 +99,6 @@ def test_pull_endpoint_series_budget(tmp_path) -> None:
     ot.shutdown()
     series = [s for family in text_string_to_metric_families(text) for s in family.samples]
     assert len(series) <= SERIES_BUDGET, len(series)
-    assert all(s.labels.get("run_id") and s.labels.get("rank") == "0" for s in series if s.name != "target_info")
+    assert all(
+        s.labels.get("run_id") and s.labels.get("rank") == "0" for s in series if s.name != "target_info"
+    )

@@ -44,7 +44,11 @@ def test_standard_otel_variables() -> None:
     ("overrides", "env", "fragments"),
     [
         ({"log_interval": 0}, {}, ["log_interval", "0", ">= 1", "OTEL_TRAIN_LOG_INTERVAL"]),
-        ({}, {"OTEL_TRAIN_LOG_INTERVAL": "ten"}, ["log_interval", "OTEL_TRAIN_LOG_INTERVAL", "'ten'", "integer"]),
+        (
+            {},
+            {"OTEL_TRAIN_LOG_INTERVAL": "ten"},
+            ["log_interval", "OTEL_TRAIN_LOG_INTERVAL", "'ten'", "integer"],
+        ),
         ({"otlp_protocol": "udp"}, {}, ["otlp_protocol", "'udp'", "'grpc'"]),
         ({}, {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"}, ["otlp_endpoint", "http://localhost:4318"]),
         ({"prometheus_port": 70000}, {}, ["prometheus_port", "70000", "0 to disable"]),

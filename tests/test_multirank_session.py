@@ -15,7 +15,9 @@ STEPS = 30
 LOG_INTERVAL = 5
 
 
-def _train_rank(rank: int, world: int, endpoint: str | None, out_dir: str, slow_rank: int, slow_phase: str) -> dict:
+def _train_rank(
+    rank: int, world: int, endpoint: str | None, out_dir: str, slow_rank: int, slow_phase: str
+) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -60,7 +62,11 @@ def test_compute_straggler_flagged_within_three_flushes(tmp_path) -> None:
     flagged = _stragglers(results)
     assert flagged, results[0]["events"]
     first = flagged[0]
-    assert first["rank"] == 2 and first["category"] == "compute" and first["train.phase"] in ("forward", "backward")
+    assert (
+        first["rank"] == 2
+        and first["category"] == "compute"
+        and first["train.phase"] in ("forward", "backward")
+    )
     assert first["step"] <= 3 * LOG_INTERVAL - 1  # within 3 flushes
     assert {a["rank"] for a in flagged} == {2}
     # exactly one collective per aligned flush on every rank (the final flush issues none)

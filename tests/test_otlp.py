@@ -47,7 +47,7 @@ def _check_metrics(received) -> None:
     for spec in (semconv.STEPS, semconv.TOKENS, semconv.STEP_DURATION, semconv.PHASE_DURATION, semconv.LOSS,
                  semconv.LEARNING_RATE, semconv.EVAL_LOSS, semconv.LAST_STEP_TIME):  # fmt: skip
         assert spec.name in points, f"{spec.name} missing; got {sorted(points)}"
-        for resource, metric, unit in points[spec.name]:
+        for resource, _metric, unit in points[spec.name]:
             assert unit == spec.unit, (spec.name, unit)
             assert resource["run_id"] == "otlp-test-run"
             assert resource["rank"] == 0

@@ -39,12 +39,14 @@ def test_prometheus_scrapes_pull_endpoint_with_run_and_rank_labels(tmp_path) -> 
     try:
         with prometheus(targets=[f"127.0.0.1:{port}"]) as prom:
             sel = '{run_id="pull-test", rank="0"}'
-            wait_until(lambda: (prom.value(f"train_steps_total{sel}") or 0) > 20, timeout=60, what="steps scraped")
+            wait_until(
+                lambda: (prom.value(f"train_steps_total{sel}") or 0) > 20, timeout=60, what="steps scraped"
+            )
             assert prom.value(f"train_step_duration_seconds_count{sel}") > 20
             buckets = prom.query(f"train_step_duration_seconds_bucket{sel}")
             assert {b["metric"]["le"] for b in buckets} >= {"0.01", "0.025", "0.05", "+Inf"}
-            forward = prom.value(f'sum(rate(train_phase_duration_seconds_sum{{train_phase="forward"}}[5s])) / '
-                                 f'sum(rate(train_phase_duration_seconds_count{{train_phase="forward"}}[5s]))')  # fmt: skip
+            forward = prom.value('sum(rate(train_phase_duration_seconds_sum{train_phase="forward"}[5s])) / '
+                                 'sum(rate(train_phase_duration_seconds_count{train_phase="forward"}[5s]))')  # fmt: skip
             assert forward is None or 0.009 < forward < 0.5  # plausible: sleeps of 10 ms
             loss = prom.value(f"train_loss{sel}")
             assert loss is not None and 0 < loss <= 3.0

@@ -72,7 +72,7 @@ def test_forked_dataloader_workers_export_nothing() -> None:
         )
         loader = DataLoader(_Tokens(), batch_size=4, num_workers=2, multiprocessing_context="fork")
         steps = 0
-        for epoch in range(2):
+        for _epoch in range(2):
             for batch in loader:
                 with ot.step(tokens=int(batch.numel()), samples=batch.shape[0]):
                     time.sleep(0.06)  # give the children's restarted SDK threads time to tick

@@ -29,7 +29,9 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path: Path, mode: str) -> tuple[int, list[dict], float]:
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path), mode], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), mode], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     started = time.monotonic()
     if mode == "term":

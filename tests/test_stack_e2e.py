@@ -108,11 +108,15 @@ def test_straggler_alert_fires_for_the_slow_rank_and_dashboards_have_data(tmp_pa
     with alertmanager() as am, prometheus(targets=targets, rule_files=rules, alertmanager_url=am.url) as prom:
         thread.start()
         try:
-            firing = wait_until(lambda: am.alerts(alertname="TrainingStraggler"), timeout=70, what="straggler alert")
+            firing = wait_until(
+                lambda: am.alerts(alertname="TrainingStraggler"), timeout=70, what="straggler alert"
+            )
             assert {a["labels"]["rank"] for a in firing} == {"2"}
             assert all(a["labels"]["run_id"] == "slow" for a in firing)
             # every dashboard query returns data from this real run (GPU-only panels excluded)
-            assert_all_queries_return_data(prom.url, exclude_gpu=True, variables={"run_id": "slow"}, wait_s=20)
+            assert_all_queries_return_data(
+                prom.url, exclude_gpu=True, variables={"run_id": "slow"}, wait_s=20
+            )
         finally:
             thread.join()
     assert not errors, errors
@@ -134,7 +138,9 @@ def test_frozen_rank_fires_rank_stalled(tmp_path) -> None:
     with alertmanager() as am, prometheus(targets=targets, rule_files=rules, alertmanager_url=am.url):
         thread.start()
         try:
-            stalled = wait_until(lambda: am.alerts(alertname="TrainingRankStalled"), timeout=55, what="rank stalled")
+            stalled = wait_until(
+                lambda: am.alerts(alertname="TrainingRankStalled"), timeout=55, what="rank stalled"
+            )
             assert {a["labels"]["rank"] for a in stalled} == {"1"}
         finally:
             thread.join()

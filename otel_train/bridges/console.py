@@ -33,7 +33,9 @@ def _duration(seconds: float) -> str:
 class ConsoleSink(Sink):
     name = "console"
 
-    def __init__(self, verbosity: int, progress_bar: bool, total_steps: int | None, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, verbosity: int, progress_bar: bool, total_steps: int | None, stream: TextIO | None = None
+    ) -> None:
         self.stream = stream or sys.stdout
         self.verbosity = verbosity
         self.total_steps = total_steps

@@ -36,7 +36,11 @@ class RunDirSink(Sink):
         self._tokens = 0.0
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
-        row = {"step": step, "time": round(wall_time, 3), **{k: _clean(v) for k, v in sorted(scalars.items())}}
+        row = {
+            "step": step,
+            "time": round(wall_time, 3),
+            **{k: _clean(v) for k, v in sorted(scalars.items())},
+        }
         self._metrics.write(json.dumps(row) + "\n")
         self._tokens += scalars.get("throughput/tokens", 0.0)
         elapsed = wall_time - self._started

@@ -48,7 +48,9 @@ class StepReader(MetricReader):
         )
         self._latest: MetricsData | None = None
 
-    def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
+    def _receive_metrics(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> None:
         self._latest = metrics_data
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
@@ -71,7 +73,9 @@ def key_for(instrument_name: str, attributes: Mapping[str, Any]) -> str:
         if placeholder in template:
             template = template.replace(placeholder, _segment(value))
             used.add(attr)
-    extra = [_segment(v) for k, v in sorted(attributes.items()) if k not in used and k not in _IGNORED_ATTRIBUTES]
+    extra = [
+        _segment(v) for k, v in sorted(attributes.items()) if k not in used and k not in _IGNORED_ATTRIBUTES
+    ]
     # A placeholder whose attribute is absent is dropped with its separator.
     parts = [p for p in template.split("/") if p and not (p.startswith("{") and p.endswith("}"))]
     return "/".join(parts + extra)
@@ -117,7 +121,9 @@ def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, floa
             if hpoint.max is not None and math.isfinite(hpoint.max):
                 out[key + "/max"] = float(hpoint.max)
             for q, suffix in ((0.5, "p50"), (0.95, "p95")):
-                estimate = bucket_quantile(q, hpoint.explicit_bounds, hpoint.bucket_counts, hpoint.min, hpoint.max)
+                estimate = bucket_quantile(
+                    q, hpoint.explicit_bounds, hpoint.bucket_counts, hpoint.min, hpoint.max
+                )
                 if estimate is not None:
                     out[f"{key}/{suffix}"] = estimate
 

@@ -206,6 +206,39 @@ def bench_memory(steps: int) -> tuple[float, float]:
     return (after - before) / 2**20, float(dropped)
 
 
+def bench_slow_backend(seconds: float) -> tuple[int, int, int]:
+    """Steps completed in a fixed wall time without and with a bridge whose every write sleeps 5 s.
+    Returns (steps without, steps with, writes the slow bridge dropped)."""
+    from otel_train.bridges.base import Sink
+    from otel_train.bridges.threaded import ThreadedSink
+
+    class SleepySink(Sink):
+        name = "sleepy"
+
+        def write_scalars(self, step: int, wall_time: float, scalars: object) -> None:
+            time.sleep(5.0)
+
+    def run(slow: bool) -> tuple[int, int]:
+        session = ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, log_interval=10)
+        sleepy = ThreadedSink(SleepySink(), queue_size=4, name="sleepy", close_timeout_s=0.1)
+        if slow:
+            session.sinks.append(sleepy)
+        steps = 0
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            with ot.step(tokens=512):
+                with ot.timer("forward"):
+                    sum(range(2000))  # a little CPU work per step
+                ot.record("loss", 1.0)
+            steps += 1
+        ot.shutdown()
+        return steps, sleepy.dropped
+
+    without, _ = run(False)
+    with_slow, dropped = run(True)
+    return without, with_slow, dropped
+
+
 def bench_shutdown_collector_down() -> list[tuple[str, float]]:
     from otlp_receiver import refused_endpoint, tarpit
 
@@ -252,6 +285,12 @@ def main() -> int:
         median, worst, worker = bench_flush(30 if args.quick else 100, bridges)
         label = "run dir + console + TB + W&B + MLflow" if bridges else "run dir + console"
         print(f"{label:<40} median {median:7.1f} µs   max {worst:7.1f} µs   worker {worker:6.2f} ms/flush")
+
+    without, with_slow, dropped = bench_slow_backend(3.0 if args.quick else 10.0)
+    print("\n## Steps in a fixed wall time with a bridge whose write sleeps 5 s")
+    print(
+        f"without {without:,}   with {with_slow:,}   ratio {with_slow / without:.3f}   bridge writes dropped {dropped}"
+    )
 
     steps = 20_000 if args.quick else 100_000
     growth, dropped = bench_memory(steps)

@@ -201,7 +201,7 @@ def bench_memory(steps: int) -> tuple[float, float]:
             ot.record("lr", 1e-3)
     gc.collect()
     after = proc.memory_info().rss
-    dropped = ot.current_session().dropped_flushes  # type: ignore[union-attr]
+    dropped = ot.current_session().deferred_flushes  # type: ignore[union-attr]
     ot.shutdown()
     return (after - before) / 2**20, float(dropped)
 

@@ -135,7 +135,10 @@ class Session:
         self._perf_to_epoch_ns = time.time_ns() - time.perf_counter_ns()
         self._closed = False
         self._lock = threading.Lock()
-        self.dropped_flushes = 0
+        # Flush attempts that found the worker's queue full: the data stays in the buffer (counters
+        # keep summing) and goes with a later flush.
+        self.deferred_flushes = 0
+        self.lost_flushes = 0
 
         if self.run_dir is not None and self.is_reporting_rank:
             self._write_run_files()
@@ -333,7 +336,7 @@ class Session:
         the data stays in the buffer (counters keep summing) and the next step tries again."""
         now = time.perf_counter()
         if not final and self.worker.queue.full() and not self.identity.distributed:
-            self.dropped_flushes += 1
+            self.deferred_flushes += 1
             return False
         with self._lock:
             batch = self.buffer.take(
@@ -351,7 +354,10 @@ class Session:
             else:
                 self.worker.queue.put_nowait(batch)
         except queue.Full:
-            self.dropped_flushes += 1
+            # Only reachable when distributed (the worker stuck longer than collective_timeout_s)
+            # or at shutdown: this interval is lost, and counted.
+            self.lost_flushes += 1
+            log.warning("otel_train: the background worker is stuck; flush %d was dropped.", batch.seq)
             return False
         return True
 
@@ -390,7 +396,8 @@ class Session:
                 sink.close(dict(self.worker.final_scalars))
             except Exception as exc:
                 log.warning("otel_train: closing %s failed: %s", sink.name, exc)
-        remaining = max(0.1, budget - (time.monotonic() - started))
+        # Keep a margin inside the budget for the abandon path itself.
+        remaining = max(0.1, 0.9 * budget - (time.monotonic() - started))
         self.telemetry.shutdown(remaining)
 
     def __enter__(self) -> Session:

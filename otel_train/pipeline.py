@@ -10,6 +10,7 @@ same queue so they keep their order with the scalars.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import queue
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry._logs import SeverityNumber
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otel_train import semconv
@@ -154,6 +156,23 @@ class SpanWriter:
         return span
 
 
+def histogram_values(values: Any) -> list[float]:
+    """A distribution (tensor, array or sequence) as finite floats; runs on the worker."""
+    if hasattr(values, "detach"):
+        values = values.detach().reshape(-1).double().cpu().tolist()
+    elif hasattr(values, "tolist"):
+        values = values.reshape(-1).tolist() if hasattr(values, "reshape") else values.tolist()
+    out: list[float] = []
+    for value in values if isinstance(values, (list, tuple)) else list(values):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(number):
+            out.append(number)
+    return out
+
+
 def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
     """Turn recorded values (numbers, 0-dim or 1-element tensors) into finite floats.
 
@@ -220,6 +239,7 @@ class Worker:
         total_steps: int | None,
         on_stall: Callable[[float], None] | None = None,
         stall_timeout_s: float = 300.0,
+        otel_logger: Any | None = None,
     ) -> None:
         self.instruments = instruments
         self.step_reader = step_reader
@@ -228,6 +248,7 @@ class Worker:
         self.health = health
         self.span_writer = span_writer
         self.total_steps = total_steps
+        self.otel_logger = otel_logger
         self.queue: queue.Queue[FlushBatch | Message | None] = queue.Queue(maxsize=queue_size)
         self.dropped_messages = 0
         self.final_scalars: dict[str, float] = {}
@@ -383,6 +404,9 @@ class Worker:
                 ins.eta.set(remaining * elapsed / self._steps_done)
 
     def _deliver_message(self, message: Message) -> None:
+        if message.kind == "histogram":
+            message = Message(message.kind, message.key, histogram_values(message.payload), message.step)
+        self._log_record(message)
         for sink in self.sinks:
             try:
                 if message.kind == "text":
@@ -395,6 +419,34 @@ class Worker:
                     sink.write_hparams(message.payload)
             except Exception as exc:
                 self._warn_once(sink.name, f"otel_train: sink {sink.name} failed: {exc!r}")
+
+    def _log_record(self, message: Message) -> None:
+        """Text, samples, histograms and hyperparameters also leave as OTel log records, so the
+        collector (and whatever sits behind it) sees them, not only the bridges."""
+        if self.otel_logger is None:
+            return
+        body: Any
+        if message.kind == "text":
+            body = message.payload
+        elif message.kind == "samples":
+            body = json.dumps([{"prompt": p, "output": o} for p, o in message.payload])
+        elif message.kind == "histogram":
+            values = message.payload
+            body = {"count": len(values)}
+            if values:
+                body.update(min=min(values), max=max(values), mean=sum(values) / len(values))
+        else:
+            body = json.dumps(message.payload, default=str, sort_keys=True)
+        try:
+            self.otel_logger.emit(
+                severity_number=SeverityNumber.INFO,
+                severity_text="INFO",
+                body=body,
+                attributes={"otel_train.key": message.key, "train.step": message.step},
+                event_name=f"otel_train.{message.kind}",
+            )
+        except Exception as exc:
+            self._warn_once("log_record", f"otel_train: could not emit a log record: {exc!r}")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._errors_warned:

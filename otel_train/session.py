@@ -118,6 +118,7 @@ class Session:
             total_steps=config.total_steps,
             on_stall=self._on_stall,
             stall_timeout_s=config.stall_timeout_s,
+            otel_logger=otel_logger,
         )
 
         # hot-path state

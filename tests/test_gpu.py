@@ -138,3 +138,61 @@ def test_allocator_energy_and_mfu_at_flush(
     peak, _ = mon.resolve_peak()
     if peak is not None:
         assert 0 < one(pts, sc.MFU.name) < 1
+
+
+def test_cuda_event_timer_agrees_with_an_independent_event_pair() -> None:
+    """`ot.timer(name, cuda=True)` vs a torch.cuda.Event pair measured by hand: within 5 %."""
+    import otel_train as ot
+    from otel_train.testing import capture_metrics
+
+    x = torch.randn(4096, 4096, device="cuda")
+    reference = 0.0
+    with capture_metrics(log_interval=1000, hardware=False) as cap:
+        for i in range(10):
+            with ot.step(i):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                with ot.timer("matmul", cuda=True):
+                    start.record()
+                    for _ in range(20):
+                        x = (x @ x).clamp_(-1, 1)
+                    end.record()
+            end.synchronize()  # the test's own check, outside the instrumented region
+            reference += start.elapsed_time(end) / 1000.0
+    ours = cap.last("timers/matmul/total")
+    assert ours is not None and cap.last("timers/matmul/count") == 10
+    assert ours == pytest.approx(reference, rel=0.05)
+
+
+def test_no_device_sync_during_instrumented_steps_between_flushes() -> None:
+    """torch.cuda.set_sync_debug_mode("error") raises on any synchronizing call: none may happen
+    in steps, timers (host and CUDA), record() of device tensors or the flush hand-over."""
+    import otel_train as ot
+    from otel_train.testing import capture_metrics
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024)
+    ).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 1024, device="cuda")
+    with capture_metrics(log_interval=10, hardware=False) as cap:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(9):  # stays inside one interval: the flush's resolution is the only sync
+                with ot.step(i, tokens=64 * 1024, samples=64):
+                    with ot.timer("forward", cuda=True):
+                        loss = model(x).pow(2).mean()
+                    with ot.timer("backward", cuda=True):
+                        loss.backward()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+                    with ot.timer("optimizer"):
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    ot.record("loss", loss)
+                    ot.record("grad_norm", grad_norm)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        with ot.step(9):  # the 10th step flushes; resolution happens on the worker
+            ot.record("loss", loss)
+    assert cap.last("train/loss") is not None and cap.last("train/grad_norm") is not None
+    assert cap.last("timers/forward/count") == 9

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from otlp_receiver import grpc_receiver, http_receiver, refused_endpoint, tarpit
 
 import otel_train as ot
@@ -109,8 +110,16 @@ def test_health_events_leave_as_log_records() -> None:
         for i in range(4):
             with ot.step(i):
                 ot.record("loss", float("nan") if i == 3 else 1.0)
+        ot.log_text("notes", "hello collector", step=3)
+        ot.log_samples([("def ", "main():")], step=3)
+        ot.log_histogram("weights", torch.tensor([0.5, 1.5, float("nan")]), step=3)
         ot.shutdown()
     records = received.log_records()
+    by_event = {r.event_name: r for _, r in records}
+    assert by_event["otel_train.text"].body.string_value == "hello collector"
+    assert "main():" in by_event["otel_train.samples"].body.string_value
+    summary = {kv.key: kv.value for kv in by_event["otel_train.histogram"].body.kvlist_value.values}
+    assert summary["count"].int_value == 2 and summary["max"].double_value == 1.5
     events = [r for _, r in records if r.event_name == "otel_train.nonfinite"]
     assert events, [r.event_name for _, r in records]
     points = received.metric_points()

@@ -186,7 +186,8 @@ class WandbSink(Sink):
             "project": getattr(run, "project", None),
             "entity": getattr(run, "entity", None),
             "group": self.group,
-            "url": getattr(run, "url", None),
+            # run.url warns on stdout in offline mode; an offline run has no URL anyway.
+            "url": None if getattr(run, "offline", False) else getattr(run, "url", None),
             "offline": bool(getattr(run, "offline", False)),
             "dir": None,
             "sync_command": None,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from readback import read_tensorboard
 
-from otel_train.bridges.tensorboard import TensorBoardSink, flatten_hparams
+from otel_train.bridges.base import flatten_params
+from otel_train.bridges.tensorboard import TensorBoardSink
 from otel_train.bridges.threaded import BridgeSetupError
 from otel_train.config import Config, config_as_dict, redact
 
@@ -79,7 +80,11 @@ def test_config_hparams_are_flat_and_redacted(tmp_path: Path) -> None:
     for path in log_dir.rglob("*"):
         if path.is_file():
             assert marker.encode() not in path.read_bytes()
-    assert flatten_hparams(redact({"a": {"token": "s"}, "n": math.inf})) == {"a.token": "***", "n": "inf"}
+    assert flatten_params(redact({"a": {"token": "s"}, "n": math.inf}), typed=True) == {
+        "a.token": "***",
+        "n": "inf",
+    }
+    assert flatten_params({"lr": 0.5, "on": True, "tags": [1]}) == {"lr": "0.5", "on": "True", "tags": "[1]"}
 
 
 def test_unwritable_log_dir_names_the_path(tmp_path: Path) -> None:

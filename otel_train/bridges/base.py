@@ -7,6 +7,8 @@ override only what their backend supports. Sinks never run on the training threa
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,3 +43,27 @@ class Sink:
 
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+def flatten_params(params: Mapping[str, Any], typed: bool = False, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings become `a.b` keys. Values become strings (lists and dicts as JSON); with
+    `typed`, bools stay bools and finite numbers become floats (what TensorBoard's hparams take)."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten_params(value, typed, f"{name}."))
+        elif typed and isinstance(value, bool):
+            out[name] = value
+        elif typed and isinstance(value, (int, float)) and math.isfinite(value):
+            out[name] = float(value)
+        elif isinstance(value, str):
+            out[name] = value
+        elif isinstance(value, (bool, int, float)) or value is None:
+            out[name] = str(value)
+        else:
+            try:
+                out[name] = json.dumps(value, default=str)
+            except (TypeError, ValueError):
+                out[name] = str(value)
+    return out

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -31,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.bridges.base import Sink
+from otel_train.bridges.base import Sink, flatten_params
 from otel_train.bridges.threaded import BridgeImportError, ensure_writable_dir
 
 logger = logging.getLogger("otel_train")
@@ -48,25 +47,6 @@ def sanitize_key(key: str) -> str:
     key = _BAD_CHARS.sub("_", key)
     parts = [p for p in key.split("/") if p not in ("", ".", "..")]
     return "/".join(parts)[:MAX_KEY_LENGTH].rstrip("/") or "_"
-
-
-def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested mappings become `a.b` keys; values become strings (lists/dicts as JSON)."""
-    out: dict[str, str] = {}
-    for key, value in params.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.update(flatten_params(value, f"{name}."))
-        elif isinstance(value, str):
-            out[name] = value
-        elif isinstance(value, (bool, int, float)) or value is None:
-            out[name] = str(value)
-        else:
-            try:
-                out[name] = json.dumps(value, default=str)
-            except (TypeError, ValueError):
-                out[name] = str(value)
-    return out
 
 
 def default_tracking_uri(run_dir: Path) -> str:

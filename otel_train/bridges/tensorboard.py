@@ -15,15 +15,13 @@ keys therefore compare correctly under one `--logdir`. The plugin keeps only the
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.bridges.base import Sink
+from otel_train.bridges.base import Sink, flatten_params
 from otel_train.bridges.threaded import BridgeImportError, ensure_writable_dir
 
 logger = logging.getLogger("otel_train")
@@ -73,7 +71,9 @@ class TensorBoardSink(Sink):
         if self._hparams_written:
             logger.debug("otel_train: TensorBoard keeps the first hparams of a run; later ones are ignored")
             return
-        self._writer._get_file_writer().add_summary(_session_start_summary(flatten_hparams(params)))
+        self._writer._get_file_writer().add_summary(
+            _session_start_summary(flatten_params(params, typed=True))
+        )
         self._hparams_written = True
         self._writer.flush()
 
@@ -89,32 +89,6 @@ class TensorBoardSink(Sink):
             self._writer._get_file_writer().add_summary(_session_end_summary(now))
         self._writer.flush()
         self._writer.close()
-
-
-def flatten_hparams(params: Mapping[str, Any], prefix: str = "") -> dict[str, bool | float | str]:
-    """Nested mappings become `a.b` keys; values become bool, float or str (what TensorBoard accepts)."""
-    out: dict[str, bool | float | str] = {}
-    for key, value in params.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            if value:
-                out.update(flatten_hparams(value, f"{name}."))
-            else:
-                out[name] = "{}"
-        elif isinstance(value, bool):
-            out[name] = value
-        elif isinstance(value, (int, float)):
-            out[name] = float(value) if math.isfinite(value) else str(value)
-        elif isinstance(value, str):
-            out[name] = value
-        elif value is None:
-            out[name] = "None"
-        else:
-            try:
-                out[name] = json.dumps(value, default=str)
-            except (TypeError, ValueError):
-                out[name] = str(value)
-    return out
 
 
 def _hparams_summary(tag: str, plugin_data: Any) -> Any:

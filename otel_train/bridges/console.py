@@ -45,13 +45,16 @@ class ConsoleSink(Sink):
         # Timer totals for the end-of-run table: name -> [total seconds, count].
         self.timers: dict[str, list[float]] = {}
         self.step_total = 0.0
+        self._shown_eval_loss: float | None = None
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         self._accumulate(scalars)
         if self.verbosity == 0:
             return
-        if "train/steps" not in scalars and not any(k.startswith("eval/") for k in scalars):
+        eval_loss = scalars.get("eval/loss")
+        if "train/steps" not in scalars and eval_loss == self._shown_eval_loss:
             return  # nothing new to show (e.g. the shutdown flush after the last interval)
+        self._shown_eval_loss = eval_loss
         parts = [f"step {step + 1}" + (f"/{self.total_steps}" if self.total_steps else "")]
         for key, label, fmt in (
             ("train/loss", "loss", "{:.4f}"),

@@ -215,6 +215,7 @@ class Result:
     wall_s: float
     run_dir: Path | None
     checkpoint: Path | None
+    metrics_url: str | None = None  # the Prometheus pull endpoint while it was training
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -340,6 +341,7 @@ def train(args: argparse.Namespace, ot: Telemetry) -> Result:
 
     with ot.init(**settings) as session:
         run_dir = getattr(session, "run_dir", None)
+        metrics_url = getattr(session, "prometheus_url", None)
         ot.log_hyperparams(
             {
                 **asdict(cfg),
@@ -445,6 +447,7 @@ def train(args: argparse.Namespace, ot: Telemetry) -> Result:
         wall_s=time.perf_counter() - t_start,
         run_dir=Path(run_dir) if run_dir is not None else None,
         checkpoint=checkpoint,
+        metrics_url=metrics_url,
     )
 
 
@@ -462,6 +465,10 @@ def print_outputs(result: Result, args: argparse.Namespace) -> None:
     )
     if result.checkpoint is not None:
         print(f"  checkpoint   {result.checkpoint}")
+    if result.metrics_url:
+        print(
+            f"  Prometheus   {result.metrics_url} while training (see deploy/prometheus/pull-endpoints.example.yml)"
+        )
     run_dir = result.run_dir
     if run_dir is None or not run_dir.exists():
         return

@@ -190,11 +190,14 @@ class Session:
         return Resource.create(attributes)
 
     def _sinks(self) -> list[Sink]:
+        """Every rank keeps its own metrics JSONL (the local copy); progress, console and bridges
+        are written by the reporting rank (rank 0, or every rank with bridge_all_ranks)."""
         sinks: list[Sink] = []
+        if self.run_dir is not None:
+            progress = self.is_reporting_rank
+            sinks.append(RunDirSink(self.run_dir, self.identity.rank, self.config.total_steps, progress))
         if not self.is_reporting_rank:
             return sinks
-        if self.run_dir is not None:
-            sinks.append(RunDirSink(self.run_dir, self.identity.rank, self.config.total_steps))
         if self.identity.rank == 0:
             self.console = ConsoleSink(
                 self.config.verbosity, self.config.progress_bar, self.config.total_steps

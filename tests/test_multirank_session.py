@@ -59,6 +59,11 @@ def test_compute_straggler_flagged_within_three_flushes(tmp_path) -> None:
         results = run_ranks(4, _train_rank, (endpoint, str(tmp_path), 2, "compute"), timeout=240)
         time.sleep(0.5)
     assert len({r["run_id"] for r in results}) == 1  # agreed once at init
+    run_dir = tmp_path / "mr"
+    for rank in range(4):  # every rank keeps its own local copy; progress.txt is rank 0's
+        rows = (run_dir / f"metrics.rank{rank}.jsonl").read_text().splitlines()
+        assert len(rows) >= STEPS // LOG_INTERVAL
+    assert (run_dir / "progress.txt").read_text().count("\n") >= STEPS // LOG_INTERVAL
     flagged = _stragglers(results)
     assert flagged, results[0]["events"]
     first = flagged[0]

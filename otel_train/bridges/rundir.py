@@ -26,11 +26,14 @@ def _clean(value: float) -> float | None:
 class RunDirSink(Sink):
     name = "rundir"
 
-    def __init__(self, run_dir: Path, rank: int, total_steps: int | None) -> None:
+    def __init__(self, run_dir: Path, rank: int, total_steps: int | None, progress: bool = True) -> None:
         self.run_dir = run_dir
         self.metrics_path = run_dir / f"metrics.rank{rank}.jsonl"
         self._metrics: TextIO = self.metrics_path.open("a", encoding="utf-8", buffering=1)
-        self._progress: TextIO = (run_dir / "progress.txt").open("a", encoding="utf-8", buffering=1)
+        # progress.txt is one file per run: only the reporting rank appends to it.
+        self._progress: TextIO | None = (
+            (run_dir / "progress.txt").open("a", encoding="utf-8", buffering=1) if progress else None
+        )
         self._total_steps = total_steps
         self._started = time.time()
         self._tokens = 0.0
@@ -43,6 +46,8 @@ class RunDirSink(Sink):
         }
         self._metrics.write(json.dumps(row) + "\n")
         self._tokens += scalars.get("throughput/tokens", 0.0)
+        if self._progress is None:
+            return
         elapsed = wall_time - self._started
         steps = f"{step + 1}/{self._total_steps}" if self._total_steps else f"{step + 1}"
         parts = [
@@ -73,6 +78,8 @@ class RunDirSink(Sink):
 
     def close(self, final_scalars: Mapping[str, float]) -> None:
         for fh in (self._metrics, self._progress):
+            if fh is None:
+                continue
             fh.flush()
             os.fsync(fh.fileno())
             fh.close()

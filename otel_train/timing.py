@@ -116,8 +116,11 @@ class TimerScope:
             return
         end = perf_counter_ns()
         if self._cuda_start is not None:
-            end_event = _cuda_event()
-            session.buffer.cuda_timers.append((self.name, self._cuda_start, end_event))
+            pending = session.buffer.cuda_timers
+            if len(pending) < session.buffer.max_values:
+                pending.append((self.name, self._cuda_start, _cuda_event()))
+            else:
+                session.buffer.drop("too_many_values")
         else:
             session.end_timer(self.name, self._start, end, exc_type)
         self._session = None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,21 @@ def require_binary(name: str) -> str:
             pytest.fail(f"CI requires real components: {message}")
         pytest.skip(message)
     return path
+
+
+class Events:
+    """A recording health-event sink (the `emit` protocol the session's HealthEvents offers)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, dict[str, Any]]] = []
+
+    def emit(
+        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
+    ) -> None:
+        self.items.append((event, message, dict(attributes or {})))
+
+    def named(self, event: str) -> list[tuple[str, str, dict[str, Any]]]:
+        return [e for e in self.items if e[0] == event]
 
 
 def free_port() -> int:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from conftest import Events
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -20,16 +21,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and an NVIDIA driver"),
 ]
-
-
-class Events:
-    def __init__(self) -> None:
-        self.items: list[tuple[str, str, dict[str, Any]]] = []
-
-    def emit(
-        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
-    ) -> None:
-        self.items.append((event, message, dict(attributes or {})))
 
 
 def points(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict[str, Any], float]]]:

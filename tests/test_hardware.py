@@ -6,11 +6,12 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from conftest import Events
 from fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, FakeGpu, FakeNvml, gpu_uuid
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -29,19 +30,6 @@ from otel_train.interval import Interval
 
 GPU_SPECS = [s for s in sc.CATALOGUE if s.name.startswith("hw.")]
 HOST_SPECS = [sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEMORY_USAGE]
-
-
-@dataclass
-class Events:
-    items: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
-
-    def emit(
-        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
-    ) -> None:
-        self.items.append((event, message, dict(attributes or {})))
-
-    def named(self, event: str) -> list[tuple[str, str, dict[str, Any]]]:
-        return [e for e in self.items if e[0] == event]
 
 
 @dataclass

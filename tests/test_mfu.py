@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from conftest import Events
 from fake_nvml import FakeGpu, FakeNvml, gpu_uuid
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -134,16 +135,6 @@ def test_peak_overrides_and_their_sources() -> None:
 
 
 # --- MFU in the monitor ----------------------------------------------------------------------------------
-class Events:
-    def __init__(self) -> None:
-        self.items: list[tuple[str, str, dict[str, Any]]] = []
-
-    def emit(
-        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
-    ) -> None:
-        self.items.append((event, message, dict(attributes or {})))
-
-
 @pytest.fixture
 def reader() -> Iterator[InMemoryMetricReader]:
     r = InMemoryMetricReader()

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 import pytest
 import torch
+from conftest import Events
 
 from otel_train import semconv
 from otel_train.config import Config
@@ -314,16 +315,6 @@ def test_individual_score_against_own_best() -> None:
 # --- the listener without a process group --------------------------------------------------------
 
 
-class Events:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str, dict[str, str | int | float]]] = []
-
-    def emit(
-        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
-    ) -> None:
-        self.events.append((event, message, dict(attributes or {})))
-
-
 def _gauges(reader: object) -> dict[tuple[str, tuple[tuple[str, object], ...]], float]:
     out: dict[tuple[str, tuple[tuple[str, object], ...]], float] = {}
     data = reader.get_metrics_data()  # type: ignore[attr-defined]
@@ -364,7 +355,7 @@ def test_not_distributed_issues_no_collective(monkeypatch: pytest.MonkeyPatch) -
         assert reducer.last_scores is not None
         assert reducer.last_scores.raw_individual["forward"] == pytest.approx(1 / 3)
         reducer.close()
-    assert calls == [] and events.events == []
+    assert calls == [] and events.items == []
     gauges = _gauges(reader)
     key = (semconv.STRAGGLER_SCORE.name, ((semconv.STRAGGLER_KIND, "individual"), (semconv.PHASE, "all")))
     assert key in gauges
@@ -431,7 +422,7 @@ def test_rank0_reports_at_most_five_new_stragglers_per_flush(
     caplog.set_level(logging.WARNING, "otel_train")
     for seq in range(5):
         reducer.on_flush(interval(seq, phases(0)))
-    events = reducer.events.events  # type: ignore[union-attr]
+    events = reducer.events.items  # type: ignore[union-attr]
     assert reducer.collectives == 5
     assert sorted(e[2]["rank"] for e in events) == [
         10,

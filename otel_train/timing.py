@@ -65,21 +65,7 @@ class StepScope:
 
     def __call__(self, fn: F) -> F:
         tokens, samples = self.tokens, self.samples
-        if inspect.iscoroutinefunction(fn):
-
-            @functools.wraps(fn)
-            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                with StepScope(None, tokens, samples):
-                    return await fn(*args, **kwargs)
-
-            return async_wrapper  # type: ignore[return-value]
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with StepScope(None, tokens, samples):
-                return fn(*args, **kwargs)
-
-        return wrapper  # type: ignore[return-value]
+        return _wrap(fn, lambda: StepScope(None, tokens, samples))
 
 
 @overload
@@ -139,24 +125,8 @@ def timed(name: str, level: int = 1, cuda: bool = False) -> Callable[[F], F]:
     """Decorator form of `timer`: `@ot.timed("forward")` (sync and async functions)."""
 
     def decorate(fn: F) -> F:
-        if inspect.iscoroutinefunction(fn):
-
-            @functools.wraps(fn)
-            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                with timer(name, level, cuda):
-                    return await fn(*args, **kwargs)
-
-            return async_wrapper  # type: ignore[return-value]
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            session = _session_mod._current
-            if session is None or level > session.timing_level:
-                return fn(*args, **kwargs)
-            with TimerScope(name, cuda):
-                return fn(*args, **kwargs)
-
-        return wrapper  # type: ignore[return-value]
+        # timer() returns the shared no-op scope before init() or above the level: ~free.
+        return _wrap(fn, lambda: timer(name, level, cuda))
 
     return decorate
 
@@ -184,6 +154,25 @@ class MarkScope:
 
 def span(name: str, attributes: Mapping[str, Any] | None = None) -> MarkScope:
     return MarkScope(name, attributes)
+
+
+def _wrap(fn: F, scope: Callable[[], Any]) -> F:
+    """Decorate `fn` (sync or async) so each call runs inside a fresh `scope()`."""
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with scope():
+                return await fn(*args, **kwargs)
+
+        return async_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with scope():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _cuda_event() -> Any:

@@ -45,9 +45,12 @@ def test_prometheus_scrapes_pull_endpoint_with_run_and_rank_labels(tmp_path) -> 
             assert prom.value(f"train_step_duration_seconds_count{sel}") > 20
             buckets = prom.query(f"train_step_duration_seconds_bucket{sel}")
             assert {b["metric"]["le"] for b in buckets} >= {"0.01", "0.025", "0.05", "+Inf"}
-            forward = prom.value('sum(rate(train_phase_duration_seconds_sum{train_phase="forward"}[5s])) / '
-                                 'sum(rate(train_phase_duration_seconds_count{train_phase="forward"}[5s]))')  # fmt: skip
-            assert forward is None or 0.009 < forward < 0.5  # plausible: sleeps of 10 ms
+            mean_forward = (
+                'sum(rate(train_phase_duration_seconds_sum{train_phase="forward"}[5s])) / '
+                'sum(rate(train_phase_duration_seconds_count{train_phase="forward"}[5s]))'
+            )
+            forward = wait_until(lambda: prom.value(mean_forward), timeout=30, what="forward rate")
+            assert 0.009 < forward < 0.5  # plausible: sleeps of 10 ms
             loss = prom.value(f"train_loss{sel}")
             assert loss is not None and 0 < loss <= 3.0
             assert prom.value(f"train_tokens_total{sel}") >= 256 * 20

@@ -92,6 +92,7 @@ THROTTLE_REASON = label(sc.THROTTLE_REASON)
 DIRECTION = label(sc.DIRECTION)
 MEMORY_STATE = label(sc.MEMORY_STATE)
 ERROR_TYPE = label(sc.ERROR_TYPE)
+LAYER = label(sc.LAYER)
 
 # Dashboard variables: (name, label shown in Grafana, label name filtered on).
 VAR_RUN, VAR_HOST, VAR_RANK = "run_id", "host", "rank"
@@ -305,6 +306,31 @@ def overview() -> DashboardDef:
                         "Achieved FLOP/s per GPU", T(agg("avg", RUN, selector(sc.FLOPS)), _lg()), unit="flops"
                     ),
                     ts("ETA over time", T(agg("max", RUN, selector(sc.ETA)), _lg()), unit="s"),
+                ),
+            ),
+            (
+                "Model (ot.watch)",
+                (
+                    ts(
+                        "Gradient norm by layer",
+                        T(agg("max", f"{RUN}, {LAYER}", selector(sc.LAYER_GRAD_NORM)), _lg(LAYER)),
+                        description="Per-layer gradient L2 norm on watched steps (max over the selected ranks).",
+                    ),
+                    ts(
+                        "Parameter norm by layer",
+                        T(agg("max", f"{RUN}, {LAYER}", selector(sc.LAYER_PARAM_NORM)), _lg(LAYER)),
+                    ),
+                    ts(
+                        "Activation RMS by layer",
+                        T(agg("max", f"{RUN}, {LAYER}", selector(sc.LAYER_ACTIVATION_RMS)), _lg(LAYER)),
+                        description="Only with ot.watch(model, activations=True).",
+                    ),
+                    ts(
+                        "Activation abs-max by layer",
+                        T(agg("max", f"{RUN}, {LAYER}", selector(sc.LAYER_ACTIVATION_ABSMAX)), _lg(LAYER)),
+                        description="Only with ot.watch(model, activations=True); watch for overflow in low precision.",
+                    ),
+                    ts("Parameter norm", T(agg("max", RUN, selector(sc.PARAM_NORM)), _lg())),
                 ),
             ),
             (

@@ -25,6 +25,7 @@ from otel_train.timing import span, step, timed, timer
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
+    from otel_train.model import ModelWatch, NullWatch
     from otel_train.session import Session
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "step",
     "timed",
     "timer",
+    "watch",
 ]
 
 
@@ -134,6 +136,38 @@ def log_histogram(name: str, values: Any, step: int | None = None) -> None:
     session = _session_mod._current
     if session is not None:
         session.message("histogram", str(name), values, step)
+
+
+def watch(
+    model: Any,
+    every: int = 100,
+    *,
+    grads: bool = True,
+    params: bool = True,
+    activations: bool = False,
+    histograms: bool = False,
+    max_layers: int = 64,
+) -> ModelWatch | NullWatch:
+    """Per-layer gradient and parameter L2 norms (and, opt-in, activation RMS/abs-max and value
+    histograms) every `every` steps, plus `train.grad.norm` / `train.param.norm` overall.
+
+    Values stay on the device until the flush (no host sync). Gradients are read when a watched
+    step ends, so call `optimizer.zero_grad()` at the start of the step; if you record `grad_norm`
+    yourself (say, the pre-clip norm `clip_grad_norm_` returns), yours is kept. A non-finite
+    gradient raises a `nonfinite_grad` health event naming the layers. Watching the same model
+    again replaces the earlier watch; `.remove()` on the returned handle stops it.
+    """
+    from otel_train.model import ModelWatch, NullWatch, check_watch_args
+
+    check_watch_args(model, every, max_layers, (grads, params, activations))
+    session = _session_mod._current
+    if session is None:
+        return NullWatch()
+    for earlier in [w for w in session.watches if w.model is model]:
+        earlier.remove()
+    handle = ModelWatch(session, model, every, grads, params, activations, histograms, max_layers)
+    session.watches.append(handle)
+    return handle
 
 
 def get_meter() -> Meter:

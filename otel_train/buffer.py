@@ -52,6 +52,8 @@ class FlushBatch:
     cuda_event: Any = None  # recorded on the training stream at the flush, when tensors are on CUDA
     final: bool = False
     messages: list[Any] = field(default_factory=list)
+    layer_stats: list[Any] = field(default_factory=list)  # model.LayerStats from ot.watch
+    histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
 
 
 class Buffer:
@@ -74,6 +76,8 @@ class Buffer:
         self.cuda_timers: list[tuple[str, Any, Any]] = []
         self.spans: list[SpanRecord] = []
         self.dropped: dict[str, int] = {}
+        self.layer_stats: list[Any] = []
+        self.histograms: list[tuple[str, int, Any]] = []
         self.steps = 0
         self.tokens = 0
         self.samples = 0
@@ -115,6 +119,38 @@ class Buffer:
             values = self.phase_errors[key] = []
         if len(values) < self.max_values:
             values.append(seconds)
+
+    # --- ot.watch (watched steps only) ------------------------------------------------------------
+    def add_layer_stats(self, records: list[Any]) -> None:
+        if len(self.layer_stats) + len(records) <= self.max_values:
+            self.layer_stats.extend(records)
+        else:
+            self.drop("too_many_values", len(records))
+
+    def add_histogram(self, key: str, step: int, values: Any) -> None:
+        if len(self.histograms) < self.max_values:
+            self.histograms.append((key, step, values))
+        else:
+            self.drop("too_many_values")
+
+    def add_internal(self, instrument: str, value: Any) -> None:
+        """A catalogue gauge fed by otel_train itself, under the instrument's own name (so no
+        user record name is ever reported as merged with it)."""
+        values = self.scalars.get(instrument)
+        if values is None:
+            self._name_map[instrument] = instrument
+            values = self.scalars[instrument] = []
+        if len(values) < self.max_values:
+            values.append(value)
+        else:
+            self.drop("too_many_values")
+
+    def has_user_values_for(self, instrument: str) -> bool:
+        """Whether a user's record() name mapping to `instrument` has values in this interval."""
+        return any(
+            values and name != instrument and self._name_map.get(name) == instrument
+            for name, values in self.scalars.items()
+        )
 
     def drop(self, reason: str, count: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
@@ -208,6 +244,8 @@ class Buffer:
             spans=self.spans,
             dropped=self.dropped,
             perf_to_epoch_ns=perf_to_epoch_ns,
+            layer_stats=self.layer_stats,
+            histograms=self.histograms,
         )
         self._reset()
         return batch

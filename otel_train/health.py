@@ -120,6 +120,17 @@ class HealthMonitor:
             severity="ERROR",
         )
 
+    def note_nonfinite_grads(self, layers: list[str], step: int) -> None:
+        """Called by the worker when a watched step's per-layer gradient norms are NaN/Inf."""
+        shown = ", ".join(layers[:5]) + (f" and {len(layers) - 5} more" if len(layers) > 5 else "")
+        self._events.emit(
+            "nonfinite_grad",
+            f"non-finite gradient norm at step {step} in {len(layers)} layer(s): {shown} "
+            f"(first in module order: {layers[0]})",
+            {"step": step, semconv.LAYER: layers[0]},
+            severity="ERROR",
+        )
+
     def on_flush(self, interval: Interval) -> None:
         losses = interval.scalars.get(semconv.LOSS.name)
         if not losses:

@@ -30,6 +30,7 @@ from otel_train.bridges.step_reader import StepReader
 from otel_train.buffer import FlushBatch, SpanRecord
 from otel_train.health import HealthMonitor
 from otel_train.interval import FlushListener, Interval
+from otel_train.model import LayerStats
 
 log = logging.getLogger("otel_train")
 
@@ -76,7 +77,7 @@ class Instruments:
         # Zero-valued series from the start, so increase() in alert rules sees the first event.
         self.dropped.add(0, {semconv.REASON: "nonfinite"})
         self.nonfinite_loss.add(0)
-        for event in ("nonfinite", "loss_spike", "straggler", "stall"):
+        for event in ("nonfinite", "nonfinite_grad", "loss_spike", "straggler", "stall"):
             self.health_events.add(0, {semconv.EVENT: event})
 
     def gauge(self, instrument: str) -> Any | None:
@@ -224,6 +225,23 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
     return finite, dropped
 
 
+def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats, list[float]]]:
+    """Per-layer values of watched steps, copied to the host in one transfer per device."""
+    import torch
+
+    by_device: dict[Any, list[LayerStats]] = {}
+    for record in records:
+        by_device.setdefault(record.values.device, []).append(record)
+    out: list[tuple[LayerStats, list[float]]] = []
+    for group in by_device.values():
+        flat = torch.cat([r.values.detach().reshape(-1).to(torch.float64) for r in group]).cpu().tolist()
+        offset = 0
+        for record in group:
+            out.append((record, flat[offset : offset + len(record.labels)]))
+            offset += len(record.labels)
+    return out
+
+
 class Worker:
     """The one background thread that turns flushes into telemetry."""
 
@@ -316,7 +334,11 @@ class Worker:
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:
         interval = self._resolve(batch)
+        if batch.layer_stats:
+            self._feed_layer_stats(batch)
         self._feed(batch, interval)
+        for key, step, values in batch.histograms:
+            self._deliver_message(Message("histogram", key, values, step))
         if self.span_writer is not None and batch.spans:
             self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
         for listener in self.listeners:
@@ -402,6 +424,24 @@ class Worker:
             elapsed = interval.wall_time - self._started_at
             if self._steps_done and remaining >= 0:
                 ins.eta.set(remaining * elapsed / self._steps_done)
+
+    def _feed_layer_stats(self, batch: FlushBatch) -> None:
+        """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
+        and, for gradients, reported as one `nonfinite_grad` event naming the layers."""
+        for record, values in resolve_layer_stats(batch.layer_stats):
+            gauge = self.instruments.gauge(record.instrument)
+            if gauge is None:
+                continue
+            bad = []
+            for label, value in zip(record.labels, values, strict=True):
+                if math.isfinite(value):
+                    gauge.set(value, {semconv.LAYER: label})
+                else:
+                    bad.append(label)
+            if bad:
+                batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
+                if record.instrument == semconv.LAYER_GRAD_NORM.name:
+                    self.health.note_nonfinite_grads(bad, record.step)
 
     def _deliver_message(self, message: Message) -> None:
         if message.kind == "histogram":

@@ -64,6 +64,7 @@ REASON = "otel_train.reason"
 EVENT = "otel_train.event"
 STRAGGLER_KIND = "straggler.kind"  # relative | individual
 STAT = "stat"  # min | max | mean | median
+LAYER = "train.layer"  # a module path from ot.watch(model), e.g. blocks.3.attn
 HW_ID = "hw.id"
 HW_NAME = "hw.name"
 THROTTLE_REASON = "hw.gpu.throttle.reason"
@@ -118,9 +119,28 @@ ETA = _m("train.eta", S.GAUGE, "s", "Estimated time to the planned last step.", 
 LOSS = _m("train.loss", S.GAUGE, "", "Training loss (last value of the interval).", "train/loss")
 LEARNING_RATE = _m("train.learning_rate", S.GAUGE, "", "Learning rate.", "train/learning_rate")
 GRAD_NORM = _m("train.grad.norm", S.GAUGE, "", "Global gradient norm.", "train/grad_norm")
+PARAM_NORM = _m("train.param.norm", S.GAUGE, "", "Global parameter L2 norm (ot.watch).", "train/param_norm")
 EVAL_LOSS = _m("eval.loss", S.GAUGE, "", "Validation loss.", "eval/loss")
 EVAL_PERPLEXITY = _m("eval.perplexity", S.GAUGE, "", "Validation perplexity.", "eval/perplexity")
 EVAL_ACCURACY = _m("eval.accuracy", S.GAUGE, "1", "Validation top-1 token accuracy.", "eval/accuracy")
+
+# --- ot.watch(model): per layer, on watched steps --------------------------------------------------
+LAYER_GRAD_NORM = _m(
+    "train.layer.grad.norm", S.GAUGE, "", "Gradient L2 norm of one layer (ot.watch).",
+    "grad_norm/{train.layer}", (LAYER,),
+)  # fmt: skip
+LAYER_PARAM_NORM = _m(
+    "train.layer.param.norm", S.GAUGE, "", "Parameter L2 norm of one layer (ot.watch).",
+    "param_norm/{train.layer}", (LAYER,),
+)  # fmt: skip
+LAYER_ACTIVATION_RMS = _m(
+    "train.layer.activation.rms", S.GAUGE, "", "Root mean square of a layer's output (ot.watch).",
+    "activation_rms/{train.layer}", (LAYER,),
+)  # fmt: skip
+LAYER_ACTIVATION_ABSMAX = _m(
+    "train.layer.activation.absmax", S.GAUGE, "", "Largest absolute value in a layer's output (ot.watch).",
+    "activation_absmax/{train.layer}", (LAYER,),
+)  # fmt: skip
 
 # --- health ----------------------------------------------------------------------------------------
 NONFINITE_LOSS = _m(
@@ -129,7 +149,8 @@ NONFINITE_LOSS = _m(
 )  # fmt: skip
 HEALTH_EVENTS = _m(
     "train.health.events", S.COUNTER, "{event}",
-    "Health events (nonfinite, loss_spike, straggler, stall, gpu_lost, memory_pressure, mfu_over_100).",
+    "Health events (nonfinite, nonfinite_grad, loss_spike, straggler, stall, gpu_lost, memory_pressure, "
+    "mfu_over_100).",
     "health/{otel_train.event}", attributes=(EVENT,),
 )  # fmt: skip
 DROPPED = _m(

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from opentelemetry.sdk.resources import Resource
 
     from otel_train.exporters import Telemetry
+    from otel_train.model import ModelWatch
 
 log = logging.getLogger("otel_train")
 
@@ -124,6 +125,7 @@ class Session:
         # hot-path state
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
         self.timing_level = config.timing_log_level
+        self.watches: list[ModelWatch] = []  # ot.watch(model) handles
         self.step_index = -1  # last completed step
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
@@ -270,6 +272,9 @@ class Session:
             index < cfg.trace_first or index % cfg.trace_every == 0
         )
         self._step_index_running = index
+        if self.watches:
+            for watch in self.watches:
+                watch.begin_step(index)
         return index
 
     def end_step(
@@ -277,6 +282,9 @@ class Session:
     ) -> None:
         buf = self.buffer
         self.step_index = index
+        if self.watches:
+            for watch in self.watches:
+                watch.end_step(index, failed)
         if self.sampled:
             if len(buf.spans) < _MAX_SPAN_RECORDS:
                 buf.spans.append(
@@ -349,7 +357,11 @@ class Session:
             self._seq += 1
         batch.final = final
         self._last_flush = now
-        if "torch" in sys.modules and any(_on_cuda(v) for vs in batch.scalars.values() for v in vs[-1:]):
+        if "torch" in sys.modules and (
+            any(_on_cuda(v) for vs in batch.scalars.values() for v in vs[-1:])
+            or any(_on_cuda(r.values) for r in batch.layer_stats)
+            or any(_on_cuda(h[2]) for h in batch.histograms)
+        ):
             batch.cuda_event = _record_cuda_event()
         try:
             if self.identity.distributed or final:
@@ -388,6 +400,8 @@ class Session:
             self._closed = True
         started = time.monotonic()
         budget = self.config.shutdown_timeout_s
+        for watch in list(self.watches):
+            watch.remove()
         self.flush(final=True)
         self.worker.stop(timeout_s=max(0.2, budget * 0.5))
         for listener in self.listeners:

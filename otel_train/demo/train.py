@@ -51,6 +51,7 @@ class Telemetry(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> Any: ...
     def log_samples(self, samples: list[tuple[str, str]], step: int | None = None) -> Any: ...
     def log_hyperparams(self, params: dict[str, Any]) -> Any: ...
+    def watch(self, model: Any, every: int = ..., *, activations: bool = ...) -> Any: ...
 
 
 _NULL_CONTEXT = contextlib.nullcontext()
@@ -97,6 +98,9 @@ class NullTelemetry:
         return None
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
+        return None
+
+    def watch(self, model: Any, every: int = 100, *, activations: bool = False) -> None:
         return None
 
 
@@ -268,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--prometheus-port", type=int, default=9464, help="pull endpoint port, 0 disables")
     t.add_argument("--trace-every", type=int, default=100, help="trace every N-th step")
+    t.add_argument(
+        "--watch-every",
+        type=int,
+        default=50,
+        help="ot.watch: per-layer norms and activations every N steps, 0 = off",
+    )
     t.add_argument("--no-tensorboard", dest="tensorboard", action="store_false", help="no TensorBoard bridge")
     t.add_argument(
         "--no-wandb",
@@ -362,6 +372,10 @@ def train(args: argparse.Namespace, ot: Telemetry) -> Result:
                 "device": str(device),
             }
         )
+        if args.watch_every:
+            # per-layer grad/param norms and activation stats on every N-th step (read at the step's
+            # end: after clipping); grad_norm recorded below stays the pre-clip global norm
+            ot.watch(model, every=args.watch_every, activations=True)
         sample = ot.timed("generate", level=2)(generate_samples)
 
         model.train()
@@ -497,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.eval_batches < 1:
         raise SystemExit("--eval-batches must be >= 1")
+    if args.watch_every < 0:
+        raise SystemExit("--watch-every must be >= 0 (0 turns ot.watch off)")
     result = train(args, telemetry(not args.uninstrumented))
     if not args.quiet:
         print_outputs(result, args)

@@ -1,0 +1,291 @@
+"""watch(model): per-layer gradient, parameter and activation statistics without host syncs.
+
+Opt-in and rate-limited, because a watcher that walks every weight each step stalls training
+(wandb.watch, see failure-modes). On a watched step (every `every` steps) the training thread
+launches a handful of device kernels (one multi-tensor norm per statistic, one `index_add_`) and
+appends the resulting device tensors to the buffer; they reach the host in the flush's batched
+transfer on the worker, with everything else. Other steps cost one modulo. Activation hooks exist
+only while a watched step runs, so unwatched steps run no Python hook at all.
+
+Layers are the parameters' owning modules, coarsened to at most `max_layers` groups by module path
+depth (`blocks.3.attn.qkv` -> `blocks.3` -> `blocks`), in the model's registration order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from otel_train import semconv
+
+if TYPE_CHECKING:
+    from otel_train.buffer import Buffer
+    from otel_train.session import Session
+
+log = logging.getLogger("otel_train")
+
+# Wrapper attributes that would otherwise appear in every label (torch.compile, FSDP1, checkpointing).
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+ROOT_LABEL = "(root)"
+HISTOGRAM_SAMPLE = 1024  # values per layer and histogram, strided over the layer's tensors
+
+
+@dataclass
+class LayerStats:
+    """One statistic for every layer of a watched step: a 1-D device tensor, one value per label."""
+
+    instrument: str
+    labels: tuple[str, ...]
+    values: Any
+    step: int
+
+
+def clean_name(name: str, ddp: bool) -> str:
+    """`module._orig_mod.blocks.0.attn` -> `blocks.0.attn` (`ddp`: drop DistributedDataParallel's
+    leading `module.`)."""
+    parts = [part for part in name.split(".") if part not in _WRAPPER_SEGMENTS]
+    if ddp and parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def is_ddp_wrapped(model: Any) -> bool:
+    """DistributedDataParallel, possibly inside torch.compile's wrapper."""
+    return any(
+        type(m).__name__ == "DistributedDataParallel" for m in (model, getattr(model, "_orig_mod", None))
+    )
+
+
+def layer_groups(param_names: Sequence[str], max_layers: int) -> tuple[list[str], list[int]]:
+    """(labels, group index per parameter): parameters (cleaned names) grouped by owning module
+    path, at the deepest path depth that gives at most `max_layers` groups."""
+    modules = [name.rpartition(".")[0] for name in param_names]
+    depth = max((m.count(".") + 1 for m in modules if m), default=0)
+    while True:
+        prefixes = [".".join(m.split(".")[:depth]) if m else "" for m in modules]
+        if depth == 0 or len(set(prefixes)) <= max_layers:
+            break
+        depth -= 1
+    labels: list[str] = []
+    index: dict[str, int] = {}
+    groups: list[int] = []
+    for prefix in prefixes:
+        label = prefix or ROOT_LABEL
+        if label not in index:
+            index[label] = len(labels)
+            labels.append(label)
+        groups.append(index[label])
+    return labels, groups
+
+
+class ModelWatch:
+    """Handle returned by `ot.watch(model)`; `remove()` stops watching."""
+
+    def __init__(
+        self,
+        session: Session,
+        model: Any,
+        every: int,
+        grads: bool,
+        params: bool,
+        activations: bool,
+        histograms: bool,
+        max_layers: int,
+    ) -> None:
+        import torch
+
+        self.model = model
+        self.every = every
+        self.grads = grads
+        self.params = params
+        self.activations = activations
+        self.histograms = histograms
+        self._session: Session | None = session
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ot.watch(model): the model has no trainable parameters to watch.")
+        self._params = [p for _, p in named]
+        self._ddp = is_ddp_wrapped(model)
+        self.labels, groups = layer_groups([clean_name(name, self._ddp) for name, _ in named], max_layers)
+        self._device = self._params[0].device
+        # Built once, here, outside any step: a host-to-device copy during a step would sync.
+        self._group_index = torch.tensor(groups, dtype=torch.long, device=self._device)
+        self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
+        self._members: list[list[int]] = [[] for _ in self.labels]
+        for position, group in enumerate(groups):
+            self._members[group].append(position)
+        self._hooks: list[Any] = []
+        self._activations: dict[int, tuple[Any, Any]] = {}
+        self._warned: set[str] = set()
+
+    # --- called by the session on the training thread (never raises into the loop) ---------------
+    def begin_step(self, index: int) -> None:
+        if self.activations and index % self.every == 0:
+            try:
+                self._add_activation_hooks()
+            except Exception as exc:
+                self._fail(exc)
+
+    def end_step(self, index: int, failed: bool) -> None:
+        if self._hooks:
+            self._remove_activation_hooks()
+        if failed or index % self.every != 0 or self._session is None:
+            self._activations = {}
+            return
+        try:
+            self._collect(index, self._session.buffer)
+        except Exception as exc:
+            self._activations = {}
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        self._warn_once("failed", f"ot.watch: could not compute layer statistics ({exc!r}); skipped.")
+        if self._session is not None:
+            self._session.buffer.drop("watch_failed")
+
+    def _collect(self, index: int, buffer: Buffer) -> None:
+        records: list[LayerStats] = []
+        if self.grads:
+            grads = [p.grad for p in self._params]
+            if all(g is None for g in grads):
+                self._warn_once(
+                    "no_grads",
+                    f"ot.watch: no gradients at the end of step {index}. Gradients are read when the "
+                    "step ends: call optimizer.zero_grad() at the start of the step, not the end.",
+                )
+            else:
+                per_layer, total = self._norms(grads)
+                records.append(LayerStats(semconv.LAYER_GRAD_NORM.name, tuple(self.labels), per_layer, index))
+                if not buffer.has_user_values_for(semconv.GRAD_NORM.name):  # the user's own grad_norm wins
+                    buffer.add_internal(semconv.GRAD_NORM.name, total)
+                if self.histograms:
+                    self._sample_histograms("gradients", grads, index)
+        if self.params:
+            per_layer, total = self._norms(self._params)
+            records.append(LayerStats(semconv.LAYER_PARAM_NORM.name, tuple(self.labels), per_layer, index))
+            buffer.add_internal(semconv.PARAM_NORM.name, total)
+            if self.histograms:
+                self._sample_histograms("parameters", self._params, index)
+        if self._activations:
+            import torch
+
+            groups = sorted(self._activations)
+            rms = torch.stack([self._activations[g][0] for g in groups])
+            absmax = torch.stack([self._activations[g][1] for g in groups])
+            labels = tuple(self.labels[g] for g in groups)
+            records.append(LayerStats(semconv.LAYER_ACTIVATION_RMS.name, labels, rms, index))
+            records.append(LayerStats(semconv.LAYER_ACTIVATION_ABSMAX.name, labels, absmax, index))
+            self._activations = {}
+        buffer.add_layer_stats(records)
+
+    def remove(self) -> None:
+        """Stop watching (idempotent). Also called by `ot.shutdown()`."""
+        self._remove_activation_hooks()
+        session, self._session = self._session, None
+        if session is not None and self in session.watches:
+            session.watches.remove(self)
+
+    # --- device math (no host sync: results stay device tensors) ----------------------------------
+    def _norms(self, tensors: Sequence[Any]) -> tuple[Any, Any]:
+        """(per-layer L2 norms, global L2 norm) of `tensors` (one per watched parameter; None = absent)."""
+        import torch
+
+        present = [(i, _local(t)) for i, t in enumerate(tensors) if t is not None and not t.is_sparse]
+        squares = [self._zero] * len(tensors)
+        norms = torch._foreach_norm([t for _, t in present], 2, dtype=torch.float32)
+        for (i, _), norm in zip(present, norms, strict=True):
+            squares[i] = (norm if norm.device == self._device else norm.to(self._device)).square()
+        stacked = torch.stack(squares)
+        per_layer = torch.zeros(len(self.labels), dtype=torch.float32, device=self._device)
+        per_layer.index_add_(0, self._group_index, stacked)
+        return per_layer.sqrt_(), stacked.sum().sqrt()
+
+    def _sample_histograms(self, kind: str, tensors: Sequence[Any], index: int) -> None:
+        """A strided sample of each layer's values (HISTOGRAM_SAMPLE per layer): a small on-device
+        copy now, so the optimizer cannot change it before the worker reads it."""
+        import torch
+
+        assert self._session is not None
+        for group, members in enumerate(self._members):
+            present = [_local(tensors[i]) for i in members if tensors[i] is not None]
+            if not present:
+                continue
+            per_tensor = max(1, HISTOGRAM_SAMPLE // len(present))
+            parts = []
+            for t in present:
+                flat = t.detach().reshape(-1)
+                stride = max(1, flat.numel() // per_tensor)
+                parts.append(flat[::stride][:per_tensor].to(torch.float32))
+            self._session.buffer.add_histogram(f"{kind}/{self.labels[group]}", index, torch.cat(parts))
+
+    # --- activation hooks (only during watched steps) ---------------------------------------------
+    def _add_activation_hooks(self) -> None:
+        by_label = {clean_name(name, self._ddp): module for name, module in self.model.named_modules()}
+        for group, label in enumerate(self.labels):
+            module = by_label.get(label)
+            if module is None or label == ROOT_LABEL:
+                continue
+            self._hooks.append(module.register_forward_hook(self._activation_hook(group)))
+
+    def _activation_hook(self, group: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            import torch
+
+            tensor = _first_tensor(output)
+            if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
+                return
+            t = _local(tensor.detach())
+            rms = torch.linalg.vector_norm(t, dtype=torch.float32) / math.sqrt(t.numel())
+            absmax = torch.linalg.vector_norm(t, ord=math.inf, dtype=torch.float32)
+            if rms.device != self._device:
+                rms, absmax = rms.to(self._device), absmax.to(self._device)
+            self._activations[group] = (rms, absmax)  # the last call of the step wins
+
+        return hook
+
+    def _remove_activation_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+
+class NullWatch:
+    """What `ot.watch()` returns before `init()`: nothing to remove."""
+
+    def remove(self) -> None:
+        return None
+
+
+def _local(tensor: Any) -> Any:
+    """The rank-local shard of a DTensor (FSDP2, tensor parallel): never a collective here."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def _first_tensor(output: Any) -> Any:
+    if hasattr(output, "is_floating_point"):
+        return output
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            if hasattr(item, "is_floating_point"):
+                return item
+    return None
+
+
+def check_watch_args(model: Any, every: int, max_layers: int, flags: Iterable[bool]) -> None:
+    if not hasattr(model, "named_parameters") or not hasattr(model, "named_modules"):
+        raise TypeError(f"ot.watch(model): expected a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"ot.watch(every={every!r}): must be an integer >= 1 (steps between watched steps).")
+    if not isinstance(max_layers, int) or isinstance(max_layers, bool) or max_layers < 1:
+        raise ValueError(f"ot.watch(max_layers={max_layers!r}): must be an integer >= 1.")
+    if not any(flags):
+        raise ValueError("ot.watch(): grads, params and activations are all False; nothing to watch.")

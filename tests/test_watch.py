@@ -1,0 +1,353 @@
+"""ot.watch(model): per-layer gradient/parameter/activation statistics, checked against torch."""
+
+from __future__ import annotations
+
+import logging
+import math
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import free_port
+from multirank import run_ranks
+from torch import nn
+
+import otel_train as ot
+from otel_train import semconv as sc
+from otel_train.model import HISTOGRAM_SAMPLE, ROOT_LABEL, NullWatch, clean_name, layer_groups
+from otel_train.testing import Capture, capture_metrics
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))  # a root parameter: the "(root)" layer
+        self.embed = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(8, 1)
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)  # never watched
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h) * self.scale
+
+
+def _train(model: nn.Module, steps: int, on_step: Any = None, lr: float = 0.05) -> dict[int, dict[str, Any]]:
+    """A plain loop (zero_grad first); returns hand-computed references taken at each step's end."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    refs: dict[int, dict[str, Any]] = {}
+    gen = torch.Generator().manual_seed(0)
+    for i in range(steps):
+        with ot.step(i):
+            opt.zero_grad()
+            loss = model(torch.randn(5, 6, generator=gen)).pow(2).mean()
+            loss.backward()
+            if on_step is not None:
+                on_step(i, model)
+            opt.step()
+            ot.record("loss", loss)
+            refs[i] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            refs[i]["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return refs
+
+
+@pytest.fixture
+def cap() -> Iterator[Capture]:
+    with capture_metrics(log_interval=1, run_dir_enabled=False, hardware=False) as capture:
+        yield capture
+
+
+def _flush_at(cap: Capture, step: int) -> dict[str, float]:
+    """The scalars of the flush after `step` (the final flush at shutdown repeats the last step)."""
+    return next(s for st, s in cap.flushes if st == step)
+
+
+def test_layer_grouping_and_names() -> None:
+    names = [
+        "scale",
+        "embed.weight",
+        "embed.bias",
+        "blocks.0.0.weight",
+        "blocks.0.0.bias",
+        "blocks.1.0.weight",
+    ]
+    assert layer_groups(names, 64) == (["(root)", "embed", "blocks.0.0", "blocks.1.0"], [0, 1, 1, 2, 2, 3])
+    # coarsened one path level at a time until the cap holds, keeping module order
+    assert layer_groups(names, 3) == (["(root)", "embed", "blocks"], [0, 1, 1, 2, 2, 2])
+    assert layer_groups(names, 1) == (["(root)"], [0] * 6)
+    assert clean_name("module._orig_mod.blocks.0.attn", ddp=True) == "blocks.0.attn"
+    assert clean_name("_orig_mod.module.head", ddp=True) == "head"
+    assert clean_name("module.head", ddp=False) == "module.head"  # a real child named "module"
+    assert (
+        clean_name("layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.mlp", ddp=False)
+        == "layers.0.mlp"
+    )
+
+
+def test_norms_match_torch_on_watched_steps_only(cap: Capture) -> None:
+    model = Tiny()
+    handle = ot.watch(model, every=3)
+    assert handle.labels == ["(root)", "embed", "blocks.0.0", "blocks.1.0", "head"]
+    refs = _train(model, 5)
+    ot.shutdown()  # drains the worker
+    for step in (0, 3):
+        scalars = _flush_at(cap, step)
+        grads = _by_label(refs[step]["grads"], handle.labels)
+        params = _by_label(refs[step]["params"], handle.labels)
+        for label in handle.labels:
+            assert scalars[f"grad_norm/{label}"] == pytest.approx(grads[label], rel=1e-5)
+            assert scalars[f"param_norm/{label}"] == pytest.approx(params[label], rel=1e-5)
+        assert scalars["train/grad_norm"] == pytest.approx(
+            math.sqrt(sum(v**2 for v in grads.values())), rel=1e-5
+        )
+        assert scalars["train/param_norm"] == pytest.approx(
+            math.sqrt(sum(v**2 for v in params.values())), rel=1e-5
+        )
+    # steps 1, 2 and 4 are not watched: the gauges keep the last watched step's values although the
+    # gradients changed
+    for step, watched in ((1, 0), (2, 0), (4, 3)):
+        assert _flush_at(cap, step)["grad_norm/head"] == _flush_at(cap, watched)["grad_norm/head"]
+    assert _by_label(refs[1]["grads"], handle.labels)["head"] != pytest.approx(
+        _flush_at(cap, 0)["grad_norm/head"], rel=1e-6
+    )
+    assert not any("frozen" in key for _, scalars in cap.flushes for key in scalars)
+
+
+def _by_label(tensors: dict[str, torch.Tensor], labels: list[str]) -> dict[str, float]:
+    """Hand computation: per layer label, sqrt of the sum of squared per-parameter norms."""
+    sums = dict.fromkeys(labels, 0.0)
+    for name, tensor in tensors.items():
+        if name.startswith("frozen."):
+            continue
+        module = name.rpartition(".")[0]
+        label = next((lab for lab in labels if module == lab or module.startswith(lab + ".")), ROOT_LABEL)
+        sums[label] += float(tensor.double().norm()) ** 2
+    return {label: math.sqrt(total) for label, total in sums.items()}
+
+
+def test_values_stay_on_device_until_the_flush() -> None:
+    """The training thread hands tensors to the buffer; only the worker turns them into floats."""
+    with capture_metrics(log_interval=1000, run_dir_enabled=False, hardware=False) as cap:
+        session = ot.current_session()
+        assert session is not None
+        model = Tiny()
+        ot.watch(model, every=1, activations=True)
+        _train(model, 2)
+        records = list(session.buffer.layer_stats)
+        assert {r.instrument for r in records} == {
+            sc.LAYER_GRAD_NORM.name, sc.LAYER_PARAM_NORM.name, sc.LAYER_ACTIVATION_RMS.name,
+            sc.LAYER_ACTIVATION_ABSMAX.name,
+        }  # fmt: skip
+        assert all(isinstance(r.values, torch.Tensor) and r.values.shape == (len(r.labels),) for r in records)
+        assert all(isinstance(v, torch.Tensor) for v in session.buffer.scalars[sc.GRAD_NORM.name])
+    assert cap.last("grad_norm/head") is not None  # resolved at the final flush
+
+
+def test_no_hooks_unless_watching_activations_and_only_during_watched_steps(cap: Capture) -> None:
+    model = Tiny()
+
+    def hook_count() -> int:
+        return sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
+
+    ot.watch(model, every=2)  # default: grads and params only, no hooks at all
+    seen: list[tuple[int, int]] = []
+    _train(model, 3, on_step=lambda i, m: seen.append((i, hook_count())))
+    assert seen == [(0, 0), (1, 0), (2, 0)]
+
+    handle = ot.watch(model, every=2, activations=True)  # replaces the first watch
+    session = ot.current_session()
+    assert session is not None and session.watches == [handle]
+    seen.clear()
+    _train(model, 3, on_step=lambda i, m: seen.append((i, hook_count())))
+    assert [n > 0 for _, n in seen] == [True, False, True]  # hooks only inside watched steps
+    assert hook_count() == 0  # and removed when each step ends
+    ot.shutdown()
+    scalars = cap.flushes[-1][1]
+    for label in ("embed", "blocks.0.0", "blocks.1.0", "head"):
+        assert scalars[f"activation_rms/{label}"] > 0
+        assert scalars[f"activation_absmax/{label}"] >= scalars[f"activation_rms/{label}"]
+    handle.remove()
+    assert session.watches == [] and hook_count() == 0
+
+
+def test_activation_values_match_the_module_output(cap: Capture) -> None:
+    model = Tiny()
+    ot.watch(model, every=1, grads=False, params=False, activations=True)
+    x = torch.randn(5, 6)
+    with ot.step(0):
+        out = model.embed(x).detach()
+        model(x)
+    ot.shutdown()
+    scalars = _flush_at(cap, 0)
+    assert scalars["activation_rms/embed"] == pytest.approx(float(out.pow(2).mean().sqrt()), rel=1e-5)
+    assert scalars["activation_absmax/embed"] == pytest.approx(float(out.abs().max()), rel=1e-6)
+
+
+def test_users_own_grad_norm_is_kept(cap: Capture) -> None:
+    model = Tiny()
+    ot.watch(model, every=1)
+    _train(model, 1, on_step=lambda i, m: ot.record("grad_norm", 123.0))
+    ot.shutdown()
+    assert _flush_at(cap, 0)["train/grad_norm"] == 123.0
+    assert _flush_at(cap, 0)["grad_norm/head"] > 0  # per-layer values still come
+
+
+def test_nonfinite_gradient_names_the_layer(cap: Capture) -> None:
+    session = ot.current_session()
+    assert session is not None
+    events: list[tuple[str, str, dict[str, Any]]] = []
+    session.events.listeners.append(lambda e, m, a: events.append((e, m, dict(a))))
+    model = Tiny()
+    ot.watch(model, every=1)
+
+    def poison(step: int, m: nn.Module) -> None:
+        if step == 2:
+            with torch.no_grad():
+                m.blocks[1][0].weight.grad[0, 0] = float("nan")
+
+    _train(model, 3, on_step=poison, lr=0.0)
+    ot.shutdown()
+    [(_, message, attrs)] = [e for e in events if e[0] == "nonfinite_grad"]
+    assert attrs[sc.LAYER] == "blocks.1.0" and attrs["step"] == 2
+    assert "blocks.1.0" in message and "step 2" in message
+    assert sum(scalars.get("health/nonfinite_grad", 0) for _, scalars in cap.flushes) == 1
+    at_step_2 = _flush_at(cap, 2)
+    assert at_step_2["health/nonfinite_grad"] == 1 and at_step_2["otel_train/dropped/nonfinite"] >= 1
+    assert "grad_norm/embed" in at_step_2  # the finite layers are still reported
+
+
+def test_histograms_are_opt_in_samples_of_the_real_values(cap: Capture) -> None:
+    model = Tiny()
+    ot.watch(model, every=2)
+    _train(model, 2)
+    assert cap.histograms == []
+    big = nn.Linear(256, 64)
+    ot.watch(big, every=2, histograms=True)
+    opt = torch.optim.SGD(big.parameters(), lr=0.1)
+    with ot.step(2):
+        opt.zero_grad()
+        big(torch.randn(3, 256)).sum().backward()
+        grad_values = set(big.weight.grad.reshape(-1).tolist()) | set(big.bias.grad.tolist())
+        param_values = set(big.weight.detach().reshape(-1).tolist()) | set(big.bias.detach().tolist())
+    ot.shutdown()
+    by_key = {key: (values, step) for key, values, step in cap.histograms}
+    assert set(by_key) == {"gradients/(root)", "parameters/(root)"}  # nn.Linear: parameters at the root
+    grads, step = by_key["gradients/(root)"]
+    assert step == 2 and 0 < len(grads) <= HISTOGRAM_SAMPLE
+    assert set(grads) <= {float(torch.tensor(v, dtype=torch.float32)) for v in grad_values}
+    assert set(by_key["parameters/(root)"][0]) <= param_values
+
+
+def test_missing_gradients_warn_once(cap: Capture, caplog: pytest.LogCaptureFixture) -> None:
+    model = Tiny()
+    ot.watch(model, every=1, params=False)
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        for i in range(3):
+            with ot.step(i):
+                model(torch.randn(2, 6))  # forward only: no gradients
+    warnings = [r.getMessage() for r in caplog.records if "no gradients" in r.getMessage()]
+    assert len(warnings) == 1 and "zero_grad" in warnings[0]
+
+
+def test_arguments_are_checked_and_a_no_op_before_init() -> None:
+    ot.shutdown()
+    assert isinstance(ot.watch(Tiny()), NullWatch)
+    with pytest.raises(ValueError, match="every=0"):
+        ot.watch(Tiny(), every=0)
+    with pytest.raises(ValueError, match="max_layers"):
+        ot.watch(Tiny(), max_layers=0)
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        ot.watch(object())
+    with pytest.raises(ValueError, match="nothing to watch"):
+        ot.watch(Tiny(), grads=False, params=False, activations=False)
+
+
+def test_a_failing_statistic_never_breaks_the_step(cap: Capture, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Tiny()
+    ot.watch(model, every=1)
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(torch, "_foreach_norm", boom)
+    _train(model, 2)  # would raise if the watch let the error through
+    ot.shutdown()
+    assert _flush_at(cap, 1)["otel_train/dropped/watch_failed"] >= 1
+
+
+def test_layer_series_on_the_prometheus_endpoint(tmp_path) -> None:
+    port = free_port()
+    ot.init(
+        prometheus_port=port,
+        run_id="watch",
+        verbosity=0,
+        log_interval=1,
+        output_dir=str(tmp_path),
+        hardware=False,
+    )
+    try:
+        model = Tiny()
+        ot.watch(model, every=1)
+        _train(model, 2)
+        ot.current_session().worker.stop(timeout_s=10)  # type: ignore[union-attr]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        ot.shutdown()
+    lines = [line for line in text.splitlines() if line.startswith(sc.LAYER_GRAD_NORM.prometheus_name + "{")]
+    assert any('train_layer="blocks.1.0"' in line and 'run_id="watch"' in line for line in lines), lines
+    assert len(lines) == 5  # one series per layer
+
+
+def _ddp_rank(rank: int, world: int) -> dict[str, float]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Tiny())
+    with capture_metrics(log_interval=1, run_dir_enabled=False, hardware=False) as cap:
+        handle = ot.watch(model, every=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with ot.step(0):
+            opt.zero_grad()
+            model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+            expected = (
+                float(model.module.head.weight.grad.norm() ** 2 + model.module.head.bias.grad.norm() ** 2)
+                ** 0.5
+            )
+            opt.step()
+    assert handle.labels == ["(root)", "embed", "blocks.0.0", "blocks.1.0", "head"]  # no "module." prefix
+    return {"head": cap.last("grad_norm/head") or -1.0, "expected": expected}
+
+
+@pytest.mark.multirank
+def test_ddp_wrapped_model_on_two_real_ranks() -> None:
+    results = run_ranks(2, _ddp_rank, (), timeout=120)
+    # DDP averages gradients: every rank reports the same (all-reduced) layer norm, and it is the
+    # norm of the gradient the rank actually holds
+    assert results[0]["head"] == pytest.approx(results[1]["head"], rel=1e-6)
+    for r in results:
+        assert r["head"] == pytest.approx(r["expected"], rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_watched_steps_never_sync_the_device() -> None:
+    model = Tiny().cuda()
+    with capture_metrics(log_interval=4, run_dir_enabled=False, hardware=False) as cap:
+        ot.watch(model, every=2, activations=True, histograms=True)  # setup may copy; steps may not
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(64, 6, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(3):  # steps before the first flush (flush at the 4th step resolves on the worker)
+                with ot.step(i):
+                    opt.zero_grad()
+                    model(x).pow(2).mean().backward()
+                    opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert cap.last("grad_norm/head") is not None

@@ -122,12 +122,14 @@ class HealthMonitor:
 
     def note_nonfinite_grads(self, layers: list[str], step: int) -> None:
         """Called by the worker when a watched step's per-layer gradient norms are NaN/Inf."""
+        # Backpropagation carries a NaN from where it starts towards the input, so the affected
+        # layer nearest the output (last in module order) is the likeliest origin.
         shown = ", ".join(layers[:5]) + (f" and {len(layers) - 5} more" if len(layers) > 5 else "")
         self._events.emit(
             "nonfinite_grad",
-            f"non-finite gradient norm at step {step} in {len(layers)} layer(s): {shown} "
-            f"(first in module order: {layers[0]})",
-            {"step": step, semconv.LAYER: layers[0]},
+            f"non-finite gradient norm at step {step} in {len(layers)} layer(s): {shown}; "
+            f"nearest the output: {layers[-1]}",
+            {"step": step, semconv.LAYER: layers[-1]},
             severity="ERROR",
         )
 

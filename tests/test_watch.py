@@ -207,17 +207,19 @@ def test_nonfinite_gradient_names_the_layer(cap: Capture) -> None:
     def poison(step: int, m: nn.Module) -> None:
         if step == 2:
             with torch.no_grad():
+                m.embed.bias.grad[0] = float("inf")
                 m.blocks[1][0].weight.grad[0, 0] = float("nan")
 
     _train(model, 3, on_step=poison, lr=0.0)
     ot.shutdown()
     [(_, message, attrs)] = [e for e in events if e[0] == "nonfinite_grad"]
-    assert attrs[sc.LAYER] == "blocks.1.0" and attrs["step"] == 2
-    assert "blocks.1.0" in message and "step 2" in message
+    assert attrs[sc.LAYER] == "blocks.1.0" and attrs["step"] == 2  # the affected layer nearest the output
+    assert "2 layer(s): embed, blocks.1.0" in message and "step 2" in message
     assert sum(scalars.get("health/nonfinite_grad", 0) for _, scalars in cap.flushes) == 1
     at_step_2 = _flush_at(cap, 2)
     assert at_step_2["health/nonfinite_grad"] == 1 and at_step_2["otel_train/dropped/nonfinite"] >= 1
-    assert "grad_norm/embed" in at_step_2  # the finite layers are still reported
+    # the finite layers are still reported for step 2 (a new value, not the persisting step-1 gauge)
+    assert at_step_2["grad_norm/head"] != _flush_at(cap, 1)["grad_norm/head"]
 
 
 def test_histograms_are_opt_in_samples_of_the_real_values(cap: Capture) -> None:

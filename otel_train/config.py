@@ -85,6 +85,9 @@ class Config:
     hardware_interval_s: float = 5.0
     peak_flops: float | None = None  # override the peak table (FLOP/s per GPU)
     flops_per_token: float | None = None
+    # Reset torch.cuda's peak memory stats at each flush (peak per interval). False leaves them to
+    # your code (torch.cuda.max_memory_allocated() keeps working); the peak is then the run's.
+    cuda_peak_per_interval: bool = True
     # distributed
     straggler_threshold: float = 0.8
     straggler_ewma: float = 0.5

@@ -211,10 +211,15 @@ def _quiet_shutdown(nvml: Any) -> None:
 
 
 def _all_devices(nvml: Any) -> list[tuple[Any, str]]:
+    """(handle, UUID) of every GPU NVML lets us query. One it refuses (NoPermission for a GPU
+    outside this job's device cgroup, a lost GPU) is skipped instead of failing the lookup."""
     out = []
     for i in range(int(nvml.nvmlDeviceGetCount())):
-        handle = nvml.nvmlDeviceGetHandleByIndex(i)
-        out.append((handle, _text(nvml.nvmlDeviceGetUUID(handle))))
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            out.append((handle, _text(nvml.nvmlDeviceGetUUID(handle))))
+        except Exception as exc:
+            log.debug("otel_train: NVML device %d skipped (%s)", i, exc)
     return out
 
 
@@ -224,6 +229,11 @@ def _rank_handle(nvml: Any, local_rank: int, env: Mapping[str, str], torch_cuda:
             assert torch_cuda is not None
             index = _torch_device_index(torch_cuda, local_rank)
             want = _uuid_key(str(torch_cuda.get_device_properties(index).uuid))
+            # torch prints the bare UUID; NVML wants "GPU-<uuid>" (or "MIG-<uuid>" for a MIG slice,
+            # which no enumeration of physical GPUs below would find).
+            for prefix in ("GPU-", "MIG-"):
+                with contextlib.suppress(Exception):
+                    return nvml.nvmlDeviceGetHandleByUUID(prefix + want)
             for handle, uuid in _all_devices(nvml):
                 if _uuid_key(uuid) == want:
                     return handle
@@ -715,6 +725,13 @@ class HardwareMonitor:
                 code = getattr(exc, "value", None)
                 if code in self._lost_codes:
                     raise _GpuLost(f"nvmlEventSetWait: {exc}") from exc
+                if code in self._unsupported_codes:  # a count that can never move is not a 0
+                    log.debug("otel_train: XID wait unavailable on %s (%s)", state.dev.uuid, exc)
+                    state.unsupported.add("xid")
+                    with contextlib.suppress(Exception):
+                        nvml.nvmlEventSetFree(state.event_set)
+                    state.event_set = None
+                    return False
                 break  # NVML_ERROR_TIMEOUT: no pending event
             finally:
                 self._gpu_current_call = ""
@@ -804,7 +821,10 @@ class HardwareMonitor:
             inst[sc.CUDA_MEMORY_RESERVED.name].set(int(reserved))
         if peak is not None:
             inst[sc.CUDA_MEMORY_PEAK.name].set(int(peak))
-            tc.reset_peak_memory_stats(device)  # next interval's peak starts from the current level
+            if self._config.cuda_peak_per_interval:
+                # Next interval's peak starts from the current level. Process-wide: it also resets
+                # what torch.cuda.max_memory_allocated() returns to user code (hence the setting).
+                tc.reset_peak_memory_stats(device)
         for spec, key in ((sc.CUDA_ALLOC_RETRIES, "num_alloc_retries"), (sc.CUDA_OOMS, "num_ooms")):
             value = stats.get(key)
             if value is None:

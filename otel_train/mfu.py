@@ -260,6 +260,10 @@ PEAK_TABLE: tuple[PeakEntry, ...] = (
 def match_peak_entry(device_name: str | None) -> PeakEntry | None:
     if not device_name:
         return None
+    if re.search(r"\bMIG\b", device_name):
+        # A MIG slice ("NVIDIA A100-SXM4-40GB MIG 1g.5gb") has a fraction of the board's SMs: the
+        # board's peak would understate MFU several-fold. Unknown, like any untabled device.
+        return None
     for entry in PEAK_TABLE:
         if re.search(entry.pattern, device_name, flags=re.IGNORECASE):
             return entry

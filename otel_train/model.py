@@ -239,7 +239,8 @@ class ModelWatch:
                 return
             t = _local(tensor.detach())
             rms = torch.linalg.vector_norm(t, dtype=torch.float32) / math.sqrt(t.numel())
-            absmax = torch.linalg.vector_norm(t, ord=math.inf, dtype=torch.float32)
+            low, high = torch.aminmax(t)  # an inf-norm is ~40x slower on CPU
+            absmax = torch.maximum(high, -low).to(torch.float32)
             if rms.device != self._device:
                 rms, absmax = rms.to(self._device), absmax.to(self._device)
             self._activations[group] = (rms, absmax)  # the last call of the step wins

@@ -261,6 +261,8 @@ class FakeNvml:
         self._enter("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self.gpus):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        if "nvmlDeviceGetHandleByIndex" in self.gpus[index].no_permission:
+            raise NVMLError(NVML_ERROR_NO_PERMISSION)  # a GPU outside the job's device cgroup
         return FakeHandle(self.gpus[index])
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> FakeHandle:
@@ -346,6 +348,10 @@ class FakeNvml:
     def nvmlEventSetWait(self, eventSet: FakeEventSet, timeoutms: int) -> c_nvmlEventData_t:
         self._enter("nvmlEventSetWait")
         for handle in eventSet.handles:
+            if handle.gpu.lost:
+                raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+            if "nvmlEventSetWait" in handle.gpu.unsupported:
+                raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
             if handle.gpu.xids:
                 return c_nvmlEventData_t(handle, nvmlEventTypeXidCriticalError, handle.gpu.xids.pop(0))
         raise NVMLError(NVML_ERROR_TIMEOUT)

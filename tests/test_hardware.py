@@ -208,6 +208,28 @@ def test_cuda_visible_devices_maps_local_rank_to_uuid(
     assert ids == {gpu_uuid(expected)}  # only the GPU this rank uses
 
 
+def test_a_gpu_nvml_refuses_does_not_hide_the_others(rig: Rig) -> None:
+    """GPU 0 outside this job's device cgroup (NoPermission): GPU 1, the one the rank uses, is found."""
+    refused = FakeGpu(uuid=gpu_uuid(0), no_permission={"nvmlDeviceGetHandleByIndex"})
+    nvml = FakeNvml([refused, FakeGpu(uuid=gpu_uuid(1))])
+    mon = rig.monitor(nvml, environ={"CUDA_VISIBLE_DEVICES": gpu_uuid(1)})
+    mon.start(background=False)
+    mon.sample_once()
+    assert mon.gpu_resource_attributes()[RES_GPU_UUID] == gpu_uuid(1)
+    assert {a[sc.HW_ID] for a, _, _ in rig.points()[sc.GPU_MEMORY_USAGE.name]} == {gpu_uuid(1)}
+
+
+def test_xid_wait_not_supported_means_no_xid_series(rig: Rig) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(0), unsupported={"nvmlEventSetWait"})
+    mon = rig.monitor(FakeNvml([gpu]))
+    mon.start(background=False)
+    mon.sample_once()
+    mon.sample_once()
+    errors = {a[sc.ERROR_TYPE] for a, _, _ in rig.points()[sc.GPU_ERRORS.name]}
+    assert errors == {"ecc_corrected", "ecc_uncorrected"}  # no "xid" count stuck at 0
+    assert not [e for e in rig.events.items if e[0] == "gpu_lost"]
+
+
 def test_hidden_or_ambiguous_devices_give_no_gpu(rig: Rig) -> None:
     nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0)), FakeGpu(uuid=gpu_uuid(1))])
     assert rig.monitor(nvml, environ={"CUDA_VISIBLE_DEVICES": "-1"}).gpu_resource_attributes() == {}
@@ -439,6 +461,20 @@ def test_cuda_allocator_gauges_counters_and_pressure(rig: Rig) -> None:
     torch_cuda.stats["reserved_bytes.all.current"] = 99
     mon.on_flush(interval())
     assert len(rig.events.named("memory_pressure")) == 2  # re-armed after it dropped
+
+
+def test_peak_reset_can_be_left_to_user_code(rig: Rig) -> None:
+    stats = {"allocated_bytes.all.current": 40, "allocated_bytes.all.peak": 55}
+    torch_cuda = FakeTorchCuda([gpu_uuid(0)], stats, total=100)
+    mon = rig.monitor(
+        FakeNvml([FakeGpu(uuid=gpu_uuid(0))]), torch_cuda=torch_cuda,
+        settings={"cuda_peak_per_interval": False},
+    )  # fmt: skip
+    mon.start(background=False)
+    mon.on_flush(interval())
+    mon.on_flush(interval())
+    assert value(rig.points(), sc.CUDA_MEMORY_PEAK.name) == 55  # the run's peak, still reported
+    assert torch_cuda.peak_resets == 0  # max_memory_allocated() in user code is untouched
 
 
 def test_nvml_memory_pressure_without_torch(rig: Rig) -> None:

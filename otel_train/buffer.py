@@ -33,6 +33,17 @@ class SpanRecord:
 
 
 @dataclass
+class LayerStats:
+    """One ot.watch statistic for every layer of a watched step: a 1-D device tensor, one value per
+    label, resolved on the worker."""
+
+    instrument: str
+    labels: tuple[str, ...]
+    values: Any
+    step: int
+
+
+@dataclass
 class FlushBatch:
     seq: int
     step: int
@@ -52,7 +63,7 @@ class FlushBatch:
     cuda_event: Any = None  # recorded on the training stream at the flush, when tensors are on CUDA
     final: bool = False
     messages: list[Any] = field(default_factory=list)
-    layer_stats: list[Any] = field(default_factory=list)  # model.LayerStats from ot.watch
+    layer_stats: list[LayerStats] = field(default_factory=list)
     histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
 
 
@@ -76,7 +87,7 @@ class Buffer:
         self.cuda_timers: list[tuple[str, Any, Any]] = []
         self.spans: list[SpanRecord] = []
         self.dropped: dict[str, int] = {}
-        self.layer_stats: list[Any] = []
+        self.layer_stats: list[LayerStats] = []
         self.histograms: list[tuple[str, int, Any]] = []
         self.steps = 0
         self.tokens = 0
@@ -121,7 +132,7 @@ class Buffer:
             values.append(seconds)
 
     # --- ot.watch (watched steps only) ------------------------------------------------------------
-    def add_layer_stats(self, records: list[Any]) -> None:
+    def add_layer_stats(self, records: list[LayerStats]) -> None:
         if len(self.layer_stats) + len(records) <= self.max_values:
             self.layer_stats.extend(records)
         else:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from otel_train import semconv
+from otel_train.buffer import LayerStats
 
 if TYPE_CHECKING:
     from otel_train.buffer import Buffer
@@ -31,16 +33,6 @@ log = logging.getLogger("otel_train")
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 ROOT_LABEL = "(root)"
 HISTOGRAM_SAMPLE = 1024  # values per layer and histogram, strided over the layer's tensors
-
-
-@dataclass
-class LayerStats:
-    """One statistic for every layer of a watched step: a 1-D device tensor, one value per label."""
-
-    instrument: str
-    labels: tuple[str, ...]
-    values: Any
-    step: int
 
 
 def clean_name(name: str, ddp: bool) -> str:
@@ -95,8 +87,6 @@ class ModelWatch:
         histograms: bool,
         max_layers: int,
     ) -> None:
-        import torch
-
         self.model = model
         self.every = every
         self.grads = grads
@@ -110,16 +100,21 @@ class ModelWatch:
         self._params = [p for _, p in named]
         self._ddp = is_ddp_wrapped(model)
         self.labels, groups = layer_groups([clean_name(name, self._ddp) for name, _ in named], max_layers)
-        self._device = self._params[0].device
-        # Built once, here, outside any step: a host-to-device copy during a step would sync.
-        self._group_index = torch.tensor(groups, dtype=torch.long, device=self._device)
-        self._zero = torch.zeros((), dtype=torch.float32, device=self._device)
+        self._groups = groups
+        self._place_on(self._params[0].device)
         self._members: list[list[int]] = [[] for _ in self.labels]
         for position, group in enumerate(groups):
             self._members[group].append(position)
         self._hooks: list[Any] = []
         self._activations: dict[int, tuple[Any, Any]] = {}
         self._warned: set[str] = set()
+
+    def _place_on(self, device: Any) -> None:
+        """Index tensors on the parameters' device. Built here, outside the step path (a host-to-
+        device copy would sync); again only if the model moves (`watch()` before `.cuda()`)."""
+        self._device = device
+        self._group_index = torch.tensor(self._groups, dtype=torch.long, device=device)
+        self._zero = torch.zeros((), dtype=torch.float32, device=device)
 
     # --- called by the session on the training thread (never raises into the loop) ---------------
     def begin_step(self, index: int) -> None:
@@ -147,6 +142,8 @@ class ModelWatch:
             self._session.buffer.drop("watch_failed")
 
     def _collect(self, index: int, buffer: Buffer) -> None:
+        if self._params[0].device != self._device:
+            self._place_on(self._params[0].device)
         records: list[LayerStats] = []
         if self.grads:
             grads = [p.grad for p in self._params]
@@ -170,8 +167,6 @@ class ModelWatch:
             if self.histograms:
                 self._sample_histograms("parameters", self._params, index)
         if self._activations:
-            import torch
-
             groups = sorted(self._activations)
             rms = torch.stack([self._activations[g][0] for g in groups])
             absmax = torch.stack([self._activations[g][1] for g in groups])
@@ -191,14 +186,13 @@ class ModelWatch:
     # --- device math (no host sync: results stay device tensors) ----------------------------------
     def _norms(self, tensors: Sequence[Any]) -> tuple[Any, Any]:
         """(per-layer L2 norms, global L2 norm) of `tensors` (one per watched parameter; None = absent)."""
-        import torch
-
         present = [(i, _local(t)) for i, t in enumerate(tensors) if t is not None and not t.is_sparse]
-        squares = [self._zero] * len(tensors)
-        norms = torch._foreach_norm([t for _, t in present], 2, dtype=torch.float32)
-        for (i, _), norm in zip(present, norms, strict=True):
-            squares[i] = (norm if norm.device == self._device else norm.to(self._device)).square()
-        stacked = torch.stack(squares)
+        norms = [self._zero] * len(tensors)  # an absent gradient counts as zero
+        for (i, _), norm in zip(
+            present, torch._foreach_norm([t for _, t in present], 2, dtype=torch.float32), strict=True
+        ):
+            norms[i] = norm if norm.device == self._device else norm.to(self._device)
+        stacked = torch.stack(norms).square_()
         per_layer = torch.zeros(len(self.labels), dtype=torch.float32, device=self._device)
         per_layer.index_add_(0, self._group_index, stacked)
         return per_layer.sqrt_(), stacked.sum().sqrt()
@@ -206,8 +200,6 @@ class ModelWatch:
     def _sample_histograms(self, kind: str, tensors: Sequence[Any], index: int) -> None:
         """A strided sample of each layer's values (HISTOGRAM_SAMPLE per layer): a small on-device
         copy now, so the optimizer cannot change it before the worker reads it."""
-        import torch
-
         assert self._session is not None
         for group, members in enumerate(self._members):
             present = [_local(tensors[i]) for i in members if tensors[i] is not None]
@@ -232,8 +224,6 @@ class ModelWatch:
 
     def _activation_hook(self, group: int) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
-            import torch
-
             tensor = _first_tensor(output)
             if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
                 return

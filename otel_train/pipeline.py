@@ -27,10 +27,9 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status,
 from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.bridges.step_reader import StepReader
-from otel_train.buffer import FlushBatch, SpanRecord
+from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.health import HealthMonitor
 from otel_train.interval import FlushListener, Interval
-from otel_train.model import LayerStats
 
 log = logging.getLogger("otel_train")
 

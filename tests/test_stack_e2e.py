@@ -50,6 +50,8 @@ def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, s
         total_steps=100_000, collective_timeout_s=5.0, peak_flops=1e12, flops_per_token=1e6,
         hardware_interval_s=1.0,
     )  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    ot.watch(model, every=5, activations=True)  # feeds the dashboards' ot.watch panels
     synced = freeze_rank < 0  # a frozen peer would hang the training's own collectives
     deadline = time.monotonic() + seconds
     step = 0
@@ -63,10 +65,13 @@ def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, s
         with ot.step(step, tokens=256, samples=8):
             with ot.timer("data"):
                 time.sleep(0.004)
+            model.zero_grad()
             with ot.timer("forward"):
                 time.sleep(0.02 * slow)
+                out = model(torch.randn(2, 4)).pow(2).mean()
             with ot.timer("backward"):
                 time.sleep(0.02 * slow)
+                out.backward()
             if synced:
                 with ot.timer("allreduce"):
                     # the training's own collective; also agrees on when to stop, so no rank is left

@@ -200,19 +200,11 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
             except (TypeError, ValueError):
                 dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
     if tensors:
-        import torch
-
-        by_device: dict[Any, list[tuple[int, Any]]] = {}
-        for i, tensor in tensors:
-            by_device.setdefault(tensor.device, []).append((i, tensor))
-        for group in by_device.values():
-            try:
-                stacked = torch.stack([t.detach().reshape(()).to(torch.float64) for _, t in group]).cpu()
-            except Exception:  # mixed dtypes that cannot convert (complex, ...)
-                dropped["invalid_type"] = dropped.get("invalid_type", 0) + len(group)
-                continue
-            for (i, _), resolved in zip(group, stacked.tolist(), strict=True):
-                out[i] = resolved
+        for (i, _), resolved in zip(tensors, tensors_to_host([t for _, t in tensors]), strict=True):
+            if resolved is None:  # a dtype that cannot convert (complex, ...)
+                dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+            else:
+                out[i] = resolved[0]
     finite: list[float] = []
     for value in out:
         if value is None:
@@ -224,21 +216,36 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
     return finite, dropped
 
 
-def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats, list[float]]]:
-    """Per-layer values of watched steps, copied to the host in one transfer per device."""
+def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
+    """Each tensor's values as floats, copied to the host in ONE transfer per device (None for a
+    tensor whose device group could not be converted)."""
     import torch
 
-    by_device: dict[Any, list[LayerStats]] = {}
-    for record in records:
-        by_device.setdefault(record.values.device, []).append(record)
-    out: list[tuple[LayerStats, list[float]]] = []
-    for group in by_device.values():
-        flat = torch.cat([r.values.detach().reshape(-1).to(torch.float64) for r in group]).cpu().tolist()
+    by_device: dict[Any, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    out: list[list[float] | None] = [None] * len(tensors)
+    for positions in by_device.values():
+        try:
+            flat = (
+                torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in positions])
+                .cpu()
+                .tolist()
+            )
+        except Exception:  # mixed dtypes that cannot convert (complex, ...)
+            continue
         offset = 0
-        for record in group:
-            out.append((record, flat[offset : offset + len(record.labels)]))
-            offset += len(record.labels)
+        for i in positions:
+            size = tensors[i].numel()
+            out[i] = flat[offset : offset + size]
+            offset += size
     return out
+
+
+def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats, list[float]]]:
+    """Per-layer values of watched steps, copied to the host with one transfer per device."""
+    resolved = tensors_to_host([r.values for r in records])
+    return [(r, values) for r, values in zip(records, resolved, strict=True) if values is not None]
 
 
 class Worker:

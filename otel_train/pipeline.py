@@ -278,6 +278,7 @@ class Worker:
         self.final_scalars: dict[str, float] = {}
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
+        self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
         self._on_stall = on_stall
         self._stall_timeout_s = stall_timeout_s
         self._stall_reported = False
@@ -318,7 +319,7 @@ class Worker:
                 continue
             if item is None:
                 return
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             try:
                 if isinstance(item, Message):
                     self._deliver_message(item)
@@ -330,6 +331,7 @@ class Worker:
                 self._warn_once("flush", f"otel_train: a flush failed and was skipped: {exc!r}")
             finally:
                 self.busy_s += time.perf_counter() - started
+                self.cpu_s += time.thread_time() - cpu_started
 
     def _check_stall(self) -> None:
         idle = time.monotonic() - self._last_batch_time
@@ -393,6 +395,7 @@ class Worker:
             phases=phases,
             scalars=scalars,
             final=batch.final,
+            flush_interval=batch.flush_interval,
         )
 
     def _feed(self, batch: FlushBatch, interval: Interval) -> None:

@@ -103,6 +103,16 @@ class Session:
             self.identity, self.meter, self.events, config, group=self.telemetry_group
         )
         self.listeners.append(self.reducer)
+        from otel_train.cadence import Cadence
+
+        self.cadence = Cadence(
+            config.log_interval,
+            config.log_interval_min_s,
+            config.log_interval_s,
+            coordinated=self.identity.distributed,
+            wait_timeout_s=config.collective_timeout_s,
+        )
+        self.reducer.on_cadence = self.cadence.adopt
         tracer = (
             self.telemetry.tracer_provider.get_tracer("otel_train", _version())
             if self.telemetry.tracer_provider is not None
@@ -132,7 +142,6 @@ class Session:
         self._step_start_ns = 0
         self._seq = 0
         self._last_flush = time.perf_counter()
-        self._interval_steps = config.log_interval
         self._time_flush = not self.identity.distributed  # time-based flushes would desync ranks
         self._interval_s = config.log_interval_s
         self._perf_to_epoch_ns = time.time_ns() - time.perf_counter_ns()
@@ -299,7 +308,7 @@ class Session:
             buf.tokens += tokens
         if samples:
             buf.samples += samples
-        if buf.steps >= self._interval_steps or (
+        if (buf.steps >= self.cadence.threshold and self.cadence.due(buf.steps)) or (
             self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s
         ):
             self.flush()
@@ -356,6 +365,8 @@ class Session:
             )
             self._seq += 1
         batch.final = final
+        if not final:
+            batch.flush_interval = self.cadence.proposal(batch.steps, batch.elapsed_s)
         self._last_flush = now
         if "torch" in sys.modules and (
             any(_on_cuda(v) for vs in batch.scalars.values() for v in vs[-1:])
@@ -375,6 +386,8 @@ class Session:
             self.lost_flushes += 1
             log.warning("otel_train: the background worker is stuck; flush %d was dropped.", batch.seq)
             return False
+        if not final:
+            self.cadence.flushed(batch.seq, batch.flush_interval)
         return True
 
     # --- explicit logger API (not per step) ---------------------------------------------------------
@@ -425,6 +438,11 @@ class Session:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         shutdown()
+
+    @property
+    def flush_interval_steps(self) -> int:
+        """Steps per flush now (the explicit log_interval, or the adaptive cadence's current value)."""
+        return self.cadence.threshold
 
     @property
     def prometheus_url(self) -> str | None:

@@ -67,10 +67,12 @@ ANNOUNCE_SLOTS = 4
 NAME_FLOATS = 8  # 6 bytes per float64 (exact below 2**53): names up to 48 UTF-8 bytes travel
 NAME_BYTES = 6 * NAME_FLOATS
 HOST_FLOATS = 8
-# header: version, rank, seq, step, step_count, step_mean, node_rank, n_timers, host...
+# header: version, rank, seq, step, step_count, step_mean, node_rank, n_timers, host..., flush_interval
 _H_VERSION, _H_RANK, _H_SEQ, _H_STEP, _H_STEP_COUNT, _H_STEP_MEAN, _H_NODE, _H_NTIMERS = range(8)
 _H_HOST = 8
-HEADER_LEN = _H_HOST + HOST_FLOATS
+# The adaptive flush cadence (otel_train.cadence) rides here: rank 0's value is adopted by every rank.
+_H_FLUSH_INTERVAL = _H_HOST + HOST_FLOATS
+HEADER_LEN = _H_FLUSH_INTERVAL + 1
 SLOT_LEN = 3  # id, count, mean
 ANNOUNCE_LEN = 1 + NAME_FLOATS
 
@@ -274,6 +276,7 @@ class RankRecord:
     host: str
     step_count: int
     step_mean: float | None
+    flush_interval: int = 0  # proposed steps per flush (adaptive cadence); rank 0's is adopted
     timers: dict[int, tuple[int, float]] = field(default_factory=dict)  # id -> (count, mean)
     announced: dict[int, str] = field(default_factory=dict)  # id -> name
 
@@ -297,6 +300,7 @@ def pack(
     row[_H_STEP_MEAN] = sum(steps) / len(steps) if steps else math.nan
     row[_H_NODE] = float(identity.node_rank)
     row[_H_HOST : _H_HOST + HOST_FLOATS] = _encode_text(identity.host, HOST_FLOATS)
+    row[_H_FLUSH_INTERVAL] = float(interval.flush_interval)
     n = 0
     for name, durations in interval.phases.items():
         finite = [d for d in durations if math.isfinite(d)]
@@ -333,6 +337,7 @@ def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
             host=_decode_text(row[_H_HOST : _H_HOST + HOST_FLOATS]),
             step_count=count,
             step_mean=row[_H_STEP_MEAN] if count > 0 and math.isfinite(row[_H_STEP_MEAN]) else None,
+            flush_interval=int(row[_H_FLUSH_INTERVAL]),
         )
         for slot in range(capacity):
             base = HEADER_LEN + slot * SLOT_LEN
@@ -583,6 +588,9 @@ class CrossRankReducer:
             float(getattr(config, "straggler_threshold", 0.8)), float(getattr(config, "straggler_ewma", 0.3))
         )
         self.table = TimerTable(max_timers)
+        # Called after each flush's collective with (flush seq, rank 0's flush_interval), 0 when no
+        # collective ran: the adaptive cadence (otel_train.cadence) every rank adopts from rank 0.
+        self.on_cadence: Callable[[int, int], None] | None = None
         self.collectives = 0  # collectives issued (tests and self-observability)
         self.disabled_reason: str | None = None
         self.last_reductions: dict[str, Reduction] = {}
@@ -648,9 +656,20 @@ class CrossRankReducer:
             return None
         return unpack(out, self.table.capacity)
 
+    def _adopt_cadence(self, seq: int, records: Sequence[RankRecord] | None) -> None:
+        """Hand rank 0's flush interval to the cadence, right after the gather and before anything
+        that could raise, so every rank adopts the same value at the same flush."""
+        if self.on_cadence is None or not self.identity.distributed:
+            return
+        lead = next((r for r in records or () if r.rank == 0), None)
+        self.on_cadence(seq, lead.flush_interval if lead is not None else 0)
+
     def _flush(self, interval: Interval) -> None:
+        if not self.distributed:
+            self._adopt_cadence(interval.seq, None)  # disabled: every rank keeps its interval
         if self.distributed:
             records = self._gather(interval)
+            self._adopt_cadence(interval.seq, records)
             if records is None:
                 return
             seqs = {r.seq for r in records}

@@ -147,7 +147,7 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
     index = itertools.count()
     with out, ot.init(**settings) as session:
         worker = session.worker
-        bridge_pid = getattr(session, "bridge_pid", None)
+        bridge_pid = session.bridges.pid if getattr(session, "bridges", None) is not None else None
         child = psutil.Process(bridge_pid) if bridge_pid else None
 
         def step_b() -> None:

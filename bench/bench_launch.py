@@ -154,7 +154,15 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
             model.instrumented(ot, next(index))
 
         for step in (model.plain, step_b):
-            timed_block(step, max(20, block // 2))  # warm-up (first flushes, lazy bridge set-up)
+            timed_block(step, block)  # warm-up: first flushes, so the bridges create their runs
+        if child is not None:  # wait for the bridges' one-off set-up (imports, run creation) to end
+            deadline, last = time.monotonic() + 120, sum(child.cpu_times()[:2])
+            while time.monotonic() < deadline:
+                time.sleep(1.0)
+                now = sum(child.cpu_times()[:2])
+                if now - last < 0.05:
+                    break
+                last = now
         time.sleep(0.5)
         flushes0, cpu0 = worker.flushes, getattr(worker, "cpu_s", 0.0)
         child_cpu0 = sum(child.cpu_times()[:2]) if child else 0.0

@@ -29,6 +29,7 @@ from otel_train.bridges.base import Sink
 from otel_train.bridges.step_reader import StepReader
 from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.health import HealthMonitor
+from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
 
 log = logging.getLogger("otel_train")
@@ -227,11 +228,8 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
     out: list[list[float] | None] = [None] * len(tensors)
     for positions in by_device.values():
         try:
-            flat = (
-                torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in positions])
-                .cpu()
-                .tolist()
-            )
+            with torch.no_grad():  # one cat (type promotion) and one cast per device, not one per tensor
+                flat = torch.cat([tensors[i].reshape(-1) for i in positions]).to(torch.float64).cpu().tolist()
         except Exception:  # mixed dtypes that cannot convert (complex, ...)
             continue
         offset = 0
@@ -408,16 +406,12 @@ class Worker:
             ins.tokens.add(interval.tokens)
         if interval.samples:
             ins.samples.add(interval.samples)
-        for seconds in interval.step_durations:
-            ins.step_duration.record(seconds)
+        # One aggregation step per series and flush (histogram_feed), not one record() per value.
+        record_many(ins.step_duration, interval.step_durations)
         for name, values in interval.phases.items():
-            attributes = {semconv.PHASE: name}
-            for seconds in values:
-                ins.phase_duration.record(seconds, attributes)
+            record_many(ins.phase_duration, values, {semconv.PHASE: name})
         for (name, error), values in batch.phase_errors.items():
-            attributes = {semconv.PHASE: name, semconv.ERROR_TYPE: error}
-            for seconds in values:
-                ins.phase_duration.record(seconds, attributes)
+            record_many(ins.phase_duration, values, {semconv.PHASE: name, semconv.ERROR_TYPE: error})
         for instrument, values in interval.scalars.items():
             gauge = ins.gauge(instrument)
             if gauge is None:

@@ -153,14 +153,8 @@ class BridgeProcess(Sink):
 
     def forget_in_child(self) -> None:
         """After fork: the forked child must not hold the pipe (the bridge process waits for EOF)."""
-        proc = self.proc
-        for stream in (proc.stdin, proc.stdout) if proc is not None else ():
-            try:
-                if stream is not None:
-                    os.close(stream.fileno())
-            except OSError:
-                pass
         self._dead = True
+        self._release()  # closes the file objects (never a bare fd number a later open() may reuse)
 
     # -- internals --------------------------------------------------------------------------------
 

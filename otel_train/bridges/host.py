@@ -125,6 +125,10 @@ def main() -> None:
     # Replies go to the original stdout; anything a backend prints goes to stderr instead.
     reply_fd = os.dup(1)
     os.dup2(2, 1)
+    # Lower priority than the training: on a machine with no idle core, bridge writes (W&B's service
+    # inherits this) wait for the trainer, not the other way round.
+    with contextlib.suppress(OSError):
+        os.nice(10)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         serve(parent_pid, reply_fd)

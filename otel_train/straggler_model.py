@@ -81,10 +81,13 @@ def phase_category(name: str) -> Category:
     return "other"
 
 
-def holds_collective(name: str) -> bool:
+def holds_collective(name: str, timed_communication: bool = False) -> bool:
     """Whether a phase (probably) holds the job's synchronizing collective: a communication timer,
-    or backward (DDP's gradient all-reduce, FSDP's reduce-scatter run inside it)."""
-    return phase_category(name) == "communication" or bool(_pieces(name) & _HOLDS_GRAD_SYNC)
+    or, when the job times no communication phase, backward (DDP's gradient all-reduce and FSDP's
+    reduce-scatter run inside it)."""
+    if phase_category(name) == "communication":
+        return True
+    return not timed_communication and bool(_pieces(name) & _HOLDS_GRAD_SYNC)
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,10 @@ class _Table:
         if len(steps) >= 2:
             self.phases[STEP_END] = steps
             self.order.append(STEP_END)
+        self.timed_communication = any(phase_category(p) == "communication" for p in self.order)
+
+    def holds_collective(self, phase: str) -> bool:
+        return holds_collective(phase, self.timed_communication)
 
     def lateness(self, index: int, use_max: bool) -> dict[str, float]:
         """Leave-one-out lateness of rank `index` at every phase end it has (noise clamped to 0)."""
@@ -202,9 +209,9 @@ class _Table:
         return (a.max - b.max) if use_max else (a.median - b.median)
 
 
-def _late(series: Mapping[str, float], order: Sequence[str]) -> Lateness | None:
+def _late(series: Mapping[str, float], table: _Table) -> Lateness | None:
     """A rank that arrives late: where, since which phase, and whether the lateness collapses."""
-    phases = [p for p in order if p in series]
+    phases = [p for p in table.order if p in series]
     if not phases:
         return None
     peak_at = max(phases, key=lambda p: series[p])
@@ -212,7 +219,7 @@ def _late(series: Mapping[str, float], order: Sequence[str]) -> Lateness | None:
     if peak <= 0:
         return None
     late_in = next(p for p in phases if series[p] >= 0.5 * peak)
-    if holds_collective(late_in):
+    if table.holds_collective(late_in):
         return None  # lateness that arises inside the collective is waiting: a victim, not a culprit
     sync: str | None = None
     after = phases[phases.index(peak_at) + 1 :]
@@ -229,12 +236,12 @@ def _late(series: Mapping[str, float], order: Sequence[str]) -> Lateness | None:
     return Lateness(peak, late_in if late_in != STEP_END else UNTIMED, sync)
 
 
-def _early_at_collective(series: Mapping[str, float], order: Sequence[str]) -> Lateness | None:
+def _early_at_collective(series: Mapping[str, float], table: _Table) -> Lateness | None:
     """A rank that reaches the end of a collective-holding phase EARLIEST, relative to its step
     start, and is caught up with afterwards: it arrived last at the collective (it started its step
     late) and the others waited for it there. Its lost time shows where its earliness collapses."""
-    phases = [p for p in order if p in series]
-    candidates = [p for p in phases if holds_collective(p) and series[p] < 0]
+    phases = [p for p in table.order if p in series]
+    candidates = [p for p in phases if table.holds_collective(p) and series[p] < 0]
     if not candidates:
         return None
     trough_at = min(candidates, key=lambda p: series[p])
@@ -248,8 +255,8 @@ def _early_at_collective(series: Mapping[str, float], order: Sequence[str]) -> L
 
 def _culprit_lateness(table: _Table, index: int, use_max: bool) -> Lateness:
     series = table.lateness(index, use_max)
-    late = _late(series, table.order)
-    early = _early_at_collective(series, table.order)
+    late = _late(series, table)
+    early = _early_at_collective(series, table)
     if late is not None and (early is None or late.seconds >= early.seconds):
         return late
     return early if early is not None else Lateness()

@@ -13,7 +13,7 @@ Why it never misaligns, and needs no agreement on names:
     The row size depends only on constants, so all ranks always issue the same collective.
 
     layout: [header (HEADER_LEN)] [max_timers x slot (SLOT_LEN)] [ANNOUNCE_SLOTS x (id, name...)]
-    header: version, rank, seq, step, node_rank, local_rank, n_timers, step stats (STATS_LEN), host
+    header: version, rank, seq, step, node_rank, local_rank, n_timers, flags, step stats, host
     slot:   id, count, mean duration, arrival stats (STATS_LEN)
     stats:  count, lower median, max, MAD (median absolute deviation) of a list of seconds
 
@@ -43,13 +43,14 @@ NAME_FLOATS = 8  # 6 bytes per float64 (exact below 2**53): names up to 48 UTF-8
 NAME_BYTES = 6 * NAME_FLOATS
 HOST_FLOATS = 8
 STATS_LEN = 4  # count, lower median, max, MAD
-_H_VERSION, _H_RANK, _H_SEQ, _H_STEP, _H_NODE, _H_LOCAL, _H_NTIMERS = range(7)
-_H_STEP_STATS = 7
+_H_VERSION, _H_RANK, _H_SEQ, _H_STEP, _H_NODE, _H_LOCAL, _H_NTIMERS, _H_FLAGS = range(8)
+_H_STEP_STATS = 8
 _H_HOST = _H_STEP_STATS + STATS_LEN
 HEADER_LEN = _H_HOST + HOST_FLOATS
 _S_ID, _S_COUNT, _S_MEAN, _S_ARRIVAL = range(4)
 SLOT_LEN = _S_ARRIVAL + STATS_LEN
 ANNOUNCE_LEN = 1 + NAME_FLOATS
+FLAG_SHARDED = 1  # this rank trains FSDP-sharded modules: collectives run inside forward too
 
 
 def pack_len(max_timers: int = MAX_TIMERS) -> int:
@@ -180,6 +181,7 @@ class RankRecord:
     host: str
     step_stats: Spread
     local_rank: int = 0
+    flags: int = 0
     timers: dict[int, TimerStats] = field(default_factory=dict)  # id -> stats
     announced: dict[int, str] = field(default_factory=dict)  # id -> name
 
@@ -197,7 +199,9 @@ class RankRecord:
         return out
 
 
-def pack(interval: Interval, identity: Identity, table: TimerTable, out: Any | None = None) -> Any:
+def pack(
+    interval: Interval, identity: Identity, table: TimerTable, out: Any | None = None, flags: int = 0
+) -> Any:
     """This rank's interval as one float64 tensor of `pack_len(table.capacity)` (see module doc)."""
     import torch
 
@@ -208,6 +212,7 @@ def pack(interval: Interval, identity: Identity, table: TimerTable, out: Any | N
     row[_H_STEP] = float(interval.step)
     row[_H_NODE] = float(identity.node_rank)
     row[_H_LOCAL] = float(identity.local_rank)
+    row[_H_FLAGS] = float(flags)
     row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN] = Spread.of(interval.step_durations).encode()
     row[_H_HOST : _H_HOST + HOST_FLOATS] = _encode_text(identity.host, HOST_FLOATS)
     n = 0
@@ -249,6 +254,7 @@ def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
             host=_decode_text(row[_H_HOST : _H_HOST + HOST_FLOATS]),
             step_stats=Spread.decode(row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN]),
             local_rank=int(row[_H_LOCAL]),
+            flags=int(row[_H_FLAGS]),
         )
         for slot in range(capacity):
             base = HEADER_LEN + slot * SLOT_LEN

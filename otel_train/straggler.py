@@ -17,6 +17,7 @@ that a peer would not issue.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -25,7 +26,15 @@ from otel_train import semconv
 from otel_train.crossrank import Reduction, per_rank_timings, reduce_timings, stats_for_option
 from otel_train.distributed import Identity, create_telemetry_group
 from otel_train.interval import Interval
-from otel_train.rankwire import MAX_TIMERS, RankRecord, TimerTable, local_record, pack, unpack
+from otel_train.rankwire import (
+    FLAG_SHARDED,
+    MAX_TIMERS,
+    RankRecord,
+    TimerTable,
+    local_record,
+    pack,
+    unpack,
+)
 from otel_train.straggler_model import (
     RankScores,
     RankView,
@@ -113,6 +122,7 @@ class CrossRankReducer:
         self.last_reports: list[StragglerReport] = []
         self._flagged: set[int] = set()
         self._gathered_flushes = 0
+        self._sharded_seen = False
         self._seq_warned = False
         self._closed = False
         self._lock = threading.Lock()
@@ -165,7 +175,7 @@ class CrossRankReducer:
     def _gather(self, interval: Interval) -> list[RankRecord] | None:
         import torch
 
-        row = pack(interval, self.identity, self.table)
+        row = pack(interval, self.identity, self.table, flags=FLAG_SHARDED if self._sharded() else 0)
         out = torch.empty(self._world * row.numel(), dtype=torch.float64)
         self.collectives += 1
         try:
@@ -174,6 +184,13 @@ class CrossRankReducer:
             self._disable(f"all_gather failed at flush {interval.seq}: {exc}")
             return None
         return unpack(out, self.table.capacity)
+
+    def _sharded(self) -> bool:
+        """Whether this process trains FSDP2 (`fully_shard`) modules; checked on the worker at each
+        flush until seen (fully_shard may be applied after init)."""
+        if not self._sharded_seen:
+            self._sharded_seen = _fsdp_in_use()
+        return self._sharded_seen
 
     def _flush(self, interval: Interval) -> None:
         if not self.distributed:
@@ -229,7 +246,7 @@ class CrossRankReducer:
 
     def _note_abstain(self, views: Sequence[RankView], records: Sequence[RankRecord]) -> None:
         names = sorted({n for r in records for n in r.named_timers(self.table.names)})
-        reason = abstain_reason(views, names)
+        reason = abstain_reason(views, names, sharded=any(r.flags & FLAG_SHARDED for r in records))
         if reason is not None and self.abstain_reason is None and self.identity.rank == 0:
             logger.warning("otel_train: straggler detection abstains: %s", reason)
         self.abstain_reason = reason
@@ -295,6 +312,19 @@ class CrossRankReducer:
             self.events.emit("straggler", message, event_attributes(report, interval.step))
         except Exception as exc:
             logger.warning("otel_train: straggler event failed: %s", exc)
+
+
+def _fsdp_in_use() -> bool:
+    """FSDP2 registers a state for every `fully_shard`ed module in torch's composable-state map."""
+    states = sys.modules.get("torch.distributed._composable_state")
+    mapping = getattr(states, "_module_state_mapping", None)
+    if mapping is None:
+        return False
+    try:
+        refs = list(mapping.values())
+    except RuntimeError:  # changed size while the training thread shards a module: look again next flush
+        return False
+    return any(type(ref()).__name__ == "FSDPState" for ref in refs)
 
 
 def event_attributes(report: StragglerReport, step: int) -> dict[str, str | int | float]:

@@ -309,9 +309,20 @@ def _waits(table: _Table, culprit: RankAssessment, ranks: Sequence[RankAssessmen
     return waits
 
 
-def abstain_reason(views: Sequence[RankView], timer_names: Sequence[str]) -> str | None:
-    """Why the model cannot find the rank others wait for, or None when it can look."""
+def abstain_reason(
+    views: Sequence[RankView], timer_names: Sequence[str], sharded: bool = False
+) -> str | None:
+    """Why the model cannot find the rank others wait for (or sees only part of its cost), or None."""
     if any(view.arrivals for view in views):
+        if sharded:
+            return (
+                "FSDP runs all-gathers inside forward (and reduce-scatters inside backward): ranks "
+                "synchronize at every layer, so only the compute after a phase's last collective shows as "
+                "lateness; a rank slower in every layer is seen at a fraction of its cost and may stay "
+                "below straggler_threshold. Waiting ranks are still never blamed. To see it whole, time "
+                "the per-layer compute on the device (ot.timer(..., cuda=True)) or compare NCCL collective "
+                "times (TORCH_NCCL_ENABLE_TIMING=1)."
+            )
         return None
     if timer_names:
         return (

@@ -9,8 +9,8 @@
         prom.query("up")                       # instant query: list of {"metric", "value"}
         firing = wait_until(lambda: am.alerts(alertname="TrainingStraggler"), timeout=60)
 
-Binaries come from PATH (`prometheus`, `prometheus-alertmanager` or `alertmanager`) through
-conftest.require_binary: a missing binary fails under CI and skips locally. Only the standard
+Binaries are the pinned versions (deploy/versions.env, fetched into .tools/ by `make tools`) found
+by conftest.require_binary: a missing or wrong-version binary fails under CI and skips locally. Only the standard
 library is used for HTTP.
 """
 
@@ -141,7 +141,7 @@ class Alertmanager:
 @contextmanager
 def alertmanager(config: str | Path | dict[str, Any] | None = None) -> Iterator[Alertmanager]:
     """A real Alertmanager on 127.0.0.1 (no clustering); `config` is a path, a dict, or a null receiver."""
-    binary = shutil.which("prometheus-alertmanager") or require_binary("alertmanager")
+    binary = require_binary("prometheus-alertmanager")
     workdir = Path(tempfile.mkdtemp(prefix="otel_train_am_"))
     if config is None or isinstance(config, dict):
         config_path = workdir / "alertmanager.yml"

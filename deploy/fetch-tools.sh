@@ -29,11 +29,19 @@ DOCKER_COMPOSE_VERSION="$(upstream "$DOCKER_COMPOSE_DEB")"
 links=(
   "prometheus:usr/bin/prometheus"
   "promtool:usr/bin/promtool"
-  "prometheus-alertmanager:usr/bin/prometheus-alertmanager"
-  "alertmanager:usr/bin/prometheus-alertmanager"
   "amtool:usr/bin/amtool"
   "docker-compose:usr/libexec/docker/cli-plugins/docker-compose"
 )
+# Debian's alertmanager reads its notification templates (default.tmpl) and UI from the absolute
+# directory /usr/share/prometheus/alertmanager (upstream embeds them), which an unpacked package
+# does not have. bin/prometheus-alertmanager is a copy with that one path string replaced by a
+# relative one of the same length: run it in a directory holding a link of that name to
+# root/usr/share/prometheus/alertmanager (bin/ has one; tests/promstack.py makes one).
+AM_ASSETS_SYSTEM=/usr/share/prometheus/alertmanager
+AM_ASSETS_LOCAL=./alertmanager-debian-share-assets
+# Bump when the layout of <tools> changes, so that an older .tools is rebuilt.
+LAYOUT="# fetch-tools layout 2"
+stamp() { cat "$versions"; echo "$LAYOUT"; }
 
 # name -> version it must report
 check_versions() {
@@ -44,7 +52,7 @@ check_versions() {
     "$tools/bin/docker-compose" version 2>&1 | grep -q "version $DOCKER_COMPOSE_VERSION"
 }
 
-if cmp -s "$versions" "$tools/versions.env" 2>/dev/null && check_versions 2>/dev/null; then
+if [ "$(stamp)" = "$(cat "$tools/stamp" 2>/dev/null)" ] && check_versions 2>/dev/null; then
   echo "pinned tools present in $tools/bin (prometheus $PROMETHEUS_VERSION, alertmanager $ALERTMANAGER_VERSION, docker-compose $DOCKER_COMPOSE_VERSION)"
   exit 0
 fi
@@ -101,7 +109,7 @@ apt-get "${apt_opts[@]}" update >"$apt_dir/update.log" 2>&1 || {
   exit 1
 }
 debs_dir="$tools/debs"
-rm -rf "$debs_dir" "$tools/root" "$tools/bin" "$tools/versions.env"
+rm -rf "$debs_dir" "$tools/root" "$tools/bin" "$tools/stamp"
 mkdir -p "$debs_dir" "$tools/root" "$tools/bin"
 echo "fetch-tools: apt-get download prometheus=$PROMETHEUS_DEB promtool=$PROMETHEUS_DEB prometheus-alertmanager=$ALERTMANAGER_DEB docker-compose=$DOCKER_COMPOSE_DEB"
 (
@@ -116,12 +124,18 @@ done
 for link in "${links[@]}"; do
   ln -sfn "../root/${link#*:}" "$tools/bin/${link%%:*}"
 done
+[ "${#AM_ASSETS_SYSTEM}" = "${#AM_ASSETS_LOCAL}" ] # same length, or the binary breaks
+perl -0777 -pe "s{\Q$AM_ASSETS_SYSTEM\E}{$AM_ASSETS_LOCAL}g" \
+  "$tools/root/usr/bin/prometheus-alertmanager" >"$tools/bin/prometheus-alertmanager"
+chmod +x "$tools/bin/prometheus-alertmanager"
+ln -sfn prometheus-alertmanager "$tools/bin/alertmanager"
+ln -sfn "../root$AM_ASSETS_SYSTEM" "$tools/bin/${AM_ASSETS_LOCAL#./}"
 if ! check_versions; then
   echo "fetch-tools: the unpacked binaries do not report the pinned versions:" >&2
   for b in prometheus promtool prometheus-alertmanager amtool; do "$tools/bin/$b" --version 2>&1 | head -n1 >&2; done
   "$tools/bin/docker-compose" version >&2 || true
   exit 1
 fi
-cp "$versions" "$tools/versions.env"
+stamp >"$tools/stamp"
 rm -rf "$debs_dir" "$apt_dir/archives"
 echo "fetch-tools: ready in $tools/bin (prometheus $PROMETHEUS_VERSION, alertmanager $ALERTMANAGER_VERSION, docker-compose $DOCKER_COMPOSE_VERSION)"

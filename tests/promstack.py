@@ -37,6 +37,7 @@ from conftest import free_port, require_binary
 T = TypeVar("T")
 
 READY_TIMEOUT_S = 30.0
+ALERTMANAGER_ASSETS = "alertmanager-debian-share-assets"
 
 
 # --- helpers -----------------------------------------------------------------------------------------
@@ -149,6 +150,11 @@ def alertmanager(config: str | Path | dict[str, Any] | None = None) -> Iterator[
     else:
         config_path = Path(config).resolve()
     (workdir / "data").mkdir()
+    # The pinned Debian build reads default.tmpl from ./alertmanager-debian-share-assets (see
+    # deploy/fetch-tools.sh); it runs in `workdir`.
+    assets = Path(binary).parent / ALERTMANAGER_ASSETS
+    if assets.exists():
+        (workdir / ALERTMANAGER_ASSETS).symlink_to(assets.resolve())
     proc, port = _start(
         lambda port: [
             binary,
@@ -246,6 +252,11 @@ def prometheus(
     config_path = workdir / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     (workdir / "data").mkdir()
+    # The pinned Debian build reads default.tmpl from ./alertmanager-debian-share-assets (see
+    # deploy/fetch-tools.sh); it runs in `workdir`.
+    assets = Path(binary).parent / ALERTMANAGER_ASSETS
+    if assets.exists():
+        (workdir / ALERTMANAGER_ASSETS).symlink_to(assets.resolve())
     proc, port = _start(
         lambda port: [
             binary,

@@ -222,8 +222,10 @@ def prometheus(
     job: str = "otel_train",
     honor_labels: bool = False,
     metrics_path: str = "/metrics",
+    extra_args: Sequence[str] = (),
 ) -> Iterator[Prometheus]:
-    """A real Prometheus on 127.0.0.1 scraping `targets` ("host:port"), with `rule_files` loaded."""
+    """A real Prometheus on 127.0.0.1 scraping `targets` ("host:port"), with `rule_files` loaded;
+    `extra_args` are more command-line flags (e.g. `--enable-feature=...`)."""
     binary = require_binary("prometheus")
     workdir = Path(tempfile.mkdtemp(prefix="otel_train_prom_"))
     config: dict[str, Any] = {
@@ -265,6 +267,7 @@ def prometheus(
             f"--web.listen-address=127.0.0.1:{port}",
             "--rules.alert.resend-delay=1s",
             "--log.level=info",
+            *extra_args,
         ],
         workdir,
         "prometheus",

@@ -10,15 +10,21 @@ for security defaults, Tempo and Grafana provisioning. `make check-deploy` runs 
 from __future__ import annotations
 
 import copy
+import json
 import re
 import subprocess
+import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pinned
 import pytest
 import yaml
-from conftest import require_binary
+from conftest import free_port, require_binary
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from promstack import prometheus, wait_until
 
 from otel_train import semconv
 from otel_train.config import FIELDS
@@ -113,6 +119,41 @@ def test_pinned_tools_report_the_pinned_versions() -> None:
         assert pinned.is_pinned(line, versions[component]), f"{path}: {line}"
     assert not pinned.is_pinned("prometheus, version 2.42.0+ds (branch: debian/sid)", versions["prometheus"])
     assert not pinned.is_pinned("prometheus, version 3.5.30", "3.5.3")
+
+
+@pytest.mark.integration
+def test_compose_prometheus_flags_store_exemplars(compose: dict[str, Any]) -> None:
+    """The pinned Prometheus, started with the compose file's feature flags, scrapes an OpenMetrics
+    endpoint (as the collector's exporter serves with enable_open_metrics) and stores the
+    exemplars' trace ids, which Grafana's exemplar queries read."""
+    flags = [a for a in compose["services"]["prometheus"]["command"] if a.startswith("--enable-feature=")]
+    assert flags == ["--enable-feature=exemplar-storage"]
+    registry = CollectorRegistry()
+    hist = Histogram("train_step_duration_seconds", "step", ["run_id"], registry=registry, buckets=[0.1, 1.0])
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    hist.labels(run_id="r1").observe(0.5, exemplar={"trace_id": trace_id, "span_id": "00f067aa0ba902b7"})
+    server, _thread = start_http_server(free_port(), addr="127.0.0.1", registry=registry)
+    try:
+        target = f"127.0.0.1:{server.server_address[1]}"
+        with prometheus(targets=[target], extra_args=flags) as prom:
+
+            def exemplars() -> list[dict[str, Any]]:
+                qs = urllib.parse.urlencode(
+                    {
+                        "query": "train_step_duration_seconds_bucket",
+                        "start": time.time() - 60,
+                        "end": time.time() + 5,
+                    }
+                )
+                with urllib.request.urlopen(f"{prom.url}/api/v1/query_exemplars?{qs}", timeout=5) as resp:
+                    return json.loads(resp.read())["data"]
+
+            found = wait_until(exemplars, timeout=30, what="stored exemplars")
+    finally:
+        server.shutdown()
+        server.server_close()
+    labels = [e["labels"] for series in found for e in series["exemplars"]]
+    assert {"trace_id": trace_id, "span_id": "00f067aa0ba902b7"} in labels
 
 
 def _volume_mounts(service: dict[str, Any]) -> list[tuple[str, str]]:

@@ -108,16 +108,36 @@ apt-get "${apt_opts[@]}" update >"$apt_dir/update.log" 2>&1 || {
   cat "$apt_dir/update.log" >&2
   exit 1
 }
+# The pinned Debian version if the archive still has it; else another Debian revision of the same
+# upstream version (sid replaces revisions over time; the upstream version is what is pinned).
+pick_version() {
+  local pkg="$1" wanted="$2" up available other
+  up="$(upstream "$wanted")"
+  available="$(apt-cache "${apt_opts[@]}" madison "$pkg" | awk -F'|' '{gsub(/ /, "", $2); print $2}')"
+  if grep -qxF "$wanted" <<<"$available"; then
+    echo "$wanted"
+    return
+  fi
+  other="$(while read -r v; do [ -n "$v" ] && [ "$(upstream "$v")" = "$up" ] && echo "$v"; done <<<"$available" | head -n1)"
+  if [ -n "$other" ]; then
+    echo "fetch-tools: $pkg=$wanted is no longer in the archive; using $other (same upstream $up)" >&2
+    echo "$other"
+    return
+  fi
+  echo "fetch-tools: $pkg $up is not in the archive (it has: $(echo $available)); update deploy/versions.env" >&2
+  return 1
+}
+prometheus_deb="$(pick_version prometheus "$PROMETHEUS_DEB")"
+promtool_deb="$(pick_version promtool "$PROMETHEUS_DEB")"
+alertmanager_deb="$(pick_version prometheus-alertmanager "$ALERTMANAGER_DEB")"
+compose_deb="$(pick_version docker-compose "$DOCKER_COMPOSE_DEB")"
+
 debs_dir="$tools/debs"
 rm -rf "$debs_dir" "$tools/root" "$tools/bin" "$tools/stamp"
 mkdir -p "$debs_dir" "$tools/root" "$tools/bin"
-echo "fetch-tools: apt-get download prometheus=$PROMETHEUS_DEB promtool=$PROMETHEUS_DEB prometheus-alertmanager=$ALERTMANAGER_DEB docker-compose=$DOCKER_COMPOSE_DEB"
-(
-  cd "$debs_dir"
-  apt-get "${apt_opts[@]}" download \
-    "prometheus=$PROMETHEUS_DEB" "promtool=$PROMETHEUS_DEB" \
-    "prometheus-alertmanager=$ALERTMANAGER_DEB" "docker-compose=$DOCKER_COMPOSE_DEB"
-)
+pkgs=("prometheus=$prometheus_deb" "promtool=$promtool_deb" "prometheus-alertmanager=$alertmanager_deb" "docker-compose=$compose_deb")
+echo "fetch-tools: apt-get download ${pkgs[*]}"
+(cd "$debs_dir" && apt-get "${apt_opts[@]}" download "${pkgs[@]}")
 for deb in "$debs_dir"/*.deb; do
   dpkg-deb -x "$deb" "$tools/root"
 done

@@ -43,7 +43,7 @@ AM_ASSETS_LOCAL=./alertmanager-debian-share-assets
 LAYOUT="# fetch-tools layout 2"
 stamp() { cat "$versions"; echo "$LAYOUT"; }
 
-# name -> version it must report
+# Every binary reports its pinned upstream version.
 check_versions() {
   "$tools/bin/prometheus" --version 2>&1 | grep -q "version $PROMETHEUS_VERSION" &&
     "$tools/bin/promtool" --version 2>&1 | grep -q "version $PROMETHEUS_VERSION" &&
@@ -57,7 +57,7 @@ if [ "$(stamp)" = "$(cat "$tools/stamp" 2>/dev/null)" ] && check_versions 2>/dev
   exit 0
 fi
 
-for cmd in apt-get dpkg-deb; do
+for cmd in apt-get apt-cache dpkg-deb perl; do
   if ! command -v "$cmd" >/dev/null; then
     echo "fetch-tools: $cmd not found: the pinned tools come from Debian's archive (a Debian/Ubuntu machine)," >&2
     echo "  or put prometheus $PROMETHEUS_VERSION, promtool, alertmanager $ALERTMANAGER_VERSION, amtool and docker-compose $DOCKER_COMPOSE_VERSION into $tools/bin yourself." >&2

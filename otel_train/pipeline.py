@@ -112,6 +112,17 @@ def step_trace_ids(run_id: str, step: int) -> tuple[int, int]:
     return trace_id, span_id
 
 
+# (phase name or None for the step, duration in seconds) -> context holding that span. The
+# duration is computed exactly as the training thread computes the histogram value, so the
+# sampled step's (or phase's) own measurement finds its span: recorded in that context, the
+# histogram point gets the span's trace id as an exemplar (the SDK's trace_based filter).
+ExemplarContexts = dict[tuple[str | None, float], Any]
+
+
+def _seconds(record: SpanRecord) -> float:
+    return (record.end_ns - record.start_ns) * 1e-9
+
+
 class SpanWriter:
     """Turns SpanRecords (perf-counter timestamps) into OTel spans with explicit times."""
 
@@ -120,7 +131,10 @@ class SpanWriter:
         self._run_id = run_id
         self._rank = rank
 
-    def write(self, records: Sequence[SpanRecord], perf_to_epoch_ns: int) -> None:
+    def write(self, records: Sequence[SpanRecord], perf_to_epoch_ns: int) -> ExemplarContexts:
+        """Export the spans; return the context of each one, keyed by what its duration histogram
+        records (so that those points carry the span's trace id as an exemplar)."""
+        contexts: ExemplarContexts = {}
         steps = {r.step: r for r in records if r.kind == "step"}
         parents: dict[int, Any] = {}
         for step, record in sorted(steps.items()):
@@ -128,6 +142,7 @@ class SpanWriter:
             span.set_attribute("train.step", step)
             parents[step] = trace.set_span_in_context(span)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
+            contexts[(None, _seconds(record))] = parents[step]
         for record in records:
             if record.kind == "step":
                 continue
@@ -139,6 +154,8 @@ class SpanWriter:
             for key, value in (record.attributes or {}).items():
                 span.set_attribute(key, value)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
+            contexts[(record.name, _seconds(record))] = trace.set_span_in_context(span)
+        return contexts
 
     def _virtual_root(self, step: int) -> Any:
         trace_id, root_id = step_trace_ids(self._run_id, step)
@@ -342,11 +359,12 @@ class Worker:
         interval = self._resolve(batch)
         if batch.layer_stats:
             self._feed_layer_stats(batch)
-        self._feed(batch, interval)
+        exemplars: ExemplarContexts = {}
+        if self.span_writer is not None and batch.spans:
+            exemplars = self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
+        self._feed(batch, interval, exemplars)
         for key, step, values in batch.histograms:
             self._deliver_message(Message("histogram", key, values, step))
-        if self.span_writer is not None and batch.spans:
-            self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
         for listener in self.listeners:
             try:
                 listener.on_flush(interval)
@@ -395,7 +413,7 @@ class Worker:
             final=batch.final,
         )
 
-    def _feed(self, batch: FlushBatch, interval: Interval) -> None:
+    def _feed(self, batch: FlushBatch, interval: Interval, exemplars: ExemplarContexts) -> None:
         ins = self.instruments
         if interval.steps:
             ins.steps.add(interval.steps)
@@ -406,15 +424,15 @@ class Worker:
         if interval.samples:
             ins.samples.add(interval.samples)
         for seconds in interval.step_durations:
-            ins.step_duration.record(seconds)
+            ins.step_duration.record(seconds, context=exemplars.pop((None, seconds), None))
         for name, values in interval.phases.items():
             attributes = {semconv.PHASE: name}
             for seconds in values:
-                ins.phase_duration.record(seconds, attributes)
+                ins.phase_duration.record(seconds, attributes, exemplars.pop((name, seconds), None))
         for (name, error), values in batch.phase_errors.items():
             attributes = {semconv.PHASE: name, semconv.ERROR_TYPE: error}
             for seconds in values:
-                ins.phase_duration.record(seconds, attributes)
+                ins.phase_duration.record(seconds, attributes, exemplars.pop((name, seconds), None))
         for instrument, values in interval.scalars.items():
             gauge = ins.gauge(instrument)
             if gauge is None:

@@ -1,5 +1,5 @@
 """The whole path on real components: 4 real torch.distributed (gloo) ranks training on CPU with
-their pull endpoints, a real Prometheus (Debian 2.42) evaluating the shipped alert pack (test-only
+their pull endpoints, a real Prometheus (the pinned 3.5) evaluating the shipped alert pack (test-only
 copy with short windows) and a real Alertmanager. Then every dashboard query is evaluated against
 that Prometheus."""
 

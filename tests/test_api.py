@@ -197,7 +197,8 @@ def test_import_is_light() -> None:
 
     code = (
         "import sys, otel_train; "
-        "heavy = [m for m in ('torch', 'wandb', 'tensorboard', 'mlflow', 'pynvml', 'grpc', "
+        "heavy = [m for m in ('torch', 'wandb', 'tensorboard', 'mlflow', 'pynvml', 'grpc', 'transformers', "
+        "'lightning', 'accelerate', 'otel_train.integrations', "
         "'opentelemetry.exporter.otlp.proto.http', 'opentelemetry.sdk.metrics') if m in sys.modules]; "
         "print(heavy)"
     )

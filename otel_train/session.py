@@ -26,7 +26,15 @@ from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
 from otel_train.bridges.rundir import RunDirSink, write_json
 from otel_train.buffer import Buffer, SpanRecord
-from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, load_config, redact
+from otel_train.config import (
+    Config,
+    ConfigError,
+    config_as_dict,
+    is_secret_key,
+    load_config,
+    redact,
+    signal_number,
+)
 from otel_train.distributed import Identity, agree_run_id, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
 
@@ -117,9 +125,17 @@ class Session:
             SpanWriter(tracer, self.identity.run_id, self.identity.rank) if tracer is not None else None,
             queue_size=config.queue_size,
             total_steps=config.total_steps,
-            on_stall=self._on_stall,
-            stall_timeout_s=config.stall_timeout_s,
             otel_logger=otel_logger,
+        )
+        from otel_train.hang import HangWatchdog
+
+        self.watchdog = HangWatchdog(
+            self.run_dir,
+            self.identity.rank,
+            self.events,
+            self._last_step,
+            config.stall_timeout_s,
+            signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
         )
 
         # hot-path state
@@ -127,6 +143,7 @@ class Session:
         self.timing_level = config.timing_log_level
         self.watches: list[ModelWatch] = []  # ot.watch(model) handles
         self.step_index = -1  # last completed step
+        self.step_end_ns: int | None = None  # perf_counter_ns when it ended (the stall watchdog reads it)
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
         self._step_start_ns = 0
@@ -146,6 +163,7 @@ class Session:
         if self.run_dir is not None and self.is_reporting_rank:
             self._write_run_files()
         self.worker.start()
+        self.watchdog.start()
 
     # --- construction helpers ---------------------------------------------------------------------
     def _make_run_dir(self) -> Path | None:
@@ -282,6 +300,7 @@ class Session:
     ) -> None:
         buf = self.buffer
         self.step_index = index
+        self.step_end_ns = end_ns
         if self.watches:
             for watch in self.watches:
                 watch.end_step(index, failed)
@@ -384,12 +403,10 @@ class Session:
         self.worker.submit_message(Message(kind, key, payload, self.step_index if step is None else step))
 
     # --- lifecycle -----------------------------------------------------------------------------------
-    def _on_stall(self, idle_s: float) -> None:
-        self.events.emit(
-            "stall",
-            f"no completed step for {idle_s:.0f}s after step {self.step_index}",
-            {"step": self.step_index},
-        )
+    def _last_step(self) -> tuple[int, float | None]:
+        """(last completed step, its end as perf_counter seconds or None): for the watchdog thread."""
+        end_ns = self.step_end_ns
+        return self.step_index, (end_ns * 1e-9 if end_ns is not None else None)
 
     def shutdown(self) -> None:
         """Final flush, drain the worker, close sinks, stop exporters: bounded by shutdown_timeout_s
@@ -402,6 +419,7 @@ class Session:
         budget = self.config.shutdown_timeout_s
         for watch in list(self.watches):
             watch.remove()
+        self.watchdog.close()
         self.flush(final=True)
         self.worker.stop(timeout_s=max(0.2, budget * 0.5))
         for listener in self.listeners:

@@ -43,6 +43,7 @@ __all__ = [
     "log_metrics",
     "log_samples",
     "log_text",
+    "profile",
     "record",
     "shutdown",
     "span",
@@ -168,6 +169,29 @@ def watch(
     handle = ModelWatch(session, model, every, grads, params, activations, histograms, max_layers)
     session.watches.append(handle)
     return handle
+
+
+def profile(
+    wait: int = 0,
+    warmup: int = 1,
+    active: int = 3,
+    repeat: int = 1,
+    skip_first: int = 0,
+    ranks: Sequence[int] | None = None,
+) -> bool:
+    """Profile upcoming steps with torch.profiler: counting from the next step, skip `skip_first`,
+    then `repeat` cycles of `wait` idle, `warmup` and `active` recorded steps. Chrome traces go to
+    `<run dir>/profiles/rank<k>/`; profiled steps are traced and counted (`train.profiler.steps`).
+    Call it any time on the training thread (for example when a condition arises) on the ranks
+    you name (default: every rank). Returns True when a window started on this rank.
+    """
+    from otel_train.profiling import ProfileWindow
+
+    window = ProfileWindow(wait, warmup, active, repeat, skip_first)  # raises on bad arguments
+    session = _session_mod._current
+    if session is None:
+        return False
+    return session.start_profile(window, ranks)
 
 
 def get_meter() -> Meter:

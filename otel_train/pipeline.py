@@ -126,6 +126,8 @@ class SpanWriter:
         for step, record in sorted(steps.items()):
             span = self._start(f"train.step {step}", record, perf_to_epoch_ns, self._virtual_root(step))
             span.set_attribute("train.step", step)
+            for key, value in (record.attributes or {}).items():  # e.g. train.profiled
+                span.set_attribute(key, value)
             parents[step] = trace.set_span_in_context(span)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
         for record in records:

@@ -147,6 +147,11 @@ NONFINITE_LOSS = _m(
     "train.loss.nonfinite", S.COUNTER, "{value}", "Non-finite (NaN/Inf) loss values seen.",
     "health/nonfinite_loss",
 )  # fmt: skip
+PROFILED_STEPS = _m(
+    "train.profiler.steps", S.COUNTER, "{step}",
+    "Steps run inside an ot.profile window (their durations are skewed by the profiler).",
+    "train/profiled_steps",
+)  # fmt: skip
 HEALTH_EVENTS = _m(
     "train.health.events", S.COUNTER, "{event}",
     "Health events (nonfinite, nonfinite_grad, loss_spike, straggler, stall, gpu_lost, memory_pressure, "

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
 
     from otel_train.exporters import Telemetry
     from otel_train.model import ModelWatch
+    from otel_train.profiling import ProfileWindow, StepProfiler
 
 log = logging.getLogger("otel_train")
 
@@ -111,6 +112,11 @@ class Session:
             self.identity, self.meter, self.events, config, group=self.telemetry_group
         )
         self.listeners.append(self.reducer)
+        from otel_train.profiling import ProfiledStepsCounter
+
+        self.profiled_steps = ProfiledStepsCounter(self.meter)
+        self.listeners.append(self.profiled_steps)
+        self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
         tracer = (
             self.telemetry.tracer_provider.get_tracer("otel_train", _version())
             if self.telemetry.tracer_provider is not None
@@ -290,6 +296,8 @@ class Session:
             index < cfg.trace_first or index % cfg.trace_every == 0
         )
         self._step_index_running = index
+        if self.profiler is not None and self.profiler.next_step_active():
+            self.sampled = self.worker.span_writer is not None  # profiled steps are always traced
         if self.watches:
             for watch in self.watches:
                 watch.begin_step(index)
@@ -304,10 +312,19 @@ class Session:
         if self.watches:
             for watch in self.watches:
                 watch.end_step(index, failed)
+        profiled = self.profiler is not None and self._advance_profiler(index)
         if self.sampled:
             if len(buf.spans) < _MAX_SPAN_RECORDS:
                 buf.spans.append(
-                    SpanRecord("step", start_ns, end_ns, index, "StepFailed" if failed else None, "step")
+                    SpanRecord(
+                        "step",
+                        start_ns,
+                        end_ns,
+                        index,
+                        "StepFailed" if failed else None,
+                        "step",
+                        {"train.profiled": True} if profiled else None,
+                    )
                 )
             self.sampled = False
         if failed:
@@ -322,6 +339,38 @@ class Session:
             self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s
         ):
             self.flush()
+
+    def _advance_profiler(self, index: int) -> bool:
+        assert self.profiler is not None
+        try:
+            profiled = self.profiler.step_ended(index)
+        except Exception as exc:  # a profiler failure must not stop training
+            log.warning("otel_train: torch.profiler failed and was stopped: %s", exc)
+            self.profiler = None
+            return False
+        if profiled:
+            self.profiled_steps.total += 1
+        if self.profiler.done:
+            self.profiler = None
+        return profiled
+
+    def start_profile(self, window: ProfileWindow, ranks: Sequence[int] | None) -> bool:
+        """Start a profiler window at the next step (training thread); False if not on this rank."""
+        from otel_train.profiling import start_window
+
+        if self.profiler is not None:
+            log.warning("otel_train: ot.profile: a profiler window is still running; ignored.")
+            return False
+        self.profiler = start_window(
+            window,
+            self.run_dir,
+            self.config.output_dir,
+            self.run_name,
+            self.identity.rank,
+            ranks,
+            log.warning,
+        )
+        return self.profiler is not None
 
     def end_timer(self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None) -> None:
         seconds = (end_ns - start_ns) * 1e-9
@@ -420,6 +469,9 @@ class Session:
         for watch in list(self.watches):
             watch.remove()
         self.watchdog.close()
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
         self.flush(final=True)
         self.worker.stop(timeout_s=max(0.2, budget * 0.5))
         for listener in self.listeners:

@@ -25,6 +25,7 @@ from otel_train.timing import span, step, timed, timer
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
+    from otel_train.amp import ScalerWatch
     from otel_train.model import ModelWatch, NullWatch
     from otel_train.session import Session
 
@@ -51,6 +52,7 @@ __all__ = [
     "timed",
     "timer",
     "watch",
+    "watch_scaler",
 ]
 
 
@@ -192,6 +194,26 @@ def profile(
     if session is None:
         return False
     return session.start_profile(window, ranks)
+
+
+def watch_scaler(scaler: Any) -> ScalerWatch | None:
+    """Export a `torch.amp.GradScaler`'s loss scale (`train.loss_scale`) and count the optimizer
+    steps it skips for inf/NaN gradients (`train.optimizer.skipped_steps`), with no host sync.
+    Call once after creating the scaler; use the scaler as usual. Returns the handle (`.remove()`),
+    or None before `init()`."""
+    from otel_train.amp import ScalerWatch
+
+    if not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "scale"):
+        raise TypeError(f"ot.watch_scaler expects a torch.amp.GradScaler, got {type(scaler).__name__}")
+    session = _session_mod._current
+    if session is None:
+        return None
+    for listener in [x for x in session.listeners if isinstance(x, ScalerWatch) and x.scaler is scaler]:
+        listener.remove()
+        session.listeners.remove(listener)
+    handle = ScalerWatch(scaler, session.meter)
+    session.add_listener(handle)
+    return handle
 
 
 def get_meter() -> Meter:

@@ -147,6 +147,14 @@ NONFINITE_LOSS = _m(
     "train.loss.nonfinite", S.COUNTER, "{value}", "Non-finite (NaN/Inf) loss values seen.",
     "health/nonfinite_loss",
 )  # fmt: skip
+LOSS_SCALE = _m(
+    "train.loss_scale", S.GAUGE, "", "Mixed-precision loss scale (GradScaler, ot.watch_scaler).",
+    "train/loss_scale",
+)  # fmt: skip
+SKIPPED_STEPS = _m(
+    "train.optimizer.skipped_steps", S.COUNTER, "{step}",
+    "Optimizer steps skipped for inf/NaN gradients (GradScaler, ot.watch_scaler).", "train/skipped_steps",
+)  # fmt: skip
 PROFILED_STEPS = _m(
     "train.profiler.steps", S.COUNTER, "{step}",
     "Steps run inside an ot.profile window (their durations are skewed by the profiler).",

@@ -64,6 +64,7 @@ REASON = "otel_train.reason"
 EVENT = "otel_train.event"
 STRAGGLER_KIND = "straggler.kind"  # relative | individual
 STAT = "stat"  # min | max | mean | median
+BADPUT_CAUSE = "train.badput.cause"  # startup | eval | checkpoint | stall | restart | other
 LAYER = "train.layer"  # a module path from ot.watch(model), e.g. blocks.3.attn
 HW_ID = "hw.id"
 HW_NAME = "hw.name"
@@ -146,6 +147,14 @@ LAYER_ACTIVATION_ABSMAX = _m(
 NONFINITE_LOSS = _m(
     "train.loss.nonfinite", S.COUNTER, "{value}", "Non-finite (NaN/Inf) loss values seen.",
     "health/nonfinite_loss",
+)  # fmt: skip
+GOODPUT = _m(
+    "train.goodput", S.GAUGE, "1",
+    "Share of the job's wall time (all restarts of the run id) spent in training steps.", "train/goodput",
+)  # fmt: skip
+BADPUT_DURATION = _m(
+    "train.badput.duration", S.COUNTER, "s", "Wall time not spent in training steps, by cause.",
+    "train/badput/{train.badput.cause}", (BADPUT_CAUSE,),
 )  # fmt: skip
 LOSS_SCALE = _m(
     "train.loss_scale", S.GAUGE, "", "Mixed-precision loss scale (GradScaler, ot.watch_scaler).",

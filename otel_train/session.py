@@ -116,6 +116,24 @@ class Session:
 
         self.profiled_steps = ProfiledStepsCounter(self.meter)
         self.listeners.append(self.profiled_steps)
+        from otel_train.goodput import GoodputListener, process_start_perf_s
+
+        # Goodput bookkeeping, cumulative, written by the training thread only (see goodput.py).
+        self.process_start_s = process_start_perf_s()
+        self.first_step_start_ns: int | None = None
+        self.stall_ns = 0
+        self.nested_badput_ns = 0
+        self.span_ns: dict[str, int] = {}
+        self._gap_span_ns = 0  # spans since the last step ended (not stall time)
+        self._step_open = False
+        self._stall_gap_ns = int(config.stall_timeout_s * 1e9)
+        self.goodput = GoodputListener(
+            self,
+            self.meter,
+            self.run_dir / f"goodput.rank{self.identity.rank}.json" if self.run_dir else None,
+            self.identity.run_id,
+        )
+        self.listeners.append(self.goodput)
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
         tracer = (
             self.telemetry.tracer_provider.get_tracer("otel_train", _version())
@@ -296,6 +314,7 @@ class Session:
             index < cfg.trace_first or index % cfg.trace_every == 0
         )
         self._step_index_running = index
+        self._step_open = True
         if self.profiler is not None and self.profiler.next_step_active():
             self.sampled = self.worker.span_writer is not None  # profiled steps are always traced
         if self.watches:
@@ -308,7 +327,15 @@ class Session:
     ) -> None:
         buf = self.buffer
         self.step_index = index
+        previous_end = self.step_end_ns
         self.step_end_ns = end_ns
+        self._step_open = False
+        if previous_end is None:
+            self.first_step_start_ns = start_ns
+        elif start_ns - previous_end > self._stall_gap_ns:
+            self._note_long_gap(start_ns - previous_end)
+        if self._gap_span_ns:
+            self._gap_span_ns = 0
         if self.watches:
             for watch in self.watches:
                 watch.end_step(index, failed)
@@ -339,6 +366,12 @@ class Session:
             self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s
         ):
             self.flush()
+
+    def _note_long_gap(self, gap_ns: int) -> None:
+        """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""
+        stalled = gap_ns - self._gap_span_ns
+        if stalled > self._stall_gap_ns:
+            self.stall_ns += stalled
 
     def _advance_profiler(self, index: int) -> bool:
         assert self.profiler is not None
@@ -393,8 +426,20 @@ class Session:
         error: type[BaseException] | None,
         attributes: Mapping[str, Any] | None,
     ) -> None:
-        """An eval / checkpoint span: always traced (rare and short), and timed as a phase."""
+        """An eval / checkpoint span: always traced (rare and short), timed as a phase, and
+        accounted as goodput's eval / checkpoint badput."""
         self.end_timer(name, start_ns, end_ns, error)
+        from otel_train.goodput import span_cause
+
+        duration = end_ns - start_ns
+        cause = span_cause(name)
+        if cause != "other":
+            self.span_ns[cause] = self.span_ns.get(cause, 0) + duration
+        if self._step_open:
+            if cause != "other":
+                self.nested_badput_ns += duration
+        else:
+            self._gap_span_ns += duration
         if self.worker.span_writer is not None and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
             attrs = {
                 str(k): v for k, v in (attributes or {}).items() if isinstance(v, (str, int, float, bool))
@@ -479,9 +524,12 @@ class Session:
                 listener.close()
             except Exception as exc:
                 log.debug("otel_train: listener close failed: %s", exc)
+        from otel_train.goodput import final_scalars
+
+        final = {**self.worker.final_scalars, **final_scalars(self.goodput.totals)}
         for sink in self.sinks:
             try:
-                sink.close(dict(self.worker.final_scalars))
+                sink.close(dict(final))
             except Exception as exc:
                 log.warning("otel_train: closing %s failed: %s", sink.name, exc)
         # Keep a margin inside the budget for the abandon path itself.

@@ -71,6 +71,7 @@ class GoodputListener:
         for cause in CAUSES:
             self._badput.add(0, {semconv.BADPUT_CAUSE: cause})
         self.step_s = 0.0  # this process's step time (worker-side, from the flushed durations)
+        self.steps = 0
         self._previous = _load(state_path, run_id)
         self._reported = dict.fromkeys(CAUSES, 0.0)
         self._saved_at = 0.0
@@ -82,6 +83,7 @@ class GoodputListener:
 
     def on_flush(self, interval: Interval) -> None:
         self.step_s += math.fsum(interval.step_durations)
+        self.steps += interval.steps
         account = self.account()
         self.totals = account
         for cause in CAUSES:

@@ -1,7 +1,8 @@
 """Hang diagnosis: when a rank stops stepping (or on SIGUSR1), write every thread's Python stack
 to the run directory and raise a health event that names the file.
 
-A watchdog thread, not the worker, does this: the worker may itself be stuck in the telemetry
+A watchdog thread (waking about once a second; it also polls the runtime control file), not
+the worker, does this: the worker may itself be stuck in the telemetry
 collective when a peer hangs, and the training thread is the one that is stuck. The thread wakes
 every `poll_s`, compares the perf_counter time of the last completed step (one attribute store on the
 hot path) with `stall_timeout_s`, and reports each stall once (a new stall needs a step in between).
@@ -84,6 +85,7 @@ class HangWatchdog:
         stall_timeout_s: float,
         dump_signal: int | None = signal.SIGUSR1,
         poll_s: float | None = None,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.rank = rank
@@ -91,7 +93,8 @@ class HangWatchdog:
         self._events = events
         self._last_step = last_step  # () -> (step index, perf_counter time it ended, or None)
         self._stall_timeout_s = stall_timeout_s
-        self._poll_s = poll_s if poll_s is not None else min(5.0, max(0.05, stall_timeout_s / 4))
+        self._poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, stall_timeout_s / 4))
+        self._on_tick = on_tick  # more work for the same wake-up (the runtime control file)
         self._reported_for: float | None = None  # the step end time whose stall was reported
         self._stop = threading.Event()
         self._wake_r: int | None = None
@@ -157,6 +160,11 @@ class HangWatchdog:
                 self._stop.wait(self._poll_s)
             if not self._stop.is_set():
                 self._check_stall()
+                if self._on_tick is not None:
+                    try:
+                        self._on_tick()
+                    except Exception as exc:  # never let it kill stall detection
+                        log.warning("otel_train: watchdog tick failed: %s", exc)
 
     def _check_stall(self) -> None:
         step, ended = self._last_step()

@@ -41,6 +41,7 @@ from otel_train.interval import FlushListener
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
     from opentelemetry.sdk.resources import Resource
 
+    from otel_train.control import ControlChange
     from otel_train.exporters import Telemetry
     from otel_train.model import ModelWatch
     from otel_train.profiling import ProfileWindow, StepProfiler
@@ -160,7 +161,12 @@ class Session:
             self._last_step,
             config.stall_timeout_s,
             signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
+            on_tick=self._poll_control,
         )
+        from otel_train.control import ControlFile
+
+        self.control = ControlFile(self.run_dir, self.identity.rank, self.events) if self.run_dir else None
+        self._pending_control: ControlChange | None = None
 
         # hot-path state
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
@@ -309,6 +315,9 @@ class Session:
     # --- hot path (training thread) ------------------------------------------------------------
     def begin_step(self, step: int | None) -> int:
         index = self.step_index + 1 if step is None else step
+        pending = self._pending_control
+        if pending is not None and index >= pending.apply_at_step:
+            self._apply_control(pending, index)
         cfg = self.config
         self.sampled = self.worker.span_writer is not None and (
             index < cfg.trace_first or index % cfg.trace_every == 0
@@ -366,6 +375,54 @@ class Session:
             self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s
         ):
             self.flush()
+
+    def _poll_control(self) -> None:
+        """Watchdog thread: schedule a change from the control file (rank 0 decides the step)."""
+        if self.control is None:
+            return
+        steps = self.goodput.steps
+        end, first = self.step_end_ns, self.first_step_start_ns
+        per_step = (end - first) * 1e-9 / steps if steps and end and first else None
+        change = self.control.poll(self.step_index, per_step)
+        if change is None:
+            return
+        self._pending_control = change
+        self.events.emit(
+            "control",
+            f"runtime control v{change.version}: {dict(change.settings)} from step {change.apply_at_step}",
+            {"step": change.apply_at_step, "version": change.version},
+            severity="INFO",
+        )
+
+    def _apply_control(self, change: ControlChange, index: int) -> None:
+        """Training thread, as step `index` begins: apply a scheduled runtime-control change."""
+        import dataclasses
+
+        from otel_train.profiling import ProfileWindow
+
+        if self._pending_control is change:
+            self._pending_control = None
+        settings = dict(change.settings)
+        fields = {k: settings[k] for k in settings if k != "profile"}
+        self.config = dataclasses.replace(self.config, **fields)
+        self.timing_level = self.config.timing_log_level
+        if self.console is not None:
+            self.console.verbosity = self.config.verbosity
+        set_threshold = getattr(self.reducer, "set_threshold", None)
+        if "straggler_threshold" in fields and callable(set_threshold):
+            set_threshold(self.config.straggler_threshold)
+        if "profile" in settings:
+            options = dict(settings["profile"])
+            ranks = options.pop("ranks", None)
+            self.start_profile(ProfileWindow(**options), ranks)
+        if index > change.apply_at_step:
+            log.warning(
+                "otel_train: runtime control v%d applied at step %d, after its step %d (this rank "
+                "read the control file late)",
+                change.version,
+                index,
+                change.apply_at_step,
+            )
 
     def _note_long_gap(self, gap_ns: int) -> None:
         """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""

@@ -317,6 +317,49 @@ def overview() -> DashboardDef:
                 ),
             ),
             (
+                "Goodput",
+                (
+                    ts(
+                        "Goodput",
+                        T(agg("min", RUN, selector(sc.GOODPUT)), _lg(suffix=" (worst rank)")),
+                        unit="percentunit",
+                        min_val=0,
+                        description="Share of the job's wall time (all restarts of the run id) spent in "
+                        "training steps; the rest is badput, broken down on the right.",
+                    ),
+                    ts(
+                        "Badput by cause",
+                        T(
+                            agg("max", f"{RUN}, {label(sc.BADPUT_CAUSE)}", rate(sc.BADPUT_DURATION)),
+                            _lg(label(sc.BADPUT_CAUSE)),
+                        ),
+                        unit="percentunit",
+                        description="Seconds of badput per second of wall time, per cause (worst rank): "
+                        "startup, eval, checkpoint, stall, restart, other.",
+                    ),
+                ),
+            ),
+            (
+                "Mixed precision and profiling",
+                (
+                    ts(
+                        "Loss scale",
+                        T(agg("min", RUN, selector(sc.LOSS_SCALE)), _lg()),
+                        description="GradScaler's loss scale (ot.watch_scaler); it halves on every skipped step.",
+                    ),
+                    ts(
+                        "Skipped optimizer steps",
+                        T(agg("sum", RUN, rate(sc.SKIPPED_STEPS, fn="increase")), _lg()),
+                        description="Steps GradScaler skipped for inf/NaN gradients (ot.watch_scaler).",
+                    ),
+                    ts(
+                        "Profiled steps",
+                        T(agg("sum", RUN, rate(sc.PROFILED_STEPS, fn="increase")), _lg()),
+                        description="Steps inside an ot.profile window: step times there are skewed by the profiler.",
+                    ),
+                ),
+            ),
+            (
                 "Model (ot.watch)",
                 (
                     ts(

@@ -16,7 +16,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +140,8 @@ class SpanWriter:
         for step, record in sorted(steps.items()):
             span = self._start(f"train.step {step}", record, perf_to_epoch_ns, self._virtual_root(step))
             span.set_attribute("train.step", step)
+            for key, value in (record.attributes or {}).items():  # e.g. train.profiled
+                span.set_attribute(key, value)
             parents[step] = trace.set_span_in_context(span)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
             contexts[(None, _seconds(record))] = parents[step]
@@ -278,8 +280,6 @@ class Worker:
         span_writer: SpanWriter | None,
         queue_size: int,
         total_steps: int | None,
-        on_stall: Callable[[float], None] | None = None,
-        stall_timeout_s: float = 300.0,
         otel_logger: Any | None = None,
     ) -> None:
         self.instruments = instruments
@@ -295,10 +295,6 @@ class Worker:
         self.final_scalars: dict[str, float] = {}
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
-        self._on_stall = on_stall
-        self._stall_timeout_s = stall_timeout_s
-        self._stall_reported = False
-        self._last_batch_time = time.monotonic()
         self._errors_warned: set[str] = set()
         self._started_at = time.time()
         self._steps_done = 0
@@ -328,11 +324,7 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            try:
-                item = self.queue.get(timeout=min(self._stall_timeout_s, 5.0))
-            except queue.Empty:
-                self._check_stall()
-                continue
+            item = self.queue.get()
             if item is None:
                 return
             started = time.perf_counter()
@@ -340,19 +332,11 @@ class Worker:
                 if isinstance(item, Message):
                     self._deliver_message(item)
                 else:
-                    self._last_batch_time = time.monotonic()
-                    self._stall_reported = False
                     self._process(item)
             except Exception as exc:  # never let one bad flush kill telemetry
                 self._warn_once("flush", f"otel_train: a flush failed and was skipped: {exc!r}")
             finally:
                 self.busy_s += time.perf_counter() - started
-
-    def _check_stall(self) -> None:
-        idle = time.monotonic() - self._last_batch_time
-        if self.flushes and not self._stall_reported and idle >= self._stall_timeout_s and self._on_stall:
-            self._stall_reported = True
-            self._on_stall(idle)
 
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:

@@ -20,6 +20,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from otel_train import semconv
@@ -161,6 +162,13 @@ class CrossRankReducer:
 
     def close(self) -> None:
         self._closed = True
+
+    def set_threshold(self, threshold: float) -> None:
+        """Runtime control: a new straggler_threshold, applied from the next flush on (every rank
+        applies a control file at the same step, so verdicts stay identical across ranks)."""
+        # No lock: the worker may hold it for a whole collective; swapping a frozen object is atomic.
+        self.settings = replace(self.settings, threshold=float(threshold))
+        self.scorer.settings = self.settings
 
     def _disable(self, reason: str) -> None:
         if self.disabled_reason is None:

@@ -118,7 +118,8 @@ def rank_target(rank: int, world: int, flushes: int) -> dict[str, list[float]]:
 
     from otel_train.config import Config
     from otel_train.distributed import create_telemetry_group, detect_identity
-    from otel_train.straggler import CrossRankReducer, pack_len
+    from otel_train.rankwire import pack_len
+    from otel_train.straggler import CrossRankReducer
 
     identity = detect_identity(None)
     config = Config(timing_log_option="minmax")

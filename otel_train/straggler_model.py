@@ -39,6 +39,7 @@ When the data cannot tell, the model abstains rather than guesses (see `abstain_
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ def _pieces(name: str) -> set[str]:
     return pieces | {lower.replace("-", "_").replace(".", "_").replace("/", "_")}
 
 
+@functools.lru_cache(maxsize=1024)  # called per rank and phase at every flush; names are few
 def phase_category(name: str) -> Category:
     """data (data/dataloader/data_wait...), compute (forward/backward/optimizer...),
     communication (allreduce/comm...), else other. Matched on the name and its word pieces."""

@@ -24,6 +24,7 @@ the training thread only appended the raw values.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -111,6 +112,11 @@ def _encode_text(text: str, floats: int) -> list[float]:
 def _decode_text(values: Iterable[float]) -> str:
     raw = b"".join(int(v).to_bytes(6, "big") for v in values)
     return raw.rstrip(b"\x00").decode("utf-8", errors="ignore")
+
+
+@functools.lru_cache(maxsize=256)  # one host name per rank, decoded at every flush
+def _decode_host(values: tuple[float, ...]) -> str:
+    return _decode_text(values)
 
 
 class TimerTable:
@@ -251,12 +257,13 @@ def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
             seq=int(row[_H_SEQ]),
             step=int(row[_H_STEP]),
             node_rank=int(row[_H_NODE]),
-            host=_decode_text(row[_H_HOST : _H_HOST + HOST_FLOATS]),
+            host=_decode_host(tuple(row[_H_HOST : _H_HOST + HOST_FLOATS])),
             step_stats=Spread.decode(row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN]),
             local_rank=int(row[_H_LOCAL]),
             flags=int(row[_H_FLAGS]),
         )
-        for slot in range(capacity):
+        ids = row[HEADER_LEN + _S_ID : HEADER_LEN + capacity * SLOT_LEN : SLOT_LEN]
+        for slot in (i for i, v in enumerate(ids) if v):  # used slots only
             base = HEADER_LEN + slot * SLOT_LEN
             ident = int(row[base + _S_ID])
             if ident:

@@ -393,6 +393,7 @@ class StragglerScorer:
         self._relative: dict[int, float] = {}
         self._individual: dict[int, float] = {}
         self._best_own: dict[int, float] = {}
+        self._chronic: set[int] = set()  # ranks reported chronic at the last update
 
     def _smooth(self, state: dict[int, float], rank: int, raw: float) -> float:
         alpha = self.settings.ewma
@@ -421,11 +422,15 @@ class StragglerScorer:
             smoothed = self._smooth(self._relative, a.rank, raw)
             raw_ind, ind = self._individual_score(a.rank, a.own_s)
             scores.append(RankScores(a.rank, smoothed, ind, raw, raw_ind, a.chronic.seconds, a.wait_s))
-            if smoothed < threshold and a.chronic.seconds > 0:
+            # Hysteresis: a chronic straggler stays one until its score is half way back to 1, so a
+            # score hovering at the threshold is not reported again at every other flush.
+            limit = threshold + 0.5 * (1.0 - threshold) if a.rank in self._chronic else threshold
+            if smoothed < limit and a.chronic.seconds > 0:
                 chronic.append(self._report(a, "chronic", a.chronic, smoothed, raw))
             elif one_offs and a.step_s and a.one_off.seconds >= self.settings.one_off_steps * a.step_s:
                 step_score = a.step_s / (a.step_s + a.one_off.seconds)
                 one_off.append(self._report(a, "one_off", a.one_off, step_score, raw))
+        self._chronic = {r.rank for r in chronic}
         return scores, chronic + one_off
 
     @staticmethod

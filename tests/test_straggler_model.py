@@ -15,6 +15,8 @@ from otel_train.distributed import Identity
 from otel_train.interval import Interval
 from otel_train.rankwire import Spread, TimerTable, pack, unpack
 from otel_train.straggler_model import (
+    Lateness,
+    RankAssessment,
     RankView,
     Settings,
     StragglerReport,
@@ -236,3 +238,15 @@ def test_spread_is_robust() -> None:
     assert (s.count, s.median, s.max, s.mad) == (4, 0.1, 5.0, 0.0)
     assert Spread.of([0.1, 5.0]).median == 0.1  # lower median: one outlier never moves it
     assert Spread.of([]).count == 0 and Spread.decode(Spread.of([]).encode()).count == 0
+
+
+def test_chronic_verdict_has_hysteresis() -> None:
+    """A score hovering just around the threshold is one chronic straggler, not a new one each flush."""
+    scorer = StragglerScorer(Settings(threshold=0.9, ewma=1.0))
+    verdicts = []
+    for lateness in (0.0115, 0.0095, 0.0115, 0.0095, 0.0):  # raw scores 0.885, 0.905, ...; then on time
+        a = RankAssessment(0, 1, "h", 1, 0.1)
+        a.chronic = Lateness(lateness, "forward", "backward")
+        _, reports = scorer.update([RankAssessment(1, 0, "h", 0, 0.1), a])
+        verdicts.append([r.rank for r in reports])
+    assert verdicts == [[1], [1], [1], [1], []]

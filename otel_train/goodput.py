@@ -86,6 +86,15 @@ class GoodputListener:
         self.steps += interval.steps
         account = self.account()
         self.totals = account
+        if interval.steps:
+            self._report(account)
+        if interval.final or time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+            self._save(account)
+
+    def _report(self, account: dict[str, float]) -> None:
+        """Metrics move only with flushes that carry steps: a flush without steps (a
+        `log_metrics(step=...)` or the final one) repeats the last step, and bridges keep one
+        value per step. The state file and the end-of-run summary still get the last account."""
         for cause in CAUSES:
             delta = account[cause] - self._reported[cause]
             if delta > 0:
@@ -93,8 +102,6 @@ class GoodputListener:
                 self._reported[cause] = account[cause]
         if account["wall_s"] > 0:
             self._gauge.set(account["productive_s"] / account["wall_s"])
-        if interval.final or time.monotonic() - self._saved_at >= SAVE_EVERY_S:
-            self._save(account)
 
     def account(self) -> dict[str, float]:
         """Job-wide totals in seconds: `wall_s`, `productive_s` and one entry per cause."""

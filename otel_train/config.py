@@ -68,7 +68,8 @@ class Config:
     total_steps: int | None = None
     # health
     loss_spike_factor: float = 3.0  # loss > factor x recent EWMA mean is a spike
-    stall_timeout_s: float = 300.0
+    stall_timeout_s: float = 300.0  # no completed step for this long: stall event + stack dump
+    stack_dump_signal: str = "SIGUSR1"  # `kill -USR1 <pid>` dumps every thread's stack; "" turns it off
     # bridges
     tensorboard: bool = False
     wandb: bool = False
@@ -92,7 +93,7 @@ class Config:
     # your code (torch.cuda.max_memory_allocated() keeps working); the peak is then the run's.
     cuda_peak_per_interval: bool = True
     # distributed
-    straggler_threshold: float = 0.8
+    straggler_threshold: float = 0.9  # relative score: 1 - lateness / step time
     straggler_ewma: float = 0.5
     collective_timeout_s: float = 60.0
 
@@ -305,9 +306,14 @@ def validate(config: Config) -> None:
     )
     need(config.loss_spike_factor > 1, "loss_spike_factor", "use a factor > 1")
     need(config.stall_timeout_s > 0, "stall_timeout_s", "use a positive number of seconds")
+    need(
+        config.stack_dump_signal == "" or signal_number(config.stack_dump_signal) is not None,
+        "stack_dump_signal",
+        "use a signal name such as SIGUSR1 or SIGUSR2, or an empty string to turn signal dumps off",
+    )
     need(config.hardware_interval_s > 0, "hardware_interval_s", "use a positive number of seconds")
     need(config.peak_flops is None or config.peak_flops > 0, "peak_flops", "use FLOP/s > 0 or leave unset")
-    need(0 < config.straggler_threshold < 1, "straggler_threshold", "use a score in (0, 1), e.g. 0.8")
+    need(0 < config.straggler_threshold < 1, "straggler_threshold", "use a score in (0, 1), e.g. 0.9")
     need(0 < config.straggler_ewma <= 1, "straggler_ewma", "use a smoothing factor in (0, 1]")
     need(config.collective_timeout_s > 0, "collective_timeout_s", "use a positive number of seconds")
     need(bool(config.service_name.strip()), "service_name", "use a non-empty name")
@@ -324,6 +330,18 @@ def validate(config: Config) -> None:
             name,
             "use letters, digits and _ . : - (max 128 characters)",
         )
+
+
+def signal_number(name: str) -> int | None:
+    """`SIGUSR1` / `USR1` / `10` as a signal number, None if there is no such signal."""
+    import signal
+
+    text = name.strip().upper()
+    if text.isdigit():
+        number = int(text)
+        return number if number in {s.value for s in signal.Signals} else None
+    member = getattr(signal.Signals, text if text.startswith("SIG") else f"SIG{text}", None)
+    return int(member) if member is not None else None
 
 
 def is_secret_key(key: str) -> bool:

@@ -16,7 +16,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,17 @@ def step_trace_ids(run_id: str, step: int) -> tuple[int, int]:
     return trace_id, span_id
 
 
+# (phase name or None for the step, duration in seconds) -> context holding that span. The
+# duration is computed exactly as the training thread computes the histogram value, so the
+# sampled step's (or phase's) own measurement finds its span: recorded in that context, the
+# histogram point gets the span's trace id as an exemplar (the SDK's trace_based filter).
+ExemplarContexts = dict[tuple[str | None, float], Any]
+
+
+def _seconds(record: SpanRecord) -> float:
+    return (record.end_ns - record.start_ns) * 1e-9
+
+
 class SpanWriter:
     """Turns SpanRecords (perf-counter timestamps) into OTel spans with explicit times."""
 
@@ -121,14 +132,20 @@ class SpanWriter:
         self._run_id = run_id
         self._rank = rank
 
-    def write(self, records: Sequence[SpanRecord], perf_to_epoch_ns: int) -> None:
+    def write(self, records: Sequence[SpanRecord], perf_to_epoch_ns: int) -> ExemplarContexts:
+        """Export the spans; return the context of each one, keyed by what its duration histogram
+        records (so that those points carry the span's trace id as an exemplar)."""
+        contexts: ExemplarContexts = {}
         steps = {r.step: r for r in records if r.kind == "step"}
         parents: dict[int, Any] = {}
         for step, record in sorted(steps.items()):
             span = self._start(f"train.step {step}", record, perf_to_epoch_ns, self._virtual_root(step))
             span.set_attribute("train.step", step)
+            for key, value in (record.attributes or {}).items():  # e.g. train.profiled
+                span.set_attribute(key, value)
             parents[step] = trace.set_span_in_context(span)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
+            contexts[(None, _seconds(record))] = parents[step]
         for record in records:
             if record.kind == "step":
                 continue
@@ -140,6 +157,8 @@ class SpanWriter:
             for key, value in (record.attributes or {}).items():
                 span.set_attribute(key, value)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
+            contexts[(record.name, _seconds(record))] = trace.set_span_in_context(span)
+        return contexts
 
     def _virtual_root(self, step: int) -> Any:
         trace_id, root_id = step_trace_ids(self._run_id, step)
@@ -246,6 +265,27 @@ def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats,
     return [(r, values) for r, values in zip(records, resolved, strict=True) if values is not None]
 
 
+def _record_durations(
+    histogram: Any,
+    values: Sequence[float],
+    phase: str | None,
+    attributes: dict[str, str],
+    exemplars: ExemplarContexts,
+) -> None:
+    """Durations with an exemplar context (sampled spans) one by one, the rest in bulk."""
+    if not exemplars:
+        record_many(histogram, values, attributes)
+        return
+    bulk: list[float] = []
+    for seconds in values:
+        context = exemplars.pop((phase, seconds), None)
+        if context is None:
+            bulk.append(seconds)
+        else:
+            histogram.record(seconds, attributes, context)
+    record_many(histogram, bulk, attributes)
+
+
 class Worker:
     """The one background thread that turns flushes into telemetry."""
 
@@ -259,8 +299,6 @@ class Worker:
         span_writer: SpanWriter | None,
         queue_size: int,
         total_steps: int | None,
-        on_stall: Callable[[float], None] | None = None,
-        stall_timeout_s: float = 300.0,
         otel_logger: Any | None = None,
     ) -> None:
         self.instruments = instruments
@@ -277,10 +315,6 @@ class Worker:
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
-        self._on_stall = on_stall
-        self._stall_timeout_s = stall_timeout_s
-        self._stall_reported = False
-        self._last_batch_time = time.monotonic()
         self._errors_warned: set[str] = set()
         self._started_at = time.time()
         self._steps_done = 0
@@ -310,11 +344,7 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            try:
-                item = self.queue.get(timeout=min(self._stall_timeout_s, 5.0))
-            except queue.Empty:
-                self._check_stall()
-                continue
+            item = self.queue.get()
             if item is None:
                 return
             started, cpu_started = time.perf_counter(), time.thread_time()
@@ -322,8 +352,6 @@ class Worker:
                 if isinstance(item, Message):
                     self._deliver_message(item)
                 else:
-                    self._last_batch_time = time.monotonic()
-                    self._stall_reported = False
                     self._process(item)
             except Exception as exc:  # never let one bad flush kill telemetry
                 self._warn_once("flush", f"otel_train: a flush failed and was skipped: {exc!r}")
@@ -331,22 +359,17 @@ class Worker:
                 self.busy_s += time.perf_counter() - started
                 self.cpu_s += time.thread_time() - cpu_started
 
-    def _check_stall(self) -> None:
-        idle = time.monotonic() - self._last_batch_time
-        if self.flushes and not self._stall_reported and idle >= self._stall_timeout_s and self._on_stall:
-            self._stall_reported = True
-            self._on_stall(idle)
-
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:
         interval = self._resolve(batch)
         if batch.layer_stats:
             self._feed_layer_stats(batch)
-        self._feed(batch, interval)
+        exemplars: ExemplarContexts = {}
+        if self.span_writer is not None and batch.spans:
+            exemplars = self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
+        self._feed(batch, interval, exemplars)
         for key, step, values in batch.histograms:
             self._deliver_message(Message("histogram", key, values, step))
-        if self.span_writer is not None and batch.spans:
-            self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
         for listener in self.listeners:
             try:
                 listener.on_flush(interval)
@@ -391,12 +414,13 @@ class Worker:
             samples=batch.samples,
             step_durations=batch.step_durations,
             phases=phases,
+            arrivals=batch.arrivals,
             scalars=scalars,
             final=batch.final,
             flush_interval=batch.flush_interval,
         )
 
-    def _feed(self, batch: FlushBatch, interval: Interval) -> None:
+    def _feed(self, batch: FlushBatch, interval: Interval, exemplars: ExemplarContexts) -> None:
         ins = self.instruments
         if interval.steps:
             ins.steps.add(interval.steps)
@@ -406,12 +430,14 @@ class Worker:
             ins.tokens.add(interval.tokens)
         if interval.samples:
             ins.samples.add(interval.samples)
-        # One aggregation step per series and flush (histogram_feed), not one record() per value.
-        record_many(ins.step_duration, interval.step_durations)
+        # Sampled steps' durations go one by one with their span's context (trace-based exemplars);
+        # the rest reach the SDK as one aggregation step per series and flush (histogram_feed).
+        _record_durations(ins.step_duration, interval.step_durations, None, {}, exemplars)
         for name, values in interval.phases.items():
-            record_many(ins.phase_duration, values, {semconv.PHASE: name})
+            _record_durations(ins.phase_duration, values, name, {semconv.PHASE: name}, exemplars)
         for (name, error), values in batch.phase_errors.items():
-            record_many(ins.phase_duration, values, {semconv.PHASE: name, semconv.ERROR_TYPE: error})
+            attributes = {semconv.PHASE: name, semconv.ERROR_TYPE: error}
+            _record_durations(ins.phase_duration, values, name, attributes, exemplars)
         for instrument, values in interval.scalars.items():
             gauge = ins.gauge(instrument)
             if gauge is None:

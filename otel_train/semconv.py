@@ -64,6 +64,7 @@ REASON = "otel_train.reason"
 EVENT = "otel_train.event"
 STRAGGLER_KIND = "straggler.kind"  # relative | individual
 STAT = "stat"  # min | max | mean | median
+BADPUT_CAUSE = "train.badput.cause"  # startup | eval | checkpoint | stall | restart | other
 LAYER = "train.layer"  # a module path from ot.watch(model), e.g. blocks.3.attn
 HW_ID = "hw.id"
 HW_NAME = "hw.name"
@@ -147,6 +148,27 @@ NONFINITE_LOSS = _m(
     "train.loss.nonfinite", S.COUNTER, "{value}", "Non-finite (NaN/Inf) loss values seen.",
     "health/nonfinite_loss",
 )  # fmt: skip
+GOODPUT = _m(
+    "train.goodput", S.GAUGE, "1",
+    "Share of the job's wall time (all restarts of the run id) spent in training steps.", "train/goodput",
+)  # fmt: skip
+BADPUT_DURATION = _m(
+    "train.badput.duration", S.COUNTER, "s", "Wall time not spent in training steps, by cause.",
+    "train/badput/{train.badput.cause}", (BADPUT_CAUSE,),
+)  # fmt: skip
+LOSS_SCALE = _m(
+    "train.loss_scale", S.GAUGE, "", "Mixed-precision loss scale (GradScaler, ot.watch_scaler).",
+    "train/loss_scale",
+)  # fmt: skip
+SKIPPED_STEPS = _m(
+    "train.optimizer.skipped_steps", S.COUNTER, "{step}",
+    "Optimizer steps skipped for inf/NaN gradients (GradScaler, ot.watch_scaler).", "train/skipped_steps",
+)  # fmt: skip
+PROFILED_STEPS = _m(
+    "train.profiler.steps", S.COUNTER, "{step}",
+    "Steps run inside an ot.profile window (their durations are skewed by the profiler).",
+    "train/profiled_steps",
+)  # fmt: skip
 HEALTH_EVENTS = _m(
     "train.health.events", S.COUNTER, "{event}",
     "Health events (nonfinite, nonfinite_grad, loss_spike, straggler, stall, gpu_lost, memory_pressure, "
@@ -162,8 +184,21 @@ DROPPED = _m(
 # --- distributed -----------------------------------------------------------------------------------
 STRAGGLER_SCORE = _m(
     "train.straggler.score", S.GAUGE, "1",
-    "Straggler score of this rank (reference time / this rank's time; 1 = healthy, lower = slower).",
+    "Straggler score of this rank (1 = healthy, lower = slower). relative: 1 - this rank's lateness / "
+    "step time (the share of the job's step the others wait for it); individual: own best / own time "
+    "now (step time minus the time spent waiting for others).",
     "stragglers/{straggler.kind}", attributes=(STRAGGLER_KIND, PHASE),
+)  # fmt: skip
+STRAGGLER_LATENESS = _m(
+    "train.straggler.lateness", S.GAUGE, "s",
+    "How late this rank arrives per step, against the other ranks' median arrival (median over the "
+    "interval, at its latest phase end; 0 = on time). The rank the others wait for has the largest.",
+    "stragglers/lateness",
+)  # fmt: skip
+STRAGGLER_WAIT = _m(
+    "train.straggler.wait", S.GAUGE, "s",
+    "Time per step this rank waits for the latest rank at the synchronization (0 = nobody to wait for).",
+    "stragglers/wait",
 )  # fmt: skip
 PHASE_CROSS_RANK = _m(
     "train.phase.cross_rank", S.GAUGE, "s",

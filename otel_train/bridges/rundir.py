@@ -59,6 +59,8 @@ class RunDirSink(Sink):
         ]
         if "progress/eta_s" in scalars:
             parts.append(f"eta {_hms(scalars['progress/eta_s'])}")
+        if "train/goodput" in scalars:
+            parts.append(f"goodput {100 * scalars['train/goodput']:.1f}%")
         self._progress.write(" | ".join(parts) + "\n")
 
     def write_text(self, key: str, text: str, step: int) -> None:
@@ -77,6 +79,11 @@ class RunDirSink(Sink):
         write_json(self.run_dir / "hparams.json", dict(params))
 
     def close(self, final_scalars: Mapping[str, float]) -> None:
+        from otel_train.goodput import summary
+
+        line = summary(final_scalars)
+        if self._progress is not None and line:
+            self._progress.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | end of process | {line}\n")
         for fh in (self._metrics, self._progress):
             if fh is None:
                 continue

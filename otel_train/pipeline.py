@@ -530,7 +530,7 @@ class Worker:
         self.sink_errors[sink.name] = self.sink_errors.get(sink.name, 0) + 1
         self.instruments.dropped.add(1, {semconv.REASON: "sink_error"})
         self._warn_once(
-            sink.name,
+            f"{sink.name}:{getattr(exc, 'filename', None)}",  # once per sink and file
             f"otel_train: sink {sink.name} failed: {type(exc).__name__}: {exc}. "
             "Further failures of this sink are counted in otel_train.dropped{reason=sink_error}.",
         )

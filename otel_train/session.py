@@ -62,8 +62,9 @@ class Session:
         self.run_dir = self._make_run_dir()
         self.resumed = False
         if self.run_dir is not None:
-            self.resumed = claim_run_dir(
-                self.run_dir, self.identity.rank, self.identity.run_id, self.run_name
+            run_dir, rank, run_id = self.run_dir, self.identity.rank, self.identity.run_id
+            self.resumed = _run_dir_errors_as_config_errors(
+                lambda: claim_run_dir(run_dir, rank, run_id, self.run_name)
             )
         gpu_discovery = None
         if config.hardware:

@@ -20,19 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-import opentelemetry.sdk.metrics  # noqa: F401  (imported once here, not in every child)
-import opentelemetry.sdk.resources  # noqa: F401
+import opentelemetry.sdk.metrics
+import opentelemetry.sdk.resources
 import opentelemetry.sdk.trace  # noqa: F401
 import torch.distributed  # noqa: F401  (init() imports it: 3 s per child otherwise)
 
 import otel_train as ot
-import otel_train.bridges.console  # noqa: F401
-import otel_train.bridges.step_reader  # noqa: F401
-import otel_train.envinfo  # noqa: F401
-import otel_train.exporters  # noqa: F401
-import otel_train.health  # noqa: F401
-import otel_train.pipeline  # noqa: F401
-import otel_train.straggler  # noqa: F401
+import otel_train.bridges.console
+import otel_train.bridges.step_reader
+import otel_train.envinfo
+import otel_train.exporters
+import otel_train.health
+import otel_train.pipeline
+import otel_train.straggler
 
 HANG_S = 10.0
 DONE = struct.Struct("q")
@@ -87,7 +87,14 @@ def main() -> int:
     hard_stop = time.monotonic() + 3 * float(sys.argv[2])
     rng = random.Random(int(os.environ.get("SIGTERM_SEED", "12")))
     shared = mmap.mmap(-1, 16)
-    results = {"tries": 0, "hangs": 0, "bad_status": [], "missing_steps": [], "torn": [], "during_shutdown": 0}
+    results = {
+        "tries": 0,
+        "hangs": 0,
+        "bad_status": [],
+        "missing_steps": [],
+        "torn": [],
+        "during_shutdown": 0,
+    }
     while (time.monotonic() < deadline or results["tries"] < min_tries) and time.monotonic() < hard_stop:
         index = results["tries"]
         results["tries"] += 1

@@ -38,7 +38,9 @@ def test_otlp_timeout_variable_is_milliseconds() -> None:
     assert load_config({}, environ={"OTEL_TRAIN_OTLP_TIMEOUT_S": "3"}).otlp_timeout_s == 3.0
 
 
-@pytest.mark.parametrize("endpoint", ["http://h:99999", "http://h:0", "https://h:4318/v1/traces", "http://h/v1/logs/"])
+@pytest.mark.parametrize(
+    "endpoint", ["http://h:99999", "http://h:0", "https://h:4318/v1/traces", "http://h/v1/logs/"]
+)
 def test_unusable_endpoints_are_refused_with_the_fix(endpoint) -> None:
     with pytest.raises(ConfigError) as info:
         load_config({"otlp_endpoint": endpoint})

@@ -40,9 +40,8 @@ def _fill(disk: Path, leave: int) -> None:
     """Fill the filesystem to `leave` free bytes."""
     stats = os.statvfs(disk)
     free = stats.f_bavail * stats.f_frsize
-    with (disk / "filler").open("wb") as fh:
-        with contextlib.suppress(OSError):
-            fh.write(b"x" * max(0, free - leave))
+    with (disk / "filler").open("wb") as fh, contextlib.suppress(OSError):
+        fh.write(b"x" * max(0, free - leave))
 
 
 def _rows(path: Path) -> list[dict]:
@@ -85,9 +84,8 @@ def test_full_disk_at_init_is_a_config_error(tmp_path) -> None:
 
 
 def test_read_only_run_dir_at_init_is_a_config_error(tmp_path) -> None:
-    with small_tmpfs(tmp_path / "ro", read_only=True) as disk:
-        with pytest.raises(ConfigError) as info:
-            ot.init(output_dir=str(disk), run_name="r", prometheus_port=0, verbosity=0, hardware=False)
+    with small_tmpfs(tmp_path / "ro", read_only=True) as disk, pytest.raises(ConfigError) as info:
+        ot.init(output_dir=str(disk), run_name="r", prometheus_port=0, verbosity=0, hardware=False)
     assert str(disk / "r") in str(info.value) and "output_dir" in str(info.value)
 
 

@@ -41,7 +41,9 @@ def test_planted_secret_reaches_no_output(tmp_path, monkeypatch, capfd, caplog) 
             metric_export_interval_s=0.2,
             tensorboard=True,
         )
-        ot.log_hyperparams({"lr": 1e-3, "api_key": SECRET, "nested": {"password": SECRET}, "url": f"http://u:{SECRET}@h"})
+        ot.log_hyperparams(
+            {"lr": 1e-3, "api_key": SECRET, "nested": {"password": SECRET}, "url": f"http://u:{SECRET}@h"}
+        )
         ot.log_text("note", f"started with api_key={SECRET} and Authorization: Bearer {SECRET}")
         ot.log_samples([("prompt", f"password: {SECRET}")])
         for i in range(6):
@@ -56,7 +58,9 @@ def test_planted_secret_reaches_no_output(tmp_path, monkeypatch, capfd, caplog) 
                                   "logging": caplog.text.encode()}  # fmt: skip
     files = [p for p in Path(session.run_dir).rglob("*") if p.is_file()]
     assert any("tfevents" in p.name for p in files)  # the TensorBoard bridge wrote its file
-    assert {"config.json", "env.json", "hparams.json", "text.jsonl", "samples.jsonl"} <= {p.name for p in files}
+    assert {"config.json", "env.json", "hparams.json", "text.jsonl", "samples.jsonl"} <= {
+        p.name for p in files
+    }
     channels.update({str(p): p.read_bytes() for p in files})
     channels.update({f"otlp body {i}": body for i, body in enumerate(received.raw)})
     assert received.metrics and received.raw and b"target_info" in scrape

@@ -55,7 +55,9 @@ def test_value_fuzz_never_raises_and_every_flush_lands(tmp_path) -> None:
             {"a": 1}, object(), _Explodes(), _Weird(1.0), Decimal("NaN"), np.int64(3), np.float16(1.5),
             np.array([1.0, 2.0]), np.array(4.0), torch.tensor(5.0), torch.ones(2), torch.tensor(1 + 1j),
             torch.tensor(7, dtype=torch.int64), complex(1, 2)]  # fmt: skip
-    session = ot.init(output_dir=str(tmp_path), run_name="fuzz", prometheus_port=0, verbosity=0, log_interval=5)
+    session = ot.init(
+        output_dir=str(tmp_path), run_name="fuzz", prometheus_port=0, verbosity=0, log_interval=5
+    )
     for step in range(50):
         with ot.step(step):
             for _ in range(5):
@@ -134,7 +136,7 @@ def test_name_fuzz_keeps_metrics_endpoint_valid(tmp_path) -> None:
 
     promtool = require_binary("promtool")
     rng = random.Random(3)
-    alphabet = "abcXYZ019_./- :{}\"\\é"
+    alphabet = 'abcXYZ019_./- :{}"\\é'
     names = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(300)]
     names += ["tokens_total", "steps_total", "train.tokens_created", "a.b", "a_b", "a__b", "a/b", "A-B",
               "train_step_duration_seconds_bucket", "target_info", "otel_train_dropped_total", "loss",
@@ -149,7 +151,9 @@ def test_name_fuzz_keeps_metrics_endpoint_valid(tmp_path) -> None:
     text = b""
     for _ in range(200):  # until the worker has fed the last flush (no wall-clock assertion)
         text = urllib.request.urlopen(session.prometheus_url, timeout=5).read()
-        if any(line.startswith(b"train_steps_total{") and line.endswith(b" 3.0") for line in text.splitlines()):
+        if any(
+            line.startswith(b"train_steps_total{") and line.endswith(b" 3.0") for line in text.splitlines()
+        ):
             break
         time.sleep(0.05)
     ot.shutdown()
@@ -163,19 +167,18 @@ def test_name_fuzz_keeps_metrics_endpoint_valid(tmp_path) -> None:
 
 def test_logger_api_misuse_never_raises(caplog) -> None:
     caplog.set_level(logging.WARNING, logger="otel_train")
-    with capture_metrics(log_interval=1) as cap:
-        with ot.step(0):
-            ot.log_hyperparams(None)  # type: ignore[arg-type]
-            ot.log_hyperparams([1, 2])  # type: ignore[arg-type]
-            ot.log_samples([("p", "o"), ("only one",), 5, None, ("a", "b", "c")])  # type: ignore[list-item]
-            ot.log_samples(None)  # type: ignore[arg-type]
-            ot.log_text("t", "x", step="soon")  # type: ignore[arg-type]
-            with ot.timer("a", level="1"):  # type: ignore[arg-type]
-                pass
-            with ot.timer("b", level="high"):  # type: ignore[arg-type]
-                pass
-            with ot.timer("c", level=None):  # type: ignore[arg-type]
-                pass
+    with capture_metrics(log_interval=1) as cap, ot.step(0):
+        ot.log_hyperparams(None)  # type: ignore[arg-type]
+        ot.log_hyperparams([1, 2])  # type: ignore[arg-type]
+        ot.log_samples([("p", "o"), ("only one",), 5, None, ("a", "b", "c")])  # type: ignore[list-item]
+        ot.log_samples(None)  # type: ignore[arg-type]
+        ot.log_text("t", "x", step="soon")  # type: ignore[arg-type]
+        with ot.timer("a", level="1"):  # type: ignore[arg-type]
+            pass
+        with ot.timer("b", level="high"):  # type: ignore[arg-type]
+            pass
+        with ot.timer("c", level=None):  # type: ignore[arg-type]
+            pass
     assert cap.last("timers/a/count") == 1  # "1" read as level 1
     assert sum(v for _, v in cap.series("otel_train/dropped/invalid_sample")) >= 4
     assert sum(v for _, v in cap.series("otel_train/dropped/invalid_type")) >= 3

@@ -9,6 +9,7 @@ Prints one JSON summary line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -50,7 +51,8 @@ def child(out: Path, index: int, steps: int, shared: mmap.mmap, ready_fd: int) -
             hardware=False,
             queue_size=2,
         )
-        os.write(ready_fd, b"R")
+        with contextlib.suppress(OSError):  # the parent stopped waiting (a slow init): fine
+            os.write(ready_fd, b"R")
         for step in range(steps):
             with ot.step(step, tokens=1):
                 ot.record("loss", 1.0)
@@ -62,7 +64,7 @@ def child(out: Path, index: int, steps: int, shared: mmap.mmap, ready_fd: int) -
     except BaseException:
         import traceback
 
-        traceback.print_exc()
+        (out / f"t{index}.error").write_text(traceback.format_exc())
         os._exit(3)
     os._exit(4)
 
@@ -106,7 +108,7 @@ def main() -> int:
             os.close(ready_r)
             child(out, index, steps, shared, ready_w)
         os.close(ready_w)
-        select.select([ready_r], [], [], HANG_S)  # wait for init() (a signal before it is trivial)
+        select.select([ready_r], [], [], 3 * HANG_S)  # wait for init() (a signal before it is trivial)
         os.close(ready_r)
         # Over the loop (~0.1 ms a step) and the shutdown (~6 ms): flushes, the final flush, the
         # worker's drain, closing sinks and exporters.
@@ -130,7 +132,8 @@ def main() -> int:
             os.waitpid(pid, 0)
             continue
         if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM):
-            results["bad_status"].append((index, status))
+            error = out / f"t{index}.error"
+            results["bad_status"].append((index, status, error.read_text()[-1500:] if error.exists() else ""))
         results["during_shutdown"] += int(in_shutdown)
         written, whole = jsonl_steps(out / f"t{index}" / "metrics.rank0.jsonl")
         if written < before_signal:

@@ -172,6 +172,9 @@ class Target:
     legend: str = ""
     instant: bool = False
     fmt: PromQueryFormat = PromQueryFormat.TIME_SERIES
+    # Also fetch exemplars: histogram buckets of sampled steps carry their trace id (collector
+    # `enable_open_metrics`, Prometheus `exemplar-storage`); Grafana links them to Tempo.
+    exemplar: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,11 @@ def table(title: str, *targets: Target, **kw: object) -> PanelDef:
 
 def T(expr: str, legend: str = "") -> Target:
     return Target(expr, legend)
+
+
+def TX(expr: str, legend: str = "") -> Target:
+    """A latency target over histogram buckets that also requests exemplars (trace links)."""
+    return Target(expr, legend, exemplar=True)
 
 
 # --- which catalogue metrics an expression reads --------------------------------------------------
@@ -309,6 +317,49 @@ def overview() -> DashboardDef:
                 ),
             ),
             (
+                "Goodput",
+                (
+                    ts(
+                        "Goodput",
+                        T(agg("min", RUN, selector(sc.GOODPUT)), _lg(suffix=" (worst rank)")),
+                        unit="percentunit",
+                        min_val=0,
+                        description="Share of the job's wall time (all restarts of the run id) spent in "
+                        "training steps; the rest is badput, broken down on the right.",
+                    ),
+                    ts(
+                        "Badput by cause",
+                        T(
+                            agg("max", f"{RUN}, {label(sc.BADPUT_CAUSE)}", rate(sc.BADPUT_DURATION)),
+                            _lg(label(sc.BADPUT_CAUSE)),
+                        ),
+                        unit="percentunit",
+                        description="Seconds of badput per second of wall time, per cause (worst rank): "
+                        "startup, eval, checkpoint, stall, restart, other.",
+                    ),
+                ),
+            ),
+            (
+                "Mixed precision and profiling",
+                (
+                    ts(
+                        "Loss scale",
+                        T(agg("min", RUN, selector(sc.LOSS_SCALE)), _lg()),
+                        description="GradScaler's loss scale (ot.watch_scaler); it halves on every skipped step.",
+                    ),
+                    ts(
+                        "Skipped optimizer steps",
+                        T(agg("sum", RUN, rate(sc.SKIPPED_STEPS, fn="increase")), _lg()),
+                        description="Steps GradScaler skipped for inf/NaN gradients (ot.watch_scaler).",
+                    ),
+                    ts(
+                        "Profiled steps",
+                        T(agg("sum", RUN, rate(sc.PROFILED_STEPS, fn="increase")), _lg()),
+                        description="Steps inside an ot.profile window: step times there are skewed by the profiler.",
+                    ),
+                ),
+            ),
+            (
                 "Model (ot.watch)",
                 (
                     ts(
@@ -338,11 +389,12 @@ def overview() -> DashboardDef:
                 (
                     ts(
                         "Step time p50 / p95 / p99",
-                        T(quantile(0.5, step, RUN), _lg(suffix=" p50")),
-                        T(quantile(0.95, step, RUN), _lg(suffix=" p95")),
-                        T(quantile(0.99, step, RUN), _lg(suffix=" p99")),
+                        TX(quantile(0.5, step, RUN), _lg(suffix=" p50")),
+                        TX(quantile(0.95, step, RUN), _lg(suffix=" p95")),
+                        TX(quantile(0.99, step, RUN), _lg(suffix=" p99")),
                         T(mean(step, RUN), _lg(suffix=" mean")),
                         unit="s",
+                        description="Dots are exemplars: click one to open that sampled step's trace in Tempo.",
                     ),
                     PanelDef(
                         "Step time distribution",
@@ -355,6 +407,13 @@ def overview() -> DashboardDef:
                         ),
                         "heatmap",
                         unit="s",
+                    ),
+                    ts(
+                        "Phase time p95 by phase",
+                        TX(quantile(0.95, sc.PHASE_DURATION, f"{RUN}, {PHASE}"), _lg(PHASE, suffix=" p95")),
+                        unit="s",
+                        width=24,
+                        description="Dots are exemplars: click one to open the trace of a sampled step.",
                     ),
                 ),
             ),
@@ -375,7 +434,7 @@ def ranks() -> DashboardDef:
                 "Per-rank times",
                 (
                     ts("Mean step time by rank", T(mean(step, _R), _lg(RANK)), unit="s"),
-                    ts("Step time p95 by rank", T(quantile(0.95, step, _R), _lg(RANK)), unit="s"),
+                    ts("Step time p95 by rank", TX(quantile(0.95, step, _R), _lg(RANK)), unit="s"),
                     ts(
                         "Mean phase time by rank",
                         T(mean(phase, f"{_R}, {PHASE}"), _lg(RANK, PHASE)),
@@ -781,6 +840,7 @@ def _render_panel(panel: PanelDef, panel_id: int) -> object:
     for i, target in enumerate(panel.targets):
         q = Dataquery().expr(target.expr).ref_id(chr(ord("A") + i)).datasource(DS).format(target.fmt)
         q = q.legend_format(target.legend) if target.legend else q
+        q = q.exemplar(True) if target.exemplar else q
         q = q.instant() if target.instant else q.range()
         b = b.with_target(q)
     return b

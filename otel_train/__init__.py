@@ -25,6 +25,7 @@ from otel_train.timing import span, step, timed, timer
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
+    from otel_train.amp import ScalerWatch
     from otel_train.model import ModelWatch, NullWatch
     from otel_train.session import Session
 
@@ -43,6 +44,7 @@ __all__ = [
     "log_metrics",
     "log_samples",
     "log_text",
+    "profile",
     "record",
     "shutdown",
     "span",
@@ -50,6 +52,7 @@ __all__ = [
     "timed",
     "timer",
     "watch",
+    "watch_scaler",
 ]
 
 
@@ -197,6 +200,49 @@ def watch(
         earlier.remove()
     handle = ModelWatch(session, model, every, grads, params, activations, histograms, max_layers)
     session.watches.append(handle)
+    return handle
+
+
+def profile(
+    wait: int = 0,
+    warmup: int = 1,
+    active: int = 3,
+    repeat: int = 1,
+    skip_first: int = 0,
+    ranks: Sequence[int] | None = None,
+) -> bool:
+    """Profile upcoming steps with torch.profiler: counting from the next step, skip `skip_first`,
+    then `repeat` cycles of `wait` idle, `warmup` and `active` recorded steps. Chrome traces go to
+    `<run dir>/profiles/rank<k>/`; profiled steps are traced and counted (`train.profiler.steps`).
+    Call it any time on the training thread (for example when a condition arises) on the ranks
+    you name (default: every rank). Returns True when a window started on this rank.
+    """
+    from otel_train.profiling import ProfileWindow
+
+    window = ProfileWindow(wait, warmup, active, repeat, skip_first)  # raises on bad arguments
+    session = _session_mod._current
+    if session is None:
+        return False
+    return session.start_profile(window, ranks)
+
+
+def watch_scaler(scaler: Any) -> ScalerWatch | None:
+    """Export a `torch.amp.GradScaler`'s loss scale (`train.loss_scale`) and count the optimizer
+    steps it skips for inf/NaN gradients (`train.optimizer.skipped_steps`), with no host sync.
+    Call once after creating the scaler; use the scaler as usual. Returns the handle (`.remove()`),
+    or None before `init()`."""
+    from otel_train.amp import ScalerWatch
+
+    if not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "scale"):
+        raise TypeError(f"ot.watch_scaler expects a torch.amp.GradScaler, got {type(scaler).__name__}")
+    session = _session_mod._current
+    if session is None:
+        return None
+    for listener in [x for x in session.listeners if isinstance(x, ScalerWatch) and x.scaler is scaler]:
+        listener.remove()
+        session.listeners.remove(listener)
+    handle = ScalerWatch(scaler, session.meter)
+    session.add_listener(handle)
     return handle
 
 

@@ -65,7 +65,8 @@ class Config:
     total_steps: int | None = None
     # health
     loss_spike_factor: float = 3.0  # loss > factor x recent EWMA mean is a spike
-    stall_timeout_s: float = 300.0
+    stall_timeout_s: float = 300.0  # no completed step for this long: stall event + stack dump
+    stack_dump_signal: str = "SIGUSR1"  # `kill -USR1 <pid>` dumps every thread's stack; "" turns it off
     # bridges
     tensorboard: bool = False
     wandb: bool = False
@@ -338,6 +339,11 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
     )
     need(config.loss_spike_factor > 1, "loss_spike_factor", "use a factor > 1")
     need(config.stall_timeout_s > 0, "stall_timeout_s", "use a positive number of seconds")
+    need(
+        config.stack_dump_signal == "" or signal_number(config.stack_dump_signal) is not None,
+        "stack_dump_signal",
+        "use a signal name such as SIGUSR1 or SIGUSR2, or an empty string to turn signal dumps off",
+    )
     need(config.hardware_interval_s > 0, "hardware_interval_s", "use a positive number of seconds")
     need(config.peak_flops is None or config.peak_flops > 0, "peak_flops", "use FLOP/s > 0 or leave unset")
     need(0 < config.straggler_threshold < 1, "straggler_threshold", "use a score in (0, 1), e.g. 0.8")
@@ -379,6 +385,18 @@ def _url_port_ok(url: str) -> bool:
     except ValueError:
         return False
     return port is None or port >= 1
+
+
+def signal_number(name: str) -> int | None:
+    """`SIGUSR1` / `USR1` / `10` as a signal number, None if there is no such signal."""
+    import signal
+
+    text = name.strip().upper()
+    if text.isdigit():
+        number = int(text)
+        return number if number in {s.value for s in signal.Signals} else None
+    member = getattr(signal.Signals, text if text.startswith("SIG") else f"SIG{text}", None)
+    return int(member) if member is not None else None
 
 
 def is_secret_key(key: str) -> bool:

@@ -16,7 +16,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,17 @@ def step_trace_ids(run_id: str, step: int) -> tuple[int, int]:
     return trace_id, span_id
 
 
+# (phase name or None for the step, duration in seconds) -> context holding that span. The
+# duration is computed exactly as the training thread computes the histogram value, so the
+# sampled step's (or phase's) own measurement finds its span: recorded in that context, the
+# histogram point gets the span's trace id as an exemplar (the SDK's trace_based filter).
+ExemplarContexts = dict[tuple[str | None, float], Any]
+
+
+def _seconds(record: SpanRecord) -> float:
+    return (record.end_ns - record.start_ns) * 1e-9
+
+
 class SpanWriter:
     """Turns SpanRecords (perf-counter timestamps) into OTel spans with explicit times."""
 
@@ -121,14 +132,20 @@ class SpanWriter:
         self._run_id = run_id
         self._rank = rank
 
-    def write(self, records: Sequence[SpanRecord], perf_to_epoch_ns: int) -> None:
+    def write(self, records: Sequence[SpanRecord], perf_to_epoch_ns: int) -> ExemplarContexts:
+        """Export the spans; return the context of each one, keyed by what its duration histogram
+        records (so that those points carry the span's trace id as an exemplar)."""
+        contexts: ExemplarContexts = {}
         steps = {r.step: r for r in records if r.kind == "step"}
         parents: dict[int, Any] = {}
         for step, record in sorted(steps.items()):
             span = self._start(f"train.step {step}", record, perf_to_epoch_ns, self._virtual_root(step))
             span.set_attribute("train.step", step)
+            for key, value in (record.attributes or {}).items():  # e.g. train.profiled
+                span.set_attribute(key, value)
             parents[step] = trace.set_span_in_context(span)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
+            contexts[(None, _seconds(record))] = parents[step]
         for record in records:
             if record.kind == "step":
                 continue
@@ -140,6 +157,8 @@ class SpanWriter:
             for key, value in (record.attributes or {}).items():
                 span.set_attribute(key, value)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
+            contexts[(record.name, _seconds(record))] = trace.set_span_in_context(span)
+        return contexts
 
     def _virtual_root(self, step: int) -> Any:
         trace_id, root_id = step_trace_ids(self._run_id, step)
@@ -271,8 +290,6 @@ class Worker:
         span_writer: SpanWriter | None,
         queue_size: int,
         total_steps: int | None,
-        on_stall: Callable[[float], None] | None = None,
-        stall_timeout_s: float = 300.0,
         otel_logger: Any | None = None,
     ) -> None:
         self.instruments = instruments
@@ -301,10 +318,6 @@ class Worker:
         self.final_scalars: dict[str, float] = {}
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
-        self._on_stall = on_stall
-        self._stall_timeout_s = stall_timeout_s
-        self._stall_reported = False
-        self._last_batch_time = time.monotonic()
         self._errors_warned: set[str] = set()
         self.sink_errors: dict[str, int] = {}
         self._started_at = time.time()
@@ -351,11 +364,7 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            try:
-                item = self.queue.get(timeout=min(self._stall_timeout_s, 5.0))
-            except queue.Empty:
-                self._check_stall()
-                continue
+            item = self.queue.get()
             if item is None or self._abandoned:
                 return
             started = time.perf_counter()
@@ -363,8 +372,6 @@ class Worker:
                 if isinstance(item, Message):
                     self._deliver_message(item)
                 else:
-                    self._last_batch_time = time.monotonic()
-                    self._stall_reported = False
                     self._process(item)
             except Exception as exc:  # never let one bad flush kill telemetry
                 self.failed_flushes += 1
@@ -384,22 +391,17 @@ class Worker:
                         self.batches_done += 1
                         self._room.notify_all()
 
-    def _check_stall(self) -> None:
-        idle = time.monotonic() - self._last_batch_time
-        if self.flushes and not self._stall_reported and idle >= self._stall_timeout_s and self._on_stall:
-            self._stall_reported = True
-            self._on_stall(idle)
-
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:
         interval = self._resolve(batch)
         if batch.layer_stats:
             self._feed_layer_stats(batch)
-        self._feed(batch, interval)
+        exemplars: ExemplarContexts = {}
+        if self.span_writer is not None and batch.spans:
+            exemplars = self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
+        self._feed(batch, interval, exemplars)
         for key, step, values in batch.histograms:
             self._deliver_message(Message("histogram", key, values, step))
-        if self.span_writer is not None and batch.spans:
-            self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
         for listener in self.listeners:
             try:
                 listener.on_flush(interval)
@@ -448,7 +450,7 @@ class Worker:
             final=batch.final,
         )
 
-    def _feed(self, batch: FlushBatch, interval: Interval) -> None:
+    def _feed(self, batch: FlushBatch, interval: Interval, exemplars: ExemplarContexts) -> None:
         ins = self.instruments
         if interval.steps:
             ins.steps.add(interval.steps)
@@ -459,15 +461,15 @@ class Worker:
         if interval.samples:
             ins.samples.add(interval.samples)
         for seconds in interval.step_durations:
-            ins.step_duration.record(seconds)
+            ins.step_duration.record(seconds, context=exemplars.pop((None, seconds), None))
         for name, values in interval.phases.items():
             attributes = {semconv.PHASE: name}
             for seconds in values:
-                ins.phase_duration.record(seconds, attributes)
+                ins.phase_duration.record(seconds, attributes, exemplars.pop((name, seconds), None))
         for (name, error), values in batch.phase_errors.items():
             attributes = {semconv.PHASE: name, semconv.ERROR_TYPE: error}
             for seconds in values:
-                ins.phase_duration.record(seconds, attributes)
+                ins.phase_duration.record(seconds, attributes, exemplars.pop((name, seconds), None))
         for instrument, values in interval.scalars.items():
             gauge = ins.gauge(instrument)
             if gauge is None:

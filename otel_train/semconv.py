@@ -64,6 +64,7 @@ REASON = "otel_train.reason"
 EVENT = "otel_train.event"
 STRAGGLER_KIND = "straggler.kind"  # relative | individual
 STAT = "stat"  # min | max | mean | median
+BADPUT_CAUSE = "train.badput.cause"  # startup | eval | checkpoint | stall | restart | other
 LAYER = "train.layer"  # a module path from ot.watch(model), e.g. blocks.3.attn
 HW_ID = "hw.id"
 HW_NAME = "hw.name"
@@ -146,6 +147,27 @@ LAYER_ACTIVATION_ABSMAX = _m(
 NONFINITE_LOSS = _m(
     "train.loss.nonfinite", S.COUNTER, "{value}", "Non-finite (NaN/Inf) loss values seen.",
     "health/nonfinite_loss",
+)  # fmt: skip
+GOODPUT = _m(
+    "train.goodput", S.GAUGE, "1",
+    "Share of the job's wall time (all restarts of the run id) spent in training steps.", "train/goodput",
+)  # fmt: skip
+BADPUT_DURATION = _m(
+    "train.badput.duration", S.COUNTER, "s", "Wall time not spent in training steps, by cause.",
+    "train/badput/{train.badput.cause}", (BADPUT_CAUSE,),
+)  # fmt: skip
+LOSS_SCALE = _m(
+    "train.loss_scale", S.GAUGE, "", "Mixed-precision loss scale (GradScaler, ot.watch_scaler).",
+    "train/loss_scale",
+)  # fmt: skip
+SKIPPED_STEPS = _m(
+    "train.optimizer.skipped_steps", S.COUNTER, "{step}",
+    "Optimizer steps skipped for inf/NaN gradients (GradScaler, ot.watch_scaler).", "train/skipped_steps",
+)  # fmt: skip
+PROFILED_STEPS = _m(
+    "train.profiler.steps", S.COUNTER, "{step}",
+    "Steps run inside an ot.profile window (their durations are skewed by the profiler).",
+    "train/profiled_steps",
 )  # fmt: skip
 HEALTH_EVENTS = _m(
     "train.health.events", S.COUNTER, "{event}",

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,15 +27,26 @@ from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
 from otel_train.bridges.rundir import RunDirSink, write_json
 from otel_train.buffer import Buffer, SpanRecord
-from otel_train.config import FIELDS, Config, ConfigError, config_as_dict, is_secret_key, load_config, redact
+from otel_train.config import (
+    FIELDS,
+    Config,
+    ConfigError,
+    config_as_dict,
+    is_secret_key,
+    load_config,
+    redact,
+    signal_number,
+)
 from otel_train.distributed import Identity, agree_run_id, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
     from opentelemetry.sdk.resources import Resource
 
+    from otel_train.control import ControlChange
     from otel_train.exporters import Telemetry
     from otel_train.model import ModelWatch
+    from otel_train.profiling import ProfileWindow, StepProfiler
 
 log = logging.getLogger("otel_train")
 
@@ -117,6 +128,29 @@ class Session:
             self.identity, self.meter, self.events, config, group=self.telemetry_group
         )
         self.listeners.append(self.reducer)
+        from otel_train.profiling import ProfiledStepsCounter
+
+        self.profiled_steps = ProfiledStepsCounter(self.meter)
+        self.listeners.append(self.profiled_steps)
+        from otel_train.goodput import GoodputListener, process_start_perf_s
+
+        # Goodput bookkeeping, cumulative, written by the training thread only (see goodput.py).
+        self.process_start_s = process_start_perf_s()
+        self.first_step_start_ns: int | None = None
+        self.stall_ns = 0
+        self.nested_badput_ns = 0
+        self.span_ns: dict[str, int] = {}
+        self._gap_span_ns = 0  # spans since the last step ended (not stall time)
+        self._step_open = False
+        self._stall_gap_ns = int(config.stall_timeout_s * 1e9)
+        self.goodput = GoodputListener(
+            self,
+            self.meter,
+            self.run_dir / f"goodput.rank{self.identity.rank}.json" if self.run_dir else None,
+            self.identity.run_id,
+        )
+        self.listeners.append(self.goodput)
+        self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
         tracer = (
             self.telemetry.tracer_provider.get_tracer("otel_train", _version())
             if self.telemetry.tracer_provider is not None
@@ -131,16 +165,30 @@ class Session:
             SpanWriter(tracer, self.identity.run_id, self.identity.rank) if tracer is not None else None,
             queue_size=config.queue_size,
             total_steps=config.total_steps,
-            on_stall=self._on_stall,
-            stall_timeout_s=config.stall_timeout_s,
             otel_logger=otel_logger,
         )
+        from otel_train.hang import HangWatchdog
+
+        self.watchdog = HangWatchdog(
+            self.run_dir,
+            self.identity.rank,
+            self.events,
+            self._last_step,
+            config.stall_timeout_s,
+            signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
+            on_tick=self._poll_control,
+        )
+        from otel_train.control import ControlFile
+
+        self.control = ControlFile(self.run_dir, self.identity.rank, self.events) if self.run_dir else None
+        self._pending_control: ControlChange | None = None
 
         # hot-path state
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
         self.timing_level = config.timing_log_level
         self.watches: list[ModelWatch] = []  # ot.watch(model) handles
         self.step_index = -1  # last completed step
+        self.step_end_ns: int | None = None  # perf_counter_ns when it ended (the stall watchdog reads it)
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
         self._step_start_ns = 0
@@ -165,6 +213,7 @@ class Session:
         if self.run_dir is not None and self.is_reporting_rank:
             _run_dir_errors_as_config_errors(self._write_run_files)
         self.worker.start()
+        self.watchdog.start()
 
     # --- construction helpers ---------------------------------------------------------------------
     def _make_run_dir(self) -> Path | None:
@@ -292,11 +341,17 @@ class Session:
         else:
             index = self._step_number(step)
         self._step_thread = threading.get_ident()
+        pending = self._pending_control
+        if pending is not None and index >= pending.apply_at_step:
+            self._apply_control(pending, index)
         cfg = self.config
         self.sampled = self.worker.span_writer is not None and (
             index < cfg.trace_first or index % cfg.trace_every == 0
         )
         self._step_index_running = index
+        self._step_open = True
+        if self.profiler is not None and self.profiler.next_step_active():
+            self.sampled = self.worker.span_writer is not None  # profiled steps are always traced
         if self.watches:
             for watch in self.watches:
                 watch.begin_step(index)
@@ -332,13 +387,31 @@ class Session:
         ):
             tokens, samples = self._count(tokens, "tokens"), self._count(samples, "samples")
         self.step_index = index
+        previous_end = self.step_end_ns
+        self.step_end_ns = end_ns
+        self._step_open = False
+        if previous_end is None:
+            self.first_step_start_ns = start_ns
+        elif start_ns - previous_end > self._stall_gap_ns:
+            self._note_long_gap(start_ns - previous_end)
+        if self._gap_span_ns:
+            self._gap_span_ns = 0
         if self.watches:
             for watch in self.watches:
                 watch.end_step(index, failed)
+        profiled = self.profiler is not None and self._advance_profiler(index)
         if self.sampled:
             if len(buf.spans) < _MAX_SPAN_RECORDS:
                 buf.spans.append(
-                    SpanRecord("step", start_ns, end_ns, index, "StepFailed" if failed else None, "step")
+                    SpanRecord(
+                        "step",
+                        start_ns,
+                        end_ns,
+                        index,
+                        "StepFailed" if failed else None,
+                        "step",
+                        {"train.profiled": True} if profiled else None,
+                    )
                 )
             self.sampled = False
         if failed:
@@ -374,6 +447,92 @@ class Session:
                 return None
         return number if 0 <= number <= _MAX_STEP else None
 
+    def _poll_control(self) -> None:
+        """Watchdog thread: schedule a change from the control file (rank 0 decides the step)."""
+        if self.control is None:
+            return
+        steps = self.goodput.steps
+        end, first = self.step_end_ns, self.first_step_start_ns
+        per_step = (end - first) * 1e-9 / steps if steps and end and first else None
+        change = self.control.poll(self.step_index, per_step)
+        if change is None:
+            return
+        self._pending_control = change
+        self.events.emit(
+            "control",
+            f"runtime control v{change.version}: {dict(change.settings)} from step {change.apply_at_step}",
+            {"step": change.apply_at_step, "version": change.version},
+            severity="INFO",
+        )
+
+    def _apply_control(self, change: ControlChange, index: int) -> None:
+        """Training thread, as step `index` begins: apply a scheduled runtime-control change."""
+        import dataclasses
+
+        from otel_train.profiling import ProfileWindow
+
+        if self._pending_control is change:
+            self._pending_control = None
+        settings = dict(change.settings)
+        fields = {k: settings[k] for k in settings if k != "profile"}
+        self.config = dataclasses.replace(self.config, **fields)
+        self.timing_level = self.config.timing_log_level
+        if self.console is not None:
+            self.console.verbosity = self.config.verbosity
+        set_threshold = getattr(self.reducer, "set_threshold", None)
+        if "straggler_threshold" in fields and callable(set_threshold):
+            set_threshold(self.config.straggler_threshold)
+        if "profile" in settings:
+            options = dict(settings["profile"])
+            ranks = options.pop("ranks", None)
+            self.start_profile(ProfileWindow(**options), ranks)
+        if index > change.apply_at_step:
+            log.warning(
+                "otel_train: runtime control v%d applied at step %d, after its step %d (this rank "
+                "read the control file late)",
+                change.version,
+                index,
+                change.apply_at_step,
+            )
+
+    def _note_long_gap(self, gap_ns: int) -> None:
+        """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""
+        stalled = gap_ns - self._gap_span_ns
+        if stalled > self._stall_gap_ns:
+            self.stall_ns += stalled
+
+    def _advance_profiler(self, index: int) -> bool:
+        assert self.profiler is not None
+        try:
+            profiled = self.profiler.step_ended(index)
+        except Exception as exc:  # a profiler failure must not stop training
+            log.warning("otel_train: torch.profiler failed and was stopped: %s", exc)
+            self.profiler = None
+            return False
+        if profiled:
+            self.profiled_steps.total += 1
+        if self.profiler.done:
+            self.profiler = None
+        return profiled
+
+    def start_profile(self, window: ProfileWindow, ranks: Sequence[int] | None) -> bool:
+        """Start a profiler window at the next step (training thread); False if not on this rank."""
+        from otel_train.profiling import start_window
+
+        if self.profiler is not None:
+            log.warning("otel_train: ot.profile: a profiler window is still running; ignored.")
+            return False
+        self.profiler = start_window(
+            window,
+            self.run_dir,
+            self.config.output_dir,
+            self.run_name,
+            self.identity.rank,
+            ranks,
+            log.warning,
+        )
+        return self.profiler is not None
+
     def end_timer(self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None) -> None:
         seconds = (end_ns - start_ns) * 1e-9
         if error is None:
@@ -395,8 +554,20 @@ class Session:
         error: type[BaseException] | None,
         attributes: Mapping[str, Any] | None,
     ) -> None:
-        """An eval / checkpoint span: always traced (rare and short), and timed as a phase."""
+        """An eval / checkpoint span: always traced (rare and short), timed as a phase, and
+        accounted as goodput's eval / checkpoint badput."""
         self.end_timer(name, start_ns, end_ns, error)
+        from otel_train.goodput import span_cause
+
+        duration = end_ns - start_ns
+        cause = span_cause(name)
+        if cause != "other":
+            self.span_ns[cause] = self.span_ns.get(cause, 0) + duration
+        if self._step_open:
+            if cause != "other":
+                self.nested_badput_ns += duration
+        else:
+            self._gap_span_ns += duration
         if self.worker.span_writer is not None and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
             attrs = {
                 str(k): v for k, v in (attributes or {}).items() if isinstance(v, (str, int, float, bool))
@@ -472,12 +643,10 @@ class Session:
         self.worker.submit_message(Message(kind, key, payload, self.step_index if step is None else step))
 
     # --- lifecycle -----------------------------------------------------------------------------------
-    def _on_stall(self, idle_s: float) -> None:
-        self.events.emit(
-            "stall",
-            f"no completed step for {idle_s:.0f}s after step {self.step_index}",
-            {"step": self.step_index},
-        )
+    def _last_step(self) -> tuple[int, float | None]:
+        """(last completed step, its end as perf_counter seconds or None): for the watchdog thread."""
+        end_ns = self.step_end_ns
+        return self.step_index, (end_ns * 1e-9 if end_ns is not None else None)
 
     def shutdown(self) -> None:
         """Final flush, drain the worker, close sinks, stop exporters: bounded by shutdown_timeout_s
@@ -498,6 +667,10 @@ class Session:
         budget = self.config.shutdown_timeout_s
         for watch in list(self.watches):
             watch.remove()
+        self.watchdog.close()
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
         self.flush(final=True)
         if not self.worker.stop(timeout_s=max(0.2, budget * 0.5)):
             self._report_unwritten()
@@ -507,9 +680,12 @@ class Session:
                 listener.close()
             except Exception as exc:
                 log.debug("otel_train: listener close failed: %s", exc)
+        from otel_train.goodput import final_scalars
+
+        final = {**self.worker.final_scalars, **final_scalars(self.goodput.totals)}
         for sink in self.sinks:
             try:
-                sink.close(dict(self.worker.final_scalars))
+                sink.close(dict(final))
             except Exception as exc:
                 log.warning("otel_train: closing %s failed: %s", sink.name, exc)
         # Keep a margin inside the budget for the abandon path itself.

@@ -1,24 +1,27 @@
-"""Shared test helpers: real-component lookup (fail under CI, skip locally), free ports."""
+"""Shared test helpers: real components at their pinned versions (fail under CI, skip locally),
+free ports."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import pinned
 import pytest
 
 
 def require_binary(name: str) -> str:
-    """Path of a real component (prometheus, promtool, amtool, ...).
+    """Path of a real component (prometheus, promtool, prometheus-alertmanager, amtool,
+    docker-compose) at the version deploy/versions.env pins: from `.tools/bin` (filled by
+    `make tools`), else from PATH when that one reports the pinned version.
 
-    Under CI (the CI variable set) a missing component is a failure, never a silent skip.
+    Under CI (the CI variable set) a missing or wrong-version component is a failure, never a
+    silent skip.
     """
-    path = shutil.which(name)
+    path, message = pinned.find(name)
     if path is None:
-        message = f"{name} not found on PATH (Debian: apt-get install prometheus prometheus-alertmanager)"
         if os.environ.get("CI"):
             pytest.fail(f"CI requires real components: {message}")
         pytest.skip(message)

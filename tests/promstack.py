@@ -9,8 +9,8 @@
         prom.query("up")                       # instant query: list of {"metric", "value"}
         firing = wait_until(lambda: am.alerts(alertname="TrainingStraggler"), timeout=60)
 
-Binaries come from PATH (`prometheus`, `prometheus-alertmanager` or `alertmanager`) through
-conftest.require_binary: a missing binary fails under CI and skips locally. Only the standard
+Binaries are the pinned versions (deploy/versions.env, fetched into .tools/ by `make tools`) found
+by conftest.require_binary: a missing or wrong-version binary fails under CI and skips locally. Only the standard
 library is used for HTTP.
 """
 
@@ -37,6 +37,7 @@ from conftest import free_port, require_binary
 T = TypeVar("T")
 
 READY_TIMEOUT_S = 30.0
+ALERTMANAGER_ASSETS = "alertmanager-debian-share-assets"
 
 
 # --- helpers -----------------------------------------------------------------------------------------
@@ -141,7 +142,7 @@ class Alertmanager:
 @contextmanager
 def alertmanager(config: str | Path | dict[str, Any] | None = None) -> Iterator[Alertmanager]:
     """A real Alertmanager on 127.0.0.1 (no clustering); `config` is a path, a dict, or a null receiver."""
-    binary = shutil.which("prometheus-alertmanager") or require_binary("alertmanager")
+    binary = require_binary("prometheus-alertmanager")
     workdir = Path(tempfile.mkdtemp(prefix="otel_train_am_"))
     if config is None or isinstance(config, dict):
         config_path = workdir / "alertmanager.yml"
@@ -149,6 +150,11 @@ def alertmanager(config: str | Path | dict[str, Any] | None = None) -> Iterator[
     else:
         config_path = Path(config).resolve()
     (workdir / "data").mkdir()
+    # The pinned Debian build reads default.tmpl from ./alertmanager-debian-share-assets (see
+    # deploy/fetch-tools.sh); it runs in `workdir`.
+    assets = Path(binary).parent / ALERTMANAGER_ASSETS
+    if assets.exists():
+        (workdir / ALERTMANAGER_ASSETS).symlink_to(assets.resolve())
     proc, port = _start(
         lambda port: [
             binary,
@@ -216,8 +222,10 @@ def prometheus(
     job: str = "otel_train",
     honor_labels: bool = False,
     metrics_path: str = "/metrics",
+    extra_args: Sequence[str] = (),
 ) -> Iterator[Prometheus]:
-    """A real Prometheus on 127.0.0.1 scraping `targets` ("host:port"), with `rule_files` loaded."""
+    """A real Prometheus on 127.0.0.1 scraping `targets` ("host:port"), with `rule_files` loaded;
+    `extra_args` are more command-line flags (e.g. `--enable-feature=...`)."""
     binary = require_binary("prometheus")
     workdir = Path(tempfile.mkdtemp(prefix="otel_train_prom_"))
     config: dict[str, Any] = {
@@ -246,6 +254,11 @@ def prometheus(
     config_path = workdir / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     (workdir / "data").mkdir()
+    # The pinned Debian build reads default.tmpl from ./alertmanager-debian-share-assets (see
+    # deploy/fetch-tools.sh); it runs in `workdir`.
+    assets = Path(binary).parent / ALERTMANAGER_ASSETS
+    if assets.exists():
+        (workdir / ALERTMANAGER_ASSETS).symlink_to(assets.resolve())
     proc, port = _start(
         lambda port: [
             binary,
@@ -254,6 +267,7 @@ def prometheus(
             f"--web.listen-address=127.0.0.1:{port}",
             "--rules.alert.resend-delay=1s",
             "--log.level=info",
+            *extra_args,
         ],
         workdir,
         "prometheus",

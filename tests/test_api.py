@@ -186,8 +186,8 @@ def test_quiet_mode_prints_nothing(capsys) -> None:
 def test_public_api_is_pinned() -> None:
     assert sorted(ot.__all__) == sorted([
         "Config", "ConfigError", "__version__", "current_session", "finish", "get_meter", "init",
-        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "record",
-        "shutdown", "span", "step", "timed", "timer", "watch",
+        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "profile", "record",
+        "shutdown", "span", "step", "timed", "timer", "watch", "watch_scaler",
     ])  # fmt: skip
 
 
@@ -197,7 +197,8 @@ def test_import_is_light() -> None:
 
     code = (
         "import sys, otel_train; "
-        "heavy = [m for m in ('torch', 'wandb', 'tensorboard', 'mlflow', 'pynvml', 'grpc', "
+        "heavy = [m for m in ('torch', 'wandb', 'tensorboard', 'mlflow', 'pynvml', 'grpc', 'transformers', "
+        "'lightning', 'accelerate', 'otel_train.integrations', "
         "'opentelemetry.exporter.otlp.proto.http', 'opentelemetry.sdk.metrics') if m in sys.modules]; "
         "print(heavy)"
     )

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import free_port, require_binary
 from dashboard_queries import (
     DashboardQuery,
@@ -218,6 +219,30 @@ def test_dashboards_are_well_formed() -> None:
             assert len({t["refId"] for t in targets}) == len(targets)
         assert len(set(ids)) == len(ids), f"{file_name}: duplicate panel ids"
         assert len(set(titles)) == len(titles), f"{file_name}: duplicate panel titles"
+
+
+def test_latency_panels_request_exemplars() -> None:
+    """Step- and phase-latency panels over histogram buckets ask Prometheus for exemplars (trace ids
+    of sampled steps, linked to Tempo by the Prometheus datasource); other queries do not."""
+    buckets = {f"{sc.STEP_DURATION.prometheus_name}_bucket", f"{sc.PHASE_DURATION.prometheus_name}_bucket"}
+    with_exemplars: dict[str, set[str]] = {}
+    for file_name, dash in _dashboards().items():
+        for panel in _panels(dash):
+            for target in panel.get("targets", []):
+                reads_buckets = bool(buckets & set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", target["expr"])))
+                if target.get("exemplar"):
+                    assert reads_buckets and panel["type"] == "timeseries", (file_name, panel["title"])
+                    with_exemplars.setdefault(file_name, set()).add(target["expr"])
+    overview = with_exemplars.get("otel-train-overview.json", set())
+    assert any(f"{sc.STEP_DURATION.prometheus_name}_bucket" in e for e in overview), with_exemplars
+    assert any(f"{sc.PHASE_DURATION.prometheus_name}_bucket" in e for e in overview), with_exemplars
+    assert with_exemplars.get("otel-train-ranks.json"), with_exemplars
+    datasources = (
+        Path(__file__).resolve().parents[1] / "deploy/grafana/provisioning/datasources/otel_train.yaml"
+    )
+    (prom,) = [d for d in yaml.safe_load(datasources.read_text())["datasources"] if d["type"] == "prometheus"]
+    # the label the collector's OpenMetrics exemplars carry
+    assert prom["jsonData"]["exemplarTraceIdDestinations"] == [{"name": "trace_id", "datasourceUid": "tempo"}]
 
 
 def test_sdk_decodes_the_json() -> None:

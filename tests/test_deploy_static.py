@@ -1,19 +1,30 @@
-"""Static checks of deploy/: there is no Docker engine here, so the stack is checked as files.
+"""Checks of deploy/: there is no Docker engine here, so the stack is checked as files.
 
-Real tools where they exist (promtool check config, amtool check-config); YAML structure checks
-for docker-compose, the OTel Collector, Tempo and Grafana provisioning.
+Every file by the real tool of the version the stack pins (deploy/versions.env): docker-compose
+config, promtool check config (rules: tests/test_alert_rules.py), amtool check-config. No
+collector binary exists here, so deploy/otelcol.yaml is checked key by key against the options of
+the pinned collector, read from its upstream source (see COLLECTOR_OPTIONS). Plus structure checks
+for security defaults, Tempo and Grafana provisioning. `make check-deploy` runs this file.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 import subprocess
+import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pinned
 import pytest
 import yaml
-from conftest import require_binary
+from conftest import free_port, require_binary
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from promstack import prometheus, wait_until
 
 from otel_train import semconv
 from otel_train.config import FIELDS
@@ -55,6 +66,96 @@ def test_amtool_check_config() -> None:
 
 
 # --- docker-compose --------------------------------------------------------------------------------
+def _compose_config(compose_file: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`docker-compose config` (validates against the Compose schema; no engine needed) with a
+    test .env that sets the one required variable."""
+    env_file = tmp_path / "test.env"
+    env_file.write_text("GRAFANA_ADMIN_PASSWORD=test-only-not-a-secret\n")
+    argv = [require_binary("docker-compose"), "--env-file", str(env_file), "-f", str(compose_file)]
+    return _run([*argv, "config", "--quiet"], cwd=compose_file.parent)
+
+
+def test_docker_compose_config_accepts_the_stack(tmp_path: Path) -> None:
+    proc = _compose_config(COMPOSE, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_docker_compose_config_rejects_a_misspelled_key(tmp_path: Path) -> None:
+    """Negative control: the same check fails on a compose file with one key misspelled."""
+    text = COMPOSE.read_text()
+    assert "    restart: unless-stopped\n" in text
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(text.replace("    restart: unless-stopped\n", "    restrat: unless-stopped\n", 1))
+    proc = _compose_config(broken, tmp_path)
+    assert proc.returncode != 0
+    assert "restrat" in proc.stdout + proc.stderr
+
+
+def test_docker_compose_config_requires_the_grafana_password(tmp_path: Path) -> None:
+    argv = [require_binary("docker-compose"), "--env-file", str(tmp_path / "none.env"), "-f", str(COMPOSE)]
+    (tmp_path / "none.env").write_text("")
+    proc = _run([*argv, "config", "--quiet"])
+    assert proc.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in proc.stderr
+
+
+def test_compose_images_are_the_tested_versions(compose: dict[str, Any]) -> None:
+    """The images the stack starts carry the versions the tests ran (deploy/versions.env)."""
+    versions = pinned.pinned()
+    services = compose["services"]
+    assert services["prometheus"]["image"] == f"prom/prometheus:v{versions['prometheus']}"
+    assert services["alertmanager"]["image"] == f"prom/alertmanager:v{versions['alertmanager']}"
+    assert services["otel-collector"]["image"] == (
+        f"otel/opentelemetry-collector-contrib:{versions['otelcol-contrib']}"
+    )
+
+
+def test_pinned_tools_report_the_pinned_versions() -> None:
+    """The binaries the tests use are the pinned ones (not the base system's 2.42/0.25)."""
+    versions = pinned.pinned()
+    for name in ("prometheus", "promtool", "prometheus-alertmanager", "amtool", "docker-compose"):
+        path = require_binary(name)
+        component, _ = pinned.VERSION_COMMANDS[name]
+        line = pinned.reported_version(path, name)
+        assert pinned.is_pinned(line, versions[component]), f"{path}: {line}"
+    assert not pinned.is_pinned("prometheus, version 2.42.0+ds (branch: debian/sid)", versions["prometheus"])
+    assert not pinned.is_pinned("prometheus, version 3.5.30", "3.5.3")
+
+
+@pytest.mark.integration
+def test_compose_prometheus_flags_store_exemplars(compose: dict[str, Any]) -> None:
+    """The pinned Prometheus, started with the compose file's feature flags, scrapes an OpenMetrics
+    endpoint (as the collector's exporter serves with enable_open_metrics) and stores the
+    exemplars' trace ids, which Grafana's exemplar queries read."""
+    flags = [a for a in compose["services"]["prometheus"]["command"] if a.startswith("--enable-feature=")]
+    assert flags == ["--enable-feature=exemplar-storage"]
+    registry = CollectorRegistry()
+    hist = Histogram("train_step_duration_seconds", "step", ["run_id"], registry=registry, buckets=[0.1, 1.0])
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    hist.labels(run_id="r1").observe(0.5, exemplar={"trace_id": trace_id, "span_id": "00f067aa0ba902b7"})
+    server, _thread = start_http_server(free_port(), addr="127.0.0.1", registry=registry)
+    try:
+        target = f"127.0.0.1:{server.server_address[1]}"
+        with prometheus(targets=[target], extra_args=flags) as prom:
+
+            def exemplars() -> list[dict[str, Any]]:
+                qs = urllib.parse.urlencode(
+                    {
+                        "query": "train_step_duration_seconds_bucket",
+                        "start": time.time() - 60,
+                        "end": time.time() + 5,
+                    }
+                )
+                with urllib.request.urlopen(f"{prom.url}/api/v1/query_exemplars?{qs}", timeout=5) as resp:
+                    return json.loads(resp.read())["data"]
+
+            found = wait_until(exemplars, timeout=30, what="stored exemplars")
+    finally:
+        server.shutdown()
+        server.server_close()
+    labels = [e["labels"] for series in found for e in series["exemplars"]]
+    assert {"trace_id": trace_id, "span_id": "00f067aa0ba902b7"} in labels
+
+
 def _volume_mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
     out = []
     for vol in service.get("volumes", []):
@@ -153,6 +254,10 @@ def test_grafana_datasources(compose: dict[str, Any]) -> None:
     # trace links both ways
     assert sources["prometheus"]["jsonData"]["exemplarTraceIdDestinations"][0]["datasourceUid"] == "tempo"
     assert sources["tempo"]["jsonData"]["tracesToMetrics"]["datasourceUid"] == "prometheus"
+    # no dead view: the service map needs Tempo's metrics generator, which this stack does not run
+    tempo = _load("tempo/tempo.yaml")
+    if "metrics_generator" not in tempo:
+        assert "serviceMap" not in sources["tempo"]["jsonData"]
     for ds in sources.values():
         m = re.match(r"https?://([\w-]+):", ds["url"])
         assert m, ds["url"]
@@ -175,22 +280,249 @@ def test_collector_pipelines_reference_defined_components(collector: dict[str, A
         for exp in pipeline["exporters"]:
             assert exp in collector["exporters"] or exp in connectors, f"{name}: exporter {exp}"
         assert pipeline["processors"][0] == "memory_limiter", f"{name}: memory_limiter must come first"
-        assert "batch" in pipeline["processors"]
+        assert pipeline["processors"][-1] == "batch", f"{name}: batch last"
 
 
-def test_collector_listens_in_container_and_keeps_identity(
+# Options of the pinned collector (otel/opentelemetry-collector-contrib, OTELCOL_CONTRIB_VERSION in
+# deploy/versions.env = 0.150.0) for every component deploy/otelcol.yaml may use, from upstream
+# source (the collector refuses to start on an unknown key, so an option missing here must not
+# be used). A dict maps an option to its sub-options (None: a value, not checked further); a
+# one-element list is a list of such dicts.
+#
+# Core components, open-telemetry/opentelemetry-collector at tag v0.150.0:
+#   receiver/otlpreceiver/config.go; config/configgrpc/configgrpc.go (ServerConfig, ClientConfig);
+#   config/confighttp/server.go (ServerConfig); config/confignet/confignet.go (AddrConfig);
+#   config/configtls/configtls.go; internal/memorylimiter/config.go;
+#   processor/batchprocessor/config.go; exporter/otlpexporter/config.go and metadata.yaml (type
+#   `otlp_grpc`; `otlp` is only a deprecated alias there); exporter/debugexporter/config.go.
+# Contrib components, open-telemetry/opentelemetry-collector-contrib: exporter/prometheusexporter/
+#   config.go, processor/resourceprocessor/config.go, internal/coreinternal/attraction/attraction.go.
+#   The v0.150.0 tag itself was not readable here, so these lists hold only options present both in
+#   a snapshot before it (prometheusexporter/go.mod on v0.139 modules) and in a later one (which
+#   adds `resource_constant_labels` and `without_scope_info`: NOT allowed here, they are later than
+#   the pin's known option set).
+_NET_ADDR = {"endpoint": None, "transport": None, "dialer": None}
+_TLS = dict.fromkeys(
+    ["ca_file", "ca_pem", "include_system_ca_certs_pool", "cert_file", "cert_pem", "key_file", "key_pem",
+     "min_version", "max_version", "cipher_suites", "reload_interval", "curve_preferences", "tpm"]
+)  # fmt: skip
+_TLS_SERVER = {**_TLS, "client_ca_file": None, "client_ca_file_reload": None}
+_TLS_CLIENT = {**_TLS, "insecure": None, "insecure_skip_verify": None, "server_name_override": None}
+_GRPC_SERVER = {
+    **_NET_ADDR, "tls": _TLS_SERVER, "max_recv_msg_size_mib": None, "max_concurrent_streams": None,
+    "read_buffer_size": None, "write_buffer_size": None, "keepalive": None, "auth": None,
+    "include_metadata": None, "middlewares": None,
+}  # fmt: skip
+_HTTP_SERVER = {
+    **_NET_ADDR, "tls": _TLS_SERVER, "cors": None, "auth": None, "max_request_body_size": None,
+    "include_metadata": None, "response_headers": None, "compression_algorithms": None,
+    "read_timeout": None, "read_header_timeout": None, "write_timeout": None, "idle_timeout": None,
+    "middlewares": None, "keep_alives_enabled": None,
+}  # fmt: skip
+_GRPC_CLIENT = {
+    "endpoint": None, "compression": None, "tls": _TLS_CLIENT, "keepalive": None, "read_buffer_size": None,
+    "write_buffer_size": None, "wait_for_ready": None, "headers": None, "balancer_name": None,
+    "authority": None, "auth": None, "middlewares": None,
+}  # fmt: skip
+_ATTRIBUTE_ACTION = dict.fromkeys(
+    ["key", "value", "pattern", "from_attribute", "from_context", "converted_type", "action"]
+)
+COLLECTOR_OPTIONS: dict[str, dict[str, Any]] = {
+    "receivers": {
+        "otlp": {
+            "protocols": {
+                "grpc": _GRPC_SERVER,
+                "http": {
+                    **_HTTP_SERVER,
+                    "traces_url_path": None,
+                    "metrics_url_path": None,
+                    "logs_url_path": None,
+                },
+            }
+        },
+    },
+    "processors": {
+        "memory_limiter": dict.fromkeys(
+            [
+                "check_interval",
+                "min_gc_interval_when_soft_limited",
+                "min_gc_interval_when_hard_limited",
+                "limit_mib",
+                "spike_limit_mib",
+                "limit_percentage",
+                "spike_limit_percentage",
+            ]
+        ),
+        "batch": dict.fromkeys(
+            [
+                "timeout",
+                "send_batch_size",
+                "send_batch_max_size",
+                "metadata_keys",
+                "metadata_cardinality_limit",
+            ]
+        ),
+        "resource": {"attributes": [_ATTRIBUTE_ACTION]},
+    },
+    "exporters": {
+        "prometheus": {
+            **_HTTP_SERVER,
+            "sending_queue": None,
+            "namespace": None,
+            "const_labels": None,
+            "send_timestamps": None,
+            "metric_expiration": None,
+            "resource_to_telemetry_conversion": {"enabled": None},
+            "enable_open_metrics": None,
+            "add_metric_suffixes": None,
+            "translation_strategy": None,
+        },
+        "otlp_grpc": {**_GRPC_CLIENT, "timeout": None, "sending_queue": None, "retry_on_failure": None},
+        "debug": dict.fromkeys(
+            [
+                "verbosity",
+                "sampling_initial",
+                "sampling_thereafter",
+                "use_internal_logger",
+                "output_paths",
+                "sending_queue",
+            ]
+        ),
+    },
+}
+_SERVICE_OPTIONS = {"extensions": None, "pipelines": None, "telemetry": None}
+_PIPELINE_OPTIONS = {"receivers", "processors", "exporters"}
+
+
+def _unknown_options(value: Any, options: Any, where: str) -> list[str]:
+    if options is None:
+        return []
+    if isinstance(options, list):
+        if not isinstance(value, list):
+            return [f"{where}: expected a list"]
+        return [
+            e for i, item in enumerate(value) for e in _unknown_options(item, options[0], f"{where}[{i}]")
+        ]
+    if not isinstance(value, dict):
+        return [f"{where}: expected a mapping"] if value is not None else []
+    out = []
+    for key, sub in value.items():
+        if key not in options:
+            out.append(f"{where}.{key}")
+        else:
+            out.extend(_unknown_options(sub, options[key], f"{where}.{key}"))
+    return out
+
+
+def collector_config_errors(config: dict[str, Any]) -> list[str]:
+    """Every key of a collector config that the pinned collector does not know."""
+    errors = [
+        f"top-level {k}"
+        for k in config
+        if k not in {*COLLECTOR_OPTIONS, "extensions", "connectors", "service"}
+    ]
+    for section in ("extensions", "connectors"):
+        errors += [f"{section}.{name}: component not verified" for name in config.get(section) or {}]
+    for kind, known in COLLECTOR_OPTIONS.items():
+        for name, settings in (config.get(kind) or {}).items():
+            ctype = name.split("/", 1)[0]
+            if ctype not in known:
+                errors.append(f"{kind}.{name}: component type {ctype!r} not verified at the pinned version")
+                continue
+            errors += _unknown_options(settings, known[ctype], f"{kind}.{name}")
+    service = config.get("service") or {}
+    errors += _unknown_options(service, _SERVICE_OPTIONS, "service")
+    for pname, pipeline in (service.get("pipelines") or {}).items():
+        errors += [f"service.pipelines.{pname}.{k}" for k in pipeline if k not in _PIPELINE_OPTIONS]
+    return errors
+
+
+def test_collector_config_uses_only_options_of_the_pinned_collector(collector: dict[str, Any]) -> None:
+    assert collector_config_errors(collector) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "key"),
+    [
+        (("exporters", "prometheus"), "resource_constant_labels"),  # later than the pin
+        (("exporters", "prometheus"), "without_scope_info"),
+        (("exporters", "prometheus", "resource_to_telemetry_conversion"), "exclude_service_attributes"),
+        (("receivers", "otlp", "protocols", "grpc"), "max_recv_msg_size"),
+        (("exporters", "otlp_grpc/tempo", "tls"), "insecure_skip"),
+        (("processors", "memory_limiter"), "limit_mb"),
+        (("service",), "extension"),
+    ],
+)
+def test_collector_option_check_rejects_an_unknown_key(
+    collector: dict[str, Any], path: tuple[str, ...], key: str
+) -> None:
+    """Negative control: the check above fails when one unknown key is added anywhere."""
+    broken = copy.deepcopy(collector)
+    node = broken
+    for part in path:
+        node = node[part]
+    node[key] = True
+    errors = collector_config_errors(broken)
+    assert errors and all(e.endswith(f".{key}") for e in errors), errors
+
+
+def test_collector_option_check_rejects_unverified_components(collector: dict[str, Any]) -> None:
+    broken = copy.deepcopy(collector)
+    broken["exporters"]["otlp/tempo"] = broken["exporters"].pop("otlp_grpc/tempo")  # deprecated alias
+    broken["processors"]["transform"] = {"metric_statements": []}
+    errors = collector_config_errors(broken)
+    assert any("'otlp'" in e for e in errors) and any("'transform'" in e for e in errors)
+
+
+def _deleted_by(actions: list[dict[str, Any]], key: str) -> bool:
+    return any(
+        a["action"] == "delete" and (a.get("key") == key or re.search(a.get("pattern", "(?!)"), key))
+        for a in actions
+    )
+
+
+def test_collector_puts_identity_labels_on_every_series_and_nothing_per_process(
+    collector: dict[str, Any],
+) -> None:
+    """The Resource otel_train really builds, through the metrics pipeline's resource processors,
+    becomes the label set (resource_to_telemetry_conversion): identity in, per-process out."""
+    import otel_train
+
+    prom = collector["exporters"]["prometheus"]
+    assert prom["resource_to_telemetry_conversion"] == {"enabled": True}
+    assert (
+        prom.get("translation_strategy", "UnderscoreEscapingWithSuffixes") == "UnderscoreEscapingWithSuffixes"
+    )
+    processors = collector["service"]["pipelines"]["metrics"]["processors"]
+    actions = [
+        a
+        for p in processors
+        if p.split("/", 1)[0] == "resource"
+        for a in collector["processors"][p]["attributes"]
+    ]
+    session = otel_train.init(prometheus_port=0, verbosity=0, run_id="ident", hardware=False)
+    try:
+        resource = dict(session.resource.attributes)
+    finally:
+        otel_train.shutdown()
+    assert "process.pid" in resource  # what the library sets (otel_train/session.py)
+    labels = {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in resource if not _deleted_by(actions, k)}
+    assert {"run_id", "rank", "local_rank", "host_name"} <= labels
+    assert {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in semconv.LABEL_RESOURCE_KEYS} <= labels
+    assert not [label for label in labels if label.startswith("process_")]
+    # also what SDK resource detectors may add (OTEL_EXPERIMENTAL_RESOURCE_DETECTORS=process)
+    for key in ("process.pid", "process.command_line", "process.command_args", "process.parent_pid"):
+        assert _deleted_by(actions, key), key
+
+
+def test_collector_listens_in_container_and_reaches_the_stack(
     collector: dict[str, Any], compose: dict[str, Any]
 ) -> None:
     protocols = collector["receivers"]["otlp"]["protocols"]
     assert protocols["grpc"]["endpoint"] == "0.0.0.0:4317"
     assert protocols["http"]["endpoint"] == "0.0.0.0:4318"
-    assert collector["extensions"]["health_check"]["endpoint"].endswith(":13133")
     prom = collector["exporters"]["prometheus"]
-    # run_id/rank/local_rank/host.name labels on every series: the catalogue's list, exactly
-    assert prom["resource_constant_labels"]["included"] == list(semconv.LABEL_RESOURCE_KEYS)
-    assert (
-        prom.get("translation_strategy", "UnderscoreEscapingWithSuffixes") == "UnderscoreEscapingWithSuffixes"
-    )
+    assert prom["enable_open_metrics"] is True  # exemplars reach Prometheus
     # Prometheus scrapes the exporter's port, honouring the exported job/instance
     port = prom["endpoint"].rsplit(":", 1)[1]
     scrape = _load("prometheus/prometheus.yml")["scrape_configs"]
@@ -200,6 +532,8 @@ def test_collector_listens_in_container_and_keeps_identity(
         if any(f"otel-collector:{port}" in t for g in j["static_configs"] for t in g["targets"])
     ]
     assert collector_jobs and all(j.get("honor_labels") is True for j in collector_jobs)
+    # ... and stores exemplars
+    assert "--enable-feature=exemplar-storage" in compose["services"]["prometheus"]["command"]
     # traces go to the Tempo service
     trace_exporters = collector["service"]["pipelines"]["traces"]["exporters"]
     endpoints = [collector["exporters"][e].get("endpoint", "") for e in trace_exporters]

@@ -104,6 +104,39 @@ def test_otlp_grpc_metrics_spans_resource() -> None:
     _check_spans(received)
 
 
+def test_duration_histograms_carry_exemplars_of_the_sampled_spans() -> None:
+    """Step- and phase-duration points carry exemplars whose trace and span ids are those of the
+    exported spans of the sampled steps (Grafana links a slow step to its trace in Tempo)."""
+    with http_receiver() as (endpoint, received):
+        _run(endpoint, "http/protobuf")
+        deadline = time.monotonic() + 5
+        while not (received.metrics and received.traces) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    spans = {(s.trace_id, s.span_id): s for _, s in received.spans()}
+    step_spans = {k for k, s in spans.items() if s.name.startswith("train.step ")}
+    assert len(step_spans) == 4  # steps 0, 1, 10, 20
+    points = received.metric_points()
+    found: dict[str, int] = {}
+    for spec in (semconv.STEP_DURATION, semconv.PHASE_DURATION):
+        for _resource, metric, _unit in points[spec.name]:
+            for dp in metric.histogram.data_points:
+                phase = {kv.key: kv.value.string_value for kv in dp.attributes}.get(semconv.PHASE)
+                for ex in dp.exemplars:
+                    span = spans.get((ex.trace_id, ex.span_id))
+                    assert span is not None, "exemplar points at a span that was not exported"
+                    if spec is semconv.STEP_DURATION:
+                        assert (ex.trace_id, ex.span_id) in step_spans
+                    else:  # the span of this phase (a sampled step's timer, or the eval mark)
+                        assert span.name == phase
+                        if phase != "eval":
+                            assert any(t == ex.trace_id for t, _ in step_spans)
+                    seconds = (span.end_time_unix_nano - span.start_time_unix_nano) * 1e-9
+                    assert ex.as_double == pytest.approx(seconds, abs=1e-6)
+                    key = spec.name if phase in (None, "eval") else f"{spec.name}/step"
+                    found[key] = found.get(key, 0) + 1
+    assert found.get(semconv.STEP_DURATION.name) and found.get(f"{semconv.PHASE_DURATION.name}/step"), found
+
+
 def test_health_events_leave_as_log_records() -> None:
     with http_receiver() as (endpoint, received):
         ot.init(otlp_endpoint=endpoint, prometheus_port=0, verbosity=0, log_interval=2)

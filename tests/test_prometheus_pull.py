@@ -1,4 +1,4 @@
-"""Real Prometheus (Debian 2.42) scraping the in-process pull endpoint of a short run."""
+"""Real Prometheus (the pinned 3.5, deploy/versions.env) scraping the in-process pull endpoint of a short run."""
 
 from __future__ import annotations
 

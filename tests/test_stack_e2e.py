@@ -1,5 +1,5 @@
 """The whole path on real components: 4 real torch.distributed (gloo) ranks training on CPU with
-their pull endpoints, a real Prometheus (Debian 2.42) evaluating the shipped alert pack (test-only
+their pull endpoints, a real Prometheus (the pinned 3.5) evaluating the shipped alert pack (test-only
 copy with short windows) and a real Alertmanager. Then every dashboard query is evaluated against
 that Prometheus."""
 
@@ -52,6 +52,9 @@ def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, s
     )  # fmt: skip
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     ot.watch(model, every=5, activations=True)  # feeds the dashboards' ot.watch panels
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    ot.watch_scaler(scaler)  # feeds the mixed-precision panels
     synced = freeze_rank < 0  # a frozen peer would hang the training's own collectives
     deadline = time.monotonic() + seconds
     step = 0
@@ -71,7 +74,9 @@ def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, s
                 out = model(torch.randn(2, 4)).pow(2).mean()
             with ot.timer("backward"):
                 time.sleep(0.02 * slow)
-                out.backward()
+                scaler.scale(out).backward()
+            scaler.step(optimizer)
+            scaler.update()
             if synced:
                 with ot.timer("allreduce"):
                     # the training's own collective; also agrees on when to stop, so no rank is left

@@ -110,7 +110,10 @@ class ConsoleSink(Sink):
     def close(self, final_scalars: Mapping[str, float]) -> None:
         if self.verbosity == 0:
             return
-        self.stream.write(self.timer_table())
+        from otel_train.goodput import summary
+
+        line = summary(final_scalars)
+        self.stream.write(self.timer_table() + (f"{line}\n" if line else ""))
         self.stream.flush()
 
     def timer_table(self) -> str:

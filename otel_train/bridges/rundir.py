@@ -126,6 +126,8 @@ class RunDirSink(Sink):
         ]
         if "progress/eta_s" in scalars:
             parts.append(f"eta {_hms(scalars['progress/eta_s'])}")
+        if "train/goodput" in scalars:
+            parts.append(f"goodput {100 * scalars['train/goodput']:.1f}%")
         self._progress.write_line((" | ".join(parts) + "\n").encode("utf-8"))
 
     def write_text(self, key: str, text: str, step: int) -> None:
@@ -144,6 +146,14 @@ class RunDirSink(Sink):
         write_json(self.run_dir / "hparams.json", dict(params))
 
     def close(self, final_scalars: Mapping[str, float]) -> None:
+        from otel_train.goodput import summary
+
+        line = summary(final_scalars)
+        if self._progress is not None and line:
+            with contextlib.suppress(OSError):  # a full disk: the summary line is the one thing lost
+                self._progress.write_line(
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')} | end of process | {line}\n".encode()
+                )
         for fh in (self._metrics, self._progress):
             if fh is not None:
                 fh.close()

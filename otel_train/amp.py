@@ -1,0 +1,77 @@
+"""Mixed precision: `ot.watch_scaler(scaler)` exports a `torch.amp.GradScaler`'s loss scale and
+counts the optimizer steps it skipped for inf/NaN gradients, without a host sync.
+
+GradScaler has no hooks, so the watch wraps the scaler instance's `update()`: just before it runs,
+the scaler's per-optimizer `found_inf` tensors say whether this iteration's step was skipped; after
+it, `_scale` holds the new scale. Both stay device tensors: the training thread only queues a clone
+and an add (asynchronous on a GPU) and stores the latest pair in one assignment; the background
+worker copies them to the host at the flush, the only place a device value is read. (`_scale` and
+`_per_optimizer_states` are private GradScaler state, unchanged from torch 1.6 to 2.x.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from otel_train import semconv
+from otel_train.interval import Interval
+
+
+class ScalerWatch:
+    """Flush listener for one GradScaler; `remove()` restores the scaler's own `update`."""
+
+    def __init__(self, scaler: Any, meter: Any) -> None:
+        self.scaler = scaler
+        self._update = scaler.update  # the bound method
+        self._skipped_total: Any = None  # cumulative, on the scale's device
+        self._latest: tuple[Any, Any] | None = None  # (scale clone, skipped total): one assignment
+        self._reported_skips = 0.0
+        self._scale_gauge = meter.create_gauge(
+            semconv.LOSS_SCALE.name, semconv.LOSS_SCALE.unit, semconv.LOSS_SCALE.description
+        )
+        self._skips = meter.create_counter(
+            semconv.SKIPPED_STEPS.name, semconv.SKIPPED_STEPS.unit, semconv.SKIPPED_STEPS.description
+        )
+        self._skips.add(0)
+        scaler.update = self._watched_update  # shadows the method on this instance only
+
+    def remove(self) -> None:
+        if self.scaler.__dict__.get("update") == self._watched_update:
+            del self.scaler.update
+
+    # --- training thread -----------------------------------------------------------------------
+    def _watched_update(self, new_scale: Any = None) -> None:
+        found = _found_infs(self.scaler)
+        self._update(new_scale)
+        scale = getattr(self.scaler, "_scale", None)
+        if scale is None or not found:  # disabled scaler, or update() without a step
+            return
+        import torch
+
+        skipped = torch.stack([f.to(scale.device, torch.float32).reshape(()) for f in found]).amax()
+        total = skipped if self._skipped_total is None else self._skipped_total + skipped
+        self._skipped_total = total
+        self._latest = (scale.detach().clone(), total)
+
+    # --- worker --------------------------------------------------------------------------------
+    def on_flush(self, interval: Interval) -> None:
+        latest = self._latest
+        if latest is None:
+            return
+        from otel_train.pipeline import tensors_to_host
+
+        scale, total = tensors_to_host(list(latest))
+        if scale is not None:
+            self._scale_gauge.set(scale[0])
+        if total is not None and total[0] > self._reported_skips:
+            self._skips.add(total[0] - self._reported_skips)
+            self._reported_skips = total[0]
+
+    def close(self) -> None:
+        self.remove()
+
+
+def _found_infs(scaler: Any) -> list[Any]:
+    """This iteration's found-inf flags, one per optimizer and device (empty if no step ran)."""
+    states = getattr(scaler, "_per_optimizer_states", None) or {}
+    return [flag for state in states.values() for flag in state.get("found_inf_per_device", {}).values()]

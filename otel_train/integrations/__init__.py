@@ -1,0 +1,6 @@
+"""Framework integrations, one line each (nothing here is imported by `import otel_train`):
+
+- `otel_train.integrations.transformers.OtelTrainCallback`: `Trainer(..., callbacks=[...])`
+- `otel_train.integrations.lightning.OtelTrainLogger` / `OtelTrainCallback`: Lightning `Trainer`
+- `otel_train.integrations.accelerate.OtelTrainTracker`: `Accelerator(log_with=[...])`
+"""

@@ -1,0 +1,49 @@
+"""What the framework integrations share: lazy session start and framework log names."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import otel_train as ot
+
+log = logging.getLogger("otel_train")
+
+
+def start_session(settings: Mapping[str, Any] | None) -> bool:
+    """Start a session unless the user already has one. True when this call started it (the
+    integration then also shuts it down); the user's own session is never replaced."""
+    if ot.current_session() is not None:
+        return False
+    ot.init(**dict(settings or {}))
+    return True
+
+
+def distributed_world() -> int:
+    """World size of an initialised torch.distributed job, else 1 (torch imported only if loaded)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return int(dist.get_world_size())
+
+
+def scalar_logs(logs: Mapping[str, Any], skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A framework's log dict as otel_train record names: `eval_loss` -> `eval/loss`, `loss`,
+    `learning_rate`, `grad_norm` stay (they are catalogue aliases); strings, booleans and containers
+    are left out. Values are passed through untouched: tensors stay on device."""
+    out: dict[str, Any] = {}
+    for key, value in logs.items():
+        if not isinstance(key, str) or key in skip or isinstance(value, (str, bytes, bool, dict, list)):
+            continue
+        out[_record_name(key)] = value  # NaN/Inf pass on: the worker counts them as non-finite
+    return out
+
+
+def _record_name(key: str) -> str:
+    for prefix in ("eval_", "test_", "predict_"):
+        if key.startswith(prefix) and key != "eval_loss":
+            return f"{prefix[:-1]}/{key[len(prefix) :]}"
+    return key

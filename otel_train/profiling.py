@@ -1,0 +1,159 @@
+"""Profiler windows: `ot.profile(...)` drives `torch.profiler` on a step schedule.
+
+    ot.profile(wait=10, warmup=1, active=3)        # steps 11-13 from now, on every rank
+    ot.profile(active=5, ranks=[0])                # the next 5 steps (after 1 warm-up), rank 0
+
+The window counts steps from the call (Oumi / torch.profiler semantics: `skip_first`, `wait`,
+`warmup`, `active`, `repeat`). Each finished active stretch becomes a chrome trace at
+`<run dir>/profiles/rank<k>/steps<first>-<last>.json` (open it in Perfetto or chrome://tracing).
+Profiled steps are always traced, their step spans carry `train.profiled=true`, and
+`train.profiler.steps` counts them, so step-time panels can tell a profiled (skewed) step from a
+slow one. The profiler advances at each step end on the training thread (that is where torch needs
+it); writing a trace costs that step time, which is why it is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from otel_train import semconv
+from otel_train.interval import Interval
+
+log = logging.getLogger("otel_train")
+
+
+@dataclass(frozen=True)
+class ProfileWindow:
+    """A torch.profiler schedule in steps; `repeat=0` would never end, so it is not allowed."""
+
+    wait: int = 0
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    skip_first: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.wait, self.warmup, self.skip_first) < 0 or self.active < 1 or self.repeat < 1:
+            raise ValueError(
+                f"ot.profile: use wait/warmup/skip_first >= 0, active >= 1 and repeat >= 1 (got {self})"
+            )
+
+    @property
+    def length(self) -> int:
+        return self.skip_first + self.repeat * (self.wait + self.warmup + self.active)
+
+    def is_active(self, position: int) -> bool:
+        """Is the `position`-th step of the window (0 = the first step after the call) recorded?"""
+        if position < self.skip_first or position >= self.length:
+            return False
+        cycle = self.wait + self.warmup + self.active
+        return (position - self.skip_first) % cycle >= self.wait + self.warmup
+
+
+class StepProfiler:
+    """One window of torch.profiler on this rank, advanced by the session at each step end."""
+
+    def __init__(self, window: ProfileWindow, out_dir: Path) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.window = window
+        self.out_dir = out_dir
+        self.traces: list[Path] = []
+        self._position = 0
+        self._active_steps: list[int] = []
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(
+            activities=activities,
+            schedule=schedule(
+                wait=window.wait,
+                warmup=window.warmup,
+                active=window.active,
+                repeat=window.repeat,
+                skip_first=window.skip_first,
+            ),
+            on_trace_ready=self._save,
+        )
+        self._profiler.start()
+
+    @property
+    def done(self) -> bool:
+        return self._position >= self.window.length
+
+    def next_step_active(self) -> bool:
+        return self.window.is_active(self._position)
+
+    def step_ended(self, step: int) -> bool:
+        """Advance the profiler past `step`; True when `step` was recorded."""
+        active = self.window.is_active(self._position)
+        if active:
+            self._active_steps.append(step)
+        self._position += 1
+        self._profiler.step()  # may call _save (on this thread) when an active stretch ends
+        if self.done:
+            self._profiler.stop()
+        return active
+
+    def stop(self) -> None:
+        if not self.done:
+            self._position = self.window.length
+            self._profiler.stop()
+
+    def _save(self, profiler: Any) -> None:
+        steps = self._active_steps[-self.window.active :]
+        name = f"steps{steps[0]}-{steps[-1]}.json" if steps else f"position{self._position}.json"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / name
+        try:
+            profiler.export_chrome_trace(str(path))
+        except Exception as exc:  # a full disk must not stop training
+            log.warning("otel_train: could not write the profiler trace %s: %s", path, exc)
+            return
+        self.traces.append(path)
+        log.info("otel_train: profiler trace for steps %s written to %s", steps, path)
+
+
+class ProfiledStepsCounter:
+    """Flush listener: adds the steps profiled since the last flush to `train.profiler.steps`."""
+
+    def __init__(self, meter: Any) -> None:
+        spec = semconv.PROFILED_STEPS
+        self._counter = meter.create_counter(spec.name, spec.unit, spec.description)
+        self._counter.add(0)
+        self.total = 0  # written by the training thread only
+        self._reported = 0  # read and written by the worker only
+
+    def on_flush(self, interval: Interval) -> None:
+        total = self.total
+        if total > self._reported:
+            self._counter.add(total - self._reported)
+            self._reported = total
+
+    def close(self) -> None:
+        pass
+
+
+def start_window(
+    window: ProfileWindow,
+    run_dir: Path | None,
+    output_dir: str,
+    run_name: str,
+    rank: int,
+    ranks: Sequence[int] | None,
+    warn: Callable[[str], None],
+) -> StepProfiler | None:
+    """A profiler for this rank, or None when this rank is not among `ranks`."""
+    if ranks is not None and rank not in ranks:
+        return None
+    base = run_dir if run_dir is not None else Path(output_dir) / run_name
+    try:
+        return StepProfiler(window, base / "profiles" / f"rank{rank}")
+    except Exception as exc:  # torch missing or a profiler already running in this process
+        warn(f"otel_train: ot.profile could not start torch.profiler: {exc}")
+        return None

@@ -1,0 +1,99 @@
+"""The pinned versions of the stack's real components (deploy/versions.env) and their binaries.
+
+`deploy/fetch-tools.sh` (run by `make test`) unpacks Debian's packages of exactly these versions
+into `.tools/` (or $OTEL_TRAIN_TOOLS); `binary(name)` finds a binary there first, then on PATH,
+and accepts it only when it reports the pinned version, so a test never passes on the wrong
+Prometheus.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VERSIONS_FILE = REPO / "deploy" / "versions.env"
+
+
+def tools_bin() -> Path:
+    return Path(os.environ.get("OTEL_TRAIN_TOOLS") or REPO / ".tools") / "bin"
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of a dotenv/shell file (comments and blank lines skipped)."""
+    out: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition("=")
+        out[key.strip()] = value.strip().strip("'\"")
+    return out
+
+
+def upstream_version(debian_version: str) -> str:
+    """`3.5.3+ds1-6` -> `3.5.3`, `2.40.3-3` -> `2.40.3` (what the binary itself reports)."""
+    return debian_version.split("+", 1)[0].rsplit("-", 1)[0]
+
+
+@functools.cache
+def pinned() -> dict[str, str]:
+    """Component -> upstream version: prometheus, alertmanager, docker-compose, otelcol-contrib."""
+    env = read_env_file(VERSIONS_FILE)
+    return {
+        "prometheus": upstream_version(env["PROMETHEUS_DEB"]),
+        "alertmanager": upstream_version(env["ALERTMANAGER_DEB"]),
+        "docker-compose": upstream_version(env["DOCKER_COMPOSE_DEB"]),
+        "otelcol-contrib": env["OTELCOL_CONTRIB_VERSION"],
+    }
+
+
+# binary name -> (component whose version it must report, argv to print that version)
+VERSION_COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "prometheus": ("prometheus", ("--version",)),
+    "promtool": ("prometheus", ("--version",)),
+    "prometheus-alertmanager": ("alertmanager", ("--version",)),
+    "alertmanager": ("alertmanager", ("--version",)),
+    "amtool": ("alertmanager", ("--version",)),
+    "docker-compose": ("docker-compose", ("version",)),
+}
+
+
+@functools.cache
+def reported_version(path: str, name: str) -> str:
+    """First line the binary prints for its version command ('' when it does not run)."""
+    _, argv = VERSION_COMMANDS[name]
+    try:
+        proc = subprocess.run([path, *argv], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def is_pinned(line: str, version: str) -> bool:
+    return re.search(rf"version v?{re.escape(version)}(?![\d.])", line) is not None
+
+
+def find(name: str) -> tuple[str | None, str]:
+    """(path of `name` at the pinned version or None, explanation of what was found instead)."""
+    component, _ = VERSION_COMMANDS[name]
+    version = pinned()[component]
+    seen: list[str] = []
+    candidates = [tools_bin() / name, shutil.which(name)]
+    for candidate in candidates:
+        if candidate is None or not Path(candidate).exists():
+            continue
+        line = reported_version(str(candidate), name)
+        if is_pinned(line, version):
+            return str(candidate), ""
+        seen.append(f"{candidate}: {line or 'does not run'}")
+    found = "; found " + ", ".join(seen) if seen else ""
+    return None, (
+        f"{name} {version} (pinned in deploy/versions.env) not found in {tools_bin()} or on PATH{found}. "
+        "Run `make tools` (deploy/fetch-tools.sh)."
+    )

@@ -1,0 +1,85 @@
+"""ot.watch_scaler: a real torch.amp.GradScaler on CPU, loss scale exported, skipped steps counted."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import otel_train as ot
+from otel_train.testing import capture_metrics
+
+
+def _train(scaler: torch.amp.GradScaler, steps: int, poison: set[int], start: int = 0) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 8)
+    for step in range(start, start + steps):
+        with ot.step(step):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            if step in poison:
+                loss = loss * float("inf")  # overflow: the scaler must skip this step
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+
+def test_scale_and_skipped_steps_are_exported() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    with capture_metrics(run_name="amp", log_interval=5, hardware=False) as capture:
+        handle = ot.watch_scaler(scaler)
+        _train(scaler, 10, poison={3, 7})
+    assert sum(v for _, v in capture.series("train/skipped_steps")) == 2
+    assert capture.last("train/loss_scale") == scaler.get_scale() == 1024.0 * 0.5 * 0.5
+    assert handle is not None
+    assert "update" not in scaler.__dict__  # shutdown handed the scaler its own update() back
+
+
+def _host_reads_on_this_thread(run: Callable[[], None]) -> int:
+    """How many Tensor.item / tolist / __float__ / cpu calls `run` makes on the calling thread."""
+    caller = threading.current_thread()
+    reads = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__float__", "cpu")}
+
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is caller:
+                reads[0] += 1
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, counting(original))
+        run()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return reads[0]
+
+
+def test_watched_update_reads_nothing_on_the_training_thread() -> None:
+    """GradScaler's own host reads (CPU `step()` reads found_inf) are the same with the watch."""
+    with capture_metrics(run_name="amp-sync", log_interval=1000, hardware=False):
+        unwatched = torch.amp.GradScaler("cpu")
+        _train(unwatched, 1, poison=set())  # the scaler's lazy state exists before counting
+        baseline = _host_reads_on_this_thread(lambda: _train(unwatched, 3, poison={2}, start=1))
+        watched = torch.amp.GradScaler("cpu")
+        ot.watch_scaler(watched)
+        _train(watched, 1, poison=set())
+        with_watch = _host_reads_on_this_thread(lambda: _train(watched, 3, poison={2}, start=1))
+    assert baseline > 0  # the counter works
+    assert with_watch == baseline
+
+
+def test_watch_scaler_rejects_other_objects_and_is_a_no_op_before_init() -> None:
+    with pytest.raises(TypeError, match="GradScaler"):
+        ot.watch_scaler(object())
+    assert ot.watch_scaler(torch.amp.GradScaler("cpu")) is None

@@ -1,0 +1,144 @@
+"""Hang diagnosis: stack dumps on stall and on SIGUSR1, also while a rank is stuck in a collective."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from multirank import free_port
+
+import otel_train as ot
+from otel_train.config import ConfigError
+
+
+def _wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _events(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
+    path = run_dir / f"events.rank{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _parked_in_marker_function(release: threading.Event) -> None:
+    release.wait(30)
+
+
+def test_stall_writes_stacks_and_an_event_naming_them(tmp_path: Path) -> None:
+    session = ot.init(run_name="stall", stall_timeout_s=0.4, prometheus_port=0, verbosity=0, hardware=False)
+    for step in range(3):
+        with ot.step(step):
+            pass
+    release = threading.Event()
+    blocker = threading.Thread(target=_parked_in_marker_function, args=(release,), name="trainer-like")
+    blocker.start()
+    try:
+        path = _wait_for(lambda: next(iter(session.run_dir.glob("stacks.rank0.*.txt")), None), 10, "stacks")
+        text = path.read_text()
+        assert "rank 0" in text and "last step 2" in text
+        assert '--- thread "trainer-like"' in text and "_parked_in_marker_function" in text
+        stall = _wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 5, "event")
+        assert stall[0]["file"] == str(path) and stall[0]["step"] == 2
+        time.sleep(1.0)
+        assert len(list(session.run_dir.glob("stacks.rank0.*.txt"))) == 1  # one stall, one dump
+    finally:
+        release.set()
+        blocker.join()
+    with ot.step(3):  # a step ends the stall; the next one is reported again
+        pass
+    _wait_for(lambda: len(list(session.run_dir.glob("stacks.rank0.*.txt"))) == 2, 10, "second stall dump")
+
+
+def test_no_stall_before_the_first_step(tmp_path: Path) -> None:
+    session = ot.init(run_name="startup", stall_timeout_s=0.2, prometheus_port=0, verbosity=0, hardware=False)
+    time.sleep(1.0)  # start-up (model loading, compile) is not a stall
+    assert list(session.run_dir.glob("stacks.*")) == []
+
+
+def test_sigusr1_dumps_on_the_watchdog_thread(tmp_path: Path) -> None:
+    session = ot.init(run_name="usr1", prometheus_port=0, verbosity=0, hardware=False)
+    with ot.step(0):
+        pass
+    os.kill(os.getpid(), signal.SIGUSR1)
+    path = _wait_for(lambda: next(iter(session.run_dir.glob("stacks.rank0.*.txt")), None), 10, "stacks")
+    assert "signal" in path.read_text().splitlines()[0]
+    _wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stack_dump"], 5, "event")
+    ot.shutdown()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # handed back at shutdown
+
+
+def test_stack_dump_signal_is_validated() -> None:
+    with pytest.raises(ConfigError, match="stack_dump_signal"):
+        ot.init(stack_dump_signal="SIGNOPE", prometheus_port=0)
+
+
+_RANK_SCRIPT = """
+import os, sys, time
+import torch, torch.distributed as dist
+import otel_train as ot
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+ot.init(run_name="hang", stall_timeout_s=2.0, prometheus_port=0, verbosity=0, hardware=False,
+        log_interval=2, output_dir=sys.argv[1])
+tensor = torch.ones(4)
+for step in range(100):
+    with ot.step(step):
+        if step == 3 and rank == 0:
+            time.sleep(300)  # rank 0 hangs in its data loading ...
+        with ot.timer("backward"):
+            dist.all_reduce(tensor)  # ... and rank 1 waits for it here, forever
+"""
+
+
+@pytest.mark.multirank
+def test_rank_blocked_in_a_collective_dumps_its_stack_and_answers_sigusr1(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(_RANK_SCRIPT))
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+            LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+        )  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "runs")], env=env))
+    run_dir = tmp_path / "runs" / "hang"
+    try:
+        for rank in (0, 1):
+            _wait_for(lambda r=rank: list(run_dir.glob(f"stacks.rank{r}.*.txt")), 90, f"rank {rank} stacks")
+        blocked = (run_dir / "stacks.rank1.0.txt").read_text()
+        assert "all_reduce" in blocked  # the culprit's peer: stuck in the collective
+        assert "time.sleep(300)" in (run_dir / "stacks.rank0.0.txt").read_text()
+        for rank in (0, 1):
+            stalls = [e for e in _events(run_dir, rank) if e["event"] == "stall"]
+            assert stalls and stalls[0]["file"].endswith(f"stacks.rank{rank}.0.txt")
+        # The main thread of rank 1 is inside gloo (C++, GIL released): a Python-level handler
+        # would never run, the watchdog still answers.
+        procs[1].send_signal(signal.SIGUSR1)
+        _wait_for(lambda: (run_dir / "stacks.rank1.1.txt").exists(), 20, "dump on SIGUSR1")
+        assert "all_reduce" in (run_dir / "stacks.rank1.1.txt").read_text()
+        assert all(p.poll() is None for p in procs)  # the job's own timeout behaviour is unchanged
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)

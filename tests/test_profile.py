@@ -1,0 +1,87 @@
+"""ot.profile: torch.profiler windows on a step schedule, traces per rank, profiled steps marked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from otlp_receiver import attributes, http_receiver
+
+import otel_train as ot
+from otel_train.profiling import ProfileWindow
+from otel_train.testing import capture_metrics
+
+
+def _train(steps: int, start: int = 0) -> None:
+    weight = torch.randn(16, 16)
+    for step in range(start, start + steps):
+        with ot.step(step), ot.timer("forward"):
+            (weight @ weight).relu_().sum()
+
+
+def _trace_steps(path: Path) -> set[str]:
+    events = json.loads(path.read_text())["traceEvents"]
+    return {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+
+
+def test_window_positions() -> None:
+    window = ProfileWindow(wait=1, warmup=1, active=2, repeat=2, skip_first=1)
+    assert [window.is_active(p) for p in range(10)] == [
+        False, False, False, True, True, False, False, True, True, False,
+    ]  # fmt: skip
+    assert window.length == 9
+    with pytest.raises(ValueError, match="repeat >= 1"):
+        ProfileWindow(repeat=0)
+
+
+def test_traces_cover_exactly_the_scheduled_steps_and_are_counted() -> None:
+    with capture_metrics(run_name="prof", log_interval=4, hardware=False) as capture:
+        _train(2)  # steps 0, 1 run unprofiled
+        assert ot.profile(wait=1, warmup=1, active=2, repeat=2) is True
+        _train(10, start=2)  # window: 2 wait, 3 warmup, 4-5 active, 6 wait, 7 warmup, 8-9 active
+        session = ot.current_session()
+        assert session is not None and session.profiler is None  # finished and detached
+        run_dir = session.run_dir
+    traces = sorted((run_dir / "profiles" / "rank0").glob("*.json"))
+    assert [t.name for t in traces] == ["steps4-5.json", "steps8-9.json"]
+    for trace in traces:
+        assert len(_trace_steps(trace)) == 2  # two recorded steps in each trace, no more
+    assert sum(v for _, v in capture.series("train/profiled_steps")) == 4
+    assert capture.last("train/steps") is not None  # the run went on
+
+
+def test_profile_on_other_ranks_only_is_a_no_op_here() -> None:
+    with capture_metrics(run_name="prof-ranks", hardware=False):
+        assert ot.profile(active=1, ranks=[1, 2]) is False
+        _train(3)
+        session = ot.current_session()
+        assert session is not None
+        assert not (session.run_dir / "profiles").exists()
+
+
+def test_profiled_steps_are_traced_and_marked_in_their_spans() -> None:
+    with http_receiver() as (endpoint, received):
+        ot.init(
+            run_name="prof-spans", otlp_endpoint=endpoint, prometheus_port=0, verbosity=0,
+            hardware=False, trace_first=0, trace_every=1000,
+        )  # fmt: skip
+        _train(1)
+        ot.profile(wait=0, warmup=1, active=2)
+        _train(4, start=1)
+        ot.shutdown()
+        steps = {
+            attributes(span.attributes)["train.step"]: attributes(span.attributes)
+            for _, span in received.spans()
+            if span.name.startswith("train.step ")
+        }
+    # Only steps 2 and 3 were profiled; sampling (trace_every=1000) would have traced step 0 only.
+    assert {s for s, a in steps.items() if a.get("train.profiled")} == {2, 3}
+    assert set(steps) == {0, 2, 3}
+
+
+def test_profile_before_init_and_bad_arguments() -> None:
+    assert ot.profile() is False
+    with pytest.raises(ValueError, match="active >= 1"):
+        ot.profile(active=0)

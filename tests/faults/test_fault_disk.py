@@ -55,7 +55,7 @@ def test_disk_full_mid_run(tmp_path, caplog) -> None:
                           hardware=False)  # fmt: skip
         capture = Capture()
         session.sinks.append(capture)
-        _fill(disk, leave=6000)
+        _fill(disk, leave=16000)
         for step in range(40):
             with ot.step(step):
                 for i in range(30):

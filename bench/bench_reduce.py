@@ -1,6 +1,12 @@
-"""Cost of the cross-rank reduction at each flush (CrossRankReducer.on_flush), on real gloo ranks.
+"""Cost of the cross-rank reduction at each flush (CrossRankReducer.on_flush), on real gloo ranks,
+and straggler detection latency (flushes until a chronic straggler is reported).
 
     .venv/bin/python bench/bench_reduce.py [--flushes 200] [--ranks 1 2 4 8]
+
+Latency: a DDP-like interval per rank (data / forward / backward holding the all-reduce /
+optimizer, 10 steps, +-3 % jitter), the last rank 1.3x slower in forward from the first flush;
+"flushes" = the 1-based flush at which every rank's on_straggler callback first names it (with
+log_interval=10 that many x 10 steps), with the default threshold and EWMA.
 
 Runs on the background worker in production, so this is not training-thread time; it bounds how
 much worker time (and gloo traffic) one flush costs. "local" = not distributed (no process group):
@@ -35,7 +41,56 @@ def _interval(seq: int, rank: int) -> Any:
     from otel_train.interval import Interval
 
     phases = {k: [v * (1 + 0.01 * ((rank + i + seq) % 3))] * 10 for i, (k, v) in enumerate(PHASES.items())}
-    return Interval(seq, seq * 10 + 9, time.time(), 1.0, 10, 0, 0, [0.12] * 10, phases)
+    arrivals: dict[str, list[float]] = {}
+    elapsed = 0.0
+    for name, values in phases.items():
+        elapsed += values[0]
+        arrivals[name] = [elapsed] * 10
+    return Interval(seq, seq * 10 + 9, time.time(), 1.0, 10, 0, 0, [0.12] * 10, phases, arrivals)
+
+
+def _ddp_interval(seq: int, rank: int, world: int, rng: Any, factor: float = 1.3) -> Any:
+    """Ten DDP-like steps: every rank's backward ends when the slowest rank's does."""
+    from otel_train.interval import Interval
+
+    phases: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "optimizer": []}
+    arrivals: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "optimizer": []}
+    steps = []
+    for _ in range(10):
+        jitter = [[1 + rng.uniform(-0.03, 0.03) for _ in range(4)] for _ in range(world)]
+        ends = [
+            0.004 * j[0] + 0.030 * j[1] * (factor if r == world - 1 else 1.0) for r, j in enumerate(jitter)
+        ]
+        mine = jitter[rank]
+        d = 0.004 * mine[0]
+        f = ends[rank] - d
+        sync = max(ends) + 0.030 * mine[2]
+        o = 0.006 * mine[3]
+        for name, value in (("data", d), ("forward", f), ("backward", sync - ends[rank]), ("optimizer", o)):
+            phases[name].append(value)
+        for name, at in (("data", d), ("forward", ends[rank]), ("backward", sync), ("optimizer", sync + o)):
+            arrivals[name].append(at)
+        steps.append(sync + o)
+    return Interval(seq, seq * 10 + 9, time.time(), 1.0, 10, 0, 0, steps, phases, arrivals)
+
+
+def latency_target(rank: int, world: int, flushes: int) -> int | None:
+    import random
+
+    from otel_train.config import Config
+    from otel_train.distributed import create_telemetry_group, detect_identity
+    from otel_train.straggler import CrossRankReducer
+
+    identity = detect_identity(None)
+    group = create_telemetry_group(identity, 60.0)
+    first: list[int] = []
+    reducer = CrossRankReducer(identity, None, None, Config(), group=group)
+    rng = random.Random(1000 * rank + 7)
+    for seq in range(flushes):
+        reducer.on_flush(_ddp_interval(seq, rank, world, rng))
+        if not first and any(r.rank == world - 1 for r in reducer.last_reports if r.chronic):
+            first.append(seq + 1)
+    return first[0] if first else None
 
 
 def _meter() -> Any:
@@ -63,7 +118,8 @@ def rank_target(rank: int, world: int, flushes: int) -> dict[str, list[float]]:
 
     from otel_train.config import Config
     from otel_train.distributed import create_telemetry_group, detect_identity
-    from otel_train.straggler import CrossRankReducer, pack_len
+    from otel_train.rankwire import pack_len
+    from otel_train.straggler import CrossRankReducer
 
     identity = detect_identity(None)
     config = Config(timing_log_option="minmax")
@@ -115,6 +171,10 @@ def main() -> None:
         flush = [v for r in results for v in r["flush"]]
         bare = [v for r in results for v in r["bare"]]
         print(_row(f"{world} gloo", flush, bare))
+    print("\nDetection latency: last rank 1.3x slower in forward (DDP-like), flushes until reported")
+    for world in [w for w in args.ranks if w > 1]:
+        found = run_ranks(world, latency_target, (10,), timeout=300)
+        print(f"{world:>6} gloo ranks: reported at flush {sorted(set(found))} (every rank's view)")
 
 
 if __name__ == "__main__":

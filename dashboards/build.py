@@ -423,8 +423,9 @@ def overview() -> DashboardDef:
 
 def ranks() -> DashboardDef:
     step, phase, score, cross = sc.STEP_DURATION, sc.PHASE_DURATION, sc.STRAGGLER_SCORE, sc.PHASE_CROSS_RANK
+    late, wait = sc.STRAGGLER_LATENESS, sc.STRAGGLER_WAIT
     slow_by = f"{RUN}, {HOST}, {RANK}"
-    score_by = f"{RUN}, {HOST}, {RANK}, {STRAGGLER_KIND}, {PHASE}"
+    score_by = f"{RUN}, {HOST}, {RANK}, {STRAGGLER_KIND}"
     return DashboardDef(
         "otel-train-ranks",
         "otel_train / Ranks and stragglers",
@@ -455,18 +456,40 @@ def ranks() -> DashboardDef:
                 "Stragglers",
                 (
                     ts(
+                        "Lateness by rank (the rank the others wait for is the high one)",
+                        T(agg("max", _R, selector(late)), _lg(RANK)),
+                        unit="s",
+                        min_val=0,
+                        description=(
+                            "Per step, how much later than the other ranks this rank reaches the end of "
+                            "its latest phase (median over the flush interval). Waiting ranks are on time: "
+                            "0. Under DDP/FSDP the step and backward times of all ranks are equal or longer "
+                            "on the waiters, so only lateness shows the culprit."
+                        ),
+                    ),
+                    ts(
+                        "Wait by rank (time per step spent waiting for the late rank)",
+                        T(agg("max", _R, selector(wait)), _lg(RANK)),
+                        unit="s",
+                        min_val=0,
+                        description="The cost of the straggler: what the other ranks lose per step.",
+                    ),
+                    ts(
                         "Straggler score (1 = healthy, lower = slower)",
                         T(
-                            agg("min", f"{_R}, {STRAGGLER_KIND}, {PHASE}", selector(score)),
-                            _lg(RANK, STRAGGLER_KIND, PHASE),
+                            agg("min", f"{_R}, {STRAGGLER_KIND}", selector(score)),
+                            _lg(RANK, STRAGGLER_KIND),
                         ),
                         unit="none",
                         min_val=0,
-                        width=24,
+                        description=(
+                            "relative = 1 - lateness / step time (1 for every rank that is on time, "
+                            "waiters included); individual = own best / own time now (waiting excluded)."
+                        ),
                     ),
                     table(
-                        "Slowest ranks (mean step time over the range)",
-                        T(f"topk(8, {mean(step, slow_by, RANGE)})"),
+                        "Latest ranks (lateness per step)",
+                        T(f"topk(8, {agg('max', slow_by, selector(late))})"),
                         unit="s",
                     ),
                     table(

@@ -54,6 +54,7 @@ class FlushBatch:
     samples: int
     step_durations: list[float]
     phases: dict[str, list[float]]
+    arrivals: dict[str, list[float]]  # timer name -> seconds from its step's start to the timer's end
     phase_errors: dict[tuple[str, str], list[float]]
     scalars: dict[str, list[Any]]  # instrument name -> raw values (numbers or tensors)
     cuda_timers: list[tuple[str, Any, Any]]  # (phase, start event, end event)
@@ -84,6 +85,7 @@ class Buffer:
     def _reset(self) -> None:
         self.scalars: dict[str, list[Any]] = {}
         self.phases: dict[str, list[float]] = {}
+        self.arrivals: dict[str, list[float]] = {}
         self.phase_errors: dict[tuple[str, str], list[float]] = {}
         self.step_durations: list[float] = []
         self.cuda_timers: list[tuple[str, Any, Any]] = []
@@ -121,6 +123,15 @@ class Buffer:
             values.append(seconds)
         else:
             self.drop("too_many_values")
+
+    def add_arrival(self, name: str, seconds: float) -> None:
+        """When a timer inside a step ended, counted from the step's start: what straggler detection
+        compares across ranks (the rank that arrives last at a synchronization is the one waited for)."""
+        values = self.arrivals.get(name)
+        if values is None:
+            values = self.arrivals[name] = []
+        if len(values) < self.max_values:
+            values.append(seconds)
 
     def add_phase_error(self, name: str, error: str, seconds: float) -> None:
         key = (name, error)
@@ -272,6 +283,7 @@ class Buffer:
             samples=self.samples,
             step_durations=self.step_durations,
             phases=self.phases,
+            arrivals=self.arrivals,
             phase_errors=self.phase_errors,
             scalars=scalars,
             cuda_timers=self.cuda_timers,

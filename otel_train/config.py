@@ -90,7 +90,7 @@ class Config:
     # your code (torch.cuda.max_memory_allocated() keeps working); the peak is then the run's.
     cuda_peak_per_interval: bool = True
     # distributed
-    straggler_threshold: float = 0.8
+    straggler_threshold: float = 0.9  # relative score: 1 - lateness / step time
     straggler_ewma: float = 0.5
     collective_timeout_s: float = 60.0
 
@@ -346,7 +346,7 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
     )
     need(config.hardware_interval_s > 0, "hardware_interval_s", "use a positive number of seconds")
     need(config.peak_flops is None or config.peak_flops > 0, "peak_flops", "use FLOP/s > 0 or leave unset")
-    need(0 < config.straggler_threshold < 1, "straggler_threshold", "use a score in (0, 1), e.g. 0.8")
+    need(0 < config.straggler_threshold < 1, "straggler_threshold", "use a score in (0, 1), e.g. 0.9")
     need(0 < config.straggler_ewma <= 1, "straggler_ewma", "use a smoothing factor in (0, 1]")
     need(config.collective_timeout_s > 0, "collective_timeout_s", "use a positive number of seconds")
     need(bool(config.service_name.strip()), "service_name", "use a non-empty name")

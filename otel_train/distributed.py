@@ -6,7 +6,7 @@ Wiring (every rank calls this at init, in the same order, because `new_group` is
 
     identity = detect_identity(config.run_id)
     group = create_telemetry_group(identity, config.collective_timeout_s)   # None when not distributed
-    identity = agree_run_id(identity, group)                                # one broadcast at init
+    identity, run_name = agree_run(identity, group, run_name)               # one broadcast at init
     reducer = CrossRankReducer(identity, meter, events, config, group=group)
 """
 
@@ -26,7 +26,7 @@ logger = logging.getLogger("otel_train")
 # Where the run id came from. "agreed" = taken from rank 0 through the telemetry group.
 RunIdSource = str  # explicit | env | torchelastic | slurm | pbs | lsf | generated | agreed
 
-RUN_ID_MAX_BYTES = 128
+RUN_ID_MAX_BYTES = 255  # run id and run name each travel in at most this many UTF-8 bytes
 
 
 @dataclass(frozen=True)
@@ -140,35 +140,45 @@ def create_telemetry_group(identity: Identity, timeout_s: float) -> Any | None:
 
 
 def agree_run_id(identity: Identity, group: Any | None) -> Identity:
-    """Every rank adopts rank 0's run id: one broadcast on the telemetry group, called once at init.
+    """Every rank adopts rank 0's run id (see `agree_run`, which also agrees the run name)."""
+    return agree_run(identity, group, "")[0]
+
+
+def agree_run(identity: Identity, group: Any | None, run_name: str) -> tuple[Identity, str]:
+    """Every rank adopts rank 0's run id AND run name: one broadcast on the telemetry group at init,
+    so every rank of a job writes into one run directory (a generated name differs per process).
 
     Always broadcasts when `group` is given (every rank issues the same collective whatever its
     environment says), so ranks can never disagree on whether to communicate. Without a group
-    (single process, or no process group) the identity is returned unchanged. A failure (peer gone,
-    timeout) keeps the local run id and logs a warning.
+    (single process, or no process group) the inputs are returned unchanged. A failure (peer gone,
+    timeout) keeps the local values and logs a warning.
     """
     if group is None or not identity.distributed:
-        return identity
+        return identity, run_name
     import torch
     import torch.distributed as dist
 
-    buf = torch.zeros(RUN_ID_MAX_BYTES + 1, dtype=torch.uint8)
+    fields = 2  # run id, run name: each a length byte and up to RUN_ID_MAX_BYTES bytes
+    buf = torch.zeros(fields * (RUN_ID_MAX_BYTES + 1), dtype=torch.uint8)
     if identity.rank == 0:
-        raw = identity.run_id.encode("utf-8")[:RUN_ID_MAX_BYTES]
-        buf[0] = len(raw)
-        if raw:
-            buf[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        for index, text in enumerate((identity.run_id, run_name)):
+            raw = text.encode("utf-8")[:RUN_ID_MAX_BYTES]
+            at = index * (RUN_ID_MAX_BYTES + 1)
+            buf[at] = len(raw)
+            if raw:
+                buf[at + 1 : at + 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     try:
         dist.broadcast(buf, src=0, group=group)
     except Exception as exc:
         logger.warning(
             "otel_train: run id agreement failed (%s); using the local run id %s", exc, identity.run_id
         )
-        return identity
-    n = int(buf[0])
-    agreed = bytes(buf[1 : 1 + n].tolist()).decode("utf-8", errors="replace")
-    if not agreed:
-        return identity
-    if identity.rank == 0 or agreed == identity.run_id:
-        return identity
-    return replace(identity, run_id=agreed, run_id_source="agreed")
+        return identity, run_name
+    agreed_id, agreed_name = (
+        bytes(buf[at + 1 : at + 1 + int(buf[at])].tolist()).decode("utf-8", errors="replace")
+        for at in (0, RUN_ID_MAX_BYTES + 1)
+    )
+    name = agreed_name or run_name
+    if not agreed_id or identity.rank == 0 or agreed_id == identity.run_id:
+        return identity, name
+    return replace(identity, run_id=agreed_id, run_id_source="agreed"), name

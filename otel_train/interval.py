@@ -17,6 +17,8 @@ class Interval:
     samples: int
     step_durations: list[float] = field(default_factory=list)  # seconds, one per step
     phases: dict[str, list[float]] = field(default_factory=dict)  # timer name -> durations (s)
+    # timer name -> seconds from its step's start to the timer's end (CPU timers inside a step only)
+    arrivals: dict[str, list[float]] = field(default_factory=dict)
     scalars: dict[str, list[float]] = field(default_factory=dict)  # instrument name -> finite values
     final: bool = False  # the last flush, from shutdown()
 

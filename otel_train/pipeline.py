@@ -446,6 +446,7 @@ class Worker:
             samples=batch.samples,
             step_durations=batch.step_durations,
             phases=phases,
+            arrivals=batch.arrivals,
             scalars=scalars,
             final=batch.final,
         )

@@ -184,8 +184,21 @@ DROPPED = _m(
 # --- distributed -----------------------------------------------------------------------------------
 STRAGGLER_SCORE = _m(
     "train.straggler.score", S.GAUGE, "1",
-    "Straggler score of this rank (reference time / this rank's time; 1 = healthy, lower = slower).",
+    "Straggler score of this rank (1 = healthy, lower = slower). relative: 1 - this rank's lateness / "
+    "step time (the share of the job's step the others wait for it); individual: own best / own time "
+    "now (step time minus the time spent waiting for others).",
     "stragglers/{straggler.kind}", attributes=(STRAGGLER_KIND, PHASE),
+)  # fmt: skip
+STRAGGLER_LATENESS = _m(
+    "train.straggler.lateness", S.GAUGE, "s",
+    "How late this rank arrives per step, against the other ranks' median arrival (median over the "
+    "interval, at its latest phase end; 0 = on time). The rank the others wait for has the largest.",
+    "stragglers/lateness",
+)  # fmt: skip
+STRAGGLER_WAIT = _m(
+    "train.straggler.wait", S.GAUGE, "s",
+    "Time per step this rank waits for the latest rank at the synchronization (0 = nobody to wait for).",
+    "stragglers/wait",
 )  # fmt: skip
 PHASE_CROSS_RANK = _m(
     "train.phase.cross_rank", S.GAUGE, "s",

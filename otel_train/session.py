@@ -37,7 +37,7 @@ from otel_train.config import (
     redact,
     signal_number,
 )
-from otel_train.distributed import Identity, agree_run_id, create_telemetry_group, detect_identity
+from otel_train.distributed import Identity, agree_run, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
@@ -67,8 +67,11 @@ class Session:
         # A dedicated gloo group: telemetry's one collective per flush runs on the worker thread and
         # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
         self.telemetry_group = create_telemetry_group(self.identity, config.collective_timeout_s)
-        self.identity = agree_run_id(self.identity, self.telemetry_group)
-        self.run_name = config.run_name or _default_run_name()
+        # One run per job: every rank adopts rank 0's run id and run name (a generated name differs
+        # per process), so all ranks write into one run directory.
+        self.identity, self.run_name = agree_run(
+            self.identity, self.telemetry_group, config.run_name or _default_run_name()
+        )
         self.is_reporting_rank = self.identity.rank == 0 or config.bridge_all_ranks
         self.run_dir = self._make_run_dir()
         self.resumed = False
@@ -191,7 +194,7 @@ class Session:
         self.step_end_ns: int | None = None  # perf_counter_ns when it ended (the stall watchdog reads it)
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
-        self._step_start_ns = 0
+        self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
         self._seq = 0
         self._last_flush = time.perf_counter()
         self._interval_steps = config.log_interval
@@ -537,6 +540,8 @@ class Session:
         seconds = (end_ns - start_ns) * 1e-9
         if error is None:
             self.buffer.add_phase(name, seconds)
+            if self.step_start_ns:  # straggler detection: when this rank got here in its step
+                self.buffer.add_arrival(name, (end_ns - self.step_start_ns) * 1e-9)
         else:
             self.buffer.add_phase_error(name, error.__name__, seconds)
         if self.sampled and len(self.buffer.spans) < _MAX_SPAN_RECORDS:

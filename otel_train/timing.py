@@ -50,7 +50,7 @@ class StepScope:
         self._session = session
         if session is not None:
             self._index = session.begin_step(self.index)
-            self._start = perf_counter_ns()
+            self._start = session.step_start_ns = perf_counter_ns()
         return self
 
     def __exit__(
@@ -58,6 +58,7 @@ class StepScope:
     ) -> None:
         session = self._session
         if session is not None:
+            session.step_start_ns = 0
             session.end_step(
                 self._index, self._start, perf_counter_ns(), self.tokens, self.samples, exc_type is not None
             )

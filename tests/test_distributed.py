@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from multirank import run_ranks
 
-from otel_train.distributed import Identity, agree_run_id, detect_identity
+from otel_train.distributed import Identity, agree_run, agree_run_id, detect_identity
 
 
 def test_single_process_defaults() -> None:
@@ -66,6 +66,7 @@ def test_precedence_explicit_then_env_then_scheduler() -> None:
 def test_agree_without_group_is_identity() -> None:
     ident = Identity("abc", rank=1, world_size=2)
     assert agree_run_id(ident, None) is ident
+    assert agree_run(ident, None, "mine") == (ident, "mine")
 
 
 def agree_target(rank: int, world: int, env_run_id: str | None) -> dict[str, Any]:
@@ -82,7 +83,10 @@ def agree_target(rank: int, world: int, env_run_id: str | None) -> dict[str, Any
     ident = detect_identity(None)
     group = create_telemetry_group(ident, 10.0)
     agreed = agree_run_id(ident, group)
+    # one run per job: every rank adopts rank 0's run name too (generated names differ per process)
+    _, name = agree_run(ident, group, f"name-of-rank-{rank}-" + "é" * 200)
     return {
+        "name": name,
         "before": ident.run_id,
         "after": agreed.run_id,
         "source": agreed.run_id_source,
@@ -96,6 +100,9 @@ def test_agree_run_id_over_gloo(env_run_id: str | None) -> None:
     results = run_ranks(4, agree_target, (env_run_id,), timeout=60)
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     afters = {r["after"] for r in results}
+    assert {r["name"] for r in results} == {
+        ("name-of-rank-0-" + "é" * 200).encode()[:255].decode(errors="replace")
+    }
     assert afters == {results[0]["before"]}  # everyone has rank 0's id
     if env_run_id == "rdzv-7":
         assert afters == {"rdzv-7"} and {r["source"] for r in results} == {"torchelastic"}

@@ -1,4 +1,5 @@
-"""Cross-rank reductions, packing and straggler scoring: pure functions, no process group."""
+"""Cross-rank reductions, the wire format and the flush listener: no process group (the straggler
+model itself is tested in test_straggler_model.py)."""
 
 from __future__ import annotations
 
@@ -12,30 +13,25 @@ from conftest import Events
 
 from otel_train import semconv
 from otel_train.config import Config
-from otel_train.distributed import Identity
-from otel_train.interval import Interval
-from otel_train.straggler import (
-    ANNOUNCE_SLOTS,
-    NAME_BYTES,
-    OVERALL_PHASE,
-    STEP_PHASE,
-    CrossRankReducer,
+from otel_train.crossrank import (
     Reduction,
-    StragglerScorer,
-    TimerTable,
     format_timers,
-    name_id,
-    pack,
-    pack_len,
     per_rank_timings,
-    phase_category,
     reduce_timings,
     stats_for_option,
-    unpack,
 )
+from otel_train.distributed import Identity
+from otel_train.interval import Interval
+from otel_train.rankwire import ANNOUNCE_SLOTS, NAME_BYTES, TimerTable, name_id, pack, pack_len, unpack
+from otel_train.straggler import CrossRankReducer
 
 
-def interval(seq: int, phases: Mapping[str, list[float]], steps: list[float] | None = None) -> Interval:
+def interval(
+    seq: int,
+    phases: Mapping[str, list[float]],
+    steps: list[float] | None = None,
+    arrivals: Mapping[str, list[float]] | None = None,
+) -> Interval:
     return Interval(
         seq=seq,
         step=(seq + 1) * 10 - 1,
@@ -46,6 +42,7 @@ def interval(seq: int, phases: Mapping[str, list[float]], steps: list[float] | N
         samples=0,
         step_durations=list(steps if steps is not None else [0.1] * 10),
         phases={k: list(v) for k, v in phases.items()},
+        arrivals={k: list(v) for k, v in (arrivals or {}).items()},
     )
 
 
@@ -126,19 +123,31 @@ def test_stats_for_option() -> None:
 
 
 def test_pack_unpack_roundtrip() -> None:
-    ident = Identity("run", rank=3, world_size=4, node_rank=1, host="node-α.example")
+    ident = Identity("run", rank=3, world_size=4, node_rank=1, host="node-α.example", local_rank=2)
     table = TimerTable()
-    iv = interval(7, {"forward": [0.01, 0.03], "data": [0.5], "empty": []}, steps=[0.2, 0.4])
+    iv = interval(
+        7,
+        {"forward": [0.01, 0.03, 0.02], "data": [0.5], "empty": []},
+        steps=[0.2, 0.4, 0.3],
+        arrivals={"forward": [0.05, 0.06, 0.9]},
+    )
     row = pack(iv, ident, table)
     assert row.dtype == torch.float64 and row.numel() == pack_len()
     (rec,) = unpack(row)
     assert (rec.rank, rec.seq, rec.step, rec.node_rank, rec.host) == (3, 7, 79, 1, "node-α.example")
-    assert rec.step_count == 2 and rec.step_mean == pytest.approx(0.3)
-    assert rec.timers == {name_id("forward"): (2, pytest.approx(0.02)), name_id("data"): (1, 0.5)}
+    assert rec.local_rank == 2
+    assert (rec.step_count, rec.step_stats.median, rec.step_stats.max) == (3, 0.3, 0.4)
+    fwd = rec.timers[name_id("forward")]
+    assert (fwd.count, fwd.mean) == (3, pytest.approx(0.02))
+    # arrival: lower median, max (the one-off), MAD (own noise)
+    assert (fwd.arrival.count, fwd.arrival.median, fwd.arrival.max) == (3, 0.06, 0.9)
+    assert fwd.arrival.mad == pytest.approx(0.01)
+    assert rec.timers[name_id("data")].arrival.count == 0  # ran outside a step: no arrival
+    assert set(rec.timers) == {name_id("forward"), name_id("data")}
     assert rec.announced == {name_id("forward"): "forward", name_id("data"): "data"}
     # the next flush announces nothing new, values still travel
     (rec2,) = unpack(pack(interval(8, {"forward": [0.04]}), ident, table))
-    assert rec2.announced == {} and rec2.timers == {name_id("forward"): (1, 0.04)}
+    assert rec2.announced == {} and rec2.timers[name_id("forward")].mean == 0.04
 
 
 def test_name_ids_are_exact_in_float64_and_stable() -> None:
@@ -188,7 +197,7 @@ def test_hash_collision_is_dropped_not_merged(caplog: pytest.LogCaptureFixture) 
     table = TimerTable(hash_fn=lambda name: 42)  # every name collides
     caplog.set_level(logging.WARNING, "otel_train")
     (rec,) = unpack(pack(interval(0, {"forward": [1.0], "backward": [5.0]}), Identity("r"), table))
-    assert rec.timers == {42: (1, 1.0)}  # backward is not merged into forward's slot
+    assert list(rec.timers) == [42] and rec.timers[42].mean == 1.0  # backward is not merged
     assert table.dropped == {"backward"} and "collides" in caplog.text
     caplog.clear()
     pack(interval(1, {"forward": [1.0], "backward": [5.0]}), Identity("r"), table)
@@ -212,104 +221,6 @@ def test_announcements_spread_over_flushes() -> None:
     second = unpack(pack(interval(1, phases), Identity("r"), table))[0]
     assert len(first.announced) == ANNOUNCE_SLOTS and len(second.announced) == 2
     assert set(first.announced.values()) | set(second.announced.values()) == set(phases)
-
-
-# --- categories and scoring ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("name", "category"),
-    [
-        ("data", "data"),
-        ("dataloader", "data"),
-        ("data_wait", "data"),
-        ("get_batch", "data"),
-        ("forward", "compute"),
-        ("backward", "compute"),
-        ("forward-compute", "compute"),
-        ("optimizer", "compute"),
-        ("optimizer.step", "compute"),
-        ("allreduce", "communication"),
-        ("grad_sync", "communication"),
-        ("comm", "communication"),
-        ("communication", "communication"),
-        ("checkpoint_save", "other"),
-    ],
-)
-def test_phase_category(name: str, category: str) -> None:
-    assert phase_category(name) == category
-
-
-def _per_rank(
-    slow_rank: int | None, slow: Mapping[str, float], world: int = 4
-) -> list[dict[str, float | None]]:
-    base = {"data": 0.002, "forward": 0.030, "backward": 0.060, "optimizer": 0.005}
-    out: list[dict[str, float | None]] = []
-    for r in range(world):
-        t: dict[str, float | None] = {
-            k: v * (slow.get(k, 1.0) if r == slow_rank else 1.0) for k, v in base.items()
-        }
-        compute = sum(v for v in t.values() if v is not None)
-        t["allreduce"] = 0.25 - compute  # the DDP barrier: fast ranks wait longer
-        t[STEP_PHASE] = 0.25  # step time is equalised by the collective
-        out.append(t)
-    return out
-
-
-def test_relative_compute_straggler_flagged_within_three_intervals() -> None:
-    scorer = StragglerScorer(threshold=0.8, alpha=0.3)
-    first_flag = None
-    for i in range(6):
-        scores = scorer.update(reduce_timings(_per_rank(2, {"forward": 1.5, "backward": 1.5})), 4)
-        reports = [rep for s in scores for rep in s.reports if rep.chronic]
-        assert all(rep.rank == 2 for rep in reports)
-        if reports and first_flag is None:
-            first_flag = i
-            rep = reports[0]
-            assert (
-                rep.kind == "relative" and rep.category == "compute" and rep.phase in ("forward", "backward")
-            )
-    assert first_flag is not None and first_flag <= 2
-    # the healthy ranks stay healthy; communication (waiting) never counts against them
-    assert scores[0].relative[OVERALL_PHASE] > 0.95
-    assert "allreduce" not in scores[0].relative
-
-
-def test_relative_data_straggler_attributed_to_data() -> None:
-    scorer = StragglerScorer()
-    for _ in range(4):
-        scores = scorer.update(reduce_timings(_per_rank(1, {"data": 30.0})), 4)
-    reports = [rep for s in scores for rep in s.reports if rep.chronic]
-    assert [(r.rank, r.phase, r.category) for r in reports] == [(1, "data", "data")]
-
-
-def test_balanced_nothing_flagged() -> None:
-    scorer = StragglerScorer()
-    for _ in range(10):
-        scores = scorer.update(reduce_timings(_per_rank(None, {})), 4)
-        assert not [rep for s in scores for rep in s.reports]
-    assert all(abs(s.relative[OVERALL_PHASE] - 1.0) < 1e-9 for s in scores)
-
-
-def test_one_off_is_not_chronic() -> None:
-    scorer = StragglerScorer(threshold=0.8, alpha=0.3)
-    scorer.update(reduce_timings(_per_rank(None, {})), 4)
-    scores = scorer.update(reduce_timings(_per_rank(3, {"forward": 3.0, "backward": 3.0})), 4)
-    (rep,) = [rep for s in scores for rep in s.reports]
-    assert rep.rank == 3 and not rep.chronic and rep.raw_score < 0.8 <= rep.score
-    for _ in range(3):
-        scores = scorer.update(reduce_timings(_per_rank(None, {})), 4)
-    assert not [rep for s in scores for rep in s.reports]
-
-
-def test_individual_score_against_own_best() -> None:
-    scorer = StragglerScorer()
-    scorer.update(reduce_timings([{"forward": 1.0, STEP_PHASE: 1.0}]), 1, relative=False)
-    (s,) = scorer.update(reduce_timings([{"forward": 2.0, STEP_PHASE: 2.0}]), 1, relative=False)
-    assert s.raw_individual[OVERALL_PHASE] == pytest.approx(0.5)
-    assert s.raw_individual["forward"] == pytest.approx(0.5)
-    assert s.individual[OVERALL_PHASE] == pytest.approx(0.3 * 0.5 + 0.7 * 1.0)
-    assert not s.relative and not s.reports  # no relative score, no events when single-process
 
 
 # --- the listener without a process group --------------------------------------------------------
@@ -349,11 +260,13 @@ def test_not_distributed_issues_no_collective(monkeypatch: pytest.MonkeyPatch) -
     for ident in (Identity("r"), Identity("r", rank=0, world_size=2)):
         reducer = CrossRankReducer(ident, meter, events, Config())
         for seq in range(3):
-            reducer.on_flush(interval(seq, {"forward": [0.01 * (seq + 1)], "data": [0.001]}))
+            steps = [0.1 * (seq + 1)] * 10
+            reducer.on_flush(interval(seq, {"forward": [0.01 * (seq + 1)], "data": [0.001]}, steps))
         assert reducer.collectives == 0 and not reducer.distributed
         assert reducer.last_reductions["forward"].values == (0.03,)
         assert reducer.last_scores is not None
-        assert reducer.last_scores.raw_individual["forward"] == pytest.approx(1 / 3)
+        assert reducer.last_scores.raw_individual == pytest.approx(1 / 3)  # own best / own now
+        assert reducer.last_scores.relative is None and reducer.last_reports == []
         reducer.close()
     assert calls == [] and events.items == []
     gauges = _gauges(reader)
@@ -383,10 +296,12 @@ class _FakeGroup:
 def _fake_world(
     monkeypatch: pytest.MonkeyPatch,
     world: int,
-    phases_for: Callable[[int], dict[str, list[float]]],
+    interval_for: Callable[[int, int], Interval],
     fail: list[bool],
+    config: Config | None = None,
 ) -> CrossRankReducer:
-    """A rank-0 reducer whose all_gather returns rows packed for `world` simulated ranks."""
+    """A rank-0 reducer whose all_gather returns rows packed for `world` simulated ranks;
+    `interval_for(rank, seq)` is each rank's interval."""
     import otel_train.straggler as mod
 
     tables = [TimerTable() for _ in range(world)]
@@ -397,8 +312,8 @@ def _fake_world(
         (mine,) = unpack(row)
         rows = [
             pack(
-                interval(mine.seq, phases_for(r)),
-                Identity("r", rank=r, world_size=world, host=f"h{r}"),
+                interval_for(r, mine.seq),
+                Identity("r", rank=r, world_size=world, host=f"h{r}", local_rank=r % 8),
                 tables[r],
             )
             for r in range(world)
@@ -406,40 +321,93 @@ def _fake_world(
         out.copy_(torch.cat(rows))
 
     monkeypatch.setattr(mod, "_all_gather_fn", lambda: gather)
-    reducer = CrossRankReducer(
-        Identity("r", rank=0, world_size=world, host="h0"), None, Events(), Config(), group=_FakeGroup(world)
+    return CrossRankReducer(
+        Identity("r", rank=0, world_size=world, host="h0"),
+        None,
+        Events(),
+        config or Config(),
+        group=_FakeGroup(world),
     )
-    return reducer
+
+
+def _ddp_interval(rank: int, seq: int, slow: dict[int, float], steps: int = 6) -> Interval:
+    """A DDP-like interval: data 4 ms, forward 30 ms (x slow), backward holds the all-reduce, so
+    every rank's step takes the slowest rank's time."""
+    forward = {r: 0.030 * f for r, f in slow.items()}
+    latest = 0.004 + max([0.030, *forward.values()])
+    fwd = forward.get(rank, 0.030)
+    phases = {
+        "data": [0.004] * steps,
+        "forward": [fwd] * steps,
+        "backward": [latest - 0.004 - fwd + 0.03] * steps,
+    }
+    arrivals = {
+        "data": [0.004] * steps,
+        "forward": [0.004 + fwd] * steps,
+        "backward": [latest + 0.03] * steps,
+    }
+    return interval(seq, phases, [latest + 0.03] * steps, arrivals)
 
 
 def test_rank0_reports_at_most_five_new_stragglers_per_flush(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def phases(r: int) -> dict[str, list[float]]:
-        return {"forward": [0.1 * (2.0 if r >= 10 else 1.0)], "data": [0.001]}
+    def independent(r: int, seq: int) -> Interval:  # no collective: slow ranks' steps are longer
+        fwd = 0.1 * (2.0 if r >= 10 else 1.0)
+        return interval(seq, {"forward": [fwd]}, [fwd + 0.01] * 10, {"forward": [fwd]})
 
-    reducer = _fake_world(monkeypatch, 16, phases, [False])
+    reducer = _fake_world(monkeypatch, 16, independent, [False])
     caplog.set_level(logging.WARNING, "otel_train")
     for seq in range(5):
-        reducer.on_flush(interval(seq, phases(0)))
+        reducer.on_flush(interval(seq, {}))
     events = reducer.events.items  # type: ignore[union-attr]
     assert reducer.collectives == 5
-    assert sorted(e[2]["rank"] for e in events) == [
-        10,
-        11,
-        12,
-        13,
-        14,
-    ]  # capped, slowest (ties: lowest) first
+    assert sorted(e[2]["rank"] for e in events) == [10, 11, 12, 13, 14]  # capped (ties: lowest first)
     assert "6 new stragglers" in caplog.text
     assert reducer.last_reductions["forward"].argmax == 10 and reducer.last_reductions["forward"].n == 16
+
+
+def test_chronic_straggler_event_names_culprit_phase_and_cost(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    flagged: list[list[int]] = []
+    reducer = _fake_world(monkeypatch, 4, lambda r, seq: _ddp_interval(r, seq, {2: 1.5}), [False])
+    reducer.on_straggler = lambda reports: flagged.append([r.rank for r in reports])
+    caplog.set_level(logging.WARNING, "otel_train")
+    for seq in range(5):
+        reducer.on_flush(interval(seq, {}))
+    events = reducer.events.items  # type: ignore[union-attr]
+    assert len(events) == 1  # reported once while it stays flagged
+    name, message, attrs = events[0]
+    assert name == "straggler"
+    assert attrs["rank"] == 2 and attrs["host.name"] == "h2" and attrs["gpu"] == 2
+    assert (attrs["train.phase"], attrs["category"], attrs["pattern"]) == ("forward", "compute", "chronic")
+    assert attrs["sync_phase"] == "backward" and attrs["waiting_ranks"] == "0,1,3"
+    assert attrs["wait_ms"] == pytest.approx(15.0, abs=0.5) and attrs["lateness_ms"] == pytest.approx(
+        15.0, abs=0.5
+    )
+    assert "ranks 0, 1, 3 wait 15.0 ms per step for rank 2 in 'backward'" in message
+    assert flagged and all(f == [2] for f in flagged)
+    assert reducer.last_scores is not None and reducer.last_scores.wait_s == pytest.approx(0.015, abs=1e-3)
+
+
+def test_abstains_once_when_only_the_step_is_timed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    reducer = _fake_world(monkeypatch, 4, lambda r, seq: interval(seq, {}, [0.1] * 10), [False])
+    caplog.set_level(logging.WARNING, "otel_train")
+    for seq in range(3):
+        reducer.on_flush(interval(seq, {}))
+    assert caplog.text.count("straggler detection abstains: only ot.step is timed") == 1
+    assert "ot.timer('forward')" in caplog.text
+    assert reducer.abstain_reason is not None and reducer.events.items == []  # type: ignore[union-attr]
 
 
 def test_failed_collective_disables_and_falls_back_to_local(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     fail = [False]
-    reducer = _fake_world(monkeypatch, 4, lambda r: {"forward": [0.1]}, fail)
+    reducer = _fake_world(monkeypatch, 4, lambda r, seq: interval(seq, {"forward": [0.1]}), fail)
     reducer.on_flush(interval(0, {"forward": [0.1]}))
     assert reducer.last_reductions["forward"].n == 4
     fail[0] = True
@@ -449,9 +417,17 @@ def test_failed_collective_disables_and_falls_back_to_local(
     assert caplog.text.count("cross-rank telemetry disabled") == 1
     fail[0] = False
     for seq in (2, 3):
-        reducer.on_flush(interval(seq, {"forward": [0.2]}))
+        reducer.on_flush(interval(seq, {"forward": [0.2]}, [0.2] * 10))
     assert reducer.collectives == 2  # never retried
     assert reducer.last_reductions["forward"].n == 1  # local stats only
-    assert reducer.last_scores is not None and reducer.last_scores.raw_individual["forward"] == pytest.approx(
-        0.5
+    assert reducer.last_scores is not None and reducer.last_scores.raw_individual == pytest.approx(0.5)
+
+
+def test_ewma_default_comes_from_config() -> None:
+    reducer = CrossRankReducer(
+        Identity("r"), None, None, Config(straggler_ewma=0.25, straggler_threshold=0.7)
     )
+    assert (reducer.settings.ewma, reducer.settings.threshold) == (0.25, 0.7)
+    assert (reducer.settings.ewma, reducer.settings.threshold) != (0.3, 0.8)
+    default = CrossRankReducer(Identity("r"), None, None, Config()).settings
+    assert (default.ewma, default.threshold) == (Config().straggler_ewma, Config().straggler_threshold)

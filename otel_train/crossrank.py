@@ -1,0 +1,117 @@
+"""Cross-rank timer reductions (min / max / mean / median and the ranks holding them) and their
+console text, Megatron `Timers.log` style. Pure functions over per-rank values; no process group."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from otel_train.rankwire import RankRecord
+
+STEP_PHASE = "step"  # reduction key of the step time (unless a timer is itself named "step")
+
+
+@dataclass(frozen=True)
+class Reduction:
+    min: float
+    max: float
+    mean: float
+    median: float
+    argmin: int  # rank with the smallest value (lowest rank on ties)
+    argmax: int  # rank with the largest value (lowest rank on ties)
+    n: int  # ranks that ran the timer
+    values: tuple[float | None, ...] = ()  # per rank (None: that rank did not run it)
+
+
+def _median(sorted_values: Sequence[float]) -> float:
+    n = len(sorted_values)
+    mid = n // 2
+    return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2.0
+
+
+def reduce_timings(per_rank: Sequence[Mapping[str, float | None]]) -> dict[str, Reduction]:
+    """Reduce per-rank timer values (index = rank) by NAME: min/max/mean/median/argmin/argmax over the
+    ranks that ran each timer. Missing names, None and non-finite values mean "did not run"."""
+    names: dict[str, None] = {}
+    for timings in per_rank:
+        for name in timings:
+            names.setdefault(name, None)
+    out: dict[str, Reduction] = {}
+    for name in names:
+        values: list[float | None] = []
+        for timings in per_rank:
+            v = timings.get(name)
+            values.append(float(v) if v is not None and math.isfinite(v) else None)
+        present = [(v, r) for r, v in enumerate(values) if v is not None]
+        if not present:
+            continue
+        vmin, amin = min(present, key=lambda t: (t[0], t[1]))
+        vmax, amax = max(present, key=lambda t: (t[0], -t[1]))
+        ordered = sorted(v for v, _ in present)
+        out[name] = Reduction(
+            min=vmin,
+            max=vmax,
+            mean=sum(ordered) / len(ordered),
+            median=_median(ordered),
+            argmin=amin,
+            argmax=amax,
+            n=len(present),
+            values=tuple(values),
+        )
+    return out
+
+
+def stats_for_option(option: str) -> tuple[str, ...]:
+    """Cross-rank gauge stats published for a `timing_log_option` (`stat` attribute values)."""
+    if option == "max":
+        return ("max", "argmax_rank")
+    if option == "minmax":
+        return ("min", "max", "argmin_rank", "argmax_rank")
+    return ("min", "max", "mean", "median", "argmin_rank", "argmax_rank")
+
+
+def format_timers(reductions: Mapping[str, Reduction], option: str = "minmax", unit: str = "ms") -> str:
+    """Console text for cross-rank timers, Megatron `Timers.log` semantics:
+
+    max    -> `name ....: 12.34 (rank 3)`               max over ranks, with the rank
+    minmax -> `name ....: (12.00, 12.34) (ranks 0, 3)`  (min, max) with their ranks
+    all    -> one line per timer with every rank's time (`-` for a rank that did not run it)
+    """
+    if not reductions:
+        return ""
+    scale = 1000.0 if unit == "ms" else 1.0
+    width = max(len(n) for n in reductions) + 4
+    if option == "max":
+        lines = [f"(max) time across ranks ({unit}):"]
+        for name, red in reductions.items():
+            lines.append(f"    {name} {'.' * (width - len(name))}: {red.max * scale:.2f} (rank {red.argmax})")
+    elif option == "minmax":
+        lines = [f"(min, max) time across ranks ({unit}):"]
+        for name, red in reductions.items():
+            lines.append(
+                f"    {name} {'.' * (width - len(name))}: ({red.min * scale:.2f}, {red.max * scale:.2f})"
+                f" (ranks {red.argmin}, {red.argmax})"
+            )
+    else:
+        lines = [f"times across ranks ({unit}):"]
+        for name, red in reductions.items():
+            cells = ", ".join("-" if v is None else f"{v * scale:.2f}" for v in red.values)
+            lines.append(f"    {name} {'.' * (width - len(name))}: [{cells}]")
+    return "\n".join(lines)
+
+
+def per_rank_timings(
+    records: Sequence[RankRecord], names: Mapping[int, str]
+) -> list[dict[str, float | None]]:
+    """Per-rank {name: mean duration} (index = rank) from unpacked records; ids without a known name
+    are skipped, and the step time (its lower median) is added under STEP_PHASE unless a timer
+    already has that name."""
+    has_step_timer = STEP_PHASE in names.values()
+    out: list[dict[str, float | None]] = []
+    for record in records:
+        timings: dict[str, float | None] = {n: s.mean for n, s in record.named_timers(names).items()}
+        if not has_step_timer and record.step_stats.count:
+            timings[STEP_PHASE] = record.step_stats.median
+        out.append(timings)
+    return out

@@ -1,0 +1,303 @@
+"""The wire format of the one telemetry collective per flush: one rank's interval as a fixed-size
+float64 row, and back.
+
+Why it never misaligns, and needs no agreement on names:
+    Each timer name gets a stable 48-bit id (blake2b of the UTF-8 name; exact in float64). A rank
+    keeps its own name -> slot table (first-seen order, at most `max_timers` = 64 names), and every
+    slot carries the id next to its values, so receivers match timers by id, never by position:
+    ranks with different timer sets, or that first saw a timer at different flushes, reduce
+    correctly. Two names with the same id on one rank: the later one is dropped (warned once),
+    never merged. Names travel once: each rank announces up to `ANNOUNCE_SLOTS` new (id, name)
+    pairs per flush in a fixed region of the same row, so rank 0 learns the name of a timer it
+    never ran (a timer seen only elsewhere is reported from the flush after its announcement).
+    The row size depends only on constants, so all ranks always issue the same collective.
+
+    layout: [header (HEADER_LEN)] [max_timers x slot (SLOT_LEN)] [ANNOUNCE_SLOTS x (id, name...)]
+    header: version, rank, seq, step, node_rank, local_rank, n_timers, flags, step stats, host
+    slot:   id, count, mean duration, arrival stats (STATS_LEN)
+    stats:  count, lower median, max, MAD (median absolute deviation) of a list of seconds
+
+"Arrival" is the time from a step's start to a timer's end (`Interval.arrivals`); the step's own
+arrival is its duration. The statistics are computed here, on the background worker, at the flush:
+the training thread only appended the raw values.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_train.distributed import Identity
+from otel_train.interval import Interval
+
+logger = logging.getLogger("otel_train")
+
+PACK_VERSION = 2.0
+MAX_TIMERS = 64
+ANNOUNCE_SLOTS = 4
+NAME_FLOATS = 8  # 6 bytes per float64 (exact below 2**53): names up to 48 UTF-8 bytes travel
+NAME_BYTES = 6 * NAME_FLOATS
+HOST_FLOATS = 8
+STATS_LEN = 4  # count, lower median, max, MAD
+_H_VERSION, _H_RANK, _H_SEQ, _H_STEP, _H_NODE, _H_LOCAL, _H_NTIMERS, _H_FLAGS = range(8)
+_H_STEP_STATS = 8
+_H_HOST = _H_STEP_STATS + STATS_LEN
+HEADER_LEN = _H_HOST + HOST_FLOATS
+_S_ID, _S_COUNT, _S_MEAN, _S_ARRIVAL = range(4)
+SLOT_LEN = _S_ARRIVAL + STATS_LEN
+ANNOUNCE_LEN = 1 + NAME_FLOATS
+FLAG_SHARDED = 1  # this rank trains FSDP-sharded modules: collectives run inside forward too
+
+
+def pack_len(max_timers: int = MAX_TIMERS) -> int:
+    return HEADER_LEN + max_timers * SLOT_LEN + ANNOUNCE_SLOTS * ANNOUNCE_LEN
+
+
+# --- robust statistics of one list of seconds ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Robust statistics of a list of seconds over one interval.
+
+    `median` is the LOWER median (the middle value, the lower of the two for an even count), so one
+    outlier never moves it even with two values; `max` keeps the one-off; `mad` (median absolute
+    deviation from `median`) is the rank's own noise."""
+
+    count: int = 0
+    median: float = math.nan
+    max: float = math.nan
+    mad: float = math.nan
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread:
+        ordered = sorted(v for v in values if math.isfinite(v))
+        if not ordered:
+            return cls()
+        median = ordered[(len(ordered) - 1) // 2]
+        deviations = sorted(abs(v - median) for v in ordered)
+        return cls(len(ordered), median, ordered[-1], deviations[(len(deviations) - 1) // 2])
+
+    def encode(self) -> list[float]:
+        return [float(self.count), self.median, self.max, self.mad]
+
+    @classmethod
+    def decode(cls, values: Sequence[float]) -> Spread:
+        count = int(values[0])
+        if count <= 0 or not all(math.isfinite(v) for v in values[1:STATS_LEN]):
+            return cls()
+        return cls(count, values[1], values[2], values[3])
+
+
+# --- names -------------------------------------------------------------------------------------------
+
+
+def name_id(name: str) -> int:
+    """Stable 48-bit id of a timer name (same on every rank and across restarts); never 0."""
+    value = int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=6).digest(), "big")
+    return value or 1
+
+
+def _encode_text(text: str, floats: int) -> list[float]:
+    raw = text.encode("utf-8")[: 6 * floats]
+    raw = raw + b"\x00" * (6 * floats - len(raw))
+    return [float(int.from_bytes(raw[i : i + 6], "big")) for i in range(0, 6 * floats, 6)]
+
+
+def _decode_text(values: Iterable[float]) -> str:
+    raw = b"".join(int(v).to_bytes(6, "big") for v in values)
+    return raw.rstrip(b"\x00").decode("utf-8", errors="ignore")
+
+
+@functools.lru_cache(maxsize=256)  # one host name per rank, decoded at every flush
+def _decode_host(values: tuple[float, ...]) -> str:
+    return _decode_text(values)
+
+
+class TimerTable:
+    """This rank's stable name -> slot table (first-seen order, bounded) and name announcements."""
+
+    def __init__(self, capacity: int = MAX_TIMERS, hash_fn: Callable[[str], int] = name_id) -> None:
+        self.capacity = capacity
+        self.hash_fn = hash_fn
+        self.slots: dict[str, int] = {}
+        self.ids: dict[str, int] = {}
+        self.names: dict[int, str] = {}  # every id -> name this rank knows (own + announced by peers)
+        self.dropped: set[str] = set()
+        self._unannounced: list[str] = []
+
+    def add(self, name: str) -> bool:
+        """Give `name` a slot; False (and warned once) when full or its id collides with another name."""
+        if name in self.slots:
+            return True
+        if name in self.dropped:
+            return False
+        ident = self.hash_fn(name) or 1
+        other = self.names.get(ident)
+        if other is not None and other != name and other in self.slots:  # a peer's name may be truncated
+            self.dropped.add(name)
+            logger.warning(
+                "otel_train: timer %r collides with %r (same id); it is left out of cross-rank stats",
+                name,
+                other,
+            )
+            return False
+        if len(self.slots) >= self.capacity:
+            self.dropped.add(name)
+            logger.warning(
+                "otel_train: more than %d timers; %r is left out of cross-rank stats", self.capacity, name
+            )
+            return False
+        self.slots[name] = len(self.slots)
+        self.ids[name] = ident
+        self.names[ident] = name
+        self._unannounced.append(name)
+        return True
+
+    def take_announcements(self, limit: int = ANNOUNCE_SLOTS) -> list[str]:
+        out, self._unannounced = self._unannounced[:limit], self._unannounced[limit:]
+        return out
+
+
+# --- records -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimerStats:
+    """One timer of one rank over one interval."""
+
+    count: int
+    mean: float  # mean duration (s): the cross-rank timer gauges and console
+    arrival: Spread  # seconds from the step's start to the timer's end
+
+
+@dataclass
+class RankRecord:
+    """One rank's row of the gathered tensor, unpacked."""
+
+    rank: int
+    seq: int
+    step: int
+    node_rank: int
+    host: str
+    step_stats: Spread
+    local_rank: int = 0
+    flags: int = 0
+    timers: dict[int, TimerStats] = field(default_factory=dict)  # id -> stats
+    announced: dict[int, str] = field(default_factory=dict)  # id -> name
+
+    @property
+    def step_count(self) -> int:
+        return self.step_stats.count
+
+    def named_timers(self, names: Mapping[int, str]) -> dict[str, TimerStats]:
+        """This rank's timers by name (ids whose name is not known yet are left out)."""
+        out: dict[str, TimerStats] = {}
+        for ident, stats in self.timers.items():
+            name = names.get(ident)
+            if name is not None and stats.count > 0:
+                out[name] = stats
+        return out
+
+
+def pack(
+    interval: Interval, identity: Identity, table: TimerTable, out: Any | None = None, flags: int = 0
+) -> Any:
+    """This rank's interval as one float64 tensor of `pack_len(table.capacity)` (see module doc)."""
+    import torch
+
+    row = [0.0] * pack_len(table.capacity)
+    row[_H_VERSION] = PACK_VERSION
+    row[_H_RANK] = float(identity.rank)
+    row[_H_SEQ] = float(interval.seq)
+    row[_H_STEP] = float(interval.step)
+    row[_H_NODE] = float(identity.node_rank)
+    row[_H_LOCAL] = float(identity.local_rank)
+    row[_H_FLAGS] = float(flags)
+    row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN] = Spread.of(interval.step_durations).encode()
+    row[_H_HOST : _H_HOST + HOST_FLOATS] = _encode_text(identity.host, HOST_FLOATS)
+    n = 0
+    for name, durations in interval.phases.items():
+        finite = [d for d in durations if math.isfinite(d)]
+        if not finite or not table.add(name):
+            continue
+        base = HEADER_LEN + table.slots[name] * SLOT_LEN
+        row[base + _S_ID] = float(table.ids[name])
+        row[base + _S_COUNT] = float(len(finite))
+        row[base + _S_MEAN] = sum(finite) / len(finite)
+        arrival = Spread.of(interval.arrivals.get(name, ()))
+        row[base + _S_ARRIVAL : base + SLOT_LEN] = arrival.encode()
+        n += 1
+    row[_H_NTIMERS] = float(n)
+    base = HEADER_LEN + table.capacity * SLOT_LEN
+    for i, name in enumerate(table.take_announcements()):
+        at = base + i * ANNOUNCE_LEN
+        row[at] = float(table.ids[name])
+        row[at + 1 : at + ANNOUNCE_LEN] = _encode_text(name, NAME_FLOATS)
+    tensor = torch.tensor(row, dtype=torch.float64)
+    if out is not None:
+        out.copy_(tensor)
+        return out
+    return tensor
+
+
+def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
+    """Rows of an all-gathered tensor (shape [world * pack_len] or [world, pack_len]) -> records."""
+    length = pack_len(capacity)
+    flat = gathered.reshape(-1, length).tolist()
+    records: list[RankRecord] = []
+    for row in flat:
+        record = RankRecord(
+            rank=int(row[_H_RANK]),
+            seq=int(row[_H_SEQ]),
+            step=int(row[_H_STEP]),
+            node_rank=int(row[_H_NODE]),
+            host=_decode_host(tuple(row[_H_HOST : _H_HOST + HOST_FLOATS])),
+            step_stats=Spread.decode(row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN]),
+            local_rank=int(row[_H_LOCAL]),
+            flags=int(row[_H_FLAGS]),
+        )
+        ids = row[HEADER_LEN + _S_ID : HEADER_LEN + capacity * SLOT_LEN : SLOT_LEN]
+        for slot in (i for i, v in enumerate(ids) if v):  # used slots only
+            base = HEADER_LEN + slot * SLOT_LEN
+            ident = int(row[base + _S_ID])
+            if ident:
+                record.timers[ident] = TimerStats(
+                    int(row[base + _S_COUNT]),
+                    row[base + _S_MEAN],
+                    Spread.decode(row[base + _S_ARRIVAL : base + SLOT_LEN]),
+                )
+        base = HEADER_LEN + capacity * SLOT_LEN
+        for i in range(ANNOUNCE_SLOTS):
+            at = base + i * ANNOUNCE_LEN
+            ident = int(row[at])
+            if ident:
+                record.announced[ident] = _decode_text(row[at + 1 : at + ANNOUNCE_LEN])
+        records.append(record)
+    return records
+
+
+def local_record(interval: Interval, identity: Identity) -> RankRecord:
+    """This rank's record without packing (not distributed): the same statistics, by name id."""
+    record = RankRecord(
+        identity.rank,
+        interval.seq,
+        interval.step,
+        identity.node_rank,
+        identity.host,
+        Spread.of(interval.step_durations),
+        identity.local_rank,
+    )
+    for name, durations in interval.phases.items():
+        finite = [d for d in durations if math.isfinite(d)]
+        if finite:
+            record.timers[name_id(name)] = TimerStats(
+                len(finite), sum(finite) / len(finite), Spread.of(interval.arrivals.get(name, ()))
+            )
+            record.announced[name_id(name)] = name
+    return record

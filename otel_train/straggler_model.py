@@ -1,0 +1,493 @@
+"""Straggler detection that holds under synchronization: who is the rank everyone waits for?
+
+In synchronous training (DDP all-reduce inside backward, FSDP all-gathers in forward, ZeRO,
+pipelines) every rank's step takes as long as the slowest one, and the FAST ranks spend the
+difference waiting inside the collective. Comparing wall-clock step or phase times blames them.
+This model compares ARRIVALS instead (see shared reference `straggler-methods.md`):
+
+    arrival(rank, phase) = time from the rank's step start to the end of that timer
+
+Ranks start a step together (they left the previous synchronization together), so arrivals are
+comparable across ranks on any number of nodes, without clock sync. Before a synchronizing phase
+the arrivals spread; at its end they collapse. Per interval and per rank, for every phase end p
+(ordered by arrival; the step end last):
+
+    lateness(rank, p) = rank's lower-median arrival - median of the OTHER ranks' (leave-one-out,
+                        so 2 ranks work) ; counted only above the ranks' own noise (MAD)
+
+- The culprit of chronic slowness is the rank with the largest positive lateness: it arrives last.
+  The phase where its lateness arose (the first phase end reaching half of it) says data / compute /
+  communication / other. If its lateness collapses at a later phase end (the sync phase), the
+  others waited there for it: that wait, per rank, is its cost. If it does not collapse (independent
+  ranks), nobody waits and the rank is simply slower.
+- Waiters are never culprits: a rank whose lateness ARISES in a phase that holds the collective (a
+  communication timer, or backward, where DDP and FSDP reduce gradients) waited there. The rank
+  then to blame is the one that arrived EARLIEST at that phase's end relative to its step start
+  (it started the step late: slow after the previous synchronization, e.g. in the optimizer); its
+  lost time shows in the phase where its earliness collapses.
+- One-off vs chronic: lateness on lower medians ignores a single slow step (even with two steps);
+  the same computation on each rank's MAX arrival finds a one-off stall, for the stalled rank only
+  (the others' maxima rise only at and after the synchronization, where everyone's do).
+- Scores keep NVRx semantics (reference / own, 1 = healthy, lower = slower):
+    relative   = 1 - lateness / step time  (= step time without this rank's lateness / step time:
+                 the share of the job's step this rank costs), 1 for every rank that is on time;
+    individual = this rank's best own time / its own time now, where own time = step time - the
+                 time it waits for others (a waiter's individual score does not drop).
+
+When the data cannot tell, the model abstains rather than guesses (see `abstain_reason`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from otel_train.rankwire import Spread
+
+Category = Literal["data", "compute", "communication", "other"]
+Pattern = Literal["chronic", "one_off"]
+
+STEP_END = "step"  # the step's end as a phase end (its arrival is the step time)
+UNTIMED = "untimed"  # lateness that arose outside every timer
+
+_COMM = {"allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter", "reducescatter", "comm"}
+_COMM |= {"communication", "collective", "collectives", "nccl", "p2p", "send", "recv", "barrier", "sync"}
+_COMM |= {"grad_sync", "gradsync", "broadcast", "alltoall", "all2all"}
+_DATA = {"data", "dataloader", "data_wait", "datawait", "data_loading", "batch", "get_batch", "input"}
+_DATA |= {"inputs", "load", "loading", "loader", "fetch", "prefetch", "io"}
+_COMPUTE = {"forward", "fwd", "backward", "bwd", "compute", "optimizer", "optim", "opt", "loss", "model"}
+_COMPUTE |= {"forward_backward", "fwd_bwd", "train_step", "zero_grad", "clip", "clip_grad", "update"}
+_HOLDS_GRAD_SYNC = {"backward", "bwd", "forward_backward", "fwd_bwd", "train_step"}
+
+
+def _pieces(name: str) -> set[str]:
+    lower = name.lower()
+    pieces = {lower, *[p for p in re.split(r"[^a-z0-9]+", lower) if p]}
+    return pieces | {lower.replace("-", "_").replace(".", "_").replace("/", "_")}
+
+
+@functools.lru_cache(maxsize=1024)  # called per rank and phase at every flush; names are few
+def phase_category(name: str) -> Category:
+    """data (data/dataloader/data_wait...), compute (forward/backward/optimizer...),
+    communication (allreduce/comm...), else other. Matched on the name and its word pieces."""
+    pieces = _pieces(name)
+    if pieces & _COMM:
+        return "communication"
+    if pieces & _DATA:
+        return "data"
+    if pieces & _COMPUTE:
+        return "compute"
+    return "other"
+
+
+def holds_collective(name: str, timed_communication: bool = False) -> bool:
+    """Whether a phase (probably) holds the job's synchronizing collective: a communication timer,
+    or, when the job times no communication phase, backward (DDP's gradient all-reduce and FSDP's
+    reduce-scatter run inside it)."""
+    if phase_category(name) == "communication":
+        return True
+    return not timed_communication and bool(_pieces(name) & _HOLDS_GRAD_SYNC)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Typed straggler settings (from `Config`: straggler_threshold, straggler_ewma)."""
+
+    threshold: float = 0.9  # relative score below this (EWMA) = chronic straggler
+    ewma: float = 0.5  # weight of the newest interval in the smoothed scores
+    one_off_steps: float = 1.0  # a one-off: one step's lateness >= this many (median) step times
+    noise_mads: float = 3.0  # lateness counts only above this many MADs of the ranks' own noise
+    min_lateness_s: float = 0.0005  # ... and above this floor
+
+    @classmethod
+    def from_config(cls, config: object) -> Settings:
+        return cls(
+            threshold=float(getattr(config, "straggler_threshold", cls.threshold)),
+            ewma=float(getattr(config, "straggler_ewma", cls.ewma)),
+        )
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank's interval as the model sees it."""
+
+    rank: int
+    host: str
+    local_rank: int
+    step: Spread  # step durations
+    arrivals: Mapping[str, Spread]  # timer name -> arrival statistics (timers inside steps only)
+
+
+@dataclass(frozen=True)
+class Lateness:
+    """How late one rank is in one interval, and what it costs (0 s = on time)."""
+
+    seconds: float = 0.0  # per step, at the phase end where it is latest
+    late_in: str = ""  # the phase where the lateness arose (UNTIMED: outside every timer)
+    sync_phase: str | None = None  # where the others waited for it (None: nobody waits)
+    mirrored: bool = False  # found as the earliest rank at a collective (it started its steps late)
+
+
+@dataclass
+class RankAssessment:
+    """The model's view of one rank for one interval."""
+
+    index: int
+    rank: int
+    host: str
+    local_rank: int
+    step_s: float | None  # lower-median step time
+    chronic: Lateness = field(default_factory=Lateness)  # on lower medians
+    one_off: Lateness = field(default_factory=Lateness)  # on maxima (one step)
+    wait_s: float = 0.0  # time per step this rank waits for the latest rank
+    waiting_ranks: tuple[int, ...] = ()  # ranks that wait for this one (set on the culprit)
+    waited_s: float = 0.0  # median wait of those ranks per step (set on the culprit)
+
+    @property
+    def relative(self) -> float:
+        """This interval's relative score: 1 - lateness / step time (1 = on time)."""
+        if not self.step_s or self.step_s <= 0:
+            return 1.0
+        return max(0.0, min(1.0, 1.0 - self.chronic.seconds / self.step_s))
+
+    @property
+    def own_s(self) -> float | None:
+        """Step time without the time spent waiting for others."""
+        return None if self.step_s is None else max(self.step_s - self.wait_s, 0.0)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+class _Table:
+    """Arrival statistics by phase end (ordered) and rank index, with leave-one-out lateness."""
+
+    def __init__(self, views: Sequence[RankView], settings: Settings) -> None:
+        self.settings = settings
+        by_phase: dict[str, dict[int, Spread]] = {}
+        for index, view in enumerate(views):
+            for name, spread in view.arrivals.items():
+                if spread.count and name != STEP_END:
+                    by_phase.setdefault(name, {})[index] = spread
+        self.phases = {p: by for p, by in by_phase.items() if len(by) >= 2}
+        steps = {i: v.step for i, v in enumerate(views) if v.step.count}
+        self.order = sorted(self.phases, key=lambda p: _median([s.median for s in self.phases[p].values()]))
+        if len(steps) >= 2:
+            self.phases[STEP_END] = steps
+            self.order.append(STEP_END)
+        self.timed_communication = any(phase_category(p) == "communication" for p in self.order)
+
+    def holds_collective(self, phase: str) -> bool:
+        return holds_collective(phase, self.timed_communication)
+
+    def lateness(self, index: int, use_max: bool) -> dict[str, float]:
+        """Leave-one-out lateness of rank `index` at every phase end it has (noise clamped to 0)."""
+        out: dict[str, float] = {}
+        for phase in self.order:
+            by = self.phases[phase]
+            own = by.get(index)
+            if own is None:
+                continue
+            others = [s for i, s in by.items() if i != index]
+            ref = _median([s.max if use_max else s.median for s in others])
+            value = (own.max if use_max else own.median) - ref
+            noise = max(own.mad, _median([s.mad for s in others]))
+            floor = max(self.settings.noise_mads * noise, self.settings.min_lateness_s)
+            out[phase] = value if abs(value) > floor else 0.0
+        return out
+
+    def gap(self, culprit: int, other: int, phase: str, use_max: bool) -> float | None:
+        by = self.phases.get(phase, {})
+        a, b = by.get(culprit), by.get(other)
+        if a is None or b is None:
+            return None
+        return (a.max - b.max) if use_max else (a.median - b.median)
+
+
+def _late(series: Mapping[str, float], table: _Table) -> Lateness | None:
+    """A rank that arrives late: where, since which phase, and whether the lateness collapses."""
+    phases = [p for p in table.order if p in series]
+    if not phases:
+        return None
+    peak_at = max(phases, key=lambda p: series[p])
+    peak = series[peak_at]
+    if peak <= 0:
+        return None
+    late_in = next(p for p in phases if series[p] >= 0.5 * peak)
+    if table.holds_collective(late_in):
+        return None  # lateness that arises inside the collective is waiting: a victim, not a culprit
+    sync: str | None = None
+    after = phases[phases.index(peak_at) + 1 :]
+    if after:
+        previous, best_drop = peak, 0.0
+        for phase in after:
+            drop = previous - series[phase]
+            if drop > best_drop:
+                sync, best_drop = phase, drop
+            previous = series[phase]
+        end = series.get(STEP_END, series[after[-1]])
+        if end > 0.5 * peak:
+            sync = None  # still late at the end: nobody waited for it (independent ranks)
+    return Lateness(peak, late_in if late_in != STEP_END else UNTIMED, sync)
+
+
+def _early_at_collective(series: Mapping[str, float], table: _Table) -> Lateness | None:
+    """A rank that reaches the end of a collective-holding phase EARLIEST, relative to its step
+    start, and is caught up with afterwards: it arrived last at the collective (it started its step
+    late) and the others waited for it there. Its lost time shows where its earliness collapses."""
+    phases = [p for p in table.order if p in series]
+    candidates = [p for p in phases if table.holds_collective(p) and series[p] < 0]
+    if not candidates:
+        return None
+    trough_at = min(candidates, key=lambda p: series[p])
+    trough = -series[trough_at]
+    after = phases[phases.index(trough_at) + 1 :]
+    recovered = next((p for p in after if series[p] > -0.5 * trough), None)
+    if recovered is None:
+        return None
+    return Lateness(trough, recovered if recovered != STEP_END else UNTIMED, trough_at, mirrored=True)
+
+
+def _culprit_lateness(table: _Table, index: int, use_max: bool) -> Lateness:
+    series = table.lateness(index, use_max)
+    late = _late(series, table)
+    early = _early_at_collective(series, table)
+    if late is not None and (early is None or late.seconds >= early.seconds):
+        return late
+    return early if early is not None else Lateness()
+
+
+def assess(views: Sequence[RankView], settings: Settings) -> list[RankAssessment]:
+    """One interval of every rank -> per-rank lateness (chronic and one-off), waits and costs."""
+    table = _Table(views, settings)
+    out = [
+        RankAssessment(i, v.rank, v.host, v.local_rank, v.step.median if v.step.count else None)
+        for i, v in enumerate(views)
+    ]
+    if len(views) < 2 or not table.order:
+        return out
+    for a in out:
+        a.chronic = _culprit_lateness(table, a.index, use_max=False)
+        a.one_off = _culprit_lateness(table, a.index, use_max=True)
+    worst = max(out, key=lambda a: a.chronic.seconds)
+    if worst.chronic.seconds > 0 and worst.chronic.sync_phase is not None:
+        waits = _waits(table, worst, out)
+        for a in out:
+            a.wait_s = waits.get(a.index, 0.0)
+        waiting = sorted(
+            (a for a in out if a.index != worst.index and a.wait_s >= 0.5 * worst.chronic.seconds),
+            key=lambda a: a.rank,
+        )
+        worst.waiting_ranks = tuple(a.rank for a in waiting)
+        worst.waited_s = _median([a.wait_s for a in waiting]) if waiting else 0.0
+    return out
+
+
+def _waits(table: _Table, culprit: RankAssessment, ranks: Sequence[RankAssessment]) -> dict[int, float]:
+    """Per rank, how long it waits per step for `culprit` at the sync phase: its lead over the
+    culprit where the culprit is latest, minus what is left of that lead at the step end."""
+    lateness = culprit.chronic
+    sign = -1.0 if lateness.mirrored else 1.0
+    at = lateness.sync_phase if lateness.mirrored else None
+    if at is None:
+        series = table.lateness(culprit.index, use_max=False)
+        at = max((p for p in table.order if p in series), key=lambda p: series[p])
+    waits: dict[int, float] = {}
+    for a in ranks:
+        if a.index == culprit.index:
+            continue
+        lead = table.gap(culprit.index, a.index, at, use_max=False)
+        if lead is None:
+            continue
+        left = table.gap(culprit.index, a.index, STEP_END, use_max=False) or 0.0
+        waits[a.index] = max(0.0, sign * lead - max(0.0, sign * left))
+    return waits
+
+
+def abstain_reason(
+    views: Sequence[RankView], timer_names: Sequence[str], sharded: bool = False
+) -> str | None:
+    """Why the model cannot find the rank others wait for (or sees only part of its cost), or None."""
+    if any(view.arrivals for view in views):
+        if sharded:
+            return (
+                "FSDP runs all-gathers inside forward (and reduce-scatters inside backward): ranks "
+                "synchronize at every layer, so only the compute after a phase's last collective shows as "
+                "lateness; a rank slower in every layer is seen at a fraction of its cost and may stay "
+                "below straggler_threshold. Waiting ranks are still never blamed. To see it whole, time "
+                "the per-layer compute on the device (ot.timer(..., cuda=True)) or compare NCCL collective "
+                "times (TORCH_NCCL_ENABLE_TIMING=1)."
+            )
+        return None
+    if timer_names:
+        return (
+            "the timers (" + ", ".join(sorted(timer_names)[:6]) + ") do not run inside ot.step (or are CUDA "
+            "timers), so no rank's arrival in its step is known; only differences in step time are "
+            "visible, and in a synchronized job every rank's step time is equal. Time the phases "
+            "inside `with ot.step(...)` with CPU timers: ot.timer('data'), ot.timer('forward'), "
+            "ot.timer('backward'), ot.timer('optimizer')."
+        )
+    return (
+        "only ot.step is timed: in a synchronized job (DDP, FSDP, ...) every rank's step time is "
+        "equal, so the rank the others wait for cannot be seen (only ranks that are slower without "
+        "synchronizing are found). Add timers inside the step, before the collective: "
+        "ot.timer('data'), ot.timer('forward'), ot.timer('backward'), ot.timer('optimizer')."
+    )
+
+
+# --- scores over intervals -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StragglerReport:
+    """A rank the others wait for: chronic (its smoothed relative score is below the threshold) or
+    one-off (one step of the interval was late by at least `Settings.one_off_steps` step times)."""
+
+    rank: int
+    host: str
+    local_rank: int
+    pattern: Pattern
+    phase: str  # the phase where its lateness arose
+    category: Category
+    lateness_s: float  # per step (chronic) or in the one step (one-off)
+    score: float  # smoothed relative score (chronic) / that step's score (one-off)
+    raw_score: float  # this interval's relative score
+    sync_phase: str | None  # where the others wait for it (None: nobody waits)
+    waiting_ranks: tuple[int, ...] = ()
+    wait_s: float = 0.0  # per waiting rank and step (median)
+    kind: str = "relative"
+
+    @property
+    def chronic(self) -> bool:
+        return self.pattern == "chronic"
+
+
+@dataclass
+class RankScores:
+    rank: int
+    relative: float | None = None  # EWMA of the relative score (None: not distributed)
+    individual: float | None = None  # EWMA of own best / own time
+    raw_relative: float | None = None
+    raw_individual: float | None = None
+    lateness_s: float = 0.0
+    wait_s: float = 0.0
+
+
+def _category(phase: str) -> Category:
+    return "other" if phase in (UNTIMED, STEP_END) else phase_category(phase)
+
+
+class StragglerScorer:
+    """Smoothed scores and verdicts for every rank from the same gathered data (so every rank
+    computes identical results). EWMA with prior 1.0."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self._relative: dict[int, float] = {}
+        self._individual: dict[int, float] = {}
+        self._best_own: dict[int, float] = {}
+        self._chronic: set[int] = set()  # ranks reported chronic at the last update
+
+    def _smooth(self, state: dict[int, float], rank: int, raw: float) -> float:
+        alpha = self.settings.ewma
+        value = alpha * raw + (1.0 - alpha) * state.get(rank, 1.0)
+        state[rank] = value
+        return value
+
+    def _individual_score(self, rank: int, own: float | None) -> tuple[float | None, float | None]:
+        if own is None or own <= 0:
+            return None, None
+        best = min(self._best_own.get(rank, own), own)
+        self._best_own[rank] = best
+        raw = best / own
+        return raw, self._smooth(self._individual, rank, raw)
+
+    def update(
+        self, assessments: Sequence[RankAssessment], one_offs: bool = True
+    ) -> tuple[list[RankScores], list[StragglerReport]]:
+        """Scores of every rank and this interval's reports (chronic first, then one-offs)."""
+        scores: list[RankScores] = []
+        chronic: list[StragglerReport] = []
+        one_off: list[StragglerReport] = []
+        threshold = self.settings.threshold
+        for a in assessments:
+            raw = a.relative
+            smoothed = self._smooth(self._relative, a.rank, raw)
+            raw_ind, ind = self._individual_score(a.rank, a.own_s)
+            scores.append(RankScores(a.rank, smoothed, ind, raw, raw_ind, a.chronic.seconds, a.wait_s))
+            # Hysteresis: a chronic straggler stays one until its score is half way back to 1, so a
+            # score hovering at the threshold is not reported again at every other flush.
+            limit = threshold + 0.5 * (1.0 - threshold) if a.rank in self._chronic else threshold
+            if smoothed < limit and a.chronic.seconds > 0:
+                chronic.append(self._report(a, "chronic", a.chronic, smoothed, raw))
+            elif one_offs and a.step_s and a.one_off.seconds >= self.settings.one_off_steps * a.step_s:
+                step_score = a.step_s / (a.step_s + a.one_off.seconds)
+                one_off.append(self._report(a, "one_off", a.one_off, step_score, raw))
+        self._chronic = {r.rank for r in chronic}
+        return scores, chronic + one_off
+
+    @staticmethod
+    def _report(
+        a: RankAssessment, pattern: Pattern, late: Lateness, score: float, raw: float
+    ) -> StragglerReport:
+        waiting = a.waiting_ranks if pattern == "chronic" else ()
+        return StragglerReport(
+            a.rank,
+            a.host,
+            a.local_rank,
+            pattern,
+            late.late_in,
+            _category(late.late_in),
+            late.seconds,
+            score,
+            raw,
+            late.sync_phase,
+            waiting,
+            a.waited_s if pattern == "chronic" else 0.0,
+        )
+
+    def update_local(self, rank: int, step: Spread) -> RankScores:
+        """Not distributed: only the individual score (own time = step time; nobody to wait for)."""
+        raw_ind, ind = self._individual_score(rank, step.median if step.count else None)
+        return RankScores(rank, None, ind, None, raw_ind)
+
+
+def describe(report: StragglerReport, step: int, threshold: float) -> str:
+    """One line for the log and the health event."""
+    where = f"in {report.phase!r} ({report.category})"
+    if report.phase == UNTIMED:
+        where = "outside every timer (other)"
+    ms = report.lateness_s * 1000.0
+    if report.chronic:
+        head = (
+            f"straggler: rank {report.rank} ({report.host}, local rank {report.local_rank}) is chronically "
+            f"{ms:.1f} ms late per step, {where}"
+        )
+    else:
+        head = (
+            f"straggler (one-off): rank {report.rank} ({report.host}, local rank {report.local_rank}) was "
+            f"{ms:.1f} ms late in one step, {where}"
+        )
+    if report.waiting_ranks:
+        ranks = ", ".join(str(r) for r in report.waiting_ranks)
+        cost = (
+            f"; ranks {ranks} wait {report.wait_s * 1000.0:.1f} ms per step for rank {report.rank}"
+            f" in {report.sync_phase!r}"
+        )
+    elif report.sync_phase is not None:
+        cost = f"; the others wait for it in {report.sync_phase!r}"
+    else:
+        cost = "; nobody waits for it (no synchronization after it in the step)"
+    score = (
+        f" (score {report.score:.2f}, this interval {report.raw_score:.2f}, threshold {threshold})"
+        if report.chronic
+        else f" (that step's score {report.score:.2f})"
+    )
+    return f"{head}{cost}{score} at step {step}"

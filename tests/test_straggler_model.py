@@ -1,0 +1,252 @@
+"""The straggler model on simulated synchronous jobs (no process group): per-step wall clocks of N
+ranks with a barrier at the end of chosen phases, turned into each rank's Interval exactly as the
+session records it (durations and arrivals), packed and unpacked through the wire format."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from otel_train.distributed import Identity
+from otel_train.interval import Interval
+from otel_train.rankwire import Spread, TimerTable, pack, unpack
+from otel_train.straggler_model import (
+    Lateness,
+    RankAssessment,
+    RankView,
+    Settings,
+    StragglerReport,
+    StragglerScorer,
+    abstain_reason,
+    assess,
+    holds_collective,
+    phase_category,
+)
+
+DDP = (("data", 0.004), ("forward", 0.030), ("backward", 0.030), ("optimizer", 0.006))
+
+
+@dataclass
+class Job:
+    """A simulated job: `sync` = phases whose END is a collective every rank waits at."""
+
+    world: int
+    phases: Sequence[tuple[str, float]] = DDP
+    sync: frozenset[str] = frozenset({"backward"})
+    slow: Mapping[tuple[int, str], float] = field(default_factory=dict)  # (rank, phase) -> factor
+    stalls: Mapping[tuple[int, int, str], float] = field(default_factory=dict)  # (rank, step, phase) -> s
+    jitter: float = 0.02  # relative noise of every phase
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.clock = [0.0] * self.world
+        self.step = 0
+        self.rng = random.Random(self.seed)
+
+    def interval(self, steps: int, seq: int) -> list[Interval]:
+        out = [Interval(seq, 0, 0.0, 0.0, steps, 0, 0) for _ in range(self.world)]
+        for _ in range(steps):
+            start = list(self.clock)
+            for name, base in self.phases:
+                before = list(self.clock)
+                for r in range(self.world):
+                    work = base * self.slow.get((r, name), 1.0) * (1 + self.jitter * self.rng.uniform(-1, 1))
+                    self.clock[r] += work + self.stalls.get((r, self.step, name), 0.0)
+                if name in self.sync:
+                    latest = max(self.clock)
+                    self.clock = [latest] * self.world
+                for r in range(self.world):
+                    out[r].phases.setdefault(name, []).append(self.clock[r] - before[r])
+                    out[r].arrivals.setdefault(name, []).append(self.clock[r] - start[r])
+            for r in range(self.world):
+                out[r].step_durations.append(self.clock[r] - start[r])
+            self.step += 1
+        for iv in out:
+            iv.step = self.step - 1
+        return out
+
+
+def _views(intervals: Sequence[Interval], tables: list[TimerTable], names: dict[int, str]) -> list[RankView]:
+    rows = [
+        pack(iv, Identity("r", rank=r, world_size=len(intervals), host=f"h{r}", local_rank=r), tables[r])
+        for r, iv in enumerate(intervals)
+    ]
+    records = unpack(torch.cat(rows))
+    for rec in records:
+        names.update(rec.announced)
+    return [
+        RankView(rec.rank, rec.host, rec.local_rank, rec.step_stats,
+                 {n: t.arrival for n, t in rec.named_timers(names).items() if t.arrival.count})
+        for rec in records
+    ]  # fmt: skip
+
+
+def run(
+    job: Job, flushes: int, steps: int = 8, settings: Settings | None = None
+) -> list[list[StragglerReport]]:
+    scorer = StragglerScorer(settings or Settings())
+    tables = [TimerTable() for _ in range(job.world)]
+    names: dict[int, str] = {}
+    out = []
+    for seq in range(flushes):
+        views = _views(job.interval(steps, seq), tables, names)
+        _, reports = scorer.update(assess(views, scorer.settings), one_offs=seq > 0)
+        out.append(reports)
+    return out
+
+
+def _flat(per_flush: list[list[StragglerReport]]) -> list[StragglerReport]:
+    return [r for reports in per_flush for r in reports]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ddp_forward_straggler_is_the_only_rank_reported(world: int) -> None:
+    slow = world - 1
+    per_flush = run(Job(world, slow={(slow, "forward"): 1.4}), flushes=6)
+    reports = _flat(per_flush)
+    assert reports and {r.rank for r in reports} == {slow}
+    first = next(i for i, reps in enumerate(per_flush) if reps)
+    assert first <= 2
+    rep = reports[0]
+    assert rep.chronic and rep.phase == "forward" and rep.category == "compute"
+    assert rep.sync_phase == "backward"
+    assert rep.waiting_ranks == tuple(r for r in range(world) if r != slow)
+    assert rep.wait_s == pytest.approx(0.012, rel=0.3)  # 0.4 x 30 ms
+    assert rep.lateness_s == pytest.approx(0.012, rel=0.3)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_data_straggler_is_attributed_to_data(world: int) -> None:
+    reports = _flat(run(Job(world, slow={(1, "data"): 4.0}), flushes=6))
+    assert reports and {(r.rank, r.phase, r.category) for r in reports} == {(1, "data", "data")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_slow_after_the_sync_blames_the_late_starter_never_the_waiters(world: int) -> None:
+    """Slow optimizer (after DDP's backward sync): the others look late at backward's end because
+    they waited there; the culprit is the rank that reached it earliest (it started late)."""
+    reports = _flat(run(Job(world, slow={(0, "optimizer"): 4.0}), flushes=6))
+    assert reports and {r.rank for r in reports} == {0}
+    assert reports[0].phase == "optimizer" and reports[0].sync_phase == "backward"
+    assert reports[0].waiting_ranks == tuple(range(1, world))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_stall_is_a_one_off_for_that_rank_only(world: int) -> None:
+    job = Job(world, stalls={(world - 1, 13, "forward"): 0.4})  # step 13: in the second interval
+    per_flush = run(job, flushes=5)
+    reports = _flat(per_flush)
+    assert [(r.rank, r.pattern, r.phase) for r in reports] == [(world - 1, "one_off", "forward")]
+    assert per_flush[1] == reports and reports[0].lateness_s == pytest.approx(0.4, rel=0.1)
+
+
+def test_one_stall_on_top_of_a_chronic_straggler() -> None:
+    job = Job(4, slow={(2, "forward"): 1.4}, stalls={(0, 20, "data"): 0.5})
+    reports = _flat(run(job, flushes=6))
+    assert {r.rank for r in reports if r.chronic} == {2}
+    assert [(r.rank, r.phase) for r in reports if not r.chronic] == [(0, "data")]
+
+
+def test_independent_ranks_slow_rank_flagged_nobody_waits() -> None:
+    reports = _flat(run(Job(4, sync=frozenset(), slow={(3, "forward"): 1.5}), flushes=6))
+    assert reports and {r.rank for r in reports} == {3}
+    assert reports[0].phase == "forward" and reports[0].sync_phase is None and reports[0].waiting_ranks == ()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_balanced_noisy_job_reports_nothing(world: int) -> None:
+    assert _flat(run(Job(world, jitter=0.15, seed=world), flushes=10)) == []
+
+
+def test_waiters_individual_score_uses_own_time() -> None:
+    job = Job(4, slow={(2, "forward"): 1.5})
+    scorer = StragglerScorer()
+    tables = [TimerTable() for _ in range(4)]
+    names: dict[int, str] = {}
+    base = Job(4)
+    for seq in range(3):  # a balanced start sets every rank's best own time
+        scorer.update(assess(_views(base.interval(8, seq), tables, names), scorer.settings))
+    for seq in range(3, 6):
+        scores, _ = scorer.update(assess(_views(job.interval(8, seq), tables, names), scorer.settings))
+    by_rank = {s.rank: s for s in scores}
+    for r in (0, 1, 3):  # they wait 15 ms per step, yet their own time did not change
+        assert by_rank[r].raw_individual == pytest.approx(1.0, abs=0.05)
+        assert by_rank[r].wait_s == pytest.approx(0.015, rel=0.3) and by_rank[r].lateness_s == 0.0
+        assert by_rank[r].relative == pytest.approx(1.0)
+    assert by_rank[2].raw_individual < 0.9 and by_rank[2].wait_s == 0.0
+    assert by_rank[2].relative < 0.9
+
+
+def test_abstains_when_only_the_step_is_timed() -> None:
+    views = [RankView(r, "h", r, Spread.of([0.1, 0.1]), {}) for r in range(4)]
+    reason = abstain_reason(views, [])
+    assert reason is not None and "only ot.step is timed" in reason and "ot.timer('forward')" in reason
+    assert "outside" not in reason
+    assert "do not run inside ot.step" in (abstain_reason(views, ["forward"]) or "")
+    assert abstain_reason([RankView(0, "h", 0, Spread.of([0.1]), {"forward": Spread.of([0.05])})], []) is None
+
+
+def test_only_step_timed_independent_ranks_still_found() -> None:
+    job = Job(4, phases=(("step_work", 0.05),), sync=frozenset(), slow={(1, "step_work"): 1.5})
+    scorer = StragglerScorer()
+    reports = []
+    for seq in range(5):
+        views = [
+            RankView(v.rank, v.host, v.local_rank, v.step, {})
+            for v in _views(job.interval(8, seq), [TimerTable() for _ in range(4)], {})
+        ]
+        reports += scorer.update(assess(views, scorer.settings))[1]
+    assert reports and {(r.rank, r.phase) for r in reports} == {(1, "untimed")}
+
+
+@pytest.mark.parametrize(
+    ("name", "category"),
+    [
+        ("data", "data"),
+        ("dataloader", "data"),
+        ("data_wait", "data"),
+        ("get_batch", "data"),
+        ("forward", "compute"),
+        ("backward", "compute"),
+        ("forward-compute", "compute"),
+        ("optimizer", "compute"),
+        ("optimizer.step", "compute"),
+        ("allreduce", "communication"),
+        ("grad_sync", "communication"),
+        ("comm", "communication"),
+        ("communication", "communication"),
+        ("checkpoint_save", "other"),
+    ],
+)
+def test_phase_category(name: str, category: str) -> None:
+    assert phase_category(name) == category
+
+
+def test_holds_collective() -> None:
+    assert holds_collective("backward") and holds_collective("allreduce") and holds_collective("fwd_bwd")
+    assert (
+        not holds_collective("forward") and not holds_collective("data") and not holds_collective("optimizer")
+    )
+
+
+def test_spread_is_robust() -> None:
+    s = Spread.of([0.1, 0.1, 0.1, 5.0])
+    assert (s.count, s.median, s.max, s.mad) == (4, 0.1, 5.0, 0.0)
+    assert Spread.of([0.1, 5.0]).median == 0.1  # lower median: one outlier never moves it
+    assert Spread.of([]).count == 0 and Spread.decode(Spread.of([]).encode()).count == 0
+
+
+def test_chronic_verdict_has_hysteresis() -> None:
+    """A score hovering just around the threshold is one chronic straggler, not a new one each flush."""
+    scorer = StragglerScorer(Settings(threshold=0.9, ewma=1.0))
+    verdicts = []
+    for lateness in (0.0115, 0.0095, 0.0115, 0.0095, 0.0):  # raw scores 0.885, 0.905, ...; then on time
+        a = RankAssessment(0, 1, "h", 1, 0.1)
+        a.chronic = Lateness(lateness, "forward", "backward")
+        _, reports = scorer.update([RankAssessment(1, 0, "h", 0, 0.1), a])
+        verdicts.append([r.rank for r in reports])
+    assert verdicts == [[1], [1], [1], [1], []]

@@ -116,29 +116,59 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
 def log_hyperparams(params: Mapping[str, Any]) -> None:
     """Hyperparameters for every bridge (secret-looking keys are redacted)."""
     session = _session_mod._current
-    if session is not None:
-        session.message("hparams", "hparams", _session_mod.redacted_hparams(params), None)
+    if session is None:
+        return
+    try:
+        redacted = _session_mod.redacted_hparams(params)
+    except Exception:  # not a mapping (None, a list, ...): never raise into the training script
+        session.buffer.drop("invalid_type")
+        session.buffer._warn_once(
+            "<hparams>", f"log_hyperparams() needs a mapping, got {type(params).__name__}; dropped."
+        )
+        return
+    session.message("hparams", "hparams", redacted, None)
 
 
 def log_text(name: str, text: str, step: int | None = None) -> None:
     session = _session_mod._current
     if session is not None:
-        session.message("text", str(name), str(text), step)
+        try:
+            session.message("text", str(name), str(text), _session_mod.message_step(step))
+        except Exception:
+            session.buffer.drop("invalid_type")
 
 
 def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: str = "samples") -> None:
     """Validation samples as (prompt, output) pairs: a console table and an entry in every bridge."""
     session = _session_mod._current
-    if session is not None:
-        limit = session.config.samples_to_show
-        session.message("samples", name, [(str(p), str(o)) for p, o in list(rows)[:limit]], step)
+    if session is None:
+        return
+    limit = session.config.samples_to_show
+    kept: list[tuple[str, str]] = []
+    try:
+        for row in list(rows)[:limit]:
+            try:
+                prompt, output = row
+                kept.append((str(prompt), str(output)))
+            except Exception:  # not a (prompt, output) pair: that row is dropped, counted
+                session.buffer.drop("invalid_sample")
+                session.buffer._warn_once(
+                    "<samples>",
+                    f"log_samples() rows must be (prompt, output) pairs; dropped a {type(row).__name__}.",
+                )
+        session.message("samples", str(name), kept, _session_mod.message_step(step))
+    except Exception:  # rows not iterable, ...
+        session.buffer.drop("invalid_sample")
 
 
 def log_histogram(name: str, values: Any, step: int | None = None) -> None:
     """A distribution (sequence or tensor); resolved on the background worker."""
     session = _session_mod._current
     if session is not None:
-        session.message("histogram", str(name), values, step)
+        try:
+            session.message("histogram", str(name), values, _session_mod.message_step(step))
+        except Exception:
+            session.buffer.drop("invalid_type")
 
 
 def watch(

@@ -77,6 +77,8 @@ class Buffer:
         self.max_values = max_values
         self._name_map: dict[str, str | None] = {}  # record name -> instrument name (None: rejected)
         self._owners: dict[str, str] = {}  # instrument name -> first record name that claimed it
+        self._prom_owners: dict[str, str] = {}  # Prometheus name -> the user instrument holding it
+        self._reserved_names: set[str] = set()  # record names refused as the library's own
         self.warned: set[str] = set()
         self._user_names = 0
         self._reset()
@@ -194,7 +196,7 @@ class Buffer:
             if instrument is not None or len(self._name_map) < self.max_names * 8:
                 self._name_map[name] = instrument
         if instrument is None:
-            self.drop("invalid_name")
+            self.drop("reserved_name" if name in self._reserved_names else "invalid_name")
             return None
         values: list[Any] = []
         self.scalars[name] = values
@@ -211,6 +213,27 @@ class Buffer:
                 name, f"record() name {name!r} collides with the {spec.kind.value} {instrument!r}; dropped."
             )
             return None
+        if spec is None:
+            reserved = semconv.reserved_by(instrument)
+            if reserved is not None:
+                if len(self._reserved_names) < self.max_names * 8:
+                    self._reserved_names.add(name)
+                self._warn_once(
+                    name,
+                    f"record() name {name!r} would overwrite or duplicate otel_train's own {reserved!r} "
+                    "(its keys in the run dir and bridges, or its Prometheus series); dropped and counted "
+                    "as otel_train.dropped{reason=reserved_name}. Use a name of your own, e.g. "
+                    f"'custom/{name.strip('/').replace('/', '_')}'.",
+                )
+                return None
+            # Names that differ only in . _ / - become ONE Prometheus name: one instrument for them.
+            prom = semconv.prometheus_sanitized(instrument)
+            claimed = self._prom_owners.setdefault(prom, instrument)
+            if claimed != instrument:
+                self._warn_once(
+                    name, f"record() name {name!r} is the Prometheus name {prom!r} of {claimed!r}; merged."
+                )
+                instrument = claimed
         owner = self._owners.get(instrument)
         if owner is None:
             if spec is None and self._user_names >= self.max_names:

@@ -38,7 +38,7 @@ def doctor() -> int:
     """Print what otel_train would do here and whether each piece is reachable."""
     from importlib.util import find_spec
 
-    from otel_train.config import ConfigError, load_config
+    from otel_train.config import ConfigError, load_config, redact_url
 
     ok = True
     try:
@@ -52,11 +52,11 @@ def doctor() -> int:
         port = parsed.port or (4317 if config.otlp_protocol == "grpc" else 4318)
         try:
             with socket.create_connection((parsed.hostname or "localhost", port), timeout=2):
-                print(f"otlp: {config.otlp_endpoint} ({config.otlp_protocol}) reachable")
+                print(f"otlp: {redact_url(config.otlp_endpoint)} ({config.otlp_protocol}) reachable")
         except OSError as exc:
             ok = False
             print(
-                f"otlp: {config.otlp_endpoint} NOT reachable ({exc}); training still runs, exports are dropped"
+                f"otlp: {redact_url(config.otlp_endpoint)} NOT reachable ({exc}); training still runs, exports are dropped"
             )
     else:
         print("otlp: off (set OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://127.0.0.1:4318)")

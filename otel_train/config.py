@@ -109,8 +109,11 @@ _STANDARD_ENV = {
     "OTEL_EXPORTER_OTLP_HEADERS": "otlp_headers",
     "OTEL_RESOURCE_ATTRIBUTES": "resource_attributes",
     "OTEL_METRIC_EXPORT_INTERVAL": "metric_export_interval_s",  # milliseconds in the spec
-    "OTEL_EXPORTER_OTLP_TIMEOUT": "otlp_timeout_s",  # seconds in the Python SDK
+    "OTEL_EXPORTER_OTLP_TIMEOUT": "otlp_timeout_s",  # milliseconds in the spec
 }
+_SIGNAL_PATH_RE = re.compile(r"/v1/(metrics|traces|logs)/?$")
+# An HTTP header name (RFC 9110 token); values are checked for control characters only.
+_HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 CONFIG_FILE_ENV = "OTEL_TRAIN_CONFIG"
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
@@ -151,7 +154,7 @@ def load_config(
 
     resolved = {name: _coerce(name, value, source) for name, (value, source) in values.items()}
     config = Config(**resolved)
-    validate(config)
+    validate(config, {name: source for name, (_, source) in values.items()})
     return config
 
 
@@ -181,13 +184,21 @@ def _read_yaml(path: str) -> dict[str, Any]:
 def _parse_standard_env(env_key: str, raw: str) -> Any:
     if env_key in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_RESOURCE_ATTRIBUTES"):
         return parse_key_values(raw, env_key)
-    if env_key == "OTEL_METRIC_EXPORT_INTERVAL":
+    if env_key in ("OTEL_METRIC_EXPORT_INTERVAL", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        example = "10000" if env_key == "OTEL_METRIC_EXPORT_INTERVAL" else "5000"
         try:
-            return float(raw) / 1000.0
+            millis = float(raw)
         except ValueError:
             raise ConfigError(
-                f"{env_key}={raw!r} is not a number of milliseconds. Set it to e.g. 10000 or unset it."
+                f"{env_key}={raw!r} is not a number of milliseconds. Set it to e.g. {example} or unset it."
             ) from None
+        if env_key == "OTEL_EXPORTER_OTLP_TIMEOUT" and 0 < millis < 100:
+            # The Python SDK once read this variable as seconds; a value that small is that mistake.
+            raise ConfigError(
+                f"{env_key}={raw!r} is in milliseconds (the OpenTelemetry spec's unit), so this is "
+                f"{millis:g} ms, too short for an export. Set it to e.g. {example} (5 s) or unset it."
+            )
+        return millis / 1000.0
     return raw
 
 
@@ -206,7 +217,23 @@ def parse_key_values(raw: str, setting: str) -> dict[str, str]:
             )
         key, value = item.split("=", 1)
         out[unquote(key.strip())] = unquote(value.strip())
+    if "HEADERS" in setting.upper():
+        check_headers(out, setting)
     return out
+
+
+def check_headers(headers: Mapping[str, str], setting: str) -> None:
+    """Reject what an HTTP/gRPC client would reject, naming the header but never its value."""
+    for number, (key, value) in enumerate(headers.items(), start=1):
+        if not _HEADER_KEY_RE.match(key):
+            raise ConfigError(
+                f"{setting}: header #{number} has an invalid name {key[:40]!r} (letters, digits and "
+                "!#$%&'*+-.^_`|~ only). Fix the name; percent-encode the value if it has commas or spaces."
+            )
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+            raise ConfigError(
+                f"{setting}: the value of header {key!r} has a control character (newline?). Remove it."
+            )
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -221,7 +248,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         origin, args = typing.get_origin(hint), typing.get_args(hint)
 
     def bad(expected: str) -> ConfigError:
-        shown = REDACTED if _SECRET_RE.search(name) else repr(value)
+        shown = REDACTED if _SECRET_RE.search(name) else repr(redact_url(value))
         return ConfigError(f"setting {name} (from {source}) = {shown} is invalid: expected {expected}.")
 
     if hint is bool:
@@ -256,10 +283,13 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return value
     if origin is dict:
         if isinstance(value, str):
-            return parse_key_values(value, source)
+            return parse_key_values(value, source if "header" not in name else f"{source} (headers)")
         if not isinstance(value, Mapping):
             raise bad("a mapping of strings")
-        return {str(k): str(v) for k, v in value.items()}
+        mapping = {str(k): str(v) for k, v in value.items()}
+        if "header" in name:
+            check_headers(mapping, source)
+        return mapping
     if origin is tuple:
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())
@@ -269,12 +299,23 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     return value
 
 
-def validate(config: Config) -> None:
+def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
+    """Check ranges; `sources` (field -> where the value came from) makes errors name the variable
+    or file the user actually set, e.g. OTEL_EXPORTER_OTLP_TIMEOUT rather than OTEL_TRAIN_*."""
+    sources = sources or {}
+
     def need(cond: bool, name: str, fix: str) -> None:
         if not cond:
             value = getattr(config, name)
-            shown = REDACTED if _SECRET_RE.search(name) else repr(value)
-            raise ConfigError(f"setting {name} = {shown} is invalid: {fix} (env {env_name(name)}).")
+            shown = REDACTED if _SECRET_RE.search(name) else repr(redact_url(value))
+            source = sources.get(name)
+            if source is None:
+                where = f"env {env_name(name)}"
+            elif source.startswith("OTEL_"):
+                where = f"from {source}"
+            else:
+                where = f"from {source}; env {env_name(name)}"
+            raise ConfigError(f"setting {name} = {shown} is invalid: {fix} ({where}).")
 
     need(
         config.log_interval is None or config.log_interval >= 1,
@@ -288,7 +329,7 @@ def validate(config: Config) -> None:
     need(
         0 < config.otlp_timeout_s <= 60,
         "otlp_timeout_s",
-        "use seconds in (0, 60] (the SDK's unit is seconds)",
+        "use seconds in (0, 60]; OTEL_EXPORTER_OTLP_TIMEOUT is in milliseconds: (0, 60000]",
     )
     need(config.timing_log_level in (0, 1, 2), "timing_log_level", "use 0, 1 or 2")
     need(config.trace_first >= 0, "trace_first", "use an integer >= 0")
@@ -318,10 +359,22 @@ def validate(config: Config) -> None:
     need(config.collective_timeout_s > 0, "collective_timeout_s", "use a positive number of seconds")
     need(bool(config.service_name.strip()), "service_name", "use a non-empty name")
     if config.otlp_endpoint is not None:
+        endpoint = config.otlp_endpoint
         need(
-            re.match(r"^https?://[^/\s]+", config.otlp_endpoint) is not None,
+            re.match(r"^https?://[^/\s]+", endpoint) is not None,
             "otlp_endpoint",
             "use a URL such as http://localhost:4318 (HTTP) or http://localhost:4317 (gRPC), or unset it",
+        )
+        need(
+            _url_port_ok(endpoint),
+            "otlp_endpoint",
+            "the port must be a number in 1-65535, e.g. http://localhost:4318",
+        )
+        need(
+            _SIGNAL_PATH_RE.search(endpoint.split("?", 1)[0]) is None,
+            "otlp_endpoint",
+            "give the base URL without /v1/metrics, /v1/traces or /v1/logs (otel_train appends the "
+            "signal path itself), e.g. http://localhost:4318",
         )
     for name in ("run_name", "run_id"):
         value = getattr(config, name)
@@ -330,6 +383,16 @@ def validate(config: Config) -> None:
             name,
             "use letters, digits and _ . : - (max 128 characters)",
         )
+
+
+def _url_port_ok(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        return False
+    return port is None or port >= 1
 
 
 def signal_number(name: str) -> int | None:
@@ -348,6 +411,29 @@ def is_secret_key(key: str) -> bool:
     return _SECRET_RE.search(key) is not None
 
 
+def redact_url(value: Any) -> Any:
+    """`scheme://user:password@host/...` -> `scheme://***@host/...`; other values unchanged."""
+    if isinstance(value, str) and "@" in value and "://" in value:
+        return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@", rf"\1{REDACTED}@", value)
+    return value
+
+
+# `api_key=...`, `password: ...`, `Authorization: Bearer ...` inside free text.
+_SECRET_IN_TEXT_RE = re.compile(
+    r"(?i)\b([\w.-]*(?:key|token|secret|passw|auth|credential|cookie)[\w.-]*)(\s*[:=]\s*)"
+    r"(?:bearer\s+|basic\s+)?([^\s,;&'\"]+)"
+)
+_BEARER_RE = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{6,}")
+
+
+def redact_text(text: str) -> str:
+    """Best effort for free text (ot.log_text, samples): secret-looking `key=value` pairs, bearer
+    tokens and URL userinfo become '***'."""
+    text = _SECRET_IN_TEXT_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    text = _BEARER_RE.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+    return re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@", rf"\1{REDACTED}@", text)
+
+
 def redact(value: Any, key: str = "") -> Any:
     """Replace secret-looking values (by key name) with '***', recursively."""
     if key and is_secret_key(key):
@@ -356,7 +442,7 @@ def redact(value: Any, key: str = "") -> Any:
         return {str(k): redact(v, str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact(v) for v in value]
-    return value
+    return redact_url(value)
 
 
 def config_as_dict(config: Config) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from otel_train import semconv
-from otel_train.config import Config
+from otel_train.config import Config, redact_url
 
 log = logging.getLogger("otel_train")
 
@@ -43,7 +43,7 @@ class ExportStatus:
     """Reports a collector outage once and its recovery once (the SDK logs every retry)."""
 
     def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
+        self.endpoint = redact_url(endpoint)  # never log userinfo
         self.failing = False
         self.failures = 0
 
@@ -63,12 +63,22 @@ class ExportStatus:
                 )
 
 
+def _not_a_header_echo(record: logging.LogRecord) -> bool:
+    # The SDK re-parses OTEL_EXPORTER_OTLP_HEADERS in every exporter and logs an entry it rejects
+    # verbatim, secret included; otel_train has parsed and checked that variable at init().
+    return not str(record.msg).startswith("Header format invalid")
+
+
 def quiet_sdk_exporter_logs() -> None:
-    """Silence the OTLP exporters' per-retry log lines unless the user configured those loggers."""
+    """Silence the OTLP exporters' per-retry log lines unless the user configured those loggers,
+    and never let the SDK echo a header value."""
     for name in ("opentelemetry.exporter.otlp",):
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET:
             logger.setLevel(logging.CRITICAL)
+    header_logger = logging.getLogger("opentelemetry.util.re")
+    if _not_a_header_echo not in header_logger.filters:
+        header_logger.addFilter(_not_a_header_echo)
 
 
 # --- fork guards -----------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ one batched transfer on the background worker, and checked there.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any
 from opentelemetry._logs import SeverityNumber
 
 from otel_train import semconv
+from otel_train.bridges.rundir import append_line
 from otel_train.interval import Interval
 
 log = logging.getLogger("otel_train")
@@ -72,11 +72,9 @@ class HealthEvents:
             self.count += 1
             if self._events_path is not None:
                 try:
-                    with self._events_path.open("a", encoding="utf-8") as fh:
-                        fh.write(
-                            json.dumps({"time": time.time(), "event": event, "message": message, **attrs})
-                            + "\n"
-                        )
+                    append_line(
+                        self._events_path, {"time": time.time(), "event": event, "message": message, **attrs}
+                    )
                 except OSError as exc:
                     log.warning(
                         "otel_train: cannot write %s (%s); health events stay in OTel only.",

@@ -28,6 +28,7 @@ from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.bridges.step_reader import StepReader
 from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
+from otel_train.config import redact_text
 from otel_train.health import HealthMonitor
 from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
@@ -202,23 +203,29 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
     out: list[float | None] = [None] * len(values)
     tensors: list[tuple[int, Any]] = []
     for i, value in enumerate(values):
-        cls = value.__class__
-        if cls is float or cls is int:
-            out[i] = float(value)
-        elif cls is bool or value is None or isinstance(value, (str, bytes)):
-            dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
-        elif hasattr(value, "numel") and hasattr(value, "detach"):
-            if value.is_complex():
+        # One value at a time: whatever a value does (10**400, a __float__ that raises anything),
+        # only that value is dropped and counted, never the flush.
+        try:
+            cls = value.__class__
+            if cls is float:
+                out[i] = value
+            elif cls is int:
+                out[i] = float(value)
+            elif cls is bool or value is None or isinstance(value, (str, bytes)):
                 dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
-            elif value.numel() == 1:
-                tensors.append((i, value))
+            elif hasattr(value, "numel") and hasattr(value, "detach"):
+                if value.is_complex():
+                    dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+                elif value.numel() == 1:
+                    tensors.append((i, value))
+                else:
+                    dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1
             else:
-                dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1
-        else:
-            try:
                 out[i] = float(value)  # numpy scalars, Decimal, ...
-            except (TypeError, ValueError):
-                dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+        except OverflowError:
+            dropped["overflow"] = dropped.get("overflow", 0) + 1
+        except Exception:
+            dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
     if tensors:
         for (i, _), resolved in zip(tensors, tensors_to_host([t for _, t in tensors]), strict=True):
             if resolved is None:  # a dtype that cannot convert (complex, ...)
@@ -243,7 +250,10 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
 
     by_device: dict[Any, list[int]] = {}
     for i, tensor in enumerate(tensors):
-        by_device.setdefault(tensor.device, []).append(i)
+        try:
+            by_device.setdefault(tensor.device, []).append(i)
+        except Exception:  # a tensor-like object without a usable device: left as None
+            continue
     out: list[list[float] | None] = [None] * len(tensors)
     for positions in by_device.values():
         try:
@@ -309,13 +319,27 @@ class Worker:
         self.span_writer = span_writer
         self.total_steps = total_steps
         self.otel_logger = otel_logger
-        self.queue: queue.Queue[FlushBatch | Message | None] = queue.Queue(maxsize=queue_size)
+        # Unbounded as a queue; flush batches are bounded by `max_batches` (the session defers a
+        # flush when the worker has that many pending) and messages by `max_messages`, so a burst
+        # of messages from another thread can never make a flush batch fail to enqueue.
+        self.queue: queue.Queue[FlushBatch | Message | None] = queue.Queue()
+        self.max_batches = queue_size
+        self.max_messages = max(64, queue_size * 8)
+        # Single-writer counters: *_put by the session (under its lock), *_done by this thread.
+        self.batches_put = 0
+        self.batches_done = 0
+        self.steps_put = 0
+        self.steps_done = 0
+        self.failed_flushes = 0
+        self._room = threading.Condition()
+        self._abandoned = False
         self.dropped_messages = 0
         self.final_scalars: dict[str, float] = {}
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
         self._errors_warned: set[str] = set()
+        self.sink_errors: dict[str, int] = {}
         self._started_at = time.time()
         self._steps_done = 0
         self._thread = threading.Thread(target=self._run, name="otel_train-worker", daemon=True)
@@ -324,28 +348,44 @@ class Worker:
         self._thread.start()
 
     def submit_message(self, message: Message) -> None:
-        try:
-            self.queue.put_nowait(message)
-        except queue.Full:
+        if self.queue.qsize() >= self.max_messages:
             self.dropped_messages += 1
+        else:
+            self.queue.put(message)
+
+    def pending_batches(self) -> int:
+        return self.batches_put - self.batches_done
+
+    def submit_batch(self, batch: FlushBatch, wait_s: float) -> bool:
+        """Enqueue a flush batch (the caller serialises these calls). With `wait_s` > 0, wait up
+        to that long for room below `max_batches`; False (nothing enqueued) if there was none."""
+        if wait_s > 0 and self.pending_batches() >= self.max_batches:
+            with self._room:
+                if not self._room.wait_for(lambda: self.pending_batches() < self.max_batches, wait_s):
+                    return False
+        self.batches_put += 1
+        self.steps_put += batch.steps
+        self.queue.put(batch)
+        return True
 
     def stop(self, timeout_s: float) -> bool:
-        """Ask the worker to finish what is queued and stop; False if it did not within timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
-                break
-            except queue.Full:
-                if time.monotonic() >= deadline:
-                    return False
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        return not self._thread.is_alive()
+        """Ask the worker to finish what is queued and stop; False if it did not within timeout_s
+        (then it is told to abandon what is left: see `unwritten`)."""
+        self.queue.put(None)
+        self._thread.join(max(0.0, timeout_s))
+        if self._thread.is_alive():
+            self._abandoned = True
+            return False
+        return True
+
+    def unwritten(self) -> tuple[int, int]:
+        """(flush batches, steps) handed to the worker that it has not written (yet)."""
+        return self.batches_put - self.batches_done, self.steps_put - self.steps_done
 
     def _run(self) -> None:
         while True:
             item = self.queue.get()
-            if item is None:
+            if item is None or self._abandoned:
                 return
             started, cpu_started = time.perf_counter(), time.thread_time()
             try:
@@ -354,10 +394,23 @@ class Worker:
                 else:
                     self._process(item)
             except Exception as exc:  # never let one bad flush kill telemetry
-                self._warn_once("flush", f"otel_train: a flush failed and was skipped: {exc!r}")
+                self.failed_flushes += 1
+                self.instruments.dropped.add(1, {semconv.REASON: "flush_failed"})
+                log.warning(
+                    "otel_train: flush %d (step %d) failed and was skipped (%d so far): %r",
+                    getattr(item, "seq", -1),
+                    getattr(item, "step", -1),
+                    self.failed_flushes,
+                    exc,
+                )
             finally:
                 self.busy_s += time.perf_counter() - started
                 self.cpu_s += time.thread_time() - cpu_started
+                if isinstance(item, FlushBatch) and not self._abandoned:
+                    with self._room:
+                        self.steps_done += item.steps
+                        self.batches_done += 1
+                        self._room.notify_all()
 
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:
@@ -384,7 +437,7 @@ class Worker:
             try:
                 sink.write_scalars(interval.step, interval.wall_time, scalars)
             except Exception as exc:
-                self._warn_once(sink.name, f"otel_train: sink {sink.name} failed: {exc!r}")
+                self._sink_failed(sink, exc)
 
     def _resolve(self, batch: FlushBatch) -> Interval:
         if batch.cuda_event is not None:
@@ -475,6 +528,11 @@ class Worker:
     def _deliver_message(self, message: Message) -> None:
         if message.kind == "histogram":
             message = Message(message.kind, message.key, histogram_values(message.payload), message.step)
+        elif message.kind == "text":
+            message = Message(message.kind, message.key, redact_text(message.payload), message.step)
+        elif message.kind == "samples":
+            rows = [(redact_text(p), redact_text(o)) for p, o in message.payload]
+            message = Message(message.kind, message.key, rows, message.step)
         self._log_record(message)
         for sink in self.sinks:
             try:
@@ -487,7 +545,18 @@ class Worker:
                 elif message.kind == "hparams":
                     sink.write_hparams(message.payload)
             except Exception as exc:
-                self._warn_once(sink.name, f"otel_train: sink {sink.name} failed: {exc!r}")
+                self._sink_failed(sink, exc)
+
+    def _sink_failed(self, sink: Sink, exc: Exception) -> None:
+        """A write a sink could not do (full disk, ...): counted, and warned once per sink with
+        the error's text, which names the file for OSErrors."""
+        self.sink_errors[sink.name] = self.sink_errors.get(sink.name, 0) + 1
+        self.instruments.dropped.add(1, {semconv.REASON: "sink_error"})
+        self._warn_once(
+            f"{sink.name}:{getattr(exc, 'filename', None)}",  # once per sink and file
+            f"otel_train: sink {sink.name} failed: {type(exc).__name__}: {exc}. "
+            "Further failures of this sink are counted in otel_train.dropped{reason=sink_error}.",
+        )
 
     def _log_record(self, message: Message) -> None:
         """Text, samples, histograms and hyperparameters also leave as OTel log records, so the

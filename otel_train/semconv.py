@@ -434,3 +434,66 @@ def prometheus_name(spec: MetricSpec, collector: bool) -> str:
     if spec.kind in (Kind.COUNTER, Kind.OBSERVABLE_COUNTER):
         base = f"{base}_total"
     return base
+
+
+# --- the library's own names: what a user's record() name must not take ----------------------------
+_HISTOGRAM_SUFFIXES = "/(?:mean|count|total|min|max|p50|p95)"
+
+
+def prometheus_sanitized(name: str) -> str:
+    """What opentelemetry-exporter-prometheus makes of an instrument name (no unit, no suffix)."""
+    name = re.sub(r"[^a-zA-Z0-9:]+", "_", name)
+    return "_" + name[1:] if name[:1].isdigit() else name
+
+
+def _key_pattern(spec: MetricSpec) -> re.Pattern[str]:
+    """Every bridge key `spec` can produce: placeholders, extra attribute segments, derived keys."""
+    template = re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(spec.key))
+    extra = "(?:/[^/]+)*" if spec.attributes or spec.kind is Kind.HISTOGRAM else ""
+    if spec.kind in (Kind.COUNTER, Kind.OBSERVABLE_COUNTER):
+        derived = "(?:_per_s)?"
+    elif spec.kind is Kind.HISTOGRAM:
+        derived = _HISTOGRAM_SUFFIXES
+    else:
+        derived = ""
+    return re.compile(f"^{template}{extra}{derived}$")
+
+
+_RESERVED: tuple[list[tuple[re.Pattern[str], str]], dict[str, str]] | None = None
+
+
+def _reserved() -> tuple[list[tuple[re.Pattern[str], str]], dict[str, str]]:
+    global _RESERVED
+    if _RESERVED is None:
+        keys = [(_key_pattern(spec), spec.name) for spec in CATALOGUE]
+        prom: dict[str, str] = {"target_info": "target_info"}
+        for spec in CATALOGUE:
+            for collector in (False, True):
+                base = prometheus_name(spec, collector)
+                stem = base.removesuffix("_total")
+                for name in (
+                    stem,
+                    f"{stem}_total",
+                    f"{stem}_created",
+                    f"{stem}_bucket",
+                    f"{stem}_sum",
+                    f"{stem}_count",
+                ):
+                    prom.setdefault(name, spec.name)
+        _RESERVED = (keys, prom)
+    return _RESERVED
+
+
+def reserved_by(instrument: str) -> str | None:
+    """The library instrument whose bridge keys or Prometheus series a user gauge named
+    `instrument` would overwrite or duplicate (None when the name is free). Called once per name."""
+    if instrument in BY_NAME:
+        return None if BY_NAME[instrument].kind is Kind.GAUGE else instrument
+    if instrument.startswith("otel_train."):
+        return "otel_train.*"
+    keys, prom = _reserved()
+    key = default_key(instrument)
+    for pattern, owner in keys:
+        if pattern.match(key):
+            return owner
+    return prom.get(prometheus_sanitized(instrument))

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import logging
+import operator
 import os
-import queue
 import secrets
 import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from otel_train import semconv
 from otel_train.bridges.base import Sink
@@ -27,6 +28,7 @@ from otel_train.bridges.console import ConsoleSink
 from otel_train.bridges.rundir import RunDirSink, write_json
 from otel_train.buffer import Buffer, SpanRecord
 from otel_train.config import (
+    FIELDS,
     Config,
     ConfigError,
     config_as_dict,
@@ -51,6 +53,7 @@ log = logging.getLogger("otel_train")
 
 _current: Session | None = None  # the one global: the active session of this process
 _MAX_SPAN_RECORDS = 10_000
+_T = TypeVar("_T")
 
 
 class Session:
@@ -72,6 +75,12 @@ class Session:
         )
         self.is_reporting_rank = self.identity.rank == 0 or config.bridge_all_ranks
         self.run_dir = self._make_run_dir()
+        self.resumed = False
+        if self.run_dir is not None:
+            run_dir, rank, run_id = self.run_dir, self.identity.rank, self.identity.run_id
+            self.resumed = _run_dir_errors_as_config_errors(
+                lambda: claim_run_dir(run_dir, rank, run_id, self.run_name)
+            )
         gpu_discovery = None
         if config.hardware:
             from otel_train.hardware import discover_with_timeout
@@ -99,9 +108,15 @@ class Session:
             echo=config.verbosity > 0,
         )
         self.health = HealthMonitor(self.events, self.instruments.nonfinite_loss, config.loss_spike_factor)
+        if self.resumed:
+            self.events.emit(
+                "restart",
+                f"run {self.run_name!r} (run_id {self.identity.run_id}) restarted; appending to its files",
+                {"pid": os.getpid()},
+            )
         self.console: ConsoleSink | None = None
         self.bridges: BridgeProcess | None = None
-        self.sinks: list[Sink] = self._sinks()
+        self.sinks: list[Sink] = _run_dir_errors_as_config_errors(self._sinks)
         self.listeners: list[FlushListener] = [self.health]
         self.hardware = None
         if config.hardware:
@@ -203,9 +218,14 @@ class Session:
         # keep summing) and goes with a later flush.
         self.deferred_flushes = 0
         self.lost_flushes = 0
+        self.lost_steps = 0  # steps in flushes that never reached the run dir (warned with the number)
+        self._step_thread: int | None = None  # the thread running ot.step(): the only one that flushes
+        self._flush_requested = False  # another thread asked for a flush (log_metrics(step=...))
+        self._shutdown_done = threading.Event()
+        self._reinit_warned = False
 
         if self.run_dir is not None and self.is_reporting_rank:
-            self._write_run_files()
+            _run_dir_errors_as_config_errors(self._write_run_files)
         self.worker.start()
         self.watchdog.start()
 
@@ -220,11 +240,7 @@ class Session:
             probe.write_text("")
             probe.unlink()
         except OSError as exc:
-            raise ConfigError(
-                f"output_dir: cannot write the run directory {str(path)!r} ({exc.strerror or exc}). "
-                "Point OTEL_TRAIN_OUTPUT_DIR / init(output_dir=...) at a writable directory, "
-                "or set run_dir_enabled=False."
-            ) from None
+            raise _run_dir_config_error(path, exc) from None
         return path
 
     def _resource(self, gpu_attributes: Mapping[str, str]) -> Resource:
@@ -251,7 +267,11 @@ class Session:
                 "otel_train.run_name": self.run_name,
             }
         )
-        return Resource.create(attributes)
+        # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES (and the SDK defaults) back in, so the
+        # secret filter runs on what it returns, not only on what went in.
+        created = Resource.create(attributes)
+        kept = {k: v for k, v in created.attributes.items() if not is_secret_key(k)}
+        return Resource(kept, created.schema_url)
 
     def _sinks(self) -> list[Sink]:
         """Every rank keeps its own metrics JSONL (the local copy); progress, console and bridges
@@ -342,8 +362,14 @@ class Session:
         self.listeners.append(listener)
 
     # --- hot path (training thread) ------------------------------------------------------------
-    def begin_step(self, step: int | None) -> int:
-        index = self.step_index + 1 if step is None else step
+    def begin_step(self, step: Any) -> int:
+        if step is None:
+            index = self.step_index + 1
+        elif step.__class__ is int and -_MAX_STEP <= step <= _MAX_STEP:
+            index = step
+        else:
+            index = self._step_number(step)
+        self._step_thread = threading.get_ident()
         pending = self._pending_control
         if pending is not None and index >= pending.apply_at_step:
             self._apply_control(pending, index)
@@ -360,10 +386,35 @@ class Session:
                 watch.begin_step(index)
         return index
 
+    def _step_number(self, step: Any) -> int:
+        """A numpy integer, a 0-dim tensor or an integral float as a plain int; anything else
+        (NaN, 3.5, 10**400, a string) continues from the last step, counted and warned once."""
+        try:
+            index = operator.index(step)
+        except Exception:
+            try:
+                number = float(step)
+                index = int(number) if number.is_integer() else None  # type: ignore[assignment]
+            except Exception:
+                index = None  # type: ignore[assignment]
+        if index is None or not -_MAX_STEP <= index <= _MAX_STEP:
+            self.buffer.drop("invalid_step")
+            self.buffer._warn_once(
+                "<step>",
+                f"ot.step() got a step number it cannot use ({type(step).__name__}); continuing from "
+                "the last step. Pass an int (counted in otel_train.dropped{reason=invalid_step}).",
+            )
+            return self.step_index + 1
+        return index
+
     def end_step(
         self, index: int, start_ns: int, end_ns: int, tokens: int | None, samples: int | None, failed: bool
     ) -> None:
         buf = self.buffer
+        if (tokens is not None and tokens.__class__ is not int) or (
+            samples is not None and samples.__class__ is not int
+        ):
+            tokens, samples = self._count(tokens, "tokens"), self._count(samples, "samples")
         self.step_index = index
         previous_end = self.step_end_ns
         self.step_end_ns = end_ns
@@ -400,10 +451,30 @@ class Session:
             buf.tokens += tokens
         if samples:
             buf.samples += samples
-        if (buf.steps >= self.cadence.threshold and self.cadence.due(buf.steps)) or (
-            self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s
+        if (
+            (buf.steps >= self.cadence.threshold and self.cadence.due(buf.steps))
+            or (self._flush_requested and not self.identity.distributed)
+            or (self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s)
         ):
             self.flush()
+
+    def _count(self, value: Any, what: str) -> int | None:
+        """tokens= / samples= as a plain int (numpy integers, 0-dim tensors, integral floats)."""
+        if value is None or value.__class__ is int:
+            return value  # type: ignore[no-any-return]
+        try:
+            number = operator.index(value)
+        except Exception:
+            try:
+                as_float = float(value)
+                number = int(as_float) if as_float.is_integer() else round(as_float)
+            except Exception:
+                self.buffer.drop("invalid_type")
+                self.buffer._warn_once(
+                    f"<{what}>", f"ot.step({what}=...) got {type(value).__name__}; ignored."
+                )
+                return None
+        return number if 0 <= number <= _MAX_STEP else None
 
     def _poll_control(self) -> None:
         """Watchdog thread: schedule a change from the control file (rank 0 decides the step)."""
@@ -546,12 +617,23 @@ class Session:
 
     def flush(self, final: bool = False) -> bool:
         """Hand the interval to the worker. Never blocks when not distributed: if the queue is full
-        the data stays in the buffer (counters keep summing) and the next step tries again."""
+        the data stays in the buffer (counters keep summing) and the next step tries again.
+
+        Only the thread running the steps takes the buffer (the step counters are plain ints it
+        alone increments); a flush asked for on another thread is done at its next step end."""
+        if not final and self._step_thread is not None and threading.get_ident() != self._step_thread:
+            self._flush_requested = True
+            return False
         now = time.perf_counter()
-        if not final and self.worker.queue.full() and not self.identity.distributed:
+        if (
+            not final
+            and not self.identity.distributed
+            and self.worker.pending_batches() >= self.worker.max_batches
+        ):
             self.deferred_flushes += 1
             return False
         with self._lock:
+            self._flush_requested = False
             batch = self.buffer.take(
                 self._seq, self.step_index, now - self._last_flush, self._perf_to_epoch_ns
             )
@@ -566,17 +648,24 @@ class Session:
             or any(_on_cuda(h[2]) for h in batch.histograms)
         ):
             batch.cuda_event = _record_cuda_event()
-        try:
-            if self.identity.distributed or final:
-                # Every rank must hand every flush over (its collective pairs with the peers').
-                self.worker.queue.put(batch, timeout=self.config.collective_timeout_s if not final else 1.0)
-            else:
-                self.worker.queue.put_nowait(batch)
-        except queue.Full:
-            # Only reachable when distributed (the worker stuck longer than collective_timeout_s)
-            # or at shutdown: this interval is lost, and counted.
+        # Every rank must hand every flush over (its collective pairs with the peers'): when
+        # distributed, wait for room; otherwise the room was checked above (final: never waits).
+        wait_s = self.config.collective_timeout_s if self.identity.distributed and not final else 0.0
+        with self._lock:
+            handed = self.worker.submit_batch(batch, wait_s)
+        if not handed:
+            # Only reachable when distributed and the worker is stuck longer than collective_timeout_s.
             self.lost_flushes += 1
-            log.warning("otel_train: the background worker is stuck; flush %d was dropped.", batch.seq)
+            self.lost_steps += batch.steps
+            self.buffer.drop("lost_flush")
+            log.warning(
+                "otel_train: the background worker is stuck; flush %d (%d steps, up to step %d) was "
+                "dropped (%d flushes lost so far).",
+                batch.seq,
+                batch.steps,
+                batch.step,
+                self.lost_flushes,
+            )
             return False
         if not final:
             self.cadence.flushed(batch.seq, batch.flush_interval)
@@ -598,9 +687,17 @@ class Session:
         """Final flush, drain the worker, close sinks, stop exporters: bounded by shutdown_timeout_s
         for the network part. Idempotent."""
         with self._lock:
-            if self._closed:
-                return
+            already = self._closed
             self._closed = True
+        if already:  # another thread is shutting down: wait for it (bounded)
+            self._shutdown_done.wait(self.config.shutdown_timeout_s + 1.0)
+            return
+        try:
+            self._shutdown()
+        finally:
+            self._shutdown_done.set()
+
+    def _shutdown(self) -> None:
         started = time.monotonic()
         budget = self.config.shutdown_timeout_s
         for watch in list(self.watches):
@@ -610,7 +707,9 @@ class Session:
             self.profiler.stop()
             self.profiler = None
         self.flush(final=True)
-        self.worker.stop(timeout_s=max(0.2, budget * 0.5))
+        if not self.worker.stop(timeout_s=max(0.2, budget * 0.5)):
+            self._report_unwritten()
+        self._report_sink_errors()
         for listener in self.listeners:
             try:
                 listener.close()
@@ -632,6 +731,29 @@ class Session:
         remaining = max(0.1, 0.9 * budget - (time.monotonic() - started))
         self.telemetry.shutdown(remaining)
 
+    def _report_unwritten(self) -> None:
+        """The worker was still busy at the deadline: say how much never reached the run dir."""
+        flushes, steps = self.worker.unwritten()
+        if flushes <= 0:
+            return
+        self.lost_flushes += flushes
+        self.lost_steps += steps
+        self.instruments.dropped.add(flushes, {semconv.REASON: "shutdown_deadline"})
+        log.warning(
+            "otel_train: shutdown deadline (%.1fs): the background worker was still busy; %d flush(es) "
+            "holding %d step(s) were not written to the run dir or exporters. Raise "
+            "OTEL_TRAIN_SHUTDOWN_TIMEOUT_S if this happens often.",
+            self.config.shutdown_timeout_s,
+            flushes,
+            steps,
+        )
+
+    def _report_sink_errors(self) -> None:
+        for name, count in self.worker.sink_errors.items():
+            log.warning(
+                "otel_train: sink %s failed %d time(s) in this run; those writes are missing.", name, count
+            )
+
     def __enter__(self) -> Session:
         return self
 
@@ -649,6 +771,55 @@ class Session:
     def prometheus_url(self) -> str | None:
         endpoint = self.telemetry.pull_endpoint
         return endpoint.url if endpoint is not None else None
+
+
+_MAX_STEP = 2**63 - 1  # a step must fit an int64 (Prometheus, TensorBoard, JSON readers)
+_OWNER_FILE = ".owner.rank{rank}.json"
+
+
+def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str) -> bool:
+    """Decide whether this process may write rank `rank`'s files in `run_dir`. Returns True for a
+    resume (the same run_id restarted: torchrun elastic restart, SLURM requeue: append), False for
+    a fresh start; raises ConfigError when an EARLIER run with another run_id wrote this rank's
+    files (appending would interleave two runs). Other ranks of the same job share the directory,
+    so only this rank's own files count, never the directory's existence."""
+    owner = run_dir / _OWNER_FILE.format(rank=rank)
+    metrics = run_dir / f"metrics.rank{rank}.jsonl"
+    previous: str | None
+    if owner.exists():
+        try:
+            previous = str(json.loads(owner.read_text(encoding="utf-8")).get("run_id"))
+        except (OSError, ValueError, AttributeError):
+            previous = None
+    elif metrics.exists() and metrics.stat().st_size > 0:
+        previous = None  # written by a version without owner files: cannot tell, so not ours
+    else:  # nothing of this rank yet: a fresh start
+        write_json(owner, {"run_id": run_id, "pid": os.getpid(), "started": time.time()})
+        return False
+    if previous == run_id:
+        return True
+    raise ConfigError(
+        f"run_name {run_name!r}: {run_dir} already holds rank {rank}'s files from another run "
+        f"(run_id {previous or 'unknown'}; this one is {run_id}); appending would mix the two. Choose "
+        "a new name (init(run_name=...) / OTEL_TRAIN_RUN_NAME, or leave it unset for a unique one), "
+        "move the old directory away, or set the same run_id (OTEL_TRAIN_RUN_ID) to resume that run."
+    )
+
+
+def _run_dir_config_error(path: Path, exc: OSError) -> ConfigError:
+    where = exc.filename or path
+    return ConfigError(
+        f"output_dir: cannot write {str(where)!r} ({exc.strerror or exc}). Free space there or point "
+        "OTEL_TRAIN_OUTPUT_DIR / init(output_dir=...) at a writable directory, or set run_dir_enabled=False."
+    )
+
+
+def _run_dir_errors_as_config_errors(make: Callable[[], _T]) -> _T:
+    """Run-dir files created at init(): a full or read-only disk is a ConfigError naming the file."""
+    try:
+        return make()
+    except OSError as exc:
+        raise _run_dir_config_error(Path(exc.filename or "?"), exc) from None
 
 
 def _on_cuda(value: Any) -> bool:
@@ -678,6 +849,7 @@ def _version() -> str:
 # --- module-level lifecycle ------------------------------------------------------------------------
 _hooks_installed = False
 _previous_sigterm: Any = None
+_closing: Session | None = None  # the session being (or last) shut down, so a second caller can wait
 
 
 def init(
@@ -686,6 +858,7 @@ def init(
     """Start (or return) the process's session."""
     global _current
     if _current is not None:
+        _warn_if_different(_current, config, config_file, settings)
         return _current
     resolved = config or load_config(settings, config_file=config_file)
     session = Session(resolved)
@@ -694,12 +867,41 @@ def init(
     return session
 
 
+def _warn_if_different(
+    session: Session, config: Config | None, config_file: str | None, settings: Mapping[str, Any] | None
+) -> None:
+    """A second init() returns the running session; if it asked for other settings, say so once."""
+    if session._reinit_warned or (config is None and not config_file and not settings):
+        return
+    try:
+        wanted = config or load_config(settings, config_file=config_file)
+    except ConfigError:
+        wanted = None
+    if wanted == session.config:
+        return
+    session._reinit_warned = True
+    differing = (
+        sorted(k for k in FIELDS if getattr(wanted, k) != getattr(session.config, k))
+        if wanted is not None
+        else sorted(settings or {})
+    )
+    log.warning(
+        "otel_train: init() was called again with different settings (%s); the running session keeps "
+        "its own. Call ot.shutdown() first to start a new session with them.",
+        ", ".join(differing) or "invalid settings",
+    )
+
+
 def shutdown() -> None:
-    global _current
+    global _current, _closing
     session = _current
     if session is None:
+        closing = _closing
+        if closing is not None:  # shutting down on another thread (SIGTERM relay, atexit): wait
+            closing._shutdown_done.wait(closing.config.shutdown_timeout_s + 1.0)
         return
     _current = None  # from here on every record call is a no-op
+    _closing = session
     session.shutdown()
 
 
@@ -709,14 +911,62 @@ def current() -> Session | None:
 
 def _forget_in_child() -> None:
     """After fork (DataLoader workers): the child never exports and every API call is a no-op."""
-    global _current
+    global _current, _closing
     if _current is not None and _current.bridges is not None:
         _current.bridges.forget_in_child()
     _current = None
+    _closing = None
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    shutdown()
+class _SigtermRelay:
+    """Does the SIGTERM shutdown on a thread of its own.
+
+    A signal handler runs on the main thread between two bytecodes, possibly while that thread
+    holds the session lock or a queue's mutex (flush takes both); a handler that took either would
+    wait forever. So the handler only writes a byte to a pipe (no lock anywhere) and returns; this
+    thread shuts down (the training thread keeps running and releases its locks) and then sends
+    SIGTERM again, which the handler now answers with the previous handler or the default action,
+    so the exit status still says "terminated by SIGTERM"."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self.requested = False
+        self.done = False
+        threading.Thread(target=self._run, name="otel_train-sigterm", daemon=True).start()
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid or self.done:  # a forked child, or our shutdown is over
+            _deliver_sigterm(signum, frame)
+            return
+        if not self.requested:
+            self.requested = True
+            try:
+                os.write(self._write_fd, b"T")
+            except OSError:
+                self.done = True
+                _deliver_sigterm(signum, frame)
+        # else: the shutdown is under way; the relay delivers when it is done
+
+    def _run(self) -> None:
+        try:
+            os.read(self._read_fd, 1)
+        except OSError:
+            return
+        session = _current or _closing
+        budget = session.config.shutdown_timeout_s + 1.0 if session is not None else 0.0
+        worker = threading.Thread(target=shutdown, name="otel_train-sigterm-shutdown", daemon=True)
+        worker.start()
+        worker.join(budget)  # shutdown is bounded; this is the backstop
+        self.done = True
+        os.kill(self.pid, signal.SIGTERM)
+
+
+_relay: _SigtermRelay | None = None
+
+
+def _deliver_sigterm(signum: int, frame: FrameType | None) -> None:
     previous = _previous_sigterm
     if callable(previous):
         previous(signum, frame)
@@ -726,9 +976,19 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    relay = _relay
+    if relay is None:
+        _deliver_sigterm(signum, frame)
+    else:
+        relay.handle(signum, frame)
+
+
 def _install_hooks() -> None:
-    global _hooks_installed, _previous_sigterm
+    global _hooks_installed, _previous_sigterm, _relay
     if _hooks_installed:
+        if _relay is not None and _relay.pid != os.getpid():  # init() again in a forked child
+            _relay = _SigtermRelay()
         return
     _hooks_installed = True
     atexit.register(shutdown)
@@ -737,7 +997,19 @@ def _install_hooks() -> None:
         previous = signal.getsignal(signal.SIGTERM)
         if previous in (signal.SIG_DFL, None) or callable(previous):
             _previous_sigterm = previous if callable(previous) else None
+            _relay = _SigtermRelay()
             signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def message_step(step: Any) -> int | None:
+    """A step= argument of the logger API as a plain int (numpy, tensor, float) or None."""
+    if step is None or step.__class__ is int:
+        return step  # type: ignore[no-any-return]
+    try:
+        return operator.index(step)
+    except Exception:
+        number = float(step)
+        return int(number) if number.is_integer() else None
 
 
 def redacted_hparams(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -117,9 +117,24 @@ def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullSc
     """`with ot.timer("forward"):` — time a phase. `cuda=True` times the device work with CUDA
     events (resolved on the worker, no sync on the training thread)."""
     session = _session_mod._current
-    if session is None or level > session.timing_level:
+    if session is None:
         return _NULL
+    try:
+        if level > session.timing_level:
+            return _NULL
+    except TypeError:  # level="1", None, ...: read it as a number if it is one, never raise
+        if _timer_level(session, level) > session.timing_level:
+            return _NULL
     return TimerScope(name, cuda)
+
+
+def _timer_level(session: _session_mod.Session, level: Any) -> int:
+    try:
+        return int(level)
+    except Exception:
+        session.buffer.drop("invalid_type")
+        session.buffer._warn_once("<timer level>", f"timer(level={level!r}) is not a number; using level 1.")
+        return 1
 
 
 def timed(name: str, level: int = 1, cuda: bool = False) -> Callable[[F], F]:

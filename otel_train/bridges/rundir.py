@@ -4,17 +4,22 @@
 flushed each time so a SIGKILL loses at most the interval in flight), `progress.txt` (Megatron-style
 one-liners), `config.json` and `env.json` (written once at init, secrets redacted), and
 `samples.jsonl` / `text.jsonl` for text and samples.
+
+Every line is written whole or not at all: a full disk (ENOSPC, a quota, RLIMIT_FSIZE) truncates
+the file back to its last complete line, and the error names the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import operator
 import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from otel_train.bridges.base import Sink
 
@@ -23,17 +28,79 @@ def _clean(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def json_default(value: Any) -> Any:
+    """`default=` for json.dumps: numpy scalars and 0-dim tensors as numbers, anything else as
+    text, so one odd value never empties a file."""
+    try:
+        if hasattr(value, "__index__"):
+            return operator.index(value)  # numpy integers, integer 0-dim tensors
+    except Exception:
+        pass
+    try:
+        number = float(value)
+        return number if math.isfinite(number) else None
+    except Exception:
+        pass
+    try:
+        return str(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+def dumps_line(row: Mapping[str, Any]) -> bytes:
+    return (json.dumps(row, default=json_default) + "\n").encode("utf-8")
+
+
+class LineFile:
+    """An append-only file written a whole line at a time (unbuffered, one os.write per line)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def write_line(self, data: bytes) -> None:
+        """Append `data` (one line); on any error the file is cut back to its previous end and an
+        OSError naming the file is raised."""
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)  # no torn last line
+            raise OSError(exc.errno, f"{exc.strerror or exc}; line not written", str(self.path)) from None
+        self._size += len(data)
+
+    def close(self, fsync: bool = True) -> None:
+        if self._fd < 0:
+            return
+        if fsync:
+            with contextlib.suppress(OSError):
+                os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def append_line(path: Path, row: Mapping[str, Any]) -> None:
+    """Open, append one whole JSON line, close (for the rarely written files)."""
+    line = LineFile(path)
+    try:
+        line.write_line(dumps_line(row))
+    finally:
+        line.close(fsync=False)
+
+
 class RunDirSink(Sink):
     name = "rundir"
 
     def __init__(self, run_dir: Path, rank: int, total_steps: int | None, progress: bool = True) -> None:
         self.run_dir = run_dir
         self.metrics_path = run_dir / f"metrics.rank{rank}.jsonl"
-        self._metrics: TextIO = self.metrics_path.open("a", encoding="utf-8", buffering=1)
+        self._metrics = LineFile(self.metrics_path)
         # progress.txt is one file per run: only the reporting rank appends to it.
-        self._progress: TextIO | None = (
-            (run_dir / "progress.txt").open("a", encoding="utf-8", buffering=1) if progress else None
-        )
+        self._progress: LineFile | None = LineFile(run_dir / "progress.txt") if progress else None
         self._total_steps = total_steps
         self._started = time.time()
         self._tokens = 0.0
@@ -44,7 +111,7 @@ class RunDirSink(Sink):
             "time": round(wall_time, 3),
             **{k: _clean(v) for k, v in sorted(scalars.items())},
         }
-        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.write_line(dumps_line(row))
         self._tokens += scalars.get("throughput/tokens", 0.0)
         if self._progress is None:
             return
@@ -61,7 +128,7 @@ class RunDirSink(Sink):
             parts.append(f"eta {_hms(scalars['progress/eta_s'])}")
         if "train/goodput" in scalars:
             parts.append(f"goodput {100 * scalars['train/goodput']:.1f}%")
-        self._progress.write(" | ".join(parts) + "\n")
+        self._progress.write_line((" | ".join(parts) + "\n").encode("utf-8"))
 
     def write_text(self, key: str, text: str, step: int) -> None:
         self._append("text.jsonl", {"step": step, "key": key, "text": text})
@@ -83,17 +150,16 @@ class RunDirSink(Sink):
 
         line = summary(final_scalars)
         if self._progress is not None and line:
-            self._progress.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | end of process | {line}\n")
+            with contextlib.suppress(OSError):  # a full disk: the summary line is the one thing lost
+                self._progress.write_line(
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')} | end of process | {line}\n".encode()
+                )
         for fh in (self._metrics, self._progress):
-            if fh is None:
-                continue
-            fh.flush()
-            os.fsync(fh.fileno())
-            fh.close()
+            if fh is not None:
+                fh.close()
 
     def _append(self, name: str, row: Mapping[str, Any]) -> None:
-        with (self.run_dir / name).open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(row) + "\n")
+        append_line(self.run_dir / name, row)
 
 
 def _hms(seconds: float) -> str:
@@ -102,6 +168,12 @@ def _hms(seconds: float) -> str:
 
 
 def write_json(path: Path, data: Any) -> None:
+    """Write via a temporary file and rename: the old file stays whole if the disk is full."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    text = json.dumps(data, indent=2, sort_keys=True, default=json_default) + "\n"
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None

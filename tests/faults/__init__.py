@@ -1,0 +1,1 @@
+"""Fault injection: signals, hostile values and names, full disks, planted secrets, thread races."""

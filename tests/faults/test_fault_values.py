@@ -1,0 +1,186 @@
+"""Hostile values, step numbers and names through the public API: nothing raises, nothing voids a
+flush, every drop is counted, the run dir always serialises and /metrics stays valid."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import time
+import urllib.request
+from decimal import Decimal
+
+import numpy as np
+import pytest
+import torch
+
+import otel_train as ot
+from otel_train.testing import capture_metrics
+
+
+class _Explodes:
+    def __float__(self) -> float:
+        raise RuntimeError("boom")
+
+
+class _Weird(float):
+    def __float__(self) -> float:
+        raise KeyError("weird")
+
+
+def test_one_bad_value_never_voids_a_flush() -> None:
+    with capture_metrics(log_interval=100) as cap:
+        for i in range(3):
+            with ot.step(i, tokens=10):
+                ot.record("loss", 0.5)
+                ot.record("big", 10**400)  # OverflowError in float()
+                ot.record("explodes", _Explodes())  # RuntimeError in __float__
+                ot.record("decimal", Decimal("1e999999"))  # float() gives inf
+                ot.record("ok", np.float32(2.0))
+    flushed = cap.flushes[-1][1]
+    assert flushed["train/loss"] == 0.5
+    assert flushed["train/steps"] == 3
+    assert flushed["throughput/tokens"] == 30
+    assert flushed["train/ok"] == 2.0
+    assert flushed["otel_train/dropped/overflow"] == 3
+    assert flushed["otel_train/dropped/invalid_type"] == 3
+    assert flushed["otel_train/dropped/nonfinite"] == 3
+    assert "train/big" not in flushed and "train/explodes" not in flushed
+
+
+def test_value_fuzz_never_raises_and_every_flush_lands(tmp_path) -> None:
+    rng = random.Random(7)
+    pool = [0, -1, 2**64, 10**400, -(10**400), 1e308 * 10, float("nan"), True, None, "x", b"y", [1.0], (2,),
+            {"a": 1}, object(), _Explodes(), _Weird(1.0), Decimal("NaN"), np.int64(3), np.float16(1.5),
+            np.array([1.0, 2.0]), np.array(4.0), torch.tensor(5.0), torch.ones(2), torch.tensor(1 + 1j),
+            torch.tensor(7, dtype=torch.int64), complex(1, 2)]  # fmt: skip
+    session = ot.init(
+        output_dir=str(tmp_path), run_name="fuzz", prometheus_port=0, verbosity=0, log_interval=5
+    )
+    for step in range(50):
+        with ot.step(step):
+            for _ in range(5):
+                ot.record(rng.choice(["loss", "a", "b/c", "d.e"]), rng.choice(pool))
+            ot.log_metrics({"m": rng.choice(pool), rng.choice(["x", 3, None]): rng.choice(pool)})
+    ot.shutdown()
+    rows = [json.loads(line) for line in (session.run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sum(r.get("train/steps", 0) for r in rows) == 50
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        pytest.param(lambda n: np.arange(n), id="numpy-int64"),
+        pytest.param(lambda n: [torch.tensor(i) for i in range(n)], id="0-dim-tensor"),
+        pytest.param(lambda n: [float(i) for i in range(n)], id="float"),
+        pytest.param(lambda n: [2**62 + i for i in range(n)], id="huge"),
+        pytest.param(lambda n: [np.uint64(2**64 - 1)] * n, id="beyond-int64"),
+    ],
+)
+def test_step_numbers_of_any_type_serialise(tmp_path, steps) -> None:
+    session = ot.init(output_dir=str(tmp_path), run_name="s", prometheus_port=0, verbosity=0, log_interval=2,
+                      total_steps=10)  # fmt: skip
+    for step in steps(6):
+        with ot.step(step, tokens=np.int64(4), samples=torch.tensor(2)):
+            ot.record("loss", np.float64(1.0))
+    ot.log_text("note", "hello", step=np.int64(3))
+    ot.shutdown()
+    run_dir = session.run_dir
+    rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sum(r.get("train/steps", 0) for r in rows) == 6
+    assert sum(r.get("throughput/tokens", 0) for r in rows) == 24
+    assert all(type(r["step"]) is int for r in rows)
+    progress = [line for line in (run_dir / "progress.txt").read_text().splitlines() if " | step " in line]
+    assert len(progress) == len(rows) >= 3
+    assert json.loads((run_dir / "text.jsonl").read_text())["step"] == 3
+
+
+DERIVED = {
+    "throughput/tokens_per_s": "throughput/tokens_per_s",
+    "timers/step/mean": "timers/step/mean",
+    "train/steps_per_s": "train/steps_per_s",
+    "tokens_total": None,
+    "train/steps": "train/steps",
+    "otel_train/dropped/x": None,
+}
+
+
+def test_user_names_never_overwrite_derived_values(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=4) as cap:
+        for i in range(8):
+            with ot.step(i, tokens=100), ot.timer("forward"):
+                for name in DERIVED:
+                    ot.record(name, 7e9)
+                ot.record("custom/throughput", 7.0)  # a name of one's own is fine
+    full = [flushed for _, flushed in cap.flushes if flushed.get("train/steps")]
+    assert len(full) == 2
+    for flushed in full:
+        for key in filter(None, DERIVED.values()):
+            assert flushed[key] != 7e9, key
+        assert flushed["train/steps"] == 4
+        assert flushed["custom/throughput"] == 7.0
+    for _, flushed in cap.flushes:
+        assert not any(k.startswith("train/tokens_total") for k in flushed)
+    dropped = sum(v for _, v in cap.series("otel_train/dropped/reserved_name"))
+    collided = sum(v for _, v in cap.series("otel_train/dropped/invalid_name"))
+    assert dropped + collided == 8 * len(DERIVED)
+    assert dropped >= 8 * 5
+    warnings = [r.getMessage() for r in caplog.records]
+    for name in DERIVED:
+        assert sum(repr(name) in w for w in warnings) == 1, name
+
+
+def test_name_fuzz_keeps_metrics_endpoint_valid(tmp_path) -> None:
+    from conftest import free_port, require_binary
+
+    promtool = require_binary("promtool")
+    rng = random.Random(3)
+    alphabet = 'abcXYZ019_./- :{}"\\é'
+    names = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(300)]
+    names += ["tokens_total", "steps_total", "train.tokens_created", "a.b", "a_b", "a__b", "a/b", "A-B",
+              "train_step_duration_seconds_bucket", "target_info", "otel_train_dropped_total", "loss",
+              "throughput.tokens_per_s", "phase_duration_seconds", "train.phase.duration_count"]  # fmt: skip
+    session = ot.init(prometheus_port=free_port(), verbosity=0, log_interval=1, output_dir=str(tmp_path),
+                      max_metric_names=400)  # fmt: skip
+    for step in range(3):
+        with ot.step(step, tokens=5), ot.timer("forward"):
+            for name in names:
+                ot.record(name, 1.0)
+    assert session.prometheus_url is not None
+    text = b""
+    for _ in range(200):  # until the worker has fed the last flush (no wall-clock assertion)
+        text = urllib.request.urlopen(session.prometheus_url, timeout=5).read()
+        if any(
+            line.startswith(b"train_steps_total{") and line.endswith(b" 3.0") for line in text.splitlines()
+        ):
+            break
+        time.sleep(0.05)
+    ot.shutdown()
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
+    problems = (check.stdout + check.stderr).decode()
+    # Exit 3 is lint hints only (fuzzed names such as "a_b" read as abbreviated units); a parse
+    # error (a second HELP/TYPE line, a duplicate family) is exit 1 and says "error".
+    assert check.returncode in (0, 3), problems
+    assert "error" not in problems.lower(), problems
+
+
+def test_logger_api_misuse_never_raises(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=1) as cap, ot.step(0):
+        ot.log_hyperparams(None)  # type: ignore[arg-type]
+        ot.log_hyperparams([1, 2])  # type: ignore[arg-type]
+        ot.log_samples([("p", "o"), ("only one",), 5, None, ("a", "b", "c")])  # type: ignore[list-item]
+        ot.log_samples(None)  # type: ignore[arg-type]
+        ot.log_text("t", "x", step="soon")  # type: ignore[arg-type]
+        with ot.timer("a", level="1"):  # type: ignore[arg-type]
+            pass
+        with ot.timer("b", level="high"):  # type: ignore[arg-type]
+            pass
+        with ot.timer("c", level=None):  # type: ignore[arg-type]
+            pass
+    assert cap.last("timers/a/count") == 1  # "1" read as level 1
+    assert sum(v for _, v in cap.series("otel_train/dropped/invalid_sample")) >= 4
+    assert sum(v for _, v in cap.series("otel_train/dropped/invalid_type")) >= 3
+    assert [(key, rows) for key, rows, _ in cap.samples] == [("samples", [("p", "o")])]

@@ -182,6 +182,7 @@ def run(args: argparse.Namespace) -> Result:
         run_name="bench-e2e", output_dir=out.name, otlp_endpoint=None, prometheus_port=0, console_exporter=False,
         verbosity=0, progress_bar=False, tensorboard=False, wandb=False, mlflow=False, hardware=True,
         total_steps=args.total_steps, flops_per_token=loop.fpt,
+        log_interval=args.log_interval,  # fixed, so B's flushes can be phased to land mid-block
     )  # fmt: skip
     with out, ot.init(**settings) as session:
         interval = session.config.log_interval
@@ -268,6 +269,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--pairs", type=int, default=40, help="A/B block pairs")
     parser.add_argument("--block", type=int, default=10, help="steps per block (multiple of log_interval)")
+    parser.add_argument("--log-interval", type=int, default=10, help="steps per flush (the demo's)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps of A, then of B")
     parser.add_argument(
         "--batch-size", type=int, default=16, help=f"sequences per step (demo: {DEMO.batch_size})"

@@ -1,4 +1,4 @@
-"""Run every benchmark in turn (`make bench`)."""
+"""Run every benchmark in turn (`make bench`; `python bench/run_all.py --quick` for a short pass)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+QUICK = "--quick" in sys.argv[1:]
 
-for script in (
-    "bench_core.py",
-    "bench_hardware.py",
-    "bench_reduce.py",
-    "bench_watch.py",
-    "bench_e2e.py",
-    "bench_demo.py",
+for script, args in (
+    ("bench_core.py", []),
+    ("bench_hardware.py", []),
+    ("bench_reduce.py", []),
+    ("bench_watch.py", []),
+    ("bench_e2e.py", []),
+    ("bench_launch.py", ["--quick"] if QUICK else []),
+    ("bench_demo.py", []),
 ):
-    print(f"\n===== {script} =====", flush=True)
-    subprocess.run([sys.executable, str(HERE / script)], check=False)
+    print(f"\n===== {script} {' '.join(args)} =====", flush=True)
+    subprocess.run([sys.executable, str(HERE / script), *args], check=False)

@@ -66,6 +66,7 @@ class FlushBatch:
     messages: list[Any] = field(default_factory=list)
     layer_stats: list[LayerStats] = field(default_factory=list)
     histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
+    flush_interval: int = 0  # this process's proposed steps per flush (cadence.py; rank 0's is adopted)
 
 
 class Buffer:

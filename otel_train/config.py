@@ -47,7 +47,10 @@ class Config:
     prometheus_host: str = "127.0.0.1"
     console_exporter: bool = False  # print OTel metrics/spans to stdout (debugging)
     # flush cadence and hot-path bounds
-    log_interval: int = 10  # flush every N steps
+    # flush every N steps; unset: adaptive (every 10 steps, but at most about once per
+    # log_interval_min_s, rounded to 10/20/50/100/... steps, decided on rank 0 for every rank)
+    log_interval: int | None = None
+    log_interval_min_s: float = 1.0
     log_interval_s: float = 30.0  # ... or after this many seconds (single-process only)
     max_metric_names: int = 64  # distinct record() names; more are dropped and counted
     max_values_per_interval: int = 10_000  # per name, between flushes
@@ -314,7 +317,12 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
                 where = f"from {source}; env {env_name(name)}"
             raise ConfigError(f"setting {name} = {shown} is invalid: {fix} ({where}).")
 
-    need(config.log_interval >= 1, "log_interval", "use a whole number of steps >= 1")
+    need(
+        config.log_interval is None or config.log_interval >= 1,
+        "log_interval",
+        "use a whole number of steps >= 1, or leave it unset for the adaptive cadence",
+    )
+    need(config.log_interval_min_s > 0, "log_interval_min_s", "use a positive number of seconds")
     need(config.log_interval_s > 0, "log_interval_s", "use a positive number of seconds")
     need(0 <= config.prometheus_port <= 65535, "prometheus_port", "use a TCP port 1-65535, or 0 to disable")
     need(config.metric_export_interval_s > 0, "metric_export_interval_s", "use a positive number of seconds")

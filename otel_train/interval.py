@@ -21,6 +21,7 @@ class Interval:
     arrivals: dict[str, list[float]] = field(default_factory=dict)
     scalars: dict[str, list[float]] = field(default_factory=dict)  # instrument name -> finite values
     final: bool = False  # the last flush, from shutdown()
+    flush_interval: int = 0  # proposed steps per flush (adaptive cadence): rank 0's is adopted by all
 
     def phase_mean(self, name: str) -> float | None:
         values = self.phases.get(name)

@@ -30,6 +30,7 @@ from otel_train.bridges.step_reader import StepReader
 from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.config import redact_text
 from otel_train.health import HealthMonitor
+from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
 
 log = logging.getLogger("otel_train")
@@ -256,11 +257,8 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
     out: list[list[float] | None] = [None] * len(tensors)
     for positions in by_device.values():
         try:
-            flat = (
-                torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in positions])
-                .cpu()
-                .tolist()
-            )
+            with torch.no_grad():  # one cat (type promotion) and one cast per device, not one per tensor
+                flat = torch.cat([tensors[i].reshape(-1) for i in positions]).to(torch.float64).cpu().tolist()
         except Exception:  # mixed dtypes that cannot convert (complex, ...)
             continue
         offset = 0
@@ -275,6 +273,27 @@ def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats,
     """Per-layer values of watched steps, copied to the host with one transfer per device."""
     resolved = tensors_to_host([r.values for r in records])
     return [(r, values) for r, values in zip(records, resolved, strict=True) if values is not None]
+
+
+def _record_durations(
+    histogram: Any,
+    values: Sequence[float],
+    phase: str | None,
+    attributes: dict[str, str],
+    exemplars: ExemplarContexts,
+) -> None:
+    """Durations with an exemplar context (sampled spans) one by one, the rest in bulk."""
+    if not exemplars:
+        record_many(histogram, values, attributes)
+        return
+    bulk: list[float] = []
+    for seconds in values:
+        context = exemplars.pop((phase, seconds), None)
+        if context is None:
+            bulk.append(seconds)
+        else:
+            histogram.record(seconds, attributes, context)
+    record_many(histogram, bulk, attributes)
 
 
 class Worker:
@@ -318,6 +337,7 @@ class Worker:
         self.final_scalars: dict[str, float] = {}
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
+        self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
         self._errors_warned: set[str] = set()
         self.sink_errors: dict[str, int] = {}
         self._started_at = time.time()
@@ -367,7 +387,7 @@ class Worker:
             item = self.queue.get()
             if item is None or self._abandoned:
                 return
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             try:
                 if isinstance(item, Message):
                     self._deliver_message(item)
@@ -385,6 +405,7 @@ class Worker:
                 )
             finally:
                 self.busy_s += time.perf_counter() - started
+                self.cpu_s += time.thread_time() - cpu_started
                 if isinstance(item, FlushBatch) and not self._abandoned:
                     with self._room:
                         self.steps_done += item.steps
@@ -449,6 +470,7 @@ class Worker:
             arrivals=batch.arrivals,
             scalars=scalars,
             final=batch.final,
+            flush_interval=batch.flush_interval,
         )
 
     def _feed(self, batch: FlushBatch, interval: Interval, exemplars: ExemplarContexts) -> None:
@@ -461,16 +483,14 @@ class Worker:
             ins.tokens.add(interval.tokens)
         if interval.samples:
             ins.samples.add(interval.samples)
-        for seconds in interval.step_durations:
-            ins.step_duration.record(seconds, context=exemplars.pop((None, seconds), None))
+        # Sampled steps' durations go one by one with their span's context (trace-based exemplars);
+        # the rest reach the SDK as one aggregation step per series and flush (histogram_feed).
+        _record_durations(ins.step_duration, interval.step_durations, None, {}, exemplars)
         for name, values in interval.phases.items():
-            attributes = {semconv.PHASE: name}
-            for seconds in values:
-                ins.phase_duration.record(seconds, attributes, exemplars.pop((name, seconds), None))
+            _record_durations(ins.phase_duration, values, name, {semconv.PHASE: name}, exemplars)
         for (name, error), values in batch.phase_errors.items():
             attributes = {semconv.PHASE: name, semconv.ERROR_TYPE: error}
-            for seconds in values:
-                ins.phase_duration.record(seconds, attributes, exemplars.pop((name, seconds), None))
+            _record_durations(ins.phase_duration, values, name, attributes, exemplars)
         for instrument, values in interval.scalars.items():
             gauge = ins.gauge(instrument)
             if gauge is None:

@@ -13,7 +13,8 @@ Why it never misaligns, and needs no agreement on names:
     The row size depends only on constants, so all ranks always issue the same collective.
 
     layout: [header (HEADER_LEN)] [max_timers x slot (SLOT_LEN)] [ANNOUNCE_SLOTS x (id, name...)]
-    header: version, rank, seq, step, node_rank, local_rank, n_timers, flags, step stats, host
+    header: version, rank, seq, step, node_rank, local_rank, n_timers, flags, step stats, host,
+            flush interval (steps per flush rank 0 proposes: the adaptive cadence)
     slot:   id, count, mean duration, arrival stats (STATS_LEN)
     stats:  count, lower median, max, MAD (median absolute deviation) of a list of seconds
 
@@ -47,7 +48,9 @@ STATS_LEN = 4  # count, lower median, max, MAD
 _H_VERSION, _H_RANK, _H_SEQ, _H_STEP, _H_NODE, _H_LOCAL, _H_NTIMERS, _H_FLAGS = range(8)
 _H_STEP_STATS = 8
 _H_HOST = _H_STEP_STATS + STATS_LEN
-HEADER_LEN = _H_HOST + HOST_FLOATS
+# The adaptive flush cadence (otel_train.cadence) rides here: rank 0's value is adopted by every rank.
+_H_FLUSH_INTERVAL = _H_HOST + HOST_FLOATS
+HEADER_LEN = _H_FLUSH_INTERVAL + 1
 _S_ID, _S_COUNT, _S_MEAN, _S_ARRIVAL = range(4)
 SLOT_LEN = _S_ARRIVAL + STATS_LEN
 ANNOUNCE_LEN = 1 + NAME_FLOATS
@@ -188,6 +191,7 @@ class RankRecord:
     step_stats: Spread
     local_rank: int = 0
     flags: int = 0
+    flush_interval: int = 0  # proposed steps per flush (adaptive cadence); rank 0's is adopted
     timers: dict[int, TimerStats] = field(default_factory=dict)  # id -> stats
     announced: dict[int, str] = field(default_factory=dict)  # id -> name
 
@@ -221,6 +225,7 @@ def pack(
     row[_H_FLAGS] = float(flags)
     row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN] = Spread.of(interval.step_durations).encode()
     row[_H_HOST : _H_HOST + HOST_FLOATS] = _encode_text(identity.host, HOST_FLOATS)
+    row[_H_FLUSH_INTERVAL] = float(interval.flush_interval)
     n = 0
     for name, durations in interval.phases.items():
         finite = [d for d in durations if math.isfinite(d)]
@@ -261,6 +266,7 @@ def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
             step_stats=Spread.decode(row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN]),
             local_rank=int(row[_H_LOCAL]),
             flags=int(row[_H_FLAGS]),
+            flush_interval=int(row[_H_FLUSH_INTERVAL]),
         )
         ids = row[HEADER_LEN + _S_ID : HEADER_LEN + capacity * SLOT_LEN : SLOT_LEN]
         for slot in (i for i, v in enumerate(ids) if v):  # used slots only

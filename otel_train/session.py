@@ -43,6 +43,7 @@ from otel_train.interval import FlushListener
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
     from opentelemetry.sdk.resources import Resource
 
+    from otel_train.bridges.process import BridgeProcess, BridgeSpec
     from otel_train.control import ControlChange
     from otel_train.exporters import Telemetry
     from otel_train.model import ModelWatch
@@ -114,6 +115,7 @@ class Session:
                 {"pid": os.getpid()},
             )
         self.console: ConsoleSink | None = None
+        self.bridges: BridgeProcess | None = None
         self.sinks: list[Sink] = _run_dir_errors_as_config_errors(self._sinks)
         self.listeners: list[FlushListener] = [self.health]
         self.hardware = None
@@ -131,6 +133,16 @@ class Session:
             self.identity, self.meter, self.events, config, group=self.telemetry_group
         )
         self.listeners.append(self.reducer)
+        from otel_train.cadence import Cadence
+
+        self.cadence = Cadence(
+            config.log_interval,
+            config.log_interval_min_s,
+            config.log_interval_s,
+            coordinated=self.identity.distributed,
+            wait_timeout_s=config.collective_timeout_s,
+        )
+        self.reducer.on_cadence = self.cadence.adopt
         from otel_train.profiling import ProfiledStepsCounter
 
         self.profiled_steps = ProfiledStepsCounter(self.meter)
@@ -197,7 +209,6 @@ class Session:
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
         self._seq = 0
         self._last_flush = time.perf_counter()
-        self._interval_steps = config.log_interval
         self._time_flush = not self.identity.distributed  # time-based flushes would desync ranks
         self._interval_s = config.log_interval_s
         self._perf_to_epoch_ns = time.time_ns() - time.perf_counter_ns()
@@ -279,49 +290,64 @@ class Session:
         sinks.extend(self._bridges())
         return sinks
 
-    def _bridges(self) -> list[Sink]:
-        """TensorBoard / W&B / MLflow, each behind its own bounded queue and thread. A missing
-        package or an unwritable directory raises here, at init(), naming the extra or the path."""
-        from otel_train.bridges.threaded import BridgeImportError, BridgeSetupError, ThreadedSink
+    def _bridge_specs(self) -> list[BridgeSpec]:
+        """TensorBoard / W&B / MLflow as (module, class, plain kwargs) for the bridge process."""
+        from otel_train.bridges.framing import plain
 
         cfg = self.config
-        if not (cfg.tensorboard or cfg.wandb or cfg.mlflow):
-            return []
-        run_dir = self.run_dir or Path(cfg.output_dir) / self.run_name
+        run_dir = str(self.run_dir or Path(cfg.output_dir) / self.run_name)
         rank_suffix = self.identity.rank if cfg.bridge_all_ranks else None
         name = self.run_name if rank_suffix is None else f"{self.run_name}-rank{rank_suffix}"
-        bridges: list[Sink] = []
-        try:
-            if cfg.tensorboard:
-                from otel_train.bridges.tensorboard import TensorBoardSink
-
-                bridges.append(TensorBoardSink(run_dir / "tensorboard", name))
-            if cfg.wandb:
-                from otel_train.bridges.wandb import WandbSink
-
-                bridges.append(
-                    WandbSink(
-                        run_dir,
-                        {"otel_train": config_as_dict(cfg)},
-                        cfg.wandb_project,
-                        cfg.wandb_entity,
-                        cfg.wandb_group,
-                        cfg.wandb_tags,
-                        cfg.wandb_mode,
-                        self.run_name,
-                        self.identity.run_id,
-                        rank_suffix,
-                    )
+        specs: list[BridgeSpec] = []
+        if cfg.tensorboard:
+            specs.append(
+                (
+                    "otel_train.bridges.tensorboard",
+                    "TensorBoardSink",
+                    {"log_dir": f"{run_dir}/tensorboard", "run_name": name},
                 )
-            if cfg.mlflow:
-                from otel_train.bridges.mlflow import MlflowSink
+            )
+        if cfg.wandb:
+            wandb_args = {
+                "run_dir": run_dir,
+                "config_dict": plain({"otel_train": config_as_dict(cfg)}),
+                "project": cfg.wandb_project,
+                "entity": cfg.wandb_entity,
+                "group": cfg.wandb_group,
+                "tags": list(cfg.wandb_tags),
+                "mode": cfg.wandb_mode,
+                "run_name": self.run_name,
+                "run_id": self.identity.run_id,
+                "rank": rank_suffix,
+            }
+            specs.append(("otel_train.bridges.wandb", "WandbSink", wandb_args))
+        if cfg.mlflow:
+            mlflow_args = {
+                "run_dir": run_dir,
+                "tracking_uri": cfg.mlflow_tracking_uri,
+                "experiment": cfg.mlflow_experiment,
+                "run_name": name,
+            }
+            specs.append(("otel_train.bridges.mlflow", "MlflowSink", mlflow_args))
+        return specs
 
-                bridges.append(MlflowSink(run_dir, cfg.mlflow_tracking_uri, cfg.mlflow_experiment, name))
-        except (BridgeImportError, BridgeSetupError) as exc:
-            for bridge in bridges:
-                bridge.close({})
+    def _bridges(self) -> list[Sink]:
+        """TensorBoard / W&B / MLflow in one child process (`bridges.process`), off this process's
+        GIL. A missing package or an unwritable directory raises here, at init(), naming the extra
+        or the path (the child reports its set-up before init() returns)."""
+        from otel_train.bridges.process import BridgeProcess, BridgeSetupFailed
+
+        specs = self._bridge_specs()
+        if not specs:
+            return []
+        try:
+            self.bridges = BridgeProcess(specs, self.config.bridge_queue_size, self._count_drop)
+        except BridgeSetupFailed as exc:
             raise ConfigError(str(exc)) from None
-        return [ThreadedSink(b, cfg.bridge_queue_size, b.name) for b in bridges]
+        return [self.bridges]
+
+    def _count_drop(self, reason: str, count: int) -> None:
+        self.instruments.dropped.add(count, {semconv.REASON: reason})
 
     def _write_run_files(self) -> None:
         from otel_train.envinfo import collect_env
@@ -426,8 +452,8 @@ class Session:
         if samples:
             buf.samples += samples
         if (
-            buf.steps >= self._interval_steps
-            or self._flush_requested
+            (buf.steps >= self.cadence.threshold and self.cadence.due(buf.steps))
+            or (self._flush_requested and not self.identity.distributed)
             or (self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s)
         ):
             self.flush()
@@ -613,6 +639,8 @@ class Session:
             )
             self._seq += 1
         batch.final = final
+        if not final:
+            batch.flush_interval = self.cadence.proposal(batch.steps, batch.elapsed_s)
         self._last_flush = now
         if "torch" in sys.modules and (
             any(_on_cuda(v) for vs in batch.scalars.values() for v in vs[-1:])
@@ -639,6 +667,8 @@ class Session:
                 self.lost_flushes,
             )
             return False
+        if not final:
+            self.cadence.flushed(batch.seq, batch.flush_interval)
         return True
 
     # --- explicit logger API (not per step) ---------------------------------------------------------
@@ -690,7 +720,11 @@ class Session:
         final = {**self.worker.final_scalars, **final_scalars(self.goodput.totals)}
         for sink in self.sinks:
             try:
-                sink.close(dict(final))
+                if sink is self.bridges:  # the bridge process finishes on its own past the budget
+                    left = max(0.1, 0.8 * budget - (time.monotonic() - started))
+                    self.bridges.close(dict(final), timeout=left)
+                else:
+                    sink.close(dict(final))
             except Exception as exc:
                 log.warning("otel_train: closing %s failed: %s", sink.name, exc)
         # Keep a margin inside the budget for the abandon path itself.
@@ -727,6 +761,11 @@ class Session:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         shutdown()
+
+    @property
+    def flush_interval_steps(self) -> int:
+        """Steps per flush now (the explicit log_interval, or the adaptive cadence's current value)."""
+        return self.cadence.threshold
 
     @property
     def prometheus_url(self) -> str | None:
@@ -873,6 +912,8 @@ def current() -> Session | None:
 def _forget_in_child() -> None:
     """After fork (DataLoader workers): the child never exports and every API call is a no-op."""
     global _current, _closing
+    if _current is not None and _current.bridges is not None:
+        _current.bridges.forget_in_child()
     _current = None
     _closing = None
 

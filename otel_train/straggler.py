@@ -115,6 +115,9 @@ class CrossRankReducer:
         self.settings = Settings.from_config(config)
         self.scorer = StragglerScorer(self.settings)
         self.table = TimerTable(max_timers)
+        # Called after each flush's collective with (flush seq, rank 0's flush_interval), 0 when no
+        # collective ran: the adaptive cadence (otel_train.cadence) every rank adopts from rank 0.
+        self.on_cadence: Callable[[int, int], None] | None = None
         self.collectives = 0  # collectives issued (tests and self-observability)
         self.disabled_reason: str | None = None
         self.abstain_reason: str | None = None
@@ -200,11 +203,21 @@ class CrossRankReducer:
             self._sharded_seen = _fsdp_in_use()
         return self._sharded_seen
 
+    def _adopt_cadence(self, seq: int, records: Sequence[RankRecord] | None) -> None:
+        """Hand rank 0's flush interval to the cadence, right after the gather and before anything
+        that could raise, so every rank adopts the same value at the same flush."""
+        if self.on_cadence is None or not self.identity.distributed:
+            return
+        lead = next((r for r in records or () if r.rank == 0), None)
+        self.on_cadence(seq, lead.flush_interval if lead is not None else 0)
+
     def _flush(self, interval: Interval) -> None:
         if not self.distributed:
+            self._adopt_cadence(interval.seq, None)  # disabled: every rank keeps its interval
             self._flush_local(interval)
             return
         records = self._gather(interval)
+        self._adopt_cadence(interval.seq, records)
         if records is None:
             self._flush_local(interval)
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -173,6 +174,23 @@ def test_console_summary_and_timer_table(capsys) -> None:
     assert "step 2 | loss 1.5000" in out
     assert "'def ' → def main():" in out
     assert "timer" in out and "forward" in out and "% time" in out
+
+
+def test_console_prints_no_stale_line_after_an_eval(capsys) -> None:
+    ot.init(prometheus_port=0, verbosity=1, progress_bar=False, log_interval=10, run_dir_enabled=False,
+            hardware=False)  # fmt: skip
+    for step in range(40):
+        with ot.step(step):
+            ot.record("loss", 2.0)
+        if step in (19, 39):  # eval after steps 20 and 40, like the demo
+            ot.log_metrics({"eval/loss": 1.5 if step == 19 else 1.25}, step=step)
+    ot.shutdown()
+    lines = [line for line in capsys.readouterr().out.splitlines() if re.match(r"step \d+( |$)", line)]
+    assert [line.split(" |")[0] for line in lines] == ["step 10", "step 20", "step 20", "step 30", "step 40",
+                                                       "step 40"]  # fmt: skip
+    assert "val_loss" not in lines[1] and lines[2] == "step 20 | val_loss 1.5000"  # only the new eval
+    assert "val_loss" not in lines[3]  # the eval after step 20 is not repeated as if new
+    assert "val_loss" not in lines[4] and lines[5] == "step 40 | val_loss 1.2500"  # never the stale 1.5
 
 
 def test_quiet_mode_prints_nothing(capsys) -> None:

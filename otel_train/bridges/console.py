@@ -51,10 +51,16 @@ class ConsoleSink(Sink):
         self._accumulate(scalars)
         if self.verbosity == 0:
             return
+        # Gauges keep their last value, so a flush repeats the previous eval loss until the next
+        # eval: show it only when it is new. A flush without training steps (log_metrics(step=...)
+        # after an eval, the shutdown flush) shows only what is new, never the stale training values.
         eval_loss = scalars.get("eval/loss")
-        if "train/steps" not in scalars and eval_loss == self._shown_eval_loss:
+        new_eval = eval_loss is not None and eval_loss != self._shown_eval_loss
+        trained = "train/steps" in scalars
+        if not trained and not new_eval:
             return  # nothing new to show (e.g. the shutdown flush after the last interval)
-        self._shown_eval_loss = eval_loss
+        if new_eval:
+            self._shown_eval_loss = eval_loss
         parts = [f"step {step + 1}" + (f"/{self.total_steps}" if self.total_steps else "")]
         for key, label, fmt in (
             ("train/loss", "loss", "{:.4f}"),
@@ -65,12 +71,14 @@ class ConsoleSink(Sink):
             ("eval/loss", "val_loss", "{:.4f}"),
             ("throughput/mfu", "mfu", "{:.1%}"),
         ):
-            if key not in scalars:
+            if key not in scalars or (key == "eval/loss" and not new_eval):
+                continue
+            if not trained and key != "eval/loss":
                 continue
             value = scalars[key]
             text = _duration(value) if fmt is None else _si(value) if fmt == "si" else fmt.format(value)
             parts.append(f"{label} {text}")
-        if "progress/eta_s" in scalars:
+        if "progress/eta_s" in scalars and trained:
             parts.append(f"eta {_duration(scalars['progress/eta_s'])}")
         line = " | ".join(parts)
         if self.bar and self.total_steps:

@@ -15,6 +15,7 @@ keys therefore compare correctly under one `--logdir`. The plugin keeps only the
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -33,18 +34,34 @@ class TensorBoardSink(Sink):
     name = "tensorboard"
 
     def __init__(self, log_dir: Path | str, run_name: str, *, flush_secs: int = 30) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # torch or tensorboard missing
-            raise BridgeImportError("TensorBoard", "tensorboard", exc) from exc
+        # Only look for the packages here (cheap, so init() stays fast); the writer, which imports
+        # torch, is created at the first write, on the bridge's own thread.
+        for module in ("torch.utils.tensorboard", "tensorboard"):
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError) as exc:  # a parent package missing, or blocked
+                raise BridgeImportError("TensorBoard", "tensorboard", exc) from exc
+            if not found:
+                raise BridgeImportError("TensorBoard", "tensorboard")
         self.log_dir = Path(log_dir)
         self.run_name = run_name
         ensure_writable_dir(self.log_dir, "TensorBoard")
-        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+        self._flush_secs = flush_secs
+        self._writer_or_none: Any = None
         self._seen: set[str] = set()
         self._last_step = 0
         self._hparams_written = False
         self._closed = False
+
+    @property
+    def _writer(self) -> Any:
+        if self._writer_or_none is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise BridgeImportError("TensorBoard", "tensorboard", exc) from exc
+            self._writer_or_none = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self._flush_secs)
+        return self._writer_or_none
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         for key, value in scalars.items():
@@ -81,6 +98,8 @@ class TensorBoardSink(Sink):
         if self._closed:
             return
         self._closed = True
+        if self._writer_or_none is None and not final_scalars:
+            return  # nothing was ever written
         now = time.time()
         for key, value in final_scalars.items():
             if key not in self._seen:  # a final value the curves never carried

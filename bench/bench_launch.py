@@ -1,0 +1,267 @@
+"""Overhead on a launch-bound loop: many tiny torch ops per step, one torch thread, the Python
+thread holding the GIL nearly all the time (a small model on a GPU looks like this to Python).
+
+    .venv/bin/python bench/bench_launch.py [--step-ms 5 10 30] [--configs defaults tensorboard ...]
+                                           [--seconds 40] [--quick] [--json PATH]
+
+Each (step time, configuration) runs in a fresh child process of this script, so sessions, bridge
+processes and imports never leak from one measurement into the next. Inside it, three loops share
+one seeded model: A (no otel_train call), B (the same step instrumented like the README: `ot.step`,
+4 timers, the loss tensor and the lr float recorded) and C (A again: the A/A control). Blocks of
+A, B and C rotate (ABC BCA CAB ...), each block long enough (>= 1.2 s) to hold at least one flush at
+the default cadence, every step timed back to back with perf_counter_ns. Overhead = ratio of block
+means of B over A (and C over A, the control) with a bootstrap 95% CI over the block pairs; the
+control's CI is the resolution of the method on this machine at that moment.
+
+Configurations: `defaults` (library defaults: run dir, hardware sampler, adaptive cadence; no OTLP
+endpoint, no pull endpoint, console quiet), `tensorboard`, `wandb` (offline), `mlflow` (local
+store), each alone on top of the defaults, and `all` (the three bridges). Reported beside the
+ratios: flushes, the worker thread's CPU per flush (time.thread_time inside the worker) and the
+bridge process's CPU per flush (psutil on the child process, when bridges run there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "tensorboard": {"tensorboard": True},
+    "wandb": {"wandb": True, "wandb_mode": "offline"},
+    "mlflow": {"mlflow": True},
+    "all": {"tensorboard": True, "wandb": True, "wandb_mode": "offline", "mlflow": True},
+}
+
+
+class LaunchBoundModel:
+    """`depth` tiny layers applied `repeats` times: every op is a few microseconds of dispatch."""
+
+    def __init__(self, ops_per_step: int, seed: int = 0) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+        self.torch = torch
+        self.layers = [torch.nn.Linear(16, 16) for _ in range(8)]
+        self.params = [p for layer in self.layers for p in layer.parameters()]
+        self.opt = torch.optim.SGD(self.params, lr=1e-3)
+        self.x = torch.randn(4, 16)
+        # forward: 2 ops per layer; backward about 2x; optimizer: one per parameter (foreach off)
+        self.passes = max(1, ops_per_step // (6 * len(self.layers)))
+        self.lr = 1e-3
+
+    def data(self) -> Any:
+        return self.x + 0.0
+
+    def forward(self, x: Any) -> Any:
+        for _ in range(self.passes):
+            for layer in self.layers:
+                x = self.torch.tanh(layer(x))
+        return (x * x).mean()
+
+    def backward(self, loss: Any) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+
+    def optimize(self) -> None:
+        self.opt.step()
+
+    def plain(self) -> None:
+        x = self.data()
+        loss = self.forward(x)
+        self.backward(loss)
+        self.optimize()
+
+    def instrumented(self, ot: Any, index: int) -> None:
+        with ot.step(index, tokens=64, samples=4):
+            with ot.timer("data"):
+                x = self.data()
+            with ot.timer("forward"):
+                loss = self.forward(x)
+            with ot.timer("backward"):
+                self.backward(loss)
+            with ot.timer("optimizer"):
+                self.optimize()
+            ot.record("loss", loss.detach())
+            ot.record("lr", self.lr)
+
+
+def timed_block(step: Callable[[], None], n: int) -> list[int]:
+    stamps = [time.perf_counter_ns()]
+    for _ in range(n):
+        step()
+        stamps.append(time.perf_counter_ns())
+    return [b - a for a, b in itertools.pairwise(stamps)]
+
+
+def estimate(pairs: list[tuple[float, float]], resamples: int, seed: int) -> dict[str, Any]:
+    """B/A - 1 in % over paired blocks, with a bootstrap 95% CI (resampling the pairs)."""
+    rng = random.Random(seed)
+    n = len(pairs)
+    ratios = []
+    for _ in range(resamples):
+        sample = [pairs[rng.randrange(n)] for _ in range(n)]
+        ratios.append(100 * (sum(p[1] for p in sample) / sum(p[0] for p in sample) - 1.0))
+    ratios.sort()
+    point = 100 * (sum(p[1] for p in pairs) / sum(p[0] for p in pairs) - 1.0)
+    return {"pct": point, "ci95": (ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1])}
+
+
+def calibrate(model: LaunchBoundModel, target_ms: float) -> None:
+    """Scale the number of passes so a plain step takes about target_ms."""
+    for _ in range(3):
+        timed_block(model.plain, 5)
+        ms = statistics.median(timed_block(model.plain, 20)) / 1e6
+        model.passes = max(1, round(model.passes * target_ms / ms))
+
+
+def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: int) -> dict[str, Any]:
+    """One configuration at one step time (runs in its own process)."""
+    import psutil
+    import torch
+
+    import otel_train as ot
+
+    torch.set_num_threads(1)
+    model = LaunchBoundModel(300, seed)
+    calibrate(model, step_ms)
+    out = tempfile.TemporaryDirectory(prefix="bench_launch-")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    settings: dict[str, Any] = dict(
+        run_name=f"launch-{config}", output_dir=out.name, prometheus_port=0, verbosity=0, progress_bar=False,
+    )  # fmt: skip
+    settings.update(CONFIGS[config])
+    block = max(20, int(1200 / step_ms))  # >= 1.2 s: at least one flush per B block at 1 flush/s
+    rounds = max(2, int(seconds * 1000 / step_ms / block / 3))
+    index = itertools.count()
+    with out, ot.init(**settings) as session:
+        worker = session.worker
+        bridge_pid = session.bridges.pid if getattr(session, "bridges", None) is not None else None
+        child = psutil.Process(bridge_pid) if bridge_pid else None
+
+        def step_b() -> None:
+            model.instrumented(ot, next(index))
+
+        for step in (model.plain, step_b):
+            timed_block(step, block)  # warm-up: first flushes, so the bridges create their runs
+        if child is not None:  # wait for the bridges' one-off set-up (imports, run creation) to end
+            deadline, last = time.monotonic() + 120, sum(child.cpu_times()[:2])
+            while time.monotonic() < deadline:
+                time.sleep(1.0)
+                now = sum(child.cpu_times()[:2])
+                if now - last < 0.05:
+                    break
+                last = now
+        time.sleep(0.5)
+        flushes0, cpu0 = worker.flushes, getattr(worker, "cpu_s", 0.0)
+        child_cpu0 = sum(child.cpu_times()[:2]) if child else 0.0
+        blocks: dict[str, list[list[int]]] = {"A": [], "B": [], "C": []}
+        start = time.perf_counter()
+        for i in range(rounds):
+            for kind in "ABCABC"[i % 3 : i % 3 + 3]:
+                blocks[kind].append(timed_block(step_b if kind == "B" else model.plain, block))
+        wall = time.perf_counter() - start
+        time.sleep(0.3)  # let the last flush finish before reading CPU
+        flushes = worker.flushes - flushes0
+        worker_cpu = getattr(worker, "cpu_s", 0.0) - cpu0
+        child_cpu = (sum(child.cpu_times()[:2]) - child_cpu0) if child else 0.0
+        interval = getattr(session, "flush_interval_steps", None)
+    means = {k: [statistics.fmean(b) for b in v] for k, v in blocks.items()}
+    medians = {k: [statistics.median(b) for b in v] for k, v in blocks.items()}
+    b_time_s = sum(sum(b) for b in blocks["B"]) / 1e9
+    return {
+        "step_ms": step_ms,
+        "config": config,
+        "plain_step_ms": statistics.median(x for b in blocks["A"] for x in b) / 1e6,
+        "rounds": rounds,
+        "block": block,
+        "wall_s": wall,
+        "b_vs_a": estimate(list(zip(means["A"], means["B"], strict=True)), resamples, seed),
+        "c_vs_a": estimate(list(zip(means["A"], means["C"], strict=True)), resamples, seed),
+        # the typical step (robust to the machine's spikes): ratio of block medians
+        "b_vs_a_median": estimate(list(zip(medians["A"], medians["B"], strict=True)), resamples, seed),
+        "c_vs_a_median": estimate(list(zip(medians["A"], medians["C"], strict=True)), resamples, seed),
+        # the worker's CPU (GIL) time as a share of the instrumented blocks' time: what it can take
+        "worker_cpu_pct_of_b": 100 * worker_cpu / b_time_s if b_time_s else 0.0,
+        "flushes": flushes,
+        "flush_interval_steps": interval,
+        "worker_ms_per_flush": 1e3 * worker_cpu / max(1, flushes),
+        "bridge_ms_per_flush": 1e3 * child_cpu / max(1, flushes) if child else None,
+    }
+
+
+def report(r: dict[str, Any]) -> str:
+    def pct(e: dict[str, Any]) -> str:
+        return f"{e['pct']:+6.2f}% [{e['ci95'][0]:+.2f}, {e['ci95'][1]:+.2f}]"
+
+    bridge = f"{r['bridge_ms_per_flush']:.2f}" if r["bridge_ms_per_flush"] is not None else "-"
+    return (
+        f"{r['step_ms']:>5.0f} ms {r['config']:<12} {r['plain_step_ms']:7.2f}  {pct(r['b_vs_a']):>28}  "
+        f"{pct(r['c_vs_a']):>28}  {pct(r['b_vs_a_median']):>28}  {pct(r['c_vs_a_median']):>28}  "
+        f"{r['flushes']:>4} {r['flush_interval_steps'] or '-'!s:>5} "
+        f"{r['worker_ms_per_flush']:8.2f} {r['worker_cpu_pct_of_b']:6.2f}% {bridge:>8}"
+    )
+
+
+HEADER = (
+    f"{'step':>8} {'config':<12} {'A (ms)':>7}  {'means: B/A - 1 [95% CI]':>28}  {'A/A control C/A - 1':>28}  "
+    f"{'medians: B/A - 1':>28}  {'A/A control C/A - 1':>28}  "
+    f"{'fl.':>4} {'every':>5} {'wrk ms/fl':>8} {'wrk/B':>7} {'brg ms/fl':>8}"
+)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-ms", type=float, nargs="+", default=[5.0, 10.0, 30.0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--seconds", type=float, default=40.0, help="measured seconds per configuration")
+    parser.add_argument(
+        "--quick", action="store_true", help="10 ms steps, defaults and all bridges, 15 s each"
+    )
+    parser.add_argument("--resamples", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--one", nargs=2, metavar=("STEP_MS", "CONFIG"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        result = measure(float(args.one[0]), args.one[1], args.seconds, args.seed, args.resamples)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    if args.quick:
+        args.step_ms, args.configs, args.seconds = [10.0], ["defaults", "all"], 15.0
+    print(
+        f"launch-bound loop, 1 torch thread; blocks A (plain), B (otel_train), C (plain: A/A control) "
+        f"rotating; {args.seconds:.0f} s measured per row; CI: bootstrap 95% over block pairs"
+    )
+    print(HEADER, flush=True)
+    results = []
+    for step_ms in args.step_ms:
+        for config in args.configs:
+            cmd = [sys.executable, __file__, "--one", str(step_ms), config, "--seconds", str(args.seconds)]
+            cmd += ["--resamples", str(args.resamples), "--seed", str(args.seed)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{step_ms:>5.0f} ms {config:<12} FAILED: {proc.stderr.strip()[-800:]}", flush=True)
+                continue
+            result = json.loads(line[len("RESULT ") :])
+            results.append(result)
+            print(report(result), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""The bridge process: TensorBoard/W&B/MLflow run in one child process fed once per flush. Order is
+kept, drops are counted, set-up errors raise at init(), a hung bridge cannot hold shutdown() past
+its budget, and a SIGKILLed trainer loses at most one flush and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from readback import read_tensorboard
+
+import otel_train as ot
+from otel_train.bridges.process import BridgeProcess
+from otel_train.config import ConfigError
+from otel_train.session import Session
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+@pytest.fixture
+def fixtures_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bridge process imports tests/bridge_fixtures.py."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    )
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.usefixtures("fixtures_on_path")
+def test_calls_arrive_in_order_as_plain_data(tmp_path: Path) -> None:
+    import numpy as np
+
+    path = tmp_path / "calls.jsonl"
+    bridges = BridgeProcess([("bridge_fixtures", "Recording", {"path": str(path)})], queue_size=64)
+    bridges.write_hparams({"lr": np.float64(3e-4), "shape": (2, 3), "dtype": np.dtype("float32")})
+    bridges.write_scalars(9, 1.0, {"train/loss": 2.5})
+    bridges.write_text("notes", "hello", 9)
+    bridges.write_samples("samples", [("def ", "main():")], 9)
+    bridges.write_histogram("weights", [0.1, 0.2], 9)
+    bridges.write_scalars(19, 2.0, {"train/loss": 1.5})
+    bridges.close({"train/loss": 1.5}, timeout=60)
+    assert bridges.closed_cleanly and bridges.dropped == 0
+    calls = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [c[0] for c in calls] == ["hparams", "scalars", "text", "samples", "histogram", "scalars", "close"]
+    assert calls[0][1] == {"lr": 3e-4, "shape": [2, 3], "dtype": "float32"}  # plain data, never objects
+    assert calls[1] == ["scalars", 9, {"train/loss": 2.5}] and calls[-1] == ["close", {"train/loss": 1.5}]
+    assert bridges.wait(30)
+
+
+@pytest.mark.usefixtures("fixtures_on_path")
+def test_drops_in_the_bridge_process_are_counted(tmp_path: Path) -> None:
+    drops: list[tuple[str, int]] = []
+    bridges = BridgeProcess(
+        [("bridge_fixtures", "Slow", {"seconds": 2.0})],
+        queue_size=2,
+        count_drop=lambda r, n: drops.append((r, n)),
+    )
+    for step in range(10):
+        bridges.write_scalars(step, 0.0, {"x": float(step)})
+        time.sleep(0.05)  # one flush at a time: the pipe keeps up, the slow bridge does not
+    bridges.close({}, timeout=60)
+    assert bridges.closed_cleanly
+    # one call in the slow write, two queued behind it; the rest dropped, in this process (its queue
+    # to the pipe) or in the bridge process (the bridge's own queue), and every drop counted
+    assert bridges.dropped + bridges.bridge_stats["slow"]["dropped"] == 7
+    assert sum(n for _, n in drops) == 7 and {r for r, _ in drops} <= {"bridge_queue", "bridge_slow"}
+    assert bridges.bridge_stats["slow"]["dropped"] > 0
+
+
+def test_setup_error_raises_at_init_naming_the_path(tmp_path: Path) -> None:
+    run_dir = tmp_path / "blocked"
+    run_dir.mkdir()
+    (run_dir / "tensorboard").write_text("a file where the log dir should be")
+    with pytest.raises(ConfigError) as info:
+        ot.init(output_dir=str(tmp_path), run_name="blocked", tensorboard=True, prometheus_port=0, verbosity=0,
+                hardware=False)  # fmt: skip
+    assert "TensorBoard" in str(info.value) and str(run_dir / "tensorboard") in str(info.value)
+    assert ot.current_session() is None
+
+
+@pytest.mark.usefixtures("fixtures_on_path")
+def test_a_hung_bridge_cannot_hold_shutdown_past_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    specs = Session._bridge_specs
+
+    def with_hanging(self: Session) -> list:
+        return [*specs(self), ("bridge_fixtures", "Hanging", {})]
+
+    monkeypatch.setattr(Session, "_bridge_specs", with_hanging)
+    budget = 1.5
+    session = ot.init(output_dir=str(tmp_path), run_name="hung", tensorboard=True, prometheus_port=0, verbosity=0,
+                      hardware=False, log_interval=2, shutdown_timeout_s=budget)  # fmt: skip
+    assert session.bridges is not None
+    for step in range(6):
+        with ot.step(step):
+            ot.record("loss", 1.0 / (step + 1))
+    started = time.monotonic()
+    ot.shutdown()
+    elapsed = time.monotonic() - started
+    assert elapsed <= budget + 0.5, elapsed  # the budget, in total (no 10 s per hung bridge)
+    # the healthy bridge beside the hung one still wrote everything (its close is not held up)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        run = read_tensorboard(tmp_path / "hung" / "tensorboard")
+        if sorted({s for s, _ in run.scalars.get("train/loss", [])}) == [1, 3, 5]:
+            break
+        time.sleep(0.5)
+    assert sorted({s for s, _ in run.scalars["train/loss"]}) == [1, 3, 5]  # (+ the final flush at 5)
+    assert session.bridges.proc is not None
+    session.bridges.proc.kill()  # do not wait for its grace period to run out
+    session.bridges.wait(10)
+
+
+TRAINER = textwrap.dedent(
+    """
+    import sys, time
+    import otel_train as ot
+
+    session = ot.init(output_dir=sys.argv[1], run_name="killed", tensorboard=True, prometheus_port=0,
+                      verbosity=0, hardware=False, log_interval=1)
+    for step in range(20):
+        with ot.step(step):
+            ot.record("loss", float(step))
+            time.sleep(0.02)
+    while session.worker.flushes < 20 - session.deferred_flushes:  # every flush reached the bridges
+        time.sleep(0.01)
+    print(session.bridges.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_sigkill_of_the_trainer_loses_at_most_one_flush_and_no_orphan(tmp_path: Path) -> None:
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    )
+    trainer = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert trainer.stdout is not None
+        line = trainer.stdout.readline()
+        assert line.strip(), "the trainer did not start"
+        bridge_pid = int(line)
+        assert psutil.Process(bridge_pid).ppid() == trainer.pid
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(30)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert _gone(bridge_pid, 60), "the bridge process outlived the SIGKILLed trainer"
+    steps = [s for s, _ in read_tensorboard(tmp_path / "killed" / "tensorboard").scalars["train/loss"]]
+    assert steps == sorted(set(steps)) and steps[0] == 0, steps
+    assert steps[-1] >= 18, steps  # every flush handed over, except at most the one in flight

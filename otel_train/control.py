@@ -23,7 +23,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+from otel_train.health import EventSink
 
 log = logging.getLogger("otel_train")
 
@@ -38,16 +40,6 @@ _LIMITS: dict[str, tuple[float, float]] = {
 }
 _INTEGERS = {"timing_log_level", "verbosity", "trace_every", "trace_first"}
 _PROFILE_KEYS = {"wait", "warmup", "active", "repeat", "skip_first", "ranks"}
-
-
-class EventSink(Protocol):
-    def emit(
-        self,
-        event: str,
-        message: str,
-        attributes: Mapping[str, str | int | float | bool] | None = None,
-        severity: str = "WARNING",
-    ) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -31,21 +31,13 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO
+
+from otel_train.health import EventSink
 
 log = logging.getLogger("otel_train")
-
-
-class EventSink(Protocol):
-    def emit(
-        self,
-        event: str,
-        message: str,
-        attributes: Mapping[str, str | int | float | bool] | None = None,
-        severity: str = "WARNING",
-    ) -> None: ...
 
 
 def format_stacks(header: str) -> str:

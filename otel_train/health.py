@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry._logs import SeverityNumber
 
@@ -23,6 +23,19 @@ log = logging.getLogger("otel_train")
 
 AttributeValue = str | int | float | bool
 _SEVERITY = {"INFO": SeverityNumber.INFO, "WARNING": SeverityNumber.WARN, "ERROR": SeverityNumber.ERROR}
+
+
+class EventSink(Protocol):
+    """What emits health events (HealthEvents, or a test double): the seam the watchdog and the
+    runtime control use."""
+
+    def emit(
+        self,
+        event: str,
+        message: str,
+        attributes: Mapping[str, AttributeValue] | None = None,
+        severity: str = "WARNING",
+    ) -> None: ...
 
 
 class HealthEvents:

@@ -90,21 +90,19 @@ class OtelTrainCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        session = ot.current_session()
-        if session is None or self._step is None:
-            return
-        now = perf_counter_ns()
-        session.end_timer("forward_backward", self._phase_start_ns, now, None)
-        self._phase_start_ns = now
+        self._end_phase("forward_backward")
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._end_phase("optimizer")
+
+    def _end_phase(self, name: str) -> None:
         session = ot.current_session()
         if session is None or self._step is None:
             return
         now = perf_counter_ns()
-        session.end_timer("optimizer", self._phase_start_ns, now, None)
+        session.end_timer(name, self._phase_start_ns, now, None)
         self._phase_start_ns = now
 
     def on_step_end(

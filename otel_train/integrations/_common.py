@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
@@ -18,6 +19,16 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
         return False
     ot.init(**dict(settings or {}))
     return True
+
+
+def end_phase(name: str, start_ns: int) -> int:
+    """Time `name` from `start_ns` to now on the running session (if any); returns now, where the
+    next phase of the step starts."""
+    now = perf_counter_ns()
+    session = ot.current_session()
+    if session is not None:
+        session.end_timer(name, start_ns, now, None)
+    return now
 
 
 def distributed_world() -> int:

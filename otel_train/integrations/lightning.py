@@ -36,7 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
 import otel_train as ot
-from otel_train.integrations._common import scalar_logs, start_session
+from otel_train.integrations._common import end_phase, scalar_logs, start_session
 
 __all__ = ["OtelTrainCallback", "OtelTrainLogger", "callbacks_factory"]
 
@@ -182,12 +182,8 @@ class OtelTrainCallback(Callback):
         self._step = None
 
     def _end_phase(self, name: str) -> None:
-        session = ot.current_session()
-        if session is None or self._step is None:
-            return
-        now = perf_counter_ns()
-        session.end_timer(name, self._phase_start_ns, now, None)
-        self._phase_start_ns = now
+        if self._step is not None:
+            self._phase_start_ns = end_phase(name, self._phase_start_ns)
 
     # --- validation ------------------------------------------------------------------------------
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

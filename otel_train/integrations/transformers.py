@@ -28,7 +28,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import otel_train as ot
-from otel_train.integrations._common import distributed_world, scalar_logs, start_session
+from otel_train.integrations._common import distributed_world, end_phase, scalar_logs, start_session
 
 __all__ = ["OtelTrainCallback"]
 
@@ -98,12 +98,8 @@ class OtelTrainCallback(TrainerCallback):
         self._end_phase("optimizer")
 
     def _end_phase(self, name: str) -> None:
-        session = ot.current_session()
-        if session is None or self._step is None:
-            return
-        now = perf_counter_ns()
-        session.end_timer(name, self._phase_start_ns, now, None)
-        self._phase_start_ns = now
+        if self._step is not None:
+            self._phase_start_ns = end_phase(name, self._phase_start_ns)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

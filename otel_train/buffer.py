@@ -265,7 +265,8 @@ class Buffer:
     def take(self, seq: int, step: int, elapsed_s: float, perf_to_epoch_ns: int) -> FlushBatch:
         """Swap out this interval's data (called on the training thread; O(names))."""
         scalars: dict[str, list[Any]] = {}
-        for record_name, values in self.scalars.items():
+        # A snapshot: another thread may record a new name meanwhile (list() copies under the GIL).
+        for record_name, values in list(self.scalars.items()):
             instrument = self._name_map.get(record_name)
             if instrument is None or not values:
                 continue

@@ -121,7 +121,9 @@ class HangWatchdog:
             return None
         path = self.run_dir / f"stacks.rank{self.rank}.{len(self.dumps)}.txt"
         try:
-            path.write_text(text, encoding="utf-8")
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(path)  # whole or absent: a reader polling for the file never sees it half-written
         except OSError as exc:
             log.warning("otel_train: cannot write %s (%s); the stacks follow.\n%s", path, exc, text)
             return None

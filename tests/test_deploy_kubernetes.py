@@ -405,3 +405,17 @@ def test_in_cluster_scrape_job_is_valid_and_keeps_the_gateway(tmp_path: Path) ->
     assert keep["action"] == "keep"
     metrics_port = [p["name"] for p in service["spec"]["ports"] if p["port"] == 8889]
     assert keep["regex"] == f"{service['metadata']['name']};{metrics_port[0]}"
+
+
+# --- the README says what the manifests do ----------------------------------------------------------
+def test_readme_env_block_is_the_example_jobs() -> None:
+    """The env block the README tells users to copy is the example Job's (without its own
+    torchrun NODE_RANK), and the README's validation command uses the tested schema version."""
+    readme = (DEPLOY.parent / "README.md").read_text()
+    section = readme[readme.index("## Running at scale") :]
+    block = re.search(r"```yaml\n(env:\n.*?)```", section, re.S)
+    assert block, "README's Running at scale lost its env block"
+    documented = yaml.safe_load(block.group(1))["env"]
+    example = [e for e in _container(MANIFESTS, "Job", "train-demo")["env"] if e["name"] != "NODE_RANK"]
+    assert documented == example
+    assert f"kubernetes-validate --strict -k {KUBERNETES_VERSION} deploy/kubernetes/*.yaml" in section

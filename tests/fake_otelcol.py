@@ -4,6 +4,7 @@
 (`${env:NAME}` resolved from the environment, a missing variable is an error), serves OTLP/HTTP on
 its otlp receiver's http endpoint (decoded by tests/otlp_receiver.py), and on SIGTERM writes the
 metric names and resource attributes it received to $FAKE_OTELCOL_REPORT as JSON, then exits 0.
+Its pid goes to $FAKE_OTELCOL_REPORT.pid, so a test can stop one the job script failed to stop.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     config: dict[str, Any] = yaml.safe_load(resolve_env(Path(parser.parse_args().config).read_text()))
     host, port = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)
     assert host == "127.0.0.1", host
+    report_path = Path(os.environ["FAKE_OTELCOL_REPORT"])
+    Path(f"{report_path}.pid").write_text(str(os.getpid()))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with http_receiver(int(port)) as (_url, received):
@@ -46,7 +49,7 @@ def main() -> None:
             "metrics": sorted(received.metric_points()),
             "resources": [res for points in received.metric_points().values() for res, _m, _u in points],
         }
-    Path(os.environ["FAKE_OTELCOL_REPORT"]).write_text(json.dumps(report, default=str))
+    report_path.write_text(json.dumps(report, default=str))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ a real OTLP/HTTP receiver), with the real torchrun and two real otel_train ranks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -204,7 +206,19 @@ def _submit(tmp_path: Path, exit_code: int, **env: str) -> subprocess.CompletedP
     }
     full = {**os.environ, **base, **env}
     argv = ["bash", str(SCRIPT), str(tmp_path / "train.py"), str(exit_code)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=full)
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=full)
+    finally:
+        _kill_leftover(Path(f"{base['FAKE_OTELCOL_REPORT']}.pid"))
+
+
+def _kill_leftover(pid_file: Path) -> None:
+    """Stops a stand-in collector the script left running (the tests then fail on its missing
+    report), so a broken script does not leak processes."""
+    if not pid_file.exists():
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def _port_free(port: int) -> bool:

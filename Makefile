@@ -31,9 +31,11 @@ test: $(STAMP) tools
 
 # After editing deploy/: every config checked by the real tool of the pinned version
 # (docker-compose config, promtool check config/rules + test rules, amtool check-config, the
-# collector config against the pinned collector's options). Missing tools are failures here.
+# collector configs against the pinned collector's options, kubernetes-validate on the Kubernetes
+# manifests, ShellCheck on the SLURM script). Missing tools are failures here.
 check-deploy: $(STAMP) tools
-	CI=$${CI:-1} $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_deploy_static.py tests/test_alert_rules.py
+	CI=$${CI:-1} $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_deploy_static.py tests/test_alert_rules.py \
+	  tests/test_deploy_kubernetes.py tests/test_deploy_slurm.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check otel_train tests bench dashboards

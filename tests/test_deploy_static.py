@@ -3,7 +3,7 @@
 Every file by the real tool of the version the stack pins (deploy/versions.env): docker-compose
 config, promtool check config (rules: tests/test_alert_rules.py), amtool check-config. No
 collector binary exists here, so deploy/otelcol.yaml is checked key by key against the options of
-the pinned collector, read from its upstream source (see COLLECTOR_OPTIONS). Plus structure checks
+the pinned collector, read from its upstream source (tests/collector_options.py). Plus structure checks
 for security defaults, Tempo and Grafana provisioning. `make check-deploy` runs this file.
 """
 
@@ -22,6 +22,7 @@ from typing import Any
 import pinned
 import pytest
 import yaml
+from collector_options import collector_config_errors, pipeline_errors
 from conftest import free_port, require_binary
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from promstack import prometheus, wait_until
@@ -267,174 +268,8 @@ def test_grafana_datasources(compose: dict[str, Any]) -> None:
 
 # --- OTel Collector --------------------------------------------------------------------------------
 def test_collector_pipelines_reference_defined_components(collector: dict[str, Any]) -> None:
-    service = collector["service"]
-    connectors = set(collector.get("connectors") or {})
-    for ext in service.get("extensions", []):
-        assert ext in collector["extensions"], ext
-    assert set(service["pipelines"]) >= {"metrics", "traces"}
-    for name, pipeline in service["pipelines"].items():
-        for rec in pipeline["receivers"]:
-            assert rec in (collector["receivers"] or {}) or rec in connectors, f"{name}: receiver {rec}"
-        for proc in pipeline.get("processors", []):
-            assert proc in collector["processors"], f"{name}: processor {proc}"
-        for exp in pipeline["exporters"]:
-            assert exp in collector["exporters"] or exp in connectors, f"{name}: exporter {exp}"
-        assert pipeline["processors"][0] == "memory_limiter", f"{name}: memory_limiter must come first"
-        assert pipeline["processors"][-1] == "batch", f"{name}: batch last"
-
-
-# Options of the pinned collector (otel/opentelemetry-collector-contrib, OTELCOL_CONTRIB_VERSION in
-# deploy/versions.env = 0.150.0) for every component deploy/otelcol.yaml may use, from upstream
-# source (the collector refuses to start on an unknown key, so an option missing here must not
-# be used). A dict maps an option to its sub-options (None: a value, not checked further); a
-# one-element list is a list of such dicts.
-#
-# Core components, open-telemetry/opentelemetry-collector at tag v0.150.0:
-#   receiver/otlpreceiver/config.go; config/configgrpc/configgrpc.go (ServerConfig, ClientConfig);
-#   config/confighttp/server.go (ServerConfig); config/confignet/confignet.go (AddrConfig);
-#   config/configtls/configtls.go; internal/memorylimiter/config.go;
-#   processor/batchprocessor/config.go; exporter/otlpexporter/config.go and metadata.yaml (type
-#   `otlp_grpc`; `otlp` is only a deprecated alias there); exporter/debugexporter/config.go.
-# Contrib components, open-telemetry/opentelemetry-collector-contrib: exporter/prometheusexporter/
-#   config.go, processor/resourceprocessor/config.go, internal/coreinternal/attraction/attraction.go.
-#   The v0.150.0 tag itself was not readable here, so these lists hold only options present both in
-#   a snapshot before it (prometheusexporter/go.mod on v0.139 modules) and in a later one (which
-#   adds `resource_constant_labels` and `without_scope_info`: NOT allowed here, they are later than
-#   the pin's known option set).
-_NET_ADDR = {"endpoint": None, "transport": None, "dialer": None}
-_TLS = dict.fromkeys(
-    ["ca_file", "ca_pem", "include_system_ca_certs_pool", "cert_file", "cert_pem", "key_file", "key_pem",
-     "min_version", "max_version", "cipher_suites", "reload_interval", "curve_preferences", "tpm"]
-)  # fmt: skip
-_TLS_SERVER = {**_TLS, "client_ca_file": None, "client_ca_file_reload": None}
-_TLS_CLIENT = {**_TLS, "insecure": None, "insecure_skip_verify": None, "server_name_override": None}
-_GRPC_SERVER = {
-    **_NET_ADDR, "tls": _TLS_SERVER, "max_recv_msg_size_mib": None, "max_concurrent_streams": None,
-    "read_buffer_size": None, "write_buffer_size": None, "keepalive": None, "auth": None,
-    "include_metadata": None, "middlewares": None,
-}  # fmt: skip
-_HTTP_SERVER = {
-    **_NET_ADDR, "tls": _TLS_SERVER, "cors": None, "auth": None, "max_request_body_size": None,
-    "include_metadata": None, "response_headers": None, "compression_algorithms": None,
-    "read_timeout": None, "read_header_timeout": None, "write_timeout": None, "idle_timeout": None,
-    "middlewares": None, "keep_alives_enabled": None,
-}  # fmt: skip
-_GRPC_CLIENT = {
-    "endpoint": None, "compression": None, "tls": _TLS_CLIENT, "keepalive": None, "read_buffer_size": None,
-    "write_buffer_size": None, "wait_for_ready": None, "headers": None, "balancer_name": None,
-    "authority": None, "auth": None, "middlewares": None,
-}  # fmt: skip
-_ATTRIBUTE_ACTION = dict.fromkeys(
-    ["key", "value", "pattern", "from_attribute", "from_context", "converted_type", "action"]
-)
-COLLECTOR_OPTIONS: dict[str, dict[str, Any]] = {
-    "receivers": {
-        "otlp": {
-            "protocols": {
-                "grpc": _GRPC_SERVER,
-                "http": {
-                    **_HTTP_SERVER,
-                    "traces_url_path": None,
-                    "metrics_url_path": None,
-                    "logs_url_path": None,
-                },
-            }
-        },
-    },
-    "processors": {
-        "memory_limiter": dict.fromkeys(
-            [
-                "check_interval",
-                "min_gc_interval_when_soft_limited",
-                "min_gc_interval_when_hard_limited",
-                "limit_mib",
-                "spike_limit_mib",
-                "limit_percentage",
-                "spike_limit_percentage",
-            ]
-        ),
-        "batch": dict.fromkeys(
-            [
-                "timeout",
-                "send_batch_size",
-                "send_batch_max_size",
-                "metadata_keys",
-                "metadata_cardinality_limit",
-            ]
-        ),
-        "resource": {"attributes": [_ATTRIBUTE_ACTION]},
-    },
-    "exporters": {
-        "prometheus": {
-            **_HTTP_SERVER,
-            "sending_queue": None,
-            "namespace": None,
-            "const_labels": None,
-            "send_timestamps": None,
-            "metric_expiration": None,
-            "resource_to_telemetry_conversion": {"enabled": None},
-            "enable_open_metrics": None,
-            "add_metric_suffixes": None,
-            "translation_strategy": None,
-        },
-        "otlp_grpc": {**_GRPC_CLIENT, "timeout": None, "sending_queue": None, "retry_on_failure": None},
-        "debug": dict.fromkeys(
-            [
-                "verbosity",
-                "sampling_initial",
-                "sampling_thereafter",
-                "use_internal_logger",
-                "output_paths",
-                "sending_queue",
-            ]
-        ),
-    },
-}
-_SERVICE_OPTIONS = {"extensions": None, "pipelines": None, "telemetry": None}
-_PIPELINE_OPTIONS = {"receivers", "processors", "exporters"}
-
-
-def _unknown_options(value: Any, options: Any, where: str) -> list[str]:
-    if options is None:
-        return []
-    if isinstance(options, list):
-        if not isinstance(value, list):
-            return [f"{where}: expected a list"]
-        return [
-            e for i, item in enumerate(value) for e in _unknown_options(item, options[0], f"{where}[{i}]")
-        ]
-    if not isinstance(value, dict):
-        return [f"{where}: expected a mapping"] if value is not None else []
-    out = []
-    for key, sub in value.items():
-        if key not in options:
-            out.append(f"{where}.{key}")
-        else:
-            out.extend(_unknown_options(sub, options[key], f"{where}.{key}"))
-    return out
-
-
-def collector_config_errors(config: dict[str, Any]) -> list[str]:
-    """Every key of a collector config that the pinned collector does not know."""
-    errors = [
-        f"top-level {k}"
-        for k in config
-        if k not in {*COLLECTOR_OPTIONS, "extensions", "connectors", "service"}
-    ]
-    for section in ("extensions", "connectors"):
-        errors += [f"{section}.{name}: component not verified" for name in config.get(section) or {}]
-    for kind, known in COLLECTOR_OPTIONS.items():
-        for name, settings in (config.get(kind) or {}).items():
-            ctype = name.split("/", 1)[0]
-            if ctype not in known:
-                errors.append(f"{kind}.{name}: component type {ctype!r} not verified at the pinned version")
-                continue
-            errors += _unknown_options(settings, known[ctype], f"{kind}.{name}")
-    service = config.get("service") or {}
-    errors += _unknown_options(service, _SERVICE_OPTIONS, "service")
-    for pname, pipeline in (service.get("pipelines") or {}).items():
-        errors += [f"service.pipelines.{pname}.{k}" for k in pipeline if k not in _PIPELINE_OPTIONS]
-    return errors
+    assert set(collector["service"]["pipelines"]) >= {"metrics", "traces"}
+    assert pipeline_errors(collector) == []
 
 
 def test_collector_config_uses_only_options_of_the_pinned_collector(collector: dict[str, Any]) -> None:

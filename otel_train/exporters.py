@@ -308,8 +308,10 @@ def build_telemetry(
         readers.append(pull_reader)
 
     meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+    # Spans and logs are events, not series: they name the process (to find it on the host).
+    event_resource = resource.merge(Resource({semconv.PROCESS_PID: os.getpid()}))
     if span_exporters and config.traces:
-        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        tracer_provider = TracerProvider(resource=event_resource, shutdown_on_exit=False)
         for exporter in span_exporters:
             tracer_provider.add_span_processor(
                 BatchSpanProcessor(
@@ -317,7 +319,7 @@ def build_telemetry(
                 )
             )
     if log_exporters:
-        logger_provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
+        logger_provider = LoggerProvider(resource=event_resource, shutdown_on_exit=False)
         for log_exporter in log_exporters:
             logger_provider.add_log_record_processor(
                 BatchLogRecordProcessor(log_exporter, schedule_delay_millis=2000)

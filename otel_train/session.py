@@ -263,14 +263,18 @@ class Session:
                 "world_size": ident.world_size,
                 "node_rank": ident.node_rank,
                 "host.name": ident.host,
-                "process.pid": os.getpid(),
                 "otel_train.run_name": self.run_name,
             }
         )
-        # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES (and the SDK defaults) back in, so the
-        # secret filter runs on what it returns, not only on what went in.
+        # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES (and the SDK defaults and detectors)
+        # back in, so the filters run on what it returns, not only on what went in. No per-process
+        # attribute stays (semconv.PROCESS_ATTRIBUTE_PREFIX): this Resource labels metric series.
         created = Resource.create(attributes)
-        kept = {k: v for k, v in created.attributes.items() if not is_secret_key(k)}
+        kept = {
+            k: v
+            for k, v in created.attributes.items()
+            if not is_secret_key(k) and not k.startswith(semconv.PROCESS_ATTRIBUTE_PREFIX)
+        }
         return Resource(kept, created.schema_url)
 
     def _sinks(self) -> list[Sink]:

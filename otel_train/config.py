@@ -37,6 +37,10 @@ class Config:
     run_dir_enabled: bool = True
     # OTLP push (off unless an endpoint is set)
     otlp_endpoint: str | None = None
+    # Metrics only, the full URL used as-is (the OTel spec's OTEL_EXPORTER_OTLP_METRICS_ENDPOINT),
+    # e.g. a store's own OTLP path: http://victoriametrics:8428/opentelemetry/v1/metrics. Spans
+    # and logs still go to otlp_endpoint (none when it is unset).
+    otlp_metrics_endpoint: str | None = None
     otlp_protocol: OtlpProtocol = "http/protobuf"
     otlp_headers: dict[str, str] = field(default_factory=dict)
     otlp_timeout_s: float = 5.0
@@ -105,6 +109,7 @@ REDACTED = "***"
 _STANDARD_ENV = {
     "OTEL_SERVICE_NAME": "service_name",
     "OTEL_EXPORTER_OTLP_ENDPOINT": "otlp_endpoint",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "otlp_metrics_endpoint",
     "OTEL_EXPORTER_OTLP_PROTOCOL": "otlp_protocol",
     "OTEL_EXPORTER_OTLP_HEADERS": "otlp_headers",
     "OTEL_RESOURCE_ATTRIBUTES": "resource_attributes",
@@ -375,6 +380,14 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
             "otlp_endpoint",
             "give the base URL without /v1/metrics, /v1/traces or /v1/logs (otel_train appends the "
             "signal path itself), e.g. http://localhost:4318",
+        )
+    if config.otlp_metrics_endpoint is not None:
+        need(
+            re.match(r"^https?://[^/\s]+", config.otlp_metrics_endpoint) is not None
+            and _url_port_ok(config.otlp_metrics_endpoint),
+            "otlp_metrics_endpoint",
+            "use the full metrics URL, e.g. http://localhost:8428/opentelemetry/v1/metrics "
+            "(VictoriaMetrics) or http://localhost:4318/v1/metrics, or unset it",
         )
     for name in ("run_name", "run_id"):
         value = getattr(config, name)

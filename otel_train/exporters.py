@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,8 +281,14 @@ class Telemetry:
 
 
 def build_telemetry(
-    config: Config, resource: Resource, step_reader: MetricReader, local_rank: int
+    config: Config,
+    resource: Resource,
+    event_attributes: Mapping[str, str | int],
+    step_reader: MetricReader,
+    local_rank: int,
 ) -> Telemetry:
+    """`resource` identifies metric series (no per-launch attribute); spans and logs carry
+    `event_attributes` (process.pid, run name) on top."""
     readers: list[MetricReader] = [step_reader]
     tracer_provider: TracerProvider | None = None
     logger_provider: LoggerProvider | None = None
@@ -326,7 +332,7 @@ def build_telemetry(
 
     meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
     # Spans and logs are events, not series: they name the process (to find it on the host).
-    event_resource = resource.merge(Resource({semconv.PROCESS_PID: os.getpid()}))
+    event_resource = resource.merge(Resource(dict(event_attributes)))
     if span_exporters and config.traces:
         tracer_provider = TracerProvider(resource=event_resource, shutdown_on_exit=False)
         for exporter in span_exporters:

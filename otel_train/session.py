@@ -90,8 +90,9 @@ class Session:
         self.resource = self._resource(gpu_discovery.resource_attributes() if gpu_discovery else {})
 
         self.step_reader = StepReader()
+        events: dict[str, str | int] = {semconv.PROCESS_PID: os.getpid(), semconv.RUN_NAME: self.run_name}
         self.telemetry: Telemetry = build_telemetry(
-            config, self.resource, self.step_reader, self.identity.local_rank
+            config, self.resource, events, self.step_reader, self.identity.local_rank
         )
         self.meter = self.telemetry.meter_provider.get_meter("otel_train", _version())
         self.instruments = Instruments(self.meter, config.max_metric_names)
@@ -263,12 +264,12 @@ class Session:
                 "world_size": ident.world_size,
                 "node_rank": ident.node_rank,
                 "host.name": ident.host,
-                "otel_train.run_name": self.run_name,
             }
         )
         # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES (and the SDK defaults and detectors)
         # back in, so the filters run on what it returns, not only on what went in. No per-process
-        # attribute stays (semconv.PROCESS_ATTRIBUTE_PREFIX): this Resource labels metric series.
+        # attribute stays (semconv.PROCESS_ATTRIBUTE_PREFIX): this Resource labels metric series;
+        # per-launch attributes go on spans and logs only (build_telemetry's event_attributes).
         created = Resource.create(attributes)
         kept = {
             k: v

@@ -1,9 +1,9 @@
 """Metric identity without per-process labels (issue #18, part 2).
 
-A series is identified by run, rank and host, never by the process: a restarted rank must continue
-its series, not start new ones. Stores that turn every resource attribute into a label
+A series is identified by run, rank and host, never by the process or the launch: a restarted rank
+must continue its series, not start new ones. Stores that turn every resource attribute into a label
 (VictoriaMetrics' OTLP ingestion, the Collector's prometheus exporter) and the pull endpoint's
-target_info therefore must not see process.pid or any other process.* attribute. Checked on both
+target_info therefore must not see process.pid, any other process.* attribute, or the run name. Checked on both
 paths with the SDK's process resource detector switched on, so what it adds is dropped too.
 """
 
@@ -58,6 +58,7 @@ def test_pull_endpoint_has_no_process_label_on_any_sample(process_detector: None
     labelled = [(s.name, k) for s in samples for k in s.labels if k.startswith("process_")]
     assert labelled == []
     assert "process_pid" not in text
+    assert "otel_train_run_name" not in text  # generated anew by each launch: not an identity
     # target_info keeps the rest of the Resource; the training series carry exactly the identity
     target_info = [s for s in samples if s.name == "target_info"]
     assert target_info and target_info[0].labels["run_id"] == "ident-pull"
@@ -92,10 +93,13 @@ def test_otlp_data_points_carry_no_process_attribute(process_detector: None) -> 
         ot.shutdown()
     points = [p for request in received.metrics for p in _label_keys_per_point(request)]
     assert {name for name, _ in points} >= {semconv.STEPS.name, semconv.STEP_DURATION.name}
-    with_process = sorted({(n, k) for n, keys in points for k in keys if k.startswith("process.")})
-    assert with_process == []
+    per_launch = sorted(
+        {(n, k) for n, keys in points for k in keys if k.startswith("process.") or k == semconv.RUN_NAME}
+    )
+    assert per_launch == []
     for _, keys in points:
         assert {"run_id", "rank", "local_rank", "host.name"} <= keys
     # spans are events, not series: they still name the process they came from
     span_pids = {resource.get("process.pid") for resource, _ in received.spans()}
     assert span_pids == {os.getpid()}
+    assert len({resource.get(semconv.RUN_NAME) for resource, _ in received.spans()} - {None}) == 1

@@ -112,7 +112,15 @@ def test_compose_images_are_the_tested_versions(compose: dict[str, Any]) -> None
 def test_pinned_tools_report_the_pinned_versions() -> None:
     """The binaries the tests use are the pinned ones (not the base system's 2.42/0.25)."""
     versions = pinned.pinned()
-    for name in ("prometheus", "promtool", "prometheus-alertmanager", "amtool", "docker-compose"):
+    for name in (
+        "prometheus",
+        "promtool",
+        "prometheus-alertmanager",
+        "amtool",
+        "docker-compose",
+        "victoria-metrics",
+        "vmalert",
+    ):
         path = require_binary(name)
         component, _ = pinned.VERSION_COMMANDS[name]
         line = pinned.reported_version(path, name)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 OtlpProtocol = Literal["http/protobuf", "grpc"]
 TimingLogOption = Literal["max", "minmax", "all"]
+WatchAggregate = Literal["layer", "model"]
 
 
 class ConfigError(ValueError):
@@ -96,6 +97,9 @@ class Config:
     # Reset torch.cuda's peak memory stats at each flush (peak per interval). False leaves them to
     # your code (torch.cuda.max_memory_allocated() keeps working); the peak is then the run's.
     cuda_peak_per_interval: bool = True
+    # ot.watch's statistics per layer group (up to its max_layers), or one group for the whole
+    # model: on a huge job, ~4 series per rank instead of ~4 x 64 (README "Series budget").
+    watch_aggregate: WatchAggregate = "layer"
     # distributed
     straggler_threshold: float = 0.9  # relative score: 1 - lateness / step time
     straggler_ewma: float = 0.5

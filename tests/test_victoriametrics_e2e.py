@@ -37,7 +37,7 @@ def test_ranks_push_otlp_into_victoriametrics_and_vmalert_pages_the_straggler(tm
     results: list[int] = []
     errors: list[BaseException] = []
     with alertmanager() as am, victoriametrics() as vm, vmalert(vm.url, rules, notifier_url=am.url) as va:
-        args = (0, str(tmp_path), 40.0, SLOW_RANK, -1, RUN_ID, vm.otlp_metrics_url)
+        args = (0, str(tmp_path), 30.0, SLOW_RANK, -1, RUN_ID, vm.otlp_metrics_url)
 
         def train() -> None:
             try:

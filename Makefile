@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/otel-train demo $(ARGS)
 
-# The real Prometheus/promtool, Alertmanager/amtool and docker-compose of the versions deploy/
-# pins (deploy/versions.env), from Debian's archive into .tools/ (git-ignored; nothing installed
-# system-wide). Idempotent. Under CI a failure to fetch them fails the build; elsewhere the
-# tests that need them are skipped with a message.
+# The real Prometheus/promtool, Alertmanager/amtool, docker-compose and VictoriaMetrics/vmalert
+# of the versions deploy/ pins (deploy/versions.env), from Debian's archive into .tools/
+# (git-ignored; nothing installed system-wide). Idempotent. Under CI a failure to fetch them fails
+# the build; elsewhere the tests that need them are skipped with a message.
 tools:
 	@deploy/fetch-tools.sh || { if [ -n "$$CI" ]; then exit 1; fi; \
 	  echo "WARNING: pinned tools unavailable: the real-component tests will be skipped (they FAIL under CI)."; }
@@ -32,10 +32,11 @@ test: $(STAMP) tools
 # After editing deploy/: every config checked by the real tool of the pinned version
 # (docker-compose config, promtool check config/rules + test rules, amtool check-config, the
 # collector configs against the pinned collector's options, kubernetes-validate on the Kubernetes
-# manifests, ShellCheck on the SLURM script). Missing tools are failures here.
+# manifests, ShellCheck on the SLURM script, vmalert -dryRun and the VictoriaMetrics flags).
+# Missing tools are failures here.
 check-deploy: $(STAMP) tools
 	CI=$${CI:-1} $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_deploy_static.py tests/test_alert_rules.py \
-	  tests/test_deploy_kubernetes.py tests/test_deploy_slurm.py
+	  tests/test_deploy_kubernetes.py tests/test_deploy_slurm.py tests/test_deploy_victoriametrics.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check otel_train tests bench dashboards

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Fetch the exact Prometheus/promtool, Alertmanager/amtool and Docker Compose versions that
-# deploy/versions.env pins into a project-local tools folder (default: .tools/ at the repo root,
-# git-ignored), for the tests and `make check-deploy`.
+# Fetch the exact Prometheus/promtool, Alertmanager/amtool, Docker Compose and
+# VictoriaMetrics/vmalert versions that deploy/versions.env pins into a project-local tools folder
+# (default: .tools/ at the repo root, git-ignored), for the tests and `make check-deploy`.
 #
 #   deploy/fetch-tools.sh            # idempotent: does nothing when the pinned versions are there
 #   OTEL_TRAIN_TOOLS=/elsewhere deploy/fetch-tools.sh
@@ -24,6 +24,7 @@ upstream() { local v="${1%%+*}"; echo "${v%-*}"; }
 PROMETHEUS_VERSION="$(upstream "$PROMETHEUS_DEB")"
 ALERTMANAGER_VERSION="$(upstream "$ALERTMANAGER_DEB")"
 DOCKER_COMPOSE_VERSION="$(upstream "$DOCKER_COMPOSE_DEB")"
+VICTORIAMETRICS_VERSION="$(upstream "$VICTORIAMETRICS_DEB")"
 
 # name in bin/ -> path inside the unpacked packages
 links=(
@@ -31,6 +32,8 @@ links=(
   "promtool:usr/bin/promtool"
   "amtool:usr/bin/amtool"
   "docker-compose:usr/libexec/docker/cli-plugins/docker-compose"
+  "victoria-metrics:usr/bin/victoria-metrics"
+  "vmalert:usr/bin/vmalert"
 )
 # Debian's alertmanager reads its notification templates (default.tmpl) and UI from the absolute
 # directory /usr/share/prometheus/alertmanager (upstream embeds them), which an unpacked package
@@ -40,27 +43,36 @@ links=(
 AM_ASSETS_SYSTEM=/usr/share/prometheus/alertmanager
 AM_ASSETS_LOCAL=./alertmanager-debian-share-assets
 # Bump when the layout of <tools> changes, so that an older .tools is rebuilt.
-LAYOUT="# fetch-tools layout 2"
+LAYOUT="# fetch-tools layout 3"
 stamp() { cat "$versions"; echo "$LAYOUT"; }
 
-# Every binary reports its pinned upstream version.
+# Debian builds VictoriaMetrics without its version string (`-version` prints an empty line), so
+# its version is the one in the unpacked package's own changelog (tests/pinned.py reads it too).
+debian_package_version() {
+  gzip -dc "$tools/root/usr/share/doc/$1/changelog.Debian.gz" 2>/dev/null | head -n1 | sed -E 's/^[^ ]+ \(([^)]*)\).*/\1/'
+}
+
+# Every binary reports its pinned upstream version (VictoriaMetrics: its package does).
 check_versions() {
   "$tools/bin/prometheus" --version 2>&1 | grep -q "version $PROMETHEUS_VERSION" &&
     "$tools/bin/promtool" --version 2>&1 | grep -q "version $PROMETHEUS_VERSION" &&
     "$tools/bin/prometheus-alertmanager" --version 2>&1 | grep -q "version $ALERTMANAGER_VERSION" &&
     "$tools/bin/amtool" --version 2>&1 | grep -q "version $ALERTMANAGER_VERSION" &&
-    "$tools/bin/docker-compose" version 2>&1 | grep -q "version $DOCKER_COMPOSE_VERSION"
+    "$tools/bin/docker-compose" version 2>&1 | grep -q "version $DOCKER_COMPOSE_VERSION" &&
+    "$tools/bin/victoria-metrics" -version >/dev/null 2>&1 &&
+    "$tools/bin/vmalert" -version >/dev/null 2>&1 &&
+    [ "$(upstream "$(debian_package_version victoria-metrics)")" = "$VICTORIAMETRICS_VERSION" ]
 }
 
 if [ "$(stamp)" = "$(cat "$tools/stamp" 2>/dev/null)" ] && check_versions 2>/dev/null; then
-  echo "pinned tools present in $tools/bin (prometheus $PROMETHEUS_VERSION, alertmanager $ALERTMANAGER_VERSION, docker-compose $DOCKER_COMPOSE_VERSION)"
+  echo "pinned tools present in $tools/bin (prometheus $PROMETHEUS_VERSION, alertmanager $ALERTMANAGER_VERSION, docker-compose $DOCKER_COMPOSE_VERSION, victoria-metrics $VICTORIAMETRICS_VERSION)"
   exit 0
 fi
 
 for cmd in apt-get apt-cache dpkg-deb perl; do
   if ! command -v "$cmd" >/dev/null; then
     echo "fetch-tools: $cmd not found: the pinned tools come from Debian's archive (a Debian/Ubuntu machine)," >&2
-    echo "  or put prometheus $PROMETHEUS_VERSION, promtool, alertmanager $ALERTMANAGER_VERSION, amtool and docker-compose $DOCKER_COMPOSE_VERSION into $tools/bin yourself." >&2
+    echo "  or put prometheus $PROMETHEUS_VERSION, promtool, alertmanager $ALERTMANAGER_VERSION, amtool, docker-compose $DOCKER_COMPOSE_VERSION, victoria-metrics $VICTORIAMETRICS_VERSION and vmalert into $tools/bin yourself." >&2
     exit 1
   fi
 done
@@ -89,7 +101,7 @@ fi
 apt_dir="$tools/apt"
 mkdir -p "$apt_dir/lists/partial" "$apt_dir/archives/partial" "$apt_dir/cache"
 {
-  for suite in $(printf '%s\n' "$PROMETHEUS_SUITE" "$ALERTMANAGER_SUITE" "$DOCKER_COMPOSE_SUITE" | sort -u); do
+  for suite in $(printf '%s\n' "$PROMETHEUS_SUITE" "$ALERTMANAGER_SUITE" "$DOCKER_COMPOSE_SUITE" "$VICTORIAMETRICS_SUITE" | sort -u); do
     echo "deb [signed-by=$keyring] $mirror $suite main"
   done
 } >"$apt_dir/sources.list"
@@ -131,11 +143,12 @@ prometheus_deb="$(pick_version prometheus "$PROMETHEUS_DEB")"
 promtool_deb="$(pick_version promtool "$PROMETHEUS_DEB")"
 alertmanager_deb="$(pick_version prometheus-alertmanager "$ALERTMANAGER_DEB")"
 compose_deb="$(pick_version docker-compose "$DOCKER_COMPOSE_DEB")"
+victoriametrics_deb="$(pick_version victoria-metrics "$VICTORIAMETRICS_DEB")"
 
 debs_dir="$tools/debs"
 rm -rf "$debs_dir" "$tools/root" "$tools/bin" "$tools/stamp"
 mkdir -p "$debs_dir" "$tools/root" "$tools/bin"
-pkgs=("prometheus=$prometheus_deb" "promtool=$promtool_deb" "prometheus-alertmanager=$alertmanager_deb" "docker-compose=$compose_deb")
+pkgs=("prometheus=$prometheus_deb" "promtool=$promtool_deb" "prometheus-alertmanager=$alertmanager_deb" "docker-compose=$compose_deb" "victoria-metrics=$victoriametrics_deb")
 echo "fetch-tools: apt-get download ${pkgs[*]}"
 (cd "$debs_dir" && apt-get "${apt_opts[@]}" download "${pkgs[@]}")
 for deb in "$debs_dir"/*.deb; do
@@ -154,8 +167,9 @@ if ! check_versions; then
   echo "fetch-tools: the unpacked binaries do not report the pinned versions:" >&2
   for b in prometheus promtool prometheus-alertmanager amtool; do "$tools/bin/$b" --version 2>&1 | head -n1 >&2; done
   "$tools/bin/docker-compose" version >&2 || true
+  echo "victoria-metrics package: $(debian_package_version victoria-metrics)" >&2
   exit 1
 fi
 stamp >"$tools/stamp"
 rm -rf "$debs_dir" "$apt_dir/archives"
-echo "fetch-tools: ready in $tools/bin (prometheus $PROMETHEUS_VERSION, alertmanager $ALERTMANAGER_VERSION, docker-compose $DOCKER_COMPOSE_VERSION)"
+echo "fetch-tools: ready in $tools/bin (prometheus $PROMETHEUS_VERSION, alertmanager $ALERTMANAGER_VERSION, docker-compose $DOCKER_COMPOSE_VERSION, victoria-metrics $VICTORIAMETRICS_VERSION)"

@@ -188,7 +188,8 @@ def watch(
     step ends, so call `optimizer.zero_grad()` at the start of the step; if you record `grad_norm`
     yourself (say, the pre-clip norm `clip_grad_norm_` returns), yours is kept. A non-finite
     gradient raises a `nonfinite_grad` health event naming the layers. Watching the same model
-    again replaces the earlier watch; `.remove()` on the returned handle stops it.
+    again replaces the earlier watch; `.remove()` on the returned handle stops it. With the
+    `watch_aggregate="model"` setting every watch is one group, the whole model (series budget).
     """
     from otel_train.model import ModelWatch, NullWatch, check_watch_args
 
@@ -198,7 +199,9 @@ def watch(
         return NullWatch()
     for earlier in [w for w in session.watches if w.model is model]:
         earlier.remove()
-    handle = ModelWatch(session, model, every, grads, params, activations, histograms, max_layers)
+    # watch_aggregate="model" (a job-wide setting for huge jobs) makes every watch one group
+    layers = 1 if session.config.watch_aggregate == "model" else max_layers
+    handle = ModelWatch(session, model, every, grads, params, activations, histograms, layers)
     session.watches.append(handle)
     return handle
 

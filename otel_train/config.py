@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 OtlpProtocol = Literal["http/protobuf", "grpc"]
 TimingLogOption = Literal["max", "minmax", "all"]
+WatchAggregate = Literal["layer", "model"]
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,10 @@ class Config:
     run_dir_enabled: bool = True
     # OTLP push (off unless an endpoint is set)
     otlp_endpoint: str | None = None
+    # Metrics only, the full URL used as-is (the OTel spec's OTEL_EXPORTER_OTLP_METRICS_ENDPOINT),
+    # e.g. a store's own OTLP path: http://victoriametrics:8428/opentelemetry/v1/metrics. Spans
+    # and logs still go to otlp_endpoint (none when it is unset).
+    otlp_metrics_endpoint: str | None = None
     otlp_protocol: OtlpProtocol = "http/protobuf"
     otlp_headers: dict[str, str] = field(default_factory=dict)
     otlp_timeout_s: float = 5.0
@@ -92,6 +97,9 @@ class Config:
     # Reset torch.cuda's peak memory stats at each flush (peak per interval). False leaves them to
     # your code (torch.cuda.max_memory_allocated() keeps working); the peak is then the run's.
     cuda_peak_per_interval: bool = True
+    # ot.watch's statistics per layer group (up to its max_layers), or one group for the whole
+    # model: on a huge job, ~4 series per rank instead of ~4 x 64 (README "Series budget").
+    watch_aggregate: WatchAggregate = "layer"
     # distributed
     straggler_threshold: float = 0.9  # relative score: 1 - lateness / step time
     straggler_ewma: float = 0.5
@@ -105,6 +113,7 @@ REDACTED = "***"
 _STANDARD_ENV = {
     "OTEL_SERVICE_NAME": "service_name",
     "OTEL_EXPORTER_OTLP_ENDPOINT": "otlp_endpoint",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "otlp_metrics_endpoint",
     "OTEL_EXPORTER_OTLP_PROTOCOL": "otlp_protocol",
     "OTEL_EXPORTER_OTLP_HEADERS": "otlp_headers",
     "OTEL_RESOURCE_ATTRIBUTES": "resource_attributes",
@@ -375,6 +384,14 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
             "otlp_endpoint",
             "give the base URL without /v1/metrics, /v1/traces or /v1/logs (otel_train appends the "
             "signal path itself), e.g. http://localhost:4318",
+        )
+    if config.otlp_metrics_endpoint is not None:
+        need(
+            re.match(r"^https?://[^/\s]+", config.otlp_metrics_endpoint) is not None
+            and _url_port_ok(config.otlp_metrics_endpoint),
+            "otlp_metrics_endpoint",
+            "use the full metrics URL, e.g. http://localhost:8428/opentelemetry/v1/metrics "
+            "(VictoriaMetrics) or http://localhost:4318/v1/metrics, or unset it",
         )
     for name in ("run_name", "run_id"):
         value = getattr(config, name)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +150,8 @@ class ForkGuardLogExporter(LogRecordExporter):
 
 # --- builders --------------------------------------------------------------------------------------
 def _otlp_url(config: Config, signal: str) -> str:
+    if signal == "metrics" and config.otlp_metrics_endpoint:
+        return config.otlp_metrics_endpoint  # used as-is, as the OTel spec says
     assert config.otlp_endpoint is not None
     base = config.otlp_endpoint.rstrip("/")
     if config.otlp_protocol == "grpc":
@@ -157,27 +159,38 @@ def _otlp_url(config: Config, signal: str) -> str:
     return f"{base}/v1/{signal}"
 
 
-def _otlp_exporters(config: Config) -> tuple[MetricExporter, SpanExporter, LogRecordExporter]:
+def _otlp_metric_exporter(config: Config) -> MetricExporter:
+    headers = dict(config.otlp_headers)
+    endpoint = _otlp_url(config, "metrics")
+    if config.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
+
+        insecure = config.otlp_insecure and not endpoint.startswith("https")
+        return GrpcMetrics(
+            endpoint=endpoint, insecure=insecure, headers=headers, timeout=config.otlp_timeout_s
+        )
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+    return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s)
+
+
+def _otlp_event_exporters(config: Config) -> tuple[SpanExporter, LogRecordExporter]:
     headers = dict(config.otlp_headers)
     timeout = config.otlp_timeout_s  # seconds: the Python SDK's unit
     if config.otlp_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcLogs
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpans
 
         insecure = config.otlp_insecure and not config.otlp_endpoint.startswith("https")  # type: ignore[union-attr]
-        endpoint = _otlp_url(config, "metrics")
+        endpoint = _otlp_url(config, "traces")
         return (
-            GrpcMetrics(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
             GrpcSpans(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
             GrpcLogs(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
         )
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return (
-        OTLPMetricExporter(endpoint=_otlp_url(config, "metrics"), headers=headers, timeout=timeout),
         OTLPSpanExporter(endpoint=_otlp_url(config, "traces"), headers=headers, timeout=timeout),
         OTLPLogExporter(endpoint=_otlp_url(config, "logs"), headers=headers, timeout=timeout),
     )
@@ -268,8 +281,14 @@ class Telemetry:
 
 
 def build_telemetry(
-    config: Config, resource: Resource, step_reader: MetricReader, local_rank: int
+    config: Config,
+    resource: Resource,
+    event_attributes: Mapping[str, str | int],
+    step_reader: MetricReader,
+    local_rank: int,
 ) -> Telemetry:
+    """`resource` identifies metric series (no per-launch attribute); spans and logs carry
+    `event_attributes` (process.pid, run name) on top."""
     readers: list[MetricReader] = [step_reader]
     tracer_provider: TracerProvider | None = None
     logger_provider: LoggerProvider | None = None
@@ -277,18 +296,22 @@ def build_telemetry(
     log_exporters: list[LogRecordExporter] = []
     interval_ms = config.metric_export_interval_s * 1000
 
-    if config.otlp_endpoint:
+    if config.otlp_endpoint or config.otlp_metrics_endpoint:
         quiet_sdk_exporter_logs()
-        status = ExportStatus(config.otlp_endpoint)
-        metrics, spans, logs = _otlp_exporters(config)
+        metrics_status = ExportStatus(_otlp_url(config, "metrics"))
         readers.append(
             PeriodicExportingMetricReader(
-                ForkGuardMetricExporter(metrics, status),
+                ForkGuardMetricExporter(_otlp_metric_exporter(config), metrics_status),
                 export_interval_millis=interval_ms,
                 export_timeout_millis=config.otlp_timeout_s * 1000,
             )
         )
-        span_exporters.append(ForkGuardSpanExporter(spans, status))
+    if config.otlp_endpoint:
+        spans, logs = _otlp_event_exporters(config)
+        same = not config.otlp_metrics_endpoint  # one endpoint: one outage warning for all signals
+        span_exporters.append(
+            ForkGuardSpanExporter(spans, metrics_status if same else ExportStatus(config.otlp_endpoint))
+        )
         log_exporters.append(ForkGuardLogExporter(logs))
     if config.console_exporter:
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
@@ -308,8 +331,10 @@ def build_telemetry(
         readers.append(pull_reader)
 
     meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+    # Spans and logs are events, not series: they name the process (to find it on the host).
+    event_resource = resource.merge(Resource(dict(event_attributes)))
     if span_exporters and config.traces:
-        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        tracer_provider = TracerProvider(resource=event_resource, shutdown_on_exit=False)
         for exporter in span_exporters:
             tracer_provider.add_span_processor(
                 BatchSpanProcessor(
@@ -317,7 +342,7 @@ def build_telemetry(
                 )
             )
     if log_exporters:
-        logger_provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
+        logger_provider = LoggerProvider(resource=event_resource, shutdown_on_exit=False)
         for log_exporter in log_exporters:
             logger_provider.add_log_record_processor(
                 BatchLogRecordProcessor(log_exporter, schedule_delay_millis=2000)

@@ -79,6 +79,14 @@ PEAK_SOURCE = (
 RUN_ID = "run_id"
 RANK = "rank"
 LABEL_RESOURCE_KEYS: tuple[str, ...] = (RUN_ID, RANK, "local_rank", "host.name")
+# Per-launch resource attributes (process.pid; process.command_line etc. from SDK resource
+# detectors; the run name, generated anew by each launch unless set) are kept off the metrics
+# Resource: stores that turn every resource attribute into a label (VictoriaMetrics' and Mimir's
+# OTLP ingestion, the Collector's prometheus exporter) would start new series on every restart.
+# Spans and logs, which are events, not series, carry PROCESS_PID and RUN_NAME.
+PROCESS_ATTRIBUTE_PREFIX = "process."
+PROCESS_PID = "process.pid"
+RUN_NAME = "otel_train.run_name"
 
 S = Kind  # short alias for the table below
 

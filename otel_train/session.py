@@ -90,8 +90,9 @@ class Session:
         self.resource = self._resource(gpu_discovery.resource_attributes() if gpu_discovery else {})
 
         self.step_reader = StepReader()
+        events: dict[str, str | int] = {semconv.PROCESS_PID: os.getpid(), semconv.RUN_NAME: self.run_name}
         self.telemetry: Telemetry = build_telemetry(
-            config, self.resource, self.step_reader, self.identity.local_rank
+            config, self.resource, events, self.step_reader, self.identity.local_rank
         )
         self.meter = self.telemetry.meter_provider.get_meter("otel_train", _version())
         self.instruments = Instruments(self.meter, config.max_metric_names)
@@ -263,14 +264,18 @@ class Session:
                 "world_size": ident.world_size,
                 "node_rank": ident.node_rank,
                 "host.name": ident.host,
-                "process.pid": os.getpid(),
-                "otel_train.run_name": self.run_name,
             }
         )
-        # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES (and the SDK defaults) back in, so the
-        # secret filter runs on what it returns, not only on what went in.
+        # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES (and the SDK defaults and detectors)
+        # back in, so the filters run on what it returns, not only on what went in. No per-process
+        # attribute stays (semconv.PROCESS_ATTRIBUTE_PREFIX): this Resource labels metric series;
+        # per-launch attributes go on spans and logs only (build_telemetry's event_attributes).
         created = Resource.create(attributes)
-        kept = {k: v for k, v in created.attributes.items() if not is_secret_key(k)}
+        kept = {
+            k: v
+            for k, v in created.attributes.items()
+            if not is_secret_key(k) and not k.startswith(semconv.PROCESS_ATTRIBUTE_PREFIX)
+        }
         return Resource(kept, created.schema_url)
 
     def _sinks(self) -> list[Sink]:

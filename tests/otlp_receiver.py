@@ -23,6 +23,7 @@ class Received:
     logs: list[Any] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)  # every request body, for secret scans
     headers: list[dict[str, str]] = field(default_factory=list)
+    sender_pids: list[int | None] = field(default_factory=list)  # http_receiver(record_senders=True)
 
     # --- views ----------------------------------------------------------------------------------
     def metric_points(self) -> dict[str, list[tuple[dict[str, Any], Any, str]]]:
@@ -66,6 +67,17 @@ def attributes(items: Any) -> dict[str, Any]:
     return {kv.key: any_value(kv.value) for kv in items}
 
 
+def sender_pid(client: tuple[str, int], server: tuple[str, int]) -> int | None:
+    """The process that owns the client end of a connection to `server` (None: not found, or a
+    process of another user)."""
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp4"):
+        if conn.laddr and conn.raddr and tuple(conn.laddr) == client and tuple(conn.raddr) == server:
+            return conn.pid
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -73,7 +85,8 @@ def _free_port() -> int:
 
 
 @contextmanager
-def http_receiver(port: int | None = None) -> Iterator[tuple[str, Received]]:
+def http_receiver(port: int | None = None, record_senders: bool = False) -> Iterator[tuple[str, Received]]:
+    """`record_senders`: note the pid of the process that sent each request (received.sender_pids)."""
     received = Received()
     lock = threading.Lock()
     kinds = {
@@ -95,7 +108,15 @@ def http_receiver(port: int | None = None) -> Iterator[tuple[str, Received]]:
             request_type, sink, response_type = kind
             message = request_type()
             message.ParseFromString(body)
+            # while this request is open, its client socket is in the sender's fd table
+            pid = (
+                sender_pid(self.client_address[:2], self.server.server_address[:2])
+                if record_senders
+                else None
+            )
             with lock:
+                if record_senders:
+                    received.sender_pids.append(pid)
                 sink.append(message)
                 received.raw.append(body)
                 received.headers.append(dict(self.headers.items()))

@@ -9,6 +9,7 @@ Prometheus.
 from __future__ import annotations
 
 import functools
+import gzip
 import os
 import re
 import shutil
@@ -42,12 +43,14 @@ def upstream_version(debian_version: str) -> str:
 
 @functools.cache
 def pinned() -> dict[str, str]:
-    """Component -> upstream version: prometheus, alertmanager, docker-compose, otelcol-contrib."""
+    """Component -> upstream version: prometheus, alertmanager, docker-compose, victoria-metrics,
+    otelcol-contrib."""
     env = read_env_file(VERSIONS_FILE)
     return {
         "prometheus": upstream_version(env["PROMETHEUS_DEB"]),
         "alertmanager": upstream_version(env["ALERTMANAGER_DEB"]),
         "docker-compose": upstream_version(env["DOCKER_COMPOSE_DEB"]),
+        "victoria-metrics": upstream_version(env["VICTORIAMETRICS_DEB"]),
         "otelcol-contrib": env["OTELCOL_CONTRIB_VERSION"],
     }
 
@@ -60,7 +63,12 @@ VERSION_COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "alertmanager": ("alertmanager", ("--version",)),
     "amtool": ("alertmanager", ("--version",)),
     "docker-compose": ("docker-compose", ("version",)),
+    "victoria-metrics": ("victoria-metrics", ("-version",)),
+    "vmalert": ("victoria-metrics", ("-version",)),
 }
+# Debian builds these without their version string (`-version` prints an empty line): their
+# version is the one in the Debian package they came from (its changelog, next to the binary).
+DEBIAN_PACKAGE_OF = {"victoria-metrics": "victoria-metrics", "vmalert": "victoria-metrics"}
 
 
 @functools.cache
@@ -72,7 +80,25 @@ def reported_version(path: str, name: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     lines = (proc.stdout + proc.stderr).strip().splitlines()
-    return lines[0] if lines else ""
+    if lines and lines[0].strip():
+        return lines[0]
+    package = DEBIAN_PACKAGE_OF.get(name)
+    if proc.returncode != 0 or package is None:
+        return ""
+    return debian_package_line(Path(path), package)
+
+
+def debian_package_line(binary: Path, package: str) -> str:
+    """'<package> (Debian package), version <v>' from the changelog of the package that holds
+    `binary` (<prefix>/usr/bin/x -> <prefix>/usr/share/doc/<package>/changelog.Debian.gz)."""
+    changelog = binary.resolve().parent.parent / "share" / "doc" / package / "changelog.Debian.gz"
+    try:
+        with gzip.open(changelog, "rt") as f:
+            first = f.readline()
+    except OSError:
+        return ""
+    match = re.match(r"\S+ \(([^)]+)\)", first)
+    return f"{package} (Debian package), version {upstream_version(match[1])}" if match else ""
 
 
 def is_pinned(line: str, version: str) -> bool:

@@ -51,6 +51,11 @@ def test_standard_otel_variables() -> None:
         ),
         ({"otlp_protocol": "udp"}, {}, ["otlp_protocol", "'udp'", "'grpc'"]),
         ({}, {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"}, ["otlp_endpoint", "http://localhost:4318"]),
+        (
+            {},
+            {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "vm:8428/opentelemetry/v1/metrics"},
+            ["otlp_metrics_endpoint", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "/opentelemetry/v1/metrics"],
+        ),
         ({"prometheus_port": 70000}, {}, ["prometheus_port", "70000", "0 to disable"]),
         ({"timing_log_level": 3}, {}, ["timing_log_level", "0, 1 or 2"]),
         ({"bogus": 1}, {}, ["unknown setting", "'bogus'"]),

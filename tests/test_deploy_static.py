@@ -113,7 +113,15 @@ def test_compose_images_are_the_tested_versions(compose: dict[str, Any]) -> None
 def test_pinned_tools_report_the_pinned_versions() -> None:
     """The binaries the tests use are the pinned ones (not the base system's 2.42/0.25)."""
     versions = pinned.pinned()
-    for name in ("prometheus", "promtool", "prometheus-alertmanager", "amtool", "docker-compose"):
+    for name in (
+        "prometheus",
+        "promtool",
+        "prometheus-alertmanager",
+        "amtool",
+        "docker-compose",
+        "victoria-metrics",
+        "vmalert",
+    ):
         path = require_binary(name)
         component, _ = pinned.VERSION_COMMANDS[name]
         line = pinned.reported_version(path, name)
@@ -340,12 +348,14 @@ def test_collector_puts_identity_labels_on_every_series_and_nothing_per_process(
         resource = dict(session.resource.attributes)
     finally:
         otel_train.shutdown()
-    assert "process.pid" in resource  # what the library sets (otel_train/session.py)
+    # the library keeps per-process attributes off the metrics Resource (tests/test_metric_identity.py)
+    assert not [k for k in resource if k.startswith("process.")]
     labels = {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in resource if not _deleted_by(actions, k)}
     assert {"run_id", "rank", "local_rank", "host_name"} <= labels
     assert {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in semconv.LABEL_RESOURCE_KEYS} <= labels
     assert not [label for label in labels if label.startswith("process_")]
-    # also what SDK resource detectors may add (OTEL_EXPERIMENTAL_RESOURCE_DETECTORS=process)
+    # the collector drops them too, for other SDKs and what resource detectors may add
+    # (OTEL_EXPERIMENTAL_RESOURCE_DETECTORS=process)
     for key in ("process.pid", "process.command_line", "process.command_args", "process.parent_pid"):
         assert _deleted_by(actions, key), key
 

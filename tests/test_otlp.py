@@ -97,6 +97,21 @@ def test_otlp_http_metrics_spans_resource() -> None:
     _check_spans(received)
 
 
+def test_metrics_endpoint_takes_metrics_only_and_is_used_as_is() -> None:
+    """OTEL_EXPORTER_OTLP_METRICS_ENDPOINT: metrics straight to a store's own OTLP URL (e.g.
+    VictoriaMetrics' /opentelemetry/v1/metrics), spans and logs still to the base endpoint."""
+    with http_receiver() as (store, to_store), http_receiver() as (collector, to_collector):
+        ot.init(
+            otlp_endpoint=collector, otlp_metrics_endpoint=f"{store}/v1/metrics", prometheus_port=0,
+            verbosity=0, log_interval=5, metric_export_interval_s=0.2, run_dir_enabled=False,
+        )  # fmt: skip
+        _train(10)
+        ot.shutdown()
+    assert semconv.STEPS.name in to_store.metric_points()
+    assert not to_store.traces and not to_store.logs
+    assert to_collector.traces and not to_collector.metrics
+
+
 def test_otlp_grpc_metrics_spans_resource() -> None:
     with grpc_receiver() as (endpoint, received):
         _run(endpoint, "grpc")

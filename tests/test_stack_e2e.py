@@ -39,16 +39,23 @@ def _free_base_port(count: int) -> int:
 
 
 def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, slow_rank: int,
-          freeze_rank: int, run_id: str) -> int:  # fmt: skip
+          freeze_rank: int, run_id: str, otlp_metrics_url: str = "") -> int:  # fmt: skip
+    """One rank's training; its metrics are pulled from base_port + rank, or, with
+    `otlp_metrics_url`, pushed there over OTLP (tests/test_victoriametrics_e2e.py)."""
     import torch
     import torch.distributed as dist
 
     import otel_train as ot
 
+    push = (
+        {"otlp_metrics_endpoint": otlp_metrics_url, "metric_export_interval_s": 1.0}
+        if otlp_metrics_url
+        else {}
+    )
     ot.init(
-        prometheus_port=base_port, run_id=run_id, output_dir=out_dir, verbosity=0, log_interval=2,
-        total_steps=100_000, collective_timeout_s=5.0, peak_flops=1e12, flops_per_token=1e6,
-        hardware_interval_s=1.0,
+        prometheus_port=0 if push else base_port, run_id=run_id, output_dir=out_dir, verbosity=0,
+        log_interval=2, total_steps=100_000, collective_timeout_s=5.0, peak_flops=1e12,
+        flops_per_token=1e6, hardware_interval_s=1.0, **push,
     )  # fmt: skip
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     ot.watch(model, every=5, activations=True)  # feeds the dashboards' ot.watch panels

@@ -304,6 +304,52 @@ def test_layer_series_on_the_prometheus_endpoint(tmp_path) -> None:
     assert len(lines) == 5  # one series per layer
 
 
+def _layer_series(aggregate: str, tmp_path) -> list[str]:
+    """The train_layer_* samples one rank serves on /metrics with `watch_aggregate`."""
+    port = free_port()
+    ot.init(prometheus_port=port, run_id="agg", verbosity=0, log_interval=1, output_dir=str(tmp_path),
+            hardware=False, watch_aggregate=aggregate)  # fmt: skip
+    try:
+        model = Tiny()
+        ot.watch(model, every=1, activations=True, max_layers=64)
+        _train(model, 2)
+        ot.current_session().worker.stop(timeout_s=10)  # type: ignore[union-attr]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        ot.shutdown()
+    return [line for line in text.splitlines() if line.startswith("train_layer_")]
+
+
+def test_watch_aggregate_model_cuts_the_layer_series(tmp_path) -> None:
+    """Series budget (README): one group for the whole model instead of one per layer."""
+    per_layer = _layer_series("layer", tmp_path)
+    whole = _layer_series("model", tmp_path)
+    # grads and params for 5 groups, activations for the 4 that are modules (not the root)
+    assert len(per_layer) == 5 + 5 + 4 + 4
+    assert len(whole) == 2  # grad and param norm of the one group; activations are per layer only
+    assert all(f'train_layer="{ROOT_LABEL}"' in line for line in whole)
+
+
+def test_watch_aggregate_model_values_are_the_whole_model_norms() -> None:
+    with capture_metrics(
+        log_interval=1, run_dir_enabled=False, hardware=False, watch_aggregate="model"
+    ) as cap:
+        model = Tiny()
+        handle = ot.watch(model, every=1)  # max_layers defaults to 64: the setting wins
+        refs = _train(model, 2)
+        ot.shutdown()
+    assert handle.labels == [ROOT_LABEL]
+    for step in (0, 1):
+        scalars = _flush_at(cap, step)
+        grads = _by_label(refs[step]["grads"], [ROOT_LABEL, "embed", "blocks.0.0", "blocks.1.0", "head"])
+        params = _by_label(refs[step]["params"], [ROOT_LABEL, "embed", "blocks.0.0", "blocks.1.0", "head"])
+        whole_grad = math.sqrt(sum(v**2 for v in grads.values()))
+        whole_param = math.sqrt(sum(v**2 for v in params.values()))
+        assert scalars[f"grad_norm/{ROOT_LABEL}"] == pytest.approx(whole_grad, rel=1e-5)
+        assert scalars[f"param_norm/{ROOT_LABEL}"] == pytest.approx(whole_param, rel=1e-5)
+        assert scalars["train/grad_norm"] == pytest.approx(whole_grad, rel=1e-5)
+
+
 def _ddp_rank(rank: int, world: int) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel
 

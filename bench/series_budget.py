@@ -1,0 +1,100 @@
+"""Series budget: how many distinct series one rank exports (README "Series budget").
+
+Counts the samples of the real pull endpoint (`/metrics`: one sample is one series in Prometheus,
+and the Collector's exporter and VictoriaMetrics' OTLP ingestion make the same ones) after a short
+training loop that uses the usual API (four timed phases, loss/lr/grad_norm, tokens, a GradScaler),
+for: defaults, ot.watch on a 64-layer model (grads + params), with activations too, and the same
+with watch_aggregate="model".
+
+    python bench/series_budget.py
+"""
+
+from __future__ import annotations
+
+import sys
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conftest import free_port
+
+import otel_train as ot
+
+LAYERS = 64
+
+
+class Deep(nn.Module):
+    """embed + 62 blocks + head: exactly 64 layer groups for ot.watch (max_layers=64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(LAYERS - 2)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def exported_series(
+    watch: bool, activations: bool = False, aggregate: str = "layer", steps: int = 12
+) -> Counter[str]:
+    """Series per metric family on one rank's /metrics after `steps` steps."""
+    port = free_port()
+    ot.init(prometheus_port=port, run_id="budget", verbosity=0, log_interval=2,
+            run_dir_enabled=False, watch_aggregate=aggregate)  # fmt: skip
+    try:
+        model = Deep()
+        if watch:
+            ot.watch(model, every=2, activations=activations)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        ot.watch_scaler(scaler)
+        for step in range(steps):
+            with ot.step(step, tokens=256, samples=8):
+                with ot.timer("data"):
+                    x = torch.randn(4, 8)
+                optimizer.zero_grad()
+                with ot.timer("forward"):
+                    loss = model(x).pow(2).mean()
+                with ot.timer("backward"):
+                    scaler.scale(loss).backward()
+                with ot.timer("optimizer"):
+                    scaler.step(optimizer)
+                    scaler.update()
+                ot.record("loss", loss)
+                ot.record("lr", 1e-3)
+        ot.current_session().worker.stop(timeout_s=10)  # type: ignore[union-attr]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        ot.shutdown()
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        counts[family.name] += len(family.samples)
+    return counts
+
+
+def main() -> None:
+    cases = {
+        "defaults (no watch)": exported_series(watch=False),
+        f"ot.watch, {LAYERS} layers (grads+params)": exported_series(watch=True),
+        f"ot.watch, {LAYERS} layers, activations=True": exported_series(watch=True, activations=True),
+        'same, watch_aggregate="model"': exported_series(watch=True, activations=True, aggregate="model"),
+    }
+    for name, counts in cases.items():
+        layer = sum(n for family, n in counts.items() if family.startswith("train_layer_"))
+        print(f"{name:48s} {sum(counts.values()):5d} series  ({layer} train_layer_*)")
+    top = cases["defaults (no watch)"].most_common(6)
+    print("largest families at defaults:", ", ".join(f"{f}={n}" for f, n in top))
+
+
+if __name__ == "__main__":
+    main()

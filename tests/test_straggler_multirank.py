@@ -337,3 +337,6 @@ def test_dead_peer_disables_instead_of_hanging(mode: str) -> None:
         assert res["disabled"] is not None and "exchange failed" in res["disabled"]
         assert res["took"] < timeout_s + 3.0
         assert res["collectives_after"] == res["collectives_before"] == 2
+    if mode == "exit":  # rank 0 saw rank 3's connection close and told the others in its answer
+        assert "no row from rank(s) [3]" in results[0]["disabled"]
+        assert all("rank 0 found a failed peer" in res["disabled"] for res in results[1:3])

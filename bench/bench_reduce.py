@@ -6,12 +6,16 @@ and straggler detection latency (flushes until a chronic straggler is reported).
 Latency: a DDP-like interval per rank (data / forward / backward holding the all-reduce /
 optimizer, 10 steps, +-3 % jitter), the last rank 1.3x slower in forward from the first flush;
 "flushes" = the 1-based flush at which every rank's on_straggler callback first names it (with
-log_interval=10 that many x 10 steps), with the default threshold and EWMA.
+log_interval=10 that many x 10 steps), with the default threshold and EWMA. The callback runs one
+flush after rank 0 found it (the verdict rides the next flush's exchange; rank 0's event does not
+wait). Per-rank bytes and time against the job size, and the old all_gather beside the star
+exchange: bench/bench_exchange.py.
 
 Runs on the background worker in production, so this is not training-thread time; it bounds how
 much worker time (and gloo traffic) one flush costs. "local" = not distributed (no process group):
 no collective at all, only this rank's reductions and individual scores.
-Prints the median (and p90) µs per flush over all ranks, and the bare all_gather of the same tensor.
+Prints the median (and p90) µs per flush over all ranks, and a bare all_gather of the same row (the
+exchange before issue #18, kept here to compare).
 """
 
 from __future__ import annotations
@@ -83,12 +87,20 @@ def latency_target(rank: int, world: int, flushes: int) -> int | None:
 
     identity = detect_identity(None)
     group = create_telemetry_group(identity, 60.0)
+    named: list[bool] = []
     first: list[int] = []
-    reducer = CrossRankReducer(identity, None, None, Config(), group=group)
+    reducer = CrossRankReducer(
+        identity,
+        None,
+        None,
+        Config(),
+        group=group,
+        on_straggler=lambda reports: named.append(any(r.rank == world - 1 for r in reports)),
+    )
     rng = random.Random(1000 * rank + 7)
     for seq in range(flushes):
         reducer.on_flush(_ddp_interval(seq, rank, world, rng))
-        if not first and any(r.rank == world - 1 for r in reducer.last_reports if r.chronic):
+        if not first and any(named):
             first.append(seq + 1)
     return first[0] if first else None
 

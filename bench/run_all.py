@@ -13,6 +13,7 @@ for script, args in (
     ("bench_core.py", []),
     ("bench_hardware.py", []),
     ("bench_reduce.py", []),
+    ("bench_exchange.py", ["--flushes", "10"] if QUICK else []),
     ("bench_watch.py", []),
     ("bench_e2e.py", []),
     ("bench_launch.py", ["--quick"] if QUICK else []),

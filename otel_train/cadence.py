@@ -7,16 +7,17 @@ Prometheus scrapes every 15 s. So unless the user sets `log_interval`, the caden
 up to a "nice" number of steps (10, 20, 50, 100, 200, 500, ...), so step numbers in the console
 and the bridges stay readable. An explicit `log_interval` keeps its exact meaning.
 
-Distributed: every rank must flush at the same step (each flush issues one collective, and
-mismatched collectives hang). The interval is therefore decided on rank 0 only, from rank 0's
-own step times, and travels to every rank in the collective that already runs at each flush (a
-header field of `CrossRankReducer`'s packed record, rank 0's row): the value carried by flush k
+Distributed: every rank must flush at the same step (each flush issues one exchange, and
+mismatched exchanges hang). The interval is therefore decided on rank 0 only, from rank 0's
+own step times, and travels to every rank in the exchange that already runs at each flush (a
+header field of rank 0's answer, `downwire`, which every rank receives in that same flush's
+exchange, unlike the straggler verdicts, which ride one flush later): the value carried by flush k
 sets the interval between flush k+1 and flush k+2 on every rank (a lag of one flush, so that the
-worker's collective has a whole interval to finish). A rank whose worker has not delivered it yet
+worker's exchange has a whole interval to finish). A rank whose worker has not delivered it yet
 when it is needed waits for it (bounded by `collective_timeout_s`). Adaptive intervals are never
 below `ADAPTIVE_BASE_STEPS`, so that wait can only start `ADAPTIVE_BASE_STEPS` steps after flush
-k+1; at a human cadence the worker is long done. If the collective fails (a peer died), the
-reducer reports no decision and every rank keeps its last interval: no collective runs any more,
+k+1; at a human cadence the worker is long done. If the exchange fails (a peer died), the
+reducer reports no decision and every rank keeps its last interval: no exchange runs any more,
 so nothing can hang on a disagreement.
 """
 
@@ -52,7 +53,7 @@ class Cadence:
     """The training thread's flush trigger (hot path: `steps >= threshold`, then `due()`).
 
     `log_interval`: the user's explicit value (None: adaptive). `coordinated`: distributed, so the
-    adaptive interval comes from rank 0 through `adopt()` (called by the worker after the collective).
+    adaptive interval comes from rank 0 through `adopt()` (called by the worker after the exchange).
     """
 
     def __init__(
@@ -129,12 +130,12 @@ class Cadence:
     def _apply(self, decided: int) -> None:
         if decided >= 1:
             self._agreed = decided
-        # 0: the collective did not run (reducer disabled): every rank keeps the last agreed interval
+        # 0: the exchange did not run (reducer disabled): every rank keeps the last agreed interval
         self.threshold = self._agreed
 
     # --- worker thread -----------------------------------------------------------------------------
     def adopt(self, seq: int, interval_steps: int) -> None:
-        """The interval rank 0 carried in flush `seq`'s collective (0: no collective ran)."""
+        """The interval rank 0 carried in flush `seq`'s exchange (0: no exchange ran)."""
         with self._changed:
             self._decisions[seq] = max(0, int(interval_steps))
             self._changed.notify_all()

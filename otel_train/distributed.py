@@ -120,7 +120,7 @@ def detect_identity(
 
 
 def create_telemetry_group(identity: Identity, timeout_s: float) -> Any | None:
-    """The dedicated gloo group telemetry collectives run on (never the training's default group).
+    """The dedicated gloo group the telemetry exchange runs on (never the training's default group).
 
     Collective: every rank must call it, in the same order relative to other `new_group` calls
     (otel_train calls it once, from `init()`). Returns None when not distributed or when the group

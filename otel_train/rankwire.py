@@ -1,5 +1,5 @@
-"""The wire format of the one telemetry collective per flush: one rank's interval as a fixed-size
-float64 row, and back.
+"""The up row of the one telemetry exchange per flush (`exchange`): one rank's interval as a
+fixed-size float64 row, and back (rank 0 unpacks every rank's).
 
 Why it never misaligns, and needs no agreement on names:
     Each timer name gets a stable 48-bit id (blake2b of the UTF-8 name; exact in float64). A rank
@@ -10,7 +10,7 @@ Why it never misaligns, and needs no agreement on names:
     never merged. Names travel once: each rank announces up to `ANNOUNCE_SLOTS` new (id, name)
     pairs per flush in a fixed region of the same row, so rank 0 learns the name of a timer it
     never ran (a timer seen only elsewhere is reported from the flush after its announcement).
-    The row size depends only on constants, so all ranks always issue the same collective.
+    The row size depends only on constants, so rank 0 always posts matching receives.
 
     layout: [header (HEADER_LEN)] [max_timers x slot (SLOT_LEN)] [ANNOUNCE_SLOTS x (id, name...)]
     header: version, rank, seq, step, node_rank, local_rank, n_timers, flags, step stats, host,
@@ -48,7 +48,7 @@ STATS_LEN = 4  # count, lower median, max, MAD
 _H_VERSION, _H_RANK, _H_SEQ, _H_STEP, _H_NODE, _H_LOCAL, _H_NTIMERS, _H_FLAGS = range(8)
 _H_STEP_STATS = 8
 _H_HOST = _H_STEP_STATS + STATS_LEN
-# The adaptive flush cadence (otel_train.cadence) rides here: rank 0's value is adopted by every rank.
+# This rank's proposed flush interval (otel_train.cadence); rank 0's own travels down in its answer.
 _H_FLUSH_INTERVAL = _H_HOST + HOST_FLOATS
 HEADER_LEN = _H_FLUSH_INTERVAL + 1
 _S_ID, _S_COUNT, _S_MEAN, _S_ARRIVAL = range(4)
@@ -106,20 +106,20 @@ def name_id(name: str) -> int:
     return value or 1
 
 
-def _encode_text(text: str, floats: int) -> list[float]:
+def encode_text(text: str, floats: int) -> list[float]:
     raw = text.encode("utf-8")[: 6 * floats]
     raw = raw + b"\x00" * (6 * floats - len(raw))
     return [float(int.from_bytes(raw[i : i + 6], "big")) for i in range(0, 6 * floats, 6)]
 
 
-def _decode_text(values: Iterable[float]) -> str:
+def decode_text(values: Iterable[float]) -> str:
     raw = b"".join(int(v).to_bytes(6, "big") for v in values)
     return raw.rstrip(b"\x00").decode("utf-8", errors="ignore")
 
 
 @functools.lru_cache(maxsize=256)  # one host name per rank, decoded at every flush
 def _decode_host(values: tuple[float, ...]) -> str:
-    return _decode_text(values)
+    return decode_text(values)
 
 
 class TimerTable:
@@ -224,7 +224,7 @@ def pack(
     row[_H_LOCAL] = float(identity.local_rank)
     row[_H_FLAGS] = float(flags)
     row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN] = Spread.of(interval.step_durations).encode()
-    row[_H_HOST : _H_HOST + HOST_FLOATS] = _encode_text(identity.host, HOST_FLOATS)
+    row[_H_HOST : _H_HOST + HOST_FLOATS] = encode_text(identity.host, HOST_FLOATS)
     row[_H_FLUSH_INTERVAL] = float(interval.flush_interval)
     n = 0
     for name, durations in interval.phases.items():
@@ -243,7 +243,7 @@ def pack(
     for i, name in enumerate(table.take_announcements()):
         at = base + i * ANNOUNCE_LEN
         row[at] = float(table.ids[name])
-        row[at + 1 : at + ANNOUNCE_LEN] = _encode_text(name, NAME_FLOATS)
+        row[at + 1 : at + ANNOUNCE_LEN] = encode_text(name, NAME_FLOATS)
     tensor = torch.tensor(row, dtype=torch.float64)
     if out is not None:
         out.copy_(tensor)
@@ -252,7 +252,7 @@ def pack(
 
 
 def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
-    """Rows of an all-gathered tensor (shape [world * pack_len] or [world, pack_len]) -> records."""
+    """Rows gathered on rank 0 (shape [world * pack_len] or [world, pack_len]) -> records."""
     length = pack_len(capacity)
     flat = gathered.reshape(-1, length).tolist()
     records: list[RankRecord] = []
@@ -283,7 +283,7 @@ def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
             at = base + i * ANNOUNCE_LEN
             ident = int(row[at])
             if ident:
-                record.announced[ident] = _decode_text(row[at + 1 : at + ANNOUNCE_LEN])
+                record.announced[ident] = decode_text(row[at + 1 : at + ANNOUNCE_LEN])
         records.append(record)
     return records
 

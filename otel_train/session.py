@@ -65,7 +65,7 @@ class Session:
 
         self.config = config
         self.identity: Identity = detect_identity(config.run_id)
-        # A dedicated gloo group: telemetry's one collective per flush runs on the worker thread and
+        # A dedicated gloo group: telemetry's one exchange per flush runs on the worker thread and
         # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
         self.telemetry_group = create_telemetry_group(self.identity, config.collective_timeout_s)
         # One run per job: every rank adopts rank 0's run id and run name (a generated name differs

@@ -1,17 +1,24 @@
-"""The cross-rank flush listener: ONE collective per flush, off the training thread.
+"""The cross-rank flush listener: ONE exchange per flush, off the training thread.
 
 `CrossRankReducer` runs at every flush on the background worker. It packs this rank's interval
 (`rankwire`: per-timer mean duration and arrival statistics, step statistics, host) into ONE
-fixed-size float64 tensor and issues ONE `all_gather` on a dedicated gloo group
-(`distributed.create_telemetry_group`), never on the training's own (maybe NCCL) group and never
-on the training thread; none at all when not distributed. Every rank then holds the same table, so
-every rank computes the same timer reductions (`crossrank`) and the same straggler verdicts
-(`straggler_model`); rank 0 publishes the cross-rank gauges and the straggler events, every rank
-publishes its own scores, lateness and wait.
+fixed-size float64 row and runs ONE star-shaped exchange (`exchange.StarExchange`) on a dedicated
+gloo group (`distributed.create_telemetry_group`), never on the training's own (maybe NCCL) group
+and never on the training thread; none at all when not distributed. Every rank but rank 0 sends its
+row up and gets one fixed-size answer down (`downwire`), so its cost does not grow with the job.
 
-Failure: the group's timeout is `collective_timeout_s`. A failed or timed-out collective (a peer died
-or stopped flushing) disables the reducer for good (logged once): it never retries a collective
-that a peer would not issue.
+Rank 0 holds every row: it computes the timer reductions (`crossrank`) and the straggler verdicts
+(`straggler_model`), publishes the cross-rank gauges, logs and emits the straggler events and its
+own scores at once. Its answer at a flush carries the flush interval (the adaptive cadence, adopted
+by every rank at that same flush) and the verdicts of the PREVIOUS flush: each rank's own scores,
+lateness and wait (published by that rank) and the chronic stragglers. So other ranks' gauges, and
+`on_straggler` on EVERY rank (rank 0 included, from its own decoded answer: the same list
+everywhere, at the same flush), run one flush after rank 0 decided. Cross-rank reductions and
+`abstain_reason` exist on rank 0 only; other ranks' `last_reductions` hold their own timers.
+
+Failure: the group's timeout is `collective_timeout_s`. A failed or timed-out exchange (a peer died
+or stopped flushing) disables the reducer for good on every rank at the same flush (logged once):
+it never retries an exchange that a peer would not issue.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
-from otel_train import semconv
+from otel_train import downwire, semconv
 from otel_train.crossrank import Reduction, per_rank_timings, reduce_timings, stats_for_option
 from otel_train.distributed import Identity, create_telemetry_group
+from otel_train.exchange import StarExchange
 from otel_train.interval import Interval
 from otel_train.rankwire import (
     FLAG_SHARDED,
@@ -75,25 +83,21 @@ def _create_gauge(meter: Any, spec: semconv.MetricSpec) -> _Gauge | None:
     return gauge
 
 
-def _all_gather_fn() -> Callable[..., Any]:
-    import torch.distributed as dist
-
-    fn = getattr(dist, "all_gather_single", None)  # torch >= 2.13 (all_gather_into_tensor deprecated)
-    return fn if fn is not None else dist.all_gather_into_tensor
-
-
 class CrossRankReducer:
     """Flush listener: cross-rank timer stats and straggler verdicts (see the module doc).
 
     Construct it on EVERY rank at init (it may create the dedicated gloo group, a collective).
     `group`: the telemetry group from `distributed.create_telemetry_group` (created here when None
     and distributed). `on_straggler(reports)`: called on every rank with the same list of chronic
-    stragglers at each flush where there are any (every rank sees the same data, so a decision taken
-    there, such as stopping, is the same on all ranks).
+    stragglers (at most `downwire.MAX_CHRONIC`, the lowest scores) at each flush where there are
+    any, one flush after rank 0 found them (every rank gets the same list at the same flush, so a
+    decision taken there, such as stopping, is the same on all ranks).
 
-    After each flush, `last_reductions` (name -> Reduction, including the step time under "step"),
-    `last_scores` (this rank's RankScores) and `last_reports` are available for the console and the
-    bridges; `abstain_reason` says why stragglers cannot be found, when they cannot.
+    After each flush, `last_reductions` (name -> Reduction, including the step time under "step";
+    across ranks on rank 0, this rank's own elsewhere), `last_scores` (this rank's RankScores; on
+    ranks other than 0 those rank 0 sent down, one flush old) and `last_reports` (rank 0: this
+    flush's; others: the chronic list delivered) are available for the console and the bridges;
+    `abstain_reason` (rank 0) says why stragglers cannot be found, when they cannot.
     """
 
     def __init__(
@@ -115,15 +119,16 @@ class CrossRankReducer:
         self.settings = Settings.from_config(config)
         self.scorer = StragglerScorer(self.settings)
         self.table = TimerTable(max_timers)
-        # Called after each flush's collective with (flush seq, rank 0's flush_interval), 0 when no
-        # collective ran: the adaptive cadence (otel_train.cadence) every rank adopts from rank 0.
+        # Called after each flush's exchange with (flush seq, rank 0's flush_interval), 0 when no
+        # exchange ran: the adaptive cadence (otel_train.cadence) every rank adopts from rank 0.
         self.on_cadence: Callable[[int, int], None] | None = None
-        self.collectives = 0  # collectives issued (tests and self-observability)
+        self.collectives = 0  # exchanges issued (tests and self-observability)
         self.disabled_reason: str | None = None
         self.abstain_reason: str | None = None
         self.last_reductions: dict[str, Reduction] = {}
         self.last_scores: RankScores | None = None
         self.last_reports: list[StragglerReport] = []
+        self._verdict: downwire.Verdict | None = None  # rank 0: sent down at the next flush
         self._flagged: set[int] = set()
         self._gathered_flushes = 0
         self._sharded_seen = False
@@ -138,6 +143,7 @@ class CrossRankReducer:
             import torch.distributed as dist
 
             self._world = int(dist.get_world_size(self.group))
+        self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s)
         self._score_gauge = _create_gauge(meter, semconv.STRAGGLER_SCORE)
         self._lateness_gauge = _create_gauge(meter, semconv.STRAGGLER_LATENESS)
         self._wait_gauge = _create_gauge(meter, semconv.STRAGGLER_WAIT)
@@ -145,7 +151,7 @@ class CrossRankReducer:
 
     @property
     def distributed(self) -> bool:
-        """True while this reducer issues one collective per flush."""
+        """True while this reducer issues one exchange per flush."""
         return (
             self.group is not None and self._world > 1 and self.disabled_reason is None and not self._closed
         )
@@ -153,7 +159,7 @@ class CrossRankReducer:
     def on_flush(self, interval: Interval) -> None:
         if interval.final:
             # Shutdown flushes are not aligned across ranks (a peer may already be gone), so they
-            # never issue a collective; the last aligned flush already carried the cross-rank view.
+            # never issue an exchange; the last aligned flush already carried the cross-rank view.
             return
         with self._lock:
             if self._closed:
@@ -167,9 +173,9 @@ class CrossRankReducer:
         self._closed = True
 
     def set_threshold(self, threshold: float) -> None:
-        """Runtime control: a new straggler_threshold, applied from the next flush on (every rank
-        applies a control file at the same step, so verdicts stay identical across ranks)."""
-        # No lock: the worker may hold it for a whole collective; swapping a frozen object is atomic.
+        """Runtime control: a new straggler_threshold, applied from the next flush on (verdicts are
+        computed on rank 0 only, and every rank applies a control file at the same step)."""
+        # No lock: the worker may hold it for a whole exchange; swapping a frozen object is atomic.
         self.settings = replace(self.settings, threshold=float(threshold))
         self.scorer.settings = self.settings
 
@@ -178,23 +184,10 @@ class CrossRankReducer:
             self.disabled_reason = reason
             logger.error(
                 "otel_train: cross-rank telemetry disabled on rank %d: %s (a peer died, hung or stopped "
-                "flushing; this rank issues no more telemetry collectives)",
+                "flushing; this rank issues no more telemetry exchanges)",
                 self.identity.rank,
                 reason,
             )
-
-    def _gather(self, interval: Interval) -> list[RankRecord] | None:
-        import torch
-
-        row = pack(interval, self.identity, self.table, flags=FLAG_SHARDED if self._sharded() else 0)
-        out = torch.empty(self._world * row.numel(), dtype=torch.float64)
-        self.collectives += 1
-        try:
-            _all_gather_fn()(out, row, group=self.group)
-        except Exception as exc:
-            self._disable(f"all_gather failed at flush {interval.seq}: {exc}")
-            return None
-        return unpack(out, self.table.capacity)
 
     def _sharded(self) -> bool:
         """Whether this process trains FSDP2 (`fully_shard`) modules; checked on the worker at each
@@ -203,24 +196,54 @@ class CrossRankReducer:
             self._sharded_seen = _fsdp_in_use()
         return self._sharded_seen
 
-    def _adopt_cadence(self, seq: int, records: Sequence[RankRecord] | None) -> None:
-        """Hand rank 0's flush interval to the cadence, right after the gather and before anything
+    def _adopt_cadence(self, seq: int, flush_interval: int) -> None:
+        """Hand rank 0's flush interval to the cadence, right after the exchange and before anything
         that could raise, so every rank adopts the same value at the same flush."""
-        if self.on_cadence is None or not self.identity.distributed:
-            return
-        lead = next((r for r in records or () if r.rank == 0), None)
-        self.on_cadence(seq, lead.flush_interval if lead is not None else 0)
+        if self.on_cadence is not None and self.identity.distributed:
+            self.on_cadence(seq, flush_interval)
 
     def _flush(self, interval: Interval) -> None:
         if not self.distributed:
-            self._adopt_cadence(interval.seq, None)  # disabled: every rank keeps its interval
+            self._adopt_cadence(interval.seq, 0)  # disabled: every rank keeps its interval
             self._flush_local(interval)
             return
-        records = self._gather(interval)
-        self._adopt_cadence(interval.seq, records)
-        if records is None:
+        row = pack(interval, self.identity, self.table, flags=FLAG_SHARDED if self._sharded() else 0)
+        root = self.identity.rank == 0
+        answers = downwire.answers(self._world, interval.flush_interval, self._verdict) if root else None
+        self.collectives += 1
+        try:
+            got = self.exchange.run(row, answers)
+        except Exception as exc:
+            self._disable(f"telemetry exchange failed at flush {interval.seq}: {exc}")
+            self._adopt_cadence(interval.seq, 0)
             self._flush_local(interval)
             return
+        down = downwire.decode(got.down, self.identity.rank)
+        self._adopt_cadence(interval.seq, down.flush_interval)
+        self._deliver(down, root)
+        if got.records is None:
+            self.last_reductions = _own_reductions(interval, self.identity)
+            return
+        self._reduce(interval, unpack(got.records, self.table.capacity))
+
+    def _deliver(self, down: downwire.Down, root: bool) -> None:
+        """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own
+        already) and the chronic list for `on_straggler`, the same on every rank."""
+        if down.verdict_seq < 0:
+            return
+        if not root:
+            self.last_scores = down.scores
+            self.last_reports = down.chronic
+            if down.scores is not None:
+                self._set_scores(down.scores)
+        if down.chronic and self.on_straggler is not None:
+            try:
+                self.on_straggler(down.chronic)
+            except Exception as exc:
+                logger.warning("otel_train: on_straggler callback failed: %s", exc)
+
+    def _reduce(self, interval: Interval, records: Sequence[RankRecord]) -> None:
+        """Rank 0: reductions, verdicts, gauges and events from every rank's row."""
         seqs = {r.seq for r in records}
         if len(seqs) > 1 and not self._seq_warned:
             self._seq_warned = True
@@ -251,6 +274,9 @@ class CrossRankReducer:
         mine = next((s for s in all_scores if s.rank == self.identity.rank), None)
         self.last_scores = mine
         self.last_reports = reports
+        self._verdict = downwire.Verdict(
+            interval.seq, {s.rank: s for s in all_scores}, [r for r in reports if r.chronic]
+        )
         if mine is not None:
             self._set_scores(mine)
         if self._cross_gauge is not None:
@@ -258,9 +284,9 @@ class CrossRankReducer:
         self._report(reports, interval)
 
     def _flush_local(self, interval: Interval) -> None:
-        """Not distributed (or the collective is off): this rank's timers and individual score."""
+        """Not distributed (or the exchange is off): this rank's timers and individual score."""
+        self.last_reductions = _own_reductions(interval, self.identity)
         record = local_record(interval, self.identity)
-        self.last_reductions = reduce_timings(per_rank_timings([record], record.announced))
         self.last_scores = self.scorer.update_local(self.identity.rank, record.step_stats)
         self.last_reports = []
         self._set_scores(self.last_scores)
@@ -298,31 +324,23 @@ class CrossRankReducer:
                 self._cross_gauge.set(value, {semconv.PHASE: name, semconv.STAT: stat})
 
     def _report(self, reports: Sequence[StragglerReport], interval: Interval) -> None:
-        chronic = [r for r in reports if r.chronic]
-        now = {r.rank for r in chronic}
-        if self.identity.rank == 0:
-            new = [r for r in reports if not r.chronic or r.rank not in self._flagged]
-            new.sort(key=lambda r: (not r.chronic, r.score, r.rank))
-            if len(new) > MAX_REPORTS_PER_FLUSH:
-                logger.warning(
-                    "otel_train: %d new stragglers at step %d; reporting the %d slowest (%s)",
-                    len(new),
-                    interval.step,
-                    MAX_REPORTS_PER_FLUSH,
-                    ", ".join(
-                        f"rank {r.rank} {r.pattern} {r.score:.2f}" for r in new[:MAX_REPORTS_PER_FLUSH]
-                    ),
-                )
-            for report in new[:MAX_REPORTS_PER_FLUSH]:
-                self._emit(report, interval)
-            for rank in sorted(self._flagged - now):
-                logger.info("otel_train: rank %d is no longer a straggler", rank)
+        """Rank 0: log and emit the new stragglers (the callback runs from the next answer)."""
+        now = {r.rank for r in reports if r.chronic}
+        new = [r for r in reports if not r.chronic or r.rank not in self._flagged]
+        new.sort(key=lambda r: (not r.chronic, r.score, r.rank))
+        if len(new) > MAX_REPORTS_PER_FLUSH:
+            logger.warning(
+                "otel_train: %d new stragglers at step %d; reporting the %d slowest (%s)",
+                len(new),
+                interval.step,
+                MAX_REPORTS_PER_FLUSH,
+                ", ".join(f"rank {r.rank} {r.pattern} {r.score:.2f}" for r in new[:MAX_REPORTS_PER_FLUSH]),
+            )
+        for report in new[:MAX_REPORTS_PER_FLUSH]:
+            self._emit(report, interval)
+        for rank in sorted(self._flagged - now):
+            logger.info("otel_train: rank %d is no longer a straggler", rank)
         self._flagged = now
-        if chronic and self.on_straggler is not None:
-            try:
-                self.on_straggler(chronic)
-            except Exception as exc:
-                logger.warning("otel_train: on_straggler callback failed: %s", exc)
 
     def _emit(self, report: StragglerReport, interval: Interval) -> None:
         message = describe(report, interval.step, self.settings.threshold)
@@ -333,6 +351,12 @@ class CrossRankReducer:
             self.events.emit("straggler", message, event_attributes(report, interval.step))
         except Exception as exc:
             logger.warning("otel_train: straggler event failed: %s", exc)
+
+
+def _own_reductions(interval: Interval, identity: Identity) -> dict[str, Reduction]:
+    """This rank's own timers as one-rank reductions."""
+    record = local_record(interval, identity)
+    return reduce_timings(per_rank_timings([record], record.announced))
 
 
 def _fsdp_in_use() -> bool:

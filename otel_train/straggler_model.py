@@ -385,8 +385,8 @@ def _category(phase: str) -> Category:
 
 
 class StragglerScorer:
-    """Smoothed scores and verdicts for every rank from the same gathered data (so every rank
-    computes identical results). EWMA with prior 1.0."""
+    """Smoothed scores and verdicts for every rank from every rank's data (on rank 0, which sends
+    each rank its scores and every rank the chronic list). EWMA with prior 1.0."""
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or Settings()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import Events
 
-from otel_train import semconv
+from otel_train import downwire, semconv
 from otel_train.config import Config
 from otel_train.crossrank import (
     Reduction,
@@ -21,6 +21,7 @@ from otel_train.crossrank import (
     stats_for_option,
 )
 from otel_train.distributed import Identity
+from otel_train.exchange import Exchanged
 from otel_train.interval import Interval
 from otel_train.rankwire import ANNOUNCE_SLOTS, NAME_BYTES, TimerTable, name_id, pack, pack_len, unpack
 from otel_train.straggler import CrossRankReducer
@@ -249,6 +250,8 @@ def test_not_distributed_issues_no_collective(monkeypatch: pytest.MonkeyPatch) -
         "all_gather_single",
         "all_gather_object",
         "broadcast",
+        "isend",
+        "irecv",
         "new_group",
     ):
         if hasattr(dist, fn):
@@ -282,7 +285,7 @@ def test_reducer_closed_is_a_no_op() -> None:
     assert reducer.last_reductions == {}
 
 
-# --- the listener's distributed path, with an in-process fake all_gather -------------------------
+# --- the listener's distributed path, with an in-process fake exchange -----------------------------
 
 
 class _FakeGroup:
@@ -293,6 +296,34 @@ class _FakeGroup:
         return self.world
 
 
+class _FakeExchange:
+    """Rank 0's side of the star exchange for `world` simulated ranks: the rows they would send up
+    (`interval_for(rank, seq)`), and rank 0's own answer row back down."""
+
+    def __init__(self, world: int, interval_for: Callable[[int, int], Interval], fail: list[bool]) -> None:
+        self.world = world
+        self.interval_for = interval_for
+        self.fail = fail
+        self.tables = [TimerTable() for _ in range(world)]
+        self.answers: list[torch.Tensor] = []
+
+    def run(self, up: torch.Tensor, answers: torch.Tensor | None) -> Exchanged:
+        if self.fail[0]:
+            raise RuntimeError("Connection closed by peer")
+        assert answers is not None and answers.shape == (self.world, downwire.DOWN_LEN)
+        self.answers.append(answers.clone())
+        (mine,) = unpack(up)
+        rows = [
+            pack(
+                self.interval_for(r, mine.seq),
+                Identity("r", rank=r, world_size=self.world, host=f"h{r}", local_rank=r % 8),
+                self.tables[r],
+            )
+            for r in range(self.world)
+        ]
+        return Exchanged(torch.stack(rows), answers[0])
+
+
 def _fake_world(
     monkeypatch: pytest.MonkeyPatch,
     world: int,
@@ -300,34 +331,17 @@ def _fake_world(
     fail: list[bool],
     config: Config | None = None,
 ) -> CrossRankReducer:
-    """A rank-0 reducer whose all_gather returns rows packed for `world` simulated ranks;
+    """A rank-0 reducer whose exchange returns rows packed for `world` simulated ranks;
     `interval_for(rank, seq)` is each rank's interval."""
-    import otel_train.straggler as mod
-
-    tables = [TimerTable() for _ in range(world)]
-
-    def gather(out: torch.Tensor, row: torch.Tensor, group: object = None) -> None:
-        if fail[0]:
-            raise RuntimeError("Connection closed by peer")
-        (mine,) = unpack(row)
-        rows = [
-            pack(
-                interval_for(r, mine.seq),
-                Identity("r", rank=r, world_size=world, host=f"h{r}", local_rank=r % 8),
-                tables[r],
-            )
-            for r in range(world)
-        ]
-        out.copy_(torch.cat(rows))
-
-    monkeypatch.setattr(mod, "_all_gather_fn", lambda: gather)
-    return CrossRankReducer(
+    reducer = CrossRankReducer(
         Identity("r", rank=0, world_size=world, host="h0"),
         None,
         Events(),
         config or Config(),
         group=_FakeGroup(world),
     )
+    reducer.exchange = _FakeExchange(world, interval_for, fail)  # type: ignore[assignment]
+    return reducer
 
 
 def _ddp_interval(rank: int, seq: int, slow: dict[int, float], steps: int = 6) -> Interval:
@@ -389,6 +403,36 @@ def test_chronic_straggler_event_names_culprit_phase_and_cost(
     assert "ranks 0, 1, 3 wait 15.0 ms per step for rank 2 in 'backward'" in message
     assert flagged and all(f == [2] for f in flagged)
     assert reducer.last_scores is not None and reducer.last_scores.wait_s == pytest.approx(0.015, abs=1e-3)
+
+
+def test_rank0_answers_carry_cadence_now_and_verdicts_one_flush_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reducer = _fake_world(monkeypatch, 4, lambda r, seq: _ddp_interval(r, seq, {2: 1.5}), [False])
+    flagged: list[list[object]] = []
+    adopted: list[tuple[int, int]] = []
+    reducer.on_straggler = flagged.append
+    reducer.on_cadence = lambda seq, steps: adopted.append((seq, steps))
+    verdicts: list[downwire.Verdict] = []
+    for seq in range(5):
+        iv = interval(seq, {})
+        iv.flush_interval = 20 * (seq + 1)
+        reducer.on_flush(iv)
+        assert reducer._verdict is not None
+        verdicts.append(reducer._verdict)
+    assert adopted == [(seq, 20 * (seq + 1)) for seq in range(5)]  # the cadence is not delayed
+    sent = reducer.exchange.answers  # type: ignore[attr-defined]
+    assert all(downwire.decode(row, r).verdict_seq == -1 for r, row in enumerate(sent[0]))
+    for seq in range(1, 5):
+        before = verdicts[seq - 1]
+        for r, row in enumerate(sent[seq]):
+            down = downwire.decode(row, r)
+            assert (down.status, down.verdict_seq, down.flush_interval) == (0, seq - 1, 20 * (seq + 1))
+            assert down.scores == before.scores[r]  # this rank's own scores, exactly
+            assert down.chronic == list(before.chronic)  # the same list for every rank
+    chronic = [list(v.chronic) for v in verdicts[:-1] if v.chronic]
+    assert chronic and [[r.rank for r in c] for c in chronic] == [[2]] * len(chronic)
+    assert flagged == chronic  # rank 0's own callback: its decoded answer, one flush later
 
 
 def test_abstains_once_when_only_the_step_is_timed(

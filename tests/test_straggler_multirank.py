@@ -1,7 +1,8 @@
-"""CrossRankReducer on REAL torch.distributed gloo ranks (4 processes on CPU).
+"""CrossRankReducer on REAL torch.distributed gloo ranks (4 processes, and 2 for the counts).
 
 Each child calls the reducer's `on_flush` directly with synthetic per-rank Intervals, counts every
-torch.distributed collective entry point it calls (monkeypatched inside the child) and reports back.
+torch.distributed collective and point-to-point entry point it calls (monkeypatched inside the
+child) and reports back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from multirank import run_ranks
 pytestmark = pytest.mark.multirank
 
 COLLECTIVES = (
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+    "all_to_all",
+    "all_to_all_single",
+    "scatter",
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_single",
@@ -143,24 +152,29 @@ def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) 
             on_straggler=functools.partial(_record_reports, flagged),
         )
         counts = _count_collectives()
-        per_flush: list[int] = []
+        per_flush: list[dict[str, int]] = []
+        exchanges: list[int] = []
         first_flag: int | None = None
         for seq in range(flushes):
-            before = sum(counts.values())
+            before = dict(counts)
+            issued = reducer.collectives
             n_flagged = len(flagged)
             reducer.on_flush(_interval(seq, _phases(rank, seq, scenario)))
-            per_flush.append(sum(counts.values()) - before)
+            per_flush.append({k: v - before.get(k, 0) for k, v in counts.items() if v != before.get(k, 0)})
+            exchanges.append(reducer.collectives - issued)
             if first_flag is None and len(flagged) > n_flagged:
                 first_flag = seq
         reductions = reducer.last_reductions
         results[scenario] = {
             "per_flush": per_flush,
+            "exchanges": exchanges,
             "counts": dict(counts),
             "first_flag": first_flag,
             "flagged": flagged[-1] if flagged else [],
             "events": events.events,
             "gauges": _gauges(reader),
             "forward_values": reductions["forward"].values,
+            "bytes": (reducer.exchange.sent_bytes, reducer.exchange.received_bytes),
             "reductions": {n: (r.n, r.argmin, r.argmax, r.values) for n, r in reductions.items()},
             "disabled": reducer.disabled_reason,
         }
@@ -179,14 +193,34 @@ def scenario_results() -> list[dict[str, Any]]:
     return run_ranks(4, scenarios_target, (["balanced", "compute", "data", "timersets"], 5), timeout=90)
 
 
-def test_exactly_one_collective_per_flush(scenario_results: list[dict[str, Any]]) -> None:
-    for rank_result in scenario_results:
+def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) -> None:
+    """Per flush, every rank runs ONE exchange: a rank r > 0 posts one send to and one receive from
+    rank 0, rank 0 one of each per peer; no torch collective at all. Bytes: O(1) off rank 0."""
+    from otel_train.downwire import DOWN_LEN
+    from otel_train.rankwire import pack_len
+
+    world = len(results)
+    for rank, rank_result in enumerate(results):
+        peers = world - 1 if rank == 0 else 1
         for scenario, res in rank_result.items():
-            assert res["per_flush"] == [1] * 5, (scenario, res["counts"])
-            gathers = {k: v for k, v in res["counts"].items() if v}
-            assert len(gathers) == 1 and next(iter(gathers)).startswith("all_gather"), gathers
-            assert "all_gather_object" not in gathers
+            assert res["exchanges"] == [1] * flushes, (scenario, res["exchanges"])
+            assert res["per_flush"] == [{"isend": peers, "irecv": peers}] * flushes, (scenario, res["counts"])
             assert res["disabled"] is None
+            up, down = 8 * pack_len(), 8 * DOWN_LEN
+            sent, received = (up, down) if rank else (peers * down, peers * up)
+            assert res["bytes"] == (flushes * sent, flushes * received), (rank, res["bytes"])
+
+
+def test_exactly_one_exchange_per_flush(scenario_results: list[dict[str, Any]]) -> None:
+    _assert_one_exchange_per_flush(scenario_results, 5)
+
+
+def test_exactly_one_exchange_per_flush_on_two_ranks() -> None:
+    results = run_ranks(2, scenarios_target, (["data"], 4), timeout=90)
+    _assert_one_exchange_per_flush(results, 4)
+    # rank 1 is slow in data: the verdict reaches both ranks' callbacks, one flush after rank 0 found it
+    assert [r["data"]["flagged"] for r in results] == [[(1, "chronic", "data", "data")]] * 2
+    assert results[0]["data"]["events"][0][1]["rank"] == 1 and results[1]["data"]["events"] == []
 
 
 def test_balanced_flags_nothing(scenario_results: list[dict[str, Any]]) -> None:
@@ -233,14 +267,18 @@ def test_data_straggler_attributed_to_data(scenario_results: list[dict[str, Any]
 
 
 def test_differing_timer_sets_reduce_by_name(scenario_results: list[dict[str, Any]]) -> None:
-    for res in (r["timersets"] for r in scenario_results):
+    for rank, res in enumerate(r["timersets"] for r in scenario_results):
+        assert res["first_flag"] is None
+        if rank != 0:  # only rank 0 holds every rank's row; the others reduce their own timers
+            assert {n for n, red in res["reductions"].items() if red[0] != 1} == set()
+            assert ("rank3_only" in res["reductions"]) == (rank == 3)
+            continue
         reds = res["reductions"]
         n, argmin, argmax, values = reds["rank3_only"]
         assert (n, argmin, argmax) == (1, 3, 3) and values[:3] == (None, None, None)
         assert reds["optimizer"][0] == 4  # rank 1's late timer joined without misalignment
         fwd = reds["forward"][3]
         assert all(v == pytest.approx(0.030, rel=0.03) for v in fwd)
-        assert res["first_flag"] is None
 
 
 def single_rank_target(rank: int, world: int) -> dict[str, Any]:
@@ -296,6 +334,9 @@ def test_dead_peer_disables_instead_of_hanging(mode: str) -> None:
     timeout_s = 3.0
     results = run_ranks(4, dead_peer_target, (mode, timeout_s), timeout=60)
     for res in results[:3]:
-        assert res["disabled"] is not None and "all_gather failed" in res["disabled"]
+        assert res["disabled"] is not None and "exchange failed" in res["disabled"]
         assert res["took"] < timeout_s + 3.0
         assert res["collectives_after"] == res["collectives_before"] == 2
+    if mode == "exit":  # rank 0 saw rank 3's connection close and told the others in its answer
+        assert "no row from rank(s) [3]" in results[0]["disabled"]
+        assert all("rank 0 found a failed peer" in res["disabled"] for res in results[1:3])

@@ -222,7 +222,7 @@ class CrossRankReducer:
         self._adopt_cadence(interval.seq, down.flush_interval)
         self._deliver(down, root)
         if got.records is None:
-            self.last_reductions = _own_reductions(interval, self.identity)
+            self.last_reductions = _own_reductions(local_record(interval, self.identity))
             return
         self._reduce(interval, unpack(got.records, self.table.capacity))
 
@@ -285,8 +285,8 @@ class CrossRankReducer:
 
     def _flush_local(self, interval: Interval) -> None:
         """Not distributed (or the exchange is off): this rank's timers and individual score."""
-        self.last_reductions = _own_reductions(interval, self.identity)
         record = local_record(interval, self.identity)
+        self.last_reductions = _own_reductions(record)
         self.last_scores = self.scorer.update_local(self.identity.rank, record.step_stats)
         self.last_reports = []
         self._set_scores(self.last_scores)
@@ -353,9 +353,8 @@ class CrossRankReducer:
             logger.warning("otel_train: straggler event failed: %s", exc)
 
 
-def _own_reductions(interval: Interval, identity: Identity) -> dict[str, Reduction]:
+def _own_reductions(record: RankRecord) -> dict[str, Reduction]:
     """This rank's own timers as one-rank reductions."""
-    record = local_record(interval, identity)
     return reduce_timings(per_rank_timings([record], record.announced))
 
 

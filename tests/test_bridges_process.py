@@ -67,6 +67,21 @@ def test_calls_arrive_in_order_as_plain_data(tmp_path: Path) -> None:
     assert bridges.wait(30)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+@pytest.mark.usefixtures("fixtures_on_path")
+def test_bridge_process_runs_below_the_training(tmp_path: Path) -> None:
+    """SCHED_IDLE (never preempts a training thread) and nice 10, measured reason in bridges/host.py."""
+    bridges = BridgeProcess([("bridge_fixtures", "Recording", {"path": str(tmp_path / "c.jsonl")})], 8)
+    try:
+        assert bridges.pid is not None
+        assert os.sched_getscheduler(bridges.pid) == os.SCHED_IDLE
+        assert psutil.Process(bridges.pid).nice() == 10
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training process keeps its own policy
+    finally:
+        bridges.close({}, timeout=30)
+    assert bridges.wait(30)
+
+
 @pytest.mark.usefixtures("fixtures_on_path")
 def test_drops_in_the_bridge_process_are_counted(tmp_path: Path) -> None:
     drops: list[tuple[str, int]] = []

@@ -11,7 +11,10 @@ one seeded model: A (no otel_train call), B (the same step instrumented like the
 A, B and C rotate (ABC BCA CAB ...), each block long enough (>= 1.2 s) to hold at least one flush at
 the default cadence, every step timed back to back with perf_counter_ns. Overhead = ratio of block
 means of B over A (and C over A, the control) with a bootstrap 95% CI over the block pairs; the
-control's CI is the resolution of the method on this machine at that moment.
+control's CI is the resolution of the method on this machine at that moment. A third pair of
+columns repeats the ratio on block times minus the time the training thread sat runnable in a
+CPU's run queue (Linux schedstat): what other processes' preemption adds on a shared machine is
+gone, while waiting for the GIL (a sleep) and everything our threads do stay in.
 
 Configurations: `defaults` (library defaults: run dir, hardware sampler, adaptive cadence; no OTLP
 endpoint, no pull endpoint, console quiet), `tensorboard`, `wandb` (offline), `mlflow` (local
@@ -97,6 +100,17 @@ class LaunchBoundModel:
             ot.record("lr", self.lr)
 
 
+def runqueue_wait_ns() -> int:
+    """Time this thread has spent runnable but waiting for a CPU (Linux schedstat; 0 elsewhere):
+    preemption by OTHER processes. Waiting for the GIL is sleeping, not runqueue time, so a block's
+    wall time minus this still contains every cost of our own threads."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def timed_block(step: Callable[[], None], n: int) -> list[int]:
     stamps = [time.perf_counter_ns()]
     for _ in range(n):
@@ -167,10 +181,14 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         flushes0, cpu0 = worker.flushes, getattr(worker, "cpu_s", 0.0)
         child_cpu0 = sum(child.cpu_times()[:2]) if child else 0.0
         blocks: dict[str, list[list[int]]] = {"A": [], "B": [], "C": []}
+        own: dict[str, list[float]] = {"A": [], "B": [], "C": []}  # block time minus runqueue wait
         start = time.perf_counter()
         for i in range(rounds):
             for kind in "ABCABC"[i % 3 : i % 3 + 3]:
-                blocks[kind].append(timed_block(step_b if kind == "B" else model.plain, block))
+                waited = runqueue_wait_ns()
+                durations = timed_block(step_b if kind == "B" else model.plain, block)
+                blocks[kind].append(durations)
+                own[kind].append(sum(durations) - (runqueue_wait_ns() - waited))
         wall = time.perf_counter() - start
         time.sleep(0.3)  # let the last flush finish before reading CPU
         flushes = worker.flushes - flushes0
@@ -192,6 +210,10 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         # the typical step (robust to the machine's spikes): ratio of block medians
         "b_vs_a_median": estimate(list(zip(medians["A"], medians["B"], strict=True)), resamples, seed),
         "c_vs_a_median": estimate(list(zip(medians["A"], medians["C"], strict=True)), resamples, seed),
+        # the same blocks without the time the training thread waited for a CPU (other processes'
+        # preemption on a shared machine); GIL waits and our own threads' work stay in
+        "b_vs_a_own": estimate(list(zip(own["A"], own["B"], strict=True)), resamples, seed),
+        "c_vs_a_own": estimate(list(zip(own["A"], own["C"], strict=True)), resamples, seed),
         # the worker's CPU (GIL) time as a share of the instrumented blocks' time: what it can take
         "worker_cpu_pct_of_b": 100 * worker_cpu / b_time_s if b_time_s else 0.0,
         "flushes": flushes,
@@ -209,6 +231,7 @@ def report(r: dict[str, Any]) -> str:
     return (
         f"{r['step_ms']:>5.0f} ms {r['config']:<12} {r['plain_step_ms']:7.2f}  {pct(r['b_vs_a']):>28}  "
         f"{pct(r['c_vs_a']):>28}  {pct(r['b_vs_a_median']):>28}  {pct(r['c_vs_a_median']):>28}  "
+        f"{pct(r['b_vs_a_own']):>28}  {pct(r['c_vs_a_own']):>28}  "
         f"{r['flushes']:>4} {r['flush_interval_steps'] or '-'!s:>5} "
         f"{r['worker_ms_per_flush']:8.2f} {r['worker_cpu_pct_of_b']:6.2f}% {bridge:>8}"
     )
@@ -217,6 +240,7 @@ def report(r: dict[str, Any]) -> str:
 HEADER = (
     f"{'step':>8} {'config':<12} {'A (ms)':>7}  {'means: B/A - 1 [95% CI]':>28}  {'A/A control C/A - 1':>28}  "
     f"{'medians: B/A - 1':>28}  {'A/A control C/A - 1':>28}  "
+    f"{'no runqueue wait: B/A - 1':>28}  {'A/A control C/A - 1':>28}  "
     f"{'fl.':>4} {'every':>5} {'wrk ms/fl':>8} {'wrk/B':>7} {'brg ms/fl':>8}"
 )
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
     from otel_train.amp import ScalerWatch
-    from otel_train.model import ModelWatch, NullWatch
+    from otel_train.model_watch import ModelWatch, NullWatch
     from otel_train.session import Session
 
 __version__ = "0.1.0"
@@ -191,7 +191,7 @@ def watch(
     again replaces the earlier watch; `.remove()` on the returned handle stops it. With the
     `watch_aggregate="model"` setting every watch is one group, the whole model (series budget).
     """
-    from otel_train.model import ModelWatch, NullWatch, check_watch_args
+    from otel_train.model_watch import ModelWatch, NullWatch, check_watch_args
 
     check_watch_args(model, every, max_layers, (grads, params, activations))
     session = _session_mod._current
@@ -201,8 +201,10 @@ def watch(
         earlier.remove()
     # watch_aggregate="model" (a job-wide setting for huge jobs) makes every watch one group
     layers = 1 if session.config.watch_aggregate == "model" else max_layers
-    handle = ModelWatch(session, model, every, grads, params, activations, histograms, layers)
-    session.watches.append(handle)
+    handle = ModelWatch(
+        session.buffer, model, every, grads, params, activations, histograms, layers, session.remove_watch
+    )
+    session.add_watch(handle)
     return handle
 
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.bridges.process import BridgeProcess, BridgeSpec
     from otel_train.control import ControlChange
     from otel_train.exporters import Telemetry
-    from otel_train.model import ModelWatch
+    from otel_train.model_watch import ModelWatch
     from otel_train.profiling import ProfileWindow, StepProfiler
 
 log = logging.getLogger("otel_train")
@@ -365,6 +365,15 @@ class Session:
 
     def add_listener(self, listener: FlushListener) -> None:
         self.listeners.append(listener)
+
+    def add_watch(self, watch: ModelWatch) -> None:
+        """Call `watch` at every step's begin and end (training thread) until `remove_watch`."""
+        self.watches.append(watch)
+
+    def remove_watch(self, watch: ModelWatch) -> None:
+        """Stop calling `watch` (idempotent; `ModelWatch.remove()` calls it)."""
+        if watch in self.watches:
+            self.watches.remove(watch)
 
     # --- hot path (training thread) ------------------------------------------------------------
     def begin_step(self, step: Any) -> int:

@@ -122,7 +122,7 @@ def log_hyperparams(params: Mapping[str, Any]) -> None:
         redacted = _session_mod.redacted_hparams(params)
     except Exception:  # not a mapping (None, a list, ...): never raise into the training script
         session.buffer.drop("invalid_type")
-        session.buffer._warn_once(
+        session.buffer.warn_once(
             "<hparams>", f"log_hyperparams() needs a mapping, got {type(params).__name__}; dropped."
         )
         return
@@ -152,7 +152,7 @@ def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: 
                 kept.append((str(prompt), str(output)))
             except Exception:  # not a (prompt, output) pair: that row is dropped, counted
                 session.buffer.drop("invalid_sample")
-                session.buffer._warn_once(
+                session.buffer.warn_once(
                     "<samples>",
                     f"log_samples() rows must be (prompt, output) pairs; dropped a {type(row).__name__}.",
                 )
@@ -245,7 +245,7 @@ def watch_scaler(scaler: Any) -> ScalerWatch | None:
         return None
     for listener in [x for x in session.listeners if isinstance(x, ScalerWatch) and x.scaler is scaler]:
         listener.remove()
-        session.listeners.remove(listener)
+        session.remove_listener(listener)
     handle = ScalerWatch(scaler, session.meter)
     session.add_listener(handle)
     return handle

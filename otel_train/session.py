@@ -363,8 +363,22 @@ class Session:
         write_json(self.run_dir / "config.json", resolved)
         write_json(self.run_dir / "env.json", collect_env())
 
+    # The worker thread iterates `sinks` and `listeners` at every flush: once it runs, both lists
+    # are replaced (copy-on-write), never changed in place, so no flush sees a list mid-change.
     def add_listener(self, listener: FlushListener) -> None:
-        self.listeners.append(listener)
+        """Call `listener.on_flush(interval)` on the worker at every flush from now on."""
+        self.listeners = [*self.listeners, listener]
+        self.worker.listeners = self.listeners
+
+    def remove_listener(self, listener: FlushListener) -> None:
+        """Stop calling `listener` (idempotent)."""
+        self.listeners = [x for x in self.listeners if x is not listener]
+        self.worker.listeners = self.listeners
+
+    def add_sink(self, sink: Sink) -> None:
+        """Hand every flush and message to `sink` too (on the worker), from the next one on."""
+        self.sinks = [*self.sinks, sink]
+        self.worker.sinks = self.sinks
 
     def add_watch(self, watch: ModelWatch) -> None:
         """Call `watch` at every step's begin and end (training thread) until `remove_watch`."""
@@ -413,7 +427,7 @@ class Session:
                 index = None  # type: ignore[assignment]
         if index is None or not -_MAX_STEP <= index <= _MAX_STEP:
             self.buffer.drop("invalid_step")
-            self.buffer._warn_once(
+            self.buffer.warn_once(
                 "<step>",
                 f"ot.step() got a step number it cannot use ({type(step).__name__}); continuing from "
                 "the last step. Pass an int (counted in otel_train.dropped{reason=invalid_step}).",
@@ -484,7 +498,7 @@ class Session:
                 number = int(as_float) if as_float.is_integer() else round(as_float)
             except Exception:
                 self.buffer.drop("invalid_type")
-                self.buffer._warn_once(
+                self.buffer.warn_once(
                     f"<{what}>", f"ot.step({what}=...) got {type(value).__name__}; ignored."
                 )
                 return None

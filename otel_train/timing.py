@@ -103,11 +103,7 @@ class TimerScope:
             return
         end = perf_counter_ns()
         if self._cuda_start is not None:
-            pending = session.buffer.cuda_timers
-            if len(pending) < session.buffer.max_values:
-                pending.append((self.name, self._cuda_start, _cuda_event()))
-            else:
-                session.buffer.drop("too_many_values")
+            session.buffer.add_cuda_timer(self.name, self._cuda_start, _cuda_event())
         else:
             session.end_timer(self.name, self._start, end, exc_type)
         self._session = None
@@ -133,7 +129,7 @@ def _timer_level(session: _session_mod.Session, level: Any) -> int:
         return int(level)
     except Exception:
         session.buffer.drop("invalid_type")
-        session.buffer._warn_once("<timer level>", f"timer(level={level!r}) is not a number; using level 1.")
+        session.buffer.warn_once("<timer level>", f"timer(level={level!r}) is not a number; using level 1.")
         return 1
 
 

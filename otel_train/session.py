@@ -869,7 +869,7 @@ def _default_run_name() -> str:
 
 
 def _version() -> str:
-    from otel_train import __version__
+    from otel_train.version import __version__
 
     return __version__
 

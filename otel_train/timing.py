@@ -14,6 +14,9 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
+# The hot path reads the active session as `_session_mod._current`, a plain module attribute, on
+# purpose: the public `session.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
+# in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import session as _session_mod
 
 F = TypeVar("F", bound=Callable[..., Any])

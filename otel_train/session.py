@@ -363,22 +363,27 @@ class Session:
         write_json(self.run_dir / "config.json", resolved)
         write_json(self.run_dir / "env.json", collect_env())
 
-    # The worker thread iterates `sinks` and `listeners` at every flush: once it runs, both lists
-    # are replaced (copy-on-write), never changed in place, so no flush sees a list mid-change.
+    # The worker thread iterates `sinks` and `listeners` at every flush: both lists are replaced
+    # (copy-on-write), never changed in place, so no flush sees a list mid-change.
     def add_listener(self, listener: FlushListener) -> None:
         """Call `listener.on_flush(interval)` on the worker at every flush from now on."""
         self.listeners = [*self.listeners, listener]
-        self.worker.listeners = self.listeners
+        self._share_with_worker()
 
     def remove_listener(self, listener: FlushListener) -> None:
         """Stop calling `listener` (idempotent)."""
         self.listeners = [x for x in self.listeners if x is not listener]
-        self.worker.listeners = self.listeners
+        self._share_with_worker()
 
     def add_sink(self, sink: Sink) -> None:
         """Hand every flush and message to `sink` too (on the worker), from the next one on."""
         self.sinks = [*self.sinks, sink]
-        self.worker.sinks = self.sinks
+        self._share_with_worker()
+
+    def _share_with_worker(self) -> None:
+        worker = getattr(self, "worker", None)  # None while __init__ is still wiring listeners
+        if worker is not None:
+            worker.sinks, worker.listeners = self.sinks, self.listeners
 
     def add_watch(self, watch: ModelWatch) -> None:
         """Call `watch` at every step's begin and end (training thread) until `remove_watch`."""

@@ -222,7 +222,7 @@ def bench_slow_backend(seconds: float) -> tuple[int, int, int]:
         session = ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, log_interval=10)
         sleepy = ThreadedSink(SleepySink(), queue_size=4, name="sleepy", close_timeout_s=0.1)
         if slow:
-            session.sinks.append(sleepy)
+            session.add_sink(sleepy)
         steps = 0
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:

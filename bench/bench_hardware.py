@@ -72,11 +72,13 @@ def main() -> None:
     rows.append(
         (
             "GPU sample (sampler thread)",
-            f"{per_call_us(mon._sample_gpus, n):.1f} µs",
+            f"{per_call_us(mon.gpu_sampler.sample, n):.1f} µs",
             f"{calls_per_sample} NVML calls per sample",
         )
     )
-    rows.append(("host sample (sampler thread)", f"{per_call_us(mon._sample_host, n // 4):.1f} µs", "psutil"))
+    rows.append(
+        ("host sample (sampler thread)", f"{per_call_us(mon.host_sampler.sample, n // 4):.1f} µs", "psutil")
+    )
     rows.append(
         (
             "collect() of all hw instruments",
@@ -94,7 +96,7 @@ def main() -> None:
     )
     nvml.call_latency_s = 0.001
     t0 = time.perf_counter()
-    mon._sample_gpus()
+    mon.gpu_sampler.sample()
     rows.append(
         (
             "GPU sample, 1 ms/NVML call",

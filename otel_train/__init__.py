@@ -18,18 +18,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+# The hot path reads the active session as `_session_mod._current`, a plain module attribute, on
+# purpose: the public `session.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
+# in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import session as _session_mod
 from otel_train.config import Config, ConfigError
 from otel_train.timing import span, step, timed, timer
+from otel_train.version import __version__
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
     from otel_train.amp import ScalerWatch
-    from otel_train.model import ModelWatch, NullWatch
+    from otel_train.model_watch import ModelWatch, NullWatch
     from otel_train.session import Session
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Config",
@@ -122,7 +124,7 @@ def log_hyperparams(params: Mapping[str, Any]) -> None:
         redacted = _session_mod.redacted_hparams(params)
     except Exception:  # not a mapping (None, a list, ...): never raise into the training script
         session.buffer.drop("invalid_type")
-        session.buffer._warn_once(
+        session.buffer.warn_once(
             "<hparams>", f"log_hyperparams() needs a mapping, got {type(params).__name__}; dropped."
         )
         return
@@ -152,7 +154,7 @@ def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: 
                 kept.append((str(prompt), str(output)))
             except Exception:  # not a (prompt, output) pair: that row is dropped, counted
                 session.buffer.drop("invalid_sample")
-                session.buffer._warn_once(
+                session.buffer.warn_once(
                     "<samples>",
                     f"log_samples() rows must be (prompt, output) pairs; dropped a {type(row).__name__}.",
                 )
@@ -191,7 +193,7 @@ def watch(
     again replaces the earlier watch; `.remove()` on the returned handle stops it. With the
     `watch_aggregate="model"` setting every watch is one group, the whole model (series budget).
     """
-    from otel_train.model import ModelWatch, NullWatch, check_watch_args
+    from otel_train.model_watch import ModelWatch, NullWatch, check_watch_args
 
     check_watch_args(model, every, max_layers, (grads, params, activations))
     session = _session_mod._current
@@ -201,8 +203,10 @@ def watch(
         earlier.remove()
     # watch_aggregate="model" (a job-wide setting for huge jobs) makes every watch one group
     layers = 1 if session.config.watch_aggregate == "model" else max_layers
-    handle = ModelWatch(session, model, every, grads, params, activations, histograms, layers)
-    session.watches.append(handle)
+    handle = ModelWatch(
+        session.buffer, model, every, grads, params, activations, histograms, layers, session.remove_watch
+    )
+    session.add_watch(handle)
     return handle
 
 
@@ -243,7 +247,7 @@ def watch_scaler(scaler: Any) -> ScalerWatch | None:
         return None
     for listener in [x for x in session.listeners if isinstance(x, ScalerWatch) and x.scaler is scaler]:
         listener.remove()
-        session.listeners.remove(listener)
+        session.remove_listener(listener)
     handle = ScalerWatch(scaler, session.meter)
     session.add_listener(handle)
     return handle

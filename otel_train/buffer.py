@@ -152,6 +152,13 @@ class Buffer:
         else:
             self.drop("too_many_values", len(records))
 
+    def add_cuda_timer(self, name: str, start: Any, end: Any) -> None:
+        """A `timer(cuda=True)` phase as its two CUDA events (resolved on the worker)."""
+        if len(self.cuda_timers) < self.max_values:
+            self.cuda_timers.append((name, start, end))
+        else:
+            self.drop("too_many_values")
+
     def add_histogram(self, key: str, step: int, values: Any) -> None:
         if len(self.histograms) < self.max_values:
             self.histograms.append((key, step, values))
@@ -186,7 +193,7 @@ class Buffer:
         names that map to the same instrument."""
         if not isinstance(name, str):
             self.drop("invalid_name")
-            self._warn_once(repr(name), f"record() name {name!r} is not a string; dropped.")
+            self.warn_once(repr(name), f"record() name {name!r} is not a string; dropped.")
             return None
         if name in self._name_map:
             instrument = self._name_map[name]
@@ -205,11 +212,11 @@ class Buffer:
     def _map_name(self, name: str) -> str | None:
         instrument = semconv.instrument_name_for(name)
         if instrument is None:
-            self._warn_once(name, f"record() name {name!r} cannot be made a valid metric name; dropped.")
+            self.warn_once(name, f"record() name {name!r} cannot be made a valid metric name; dropped.")
             return None
         spec = semconv.BY_NAME.get(instrument)
         if spec is not None and spec.kind is not semconv.Kind.GAUGE:
-            self._warn_once(
+            self.warn_once(
                 name, f"record() name {name!r} collides with the {spec.kind.value} {instrument!r}; dropped."
             )
             return None
@@ -218,7 +225,7 @@ class Buffer:
             if reserved is not None:
                 if len(self._reserved_names) < self.max_names * 8:
                     self._reserved_names.add(name)
-                self._warn_once(
+                self.warn_once(
                     name,
                     f"record() name {name!r} would overwrite or duplicate otel_train's own {reserved!r} "
                     "(its keys in the run dir and bridges, or its Prometheus series); dropped and counted "
@@ -230,14 +237,14 @@ class Buffer:
             prom = semconv.prometheus_sanitized(instrument)
             claimed = self._prom_owners.setdefault(prom, instrument)
             if claimed != instrument:
-                self._warn_once(
+                self.warn_once(
                     name, f"record() name {name!r} is the Prometheus name {prom!r} of {claimed!r}; merged."
                 )
                 instrument = claimed
         owner = self._owners.get(instrument)
         if owner is None:
             if spec is None and self._user_names >= self.max_names:
-                self._warn_once(
+                self.warn_once(
                     "<max_metric_names>",
                     f"record() got more than max_metric_names={self.max_names} distinct names (first over: {name!r}); "
                     "new names are dropped and counted as otel_train.dropped{reason=invalid_name}. "
@@ -248,12 +255,10 @@ class Buffer:
                 self._user_names += 1
             self._owners[instrument] = name
         elif owner != name:
-            self._warn_once(
-                name, f"record() names {owner!r} and {name!r} both map to {instrument!r}; merged."
-            )
+            self.warn_once(name, f"record() names {owner!r} and {name!r} both map to {instrument!r}; merged.")
         return instrument
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned and len(self.warned) < 1000:
             self.warned.add(key)
             log.warning(message)

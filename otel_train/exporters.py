@@ -290,8 +290,6 @@ def build_telemetry(
     """`resource` identifies metric series (no per-launch attribute); spans and logs carry
     `event_attributes` (process.pid, run name) on top."""
     readers: list[MetricReader] = [step_reader]
-    tracer_provider: TracerProvider | None = None
-    logger_provider: LoggerProvider | None = None
     span_exporters: list[SpanExporter] = []
     log_exporters: list[LogRecordExporter] = []
     interval_ms = config.metric_export_interval_s * 1000
@@ -333,6 +331,19 @@ def build_telemetry(
     meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
     # Spans and logs are events, not series: they name the process (to find it on the host).
     event_resource = resource.merge(Resource(dict(event_attributes)))
+    tracer_provider, logger_provider = _event_providers(config, event_resource, span_exporters, log_exporters)
+    return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint)
+
+
+def _event_providers(
+    config: Config,
+    event_resource: Resource,
+    span_exporters: list[SpanExporter],
+    log_exporters: list[LogRecordExporter],
+) -> tuple[TracerProvider | None, LoggerProvider | None]:
+    """The tracer and logger providers that batch spans and log records to their exporters."""
+    tracer_provider: TracerProvider | None = None
+    logger_provider: LoggerProvider | None = None
     if span_exporters and config.traces:
         tracer_provider = TracerProvider(resource=event_resource, shutdown_on_exit=False)
         for exporter in span_exporters:
@@ -347,4 +358,4 @@ def build_telemetry(
             logger_provider.add_log_record_processor(
                 BatchLogRecordProcessor(log_exporter, schedule_delay_millis=2000)
             )
-    return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint)
+    return tracer_provider, logger_provider

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.bridges.process import BridgeProcess, BridgeSpec
     from otel_train.control import ControlChange
     from otel_train.exporters import Telemetry
-    from otel_train.model import ModelWatch
+    from otel_train.model_watch import ModelWatch
     from otel_train.profiling import ProfileWindow, StepProfiler
 
 log = logging.getLogger("otel_train")
@@ -363,8 +363,36 @@ class Session:
         write_json(self.run_dir / "config.json", resolved)
         write_json(self.run_dir / "env.json", collect_env())
 
+    # The worker thread iterates `sinks` and `listeners` at every flush: both lists are replaced
+    # (copy-on-write), never changed in place, so no flush sees a list mid-change.
     def add_listener(self, listener: FlushListener) -> None:
-        self.listeners.append(listener)
+        """Call `listener.on_flush(interval)` on the worker at every flush from now on."""
+        self.listeners = [*self.listeners, listener]
+        self._share_with_worker()
+
+    def remove_listener(self, listener: FlushListener) -> None:
+        """Stop calling `listener` (idempotent)."""
+        self.listeners = [x for x in self.listeners if x is not listener]
+        self._share_with_worker()
+
+    def add_sink(self, sink: Sink) -> None:
+        """Hand every flush and message to `sink` too (on the worker), from the next one on."""
+        self.sinks = [*self.sinks, sink]
+        self._share_with_worker()
+
+    def _share_with_worker(self) -> None:
+        worker = getattr(self, "worker", None)  # None while __init__ is still wiring listeners
+        if worker is not None:
+            worker.sinks, worker.listeners = self.sinks, self.listeners
+
+    def add_watch(self, watch: ModelWatch) -> None:
+        """Call `watch` at every step's begin and end (training thread) until `remove_watch`."""
+        self.watches.append(watch)
+
+    def remove_watch(self, watch: ModelWatch) -> None:
+        """Stop calling `watch` (idempotent; `ModelWatch.remove()` calls it)."""
+        if watch in self.watches:
+            self.watches.remove(watch)
 
     # --- hot path (training thread) ------------------------------------------------------------
     def begin_step(self, step: Any) -> int:
@@ -404,7 +432,7 @@ class Session:
                 index = None  # type: ignore[assignment]
         if index is None or not -_MAX_STEP <= index <= _MAX_STEP:
             self.buffer.drop("invalid_step")
-            self.buffer._warn_once(
+            self.buffer.warn_once(
                 "<step>",
                 f"ot.step() got a step number it cannot use ({type(step).__name__}); continuing from "
                 "the last step. Pass an int (counted in otel_train.dropped{reason=invalid_step}).",
@@ -475,7 +503,7 @@ class Session:
                 number = int(as_float) if as_float.is_integer() else round(as_float)
             except Exception:
                 self.buffer.drop("invalid_type")
-                self.buffer._warn_once(
+                self.buffer.warn_once(
                     f"<{what}>", f"ot.step({what}=...) got {type(value).__name__}; ignored."
                 )
                 return None
@@ -846,7 +874,7 @@ def _default_run_name() -> str:
 
 
 def _version() -> str:
-    from otel_train import __version__
+    from otel_train.version import __version__
 
     return __version__
 

@@ -56,7 +56,7 @@ def capture_metrics(**settings: Any) -> Iterator[Capture]:
     settings.setdefault("verbosity", 0)
     session = otel_train.init(**settings)
     capture = Capture()
-    session.sinks.append(capture)
+    session.add_sink(capture)
     try:
         yield capture
     finally:

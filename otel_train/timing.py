@@ -14,6 +14,9 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
+# The hot path reads the active session as `_session_mod._current`, a plain module attribute, on
+# purpose: the public `session.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
+# in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import session as _session_mod
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -103,11 +106,7 @@ class TimerScope:
             return
         end = perf_counter_ns()
         if self._cuda_start is not None:
-            pending = session.buffer.cuda_timers
-            if len(pending) < session.buffer.max_values:
-                pending.append((self.name, self._cuda_start, _cuda_event()))
-            else:
-                session.buffer.drop("too_many_values")
+            session.buffer.add_cuda_timer(self.name, self._cuda_start, _cuda_event())
         else:
             session.end_timer(self.name, self._start, end, exc_type)
         self._session = None
@@ -133,7 +132,7 @@ def _timer_level(session: _session_mod.Session, level: Any) -> int:
         return int(level)
     except Exception:
         session.buffer.drop("invalid_type")
-        session.buffer._warn_once("<timer level>", f"timer(level={level!r}) is not a number; using level 1.")
+        session.buffer.warn_once("<timer level>", f"timer(level={level!r}) is not a number; using level 1.")
         return 1
 
 

@@ -82,7 +82,7 @@ def test_real_nvml_values_are_plausible(
     assert mon.wait_for_samples(1, timeout_s=10)
     before = points(reader)
     matmul_workload(2.0)
-    seen = mon._samples
+    seen = mon.samples_taken
     assert mon.wait_for_samples(seen + 2, timeout_s=10)
     after = points(reader)
 
@@ -114,7 +114,7 @@ def test_allocator_energy_and_mfu_at_flush(
     held = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     start = time.monotonic()
     n = matmul_workload(1.5)
-    seen = mon._samples
+    seen = mon.samples_taken
     assert mon.wait_for_samples(seen + 1, timeout_s=10)
     mon.on_flush(
         Interval(

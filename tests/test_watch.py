@@ -16,7 +16,15 @@ from torch import nn
 
 import otel_train as ot
 from otel_train import semconv as sc
-from otel_train.model import HISTOGRAM_SAMPLE, ROOT_LABEL, NullWatch, clean_name, layer_groups
+from otel_train.buffer import Buffer
+from otel_train.model_watch import (
+    HISTOGRAM_SAMPLE,
+    ROOT_LABEL,
+    ModelWatch,
+    NullWatch,
+    clean_name,
+    layer_groups,
+)
 from otel_train.testing import Capture, capture_metrics
 
 
@@ -127,6 +135,45 @@ def _by_label(tensors: dict[str, torch.Tensor], labels: list[str]) -> dict[str, 
         label = next((lab for lab in labels if module == lab or module.startswith(lab + ".")), ROOT_LABEL)
         sums[label] += float(tensor.double().norm()) ** 2
     return {label: math.sqrt(total) for label, total in sums.items()}
+
+
+def test_watch_on_a_bare_buffer_without_a_session() -> None:
+    """The watch needs only a buffer and a remove callback: no session, no worker, no exporter."""
+    buffer = Buffer(max_names=100, max_values=100)
+    removed: list[ModelWatch] = []
+    model = Tiny()
+    watch = ModelWatch(buffer, model, 2, True, True, True, True, 64, on_remove=removed.append)
+    gen = torch.Generator().manual_seed(0)
+
+    def step(index: int, failed: bool = False) -> dict[str, torch.Tensor]:
+        watch.begin_step(index)
+        model.zero_grad()
+        model(torch.randn(5, 6, generator=gen)).pow(2).mean().backward()
+        watch.end_step(index, failed)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    grads = step(0)
+    by_name = {r.instrument: r for r in buffer.layer_stats}
+    assert set(by_name) == {
+        sc.LAYER_GRAD_NORM.name, sc.LAYER_PARAM_NORM.name, sc.LAYER_ACTIVATION_RMS.name,
+        sc.LAYER_ACTIVATION_ABSMAX.name,
+    }  # fmt: skip
+    grad_stats = by_name[sc.LAYER_GRAD_NORM.name]
+    assert grad_stats.step == 0 and list(grad_stats.labels) == watch.labels
+    expected = _by_label(grads, watch.labels)
+    assert grad_stats.values.tolist() == pytest.approx([expected[label] for label in watch.labels], rel=1e-5)
+    (total,) = buffer.scalars[sc.GRAD_NORM.name]
+    assert float(total) == pytest.approx(math.sqrt(sum(v**2 for v in expected.values())), rel=1e-5)
+    assert {key.split("/")[0] for key, _, _ in buffer.histograms} == {"gradients", "parameters"}
+    count = len(buffer.layer_stats)
+    step(1)  # not a watched step (every=2)
+    step(2, failed=True)  # a failed step records nothing
+    assert len(buffer.layer_stats) == count
+    watch.remove()
+    watch.remove()  # idempotent: the owner hears of it once
+    assert removed == [watch]
+    step(4)  # a watched step, but the watch is removed
+    assert len(buffer.layer_stats) == count and not buffer.dropped
 
 
 def test_values_stay_on_device_until_the_flush() -> None:

@@ -291,12 +291,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def train(args: argparse.Namespace, ot: Telemetry) -> Result:
-    t_start = time.perf_counter()
-    say: Callable[..., None] = (lambda *a, **k: None) if args.quiet else print
+@dataclass
+class _Setup:
+    """Everything the loop trains with, built before telemetry starts."""
+
+    device: torch.device
+    vocab: CharVocab
+    train_data: torch.Tensor
+    val_data: torch.Tensor
+    baseline: float
+    cfg: ModelConfig
+    model: CharTransformer
+    flops_per_token: float
+    optimizer: torch.optim.Optimizer
+    prompts: list[str]
+    batch_gen: torch.Generator
+    run_name: str
+
+
+def _setup(args: argparse.Namespace) -> _Setup:
     seed_everything(args.seed)
     device = resolve_device(args.device)
-
     text = load_text(args.data, args.max_chars)
     vocab = CharVocab.from_text(text)
     train_data, val_data = split(vocab.encode(text), val_fraction=0.1)
@@ -314,13 +329,28 @@ def train(args: argparse.Namespace, ot: Telemetry) -> Result:
     optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
     prompts = [p for p in SAMPLE_PROMPTS if vocab.can_encode(p)] or [text[0]]
     batch_gen = torch.Generator().manual_seed(args.seed)
-    tokens_per_step = args.batch_size * args.context
-    on_gpu = device.type == "cuda"  # time device work with CUDA events (no sync on this thread)
     # Not from the seeded `random`: two runs started in the same second must not collide.
     run_name = args.run_name or time.strftime("demo-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
+    return _Setup(
+        device,
+        vocab,
+        train_data,
+        val_data,
+        baseline,
+        cfg,
+        model,
+        fpt,
+        optimizer,
+        prompts,
+        batch_gen,
+        run_name,
+    )
 
+
+def _settings(args: argparse.Namespace, setup: _Setup) -> dict[str, Any]:
+    """ot.init() settings from the command line."""
     settings: dict[str, Any] = {
-        "run_name": run_name,
+        "run_name": setup.run_name,
         "log_interval": args.log_interval,
         "total_steps": args.steps,
         "verbosity": 0 if args.quiet else 1,
@@ -329,140 +359,187 @@ def train(args: argparse.Namespace, ot: Telemetry) -> Result:
         "wandb": args.wandb,
         "mlflow": args.mlflow,
         "trace_every": args.trace_every,
-        "flops_per_token": fpt,
+        "flops_per_token": setup.flops_per_token,
     }
     if args.output_dir is not None:
         settings["output_dir"] = args.output_dir
     if args.otlp_endpoint is not None:
         settings["otlp_endpoint"] = args.otlp_endpoint
+    return settings
 
+
+def _hyperparams(args: argparse.Namespace, setup: _Setup) -> dict[str, Any]:
+    return {
+        **asdict(setup.cfg),
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "min_lr": args.min_lr,
+        "warmup": args.warmup,
+        "weight_decay": args.weight_decay,
+        "grad_clip": args.grad_clip,
+        "seed": args.seed,
+        "data": args.data or "python-stdlib",
+        "train_chars": len(setup.train_data),
+        "val_chars": len(setup.val_data),
+        "params": setup.model.num_params(non_embedding=False),
+        "non_embedding_params": setup.model.num_params(),
+        "flops_per_token": setup.flops_per_token,
+        "device": str(setup.device),
+    }
+
+
+@dataclass
+class _Losses:
+    """The latest train/val figures; the train loss is summed on the device (no per-step sync)."""
+
+    train_sum: torch.Tensor
+    train_count: int = 0
+    train: float = float("nan")
+    val: float = float("nan")
+    val_acc: float = float("nan")
+
+
+def train(args: argparse.Namespace, ot: Telemetry) -> Result:
+    t_start = time.perf_counter()
+    say: Callable[..., None] = (lambda *a, **k: None) if args.quiet else print
+    setup = _setup(args)
     say(
-        f"otel_train demo: {model.num_params(non_embedding=False) / 1e6:.2f}M params "
-        f"({model.num_params() / 1e6:.2f}M non-embedding), vocab {vocab.size}, "
-        f"{len(train_data):,} train / {len(val_data):,} val chars, device {device}, "
-        f"unigram baseline {baseline:.3f} nats" + (" [uninstrumented]" if args.uninstrumented else "")
+        f"otel_train demo: {setup.model.num_params(non_embedding=False) / 1e6:.2f}M params "
+        f"({setup.model.num_params() / 1e6:.2f}M non-embedding), vocab {setup.vocab.size}, "
+        f"{len(setup.train_data):,} train / {len(setup.val_data):,} val chars, device {setup.device}, "
+        f"unigram baseline {setup.baseline:.3f} nats" + (" [uninstrumented]" if args.uninstrumented else "")
     )
-
-    train_loss_sum = torch.zeros((), device=device)  # on-device running sum: no per-step sync
-    train_loss_count = 0
-    train_loss = val_loss = val_acc = float("nan")
+    losses = _Losses(torch.zeros((), device=setup.device))
     checkpoint: Path | None = None
     run_dir: Path | None = None
 
-    with ot.init(**settings) as session:
+    with ot.init(**_settings(args, setup)) as session:
         run_dir = getattr(session, "run_dir", None)
         metrics_url = getattr(session, "prometheus_url", None)
-        ot.log_hyperparams(
-            {
-                **asdict(cfg),
-                "steps": args.steps,
-                "batch_size": args.batch_size,
-                "lr": args.lr,
-                "min_lr": args.min_lr,
-                "warmup": args.warmup,
-                "weight_decay": args.weight_decay,
-                "grad_clip": args.grad_clip,
-                "seed": args.seed,
-                "data": args.data or "python-stdlib",
-                "train_chars": len(train_data),
-                "val_chars": len(val_data),
-                "params": model.num_params(non_embedding=False),
-                "non_embedding_params": model.num_params(),
-                "flops_per_token": fpt,
-                "device": str(device),
-            }
-        )
+        ot.log_hyperparams(_hyperparams(args, setup))
         if args.watch_every:
             # per-layer grad/param norms and activation stats on every N-th step (read at the step's
             # end: after clipping); grad_norm recorded below stays the pre-clip global norm
-            ot.watch(model, every=args.watch_every, activations=True)
+            ot.watch(setup.model, every=args.watch_every, activations=True)
         sample = ot.timed("generate", level=2)(generate_samples)
 
-        model.train()
+        setup.model.train()
         for step in range(args.steps):  # 0-based, like otel_train (its console shows step + 1)
             done = step + 1
             lr = lr_at(step, args.lr, args.warmup, args.steps, args.min_lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            with ot.step(step, tokens=tokens_per_step, samples=args.batch_size):
-                with ot.timer("data"):
-                    x, y = get_batch(train_data, args.batch_size, args.context, batch_gen, device)
-                with ot.timer("forward", cuda=on_gpu):
-                    _, loss = model(x, y)
-                    assert loss is not None
-                with ot.timer("backward", cuda=on_gpu):
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                with ot.timer("optimizer", cuda=on_gpu):
-                    with ot.timer("grad_clip", level=2):
-                        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-                    optimizer.step()
-                loss = loss.detach()
-                ot.record("loss", loss)  # a tensor: resolved by otel_train at the flush, not here
-                ot.record("lr", lr)
-                ot.record("grad_norm", grad_norm)
-            train_loss_sum += loss
-            train_loss_count += 1
-
+            loss = _train_step(ot, args, setup, step, lr)
+            losses.train_sum += loss
+            losses.train_count += 1
             last = done == args.steps
             if done % args.eval_interval == 0 or last:
-                with ot.span("eval"):
-                    val_loss, val_acc = evaluate(
-                        model, val_data, args.batch_size, args.context, args.eval_batches, args.seed, device
-                    )
-                    train_loss = train_loss_sum.item() / train_loss_count
-                    train_loss_sum.zero_()
-                    train_loss_count = 0
-                    ot.log_metrics(
-                        {
-                            "eval/loss": val_loss,
-                            "eval/perplexity": math.exp(min(val_loss, 50.0)),
-                            "eval/accuracy": val_acc,
-                        },
-                        step=step,
-                    )
+                _evaluate(ot, args, setup, step, losses)
                 if args.uninstrumented:  # otherwise otel_train's console shows progress
                     say(
-                        f"step {done:>5}/{args.steps}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  "
-                        f"ppl {math.exp(min(val_loss, 50.0)):.2f}  acc {val_acc:.3f}  "
+                        f"step {done:>5}/{args.steps}  train loss {losses.train:.3f}  val loss {losses.val:.3f}  "
+                        f"ppl {math.exp(min(losses.val, 50.0)):.2f}  acc {losses.val_acc:.3f}  "
                         f"lr {lr:.2e}  {time.perf_counter() - t_start:.0f}s"
                     )
             if done % args.sample_interval == 0 or last:
-                with ot.span("generate"):
-                    samples = sample(
-                        model, vocab, prompts, args.sample_tokens, args.temperature, args.seed + done, device
-                    )
-                ot.log_samples(samples, step=step)
+                samples = _generate(ot, args, setup, sample, step)
                 if args.uninstrumented:
                     for prompt, output in samples:
                         say(f"  sample {(prompt + output)!r}")
 
         with ot.span("checkpoint"):
-            ckpt_dir = run_dir if run_dir is not None else _default_run_dir(args.output_dir, run_name)
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            checkpoint = ckpt_dir / "checkpoint.pt"
-            torch.save(
-                {
-                    "model": model.state_dict(),
-                    "config": asdict(cfg),
-                    "vocab": "".join(vocab.chars),
-                    "step": args.steps,
-                },
-                checkpoint,
-            )
+            checkpoint = _save_checkpoint(args, setup, run_dir)
 
     return Result(
         steps=args.steps,
-        train_loss=train_loss,
-        val_loss=val_loss,
-        val_accuracy=val_acc,
-        unigram_baseline=baseline,
+        train_loss=losses.train,
+        val_loss=losses.val,
+        val_accuracy=losses.val_acc,
+        unigram_baseline=setup.baseline,
         wall_s=time.perf_counter() - t_start,
         run_dir=Path(run_dir) if run_dir is not None else None,
         checkpoint=checkpoint,
         metrics_url=metrics_url,
     )
+
+
+def _train_step(ot: Telemetry, args: argparse.Namespace, setup: _Setup, step: int, lr: float) -> torch.Tensor:
+    """One instrumented optimizer step; returns the (detached, on-device) loss."""
+    for group in setup.optimizer.param_groups:
+        group["lr"] = lr
+    on_gpu = setup.device.type == "cuda"  # time device work with CUDA events (no sync on this thread)
+    with ot.step(step, tokens=args.batch_size * args.context, samples=args.batch_size):
+        with ot.timer("data"):
+            x, y = get_batch(setup.train_data, args.batch_size, args.context, setup.batch_gen, setup.device)
+        with ot.timer("forward", cuda=on_gpu):
+            _, loss = setup.model(x, y)
+            assert loss is not None
+        with ot.timer("backward", cuda=on_gpu):
+            setup.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        with ot.timer("optimizer", cuda=on_gpu):
+            with ot.timer("grad_clip", level=2):
+                grad_norm = torch.nn.utils.clip_grad_norm_(setup.model.parameters(), args.grad_clip)
+            setup.optimizer.step()
+        loss = loss.detach()
+        ot.record("loss", loss)  # a tensor: resolved by otel_train at the flush, not here
+        ot.record("lr", lr)
+        ot.record("grad_norm", grad_norm)
+    return loss
+
+
+def _evaluate(ot: Telemetry, args: argparse.Namespace, setup: _Setup, step: int, losses: _Losses) -> None:
+    """Validation loss/accuracy and the mean train loss since the last eval, logged for `step`."""
+    with ot.span("eval"):
+        losses.val, losses.val_acc = evaluate(
+            setup.model,
+            setup.val_data,
+            args.batch_size,
+            args.context,
+            args.eval_batches,
+            args.seed,
+            setup.device,
+        )
+        losses.train = losses.train_sum.item() / losses.train_count
+        losses.train_sum.zero_()
+        losses.train_count = 0
+        ot.log_metrics(
+            {
+                "eval/loss": losses.val,
+                "eval/perplexity": math.exp(min(losses.val, 50.0)),
+                "eval/accuracy": losses.val_acc,
+            },
+            step=step,
+        )
+
+
+def _generate(
+    ot: Telemetry, args: argparse.Namespace, setup: _Setup, sample: Callable[..., Any], step: int
+) -> list[tuple[str, str]]:
+    """Sample continuations of the prompts (`sample`: the timed generate_samples) and log them."""
+    done = step + 1
+    with ot.span("generate"):
+        samples: list[tuple[str, str]] = sample(
+            setup.model, setup.vocab, setup.prompts, args.sample_tokens, args.temperature, args.seed + done,
+            setup.device,
+        )  # fmt: skip
+    ot.log_samples(samples, step=step)
+    return samples
+
+
+def _save_checkpoint(args: argparse.Namespace, setup: _Setup, run_dir: Path | None) -> Path:
+    ckpt_dir = run_dir if run_dir is not None else _default_run_dir(args.output_dir, setup.run_name)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = ckpt_dir / "checkpoint.pt"
+    torch.save(
+        {
+            "model": setup.model.state_dict(),
+            "config": asdict(setup.cfg),
+            "vocab": "".join(setup.vocab.chars),
+            "step": args.steps,
+        },
+        checkpoint,
+    )
+    return checkpoint
 
 
 def _default_run_dir(output_dir: str | None, run_name: str) -> Path:

@@ -54,7 +54,7 @@ def test_disk_full_mid_run(tmp_path, caplog) -> None:
         session = ot.init(output_dir=str(disk), run_name="r", prometheus_port=0, verbosity=0, log_interval=1,
                           hardware=False)  # fmt: skip
         capture = Capture()
-        session.sinks.append(capture)
+        session.add_sink(capture)
         _fill(disk, leave=16000)
         for step in range(40):
             with ot.step(step):

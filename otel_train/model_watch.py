@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +25,6 @@ from otel_train.buffer import LayerStats
 
 if TYPE_CHECKING:
     from otel_train.buffer import Buffer
-    from otel_train.session import Session
 
 log = logging.getLogger("otel_train")
 
@@ -74,11 +73,15 @@ def layer_groups(param_names: Sequence[str], max_layers: int) -> tuple[list[str]
 
 
 class ModelWatch:
-    """Handle returned by `ot.watch(model)`; `remove()` stops watching."""
+    """Handle returned by `ot.watch(model)`; `remove()` stops watching.
+
+    It writes into `buffer` (the session's; any `Buffer` works, which is how it is unit-tested) and
+    calls `on_remove(self)` once when removed, so its owner can stop calling `begin_step`/`end_step`.
+    """
 
     def __init__(
         self,
-        session: Session,
+        buffer: Buffer,
         model: Any,
         every: int,
         grads: bool,
@@ -86,6 +89,7 @@ class ModelWatch:
         activations: bool,
         histograms: bool,
         max_layers: int,
+        on_remove: Callable[[ModelWatch], None] | None = None,
     ) -> None:
         self.model = model
         self.every = every
@@ -93,7 +97,8 @@ class ModelWatch:
         self.params = params
         self.activations = activations
         self.histograms = histograms
-        self._session: Session | None = session
+        self._buffer: Buffer | None = buffer  # None once removed
+        self._on_remove = on_remove
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("ot.watch(model): the model has no trainable parameters to watch.")
@@ -127,19 +132,19 @@ class ModelWatch:
     def end_step(self, index: int, failed: bool) -> None:
         if self._hooks:
             self._remove_activation_hooks()
-        if failed or index % self.every != 0 or self._session is None:
+        if failed or index % self.every != 0 or self._buffer is None:
             self._activations = {}
             return
         try:
-            self._collect(index, self._session.buffer)
+            self._collect(index, self._buffer)
         except Exception as exc:
             self._activations = {}
             self._fail(exc)
 
     def _fail(self, exc: Exception) -> None:
         self._warn_once("failed", f"ot.watch: could not compute layer statistics ({exc!r}); skipped.")
-        if self._session is not None:
-            self._session.buffer.drop("watch_failed")
+        if self._buffer is not None:
+            self._buffer.drop("watch_failed")
 
     def _collect(self, index: int, buffer: Buffer) -> None:
         if self._params[0].device != self._device:
@@ -179,9 +184,9 @@ class ModelWatch:
     def remove(self) -> None:
         """Stop watching (idempotent). Also called by `ot.shutdown()`."""
         self._remove_activation_hooks()
-        session, self._session = self._session, None
-        if session is not None and self in session.watches:
-            session.watches.remove(self)
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None and self._on_remove is not None:
+            self._on_remove(self)
 
     # --- device math (no host sync: results stay device tensors) ----------------------------------
     def _norms(self, tensors: Sequence[Any]) -> tuple[Any, Any]:
@@ -200,7 +205,8 @@ class ModelWatch:
     def _sample_histograms(self, kind: str, tensors: Sequence[Any], index: int) -> None:
         """A strided sample of each layer's values (HISTOGRAM_SAMPLE per layer): a small on-device
         copy now, so the optimizer cannot change it before the worker reads it."""
-        assert self._session is not None
+        buffer = self._buffer
+        assert buffer is not None
         for group, members in enumerate(self._members):
             present = [_local(tensors[i]) for i in members if tensors[i] is not None]
             if not present:
@@ -211,7 +217,7 @@ class ModelWatch:
                 flat = t.detach().reshape(-1)
                 stride = max(1, flat.numel() // per_tensor)
                 parts.append(flat[::stride][:per_tensor].to(torch.float32))
-            self._session.buffer.add_histogram(f"{kind}/{self.labels[group]}", index, torch.cat(parts))
+            buffer.add_histogram(f"{kind}/{self.labels[group]}", index, torch.cat(parts))
 
     # --- activation hooks (only during watched steps) ---------------------------------------------
     def _add_activation_hooks(self) -> None:

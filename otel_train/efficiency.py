@@ -1,0 +1,242 @@
+"""Flush-time hardware figures: CUDA allocator memory, memory pressure, energy and MFU.
+
+All of it runs at the interval flush, on the background worker, never on the training thread's
+step path. torch is never imported (nor CUDA initialised) here: only a loaded, initialised
+``torch.cuda`` is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from opentelemetry.metrics import Meter
+
+from otel_train import semconv as sc
+from otel_train.config import Config
+from otel_train.gpu_discovery import cuda_initialized, torch_device_index
+from otel_train.gpu_sampler import GpuSampler
+from otel_train.hw_outputs import EventSink, create_instrument
+from otel_train.interval import Interval
+from otel_train.mfu import normalize_dtype, resolve_peak
+
+# One logger for the whole hardware subsystem (its modules were one file): users filter on it.
+log = logging.getLogger("otel_train.hardware")
+
+MEMORY_PRESSURE_RATIO = 0.95  # reserved (allocator) or used (NVML) / limit above this -> event
+MEMORY_PRESSURE_REARM = 0.90  # ... re-armed once back below this
+
+CUDA_SPECS = (
+    sc.CUDA_MEMORY_ALLOCATED, sc.CUDA_MEMORY_RESERVED, sc.CUDA_MEMORY_PEAK, sc.CUDA_ALLOC_RETRIES, sc.CUDA_OOMS,
+)  # fmt: skip
+ENERGY_SPECS = (sc.POWER_AVERAGE, sc.ENERGY_PER_STEP, sc.ENERGY_PER_TOKEN)
+
+
+class FlushEfficiency:
+    """The flush-time gauges of one rank; ``gpu`` is the NVML sampler whose snapshot they read."""
+
+    def __init__(
+        self,
+        config: Config,
+        meter: Meter,
+        events: EventSink,
+        local_rank: int,
+        gpu: GpuSampler,
+        torch_cuda: Callable[[], Any | None],
+        environ: Mapping[str, str],
+        compute_dtype: str,
+    ) -> None:
+        self._config = config
+        self._meter = meter
+        self._events = events
+        self._local_rank = local_rank
+        self._gpu = gpu
+        self._torch_cuda = torch_cuda
+        self._environ = environ
+        self._dtype = compute_dtype
+        self._flops_per_token: float | None = config.flops_per_token
+        self._instruments: dict[str, Any] = {}
+        self._energy_prev: tuple[float, float] | None = None
+        self._cuda_prev: dict[str, int] = {}
+        self._cuda_total: int | None = None
+        self._pressure_active = False
+        self._cuda_reserved_ratio: float | None = None
+        self._peak: tuple[float | None, str | None] | None = None
+        self._peak_logged = False
+        self._mfu_event_sent = False
+
+    def _create(self, specs: tuple[sc.MetricSpec, ...]) -> None:
+        for spec in specs:
+            self._instruments[spec.name] = create_instrument(self._meter, spec)
+
+    def create_energy_instruments(self) -> None:
+        """Power and energy per step/token (only with a GPU that NVML samples)."""
+        self._create(ENERGY_SPECS)
+
+    def create_mfu_instruments(self) -> None:
+        self._create((sc.FLOPS, sc.MFU))
+
+    # -- settings ------------------------------------------------------------------------------------
+    def set_flops_per_token(self, flops_per_token: float | None) -> None:
+        self._flops_per_token = flops_per_token if flops_per_token and flops_per_token > 0 else None
+
+    def set_compute_dtype(self, dtype: str) -> None:
+        if normalize_dtype(dtype) is None:
+            log.warning("otel_train: unknown compute dtype %r for MFU; keeping %r", dtype, self._dtype)
+            return
+        self._dtype = dtype
+        self._peak = None
+        self._peak_logged = False
+
+    def begin_flush(self) -> None:
+        """Forget the last flush's allocator ratio (a flush without CUDA reports no pressure from it)."""
+        self._cuda_reserved_ratio = None
+
+    # -- CUDA allocator --------------------------------------------------------------------------------
+    def flush_cuda(self, interval: Interval) -> None:
+        tc = self._torch_cuda()
+        if not cuda_initialized(tc):
+            return
+        assert tc is not None
+        device = torch_device_index(tc, self._local_rank)
+        stats = tc.memory_stats(device)
+        if not stats:
+            return
+        if sc.CUDA_MEMORY_ALLOCATED.name not in self._instruments:
+            self._create(CUDA_SPECS)
+        inst = self._instruments
+        allocated = stats.get("allocated_bytes.all.current")
+        reserved = stats.get("reserved_bytes.all.current")
+        peak = stats.get("allocated_bytes.all.peak")
+        if allocated is not None:
+            inst[sc.CUDA_MEMORY_ALLOCATED.name].set(int(allocated))
+        if reserved is not None:
+            inst[sc.CUDA_MEMORY_RESERVED.name].set(int(reserved))
+        if peak is not None:
+            inst[sc.CUDA_MEMORY_PEAK.name].set(int(peak))
+            if self._config.cuda_peak_per_interval:
+                # Next interval's peak starts from the current level. Process-wide: it also resets
+                # what torch.cuda.max_memory_allocated() returns to user code (hence the setting).
+                tc.reset_peak_memory_stats(device)
+        self._add_cuda_counts(stats)
+        if self._cuda_total is None:
+            try:
+                self._cuda_total = int(tc.get_device_properties(device).total_memory)
+            except Exception:
+                self._cuda_total = 0
+        if reserved is not None and self._cuda_total:
+            self._cuda_reserved_ratio = int(reserved) / self._cuda_total
+
+    def _add_cuda_counts(self, stats: Mapping[str, Any]) -> None:
+        """Allocator retries and OOMs since the last flush (torch keeps running totals)."""
+        for spec, key in ((sc.CUDA_ALLOC_RETRIES, "num_alloc_retries"), (sc.CUDA_OOMS, "num_ooms")):
+            value = stats.get(key)
+            if value is None:
+                continue
+            previous = self._cuda_prev.get(key, 0)
+            delta = int(value) - previous if int(value) >= previous else int(value)  # stats were reset
+            self._cuda_prev[key] = int(value)
+            if delta > 0:
+                self._instruments[spec.name].add(delta)
+
+    def flush_pressure(self, interval: Interval) -> None:
+        ratios: list[tuple[str, float]] = []
+        if self._cuda_reserved_ratio is not None:
+            ratios.append(("CUDA allocator reserved memory", self._cuda_reserved_ratio))
+        for uuid, used, total in self._gpu.snapshot.memory:
+            if total > 0:
+                ratios.append((f"NVML used on {uuid}", used / total))
+        if not ratios:
+            return
+        what, worst = max(ratios, key=lambda r: r[1])
+        if worst > MEMORY_PRESSURE_RATIO and not self._pressure_active:
+            self._pressure_active = True
+            message = f"GPU memory pressure: {what} is {worst:.1%} of the device's memory"
+            log.warning("otel_train: %s", message)
+            self._events.emit("memory_pressure", message, {"ratio": round(worst, 4)})
+        elif worst < MEMORY_PRESSURE_REARM:
+            self._pressure_active = False
+
+    # -- energy ----------------------------------------------------------------------------------------
+    def flush_energy(self, interval: Interval) -> None:
+        if not self._gpu.devices:
+            return
+        snap = self._gpu.snapshot
+        if snap.energy_j is None:
+            return
+        prev = self._energy_prev
+        if prev is None or snap.energy_j < prev[1]:  # first flush, or the counter went back (reset)
+            self._energy_prev = (snap.time, snap.energy_j)
+            return
+        dt = snap.time - prev[0]
+        if dt <= 0:  # no new sample since the last flush: keep the baseline, report next time
+            return
+        power = (snap.energy_j - prev[1]) / dt
+        self._energy_prev = (snap.time, snap.energy_j)
+        inst = self._instruments
+        inst[sc.POWER_AVERAGE.name].set(power)
+        # Sample times do not coincide with flushes: the interval's energy is estimated as the
+        # average power between the two latest samples times the interval's wall time.
+        energy = power * interval.elapsed_s if interval.elapsed_s > 0 else None
+        if energy is None:
+            return
+        if interval.steps > 0:
+            inst[sc.ENERGY_PER_STEP.name].set(energy / interval.steps)
+        if interval.tokens > 0:
+            inst[sc.ENERGY_PER_TOKEN.name].set(energy / interval.tokens)
+
+    # -- MFU -------------------------------------------------------------------------------------------
+    def _device_name(self) -> str | None:
+        if self._gpu.devices:
+            return self._gpu.devices[0].dev.name
+        tc = self._torch_cuda()
+        if cuda_initialized(tc):
+            assert tc is not None
+            try:
+                return str(tc.get_device_name(torch_device_index(tc, self._local_rank)))
+            except Exception:
+                return None
+        return None
+
+    def resolve_peak(self) -> tuple[float | None, str | None]:
+        """(peak FLOP/s, source) used for MFU; (None, None) when unknown (no MFU)."""
+        if self._peak is not None:
+            return self._peak
+        name = self._device_name()
+        peak = resolve_peak(name, self._dtype, self._config.peak_flops, self._environ)
+        if peak[0] is None and name is None:
+            # No device known yet (CUDA may be initialised later): resolve again next flush.
+            if not self._peak_logged:
+                self._peak_logged = True
+                log.info("otel_train: no MFU yet: no GPU device known; set peak_flops to force one")
+            return peak
+        self._peak = peak
+        if peak[0] is None:
+            log.info(
+                "otel_train: no MFU: peak FLOP/s unknown for device %r (dtype %s); set peak_flops or %s",
+                name, self._dtype, "OTEL_TRAIN_PEAK_FLOPS",
+            )  # fmt: skip
+        else:
+            log.info("otel_train: MFU peak %.4g FLOP/s from %s (device %r)", peak[0], peak[1], name)
+        return peak
+
+    def flush_mfu(self, interval: Interval) -> None:
+        fpt = self._flops_per_token
+        if not fpt or interval.tokens <= 0 or interval.elapsed_s <= 0:
+            return
+        achieved = fpt * interval.tokens / interval.elapsed_s
+        self._instruments[sc.FLOPS.name].set(achieved)
+        peak, source = self.resolve_peak()
+        if peak is None or source is None:
+            return
+        mfu = achieved / peak
+        self._instruments[sc.MFU.name].set(mfu, {sc.PEAK_SOURCE: source})
+        if mfu > 1.0 and not self._mfu_event_sent:
+            self._mfu_event_sent = True
+            message = (
+                f"MFU {mfu:.0%} > 100%: the peak ({peak:.4g} FLOP/s from {source}) or flops_per_token "
+                f"({fpt:.4g}) is wrong for this device/dtype"
+            )
+            log.warning("otel_train: %s", message)
+            self._events.emit("mfu_over_100", message, {"mfu": round(mfu, 4), sc.PEAK_SOURCE: source})

@@ -1,0 +1,78 @@
+"""The host sampler: this process's CPU and memory and the node's memory (psutil), on a thread of
+its own; SDK callbacks read the last sample."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from otel_train import semconv as sc
+from otel_train.hw_outputs import create_instrument
+
+# One logger for the whole hardware subsystem (its modules were one file): users filter on it.
+log = logging.getLogger("otel_train.hardware")
+
+HOST_SPECS = (sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEMORY_USAGE)
+
+
+class HostSampler:
+    """Samples a ``psutil.Process`` (this one unless given) into ``observations``."""
+
+    def __init__(self, process: Any | None = None) -> None:
+        self._process = process
+        self._primed = False
+        self.observations: Mapping[str, list[Observation]] = {}
+
+    def create_instruments(self, meter: Meter) -> None:
+        """The host gauges; none (one info line) when psutil is unavailable."""
+        try:
+            import psutil
+
+            if self._process is None:
+                self._process = psutil.Process()
+        except Exception as exc:
+            log.info("otel_train: no host metrics (psutil unavailable: %s)", exc)
+            return
+        for spec in HOST_SPECS:
+            create_instrument(meter, spec, self._reader(spec.name))
+
+    def _reader(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(options: CallbackOptions) -> Iterable[Observation]:
+            return self.observations.get(name, ())
+
+        return callback
+
+    def run(self, stop: threading.Event, interval_s: float) -> None:
+        """The host sampler thread: sample every ``interval_s`` until ``stop``."""
+        while True:
+            try:
+                self.sample()
+            except Exception:
+                log.debug("otel_train: host sample failed", exc_info=True)
+            if stop.wait(interval_s):
+                break
+
+    def sample(self) -> None:
+        proc = self._process
+        if proc is None:
+            return
+        import psutil
+
+        obs: dict[str, list[Observation]] = {}
+        cpu = proc.cpu_percent(None)
+        if self._primed:  # psutil's first reading has no reference interval (always 0.0)
+            obs[sc.PROCESS_CPU_UTILIZATION.name] = [Observation(cpu / 100.0)]
+        self._primed = True
+        obs[sc.PROCESS_MEMORY_USAGE.name] = [Observation(int(proc.memory_info().rss))]
+        vm = psutil.virtual_memory()
+        # "free" is what is available to new allocations (free + reclaimable cache), so
+        # used + free = total.
+        obs[sc.SYSTEM_MEMORY_USAGE.name] = [
+            Observation(int(vm.total - vm.available), {sc.MEMORY_STATE: "used"}),
+            Observation(int(vm.available), {sc.MEMORY_STATE: "free"}),
+        ]
+        self.observations = obs

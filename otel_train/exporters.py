@@ -296,7 +296,8 @@ def build_telemetry(
 
     if config.otlp_endpoint or config.otlp_metrics_endpoint:
         quiet_sdk_exporter_logs()
-        metrics_status = ExportStatus(_otlp_url(config, "metrics"))
+        # Named by the endpoint the user set: the base URL for all signals, or the metrics URL.
+        metrics_status = ExportStatus(config.otlp_metrics_endpoint or config.otlp_endpoint or "")
         readers.append(
             PeriodicExportingMetricReader(
                 ForkGuardMetricExporter(_otlp_metric_exporter(config), metrics_status),

@@ -82,16 +82,16 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
 
 
 def _start(
-    argv_for_port: Callable[[int], list[str]], workdir: Path, name: str
+    argv_for_port: Callable[[int], list[str]], workdir: Path, name: str, ready_path: str = "/-/ready"
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """Start a server on a free loopback port and wait for /-/ready; retry on a port race."""
+    """Start a server on a free loopback port and wait for `ready_path`; retry on a port race."""
     log = workdir / f"{name}.log"
     last_error = ""
     for _attempt in range(3):
         port = free_port()
         with log.open("ab") as out:
             proc = subprocess.Popen(argv_for_port(port), stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
-        url = f"http://127.0.0.1:{port}/-/ready"
+        url = f"http://127.0.0.1:{port}{ready_path}"
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:

@@ -22,46 +22,20 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conftest import free_port, require_binary
-from promstack import READY_TIMEOUT_S, Prometheus, _http_json, _stop, _tail
+from conftest import require_binary
+from promstack import Prometheus, _http_json, _start, _stop, _tail
 
 # What the compose variant passes to VictoriaMetrics for OTLP (checked there by
 # tests/test_deploy_static.py): Prometheus-style names and labels (train_steps_total, host_name).
 OTLP_FLAGS = ("-opentelemetry.usePrometheusNaming",)
 # Test-only: data is queryable at once (default 30 s, for late scrapes), no response cache.
 FAST_QUERY_FLAGS = ("-search.latencyOffset=0s", "-search.disableCache")
-
-
-def _start(
-    argv_for_port: Callable[[int], list[str]], workdir: Path, name: str
-) -> tuple[subprocess.Popen[bytes], int]:
-    """Start on a free loopback port and wait for /health (both binaries serve it); retry a port race."""
-    log = workdir / f"{name}.log"
-    last_error = ""
-    for _attempt in range(3):
-        port = free_port()
-        with log.open("ab") as out:
-            proc = subprocess.Popen(argv_for_port(port), stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return proc, port
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.2)
-        _stop(proc)
-        last_error = _tail(log)
-        if "address already in use" not in last_error:
-            break
-    raise RuntimeError(f"{name} did not become ready; log tail:\n{last_error}")
 
 
 @dataclass
@@ -98,6 +72,7 @@ def victoriametrics(extra_args: Sequence[str] = ()) -> Iterator[VictoriaMetrics]
         ],
         workdir,
         "victoria-metrics",
+        "/health",
     )
     try:
         yield VictoriaMetrics(url=f"http://127.0.0.1:{port}", workdir=workdir, proc=proc)
@@ -156,6 +131,7 @@ def vmalert(
         ],
         workdir,
         "vmalert",
+        "/health",
     )
     try:
         yield VmAlert(url=f"http://127.0.0.1:{port}", workdir=workdir, proc=proc)

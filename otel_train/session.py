@@ -24,7 +24,6 @@ from otel_train.bridges.console import ConsoleSink
 from otel_train.buffer import Buffer, FlushBatch, SpanRecord
 from otel_train.closing import close_listeners, close_sinks, drain_worker, stop_exporters
 from otel_train.config import Config, redact
-from otel_train.control import changed_config, profile_request, warn_if_late
 from otel_train.distributed import Identity
 from otel_train.interval import FlushListener
 from otel_train.profiling import advance_window, start_window
@@ -258,6 +257,9 @@ class Session(SessionParts):
 
     def _apply_control(self, change: ControlChange, index: int) -> None:
         """Training thread, as step `index` begins: apply a scheduled runtime-control change."""
+        # control imports the SDK's logs API (through health): not at `import otel_train`
+        from otel_train.control import changed_config, profile_request, warn_if_late
+
         if self._pending_control is change:
             self._pending_control = None
         settings = dict(change.settings)
@@ -370,7 +372,6 @@ class Session(SessionParts):
             self.cadence.flushed(batch.seq, batch.flush_interval)
         return True
 
-    # --- explicit logger API (not per step) ---------------------------------------------------------
     def message(self, kind: str, key: str, payload: Any, step: int | None) -> None:
         from otel_train.pipeline import Message
 

@@ -38,8 +38,8 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.gpu_discovery import Discovery
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents
-    from otel_train.pipeline import Instruments
     from otel_train.straggler import CrossRankReducer
+    from otel_train.worker import Instruments
 
 
 @dataclass(frozen=True)
@@ -137,11 +137,11 @@ def _build_session(
     config: Config, place: RunPlace, resource: Resource, gpu_discovery: Discovery | None
 ) -> Session:
     """The session with every part that does not call back into it (see `build_session`)."""
-    from otel_train.bridges.step_reader import StepReader
     from otel_train.exporters import build_telemetry
     from otel_train.health import HealthMonitor
-    from otel_train.pipeline import Instruments
     from otel_train.profiling import ProfiledStepsCounter
+    from otel_train.step_reader import StepReader
+    from otel_train.worker import Instruments
 
     ident = place.identity
     step_reader = StepReader()
@@ -321,7 +321,7 @@ def _attach_goodput(session: Session) -> None:
 
 
 def _attach_worker(session: Session) -> None:
-    from otel_train.pipeline import SpanWriter, Worker
+    from otel_train.worker import SpanWriter, Worker
 
     telemetry, ident, config = session.telemetry, session.identity, session.config
     tracer = (

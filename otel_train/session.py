@@ -33,7 +33,6 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from opentelemetry.sdk.resources import Resource
 
     from otel_train.bridges.process import BridgeProcess
-    from otel_train.bridges.step_reader import StepReader
     from otel_train.cadence import Cadence
     from otel_train.control import ControlChange, ControlFile
     from otel_train.exporters import Telemetry
@@ -42,9 +41,10 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents, HealthMonitor
     from otel_train.model_watch import ModelWatch
-    from otel_train.pipeline import Instruments, Worker
     from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
+    from otel_train.step_reader import StepReader
     from otel_train.straggler import CrossRankReducer
+    from otel_train.worker import Instruments, Worker
 
 log = logging.getLogger("otel_train")
 
@@ -373,7 +373,7 @@ class Session(SessionParts):
         return True
 
     def message(self, kind: str, key: str, payload: Any, step: int | None) -> None:
-        from otel_train.pipeline import Message
+        from otel_train.worker import Message
 
         self.worker.submit_message(Message(kind, key, payload, self.step_index if step is None else step))
 

@@ -26,12 +26,12 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status,
 
 from otel_train import semconv
 from otel_train.bridges.base import Sink
-from otel_train.bridges.step_reader import StepReader
 from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.config import redact_text
 from otel_train.health import HealthMonitor
 from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
+from otel_train.step_reader import StepReader
 
 log = logging.getLogger("otel_train")
 

@@ -334,7 +334,6 @@ def _attach_worker(session: Session) -> None:
         session.step_reader,
         session.sinks,
         session.listeners,
-        session.health,
         SpanWriter(tracer, ident.run_id, ident.rank) if tracer is not None else None,
         queue_size=config.queue_size,
         total_steps=config.total_steps,

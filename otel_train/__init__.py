@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 # The hot path reads the active session as `_runtime._current`, a plain module attribute, on
-# purpose: the public `session.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
+# purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import _runtime
 from otel_train import session as _session_mod

@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-# The hot path reads the active session as `_session_mod._current`, a plain module attribute, on
-# purpose: the public `session.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
+# The hot path reads the active session as `_runtime._current`, a plain module attribute, on
+# purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
+from otel_train import _runtime
 from otel_train import session as _session_mod
 from otel_train.config import Config, ConfigError
 from otel_train.timing import span, step, timed, timer
@@ -66,19 +67,19 @@ def init(config_file: str | None = None, **settings: Any) -> Session:
     raise `ConfigError` naming the setting and the fix. Use as `with ot.init(...):` to shut down
     at the end of the block.
     """
-    return _session_mod.init(config_file=config_file, settings=settings)
+    return _runtime.init(config_file=config_file, settings=settings)
 
 
 def shutdown() -> None:
     """Final flush, then stop every exporter within `shutdown_timeout_s`. Safe to call twice."""
-    _session_mod.shutdown()
+    _runtime.shutdown()
 
 
 finish = shutdown
 
 
 def current_session() -> Session | None:
-    return _session_mod._current
+    return _runtime._current
 
 
 def record(name: str, value: Any) -> None:
@@ -86,7 +87,7 @@ def record(name: str, value: Any) -> None:
 
     Never raises: bad names and values are dropped and counted, with one warning per name.
     """
-    session = _session_mod._current
+    session = _runtime._current
     if session is not None:
         try:
             session.buffer.add_scalar(name, value)
@@ -101,7 +102,7 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
     flushed now, filed under the last completed step; in a multi-rank run they ride with the next
     aligned flush instead, since an extra flush would desynchronise the ranks' collectives.
     """
-    session = _session_mod._current
+    session = _runtime._current
     if session is None:
         return
     try:
@@ -117,7 +118,7 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
 
 def log_hyperparams(params: Mapping[str, Any]) -> None:
     """Hyperparameters for every bridge (secret-looking keys are redacted)."""
-    session = _session_mod._current
+    session = _runtime._current
     if session is None:
         return
     try:
@@ -132,7 +133,7 @@ def log_hyperparams(params: Mapping[str, Any]) -> None:
 
 
 def log_text(name: str, text: str, step: int | None = None) -> None:
-    session = _session_mod._current
+    session = _runtime._current
     if session is not None:
         try:
             session.message("text", str(name), str(text), _session_mod.message_step(step))
@@ -142,7 +143,7 @@ def log_text(name: str, text: str, step: int | None = None) -> None:
 
 def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: str = "samples") -> None:
     """Validation samples as (prompt, output) pairs: a console table and an entry in every bridge."""
-    session = _session_mod._current
+    session = _runtime._current
     if session is None:
         return
     limit = session.config.samples_to_show
@@ -165,7 +166,7 @@ def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: 
 
 def log_histogram(name: str, values: Any, step: int | None = None) -> None:
     """A distribution (sequence or tensor); resolved on the background worker."""
-    session = _session_mod._current
+    session = _runtime._current
     if session is not None:
         try:
             session.message("histogram", str(name), values, _session_mod.message_step(step))
@@ -196,7 +197,7 @@ def watch(
     from otel_train.model_watch import ModelWatch, NullWatch, check_watch_args
 
     check_watch_args(model, every, max_layers, (grads, params, activations))
-    session = _session_mod._current
+    session = _runtime._current
     if session is None:
         return NullWatch()
     for earlier in [w for w in session.watches if w.model is model]:
@@ -227,7 +228,7 @@ def profile(
     from otel_train.profiling import ProfileWindow
 
     window = ProfileWindow(wait, warmup, active, repeat, skip_first)  # raises on bad arguments
-    session = _session_mod._current
+    session = _runtime._current
     if session is None:
         return False
     return session.start_profile(window, ranks)
@@ -242,7 +243,7 @@ def watch_scaler(scaler: Any) -> ScalerWatch | None:
 
     if not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "scale"):
         raise TypeError(f"ot.watch_scaler expects a torch.amp.GradScaler, got {type(scaler).__name__}")
-    session = _session_mod._current
+    session = _runtime._current
     if session is None:
         return None
     for listener in [x for x in session.listeners if isinstance(x, ScalerWatch) and x.scaler is scaler]:
@@ -255,7 +256,7 @@ def watch_scaler(scaler: Any) -> ScalerWatch | None:
 
 def get_meter() -> Meter:
     """The library's OTel meter: instruments you create on it reach every exporter and bridge."""
-    session = _session_mod._current
+    session = _runtime._current
     if session is None:
         from opentelemetry.metrics import NoOpMeter
 

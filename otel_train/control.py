@@ -21,11 +21,15 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from otel_train.config import Config
 from otel_train.health import EventSink
+
+if TYPE_CHECKING:
+    from otel_train.profiling import ProfileWindow
 
 log = logging.getLogger("otel_train")
 
@@ -117,6 +121,15 @@ class ControlFile:
         self._version = version
         return ControlChange(version, int(document["apply_at_step"]), settings)
 
+    def announce(self, change: ControlChange) -> None:
+        """One `control` health event for a change this rank scheduled."""
+        self._events.emit(
+            "control",
+            f"runtime control v{change.version}: {dict(change.settings)} from step {change.apply_at_step}",
+            {"step": change.apply_at_step, "version": change.version},
+            severity="INFO",
+        )
+
     def _reject(self, problem: str) -> None:
         self._events.emit("control_rejected", f"{self.path} ignored: {problem}", {"file": str(self.path)})
 
@@ -125,3 +138,28 @@ class ControlFile:
         tmp.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
         tmp.replace(self.path)
         self._seen_mtime = self.path.stat().st_mtime_ns
+
+
+def changed_config(config: Config, settings: Mapping[str, Any]) -> Config:
+    """`config` with a change's settings (all but `profile`, which starts a window instead)."""
+    return replace(config, **{k: settings[k] for k in settings if k != "profile"})
+
+
+def profile_request(options: Mapping[str, Any]) -> tuple[ProfileWindow, list[int] | None]:
+    """A change's `profile` setting as the arguments of `Session.start_profile`."""
+    from otel_train.profiling import ProfileWindow
+
+    window = dict(options)
+    ranks = window.pop("ranks", None)
+    return ProfileWindow(**window), ranks
+
+
+def warn_if_late(change: ControlChange, index: int) -> None:
+    if index > change.apply_at_step:
+        log.warning(
+            "otel_train: runtime control v%d applied at step %d, after its step %d (this rank "
+            "read the control file late)",
+            change.version,
+            index,
+            change.apply_at_step,
+        )

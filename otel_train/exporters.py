@@ -3,7 +3,7 @@
 - OTLP (HTTP/protobuf by default, or gRPC) for metrics, spans and logs, with bounded timeouts;
 - the Prometheus pull endpoint on `prometheus_host:prometheus_port + local_rank`;
 - console exporters for debugging;
-- the StepReader (bridges) is passed in and registered on the same MeterProvider.
+- the StepReader (step_reader) is passed in and registered on the same MeterProvider.
 
 Every exporter is wrapped in a fork guard: a forked child (a DataLoader worker) inherits the SDK's
 threads, which the SDK restarts after fork; without the guard the child would re-export the

@@ -105,7 +105,8 @@ class HealthEvents:
 
 
 class HealthMonitor:
-    """Flush listener: non-finite loss counting, loss spikes (EWMA), stall watchdog state."""
+    """Flush listener: non-finite losses and gradients (what the interval says the worker dropped)
+    and loss spikes (EWMA), all from the interval it is handed."""
 
     def __init__(
         self, events: HealthEvents, nonfinite_counter: Any, spike_factor: float, warmup: int = 5
@@ -118,9 +119,15 @@ class HealthMonitor:
         self._seen = 0
         self.nonfinite_loss = 0
 
-    def note_nonfinite(self, instrument: str, count: int, step: int) -> None:
-        """Called by the worker while resolving values (before they are dropped)."""
-        if instrument != semconv.LOSS.name or count == 0:
+    def on_flush(self, interval: Interval) -> None:
+        self._report_nonfinite_loss(interval.nonfinite.get(semconv.LOSS.name, 0), interval.step)
+        for step, layers in interval.nonfinite_grads:
+            self._report_nonfinite_grads(layers, step)
+        for value in interval.scalars.get(semconv.LOSS.name, ()):
+            self._check_spike(value, interval.step)
+
+    def _report_nonfinite_loss(self, count: int, step: int) -> None:
+        if count == 0:
             return
         self.nonfinite_loss += count
         self._nonfinite.add(count)
@@ -131,8 +138,7 @@ class HealthMonitor:
             severity="ERROR",
         )
 
-    def note_nonfinite_grads(self, layers: list[str], step: int) -> None:
-        """Called by the worker when a watched step's per-layer gradient norms are NaN/Inf."""
+    def _report_nonfinite_grads(self, layers: list[str], step: int) -> None:
         # Backpropagation carries a NaN from where it starts towards the input, so the affected
         # layer nearest the output (last in module order) is the likeliest origin.
         shown = ", ".join(layers[:5]) + (f" and {len(layers) - 5} more" if len(layers) > 5 else "")
@@ -143,13 +149,6 @@ class HealthMonitor:
             {"step": step, semconv.LAYER: layers[-1]},
             severity="ERROR",
         )
-
-    def on_flush(self, interval: Interval) -> None:
-        losses = interval.scalars.get(semconv.LOSS.name)
-        if not losses:
-            return
-        for value in losses:
-            self._check_spike(value, interval.step)
 
     def _check_spike(self, value: float, step: int) -> None:
         if (

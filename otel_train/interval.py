@@ -20,6 +20,9 @@ class Interval:
     # timer name -> seconds from its step's start to the timer's end (CPU timers inside a step only)
     arrivals: dict[str, list[float]] = field(default_factory=dict)
     scalars: dict[str, list[float]] = field(default_factory=dict)  # instrument name -> finite values
+    nonfinite: dict[str, int] = field(default_factory=dict)  # instrument name -> NaN/Inf values dropped
+    # (step, layers) for each watched step whose per-layer gradient norms held NaN/Inf, in module order
+    nonfinite_grads: list[tuple[int, list[str]]] = field(default_factory=list)
     final: bool = False  # the last flush, from shutdown()
     flush_interval: int = 0  # proposed steps per flush (adaptive cadence): rank 0's is adopted by all
 

@@ -140,20 +140,29 @@ class ProfiledStepsCounter:
 
 
 def start_window(
-    window: ProfileWindow,
-    run_dir: Path | None,
-    output_dir: str,
-    run_name: str,
-    rank: int,
-    ranks: Sequence[int] | None,
-    warn: Callable[[str], None],
+    window: ProfileWindow, base: Path, rank: int, ranks: Sequence[int] | None, warn: Callable[[str], None]
 ) -> StepProfiler | None:
-    """A profiler for this rank, or None when this rank is not among `ranks`."""
+    """A profiler for this rank writing under `base` (the run dir), or None when this rank is not
+    among `ranks`."""
     if ranks is not None and rank not in ranks:
         return None
-    base = run_dir if run_dir is not None else Path(output_dir) / run_name
     try:
         return StepProfiler(window, base / "profiles" / f"rank{rank}")
     except Exception as exc:  # torch missing or a profiler already running in this process
         warn(f"otel_train: ot.profile could not start torch.profiler: {exc}")
         return None
+
+
+def advance_window(
+    profiler: StepProfiler, index: int, counter: ProfiledStepsCounter
+) -> tuple[bool, StepProfiler | None]:
+    """Step `index` ended: (was it profiled, the profiler if its window goes on). A profiler that
+    fails is stopped with a warning: it must not stop training."""
+    try:
+        profiled = profiler.step_ended(index)
+    except Exception as exc:
+        log.warning("otel_train: torch.profiler failed and was stopped: %s", exc)
+        return False, None
+    if profiled:
+        counter.total += 1
+    return profiled, None if profiler.done else profiler

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from otel_train import session as _session_mod
+from otel_train import _runtime
 from otel_train.bridges.base import Sink
 
 
@@ -65,4 +65,4 @@ def capture_metrics(**settings: Any) -> Iterator[Capture]:
 
 def reset() -> None:
     """Shut down any running session (tests call this between cases)."""
-    _session_mod.shutdown()
+    _runtime.shutdown()

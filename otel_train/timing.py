@@ -14,10 +14,11 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
-# The hot path reads the active session as `_session_mod._current`, a plain module attribute, on
-# purpose: the public `session.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
+# The hot path reads the active session as `_runtime._current`, a plain module attribute, on
+# purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
-from otel_train import session as _session_mod
+from otel_train import _runtime
+from otel_train.session import Session
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,10 +47,10 @@ class StepScope:
         self.index = index
         self.tokens = tokens
         self.samples = samples
-        self._session: _session_mod.Session | None = None
+        self._session: Session | None = None
 
     def __enter__(self) -> StepScope:
-        session = _session_mod._current
+        session = _runtime._current
         self._session = session
         if session is not None:
             self._index = session.begin_step(self.index)
@@ -91,7 +92,7 @@ class TimerScope:
         self.cuda = cuda
 
     def __enter__(self) -> TimerScope:
-        session = _session_mod._current
+        session = _runtime._current
         self._session = session
         if session is not None:
             self._cuda_start = _cuda_event() if self.cuda else None
@@ -115,7 +116,7 @@ class TimerScope:
 def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullScope:
     """`with ot.timer("forward"):` — time a phase. `cuda=True` times the device work with CUDA
     events (resolved on the worker, no sync on the training thread)."""
-    session = _session_mod._current
+    session = _runtime._current
     if session is None:
         return _NULL
     try:
@@ -127,7 +128,7 @@ def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullSc
     return TimerScope(name, cuda)
 
 
-def _timer_level(session: _session_mod.Session, level: Any) -> int:
+def _timer_level(session: Session, level: Any) -> int:
     try:
         return int(level)
     except Exception:
@@ -156,7 +157,7 @@ class MarkScope:
         self.attributes = attributes
 
     def __enter__(self) -> MarkScope:
-        self._session = _session_mod._current
+        self._session = _runtime._current
         self._start = perf_counter_ns()
         return self
 

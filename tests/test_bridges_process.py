@@ -18,9 +18,9 @@ import pytest
 from readback import read_tensorboard
 
 import otel_train as ot
+from otel_train import assemble
 from otel_train.bridges.process import BridgeProcess
 from otel_train.config import ConfigError
-from otel_train.session import Session
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -117,12 +117,12 @@ def test_setup_error_raises_at_init_naming_the_path(tmp_path: Path) -> None:
 def test_a_hung_bridge_cannot_hold_shutdown_past_its_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    specs = Session._bridge_specs
+    specs = assemble.bridge_specs
 
-    def with_hanging(self: Session) -> list:
-        return [*specs(self), ("bridge_fixtures", "Hanging", {})]
+    def with_hanging(config: ot.Config, place: assemble.RunPlace) -> list:
+        return [*specs(config, place), ("bridge_fixtures", "Hanging", {})]
 
-    monkeypatch.setattr(Session, "_bridge_specs", with_hanging)
+    monkeypatch.setattr(assemble, "bridge_specs", with_hanging)
     budget = 1.5
     session = ot.init(output_dir=str(tmp_path), run_name="hung", tensorboard=True, prometheus_port=0, verbosity=0,
                       hardware=False, log_interval=2, shutdown_timeout_s=budget)  # fmt: skip

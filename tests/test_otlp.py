@@ -10,7 +10,7 @@ from otlp_receiver import grpc_receiver, http_receiver, refused_endpoint, tarpit
 
 import otel_train as ot
 from otel_train import semconv
-from otel_train.pipeline import step_trace_ids
+from otel_train.worker import step_trace_ids
 
 
 def _train(steps: int = 25, sleep: float = 0.0) -> None:

@@ -46,7 +46,7 @@ def test_same_run_id_resumes_and_marks_the_restart(tmp_path) -> None:
 
 
 def test_ranks_of_one_job_share_the_directory(tmp_path) -> None:
-    from otel_train.session import claim_run_dir
+    from otel_train.run_directory import claim_run_dir
 
     run_dir = tmp_path / "exp"
     run_dir.mkdir()

@@ -26,12 +26,11 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status,
 
 from otel_train import semconv
 from otel_train.bridges.base import Sink
-from otel_train.bridges.step_reader import StepReader
 from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.config import redact_text
-from otel_train.health import HealthMonitor
 from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
+from otel_train.step_reader import StepReader
 
 log = logging.getLogger("otel_train")
 
@@ -311,7 +310,6 @@ class Worker:
         step_reader: StepReader,
         sinks: list[Sink],
         listeners: list[FlushListener],
-        health: HealthMonitor,
         span_writer: SpanWriter | None,
         queue_size: int,
         total_steps: int | None,
@@ -321,7 +319,6 @@ class Worker:
         self.step_reader = step_reader
         self.sinks = sinks
         self.listeners = listeners
-        self.health = health
         self.span_writer = span_writer
         self.total_steps = total_steps
         self.otel_logger = otel_logger
@@ -420,15 +417,9 @@ class Worker:
 
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:
+        """One flush: resolve -> feed the SDK -> listeners -> collect -> sinks."""
         interval = self._resolve(batch)
-        if batch.layer_stats:
-            self._feed_layer_stats(batch)
-        exemplars: ExemplarContexts = {}
-        if self.span_writer is not None and batch.spans:
-            exemplars = self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
-        self._feed(batch, interval, exemplars)
-        for key, step, values in batch.histograms:
-            self._deliver_message(Message("histogram", key, values, step))
+        self._feed_sdk(batch, interval)
         for listener in self.listeners:
             try:
                 listener.on_flush(interval)
@@ -445,15 +436,28 @@ class Worker:
             except Exception as exc:
                 self._sink_failed(sink, exc)
 
+    def _feed_sdk(self, batch: FlushBatch, interval: Interval) -> None:
+        """Layer statistics, sampled steps' spans, the instruments, then the interval's histograms."""
+        if batch.layer_stats:
+            self._feed_layer_stats(batch, interval)
+        exemplars: ExemplarContexts = {}
+        if self.span_writer is not None and batch.spans:
+            exemplars = self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
+        self._feed(batch, interval, exemplars)
+        for key, step, values in batch.histograms:
+            self._deliver_message(Message("histogram", key, values, step))
+
     def _resolve(self, batch: FlushBatch) -> Interval:
         if batch.cuda_event is not None:
             batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
         scalars: dict[str, list[float]] = {}
+        nonfinite: dict[str, int] = {}
         for instrument, raw in batch.scalars.items():
             values, dropped = resolve_values(raw)
             for reason, count in dropped.items():
                 batch.dropped[reason] = batch.dropped.get(reason, 0) + count
-            self.health.note_nonfinite(instrument, dropped.get("nonfinite", 0), batch.step)
+            if dropped.get("nonfinite", 0):
+                nonfinite[instrument] = dropped["nonfinite"]
             if values:
                 scalars[instrument] = values
         phases = {name: list(values) for name, values in batch.phases.items()}
@@ -475,6 +479,7 @@ class Worker:
             phases=phases,
             arrivals=batch.arrivals,
             scalars=scalars,
+            nonfinite=nonfinite,
             final=batch.final,
             flush_interval=batch.flush_interval,
         )
@@ -513,9 +518,9 @@ class Worker:
             if self._steps_done and remaining >= 0:
                 ins.eta.set(remaining * elapsed / self._steps_done)
 
-    def _feed_layer_stats(self, batch: FlushBatch) -> None:
+    def _feed_layer_stats(self, batch: FlushBatch, interval: Interval) -> None:
         """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
-        and, for gradients, reported as one `nonfinite_grad` event naming the layers."""
+        and, for gradients, named in the interval (health reports them as one event per step)."""
         for record, values in resolve_layer_stats(batch.layer_stats):
             gauge = self.instruments.gauge(record.instrument)
             if gauge is None:
@@ -529,7 +534,7 @@ class Worker:
             if bad:
                 batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
                 if record.instrument == semconv.LAYER_GRAD_NORM.name:
-                    self.health.note_nonfinite_grads(bad, record.step)
+                    interval.nonfinite_grads.append((record.step, bad))
 
     def _deliver_message(self, message: Message) -> None:
         if message.kind == "histogram":

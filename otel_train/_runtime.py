@@ -1,0 +1,181 @@
+"""The process's runtime: the one active session (`_current`) and the process hooks around it.
+
+`init()` builds a session (`assemble.build_session`) and installs, once per process, the atexit
+shutdown, the fork guard (a forked child forgets the session: every API call there is a no-op) and
+the SIGTERM relay (a shutdown on a thread of its own, then the signal's previous action).
+
+`_current` is read as a plain module attribute by the hot path (`otel_train.__init__`,
+`otel_train.timing`): a function call there costs +50-70 ns per ot.record() (issue #17).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any
+
+from otel_train.assemble import build_session
+from otel_train.config import FIELDS, Config, ConfigError, load_config
+from otel_train.session import Session
+
+log = logging.getLogger("otel_train")
+
+_current: Session | None = None  # the one global: the active session of this process
+_hooks_installed = False
+_previous_sigterm: Any = None
+_closing: Session | None = None  # the session being (or last) shut down, so a second caller can wait
+
+
+def init(
+    config: Config | None = None, config_file: str | None = None, settings: Mapping[str, Any] | None = None
+) -> Session:
+    """Start (or return) the process's session."""
+    global _current
+    if _current is not None:
+        _warn_if_different(_current, config, config_file, settings)
+        return _current
+    resolved = config or load_config(settings, config_file=config_file)
+    session = build_session(resolved)
+    session.on_exit = shutdown  # `with ot.init(...):` ends like ot.shutdown()
+    _current = session
+    _install_hooks()
+    return session
+
+
+def _warn_if_different(
+    session: Session, config: Config | None, config_file: str | None, settings: Mapping[str, Any] | None
+) -> None:
+    """A second init() returns the running session; if it asked for other settings, say so once."""
+    if session.reinit_warned or (config is None and not config_file and not settings):
+        return
+    try:
+        wanted = config or load_config(settings, config_file=config_file)
+    except ConfigError:
+        wanted = None
+    if wanted == session.config:
+        return
+    session.reinit_warned = True
+    differing = (
+        sorted(k for k in FIELDS if getattr(wanted, k) != getattr(session.config, k))
+        if wanted is not None
+        else sorted(settings or {})
+    )
+    log.warning(
+        "otel_train: init() was called again with different settings (%s); the running session keeps "
+        "its own. Call ot.shutdown() first to start a new session with them.",
+        ", ".join(differing) or "invalid settings",
+    )
+
+
+def shutdown() -> None:
+    global _current, _closing
+    session = _current
+    if session is None:
+        closing = _closing
+        if closing is not None:  # shutting down on another thread (SIGTERM relay, atexit): wait
+            closing.shutdown_done.wait(closing.config.shutdown_timeout_s + 1.0)
+        return
+    _current = None  # from here on every record call is a no-op
+    _closing = session
+    session.shutdown()
+
+
+def current() -> Session | None:
+    return _current
+
+
+def _forget_in_child() -> None:
+    """After fork (DataLoader workers): the child never exports and every API call is a no-op."""
+    global _current, _closing
+    if _current is not None and _current.bridges is not None:
+        _current.bridges.forget_in_child()
+    _current = None
+    _closing = None
+
+
+class _SigtermRelay:
+    """Does the SIGTERM shutdown on a thread of its own.
+
+    A signal handler runs on the main thread between two bytecodes, possibly while that thread
+    holds the session lock or a queue's mutex (flush takes both); a handler that took either would
+    wait forever. So the handler only writes a byte to a pipe (no lock anywhere) and returns; this
+    thread shuts down (the training thread keeps running and releases its locks) and then sends
+    SIGTERM again, which the handler now answers with the previous handler or the default action,
+    so the exit status still says "terminated by SIGTERM"."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self.requested = False
+        self.done = False
+        threading.Thread(target=self._run, name="otel_train-sigterm", daemon=True).start()
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid or self.done:  # a forked child, or our shutdown is over
+            _deliver_sigterm(signum, frame)
+            return
+        if not self.requested:
+            self.requested = True
+            try:
+                os.write(self._write_fd, b"T")
+            except OSError:
+                self.done = True
+                _deliver_sigterm(signum, frame)
+        # else: the shutdown is under way; the relay delivers when it is done
+
+    def _run(self) -> None:
+        try:
+            os.read(self._read_fd, 1)
+        except OSError:
+            return
+        session = _current or _closing
+        budget = session.config.shutdown_timeout_s + 1.0 if session is not None else 0.0
+        worker = threading.Thread(target=shutdown, name="otel_train-sigterm-shutdown", daemon=True)
+        worker.start()
+        worker.join(budget)  # shutdown is bounded; this is the backstop
+        self.done = True
+        os.kill(self.pid, signal.SIGTERM)
+
+
+_relay: _SigtermRelay | None = None
+
+
+def _deliver_sigterm(signum: int, frame: FrameType | None) -> None:
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+        return
+    # Re-deliver with the default action so the exit status still says "terminated by SIGTERM".
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    relay = _relay
+    if relay is None:
+        _deliver_sigterm(signum, frame)
+    else:
+        relay.handle(signum, frame)
+
+
+def _install_hooks() -> None:
+    global _hooks_installed, _previous_sigterm, _relay
+    if _hooks_installed:
+        if _relay is not None and _relay.pid != os.getpid():  # init() again in a forked child
+            _relay = _SigtermRelay()
+        return
+    _hooks_installed = True
+    atexit.register(shutdown)
+    os.register_at_fork(after_in_child=_forget_in_child)
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous in (signal.SIG_DFL, None) or callable(previous):
+            _previous_sigterm = previous if callable(previous) else None
+            _relay = _SigtermRelay()
+            signal.signal(signal.SIGTERM, _on_sigterm)

@@ -1,0 +1,373 @@
+"""The composition root: `build_session(config)` builds every part of a session and wires them.
+
+In order: the rank's identity and the telemetry gloo group, the run (one name and directory for
+the whole job), GPU discovery, the Resource, the SDK providers and instruments, health events,
+sinks and the bridge process, the flush listeners (health, hardware, cross-rank reducer, profiled
+steps, goodput), the worker, the hang watchdog and the control file. `Session` itself only runs
+the steps; nothing here runs on the training thread after init().
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from otel_train import semconv
+from otel_train.bridges.base import Sink
+from otel_train.bridges.console import ConsoleSink
+from otel_train.bridges.rundir import RunDirSink, write_json
+from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, signal_number
+from otel_train.distributed import Identity, agree_run, create_telemetry_group, detect_identity
+from otel_train.interval import FlushListener
+from otel_train.run_directory import (
+    claim_run_dir,
+    default_run_name,
+    make_run_dir,
+    run_dir_errors_as_config_errors,
+)
+from otel_train.session import Session
+
+if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
+    from opentelemetry.sdk.resources import Resource
+
+    from otel_train.bridges.process import BridgeProcess, BridgeSpec
+    from otel_train.cadence import Cadence
+    from otel_train.gpu_discovery import Discovery
+    from otel_train.hardware import HardwareMonitor
+    from otel_train.health import HealthEvents
+    from otel_train.straggler import CrossRankReducer
+    from otel_train.worker import Instruments
+
+
+@dataclass(frozen=True)
+class RunPlace:
+    """Who this process is in the job and where the run writes."""
+
+    identity: Identity
+    telemetry_group: Any  # a torch.distributed ProcessGroup, or None when not distributed
+    run_name: str
+    is_reporting_rank: bool  # writes progress, console and bridges (rank 0, or all with bridge_all_ranks)
+    run_dir: Path | None
+    resumed: bool  # the same run_id restarted: append to this rank's files
+
+
+def build_session(config: Config) -> Session:
+    """A started session for `config`: every part built and wired, the worker and watchdog running."""
+    place = agree_run_place(config)
+    gpu_discovery = _discover_gpus(config, place.identity)
+    resource = build_resource(
+        config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
+    )
+    session = _build_session(config, place, resource, gpu_discovery)
+    _attach_goodput(session)
+    _attach_worker(session)
+    _attach_watchdog(session)
+    if place.run_dir is not None and place.is_reporting_rank:
+        run_dir = place.run_dir
+        run_dir_errors_as_config_errors(lambda: write_run_files(run_dir, config, place))
+    session.worker.start()
+    session.watchdog.start()
+    return session
+
+
+def agree_run_place(config: Config) -> RunPlace:
+    identity = detect_identity(config.run_id)
+    # A dedicated gloo group: telemetry's one exchange per flush runs on the worker thread and
+    # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
+    group = create_telemetry_group(identity, config.collective_timeout_s)
+    # One run per job: every rank adopts rank 0's run id and run name (a generated name differs
+    # per process), so all ranks write into one run directory.
+    identity, run_name = agree_run(identity, group, config.run_name or default_run_name())
+    run_dir = make_run_dir(config, run_name)
+    resumed = False
+    if run_dir is not None:
+        rank, run_id = identity.rank, identity.run_id
+        resumed = run_dir_errors_as_config_errors(lambda: claim_run_dir(run_dir, rank, run_id, run_name))
+    reporting = identity.rank == 0 or config.bridge_all_ranks
+    return RunPlace(identity, group, run_name, reporting, run_dir, resumed)
+
+
+def _discover_gpus(config: Config, identity: Identity) -> Discovery | None:
+    if not config.hardware:
+        return None
+    from otel_train.hardware import discover_with_timeout
+
+    # Before the Resource: the rank's GPU UUID and PCI bus id join DCGM series to ranks.
+    return discover_with_timeout(identity.local_rank, timeout_s=5.0)
+
+
+def build_resource(config: Config, ident: Identity, gpu_attributes: Mapping[str, str]) -> Resource:
+    from opentelemetry.sdk.resources import Resource
+
+    attributes: dict[str, Any] = {
+        k: v
+        for k, v in config.resource_attributes.items()
+        if not is_secret_key(k)  # a secret-looking resource attribute would reach every exporter
+    }
+    attributes.update(gpu_attributes)
+    attributes.update(
+        {
+            "service.name": config.service_name,
+            "service.instance.id": ident.instance_id,
+            semconv.RUN_ID: ident.run_id,
+            semconv.RANK: ident.rank,
+            "local_rank": ident.local_rank,
+            "world_size": ident.world_size,
+            "node_rank": ident.node_rank,
+            "host.name": ident.host,
+        }
+    )
+    # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES (and the SDK defaults and detectors)
+    # back in, so the filters run on what it returns, not only on what went in. No per-process
+    # attribute stays (semconv.PROCESS_ATTRIBUTE_PREFIX): this Resource labels metric series;
+    # per-launch attributes go on spans and logs only (build_telemetry's event_attributes).
+    created = Resource.create(attributes)
+    kept = {
+        k: v
+        for k, v in created.attributes.items()
+        if not is_secret_key(k) and not k.startswith(semconv.PROCESS_ATTRIBUTE_PREFIX)
+    }
+    return Resource(kept, created.schema_url)
+
+
+def _build_session(
+    config: Config, place: RunPlace, resource: Resource, gpu_discovery: Discovery | None
+) -> Session:
+    """The session with every part that does not call back into it (see `build_session`)."""
+    from otel_train.exporters import build_telemetry
+    from otel_train.health import HealthMonitor
+    from otel_train.profiling import ProfiledStepsCounter
+    from otel_train.step_reader import StepReader
+    from otel_train.worker import Instruments
+
+    ident = place.identity
+    step_reader = StepReader()
+    event_attributes: dict[str, str | int] = {
+        semconv.PROCESS_PID: os.getpid(),
+        semconv.RUN_NAME: place.run_name,
+    }
+    telemetry = build_telemetry(config, resource, event_attributes, step_reader, ident.local_rank)
+    meter = telemetry.meter_provider.get_meter("otel_train", _version())
+    instruments = Instruments(meter, config.max_metric_names)
+    otel_logger = (
+        telemetry.logger_provider.get_logger("otel_train") if telemetry.logger_provider is not None else None
+    )
+    events = _health_events(config, place, instruments, otel_logger)
+    health = HealthMonitor(events, instruments.nonfinite_loss, config.loss_spike_factor)
+    if place.resumed:
+        events.emit(
+            "restart",
+            f"run {place.run_name!r} (run_id {ident.run_id}) restarted; appending to its files",
+            {"pid": os.getpid()},
+        )
+    sinks, console, bridges = run_dir_errors_as_config_errors(lambda: _sinks(config, place, instruments))
+    hardware = _start_hardware(config, meter, events, ident, gpu_discovery)
+    reducer, cadence = _reducer_and_cadence(config, place, meter, events)
+    profiled_steps = ProfiledStepsCounter(meter)
+    listeners: list[FlushListener] = [health, *([hardware] if hardware else []), reducer, profiled_steps]
+    return Session(
+        config=config, identity=ident, telemetry_group=place.telemetry_group, run_name=place.run_name,
+        is_reporting_rank=place.is_reporting_rank, run_dir=place.run_dir, resumed=place.resumed,
+        resource=resource, step_reader=step_reader, telemetry=telemetry, meter=meter,
+        instruments=instruments, otel_logger=otel_logger, events=events, health=health, console=console,
+        bridges=bridges, sinks=sinks, listeners=listeners, hardware=hardware, reducer=reducer,
+        cadence=cadence, profiled_steps=profiled_steps,
+    )  # fmt: skip
+
+
+def _health_events(
+    config: Config, place: RunPlace, instruments: Instruments, otel_logger: Any | None
+) -> HealthEvents:
+    from otel_train.health import HealthEvents
+
+    rank = place.identity.rank
+    return HealthEvents(
+        instruments.health_events,
+        otel_logger,
+        place.run_dir / f"events.rank{rank}.jsonl" if place.run_dir else None,
+        {semconv.RANK: rank, "host.name": place.identity.host},
+        echo=config.verbosity > 0,
+    )
+
+
+def _sinks(
+    config: Config, place: RunPlace, instruments: Instruments
+) -> tuple[list[Sink], ConsoleSink | None, BridgeProcess | None]:
+    """Every rank keeps its own metrics JSONL (the local copy); progress, console and bridges
+    are written by the reporting rank (rank 0, or every rank with bridge_all_ranks)."""
+    sinks: list[Sink] = []
+    if place.run_dir is not None:
+        progress = place.is_reporting_rank
+        sinks.append(RunDirSink(place.run_dir, place.identity.rank, config.total_steps, progress))
+    if not place.is_reporting_rank:
+        return sinks, None, None
+    console = None
+    if place.identity.rank == 0:
+        console = ConsoleSink(config.verbosity, config.progress_bar, config.total_steps)
+        sinks.append(console)
+    bridges = _bridge_process(config, place, instruments)
+    if bridges is not None:
+        sinks.append(bridges)
+    return sinks, console, bridges
+
+
+def _start_hardware(
+    config: Config, meter: Any, events: HealthEvents, ident: Identity, gpu_discovery: Discovery | None
+) -> HardwareMonitor | None:
+    if not config.hardware:
+        return None
+    from otel_train.hardware import HardwareMonitor
+
+    hardware = HardwareMonitor(config, meter, events, ident.local_rank, discovery=gpu_discovery)
+    hardware.start()
+    return hardware
+
+
+def _reducer_and_cadence(
+    config: Config, place: RunPlace, meter: Any, events: HealthEvents
+) -> tuple[CrossRankReducer, Cadence]:
+    """The cross-rank reducer, and the flush cadence it adopts from rank 0's proposal."""
+    from otel_train.cadence import Cadence
+    from otel_train.straggler import CrossRankReducer
+
+    ident = place.identity
+    reducer = CrossRankReducer(ident, meter, events, config, group=place.telemetry_group)
+    cadence = Cadence(
+        config.log_interval,
+        config.log_interval_min_s,
+        config.log_interval_s,
+        coordinated=ident.distributed,
+        wait_timeout_s=config.collective_timeout_s,
+    )
+    reducer.on_cadence = cadence.adopt
+    return reducer, cadence
+
+
+def bridge_specs(config: Config, place: RunPlace) -> list[BridgeSpec]:
+    """TensorBoard / W&B / MLflow as (module, class, plain kwargs) for the bridge process."""
+    from otel_train.bridges.framing import plain
+
+    run_name = place.run_name
+    run_dir = str(place.run_dir or Path(config.output_dir) / run_name)
+    rank_suffix = place.identity.rank if config.bridge_all_ranks else None
+    name = run_name if rank_suffix is None else f"{run_name}-rank{rank_suffix}"
+    specs: list[BridgeSpec] = []
+    if config.tensorboard:
+        specs.append(
+            (
+                "otel_train.bridges.tensorboard",
+                "TensorBoardSink",
+                {"log_dir": f"{run_dir}/tensorboard", "run_name": name},
+            )
+        )
+    if config.wandb:
+        wandb_args = {
+            "run_dir": run_dir,
+            "config_dict": plain({"otel_train": config_as_dict(config)}),
+            "project": config.wandb_project,
+            "entity": config.wandb_entity,
+            "group": config.wandb_group,
+            "tags": list(config.wandb_tags),
+            "mode": config.wandb_mode,
+            "run_name": run_name,
+            "run_id": place.identity.run_id,
+            "rank": rank_suffix,
+        }
+        specs.append(("otel_train.bridges.wandb", "WandbSink", wandb_args))
+    if config.mlflow:
+        mlflow_args = {
+            "run_dir": run_dir,
+            "tracking_uri": config.mlflow_tracking_uri,
+            "experiment": config.mlflow_experiment,
+            "run_name": name,
+        }
+        specs.append(("otel_train.bridges.mlflow", "MlflowSink", mlflow_args))
+    return specs
+
+
+def _bridge_process(config: Config, place: RunPlace, instruments: Instruments) -> BridgeProcess | None:
+    """TensorBoard / W&B / MLflow in one child process (`bridges.process`), off this process's
+    GIL. A missing package or an unwritable directory raises here, at
+    init(), naming the extra or the path (the child reports its set-up before init() returns)."""
+    from otel_train.bridges.process import BridgeProcess, BridgeSetupFailed
+
+    specs = bridge_specs(config, place)
+    if not specs:
+        return None
+
+    def count_drop(reason: str, count: int) -> None:
+        instruments.dropped.add(count, {semconv.REASON: reason})
+
+    try:
+        return BridgeProcess(specs, config.bridge_queue_size, count_drop)
+    except BridgeSetupFailed as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _attach_goodput(session: Session) -> None:
+    from otel_train.goodput import GoodputListener
+
+    run_dir, rank = session.run_dir, session.identity.rank
+    session.goodput = GoodputListener(
+        session,
+        session.meter,
+        run_dir / f"goodput.rank{rank}.json" if run_dir else None,
+        session.identity.run_id,
+    )
+    session.add_listener(session.goodput)
+
+
+def _attach_worker(session: Session) -> None:
+    from otel_train.worker import SpanWriter, Worker
+
+    telemetry, ident, config = session.telemetry, session.identity, session.config
+    tracer = (
+        telemetry.tracer_provider.get_tracer("otel_train", _version())
+        if telemetry.tracer_provider is not None
+        else None
+    )
+    session.worker = Worker(
+        session.instruments,
+        session.step_reader,
+        session.sinks,
+        session.listeners,
+        SpanWriter(tracer, ident.run_id, ident.rank) if tracer is not None else None,
+        queue_size=config.queue_size,
+        total_steps=config.total_steps,
+        otel_logger=session.otel_logger,
+    )
+
+
+def _attach_watchdog(session: Session) -> None:
+    from otel_train.control import ControlFile
+    from otel_train.hang import HangWatchdog
+
+    config, rank = session.config, session.identity.rank
+    session.watchdog = HangWatchdog(
+        session.run_dir,
+        rank,
+        session.events,
+        session.last_step,
+        config.stall_timeout_s,
+        signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
+        on_tick=session.poll_control,
+    )
+    session.control = ControlFile(session.run_dir, rank, session.events) if session.run_dir else None
+
+
+def write_run_files(run_dir: Path, config: Config, place: RunPlace) -> None:
+    from otel_train.envinfo import collect_env
+
+    resolved = config_as_dict(config)
+    resolved.update({"run_name": place.run_name, "run_id": place.identity.run_id})
+    write_json(run_dir / "config.json", resolved)
+    write_json(run_dir / "env.json", collect_env())
+
+
+def _version() -> str:
+    from otel_train.version import __version__
+
+    return __version__

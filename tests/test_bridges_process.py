@@ -4,6 +4,7 @@ its budget, and a SIGKILLed trainer loses at most one flush and leaves no proces
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -80,6 +81,42 @@ def test_bridge_process_runs_below_the_training(tmp_path: Path) -> None:
     finally:
         bridges.close({}, timeout=30)
     assert bridges.wait(30)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_bridges_leave_sched_idle_while_they_fall_behind() -> None:
+    """Starved by a training that keeps every core busy, the bridges' queues fill: the whole process
+    tree then runs normally (nice 10) until the queues are nearly empty (in a child: it renices)."""
+    script = textwrap.dedent(
+        """
+        import os, subprocess, sys, time
+        from otel_train.bridges.host import CpuPolicy
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        cpu = CpuPolicy()
+        cpu.start()
+        seen = []
+        for fill in (0.0, 0.3, 0.5, 0.3, 0.2, 0.1, 0.0):
+            cpu.update(fill)
+            seen.append((os.sched_getscheduler(0), os.sched_getscheduler(helper.pid)))
+        helper.kill()
+        print(repr((seen, os.nice(0), os.SCHED_IDLE, os.SCHED_OTHER)))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    seen, nice, idle, other = ast.literal_eval(out.stdout.strip())
+    assert nice == 10
+    started_after = idle  # the helper was started before start(): it is switched too
+    assert seen == [
+        (idle, started_after),
+        (idle, idle),
+        (other, other),  # half full: catch up
+        (other, other),  # hysteresis: stays until nearly empty
+        (other, other),
+        (idle, idle),
+        (idle, idle),
+    ]
 
 
 @pytest.mark.usefixtures("fixtures_on_path")

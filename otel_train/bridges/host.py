@@ -51,23 +51,66 @@ def _die_with_parent(parent_pid: int) -> None:
         raise ParentGone
 
 
-def yield_cpu() -> None:
-    """Run below the training: nice 10, and SCHED_IDLE where the OS has it (Linux).
+class CpuPolicy:
+    """The bridge process runs below the training, except while its bridges fall behind.
 
-    Measured on a launch-bound loop (bench/bench_launch.py, 2 cores): at nice 10 the bridge process
-    still took the training thread's core now and then (2-3 % of its wall time off-CPU while
-    flushing, +2 to +4 % step time with all three bridges); under SCHED_IDLE a normal thread always
-    preempts it and it never preempts one, which removed that. It still runs whenever a core is
-    idle, which is nearly always on a GPU node; on a node whose every core is saturated the bridges
-    fall behind, their bounded queues fill and the drops are counted (otel_train.dropped) and warned
-    once. W&B's service process inherits the policy.
+    Idle (the default): nice 10 and, where the OS has it (Linux), SCHED_IDLE, which never preempts a
+    training thread. Measured on a launch-bound loop (bench/bench_launch.py, 2 cores): at nice 10
+    alone the bridge process still took the training thread's core now and then (+2 to +12 % step
+    time with all three bridges); SCHED_IDLE removed that. But where the training keeps every core
+    busy (the CPU demo: torch on all cores), SCHED_IDLE starves the bridges until their queues
+    overflow. So when any bridge's queue is half full the whole process tree (W&B's service
+    included) goes back to normal scheduling at nice 10, which keeps up there, and returns to
+    SCHED_IDLE once every queue is nearly empty again.
     """
-    with contextlib.suppress(OSError):
-        os.nice(10)
-    policy = getattr(os, "SCHED_IDLE", None)
-    if policy is not None:
+
+    CATCH_UP_AT = 0.5  # a bridge queue this full: normal scheduling
+    IDLE_AT = 0.1  # every queue at most this full again: back to SCHED_IDLE
+
+    def __init__(self) -> None:
+        self.idle_policy = getattr(os, "SCHED_IDLE", None)
+        self.idle = False
+        self.switches = 0
+
+    def start(self) -> None:
         with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, policy, os.sched_param(0))
+            os.nice(10)
+        self._set(idle=True)
+
+    def update(self, fullest: float) -> None:
+        """`fullest`: the largest fill fraction of the bridges' queues."""
+        if self.idle and fullest >= self.CATCH_UP_AT:
+            self._set(idle=False)
+        elif not self.idle and fullest <= self.IDLE_AT:
+            self._set(idle=True)
+
+    def _set(self, idle: bool) -> None:
+        if self.idle_policy is None:
+            return
+        policy = self.idle_policy if idle else os.SCHED_OTHER
+        for tid in _task_ids():
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+        self.idle = idle
+        self.switches += 1
+
+
+def _task_ids() -> list[int]:
+    """Every thread of this process and of its descendants (W&B's service)."""
+    import psutil
+
+    pids = [os.getpid()]
+    with contextlib.suppress(psutil.Error):
+        pids += [child.pid for child in psutil.Process().children(recursive=True)]
+    tids: list[int] = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    return tids or [0]
+
+
+def fullest_queue(sinks: list[ThreadedSink]) -> float:
+    return max((s.pending / s.capacity for s in sinks if s.capacity), default=0.0)
 
 
 def build(specs: list[tuple[str, str, dict[str, Any]]], queue_size: int) -> list[ThreadedSink]:
@@ -98,7 +141,7 @@ def stats(sinks: list[ThreadedSink]) -> dict[str, dict[str, Any]]:
     return {s.name: {"dropped": s.dropped, "errors": s.errors, "clean": s.closed_cleanly} for s in sinks}
 
 
-def serve(parent_pid: int, reply_fd: int) -> None:
+def serve(parent_pid: int, reply_fd: int, cpu: CpuPolicy) -> None:
     in_fd = sys.stdin.fileno()
     closing = threading.Event()
 
@@ -127,12 +170,14 @@ def serve(parent_pid: int, reply_fd: int) -> None:
                 _, method, args = message
                 for sink in sinks:
                     getattr(sink, method)(*args)
+                cpu.update(fullest_queue(sinks))
             elif message[0] == "close":
                 _, final, grace_s = message
                 break
     except (EOFError, ParentGone, OSError):
         reply = False  # the parent is gone: still close the bridges, so what they got is on disk
     closing.set()
+    cpu.update(1.0)  # closing: finish the backlog at normal priority, within the grace period
     close_all(sinks, final, grace_s)
     if reply:
         with contextlib.suppress(OSError):
@@ -144,10 +189,11 @@ def main() -> None:
     # Replies go to the original stdout; anything a backend prints goes to stderr instead.
     reply_fd = os.dup(1)
     os.dup2(2, 1)
-    yield_cpu()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    cpu = CpuPolicy()
+    cpu.start()
     try:
-        serve(parent_pid, reply_fd)
+        serve(parent_pid, reply_fd, cpu)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

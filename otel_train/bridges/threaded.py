@@ -128,6 +128,11 @@ class ThreadedSink(Sink):
         return self._queue.qsize()
 
     @property
+    def capacity(self) -> int:
+        """The queue's size (calls it holds before dropping)."""
+        return self._queue.maxsize
+
+    @property
     def closed_cleanly(self) -> bool:
         """True once `close` drained the queue and the inner close returned within the timeout."""
         return self._closed_cleanly

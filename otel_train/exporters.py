@@ -242,6 +242,7 @@ class Telemetry:
     tracer_provider: TracerProvider | None
     logger_provider: LoggerProvider | None
     pull_endpoint: PullEndpoint | None
+    remote: bool = False  # exports over OTLP (a slow shutdown then points at the collector)
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     def shutdown(self, timeout_s: float) -> bool:
@@ -272,9 +273,10 @@ class Telemetry:
         thread.join(timeout_s)
         if thread.is_alive():
             log.warning(
-                "otel_train: exporters did not finish within %.1fs (collector down or slow?); "
-                "abandoning the last export. Local run-dir files are complete.",
+                "otel_train: exporters did not finish within %.1fs%s; abandoning the last export. "
+                "Local run-dir files are complete (more time: shutdown_timeout_s).",
                 timeout_s,
+                " (collector down or slow?)" if self.remote else "",
             )
             return False
         return True
@@ -333,7 +335,8 @@ def build_telemetry(
     # Spans and logs are events, not series: they name the process (to find it on the host).
     event_resource = resource.merge(Resource(dict(event_attributes)))
     tracer_provider, logger_provider = _event_providers(config, event_resource, span_exporters, log_exporters)
-    return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint)
+    remote = bool(config.otlp_endpoint or config.otlp_metrics_endpoint)
+    return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint, remote)
 
 
 def _event_providers(

@@ -363,6 +363,10 @@ def _settings(args: argparse.Namespace, setup: _Setup) -> dict[str, Any]:
     }
     if args.output_dir is not None:
         settings["output_dir"] = args.output_dir
+    if "OTEL_TRAIN_SHUTDOWN_TIMEOUT_S" not in os.environ:
+        # Three bridges close at the end (W&B's offline finish alone takes seconds on a busy 2-core
+        # machine): the library's 2 s default would abandon the last export and say so.
+        settings["shutdown_timeout_s"] = 15.0
     if args.otlp_endpoint is not None:
         settings["otlp_endpoint"] = args.otlp_endpoint
     return settings

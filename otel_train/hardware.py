@@ -36,8 +36,8 @@ from otel_train.gpu_discovery import (
     torch_cuda_if_loaded,
 )
 from otel_train.gpu_sampler import MAX_XID_EVENTS_PER_SAMPLE, THROTTLE_BITS, GpuSampler
+from otel_train.health import EventSink, NullEventSink
 from otel_train.host_sampler import HostSampler
-from otel_train.hw_outputs import EventSink, NullSink
 from otel_train.interval import Interval
 
 __all__ = [
@@ -90,7 +90,7 @@ class HardwareMonitor:
     ) -> None:
         self._config = config
         self._meter = meter
-        sink: EventSink = events if events is not None else NullSink()
+        sink: EventSink = events if events is not None else NullEventSink()
         self._local_rank = local_rank
         self._nvml_arg = nvml
         self._torch_cuda_arg = torch_cuda

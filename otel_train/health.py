@@ -26,8 +26,9 @@ _SEVERITY = {"INFO": SeverityNumber.INFO, "WARNING": SeverityNumber.WARN, "ERROR
 
 
 class EventSink(Protocol):
-    """What emits health events (HealthEvents, or a test double): the seam the watchdog and the
-    runtime control use."""
+    """Where health events go: the one seam every part that reports an event uses (the watchdog,
+    the runtime control, the hardware samplers, the straggler listener). `HealthEvents` is the
+    session's; tests pass a recording double."""
 
     def emit(
         self,
@@ -36,6 +37,22 @@ class EventSink(Protocol):
         attributes: Mapping[str, AttributeValue] | None = None,
         severity: str = "WARNING",
     ) -> None: ...
+
+
+class NullEventSink:
+    """An EventSink that drops every event (a part built without one)."""
+
+    def emit(
+        self,
+        event: str,
+        message: str,
+        attributes: Mapping[str, AttributeValue] | None = None,
+        severity: str = "WARNING",
+    ) -> None:
+        return None
+
+
+EventCallback = Callable[[str, str, dict[str, AttributeValue]], None]
 
 
 class HealthEvents:
@@ -58,8 +75,13 @@ class HealthEvents:
         self._base = dict(base_attributes)
         self._echo = echo
         self._lock = threading.Lock()
-        self.listeners: list[Callable[[str, str, dict[str, AttributeValue]], None]] = []
+        self._callbacks: list[EventCallback] = []
         self.count = 0
+
+    def add_callback(self, callback: EventCallback) -> None:
+        """Call `callback(event, message, attributes)` after each event (on the emitting thread;
+        an exception it raises is logged, never raised to the emitter)."""
+        self._callbacks = [*self._callbacks, callback]  # replaced, not mutated: emit() iterates it
 
     def emit(
         self,
@@ -97,9 +119,9 @@ class HealthEvents:
                     self._events_path = None
         if self._echo:
             log.warning("otel_train %s: %s", event, message)
-        for listener in list(self.listeners):
+        for callback in self._callbacks:
             try:
-                listener(event, message, attrs)
+                callback(event, message, attrs)
             except Exception as exc:
                 log.warning("otel_train: health-event callback failed: %s", exc)
 

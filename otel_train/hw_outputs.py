@@ -1,32 +1,16 @@
-"""Where the hardware parts' results go: OTel instruments on a meter, and health events."""
+"""Where the hardware parts' results go: OTel instruments on a meter (events go to an
+`health.EventSink`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel_train import semconv as sc
 
 ObservationCallback = Callable[[CallbackOptions], Iterable[Observation]]
-
-
-class EventSink(Protocol):
-    """Where health events go (the core's health module implements it)."""
-
-    def emit(
-        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
-    ) -> None: ...
-
-
-class NullSink:
-    """An EventSink that drops every event (a monitor built without one)."""
-
-    def emit(
-        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
-    ) -> None:
-        return None
 
 
 def create_instrument(meter: Meter, spec: sc.MetricSpec, callback: ObservationCallback | None = None) -> Any:

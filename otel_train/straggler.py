@@ -34,6 +34,7 @@ from otel_train import downwire, semconv
 from otel_train.crossrank import Reduction, per_rank_timings, reduce_timings, stats_for_option
 from otel_train.distributed import Identity, create_telemetry_group
 from otel_train.exchange import StarExchange
+from otel_train.health import EventSink
 from otel_train.interval import Interval
 from otel_train.rankwire import (
     FLAG_SHARDED,
@@ -64,12 +65,6 @@ MAX_REPORTS_PER_FLUSH = 5  # rank 0 logs and emits at most this many new straggl
 
 
 # --- the flush listener ------------------------------------------------------------------------------
-
-
-class HealthEvents(Protocol):
-    def emit(
-        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
-    ) -> None: ...
 
 
 class _Gauge(Protocol):
@@ -104,7 +99,7 @@ class CrossRankReducer:
         self,
         identity: Identity,
         meter: Any | None,
-        events: HealthEvents | None,
+        events: EventSink | None,
         config: Any,
         *,
         group: Any | None = None,

@@ -28,7 +28,7 @@ def _train_rank(
         otlp_endpoint=endpoint, prometheus_port=0, output_dir=out_dir, run_name="mr", verbosity=0,
         log_interval=LOG_INTERVAL, trace_first=1, trace_every=10, hardware=False, metric_export_interval_s=1.0,
     )  # fmt: skip
-    session.events.listeners.append(lambda event, message, attrs: events.append((event, dict(attrs))))
+    session.events.add_callback(lambda event, message, attrs: events.append((event, dict(attrs))))
     for step in range(STEPS):
         with ot.step(step, tokens=128):
             # compute: 1.5x forward+backward; data: 2x the data wait (a smaller share of the step)

@@ -68,7 +68,7 @@ def train(rank: int, scenario: dict[str, Any], out_dir: str) -> dict[str, Any]:
         output_dir=out_dir, run_name=scenario.get("run_name"), verbosity=0, log_interval=LOG_INTERVAL,
         hardware=False, collective_timeout_s=60.0,
     )  # fmt: skip
-    session.events.listeners.append(lambda e, m, a: events.append((e, m, dict(a))))
+    session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
     model, opt = _model(scenario["kind"])
     slow = scenario.get("slow", {})  # {"rank": r, "phase": "data" | "forward", "factor": f}
     factor = slow.get("factor", 1.0) if rank == slow.get("rank") else 1.0

@@ -247,7 +247,7 @@ def test_nonfinite_gradient_names_the_layer(cap: Capture) -> None:
     session = ot.current_session()
     assert session is not None
     events: list[tuple[str, str, dict[str, Any]]] = []
-    session.events.listeners.append(lambda e, m, a: events.append((e, m, dict(a))))
+    session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
     model = Tiny()
     ot.watch(model, every=1)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
-from otel_train.bridges.rundir import RunDirSink, write_json
+from otel_train.bridges.rundir import RunDirSink, RunFiles, write_json
 from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, signal_number
 from otel_train.distributed import Identity, agree_run, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
@@ -187,7 +187,7 @@ def _health_events(
     return HealthEvents(
         instruments.health_events,
         otel_logger,
-        place.run_dir / f"events.rank{rank}.jsonl" if place.run_dir else None,
+        RunFiles(place.run_dir, rank).events if place.run_dir else None,
         {semconv.RANK: rank, "host.name": place.identity.host},
         echo=config.verbosity > 0,
     )
@@ -251,7 +251,8 @@ def bridge_specs(config: Config, place: RunPlace) -> list[BridgeSpec]:
     from otel_train.bridges.framing import plain
 
     run_name = place.run_name
-    run_dir = str(place.run_dir or Path(config.output_dir) / run_name)
+    files = RunFiles(place.run_dir or Path(config.output_dir) / run_name)
+    run_dir = str(files.run_dir)
     rank_suffix = place.identity.rank if config.bridge_all_ranks else None
     name = run_name if rank_suffix is None else f"{run_name}-rank{rank_suffix}"
     specs: list[BridgeSpec] = []
@@ -260,7 +261,7 @@ def bridge_specs(config: Config, place: RunPlace) -> list[BridgeSpec]:
             (
                 "otel_train.bridges.tensorboard",
                 "TensorBoardSink",
-                {"log_dir": f"{run_dir}/tensorboard", "run_name": name},
+                {"log_dir": str(files.tensorboard), "run_name": name},
             )
         )
     if config.wandb:
@@ -314,7 +315,7 @@ def _attach_goodput(session: Session) -> None:
     session.goodput = GoodputListener(
         session,
         session.meter,
-        run_dir / f"goodput.rank{rank}.json" if run_dir else None,
+        RunFiles(run_dir, rank).goodput if run_dir else None,
         session.identity.run_id,
     )
     session.add_listener(session.goodput)
@@ -363,8 +364,9 @@ def write_run_files(run_dir: Path, config: Config, place: RunPlace) -> None:
 
     resolved = config_as_dict(config)
     resolved.update({"run_name": place.run_name, "run_id": place.identity.run_id})
-    write_json(run_dir / "config.json", resolved)
-    write_json(run_dir / "env.json", collect_env())
+    files = RunFiles(run_dir)
+    write_json(files.config, resolved)
+    write_json(files.env, collect_env())
 
 
 def _version() -> str:

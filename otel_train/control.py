@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from otel_train.bridges.rundir import RunFiles
 from otel_train.config import Config
 from otel_train.health import EventSink
 
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("otel_train")
 
-CONTROL_FILE = "control.json"
 LEAD_TIME_S = 3.0  # how far ahead rank 0 schedules a change: > the other ranks' poll period
 _LIMITS: dict[str, tuple[float, float]] = {
     "timing_log_level": (0, 2),
@@ -75,7 +75,7 @@ class ControlFile:
     """Polled by the watchdog thread. `poll` returns a change to schedule, at most once each."""
 
     def __init__(self, run_dir: Path, rank: int, events: EventSink) -> None:
-        self.path = run_dir / CONTROL_FILE
+        self.path = RunFiles(run_dir, rank).control
         self.rank = rank
         self._events = events
         self._seen_mtime: float | None = None
@@ -134,7 +134,7 @@ class ControlFile:
         self._events.emit("control_rejected", f"{self.path} ignored: {problem}", {"file": str(self.path)})
 
     def _write(self, document: Mapping[str, Any]) -> None:
-        tmp = self.path.with_name(f".{CONTROL_FILE}.{os.getpid()}.tmp")
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
         tmp.replace(self.path)
         self._seen_mtime = self.path.stat().st_mtime_ns

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from otel_train.bridges.rundir import RunFiles
 from otel_train.health import EventSink
 
 log = logging.getLogger("otel_train")
@@ -119,7 +120,7 @@ class HangWatchdog:
         if self.run_dir is None:
             log.warning("%s", text)
             return None
-        path = self.run_dir / f"stacks.rank{self.rank}.{len(self.dumps)}.txt"
+        path = RunFiles(self.run_dir, self.rank).stacks(len(self.dumps))
         try:
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text(text, encoding="utf-8")
@@ -130,7 +131,7 @@ class HangWatchdog:
         self.dumps.append(path)
         files = [path.name]
         recorder = dump_flight_recorder(
-            path.with_name(f"flight_recorder.rank{self.rank}.{len(self.dumps) - 1}")
+            RunFiles(self.run_dir, self.rank).flight_recorder(len(self.dumps) - 1)
         )
         if recorder is not None:
             files.append(recorder.name)
@@ -214,7 +215,7 @@ class HangWatchdog:
     def _install_faulthandler(self, signum: int) -> None:
         if self.run_dir is None:
             return
-        self._faulthandler_file = (self.run_dir / f"stacks.rank{self.rank}.signal.txt").open("a")
+        self._faulthandler_file = RunFiles(self.run_dir, self.rank).signal_stacks.open("a")
         faulthandler.register(signum, file=self._faulthandler_file, all_threads=True, chain=False)
 
     def _uninstall_signal(self) -> None:

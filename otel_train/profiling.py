@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import semconv
+from otel_train.bridges.rundir import RunFiles
 from otel_train.interval import Interval
 
 log = logging.getLogger("otel_train")
@@ -147,7 +148,7 @@ def start_window(
     if ranks is not None and rank not in ranks:
         return None
     try:
-        return StepProfiler(window, base / "profiles" / f"rank{rank}")
+        return StepProfiler(window, RunFiles(base, rank).profiles)
     except Exception as exc:  # torch missing or a profiler already running in this process
         warn(f"otel_train: ot.profile could not start torch.profiler: {exc}")
         return None

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from otel_train.bridges.rundir import write_json
+from otel_train.bridges.rundir import RunFiles, write_json
 from otel_train.config import Config, ConfigError
 
 _T = TypeVar("_T")
@@ -32,17 +32,14 @@ def make_run_dir(config: Config, run_name: str) -> Path | None:
     return path
 
 
-_OWNER_FILE = ".owner.rank{rank}.json"
-
-
 def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str) -> bool:
     """Decide whether this process may write rank `rank`'s files in `run_dir`. Returns True for a
     resume (the same run_id restarted: torchrun elastic restart, SLURM requeue: append), False for
     a fresh start; raises ConfigError when an EARLIER run with another run_id wrote this rank's
     files (appending would interleave two runs). Other ranks of the same job share the directory,
     so only this rank's own files count, never the directory's existence."""
-    owner = run_dir / _OWNER_FILE.format(rank=rank)
-    metrics = run_dir / f"metrics.rank{rank}.jsonl"
+    files = RunFiles(run_dir, rank)
+    owner, metrics = files.owner, files.metrics
     previous: str | None
     if owner.exists():
         try:

@@ -403,6 +403,26 @@ def default_key(instrument_name: str) -> str:
     return instrument_name.replace(".", "/")
 
 
+# The derived bridge keys the StepReader writes (see its module doc), for readers of flat scalars.
+RATE_SUFFIX = "_per_s"  # a counter's per-second rate: `throughput/tokens_per_s`
+
+
+def rate_key(spec: MetricSpec) -> str:
+    """A counter's per-second rate key (`throughput/tokens` -> `throughput/tokens_per_s`)."""
+    return spec.key + RATE_SUFFIX
+
+
+def stat_key(key: str, stat: str) -> str:
+    """A histogram statistic's key (`timers/step`, `mean` -> `timers/step/mean`); `stat` is one of
+    mean, count, total, min, max, p50, p95."""
+    return f"{key}/{stat}"
+
+
+def key_prefix(spec: MetricSpec) -> str:
+    """The fixed start of every key `spec` produces (`timers/{train.phase}` -> `timers/`)."""
+    return spec.key.split("{", 1)[0]
+
+
 # --- Prometheus naming (both export paths) ---------------------------------------------------------
 _UNIT_WORDS = {
     "s": "seconds", "ms": "milliseconds", "By": "bytes", "W": "watts", "J": "joules", "Cel": "celsius",

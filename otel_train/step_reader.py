@@ -33,8 +33,9 @@ from opentelemetry.sdk.metrics.export import Histogram as HistogramData
 
 from otel_train import semconv
 
-# Attributes that never become key segments (identity lives in the Resource; these are noise).
-_IGNORED_ATTRIBUTES = frozenset({"otel.metric.overflow"})
+# Attributes that never become key segments: the SDK's overflow marker, and the MFU's peak source
+# (where the denominator came from describes the value; as a segment it would rename the key).
+_IGNORED_ATTRIBUTES = frozenset({"otel.metric.overflow", semconv.PEAK_SOURCE})
 
 
 class StepReader(MetricReader):
@@ -105,7 +106,7 @@ def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, floa
             if data.is_monotonic and data.aggregation_temporality == AggregationTemporality.DELTA:
                 out[key] = float(point.value)
                 if interval_s > 0:
-                    out[key + "_per_s"] = float(point.value) / interval_s
+                    out[key + semconv.RATE_SUFFIX] = float(point.value) / interval_s
             else:
                 out[key] = float(point.value)
     elif isinstance(data, HistogramData):
@@ -113,19 +114,19 @@ def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, floa
             if hpoint.count == 0:
                 continue
             key = key_for(name, hpoint.attributes or {})
-            out[key + "/mean"] = hpoint.sum / hpoint.count
-            out[key + "/count"] = float(hpoint.count)
-            out[key + "/total"] = float(hpoint.sum)
+            out[semconv.stat_key(key, "mean")] = hpoint.sum / hpoint.count
+            out[semconv.stat_key(key, "count")] = float(hpoint.count)
+            out[semconv.stat_key(key, "total")] = float(hpoint.sum)
             if hpoint.min is not None and math.isfinite(hpoint.min):
-                out[key + "/min"] = float(hpoint.min)
+                out[semconv.stat_key(key, "min")] = float(hpoint.min)
             if hpoint.max is not None and math.isfinite(hpoint.max):
-                out[key + "/max"] = float(hpoint.max)
+                out[semconv.stat_key(key, "max")] = float(hpoint.max)
             for q, suffix in ((0.5, "p50"), (0.95, "p95")):
                 estimate = bucket_quantile(
                     q, hpoint.explicit_bounds, hpoint.bucket_counts, hpoint.min, hpoint.max
                 )
                 if estimate is not None:
-                    out[f"{key}/{suffix}"] = estimate
+                    out[semconv.stat_key(key, suffix)] = estimate
 
 
 def bucket_quantile(

@@ -364,3 +364,96 @@ def test_a_planted_violation_fails_the_package_check(tmp_path: Path, planted: st
     )
     new = violations(_package(tmp_path, files)).all() - KNOWN_VIOLATIONS
     assert len(new) >= 1 and all(v.startswith(planted) for v in new), new
+
+
+# --- names owned by one module: bridge keys (semconv) and run-directory files (bridges/rundir) ------
+def _string_constants(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """(line, text) of every string constant that is not a docstring (f-string parts included)."""
+    docstrings: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def retyped_names(package_dir: Path, owned: dict[str, frozenset[str]], exempt: frozenset[str]) -> list[str]:
+    """`owned` maps an owner module to the names only it may spell out; a string constant equal to
+    one of them anywhere else is reported."""
+    found = []
+    for module in load_package(package_dir).values():
+        if module.name in exempt:
+            continue
+        for owner, names in owned.items():
+            if module.name == owner:
+                continue
+            for line, text in _string_constants(module.tree):
+                if text in names:
+                    found.append(f"retyped: {module.name}:{line} spells {text!r} (owned by {owner})")
+    return sorted(found)
+
+
+def _catalogue_keys() -> frozenset[str]:
+    from otel_train import semconv as sc
+
+    keys: set[str] = set()
+    for spec in sc.CATALOGUE:
+        if "{" in spec.key:
+            continue
+        keys.add(spec.key)
+        if spec.kind in (sc.Kind.COUNTER, sc.Kind.OBSERVABLE_COUNTER):
+            keys.add(sc.rate_key(spec))
+        if spec.kind is sc.Kind.HISTOGRAM:
+            keys.update(
+                sc.stat_key(spec.key, s) for s in ("mean", "count", "total", "min", "max", "p50", "p95")
+            )
+    return frozenset(keys)
+
+
+def _run_file_names() -> frozenset[str]:
+    """Every file name `RunFiles` gives; per-rank names as their fixed start (`metrics.rank`)."""
+    from otel_train.bridges.rundir import RunFiles
+
+    files = RunFiles(Path("/run"), 7)
+    names: set[str] = set()
+    for attr in dir(RunFiles):
+        value = getattr(files, attr) if not attr.startswith("_") else None
+        path = value(3) if callable(value) else value
+        if not isinstance(path, Path):
+            continue
+        name = path.relative_to("/run").parts[0]
+        if "rank7" in name:  # f"metrics.rank{rank}.jsonl": its constant part
+            names.add(name.split("rank7")[0] + "rank")
+        elif "." in name:  # directories (wandb/, mlflow/, ...) are words other code says too
+            names.add(name)
+    return frozenset(names)
+
+
+OWNED_NAMES_EXEMPT = frozenset({"otel_train.demo.train"})  # the demo is a user: it records eval/loss
+
+
+def test_bridge_keys_and_run_files_are_spelled_once() -> None:
+    keys, files = _catalogue_keys(), _run_file_names()
+    assert {"train/loss", "throughput/tokens_per_s", "timers/step/mean"} <= keys
+    assert {"progress.txt", "control.json", "metrics.rank", "stacks.rank"} <= files
+    owned = {"otel_train.semconv": keys, "otel_train.bridges.rundir": files}
+    assert retyped_names(PACKAGE_DIR, owned, OWNED_NAMES_EXEMPT) == []
+
+
+def test_retyped_names_are_found(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "owner.py": 'KEY = "train/loss"\nFILE = "progress.txt"\n',
+            "ok.py": '"""Docstrings may say train/loss and progress.txt."""\nfrom pkg.owner import KEY\n',
+            "bad.py": 'x = {"train/loss": 1}\ndef f(rank):\n    return f"metrics.rank{rank}.jsonl"\n',
+        },
+    )
+    owned = {"pkg.owner": frozenset({"train/loss", "progress.txt", "metrics.rank"})}
+    assert retyped_names(root, owned, frozenset()) == [
+        "retyped: pkg.bad:1 spells 'train/loss' (owned by pkg.owner)",
+        "retyped: pkg.bad:3 spells 'metrics.rank' (owned by pkg.owner)",
+    ]

@@ -213,3 +213,25 @@ def test_wrong_peak_over_100_percent_raises_one_event(reader: InMemoryMetricRead
     over = [e for e in events.items if e[0] == "mfu_over_100"]
     assert len(over) == 1  # once, not every flush
     assert "config:peak_flops" in over[0][1]
+
+
+def test_mfu_reaches_the_console_and_run_dir_under_its_catalogue_key(capsys) -> None:
+    """The peak source describes the MFU value; as a key segment it made `throughput/mfu/<source>`,
+    which the console's summary line never found and which renamed the series when the source did."""
+    import json
+
+    import otel_train as ot
+
+    session = ot.init(prometheus_port=0, verbosity=1, progress_bar=False, log_interval=5,
+                      peak_flops=1e12, flops_per_token=1e6)  # fmt: skip
+    for i in range(5):
+        with ot.step(i, tokens=1000):
+            ot.record("loss", 1.0)
+    run_dir = session.run_dir
+    ot.shutdown()
+    assert run_dir is not None
+    rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    mfu_keys = {k for row in rows for k in row if k.startswith(sc.MFU.key)}
+    assert mfu_keys == {sc.MFU.key}
+    assert any(row.get(sc.MFU.key, 0) > 0 for row in rows)
+    assert " | mfu " in capsys.readouterr().out

@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from otel_train import semconv as sc
 from otel_train.bridges.base import Sink
 
 
@@ -28,6 +29,21 @@ def _duration(seconds: float) -> str:
     if seconds_int < 3600:
         return f"{seconds_int // 60}:{seconds_int % 60:02d}"
     return f"{seconds_int // 3600}:{seconds_int % 3600 // 60:02d}:{seconds_int % 60:02d}"
+
+
+# The summary line: (bridge key, label, format; None: a duration, "si": k/M/G).
+_SUMMARY_FIELDS: tuple[tuple[str, str, str | None], ...] = (
+    (sc.LOSS.key, "loss", "{:.4f}"),
+    (sc.LEARNING_RATE.key, "lr", "{:.2e}"),
+    (sc.stat_key(sc.STEP_DURATION.key, "mean"), "step", None),
+    (sc.rate_key(sc.TOKENS), "tok/s", "si"),
+    (sc.GRAD_NORM.key, "grad", "{:.3f}"),
+    (sc.EVAL_LOSS.key, "val_loss", "{:.4f}"),
+    (sc.MFU.key, "mfu", "{:.1%}"),
+)
+# Timer totals: `timers/step/total` and `timers/<phase>/total` (the step and phase histograms).
+_TIMERS = sc.key_prefix(sc.PHASE_DURATION)
+_TOTAL = sc.stat_key("", "total")
 
 
 class ConsoleSink(Sink):
@@ -54,32 +70,24 @@ class ConsoleSink(Sink):
         # Gauges keep their last value, so a flush repeats the previous eval loss until the next
         # eval: show it only when it is new. A flush without training steps (log_metrics(step=...)
         # after an eval, the shutdown flush) shows only what is new, never the stale training values.
-        eval_loss = scalars.get("eval/loss")
+        eval_loss = scalars.get(sc.EVAL_LOSS.key)
         new_eval = eval_loss is not None and eval_loss != self._shown_eval_loss
-        trained = "train/steps" in scalars
+        trained = sc.STEPS.key in scalars
         if not trained and not new_eval:
             return  # nothing new to show (e.g. the shutdown flush after the last interval)
         if new_eval:
             self._shown_eval_loss = eval_loss
         parts = [f"step {step + 1}" + (f"/{self.total_steps}" if self.total_steps else "")]
-        for key, label, fmt in (
-            ("train/loss", "loss", "{:.4f}"),
-            ("train/learning_rate", "lr", "{:.2e}"),
-            ("timers/step/mean", "step", None),
-            ("throughput/tokens_per_s", "tok/s", "si"),
-            ("train/grad_norm", "grad", "{:.3f}"),
-            ("eval/loss", "val_loss", "{:.4f}"),
-            ("throughput/mfu", "mfu", "{:.1%}"),
-        ):
-            if key not in scalars or (key == "eval/loss" and not new_eval):
+        for key, label, fmt in _SUMMARY_FIELDS:
+            if key not in scalars or (key == sc.EVAL_LOSS.key and not new_eval):
                 continue
-            if not trained and key != "eval/loss":
+            if not trained and key != sc.EVAL_LOSS.key:
                 continue
             value = scalars[key]
             text = _duration(value) if fmt is None else _si(value) if fmt == "si" else fmt.format(value)
             parts.append(f"{label} {text}")
-        if "progress/eta_s" in scalars and trained:
-            parts.append(f"eta {_duration(scalars['progress/eta_s'])}")
+        if sc.ETA.key in scalars and trained:
+            parts.append(f"eta {_duration(scalars[sc.ETA.key])}")
         line = " | ".join(parts)
         if self.bar and self.total_steps:
             done = min(1.0, (step + 1) / self.total_steps)
@@ -91,12 +99,12 @@ class ConsoleSink(Sink):
 
     def _accumulate(self, scalars: Mapping[str, float]) -> None:
         for key, value in scalars.items():
-            if not key.startswith("timers/") or not key.endswith("/total"):
+            if not key.startswith(_TIMERS) or not key.endswith(_TOTAL):
                 continue
-            name = key[len("timers/") : -len("/total")]
+            name = key[len(_TIMERS) : -len(_TOTAL)]
             if "/" in name:
                 continue  # error variants and cross-rank stats
-            count = scalars.get(f"timers/{name}/count", 0.0)
+            count = scalars.get(sc.stat_key(_TIMERS + name, "count"), 0.0)
             entry = self.timers.setdefault(name, [0.0, 0.0])
             entry[0] += value
             entry[1] += count

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.bridges.base import Sink, flatten_params
+from otel_train.bridges.rundir import RunFiles
 from otel_train.bridges.threaded import BridgeImportError, ensure_writable_dir
 
 logger = logging.getLogger("otel_train")
@@ -50,7 +51,7 @@ def sanitize_key(key: str) -> str:
 
 
 def default_tracking_uri(run_dir: Path) -> str:
-    return "sqlite:///" + str((run_dir / "mlflow" / "mlflow.db").resolve())
+    return "sqlite:///" + str((RunFiles(run_dir).mlflow / "mlflow.db").resolve())
 
 
 def _template_db() -> Path:
@@ -121,7 +122,7 @@ class MlflowSink(Sink):
         self.run_dir = Path(run_dir)
         self.local_store = not (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
         if self.local_store:
-            ensure_writable_dir(self.run_dir / "mlflow", "MLflow")
+            ensure_writable_dir(RunFiles(self.run_dir).mlflow, "MLflow")
             self.tracking_uri = default_tracking_uri(self.run_dir)
         else:
             self.tracking_uri = tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
@@ -144,7 +145,8 @@ class MlflowSink(Sink):
         except ImportError as exc:
             raise BridgeImportError("MLflow", "mlflow", exc) from exc
         if self.local_store:
-            seed_local_store(self.run_dir / "mlflow" / "mlflow.db", self.run_dir / "mlflow" / "artifacts")
+            store = RunFiles(self.run_dir).mlflow
+            seed_local_store(store / "mlflow.db", store / "artifacts")
         client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment_id(client)
         run = client.create_run(experiment_id, run_name=self.run_name, tags=self.tags or None)
@@ -160,7 +162,7 @@ class MlflowSink(Sink):
             return str(existing.experiment_id)
         artifact_location = None
         if self.local_store:
-            artifact_location = (self.run_dir / "mlflow" / "artifacts").resolve().as_uri()
+            artifact_location = (RunFiles(self.run_dir).mlflow / "artifacts").resolve().as_uri()
         try:
             return str(client.create_experiment(self.experiment, artifact_location=artifact_location))
         except Exception:

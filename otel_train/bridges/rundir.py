@@ -1,9 +1,19 @@
-"""The run directory: the local copy that loses nothing on a clean exit.
+"""The run directory: every file in it is named here, and this sink writes the per-flush ones.
 
-`metrics.rank<k>.jsonl` (one line per flush: step, time, every flattened value, line-buffered and
-flushed each time so a SIGKILL loses at most the interval in flight), `progress.txt` (Megatron-style
-one-liners), `config.json` and `env.json` (written once at init, secrets redacted), and
-`samples.jsonl` / `text.jsonl` for text and samples.
+`RunFiles` is the layout (one rank's view of one run directory). The files:
+
+- `metrics.rank<k>.jsonl`: one line per flush (step, time, every flattened value), one `os.write`
+  per line, so a SIGKILL loses at most the interval in flight. Written by `RunDirSink`.
+- `progress.txt` (Megatron-style one-liners, the reporting rank), `text.jsonl`, `samples.jsonl`,
+  `histograms.jsonl`, `hparams.json`: `RunDirSink`.
+- `config.json`, `env.json`: written once at init, secrets redacted (`assemble`).
+- `.owner.rank<k>.json`: which run id wrote this rank's files (`run_directory`).
+- `events.rank<k>.jsonl`: health events (`health`); `goodput.rank<k>.json`: the goodput account
+  across restarts (`goodput`); `control.json`: runtime control (`control`).
+- `stacks.rank<k>.<n>.txt`, `stacks.rank<k>.signal.txt`, `flight_recorder.rank<k>.<n>`: hang
+  diagnosis (`hang`); `profiles/rank<k>/`: profiler traces (`profiling`).
+- `tensorboard/`, `wandb/`, `wandb_run.json`, `mlflow/`: the TensorBoard, W&B and MLflow bridges'
+  local output.
 
 Every line is written whole or not at all: a full disk (ENOSPC, a quota, RLIMIT_FSIZE) truncates
 the file back to its last complete line, and the error names the file.
@@ -18,10 +28,101 @@ import operator
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from otel_train import semconv as sc
 from otel_train.bridges.base import Sink
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """Where each file goes in `run_dir`, as rank `rank` sees it (see the module doc; the files
+    that are one per run do not depend on the rank)."""
+
+    run_dir: Path
+    rank: int = 0
+
+    @property
+    def metrics(self) -> Path:
+        return self.run_dir / f"metrics.rank{self.rank}.jsonl"
+
+    @property
+    def owner(self) -> Path:
+        return self.run_dir / f".owner.rank{self.rank}.json"
+
+    @property
+    def events(self) -> Path:
+        return self.run_dir / f"events.rank{self.rank}.jsonl"
+
+    @property
+    def goodput(self) -> Path:
+        return self.run_dir / f"goodput.rank{self.rank}.json"
+
+    def stacks(self, dump: int) -> Path:
+        return self.run_dir / f"stacks.rank{self.rank}.{dump}.txt"
+
+    @property
+    def signal_stacks(self) -> Path:
+        return self.run_dir / f"stacks.rank{self.rank}.signal.txt"
+
+    def flight_recorder(self, dump: int) -> Path:
+        return self.run_dir / f"flight_recorder.rank{self.rank}.{dump}"
+
+    @property
+    def profiles(self) -> Path:
+        return self.run_dir / "profiles" / f"rank{self.rank}"
+
+    # One per run (whichever rank writes them).
+
+    @property
+    def progress(self) -> Path:
+        return self.run_dir / "progress.txt"
+
+    @property
+    def text(self) -> Path:
+        return self.run_dir / "text.jsonl"
+
+    @property
+    def samples(self) -> Path:
+        return self.run_dir / "samples.jsonl"
+
+    @property
+    def histograms(self) -> Path:
+        return self.run_dir / "histograms.jsonl"
+
+    @property
+    def hparams(self) -> Path:
+        return self.run_dir / "hparams.json"
+
+    @property
+    def config(self) -> Path:
+        return self.run_dir / "config.json"
+
+    @property
+    def env(self) -> Path:
+        return self.run_dir / "env.json"
+
+    @property
+    def control(self) -> Path:
+        return self.run_dir / "control.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.run_dir / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.run_dir / "wandb"
+
+    @property
+    def wandb_run_info(self) -> Path:
+        return self.run_dir / "wandb_run.json"
+
+    @property
+    def mlflow(self) -> Path:
+        return self.run_dir / "mlflow"
 
 
 def _clean(value: float) -> float | None:
@@ -96,11 +197,11 @@ class RunDirSink(Sink):
     name = "rundir"
 
     def __init__(self, run_dir: Path, rank: int, total_steps: int | None, progress: bool = True) -> None:
-        self.run_dir = run_dir
-        self.metrics_path = run_dir / f"metrics.rank{rank}.jsonl"
+        self.files = RunFiles(run_dir, rank)
+        self.metrics_path = self.files.metrics
         self._metrics = LineFile(self.metrics_path)
         # progress.txt is one file per run: only the reporting rank appends to it.
-        self._progress: LineFile | None = LineFile(run_dir / "progress.txt") if progress else None
+        self._progress: LineFile | None = LineFile(self.files.progress) if progress else None
         self._total_steps = total_steps
         self._started = time.time()
         self._tokens = 0.0
@@ -112,7 +213,7 @@ class RunDirSink(Sink):
             **{k: _clean(v) for k, v in sorted(scalars.items())},
         }
         self._metrics.write_line(dumps_line(row))
-        self._tokens += scalars.get("throughput/tokens", 0.0)
+        self._tokens += scalars.get(sc.TOKENS.key, 0.0)
         if self._progress is None:
             return
         elapsed = wall_time - self._started
@@ -121,29 +222,29 @@ class RunDirSink(Sink):
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall_time)),
             f"step {steps}",
             f"tokens {int(self._tokens)}",
-            f"throughput {scalars.get('throughput/tokens_per_s', 0.0):.1f} tokens/s",
+            f"throughput {scalars.get(sc.rate_key(sc.TOKENS), 0.0):.1f} tokens/s",
             f"elapsed {_hms(elapsed)}",
         ]
-        if "progress/eta_s" in scalars:
-            parts.append(f"eta {_hms(scalars['progress/eta_s'])}")
-        if "train/goodput" in scalars:
-            parts.append(f"goodput {100 * scalars['train/goodput']:.1f}%")
+        if sc.ETA.key in scalars:
+            parts.append(f"eta {_hms(scalars[sc.ETA.key])}")
+        if sc.GOODPUT.key in scalars:
+            parts.append(f"goodput {100 * scalars[sc.GOODPUT.key]:.1f}%")
         self._progress.write_line((" | ".join(parts) + "\n").encode("utf-8"))
 
     def write_text(self, key: str, text: str, step: int) -> None:
-        self._append("text.jsonl", {"step": step, "key": key, "text": text})
+        append_line(self.files.text, {"step": step, "key": key, "text": text})
 
     def write_samples(self, key: str, rows: Sequence[tuple[str, str]], step: int) -> None:
         for prompt, output in rows:
-            self._append("samples.jsonl", {"step": step, "key": key, "prompt": prompt, "output": output})
+            append_line(self.files.samples, {"step": step, "key": key, "prompt": prompt, "output": output})
 
     def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
         finite = [v for v in values if math.isfinite(v)]
         summary = {"count": len(finite), "min": min(finite, default=None), "max": max(finite, default=None)}
-        self._append("histograms.jsonl", {"step": step, "key": key, **summary})
+        append_line(self.files.histograms, {"step": step, "key": key, **summary})
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
-        write_json(self.run_dir / "hparams.json", dict(params))
+        write_json(self.files.hparams, dict(params))
 
     def close(self, final_scalars: Mapping[str, float]) -> None:
         from otel_train.goodput import summary
@@ -157,9 +258,6 @@ class RunDirSink(Sink):
         for fh in (self._metrics, self._progress):
             if fh is not None:
                 fh.close()
-
-    def _append(self, name: str, row: Mapping[str, Any]) -> None:
-        append_line(self.run_dir / name, row)
 
 
 def _hms(seconds: float) -> str:

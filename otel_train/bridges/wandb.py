@@ -29,13 +29,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from otel_train import semconv as sc
 from otel_train.bridges.base import Sink
+from otel_train.bridges.rundir import RunFiles
 from otel_train.bridges.threaded import BridgeImportError, ensure_writable_dir
 
 logger = logging.getLogger("otel_train")
 
-STEP_KEY = "train/step"
-RUN_INFO_FILE = "wandb_run.json"
+STEP_KEY = sc.CURRENT_STEP.key  # "train/step": the x axis of every series
 
 
 def has_wandb_credentials(environ: Mapping[str, str] | None = None) -> bool:
@@ -199,9 +200,11 @@ class WandbSink(Sink):
             if info["offline"]:
                 info["sync_command"] = f"wandb sync {local}"
         try:
-            (self.run_dir / RUN_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+            RunFiles(self.run_dir).wandb_run_info.write_text(
+                json.dumps(info, indent=2) + "\n", encoding="utf-8"
+            )
         except OSError as exc:
-            logger.debug("otel_train: could not write %s: %s", RUN_INFO_FILE, exc)
+            logger.debug("otel_train: could not write %s: %s", RunFiles(self.run_dir).wandb_run_info, exc)
 
     # -- Sink API ---------------------------------------------------------------------------------
 
@@ -264,7 +267,7 @@ class WandbSink(Sink):
                 "otel_train: wandb finish did not complete within %.1f s; leaving it. "
                 "The local copy is in %s (upload it later with `wandb sync`).",
                 self.finish_timeout_s,
-                self.run_dir / "wandb",
+                RunFiles(self.run_dir).wandb,
             )
         elif errors:
             raise errors[0]

@@ -1,4 +1,5 @@
-"""What one flush hands to listeners (hardware, health, distributed), resolved to host floats."""
+"""The listener seam: what one flush hands to every `FlushListener` (health, hardware, the
+cross-rank reducer, goodput, profiled steps), resolved to host floats."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ class Interval:
 
 
 class FlushListener(Protocol):
-    """Called on the background worker at every flush, before the bridges collect.
+    """Called on the background worker at every flush, before the StepReader collects for the sinks.
 
-    Gauges a listener sets here appear in the same flush's bridge output.
+    Gauges a listener sets here appear in the same flush's sink output.
     """
 
     def on_flush(self, interval: Interval) -> None: ...

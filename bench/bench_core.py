@@ -240,7 +240,7 @@ def bench_slow_backend(seconds: float) -> tuple[int, int, int]:
 
 
 def bench_shutdown_collector_down() -> list[tuple[str, float]]:
-    from otlp_receiver import refused_endpoint, tarpit
+    from helpers.otlp_receiver import refused_endpoint, tarpit
 
     rows = []
     for kind in ("refused", "tarpit"):

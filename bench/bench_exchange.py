@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 
 import exchange_model as model  # noqa: E402
 from bench_reduce import _interval, _meter  # noqa: E402
-from multirank import run_ranks  # noqa: E402
+from helpers.multirank import run_ranks  # noqa: E402
 
 WARMUP = 3
 

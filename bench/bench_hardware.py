@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_hardware.py [--quick]
 
-Runs against tests/fake_nvml.py (no GPU needed), so "NVML cost" here is our Python overhead per
+Runs against tests/helpers/fake_nvml.py (no GPU needed), so "NVML cost" here is our Python overhead per
 sample; a real driver adds its own per-call latency (~10 µs to ms, PCIe throughput ~20 ms), which
 lands on the sampler thread only. The training-thread numbers compare an identical CPU "step" with
 the sampler running (at an aggressive interval, to magnify any GIL contention) and without it,
@@ -24,7 +24,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from fake_nvml import FakeGpu, FakeNvml, gpu_uuid  # noqa: E402
+from helpers.fake_nvml import FakeGpu, FakeNvml, gpu_uuid  # noqa: E402
 
 from otel_train.config import Config  # noqa: E402
 from otel_train.hardware import HardwareMonitor  # noqa: E402

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from multirank import run_ranks
+from helpers.multirank import run_ranks
 
 PHASES = {
     "data": 0.002,

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import free_port
+from helpers.ports import free_port
 
 import otel_train as ot
 

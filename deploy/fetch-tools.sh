@@ -39,7 +39,7 @@ links=(
 # directory /usr/share/prometheus/alertmanager (upstream embeds them), which an unpacked package
 # does not have. bin/prometheus-alertmanager is a copy with that one path string replaced by a
 # relative one of the same length: run it in a directory holding a link of that name to
-# root/usr/share/prometheus/alertmanager (bin/ has one; tests/promstack.py makes one).
+# root/usr/share/prometheus/alertmanager (bin/ has one; tests/helpers/promstack.py makes one).
 AM_ASSETS_SYSTEM=/usr/share/prometheus/alertmanager
 AM_ASSETS_LOCAL=./alertmanager-debian-share-assets
 # Bump when the layout of <tools> changes, so that an older .tools is rebuilt.
@@ -47,7 +47,7 @@ LAYOUT="# fetch-tools layout 3"
 stamp() { cat "$versions"; echo "$LAYOUT"; }
 
 # Debian builds VictoriaMetrics without its version string (`-version` prints an empty line), so
-# its version is the one in the unpacked package's own changelog (tests/pinned.py reads it too).
+# its version is the one in the unpacked package's own changelog (tests/helpers/pinned.py reads it too).
 debian_package_version() {
   gzip -dc "$tools/root/usr/share/doc/$1/changelog.Debian.gz" 2>/dev/null | head -n1 | sed -E 's/^[^ ]+ \(([^)]*)\).*/\1/'
 }

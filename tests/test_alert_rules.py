@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import require_binary
-from promstack import duration_seconds, shorten_expr, shorten_rules
+from helpers.pinned import require_binary
+from helpers.promstack import duration_seconds, shorten_expr, shorten_rules
 
 from otel_train import semconv
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from helpers.ports import free_port
+from helpers.promstack import alertmanager, prometheus, shorten_rules, wait_until
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from promstack import alertmanager, prometheus, shorten_rules, wait_until
 
 from otel_train import semconv
 

@@ -82,7 +82,7 @@ def test_pull_endpoint_series_budget(tmp_path) -> None:
     import time
     import urllib.request
 
-    from conftest import free_port
+    from helpers.ports import free_port
 
     port = free_port()
     session = ot.init(prometheus_port=port, verbosity=0, log_interval=5, output_dir=str(tmp_path))

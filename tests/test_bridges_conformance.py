@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from readback import read_mlflow, read_tensorboard, read_wandb_offline
+from helpers.readback import read_mlflow, read_tensorboard, read_wandb_offline
 
 from otel_train.bridges.base import Sink
 from otel_train.bridges.threaded import ThreadedSink

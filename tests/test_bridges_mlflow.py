@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from readback import read_mlflow
+from helpers.readback import read_mlflow
 
 from otel_train.bridges.mlflow import MlflowSink, default_tracking_uri, sanitize_key, seed_local_store
 from otel_train.bridges.threaded import BridgeSetupError

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from readback import read_tensorboard
+from helpers.readback import read_tensorboard
 
 import otel_train as ot
 from otel_train import assemble
@@ -29,7 +29,7 @@ REPO = TESTS.parent
 
 @pytest.fixture
 def fixtures_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bridge process imports tests/bridge_fixtures.py."""
+    """The bridge process imports tests/helpers/bridge_fixtures.py (tests/ on its PYTHONPATH)."""
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     )
@@ -52,7 +52,7 @@ def test_calls_arrive_in_order_as_plain_data(tmp_path: Path) -> None:
     import numpy as np
 
     path = tmp_path / "calls.jsonl"
-    bridges = BridgeProcess([("bridge_fixtures", "Recording", {"path": str(path)})], queue_size=64)
+    bridges = BridgeProcess([("helpers.bridge_fixtures", "Recording", {"path": str(path)})], queue_size=64)
     bridges.write_hparams({"lr": np.float64(3e-4), "shape": (2, 3), "dtype": np.dtype("float32")})
     bridges.write_scalars(9, 1.0, {"train/loss": 2.5})
     bridges.write_text("notes", "hello", 9)
@@ -72,7 +72,9 @@ def test_calls_arrive_in_order_as_plain_data(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("fixtures_on_path")
 def test_bridge_process_runs_below_the_training(tmp_path: Path) -> None:
     """SCHED_IDLE (never preempts a training thread) and nice 10, measured reason in bridges/host.py."""
-    bridges = BridgeProcess([("bridge_fixtures", "Recording", {"path": str(tmp_path / "c.jsonl")})], 8)
+    bridges = BridgeProcess(
+        [("helpers.bridge_fixtures", "Recording", {"path": str(tmp_path / "c.jsonl")})], 8
+    )
     try:
         assert bridges.pid is not None
         assert os.sched_getscheduler(bridges.pid) == os.SCHED_IDLE
@@ -123,7 +125,7 @@ def test_bridges_leave_sched_idle_while_they_fall_behind() -> None:
 def test_drops_in_the_bridge_process_are_counted(tmp_path: Path) -> None:
     drops: list[tuple[str, int]] = []
     bridges = BridgeProcess(
-        [("bridge_fixtures", "Slow", {"seconds": 2.0})],
+        [("helpers.bridge_fixtures", "Slow", {"seconds": 2.0})],
         queue_size=2,
         count_drop=lambda r, n: drops.append((r, n)),
     )
@@ -157,7 +159,7 @@ def test_a_hung_bridge_cannot_hold_shutdown_past_its_budget(
     specs = assemble.bridge_specs
 
     def with_hanging(config: ot.Config, place: assemble.RunPlace) -> list:
-        return [*specs(config, place), ("bridge_fixtures", "Hanging", {})]
+        return [*specs(config, place), ("helpers.bridge_fixtures", "Hanging", {})]
 
     monkeypatch.setattr(assemble, "bridge_specs", with_hanging)
     budget = 1.5

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from readback import read_mlflow, read_tensorboard, read_wandb_offline
+from helpers.readback import read_mlflow, read_tensorboard, read_wandb_offline
 
 import otel_train as ot
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from readback import read_tensorboard
+from helpers.readback import read_tensorboard
 
 from otel_train.bridges.base import flatten_params
 from otel_train.bridges.tensorboard import TensorBoardSink

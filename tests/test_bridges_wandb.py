@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from readback import read_wandb_offline
+from helpers.readback import read_wandb_offline
 
 from otel_train.bridges.threaded import BridgeSetupError
 from otel_train.bridges.wandb import WandbSink, has_wandb_credentials, resolve_mode

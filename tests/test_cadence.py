@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multirank import run_ranks
+from helpers.multirank import run_ranks
 
 import otel_train as ot
 from otel_train.cadence import ADAPTIVE_BASE_STEPS, Cadence, nice_interval

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from multirank import run_ranks
+from helpers.multirank import run_ranks
 
 import otel_train as ot
 from otel_train.control import validate

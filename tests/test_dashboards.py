@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port, require_binary
-from dashboard_queries import (
+from helpers.dashboard_queries import (
     DashboardQuery,
     all_queries,
     assert_all_queries_return_data,
@@ -27,6 +26,8 @@ from dashboard_queries import (
     query_failures,
     substitute_variables,
 )
+from helpers.pinned import require_binary
+from helpers.ports import free_port
 
 from dashboards import build
 from otel_train import semconv as sc

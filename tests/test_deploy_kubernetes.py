@@ -2,7 +2,7 @@
 
 Every manifest by kubernetes-validate (the Kubernetes OpenAPI schemas of KUBERNETES_VERSION, strict:
 an unknown field is an error), the collector configs embedded in the ConfigMaps key by key against
-the pinned collector (tests/collector_options.py), the references between the manifests (selectors,
+the pinned collector (tests/helpers/collector_options.py), the references between the manifests (selectors,
 ConfigMaps, ports, the agent's gateway address, the training pod's endpoint) by a small helper, and
 the in-cluster Prometheus scrape job by the pinned promtool.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import pinned
 import pytest
 import yaml
-from collector_options import collector_config_errors, env_references, pipeline_errors
-from conftest import require_binary
+from helpers import pinned
+from helpers.collector_options import collector_config_errors, env_references, pipeline_errors
+from helpers.pinned import require_binary
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 KUBE = DEPLOY / "kubernetes"

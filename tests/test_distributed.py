@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from multirank import run_ranks
+from helpers.multirank import run_ranks
 
 from otel_train.distributed import Identity, agree_run, agree_run_id, detect_identity
 

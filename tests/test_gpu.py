@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Events
+from helpers.events import Events
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 

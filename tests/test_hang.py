@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from multirank import free_port
+from helpers.ports import free_port
 
 import otel_train as ot
 from otel_train.config import ConfigError

@@ -11,8 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import Events
-from fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, FakeGpu, FakeNvml, gpu_uuid
+from helpers.events import Events
+from helpers.fake_nvml import (
+    NVML_ERROR_DRIVER_NOT_LOADED,
+    NVML_ERROR_LIBRARY_NOT_FOUND,
+    FakeGpu,
+    FakeNvml,
+    gpu_uuid,
+)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 

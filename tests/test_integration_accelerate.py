@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from accelerate import Accelerator
-from multirank import run_ranks
+from helpers.multirank import run_ranks
 
 import otel_train as ot
 from otel_train.integrations.accelerate import OtelTrainTracker

@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from conftest import free_port
-from integration_models import TokenDataset, tiny_causal_lm
-from multirank import run_ranks
+from helpers.integration_models import TokenDataset, tiny_causal_lm
+from helpers.multirank import run_ranks
+from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot

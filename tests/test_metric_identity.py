@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import free_port
-from otlp_receiver import attributes, http_receiver
+from helpers.otlp_receiver import attributes, http_receiver
+from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Events
-from fake_nvml import FakeGpu, FakeNvml, gpu_uuid
+from helpers.events import Events
+from helpers.fake_nvml import FakeGpu, FakeNvml, gpu_uuid
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from torch import nn

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from multirank import run_ranks
-from otlp_receiver import http_receiver
+from helpers.multirank import run_ranks
+from helpers.otlp_receiver import http_receiver
 
 pytestmark = [pytest.mark.multirank, pytest.mark.integration]
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from otlp_receiver import grpc_receiver, http_receiver, refused_endpoint, tarpit
+from helpers.otlp_receiver import grpc_receiver, http_receiver, refused_endpoint, tarpit
 
 import otel_train as ot
 from otel_train import semconv
@@ -207,7 +207,7 @@ def test_collector_outage_warns_once_and_recovery_is_reported(caplog) -> None:
     recovery, no SDK retry spam, and the cumulative totals arrive right after it returns."""
     import logging
 
-    from conftest import free_port
+    from helpers.ports import free_port
 
     caplog.set_level(logging.WARNING)
     port = free_port()

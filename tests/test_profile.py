@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from otlp_receiver import attributes, http_receiver
+from helpers.otlp_receiver import attributes, http_receiver
 
 import otel_train as ot
 from otel_train.profiling import ProfileWindow

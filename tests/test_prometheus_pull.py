@@ -6,8 +6,8 @@ import threading
 import time
 
 import pytest
-from conftest import free_port
-from promstack import prometheus, wait_until
+from helpers.ports import free_port
+from helpers.promstack import prometheus, wait_until
 
 import otel_train as ot
 

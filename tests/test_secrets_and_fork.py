@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import torch
-from otlp_receiver import http_receiver
+from helpers.otlp_receiver import http_receiver
 from torch.utils.data import DataLoader, Dataset
 
 import otel_train as ot

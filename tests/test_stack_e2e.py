@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from dashboard_queries import assert_all_queries_return_data
-from multirank import run_ranks
-from promstack import alertmanager, prometheus, shorten_rules, wait_until
+from helpers.dashboard_queries import assert_all_queries_return_data
+from helpers.multirank import run_ranks
+from helpers.promstack import alertmanager, prometheus, shorten_rules, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.multirank]
 

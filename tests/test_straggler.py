@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 import pytest
 import torch
-from conftest import Events
+from helpers.events import Events
 
 from otel_train import downwire, semconv
 from otel_train.config import Config

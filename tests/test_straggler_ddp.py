@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from multirank import run_ranks
+from helpers.multirank import run_ranks
 
 pytestmark = [pytest.mark.multirank]
 

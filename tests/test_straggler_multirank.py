@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
-from multirank import run_ranks
+from helpers.multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import free_port
-from multirank import run_ranks
+from helpers.multirank import run_ranks
+from helpers.ports import free_port
 from torch import nn
 
 import otel_train as ot

@@ -7,7 +7,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from otlp_receiver import http_receiver
+from helpers.otlp_receiver import http_receiver
 
 import otel_train as ot
 
@@ -15,7 +15,7 @@ SECRET = "S3CR3T-7f3a9c"
 
 
 def test_planted_secret_reaches_no_output(tmp_path, monkeypatch, capfd, caplog) -> None:
-    from conftest import free_port
+    from helpers.ports import free_port
 
     caplog.set_level(logging.DEBUG)
     # environment: a token of the user's, secret-looking resource attributes, OTLP headers (one

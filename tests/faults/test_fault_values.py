@@ -133,7 +133,8 @@ def test_user_names_never_overwrite_derived_values(caplog) -> None:
 
 
 def test_name_fuzz_keeps_metrics_endpoint_valid(tmp_path) -> None:
-    from conftest import free_port, require_binary
+    from helpers.pinned import require_binary
+    from helpers.ports import free_port
 
     promtool = require_binary("promtool")
     rng = random.Random(3)

@@ -1,4 +1,5 @@
-"""Bridges for the bridge-process tests; imported by the bridge process (tests/ on its PYTHONPATH)."""
+"""Bridges for the bridge-process tests; the bridge process imports them as
+`helpers.bridge_fixtures` (tests/ on its PYTHONPATH)."""
 
 from __future__ import annotations
 

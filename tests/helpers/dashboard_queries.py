@@ -3,7 +3,7 @@
 Reusable outside the fake-endpoint test: point `assert_all_queries_return_data` at a Prometheus that
 scrapes a real training run (pull endpoint or Collector) to prove that every panel shows data.
 
-    from dashboard_queries import assert_all_queries_return_data
+    from helpers.dashboard_queries import assert_all_queries_return_data
     assert_all_queries_return_data("http://127.0.0.1:9090", exclude_gpu=True, variables={"run_id": "r42"})
 """
 
@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # `dashboards` is a top-level folder, not an installed package
     sys.path.insert(0, str(_ROOT))
 

@@ -1,6 +1,6 @@
 """Real Prometheus and Alertmanager for tests, on loopback, with temp dirs.
 
-    from promstack import alertmanager, prometheus, shorten_rules, wait_until
+    from helpers.promstack import alertmanager, prometheus, shorten_rules, wait_until
 
     rules = shorten_rules(RULE_FILES, tmp_path, for_="5s", scale=30)
     with alertmanager() as am, prometheus(
@@ -10,8 +10,8 @@
         firing = wait_until(lambda: am.alerts(alertname="TrainingStraggler"), timeout=60)
 
 Binaries are the pinned versions (deploy/versions.env, fetched into .tools/ by `make tools`) found
-by conftest.require_binary: a missing or wrong-version binary fails under CI and skips locally. Only the standard
-library is used for HTTP.
+by helpers.pinned.require_binary: a missing or wrong-version binary fails under CI and skips
+locally. Only the standard library is used for HTTP.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from conftest import free_port, require_binary
+
+from helpers.pinned import require_binary
+from helpers.ports import free_port
 
 T = TypeVar("T")
 

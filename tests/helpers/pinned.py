@@ -3,7 +3,8 @@
 `deploy/fetch-tools.sh` (run by `make test`) unpacks Debian's packages of exactly these versions
 into `.tools/` (or $OTEL_TRAIN_TOOLS); `binary(name)` finds a binary there first, then on PATH,
 and accepts it only when it reports the pinned version, so a test never passes on the wrong
-Prometheus.
+Prometheus. `require_binary(name)` is what a test calls: the path, or a failure under CI and a
+skip elsewhere.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 VERSIONS_FILE = REPO / "deploy" / "versions.env"
 
 
@@ -123,3 +126,19 @@ def find(name: str) -> tuple[str | None, str]:
         f"{name} {version} (pinned in deploy/versions.env) not found in {tools_bin()} or on PATH{found}. "
         "Run `make tools` (deploy/fetch-tools.sh)."
     )
+
+
+def require_binary(name: str) -> str:
+    """Path of a real component (prometheus, promtool, prometheus-alertmanager, amtool,
+    docker-compose) at the version deploy/versions.env pins: from `.tools/bin` (filled by
+    `make tools`), else from PATH when that one reports the pinned version.
+
+    Under CI (the CI variable set) a missing or wrong-version component is a failure, never a
+    silent skip.
+    """
+    path, message = find(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI requires real components: {message}")
+        pytest.skip(message)
+    return path

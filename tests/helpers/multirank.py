@@ -18,21 +18,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from helpers.ports import free_port
+
 
 class RankError(RuntimeError):
     """A rank raised; the message holds its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _child(

@@ -1,10 +1,11 @@
 """A stand-in for the otelcol-contrib binary, for running deploy/slurm/otel-train.sbatch here.
 
-`python fake_otelcol.py --config=PATH` reads the collector config as the real collector does
-(`${env:NAME}` resolved from the environment, a missing variable is an error), serves OTLP/HTTP on
-its otlp receiver's http endpoint (decoded by tests/otlp_receiver.py), and on SIGTERM writes the
-metric names and resource attributes it received to $FAKE_OTELCOL_REPORT as JSON, then exits 0.
-Its pid goes to $FAKE_OTELCOL_REPORT.pid, so a test can stop one the job script failed to stop.
+`python tests/helpers/fake_otelcol.py --config=PATH` (tests/ on PYTHONPATH) reads the collector
+config as the real collector does (`${env:NAME}` resolved from the environment, a missing variable
+is an error), serves OTLP/HTTP on its otlp receiver's http endpoint (decoded by
+tests/helpers/otlp_receiver.py), and on SIGTERM writes the metric names and resource attributes it
+received to $FAKE_OTELCOL_REPORT as JSON, then exits 0. Its pid goes to $FAKE_OTELCOL_REPORT.pid,
+so a test can stop one the job script failed to stop.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from otlp_receiver import http_receiver
+
+from helpers.otlp_receiver import http_receiver
 
 
 def resolve_env(text: str) -> str:

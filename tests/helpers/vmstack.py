@@ -1,6 +1,6 @@
 """Real VictoriaMetrics (single node) and vmalert for tests, on loopback, with temp dirs.
 
-    from vmstack import victoriametrics, vmalert
+    from helpers.vmstack import victoriametrics, vmalert
 
     with victoriametrics() as vm, vmalert(vm.url, rule_files, notifier_url=am.url) as alerts:
         ot.init(otlp_metrics_endpoint=vm.otlp_metrics_url, ...)   # the library pushes OTLP into it
@@ -8,7 +8,7 @@
         alerts.alerts()                                           # vmalert's view (/api/v1/alerts)
 
 Both binaries come from the pinned Debian package victoria-metrics (deploy/versions.env, fetched
-into .tools/ by `make tools`), found by conftest.require_binary: missing fails under CI, skips
+into .tools/ by `make tools`), found by helpers.pinned.require_binary: missing fails under CI, skips
 locally. The flags are the ones deploy/docker-compose.victoriametrics.yml uses (OTLP ingestion with
 Prometheus naming), plus short delays so that a test sees data within seconds.
 """
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conftest import require_binary
-from promstack import Prometheus, _http_json, _start, _stop, _tail
+from helpers.pinned import require_binary
+from helpers.promstack import Prometheus, _http_json, _start, _stop, _tail
 
 # What the compose variant passes to VictoriaMetrics for OTLP (checked there by
 # tests/test_deploy_static.py): Prometheus-style names and labels (train_steps_total, host_name).

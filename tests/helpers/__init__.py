@@ -1,0 +1,1 @@
+"""Shared test helpers: real components, fakes, recording doubles and multi-rank launchers."""

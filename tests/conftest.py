@@ -12,7 +12,9 @@ import pytest
 def _isolated_session(tmp_path, monkeypatch) -> Iterator[None]:
     """Every test starts with no otel_train session and writes run dirs under its tmp dir."""
     for key in list(os.environ):
-        if key.startswith(("OTEL_", "WANDB_")):
+        # OTEL_TRAIN_TOOLS is where the pinned real components are (tests/helpers/pinned.py), not a
+        # library setting: it stays.
+        if key.startswith(("OTEL_", "WANDB_")) and key != "OTEL_TRAIN_TOOLS":
             monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("OTEL_TRAIN_OUTPUT_DIR", str(tmp_path / "runs"))
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -7,13 +7,17 @@ from typing import Any
 
 
 class Events:
-    """A recording health-event sink (the `emit` protocol the session's HealthEvents offers)."""
+    """A recording `otel_train.health.EventSink` (what the session's HealthEvents offers)."""
 
     def __init__(self) -> None:
         self.items: list[tuple[str, str, dict[str, Any]]] = []
 
     def emit(
-        self, event: str, message: str, attributes: Mapping[str, str | int | float] | None = None
+        self,
+        event: str,
+        message: str,
+        attributes: Mapping[str, str | int | float | bool] | None = None,
+        severity: str = "WARNING",
     ) -> None:
         self.items.append((event, message, dict(attributes or {})))
 

@@ -1,4 +1,4 @@
-"""Where the hardware parts' results go: OTel instruments on a meter (events go to an
+"""Where the hardware parts' results go: OTel instruments on a meter (events go to a
 `health.EventSink`)."""
 
 from __future__ import annotations

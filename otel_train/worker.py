@@ -1,10 +1,11 @@
 """The background worker: everything a flush does off the training thread.
 
 For each `FlushBatch` it (1) resolves device values in one batched transfer, drops and counts bad
-ones, (2) feeds the OTel SDK instruments, (3) turns sampled steps into spans, (4) runs the flush
-listeners (health, hardware, cross-rank reduction), (5) collects the StepReader and (6) hands the
-flattened scalars to the sinks. Text, samples, histograms and hyperparameters travel through the
-same queue so they keep their order with the scalars.
+ones, (2) feeds the OTel SDK: the sampled steps' spans first (the step-time exemplars link to them),
+then the instruments, (3) hands the interval's `ot.log_histogram` values to the sinks, (4) runs the
+flush listeners (health, hardware, cross-rank reduction, goodput), (5) collects the StepReader and
+(6) hands the flattened scalars to the sinks. Text, samples, histograms and hyperparameters travel
+through the same queue so they keep their order with the scalars.
 """
 
 from __future__ import annotations
@@ -301,6 +302,46 @@ def _record_durations(
     record_many(histogram, bulk, attributes)
 
 
+def resolve_interval(batch: FlushBatch) -> Interval:
+    """The batch as host floats (waiting on its CUDA event, here on the worker); bad values are
+    dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval."""
+    if batch.cuda_event is not None:
+        batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
+    scalars: dict[str, list[float]] = {}
+    nonfinite: dict[str, int] = {}
+    for instrument, raw in batch.scalars.items():
+        values, dropped = resolve_values(raw)
+        for reason, count in dropped.items():
+            batch.dropped[reason] = batch.dropped.get(reason, 0) + count
+        if dropped.get("nonfinite", 0):
+            nonfinite[instrument] = dropped["nonfinite"]
+        if values:
+            scalars[instrument] = values
+    phases = {name: list(values) for name, values in batch.phases.items()}
+    for name, start, end in batch.cuda_timers:
+        try:
+            end.synchronize()
+            phases.setdefault(name, []).append(start.elapsed_time(end) / 1000.0)
+        except Exception:
+            batch.dropped["cuda_timer"] = batch.dropped.get("cuda_timer", 0) + 1
+    return Interval(
+        seq=batch.seq,
+        step=batch.step,
+        wall_time=batch.wall_time,
+        elapsed_s=batch.elapsed_s,
+        steps=batch.steps,
+        tokens=batch.tokens,
+        samples=batch.samples,
+        step_durations=batch.step_durations,
+        phases=phases,
+        arrivals=batch.arrivals,
+        scalars=scalars,
+        nonfinite=nonfinite,
+        final=batch.final,
+        flush_interval=batch.flush_interval,
+    )
+
+
 class Worker:
     """The one background thread that turns flushes into telemetry."""
 
@@ -417,9 +458,12 @@ class Worker:
 
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:
-        """One flush: resolve -> feed the SDK -> listeners -> collect -> sinks."""
-        interval = self._resolve(batch)
+        """One flush: resolve -> feed the SDK -> histograms to the sinks -> listeners -> collect ->
+        scalars to the sinks."""
+        interval = resolve_interval(batch)
         self._feed_sdk(batch, interval)
+        for key, step, values in batch.histograms:
+            self._deliver_message(Message("histogram", key, values, step))
         for listener in self.listeners:
             try:
                 listener.on_flush(interval)
@@ -437,52 +481,13 @@ class Worker:
                 self._sink_failed(sink, exc)
 
     def _feed_sdk(self, batch: FlushBatch, interval: Interval) -> None:
-        """Layer statistics, sampled steps' spans, the instruments, then the interval's histograms."""
+        """Layer statistics, sampled steps' spans, then the instruments (with exemplars)."""
         if batch.layer_stats:
             self._feed_layer_stats(batch, interval)
         exemplars: ExemplarContexts = {}
         if self.span_writer is not None and batch.spans:
             exemplars = self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
         self._feed(batch, interval, exemplars)
-        for key, step, values in batch.histograms:
-            self._deliver_message(Message("histogram", key, values, step))
-
-    def _resolve(self, batch: FlushBatch) -> Interval:
-        if batch.cuda_event is not None:
-            batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
-        scalars: dict[str, list[float]] = {}
-        nonfinite: dict[str, int] = {}
-        for instrument, raw in batch.scalars.items():
-            values, dropped = resolve_values(raw)
-            for reason, count in dropped.items():
-                batch.dropped[reason] = batch.dropped.get(reason, 0) + count
-            if dropped.get("nonfinite", 0):
-                nonfinite[instrument] = dropped["nonfinite"]
-            if values:
-                scalars[instrument] = values
-        phases = {name: list(values) for name, values in batch.phases.items()}
-        for name, start, end in batch.cuda_timers:
-            try:
-                end.synchronize()
-                phases.setdefault(name, []).append(start.elapsed_time(end) / 1000.0)
-            except Exception:
-                batch.dropped["cuda_timer"] = batch.dropped.get("cuda_timer", 0) + 1
-        return Interval(
-            seq=batch.seq,
-            step=batch.step,
-            wall_time=batch.wall_time,
-            elapsed_s=batch.elapsed_s,
-            steps=batch.steps,
-            tokens=batch.tokens,
-            samples=batch.samples,
-            step_durations=batch.step_durations,
-            phases=phases,
-            arrivals=batch.arrivals,
-            scalars=scalars,
-            nonfinite=nonfinite,
-            final=batch.final,
-            flush_interval=batch.flush_interval,
-        )
 
     def _feed(self, batch: FlushBatch, interval: Interval, exemplars: ExemplarContexts) -> None:
         ins = self.instruments

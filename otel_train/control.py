@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from otel_train.bridges.rundir import RunFiles
 from otel_train.config import Config
-from otel_train.health import EventSink
+from otel_train.health import EventChannel
 
 if TYPE_CHECKING:
     from otel_train.profiling import ProfileWindow
@@ -74,7 +74,7 @@ def validate(settings: Mapping[str, Any]) -> str | None:
 class ControlFile:
     """Polled by the watchdog thread. `poll` returns a change to schedule, at most once each."""
 
-    def __init__(self, run_dir: Path, rank: int, events: EventSink) -> None:
+    def __init__(self, run_dir: Path, rank: int, events: EventChannel) -> None:
         self.path = RunFiles(run_dir, rank).control
         self.rank = rank
         self._events = events

@@ -17,7 +17,7 @@ from otel_train import semconv as sc
 from otel_train.config import Config
 from otel_train.gpu_discovery import cuda_initialized, torch_device_index
 from otel_train.gpu_sampler import GpuSampler
-from otel_train.health import EventSink
+from otel_train.health import EventChannel
 from otel_train.hw_outputs import create_instrument
 from otel_train.interval import Interval
 from otel_train.mfu import normalize_dtype, resolve_peak
@@ -41,7 +41,7 @@ class FlushEfficiency:
         self,
         config: Config,
         meter: Meter,
-        events: EventSink,
+        events: EventChannel,
         local_rank: int,
         gpu: GpuSampler,
         torch_cuda: Callable[[], Any | None],

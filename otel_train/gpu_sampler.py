@@ -22,7 +22,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel_train import semconv as sc
 from otel_train.gpu_discovery import GpuDevice, shutdown_quietly
-from otel_train.health import EventSink
+from otel_train.health import EventChannel
 from otel_train.hw_outputs import create_instrument
 
 # One logger for the whole hardware subsystem (its modules were one file): users filter on it.
@@ -100,7 +100,7 @@ class GpuSampler:
     Without a GPU (``attach`` never called, or no device) ``sample()`` does nothing.
     """
 
-    def __init__(self, events: EventSink, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, events: EventChannel, clock: Callable[[], float] = time.monotonic) -> None:
         self._events = events
         self._clock = clock
         self._nvml: Any | None = None
@@ -124,9 +124,9 @@ class GpuSampler:
 
     def create_instruments(self, meter: Meter) -> None:
         for spec in GPU_SPECS:
-            create_instrument(meter, spec, self._reader(spec.name))
+            create_instrument(meter, spec, self._observe(spec.name))
 
-    def _reader(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _observe(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def callback(options: CallbackOptions) -> Iterable[Observation]:
             return self.snapshot.obs.get(name, ())  # cache only: never NVML here
 
@@ -376,4 +376,4 @@ class GpuSampler:
         try:
             self._events.emit("gpu_lost", message, {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name})
         except Exception:
-            log.debug("otel_train: gpu_lost event sink failed", exc_info=True)
+            log.debug("otel_train: gpu_lost event channel failed", exc_info=True)

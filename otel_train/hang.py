@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from otel_train.bridges.rundir import RunFiles
-from otel_train.health import EventSink
+from otel_train.health import EventChannel
 
 log = logging.getLogger("otel_train")
 
@@ -73,7 +73,7 @@ class HangWatchdog:
         self,
         run_dir: Path | None,
         rank: int,
-        events: EventSink,
+        events: EventChannel,
         last_step: Callable[[], tuple[int, float | None]],
         stall_timeout_s: float,
         dump_signal: int | None = signal.SIGUSR1,

@@ -1,4 +1,4 @@
-"""Health signals: non-finite losses, loss spikes, stalls, and the event channel others use.
+"""Health signals: non-finite losses and loss spikes, and the event channel every part reports to.
 
 Detection never syncs the device on the training thread: loss values are resolved in the flush's
 one batched transfer on the background worker, and checked there.
@@ -25,7 +25,7 @@ AttributeValue = str | int | float | bool
 _SEVERITY = {"INFO": SeverityNumber.INFO, "WARNING": SeverityNumber.WARN, "ERROR": SeverityNumber.ERROR}
 
 
-class EventSink(Protocol):
+class EventChannel(Protocol):
     """Where health events go: the one seam every part that reports an event uses (the watchdog,
     the runtime control, the hardware samplers, the straggler listener). `HealthEvents` is the
     session's; tests pass a recording double."""
@@ -39,8 +39,8 @@ class EventSink(Protocol):
     ) -> None: ...
 
 
-class NullEventSink:
-    """An EventSink that drops every event (a part built without one)."""
+class NullEventChannel:
+    """An EventChannel that drops every event (a part built without one)."""
 
     def emit(
         self,
@@ -76,7 +76,6 @@ class HealthEvents:
         self._echo = echo
         self._lock = threading.Lock()
         self._callbacks: list[EventCallback] = []
-        self.count = 0
 
     def add_callback(self, callback: EventCallback) -> None:
         """Call `callback(event, message, attributes)` after each event (on the emitting thread;
@@ -104,7 +103,6 @@ class HealthEvents:
             except Exception as exc:  # an exporter problem must not stop the caller
                 log.debug("otel_train: could not emit a log record: %s", exc)
         with self._lock:
-            self.count += 1
             if self._events_path is not None:
                 try:
                     append_line(

@@ -38,9 +38,9 @@ class HostSampler:
             log.info("otel_train: no host metrics (psutil unavailable: %s)", exc)
             return
         for spec in HOST_SPECS:
-            create_instrument(meter, spec, self._reader(spec.name))
+            create_instrument(meter, spec, self._observe(spec.name))
 
-    def _reader(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _observe(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def callback(options: CallbackOptions) -> Iterable[Observation]:
             return self.observations.get(name, ())
 

@@ -1,5 +1,5 @@
-"""Where the hardware parts' results go: OTel instruments on a meter (events go to a
-`health.EventSink`)."""
+"""Where the hardware parts' results go: OTel instruments on a meter (events go to the
+`health.EventChannel`)."""
 
 from __future__ import annotations
 

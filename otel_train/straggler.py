@@ -34,7 +34,7 @@ from otel_train import downwire, semconv
 from otel_train.crossrank import Reduction, per_rank_timings, reduce_timings, stats_for_option
 from otel_train.distributed import Identity, create_telemetry_group
 from otel_train.exchange import StarExchange
-from otel_train.health import EventSink
+from otel_train.health import EventChannel
 from otel_train.interval import Interval
 from otel_train.rankwire import (
     FLAG_SHARDED,
@@ -99,7 +99,7 @@ class CrossRankReducer:
         self,
         identity: Identity,
         meter: Any | None,
-        events: EventSink | None,
+        events: EventChannel | None,
         config: Any,
         *,
         group: Any | None = None,

@@ -7,7 +7,7 @@ override only what their backend supports. Sinks never run on the training threa
 The sinks: the run directory (`rundir`), the console (`console`) and the bridge process
 (`process`), which hosts the bridges, the sinks that forward to another tool (`tensorboard`,
 `wandb`, `mlflow`). The package's other seams: `interval.FlushListener` (analysis at each flush)
-and `health.EventSink` (where health events go); reader and exporter are OpenTelemetry's own.
+and `health.EventChannel` (where health events go); reader and exporter are OpenTelemetry's own.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Any
 
 
 class Events:
-    """A recording `otel_train.health.EventSink` (what the session's HealthEvents offers)."""
+    """A recording `otel_train.health.EventChannel` (what the session's HealthEvents offers)."""
 
     def __init__(self) -> None:
         self.items: list[tuple[str, str, dict[str, Any]]] = []

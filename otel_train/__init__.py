@@ -15,6 +15,7 @@ Importing this package is light: no torch, SDK exporters, wandb or tensorboard a
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 # purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import _runtime
-from otel_train import session as _session_mod
-from otel_train.config import Config, ConfigError
+from otel_train.config import Config, ConfigError, redact
 from otel_train.timing import span, step, timed, timer
 from otel_train.version import __version__
 
@@ -79,7 +79,7 @@ finish = shutdown
 
 
 def current_session() -> Session | None:
-    return _runtime._current
+    return _runtime.current()
 
 
 def record(name: str, value: Any) -> None:
@@ -122,7 +122,7 @@ def log_hyperparams(params: Mapping[str, Any]) -> None:
     if session is None:
         return
     try:
-        redacted = _session_mod.redacted_hparams(params)
+        redacted = redact(dict(params))
     except Exception:  # not a mapping (None, a list, ...): never raise into the training script
         session.buffer.drop("invalid_type")
         session.buffer.warn_once(
@@ -136,7 +136,7 @@ def log_text(name: str, text: str, step: int | None = None) -> None:
     session = _runtime._current
     if session is not None:
         try:
-            session.message("text", str(name), str(text), _session_mod.message_step(step))
+            session.message("text", str(name), str(text), _message_step(step))
         except Exception:
             session.buffer.drop("invalid_type")
 
@@ -159,7 +159,7 @@ def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: 
                     "<samples>",
                     f"log_samples() rows must be (prompt, output) pairs; dropped a {type(row).__name__}.",
                 )
-        session.message("samples", str(name), kept, _session_mod.message_step(step))
+        session.message("samples", str(name), kept, _message_step(step))
     except Exception:  # rows not iterable, ...
         session.buffer.drop("invalid_sample")
 
@@ -169,7 +169,7 @@ def log_histogram(name: str, values: Any, step: int | None = None) -> None:
     session = _runtime._current
     if session is not None:
         try:
-            session.message("histogram", str(name), values, _session_mod.message_step(step))
+            session.message("histogram", str(name), values, _message_step(step))
         except Exception:
             session.buffer.drop("invalid_type")
 
@@ -262,3 +262,14 @@ def get_meter() -> Meter:
 
         return NoOpMeter("otel_train")
     return session.meter
+
+
+def _message_step(step: Any) -> int | None:
+    """A step= argument of the logger API as a plain int (numpy, tensor, float) or None."""
+    if step is None or step.__class__ is int:
+        return step  # type: ignore[no-any-return]
+    try:
+        return operator.index(step)
+    except Exception:
+        number = float(step)
+        return int(number) if number.is_integer() else None

@@ -169,10 +169,9 @@ def _build_session(
     profiled_steps = ProfiledStepsCounter(meter)
     listeners: list[FlushListener] = [health, *([hardware] if hardware else []), reducer, profiled_steps]
     return Session(
-        config=config, identity=ident, telemetry_group=place.telemetry_group, run_name=place.run_name,
-        is_reporting_rank=place.is_reporting_rank, run_dir=place.run_dir, resumed=place.resumed,
+        config=config, identity=ident, run_name=place.run_name, run_dir=place.run_dir, resumed=place.resumed,
         resource=resource, step_reader=step_reader, telemetry=telemetry, meter=meter,
-        instruments=instruments, otel_logger=otel_logger, events=events, health=health, console=console,
+        instruments=instruments, otel_logger=otel_logger, events=events, console=console,
         bridges=bridges, sinks=sinks, listeners=listeners, hardware=hardware, reducer=reducer,
         cadence=cadence, profiled_steps=profiled_steps,
     )  # fmt: skip

@@ -263,9 +263,6 @@ class Buffer:
             self.warned.add(key)
             log.warning(message)
 
-    def instrument_for(self, record_name: str) -> str | None:
-        return self._name_map.get(record_name)
-
     # --- flush ----------------------------------------------------------------------------------
     def take(self, seq: int, step: int, elapsed_s: float, perf_to_epoch_ns: int) -> FlushBatch:
         """Swap out this interval's data (called on the training thread; O(names))."""

@@ -21,39 +21,31 @@ from typing import Any
 from opentelemetry.metrics import Meter
 
 from otel_train.config import Config
-from otel_train.efficiency import MEMORY_PRESSURE_RATIO, MEMORY_PRESSURE_REARM, FlushEfficiency
+from otel_train.efficiency import FlushEfficiency
 from otel_train.gpu_discovery import (
     RES_GPU_DRIVER_VERSION,
     RES_GPU_NAME,
     RES_GPU_PCI_BUS_ID,
     RES_GPU_UUID,
     Discovery,
-    GpuDevice,
-    discover_gpus,
     discover_with_timeout,
     parse_cuda_visible_devices,
     shutdown_quietly,
     torch_cuda_if_loaded,
 )
-from otel_train.gpu_sampler import MAX_XID_EVENTS_PER_SAMPLE, THROTTLE_BITS, GpuSampler
-from otel_train.health import EventSink, NullEventSink
+from otel_train.gpu_sampler import GpuSampler
+from otel_train.health import EventChannel, NullEventChannel
 from otel_train.host_sampler import HostSampler
 from otel_train.interval import Interval
 
 __all__ = [
-    "MAX_XID_EVENTS_PER_SAMPLE",
-    "MEMORY_PRESSURE_RATIO",
-    "MEMORY_PRESSURE_REARM",
     "RES_GPU_DRIVER_VERSION",
     "RES_GPU_NAME",
     "RES_GPU_PCI_BUS_ID",
     "RES_GPU_UUID",
-    "THROTTLE_BITS",
     "Discovery",
-    "EventSink",
-    "GpuDevice",
+    "EventChannel",
     "HardwareMonitor",
-    "discover_gpus",
     "discover_with_timeout",
     "parse_cuda_visible_devices",
 ]
@@ -76,7 +68,7 @@ class HardwareMonitor:
         self,
         config: Config,
         meter: Meter,
-        events: EventSink | None,
+        events: EventChannel | None,
         local_rank: int,
         nvml: Any | None = None,
         torch_cuda: Any | None = None,
@@ -90,7 +82,7 @@ class HardwareMonitor:
     ) -> None:
         self._config = config
         self._meter = meter
-        sink: EventSink = events if events is not None else NullEventSink()
+        events = events if events is not None else NullEventChannel()
         self._local_rank = local_rank
         self._nvml_arg = nvml
         self._torch_cuda_arg = torch_cuda
@@ -102,10 +94,17 @@ class HardwareMonitor:
         self._closed = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.gpu_sampler = GpuSampler(sink, clock)
+        self.gpu_sampler = GpuSampler(events, clock)
         self.host_sampler = HostSampler(process)
         self.efficiency = FlushEfficiency(
-            config, meter, sink, local_rank, self.gpu_sampler, self._torch_cuda, self._environ, compute_dtype
+            config,
+            meter,
+            events,
+            local_rank,
+            self.gpu_sampler,
+            self._torch_cuda,
+            self._environ,
+            compute_dtype,
         )
 
     # -- public API -------------------------------------------------------------------------------------

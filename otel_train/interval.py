@@ -27,10 +27,6 @@ class Interval:
     final: bool = False  # the last flush, from shutdown()
     flush_interval: int = 0  # proposed steps per flush (adaptive cadence): rank 0's is adopted by all
 
-    def phase_mean(self, name: str) -> float | None:
-        values = self.phases.get(name)
-        return sum(values) / len(values) if values else None
-
 
 class FlushListener(Protocol):
     """Called on the background worker at every flush, before the StepReader collects for the sinks.

@@ -23,7 +23,7 @@ from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
 from otel_train.buffer import Buffer, FlushBatch, SpanRecord
 from otel_train.closing import close_listeners, close_sinks, drain_worker, stop_exporters
-from otel_train.config import Config, redact
+from otel_train.config import Config
 from otel_train.distributed import Identity
 from otel_train.interval import FlushListener
 from otel_train.profiling import advance_window, start_window
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.goodput import GoodputListener
     from otel_train.hang import HangWatchdog
     from otel_train.hardware import HardwareMonitor
-    from otel_train.health import HealthEvents, HealthMonitor
+    from otel_train.health import HealthEvents
     from otel_train.model_watch import ModelWatch
     from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
     from otel_train.step_reader import StepReader
@@ -58,9 +58,7 @@ class SessionParts:
 
     config: Config
     identity: Identity
-    telemetry_group: Any  # a torch.distributed ProcessGroup, or None when not distributed
     run_name: str
-    is_reporting_rank: bool  # writes progress, console and bridges (rank 0, or all with bridge_all_ranks)
     run_dir: Path | None
     resumed: bool  # the same run_id restarted: appending to this rank's files
     resource: Resource
@@ -70,7 +68,6 @@ class SessionParts:
     instruments: Instruments
     otel_logger: Any | None
     events: HealthEvents
-    health: HealthMonitor
     console: ConsoleSink | None
     bridges: BridgeProcess | None
     sinks: list[Sink]
@@ -267,9 +264,8 @@ class Session(SessionParts):
         self.timing_level = self.config.timing_log_level
         if self.console is not None:
             self.console.verbosity = self.config.verbosity
-        set_threshold = getattr(self.reducer, "set_threshold", None)
-        if "straggler_threshold" in settings and callable(set_threshold):
-            set_threshold(self.config.straggler_threshold)
+        if "straggler_threshold" in settings:
+            self.reducer.set_threshold(self.config.straggler_threshold)
         if "profile" in settings:
             self.start_profile(*profile_request(settings["profile"]))
         warn_if_late(change, index)
@@ -519,18 +515,3 @@ def _record_cuda_event() -> Any:
     event = torch.cuda.Event()
     event.record()  # on the training thread's current stream; the worker waits on it
     return event
-
-
-def message_step(step: Any) -> int | None:
-    """A step= argument of the logger API as a plain int (numpy, tensor, float) or None."""
-    if step is None or step.__class__ is int:
-        return step  # type: ignore[no-any-return]
-    try:
-        return operator.index(step)
-    except Exception:
-        number = float(step)
-        return int(number) if number.is_integer() else None
-
-
-def redacted_hparams(params: Mapping[str, Any]) -> dict[str, Any]:
-    return redact(dict(params))

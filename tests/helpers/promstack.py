@@ -27,7 +27,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,7 +43,7 @@ ALERTMANAGER_ASSETS = "alertmanager-debian-share-assets"
 
 
 # --- helpers -----------------------------------------------------------------------------------------
-def _http_json(url: str, timeout: float = 5.0) -> Any:
+def http_json(url: str, timeout: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read().decode())
 
@@ -65,7 +65,7 @@ def wait_until(fn: Callable[[], T], timeout: float = 30.0, interval: float = 0.5
         time.sleep(interval)
 
 
-def _tail(path: Path, n: int = 40) -> str:
+def tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
@@ -106,10 +106,34 @@ def _start(
                 pass
             time.sleep(0.2)
         _stop(proc)
-        last_error = _tail(log)
+        last_error = tail(log)
         if "address already in use" not in last_error:
             break
     raise RuntimeError(f"{name} did not become ready; log tail:\n{last_error}")
+
+
+@contextmanager
+def serve(
+    argv_for_port: Callable[[int], list[str]], workdir: Path, name: str, ready_path: str = "/-/ready"
+) -> Iterator[int]:
+    """Run a server from `workdir` until the block ends, then stop it and remove `workdir` (also
+    when it never became ready: the error carries its log tail). Yields its port."""
+    try:
+        proc, port = _start(argv_for_port, workdir, name, ready_path)
+        try:
+            yield port
+        finally:
+            _stop(proc)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def link_alertmanager_assets(binary: str, workdir: Path) -> None:
+    """The pinned Debian builds read default.tmpl from ./alertmanager-debian-share-assets (see
+    deploy/fetch-tools.sh); the servers run in `workdir`."""
+    assets = Path(binary).parent / ALERTMANAGER_ASSETS
+    if assets.exists():
+        (workdir / ALERTMANAGER_ASSETS).symlink_to(assets.resolve())
 
 
 # --- Alertmanager ----------------------------------------------------------------------------------
@@ -129,16 +153,15 @@ _DEFAULT_AM_CONFIG = {
 class Alertmanager:
     url: str
     workdir: Path
-    proc: subprocess.Popen[bytes] = field(repr=False)
 
     def alerts(self, active_only: bool = True, **labels: str) -> list[dict[str, Any]]:
         """Alerts Alertmanager holds (/api/v2/alerts), optionally filtered by exact label values."""
         query = urllib.parse.urlencode({"active": "true"} if active_only else {})
-        items = _http_json(f"{self.url}/api/v2/alerts?{query}")
+        items = http_json(f"{self.url}/api/v2/alerts?{query}")
         return [a for a in items if all(a["labels"].get(k) == v for k, v in labels.items())]
 
     def log(self) -> str:
-        return _tail(self.workdir / "alertmanager.log", 200)
+        return tail(self.workdir / "alertmanager.log", 200)
 
 
 @contextmanager
@@ -152,12 +175,8 @@ def alertmanager(config: str | Path | dict[str, Any] | None = None) -> Iterator[
     else:
         config_path = Path(config).resolve()
     (workdir / "data").mkdir()
-    # The pinned Debian build reads default.tmpl from ./alertmanager-debian-share-assets (see
-    # deploy/fetch-tools.sh); it runs in `workdir`.
-    assets = Path(binary).parent / ALERTMANAGER_ASSETS
-    if assets.exists():
-        (workdir / ALERTMANAGER_ASSETS).symlink_to(assets.resolve())
-    proc, port = _start(
+    link_alertmanager_assets(binary, workdir)
+    with serve(
         lambda port: [
             binary,
             f"--config.file={config_path}",
@@ -168,12 +187,8 @@ def alertmanager(config: str | Path | dict[str, Any] | None = None) -> Iterator[
         ],
         workdir,
         "alertmanager",
-    )
-    try:
-        yield Alertmanager(url=f"http://127.0.0.1:{port}", workdir=workdir, proc=proc)
-    finally:
-        _stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+    ) as port:
+        yield Alertmanager(url=f"http://127.0.0.1:{port}", workdir=workdir)
 
 
 # --- Prometheus ------------------------------------------------------------------------------------
@@ -181,12 +196,11 @@ def alertmanager(config: str | Path | dict[str, Any] | None = None) -> Iterator[
 class Prometheus:
     url: str
     workdir: Path
-    proc: subprocess.Popen[bytes] = field(repr=False)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """Instant query; returns the `result` list (vector: [{"metric": {...}, "value": [t, "v"]}])."""
         qs = urllib.parse.urlencode({"query": expr})
-        body = _http_json(f"{self.url}/api/v1/query?{qs}")
+        body = http_json(f"{self.url}/api/v1/query?{qs}")
         if body.get("status") != "success":
             raise ValueError(f"query {expr!r} failed: {body}")
         return body["data"]["result"]
@@ -198,7 +212,7 @@ class Prometheus:
 
     def alerts(self, state: str | None = None, **labels: str) -> list[dict[str, Any]]:
         """Prometheus' own view of its alerts (/api/v1/alerts): pending and firing."""
-        items = _http_json(f"{self.url}/api/v1/alerts")["data"]["alerts"]
+        items = http_json(f"{self.url}/api/v1/alerts")["data"]["alerts"]
         return [
             a
             for a in items
@@ -211,7 +225,7 @@ class Prometheus:
         return int(self.value("count(up == 1)") or 0)
 
     def log(self) -> str:
-        return _tail(self.workdir / "prometheus.log", 200)
+        return tail(self.workdir / "prometheus.log", 200)
 
 
 @contextmanager
@@ -256,12 +270,8 @@ def prometheus(
     config_path = workdir / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     (workdir / "data").mkdir()
-    # The pinned Debian build reads default.tmpl from ./alertmanager-debian-share-assets (see
-    # deploy/fetch-tools.sh); it runs in `workdir`.
-    assets = Path(binary).parent / ALERTMANAGER_ASSETS
-    if assets.exists():
-        (workdir / ALERTMANAGER_ASSETS).symlink_to(assets.resolve())
-    proc, port = _start(
+    link_alertmanager_assets(binary, workdir)
+    with serve(
         lambda port: [
             binary,
             f"--config.file={config_path}",
@@ -273,12 +283,8 @@ def prometheus(
         ],
         workdir,
         "prometheus",
-    )
-    try:
-        yield Prometheus(url=f"http://127.0.0.1:{port}", workdir=workdir, proc=proc)
-    finally:
-        _stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+    ) as port:
+        yield Prometheus(url=f"http://127.0.0.1:{port}", workdir=workdir)
 
 
 # --- rule files with short windows, for end-to-end tests -----------------------------------------------

@@ -15,8 +15,6 @@ Prometheus naming), plus short delays so that a test sees data within seconds.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import tempfile
 import time
 import urllib.error
@@ -24,12 +22,12 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from helpers.pinned import require_binary
-from helpers.promstack import Prometheus, _http_json, _start, _stop, _tail
+from helpers.promstack import Prometheus, http_json, serve, tail
 
 # What the compose variant passes to VictoriaMetrics for OTLP (checked there by
 # tests/test_deploy_static.py): Prometheus-style names and labels (train_steps_total, host_name).
@@ -50,10 +48,10 @@ class VictoriaMetrics(Prometheus):
         """Label sets of the series matching a selector (/api/v1/series, last hour)."""
         start = int(time.time()) - 3600
         query = urllib.parse.urlencode({"match[]": match, "start": start})
-        return list(_http_json(f"{self.url}/api/v1/series?{query}")["data"])
+        return list(http_json(f"{self.url}/api/v1/series?{query}")["data"])
 
     def log(self) -> str:
-        return _tail(self.workdir / "victoria-metrics.log", 200)
+        return tail(self.workdir / "victoria-metrics.log", 200)
 
 
 @contextmanager
@@ -61,7 +59,7 @@ def victoriametrics(extra_args: Sequence[str] = ()) -> Iterator[VictoriaMetrics]
     """A real single-node VictoriaMetrics on 127.0.0.1 ingesting OTLP at /opentelemetry/v1/metrics."""
     binary = require_binary("victoria-metrics")
     workdir = Path(tempfile.mkdtemp(prefix="otel_train_vm_"))
-    proc, port = _start(
+    with serve(
         lambda port: [
             binary,
             f"-storageDataPath={workdir / 'data'}",
@@ -73,23 +71,18 @@ def victoriametrics(extra_args: Sequence[str] = ()) -> Iterator[VictoriaMetrics]
         workdir,
         "victoria-metrics",
         "/health",
-    )
-    try:
-        yield VictoriaMetrics(url=f"http://127.0.0.1:{port}", workdir=workdir, proc=proc)
-    finally:
-        _stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+    ) as port:
+        yield VictoriaMetrics(url=f"http://127.0.0.1:{port}", workdir=workdir)
 
 
 @dataclass
 class VmAlert:
     url: str
     workdir: Path
-    proc: subprocess.Popen[bytes] = field(repr=False)
 
     def alerts(self, state: str | None = None, **labels: str) -> list[dict[str, Any]]:
         """vmalert's active alerts (/api/v1/alerts): pending and firing."""
-        items = _http_json(f"{self.url}/api/v1/alerts")["data"]["alerts"]
+        items = http_json(f"{self.url}/api/v1/alerts")["data"]["alerts"]
         return [
             a
             for a in items
@@ -98,10 +91,10 @@ class VmAlert:
         ]
 
     def rule_groups(self) -> list[dict[str, Any]]:
-        return list(_http_json(f"{self.url}/api/v1/rules")["data"]["groups"])
+        return list(http_json(f"{self.url}/api/v1/rules")["data"]["groups"])
 
     def log(self) -> str:
-        return _tail(self.workdir / "vmalert.log", 200)
+        return tail(self.workdir / "vmalert.log", 200)
 
 
 @contextmanager
@@ -117,7 +110,7 @@ def vmalert(
     binary = require_binary("vmalert")
     workdir = Path(tempfile.mkdtemp(prefix="otel_train_vmalert_"))
     notifier = [f"-notifier.url={notifier_url}"] if notifier_url else ["-notifier.blackhole"]
-    proc, port = _start(
+    with serve(
         lambda port: [
             binary,
             *[f"-rule={Path(p).resolve()}" for p in rule_files],
@@ -132,9 +125,5 @@ def vmalert(
         workdir,
         "vmalert",
         "/health",
-    )
-    try:
-        yield VmAlert(url=f"http://127.0.0.1:{port}", workdir=workdir, proc=proc)
-    finally:
-        _stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+    ) as port:
+        yield VmAlert(url=f"http://127.0.0.1:{port}", workdir=workdir)

@@ -105,12 +105,11 @@ class SessionParts:
 
     def add_watch(self, watch: ModelWatch) -> None:
         """Call `watch` at every step's begin and end (training thread) until `remove_watch`."""
-        self.watches.append(watch)
+        self.watches = [*self.watches, watch]  # copy-on-write too: a step may be iterating it
 
     def remove_watch(self, watch: ModelWatch) -> None:
         """Stop calling `watch` (idempotent; `ModelWatch.remove()` calls it)."""
-        if watch in self.watches:
-            self.watches.remove(watch)
+        self.watches = [x for x in self.watches if x is not watch]
 
     @property
     def flush_interval_steps(self) -> int:

@@ -41,9 +41,9 @@ print(json.dumps(out))
 """
 
 
-def one_pass(tree: Path, n: int) -> dict[str, float]:
+def one_pass(tree: Path, n: int, output_dir: Path) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'tests'}"}
-    env["OTEL_TRAIN_OUTPUT_DIR"] = tempfile.mkdtemp(prefix="otel_train_ab_")
+    env["OTEL_TRAIN_OUTPUT_DIR"] = str(output_dir)
     out = subprocess.run(
         [sys.executable, "-c", _ONE_PASS, str(tree), str(n)],
         cwd=tree, env=env, check=True, capture_output=True, text=True,
@@ -65,8 +65,8 @@ def main() -> int:
             before: list[dict[str, float]] = []
             after: list[dict[str, float]] = []
             for i in range(args.rounds):
-                before.append(one_pass(base, args.n))
-                after.append(one_pass(REPO, args.n))
+                before.append(one_pass(base, args.n, Path(tmp) / "runs"))
+                after.append(one_pass(REPO, args.n, Path(tmp) / "runs"))
                 print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)

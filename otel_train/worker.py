@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -177,8 +178,21 @@ class SpanWriter:
         return span
 
 
+def has_data(tensor: Any) -> bool:
+    """False for a tensor that has no values to copy (a `meta` tensor, a FakeTensor of
+    torch.compile's tracing): copying one raises from deep in C++, slowly (its C++ stack is
+    symbolised), and a worker still inside that at interpreter exit aborts the process (SIGABRT),
+    losing the last flushes. Such values are dropped (`otel_train.dropped{reason=no_data_tensor}`)."""
+    if getattr(tensor, "is_meta", False):
+        return False
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is None or not isinstance(tensor, fake.FakeTensor)
+
+
 def histogram_values(values: Any) -> list[float]:
     """A distribution (tensor, array or sequence) as finite floats; runs on the worker."""
+    if hasattr(values, "detach") and not has_data(values):
+        return []
     if hasattr(values, "detach"):
         values = values.detach().reshape(-1).double().cpu().tolist()
     elif hasattr(values, "tolist"):
@@ -214,7 +228,9 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
             elif cls is bool or value is None or isinstance(value, (str, bytes)):
                 dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
             elif hasattr(value, "numel") and hasattr(value, "detach"):
-                if value.is_complex():
+                if not has_data(value):
+                    dropped["no_data_tensor"] = dropped.get("no_data_tensor", 0) + 1
+                elif value.is_complex():
                     dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
                 elif value.numel() == 1:
                     tensors.append((i, value))
@@ -251,7 +267,8 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
     by_device: dict[Any, list[int]] = {}
     for i, tensor in enumerate(tensors):
         try:
-            by_device.setdefault(tensor.device, []).append(i)
+            if has_data(tensor):
+                by_device.setdefault(tensor.device, []).append(i)
         except Exception:  # a tensor-like object without a usable device: left as None
             continue
     out: list[list[float] | None] = [None] * len(tensors)
@@ -461,6 +478,12 @@ class Worker:
         """One flush: resolve -> feed the SDK -> histograms to the sinks -> listeners -> collect ->
         scalars to the sinks."""
         interval = resolve_interval(batch)
+        if batch.dropped.get("no_data_tensor"):
+            self._warn_once(
+                "no_data_tensor",
+                "otel_train: record() got a tensor with no data (a meta or fake tensor); such values are "
+                "dropped and counted as otel_train.dropped{reason=no_data_tensor}.",
+            )
         self._feed_sdk(batch, interval)
         for key, step, values in batch.histograms:
             self._deliver_message(Message("histogram", key, values, step))

@@ -70,6 +70,8 @@ def build_session(config: Config) -> Session:
         run_dir_errors_as_config_errors(lambda: write_run_files(run_dir, config, place))
     session.worker.start()
     session.watchdog.start()
+    if session.control is not None:
+        session.control.start(session.poll_control)
     return session
 
 
@@ -353,9 +355,13 @@ def _attach_watchdog(session: Session) -> None:
         session.last_step,
         config.stall_timeout_s,
         signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
-        on_tick=session.poll_control,
+        on_tick=session.check_worker,
     )
-    session.control = ControlFile(session.run_dir, rank, session.events) if session.run_dir else None
+    session.control = (
+        ControlFile(session.run_dir, rank, session.events, session.identity.world_size)
+        if session.run_dir
+        else None
+    )
 
 
 def write_run_files(run_dir: Path, config: Config, place: RunPlace) -> None:

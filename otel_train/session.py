@@ -147,7 +147,9 @@ class Session(SessionParts):
         self._step_open = False
         self._stall_gap_ns = int(config.stall_timeout_s * 1e9)
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
-        self._pending_control: ControlChange | None = None
+        self._pending_control: list[ControlChange] = []  # version order; replaced, never changed in place
+        self._control_lock = threading.Lock()
+        self._worker_stuck_warned: float | None = None  # the worker item (its start) warned about
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
         self.timing_level = config.timing_log_level
         self.step_index = -1  # last completed step
@@ -181,8 +183,8 @@ class Session(SessionParts):
             index = _step_number(step, self.buffer, self.step_index)
         self._step_thread = threading.get_ident()
         pending = self._pending_control
-        if pending is not None and index >= pending.apply_at_step:
-            self._apply_control(pending, index)
+        if pending and index >= pending[0].apply_at_step:
+            self._apply_due_controls(index)
         cfg = self.config
         self.sampled = self.worker.span_writer is not None and (
             index < cfg.trace_first or index % cfg.trace_every == 0
@@ -227,7 +229,12 @@ class Session(SessionParts):
         if failed:
             return
         buf.steps += 1
-        buf.step_durations.append((end_ns - start_ns) * 1e-9)
+        # Capped like every per-interval list: a worker stuck for hours defers every flush, and
+        # this interval would grow until it returns (~43 MB per 1M steps).
+        if len(buf.step_durations) < buf.max_values:
+            buf.step_durations.append((end_ns - start_ns) * 1e-9)
+        else:
+            buf.drop("too_many_values")
         if tokens:
             buf.tokens += tokens
         if samples:
@@ -246,18 +253,49 @@ class Session(SessionParts):
         steps = self.goodput.steps
         end, first = self.step_end_ns, self.first_step_start_ns
         per_step = (end - first) * 1e-9 / steps if steps and end and first else None
-        change = self.control.poll(self.step_index, per_step)
-        if change is not None:
-            self._pending_control = change
+        for change in self.control.poll(self.step_index, per_step):
+            with self._control_lock:
+                self._pending_control = [*self._pending_control, change]
             self.control.announce(change)
 
+    def check_worker(self) -> None:
+        """Watchdog thread: warn once per stuck item when the worker has spent longer than
+        stall_timeout_s on one flush (a user callback that hangs, a dead file system): until it
+        returns nothing reaches the run dir or the exporters (the training's buffers are capped)."""
+        stuck = self.worker.stuck_for()
+        if stuck is None or stuck[0] < self.config.stall_timeout_s:
+            return
+        since = self.worker.busy_since
+        if since == self._worker_stuck_warned:
+            return
+        self._worker_stuck_warned = since
+        self.events.emit(
+            "worker_stuck",
+            f"the otel_train background worker has been {stuck[1]} for {stuck[0]:.0f}s; no telemetry is "
+            f"written until it returns (flushes wait, values beyond max_values_per_interval are dropped)",
+            {"step": self.step_index},
+        )
+
+    def _apply_due_controls(self, index: int) -> None:
+        """Training thread, as step `index` begins: apply the scheduled changes due by now, in
+        version order. A change that fails is reported, never raised into the step."""
+        with self._control_lock:
+            pending = self._pending_control
+            due = 0
+            while due < len(pending) and index >= pending[due].apply_at_step:
+                due += 1
+            self._pending_control = pending[due:]
+        for change in pending[:due]:
+            try:
+                self._apply_control(change, index)
+            except Exception as exc:
+                if self.control is not None:
+                    self.control.reject_applied(change, index, repr(exc))
+
     def _apply_control(self, change: ControlChange, index: int) -> None:
-        """Training thread, as step `index` begins: apply a scheduled runtime-control change."""
         # control imports the SDK's logs API (through health): not at `import otel_train`
         from otel_train.control import changed_config, profile_request, warn_if_late
 
-        if self._pending_control is change:
-            self._pending_control = None
         settings = dict(change.settings)
         self.config = changed_config(self.config, settings)
         self.timing_level = self.config.timing_log_level
@@ -265,7 +303,11 @@ class Session(SessionParts):
             self.console.verbosity = self.config.verbosity
         if "straggler_threshold" in settings:
             self.reducer.set_threshold(self.config.straggler_threshold)
-        if "profile" in settings:
+        if "profile" in settings and self.profiler is not None and self.control is not None:
+            self.control.reject_applied(
+                change, index, "profile: a window is still running; write it again later"
+            )
+        elif "profile" in settings:
             self.start_profile(*profile_request(settings["profile"]))
         warn_if_late(change, index)
 
@@ -400,6 +442,8 @@ class Session(SessionParts):
         for watch in list(self.watches):
             watch.remove()
         self.watchdog.close()
+        if self.control is not None:
+            self.control.close()
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None

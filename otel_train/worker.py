@@ -403,6 +403,10 @@ class Worker:
         self.sink_errors: dict[str, int] = {}
         self._started_at = time.time()
         self._steps_done = 0
+        # What the worker is doing and since when (perf_counter; None when idle): the watchdog
+        # thread warns when one flush takes longer than stall_timeout_s (`stuck_for`).
+        self.busy_since: float | None = None
+        self.doing = "idle"
         self._thread = threading.Thread(target=self._run, name="otel_train-worker", daemon=True)
 
     def start(self) -> None:
@@ -439,6 +443,11 @@ class Worker:
             return False
         return True
 
+    def stuck_for(self) -> tuple[float, str] | None:
+        """(seconds, what) when the worker is busy with one item, None when idle."""
+        since, doing = self.busy_since, self.doing
+        return (time.perf_counter() - since, doing) if since is not None else None
+
     def unwritten(self) -> tuple[int, int]:
         """(flush batches, steps) handed to the worker that it has not written (yet)."""
         return self.batches_put - self.batches_done, self.steps_put - self.steps_done
@@ -449,6 +458,7 @@ class Worker:
             if item is None or self._abandoned:
                 return
             started, cpu_started = time.perf_counter(), time.thread_time()
+            self.doing, self.busy_since = "processing a flush", started
             try:
                 if isinstance(item, Message):
                     self._deliver_message(item)
@@ -465,6 +475,7 @@ class Worker:
                     exc,
                 )
             finally:
+                self.busy_since, self.doing = None, "idle"
                 self.busy_s += time.perf_counter() - started
                 self.cpu_s += time.thread_time() - cpu_started
                 if isinstance(item, FlushBatch) and not self._abandoned:
@@ -488,16 +499,19 @@ class Worker:
         for key, step, values in batch.histograms:
             self._deliver_message(Message("histogram", key, values, step))
         for listener in self.listeners:
+            self.doing = f"the flush listener {type(listener).__name__}"
             try:
                 listener.on_flush(interval)
             except Exception as exc:
                 self._warn_once(
                     type(listener).__name__, f"otel_train: {type(listener).__name__} failed: {exc!r}"
                 )
+        self.doing = "collecting metrics (observable-instrument callbacks, e.g. ones made on ot.get_meter())"
         scalars = self.step_reader.collect_scalars(interval.elapsed_s)
         self.final_scalars.update(scalars)
         self.flushes += 1
         for sink in self.sinks:
+            self.doing = f"writing to the sink {type(sink).__name__}"
             try:
                 sink.write_scalars(interval.step, interval.wall_time, scalars)
             except Exception as exc:

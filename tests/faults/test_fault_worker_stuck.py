@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,3 +46,47 @@ def test_meta_tensor_before_shutdown_is_dropped_and_the_process_exits_cleanly(tm
     assert [r["step"] for r in rows if "train/steps" in r] == [0, 1, 2]  # the last flush is written
     assert max(r.get("otel_train/dropped/no_data_tensor", 0) for r in rows) == 2
     assert proc.stderr.count("no data (a meta or fake tensor)") == 1  # warned once
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.rank0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_hung_gauge_callback_bounds_memory_and_warns_naming_it(tmp_path: Path) -> None:
+    import otel_train as ot
+
+    fifo = tmp_path / "dead-nfs-file"
+    os.mkfifo(fifo)  # opening it for reading blocks until a writer comes: a read that never returns
+
+    def read_dead_file(options: object) -> list:
+        from opentelemetry.metrics import Observation
+
+        with open(fifo) as f:
+            return [Observation(float(f.read() or 0))]
+
+    session = ot.init(
+        run_name="hung-cb", prometheus_port=0, verbosity=0, hardware=False, log_interval=10,
+        stall_timeout_s=0.5, max_values_per_interval=500,
+    )  # fmt: skip
+    ot.get_meter().create_observable_gauge("custom.nfs_value", callbacks=[read_dead_file])
+    try:
+        step, deadline = 0, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with ot.step(step):
+                pass
+            step += 1
+            if step % 1000 == 0:
+                if step > 2000 and any(e["event"] == "worker_stuck" for e in _events(session.run_dir)):
+                    break
+                time.sleep(0.05)  # a training step takes time: let the watchdog see the worker's age
+        stuck = [e for e in _events(session.run_dir) if e["event"] == "worker_stuck"]
+        assert len(stuck) == 1, stuck  # once per stuck flush
+        assert "observable-instrument callbacks" in stuck[0]["message"]
+        # The training thread's interval stays within the cap while every flush is deferred.
+        assert step > 2000 and len(session.buffer.step_durations) <= 500
+        assert session.buffer.dropped.get("too_many_values", 0) > 0
+    finally:
+        with open(fifo, "w") as f:  # the "file system" comes back: the callback returns
+            f.write("1")
+        ot.shutdown()

@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("otel_train")
 
-LEAD_TIME_S = 3.0  # how far ahead rank 0 schedules a change: > the other ranks' poll period
+# How far ahead rank 0 schedules a change: more than two poll periods, because a change overwritten
+# right after rank 0 stamped it reaches the other ranks only with rank 0's next stamp (`earlier`).
+LEAD_TIME_S = 5.0
 POLL_S = 1.0
 MAX_FILE_BYTES = 64 * 1024  # a larger control file is refused unread
 _HISTORY = 8  # earlier changes rank 0 keeps in the stamped file, for ranks that missed one
@@ -110,16 +112,18 @@ def read_bounded(path: Path) -> bytes | None:
     """The file's bytes, None when it does not exist; ValueError naming the problem when it is not
     a regular file or is larger than MAX_FILE_BYTES. Never blocks on a FIFO or reads a device."""
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise ValueError("not a regular file (a symlink, FIFO or device): write the JSON into it")
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(_not_regular(mode))
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None
     except OSError as exc:  # ELOOP: it became a symlink since the lstat
         raise ValueError(f"cannot open it ({exc.strerror or exc})") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped between lstat and open
-            raise ValueError("not a regular file (a symlink, FIFO or device): write the JSON into it")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # swapped between lstat and open
+            raise ValueError(_not_regular(mode))
         chunks: list[bytes] = []
         size = 0
         while size <= MAX_FILE_BYTES:
@@ -133,6 +137,12 @@ def read_bounded(path: Path) -> bytes | None:
     if size > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes: a control file holds a few settings")
     return b"".join(chunks)
+
+
+def _not_regular(mode: int) -> str:
+    kinds = {stat.S_ISLNK: "a symlink", stat.S_ISFIFO: "a FIFO", stat.S_ISDIR: "a directory"}
+    kind = next((name for test, name in kinds.items() if test(mode)), "a device or socket")
+    return f"{kind}, not a regular file: write the JSON into a plain file of that name"
 
 
 def _no_constant(name: str) -> float:

@@ -10,8 +10,8 @@
 - `.owner.rank<k>.json`: which run id wrote this rank's files (`run_directory`).
 - `events.rank<k>.jsonl`: health events (`health`); `goodput.rank<k>.json`: the goodput account
   across restarts (`goodput`); `control.json`: runtime control (`control`).
-- `stacks.rank<k>.<n>.txt`, `stacks.rank<k>.signal.txt`, `flight_recorder.rank<k>.<n>`: hang
-  diagnosis (`hang`); `profiles/rank<k>/`: profiler traces (`profiling`).
+- `stacks.rank<k>.<n>.txt`, `faulthandler.rank<k>.txt` (raw, from C),
+  `flight_recorder.rank<k>.<n>`: hang diagnosis (`hang`); `profiles/rank<k>/`: profiler traces (`profiling`).
 - `tensorboard/`, `wandb/`, `wandb_run.json`, `mlflow/`: the TensorBoard, W&B and MLflow bridges'
   local output.
 
@@ -64,8 +64,8 @@ class RunFiles:
         return self.run_dir / f"stacks.rank{self.rank}.{dump}.txt"
 
     @property
-    def signal_stacks(self) -> Path:
-        return self.run_dir / f"stacks.rank{self.rank}.signal.txt"
+    def raw_stacks(self) -> Path:
+        return self.run_dir / f"faulthandler.rank{self.rank}.txt"
 
     def flight_recorder(self, dump: int) -> Path:
         return self.run_dir / f"flight_recorder.rank{self.rank}.{dump}"

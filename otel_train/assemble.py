@@ -23,6 +23,7 @@ from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key
 from otel_train.distributed import Identity, agree_run, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
 from otel_train.run_directory import (
+    avoid_live_owner,
     claim_run_dir,
     default_run_name,
     make_run_dir,
@@ -82,7 +83,10 @@ def agree_run_place(config: Config) -> RunPlace:
     group = create_telemetry_group(identity, config.collective_timeout_s)
     # One run per job: every rank adopts rank 0's run id and run name (a generated name differs
     # per process), so all ranks write into one run directory.
-    identity, run_name = agree_run(identity, group, config.run_name or default_run_name())
+    run_name = config.run_name or default_run_name()
+    if identity.rank == 0 and config.run_dir_enabled:  # rank 0's choice is every rank's (agree_run)
+        run_name = avoid_live_owner(Path(config.output_dir), run_name, identity.run_id)
+    identity, run_name = agree_run(identity, group, run_name)
     run_dir = make_run_dir(config, run_name)
     resumed = False
     if run_dir is not None:

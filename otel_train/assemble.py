@@ -359,13 +359,21 @@ def _attach_watchdog(session: Session) -> None:
         session.last_step,
         config.stall_timeout_s,
         signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
-        on_tick=session.check_worker,
+        on_tick=lambda: _report_stuck_worker(session),
     )
     session.control = (
         ControlFile(session.run_dir, rank, session.events, session.identity.world_size)
         if session.run_dir
         else None
     )
+
+
+def _report_stuck_worker(session: Session) -> None:
+    """Watchdog tick: one `worker_stuck` event per flush the worker spends longer than
+    stall_timeout_s on (the training's buffers are capped meanwhile)."""
+    message = session.worker.stuck_message(session.config.stall_timeout_s)
+    if message is not None:
+        session.events.emit("worker_stuck", message, {"step": session.step_index})
 
 
 def write_run_files(run_dir: Path, config: Config, place: RunPlace) -> None:

@@ -279,7 +279,7 @@ class ControlFile:
 
     def reject_applied(self, change: ControlChange, index: int, problem: str) -> None:
         """A scheduled change that could not be applied at step `index` (training thread)."""
-        self._reject(f"v{change.version} not applied at step {index}: {problem}")
+        self._reject(f"v{change.version} at step {index}: {problem}")
 
     def _reject(self, problem: str) -> None:
         self._events.emit("control_rejected", f"{self.path} ignored: {problem}", {"file": str(self.path)})
@@ -315,6 +315,36 @@ class ControlFile:
             return False
         self._seen = text.encode()
         return True
+
+
+def apply_due(session: Any, due: list[ControlChange], index: int) -> None:
+    """Apply each change in turn; one that fails is a `control_rejected` event, never an exception
+    in the user's step."""
+    for change in due:
+        try:
+            apply_change(session, change, index)
+        except Exception as exc:
+            if session.control is not None:
+                session.control.reject_applied(change, index, f"not applied (partly, perhaps): {exc!r}")
+
+
+def apply_change(session: Any, change: ControlChange, index: int) -> None:
+    """Training thread, as step `index` begins: apply one scheduled change to `session` (a
+    `Session`; not named here: session imports this module)."""
+    settings = dict(change.settings)
+    session.config = changed_config(session.config, settings)
+    session.timing_level = session.config.timing_log_level
+    if session.console is not None:
+        session.console.verbosity = session.config.verbosity
+    if "straggler_threshold" in settings:
+        session.reducer.set_threshold(session.config.straggler_threshold)
+    if "profile" in settings and session.profiler is not None and session.control is not None:
+        session.control.reject_applied(
+            change, index, "its profile was not applied: a window is still running; write it again later"
+        )
+    elif "profile" in settings:
+        session.start_profile(*profile_request(settings["profile"]))
+    warn_if_late(change, index)
 
 
 def changed_config(config: Config, settings: Mapping[str, Any]) -> Config:

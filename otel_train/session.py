@@ -8,6 +8,7 @@ counters; everything else happens on the worker.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import sys
@@ -149,7 +150,6 @@ class Session(SessionParts):
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
         self._pending_control: list[ControlChange] = []  # version order; replaced, never changed in place
         self._control_lock = threading.Lock()
-        self._worker_stuck_warned: float | None = None  # the worker item (its start) warned about
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
         self.timing_level = config.timing_log_level
         self.step_index = -1  # last completed step
@@ -258,58 +258,15 @@ class Session(SessionParts):
                 self._pending_control = [*self._pending_control, change]
             self.control.announce(change)
 
-    def check_worker(self) -> None:
-        """Watchdog thread: warn once per stuck item when the worker has spent longer than
-        stall_timeout_s on one flush (a user callback that hangs, a dead file system): until it
-        returns nothing reaches the run dir or the exporters (the training's buffers are capped)."""
-        stuck = self.worker.stuck_for()
-        if stuck is None or stuck[0] < self.config.stall_timeout_s:
-            return
-        since = self.worker.busy_since
-        if since == self._worker_stuck_warned:
-            return
-        self._worker_stuck_warned = since
-        self.events.emit(
-            "worker_stuck",
-            f"the otel_train background worker has been {stuck[1]} for {stuck[0]:.0f}s; no telemetry is "
-            f"written until it returns (flushes wait, values beyond max_values_per_interval are dropped)",
-            {"step": self.step_index},
-        )
-
     def _apply_due_controls(self, index: int) -> None:
-        """Training thread, as step `index` begins: apply the scheduled changes due by now, in
-        version order. A change that fails is reported, never raised into the step."""
+        """Training thread, as step `index` begins: the scheduled changes due by now, in version order."""
+        from otel_train.control import apply_due  # imports the SDK: not at `import otel_train`
+
         with self._control_lock:
             pending = self._pending_control
-            due = 0
-            while due < len(pending) and index >= pending[due].apply_at_step:
-                due += 1
-            self._pending_control = pending[due:]
-        for change in pending[:due]:
-            try:
-                self._apply_control(change, index)
-            except Exception as exc:
-                if self.control is not None:
-                    self.control.reject_applied(change, index, repr(exc))
-
-    def _apply_control(self, change: ControlChange, index: int) -> None:
-        # control imports the SDK's logs API (through health): not at `import otel_train`
-        from otel_train.control import changed_config, profile_request, warn_if_late
-
-        settings = dict(change.settings)
-        self.config = changed_config(self.config, settings)
-        self.timing_level = self.config.timing_log_level
-        if self.console is not None:
-            self.console.verbosity = self.config.verbosity
-        if "straggler_threshold" in settings:
-            self.reducer.set_threshold(self.config.straggler_threshold)
-        if "profile" in settings and self.profiler is not None and self.control is not None:
-            self.control.reject_applied(
-                change, index, "profile: a window is still running; write it again later"
-            )
-        elif "profile" in settings:
-            self.start_profile(*profile_request(settings["profile"]))
-        warn_if_late(change, index)
+            due = list(itertools.takewhile(lambda change: index >= change.apply_at_step, pending))
+            self._pending_control = pending[len(due) :]
+        apply_due(self, due, index)
 
     def _note_long_gap(self, gap_ns: int) -> None:
         """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""

@@ -404,9 +404,10 @@ class Worker:
         self._started_at = time.time()
         self._steps_done = 0
         # What the worker is doing and since when (perf_counter; None when idle): the watchdog
-        # thread warns when one flush takes longer than stall_timeout_s (`stuck_for`).
+        # thread warns when one flush takes longer than stall_timeout_s (`stuck_message`).
         self.busy_since: float | None = None
         self.doing = "idle"
+        self._stuck_reported: float | None = None  # the busy_since of the item already reported
         self._thread = threading.Thread(target=self._run, name="otel_train-worker", daemon=True)
 
     def start(self) -> None:
@@ -443,10 +444,20 @@ class Worker:
             return False
         return True
 
-    def stuck_for(self) -> tuple[float, str] | None:
-        """(seconds, what) when the worker is busy with one item, None when idle."""
+    def stuck_message(self, limit_s: float) -> str | None:
+        """Once per item: what the worker has been doing when it is longer than `limit_s` on one
+        (watchdog thread; a user callback that hangs, a dead file system), else None."""
         since, doing = self.busy_since, self.doing
-        return (time.perf_counter() - since, doing) if since is not None else None
+        if since is None or since == self._stuck_reported:
+            return None
+        busy_s = time.perf_counter() - since
+        if busy_s < limit_s:
+            return None
+        self._stuck_reported = since
+        return (
+            f"the otel_train background worker has been {doing} for {busy_s:.0f}s; no telemetry is "
+            "written until it returns (flushes wait; values beyond max_values_per_interval are dropped)"
+        )
 
     def unwritten(self) -> tuple[int, int]:
         """(flush batches, steps) handed to the worker that it has not written (yet)."""

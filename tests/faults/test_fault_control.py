@@ -200,3 +200,23 @@ def test_a_blocked_control_read_does_not_stop_stack_dumps(tmp_path: Path) -> Non
         _wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 10, "stall dump")
     finally:
         release.set()
+
+
+def test_a_change_that_cannot_be_applied_is_an_event_not_an_exception(tmp_path: Path) -> None:
+    session = ot.init(run_name="busy-profiler", prometheus_port=0, verbosity=0, hardware=False)
+    control = session.run_dir / "control.json"
+    control.write_text('{"profile": {"wait": 3000, "active": 1}}')  # a long window: still running ...
+    step = 0
+    deadline = time.monotonic() + 60
+    second_written = False
+    while time.monotonic() < deadline and not _rejections(session.run_dir):
+        with ot.step(step):  # never raises
+            time.sleep(0.005)
+        step += 1
+        if not second_written and _stamped_version(control) == 1:
+            control.write_text('{"profile": {"active": 2}, "timing_log_level": 2}')  # ... when this applies
+            second_written = True
+    (rejected,) = _rejections(session.run_dir)
+    assert "v2 at step" in rejected and "profile was not applied: a window is still running" in rejected
+    assert session.timing_level == 2  # the rest of the change is applied, on every rank alike
+    assert session.profiler is not None and session.profiler.window.wait == 3000

@@ -1,7 +1,7 @@
 """Hang diagnosis: when a rank stops stepping (or on SIGUSR1), write every thread's Python stack
 to the run directory and raise a health event that names the file.
 
-A watchdog thread (waking about once a second; it also polls the runtime control file), not
+A watchdog thread (waking about once a second; it also reports a stuck background worker), not
 the worker, does this: the worker may itself be stuck in the telemetry
 collective when a peer hangs, and the training thread is the one that is stuck. The thread wakes
 every `poll_s`, compares the perf_counter time of the last completed step (one attribute store on the

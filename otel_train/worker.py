@@ -282,7 +282,9 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
                 else:
                     joined = torch.cat([t.reshape(-1) for t in group])
                 flat = joined.reshape(-1).to(torch.float64).cpu().tolist()
-        except Exception:  # mixed dtypes that cannot convert (complex, ...)
+        except Exception:  # one odd tensor (sparse, quantized, nested, ...): each on its own, so
+            for i in positions:  # only the odd ones are dropped, not the whole device's values
+                out[i] = _one_to_host(tensors[i])
             continue
         offset = 0
         for i in positions:
@@ -290,6 +292,16 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
             out[i] = flat[offset : offset + size]
             offset += size
     return out
+
+
+def _one_to_host(tensor: Any) -> list[float] | None:
+    import torch
+
+    try:
+        with torch.no_grad():
+            return [float(x) for x in tensor.reshape(-1).to(torch.float64).cpu().tolist()]
+    except Exception:
+        return None
 
 
 def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats, list[float]]]:

@@ -35,6 +35,8 @@ for step in range(3):
         if step == 2:
             ot.record("loss", torch.empty(1, device="meta"))
             ot.record("other", torch.empty((), device="meta"))
+            ot.record("odd", torch.tensor([1.0]).to_sparse())  # cannot be stacked with the others
+            ot.record("loss", torch.tensor(2.0))  # ... which are still read
 ot.shutdown()
 """
 
@@ -46,6 +48,7 @@ def test_meta_tensor_before_shutdown_is_dropped_and_the_process_exits_cleanly(tm
     assert [r["step"] for r in rows if "train/steps" in r] == [0, 1, 2]  # the last flush is written
     assert max(r.get("otel_train/dropped/no_data_tensor", 0) for r in rows) == 2
     assert proc.stderr.count("no data (a meta or fake tensor)") == 1  # warned once
+    assert [r["train/loss"] for r in rows if "train/loss" in r][-1] == 2.0
 
 
 def _events(run_dir: Path) -> list[dict]:

@@ -223,7 +223,9 @@ def profile(
     then `repeat` cycles of `wait` idle, `warmup` and `active` recorded steps. Chrome traces go to
     `<run dir>/profiles/rank<k>/`; profiled steps are traced and counted (`train.profiler.steps`).
     Call it any time on the training thread (for example when a condition arises) on the ranks
-    you name (default: every rank). Returns True when a window started on this rank.
+    you name (default: every rank). Returns True when a window started on this rank. Raises
+    ValueError beyond the caps: `active` <= 50, `repeat * active` <= 100, the whole window
+    <= 100,000 steps (`otel_train.profiling`).
     """
     from otel_train.profiling import ProfileWindow
 

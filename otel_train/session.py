@@ -155,6 +155,7 @@ class Session(SessionParts):
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
+        self.open_step: Any = None  # the timing.StepScope ot.begin_step() opened, until ot.end_step()
         self._seq = 0
         self._last_flush = time.perf_counter()
         self._time_flush = not self.identity.distributed  # time-based flushes would desync ranks

@@ -203,8 +203,9 @@ def test_quiet_mode_prints_nothing(capsys) -> None:
 
 def test_public_api_is_pinned() -> None:
     assert sorted(ot.__all__) == sorted([
-        "Config", "ConfigError", "__version__", "current_session", "finish", "get_meter", "init",
-        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "profile", "record",
+        "Config", "ConfigError", "RunInfo", "__version__", "begin_step", "current_session", "end_step",
+        "finish", "get_meter", "init",
+        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "phase", "profile", "record", "run_info",
         "shutdown", "span", "step", "timed", "timer", "watch", "watch_scaler",
     ])  # fmt: skip
 

@@ -21,6 +21,9 @@ class Interval:
     # timer name -> seconds from its step's start to the timer's end (CPU timers inside a step only)
     arrivals: dict[str, list[float]] = field(default_factory=dict)
     scalars: dict[str, list[float]] = field(default_factory=dict)  # instrument name -> finite values
+    # instrument name -> the step of each of its finite values, where known: values recorded the same
+    # number of times in every step of the interval (see FlushBatch.step_indices); absent otherwise
+    scalar_steps: dict[str, list[int]] = field(default_factory=dict)
     nonfinite: dict[str, int] = field(default_factory=dict)  # instrument name -> NaN/Inf values dropped
     # (step, layers) for each watched step whose per-layer gradient norms held NaN/Inf, in module order
     nonfinite_grads: list[tuple[int, list[str]]] = field(default_factory=list)

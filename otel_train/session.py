@@ -225,6 +225,7 @@ class Session(SessionParts):
             if len(buf.spans) < _MAX_SPAN_RECORDS:
                 buf.spans.append(_step_record(start_ns, end_ns, index, failed, profiled))
             self.sampled = False
+        buf.step_indices.append(index)  # which step the interval's recorded values belong to
         if failed:
             return
         buf.steps += 1

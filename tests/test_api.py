@@ -58,8 +58,9 @@ def test_steps_timers_and_flattened_keys() -> None:
     assert first["timers/forward/min"] <= first["timers/forward/mean"] <= first["timers/forward/max"]
     assert "timers/forward/p50" in first
     assert first["timers/step/count"] == 4
-    assert first["train/loss"] == 0.0  # last value of the interval (3 - 3)
-    assert cap.last("train/loss") == -4.0
+    assert first["train/loss"] == 1.5  # the interval's mean: (3 + 2 + 1 + 0) / 4
+    assert (first["train/loss_min"], first["train/loss_max"], first["train/loss_last"]) == (0.0, 3.0, 0.0)
+    assert cap.last("train/loss") == -2.5
 
 
 def test_decorators_nesting_threads_async_and_errors() -> None:

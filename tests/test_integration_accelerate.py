@@ -31,8 +31,10 @@ def test_tracker_logs_values_and_config(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "acc"
     rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     losses = [r["train/loss"] for r in rows if r.get("train/loss") is not None]
-    assert losses[-1] == pytest.approx(1.25)
-    assert [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None][-1] == pytest.approx(0.3)
+    assert losses[-1] == pytest.approx((2.0 + 1.75 + 1.5 + 1.25) / 4)  # the interval's mean
+    assert [r["train/loss_last"] for r in rows if "train/loss_last" in r][-1] == pytest.approx(1.25)
+    assert [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None][-1] == pytest.approx(0.15)
+    assert [r["eval/accuracy_last"] for r in rows if "eval/accuracy_last" in r][-1] == pytest.approx(0.3)
     hparams_text = (run_dir / "hparams.json").read_text()
     assert json.loads(hparams_text)["lr"] == 0.1
     assert "PLANTED-SECRET-42" not in hparams_text

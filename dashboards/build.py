@@ -302,9 +302,15 @@ def overview() -> DashboardDef:
             (
                 "Loss and optimizer",
                 (
-                    ts("Training loss (interval mean; its steps' min, max, last)", *_interval_targets(sc.LOSS)),
+                    ts(
+                        "Training loss (interval mean; its steps' min, max, last)",
+                        *_interval_targets(sc.LOSS),
+                    ),
                     ts("Learning rate", T(agg("max", RUN, selector(sc.LEARNING_RATE)), _lg())),
-                    ts("Gradient norm (interval mean; its steps' min, max, last)", *_interval_targets(sc.GRAD_NORM)),
+                    ts(
+                        "Gradient norm (interval mean; its steps' min, max, last)",
+                        *_interval_targets(sc.GRAD_NORM),
+                    ),
                     ts("Eval loss", T(agg("avg", RUN, selector(sc.EVAL_LOSS)), _lg())),
                     ts("Eval perplexity", T(agg("avg", RUN, selector(sc.EVAL_PERPLEXITY)), _lg())),
                     ts(

@@ -71,6 +71,7 @@ class FlushBatch:
     # each of them has k * len(step_indices) values, and value i belongs to step_indices[i // k].
     step_indices: list[int] = field(default_factory=list)
     merged: set[str] = field(default_factory=set)  # instruments fed by several record names (no order)
+    autocast_dtype: str | None = None  # torch.autocast's dtype on the training thread at the flush (MFU)
 
 
 class Buffer:

@@ -28,6 +28,7 @@ class Interval:
     # (step, layers) for each watched step whose per-layer gradient norms held NaN/Inf, in module order
     nonfinite_grads: list[tuple[int, list[str]]] = field(default_factory=list)
     final: bool = False  # the last flush, from shutdown()
+    autocast_dtype: str | None = None  # the torch.autocast dtype active on the training thread at the flush
     flush_interval: int = 0  # proposed steps per flush (adaptive cadence): rank 0's is adopted by all
 
 

@@ -74,6 +74,8 @@ MEMORY_STATE = "system.memory.state"
 PEAK_SOURCE = (
     "peak.source"  # where the MFU denominator came from: table:<entry>:<dtype> | config:peak_flops | env:...
 )
+COMPUTE_DTYPE = "compute.dtype"  # the precision MFU's peak is for: fp8 | bf16 | fp16 | tf32 | fp32
+PEAK_FLOPS = "peak.flops"  # the MFU denominator itself, FLOP/s per GPU
 
 # Resource attribute keys that must become labels on every Prometheus series (both paths).
 RUN_ID = "run_id"
@@ -167,7 +169,10 @@ LOSS_MIN, LOSS_MAX, LOSS_LAST = LOSS_STATS["min"], LOSS_STATS["max"], LOSS_STATS
 GRAD_NORM_STATS = _interval_specs(GRAD_NORM, "global gradient norm")
 GRAD_NORM_MIN, GRAD_NORM_MAX, GRAD_NORM_LAST = (GRAD_NORM_STATS[s] for s in INTERVAL_STATS)
 # Instrument name -> its interval statistics' gauges (the others' statistics are bridge keys only).
-INTERVAL_STAT_SPECS: dict[str, dict[str, MetricSpec]] = {LOSS.name: LOSS_STATS, GRAD_NORM.name: GRAD_NORM_STATS}
+INTERVAL_STAT_SPECS: dict[str, dict[str, MetricSpec]] = {
+    LOSS.name: LOSS_STATS,
+    GRAD_NORM.name: GRAD_NORM_STATS,
+}
 INTERVAL_STAT_NAMES: frozenset[str] = frozenset(
     spec.name for specs in INTERVAL_STAT_SPECS.values() for spec in specs.values()
 )
@@ -258,8 +263,8 @@ FLOPS = _m(
     "train.flops.rate", S.GAUGE, "{flop}/s", "Achieved model FLOP/s per GPU.", "throughput/flops_per_s"
 )
 MFU = _m(
-    "train.mfu", S.GAUGE, "1", "Model FLOPs utilization vs the device's peak.", "throughput/mfu",
-    attributes=(PEAK_SOURCE,),
+    "train.mfu", S.GAUGE, "1", "Model FLOPs utilization vs the device's peak for the job's compute dtype.",
+    "throughput/mfu", attributes=(PEAK_SOURCE, COMPUTE_DTYPE, PEAK_FLOPS),
 )  # fmt: skip
 ENERGY_PER_TOKEN = _m(
     "train.energy.per_token", S.GAUGE, "J", "GPU energy per token.", "energy/joules_per_token", gpu_only=True

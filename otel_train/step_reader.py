@@ -33,9 +33,11 @@ from opentelemetry.sdk.metrics.export import Histogram as HistogramData
 
 from otel_train import semconv
 
-# Attributes that never become key segments: the SDK's overflow marker, and the MFU's peak source
-# (where the denominator came from describes the value; as a segment it would rename the key).
-_IGNORED_ATTRIBUTES = frozenset({"otel.metric.overflow", semconv.PEAK_SOURCE})
+# Attributes that never become key segments: the SDK's overflow marker, and the MFU's peak, its
+# source and dtype (they describe the value; as segments they would rename the key).
+_IGNORED_ATTRIBUTES = frozenset(
+    {"otel.metric.overflow", semconv.PEAK_SOURCE, semconv.COMPUTE_DTYPE, semconv.PEAK_FLOPS}
+)
 
 
 class StepReader(MetricReader):

@@ -299,7 +299,9 @@ def _record_durations(
     record_many(histogram, bulk, attributes)
 
 
-def _value_steps(resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool) -> list[int] | None:
+def _value_steps(
+    resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
+) -> list[int] | None:
     """The step of each kept value, when the values were recorded k times in every step of the
     interval (the usual once-per-step loss); None when that cannot be told (values recorded outside
     steps, in some steps only, or under two names merged into one instrument)."""
@@ -352,6 +354,7 @@ def resolve_interval(batch: FlushBatch) -> Interval:
         nonfinite=nonfinite,
         final=batch.final,
         flush_interval=batch.flush_interval,
+        autocast_dtype=batch.autocast_dtype,
     )
 
 

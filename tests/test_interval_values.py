@@ -40,7 +40,8 @@ def test_a_loss_alternating_1_and_3_exports_mean_2_and_max_3(tmp_path) -> None:
     try:
         for i in range(10):
             with ot.step(i):
-                ot.record("loss", torch.tensor(1.0 if i % 2 == 0 else 3.0))  # a device value, resolved at the flush
+                # a tensor, as a device value would be: resolved at the flush
+                ot.record("loss", torch.tensor(1.0 if i % 2 == 0 else 3.0))
                 ot.record("reward", 0.0 if i < 9 else 10.0)  # a user's own name
         session.worker.stop(timeout_s=10)
         text = urllib.request.urlopen(session.prometheus_url, timeout=10).read().decode()
@@ -81,7 +82,9 @@ def test_a_spike_between_two_flushes_is_detected_and_names_its_step(tmp_path) ->
 
 
 def test_the_final_flush_after_the_last_step_writes_no_second_row(tmp_path) -> None:
-    session = ot.init(prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False)
+    session = ot.init(
+        prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False
+    )
     for i in range(10):
         with ot.step(i):
             ot.record("loss", 1.0)
@@ -92,7 +95,9 @@ def test_the_final_flush_after_the_last_step_writes_no_second_row(tmp_path) -> N
 
 
 def test_a_value_recorded_after_the_last_step_still_gets_its_row(tmp_path) -> None:
-    session = ot.init(prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False)
+    session = ot.init(
+        prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False
+    )
     for i in range(5):
         with ot.step(i):
             ot.record("loss", 1.0)
@@ -151,11 +156,10 @@ def test_nonfinite_values_keep_the_others_steps() -> None:
 
 def test_the_interval_statistics_names_are_not_a_users_to_take(caplog) -> None:
     caplog.set_level(logging.WARNING, logger="otel_train")
-    with capture_metrics(log_interval=1, hardware=False) as cap:
-        with ot.step(0):
-            ot.record("loss", 2.0)
-            ot.record("loss_max", 99.0)  # would overwrite train/loss_max in the bridges
-            ot.record("train/loss/max", 99.0)  # would be the gauge train.loss.max itself
+    with capture_metrics(log_interval=1, hardware=False) as cap, ot.step(0):
+        ot.record("loss", 2.0)
+        ot.record("loss_max", 99.0)  # would overwrite train/loss_max in the bridges
+        ot.record("train/loss/max", 99.0)  # would be the gauge train.loss.max itself
     flushed = cap.flushes[-1][1]
     assert flushed[sc.LOSS_MAX.key] == 2.0
     assert flushed["otel_train/dropped/reserved_name"] == 2

@@ -2,7 +2,10 @@
 
 Flattening rules (one key per value; every backend gets the same keys):
 
-- gauge                   -> `key`: the last value of the interval
+- gauge                   -> `key`: its value at the flush (a recorded value: the interval's mean, the
+                             worker sets it so; its min / max / last arrive as `key_min`, `key_max`,
+                             `key_last`: gauges of their own for the loss and gradient norm, keys the
+                             worker adds after collecting for the other names; see semconv.INTERVAL_STATS)
 - up-down counter         -> `key`: the current (cumulative) value
 - counter                 -> `key`: the interval's delta, and `key + "_per_s"`: delta / interval seconds
 - histogram               -> `key/mean`, `key/min`, `key/max`, `key/count`, `key/total` (the sum), and

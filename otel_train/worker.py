@@ -494,7 +494,7 @@ class Worker:
         self._stat_keys.clear()
         self.final_scalars.update(scalars)
         self.flushes += 1
-        if not interval.steps and not batch.scalars and not batch.dropped and not batch.phases:
+        if not (interval.steps or batch.scalars or batch.dropped or batch.phases or batch.phase_errors):
             # Nothing new since the last row (the final flush after the last step): the gauges
             # would write that row again under the same step.
             return

@@ -141,6 +141,20 @@ def test_the_step_of_each_value_is_known_when_each_step_recorded_it_equally_ofte
     assert sc.LEARNING_RATE.name not in listener.seen[-1].scalar_steps
 
 
+def test_two_names_merged_into_one_instrument_have_no_steps() -> None:
+    listener = _Intervals()
+    with capture_metrics(log_interval=2, hardware=False):
+        session = ot.current_session()
+        assert session is not None
+        session.add_listener(listener)
+        for i in range(2):
+            with ot.step(i):
+                ot.record("loss", 1.0)
+                ot.record("train/loss", 2.0)  # the same instrument: its values no longer in step order
+    assert sorted(listener.seen[0].scalars[sc.LOSS.name]) == [1.0, 1.0, 2.0, 2.0]
+    assert sc.LOSS.name not in listener.seen[0].scalar_steps
+
+
 def test_nonfinite_values_keep_the_others_steps() -> None:
     listener = _Intervals()
     with capture_metrics(log_interval=3, hardware=False):

@@ -298,6 +298,8 @@ def test_bridge_callback_in_bridges_firing_order(bridge_callbacks: Any, monkeypa
             timers("save-checkpoint", log_level=0).start()  # save_checkpoint_and_time()
             timers("save-checkpoint").stop()
             fire("on_checkpoint_save")
+    fire("on_test_start")  # after training: evaluate_and_print_results on the test set
+    fire("on_test_end", total_loss_dict={"lm loss": torch.tensor(1.0)})
     fire("on_train_end", optimizer=optimizer)
     assert ot.current_session() is None  # the callback started it, so it shut it down
     assert capture.last("train/loss") == pytest.approx(1.5)
@@ -308,7 +310,8 @@ def test_bridge_callback_in_bridges_firing_order(bridge_callbacks: Any, monkeypa
     assert sum(v for _, v in capture.series("throughput/tokens")) == 6 * 8 * 16  # one rank: all of them
     assert sum(v for _, v in capture.series("throughput/samples")) == 6 * 8
     assert seen.counts["forward-backward"] == 6
-    assert seen.counts["eval"] == 1 and seen.counts["save-checkpoint"] == 1
+    assert seen.counts["eval"] == 1 and seen.counts["save-checkpoint"] == 1 and seen.counts["test"] == 1
+    assert capture.last("test/loss") == pytest.approx(1.0)
     (hparams,) = capture.hparams
     assert hparams["logger"]["comet_api_key"] == "***"
     assert hparams["train"]["global_batch_size"] == 8

@@ -205,7 +205,7 @@ class OtelTrainCallback:
         self._tokens: int | None = None  # this rank's share of global batch x sequence length
         self._samples: int | None = None
         self._skips: Any = None
-        self._eval: Any = None
+        self._span: Any = None  # the running eval / test span
 
     def on_train_start(self, context: Any) -> None:
         state = context.state
@@ -243,14 +243,27 @@ class OtelTrainCallback:
         ot.end_step(tokens=self._tokens, samples=self._samples)
 
     def on_eval_start(self, context: Any) -> None:
-        self._eval = ot.span("eval", {"train.step": context.state.train_state.step}).start()
+        self._open_span("eval", context)
 
     def on_eval_end(self, context: Any) -> None:
-        if self._eval is not None:
-            self._eval.stop()
-            self._eval = None
+        self._close_span("eval", context)
+
+    def on_test_start(self, context: Any) -> None:
+        self._open_span("test", context)
+
+    def on_test_end(self, context: Any) -> None:
+        self._close_span("test", context)
+
+    def _open_span(self, name: str, context: Any) -> None:
+        self._span = ot.span(name, {"train.step": context.state.train_state.step}).start()
+
+    def _close_span(self, name: str, context: Any) -> None:
+        """End the eval/test span; its losses (`total_loss_dict`, tensors) as `<name>/<loss>`."""
+        if self._span is not None:
+            self._span.stop()
+            self._span = None
         losses = context.total_loss_dict or {}
-        ot.log_metrics({f"eval/{_loss_name(k)}": v for k, v in losses.items() if isinstance(k, str)})
+        ot.log_metrics({f"{name}/{_loss_name(k)}": v for k, v in losses.items() if isinstance(k, str)})
 
     def on_train_end(self, context: Any) -> None:
         if self._owns_session:

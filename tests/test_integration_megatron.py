@@ -284,20 +284,37 @@ def test_bridge_callback_in_bridges_firing_order(bridge_callbacks: Any, monkeypa
     seen = Intervals()
     session.add_listener(seen)
     assert session.config.log_interval == 2 and session.config.timing_log_option == "max"
-    while state.train_state.step < 6:  # train.py's loop, in its order
+    # Bridge passes barrier=True to most of these; one process here, so no barrier.
+    timers("interval-time", log_level=0).start()  # train.py, before the loop
+    while state.train_state.step < 6:  # train.py's loop (Bridge 0.6.2), in its order
         fire("on_train_step_start", optimizer=optimizer)
         timers("forward-backward", log_level=1).start()
         timers("forward-backward").stop()
+        timers("optimizer", log_level=1).start()
+        timers("optimizer").stop()
         loss = {"lm loss": torch.tensor(2.0 - state.train_state.step * 0.1)}
         skipped = state.train_state.step == 3
         fire("on_train_step_end", optimizer=optimizer, loss_dict=loss, grad_norm=1.5, skipped_iter=skipped)
         state.train_state.step += 1  # Bridge increments after on_train_step_end
-        if state.train_state.step == 4:  # evaluate(): eval-time timer around the eval callbacks
+        if state.train_state.step % 2 == 0:  # training_log(): reads its iteration clock
+            timers("interval-time").elapsed()
+        if state.train_state.step == 4:
+            timers("interval-time").stop()  # eval: interval-time stopped, eval-time around evaluate()
+            timers("eval-time", log_level=0).start()
+            timers("evaluate", log_level=0).start()  # eval.py: then on_eval_start
             fire("on_eval_start")
+            for _ in range(2):
+                fire("on_eval_step_start")
+                timers("forward-backward", log_level=1).start()  # the forward-only schedule
+                timers("forward-backward").stop()
+                fire("on_eval_step_end")
+            timers("evaluate").stop()
             fire("on_eval_end", total_loss_dict={"lm loss": torch.tensor(1.25)})
+            timers("eval-time").stop()
             timers("save-checkpoint", log_level=0).start()  # save_checkpoint_and_time()
+            fire("on_checkpoint_save")  # inside save_checkpoint (a synchronous save)
             timers("save-checkpoint").stop()
-            fire("on_checkpoint_save")
+            timers("interval-time", log_level=0).start()
     fire("on_test_start")  # after training: evaluate_and_print_results on the test set
     fire("on_test_end", total_loss_dict={"lm loss": torch.tensor(1.0)})
     fire("on_train_end", optimizer=optimizer)
@@ -309,7 +326,9 @@ def test_bridge_callback_in_bridges_firing_order(bridge_callbacks: Any, monkeypa
     assert sum(v for _, v in capture.series("train/skipped_steps")) == 1
     assert sum(v for _, v in capture.series("throughput/tokens")) == 6 * 8 * 16  # one rank: all of them
     assert sum(v for _, v in capture.series("throughput/samples")) == 6 * 8
-    assert seen.counts["forward-backward"] == 6
+    assert seen.counts["forward-backward"] == 6 + 2 and seen.counts["optimizer"] == 6
+    assert seen.counts["evaluate"] == 1 and seen.counts["eval-time"] == 1
+    assert "interval-time" not in seen.counts  # Bridge's cross-step clock: not a phase
     assert seen.counts["eval"] == 1 and seen.counts["save-checkpoint"] == 1 and seen.counts["test"] == 1
     assert capture.last("test/loss") == pytest.approx(1.0)
     (hparams,) = capture.hparams

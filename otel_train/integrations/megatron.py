@@ -24,7 +24,10 @@ written, only its public methods are called (`__call__`, `start`, `stop`, `elaps
 `active_time`, `name`).
 
 - The level of a timer is the `log_level` Megatron code passes when it starts it (it does, e.g.
-  `timers("forward-backward", log_level=1).start()`), else Megatron's default for a new timer, 2.
+  `timers("forward-backward", log_level=1).start()`), else Megatron's default for a new timer, 2
+  (a timer created before `instrument()` and never named with a level again counts as 2).
+- Evaluation runs the same schedule, so its `forward-backward`/`forward-compute` add to those
+  phases outside steps (no arrivals), as they add to Megatron's own timers.
 - `elapsed()` is a read: the stop and start Megatron does inside it are not phases (Bridge reads
   its cross-step `interval-time` that way every log interval). `interval-time` itself is skipped
   (`skip=`): it runs across steps and otel_train measures step time itself.

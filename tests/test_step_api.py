@@ -154,3 +154,20 @@ def test_run_info_names_the_run(run_dir: bool) -> None:
         with ot.step(0):
             time.sleep(0)
         assert ot.run_info().step == 0  # type: ignore[union-attr]
+
+
+def test_timer_stop_at_an_earlier_reading_ends_and_arrives_there() -> None:
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        step_start = perf_counter_ns()
+        ot.begin_step(0, start_ns=step_start)
+        start, end = step_start + 1_000_000, step_start + 4_000_000  # a phase reported after the fact
+        time.sleep(0.02)
+        ot.timer("forward").start(at_ns=start).stop(at_ns=end)
+        ot.timer("clamped").start(at_ns=end).stop(at_ns=start)  # an end before the start: zero length
+        ot.timer("deep", level=2).start(at_ns=start).stop(at_ns=end)  # above the level: no-op
+        ot.end_step()
+    phases, arrivals = seen.merged("phases"), seen.merged("arrivals")
+    assert phases["forward"] == [pytest.approx(0.003)] and phases["clamped"] == [0.0]
+    assert arrivals["forward"] == [pytest.approx(0.004)]  # where it ended, not when stop() ran
+    assert "deep" not in phases

@@ -3,4 +3,6 @@
 - `otel_train.integrations.transformers.OtelTrainCallback`: `Trainer(..., callbacks=[...])`
 - `otel_train.integrations.lightning.OtelTrainLogger` / `OtelTrainCallback`: Lightning `Trainer`
 - `otel_train.integrations.accelerate.OtelTrainTracker`: `Accelerator(log_with=[...])`
+- `otel_train.integrations.megatron.OtelTrainCallback`: Megatron Bridge `pretrain(..., callbacks=[...])`;
+  `instrument(timers)` for Megatron-Core's `Timers`
 """

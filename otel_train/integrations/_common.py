@@ -8,6 +8,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
+from otel_train import semconv
 
 log = logging.getLogger("otel_train")
 
@@ -29,6 +30,13 @@ def end_phase(name: str, start_ns: int) -> int:
     if session is not None:
         session.end_timer(name, start_ns, now, None)
     return now
+
+
+def skipped_steps_counter() -> Any:
+    """The catalogue's skipped-optimizer-step counter on the running session's meter (a no-op
+    counter before `init()`), for frameworks that report a skipped iteration themselves."""
+    spec = semconv.SKIPPED_STEPS
+    return ot.get_meter().create_counter(spec.name, spec.unit, spec.description)
 
 
 def distributed_world() -> int:

@@ -1,13 +1,17 @@
-"""What the framework integrations share: lazy session start and framework log names."""
+"""What the framework integrations share: lazy session start, keyword settings and framework log
+names. Integrations use only otel_train's public API (tests/test_architecture.py checks it)."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
 from collections.abc import Mapping
 from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
+from otel_train.config import Config
 
 log = logging.getLogger("otel_train")
 
@@ -21,14 +25,25 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
     return True
 
 
+def settings_from_kwargs(settings: Mapping[str, Any] | None, kwargs: dict[str, Any], owner: str) -> dict[str, Any]:
+    """`ot.init()` settings from an integration's constructor: the old `settings=` mapping, then
+    `Config` fields given by keyword (`OtelTrainLogger(run_name="x")`), which win. An unknown name
+    raises `ConfigError` at construction, naming the key, `owner` and the closest `Config` field."""
+    fields = [f.name for f in dataclasses.fields(Config)]
+    merged = {**dict(settings or {}), **kwargs}
+    for key in merged:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "see the settings table in the README."
+            raise ot.ConfigError(f"{owner}: unknown setting {key!r} (not an otel_train.Config field); {hint}")
+    return merged
+
+
 def end_phase(name: str, start_ns: int) -> int:
     """Time `name` from `start_ns` to now on the running session (if any); returns now, where the
     next phase of the step starts."""
-    now = perf_counter_ns()
-    session = ot.current_session()
-    if session is not None:
-        session.end_timer(name, start_ns, now, None)
-    return now
+    ot.timer(name).start(at_ns=start_ns).stop()
+    return perf_counter_ns()
 
 
 def distributed_world() -> int:

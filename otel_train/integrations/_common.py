@@ -25,7 +25,9 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
     return True
 
 
-def settings_from_kwargs(settings: Mapping[str, Any] | None, kwargs: dict[str, Any], owner: str) -> dict[str, Any]:
+def settings_from_kwargs(
+    settings: Mapping[str, Any] | None, kwargs: dict[str, Any], owner: str
+) -> dict[str, Any]:
     """`ot.init()` settings from an integration's constructor: the old `settings=` mapping, then
     `Config` fields given by keyword (`OtelTrainLogger(run_name="x")`), which win. An unknown name
     raises `ConfigError` at construction, naming the key, `owner` and the closest `Config` field."""

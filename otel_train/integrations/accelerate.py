@@ -20,7 +20,12 @@ from typing import Any
 from accelerate.tracking import GeneralTracker
 
 import otel_train as ot
-from otel_train.integrations._common import distributed_world, scalar_logs, settings_from_kwargs, start_session
+from otel_train.integrations._common import (
+    distributed_world,
+    scalar_logs,
+    settings_from_kwargs,
+    start_session,
+)
 
 __all__ = ["OtelTrainTracker"]
 

@@ -3,4 +3,5 @@
 - `otel_train.integrations.transformers.OtelTrainCallback`: `Trainer(..., callbacks=[...])`
 - `otel_train.integrations.lightning.OtelTrainLogger` / `OtelTrainCallback`: Lightning `Trainer`
 - `otel_train.integrations.accelerate.OtelTrainTracker`: `Accelerator(log_with=[...])`
+- `otel_train.integrations.trl.instrument(trainer)`: TRL's SFT / GRPO / DPO / ... trainers
 """

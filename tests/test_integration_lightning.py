@@ -15,8 +15,13 @@ import pytest
 
 pytest.importorskip("lightning")
 
+import urllib.request
+
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from helpers.ports import free_port
+from helpers.readback import read_tensorboard
+from lightning.pytorch import Callback, LightningModule, Trainer
+from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot
 from otel_train.integrations.lightning import (
@@ -128,16 +133,28 @@ def test_logger_alone_starts_a_session_on_first_use(tmp_path: Path, monkeypatch:
 
 
 def test_logger_alone_records_every_logged_value_at_its_step(tmp_path: Path) -> None:
-    """Issue #23: `self.log` every 5 of 40 steps with only the logger: each value at its step."""
-    logger = OtelTrainLogger(run_name="alone", output_dir=str(tmp_path / "runs"), prometheus_port=0,
-                             verbosity=0, hardware=False)  # fmt: skip
+    """Issue #23: `self.log` every 5 of 40 steps with only the logger: each value at its step, in
+    the run dir, a bridge (TensorBoard, read back with its own reader) and /metrics."""
+    port = free_port()
+    logger = OtelTrainLogger(run_name="alone", output_dir=str(tmp_path / "runs"), prometheus_port=port,
+                             verbosity=0, hardware=False, tensorboard=True)  # fmt: skip
+    scraped: dict[str, float] = {}
+
+    class Scrape(Callback):  # the session is still up at train end; the logger ends it later
+        def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            scraped.update({s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples})
+
     trainer = Trainer(
         max_steps=40, log_every_n_steps=5, val_check_interval=20, num_sanity_val_steps=0, logger=logger,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu", devices=1, default_root_dir=str(tmp_path),
+        accelerator="cpu", devices=1, default_root_dir=str(tmp_path), callbacks=[Scrape()],
     )  # fmt: skip
     trainer.fit(TinyRegression(), _loader(160), _loader(8))
     assert ot.current_session() is None
+    assert scraped["train_loss"] > 0 and scraped["eval_loss"] > 0 and scraped["train_steps_total"] == 8
+    tb = read_tensorboard(tmp_path / "runs" / "alone" / "tensorboard")
+    assert sorted({step for step, _ in tb.scalars["train/loss"]}) == list(range(4, 40, 5))
     rows = _rows(tmp_path / "runs" / "alone")
     losses = {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")}
     assert sorted(losses) == list(range(4, 40, 5))  # Lightning's steps, one logged step each

@@ -1,9 +1,8 @@
-"""What the framework integrations share: lazy session start, keyword settings and framework log
-names. Integrations use only otel_train's public API (tests/test_architecture.py checks it)."""
+"""What the framework integrations share: lazy session start, settings given as keyword
+arguments, framework log names."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import logging
 from collections.abc import Mapping
@@ -11,9 +10,28 @@ from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
-from otel_train.config import Config
+from otel_train.config import FIELDS, ConfigError
 
 log = logging.getLogger("otel_train")
+
+
+def settings_from_kwargs(
+    settings: Mapping[str, Any] | None, kwargs: dict[str, Any], owner: str
+) -> dict[str, Any]:
+    """`ot.init()` settings given to an integration's constructor: the `settings` mapping, then
+    keyword arguments (which win), e.g. `OtelTrainCallback(run_name="x", tensorboard=True)`. A name
+    that is not a `Config` field raises `ConfigError` naming it and the closest field, at
+    construction, not later at the first step."""
+    merged = {**dict(settings or {}), **kwargs}
+    for name in merged:
+        if name not in FIELDS:
+            close = difflib.get_close_matches(str(name), FIELDS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"{owner} got an unknown setting {name!r}: {hint}Settings are otel_train.Config fields "
+                f"(the README's settings table): {', '.join(sorted(FIELDS))}."
+            )
+    return merged
 
 
 def start_session(settings: Mapping[str, Any] | None) -> bool:
@@ -23,22 +41,6 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
         return False
     ot.init(**dict(settings or {}))
     return True
-
-
-def settings_from_kwargs(
-    settings: Mapping[str, Any] | None, kwargs: dict[str, Any], owner: str
-) -> dict[str, Any]:
-    """`ot.init()` settings from an integration's constructor: the old `settings=` mapping, then
-    `Config` fields given by keyword (`OtelTrainLogger(run_name="x")`), which win. An unknown name
-    raises `ConfigError` at construction, naming the key, `owner` and the closest `Config` field."""
-    fields = [f.name for f in dataclasses.fields(Config)]
-    merged = {**dict(settings or {}), **kwargs}
-    for key in merged:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "see the settings table in the README."
-            raise ot.ConfigError(f"{owner}: unknown setting {key!r} (not an otel_train.Config field); {hint}")
-    return merged
 
 
 def end_phase(name: str, start_ns: int) -> int:

@@ -18,7 +18,9 @@ from otel_train.integrations.accelerate import OtelTrainTracker
 
 
 def test_tracker_logs_values_and_config(tmp_path: Path) -> None:
-    tracker = OtelTrainTracker({"run_name": "acc", "prometheus_port": 0, "verbosity": 0, "hardware": False})
+    tracker = OtelTrainTracker(
+        {"run_name": "old"}, run_name="acc", prometheus_port=0, verbosity=0, hardware=False
+    )
     accelerator = Accelerator(log_with=[tracker], cpu=True)
     accelerator.init_trackers("proj", config={"lr": 0.1, "api_key": "PLANTED-SECRET-42"})
     for step in range(4):
@@ -50,3 +52,8 @@ def _rank_without_init(rank: int, world_size: int) -> int:
 @pytest.mark.multirank
 def test_tracker_never_starts_a_session_alone_in_a_multi_process_job() -> None:
     assert run_ranks(2, _rank_without_init, (), timeout=120) == [1, 1]
+
+
+def test_tracker_rejects_an_unknown_setting_by_name() -> None:
+    with pytest.raises(ot.ConfigError, match=r"OtelTrainTracker.*'prometheus_prot'.*'prometheus_port'"):
+        OtelTrainTracker(prometheus_prot=0)

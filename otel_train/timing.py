@@ -41,7 +41,7 @@ class _NullScope:
     def start(self, at_ns: int | None = None) -> _NullScope:
         return self
 
-    def stop(self, error: type[BaseException] | None = None) -> None:
+    def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
         return None
 
 
@@ -110,10 +110,16 @@ class TimerScope:
             self._start = at_ns
         return self
 
-    def stop(self, error: type[BaseException] | None = None) -> None:
-        """End the phase `start()` began (`error`: the exception type if the phase failed). A
-        stop without a start, or a second stop, does nothing."""
-        self.__exit__(error, None, None)
+    def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
+        """End the phase `start()` began (`error`: the exception type if the phase failed; `at_ns`:
+        an earlier `perf_counter_ns()` reading where it ended, for a hook that runs after the end:
+        that is also this rank's arrival). A stop without a start, or a second stop, does nothing."""
+        session = self._session
+        if at_ns.__class__ is not int or session is None or self._cuda_start is not None:
+            self.__exit__(error, None, None)
+            return
+        session.end_timer(self.name, self._start, max(at_ns, self._start), error)  # type: ignore[arg-type]
+        self._session = None
 
     def __enter__(self) -> TimerScope:
         session = _runtime._current

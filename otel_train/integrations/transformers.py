@@ -63,11 +63,12 @@ from otel_train.integrations._common import (
 
 __all__ = ["OtelTrainCallback"]
 
-# Keys of the Trainer's logs that duplicate what otel_train measures itself (the last four: Oumi).
+# Keys of the Trainer's logs that duplicate what otel_train measures itself (the last four: Oumi's).
 _SKIPPED_LOG_KEYS = frozenset(
     {
         "num_input_tokens_seen",
         "train_tokens_per_second",
+        "step",  # TRL
         "global_step",
         "total_tokens_seen",
         "global_steps_per_second",
@@ -138,15 +139,14 @@ class OtelTrainCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self.close(failed=False)
+        self.close()
 
-    def close(self, failed: bool = True) -> None:
-        """End this callback's run: an open step ends (as failed when `failed`), and a session the
-        callback started is shut down. Called at `on_train_end` and when `train()` raises; a
+    def close(self) -> None:
+        """End this callback's run: a step still open ends as failed (`train()` raised, or a
+        trainer began a step and found no batch: `OumiTrainer` at an epoch's end), and a session
+        the callback started is shut down. Called at `on_train_end` and when `train()` raises; a
         second call does nothing."""
-        if self._open:
-            self._open = False
-            ot.end_step(failed=failed)
+        self._end_abandoned_step()
         self._started = False
         self._mark_ns = None
         if self._owns_session:
@@ -154,7 +154,8 @@ class OtelTrainCallback(TrainerCallback):
             ot.shutdown()
 
     def _end_abandoned_step(self) -> None:
-        """A step left open by a `train()` that raised where no wrapper saw it: end it as failed."""
+        """A step that never reached `on_step_end` (see `close`) ends as failed: out of the step
+        counts and durations."""
         if self._open:
             self._open = False
             ot.end_step(failed=True)
@@ -321,7 +322,7 @@ def _ending_on_error(train: Callable[..., Any], callback: OtelTrainCallback) -> 
         try:
             return train(*args, **kwargs)
         except BaseException:
-            callback.close(failed=True)
+            callback.close()
             raise
 
     setattr(wrapper, _WRAPPED, True)

@@ -30,8 +30,9 @@ session the callback started is shut down at `on_train_end`.
 The Trainer has neither an exception hook nor one between fetching a step's batches and that
 gather, so at `on_init_end` the callback wraps two public methods of the Trainer that calls it
 (that instance only, found on the call stack): `get_batch_samples`, to note when its last `next()`
-on the data iterator returned, and `train`. When `train()` raises, the open step ends as failed and a session the callback started is shut down,
-before the exception reaches the user: no stall is reported while the user handles it. A callback
+on the data iterator returned, and `train`. When `train()` raises, the open step ends as failed
+and a session the callback started is shut down, before the exception reaches the user: no stall
+is reported while the user handles it. A callback
 added after construction (`trainer.add_callback`) wraps nothing: `data` then ends at `on_step_begin`
 (under DDP a slow-loading rank is not seen) and a step left open by an exception ends at the next
 `on_train_begin` / `on_step_begin`.

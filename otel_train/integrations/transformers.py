@@ -28,14 +28,14 @@ it) on every rank, with `total_steps=max_steps`, unless the user already called 
 session the callback started is shut down at `on_train_end`.
 
 The Trainer has neither an exception hook nor one between fetching a step's batches and that
-gather, so at `on_init_end` the callback wraps two public methods of the Trainer that calls it
-(that instance only, found on the call stack): `get_batch_samples`, to note when its last `next()`
-on the data iterator returned, and `train`. When `train()` raises, the open step ends as failed
-and a session the callback started is shut down, before the exception reaches the user: no stall
-is reported while the user handles it. A callback
-added after construction (`trainer.add_callback`) wraps nothing: `data` then ends at `on_step_begin`
-(under DDP a slow-loading rank is not seen) and a step left open by an exception ends at the next
-`on_train_begin` / `on_step_begin`.
+gather, so at `on_init_end` (or `on_train_begin`, for a callback added with `add_callback`) the
+callback wraps two public methods of the Trainer that calls it (that instance only, found on the
+call stack): `get_batch_samples`, to note when its last `next()` on the data iterator returned, and
+`train`. When `train()` raises, the open step ends as failed and a session the callback started is
+shut down, before the exception reaches the user: no stall is reported while the user handles it.
+Only a `train()` already running when the callback first saw the Trainer (added with
+`add_callback`) is not covered: a step it left open ends at the next `on_train_begin` /
+`on_step_begin`.
 
 Trainers that call HF callbacks with `state=None, control=None` (Oumi's `OumiTrainer`) work too:
 the callback counts steps itself, starts at the first `on_step_begin` and times the whole step (the
@@ -108,16 +108,23 @@ class OtelTrainCallback(TrainerCallback):
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        trainer = _calling_trainer(self)
-        if trainer is not None and not getattr(trainer.train, _WRAPPED, False):
-            trainer.train = _ending_on_error(trainer.train, self)
-            trainer.get_batch_samples = _stamping_batches(trainer.get_batch_samples, self._data_ready_ns)
+        self._adopt(_calling_trainer(self))
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._end_abandoned_step()
+        self._adopt(_calling_trainer(self))  # added with add_callback: no on_init_end was seen
         self._start(args, state)
+
+    def _adopt(self, trainer: Any) -> None:
+        """Wrap the Trainer's `train` and `get_batch_samples` (that instance only, once)."""
+        if trainer is None:
+            return
+        if not getattr(trainer.train, _WRAPPED, False):
+            trainer.train = _ending_on_error(trainer.train, self)
+        if not getattr(trainer.get_batch_samples, _WRAPPED, False):
+            trainer.get_batch_samples = _stamping_batches(trainer.get_batch_samples, self._data_ready_ns)
 
     def _start(self, args: Any, state: TrainerState | None) -> None:
         settings = dict(self._settings)
@@ -273,11 +280,12 @@ def _hyperparams(args: Any) -> dict[str, Any]:
 
 
 def _calling_trainer(callback: OtelTrainCallback) -> Any:
-    """The `transformers.Trainer` whose `__init__` is running this hook (it holds `callback`)."""
+    """The `transformers.Trainer` whose `__init__` or training loop runs this hook (it holds
+    `callback`), found on the call stack."""
     from transformers import Trainer
 
     frame: FrameType | None = sys._getframe(2)
-    for _ in range(16):  # on_init_end <- CallbackHandler.call_event <- Trainer.__init__ (+ subclasses)
+    for _ in range(16):  # hook <- CallbackHandler.call_event <- .on_x <- Trainer method (+ subclasses)
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
@@ -294,6 +302,7 @@ def _stamping_batches(get_batch_samples: Callable[..., Any], stamp: list[int]) -
     def wrapper(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
         return get_batch_samples(_Stamped(epoch_iterator, stamp), *args, **kwargs)
 
+    setattr(wrapper, _WRAPPED, True)
     return wrapper
 
 

@@ -1,5 +1,4 @@
-"""What the framework integrations share: lazy session start, settings given as keyword
-arguments, framework log names."""
+"""What the framework integrations share: lazy session start and framework log names."""
 
 from __future__ import annotations
 

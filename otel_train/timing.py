@@ -112,14 +112,13 @@ class TimerScope:
 
     def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
         """End the phase `start()` began (`error`: the exception type if the phase failed; `at_ns`:
-        an earlier `perf_counter_ns()` reading where it ended, for a phase a framework reports
-        after the fact; its arrival is then that moment). A stop without a start, or a second
-        stop, does nothing."""
+        an earlier `perf_counter_ns()` reading where it ended, for a hook that runs after the end:
+        that is also this rank's arrival). A stop without a start, or a second stop, does nothing."""
         session = self._session
-        if at_ns is None or session is None or self._cuda_start is not None:
+        if at_ns.__class__ is not int or session is None or self._cuda_start is not None:
             self.__exit__(error, None, None)
             return
-        session.end_timer(self.name, self._start, max(int(at_ns), self._start), error)
+        session.end_timer(self.name, self._start, max(at_ns, self._start), error)  # type: ignore[arg-type]
         self._session = None
 
     def __enter__(self) -> TimerScope:

@@ -70,6 +70,21 @@ def test_timer_start_at_an_earlier_reading_times_from_there() -> None:
     assert 0.05 <= duration < 5.0
 
 
+def test_timer_stop_at_an_earlier_reading_ends_and_arrives_there() -> None:
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        start = perf_counter_ns()
+        ot.begin_step(0, start_ns=start)
+        ended = start + 30_000_000
+        time.sleep(0.08)  # the hook runs later than the phase's end
+        ot.timer("data").start(at_ns=start).stop(at_ns=ended)
+        ot.timer("late").start(at_ns=ended).stop(at_ns=ended - 1)  # before its start: zero, not negative
+        ot.end_step()
+    assert seen.merged("phases")["data"] == [pytest.approx(0.03)]
+    assert seen.merged("arrivals")["data"] == [pytest.approx(0.03)]  # where it ended, not when stopped
+    assert seen.merged("phases")["late"] == [0.0]
+
+
 def test_phase_by_duration_is_counted_without_an_arrival() -> None:
     with capture_metrics(log_interval=1, run_dir_enabled=False):
         seen = _listen()

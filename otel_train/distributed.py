@@ -97,6 +97,11 @@ def _process_group_rank_world() -> tuple[int, int] | None:
     return None
 
 
+def process_group_initialized() -> bool:
+    """Is there an initialised torch.distributed process group (torch imported only if loaded)?"""
+    return _process_group_rank_world() is not None
+
+
 def detect_identity(
     run_id: str | None,
     environ: Mapping[str, str] | None = None,

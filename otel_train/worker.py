@@ -570,6 +570,8 @@ class Worker:
             gauge = self.instruments.gauge(record.instrument)
             if gauge is None:
                 continue
+            if record.instrument == semconv.LAYER_GRAD_NORM.name:
+                interval.layer_grad_norms.append((record.step, record.labels, values))
             bad = []
             for label, value in zip(record.labels, values, strict=True):
                 if math.isfinite(value):

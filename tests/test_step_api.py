@@ -171,7 +171,7 @@ def test_run_info_names_the_run(run_dir: bool) -> None:
         assert ot.run_info().step == 0  # type: ignore[union-attr]
 
 
-def test_timer_stop_at_an_earlier_reading_ends_and_arrives_there() -> None:
+def test_timer_stop_at_an_earlier_reading_clamps_and_respects_the_level() -> None:
     with capture_metrics(log_interval=1, run_dir_enabled=False):
         seen = _listen()
         step_start = perf_counter_ns()

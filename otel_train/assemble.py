@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +55,8 @@ class RunPlace:
     is_reporting_rank: bool  # writes progress, console and bridges (rank 0, or all with bridge_all_ranks)
     run_dir: Path | None
     resumed: bool  # the same run_id restarted: append to this rank's files
-    log_interval: int | None  # rank 0's when distributed (every rank flushes at the same steps)
+    log_interval: int | None  # rank 0's in lockstep (every rank flushes at the same steps)
+    cross_rank: bool  # rank 0's
     # (event, message): what init found about the job as a whole, emitted once the events exist
     notices: tuple[tuple[str, str], ...] = ()
 
@@ -63,6 +64,8 @@ class RunPlace:
 def build_session(config: Config) -> Session:
     """A started session for `config`: every part built and wired, the worker and watchdog running."""
     place = agree_run_place(config)
+    # Rank 0's cadence settings, so that ranks in lockstep flush at the same steps (init warned).
+    config = replace(config, log_interval=place.log_interval, cross_rank=place.cross_rank)
     gpu_discovery = _discover_gpus(config, place.identity)
     resource = build_resource(
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
@@ -86,7 +89,8 @@ def agree_run_place(config: Config) -> RunPlace:
     group = create_telemetry_group(identity, config.collective_timeout_s)
     # One run per job: every rank adopts rank 0's run id, run name (a generated name differs per
     # process) and log_interval, so all ranks write into one run directory and flush together.
-    agreed = agree_job(identity, group, config.run_name or default_run_name(), config.log_interval)
+    run_name = config.run_name or default_run_name()
+    agreed = agree_job(identity, group, run_name, config.log_interval, config.cross_rank)
     identity, run_name = agreed.identity, agreed.run_name
     run_dir = make_run_dir(config, run_name)
     resumed = False
@@ -97,7 +101,17 @@ def agree_run_place(config: Config) -> RunPlace:
     notices = _job_notices(config, agreed, group, run_dir)
     for _, message in notices:
         logger.warning("otel_train: %s", message)
-    return RunPlace(identity, group, run_name, reporting, run_dir, resumed, agreed.log_interval, notices)
+    return RunPlace(
+        identity,
+        group,
+        run_name,
+        reporting,
+        run_dir,
+        resumed,
+        agreed.log_interval,
+        agreed.cross_rank,
+        notices,
+    )
 
 
 def _job_notices(
@@ -118,14 +132,17 @@ def _job_notices(
                 "ot.init() at the same point on every rank, or raise collective_timeout_s.",
             ),
         )
-    if agreed.log_interval_differs:
+    if agreed.differs:
+        asked = {"log_interval": _cadence_text(config.log_interval), "cross_rank": str(config.cross_rank)}
+        rank0 = {"log_interval": _cadence_text(agreed.log_interval), "cross_rank": str(agreed.cross_rank)}
+        names = " and ".join(agreed.differs)
         return (
             (
                 "settings_mismatch",
-                f"log_interval differs across ranks: rank {ident.rank} asked for "
-                f"{_cadence_text(config.log_interval)}, rank 0 for {_cadence_text(agreed.log_interval)}; "
-                "every rank flushes at rank 0's, so that each flush pairs the same steps across "
-                "ranks. Set the same log_interval on every rank.",
+                f"{names} differ{'s' if len(agreed.differs) == 1 else ''} across ranks: rank {ident.rank} "
+                f"asked for {', '.join(asked[n] for n in agreed.differs)}, rank 0 for "
+                f"{', '.join(rank0[n] for n in agreed.differs)}; every rank uses rank 0's, so that the "
+                f"ranks exchange at the same flushes and steps. Set the same {names} on every rank.",
             ),
         )
     return ()
@@ -289,15 +306,19 @@ def _reducer_and_cadence(
     from otel_train.straggler import CrossRankReducer
 
     ident = place.identity
-    reducer = CrossRankReducer(ident, meter, events, config, group=place.telemetry_group)
+    lockstep = ident.distributed and config.cross_rank
+    reducer = CrossRankReducer(
+        ident, meter, events, config, group=place.telemetry_group, exchange=config.cross_rank
+    )
     cadence = Cadence(
-        place.log_interval,  # rank 0's when distributed
+        config.log_interval,
         config.log_interval_min_s,
         config.log_interval_s,
-        coordinated=ident.distributed,
+        coordinated=lockstep,
         wait_timeout_s=config.collective_timeout_s,
     )
-    reducer.on_cadence = cadence.adopt
+    if lockstep:
+        reducer.on_cadence = cadence.adopt
     return reducer, cadence
 
 

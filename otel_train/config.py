@@ -104,6 +104,10 @@ class Config:
     straggler_threshold: float = 0.9  # relative score: 1 - lateness / step time
     straggler_ewma: float = 0.5
     collective_timeout_s: float = 60.0
+    # One exchange per flush with rank 0 (cross-rank stats, stragglers, one cadence): right for ranks
+    # that train in lockstep (DDP, FSDP). False for independent ranks (evaluators, RL workers,
+    # separate trials): they then meet only at init() and never wait for each other's flushes.
+    cross_rank: bool = True
 
 
 _SECRET_RE = re.compile(r"(key|token|secret|passw|auth|credential|header|cookie|bearer)", re.I)

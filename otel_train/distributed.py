@@ -156,35 +156,44 @@ class Agreement:
 
     identity: Identity
     run_name: str
-    log_interval: int | None  # rank 0's (None: adaptive); this rank's own when nothing was agreed
-    log_interval_differs: bool = False  # this rank asked for another log_interval than rank 0's
+    log_interval: int | None  # rank 0's (None: adaptive) in lockstep; else this rank's own
+    cross_rank: bool  # rank 0's
+    differs: tuple[str, ...] = ()  # the settings this rank asked for differently from rank 0
 
 
-def agree_job(identity: Identity, group: Any | None, run_name: str, log_interval: int | None) -> Agreement:
-    """Every rank adopts rank 0's run id, run name and log_interval: one broadcast on the telemetry
-    group at init, so every rank of a job writes into one run directory (a generated name differs
-    per process) and flushes at the same steps (each flush's exchange pairs the same steps on
-    every rank; a rank flushing every 7 steps beside one flushing every 10 was throttled and
-    paired different steps silently).
+def agree_job(
+    identity: Identity, group: Any | None, run_name: str, log_interval: int | None, cross_rank: bool = True
+) -> Agreement:
+    """Every rank adopts rank 0's run id, run name, cross_rank and (in lockstep, cross_rank on)
+    log_interval: one broadcast on the telemetry group at init, so every rank of a job writes into
+    one run directory (a generated name differs per process) and, in lockstep, flushes at the same
+    steps (each flush's exchange pairs the same steps on every rank; a rank flushing every 7 steps
+    beside one flushing every 10 was throttled and paired different steps silently).
 
     Always broadcasts when `group` is given (every rank issues the same collective whatever its
     environment says), so ranks can never disagree on whether to communicate. Without a group
     (single process, or no process group) the inputs are returned unchanged. A failure (peer gone,
     timeout) keeps the local values and logs a warning.
     """
-    local = Agreement(identity, run_name, log_interval)
+    local = Agreement(identity, run_name, log_interval, cross_rank)
     if group is None or not identity.distributed:
         return local
     cadence = "" if log_interval is None else str(log_interval)
-    fields = _broadcast_texts(group, identity.rank, (identity.run_id, run_name, cadence))
+    texts = (identity.run_id, run_name, cadence, "1" if cross_rank else "0")
+    fields = _broadcast_texts(group, identity.rank, texts)
     if fields is None:
         return local
-    agreed_id, agreed_name, agreed_cadence = fields
-    agreed_interval = int(agreed_cadence) if agreed_cadence.isdigit() else None
-    name = agreed_name or run_name
+    agreed_id, agreed_name, agreed_cadence, agreed_cross = fields
+    lockstep = agreed_cross == "1"
+    interval = (int(agreed_cadence) if agreed_cadence.isdigit() else None) if lockstep else log_interval
+    differs = tuple(
+        name
+        for name, same in (("cross_rank", lockstep == cross_rank), ("log_interval", interval == log_interval))
+        if not same
+    )
     if agreed_id and identity.rank != 0 and agreed_id != identity.run_id:
         identity = replace(identity, run_id=agreed_id, run_id_source="agreed")
-    return Agreement(identity, name, agreed_interval, agreed_interval != log_interval)
+    return Agreement(identity, agreed_name or run_name, interval, lockstep, differs)
 
 
 def _broadcast_texts(group: Any, rank: int, texts: tuple[str, ...]) -> list[str] | None:

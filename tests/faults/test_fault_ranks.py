@@ -88,3 +88,55 @@ def test_a_late_init_says_it_splits_the_job_and_names_the_setting(tmp_path: Path
         (split,) = [e for e in _events(run_dir, rank) if e["event"] == "run_split"]
         assert "collective_timeout_s=1 s" in split["message"] and str(run_dir) in split["message"]
         assert any("collective_timeout_s=1 s" in m for m in result["warnings"])
+
+
+def _independent_target(rank: int, world: int, out: str, cross_rank: bool) -> dict[str, Any]:
+    """Rank 0 steps every 5 ms; rank 1 (an evaluator, say) idles 3 s after init, then steps every
+    50 ms. Rank 0 counts its steps in 1.5 s without telemetry calls, then in 1.5 s of ot.step."""
+    warnings = _Warnings()
+    logging.getLogger("otel_train").addHandler(warnings)
+    session = ot.init(
+        output_dir=out, run_name=f"independent-{cross_rank}", prometheus_port=0, verbosity=0,
+        hardware=False, log_interval=10, cross_rank=cross_rank, collective_timeout_s=8.0,
+    )  # fmt: skip
+    result: dict[str, Any] = {"run_dir": str(session.run_dir)}
+    if rank == 0:
+        baseline, end = 0, time.monotonic() + 1.5
+        while time.monotonic() < end:
+            time.sleep(0.005)
+            baseline += 1
+        steps, longest, end = 0, 0.0, time.monotonic() + 1.5
+        while time.monotonic() < end:
+            started = time.monotonic()
+            with ot.step(steps):
+                time.sleep(0.005)
+            steps += 1
+            longest = max(longest, time.monotonic() - started)
+        result.update(baseline=baseline, steps=steps, longest=longest)
+    else:
+        time.sleep(3.0)
+        for i in range(20):
+            with ot.step(i):
+                time.sleep(0.05)
+    ot.shutdown()
+    result["warnings"] = warnings.messages
+    return result
+
+
+@pytest.mark.parametrize("cross_rank", [False, True])
+def test_independent_ranks_never_wait_for_each_other(tmp_path: Path, cross_rank: bool) -> None:
+    """cross_rank=False: the idle, then slower rank 1 costs rank 0 nothing (in lockstep the
+    telemetry held rank 0 at rank 1's pace: about a third of its steps here, frozen while rank 1
+    idled). In lockstep, such a wait is warned about, naming the setting."""
+    results = run_ranks(2, _independent_target, (str(tmp_path), cross_rank), timeout=120)
+    rank0 = results[0]
+    named = [m for m in rank0["warnings"] if "cross_rank=False" in m]
+    if cross_rank:
+        assert named, rank0["warnings"]
+        return
+    assert rank0["steps"] >= 0.8 * rank0["baseline"], rank0
+    assert rank0["longest"] < 1.0, rank0  # rank 1 idled 3 s
+    assert not named
+    run_dir = Path(rank0["run_dir"])
+    assert _flush_steps(run_dir, 0)[:3] == [9, 19, 29]  # its own log_interval, at its own pace
+    assert _flush_steps(run_dir, 1)[:-1] == [9, 19]

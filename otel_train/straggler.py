@@ -16,6 +16,8 @@ lateness and wait (published by that rank) and the chronic stragglers. So other 
 everywhere, at the same flush), run one flush after rank 0 decided. Cross-rank reductions and
 `abstain_reason` exist on rank 0 only; other ranks' `last_reductions` hold their own timers.
 
+Independent ranks (`cross_rank=False`): no exchange at all; every rank keeps its own view.
+
 Failure: the group's timeout is `collective_timeout_s`. A failed or timed-out exchange (a peer died
 or stopped flushing) disables the reducer for good on every rank at the same flush (logged once):
 it never retries an exchange that a peer would not issue.

@@ -6,7 +6,7 @@ Wiring (every rank calls this at init, in the same order, because `new_group` is
 
     identity = detect_identity(config.run_id)
     group = create_telemetry_group(identity, config.collective_timeout_s)   # None when not distributed
-    identity, run_name = agree_run(identity, group, run_name)               # one broadcast at init
+    agreed = agree_job(identity, group, run_name, log_interval, cross_rank)  # one broadcast at init
     reducer = CrossRankReducer(identity, meter, events, config, group=group)
 """
 

@@ -9,9 +9,10 @@ the steps; nothing here runs on the training thread after init().
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
 from otel_train.bridges.rundir import RunDirSink, RunFiles, write_json
 from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, signal_number
-from otel_train.distributed import Identity, agree_run, create_telemetry_group, detect_identity
+from otel_train.distributed import Agreement, Identity, agree_job, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
 from otel_train.run_directory import (
     claim_run_dir,
@@ -41,6 +42,8 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.straggler import CrossRankReducer
     from otel_train.worker import Instruments
 
+logger = logging.getLogger("otel_train")
+
 
 @dataclass(frozen=True)
 class RunPlace:
@@ -52,11 +55,17 @@ class RunPlace:
     is_reporting_rank: bool  # writes progress, console and bridges (rank 0, or all with bridge_all_ranks)
     run_dir: Path | None
     resumed: bool  # the same run_id restarted: append to this rank's files
+    log_interval: int | None  # rank 0's in lockstep (every rank flushes at the same steps)
+    cross_rank: bool  # rank 0's
+    # (event, message): what init found about the job as a whole, emitted once the events exist
+    notices: tuple[tuple[str, str], ...] = ()
 
 
 def build_session(config: Config) -> Session:
     """A started session for `config`: every part built and wired, the worker and watchdog running."""
     place = agree_run_place(config)
+    # Rank 0's cadence settings, so that ranks in lockstep flush at the same steps (init warned).
+    config = replace(config, log_interval=place.log_interval, cross_rank=place.cross_rank)
     gpu_discovery = _discover_gpus(config, place.identity)
     resource = build_resource(
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
@@ -79,16 +88,78 @@ def agree_run_place(config: Config) -> RunPlace:
     # A dedicated gloo group: telemetry's one exchange per flush runs on the worker thread and
     # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
     group = create_telemetry_group(identity, config.collective_timeout_s)
-    # One run per job: every rank adopts rank 0's run id and run name (a generated name differs
-    # per process), so all ranks write into one run directory.
-    identity, run_name = agree_run(identity, group, config.run_name or default_run_name())
+    # One run per job: every rank adopts rank 0's run id, run name (a generated name differs per
+    # process) and log_interval, so all ranks write into one run directory and flush together.
+    run_name = config.run_name or default_run_name()
+    agreed = agree_job(identity, group, run_name, config.log_interval, config.cross_rank)
+    identity, run_name = agreed.identity, agreed.run_name
     run_dir = make_run_dir(config, run_name)
     resumed = False
     if run_dir is not None:
         rank, run_id = identity.rank, identity.run_id
         resumed = run_dir_errors_as_config_errors(lambda: claim_run_dir(run_dir, rank, run_id, run_name))
     reporting = identity.rank == 0 or config.bridge_all_ranks
-    return RunPlace(identity, group, run_name, reporting, run_dir, resumed)
+    notices = _job_notices(config, agreed, group, run_dir)
+    for _, message in notices:
+        logger.warning("otel_train: %s", message)
+    return RunPlace(
+        identity,
+        group,
+        run_name,
+        reporting,
+        run_dir,
+        resumed,
+        agreed.log_interval,
+        agreed.cross_rank,
+        notices,
+    )
+
+
+def _job_notices(
+    config: Config, agreed: Agreement, group: Any, run_dir: Path | None
+) -> tuple[tuple[str, str], ...]:
+    """What this rank must say about the job at init: it was split off (no telemetry group, so
+    no agreed run directory), or it asked for another log_interval than rank 0."""
+    ident = agreed.identity
+    if ident.distributed and group is None and _process_group_started():
+        return (
+            (
+                "run_split",
+                f"rank {ident.rank} could not join the other ranks' telemetry group within "
+                f"collective_timeout_s={config.collective_timeout_s:g} s (a rank called ot.init() that "
+                f"much later than another, or a peer is gone): it writes its own run directory "
+                f"{run_dir or agreed.run_name} under run id {ident.run_id}, and has no cross-rank stats. "
+                "Give every rank the same run_name (or OTEL_TRAIN_RUN_ID) to keep one directory, call "
+                "ot.init() at the same point on every rank, or raise collective_timeout_s.",
+            ),
+        )
+    if agreed.differs:
+        asked = {"log_interval": _cadence_text(config.log_interval), "cross_rank": str(config.cross_rank)}
+        rank0 = {"log_interval": _cadence_text(agreed.log_interval), "cross_rank": str(agreed.cross_rank)}
+        names = " and ".join(agreed.differs)
+        return (
+            (
+                "settings_mismatch",
+                f"{names} differ{'s' if len(agreed.differs) == 1 else ''} across ranks: rank {ident.rank} "
+                f"asked for {', '.join(asked[n] for n in agreed.differs)}, rank 0 for "
+                f"{', '.join(rank0[n] for n in agreed.differs)}; every rank uses rank 0's, so that the "
+                f"ranks exchange at the same flushes and steps. Set the same {names} on every rank.",
+            ),
+        )
+    return ()
+
+
+def _cadence_text(log_interval: int | None) -> str:
+    return "the adaptive cadence (log_interval unset)" if log_interval is None else f"{log_interval} steps"
+
+
+def _process_group_started() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+    except Exception:  # torch missing or broken
+        return False
 
 
 def _discover_gpus(config: Config, identity: Identity) -> Discovery | None:
@@ -165,6 +236,8 @@ def _build_session(
             f"run {place.run_name!r} (run_id {ident.run_id}) restarted; appending to its files",
             {"pid": os.getpid()},
         )
+    for event, message in place.notices:
+        events.emit(event, message)
     sinks, console, bridges = run_dir_errors_as_config_errors(lambda: _sinks(config, place, instruments))
     hardware = _start_hardware(config, meter, events, ident, gpu_discovery)
     reducer, cadence = _reducer_and_cadence(config, place, meter, events)
@@ -242,15 +315,19 @@ def _reducer_and_cadence(
     from otel_train.straggler import CrossRankReducer
 
     ident = place.identity
-    reducer = CrossRankReducer(ident, meter, events, config, group=place.telemetry_group)
+    lockstep = ident.distributed and config.cross_rank
+    reducer = CrossRankReducer(
+        ident, meter, events, config, group=place.telemetry_group, exchange=config.cross_rank
+    )
     cadence = Cadence(
         config.log_interval,
         config.log_interval_min_s,
         config.log_interval_s,
-        coordinated=ident.distributed,
+        coordinated=lockstep,
         wait_timeout_s=config.collective_timeout_s,
     )
-    reducer.on_cadence = cadence.adopt
+    if lockstep:
+        reducer.on_cadence = cadence.adopt
     return reducer, cadence
 
 

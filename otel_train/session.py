@@ -159,7 +159,8 @@ class Session(SessionParts):
         self.open_step: Any = None  # the timing.StepScope ot.begin_step() opened, until ot.end_step()
         self._seq = 0
         self._last_flush = time.perf_counter()
-        self._time_flush = not self.identity.distributed  # time-based flushes would desync ranks
+        self._lockstep = self.identity.distributed and config.cross_rank  # flushes pair across ranks
+        self._time_flush = not self._lockstep  # time-based flushes would desync ranks
         self._interval_s = config.log_interval_s
         self._perf_to_epoch_ns = time.time_ns() - time.perf_counter_ns()
         self._closed = False
@@ -237,7 +238,7 @@ class Session(SessionParts):
             buf.samples += samples
         if (
             (buf.steps >= self.cadence.threshold and self.cadence.due(buf.steps))
-            or (self._flush_requested and not self.identity.distributed)
+            or (self._flush_requested and not self._lockstep)
             or (self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s)
         ):
             self.flush()
@@ -329,7 +330,7 @@ class Session(SessionParts):
             self.buffer.spans.append(_mark_record(name, start_ns, end_ns, step, error, attributes))
 
     def flush(self, final: bool = False) -> bool:
-        """Hand the interval to the worker. Never blocks when not distributed: if the queue is full
+        """Hand the interval to the worker. Never blocks unless in lockstep: if the queue is full
         the data stays in the buffer (counters keep summing) and the next step tries again.
 
         Only the thread running the steps takes the buffer (the step counters are plain ints it
@@ -339,7 +340,7 @@ class Session(SessionParts):
             return False
         now = time.perf_counter()
         worker = self.worker
-        if not final and not self.identity.distributed and worker.pending_batches() >= worker.max_batches:
+        if not final and not self._lockstep and worker.pending_batches() >= worker.max_batches:
             self.deferred_flushes += 1
             return False
         with self._lock:
@@ -354,11 +355,13 @@ class Session(SessionParts):
         self._last_flush = now
         if "torch" in sys.modules:
             _note_torch_state(batch, self.config.compute_dtype == "auto")
-        # Every rank must hand every flush over (its collective pairs with the peers'): when
-        # distributed, wait for room; otherwise the room was checked above (final: never waits).
-        wait_s = self.config.collective_timeout_s if self.identity.distributed and not final else 0.0
+        # Every rank must hand every flush over (its exchange pairs with the peers'): in lockstep,
+        # wait for room; otherwise the room was checked above (final: never waits).
+        wait_s = self.config.collective_timeout_s if self._lockstep and not final else 0.0
+        waited_from = time.perf_counter()
         with self._lock:
             handed = self.worker.submit_batch(batch, wait_s)
+        self.cadence.note_wait(time.perf_counter() - waited_from)
         if not handed:
             # Only reachable when distributed and the worker is stuck longer than collective_timeout_s.
             self.lost_flushes += 1

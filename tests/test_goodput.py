@@ -84,3 +84,50 @@ def test_restart_of_the_same_run_id_continues_the_account(tmp_path: Path) -> Non
     assert second["productive_s"] > first["productive_s"]
     progress = (run_dir / "progress.txt").read_text()
     assert progress.count("end of process | goodput") == 2  # one progress file across the restart
+
+
+_ONE_PROCESS = """
+import sys, time
+import otel_train as ot
+ot.init(run_name="restarted", run_id="job-8", output_dir=sys.argv[1], prometheus_port=0, verbosity=0,
+        hardware=False, log_interval=2)
+for step in range(6):
+    with ot.step(step):
+        time.sleep(0.02)
+ot.shutdown()
+"""
+
+
+def _busy_loop(seconds: float) -> subprocess.Popen[bytes]:
+    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_restart_gap_and_wall_time_are_exact_under_load(tmp_path: Path) -> None:
+    """Two processes on one run id, 2.0 s apart, while busy loops load every core: the restart
+    badput is the measured gap (the first process's last record to the second's start) and the
+    account's wall time the real elapsed time. A start time off by a fraction of a second (psutil's
+    create_time() rests on /proc/stat's whole-second btime) lost part of the gap and counted it
+    twice in the wall time."""
+    script = tmp_path / "one_process.py"
+    script.write_text(_ONE_PROCESS)
+    args = [sys.executable, str(script), str(tmp_path / "runs")]
+    run_dir = tmp_path / "runs" / "restarted"
+    load = [_busy_loop(60) for _ in range(os.cpu_count() or 1)]
+    try:
+        first_spawn = time.time()
+        subprocess.run(args, check=True, timeout=120)
+        first_record = json.loads((run_dir / "goodput.rank0.json").read_text())["updated"]
+        time.sleep(2.0)
+        second_spawn = time.time()
+        subprocess.run(args, check=True, timeout=120)
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
+    state = json.loads((run_dir / "goodput.rank0.json").read_text())
+    gap = second_spawn - first_record
+    elapsed = state["updated"] - first_spawn
+    assert gap >= 2.0
+    assert abs(state["badput"]["restart"] - gap) <= 0.1, (state, gap)
+    assert abs(state["wall_s"] - elapsed) <= 0.2, (state, elapsed)

@@ -78,9 +78,9 @@ class GoodputListener:
         self._saved_at = 0.0
         self.totals: dict[str, float] = {}  # the last account, job-wide (for tests and summaries)
         if self._previous is not None:
-            gap = max(0.0, _process_start_epoch(clock) - float(self._previous["updated"]))
-            self._previous["badput"]["restart"] = self._previous["badput"].get("restart", 0.0) + gap
-            self._previous["wall_s"] = float(self._previous["wall_s"]) + gap
+            gap = max(0.0, _process_start_epoch(clock) - self._previous["updated"])
+            self._previous["badput"]["restart"] += gap
+            self._previous["wall_s"] += gap
 
     def on_flush(self, interval: Interval) -> None:
         self.step_s += math.fsum(interval.step_durations)
@@ -121,10 +121,10 @@ class GoodputListener:
         badput["other"] = max(0.0, wall - productive - sum(badput.values()))
         previous = self._previous
         if previous is not None:
-            wall += float(previous["wall_s"])
-            productive += float(previous["productive_s"])
+            wall += previous["wall_s"]
+            productive += previous["productive_s"]
             for cause in CAUSES:
-                badput[cause] += float(previous["badput"].get(cause, 0.0))
+                badput[cause] += previous["badput"][cause]
         return {"wall_s": wall, "productive_s": productive, **badput}
 
     def _save(self, account: dict[str, float]) -> None:
@@ -171,18 +171,68 @@ def _process_start_epoch(clock: StepClock) -> float:
     return time.time() - (time.perf_counter() - clock.process_start_s)
 
 
+MAX_STATE_BYTES = 64 * 1024  # a goodput file is ~300 bytes; anything larger is not ours
+MAX_WALL_S = 10 * 366 * 86400.0  # an account longer than ten years is a damaged file
+MAX_CLOCK_AHEAD_S = 86400.0  # an `updated` later than now by more than this (clock skew) is damaged
+
+
 def _load(path: Path | None, run_id: str) -> dict[str, Any] | None:
-    """The account of an earlier process of the same run id, if any."""
+    """The account of an earlier process of the same run id, if any. A file we cannot trust
+    (unreadable, not our shape, a value out of range) never stops a restart: it is warned about
+    once, kept aside as `<name>.corrupt` and the account starts over from this process."""
     if path is None or not path.exists():
         return None
     try:
+        if path.stat().st_size > MAX_STATE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
         state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        log.warning("otel_train: ignoring an unreadable %s (%s); goodput starts over.", path, exc)
+        owner = state.get("run_id") if isinstance(state, dict) else None
+        if isinstance(owner, str) and owner != run_id:
+            return None  # another job's account: this one starts over and overwrites it
+        return _validated(state)
+    except Exception as exc:  # whatever is in the file, a restart must not crash on it
+        aside = path.with_name(path.name + ".corrupt")
+        try:
+            path.replace(aside)
+        except OSError:
+            aside = path  # it is overwritten at the next save
+        log.warning(
+            "otel_train: ignoring the goodput file %s (%s); kept as %s, goodput starts over from this process.",
+            path, exc, aside,
+        )  # fmt: skip
         return None
-    if state.get("run_id") != run_id:
-        return None
-    return dict(state)
+
+
+def _validated(state: object) -> dict[str, Any]:
+    """`state` as numbers we can add to (every cause present), or ValueError saying what is wrong."""
+    if not isinstance(state, dict):
+        raise ValueError(f"not a JSON object but {type(state).__name__}")
+    if not isinstance(state.get("run_id"), str):
+        raise ValueError("no run_id")
+    now = time.time()
+    updated = _number(state, "updated", 0.0, now + MAX_CLOCK_AHEAD_S)
+    wall = _number(state, "wall_s", 0.0, MAX_WALL_S)
+    productive = _number(state, "productive_s", 0.0, wall * (1 + 1e-9))
+    badput = state.get("badput")
+    if not isinstance(badput, dict):
+        raise ValueError(f"badput is {type(badput).__name__}, not an object")
+    # A cause missing from the file (written by a version that did not have it) is zero.
+    causes = {cause: _number(badput, cause, 0.0, wall * (1 + 1e-9)) for cause in CAUSES if cause in badput}
+    return {
+        "updated": updated,
+        "wall_s": wall,
+        "productive_s": productive,
+        "badput": {cause: causes.get(cause, 0.0) for cause in CAUSES},
+    }
+
+
+def _number(values: dict[Any, Any], key: str, low: float, high: float) -> float:
+    value = values.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key} is {value!r}, not a number")
+    if not low <= value <= high:  # also false for NaN
+        raise ValueError(f"{key} is {value!r}, outside [{low:g}, {high:g}]")
+    return float(value)
 
 
 def process_start_perf_s() -> float:

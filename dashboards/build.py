@@ -335,7 +335,33 @@ def overview() -> DashboardDef:
                         ),
                         unit="percentunit",
                         description="Seconds of badput per second of wall time, per cause (worst rank): "
-                        "startup, eval, checkpoint, stall, restart, other.",
+                        "startup, eval, checkpoint_save, checkpoint_restore, data, wasted_progress "
+                        "(steps re-run after a restart), stall, restart, other.",
+                    ),
+                    ts(
+                        "Goodput, rolling 1h",
+                        T(
+                            f"clamp_min(1 - max by ({RUN}) ("
+                            f"{agg('sum', _R, rate(sc.BADPUT_DURATION, window='1h'))}), 0)",
+                            _lg(suffix=" (worst rank)"),
+                        ),
+                        unit="percentunit",
+                        min_val=0,
+                        description="1 - badput seconds per second of wall time over the last hour (the "
+                        "recording rule otel_train:goodput:rolling1h, computed here so the panel works "
+                        "without it). A restart's gap shows in the hour after it.",
+                    ),
+                    ts(
+                        "Interruptions",
+                        T(agg("max", RUN, selector(sc.INTERRUPTIONS)), _lg()),
+                        description="Restarts of the run id so far (job-wide count, kept across restarts).",
+                    ),
+                    ts(
+                        "Step-time deviation",
+                        T(agg("max", _R, selector(sc.STEP_DEVIATION)), _lg(RANK)),
+                        unit="percentunit",
+                        description="Each rank's mean step time of the interval against its typical one "
+                        "(median of the last 100 intervals), minus 1: 0 = as usual, 0.25 = 25 % slower.",
                     ),
                 ),
             ),

@@ -64,7 +64,7 @@ REASON = "otel_train.reason"
 EVENT = "otel_train.event"
 STRAGGLER_KIND = "straggler.kind"  # relative | individual
 STAT = "stat"  # min | max | mean | median
-BADPUT_CAUSE = "train.badput.cause"  # startup | eval | checkpoint | stall | restart | other
+BADPUT_CAUSE = "train.badput.cause"  # goodput.CAUSES: startup | eval | checkpoint_save | ... | other
 LAYER = "train.layer"  # a module path from ot.watch(model), e.g. blocks.3.attn
 HW_ID = "hw.id"
 HW_NAME = "hw.name"
@@ -161,8 +161,20 @@ GOODPUT = _m(
     "Share of the job's wall time (all restarts of the run id) spent in training steps.", "train/goodput",
 )  # fmt: skip
 BADPUT_DURATION = _m(
-    "train.badput.duration", S.COUNTER, "s", "Wall time not spent in training steps, by cause.",
+    "train.badput.duration", S.COUNTER, "s",
+    "Wall time (all restarts of the run id) not spent in productive training steps, by cause.",
     "train/badput/{train.badput.cause}", (BADPUT_CAUSE,),
+)  # fmt: skip
+INTERRUPTIONS = _m(
+    "train.interruptions", S.COUNTER, "{interruption}",
+    "Restarts of the run id: each process after the first one of a run id counts one.",
+    "train/interruptions",
+)  # fmt: skip
+STEP_DEVIATION = _m(
+    "train.step.deviation", S.GAUGE, "1",
+    "Mean step time of the interval against the typical one (median of the last 100 intervals' "
+    "means), minus 1: 0 = as usual, 0.25 = 25 % slower.",
+    "train/step_deviation",
 )  # fmt: skip
 LOSS_SCALE = _m(
     "train.loss_scale", S.GAUGE, "", "Mixed-precision loss scale (GradScaler, ot.watch_scaler).",

@@ -74,6 +74,8 @@ _DAMAGED: dict[str, Callable[[Path], str | bytes]] = {
     "a cause a string": lambda run: _with(run, badput={**_valid(run)["badput"], "eval": "1"}),
     "updated in the far future": lambda run: _with(run, updated=time.time() + 10 * 86400),
     "100 kB": lambda run: _valid_text(run) + " " * 100_000,
+    "last_step a float": lambda run: _with(run, last_step=3.5),
+    "interruptions negative": lambda run: _with(run, interruptions=-1),
 }
 
 
@@ -113,13 +115,20 @@ def test_a_damaged_goodput_file_is_set_aside_and_the_account_starts_over(
     assert all(0 <= fresh["badput"][cause] <= fresh["wall_s"] for cause in CAUSES)
 
 
-def test_a_file_from_a_version_without_some_causes_is_continued(
+def test_a_file_from_an_older_version_is_continued(
     first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The shape before data / wasted progress / save-vs-restore and the interruption count: one
+    `checkpoint` cause (read as checkpoint_save), no last_step, no interruptions."""
     run_dir = tmp_path / "requeued"
     shutil.copytree(first_run, run_dir)
     before = _valid(first_run)
-    older = {**before, "badput": {k: v for k, v in before["badput"].items() if k not in ("stall", "other")}}
+    old_causes = ("startup", "eval", "stall", "restart", "other")
+    older = {
+        "run_id": before["run_id"], "updated": before["updated"], "wall_s": before["wall_s"],
+        "productive_s": before["productive_s"],
+        "badput": {**{c: before["badput"][c] for c in old_causes}, "checkpoint": 0.25 * before["wall_s"]},
+    }  # fmt: skip
     (run_dir / "goodput.rank0.json").write_text(json.dumps(older))
     caplog.set_level(logging.WARNING, logger="otel_train")
     _restart(run_dir)
@@ -128,3 +137,5 @@ def test_a_file_from_a_version_without_some_causes_is_continued(
     after = json.loads((run_dir / "goodput.rank0.json").read_text())
     assert after["productive_s"] > before["productive_s"]
     assert after["badput"]["startup"] >= before["badput"]["startup"]
+    assert after["badput"]["checkpoint_save"] == 0.25 * before["wall_s"]
+    assert after["interruptions"] == 1 and after["last_step"] == 7

@@ -586,25 +586,25 @@ def gpus_host() -> DashboardDef:
                         min_val=0,
                     ),
                     ts(
-                        "GPU memory controller utilization",
-                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_UTILIZATION)), _GPU_LEGEND),
+                        "GPU memory controller busy",
+                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_CONTROLLER)), _GPU_LEGEND),
                         unit="percentunit",
                         min_val=0,
+                        description="Fraction of time the memory controller was busy (NVML; an "
+                        "otel_train extension). Not memory use: that is the next panels.",
                     ),
                     ts(
                         "GPU memory used",
                         T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_USAGE)), _GPU_LEGEND),
+                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_LIMIT)), f"{_GPU_LEGEND} total"),
                         unit="bytes",
                     ),
                     ts(
                         "GPU memory used (fraction of total)",
-                        T(
-                            f"{agg('max', _GPU_BY, selector(sc.GPU_MEMORY_USAGE))}"
-                            f" / {agg('max', _GPU_BY, selector(sc.GPU_MEMORY_LIMIT))}",
-                            _GPU_LEGEND,
-                        ),
+                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_UTILIZATION)), _GPU_LEGEND),
                         unit="percentunit",
                         min_val=0,
+                        description="hw.gpu.memory.utilization: memory used / memory total.",
                     ),
                     ts(
                         "GPU temperature",
@@ -635,10 +635,12 @@ def gpus_host() -> DashboardDef:
                     ts(
                         "PCIe throughput",
                         T(
-                            agg("max", f"{_GPU_BY}, {DIRECTION}", selector(sc.GPU_PCIE_THROUGHPUT)),
+                            agg("max", f"{_GPU_BY}, {DIRECTION}", rate(sc.GPU_IO)),
                             f"{_GPU_LEGEND} {{{{{DIRECTION}}}}}",
                         ),
                         unit="Bps",
+                        description="Rate of hw.gpu.io (bytes over PCIe, integrated from NVML's "
+                        "throughput samples).",
                     ),
                     ts(
                         "GPU errors",

@@ -9,7 +9,9 @@
                         name, DATA_PHASES) inside a step. A loader that prefetches while the device
                         computes costs nothing here: only the part that does not overlap counts.
     wasted_progress     steps re-run after a restart: every step whose index is at most the last
-                        step the previous processes of the run id completed (their whole time)
+                        step the previous processes of the run id completed (their whole time);
+                        only numbered steps (`ot.step(n)`): unnumbered ones count from 0 in every
+                        process, so they cannot be told apart from re-runs
     stall               gaps between steps longer than `stall_timeout_s` (less any span inside the gap)
     restart             from the last record of the previous process of the same run id to this start
     other               the rest (logging, short gaps between steps, spans of other names)

@@ -192,6 +192,7 @@ class Session(SessionParts, GoodputClock):
     def begin_step(self, step: Any) -> int:
         if step is None:
             index = self.step_index + 1
+            self.rerun_through = -1  # unnumbered steps restart from 0: re-runs cannot be told apart
         elif step.__class__ is int and -_MAX_STEP <= step <= _MAX_STEP:
             index = step
         else:

@@ -170,7 +170,7 @@ first, last, seconds = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 ot.init(run_name="resumed", run_id="job-10", output_dir=sys.argv[1], prometheus_port=0, verbosity=0,
         hardware=False, log_interval=2)
 for step in range(first, last):
-    with ot.step(step):
+    with ot.step(step if first >= 0 else None):  # first < 0: unnumbered steps (ot.step())
         time.sleep(seconds)
 ot.shutdown()
 """
@@ -215,3 +215,17 @@ def test_step_deviation_is_the_interval_against_the_typical_step(tmp_path: Path)
     assert deviation[1] == 0.0  # one interval: it is the typical one
     assert all(abs(deviation[step]) < 1.0 for step in (5, 7, 9)), deviation
     assert deviation[11] > 3.0, deviation  # far slower than the median of the earlier intervals
+
+
+def test_unnumbered_steps_are_never_counted_as_re_runs(tmp_path: Path) -> None:
+    """`ot.step()` without a number counts from 0 in every process: a restart's steps cannot be
+    told apart from re-runs, so none is wasted progress (it stays productive)."""
+    script = tmp_path / "resumed.py"
+    script.write_text(_RESUMED)
+    run_dir = tmp_path / "runs" / "resumed"
+    for _ in range(2):
+        args = [sys.executable, str(script), str(tmp_path / "runs"), "-4", "0", "0.05"]
+        subprocess.run(args, check=True, timeout=120)
+    after = json.loads((run_dir / "goodput.rank0.json").read_text())
+    assert after["interruptions"] == 1 and after["badput"]["wasted_progress"] == 0
+    assert after["productive_s"] >= 8 * 0.05

@@ -256,6 +256,17 @@ _GPU_BY = f"{RUN}, {HOST}, {HW_ID}, {HW_NAME}"
 _GPU_LEGEND = f"{{{{{HOST}}}}} {{{{{HW_ID}}}}}"
 
 
+def _interval_targets(spec: MetricSpec) -> tuple[Target, ...]:
+    """A per-step value's interval mean (averaged over ranks) and its steps' min, max and last."""
+    stats = sc.INTERVAL_STAT_SPECS[spec.name]
+    return (
+        T(agg("avg", RUN, selector(spec)), _lg(suffix=" mean")),
+        T(agg("min", RUN, selector(stats["min"])), _lg(suffix=" min")),
+        T(agg("max", RUN, selector(stats["max"])), _lg(suffix=" max")),
+        T(agg("avg", RUN, selector(stats["last"])), _lg(suffix=" last")),
+    )
+
+
 def _lg(*labels: str, prefix: str = "", suffix: str = "") -> str:
     """Legend format such as `{{run_id}} rank {{rank}}`."""
     parts = [f"{{{{{RUN}}}}}"]
@@ -291,9 +302,15 @@ def overview() -> DashboardDef:
             (
                 "Loss and optimizer",
                 (
-                    ts("Training loss", T(agg("avg", RUN, selector(sc.LOSS)), _lg())),
+                    ts(
+                        "Training loss (interval mean; its steps' min, max, last)",
+                        *_interval_targets(sc.LOSS),
+                    ),
                     ts("Learning rate", T(agg("max", RUN, selector(sc.LEARNING_RATE)), _lg())),
-                    ts("Gradient norm", T(agg("max", RUN, selector(sc.GRAD_NORM)), _lg())),
+                    ts(
+                        "Gradient norm (interval mean; its steps' min, max, last)",
+                        *_interval_targets(sc.GRAD_NORM),
+                    ),
                     ts("Eval loss", T(agg("avg", RUN, selector(sc.EVAL_LOSS)), _lg())),
                     ts("Eval perplexity", T(agg("avg", RUN, selector(sc.EVAL_PERPLEXITY)), _lg())),
                     ts(

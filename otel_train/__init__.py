@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import _runtime
 from otel_train.config import Config, ConfigError, redact
-from otel_train.timing import span, step, timed, timer
+from otel_train.distributed import RunInfo
+from otel_train.timing import begin_step, end_step, phase, span, step, timed, timer
 from otel_train.version import __version__
 
 if TYPE_CHECKING:
@@ -37,8 +38,11 @@ if TYPE_CHECKING:
 __all__ = [
     "Config",
     "ConfigError",
+    "RunInfo",
     "__version__",
+    "begin_step",
     "current_session",
+    "end_step",
     "finish",
     "get_meter",
     "init",
@@ -47,8 +51,10 @@ __all__ = [
     "log_metrics",
     "log_samples",
     "log_text",
+    "phase",
     "profile",
     "record",
+    "run_info",
     "shutdown",
     "span",
     "step",
@@ -80,6 +86,24 @@ finish = shutdown
 
 def current_session() -> Session | None:
     return _runtime.current()
+
+
+def run_info() -> RunInfo | None:
+    """Run id, run name, run directory, rank, world size and last step of the running session
+    (None before `init()`): the public view for adapters and scripts."""
+    session = _runtime._current
+    if session is None:
+        return None
+    ident = session.identity
+    return RunInfo(
+        run_id=ident.run_id,
+        run_name=session.run_name,
+        run_dir=str(session.run_dir) if session.run_dir is not None else None,
+        rank=ident.rank,
+        local_rank=ident.local_rank,
+        world_size=ident.world_size,
+        step=session.step_index,
+    )
 
 
 def record(name: str, value: Any) -> None:

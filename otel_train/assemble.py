@@ -62,12 +62,13 @@ def build_session(config: Config) -> Session:
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
     )
     session = _build_session(config, place, resource, gpu_discovery)
+    launch = _check_launch(session, place, gpu_discovery)  # collective (one gather) when distributed
     _attach_goodput(session)
     _attach_worker(session)
     _attach_watchdog(session)
     if place.run_dir is not None and place.is_reporting_rank:
         run_dir = place.run_dir
-        run_dir_errors_as_config_errors(lambda: write_run_files(run_dir, config, place))
+        run_dir_errors_as_config_errors(lambda: write_run_files(run_dir, config, place, launch))
     session.worker.start()
     session.watchdog.start()
     return session
@@ -138,6 +139,7 @@ def _build_session(
 ) -> Session:
     """The session with every part that does not call back into it (see `build_session`)."""
     from otel_train.exporters import build_telemetry
+    from otel_train.gradient_flow import GradientFlowMonitor
     from otel_train.health import HealthMonitor
     from otel_train.profiling import ProfiledStepsCounter
     from otel_train.step_reader import StepReader
@@ -167,7 +169,14 @@ def _build_session(
     hardware = _start_hardware(config, meter, events, ident, gpu_discovery)
     reducer, cadence = _reducer_and_cadence(config, place, meter, events)
     profiled_steps = ProfiledStepsCounter(meter)
-    listeners: list[FlushListener] = [health, *([hardware] if hardware else []), reducer, profiled_steps]
+    gradient_flow = GradientFlowMonitor(events)  # reads ot.watch's gradient norms: idle without a watch
+    listeners: list[FlushListener] = [
+        health,
+        gradient_flow,
+        *([hardware] if hardware else []),
+        reducer,
+        profiled_steps,
+    ]
     return Session(
         config=config, identity=ident, run_name=place.run_name, run_dir=place.run_dir, resumed=place.resumed,
         resource=resource, step_reader=step_reader, telemetry=telemetry, meter=meter,
@@ -358,14 +367,24 @@ def _attach_watchdog(session: Session) -> None:
     session.control = ControlFile(session.run_dir, rank, session.events) if session.run_dir else None
 
 
-def write_run_files(run_dir: Path, config: Config, place: RunPlace) -> None:
+def _check_launch(session: Session, place: RunPlace, gpu_discovery: Discovery | None) -> dict[str, Any]:
+    from otel_train.distributed import process_group_initialized
+    from otel_train.gpu_discovery import RES_GPU_UUID
+    from otel_train.launch_check import check_launch, local_facts
+
+    gpu_uuid = gpu_discovery.resource_attributes().get(RES_GPU_UUID) if gpu_discovery else None
+    mine = local_facts(place.identity, gpu_uuid, process_group_initialized())
+    return check_launch(mine, place.telemetry_group, session.events)
+
+
+def write_run_files(run_dir: Path, config: Config, place: RunPlace, launch: dict[str, Any]) -> None:
     from otel_train.envinfo import collect_env
 
     resolved = config_as_dict(config)
     resolved.update({"run_name": place.run_name, "run_id": place.identity.run_id})
     files = RunFiles(run_dir)
     write_json(files.config, resolved)
-    write_json(files.env, collect_env())
+    write_json(files.env, {**collect_env(), "launch": launch})
 
 
 def _version() -> str:

@@ -20,6 +20,8 @@ from typing import Any, Literal
 OtlpProtocol = Literal["http/protobuf", "grpc"]
 TimingLogOption = Literal["max", "minmax", "all"]
 WatchAggregate = Literal["layer", "model"]
+# The precision MFU's peak is taken for (otel_train.mfu); "auto": detected (see Config.compute_dtype).
+ComputeDtype = Literal["auto", "fp8", "bf16", "fp16", "tf32", "fp32"]
 
 
 class ConfigError(ValueError):
@@ -93,6 +95,10 @@ class Config:
     hardware: bool = True
     hardware_interval_s: float = 5.0
     peak_flops: float | None = None  # override the peak table (FLOP/s per GPU)
+    # The precision the matmuls run in, whose peak MFU divides by. "auto": the torch.autocast dtype
+    # active on the training thread at a flush, else bf16 (autocast around the forward pass only
+    # cannot be seen from a flush); set it for fp8, fp16 without autocast, tf32 or fp32 training.
+    compute_dtype: ComputeDtype = "auto"
     flops_per_token: float | None = None
     # Reset torch.cuda's peak memory stats at each flush (peak per interval). False leaves them to
     # your code (torch.cuda.max_memory_allocated() keeps working); the peak is then the run's.

@@ -48,6 +48,19 @@ class Identity:
         return f"{self.run_id}-rank{self.rank}"
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """What `ot.run_info()` tells an adapter or a user about the running session."""
+
+    run_id: str
+    run_name: str
+    run_dir: str | None  # None when the run directory is off
+    rank: int
+    local_rank: int
+    world_size: int
+    step: int  # the last completed step (-1 before the first)
+
+
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:
     for name in names:
         raw = environ.get(name)
@@ -82,6 +95,11 @@ def _process_group_rank_world() -> tuple[int, int] | None:
     except Exception:  # torch missing or broken: fall back to the environment
         return None
     return None
+
+
+def process_group_initialized() -> bool:
+    """Is there an initialised torch.distributed process group (torch imported only if loaded)?"""
+    return _process_group_rank_world() is not None
 
 
 def detect_identity(

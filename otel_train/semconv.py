@@ -77,6 +77,8 @@ MEMORY_STATE = "system.memory.state"
 PEAK_SOURCE = (
     "peak.source"  # where the MFU denominator came from: table:<entry>:<dtype> | config:peak_flops | env:...
 )
+COMPUTE_DTYPE = "compute.dtype"  # the precision MFU's peak is for: fp8 | bf16 | fp16 | tf32 | fp32
+PEAK_FLOPS = "peak.flops"  # the MFU denominator itself, FLOP/s per GPU
 
 # Resource attribute keys that must become labels on every Prometheus series (both paths).
 RUN_ID = "run_id"
@@ -128,13 +130,55 @@ TOTAL_STEPS = _m(
     "train.steps.planned", S.GAUGE, "{step}", "Planned number of steps (when known).", "train/steps_planned"
 )
 ETA = _m("train.eta", S.GAUGE, "s", "Estimated time to the planned last step.", "progress/eta_s")
-LOSS = _m("train.loss", S.GAUGE, "", "Training loss (last value of the interval).", "train/loss")
+LOSS = _m(
+    "train.loss", S.GAUGE, "", "Training loss: mean over the interval's recorded values (one per step).",
+    "train/loss",
+)  # fmt: skip
 LEARNING_RATE = _m("train.learning_rate", S.GAUGE, "", "Learning rate.", "train/learning_rate")
-GRAD_NORM = _m("train.grad.norm", S.GAUGE, "", "Global gradient norm.", "train/grad_norm")
+GRAD_NORM = _m(
+    "train.grad.norm", S.GAUGE, "", "Global gradient norm: mean over the interval's recorded values.",
+    "train/grad_norm",
+)  # fmt: skip
 PARAM_NORM = _m("train.param.norm", S.GAUGE, "", "Global parameter L2 norm (ot.watch).", "train/param_norm")
 EVAL_LOSS = _m("eval.loss", S.GAUGE, "", "Validation loss.", "eval/loss")
 EVAL_PERPLEXITY = _m("eval.perplexity", S.GAUGE, "", "Validation perplexity.", "eval/perplexity")
 EVAL_ACCURACY = _m("eval.accuracy", S.GAUGE, "1", "Validation top-1 token accuracy.", "eval/accuracy")
+
+# --- per-step values over the flush interval ---------------------------------------------------------
+# A value recorded every step (ot.record) reaches the SDK once per flush as the MEAN of the interval's
+# values (the HF Trainer / Megatron convention: a 100-step interval is not one sampled step). Its
+# smallest, largest and last value go alongside: as gauges of their own for the loss and the gradient
+# norm (`train.loss.max`, key `train/loss_max`), and for every other recorded name as bridge keys only
+# (`interval_key`: `train/foo_max`; not as series, for the series budget).
+INTERVAL_STATS: tuple[str, ...] = ("min", "max", "last")
+
+
+def interval_key(key: str, stat: str) -> str:
+    """The bridge key of a recorded value's interval statistic (`train/loss`, `max` -> `train/loss_max`)."""
+    return f"{key}_{stat}"
+
+
+def _interval_specs(base: MetricSpec, what: str) -> dict[str, MetricSpec]:
+    words = {"min": "Smallest", "max": "Largest", "last": "Last"}
+    return {
+        stat: _m(f"{base.name}.{stat}", S.GAUGE, base.unit, f"{words[stat]} {what} of the interval's steps.",
+                 interval_key(base.key, stat))
+        for stat in INTERVAL_STATS
+    }  # fmt: skip
+
+
+LOSS_STATS = _interval_specs(LOSS, "training loss")
+LOSS_MIN, LOSS_MAX, LOSS_LAST = LOSS_STATS["min"], LOSS_STATS["max"], LOSS_STATS["last"]
+GRAD_NORM_STATS = _interval_specs(GRAD_NORM, "global gradient norm")
+GRAD_NORM_MIN, GRAD_NORM_MAX, GRAD_NORM_LAST = (GRAD_NORM_STATS[s] for s in INTERVAL_STATS)
+# Instrument name -> its interval statistics' gauges (the others' statistics are bridge keys only).
+INTERVAL_STAT_SPECS: dict[str, dict[str, MetricSpec]] = {
+    LOSS.name: LOSS_STATS,
+    GRAD_NORM.name: GRAD_NORM_STATS,
+}
+INTERVAL_STAT_NAMES: frozenset[str] = frozenset(
+    spec.name for specs in INTERVAL_STAT_SPECS.values() for spec in specs.values()
+)
 
 # --- ot.watch(model): per layer, on watched steps --------------------------------------------------
 LAYER_GRAD_NORM = _m(
@@ -234,8 +278,8 @@ FLOPS = _m(
     "train.flops.rate", S.GAUGE, "{flop}/s", "Achieved model FLOP/s per GPU.", "throughput/flops_per_s"
 )
 MFU = _m(
-    "train.mfu", S.GAUGE, "1", "Model FLOPs utilization vs the device's peak.", "throughput/mfu",
-    attributes=(PEAK_SOURCE,),
+    "train.mfu", S.GAUGE, "1", "Model FLOPs utilization vs the device's peak for the job's compute dtype.",
+    "throughput/mfu", attributes=(PEAK_SOURCE, COMPUTE_DTYPE, PEAK_FLOPS),
 )  # fmt: skip
 ENERGY_PER_TOKEN = _m(
     "train.energy.per_token", S.GAUGE, "J", "GPU energy per token.", "energy/joules_per_token", gpu_only=True
@@ -516,7 +560,8 @@ def reserved_by(instrument: str) -> str | None:
     """The library instrument whose bridge keys or Prometheus series a user gauge named
     `instrument` would overwrite or duplicate (None when the name is free). Called once per name."""
     if instrument in BY_NAME:
-        return None if BY_NAME[instrument].kind is Kind.GAUGE else instrument
+        own = BY_NAME[instrument].kind is not Kind.GAUGE or instrument in INTERVAL_STAT_NAMES
+        return instrument if own else None
     if instrument.startswith("otel_train."):
         return "otel_train.*"
     keys, prom = _reserved()

@@ -26,6 +26,7 @@ from otel_train.closing import close_listeners, close_sinks, drain_worker, stop_
 from otel_train.config import Config
 from otel_train.distributed import Identity
 from otel_train.interval import FlushListener
+from otel_train.mfu import autocast_dtype
 from otel_train.profiling import advance_window, start_window
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
@@ -172,6 +173,7 @@ class Session(SessionParts, GoodputClock):
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
+        self.open_step: Any = None  # the timing.StepScope ot.begin_step() opened, until ot.end_step()
         self._seq = 0
         self._last_flush = time.perf_counter()
         self._time_flush = not self.identity.distributed  # time-based flushes would desync ranks
@@ -242,6 +244,7 @@ class Session(SessionParts, GoodputClock):
             if len(buf.spans) < _MAX_SPAN_RECORDS:
                 buf.spans.append(_step_record(start_ns, end_ns, index, failed, profiled))
             self.sampled = False
+        buf.step_indices.append(index)  # which step the interval's recorded values belong to
         if failed:
             return
         if index <= self.rerun_through:  # goodput's wasted progress: re-running steps after a restart
@@ -367,8 +370,8 @@ class Session(SessionParts, GoodputClock):
         if not final:
             batch.flush_interval = self.cadence.proposal(batch.steps, batch.elapsed_s)
         self._last_flush = now
-        if "torch" in sys.modules and _holds_cuda_values(batch):
-            batch.cuda_event = _record_cuda_event()
+        if "torch" in sys.modules:
+            _note_torch_state(batch, self.config.compute_dtype == "auto")
         # Every rank must hand every flush over (its collective pairs with the peers'): when
         # distributed, wait for room; otherwise the room was checked above (final: never waits).
         wait_s = self.config.collective_timeout_s if self.identity.distributed and not final else 0.0
@@ -508,6 +511,15 @@ def _holds_cuda_values(batch: FlushBatch) -> bool:
         or any(_on_cuda(r.values) for r in batch.layer_stats)
         or any(_on_cuda(h[2]) for h in batch.histograms)
     )
+
+
+def _note_torch_state(batch: FlushBatch, detect_dtype: bool) -> None:
+    """Training thread, at a flush: a CUDA event when the batch holds CUDA values (the worker waits
+    on it), and the active torch.autocast dtype for MFU's peak (thread-local: only readable here)."""
+    if _holds_cuda_values(batch):
+        batch.cuda_event = _record_cuda_event()
+    if detect_dtype:
+        batch.autocast_dtype = autocast_dtype()
 
 
 def _warn_lost_flush(batch: FlushBatch, lost_flushes: int) -> None:

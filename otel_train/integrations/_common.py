@@ -1,15 +1,38 @@
-"""What the framework integrations share: lazy session start and framework log names."""
+"""What the framework integrations share: lazy session start, settings given as keyword
+arguments, framework log names."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Mapping
 from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
+from otel_train import semconv
+from otel_train.config import FIELDS, ConfigError
 
 log = logging.getLogger("otel_train")
+
+
+def settings_from_kwargs(
+    settings: Mapping[str, Any] | None, kwargs: dict[str, Any], owner: str
+) -> dict[str, Any]:
+    """`ot.init()` settings given to an integration's constructor: the `settings` mapping, then
+    keyword arguments (which win), e.g. `OtelTrainCallback(run_name="x", tensorboard=True)`. A name
+    that is not a `Config` field raises `ConfigError` naming it and the closest field, at
+    construction, not later at the first step."""
+    merged = {**dict(settings or {}), **kwargs}
+    for name in merged:
+        if name not in FIELDS:
+            close = difflib.get_close_matches(str(name), FIELDS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"{owner} got an unknown setting {name!r}: {hint}Settings are otel_train.Config fields "
+                f"(the README's settings table): {', '.join(sorted(FIELDS))}."
+            )
+    return merged
 
 
 def start_session(settings: Mapping[str, Any] | None) -> bool:
@@ -24,11 +47,15 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
 def end_phase(name: str, start_ns: int) -> int:
     """Time `name` from `start_ns` to now on the running session (if any); returns now, where the
     next phase of the step starts."""
-    now = perf_counter_ns()
-    session = ot.current_session()
-    if session is not None:
-        session.end_timer(name, start_ns, now, None)
-    return now
+    ot.timer(name).start(at_ns=start_ns).stop()
+    return perf_counter_ns()
+
+
+def skipped_steps_counter() -> Any:
+    """The catalogue's skipped-optimizer-step counter on the running session's meter (a no-op
+    counter before `init()`), for frameworks that report a skipped iteration themselves."""
+    spec = semconv.SKIPPED_STEPS
+    return ot.get_meter().create_counter(spec.name, spec.unit, spec.description)
 
 
 def distributed_world() -> int:

@@ -5,14 +5,24 @@ BIN    := $(VENV)/bin
 # CPU wheel available locally; an unpinned torch would pull gigabytes of CUDA packages.
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.stamp-install
+# Oumi 0.9 for tests/test_integration_oumi.py. It pins torch<2.13 (and transformers<5.17, trl<1.7),
+# so it is installed without its dependencies, with only the modules its train path imports (and
+# the TRL and datasets it trains with, with theirs); not part of the [all] extra. Versions pinned.
+OUMI   := oumi==0.9 omegaconf==2.4.0.dev4 peft==0.19.1 jsonlines==4.0.0 pexpect==4.9.0 ptyprocess==0.7.0
+OUMI_STAMP := $(VENV)/.stamp-oumi
 
-.PHONY: demo test tools check-deploy lint typecheck dashboards bench clean
+.PHONY: demo test tools bridge-wheel check-deploy lint typecheck dashboards bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[all,dev]" "$(TORCH)"
+	touch $@
+
+$(OUMI_STAMP): $(STAMP) Makefile
+	$(BIN)/python -m pip install -q "trl==1.16.0" "datasets==5.2.0" "$(TORCH)"
+	$(BIN)/python -m pip install -q --no-deps $(OUMI)
 	touch $@
 
 demo: $(STAMP)
@@ -26,7 +36,18 @@ tools:
 	@deploy/fetch-tools.sh || { if [ -n "$$CI" ]; then exit 1; fi; \
 	  echo "WARNING: pinned tools unavailable: the real-component tests will be skipped (they FAIL under CI)."; }
 
-test: $(STAMP) tools
+# Megatron Bridge 0.6.2's wheel, for tests/test_integration_megatron.py: only its callbacks module
+# (standard library only) is imported from it. Bridge needs Python >= 3.12 and CUDA to install, so
+# the wheel is downloaded, not installed (--python-version 3.12, --no-deps) into .tools/wheels
+# (git-ignored). Under CI a failure to fetch it fails the build; elsewhere the tests skip.
+BRIDGE_WHEELS := $${OTEL_TRAIN_TOOLS:-.tools}/wheels
+bridge-wheel: $(STAMP)
+	@test -f $(BRIDGE_WHEELS)/megatron_bridge-0.6.2-py3-none-any.whl || \
+	  $(BIN)/python -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: \
+	    megatron-bridge==0.6.2 -d $(BRIDGE_WHEELS) || { if [ -n "$$CI" ]; then exit 1; fi; \
+	  echo "WARNING: megatron-bridge wheel unavailable: its callback tests will be skipped (they FAIL under CI)."; }
+
+test: $(STAMP) $(OUMI_STAMP) tools bridge-wheel
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
 
 # After editing deploy/: every config checked by the real tool of the pinned version

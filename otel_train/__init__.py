@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 # purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import _runtime
-from otel_train.config import Config, ConfigError, redact
-from otel_train.timing import span, step, timed, timer
+from otel_train.config import Config, ConfigError, cap_text, redact
+from otel_train.distributed import RunInfo
+from otel_train.timing import begin_step, end_step, phase, span, step, timed, timer
 from otel_train.version import __version__
 
 if TYPE_CHECKING:
@@ -37,8 +38,11 @@ if TYPE_CHECKING:
 __all__ = [
     "Config",
     "ConfigError",
+    "RunInfo",
     "__version__",
+    "begin_step",
     "current_session",
+    "end_step",
     "finish",
     "get_meter",
     "init",
@@ -47,8 +51,10 @@ __all__ = [
     "log_metrics",
     "log_samples",
     "log_text",
+    "phase",
     "profile",
     "record",
+    "run_info",
     "shutdown",
     "span",
     "step",
@@ -80,6 +86,24 @@ finish = shutdown
 
 def current_session() -> Session | None:
     return _runtime.current()
+
+
+def run_info() -> RunInfo | None:
+    """Run id, run name, run directory, rank, world size and last step of the running session
+    (None before `init()`): the public view for adapters and scripts."""
+    session = _runtime._current
+    if session is None:
+        return None
+    ident = session.identity
+    return RunInfo(
+        run_id=ident.run_id,
+        run_name=session.run_name,
+        run_dir=str(session.run_dir) if session.run_dir is not None else None,
+        rank=ident.rank,
+        local_rank=ident.local_rank,
+        world_size=ident.world_size,
+        step=session.step_index,
+    )
 
 
 def record(name: str, value: Any) -> None:
@@ -133,10 +157,11 @@ def log_hyperparams(params: Mapping[str, Any]) -> None:
 
 
 def log_text(name: str, text: str, step: int | None = None) -> None:
+    """Free text for every bridge; secret-looking values redacted, cut to `TEXT_LIMIT` characters."""
     session = _runtime._current
     if session is not None:
         try:
-            session.message("text", str(name), str(text), _message_step(step))
+            session.message("text", str(name), cap_text(str(text)), _message_step(step))
         except Exception:
             session.buffer.drop("invalid_type")
 
@@ -152,7 +177,7 @@ def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: 
         for row in list(rows)[:limit]:
             try:
                 prompt, output = row
-                kept.append((str(prompt), str(output)))
+                kept.append((cap_text(str(prompt)), cap_text(str(output))))
             except Exception:  # not a (prompt, output) pair: that row is dropped, counted
                 session.buffer.drop("invalid_sample")
                 session.buffer.warn_once(

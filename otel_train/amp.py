@@ -5,7 +5,8 @@ GradScaler has no hooks, so the watch wraps the scaler instance's `update()`: ju
 the scaler's per-optimizer `found_inf` tensors say whether this iteration's step was skipped; after
 it, `_scale` holds the new scale. Both stay device tensors: the training thread only queues a clone
 and an add (asynchronous on a GPU) and stores the latest pair in one assignment; the background
-worker copies them to the host at the flush, the only place a device value is read. (`_scale` and
+worker copies them to the host at the flush, the only place a device value is read. The wrapper
+pickles as the scaler's own `update`, so the scaler still checkpoints, unwatched. (`_scale` and
 `_per_optimizer_states` are private GradScaler state, unchanged from torch 1.6 to 2.x.)
 """
 
@@ -33,10 +34,11 @@ class ScalerWatch:
             semconv.SKIPPED_STEPS.name, semconv.SKIPPED_STEPS.unit, semconv.SKIPPED_STEPS.description
         )
         self._skips.add(0)
-        scaler.update = self._watched_update  # shadows the method on this instance only
+        self._hook = _WatchedUpdate(self)
+        scaler.update = self._hook  # shadows the method on this instance only
 
     def remove(self) -> None:
-        if self.scaler.__dict__.get("update") == self._watched_update:
+        if self.scaler.__dict__.get("update") is self._hook:
             del self.scaler.update
 
     # --- training thread -----------------------------------------------------------------------
@@ -69,6 +71,24 @@ class ScalerWatch:
 
     def close(self) -> None:
         self.remove()
+
+
+class _WatchedUpdate:
+    """The `update` the watched scaler's instance holds. It lives in the scaler's `__dict__`, which
+    GradScaler pickles (torch.save of a checkpoint, copy.deepcopy): it pickles as the scaler's own
+    `update`, so a copy or a loaded checkpoint is a plain, unwatched scaler and the watch's meter
+    and locks are never pickled."""
+
+    def __init__(self, watch: ScalerWatch) -> None:
+        self.watch = watch
+
+    def __call__(self, new_scale: Any = None) -> None:
+        self.watch._watched_update(new_scale)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Unpickled before the copy's own state is set, so this is the class's method, bound to
+        # the copy (pickle and deepcopy create and memoize the object before filling it).
+        return getattr, (self.watch.scaler, "update")
 
 
 def _found_infs(scaler: Any) -> list[Any]:

@@ -9,9 +9,10 @@ the steps; nothing here runs on the training thread after init().
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
 from otel_train.bridges.rundir import RunDirSink, RunFiles, write_json
 from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, signal_number
-from otel_train.distributed import Identity, agree_run, create_telemetry_group, detect_identity
+from otel_train.distributed import Agreement, Identity, agree_job, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
 from otel_train.run_directory import (
     avoid_live_owner,
@@ -42,6 +43,8 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.straggler import CrossRankReducer
     from otel_train.worker import Instruments
 
+logger = logging.getLogger("otel_train")
+
 
 @dataclass(frozen=True)
 class RunPlace:
@@ -53,22 +56,29 @@ class RunPlace:
     is_reporting_rank: bool  # writes progress, console and bridges (rank 0, or all with bridge_all_ranks)
     run_dir: Path | None
     resumed: bool  # the same run_id restarted: append to this rank's files
+    log_interval: int | None  # rank 0's in lockstep (every rank flushes at the same steps)
+    cross_rank: bool  # rank 0's
+    # (event, message): what init found about the job as a whole, emitted once the events exist
+    notices: tuple[tuple[str, str], ...] = ()
 
 
 def build_session(config: Config) -> Session:
     """A started session for `config`: every part built and wired, the worker and watchdog running."""
     place = agree_run_place(config)
+    # Rank 0's cadence settings, so that ranks in lockstep flush at the same steps (init warned).
+    config = replace(config, log_interval=place.log_interval, cross_rank=place.cross_rank)
     gpu_discovery = _discover_gpus(config, place.identity)
     resource = build_resource(
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
     )
     session = _build_session(config, place, resource, gpu_discovery)
+    launch = _check_launch(session, place, gpu_discovery)  # collective (one gather) when distributed
     _attach_goodput(session)
     _attach_worker(session)
     _attach_watchdog(session)
     if place.run_dir is not None and place.is_reporting_rank:
         run_dir = place.run_dir
-        run_dir_errors_as_config_errors(lambda: write_run_files(run_dir, config, place))
+        run_dir_errors_as_config_errors(lambda: write_run_files(run_dir, config, place, launch))
     session.worker.start()
     session.watchdog.start()
     if session.control is not None:
@@ -81,19 +91,80 @@ def agree_run_place(config: Config) -> RunPlace:
     # A dedicated gloo group: telemetry's one exchange per flush runs on the worker thread and
     # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
     group = create_telemetry_group(identity, config.collective_timeout_s)
-    # One run per job: every rank adopts rank 0's run id and run name (a generated name differs
-    # per process), so all ranks write into one run directory.
+    # One run per job: every rank adopts rank 0's run id, run name (a generated name differs per
+    # process) and log_interval, so all ranks write into one run directory and flush together.
     run_name = config.run_name or default_run_name()
-    if identity.rank == 0 and config.run_dir_enabled:  # rank 0's choice is every rank's (agree_run)
+    if identity.rank == 0 and config.run_dir_enabled:  # rank 0's choice is every rank's (agree_job)
         run_name = avoid_live_owner(Path(config.output_dir), run_name, identity.run_id)
-    identity, run_name = agree_run(identity, group, run_name)
+    agreed = agree_job(identity, group, run_name, config.log_interval, config.cross_rank)
+    identity, run_name = agreed.identity, agreed.run_name
     run_dir = make_run_dir(config, run_name)
     resumed = False
     if run_dir is not None:
         rank, run_id = identity.rank, identity.run_id
         resumed = run_dir_errors_as_config_errors(lambda: claim_run_dir(run_dir, rank, run_id, run_name))
     reporting = identity.rank == 0 or config.bridge_all_ranks
-    return RunPlace(identity, group, run_name, reporting, run_dir, resumed)
+    notices = _job_notices(config, agreed, group, run_dir)
+    for _, message in notices:
+        logger.warning("otel_train: %s", message)
+    return RunPlace(
+        identity,
+        group,
+        run_name,
+        reporting,
+        run_dir,
+        resumed,
+        agreed.log_interval,
+        agreed.cross_rank,
+        notices,
+    )
+
+
+def _job_notices(
+    config: Config, agreed: Agreement, group: Any, run_dir: Path | None
+) -> tuple[tuple[str, str], ...]:
+    """What this rank must say about the job at init: it was split off (no telemetry group, so
+    no agreed run directory), or it asked for another log_interval than rank 0."""
+    ident = agreed.identity
+    if ident.distributed and group is None and _process_group_started():
+        return (
+            (
+                "run_split",
+                f"rank {ident.rank} could not join the other ranks' telemetry group within "
+                f"collective_timeout_s={config.collective_timeout_s:g} s (a rank called ot.init() that "
+                f"much later than another, or a peer is gone): it writes its own run directory "
+                f"{run_dir or agreed.run_name} under run id {ident.run_id}, and has no cross-rank stats. "
+                "Give every rank the same run_name (or OTEL_TRAIN_RUN_ID) to keep one directory, call "
+                "ot.init() at the same point on every rank, or raise collective_timeout_s.",
+            ),
+        )
+    if agreed.differs:
+        asked = {"log_interval": _cadence_text(config.log_interval), "cross_rank": str(config.cross_rank)}
+        rank0 = {"log_interval": _cadence_text(agreed.log_interval), "cross_rank": str(agreed.cross_rank)}
+        names = " and ".join(agreed.differs)
+        return (
+            (
+                "settings_mismatch",
+                f"{names} differ{'s' if len(agreed.differs) == 1 else ''} across ranks: rank {ident.rank} "
+                f"asked for {', '.join(asked[n] for n in agreed.differs)}, rank 0 for "
+                f"{', '.join(rank0[n] for n in agreed.differs)}; every rank uses rank 0's, so that the "
+                f"ranks exchange at the same flushes and steps. Set the same {names} on every rank.",
+            ),
+        )
+    return ()
+
+
+def _cadence_text(log_interval: int | None) -> str:
+    return "the adaptive cadence (log_interval unset)" if log_interval is None else f"{log_interval} steps"
+
+
+def _process_group_started() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+    except Exception:  # torch missing or broken
+        return False
 
 
 def _discover_gpus(config: Config, identity: Identity) -> Discovery | None:
@@ -144,6 +215,7 @@ def _build_session(
 ) -> Session:
     """The session with every part that does not call back into it (see `build_session`)."""
     from otel_train.exporters import build_telemetry
+    from otel_train.gradient_flow import GradientFlowMonitor
     from otel_train.health import HealthMonitor
     from otel_train.profiling import ProfiledStepsCounter
     from otel_train.step_reader import StepReader
@@ -169,11 +241,20 @@ def _build_session(
             f"run {place.run_name!r} (run_id {ident.run_id}) restarted; appending to its files",
             {"pid": os.getpid()},
         )
+    for event, message in place.notices:
+        events.emit(event, message)
     sinks, console, bridges = run_dir_errors_as_config_errors(lambda: _sinks(config, place, instruments))
     hardware = _start_hardware(config, meter, events, ident, gpu_discovery)
     reducer, cadence = _reducer_and_cadence(config, place, meter, events)
     profiled_steps = ProfiledStepsCounter(meter)
-    listeners: list[FlushListener] = [health, *([hardware] if hardware else []), reducer, profiled_steps]
+    gradient_flow = GradientFlowMonitor(events)  # reads ot.watch's gradient norms: idle without a watch
+    listeners: list[FlushListener] = [
+        health,
+        gradient_flow,
+        *([hardware] if hardware else []),
+        reducer,
+        profiled_steps,
+    ]
     return Session(
         config=config, identity=ident, run_name=place.run_name, run_dir=place.run_dir, resumed=place.resumed,
         resource=resource, step_reader=step_reader, telemetry=telemetry, meter=meter,
@@ -239,15 +320,19 @@ def _reducer_and_cadence(
     from otel_train.straggler import CrossRankReducer
 
     ident = place.identity
-    reducer = CrossRankReducer(ident, meter, events, config, group=place.telemetry_group)
+    lockstep = ident.distributed and config.cross_rank
+    reducer = CrossRankReducer(
+        ident, meter, events, config, group=place.telemetry_group, exchange=config.cross_rank
+    )
     cadence = Cadence(
         config.log_interval,
         config.log_interval_min_s,
         config.log_interval_s,
-        coordinated=ident.distributed,
+        coordinated=lockstep,
         wait_timeout_s=config.collective_timeout_s,
     )
-    reducer.on_cadence = cadence.adopt
+    if lockstep:
+        reducer.on_cadence = cadence.adopt
     return reducer, cadence
 
 
@@ -371,19 +456,31 @@ def _attach_watchdog(session: Session) -> None:
 def _report_stuck_worker(session: Session) -> None:
     """Watchdog tick: one `worker_stuck` event per flush the worker spends longer than
     stall_timeout_s on (the training's buffers are capped meanwhile)."""
-    message = session.worker.stuck_message(session.config.stall_timeout_s)
+    from otel_train.worker import stuck_message
+
+    message = stuck_message(session.worker, session.config.stall_timeout_s)
     if message is not None:
         session.events.emit("worker_stuck", message, {"step": session.step_index})
 
 
-def write_run_files(run_dir: Path, config: Config, place: RunPlace) -> None:
+def _check_launch(session: Session, place: RunPlace, gpu_discovery: Discovery | None) -> dict[str, Any]:
+    from otel_train.distributed import process_group_initialized
+    from otel_train.gpu_discovery import RES_GPU_UUID
+    from otel_train.launch_check import check_launch, local_facts
+
+    gpu_uuid = gpu_discovery.resource_attributes().get(RES_GPU_UUID) if gpu_discovery else None
+    mine = local_facts(place.identity, gpu_uuid, process_group_initialized())
+    return check_launch(mine, place.telemetry_group, session.events)
+
+
+def write_run_files(run_dir: Path, config: Config, place: RunPlace, launch: dict[str, Any]) -> None:
     from otel_train.envinfo import collect_env
 
     resolved = config_as_dict(config)
     resolved.update({"run_name": place.run_name, "run_id": place.identity.run_id})
     files = RunFiles(run_dir)
     write_json(files.config, resolved)
-    write_json(files.env, collect_env())
+    write_json(files.env, {**collect_env(), "launch": launch})
 
 
 def _version() -> str:

@@ -67,6 +67,11 @@ class FlushBatch:
     layer_stats: list[LayerStats] = field(default_factory=list)
     histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
     flush_interval: int = 0  # this process's proposed steps per flush (cadence.py; rank 0's is adopted)
+    # Every step that ended in the interval, failed ones too, in order: a name recorded k times in
+    # each of them has k * len(step_indices) values, and value i belongs to step_indices[i // k].
+    step_indices: list[int] = field(default_factory=list)
+    merged: set[str] = field(default_factory=set)  # instruments fed by several record names (no order)
+    autocast_dtype: str | None = None  # torch.autocast's dtype on the training thread at the flush (MFU)
 
 
 class Buffer:
@@ -89,6 +94,7 @@ class Buffer:
         self.arrivals: dict[str, list[float]] = {}
         self.phase_errors: dict[tuple[str, str], list[float]] = {}
         self.step_durations: list[float] = []
+        self.step_indices: list[int] = []  # appended once per step by the session, never per record()
         self.cuda_timers: list[tuple[str, Any, Any]] = []
         self.spans: list[SpanRecord] = []
         self.dropped: dict[str, int] = {}
@@ -222,7 +228,7 @@ class Buffer:
                 name, f"record() name {name!r} collides with the {spec.kind.value} {instrument!r}; dropped."
             )
             return None
-        if spec is None:
+        if spec is None or instrument in semconv.INTERVAL_STAT_NAMES:
             reserved = semconv.reserved_by(instrument)
             if reserved is not None:
                 if len(self._reserved_names) < self.max_names * 8:
@@ -269,6 +275,7 @@ class Buffer:
     def take(self, seq: int, step: int, elapsed_s: float, perf_to_epoch_ns: int) -> FlushBatch:
         """Swap out this interval's data (called on the training thread; O(names))."""
         scalars: dict[str, list[Any]] = {}
+        merged_names: set[str] = set()
         # A snapshot: another thread may record a new name meanwhile (list() copies under the GIL).
         for record_name, values in list(self.scalars.items()):
             instrument = self._name_map.get(record_name)
@@ -278,7 +285,8 @@ class Buffer:
             if merged is None:
                 scalars[instrument] = values
             else:
-                merged.extend(values)
+                merged.extend(values)  # two names' values, no longer in step order
+                merged_names.add(instrument)
         batch = FlushBatch(
             seq=seq,
             step=step,
@@ -298,6 +306,8 @@ class Buffer:
             perf_to_epoch_ns=perf_to_epoch_ns,
             layer_stats=self.layer_stats,
             histograms=self.histograms,
+            step_indices=self.step_indices,
+            merged=merged_names,
         )
         self._reset()
         return batch

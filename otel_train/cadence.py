@@ -18,7 +18,8 @@ when it is needed waits for it (bounded by `collective_timeout_s`). Adaptive int
 below `ADAPTIVE_BASE_STEPS`, so that wait can only start `ADAPTIVE_BASE_STEPS` steps after flush
 k+1; at a human cadence the worker is long done. If the exchange fails (a peer died), the
 reducer reports no decision and every rank keeps its last interval: no exchange runs any more,
-so nothing can hang on a disagreement.
+so nothing can hang on a disagreement. Independent ranks (`cross_rank=False`) exchange nothing:
+each adapts its own interval and never waits.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 
 log = logging.getLogger("otel_train")
 
 ADAPTIVE_BASE_STEPS = 10
+WAIT_WARNING_S = 1.0  # a training-thread wait for the exchange this long is warned about (once)
 _NICE = (1, 2, 5)
 
 
@@ -75,6 +78,7 @@ class Cadence:
         self._awaited: int | None = None  # the flush seq whose decision sets the current interval
         self._changed = threading.Condition()
         self._warned = False
+        self._wait_warned = False
 
     # --- training thread ---------------------------------------------------------------------------
     def proposal(self, steps: int, elapsed_s: float) -> int:
@@ -108,11 +112,13 @@ class Cadence:
         if self._awaited is None:
             return steps >= self.threshold
         seq, self._awaited = self._awaited, None
+        waited_from = time.perf_counter()
         with self._changed:
             if self._changed.wait_for(lambda: seq in self._decisions, self._wait_timeout_s):
                 decided: int | None = self._decisions.pop(seq)
             else:
                 decided = None
+        self.note_wait(time.perf_counter() - waited_from)
         if decided is None:
             self.threshold = self._agreed
             if not self._warned:
@@ -126,6 +132,22 @@ class Cadence:
         else:
             self._apply(decided)
         return steps >= self.threshold
+
+    def note_wait(self, seconds: float) -> None:
+        """The training thread waited `seconds` for the exchange with the other ranks (here for rank
+        0's interval, or in the flush for the worker, itself in an exchange). Ranks in lockstep
+        wait for each other anyway; independent ranks must not, so say once how to stop it."""
+        if seconds < WAIT_WARNING_S or self._wait_warned:
+            return
+        self._wait_warned = True
+        log.warning(
+            "otel_train: the training thread waited %.1f s for the telemetry exchange with the other "
+            "ranks (a rank reaches its flushes later: it is slower, idle or paused). Ranks that train in "
+            "lockstep (DDP, FSDP) wait for each other anyway; if these ranks are independent "
+            "(evaluators, RL workers, separate trials), set cross_rank=False (OTEL_TRAIN_CROSS_RANK=0) "
+            "so that telemetry never makes one wait for another.",
+            seconds,
+        )
 
     def _apply(self, decided: int) -> None:
         if decided >= 1:

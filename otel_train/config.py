@@ -20,6 +20,8 @@ from typing import Any, Literal
 OtlpProtocol = Literal["http/protobuf", "grpc"]
 TimingLogOption = Literal["max", "minmax", "all"]
 WatchAggregate = Literal["layer", "model"]
+# The precision MFU's peak is taken for (otel_train.mfu); "auto": detected (see Config.compute_dtype).
+ComputeDtype = Literal["auto", "fp8", "bf16", "fp16", "tf32", "fp32"]
 
 
 class ConfigError(ValueError):
@@ -93,6 +95,10 @@ class Config:
     hardware: bool = True
     hardware_interval_s: float = 5.0
     peak_flops: float | None = None  # override the peak table (FLOP/s per GPU)
+    # The precision the matmuls run in, whose peak MFU divides by. "auto": the torch.autocast dtype
+    # active on the training thread at a flush, else bf16 (autocast around the forward pass only
+    # cannot be seen from a flush); set it for fp8, fp16 without autocast, tf32 or fp32 training.
+    compute_dtype: ComputeDtype = "auto"
     flops_per_token: float | None = None
     # Reset torch.cuda's peak memory stats at each flush (peak per interval). False leaves them to
     # your code (torch.cuda.max_memory_allocated() keeps working); the peak is then the run's.
@@ -104,6 +110,10 @@ class Config:
     straggler_threshold: float = 0.9  # relative score: 1 - lateness / step time
     straggler_ewma: float = 0.5
     collective_timeout_s: float = 60.0
+    # One exchange per flush with rank 0 (cross-rank stats, stragglers, one cadence): right for ranks
+    # that train in lockstep (DDP, FSDP). False for independent ranks (evaluators, RL workers,
+    # separate trials): they then meet only at init() and never wait for each other's flushes.
+    cross_rank: bool = True
 
 
 _SECRET_RE = re.compile(r"(key|token|secret|passw|auth|credential|header|cookie|bearer)", re.I)
@@ -435,20 +445,54 @@ def redact_url(value: Any) -> Any:
     return value
 
 
-# `api_key=...`, `password: ...`, `Authorization: Bearer ...` inside free text.
+# Free text (ot.log_text, samples) is capped before it is queued: a megabyte string would hold the
+# worker (and the GIL) while it is redacted and written, and it has no place in a JSONL line.
+TEXT_LIMIT = 65_536  # characters per text and per sample prompt/output
+
+
+def cap_text(text: str) -> str:
+    """`text` cut to TEXT_LIMIT characters, saying so and how long it was."""
+    if len(text) <= TEXT_LIMIT:
+        return text
+    return f"{text[:TEXT_LIMIT]} [... truncated by otel_train: {len(text)} characters in all]"
+
+
+# A secret-looking name and its value inside free text: `api_key=...`, `password: ...`,
+# `"api_key": "..."`, `api_key='...'` (argparse.Namespace, dict reprs), `export HF_TOKEN='...'`,
+# `--hf-token ...`, `--api-key=...`, `['--hf-token', '...']`. Linear time, because this runs on
+# text of any shape (a 100 kB base64 blob took 11 s with `\b[\w.-]*key[\w.-]*`: every start
+# inside a long word rescanned the word): a name starts only where a word starts, and its parts
+# around the keyword are bounded, so each word costs a bounded amount of backtracking; every
+# value form is one loop over characters that cannot also end it. `tokens`/`tokenizer` are
+# counts and model names, not secrets.
+_SECRET_WORD = r"(?:key|token(?!s|iz)|secret|passw|auth|credential|cookie)"
 _SECRET_IN_TEXT_RE = re.compile(
-    r"(?i)\b([\w.-]*(?:key|token|secret|passw|auth|credential|cookie)[\w.-]*)(\s*[:=]\s*)"
-    r"(?:bearer\s+|basic\s+)?([^\s,;&'\"]+)"
+    r"(?i)(?<![\w.-])"
+    rf"(?P<name>(?P<flag>--?)?[\w.-]{{0,64}}{_SECRET_WORD}[\w.-]{{0,64}})(?![\w.-])"
+    # after the name: an optional closing quote, then `:` / `=`; a flag also takes a space or a
+    # list separator (`'--hf-token', '...'`)
+    r"(?P<sep>\\?[\"']?[ \t]*[:=][ \t]*|(?(flag)(?:[ \t]+|[\"'],[ \t]*)|(?!)))"
+    r"(?:bearer[ \t]+|basic[ \t]+)?"
+    r"(?P<value>\"(?:[^\"\\\n]|\\.)*\"?|'[^'\n]*'?|\\\"[^\"\\\n]*|(?!-)[^\s,;&'\"(){}\[\]<>\\]+)"
 )
 _BEARER_RE = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{6,}")
+_USERINFO_RE = re.compile(r"(?<=://)[^/@\s]+@")  # `scheme://user:password@host`
+
+
+def _redacted_pair(match: re.Match[str]) -> str:
+    value = match["value"]
+    quote = next((q for q in ('\\"', '"', "'") if value.startswith(q)), "")
+    closing = quote if quote and len(value) > len(quote) and value.endswith(quote) else ""
+    return f"{match['name']}{match['sep']}{quote}{REDACTED}{closing}"
 
 
 def redact_text(text: str) -> str:
-    """Best effort for free text (ot.log_text, samples): secret-looking `key=value` pairs, bearer
-    tokens and URL userinfo become '***'."""
-    text = _SECRET_IN_TEXT_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    """Best effort for free text (ot.log_text, samples), in linear time: the values of
+    secret-looking names (`key=value`, `key: value`, quoted, JSON, dict and Namespace reprs,
+    `--flag value`), bearer tokens and URL userinfo become '***'."""
+    text = _SECRET_IN_TEXT_RE.sub(_redacted_pair, text)
     text = _BEARER_RE.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
-    return re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@", rf"\1{REDACTED}@", text)
+    return _USERINFO_RE.sub(f"{REDACTED}@", text)
 
 
 def redact(value: Any, key: str = "") -> Any:

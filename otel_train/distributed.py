@@ -6,7 +6,7 @@ Wiring (every rank calls this at init, in the same order, because `new_group` is
 
     identity = detect_identity(config.run_id)
     group = create_telemetry_group(identity, config.collective_timeout_s)   # None when not distributed
-    identity, run_name = agree_run(identity, group, run_name)               # one broadcast at init
+    agreed = agree_job(identity, group, run_name, log_interval, cross_rank)  # one broadcast at init
     reducer = CrossRankReducer(identity, meter, events, config, group=group)
 """
 
@@ -48,6 +48,19 @@ class Identity:
         return f"{self.run_id}-rank{self.rank}"
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """What `ot.run_info()` tells an adapter or a user about the running session."""
+
+    run_id: str
+    run_name: str
+    run_dir: str | None  # None when the run directory is off
+    rank: int
+    local_rank: int
+    world_size: int
+    step: int  # the last completed step (-1 before the first)
+
+
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:
     for name in names:
         raw = environ.get(name)
@@ -82,6 +95,11 @@ def _process_group_rank_world() -> tuple[int, int] | None:
     except Exception:  # torch missing or broken: fall back to the environment
         return None
     return None
+
+
+def process_group_initialized() -> bool:
+    """Is there an initialised torch.distributed process group (torch imported only if loaded)?"""
+    return _process_group_rank_world() is not None
 
 
 def detect_identity(
@@ -145,40 +163,82 @@ def agree_run_id(identity: Identity, group: Any | None) -> Identity:
 
 
 def agree_run(identity: Identity, group: Any | None, run_name: str) -> tuple[Identity, str]:
-    """Every rank adopts rank 0's run id AND run name: one broadcast on the telemetry group at init,
-    so every rank of a job writes into one run directory (a generated name differs per process).
+    """Every rank adopts rank 0's run id AND run name (see `agree_job`)."""
+    agreed = agree_job(identity, group, run_name, None)
+    return agreed.identity, agreed.run_name
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank takes from rank 0 at init (`agree_job`)."""
+
+    identity: Identity
+    run_name: str
+    log_interval: int | None  # rank 0's (None: adaptive) in lockstep; else this rank's own
+    cross_rank: bool  # rank 0's
+    differs: tuple[str, ...] = ()  # the settings this rank asked for differently from rank 0
+
+
+def agree_job(
+    identity: Identity, group: Any | None, run_name: str, log_interval: int | None, cross_rank: bool = True
+) -> Agreement:
+    """Every rank adopts rank 0's run id, run name, cross_rank and (in lockstep, cross_rank on)
+    log_interval: one broadcast on the telemetry group at init, so every rank of a job writes into
+    one run directory (a generated name differs per process) and, in lockstep, flushes at the same
+    steps (each flush's exchange pairs the same steps on every rank; a rank flushing every 7 steps
+    beside one flushing every 10 was throttled and paired different steps silently).
 
     Always broadcasts when `group` is given (every rank issues the same collective whatever its
     environment says), so ranks can never disagree on whether to communicate. Without a group
     (single process, or no process group) the inputs are returned unchanged. A failure (peer gone,
     timeout) keeps the local values and logs a warning.
     """
+    local = Agreement(identity, run_name, log_interval, cross_rank)
     if group is None or not identity.distributed:
-        return identity, run_name
+        return local
+    cadence = "" if log_interval is None else str(log_interval)
+    texts = (identity.run_id, run_name, cadence, "1" if cross_rank else "0")
+    fields = _broadcast_texts(group, identity.rank, texts)
+    if fields is None:
+        return local
+    agreed_id, agreed_name, agreed_cadence, agreed_cross = fields
+    lockstep = agreed_cross == "1"
+    interval = (int(agreed_cadence) if agreed_cadence.isdigit() else None) if lockstep else log_interval
+    differs = tuple(
+        name
+        for name, same in (("cross_rank", lockstep == cross_rank), ("log_interval", interval == log_interval))
+        if not same
+    )
+    if agreed_id and identity.rank != 0 and agreed_id != identity.run_id:
+        identity = replace(identity, run_id=agreed_id, run_id_source="agreed")
+    return Agreement(identity, agreed_name or run_name, interval, lockstep, differs)
+
+
+def _broadcast_texts(group: Any, rank: int, texts: tuple[str, ...]) -> list[str] | None:
+    """Rank 0's `texts` on every rank (each cut to RUN_ID_MAX_BYTES UTF-8 bytes): one broadcast.
+    None when it failed (logged)."""
     import torch
     import torch.distributed as dist
 
-    fields = 2  # run id, run name: each a length byte and up to RUN_ID_MAX_BYTES bytes
-    buf = torch.zeros(fields * (RUN_ID_MAX_BYTES + 1), dtype=torch.uint8)
-    if identity.rank == 0:
-        for index, text in enumerate((identity.run_id, run_name)):
+    width = RUN_ID_MAX_BYTES + 1  # a length byte, then the bytes
+    buf = torch.zeros(len(texts) * width, dtype=torch.uint8)
+    if rank == 0:
+        for index, text in enumerate(texts):
             raw = text.encode("utf-8")[:RUN_ID_MAX_BYTES]
-            at = index * (RUN_ID_MAX_BYTES + 1)
-            buf[at] = len(raw)
+            buf[index * width] = len(raw)
             if raw:
-                buf[at + 1 : at + 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                at = index * width + 1
+                buf[at : at + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     try:
         dist.broadcast(buf, src=0, group=group)
     except Exception as exc:
         logger.warning(
-            "otel_train: run id agreement failed (%s); using the local run id %s", exc, identity.run_id
+            "otel_train: run agreement with rank 0 failed (%s); this rank keeps its own run id, run name "
+            "and log_interval",
+            exc,
         )
-        return identity, run_name
-    agreed_id, agreed_name = (
+        return None
+    return [
         bytes(buf[at + 1 : at + 1 + int(buf[at])].tolist()).decode("utf-8", errors="replace")
-        for at in (0, RUN_ID_MAX_BYTES + 1)
-    )
-    name = agreed_name or run_name
-    if not agreed_id or identity.rank == 0 or agreed_id == identity.run_id:
-        return identity, name
-    return replace(identity, run_id=agreed_id, run_id_source="agreed"), name
+        for at in range(0, len(texts) * width, width)
+    ]

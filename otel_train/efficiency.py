@@ -20,7 +20,7 @@ from otel_train.gpu_sampler import GpuSampler
 from otel_train.health import EventChannel
 from otel_train.hw_outputs import create_instrument
 from otel_train.interval import Interval
-from otel_train.mfu import normalize_dtype, resolve_peak
+from otel_train.mfu import float32_matmul_dtype, normalize_dtype, resolve_peak
 
 # One logger for the whole hardware subsystem (its modules were one file): users filter on it.
 log = logging.getLogger("otel_train.hardware")
@@ -46,7 +46,7 @@ class FlushEfficiency:
         gpu: GpuSampler,
         torch_cuda: Callable[[], Any | None],
         environ: Mapping[str, str],
-        compute_dtype: str,
+        compute_dtype: str | None,
     ) -> None:
         self._config = config
         self._meter = meter
@@ -55,7 +55,11 @@ class FlushEfficiency:
         self._gpu = gpu
         self._torch_cuda = torch_cuda
         self._environ = environ
-        self._dtype = compute_dtype
+        # None: detected (the autocast dtype seen at a flush, else bf16); see Config.compute_dtype.
+        setting = compute_dtype if compute_dtype is not None else config.compute_dtype
+        self._dtype: str | None = normalize_dtype(setting) if setting != "auto" else None
+        self._detected: str | None = None
+        self._peak_dtype: str | None = None  # the dtype `_peak` was resolved for
         self._flops_per_token: float | None = config.flops_per_token
         self._instruments: dict[str, Any] = {}
         self._energy_prev: tuple[float, float] | None = None
@@ -83,12 +87,21 @@ class FlushEfficiency:
         self._flops_per_token = flops_per_token if flops_per_token and flops_per_token > 0 else None
 
     def set_compute_dtype(self, dtype: str) -> None:
-        if normalize_dtype(dtype) is None:
-            log.warning("otel_train: unknown compute dtype %r for MFU; keeping %r", dtype, self._dtype)
+        key = normalize_dtype(dtype)
+        if key is None:
+            log.warning(
+                "otel_train: unknown compute dtype %r for MFU; keeping %r", dtype, self.compute_dtype()
+            )
             return
-        self._dtype = dtype
-        self._peak = None
-        self._peak_logged = False
+        self._dtype = key
+
+    def compute_dtype(self, autocast: str | None = None) -> str:
+        """The dtype MFU's peak is for: the setting, else the autocast dtype seen at a flush (kept
+        once seen), else bf16. fp32 is tf32 when torch lets float32 matmuls use TF32 tensor cores."""
+        if self._dtype is None and autocast is not None:
+            self._detected = autocast
+        dtype = self._dtype or self._detected or "bf16"
+        return float32_matmul_dtype() if dtype == "fp32" else dtype
 
     def begin_flush(self) -> None:
         """Forget the last flush's allocator ratio (a flush without CUDA reports no pressure from it)."""
@@ -200,12 +213,16 @@ class FlushEfficiency:
                 return None
         return None
 
-    def resolve_peak(self) -> tuple[float | None, str | None]:
-        """(peak FLOP/s, source) used for MFU; (None, None) when unknown (no MFU)."""
+    def resolve_peak(self, dtype: str | None = None) -> tuple[float | None, str | None]:
+        """(peak FLOP/s, source) used for MFU at `dtype` (default: `compute_dtype()`); (None, None)
+        when unknown (no MFU)."""
+        dtype = dtype or self.compute_dtype()
+        if self._peak_dtype != dtype:  # resolved (and logged) once per dtype
+            self._peak_dtype, self._peak, self._peak_logged = dtype, None, False
         if self._peak is not None:
             return self._peak
         name = self._device_name()
-        peak = resolve_peak(name, self._dtype, self._config.peak_flops, self._environ)
+        peak = resolve_peak(name, dtype, self._config.peak_flops, self._environ)
         if peak[0] is None and name is None:
             # No device known yet (CUDA may be initialised later): resolve again next flush.
             if not self._peak_logged:
@@ -216,7 +233,7 @@ class FlushEfficiency:
         if peak[0] is None:
             log.info(
                 "otel_train: no MFU: peak FLOP/s unknown for device %r (dtype %s); set peak_flops or %s",
-                name, self._dtype, "OTEL_TRAIN_PEAK_FLOPS",
+                name, dtype, "OTEL_TRAIN_PEAK_FLOPS",
             )  # fmt: skip
         else:
             log.info("otel_train: MFU peak %.4g FLOP/s from %s (device %r)", peak[0], peak[1], name)
@@ -228,11 +245,14 @@ class FlushEfficiency:
             return
         achieved = fpt * interval.tokens / interval.elapsed_s
         self._instruments[sc.FLOPS.name].set(achieved)
-        peak, source = self.resolve_peak()
+        dtype = self.compute_dtype(interval.autocast_dtype)
+        peak, source = self.resolve_peak(dtype)
         if peak is None or source is None:
             return
         mfu = achieved / peak
-        self._instruments[sc.MFU.name].set(mfu, {sc.PEAK_SOURCE: source})
+        self._instruments[sc.MFU.name].set(
+            mfu, {sc.PEAK_SOURCE: source, sc.COMPUTE_DTYPE: dtype, sc.PEAK_FLOPS: peak}
+        )
         if mfu > 1.0 and not self._mfu_event_sent:
             self._mfu_event_sent = True
             message = (

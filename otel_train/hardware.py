@@ -76,7 +76,7 @@ class HardwareMonitor:
         environ: Mapping[str, str] | None = None,
         discovery: Discovery | None = None,
         init_timeout_s: float = 5.0,
-        compute_dtype: str = "bf16",
+        compute_dtype: str | None = None,
         process: Any | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -131,7 +131,8 @@ class HardwareMonitor:
             self.set_compute_dtype(dtype)
 
     def set_compute_dtype(self, dtype: str) -> None:
-        """The dtype whose peak MFU divides by ('bf16', 'fp16', 'tf32', 'fp32', 'fp8')."""
+        """The dtype whose peak MFU divides by ('bf16', 'fp16', 'tf32', 'fp32', 'fp8'); replaces
+        the compute_dtype setting and its detection."""
         self.efficiency.set_compute_dtype(dtype)
 
     def resolve_peak(self) -> tuple[float | None, str | None]:

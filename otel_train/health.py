@@ -143,8 +143,12 @@ class HealthMonitor:
         self._report_nonfinite_loss(interval.nonfinite.get(semconv.LOSS.name, 0), interval.step)
         for step, layers in interval.nonfinite_grads:
             self._report_nonfinite_grads(layers, step)
-        for value in interval.scalars.get(semconv.LOSS.name, ()):
-            self._check_spike(value, interval.step)
+        # Every recorded loss value, each with the step it was recorded at where the worker could
+        # tell (one value per step, the usual case); otherwise named by the interval's last step.
+        losses = interval.scalars.get(semconv.LOSS.name, ())
+        steps = interval.scalar_steps.get(semconv.LOSS.name)
+        for i, value in enumerate(losses):
+            self._check_spike(value, steps[i] if steps else interval.step, steps is not None)
 
     def _report_nonfinite_loss(self, count: int, step: int) -> None:
         if count == 0:
@@ -170,15 +174,16 @@ class HealthMonitor:
             severity="ERROR",
         )
 
-    def _check_spike(self, value: float, step: int) -> None:
+    def _check_spike(self, value: float, step: int, exact: bool) -> None:
         if (
             self._ewma is not None
             and self._seen >= self._warmup
             and value > self._spike_factor * self._ewma > 0
         ):
+            where = f"at step {step}" if exact else f"in the interval ending at step {step}"
             self._events.emit(
                 "loss_spike",
-                f"loss {value:.4g} at step {step} is {value / self._ewma:.1f}x its recent mean {self._ewma:.4g}",
+                f"loss {value:.4g} {where} is {value / self._ewma:.1f}x its recent mean {self._ewma:.4g}",
                 {"step": step, "loss": value},
             )
             return  # a spike does not move the baseline

@@ -21,10 +21,17 @@ class Interval:
     # timer name -> seconds from its step's start to the timer's end (CPU timers inside a step only)
     arrivals: dict[str, list[float]] = field(default_factory=dict)
     scalars: dict[str, list[float]] = field(default_factory=dict)  # instrument name -> finite values
+    # instrument name -> the step of each of its finite values, where known: values recorded the same
+    # number of times in every step of the interval (see FlushBatch.step_indices); absent otherwise
+    scalar_steps: dict[str, list[int]] = field(default_factory=dict)
     nonfinite: dict[str, int] = field(default_factory=dict)  # instrument name -> NaN/Inf values dropped
     # (step, layers) for each watched step whose per-layer gradient norms held NaN/Inf, in module order
     nonfinite_grads: list[tuple[int, list[str]]] = field(default_factory=list)
+    # (step, layer labels, per-layer gradient L2 norms) for each watched step, in step order; an
+    # absent gradient is 0.0, a non-finite one NaN/Inf (also listed in nonfinite_grads)
+    layer_grad_norms: list[tuple[int, tuple[str, ...], list[float]]] = field(default_factory=list)
     final: bool = False  # the last flush, from shutdown()
+    autocast_dtype: str | None = None  # the torch.autocast dtype active on the training thread at the flush
     flush_interval: int = 0  # proposed steps per flush (adaptive cadence): rank 0's is adopted by all
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,37 @@ _DTYPE_ALIASES = {
 def normalize_dtype(dtype: Any) -> str | None:
     """'bf16' for 'bf16', 'bfloat16', torch.bfloat16, ...; None when not a known compute dtype."""
     return _DTYPE_ALIASES.get(str(dtype).strip().lower())
+
+
+def autocast_dtype() -> str | None:
+    """The dtype of the `torch.autocast` region active on the calling thread (CUDA, else CPU), or
+    None. Autocast state is thread-local: call this on the training thread. It reads flags only (no
+    device sync) and never imports torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    for device in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return normalize_dtype(torch.get_autocast_dtype(device))
+        except Exception:  # a torch without per-device autocast queries: nothing detected
+            return None
+    return None
+
+
+def float32_matmul_dtype() -> str:
+    """'tf32' when torch lets float32 matmuls run on TF32 tensor cores (`allow_tf32`, or
+    `set_float32_matmul_precision('high' | 'medium')`), else 'fp32'. Process-wide flags."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "fp32"
+    try:
+        tf32 = (
+            bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+        )
+    except Exception:
+        return "fp32"
+    return "tf32" if tf32 else "fp32"
 
 
 def transformer_flops_per_token(

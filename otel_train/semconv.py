@@ -64,16 +64,21 @@ REASON = "otel_train.reason"
 EVENT = "otel_train.event"
 STRAGGLER_KIND = "straggler.kind"  # relative | individual
 STAT = "stat"  # min | max | mean | median
-BADPUT_CAUSE = "train.badput.cause"  # startup | eval | checkpoint | stall | restart | other
+BADPUT_CAUSE = "train.badput.cause"  # goodput.CAUSES: startup | eval | checkpoint_save | ... | other
 LAYER = "train.layer"  # a module path from ot.watch(model), e.g. blocks.3.attn
 HW_ID = "hw.id"
 HW_NAME = "hw.name"
-THROTTLE_REASON = "hw.gpu.throttle.reason"
+HW_TYPE = "hw.type"  # "gpu" on the common hw.* metrics (hw.power, hw.energy, hw.errors, hw.temperature)
+HW_TYPE_GPU = "gpu"
+THROTTLE_REASON = "otel_train.gpu.throttle.reason"
+XID = "otel_train.gpu.xid"  # the XID code on a `gpu_xid` health event
 DIRECTION = "network.io.direction"
 MEMORY_STATE = "system.memory.state"
 PEAK_SOURCE = (
     "peak.source"  # where the MFU denominator came from: table:<entry>:<dtype> | config:peak_flops | env:...
 )
+COMPUTE_DTYPE = "compute.dtype"  # the precision MFU's peak is for: fp8 | bf16 | fp16 | tf32 | fp32
+PEAK_FLOPS = "peak.flops"  # the MFU denominator itself, FLOP/s per GPU
 
 # Resource attribute keys that must become labels on every Prometheus series (both paths).
 RUN_ID = "run_id"
@@ -125,13 +130,55 @@ TOTAL_STEPS = _m(
     "train.steps.planned", S.GAUGE, "{step}", "Planned number of steps (when known).", "train/steps_planned"
 )
 ETA = _m("train.eta", S.GAUGE, "s", "Estimated time to the planned last step.", "progress/eta_s")
-LOSS = _m("train.loss", S.GAUGE, "", "Training loss (last value of the interval).", "train/loss")
+LOSS = _m(
+    "train.loss", S.GAUGE, "", "Training loss: mean over the interval's recorded values (one per step).",
+    "train/loss",
+)  # fmt: skip
 LEARNING_RATE = _m("train.learning_rate", S.GAUGE, "", "Learning rate.", "train/learning_rate")
-GRAD_NORM = _m("train.grad.norm", S.GAUGE, "", "Global gradient norm.", "train/grad_norm")
+GRAD_NORM = _m(
+    "train.grad.norm", S.GAUGE, "", "Global gradient norm: mean over the interval's recorded values.",
+    "train/grad_norm",
+)  # fmt: skip
 PARAM_NORM = _m("train.param.norm", S.GAUGE, "", "Global parameter L2 norm (ot.watch).", "train/param_norm")
 EVAL_LOSS = _m("eval.loss", S.GAUGE, "", "Validation loss.", "eval/loss")
 EVAL_PERPLEXITY = _m("eval.perplexity", S.GAUGE, "", "Validation perplexity.", "eval/perplexity")
 EVAL_ACCURACY = _m("eval.accuracy", S.GAUGE, "1", "Validation top-1 token accuracy.", "eval/accuracy")
+
+# --- per-step values over the flush interval ---------------------------------------------------------
+# A value recorded every step (ot.record) reaches the SDK once per flush as the MEAN of the interval's
+# values (the HF Trainer / Megatron convention: a 100-step interval is not one sampled step). Its
+# smallest, largest and last value go alongside: as gauges of their own for the loss and the gradient
+# norm (`train.loss.max`, key `train/loss_max`), and for every other recorded name as bridge keys only
+# (`interval_key`: `train/foo_max`; not as series, for the series budget).
+INTERVAL_STATS: tuple[str, ...] = ("min", "max", "last")
+
+
+def interval_key(key: str, stat: str) -> str:
+    """The bridge key of a recorded value's interval statistic (`train/loss`, `max` -> `train/loss_max`)."""
+    return f"{key}_{stat}"
+
+
+def _interval_specs(base: MetricSpec, what: str) -> dict[str, MetricSpec]:
+    words = {"min": "Smallest", "max": "Largest", "last": "Last"}
+    return {
+        stat: _m(f"{base.name}.{stat}", S.GAUGE, base.unit, f"{words[stat]} {what} of the interval's steps.",
+                 interval_key(base.key, stat))
+        for stat in INTERVAL_STATS
+    }  # fmt: skip
+
+
+LOSS_STATS = _interval_specs(LOSS, "training loss")
+LOSS_MIN, LOSS_MAX, LOSS_LAST = LOSS_STATS["min"], LOSS_STATS["max"], LOSS_STATS["last"]
+GRAD_NORM_STATS = _interval_specs(GRAD_NORM, "global gradient norm")
+GRAD_NORM_MIN, GRAD_NORM_MAX, GRAD_NORM_LAST = (GRAD_NORM_STATS[s] for s in INTERVAL_STATS)
+# Instrument name -> its interval statistics' gauges (the others' statistics are bridge keys only).
+INTERVAL_STAT_SPECS: dict[str, dict[str, MetricSpec]] = {
+    LOSS.name: LOSS_STATS,
+    GRAD_NORM.name: GRAD_NORM_STATS,
+}
+INTERVAL_STAT_NAMES: frozenset[str] = frozenset(
+    spec.name for specs in INTERVAL_STAT_SPECS.values() for spec in specs.values()
+)
 
 # --- ot.watch(model): per layer, on watched steps --------------------------------------------------
 LAYER_GRAD_NORM = _m(
@@ -161,8 +208,20 @@ GOODPUT = _m(
     "Share of the job's wall time (all restarts of the run id) spent in training steps.", "train/goodput",
 )  # fmt: skip
 BADPUT_DURATION = _m(
-    "train.badput.duration", S.COUNTER, "s", "Wall time not spent in training steps, by cause.",
+    "train.badput.duration", S.COUNTER, "s",
+    "Wall time (all restarts of the run id) not spent in productive training steps, by cause.",
     "train/badput/{train.badput.cause}", (BADPUT_CAUSE,),
+)  # fmt: skip
+INTERRUPTIONS = _m(
+    "train.interruptions", S.COUNTER, "{interruption}",
+    "Restarts of the run id: each process after the first one of a run id counts one.",
+    "train/interruptions",
+)  # fmt: skip
+STEP_DEVIATION = _m(
+    "train.step.deviation", S.GAUGE, "1",
+    "Mean step time of the interval against the typical one (median of the last 100 intervals' "
+    "means), minus 1: 0 = as usual, 0.25 = 25 % slower.",
+    "train/step_deviation",
 )  # fmt: skip
 LOSS_SCALE = _m(
     "train.loss_scale", S.GAUGE, "", "Mixed-precision loss scale (GradScaler, ot.watch_scaler).",
@@ -179,7 +238,7 @@ PROFILED_STEPS = _m(
 )  # fmt: skip
 HEALTH_EVENTS = _m(
     "train.health.events", S.COUNTER, "{event}",
-    "Health events (nonfinite, nonfinite_grad, loss_spike, straggler, stall, gpu_lost, memory_pressure, "
+    "Health events (nonfinite, nonfinite_grad, loss_spike, straggler, stall, gpu_lost, gpu_xid, memory_pressure, "
     "mfu_over_100).",
     "health/{otel_train.event}", attributes=(EVENT,),
 )  # fmt: skip
@@ -219,8 +278,8 @@ FLOPS = _m(
     "train.flops.rate", S.GAUGE, "{flop}/s", "Achieved model FLOP/s per GPU.", "throughput/flops_per_s"
 )
 MFU = _m(
-    "train.mfu", S.GAUGE, "1", "Model FLOPs utilization vs the device's peak.", "throughput/mfu",
-    attributes=(PEAK_SOURCE,),
+    "train.mfu", S.GAUGE, "1", "Model FLOPs utilization vs the device's peak for the job's compute dtype.",
+    "throughput/mfu", attributes=(PEAK_SOURCE, COMPUTE_DTYPE, PEAK_FLOPS),
 )  # fmt: skip
 ENERGY_PER_TOKEN = _m(
     "train.energy.per_token", S.GAUGE, "J", "GPU energy per token.", "energy/joules_per_token", gpu_only=True
@@ -237,83 +296,68 @@ POWER_AVERAGE = _m(
     gpu_only=True,
 )
 
-# --- GPU (hw.* semantic conventions where they exist) ----------------------------------------------
+# --- GPU ---------------------------------------------------------------------------------------------
+# `hw.*` names are exactly the OTel hardware semantic conventions (tests/test_hw_semconv.py checks
+# them against the spec's YAML at a pinned version); what the spec has no metric for is our
+# extension, named `otel_train.gpu.*`.
 _GPU = (HW_ID, HW_NAME)
+_GPU_TYPED = (HW_ID, HW_NAME, HW_TYPE)  # the common hw.* metrics say which kind of component
 GPU_UTILIZATION = _m(
-    "hw.gpu.utilization",
-    S.OBSERVABLE_GAUGE,
-    "1",
-    "GPU busy fraction.",
-    "gpu/{hw.id}/utilization",
-    _GPU,
+    "hw.gpu.utilization", S.OBSERVABLE_GAUGE, "1", "GPU busy fraction.", "gpu/{hw.id}/utilization", _GPU,
     gpu_only=True,
-)
+)  # fmt: skip
 GPU_MEMORY_UTILIZATION = _m(
-    "hw.gpu.memory.utilization", S.OBSERVABLE_GAUGE, "1", "GPU memory controller busy fraction.",
-    "gpu/{hw.id}/memory_utilization", _GPU, gpu_only=True,
+    "hw.gpu.memory.utilization", S.OBSERVABLE_GAUGE, "1", "Fraction of GPU memory used.",
+    "gpu/{hw.id}/memory_used_fraction", _GPU, gpu_only=True,
+)  # fmt: skip
+GPU_MEMORY_CONTROLLER = _m(
+    "otel_train.gpu.memory_controller.utilization", S.OBSERVABLE_GAUGE, "1",
+    "GPU memory controller busy fraction (NVML utilization.memory; an otel_train extension).",
+    "gpu/{hw.id}/memory_controller_busy", _GPU, gpu_only=True,
 )  # fmt: skip
 GPU_MEMORY_USAGE = _m(
-    "hw.gpu.memory.usage",
-    S.OBSERVABLE_UP_DOWN_COUNTER,
-    "By",
-    "GPU memory used.",
-    "gpu/{hw.id}/memory_used",
-    _GPU,
-    gpu_only=True,
-)
+    "hw.gpu.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory used.", "gpu/{hw.id}/memory_used",
+    _GPU, gpu_only=True,
+)  # fmt: skip
 GPU_MEMORY_LIMIT = _m(
-    "hw.gpu.memory.limit",
-    S.OBSERVABLE_UP_DOWN_COUNTER,
-    "By",
-    "GPU memory total.",
-    "gpu/{hw.id}/memory_limit",
-    _GPU,
-    gpu_only=True,
-)
+    "hw.gpu.memory.limit", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory total.",
+    "gpu/{hw.id}/memory_limit", _GPU, gpu_only=True,
+)  # fmt: skip
 GPU_TEMPERATURE = _m(
-    "hw.temperature",
-    S.OBSERVABLE_GAUGE,
-    "Cel",
-    "GPU temperature.",
-    "gpu/{hw.id}/temperature",
-    _GPU,
+    "hw.temperature", S.OBSERVABLE_GAUGE, "Cel", "GPU temperature.", "gpu/{hw.id}/temperature", _GPU_TYPED,
     gpu_only=True,
-)
+)  # fmt: skip
 GPU_POWER = _m(
-    "hw.power", S.OBSERVABLE_GAUGE, "W", "GPU power draw.", "gpu/{hw.id}/power", _GPU, gpu_only=True
+    "hw.power", S.OBSERVABLE_GAUGE, "W", "GPU power draw.", "gpu/{hw.id}/power", _GPU_TYPED, gpu_only=True
 )
 GPU_ENERGY = _m(
-    "hw.energy",
-    S.OBSERVABLE_COUNTER,
-    "J",
-    "GPU energy since driver load.",
-    "gpu/{hw.id}/energy",
-    _GPU,
+    "hw.energy", S.OBSERVABLE_COUNTER, "J", "GPU energy since driver load.", "gpu/{hw.id}/energy", _GPU_TYPED,
     gpu_only=True,
-)
+)  # fmt: skip
 GPU_ERRORS = _m(
-    "hw.errors", S.OBSERVABLE_COUNTER, "{error}", "GPU errors (ECC corrected/uncorrected, XID).",
-    "gpu/{hw.id}/errors/{error.type}", (*_GPU, ERROR_TYPE), gpu_only=True,
+    "hw.errors", S.OBSERVABLE_COUNTER, "{error}",
+    "GPU errors: ecc_corrected, ecc_uncorrected, xid (critical XID events; each one's code is on a "
+    "gpu_xid health event).",
+    "gpu/{hw.id}/errors/{error.type}", (*_GPU_TYPED, ERROR_TYPE), gpu_only=True,
+)  # fmt: skip
+GPU_IO = _m(
+    "hw.gpu.io", S.OBSERVABLE_COUNTER, "By",
+    "Bytes the GPU received and transmitted over PCIe (NVML's PCIe throughput samples integrated "
+    "over the sampling period: an estimate).",
+    "gpu/{hw.id}/io/{network.io.direction}", (*_GPU, DIRECTION), gpu_only=True,
 )  # fmt: skip
 GPU_CLOCK_SM = _m(
-    "hw.gpu.clock.sm", S.OBSERVABLE_GAUGE, "Hz", "SM clock.", "gpu/{hw.id}/clock_sm", _GPU, gpu_only=True
-)
-GPU_CLOCK_MEMORY = _m(
-    "hw.gpu.clock.memory",
-    S.OBSERVABLE_GAUGE,
-    "Hz",
-    "Memory clock.",
-    "gpu/{hw.id}/clock_memory",
-    _GPU,
-    gpu_only=True,
-)
-GPU_THROTTLE = _m(
-    "hw.gpu.throttle", S.OBSERVABLE_GAUGE, "1", "1 while a clock-event/throttle reason is active.",
-    "gpu/{hw.id}/throttle/{hw.gpu.throttle.reason}", (*_GPU, THROTTLE_REASON), gpu_only=True,
+    "otel_train.gpu.clock.sm", S.OBSERVABLE_GAUGE, "Hz", "SM clock (an otel_train extension).",
+    "gpu/{hw.id}/clock_sm", _GPU, gpu_only=True,
 )  # fmt: skip
-GPU_PCIE_THROUGHPUT = _m(
-    "hw.gpu.pcie.throughput", S.OBSERVABLE_GAUGE, "By/s", "PCIe throughput.",
-    "gpu/{hw.id}/pcie/{network.io.direction}", (*_GPU, DIRECTION), gpu_only=True,
+GPU_CLOCK_MEMORY = _m(
+    "otel_train.gpu.clock.memory", S.OBSERVABLE_GAUGE, "Hz", "Memory clock (an otel_train extension).",
+    "gpu/{hw.id}/clock_memory", _GPU, gpu_only=True,
+)  # fmt: skip
+GPU_THROTTLE = _m(
+    "otel_train.gpu.throttle", S.OBSERVABLE_GAUGE, "1",
+    "1 while a clock-event/throttle reason is active (an otel_train extension).",
+    "gpu/{hw.id}/throttle/{otel_train.gpu.throttle.reason}", (*_GPU, THROTTLE_REASON), gpu_only=True,
 )  # fmt: skip
 CUDA_MEMORY_ALLOCATED = _m(
     "train.cuda.memory.allocated",
@@ -516,7 +560,8 @@ def reserved_by(instrument: str) -> str | None:
     """The library instrument whose bridge keys or Prometheus series a user gauge named
     `instrument` would overwrite or duplicate (None when the name is free). Called once per name."""
     if instrument in BY_NAME:
-        return None if BY_NAME[instrument].kind is Kind.GAUGE else instrument
+        own = BY_NAME[instrument].kind is not Kind.GAUGE or instrument in INTERVAL_STAT_NAMES
+        return instrument if own else None
     if instrument.startswith("otel_train."):
         return "otel_train.*"
     keys, prom = _reserved()

@@ -27,6 +27,7 @@ from otel_train.closing import close_listeners, close_sinks, drain_worker, stop_
 from otel_train.config import Config
 from otel_train.distributed import Identity
 from otel_train.interval import FlushListener
+from otel_train.mfu import autocast_dtype
 from otel_train.profiling import advance_window, start_window
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
@@ -50,6 +51,33 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
 log = logging.getLogger("otel_train")
 
 _MAX_SPAN_RECORDS = 10_000
+
+
+class GoodputClock:
+    """Goodput bookkeeping, cumulative, written by the training thread only (goodput.StepClock)."""
+
+    def start_goodput_clock(self, stall_timeout_s: float) -> None:
+        from otel_train.goodput import DATA_PHASES, process_start_perf_s
+
+        self.process_start_s = process_start_perf_s()
+        self.first_step_start_ns: int | None = None
+        self.startup_span_ns = 0
+        self.stall_ns = 0
+        self.nested_badput_ns = 0
+        self.span_ns: dict[str, int] = {}
+        self.data_ns = 0
+        self._data_phases = DATA_PHASES
+        self.rerun_ns = 0
+        self.rerun_through = -1  # set by the goodput listener on a restart
+        self._gap_span_ns = 0  # spans since the last step ended (not stall time)
+        self._step_open = False
+        self._stall_gap_ns = int(stall_timeout_s * 1e9)
+
+    def _note_long_gap(self, gap_ns: int) -> None:
+        """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""
+        stalled = gap_ns - self._gap_span_ns
+        if stalled > self._stall_gap_ns:
+            self.stall_ns += stalled
 
 
 @dataclass(kw_only=True, eq=False, repr=False)
@@ -123,7 +151,7 @@ class SessionParts:
         return endpoint.url if endpoint is not None else None
 
 
-class Session(SessionParts):
+class Session(SessionParts, GoodputClock):
     """Steps, timers, flushes and the shutdown of one process's telemetry (see the module doc)."""
 
     # Attached by assemble.build_session once the session exists (they call back into it).
@@ -133,20 +161,10 @@ class Session(SessionParts):
     control: ControlFile | None
 
     def __post_init__(self) -> None:
-        from otel_train.goodput import process_start_perf_s
-
         config = self.config
         self.on_exit: Callable[[], None] = self.shutdown  # `_runtime.init` sets ot.shutdown
         self.reinit_warned = False  # a second init() with other settings was warned about
-        # Goodput bookkeeping, cumulative, written by the training thread only (see goodput.py).
-        self.process_start_s = process_start_perf_s()
-        self.first_step_start_ns: int | None = None
-        self.stall_ns = 0
-        self.nested_badput_ns = 0
-        self.span_ns: dict[str, int] = {}
-        self._gap_span_ns = 0  # spans since the last step ended (not stall time)
-        self._step_open = False
-        self._stall_gap_ns = int(config.stall_timeout_s * 1e9)
+        self.start_goodput_clock(config.stall_timeout_s)
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
         self._pending_control: list[ControlChange] = []  # version order; replaced, never changed in place
         self._control_lock = threading.Lock()
@@ -157,9 +175,11 @@ class Session(SessionParts):
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
+        self.open_step: Any = None  # the timing.StepScope ot.begin_step() opened, until ot.end_step()
         self._seq = 0
         self._last_flush = time.perf_counter()
-        self._time_flush = not self.identity.distributed  # time-based flushes would desync ranks
+        self._lockstep = self.identity.distributed and config.cross_rank  # flushes pair across ranks
+        self._time_flush = not self._lockstep  # time-based flushes would desync ranks
         self._interval_s = config.log_interval_s
         self._perf_to_epoch_ns = time.time_ns() - time.perf_counter_ns()
         self._closed = False
@@ -177,6 +197,7 @@ class Session(SessionParts):
     def begin_step(self, step: Any) -> int:
         if step is None:
             index = self.step_index + 1
+            self.rerun_through = -1  # unnumbered steps restart from 0: re-runs cannot be told apart
         elif step.__class__ is int and -_MAX_STEP <= step <= _MAX_STEP:
             index = step
         else:
@@ -226,8 +247,11 @@ class Session(SessionParts):
             if len(buf.spans) < _MAX_SPAN_RECORDS:
                 buf.spans.append(_step_record(start_ns, end_ns, index, failed, profiled))
             self.sampled = False
+        buf.step_indices.append(index)  # which step the interval's recorded values belong to
         if failed:
             return
+        if index <= self.rerun_through:  # goodput's wasted progress: re-running steps after a restart
+            self.rerun_ns += end_ns - start_ns
         buf.steps += 1
         # Capped like every per-interval list: a worker stuck for hours defers every flush, and
         # this interval would grow until it returns (~43 MB per 1M steps).
@@ -241,7 +265,7 @@ class Session(SessionParts):
             buf.samples += samples
         if (
             (buf.steps >= self.cadence.threshold and self.cadence.due(buf.steps))
-            or (self._flush_requested and not self.identity.distributed)
+            or (self._flush_requested and not self._lockstep)
             or (self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s)
         ):
             self.flush()
@@ -268,12 +292,6 @@ class Session(SessionParts):
             self._pending_control = pending[len(due) :]
         apply_due(self, due, index)
 
-    def _note_long_gap(self, gap_ns: int) -> None:
-        """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""
-        stalled = gap_ns - self._gap_span_ns
-        if stalled > self._stall_gap_ns:
-            self.stall_ns += stalled
-
     def start_profile(self, window: ProfileWindow, ranks: Sequence[int] | None) -> bool:
         """Start a profiler window at the next step (training thread); False if not on this rank."""
         if self.profiler is not None:
@@ -289,6 +307,8 @@ class Session(SessionParts):
             self.buffer.add_phase(name, seconds)
             if self.step_start_ns:  # straggler detection: when this rank got here in its step
                 self.buffer.add_arrival(name, (end_ns - self.step_start_ns) * 1e-9)
+                if name in self._data_phases and self._step_index_running > self.rerun_through:
+                    self.data_ns += end_ns - start_ns  # goodput's data cause
         else:
             self.buffer.add_phase_error(name, error.__name__, seconds)
         if self.sampled and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
@@ -320,12 +340,14 @@ class Session(SessionParts):
                 self.nested_badput_ns += duration
         else:
             self._gap_span_ns += duration
+            if self.first_step_start_ns is None and cause != "other":
+                self.startup_span_ns += duration  # not startup: its own cause
         if self.worker.span_writer is not None and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
             step = max(self.step_index, 0)
             self.buffer.spans.append(_mark_record(name, start_ns, end_ns, step, error, attributes))
 
     def flush(self, final: bool = False) -> bool:
-        """Hand the interval to the worker. Never blocks when not distributed: if the queue is full
+        """Hand the interval to the worker. Never blocks unless in lockstep: if the queue is full
         the data stays in the buffer (counters keep summing) and the next step tries again.
 
         Only the thread running the steps takes the buffer (the step counters are plain ints it
@@ -335,7 +357,7 @@ class Session(SessionParts):
             return False
         now = time.perf_counter()
         worker = self.worker
-        if not final and not self.identity.distributed and worker.pending_batches() >= worker.max_batches:
+        if not final and not self._lockstep and worker.pending_batches() >= worker.max_batches:
             self.deferred_flushes += 1
             return False
         with self._lock:
@@ -348,13 +370,15 @@ class Session(SessionParts):
         if not final:
             batch.flush_interval = self.cadence.proposal(batch.steps, batch.elapsed_s)
         self._last_flush = now
-        if "torch" in sys.modules and _holds_cuda_values(batch):
-            batch.cuda_event = _record_cuda_event()
-        # Every rank must hand every flush over (its collective pairs with the peers'): when
-        # distributed, wait for room; otherwise the room was checked above (final: never waits).
-        wait_s = self.config.collective_timeout_s if self.identity.distributed and not final else 0.0
+        if "torch" in sys.modules:
+            _note_torch_state(batch, self.config.compute_dtype == "auto")
+        # Every rank must hand every flush over (its exchange pairs with the peers'): in lockstep,
+        # wait for room; otherwise the room was checked above (final: never waits).
+        wait_s = self.config.collective_timeout_s if self._lockstep and not final else 0.0
+        waited_from = time.perf_counter()
         with self._lock:
             handed = self.worker.submit_batch(batch, wait_s)
+        self.cadence.note_wait(time.perf_counter() - waited_from)
         if not handed:
             # Only reachable when distributed and the worker is stuck longer than collective_timeout_s.
             self.lost_flushes += 1
@@ -491,6 +515,15 @@ def _holds_cuda_values(batch: FlushBatch) -> bool:
         or any(_on_cuda(r.values) for r in batch.layer_stats)
         or any(_on_cuda(h[2]) for h in batch.histograms)
     )
+
+
+def _note_torch_state(batch: FlushBatch, detect_dtype: bool) -> None:
+    """Training thread, at a flush: a CUDA event when the batch holds CUDA values (the worker waits
+    on it), and the active torch.autocast dtype for MFU's peak (thread-local: only readable here)."""
+    if _holds_cuda_values(batch):
+        batch.cuda_event = _record_cuda_event()
+    if detect_dtype:
+        batch.autocast_dtype = autocast_dtype()
 
 
 def _warn_lost_flush(batch: FlushBatch, lost_flushes: int) -> None:

@@ -2,7 +2,10 @@
 
 Flattening rules (one key per value; every backend gets the same keys):
 
-- gauge                   -> `key`: the last value of the interval
+- gauge                   -> `key`: its value at the flush (a recorded value: the interval's mean, the
+                             worker sets it so; its min / max / last arrive as `key_min`, `key_max`,
+                             `key_last`: gauges of their own for the loss and gradient norm, keys the
+                             worker adds after collecting for the other names; see semconv.INTERVAL_STATS)
 - up-down counter         -> `key`: the current (cumulative) value
 - counter                 -> `key`: the interval's delta, and `key + "_per_s"`: delta / interval seconds
 - histogram               -> `key/mean`, `key/min`, `key/max`, `key/count`, `key/total` (the sum), and
@@ -33,9 +36,11 @@ from opentelemetry.sdk.metrics.export import Histogram as HistogramData
 
 from otel_train import semconv
 
-# Attributes that never become key segments: the SDK's overflow marker, and the MFU's peak source
-# (where the denominator came from describes the value; as a segment it would rename the key).
-_IGNORED_ATTRIBUTES = frozenset({"otel.metric.overflow", semconv.PEAK_SOURCE})
+# Attributes that never become key segments: the SDK's overflow marker, and the MFU's peak, its
+# source and dtype (they describe the value; as segments they would rename the key).
+_IGNORED_ATTRIBUTES = frozenset(
+    {"otel.metric.overflow", semconv.PEAK_SOURCE, semconv.COMPUTE_DTYPE, semconv.PEAK_FLOPS}
+)
 
 
 class StepReader(MetricReader):

@@ -16,6 +16,8 @@ lateness and wait (published by that rank) and the chronic stragglers. So other 
 everywhere, at the same flush), run one flush after rank 0 decided. Cross-rank reductions and
 `abstain_reason` exist on rank 0 only; other ranks' `last_reductions` hold their own timers.
 
+Independent ranks (`cross_rank=False`): no exchange at all; every rank keeps its own view.
+
 Failure: the group's timeout is `collective_timeout_s`. A failed or timed-out exchange (a peer died
 or stopped flushing) disables the reducer for good on every rank at the same flush (logged once):
 it never retries an exchange that a peer would not issue.
@@ -82,6 +84,7 @@ class CrossRankReducer:
     """Flush listener: cross-rank timer stats and straggler verdicts (see the module doc).
 
     Construct it on EVERY rank at init (it may create the dedicated gloo group, a collective).
+    `exchange=False` (cross_rank=False: independent ranks): no exchange at all, as if not distributed.
     `group`: the telemetry group from `distributed.create_telemetry_group` (created here when None
     and distributed). `on_straggler(reports)`: called on every rank with the same list of chronic
     stragglers (at most `downwire.MAX_CHRONIC`, the lowest scores) at each flush where there are
@@ -105,6 +108,7 @@ class CrossRankReducer:
         group: Any | None = None,
         on_straggler: Callable[[list[StragglerReport]], None] | None = None,
         max_timers: int = MAX_TIMERS,
+        exchange: bool = True,
     ) -> None:
         self.identity = identity
         self.events = events
@@ -132,7 +136,9 @@ class CrossRankReducer:
         self._lock = threading.Lock()
         self._world = identity.world_size
         self.group = group
-        if group is None and identity.distributed:
+        if not exchange:  # independent ranks (cross_rank=False): this rank's own view only
+            self.group = None
+        elif group is None and identity.distributed:
             self.group = create_telemetry_group(identity, self.timeout_s)
         if self.group is not None:
             import torch.distributed as dist

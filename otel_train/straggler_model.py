@@ -328,8 +328,8 @@ def abstain_reason(
         return None
     if timer_names:
         return (
-            "the timers (" + ", ".join(sorted(timer_names)[:6]) + ") do not run inside ot.step (or are CUDA "
-            "timers), so no rank's arrival in its step is known; only differences in step time are "
+            "the timers (" + ", ".join(sorted(timer_names)[:6]) + ") do not run inside ot.step (nor between "
+            "ot.begin_step() and ot.end_step()) or are CUDA timers, so no rank's arrival in its step is known; only differences in step time are "
             "visible, and in a synchronized job every rank's step time is equal. Time the phases "
             "inside `with ot.step(...)` with CPU timers: ot.timer('data'), ot.timer('forward'), "
             "ot.timer('backward'), ot.timer('optimizer')."

@@ -1,8 +1,11 @@
-"""step(), timed(), timer(), span(): the instrumentation you put in a training loop.
+"""step(), timed(), timer(), span(): the instrumentation you put in a training loop, and the
+same without a `with` block for adapters whose framework calls hooks at the start and end:
+begin_step()/end_step(), `timer(name).start()`/`.stop()`, `span(name).start()`/`.stop()`, and
+phase() for a phase known only by its duration.
 
 Each is a context manager and a decorator. Before `init()` they do nothing; a timer above the
 configured `timing_log_level` returns a shared no-op object. On the training thread they only read
-`perf_counter_ns` and append to the session buffer.
+`perf_counter_ns` and append to the session buffer. Clocks are `time.perf_counter_ns()`.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
+from math import isfinite
 from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar, overload
@@ -32,6 +36,12 @@ class _NullScope:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        return None
+
+    def start(self, at_ns: int | None = None) -> _NullScope:
+        return self
+
+    def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
         return None
 
 
@@ -90,6 +100,26 @@ class TimerScope:
     def __init__(self, name: str, cuda: bool) -> None:
         self.name = name
         self.cuda = cuda
+        self._session: Session | None = None
+
+    def start(self, at_ns: int | None = None) -> TimerScope:
+        """Start without a `with` block (`at_ns`: an earlier `perf_counter_ns()` reading, for a
+        phase whose start a framework hook saw); `stop()` ends it. Returns the scope."""
+        self.__enter__()
+        if at_ns is not None and self._session is not None:
+            self._start = at_ns
+        return self
+
+    def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
+        """End the phase `start()` began (`error`: the exception type if the phase failed; `at_ns`:
+        an earlier `perf_counter_ns()` reading where it ended, for a hook that runs after the end:
+        that is also this rank's arrival). A stop without a start, or a second stop, does nothing."""
+        session = self._session
+        if at_ns.__class__ is not int or session is None or self._cuda_start is not None:
+            self.__exit__(error, None, None)
+            return
+        session.end_timer(self.name, self._start, max(at_ns, self._start), error)  # type: ignore[arg-type]
+        self._session = None
 
     def __enter__(self) -> TimerScope:
         session = _runtime._current
@@ -155,6 +185,19 @@ class MarkScope:
     def __init__(self, name: str, attributes: Mapping[str, Any] | None) -> None:
         self.name = name
         self.attributes = attributes
+        self._session: Session | None = None
+
+    def start(self, at_ns: int | None = None) -> MarkScope:
+        """Start without a `with` block (`at_ns`: an earlier `perf_counter_ns()` reading);
+        `stop()` ends the span. Returns the scope."""
+        self.__enter__()
+        if at_ns is not None:
+            self._start = at_ns
+        return self
+
+    def stop(self, error: type[BaseException] | None = None) -> None:
+        """End the span `start()` began; a second stop does nothing."""
+        self.__exit__(error, None, None)
 
     def __enter__(self) -> MarkScope:
         self._session = _runtime._current
@@ -166,10 +209,81 @@ class MarkScope:
     ) -> None:
         if self._session is not None:
             self._session.end_mark(self.name, self._start, perf_counter_ns(), exc_type, self.attributes)
+            self._session = None
 
 
 def span(name: str, attributes: Mapping[str, Any] | None = None) -> MarkScope:
     return MarkScope(name, attributes)
+
+
+def begin_step(index: Any = None, *, start_ns: int | None = None) -> int | None:
+    """Begin a step without a `with` block (framework hooks): `ot.end_step()` ends it. `index=None`
+    continues from the last step; `start_ns` (a `perf_counter_ns()` reading) backdates the start,
+    e.g. to the end of the previous step so that data loading belongs to this step. Timers that
+    end inside the step record when this rank reached them (straggler arrivals), as in `ot.step`.
+    Returns the step number, or None before `init()`. A step still open is ended first."""
+    session = _runtime._current
+    if session is None:
+        return None
+    earlier: StepScope | None = session.open_step
+    if earlier is not None:
+        session.buffer.warn_once(
+            "<begin_step>",
+            f"ot.begin_step() while step {earlier._index} is open: ending it first "
+            "(call ot.end_step() once per step).",
+        )
+        end_step()
+    scope = StepScope(index, None, None).__enter__()
+    if start_ns.__class__ is int and 0 < start_ns <= scope._start:  # type: ignore[operator]
+        scope._start = session.step_start_ns = start_ns
+    session.open_step = scope
+    return scope._index
+
+
+def end_step(*, tokens: int | None = None, samples: int | None = None, failed: bool = False) -> None:
+    """End the step `ot.begin_step()` began: `tokens`/`samples` processed in it on this rank;
+    `failed=True` traces it as failed and leaves it out of the step counts and durations."""
+    session = _runtime._current
+    if session is None:
+        return
+    scope: StepScope | None = session.open_step
+    if scope is None:
+        session.buffer.drop("no_open_step")
+        session.buffer.warn_once(
+            "<end_step>", "ot.end_step() without ot.begin_step(): ignored (counted as no_open_step)."
+        )
+        return
+    session.open_step = None
+    scope.tokens, scope.samples = tokens, samples
+    scope.__exit__(_StepFailed if failed else None, None, None)
+
+
+class _StepFailed(Exception):
+    """`ot.end_step(failed=True)`: the step ended without an exception object."""
+
+
+def phase(name: str, seconds: float, level: int = 1) -> None:
+    """A phase known only by its duration (a framework reports it): counted and exported like a
+    timer's, with no arrival (its end on this rank's clock is unknown). Never raises: a negative,
+    non-finite or non-numeric duration is dropped and counted."""
+    session = _runtime._current
+    if session is None or _level_of(session, level) > session.timing_level:
+        return
+    try:
+        value = float(seconds)
+    except Exception:
+        value = float("nan")
+    if not (isfinite(value) and value >= 0.0) or not isinstance(name, str):
+        session.buffer.drop("invalid_value")
+        session.buffer.warn_once(
+            f"<phase {name!r}>", f"ot.phase({name!r}, {seconds!r}) needs a duration >= 0 in seconds; dropped."
+        )
+        return
+    session.buffer.add_phase(name, value)
+
+
+def _level_of(session: Session, level: Any) -> int:
+    return level if level.__class__ is int else _timer_level(session, level)  # type: ignore[no-any-return]
 
 
 def _wrap(fn: F, scope: Callable[[], Any]) -> F:

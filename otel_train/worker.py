@@ -32,7 +32,7 @@ from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.config import redact_text
 from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
-from otel_train.step_reader import StepReader
+from otel_train.step_reader import StepReader, key_for
 
 log = logging.getLogger("otel_train")
 
@@ -178,6 +178,12 @@ class SpanWriter:
         return span
 
 
+_NO_DATA_WARNING = (
+    "otel_train: record() got a tensor with no data (a meta or fake tensor); such values are "
+    "dropped and counted as otel_train.dropped{reason=no_data_tensor}."
+)
+
+
 def has_data(tensor: Any) -> bool:
     """False for a tensor that has no values to copy (a `meta` tensor, a FakeTensor of
     torch.compile's tracing): copying one raises from deep in C++, slowly (its C++ stack is
@@ -208,10 +214,11 @@ def histogram_values(values: Any) -> list[float]:
     return out
 
 
-def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
-    """Turn recorded values (numbers, 0-dim or 1-element tensors) into finite floats.
+def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str, int]]:
+    """Turn recorded values (numbers, 0-dim or 1-element tensors) into finite floats, position by
+    position (None where a value was dropped: bad type, non-scalar tensor, NaN/Inf).
 
-    Device tensors are stacked and copied in ONE transfer. Returns (finite values, drop counts).
+    Device tensors are stacked and copied in ONE transfer. Returns (values, drop counts).
     """
     dropped: dict[str, int] = {}
     out: list[float | None] = [None] * len(values)
@@ -248,15 +255,11 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float], dict[str, int]]:
                 dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
             else:
                 out[i] = resolved[0]
-    finite: list[float] = []
-    for value in out:
-        if value is None:
-            continue
-        if math.isfinite(value):
-            finite.append(value)
-        else:
+    for i, value in enumerate(out):
+        if value is not None and not math.isfinite(value):
+            out[i] = None
             dropped["nonfinite"] = dropped.get("nonfinite", 0) + 1
-    return finite, dropped
+    return out, dropped
 
 
 def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
@@ -331,21 +334,38 @@ def _record_durations(
     record_many(histogram, bulk, attributes)
 
 
+def _value_steps(
+    resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
+) -> list[int] | None:
+    """The step of each kept value, when the values were recorded k times in every step of the
+    interval (the usual once-per-step loss); None when that cannot be told (values recorded outside
+    steps, in some steps only, or under two names merged into one instrument)."""
+    if merged or not step_indices or len(resolved) % len(step_indices):
+        return None
+    per_step = len(resolved) // len(step_indices)
+    return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is not None]
+
+
 def resolve_interval(batch: FlushBatch) -> Interval:
     """The batch as host floats (waiting on its CUDA event, here on the worker); bad values are
     dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval."""
     if batch.cuda_event is not None:
         batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
     scalars: dict[str, list[float]] = {}
+    scalar_steps: dict[str, list[int]] = {}
     nonfinite: dict[str, int] = {}
     for instrument, raw in batch.scalars.items():
-        values, dropped = resolve_values(raw)
+        resolved, dropped = resolve_values(raw)
         for reason, count in dropped.items():
             batch.dropped[reason] = batch.dropped.get(reason, 0) + count
         if dropped.get("nonfinite", 0):
             nonfinite[instrument] = dropped["nonfinite"]
+        values = [v for v in resolved if v is not None]
         if values:
             scalars[instrument] = values
+            steps = _value_steps(resolved, batch.step_indices, instrument in batch.merged)
+            if steps is not None:
+                scalar_steps[instrument] = steps
     phases = {name: list(values) for name, values in batch.phases.items()}
     for name, start, end in batch.cuda_timers:
         try:
@@ -365,9 +385,11 @@ def resolve_interval(batch: FlushBatch) -> Interval:
         phases=phases,
         arrivals=batch.arrivals,
         scalars=scalars,
+        scalar_steps=scalar_steps,
         nonfinite=nonfinite,
         final=batch.final,
         flush_interval=batch.flush_interval,
+        autocast_dtype=batch.autocast_dtype,
     )
 
 
@@ -408,6 +430,7 @@ class Worker:
         self._abandoned = False
         self.dropped_messages = 0
         self.final_scalars: dict[str, float] = {}
+        self._stat_keys: dict[str, float] = {}  # this flush's interval statistics of users' names
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
@@ -415,11 +438,9 @@ class Worker:
         self.sink_errors: dict[str, int] = {}
         self._started_at = time.time()
         self._steps_done = 0
-        # What the worker is doing and since when (perf_counter; None when idle): the watchdog
-        # thread warns when one flush takes longer than stall_timeout_s (`stuck_message`).
-        self.busy_since: float | None = None
+        self.busy_since: float | None = None  # perf_counter when its item began (`stuck_message`)
         self.doing = "idle"
-        self._stuck_reported: float | None = None  # the busy_since of the item already reported
+        self.stuck_reported: float | None = None  # the busy_since of the item already reported
         self._thread = threading.Thread(target=self._run, name="otel_train-worker", daemon=True)
 
     def start(self) -> None:
@@ -455,21 +476,6 @@ class Worker:
             self._abandoned = True
             return False
         return True
-
-    def stuck_message(self, limit_s: float) -> str | None:
-        """Once per item: what the worker has been doing when it is longer than `limit_s` on one
-        (watchdog thread; a user callback that hangs, a dead file system), else None."""
-        since, doing = self.busy_since, self.doing
-        if since is None or since == self._stuck_reported:
-            return None
-        busy_s = time.perf_counter() - since
-        if busy_s < limit_s:
-            return None
-        self._stuck_reported = since
-        return (
-            f"the otel_train background worker has been {doing} for {busy_s:.0f}s; no telemetry is "
-            "written until it returns (flushes wait; values beyond max_values_per_interval are dropped)"
-        )
 
     def unwritten(self) -> tuple[int, int]:
         """(flush batches, steps) handed to the worker that it has not written (yet)."""
@@ -513,11 +519,7 @@ class Worker:
         scalars to the sinks."""
         interval = resolve_interval(batch)
         if batch.dropped.get("no_data_tensor"):
-            self._warn_once(
-                "no_data_tensor",
-                "otel_train: record() got a tensor with no data (a meta or fake tensor); such values are "
-                "dropped and counted as otel_train.dropped{reason=no_data_tensor}.",
-            )
+            self._warn_once("no_data_tensor", _NO_DATA_WARNING)
         self._feed_sdk(batch, interval)
         for key, step, values in batch.histograms:
             self._deliver_message(Message("histogram", key, values, step))
@@ -531,8 +533,15 @@ class Worker:
                 )
         self.doing = "collecting metrics (observable-instrument callbacks, e.g. ones made on ot.get_meter())"
         scalars = self.step_reader.collect_scalars(interval.elapsed_s)
+        for key, value in self._stat_keys.items():
+            scalars.setdefault(key, value)  # a user's own name of that key keeps its value
+        self._stat_keys.clear()
         self.final_scalars.update(scalars)
         self.flushes += 1
+        if not (interval.steps or batch.scalars or batch.dropped or batch.phases or batch.phase_errors):
+            # Nothing new since the last row (the final flush after the last step): the gauges
+            # would write that row again under the same step.
+            return
         for sink in self.sinks:
             self.doing = f"writing to the sink {type(sink).__name__}"
             try:
@@ -572,7 +581,8 @@ class Worker:
             if gauge is None:
                 batch.dropped["too_many_names"] = batch.dropped.get("too_many_names", 0) + 1
                 continue
-            gauge.set(values[-1])
+            gauge.set(math.fsum(values) / len(values))  # the interval's mean (see semconv.INTERVAL_STATS)
+            self._set_interval_stats(instrument, values)
         for reason, count in batch.dropped.items():
             ins.dropped.add(count, {semconv.REASON: reason})
         self._steps_done += interval.steps
@@ -583,6 +593,21 @@ class Worker:
             if self._steps_done and remaining >= 0:
                 ins.eta.set(remaining * elapsed / self._steps_done)
 
+    def _set_interval_stats(self, instrument: str, values: Sequence[float]) -> None:
+        """The interval's min, max and last value beside the mean: gauges of their own for the
+        instruments semconv gives them (the loss), bridge keys for the others (series budget)."""
+        stats = {"min": min(values), "max": max(values), "last": values[-1]}
+        specs = semconv.INTERVAL_STAT_SPECS.get(instrument)
+        if specs is None:
+            key = key_for(instrument, {})
+            for stat, value in stats.items():
+                self._stat_keys[semconv.interval_key(key, stat)] = value
+            return
+        for stat, spec in specs.items():
+            gauge = self.instruments.gauge(spec.name)
+            if gauge is not None:
+                gauge.set(stats[stat])
+
     def _feed_layer_stats(self, batch: FlushBatch, interval: Interval) -> None:
         """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
         and, for gradients, named in the interval (health reports them as one event per step)."""
@@ -590,6 +615,8 @@ class Worker:
             gauge = self.instruments.gauge(record.instrument)
             if gauge is None:
                 continue
+            if record.instrument == semconv.LAYER_GRAD_NORM.name:
+                interval.layer_grad_norms.append((record.step, record.labels, values))
             bad = []
             for label, value in zip(record.labels, values, strict=True):
                 if math.isfinite(value):
@@ -666,3 +693,19 @@ class Worker:
         if key not in self._errors_warned:
             self._errors_warned.add(key)
             log.warning(message)
+
+
+def stuck_message(worker: Worker, limit_s: float) -> str | None:
+    """Once per item: what `worker` has been doing when it is longer than `limit_s` on one
+    (watchdog thread; a user callback that hangs, a dead file system), else None."""
+    since, doing = worker.busy_since, worker.doing
+    if since is None or since == worker.stuck_reported:
+        return None
+    busy_s = time.perf_counter() - since
+    if busy_s < limit_s:
+        return None
+    worker.stuck_reported = since
+    return (
+        f"the otel_train background worker has been {doing} for {busy_s:.0f}s; no telemetry is "
+        "written until it returns (flushes wait; values beyond max_values_per_interval are dropped)"
+    )

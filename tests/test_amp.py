@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -83,3 +86,30 @@ def test_watch_scaler_rejects_other_objects_and_is_a_no_op_before_init() -> None
     with pytest.raises(TypeError, match="GradScaler"):
         ot.watch_scaler(object())
     assert ot.watch_scaler(torch.amp.GradScaler("cpu")) is None
+
+
+def test_watched_scaler_copies_pickles_and_checkpoints_unwatched() -> None:
+    """Checkpointing a watched scaler (torch.save of a dict holding it, deepcopy, pickle) used to
+    raise `cannot pickle '_thread.lock'`: the watch sat in the scaler's __dict__. The copies are
+    plain scalers: their skipped steps are not counted, and the original stays watched."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    with capture_metrics(run_name="amp-copy", log_interval=5, hardware=False) as capture:
+        ot.watch_scaler(scaler)
+        _train(scaler, 5, poison={1})
+        buffer = io.BytesIO()
+        torch.save({"scaler": scaler, "step": 5}, buffer)
+        buffer.seek(0)
+        copies = [
+            copy.deepcopy(scaler),
+            pickle.loads(pickle.dumps(scaler)),
+            torch.load(buffer, weights_only=False)["scaler"],
+        ]
+        for other in copies:
+            assert other.get_scale() == scaler.get_scale() == 512.0
+            _train(other, 5, poison={5, 6}, start=5)  # two skips no one watches
+            assert other.get_scale() == 128.0
+            assert pickle.loads(pickle.dumps(other)).get_scale() == 128.0  # still a plain scaler
+        _train(scaler, 5, poison={7}, start=5)  # the original is still watched
+    assert sum(v for _, v in capture.series("train/skipped_steps")) == 2
+    assert capture.last("train/loss_scale") == scaler.get_scale() == 256.0
+    assert "update" not in scaler.__dict__

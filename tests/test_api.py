@@ -58,8 +58,9 @@ def test_steps_timers_and_flattened_keys() -> None:
     assert first["timers/forward/min"] <= first["timers/forward/mean"] <= first["timers/forward/max"]
     assert "timers/forward/p50" in first
     assert first["timers/step/count"] == 4
-    assert first["train/loss"] == 0.0  # last value of the interval (3 - 3)
-    assert cap.last("train/loss") == -4.0
+    assert first["train/loss"] == 1.5  # the interval's mean: (3 + 2 + 1 + 0) / 4
+    assert (first["train/loss_min"], first["train/loss_max"], first["train/loss_last"]) == (0.0, 3.0, 0.0)
+    assert cap.last("train/loss") == -2.5
 
 
 def test_decorators_nesting_threads_async_and_errors() -> None:
@@ -203,8 +204,9 @@ def test_quiet_mode_prints_nothing(capsys) -> None:
 
 def test_public_api_is_pinned() -> None:
     assert sorted(ot.__all__) == sorted([
-        "Config", "ConfigError", "__version__", "current_session", "finish", "get_meter", "init",
-        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "profile", "record",
+        "Config", "ConfigError", "RunInfo", "__version__", "begin_step", "current_session", "end_step",
+        "finish", "get_meter", "init",
+        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "phase", "profile", "record", "run_info",
         "shutdown", "span", "step", "timed", "timer", "watch", "watch_scaler",
     ])  # fmt: skip
 

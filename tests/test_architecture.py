@@ -1,5 +1,8 @@
 """The package's shape, checked with `ast` (no imports run): no import cycle between otel_train's
-modules, no reach into another module's private names, no oversized function or class.
+modules, no reach into another module's private names, no oversized function or class, and no
+integration (otel_train/integrations/) beyond the public API: names in `otel_train.__all__`,
+`otel_train.config`, the metric catalogue `otel_train.semconv` and the other integrations only, a
+`Session` never touched (issue #23).
 
 What still breaks a rule is named in KNOWN_VIOLATIONS, one entry per offender, so the test passes
 today and fails on any new violation, and on an entry that no longer occurs (delete it then: the
@@ -58,9 +61,10 @@ class Report:
     cycles: list[str] = field(default_factory=list)
     private: list[str] = field(default_factory=list)
     sizes: list[str] = field(default_factory=list)
+    public: list[str] = field(default_factory=list)  # integrations beyond the public API
 
     def all(self) -> set[str]:
-        return {*self.cycles, *self.private, *self.sizes}
+        return {*self.cycles, *self.private, *self.sizes, *self.public}
 
 
 def load_package(package_dir: Path) -> dict[str, Module]:
@@ -233,6 +237,92 @@ def oversized(module: Module) -> Iterator[str]:
     yield from walk(module.tree, "")
 
 
+# --- integrations use the public API only (issue #23) ---------------------------------------------
+# What an adapter may use: the names in the package's `__all__`, its config module, the other
+# integrations. A `Session` (from `current_session()`/`init()`, or typed `Session`) is opaque: any
+# method call or attribute read/write on it is a violation (adapters for other frameworks must be
+# writable from the outside with the same API).
+SESSION_FACTORIES = frozenset({"current_session", "init"})
+
+
+def _public_names(modules: dict[str, Module], root: str) -> frozenset[str]:
+    for node in ast.walk(modules[root].tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        parent = _dotted(node.value)
+        return f"{parent}.{node.attr}" if parent is not None else None
+    return None
+
+
+def non_public_uses(module: Module, modules: dict[str, Module]) -> Iterator[str]:
+    """What an integration module uses beyond the public API, as report lines."""
+    root = module.name.split(".")[0]
+    public = _public_names(modules, root)
+    allowed_modules = {root, f"{root}.config", f"{root}.semconv"}  # settings and metric names are public
+    here = module.name
+    package_aliases: set[str] = set()
+    factories: set[str] = set()  # local names (dotted) that call into a Session factory
+    for imp in imports_of(module, modules):
+        if imp.module is not None and (
+            imp.module in allowed_modules or imp.module.startswith(f"{root}.integrations")
+        ):
+            if imp.module == root:
+                package_aliases.add(imp.bound_as)
+            continue
+        if imp.module is None and imp.owner == root and f"{root}.{imp.name}" in allowed_modules:
+            continue
+        if imp.module is None and imp.owner == root and imp.name in public:
+            if imp.name in SESSION_FACTORIES:
+                factories.add(imp.bound_as)
+            continue
+        if imp.module is None and (
+            imp.owner in allowed_modules - {root} or imp.owner.startswith(f"{root}.integrations")
+        ):
+            continue
+        yield f"public-api: {here} imports {imp.owner}{'.' + imp.name if imp.name else ''}"
+    factories |= {f"{alias}.{name}" for alias in package_aliases for name in SESSION_FACTORIES}
+
+    def is_session_call(node: ast.expr) -> bool:
+        return isinstance(node, ast.Call) and _dotted(node.func) in factories
+
+    sessions: set[str] = set()  # names (dotted: `self._s`) holding a Session
+    for node in ast.walk(module.tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign) and is_session_call(node.value):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.arg)) and node.annotation is not None:
+            if "Session" in ast.unparse(node.annotation) or (
+                isinstance(node, ast.AnnAssign) and node.value is not None and is_session_call(node.value)
+            ):
+                targets = [node.target] if isinstance(node, ast.AnnAssign) else [ast.Name(node.arg)]
+        elif isinstance(node, ast.NamedExpr) and is_session_call(node.value):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.withitem)
+            and node.optional_vars is not None
+            and is_session_call(node.context_expr)
+        ):
+            targets = [node.optional_vars]
+        sessions |= {d for d in map(_dotted, targets) if d is not None}
+    for node in ast.walk(module.tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        value = _dotted(node.value)
+        if value in package_aliases and node.attr not in public:
+            yield f"public-api: {here} uses {root}.{node.attr} (not in {root}.__all__)"
+        elif value in sessions or is_session_call(node.value):
+            yield f"public-api: {here} uses Session.{node.attr}"
+
+
 def violations(package_dir: Path, runtime_reads: frozenset[tuple[str, str, str]] = frozenset()) -> Report:
     modules = load_package(package_dir)
     report = Report()
@@ -247,7 +337,9 @@ def violations(package_dir: Path, runtime_reads: frozenset[tuple[str, str, str]]
             if (module.name, owner, name) not in runtime_reads:
                 report.private.append(f"private: {module.name} reads {owner}.{name}")
         report.sizes.extend(oversized(module))
-    for part in (report.cycles, report.private, report.sizes):
+        if module.name.startswith(f"{package_dir.name}.integrations."):
+            report.public.extend(non_public_uses(module, modules))
+    for part in (report.cycles, report.private, report.sizes, report.public):
         part[:] = sorted(set(part))
     return report
 
@@ -347,21 +439,67 @@ def test_detects_oversized_functions_and_classes(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("planted", ["cycle", "private", "size"])
+_FAKE_ROOT = '__all__ = ["current_session", "init", "step"]\nfrom pkg import _runtime\n'
+_FAKE_MODULES = {"session.py": "class Session: ...\n", "config.py": "class Config: ...\n", "_runtime.py": "",
+                 "integrations/__init__.py": "", "integrations/other.py": "def f(): ...\n"}  # fmt: skip
+
+
+def test_detects_integrations_beyond_the_public_api(tmp_path: Path) -> None:
+    ok = (
+        "import pkg as ot\nfrom pkg import step\nfrom pkg.config import Config\nfrom pkg.integrations.other import f\n"
+        "def g():\n    s = ot.current_session()\n    if s is None or ot.current_session() is not s:\n"
+        "        ot.step()\n    return s\n"
+    )
+    bad = (
+        "import pkg as ot\nfrom pkg.session import Session\nfrom pkg import current_session as cs\n"
+        "from pkg import _runtime\n"
+        "def a(s: Session):\n    s.flush()\n"
+        "def b():\n    x = ot.current_session()\n    x.buffer.add(1)\n    ot.current_session().end_step()\n"
+        "class C:\n    def m(self):\n        self._s = ot.current_session()\n        self._s.step_start_ns = 0\n"
+        "def c():\n    cs().identity\n    ot._runtime._current\n    with ot.init() as s:\n        s.run_dir\n"
+    )
+    outside = "import pkg as ot\ns = ot.current_session()\ns.buffer\n"  # not an integration: allowed
+    files = {"__init__.py": _FAKE_ROOT, **_FAKE_MODULES, "integrations/ok.py": ok, "integrations/bad.py": bad,
+             "core.py": outside}  # fmt: skip
+    report = violations(_package(tmp_path, files))
+    assert report.public == [
+        "public-api: pkg.integrations.bad imports pkg._runtime",
+        "public-api: pkg.integrations.bad imports pkg.session.Session",
+        "public-api: pkg.integrations.bad uses Session.buffer",
+        "public-api: pkg.integrations.bad uses Session.end_step",
+        "public-api: pkg.integrations.bad uses Session.flush",
+        "public-api: pkg.integrations.bad uses Session.identity",
+        "public-api: pkg.integrations.bad uses Session.run_dir",
+        "public-api: pkg.integrations.bad uses Session.step_start_ns",
+        "public-api: pkg.integrations.bad uses pkg._runtime (not in pkg.__all__)",
+    ]
+
+
+@pytest.mark.parametrize("planted", ["cycle", "private", "size", "public-api"])
 def test_a_planted_violation_fails_the_package_check(tmp_path: Path, planted: str) -> None:
     """The comparison test_no_new_violations makes, on a copy of a clean package plus one offender."""
-    files = {"a.py": "from pkg import b\n", "b.py": "X = 1\n"}
+    files = {
+        "__init__.py": '__all__ = ["current_session"]\n',
+        "a.py": "from pkg import b\n",
+        "b.py": "X = 1\n",
+    }
     if planted == "cycle":
         files["b.py"] = "import pkg.a\n"
     elif planted == "private":
         files["b.py"] = "_x = 1\n"
         files["a.py"] = "from pkg.b import _x\n"
-    else:
+    elif planted == "size":
         files["b.py"] = "def f():\n" + "    pass\n" * (MAX_FUNCTION_LINES + 5)
-    assert (
-        violations(_package(tmp_path / "clean", {"a.py": "from pkg import b\n", "b.py": "X = 1\n"})).all()
-        == set()
-    )
+    clean = {
+        "__init__.py": '__all__ = ["current_session"]\n',
+        "a.py": "from pkg import b\n",
+        "b.py": "X = 1\n",
+        "integrations/__init__.py": "",
+        "integrations/x.py": "import pkg\ns = pkg.current_session()\n",
+    }
+    if planted == "public-api":
+        files = {**clean, "integrations/x.py": "import pkg\npkg.current_session().end_step()\n"}
+    assert violations(_package(tmp_path / "clean", clean)).all() == set()
     new = violations(_package(tmp_path, files)).all() - KNOWN_VIOLATIONS
     assert len(new) >= 1 and all(v.startswith(planted) for v in new), new
 

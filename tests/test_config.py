@@ -61,6 +61,11 @@ def test_standard_otel_variables() -> None:
         ({"bogus": 1}, {}, ["unknown setting", "'bogus'"]),
         ({}, {"OTEL_METRIC_EXPORT_INTERVAL": "soon"}, ["OTEL_METRIC_EXPORT_INTERVAL", "milliseconds"]),
         ({"run_name": "bad name/.."}, {}, ["run_name", "letters, digits"]),
+        (
+            {},
+            {"OTEL_TRAIN_COMPUTE_DTYPE": "int8"},
+            ["compute_dtype", "OTEL_TRAIN_COMPUTE_DTYPE", "'int8'", "'fp8'"],
+        ),
     ],
 )
 def test_invalid_settings_name_setting_value_and_fix(overrides, env, fragments) -> None:

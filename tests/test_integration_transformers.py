@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,18 @@ MAX_STEPS = 6
 GRAD_ACCUM = 2
 
 
-def _trainer(out: Path, callback: OtelTrainCallback, max_steps: int = MAX_STEPS, ddp: bool = False) -> Any:
+def _trainer(
+    out: Path,
+    callback: OtelTrainCallback,
+    max_steps: int = MAX_STEPS,
+    ddp: bool = False,
+    dataset: Any = None,
+    model: Any = None,
+    **overrides: Any,
+) -> Any:
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(
+    settings: dict[str, Any] = dict(
         output_dir=str(out),
         max_steps=max_steps,
         per_device_train_batch_size=2,
@@ -48,10 +57,11 @@ def _trainer(out: Path, callback: OtelTrainCallback, max_steps: int = MAX_STEPS,
         hub_token="hf_PLANTED_SECRET_TOKEN",
         ddp_backend="gloo" if ddp else None,
     )
+    args = TrainingArguments(**{**settings, **overrides})
     return Trainer(
-        model=tiny_causal_lm(),
+        model=model if model is not None else tiny_causal_lm(),
         args=args,
-        train_dataset=TokenDataset(64),
+        train_dataset=dataset if dataset is not None else TokenDataset(64),
         eval_dataset=TokenDataset(8, seed=1),
         callbacks=[callback],
     )
@@ -128,6 +138,49 @@ def test_callback_starts_and_ends_its_own_session(tmp_path: Path, monkeypatch: p
     assert config["total_steps"] == 4  # taken from the Trainer's max_steps
 
 
+def test_callback_takes_settings_as_keyword_arguments(tmp_path: Path) -> None:
+    callback = OtelTrainCallback(
+        run_name="kw", verbosity=0, hardware=False, prometheus_port=0, log_interval=2
+    )
+    _trainer(tmp_path / "hf-out", callback, max_steps=2, eval_strategy="no", save_strategy="no").train()
+    config = json.loads((tmp_path / "runs" / "kw" / "config.json").read_text())
+    assert (config["run_name"], config["log_interval"]) == ("kw", 2)
+    with pytest.raises(ot.ConfigError, match="unknown setting 'run_nme': did you mean 'run_name'"):
+        OtelTrainCallback(run_nme="x")
+    with pytest.raises(ot.ConfigError, match=r"'tensorbord'.*'tensorboard'"):
+        OtelTrainCallback(settings={"tensorbord": True})
+
+
+def test_train_raising_mid_epoch_ends_the_callbacks_session_without_a_false_stall(tmp_path: Path) -> None:
+    """The user catches the Trainer's exception and handles it for longer than stall_timeout_s: the
+    open step ended as failed and the session the callback started is shut down, so no stall."""
+    model = tiny_causal_lm()
+    forwards = [0]
+
+    def fail_in_step_3(module: Any, inputs: Any, output: Any) -> None:
+        forwards[0] += 1
+        if forwards[0] == 2 * GRAD_ACCUM + 1:  # first micro-batch of the third step
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    model.register_forward_hook(fail_in_step_3)
+    callback = OtelTrainCallback(
+        run_name="boom", verbosity=0, hardware=False, prometheus_port=0, stall_timeout_s=0.5
+    )
+    trainer = _trainer(tmp_path / "hf-out", callback, model=model, eval_strategy="no", save_strategy="no")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        trainer.train()
+    raised_at = time.time()
+    assert ot.current_session() is None  # shut down before the exception reached the user
+    time.sleep(2.0)  # the user handles the error: four stall timeouts
+    ot.shutdown()  # (what a user would call; without the fix it writes the pending stall event)
+    run_dir = tmp_path / "runs" / "boom"
+    path = run_dir / "events.rank0.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    # (a step slower than 0.5 s on a loaded machine may be a true stall DURING training)
+    assert not [e for e in events if e["event"] == "stall" and e["time"] >= raised_at], events
+    assert sum(r.get("train/steps", 0) for r in _rows(run_dir)) == 2  # the failed third step is not counted
+
+
 def test_callback_adds_no_host_sync_on_the_training_thread(tmp_path: Path) -> None:
     """Count Tensor.item / tolist / __float__ / cpu calls on the training thread with and without
     the callback: the Trainer's own syncs are the same, the callback adds none."""
@@ -197,6 +250,51 @@ def test_trainer_under_two_gloo_ranks_one_run_dir_and_cross_rank_timers(tmp_path
     keys = set().union(*_rows(run_dir, 0))
     # Cross-rank reductions of the callback's timers appear on rank 0.
     assert any(k.startswith("timers/forward_backward/") and "max" in k for k in keys), sorted(keys)
+
+
+class SlowRows(TokenDataset):
+    """A dataset whose `__getitem__` takes `delay_s` (a slow disk or decoder on one rank)."""
+
+    def __init__(self, rows: int, delay_s: float) -> None:
+        super().__init__(rows)
+        self.delay_s = delay_s
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        time.sleep(self.delay_s)
+        return super().__getitem__(index)
+
+
+STRAGGLER_STEPS = 24
+
+
+def _ddp_slow_data_rank(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    # The user's session only to see the events; the timing is the callback's alone.
+    session = ot.init(
+        verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0
+    )
+    events: list[dict[str, Any]] = []
+    session.events.add_callback(lambda event, message, attrs: events.append({"event": event, **attrs}))
+    dataset = SlowRows(256, 0.015 if rank == 1 else 0.0)  # 4 rows per step: +60 ms per step on rank 1
+    trainer = _trainer(
+        Path(out) / f"hf-out{rank}", OtelTrainCallback(), max_steps=STRAGGLER_STEPS, ddp=True,
+        dataset=dataset, eval_strategy="no", save_strategy="no",
+    )  # fmt: skip
+    trainer.train()
+    reducer = session.reducer
+    ot.shutdown()
+    return {"stragglers": [e for e in events if e["event"] == "straggler"], "abstain": reducer.abstain_reason}
+
+
+@pytest.mark.multirank
+def test_trainer_under_ddp_names_the_rank_slow_in_data_and_never_the_waiting_rank(tmp_path: Path) -> None:
+    """2 gloo ranks, the callback alone, rank 1's dataset slow: the fast rank waits for it inside
+    forward_backward (DDP's all-reduce); only rank 1 is named, in `data`."""
+    results = run_ranks(2, _ddp_slow_data_rank, (str(tmp_path),), timeout=240)
+    reported = results[0]["stragglers"]
+    assert results[0]["abstain"] is None  # arrivals exist: the detector does not abstain
+    (first,) = reported  # named once while it stays a straggler; rank 0 never
+    assert (first["rank"], first["train.phase"], first["category"]) == (1, "data", "data"), first
+    assert first["pattern"] == "chronic" and first["waiting_ranks"] == "0"
 
 
 _HOOKS = (

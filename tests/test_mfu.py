@@ -172,8 +172,116 @@ def test_mfu_from_table(reader: InMemoryMetricReader) -> None:
     assert pts[sc.FLOPS.name] == [({}, pytest.approx(achieved))]
     [(attrs, mfu)] = pts[sc.MFU.name]
     assert mfu == pytest.approx(achieved / 989.5e12)
-    assert attrs == {sc.PEAK_SOURCE: "table:h100-sxm:bf16"}
+    assert attrs == {sc.PEAK_SOURCE: "table:h100-sxm:bf16", sc.COMPUTE_DTYPE: "bf16", sc.PEAK_FLOPS: 989.5e12}
     assert not events.items
+
+
+@pytest.mark.parametrize(("dtype", "peak"), [("fp8", 1979e12), ("fp16", 989.5e12), ("tf32", 494.7e12)])
+def test_the_compute_dtype_setting_picks_its_peak_row(
+    reader: InMemoryMetricReader, dtype: str, peak: float
+) -> None:
+    _, pts = run_flushes(reader, "NVIDIA H100 80GB HBM3", Events(), flops_per_token=1e9, compute_dtype=dtype)
+    [(attrs, mfu)] = pts[sc.MFU.name]
+    assert mfu == pytest.approx(1e9 * 10_000 / 2.0 / peak)
+    assert attrs == {sc.PEAK_SOURCE: f"table:h100-sxm:{dtype}", sc.COMPUTE_DTYPE: dtype, sc.PEAK_FLOPS: peak}
+
+
+def _mfu_points(mon: HardwareMonitor, reader: InMemoryMetricReader, autocast: str | None) -> dict[str, Any]:
+    mon.on_flush(Interval(seq=0, step=0, wall_time=0.0, elapsed_s=2.0, steps=10, tokens=10_000, samples=10,
+                          autocast_dtype=autocast))  # fmt: skip
+    data = reader.get_metrics_data()
+    assert data is not None
+    [mfu] = [
+        m
+        for rm in data.resource_metrics
+        for s in rm.scope_metrics
+        for m in s.metrics
+        if m.name == sc.MFU.name
+    ]
+    # one point per dtype reported so far (a gauge keeps each attribute set's last value)
+    return {p.attributes[sc.COMPUTE_DTYPE]: p.attributes for p in mfu.data.data_points}
+
+
+def test_auto_takes_the_autocast_dtype_seen_at_a_flush(reader: InMemoryMetricReader) -> None:
+    provider = MeterProvider(metric_readers=[reader])
+    nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0), name="NVIDIA H100 80GB HBM3")])
+    mon = HardwareMonitor(
+        Config(flops_per_token=1e9), provider.get_meter("t"), None, 0, nvml=nvml, environ={}
+    )
+    mon.start(background=False)
+    try:
+        assert mon.efficiency.compute_dtype() == "bf16"  # nothing seen yet: bf16 assumed
+        points = _mfu_points(mon, reader, "fp16")
+        assert points["fp16"][sc.PEAK_SOURCE] == "table:h100-sxm:fp16"
+        _mfu_points(mon, reader, None)  # autocast not active at this flush: the seen dtype stays
+        assert mon.efficiency.compute_dtype() == "fp16"
+        mon.set_compute_dtype("fp8")  # an explicit dtype wins over what is seen
+        points = _mfu_points(mon, reader, "bf16")
+        assert points["fp8"][sc.PEAK_FLOPS] == 1979e12
+    finally:
+        mon.close()
+        provider.shutdown()
+
+
+def test_fp32_means_tf32_when_torch_lets_matmuls_use_tf32(reader: InMemoryMetricReader) -> None:
+    provider = MeterProvider(metric_readers=[reader])
+    nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0), name="NVIDIA H100 80GB HBM3")])
+    config = Config(flops_per_token=1e9, compute_dtype="fp32")
+    mon = HardwareMonitor(config, provider.get_meter("t"), None, 0, nvml=nvml, environ={})
+    mon.start(background=False)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert mon.resolve_peak() == (67e12, "table:h100-sxm:fp32")
+        torch.set_float32_matmul_precision("high")
+        assert mon.resolve_peak() == (494.7e12, "table:h100-sxm:tf32")
+    finally:
+        torch.set_float32_matmul_precision(before)
+        mon.close()
+        provider.shutdown()
+
+
+class _Intervals:
+    def __init__(self) -> None:
+        self.autocast: list[str | None] = []
+
+    def on_flush(self, interval: Interval) -> None:
+        self.autocast.append(interval.autocast_dtype)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("torch_dtype", "name"), [(torch.bfloat16, "bf16"), (torch.float16, "fp16")])
+def test_cpu_autocast_around_the_step_is_detected_in_a_session(torch_dtype: torch.dtype, name: str) -> None:
+    import urllib.request
+
+    from helpers.ports import free_port
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import otel_train as ot
+
+    port = free_port()
+    session = ot.init(prometheus_port=port, verbosity=0, log_interval=2, run_dir_enabled=False,
+                      peak_flops=1e12, flops_per_token=1e6)  # fmt: skip
+    intervals = _Intervals()
+    session.add_listener(intervals)
+    try:
+        model = nn.Linear(4, 4)
+        for i in range(2):
+            with torch.autocast("cpu", dtype=torch_dtype), ot.step(i, tokens=100):
+                ot.record("loss", model(torch.ones(2, 4)).float().sum())
+        session.worker.stop(timeout_s=10)
+        text = urllib.request.urlopen(session.prometheus_url, timeout=10).read().decode()
+    finally:
+        ot.shutdown()
+    [mfu] = [
+        s for f in text_string_to_metric_families(text) for s in f.samples if s.name == sc.MFU.prometheus_name
+    ]
+    assert intervals.autocast == [name]  # read on the training thread (autocast state is per thread)
+    assert mfu.labels["compute_dtype"] == name
+    assert mfu.labels["peak_source"] == "config:peak_flops"
+    assert float(mfu.labels["peak_flops"]) == 1e12
 
 
 def test_unknown_device_gives_flops_but_no_mfu(reader: InMemoryMetricReader) -> None:
@@ -209,7 +317,7 @@ def test_wrong_peak_over_100_percent_raises_one_event(reader: InMemoryMetricRead
     _, pts = run_flushes(reader, "NVIDIA H100 80GB HBM3", events, n=3, flops_per_token=1e9, peak_flops=1e9)
     [(attrs, mfu)] = pts[sc.MFU.name]
     assert mfu > 1.0
-    assert attrs == {sc.PEAK_SOURCE: "config:peak_flops"}
+    assert attrs == {sc.PEAK_SOURCE: "config:peak_flops", sc.COMPUTE_DTYPE: "bf16", sc.PEAK_FLOPS: 1e9}
     over = [e for e in events.items if e[0] == "mfu_over_100"]
     assert len(over) == 1  # once, not every flush
     assert "config:peak_flops" in over[0][1]

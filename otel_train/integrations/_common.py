@@ -1,15 +1,61 @@
-"""What the framework integrations share: lazy session start and framework log names."""
+"""What the framework integrations share: lazy session start, settings given as keyword
+arguments, framework log names."""
 
 from __future__ import annotations
 
+import difflib
 import logging
+import os
 from collections.abc import Mapping
 from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
+from otel_train import semconv
+from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError
 
 log = logging.getLogger("otel_train")
+
+
+def settings_from_kwargs(
+    settings: Mapping[str, Any] | None, kwargs: dict[str, Any], owner: str
+) -> dict[str, Any]:
+    """`ot.init()` settings given to an integration's constructor: the `settings` mapping, then
+    keyword arguments (which win), e.g. `OtelTrainCallback(run_name="x", tensorboard=True)`. A name
+    that is not a `Config` field raises `ConfigError` naming it and the closest field, at
+    construction, not later at the first step."""
+    merged = {**dict(settings or {}), **kwargs}
+    for name in merged:
+        if name not in FIELDS:
+            close = difflib.get_close_matches(str(name), FIELDS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"{owner} got an unknown setting {name!r}: {hint}Settings are otel_train.Config fields "
+                f"(the README's settings table): {', '.join(sorted(FIELDS))}."
+            )
+    return merged
+
+
+# What frameworks call their training precisions, as otel_train's compute_dtype (MFU's peak).
+_PRECISIONS = {
+    "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "16": "fp16", "16-mixed": "fp16",
+    "16-true": "fp16", "fp16": "fp16", "transformer-engine": "fp8", "transformer-engine-float16": "fp8",
+    "fp8": "fp8", "32": "fp32", "32-true": "fp32", "fp32": "fp32", "tf32": "tf32",
+}  # fmt: skip
+
+
+def with_precision(settings: Mapping[str, Any], framework_precision: str | None) -> dict[str, Any]:
+    """`settings` plus `compute_dtype` from the precision the framework says it trains in, unless
+    the user chose one: a keyword, `OTEL_TRAIN_COMPUTE_DTYPE`, or a config file (not read here, so
+    with one the framework's word is left out). Unknown precisions leave `compute_dtype` alone."""
+    out = dict(settings)
+    dtype = _PRECISIONS.get(str(framework_precision).lower()) if framework_precision is not None else None
+    chosen = (
+        "compute_dtype" in out or "OTEL_TRAIN_COMPUTE_DTYPE" in os.environ or CONFIG_FILE_ENV in os.environ
+    )
+    if dtype is not None and not chosen:
+        out["compute_dtype"] = dtype
+    return out
 
 
 def start_session(settings: Mapping[str, Any] | None) -> bool:
@@ -24,11 +70,15 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
 def end_phase(name: str, start_ns: int) -> int:
     """Time `name` from `start_ns` to now on the running session (if any); returns now, where the
     next phase of the step starts."""
-    now = perf_counter_ns()
-    session = ot.current_session()
-    if session is not None:
-        session.end_timer(name, start_ns, now, None)
-    return now
+    ot.timer(name).start(at_ns=start_ns).stop()
+    return perf_counter_ns()
+
+
+def skipped_steps_counter() -> Any:
+    """The catalogue's skipped-optimizer-step counter on the running session's meter (a no-op
+    counter before `init()`), for frameworks that report a skipped iteration themselves."""
+    spec = semconv.SKIPPED_STEPS
+    return ot.get_meter().create_counter(spec.name, spec.unit, spec.description)
 
 
 def distributed_world() -> int:

@@ -5,7 +5,8 @@
 process only, so in a multi-process job call `ot.init()` on every rank (after creating the
 `Accelerator`): starting a session runs collectives every rank must join, so the tracker never
 starts one itself there; it warns once and forwards nothing until a session exists. In a single
-process it starts the session lazily (`settings` are `ot.init()` settings) and `end_training()`
+process it starts the session lazily (keyword arguments are `ot.init()` settings, `Config` fields:
+`OtelTrainTracker(run_name="x")`; the older `settings={...}` mapping still works) and `end_training()`
 shuts down a session it started. Steps and timers still come from `ot.step` / `ot.timer` in your
 loop: `accelerator.log` carries values, not timing.
 """
@@ -19,7 +20,12 @@ from typing import Any
 from accelerate.tracking import GeneralTracker
 
 import otel_train as ot
-from otel_train.integrations._common import distributed_world, scalar_logs, start_session
+from otel_train.integrations._common import (
+    distributed_world,
+    scalar_logs,
+    settings_from_kwargs,
+    start_session,
+)
 
 __all__ = ["OtelTrainTracker"]
 
@@ -31,9 +37,9 @@ class OtelTrainTracker(GeneralTracker):
     requires_logging_directory = False
     main_process_only = False
 
-    def __init__(self, settings: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__()
-        self._settings = dict(settings or {})
+        self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._owns_session = False
         self._warned = False
 

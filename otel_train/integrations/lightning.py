@@ -2,8 +2,10 @@
 
     trainer = Trainer(logger=OtelTrainLogger(), callbacks=[OtelTrainCallback()])
 
-`OtelTrainLogger` sends what `self.log(...)` logs into otel_train. `OtelTrainCallback` makes one
-`ot.step` per optimizer step (micro-batches of `accumulate_grad_batches` are not steps) with the
+`OtelTrainLogger` sends what `self.log(...)` logs into otel_train at Lightning's step (alone, it
+also marks those steps: see its doc). `OtelTrainCallback` makes one step per optimizer step
+(micro-batches of `accumulate_grad_batches` are not steps), begun at the end of the previous batch
+so that the data wait is part of it (and straggler arrivals are measured from there), with the
 phases Lightning's hooks expose:
 
     data       end of the previous batch (or validation) -> `on_train_batch_start`
@@ -13,10 +15,11 @@ phases Lightning's hooks expose:
     eval       a span (and phase) around each validation run (the sanity check is skipped)
 
 `tokens=lambda batch: batch["input_ids"].numel()` counts tokens per micro-batch (a shape read, no
-device sync) into `train.tokens`. With `watch_every > 0` it calls `ot.watch(model, every=watch_every)` at fit start: per-layer
-gradient and parameter norms read at the end of the optimizer step (gradients are unscaled by then).
-Without an `OtelTrainLogger` on the Trainer, the callback forwards `trainer.logged_metrics` (still
-tensors: no host sync) when each step ends. On an exception the open step ends as failed and a
+device sync) into `train.tokens`. With `watch_every > 0` it calls
+`ot.watch(model, every=watch_every)` at fit start: per-layer gradient and parameter norms read at the end of the optimizer step (gradients are unscaled by then).
+Without an `OtelTrainLogger` on the Trainer, the callback forwards the values in
+`trainer.logged_metrics` that changed (still tensors: no host sync) when each step ends, and a
+validation's values when it ends (flushed under the step it followed). On an exception the open step ends as failed and a
 session the integration started is shut down (final flush).
 
 Set `OTEL_TRAIN_LIGHTNING=1` to add the callback to every Trainer of an unmodified script through
@@ -36,7 +39,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
 import otel_train as ot
-from otel_train.integrations._common import end_phase, scalar_logs, start_session
+from otel_train.integrations._common import (
+    end_phase,
+    scalar_logs,
+    settings_from_kwargs,
+    start_session,
+    with_precision,
+)
 
 __all__ = ["OtelTrainCallback", "OtelTrainLogger", "callbacks_factory"]
 
@@ -53,12 +62,24 @@ def _lightning_scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class OtelTrainLogger(Logger):
-    """`Trainer(logger=OtelTrainLogger())`: logged values become otel_train scalars on every rank."""
+    """`Trainer(logger=OtelTrainLogger(run_name="x"))`: every `self.log` value reaches otel_train at
+    Lightning's step, on every rank. Keyword arguments are `ot.init()` settings (`Config` fields;
+    the older `settings={...}` mapping still works), used when the logger starts the session.
 
-    def __init__(self, settings: Mapping[str, Any] | None = None) -> None:
+    Alone (no `OtelTrainCallback` on the Trainer) the logger also marks the steps: one otel_train
+    step per distinct step Lightning logs at, numbered as Lightning numbers it and lasting from the
+    previous logged step (or fit start) to this one, so goodput is the time spent between logs
+    (training and validation) over wall time. `train/steps` then counts logged steps, not optimizer
+    steps, and step time is the time per logging interval: add `OtelTrainCallback` for one step per
+    optimizer step with phases, eval spans and straggler detection (the logger then only logs)."""
+
+    def __init__(self, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__()
-        self._settings = dict(settings or {})
+        self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._owns_session = False
+        self.marks_steps = True  # OtelTrainCallback on the same Trainer turns it off: it marks them
+        self._last_step: int | None = None
+        self._mark_ns: int | None = None  # where the next logged step starts
 
     @property
     def name(self) -> str:
@@ -66,16 +87,31 @@ class OtelTrainLogger(Logger):
 
     @property
     def version(self) -> str | None:
-        session = ot.current_session()
-        return session.run_name if session is not None else None
+        info = ot.run_info()
+        return info.run_name if info is not None else None
 
     def _ensure_session(self) -> None:
         if ot.current_session() is None:
             self._owns_session = start_session(self._settings)
 
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        # Lightning calls this on every logger once at fit start: the first logged step starts here.
+        self._ensure_session()
+        self._mark_ns = perf_counter_ns()
+
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         self._ensure_session()
-        ot.log_metrics(_lightning_scalars(metrics))
+        values = _lightning_scalars(metrics)
+        if step is not None and self.marks_steps and (self._last_step is None or step > self._last_step):
+            ot.begin_step(step, start_ns=self._mark_ns)
+            ot.log_metrics(values)  # inside the step: they leave with its flush
+            ot.end_step()
+            self._mark_ns = perf_counter_ns()
+            values = {}
+        if step is not None:
+            self._last_step = step if self._last_step is None else max(step, self._last_step)
+        # With a step: flushed now, filed under that step (see ot.log_metrics).
+        ot.log_metrics(values, step=step)
 
     def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         self._ensure_session()
@@ -88,26 +124,28 @@ class OtelTrainLogger(Logger):
 
 
 class OtelTrainCallback(Callback):
-    """Steps, phase timers, eval spans and (opt-in) `ot.watch` for a Lightning `Trainer`."""
+    """Steps, phase timers, eval spans and (opt-in) `ot.watch` for a Lightning `Trainer`. Keyword
+    arguments besides `watch_every`/`tokens` are `ot.init()` settings (`Config` fields)."""
 
     def __init__(
         self,
         settings: Mapping[str, Any] | None = None,
         watch_every: int = 0,
         tokens: Callable[[Any], int] | None = None,
+        **kwargs: Any,
     ) -> None:
-        self._settings = dict(settings or {})
+        self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._watch_every = watch_every
         self._tokens_of = tokens
         self._tokens = 0
         self._owns_session = False
-        self._forward_logged = False
+        self._forwards_logged = False
+        self._forwarded: dict[str, Any] = {}  # the logged values already sent, by name
         self._step: int | None = None
         self._step_global = 0  # trainer.global_step when the open step began
-        self._step_start_ns = 0
         self._phase_start_ns = 0
-        self._mark_ns: int | None = None
-        self._eval_start_ns: int | None = None
+        self._mark_ns: int | None = None  # end of the previous batch (or validation): data starts
+        self._eval: Any = None  # the open eval span
 
     # --- lifecycle -----------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -116,13 +154,18 @@ class OtelTrainCallback(Callback):
         settings = dict(self._settings)
         if trainer.max_steps and trainer.max_steps > 0:
             settings.setdefault("total_steps", trainer.max_steps)
-        self._owns_session = start_session(settings)
-        self._forward_logged = not any(isinstance(lg, OtelTrainLogger) for lg in trainer.loggers)
+        self._owns_session = start_session(with_precision(settings, getattr(trainer, "precision", None)))
+        ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
+        for logger in ours:
+            logger.marks_steps = False  # the steps are ours; the logger only logs values
+        self._forwards_logged = not ours
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._watch_every > 0:
             ot.watch(pl_module, every=self._watch_every)
-        self._mark_ns = perf_counter_ns()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._mark_ns = perf_counter_ns()  # after the sanity check: it is not the first step's data
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and self._owns_session:
@@ -130,9 +173,8 @@ class OtelTrainCallback(Callback):
             ot.shutdown()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        session = ot.current_session()
-        if session is not None and self._step is not None:
-            session.end_step(self._step, self._step_start_ns, perf_counter_ns(), None, None, True)
+        if self._step is not None:
+            ot.end_step(failed=True)
             self._step = None
         if self._owns_session:
             self._owns_session = False
@@ -142,20 +184,21 @@ class OtelTrainCallback(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        session = ot.current_session()
-        if session is None:
+        if ot.current_session() is None:
             return
         now = perf_counter_ns()
         start = self._mark_ns if self._mark_ns is not None else now
         if self._step is None:
-            self._step = session.begin_step(trainer.global_step)
+            # Backdated to the previous batch's end: the data wait belongs to this step, and the
+            # arrivals are measured from there (a rank slow to load arrives late at the backward
+            # all-reduce: that makes it the straggler, not the ranks that wait for it).
+            self._step = ot.begin_step(trainer.global_step, start_ns=start)
             self._step_global = trainer.global_step
-            self._step_start_ns = start
             self._tokens = 0
         if self._tokens_of is not None:
             self._tokens += int(self._tokens_of(batch))
         if start < now:
-            session.end_timer("data", start, now, None)
+            ot.timer("data").start(at_ns=start).stop()
         self._phase_start_ns = now
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
@@ -170,33 +213,44 @@ class OtelTrainCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        session = ot.current_session()
-        now = perf_counter_ns()
-        self._mark_ns = now
-        if session is None or self._step is None or trainer.global_step == self._step_global:
+        if self._step is None or trainer.global_step == self._step_global:
+            self._mark_ns = perf_counter_ns()
             return  # a micro-batch that accumulated gradients: the step goes on
-        session.end_timer("optimizer", self._phase_start_ns, now, None)
-        if self._forward_logged:
-            ot.log_metrics(_lightning_scalars(trainer.logged_metrics))
-        session.end_step(self._step, self._step_start_ns, now, self._tokens or None, None, False)
+        self._end_phase("optimizer")
+        self._forward_logged(trainer, None)  # this step's values (the trainer computes them now)
+        ot.end_step(tokens=self._tokens or None)
         self._step = None
+        self._mark_ns = perf_counter_ns()
 
     def _end_phase(self, name: str) -> None:
         if self._step is not None:
             self._phase_start_ns = end_phase(name, self._phase_start_ns)
 
+    def _forward_logged(self, trainer: Trainer, step: int | None) -> None:
+        """Without an OtelTrainLogger: send what the trainer's loggers get. Only values that changed
+        since the last call (new objects; tensors stay on device) so that a validation value is
+        not re-sent at every later step."""
+        if not self._forwards_logged or ot.current_session() is None:
+            return
+        fresh = {k: v for k, v in trainer.logged_metrics.items() if self._forwarded.get(k) is not v}
+        if fresh:
+            self._forwarded.update(fresh)
+            ot.log_metrics(_lightning_scalars(fresh), step=step)
+
     # --- validation ------------------------------------------------------------------------------
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._eval_start_ns = None if trainer.sanity_checking else perf_counter_ns()
+        if not trainer.sanity_checking and ot.current_session() is not None:
+            self._eval = ot.span("eval", {"train.step": trainer.global_step}).start()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        session = ot.current_session()
-        if session is None or self._eval_start_ns is None:
+        if self._eval is None:
             return
-        now = perf_counter_ns()
-        session.end_mark("eval", self._eval_start_ns, now, None, {"train.step": trainer.global_step})
-        self._eval_start_ns = None
-        self._mark_ns = now
+        self._eval.stop()
+        self._eval = None
+        # The validation's values, now (flushed under the step it followed): also the final
+        # validation's, after which no training step ends to carry them.
+        self._forward_logged(trainer, trainer.global_step)
+        self._mark_ns = perf_counter_ns()
 
 
 def callbacks_factory() -> list[Callback]:

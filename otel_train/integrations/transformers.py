@@ -1,91 +1,199 @@
 """Hugging Face `Trainer` integration: `Trainer(..., callbacks=[OtelTrainCallback()])`.
 
-One `ot.step` per optimizer step (gradient accumulation aware: micro-batches are not steps), with
-the phases the Trainer lets a callback see:
+One step per optimizer step (gradient accumulation aware: micro-batches are not steps), with the
+phases the Trainer lets a callback see:
 
     data              from the end of the previous step (or its logging / eval / checkpoint) to
-                      `on_step_begin`: the Trainer fetches all micro-batches of a step there
+                      the last micro-batch of the step leaving the data loader (`on_step_begin`
+                      when that is unknown: see below)
+    data_sync         (more than one rank) from there to `on_step_begin`: the Trainer gathers the
+                      number of label tokens across ranks there (`average_tokens_across_devices`,
+                      on by default), where a rank fast at loading waits for the slow one
     forward_backward  `on_step_begin` -> `on_pre_optimizer_step` (all micro-batches, clipping)
     optimizer         `on_pre_optimizer_step` -> `on_optimizer_step`
     eval, checkpoint  spans (always traced) and phases, from the end of the step's logging to
                       `on_evaluate` / `on_save`
+
+Each step begins where the previous one ended (`ot.begin_step(start_ns=...)`), so `data` lies
+inside it and its end is this rank's arrival: under DDP the gradient all-reduce runs inside
+`forward_backward`, and the straggler detector names the rank the others wait for there.
 
 The Trainer's logs (`loss`, `learning_rate`, `grad_norm`, `eval_*`) go through `ot.log_metrics`;
 they are Python floats by then, so the callback adds no device sync of its own. Tokens come from
 `state.num_input_tokens_seen` (set `include_num_input_tokens_seen`), a job-wide count that is split
 evenly across ranks so that summing `train.tokens` over ranks gives the job's total.
 
-The session starts lazily at `on_train_begin` on every rank (with `total_steps=max_steps`) unless
-the user already called `ot.init()`; a session the callback started is shut down at `on_train_end`.
+The session starts lazily (at `on_train_begin`, or at the first step for trainers that never call
+it) on every rank, with `total_steps=max_steps`, unless the user already called `ot.init()`; a
+session the callback started is shut down at `on_train_end`.
+
+The Trainer has neither an exception hook nor one between fetching a step's batches and that
+gather, so at `on_init_end` (or `on_train_begin`, for a callback added with `add_callback`) the
+callback wraps two public methods of the Trainer that calls it (that instance only, found on the
+call stack): `get_batch_samples`, to note when its last `next()` on the data iterator returned, and
+`train`. When `train()` raises, the open step ends as failed and a session the callback started is
+shut down, before the exception reaches the user: no stall is reported while the user handles it.
+Only a `train()` already running when the callback first saw the Trainer (added with
+`add_callback`) is not covered: a step it left open ends at the next `on_train_begin` /
+`on_step_begin`.
+
+Trainers that call HF callbacks with `state=None, control=None` (Oumi's `OumiTrainer`) work too:
+the callback counts steps itself, starts at the first `on_step_begin` and times the whole step (the
+batch is fetched inside it there, so no `data` phase); the loss comes from `on_log`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Mapping
 from time import perf_counter_ns
+from types import FrameType
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import otel_train as ot
-from otel_train.integrations._common import distributed_world, end_phase, scalar_logs, start_session
+from otel_train.integrations._common import (
+    distributed_world,
+    scalar_logs,
+    settings_from_kwargs,
+    start_session,
+    with_precision,
+)
 
 __all__ = ["OtelTrainCallback"]
 
-# Keys of the Trainer's logs that duplicate what otel_train measures itself.
-_SKIPPED_LOG_KEYS = frozenset({"num_input_tokens_seen", "train_tokens_per_second"})
+# Keys of the Trainer's logs that duplicate what otel_train measures itself (the last four: Oumi's).
+_SKIPPED_LOG_KEYS = frozenset(
+    {
+        "num_input_tokens_seen",
+        "train_tokens_per_second",
+        "step",  # TRL
+        "global_step",
+        "total_tokens_seen",
+        "global_steps_per_second",
+        "tokens_per_second",
+        "tokens_per_step_per_gpu",
+    }
+)
 _EVAL_PREFIXES = ("eval_", "test_", "predict_")
+_WRAPPED = "_otel_train_wrapped"
 
 
 class OtelTrainCallback(TrainerCallback):
-    """Telemetry for `transformers.Trainer`. `settings` are `ot.init()` settings used when the
-    callback starts the session itself; `hyperparams=False` skips logging `TrainingArguments`."""
+    """Telemetry for `transformers.Trainer` (and its subclasses: TRL, Oumi).
 
-    def __init__(self, settings: Mapping[str, Any] | None = None, hyperparams: bool = True) -> None:
-        self._settings = dict(settings or {})
+    Settings are `ot.init()` settings used when the callback starts the session itself, by keyword
+    (`OtelTrainCallback(run_name="x", tensorboard=True)`) or as a `settings` mapping; an unknown
+    name raises `ConfigError`. `hyperparams=False` skips logging the `TrainingArguments`."""
+
+    def __init__(
+        self, settings: Mapping[str, Any] | None = None, hyperparams: bool = True, **kwargs: Any
+    ) -> None:
+        self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._hyperparams = hyperparams
+        self._started = False  # this callback's run began (on_train_begin or a lazy first step)
         self._owns_session = False
         self._mark_ns: int | None = None  # end of the last accounted stretch (step, log, eval, save)
-        self._step: int | None = None
-        self._step_start_ns = 0
+        self._open = False  # a step this callback began is open
         self._phase_start_ns = 0
         self._tokens_seen = 0
+        self._steps = 0  # optimizer steps counted here, for trainers that pass no state
+        self._rank = 0
+        self._world = 1
+        self._data_ready_ns = [0]  # when the wrapped get_batch_samples last got a micro-batch
 
     # --- lifecycle -----------------------------------------------------------------------------
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._adopt(_calling_trainer(self))
+
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._end_abandoned_step()
+        self._adopt(_calling_trainer(self))  # added with add_callback: no on_init_end was seen
+        self._start(args, state)
+
+    def _adopt(self, trainer: Any) -> None:
+        """Wrap the Trainer's `train` and `get_batch_samples` (that instance only, once)."""
+        if trainer is None:
+            return
+        if not getattr(trainer.train, _WRAPPED, False):
+            trainer.train = _ending_on_error(trainer.train, self)
+        if not getattr(trainer.get_batch_samples, _WRAPPED, False):
+            trainer.get_batch_samples = _stamping_batches(trainer.get_batch_samples, self._data_ready_ns)
+
+    def _start(self, args: Any, state: TrainerState | None) -> None:
         settings = dict(self._settings)
-        if state.max_steps and state.max_steps > 0:
-            settings.setdefault("total_steps", state.max_steps)
-        self._owns_session = start_session(settings)
+        max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
+        if isinstance(max_steps, int) and max_steps > 0:
+            settings.setdefault("total_steps", max_steps)
+        self._owns_session = start_session(with_precision(settings, _precision(args)))
+        self._started = True
+        info = ot.run_info()
+        self._rank = info.rank if info is not None else 0
+        self._world = distributed_world()
         if self._hyperparams:
-            ot.log_hyperparams(args.to_dict())
-        self._tokens_seen = state.num_input_tokens_seen
+            params = _hyperparams(args)
+            if params:
+                ot.log_hyperparams(params)
+        self._tokens_seen = state.num_input_tokens_seen if state is not None else 0
+        self._steps = 0
         self._mark_ns = perf_counter_ns()
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End this callback's run: a step still open ends as failed (`train()` raised, or a
+        trainer began a step and found no batch: `OumiTrainer` at an epoch's end), and a session
+        the callback started is shut down. Called at `on_train_end` and when `train()` raises; a
+        second call does nothing."""
+        self._end_abandoned_step()
+        self._started = False
         self._mark_ns = None
         if self._owns_session:
             self._owns_session = False
             ot.shutdown()
 
+    def _end_abandoned_step(self) -> None:
+        """A step that never reached `on_step_end` (see `close`) ends as failed: out of the step
+        counts and durations."""
+        if self._open:
+            self._open = False
+            ot.end_step(failed=True)
+
     # --- one optimizer step ----------------------------------------------------------------------
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        session = ot.current_session()
-        if session is None:
-            return
+        self._end_abandoned_step()
+        if not self._started:  # no on_train_begin (OumiTrainer)
+            self._start(args, state)
         now = perf_counter_ns()
         start = self._mark_ns if self._mark_ns is not None else now
-        self._step = session.begin_step(state.global_step)
-        self._step_start_ns = start
-        if start < now:
-            session.end_timer("data", start, now, None)
+        index = state.global_step if state is not None else self._steps
+        if ot.begin_step(index, start_ns=start) is None:
+            return  # no session (the user's was shut down)
+        self._open = True
+        if state is not None and start < now:  # OumiTrainer fetches the batch inside the step
+            self._time_data(start, now)
         self._phase_start_ns = now
+
+    def _time_data(self, start: int, now: int) -> None:
+        ready = self._data_ready_ns[0]
+        if self._world > 1 and start < ready <= now:
+            # Arrival where this rank's batches were ready, before the gather where it may wait.
+            ot.timer("data").start(at_ns=start).stop(at_ns=ready)
+            ot.timer("data_sync").start(at_ns=ready).stop()
+        else:
+            ot.timer("data").start(at_ns=start).stop()
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -98,21 +206,23 @@ class OtelTrainCallback(TrainerCallback):
         self._end_phase("optimizer")
 
     def _end_phase(self, name: str) -> None:
-        if self._step is not None:
-            self._phase_start_ns = end_phase(name, self._phase_start_ns)
+        if self._open:
+            ot.timer(name).start(at_ns=self._phase_start_ns).stop()
+            self._phase_start_ns = perf_counter_ns()
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        session = ot.current_session()
-        if session is None or self._step is None:
+        self._steps += 1
+        if not self._open:
             return
-        now = perf_counter_ns()
-        tokens = self._rank_tokens(state.num_input_tokens_seen - self._tokens_seen, session.identity.rank)
-        self._tokens_seen = state.num_input_tokens_seen
-        session.end_step(self._step, self._step_start_ns, now, tokens or None, None, False)
-        self._step = None
-        self._mark_ns = now
+        tokens = None
+        if state is not None:
+            tokens = self._rank_tokens(state.num_input_tokens_seen - self._tokens_seen, self._rank) or None
+            self._tokens_seen = state.num_input_tokens_seen
+        self._open = False
+        ot.end_step(tokens=tokens)
+        self._mark_ns = perf_counter_ns()
 
     # --- logs, eval, checkpoints -----------------------------------------------------------------
     def on_log(
@@ -123,7 +233,7 @@ class OtelTrainCallback(TrainerCallback):
         logs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        if not logs or ot.current_session() is None:
+        if not logs or ot.run_info() is None:
             return
         ot.log_metrics(scalar_logs(logs, _SKIPPED_LOG_KEYS))
         in_eval = any(isinstance(k, str) and k.startswith(_EVAL_PREFIXES) for k in logs)
@@ -141,13 +251,12 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         self._close_mark("checkpoint", state)
 
-    def _close_mark(self, name: str, state: TrainerState) -> None:
-        session = ot.current_session()
-        if session is None or self._mark_ns is None:
+    def _close_mark(self, name: str, state: TrainerState | None) -> None:
+        if self._mark_ns is None:
             return  # e.g. trainer.evaluate() outside training: no start point known
-        now = perf_counter_ns()
-        session.end_mark(name, self._mark_ns, now, None, {"train.step": state.global_step})
-        self._mark_ns = now
+        step = state.global_step if state is not None else self._steps
+        ot.span(name, {"train.step": step}).start(at_ns=self._mark_ns).stop()
+        self._mark_ns = perf_counter_ns()
 
     @staticmethod
     def _rank_tokens(job_tokens: int, rank: int) -> int:
@@ -157,3 +266,83 @@ class OtelTrainCallback(TrainerCallback):
             return max(job_tokens, 0)
         share, rest = divmod(job_tokens, world)
         return share + (1 if rank < rest else 0)
+
+
+def _hyperparams(args: Any) -> dict[str, Any]:
+    """`TrainingArguments.to_dict()`, or the fields of another trainer's dataclass arguments."""
+    try:
+        if hasattr(args, "to_dict"):
+            return dict(args.to_dict())
+        if dataclasses.is_dataclass(args) and not isinstance(args, type):
+            return dataclasses.asdict(args)
+    except Exception:  # an argument object that cannot be listed: no hyperparameters, no failure
+        pass
+    return {}
+
+
+def _calling_trainer(callback: OtelTrainCallback) -> Any:
+    """The `transformers.Trainer` whose `__init__` or training loop runs this hook (it holds
+    `callback`), found on the call stack."""
+    from transformers import Trainer
+
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(16):  # hook <- CallbackHandler.call_event <- .on_x <- Trainer method (+ subclasses)
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer) and callback in candidate.callback_handler.callbacks:
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _stamping_batches(get_batch_samples: Callable[..., Any], stamp: list[int]) -> Callable[..., Any]:
+    """`trainer.get_batch_samples`, noting in `stamp[0]` when each micro-batch left the iterator."""
+
+    @functools.wraps(get_batch_samples)
+    def wrapper(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+        return get_batch_samples(_Stamped(epoch_iterator, stamp), *args, **kwargs)
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
+class _Stamped:
+    """An iterator that notes the time each item arrived (one clock read per micro-batch)."""
+
+    __slots__ = ("_inner", "_stamp")
+
+    def __init__(self, inner: Any, stamp: list[int]) -> None:
+        self._inner = inner
+        self._stamp = stamp
+
+    def __iter__(self) -> _Stamped:
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self._inner)
+        self._stamp[0] = perf_counter_ns()
+        return item
+
+
+def _ending_on_error(train: Callable[..., Any], callback: OtelTrainCallback) -> Callable[..., Any]:
+    """`trainer.train`, ending the callback's run (failed step, owned session) when it raises."""
+
+    @functools.wraps(train)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        except BaseException:
+            callback.close()
+            raise
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
+def _precision(args: Any) -> str | None:
+    """The precision `TrainingArguments` asks for (`bf16`, `fp16`, `tf32`), for MFU's peak."""
+    for flag in ("bf16", "fp16", "tf32"):
+        if getattr(args, flag, None) is True:
+            return flag
+    return None

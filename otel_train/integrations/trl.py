@@ -1,0 +1,151 @@
+"""TRL integration (SFT, GRPO, DPO, ... trainers are `transformers.Trainer` subclasses), one line
+before `trainer.train()`:
+
+    otel_train.integrations.trl.instrument(trainer)          # or instrument(trainer, run_name="x")
+
+It adds the Hugging Face `OtelTrainCallback` (steps, data / forward_backward / optimizer phases,
+and the Trainer's logs as metrics: GRPO's `reward`, `reward_std` -> `train/reward`,
+`train/reward_std`, `rewards/<func>/mean|std`, `completions/*`; SFT's `entropy`,
+`mean_token_accuracy`, ...) unless the trainer has one, and a callback that, while `train()` runs,
+
+- turns the blocks TRL times itself (`trl.extras.profiling.ProfilingContext`, which TRL reports
+  only to W&B / MLflow / Trackio) into otel_train timers, on every rank:
+
+      generation      `transformers.generate` / `transformers.generate_batch` / `vLLM.generate`
+      rewards         `_calculate_rewards`; each reward function as `reward.<name>`
+      loss            `compute_loss`
+      logprobs        `_get_per_token_logps_and_entropies`
+      prepare_inputs  `_prepare_inputs` (generation and scoring of a batch together)
+      sync_weights    `sync_weights`; any other block under its own name
+
+  (they nest: `generation` and `rewards` run inside `prepare_inputs`, all of it inside the HF
+  callback's `forward_backward`). This is a patch of `ProfilingContext.__enter__`/`__exit__`,
+  made at `on_train_begin` and undone at `on_train_end` (or `disable_profiling()`);
+- sends GRPO's latest prompts and completions to `ot.log_samples(name="completions")` at each
+  training log on the main process (what `log_completions=True` prints).
+
+TRL 1.16's SFT and DPO trainers time nothing with `ProfilingContext`: for them the steps, phases and
+logged metrics come from the HF callback. Nothing here is imported by `import otel_train`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from trl.extras.profiling import ProfilingContext
+
+import otel_train as ot
+from otel_train.integrations._common import settings_from_kwargs
+from otel_train.integrations.transformers import OtelTrainCallback
+
+__all__ = ["OtelTrainTrlCallback", "disable_profiling", "enable_profiling", "instrument", "phase_name"]
+
+# TRL's profiled block names (after the "<TrainerClass>." prefix) onto otel_train phase names.
+_PHASES = {
+    "transformers.generate": "generation",
+    "transformers.generate_batch": "generation",
+    "vLLM.generate": "generation",
+    "_calculate_rewards": "rewards",
+    "compute_loss": "loss",
+    "_get_per_token_logps_and_entropies": "logprobs",
+    "_prepare_inputs": "prepare_inputs",
+}
+_TIMER_ATTR = "_otel_train_timer"  # the otel_train timer a ProfilingContext instance runs
+_original: tuple[Any, Any] | None = None  # ProfilingContext's own __enter__/__exit__ while patched
+_reward_names: frozenset[str] = frozenset()
+
+
+def phase_name(profiled: str) -> str:
+    """otel_train's phase for a TRL profiling name such as `GRPOTrainer._calculate_rewards`."""
+    block = profiled.split(".", 1)[1] if "." in profiled else profiled
+    if block in _reward_names:
+        return f"reward.{block}"
+    return _PHASES.get(block, block.lstrip("_") or block)
+
+
+def enable_profiling(reward_names: Iterable[str] = ()) -> None:
+    """Time every `ProfilingContext` block as an otel_train timer (idempotent; `reward_names`: the
+    trainer's reward functions, reported as `reward.<name>`). Undo with `disable_profiling()`."""
+    global _original, _reward_names
+    _reward_names = frozenset(reward_names)
+    if _original is not None:
+        return
+    enter, exit_ = ProfilingContext.__enter__, ProfilingContext.__exit__
+
+    def __enter__(self: ProfilingContext) -> Any:
+        result = enter(self)
+        setattr(self, _TIMER_ATTR, ot.timer(phase_name(self.name)).start())
+        return result
+
+    def __exit__(self: ProfilingContext, exc_type: Any, exc: Any, tb: Any) -> Any:
+        timer = self.__dict__.pop(_TIMER_ATTR, None)
+        if timer is not None:
+            timer.stop(exc_type)
+        return exit_(self, exc_type, exc, tb)
+
+    _original = (enter, exit_)
+    ProfilingContext.__enter__ = __enter__  # type: ignore[method-assign]
+    ProfilingContext.__exit__ = __exit__  # type: ignore[method-assign]
+
+
+def disable_profiling() -> None:
+    """Restore TRL's own `ProfilingContext` (idempotent)."""
+    global _original
+    if _original is not None:
+        ProfilingContext.__enter__, ProfilingContext.__exit__ = _original  # type: ignore[method-assign]
+        _original = None
+
+
+class OtelTrainTrlCallback(TrainerCallback):
+    """TRL's profiled phases and GRPO's completions for one trainer (see the module doc)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self._samples_step = -1  # the step whose completions were last sent
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        enable_profiling(getattr(self._trainer, "reward_func_names", ()))
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        disable_profiling()
+
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if not state.is_world_process_zero or state.global_step == self._samples_step:
+            return
+        # GRPO keeps the latest generation batch's prompts and completions in `_logs` (gathered
+        # from every rank) for its own console table; TRL has no public accessor for them.
+        logs = getattr(self._trainer, "_logs", None)
+        if not isinstance(logs, dict) or not logs.get("completion"):
+            return
+        self._samples_step = state.global_step
+        rows = list(zip(logs.get("prompt", ()), logs["completion"], strict=False))
+        ot.log_samples([(_text(p), _text(c)) for p, c in rows], step=state.global_step, name="completions")
+
+
+def _text(value: Any) -> str:
+    """A prompt or completion: a string, or a conversation (a list of {"role", "content"})."""
+    if isinstance(value, list):
+        return "\n".join(
+            f"{m.get('role', '')}: {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in value
+        )
+    return str(value)
+
+
+def instrument(trainer: Trainer, **settings: Any) -> Trainer:
+    """Telemetry for a TRL trainer (see the module doc); keyword arguments are `ot.init()` settings
+    (`Config` fields) for the session the HF callback starts. Returns the trainer."""
+    settings = settings_from_kwargs(None, settings, "instrument")
+    callbacks = trainer.callback_handler.callbacks
+    if not any(isinstance(cb, OtelTrainCallback) for cb in callbacks):
+        trainer.add_callback(OtelTrainCallback(settings))
+    if not any(isinstance(cb, OtelTrainTrlCallback) for cb in callbacks):
+        trainer.add_callback(OtelTrainTrlCallback(trainer))
+    return trainer

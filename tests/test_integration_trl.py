@@ -1,0 +1,132 @@
+"""TRL's GRPO and SFT trainers with `otel_train.integrations.trl.instrument(trainer)`: real runs on a
+tiny config-built GPT-2 and a word-level tokenizer built here (no hub), a few steps on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("trl")
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trl.extras.profiling import ProfilingContext
+
+import otel_train as ot
+from otel_train.integrations import trl as ot_trl
+
+WORDS = ["<pad>", "<unk>", "<eos>"] + [f"w{i}" for i in range(61)]
+STEPS = 3
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # joins the words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
+    )
+
+
+def _model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(WORDS), n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                        bos_token_id=2, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def reward_len(completions: list[str], **kwargs: Any) -> list[float]:
+    return [float(len(c.split())) for c in completions]
+
+
+def _common(tmp_path: Path) -> dict[str, Any]:
+    return dict(output_dir=str(tmp_path / "out"), max_steps=STEPS, logging_steps=1, report_to="none",
+                use_cpu=True, save_strategy="no", disable_tqdm=True)  # fmt: skip
+
+
+def _settings(tmp_path: Path, name: str) -> dict[str, Any]:
+    return dict(run_name=name, output_dir=str(tmp_path / "runs"), prometheus_port=0, verbosity=0,
+                hardware=False, log_interval=1)  # fmt: skip
+
+
+def _rows(tmp_path: Path, name: str) -> list[dict[str, Any]]:
+    text = (tmp_path / "runs" / name / "metrics.rank0.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_grpo_phases_rewards_and_completions(tmp_path: Path) -> None:
+    data = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
+    args = GRPOConfig(**_common(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, log_completions=True)  # fmt: skip
+    trainer = GRPOTrainer(model=_model(), reward_funcs=reward_len, args=args, train_dataset=data,
+                          processing_class=_tokenizer())  # fmt: skip
+    original = ProfilingContext.__enter__
+    assert ot_trl.instrument(trainer, **_settings(tmp_path, "grpo")) is trainer
+    trainer.train()
+    assert ot.current_session() is None  # the HF callback started the session and ended it
+    assert ProfilingContext.__enter__ is original  # the patch is undone at train end
+
+    rows = _rows(tmp_path, "grpo")
+    keys = set().union(*rows)
+    assert sum(r.get("train/steps") or 0 for r in rows) == STEPS
+    # TRL's own profiled blocks, as otel_train phases (one generation per step here)
+    for phase in ("generation", "rewards", "reward.reward_len", "loss", "logprobs", "prepare_inputs"):
+        assert f"timers/{phase}/mean" in keys, phase
+    assert sum(r.get("timers/generation/count") or 0 for r in rows) == STEPS
+    assert sum(r.get("timers/rewards/count") or 0 for r in rows) == STEPS
+    # rewards as metrics (the Trainer's logs through the HF callback): 6-word completions at most
+    rewards = [r["rewards/reward_len/mean"] for r in rows if "rewards/reward_len/mean" in r]
+    assert rewards and all(0 <= v <= 6 for v in rewards) and {"train/reward", "train/reward_std"} <= keys
+    # GRPO's completions table through ot.log_samples
+    samples = [
+        json.loads(line) for line in (tmp_path / "runs" / "grpo" / "samples.jsonl").read_text().splitlines()
+    ]
+    completions = [s for s in samples if s["key"] == "completions"]
+    assert {s["step"] for s in completions} == set(range(1, STEPS + 1))  # once per training log
+    assert all(s["prompt"].startswith("w") and len(s["output"].split()) <= 6 for s in completions)
+
+
+def test_sft_steps_and_metrics(tmp_path: Path) -> None:
+    data = Dataset.from_dict({"text": [" ".join(f"w{(i + j) % 61}" for j in range(10)) for i in range(16)]})
+    args = SFTConfig(**_common(tmp_path), per_device_train_batch_size=4, max_length=16)
+    trainer = SFTTrainer(model=_model(), args=args, train_dataset=data, processing_class=_tokenizer())
+    ot_trl.instrument(trainer, **_settings(tmp_path, "sft"))
+    trainer.train()
+    rows = _rows(tmp_path, "sft")
+    keys = set().union(*rows)
+    assert sum(r.get("train/steps") or 0 for r in rows) == STEPS
+    assert {
+        "train/loss",
+        "timers/forward_backward/mean",
+        "train/mean_token_accuracy",
+        "train/entropy",
+    } <= keys
+
+
+def test_profiling_patch_is_explicit_and_reversible() -> None:
+    enter, exit_ = ProfilingContext.__enter__, ProfilingContext.__exit__
+    ot_trl.enable_profiling(["my_reward"])
+    ot_trl.enable_profiling()  # idempotent: patched once
+    assert ProfilingContext.__enter__ is not enter
+    assert ot_trl.phase_name("GRPOTrainer.transformers.generate") == "generation"
+    assert ot_trl.phase_name("RLOOTrainer._calculate_rewards") == "rewards"
+    assert ot_trl.phase_name("GRPOTrainer.sync_weights") == "sync_weights"
+    ot_trl.disable_profiling()
+    ot_trl.disable_profiling()
+    assert (ProfilingContext.__enter__, ProfilingContext.__exit__) == (enter, exit_)
+
+
+def test_nothing_imported_unless_asked() -> None:
+    code = "import sys, otel_train; print(any(m == 'trl' or m.startswith('trl.') for m in sys.modules))"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,188 @@
+"""The public step/phase API for adapters: ot.begin_step/end_step, timer and span start/stop,
+ot.phase, ot.run_info — checked through what a flush hands to listeners and sinks."""
+
+from __future__ import annotations
+
+import time
+from time import perf_counter_ns
+
+import pytest
+
+import otel_train as ot
+from otel_train.interval import Interval
+from otel_train.testing import capture_metrics
+
+
+class Intervals:
+    """A flush listener that keeps every interval."""
+
+    def __init__(self) -> None:
+        self.seen: list[Interval] = []
+
+    def on_flush(self, interval: Interval) -> None:
+        self.seen.append(interval)
+
+    def close(self) -> None:
+        pass
+
+    def merged(self, field: str) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for interval in self.seen:
+            for name, values in getattr(interval, field).items():
+                out.setdefault(name, []).extend(values)
+        return out
+
+
+def _listen() -> Intervals:
+    listener = Intervals()
+    session = ot.current_session()
+    assert session is not None
+    session.add_listener(listener)
+    return listener
+
+
+def test_begin_end_step_counts_steps_tokens_and_arrivals() -> None:
+    with capture_metrics(log_interval=2, run_dir_enabled=False) as cap:
+        seen = _listen()
+        for i in range(4):
+            mark = perf_counter_ns()
+            assert ot.begin_step(i, start_ns=mark - 2_000_000) == i  # backdated by 2 ms
+            ot.timer("forward").start().stop()
+            ot.end_step(tokens=10, samples=2)
+    assert sum(x.steps for x in seen.seen) == 4
+    assert sum(x.tokens for x in seen.seen) == 40
+    assert sum(x.samples for x in seen.seen) == 8
+    arrivals = seen.merged("arrivals")["forward"]
+    # A timer inside a begun step records its arrival, measured from the backdated start.
+    assert len(arrivals) == 4 and all(a >= 0.002 for a in arrivals)
+    assert all(d >= 0.002 for x in seen.seen for d in x.step_durations)
+    assert cap.last("train/steps") is not None
+
+
+def test_timer_start_at_an_earlier_reading_times_from_there() -> None:
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        ot.begin_step(0)
+        earlier = perf_counter_ns() - 50_000_000
+        ot.timer("data").start(at_ns=earlier).stop()
+        ot.end_step()
+    (duration,) = seen.merged("phases")["data"]
+    assert 0.05 <= duration < 5.0
+
+
+def test_timer_stop_at_an_earlier_reading_ends_and_arrives_there() -> None:
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        start = perf_counter_ns()
+        ot.begin_step(0, start_ns=start)
+        ended = start + 30_000_000
+        time.sleep(0.08)  # the hook runs later than the phase's end
+        ot.timer("data").start(at_ns=start).stop(at_ns=ended)
+        ot.timer("late").start(at_ns=ended).stop(at_ns=ended - 1)  # before its start: zero, not negative
+        ot.end_step()
+    assert seen.merged("phases")["data"] == [pytest.approx(0.03)]
+    assert seen.merged("arrivals")["data"] == [pytest.approx(0.03)]  # where it ended, not when stopped
+    assert seen.merged("phases")["late"] == [0.0]
+
+
+def test_phase_by_duration_is_counted_without_an_arrival() -> None:
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        with ot.step(0):
+            ot.phase("generation", 0.25)
+            ot.phase("bad", -1.0)
+            ot.phase("bad", float("nan"))
+            ot.phase("bad", "x")  # type: ignore[arg-type]
+            ot.phase("deep", 1.0, level=2)  # above timing_log_level=1: ignored
+    phases = seen.merged("phases")
+    assert phases["generation"] == [0.25]
+    assert "bad" not in phases and "deep" not in phases
+    assert "generation" not in seen.merged("arrivals")
+
+
+def test_span_start_stop_is_a_traced_mark() -> None:
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        with ot.step(0):
+            pass
+        ot.span("eval", {"k": 1}).start(at_ns=perf_counter_ns() - 10_000_000).stop()
+        with ot.step(1):
+            pass
+    (duration,) = seen.merged("phases")["eval"]
+    assert duration >= 0.01
+
+
+def test_end_step_without_begin_and_double_begin_are_handled(caplog) -> None:
+    with capture_metrics(log_interval=100, run_dir_enabled=False):
+        seen = _listen()
+        ot.end_step()  # nothing open: dropped, counted, warned
+        ot.begin_step(0)
+        ot.begin_step(1)  # step 0 still open: ended first
+        ot.end_step()
+        ot.end_step()  # second end: ignored
+        session = ot.current_session()
+        assert session is not None
+        assert session.buffer.dropped.get("no_open_step") == 2
+    assert sum(x.steps for x in seen.seen) == 2
+    assert "without ot.begin_step" in caplog.text and "while step 0 is open" in caplog.text
+
+
+def test_failed_step_is_not_counted() -> None:
+    with capture_metrics(log_interval=100, run_dir_enabled=False):
+        seen = _listen()
+        ot.begin_step(0)
+        ot.end_step(failed=True)
+        ot.begin_step(1)
+        ot.end_step()
+    assert sum(x.steps for x in seen.seen) == 1
+
+
+def test_everything_is_a_no_op_before_init() -> None:
+    assert ot.begin_step(3) is None
+    ot.end_step(tokens=5)
+    ot.phase("x", 1.0)
+    ot.timer("x").start().stop()
+    ot.span("x").start().stop()
+    assert ot.run_info() is None
+
+
+def test_stop_without_start_does_nothing() -> None:
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        scope = ot.timer("forward")
+        scope.stop()
+        scope.start()
+        scope.stop()
+        scope.stop()
+        with ot.step(0):
+            pass
+    assert len(seen.merged("phases")["forward"]) == 1
+
+
+@pytest.mark.parametrize("run_dir", [True, False])
+def test_run_info_names_the_run(run_dir: bool) -> None:
+    with capture_metrics(run_dir_enabled=run_dir, run_name="info-run"):
+        info = ot.run_info()
+        assert info is not None
+        assert (info.run_name, info.rank, info.world_size, info.step) == ("info-run", 0, 1, -1)
+        assert (info.run_dir is not None) == run_dir
+        with ot.step(0):
+            time.sleep(0)
+        assert ot.run_info().step == 0  # type: ignore[union-attr]
+
+
+def test_timer_stop_at_an_earlier_reading_clamps_and_respects_the_level() -> None:
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        step_start = perf_counter_ns()
+        ot.begin_step(0, start_ns=step_start)
+        start, end = step_start + 1_000_000, step_start + 4_000_000  # a phase reported after the fact
+        time.sleep(0.02)
+        ot.timer("forward").start(at_ns=start).stop(at_ns=end)
+        ot.timer("clamped").start(at_ns=end).stop(at_ns=start)  # an end before the start: zero length
+        ot.timer("deep", level=2).start(at_ns=start).stop(at_ns=end)  # above the level: no-op
+        ot.end_step()
+    phases, arrivals = seen.merged("phases"), seen.merged("arrivals")
+    assert phases["forward"] == [pytest.approx(0.003)] and phases["clamped"] == [0.0]
+    assert arrivals["forward"] == [pytest.approx(0.004)]  # where it ended, not when stop() ran
+    assert "deep" not in phases

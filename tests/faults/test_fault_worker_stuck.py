@@ -31,8 +31,9 @@ import otel_train as ot
 ot.init(output_dir=sys.argv[1], run_name="meta", prometheus_port=0, verbosity=0, hardware=False, log_interval=1)
 for step in range(3):
     with ot.step(step):
-        ot.record("loss", 1.0)
-        if step == 2:
+        if step < 2:
+            ot.record("loss", 1.0)
+        else:
             ot.record("loss", torch.empty(1, device="meta"))
             ot.record("other", torch.empty((), device="meta"))
             ot.record("odd", torch.tensor([1.0]).to_sparse())  # cannot be stacked with the others

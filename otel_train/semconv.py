@@ -258,6 +258,19 @@ PHASE_CROSS_RANK = _m(
     "timers/{train.phase}/ranks_{stat}", attributes=(PHASE, STAT),
 )  # fmt: skip
 
+DATA_DUPLICATE_RANKS = _m(
+    "train.data.duplicate_ranks", S.GAUGE, "{rank}",
+    "Data-parallel ranks that trained on the same batch as another peer at the latest compared watched "
+    "step (rank 0; 0 = the data is sharded). ot.watch fingerprints the batches.",
+    "data/duplicate_ranks",
+)  # fmt: skip
+REPLICA_DIVERGENCE = _m(
+    "train.replica.divergence", S.GAUGE, "1",
+    "Largest relative difference of a layer's parameter norm between data-parallel replicas at the latest "
+    "compared watched step (rank 0; 0 under healthy DDP).",
+    "data/replica_divergence",
+)  # fmt: skip
+
 # --- throughput and efficiency ---------------------------------------------------------------------
 FLOPS = _m(
     "train.flops.rate", S.GAUGE, "{flop}/s", "Achieved model FLOP/s per GPU.", "throughput/flops_per_s"

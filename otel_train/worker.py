@@ -31,6 +31,7 @@ from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.config import redact_text
 from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
+from otel_train.replicas import FINGERPRINT
 from otel_train.step_reader import StepReader, key_for
 
 log = logging.getLogger("otel_train")
@@ -567,6 +568,11 @@ class Worker:
         """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
         and, for gradients, named in the interval (health reports them as one event per step)."""
         for record, values in resolve_layer_stats(batch.layer_stats):
+            if record.instrument == FINGERPRINT:  # not a metric: compared across ranks (replicas.py)
+                interval.batch_fingerprints.append((record.step, values))
+                continue
+            if record.instrument == semconv.LAYER_PARAM_NORM.name:
+                interval.layer_param_norms.append((record.step, record.labels, values))
             gauge = self.instruments.gauge(record.instrument)
             if gauge is None:
                 continue

@@ -114,10 +114,10 @@ def decode(rank: int, block: Sequence[float]) -> ReplicaRow:
     return row
 
 
-def duplicate_batches(rows: Sequence[ReplicaRow]) -> tuple[int, list[list[int]]]:
-    """(latest step compared or -1, sets of ranks with identical batches at one common step)."""
+def duplicate_batches(rows: Sequence[ReplicaRow]) -> tuple[int, dict[tuple[int, ...], int]]:
+    """(latest step compared or -1, {ranks with identical batches at one common step: that step})."""
     steps = sorted({s for r in rows for s in r.fingerprints}, reverse=True)
-    found: list[list[int]] = []
+    found: dict[tuple[int, ...], int] = {}
     compared = -1
     for step in steps:
         classes: dict[tuple[float, float], list[int]] = {}
@@ -130,8 +130,8 @@ def duplicate_batches(rows: Sequence[ReplicaRow]) -> tuple[int, list[list[int]]]
             continue
         compared = max(compared, step)
         for ranks in classes.values():
-            if len(ranks) > 1 and sorted(ranks) not in found:
-                found.append(sorted(ranks))
+            if len(ranks) > 1:
+                found.setdefault(tuple(sorted(ranks)), step)
     return compared, found
 
 
@@ -140,16 +140,19 @@ def relative_difference(a: float, b: float) -> float:
     return 0.0 if scale == 0.0 else abs(a - b) / scale
 
 
-def divergence(rows: Sequence[ReplicaRow]) -> tuple[float, int | None, list[int]]:
-    """(largest relative norm difference, first layer index above REL_TOL or None, ranks that
-    disagree with the lowest rank there): rows of one group at their latest common watched step."""
+def divergence(rows: Sequence[ReplicaRow]) -> tuple[float | None, int | None, list[int]]:
+    """(largest relative norm difference, None when no two rows could be compared; first layer
+    index above REL_TOL or None; ranks that disagree with the lowest rank there): rows of one group
+    at their latest watched step with parameter norms."""
     with_norms = [r for r in rows if r.param_step >= 0]
     if len(with_norms) < 2:
-        return 0.0, None, []
+        return None, None, []
     step = max(r.param_step for r in with_norms)
     same = sorted((r for r in with_norms if r.param_step == step), key=lambda r: r.rank)
     ref = same[0]
     peers = [r for r in same[1:] if r.labels_id == ref.labels_id and len(r.norms) == len(ref.norms)]
+    if not peers:
+        return None, None, []
     worst, first, ranks = 0.0, None, []
     for layer, value in enumerate(ref.norms):
         off = [r.rank for r in peers if relative_difference(value, r.norms[layer]) > REL_TOL]
@@ -196,25 +199,29 @@ class ReplicaCheck:
         groups: dict[float, list[ReplicaRow]] = {}
         for row in rows:
             groups.setdefault(row.key, []).append(row)
-        duplicated = 0
-        worst = 0.0
+        # The gauges are set only at flushes that compared something (most flushes hold no
+        # watched step): a flush without one leaves the last verdict standing.
+        duplicated: int | None = None
+        worst: float | None = None
         for members in groups.values():
             if len(members) < 2:
                 continue
             compared, found = duplicate_batches(members)
-            duplicated += len({rank for ranks_set in found for rank in ranks_set})
-            for ranks_set in found:
-                self._report_data(tuple(ranks_set), compared)
+            if compared >= 0:
+                duplicated = (duplicated or 0) + len({rank for ranks_set in found for rank in ranks_set})
+            for ranks_set, step in found.items():
+                self._report_data(ranks_set, step)
             if sharded:
                 self._say_sharded()
                 continue
             diff, first, diverging = divergence(members)
-            worst = max(worst, diff)
-            self.max_divergence = max(self.max_divergence, diff)
-            self._report_divergence(first, diverging, labels, members)
-        if self._dup_gauge is not None:
+            if diff is not None:
+                worst = max(worst or 0.0, diff)
+                self.max_divergence = max(self.max_divergence, diff)
+                self._report_divergence(first, diverging, labels, members)
+        if self._dup_gauge is not None and duplicated is not None:
             self._dup_gauge.set(duplicated)
-        if self._div_gauge is not None and not sharded:
+        if self._div_gauge is not None and worst is not None:
             self._div_gauge.set(worst)
 
     def _report_data(self, ranks: tuple[int, ...], step: int) -> None:

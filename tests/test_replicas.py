@@ -60,14 +60,14 @@ def test_identical_batches_at_the_same_step_are_found_and_zero_batches_skipped()
     same = [(10, [5.0, 17.0])]
     rows = [decode(r, b) for r, b in enumerate(_blocks(_interval(same, None), _interval(same, None),
                                                         _interval([(10, [5.0, 18.0])], None)).tolist())]  # fmt: skip
-    assert duplicate_batches(rows) == (10, [[0, 1]])
+    assert duplicate_batches(rows) == (10, {(0, 1): 10})
     # the same fingerprint at different steps is not a duplicate; all-zero batches prove nothing
     rows = [decode(0, encode(_interval([(10, [5.0, 17.0])], None), -1)),
             decode(1, encode(_interval([(11, [5.0, 17.0])], None), -1))]  # fmt: skip
-    assert duplicate_batches(rows)[1] == []
+    assert duplicate_batches(rows)[1] == {}
     zeros = [(4, [0.0, 0.0])]
     rows = [decode(r, encode(_interval(zeros, None), -1)) for r in (0, 1)]
-    assert duplicate_batches(rows)[1] == []
+    assert duplicate_batches(rows)[1] == {}
 
 
 def test_divergence_names_the_first_layer_above_the_tolerance() -> None:

@@ -71,6 +71,7 @@ def build_session(config: Config) -> Session:
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
     )
     session = _build_session(config, place, resource, gpu_discovery)
+    _attach_memory_dumps(session)
     launch = _check_launch(session, place, gpu_discovery)  # collective (one gather) when distributed
     _attach_goodput(session)
     _attach_worker(session)
@@ -404,6 +405,14 @@ def _attach_goodput(session: Session) -> None:
         session.identity.run_id,
     )
     session.add_listener(session.goodput)
+
+
+def _attach_memory_dumps(session: Session) -> None:
+    from otel_train.memory_dump import MemoryDumps
+
+    session.memory_dumps = MemoryDumps(session.run_dir, session.identity.rank, session.events)
+    if session.hardware is not None:  # above the memory-pressure threshold too
+        session.hardware.efficiency.on_pressure = session.memory_dumps.on_pressure
 
 
 def _attach_worker(session: Session) -> None:

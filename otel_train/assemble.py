@@ -213,6 +213,7 @@ def _build_session(
     from otel_train.exporters import build_telemetry
     from otel_train.gradient_flow import GradientFlowMonitor
     from otel_train.health import HealthMonitor
+    from otel_train.mps_memory import MpsMemory
     from otel_train.profiling import ProfiledStepsCounter
     from otel_train.step_reader import StepReader
     from otel_train.worker import Instruments
@@ -248,6 +249,7 @@ def _build_session(
         health,
         gradient_flow,
         *([hardware] if hardware else []),
+        *([MpsMemory(meter)] if hardware else []),  # Apple silicon memory (idle elsewhere)
         reducer,
         profiled_steps,
     ]

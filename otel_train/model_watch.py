@@ -263,7 +263,9 @@ class ModelWatch:
             tensor = next((v for v in kwargs.values() if hasattr(v, "is_floating_point")), None)
         if tensor is None or tensor.numel() == 0 or tensor.is_complex():
             return
-        flat = _local(tensor.detach()).reshape(-1).to(torch.float64)
+        flat = _local(tensor.detach()).reshape(-1)
+        # float64 makes equal sums mean equal batches; Metal (mps) has no float64
+        flat = flat.to(torch.float32 if flat.device.type == "mps" else torch.float64)
         # stays on the batch's device (a copy to the parameters' could sync): one transfer per device
         self._fingerprint = torch.stack([flat.sum(), torch.dot(flat, flat)])
 

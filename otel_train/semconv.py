@@ -408,6 +408,22 @@ CUDA_OOMS = _m(
     "train.cuda.ooms", S.COUNTER, "{event}", "CUDA out-of-memory events.", "cuda/ooms", gpu_only=True
 )
 
+# Apple silicon (torch.mps): the Metal allocator, read at the flush (mps_memory.py)
+MPS_MEMORY_ALLOCATED = _m(
+    "train.mps.memory.allocated", S.GAUGE, "By", "MPS: memory occupied by tensors (torch.mps.current_allocated_memory).",
+    "mps/memory_allocated", gpu_only=True,
+)  # fmt: skip
+MPS_MEMORY_DRIVER = _m(
+    "train.mps.memory.driver", S.GAUGE, "By",
+    "MPS: memory the Metal driver allocated for this process, caches included (torch.mps.driver_allocated_memory).",
+    "mps/memory_driver", gpu_only=True,
+)  # fmt: skip
+MPS_MEMORY_LIMIT = _m(
+    "train.mps.memory.limit", S.GAUGE, "By",
+    "MPS: recommended maximum working set of the device (torch.mps.recommended_max_memory).",
+    "mps/memory_limit", gpu_only=True,
+)  # fmt: skip
+
 # --- host ------------------------------------------------------------------------------------------
 PROCESS_CPU_UTILIZATION = _m(
     "process.cpu.utilization", S.OBSERVABLE_GAUGE, "1", "Process CPU use (1 = one core).", "host/process_cpu"

@@ -262,6 +262,8 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
                     joined = torch.stack(group)
                 else:
                     joined = torch.cat([t.reshape(-1) for t in group])
+                if joined.device.type == "mps":  # Metal has no float64: convert on the host
+                    joined = joined.cpu()
                 flat = joined.reshape(-1).to(torch.float64).cpu().tolist()
         except Exception:  # mixed dtypes that cannot convert (complex, ...)
             continue

@@ -130,7 +130,7 @@ def _ddp_rank(rank: int, world: int, output_dir: str, mode: str, steps: int) -> 
     os.environ["OTEL_TRAIN_OUTPUT_DIR"] = output_dir
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
-    sampler = None if mode == "unsharded" else DistributedSampler(data, shuffle=True, seed=0)
+    sampler = None if mode in ("unsharded", "own_group") else DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=8, sampler=sampler, shuffle=False)
     inner = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     model = DistributedDataParallel(inner)
@@ -140,7 +140,8 @@ def _ddp_rank(rank: int, world: int, output_dir: str, mode: str, steps: int) -> 
         else torch.optim.SGD(model.parameters(), lr=0.05)
     )
     session = ot.init(prometheus_port=0, verbosity=0, hardware=False, log_interval=10, run_name="replicas")
-    ot.watch(model, every=5)
+    # "own_group": every rank its own data-parallel group, as tensor-parallel peers would name theirs
+    ot.watch(model, every=5, data_parallel_group=[rank] if mode == "own_group" else None)
     step = 0
     while step < steps:
         for x, y in loader:
@@ -199,6 +200,25 @@ def test_ddp_without_distributed_sampler_is_named(tmp_path: Path) -> None:
 def test_ddp_with_distributed_sampler_is_quiet(tmp_path: Path) -> None:
     results = run_ranks(2, _ddp_rank, (str(tmp_path), "sharded", 20), timeout=120)
     assert results[0]["events"] == [] and results[1]["events"] == []
+
+
+@pytest.mark.multirank
+def test_ranks_in_different_data_parallel_groups_are_not_compared(tmp_path: Path) -> None:
+    # the same unsharded loader as above, but each rank names itself its own data-parallel group
+    results = run_ranks(2, _ddp_rank, (str(tmp_path), "own_group", 20), timeout=120)
+    assert results[0]["events"] == []
+
+
+def test_ot_watch_names_the_data_parallel_group(tmp_path: Path) -> None:
+    session = ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False)
+    try:
+        model = torch.nn.Linear(2, 2)
+        ot.watch(model, data_parallel_group=[0])
+        assert session.reducer.replicas.key == 0.0
+        with pytest.raises(ValueError, match="does not contain this rank"):
+            ot.watch(model, data_parallel_group=[1, 2])
+    finally:
+        ot.shutdown()
 
 
 @pytest.mark.multirank

@@ -155,11 +155,13 @@ def divergence(rows: Sequence[ReplicaRow]) -> tuple[float | None, int | None, li
         return None, None, []
     worst, first, ranks = 0.0, None, []
     for layer, value in enumerate(ref.norms):
-        off = [r.rank for r in peers if relative_difference(value, r.norms[layer]) > REL_TOL]
+        off: list[int] = []
         for r in peers:
             d = relative_difference(value, r.norms[layer])
-            if math.isfinite(d):
+            if math.isfinite(d):  # NaN/Inf norms are nonfinite_grad's business, not a divergence
                 worst = max(worst, d)
+                if d > REL_TOL:
+                    off.append(r.rank)
         if off and first is None:
             first, ranks = layer, [ref.rank, *off]
     return worst, first, ranks

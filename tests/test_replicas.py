@@ -78,6 +78,8 @@ def test_divergence_names_the_first_layer_above_the_tolerance() -> None:
     worst, first, ranks = divergence(rows)
     assert first == 1 and ranks == [0, 1] and worst == pytest.approx(0.5 / 3.5)
     assert divergence(rows[::2])[1] is None  # within float noise
+    nan = [decode(r, encode(_interval([], [float("nan"), 2.0, 3.0]), -1)) for r in (0, 1)]
+    assert divergence(nan) == (0.0, None, [])  # NaN everywhere is nonfinite_grad's event, not this one
 
 
 def test_rank0_compares_only_data_parallel_peers_and_reports_once() -> None:

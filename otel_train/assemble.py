@@ -72,6 +72,7 @@ def build_session(config: Config) -> Session:
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
     )
     session = _build_session(config, place, resource, gpu_discovery)
+    _attach_memory_dumps(session)
     launch = _check_launch(session, place, gpu_discovery)  # collective (one gather) when distributed
     _attach_goodput(session)
     _attach_worker(session)
@@ -217,6 +218,7 @@ def _build_session(
     from otel_train.exporters import build_telemetry
     from otel_train.gradient_flow import GradientFlowMonitor
     from otel_train.health import HealthMonitor
+    from otel_train.mps_memory import MpsMemory
     from otel_train.profiling import ProfiledStepsCounter
     from otel_train.step_reader import StepReader
     from otel_train.worker import Instruments
@@ -252,6 +254,7 @@ def _build_session(
         health,
         gradient_flow,
         *([hardware] if hardware else []),
+        *([MpsMemory(meter)] if hardware else []),  # Apple silicon memory (idle elsewhere)
         reducer,
         profiled_steps,
     ]
@@ -409,6 +412,14 @@ def _attach_goodput(session: Session) -> None:
         session.identity.run_id,
     )
     session.add_listener(session.goodput)
+
+
+def _attach_memory_dumps(session: Session) -> None:
+    from otel_train.memory_dump import MemoryDumps
+
+    session.memory_dumps = MemoryDumps(session.run_dir, session.identity.rank, session.events)
+    if session.hardware is not None:  # above the memory-pressure threshold too
+        session.hardware.efficiency.on_pressure = session.memory_dumps.on_pressure
 
 
 def _attach_worker(session: Session) -> None:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.hang import HangWatchdog
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents
+    from otel_train.memory_dump import MemoryDumps
     from otel_train.model_watch import ModelWatch
     from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
     from otel_train.step_reader import StepReader
@@ -106,6 +107,7 @@ class SessionParts:
     cadence: Cadence
     profiled_steps: ProfiledStepsCounter
     watches: list[ModelWatch] = field(default_factory=list)  # ot.watch(model) handles
+    memory_dumps: MemoryDumps | None = None  # CUDA allocator dumps on an OOM inside ot.step
 
     def __post_init__(self) -> None:
         """Called by the generated __init__ (only if defined here); `Session` sets its running state."""

@@ -32,6 +32,7 @@ from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.config import redact_text
 from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
+from otel_train.replicas import FINGERPRINT
 from otel_train.step_reader import StepReader, key_for
 
 log = logging.getLogger("otel_train")
@@ -284,6 +285,8 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
                     joined = torch.stack(group)
                 else:
                     joined = torch.cat([t.reshape(-1) for t in group])
+                if joined.device.type == "mps":  # Metal has no float64: convert on the host
+                    joined = joined.cpu()
                 flat = joined.reshape(-1).to(torch.float64).cpu().tolist()
         except Exception:  # one odd tensor (sparse, quantized, nested, ...): each on its own, so
             for i in positions:  # only the odd ones are dropped, not the whole device's values
@@ -612,6 +615,11 @@ class Worker:
         """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
         and, for gradients, named in the interval (health reports them as one event per step)."""
         for record, values in resolve_layer_stats(batch.layer_stats):
+            if record.instrument == FINGERPRINT:  # not a metric: compared across ranks (replicas.py)
+                interval.batch_fingerprints.append((record.step, values))
+                continue
+            if record.instrument == semconv.LAYER_PARAM_NORM.name:
+                interval.layer_param_norms.append((record.step, record.labels, values))
             gauge = self.instruments.gauge(record.instrument)
             if gauge is None:
                 continue

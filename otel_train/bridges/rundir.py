@@ -70,6 +70,13 @@ class RunFiles:
     def flight_recorder(self, dump: int) -> Path:
         return self.run_dir / f"flight_recorder.rank{self.rank}.{dump}"
 
+    def memory_summary(self, dump: int) -> Path:
+        return self.run_dir / f"memory_summary.rank{self.rank}.{dump}.txt"
+
+    def memory_snapshot(self, dump: int) -> Path:
+        """torch.cuda.memory._snapshot(), pickled: open it at https://pytorch.org/memory_viz."""
+        return self.run_dir / f"memory_snapshot.rank{self.rank}.{dump}.pickle"
+
     @property
     def profiles(self) -> Path:
         return self.run_dir / "profiles" / f"rank{self.rank}"

@@ -555,7 +555,7 @@ class Worker:
     def _feed_sdk(self, batch: FlushBatch, interval: Interval) -> None:
         """Layer statistics, sampled steps' spans, then the instruments (with exemplars)."""
         if batch.layer_stats:
-            self._feed_layer_stats(batch, interval)
+            feed_layer_stats(self.instruments, batch, interval)
         exemplars: ExemplarContexts = {}
         if self.span_writer is not None and batch.spans:
             exemplars = self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
@@ -610,31 +610,6 @@ class Worker:
             gauge = self.instruments.gauge(spec.name)
             if gauge is not None:
                 gauge.set(stats[stat])
-
-    def _feed_layer_stats(self, batch: FlushBatch, interval: Interval) -> None:
-        """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
-        and, for gradients, named in the interval (health reports them as one event per step)."""
-        for record, values in resolve_layer_stats(batch.layer_stats):
-            if record.instrument == FINGERPRINT:  # not a metric: compared across ranks (replicas.py)
-                interval.batch_fingerprints.append((record.step, values))
-                continue
-            if record.instrument == semconv.LAYER_PARAM_NORM.name:
-                interval.layer_param_norms.append((record.step, record.labels, values))
-            gauge = self.instruments.gauge(record.instrument)
-            if gauge is None:
-                continue
-            if record.instrument == semconv.LAYER_GRAD_NORM.name:
-                interval.layer_grad_norms.append((record.step, record.labels, values))
-            bad = []
-            for label, value in zip(record.labels, values, strict=True):
-                if math.isfinite(value):
-                    gauge.set(value, {semconv.LAYER: label})
-                else:
-                    bad.append(label)
-            if bad:
-                batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
-                if record.instrument == semconv.LAYER_GRAD_NORM.name:
-                    interval.nonfinite_grads.append((record.step, bad))
 
     def _deliver_message(self, message: Message) -> None:
         if message.kind == "histogram":
@@ -717,3 +692,29 @@ def stuck_message(worker: Worker, limit_s: float) -> str | None:
         f"the otel_train background worker has been {doing} for {busy_s:.0f}s; no telemetry is "
         "written until it returns (flushes wait; values beyond max_values_per_interval are dropped)"
     )
+
+
+def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Interval) -> None:
+    """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
+    and, for gradients, named in the interval (health reports them as one event per step)."""
+    for record, values in resolve_layer_stats(batch.layer_stats):
+        if record.instrument == FINGERPRINT:  # not a metric: compared across ranks (replicas.py)
+            interval.batch_fingerprints.append((record.step, values))
+            continue
+        if record.instrument == semconv.LAYER_PARAM_NORM.name:
+            interval.layer_param_norms.append((record.step, record.labels, values))
+        gauge = instruments.gauge(record.instrument)
+        if gauge is None:
+            continue
+        if record.instrument == semconv.LAYER_GRAD_NORM.name:
+            interval.layer_grad_norms.append((record.step, record.labels, values))
+        bad = []
+        for label, value in zip(record.labels, values, strict=True):
+            if math.isfinite(value):
+                gauge.set(value, {semconv.LAYER: label})
+            else:
+                bad.append(label)
+        if bad:
+            batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
+            if record.instrument == semconv.LAYER_GRAD_NORM.name:
+                interval.nonfinite_grads.append((record.step, bad))

@@ -132,8 +132,12 @@ def test_rank_blocked_in_a_collective_dumps_its_stack_and_answers_sigusr1(tmp_pa
         assert "all_reduce" in blocked  # the culprit's peer: stuck in the collective
         assert "time.sleep(300)" in (run_dir / "stacks.rank0.0.txt").read_text()
         for rank in (0, 1):
+            # the watchdog writes the stacks first, then the event that names them
+            _wait_for(
+                lambda r=rank: [e for e in _events(run_dir, r) if e["event"] == "stall"], 30, "stall event"
+            )
             stalls = [e for e in _events(run_dir, rank) if e["event"] == "stall"]
-            assert stalls and stalls[0]["file"].endswith(f"stacks.rank{rank}.0.txt")
+            assert stalls[0]["file"].endswith(f"stacks.rank{rank}.0.txt")
         # The main thread of rank 1 is inside gloo (C++, GIL released): a Python-level handler
         # would never run, the watchdog still answers.
         procs[1].send_signal(signal.SIGUSR1)

@@ -103,6 +103,7 @@ def run_info() -> RunInfo | None:
         local_rank=ident.local_rank,
         world_size=ident.world_size,
         step=session.step_index,
+        role=ident.role,
     )
 
 

@@ -74,8 +74,8 @@ def validate(settings: Mapping[str, Any]) -> str | None:
 class ControlFile:
     """Polled by the watchdog thread. `poll` returns a change to schedule, at most once each."""
 
-    def __init__(self, run_dir: Path, rank: int, events: EventChannel) -> None:
-        self.path = RunFiles(run_dir, rank).control
+    def __init__(self, run_dir: Path, rank: int, events: EventChannel, role: str = "") -> None:
+        self.path = RunFiles(run_dir, rank, role).control
         self.rank = rank
         self._events = events
         self._seen_mtime: float | None = None

@@ -79,9 +79,11 @@ class HangWatchdog:
         dump_signal: int | None = signal.SIGUSR1,
         poll_s: float | None = None,
         on_tick: Callable[[], None] | None = None,
+        role: str = "",
     ) -> None:
         self.run_dir = run_dir
         self.rank = rank
+        self.role = role
         self.dumps: list[Path] = []
         self._events = events
         self._last_step = last_step  # () -> (step index, perf_counter time it ended, or None)
@@ -120,7 +122,7 @@ class HangWatchdog:
         if self.run_dir is None:
             log.warning("%s", text)
             return None
-        path = RunFiles(self.run_dir, self.rank).stacks(len(self.dumps))
+        path = RunFiles(self.run_dir, self.rank, self.role).stacks(len(self.dumps))
         try:
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text(text, encoding="utf-8")
@@ -131,7 +133,7 @@ class HangWatchdog:
         self.dumps.append(path)
         files = [path.name]
         recorder = dump_flight_recorder(
-            RunFiles(self.run_dir, self.rank).flight_recorder(len(self.dumps) - 1)
+            RunFiles(self.run_dir, self.rank, self.role).flight_recorder(len(self.dumps) - 1)
         )
         if recorder is not None:
             files.append(recorder.name)
@@ -215,7 +217,7 @@ class HangWatchdog:
     def _install_faulthandler(self, signum: int) -> None:
         if self.run_dir is None:
             return
-        self._faulthandler_file = RunFiles(self.run_dir, self.rank).signal_stacks.open("a")
+        self._faulthandler_file = RunFiles(self.run_dir, self.rank, self.role).signal_stacks.open("a")
         faulthandler.register(signum, file=self._faulthandler_file, all_threads=True, chain=False)
 
     def _uninstall_signal(self) -> None:

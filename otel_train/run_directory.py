@@ -32,13 +32,13 @@ def make_run_dir(config: Config, run_name: str) -> Path | None:
     return path
 
 
-def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str) -> bool:
+def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: str = "") -> bool:
     """Decide whether this process may write rank `rank`'s files in `run_dir`. Returns True for a
     resume (the same run_id restarted: torchrun elastic restart, SLURM requeue: append), False for
     a fresh start; raises ConfigError when an EARLIER run with another run_id wrote this rank's
     files (appending would interleave two runs). Other ranks of the same job share the directory,
     so only this rank's own files count, never the directory's existence."""
-    files = RunFiles(run_dir, rank)
+    files = RunFiles(run_dir, rank, role)
     owner, metrics = files.owner, files.metrics
     previous: str | None
     if owner.exists():
@@ -54,7 +54,7 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str) -> bool:
     if previous == run_id:
         return True
     raise ConfigError(
-        f"run_name {run_name!r}: {run_dir} already holds rank {rank}'s files from another run "
+        f"run_name {run_name!r}: {run_dir} already holds {role + ' ' if role else ''}rank {rank}'s files from another run "
         f"(run_id {previous or 'unknown'}; this one is {run_id}); appending would mix the two. Choose "
         "a new name (init(run_name=...) / OTEL_TRAIN_RUN_NAME, or leave it unset for a unique one), "
         "move the old directory away, or set the same run_id (OTEL_TRAIN_RUN_ID) to resume that run."

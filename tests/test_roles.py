@@ -117,3 +117,24 @@ def test_a_role_that_cannot_be_a_file_name_part_is_refused(bad: str) -> None:
 def test_role_comes_from_the_environment() -> None:
     assert load_config(environ={"OTEL_TRAIN_ROLE": "generation"}).role == "generation"
     assert load_config(environ={}).role == ""
+
+
+def _init_with_role(rank: int, world_size: int, out: str) -> str:
+    """Rank 0 is a policy worker; rank 1 says it is a generation worker, in the same group."""
+    try:
+        ot.init(role="policy" if rank == 0 else "generation", output_dir=out, run_name="mixed", verbosity=0,
+                prometheus_port=0, hardware=False)  # fmt: skip
+    except ConfigError as exc:
+        return f"refused: {exc}"
+    ot.shutdown()
+    return "started"
+
+
+def test_one_process_group_never_mixes_two_roles(tmp_path: Path) -> None:
+    """Ranks are compared (straggler exchange) only within one role: a torch process group whose
+    ranks name different roles is refused on the rank that differs from rank 0."""
+    from helpers.multirank import run_ranks
+
+    results = run_ranks(2, _init_with_role, (str(tmp_path),), timeout=90)
+    assert results[0] == "started"
+    assert results[1].startswith("refused: role: rank 1 has role 'generation'")

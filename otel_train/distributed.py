@@ -63,6 +63,12 @@ class RunInfo:
     world_size: int
     step: int  # the last completed step (-1 before the first)
     role: str = ""  # the role setting (empty: none)
+    # What other processes need to join this run (otel_train.integrations.ray.runtime_env); OTLP
+    # headers are left out on purpose (they may hold secrets).
+    output_dir: str = ""
+    service_name: str = ""
+    otlp_endpoint: str | None = None
+    otlp_metrics_endpoint: str | None = None
 
 
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:

@@ -51,7 +51,6 @@ import os
 import time
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import otel_train as ot
@@ -81,17 +80,15 @@ _driver_run: dict[str, str] = {}  # run id and name made once per driver when no
 def job_settings(role: str = "") -> dict[str, Any]:
     """The run's shared settings (run id, run name, output dir, OTLP endpoints, service name) and
     `role`: from the running session, else a run id and name made once for this driver."""
-    session = ot.current_session()
     info = ot.run_info()
-    if session is not None and info is not None:
-        config = session.config
+    if info is not None:
         settings: dict[str, Any] = {
             "run_id": info.run_id,
             "run_name": info.run_name,
-            "output_dir": str(Path(info.run_dir).parent) if info.run_dir else config.output_dir,
-            "otlp_endpoint": config.otlp_endpoint,
-            "otlp_metrics_endpoint": config.otlp_metrics_endpoint,
-            "service_name": config.service_name,
+            "output_dir": os.path.abspath(info.output_dir),
+            "otlp_endpoint": info.otlp_endpoint,
+            "otlp_metrics_endpoint": info.otlp_metrics_endpoint,
+            "service_name": info.service_name,
         }
     else:
         if not _driver_run:
@@ -151,7 +148,7 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
         now = time.perf_counter_ns()
         if self._failed_ns is not None:
             ot.span("ray_train_restart").start(at_ns=self._failed_ns).stop()
-            _event("worker_group_restart", "the worker group reported again after a failure", {})
+            ot.event("worker_group_restart", "the worker group reported again after a failure", {})
             self._failed_ns = None
         self._step += 1
         ot.begin_step(self._step, start_ns=self._last_report_ns)
@@ -170,14 +167,7 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
         self._start()
         self._failed_ns = time.perf_counter_ns()
         for rank, exc in sorted(worker_exceptions.items()):
-            attributes = {"worker.rank": int(rank), "error.type": type(exc).__name__}
-            _event(
+            attributes: dict[str, str | int] = {"worker.rank": int(rank), "error.type": type(exc).__name__}
+            ot.event(
                 "worker_failure", f"Ray Train worker {rank} failed: {type(exc).__name__}: {exc}", attributes
             )
-
-
-def _event(name: str, message: str, attributes: Mapping[str, Any]) -> None:
-    """A health event on the running session (events file, OTel log record, events counter)."""
-    session = ot.current_session()
-    if session is not None:
-        session.events.emit(name, message[:2000], dict(attributes))

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from collections.abc import Mapping
 from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
 from otel_train import semconv
-from otel_train.config import FIELDS, ConfigError
+from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError
 
 log = logging.getLogger("otel_train")
 
@@ -33,6 +34,28 @@ def settings_from_kwargs(
                 f"(the README's settings table): {', '.join(sorted(FIELDS))}."
             )
     return merged
+
+
+# What frameworks call their training precisions, as otel_train's compute_dtype (MFU's peak).
+_PRECISIONS = {
+    "bf16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "16": "fp16", "16-mixed": "fp16",
+    "16-true": "fp16", "fp16": "fp16", "transformer-engine": "fp8", "transformer-engine-float16": "fp8",
+    "fp8": "fp8", "32": "fp32", "32-true": "fp32", "fp32": "fp32", "tf32": "tf32",
+}  # fmt: skip
+
+
+def with_precision(settings: Mapping[str, Any], framework_precision: str | None) -> dict[str, Any]:
+    """`settings` plus `compute_dtype` from the precision the framework says it trains in, unless
+    the user chose one: a keyword, `OTEL_TRAIN_COMPUTE_DTYPE`, or a config file (not read here, so
+    with one the framework's word is left out). Unknown precisions leave `compute_dtype` alone."""
+    out = dict(settings)
+    dtype = _PRECISIONS.get(str(framework_precision).lower()) if framework_precision is not None else None
+    chosen = (
+        "compute_dtype" in out or "OTEL_TRAIN_COMPUTE_DTYPE" in os.environ or CONFIG_FILE_ENV in os.environ
+    )
+    if dtype is not None and not chosen:
+        out["compute_dtype"] = dtype
+    return out
 
 
 def start_session(settings: Mapping[str, Any] | None) -> bool:

@@ -39,7 +39,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
 import otel_train as ot
-from otel_train.integrations._common import end_phase, scalar_logs, settings_from_kwargs, start_session
+from otel_train.integrations._common import (
+    end_phase,
+    scalar_logs,
+    settings_from_kwargs,
+    start_session,
+    with_precision,
+)
 
 __all__ = ["OtelTrainCallback", "OtelTrainLogger", "callbacks_factory"]
 
@@ -148,7 +154,7 @@ class OtelTrainCallback(Callback):
         settings = dict(self._settings)
         if trainer.max_steps and trainer.max_steps > 0:
             settings.setdefault("total_steps", trainer.max_steps)
-        self._owns_session = start_session(settings)
+        self._owns_session = start_session(with_precision(settings, getattr(trainer, "precision", None)))
         ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
         for logger in ours:
             logger.marks_steps = False  # the steps are ours; the logger only logs values

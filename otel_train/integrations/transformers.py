@@ -60,6 +60,7 @@ from otel_train.integrations._common import (
     scalar_logs,
     settings_from_kwargs,
     start_session,
+    with_precision,
 )
 
 __all__ = ["OtelTrainCallback"]
@@ -131,7 +132,7 @@ class OtelTrainCallback(TrainerCallback):
         max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
         if isinstance(max_steps, int) and max_steps > 0:
             settings.setdefault("total_steps", max_steps)
-        self._owns_session = start_session(settings)
+        self._owns_session = start_session(with_precision(settings, _precision(args)))
         self._started = True
         info = ot.run_info()
         self._rank = info.rank if info is not None else 0
@@ -337,3 +338,11 @@ def _ending_on_error(train: Callable[..., Any], callback: OtelTrainCallback) -> 
 
     setattr(wrapper, _WRAPPED, True)
     return wrapper
+
+
+def _precision(args: Any) -> str | None:
+    """The precision `TrainingArguments` asks for (`bf16`, `fp16`, `tf32`), for MFU's peak."""
+    for flag in ("bf16", "fp16", "tf32"):
+        if getattr(args, flag, None) is True:
+            return flag
+    return None

@@ -20,7 +20,8 @@ workers' `metrics.worker.rank0.jsonl`, `metrics.worker.rank1.jsonl`, ...
 `runtime_env(role)` puts the run id, run name, output directory, OTLP endpoints and service name
 into a Ray `runtime_env`'s `env_vars` (as `OTEL_TRAIN_*`, read by `ot.init()` in every actor).
 They come from the running session, else from `job_settings()`, which makes a run id once per
-driver. OTLP headers are NOT copied (they may hold secrets): give the actors those through your
+driver. The output directory is made absolute on the driver: on several nodes it must be a shared
+file system path (or turn the run directory off and rely on OTLP). OTLP headers are NOT copied (they may hold secrets): give the actors those through your
 own secret mechanism.
 
 `ControllerCallback` is a `ray.train.UserCallback` (Ray 2.60: `after_report(run_context, metrics,
@@ -65,15 +66,6 @@ except ImportError:  # pragma: no cover - ray is an optional extra
 
 __all__ = ["ControllerCallback", "init_worker", "job_settings", "runtime_env"]
 
-# The settings every process of one run must share (the rest are each process's own).
-SHARED_SETTINGS = (
-    "run_id",
-    "run_name",
-    "output_dir",
-    "otlp_endpoint",
-    "otlp_metrics_endpoint",
-    "service_name",
-)
 _driver_run: dict[str, str] = {}  # run id and name made once per driver when no session runs
 
 

@@ -128,3 +128,16 @@ def test_runtime_env_carries_the_running_session(tmp_path: Path) -> None:
         "OTEL_TRAIN_SERVICE_NAME": "otel-train",
         "OTEL_TRAIN_ROLE": "policy",
     }
+
+
+def test_without_a_session_the_driver_makes_one_run_for_every_role(tmp_path: Path) -> None:
+    os.environ["OTEL_TRAIN_OUTPUT_DIR"] = str(tmp_path)
+    try:
+        policy, generation = otr.job_settings("policy"), otr.job_settings("generation")
+    finally:
+        os.environ.pop("OTEL_TRAIN_OUTPUT_DIR", None)
+        otr._driver_run.clear()
+    assert policy["run_id"] == generation["run_id"] and policy["run_name"] == generation["run_name"]
+    assert (policy["role"], generation["role"]) == ("policy", "generation")
+    assert policy["output_dir"] == str(tmp_path)
+    assert "otlp_endpoint" not in policy  # nothing to copy: unset settings stay unset

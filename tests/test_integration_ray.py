@@ -141,3 +141,4 @@ def test_without_a_session_the_driver_makes_one_run_for_every_role(tmp_path: Pat
     assert (policy["role"], generation["role"]) == ("policy", "generation")
     assert policy["output_dir"] == str(tmp_path)
     assert "otlp_endpoint" not in policy  # nothing to copy: unset settings stay unset
+    assert policy["service_name"] == "otel-train"

@@ -55,7 +55,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import otel_train as ot
-from otel_train.config import env_name
+from otel_train.config import env_name, load_config
 from otel_train.integrations._common import settings_from_kwargs, start_session
 from otel_train.integrations.nemo_rl import flatten_numbers, publish_reductions
 
@@ -71,24 +71,27 @@ _driver_run: dict[str, str] = {}  # run id and name made once per driver when no
 
 def job_settings(role: str = "") -> dict[str, Any]:
     """The run's shared settings (run id, run name, output dir, OTLP endpoints, service name) and
-    `role`: from the running session, else a run id and name made once for this driver."""
+    `role`: from the running session, else from this driver's settings (environment, config file)
+    with a run id and name made once for this driver (unless those settings name them)."""
     info = ot.run_info()
     if info is not None:
-        settings: dict[str, Any] = {
-            "run_id": info.run_id,
-            "run_name": info.run_name,
-            "output_dir": os.path.abspath(info.output_dir),
-            "otlp_endpoint": info.otlp_endpoint,
-            "otlp_metrics_endpoint": info.otlp_metrics_endpoint,
-            "service_name": info.service_name,
-        }
-    else:
+        source: Any = info
+        run = {"run_id": info.run_id, "run_name": info.run_name}
+    else:  # the driver's settings (environment, config file) and a run made once for this driver
+        source = load_config()
         if not _driver_run:
-            _driver_run.update(run_id=uuid.uuid4().hex[:12], run_name=time.strftime("ray-%Y%m%d-%H%M%S"))
-        settings = {
-            **_driver_run,
-            "output_dir": os.path.abspath(os.environ.get(env_name("output_dir"), "runs")),
-        }
+            _driver_run.update(
+                run_id=source.run_id or uuid.uuid4().hex[:12],
+                run_name=source.run_name or time.strftime("ray-%Y%m%d-%H%M%S"),
+            )
+        run = dict(_driver_run)
+    settings: dict[str, Any] = {
+        **run,
+        "output_dir": os.path.abspath(source.output_dir),
+        "otlp_endpoint": source.otlp_endpoint,
+        "otlp_metrics_endpoint": source.otlp_metrics_endpoint,
+        "service_name": source.service_name,
+    }
     settings = {k: v for k, v in settings.items() if v is not None}
     return {**settings, "role": role} if role else settings
 

@@ -18,7 +18,9 @@ gone, while waiting for the GIL (a sleep) and everything our threads do stay in.
 
 Configurations: `defaults` (library defaults: run dir, hardware sampler, adaptive cadence; no OTLP
 endpoint, no pull endpoint, console quiet), `tensorboard`, `wandb` (offline), `mlflow` (local
-store), each alone on top of the defaults, and `all` (the three bridges). Reported beside the
+store), each alone on top of the defaults, `all` (the three bridges), and `watch` (the defaults
+plus `ot.watch(model)` at its default cadence: per-layer norms, the batch fingerprint, and the
+checks that read them: gradient flow, unsharded data, replica divergence). Reported beside the
 ratios: flushes, the worker thread's CPU per flush (time.thread_time inside the worker) and the
 bridge process's CPU per flush (psutil on the child process, when bridges run there).
 """
@@ -45,7 +47,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "wandb": {"wandb": True, "wandb_mode": "offline"},
     "mlflow": {"mlflow": True},
     "all": {"tensorboard": True, "wandb": True, "wandb_mode": "offline", "mlflow": True},
+    "watch": {},
 }
+WATCHED = frozenset({"watch"})  # configurations that also call ot.watch(model.net)
 
 
 class LaunchBoundModel:
@@ -57,6 +61,7 @@ class LaunchBoundModel:
         torch.manual_seed(seed)
         self.torch = torch
         self.layers = [torch.nn.Linear(16, 16) for _ in range(8)]
+        self.net = stack_module(self)  # the same layers as one module (what ot.watch is given)
         self.params = [p for layer in self.layers for p in layer.parameters()]
         self.opt = torch.optim.SGD(self.params, lr=1e-3)
         self.x = torch.randn(4, 16)
@@ -68,6 +73,9 @@ class LaunchBoundModel:
         return self.x + 0.0
 
     def forward(self, x: Any) -> Any:
+        return self.net(x)
+
+    def layer_passes(self, x: Any) -> Any:
         for _ in range(self.passes):
             for layer in self.layers:
                 x = self.torch.tanh(layer(x))
@@ -98,6 +106,21 @@ class LaunchBoundModel:
                 self.optimize()
             ot.record("loss", loss.detach())
             ot.record("lr", self.lr)
+
+
+def stack_module(model: LaunchBoundModel) -> Any:
+    """An nn.Module over the model's layers whose forward is the model's layer passes."""
+    import torch
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(model.layers)
+
+        def forward(self, x: Any) -> Any:
+            return model.layer_passes(x)
+
+    return Stack()
 
 
 def runqueue_wait_ns() -> int:
@@ -160,6 +183,8 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
     rounds = max(2, int(seconds * 1000 / step_ms / block / 3))
     index = itertools.count()
     with out, ot.init(**settings) as session:
+        if config in WATCHED:
+            ot.watch(model.net)
         worker = session.worker
         bridge_pid = session.bridges.pid if getattr(session, "bridges", None) is not None else None
         child = psutil.Process(bridge_pid) if bridge_pid else None

@@ -384,10 +384,14 @@ def bridge_specs(config: Config, place: RunPlace) -> list[BridgeSpec]:
             "group": config.wandb_group,
             "tags": list(config.wandb_tags),
             "mode": config.wandb_mode,
-            "run_name": run_name,
-            "run_id": place.identity.run_id,
+            # with a role, its own W&B run (id and name carry the role), grouped under the run name
+            "run_name": run_name if not role else f"{run_name}-{role}",
+            "run_id": place.identity.run_id if not role else f"{place.identity.run_id}-{role}",
             "rank": rank_suffix,
+            "role": role,
         }
+        if role and not config.wandb_group:
+            wandb_args["group"] = run_name
         specs.append(("otel_train.bridges.wandb", "WandbSink", wandb_args))
     if config.mlflow:
         mlflow_args = {

@@ -138,3 +138,27 @@ def test_one_process_group_never_mixes_two_roles(tmp_path: Path) -> None:
     results = run_ranks(2, _init_with_role, (str(tmp_path),), timeout=90)
     assert results[0] == "started"
     assert results[1].startswith("refused: role: rank 1 has role 'generation'")
+
+
+def test_each_role_gets_its_own_wandb_run_grouped_under_the_run(tmp_path: Path) -> None:
+    from otel_train.assemble import RunPlace, bridge_specs
+    from otel_train.distributed import Identity
+
+    def wandb_args(role: str) -> dict:
+        place = RunPlace(Identity("job7", role=role), None, "sft", True, tmp_path, False, None, True)
+        [(_, _, args)] = bridge_specs(load_config({"wandb": True}), place)
+        return args
+
+    controller, policy, plain = wandb_args("controller"), wandb_args("policy"), wandb_args("")
+    assert (controller["run_id"], policy["run_id"], plain["run_id"]) == (
+        "job7-controller",
+        "job7-policy",
+        "job7",
+    )
+    assert controller["run_name"] == "sft-controller" and controller["group"] == policy["group"] == "sft"
+    assert plain["run_name"] == "sft" and plain["group"] is None
+    # the run-info file each W&B run writes is the role's own
+    assert (
+        RunFiles(tmp_path, role="policy").wandb_run_info
+        != RunFiles(tmp_path, role="controller").wandb_run_info
+    )

@@ -88,6 +88,7 @@ class WandbSink(Sink):
         run_name: str | None = None,
         run_id: str | None = None,
         rank: int | None = None,
+        role: str = "",
         *,
         finish_timeout_s: float = 10.0,
     ) -> None:
@@ -103,6 +104,7 @@ class WandbSink(Sink):
         self.tags = list(tags)
         self.mode = mode
         self.rank = rank
+        self.role = role  # names this role's wandb_run file (each role of a run has its own W&B run)
         # rank=None: the one run of the job. rank=N (bridge_all_ranks): one run per rank, grouped.
         suffix = f"-rank{rank}" if rank is not None else ""
         self.run_name = f"{run_name}{suffix}" if run_name else None
@@ -200,11 +202,15 @@ class WandbSink(Sink):
             if info["offline"]:
                 info["sync_command"] = f"wandb sync {local}"
         try:
-            RunFiles(self.run_dir).wandb_run_info.write_text(
+            RunFiles(self.run_dir, role=self.role).wandb_run_info.write_text(
                 json.dumps(info, indent=2) + "\n", encoding="utf-8"
             )
         except OSError as exc:
-            logger.debug("otel_train: could not write %s: %s", RunFiles(self.run_dir).wandb_run_info, exc)
+            logger.debug(
+                "otel_train: could not write %s: %s",
+                RunFiles(self.run_dir, role=self.role).wandb_run_info,
+                exc,
+            )
 
     # -- Sink API ---------------------------------------------------------------------------------
 

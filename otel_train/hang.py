@@ -15,7 +15,8 @@ process already has a wakeup fd (an asyncio loop in the main thread), `faulthand
 signal instead and writes raw stacks to `stacks.rank<k>.signal.txt`.
 
 When PyTorch's NCCL Flight Recorder is on (`TORCH_NCCL_TRACE_BUFFER_SIZE` > 0) its buffer is dumped
-beside the stacks. Nothing here touches CUDA or issues a collective; the job's own timeouts are
+beside the stacks; with the Flight Recorder on (gloo too), `on_stall` hands the stall to hang
+attribution (`hang_attribution`), which names the rank the others wait for. Nothing here touches CUDA or issues a collective; the job's own timeouts are
 left as they are.
 """
 
@@ -79,6 +80,7 @@ class HangWatchdog:
         dump_signal: int | None = signal.SIGUSR1,
         poll_s: float | None = None,
         on_tick: Callable[[], None] | None = None,
+        on_stall: Callable[[Path | None], None] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.rank = rank
@@ -88,6 +90,7 @@ class HangWatchdog:
         self._stall_timeout_s = stall_timeout_s
         self._poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, stall_timeout_s / 4))
         self._on_tick = on_tick  # more work for the same wake-up (the runtime control file)
+        self._on_stall = on_stall  # called with the stacks file after a stall event (hang attribution)
         self._reported_for: float | None = None  # the step end time whose stall was reported
         self._stop = threading.Event()
         self._wake_r: int | None = None
@@ -176,6 +179,11 @@ class HangWatchdog:
             f"no completed step for {idle:.0f}s after step {step}{where}",
             {"step": step, **({"file": str(path)} if path is not None else {})},
         )
+        if self._on_stall is not None:
+            try:
+                self._on_stall(path)
+            except Exception as exc:  # never let it kill stall detection
+                log.warning("otel_train: hang attribution failed: %s", exc)
 
     def _drain_signals(self) -> bool:
         assert self._wake_r is not None

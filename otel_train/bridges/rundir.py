@@ -11,7 +11,8 @@
 - `events.rank<k>.jsonl`: health events (`health`); `goodput.rank<k>.json`: the goodput account
   across restarts (`goodput`); `control.json`: runtime control (`control`).
 - `stacks.rank<k>.<n>.txt`, `stacks.rank<k>.signal.txt`, `flight_recorder.rank<k>.<n>`: hang
-  diagnosis (`hang`); `profiles/rank<k>/`: profiler traces (`profiling`).
+  diagnosis (`hang`); `collectives.rank<k>.json`: where the rank's collectives stood at its last
+  stall (`hang_attribution`); `profiles/rank<k>/`: profiler traces (`profiling`).
 - `tensorboard/`, `wandb/`, `wandb_run.json`, `mlflow/`: the TensorBoard, W&B and MLflow bridges'
   local output.
 
@@ -69,6 +70,13 @@ class RunFiles:
 
     def flight_recorder(self, dump: int) -> Path:
         return self.run_dir / f"flight_recorder.rank{self.rank}.{dump}"
+
+    @property
+    def collectives(self) -> Path:
+        """Where this rank's collectives stood at its last stall (hang attribution reads them all)."""
+        return self.run_dir / f"collectives.rank{self.rank}.json"
+
+    COLLECTIVES_GLOB = "collectives.rank*.json"
 
     @property
     def profiles(self) -> Path:

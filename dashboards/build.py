@@ -352,7 +352,33 @@ def overview() -> DashboardDef:
                         ),
                         unit="percentunit",
                         description="Seconds of badput per second of wall time, per cause (worst rank): "
-                        "startup, eval, checkpoint, stall, restart, other.",
+                        "startup, eval, checkpoint_save, checkpoint_restore, data, wasted_progress "
+                        "(steps re-run after a restart), stall, restart, other.",
+                    ),
+                    ts(
+                        "Goodput, rolling 1h",
+                        T(
+                            f"clamp_min(1 - max by ({RUN}) ("
+                            f"{agg('sum', _R, rate(sc.BADPUT_DURATION, window='1h'))}), 0)",
+                            _lg(suffix=" (worst rank)"),
+                        ),
+                        unit="percentunit",
+                        min_val=0,
+                        description="1 - badput seconds per second of wall time over the last hour (the "
+                        "recording rule otel_train:goodput:rolling1h, computed here so the panel works "
+                        "without it). A restart's gap shows in the hour after it.",
+                    ),
+                    ts(
+                        "Interruptions",
+                        T(agg("max", RUN, selector(sc.INTERRUPTIONS)), _lg()),
+                        description="Restarts of the run id so far (job-wide count, kept across restarts).",
+                    ),
+                    ts(
+                        "Step-time deviation",
+                        T(agg("max", _R, selector(sc.STEP_DEVIATION)), _lg(RANK)),
+                        unit="percentunit",
+                        description="Each rank's mean step time of the interval against its typical one "
+                        "(median of the last 100 intervals), minus 1: 0 = as usual, 0.25 = 25 % slower.",
                     ),
                 ),
             ),
@@ -577,25 +603,25 @@ def gpus_host() -> DashboardDef:
                         min_val=0,
                     ),
                     ts(
-                        "GPU memory controller utilization",
-                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_UTILIZATION)), _GPU_LEGEND),
+                        "GPU memory controller busy",
+                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_CONTROLLER)), _GPU_LEGEND),
                         unit="percentunit",
                         min_val=0,
+                        description="Fraction of time the memory controller was busy (NVML; an "
+                        "otel_train extension). Not memory use: that is the next panels.",
                     ),
                     ts(
                         "GPU memory used",
                         T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_USAGE)), _GPU_LEGEND),
+                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_LIMIT)), f"{_GPU_LEGEND} total"),
                         unit="bytes",
                     ),
                     ts(
                         "GPU memory used (fraction of total)",
-                        T(
-                            f"{agg('max', _GPU_BY, selector(sc.GPU_MEMORY_USAGE))}"
-                            f" / {agg('max', _GPU_BY, selector(sc.GPU_MEMORY_LIMIT))}",
-                            _GPU_LEGEND,
-                        ),
+                        T(agg("max", _GPU_BY, selector(sc.GPU_MEMORY_UTILIZATION)), _GPU_LEGEND),
                         unit="percentunit",
                         min_val=0,
+                        description="hw.gpu.memory.utilization: memory used / memory total.",
                     ),
                     ts(
                         "GPU temperature",
@@ -626,10 +652,12 @@ def gpus_host() -> DashboardDef:
                     ts(
                         "PCIe throughput",
                         T(
-                            agg("max", f"{_GPU_BY}, {DIRECTION}", selector(sc.GPU_PCIE_THROUGHPUT)),
+                            agg("max", f"{_GPU_BY}, {DIRECTION}", rate(sc.GPU_IO)),
                             f"{_GPU_LEGEND} {{{{{DIRECTION}}}}}",
                         ),
                         unit="Bps",
+                        description="Rate of hw.gpu.io (bytes over PCIe, integrated from NVML's "
+                        "throughput samples).",
                     ),
                     ts(
                         "GPU errors",

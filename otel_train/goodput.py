@@ -1,18 +1,30 @@
 """Goodput: each rank's wall time split into productive steps and badput by cause.
 
-    productive  training steps (minus eval / checkpoint spans that run inside a step)
-    startup     process start -> first step
-    eval        `ot.span("eval" | "validation" | "generate" ...)` spans
-    checkpoint  `ot.span("checkpoint" | "save" ...)` spans
-    stall       gaps between steps longer than `stall_timeout_s` (less any span inside the gap)
-    restart     from the last record of the previous process of the same run id to this start
-    other       the rest (logging, short gaps between steps, spans of other names)
+    productive          training steps, less the causes below that happen inside a step
+    startup             process start -> first step, less eval / checkpoint spans before it
+    eval                `ot.span("eval" | "validation" | "generate" ...)` spans
+    checkpoint_save     `ot.span("checkpoint" | "save" ...)` spans
+    checkpoint_restore  `ot.span("load_checkpoint" | "restore" | "resume" ...)` spans
+    data                data loading the step waited for: `ot.timer("data")` (or another data phase
+                        name, DATA_PHASES) inside a step. A loader that prefetches while the device
+                        computes costs nothing here: only the part that does not overlap counts.
+    wasted_progress     steps re-run after a restart: every step whose index is at most the last
+                        step the previous processes of the run id completed (their whole time);
+                        only numbered steps (`ot.step(n)`): unnumbered ones count from 0 in every
+                        process, so they cannot be told apart from re-runs
+    stall               gaps between steps longer than `stall_timeout_s` (less any span inside the gap)
+    restart             from the last record of the previous process of the same run id to this start
+    other               the rest (logging, short gaps between steps, spans of other names)
 
-The training thread only keeps a few cumulative nanosecond counters (a compare per step, the rest
-when a span ends or a long gap closes); this listener turns them into `train.goodput` and
-`train.badput.duration{train.badput.cause}` at each flush and saves the totals to
-`goodput.rank<k>.json`, so a restart of the same run id continues the account (DESIGN: the run id
-is stable across restarts when the scheduler gives one).
+A data timer inside an eval or checkpoint span that is itself inside a step is counted twice (data
+and that span's cause); `other` then absorbs the difference.
+
+The training thread only keeps a few cumulative nanosecond counters (a compare per step and per
+timer inside a step, the rest when a span ends or a long gap closes); this listener turns them into
+`train.goodput`, `train.badput.duration{train.badput.cause}`, `train.interruptions` and
+`train.step.deviation` at each flush and saves the totals to `goodput.rank<k>.json`, so a restart
+of the same run id continues the account (DESIGN: the run id is stable across restarts when the
+scheduler gives one).
 """
 
 from __future__ import annotations
@@ -20,7 +32,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,19 +46,31 @@ from otel_train.interval import Interval
 log = logging.getLogger("otel_train")
 
 SAVE_EVERY_S = 5.0  # goodput.rank<k>.json is rewritten at most this often (and at the last flush)
-CAUSES = ("startup", "eval", "checkpoint", "stall", "restart", "other")
+CAUSES = (
+    "startup", "eval", "checkpoint_save", "checkpoint_restore", "data", "wasted_progress", "stall",
+    "restart", "other",
+)  # fmt: skip
+SPAN_CAUSES = ("eval", "checkpoint_save", "checkpoint_restore")  # the causes `ot.span` names carry
 _EVAL_NAMES = {"eval", "evaluate", "evaluation", "validation", "validate", "val", "test", "generate"}
 _EVAL_NAMES |= {"sample", "samples", "sampling"}
-_CHECKPOINT_NAMES = {"checkpoint", "ckpt", "save", "save_checkpoint", "load_checkpoint", "checkpointing"}
+_CHECKPOINT_NAMES = {"checkpoint", "ckpt", "save", "save_checkpoint", "checkpointing"}
+_RESTORE_NAMES = {"load_checkpoint", "restore", "restore_checkpoint", "resume", "load", "load_ckpt"}
+# Timer names that are the step waiting for its input (the same names straggler_model files as data).
+DATA_PHASES = frozenset(
+    {"data", "dataloader", "data_wait", "datawait", "data_loading", "batch", "get_batch", "input"}
+)
+DEVIATION_BASELINE = 100  # the typical step time is the median of the last this many intervals' means
 
 
 def span_cause(name: str) -> str:
-    """The badput cause of an `ot.span` name: eval, checkpoint, or other."""
+    """The badput cause of an `ot.span` name: eval, checkpoint_save, checkpoint_restore or other."""
     lower = name.lower().replace("-", "_")
     if lower in _EVAL_NAMES or lower.startswith(("eval", "valid")):
         return "eval"
+    if lower in _RESTORE_NAMES or "restore" in lower or ("load" in lower and "checkpoint" in lower):
+        return "checkpoint_restore"
     if lower in _CHECKPOINT_NAMES or "checkpoint" in lower:
-        return "checkpoint"
+        return "checkpoint_save"
     return "other"
 
 
@@ -52,9 +79,13 @@ class StepClock(Protocol):
 
     process_start_s: float  # perf_counter seconds at process start
     first_step_start_ns: int | None
+    startup_span_ns: int  # eval/checkpoint spans before the first step (not startup)
     stall_ns: int
     nested_badput_ns: int  # eval/checkpoint spans inside steps (not productive)
     span_ns: dict[str, int]  # per cause, all eval/checkpoint spans
+    data_ns: int  # data-phase timers inside steps that are not re-runs
+    rerun_ns: int  # steps whose index is at most rerun_through
+    rerun_through: int  # the last step of the previous processes (-1: none); set by the listener
 
 
 class GoodputListener:
@@ -68,22 +99,38 @@ class GoodputListener:
         self._badput = meter.create_counter(
             semconv.BADPUT_DURATION.name, semconv.BADPUT_DURATION.unit, semconv.BADPUT_DURATION.description
         )
-        for cause in CAUSES:
-            self._badput.add(0, {semconv.BADPUT_CAUSE: cause})
+        spec = semconv.INTERRUPTIONS
+        interruptions = meter.create_counter(spec.name, spec.unit, spec.description)
+        spec = semconv.STEP_DEVIATION
+        self._deviation = meter.create_gauge(spec.name, spec.unit, spec.description)
+        self._means: deque[float] = deque(maxlen=DEVIATION_BASELINE)
         self.step_s = 0.0  # this process's step time (worker-side, from the flushed durations)
         self.steps = 0
         self._previous = _load(state_path, run_id)
-        self._reported = dict.fromkeys(CAUSES, 0.0)
         self._saved_at = 0.0
         self.totals: dict[str, float] = {}  # the last account, job-wide (for tests and summaries)
-        if self._previous is not None:
-            gap = max(0.0, _process_start_epoch(clock) - float(self._previous["updated"]))
-            self._previous["badput"]["restart"] = self._previous["badput"].get("restart", 0.0) + gap
-            self._previous["wall_s"] = float(self._previous["wall_s"]) + gap
+        self.interruptions = 0
+        self.last_step = -1  # the highest step index completed under this run id
+        previous = self._previous
+        if previous is not None:
+            gap = max(0.0, _process_start_epoch(clock) - previous["updated"])
+            previous["badput"]["restart"] += gap
+            previous["wall_s"] += gap
+            self.interruptions = previous["interruptions"] + 1
+            self.last_step = clock.rerun_through = previous["last_step"]
+        # The counters start at the job's totals: a restarted process's series continue from where
+        # the previous one left them (no reset to 0 for rate() to misread).
+        self._reported = {c: previous["badput"][c] if previous else 0.0 for c in CAUSES}
+        for cause in CAUSES:
+            self._badput.add(self._reported[cause], {semconv.BADPUT_CAUSE: cause})
+        interruptions.add(self.interruptions)
 
     def on_flush(self, interval: Interval) -> None:
         self.step_s += math.fsum(interval.step_durations)
         self.steps += interval.steps
+        if interval.steps:
+            self.last_step = max(self.last_step, interval.step)
+            self._set_deviation(interval.step_durations)
         account = self.account()
         self.totals = account
         if interval.steps:
@@ -103,27 +150,42 @@ class GoodputListener:
         if account["wall_s"] > 0:
             self._gauge.set(account["productive_s"] / account["wall_s"])
 
+    def _set_deviation(self, durations: list[float]) -> None:
+        """`train.step.deviation`: this interval's mean step time against the typical one (the
+        median of the last DEVIATION_BASELINE intervals' means, this one included), minus 1."""
+        if not durations:
+            return
+        mean = math.fsum(durations) / len(durations)
+        self._means.append(mean)
+        baseline = statistics.median(self._means)
+        if baseline > 0:
+            self._deviation.set(mean / baseline - 1.0)
+
     def account(self) -> dict[str, float]:
         """Job-wide totals in seconds: `wall_s`, `productive_s` and one entry per cause."""
         clock = self._clock
         wall = time.perf_counter() - clock.process_start_s
         first = clock.first_step_start_ns
-        startup = (first * 1e-9 - clock.process_start_s) if first is not None else wall
-        productive = max(0.0, self.step_s - clock.nested_badput_ns * 1e-9)
+        before_first = (first * 1e-9 - clock.process_start_s) if first is not None else wall
+        data, wasted = clock.data_ns * 1e-9, clock.rerun_ns * 1e-9
+        productive = max(0.0, self.step_s - clock.nested_badput_ns * 1e-9 - data - wasted)
+        spans = {cause: clock.span_ns.get(cause, 0) * 1e-9 for cause in SPAN_CAUSES}
+        startup_spans = clock.startup_span_ns if first is not None else sum(clock.span_ns.values())
         badput = {
-            "startup": max(0.0, startup),
-            "eval": clock.span_ns.get("eval", 0) * 1e-9,
-            "checkpoint": clock.span_ns.get("checkpoint", 0) * 1e-9,
+            "startup": max(0.0, before_first - startup_spans * 1e-9),
+            **spans,
+            "data": data,
+            "wasted_progress": wasted,
             "stall": clock.stall_ns * 1e-9,
             "restart": 0.0,
         }
         badput["other"] = max(0.0, wall - productive - sum(badput.values()))
         previous = self._previous
         if previous is not None:
-            wall += float(previous["wall_s"])
-            productive += float(previous["productive_s"])
+            wall += previous["wall_s"]
+            productive += previous["productive_s"]
             for cause in CAUSES:
-                badput[cause] += float(previous["badput"].get(cause, 0.0))
+                badput[cause] += previous["badput"][cause]
         return {"wall_s": wall, "productive_s": productive, **badput}
 
     def _save(self, account: dict[str, float]) -> None:
@@ -136,6 +198,8 @@ class GoodputListener:
             "wall_s": account["wall_s"],
             "productive_s": account["productive_s"],
             "badput": {cause: account[cause] for cause in CAUSES},
+            "last_step": self.last_step,
+            "interruptions": self.interruptions,
         }
         tmp = self._state_path.with_suffix(".tmp")
         try:
@@ -170,26 +234,111 @@ def _process_start_epoch(clock: StepClock) -> float:
     return time.time() - (time.perf_counter() - clock.process_start_s)
 
 
+MAX_STATE_BYTES = 64 * 1024  # a goodput file is ~300 bytes; anything larger is not ours
+MAX_WALL_S = 10 * 366 * 86400.0  # an account longer than ten years is a damaged file
+MAX_CLOCK_AHEAD_S = 86400.0  # an `updated` later than now by more than this (clock skew) is damaged
+
+
 def _load(path: Path | None, run_id: str) -> dict[str, Any] | None:
-    """The account of an earlier process of the same run id, if any."""
+    """The account of an earlier process of the same run id, if any. A file we cannot trust
+    (unreadable, not our shape, a value out of range) never stops a restart: it is warned about
+    once, kept aside as `<name>.corrupt` and the account starts over from this process."""
     if path is None or not path.exists():
         return None
     try:
+        if path.stat().st_size > MAX_STATE_BYTES:
+            raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
         state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        log.warning("otel_train: ignoring an unreadable %s (%s); goodput starts over.", path, exc)
+        owner = state.get("run_id") if isinstance(state, dict) else None
+        if isinstance(owner, str) and owner != run_id:
+            return None  # another job's account: this one starts over and overwrites it
+        return _validated(state)
+    except Exception as exc:  # whatever is in the file, a restart must not crash on it
+        aside = path.with_name(path.name + ".corrupt")
+        try:
+            path.replace(aside)
+        except OSError:
+            aside = path  # it is overwritten at the next save
+        log.warning(
+            "otel_train: ignoring the goodput file %s (%s); kept as %s, goodput starts over from this process.",
+            path, exc, aside,
+        )  # fmt: skip
         return None
-    if state.get("run_id") != run_id:
-        return None
-    return dict(state)
+
+
+def _validated(state: object) -> dict[str, Any]:
+    """`state` as numbers we can add to (every cause present), or ValueError saying what is wrong."""
+    if not isinstance(state, dict):
+        raise ValueError(f"not a JSON object but {type(state).__name__}")
+    if not isinstance(state.get("run_id"), str):
+        raise ValueError("no run_id")
+    now = time.time()
+    updated = _number(state, "updated", 0.0, now + MAX_CLOCK_AHEAD_S)
+    wall = _number(state, "wall_s", 0.0, MAX_WALL_S)
+    productive = _number(state, "productive_s", 0.0, wall * (1 + 1e-9))
+    badput = state.get("badput")
+    if not isinstance(badput, dict):
+        raise ValueError(f"badput is {type(badput).__name__}, not an object")
+    if "checkpoint" in badput and "checkpoint_save" not in badput:  # before save and restore were apart
+        badput = {**badput, "checkpoint_save": badput["checkpoint"]}
+    # A cause missing from the file (written by a version that did not have it) is zero.
+    causes = {cause: _number(badput, cause, 0.0, wall * (1 + 1e-9)) for cause in CAUSES if cause in badput}
+    last_step = _integer(state, "last_step", -1, 2**63) if "last_step" in state else -1
+    interruptions = _integer(state, "interruptions", 0, 10**9) if "interruptions" in state else 0
+    return {
+        "updated": updated,
+        "wall_s": wall,
+        "productive_s": productive,
+        "badput": {cause: causes.get(cause, 0.0) for cause in CAUSES},
+        "last_step": last_step,
+        "interruptions": interruptions,
+    }
+
+
+def _number(values: dict[Any, Any], key: str, low: float, high: float) -> float:
+    value = values.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key} is {value!r}, not a number")
+    if not low <= value <= high:  # also false for NaN
+        raise ValueError(f"{key} is {value!r}, outside [{low:g}, {high:g}]")
+    return float(value)
+
+
+def _integer(values: dict[Any, Any], key: str, low: int, high: int) -> int:
+    value = values.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{key} is {value!r}, not an integer in [{low}, {high}]")
+    return value
 
 
 def process_start_perf_s() -> float:
-    """This process's start time on the perf_counter clock."""
-    import psutil
+    """This process's start time on the perf_counter clock.
 
-    try:
-        age = time.time() - psutil.Process().create_time()
-    except Exception:  # no /proc: count from now
-        age = 0.0
+    Linux: `/proc/self/stat`'s starttime (clock ticks since boot, on CLOCK_BOOTTIME), against
+    CLOCK_BOOTTIME now; exact to one clock tick (10 ms at the usual USER_HZ of 100, always early).
+    Not psutil's create_time(): it adds the ticks to `/proc/stat`'s btime, a whole number of
+    seconds, so every start was off by up to 1 s (differently on each machine) and a restart's gap
+    and the account's wall time with it. Elsewhere psutil's create_time() (microseconds on macOS),
+    and when nothing answers, now."""
+    age = _age_from_proc()
+    if age is None:
+        try:
+            import psutil
+
+            age = time.time() - psutil.Process().create_time()
+        except Exception:  # no process table: count from now
+            age = 0.0
     return time.perf_counter() - max(0.0, age)
+
+
+def _age_from_proc() -> float | None:
+    """Seconds since this process started, from /proc/self/stat; None where that is missing."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            text = stat.read()
+        # Field 22 (starttime); the command name (field 2) may hold spaces and ")".
+        ticks = int(text[text.rindex(")") + 2 :].split()[19])
+        per_second = os.sysconf("SC_CLK_TCK")
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / per_second
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

@@ -41,9 +41,9 @@ THROTTLE_BITS: dict[str, int] = {
 }
 
 GPU_SPECS = (
-    sc.GPU_UTILIZATION, sc.GPU_MEMORY_UTILIZATION, sc.GPU_MEMORY_USAGE, sc.GPU_MEMORY_LIMIT,
-    sc.GPU_TEMPERATURE, sc.GPU_POWER, sc.GPU_ENERGY, sc.GPU_ERRORS, sc.GPU_CLOCK_SM,
-    sc.GPU_CLOCK_MEMORY, sc.GPU_THROTTLE, sc.GPU_PCIE_THROUGHPUT,
+    sc.GPU_UTILIZATION, sc.GPU_MEMORY_UTILIZATION, sc.GPU_MEMORY_CONTROLLER, sc.GPU_MEMORY_USAGE,
+    sc.GPU_MEMORY_LIMIT, sc.GPU_TEMPERATURE, sc.GPU_POWER, sc.GPU_ENERGY, sc.GPU_ERRORS, sc.GPU_IO,
+    sc.GPU_CLOCK_SM, sc.GPU_CLOCK_MEMORY, sc.GPU_THROTTLE,
 )  # fmt: skip
 
 _UNSUPPORTED_CODES = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR_FUNCTION_NOT_FOUND")
@@ -64,6 +64,8 @@ class DeviceState:
     event_set: Any = None
     xid_count: int = 0
     last_xid: int | None = None
+    io_bytes: dict[str, float] = field(default_factory=dict)  # hw.gpu.io by direction (integrated)
+    io_sampled_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,14 @@ class _DeviceSample:
 
     def __init__(self, state: DeviceState) -> None:
         self.attrs = {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name}
+        self.typed_attrs = {**self.attrs, sc.HW_TYPE: sc.HW_TYPE_GPU}  # for specs that carry hw.type
         self.obs: dict[str, list[Observation]] = {}
         self.energy_j: float | None = None
         self.memory: tuple[str, int, int] | None = None
 
     def put(self, spec: sc.MetricSpec, value: float, extra: Mapping[str, str] | None = None) -> None:
-        attrs = {**self.attrs, **extra} if extra else self.attrs
+        base = self.typed_attrs if sc.HW_TYPE in spec.attributes else self.attrs
+        attrs = {**base, **extra} if extra else base
         self.obs.setdefault(spec.name, []).append(Observation(value, attrs))
 
 
@@ -230,11 +234,13 @@ class GpuSampler:
         util = self._call(state, "utilization", "nvmlDeviceGetUtilizationRates")
         if util is not None:
             out.put(sc.GPU_UTILIZATION, util.gpu / 100.0)
-            out.put(sc.GPU_MEMORY_UTILIZATION, util.memory / 100.0)
+            out.put(sc.GPU_MEMORY_CONTROLLER, util.memory / 100.0)
         mem_info = self._call(state, "memory", "nvmlDeviceGetMemoryInfo")
         if mem_info is not None:
             out.put(sc.GPU_MEMORY_USAGE, int(mem_info.used))
             out.put(sc.GPU_MEMORY_LIMIT, int(mem_info.total))
+            if mem_info.total > 0:
+                out.put(sc.GPU_MEMORY_UTILIZATION, mem_info.used / mem_info.total)
             out.memory = (state.dev.uuid, int(mem_info.used), int(mem_info.total))
         temp = self._call(
             state, "temperature", "nvmlDeviceGetTemperature", getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
@@ -279,7 +285,12 @@ class GpuSampler:
                 out.put(sc.GPU_THROTTLE, 1 if int(reasons) & bits else 0, {sc.THROTTLE_REASON: reason})
 
     def _sample_pcie(self, state: DeviceState, out: _DeviceSample) -> None:
+        """hw.gpu.io: NVML gives PCIe throughput (KB/s over a short window), not a byte count, so
+        the counter adds each sample's rate times the time since the previous sample."""
         nvml: Any = self._nvml
+        now = self._clock()
+        elapsed = now - state.io_sampled_at if state.io_sampled_at is not None else 0.0
+        state.io_sampled_at = now
         for direction, counter in (
             ("receive", "NVML_PCIE_UTIL_RX_BYTES"),
             ("transmit", "NVML_PCIE_UTIL_TX_BYTES"),
@@ -288,7 +299,9 @@ class GpuSampler:
                 state, f"pcie_{direction}", "nvmlDeviceGetPcieThroughput", getattr(nvml, counter)
             )
             if kbs is not None:
-                out.put(sc.GPU_PCIE_THROUGHPUT, kbs * 1024.0, {sc.DIRECTION: direction})  # KB/s -> By/s
+                total = state.io_bytes.get(direction, 0.0) + kbs * 1024.0 * elapsed  # KB/s -> By
+                state.io_bytes[direction] = total
+                out.put(sc.GPU_IO, int(total), {sc.DIRECTION: direction})
 
     def _call(self, state: DeviceState, field_name: str, fn_name: str, *args: Any) -> Any | None:
         """One NVML call; None when unsupported (remembered) or failing transiently."""
@@ -338,7 +351,7 @@ class GpuSampler:
                 self._current_call = ""
             state.xid_count += 1
             state.last_xid = int(getattr(data, "eventData", 0))
-            log.warning("otel_train: GPU %s reported XID %s", state.dev.uuid, state.last_xid)
+            _emit_xid(self._events, state, state.last_xid)
         return True
 
     def _register_xids(self, state: DeviceState) -> bool:
@@ -377,3 +390,13 @@ class GpuSampler:
             self._events.emit("gpu_lost", message, {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name})
         except Exception:
             log.debug("otel_train: gpu_lost event channel failed", exc_info=True)
+
+
+def _emit_xid(events: EventChannel, state: DeviceState, code: int) -> None:
+    """A `gpu_xid` health event carrying the code (hw.errors{error.type="xid"} counts them)."""
+    message = f"GPU {state.dev.name} ({state.dev.uuid}) reported XID {code}"
+    attributes: dict[str, str | int] = {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name, sc.XID: code}
+    try:
+        events.emit("gpu_xid", message, attributes, severity="ERROR")
+    except Exception:
+        log.warning("otel_train: %s", message)

@@ -64,11 +64,14 @@ REASON = "otel_train.reason"
 EVENT = "otel_train.event"
 STRAGGLER_KIND = "straggler.kind"  # relative | individual
 STAT = "stat"  # min | max | mean | median
-BADPUT_CAUSE = "train.badput.cause"  # startup | eval | checkpoint | stall | restart | other
+BADPUT_CAUSE = "train.badput.cause"  # goodput.CAUSES: startup | eval | checkpoint_save | ... | other
 LAYER = "train.layer"  # a module path from ot.watch(model), e.g. blocks.3.attn
 HW_ID = "hw.id"
 HW_NAME = "hw.name"
-THROTTLE_REASON = "hw.gpu.throttle.reason"
+HW_TYPE = "hw.type"  # "gpu" on the common hw.* metrics (hw.power, hw.energy, hw.errors, hw.temperature)
+HW_TYPE_GPU = "gpu"
+THROTTLE_REASON = "otel_train.gpu.throttle.reason"
+XID = "otel_train.gpu.xid"  # the XID code on a `gpu_xid` health event
 DIRECTION = "network.io.direction"
 MEMORY_STATE = "system.memory.state"
 PEAK_SOURCE = (
@@ -205,8 +208,20 @@ GOODPUT = _m(
     "Share of the job's wall time (all restarts of the run id) spent in training steps.", "train/goodput",
 )  # fmt: skip
 BADPUT_DURATION = _m(
-    "train.badput.duration", S.COUNTER, "s", "Wall time not spent in training steps, by cause.",
+    "train.badput.duration", S.COUNTER, "s",
+    "Wall time (all restarts of the run id) not spent in productive training steps, by cause.",
     "train/badput/{train.badput.cause}", (BADPUT_CAUSE,),
+)  # fmt: skip
+INTERRUPTIONS = _m(
+    "train.interruptions", S.COUNTER, "{interruption}",
+    "Restarts of the run id: each process after the first one of a run id counts one.",
+    "train/interruptions",
+)  # fmt: skip
+STEP_DEVIATION = _m(
+    "train.step.deviation", S.GAUGE, "1",
+    "Mean step time of the interval against the typical one (median of the last 100 intervals' "
+    "means), minus 1: 0 = as usual, 0.25 = 25 % slower.",
+    "train/step_deviation",
 )  # fmt: skip
 LOSS_SCALE = _m(
     "train.loss_scale", S.GAUGE, "", "Mixed-precision loss scale (GradScaler, ot.watch_scaler).",
@@ -223,7 +238,7 @@ PROFILED_STEPS = _m(
 )  # fmt: skip
 HEALTH_EVENTS = _m(
     "train.health.events", S.COUNTER, "{event}",
-    "Health events (nonfinite, nonfinite_grad, loss_spike, straggler, stall, gpu_lost, memory_pressure, "
+    "Health events (nonfinite, nonfinite_grad, loss_spike, straggler, stall, gpu_lost, gpu_xid, memory_pressure, "
     "mfu_over_100).",
     "health/{otel_train.event}", attributes=(EVENT,),
 )  # fmt: skip
@@ -281,83 +296,68 @@ POWER_AVERAGE = _m(
     gpu_only=True,
 )
 
-# --- GPU (hw.* semantic conventions where they exist) ----------------------------------------------
+# --- GPU ---------------------------------------------------------------------------------------------
+# `hw.*` names are exactly the OTel hardware semantic conventions (tests/test_hw_semconv.py checks
+# them against the spec's YAML at a pinned version); what the spec has no metric for is our
+# extension, named `otel_train.gpu.*`.
 _GPU = (HW_ID, HW_NAME)
+_GPU_TYPED = (HW_ID, HW_NAME, HW_TYPE)  # the common hw.* metrics say which kind of component
 GPU_UTILIZATION = _m(
-    "hw.gpu.utilization",
-    S.OBSERVABLE_GAUGE,
-    "1",
-    "GPU busy fraction.",
-    "gpu/{hw.id}/utilization",
-    _GPU,
+    "hw.gpu.utilization", S.OBSERVABLE_GAUGE, "1", "GPU busy fraction.", "gpu/{hw.id}/utilization", _GPU,
     gpu_only=True,
-)
+)  # fmt: skip
 GPU_MEMORY_UTILIZATION = _m(
-    "hw.gpu.memory.utilization", S.OBSERVABLE_GAUGE, "1", "GPU memory controller busy fraction.",
-    "gpu/{hw.id}/memory_utilization", _GPU, gpu_only=True,
+    "hw.gpu.memory.utilization", S.OBSERVABLE_GAUGE, "1", "Fraction of GPU memory used.",
+    "gpu/{hw.id}/memory_used_fraction", _GPU, gpu_only=True,
+)  # fmt: skip
+GPU_MEMORY_CONTROLLER = _m(
+    "otel_train.gpu.memory_controller.utilization", S.OBSERVABLE_GAUGE, "1",
+    "GPU memory controller busy fraction (NVML utilization.memory; an otel_train extension).",
+    "gpu/{hw.id}/memory_controller_busy", _GPU, gpu_only=True,
 )  # fmt: skip
 GPU_MEMORY_USAGE = _m(
-    "hw.gpu.memory.usage",
-    S.OBSERVABLE_UP_DOWN_COUNTER,
-    "By",
-    "GPU memory used.",
-    "gpu/{hw.id}/memory_used",
-    _GPU,
-    gpu_only=True,
-)
+    "hw.gpu.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory used.", "gpu/{hw.id}/memory_used",
+    _GPU, gpu_only=True,
+)  # fmt: skip
 GPU_MEMORY_LIMIT = _m(
-    "hw.gpu.memory.limit",
-    S.OBSERVABLE_UP_DOWN_COUNTER,
-    "By",
-    "GPU memory total.",
-    "gpu/{hw.id}/memory_limit",
-    _GPU,
-    gpu_only=True,
-)
+    "hw.gpu.memory.limit", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory total.",
+    "gpu/{hw.id}/memory_limit", _GPU, gpu_only=True,
+)  # fmt: skip
 GPU_TEMPERATURE = _m(
-    "hw.temperature",
-    S.OBSERVABLE_GAUGE,
-    "Cel",
-    "GPU temperature.",
-    "gpu/{hw.id}/temperature",
-    _GPU,
+    "hw.temperature", S.OBSERVABLE_GAUGE, "Cel", "GPU temperature.", "gpu/{hw.id}/temperature", _GPU_TYPED,
     gpu_only=True,
-)
+)  # fmt: skip
 GPU_POWER = _m(
-    "hw.power", S.OBSERVABLE_GAUGE, "W", "GPU power draw.", "gpu/{hw.id}/power", _GPU, gpu_only=True
+    "hw.power", S.OBSERVABLE_GAUGE, "W", "GPU power draw.", "gpu/{hw.id}/power", _GPU_TYPED, gpu_only=True
 )
 GPU_ENERGY = _m(
-    "hw.energy",
-    S.OBSERVABLE_COUNTER,
-    "J",
-    "GPU energy since driver load.",
-    "gpu/{hw.id}/energy",
-    _GPU,
+    "hw.energy", S.OBSERVABLE_COUNTER, "J", "GPU energy since driver load.", "gpu/{hw.id}/energy", _GPU_TYPED,
     gpu_only=True,
-)
+)  # fmt: skip
 GPU_ERRORS = _m(
-    "hw.errors", S.OBSERVABLE_COUNTER, "{error}", "GPU errors (ECC corrected/uncorrected, XID).",
-    "gpu/{hw.id}/errors/{error.type}", (*_GPU, ERROR_TYPE), gpu_only=True,
+    "hw.errors", S.OBSERVABLE_COUNTER, "{error}",
+    "GPU errors: ecc_corrected, ecc_uncorrected, xid (critical XID events; each one's code is on a "
+    "gpu_xid health event).",
+    "gpu/{hw.id}/errors/{error.type}", (*_GPU_TYPED, ERROR_TYPE), gpu_only=True,
+)  # fmt: skip
+GPU_IO = _m(
+    "hw.gpu.io", S.OBSERVABLE_COUNTER, "By",
+    "Bytes the GPU received and transmitted over PCIe (NVML's PCIe throughput samples integrated "
+    "over the sampling period: an estimate).",
+    "gpu/{hw.id}/io/{network.io.direction}", (*_GPU, DIRECTION), gpu_only=True,
 )  # fmt: skip
 GPU_CLOCK_SM = _m(
-    "hw.gpu.clock.sm", S.OBSERVABLE_GAUGE, "Hz", "SM clock.", "gpu/{hw.id}/clock_sm", _GPU, gpu_only=True
-)
-GPU_CLOCK_MEMORY = _m(
-    "hw.gpu.clock.memory",
-    S.OBSERVABLE_GAUGE,
-    "Hz",
-    "Memory clock.",
-    "gpu/{hw.id}/clock_memory",
-    _GPU,
-    gpu_only=True,
-)
-GPU_THROTTLE = _m(
-    "hw.gpu.throttle", S.OBSERVABLE_GAUGE, "1", "1 while a clock-event/throttle reason is active.",
-    "gpu/{hw.id}/throttle/{hw.gpu.throttle.reason}", (*_GPU, THROTTLE_REASON), gpu_only=True,
+    "otel_train.gpu.clock.sm", S.OBSERVABLE_GAUGE, "Hz", "SM clock (an otel_train extension).",
+    "gpu/{hw.id}/clock_sm", _GPU, gpu_only=True,
 )  # fmt: skip
-GPU_PCIE_THROUGHPUT = _m(
-    "hw.gpu.pcie.throughput", S.OBSERVABLE_GAUGE, "By/s", "PCIe throughput.",
-    "gpu/{hw.id}/pcie/{network.io.direction}", (*_GPU, DIRECTION), gpu_only=True,
+GPU_CLOCK_MEMORY = _m(
+    "otel_train.gpu.clock.memory", S.OBSERVABLE_GAUGE, "Hz", "Memory clock (an otel_train extension).",
+    "gpu/{hw.id}/clock_memory", _GPU, gpu_only=True,
+)  # fmt: skip
+GPU_THROTTLE = _m(
+    "otel_train.gpu.throttle", S.OBSERVABLE_GAUGE, "1",
+    "1 while a clock-event/throttle reason is active (an otel_train extension).",
+    "gpu/{hw.id}/throttle/{otel_train.gpu.throttle.reason}", (*_GPU, THROTTLE_REASON), gpu_only=True,
 )  # fmt: skip
 CUDA_MEMORY_ALLOCATED = _m(
     "train.cuda.memory.allocated",

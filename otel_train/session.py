@@ -52,6 +52,33 @@ log = logging.getLogger("otel_train")
 _MAX_SPAN_RECORDS = 10_000
 
 
+class GoodputClock:
+    """Goodput bookkeeping, cumulative, written by the training thread only (goodput.StepClock)."""
+
+    def start_goodput_clock(self, stall_timeout_s: float) -> None:
+        from otel_train.goodput import DATA_PHASES, process_start_perf_s
+
+        self.process_start_s = process_start_perf_s()
+        self.first_step_start_ns: int | None = None
+        self.startup_span_ns = 0
+        self.stall_ns = 0
+        self.nested_badput_ns = 0
+        self.span_ns: dict[str, int] = {}
+        self.data_ns = 0
+        self._data_phases = DATA_PHASES
+        self.rerun_ns = 0
+        self.rerun_through = -1  # set by the goodput listener on a restart
+        self._gap_span_ns = 0  # spans since the last step ended (not stall time)
+        self._step_open = False
+        self._stall_gap_ns = int(stall_timeout_s * 1e9)
+
+    def _note_long_gap(self, gap_ns: int) -> None:
+        """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""
+        stalled = gap_ns - self._gap_span_ns
+        if stalled > self._stall_gap_ns:
+            self.stall_ns += stalled
+
+
 @dataclass(kw_only=True, eq=False, repr=False)
 class SessionParts:
     """The parts a session runs with, built and wired by `assemble.build_session`, and the lists
@@ -123,7 +150,7 @@ class SessionParts:
         return endpoint.url if endpoint is not None else None
 
 
-class Session(SessionParts):
+class Session(SessionParts, GoodputClock):
     """Steps, timers, flushes and the shutdown of one process's telemetry (see the module doc)."""
 
     # Attached by assemble.build_session once the session exists (they call back into it).
@@ -133,20 +160,10 @@ class Session(SessionParts):
     control: ControlFile | None
 
     def __post_init__(self) -> None:
-        from otel_train.goodput import process_start_perf_s
-
         config = self.config
         self.on_exit: Callable[[], None] = self.shutdown  # `_runtime.init` sets ot.shutdown
         self.reinit_warned = False  # a second init() with other settings was warned about
-        # Goodput bookkeeping, cumulative, written by the training thread only (see goodput.py).
-        self.process_start_s = process_start_perf_s()
-        self.first_step_start_ns: int | None = None
-        self.stall_ns = 0
-        self.nested_badput_ns = 0
-        self.span_ns: dict[str, int] = {}
-        self._gap_span_ns = 0  # spans since the last step ended (not stall time)
-        self._step_open = False
-        self._stall_gap_ns = int(config.stall_timeout_s * 1e9)
+        self.start_goodput_clock(config.stall_timeout_s)
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
         self._pending_control: ControlChange | None = None
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
@@ -178,6 +195,7 @@ class Session(SessionParts):
     def begin_step(self, step: Any) -> int:
         if step is None:
             index = self.step_index + 1
+            self.rerun_through = -1  # unnumbered steps restart from 0: re-runs cannot be told apart
         elif step.__class__ is int and -_MAX_STEP <= step <= _MAX_STEP:
             index = step
         else:
@@ -230,6 +248,8 @@ class Session(SessionParts):
         buf.step_indices.append(index)  # which step the interval's recorded values belong to
         if failed:
             return
+        if index <= self.rerun_through:  # goodput's wasted progress: re-running steps after a restart
+            self.rerun_ns += end_ns - start_ns
         buf.steps += 1
         buf.step_durations.append((end_ns - start_ns) * 1e-9)
         if tokens:
@@ -273,12 +293,6 @@ class Session(SessionParts):
             self.start_profile(*profile_request(settings["profile"]))
         warn_if_late(change, index)
 
-    def _note_long_gap(self, gap_ns: int) -> None:
-        """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""
-        stalled = gap_ns - self._gap_span_ns
-        if stalled > self._stall_gap_ns:
-            self.stall_ns += stalled
-
     def start_profile(self, window: ProfileWindow, ranks: Sequence[int] | None) -> bool:
         """Start a profiler window at the next step (training thread); False if not on this rank."""
         if self.profiler is not None:
@@ -294,6 +308,8 @@ class Session(SessionParts):
             self.buffer.add_phase(name, seconds)
             if self.step_start_ns:  # straggler detection: when this rank got here in its step
                 self.buffer.add_arrival(name, (end_ns - self.step_start_ns) * 1e-9)
+                if name in self._data_phases and self._step_index_running > self.rerun_through:
+                    self.data_ns += end_ns - start_ns  # goodput's data cause
         else:
             self.buffer.add_phase_error(name, error.__name__, seconds)
         if self.sampled and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
@@ -325,6 +341,8 @@ class Session(SessionParts):
                 self.nested_badput_ns += duration
         else:
             self._gap_span_ns += duration
+            if self.first_step_start_ns is None and cause != "other":
+                self.startup_span_ns += duration  # not startup: its own cause
         if self.worker.span_writer is not None and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
             step = max(self.step_index, 0)
             self.buffer.spans.append(_mark_record(name, start_ns, end_ns, step, error, attributes))

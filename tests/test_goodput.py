@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import otel_train as ot
 from otel_train.goodput import CAUSES, span_cause
 
@@ -24,8 +26,10 @@ def _assert_sums_to_wall(account: dict[str, float]) -> None:
 
 
 def test_span_causes() -> None:
-    assert [span_cause(n) for n in ("eval", "validation", "generate", "checkpoint", "save", "ema")] == [
-        "eval", "eval", "eval", "checkpoint", "checkpoint", "other",
+    names = ("eval", "validation", "generate", "checkpoint", "save", "load_checkpoint", "restore", "ema")
+    assert [span_cause(n) for n in names] == [
+        "eval", "eval", "eval", "checkpoint_save", "checkpoint_save", "checkpoint_restore",
+        "checkpoint_restore", "other",
     ]  # fmt: skip
 
 
@@ -51,9 +55,9 @@ def test_account_of_one_process(tmp_path: Path) -> None:
     _assert_sums_to_wall(account)
     assert account["startup"] >= 0.2
     assert 0.3 <= account["eval"] < 0.8
-    assert 0.1 <= account["checkpoint"] < 0.5
+    assert 0.1 <= account["checkpoint_save"] < 0.5
     assert 0.6 <= account["stall"] < 1.2
-    assert account["restart"] == 0
+    assert account["restart"] == 0 and account["data"] == 0 and account["wasted_progress"] == 0
     assert 0.3 <= account["productive_s"] < 0.9  # 6 x 50 ms of step work (the nested eval excluded)
     progress = (session.run_dir / "progress.txt").read_text()
     assert "end of process | goodput" in progress and "stall" in progress
@@ -74,13 +78,154 @@ def test_restart_of_the_same_run_id_continues_the_account(tmp_path: Path) -> Non
     run_dir = tmp_path / "runs" / "restarted"
     first = _account(run_dir)
     _assert_sums_to_wall(first)
-    assert first["eval"] > 0 and first["checkpoint"] > 0
+    assert first["eval"] > 0 and first["checkpoint_save"] > 0
     time.sleep(1.5)  # the scheduler's restart gap
     subprocess.run(args, env=env, check=True, timeout=300)
     second = _account(run_dir)
     _assert_sums_to_wall(second)
     assert second["restart"] >= 1.5  # the gap, plus the second process's time before init
     assert second["wall_s"] > first["wall_s"] + 1.5
-    assert second["productive_s"] > first["productive_s"]
+    # the demo starts again from step 0: every step of the second process is a re-run
+    assert second["wasted_progress"] > 0
+    assert second["productive_s"] == pytest.approx(first["productive_s"], abs=1e-6)
     progress = (run_dir / "progress.txt").read_text()
     assert progress.count("end of process | goodput") == 2  # one progress file across the restart
+
+
+_ONE_PROCESS = """
+import sys, time
+import otel_train as ot
+ot.init(run_name="restarted", run_id="job-8", output_dir=sys.argv[1], prometheus_port=0, verbosity=0,
+        hardware=False, log_interval=2)
+for step in range(6):
+    with ot.step(step):
+        time.sleep(0.02)
+ot.shutdown()
+"""
+
+
+def _busy_loop(seconds: float) -> subprocess.Popen[bytes]:
+    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_restart_gap_and_wall_time_are_exact_under_load(tmp_path: Path) -> None:
+    """Two processes on one run id, 2.0 s apart, while busy loops load every core: the restart
+    badput is the measured gap (the first process's last record to the second's start) and the
+    account's wall time the real elapsed time. A start time off by a fraction of a second (psutil's
+    create_time() rests on /proc/stat's whole-second btime) lost part of the gap and counted it
+    twice in the wall time."""
+    script = tmp_path / "one_process.py"
+    script.write_text(_ONE_PROCESS)
+    args = [sys.executable, str(script), str(tmp_path / "runs")]
+    run_dir = tmp_path / "runs" / "restarted"
+    load = [_busy_loop(60) for _ in range(os.cpu_count() or 1)]
+    try:
+        first_spawn = time.time()
+        subprocess.run(args, check=True, timeout=120)
+        first_record = json.loads((run_dir / "goodput.rank0.json").read_text())["updated"]
+        time.sleep(2.0)
+        second_spawn = time.time()
+        subprocess.run(args, check=True, timeout=120)
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
+    state = json.loads((run_dir / "goodput.rank0.json").read_text())
+    gap = second_spawn - first_record
+    elapsed = state["updated"] - first_spawn
+    assert gap >= 2.0
+    assert abs(state["badput"]["restart"] - gap) <= 0.1, (state, gap)
+    assert abs(state["wall_s"] - elapsed) <= 0.2, (state, elapsed)
+
+
+def test_data_loading_and_checkpoint_restore_are_their_own_causes(tmp_path: Path) -> None:
+    """A restore before the first step is checkpoint_restore (not startup); a save is
+    checkpoint_save; the step's wait in `ot.timer("data")` is data, not productive time."""
+    session = ot.init(run_name="causes", prometheus_port=0, verbosity=0, hardware=False, log_interval=2)
+    with ot.span("load_checkpoint"):
+        time.sleep(0.3)
+    for step in range(4):
+        with ot.step(step):
+            with ot.timer("data"):  # the loader had no batch ready: the step waits
+                time.sleep(0.1)
+            with ot.timer("forward"):
+                time.sleep(0.01)
+    with ot.span("save_checkpoint"):
+        time.sleep(0.1)
+    ot.shutdown()
+    account = _account(session.run_dir)
+    _assert_sums_to_wall(account)
+    assert account["checkpoint_restore"] >= 0.3 and account["checkpoint_save"] >= 0.1
+    assert account["data"] >= 0.4
+    assert account["productive_s"] < account["data"] / 2  # 4 x 10 ms of forward, not the waits
+    startup_without_restore = session.first_step_start_ns * 1e-9 - session.process_start_s - 0.3
+    assert account["startup"] <= startup_without_restore + 0.01
+
+
+_RESUMED = """
+import sys, time
+import otel_train as ot
+first, last, seconds = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+ot.init(run_name="resumed", run_id="job-10", output_dir=sys.argv[1], prometheus_port=0, verbosity=0,
+        hardware=False, log_interval=2)
+for step in range(first, last):
+    with ot.step(step if first >= 0 else None):  # first < 0: unnumbered steps (ot.step())
+        time.sleep(seconds)
+ot.shutdown()
+"""
+
+
+def test_steps_re_run_after_a_restart_are_wasted_progress_and_the_restart_is_counted(tmp_path: Path) -> None:
+    """The first process completes steps 0-9; the second resumes from a checkpoint of step 5 and
+    runs 5-12: steps 5-9 again are wasted progress, not productive; one interruption."""
+    script = tmp_path / "resumed.py"
+    script.write_text(_RESUMED)
+    run_dir = tmp_path / "runs" / "resumed"
+
+    def run(first: int, last: int, seconds: float) -> None:
+        args = [sys.executable, str(script), str(tmp_path / "runs"), str(first), str(last), str(seconds)]
+        subprocess.run(args, check=True, timeout=120)
+
+    run(0, 10, 0.01)
+    before = json.loads((run_dir / "goodput.rank0.json").read_text())
+    assert before["last_step"] == 9 and before["interruptions"] == 0
+    run(5, 13, 0.1)  # re-runs are slow on purpose: 5 x 0.1 s wasted, 3 x 0.1 s new progress
+    after = json.loads((run_dir / "goodput.rank0.json").read_text())
+    _assert_sums_to_wall(
+        {"wall_s": after["wall_s"], "productive_s": after["productive_s"], **after["badput"]}
+    )
+    assert after["last_step"] == 12 and after["interruptions"] == 1
+    assert after["badput"]["wasted_progress"] >= 0.5
+    assert after["productive_s"] - before["productive_s"] < after["badput"]["wasted_progress"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sum(row.get("train/interruptions", 0) for row in rows) == 1
+
+
+def test_step_deviation_is_the_interval_against_the_typical_step(tmp_path: Path) -> None:
+    session = ot.init(run_name="deviation", prometheus_port=0, verbosity=0, hardware=False, log_interval=2)
+    for step in range(12):
+        with ot.step(step):
+            time.sleep(0.02 if step < 10 else 0.2)  # the last interval is ~10x slower
+    ot.shutdown()
+    rows = [json.loads(line) for line in (session.run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    deviation = {
+        row["train/step"]: row["train/step_deviation"] for row in rows if "train/step_deviation" in row
+    }
+    assert deviation[1] == 0.0  # one interval: it is the typical one
+    assert all(abs(deviation[step]) < 1.0 for step in (5, 7, 9)), deviation
+    assert deviation[11] > 3.0, deviation  # far slower than the median of the earlier intervals
+
+
+def test_unnumbered_steps_are_never_counted_as_re_runs(tmp_path: Path) -> None:
+    """`ot.step()` without a number counts from 0 in every process: a restart's steps cannot be
+    told apart from re-runs, so none is wasted progress (it stays productive)."""
+    script = tmp_path / "resumed.py"
+    script.write_text(_RESUMED)
+    run_dir = tmp_path / "runs" / "resumed"
+    for _ in range(2):
+        args = [sys.executable, str(script), str(tmp_path / "runs"), "-4", "0", "0.05"]
+        subprocess.run(args, check=True, timeout=120)
+    after = json.loads((run_dir / "goodput.rank0.json").read_text())
+    assert after["interruptions"] == 1 and after["badput"]["wasted_progress"] == 0
+    assert after["productive_s"] >= 8 * 0.05

@@ -22,6 +22,7 @@ from helpers.fake_nvml import (
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from otel_train import gpu_sampler
 from otel_train import semconv as sc
 from otel_train.config import Config
 from otel_train.hardware import (
@@ -34,7 +35,7 @@ from otel_train.hardware import (
 )
 from otel_train.interval import Interval
 
-GPU_SPECS = [s for s in sc.CATALOGUE if s.name.startswith("hw.")]
+GPU_SPECS = list(gpu_sampler.GPU_SPECS)
 HOST_SPECS = [sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEMORY_USAGE]
 
 
@@ -103,9 +104,12 @@ def interval(**kw: Any) -> Interval:
 def test_gpu_metrics_match_catalogue_names_units_attributes(rig: Rig) -> None:
     gpu = FakeGpu(uuid=gpu_uuid(0), clock_reasons=0x4 | 0x40, xids=[48])
     nvml = FakeNvml([gpu])
-    mon = rig.monitor(nvml)
+    now = [100.0]
+    mon = rig.monitor(nvml, clock=lambda: now[0])
     mon.start(background=False)
     mon.sample_once()
+    now[0] += 2.0
+    mon.sample_once()  # hw.gpu.io integrates the throughput over the 2 s between samples
     pts = rig.points()
     for spec in GPU_SPECS:
         assert spec.name in pts, spec.name
@@ -113,8 +117,10 @@ def test_gpu_metrics_match_catalogue_names_units_attributes(rig: Rig) -> None:
             assert unit == spec.unit, spec.name
             assert set(attrs) == set(spec.attributes), (spec.name, attrs)
             assert attrs[sc.HW_ID] == gpu.uuid and attrs[sc.HW_NAME] == gpu.name
+            assert attrs.get(sc.HW_TYPE, sc.HW_TYPE_GPU) == sc.HW_TYPE_GPU
     assert value(pts, sc.GPU_UTILIZATION.name) == pytest.approx(0.75)
-    assert value(pts, sc.GPU_MEMORY_UTILIZATION.name) == pytest.approx(0.30)
+    assert value(pts, sc.GPU_MEMORY_UTILIZATION.name) == pytest.approx(gpu.memory_used / gpu.memory_total)
+    assert value(pts, sc.GPU_MEMORY_CONTROLLER.name) == pytest.approx(0.30)
     assert value(pts, sc.GPU_MEMORY_USAGE.name) == gpu.memory_used
     assert value(pts, sc.GPU_MEMORY_LIMIT.name) == gpu.memory_total
     assert value(pts, sc.GPU_TEMPERATURE.name) == 55
@@ -122,12 +128,14 @@ def test_gpu_metrics_match_catalogue_names_units_attributes(rig: Rig) -> None:
     assert value(pts, sc.GPU_ENERGY.name) == pytest.approx(1000.0)  # mJ -> J
     assert value(pts, sc.GPU_CLOCK_SM.name) == pytest.approx(1980e6)  # MHz -> Hz
     assert value(pts, sc.GPU_CLOCK_MEMORY.name) == pytest.approx(2619e6)
-    assert value(pts, sc.GPU_PCIE_THROUGHPUT.name, **{sc.DIRECTION: "receive"}) == 2000 * 1024
-    assert value(pts, sc.GPU_PCIE_THROUGHPUT.name, **{sc.DIRECTION: "transmit"}) == 1000 * 1024
+    assert value(pts, sc.GPU_IO.name, **{sc.DIRECTION: "receive"}) == 2000 * 1024 * 2  # KB/s x 2 s
+    assert value(pts, sc.GPU_IO.name, **{sc.DIRECTION: "transmit"}) == 1000 * 1024 * 2
     throttle = {a[sc.THROTTLE_REASON]: v for a, v, _ in pts[sc.GPU_THROTTLE.name]}
     assert throttle == {"power_cap": 1, "thermal": 1, "hw_slowdown": 0, "sw_slowdown": 0}
     errors = {a[sc.ERROR_TYPE]: v for a, v, _ in pts[sc.GPU_ERRORS.name]}
     assert errors == {"ecc_corrected": 0, "ecc_uncorrected": 0, "xid": 1}
+    [(_, message, attrs)] = rig.events.named("gpu_xid")  # the code, which the count cannot carry
+    assert attrs == {sc.HW_ID: gpu.uuid, sc.HW_NAME: gpu.name, sc.XID: 48} and "XID 48" in message
     for spec in HOST_SPECS:
         assert spec.name in pts or spec is sc.PROCESS_CPU_UTILIZATION  # CPU needs a 2nd sample
         for attrs, _, unit in pts.get(spec.name, []):
@@ -161,7 +169,7 @@ def test_unsupported_values_are_absent_not_zero_and_not_asked_again(rig: Rig) ->
     mon.sample_once()
     mon.sample_once()
     pts = rig.points()
-    for spec in (sc.GPU_UTILIZATION, sc.GPU_MEMORY_UTILIZATION, sc.GPU_POWER, sc.GPU_TEMPERATURE):
+    for spec in (sc.GPU_UTILIZATION, sc.GPU_MEMORY_CONTROLLER, sc.GPU_POWER, sc.GPU_TEMPERATURE):
         assert spec.name not in pts, spec.name
     assert {a[sc.ERROR_TYPE] for a, _, _ in pts[sc.GPU_ERRORS.name]} == {"xid"}
     assert value(pts, sc.GPU_MEMORY_USAGE.name) == gpu.memory_used  # the other fields still work

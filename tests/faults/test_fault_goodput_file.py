@@ -1,0 +1,141 @@
+"""The goodput file of an earlier process never crashes a restart: whatever it holds, `ot.init()`
+of the same run id warns once naming the file, keeps it aside as `<name>.corrupt` and starts the
+account over; values out of range (negative, NaN, a goodput above 100 %) are refused, not added."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import otel_train as ot
+from otel_train.goodput import CAUSES
+
+_FIRST_PROCESS = """
+import sys, time
+import otel_train as ot
+ot.init(run_name="requeued", run_id="job-9", output_dir=sys.argv[1], prometheus_port=0, verbosity=0,
+        hardware=False, log_interval=2)
+for step in range(4):
+    with ot.step(step):
+        time.sleep(0.02)
+ot.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory a real first process of run id job-9 left behind."""
+    root = tmp_path_factory.mktemp("first")
+    script = root / "first.py"
+    script.write_text(_FIRST_PROCESS)
+    subprocess.run([sys.executable, str(script), str(root / "runs")], check=True, timeout=120)
+    return root / "runs" / "requeued"
+
+
+def _valid(first_run: Path) -> dict:
+    return json.loads((first_run / "goodput.rank0.json").read_text())
+
+
+def _with(first_run: Path, **changes: object) -> str:
+    return json.dumps({**_valid(first_run), **changes})
+
+
+def _without(first_run: Path, key: str) -> str:
+    state = _valid(first_run)
+    del state[key]
+    return json.dumps(state)
+
+
+_DAMAGED: dict[str, Callable[[Path], str | bytes]] = {
+    "a list": lambda run: "[]",
+    "null": lambda run: "null",
+    "empty": lambda run: "",
+    "truncated": lambda run: _valid_text(run)[:40],
+    "not utf-8": lambda run: b"\xff\xfe\x00{",
+    "badput a list": lambda run: _with(run, badput=[]),
+    "no updated": lambda run: _without(run, "updated"),
+    "no run_id": lambda run: _without(run, "run_id"),
+    "wall_s a string": lambda run: _with(run, wall_s="x"),
+    "wall_s negative": lambda run: _with(run, wall_s=-997.0),
+    "wall_s NaN": lambda run: _valid_text(run).replace('"wall_s": ', '"wall_s": NaN, "was": '),
+    "wall_s Infinity": lambda run: _valid_text(run).replace('"wall_s": ', '"wall_s": Infinity, "was": '),
+    "wall_s huge": lambda run: _with(run, wall_s=1e300),
+    "wall_s a bool": lambda run: _with(run, wall_s=True),
+    "goodput 28,000 %": lambda run: _with(run, productive_s=280 * _valid(run)["wall_s"]),
+    "a cause negative": lambda run: _with(run, badput={**_valid(run)["badput"], "stall": -5.0}),
+    "a cause a string": lambda run: _with(run, badput={**_valid(run)["badput"], "eval": "1"}),
+    "updated in the far future": lambda run: _with(run, updated=time.time() + 10 * 86400),
+    "100 kB": lambda run: _valid_text(run) + " " * 100_000,
+    "last_step a float": lambda run: _with(run, last_step=3.5),
+    "interruptions negative": lambda run: _with(run, interruptions=-1),
+}
+
+
+def _valid_text(first_run: Path) -> str:
+    return (first_run / "goodput.rank0.json").read_text()
+
+
+def _restart(run_dir: Path) -> ot.Session:
+    """The same run id started again on `run_dir` (the restart path of `ot.init()`), a few steps."""
+    session = ot.init(run_name=run_dir.name, run_id="job-9", output_dir=str(run_dir.parent), prometheus_port=0,
+                      verbosity=0, hardware=False, log_interval=2)  # fmt: skip
+    for step in range(4, 8):
+        with ot.step(step):
+            time.sleep(0.01)
+    ot.shutdown()
+    return session
+
+
+@pytest.mark.parametrize("case", list(_DAMAGED))
+def test_a_damaged_goodput_file_is_set_aside_and_the_account_starts_over(
+    case: str, first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run_dir = tmp_path / "requeued"
+    shutil.copytree(first_run, run_dir)
+    damaged = _DAMAGED[case](first_run)
+    data = damaged if isinstance(damaged, bytes) else damaged.encode()
+    state_file = run_dir / "goodput.rank0.json"
+    state_file.write_bytes(data)
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    _restart(run_dir)  # must not raise
+    warnings = [r.getMessage() for r in caplog.records if "goodput file" in r.getMessage()]
+    assert len(warnings) == 1 and str(state_file) in warnings[0], warnings
+    assert (run_dir / "goodput.rank0.json.corrupt").read_bytes() == data
+    fresh = json.loads(state_file.read_text())
+    assert fresh["run_id"] == "job-9" and fresh["badput"]["restart"] == 0.0
+    assert 0 < fresh["productive_s"] <= fresh["wall_s"]
+    assert all(0 <= fresh["badput"][cause] <= fresh["wall_s"] for cause in CAUSES)
+
+
+def test_a_file_from_an_older_version_is_continued(
+    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shape before data / wasted progress / save-vs-restore and the interruption count: one
+    `checkpoint` cause (read as checkpoint_save), no last_step, no interruptions."""
+    run_dir = tmp_path / "requeued"
+    shutil.copytree(first_run, run_dir)
+    before = _valid(first_run)
+    old_causes = ("startup", "eval", "stall", "restart", "other")
+    older = {
+        "run_id": before["run_id"], "updated": before["updated"], "wall_s": before["wall_s"],
+        "productive_s": before["productive_s"],
+        "badput": {**{c: before["badput"][c] for c in old_causes}, "checkpoint": 0.25 * before["wall_s"]},
+    }  # fmt: skip
+    (run_dir / "goodput.rank0.json").write_text(json.dumps(older))
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    _restart(run_dir)
+    assert not [r for r in caplog.records if "goodput file" in r.getMessage()]
+    assert not (run_dir / "goodput.rank0.json.corrupt").exists()
+    after = json.loads((run_dir / "goodput.rank0.json").read_text())
+    assert after["productive_s"] > before["productive_s"]
+    assert after["badput"]["startup"] >= before["badput"]["startup"]
+    assert after["badput"]["checkpoint_save"] == 0.25 * before["wall_s"]
+    assert after["interruptions"] == 1 and after["last_step"] == 7

@@ -424,6 +424,7 @@ COLLECTIVE_TIME = _m(
     "train.collective.time", S.COUNTER, "s",
     "Time in collectives as the backend measured it (NCCL with TORCH_NCCL_ENABLE_TIMING=1 only).",
     "collective/{train.collective.group}/{train.collective.op}/time", (PROCESS_GROUP, COLLECTIVE_OP),
+    gpu_only=True,  # NCCL's timing: gloo records no durations
 )  # fmt: skip
 COLLECTIVE_LAST = _m(
     "train.collective.last_seconds", S.OBSERVABLE_GAUGE, "s",

@@ -32,6 +32,9 @@ log = logging.getLogger("otel_train")
 
 BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 RECOMMENDED_BUFFER = 2000  # entries; documented in the README ("Collectives and hangs")
+# The dump holds the GIL while torch serializes the buffer (~17 us an entry on a quiet core, so tens
+# of ms for 2000): entries are read at most so often that this stays under 0.2 % of wall time.
+MAX_READ_SHARE = 0.002
 MAX_PAIRS = 16  # distinct (group, op) series per rank; later pairs count under ("other", "other")
 OTHER = "other"
 _DTYPE_BYTES = {
@@ -143,6 +146,7 @@ class CollectiveMonitor:
         self._progress: tuple[tuple[str, str, str], ...] = ()
         self._progress_at = time.monotonic()
         self.overwritten = 0  # entries the ring buffer dropped before a flush read them
+        self._next_read = 0.0  # monotonic time of the next full read (see MAX_READ_SHARE)
         meter.create_observable_gauge(
             semconv.COLLECTIVE_LAST.name,
             callbacks=[self._observe_last],
@@ -170,24 +174,34 @@ class CollectiveMonitor:
 
     # --- per-flush counts --------------------------------------------------------------------------
     def on_flush(self, interval: Interval) -> None:
+        if time.monotonic() < self._next_read and not interval.final:
+            return  # the counts catch up at the next read, from what the ring buffer still holds
+        started = time.monotonic()
         dump = read_dump(entries=True)
+        self._next_read = started + (time.monotonic() - started) / MAX_READ_SHARE
         if dump is None:
             return
-        entries = [
-            e for e in dump["entries"] if str((e.get("process_group") or ["?"])[0]) not in self.excluded
-        ]
         with self._lock:
             self._note_progress(progress_key(dump["pg_status"], self.excluded))
-        self.count(entries)
+        self.count(dump["entries"])
 
     def count(self, entries: list[dict[str, Any]]) -> None:
-        """Add each retired entry not counted before; forget ids the ring buffer no longer holds."""
+        """Add each retired entry not counted before (the excluded groups' left out); forget ids the
+        ring buffer no longer holds. Record ids count across all groups, so the gap check sees all."""
         ids = [int(e.get("record_id", -1)) for e in entries]
         if ids and self._highest is not None and min(ids) > self._highest + 1:
-            self.overwritten += min(ids) - self._highest - 1  # a buffer smaller than one flush's collectives
+            if not self.overwritten:
+                log.warning(
+                    "otel_train: the Flight Recorder's buffer (%d entries) wrapped between two reads: "
+                    "train.collective.count and .size undercount; raise TORCH_FR_BUFFER_SIZE.",
+                    buffer_size(),
+                )
+            self.overwritten += min(ids) - self._highest - 1
         for rid, entry in zip(ids, entries, strict=True):
             if rid in self._seen or not _done(entry):
                 continue
+            if str((entry.get("process_group") or ["?"])[0]) in self.excluded:
+                continue  # otel_train's own exchange
             self._seen.add(rid)
             attrs = self._attributes(group_label(entry), op_name(entry))
             self._count.add(1, attrs)

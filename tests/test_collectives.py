@@ -48,6 +48,9 @@ def _metrics_target(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("otel_train").addHandler(handler)
+    from otel_train import collectives
+
+    collectives.MAX_READ_SHARE = 1.0  # read the recorder at every flush: this test counts exactly
     port = free_port()  # the pull endpoint listens on prometheus_port + local rank
     ot.init(
         run_name="coll",
@@ -208,3 +211,38 @@ def test_attribution_names_missing_ranks_and_silent_ones_only_when_none_is_missi
     # every member inside the same collective and all present: nobody to blame
     summaries[1] = _summary(1, 7, 6, waiting)
     assert attribute(summaries, 4) == []
+
+
+def _entry(rid: int, op: str = "all_reduce", retired: bool = True) -> dict[str, Any]:
+    return {
+        "record_id": rid, "process_group": ["0", "default_pg"], "profiling_name": f"gloo:{op}",
+        "input_sizes": [[10, 2]], "input_dtypes": ["BFloat16"], "retired": retired, "state": "scheduled",
+    }  # fmt: skip
+
+
+def test_each_collective_is_counted_once_and_a_wrapped_buffer_is_said_once(caplog) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    monitor = CollectiveMonitor(MeterProvider(metric_readers=[reader]).get_meter("t"), {"7"})
+    telemetry = {**_entry(4), "process_group": ["7", "otel_train"]}  # otel_train's own: never counted
+    monitor.count([_entry(0), _entry(1), _entry(2, retired=False)])  # #2 still running
+    monitor.count([_entry(1), _entry(2), _entry(3, "broadcast"), telemetry])  # read again: #1 not twice
+    monitor.count([telemetry, _entry(5)])  # no gap: #4 is the telemetry group's
+    monitor.count([_entry(11), _entry(12)])  # #6-#10 left the ring buffer unread
+    monitor.count([_entry(13), _entry(14)])
+    points = {
+        (m.name, p.attributes[semconv.COLLECTIVE_OP]): p.value
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name != semconv.COLLECTIVE_LAST.name
+        for p in m.data.data_points
+    }
+    assert points[(semconv.COLLECTIVE_COUNT.name, "all_reduce")] == 8
+    assert points[(semconv.COLLECTIVE_COUNT.name, "broadcast")] == 1
+    assert points[(semconv.COLLECTIVE_SIZE.name, "all_reduce")] == 8 * 40
+    assert {op for (_, op) in points} == {"all_reduce", "broadcast"}
+    assert monitor.overwritten == 5
+    assert len([r for r in caplog.records if "wrapped" in r.getMessage()]) == 1

@@ -70,7 +70,8 @@ def read_dump(entries: bool) -> dict[str, Any] | None:
         import torch._C._distributed_c10d as c10d
     except Exception:
         return None
-    merged: dict[str, Any] = {"pg_status": {}, "entries": []}
+    # "recorders": each recorder's own entries (record ids count per recorder, from 0 in each)
+    merged: dict[str, Any] = {"pg_status": {}, "entries": [], "recorders": {}}
     found = False
     for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
         dump = getattr(c10d, name, None)
@@ -84,6 +85,7 @@ def read_dump(entries: bool) -> dict[str, Any] | None:
         found = True
         merged["pg_status"].update(data.get("pg_status") or {})
         merged["entries"].extend(data.get("entries") or [])
+        merged["recorders"][name] = data.get("entries") or []
     return merged if found else None
 
 
@@ -139,8 +141,10 @@ class CollectiveMonitor:
         self._time = meter.create_counter(
             semconv.COLLECTIVE_TIME.name, semconv.COLLECTIVE_TIME.unit, semconv.COLLECTIVE_TIME.description
         )
-        self._seen: set[int] = set()  # record ids counted, pruned to what the buffer still holds
-        self._highest: int | None = None  # the largest record id of the previous read
+        # per recorder (CPU/gloo, NCCL): record ids counted, pruned to what its buffer still holds,
+        # and the largest record id of the previous read
+        self._seen: dict[str, set[int]] = {}
+        self._highest: dict[str, int] = {}
         self._pairs: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._progress: tuple[tuple[str, str, str], ...] = ()
@@ -183,26 +187,29 @@ class CollectiveMonitor:
             return
         with self._lock:
             self._note_progress(progress_key(dump["pg_status"], self.excluded))
-        self.count(dump["entries"])
+        for recorder, entries in dump["recorders"].items():
+            self.count(entries, recorder)
 
-    def count(self, entries: list[dict[str, Any]]) -> None:
-        """Add each retired entry not counted before (the excluded groups' left out); forget ids the
-        ring buffer no longer holds. Record ids count across all groups, so the gap check sees all."""
+    def count(self, entries: list[dict[str, Any]], recorder: str = "") -> None:
+        """Add each retired entry of `recorder` not counted before (the excluded groups' left out);
+        forget ids its ring buffer no longer holds. Its record ids count across all its groups, so
+        the gap check sees every group."""
         ids = [int(e.get("record_id", -1)) for e in entries]
-        if ids and self._highest is not None and min(ids) > self._highest + 1:
+        seen, highest = self._seen.setdefault(recorder, set()), self._highest.get(recorder)
+        if ids and highest is not None and min(ids) > highest + 1:
             if not self.overwritten:
                 log.warning(
                     "otel_train: the Flight Recorder's buffer (%d entries) wrapped between two reads: "
                     "train.collective.count and .size undercount; raise TORCH_FR_BUFFER_SIZE.",
                     buffer_size(),
                 )
-            self.overwritten += min(ids) - self._highest - 1
+            self.overwritten += min(ids) - highest - 1
         for rid, entry in zip(ids, entries, strict=True):
-            if rid in self._seen or not _done(entry):
+            if rid in seen or not _done(entry):
                 continue
             if str((entry.get("process_group") or ["?"])[0]) in self.excluded:
                 continue  # otel_train's own exchange
-            self._seen.add(rid)
+            seen.add(rid)
             attrs = self._attributes(group_label(entry), op_name(entry))
             self._count.add(1, attrs)
             self._size.add(input_bytes(entry), attrs)
@@ -210,8 +217,8 @@ class CollectiveMonitor:
             if isinstance(duration_ms, (int, float)) and duration_ms >= 0:
                 self._time.add(duration_ms / 1e3, attrs)
         if ids:
-            low, self._highest = min(ids), max(ids)
-            self._seen = {rid for rid in self._seen if rid >= low}
+            low, self._highest[recorder] = min(ids), max(ids)
+            self._seen[recorder] = {rid for rid in seen if rid >= low}
 
     def _attributes(self, group: str, op: str) -> dict[str, str]:
         pair = (group, op)

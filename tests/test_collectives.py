@@ -66,10 +66,13 @@ def _metrics_target(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
             dist.all_reduce(tensor)
             dist.broadcast(tensor[:10], src=0)
     dist.barrier()
-    time.sleep(0.2)  # gloo retires a collective's record just after it returns
+    time.sleep(0.5)  # gloo retires a collective's record just after it returns
+    for step in range(6, 8):  # two steps without collectives: the flush after step 7 reads them all
+        with ot.step(step):
+            pass
     session = ot.current_session()
     assert session is not None
-    session.worker.stop(timeout_s=10)  # the final flush reads the recorder once more
+    session.worker.stop(timeout_s=10)  # that flush done, the SDK serves what it counted
     samples = _scrape(port)
     ot.shutdown()
     return {"samples": samples, "messages": messages}
@@ -232,6 +235,9 @@ def test_each_collective_is_counted_once_and_a_wrapped_buffer_is_said_once(caplo
     monitor.count([telemetry, _entry(5)])  # no gap: #4 is the telemetry group's
     monitor.count([_entry(11), _entry(12)])  # #6-#10 left the ring buffer unread
     monitor.count([_entry(13), _entry(14)])
+    # the NCCL recorder numbers its own entries from 0, and measures durations
+    nccl = {**_entry(0, "reduce_scatter", retired=False), "state": "completed", "duration_ms": 250.0}
+    monitor.count([{**nccl, "process_group": ["3", "dp"]}], "nccl")
     points = {
         (m.name, p.attributes[semconv.COLLECTIVE_OP]): p.value
         for rm in reader.get_metrics_data().resource_metrics
@@ -243,6 +249,8 @@ def test_each_collective_is_counted_once_and_a_wrapped_buffer_is_said_once(caplo
     assert points[(semconv.COLLECTIVE_COUNT.name, "all_reduce")] == 8
     assert points[(semconv.COLLECTIVE_COUNT.name, "broadcast")] == 1
     assert points[(semconv.COLLECTIVE_SIZE.name, "all_reduce")] == 8 * 40
-    assert {op for (_, op) in points} == {"all_reduce", "broadcast"}
+    assert points[(semconv.COLLECTIVE_COUNT.name, "reduce_scatter")] == 1
+    assert points[(semconv.COLLECTIVE_TIME.name, "reduce_scatter")] == 0.25
+    assert {op for (_, op) in points} == {"all_reduce", "broadcast", "reduce_scatter"}
     assert monitor.overwritten == 5
     assert len([r for r in caplog.records if "wrapped" in r.getMessage()]) == 1

@@ -11,7 +11,7 @@ emits the one `hang` event of the job; `otel-train diagnose RUN_DIR` gives the s
 
 Sequence ids count per process group and agree across its members (every member calls the same
 collectives in the same order), so no clock is compared. A rank that left no file (dead, or frozen
-with its watchdog too) is named when no member is missing.
+with its watchdog too) is named when no member of the default group is missing.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from otel_train.health import EventChannel
 
 log = logging.getLogger("otel_train")
 
+DEFAULT_GROUP = "0"  # the name torch gives the default process group (its description: default_pg)
 KEEP_OPS = 8  # the last ops per group kept in a summary (the waiting ranks' op is the newest)
 
 
@@ -122,17 +123,20 @@ def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> li
             members.setdefault(name, {})[rank] = group
     silent = tuple(r for r in range(world_size) if r not in summaries)
     verdicts = []
-    for groups in members.values():
+    for name, groups in members.items():
+        # Only the default group (name "0") surely has every rank as a member: a rank that left no
+        # file is named there only; another group's members are known by the files alone.
+        absent = silent if name == DEFAULT_GROUP else ()
         top = max(int(g["last_enqueued"]) for g in groups.values())
         waiting = tuple(
             sorted(r for r, g in groups.items() if g["last_enqueued"] == top and g["last_completed"] < top)
         )
         missing = tuple(sorted(r for r, g in groups.items() if g["last_enqueued"] < top))
-        if not waiting or not (missing or silent):
+        if not waiting or not (missing or absent):
             continue  # nobody blocked here, or all members inside the same collective (a network fault)
         op = next((g["ops"][str(top)] for g in groups.values() if str(top) in g["ops"]), "?")
         label = str(groups[waiting[0]].get("label", "?"))
-        verdicts.append(Verdict(label, op, top, missing, waiting, () if missing else silent))
+        verdicts.append(Verdict(label, op, top, missing, waiting, () if missing else absent))
     return sorted(verdicts, key=lambda v: (-len(v.waiting), v.group))
 
 

@@ -211,6 +211,9 @@ def test_attribution_names_missing_ranks_and_silent_ones_only_when_none_is_missi
     # rank 1 left nothing (dead): it is named as silent
     del summaries[1]
     assert attribute(summaries, 4) == [Verdict("default_pg", "all_reduce", 7, (), (0, 2, 3), (1,))]
+    # in a subgroup, a rank without a file may not be a member: not named
+    subgroup = {r: {**summaries[r], "groups": {"5": summaries[r]["groups"]["0"]}} for r in summaries}
+    assert attribute(subgroup, 4) == []
     # every member inside the same collective and all present: nobody to blame
     summaries[1] = _summary(1, 7, 6, waiting)
     assert attribute(summaries, 4) == []

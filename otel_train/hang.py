@@ -14,8 +14,8 @@ dumps while the main thread is still blocked (it released the GIL inside the col
 process already has a wakeup fd (an asyncio loop in the main thread), `faulthandler` takes the
 signal instead and writes raw stacks to `stacks.rank<k>.signal.txt`.
 
-When PyTorch's NCCL Flight Recorder is on (`TORCH_NCCL_TRACE_BUFFER_SIZE` > 0) its buffer is dumped
-beside the stacks; with the Flight Recorder on (gloo too), `on_stall` hands the stall to hang
+When PyTorch's Flight Recorder is on (`TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE` > 0)
+its buffer is dumped beside the stacks; with the Flight Recorder on (gloo too), `on_stall` hands the stall to hang
 attribution (`hang_attribution`), which names the rank the others wait for. Nothing here touches CUDA or issues a collective; the job's own timeouts are
 left as they are.
 """
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO
 
 from otel_train.bridges.rundir import RunFiles
+from otel_train.collectives import buffer_size
 from otel_train.health import EventChannel
 
 log = logging.getLogger("otel_train")
@@ -54,13 +55,15 @@ def format_stacks(header: str) -> str:
 
 
 def dump_flight_recorder(path: Path) -> Path | None:
-    """The NCCL Flight Recorder buffer (pickled, readable with torch's fr_trace tool), when enabled."""
-    if int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0 or "torch" not in sys.modules:
+    """The Flight Recorder buffer (pickled, readable with torch's fr_trace tool), when enabled: the
+    NCCL recorder on CUDA builds, the CPU (gloo) one on CPU-only builds."""
+    if buffer_size() <= 0 or "torch" not in sys.modules:
         return None
     try:
-        from torch._C._distributed_c10d import _dump_nccl_trace  # type: ignore[attr-defined]
+        import torch._C._distributed_c10d as c10d
 
-        path.write_bytes(_dump_nccl_trace())
+        dump = getattr(c10d, "_dump_nccl_trace", None) or c10d._dump_fr_trace  # type: ignore[attr-defined]
+        path.write_bytes(dump())
     except Exception as exc:  # not an NCCL build, no NCCL group yet, ...
         log.debug("otel_train: no Flight Recorder dump: %s", exc)
         return None

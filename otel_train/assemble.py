@@ -269,7 +269,7 @@ def _collective_monitor(place: RunPlace, meter: Any) -> CollectiveMonitor | None
         return None
     from otel_train.collectives import start_monitor
 
-    return start_monitor(meter, place.telemetry_group)
+    return start_monitor(meter, place.telemetry_group, place.identity.rank)
 
 
 def _health_events(

@@ -232,11 +232,11 @@ class CollectiveMonitor:
         return None
 
 
-def start_monitor(meter: Any, telemetry_group: Any | None) -> CollectiveMonitor | None:
+def start_monitor(meter: Any, telemetry_group: Any | None, rank: int) -> CollectiveMonitor | None:
     """The monitor when this rank is in a process group and the Flight Recorder is on; otherwise
-    None, with OFF_MESSAGE logged once (this rank is distributed but nothing records collectives)."""
+    None, with OFF_MESSAGE logged once for the job (rank 0; the other ranks at debug level)."""
     if buffer_size() <= 0 or read_dump(entries=False) is None:
-        log.warning("%s", OFF_MESSAGE)
+        log.log(logging.WARNING if rank == 0 else logging.DEBUG, "%s", OFF_MESSAGE)
         return None
     excluded = {str(getattr(telemetry_group, "group_name", ""))} if telemetry_group is not None else set()
     return CollectiveMonitor(meter, excluded - {""})

@@ -427,6 +427,20 @@ def overview() -> DashboardDef:
                         description="Only with ot.watch(model, activations=True); watch for overflow in low precision.",
                     ),
                     ts("Parameter norm", T(agg("max", RUN, selector(sc.PARAM_NORM)), _lg())),
+                    ts(
+                        "Data-parallel replicas",
+                        T(
+                            agg("max", RUN, selector(sc.DATA_DUPLICATE_RANKS)),
+                            _lg(suffix=" ranks on duplicate batches"),
+                        ),
+                        T(
+                            agg("max", RUN, selector(sc.REPLICA_DIVERGENCE)),
+                            _lg(suffix=" replica divergence"),
+                        ),
+                        description="From ot.watch on every rank, compared by rank 0: ranks training on identical "
+                        "batches (0 = data sharded) and the largest relative parameter-norm difference between "
+                        "replicas (0 under healthy DDP; above 1e-4 a gradient sync failed).",
+                    ),
                 ),
             ),
             (
@@ -709,6 +723,16 @@ def gpus_host() -> DashboardDef:
                         ),
                         T(agg("sum", _R, rate(sc.CUDA_OOMS, fn="increase")), _lg(RANK, suffix=" OOMs")),
                         unit="short",
+                    ),
+                    ts(
+                        "MPS memory by rank (Apple silicon)",
+                        T(agg("max", _R, selector(sc.MPS_MEMORY_ALLOCATED)), _lg(RANK, suffix=" allocated")),
+                        T(agg("max", _R, selector(sc.MPS_MEMORY_DRIVER)), _lg(RANK, suffix=" driver")),
+                        T(
+                            agg("max", _R, selector(sc.MPS_MEMORY_LIMIT)),
+                            _lg(RANK, suffix=" recommended max"),
+                        ),
+                        unit="bytes",
                     ),
                 ),
             ),

@@ -208,6 +208,7 @@ def watch(
     activations: bool = False,
     histograms: bool = False,
     max_layers: int = 64,
+    data_parallel_group: Any = None,
 ) -> ModelWatch | NullWatch:
     """Per-layer gradient and parameter L2 norms (and, opt-in, activation RMS/abs-max and value
     histograms) every `every` steps, plus `train.grad.norm` / `train.param.norm` overall.
@@ -218,6 +219,9 @@ def watch(
     gradient raises a `nonfinite_grad` health event naming the layers. Watching the same model
     again replaces the earlier watch; `.remove()` on the returned handle stops it. With the
     `watch_aggregate="model"` setting every watch is one group, the whole model (series budget).
+    Across ranks, the watched steps' batches and parameter norms are compared (`data_not_sharded`,
+    `replica_divergence`) between data-parallel peers: every rank, unless `data_parallel_group` (a
+    ProcessGroup or this rank's peers' global ranks) names them (tensor/pipeline parallel jobs).
     """
     from otel_train.model_watch import ModelWatch, NullWatch, check_watch_args
 
@@ -225,6 +229,8 @@ def watch(
     session = _runtime._current
     if session is None:
         return NullWatch()
+    if data_parallel_group is not None:  # raises on a group without this rank
+        session.reducer.replicas.set_data_parallel_group(data_parallel_group)
     for earlier in [w for w in session.watches if w.model is model]:
         earlier.remove()
     # watch_aggregate="model" (a job-wide setting for huge jobs) makes every watch one group
@@ -248,7 +254,9 @@ def profile(
     then `repeat` cycles of `wait` idle, `warmup` and `active` recorded steps. Chrome traces go to
     `<run dir>/profiles/rank<k>/`; profiled steps are traced and counted (`train.profiler.steps`).
     Call it any time on the training thread (for example when a condition arises) on the ranks
-    you name (default: every rank). Returns True when a window started on this rank.
+    you name (default: every rank). Returns True when a window started on this rank. Raises
+    ValueError beyond the caps: `active` <= 50, `repeat * active` <= 100, the whole window
+    <= 100,000 steps (`otel_train.profiling`).
     """
     from otel_train.profiling import ProfileWindow
 

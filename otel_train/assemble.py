@@ -24,6 +24,7 @@ from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key
 from otel_train.distributed import Agreement, Identity, agree_job, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
 from otel_train.run_directory import (
+    avoid_live_owner,
     claim_run_dir,
     default_run_name,
     make_run_dir,
@@ -73,6 +74,7 @@ def build_session(config: Config) -> Session:
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
     )
     session = _build_session(config, place, resource, gpu_discovery)
+    _attach_memory_dumps(session)
     launch = _check_launch(session, place, gpu_discovery)  # collective (one gather) when distributed
     _attach_goodput(session)
     _attach_worker(session)
@@ -82,6 +84,8 @@ def build_session(config: Config) -> Session:
         run_dir_errors_as_config_errors(lambda: write_run_files(run_dir, config, place, launch))
     session.worker.start()
     session.watchdog.start()
+    if session.control is not None:
+        session.control.start(session.poll_control)
     return session
 
 
@@ -93,6 +97,8 @@ def agree_run_place(config: Config) -> RunPlace:
     # One run per job: every rank adopts rank 0's run id, run name (a generated name differs per
     # process) and log_interval, so all ranks write into one run directory and flush together.
     run_name = config.run_name or default_run_name()
+    if identity.rank == 0 and config.run_dir_enabled:  # rank 0's choice is every rank's (agree_job)
+        run_name = avoid_live_owner(Path(config.output_dir), run_name, identity.run_id)
     agreed = agree_job(identity, group, run_name, config.log_interval, config.cross_rank)
     identity, run_name = agreed.identity, agreed.run_name
     run_dir = make_run_dir(config, run_name)
@@ -214,6 +220,7 @@ def _build_session(
     from otel_train.exporters import build_telemetry
     from otel_train.gradient_flow import GradientFlowMonitor
     from otel_train.health import HealthMonitor
+    from otel_train.mps_memory import MpsMemory
     from otel_train.profiling import ProfiledStepsCounter
     from otel_train.step_reader import StepReader
     from otel_train.worker import Instruments
@@ -250,6 +257,7 @@ def _build_session(
         health,
         gradient_flow,
         *([hardware] if hardware else []),
+        *([MpsMemory(meter)] if hardware else []),  # Apple silicon memory (idle elsewhere)
         reducer,
         profiled_steps,
         *([collectives] if collectives else []),
@@ -419,6 +427,14 @@ def _attach_goodput(session: Session) -> None:
     session.add_listener(session.goodput)
 
 
+def _attach_memory_dumps(session: Session) -> None:
+    from otel_train.memory_dump import MemoryDumps
+
+    session.memory_dumps = MemoryDumps(session.run_dir, session.identity.rank, session.events)
+    if session.hardware is not None:  # above the memory-pressure threshold too
+        session.hardware.efficiency.on_pressure = session.memory_dumps.on_pressure
+
+
 def _attach_worker(session: Session) -> None:
     from otel_train.worker import SpanWriter, Worker
 
@@ -468,10 +484,24 @@ def _attach_watchdog(session: Session) -> None:
         session.last_step,
         config.stall_timeout_s,
         signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
-        on_tick=session.poll_control,
+        on_tick=lambda: _report_stuck_worker(session),
         on_stall=reporter.on_stall if reporter is not None else None,
     )
-    session.control = ControlFile(session.run_dir, rank, session.events) if session.run_dir else None
+    session.control = (
+        ControlFile(session.run_dir, rank, session.events, session.identity.world_size)
+        if session.run_dir
+        else None
+    )
+
+
+def _report_stuck_worker(session: Session) -> None:
+    """Watchdog tick: one `worker_stuck` event per flush the worker spends longer than
+    stall_timeout_s on (the training's buffers are capped meanwhile)."""
+    from otel_train.worker import stuck_message
+
+    message = stuck_message(session.worker, session.config.stall_timeout_s)
+    if message is not None:
+        session.events.emit("worker_stuck", message, {"step": session.step_index})
 
 
 def _check_launch(session: Session, place: RunPlace, gpu_discovery: Discovery | None) -> dict[str, Any]:

@@ -137,7 +137,7 @@ class Buffer:
         values = self.arrivals.get(name)
         if values is None:
             values = self.arrivals[name] = []
-        if len(values) < self.max_values:
+        if len(values) < self.max_values:  # capped with its phase (which counts the drop)
             values.append(seconds)
 
     def add_phase_error(self, name: str, error: str, seconds: float) -> None:
@@ -150,6 +150,8 @@ class Buffer:
             values = self.phase_errors[key] = []
         if len(values) < self.max_values:
             values.append(seconds)
+        else:
+            self.drop("too_many_values")
 
     # --- ot.watch (watched steps only) ------------------------------------------------------------
     def add_layer_stats(self, records: list[LayerStats]) -> None:

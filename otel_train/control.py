@@ -4,23 +4,35 @@
     echo '{"profile": {"active": 3, "ranks": [0]}}'     > runs/<run>/control.json
 
 Settings: `timing_log_level` (0-2), `verbosity` (0-2), `trace_every` (>= 1), `trace_first` (>= 0),
-`straggler_threshold` (0-1) and `profile` (`ot.profile` arguments). The watchdog thread of every
-rank polls the file about once a second. Rank 0 decides WHEN: it stamps the file with
-`apply_at_step` (a few seconds' worth of steps ahead) and a `version`, and every rank applies the
-change on its training thread when that step begins, so all ranks switch at the same step. Ranks
-that see a stamp only after its step has passed apply at once and say so. Each accepted change is
-one `control` health event; a file that does not parse or names an unknown setting is one
-`control_rejected` event naming the problem, and changes nothing. All ranks must share the run
-directory (one node, or a shared file system for `output_dir`).
+`straggler_threshold` (0-1) and `profile` (`ot.profile` arguments, within its caps; `ranks` a
+non-empty list of ranks below the world size). A thread of its own on every rank reads the file
+about once a second: a dead file system can block it, never stall detection or stack dumps. The
+read is bounded: a regular file only (a symlink, FIFO or device is refused without opening it for
+long: O_NONBLOCK | O_NOFOLLOW), at most `MAX_FILE_BYTES`, standard JSON only (no NaN/Infinity).
+
+Rank 0 decides WHEN: it stamps the file with `apply_at_step` (a few seconds' worth of steps ahead),
+a `version`, the recent earlier changes (`earlier`) and a `digest` of all that; every rank applies
+each version once, in order, on its training thread when its step begins, so all ranks switch at
+the same step and a change overwritten by the next one before some rank read it is still applied
+everywhere. Ranks that see a stamp only after its step has passed apply at once and say so. Any
+edit of the file (a digest that no longer matches, even with the stamp fields copied) is a new
+change. The whole document is validated before anything is announced: each accepted change is one
+`control` health event, each refused file one `control_rejected` event naming the key and the fix;
+a change that still fails while being applied is a `control_rejected` event too, never an
+exception in the training step. All ranks must share the run directory (one node, or a shared
+file system for `output_dir`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+import stat
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,16 +46,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("otel_train")
 
-LEAD_TIME_S = 3.0  # how far ahead rank 0 schedules a change: > the other ranks' poll period
+# How far ahead rank 0 schedules a change: more than two poll periods, because a change overwritten
+# right after rank 0 stamped it reaches the other ranks only with rank 0's next stamp (`earlier`).
+LEAD_TIME_S = 5.0
+POLL_S = 1.0
+MAX_FILE_BYTES = 64 * 1024  # a larger control file is refused unread
+_HISTORY = 8  # earlier changes rank 0 keeps in the stamped file, for ranks that missed one
+_MAX_INT = 2**63 - 1
 _LIMITS: dict[str, tuple[float, float]] = {
     "timing_log_level": (0, 2),
     "verbosity": (0, 2),
-    "trace_every": (1, math.inf),
-    "trace_first": (0, math.inf),
+    "trace_every": (1, _MAX_INT),
+    "trace_first": (0, _MAX_INT),
     "straggler_threshold": (0.0, 1.0),
 }
 _INTEGERS = {"timing_log_level", "verbosity", "trace_every", "trace_first"}
 _PROFILE_KEYS = {"wait", "warmup", "active", "repeat", "skip_first", "ranks"}
+_STAMP_KEYS = ("version", "apply_at_step", "earlier", "digest")
 
 
 @dataclass(frozen=True)
@@ -53,73 +72,201 @@ class ControlChange:
     settings: Mapping[str, Any]
 
 
-def validate(settings: Mapping[str, Any]) -> str | None:
-    """None when every setting is known and in range, else what is wrong (for the event)."""
+def validate(settings: Mapping[str, Any], world_size: int = 1) -> str | None:
+    """None when every setting is known and in range, else what is wrong and how to fix it."""
+    if not settings:
+        return f"no setting: use one or more of {sorted([*_LIMITS, 'profile'])}"
     for key, value in settings.items():
         if key == "profile":
-            if not isinstance(value, Mapping) or not set(value) <= _PROFILE_KEYS:
-                return f"profile: use an object with keys from {sorted(_PROFILE_KEYS)}"
+            problem = _profile_problem(value, world_size)
+            if problem is not None:
+                return problem
             continue
         if key not in _LIMITS:
             return f"unknown setting {key!r}: use one of {sorted([*_LIMITS, 'profile'])}"
         low, high = _LIMITS[key]
         number_ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number_ok or not low <= value <= high or (key in _INTEGERS and value != int(value)):
-            return f"{key}={value!r}: use a number in [{low}, {high}]" + (
-                " (an integer)" * (key in _INTEGERS)
-            )
+        integer = key in _INTEGERS
+        if not number_ok or not low <= value <= high or (integer and not isinstance(value, int)):
+            return f"{key}={value!r}: use a number in [{low}, {high:g}]" + " (an integer)" * integer
     return None
 
 
-class ControlFile:
-    """Polled by the watchdog thread. `poll` returns a change to schedule, at most once each."""
+def _profile_problem(value: Any, world_size: int) -> str | None:
+    from otel_train.profiling import window_problem
 
-    def __init__(self, run_dir: Path, rank: int, events: EventChannel) -> None:
+    if not isinstance(value, Mapping) or not set(value) <= _PROFILE_KEYS:
+        return f"profile: use an object with keys from {sorted(_PROFILE_KEYS)}"
+    ranks = value.get("ranks")
+    if ranks is not None and (
+        not isinstance(ranks, list)
+        or not ranks
+        or not all(r.__class__ is int and 0 <= r < world_size for r in ranks)
+    ):
+        return f"profile ranks={ranks!r}: use a non-empty list of ranks in [0, {world_size - 1}]"
+    problem = window_problem({k: v for k, v in value.items() if k != "ranks"})
+    return f"profile: {problem}" if problem is not None else None
+
+
+def read_bounded(path: Path) -> bytes | None:
+    """The file's bytes, None when it does not exist; ValueError naming the problem when it is not
+    a regular file or is larger than MAX_FILE_BYTES. Never blocks on a FIFO or reads a device."""
+    try:
+        mode = os.lstat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(_not_regular(mode))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: it became a symlink since the lstat
+        raise ValueError(f"cannot open it ({exc.strerror or exc})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # swapped between lstat and open
+            raise ValueError(_not_regular(mode))
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_FILE_BYTES:
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES} bytes: a control file holds a few settings")
+    return b"".join(chunks)
+
+
+def _not_regular(mode: int) -> str:
+    kinds = {stat.S_ISLNK: "a symlink", stat.S_ISFIFO: "a FIFO", stat.S_ISDIR: "a directory"}
+    kind = next((name for test, name in kinds.items() if test(mode)), "a device or socket")
+    return f"{kind}, not a regular file: write the JSON into a plain file of that name"
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not standard JSON: use a finite number")
+
+
+def parse(data: bytes) -> dict[str, Any]:
+    """One JSON object (ValueError naming the problem otherwise)."""
+    try:
+        document = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(document, dict):
+        raise ValueError("the file must hold one JSON object")
+    return document
+
+
+def _digest(body: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _change(entry: Any, world_size: int) -> ControlChange | None:
+    """A stamped change ({version, apply_at_step, settings}) if well formed and valid."""
+    if not isinstance(entry, Mapping):
+        return None
+    version, at, settings = entry.get("version"), entry.get("apply_at_step"), entry.get("settings")
+    if version.__class__ is not int or at.__class__ is not int or not isinstance(settings, dict):
+        return None
+    if version < 1 or validate(settings, world_size) is not None:
+        return None
+    return ControlChange(version, at, settings)
+
+
+def stamped_changes(document: Mapping[str, Any], world_size: int) -> list[ControlChange] | None:
+    """The changes of a file rank 0 stamped (earlier ones first), None when it is not one: no
+    digest, or a digest that does not match (someone edited it since)."""
+    settings = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
+    earlier = document.get("earlier", [])
+    body = {
+        "settings": settings,
+        "version": document.get("version"),
+        "apply_at_step": document.get("apply_at_step"),
+        "earlier": earlier,
+    }
+    if document.get("digest") != _digest(body) or not isinstance(earlier, list):
+        return None
+    changes = [_change(entry, world_size) for entry in [*earlier, body]]
+    if any(change is None for change in changes):
+        return None
+    return [change for change in changes if change is not None]
+
+
+class ControlFile:
+    """Read by a thread of its own (`start`); `poll` returns the changes to schedule, each once."""
+
+    def __init__(self, run_dir: Path, rank: int, events: EventChannel, world_size: int = 1) -> None:
         self.path = RunFiles(run_dir, rank).control
         self.rank = rank
+        self.world_size = world_size
         self._events = events
-        self._seen_mtime: float | None = None
+        self._seen: bytes | None = None  # the content last looked at (each content is judged once)
         self._version = 0  # the last version handed out
+        self._history: list[ControlChange] = []  # rank 0: the recent stamped changes
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def poll(self, last_step: int, seconds_per_step: float | None) -> ControlChange | None:
+    def start(self, on_poll: Callable[[], None]) -> None:
+        """Call `on_poll` every POLL_S on a thread of its own until `close`."""
+        self._thread = threading.Thread(
+            target=self._run, args=(on_poll,), name="otel_train-control", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)  # a read blocked on a dead file system is left behind
+
+    def _run(self, on_poll: Callable[[], None]) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                on_poll()
+            except Exception as exc:  # a bug here must not end runtime control for the run
+                log.warning("otel_train: runtime control poll failed: %r", exc)
+
+    def poll(self, last_step: int, seconds_per_step: float | None) -> list[ControlChange]:
         try:
-            mtime = self.path.stat().st_mtime_ns
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            log.debug("otel_train: cannot stat %s: %s", self.path, exc)
-            return None
-        if mtime == self._seen_mtime:
-            return None
-        self._seen_mtime = mtime
+            data = read_bounded(self.path)
+        except ValueError as exc:
+            marker = f"<{exc}>".encode()
+            if marker != self._seen:
+                self._seen = marker
+                self._reject(str(exc))
+            return []
+        if data is None:
+            self._seen = None  # written again later with the same content, it is a new change
+            return []
+        if data == self._seen:
+            return []
+        self._seen = data
         try:
-            document = json.loads(self.path.read_text(encoding="utf-8"))
-            if not isinstance(document, dict):
-                raise ValueError("the file must hold one JSON object")
-        except (OSError, ValueError) as exc:
+            document = parse(data)
+        except ValueError as exc:
             self._reject(f"does not parse: {exc}")
-            return None
-        stamped = "apply_at_step" in document and "version" in document
-        settings = {k: v for k, v in document.items() if k not in ("apply_at_step", "version")}
-        problem = validate(settings)
-        if problem is not None:
-            self._reject(problem)
-            return None
-        if not stamped:
+            return []
+        changes = stamped_changes(document, self.world_size)
+        if changes is None:  # written by a person (or edited since rank 0 stamped it)
+            settings = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
+            problem = validate(settings, self.world_size)
+            if problem is not None:
+                self._reject(problem)
+                return []
             if self.rank != 0:
-                return None  # rank 0 stamps it; this rank reads the stamped file at a later poll
+                return []  # rank 0 stamps it; this rank reads the stamped file at a later poll
             lead_steps = 1 if not seconds_per_step else math.ceil(LEAD_TIME_S / max(seconds_per_step, 1e-6))
-            document = {
-                **settings,
-                "version": self._version + 1,
-                "apply_at_step": last_step + 1 + max(1, lead_steps),
-            }
-            self._write(document)
-        version = int(document["version"])
-        if version <= self._version:
-            return None
-        self._version = version
-        return ControlChange(version, int(document["apply_at_step"]), settings)
+            change = ControlChange(self._version + 1, last_step + 1 + max(1, lead_steps), settings)
+            if not self._stamp(change):
+                return []
+            changes = [change]
+        new = [change for change in changes if change.version > self._version]
+        if new:
+            self._version = new[-1].version
+            self._history = [*self._history, *new][-_HISTORY:]
+        return new
 
     def announce(self, change: ControlChange) -> None:
         """One `control` health event for a change this rank scheduled."""
@@ -130,14 +277,74 @@ class ControlFile:
             severity="INFO",
         )
 
+    def reject_applied(self, change: ControlChange, index: int, problem: str) -> None:
+        """A scheduled change that could not be applied at step `index` (training thread)."""
+        self._reject(f"v{change.version} at step {index}: {problem}")
+
     def _reject(self, problem: str) -> None:
         self._events.emit("control_rejected", f"{self.path} ignored: {problem}", {"file": str(self.path)})
 
-    def _write(self, document: Mapping[str, Any]) -> None:
+    def _stamp(self, change: ControlChange) -> bool:
+        """Rank 0: write `change` (and the recent earlier ones) as the stamped file."""
+        earlier = [
+            {"version": c.version, "apply_at_step": c.apply_at_step, "settings": dict(c.settings)}
+            for c in self._history
+        ]
+        while True:
+            body = {
+                "settings": dict(change.settings),
+                "version": change.version,
+                "apply_at_step": change.apply_at_step,
+                "earlier": earlier,
+            }
+            stamp = {k: body[k] for k in ("version", "apply_at_step", "earlier")}
+            document = {**change.settings, **stamp, "digest": _digest(body)}
+            text = json.dumps(document, indent=1) + "\n"
+            if len(text.encode()) <= MAX_FILE_BYTES or not earlier:
+                break
+            earlier = earlier[1:]  # the oldest first: ranks have had the longest to read it
+        if len(text.encode()) > MAX_FILE_BYTES:
+            self._reject(f"too large to stamp within {MAX_FILE_BYTES} bytes: write fewer settings")
+            return False
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(self.path)
-        self._seen_mtime = self.path.stat().st_mtime_ns
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(self.path)
+        except OSError as exc:
+            self._reject(f"cannot stamp it ({exc})")
+            return False
+        self._seen = text.encode()
+        return True
+
+
+def apply_due(session: Any, due: list[ControlChange], index: int) -> None:
+    """Apply each change in turn; one that fails is a `control_rejected` event, never an exception
+    in the user's step."""
+    for change in due:
+        try:
+            apply_change(session, change, index)
+        except Exception as exc:
+            if session.control is not None:
+                session.control.reject_applied(change, index, f"not applied (partly, perhaps): {exc!r}")
+
+
+def apply_change(session: Any, change: ControlChange, index: int) -> None:
+    """Training thread, as step `index` begins: apply one scheduled change to `session` (a
+    `Session`; not named here: session imports this module)."""
+    settings = dict(change.settings)
+    session.config = changed_config(session.config, settings)
+    session.timing_level = session.config.timing_log_level
+    if session.console is not None:
+        session.console.verbosity = session.config.verbosity
+    if "straggler_threshold" in settings:
+        session.reducer.set_threshold(session.config.straggler_threshold)
+    if "profile" in settings and session.profiler is not None and session.control is not None:
+        session.control.reject_applied(
+            change, index, "its profile was not applied: a window is still running; write it again later"
+        )
+    elif "profile" in settings:
+        session.start_profile(*profile_request(settings["profile"]))
+    warn_if_late(change, index)
 
 
 def changed_config(config: Config, settings: Mapping[str, Any]) -> Config:

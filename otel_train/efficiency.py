@@ -70,6 +70,7 @@ class FlushEfficiency:
         self._peak: tuple[float | None, str | None] | None = None
         self._peak_logged = False
         self._mfu_event_sent = False
+        self.on_pressure: Callable[[str], None] | None = None  # memory_dump.MemoryDumps, when wired
 
     def _create(self, specs: tuple[sc.MetricSpec, ...]) -> None:
         for spec in specs:
@@ -169,6 +170,8 @@ class FlushEfficiency:
             message = f"GPU memory pressure: {what} is {worst:.1%} of the device's memory"
             log.warning("otel_train: %s", message)
             self._events.emit("memory_pressure", message, {"ratio": round(worst, 4)})
+            if self.on_pressure is not None:
+                self.on_pressure(message)
         elif worst < MEMORY_PRESSURE_REARM:
             self._pressure_active = False
 

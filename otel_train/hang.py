@@ -1,7 +1,7 @@
 """Hang diagnosis: when a rank stops stepping (or on SIGUSR1), write every thread's Python stack
 to the run directory and raise a health event that names the file.
 
-A watchdog thread (waking about once a second; it also polls the runtime control file), not
+A watchdog thread (waking about once a second; it also reports a stuck background worker), not
 the worker, does this: the worker may itself be stuck in the telemetry
 collective when a peer hangs, and the training thread is the one that is stuck. The thread wakes
 every `poll_s`, compares the perf_counter time of the last completed step (one attribute store on the
@@ -10,9 +10,20 @@ hot path) with `stall_timeout_s`, and reports each stall once (a new stall needs
 Signals: a Python-level handler runs only when the main thread executes bytecode, which a rank
 blocked in a collective never does. So the watchdog listens on `signal.set_wakeup_fd`: the C-level
 handler writes the signal number there from whichever thread gets it, and the watchdog wakes and
-dumps while the main thread is still blocked (it released the GIL inside the collective). If the
-process already has a wakeup fd (an asyncio loop in the main thread), `faulthandler` takes the
-signal instead and writes raw stacks to `stacks.rank<k>.signal.txt`.
+dumps while the main thread is still blocked (it released the GIL inside the collective). At most
+one such dump per `SIGNAL_DUMP_INTERVAL_S`: later requests are counted into the next dump's event
+(a flood of signals writes two files, not one per signal). After `close` (ot.shutdown) the signal
+goes back to the handler it had; when that was the default action (which terminates the process)
+a no-op handler stays instead, so a late `kill -USR1` never kills a finished run.
+
+A C call that holds the GIL (some extension code, a ctypes.PyDLL call) stops every Python thread,
+this one too. For that case `faulthandler`, which writes stacks from C without the GIL, appends
+raw stacks to `faulthandler.rank<k>.txt`: on every dump signal (chained before the wakeup fd; the
+file is emptied beyond `RAW_STACKS_MAX_BYTES`) and as a backstop timer that this thread re-arms at
+every wake-up once steps have begun, so it fires only when this thread could not run for
+`stall_timeout_s` + a margin. When this thread runs again it emits a `stall` event naming that file.
+If the process already has a wakeup fd (an asyncio loop in the main thread), `faulthandler` alone
+takes the signal (every request, no coalescing).
 
 When PyTorch's Flight Recorder is on (`TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE` > 0)
 its buffer is dumped beside the stacks; with the Flight Recorder on (gloo too), `on_stall` hands the stall to hang
@@ -25,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
+import math
 import os
 import select
 import signal
@@ -70,6 +82,10 @@ def dump_flight_recorder(path: Path) -> Path | None:
     return path
 
 
+SIGNAL_DUMP_INTERVAL_S = 5.0  # at most one stack dump per this many seconds on the dump signal
+RAW_STACKS_MAX_BYTES = 8 * 1024 * 1024  # faulthandler's file: emptied beyond this
+
+
 class HangWatchdog:
     """Stall detection and stack dumps for one rank (see the module docstring)."""
 
@@ -92,19 +108,29 @@ class HangWatchdog:
         self._last_step = last_step  # () -> (step index, perf_counter time it ended, or None)
         self._stall_timeout_s = stall_timeout_s
         self._poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, stall_timeout_s / 4))
-        self._on_tick = on_tick  # more work for the same wake-up (the runtime control file)
+        # The faulthandler timer fires when this thread has not re-armed it for this long.
+        self._backstop_s = stall_timeout_s + max(2.0, 4 * self._poll_s)
+        self._on_tick = on_tick  # more work for the same wake-up (is the worker stuck?)
         self._on_stall = on_stall  # called with the stacks file after a stall event (hang attribution)
         self._reported_for: float | None = None  # the step end time whose stall was reported
         self._stop = threading.Event()
         self._wake_r: int | None = None
         self._wake_w: int | None = None
-        self._previous_wakeup_fd: int | None = None
         self._previous_handler: object = None
         self._signal = dump_signal
-        self._faulthandler_file: IO[str] | None = None
+        self._requests = 0  # dump-signal requests not yet answered by a dump
+        self._last_signal_dump = -math.inf
+        self._raw_file: IO[str] | None = None  # faulthandler's output
+        self._raw_on_signal = False  # faulthandler registered for the dump signal
+        self._last_tick: float | None = None
         self._thread = threading.Thread(target=self._run, name="otel_train-watchdog", daemon=True)
 
     def start(self) -> None:
+        if self.run_dir is not None:
+            try:
+                self._raw_file = RunFiles(self.run_dir, self.rank).raw_stacks.open("a", encoding="utf-8")
+            except OSError as exc:
+                log.warning("otel_train: no raw (faulthandler) stack dumps: %s", exc)
         if self._signal is not None:
             self._install_signal(self._signal)
         self._thread.start()
@@ -115,10 +141,19 @@ class HangWatchdog:
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"\0")
         self._thread.join(timeout=1.0)
+        if self._last_tick is not None:
+            faulthandler.cancel_dump_traceback_later()
         self._uninstall_signal()
+        if self._raw_file is not None:
+            self._raw_file.close()
+            raw = Path(self._raw_file.name)
+            with contextlib.suppress(OSError):
+                if raw.stat().st_size == 0:
+                    raw.unlink()  # no raw dump was written: leave no empty file
+            self._raw_file = None
 
     # --- the dump --------------------------------------------------------------------------------
-    def dump(self, reason: str) -> Path | None:
+    def dump(self, reason: str, requests: int = 1) -> Path | None:
         """Write this rank's stacks (and the Flight Recorder, if on) and emit an event naming them."""
         step, _ = self._last_step()
         header = f"otel_train stack dump: rank {self.rank}, pid {os.getpid()}, {reason}, last step {step}"
@@ -142,10 +177,11 @@ class HangWatchdog:
         if recorder is not None:
             files.append(recorder.name)
         if reason == "signal":
+            coalesced = f" ({requests} requests since the last dump)" if requests > 1 else ""
             self._events.emit(
                 "stack_dump",
-                f"stacks of rank {self.rank} written to {path} on request",
-                {"step": step, "file": str(path), "files": ",".join(files)},
+                f"stacks of rank {self.rank} written to {path} on request{coalesced}",
+                {"step": step, "file": str(path), "files": ",".join(files), "requests": requests},
                 severity="INFO",
             )
         return path
@@ -155,17 +191,65 @@ class HangWatchdog:
         while not self._stop.is_set():
             if self._wake_r is not None:
                 ready, _, _ = select.select([self._wake_r], [], [], self._poll_s)
-                if ready and self._drain_signals():
-                    self.dump("signal")
+                if ready:
+                    self._requests += self._drain_signals()
             else:
                 self._stop.wait(self._poll_s)
-            if not self._stop.is_set():
-                self._check_stall()
-                if self._on_tick is not None:
-                    try:
-                        self._on_tick()
-                    except Exception as exc:  # never let it kill stall detection
-                        log.warning("otel_train: watchdog tick failed: %s", exc)
+            if self._stop.is_set():
+                return
+            self._answer_signals()
+            self._check_stall()
+            self._arm_backstop()
+            if self._on_tick is not None:
+                try:
+                    self._on_tick()
+                except Exception as exc:  # never let it kill stall detection
+                    log.warning("otel_train: watchdog tick failed: %s", exc)
+
+    def _answer_signals(self) -> None:
+        """One dump for the requests so far, unless the last one is under SIGNAL_DUMP_INTERVAL_S old
+        (then they wait, counted, for the next)."""
+        now = time.monotonic()
+        if now - self._last_signal_dump < SIGNAL_DUMP_INTERVAL_S:
+            return
+        if self._requests:
+            requests, self._requests = self._requests, 0
+            self._last_signal_dump = now
+            self.dump("signal", requests)
+        self._bound_raw_file()
+
+    def _bound_raw_file(self) -> None:
+        """faulthandler appends one raw dump per signal (it cannot be paused safely: unregistering
+        it while a signal is being handled leaves the signal swallowed for good), so the file is
+        cut back to empty beyond RAW_STACKS_MAX_BYTES (its writes append, at the new end)."""
+        raw = self._raw_file
+        if raw is None:
+            return
+        try:
+            if os.fstat(raw.fileno()).st_size > RAW_STACKS_MAX_BYTES:
+                os.ftruncate(raw.fileno(), 0)
+                log.warning(
+                    "otel_train: %s grew past %d bytes and was emptied.", raw.name, RAW_STACKS_MAX_BYTES
+                )
+        except OSError:
+            pass
+
+    def _arm_backstop(self) -> None:
+        """(Re-)arm faulthandler's timer once steps have begun, and report when it could have fired:
+        this thread did not run for longer than the timer (a C call holding the GIL)."""
+        if self._raw_file is None or self._last_step()[1] is None:
+            return
+        now = time.monotonic()
+        if self._last_tick is not None and now - self._last_tick > self._backstop_s:
+            step, _ = self._last_step()
+            self._events.emit(
+                "stall",
+                f"the watchdog thread could not run for {now - self._last_tick:.0f}s after step {step} "
+                f"(a C call holding the GIL?); faulthandler's stacks: {self._raw_file.name}",
+                {"step": step, "file": self._raw_file.name},
+            )
+        self._last_tick = now
+        faulthandler.dump_traceback_later(self._backstop_s, repeat=False, file=self._raw_file, exit=False)
 
     def _check_stall(self) -> None:
         step, ended = self._last_step()
@@ -188,13 +272,14 @@ class HangWatchdog:
             except Exception as exc:  # never let it kill stall detection
                 log.warning("otel_train: hang attribution failed: %s", exc)
 
-    def _drain_signals(self) -> bool:
+    def _drain_signals(self) -> int:
+        """How many dump signals arrived (one byte each in the wakeup fd)."""
         assert self._wake_r is not None
         try:
-            data = os.read(self._wake_r, 512)
+            data = os.read(self._wake_r, 4096)
         except (BlockingIOError, InterruptedError):
-            return False
-        return self._signal is not None and self._signal in data
+            return 0
+        return data.count(self._signal) if self._signal is not None else 0
 
     # --- signal plumbing -------------------------------------------------------------------------
     def _install_signal(self, signum: int) -> None:
@@ -202,7 +287,8 @@ class HangWatchdog:
             log.warning("otel_train: init() off the main thread: no stack dumps on signal %d.", signum)
             return
         previous_handler = signal.getsignal(signum)
-        if previous_handler not in (signal.SIG_DFL, None):
+        ours = previous_handler is _ignore_signal  # left by an earlier session of this process
+        if previous_handler not in (signal.SIG_DFL, None) and not ours:
             log.warning(
                 "otel_train: signal %s already has a handler; stack dumps stay on stall only "
                 "(set dump_signal to another signal, or 0 to silence this).",
@@ -217,35 +303,42 @@ class HangWatchdog:
             signal.set_wakeup_fd(previous_fd)
             os.close(read_fd)
             os.close(write_fd)
-            self._install_faulthandler(signum)
+            self._set_raw_on_signal(True, chain=False)
             return
         self._wake_r, self._wake_w = read_fd, write_fd
-        self._previous_handler = previous_handler
+        self._previous_handler = signal.SIG_DFL if ours else previous_handler
         signal.signal(signum, _ignore_signal)  # the dump happens on the watchdog thread
+        self._set_raw_on_signal(True, chain=True)  # faulthandler first (from C), then the handler above
 
-    def _install_faulthandler(self, signum: int) -> None:
-        if self.run_dir is None:
+    def _set_raw_on_signal(self, on: bool, chain: bool = False) -> None:
+        """faulthandler on the dump signal: raw stacks from C, then (chain) the handler it had."""
+        if self._signal is None or self._raw_file is None or on == self._raw_on_signal:
             return
-        self._faulthandler_file = RunFiles(self.run_dir, self.rank).signal_stacks.open("a")
-        faulthandler.register(signum, file=self._faulthandler_file, all_threads=True, chain=False)
+        if on:
+            faulthandler.register(self._signal, file=self._raw_file, all_threads=True, chain=chain)
+        else:
+            faulthandler.unregister(self._signal)  # gives the signal back to the wakeup-fd handler
+        self._raw_on_signal = on
 
     def _uninstall_signal(self) -> None:
+        self._set_raw_on_signal(False)  # from any thread: its file is closed next
         if self._signal is None or threading.current_thread() is not threading.main_thread():
-            return
+            return  # (a shutdown on the SIGTERM thread) the handler stays ours: it ignores the signal
         if self._wake_w is not None:
             current = signal.set_wakeup_fd(-1)
             if current != self._wake_w:  # someone replaced ours since: give theirs back
                 signal.set_wakeup_fd(current)
-            signal.signal(self._signal, signal.SIG_DFL)
+            # The default action terminates: a `kill -USR1` after shutdown must not kill the run, so
+            # our no-op handler stays. Not SIG_IGN: an ignored signal is inherited across exec by
+            # every process started later, where a new session could not take the signal.
+            if self._previous_handler not in (signal.SIG_DFL, None):
+                signal.signal(self._signal, self._previous_handler)  # type: ignore[arg-type]
             for fd in (self._wake_r, self._wake_w):
                 if fd is not None:
                     os.close(fd)
             self._wake_r = self._wake_w = None
-        if self._faulthandler_file is not None:
-            faulthandler.unregister(self._signal)
-            self._faulthandler_file.close()
-            self._faulthandler_file = None
 
 
 def _ignore_signal(signum: int, frame: object) -> None:
-    """Runs on the main thread when it next executes bytecode; the watchdog already dumped."""
+    """Runs on the main thread when it next executes bytecode; the watchdog already dumped. Stays
+    after shutdown (a no-op then), where the default action would terminate the process."""

@@ -30,6 +30,10 @@ class Interval:
     # (step, layer labels, per-layer gradient L2 norms) for each watched step, in step order; an
     # absent gradient is 0.0, a non-finite one NaN/Inf (also listed in nonfinite_grads)
     layer_grad_norms: list[tuple[int, tuple[str, ...], list[float]]] = field(default_factory=list)
+    # (step, layer labels, per-layer parameter L2 norms) for each watched step, in step order
+    layer_param_norms: list[tuple[int, tuple[str, ...], list[float]]] = field(default_factory=list)
+    # (step, [sum, sum of squares]) of each watched step's batch (ot.watch), in step order
+    batch_fingerprints: list[tuple[int, list[float]]] = field(default_factory=list)
     final: bool = False  # the last flush, from shutdown()
     autocast_dtype: str | None = None  # the torch.autocast dtype active on the training thread at the flush
     flush_interval: int = 0  # proposed steps per flush (adaptive cadence): rank 0's is adopted by all

@@ -22,6 +22,7 @@ import torch
 
 from otel_train import semconv
 from otel_train.buffer import LayerStats
+from otel_train.replicas import FINGERPRINT
 
 if TYPE_CHECKING:
     from otel_train.buffer import Buffer
@@ -112,6 +113,7 @@ class ModelWatch:
             self._members[group].append(position)
         self._hooks: list[Any] = []
         self._activations: dict[int, tuple[Any, Any]] = {}
+        self._fingerprint: Any | None = None  # this watched step's batch fingerprint (device tensor)
         self._warned: set[str] = set()
 
     def _place_on(self, device: Any) -> None:
@@ -123,9 +125,14 @@ class ModelWatch:
 
     # --- called by the session on the training thread (never raises into the loop) ---------------
     def begin_step(self, index: int) -> None:
-        if self.activations and index % self.every == 0:
+        if index % self.every == 0:
             try:
-                self._add_activation_hooks()
+                # The batch fingerprint (replicas.py: unsharded data across data-parallel ranks)
+                self._hooks.append(
+                    self.model.register_forward_pre_hook(self._fingerprint_hook, with_kwargs=True)
+                )
+                if self.activations:
+                    self._add_activation_hooks()
             except Exception as exc:
                 self._fail(exc)
 
@@ -133,12 +140,12 @@ class ModelWatch:
         if self._hooks:
             self._remove_activation_hooks()
         if failed or index % self.every != 0 or self._buffer is None:
-            self._activations = {}
+            self._activations, self._fingerprint = {}, None
             return
         try:
             self._collect(index, self._buffer)
         except Exception as exc:
-            self._activations = {}
+            self._activations, self._fingerprint = {}, None
             self._fail(exc)
 
     def _fail(self, exc: Exception) -> None:
@@ -179,6 +186,9 @@ class ModelWatch:
             records.append(LayerStats(semconv.LAYER_ACTIVATION_RMS.name, labels, rms, index))
             records.append(LayerStats(semconv.LAYER_ACTIVATION_ABSMAX.name, labels, absmax, index))
             self._activations = {}
+        if self._fingerprint is not None:
+            records.append(LayerStats(FINGERPRINT, ("sum", "sum_of_squares"), self._fingerprint, index))
+            self._fingerprint = None
         buffer.add_layer_stats(records)
 
     def remove(self) -> None:
@@ -242,6 +252,22 @@ class ModelWatch:
             self._activations[group] = (rms, absmax)  # the last call of the step wins
 
         return hook
+
+    def _fingerprint_hook(self, module: Any, args: Any, kwargs: Any) -> None:
+        """[sum, sum of squares] in float64 of the first tensor argument of the step's first
+        forward (device kernels only). Identical batches give identical fingerprints."""
+        if self._fingerprint is not None:
+            return
+        tensor = _first_tensor(args) if args else None
+        if tensor is None:
+            tensor = next((v for v in kwargs.values() if hasattr(v, "is_floating_point")), None)
+        if tensor is None or tensor.numel() == 0 or tensor.is_complex():
+            return
+        flat = _local(tensor.detach()).reshape(-1)
+        # float64 makes equal sums mean equal batches; Metal (mps) has no float64
+        flat = flat.to(torch.float32 if flat.device.type == "mps" else torch.float64)
+        # stays on the batch's device (a copy to the parameters' could sync): one transfer per device
+        self._fingerprint = torch.stack([flat.sum(), torch.dot(flat, flat)])
 
     def _remove_activation_hooks(self) -> None:
         for handle in self._hooks:

@@ -15,6 +15,7 @@ it); writing a trace costs that step time, which is why it is counted.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,39 @@ from otel_train.interval import Interval
 log = logging.getLogger("otel_train")
 
 
+# Caps on one window (from ot.profile and from control.json alike): a trace grows by tens of MB per
+# recorded step and is written at the window's end, on the training thread.
+MAX_ACTIVE = 50  # recorded steps per cycle
+MAX_RECORDED = 100  # recorded steps in the whole window (repeat * active)
+MAX_WINDOW = 100_000  # steps from the call to the window's end (skip_first + repeat * cycle)
+_FIELDS = ("wait", "warmup", "active", "repeat", "skip_first")
+
+
+def window_problem(options: dict[str, Any]) -> str | None:
+    """None when `options` (ProfileWindow fields) make a window within the caps, else what is wrong."""
+    numbers = {"wait": 0, "warmup": 1, "active": 3, "repeat": 1, "skip_first": 0}
+    for key in _FIELDS:
+        value = options.get(key, numbers[key])
+        try:
+            numbers[key] = operator.index(value)  # numpy integers too; not floats or strings
+        except TypeError:
+            value = None
+        if value is None or isinstance(value, bool):
+            return f"profile {key}={options.get(key)!r}: use an integer"
+    wait, warmup, skip_first = numbers["wait"], numbers["warmup"], numbers["skip_first"]
+    active, repeat = numbers["active"], numbers["repeat"]
+    if min(wait, warmup, skip_first) < 0 or not 1 <= active <= MAX_ACTIVE or repeat < 1:
+        return f"use wait/warmup/skip_first >= 0, active >= 1 (at most {MAX_ACTIVE}) and repeat >= 1"
+    if active * repeat > MAX_RECORDED:
+        return f"repeat * active = {active * repeat}: at most {MAX_RECORDED} recorded steps per window"
+    if skip_first + repeat * (wait + warmup + active) > MAX_WINDOW:
+        return f"skip_first + repeat * (wait + warmup + active): at most {MAX_WINDOW} steps"
+    return None
+
+
 @dataclass(frozen=True)
 class ProfileWindow:
-    """A torch.profiler schedule in steps; `repeat=0` would never end, so it is not allowed."""
+    """A torch.profiler schedule in steps, within the caps above (`repeat=0` would never end)."""
 
     wait: int = 0
     warmup: int = 1
@@ -38,10 +69,9 @@ class ProfileWindow:
     skip_first: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.wait, self.warmup, self.skip_first) < 0 or self.active < 1 or self.repeat < 1:
-            raise ValueError(
-                f"ot.profile: use wait/warmup/skip_first >= 0, active >= 1 and repeat >= 1 (got {self})"
-            )
+        problem = window_problem({key: getattr(self, key) for key in _FIELDS})
+        if problem is not None:
+            raise ValueError(f"ot.profile: {problem} (got {self})")
 
     @property
     def length(self) -> int:

@@ -273,6 +273,19 @@ PHASE_CROSS_RANK = _m(
     "timers/{train.phase}/ranks_{stat}", attributes=(PHASE, STAT),
 )  # fmt: skip
 
+DATA_DUPLICATE_RANKS = _m(
+    "train.data.duplicate_ranks", S.GAUGE, "{rank}",
+    "Data-parallel ranks that trained on the same batch as another peer at the latest compared watched "
+    "step (rank 0; 0 = the data is sharded). ot.watch fingerprints the batches.",
+    "data/duplicate_ranks",
+)  # fmt: skip
+REPLICA_DIVERGENCE = _m(
+    "train.replica.divergence", S.GAUGE, "1",
+    "Largest relative difference of a layer's parameter norm between data-parallel replicas at the latest "
+    "compared watched step (rank 0; 0 under healthy DDP).",
+    "data/replica_divergence",
+)  # fmt: skip
+
 # --- throughput and efficiency ---------------------------------------------------------------------
 FLOPS = _m(
     "train.flops.rate", S.GAUGE, "{flop}/s", "Achieved model FLOP/s per GPU.", "throughput/flops_per_s"
@@ -394,6 +407,22 @@ CUDA_ALLOC_RETRIES = _m(
 CUDA_OOMS = _m(
     "train.cuda.ooms", S.COUNTER, "{event}", "CUDA out-of-memory events.", "cuda/ooms", gpu_only=True
 )
+
+# Apple silicon (torch.mps): the Metal allocator, read at the flush (mps_memory.py)
+MPS_MEMORY_ALLOCATED = _m(
+    "train.mps.memory.allocated", S.GAUGE, "By", "MPS: memory occupied by tensors (torch.mps.current_allocated_memory).",
+    "mps/memory_allocated", gpu_only=True,
+)  # fmt: skip
+MPS_MEMORY_DRIVER = _m(
+    "train.mps.memory.driver", S.GAUGE, "By",
+    "MPS: memory the Metal driver allocated for this process, caches included (torch.mps.driver_allocated_memory).",
+    "mps/memory_driver", gpu_only=True,
+)  # fmt: skip
+MPS_MEMORY_LIMIT = _m(
+    "train.mps.memory.limit", S.GAUGE, "By",
+    "MPS: recommended maximum working set of the device (torch.mps.recommended_max_memory).",
+    "mps/memory_limit", gpu_only=True,
+)  # fmt: skip
 
 # --- host ------------------------------------------------------------------------------------------
 PROCESS_CPU_UTILIZATION = _m(

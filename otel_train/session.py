@@ -8,6 +8,7 @@ counters; everything else happens on the worker.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import sys
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.hang import HangWatchdog
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents
+    from otel_train.memory_dump import MemoryDumps
     from otel_train.model_watch import ModelWatch
     from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
     from otel_train.step_reader import StepReader
@@ -105,6 +107,7 @@ class SessionParts:
     cadence: Cadence
     profiled_steps: ProfiledStepsCounter
     watches: list[ModelWatch] = field(default_factory=list)  # ot.watch(model) handles
+    memory_dumps: MemoryDumps | None = None  # CUDA allocator dumps on an OOM inside ot.step
 
     def __post_init__(self) -> None:
         """Called by the generated __init__ (only if defined here); `Session` sets its running state."""
@@ -165,7 +168,8 @@ class Session(SessionParts, GoodputClock):
         self.reinit_warned = False  # a second init() with other settings was warned about
         self.start_goodput_clock(config.stall_timeout_s)
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
-        self._pending_control: ControlChange | None = None
+        self._pending_control: list[ControlChange] = []  # version order; replaced, never changed in place
+        self._control_lock = threading.Lock()
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
         self.timing_level = config.timing_log_level
         self.step_index = -1  # last completed step
@@ -202,8 +206,8 @@ class Session(SessionParts, GoodputClock):
             index = _step_number(step, self.buffer, self.step_index)
         self._step_thread = threading.get_ident()
         pending = self._pending_control
-        if pending is not None and index >= pending.apply_at_step:
-            self._apply_control(pending, index)
+        if pending and index >= pending[0].apply_at_step:
+            self._apply_due_controls(index)
         cfg = self.config
         self.sampled = self.worker.span_writer is not None and (
             index < cfg.trace_first or index % cfg.trace_every == 0
@@ -251,7 +255,12 @@ class Session(SessionParts, GoodputClock):
         if index <= self.rerun_through:  # goodput's wasted progress: re-running steps after a restart
             self.rerun_ns += end_ns - start_ns
         buf.steps += 1
-        buf.step_durations.append((end_ns - start_ns) * 1e-9)
+        # Capped like every per-interval list: a worker stuck for hours defers every flush, and
+        # this interval would grow until it returns (~43 MB per 1M steps).
+        if len(buf.step_durations) < buf.max_values:
+            buf.step_durations.append((end_ns - start_ns) * 1e-9)
+        else:
+            buf.drop("too_many_values")
         if tokens:
             buf.tokens += tokens
         if samples:
@@ -270,28 +279,20 @@ class Session(SessionParts, GoodputClock):
         steps = self.goodput.steps
         end, first = self.step_end_ns, self.first_step_start_ns
         per_step = (end - first) * 1e-9 / steps if steps and end and first else None
-        change = self.control.poll(self.step_index, per_step)
-        if change is not None:
-            self._pending_control = change
+        for change in self.control.poll(self.step_index, per_step):
+            with self._control_lock:
+                self._pending_control = [*self._pending_control, change]
             self.control.announce(change)
 
-    def _apply_control(self, change: ControlChange, index: int) -> None:
-        """Training thread, as step `index` begins: apply a scheduled runtime-control change."""
-        # control imports the SDK's logs API (through health): not at `import otel_train`
-        from otel_train.control import changed_config, profile_request, warn_if_late
+    def _apply_due_controls(self, index: int) -> None:
+        """Training thread, as step `index` begins: the scheduled changes due by now, in version order."""
+        from otel_train.control import apply_due  # imports the SDK: not at `import otel_train`
 
-        if self._pending_control is change:
-            self._pending_control = None
-        settings = dict(change.settings)
-        self.config = changed_config(self.config, settings)
-        self.timing_level = self.config.timing_log_level
-        if self.console is not None:
-            self.console.verbosity = self.config.verbosity
-        if "straggler_threshold" in settings:
-            self.reducer.set_threshold(self.config.straggler_threshold)
-        if "profile" in settings:
-            self.start_profile(*profile_request(settings["profile"]))
-        warn_if_late(change, index)
+        with self._control_lock:
+            pending = self._pending_control
+            due = list(itertools.takewhile(lambda change: index >= change.apply_at_step, pending))
+            self._pending_control = pending[len(due) :]
+        apply_due(self, due, index)
 
     def start_profile(self, window: ProfileWindow, ranks: Sequence[int] | None) -> bool:
         """Start a profiler window at the next step (training thread); False if not on this rank."""
@@ -424,6 +425,8 @@ class Session(SessionParts, GoodputClock):
         for watch in list(self.watches):
             watch.remove()
         self.watchdog.close()
+        if self.control is not None:
+            self.control.close()
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None

@@ -45,8 +45,10 @@ from otel_train.rankwire import (
     TimerTable,
     local_record,
     pack,
+    pack_len,
     unpack,
 )
+from otel_train.replicas import ReplicaCheck
 from otel_train.straggler_model import (
     RankScores,
     RankView,
@@ -145,6 +147,8 @@ class CrossRankReducer:
 
             self._world = int(dist.get_world_size(self.group))
         self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s)
+        # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
+        self.replicas = ReplicaCheck(identity.rank, meter, events)
         self._score_gauge = _create_gauge(meter, semconv.STRAGGLER_SCORE)
         self._lateness_gauge = _create_gauge(meter, semconv.STRAGGLER_LATENESS)
         self._wait_gauge = _create_gauge(meter, semconv.STRAGGLER_WAIT)
@@ -208,7 +212,10 @@ class CrossRankReducer:
             self._adopt_cadence(interval.seq, 0)  # disabled: every rank keeps its interval
             self._flush_local(interval)
             return
+        import torch
+
         row = pack(interval, self.identity, self.table, flags=FLAG_SHARDED if self._sharded() else 0)
+        row = torch.cat([row, self.replicas.block(interval)])
         root = self.identity.rank == 0
         answers = downwire.answers(self._world, interval.flush_interval, self._verdict) if root else None
         self.collectives += 1
@@ -225,7 +232,12 @@ class CrossRankReducer:
         if got.records is None:
             self.last_reductions = _own_reductions(local_record(interval, self.identity))
             return
-        self._reduce(interval, unpack(got.records, self.table.capacity))
+        base = pack_len(self.table.capacity)
+        records = unpack(got.records[:, :base], self.table.capacity)
+        self._reduce(interval, records)
+        labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
+        sharded = any(r.flags & FLAG_SHARDED for r in records)
+        self.replicas.compare(got.records[:, base:], [r.rank for r in records], sharded, labels)
 
     def _deliver(self, down: downwire.Down, root: bool) -> None:
         """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own

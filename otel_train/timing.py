@@ -77,6 +77,8 @@ class StepScope:
                 self._index, self._start, perf_counter_ns(), self.tokens, self.samples, exc_type is not None
             )
             self._session = None
+            if exc_type is not None and session.memory_dumps is not None:  # a raising step only
+                session.memory_dumps.on_step_error(exc_type, exc)
 
     def __call__(self, fn: F) -> F:
         tokens, samples = self.tokens, self.samples

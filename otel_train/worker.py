@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.config import redact_text
 from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
+from otel_train.replicas import FINGERPRINT
 from otel_train.step_reader import StepReader, key_for
 
 log = logging.getLogger("otel_train")
@@ -177,8 +179,27 @@ class SpanWriter:
         return span
 
 
+_NO_DATA_WARNING = (
+    "otel_train: record() got a tensor with no data (a meta or fake tensor); such values are "
+    "dropped and counted as otel_train.dropped{reason=no_data_tensor}."
+)
+
+
+def has_data(tensor: Any) -> bool:
+    """False for a tensor that has no values to copy (a `meta` tensor, a FakeTensor of
+    torch.compile's tracing): copying one raises from deep in C++, slowly (its C++ stack is
+    symbolised), and a worker still inside that at interpreter exit aborts the process (SIGABRT),
+    losing the last flushes. Such values are dropped (`otel_train.dropped{reason=no_data_tensor}`)."""
+    if getattr(tensor, "is_meta", False):
+        return False
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is None or not isinstance(tensor, fake.FakeTensor)
+
+
 def histogram_values(values: Any) -> list[float]:
     """A distribution (tensor, array or sequence) as finite floats; runs on the worker."""
+    if hasattr(values, "detach") and not has_data(values):
+        return []
     if hasattr(values, "detach"):
         values = values.detach().reshape(-1).double().cpu().tolist()
     elif hasattr(values, "tolist"):
@@ -215,7 +236,9 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str,
             elif cls is bool or value is None or isinstance(value, (str, bytes)):
                 dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
             elif hasattr(value, "numel") and hasattr(value, "detach"):
-                if value.is_complex():
+                if not has_data(value):
+                    dropped["no_data_tensor"] = dropped.get("no_data_tensor", 0) + 1
+                elif value.is_complex():
                     dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
                 elif value.numel() == 1:
                     tensors.append((i, value))
@@ -248,7 +271,8 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
     by_device: dict[Any, list[int]] = {}
     for i, tensor in enumerate(tensors):
         try:
-            by_device.setdefault(tensor.device, []).append(i)
+            if has_data(tensor):
+                by_device.setdefault(tensor.device, []).append(i)
         except Exception:  # a tensor-like object without a usable device: left as None
             continue
     out: list[list[float] | None] = [None] * len(tensors)
@@ -261,8 +285,12 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
                     joined = torch.stack(group)
                 else:
                     joined = torch.cat([t.reshape(-1) for t in group])
+                if joined.device.type == "mps":  # Metal has no float64: convert on the host
+                    joined = joined.cpu()
                 flat = joined.reshape(-1).to(torch.float64).cpu().tolist()
-        except Exception:  # mixed dtypes that cannot convert (complex, ...)
+        except Exception:  # one odd tensor (sparse, quantized, nested, ...): each on its own, so
+            for i in positions:  # only the odd ones are dropped, not the whole device's values
+                out[i] = _one_to_host(tensors[i])
             continue
         offset = 0
         for i in positions:
@@ -270,6 +298,16 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
             out[i] = flat[offset : offset + size]
             offset += size
     return out
+
+
+def _one_to_host(tensor: Any) -> list[float] | None:
+    import torch
+
+    try:
+        with torch.no_grad():
+            return [float(x) for x in tensor.reshape(-1).to(torch.float64).cpu().tolist()]
+    except Exception:
+        return None
 
 
 def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats, list[float]]]:
@@ -403,6 +441,9 @@ class Worker:
         self.sink_errors: dict[str, int] = {}
         self._started_at = time.time()
         self._steps_done = 0
+        self.busy_since: float | None = None  # perf_counter when its item began (`stuck_message`)
+        self.doing = "idle"
+        self.stuck_reported: float | None = None  # the busy_since of the item already reported
         self._thread = threading.Thread(target=self._run, name="otel_train-worker", daemon=True)
 
     def start(self) -> None:
@@ -449,6 +490,7 @@ class Worker:
             if item is None or self._abandoned:
                 return
             started, cpu_started = time.perf_counter(), time.thread_time()
+            self.doing, self.busy_since = "processing a flush", started
             try:
                 if isinstance(item, Message):
                     self._deliver_message(item)
@@ -465,6 +507,7 @@ class Worker:
                     exc,
                 )
             finally:
+                self.busy_since, self.doing = None, "idle"
                 self.busy_s += time.perf_counter() - started
                 self.cpu_s += time.thread_time() - cpu_started
                 if isinstance(item, FlushBatch) and not self._abandoned:
@@ -478,16 +521,20 @@ class Worker:
         """One flush: resolve -> feed the SDK -> histograms to the sinks -> listeners -> collect ->
         scalars to the sinks."""
         interval = resolve_interval(batch)
+        if batch.dropped.get("no_data_tensor"):
+            self._warn_once("no_data_tensor", _NO_DATA_WARNING)
         self._feed_sdk(batch, interval)
         for key, step, values in batch.histograms:
             self._deliver_message(Message("histogram", key, values, step))
         for listener in self.listeners:
+            self.doing = f"the flush listener {type(listener).__name__}"
             try:
                 listener.on_flush(interval)
             except Exception as exc:
                 self._warn_once(
                     type(listener).__name__, f"otel_train: {type(listener).__name__} failed: {exc!r}"
                 )
+        self.doing = "collecting metrics (observable-instrument callbacks, e.g. ones made on ot.get_meter())"
         scalars = self.step_reader.collect_scalars(interval.elapsed_s)
         for key, value in self._stat_keys.items():
             scalars.setdefault(key, value)  # a user's own name of that key keeps its value
@@ -499,6 +546,7 @@ class Worker:
             # would write that row again under the same step.
             return
         for sink in self.sinks:
+            self.doing = f"writing to the sink {type(sink).__name__}"
             try:
                 sink.write_scalars(interval.step, interval.wall_time, scalars)
             except Exception as exc:
@@ -507,7 +555,7 @@ class Worker:
     def _feed_sdk(self, batch: FlushBatch, interval: Interval) -> None:
         """Layer statistics, sampled steps' spans, then the instruments (with exemplars)."""
         if batch.layer_stats:
-            self._feed_layer_stats(batch, interval)
+            feed_layer_stats(self.instruments, batch, interval)
         exemplars: ExemplarContexts = {}
         if self.span_writer is not None and batch.spans:
             exemplars = self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
@@ -562,26 +610,6 @@ class Worker:
             gauge = self.instruments.gauge(spec.name)
             if gauge is not None:
                 gauge.set(stats[stat])
-
-    def _feed_layer_stats(self, batch: FlushBatch, interval: Interval) -> None:
-        """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
-        and, for gradients, named in the interval (health reports them as one event per step)."""
-        for record, values in resolve_layer_stats(batch.layer_stats):
-            gauge = self.instruments.gauge(record.instrument)
-            if gauge is None:
-                continue
-            if record.instrument == semconv.LAYER_GRAD_NORM.name:
-                interval.layer_grad_norms.append((record.step, record.labels, values))
-            bad = []
-            for label, value in zip(record.labels, values, strict=True):
-                if math.isfinite(value):
-                    gauge.set(value, {semconv.LAYER: label})
-                else:
-                    bad.append(label)
-            if bad:
-                batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
-                if record.instrument == semconv.LAYER_GRAD_NORM.name:
-                    interval.nonfinite_grads.append((record.step, bad))
 
     def _deliver_message(self, message: Message) -> None:
         if message.kind == "histogram":
@@ -648,3 +676,45 @@ class Worker:
         if key not in self._errors_warned:
             self._errors_warned.add(key)
             log.warning(message)
+
+
+def stuck_message(worker: Worker, limit_s: float) -> str | None:
+    """Once per item: what `worker` has been doing when it is longer than `limit_s` on one
+    (watchdog thread; a user callback that hangs, a dead file system), else None."""
+    since, doing = worker.busy_since, worker.doing
+    if since is None or since == worker.stuck_reported:
+        return None
+    busy_s = time.perf_counter() - since
+    if busy_s < limit_s:
+        return None
+    worker.stuck_reported = since
+    return (
+        f"the otel_train background worker has been {doing} for {busy_s:.0f}s; no telemetry is "
+        "written until it returns (flushes wait; values beyond max_values_per_interval are dropped)"
+    )
+
+
+def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Interval) -> None:
+    """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
+    and, for gradients, named in the interval (health reports them as one event per step)."""
+    for record, values in resolve_layer_stats(batch.layer_stats):
+        if record.instrument == FINGERPRINT:  # not a metric: compared across ranks (replicas.py)
+            interval.batch_fingerprints.append((record.step, values))
+            continue
+        if record.instrument == semconv.LAYER_PARAM_NORM.name:
+            interval.layer_param_norms.append((record.step, record.labels, values))
+        gauge = instruments.gauge(record.instrument)
+        if gauge is None:
+            continue
+        if record.instrument == semconv.LAYER_GRAD_NORM.name:
+            interval.layer_grad_norms.append((record.step, record.labels, values))
+        bad = []
+        for label, value in zip(record.labels, values, strict=True):
+            if math.isfinite(value):
+                gauge.set(value, {semconv.LAYER: label})
+            else:
+                bad.append(label)
+        if bad:
+            batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
+            if record.instrument == semconv.LAYER_GRAD_NORM.name:
+                interval.nonfinite_grads.append((record.step, bad))

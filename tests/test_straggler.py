@@ -24,6 +24,7 @@ from otel_train.distributed import Identity
 from otel_train.exchange import Exchanged
 from otel_train.interval import Interval
 from otel_train.rankwire import ANNOUNCE_SLOTS, NAME_BYTES, TimerTable, name_id, pack, pack_len, unpack
+from otel_train.replicas import ReplicaCheck
 from otel_train.straggler import CrossRankReducer
 
 
@@ -312,12 +313,17 @@ class _FakeExchange:
             raise RuntimeError("Connection closed by peer")
         assert answers is not None and answers.shape == (self.world, downwire.DOWN_LEN)
         self.answers.append(answers.clone())
-        (mine,) = unpack(up)
+        (mine,) = unpack(up[: pack_len()])  # the replica-check block (replicas.py) follows
         rows = [
-            pack(
-                self.interval_for(r, mine.seq),
-                Identity("r", rank=r, world_size=self.world, host=f"h{r}", local_rank=r % 8),
-                self.tables[r],
+            torch.cat(
+                [
+                    pack(
+                        self.interval_for(r, mine.seq),
+                        Identity("r", rank=r, world_size=self.world, host=f"h{r}", local_rank=r % 8),
+                        self.tables[r],
+                    ),
+                    ReplicaCheck(r, None, None).block(self.interval_for(r, mine.seq)),
+                ]
             )
             for r in range(self.world)
         ]

@@ -198,6 +198,7 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
     rank 0, rank 0 one of each per peer; no torch collective at all. Bytes: O(1) off rank 0."""
     from otel_train.downwire import DOWN_LEN
     from otel_train.rankwire import pack_len
+    from otel_train.replicas import EXT_LEN
 
     world = len(results)
     for rank, rank_result in enumerate(results):
@@ -206,7 +207,7 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
             assert res["exchanges"] == [1] * flushes, (scenario, res["exchanges"])
             assert res["per_flush"] == [{"isend": peers, "irecv": peers}] * flushes, (scenario, res["counts"])
             assert res["disabled"] is None
-            up, down = 8 * pack_len(), 8 * DOWN_LEN
+            up, down = 8 * (pack_len() + EXT_LEN), 8 * DOWN_LEN  # the timers' row and the replica block
             sent, received = (up, down) if rank else (peers * down, peers * up)
             assert res["bytes"] == (flushes * sent, flushes * received), (rank, res["bytes"])
 

@@ -25,6 +25,7 @@ from otel_train.model_watch import (
     clean_name,
     layer_groups,
 )
+from otel_train.replicas import FINGERPRINT
 from otel_train.testing import Capture, capture_metrics
 
 
@@ -156,8 +157,12 @@ def test_watch_on_a_bare_buffer_without_a_session() -> None:
     by_name = {r.instrument: r for r in buffer.layer_stats}
     assert set(by_name) == {
         sc.LAYER_GRAD_NORM.name, sc.LAYER_PARAM_NORM.name, sc.LAYER_ACTIVATION_RMS.name,
-        sc.LAYER_ACTIVATION_ABSMAX.name,
+        sc.LAYER_ACTIVATION_ABSMAX.name, FINGERPRINT,
     }  # fmt: skip
+    batch = torch.randn(5, 6, generator=torch.Generator().manual_seed(0)).double()  # step 0's input
+    assert by_name[FINGERPRINT].values.tolist() == pytest.approx(
+        [batch.sum().item(), (batch * batch).sum().item()]
+    )
     grad_stats = by_name[sc.LAYER_GRAD_NORM.name]
     assert grad_stats.step == 0 and list(grad_stats.labels) == watch.labels
     expected = _by_label(grads, watch.labels)
@@ -187,7 +192,7 @@ def test_values_stay_on_device_until_the_flush() -> None:
         records = list(session.buffer.layer_stats)
         assert {r.instrument for r in records} == {
             sc.LAYER_GRAD_NORM.name, sc.LAYER_PARAM_NORM.name, sc.LAYER_ACTIVATION_RMS.name,
-            sc.LAYER_ACTIVATION_ABSMAX.name,
+            sc.LAYER_ACTIVATION_ABSMAX.name, FINGERPRINT,
         }  # fmt: skip
         assert all(isinstance(r.values, torch.Tensor) and r.values.shape == (len(r.labels),) for r in records)
         assert all(isinstance(v, torch.Tensor) for v in session.buffer.scalars[sc.GRAD_NORM.name])

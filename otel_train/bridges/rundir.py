@@ -10,9 +10,10 @@
 - `.owner.rank<k>.json`: which run id wrote this rank's files (`run_directory`).
 - `events.rank<k>.jsonl`: health events (`health`); `goodput.rank<k>.json`: the goodput account
   across restarts (`goodput`); `control.json`: runtime control (`control`).
-- `stacks.rank<k>.<n>.txt`, `stacks.rank<k>.signal.txt`, `flight_recorder.rank<k>.<n>`: hang
-  diagnosis (`hang`); `collectives.rank<k>.json`: where the rank's collectives stood at its last
-  stall (`hang_attribution`); `profiles/rank<k>/`: profiler traces (`profiling`).
+- `stacks.rank<k>.<n>.txt`, `faulthandler.rank<k>.txt` (raw, from C),
+  `flight_recorder.rank<k>.<n>`: hang diagnosis (`hang`); `collectives.rank<k>.json`: where the
+  rank's collectives stood at its last stall (`hang_attribution`); `profiles/rank<k>/`: profiler
+  traces (`profiling`).
 - `tensorboard/`, `wandb/`, `wandb_run.json`, `mlflow/`: the TensorBoard, W&B and MLflow bridges'
   local output.
 
@@ -65,11 +66,18 @@ class RunFiles:
         return self.run_dir / f"stacks.rank{self.rank}.{dump}.txt"
 
     @property
-    def signal_stacks(self) -> Path:
-        return self.run_dir / f"stacks.rank{self.rank}.signal.txt"
+    def raw_stacks(self) -> Path:
+        return self.run_dir / f"faulthandler.rank{self.rank}.txt"
 
     def flight_recorder(self, dump: int) -> Path:
         return self.run_dir / f"flight_recorder.rank{self.rank}.{dump}"
+
+    def memory_summary(self, dump: int) -> Path:
+        return self.run_dir / f"memory_summary.rank{self.rank}.{dump}.txt"
+
+    def memory_snapshot(self, dump: int) -> Path:
+        """torch.cuda.memory._snapshot(), pickled: open it at https://pytorch.org/memory_viz."""
+        return self.run_dir / f"memory_snapshot.rank{self.rank}.{dump}.pickle"
 
     @property
     def collectives(self) -> Path:

@@ -1,0 +1,121 @@
+"""CUDA memory on the way to an OOM: the allocator's summary and snapshot, written to the run dir.
+
+Two triggers, neither on a healthy step's path:
+- a `torch.cuda.OutOfMemoryError` that leaves `ot.step` (StepScope.__exit__ sees the exception
+  type; only a raising step pays even the check). Written at once, on the training thread: the
+  exception is about to end the process, and a thread might not get to run.
+- the `memory_pressure` event (efficiency.py, on the worker at a flush): reserved or used memory
+  above 95 % of the device.
+
+Each dump writes `torch.cuda.memory_summary()` and, when the user recorded allocation history
+(`torch.cuda.memory._record_memory_history()`), the pickled `torch.cuda.memory._snapshot()` (open
+it at https://pytorch.org/memory_viz: every live block with the stack that allocated it, the
+segments, and fragmentation). One `oom` event (or `memory_snapshot` for pressure) names the files.
+At most `MAX_DUMPS` per process: a snapshot can be hundreds of MB. torch is never imported here:
+only an initialised `torch.cuda` already loaded is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from otel_train.bridges.rundir import RunFiles
+from otel_train.health import EventChannel
+
+log = logging.getLogger("otel_train")
+
+MAX_DUMPS = 3
+
+
+def loaded_torch_cuda() -> Any | None:
+    """`torch.cuda` when torch is loaded and CUDA initialised in this process, else None."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        return cuda if cuda is not None and cuda.is_initialized() else None
+    except Exception:
+        return None
+
+
+def is_cuda_oom(exc_type: type[BaseException] | None) -> bool:
+    """torch.cuda.OutOfMemoryError (also torch.OutOfMemoryError, its base, raised by the allocator)."""
+    return exc_type is not None and exc_type.__name__ == "OutOfMemoryError"
+
+
+def has_history(snapshot: Any) -> bool:
+    """Whether a `_snapshot()` holds recorded history (`_record_memory_history()` was on): trace
+    entries, or blocks with the frames that allocated them."""
+    if not isinstance(snapshot, dict):
+        return False
+    if any(snapshot.get("device_traces") or ()):
+        return True
+    return any(b.get("frames") for seg in snapshot.get("segments") or () for b in seg.get("blocks") or ())
+
+
+class MemoryDumps:
+    """Writes the dumps and emits the events (see the module doc). `torch_cuda` returns the loaded,
+    initialised `torch.cuda` or None (tests pass a fake)."""
+
+    def __init__(
+        self,
+        run_dir: Path | None,
+        rank: int,
+        events: EventChannel,
+        torch_cuda: Callable[[], Any | None] = loaded_torch_cuda,
+    ) -> None:
+        self.files = RunFiles(run_dir, rank) if run_dir is not None else None
+        self.events = events
+        self.torch_cuda = torch_cuda
+        self.dumps = 0
+        self._lock = threading.Lock()  # the training thread (OOM) and the worker (pressure)
+
+    def on_step_error(self, exc_type: type[BaseException] | None, exc: BaseException | None) -> None:
+        """StepScope.__exit__ with an exception: dump on a CUDA OOM (never raises)."""
+        if is_cuda_oom(exc_type):
+            first_line = str(exc).splitlines()[0] if exc is not None and str(exc) else "CUDA out of memory"
+            self.dump("oom", f"CUDA out of memory inside a step: {first_line}")
+
+    def on_pressure(self, message: str) -> None:
+        """The memory_pressure event fired (worker thread)."""
+        self.dump("memory_snapshot", f"{message}; allocator state written before an OOM")
+
+    def dump(self, event: str, message: str) -> None:
+        try:
+            with self._lock:
+                attributes = self._write()
+            if attributes is None:
+                return
+            if "snapshot" not in attributes:
+                message += (
+                    " (no snapshot: call torch.cuda.memory._record_memory_history() at start-up to get "
+                    "one with the stack of every allocation)"
+                )
+            where = ", ".join(f"{k}={v}" for k, v in attributes.items())
+            log.warning("otel_train: %s; memory dump: %s", message, where)
+            self.events.emit(event, f"{message}; memory dump: {where}", attributes)
+        except Exception as exc:  # telemetry never breaks training (nor hides the OOM)
+            log.warning("otel_train: memory dump failed: %r", exc)
+
+    def _write(self) -> dict[str, str] | None:
+        cuda = self.torch_cuda()
+        if cuda is None or self.files is None or self.dumps >= MAX_DUMPS:
+            return None
+        n = self.dumps
+        self.dumps += 1
+        attributes: dict[str, str] = {}
+        summary = self.files.memory_summary(n)
+        summary.write_text(cuda.memory_summary(), encoding="utf-8")
+        attributes["summary"] = str(summary)
+        snapshot = cuda.memory._snapshot()
+        if has_history(snapshot):
+            path = self.files.memory_snapshot(n)
+            with open(path, "wb") as f:
+                pickle.dump(snapshot, f)
+            attributes["snapshot"] = str(path)
+        return attributes

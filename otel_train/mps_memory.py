@@ -1,0 +1,75 @@
+"""Apple silicon (`mps`): the Metal allocator's memory as gauges, read at the flush on the worker.
+
+On mps there is no NVML, no CUDA events and no allocator snapshot: steps and timers use CPU
+clocks (as everywhere without CUDA), and this listener exports what `torch.mps` reports, where the
+torch build has it: tensor memory (`current_allocated_memory`), the driver's total for the process
+(`driver_allocated_memory`, caches included) and the device's recommended working set
+(`recommended_max_memory`, torch >= 2.5). torch is never imported here: only a loaded torch whose
+mps backend is available is read, and nothing is exported until mps holds memory (a Mac run on CPU
+gets no series).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from otel_train import semconv as sc
+from otel_train.interval import Interval
+
+log = logging.getLogger("otel_train")
+
+# (gauge, torch.mps function); a function the torch build lacks is skipped
+READINGS = (
+    (sc.MPS_MEMORY_ALLOCATED, "current_allocated_memory"),
+    (sc.MPS_MEMORY_DRIVER, "driver_allocated_memory"),
+    (sc.MPS_MEMORY_LIMIT, "recommended_max_memory"),
+)
+
+
+def loaded_torch_mps() -> Any | None:
+    """`torch.mps` when torch is loaded and its mps backend is available, else None."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.backends.mps.is_available():
+            return None
+    except Exception:
+        return None
+    return getattr(torch, "mps", None)
+
+
+class MpsMemory:
+    """Flush listener: the `train.mps.memory.*` gauges (module doc)."""
+
+    def __init__(self, meter: Any, torch_mps: Callable[[], Any | None] = loaded_torch_mps) -> None:
+        self._meter = meter
+        self._torch_mps = torch_mps
+        self._gauges: dict[str, Any] = {}
+
+    def on_flush(self, interval: Interval) -> None:
+        mps = self._torch_mps()
+        if mps is None:
+            return
+        values: dict[sc.MetricSpec, int] = {}
+        for spec, function in READINGS:
+            read = getattr(mps, function, None)
+            if read is None:
+                continue
+            try:
+                values[spec] = int(read())
+            except Exception:
+                log.debug("otel_train: torch.mps.%s() failed", function, exc_info=True)
+        if not self._gauges and not values.get(sc.MPS_MEMORY_DRIVER):
+            return  # mps unused so far: no series
+        for spec, value in values.items():
+            gauge = self._gauges.get(spec.name)
+            if gauge is None:
+                gauge = self._gauges[spec.name] = self._meter.create_gauge(
+                    spec.name, unit=spec.unit, description=spec.description
+                )
+            gauge.set(value)
+
+    def close(self) -> None:
+        pass

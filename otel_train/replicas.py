@@ -1,0 +1,297 @@
+"""Data-parallel replicas checked against each other: unsharded data and replicas drifting apart.
+
+Both ride the ONE per-flush exchange (`straggler.CrossRankReducer`): every rank appends a fixed
+`EXT_LEN` block of float64 to its up row, and rank 0, which holds every row, compares them. No
+collective of its own, nothing on the training thread but the watched steps' device kernels.
+
+- `data_not_sharded`: `ot.watch` fingerprints each watched step's batch on the device (the first
+  tensor argument of the watched module's first forward in the step: float64 sum and sum of
+  squares). Data-parallel peers that trained on identical batches at the same step (a DataLoader
+  without DistributedSampler) are named in one event per set of ranks. An all-zero batch proves
+  nothing and is skipped.
+- `replica_divergence`: under DDP every replica's parameters are identical after the optimizer
+  step, so their per-layer norms (ot.watch's, at the same watched step) are too. A relative
+  difference above `REL_TOL` names the first diverging layer (module order) and the ranks that
+  disagree with the group's lowest rank. Sharded parameters (FSDP2: each rank's norm is of its own
+  shard) are not compared (said once).
+
+Data-parallel groups: by default every rank is a peer of every other. Ranks that legitimately see
+the same batch and hold different parameters (tensor, pipeline, context parallel) name their
+data-parallel group with `ot.watch(model, data_parallel_group=...)`; each rank then sends the
+lowest global rank of its group as the group's key, and only rows with the same key are compared.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_train import semconv
+from otel_train.health import EventChannel
+from otel_train.interval import Interval
+from otel_train.rankwire import name_id
+
+logger = logging.getLogger("otel_train")
+
+# Internal name of ot.watch's batch fingerprint record (never a metric: the worker routes it into
+# `Interval.batch_fingerprints`).
+FINGERPRINT = "otel_train.batch.fingerprint"
+# Largest relative difference of a layer's parameter norm between DDP replicas that is still
+# float noise. Measured: ordinary DDP on CPU gloo (2 ranks, 500 steps, SGD and AdamW) gives exactly
+# 0.0 (the all-reduce hands every rank the same bits, so the same step gives the same parameters);
+# different kernels or hardware per rank could differ by a few float32 ulps in the norm's
+# reduction (~1e-6 relative). A replica that missed one gradient sync differs by lr * gradient,
+# 1e-3..1e-2 relative within steps. 1e-4 sits between with two orders of margin each side.
+REL_TOL = 1e-4
+MAX_FINGERPRINTS = 4  # watched steps per flush whose fingerprints travel (the latest)
+MAX_LAYERS = 64  # layers whose parameter norms travel (ot.watch's default max_layers)
+FP_LEN = 3  # step, sum, sum of squares
+ALL_RANKS = -1.0  # data-parallel key when no group was named: every rank is a peer
+_VERSION = 1.0
+_O_VERSION, _O_KEY, _O_NFP = range(3)
+_O_FP = 3
+_O_PSTEP = _O_FP + MAX_FINGERPRINTS * FP_LEN
+_O_NLAYERS = _O_PSTEP + 1
+_O_LABELS = _O_NLAYERS + 1
+_O_NORMS = _O_LABELS + 1
+EXT_LEN = _O_NORMS + MAX_LAYERS
+_SHOWN = 8  # ranks named in one message
+
+
+@dataclass
+class ReplicaRow:
+    """One rank's block, decoded on rank 0."""
+
+    rank: int
+    key: float
+    fingerprints: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (sum, sumsq)
+    param_step: int = -1  # -1: no parameter norms in this interval
+    labels_id: int = 0
+    norms: list[float] = field(default_factory=list)
+
+
+def labels_id(labels: Sequence[str]) -> int:
+    """Stable 48-bit id of a layer list: rows compare norms only for the same layers."""
+    return name_id("\x00".join(labels))
+
+
+def encode(interval: Interval, key: float) -> list[float]:
+    """This rank's block (the latest fingerprints and parameter norms of the interval)."""
+    block = [0.0] * EXT_LEN
+    block[_O_VERSION] = _VERSION
+    block[_O_KEY] = key
+    fingerprints = [(s, v) for s, v in interval.batch_fingerprints if len(v) >= 2][-MAX_FINGERPRINTS:]
+    block[_O_NFP] = float(len(fingerprints))
+    for i, (step, values) in enumerate(fingerprints):
+        at = _O_FP + i * FP_LEN
+        block[at : at + FP_LEN] = [float(step), float(values[0]), float(values[1])]
+    block[_O_PSTEP] = -1.0
+    if interval.layer_param_norms:
+        step, labels, norms = interval.layer_param_norms[-1]
+        kept = list(norms[:MAX_LAYERS])
+        block[_O_PSTEP] = float(step)
+        block[_O_NLAYERS] = float(len(kept))
+        block[_O_LABELS] = float(labels_id(labels[:MAX_LAYERS]))
+        block[_O_NORMS : _O_NORMS + len(kept)] = kept
+    return block
+
+
+def decode(rank: int, block: Sequence[float]) -> ReplicaRow:
+    row = ReplicaRow(rank, block[_O_KEY])
+    if block[_O_VERSION] != _VERSION:
+        return row
+    for i in range(min(int(block[_O_NFP]), MAX_FINGERPRINTS)):
+        at = _O_FP + i * FP_LEN
+        row.fingerprints[int(block[at])] = (block[at + 1], block[at + 2])
+    row.param_step = int(block[_O_PSTEP])
+    if row.param_step >= 0:
+        n = min(int(block[_O_NLAYERS]), MAX_LAYERS)
+        row.labels_id = int(block[_O_LABELS])
+        row.norms = list(block[_O_NORMS : _O_NORMS + n])
+    return row
+
+
+def duplicate_batches(rows: Sequence[ReplicaRow]) -> tuple[int, dict[tuple[int, ...], int]]:
+    """(latest step compared or -1, {ranks with identical batches at one common step: that step})."""
+    steps = sorted({s for r in rows for s in r.fingerprints}, reverse=True)
+    found: dict[tuple[int, ...], int] = {}
+    compared = -1
+    for step in steps:
+        classes: dict[tuple[float, float], list[int]] = {}
+        for row in rows:
+            fp = row.fingerprints.get(step)
+            if fp is None or not all(math.isfinite(v) for v in fp) or fp[1] == 0.0:
+                continue  # an all-zero (or non-finite) batch proves nothing
+            classes.setdefault(fp, []).append(row.rank)
+        if sum(len(ranks) for ranks in classes.values()) < 2:
+            continue
+        compared = max(compared, step)
+        for ranks in classes.values():
+            if len(ranks) > 1:
+                found.setdefault(tuple(sorted(ranks)), step)
+    return compared, found
+
+
+def relative_difference(a: float, b: float) -> float:
+    scale = max(abs(a), abs(b))
+    return 0.0 if scale == 0.0 else abs(a - b) / scale
+
+
+def divergence(rows: Sequence[ReplicaRow]) -> tuple[float | None, int | None, list[int]]:
+    """(largest relative norm difference, None when no two rows could be compared; first layer
+    index above REL_TOL or None; ranks that disagree with the lowest rank there): rows of one group
+    at their latest watched step with parameter norms."""
+    with_norms = [r for r in rows if r.param_step >= 0]
+    if len(with_norms) < 2:
+        return None, None, []
+    step = max(r.param_step for r in with_norms)
+    same = sorted((r for r in with_norms if r.param_step == step), key=lambda r: r.rank)
+    ref = same[0]
+    peers = [r for r in same[1:] if r.labels_id == ref.labels_id and len(r.norms) == len(ref.norms)]
+    if not peers:
+        return None, None, []
+    worst, first, ranks = 0.0, None, []
+    for layer, value in enumerate(ref.norms):
+        off: list[int] = []
+        for r in peers:
+            d = relative_difference(value, r.norms[layer])
+            if math.isfinite(d):  # NaN/Inf norms are nonfinite_grad's business, not a divergence
+                worst = max(worst, d)
+                if d > REL_TOL:
+                    off.append(r.rank)
+        if off and first is None:
+            first, ranks = layer, [ref.rank, *off]
+    return worst, first, ranks
+
+
+class ReplicaCheck:
+    """Encodes this rank's block at every flush; on rank 0, compares every rank's (module doc)."""
+
+    def __init__(self, rank: int, meter: Any | None, events: EventChannel | None) -> None:
+        self.rank = rank
+        self.events = events
+        self.key = ALL_RANKS  # the data-parallel group's lowest global rank, once named
+        self._reported_data: set[tuple[int, ...]] = set()
+        self._diverged = False
+        self._sharded_said = False
+        self.max_divergence = 0.0  # rank 0: the largest relative difference seen (tests, tuning)
+        self._dup_gauge = self._div_gauge = None
+        if meter is not None and rank == 0:
+            self._dup_gauge = _gauge(meter, semconv.DATA_DUPLICATE_RANKS)
+            self._div_gauge = _gauge(meter, semconv.REPLICA_DIVERGENCE)
+
+    def set_data_parallel_group(self, group: Any) -> None:
+        """A torch ProcessGroup or the global ranks of this rank's data-parallel group."""
+        ranks = _group_ranks(group)
+        if self.rank not in ranks:
+            raise ValueError(f"data_parallel_group {sorted(ranks)} does not contain this rank ({self.rank}).")
+        self.key = float(min(ranks))
+
+    def block(self, interval: Interval) -> Any:
+        import torch
+
+        return torch.tensor(encode(interval, self.key), dtype=torch.float64)
+
+    def compare(self, blocks: Any, ranks: Sequence[int], sharded: bool, labels: Sequence[str]) -> None:
+        """Rank 0: every rank's block ([world, EXT_LEN], row i from rank `ranks[i]`)."""
+        rows = [decode(rank, values) for rank, values in zip(ranks, blocks.tolist(), strict=True)]
+        groups: dict[float, list[ReplicaRow]] = {}
+        for row in rows:
+            groups.setdefault(row.key, []).append(row)
+        # The gauges are set only at flushes that compared something (most flushes hold no
+        # watched step): a flush without one leaves the last verdict standing.
+        duplicated: int | None = None
+        worst: float | None = None
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            compared, found = duplicate_batches(members)
+            if compared >= 0:
+                duplicated = (duplicated or 0) + len({rank for ranks_set in found for rank in ranks_set})
+            for ranks_set, step in found.items():
+                self._report_data(ranks_set, step)
+            if sharded:
+                self._say_sharded()
+                continue
+            diff, first, diverging = divergence(members)
+            if diff is not None:
+                worst = max(worst or 0.0, diff)
+                self.max_divergence = max(self.max_divergence, diff)
+                self._report_divergence(first, diverging, labels, members)
+        if self._dup_gauge is not None and duplicated is not None:
+            self._dup_gauge.set(duplicated)
+        if self._div_gauge is not None and worst is not None:
+            self._div_gauge.set(worst)
+
+    def _report_data(self, ranks: tuple[int, ...], step: int) -> None:
+        if ranks in self._reported_data:
+            return
+        self._reported_data.add(ranks)
+        message = (
+            f"ranks {_names(ranks)} trained on identical batches (same fingerprint at watched step "
+            f"{step}): the data is not sharded across data-parallel ranks, so they repeat each other's "
+            "work. Use a DistributedSampler (or shard the dataset by rank); ranks that share batches on "
+            "purpose (tensor/pipeline parallel) name their data-parallel group with "
+            "ot.watch(model, data_parallel_group=...)."
+        )
+        logger.warning("otel_train: %s", message)
+        if self.events is not None:
+            self.events.emit("data_not_sharded", message, {"step": step, "ranks": ",".join(map(str, ranks))})
+
+    def _report_divergence(
+        self, first: int | None, ranks: list[int], labels: Sequence[str], members: Sequence[ReplicaRow]
+    ) -> None:
+        if first is None:
+            self._diverged = False  # re-armed: a later divergence is reported again
+            return
+        if self._diverged:
+            return
+        self._diverged = True
+        step = max(r.param_step for r in members)
+        layer = labels[first] if first < len(labels) else f"#{first}"
+        message = (
+            f"data-parallel replicas diverged: the parameter norm of layer {layer!r} (the first in module "
+            f"order) differs between ranks {_names(ranks)} by more than {REL_TOL:g} relative at watched "
+            f"step {step}. Replicated parameters must stay identical: a gradient synchronization was "
+            "skipped or failed (no_sync() left on, a custom all-reduce, a rank-dependent optimizer or "
+            "parameter update)."
+        )
+        logger.warning("otel_train: %s", message)
+        if self.events is not None:
+            self.events.emit(
+                "replica_divergence",
+                message,
+                {"step": step, semconv.LAYER: layer, "ranks": ",".join(map(str, ranks))},
+            )
+
+    def _say_sharded(self) -> None:
+        if not self._sharded_said:
+            self._sharded_said = True
+            logger.info(
+                "otel_train: parameters are sharded (FSDP): replicas' parameter norms are of "
+                "different shards, so replica_divergence is not checked"
+            )
+
+
+def _group_ranks(group: Any) -> list[int]:
+    if isinstance(group, Iterable) and not isinstance(group, (str, bytes)):
+        ranks = [int(r) for r in group]
+    else:
+        import torch.distributed as dist
+
+        ranks = list(dist.get_process_group_ranks(group))
+    if not ranks:
+        raise ValueError("data_parallel_group is empty.")
+    return ranks
+
+
+def _gauge(meter: Any, spec: semconv.MetricSpec) -> Any:
+    return meter.create_gauge(spec.name, unit=spec.unit, description=spec.description)
+
+
+def _names(ranks: Sequence[int]) -> str:
+    more = f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else ""
+    return ", ".join(str(r) for r in ranks[:_SHOWN]) + more

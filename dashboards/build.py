@@ -80,6 +80,7 @@ _HOST_KEY = "host.name"
 assert _HOST_KEY in sc.LABEL_RESOURCE_KEYS
 RUN = label(sc.RUN_ID)
 RANK = label(sc.RANK)
+ROLE = label(sc.ROLE)
 HOST = label(_HOST_KEY)
 PHASE = label(sc.PHASE)
 STRAGGLER_KIND = label(sc.STRAGGLER_KIND)
@@ -97,10 +98,14 @@ ERROR_TYPE = label(sc.ERROR_TYPE)
 LAYER = label(sc.LAYER)
 
 # Dashboard variables: (name, label shown in Grafana, label name filtered on).
-VAR_RUN, VAR_HOST, VAR_RANK = "run_id", "host", "rank"
+# Role: the part of a single-controller job (controller, policy, ...); ranks are numbered per
+# role, so every per-rank query groups by role too. A job without roles has no role label, which
+# the variable's "All" (`.*`) still matches.
+VAR_RUN, VAR_HOST, VAR_ROLE, VAR_RANK = "run_id", "host", "role", "rank"
 VARIABLES: tuple[tuple[str, str, str], ...] = (
     (VAR_RUN, "Run", RUN),
     (VAR_HOST, "Host", HOST),
+    (VAR_ROLE, "Role", ROLE),
     (VAR_RANK, "Rank", RANK),
 )
 
@@ -139,6 +144,7 @@ def selector(
     if host:
         matchers.append(f'{HOST}=~"${VAR_HOST}"')
     if rank:
+        matchers.append(f'{ROLE}=~"${VAR_ROLE}"')
         matchers.append(f'{RANK}=~"${VAR_RANK}"')
     for key, value in extra.items():
         op, value = ("=~", value[1:]) if value.startswith("~") else ("=", value)
@@ -253,7 +259,7 @@ def panel_gpu_only(panel: PanelDef) -> bool:
 
 
 # --- the four dashboards --------------------------------------------------------------------------
-_R = f"{RUN}, {RANK}"
+_R = f"{RUN}, {ROLE}, {RANK}"
 _GPU_BY = f"{RUN}, {HOST}, {HW_ID}, {HW_NAME}"
 _GPU_LEGEND = f"{{{{{HOST}}}}} {{{{{HW_ID}}}}}"
 
@@ -273,7 +279,7 @@ def _lg(*labels: str, prefix: str = "", suffix: str = "") -> str:
     """Legend format such as `{{run_id}} rank {{rank}}`."""
     parts = [f"{{{{{RUN}}}}}"]
     for name in labels:
-        parts.append(f"rank {{{{{RANK}}}}}" if name == RANK else f"{{{{{name}}}}}")
+        parts.append(f"{{{{{ROLE}}}}} rank {{{{{RANK}}}}}" if name == RANK else f"{{{{{name}}}}}")
     text = " ".join(parts)
     return f"{prefix}{text}{suffix}"
 
@@ -483,8 +489,8 @@ def overview() -> DashboardDef:
 def ranks() -> DashboardDef:
     step, phase, score, cross = sc.STEP_DURATION, sc.PHASE_DURATION, sc.STRAGGLER_SCORE, sc.PHASE_CROSS_RANK
     late, wait = sc.STRAGGLER_LATENESS, sc.STRAGGLER_WAIT
-    slow_by = f"{RUN}, {HOST}, {RANK}"
-    score_by = f"{RUN}, {HOST}, {RANK}, {STRAGGLER_KIND}"
+    slow_by = f"{RUN}, {HOST}, {ROLE}, {RANK}"
+    score_by = f"{RUN}, {HOST}, {ROLE}, {RANK}, {STRAGGLER_KIND}"
     return DashboardDef(
         "otel-train-ranks",
         "otel_train / Ranks and stragglers",
@@ -503,7 +509,7 @@ def ranks() -> DashboardDef:
                     ),
                     PanelDef(
                         "Mean step time per rank (heatmap)",
-                        (Target(mean(step, RANK), f"{{{{{RANK}}}}}"),),
+                        (Target(mean(step, f"{ROLE}, {RANK}"), f"{{{{{ROLE}}}}} {{{{{RANK}}}}}"),),
                         "heatmap",
                         unit="s",
                         width=24,
@@ -603,7 +609,7 @@ def ranks() -> DashboardDef:
 
 
 def gpus_host() -> DashboardDef:
-    host_by = f"{RUN}, {HOST}, {RANK}"
+    host_by = f"{RUN}, {HOST}, {ROLE}, {RANK}"
     return DashboardDef(
         "otel-train-gpus-host",
         "otel_train / GPUs and host",
@@ -884,7 +890,7 @@ def health() -> DashboardDef:
                         T(
                             agg(
                                 "max",
-                                f"alertname, severity, {RUN}, {HOST}, {RANK}",
+                                f"alertname, severity, {RUN}, {HOST}, {ROLE}, {RANK}",
                                 f'{ALERTS}{{alertstate="firing", {RUN}=~"${VAR_RUN}"}}',
                             )
                         ),

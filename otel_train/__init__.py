@@ -43,6 +43,7 @@ __all__ = [
     "begin_step",
     "current_session",
     "end_step",
+    "event",
     "finish",
     "get_meter",
     "init",
@@ -103,6 +104,11 @@ def run_info() -> RunInfo | None:
         local_rank=ident.local_rank,
         world_size=ident.world_size,
         step=session.step_index,
+        role=ident.role,
+        output_dir=session.config.output_dir,
+        service_name=session.config.service_name,
+        otlp_endpoint=session.config.otlp_endpoint,
+        otlp_metrics_endpoint=session.config.otlp_metrics_endpoint,
     )
 
 
@@ -154,6 +160,15 @@ def log_hyperparams(params: Mapping[str, Any]) -> None:
         )
         return
     session.message("hparams", "hparams", redacted, None)
+
+
+def event(name: str, message: str, attributes: Mapping[str, str | int | float | bool] | None = None) -> None:
+    """A health event, as the library's own (events file, OTel log record, the events counter
+    `otel_train.health.events{otel_train.event=name}`): for what an integration sees happen, e.g. a
+    worker failure. `name` is a label value: use a few fixed names, put the details in `message`."""
+    session = _runtime._current
+    if session is not None:
+        session.events.emit(str(name), cap_text(str(message)), dict(attributes or {}))
 
 
 def log_text(name: str, text: str, step: int | None = None) -> None:

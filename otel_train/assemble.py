@@ -90,7 +90,7 @@ def build_session(config: Config) -> Session:
 
 
 def agree_run_place(config: Config) -> RunPlace:
-    identity = detect_identity(config.run_id)
+    identity = detect_identity(config.run_id, role=config.role)
     # A dedicated gloo group: telemetry's one exchange per flush runs on the worker thread and
     # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
     group = create_telemetry_group(identity, config.collective_timeout_s)
@@ -98,14 +98,23 @@ def agree_run_place(config: Config) -> RunPlace:
     # process) and log_interval, so all ranks write into one run directory and flush together.
     run_name = config.run_name or default_run_name()
     if identity.rank == 0 and config.run_dir_enabled:  # rank 0's choice is every rank's (agree_job)
-        run_name = avoid_live_owner(Path(config.output_dir), run_name, identity.run_id)
+        run_name = avoid_live_owner(Path(config.output_dir), run_name, identity.run_id, identity.role)
     agreed = agree_job(identity, group, run_name, config.log_interval, config.cross_rank)
     identity, run_name = agreed.identity, agreed.run_name
+    if "role" in agreed.differs:
+        raise ConfigError(
+            f"role: rank {identity.rank} has role {identity.role!r} but rank 0 of its process group another; "
+            "ranks are compared only within one role, so one torch process group holds one role. Give "
+            "every rank of the group the same OTEL_TRAIN_ROLE (each role with its own process group)."
+        )
     run_dir = make_run_dir(config, run_name)
     resumed = False
     if run_dir is not None:
         rank, run_id = identity.rank, identity.run_id
-        resumed = run_dir_errors_as_config_errors(lambda: claim_run_dir(run_dir, rank, run_id, run_name))
+        role = identity.role
+        resumed = run_dir_errors_as_config_errors(
+            lambda: claim_run_dir(run_dir, rank, run_id, run_name, role)
+        )
     reporting = identity.rank == 0 or config.bridge_all_ranks
     notices = _job_notices(config, agreed, group, run_dir)
     for _, message in notices:
@@ -194,6 +203,7 @@ def build_resource(config: Config, ident: Identity, gpu_attributes: Mapping[str,
             "service.instance.id": ident.instance_id,
             semconv.RUN_ID: ident.run_id,
             semconv.RANK: ident.rank,
+            **_role_attribute(ident),
             "local_rank": ident.local_rank,
             "world_size": ident.world_size,
             "node_rank": ident.node_rank,
@@ -211,6 +221,11 @@ def build_resource(config: Config, ident: Identity, gpu_attributes: Mapping[str,
         if not is_secret_key(k) and not k.startswith(semconv.PROCESS_ATTRIBUTE_PREFIX)
     }
     return Resource(kept, created.schema_url)
+
+
+def _role_attribute(ident: Identity) -> dict[str, str]:
+    """The role resource/event attribute: none without a role (the identity as before roles)."""
+    return {semconv.ROLE: ident.role} if ident.role else {}
 
 
 def _build_session(
@@ -289,8 +304,8 @@ def _health_events(
     return HealthEvents(
         instruments.health_events,
         otel_logger,
-        RunFiles(place.run_dir, rank).events if place.run_dir else None,
-        {semconv.RANK: rank, "host.name": place.identity.host},
+        RunFiles(place.run_dir, rank, place.identity.role).events if place.run_dir else None,
+        {semconv.RANK: rank, "host.name": place.identity.host, **_role_attribute(place.identity)},
         echo=config.verbosity > 0,
     )
 
@@ -303,7 +318,8 @@ def _sinks(
     sinks: list[Sink] = []
     if place.run_dir is not None:
         progress = place.is_reporting_rank
-        sinks.append(RunDirSink(place.run_dir, place.identity.rank, config.total_steps, progress))
+        ident = place.identity
+        sinks.append(RunDirSink(place.run_dir, ident.rank, config.total_steps, progress, ident.role))
     if not place.is_reporting_rank:
         return sinks, None, None
     console = None
@@ -357,10 +373,12 @@ def bridge_specs(config: Config, place: RunPlace) -> list[BridgeSpec]:
     from otel_train.bridges.framing import plain
 
     run_name = place.run_name
-    files = RunFiles(place.run_dir or Path(config.output_dir) / run_name)
+    role = place.identity.role
+    files = RunFiles(place.run_dir or Path(config.output_dir) / run_name, place.identity.rank, role)
     run_dir = str(files.run_dir)
     rank_suffix = place.identity.rank if config.bridge_all_ranks else None
-    name = run_name if rank_suffix is None else f"{run_name}-rank{rank_suffix}"
+    name = run_name if not role else f"{run_name}-{role}"
+    name = name if rank_suffix is None else f"{name}-rank{rank_suffix}"
     specs: list[BridgeSpec] = []
     if config.tensorboard:
         specs.append(
@@ -421,7 +439,7 @@ def _attach_goodput(session: Session) -> None:
     session.goodput = GoodputListener(
         session,
         session.meter,
-        RunFiles(run_dir, rank).goodput if run_dir else None,
+        RunFiles(run_dir, rank, session.identity.role).goodput if run_dir else None,
         session.identity.run_id,
     )
     session.add_listener(session.goodput)
@@ -430,7 +448,8 @@ def _attach_goodput(session: Session) -> None:
 def _attach_memory_dumps(session: Session) -> None:
     from otel_train.memory_dump import MemoryDumps
 
-    session.memory_dumps = MemoryDumps(session.run_dir, session.identity.rank, session.events)
+    ident = session.identity
+    session.memory_dumps = MemoryDumps(session.run_dir, ident.rank, session.events, role=ident.role)
     if session.hardware is not None:  # above the memory-pressure threshold too
         session.hardware.efficiency.on_pressure = session.memory_dumps.on_pressure
 
@@ -467,7 +486,7 @@ def _hang_reporter(session: Session) -> HangReporter | None:
     ident = session.identity
     return HangReporter(
         session.run_dir, ident.rank, ident.world_size, ident.host, session.events, monitor,
-        session.config.stall_timeout_s,
+        session.config.stall_timeout_s, ident.role,
     )  # fmt: skip
 
 
@@ -486,9 +505,10 @@ def _attach_watchdog(session: Session) -> None:
         signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
         on_tick=lambda: _report_stuck_worker(session),
         on_stall=reporter.on_stall if reporter is not None else None,
+        role=session.identity.role,
     )
     session.control = (
-        ControlFile(session.run_dir, rank, session.events, session.identity.world_size)
+        ControlFile(session.run_dir, rank, session.events, session.identity.world_size, session.identity.role)
         if session.run_dir
         else None
     )
@@ -519,7 +539,7 @@ def write_run_files(run_dir: Path, config: Config, place: RunPlace, launch: dict
 
     resolved = config_as_dict(config)
     resolved.update({"run_name": place.run_name, "run_id": place.identity.run_id})
-    files = RunFiles(run_dir)
+    files = RunFiles(run_dir, place.identity.rank, place.identity.role)
     write_json(files.config, resolved)
     write_json(files.env, {**collect_env(), "launch": launch})
 

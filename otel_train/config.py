@@ -34,6 +34,9 @@ class Config:
     service_name: str = "otel-train"
     run_name: str | None = None  # default: <UTC date-time>-<4 hex>
     run_id: str | None = None  # default: scheduler job id (torchrun/SLURM) or a new uuid
+    # this process's part in a single-controller job (controller, policy, generation, ...): joins
+    # run_id and rank in the identity, so two roles' rank 0 never share a file or a series
+    role: str = ""
     resource_attributes: dict[str, str] = field(default_factory=dict)
     # where local output goes: <output_dir>/<run_name>/
     output_dir: str = "runs"
@@ -403,6 +406,12 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
             "use the full metrics URL, e.g. http://localhost:8428/opentelemetry/v1/metrics "
             "(VictoriaMetrics) or http://localhost:4318/v1/metrics, or unset it",
         )
+    need(
+        re.match(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,63})?$", config.role) is not None,
+        "role",
+        "use letters, digits, _ and - (max 64 characters, no dots: the role is part of file names), "
+        "e.g. controller, policy, generation; or leave it empty",
+    )
     for name in ("run_name", "run_id"):
         value = getattr(config, name)
         need(

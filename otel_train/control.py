@@ -198,8 +198,10 @@ def stamped_changes(document: Mapping[str, Any], world_size: int) -> list[Contro
 class ControlFile:
     """Read by a thread of its own (`start`); `poll` returns the changes to schedule, each once."""
 
-    def __init__(self, run_dir: Path, rank: int, events: EventChannel, world_size: int = 1) -> None:
-        self.path = RunFiles(run_dir, rank).control
+    def __init__(
+        self, run_dir: Path, rank: int, events: EventChannel, world_size: int = 1, role: str = ""
+    ) -> None:
+        self.path = RunFiles(run_dir, rank, role).control
         self.rank = rank
         self.world_size = world_size
         self._events = events

@@ -38,6 +38,7 @@ class Identity:
     node_rank: int = 0
     host: str = ""
     run_id_source: RunIdSource = "generated"
+    role: str = ""  # empty: no role (the identity is run id and rank, as before roles existed)
 
     @property
     def distributed(self) -> bool:
@@ -45,6 +46,8 @@ class Identity:
 
     @property
     def instance_id(self) -> str:
+        if self.role:
+            return f"{self.run_id}-{self.role}-rank{self.rank}"
         return f"{self.run_id}-rank{self.rank}"
 
 
@@ -59,6 +62,13 @@ class RunInfo:
     local_rank: int
     world_size: int
     step: int  # the last completed step (-1 before the first)
+    role: str = ""  # the role setting (empty: none)
+    # What other processes need to join this run (otel_train.integrations.ray.runtime_env); OTLP
+    # headers are left out on purpose (they may hold secrets).
+    output_dir: str = ""
+    service_name: str = ""
+    otlp_endpoint: str | None = None
+    otlp_metrics_endpoint: str | None = None
 
 
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:
@@ -106,6 +116,7 @@ def detect_identity(
     run_id: str | None,
     environ: Mapping[str, str] | None = None,
     use_process_group: bool | None = None,
+    role: str = "",
 ) -> Identity:
     """Rank identity from torchrun / SLURM / Open MPI / PMI variables or an initialized process group.
 
@@ -134,7 +145,7 @@ def detect_identity(
     else:
         found = _scheduler_run_id(env)
         job, source = found if found is not None else (uuid.uuid4().hex[:12], "generated")
-    return Identity(str(job), rank, local_rank, max(world, 1), node, socket.gethostname(), source)
+    return Identity(str(job), rank, local_rank, max(world, 1), node, socket.gethostname(), source, role)
 
 
 def create_telemetry_group(identity: Identity, timeout_s: float) -> Any | None:
@@ -197,18 +208,21 @@ def agree_job(
     if group is None or not identity.distributed:
         return local
     cadence = "" if log_interval is None else str(log_interval)
-    texts = (identity.run_id, run_name, cadence, "1" if cross_rank else "0")
+    # The role travels too: ranks are compared only within one role, so a process group whose
+    # ranks name different roles is refused at init (agree_run_place raises on "role" in differs).
+    texts = (identity.run_id, run_name, cadence, "1" if cross_rank else "0", identity.role)
     fields = _broadcast_texts(group, identity.rank, texts)
     if fields is None:
         return local
-    agreed_id, agreed_name, agreed_cadence, agreed_cross = fields
+    agreed_id, agreed_name, agreed_cadence, agreed_cross, agreed_role = fields
     lockstep = agreed_cross == "1"
     interval = (int(agreed_cadence) if agreed_cadence.isdigit() else None) if lockstep else log_interval
-    differs = tuple(
-        name
-        for name, same in (("cross_rank", lockstep == cross_rank), ("log_interval", interval == log_interval))
-        if not same
+    checks = (
+        ("role", agreed_role == identity.role),
+        ("cross_rank", lockstep == cross_rank),
+        ("log_interval", interval == log_interval),
     )
+    differs = tuple(name for name, same in checks if not same)
     if agreed_id and identity.rank != 0 and agreed_id != identity.run_id:
         identity = replace(identity, run_id=agreed_id, run_id_source="agreed")
     return Agreement(identity, agreed_name or run_name, interval, lockstep, differs)

@@ -100,9 +100,11 @@ class HangWatchdog:
         poll_s: float | None = None,
         on_tick: Callable[[], None] | None = None,
         on_stall: Callable[[Path | None], None] | None = None,
+        role: str = "",
     ) -> None:
         self.run_dir = run_dir
         self.rank = rank
+        self.role = role
         self.dumps: list[Path] = []
         self._events = events
         self._last_step = last_step  # () -> (step index, perf_counter time it ended, or None)
@@ -128,7 +130,9 @@ class HangWatchdog:
     def start(self) -> None:
         if self.run_dir is not None:
             try:
-                self._raw_file = RunFiles(self.run_dir, self.rank).raw_stacks.open("a", encoding="utf-8")
+                self._raw_file = RunFiles(self.run_dir, self.rank, self.role).raw_stacks.open(
+                    "a", encoding="utf-8"
+                )
             except OSError as exc:
                 log.warning("otel_train: no raw (faulthandler) stack dumps: %s", exc)
         if self._signal is not None:
@@ -161,7 +165,7 @@ class HangWatchdog:
         if self.run_dir is None:
             log.warning("%s", text)
             return None
-        path = RunFiles(self.run_dir, self.rank).stacks(len(self.dumps))
+        path = RunFiles(self.run_dir, self.rank, self.role).stacks(len(self.dumps))
         try:
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text(text, encoding="utf-8")
@@ -172,7 +176,7 @@ class HangWatchdog:
         self.dumps.append(path)
         files = [path.name]
         recorder = dump_flight_recorder(
-            RunFiles(self.run_dir, self.rank).flight_recorder(len(self.dumps) - 1)
+            RunFiles(self.run_dir, self.rank, self.role).flight_recorder(len(self.dumps) - 1)
         )
         if recorder is not None:
             files.append(recorder.name)

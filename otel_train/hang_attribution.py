@@ -140,10 +140,10 @@ def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> li
     return sorted(verdicts, key=lambda v: (-len(v.waiting), v.group))
 
 
-def read_summaries(run_dir: Path, written_after: float = 0.0) -> dict[int, dict[str, Any]]:
-    """Every rank's summary in `run_dir` written after `written_after` (unix time)."""
+def read_summaries(run_dir: Path, written_after: float = 0.0, role: str = "") -> dict[int, dict[str, Any]]:
+    """Every rank's summary (of `role`) in `run_dir` written after `written_after` (unix time)."""
     found: dict[int, dict[str, Any]] = {}
-    for path in sorted(run_dir.glob(RunFiles.COLLECTIVES_GLOB)):
+    for path in sorted(run_dir.glob(RunFiles(run_dir, role=role).collectives_glob)):
         try:
             summary = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -159,12 +159,13 @@ class HangReporter:
 
     def __init__(
         self, run_dir: Path, rank: int, world_size: int, host: str, events: EventChannel,
-        monitor: CollectiveMonitor, stall_timeout_s: float,
+        monitor: CollectiveMonitor, stall_timeout_s: float, role: str = "",
     ) -> None:  # fmt: skip
         self.run_dir, self.rank, self.world_size, self.host = run_dir, rank, world_size, host
         self._events = events
         self._monitor = monitor
         self._stall_timeout_s = stall_timeout_s
+        self.role = role  # ranks of one role share a process group; another role's files are not read
         # Ranks stall within a poll of each other (their last steps end together); a rank that
         # stalls later than this is not waited for, and named as silent when no member is missing.
         self.grace_s = min(max(2.0, stall_timeout_s / 2), 30.0)
@@ -177,7 +178,7 @@ class HangReporter:
         last = self._monitor.last_seconds()
         summary = summarize(dump, self._monitor.excluded, self.rank, self.world_size, self.host, stacks, last)
         summary["stall_timeout_s"] = self._stall_timeout_s  # the window `otel-train diagnose` reads in
-        path = RunFiles(self.run_dir, self.rank).collectives
+        path = RunFiles(self.run_dir, self.rank, self.role).collectives
         tmp = path.with_name(f".{path.name}.tmp")
         try:
             tmp.write_text(json.dumps(summary), encoding="utf-8")
@@ -190,10 +191,10 @@ class HangReporter:
 
     def _compare(self, since: float) -> None:
         deadline = time.monotonic() + self.grace_s
-        summaries = read_summaries(self.run_dir, since)
+        summaries = read_summaries(self.run_dir, since, self.role)
         while len(summaries) < self.world_size and time.monotonic() < deadline:
             time.sleep(0.2)
-            summaries = read_summaries(self.run_dir, since)
+            summaries = read_summaries(self.run_dir, since, self.role)
         self.verdicts = attribute(summaries, self.world_size)
         if not self.verdicts or self.verdicts[0].waiting[0] != self.rank:
             return  # nothing to name, or another rank speaks for the job

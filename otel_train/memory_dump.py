@@ -68,8 +68,9 @@ class MemoryDumps:
         rank: int,
         events: EventChannel,
         torch_cuda: Callable[[], Any | None] = loaded_torch_cuda,
+        role: str = "",
     ) -> None:
-        self.files = RunFiles(run_dir, rank) if run_dir is not None else None
+        self.files = RunFiles(run_dir, rank, role) if run_dir is not None else None
         self.events = events
         self.torch_cuda = torch_cuda
         self.dumps = 0

@@ -23,6 +23,7 @@ from typing import Any
 
 from otel_train import semconv
 from otel_train.bridges.rundir import RunFiles
+from otel_train.distributed import Identity
 from otel_train.interval import Interval
 
 log = logging.getLogger("otel_train")
@@ -171,14 +172,18 @@ class ProfiledStepsCounter:
 
 
 def start_window(
-    window: ProfileWindow, base: Path, rank: int, ranks: Sequence[int] | None, warn: Callable[[str], None]
+    window: ProfileWindow,
+    base: Path,
+    ident: Identity,
+    ranks: Sequence[int] | None,
+    warn: Callable[[str], None],
 ) -> StepProfiler | None:
-    """A profiler for this rank writing under `base` (the run dir), or None when this rank is not
+    """A profiler for this rank (`ident`) writing under `base` (the run dir), or None when it is not
     among `ranks`."""
-    if ranks is not None and rank not in ranks:
+    if ranks is not None and ident.rank not in ranks:
         return None
     try:
-        return StepProfiler(window, RunFiles(base, rank).profiles)
+        return StepProfiler(window, RunFiles(base, ident.rank, ident.role).profiles)
     except Exception as exc:  # torch missing or a profiler already running in this process
         warn(f"otel_train: ot.profile could not start torch.profiler: {exc}")
         return None

@@ -35,13 +35,13 @@ def make_run_dir(config: Config, run_name: str) -> Path | None:
     return path
 
 
-def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str) -> bool:
+def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: str = "") -> bool:
     """Decide whether this process may write rank `rank`'s files in `run_dir`. Returns True for a
     resume (the same run_id restarted: torchrun elastic restart, SLURM requeue: append), False for
     a fresh start; raises ConfigError when an EARLIER run with another run_id wrote this rank's
     files (appending would interleave two runs). Other ranks of the same job share the directory,
     so only this rank's own files count, never the directory's existence."""
-    files = RunFiles(run_dir, rank)
+    files = RunFiles(run_dir, rank, role)
     owner, metrics = files.owner, files.metrics
     previous: str | None
     if owner.exists():
@@ -55,7 +55,7 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str) -> bool:
         write_json(owner, _owner_record(run_id))
         return False
     if previous == run_id:
-        holder = live_owner(run_dir, rank)
+        holder = live_owner(run_dir, rank, role)
         if holder is not None:  # only when rank 0 did not see its own owner alive (see avoid_live_owner)
             log.warning(
                 "otel_train: %s: rank %d's files are still held by live process %s on %s; both append.",
@@ -67,7 +67,7 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str) -> bool:
         write_json(owner, _owner_record(run_id))  # this process holds the files now
         return True
     raise ConfigError(
-        f"run_name {run_name!r}: {run_dir} already holds rank {rank}'s files from another run "
+        f"run_name {run_name!r}: {run_dir} already holds {role + ' ' if role else ''}rank {rank}'s files from another run "
         f"(run_id {previous or 'unknown'}; this one is {run_id}); appending would mix the two. Choose "
         "a new name (init(run_name=...) / OTEL_TRAIN_RUN_NAME, or leave it unset for a unique one), "
         "move the old directory away, or set the same run_id (OTEL_TRAIN_RUN_ID) to resume that run."
@@ -98,11 +98,11 @@ def _process_start(pid: int) -> str | None:
     return "" if fields[0] in ("Z", "X") else fields[19]
 
 
-def live_owner(run_dir: Path, rank: int) -> dict[str, object] | None:
+def live_owner(run_dir: Path, rank: int, role: str = "") -> dict[str, object] | None:
     """The owner record of rank `rank`'s files when another live process on this host holds them
     (same pid and the same process start time). Owners on other hosts cannot be checked: None."""
     try:
-        record = json.loads(RunFiles(run_dir, rank).owner.read_text(encoding="utf-8"))
+        record = json.loads(RunFiles(run_dir, rank, role).owner.read_text(encoding="utf-8"))
         pid = int(record["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -120,11 +120,11 @@ def live_owner(run_dir: Path, rank: int) -> dict[str, object] | None:
     return record if started and started == record.get("process_start") else None
 
 
-def avoid_live_owner(output_dir: Path, run_name: str, run_id: str) -> str:
+def avoid_live_owner(output_dir: Path, run_name: str, run_id: str, role: str = "") -> str:
     """Rank 0, before the run name is agreed: a run name whose files another live process of the
     SAME run id still writes (a requeued job racing its zombie) becomes `<run_name>-<pid>`, so the
     two never interleave rows in one file. Warns naming the directory and the setting."""
-    holder = live_owner(output_dir / run_name, 0)
+    holder = live_owner(output_dir / run_name, 0, role)
     if holder is None or str(holder.get("run_id")) != run_id:
         return run_name  # nobody alive there (resume), or another run (claim_run_dir refuses it)
     diverted = f"{run_name}-{os.getpid()}"

@@ -83,7 +83,10 @@ PEAK_FLOPS = "peak.flops"  # the MFU denominator itself, FLOP/s per GPU
 # Resource attribute keys that must become labels on every Prometheus series (both paths).
 RUN_ID = "run_id"
 RANK = "rank"
-LABEL_RESOURCE_KEYS: tuple[str, ...] = (RUN_ID, RANK, "local_rank", "host.name")
+# The process's part in a single-controller job (controller, policy, generation, ...): ranks are
+# numbered per role, so (run_id, role, rank) is the identity. Absent when the role setting is empty.
+ROLE = "role"
+LABEL_RESOURCE_KEYS: tuple[str, ...] = (RUN_ID, ROLE, RANK, "local_rank", "host.name")
 # Per-launch resource attributes (process.pid; process.command_line etc. from SDK resource
 # detectors; the run name, generated anew by each launch unless set) are kept off the metrics
 # Resource: stores that turn every resource attribute into a label (VictoriaMetrics' and Mimir's

@@ -300,7 +300,7 @@ class Session(SessionParts, GoodputClock):
             log.warning("otel_train: ot.profile: a profiler window is still running; ignored.")
             return False
         base = self.run_dir if self.run_dir is not None else Path(self.config.output_dir) / self.run_name
-        self.profiler = start_window(window, base, self.identity.rank, ranks, log.warning)
+        self.profiler = start_window(window, base, self.identity, ranks, log.warning)
         return self.profiler is not None
 
     def end_timer(self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None) -> None:

@@ -204,7 +204,7 @@ def test_quiet_mode_prints_nothing(capsys) -> None:
 
 def test_public_api_is_pinned() -> None:
     assert sorted(ot.__all__) == sorted([
-        "Config", "ConfigError", "RunInfo", "__version__", "begin_step", "current_session", "end_step",
+        "Config", "ConfigError", "RunInfo", "__version__", "begin_step", "current_session", "end_step", "event",
         "finish", "get_meter", "init",
         "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "phase", "profile", "record", "run_info",
         "shutdown", "span", "step", "timed", "timer", "watch", "watch_scaler",
@@ -237,3 +237,17 @@ def test_semconv_catalogue_is_consistent() -> None:
     assert semconv.instrument_name_for("train/loss") == "train.loss"
     assert semconv.instrument_name_for("eval/perplexity") == "eval.perplexity"
     assert semconv.instrument_name_for("9 bad!") is None
+
+
+def test_event_reaches_the_events_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ot.event("worker_failure", "before init: nothing")  # a no-op before init()
+    ot.init(run_name="ev", output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False)
+    try:
+        ot.event("worker_failure", "worker 1 failed", {"worker.rank": 1})
+    finally:
+        ot.shutdown()
+    import json
+
+    (line,) = (tmp_path / "ev" / "events.rank0.jsonl").read_text().splitlines()
+    row = json.loads(line)
+    assert (row["event"], row["message"], row["worker.rank"]) == ("worker_failure", "worker 1 failed", 1)

@@ -276,6 +276,21 @@ def test_grafana_datasources(compose: dict[str, Any]) -> None:
 
 
 # --- OTel Collector --------------------------------------------------------------------------------
+def test_collector_scrapes_ray_node_metrics_with_a_valid_prometheus_config(
+    collector: dict[str, Any], tmp_path: Path
+) -> None:
+    """Ray's node metrics reach the metrics pipeline through a prometheus receiver whose embedded
+    Prometheus configuration the pinned promtool accepts."""
+    assert "prometheus/ray" in collector["service"]["pipelines"]["metrics"]["receivers"]
+    embedded = collector["receivers"]["prometheus/ray"]["config"]
+    (job,) = embedded["scrape_configs"]
+    assert job["job_name"] == "ray" and job["static_configs"][0]["targets"] == ["host.docker.internal:8080"]
+    path = tmp_path / "ray-scrape.yml"
+    path.write_text(yaml.safe_dump(embedded))
+    proc = _run([require_binary("promtool"), "check", "config", str(path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_collector_pipelines_reference_defined_components(collector: dict[str, Any]) -> None:
     assert set(collector["service"]["pipelines"]) >= {"metrics", "traces"}
     assert pipeline_errors(collector) == []
@@ -353,7 +368,9 @@ def test_collector_puts_identity_labels_on_every_series_and_nothing_per_process(
     assert not [k for k in resource if k.startswith("process.")]
     labels = {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in resource if not _deleted_by(actions, k)}
     assert {"run_id", "rank", "local_rank", "host_name"} <= labels
-    assert {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in semconv.LABEL_RESOURCE_KEYS} <= labels
+    # every identity key but the role, which is on the Resource only when set (tests/test_roles.py)
+    keys = set(semconv.LABEL_RESOURCE_KEYS) - {semconv.ROLE}
+    assert {re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in keys} <= labels
     assert not [label for label in labels if label.startswith("process_")]
     # the collector drops them too, for other SDKs and what resource detectors may add
     # (OTEL_EXPERIMENTAL_RESOURCE_DETECTORS=process)

@@ -2,6 +2,9 @@
 
 `RunFiles` is the layout (one rank's view of one run directory). The files:
 
+With a role (`Config.role`), `rank<k>` reads `<role>.rank<k>` and the per-run names carry the
+role (`progress.<role>.txt`, `config.<role>.json`, `tensorboard/<role>/`); see `RunFiles`.
+
 - `metrics.rank<k>.jsonl`: one line per flush (step, time, every flattened value), one `os.write`
   per line, so a SIGKILL loses at most the interval in flight. Written by `RunDirSink`.
 - `progress.txt` (Megatron-style one-liners, the reporting rank), `text.jsonl`, `samples.jsonl`,
@@ -40,93 +43,107 @@ from otel_train.bridges.base import Sink
 
 @dataclass(frozen=True)
 class RunFiles:
-    """Where each file goes in `run_dir`, as rank `rank` sees it (see the module doc; the files
-    that are one per run do not depend on the rank)."""
+    """Where each file goes in `run_dir`, as rank `rank` of role `role` sees it (see the module doc;
+    the files that are one per run do not depend on the rank). With a role, every name carries it
+    (`metrics.<role>.rank<k>.jsonl`, `progress.<role>.txt`): two roles of one run (a controller and
+    its policy workers, each with its own rank 0) never share a file. Without one, the names are
+    those of a job without roles."""
 
     run_dir: Path
     rank: int = 0
+    role: str = ""
+
+    @property
+    def _who(self) -> str:
+        return f"{self.role}.rank{self.rank}" if self.role else f"rank{self.rank}"
+
+    def _per_run(self, stem: str, suffix: str) -> Path:
+        return self.run_dir / (f"{stem}.{self.role}{suffix}" if self.role else f"{stem}{suffix}")
 
     @property
     def metrics(self) -> Path:
-        return self.run_dir / f"metrics.rank{self.rank}.jsonl"
+        return self.run_dir / f"metrics.{self._who}.jsonl"
 
     @property
     def owner(self) -> Path:
-        return self.run_dir / f".owner.rank{self.rank}.json"
+        return self.run_dir / f".owner.{self._who}.json"
 
     @property
     def events(self) -> Path:
-        return self.run_dir / f"events.rank{self.rank}.jsonl"
+        return self.run_dir / f"events.{self._who}.jsonl"
 
     @property
     def goodput(self) -> Path:
-        return self.run_dir / f"goodput.rank{self.rank}.json"
+        return self.run_dir / f"goodput.{self._who}.json"
 
     def stacks(self, dump: int) -> Path:
-        return self.run_dir / f"stacks.rank{self.rank}.{dump}.txt"
+        return self.run_dir / f"stacks.{self._who}.{dump}.txt"
 
     @property
     def raw_stacks(self) -> Path:
-        return self.run_dir / f"faulthandler.rank{self.rank}.txt"
+        return self.run_dir / f"faulthandler.{self._who}.txt"
 
     def flight_recorder(self, dump: int) -> Path:
-        return self.run_dir / f"flight_recorder.rank{self.rank}.{dump}"
+        return self.run_dir / f"flight_recorder.{self._who}.{dump}"
 
     def memory_summary(self, dump: int) -> Path:
-        return self.run_dir / f"memory_summary.rank{self.rank}.{dump}.txt"
+        return self.run_dir / f"memory_summary.{self._who}.{dump}.txt"
 
     def memory_snapshot(self, dump: int) -> Path:
         """torch.cuda.memory._snapshot(), pickled: open it at https://pytorch.org/memory_viz."""
-        return self.run_dir / f"memory_snapshot.rank{self.rank}.{dump}.pickle"
+        return self.run_dir / f"memory_snapshot.{self._who}.{dump}.pickle"
 
     @property
     def collectives(self) -> Path:
         """Where this rank's collectives stood at its last stall (hang attribution reads them all)."""
-        return self.run_dir / f"collectives.rank{self.rank}.json"
+        return self.run_dir / f"collectives.{self._who}.json"
 
-    COLLECTIVES_GLOB = "collectives.rank*.json"
+    @property
+    def collectives_glob(self) -> str:
+        """Every rank's `collectives` file of this role."""
+        return f"collectives.{self.role}.rank*.json" if self.role else "collectives.rank*.json"
 
     @property
     def profiles(self) -> Path:
-        return self.run_dir / "profiles" / f"rank{self.rank}"
+        return self.run_dir / "profiles" / self._who
 
-    # One per run (whichever rank writes them).
+    # One per run (whichever rank writes them), or per role.
 
     @property
     def progress(self) -> Path:
-        return self.run_dir / "progress.txt"
+        return self._per_run("progress", ".txt")
 
     @property
     def text(self) -> Path:
-        return self.run_dir / "text.jsonl"
+        return self._per_run("text", ".jsonl")
 
     @property
     def samples(self) -> Path:
-        return self.run_dir / "samples.jsonl"
+        return self._per_run("samples", ".jsonl")
 
     @property
     def histograms(self) -> Path:
-        return self.run_dir / "histograms.jsonl"
+        return self._per_run("histograms", ".jsonl")
 
     @property
     def hparams(self) -> Path:
-        return self.run_dir / "hparams.json"
+        return self._per_run("hparams", ".json")
 
     @property
     def config(self) -> Path:
-        return self.run_dir / "config.json"
+        return self._per_run("config", ".json")
 
     @property
     def env(self) -> Path:
-        return self.run_dir / "env.json"
+        return self._per_run("env", ".json")
 
     @property
     def control(self) -> Path:
-        return self.run_dir / "control.json"
+        return self._per_run("control", ".json")
 
     @property
     def tensorboard(self) -> Path:
-        return self.run_dir / "tensorboard"
+        return self.run_dir / "tensorboard" / self.role if self.role else self.run_dir / "tensorboard"
 
     @property
     def wandb(self) -> Path:
@@ -134,7 +151,7 @@ class RunFiles:
 
     @property
     def wandb_run_info(self) -> Path:
-        return self.run_dir / "wandb_run.json"
+        return self._per_run("wandb_run", ".json")
 
     @property
     def mlflow(self) -> Path:
@@ -212,8 +229,10 @@ def append_line(path: Path, row: Mapping[str, Any]) -> None:
 class RunDirSink(Sink):
     name = "rundir"
 
-    def __init__(self, run_dir: Path, rank: int, total_steps: int | None, progress: bool = True) -> None:
-        self.files = RunFiles(run_dir, rank)
+    def __init__(
+        self, run_dir: Path, rank: int, total_steps: int | None, progress: bool = True, role: str = ""
+    ) -> None:
+        self.files = RunFiles(run_dir, rank, role)
         self.metrics_path = self.files.metrics
         self._metrics = LineFile(self.metrics_path)
         # progress.txt is one file per run: only the reporting rank appends to it.

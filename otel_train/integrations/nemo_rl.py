@@ -1,0 +1,207 @@
+"""NeMo RL: a logger backend for `nemo_rl.utils.logger.Logger`, on the controller (the driver).
+
+NeMo RL runs one driver process (the algorithm loop, which logs) and Ray worker groups (policy,
+generation, reference). Its `Logger` fans every call out to the backends in its public list
+`Logger.loggers`, so the driver adds one line after building it::
+
+    from otel_train.integrations.nemo_rl import OtelTrainLogger
+    logger.loggers.append(OtelTrainLogger(role="controller"))   # settings: ot.init() settings by name
+
+The call shapes are those of `LoggerInterface` in NVIDIA-NeMo/RL `nemo_rl/utils/logger.py`
+(read at commit 0275e75840b11fd622e58886ae3f462dc334c1fa; the seed study used 7ea279ab, same
+shapes): `log_metrics(metrics, step, prefix="", step_metric=None, step_finished=False)`,
+`log_hyperparams(params)`, `log_histogram(histogram, step, name)`, `log_plot(figure, step, name)`.
+NeMo RL itself is not imported (it is not on PyPI and needs another Python and torch).
+
+What each call becomes:
+
+- `prefix` starting with `timing` (GRPO/SFT/DPO log `timer.get_timing_metrics(reduction_op="sum")`
+  with `prefix="timing/train"`, last in each step): each duration (seconds) becomes a phase
+  (`ot.phase`); `total_step_time` is the step's duration, and keys that are rates
+  (`valid_tokens_per_sec_per_gpu`) are recorded as metrics. This call ends the controller's step
+  (`ot.begin_step` backdated by `total_step_time`, then `ot.end_step`), as does any call with
+  `step_finished=True`; one step ends once.
+- `prefix="ray"` (`RayGpuMonitorLogger.flush`, from its own thread; its `step` and the
+  `ray/ray_step` value are seconds since the monitor started, not a training step): the values are
+  kept, the last per name, and recorded as gauges (`ray/<name>`) with the controller's next step,
+  never as a step of their own.
+- any other prefix (`train`, `train_rollout`, `validation`, `performance`): the numeric values,
+  nested dicts flattened with `/`, as `<prefix>/<name>` metrics of the current step. Lists and
+  other values are skipped (histograms: `log_histogram`). `global_valid_toks` also counts as the
+  step's tokens.
+- `log_hyperparams` → `ot.log_hyperparams`; `log_histogram` → `ot.log_histogram`; `log_plot`: a
+  no-op (figures are not telemetry).
+- Validation samples (NeMo RL prints `num_val_samples_to_print` of them): `log_val_samples(pairs,
+  step)` → `ot.log_samples`.
+
+Distributed metrics with a reduction (seed 003: "mean, max" over workers): the controller has
+each worker's value (NeMo RL returns per-worker results to the driver) and publishes the
+reductions with `publish_reductions("policy/grad_norm", per_worker, ("mean", "max"))`, recorded
+as `policy/grad_norm/mean` and `policy/grad_norm/max`. The workers' own sessions (role `policy`,
+...) carry their per-rank series; see `otel_train.integrations.ray` for starting them in the
+controller's run.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import otel_train as ot
+from otel_train.integrations._common import settings_from_kwargs, start_session
+
+__all__ = ["REDUCTIONS", "OtelTrainLogger", "publish_reductions"]
+
+GPU_MONITOR_PREFIX = "ray"  # RayGpuMonitorLogger's metric_prefix
+TIMING_PREFIX = "timing"  # timing/train, timing/validation
+STEP_TIME_KEY = "total_step_time"  # the timer name NeMo RL's loops use for the whole step
+TOKENS_KEY = "global_valid_toks"  # the step's valid tokens (GRPO, SFT)
+MAX_GAUGES = 512  # distinct ray/* names kept (a cluster's GPU monitor has a few per GPU)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+REDUCTIONS: dict[str, Callable[[list[float]], float]] = {"mean": _mean, "max": max, "min": min, "sum": sum}
+
+
+def _number(value: Any) -> float | None:
+    """A finite-or-not float from a Python/numpy number or a 1-element tensor; None otherwise.
+    On the controller the values are already host numbers (NeMo RL reduces them before logging)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        if getattr(value, "ndim", None) == 0 or getattr(value, "size", None) == 1:
+            return float(value)
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+def flatten_numbers(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numeric values of `metrics`, nested dicts joined with `/`, under `prefix/`."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten_numbers(value, name))
+            continue
+        number = _number(value)
+        if number is not None:
+            out[name] = number
+    return out
+
+
+def publish_reductions(
+    name: str, per_worker: Sequence[Any] | Mapping[Any, Any], reductions: Iterable[str] = ("mean", "max")
+) -> dict[str, float]:
+    """Record `name/<reduction>` for each reduction (mean, max, min, sum) over the workers'
+    values (a sequence, or a mapping worker -> value); non-numeric and non-finite values are left
+    out. Returns what was recorded (empty when no value was usable)."""
+    values = per_worker.values() if isinstance(per_worker, Mapping) else per_worker
+    numbers = [n for n in (_number(v) for v in values) if n is not None and math.isfinite(n)]
+    if not numbers:
+        return {}
+    reduced = {f"{name}/{op}": float(REDUCTIONS[op](numbers)) for op in reductions}
+    ot.log_metrics(reduced)
+    return reduced
+
+
+class OtelTrainLogger:
+    """A NeMo RL `LoggerInterface` backend (duck-typed: NeMo RL is not imported). See the module
+    docstring. Starts a session (with these `ot.init()` settings) unless one is running, and
+    shuts down only a session it started (`finish()`, which NeMo RL's `Logger.finish` calls)."""
+
+    def __init__(self, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        self._settings = settings_from_kwargs(settings, kwargs, "OtelTrainLogger")
+        self._owns_session = start_session(self._settings)
+        self._lock = threading.Lock()  # the GPU monitor flushes from its own thread
+        self._gauges: dict[str, float] = {}
+        self._tokens: float | None = None
+        self._last_end_ns: int | None = None
+        self._ended_step: int | None = None
+
+    # --- LoggerInterface ---------------------------------------------------------------------------
+    def log_metrics(
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        prefix: str | None = "",
+        step_metric: str | None = None,
+        step_finished: bool = False,
+    ) -> None:
+        prefix = prefix or ""
+        if prefix == GPU_MONITOR_PREFIX:
+            self._keep_gauges(metrics, step_metric)
+            return
+        if prefix.split("/")[0] == TIMING_PREFIX:
+            self._end_step(step, metrics, prefix)
+            return
+        values = flatten_numbers(metrics, prefix)
+        tokens = metrics.get(TOKENS_KEY)
+        if tokens is not None and _number(tokens) is not None:
+            self._tokens = _number(tokens)
+        if values:
+            ot.log_metrics(values)
+        if step_finished:
+            self._end_step(step, {}, prefix)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        ot.log_hyperparams(params)
+
+    def log_histogram(self, histogram: list[Any], step: int, name: str) -> None:
+        ot.log_histogram(name, [v for v in histogram if _number(v) is not None], step)
+
+    def log_plot(self, figure: Any, step: int, name: str) -> None:
+        """Figures are not telemetry: nothing is recorded."""
+
+    def finish(self) -> None:
+        if self._owns_session:
+            self._owns_session = False
+            ot.shutdown()
+
+    # --- beyond LoggerInterface --------------------------------------------------------------------
+    def log_val_samples(self, pairs: Sequence[tuple[str, str]], step: int | None = None) -> None:
+        """Validation samples as (prompt, output) pairs (NeMo RL's `num_val_samples_to_print`)."""
+        ot.log_samples(pairs, step=step, name="validation")
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _keep_gauges(self, metrics: Mapping[str, Any], step_metric: str | None) -> None:
+        """The GPU monitor's values, kept until the controller's next step end: recorded from the
+        training thread, never from the monitor's thread."""
+        own_step = step_metric.split("/", 1)[-1] if step_metric else None
+        values = flatten_numbers({k: v for k, v in metrics.items() if k not in (step_metric, own_step)})
+        with self._lock:
+            for name, value in values.items():
+                if name in self._gauges or len(self._gauges) < MAX_GAUGES:
+                    self._gauges[name] = value
+
+    def _end_step(self, step: int, timing: Mapping[str, Any], prefix: str) -> None:
+        if self._ended_step == step:
+            return  # the timing batch and a step_finished call of the same step end it once
+        now = time.perf_counter_ns()
+        durations = flatten_numbers(timing)
+        total = durations.pop(STEP_TIME_KEY, None)
+        rates = {k: v for k, v in durations.items() if "per_sec" in k}
+        start = self._last_end_ns if self._last_end_ns is not None else now
+        if total is not None and math.isfinite(total) and total >= 0:
+            start = now - int(total * 1e9)
+        ot.begin_step(int(step), start_ns=start)
+        for name, seconds in durations.items():
+            if name not in rates and math.isfinite(seconds) and seconds >= 0:
+                ot.phase(name, seconds)
+        if rates:
+            ot.log_metrics({f"{prefix}/{k}": v for k, v in rates.items()})
+        with self._lock:
+            gauges, self._gauges = self._gauges, {}
+        if gauges:
+            ot.log_metrics({f"{GPU_MONITOR_PREFIX}/{k}": v for k, v in gauges.items()})
+        tokens, self._tokens = self._tokens, None
+        ot.end_step(tokens=int(tokens) if tokens is not None and math.isfinite(tokens) else None)
+        self._last_end_ns, self._ended_step = now, step

@@ -1,0 +1,168 @@
+"""Ray and Ray Train: one run across the driver, the Ray Train controller and the workers.
+
+A Ray job is a single-controller job: a driver, (with Ray Train) a controller actor and N worker
+actors in a torch process group. Each process runs its own session under ONE run id and run
+name, told apart by its role (`Config.role`): `metrics.controller.rank0.jsonl` beside the
+workers' `metrics.worker.rank0.jsonl`, `metrics.worker.rank1.jsonl`, ...
+
+    import otel_train.integrations.ray as otr
+    ray.init(runtime_env=otr.runtime_env(role="worker"))     # every actor joins this run
+    trainer = TorchTrainer(
+        train_fn, scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(callbacks=[otr.ControllerCallback()]),   # role "controller"
+    )
+
+    def train_fn(config):
+        otr.init_worker()          # = ot.init() with Ray Train's local rank; role, run from the env
+        for step in ...:
+            with ot.step(step): ...
+
+`runtime_env(role)` puts the run id, run name, output directory, OTLP endpoints and service name
+into a Ray `runtime_env`'s `env_vars` (as `OTEL_TRAIN_*`, read by `ot.init()` in every actor).
+They come from the running session, else from `job_settings()`, which makes a run id once per
+driver. The output directory is made absolute on the driver: on several nodes it must be a shared
+file system path (or turn the run directory off and rely on OTLP). OTLP headers are NOT copied (they may hold secrets): give the actors those through your
+own secret mechanism.
+
+`ControllerCallback` is a `ray.train.UserCallback` (Ray 2.60: `after_report(run_context, metrics,
+checkpoint)` and `after_exception(run_context, worker_exceptions)`, both called in the Ray Train
+controller actor, `ray/train/v2/api/callback.py`). It starts a session with role `controller` in
+that actor, in the driver's run, and turns:
+
+- each `ray.train.report` (all workers reported) into one controller step, with every numeric
+  reported value published as `ray_train/<name>/mean` and `/max` over the workers
+  (`nemo_rl.publish_reductions`), and a persisted checkpoint as a `ray_train_checkpoint` text entry;
+- each worker failure into a `worker_failure` health event (events.controller.rank0.jsonl, an OTel
+  log record, `otel_train.health.events{otel_train.event="worker_failure"}`) naming the worker
+  rank and the exception;
+- the time from a failure to the next report (Ray Train restarted the worker group,
+  `FailureConfig(max_failures=...)`) into a `worker_group_restart` event and a traced
+  `ray_train_restart` span (goodput: badput "other"). The restarted workers' own sessions reopen
+  their files under the same run id, which their goodput accounts as "restart" badput.
+
+Ray's own node metrics (CPU, memory, GPU, object store, per node) are already served by Ray in
+Prometheus format on each node's metrics export port (`ray start --metrics-export-port=8080`):
+the collector config we ship scrapes them (deploy/otelcol.yaml, the `prometheus/ray` receiver)
+rather than re-exporting them from here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import otel_train as ot
+from otel_train.config import env_name, load_config
+from otel_train.integrations._common import settings_from_kwargs, start_session
+from otel_train.integrations.nemo_rl import flatten_numbers, publish_reductions
+
+try:  # the callback is a UserCallback when Ray Train is installed (Ray Train checks the type)
+    from ray.train import UserCallback as _CallbackBase
+except ImportError:  # pragma: no cover - ray is an optional extra
+    _CallbackBase = object  # type: ignore[assignment,misc]
+
+__all__ = ["ControllerCallback", "init_worker", "job_settings", "runtime_env"]
+
+_driver_run: dict[str, str] = {}  # run id and name made once per driver when no session runs
+
+
+def job_settings(role: str = "") -> dict[str, Any]:
+    """The run's shared settings (run id, run name, output dir, OTLP endpoints, service name) and
+    `role`: from the running session, else from this driver's settings (environment, config file)
+    with a run id and name made once for this driver (unless those settings name them)."""
+    info = ot.run_info()
+    if info is not None:
+        source: Any = info
+        run = {"run_id": info.run_id, "run_name": info.run_name}
+    else:  # the driver's settings (environment, config file) and a run made once for this driver
+        source = load_config()
+        if not _driver_run:
+            _driver_run.update(
+                run_id=source.run_id or uuid.uuid4().hex[:12],
+                run_name=source.run_name or time.strftime("ray-%Y%m%d-%H%M%S"),
+            )
+        run = dict(_driver_run)
+    settings: dict[str, Any] = {
+        **run,
+        "output_dir": os.path.abspath(source.output_dir),
+        "otlp_endpoint": source.otlp_endpoint,
+        "otlp_metrics_endpoint": source.otlp_metrics_endpoint,
+        "service_name": source.service_name,
+    }
+    settings = {k: v for k, v in settings.items() if v is not None}
+    return {**settings, "role": role} if role else settings
+
+
+def runtime_env(role: str, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`base` (a Ray runtime_env, default empty) with `env_vars` carrying `job_settings(role)` as
+    OTEL_TRAIN_* variables: every actor or task started with it joins this run in `role`."""
+    env = dict(base or {})
+    env_vars = dict(env.get("env_vars") or {})
+    env_vars.update({env_name(k): str(v) for k, v in job_settings(role).items()})
+    env["env_vars"] = env_vars
+    return env
+
+
+def init_worker(settings: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+    """In a Ray Train worker: `ot.init()` with Ray Train's local rank and local world size (Ray
+    Train sets no LOCAL_RANK; the rank and world size come from its torch process group). The run,
+    endpoints and role come from the environment (`runtime_env`), unless given here."""
+    from ray import train
+
+    context = train.get_context()
+    os.environ.setdefault("LOCAL_RANK", str(context.get_local_rank()))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(context.get_local_world_size()))
+    os.environ.setdefault("GROUP_RANK", str(context.get_node_rank()))
+    return ot.init(**settings_from_kwargs(settings, kwargs, "init_worker"))
+
+
+class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
+    """A `ray.train.UserCallback` for the Ray Train controller (see the module docstring). Made on
+    the driver, where it captures the run (`job_settings`); pickled into the controller actor,
+    where it starts a session with role `role` (default `controller`) at its first call."""
+
+    def __init__(self, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        merged = settings_from_kwargs(settings, kwargs, "ControllerCallback")
+        role = str(merged.pop("role", "controller"))
+        # A flush per report: reports are few, and the controller actor may end without shutdown.
+        self.settings = {"log_interval": 1, **job_settings(role), **merged}
+        self._step = 0
+        self._last_report_ns: int | None = None
+        self._failed_ns: int | None = None
+
+    def _start(self) -> None:
+        if ot.current_session() is None:
+            start_session(self.settings)
+            self._last_report_ns = time.perf_counter_ns()
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        self._start()
+        now = time.perf_counter_ns()
+        if self._failed_ns is not None:
+            ot.span("ray_train_restart").start(at_ns=self._failed_ns).stop()
+            ot.event("worker_group_restart", "the worker group reported again after a failure", {})
+            self._failed_ns = None
+        self._step += 1
+        ot.begin_step(self._step, start_ns=self._last_report_ns)
+        per_name: dict[str, list[float]] = {}
+        for worker_metrics in metrics:
+            for name, value in flatten_numbers(worker_metrics).items():
+                per_name.setdefault(name, []).append(value)
+        for name, values in per_name.items():
+            publish_reductions(f"ray_train/{name}", values)
+        if checkpoint is not None:
+            ot.log_text("ray_train_checkpoint", str(getattr(checkpoint, "path", checkpoint)), self._step)
+        ot.end_step()
+        self._last_report_ns = now
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        self._start()
+        self._failed_ns = time.perf_counter_ns()
+        for rank, exc in sorted(worker_exceptions.items()):
+            attributes: dict[str, str | int] = {"worker.rank": int(rank), "error.type": type(exc).__name__}
+            ot.event(
+                "worker_failure", f"Ray Train worker {rank} failed: {type(exc).__name__}: {exc}", attributes
+            )

@@ -1,0 +1,149 @@
+"""The NeMo RL logger backend (issue #25, part 2), driven exactly as NeMo RL's `Logger` drives its
+backends (nemo_rl/utils/logger.py at 0275e758: `Logger.log_metrics` fans each call out to every
+backend in `Logger.loggers` with positional (metrics, step, prefix, step_metric, step_finished);
+`RayGpuMonitorLogger.flush`, on the monitor's thread, calls it with prefix="ray",
+step_metric="ray/ray_step" and the seconds since the monitor started as `step`). NeMo RL itself is
+not installable here (not on PyPI; Python >= 3.13 and torch 2.11), so the fan-out is reproduced."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import otel_train as ot
+from otel_train.bridges.rundir import RunFiles
+from otel_train.integrations.nemo_rl import OtelTrainLogger, publish_reductions
+
+
+class NemoLogger:
+    """NeMo RL's `Logger` fan-out (the parts a backend sees), as in its source."""
+
+    def __init__(self) -> None:
+        self.loggers: list[Any] = []
+
+    def log_metrics(
+        self,
+        metrics: dict[str, Any],
+        step: int,
+        prefix: str | None = "",
+        step_metric: str | None = None,
+        step_finished: bool = False,
+    ) -> None:
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step, prefix, step_metric, step_finished)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log_hyperparams(params)
+
+    def finish(self) -> None:
+        for logger in self.loggers:
+            finish = getattr(logger, "finish", None)
+            if callable(finish):
+                finish()
+
+
+def _gpu_monitor_flush(logger: NemoLogger, seconds: float) -> None:
+    """RayGpuMonitorLogger.flush: from its own thread, the step metric added to the metrics."""
+    metrics = {"node.0.gpu.0.util": 0.75, "node.0.mem_gb": 3.5, "ray/ray_step": seconds}
+
+    def flush() -> None:
+        logger.log_metrics(metrics, step=int(seconds), prefix="ray", step_metric="ray/ray_step")
+
+    thread = threading.Thread(target=flush)
+    thread.start()
+    thread.join()
+
+
+def _grpo_loop(logger: NemoLogger, steps: int) -> None:
+    """grpo.py's per-step logging order: train metrics, rollout metrics, then the timing sums last
+    (step_finished=True), with GPU-monitor flushes arriving in between."""
+    logger.log_hyperparams({"grpo": {"num_prompts_per_step": 4}, "policy": {"lr": 1e-6}})
+    for step in range(steps):
+        train = {"loss": 0.5 / (step + 1), "reward": 1.0 + step, "global_valid_toks": 512, "lengths": [3, 4]}
+        logger.log_metrics(train, step + 1, prefix="train")
+        logger.log_metrics({"mean_gen_tokens_per_sample": 64.0}, step + 1, prefix="train_rollout")
+        _gpu_monitor_flush(logger, seconds=100.0 + 10 * step)  # a time in seconds, not a step
+        timing = {
+            "policy_training": 0.2,
+            "generation": 0.1,
+            "logprob_inference": 0.05,
+            "total_step_time": 0.4,
+            "valid_tokens_per_sec_per_gpu": 1280.0,
+        }
+        logger.log_metrics(timing, step + 1, prefix="timing/train", step_finished=True)
+
+
+def _rows(tmp_path: Path) -> list[dict[str, Any]]:
+    files = RunFiles(tmp_path / "grpo", 0, "controller")
+    return [json.loads(line) for line in files.metrics.read_text().splitlines()]
+
+
+def test_grpo_loop_gives_steps_phases_and_gauges(tmp_path: Path) -> None:
+    logger = NemoLogger()
+    logger.loggers.append(
+        OtelTrainLogger(
+            role="controller",
+            output_dir=str(tmp_path),
+            run_name="grpo",
+            log_interval=1,
+            verbosity=0,
+            prometheus_port=0,
+        )
+    )
+    _grpo_loop(logger, steps=3)
+    logger.finish()
+    assert ot.current_session() is None  # the backend shut down the session it started
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # training steps; no step from the monitor's seconds
+    for row in rows:
+        for phase, seconds in (("policy_training", 0.2), ("generation", 0.1), ("logprob_inference", 0.05)):
+            assert row[f"timers/{phase}/total"] == pytest.approx(seconds)
+        assert row["timers/step/count"] == 1
+        assert row["timers/step/total"] == pytest.approx(0.4, abs=0.05)  # total_step_time backdates
+        assert row["throughput/tokens"] == 512
+        assert row["ray/node/0/gpu/0/util"] == 0.75 and row["ray/node/0/mem_gb"] == 3.5  # gauges
+        assert not [k for k in row if "ray_step" in k]  # the monitor's clock is not a metric
+        assert "timing/train/valid_tokens_per_sec_per_gpu" in row  # a rate, not a phase
+        assert "timers/valid_tokens_per_sec_per_gpu/total" not in row
+    assert rows[1]["train/reward"] == 2.0 and rows[0]["train_rollout/mean_gen_tokens_per_sample"] == 64.0
+    hparams = json.loads(RunFiles(tmp_path / "grpo", 0, "controller").hparams.read_text())
+    assert "4" in json.dumps(hparams)
+
+
+def test_step_finished_on_a_metrics_call_ends_the_step_once(tmp_path: Path) -> None:
+    ot.init(role="controller", output_dir=str(tmp_path), run_name="grpo", log_interval=1, verbosity=0,
+            prometheus_port=0)  # fmt: skip
+    backend = OtelTrainLogger()
+    try:
+        for step in (1, 2):
+            backend.log_metrics({"loss": 1.0}, step, "train", None, True)
+            backend.log_metrics({"total_step_time": 0.1}, step, "timing/train", None, True)  # same step
+        backend.finish()  # not its session: left running
+        assert ot.current_session() is not None
+    finally:
+        ot.shutdown()
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
+
+
+def test_reductions_over_workers_and_validation_samples(tmp_path: Path) -> None:
+    ot.init(role="controller", output_dir=str(tmp_path), run_name="grpo", log_interval=1, verbosity=0,
+            prometheus_port=0)  # fmt: skip
+    backend = OtelTrainLogger()
+    try:
+        reduced = publish_reductions("policy/grad_norm", {0: 1.0, 1: 3.0, 2: float("nan")})
+        assert reduced == {"policy/grad_norm/mean": 2.0, "policy/grad_norm/max": 3.0}
+        assert publish_reductions("x", ["a", None]) == {}
+        backend.log_val_samples([("2+2?", "4"), ("3+3?", "6")], step=1)
+        backend.log_metrics({"total_step_time": 0.1}, 1, "timing/train", None, True)
+    finally:
+        ot.shutdown()
+    row = _rows(tmp_path)[0]
+    assert row["policy/grad_norm/mean"] == 2.0 and row["policy/grad_norm/max"] == 3.0
+    samples = RunFiles(tmp_path / "grpo", 0, "controller").samples.read_text()
+    assert "2+2?" in samples and "6" in samples

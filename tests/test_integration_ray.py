@@ -1,0 +1,144 @@
+"""Ray Train (issue #25, part 3), real: Ray 2.60 on CPU, a TorchTrainer with 2 gloo workers and
+the controller callback, all in one run told apart by role. One worker fails once (Ray Train
+restarts the worker group, FailureConfig(max_failures=1)): the failure is an event on the
+controller, the restart one on the worker. About a minute on 2 shared cores."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.train")
+
+import ray
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+import otel_train.integrations.ray as otr
+from otel_train.bridges.rundir import RunFiles
+
+
+def _train_fn(config: dict[str, Any]) -> None:
+    import ray.train
+
+    import otel_train as ot
+    import otel_train.integrations.ray as otr
+
+    otr.init_worker(log_interval=1)
+    rank = ray.train.get_context().get_world_rank()
+    marker = Path(config["out"]) / f"failed.{rank}"
+    for step in range(3):
+        with ot.step(step, tokens=8), ot.timer("forward"):
+            ot.record("loss", 1.0 + step)
+        if step == 1 and rank == 1 and not marker.exists():  # fails once, at its second step
+            marker.touch()
+            ot.shutdown()
+            raise RuntimeError("worker boom")
+        ray.train.report({"loss": 1.0 + step + rank})
+    ot.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(tmp_path: Path) -> Any:
+    settings = {
+        "OTEL_TRAIN_PROMETHEUS_PORT": "0",
+        "OTEL_TRAIN_VERBOSITY": "0",
+        "OTEL_TRAIN_HARDWARE": "false",
+    }
+    os.environ["OTEL_TRAIN_OUTPUT_DIR"] = str(tmp_path)
+    try:
+        # the workers unpickle _train_fn by module name: this directory on their path
+        path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+        env = otr.runtime_env("worker", {"env_vars": {**settings, "PYTHONPATH": path}})
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env=env, log_to_driver=False)
+        yield env
+    finally:
+        ray.shutdown()
+        os.environ.pop("OTEL_TRAIN_OUTPUT_DIR", None)
+        otr._driver_run.clear()
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_torch_trainer_controller_and_workers_share_one_run(ray_cluster: Any, tmp_path: Path) -> None:
+    env_vars = ray_cluster["env_vars"]
+    run_id, run_name = env_vars["OTEL_TRAIN_RUN_ID"], env_vars["OTEL_TRAIN_RUN_NAME"]
+    assert env_vars["OTEL_TRAIN_ROLE"] == "worker"
+    callback = otr.ControllerCallback(prometheus_port=0, verbosity=0, hardware=False)
+    trainer = TorchTrainer(
+        _train_fn,
+        train_loop_config={"out": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=RunConfig(
+            name="rt",
+            storage_path=str(tmp_path / "ray_results"),
+            callbacks=[callback],
+            failure_config=FailureConfig(max_failures=1),
+        ),
+    )
+    trainer.fit()
+    run_dir = tmp_path / run_name
+    controller = RunFiles(run_dir, 0, "controller")
+    workers = [RunFiles(run_dir, rank, "worker") for rank in (0, 1)]
+    names = sorted(p.name for p in run_dir.iterdir())
+    for files in (controller, *workers):
+        assert files.metrics.exists(), names
+        assert json.loads(files.config.read_text())["run_id"] == run_id  # one run id
+    assert "metrics.rank0.jsonl" not in names  # no role-less file: nothing collides
+    # the controller: one step per report, the workers' values reduced over workers
+    rows = _rows(controller.metrics)
+    assert rows and all("ray_train/loss/mean" in r and "ray_train/loss/max" in r for r in rows)
+    assert max(r["ray_train/loss/max"] for r in rows) == 4.0  # worker 1's last report: 1 + 2 + 1
+    # the workers: one process group, cross-rank keys on worker rank 0
+    worker0 = _rows(workers[0].metrics)
+    assert any("timers/step/ranks_max" in r for r in worker0)
+    assert {r["step"] for r in worker0} >= {0, 1, 2}
+    # the failure: an event on the controller, a restart on the worker that failed
+    events = [json.loads(line) for line in controller.events.read_text().splitlines()]
+    failures = [e for e in events if e["event"] == "worker_failure"]
+    assert failures and failures[0]["worker.rank"] == 1 and failures[0]["error.type"] == "RuntimeError"
+    assert "worker boom" in failures[0]["message"]
+    assert any(e["event"] == "worker_group_restart" for e in events)
+    restarted = [json.loads(line)["event"] for line in workers[1].events.read_text().splitlines()]
+    assert "restart" in restarted
+
+
+def test_runtime_env_carries_the_running_session(tmp_path: Path) -> None:
+    import otel_train as ot
+
+    ot.init(run_id="drv-1", run_name="drv", output_dir=str(tmp_path), otlp_endpoint="http://127.0.0.1:1",
+            prometheus_port=0, verbosity=0, hardware=False)  # fmt: skip
+    try:
+        env = otr.runtime_env("policy", {"pip": ["x"], "env_vars": {"A": "1"}})
+    finally:
+        ot.shutdown()
+    assert env["pip"] == ["x"]
+    assert env["env_vars"] == {
+        "A": "1",
+        "OTEL_TRAIN_RUN_ID": "drv-1",
+        "OTEL_TRAIN_RUN_NAME": "drv",
+        "OTEL_TRAIN_OUTPUT_DIR": str(tmp_path),
+        "OTEL_TRAIN_OTLP_ENDPOINT": "http://127.0.0.1:1",
+        "OTEL_TRAIN_SERVICE_NAME": "otel-train",
+        "OTEL_TRAIN_ROLE": "policy",
+    }
+
+
+def test_without_a_session_the_driver_makes_one_run_for_every_role(tmp_path: Path) -> None:
+    os.environ["OTEL_TRAIN_OUTPUT_DIR"] = str(tmp_path)
+    try:
+        policy, generation = otr.job_settings("policy"), otr.job_settings("generation")
+    finally:
+        os.environ.pop("OTEL_TRAIN_OUTPUT_DIR", None)
+        otr._driver_run.clear()
+    assert policy["run_id"] == generation["run_id"] and policy["run_name"] == generation["run_name"]
+    assert (policy["role"], generation["role"]) == ("policy", "generation")
+    assert policy["output_dir"] == str(tmp_path)
+    assert "otlp_endpoint" not in policy  # nothing to copy: unset settings stay unset
+    assert policy["service_name"] == "otel-train"

@@ -87,6 +87,8 @@ STRAGGLER_KIND = label(sc.STRAGGLER_KIND)
 STAT = label(sc.STAT)
 EVENT = label(sc.EVENT)
 REASON = label(sc.REASON)
+COLL_GROUP = label(sc.PROCESS_GROUP)
+COLL_OP = label(sc.COLLECTIVE_OP)
 HW_ID = label(sc.HW_ID)
 HW_NAME = label(sc.HW_NAME)
 THROTTLE_REASON = label(sc.THROTTLE_REASON)
@@ -840,6 +842,38 @@ def health() -> DashboardDef:
                         "Health events in range by rank",
                         T(agg("sum", f"{_R}, {EVENT}", rate(sc.HEALTH_EVENTS, window=RANGE, fn="increase"))),
                         unit="short",
+                    ),
+                ),
+            ),
+            (
+                "Collectives (PyTorch Flight Recorder: TORCH_FR_BUFFER_SIZE)",
+                (
+                    ts(
+                        "Seconds since last collective by rank (hang: rises on every rank)",
+                        T(agg("max", _R, selector(sc.COLLECTIVE_LAST)), _lg(RANK)),
+                        unit="s",
+                        thresholds=((None, "green"), (60.0, "orange"), (300.0, "red")),
+                        description="Since this rank last enqueued or completed a collective; the `hang` "
+                        "event and `otel-train diagnose` name the rank the others wait for.",
+                    ),
+                    ts(
+                        "Collectives per second by process group and op",
+                        T(
+                            agg("sum", f"{RUN}, {COLL_GROUP}, {COLL_OP}", rate(sc.COLLECTIVE_COUNT)),
+                            _lg(COLL_GROUP, COLL_OP),
+                        ),
+                        unit="short",
+                    ),
+                    ts(
+                        "Collective input bytes per second by rank",
+                        T(agg("sum", _R, rate(sc.COLLECTIVE_SIZE)), _lg(RANK)),
+                        unit="Bps",
+                    ),
+                    ts(
+                        "Share of time in collectives by rank (NCCL timing)",
+                        T(agg("sum", _R, rate(sc.COLLECTIVE_TIME)), _lg(RANK)),
+                        unit="percentunit",
+                        description="Needs TORCH_NCCL_ENABLE_TIMING=1; gloo records no durations.",
                     ),
                 ),
             ),

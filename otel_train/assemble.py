@@ -37,7 +37,9 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
 
     from otel_train.bridges.process import BridgeProcess, BridgeSpec
     from otel_train.cadence import Cadence
+    from otel_train.collectives import CollectiveMonitor
     from otel_train.gpu_discovery import Discovery
+    from otel_train.hang_attribution import HangReporter
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents
     from otel_train.straggler import CrossRankReducer
@@ -265,6 +267,7 @@ def _build_session(
     reducer, cadence = _reducer_and_cadence(config, place, meter, events)
     profiled_steps = ProfiledStepsCounter(meter)
     gradient_flow = GradientFlowMonitor(events)  # reads ot.watch's gradient norms: idle without a watch
+    collectives = _collective_monitor(place, meter)
     listeners: list[FlushListener] = [
         health,
         gradient_flow,
@@ -272,6 +275,7 @@ def _build_session(
         *([MpsMemory(meter)] if hardware else []),  # Apple silicon memory (idle elsewhere)
         reducer,
         profiled_steps,
+        *([collectives] if collectives else []),
     ]
     return Session(
         config=config, identity=ident, run_name=place.run_name, run_dir=place.run_dir, resumed=place.resumed,
@@ -280,6 +284,15 @@ def _build_session(
         bridges=bridges, sinks=sinks, listeners=listeners, hardware=hardware, reducer=reducer,
         cadence=cadence, profiled_steps=profiled_steps,
     )  # fmt: skip
+
+
+def _collective_monitor(place: RunPlace, meter: Any) -> CollectiveMonitor | None:
+    """Collective metrics from the Flight Recorder, on a rank of a started process group."""
+    if not (place.identity.distributed and _process_group_started()):
+        return None
+    from otel_train.collectives import start_monitor
+
+    return start_monitor(meter, place.telemetry_group, place.identity.rank)
 
 
 def _health_events(
@@ -466,11 +479,27 @@ def _attach_worker(session: Session) -> None:
     )
 
 
+def _hang_reporter(session: Session) -> HangReporter | None:
+    """Hang attribution through the run directory, when the Flight Recorder feeds a monitor."""
+    from otel_train.collectives import CollectiveMonitor
+    from otel_train.hang_attribution import HangReporter
+
+    monitor = next((x for x in session.listeners if isinstance(x, CollectiveMonitor)), None)
+    if monitor is None or session.run_dir is None:
+        return None
+    ident = session.identity
+    return HangReporter(
+        session.run_dir, ident.rank, ident.world_size, ident.host, session.events, monitor,
+        session.config.stall_timeout_s, ident.role,
+    )  # fmt: skip
+
+
 def _attach_watchdog(session: Session) -> None:
     from otel_train.control import ControlFile
     from otel_train.hang import HangWatchdog
 
     config, rank = session.config, session.identity.rank
+    reporter = _hang_reporter(session)
     session.watchdog = HangWatchdog(
         session.run_dir,
         rank,
@@ -479,6 +508,7 @@ def _attach_watchdog(session: Session) -> None:
         config.stall_timeout_s,
         signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
         on_tick=lambda: _report_stuck_worker(session),
+        on_stall=reporter.on_stall if reporter is not None else None,
         role=session.identity.role,
     )
     session.control = (

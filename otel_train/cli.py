@@ -1,4 +1,4 @@
-"""`otel-train`: demo, doctor, dashboards."""
+"""`otel-train`: demo, doctor, diagnose, dashboards."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )
     sub.add_parser("doctor", help="check configuration, endpoints, NVML and optional packages")
+    sub.add_parser(
+        "diagnose",
+        help="name the rank a hung job waited for, from its run directory: RUN_DIR [--role ROLE]",
+    )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -30,8 +34,38 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(rest)
     if command == "doctor":
         return doctor()
+    if command == "diagnose" and len(rest) in (1, 3) and rest[1:2] in ([], ["--role"]):
+        return diagnose(rest[0], rest[2] if len(rest) == 3 else "")
     parser.parse_args(argv)  # prints the usage error
     return 2
+
+
+def diagnose(run_dir: str, role: str = "") -> int:
+    """Print the hang verdict from the `collectives.rank<k>.json` files the ranks left at their stall
+    (see otel_train/hang_attribution.py); 1 when there is none to give."""
+    from pathlib import Path
+
+    from otel_train.hang_attribution import attribute, read_summaries
+
+    summaries = read_summaries(Path(run_dir), role=role)
+    if summaries:  # the last stall only: a rank's file from an earlier, resolved stall is stale
+        newest = max(float(s["written_at"]) for s in summaries.values())
+        window = max(float(s.get("stall_timeout_s", 0.0)) for s in summaries.values())
+        summaries = read_summaries(Path(run_dir), newest - window, role)
+    if not summaries:
+        print(
+            f"{run_dir}: no collectives.rank<k>.json (no rank stalled with PyTorch's Flight Recorder "
+            "on: set TORCH_FR_BUFFER_SIZE before init_process_group)"
+        )
+        return 1
+    world_size = max(int(s.get("world_size", 0)) for s in summaries.values())
+    verdicts = attribute(summaries, world_size)
+    print(f"{run_dir}: summaries from ranks {sorted(summaries)} of {world_size}")
+    for verdict in verdicts:
+        print(verdict.describe(summaries))
+    if not verdicts:
+        print("no rank behind the others: every rank that left a summary is in the same collective")
+    return 0 if verdicts else 1
 
 
 def doctor() -> int:

@@ -25,8 +25,9 @@ every wake-up once steps have begun, so it fires only when this thread could not
 If the process already has a wakeup fd (an asyncio loop in the main thread), `faulthandler` alone
 takes the signal (every request, no coalescing).
 
-When PyTorch's NCCL Flight Recorder is on (`TORCH_NCCL_TRACE_BUFFER_SIZE` > 0) its buffer is dumped
-beside the stacks. Nothing here touches CUDA or issues a collective; the job's own timeouts are
+When PyTorch's Flight Recorder is on (`TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE` > 0)
+its buffer is dumped beside the stacks; with the Flight Recorder on (gloo too), `on_stall` hands the stall to hang
+attribution (`hang_attribution`), which names the rank the others wait for. Nothing here touches CUDA or issues a collective; the job's own timeouts are
 left as they are.
 """
 
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import IO
 
 from otel_train.bridges.rundir import RunFiles
+from otel_train.collectives import buffer_size
 from otel_train.health import EventChannel
 
 log = logging.getLogger("otel_train")
@@ -65,13 +67,15 @@ def format_stacks(header: str) -> str:
 
 
 def dump_flight_recorder(path: Path) -> Path | None:
-    """The NCCL Flight Recorder buffer (pickled, readable with torch's fr_trace tool), when enabled."""
-    if int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0 or "torch" not in sys.modules:
+    """The Flight Recorder buffer (pickled, readable with torch's fr_trace tool), when enabled: the
+    NCCL recorder on CUDA builds, the CPU (gloo) one on CPU-only builds."""
+    if buffer_size() <= 0 or "torch" not in sys.modules:
         return None
     try:
-        from torch._C._distributed_c10d import _dump_nccl_trace  # type: ignore[attr-defined]
+        import torch._C._distributed_c10d as c10d
 
-        path.write_bytes(_dump_nccl_trace())
+        dump = getattr(c10d, "_dump_nccl_trace", None) or c10d._dump_fr_trace  # type: ignore[attr-defined]
+        path.write_bytes(dump())
     except Exception as exc:  # not an NCCL build, no NCCL group yet, ...
         log.debug("otel_train: no Flight Recorder dump: %s", exc)
         return None
@@ -95,6 +99,7 @@ class HangWatchdog:
         dump_signal: int | None = signal.SIGUSR1,
         poll_s: float | None = None,
         on_tick: Callable[[], None] | None = None,
+        on_stall: Callable[[Path | None], None] | None = None,
         role: str = "",
     ) -> None:
         self.run_dir = run_dir
@@ -108,6 +113,7 @@ class HangWatchdog:
         # The faulthandler timer fires when this thread has not re-armed it for this long.
         self._backstop_s = stall_timeout_s + max(2.0, 4 * self._poll_s)
         self._on_tick = on_tick  # more work for the same wake-up (is the worker stuck?)
+        self._on_stall = on_stall  # called with the stacks file after a stall event (hang attribution)
         self._reported_for: float | None = None  # the step end time whose stall was reported
         self._stop = threading.Event()
         self._wake_r: int | None = None
@@ -264,6 +270,11 @@ class HangWatchdog:
             f"no completed step for {idle:.0f}s after step {step}{where}",
             {"step": step, **({"file": str(path)} if path is not None else {})},
         )
+        if self._on_stall is not None:
+            try:
+                self._on_stall(path)
+            except Exception as exc:  # never let it kill stall detection
+                log.warning("otel_train: hang attribution failed: %s", exc)
 
     def _drain_signals(self) -> int:
         """How many dump signals arrived (one byte each in the wakeup fd)."""

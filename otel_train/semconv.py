@@ -439,6 +439,31 @@ SYSTEM_MEMORY_USAGE = _m(
     "host/memory_{system.memory.state}", (MEMORY_STATE,),
 )  # fmt: skip
 
+# --- collectives (PyTorch's Flight Recorder; see otel_train/collectives.py) --------------------------
+PROCESS_GROUP = "train.collective.group"  # the process group's description (default_pg, ...) or name
+COLLECTIVE_OP = "train.collective.op"  # all_reduce | all_gather | reduce_scatter | ... ; "other" past the cap
+COLLECTIVE_COUNT = _m(
+    "train.collective.count", S.COUNTER, "{collective}",
+    "Collectives this rank completed, per process group and op (Flight Recorder).",
+    "collective/{train.collective.group}/{train.collective.op}/count", (PROCESS_GROUP, COLLECTIVE_OP),
+)  # fmt: skip
+COLLECTIVE_SIZE = _m(
+    "train.collective.size", S.COUNTER, "By",
+    "Bytes of the input tensors this rank passed to collectives, per process group and op.",
+    "collective/{train.collective.group}/{train.collective.op}/bytes", (PROCESS_GROUP, COLLECTIVE_OP),
+)  # fmt: skip
+COLLECTIVE_TIME = _m(
+    "train.collective.time", S.COUNTER, "s",
+    "Time in collectives as the backend measured it (NCCL with TORCH_NCCL_ENABLE_TIMING=1 only).",
+    "collective/{train.collective.group}/{train.collective.op}/time", (PROCESS_GROUP, COLLECTIVE_OP),
+    gpu_only=True,  # NCCL's timing: gloo records no durations
+)  # fmt: skip
+COLLECTIVE_LAST = _m(
+    "train.collective.last_seconds", S.OBSERVABLE_GAUGE, "s",
+    "Seconds since this rank last enqueued or completed a collective: rises in a hang, no step needed.",
+    "collective/last_seconds",
+)  # fmt: skip
+
 CATALOGUE: tuple[MetricSpec, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricSpec))
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOGUE}
 

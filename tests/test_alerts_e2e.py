@@ -6,6 +6,9 @@ rank, series named from otel_train.semconv as the in-process exporter names them
                   that wait for it have the longer phase times   -> TrainingStraggler for rank 3 only
   run "balanced": every rank alike                                  -> no alert at all
   run "frozen":   rank 1's steps counter stops after a few seconds  -> TrainingRankStalled for rank 1
+  run "hung":     both ranks stop in a collective: train.collective.last_seconds rises on each
+                  (100 s per second: its threshold is a value, not a window)
+                                                                    -> TrainingCollectiveHang for both
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class FakeRank:
     step_s: float
     freeze_after_s: float | None = None
     score: float = 1.0  # relative straggler score, as the in-process detector exports it
+    hang_after_s: float | None = None  # then stuck in a collective: no steps, last_seconds rising
     port: int = field(default_factory=free_port)
 
     def __post_init__(self) -> None:
@@ -69,9 +73,16 @@ class FakeRank:
             [*LABELS, "straggler_kind", "train_phase"],
             registry=self.registry,
         ).labels(**labels, straggler_kind="relative", train_phase="all").set(self.score)
+        self.last_collective = Gauge(
+            semconv.COLLECTIVE_LAST.prometheus_name, "last", LABELS, registry=self.registry
+        ).labels(**labels)
         self.server, self.thread = start_http_server(self.port, addr="127.0.0.1", registry=self.registry)
 
     def tick(self, elapsed_s: float) -> None:
+        if self.hang_after_s is not None and elapsed_s > self.hang_after_s:
+            self.last_collective.set((elapsed_s - self.hang_after_s) * 100)
+            return
+        self.last_collective.set(TICK_S)
         if self.freeze_after_s is not None and elapsed_s > self.freeze_after_s:
             return
         self.steps.inc()
@@ -90,6 +101,7 @@ def fake_ranks() -> Iterator[list[FakeRank]]:
     ranks = [FakeRank("slow", r, 0.2, score=0.6 if r == 3 else 1.0) for r in range(4)]
     ranks += [FakeRank("balanced", r, 0.1) for r in range(4)]
     ranks += [FakeRank("frozen", r, 0.1, freeze_after_s=3.0 if r == 1 else None) for r in range(4)]
+    ranks += [FakeRank("hung", r, 0.1, hang_after_s=3.0) for r in range(2)]
     stop = threading.Event()
     start = time.monotonic()
 
@@ -143,7 +155,14 @@ def test_straggler_and_rank_stall_reach_alertmanager(fake_ranks: list[FakeRank],
         assert not prom.alerts(run_id="balanced")
         assert not _firing(am, run_id="balanced")
         assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStraggler")} == {"slow"}
-        assert not _firing(am, alertname="TrainingStalled")
+        assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStalled")} <= {"hung"}
+        hung = wait_until(
+            lambda: _firing(am, alertname="TrainingCollectiveHang"),
+            timeout=60,
+            what="TrainingCollectiveHang in Alertmanager",
+        )
+        # on every rank of the hung run (all stuck in the collective), on no healthy rank
+        assert {(a["labels"]["run_id"], a["labels"]["rank"]) for a in hung} == {("hung", "0"), ("hung", "1")}
         # every rank of the slow run has the same step time: the phase-time recording rules see no outlier
         median = prom.value(
             'otel_train:phase_seconds:median_over_ranks5m{run_id="slow",train_phase="forward"}'

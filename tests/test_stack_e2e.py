@@ -113,7 +113,7 @@ def _scenario(tmp_path: Path, name: str, seconds: float, slow_rank: int = -1, fr
     def train() -> None:
         try:
             results.extend(run_ranks(WORLD, _rank, (base, str(tmp_path), seconds, slow_rank, freeze_rank, name),
-                                     timeout=seconds + 120, env={"LOCAL_WORLD_SIZE": str(WORLD)}))  # fmt: skip
+                                     timeout=seconds + 120, env={"LOCAL_WORLD_SIZE": str(WORLD), "TORCH_FR_BUFFER_SIZE": "2000"}))  # fmt: skip
         except BaseException as exc:
             errors.append(exc)
 

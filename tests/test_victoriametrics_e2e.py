@@ -42,7 +42,13 @@ def test_ranks_push_otlp_into_victoriametrics_and_vmalert_pages_the_straggler(tm
         def train() -> None:
             try:
                 results.extend(
-                    run_ranks(WORLD, _rank, args, timeout=160, env={"LOCAL_WORLD_SIZE": str(WORLD)})
+                    run_ranks(
+                        WORLD,
+                        _rank,
+                        args,
+                        timeout=160,
+                        env={"LOCAL_WORLD_SIZE": str(WORLD), "TORCH_FR_BUFFER_SIZE": "2000"},
+                    )
                 )
             except BaseException as exc:
                 errors.append(exc)

@@ -14,7 +14,9 @@ role (`progress.<role>.txt`, `config.<role>.json`, `tensorboard/<role>/`); see `
 - `events.rank<k>.jsonl`: health events (`health`); `goodput.rank<k>.json`: the goodput account
   across restarts (`goodput`); `control.json`: runtime control (`control`).
 - `stacks.rank<k>.<n>.txt`, `faulthandler.rank<k>.txt` (raw, from C),
-  `flight_recorder.rank<k>.<n>`: hang diagnosis (`hang`); `profiles/rank<k>/`: profiler traces (`profiling`).
+  `flight_recorder.rank<k>.<n>`: hang diagnosis (`hang`); `collectives.rank<k>.json`: where the
+  rank's collectives stood at its last stall (`hang_attribution`); `profiles/rank<k>/`: profiler
+  traces (`profiling`).
 - `tensorboard/`, `wandb/`, `wandb_run.json`, `mlflow/`: the TensorBoard, W&B and MLflow bridges'
   local output.
 
@@ -90,6 +92,16 @@ class RunFiles:
     def memory_snapshot(self, dump: int) -> Path:
         """torch.cuda.memory._snapshot(), pickled: open it at https://pytorch.org/memory_viz."""
         return self.run_dir / f"memory_snapshot.{self._who}.{dump}.pickle"
+
+    @property
+    def collectives(self) -> Path:
+        """Where this rank's collectives stood at its last stall (hang attribution reads them all)."""
+        return self.run_dir / f"collectives.{self._who}.json"
+
+    @property
+    def collectives_glob(self) -> str:
+        """Every rank's `collectives` file of this role."""
+        return f"collectives.{self.role}.rank*.json" if self.role else "collectives.rank*.json"
 
     @property
     def profiles(self) -> Path:

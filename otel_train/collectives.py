@@ -1,0 +1,242 @@
+"""The collective layer, read from PyTorch's Flight Recorder: per-rank collective metrics and the
+hang signal `train.collective.last_seconds`.
+
+With `TORCH_FR_BUFFER_SIZE` (or `TORCH_NCCL_TRACE_BUFFER_SIZE`) > 0 in the environment when the
+process group is created, torch (2.13: gloo and NCCL) keeps a ring buffer of this rank's recent
+collectives: process group, sequence id, op, tensor sizes, state, the time this rank enqueued it, and
+with NCCL and `TORCH_NCCL_ENABLE_TIMING=1` its duration. `torch._C._distributed_c10d` exports it as
+JSON (`_dump_fr_trace_json` for the CPU/gloo recorder, `_dump_nccl_trace_json` on CUDA builds);
+no public wrapper exists in 2.13 (`torch.distributed.debug` serves the same calls over HTTP).
+
+`CollectiveMonitor` reads it on the flush worker (never the training thread) and counts each
+retired collective once (by its `record_id`). `last_seconds` is an observable gauge: each collection
+reads only the per-group sequence ids (no entries), so it keeps rising while every thread that could
+flush is stuck. The telemetry group (otel_train's own gloo exchange) is left out of everything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from otel_train import semconv
+from otel_train.interval import Interval
+
+log = logging.getLogger("otel_train")
+
+BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+RECOMMENDED_BUFFER = 2000  # entries; documented in the README ("Collectives and hangs")
+# The dump holds the GIL while torch serializes the buffer (~17 us an entry on a quiet core, so tens
+# of ms for 2000): entries are read at most so often that this stays under 0.2 % of wall time.
+MAX_READ_SHARE = 0.002
+MAX_PAIRS = 16  # distinct (group, op) series per rank; later pairs count under ("other", "other")
+OTHER = "other"
+_DTYPE_BYTES = {
+    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
+    "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16,
+}  # fmt: skip
+OFF_MESSAGE = (
+    "otel_train: PyTorch's Flight Recorder is off, so there are no train.collective.* metrics and no "
+    "`hang` event naming the rank the others wait for (stall events and stack dumps stay). Turn it on "
+    f"with TORCH_FR_BUFFER_SIZE={RECOMMENDED_BUFFER} in the launch environment (it must be set before "
+    "init_process_group; the shipped Kubernetes and SLURM recipes set it)."
+)
+
+
+def buffer_size() -> int:
+    """The Flight Recorder's entries per rank as the environment asks for them (0: off)."""
+    for name in BUFFER_ENV:
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            try:
+                return int(raw)
+            except ValueError:
+                return 0
+    return 0
+
+
+def read_dump(entries: bool) -> dict[str, Any] | None:
+    """This rank's Flight Recorder as one dict (`pg_status`, and `entries` when asked), the CPU
+    and NCCL recorders merged; None when torch or both recorders are unavailable."""
+    if "torch" not in sys.modules:
+        return None  # the job has no torch loaded: nothing records collectives
+    try:
+        import torch._C._distributed_c10d as c10d
+    except Exception:
+        return None
+    # "recorders": each recorder's own entries (record ids count per recorder, from 0 in each)
+    merged: dict[str, Any] = {"pg_status": {}, "entries": [], "recorders": {}}
+    found = False
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            data = json.loads(dump(includeCollectives=entries, onlyActive=False))
+        except Exception as exc:  # no group of that backend yet, an older dump format, ...
+            log.debug("otel_train: %s failed: %s", name, exc)
+            continue
+        found = True
+        merged["pg_status"].update(data.get("pg_status") or {})
+        merged["entries"].extend(data.get("entries") or [])
+        merged["recorders"][name] = data.get("entries") or []
+    return merged if found else None
+
+
+def group_label(entry: dict[str, Any]) -> str:
+    """A process group's label: its description (`default_pg`, a DeviceMesh dim) or its name."""
+    names = entry.get("process_group") or ["?", ""]
+    desc = str(names[1]) if len(names) > 1 else ""
+    return desc if desc and desc != "undefined" else f"pg{names[0]}"
+
+
+def op_name(entry: dict[str, Any]) -> str:
+    """`nccl:all_reduce` -> `all_reduce`."""
+    return str(entry.get("profiling_name") or "?").split(":", 1)[-1]
+
+
+def input_bytes(entry: dict[str, Any]) -> int:
+    total = 0
+    for sizes, dtype in zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False):
+        count = 1
+        for dim in sizes:
+            count *= int(dim)
+        total += count * _DTYPE_BYTES.get(str(dtype), 4)
+    return total
+
+
+def _done(entry: dict[str, Any]) -> bool:
+    return bool(entry.get("retired")) or entry.get("state") == "completed"
+
+
+def progress_key(status: dict[str, Any], excluded: Iterable[str]) -> tuple[tuple[str, str, str], ...]:
+    """Every group's (name, last enqueued, last completed) sequence ids, the excluded groups left out."""
+    skip = set(excluded)
+    return tuple(
+        sorted(
+            (str(name), str(s.get("last_enqueued_collective")), str(s.get("last_completed_collective")))
+            for name, s in status.items()
+            if str(name) not in skip
+        )
+    )
+
+
+class CollectiveMonitor:
+    """Flush listener: per (group, op) counts, bytes and backend time; the `last_seconds` gauge."""
+
+    def __init__(self, meter: Any, excluded_groups: Iterable[str]) -> None:
+        self.excluded = set(excluded_groups)
+        self._count = meter.create_counter(
+            semconv.COLLECTIVE_COUNT.name, semconv.COLLECTIVE_COUNT.unit, semconv.COLLECTIVE_COUNT.description
+        )
+        self._size = meter.create_counter(
+            semconv.COLLECTIVE_SIZE.name, semconv.COLLECTIVE_SIZE.unit, semconv.COLLECTIVE_SIZE.description
+        )
+        self._time = meter.create_counter(
+            semconv.COLLECTIVE_TIME.name, semconv.COLLECTIVE_TIME.unit, semconv.COLLECTIVE_TIME.description
+        )
+        # per recorder (CPU/gloo, NCCL): record ids counted, pruned to what its buffer still holds,
+        # and the largest record id of the previous read
+        self._seen: dict[str, set[int]] = {}
+        self._highest: dict[str, int] = {}
+        self._pairs: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self._progress: tuple[tuple[str, str, str], ...] = ()
+        self._progress_at = time.monotonic()
+        self.overwritten = 0  # entries the ring buffer dropped before a flush read them
+        self._next_read = 0.0  # monotonic time of the next full read (see MAX_READ_SHARE)
+        meter.create_observable_gauge(
+            semconv.COLLECTIVE_LAST.name,
+            callbacks=[self._observe_last],
+            unit=semconv.COLLECTIVE_LAST.unit,
+            description=semconv.COLLECTIVE_LAST.description,
+        )
+
+    # --- the hang signal ---------------------------------------------------------------------------
+    def last_seconds(self) -> float:
+        """Seconds since this rank's sequence ids last moved (to within one read of them)."""
+        dump = read_dump(entries=False)
+        with self._lock:
+            if dump is not None:
+                self._note_progress(progress_key(dump["pg_status"], self.excluded))
+            return time.monotonic() - self._progress_at
+
+    def _note_progress(self, key: tuple[tuple[str, str, str], ...]) -> None:
+        if key != self._progress:
+            self._progress, self._progress_at = key, time.monotonic()
+
+    def _observe_last(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        return [Observation(self.last_seconds())]
+
+    # --- per-flush counts --------------------------------------------------------------------------
+    def on_flush(self, interval: Interval) -> None:
+        if time.monotonic() < self._next_read and not interval.final:
+            return  # the counts catch up at the next read, from what the ring buffer still holds
+        started = time.monotonic()
+        dump = read_dump(entries=True)
+        self._next_read = started + (time.monotonic() - started) / MAX_READ_SHARE
+        if dump is None:
+            return
+        with self._lock:
+            self._note_progress(progress_key(dump["pg_status"], self.excluded))
+        for recorder, entries in dump["recorders"].items():
+            self.count(entries, recorder)
+
+    def count(self, entries: list[dict[str, Any]], recorder: str = "") -> None:
+        """Add each retired entry of `recorder` not counted before (the excluded groups' left out);
+        forget ids its ring buffer no longer holds. Its record ids count across all its groups, so
+        the gap check sees every group."""
+        ids = [int(e.get("record_id", -1)) for e in entries]
+        seen, highest = self._seen.setdefault(recorder, set()), self._highest.get(recorder)
+        if ids and highest is not None and min(ids) > highest + 1:
+            if not self.overwritten:
+                log.warning(
+                    "otel_train: the Flight Recorder's buffer (%d entries) wrapped between two reads: "
+                    "train.collective.count and .size undercount; raise TORCH_FR_BUFFER_SIZE.",
+                    buffer_size(),
+                )
+            self.overwritten += min(ids) - highest - 1
+        for rid, entry in zip(ids, entries, strict=True):
+            if rid in seen or not _done(entry):
+                continue
+            if str((entry.get("process_group") or ["?"])[0]) in self.excluded:
+                continue  # otel_train's own exchange
+            seen.add(rid)
+            attrs = self._attributes(group_label(entry), op_name(entry))
+            self._count.add(1, attrs)
+            self._size.add(input_bytes(entry), attrs)
+            duration_ms = entry.get("duration_ms")
+            if isinstance(duration_ms, (int, float)) and duration_ms >= 0:
+                self._time.add(duration_ms / 1e3, attrs)
+        if ids:
+            low, self._highest[recorder] = min(ids), max(ids)
+            self._seen[recorder] = {rid for rid in seen if rid >= low}
+
+    def _attributes(self, group: str, op: str) -> dict[str, str]:
+        pair = (group, op)
+        if pair not in self._pairs:
+            if len(self._pairs) >= MAX_PAIRS:
+                pair = (OTHER, OTHER)
+            self._pairs.add(pair)
+        return {semconv.PROCESS_GROUP: pair[0], semconv.COLLECTIVE_OP: pair[1]}
+
+    def close(self) -> None:
+        return None
+
+
+def start_monitor(meter: Any, telemetry_group: Any | None, rank: int) -> CollectiveMonitor | None:
+    """The monitor when this rank is in a process group and the Flight Recorder is on; otherwise
+    None, with OFF_MESSAGE logged once for the job (rank 0; the other ranks at debug level)."""
+    if buffer_size() <= 0 or read_dump(entries=False) is None:
+        log.log(logging.WARNING if rank == 0 else logging.DEBUG, "%s", OFF_MESSAGE)
+        return None
+    excluded = {str(getattr(telemetry_group, "group_name", ""))} if telemetry_group is not None else set()
+    return CollectiveMonitor(meter, excluded - {""})

@@ -1,0 +1,203 @@
+"""Hang attribution: which rank the others wait for, from every rank's Flight Recorder, through files.
+
+In a real hang every collective is blocked (otel_train's own exchange included), so the ranks compare
+notes through the run directory instead. At its stall (`HangWatchdog`) each rank writes
+`collectives.rank<k>.json`: per process group, the last sequence id it enqueued and completed and
+the ops of its last few collectives, with the file holding its stacks. It then waits a grace period
+for the others' files and compares: within a group, the ranks that enqueued the highest sequence id
+and did not complete it are *waiting*; the members whose last enqueued id is lower never reached
+that collective: they are *missing*, the ones to look at. The lowest waiting rank of the main verdict
+emits the one `hang` event of the job; `otel-train diagnose RUN_DIR` gives the same verdict offline.
+
+Sequence ids count per process group and agree across its members (every member calls the same
+collectives in the same order), so no clock is compared. A rank that left no file (dead, or frozen
+with its watchdog too) is named when no member of the default group is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from otel_train.bridges.rundir import RunFiles
+from otel_train.collectives import CollectiveMonitor, group_label, op_name, read_dump
+from otel_train.health import EventChannel
+
+log = logging.getLogger("otel_train")
+
+DEFAULT_GROUP = "0"  # the name torch gives the default process group (its description: default_pg)
+KEEP_OPS = 8  # the last ops per group kept in a summary (the waiting ranks' op is the newest)
+
+
+def summarize(
+    dump: Mapping[str, Any], excluded: Iterable[str], rank: int, world_size: int, host: str,
+    stacks: Path | None, last_seconds: float | None,
+) -> dict[str, Any]:  # fmt: skip
+    """What a rank's collectives look like now (the content of `collectives.rank<k>.json`)."""
+    skip = set(excluded)
+    groups: dict[str, dict[str, Any]] = {}
+    for name, status in (dump.get("pg_status") or {}).items():
+        if str(name) in skip:
+            continue
+        groups[str(name)] = {
+            "label": f"pg{name}",
+            "last_enqueued": int(status.get("last_enqueued_collective", -1)),
+            "last_completed": int(status.get("last_completed_collective", -1)),
+            "ops": {},
+        }
+    for entry in dump.get("entries") or []:
+        group = groups.get(str((entry.get("process_group") or ["?"])[0]))
+        if group is None or entry.get("is_p2p"):
+            continue
+        group["label"] = group_label(entry)
+        group["ops"][str(entry.get("collective_seq_id"))] = op_name(entry)
+    for group in groups.values():
+        newest = sorted(group["ops"], key=int)[-KEEP_OPS:]
+        group["ops"] = {seq: group["ops"][seq] for seq in newest}
+    return {
+        "rank": rank, "world_size": world_size, "host": host, "written_at": time.time(),
+        "last_seconds": last_seconds, "stacks": str(stacks) if stacks is not None else None,
+        "groups": groups,
+    }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """In `group`, ranks `waiting` sit in collective `seq` (`op`) that ranks `missing` never reached."""
+
+    group: str
+    op: str
+    seq: int
+    missing: tuple[int, ...]
+    waiting: tuple[int, ...]
+    silent: tuple[int, ...]  # ranks that left no summary (named when no member is missing)
+
+    def culprits(self) -> tuple[int, ...]:
+        return self.missing or self.silent
+
+    def describe(self, summaries: Mapping[int, Mapping[str, Any]]) -> str:
+        who = ", ".join(_rank_at(r, summaries) for r in self.culprits())
+        what = "never reached" if self.missing else "left no Flight Recorder summary for"
+        waiting = ",".join(str(r) for r in self.waiting)
+        return (
+            f"{who} {what} {self.op} #{self.seq} of process group {self.group}, "
+            f"where rank(s) {waiting} wait; stacks: {', '.join(stack_files(self, summaries)) or 'none'}"
+        )
+
+    def attributes(self, summaries: Mapping[int, Mapping[str, Any]]) -> dict[str, str | int]:
+        culprits = self.culprits()
+        return {
+            "process_group": self.group,
+            "op": self.op,
+            "sequence_id": self.seq,
+            "missing_ranks": ",".join(str(r) for r in culprits),
+            "missing_hosts": ",".join(str(summaries.get(r, {}).get("host", "?")) for r in culprits),
+            "waiting_ranks": ",".join(str(r) for r in self.waiting),
+            "files": ",".join(stack_files(self, summaries)),
+        }
+
+
+def _rank_at(rank: int, summaries: Mapping[int, Mapping[str, Any]]) -> str:
+    host = summaries.get(rank, {}).get("host")
+    return f"rank {rank}" + (f" ({host})" if host else "")
+
+
+def stack_files(verdict: Verdict, summaries: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """The culprits' stack files first, then the waiting ranks'."""
+    ranks = [*verdict.culprits(), *verdict.waiting]
+    return [str(summaries[r]["stacks"]) for r in ranks if r in summaries and summaries[r].get("stacks")]
+
+
+def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Verdict]:
+    """Every group where some ranks wait in a collective others never reached, most waiters first."""
+    members: dict[str, dict[int, Mapping[str, Any]]] = {}
+    for rank, summary in summaries.items():
+        for name, group in (summary.get("groups") or {}).items():
+            members.setdefault(name, {})[rank] = group
+    silent = tuple(r for r in range(world_size) if r not in summaries)
+    verdicts = []
+    for name, groups in members.items():
+        # Only the default group (name "0") surely has every rank as a member: a rank that left no
+        # file is named there only; another group's members are known by the files alone.
+        absent = silent if name == DEFAULT_GROUP else ()
+        top = max(int(g["last_enqueued"]) for g in groups.values())
+        waiting = tuple(
+            sorted(r for r, g in groups.items() if g["last_enqueued"] == top and g["last_completed"] < top)
+        )
+        missing = tuple(sorted(r for r, g in groups.items() if g["last_enqueued"] < top))
+        if not waiting or not (missing or absent):
+            continue  # nobody blocked here, or all members inside the same collective (a network fault)
+        op = next((g["ops"][str(top)] for g in groups.values() if str(top) in g["ops"]), "?")
+        label = str(groups[waiting[0]].get("label", "?"))
+        verdicts.append(Verdict(label, op, top, missing, waiting, () if missing else absent))
+    return sorted(verdicts, key=lambda v: (-len(v.waiting), v.group))
+
+
+def read_summaries(run_dir: Path, written_after: float = 0.0, role: str = "") -> dict[int, dict[str, Any]]:
+    """Every rank's summary (of `role`) in `run_dir` written after `written_after` (unix time)."""
+    found: dict[int, dict[str, Any]] = {}
+    for path in sorted(run_dir.glob(RunFiles(run_dir, role=role).collectives_glob)):
+        try:
+            summary = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # another rank replacing it right now, or a stray file
+        if float(summary.get("written_at", 0.0)) >= written_after:
+            found[int(summary["rank"])] = summary
+    return found
+
+
+class HangReporter:
+    """At a stall (the watchdog calls `on_stall`): write this rank's summary, wait for the others',
+    and, on the rank chosen to speak, emit the `hang` event."""
+
+    def __init__(
+        self, run_dir: Path, rank: int, world_size: int, host: str, events: EventChannel,
+        monitor: CollectiveMonitor, stall_timeout_s: float, role: str = "",
+    ) -> None:  # fmt: skip
+        self.run_dir, self.rank, self.world_size, self.host = run_dir, rank, world_size, host
+        self._events = events
+        self._monitor = monitor
+        self._stall_timeout_s = stall_timeout_s
+        self.role = role  # ranks of one role share a process group; another role's files are not read
+        # Ranks stall within a poll of each other (their last steps end together); a rank that
+        # stalls later than this is not waited for, and named as silent when no member is missing.
+        self.grace_s = min(max(2.0, stall_timeout_s / 2), 30.0)
+        self.verdicts: list[Verdict] = []  # the last comparison (tests read it)
+
+    def on_stall(self, stacks: Path | None) -> None:
+        dump = read_dump(entries=True)
+        if dump is None:
+            return
+        last = self._monitor.last_seconds()
+        summary = summarize(dump, self._monitor.excluded, self.rank, self.world_size, self.host, stacks, last)
+        summary["stall_timeout_s"] = self._stall_timeout_s  # the window `otel-train diagnose` reads in
+        path = RunFiles(self.run_dir, self.rank, self.role).collectives
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(summary), encoding="utf-8")
+            tmp.replace(path)  # whole or absent for the peers polling for it
+        except OSError as exc:
+            log.warning("otel_train: cannot write %s (%s): no hang attribution from this rank", path, exc)
+            return
+        since = float(summary["written_at"]) - self._stall_timeout_s
+        threading.Thread(target=self._compare, args=(since,), name="otel_train-hang", daemon=True).start()
+
+    def _compare(self, since: float) -> None:
+        deadline = time.monotonic() + self.grace_s
+        summaries = read_summaries(self.run_dir, since, self.role)
+        while len(summaries) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+            summaries = read_summaries(self.run_dir, since, self.role)
+        self.verdicts = attribute(summaries, self.world_size)
+        if not self.verdicts or self.verdicts[0].waiting[0] != self.rank:
+            return  # nothing to name, or another rank speaks for the job
+        verdict = self.verdicts[0]
+        with contextlib.suppress(Exception):  # never let the report kill the thread noisily
+            self._events.emit("hang", verdict.describe(summaries), verdict.attributes(summaries))

@@ -1,0 +1,265 @@
+"""The collective layer from PyTorch's Flight Recorder: per-rank collective metrics on real gloo
+ranks, the `train.collective.last_seconds` hang signal, and hang attribution (the `hang` event and
+`otel-train diagnose`) when one rank stops calling the collective the others wait in."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import pickle
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.multirank import RankError, run_ranks
+from helpers.ports import free_port
+from prometheus_client.parser import text_string_to_metric_families
+
+from otel_train import semconv
+from otel_train.collectives import OFF_MESSAGE, CollectiveMonitor
+from otel_train.hang_attribution import Verdict, attribute
+
+FR_ON = {"TORCH_FR_BUFFER_SIZE": "500"}
+STALL_S = 1.5
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k.startswith("train_collective")))
+            samples[(s.name, labels)] = s.value
+    return samples
+
+
+def _metrics_target(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import otel_train as ot
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: (  # type: ignore[method-assign]
+        messages.append(record.getMessage()) if record.levelno >= logging.WARNING else None
+    )
+    logging.getLogger("otel_train").addHandler(handler)
+    from otel_train import collectives
+
+    collectives.MAX_READ_SHARE = 1.0  # read the recorder at every flush: this test counts exactly
+    port = free_port()  # the pull endpoint listens on prometheus_port + local rank
+    ot.init(
+        run_name="coll",
+        prometheus_port=port - rank,
+        verbosity=0,
+        hardware=False,
+        log_interval=2,
+        output_dir=out_dir,
+    )
+    tensor = torch.ones(1000)
+    for step in range(6):
+        with ot.step(step):
+            dist.all_reduce(tensor)
+            dist.broadcast(tensor[:10], src=0)
+    dist.barrier()
+    time.sleep(0.5)  # gloo retires a collective's record just after it returns
+    for step in range(6, 8):  # two steps without collectives: the flush after step 7 reads them all
+        with ot.step(step):
+            pass
+    session = ot.current_session()
+    assert session is not None
+    session.worker.stop(timeout_s=10)  # that flush done, the SDK serves what it counted
+    samples = _scrape(port)
+    ot.shutdown()
+    return {"samples": samples, "messages": messages}
+
+
+def _series(samples: dict, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {labels: value for (n, labels), value in samples.items() if n == name}
+
+
+@pytest.mark.multirank
+def test_collectives_per_group_and_op_on_the_pull_endpoint(tmp_path: Path) -> None:
+    results = run_ranks(2, _metrics_target, (str(tmp_path),), timeout=120, env=FR_ON)
+    count = semconv.COLLECTIVE_COUNT.prometheus_name
+    size = semconv.COLLECTIVE_SIZE.prometheus_name
+    for result in results:
+        counts = _series(result["samples"], count)
+        group, op = "train_collective_group", "train_collective_op"
+        all_reduce = ((group, "default_pg"), (op, "all_reduce"))
+        broadcast = ((group, "default_pg"), (op, "broadcast"))
+        assert counts[all_reduce] == 6 and counts[broadcast] == 6, counts
+        sizes = _series(result["samples"], size)
+        assert sizes[all_reduce] == 6 * 1000 * 4 and sizes[broadcast] == 6 * 10 * 4, sizes
+        # otel_train's own exchange (its gloo telemetry group) is not the job's traffic
+        assert all(dict(labels)[group] == "default_pg" for labels in counts), counts
+        # gloo measures no collective time; the hang signal is there and small on a healthy rank
+        assert not _series(result["samples"], semconv.COLLECTIVE_TIME.prometheus_name)
+        (last,) = _series(result["samples"], semconv.COLLECTIVE_LAST.prometheus_name).values()
+        assert 0 <= last < 30
+        assert not [m for m in result["messages"] if "Flight Recorder is off" in m]
+
+
+@pytest.mark.multirank
+def test_recorder_off_is_said_once_for_the_job_and_exports_nothing(tmp_path: Path) -> None:
+    env = {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
+    results = run_ranks(2, _metrics_target, (str(tmp_path),), timeout=120, env=env)
+    said = [[m for m in result["messages"] if "Flight Recorder is off" in m] for result in results]
+    assert said == [[OFF_MESSAGE], []]  # once for the job: rank 0
+    for result in results:
+        assert not [n for (n, _) in result["samples"] if n.startswith("train_collective")]
+
+
+def _sample_last_seconds(port: int, path: Path, stop: threading.Event) -> None:
+    """Append (unix time, train.collective.last_seconds) from this rank's /metrics every 0.25 s."""
+    name = semconv.COLLECTIVE_LAST.prometheus_name
+    with path.open("a") as out:
+        while not stop.wait(0.25):
+            with contextlib.suppress(OSError):
+                (value,) = _series(_scrape(port), name).values()
+                out.write(f"{time.time()} {value}\n")
+                out.flush()
+
+
+def _hang_target(rank: int, world_size: int, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import otel_train as ot
+
+    port = free_port()
+    session = ot.init(
+        run_name="hang", stall_timeout_s=STALL_S, prometheus_port=port - rank, verbosity=0, hardware=False,
+        log_interval=2, output_dir=out_dir,
+    )  # fmt: skip
+    assert any(isinstance(x, CollectiveMonitor) for x in session.listeners)
+    stop = threading.Event()
+    threading.Thread(
+        target=_sample_last_seconds, args=(port, Path(out_dir) / f"last.rank{rank}.txt", stop), daemon=True
+    ).start()
+    run_dir = session.run_dir
+    assert run_dir is not None
+    tensor = torch.ones(4)
+    for step in range(100):
+        with ot.step(step):
+            if step == 4 and rank == 1:
+                # This rank stops calling the collective: sleep until a peer named it, then die.
+                deadline = time.monotonic() + 90
+                while time.monotonic() < deadline and not _hang_events(run_dir):
+                    time.sleep(0.2)
+                time.sleep(1.0)
+                (Path(out_dir) / "killed_at").write_text(str(time.time()))
+                os._exit(1)
+            if step == 4:
+                (Path(out_dir) / f"blocked_at.rank{rank}").write_text(str(time.time()))
+            dist.all_reduce(tensor)
+
+
+def _hang_events(run_dir: Path) -> list[dict[str, Any]]:
+    events = []
+    for path in run_dir.glob("events.rank*.jsonl"):
+        events += [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "hang"]
+    return events
+
+
+@pytest.mark.multirank
+def test_hang_names_the_rank_that_never_reached_the_collective(tmp_path: Path) -> None:
+    world_size = 4
+    with pytest.raises((RankError, TimeoutError)):  # the job ends when rank 1 dies
+        run_ranks(world_size, _hang_target, (str(tmp_path),), timeout=150, env=FR_ON)
+    run_dir = tmp_path / "hang"
+    (event,) = _hang_events(run_dir)  # one event for the job, from a waiting rank
+    assert event["missing_ranks"] == "1" and event["op"] == "all_reduce"
+    assert event["process_group"] == "default_pg"
+    assert event["waiting_ranks"] == "0,2,3" and event["rank"] == 0
+    assert event["files"].split(",")[0].endswith("stacks.rank1.0.txt")
+    assert "rank 1" in event["message"] and "all_reduce" in event["message"]
+    # the raw buffer beside the stacks, for torch's own fr_trace tool
+    assert pickle.loads((run_dir / "flight_recorder.rank1.0").read_bytes())["entries"]
+    # within one stall timeout (+ the grace for the peers' files), and while rank 1 still slept
+    blocked_at = max(float((tmp_path / f"blocked_at.rank{r}").read_text()) for r in (0, 2, 3))
+    assert event["time"] - blocked_at < STALL_S + 2.0 + 5.0
+    assert event["time"] < float((tmp_path / "killed_at").read_text())
+    # last_seconds rose past the stall timeout on every rank while they hung
+    killed_at = float((tmp_path / "killed_at").read_text())
+    for rank in range(world_size):
+        lines = (tmp_path / f"last.rank{rank}.txt").read_text().splitlines()
+        hung = [float(v) for t, v in map(str.split, lines) if blocked_at + 0.5 < float(t) < killed_at]
+        assert hung and hung == sorted(hung) and hung[-1] > STALL_S, (rank, hung)
+    # and offline, after the job is gone, from the files the ranks left
+    from otel_train.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["diagnose", str(run_dir)]) == 0
+    text = out.getvalue()
+    assert "rank 1" in text and "never reached all_reduce" in text and "default_pg" in text, text
+
+
+def _summary(rank: int, enqueued: int, completed: int, ops: dict[str, str]) -> dict[str, Any]:
+    group = {"label": "default_pg", "last_enqueued": enqueued, "last_completed": completed, "ops": ops}
+    return {"rank": rank, "host": f"h{rank}", "stacks": f"stacks.rank{rank}.0.txt", "groups": {"0": group}}
+
+
+def test_attribution_names_missing_ranks_and_silent_ones_only_when_none_is_missing() -> None:
+    waiting = {str(s): "all_reduce" for s in range(3, 8)}
+    summaries = {r: _summary(r, 7, 6, waiting) for r in (0, 2, 3)} | {
+        1: _summary(1, 6, 6, {"6": "all_reduce"})
+    }
+    assert attribute(summaries, 4) == [Verdict("default_pg", "all_reduce", 7, (1,), (0, 2, 3), ())]
+    # rank 1 left nothing (dead): it is named as silent
+    del summaries[1]
+    assert attribute(summaries, 4) == [Verdict("default_pg", "all_reduce", 7, (), (0, 2, 3), (1,))]
+    # in a subgroup, a rank without a file may not be a member: not named
+    subgroup = {r: {**summaries[r], "groups": {"5": summaries[r]["groups"]["0"]}} for r in summaries}
+    assert attribute(subgroup, 4) == []
+    # every member inside the same collective and all present: nobody to blame
+    summaries[1] = _summary(1, 7, 6, waiting)
+    assert attribute(summaries, 4) == []
+
+
+def _entry(rid: int, op: str = "all_reduce", retired: bool = True) -> dict[str, Any]:
+    return {
+        "record_id": rid, "process_group": ["0", "default_pg"], "profiling_name": f"gloo:{op}",
+        "input_sizes": [[10, 2]], "input_dtypes": ["BFloat16"], "retired": retired, "state": "scheduled",
+    }  # fmt: skip
+
+
+def test_each_collective_is_counted_once_and_a_wrapped_buffer_is_said_once(caplog) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    monitor = CollectiveMonitor(MeterProvider(metric_readers=[reader]).get_meter("t"), {"7"})
+    telemetry = {**_entry(4), "process_group": ["7", "otel_train"]}  # otel_train's own: never counted
+    monitor.count([_entry(0), _entry(1), _entry(2, retired=False)])  # #2 still running
+    monitor.count([_entry(1), _entry(2), _entry(3, "broadcast"), telemetry])  # read again: #1 not twice
+    monitor.count([telemetry, _entry(5)])  # no gap: #4 is the telemetry group's
+    monitor.count([_entry(11), _entry(12)])  # #6-#10 left the ring buffer unread
+    monitor.count([_entry(13), _entry(14)])
+    # the NCCL recorder numbers its own entries from 0, and measures durations
+    nccl = {**_entry(0, "reduce_scatter", retired=False), "state": "completed", "duration_ms": 250.0}
+    monitor.count([{**nccl, "process_group": ["3", "dp"]}], "nccl")
+    points = {
+        (m.name, p.attributes[semconv.COLLECTIVE_OP]): p.value
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name != semconv.COLLECTIVE_LAST.name
+        for p in m.data.data_points
+    }
+    assert points[(semconv.COLLECTIVE_COUNT.name, "all_reduce")] == 8
+    assert points[(semconv.COLLECTIVE_COUNT.name, "broadcast")] == 1
+    assert points[(semconv.COLLECTIVE_SIZE.name, "all_reduce")] == 8 * 40
+    assert points[(semconv.COLLECTIVE_COUNT.name, "reduce_scatter")] == 1
+    assert points[(semconv.COLLECTIVE_TIME.name, "reduce_scatter")] == 0.25
+    assert {op for (_, op) in points} == {"all_reduce", "broadcast", "reduce_scatter"}
+    assert monitor.overwritten == 5
+    assert len([r for r in caplog.records if "wrapped" in r.getMessage()]) == 1

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 # purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import _runtime
-from otel_train.config import Config, ConfigError, cap_text, redact
+from otel_train.config import Config, ConfigError, cap_text, redact, redact_text, redact_url
 from otel_train.distributed import RunInfo
 from otel_train.timing import begin_step, end_step, phase, span, step, timed, timer
 from otel_train.version import __version__
@@ -107,8 +107,8 @@ def run_info() -> RunInfo | None:
         role=ident.role,
         output_dir=session.config.output_dir,
         service_name=session.config.service_name,
-        otlp_endpoint=session.config.otlp_endpoint,
-        otlp_metrics_endpoint=session.config.otlp_metrics_endpoint,
+        otlp_endpoint=redact_url(session.config.otlp_endpoint),  # user:password@ -> ***@
+        otlp_metrics_endpoint=redact_url(session.config.otlp_metrics_endpoint),
     )
 
 
@@ -167,8 +167,18 @@ def event(name: str, message: str, attributes: Mapping[str, str | int | float | 
     `otel_train.health.events{otel_train.event=name}`): for what an integration sees happen, e.g. a
     worker failure. `name` is a label value: use a few fixed names, put the details in `message`."""
     session = _runtime._current
-    if session is not None:
-        session.events.emit(str(name), cap_text(str(message)), dict(attributes or {}))
+    if session is None:
+        return
+    try:
+        attrs = {
+            str(k): v for k, v in dict(attributes or {}).items() if isinstance(v, (str, int, float, bool))
+        }
+        text = redact_text(cap_text(str(message)))  # an exception's text may carry a token or a URL password
+        session.events.emit(
+            str(name), text, {k: redact_text(v) if isinstance(v, str) else v for k, v in attrs.items()}
+        )
+    except Exception:  # not a mapping, an unprintable message: never raise into the caller
+        session.buffer.drop("invalid_type")
 
 
 def log_text(name: str, text: str, step: int | None = None) -> None:

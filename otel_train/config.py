@@ -512,7 +512,9 @@ def redact(value: Any, key: str = "") -> Any:
         return {str(k): redact(v, str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact(v) for v in value]
-    return redact_url(value)
+    # A string leaf may itself hold secrets (a nested config rendered with str(): `{'hf_token':
+    # ...}`, a command line): the free-text redaction, which also covers URL userinfo.
+    return redact_text(value) if isinstance(value, str) else value
 
 
 def config_as_dict(config: Config) -> dict[str, Any]:

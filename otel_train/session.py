@@ -249,7 +249,8 @@ class Session(SessionParts, GoodputClock):
             if len(buf.spans) < _MAX_SPAN_RECORDS:
                 buf.spans.append(_step_record(start_ns, end_ns, index, failed, profiled))
             self.sampled = False
-        buf.step_indices.append(index)  # which step the interval's recorded values belong to
+        if len(buf.step_indices) < buf.max_values:  # capped: see step_durations below
+            buf.step_indices.append(index)  # which step the interval's recorded values belong to
         if failed:
             return
         if index <= self.rerun_through:  # goodput's wasted progress: re-running steps after a restart

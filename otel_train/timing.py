@@ -98,6 +98,7 @@ def step(index: Any = None, *, tokens: int | None = None, samples: int | None = 
 
 class TimerScope:
     __slots__ = ("_cuda_start", "_session", "_start", "cuda", "name")
+    _start: int  # perf_counter_ns at the start (set by __enter__)
 
     def __init__(self, name: str, cuda: bool) -> None:
         self.name = name
@@ -109,7 +110,7 @@ class TimerScope:
         phase whose start a framework hook saw); `stop()` ends it. Returns the scope."""
         self.__enter__()
         if at_ns is not None and self._session is not None:
-            self._start = at_ns
+            self._start = _earlier(self._session, at_ns, self._start)
         return self
 
     def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
@@ -117,6 +118,7 @@ class TimerScope:
         an earlier `perf_counter_ns()` reading where it ended, for a hook that runs after the end:
         that is also this rank's arrival). A stop without a start, or a second stop, does nothing."""
         session = self._session
+        error = _error_type(error)
         if at_ns.__class__ is not int or session is None or self._cuda_start is not None:
             self.__exit__(error, None, None)
             return
@@ -183,6 +185,7 @@ class MarkScope:
     """`with ot.span("eval"):` — a short span that is always traced, also timed as a phase."""
 
     __slots__ = ("_session", "_start", "attributes", "name")
+    _start: int  # perf_counter_ns at the start (set by __enter__)
 
     def __init__(self, name: str, attributes: Mapping[str, Any] | None) -> None:
         self.name = name
@@ -193,13 +196,13 @@ class MarkScope:
         """Start without a `with` block (`at_ns`: an earlier `perf_counter_ns()` reading);
         `stop()` ends the span. Returns the scope."""
         self.__enter__()
-        if at_ns is not None:
-            self._start = at_ns
+        if at_ns is not None and self._session is not None:
+            self._start = _earlier(self._session, at_ns, self._start)
         return self
 
     def stop(self, error: type[BaseException] | None = None) -> None:
         """End the span `start()` began; a second stop does nothing."""
-        self.__exit__(error, None, None)
+        self.__exit__(_error_type(error), None, None)
 
     def __enter__(self) -> MarkScope:
         self._session = _runtime._current
@@ -286,6 +289,24 @@ def phase(name: str, seconds: float, level: int = 1) -> None:
 
 def _level_of(session: Session, level: Any) -> int:
     return level if level.__class__ is int else _timer_level(session, level)  # type: ignore[no-any-return]
+
+
+def _earlier(session: Session, at_ns: Any, now_ns: int) -> int:
+    """`start(at_ns=)`: an earlier `perf_counter_ns()` reading, or now (the reading is dropped,
+    counted and warned once) when it is not one: a float `perf_counter()`, a later time, None..."""
+    if at_ns.__class__ is int and 0 < at_ns <= now_ns:
+        return at_ns  # type: ignore[no-any-return]
+    session.buffer.drop("invalid_value")
+    session.buffer.warn_once(
+        "<at_ns>",
+        f"start(at_ns={at_ns!r}) needs an earlier time.perf_counter_ns() reading (an int); timed from now.",
+    )
+    return now_ns
+
+
+def _error_type(error: Any) -> type[BaseException] | None:
+    """stop(error=...) takes the exception class; an exception instance means its class."""
+    return error if error is None or isinstance(error, type) else type(error)
 
 
 def _wrap(fn: F, scope: Callable[[], Any]) -> F:

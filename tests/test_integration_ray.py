@@ -142,3 +142,21 @@ def test_without_a_session_the_driver_makes_one_run_for_every_role(tmp_path: Pat
     assert policy["output_dir"] == str(tmp_path)
     assert "otlp_endpoint" not in policy  # nothing to copy: unset settings stay unset
     assert policy["service_name"] == "otel-train"
+
+
+def test_an_endpoint_with_credentials_never_travels_in_the_runtime_env(tmp_path: Path, caplog) -> None:
+    import otel_train as ot
+
+    secret_endpoint = "http://trainer:S3CR3T-ray@127.0.0.1:1"
+    ot.init(run_id="drv-2", run_name="drv", output_dir=str(tmp_path), otlp_endpoint=secret_endpoint,
+            prometheus_port=0, verbosity=0, hardware=False)  # fmt: skip
+    try:
+        info = ot.run_info()
+        env = otr.runtime_env("policy")
+        settings = otr.job_settings("policy")
+    finally:
+        ot.shutdown()
+    assert info is not None and info.otlp_endpoint == "http://***@127.0.0.1:1"
+    assert "S3CR3T-ray" not in repr(env) and "S3CR3T-ray" not in repr(settings)
+    assert "OTEL_TRAIN_OTLP_ENDPOINT" not in env["env_vars"]
+    assert "otlp_endpoint carries credentials" in caplog.text and "S3CR3T-ray" not in caplog.text

@@ -186,3 +186,17 @@ def test_timer_stop_at_an_earlier_reading_clamps_and_respects_the_level() -> Non
     assert phases["forward"] == [pytest.approx(0.003)] and phases["clamped"] == [0.0]
     assert arrivals["forward"] == [pytest.approx(0.004)]  # where it ended, not when stop() ran
     assert "deep" not in phases
+
+
+def test_bad_start_readings_and_error_instances_never_raise(caplog) -> None:
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        with ot.step(0):
+            ot.timer("float").start(at_ns=time.perf_counter()).stop()  # seconds, not ns: from now
+            ot.timer("text").start(at_ns="x").stop()  # type: ignore[arg-type]
+            ot.timer("future").start(at_ns=perf_counter_ns() + 10**12).stop()
+            ot.timer("failed").start().stop(error=ValueError("boom"))  # type: ignore[arg-type]
+            ot.span("eval").start(at_ns=1.5).stop(error=KeyError("k"))  # type: ignore[arg-type]
+    phases = seen.merged("phases")
+    assert all(d < 1.0 for name in ("float", "text", "future") for d in phases[name])  # not the uptime
+    assert "needs an earlier time.perf_counter_ns() reading" in caplog.text

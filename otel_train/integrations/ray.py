@@ -48,6 +48,7 @@ rather than re-exporting them from here.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -58,6 +59,8 @@ import otel_train as ot
 from otel_train.config import env_name, load_config
 from otel_train.integrations._common import settings_from_kwargs, start_session
 from otel_train.integrations.nemo_rl import flatten_numbers, publish_reductions
+
+log = logging.getLogger("otel_train")
 
 try:  # the callback is a UserCallback when Ray Train is installed (Ray Train checks the type)
     from ray.train import UserCallback as _CallbackBase
@@ -88,12 +91,26 @@ def job_settings(role: str = "") -> dict[str, Any]:
     settings: dict[str, Any] = {
         **run,
         "output_dir": os.path.abspath(source.output_dir),
-        "otlp_endpoint": source.otlp_endpoint,
-        "otlp_metrics_endpoint": source.otlp_metrics_endpoint,
+        "otlp_endpoint": _shareable(source.otlp_endpoint, "otlp_endpoint"),
+        "otlp_metrics_endpoint": _shareable(source.otlp_metrics_endpoint, "otlp_metrics_endpoint"),
         "service_name": source.service_name,
     }
     settings = {k: v for k, v in settings.items() if v is not None}
     return {**settings, "role": role} if role else settings
+
+
+def _shareable(url: str | None, setting: str) -> str | None:
+    """An endpoint that may travel in a runtime_env (Ray shows runtime_envs in its dashboard and
+    job info): not one with credentials in it (`user:password@`), which is left out, warned."""
+    if url is None or "@" not in url.partition("://")[2].partition("/")[0]:
+        return url
+    log.warning(
+        "otel_train: %s carries credentials (user:password@); it is not copied into the Ray "
+        "runtime_env, which Ray shows in its dashboard. Set OTEL_TRAIN_OTLP_ENDPOINT (and headers) "
+        "on the workers from a secret instead.",
+        setting,
+    )
+    return None
 
 
 def runtime_env(role: str, base: Mapping[str, Any] | None = None) -> dict[str, Any]:

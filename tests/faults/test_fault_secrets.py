@@ -68,3 +68,26 @@ def test_planted_secret_reaches_no_output(tmp_path, monkeypatch, capfd, caplog) 
     assert leaks == [], leaks
     # The headers did their job (the endpoint's userinfo becomes requests' Basic auth header).
     assert any(h.get("x-api-key") == f'"{SECRET}"' for h in received.headers), received.headers[:1]
+
+
+def test_events_and_nested_hyperparameters_are_redacted(tmp_path) -> None:
+    import json
+
+    from otel_train.integrations.megatron import _plain
+
+    session = ot.init(output_dir=str(tmp_path), run_name="r", prometheus_port=0, verbosity=0, hardware=False)
+    ot.event(
+        "worker_failure",
+        f"upload to https://u:{SECRET}@host failed: token={SECRET}",
+        {"detail": f"api_key={SECRET}"},
+    )
+    ot.event("bad", "attributes that are not a mapping", [1, 2])  # type: ignore[arg-type]  # never raises
+    # a Megatron config nested deeper than it is walked is rendered with str() before redaction
+    ot.log_hyperparams(_plain({"model": {"a": {"b": {"tok": {"hf_token": SECRET}}}}}, 0))
+    run_dir = session.run_dir
+    ot.shutdown()
+    assert run_dir is not None
+    written = "".join(p.read_text(errors="replace") for p in run_dir.rglob("*") if p.is_file())
+    assert SECRET not in written
+    events = [json.loads(line) for line in (run_dir / "events.rank0.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e["event"] == "worker_failure"] == ["worker_failure"]

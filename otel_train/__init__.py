@@ -263,6 +263,7 @@ def watch(
     handle = ModelWatch(
         session.buffer, model, every, grads, params, activations, histograms, layers, session.remove_watch
     )
+    handle.fingerprints = session.identity.distributed and session.config.cross_rank
     session.add_watch(handle)
     return handle
 

@@ -288,7 +288,14 @@ def _build_session(
 
 def _collective_monitor(place: RunPlace, meter: Any) -> CollectiveMonitor | None:
     """Collective metrics from the Flight Recorder, on a rank of a started process group."""
-    if not (place.identity.distributed and _process_group_started()):
+    if not place.identity.distributed:
+        return None
+    if not _process_group_started():
+        if place.identity.rank == 0:  # the launch check's no_process_group event says why, too
+            logger.warning(
+                "otel_train: torch.distributed had no process group when ot.init() ran: collective "
+                "metrics and hang attribution are off. Call init_process_group() before ot.init()."
+            )
         return None
     from otel_train.collectives import start_monitor
 

@@ -223,7 +223,7 @@ class CollectiveMonitor:
     def _attributes(self, group: str, op: str) -> dict[str, str]:
         pair = (group, op)
         if pair not in self._pairs:
-            if len(self._pairs) >= MAX_PAIRS:
+            if len(self._pairs) >= MAX_PAIRS - 1:  # the last slot is the catch-all: MAX_PAIRS in all
                 pair = (OTHER, OTHER)
             self._pairs.add(pair)
         return {semconv.PROCESS_GROUP: pair[0], semconv.COLLECTIVE_OP: pair[1]}

@@ -38,6 +38,7 @@ import faulthandler
 import logging
 import math
 import os
+import pickle
 import select
 import signal
 import sys
@@ -73,13 +74,20 @@ def dump_flight_recorder(path: Path) -> Path | None:
         return None
     try:
         import torch._C._distributed_c10d as c10d
-
-        dump = getattr(c10d, "_dump_nccl_trace", None) or c10d._dump_fr_trace  # type: ignore[attr-defined]
-        path.write_bytes(dump())
-    except Exception as exc:  # not an NCCL build, no NCCL group yet, ...
+    except Exception as exc:
         log.debug("otel_train: no Flight Recorder dump: %s", exc)
         return None
-    return path
+    # NCCL's recorder first; a gloo-only job on a CUDA build has an empty one: then the CPU recorder.
+    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+        dump = getattr(c10d, name, None)
+        try:
+            data = dump() if dump is not None else None
+            if data and pickle.loads(data).get("entries"):
+                path.write_bytes(data)
+                return path
+        except Exception as exc:  # no NCCL group yet, an unreadable dump, ...
+            log.debug("otel_train: no Flight Recorder dump from %s: %s", name, exc)
+    return None
 
 
 SIGNAL_DUMP_INTERVAL_S = 5.0  # at most one stack dump per this many seconds on the dump signal

@@ -56,8 +56,11 @@ def summarize(
         group = groups.get(str((entry.get("process_group") or ["?"])[0]))
         if group is None or entry.get("is_p2p"):
             continue
+        seq = entry.get("collective_seq_id")
+        if not isinstance(seq, int) or isinstance(seq, bool):  # an entry without a sequence id: skip it
+            continue
         group["label"] = group_label(entry)
-        group["ops"][str(entry.get("collective_seq_id"))] = op_name(entry)
+        group["ops"][str(seq)] = op_name(entry)
     for group in groups.values():
         newest = sorted(group["ops"], key=int)[-KEEP_OPS:]
         group["ops"] = {seq: group["ops"][seq] for seq in newest}
@@ -146,11 +149,24 @@ def read_summaries(run_dir: Path, written_after: float = 0.0, role: str = "") ->
     for path in sorted(run_dir.glob(RunFiles(run_dir, role=role).collectives_glob)):
         try:
             summary = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue  # another rank replacing it right now, or a stray file
-        if float(summary.get("written_at", 0.0)) >= written_after:
-            found[int(summary["rank"])] = summary
+            if _well_formed(summary) and float(summary.get("written_at", 0.0)) >= written_after:
+                found[int(summary["rank"])] = summary
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            continue  # another rank replacing it right now, or a stray / malformed file
     return found
+
+
+def _well_formed(summary: Any) -> bool:
+    """A summary `attribute` can read: groups of int sequence ids and an ops mapping (a file of
+    another version or a stray JSON is skipped, never a crash of the comparing thread or diagnose)."""
+    groups = summary.get("groups") if isinstance(summary, dict) else None
+    return isinstance(groups, dict) and all(
+        isinstance(g, dict)
+        and isinstance(g.get("last_enqueued"), int)
+        and isinstance(g.get("last_completed"), int)
+        and isinstance(g.get("ops"), dict)
+        for g in groups.values()
+    )
 
 
 class HangReporter:

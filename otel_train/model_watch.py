@@ -114,6 +114,9 @@ class ModelWatch:
         self._hooks: list[Any] = []
         self._activations: dict[int, tuple[Any, Any]] = {}
         self._fingerprint: Any | None = None  # this watched step's batch fingerprint (device tensor)
+        # Fingerprint batches only where an exchange compares them (ot.watch turns it off for a
+        # single process or cross_rank=False): otherwise a float64 pass over the input for nothing.
+        self.fingerprints = True
         self._warned: set[str] = set()
 
     def _place_on(self, device: Any) -> None:
@@ -127,10 +130,10 @@ class ModelWatch:
     def begin_step(self, index: int) -> None:
         if index % self.every == 0:
             try:
-                # The batch fingerprint (replicas.py: unsharded data across data-parallel ranks)
-                self._hooks.append(
-                    self.model.register_forward_pre_hook(self._fingerprint_hook, with_kwargs=True)
-                )
+                if self.fingerprints:  # the batch fingerprint (replicas.py: unsharded data)
+                    self._hooks.append(
+                        self.model.register_forward_pre_hook(self._fingerprint_hook, with_kwargs=True)
+                    )
                 if self.activations:
                     self._add_activation_hooks()
             except Exception as exc:

@@ -263,3 +263,25 @@ def test_each_collective_is_counted_once_and_a_wrapped_buffer_is_said_once(caplo
     assert {op for (_, op) in points} == {"all_reduce", "broadcast", "reduce_scatter"}
     assert monitor.overwritten == 5
     assert len([r for r in caplog.records if "wrapped" in r.getMessage()]) == 1
+
+
+def test_stray_and_malformed_files_are_skipped_not_fatal(tmp_path: Path) -> None:
+    from otel_train.bridges.rundir import RunFiles
+    from otel_train.hang_attribution import read_summaries, summarize
+
+    waiting = {str(s): "all_reduce" for s in range(3, 8)}
+    for rank in (0, 2):
+        RunFiles(tmp_path, rank).collectives.write_text(
+            json.dumps({**_summary(rank, 7, 6, waiting), "written_at": 1.0})
+        )
+    RunFiles(tmp_path, 1).collectives.write_text(json.dumps({"rank": "x", "groups": []}))  # another version's
+    RunFiles(tmp_path, 3).collectives.write_text(
+        json.dumps({"rank": 3, "groups": {"0": {"last_enqueued": "7"}}})
+    )
+    assert sorted(read_summaries(tmp_path)) == [0, 2]
+    # a Flight Recorder entry without a sequence id (an op gloo records outside a group) is skipped
+    dump = {"pg_status": {"0": {"last_enqueued_collective": 2, "last_completed_collective": 1}},
+            "entries": [{"process_group": ["0", "default_pg"], "collective_seq_id": None, "profiling_name": "x"},
+                        {"process_group": ["0", "default_pg"], "collective_seq_id": 2, "profiling_name": "gloo:all_reduce"}]}  # fmt: skip
+    summary = summarize(dump, set(), 0, 2, "h0", None, 1.0)
+    assert list(summary["groups"]["0"]["ops"]) == ["2"]

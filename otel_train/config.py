@@ -107,7 +107,8 @@ class Config:
     # your code (torch.cuda.max_memory_allocated() keeps working); the peak is then the run's.
     cuda_peak_per_interval: bool = True
     # ot.watch's statistics per layer group (up to its max_layers), or one group for the whole
-    # model: on a huge job, ~4 series per rank instead of ~4 x 64 (README "Series budget").
+    # model: on a huge job, ~2 series per rank (grad and param norm) instead of ~2 x 64, or 4 x 64
+    # with activations, which are per layer only (README "Series budget").
     watch_aggregate: WatchAggregate = "layer"
     # distributed
     straggler_threshold: float = 0.9  # relative score: 1 - lateness / step time

@@ -185,7 +185,9 @@ def test_hang_names_the_rank_that_never_reached_the_collective(tmp_path: Path) -
     assert pickle.loads((run_dir / "flight_recorder.rank1.0").read_bytes())["entries"]
     # within one stall timeout (+ the grace for the peers' files), and while rank 1 still slept
     blocked_at = max(float((tmp_path / f"blocked_at.rank{r}").read_text()) for r in (0, 2, 3))
-    assert event["time"] - blocked_at < STALL_S + 2.0 + 5.0
+    # (a bound for 4 ranks on 2 shared cores, not a speed claim: the fresh-clone CI run measured
+    # 8.9 s with other tests running; the watchdog polls about once a second)
+    assert event["time"] - blocked_at < STALL_S + 2.0 + 15.0
     assert event["time"] < float((tmp_path / "killed_at").read_text())
     # last_seconds rose past the stall timeout on every rank while they hung
     killed_at = float((tmp_path / "killed_at").read_text())

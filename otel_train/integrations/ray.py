@@ -21,8 +21,9 @@ workers' `metrics.worker.rank0.jsonl`, `metrics.worker.rank1.jsonl`, ...
 into a Ray `runtime_env`'s `env_vars` (as `OTEL_TRAIN_*`, read by `ot.init()` in every actor).
 They come from the running session, else from `job_settings()`, which makes a run id once per
 driver. The output directory is made absolute on the driver: on several nodes it must be a shared
-file system path (or turn the run directory off and rely on OTLP). OTLP headers are NOT copied (they may hold secrets): give the actors those through your
-own secret mechanism.
+file system path (or turn the run directory off and rely on OTLP). OTLP headers, and an endpoint
+with `user:password@` in it, are NOT copied (Ray shows runtime_envs in its dashboard): give the
+actors those through your own secret mechanism.
 
 `ControllerCallback` is a `ray.train.UserCallback` (Ray 2.60: `after_report(run_context, metrics,
 checkpoint)` and `after_exception(run_context, worker_exceptions)`, both called in the Ray Train

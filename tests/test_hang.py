@@ -10,25 +10,15 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.ports import free_port
+from helpers.waiting import wait_for
 
 import otel_train as ot
 from otel_train.config import ConfigError
-
-
-def _wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _events(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
@@ -51,11 +41,11 @@ def test_stall_writes_stacks_and_an_event_naming_them(tmp_path: Path) -> None:
     blocker = threading.Thread(target=_parked_in_marker_function, args=(release,), name="trainer-like")
     blocker.start()
     try:
-        path = _wait_for(lambda: next(iter(session.run_dir.glob("stacks.rank0.*.txt")), None), 10, "stacks")
+        path = wait_for(lambda: next(iter(session.run_dir.glob("stacks.rank0.*.txt")), None), 10, "stacks")
         text = path.read_text()
         assert "rank 0" in text and "last step 2" in text
         assert '--- thread "trainer-like"' in text and "_parked_in_marker_function" in text
-        stall = _wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 5, "event")
+        stall = wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 5, "event")
         assert stall[0]["file"] == str(path) and stall[0]["step"] == 2
         time.sleep(1.0)
         assert len(list(session.run_dir.glob("stacks.rank0.*.txt"))) == 1  # one stall, one dump
@@ -64,7 +54,7 @@ def test_stall_writes_stacks_and_an_event_naming_them(tmp_path: Path) -> None:
         blocker.join()
     with ot.step(3):  # a step ends the stall; the next one is reported again
         pass
-    _wait_for(lambda: len(list(session.run_dir.glob("stacks.rank0.*.txt"))) == 2, 10, "second stall dump")
+    wait_for(lambda: len(list(session.run_dir.glob("stacks.rank0.*.txt"))) == 2, 10, "second stall dump")
 
 
 def test_no_stall_before_the_first_step(tmp_path: Path) -> None:
@@ -78,9 +68,9 @@ def test_sigusr1_dumps_on_the_watchdog_thread(tmp_path: Path) -> None:
     with ot.step(0):
         pass
     os.kill(os.getpid(), signal.SIGUSR1)
-    path = _wait_for(lambda: next(iter(session.run_dir.glob("stacks.rank0.*.txt")), None), 10, "stacks")
+    path = wait_for(lambda: next(iter(session.run_dir.glob("stacks.rank0.*.txt")), None), 10, "stacks")
     assert "signal" in path.read_text().splitlines()[0]
-    _wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stack_dump"], 5, "event")
+    wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stack_dump"], 5, "event")
     ot.shutdown()
     # At shutdown a no-op handler stays, not the default action (which would kill the process).
     assert signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, signal.SIG_IGN)
@@ -127,13 +117,13 @@ def test_rank_blocked_in_a_collective_dumps_its_stack_and_answers_sigusr1(tmp_pa
     run_dir = tmp_path / "runs" / "hang"
     try:
         for rank in (0, 1):
-            _wait_for(lambda r=rank: list(run_dir.glob(f"stacks.rank{r}.*.txt")), 90, f"rank {rank} stacks")
+            wait_for(lambda r=rank: list(run_dir.glob(f"stacks.rank{r}.*.txt")), 90, f"rank {rank} stacks")
         blocked = (run_dir / "stacks.rank1.0.txt").read_text()
         assert "all_reduce" in blocked  # the culprit's peer: stuck in the collective
         assert "time.sleep(300)" in (run_dir / "stacks.rank0.0.txt").read_text()
         for rank in (0, 1):
             # the watchdog writes the stacks first, then the event that names them
-            _wait_for(
+            wait_for(
                 lambda r=rank: [e for e in _events(run_dir, r) if e["event"] == "stall"], 30, "stall event"
             )
             stalls = [e for e in _events(run_dir, rank) if e["event"] == "stall"]
@@ -141,7 +131,7 @@ def test_rank_blocked_in_a_collective_dumps_its_stack_and_answers_sigusr1(tmp_pa
         # The main thread of rank 1 is inside gloo (C++, GIL released): a Python-level handler
         # would never run, the watchdog still answers.
         procs[1].send_signal(signal.SIGUSR1)
-        _wait_for(lambda: (run_dir / "stacks.rank1.1.txt").exists(), 20, "dump on SIGUSR1")
+        wait_for(lambda: (run_dir / "stacks.rank1.1.txt").exists(), 20, "dump on SIGUSR1")
         assert "all_reduce" in (run_dir / "stacks.rank1.1.txt").read_text()
         assert all(p.poll() is None for p in procs)  # the job's own timeout behaviour is unchanged
     finally:

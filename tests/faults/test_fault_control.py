@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from helpers.multirank import run_ranks
+from helpers.waiting import wait_for
 
 import otel_train as ot
 from otel_train.control import MAX_FILE_BYTES
@@ -132,16 +133,6 @@ def test_hostile_control_files_on_two_ranks(tmp_path: Path) -> None:
     assert [state for _, *state in rank0["seen"]] == [[1, 100], [2, 100], [2, 3], [2, 5]]
 
 
-def _wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def _rejections(run_dir: Path) -> list[str]:
     return [e["message"] for e in _events(run_dir) if e["event"] == "control_rejected"]
 
@@ -152,14 +143,14 @@ def test_special_and_huge_control_files_are_refused_unread(tmp_path: Path) -> No
     with ot.step(0):
         pass
     os.mkfifo(control)  # opening it for reading would block until a writer comes
-    _wait_for(lambda: any("FIFO" in m for m in _rejections(session.run_dir)), 10, "the FIFO refused")
+    wait_for(lambda: any("FIFO" in m for m in _rejections(session.run_dir)), 10, "the FIFO refused")
     control.unlink()
     control.symlink_to("/dev/zero")  # reading it would never end
-    _wait_for(lambda: len(_rejections(session.run_dir)) >= 2, 10, "the symlink refused")
+    wait_for(lambda: len(_rejections(session.run_dir)) >= 2, 10, "the symlink refused")
     control.unlink()
     with control.open("w") as f:  # valid JSON, far over the cap
         f.write('{"trace_every": 1, "pad": "' + "x" * (4 * MAX_FILE_BYTES) + '"}')
-    _wait_for(
+    wait_for(
         lambda: any(f"larger than {MAX_FILE_BYTES}" in m for m in _rejections(session.run_dir)), 10, "big"
     )
     assert len(_rejections(session.run_dir)) == 3  # each refused once, not at every poll
@@ -192,12 +183,12 @@ def test_a_blocked_control_read_does_not_stop_stack_dumps(tmp_path: Path) -> Non
     try:
         with ot.step(0):
             pass
-        _wait_for(reading.is_set, 10, "the control thread to block")
+        wait_for(reading.is_set, 10, "the control thread to block")
         os.kill(os.getpid(), signal.SIGUSR1)
-        _wait_for(
+        wait_for(
             lambda: [e for e in _events(session.run_dir) if e["event"] == "stack_dump"], 10, "SIGUSR1 dump"
         )
-        _wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 10, "stall dump")
+        wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 10, "stall dump")
     finally:
         release.set()
 

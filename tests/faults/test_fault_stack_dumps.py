@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from helpers.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,16 +26,6 @@ def _spawn(script: Path, *args: str) -> subprocess.Popen[str]:
         text=True,
         env=env,
     )
-
-
-def _wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _events(run_dir: Path, event: str) -> list[dict[str, Any]]:
@@ -127,10 +118,10 @@ def test_a_c_call_holding_the_gil_still_gets_stall_and_signal_dumps(tmp_path: Pa
     try:
         assert proc.stdout.readline().strip() == "holding"
         # The backstop timer (stall_timeout_s + a margin without a watchdog wake-up) fires from C.
-        _wait_for(lambda: dumps() >= 1, 9, "faulthandler's stall backstop")
+        wait_for(lambda: dumps() >= 1, 9, "faulthandler's stall backstop")
         assert proc.poll() is None  # still inside the C call
         proc.send_signal(signal.SIGUSR1)
-        _wait_for(lambda: dumps() >= 2, 5, "faulthandler's dump on SIGUSR1")
+        wait_for(lambda: dumps() >= 2, 5, "faulthandler's dump on SIGUSR1")
         assert proc.poll() is None  # still inside the C call: both came while the GIL was held
         line = next(n for n, text in enumerate(GIL_HOLDER.splitlines(), 1) if "libc.sleep" in text)
         assert f"line {line} in <module>" in raw.read_text()  # the frame inside the C call

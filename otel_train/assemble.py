@@ -38,9 +38,8 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.bridges.process import BridgeProcess, BridgeSpec
     from otel_train.cadence import Cadence
     from otel_train.collectives import CollectiveMonitor
-    from otel_train.gpu_discovery import Discovery
     from otel_train.hang_attribution import HangReporter
-    from otel_train.hardware import HardwareMonitor
+    from otel_train.hardware import Discovery, HardwareMonitor
     from otel_train.health import HealthEvents
     from otel_train.straggler import CrossRankReducer
     from otel_train.worker import Instruments
@@ -537,7 +536,7 @@ def _report_stuck_worker(session: Session) -> None:
 
 def _check_launch(session: Session, place: RunPlace, gpu_discovery: Discovery | None) -> dict[str, Any]:
     from otel_train.distributed import process_group_initialized
-    from otel_train.gpu_discovery import RES_GPU_UUID
+    from otel_train.hardware import RES_GPU_UUID
     from otel_train.launch_check import check_launch, local_facts
 
     gpu_uuid = gpu_discovery.resource_attributes().get(RES_GPU_UUID) if gpu_discovery else None

@@ -20,7 +20,7 @@ from typing import Any, Literal
 OtlpProtocol = Literal["http/protobuf", "grpc"]
 TimingLogOption = Literal["max", "minmax", "all"]
 WatchAggregate = Literal["layer", "model"]
-# The precision MFU's peak is taken for (otel_train.mfu); "auto": detected (see Config.compute_dtype).
+# The precision MFU's peak is taken for (otel_train.hardware.mfu); "auto": detected (see Config.compute_dtype).
 ComputeDtype = Literal["auto", "fp8", "bf16", "fp16", "tf32", "fp32"]
 
 

@@ -4,7 +4,7 @@ Two triggers, neither on a healthy step's path:
 - a `torch.cuda.OutOfMemoryError` that leaves `ot.step` (StepScope.__exit__ sees the exception
   type; only a raising step pays even the check). Written at once, on the training thread: the
   exception is about to end the process, and a thread might not get to run.
-- the `memory_pressure` event (efficiency.py, on the worker at a flush): reserved or used memory
+- the `memory_pressure` event (hardware/efficiency.py, on the worker at a flush): reserved or used memory
   above 95 % of the device.
 
 Each dump writes `torch.cuda.memory_summary()` and, when the user recorded allocation history

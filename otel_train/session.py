@@ -26,8 +26,8 @@ from otel_train.buffer import Buffer, FlushBatch, SpanRecord
 from otel_train.closing import close_listeners, close_sinks, drain_worker, stop_exporters
 from otel_train.config import Config
 from otel_train.distributed import Identity
+from otel_train.hardware import autocast_dtype
 from otel_train.interval import FlushListener
-from otel_train.mfu import autocast_dtype
 from otel_train.profiling import advance_window, start_window
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs

@@ -364,7 +364,9 @@ def test_the_checker_sees_the_package() -> None:
     )
     graph = import_graph(modules)
     assert "otel_train.session" in graph["otel_train"]
-    assert {"otel_train.gpu_discovery", "otel_train.gpu_sampler"} <= graph["otel_train.hardware"]
+    assert {"otel_train.hardware.discovery", "otel_train.hardware.gpu_sampler"} <= graph[
+        "otel_train.hardware.monitor"
+    ]
     assert "otel_train.session" not in graph["otel_train.model_watch"]
 
 

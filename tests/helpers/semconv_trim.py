@@ -1,4 +1,4 @@
-"""Trim the OTel hardware semantic conventions to what tests/test_hw_semconv.py checks.
+"""Trim the OTel hardware semantic conventions to what tests/hardware/test_semconv.py checks.
 
     python tests/helpers/semconv_trim.py <semantic-conventions checkout>/model/hardware <tag> <commit> \\
         > tests/data/semconv_hw.yaml
@@ -71,6 +71,6 @@ if __name__ == "__main__":
     data = trim(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
     header = (
         f"# The OTel hardware semantic conventions ({data['source']['tag']}), trimmed by\n"
-        "# tests/helpers/semconv_trim.py to what tests/test_hw_semconv.py checks. Do not edit by hand.\n"
+        "# tests/helpers/semconv_trim.py to what tests/hardware/test_semconv.py checks. Do not edit by hand.\n"
     )
     sys.stdout.write(header + yaml.safe_dump(data, sort_keys=False, width=110))

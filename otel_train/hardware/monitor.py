@@ -1,13 +1,5 @@
-"""Hardware telemetry for one rank: the facade over discovery, the samplers and the flush figures.
-
-The parts, one job each (rules in reference/failure-modes.md §4):
-
-* ``gpu_discovery``: NVML init and this rank's GPU, on a daemon thread under a timeout.
-* ``gpu_sampler``: the NVML sampler thread; SDK callbacks read its snapshot, never NVML.
-* ``host_sampler``: the psutil sampler thread (process CPU/memory, node memory).
-* ``efficiency``: CUDA allocator, memory pressure, energy and MFU, at the interval flush on the
-  background worker (``on_flush``). Nothing here runs on the training thread's step path.
-"""
+"""HardwareMonitor: the facade `assemble` builds, over discovery, the two samplers and the flush
+figures (the package docstring, `otel_train/hardware/__init__.py`, tells the whole story)."""
 
 from __future__ import annotations
 
@@ -21,36 +13,19 @@ from typing import Any
 from opentelemetry.metrics import Meter
 
 from otel_train.config import Config
-from otel_train.efficiency import FlushEfficiency
-from otel_train.gpu_discovery import (
-    RES_GPU_DRIVER_VERSION,
-    RES_GPU_NAME,
-    RES_GPU_PCI_BUS_ID,
-    RES_GPU_UUID,
+from otel_train.hardware.discovery import (
     Discovery,
     discover_with_timeout,
-    parse_cuda_visible_devices,
     shutdown_quietly,
     torch_cuda_if_loaded,
 )
-from otel_train.gpu_sampler import GpuSampler
+from otel_train.hardware.efficiency import FlushEfficiency
+from otel_train.hardware.gpu_sampler import GpuSampler
+from otel_train.hardware.host_sampler import HostSampler
 from otel_train.health import EventChannel, NullEventChannel
-from otel_train.host_sampler import HostSampler
 from otel_train.interval import Interval
 
-__all__ = [
-    "RES_GPU_DRIVER_VERSION",
-    "RES_GPU_NAME",
-    "RES_GPU_PCI_BUS_ID",
-    "RES_GPU_UUID",
-    "Discovery",
-    "EventChannel",
-    "HardwareMonitor",
-    "discover_with_timeout",
-    "parse_cuda_visible_devices",
-]
-
-log = logging.getLogger(__name__)
+log = logging.getLogger("otel_train.hardware")
 
 _GPU_THREAD = "otel-train-hw-gpu"
 _HOST_THREAD = "otel-train-hw-host"
@@ -125,7 +100,7 @@ class HardwareMonitor:
         return self.gpu_sampler.samples_taken
 
     def set_flops_per_token(self, flops_per_token: float | None, dtype: str | None = None) -> None:
-        """Model training FLOPs per token (see otel_train.mfu) and optionally the compute dtype."""
+        """Model training FLOPs per token (see otel_train.hardware.mfu) and optionally the compute dtype."""
         self.efficiency.set_flops_per_token(flops_per_token)
         if dtype is not None:
             self.set_compute_dtype(dtype)

@@ -22,7 +22,6 @@ from helpers.fake_nvml import (
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from otel_train import gpu_sampler
 from otel_train import semconv as sc
 from otel_train.config import Config
 from otel_train.hardware import (
@@ -31,6 +30,7 @@ from otel_train.hardware import (
     RES_GPU_PCI_BUS_ID,
     RES_GPU_UUID,
     HardwareMonitor,
+    gpu_sampler,
     parse_cuda_visible_devices,
 )
 from otel_train.interval import Interval

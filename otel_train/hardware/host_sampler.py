@@ -11,7 +11,7 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel_train import semconv as sc
-from otel_train.hw_outputs import create_instrument
+from otel_train.hardware.outputs import create_instrument
 
 # One logger for the whole hardware subsystem (its modules were one file): users filter on it.
 log = logging.getLogger("otel_train.hardware")

@@ -16,12 +16,11 @@ from helpers.fake_nvml import FakeGpu, FakeNvml, gpu_uuid
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from otel_train import gpu_sampler
 from otel_train import semconv as sc
 from otel_train.config import Config
-from otel_train.hardware import HardwareMonitor
+from otel_train.hardware import HardwareMonitor, gpu_sampler
 
-SPEC = yaml.safe_load((Path(__file__).parent / "data" / "semconv_hw.yaml").read_text())
+SPEC = yaml.safe_load((Path(__file__).parents[1] / "data" / "semconv_hw.yaml").read_text())
 INSTRUMENT = {
     sc.Kind.GAUGE: "gauge", sc.Kind.OBSERVABLE_GAUGE: "gauge", sc.Kind.COUNTER: "counter",
     sc.Kind.OBSERVABLE_COUNTER: "counter", sc.Kind.OBSERVABLE_UP_DOWN_COUNTER: "updowncounter",

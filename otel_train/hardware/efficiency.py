@@ -15,12 +15,12 @@ from opentelemetry.metrics import Meter
 
 from otel_train import semconv as sc
 from otel_train.config import Config
-from otel_train.gpu_discovery import cuda_initialized, torch_device_index
-from otel_train.gpu_sampler import GpuSampler
+from otel_train.hardware.discovery import cuda_initialized, torch_device_index
+from otel_train.hardware.gpu_sampler import GpuSampler
+from otel_train.hardware.mfu import float32_matmul_dtype, normalize_dtype, resolve_peak
+from otel_train.hardware.outputs import create_instrument
 from otel_train.health import EventChannel
-from otel_train.hw_outputs import create_instrument
 from otel_train.interval import Interval
-from otel_train.mfu import float32_matmul_dtype, normalize_dtype, resolve_peak
 
 # One logger for the whole hardware subsystem (its modules were one file): users filter on it.
 log = logging.getLogger("otel_train.hardware")

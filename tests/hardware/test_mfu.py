@@ -16,8 +16,7 @@ from torch import nn
 from otel_train import semconv as sc
 from otel_train.config import Config
 from otel_train.hardware import HardwareMonitor
-from otel_train.interval import Interval
-from otel_train.mfu import (
+from otel_train.hardware.mfu import (
     count_non_embedding_params,
     detect_layers_and_width,
     flops_per_token_from_model,
@@ -25,6 +24,7 @@ from otel_train.mfu import (
     resolve_peak,
     transformer_flops_per_token,
 )
+from otel_train.interval import Interval
 
 V, D, FF, L, S = 50, 16, 32, 2, 24
 

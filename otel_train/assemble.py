@@ -35,7 +35,8 @@ from otel_train.session import Session
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
     from opentelemetry.sdk.resources import Resource
 
-    from otel_train.bridges.process import BridgeProcess, BridgeSpec
+    from otel_train.bridges.process import BridgeProcess
+    from otel_train.bridges.table import BridgeSpec
     from otel_train.cadence import Cadence
     from otel_train.collectives import CollectiveMonitor
     from otel_train.hang_attribution import HangReporter
@@ -375,59 +376,28 @@ def _reducer_and_cadence(
 
 
 def bridge_specs(config: Config, place: RunPlace) -> list[BridgeSpec]:
-    """TensorBoard / W&B / MLflow as (module, class, plain kwargs) for the bridge process."""
-    from otel_train.bridges.framing import plain
+    """The switched-on bridges (`bridges/table`) as the bridge process builds them."""
+    from otel_train.bridges.table import BridgePlace, specs
 
-    run_name = place.run_name
-    role = place.identity.role
-    files = RunFiles(place.run_dir or Path(config.output_dir) / run_name, place.identity.rank, role)
-    run_dir = str(files.run_dir)
-    rank_suffix = place.identity.rank if config.bridge_all_ranks else None
-    name = run_name if not role else f"{run_name}-{role}"
-    name = name if rank_suffix is None else f"{name}-rank{rank_suffix}"
-    specs: list[BridgeSpec] = []
-    if config.tensorboard:
-        specs.append(
-            (
-                "otel_train.bridges.tensorboard",
-                "TensorBoardSink",
-                {"log_dir": str(files.tensorboard), "run_name": name},
-            )
-        )
-    if config.wandb:
-        wandb_args = {
-            "run_dir": run_dir,
-            "config_dict": plain({"otel_train": config_as_dict(config)}),
-            "project": config.wandb_project,
-            "entity": config.wandb_entity,
-            "group": config.wandb_group,
-            "tags": list(config.wandb_tags),
-            "mode": config.wandb_mode,
-            # with a role, its own W&B run (id and name carry the role), grouped under the run name
-            "run_name": run_name if not role else f"{run_name}-{role}",
-            "run_id": place.identity.run_id if not role else f"{place.identity.run_id}-{role}",
-            "rank": rank_suffix,
-            "role": role,
-        }
-        if role and not config.wandb_group:
-            wandb_args["group"] = run_name
-        specs.append(("otel_train.bridges.wandb", "WandbSink", wandb_args))
-    if config.mlflow:
-        mlflow_args = {
-            "run_dir": run_dir,
-            "tracking_uri": config.mlflow_tracking_uri,
-            "experiment": config.mlflow_experiment,
-            "run_name": name,
-        }
-        specs.append(("otel_train.bridges.mlflow", "MlflowSink", mlflow_args))
-    return specs
+    return specs(
+        config,
+        BridgePlace(
+            run_dir=place.run_dir or Path(config.output_dir) / place.run_name,
+            run_name=place.run_name,
+            run_id=place.identity.run_id,
+            rank=place.identity.rank,
+            role=place.identity.role,
+            every_rank=config.bridge_all_ranks,
+        ),
+    )
 
 
 def _bridge_process(config: Config, place: RunPlace, instruments: Instruments) -> BridgeProcess | None:
     """TensorBoard / W&B / MLflow in one child process (`bridges.process`), off this process's
     GIL. A missing package or an unwritable directory raises here, at
     init(), naming the extra or the path (the child reports its set-up before init() returns)."""
-    from otel_train.bridges.process import BridgeProcess, BridgeSetupFailed
+    from otel_train.bridges.errors import BridgeSetupFailed
+    from otel_train.bridges.process import BridgeProcess
 
     specs = bridge_specs(config, place)
     if not specs:

@@ -101,12 +101,9 @@ def doctor() -> int:
         print(
             f"prometheus pull endpoint: {config.prometheus_host}:{config.prometheus_port}+local_rank ({state})"
         )
-    for extra, module in (
-        ("tensorboard", "tensorboard"),
-        ("wandb", "wandb"),
-        ("mlflow", "mlflow"),
-        ("gpu", "pynvml"),
-    ):
+    from otel_train.bridges.table import BRIDGES
+
+    for extra, module in [(b.extra, b.import_name) for b in BRIDGES] + [("gpu", "pynvml")]:
         present = find_spec(module) is not None
         print(
             f"extra [{extra}]: {'installed' if present else 'missing: pip install otel-train[' + extra + ']'}"

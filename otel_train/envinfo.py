@@ -10,9 +10,10 @@ import sys
 from importlib import metadata
 from typing import Any
 
+# The bridges' packages come from the bridge table (bridges/table.py).
 _PACKAGES = (
     "otel-train", "torch", "numpy", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http",
-    "opentelemetry-exporter-prometheus", "prometheus-client", "tensorboard", "wandb", "mlflow", "nvidia-ml-py",
+    "opentelemetry-exporter-prometheus", "prometheus-client", "nvidia-ml-py",
 )  # fmt: skip
 # Environment variables that describe placement; values are not secrets. Nothing else is recorded.
 _PLACEMENT_ENV = (
@@ -22,8 +23,10 @@ _PLACEMENT_ENV = (
 
 
 def collect_env() -> dict[str, Any]:
+    from otel_train.bridges.table import BRIDGES
+
     packages = {}
-    for name in _PACKAGES:
+    for name in _PACKAGES + tuple(b.distribution for b in BRIDGES):
         try:
             packages[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

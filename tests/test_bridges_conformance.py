@@ -93,7 +93,7 @@ def test_same_scalars_read_back(backend: str, tmp_path: Path, monkeypatch: pytes
 def test_missing_package_names_the_extra(
     backend: str, module: str, extra: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from otel_train.bridges.threaded import BridgeImportError
+    from otel_train.bridges.errors import BridgeImportError
 
     monkeypatch.setitem(sys.modules, module, None)  # makes `import <module>` raise ImportError
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from helpers.readback import read_mlflow
 
+from otel_train.bridges.errors import BridgeSetupError
 from otel_train.bridges.mlflow import MlflowSink, default_tracking_uri, sanitize_key, seed_local_store
-from otel_train.bridges.threaded import BridgeSetupError
 from otel_train.config import Config, config_as_dict
 
 pytest.importorskip("mlflow")

@@ -10,8 +10,8 @@ import pytest
 from helpers.readback import read_tensorboard
 
 from otel_train.bridges.base import flatten_params
+from otel_train.bridges.errors import BridgeSetupError
 from otel_train.bridges.tensorboard import TensorBoardSink
-from otel_train.bridges.threaded import BridgeSetupError
 from otel_train.config import Config, config_as_dict, redact
 
 pytest.importorskip("torch.utils.tensorboard")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers.readback import read_wandb_offline
 
-from otel_train.bridges.threaded import BridgeSetupError
+from otel_train.bridges.errors import BridgeSetupError
 from otel_train.bridges.wandb import WandbSink, has_wandb_credentials, resolve_mode
 from otel_train.config import Config, config_as_dict
 

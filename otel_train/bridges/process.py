@@ -37,19 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.bridges.base import Sink
+from otel_train.bridges.errors import BridgeSetupFailed
 from otel_train.bridges.framing import encode, plain, read_frame, write_frame
+from otel_train.bridges.table import BridgeSpec
 
 log = logging.getLogger("otel_train")
 
-# (module, class name, keyword arguments): a bridge the child builds; kwargs are plain data.
-BridgeSpec = tuple[str, str, dict[str, Any]]
-
 SETUP_TIMEOUT_S = 120.0  # importing torch.utils.tensorboard, wandb and mlflow on a busy machine
 CHILD_GRACE_S = 30.0  # per bridge, in parallel, in the child: then a hung bridge is abandoned
-
-
-class BridgeSetupFailed(RuntimeError):
-    """The bridge process could not build a bridge; the message is the bridge's own."""
 
 
 class BridgeProcess(Sink):

@@ -15,7 +15,6 @@ that feeds every sink. Each backend therefore gets a `ThreadedSink`:
   the queue to drain. A backend that is still stuck after that is abandoned (its thread is a
   daemon thread, so it cannot keep the process alive) and `closed_cleanly` is False.
 
-The module also holds the two errors every bridge raises at construction time.
 """
 
 from __future__ import annotations
@@ -32,46 +31,6 @@ from otel_train.bridges.base import Sink
 logger = logging.getLogger("otel_train")
 
 _CLOSE = "close"
-
-
-class BridgeImportError(ImportError):
-    """The backend package of a bridge is not installed. The message names the extra to install."""
-
-    def __init__(self, backend: str, extra: str, cause: BaseException | None = None) -> None:
-        detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
-        super().__init__(
-            f"the {backend} bridge needs the {extra!r} package, which could not be imported{detail}. "
-            f"Install it with: pip install 'otel-train[{extra}]', or turn the bridge off."
-        )
-        self.backend = backend
-        self.extra = extra
-
-
-class BridgeSetupError(RuntimeError):
-    """A bridge cannot start: for example its log directory cannot be created or written."""
-
-
-def ensure_writable_dir(path: Any, backend: str) -> None:
-    """Create `path` (and parents) and prove it is writable with a probe file.
-
-    Raises `BridgeSetupError` naming the path and the reason. Uses a real write, not permission bits,
-    so it also catches read-only file systems and runs as root.
-    """
-    import os
-    import tempfile
-
-    path = os.fspath(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".otel-train-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise BridgeSetupError(
-            f"the {backend} bridge cannot write to its directory {path!r}: "
-            f"{exc.strerror or exc} ({type(exc).__name__}). "
-            "Point output_dir at a writable location, or turn the bridge off."
-        ) from exc
 
 
 class ThreadedSink(Sink):

@@ -1,0 +1,51 @@
+"""The errors a bridge raises while it starts, and the check behind the second one. The bridge
+process (`bridges/process`) reports either by name to the training process, where `init()` turns it
+into a `ConfigError` naming the extra to install or the path to fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BridgeImportError(ImportError):
+    """The backend package of a bridge is not installed. The message names the extra to install."""
+
+    def __init__(self, backend: str, extra: str, cause: BaseException | None = None) -> None:
+        detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        super().__init__(
+            f"the {backend} bridge needs the {extra!r} package, which could not be imported{detail}. "
+            f"Install it with: pip install 'otel-train[{extra}]', or turn the bridge off."
+        )
+        self.backend = backend
+        self.extra = extra
+
+
+class BridgeSetupError(RuntimeError):
+    """A bridge cannot start: for example its log directory cannot be created or written."""
+
+
+def ensure_writable_dir(path: Any, backend: str) -> None:
+    """Create `path` (and parents) and prove it is writable with a probe file.
+
+    Raises `BridgeSetupError` naming the path and the reason. Uses a real write, not permission bits,
+    so it also catches read-only file systems and runs as root.
+    """
+    import os
+    import tempfile
+
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".otel-train-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise BridgeSetupError(
+            f"the {backend} bridge cannot write to its directory {path!r}: "
+            f"{exc.strerror or exc} ({type(exc).__name__}). "
+            "Point output_dir at a writable location, or turn the bridge off."
+        ) from exc
+
+
+class BridgeSetupFailed(RuntimeError):
+    """The bridge process could not build a bridge; the message is the bridge's own."""

@@ -1,0 +1,107 @@
+"""The one table of bridges: what turns each on, where its sink class lives, what it is built with
+and which package it needs.
+
+`assemble` builds the bridge process from it (`specs`), `otel-train doctor` checks its packages and
+`env.json` records their versions. Adding a bridge (README, "How it fits together"): its sink module
+under `bridges/`, one row in `BRIDGES`, the setting that switches it on (and its own settings) in
+`config.py`, and its tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from otel_train.bridges.framing import plain
+from otel_train.bridges.rundir import RunFiles
+from otel_train.config import Config, config_as_dict
+
+BridgeSpec = tuple[str, str, dict[str, Any]]  # (module, sink class, plain keyword arguments)
+
+
+@dataclass(frozen=True)
+class BridgePlace:
+    """Where this process's bridges write and what they call the run."""
+
+    run_dir: Path
+    run_name: str
+    run_id: str
+    rank: int  # this process's rank (its RunFiles)
+    role: str = ""
+    every_rank: bool = False  # bridge_all_ranks: each rank writes its own, named with its rank
+
+    @property
+    def display_name(self) -> str:
+        """run name, then `-<role>` with a role, then `-rank<k>` when every rank writes its own."""
+        name = self.run_name if not self.role else f"{self.run_name}-{self.role}"
+        return f"{name}-rank{self.rank}" if self.every_rank else name
+
+    @property
+    def files(self) -> RunFiles:
+        return RunFiles(self.run_dir, self.rank, self.role)
+
+
+@dataclass(frozen=True)
+class Bridge:
+    name: str  # the backend, as messages name it
+    module: str
+    sink_class: str
+    enabled: Callable[[Config], bool]
+    settings: Callable[[Config, BridgePlace], dict[str, Any]]  # the sink's keyword arguments
+    extra: str  # pip install 'otel-train[<extra>]'
+    distribution: str  # the PyPI distribution whose version env.json records
+    import_name: str  # the module `otel-train doctor` looks for
+
+
+def _tensorboard(config: Config, place: BridgePlace) -> dict[str, Any]:
+    return {"log_dir": str(place.files.tensorboard), "run_name": place.display_name}
+
+
+def _wandb(config: Config, place: BridgePlace) -> dict[str, Any]:
+    role = place.role
+    return {
+        "run_dir": str(place.run_dir),
+        "config_dict": plain({"otel_train": config_as_dict(config)}),
+        "project": config.wandb_project,
+        "entity": config.wandb_entity,
+        # with a role, its own W&B run (id and name carry the role), grouped under the run name
+        "group": config.wandb_group or (place.run_name if role else None),
+        "tags": list(config.wandb_tags),
+        "mode": config.wandb_mode,
+        "run_name": place.run_name if not role else f"{place.run_name}-{role}",
+        "run_id": place.run_id if not role else f"{place.run_id}-{role}",
+        "rank": place.rank if place.every_rank else None,
+        "role": role,
+    }
+
+
+def _mlflow(config: Config, place: BridgePlace) -> dict[str, Any]:
+    return {
+        "run_dir": str(place.run_dir),
+        "tracking_uri": config.mlflow_tracking_uri,
+        "experiment": config.mlflow_experiment,
+        "run_name": place.display_name,
+    }
+
+
+BRIDGES: tuple[Bridge, ...] = (
+    Bridge(
+        "TensorBoard", "otel_train.bridges.tensorboard", "TensorBoardSink", lambda c: c.tensorboard,
+        _tensorboard, "tensorboard", "tensorboard", "tensorboard",
+    ),
+    Bridge(
+        "W&B", "otel_train.bridges.wandb", "WandbSink", lambda c: c.wandb,
+        _wandb, "wandb", "wandb", "wandb",
+    ),
+    Bridge(
+        "MLflow", "otel_train.bridges.mlflow", "MlflowSink", lambda c: c.mlflow,
+        _mlflow, "mlflow", "mlflow", "mlflow",
+    ),
+)  # fmt: skip
+
+
+def specs(config: Config, place: BridgePlace) -> list[BridgeSpec]:
+    """The switched-on bridges as the bridge process builds them, in table order."""
+    return [(b.module, b.sink_class, b.settings(config, place)) for b in BRIDGES if b.enabled(config)]

@@ -19,16 +19,18 @@ from typing import TYPE_CHECKING, Any
 from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
-from otel_train.bridges.rundir import RunDirSink, RunFiles, write_json
+from otel_train.bridges.rundir import RunDirSink
 from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, signal_number
 from otel_train.distributed import Agreement, Identity, agree_job, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
 from otel_train.run_directory import (
+    RunFiles,
     avoid_live_owner,
     claim_run_dir,
     default_run_name,
     make_run_dir,
     run_dir_errors_as_config_errors,
+    write_json,
 )
 from otel_train.session import Session
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.bridges.rundir import RunFiles
 from otel_train.config import Config
 from otel_train.health import EventChannel
+from otel_train.run_directory import RunFiles
 
 if TYPE_CHECKING:
     from otel_train.profiling import ProfileWindow

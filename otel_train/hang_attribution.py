@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otel_train.bridges.rundir import RunFiles
 from otel_train.collectives import CollectiveMonitor, group_label, op_name, read_dump
 from otel_train.health import EventChannel
+from otel_train.run_directory import RunFiles
 
 log = logging.getLogger("otel_train")
 

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 from opentelemetry._logs import SeverityNumber
 
 from otel_train import semconv
-from otel_train.bridges.rundir import append_line
 from otel_train.interval import Interval
+from otel_train.run_directory import append_line
 
 log = logging.getLogger("otel_train")
 

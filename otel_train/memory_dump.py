@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otel_train.bridges.rundir import RunFiles
 from otel_train.health import EventChannel
+from otel_train.run_directory import RunFiles
 
 log = logging.getLogger("otel_train")
 

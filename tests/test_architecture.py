@@ -506,7 +506,7 @@ def test_a_planted_violation_fails_the_package_check(tmp_path: Path, planted: st
     assert len(new) >= 1 and all(v.startswith(planted) for v in new), new
 
 
-# --- names owned by one module: bridge keys (semconv) and run-directory files (bridges/rundir) ------
+# --- names owned by one module: bridge keys (semconv) and run-directory files (run_directory) --------
 def _string_constants(tree: ast.Module) -> Iterator[tuple[int, str]]:
     """(line, text) of every string constant that is not a docstring (f-string parts included)."""
     docstrings: set[int] = set()
@@ -555,7 +555,7 @@ def _catalogue_keys() -> frozenset[str]:
 
 def _run_file_names() -> frozenset[str]:
     """Every file name `RunFiles` gives; per-rank names as their fixed start (`metrics.rank`)."""
-    from otel_train.bridges.rundir import RunFiles
+    from otel_train.run_directory import RunFiles
 
     files = RunFiles(Path("/run"), 7)
     names: set[str] = set()
@@ -579,7 +579,7 @@ def test_bridge_keys_and_run_files_are_spelled_once() -> None:
     keys, files = _catalogue_keys(), _run_file_names()
     assert {"train/loss", "throughput/tokens_per_s", "timers/step/mean"} <= keys
     assert {"progress.txt", "control.json", "metrics.rank", "stacks.rank"} <= files
-    owned = {"otel_train.semconv": keys, "otel_train.bridges.rundir": files}
+    owned = {"otel_train.semconv": keys, "otel_train.run_directory": files}
     assert retyped_names(PACKAGE_DIR, owned, OWNED_NAMES_EXEMPT) == []
 
 

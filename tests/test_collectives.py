@@ -268,8 +268,8 @@ def test_each_collective_is_counted_once_and_a_wrapped_buffer_is_said_once(caplo
 
 
 def test_stray_and_malformed_files_are_skipped_not_fatal(tmp_path: Path) -> None:
-    from otel_train.bridges.rundir import RunFiles
     from otel_train.hang_attribution import read_summaries, summarize
+    from otel_train.run_directory import RunFiles
 
     waiting = {str(s): "all_reduce" for s in range(3, 8)}
     for rank in (0, 2):

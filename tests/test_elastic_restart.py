@@ -83,7 +83,9 @@ def test_elastic_restart_keeps_one_run_directory_and_reforms_the_exchange(tmp_pa
         assert result["interruptions"] == 1, f"rank {rank}: {result['interruptions']} interruptions"
 
     rows = _rows(run_dir / "metrics.rank0.jsonl")
-    after = [r for r in rows if r.get("step", -1) >= RESUME_FROM + LOG_INTERVAL and r.get("step", 0) < END - 1]
+    after = [
+        r for r in rows if r.get("step", -1) >= RESUME_FROM + LOG_INTERVAL and r.get("step", 0) < END - 1
+    ]
     cross = [k for r in after for k in r if k.startswith("timers/forward/ranks_")]
     assert cross, "no cross-rank timer statistics after the restart: the exchange did not re-form"
 

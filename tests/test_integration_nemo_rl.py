@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import otel_train as ot
-from otel_train.bridges.rundir import RunFiles
 from otel_train.integrations.nemo_rl import OtelTrainLogger, publish_reductions
+from otel_train.run_directory import RunFiles
 
 
 class NemoLogger:

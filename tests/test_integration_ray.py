@@ -19,7 +19,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import otel_train.integrations.ray as otr
-from otel_train.bridges.rundir import RunFiles
+from otel_train.run_directory import RunFiles
 
 
 def _train_fn(config: dict[str, Any]) -> None:

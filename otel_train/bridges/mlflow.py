@@ -32,7 +32,7 @@ from typing import Any
 
 from otel_train.bridges.base import Sink, flatten_params
 from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
-from otel_train.bridges.rundir import RunFiles
+from otel_train.run_directory import RunFiles
 
 logger = logging.getLogger("otel_train")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.bridges.framing import plain
-from otel_train.bridges.rundir import RunFiles
 from otel_train.config import Config, config_as_dict
+from otel_train.run_directory import RunFiles
 
 BridgeSpec = tuple[str, str, dict[str, Any]]  # (module, sink class, plain keyword arguments)
 

@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from helpers.fake_nvml import FakeGpu, FakeNvml, gpu_uuid  # noqa: E402
 
 from otel_train.config import Config  # noqa: E402
-from otel_train.hardware import HardwareMonitor  # noqa: E402
+from otel_train.hardware import HardwareMonitor, discover_with_timeout  # noqa: E402
 from otel_train.interval import Interval  # noqa: E402
 
 
@@ -44,9 +44,12 @@ def make(interval_s: float) -> tuple[HardwareMonitor, InMemoryMetricReader, Fake
     provider = MeterProvider(metric_readers=[reader])
     nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0))])
     mon = HardwareMonitor(
-        Config(hardware_interval_s=interval_s, flops_per_token=1e9), provider.get_meter("bench"), None, 0,
-        nvml=nvml, environ={},
-    )  # fmt: skip
+        Config(hardware_interval_s=interval_s, flops_per_token=1e9),
+        provider.get_meter("bench"),
+        None,
+        0,
+        discover_with_timeout(0, nvml, {}),
+    )
     return mon, reader, nvml, provider
 
 

@@ -344,11 +344,11 @@ def _sinks(
 def _start_hardware(
     config: Config, meter: Any, events: HealthEvents, ident: Identity, gpu_discovery: Discovery | None
 ) -> HardwareMonitor | None:
-    if not config.hardware:
+    if not config.hardware or gpu_discovery is None:  # discovered whenever hardware is on
         return None
     from otel_train.hardware import HardwareMonitor
 
-    hardware = HardwareMonitor(config, meter, events, ident.local_rank, discovery=gpu_discovery)
+    hardware = HardwareMonitor(config, meter, events, ident.local_rank, gpu_discovery)
     hardware.start()
     return hardware
 

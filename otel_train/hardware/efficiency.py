@@ -8,6 +8,7 @@ step path. torch is never imported (nor CUDA initialised) here: only a loaded, i
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ from opentelemetry.metrics import Meter
 
 from otel_train import semconv as sc
 from otel_train.config import Config
-from otel_train.hardware.discovery import cuda_initialized, torch_device_index
+from otel_train.hardware.discovery import cuda_initialized, torch_cuda_if_loaded, torch_device_index
 from otel_train.hardware.gpu_sampler import GpuSampler
 from otel_train.hardware.mfu import float32_matmul_dtype, normalize_dtype, resolve_peak
 from otel_train.hardware.outputs import create_instrument
@@ -44,19 +45,16 @@ class FlushEfficiency:
         events: EventChannel,
         local_rank: int,
         gpu: GpuSampler,
-        torch_cuda: Callable[[], Any | None],
-        environ: Mapping[str, str],
-        compute_dtype: str | None,
     ) -> None:
         self._config = config
         self._meter = meter
         self._events = events
         self._local_rank = local_rank
         self._gpu = gpu
-        self._torch_cuda = torch_cuda
-        self._environ = environ
+        # torch.cuda when torch loaded it (never imported here); tests replace it with a fake
+        self.torch_cuda: Callable[[], Any | None] = torch_cuda_if_loaded
         # None: detected (the autocast dtype seen at a flush, else bf16); see Config.compute_dtype.
-        setting = compute_dtype if compute_dtype is not None else config.compute_dtype
+        setting = config.compute_dtype
         self._dtype: str | None = normalize_dtype(setting) if setting != "auto" else None
         self._detected: str | None = None
         self._peak_dtype: str | None = None  # the dtype `_peak` was resolved for
@@ -110,7 +108,7 @@ class FlushEfficiency:
 
     # -- CUDA allocator --------------------------------------------------------------------------------
     def flush_cuda(self, interval: Interval) -> None:
-        tc = self._torch_cuda()
+        tc = self.torch_cuda()
         if not cuda_initialized(tc):
             return
         assert tc is not None
@@ -207,7 +205,7 @@ class FlushEfficiency:
     def _device_name(self) -> str | None:
         if self._gpu.devices:
             return self._gpu.devices[0].dev.name
-        tc = self._torch_cuda()
+        tc = self.torch_cuda()
         if cuda_initialized(tc):
             assert tc is not None
             try:
@@ -225,7 +223,7 @@ class FlushEfficiency:
         if self._peak is not None:
             return self._peak
         name = self._device_name()
-        peak = resolve_peak(name, dtype, self._config.peak_flops, self._environ)
+        peak = resolve_peak(name, dtype, self._config.peak_flops, os.environ)
         if peak[0] is None and name is None:
             # No device known yet (CUDA may be initialised later): resolve again next flush.
             if not self._peak_logged:

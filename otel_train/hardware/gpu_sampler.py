@@ -104,9 +104,9 @@ class GpuSampler:
     Without a GPU (``attach`` never called, or no device) ``sample()`` does nothing.
     """
 
-    def __init__(self, events: EventChannel, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, events: EventChannel) -> None:
         self._events = events
-        self._clock = clock
+        self.clock: Callable[[], float] = time.monotonic  # the sample times' clock (tests replace it)
         self._nvml: Any | None = None
         self.devices: list[DeviceState] = []
         self._unsupported_codes: frozenset[int] = frozenset()
@@ -175,7 +175,7 @@ class GpuSampler:
         since = self._busy_since
         if since is None or self._stuck_warned:
             return
-        stuck_for = self._clock() - since
+        stuck_for = self.clock() - since
         if stuck_for > max(2 * interval_s, 5.0):
             self._stuck_warned = True
             log.warning(
@@ -189,7 +189,7 @@ class GpuSampler:
         if self._nvml is None:
             return
         with self._lock:
-            self._busy_since = self._clock()
+            self._busy_since = self.clock()
             try:
                 self.snapshot = self._sample_devices()
             finally:
@@ -218,7 +218,7 @@ class GpuSampler:
                 memory.append(sample.memory)
         if not any(not s.lost for s in self.devices):
             energy_total = None
-        return GpuSnapshot(self._clock(), obs, energy_total, tuple(memory))
+        return GpuSnapshot(self.clock(), obs, energy_total, tuple(memory))
 
     def _sample_device(self, state: DeviceState) -> _DeviceSample:
         out = _DeviceSample(state)
@@ -288,7 +288,7 @@ class GpuSampler:
         """hw.gpu.io: NVML gives PCIe throughput (KB/s over a short window), not a byte count, so
         the counter adds each sample's rate times the time since the previous sample."""
         nvml: Any = self._nvml
-        now = self._clock()
+        now = self.clock()
         elapsed = now - state.io_sampled_at if state.io_sampled_at is not None else 0.0
         state.io_sampled_at = now
         for direction, counter in (

@@ -20,10 +20,11 @@ HOST_SPECS = (sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEM
 
 
 class HostSampler:
-    """Samples a ``psutil.Process`` (this one unless given) into ``observations``."""
+    """Samples a ``psutil.Process`` (``process``: this one unless set before
+    ``create_instruments``) into ``observations``."""
 
-    def __init__(self, process: Any | None = None) -> None:
-        self._process = process
+    def __init__(self) -> None:
+        self.process: Any | None = None
         self._primed = False
         self.observations: Mapping[str, list[Observation]] = {}
 
@@ -32,8 +33,8 @@ class HostSampler:
         try:
             import psutil
 
-            if self._process is None:
-                self._process = psutil.Process()
+            if self.process is None:
+                self.process = psutil.Process()
         except Exception as exc:
             log.info("otel_train: no host metrics (psutil unavailable: %s)", exc)
             return
@@ -57,7 +58,7 @@ class HostSampler:
                 break
 
     def sample(self) -> None:
-        proc = self._process
+        proc = self.process
         if proc is None:
             return
         import psutil

@@ -4,20 +4,16 @@ figures (the package docstring, `otel_train/hardware/__init__.py`, tells the who
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from opentelemetry.metrics import Meter
 
 from otel_train.config import Config
 from otel_train.hardware.discovery import (
     Discovery,
-    discover_with_timeout,
     shutdown_quietly,
-    torch_cuda_if_loaded,
 )
 from otel_train.hardware.efficiency import FlushEfficiency
 from otel_train.hardware.gpu_sampler import GpuSampler
@@ -40,79 +36,22 @@ class HardwareMonitor:
     """
 
     def __init__(
-        self,
-        config: Config,
-        meter: Meter,
-        events: EventChannel | None,
-        local_rank: int,
-        nvml: Any | None = None,
-        torch_cuda: Any | None = None,
-        *,
-        environ: Mapping[str, str] | None = None,
-        discovery: Discovery | None = None,
-        init_timeout_s: float = 5.0,
-        compute_dtype: str | None = None,
-        process: Any | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        self, config: Config, meter: Meter, events: EventChannel | None, local_rank: int, discovery: Discovery
     ) -> None:
+        """`discovery`: this rank's GPU as `discover_with_timeout` found it (before the Resource,
+        whose GPU attributes it gives)."""
         self._config = config
         self._meter = meter
         events = events if events is not None else NullEventChannel()
-        self._local_rank = local_rank
-        self._nvml_arg = nvml
-        self._torch_cuda_arg = torch_cuda
-        self._environ = os.environ if environ is None else environ
-        self._discovery = discovery
-        self._init_timeout_s = init_timeout_s
+        self.discovery = discovery
         self._interval_s = config.hardware_interval_s
         self._started = False
         self._closed = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.gpu_sampler = GpuSampler(events, clock)
-        self.host_sampler = HostSampler(process)
-        self.efficiency = FlushEfficiency(
-            config,
-            meter,
-            events,
-            local_rank,
-            self.gpu_sampler,
-            self._torch_cuda,
-            self._environ,
-            compute_dtype,
-        )
-
-    # -- public API -------------------------------------------------------------------------------------
-    def gpu_resource_attributes(self) -> dict[str, str]:
-        """{'hw.gpu.uuid', 'hw.gpu.pci_bus_id', 'hw.gpu.name', 'hw.gpu.driver_version'} of this rank's
-        GPU ({} without one). Runs discovery (bounded by init_timeout_s) if start() has not."""
-        if not self._config.hardware:
-            return {}
-        return self._discover().resource_attributes()
-
-    @property
-    def gpu_available(self) -> bool:
-        return bool(self.gpu_sampler.devices)
-
-    @property
-    def samples_taken(self) -> int:
-        """GPU samples taken so far (with ``wait_for_samples``: wait for the next ones)."""
-        return self.gpu_sampler.samples_taken
-
-    def set_flops_per_token(self, flops_per_token: float | None, dtype: str | None = None) -> None:
-        """Model training FLOPs per token (see otel_train.hardware.mfu) and optionally the compute dtype."""
-        self.efficiency.set_flops_per_token(flops_per_token)
-        if dtype is not None:
-            self.set_compute_dtype(dtype)
-
-    def set_compute_dtype(self, dtype: str) -> None:
-        """The dtype whose peak MFU divides by ('bf16', 'fp16', 'tf32', 'fp32', 'fp8'); replaces
-        the compute_dtype setting and its detection."""
-        self.efficiency.set_compute_dtype(dtype)
-
-    def resolve_peak(self) -> tuple[float | None, str | None]:
-        """(peak FLOP/s, source) used for MFU; (None, None) when unknown (no MFU)."""
-        return self.efficiency.resolve_peak()
+        self.gpu_sampler = GpuSampler(events)
+        self.host_sampler = HostSampler()
+        self.efficiency = FlushEfficiency(config, meter, events, local_rank, self.gpu_sampler)
 
     def start(self, background: bool = True) -> None:
         """Discover, create instruments, start sampling (``background=False``: no threads; call
@@ -120,7 +59,7 @@ class HardwareMonitor:
         if self._started or not self._config.hardware:
             return
         self._started = True
-        disc = self._discover()
+        disc = self.discovery
         if disc.nvml is not None and disc.devices:
             self.gpu_sampler.attach(disc.nvml, disc.devices)
             d = disc.devices[0]
@@ -141,10 +80,6 @@ class HardwareMonitor:
         self.gpu_sampler.sample()
         self.host_sampler.sample()
 
-    def wait_for_samples(self, n: int, timeout_s: float) -> bool:
-        """Block until at least ``n`` GPU samples were taken (tests); False on timeout."""
-        return self.gpu_sampler.wait_for_samples(n, timeout_s)
-
     def close(self, timeout_s: float = 0.5) -> None:
         """Stop sampling. A sampler stuck in NVML is abandoned (daemon thread), never waited on."""
         if self._closed:
@@ -156,8 +91,8 @@ class HardwareMonitor:
             thread.join(max(0.0, deadline - time.monotonic()))
         if not any(t.name == _GPU_THREAD for t in self._threads):
             self.gpu_sampler.release_nvml()  # no sampler thread: release here (the thread does so on exit)
-        if not self._started and self._discovery is not None and self._discovery.nvml is not None:
-            shutdown_quietly(self._discovery.nvml)  # discovered for resource attributes only
+        if not self._started and self.discovery.nvml is not None:
+            shutdown_quietly(self.discovery.nvml)  # discovered for resource attributes only
 
     # -- flush (background worker) --------------------------------------------------------------------
     def on_flush(self, interval: Interval) -> None:
@@ -176,16 +111,6 @@ class HardwareMonitor:
         self.gpu_sampler.warn_if_stuck(self._interval_s)
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _discover(self) -> Discovery:
-        if self._discovery is None:
-            self._discovery = discover_with_timeout(
-                self._local_rank, self._nvml_arg, self._environ, self._torch_cuda(), self._init_timeout_s
-            )
-        return self._discovery
-
-    def _torch_cuda(self) -> Any | None:
-        return self._torch_cuda_arg if self._torch_cuda_arg is not None else torch_cuda_if_loaded()
-
     def _spawn(self, run: Callable[[threading.Event, float], None], name: str) -> None:
         thread = threading.Thread(target=run, args=(self._stop, self._interval_s), name=name, daemon=True)
         self._threads.append(thread)

@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_train import semconv as sc
 from otel_train.config import Config
-from otel_train.hardware import RES_GPU_UUID, HardwareMonitor
+from otel_train.hardware import RES_GPU_UUID, HardwareMonitor, discover_with_timeout
 from otel_train.interval import Interval
 
 pytestmark = [
@@ -58,12 +58,11 @@ def monitor() -> Iterator[tuple[HardwareMonitor, InMemoryMetricReader, Events]]:
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
     events = Events()
+    local_rank = torch.cuda.current_device()
+    # nvmlInit without persistence mode can take seconds per GPU
+    discovery = discover_with_timeout(local_rank, timeout_s=60)
     mon = HardwareMonitor(
-        Config(hardware_interval_s=0.25),
-        provider.get_meter("gpu-test"),
-        events,
-        torch.cuda.current_device(),
-        init_timeout_s=60,  # nvmlInit without persistence mode can take seconds per GPU
+        Config(hardware_interval_s=0.25), provider.get_meter("gpu-test"), events, local_rank, discovery
     )
     mon.start()
     yield mon, reader, events
@@ -75,15 +74,15 @@ def test_real_nvml_values_are_plausible(
     monitor: tuple[HardwareMonitor, InMemoryMetricReader, Events],
 ) -> None:
     mon, reader, events = monitor
-    assert mon.gpu_available
+    assert mon.gpu_sampler.devices
     # str(_CUuuid) is the bare 8-4-4-4-12 hex form; NVML's is "GPU-<same>".
     torch_uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid).lower()
-    assert mon.gpu_resource_attributes()[RES_GPU_UUID].lower().removeprefix("gpu-") == torch_uuid
-    assert mon.wait_for_samples(1, timeout_s=10)
+    assert mon.discovery.resource_attributes()[RES_GPU_UUID].lower().removeprefix("gpu-") == torch_uuid
+    assert mon.gpu_sampler.wait_for_samples(1, timeout_s=10)
     before = points(reader)
     matmul_workload(2.0)
-    seen = mon.samples_taken
-    assert mon.wait_for_samples(seen + 2, timeout_s=10)
+    seen = mon.gpu_sampler.samples_taken
+    assert mon.gpu_sampler.wait_for_samples(seen + 2, timeout_s=10)
     after = points(reader)
 
     util = one(after, sc.GPU_UTILIZATION.name)
@@ -107,15 +106,15 @@ def test_allocator_energy_and_mfu_at_flush(
     monitor: tuple[HardwareMonitor, InMemoryMetricReader, Events],
 ) -> None:
     mon, reader, _ = monitor
-    mon.set_flops_per_token(1e9)
-    assert mon.wait_for_samples(1, timeout_s=10)
+    mon.efficiency.set_flops_per_token(1e9)
+    assert mon.gpu_sampler.wait_for_samples(1, timeout_s=10)
     mon.on_flush(Interval(seq=0, step=0, wall_time=time.time(), elapsed_s=1.0, steps=1, tokens=1, samples=1))
     # Live across the next flush: "allocated > 0" must not hinge on cuBLAS workspaces staying cached.
     held = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     start = time.monotonic()
     n = matmul_workload(1.5)
-    seen = mon.samples_taken
-    assert mon.wait_for_samples(seen + 1, timeout_s=10)
+    seen = mon.gpu_sampler.samples_taken
+    assert mon.gpu_sampler.wait_for_samples(seen + 1, timeout_s=10)
     mon.on_flush(
         Interval(
             seq=1,
@@ -137,7 +136,7 @@ def test_allocator_energy_and_mfu_at_flush(
         assert 10 < one(pts, sc.POWER_AVERAGE.name) < 2000
         assert one(pts, sc.ENERGY_PER_STEP.name) > 0
     assert one(pts, sc.FLOPS.name) > 0
-    peak, _ = mon.resolve_peak()
+    peak, _ = mon.efficiency.resolve_peak()
     if peak is not None:
         assert 0 < one(pts, sc.MFU.name) < 1
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from otel_train import semconv as sc
 from otel_train.config import Config
-from otel_train.hardware import HardwareMonitor
+from otel_train.hardware import HardwareMonitor, discover_with_timeout
 from otel_train.hardware.mfu import (
     count_non_embedding_params,
     detect_layers_and_width,
@@ -148,7 +148,9 @@ def run_flushes(
 ) -> tuple[HardwareMonitor, dict[str, list[tuple[dict[str, Any], float]]]]:
     provider = MeterProvider(metric_readers=[reader])
     nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0), name=gpu_name)])
-    mon = HardwareMonitor(Config(**settings), provider.get_meter("t"), events, 0, nvml=nvml, environ={})
+    mon = HardwareMonitor(
+        Config(**settings), provider.get_meter("t"), events, 0, discover_with_timeout(0, nvml, {})
+    )
     mon.start(background=False)
     for i in range(n):
         mon.on_flush(
@@ -206,7 +208,7 @@ def test_auto_takes_the_autocast_dtype_seen_at_a_flush(reader: InMemoryMetricRea
     provider = MeterProvider(metric_readers=[reader])
     nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0), name="NVIDIA H100 80GB HBM3")])
     mon = HardwareMonitor(
-        Config(flops_per_token=1e9), provider.get_meter("t"), None, 0, nvml=nvml, environ={}
+        Config(flops_per_token=1e9), provider.get_meter("t"), None, 0, discover_with_timeout(0, nvml, {})
     )
     mon.start(background=False)
     try:
@@ -215,7 +217,7 @@ def test_auto_takes_the_autocast_dtype_seen_at_a_flush(reader: InMemoryMetricRea
         assert points["fp16"][sc.PEAK_SOURCE] == "table:h100-sxm:fp16"
         _mfu_points(mon, reader, None)  # autocast not active at this flush: the seen dtype stays
         assert mon.efficiency.compute_dtype() == "fp16"
-        mon.set_compute_dtype("fp8")  # an explicit dtype wins over what is seen
+        mon.efficiency.set_compute_dtype("fp8")  # an explicit dtype wins over what is seen
         points = _mfu_points(mon, reader, "bf16")
         assert points["fp8"][sc.PEAK_FLOPS] == 1979e12
     finally:
@@ -227,14 +229,14 @@ def test_fp32_means_tf32_when_torch_lets_matmuls_use_tf32(reader: InMemoryMetric
     provider = MeterProvider(metric_readers=[reader])
     nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0), name="NVIDIA H100 80GB HBM3")])
     config = Config(flops_per_token=1e9, compute_dtype="fp32")
-    mon = HardwareMonitor(config, provider.get_meter("t"), None, 0, nvml=nvml, environ={})
+    mon = HardwareMonitor(config, provider.get_meter("t"), None, 0, discover_with_timeout(0, nvml, {}))
     mon.start(background=False)
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert mon.resolve_peak() == (67e12, "table:h100-sxm:fp32")
+        assert mon.efficiency.resolve_peak() == (67e12, "table:h100-sxm:fp32")
         torch.set_float32_matmul_precision("high")
-        assert mon.resolve_peak() == (494.7e12, "table:h100-sxm:tf32")
+        assert mon.efficiency.resolve_peak() == (494.7e12, "table:h100-sxm:tf32")
     finally:
         torch.set_float32_matmul_precision(before)
         mon.close()
@@ -293,10 +295,11 @@ def test_unknown_device_gives_flops_but_no_mfu(reader: InMemoryMetricReader) -> 
 def test_set_flops_per_token_and_dtype(reader: InMemoryMetricReader) -> None:
     provider = MeterProvider(metric_readers=[reader])
     nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0), name="NVIDIA A100-SXM4-80GB")])
-    mon = HardwareMonitor(Config(), provider.get_meter("t"), None, 0, nvml=nvml, environ={})
+    mon = HardwareMonitor(Config(), provider.get_meter("t"), None, 0, discover_with_timeout(0, nvml, {}))
     mon.start(background=False)
-    mon.set_flops_per_token(2e9, dtype="tf32")
-    assert mon.resolve_peak() == (156e12, "table:a100-sxm:tf32")
+    mon.efficiency.set_flops_per_token(2e9)
+    mon.efficiency.set_compute_dtype("tf32")
+    assert mon.efficiency.resolve_peak() == (156e12, "table:a100-sxm:tf32")
     mon.on_flush(Interval(seq=0, step=0, wall_time=0.0, elapsed_s=1.0, steps=1, tokens=1000, samples=1))
     data = reader.get_metrics_data()
     assert data is not None

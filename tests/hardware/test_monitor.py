@@ -29,7 +29,9 @@ from otel_train.hardware import (
     RES_GPU_NAME,
     RES_GPU_PCI_BUS_ID,
     RES_GPU_UUID,
+    Discovery,
     HardwareMonitor,
+    discover_with_timeout,
     gpu_sampler,
     parse_cuda_visible_devices,
 )
@@ -46,12 +48,31 @@ class Rig:
     events: Events
     monitors: list[HardwareMonitor] = field(default_factory=list)
 
-    def monitor(self, nvml: Any = None, local_rank: int = 0, **kw: Any) -> HardwareMonitor:
-        settings = {"hardware_interval_s": 0.02, **kw.pop("settings", {})}
+    def monitor(
+        self,
+        nvml: Any = None,
+        local_rank: int = 0,
+        *,
+        settings: dict[str, Any] | None = None,
+        environ: dict[str, str] | None = None,
+        torch_cuda: Any = None,
+        clock: Any = None,
+        init_timeout_s: float = 5.0,
+    ) -> HardwareMonitor:
+        """A monitor as assemble builds one (discovery first), with fakes put in its parts."""
+        config = Config(**{"hardware_interval_s": 0.02, **(settings or {})})
+        discovery = (
+            discover_with_timeout(local_rank, nvml, environ or {}, torch_cuda, init_timeout_s)
+            if config.hardware
+            else Discovery(None, reason="hardware off")
+        )
         mon = HardwareMonitor(
-            Config(**settings), self.provider.get_meter("otel_train"), self.events, local_rank, nvml=nvml,
-            environ=kw.pop("environ", {}), **kw,
-        )  # fmt: skip
+            config, self.provider.get_meter("otel_train"), self.events, local_rank, discovery
+        )
+        if torch_cuda is not None:
+            mon.efficiency.torch_cuda = lambda: torch_cuda
+        if clock is not None:
+            mon.gpu_sampler.clock = clock
         self.monitors.append(mon)
         return mon
 
@@ -145,7 +166,7 @@ def test_gpu_metrics_match_catalogue_names_units_attributes(rig: Rig) -> None:
 def test_gpu_resource_attributes(rig: Rig) -> None:
     gpu = FakeGpu(uuid=gpu_uuid(3), name="NVIDIA H200", pci_bus_id="00000000:9A:00.0")
     mon = rig.monitor(FakeNvml([gpu], driver_version="560.35.03"))
-    assert mon.gpu_resource_attributes() == {
+    assert mon.discovery.resource_attributes() == {
         RES_GPU_UUID: gpu.uuid,
         RES_GPU_PCI_BUS_ID: "00000000:9A:00.0",  # bytes in the NVML struct, decoded
         RES_GPU_NAME: "NVIDIA H200",
@@ -217,7 +238,7 @@ def test_cuda_visible_devices_maps_local_rank_to_uuid(
     mon = rig.monitor(nvml, local_rank=local_rank, environ=environ)
     mon.start(background=False)
     mon.sample_once()
-    assert mon.gpu_resource_attributes()[RES_GPU_UUID] == gpu_uuid(expected)
+    assert mon.discovery.resource_attributes()[RES_GPU_UUID] == gpu_uuid(expected)
     ids = {a[sc.HW_ID] for a, _, _ in rig.points()[sc.GPU_MEMORY_USAGE.name]}
     assert ids == {gpu_uuid(expected)}  # only the GPU this rank uses
 
@@ -229,7 +250,7 @@ def test_a_gpu_nvml_refuses_does_not_hide_the_others(rig: Rig) -> None:
     mon = rig.monitor(nvml, environ={"CUDA_VISIBLE_DEVICES": gpu_uuid(1)})
     mon.start(background=False)
     mon.sample_once()
-    assert mon.gpu_resource_attributes()[RES_GPU_UUID] == gpu_uuid(1)
+    assert mon.discovery.resource_attributes()[RES_GPU_UUID] == gpu_uuid(1)
     assert {a[sc.HW_ID] for a, _, _ in rig.points()[sc.GPU_MEMORY_USAGE.name]} == {gpu_uuid(1)}
 
 
@@ -246,9 +267,11 @@ def test_xid_wait_not_supported_means_no_xid_series(rig: Rig) -> None:
 
 def test_hidden_or_ambiguous_devices_give_no_gpu(rig: Rig) -> None:
     nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0)), FakeGpu(uuid=gpu_uuid(1))])
-    assert rig.monitor(nvml, environ={"CUDA_VISIBLE_DEVICES": "-1"}).gpu_resource_attributes() == {}
+    assert rig.monitor(nvml, environ={"CUDA_VISIBLE_DEVICES": "-1"}).discovery.resource_attributes() == {}
     assert (
-        rig.monitor(nvml, local_rank=5, environ={"CUDA_VISIBLE_DEVICES": "0,1"}).gpu_resource_attributes()
+        rig.monitor(
+            nvml, local_rank=5, environ={"CUDA_VISIBLE_DEVICES": "0,1"}
+        ).discovery.resource_attributes()
         == {}
     )
     assert nvml.initialized == 0  # each failed discovery shut NVML down again
@@ -300,7 +323,7 @@ def test_initialised_torch_uuid_wins_over_index_order(rig: Rig) -> None:
     nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0)), FakeGpu(uuid=gpu_uuid(1))])
     torch_cuda = FakeTorchCuda([gpu_uuid(1), gpu_uuid(0)])
     mon = rig.monitor(nvml, torch_cuda=torch_cuda, environ={"CUDA_VISIBLE_DEVICES": "0,1"})
-    assert mon.gpu_resource_attributes()[RES_GPU_UUID] == gpu_uuid(1)
+    assert mon.discovery.resource_attributes()[RES_GPU_UUID] == gpu_uuid(1)
 
 
 # --- failure modes ---------------------------------------------------------------------------------------
@@ -309,7 +332,7 @@ def test_hung_nvml_call_does_not_block_collection(rig: Rig, caplog: pytest.LogCa
     skew = [0.0]
     mon = rig.monitor(nvml, clock=lambda: time.monotonic() + skew[0])
     mon.start()  # background sampler threads
-    assert mon.wait_for_samples(1, timeout_s=10)
+    assert mon.gpu_sampler.wait_for_samples(1, timeout_s=10)
     nvml.hang("nvmlDeviceGetUtilizationRates")
     try:
         assert nvml.hanging.wait(10), "the sampler never reached the hung call"
@@ -342,7 +365,7 @@ def test_hung_nvml_init_is_abandoned(rig: Rig, caplog: pytest.LogCaptureFixture)
         mon = rig.monitor(nvml, init_timeout_s=0.2)
         with caplog.at_level(logging.INFO, logger="otel_train.hardware"):
             mon.start(background=False)
-        assert not mon.gpu_available
+        assert not mon.gpu_sampler.devices
         assert "did not return" in caplog.text
         assert not any(n.startswith("hw.") for n in rig.points())
     finally:
@@ -388,7 +411,7 @@ def test_no_nvml_means_no_gpu_metrics_and_one_info_line(
     pts = rig.points()
     assert not [n for n in pts if n.startswith("hw.")]
     assert sc.PROCESS_MEMORY_USAGE.name in pts
-    assert mon.gpu_resource_attributes() == {}
+    assert mon.discovery.resource_attributes() == {}
 
 
 def test_missing_pynvml_package(
@@ -398,7 +421,7 @@ def test_missing_pynvml_package(
     mon = rig.monitor(None)
     with caplog.at_level(logging.INFO, logger="otel_train.hardware"):
         mon.start(background=False)
-    assert not mon.gpu_available
+    assert not mon.gpu_sampler.devices
     assert "nvidia-ml-py not importable" in caplog.text
 
 
@@ -407,7 +430,7 @@ def test_hardware_disabled_does_nothing(rig: Rig) -> None:
     mon = rig.monitor(nvml, settings={"hardware": False})
     mon.start()
     mon.on_flush(interval())
-    assert mon.gpu_resource_attributes() == {}
+    assert mon.discovery.resource_attributes() == {}
     assert rig.points() == {}
     assert sum(nvml.calls.values()) == 0
 
@@ -416,7 +439,7 @@ def test_close_shuts_nvml_down(rig: Rig) -> None:
     nvml = FakeNvml()
     mon = rig.monitor(nvml)
     mon.start()
-    assert mon.wait_for_samples(2, timeout_s=10)
+    assert mon.gpu_sampler.wait_for_samples(2, timeout_s=10)
     mon.close(timeout_s=5)
     assert nvml.initialized == 0
     assert nvml.calls["nvmlEventSetFree"] == 1
@@ -535,6 +558,6 @@ def test_energy_waits_for_a_new_sample(rig: Rig) -> None:
 def test_discovery_for_resource_only_is_released_on_close(rig: Rig) -> None:
     nvml = FakeNvml()
     mon = rig.monitor(nvml)
-    assert mon.gpu_resource_attributes()[RES_GPU_UUID] == gpu_uuid(0)
+    assert mon.discovery.resource_attributes()[RES_GPU_UUID] == gpu_uuid(0)
     mon.close()
     assert nvml.initialized == 0

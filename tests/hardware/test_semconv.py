@@ -18,7 +18,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_train import semconv as sc
 from otel_train.config import Config
-from otel_train.hardware import HardwareMonitor, gpu_sampler
+from otel_train.hardware import HardwareMonitor, discover_with_timeout, gpu_sampler
 
 SPEC = yaml.safe_load((Path(__file__).parents[1] / "data" / "semconv_hw.yaml").read_text())
 INSTRUMENT = {
@@ -83,8 +83,13 @@ def test_every_emitted_hw_data_point_carries_what_the_spec_requires() -> None:
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
     gpu = FakeGpu(uuid=gpu_uuid(0), clock_reasons=0x40, xids=[79])
-    mon = HardwareMonitor(Config(hardware_interval_s=0.02), provider.get_meter("otel_train"), Events(), 0,
-                          nvml=FakeNvml([gpu]), environ={})  # fmt: skip
+    mon = HardwareMonitor(
+        Config(hardware_interval_s=0.02),
+        provider.get_meter("otel_train"),
+        Events(),
+        0,
+        discover_with_timeout(0, FakeNvml([gpu]), {}),
+    )
     try:
         mon.start(background=False)
         mon.sample_once()

@@ -36,6 +36,10 @@ RUNTIME_PRIVATE_READS: frozenset[tuple[str, str, str]] = frozenset(
     }
 )
 
+# Packages with walls: from outside, only the names the package itself exports (its __init__) are
+# imported, never its modules; its package docstring tells its story (issue #31).
+WALLED_PACKAGES: frozenset[str] = frozenset({"hardware"})
+
 # Offenders in modules this step did not restructure. Each entry is what `violations()` reports;
 # delete it once fixed (test_known_violations_still_occur says when).
 KNOWN_VIOLATIONS: frozenset[str] = frozenset(
@@ -62,9 +66,10 @@ class Report:
     private: list[str] = field(default_factory=list)
     sizes: list[str] = field(default_factory=list)
     public: list[str] = field(default_factory=list)  # integrations beyond the public API
+    walls: list[str] = field(default_factory=list)  # a walled package's module imported from outside
 
     def all(self) -> set[str]:
-        return {*self.cycles, *self.private, *self.sizes, *self.public}
+        return {*self.cycles, *self.private, *self.sizes, *self.public, *self.walls}
 
 
 def load_package(package_dir: Path) -> dict[str, Module]:
@@ -323,7 +328,22 @@ def non_public_uses(module: Module, modules: dict[str, Module]) -> Iterator[str]
             yield f"public-api: {here} uses Session.{node.attr}"
 
 
-def violations(package_dir: Path, runtime_reads: frozenset[tuple[str, str, str]] = frozenset()) -> Report:
+def through_walls(module: Module, modules: dict[str, Module], walled: frozenset[str]) -> Iterator[str]:
+    """Imports of a walled package's modules from outside that package, as report lines."""
+    root = module.name.split(".")[0]
+    for package in sorted(f"{root}.{name}" for name in walled):
+        if module.name == package or module.name.startswith(package + "."):
+            continue
+        for imp in imports_of(module, modules):
+            if imp.owner.startswith(package + "."):  # `import a.b.c` binds `a`, but its owner is a.b.c
+                yield f"walls: {module.name} imports {imp.owner} (import from {package})"
+
+
+def violations(
+    package_dir: Path,
+    runtime_reads: frozenset[tuple[str, str, str]] = frozenset(),
+    walled: frozenset[str] = WALLED_PACKAGES,
+) -> Report:
     modules = load_package(package_dir)
     report = Report()
     graph = import_graph(modules)
@@ -339,7 +359,8 @@ def violations(package_dir: Path, runtime_reads: frozenset[tuple[str, str, str]]
         report.sizes.extend(oversized(module))
         if module.name.startswith(f"{package_dir.name}.integrations."):
             report.public.extend(non_public_uses(module, modules))
-    for part in (report.cycles, report.private, report.sizes, report.public):
+        report.walls.extend(through_walls(module, modules, walled))
+    for part in (report.cycles, report.private, report.sizes, report.public, report.walls):
         part[:] = sorted(set(part))
     return report
 
@@ -474,6 +495,23 @@ def test_detects_integrations_beyond_the_public_api(tmp_path: Path) -> None:
         "public-api: pkg.integrations.bad uses Session.run_dir",
         "public-api: pkg.integrations.bad uses Session.step_start_ns",
         "public-api: pkg.integrations.bad uses pkg._runtime (not in pkg.__all__)",
+    ]
+
+
+def test_detects_imports_through_a_packages_walls(tmp_path: Path) -> None:
+    files = {
+        "hardware/__init__.py": "from pkg.hardware.monitor import Monitor\n",
+        "hardware/monitor.py": "from pkg.hardware import parts\nclass Monitor: ...\n",  # inside: fine
+        "hardware/parts.py": "X = 1\n",
+        "ok.py": "from pkg.hardware import Monitor\nimport pkg.hardware\n",
+        "bad.py": "from pkg.hardware.parts import X\ndef f():\n    import pkg.hardware.monitor\n",
+        "also_bad.py": "from pkg.hardware import parts\n",
+    }
+    report = violations(_package(tmp_path, files), walled=frozenset({"hardware"}))
+    assert report.walls == [
+        "walls: pkg.also_bad imports pkg.hardware.parts (import from pkg.hardware)",
+        "walls: pkg.bad imports pkg.hardware.monitor (import from pkg.hardware)",
+        "walls: pkg.bad imports pkg.hardware.parts (import from pkg.hardware)",
     ]
 
 

@@ -74,7 +74,7 @@ COLLECTOR_OPTIONS: dict[str, dict[str, Any]] = {
             }
         },
         # receiver/prometheusreceiver/config.go: `config` is a Prometheus configuration (its
-        # scrape configs are checked by promtool in tests/test_deploy_static.py); only it is used.
+        # scrape configs are checked by promtool in tests/deploy/test_static.py); only it is used.
         "prometheus": {"config": {"global": None, "scrape_configs": None}},
     },
     "processors": {

@@ -30,7 +30,7 @@ from helpers.pinned import require_binary
 from helpers.promstack import Prometheus, http_json, serve, tail
 
 # What the compose variant passes to VictoriaMetrics for OTLP (checked there by
-# tests/test_deploy_static.py): Prometheus-style names and labels (train_steps_total, host_name).
+# tests/deploy/test_static.py): Prometheus-style names and labels (train_steps_total, host_name).
 OTLP_FLAGS = ("-opentelemetry.usePrometheusNaming",)
 # Test-only: data is queryable at once (default 30 s, for late scrapes), no response cache.
 FAST_QUERY_FLAGS = ("-search.latencyOffset=0s", "-search.disableCache")

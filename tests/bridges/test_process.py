@@ -23,7 +23,7 @@ from otel_train import assemble
 from otel_train.bridges.process import BridgeProcess
 from otel_train.config import ConfigError
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 
 

@@ -25,7 +25,7 @@ from helpers import pinned
 from helpers.collector_options import collector_config_errors, env_references, pipeline_errors
 from helpers.pinned import require_binary
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KUBE = DEPLOY / "kubernetes"
 # The Kubernetes minor version whose OpenAPI schemas the manifests are validated against.
 KUBERNETES_VERSION = "1.33"

@@ -25,7 +25,7 @@ from helpers.collector_options import collector_config_errors, env_references, p
 from helpers.pinned import require_binary
 from helpers.ports import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "deploy" / "slurm"
 SCRIPT = SLURM / "otel-train.sbatch"
 NODE_CONFIG = SLURM / "otelcol-node.yaml"

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from otel_train import semconv
 from otel_train.config import FIELDS
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 
 

@@ -16,9 +16,9 @@ import yaml
 from helpers import pinned
 from helpers.pinned import require_binary
 from helpers.vmstack import OTLP_FLAGS
-from test_deploy_static import _compose_config
+from deploy.test_static import _compose_config
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPOSE = DEPLOY / "docker-compose.victoriametrics.yml"
 RULES = sorted((DEPLOY / "prometheus" / "rules").glob("*.yml"))
 

@@ -17,7 +17,7 @@ from otel_train import config as config_module
 from otel_train.bridges import table
 from otel_train.cli import main as cli_main
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 
 

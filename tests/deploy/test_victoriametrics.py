@@ -16,6 +16,7 @@ import yaml
 from helpers import pinned
 from helpers.pinned import require_binary
 from helpers.vmstack import OTLP_FLAGS
+
 from deploy.test_static import _compose_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -270,9 +270,11 @@ class ReplicaCheck:
     def _say_sharded(self) -> None:
         if not self._sharded_said:
             self._sharded_said = True
-            logger.info(
+            # A warning, once for the job (rank 0): at info level nobody would see that a check
+            # they may rely on is off. data_not_sharded is still checked.
+            logger.warning(
                 "otel_train: parameters are sharded (FSDP): replicas' parameter norms are of "
-                "different shards, so replica_divergence is not checked"
+                "different shards, so replica_divergence is not checked (data_not_sharded still is)"
             )
 
 

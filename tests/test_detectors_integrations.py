@@ -32,6 +32,14 @@ def _events(out: str, run_name: str, rank: int) -> list[dict[str, Any]]:
     return [e for e in rows if e["event"] in DETECTORS]
 
 
+def _metrics(out: Path, run_name: str, rank: int = 0) -> dict[str, Any]:
+    """Every value the rank's flushes wrote (the latest of each): what was compared, and to what."""
+    merged: dict[str, Any] = {}
+    for line in (out / run_name / f"metrics.rank{rank}.jsonl").read_text().splitlines():
+        merged.update(json.loads(line))
+    return merged
+
+
 def _named(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == name]
 
@@ -107,9 +115,77 @@ def test_lightning_sharded_data_is_quiet_and_a_perturbed_replica_is_named(tmp_pa
     pytest.importorskip("lightning")
     results = run_ranks(2, _lightning_rank, (str(tmp_path), "perturbed"), timeout=300)
     assert _named(results[0], "data_not_sharded") == []  # Lightning's own DistributedSampler
+    assert _metrics(tmp_path, "perturbed")["data/duplicate_ranks"] == 0.0  # compared, all distinct
     assert _named(results[0], "no_gradient") == [] and _named(results[1], "no_gradient") == []
     [drift] = _named(results[0], "replica_divergence")
     assert drift["ranks"] == "0,1" and drift["train.layer"] == "head" and 6 <= drift["step"] <= 8
+
+
+# --- Hugging Face Trainer: OtelTrainCallback(watch_every=...) under DDP (gloo) ---------------------
+def _hf_rank(rank: int, world: int, out: str, mode: str) -> list[dict[str, Any]]:
+    import torch
+    from helpers.integration_models import VOCAB, TokenDataset
+    from transformers import Trainer, TrainingArguments
+
+    from otel_train.integrations.transformers import OtelTrainCallback
+
+    detached = mode == "unsharded_detached"
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(VOCAB, 16)
+            self.side = torch.nn.Linear(16, 16)
+            self.head = torch.nn.Linear(16, VOCAB)
+
+        def forward(self, input_ids: Any, labels: Any = None) -> dict[str, Any]:
+            h = self.embed(input_ids)
+            side = self.side(h)
+            logits = self.head(h + (side.detach() if detached else side))
+            return {"loss": torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))}
+
+    class PlainLoaderTrainer(Trainer):
+        """A user's own train loader, not given to the Accelerator: every rank reads every batch."""
+
+        def get_train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(self.train_dataset, batch_size=2, shuffle=False)
+
+    callback = OtelTrainCallback(
+        watch_every=WATCH_EVERY, output_dir=out, run_name=mode, verbosity=0, hardware=False,
+        log_interval=LOG_INTERVAL, prometheus_port=0,
+    )  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(Path(out) / f"hf{rank}"), max_steps=STEPS, per_device_train_batch_size=2,
+        learning_rate=1e-2, report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no",
+        logging_steps=STEPS, dataloader_num_workers=0, ddp_backend="gloo", ddp_find_unused_parameters=detached,
+    )  # fmt: skip
+    trainer_class = PlainLoaderTrainer if mode.startswith("unsharded") else Trainer
+    trainer = trainer_class(model=TinyLM(), args=args, train_dataset=TokenDataset(64), callbacks=[callback])
+    trainer.train()
+    return _events(out, mode, rank)
+
+
+def test_hf_unsharded_data_and_a_detached_layer_are_named(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    results = run_ranks(2, _hf_rank, (str(tmp_path), "unsharded_detached"), timeout=300)
+    [data] = _named(results[0], "data_not_sharded")
+    assert data["ranks"] == "0,1" and data["step"] in (0, 2)
+    for events in results:  # gradients read before the Trainer zeroes them: only `side` has none
+        [flow] = _named(events, "no_gradient")
+        assert flow["train.layer"] == "side" and flow["layers"] == 1 and flow["step"] == 4
+    assert _named(results[0], "replica_divergence") == []
+
+
+def test_hf_sharded_healthy_ddp_raises_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    results = run_ranks(2, _hf_rank, (str(tmp_path), "sharded"), timeout=300)
+    assert results[0] == [] and results[1] == []  # the Accelerator shards the Trainer's own loader
+    seen = _metrics(tmp_path, "sharded")  # ... and the checks ran: batches and replicas compared
+    assert seen["data/duplicate_ranks"] == 0.0 and seen["data/replica_divergence"] == 0.0
+    assert all(
+        f"grad_norm/{layer}" in _metrics(tmp_path, "sharded", r) for layer in ("side", "head") for r in (0, 1)
+    )
 
 
 # --- ot.step + ot.watch under FSDP2 -------------------------------------------------------------------
@@ -175,3 +251,5 @@ def test_fsdp2_unsharded_data_is_named_and_the_replica_check_is_skipped_once(tmp
 def test_fsdp2_sharded_data_is_quiet(tmp_path: Path) -> None:
     results = run_ranks(2, _fsdp2_rank, (str(tmp_path), "sharded"), timeout=240)
     assert results[0]["events"] == [] and results[1]["events"] == []
+    seen = _metrics(tmp_path, "sharded")
+    assert seen["data/duplicate_ranks"] == 0.0 and "data/replica_divergence" not in seen

@@ -249,6 +249,8 @@ def watch(
     Across ranks, the watched steps' batches and parameter norms are compared (`data_not_sharded`,
     `replica_divergence`) between data-parallel peers: every rank, unless `data_parallel_group` (a
     ProcessGroup or this rank's peers' global ranks) names them (tensor/pipeline parallel jobs).
+    The batch is the first tensor argument of the model's first forward in a watched step, or what
+    `ot.watch_batch` gives; a loop that clears gradients before its step ends calls `ot.watch_read`.
     """
     from otel_train.model_watch import ModelWatch, NullWatch, check_watch_args
 

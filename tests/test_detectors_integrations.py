@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 from helpers.multirank import run_ranks
 
-pytestmark = [pytest.mark.multirank]
-
 DETECTORS = ("data_not_sharded", "no_gradient", "replica_divergence")
 WATCH_EVERY = 2  # watched steps 0, 2, 4, ...: no_gradient after 3 of them (step 4)
 LOG_INTERVAL = 4  # a flush (and an exchange) every 4 steps
@@ -91,7 +89,7 @@ def _lightning_rank(rank: int, world: int, out: str, mode: str) -> list[dict[str
         max_steps=STEPS, accelerator="cpu", devices=world, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
         # the detached layer gets no gradient: DDP must be told, as for any unused parameter
-        strategy="ddp_find_unused_parameters_true" if detached else "ddp",
+        strategy="auto" if world == 1 else "ddp_find_unused_parameters_true" if detached else "ddp",
         # False: Lightning does not add its DistributedSampler, every rank reads the same batches
         use_distributed_sampler=not mode.startswith("unsharded"),
         callbacks=[PerturbRank1(), callback],
@@ -100,6 +98,7 @@ def _lightning_rank(rank: int, world: int, out: str, mode: str) -> list[dict[str
     return _events(out, mode, rank)
 
 
+@pytest.mark.multirank
 def test_lightning_unsharded_data_and_a_detached_layer_are_named(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     results = run_ranks(2, _lightning_rank, (str(tmp_path), "unsharded_detached"), timeout=300)
@@ -111,6 +110,7 @@ def test_lightning_unsharded_data_and_a_detached_layer_are_named(tmp_path: Path)
     assert _named(results[0], "replica_divergence") == []  # DDP keeps the replicas identical
 
 
+@pytest.mark.multirank
 def test_lightning_sharded_data_is_quiet_and_a_perturbed_replica_is_named(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     results = run_ranks(2, _lightning_rank, (str(tmp_path), "perturbed"), timeout=300)
@@ -158,7 +158,7 @@ def _hf_rank(rank: int, world: int, out: str, mode: str) -> list[dict[str, Any]]
     args = TrainingArguments(
         output_dir=str(Path(out) / f"hf{rank}"), max_steps=STEPS, per_device_train_batch_size=2,
         learning_rate=1e-2, report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no",
-        logging_steps=STEPS, dataloader_num_workers=0, ddp_backend="gloo", ddp_find_unused_parameters=detached,
+        logging_steps=STEPS, dataloader_num_workers=0, ddp_backend="gloo" if world > 1 else None, ddp_find_unused_parameters=detached,
     )  # fmt: skip
     trainer_class = PlainLoaderTrainer if mode.startswith("unsharded") else Trainer
     trainer = trainer_class(model=TinyLM(), args=args, train_dataset=TokenDataset(64), callbacks=[callback])
@@ -166,6 +166,7 @@ def _hf_rank(rank: int, world: int, out: str, mode: str) -> list[dict[str, Any]]
     return _events(out, mode, rank)
 
 
+@pytest.mark.multirank
 def test_hf_unsharded_data_and_a_detached_layer_are_named(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     results = run_ranks(2, _hf_rank, (str(tmp_path), "unsharded_detached"), timeout=300)
@@ -177,6 +178,7 @@ def test_hf_unsharded_data_and_a_detached_layer_are_named(tmp_path: Path) -> Non
     assert _named(results[0], "replica_divergence") == []
 
 
+@pytest.mark.multirank
 def test_hf_sharded_healthy_ddp_raises_nothing(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     results = run_ranks(2, _hf_rank, (str(tmp_path), "sharded"), timeout=300)
@@ -186,6 +188,19 @@ def test_hf_sharded_healthy_ddp_raises_nothing(tmp_path: Path) -> None:
     assert all(
         f"grad_norm/{layer}" in _metrics(tmp_path, "sharded", r) for layer in ("side", "head") for r in (0, 1)
     )
+
+
+# --- one rank: the same callbacks, no exchange (no_gradient is judged on every rank alone) -----------
+def test_lightning_one_rank_names_a_detached_layer(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    [flow] = _named(_lightning_rank(0, 1, str(tmp_path), "unsharded_detached"), "no_gradient")
+    assert flow["train.layer"] == "side" and flow["step"] == 4
+
+
+def test_hf_one_rank_names_a_detached_layer(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    [flow] = _named(_hf_rank(0, 1, str(tmp_path), "unsharded_detached"), "no_gradient")
+    assert flow["train.layer"] == "side" and flow["step"] == 4
 
 
 # --- ot.step + ot.watch under FSDP2 -------------------------------------------------------------------
@@ -237,6 +252,7 @@ def _fsdp2_rank(rank: int, world: int, out: str, mode: str) -> dict[str, Any]:
     return {"events": _events(out, mode, rank), "said": [m for m in said.messages if "sharded (FSDP)" in m]}
 
 
+@pytest.mark.multirank
 def test_fsdp2_unsharded_data_is_named_and_the_replica_check_is_skipped_once(tmp_path: Path) -> None:
     results = run_ranks(2, _fsdp2_rank, (str(tmp_path), "unsharded"), timeout=240)
     [data] = _named(results[0]["events"], "data_not_sharded")
@@ -248,6 +264,7 @@ def test_fsdp2_unsharded_data_is_named_and_the_replica_check_is_skipped_once(tmp
     assert all(_named(r["events"], "no_gradient") == [] for r in results)
 
 
+@pytest.mark.multirank
 def test_fsdp2_sharded_data_is_quiet(tmp_path: Path) -> None:
     results = run_ranks(2, _fsdp2_rank, (str(tmp_path), "sharded"), timeout=240)
     assert results[0]["events"] == [] and results[1]["events"] == []

@@ -107,7 +107,8 @@ def test_lightning_unsharded_data_and_a_detached_layer_are_named(tmp_path: Path)
     for events in results:  # every rank judges its own gradients
         [flow] = _named(events, "no_gradient")
         assert flow["train.layer"] == "side" and flow["layers"] == 1 and flow["step"] == 4
-    assert _named(results[0], "replica_divergence") == []  # DDP keeps the replicas identical
+    assert _named(results[0], "replica_divergence") == []  # DDP keeps the replicas identical ...
+    assert _metrics(tmp_path, "unsharded_detached")["data/replica_divergence"] == 0.0  # ... compared
 
 
 @pytest.mark.multirank

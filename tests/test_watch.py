@@ -231,6 +231,27 @@ def test_see_batch_fingerprints_the_batch_the_forward_never_sees() -> None:
     assert len([r for r in buffer.layer_stats if r.instrument == FINGERPRINT]) == 4 and not buffer.dropped
 
 
+def test_a_layer_with_no_local_elements_is_left_out() -> None:
+    """Under FSDP2 a layer smaller than the world has an empty shard on some ranks (an empty
+    tensor here stands for it): its norms would read 0 there, a false no_gradient."""
+    buffer = Buffer(max_names=100, max_values=100)
+    model = Tiny()
+    model.head.weight = nn.Parameter(torch.empty(0))
+    model.head.bias = nn.Parameter(torch.empty(0))
+    model.forward = lambda x: (
+        model.blocks[1](model.blocks[0](model.embed(x))).sum(1, keepdim=True) * model.scale
+    )  # type: ignore[method-assign]
+    watch = ModelWatch(buffer, model, 1, True, True, False, False, 64)
+    watch.begin_step(0)
+    model(torch.randn(5, 6)).pow(2).mean().backward()
+    watch.end_step(0, False)
+    norms = [r for r in buffer.layer_stats if r.instrument != FINGERPRINT]
+    assert {r.instrument for r in norms} == {sc.LAYER_GRAD_NORM.name, sc.LAYER_PARAM_NORM.name}
+    for record in norms:
+        assert "head" not in record.labels and record.values.shape == (len(record.labels),)
+        assert record.labels == tuple(x for x in watch.labels if x != "head")
+
+
 def test_watch_read_and_watch_batch_through_the_public_api(cap: Capture) -> None:
     """A loop that clears gradients before its step ends still gets its gradient norms; both calls
     are harmless without a watch, and without a session."""

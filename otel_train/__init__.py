@@ -62,6 +62,8 @@ __all__ = [
     "timed",
     "timer",
     "watch",
+    "watch_batch",
+    "watch_read",
     "watch_scaler",
 ]
 
@@ -247,6 +249,8 @@ def watch(
     Across ranks, the watched steps' batches and parameter norms are compared (`data_not_sharded`,
     `replica_divergence`) between data-parallel peers: every rank, unless `data_parallel_group` (a
     ProcessGroup or this rank's peers' global ranks) names them (tensor/pipeline parallel jobs).
+    The batch is the first tensor argument of the model's first forward in a watched step, or what
+    `ot.watch_batch` gives; a loop that clears gradients before its step ends calls `ot.watch_read`.
     """
     from otel_train.model_watch import ModelWatch, NullWatch, check_watch_args
 
@@ -266,6 +270,29 @@ def watch(
     handle.fingerprints = session.identity.distributed and session.config.cross_rank
     session.add_watch(handle)
     return handle
+
+
+def watch_batch(batch: Any) -> None:
+    """This step's batch, for `ot.watch`'s unsharded-data check (`data_not_sharded`). `ot.watch`
+    fingerprints the first tensor argument of the watched model's first forward in a watched step by
+    itself; call this inside the step when the batch never reaches that forward as an argument (a
+    Lightning `training_step` that calls submodules). `batch` is a tensor, or a mapping / tuple /
+    list whose first tensor (in order) is fingerprinted; the step's first fingerprint wins. Costs
+    nothing on unwatched steps and in a single process; never raises."""
+    session = _runtime._current
+    if session is not None and session.watches:
+        for handle in session.watches:
+            handle.see_batch(batch)
+
+
+def watch_read() -> None:
+    """Take the current watched step's `ot.watch` statistics now rather than when the step ends:
+    for a loop that clears the gradients before its step ends (the Hugging Face Trainer zeroes them
+    before `on_step_end`). Call it after the optimizer step; unwatched steps cost nothing."""
+    session = _runtime._current
+    if session is not None and session.watches:
+        for handle in session.watches:
+            handle.read_now()
 
 
 def profile(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,13 +107,15 @@ class ModelWatch:
         self._ddp = is_ddp_wrapped(model)
         self.labels, groups = layer_groups([clean_name(name, self._ddp) for name, _ in named], max_layers)
         self._groups = groups
-        self._place_on(self._params[0].device)
         self._members: list[list[int]] = [[] for _ in self.labels]
         for position, group in enumerate(groups):
             self._members[group].append(position)
+        self._place_on(self._params[0].device)
         self._hooks: list[Any] = []
         self._activations: dict[int, tuple[Any, Any]] = {}
         self._fingerprint: Any | None = None  # this watched step's batch fingerprint (device tensor)
+        self._step: int | None = None  # the open step while it is a watched one not yet read
+        self._read: int | None = None  # the step whose statistics `read_now` already took
         # Fingerprint batches only where an exchange compares them (ot.watch turns it off for a
         # single process or cross_rank=False): otherwise a float64 pass over the input for nothing.
         self.fingerprints = True
@@ -125,10 +127,23 @@ class ModelWatch:
         self._device = device
         self._group_index = torch.tensor(self._groups, dtype=torch.long, device=device)
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
+        # Sharded parameters (FSDP2): a layer smaller than the world can have no elements on this
+        # rank; its norms here would read 0, a false `no_gradient`. Such layers are left out.
+        held = [
+            g
+            for g, members in enumerate(self._members)
+            if any(_local(self._params[i]).numel() for i in members)
+        ]
+        self._held: tuple[Any, tuple[str, ...]] | None = None
+        if len(held) < len(self.labels):
+            index = torch.tensor(held, dtype=torch.long, device=device)
+            self._held = (index, tuple(self.labels[g] for g in held))
 
     # --- called by the session on the training thread (never raises into the loop) ---------------
     def begin_step(self, index: int) -> None:
+        self._step = None
         if index % self.every == 0:
+            self._step = index
             try:
                 if self.fingerprints:  # the batch fingerprint (replicas.py: unsharded data)
                     self._hooks.append(
@@ -142,13 +157,41 @@ class ModelWatch:
     def end_step(self, index: int, failed: bool) -> None:
         if self._hooks:
             self._remove_activation_hooks()
-        if failed or index % self.every != 0 or self._buffer is None:
-            self._activations, self._fingerprint = {}, None
+        self._step = None
+        if failed or index % self.every != 0 or self._buffer is None or self._read == index:
+            self._activations, self._fingerprint, self._read = {}, None, None
             return
         try:
             self._collect(index, self._buffer)
         except Exception as exc:
             self._activations, self._fingerprint = {}, None
+            self._fail(exc)
+
+    def read_now(self) -> None:
+        """Take this watched step's statistics now instead of when the step ends (`ot.watch_read`):
+        for frameworks that clear the gradients before the step ends. Unwatched steps: nothing."""
+        index, buffer = self._step, self._buffer
+        if index is None or buffer is None:
+            return
+        self._step, self._read = None, index
+        self._remove_activation_hooks()
+        try:
+            self._collect(index, buffer)
+        except Exception as exc:
+            self._activations, self._fingerprint = {}, None
+            self._fail(exc)
+
+    def see_batch(self, batch: Any) -> None:
+        """Fingerprint `batch` (its first tensor) as this watched step's (`ot.watch_batch`), unless
+        the step already has one: for training steps whose batch never reaches the watched module's
+        forward as an argument (Lightning's `training_step` calling submodules)."""
+        if self._step is None or not self.fingerprints or self._fingerprint is not None:
+            return
+        try:
+            tensor = _batch_tensor(batch)
+            if tensor is not None:
+                self._fingerprint = _fingerprint(tensor)
+        except Exception as exc:
             self._fail(exc)
 
     def _fail(self, exc: Exception) -> None:
@@ -170,14 +213,14 @@ class ModelWatch:
                 )
             else:
                 per_layer, total = self._norms(grads)
-                records.append(LayerStats(semconv.LAYER_GRAD_NORM.name, tuple(self.labels), per_layer, index))
+                records.append(LayerStats(semconv.LAYER_GRAD_NORM.name, *self._held_only(per_layer), index))
                 if not buffer.has_user_values_for(semconv.GRAD_NORM.name):  # the user's own grad_norm wins
                     buffer.add_internal(semconv.GRAD_NORM.name, total)
                 if self.histograms:
                     self._sample_histograms("gradients", grads, index)
         if self.params:
             per_layer, total = self._norms(self._params)
-            records.append(LayerStats(semconv.LAYER_PARAM_NORM.name, tuple(self.labels), per_layer, index))
+            records.append(LayerStats(semconv.LAYER_PARAM_NORM.name, *self._held_only(per_layer), index))
             buffer.add_internal(semconv.PARAM_NORM.name, total)
             if self.histograms:
                 self._sample_histograms("parameters", self._params, index)
@@ -193,6 +236,13 @@ class ModelWatch:
             records.append(LayerStats(FINGERPRINT, ("sum", "sum_of_squares"), self._fingerprint, index))
             self._fingerprint = None
         buffer.add_layer_stats(records)
+
+    def _held_only(self, per_layer: Any) -> tuple[tuple[str, ...], Any]:
+        """(labels, per-layer values) of the layers with elements on this rank (all, unsharded)."""
+        if self._held is None:
+            return tuple(self.labels), per_layer
+        index, labels = self._held
+        return labels, per_layer.index_select(0, index)
 
     def remove(self) -> None:
         """Stop watching (idempotent). Also called by `ot.shutdown()`."""
@@ -257,20 +307,17 @@ class ModelWatch:
         return hook
 
     def _fingerprint_hook(self, module: Any, args: Any, kwargs: Any) -> None:
-        """[sum, sum of squares] in float64 of the first tensor argument of the step's first
-        forward (device kernels only). Identical batches give identical fingerprints."""
+        """The fingerprint of the first tensor argument of the step's first forward."""
         if self._fingerprint is not None:
             return
         tensor = _first_tensor(args) if args else None
         if tensor is None:
             tensor = next((v for v in kwargs.values() if hasattr(v, "is_floating_point")), None)
-        if tensor is None or tensor.numel() == 0 or tensor.is_complex():
-            return
-        flat = _local(tensor.detach()).reshape(-1)
-        # float64 makes equal sums mean equal batches; Metal (mps) has no float64
-        flat = flat.to(torch.float32 if flat.device.type == "mps" else torch.float64)
-        # stays on the batch's device (a copy to the parameters' could sync): one transfer per device
-        self._fingerprint = torch.stack([flat.sum(), torch.dot(flat, flat)])
+        try:  # inside the user's forward: never raise there
+            if tensor is not None:
+                self._fingerprint = _fingerprint(tensor)
+        except Exception as exc:
+            self._fail(exc)
 
     def _remove_activation_hooks(self) -> None:
         for handle in self._hooks:
@@ -294,6 +341,35 @@ def _local(tensor: Any) -> Any:
     """The rank-local shard of a DTensor (FSDP2, tensor parallel): never a collective here."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
+
+
+def _fingerprint(tensor: Any) -> Any:
+    """[sum, sum of squares] in float64 of `tensor` (device kernels only; None for an empty or
+    complex one). Identical batches give identical fingerprints."""
+    if tensor.numel() == 0 or tensor.is_complex():
+        return None
+    flat = _local(tensor.detach()).reshape(-1)
+    # float64 makes equal sums mean equal batches; Metal (mps) has no float64
+    flat = flat.to(torch.float32 if flat.device.type == "mps" else torch.float64)
+    # stays on the batch's device (a copy to the parameters' could sync): one transfer per device
+    return torch.stack([flat.sum(), torch.dot(flat, flat)])
+
+
+def _batch_tensor(batch: Any, depth: int = 0) -> Any:
+    """The first tensor of a batch: the tensor itself, else the first found in a mapping's values
+    or a sequence's items (in order, two levels deep), else None."""
+    if hasattr(batch, "is_floating_point"):
+        return batch
+    if depth >= 2:
+        return None
+    items = (
+        batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
+    )
+    for item in items:
+        found = _batch_tensor(item, depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def _first_tensor(output: Any) -> Any:

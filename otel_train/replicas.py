@@ -5,15 +5,15 @@ Both ride the ONE per-flush exchange (`straggler.CrossRankReducer`): every rank 
 collective of its own, nothing on the training thread but the watched steps' device kernels.
 
 - `data_not_sharded`: `ot.watch` fingerprints each watched step's batch on the device (the first
-  tensor argument of the watched module's first forward in the step: float64 sum and sum of
-  squares). Data-parallel peers that trained on identical batches at the same step (a DataLoader
-  without DistributedSampler) are named in one event per set of ranks. An all-zero batch proves
-  nothing and is skipped.
+  tensor argument of the watched module's first forward in the step, or the batch an integration
+  gives `ot.watch_batch` first: float64 sum and sum of squares). Data-parallel peers that trained
+  on identical batches at the same step (a DataLoader without DistributedSampler) are named in one
+  event per set of ranks. An all-zero batch proves nothing and is skipped.
 - `replica_divergence`: under DDP every replica's parameters are identical after the optimizer
   step, so their per-layer norms (ot.watch's, at the same watched step) are too. A relative
   difference above `REL_TOL` names the first diverging layer (module order) and the ranks that
   disagree with the group's lowest rank. Sharded parameters (FSDP2: each rank's norm is of its own
-  shard) are not compared (said once).
+  shard) are not compared (a warning once); their batches still are.
 
 Data-parallel groups: by default every rank is a peer of every other. Ranks that legitimately see
 the same batch and hold different parameters (tensor, pipeline, context parallel) name their
@@ -270,9 +270,11 @@ class ReplicaCheck:
     def _say_sharded(self) -> None:
         if not self._sharded_said:
             self._sharded_said = True
-            logger.info(
+            # A warning, once for the job (rank 0): at info level nobody would see that a check
+            # they may rely on is off. data_not_sharded is still checked.
+            logger.warning(
                 "otel_train: parameters are sharded (FSDP): replicas' parameter norms are of "
-                "different shards, so replica_divergence is not checked"
+                "different shards, so replica_divergence is not checked (data_not_sharded still is)"
             )
 
 

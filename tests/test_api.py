@@ -207,7 +207,7 @@ def test_public_api_is_pinned() -> None:
         "Config", "ConfigError", "RunInfo", "__version__", "begin_step", "current_session", "end_step", "event",
         "finish", "get_meter", "init",
         "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "phase", "profile", "record", "run_info",
-        "shutdown", "span", "step", "timed", "timer", "watch", "watch_scaler",
+        "shutdown", "span", "step", "timed", "timer", "watch", "watch_batch", "watch_read", "watch_scaler",
     ])  # fmt: skip
 
 

@@ -308,9 +308,11 @@ _HOOKS = (
 
 
 @pytest.mark.gpu
-def test_callback_hooks_never_sync_the_device_on_cuda(tmp_path: Path) -> None:
+@pytest.mark.parametrize("watch_every", [0, 2])
+def test_callback_hooks_never_sync_the_device_on_cuda(tmp_path: Path, watch_every: int) -> None:
     """Every hook of the callback runs under `set_sync_debug_mode("error")` on a real GPU (the
-    Trainer's own syncs, outside the hooks, are allowed)."""
+    Trainer's own syncs, outside the hooks, are allowed); with `watch_every`, ot.watch's statistics
+    are taken inside `on_optimizer_step` and the batch is handed over in `on_step_begin`."""
     import torch
 
     if not torch.cuda.is_available():
@@ -344,7 +346,7 @@ def test_callback_hooks_never_sync_the_device_on_cuda(tmp_path: Path) -> None:
     model = tiny_causal_lm().cuda()
     trainer = Trainer(
         model=model, args=args, train_dataset=TokenDataset(32), eval_dataset=TokenDataset(8, seed=1),
-        callbacks=[Strict()],
+        callbacks=[Strict(watch_every=watch_every)],
     )  # fmt: skip
     trainer.train()
     session = ot.current_session()
@@ -352,3 +354,6 @@ def test_callback_hooks_never_sync_the_device_on_cuda(tmp_path: Path) -> None:
     ot.shutdown()
     rows = _rows(session.run_dir)
     assert sum(r.get("train/steps", 0) for r in rows) == 6
+    if watch_every:  # read before the Trainer zeroed the gradients
+        layers = [v for r in rows for k, v in r.items() if k.startswith("grad_norm/transformer.")]
+        assert layers and all(v > 0 for v in layers), sorted(set().union(*rows))

@@ -181,6 +181,98 @@ def test_watch_on_a_bare_buffer_without_a_session() -> None:
     assert len(buffer.layer_stats) == count and not buffer.dropped
 
 
+def test_read_now_takes_the_statistics_before_the_loop_clears_the_gradients() -> None:
+    """ot.watch_read for loops that zero the gradients before the step ends (the HF Trainer)."""
+    buffer = Buffer(max_names=100, max_values=100)
+    model = Tiny()
+    watch = ModelWatch(buffer, model, 2, True, True, False, False, 64)
+    gen = torch.Generator().manual_seed(0)
+    for index in range(3):
+        watch.begin_step(index)
+        model(torch.randn(5, 6, generator=gen)).pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        watch.read_now()
+        watch.read_now()  # once per step
+        model.zero_grad(set_to_none=True)  # before the step ends: end_step alone would see no gradient
+        watch.end_step(index, False)
+        if index == 0:
+            [grad_stats] = [r for r in buffer.layer_stats if r.instrument == sc.LAYER_GRAD_NORM.name]
+            expected = _by_label(grads, watch.labels)
+            assert grad_stats.step == 0
+            assert grad_stats.values.tolist() == pytest.approx([expected[x] for x in watch.labels], rel=1e-5)
+    # steps 0 and 2 watched (every=2), each read once, step 1 not at all; no "no gradients" failure
+    assert [r.step for r in buffer.layer_stats if r.instrument == sc.LAYER_GRAD_NORM.name] == [0, 2]
+    assert not buffer.dropped
+
+
+def test_see_batch_fingerprints_the_batch_the_forward_never_sees() -> None:
+    """ot.watch_batch: the first tensor of a mapping / tuple batch, the step's first fingerprint wins
+    (the forward pre-hook's then stands aside), and only on watched steps."""
+    buffer = Buffer(max_names=100, max_values=100)
+    model = Tiny()
+    watch = ModelWatch(buffer, model, 2, True, False, False, False, 64)
+    ids = torch.arange(12).reshape(3, 4)
+    for index, batch in enumerate([{"input_ids": ids, "labels": ids + 1}, (ids,), ([ids, None], "text")]):
+        watch.begin_step(2 * index)
+        watch.see_batch(batch)
+        watch.see_batch(torch.ones(3))  # a second call in the step changes nothing
+        model(torch.randn(5, 6)).sum().backward()  # nor does the forward's own input
+        watch.end_step(2 * index, False)
+    prints = [r.values.tolist() for r in buffer.layer_stats if r.instrument == FINGERPRINT]
+    flat = ids.double().reshape(-1)
+    assert prints == [pytest.approx([flat.sum().item(), flat.dot(flat).item()])] * 3
+    watch.begin_step(1)  # unwatched
+    watch.see_batch(ids)
+    watch.end_step(1, False)
+    watch.begin_step(6)
+    watch.see_batch({"no": "tensor"})  # nothing to fingerprint: the forward's input is taken
+    model(torch.zeros(5, 6)).sum().backward()
+    watch.end_step(6, False)
+    assert len([r for r in buffer.layer_stats if r.instrument == FINGERPRINT]) == 4 and not buffer.dropped
+
+
+def test_a_layer_with_no_local_elements_is_left_out() -> None:
+    """Under FSDP2 a layer smaller than the world has an empty shard on some ranks (an empty
+    tensor here stands for it): its norms would read 0 there, a false no_gradient."""
+    buffer = Buffer(max_names=100, max_values=100)
+    model = Tiny()
+    model.head.weight = nn.Parameter(torch.empty(0))
+    model.head.bias = nn.Parameter(torch.empty(0))
+    model.forward = lambda x: (
+        model.blocks[1](model.blocks[0](model.embed(x))).sum(1, keepdim=True) * model.scale
+    )  # type: ignore[method-assign]
+    watch = ModelWatch(buffer, model, 1, True, True, False, False, 64)
+    watch.begin_step(0)
+    model(torch.randn(5, 6)).pow(2).mean().backward()
+    watch.end_step(0, False)
+    norms = [r for r in buffer.layer_stats if r.instrument != FINGERPRINT]
+    assert {r.instrument for r in norms} == {sc.LAYER_GRAD_NORM.name, sc.LAYER_PARAM_NORM.name}
+    for record in norms:
+        assert "head" not in record.labels and record.values.shape == (len(record.labels),)
+        assert record.labels == tuple(x for x in watch.labels if x != "head")
+
+
+def test_watch_read_and_watch_batch_through_the_public_api(cap: Capture) -> None:
+    """A loop that clears gradients before its step ends still gets its gradient norms; both calls
+    are harmless without a watch, and without a session."""
+    ot.watch_batch(torch.ones(2))
+    ot.watch_read()
+    model = Tiny()
+    ot.watch(model, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for i in range(2):
+        with ot.step(i):
+            ot.watch_batch({"x": torch.ones(2)})  # a single process: no fingerprint, no failure
+            model(torch.randn(5, 6)).pow(2).mean().backward()
+            opt.step()
+            ot.watch_read()
+            opt.zero_grad(set_to_none=True)
+    ot.shutdown()
+    assert cap.last("grad_norm/head") is not None and cap.last("grad_norm/head") > 0
+    ot.watch_batch(torch.ones(2))  # no session
+    ot.watch_read()
+
+
 def test_values_stay_on_device_until_the_flush() -> None:
     """The training thread hands tensors to the buffer; only the worker turns them into floats."""
     with capture_metrics(log_interval=1000, run_dir_enabled=False, hardware=False) as cap:

@@ -16,7 +16,11 @@ phases Lightning's hooks expose:
 
 `tokens=lambda batch: batch["input_ids"].numel()` counts tokens per micro-batch (a shape read, no
 device sync) into `train.tokens`. With `watch_every > 0` it calls
-`ot.watch(model, every=watch_every)` at fit start: per-layer gradient and parameter norms read at the end of the optimizer step (gradients are unscaled by then).
+`ot.watch(model, every=watch_every)` at fit start: per-layer gradient and parameter norms read at
+the end of the optimizer step (gradients are unscaled by then), the checks on them (`no_gradient`,
+`gradient_explosion`/`gradient_vanishing`, and under DDP `replica_divergence`), and on watched
+steps a fingerprint of the batch `on_train_batch_start` receives (`ot.watch_batch`; the first
+micro-batch of an accumulated step) for `data_not_sharded`.
 Without an `OtelTrainLogger` on the Trainer, the callback forwards the values in
 `trainer.logged_metrics` that changed (still tensors: no host sync) when each step ends, and a
 validation's values when it ends (flushed under the step it followed). On an exception the open step ends as failed and a
@@ -195,6 +199,8 @@ class OtelTrainCallback(Callback):
             self._step = ot.begin_step(trainer.global_step, start_ns=start)
             self._step_global = trainer.global_step
             self._tokens = 0
+            # unsharded data (watched steps only): training_step need not pass the batch to forward
+            ot.watch_batch(batch)
         if self._tokens_of is not None:
             self._tokens += int(self._tokens_of(batch))
         if start < now:

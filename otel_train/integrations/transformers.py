@@ -23,6 +23,14 @@ they are Python floats by then, so the callback adds no device sync of its own. 
 `state.num_input_tokens_seen` (set `include_num_input_tokens_seen`), a job-wide count that is split
 evenly across ranks so that summing `train.tokens` over ranks gives the job's total.
 
+`OtelTrainCallback(watch_every=N)` (N > 0) calls `ot.watch(model, every=N)` when training begins:
+per-layer gradient and parameter norms every N optimizer steps, read at `on_optimizer_step` (after
+clipping and the optimizer step; the Trainer zeroes the gradients before `on_step_end`), and with
+them the checks on those norms (`no_gradient`, `gradient_explosion`/`gradient_vanishing`, and under
+DDP `replica_divergence`). On watched steps the step's first micro-batch, as it left the data
+loader, is fingerprinted for `data_not_sharded` (`ot.watch_batch`). A user's own `ot.watch` is
+read at the same point.
+
 The session starts lazily (at `on_train_begin`, or at the first step for trainers that never call
 it) on every rank, with `total_steps=max_steps`, unless the user already called `ot.init()`; a
 session the callback started is shut down at `on_train_end`.
@@ -87,13 +95,19 @@ class OtelTrainCallback(TrainerCallback):
 
     Settings are `ot.init()` settings used when the callback starts the session itself, by keyword
     (`OtelTrainCallback(run_name="x", tensorboard=True)`) or as a `settings` mapping; an unknown
-    name raises `ConfigError`. `hyperparams=False` skips logging the `TrainingArguments`."""
+    name raises `ConfigError`. `hyperparams=False` skips logging the `TrainingArguments`.
+    `watch_every=N` (> 0) calls `ot.watch(model, every=N)` when training begins (module doc)."""
 
     def __init__(
-        self, settings: Mapping[str, Any] | None = None, hyperparams: bool = True, **kwargs: Any
+        self,
+        settings: Mapping[str, Any] | None = None,
+        hyperparams: bool = True,
+        watch_every: int = 0,
+        **kwargs: Any,
     ) -> None:
         self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._hyperparams = hyperparams
+        self._watch_every = watch_every
         self._started = False  # this callback's run began (on_train_begin or a lazy first step)
         self._owns_session = False
         self._mark_ns: int | None = None  # end of the last accounted stretch (step, log, eval, save)
@@ -104,6 +118,7 @@ class OtelTrainCallback(TrainerCallback):
         self._rank = 0
         self._world = 1
         self._data_ready_ns = [0]  # when the wrapped get_batch_samples last got a micro-batch
+        self._batches: list[Any] = [None]  # the next step's first micro-batch (get_batch_samples)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def on_init_end(
@@ -116,7 +131,7 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         self._end_abandoned_step()
         self._adopt(_calling_trainer(self))  # added with add_callback: no on_init_end was seen
-        self._start(args, state)
+        self._start(args, state, kwargs.get("model"))
 
     def _adopt(self, trainer: Any) -> None:
         """Wrap the Trainer's `train` and `get_batch_samples` (that instance only, once)."""
@@ -125,9 +140,11 @@ class OtelTrainCallback(TrainerCallback):
         if not getattr(trainer.train, _WRAPPED, False):
             trainer.train = _ending_on_error(trainer.train, self)
         if not getattr(trainer.get_batch_samples, _WRAPPED, False):
-            trainer.get_batch_samples = _stamping_batches(trainer.get_batch_samples, self._data_ready_ns)
+            trainer.get_batch_samples = _stamping_batches(
+                trainer.get_batch_samples, self._data_ready_ns, self._batches
+            )
 
-    def _start(self, args: Any, state: TrainerState | None) -> None:
+    def _start(self, args: Any, state: TrainerState | None, model: Any) -> None:
         settings = dict(self._settings)
         max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
         if isinstance(max_steps, int) and max_steps > 0:
@@ -143,6 +160,8 @@ class OtelTrainCallback(TrainerCallback):
                 ot.log_hyperparams(params)
         self._tokens_seen = state.num_input_tokens_seen if state is not None else 0
         self._steps = 0
+        if self._watch_every > 0 and model is not None:
+            ot.watch(model, every=self._watch_every)
         self._mark_ns = perf_counter_ns()
 
     def on_train_end(
@@ -175,13 +194,16 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         self._end_abandoned_step()
         if not self._started:  # no on_train_begin (OumiTrainer)
-            self._start(args, state)
+            self._start(args, state, kwargs.get("model"))
         now = perf_counter_ns()
         start = self._mark_ns if self._mark_ns is not None else now
         index = state.global_step if state is not None else self._steps
         if ot.begin_step(index, start_ns=start) is None:
             return  # no session (the user's was shut down)
         self._open = True
+        batch, self._batches[0] = self._batches[0], None
+        if batch is not None:
+            ot.watch_batch(batch)  # unsharded data: the batch as it left the loader (watched steps)
         if state is not None and start < now:  # OumiTrainer fetches the batch inside the step
             self._time_data(start, now)
         self._phase_start_ns = now
@@ -204,6 +226,8 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._end_phase("optimizer")
+        if self._open:
+            ot.watch_read()  # the Trainer zeroes the gradients before on_step_end
 
     def _end_phase(self, name: str) -> None:
         if self._open:
@@ -296,12 +320,18 @@ def _calling_trainer(callback: OtelTrainCallback) -> Any:
     return None
 
 
-def _stamping_batches(get_batch_samples: Callable[..., Any], stamp: list[int]) -> Callable[..., Any]:
-    """`trainer.get_batch_samples`, noting in `stamp[0]` when each micro-batch left the iterator."""
+def _stamping_batches(
+    get_batch_samples: Callable[..., Any], stamp: list[int], first: list[Any]
+) -> Callable[..., Any]:
+    """`trainer.get_batch_samples`, noting in `stamp[0]` when each micro-batch left the iterator
+    and in `first[0]` the step's first micro-batch (a reference: nothing is copied)."""
 
     @functools.wraps(get_batch_samples)
     def wrapper(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
-        return get_batch_samples(_Stamped(epoch_iterator, stamp), *args, **kwargs)
+        result = get_batch_samples(_Stamped(epoch_iterator, stamp), *args, **kwargs)
+        samples = result[0] if isinstance(result, tuple) and result else None
+        first[0] = samples[0] if isinstance(samples, list) and samples else None
+        return result
 
     setattr(wrapper, _WRAPPED, True)
     return wrapper

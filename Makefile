@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # CPU wheel available locally; an unpinned torch would pull gigabytes of CUDA packages.
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.stamp-install
-# Oumi 0.9 for tests/test_integration_oumi.py. It pins torch<2.13 (and transformers<5.17, trl<1.7),
+# Oumi 0.9 for tests/integrations/test_oumi.py. It pins torch<2.13 (and transformers<5.17, trl<1.7),
 # so it is installed without its dependencies, with only the modules its train path imports (and
 # the TRL and datasets it trains with, with theirs); not part of the [all] extra. Versions pinned.
 OUMI   := oumi==0.9 omegaconf==2.4.0.dev4 peft==0.19.1 jsonlines==4.0.0 pexpect==4.9.0 ptyprocess==0.7.0
@@ -36,7 +36,7 @@ tools:
 	@deploy/fetch-tools.sh || { if [ -n "$$CI" ]; then exit 1; fi; \
 	  echo "WARNING: pinned tools unavailable: the real-component tests will be skipped (they FAIL under CI)."; }
 
-# Megatron Bridge 0.6.2's wheel, for tests/test_integration_megatron.py: only its callbacks module
+# Megatron Bridge 0.6.2's wheel, for tests/integrations/test_megatron.py: only its callbacks module
 # (standard library only) is imported from it. Bridge needs Python >= 3.12 and CUDA to install, so
 # the wheel is downloaded, not installed (--python-version 3.12, --no-deps) into .tools/wheels
 # (git-ignored). Under CI a failure to fetch it fails the build; elsewhere the tests skip.

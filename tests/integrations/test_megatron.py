@@ -25,7 +25,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
         raise ImportError("megatron-core==0.16.1 is not installed")
     pytest.skip("megatron-core==0.16.1 not installed (make test installs it)", allow_module_level=True)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BRIDGE_WHEEL = "megatron_bridge-0.6.2-py3-none-any.whl"
 NAMES = ["forward-backward", "forward-compute", "backward-compute", "optimizer"]
 STEPS, LOG_INTERVAL, MICRO_BATCHES = 16, 4, 2

@@ -52,7 +52,7 @@ def ray_cluster(tmp_path: Path) -> Any:
     os.environ["OTEL_TRAIN_OUTPUT_DIR"] = str(tmp_path)
     try:
         # the workers unpickle _train_fn by module name: this directory on their path
-        path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+        path = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
         env = otr.runtime_env("worker", {"env_vars": {**settings, "PYTHONPATH": path}})
         ray.init(num_cpus=2, include_dashboard=False, runtime_env=env, log_to_driver=False)
         yield env

@@ -53,8 +53,8 @@ class FlushBatch:
     tokens: int
     samples: int
     step_durations: list[float]
-    phases: dict[str, list[float]]
-    arrivals: dict[str, list[float]]  # timer name -> seconds from its step's start to the timer's end
+    phases: dict[str, list[float]]  # ot.phase() durations (timers' are in `timings`)
+    timings: dict[str, list[tuple[int, int, int]]]  # timer name -> (start_ns, end_ns, step start_ns or 0)
     phase_errors: dict[tuple[str, str], list[float]]
     scalars: dict[str, list[Any]]  # instrument name -> raw values (numbers or tensors)
     cuda_timers: list[tuple[str, Any, Any]]  # (phase, start event, end event)
@@ -91,7 +91,9 @@ class Buffer:
     def _reset(self) -> None:
         self.scalars: dict[str, list[Any]] = {}
         self.phases: dict[str, list[float]] = {}
-        self.arrivals: dict[str, list[float]] = {}
+        # Timer name -> (start_ns, end_ns, its step's start_ns or 0 outside a step) per timer that
+        # ended without an error (Session.end_timer); the worker derives durations and arrivals.
+        self.timings: dict[str, list[tuple[int, int, int]]] = {}
         self.phase_errors: dict[tuple[str, str], list[float]] = {}
         self.step_durations: list[float] = []
         self.step_indices: list[int] = []  # appended once per step by the session, never per record()
@@ -130,15 +132,6 @@ class Buffer:
             values.append(seconds)
         else:
             self.drop("too_many_values")
-
-    def add_arrival(self, name: str, seconds: float) -> None:
-        """When a timer inside a step ended, counted from the step's start: what straggler detection
-        compares across ranks (the rank that arrives last at a synchronization is the one waited for)."""
-        values = self.arrivals.get(name)
-        if values is None:
-            values = self.arrivals[name] = []
-        if len(values) < self.max_values:  # capped with its phase (which counts the drop)
-            values.append(seconds)
 
     def add_phase_error(self, name: str, error: str, seconds: float) -> None:
         key = (name, error)
@@ -297,7 +290,7 @@ class Buffer:
             samples=self.samples,
             step_durations=self.step_durations,
             phases=self.phases,
-            arrivals=self.arrivals,
+            timings=self.timings,
             phase_errors=self.phase_errors,
             scalars=scalars,
             cuda_timers=self.cuda_timers,

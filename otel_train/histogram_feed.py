@@ -20,7 +20,7 @@ span context) is recorded with `record(value, attributes, context=...)` as befor
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +44,19 @@ def record_many(histogram: Any, values: Sequence[float], attributes: Mapping[str
     if len(finite) == 1 or not _merge(histogram, finite, dict(attributes or {})):
         for value in finite:
             histogram.record(value, attributes)
+
+
+def bucket_counts_of(ordered: Sequence[float], bounds: Sequence[float]) -> list[int]:
+    """Explicit-bucket counts of sorted values, as the SDK buckets each one (`bisect_left(bounds,
+    value)`: bucket i holds bounds[i-1] < v <= bounds[i]): one binary search per boundary, not
+    one per value."""
+    counts, below = [], 0
+    for bound in bounds:
+        upto = bisect_right(ordered, bound)  # values <= bound
+        counts.append(upto - below)
+        below = upto
+    counts.append(len(ordered) - below)
+    return counts
 
 
 def _targets(histogram: Any, attributes: dict[str, Any]) -> list[tuple[Any, Any, dict[str, Any]]] | None:
@@ -80,7 +93,8 @@ def _merge(histogram: Any, values: list[float], attributes: dict[str, Any]) -> b
         ):
             return False
         aggregations.append((match, key, attrs))
-    total, low, high = math.fsum(values), min(values), max(values)
+    ordered = sorted(values)
+    total, low, high = math.fsum(ordered), ordered[0], ordered[-1]
     counts_by_bounds: dict[tuple[float, ...], list[int]] = {}
     for match, key, attrs in aggregations:
         # Held like record() holds it when collect() discards aggregations (delta readers).
@@ -89,9 +103,7 @@ def _merge(histogram: Any, values: list[float], attributes: dict[str, Any]) -> b
             bounds = aggregation._boundaries
             counts = counts_by_bounds.get(bounds)
             if counts is None:
-                counts = counts_by_bounds[bounds] = [0] * (len(bounds) + 1)
-                for value in values:
-                    counts[bisect_left(bounds, value)] += 1
+                counts = counts_by_bounds[bounds] = bucket_counts_of(ordered, bounds)
             with aggregation._lock:
                 if aggregation._value is None:
                     aggregation._value = aggregation._get_empty_bucket_counts()

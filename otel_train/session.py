@@ -269,7 +269,7 @@ class Session(SessionParts, GoodputClock):
         if (
             (buf.steps >= self.cadence.threshold and self.cadence.due(buf.steps))
             or (self._flush_requested and not self._lockstep)
-            or (self._time_flush and time.perf_counter() - self._last_flush >= self._interval_s)
+            or (self._time_flush and end_ns * 1e-9 - self._last_flush >= self._interval_s)  # same clock
         ):
             self.flush()
 
@@ -305,15 +305,26 @@ class Session(SessionParts, GoodputClock):
         return self.profiler is not None
 
     def end_timer(self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None) -> None:
-        seconds = (end_ns - start_ns) * 1e-9
         if error is None:
-            self.buffer.add_phase(name, seconds)
-            if self.step_start_ns:  # straggler detection: when this rank got here in its step
-                self.buffer.add_arrival(name, (end_ns - self.step_start_ns) * 1e-9)
-                if name in self._data_phases and self._step_index_running > self.rerun_through:
-                    self.data_ns += end_ns - start_ns  # goodput's data cause
+            # The raw clock readings, one append: the worker turns them into the phase's duration
+            # and the arrival (when this rank got here in its step, for straggler detection), so
+            # the training thread does no float arithmetic and no second list append per timer.
+            buf = self.buffer
+            timings = buf.timings.get(name)
+            if timings is None:
+                timings = buf.timings[name] = []
+            if len(timings) < buf.max_values:
+                timings.append((start_ns, end_ns, self.step_start_ns))
+            else:
+                buf.drop("too_many_values")
+            if (
+                name in self._data_phases
+                and self.step_start_ns
+                and self._step_index_running > self.rerun_through
+            ):
+                self.data_ns += end_ns - start_ns  # goodput's data cause
         else:
-            self.buffer.add_phase_error(name, error.__name__, seconds)
+            self.buffer.add_phase_error(name, error.__name__, (end_ns - start_ns) * 1e-9)
         if self.sampled and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
             self.buffer.spans.append(
                 SpanRecord(

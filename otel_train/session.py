@@ -305,26 +305,18 @@ class Session(SessionParts, GoodputClock):
         return self.profiler is not None
 
     def end_timer(self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None) -> None:
-        if error is None:
-            # The raw clock readings, one append: the worker turns them into the phase's duration
-            # and the arrival (when this rank got here in its step, for straggler detection), so
-            # the training thread does no float arithmetic and no second list append per timer.
-            buf = self.buffer
-            timings = buf.timings.get(name)
-            if timings is None:
-                timings = buf.timings[name] = []
+        buf = self.buffer
+        if error is None:  # raw clock readings, one append: the worker derives duration and arrival
+            timings = buf.timings.get(name) or buf.timings.setdefault(name, [])
             if len(timings) < buf.max_values:
                 timings.append((start_ns, end_ns, self.step_start_ns))
             else:
                 buf.drop("too_many_values")
-            if (
-                name in self._data_phases
-                and self.step_start_ns
-                and self._step_index_running > self.rerun_through
-            ):
-                self.data_ns += end_ns - start_ns  # goodput's data cause
+            data = name in self._data_phases and self.step_start_ns  # goodput's data cause
+            if data and self._step_index_running > self.rerun_through:
+                self.data_ns += end_ns - start_ns
         else:
-            self.buffer.add_phase_error(name, error.__name__, (end_ns - start_ns) * 1e-9)
+            buf.add_phase_error(name, error.__name__, (end_ns - start_ns) * 1e-9)
         if self.sampled and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
             self.buffer.spans.append(
                 SpanRecord(

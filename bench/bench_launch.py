@@ -2,7 +2,13 @@
 thread holding the GIL nearly all the time (a small model on a GPU looks like this to Python).
 
     .venv/bin/python bench/bench_launch.py [--step-ms 5 10 30] [--configs defaults tensorboard ...]
-                                           [--seconds 40] [--quick] [--json PATH]
+                                           [--seconds 40] [--quick] [--preset 2ms|10ms] [--json PATH]
+
+The ~2 ms set (defaults, watch, all bridges, fr, fr-own; ~20 min at 120 s a row), in one command:
+
+    .venv/bin/python bench/bench_launch.py --preset 2ms --seconds 120 --json /tmp/launch-2ms.json
+
+and the ~10 ms set the same way with `--preset 10ms`.
 
 Each (step time, configuration) runs in a fresh child process of this script, so sessions, bridge
 processes and imports never leak from one measurement into the next. Inside it, three loops share
@@ -23,6 +29,20 @@ plus `ot.watch(model)` at its default cadence: per-layer norms, the batch finger
 checks that read them: gradient flow, unsharded data, replica divergence). Reported beside the
 ratios: flushes, the worker thread's CPU per flush (time.thread_time inside the worker) and the
 bridge process's CPU per flush (psutil on the child process, when bridges run there).
+
+The step time is reached by calibration: the number of passes over the 8 tiny layers is scaled
+until a plain step takes `--step-ms` (each op is a few microseconds of dispatch, so ~2 ms is a few
+hundred ops on a 2-core VM, 60 on a fast core); the row's `ops` column is the resulting ops per step.
+
+Collectives (issue #26 item 5): both `fr` configurations run a 1-rank gloo process group and one
+tiny `all_reduce` per step (inside the backward timer, where DDP's would be). `fr`: PyTorch's Flight
+Recorder on (`TORCH_FR_BUFFER_SIZE=2000`) in A, B and C, so B/A - 1 is otel_train's cost with the
+Flight Recorder on, collective telemetry included: with one rank otel_train does not start its
+collective monitor by itself, so the bench attaches the same `collectives.start_monitor` a rank of
+a distributed job runs. `fr-own`: the Flight Recorder's own cost, without otel_train; the recorder
+is set once per process, so processes alternate instead of blocks: per round one process with it
+off (A), one with it on (B) and one off again (C, the A/A control), in rotating order, each timing
+plain blocks only, with the step calibrated once and reused by all.
 """
 
 from __future__ import annotations
@@ -48,8 +68,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "mlflow": {"mlflow": True},
     "all": {"tensorboard": True, "wandb": True, "wandb_mode": "offline", "mlflow": True},
     "watch": {},
+    "fr": {},
+    "fr-own": {},  # no otel_train: the Flight Recorder's own cost (measure_fr_own)
 }
 WATCHED = frozenset({"watch"})  # configurations that also call ot.watch(model.net)
+COLLECTIVE = frozenset({"fr"})  # a 1-rank gloo group, the Flight Recorder on, an all_reduce per step
+FR_BUFFER = "2000"  # TORCH_FR_BUFFER_SIZE, as collectives.RECOMMENDED_BUFFER
+PRESETS = {"2ms": 2.0, "10ms": 10.0}  # --preset: that step time, defaults watch all fr fr-own
 
 
 class LaunchBoundModel:
@@ -68,6 +93,12 @@ class LaunchBoundModel:
         # forward: 2 ops per layer; backward about 2x; optimizer: one per parameter (foreach off)
         self.passes = max(1, ops_per_step // (6 * len(self.layers)))
         self.lr = 1e-3
+        self.collective: Callable[[], None] | None = None  # one all_reduce per step (fr configurations)
+
+    def ops_per_step(self) -> int:
+        """Torch ops a plain step dispatches (about: linear + tanh forward, twice that backward, the
+        loss, one optimizer op per parameter)."""
+        return 6 * len(self.layers) * self.passes + 3 + len(self.params)
 
     def data(self) -> Any:
         return self.x + 0.0
@@ -84,6 +115,8 @@ class LaunchBoundModel:
     def backward(self, loss: Any) -> None:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.collective is not None:
+            self.collective()
 
     def optimize(self) -> None:
         self.opt.step()
@@ -163,6 +196,52 @@ def calibrate(model: LaunchBoundModel, target_ms: float) -> None:
         model.passes = max(1, round(model.passes * target_ms / ms))
 
 
+def start_collective(model: LaunchBoundModel, directory: str, flight_recorder: bool) -> None:
+    """A 1-rank gloo process group, the Flight Recorder on or off (torch reads it once, when the
+    group is created), and one tiny all_reduce per step."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        os.environ.pop(name, None)
+    if flight_recorder:
+        os.environ["TORCH_FR_BUFFER_SIZE"] = FR_BUFFER
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{directory}/pg", rank=0, world_size=1)
+    tiny = model.torch.zeros(4)
+    model.collective = lambda: dist.all_reduce(tiny)
+
+
+def block_size(step_ms: float) -> int:
+    return max(20, int(1200 / step_ms))  # >= 1.2 s: at least one flush per B block at 1 flush/s
+
+
+def measure_fr_own(
+    step_ms: float, flight_recorder: bool, seconds: float, seed: int, passes: int
+) -> dict[str, Any]:
+    """fr-own, one process: plain blocks (no otel_train) with one all_reduce per step, the Flight
+    Recorder on or off; `passes` 0: calibrate (the first process; the others reuse its passes)."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = LaunchBoundModel(300, seed)
+    out = tempfile.TemporaryDirectory(prefix="bench_launch-")
+    with out:
+        start_collective(model, out.name, flight_recorder)
+        if passes:
+            model.passes = passes
+        else:
+            calibrate(model, step_ms)
+        block = block_size(step_ms)
+        timed_block(model.plain, block)  # warm-up
+        means, own = [], []
+        for _ in range(max(2, int(seconds * 1000 / step_ms / block))):
+            waited = runqueue_wait_ns()
+            durations = timed_block(model.plain, block)
+            means.append(statistics.fmean(durations))
+            own.append(sum(durations) - (runqueue_wait_ns() - waited))
+        torch.distributed.destroy_process_group()
+    return {"passes": model.passes, "ops": model.ops_per_step(), "means": means, "own": own}
+
+
 def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: int) -> dict[str, Any]:
     """One configuration at one step time (runs in its own process)."""
     import psutil
@@ -172,19 +251,28 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
 
     torch.set_num_threads(1)
     model = LaunchBoundModel(300, seed)
-    calibrate(model, step_ms)
     out = tempfile.TemporaryDirectory(prefix="bench_launch-")
+    if config in COLLECTIVE:
+        start_collective(model, out.name, flight_recorder=True)
+    calibrate(model, step_ms)
     os.environ.setdefault("WANDB_SILENT", "true")
     settings: dict[str, Any] = dict(
         run_name=f"launch-{config}", output_dir=out.name, prometheus_port=0, verbosity=0, progress_bar=False,
     )  # fmt: skip
     settings.update(CONFIGS[config])
-    block = max(20, int(1200 / step_ms))  # >= 1.2 s: at least one flush per B block at 1 flush/s
+    block = block_size(step_ms)
     rounds = max(2, int(seconds * 1000 / step_ms / block / 3))
     index = itertools.count()
     with out, ot.init(**settings) as session:
         if config in WATCHED:
             ot.watch(model.net)
+        if config in COLLECTIVE:  # one rank: attach the monitor every rank of a distributed job runs
+            from otel_train.collectives import start_monitor
+
+            monitor = start_monitor(session.meter, None, 0)
+            if monitor is None:
+                raise SystemExit("the Flight Recorder did not start")
+            session.add_listener(monitor)
         worker = session.worker
         bridge_pid = session.bridges.pid if getattr(session, "bridges", None) is not None else None
         child = psutil.Process(bridge_pid) if bridge_pid else None
@@ -220,6 +308,8 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         worker_cpu = getattr(worker, "cpu_s", 0.0) - cpu0
         child_cpu = (sum(child.cpu_times()[:2]) - child_cpu0) if child else 0.0
         interval = getattr(session, "flush_interval_steps", None)
+    if config in COLLECTIVE:
+        torch.distributed.destroy_process_group()
     means = {k: [statistics.fmean(b) for b in v] for k, v in blocks.items()}
     medians = {k: [statistics.median(b) for b in v] for k, v in blocks.items()}
     b_time_s = sum(sum(b) for b in blocks["B"]) / 1e9
@@ -227,6 +317,7 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         "step_ms": step_ms,
         "config": config,
         "plain_step_ms": statistics.median(x for b in blocks["A"] for x in b) / 1e6,
+        "ops": model.ops_per_step(),
         "rounds": rounds,
         "block": block,
         "wall_s": wall,
@@ -254,7 +345,7 @@ def report(r: dict[str, Any]) -> str:
 
     bridge = f"{r['bridge_ms_per_flush']:.2f}" if r["bridge_ms_per_flush"] is not None else "-"
     return (
-        f"{r['step_ms']:>5.0f} ms {r['config']:<12} {r['plain_step_ms']:7.2f}  {pct(r['b_vs_a']):>28}  "
+        f"{r['step_ms']:>5.0f} ms {r['config']:<12} {r['plain_step_ms']:7.2f} {r['ops']:>5}  {pct(r['b_vs_a']):>28}  "
         f"{pct(r['c_vs_a']):>28}  {pct(r['b_vs_a_median']):>28}  {pct(r['c_vs_a_median']):>28}  "
         f"{pct(r['b_vs_a_own']):>28}  {pct(r['c_vs_a_own']):>28}  "
         f"{r['flushes']:>4} {r['flush_interval_steps'] or '-'!s:>5} "
@@ -263,11 +354,76 @@ def report(r: dict[str, Any]) -> str:
 
 
 HEADER = (
-    f"{'step':>8} {'config':<12} {'A (ms)':>7}  {'means: B/A - 1 [95% CI]':>28}  {'A/A control C/A - 1':>28}  "
+    f"{'step':>8} {'config':<12} {'A (ms)':>7} {'ops':>5}  {'means: B/A - 1 [95% CI]':>28}  "
+    f"{'A/A control C/A - 1':>28}  "
     f"{'medians: B/A - 1':>28}  {'A/A control C/A - 1':>28}  "
     f"{'no runqueue wait: B/A - 1':>28}  {'A/A control C/A - 1':>28}  "
     f"{'fl.':>4} {'every':>5} {'wrk ms/fl':>8} {'wrk/B':>7} {'brg ms/fl':>8}"
 )
+
+
+FR_OWN_ROUNDS = 3
+
+
+def run_child(args: list[str]) -> dict[str, Any] | str:
+    """Run this script with `args` in a fresh process: its RESULT, or the end of its stderr."""
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    return json.loads(line[len("RESULT ") :]) if line is not None else proc.stderr.strip()[-800:]
+
+
+def fr_own(step_ms: float, seconds: float, seed: int, resamples: int) -> dict[str, Any] | str:
+    """The Flight Recorder's own cost: rounds of three processes (off, on, off again) in rotating
+    order, the first calibrating the step; blocks are paired by position within a round."""
+    share = seconds / (3 * FR_OWN_ROUNDS)
+    passes = 0
+    got: dict[str, list[dict[str, Any]]] = {"A": [], "B": [], "C": []}
+    for i in range(FR_OWN_ROUNDS):
+        for kind in "ABCABC"[i % 3 : i % 3 + 3]:
+            mode = "on" if kind == "B" else "off"
+            args = [
+                "--fr-own-child",
+                mode,
+                str(step_ms),
+                str(passes),
+                "--seconds",
+                str(share),
+                "--seed",
+                str(seed),
+            ]
+            result = run_child(args)
+            if isinstance(result, str):
+                return result
+            passes = result["passes"]
+            got[kind].append(result)
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for field in ("means", "own"):
+        for kind in "BC":
+            pairs[kind + field] = [
+                pair
+                for a, x in zip(got["A"], got[kind], strict=True)
+                for pair in zip(a[field], x[field], strict=False)
+            ]
+    a_blocks = [m for r in got["A"] for m in r["means"]]
+    nan = {"pct": float("nan"), "ci95": (float("nan"), float("nan"))}
+    return {
+        "step_ms": step_ms,
+        "config": "fr-own",
+        "plain_step_ms": statistics.median(a_blocks) / 1e6,
+        "ops": got["A"][0]["ops"],
+        "rounds": FR_OWN_ROUNDS,
+        "b_vs_a": estimate(pairs["Bmeans"], resamples, seed),
+        "c_vs_a": estimate(pairs["Cmeans"], resamples, seed),
+        "b_vs_a_median": nan,  # one mean per block is all a child reports
+        "c_vs_a_median": nan,
+        "b_vs_a_own": estimate(pairs["Bown"], resamples, seed),
+        "c_vs_a_own": estimate(pairs["Cown"], resamples, seed),
+        "worker_cpu_pct_of_b": 0.0,
+        "flushes": 0,
+        "flush_interval_steps": None,
+        "worker_ms_per_flush": 0.0,
+        "bridge_ms_per_flush": None,
+    }
 
 
 def main() -> int:
@@ -278,17 +434,30 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="10 ms steps, defaults and all bridges, 15 s each"
     )
+    parser.add_argument(
+        "--preset", choices=list(PRESETS), help="that step time with defaults, watch, all, fr and fr-own"
+    )
     parser.add_argument("--resamples", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--one", nargs=2, metavar=("STEP_MS", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fr-own-child", nargs=3, metavar=("MODE", "STEP_MS", "PASSES"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
+    if args.fr_own_child:
+        mode, step, passes = args.fr_own_child
+        result = measure_fr_own(float(step), mode == "on", args.seconds, args.seed, int(passes))
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
     if args.one:
         result = measure(float(args.one[0]), args.one[1], args.seconds, args.seed, args.resamples)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.quick:
         args.step_ms, args.configs, args.seconds = [10.0], ["defaults", "all"], 15.0
+    if args.preset:
+        args.step_ms, args.configs = [PRESETS[args.preset]], ["defaults", "watch", "all", "fr", "fr-own"]
     print(
         f"launch-bound loop, 1 torch thread; blocks A (plain), B (otel_train), C (plain: A/A control) "
         f"rotating; {args.seconds:.0f} s measured per row; CI: bootstrap 95% over block pairs"
@@ -297,14 +466,14 @@ def main() -> int:
     results = []
     for step_ms in args.step_ms:
         for config in args.configs:
-            cmd = [sys.executable, __file__, "--one", str(step_ms), config, "--seconds", str(args.seconds)]
-            cmd += ["--resamples", str(args.resamples), "--seed", str(args.seed)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                print(f"{step_ms:>5.0f} ms {config:<12} FAILED: {proc.stderr.strip()[-800:]}", flush=True)
+            if config == "fr-own":
+                result = fr_own(step_ms, args.seconds, args.seed, args.resamples)
+            else:
+                child = ["--one", str(step_ms), config, "--seconds", str(args.seconds)]
+                result = run_child([*child, "--resamples", str(args.resamples), "--seed", str(args.seed)])
+            if isinstance(result, str):
+                print(f"{step_ms:>5.0f} ms {config:<12} FAILED: {result}", flush=True)
                 continue
-            result = json.loads(line[len("RESULT ") :])
             results.append(result)
             print(report(result), flush=True)
     if args.json is not None:

@@ -35,7 +35,7 @@ def _points(feed: str, temporality: AggregationTemporality) -> list[list[tuple]]
     for _ in range(3):  # three flushes, collected after each
         for phase in ("forward", "backward"):
             values = [rng.lognormvariate(-4, 1.5) for _ in range(rng.randrange(1, 200))]
-            values += [float("nan"), 0.01]  # non-finite values are skipped; a value on a bound
+            values += [float("nan"), 0.0, 5.0, *BUCKETS, 0.01]  # non-finite skipped; values on bounds
             if feed == "record":
                 for value in values:
                     if value == value:

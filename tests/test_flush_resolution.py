@@ -1,0 +1,117 @@
+"""What the worker makes of an interval (issue #32's cheaper paths give what the careful ones give):
+scalar tensors read with one stack, timers' raw clock readings turned into durations and arrivals."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any
+
+import pytest
+import torch
+
+import otel_train as ot
+from otel_train import worker
+from otel_train.buffer import Buffer, SpanRecord
+from otel_train.interval import Interval
+from otel_train.testing import capture_metrics
+
+
+def _careful(values: list[Any], monkeypatch: pytest.MonkeyPatch) -> tuple[list[float | None], dict[str, int]]:
+    with monkeypatch.context() as patch:
+        patch.setattr(worker, "_stacked_scalars", lambda values: None)
+        return worker.resolve_values(values)
+
+
+def _losses(n: int) -> list[Any]:
+    weight = torch.randn(4, requires_grad=True)
+    return [(weight * (i + 1)).square().mean().detach() for i in range(n)]
+
+
+COMMON: dict[str, Callable[[], list[Any]]] = {
+    "0-dim losses": lambda: _losses(50),
+    "with nan and inf": lambda: [*_losses(3), torch.tensor(math.nan), torch.tensor(-math.inf)],
+    "one-element 1-d": lambda: [torch.tensor([0.5]), torch.tensor([2.0])],
+    "int and float tensors": lambda: [torch.tensor(3), torch.tensor(0.25)],
+    "float64": lambda: [torch.tensor(1 / 3, dtype=torch.float64)] * 3,
+}
+ODD: dict[str, Callable[[], list[Any]]] = {
+    "numbers": lambda: [1.0, 2, 3.5],
+    "mixed numbers and tensors": lambda: [1.0, torch.tensor(2.0)],
+    "mixed shapes": lambda: [torch.tensor(1.0), torch.tensor([2.0])],
+    "a complex tensor": lambda: [torch.tensor(1.0), torch.tensor(1 + 2j)],
+    "a non-scalar tensor": lambda: [torch.tensor(1.0), torch.ones(2)],
+    "a meta tensor": lambda: [torch.tensor(1.0), torch.empty((), device="meta")],
+    "all meta": lambda: [torch.empty((), device="meta")] * 2,
+    "a Parameter": lambda: [torch.nn.Parameter(torch.tensor(1.0))],
+    "empty tensors": lambda: [torch.ones(0), torch.ones(0)],
+}
+
+
+@pytest.mark.parametrize("case", list(COMMON))
+def test_one_stack_path_takes_the_common_interval_and_equals_the_careful_path(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = COMMON[case]()
+    assert worker._stacked_scalars(values) is not None  # the fast path is the one taken
+    assert worker.resolve_values(values) == _careful(values, monkeypatch)
+
+
+@pytest.mark.parametrize("case", list(ODD))
+def test_anything_else_takes_the_careful_path(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    values = ODD[case]()
+    assert worker._stacked_scalars(values) is None
+    assert worker.resolve_values(values) == _careful(values, monkeypatch)
+
+
+def test_nonfinite_tensors_are_dropped_and_counted_on_the_fast_path() -> None:
+    values = [torch.tensor(1.5), torch.tensor(math.nan), torch.tensor(math.inf)]
+    assert worker.resolve_values(values) == ([1.5, None, None], {"nonfinite": 2})
+
+
+class _Intervals:
+    def __init__(self) -> None:
+        self.seen: list[Interval] = []
+
+    def on_flush(self, interval: Interval) -> None:
+        self.seen.append(interval)
+
+    def close(self) -> None:
+        pass
+
+
+def test_timers_become_durations_and_arrivals_capped_per_name() -> None:
+    with capture_metrics(log_interval=1000, max_values_per_interval=3, run_dir_enabled=False) as cap:
+        session = ot.current_session()
+        assert session is not None
+        listener = _Intervals()
+        session.add_listener(listener)
+        with ot.timer("forward"):  # outside a step: a duration, no arrival
+            pass
+        for i in range(4):
+            with ot.step(i), ot.timer("forward"):
+                pass
+            with ot.step(10 + i), ot.timer("data"):
+                pass
+        data_ns = session.data_ns
+    phases = {k: v for x in listener.seen for k, v in x.phases.items()}
+    arrivals = {k: v for x in listener.seen for k, v in x.arrivals.items()}
+    assert len(phases["forward"]) == 3 and len(arrivals["forward"]) == 2  # capped at 3; 1 outside a step
+    assert len(phases["data"]) == 3 and len(arrivals["data"]) == 3
+    assert all(0 <= d < 1 for d in phases["forward"] + arrivals["forward"])
+    # over the cap: 2 forward, 1 data, and 5 of the 8 step durations
+    assert cap.last("otel_train/dropped/too_many_values") == 8
+    assert data_ns > 0  # goodput's data cause still counted on the training thread
+
+
+def test_durations_are_computed_as_the_span_computes_them() -> None:
+    """Exemplars link a histogram value to its span by (phase, seconds): both from the same ns."""
+    buffer = Buffer(max_names=10, max_values=10)
+    start = perf_counter_ns()
+    readings = [(start, start + 1_234_567, start - 10), (start + 7, start + 999_999_937, 0)]
+    buffer.timings["forward"] = list(readings)
+    phases, arrivals = worker.timer_phases(buffer.take(0, 0, 1.0, 0))
+    spans = [SpanRecord("forward", s, e, 0) for s, e, _ in readings]
+    assert phases["forward"] == [worker._seconds(span) for span in spans]
+    assert arrivals["forward"] == [(start + 1_234_567 - (start - 10)) * 1e-9]

@@ -379,6 +379,8 @@ def _value_steps(
     if merged or not step_indices or len(resolved) % len(step_indices):
         return None
     per_step = len(resolved) // len(step_indices)
+    if per_step == 1 and None not in resolved:  # once a step, nothing dropped: the usual loss
+        return list(step_indices)
     return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is not None]
 
 

@@ -4,7 +4,7 @@ thread holding the GIL nearly all the time (a small model on a GPU looks like th
     .venv/bin/python bench/bench_launch.py [--step-ms 5 10 30] [--configs defaults tensorboard ...]
                                            [--seconds 40] [--quick] [--preset 2ms|10ms] [--json PATH]
 
-The ~2 ms set (defaults, watch, all bridges, fr, fr-own; ~20 min at 120 s a row), in one command:
+The ~2 ms set (defaults, watch, all bridges, fr, fr-own; ~15 min at 120 s a row), in one command:
 
     .venv/bin/python bench/bench_launch.py --preset 2ms --seconds 120 --json /tmp/launch-2ms.json
 

@@ -18,17 +18,20 @@ every rank reads at the same flush, so every rank's window is the same collectiv
 travel in a fixed BLOCK_LEN block of the next flush's up row. Rank 0 matches them by (group, seq)
 and, for each collective every rank reported, corrects each arrival by that rank's clock offset,
 finds the last rank and its lateness (its arrival - the median of the others'). A collective
-counts only when the lateness exceeds FLOOR_S and the clock error bound of the ranks compared
+counts only when the lateness exceeds FLOOR_S even with every clock off by its bound against it
 (otherwise it is `unclear`; when unclear collectives outnumber resolved ones, the detector
 abstains and says why). The culprit arrives last consistently: at MIN_RESOLVED collectives at
 least, holding >= CONSISTENT of all the lateness seen; its lateness per step is its summed lateness, scaled from the sample
 to the window and divided by the window's steps.
 
-Clocks: ranks on different hosts have different clocks. `ClockEstimator` bounds each rank's offset
+Clocks: ranks on rank 0's host read its clock (offset 0, exact). Ranks on other hosts have
+other clocks: `ClockEstimator` bounds each rank's offset
 to rank 0 from the exchange's NTP-style stamps (`exchange`): t1 (leaf sends), t2 (rank 0 has the
 row), t3 (rank 0 answers), t4 (leaf has the answer): offset in [t3 - t4, t2 - t1]. It keeps the
 tightest interval over flushes, widened by DRIFT per second of age, and sends its midpoint and
-half-width up in the next block.
+half-width up in the next block. The stamps are taken in Python on the flush worker, so each can
+lag by a GIL hand-off from the training thread (up to `sys.getswitchinterval()`, 5 ms): the bound
+says so, and keeping the tightest over flushes recovers the lucky ones.
 
 The verdict joins the timer-based one (`straggler_model.assess`, in `straggler.CrossRankReducer`)
 as one verdict per rank: the culprit's chronic lateness is the larger of the two (the timer's
@@ -53,6 +56,7 @@ MAX_ARRIVALS = 32  # collectives per rank per read in the up row
 FLOOR_S = 0.0005  # lateness below this is noise (as straggler_model.Settings.min_lateness_s)
 MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
+PENDING_FLUSHES = 3  # flushes that new reports wait for the first collective verdict
 DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
 _VERSION = 1.0
 _B_VERSION, _B_READ_SEQ, _B_OFFSET, _B_BOUND, _B_WINDOW, _B_STEPS, _B_COUNT = range(7)
@@ -218,9 +222,12 @@ def judge(rows: Sequence[Row], world: int) -> Verdict | None:
         late = arrivals[last] - _median([t for rank, t in arrivals.items() if rank != last])
         if late <= FLOOR_S:
             continue
-        err = bound[last] + max(b for rank, b in bound.items() if rank != last)
-        if late <= err:
-            unclear, bounds = unclear + 1, [*bounds, err]
+        # The least it can be with every clock off by its bound against it (the median is monotone).
+        least = (
+            arrivals[last] - bound[last] - _median([t + bound[r] for r, t in arrivals.items() if r != last])
+        )
+        if least <= FLOOR_S:
+            unclear, bounds = unclear + 1, [*bounds, late - least]
             continue
         late_sum[last] = late_sum.get(last, 0.0) + late
         last_at.setdefault(last, []).append(key)
@@ -305,6 +312,7 @@ class LatenessTracker:
         self._own: list[Arrival] = []  # rank 0: its latest window, for naming the collective
         self._own_steps = 0
         self._last_step_start = math.nan
+        self._exchanges = 0
 
     def clock(self) -> float:
         return time.time() + self.skew_s
@@ -325,6 +333,7 @@ class LatenessTracker:
         self, interval: Interval, t1: float, root_times: tuple[float, float], t4: float, read: bool
     ) -> None:
         """The exchange's stamps (leaves) and, when rank 0 asked, this flush's read."""
+        self._exchanges += 1
         if self.rank != 0:
             self.estimator.add(t1, root_times[0], root_times[1], t4)
         self._steps += interval.steps
@@ -346,12 +355,17 @@ class LatenessTracker:
             self._last_step_start = until - last
         self._after, self._steps = until, 0
 
-    def judge(self, blocks: Any, ranks: Sequence[int]) -> None:
-        """Rank 0: every rank's block ([world, BLOCK_LEN]); a new read gives a new verdict."""
+    def judge(self, blocks: Any, ranks: Sequence[int], same_clock: Sequence[bool]) -> None:
+        """Rank 0: every rank's block ([world, BLOCK_LEN]); a new read gives a new verdict.
+        `same_clock[i]`: row i is from rank 0's host, whose clock it reads (offset 0, exact)."""
         rows = [decode(rank, values) for rank, values in zip(ranks, blocks.tolist(), strict=True)]
         if any(r is None for r in rows) or not rows:
             return
-        got = [r for r in rows if r is not None]
+        got = [
+            replace(r, offset=0.0, bound=0.0) if same else r
+            for r, same in zip(rows, same_clock, strict=True)
+            if r
+        ]
         if self.verdict is not None and got[0].read_seq == self.verdict.read_seq:
             return
         self.verdict = judge(got, len(ranks)) or self.verdict
@@ -361,6 +375,12 @@ class LatenessTracker:
         if self.verdict is not None and self.verdict.key is not None:
             collective, phase = self.name(self.verdict.key, phase_ends)
             apply(assessments, self.verdict, collective, phase)
+
+    def pending(self) -> bool:
+        """Rank 0: the recorder is on and its first verdict is still on its way (a read travels
+        one flush): new straggler reports wait for it, so that their event names the collective.
+        Bounded: after PENDING_FLUSHES exchanges the timers' reports go out without it."""
+        return self.monitor is not None and self.verdict is None and self._exchanges <= PENDING_FLUSHES
 
     def abstain(self, timer_reason: str | None) -> str | None:
         """Rank 0: why culprits cannot be found, the collectives considered."""

@@ -247,7 +247,8 @@ class CrossRankReducer:
         base = pack_len(self.table.capacity)
         records = unpack(got.records[:, :base], self.table.capacity)
         ranks = [r.rank for r in records]
-        self.lateness.judge(got.records[:, base + EXT_LEN : base + EXT_LEN + BLOCK_LEN], ranks)
+        same_clock = [r.host == self.identity.host for r in records]
+        self.lateness.judge(got.records[:, base + EXT_LEN : base + EXT_LEN + BLOCK_LEN], ranks, same_clock)
         self._reduce(interval, records)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
         sharded = any(r.flags & FLAG_SHARDED for r in records)
@@ -356,6 +357,8 @@ class CrossRankReducer:
 
     def _report(self, reports: Sequence[StragglerReport], interval: Interval) -> None:
         """Rank 0: log and emit the new stragglers (the callback runs from the next answer)."""
+        if self.lateness.pending():
+            return  # reported at the next flush, with the collective where the others wait
         now = {r.rank for r in reports if r.chronic}
         new = [r for r in reports if not r.chronic or r.rank not in self._flagged]
         new.sort(key=lambda r: (not r.chronic, r.score, r.rank))

@@ -48,9 +48,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from otel_train.collectives import CollectiveMonitor, group_label, op_name
+from otel_train.downwire import Down
 from otel_train.interval import Interval
-from otel_train.rankwire import name_id
-from otel_train.straggler_model import UNTIMED, Lateness, RankAssessment
+from otel_train.rankwire import RankRecord, name_id
+from otel_train.straggler_model import UNTIMED, Lateness, RankAssessment, RankView
 
 MAX_ARRIVALS = 32  # collectives per rank per read in the up row
 FLOOR_S = 0.0005  # lateness below this is noise (as straggler_model.Settings.min_lateness_s)
@@ -314,6 +315,13 @@ class LatenessTracker:
         self._last_step_start = math.nan
         self._exchanges = 0
 
+    @classmethod
+    def attach(cls, rank: int, exchange: Any) -> LatenessTracker:
+        """A tracker whose clock stamps `exchange` (exchange.StarExchange) takes."""
+        tracker = cls(rank)
+        exchange.stamp_clock, exchange.clock = True, tracker.clock
+        return tracker
+
     def clock(self) -> float:
         return time.time() + self.skew_s
 
@@ -329,14 +337,14 @@ class LatenessTracker:
         self._block[_B_OFFSET], self._block[_B_BOUND] = offset, bound
         return torch.tensor(self._block, dtype=torch.float64)
 
-    def after_exchange(
-        self, interval: Interval, t1: float, root_times: tuple[float, float], t4: float, read: bool
-    ) -> None:
-        """The exchange's stamps (leaves) and, when rank 0 asked, this flush's read."""
+    def after_exchange(self, interval: Interval, up: Any, down: Down, t4: float) -> None:
+        """The exchange's stamps (leaves: t1 is the up row's last float) and, when rank 0 asked,
+        this flush's read."""
         self._exchanges += 1
         if self.rank != 0:
-            self.estimator.add(t1, root_times[0], root_times[1], t4)
+            self.estimator.add(float(up[-1]), down.root_times[0], down.root_times[1], t4)
         self._steps += interval.steps
+        read = down.read_recorder and self.monitor is not None
         dump = self.monitor.read(interval.seq, force=True) if read and self.monitor is not None else None
         if dump is None:
             return
@@ -355,23 +363,23 @@ class LatenessTracker:
             self._last_step_start = until - last
         self._after, self._steps = until, 0
 
-    def judge(self, blocks: Any, ranks: Sequence[int], same_clock: Sequence[bool]) -> None:
-        """Rank 0: every rank's block ([world, BLOCK_LEN]); a new read gives a new verdict.
-        `same_clock[i]`: row i is from rank 0's host, whose clock it reads (offset 0, exact)."""
-        rows = [decode(rank, values) for rank, values in zip(ranks, blocks.tolist(), strict=True)]
+    def judge(self, blocks: Any, records: Sequence[RankRecord], host: str) -> None:
+        """Rank 0: every rank's block ([world, BLOCK_LEN], row i from `records[i]`); a new read
+        gives a new verdict. Rows from rank 0's `host` read its clock: offset 0, exact."""
+        rows = [decode(r.rank, values) for r, values in zip(records, blocks.tolist(), strict=True)]
         if any(r is None for r in rows) or not rows:
             return
-        got = [
-            replace(r, offset=0.0, bound=0.0) if same else r
-            for r, same in zip(rows, same_clock, strict=True)
-            if r
-        ]
+        same = [r.host == host for r in records]
+        got = [replace(r, offset=0.0, bound=0.0) if s else r for r, s in zip(rows, same, strict=True) if r]
         if self.verdict is not None and got[0].read_seq == self.verdict.read_seq:
             return
-        self.verdict = judge(got, len(ranks)) or self.verdict
+        self.verdict = judge(got, len(records)) or self.verdict
 
-    def join(self, assessments: Sequence[RankAssessment], phase_ends: Mapping[str, float]) -> None:
-        """Rank 0: the current verdict into the timer-based assessments."""
+    def join(self, assessments: Sequence[RankAssessment], views: Sequence[RankView]) -> None:
+        """Rank 0: the current verdict into the timer-based assessments (its own timers' ends
+        place the collective in a phase)."""
+        own = next((v for v in views if v.rank == 0), None)
+        phase_ends = {n: s.median for n, s in own.arrivals.items()} if own else {}
         if self.verdict is not None and self.verdict.key is not None:
             collective, phase = self.name(self.verdict.key, phase_ends)
             apply(assessments, self.verdict, collective, phase)

@@ -150,11 +150,8 @@ class CrossRankReducer:
         self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s)
         # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)
-        # Arrivals at collectives (collective_lateness.py): a fixed block after it, the exchange's
-        # clock stamps in its last float. Its recorder reads need `lateness.monitor` (assemble).
-        self.lateness = LatenessTracker(identity.rank)
-        self.exchange.stamp_clock = True
-        self.exchange.clock = self.lateness.clock
+        # Arrivals at collectives (collective_lateness.py): the row's last block, clock stamps in it.
+        self.lateness = LatenessTracker.attach(identity.rank, self.exchange)
         self._score_gauge = _create_gauge(meter, semconv.STRAGGLER_SCORE)
         self._lateness_gauge = _create_gauge(meter, semconv.STRAGGLER_LATENESS)
         self._wait_gauge = _create_gauge(meter, semconv.STRAGGLER_WAIT)
@@ -223,7 +220,7 @@ class CrossRankReducer:
         row = pack(interval, self.identity, self.table, flags=FLAG_SHARDED if self._sharded() else 0)
         row = torch.cat([row, self.replicas.block(interval), self.lateness.block()])
         root = self.identity.rank == 0
-        read = self.lateness.wants_read() if root else False
+        read = root and self.lateness.wants_read()
         answers = (
             downwire.answers(self._world, interval.flush_interval, self._verdict, read) if root else None
         )
@@ -238,17 +235,14 @@ class CrossRankReducer:
         down = downwire.decode(got.down, self.identity.rank)
         self._adopt_cadence(interval.seq, down.flush_interval)
         self._deliver(down, root)
-        self.lateness.after_exchange(
-            interval, float(row[-1]), down.root_times, got.received_at, down.read_recorder
-        )
+        self.lateness.after_exchange(interval, row, down, got.received_at)
         if got.records is None:
             self.last_reductions = _own_reductions(local_record(interval, self.identity))
             return
         base = pack_len(self.table.capacity)
         records = unpack(got.records[:, :base], self.table.capacity)
         ranks = [r.rank for r in records]
-        same_clock = [r.host == self.identity.host for r in records]
-        self.lateness.judge(got.records[:, base + EXT_LEN : base + EXT_LEN + BLOCK_LEN], ranks, same_clock)
+        self.lateness.judge(got.records[:, -BLOCK_LEN:], records, self.identity.host)
         self._reduce(interval, records)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
         sharded = any(r.flags & FLAG_SHARDED for r in records)
@@ -299,8 +293,7 @@ class CrossRankReducer:
         first = self._gathered_flushes == 0
         self._gathered_flushes += 1
         assessments = assess(views, self.settings)
-        own = next((v for v in views if v.rank == 0), None)
-        self.lateness.join(assessments, {n: s.median for n, s in own.arrivals.items()} if own else {})
+        self.lateness.join(assessments, views)
         all_scores, reports = self.scorer.update(assessments, one_offs=not first)
         mine = next((s for s in all_scores if s.rank == self.identity.rank), None)
         self.last_scores = mine

@@ -19,8 +19,8 @@ travel in a fixed BLOCK_LEN block of the next flush's up row. Rank 0 matches the
 and, for each collective every rank reported, corrects each arrival by that rank's clock offset,
 finds the last rank and its lateness (its arrival - the median of the others'). A collective
 counts only when the lateness exceeds FLOOR_S even with every clock off by its bound against it
-(otherwise it is `unclear`; when unclear collectives outnumber resolved ones, the detector
-abstains and says why). The culprit arrives last consistently: at MIN_RESOLVED collectives at
+(otherwise it is `unclear`: it neither names nor clears anyone; when no rank is named and unclear
+collectives outnumber resolved ones, the detector abstains and says why: the clocks' bound). The culprit arrives last consistently: at MIN_RESOLVED collectives at
 least, holding >= CONSISTENT of all the lateness seen; its lateness per step is its summed lateness, scaled from the sample
 to the window and divided by the window's steps.
 
@@ -197,6 +197,7 @@ class Verdict:
     seconds: float = 0.0  # its lateness per step
     key: Key | None = None  # the collective where it was latest
     waits: Mapping[int, float] | None = None  # rank -> its wait for the culprit per step
+    waiting: tuple[int, ...] = ()  # the ranks that wait for it
     abstain: str | None = None
 
 
@@ -236,34 +237,43 @@ def judge(rows: Sequence[Row], world: int) -> Verdict | None:
             worst[last] = (late, key)
     resolved = sum(len(keys) for keys in last_at.values())
     verdict = Verdict(read_seq, len(common), resolved, unclear)
-    if unclear > resolved:
+    # Consistently last: at MIN_RESOLVED collectives at least, and with most of all the lateness
+    # seen (weighted by lateness, so that scheduling noise just above FLOOR_S does not dilute it).
+    # Resolved collectives hold whatever the clocks' error: unclear ones neither name nor clear.
+    total = sum(late_sum.values())
+    culprits = [
+        r for r, keys in last_at.items() if len(keys) >= MIN_RESOLVED and late_sum[r] >= CONSISTENT * total
+    ]
+    if not culprits and unclear > resolved:
         return replace(verdict, abstain=(
             f"the clocks of the ranks' hosts are known only to within {_median(bounds) * 1e3:.2f} ms (the "
             f"offset bound from the telemetry exchange), more than the lateness at {unclear} of "
             f"{len(common)} collectives: no rank is named from collective arrivals"
         ))  # fmt: skip
-    # Consistently last: at MIN_RESOLVED collectives at least, and with most of all the lateness
-    # seen (weighted by lateness, so that scheduling noise just above FLOOR_S does not dilute it).
-    total = sum(late_sum.values())
-    culprits = [
-        r for r, keys in last_at.items() if len(keys) >= MIN_RESOLVED and late_sum[r] >= CONSISTENT * total
-    ]
     if not culprits:
         return verdict
     culprit = max(culprits, key=lambda r: late_sum[r])
     # The sample stands for the whole window (window / matched collectives each), over its steps
     # (the same window on every rank: the first row's).
     scale = (rows[0].window / max(len(common), 1)) / max(rows[0].steps, 1)
-    waits = {}
+    waits, waiting = {}, []
     for row in rows:
         if row.rank != culprit:
-            gaps = [
-                max(0.0, _corrected(rows, culprit, k) - (row.arrivals[k] + row.offset))
-                for k in last_at[culprit]
-            ]
-            waits[row.rank] = sum(gaps) * scale
+            keys = last_at[culprit]
+            gaps = [_corrected(rows, culprit, k) - (row.arrivals[k] + row.offset) for k in keys]
+            waits[row.rank] = sum(max(0.0, g) for g in gaps) * scale
+            # A rank waits for it when it could have waited at least half its lateness, its clock's
+            # bound given (every rank but the last waits in a collective; a slow one waits less).
+            slack = row.bound + next(r.bound for r in rows if r.rank == culprit)
+            if sum(max(0.0, g + slack) for g in gaps) >= 0.5 * late_sum[culprit]:
+                waiting.append(row.rank)
     return replace(
-        verdict, culprit=culprit, seconds=late_sum[culprit] * scale, key=worst[culprit][1], waits=waits
+        verdict,
+        culprit=culprit,
+        seconds=late_sum[culprit] * scale,
+        key=worst[culprit][1],
+        waits=waits,
+        waiting=tuple(sorted(waiting)),
     )
 
 
@@ -282,7 +292,7 @@ def apply(
     culprit = by_rank.get(verdict.culprit)
     if culprit is None:
         return
-    waiting = sorted(r for r, w in verdict.waits.items() if w >= 0.5 * verdict.seconds)
+    waiting = verdict.waiting
     for rank in waiting:
         if rank in by_rank:  # it waits inside the collective: never a culprit
             by_rank[rank].chronic = Lateness()

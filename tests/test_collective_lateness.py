@@ -91,7 +91,7 @@ def test_an_injected_clock_offset_is_corrected_and_the_late_rank_named() -> None
     verdict = judge(_rows(_arrivals(2, 0.012, skews), offsets, bounds), 4)
     assert verdict is not None and verdict.abstain is None
     assert verdict.culprit == 2 and verdict.seconds == pytest.approx(8 * 0.012, rel=0.01)
-    assert verdict.waits is not None and sorted(verdict.waits) == [0, 1, 3]
+    assert verdict.waits is not None and sorted(verdict.waits) == [0, 1, 3] and verdict.waiting == (0, 1, 3)
     assert all(w == pytest.approx(8 * 0.012, rel=0.01) for w in verdict.waits.values())
     # The same rows without the correction blame rank 3, whose clock runs ahead: the test has teeth.
     uncorrected = judge(_rows(_arrivals(2, 0.012, skews), dict.fromkeys(range(4), 0.0), bounds), 4)

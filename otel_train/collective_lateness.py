@@ -10,33 +10,39 @@ Per rank, at the flushes rank 0 picks (`downwire.D_READ`, within `collectives.MA
 every rank reads at the same flush, so every rank's window is the same collectives):
 
     window  = the collectives (not p2p; otel_train's own group left out) enqueued between the
-              previous read flush's and this read flush's `Interval.wall_time`
+              previous read flush's and this read flush's `Interval.wall_time` (the first read
+              only starts the first window: before it lie setup and warm-up)
+    span    = the window's latest SPAN collectives (the same on every rank, also where a ring
+              buffer wrapped on some ranks: SPAN is far below its size)
     sample  = at most MAX_ARRIVALS of them: those with (seq + read flush) % stride == 0, stride =
-              ceil(window / MAX_ARRIVALS) (a pure function of the ids: ranks pick the same ones;
+              ceil(span / MAX_ARRIVALS) (a pure function of the ids: ranks pick the same ones;
               rotating with the flush so that every position in a step is seen over time)
 
 travel in a fixed BLOCK_LEN block of the next flush's up row. Rank 0 matches them by (group, seq)
-and, for each collective every rank reported, corrects each arrival by that rank's clock offset,
-finds the last rank and its lateness (its arrival - the median of the others'). A collective
-counts only when the lateness exceeds FLOOR_S even with every clock off by its bound against it
-(otherwise it is `unclear`: it neither names nor clears anyone; when no rank is named and unclear
-collectives outnumber resolved ones, the detector abstains and says why: the clocks' bound). The culprit arrives last consistently: at MIN_RESOLVED collectives at
-least, holding >= CONSISTENT of all the lateness seen; its lateness per step is its summed lateness, scaled from the sample
-to the window and divided by the window's steps.
+and, for each collective every rank reported, corrects each arrival by that rank's clock offset
+and finds the last rank and its lateness (its arrival - the median of the others'). A collective
+counts (is resolved) only when the lateness exceeds FLOOR_S even with every clock off by its bound
+against it; otherwise it is unclear: it neither names nor clears anyone, and when no rank is named
+and unclear collectives outnumber resolved ones, the detector abstains and says why (the clocks).
+The culprit arrives last consistently: at MIN_RESOLVED collectives at least, holding >= CONSISTENT
+of all the lateness seen. Its lateness per step is its summed lateness, scaled from the sample to
+the span and divided by the steps the span covers.
 
-Clocks: ranks on rank 0's host read its clock (offset 0, exact). Ranks on other hosts have
-other clocks: `ClockEstimator` bounds each rank's offset
-to rank 0 from the exchange's NTP-style stamps (`exchange`): t1 (leaf sends), t2 (rank 0 has the
-row), t3 (rank 0 answers), t4 (leaf has the answer): offset in [t3 - t4, t2 - t1]. It keeps the
-tightest interval over flushes, widened by DRIFT per second of age, and sends its midpoint and
-half-width up in the next block. The stamps are taken in Python on the flush worker, so each can
-lag by a GIL hand-off from the training thread (up to `sys.getswitchinterval()`, 5 ms): the bound
-says so, and keeping the tightest over flushes recovers the lucky ones.
+Clocks: ranks on rank 0's host read its clock (offset 0, exact). Ranks on other hosts have other
+clocks: `ClockEstimator` bounds each one's offset to rank 0 from the exchange's NTP-style stamps
+(`exchange`): t1 (leaf sends), t2 (rank 0 has the row), t3 (rank 0 answers), t4 (leaf has the
+answer): offset in [t3 - t4, t2 - t1]. It keeps the tightest interval over flushes, widened by
+DRIFT per second of age, and sends its midpoint and half-width up in the next block. The stamps
+are taken in Python on the flush worker, so each can lag by a GIL hand-off from the training
+thread (up to `sys.getswitchinterval()`, 5 ms): the bound says so, and keeping the tightest over
+flushes recovers the lucky ones.
 
-The verdict joins the timer-based one (`straggler_model.assess`, in `straggler.CrossRankReducer`)
-as one verdict per rank: the culprit's chronic lateness is the larger of the two (the timer's
-phase kept when timers saw it), the collective named (`Lateness.collective`), and the ranks that
-wait for it cleared.
+The latest read's verdict stands at every flush until the next read replaces it. It joins the
+timer-based one (`straggler_model.assess`, in `straggler.CrossRankReducer`) as one verdict per
+rank: the culprit's chronic lateness is the larger of the two (the timers' phase kept when they
+saw it), the collective named (`Lateness.collective`), and the ranks that wait for it cleared.
+Until the first verdict (at most PENDING_FLUSHES flushes) new reports wait, so that their one
+event names the collective. Without the recorder everything here is idle (an empty block).
 """
 
 from __future__ import annotations
@@ -54,10 +60,11 @@ from otel_train.rankwire import RankRecord, name_id
 from otel_train.straggler_model import UNTIMED, Lateness, RankAssessment, RankView
 
 MAX_ARRIVALS = 32  # collectives per rank per read in the up row
+SPAN = 8 * MAX_ARRIVALS  # the latest collectives of a window they are sampled from (<< a ring buffer)
 FLOOR_S = 0.0005  # lateness below this is noise (as straggler_model.Settings.min_lateness_s)
 MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
-PENDING_FLUSHES = 3  # flushes that new reports wait for the first collective verdict
+PENDING_FLUSHES = 8  # flushes that new reports wait for the first collective verdict
 DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
 _VERSION = 1.0
 _B_VERSION, _B_READ_SEQ, _B_OFFSET, _B_BOUND, _B_WINDOW, _B_STEPS, _B_COUNT = range(7)
@@ -133,14 +140,20 @@ def window(
     return out
 
 
+def span(arrivals: Sequence[Arrival]) -> Sequence[Arrival]:
+    """The window's latest SPAN collectives: the same on every rank even where a ring buffer
+    wrapped (lost the window's start) on some ranks and not on others."""
+    return arrivals[-SPAN:]
+
+
 def sample(arrivals: Sequence[Arrival], read_seq: int, cap: int = MAX_ARRIVALS) -> list[Arrival]:
-    """At most `cap` of `arrivals`, picked by their ids alone (module doc)."""
+    """At most `cap` of a span (`span`), picked by their ids alone (module doc)."""
     stride = max(1, math.ceil(len(arrivals) / cap))
     return [a for a in arrivals if (a.seq + read_seq) % stride == 0][-cap:]
 
 
 def encode(
-    read_seq: int, offset: float, bound: float, window_len: int, steps: int, picked: Sequence[Arrival]
+    read_seq: int, offset: float, bound: float, window_len: int, steps: float, picked: Sequence[Arrival]
 ) -> list[float]:
     block = [0.0] * BLOCK_LEN
     block[_B_VERSION] = _VERSION
@@ -162,8 +175,8 @@ class Row:
     read_seq: int
     offset: float
     bound: float
-    window: int
-    steps: int
+    window: int  # collectives in the span sampled
+    steps: float  # steps the span covers
     arrivals: dict[Key, float]
 
 
@@ -180,7 +193,7 @@ def decode(rank: int, block: Sequence[float]) -> Row | None:
         block[_B_OFFSET],
         block[_B_BOUND],
         int(block[_B_WINDOW]),
-        int(block[_B_STEPS]),
+        block[_B_STEPS],
         arrivals,
     )
 
@@ -320,9 +333,9 @@ class LatenessTracker:
         self._block = [0.0] * BLOCK_LEN  # version 0: nothing read yet
         self._after = 0.0  # the previous read's cutoff (epoch seconds, this rank's clock)
         self._steps = 0  # steps since then
-        self._own: list[Arrival] = []  # rank 0: its latest window, for naming the collective
-        self._own_steps = 0
-        self._last_step_start = math.nan
+        # rank 0: its own windows by read flush (this read's and the one its verdict is about), each
+        # with its steps and the start of its last step, for naming the collective
+        self._own: dict[int, tuple[list[Arrival], int, float]] = {}
         self._exchanges = 0
 
     @classmethod
@@ -354,23 +367,23 @@ class LatenessTracker:
         if self.rank != 0:
             self.estimator.add(float(up[-1]), down.root_times[0], down.root_times[1], t4)
         self._steps += interval.steps
-        read = down.read_recorder and self.monitor is not None
-        dump = self.monitor.read(interval.seq, force=True) if read and self.monitor is not None else None
-        if dump is None:
+        monitor = self.monitor if down.read_recorder else None
+        dump = monitor.read(interval.seq, force=True) if monitor is not None else None
+        if monitor is None or dump is None:
             return
         until = interval.wall_time + self.skew_s
-        arrivals = (
-            window(dump["entries"], self.monitor.excluded, self._after, until, self.skew_s)
-            if self.monitor
-            else []
-        )
-        self._block = encode(
-            interval.seq, 0.0, math.inf, len(arrivals), self._steps, sample(arrivals, interval.seq)
-        )
-        if self.rank == 0:
-            self._own, self._own_steps = arrivals, self._steps
-            last = interval.step_durations[-1] if interval.step_durations else math.nan
-            self._last_step_start = until - last
+        if self._after:  # the first read only sets the start: its window holds setup and warm-up
+            arrivals = window(dump["entries"], monitor.excluded, self._after, until, self.skew_s)
+            latest = span(arrivals)
+            steps = float(self._steps)
+            if latest and len(latest) < len(arrivals):  # the span covers part of the window's time
+                steps *= (until - latest[0].at) / max(until - self._after, 1e-9)
+            picked = sample(latest, interval.seq)
+            self._block = encode(interval.seq, 0.0, math.inf, len(latest), steps, picked)
+            if self.rank == 0:
+                last = interval.step_durations[-1] if interval.step_durations else math.nan
+                self._own = {s: v for s, v in self._own.items() if s == max(self._own, default=-1)}
+                self._own[interval.seq] = (arrivals, self._steps, until - last)
         self._after, self._steps = until, 0
 
     def judge(self, blocks: Any, records: Sequence[RankRecord], host: str) -> None:
@@ -391,7 +404,7 @@ class LatenessTracker:
         own = next((v for v in views if v.rank == 0), None)
         phase_ends = {n: s.median for n, s in own.arrivals.items()} if own else {}
         if self.verdict is not None and self.verdict.key is not None:
-            collective, phase = self.name(self.verdict.key, phase_ends)
+            collective, phase = self.name(self.verdict.read_seq, self.verdict.key, phase_ends)
             apply(assessments, self.verdict, collective, phase)
 
     def pending(self) -> bool:
@@ -410,22 +423,22 @@ class LatenessTracker:
             return self.verdict.abstain
         return None if self.verdict.matched else timer_reason
 
-    def name(self, key: Key, phase_ends: Mapping[str, float]) -> tuple[str, str | None]:
+    def name(self, read_seq: int, key: Key, phase_ends: Mapping[str, float]) -> tuple[str, str | None]:
         """('all_gather #3 in 'forward' (default_pg)', 'forward'): the collective's op, its place
-        among the same op in rank 0's last step and the timer it sits in; without whole steps in
-        the window or timers, its sequence id and group."""
-        mine = next((i for i, a in enumerate(self._own) if a.key == key), None)
+        among the same op in the last step of rank 0's window of that read, and the timer it sits
+        in; without whole steps in the window, its sequence id and group."""
+        own, steps, last_start = self._own.get(read_seq, ([], 0, math.nan))
+        mine = next((i for i, a in enumerate(own) if a.key == key), None)
         if mine is None:
             return "a collective", None
-        per_step = len(self._own) // self._own_steps if self._own_steps else 0
-        if not per_step or per_step * self._own_steps != len(self._own):
-            a = self._own[mine]
-            return f"{a.op} (seq {a.seq}, {a.label})", None
-        start = (self._own_steps - 1) * per_step
+        per_step = len(own) // steps if steps else 0
+        if not per_step or per_step * steps != len(own):
+            return f"{own[mine].op} (seq {own[mine].seq}, {own[mine].label})", None
+        start = (steps - 1) * per_step
         position = mine % per_step
-        at = self._own[start + position]
-        nth = 1 + sum(1 for a in self._own[start : start + position] if a.op == at.op)
-        into = at.at - self._last_step_start
+        at = own[start + position]
+        nth = 1 + sum(1 for a in own[start : start + position] if a.op == at.op)
+        into = at.at - last_start
         phase = next((p for p, end in sorted(phase_ends.items(), key=lambda kv: kv[1]) if end >= into), None)
         where = f" in {phase!r}" if phase else " of the step"
         return f"{at.op} #{nth}{where} ({at.label})", phase

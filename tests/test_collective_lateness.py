@@ -23,11 +23,15 @@ from otel_train.collective_lateness import (
     encode,
     judge,
     sample,
+    span,
     window,
 )
 from otel_train.rankwire import name_id
 
-FR_ON = {"TORCH_FR_BUFFER_SIZE": "2000"}
+FR_ON = {"TORCH_FR_BUFFER_SIZE": "200"}
+# Real jobs here are seconds long: reads may take 2 % of wall time (not 0.2 %) so that a verdict
+# comes within them. Each read holds the GIL (~17 us an entry): rank by rank, that is lateness.
+READ_SHARE = 0.02
 
 
 # --- the clock ---------------------------------------------------------------------------------------
@@ -152,18 +156,48 @@ def test_ranks_pick_the_same_collectives_and_the_block_round_trips() -> None:
     assert decode(2, [0.0] * BLOCK_LEN) is None  # nothing read yet
 
 
+def test_a_wrapped_ring_buffer_on_one_rank_picks_the_same_collectives() -> None:
+    """Rank A still holds the whole window of 1000 collectives; rank B's buffer lost the first 400."""
+    full = window([_entry(s, 10**9 * 5 + s * 10**6) for s in range(1, 1001)], set(), 4.0, 7.0)
+    wrapped = full[400:]
+    a, b = sample(span(full), read_seq=2), sample(span(wrapped), read_seq=2)
+    assert [x.key for x in a] == [x.key for x in b] and len(a) == MAX_ARRIVALS
+
+
+class _Budget:
+    def __init__(self, allowed: bool) -> None:
+        self.allowed = allowed
+        self.excluded: set[str] = set()
+
+    def may_read(self) -> bool:
+        return self.allowed
+
+
+def test_rank_0_asks_every_rank_to_read_only_within_the_read_budget() -> None:
+    tracker = LatenessTracker(0)
+    tracker.monitor = _Budget(False)  # type: ignore[assignment]
+    assert not tracker.wants_read()
+    tracker.monitor = _Budget(True)  # type: ignore[assignment]
+    assert tracker.wants_read()
+
+
 def test_the_collective_is_named_by_op_place_in_the_step_and_timer() -> None:
     """Rank 0's window: 2 steps of [all_gather, all_gather, reduce_scatter]; the last step began at
     t=10 s; timers forward (ends 0.05 s into the step) and backward (0.2 s)."""
     tracker = LatenessTracker(0)
     ops = ["all_gather", "all_gather", "reduce_scatter"]
     times = [9.0, 9.06, 9.3, 10.0, 10.07, 10.1]
-    tracker._own = [Arrival("0", "default_pg", i + 1, ops[i % 3], t) for i, t in enumerate(times)]
-    tracker._own_steps, tracker._last_step_start = 2, 10.0
+    tracker._own = {
+        5: ([Arrival("0", "default_pg", i + 1, ops[i % 3], t) for i, t in enumerate(times)], 2, 10.0)
+    }
     ends = {"forward": 0.05, "backward": 0.2}
-    assert tracker.name((name_id("0"), 2), ends) == ("all_gather #2 in 'backward' (default_pg)", "backward")
-    assert tracker.name((name_id("0"), 4), ends) == ("all_gather #1 in 'forward' (default_pg)", "forward")
-    assert tracker.name((name_id("0"), 6), {}) == ("reduce_scatter #1 of the step (default_pg)", None)
+    assert tracker.name(5, (name_id("0"), 2), ends) == (
+        "all_gather #2 in 'backward' (default_pg)",
+        "backward",
+    )
+    assert tracker.name(5, (name_id("0"), 4), ends) == ("all_gather #1 in 'forward' (default_pg)", "forward")
+    assert tracker.name(5, (name_id("0"), 6), {}) == ("reduce_scatter #1 of the step (default_pg)", None)
+    assert tracker.name(6, (name_id("0"), 6), {}) == ("a collective", None)  # not that read's window
 
 
 def test_without_a_recorder_rank_0_never_asks_for_reads_and_sends_an_empty_block() -> None:
@@ -185,7 +219,9 @@ def _fsdp_rank(rank: int, world: int, timers: bool, skew_s: float, out: str) -> 
     from torch.distributed.fsdp import fully_shard
 
     import otel_train as ot
+    from otel_train import collectives
 
+    collectives.MAX_READ_SHARE = READ_SHARE
     events: list[dict[str, Any]] = []
     if rank == 3 and skew_s:
         import socket
@@ -247,7 +283,9 @@ def test_fsdp2_slow_rank_named_from_collective_arrivals(timers: bool, skew_s: fl
     """4 gloo ranks, FSDP2, rank 2 slower in every layer's forward: only rank 2 is named (chronic),
     the collective where the others wait is named, and rank 3's clock (3 s ahead in the first
     case) is corrected rather than blamed. Today's timer-only detector abstains here ("sharded")."""
-    results = run_ranks(4, _fsdp_rank, (timers, skew_s, str(tmp_path)), timeout=300, env=FR_ON)
+    # With timers, a ring buffer smaller than a flush's collectives: it wraps between reads.
+    env = {"TORCH_FR_BUFFER_SIZE": "40"} if timers else FR_ON
+    results = run_ranks(4, _fsdp_rank, (timers, skew_s, str(tmp_path)), timeout=300, env=env)
     root = results[0]
     reported = root["stragglers"]
     assert root["matched"] > 0 and root["abstain"] is None, root
@@ -263,8 +301,10 @@ def _hf_rank(rank: int, world: int, out: str) -> dict[str, Any]:
     from test_integration_transformers import SlowRows, _trainer
 
     import otel_train as ot
+    from otel_train import collectives
     from otel_train.integrations.transformers import OtelTrainCallback
 
+    collectives.MAX_READ_SHARE = READ_SHARE
     session = ot.init(
         verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0
     )

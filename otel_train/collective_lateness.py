@@ -24,9 +24,10 @@ and finds the last rank and its lateness (its arrival - the median of the others
 counts (is resolved) only when the lateness exceeds FLOOR_S even with every clock off by its bound
 against it; otherwise it is unclear: it neither names nor clears anyone, and when no rank is named
 and unclear collectives outnumber resolved ones, the detector abstains and says why (the clocks).
-The culprit arrives last consistently: at MIN_RESOLVED collectives at least, holding >= CONSISTENT
-of all the lateness seen. Its lateness per step is its summed lateness, scaled from the sample to
-the span and divided by the steps the span covers.
+The culprit arrives last consistently: at MIN_RESOLVED collectives at least and at >= CONSISTENT of
+the resolved ones. Its lateness per step is (times last x its median lateness: one long stall
+weighs as one collective), scaled from the sample to the span and divided by the steps the span
+covers.
 
 Clocks: ranks on rank 0's host read its clock (offset 0, exact). Ranks on other hosts have other
 clocks: `ClockEstimator` bounds each one's offset to rank 0 from the exchange's NTP-style stamps
@@ -226,7 +227,7 @@ def judge(rows: Sequence[Row], world: int) -> Verdict | None:
         return None
     read_seq = rows[0].read_seq
     common = set(rows[0].arrivals).intersection(*(r.arrivals for r in rows[1:]))
-    late_sum: dict[int, float] = {}
+    lates: dict[int, list[float]] = {}
     last_at: dict[int, list[Key]] = {}
     worst: dict[int, tuple[float, Key]] = {}
     unclear, bounds = 0, list[float]()
@@ -244,19 +245,18 @@ def judge(rows: Sequence[Row], world: int) -> Verdict | None:
         if least <= FLOOR_S:
             unclear, bounds = unclear + 1, [*bounds, late - least]
             continue
-        late_sum[last] = late_sum.get(last, 0.0) + late
+        lates.setdefault(last, []).append(late)
         last_at.setdefault(last, []).append(key)
         if late > worst.get(last, (0.0, key))[0]:
             worst[last] = (late, key)
     resolved = sum(len(keys) for keys in last_at.values())
     verdict = Verdict(read_seq, len(common), resolved, unclear)
-    # Consistently last: at MIN_RESOLVED collectives at least, and with most of all the lateness
-    # seen (weighted by lateness, so that scheduling noise just above FLOOR_S does not dilute it).
-    # Resolved collectives hold whatever the clocks' error: unclear ones neither name nor clear.
-    total = sum(late_sum.values())
-    culprits = [
-        r for r, keys in last_at.items() if len(keys) >= MIN_RESOLVED and late_sum[r] >= CONSISTENT * total
-    ]
+    # Consistently last: at MIN_RESOLVED collectives at least, and at >= CONSISTENT of those where
+    # anyone was late (scheduling noise splits among all ranks; one long stall is one collective).
+    # Its lateness: times last x its median lateness. Unclear collectives (within the clocks'
+    # error) neither name nor clear anyone.
+    late_sum = {r: len(values) * _median(values) for r, values in lates.items()}
+    culprits = [r for r, v in lates.items() if len(v) >= max(MIN_RESOLVED, CONSISTENT * resolved)]
     if not culprits and unclear > resolved:
         return replace(verdict, abstain=(
             f"the clocks of the ranks' hosts are known only to within {_median(bounds) * 1e3:.2f} ms (the "

@@ -102,6 +102,15 @@ def test_an_injected_clock_offset_is_corrected_and_the_late_rank_named() -> None
     assert uncorrected is not None and uncorrected.culprit == 3
 
 
+def test_one_long_stall_does_not_outweigh_a_rank_late_at_every_collective() -> None:
+    arrivals = _arrivals(2, 0.004, {})
+    arrivals[3][5] += 0.300  # rank 3 stalled once, 300 ms (its other collectives on time)
+    arrivals[3][6] += 0.002
+    arrivals[3][7] += 0.002
+    verdict = judge(_rows(arrivals, dict.fromkeys(range(4), 0.0), dict.fromkeys(range(4), 0.0)), 4)
+    assert verdict is not None and verdict.culprit == 2
+
+
 def test_a_clock_bound_wider_than_the_lateness_abstains() -> None:
     bounds = {0: 0.0, 1: 0.020, 2: 0.020, 3: 0.020}  # hosts known only to +-20 ms; lateness 12 ms
     verdict = judge(_rows(_arrivals(2, 0.012, {}), dict.fromkeys(range(4), 0.0), bounds), 4)

@@ -269,25 +269,32 @@ def judge(rows: Sequence[Row], world: int) -> Verdict | None:
     # The sample stands for the whole window (window / matched collectives each), over its steps
     # (the same window on every rank: the first row's).
     scale = (rows[0].window / max(len(common), 1)) / max(rows[0].steps, 1)
-    waits, waiting = {}, []
-    for row in rows:
-        if row.rank != culprit:
-            keys = last_at[culprit]
-            gaps = [_corrected(rows, culprit, k) - (row.arrivals[k] + row.offset) for k in keys]
-            waits[row.rank] = sum(max(0.0, g) for g in gaps) * scale
-            # A rank waits for it when it could have waited at least half its lateness, its clock's
-            # bound given (every rank but the last waits in a collective; a slow one waits less).
-            slack = row.bound + next(r.bound for r in rows if r.rank == culprit)
-            if sum(max(0.0, g + slack) for g in gaps) >= 0.5 * late_sum[culprit]:
-                waiting.append(row.rank)
+    waits, waiting = _waits(rows, culprit, last_at[culprit], late_sum[culprit])
     return replace(
         verdict,
         culprit=culprit,
         seconds=late_sum[culprit] * scale,
         key=worst[culprit][1],
-        waits=waits,
-        waiting=tuple(sorted(waiting)),
+        waits={r: w * scale for r, w in waits.items()},
+        waiting=waiting,
     )
+
+
+def _waits(
+    rows: Sequence[Row], culprit: int, keys: Sequence[Key], lateness: float
+) -> tuple[dict[int, float], tuple[int, ...]]:
+    """Each other rank's summed wait for `culprit` at `keys`, and the ranks that wait for it: those
+    that could have waited at least half its lateness, their clocks' bound given (every rank but
+    the last waits in a collective; one that is slow too waits less)."""
+    waits, waiting = {}, []
+    bound = next(r.bound for r in rows if r.rank == culprit)
+    for row in rows:
+        if row.rank != culprit:
+            gaps = [_corrected(rows, culprit, k) - (row.arrivals[k] + row.offset) for k in keys]
+            waits[row.rank] = sum(max(0.0, g) for g in gaps)
+            if sum(max(0.0, g + row.bound + bound) for g in gaps) >= 0.5 * lateness:
+                waiting.append(row.rank)
+    return waits, tuple(sorted(waiting))
 
 
 def _corrected(rows: Sequence[Row], rank: int, key: Key) -> float:

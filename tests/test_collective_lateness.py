@@ -343,3 +343,14 @@ def test_hf_trainer_ddp_names_the_slow_rank_and_the_collective_where_the_others_
     # (include_num_input_tokens_seen), in the callback's `data_sync`; DDP's all-reduce comes later.
     assert first["collective"].startswith("all_gather"), first
     assert first["collective"] in first["message"], first
+
+
+def test_the_answer_carries_rank_0s_clock_stamps_and_the_read_request() -> None:
+    from otel_train import downwire
+
+    rows = downwire.answers(3, 5, None, read_recorder=True)
+    rows[2, downwire.D_T2], rows[2, downwire.D_T3] = 1000.25, 1000.5
+    down = downwire.decode(rows[2], 2)
+    assert down.read_recorder and down.root_times == (1000.25, 1000.5)
+    plain = downwire.decode(downwire.answers(3, 5, None)[1], 1)
+    assert not plain.read_recorder and all(math.isnan(t) for t in plain.root_times)

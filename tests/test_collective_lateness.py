@@ -291,9 +291,10 @@ def _fsdp_rank(rank: int, world: int, timers: bool, skew_s: float, out: str) -> 
 def test_fsdp2_slow_rank_named_from_collective_arrivals(timers: bool, skew_s: float, tmp_path: Path) -> None:
     """4 gloo ranks, FSDP2, rank 2 slower in every layer's forward: only rank 2 is named (chronic),
     the collective where the others wait is named, and rank 3's clock (3 s ahead in the first
-    case) is corrected rather than blamed. Today's timer-only detector abstains here ("sharded")."""
-    # With timers, a ring buffer smaller than a flush's collectives: it wraps between reads.
-    env = {"TORCH_FR_BUFFER_SIZE": "40"} if timers else FR_ON
+    case, whose ring buffer also wraps between reads) is corrected rather than blamed. The
+    timer-only detector abstains here ("sharded")."""
+    # Without timers, a ring buffer smaller than a flush's collectives: it wraps between reads.
+    env = FR_ON if timers else {"TORCH_FR_BUFFER_SIZE": "40"}
     results = run_ranks(4, _fsdp_rank, (timers, skew_s, str(tmp_path)), timeout=300, env=env)
     root = results[0]
     reported = root["stragglers"]
@@ -302,6 +303,8 @@ def test_fsdp2_slow_rank_named_from_collective_arrivals(timers: bool, skew_s: fl
     first = reported[0]
     assert first["pattern"] == "chronic" and first["waiting_ranks"] == "0,1,3", first
     assert first["collective"].split(" ")[0] in ("all_gather", "reduce_scatter", "all_reduce"), first
+    if timers:  # the window holds whole steps: the collective is placed in rank 0's timers
+        assert " in 'forward' " in first["collective"] or " in 'backward' " in first["collective"], first
     if skew_s:
         assert results[3]["offset"] == pytest.approx(-skew_s, abs=0.05)
 

@@ -270,6 +270,7 @@ def _build_session(
     profiled_steps = ProfiledStepsCounter(meter)
     gradient_flow = GradientFlowMonitor(events)  # reads ot.watch's gradient norms: idle without a watch
     collectives = _collective_monitor(place, meter)
+    reducer.lateness.monitor = collectives  # arrivals at collectives share its recorder reads
     listeners: list[FlushListener] = [
         health,
         gradient_flow,

@@ -151,6 +151,7 @@ class CollectiveMonitor:
         self._progress_at = time.monotonic()
         self.overwritten = 0  # entries the ring buffer dropped before a flush read them
         self._next_read = 0.0  # monotonic time of the next full read (see MAX_READ_SHARE)
+        self._read: tuple[int, dict[str, Any] | None] = (-1, None)  # (flush seq, its dump)
         meter.create_observable_gauge(
             semconv.COLLECTIVE_LAST.name,
             callbacks=[self._observe_last],
@@ -177,12 +178,26 @@ class CollectiveMonitor:
         return [Observation(self.last_seconds())]
 
     # --- per-flush counts --------------------------------------------------------------------------
-    def on_flush(self, interval: Interval) -> None:
-        if time.monotonic() < self._next_read and not interval.final:
-            return  # the counts catch up at the next read, from what the ring buffer still holds
+    def may_read(self) -> bool:
+        """Whether a full read now stays within MAX_READ_SHARE of wall time."""
+        return time.monotonic() >= self._next_read
+
+    def read(self, seq: int, force: bool = False) -> dict[str, Any] | None:
+        """The dump (with entries) of flush `seq`: read once per flush, when `force` or the budget
+        allows; None when not read (or the recorder is unavailable)."""
+        if self._read[0] == seq:
+            return self._read[1]
+        if not force and not self.may_read():
+            return None
         started = time.monotonic()
         dump = read_dump(entries=True)
         self._next_read = started + (time.monotonic() - started) / MAX_READ_SHARE
+        self._read = (seq, dump)
+        return dump
+
+    def on_flush(self, interval: Interval) -> None:
+        # Without a read the counts catch up at the next one, from what the ring buffer still holds.
+        dump = self.read(interval.seq, force=interval.final)
         if dump is None:
             return
         with self._lock:

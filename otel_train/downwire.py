@@ -15,7 +15,12 @@ Bounded: the row size depends only on constants, so every rank posts the same re
 is two runs); further runs are cut. Host and phase names travel in 48 UTF-8 bytes (as in
 `rankwire`). Rank 0 hands ITS callback the decoded row too, so every rank sees the very same list.
 
-    layout: [header (HEADER_LEN)] [scores (SCORES_LEN)] [MAX_CHRONIC x report (REPORT_LEN)]
+    - rank 0's clock at this exchange (`exchange` stamps D_T2: when this rank's up row arrived, and
+      D_T3: when this answer left; `collective_lateness.ClockEstimator` bounds the clock offset) and
+      whether every rank reads its Flight Recorder at this flush (D_READ: rank 0 decides, within
+      `collectives.MAX_READ_SHARE`, so that every rank reads at the same flush).
+
+    layout: [header (HEADER_LEN)] [scores (SCORES_LEN)] [MAX_CHRONIC x report (REPORT_LEN)] [clock]
     header: version, status, verdict seq (-1: none yet), flush interval, chronic total, carried
     scores: has scores, relative, individual, raw relative, raw individual, lateness, wait (NaN: None)
     report: rank, local rank, lateness, score, raw score, wait, category, has sync phase,
@@ -48,7 +53,9 @@ _R_HOST = _R_RUNS + 2 * WAIT_RUNS
 _R_PHASE = _R_HOST + HOST_FLOATS
 _R_SYNC = _R_PHASE + NAME_FLOATS
 REPORT_LEN = _R_SYNC + NAME_FLOATS
-DOWN_LEN = HEADER_LEN + SCORES_LEN + MAX_CHRONIC * REPORT_LEN
+_CLOCK_AT = HEADER_LEN + SCORES_LEN + MAX_CHRONIC * REPORT_LEN
+D_T2, D_T3, D_READ = _CLOCK_AT, _CLOCK_AT + 1, _CLOCK_AT + 2
+DOWN_LEN = _CLOCK_AT + 3
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class Down:
     scores: RankScores | None = None  # this rank's
     chronic: list[StragglerReport] = field(default_factory=list)
     chronic_total: int = 0  # chronic stragglers found (may exceed the carried list)
+    read_recorder: bool = False  # every rank reads its Flight Recorder at this flush
+    root_times: tuple[float, float] = (math.nan, math.nan)  # rank 0's (t2, t3) of this exchange
 
 
 def _runs(ranks: Sequence[int]) -> list[tuple[int, int]]:
@@ -152,12 +161,14 @@ def _decode_scores(rank: int, values: Sequence[float]) -> RankScores | None:
     return RankScores(rank, relative, individual, raw_relative, raw_individual, values[5], values[6])
 
 
-def answers(world: int, flush_interval: int, verdict: Verdict | None) -> Any:
+def answers(world: int, flush_interval: int, verdict: Verdict | None, read_recorder: bool = False) -> Any:
     """Rank 0's down rows for this flush, one per rank (row r for rank r): a [world, DOWN_LEN]
-    float64 tensor with status OK (the exchange sets ABORT when a peer fails)."""
+    float64 tensor with status OK (the exchange sets ABORT when a peer fails, and the clock)."""
     import torch
 
     common = [0.0] * DOWN_LEN
+    common[D_T2] = common[D_T3] = math.nan
+    common[D_READ] = 1.0 if read_recorder else 0.0
     common[H_VERSION] = DOWN_VERSION
     common[H_STATUS] = float(STATUS_OK)
     common[H_FLUSH_INTERVAL] = float(flush_interval)
@@ -180,7 +191,14 @@ def decode(row: Any, rank: int) -> Down:
     """One rank's down row (a DOWN_LEN float64 tensor) -> Down."""
     values = row.tolist()
     verdict_seq = int(values[H_VERDICT_SEQ])
-    down = Down(int(values[H_STATUS]), int(values[H_FLUSH_INTERVAL]), verdict_seq)
+    read, times = bool(values[D_READ]), (values[D_T2], values[D_T3])
+    down = Down(
+        int(values[H_STATUS]),
+        int(values[H_FLUSH_INTERVAL]),
+        verdict_seq,
+        read_recorder=read,
+        root_times=times,
+    )
     if verdict_seq < 0:
         return down
     chronic = [
@@ -188,4 +206,5 @@ def decode(row: Any, rank: int) -> Down:
         for at in (HEADER_LEN + SCORES_LEN + i * REPORT_LEN for i in range(int(values[H_CHRONIC_CARRIED])))
     ]
     scores = _decode_scores(rank, values[HEADER_LEN : HEADER_LEN + SCORES_LEN])
-    return Down(down.status, down.flush_interval, verdict_seq, scores, chronic, int(values[H_CHRONIC_TOTAL]))
+    total = int(values[H_CHRONIC_TOTAL])
+    return Down(down.status, down.flush_interval, verdict_seq, scores, chronic, total, read, times)

@@ -21,11 +21,20 @@ timed out, so a peer still waiting on it fails at once.) A rank r > 0 waits up t
 for the answer, so that rank 0, which waits up to the timeout for the last row, always gives up
 first. A peer that dies after its row arrived fails its own receive; rank 0 finds it at the next
 flush (its row is missing) and aborts everyone then.
+
+Clock (with `stamp_clock`): the up row's LAST float is the leaf's send time t1, written here just
+before the send; rank 0 stamps, in that leaf's down row, t2 (its row arrived: after the wait, so
+never early) and t3 (just before the answer leaves); the leaf's t4 is taken on receipt. All are
+`clock()` (time.time: the Flight Recorder's clock). `collective_lateness.ClockEstimator` turns
+them into the leaf's clock offset to rank 0 with an error bound.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +51,7 @@ class ExchangeFailed(RuntimeError):
 class Exchanged:
     records: Any | None  # rank 0: [world, up_len] float64, row r = rank r's up row; others: None
     down: Any  # this rank's down row (rank 0: its own answer row)
+    received_at: float = math.nan  # leaf with stamp_clock: t4, when the answer arrived (clock())
 
 
 class StarExchange:
@@ -55,6 +65,8 @@ class StarExchange:
         self.timeout_s = timeout_s
         self.sent_bytes = 0  # payload handed to gloo (tests and the bench)
         self.received_bytes = 0
+        self.stamp_clock = False  # write t1..t3 (module doc); the caller reserves the row's last float
+        self.clock: Callable[[], float] = time.time
 
     def run(self, up: Any, answers: Any | None) -> Exchanged:
         """Rank 0: `answers` is [world, DOWN_LEN] (downwire.answers); others: None."""
@@ -67,16 +79,19 @@ class StarExchange:
         import torch.distributed as dist
 
         down = torch.empty(downwire.DOWN_LEN, dtype=torch.float64)
+        if self.stamp_clock:
+            up[-1] = self.clock()  # t1
         send = _posted(dist.isend(up, group=self.group, group_dst=0, tag=TAG))
         recv = _posted(dist.irecv(down, group=self.group, group_src=0, tag=TAG))
         # Rank 0 answers after every row arrived (or it timed out): wait longer than it can.
         recv.wait(datetime.timedelta(seconds=2.0 * self.timeout_s))
+        received_at = self.clock() if self.stamp_clock else math.nan  # t4
         send.wait()
         self.sent_bytes += up.numel() * up.element_size()
         self.received_bytes += down.numel() * down.element_size()
         if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
             raise ExchangeFailed("rank 0 found a failed peer in this exchange")
-        return Exchanged(None, down)
+        return Exchanged(None, down, received_at)
 
     def _root(self, up: Any, answers: Any) -> Exchanged:
         import torch
@@ -95,6 +110,8 @@ class StarExchange:
         for peer, work in pending.items():
             try:
                 work.wait()  # the group's timeout
+                if self.stamp_clock:
+                    answers[peer, downwire.D_T2] = self.clock()  # t2: after the row arrived
                 self.received_bytes += records[peer].numel() * records.element_size()
             except Exception as exc:
                 failed[peer] = str(exc)
@@ -116,6 +133,8 @@ class StarExchange:
             if peer in failed:
                 continue
             try:
+                if self.stamp_clock:
+                    answers[peer, downwire.D_T3] = self.clock()  # t3: before the answer leaves
                 sends.append(_posted(dist.isend(answers[peer], group=self.group, group_dst=peer, tag=TAG)))
             except Exception:
                 continue

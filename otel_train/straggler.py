@@ -33,6 +33,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from otel_train import downwire, semconv
+from otel_train.collective_lateness import BLOCK_LEN, LatenessTracker
 from otel_train.crossrank import Reduction, per_rank_timings, reduce_timings, stats_for_option
 from otel_train.distributed import Identity, create_telemetry_group
 from otel_train.exchange import StarExchange
@@ -48,7 +49,7 @@ from otel_train.rankwire import (
     pack_len,
     unpack,
 )
-from otel_train.replicas import ReplicaCheck
+from otel_train.replicas import EXT_LEN, ReplicaCheck
 from otel_train.straggler_model import (
     RankScores,
     RankView,
@@ -149,6 +150,8 @@ class CrossRankReducer:
         self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s)
         # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)
+        # Arrivals at collectives (collective_lateness.py): the row's last block, clock stamps in it.
+        self.lateness = LatenessTracker.attach(identity.rank, self.exchange)
         self._score_gauge = _create_gauge(meter, semconv.STRAGGLER_SCORE)
         self._lateness_gauge = _create_gauge(meter, semconv.STRAGGLER_LATENESS)
         self._wait_gauge = _create_gauge(meter, semconv.STRAGGLER_WAIT)
@@ -215,9 +218,12 @@ class CrossRankReducer:
         import torch
 
         row = pack(interval, self.identity, self.table, flags=FLAG_SHARDED if self._sharded() else 0)
-        row = torch.cat([row, self.replicas.block(interval)])
+        row = torch.cat([row, self.replicas.block(interval), self.lateness.block()])
         root = self.identity.rank == 0
-        answers = downwire.answers(self._world, interval.flush_interval, self._verdict) if root else None
+        read = root and self.lateness.wants_read()
+        answers = (
+            downwire.answers(self._world, interval.flush_interval, self._verdict, read) if root else None
+        )
         self.collectives += 1
         try:
             got = self.exchange.run(row, answers)
@@ -229,15 +235,18 @@ class CrossRankReducer:
         down = downwire.decode(got.down, self.identity.rank)
         self._adopt_cadence(interval.seq, down.flush_interval)
         self._deliver(down, root)
+        self.lateness.after_exchange(interval, row, down, got.received_at)
         if got.records is None:
             self.last_reductions = _own_reductions(local_record(interval, self.identity))
             return
         base = pack_len(self.table.capacity)
         records = unpack(got.records[:, :base], self.table.capacity)
+        ranks = [r.rank for r in records]
+        self.lateness.judge(got.records[:, -BLOCK_LEN:], records, self.identity.host)
         self._reduce(interval, records)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
         sharded = any(r.flags & FLAG_SHARDED for r in records)
-        self.replicas.compare(got.records[:, base:], [r.rank for r in records], sharded, labels)
+        self.replicas.compare(got.records[:, base : base + EXT_LEN], ranks, sharded, labels)
 
     def _deliver(self, down: downwire.Down, root: bool) -> None:
         """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own
@@ -283,7 +292,9 @@ class CrossRankReducer:
         # ranks are late by design: it counts for scores, never for one-off reports.
         first = self._gathered_flushes == 0
         self._gathered_flushes += 1
-        all_scores, reports = self.scorer.update(assess(views, self.settings), one_offs=not first)
+        assessments = assess(views, self.settings)
+        self.lateness.join(assessments, views)
+        all_scores, reports = self.scorer.update(assessments, one_offs=not first)
         mine = next((s for s in all_scores if s.rank == self.identity.rank), None)
         self.last_scores = mine
         self.last_reports = reports
@@ -307,6 +318,7 @@ class CrossRankReducer:
     def _note_abstain(self, views: Sequence[RankView], records: Sequence[RankRecord]) -> None:
         names = sorted({n for r in records for n in r.named_timers(self.table.names)})
         reason = abstain_reason(views, names, sharded=any(r.flags & FLAG_SHARDED for r in records))
+        reason = self.lateness.abstain(reason)
         if reason is not None and self.abstain_reason is None and self.identity.rank == 0:
             logger.warning("otel_train: straggler detection abstains: %s", reason)
         self.abstain_reason = reason
@@ -338,6 +350,8 @@ class CrossRankReducer:
 
     def _report(self, reports: Sequence[StragglerReport], interval: Interval) -> None:
         """Rank 0: log and emit the new stragglers (the callback runs from the next answer)."""
+        if self.lateness.pending():
+            return  # reported at the next flush, with the collective where the others wait
         now = {r.rank for r in reports if r.chronic}
         new = [r for r in reports if not r.chronic or r.rank not in self._flagged]
         new.sort(key=lambda r: (not r.chronic, r.score, r.rank))
@@ -399,5 +413,6 @@ def event_attributes(report: StragglerReport, step: int) -> dict[str, str | int 
         "waiting_ranks": ",".join(str(r) for r in report.waiting_ranks),
         "wait_ms": round(report.wait_s * 1000.0, 3),
         "score": round(report.score, 4),
+        "collective": report.collective,
         "step": step,
     }

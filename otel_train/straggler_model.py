@@ -129,6 +129,7 @@ class Lateness:
     late_in: str = ""  # the phase where the lateness arose (UNTIMED: outside every timer)
     sync_phase: str | None = None  # where the others waited for it (None: nobody waits)
     mirrored: bool = False  # found as the earliest rank at a collective (it started its steps late)
+    collective: str = ""  # the collective where the others wait for it (collective_lateness)
 
 
 @dataclass
@@ -363,6 +364,7 @@ class StragglerReport:
     waiting_ranks: tuple[int, ...] = ()
     wait_s: float = 0.0  # per waiting rank and step (median)
     kind: str = "relative"
+    collective: str = ""  # the collective where the others wait for it, when the Flight Recorder saw it
 
     @property
     def chronic(self) -> bool:
@@ -451,6 +453,7 @@ class StragglerScorer:
             late.sync_phase,
             waiting,
             a.waited_s if pattern == "chronic" else 0.0,
+            collective=late.collective,
         )
 
     def update_local(self, rank: int, step: Spread) -> RankScores:
@@ -485,6 +488,8 @@ def describe(report: StragglerReport, step: int, threshold: float) -> str:
         cost = f"; the others wait for it in {report.sync_phase!r}"
     else:
         cost = "; nobody waits for it (no synchronization after it in the step)"
+    if report.collective and report.collective != report.sync_phase:
+        cost += f", at {report.collective}"
     score = (
         f" (score {report.score:.2f}, this interval {report.raw_score:.2f}, threshold {threshold})"
         if report.chronic

@@ -12,6 +12,7 @@ import torch
 from helpers.events import Events
 
 from otel_train import downwire, semconv
+from otel_train.collective_lateness import LatenessTracker
 from otel_train.config import Config
 from otel_train.crossrank import (
     Reduction,
@@ -323,6 +324,7 @@ class _FakeExchange:
                         self.tables[r],
                     ),
                     ReplicaCheck(r, None, None).block(self.interval_for(r, mine.seq)),
+                    LatenessTracker(r).block(),  # no recorder read: an empty block
                 ]
             )
             for r in range(self.world)

@@ -196,6 +196,7 @@ def scenario_results() -> list[dict[str, Any]]:
 def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) -> None:
     """Per flush, every rank runs ONE exchange: a rank r > 0 posts one send to and one receive from
     rank 0, rank 0 one of each per peer; no torch collective at all. Bytes: O(1) off rank 0."""
+    from otel_train.collective_lateness import BLOCK_LEN
     from otel_train.downwire import DOWN_LEN
     from otel_train.rankwire import pack_len
     from otel_train.replicas import EXT_LEN
@@ -207,7 +208,8 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
             assert res["exchanges"] == [1] * flushes, (scenario, res["exchanges"])
             assert res["per_flush"] == [{"isend": peers, "irecv": peers}] * flushes, (scenario, res["counts"])
             assert res["disabled"] is None
-            up, down = 8 * (pack_len() + EXT_LEN), 8 * DOWN_LEN  # the timers' row and the replica block
+            # the timers' row, the replica block and the collective arrivals block
+            up, down = 8 * (pack_len() + EXT_LEN + BLOCK_LEN), 8 * DOWN_LEN
             sent, received = (up, down) if rank else (peers * down, peers * up)
             assert res["bytes"] == (flushes * sent, flushes * received), (rank, res["bytes"])
 

@@ -1,0 +1,451 @@
+"""Arrival lateness at collectives: the rank the others wait for, found without user timers.
+
+PyTorch's Flight Recorder (`collectives`) stamps every collective with `time_created_ns`: when
+THIS rank enqueued it (its arrival). The same (process group, sequence id) is the same collective
+on every rank, so comparing its arrivals across ranks shows who came last; the ranks that came
+early wait inside it (they are never blamed: they arrive first). This needs no timer, so FSDP2
+(all-gathers inside forward), HF and Lightning jobs get culprits too.
+
+Per rank, at the flushes rank 0 picks (`downwire.D_READ`, within `collectives.MAX_READ_SHARE`;
+every rank reads at the same flush, so every rank's window is the same collectives):
+
+    window  = the collectives (not p2p; otel_train's own group left out) enqueued between the
+              previous read flush's and this read flush's `Interval.wall_time` (the first read
+              only starts the first window: before it lie setup and warm-up)
+    span    = the window's latest SPAN collectives (the same on every rank, also where a ring
+              buffer wrapped on some ranks: SPAN is far below its size)
+    sample  = at most MAX_ARRIVALS of them: those with (seq + read flush) % stride == 0, stride =
+              ceil(span / MAX_ARRIVALS) (a pure function of the ids: ranks pick the same ones;
+              rotating with the flush so that every position in a step is seen over time)
+
+travel in a fixed BLOCK_LEN block of the next flush's up row. Rank 0 matches them by (group, seq)
+and, for each collective every rank reported, corrects each arrival by that rank's clock offset
+and finds the last rank and its lateness (its arrival - the median of the others'). A collective
+counts (is resolved) only when the lateness exceeds FLOOR_S even with every clock off by its bound
+against it; otherwise it is unclear: it neither names nor clears anyone, and when no rank is named
+and unclear collectives outnumber resolved ones, the detector abstains and says why (the clocks).
+The culprit arrives last consistently: at MIN_RESOLVED collectives at least and at >= CONSISTENT of
+the resolved ones. Its lateness per step is (times last x its median lateness: one long stall
+weighs as one collective), scaled from the sample to the span and divided by the steps the span
+covers.
+
+Clocks: ranks on rank 0's host read its clock (offset 0, exact). Ranks on other hosts have other
+clocks: `ClockEstimator` bounds each one's offset to rank 0 from the exchange's NTP-style stamps
+(`exchange`): t1 (leaf sends), t2 (rank 0 has the row), t3 (rank 0 answers), t4 (leaf has the
+answer): offset in [t3 - t4, t2 - t1]. It keeps the tightest interval over flushes, widened by
+DRIFT per second of age, and sends its midpoint and half-width up in the next block. The stamps
+are taken in Python on the flush worker, so each can lag by a GIL hand-off from the training
+thread (up to `sys.getswitchinterval()`, 5 ms): the bound says so, and keeping the tightest over
+flushes recovers the lucky ones.
+
+The latest read's verdict stands at every flush until the next read replaces it. It joins the
+timer-based one (`straggler_model.assess`, in `straggler.CrossRankReducer`) as one verdict per
+rank: the culprit's chronic lateness is the larger of the two (the timers' phase kept when they
+saw it), the collective named (`Lateness.collective`), and the ranks that wait for it cleared.
+Until the first verdict (at most PENDING_FLUSHES flushes) new reports wait, so that their one
+event names the collective. Without the recorder everything here is idle (an empty block).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from otel_train.collectives import CollectiveMonitor, group_label, op_name
+from otel_train.downwire import Down
+from otel_train.interval import Interval
+from otel_train.rankwire import RankRecord, name_id
+from otel_train.straggler_model import UNTIMED, Lateness, RankAssessment, RankView
+
+MAX_ARRIVALS = 32  # collectives per rank per read in the up row
+SPAN = 8 * MAX_ARRIVALS  # the latest collectives of a window they are sampled from (<< a ring buffer)
+FLOOR_S = 0.0005  # lateness below this is noise (as straggler_model.Settings.min_lateness_s)
+MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
+CONSISTENT = 0.5  # share of those where the culprit must arrive last
+PENDING_FLUSHES = 8  # flushes that new reports wait for the first collective verdict
+DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
+_VERSION = 1.0
+_B_VERSION, _B_READ_SEQ, _B_OFFSET, _B_BOUND, _B_WINDOW, _B_STEPS, _B_COUNT = range(7)
+_B_ENTRIES = 7
+ENTRY_LEN = 3  # group id, sequence id, arrival (this rank's clock, epoch seconds)
+BLOCK_LEN = _B_ENTRIES + MAX_ARRIVALS * ENTRY_LEN + 1  # + the send time t1 (written by the exchange)
+
+Key = tuple[int, int]  # (group id, sequence id)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One collective as this rank enqueued it."""
+
+    group: str  # the group's name (the same on every rank)
+    label: str  # its description (`default_pg`) for messages
+    seq: int
+    op: str
+    at: float  # epoch seconds on this rank's clock
+
+    @property
+    def key(self) -> Key:
+        return (name_id(self.group), self.seq)
+
+
+class ClockEstimator:
+    """A leaf's clock offset to rank 0 (rank 0's clock - this rank's) and its error bound."""
+
+    def __init__(self) -> None:
+        self._best: tuple[float, float, float] | None = None  # (offset, half width, measured at)
+
+    def add(self, t1: float, t2: float, t3: float, t4: float) -> None:
+        """One exchange's stamps (t1, t4 on this rank's clock; t2, t3 on rank 0's)."""
+        low, high = t3 - t4, t2 - t1
+        if not (math.isfinite(low) and math.isfinite(high)) or high < low:
+            return
+        sample = ((low + high) / 2.0, (high - low) / 2.0, t4)
+        if self._best is None or sample[1] <= self._aged(self._best, t4):
+            self._best = sample
+
+    @staticmethod
+    def _aged(best: tuple[float, float, float], now: float) -> float:
+        return best[1] + DRIFT * max(0.0, now - best[2])
+
+    def estimate(self, now: float) -> tuple[float, float]:
+        """(offset, bound): the true offset lies within offset +- bound; (0, inf) before any."""
+        if self._best is None:
+            return 0.0, math.inf
+        return self._best[0], self._aged(self._best, now)
+
+
+def window(
+    entries: Sequence[Mapping[str, Any]], excluded: set[str], after: float, until: float, skew: float = 0.0
+) -> list[Arrival]:
+    """The collectives enqueued in (after, until] (epoch seconds), in time order."""
+    out: list[Arrival] = []
+    for entry in entries:
+        names = entry.get("process_group") or ["?"]
+        if entry.get("is_p2p") or str(names[0]) in excluded:
+            continue
+        at = int(entry.get("time_created_ns") or 0) / 1e9 + skew
+        if after < at <= until:
+            out.append(
+                Arrival(
+                    str(names[0]),
+                    group_label(dict(entry)),
+                    int(entry.get("collective_seq_id") or 0),
+                    op_name(dict(entry)),
+                    at,
+                )
+            )
+    out.sort(key=lambda a: a.at)
+    return out
+
+
+def span(arrivals: Sequence[Arrival]) -> Sequence[Arrival]:
+    """The window's latest SPAN collectives: the same on every rank even where a ring buffer
+    wrapped (lost the window's start) on some ranks and not on others."""
+    return arrivals[-SPAN:]
+
+
+def sample(arrivals: Sequence[Arrival], read_seq: int, cap: int = MAX_ARRIVALS) -> list[Arrival]:
+    """At most `cap` of a span (`span`), picked by their ids alone (module doc)."""
+    stride = max(1, math.ceil(len(arrivals) / cap))
+    return [a for a in arrivals if (a.seq + read_seq) % stride == 0][-cap:]
+
+
+def encode(
+    read_seq: int, offset: float, bound: float, window_len: int, steps: float, picked: Sequence[Arrival]
+) -> list[float]:
+    block = [0.0] * BLOCK_LEN
+    block[_B_VERSION] = _VERSION
+    block[_B_READ_SEQ] = float(read_seq)
+    block[_B_OFFSET], block[_B_BOUND] = offset, bound
+    block[_B_WINDOW], block[_B_STEPS] = float(window_len), float(steps)
+    block[_B_COUNT] = float(len(picked))
+    for i, a in enumerate(picked[:MAX_ARRIVALS]):
+        at = _B_ENTRIES + i * ENTRY_LEN
+        block[at : at + ENTRY_LEN] = [float(name_id(a.group)), float(a.seq), a.at]
+    return block
+
+
+@dataclass(frozen=True)
+class Row:
+    """One rank's block, decoded on rank 0."""
+
+    rank: int
+    read_seq: int
+    offset: float
+    bound: float
+    window: int  # collectives in the span sampled
+    steps: float  # steps the span covers
+    arrivals: dict[Key, float]
+
+
+def decode(rank: int, block: Sequence[float]) -> Row | None:
+    if block[_B_VERSION] != _VERSION:
+        return None  # no read yet, or the recorder is off on that rank
+    arrivals: dict[Key, float] = {}
+    for i in range(min(int(block[_B_COUNT]), MAX_ARRIVALS)):
+        at = _B_ENTRIES + i * ENTRY_LEN
+        arrivals[(int(block[at]), int(block[at + 1]))] = block[at + 2]
+    return Row(
+        rank,
+        int(block[_B_READ_SEQ]),
+        block[_B_OFFSET],
+        block[_B_BOUND],
+        int(block[_B_WINDOW]),
+        block[_B_STEPS],
+        arrivals,
+    )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Rank 0's reading of one read flush's arrivals."""
+
+    read_seq: int
+    matched: int  # collectives every rank reported
+    resolved: int  # ... where one rank was late beyond noise and clock error
+    unclear: int  # ... where the lateness did not exceed the clock error bound
+    culprit: int = -1  # rank (-1: none)
+    seconds: float = 0.0  # its lateness per step
+    key: Key | None = None  # the collective where it was latest
+    waits: Mapping[int, float] | None = None  # rank -> its wait for the culprit per step
+    waiting: tuple[int, ...] = ()  # the ranks that wait for it
+    abstain: str | None = None
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def judge(rows: Sequence[Row], world: int) -> Verdict | None:
+    """Every rank's row of one read -> the verdict; None when not every rank reported that read."""
+    if len(rows) < max(world, 2) or len({r.read_seq for r in rows}) != 1:
+        return None
+    read_seq = rows[0].read_seq
+    common = set(rows[0].arrivals).intersection(*(r.arrivals for r in rows[1:]))
+    lates: dict[int, list[float]] = {}
+    last_at: dict[int, list[Key]] = {}
+    worst: dict[int, tuple[float, Key]] = {}
+    unclear, bounds = 0, list[float]()
+    for key in sorted(common):
+        arrivals = {r.rank: r.arrivals[key] + r.offset for r in rows}
+        bound = {r.rank: r.bound for r in rows}
+        last = max(arrivals, key=lambda rank: arrivals[rank])
+        late = arrivals[last] - _median([t for rank, t in arrivals.items() if rank != last])
+        if late <= FLOOR_S:
+            continue
+        # The least it can be with every clock off by its bound against it (the median is monotone).
+        least = (
+            arrivals[last] - bound[last] - _median([t + bound[r] for r, t in arrivals.items() if r != last])
+        )
+        if least <= FLOOR_S:
+            unclear, bounds = unclear + 1, [*bounds, late - least]
+            continue
+        lates.setdefault(last, []).append(late)
+        last_at.setdefault(last, []).append(key)
+        if late > worst.get(last, (0.0, key))[0]:
+            worst[last] = (late, key)
+    resolved = sum(len(keys) for keys in last_at.values())
+    verdict = Verdict(read_seq, len(common), resolved, unclear)
+    # Consistently last: at MIN_RESOLVED collectives at least, and at >= CONSISTENT of those where
+    # anyone was late (scheduling noise splits among all ranks; one long stall is one collective).
+    # Its lateness: times last x its median lateness. Unclear collectives (within the clocks'
+    # error) neither name nor clear anyone.
+    late_sum = {r: len(values) * _median(values) for r, values in lates.items()}
+    culprits = [r for r, v in lates.items() if len(v) >= max(MIN_RESOLVED, CONSISTENT * resolved)]
+    if not culprits and unclear > resolved:
+        return replace(verdict, abstain=(
+            f"the clocks of the ranks' hosts are known only to within {_median(bounds) * 1e3:.2f} ms (the "
+            f"offset bound from the telemetry exchange), more than the lateness at {unclear} of "
+            f"{len(common)} collectives: no rank is named from collective arrivals"
+        ))  # fmt: skip
+    if not culprits:
+        return verdict
+    culprit = max(culprits, key=lambda r: late_sum[r])
+    # The sample stands for the whole window (window / matched collectives each), over its steps
+    # (the same window on every rank: the first row's).
+    scale = (rows[0].window / max(len(common), 1)) / max(rows[0].steps, 1)
+    waits, waiting = _waits(rows, culprit, last_at[culprit], late_sum[culprit])
+    return replace(
+        verdict,
+        culprit=culprit,
+        seconds=late_sum[culprit] * scale,
+        key=worst[culprit][1],
+        waits={r: w * scale for r, w in waits.items()},
+        waiting=waiting,
+    )
+
+
+def _waits(
+    rows: Sequence[Row], culprit: int, keys: Sequence[Key], lateness: float
+) -> tuple[dict[int, float], tuple[int, ...]]:
+    """Each other rank's summed wait for `culprit` at `keys`, and the ranks that wait for it: those
+    that could have waited at least half its lateness, their clocks' bound given (every rank but
+    the last waits in a collective; one that is slow too waits less)."""
+    waits, waiting = {}, []
+    bound = next(r.bound for r in rows if r.rank == culprit)
+    for row in rows:
+        if row.rank != culprit:
+            gaps = [_corrected(rows, culprit, k) - (row.arrivals[k] + row.offset) for k in keys]
+            waits[row.rank] = sum(max(0.0, g) for g in gaps)
+            if sum(max(0.0, g + row.bound + bound) for g in gaps) >= 0.5 * lateness:
+                waiting.append(row.rank)
+    return waits, tuple(sorted(waiting))
+
+
+def _corrected(rows: Sequence[Row], rank: int, key: Key) -> float:
+    row = next(r for r in rows if r.rank == rank)
+    return row.arrivals[key] + row.offset
+
+
+def apply(
+    assessments: Sequence[RankAssessment], verdict: Verdict, collective: str, phase: str | None
+) -> None:
+    """Join the collective verdict to the timer-based assessments (module doc), in place."""
+    if verdict.culprit < 0 or not verdict.waits:
+        return
+    by_rank = {a.rank: a for a in assessments}
+    culprit = by_rank.get(verdict.culprit)
+    if culprit is None:
+        return
+    waiting = verdict.waiting
+    for rank in waiting:
+        if rank in by_rank:  # it waits inside the collective: never a culprit
+            by_rank[rank].chronic = Lateness()
+            by_rank[rank].wait_s = verdict.waits[rank]
+    if culprit.chronic.seconds > 0:  # the timers saw it too: their phase says where it arose
+        seconds = max(culprit.chronic.seconds, verdict.seconds)
+        culprit.chronic = replace(culprit.chronic, seconds=seconds, collective=collective)
+    else:
+        culprit.chronic = Lateness(verdict.seconds, phase or UNTIMED, collective, collective=collective)
+    culprit.waiting_ranks = tuple(waiting)
+    culprit.waited_s = _median([verdict.waits[r] for r in waiting]) if waiting else 0.0
+
+
+class LatenessTracker:
+    """One rank's side (module doc): reads the recorder at the flushes rank 0 picks, keeps the
+    next block and the clock estimate; on rank 0 also judges every rank's block and names the
+    collective. Lives in `straggler.CrossRankReducer`, on the flush worker only."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.monitor: CollectiveMonitor | None = None  # set when the Flight Recorder is on
+        self.skew_s = 0.0  # tests: this rank's clock reads off by this much (recorder and exchange)
+        self.estimator = ClockEstimator()
+        self.verdict: Verdict | None = None  # rank 0: the latest read's
+        self._block = [0.0] * BLOCK_LEN  # version 0: nothing read yet
+        self._after = 0.0  # the previous read's cutoff (epoch seconds, this rank's clock)
+        self._steps = 0  # steps since then
+        # rank 0: its own windows by read flush (this read's and the one its verdict is about), each
+        # with its steps and the start of its last step, for naming the collective
+        self._own: dict[int, tuple[list[Arrival], int, float]] = {}
+        self._exchanges = 0
+
+    @classmethod
+    def attach(cls, rank: int, exchange: Any) -> LatenessTracker:
+        """A tracker whose clock stamps `exchange` (exchange.StarExchange) takes."""
+        tracker = cls(rank)
+        exchange.stamp_clock, exchange.clock = True, tracker.clock
+        return tracker
+
+    def clock(self) -> float:
+        return time.time() + self.skew_s
+
+    def wants_read(self) -> bool:
+        """Rank 0: whether every rank reads its recorder at this flush."""
+        return self.monitor is not None and self.monitor.may_read()
+
+    def block(self) -> Any:
+        """This rank's block for the up row: the latest read's sample and the clock estimate."""
+        import torch
+
+        offset, bound = (0.0, 0.0) if self.rank == 0 else self.estimator.estimate(self.clock())
+        self._block[_B_OFFSET], self._block[_B_BOUND] = offset, bound
+        return torch.tensor(self._block, dtype=torch.float64)
+
+    def after_exchange(self, interval: Interval, up: Any, down: Down, t4: float) -> None:
+        """The exchange's stamps (leaves: t1 is the up row's last float) and, when rank 0 asked,
+        this flush's read."""
+        self._exchanges += 1
+        if self.rank != 0:
+            self.estimator.add(float(up[-1]), down.root_times[0], down.root_times[1], t4)
+        self._steps += interval.steps
+        monitor = self.monitor if down.read_recorder else None
+        dump = monitor.read(interval.seq, force=True) if monitor is not None else None
+        if monitor is None or dump is None:
+            return
+        until = interval.wall_time + self.skew_s
+        if self._after:  # the first read only sets the start: its window holds setup and warm-up
+            arrivals = window(dump["entries"], monitor.excluded, self._after, until, self.skew_s)
+            latest = span(arrivals)
+            steps = float(self._steps)
+            if latest and len(latest) < len(arrivals):  # the span covers part of the window's time
+                steps *= (until - latest[0].at) / max(until - self._after, 1e-9)
+            picked = sample(latest, interval.seq)
+            self._block = encode(interval.seq, 0.0, math.inf, len(latest), steps, picked)
+            if self.rank == 0:
+                last = interval.step_durations[-1] if interval.step_durations else math.nan
+                self._own = {s: v for s, v in self._own.items() if s == max(self._own, default=-1)}
+                self._own[interval.seq] = (arrivals, self._steps, until - last)
+        self._after, self._steps = until, 0
+
+    def judge(self, blocks: Any, records: Sequence[RankRecord], host: str) -> None:
+        """Rank 0: every rank's block ([world, BLOCK_LEN], row i from `records[i]`); a new read
+        gives a new verdict. Rows from rank 0's `host` read its clock: offset 0, exact."""
+        rows = [decode(r.rank, values) for r, values in zip(records, blocks.tolist(), strict=True)]
+        if any(r is None for r in rows) or not rows:
+            return
+        same = [r.host == host for r in records]
+        got = [replace(r, offset=0.0, bound=0.0) if s else r for r, s in zip(rows, same, strict=True) if r]
+        if self.verdict is not None and got[0].read_seq == self.verdict.read_seq:
+            return
+        self.verdict = judge(got, len(records)) or self.verdict
+
+    def join(self, assessments: Sequence[RankAssessment], views: Sequence[RankView]) -> None:
+        """Rank 0: the current verdict into the timer-based assessments (its own timers' ends
+        place the collective in a phase)."""
+        own = next((v for v in views if v.rank == 0), None)
+        phase_ends = {n: s.median for n, s in own.arrivals.items()} if own else {}
+        if self.verdict is not None and self.verdict.key is not None:
+            collective, phase = self.name(self.verdict.read_seq, self.verdict.key, phase_ends)
+            apply(assessments, self.verdict, collective, phase)
+
+    def pending(self) -> bool:
+        """Rank 0: the recorder is on and its first verdict is still on its way (a read travels
+        one flush): new straggler reports wait for it, so that their event names the collective.
+        Bounded: after PENDING_FLUSHES exchanges the timers' reports go out without it."""
+        return self.monitor is not None and self.verdict is None and self._exchanges <= PENDING_FLUSHES
+
+    def abstain(self, timer_reason: str | None) -> str | None:
+        """Rank 0: why culprits cannot be found, the collectives considered."""
+        if self.monitor is None:
+            return timer_reason
+        if self.verdict is None:
+            return None  # the first read is still on its way: no reason to give yet
+        if self.verdict.abstain is not None:
+            return self.verdict.abstain
+        return None if self.verdict.matched else timer_reason
+
+    def name(self, read_seq: int, key: Key, phase_ends: Mapping[str, float]) -> tuple[str, str | None]:
+        """('all_gather #3 in 'forward' (default_pg)', 'forward'): the collective's op, its place
+        among the same op in the last step of rank 0's window of that read, and the timer it sits
+        in; without whole steps in the window, its sequence id and group."""
+        own, steps, last_start = self._own.get(read_seq, ([], 0, math.nan))
+        mine = next((i for i, a in enumerate(own) if a.key == key), None)
+        if mine is None:
+            return "a collective", None
+        per_step = len(own) // steps if steps else 0
+        if not per_step or per_step * steps != len(own):
+            return f"{own[mine].op} (seq {own[mine].seq}, {own[mine].label})", None
+        start = (steps - 1) * per_step
+        position = mine % per_step
+        at = own[start + position]
+        nth = 1 + sum(1 for a in own[start : start + position] if a.op == at.op)
+        into = at.at - last_start
+        phase = next((p for p, end in sorted(phase_ends.items(), key=lambda kv: kv[1]) if end >= into), None)
+        where = f" in {phase!r}" if phase else " of the step"
+        return f"{at.op} #{nth}{where} ({at.label})", phase

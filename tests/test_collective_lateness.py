@@ -1,0 +1,359 @@
+"""Straggler culprits from arrival lateness at collectives (PyTorch's Flight Recorder), without
+user timers: the clock-offset estimator and its bound, the matching on rank 0, and real FSDP2 /
+HF Trainer jobs on gloo ranks."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.multirank import run_ranks
+
+from otel_train.collective_lateness import (
+    BLOCK_LEN,
+    MAX_ARRIVALS,
+    Arrival,
+    ClockEstimator,
+    LatenessTracker,
+    Row,
+    decode,
+    encode,
+    judge,
+    sample,
+    span,
+    window,
+)
+from otel_train.rankwire import name_id
+
+FR_ON = {"TORCH_FR_BUFFER_SIZE": "200"}
+# Real jobs here are seconds long: reads may take 2 % of wall time (not 0.2 %) so that a verdict
+# comes within them. Each read holds the GIL (~17 us an entry): rank by rank, that is lateness.
+READ_SHARE = 0.02
+
+
+# --- the clock ---------------------------------------------------------------------------------------
+
+
+def test_offset_lies_within_the_round_trip_bound_and_the_tightest_is_kept() -> None:
+    """Leaf clock 5 s behind rank 0 (offset +5 s); one-way delays 1 ms / 3 ms, then 0.1 / 0.1 ms."""
+    est = ClockEstimator()
+    assert est.estimate(0.0) == (0.0, math.inf)  # nothing measured: no bound at all
+    t1 = 100.0
+    est.add(t1, t1 + 5.0 + 0.001, t1 + 5.0 + 0.002, t1 + 0.002 + 0.003)
+    offset, bound = est.estimate(t1 + 0.005)
+    assert offset - bound <= 5.0 <= offset + bound and bound == pytest.approx(0.002)
+    t1 = 110.0
+    est.add(t1, t1 + 5.0 + 0.0001, t1 + 5.0 + 0.0002, t1 + 0.0003)
+    offset, bound = est.estimate(t1 + 0.0003)
+    assert offset == pytest.approx(5.0) and bound == pytest.approx(0.0001)
+    est.add(120.0, 125.01, 125.02, 120.03)  # a slow round trip: looser, not kept
+    assert est.estimate(120.03)[1] < 0.001
+    est.add(1.0, math.nan, 2.0, 3.0)  # rank 0 sent no stamp (an aborted exchange): ignored
+    assert est.estimate(120.03)[1] < 0.001
+
+
+def _rows(arrivals: dict[int, list[float]], offsets: dict[int, float], bounds: dict[int, float]) -> list[Row]:
+    """Rows of one read: rank -> its arrival (own clock) at collectives seq 1..n of group '0'."""
+    group = name_id("0")
+    return [
+        Row(
+            rank,
+            7,
+            offsets[rank],
+            bounds[rank],
+            len(times),
+            1,
+            {(group, i + 1): t for i, t in enumerate(times)},
+        )
+        for rank, times in arrivals.items()
+    ]
+
+
+def _arrivals(late_rank: int, late_s: float, skews: dict[int, float], n: int = 8) -> dict[int, list[float]]:
+    """4 ranks; collective i at 1000 + i/10 s on rank 0's clock; `late_rank` that much later;
+    each rank's clock reads `skews[rank]` ahead of rank 0's; a little noise (< FLOOR_S)."""
+    return {
+        rank: [
+            1000.0
+            + i / 10
+            + skews.get(rank, 0.0)
+            + (late_s if rank == late_rank else 0.0)
+            + 1e-5 * ((rank * 7 + i) % 5)
+            for i in range(n)
+        ]
+        for rank in range(4)
+    }
+
+
+def test_an_injected_clock_offset_is_corrected_and_the_late_rank_named() -> None:
+    skews = {3: 2.5, 1: -0.7}  # rank 3's host clock 2.5 s ahead, rank 1's 0.7 s behind
+    offsets = {rank: -skews.get(rank, 0.0) for rank in range(4)}  # what the estimator measures
+    bounds = {0: 0.0, 1: 0.0002, 2: 0.0002, 3: 0.0002}
+    verdict = judge(_rows(_arrivals(2, 0.012, skews), offsets, bounds), 4)
+    assert verdict is not None and verdict.abstain is None
+    assert verdict.culprit == 2 and verdict.seconds == pytest.approx(8 * 0.012, rel=0.01)
+    assert verdict.waits is not None and sorted(verdict.waits) == [0, 1, 3] and verdict.waiting == (0, 1, 3)
+    assert all(w == pytest.approx(8 * 0.012, rel=0.01) for w in verdict.waits.values())
+    # The same rows without the correction blame rank 3, whose clock runs ahead: the test has teeth.
+    uncorrected = judge(_rows(_arrivals(2, 0.012, skews), dict.fromkeys(range(4), 0.0), bounds), 4)
+    assert uncorrected is not None and uncorrected.culprit == 3
+
+
+def test_one_long_stall_does_not_outweigh_a_rank_late_at_every_collective() -> None:
+    arrivals = _arrivals(2, 0.004, {})
+    arrivals[3][5] += 0.300  # rank 3 stalled once, 300 ms (its other collectives on time)
+    arrivals[3][6] += 0.002
+    arrivals[3][7] += 0.002
+    verdict = judge(_rows(arrivals, dict.fromkeys(range(4), 0.0), dict.fromkeys(range(4), 0.0)), 4)
+    assert verdict is not None and verdict.culprit == 2
+
+
+def test_a_clock_bound_wider_than_the_lateness_abstains() -> None:
+    bounds = {0: 0.0, 1: 0.020, 2: 0.020, 3: 0.020}  # hosts known only to +-20 ms; lateness 12 ms
+    verdict = judge(_rows(_arrivals(2, 0.012, {}), dict.fromkeys(range(4), 0.0), bounds), 4)
+    assert verdict is not None and verdict.culprit == -1 and verdict.unclear == 8
+    assert verdict.abstain is not None and "clocks" in verdict.abstain
+    tighter = judge(
+        _rows(
+            _arrivals(2, 0.012, {}), dict.fromkeys(range(4), 0.0), {**bounds, 1: 0.001, 2: 0.001, 3: 0.001}
+        ),
+        4,
+    )
+    assert tighter is not None and tighter.culprit == 2  # the same lateness with tight clocks: named
+
+
+def test_ranks_arriving_in_noise_or_a_partial_read_name_nobody() -> None:
+    bounds = {0: 0.0, 1: 0.0001, 2: 0.0001, 3: 0.0001}
+    verdict = judge(_rows(_arrivals(2, 0.0, {}), dict.fromkeys(range(4), 0.0), bounds), 4)
+    assert verdict is not None and verdict.culprit == -1 and verdict.abstain is None and verdict.matched == 8
+    rows = _rows(_arrivals(2, 0.012, {}), dict.fromkeys(range(4), 0.0), bounds)
+    assert judge(rows[:3], 4) is None  # a rank's row of that read is missing
+
+
+# --- the block -----------------------------------------------------------------------------------
+
+
+def _entry(seq: int, at_ns: int, group: str = "0", op: str = "gloo:all_gather") -> dict[str, Any]:
+    return {
+        "process_group": [group, "default_pg"], "collective_seq_id": seq, "profiling_name": op,
+        "time_created_ns": at_ns, "is_p2p": False,
+    }  # fmt: skip
+
+
+def test_ranks_pick_the_same_collectives_and_the_block_round_trips() -> None:
+    """Two ranks whose windows hold the same 100 collectives (enqueued at different times) pick
+    the same ids; the telemetry group and collectives outside the window are left out."""
+    entries = [_entry(s, 10**9 * 5 + s * 10**6) for s in range(1, 101)]
+    later = [_entry(s, 10**9 * 5 + s * 10**6 + 777_000) for s in range(1, 101)]
+    extra = [_entry(1, 10**9 * 5, group="telemetry"), _entry(200, 10**9 * 9)]
+    mine = window(entries + extra, {"telemetry"}, after=4.0, until=6.0)
+    theirs = window(later + extra, {"telemetry"}, after=4.0, until=6.0)
+    assert len(mine) == len(theirs) == 100
+    a, b = sample(mine, read_seq=3), sample(theirs, read_seq=3)
+    assert [x.seq for x in a] == [x.seq for x in b] and 0 < len(a) <= MAX_ARRIVALS
+    assert [x.seq for x in sample(mine, read_seq=4)] != [x.seq for x in a]  # rotates with the read
+    block = encode(3, -0.25, 0.001, len(mine), 5, a)
+    assert len(block) == BLOCK_LEN
+    row = decode(2, block)
+    assert row is not None and (row.rank, row.read_seq, row.offset, row.bound, row.window, row.steps) == (
+        2, 3, -0.25, 0.001, 100, 5,
+    )  # fmt: skip
+    assert row.arrivals == {x.key: x.at for x in a}
+    assert decode(2, [0.0] * BLOCK_LEN) is None  # nothing read yet
+
+
+def test_a_wrapped_ring_buffer_on_one_rank_picks_the_same_collectives() -> None:
+    """Rank A still holds the whole window of 1000 collectives; rank B's buffer lost the first 400."""
+    full = window([_entry(s, 10**9 * 5 + s * 10**6) for s in range(1, 1001)], set(), 4.0, 7.0)
+    wrapped = full[400:]
+    a, b = sample(span(full), read_seq=2), sample(span(wrapped), read_seq=2)
+    assert [x.key for x in a] == [x.key for x in b] and len(a) == MAX_ARRIVALS
+
+
+class _Budget:
+    def __init__(self, allowed: bool) -> None:
+        self.allowed = allowed
+        self.excluded: set[str] = set()
+
+    def may_read(self) -> bool:
+        return self.allowed
+
+
+def test_rank_0_asks_every_rank_to_read_only_within_the_read_budget() -> None:
+    tracker = LatenessTracker(0)
+    tracker.monitor = _Budget(False)  # type: ignore[assignment]
+    assert not tracker.wants_read()
+    tracker.monitor = _Budget(True)  # type: ignore[assignment]
+    assert tracker.wants_read()
+
+
+def test_the_collective_is_named_by_op_place_in_the_step_and_timer() -> None:
+    """Rank 0's window: 2 steps of [all_gather, all_gather, reduce_scatter]; the last step began at
+    t=10 s; timers forward (ends 0.05 s into the step) and backward (0.2 s)."""
+    tracker = LatenessTracker(0)
+    ops = ["all_gather", "all_gather", "reduce_scatter"]
+    times = [9.0, 9.06, 9.3, 10.0, 10.07, 10.1]
+    tracker._own = {
+        5: ([Arrival("0", "default_pg", i + 1, ops[i % 3], t) for i, t in enumerate(times)], 2, 10.0)
+    }
+    ends = {"forward": 0.05, "backward": 0.2}
+    assert tracker.name(5, (name_id("0"), 2), ends) == (
+        "all_gather #2 in 'backward' (default_pg)",
+        "backward",
+    )
+    assert tracker.name(5, (name_id("0"), 4), ends) == ("all_gather #1 in 'forward' (default_pg)", "forward")
+    assert tracker.name(5, (name_id("0"), 6), {}) == ("reduce_scatter #1 of the step (default_pg)", None)
+    assert tracker.name(6, (name_id("0"), 6), {}) == ("a collective", None)  # not that read's window
+
+
+def test_without_a_recorder_rank_0_never_asks_for_reads_and_sends_an_empty_block() -> None:
+    tracker = LatenessTracker(0)
+    assert not tracker.wants_read()
+    assert decode(0, tracker.block().tolist()) is None
+    assert tracker.abstain("the timers' reason") == "the timers' reason"  # today's behaviour
+
+
+# --- real jobs -------------------------------------------------------------------------------------
+
+STEPS = 60
+LAYERS = 3
+EXTRA_S = 0.004  # rank 2's extra compute per layer
+
+
+def _fsdp_rank(rank: int, world: int, timers: bool, skew_s: float, out: str) -> dict[str, Any]:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import otel_train as ot
+    from otel_train import collectives
+
+    collectives.MAX_READ_SHARE = READ_SHARE
+    events: list[dict[str, Any]] = []
+    if rank == 3 and skew_s:
+        import socket
+
+        socket.gethostname = lambda: "other-host"  # another host: its own clock, offset estimated
+    session = ot.init(
+        output_dir=out,
+        run_name="fsdp",
+        verbosity=0,
+        log_interval=5,
+        hardware=False,
+        collective_timeout_s=60.0,
+    )
+    session.events.add_callback(lambda e, m, a: events.append({"event": e, "message": m, **a}))
+    if rank == 3 and skew_s:
+        session.reducer.lateness.skew_s = skew_s  # this host's clock reads off: recorder and exchange
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(LAYERS)]
+    model = torch.nn.Sequential(*layers)
+    for layer in layers:
+        fully_shard(layer)
+        if rank == 2:  # a slower device: slower in every layer, between the all-gathers
+            layer.register_forward_hook(lambda *_: time.sleep(EXTRA_S))
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 64)
+    for step in range(STEPS):
+        with ot.step(step, samples=8):
+            if not timers:
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                continue
+            with ot.timer("data"):
+                batch = x.clone()
+            with ot.timer("forward"):
+                loss = model(batch).pow(2).mean()
+            with ot.timer("backward"):
+                loss.backward()
+            with ot.timer("optimizer"):
+                opt.step()
+                opt.zero_grad()
+    reducer = session.reducer
+    ot.shutdown()
+    verdict = reducer.lateness.verdict
+    return {
+        "stragglers": [e for e in events if e["event"] == "straggler"],
+        "abstain": reducer.abstain_reason,
+        "matched": verdict.matched if verdict else 0,
+        "offset": reducer.lateness.estimator.estimate(time.time() + skew_s)[0] if rank == 3 else 0.0,
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("timers", "skew_s"), [(False, 3.0), (True, 0.0)], ids=["only-step-skewed-clock", "timers"]
+)
+def test_fsdp2_slow_rank_named_from_collective_arrivals(timers: bool, skew_s: float, tmp_path: Path) -> None:
+    """4 gloo ranks, FSDP2, rank 2 slower in every layer's forward: only rank 2 is named (chronic),
+    the collective where the others wait is named, and rank 3's clock (3 s ahead in the first
+    case, whose ring buffer also wraps between reads) is corrected rather than blamed. The
+    timer-only detector abstains here ("sharded")."""
+    # Without timers, a ring buffer smaller than a flush's collectives: it wraps between reads.
+    env = FR_ON if timers else {"TORCH_FR_BUFFER_SIZE": "40"}
+    results = run_ranks(4, _fsdp_rank, (timers, skew_s, str(tmp_path)), timeout=300, env=env)
+    root = results[0]
+    reported = root["stragglers"]
+    assert root["matched"] > 0 and root["abstain"] is None, root
+    assert reported and {e["rank"] for e in reported} == {2}, reported
+    first = reported[0]
+    assert first["pattern"] == "chronic" and first["waiting_ranks"] == "0,1,3", first
+    assert first["collective"].split(" ")[0] in ("all_gather", "reduce_scatter", "all_reduce"), first
+    if timers:  # the window holds whole steps: the collective is placed in rank 0's timers
+        assert " in 'forward' " in first["collective"] or " in 'backward' " in first["collective"], first
+    if skew_s:
+        assert results[3]["offset"] == pytest.approx(-skew_s, abs=0.05)
+
+
+def _hf_rank(rank: int, world: int, out: str) -> dict[str, Any]:
+    from test_integration_transformers import SlowRows, _trainer
+
+    import otel_train as ot
+    from otel_train import collectives
+    from otel_train.integrations.transformers import OtelTrainCallback
+
+    collectives.MAX_READ_SHARE = READ_SHARE
+    session = ot.init(
+        verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0
+    )
+    events: list[dict[str, Any]] = []
+    session.events.add_callback(
+        lambda event, message, attrs: events.append({"event": event, "message": message, **attrs})
+    )
+    dataset = SlowRows(256, 0.015 if rank == 1 else 0.0)  # +60 ms per step on rank 1
+    trainer = _trainer(
+        Path(out) / f"hf-out{rank}", OtelTrainCallback(), max_steps=24, ddp=True,
+        dataset=dataset, eval_strategy="no", save_strategy="no",
+    )  # fmt: skip
+    trainer.train()
+    ot.shutdown()
+    return {"stragglers": [e for e in events if e["event"] == "straggler"]}
+
+
+@pytest.mark.multirank
+def test_hf_trainer_ddp_names_the_slow_rank_and_the_collective_where_the_others_wait(tmp_path: Path) -> None:
+    """2 gloo ranks, the callback alone, rank 1's dataset slow: rank 1 named, once, and its event
+    names the collective where rank 0 waits for it."""
+    results = run_ranks(2, _hf_rank, (str(tmp_path),), timeout=240, env=FR_ON)
+    reported = results[0]["stragglers"]
+    assert reported and {e["rank"] for e in reported} == {1}, reported
+    first = reported[0]
+    # The first collective after the data: the Trainer's gather of the tokens seen
+    # (include_num_input_tokens_seen), in the callback's `data_sync`; DDP's all-reduce comes later.
+    assert first["collective"].startswith("all_gather"), first
+    assert first["collective"] in first["message"], first
+
+
+def test_the_answer_carries_rank_0s_clock_stamps_and_the_read_request() -> None:
+    from otel_train import downwire
+
+    rows = downwire.answers(3, 5, None, read_recorder=True)
+    rows[2, downwire.D_T2], rows[2, downwire.D_T3] = 1000.25, 1000.5
+    down = downwire.decode(rows[2], 2)
+    assert down.read_recorder and down.root_times == (1000.25, 1000.5)
+    plain = downwire.decode(downwire.answers(3, 5, None)[1], 1)
+    assert not plain.read_recorder and all(math.isnan(t) for t in plain.root_times)

@@ -1,37 +1,52 @@
 """The ONE telemetry exchange per flush, star-shaped around rank 0, on the dedicated gloo group:
-every rank but rank 0 sends and receives a fixed number of bytes, whatever the job size.
+every rank but rank 0 sends and receives a fixed number of bytes, whatever the job size. It never
+makes a rank wait for a peer that is late: telemetry must not couple ranks that the job itself does
+not couple (evaluators, data ranks, RL workers, independent trials).
 
-    rank r > 0:  isend(its up row -> rank 0) and irecv(its down row <- rank 0); waits for the down row
-    rank 0:      irecv(up row <- r) for every r; waits for them all; then isend(down row r -> r)
+    rank r > 0:  isend(its up row -> rank 0) and irecv(its down row <- rank 0), then looks for the
+                 answer for at most `leaf_wait_s` (on the worker thread); an answer that has not
+                 come stays posted and is taken at a later flush, and until it is taken this rank
+                 sends no new row (it skips those flushes: `skipped`)
+    rank 0:      keeps one irecv(up row <- r) posted per peer; at each flush waits at most
+                 `grace_s` for the rows of the peers it is told to expect, then answers every peer
+                 whose row it took (isend(down row r -> r)); a row that has not come leaves its
+                 receive posted, to be taken (and answered) at a later flush
 
-Why point-to-point, not a torch collective (checked against torch 2.13's ProcessGroupGloo and
-gloo's source): gloo's all_gather gives every rank every row, (N-1) rows in and out per rank;
-all_to_all with uneven splits is no cheaper in messages (gloo's `alltoallv` posts a send and a
-receive to EVERY peer, zero-length or not); gather then scatter would be two collectives. Here a
-rank r > 0 posts exactly one send and one receive: O(1) bytes and messages. Rank 0, a flat root,
-pays O(N) (see `bench/exchange_model.py`; per-node leaders would cut rank 0's message count, not
-its bytes, since the straggler model needs every rank's row).
+So there is at most one row in flight per peer each way, in order: a peer's rows and answers pair
+one to one on the wire. A row is whichever row that peer sent last, maybe from another flush than
+rank 0's: rank 0 gets the rows with their ranks and the caller (`straggler`) pairs only rows of the
+same steps. `grace_s` (`exchange_grace_s`) is sized for ranks in lockstep (DDP, FSDP), whose rows
+come within milliseconds of each other: rank 0 waits only until the last expected row is in.
 
-Failure, and why rank 0 answers only after every row has arrived: the answer can then say whether
-this exchange failed. When a peer's row does not arrive (it died: connection closed; or it stopped
-flushing: gloo's timeout, `collective_timeout_s`), rank 0 answers ABORT to the others and raises,
-and so do they: every rank disables its reducer at this same flush, and none is left waiting in an
-exchange a peer would not issue. (A gloo timeout also closes every connection of the rank that
-timed out, so a peer still waiting on it fails at once.) A rank r > 0 waits up to twice the timeout
-for the answer, so that rank 0, which waits up to the timeout for the last row, always gives up
-first. A peer that dies after its row arrived fails its own receive; rank 0 finds it at the next
-flush (its row is missing) and aborts everyone then.
+How "has it come" is known without blocking: gloo's point-to-point works report completion only
+from `wait()`, and a `wait()` that times out closes every connection of the process (gloo signals
+the timeout to every pair). So every message ends with a trailer float `_ARRIVED`; a receive buffer's
+trailer is set to NaN before it is posted, and gloo writes a message in order, the trailer last.
+Seeing the trailer is only a hint: the buffer is then read after `wait()`, which returns at once
+for a finished receive and orders the reads after gloo's writes.
+
+Failure (the group's timeout is `collective_timeout_s`): rank 0 declares a peer failed when no row
+came from it for `timeout_s` (it died: connection closed; or it stopped flushing); it then answers
+ABORT to every other peer (the ones whose rows it holds now, and, posted without waiting, the
+others' next row) and raises, and so does every rank that gets ABORT: every reducer turns off, none
+waits in an exchange a peer would not issue. A rank r > 0 whose row has had no answer for twice
+the timeout raises too (rank 0 is gone or stopped flushing), so rank 0, which gives up after the
+timeout, decides first when it is alive.
 """
 
 from __future__ import annotations
 
-import datetime
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from otel_train import downwire
 
 TAG = 18  # gloo slot of the exchange (the telemetry group carries nothing else)
+TRAILER_LEN = 1  # the exchange appends one float to every message (see the module doc)
+_ARRIVED = 2.0**40 + 18.0  # the trailer's value; a posted buffer holds NaN there until the message lands
+POLL_S = 0.002  # how often a waiting worker looks at its posted buffers
 
 
 class ExchangeFailed(RuntimeError):
@@ -40,91 +55,205 @@ class ExchangeFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Exchanged:
-    records: Any | None  # rank 0: [world, up_len] float64, row r = rank r's up row; others: None
-    down: Any  # this rank's down row (rank 0: its own answer row)
+    """What one call brought. Rank 0: `records` [n, up_len] float64, the rows taken at this call
+    (its own first), from `ranks`; `down`: its own answer row. Other ranks: `records` None; `down`:
+    the newest answer taken at this call, None when none came; `sent`: whether this call's row
+    went up (False: the previous one is still unanswered)."""
+
+    records: Any | None
+    down: Any | None
+    ranks: list[int] = field(default_factory=list)
+    sent: bool = True
+
+
+@dataclass
+class _Posted:
+    """A posted receive (and, on a rank r > 0, the send it answers)."""
+
+    work: Any
+    buffer: Any
+    since: float  # monotonic time it was posted
+    send: Any | None = None
 
 
 class StarExchange:
     """One exchange per call (see the module doc). `group`: the gloo telemetry group; `rank` and
-    `world` on that group; `timeout_s`: the group's timeout."""
+    `world` on that group; `timeout_s`: the group's timeout; `grace_s`: how long rank 0 waits for
+    the expected rows (a rank r > 0 waits twice that for its answer)."""
 
-    def __init__(self, group: Any, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(self, group: Any, rank: int, world: int, timeout_s: float, grace_s: float = 1.0) -> None:
         self.group = group
         self.rank = rank
         self.world = world
         self.timeout_s = timeout_s
-        self.sent_bytes = 0  # payload handed to gloo (tests and the bench)
+        self.grace_s = grace_s
+        self.leaf_wait_s = 2.0 * grace_s
+        self.sent_bytes = 0  # payload handed to gloo, trailers included (tests and the bench)
         self.received_bytes = 0
+        self.skipped = 0  # rank r > 0: calls that sent no row (the previous one was unanswered)
+        self._posted: dict[int, _Posted] = {}  # rank 0: by peer; others: {0: the unanswered row}
+        self._missing_since: dict[int, float] = {}  # rank 0: peer -> since when its row is awaited
+        self._prompt = True  # rank r > 0: the last answer came within leaf_wait_s (so wait for the next)
+        self._parting: list[Any] = []  # rank 0: ABORT answers posted to peers whose rows had not come
 
-    def run(self, up: Any, answers: Any | None) -> Exchanged:
-        """Rank 0: `answers` is [world, DOWN_LEN] (downwire.answers); others: None."""
+    def run(self, up: Any, answers: Any | None, expect: set[int] | None = None) -> Exchanged:
+        """Rank 0: `answers` is [world, DOWN_LEN] (downwire.answers) and `expect` the peers whose
+        rows to wait for (None: every peer); others: `answers` None."""
         if self.rank == 0:
-            return self._root(up, answers)
+            return self._root(up, answers, set(range(1, self.world)) if expect is None else expect)
         return self._leaf(up)
 
+    # --- rank r > 0 --------------------------------------------------------------------------------
     def _leaf(self, up: Any) -> Exchanged:
         import torch
         import torch.distributed as dist
 
-        down = torch.empty(downwire.DOWN_LEN, dtype=torch.float64)
-        send = _posted(dist.isend(up, group=self.group, group_dst=0, tag=TAG))
-        recv = _posted(dist.irecv(down, group=self.group, group_src=0, tag=TAG))
-        # Rank 0 answers after every row arrived (or it timed out): wait longer than it can.
-        recv.wait(datetime.timedelta(seconds=2.0 * self.timeout_s))
-        send.wait()
-        self.sent_bytes += up.numel() * up.element_size()
-        self.received_bytes += down.numel() * down.element_size()
-        if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
-            raise ExchangeFailed("rank 0 found a failed peer in this exchange")
+        down = None
+        pending = self._posted.get(0)
+        if pending is not None:
+            if not _arrived(pending.buffer):
+                if time.monotonic() - pending.since >= 2.0 * self.timeout_s:
+                    raise ExchangeFailed(f"no answer from rank 0 for {2.0 * self.timeout_s:g} s")
+                self.skipped += 1
+                self._prompt = False
+                return Exchanged(None, None, sent=False)
+            down = self._take_answer()
+            self._prompt = True  # answered by the next flush: rank 0 keeps pace again
+        buffer = _empty(torch, downwire.DOWN_LEN)
+        message = _framed(torch, up)
+        recv = _posted(dist.irecv(buffer, group=self.group, group_src=0, tag=TAG))
+        send = _posted(dist.isend(message, group=self.group, group_dst=0, tag=TAG))
+        self.sent_bytes += message.numel() * message.element_size()
+        self._posted[0] = _Posted(recv, buffer, time.monotonic(), send)
+        if self._prompt:
+            if _poll(lambda: _arrived(buffer), self.leaf_wait_s):
+                down = self._take_answer()
+            else:
+                self._prompt = False  # rank 0 is behind: do not wait at the next flushes either
         return Exchanged(None, down)
 
-    def _root(self, up: Any, answers: Any) -> Exchanged:
-        import torch
-        import torch.distributed as dist
+    def _take_answer(self) -> Any:
+        pending = self._posted.pop(0)
+        pending.work.wait()  # finished (its trailer is in): returns at once
+        if pending.send is not None:
+            pending.send.wait()  # answered, so rank 0 had the row: done
+        self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
+        down = pending.buffer[: downwire.DOWN_LEN]
+        if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
+            raise ExchangeFailed("rank 0 found a failed peer in this exchange")
+        return down
 
-        records = torch.empty((self.world, up.numel()), dtype=torch.float64)
-        records[0] = up
+    # --- rank 0 ------------------------------------------------------------------------------------
+    def _root(self, up: Any, answers: Any, expect: set[int]) -> Exchanged:
+        import torch
+
         failed: dict[int, str] = {}
-        pending: dict[int, Any] = {}
+        now = time.monotonic()
         for peer in range(1, self.world):
+            if peer not in self._posted:
+                try:
+                    self._post_receive(torch, peer, up.numel(), now)
+                except Exception as exc:  # its connection is already gone
+                    failed[peer] = str(exc)
+        waited = [p for p in expect if p in self._posted]
+        _poll(lambda: all(_arrived(self._posted[p].buffer) for p in waited), self.grace_s)
+        rows, ranks = [up], [0]
+        now = time.monotonic()
+        for peer in sorted(self._posted):
+            pending = self._posted[peer]
+            if not _arrived(pending.buffer):
+                since = self._missing_since.setdefault(peer, pending.since)
+                if now - since >= self.timeout_s:
+                    failed[peer] = f"no row for {self.timeout_s:g} s"
+                continue
             try:
-                work = dist.irecv(records[peer], group=self.group, group_src=peer, tag=TAG)
-                pending[peer] = _posted(work)
-            except Exception as exc:  # its connection is already gone
-                failed[peer] = str(exc)
-        for peer, work in pending.items():
-            try:
-                work.wait()  # the group's timeout
-                self.received_bytes += records[peer].numel() * records.element_size()
+                pending.work.wait()  # finished (its trailer is in): returns at once
             except Exception as exc:
                 failed[peer] = str(exc)
+                continue
+            del self._posted[peer]
+            self._missing_since.pop(peer, None)
+            self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
+            rows.append(pending.buffer[: up.numel()])
+            ranks.append(peer)
         if failed:
             answers[:, downwire.H_STATUS] = float(downwire.STATUS_ABORT)
-        self._answer(answers, failed)
+        self._answer(torch, answers, ranks[1:])
         if failed:
+            self._part(torch, answers, failed, set(ranks))
             first = min(failed)
             raise ExchangeFailed(f"no row from rank(s) {sorted(failed)} (rank {first}: {failed[first]})")
-        return Exchanged(records, answers[0])
+        return Exchanged(torch.stack(rows), answers[0], ranks)
 
-    def _answer(self, answers: Any, failed: dict[int, str]) -> None:
-        """Send each live peer its down row. A send that fails is not this exchange's failure: that
-        peer's own receive fails too, and its row is missing at the next flush."""
+    def _post_receive(self, torch: Any, peer: int, up_len: int, now: float) -> None:
+        import torch.distributed as dist
+
+        buffer = _empty(torch, up_len)
+        work = _posted(dist.irecv(buffer, group=self.group, group_src=peer, tag=TAG))
+        self._posted[peer] = _Posted(work, buffer, now)
+
+    def _answer(self, torch: Any, answers: Any, peers: list[int]) -> None:
+        """Send each peer whose row was taken its down row. A send that fails is not this
+        exchange's failure: that peer's own receive fails too, and its rows stop coming."""
         import torch.distributed as dist
 
         sends = []
+        for peer in peers:
+            message = _framed(torch, answers[peer])
+            try:
+                sends.append(
+                    (_posted(dist.isend(message, group=self.group, group_dst=peer, tag=TAG)), message)
+                )
+            except Exception:
+                continue
+        for work, message in sends:
+            try:
+                work.wait()  # the peer posted its receive with its row: the send goes at once
+                self.sent_bytes += message.numel() * message.element_size()
+            except Exception:
+                continue
+
+    def _part(self, torch: Any, answers: Any, failed: dict[int, str], answered: set[int]) -> None:
+        """Turning off: post ABORT to the live peers whose rows had not come, answering their next
+        row, so they turn off then instead of after their own timeout. Never waited for (the peer
+        may never flush again); kept so the buffers outlive the sends."""
+        import torch.distributed as dist
+
         for peer in range(1, self.world):
-            if peer in failed:
+            if peer in failed or peer in answered:
                 continue
+            message = _framed(torch, answers[peer])
             try:
-                sends.append(_posted(dist.isend(answers[peer], group=self.group, group_dst=peer, tag=TAG)))
+                self._parting.append(
+                    (dist.isend(message, group=self.group, group_dst=peer, tag=TAG), message)
+                )
             except Exception:
                 continue
-        for work in sends:
-            try:
-                work.wait()
-                self.sent_bytes += answers.shape[1] * answers.element_size()
-            except Exception:
-                continue
+
+
+def _empty(torch: Any, length: int) -> Any:
+    """A receive buffer for a `length`-float message: its trailer NaN until the message lands."""
+    buffer = torch.empty(length + TRAILER_LEN, dtype=torch.float64)
+    buffer[-1] = math.nan
+    return buffer
+
+
+def _framed(torch: Any, row: Any) -> Any:
+    return torch.cat([row.to(torch.float64), torch.tensor([_ARRIVED], dtype=torch.float64)])
+
+
+def _arrived(buffer: Any) -> bool:
+    return bool(buffer[-1].item() == _ARRIVED)
+
+
+def _poll(done: Any, limit_s: float) -> bool:
+    """Worker thread: look every POLL_S until `done()` or `limit_s` passed; whether it is done."""
+    deadline = time.monotonic() + limit_s
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
 
 
 def _posted(work: Any | None) -> Any:

@@ -7,20 +7,31 @@ gloo group (`distributed.create_telemetry_group`), never on the training's own (
 and never on the training thread; none at all when not distributed. Every rank but rank 0 sends its
 row up and gets one fixed-size answer down (`downwire`), so its cost does not grow with the job.
 
-Rank 0 holds every row: it computes the timer reductions (`crossrank`) and the straggler verdicts
+Rank 0 holds the rows: it computes the timer reductions (`crossrank`) and the straggler verdicts
 (`straggler_model`), publishes the cross-rank gauges, logs and emits the straggler events and its
-own scores at once. Its answer at a flush carries the flush interval (the adaptive cadence, adopted
-by every rank at that same flush) and the verdicts of the PREVIOUS flush: each rank's own scores,
-lateness and wait (published by that rank) and the chronic stragglers. So other ranks' gauges, and
-`on_straggler` on EVERY rank (rank 0 included, from its own decoded answer: the same list
-everywhere, at the same flush), run one flush after rank 0 decided. Cross-rank reductions and
-`abstain_reason` exist on rank 0 only; other ranks' `last_reductions` hold their own timers.
+own scores at once. Its answer at a flush carries its flush schedule (the adaptive cadence, which
+the other ranks adopt when it reaches them, `cadence.py`) and the verdicts of the PREVIOUS flush:
+each rank's own scores, lateness and wait (published by that rank) and the chronic stragglers. So
+other ranks' gauges, and `on_straggler` on EVERY rank (rank 0 included, from its own decoded
+answer: the same list everywhere, at the same flush while the ranks keep pace), run one flush
+after rank 0 decided. Cross-rank reductions and `abstain_reason` exist on rank 0 only; other
+ranks' `last_reductions` hold their own timers.
+
+Never coupled (telemetry must not make one rank wait for another): rank 0 waits at most
+`exchange_grace_s` for the rows of the ranks that were in at its last flush, on the worker thread;
+a rank whose row is not in is left out of that flush (its row is taken, and answered, at a later
+one). Every row carries the steps it covers (from the rank's previous flush step to this one), and
+rank 0 pairs only rows that cover exactly its own steps: a late or misaligned row is left out of
+that flush's stats and verdicts and counted (`left_out_rows`, `partial_flushes`; warned once),
+never paired with other steps. Ranks in lockstep (DDP, FSDP) flush at the same steps and their rows
+come within milliseconds, so each flush pairs them all, as before.
 
 Independent ranks (`cross_rank=False`): no exchange at all; every rank keeps its own view.
 
-Failure: the group's timeout is `collective_timeout_s`. A failed or timed-out exchange (a peer died
-or stopped flushing) disables the reducer for good on every rank at the same flush (logged once):
-it never retries an exchange that a peer would not issue.
+Failure: the group's timeout is `collective_timeout_s`. A peer that sent no row for that long (it
+died, or stopped flushing) makes rank 0 turn the exchange off and answer ABORT, and every rank that
+gets it (or whose own row had no answer for twice that long) disables its reducer for good (logged
+once): per-rank telemetry goes on, and no exchange that a peer would not issue is ever retried.
 """
 
 from __future__ import annotations
@@ -117,13 +128,16 @@ class CrossRankReducer:
         self.on_straggler = on_straggler
         self.option: str = getattr(config, "timing_log_option", "minmax")
         self.timeout_s = float(getattr(config, "collective_timeout_s", 60.0))
+        grace_s = float(getattr(config, "exchange_grace_s", 1.0))
         self.settings = Settings.from_config(config)
         self.scorer = StragglerScorer(self.settings)
         self.table = TimerTable(max_timers)
-        # Called after each flush's exchange with (flush seq, rank 0's flush_interval), 0 when no
-        # exchange ran: the adaptive cadence (otel_train.cadence) every rank adopts from rank 0.
+        # Ranks other than 0: called with rank 0's flush schedule (interval, anchor step) from each
+        # answer, and with (0, -1) when the exchange turns off (otel_train.cadence).
         self.on_cadence: Callable[[int, int], None] | None = None
-        self.collectives = 0  # exchanges issued (tests and self-observability)
+        self.collectives = 0  # exchanges this rank's row went up in (tests and self-observability)
+        self.left_out_rows = 0  # rank 0: rows taken that covered other steps than its own
+        self.partial_flushes = 0  # rank 0: flushes whose cross-rank view lacked a rank
         self.disabled_reason: str | None = None
         self.abstain_reason: str | None = None
         self.last_reductions: dict[str, Reduction] = {}
@@ -133,7 +147,9 @@ class CrossRankReducer:
         self._flagged: set[int] = set()
         self._gathered_flushes = 0
         self._sharded_seen = False
-        self._seq_warned = False
+        self._left_out_warned = False
+        self._prev_step = -1  # the last step of this rank's previous flush (rows carry their steps)
+        self._expect: set[int] | None = None  # rank 0: peers whose rows to wait for (None: all)
         self._closed = False
         self._lock = threading.Lock()
         self._world = identity.world_size
@@ -146,7 +162,7 @@ class CrossRankReducer:
             import torch.distributed as dist
 
             self._world = int(dist.get_world_size(self.group))
-        self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s)
+        self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s, grace_s)
         # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)
         self._score_gauge = _create_gauge(meter, semconv.STRAGGLER_SCORE)
@@ -193,6 +209,8 @@ class CrossRankReducer:
                 self.identity.rank,
                 reason,
             )
+            if self.on_cadence is not None:
+                self.on_cadence(0, -1)  # no more schedules from rank 0: every rank keeps its own
 
     def _sharded(self) -> bool:
         """Whether this process trains FSDP2 (`fully_shard`) modules; checked on the worker at each
@@ -201,43 +219,76 @@ class CrossRankReducer:
             self._sharded_seen = _fsdp_in_use()
         return self._sharded_seen
 
-    def _adopt_cadence(self, seq: int, flush_interval: int) -> None:
-        """Hand rank 0's flush interval to the cadence, right after the exchange and before anything
-        that could raise, so every rank adopts the same value at the same flush."""
-        if self.on_cadence is not None and self.identity.distributed:
-            self.on_cadence(seq, flush_interval)
-
     def _flush(self, interval: Interval) -> None:
         if not self.distributed:
-            self._adopt_cadence(interval.seq, 0)  # disabled: every rank keeps its interval
             self._flush_local(interval)
             return
         import torch
 
-        row = pack(interval, self.identity, self.table, flags=FLAG_SHARDED if self._sharded() else 0)
+        from_step, self._prev_step = self._prev_step, interval.step
+        flags = FLAG_SHARDED if self._sharded() else 0
+        row = pack(interval, self.identity, self.table, flags=flags, from_step=from_step)
         row = torch.cat([row, self.replicas.block(interval)])
         root = self.identity.rank == 0
-        answers = downwire.answers(self._world, interval.flush_interval, self._verdict) if root else None
-        self.collectives += 1
+        answers = None
+        if root:
+            schedule = (interval.flush_interval, interval.flush_anchor)
+            answers = downwire.answers(self._world, schedule[0], self._verdict, schedule[1])
         try:
-            got = self.exchange.run(row, answers)
+            got = self.exchange.run(row, answers, self._expect)
         except Exception as exc:
+            self.collectives += 1
             self._disable(f"telemetry exchange failed at flush {interval.seq}: {exc}")
-            self._adopt_cadence(interval.seq, 0)
             self._flush_local(interval)
             return
-        down = downwire.decode(got.down, self.identity.rank)
-        self._adopt_cadence(interval.seq, down.flush_interval)
-        self._deliver(down, root)
+        self.collectives += int(got.sent)
+        if got.down is not None:
+            down = downwire.decode(got.down, self.identity.rank)
+            if not root and self.on_cadence is not None and down.flush_interval >= 1:
+                self.on_cadence(down.flush_interval, down.flush_anchor)
+            self._deliver(down, root)
         if got.records is None:
             self.last_reductions = _own_reductions(local_record(interval, self.identity))
             return
+        self._reduce_rows(interval, got.records, from_step)
+
+    def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
+        """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
         base = pack_len(self.table.capacity)
-        records = unpack(got.records[:, :base], self.table.capacity)
-        self._reduce(interval, records)
+        records = unpack(rows[:, :base], self.table.capacity)
+        # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
+        self._expect = {r.rank for r in records} - {0}
+        same = [i for i, r in enumerate(records) if (r.from_step, r.step) == (from_step, interval.step)]
+        self._note_left_out(
+            [r for i, r in enumerate(records) if i not in same], len(same), from_step, interval
+        )
+        if len(same) < 2:
+            self._verdict = None  # nothing to compare: no verdict rides the next answers
+            self._flush_local(interval)
+            return
+        paired = [records[i] for i in same]
+        self._reduce(interval, paired)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
-        sharded = any(r.flags & FLAG_SHARDED for r in records)
-        self.replicas.compare(got.records[:, base:], [r.rank for r in records], sharded, labels)
+        sharded = any(r.flags & FLAG_SHARDED for r in paired)
+        self.replicas.compare(rows[same, base:], [r.rank for r in paired], sharded, labels)
+
+    def _note_left_out(
+        self, left_out: Sequence[RankRecord], paired: int, from_step: int, interval: Interval
+    ) -> None:
+        self.left_out_rows += len(left_out)
+        if paired < self._world:
+            self.partial_flushes += 1
+        if left_out and not self._left_out_warned:
+            self._left_out_warned = True
+            logger.warning(
+                "otel_train: rank(s) %s sent rows for other steps than rank 0's (after step %d up to %d; "
+                "theirs: %s); a row is left out of a flush's cross-rank stats unless it covers the same "
+                "steps (ranks not in lockstep, or a flush that came late)",
+                [r.rank for r in left_out],
+                from_step,
+                interval.step,
+                [(r.from_step, r.step) for r in left_out],
+            )
 
     def _deliver(self, down: downwire.Down, root: bool) -> None:
         """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own
@@ -256,18 +307,14 @@ class CrossRankReducer:
                 logger.warning("otel_train: on_straggler callback failed: %s", exc)
 
     def _reduce(self, interval: Interval, records: Sequence[RankRecord]) -> None:
-        """Rank 0: reductions, verdicts, gauges and events from every rank's row."""
-        seqs = {r.seq for r in records}
-        if len(seqs) > 1 and not self._seq_warned:
-            self._seq_warned = True
-            logger.warning(
-                "otel_train: ranks flushed out of step (flush numbers %s); cross-rank stats may mix intervals",
-                sorted(seqs),
-            )
+        """Rank 0: reductions, verdicts, gauges and events from the rows of one flush's steps."""
         for record in records:
             for ident, name in record.announced.items():
                 self.table.names.setdefault(ident, name)
-        self.last_reductions = reduce_timings(per_rank_timings(records, self.table.names))
+        per_rank: list[Mapping[str, float | None]] = [{} for _ in range(self._world)]
+        for record, timings in zip(records, per_rank_timings(records, self.table.names), strict=True):
+            per_rank[record.rank] = timings  # reduce_timings indexes by rank: absent ranks stay empty
+        self.last_reductions = reduce_timings(per_rank)
         views = [
             RankView(
                 r.rank,

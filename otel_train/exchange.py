@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ TAG = 18  # gloo slot of the exchange (the telemetry group carries nothing else)
 TRAILER_LEN = 1  # the exchange appends one float to every message (see the module doc)
 _ARRIVED = 2.0**40 + 18.0  # the trailer's value; a posted buffer holds NaN there until the message lands
 POLL_S = 0.002  # how often a waiting worker looks at its posted buffers
+MAX_UNANSWERED = 2  # rank r > 0: rows up without an answer; beyond, a flush sends none (skipped)
 
 
 class ExchangeFailed(RuntimeError):
@@ -90,17 +93,26 @@ class StarExchange:
         self.leaf_wait_s = 2.0 * grace_s
         self.sent_bytes = 0  # payload handed to gloo, trailers included (tests and the bench)
         self.received_bytes = 0
-        self.skipped = 0  # rank r > 0: calls that sent no row (the previous one was unanswered)
-        self._posted: dict[int, _Posted] = {}  # rank 0: by peer; others: {0: the unanswered row}
+        self.skipped = 0  # rank r > 0: calls that sent no row (MAX_UNANSWERED rows had no answer)
+        self._posted: dict[int, _Posted] = {}  # rank 0: the posted receive of each peer
+        self._unanswered: deque[_Posted] = deque()  # rank r > 0: its rows' answer receives, in order
         self._missing_since: dict[int, float] = {}  # rank 0: peer -> since when its row is awaited
         self._prompt = True  # rank r > 0: the last answer came within leaf_wait_s (so wait for the next)
         self._parting: list[Any] = []  # rank 0: ABORT answers posted to peers whose rows had not come
 
-    def run(self, up: Any, answers: Any | None, expect: set[int] | None = None) -> Exchanged:
-        """Rank 0: `answers` is [world, DOWN_LEN] (downwire.answers) and `expect` the peers whose
-        rows to wait for (None: every peer); others: `answers` None."""
+    def run(
+        self,
+        up: Any,
+        answers: Any | None,
+        expect: set[int] | None = None,
+        current: Callable[[Any], bool] | None = None,
+    ) -> Exchanged:
+        """Rank 0: `answers` is [world, DOWN_LEN] (downwire.answers); it waits (up to the grace) for
+        a row for which `current(row)` holds from each peer in `expect` (None: every peer; `current`
+        None: any row). Others: `answers` None."""
         if self.rank == 0:
-            return self._root(up, answers, set(range(1, self.world)) if expect is None else expect)
+            expected = set(range(1, self.world)) if expect is None else expect
+            return self._root(up, answers, expected, current or (lambda row: True))
         return self._leaf(up)
 
     # --- rank r > 0 --------------------------------------------------------------------------------
@@ -108,46 +120,48 @@ class StarExchange:
         import torch
         import torch.distributed as dist
 
-        down = None
-        pending = self._posted.get(0)
-        if pending is not None:
-            if not _arrived(pending.buffer):
-                if time.monotonic() - pending.since >= 2.0 * self.timeout_s:
-                    raise ExchangeFailed(f"no answer from rank 0 for {2.0 * self.timeout_s:g} s")
-                self.skipped += 1
-                self._prompt = False
-                return Exchanged(None, None, sent=False)
-            down = self._take_answer()
-            self._prompt = True  # answered by the next flush: rank 0 keeps pace again
+        down = self._take_answers()
+        if len(self._unanswered) >= MAX_UNANSWERED:
+            if time.monotonic() - self._unanswered[0].since >= 2.0 * self.timeout_s:
+                raise ExchangeFailed(f"no answer from rank 0 for {2.0 * self.timeout_s:g} s")
+            self.skipped += 1
+            self._prompt = False
+            return Exchanged(None, down, sent=False)
         buffer = _empty(torch, downwire.DOWN_LEN)
         message = _framed(torch, up)
         recv = _posted(dist.irecv(buffer, group=self.group, group_src=0, tag=TAG))
         send = _posted(dist.isend(message, group=self.group, group_dst=0, tag=TAG))
         self.sent_bytes += message.numel() * message.element_size()
-        self._posted[0] = _Posted(recv, buffer, time.monotonic(), send)
+        self._unanswered.append(_Posted(recv, buffer, time.monotonic(), send))
         if self._prompt:
             if _poll(lambda: _arrived(buffer), self.leaf_wait_s):
-                down = self._take_answer()
+                down = self._take_answers()
             else:
                 self._prompt = False  # rank 0 is behind: do not wait at the next flushes either
         return Exchanged(None, down)
 
-    def _take_answer(self) -> Any:
-        pending = self._posted.pop(0)
-        pending.work.wait()  # finished (its trailer is in): returns at once
-        if pending.send is not None:
-            pending.send.wait()  # answered, so rank 0 had the row: done
-        self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
-        down = pending.buffer[: downwire.DOWN_LEN]
-        if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
-            raise ExchangeFailed("rank 0 found a failed peer in this exchange")
+    def _take_answers(self) -> Any | None:
+        """The answers that came, in order; the newest (None: none came). ABORT raises."""
+        down = None
+        while self._unanswered and _arrived(self._unanswered[0].buffer):
+            pending = self._unanswered.popleft()
+            pending.work.wait()  # finished (its trailer is in): returns at once
+            if pending.send is not None:
+                pending.send.wait()  # answered, so rank 0 had the row: done
+            self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
+            down = pending.buffer[: downwire.DOWN_LEN]
+            if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
+                raise ExchangeFailed("rank 0 found a failed peer in this exchange")
+            self._prompt = True  # answered by the next flush at the latest: rank 0 keeps pace
         return down
 
     # --- rank 0 ------------------------------------------------------------------------------------
-    def _root(self, up: Any, answers: Any, expect: set[int]) -> Exchanged:
+    def _root(self, up: Any, answers: Any, expect: set[int], current: Callable[[Any], bool]) -> Exchanged:
         import torch
 
         failed: dict[int, str] = {}
+        taken: list[tuple[int, Any]] = []
+        sends: list[tuple[Any, Any]] = []
         now = time.monotonic()
         for peer in range(1, self.world):
             if peer not in self._posted:
@@ -155,35 +169,52 @@ class StarExchange:
                     self._post_receive(torch, peer, up.numel(), now)
                 except Exception as exc:  # its connection is already gone
                     failed[peer] = str(exc)
-        waited = [p for p in expect if p in self._posted]
-        _poll(lambda: all(_arrived(self._posted[p].buffer) for p in waited), self.grace_s)
-        rows, ranks = [up], [0]
+        waiting = set(expect) & set(self._posted)
+
+        def drained() -> bool:
+            for peer in list(self._posted):
+                for row in self._drain(torch, peer, up.numel(), failed):
+                    taken.append((peer, row))
+                    # Answered at once: that peer's worker may be waiting for it before its next row.
+                    sends.append(self._send(torch, answers, peer))
+                    if current(row):
+                        waiting.discard(peer)
+            return not waiting
+
+        _poll(drained, self.grace_s)
         now = time.monotonic()
-        for peer in sorted(self._posted):
-            pending = self._posted[peer]
-            if not _arrived(pending.buffer):
-                since = self._missing_since.setdefault(peer, pending.since)
-                if now - since >= self.timeout_s:
-                    failed[peer] = f"no row for {self.timeout_s:g} s"
-                continue
+        for peer, pending in self._posted.items():
+            since = self._missing_since.setdefault(peer, pending.since)
+            if now - since >= self.timeout_s and peer not in failed:
+                failed[peer] = f"no row for {self.timeout_s:g} s"
+        self._finish(sends)
+        if failed:
+            answers[:, downwire.H_STATUS] = float(downwire.STATUS_ABORT)
+            self._part(torch, answers, failed)
+            first = min(failed)
+            raise ExchangeFailed(f"no row from rank(s) {sorted(failed)} (rank {first}: {failed[first]})")
+        taken.sort(key=lambda item: item[0])  # by rank, each peer's rows in the order they came
+        rows = torch.stack([up, *(row for _, row in taken)])
+        return Exchanged(rows, answers[0], [0, *(peer for peer, _ in taken)])
+
+    def _drain(self, torch: Any, peer: int, up_len: int, failed: dict[int, str]) -> list[Any]:
+        """The rows of `peer` that came, in order, each receive re-posted for the next row."""
+        rows = []
+        while peer in self._posted and _arrived(self._posted[peer].buffer):
+            pending = self._posted.pop(peer)
             try:
                 pending.work.wait()  # finished (its trailer is in): returns at once
             except Exception as exc:
                 failed[peer] = str(exc)
-                continue
-            del self._posted[peer]
+                break
             self._missing_since.pop(peer, None)
             self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
-            rows.append(pending.buffer[: up.numel()])
-            ranks.append(peer)
-        if failed:
-            answers[:, downwire.H_STATUS] = float(downwire.STATUS_ABORT)
-        self._answer(torch, answers, ranks[1:])
-        if failed:
-            self._part(torch, answers, failed, set(ranks))
-            first = min(failed)
-            raise ExchangeFailed(f"no row from rank(s) {sorted(failed)} (rank {first}: {failed[first]})")
-        return Exchanged(torch.stack(rows), answers[0], ranks)
+            rows.append(pending.buffer[:up_len])
+            try:
+                self._post_receive(torch, peer, up_len, time.monotonic())
+            except Exception as exc:
+                failed[peer] = str(exc)
+        return rows
 
     def _post_receive(self, torch: Any, peer: int, up_len: int, now: float) -> None:
         import torch.distributed as dist
@@ -192,43 +223,37 @@ class StarExchange:
         work = _posted(dist.irecv(buffer, group=self.group, group_src=peer, tag=TAG))
         self._posted[peer] = _Posted(work, buffer, now)
 
-    def _answer(self, torch: Any, answers: Any, peers: list[int]) -> None:
-        """Send each peer whose row was taken its down row. A send that fails is not this
-        exchange's failure: that peer's own receive fails too, and its rows stop coming."""
+    def _send(self, torch: Any, answers: Any, peer: int) -> tuple[Any, Any]:
+        """Answer one row of `peer` (its down row), at once: the peer may be waiting for it."""
         import torch.distributed as dist
 
-        sends = []
-        for peer in peers:
-            message = _framed(torch, answers[peer])
-            try:
-                sends.append(
-                    (_posted(dist.isend(message, group=self.group, group_dst=peer, tag=TAG)), message)
-                )
-            except Exception:
-                continue
+        message = _framed(torch, answers[peer])
+        try:
+            return dist.isend(message, group=self.group, group_dst=peer, tag=TAG), message
+        except Exception:
+            return None, message
+
+    def _finish(self, sends: list[tuple[Any, Any]]) -> None:
+        """Wait for the answers sent. A send that fails is not this exchange's failure: that
+        peer's own receive fails too, and its rows stop coming."""
         for work, message in sends:
+            if work is None:
+                continue
             try:
                 work.wait()  # the peer posted its receive with its row: the send goes at once
                 self.sent_bytes += message.numel() * message.element_size()
             except Exception:
                 continue
 
-    def _part(self, torch: Any, answers: Any, failed: dict[int, str], answered: set[int]) -> None:
-        """Turning off: post ABORT to the live peers whose rows had not come, answering their next
-        row, so they turn off then instead of after their own timeout. Never waited for (the peer
-        may never flush again); kept so the buffers outlive the sends."""
-        import torch.distributed as dist
-
+    def _part(self, torch: Any, answers: Any, failed: dict[int, str]) -> None:
+        """Turning off: post ABORT to every live peer, answering its next row, so it turns off at
+        its next flush instead of after its own timeout. Never waited for (the peer may never
+        flush again); kept so the buffers outlive the sends."""
         for peer in range(1, self.world):
-            if peer in failed or peer in answered:
-                continue
-            message = _framed(torch, answers[peer])
-            try:
-                self._parting.append(
-                    (dist.isend(message, group=self.group, group_dst=peer, tag=TAG), message)
-                )
-            except Exception:
-                continue
+            if peer not in failed:
+                work, message = self._send(torch, answers, peer)
+                if work is not None:
+                    self._parting.append((work, message))
 
 
 def _empty(torch: Any, length: int) -> Any:

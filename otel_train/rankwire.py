@@ -262,6 +262,11 @@ def pack(
     return tensor
 
 
+def row_steps(row: Any) -> tuple[int, int]:
+    """(from step, step) of one packed row: the steps it covers, without unpacking it."""
+    return int(row[_H_FROM_STEP]), int(row[_H_STEP])
+
+
 def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
     """Rows gathered on rank 0 (shape [world * pack_len] or [world, pack_len]) -> records."""
     length = pack_len(capacity)

@@ -57,6 +57,7 @@ from otel_train.rankwire import (
     local_record,
     pack,
     pack_len,
+    row_steps,
     unpack,
 )
 from otel_train.replicas import ReplicaCheck
@@ -235,7 +236,8 @@ class CrossRankReducer:
             schedule = (interval.flush_interval, interval.flush_anchor)
             answers = downwire.answers(self._world, schedule[0], self._verdict, schedule[1])
         try:
-            got = self.exchange.run(row, answers, self._expect)
+            # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
+            got = self.exchange.run(row, answers, self._expect, lambda up: row_steps(up)[1] >= interval.step)
         except Exception as exc:
             self.collectives += 1
             self._disable(f"telemetry exchange failed at flush {interval.seq}: {exc}")

@@ -1,37 +1,44 @@
 """The ONE telemetry exchange per flush, star-shaped around rank 0, on the dedicated gloo group:
 every rank but rank 0 sends and receives a fixed number of bytes, whatever the job size. It never
 makes a rank wait for a peer that is late: telemetry must not couple ranks that the job itself does
-not couple (evaluators, data ranks, RL workers, independent trials).
+not couple (evaluators, data ranks, RL workers, independent trials). It runs on the background
+worker, never on the training thread.
 
-    rank r > 0:  isend(its up row -> rank 0) and irecv(its down row <- rank 0), then looks for the
-                 answer for at most `leaf_wait_s` (on the worker thread); an answer that has not
-                 come stays posted and is taken at a later flush, and until it is taken this rank
-                 sends no new row (it skips those flushes: `skipped`)
-    rank 0:      keeps one irecv(up row <- r) posted per peer; at each flush waits at most
-                 `grace_s` for the rows of the peers it is told to expect, then answers every peer
-                 whose row it took (isend(down row r -> r)); a row that has not come leaves its
-                 receive posted, to be taken (and answered) at a later flush
+    rank r > 0:  isend(its up row -> rank 0) with an irecv(its down row <- rank 0) posted for the
+                 answer, then looks for that answer for at most `leaf_wait_s` (2 x the grace); an
+                 answer that has not come stays posted and is taken at a later flush. At most
+                 `MAX_UNANSWERED` rows are up without an answer: beyond, a flush sends no row
+                 (`skipped`), so nothing piles up behind a rank 0 that does not keep pace.
+    rank 0:      at each flush, posts one irecv(up row <- r) for each peer that has none posted,
+                 and takes the rows that have come, in order, up to the first that reaches its own
+                 flush (`current`; a later row waits for the next flush), re-posting the receive
+                 after an older row; it answers each row at once (isend(down row r -> r): that
+                 peer's worker may be waiting for it), and looks again for at most `grace_s` until
+                 each peer it is told to expect has sent a row that reaches its flush. A row that
+                 has not come leaves its receive posted, to be taken (and answered) at a later
+                 flush. In lockstep that is one irecv and one isend per peer per flush.
 
-So there is at most one row in flight per peer each way, in order: a peer's rows and answers pair
-one to one on the wire. A row is whichever row that peer sent last, maybe from another flush than
-rank 0's: rank 0 gets the rows with their ranks and the caller (`straggler`) pairs only rows of the
-same steps. `grace_s` (`exchange_grace_s`) is sized for ranks in lockstep (DDP, FSDP), whose rows
-come within milliseconds of each other: rank 0 waits only until the last expected row is in.
+So a peer's rows and answers pair one to one, in order, on the wire (one gloo slot, `TAG`). Rank 0
+returns the rows with their ranks, whichever flush of the peer's each comes from, and the caller
+(`straggler`) pairs only rows of the same steps. `grace_s` (`exchange_grace_s`) is sized for ranks
+in lockstep (DDP, FSDP), whose rows come within milliseconds of each other: rank 0 waits only until
+the last expected row is in, and the caller expects only the peers that sent a row at its previous
+flush, so a late or independent rank costs rank 0's worker at most one grace in a row.
 
 How "has it come" is known without blocking: gloo's point-to-point works report completion only
 from `wait()`, and a `wait()` that times out closes every connection of the process (gloo signals
-the timeout to every pair). So every message ends with a trailer float `_ARRIVED`; a receive buffer's
-trailer is set to NaN before it is posted, and gloo writes a message in order, the trailer last.
-Seeing the trailer is only a hint: the buffer is then read after `wait()`, which returns at once
-for a finished receive and orders the reads after gloo's writes.
+the timeout to every pair). So every message ends with a trailer float `_ARRIVED`; a receive
+buffer's trailer is NaN until the message lands, and gloo writes a message in order, the trailer
+last. Seeing the trailer is only a hint: the buffer is then read after `wait()`, which returns at
+once for a finished receive and orders the reads after gloo's writes.
 
-Failure (the group's timeout is `collective_timeout_s`): rank 0 declares a peer failed when no row
-came from it for `timeout_s` (it died: connection closed; or it stopped flushing); it then answers
-ABORT to every other peer (the ones whose rows it holds now, and, posted without waiting, the
-others' next row) and raises, and so does every rank that gets ABORT: every reducer turns off, none
-waits in an exchange a peer would not issue. A rank r > 0 whose row has had no answer for twice
-the timeout raises too (rank 0 is gone or stopped flushing), so rank 0, which gives up after the
-timeout, decides first when it is alive.
+Failure (the group's timeout is `collective_timeout_s`): a peer whose connection is closed when
+rank 0 posts its next receive fails at once; a peer that sent no row for `timeout_s` (it died while
+a receive was posted, or stopped flushing) fails then. Rank 0 then raises and posts ABORT to every
+other peer, answering its next row (never waited for), so each turns off at its next flush; none
+waits in an exchange a peer would not issue. A rank r > 0 whose oldest row has had no answer for
+twice the timeout raises too (rank 0 is gone or stopped flushing), so rank 0, which gives up after
+the timeout, decides first when it is alive.
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ class StarExchange:
         self.skipped = 0  # rank r > 0: calls that sent no row (MAX_UNANSWERED rows had no answer)
         self._posted: dict[int, _Posted] = {}  # rank 0: the posted receive of each peer
         self._unanswered: deque[_Posted] = deque()  # rank r > 0: its rows' answer receives, in order
-        self._missing_since: dict[int, float] = {}  # rank 0: peer -> since when its row is awaited
+        self._missing_since: dict[int, float] = {}  # rank 0: peer -> first flush without its row
         self._prompt = True  # rank r > 0: the last answer came within leaf_wait_s (so wait for the next)
         self._parting: list[Any] = []  # rank 0: ABORT answers posted to peers whose rows had not come
 
@@ -162,32 +169,26 @@ class StarExchange:
         failed: dict[int, str] = {}
         taken: list[tuple[int, Any]] = []
         sends: list[tuple[Any, Any]] = []
-        now = time.monotonic()
-        for peer in range(1, self.world):
-            if peer not in self._posted:
-                try:
-                    self._post_receive(torch, peer, up.numel(), now)
-                except Exception as exc:  # its connection is already gone
-                    failed[peer] = str(exc)
-        waiting = set(expect) & set(self._posted)
+        waiting = set(expect)
+        done: set[int] = set()  # peers whose row for this flush (or a later one) is taken
 
         def drained() -> bool:
-            for peer in list(self._posted):
-                for row in self._drain(torch, peer, up.numel(), failed):
+            for peer in range(1, self.world):
+                for row in self._drain(torch, peer, up.numel(), failed, done, current):
                     taken.append((peer, row))
                     # Answered at once: that peer's worker may be waiting for it before its next row.
                     sends.append(self._send(torch, answers, peer))
-                    if current(row):
-                        waiting.discard(peer)
-            return not waiting
+            return not (waiting - done - set(failed))
 
         _poll(drained, self.grace_s)
-        now = time.monotonic()
-        for peer, pending in self._posted.items():
-            since = self._missing_since.setdefault(peer, pending.since)
-            if now - since >= self.timeout_s and peer not in failed:
-                failed[peer] = f"no row for {self.timeout_s:g} s"
         self._finish(sends)
+        now = time.monotonic()
+        heard = {peer for peer, _ in taken}
+        for peer in range(1, self.world):
+            if peer in heard or peer in failed:
+                self._missing_since.pop(peer, None)
+            elif now - self._missing_since.setdefault(peer, now) >= self.timeout_s:
+                failed[peer] = f"no row for {self.timeout_s:g} s"
         if failed:
             answers[:, downwire.H_STATUS] = float(downwire.STATUS_ABORT)
             self._part(torch, answers, failed)
@@ -197,31 +198,48 @@ class StarExchange:
         rows = torch.stack([up, *(row for _, row in taken)])
         return Exchanged(rows, answers[0], [0, *(peer for peer, _ in taken)])
 
-    def _drain(self, torch: Any, peer: int, up_len: int, failed: dict[int, str]) -> list[Any]:
-        """The rows of `peer` that came, in order, each receive re-posted for the next row."""
+    def _drain(
+        self,
+        torch: Any,
+        peer: int,
+        up_len: int,
+        failed: dict[int, str],
+        done: set[int],
+        current: Callable[[Any], bool],
+    ) -> list[Any]:
+        """The rows of `peer` that came, in order, up to the first that reaches this flush (a later
+        row waits for the next flush, so a rank 0 whose worker lags still pairs each flush's rows).
+        A receive is posted only while this flush still needs a row from that peer."""
         rows = []
-        while peer in self._posted and _arrived(self._posted[peer].buffer):
-            pending = self._posted.pop(peer)
+        while peer not in done and peer not in failed:
+            if peer not in self._posted:
+                try:
+                    self._post_receive(torch, peer, up_len)
+                except Exception as exc:  # its connection is gone
+                    failed[peer] = str(exc)
+                    break
+            pending = self._posted[peer]
+            if not _arrived(pending.buffer):
+                break
+            del self._posted[peer]
             try:
                 pending.work.wait()  # finished (its trailer is in): returns at once
             except Exception as exc:
                 failed[peer] = str(exc)
                 break
-            self._missing_since.pop(peer, None)
             self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
-            rows.append(pending.buffer[:up_len])
-            try:
-                self._post_receive(torch, peer, up_len, time.monotonic())
-            except Exception as exc:
-                failed[peer] = str(exc)
+            row = pending.buffer[:up_len]
+            rows.append(row)
+            if current(row):
+                done.add(peer)
         return rows
 
-    def _post_receive(self, torch: Any, peer: int, up_len: int, now: float) -> None:
+    def _post_receive(self, torch: Any, peer: int, up_len: int) -> None:
         import torch.distributed as dist
 
         buffer = _empty(torch, up_len)
         work = _posted(dist.irecv(buffer, group=self.group, group_src=peer, tag=TAG))
-        self._posted[peer] = _Posted(work, buffer, now)
+        self._posted[peer] = _Posted(work, buffer, time.monotonic())
 
     def _send(self, torch: Any, answers: Any, peer: int) -> tuple[Any, Any]:
         """Answer one row of `peer` (its down row), at once: the peer may be waiting for it."""

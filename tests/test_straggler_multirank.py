@@ -329,6 +329,8 @@ def dead_peer_target(rank: int, world: int, mode: str, timeout_s: float) -> dict
         seq += 1
     collectives = reducer.collectives
     reducer.on_flush(_interval(seq, _phases(rank, seq, "balanced")))  # disabled: no further exchange
+    if rank == 0:
+        time.sleep(2.0)  # training goes on: the others get the ABORT rank 0 posted at their next flush
     return {
         "longest": longest,
         "disabled": reducer.disabled_reason,

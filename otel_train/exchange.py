@@ -105,7 +105,7 @@ class StarExchange:
         self._unanswered: deque[_Posted] = deque()  # rank r > 0: its rows' answer receives, in order
         self._missing_since: dict[int, float] = {}  # rank 0: peer -> first flush without its row
         self._prompt = True  # rank r > 0: the last answer came within leaf_wait_s (so wait for the next)
-        self._parting: list[Any] = []  # rank 0: ABORT answers posted to peers whose rows had not come
+        self._parting: list[Any] = []  # works never waited for (turning off), kept with their buffers
 
     def run(
         self,
@@ -153,12 +153,15 @@ class StarExchange:
         while self._unanswered and _arrived(self._unanswered[0].buffer):
             pending = self._unanswered.popleft()
             pending.work.wait()  # finished (its trailer is in): returns at once
-            if pending.send is not None:
-                pending.send.wait()  # answered, so rank 0 had the row: done
             self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
             down = pending.buffer[: downwire.DOWN_LEN]
             if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
+                # Rank 0 may have posted it before taking this row, and never will: the send is
+                # left pending (kept alive with its buffer), never waited for.
+                self._parting.extend((p.send, p.buffer) for p in (pending, *self._unanswered))
                 raise ExchangeFailed("rank 0 found a failed peer in this exchange")
+            if pending.send is not None:
+                pending.send.wait()  # answered OK, so rank 0 took the row: done
             self._prompt = True  # answered by the next flush at the latest: rank 0 keeps pace
         return down
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -308,7 +309,13 @@ class _FakeExchange:
         self.tables = [TimerTable() for _ in range(world)]
         self.answers: list[torch.Tensor] = []
 
-    def run(self, up: torch.Tensor, answers: torch.Tensor | None, expect: set[int] | None = None) -> Exchanged:
+    def run(
+        self,
+        up: torch.Tensor,
+        answers: torch.Tensor | None,
+        expect: set[int] | None = None,
+        current: Any = None,
+    ) -> Exchanged:
         if self.fail[0]:
             raise RuntimeError("Connection closed by peer")
         assert answers is not None and answers.shape == (self.world, downwire.DOWN_LEN)

@@ -106,6 +106,11 @@ class StarExchange:
         self._missing_since: dict[int, float] = {}  # rank 0: peer -> first flush without its row
         self._prompt = True  # rank r > 0: the last answer came within leaf_wait_s (so wait for the next)
         self._parting: list[Any] = []  # works never waited for (turning off), kept with their buffers
+        self._hurry = False  # shutting down: take what has come, wait for nothing
+
+    def stop_waiting(self) -> None:
+        """Shutting down: a wait in progress (on the worker) ends now, and no later call waits."""
+        self._hurry = True
 
     def run(
         self,
@@ -141,7 +146,7 @@ class StarExchange:
         self.sent_bytes += message.numel() * message.element_size()
         self._unanswered.append(_Posted(recv, buffer, time.monotonic(), send))
         if self._prompt:
-            if _poll(lambda: _arrived(buffer), self.leaf_wait_s):
+            if self._poll(lambda: _arrived(buffer), self.leaf_wait_s):
                 down = self._take_answers()
             else:
                 self._prompt = False  # rank 0 is behind: do not wait at the next flushes either
@@ -183,7 +188,7 @@ class StarExchange:
                     sends.append(self._send(torch, answers, peer))
             return not (waiting - done - set(failed))
 
-        _poll(drained, self.grace_s)
+        self._poll(drained, self.grace_s)
         self._finish(sends)
         now = time.monotonic()
         heard = {peer for peer, _ in taken}
@@ -200,6 +205,15 @@ class StarExchange:
         taken.sort(key=lambda item: item[0])  # by rank, each peer's rows in the order they came
         rows = torch.stack([up, *(row for _, row in taken)])
         return Exchanged(rows, answers[0], [0, *(peer for peer, _ in taken)])
+
+    def _poll(self, done: Callable[[], bool], limit_s: float) -> bool:
+        """Worker thread: look every POLL_S until `done()` or `limit_s` passed; whether it is done."""
+        deadline = time.monotonic() + limit_s
+        while not done():
+            if self._hurry or time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def _drain(
         self,
@@ -290,16 +304,6 @@ def _framed(torch: Any, row: Any) -> Any:
 
 def _arrived(buffer: Any) -> bool:
     return bool(buffer[-1].item() == _ARRIVED)
-
-
-def _poll(done: Any, limit_s: float) -> bool:
-    """Worker thread: look every POLL_S until `done()` or `limit_s` passed; whether it is done."""
-    deadline = time.monotonic() + limit_s
-    while not done():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(POLL_S)
-    return True
 
 
 def _posted(work: Any | None) -> Any:

@@ -428,6 +428,7 @@ class Session(SessionParts, GoodputClock):
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
+        self.reducer.stop_waiting()  # the flushes still queued must not wait for a peer's row
         self.flush(final=True)
         flushes, steps = drain_worker(self.worker, self.instruments, budget)
         self.lost_flushes += flushes

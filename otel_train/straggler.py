@@ -194,6 +194,10 @@ class CrossRankReducer:
     def close(self) -> None:
         self._closed = True
 
+    def stop_waiting(self) -> None:
+        """Shutting down (called before the worker is drained): no exchange waits for a peer."""
+        self.exchange.stop_waiting()
+
     def set_threshold(self, threshold: float) -> None:
         """Runtime control: a new straggler_threshold, applied from the next flush on (verdicts are
         computed on rank 0 only, and every rank applies a control file at the same step)."""
@@ -282,15 +286,7 @@ class CrossRankReducer:
             self.partial_flushes += 1
         if left_out and not self._left_out_warned:
             self._left_out_warned = True
-            logger.warning(
-                "otel_train: rank(s) %s sent rows for other steps than rank 0's (after step %d up to %d; "
-                "theirs: %s); a row is left out of a flush's cross-rank stats unless it covers the same "
-                "steps (ranks not in lockstep, or a flush that came late)",
-                [r.rank for r in left_out],
-                from_step,
-                interval.step,
-                [(r.from_step, r.step) for r in left_out],
-            )
+            _warn_left_out(left_out, from_step, interval.step)
 
     def _deliver(self, down: downwire.Down, root: bool) -> None:
         """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own
@@ -342,7 +338,7 @@ class CrossRankReducer:
         if mine is not None:
             self._set_scores(mine)
         if self._cross_gauge is not None:
-            self._set_cross_rank(self.last_reductions)
+            _publish_cross_rank(self._cross_gauge, self.option, self.last_reductions)
         self._report(reports, interval)
 
     def _flush_local(self, interval: Interval) -> None:
@@ -372,19 +368,6 @@ class CrossRankReducer:
         if self._wait_gauge is not None:
             self._wait_gauge.set(scores.wait_s)
 
-    def _set_cross_rank(self, reductions: Mapping[str, Reduction]) -> None:
-        assert self._cross_gauge is not None
-        for name, red in reductions.items():
-            for stat in stats_for_option(self.option):
-                value = float(
-                    red.argmax
-                    if stat == "argmax_rank"
-                    else red.argmin
-                    if stat == "argmin_rank"
-                    else getattr(red, stat)
-                )
-                self._cross_gauge.set(value, {semconv.PHASE: name, semconv.STAT: stat})
-
     def _report(self, reports: Sequence[StragglerReport], interval: Interval) -> None:
         """Rank 0: log and emit the new stragglers (the callback runs from the next answer)."""
         now = {r.rank for r in reports if r.chronic}
@@ -399,20 +382,48 @@ class CrossRankReducer:
                 ", ".join(f"rank {r.rank} {r.pattern} {r.score:.2f}" for r in new[:MAX_REPORTS_PER_FLUSH]),
             )
         for report in new[:MAX_REPORTS_PER_FLUSH]:
-            self._emit(report, interval)
+            _emit(self.events, report, interval.step, self.settings.threshold)
         for rank in sorted(self._flagged - now):
             logger.info("otel_train: rank %d is no longer a straggler", rank)
         self._flagged = now
 
-    def _emit(self, report: StragglerReport, interval: Interval) -> None:
-        message = describe(report, interval.step, self.settings.threshold)
-        logger.warning("otel_train: %s", message)
-        if self.events is None:
-            return
-        try:
-            self.events.emit("straggler", message, event_attributes(report, interval.step))
-        except Exception as exc:
-            logger.warning("otel_train: straggler event failed: %s", exc)
+
+def _emit(events: EventChannel | None, report: StragglerReport, step: int, threshold: float) -> None:
+    """Rank 0: log one new straggler and emit its `straggler` event."""
+    message = describe(report, step, threshold)
+    logger.warning("otel_train: %s", message)
+    if events is None:
+        return
+    try:
+        events.emit("straggler", message, event_attributes(report, step))
+    except Exception as exc:
+        logger.warning("otel_train: straggler event failed: %s", exc)
+
+
+def _warn_left_out(left_out: Sequence[RankRecord], from_step: int, step: int) -> None:
+    logger.warning(
+        "otel_train: rank(s) %s sent rows for other steps than rank 0's (after step %d up to %d; theirs: "
+        "%s); a row is left out of a flush's cross-rank stats unless it covers the same steps (ranks "
+        "not in lockstep, or a flush that came late)",
+        [r.rank for r in left_out],
+        from_step,
+        step,
+        [(r.from_step, r.step) for r in left_out],
+    )
+
+
+def _publish_cross_rank(gauge: _Gauge, option: str, reductions: Mapping[str, Reduction]) -> None:
+    """Rank 0: the cross-rank timer gauges."""
+    for name, red in reductions.items():
+        for stat in stats_for_option(option):
+            value = float(
+                red.argmax
+                if stat == "argmax_rank"
+                else red.argmin
+                if stat == "argmin_rank"
+                else getattr(red, stat)
+            )
+            gauge.set(value, {semconv.PHASE: name, semconv.STAT: stat})
 
 
 def _own_reductions(record: RankRecord) -> dict[str, Reduction]:

@@ -56,6 +56,7 @@ TAG = 18  # gloo slot of the exchange (the telemetry group carries nothing else)
 TRAILER_LEN = 1  # the exchange appends one float to every message (see the module doc)
 _ARRIVED = 2.0**40 + 18.0  # the trailer's value; a posted buffer holds NaN there until the message lands
 POLL_S = 0.002  # how often a waiting worker looks at its posted buffers
+SHUTDOWN_WAIT_S = 0.5  # at shutdown, how much longer the worker may wait for peers, in all
 MAX_UNANSWERED = 2  # rank r > 0: rows up without an answer; beyond, a flush sends none (skipped)
 
 
@@ -106,11 +107,13 @@ class StarExchange:
         self._missing_since: dict[int, float] = {}  # rank 0: peer -> first flush without its row
         self._prompt = True  # rank r > 0: the last answer came within leaf_wait_s (so wait for the next)
         self._parting: list[Any] = []  # works never waited for (turning off), kept with their buffers
-        self._hurry = False  # shutting down: take what has come, wait for nothing
+        self._until = math.inf  # shutting down: no wait goes past this (monotonic) time
 
     def stop_waiting(self) -> None:
-        """Shutting down: a wait in progress (on the worker) ends now, and no later call waits."""
-        self._hurry = True
+        """Shutting down: every wait (the one in progress on the worker, and the queued flushes')
+        ends within SHUTDOWN_WAIT_S from now, which leaves rows and answers of ranks in lockstep
+        (milliseconds) in, and a peer that is gone or far behind costs the shutdown no more."""
+        self._until = time.monotonic() + SHUTDOWN_WAIT_S
 
     def run(
         self,
@@ -210,7 +213,7 @@ class StarExchange:
         """Worker thread: look every POLL_S until `done()` or `limit_s` passed; whether it is done."""
         deadline = time.monotonic() + limit_s
         while not done():
-            if self._hurry or time.monotonic() >= deadline:
+            if time.monotonic() >= min(deadline, self._until):
                 return False
             time.sleep(POLL_S)
         return True

@@ -18,7 +18,8 @@ arrives. In lockstep the answer comes within the same flush, a whole interval be
 rank switches at A and the flush steps stay identical. A rank that learns it late (it is slower,
 paused, or independent of rank 0) keeps its schedule until then and joins the new one at its next
 step on it (`late_decisions` counts those): it realigns instead of drifting. No rank's training
-thread ever waits for another rank here. Numbering that goes back (or steps that never reach the
+thread ever waits for another rank here. A run whose first step comes later (resumed at step
+1000) first flushes at the schedule's next step (1009 for 10). Numbering that goes back (or steps that never reach the
 next scheduled step) fall back to a flush every `2 x interval` counted steps. When the exchange is
 off (a peer died) no decision travels any more: rank 0 stops adapting and every rank keeps its
 schedule. Independent ranks (`cross_rank=False`) exchange nothing: each adapts its own interval by
@@ -122,6 +123,9 @@ class Cadence:
         """Called when `index >= due_step` or `steps >= threshold`: whether to flush now. Never waits."""
         if not self._coordinated:
             return steps >= self.threshold
+        if self._last_flush < 0 and index > self.due_step:
+            # The first steps came after the schedule's first flush step (a resumed run): its next one.
+            self.due_step = self._next_after(index - 1)
         if self._received is not self._taken:
             self._take(index - 1)
             self.due_step = self._next_after(index - 1)

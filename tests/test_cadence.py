@@ -71,6 +71,12 @@ def test_other_ranks_adopt_rank0s_schedule_without_waiting_and_realign_when_late
     assert late.due_step == 219
 
 
+def test_a_resumed_run_flushes_on_the_schedule_from_its_first_step() -> None:
+    cadence = Cadence(20, 1.0, 30.0, coordinated=True)  # an explicit log_interval: a fixed schedule
+    assert not cadence.due(1, 1000)  # resumed at step 1000: no one-step flush
+    assert cadence.due_step == 1019 and cadence.due(20, 1019)
+
+
 def test_numbering_that_goes_back_falls_back_to_counted_steps() -> None:
     cadence = Cadence(None, 1.0, 30.0, coordinated=True)
     cadence.flushed(10, 9)

@@ -164,9 +164,9 @@ class StarExchange:
             self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
             down = pending.buffer[: downwire.DOWN_LEN]
             if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
-                # Rank 0 may have posted it before taking this row, and never will: the send is
-                # left pending (kept alive with its buffer), never waited for.
-                self._parting.extend((p.send, p.buffer) for p in (pending, *self._unanswered))
+                # Rank 0 may have posted it before taking this row, and never will: that send,
+                # and any later row's, are left pending (kept alive with their buffers).
+                self._parting.extend((p.work, p.send, p.buffer) for p in (pending, *self._unanswered))
                 raise ExchangeFailed("rank 0 found a failed peer in this exchange")
             if pending.send is not None:
                 pending.send.wait()  # answered OK, so rank 0 took the row: done

@@ -59,10 +59,10 @@ def _star(rank: int, world: int, flushes: int, group: Any) -> dict[str, list[flo
     cpu_s: list[float] = []
     sent: list[float] = []
 
-    def timed(up: Any, answers: Any) -> Any:
+    def timed(up: Any, answers: Any, *pairing: Any) -> Any:
         (_, w0), cpu, start = _io(), time.process_time(), time.perf_counter()
         try:
-            return run(up, answers)
+            return run(up, answers, *pairing)
         finally:
             exchange_s.append(time.perf_counter() - start)
             cpu_s.append(time.process_time() - cpu)

@@ -371,7 +371,7 @@ def _reducer_and_cadence(
         config.log_interval_min_s,
         config.log_interval_s,
         coordinated=lockstep,
-        wait_timeout_s=config.collective_timeout_s,
+        decides=ident.rank == 0,
     )
     if lockstep:
         reducer.on_cadence = cadence.adopt

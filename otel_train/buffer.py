@@ -66,7 +66,10 @@ class FlushBatch:
     messages: list[Any] = field(default_factory=list)
     layer_stats: list[LayerStats] = field(default_factory=list)
     histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
-    flush_interval: int = 0  # this process's proposed steps per flush (cadence.py; rank 0's is adopted)
+    flush_interval: int = (
+        0  # this process's steps per flush from flush_anchor on (cadence.py: rank 0's decision)
+    )
+    flush_anchor: int = -1
     # Every step that ended in the interval, failed ones too, in order: a name recorded k times in
     # each of them has k * len(step_indices) values, and value i belongs to step_indices[i // k].
     step_indices: list[int] = field(default_factory=list)

@@ -7,32 +7,34 @@ Prometheus scrapes every 15 s. So unless the user sets `log_interval`, the caden
 up to a "nice" number of steps (10, 20, 50, 100, 200, 500, ...), so step numbers in the console
 and the bridges stay readable. An explicit `log_interval` keeps its exact meaning.
 
-Distributed: every rank must flush at the same step (each flush issues one exchange, and
-mismatched exchanges hang). The interval is therefore decided on rank 0 only, from rank 0's
-own step times, and travels to every rank in the exchange that already runs at each flush (a
-header field of rank 0's answer, `downwire`, which every rank receives in that same flush's
-exchange, unlike the straggler verdicts, which ride one flush later): the value carried by flush k
-sets the interval between flush k+1 and flush k+2 on every rank (a lag of one flush, so that the
-worker's exchange has a whole interval to finish). A rank whose worker has not delivered it yet
-when it is needed waits for it (bounded by `collective_timeout_s`). Adaptive intervals are never
-below `ADAPTIVE_BASE_STEPS`, so that wait can only start `ADAPTIVE_BASE_STEPS` steps after flush
-k+1; at a human cadence the worker is long done. If the exchange fails (a peer died), the
-reducer reports no decision and every rank keeps its last interval: no exchange runs any more,
-so nothing can hang on a disagreement. Independent ranks (`cross_rank=False`) exchange nothing:
-each adapts its own interval and never waits.
+Distributed (cross_rank on): flush steps are step-anchored, so ranks in lockstep flush at the same
+steps without ever waiting for each other. A schedule is "every `interval` steps from step `anchor`":
+the flushes end at steps anchor + n x interval (the first schedule, anchor -1, ends them at steps 9,
+19, 29, ... for 10). An explicit `log_interval` is one fixed schedule. The adaptive interval is
+decided on rank 0 only, from rank 0's own step times, at a flush: "interval I from the next
+scheduled flush step A on". Rank 0 adopts it at once (it never waits for anything); it travels to
+the other ranks in rank 0's answers (`downwire`), and a rank adopts the newest it has whenever it
+arrives. In lockstep the answer comes within the same flush, a whole interval before A, so every
+rank switches at A and the flush steps stay identical. A rank that learns it late (it is slower,
+paused, or independent of rank 0) keeps its schedule until then and joins the new one at its next
+step on it (`late_decisions` counts those): it realigns instead of drifting. No rank's training
+thread ever waits for another rank here. A run whose first step comes later (resumed at step
+1000) first flushes at the schedule's next step (1009 for 10). Numbering that goes back (or steps that never reach the
+next scheduled step) fall back to a flush every `2 x interval` counted steps. When the exchange is
+off (a peer died) no decision travels any more: rank 0 stops adapting and every rank keeps its
+schedule. Independent ranks (`cross_rank=False`) exchange nothing: each adapts its own interval by
+counting steps, as a single process does.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
-import time
 
 log = logging.getLogger("otel_train")
 
 ADAPTIVE_BASE_STEPS = 10
-WAIT_WARNING_S = 1.0  # a training-thread wait for the exchange this long is warned about (once)
+_NEVER = 2**62  # due_step when flushes are counted, not scheduled
 _NICE = (1, 2, 5)
 
 
@@ -52,11 +54,18 @@ def nice_interval(step_s: float, min_s: float, max_s: float, base: int = ADAPTIV
         scale *= 10
 
 
-class Cadence:
-    """The training thread's flush trigger (hot path: `steps >= threshold`, then `due()`).
+def _grid_next(anchor: int, interval: int, step: int) -> int:
+    """The first flush step after `step` on the schedule anchor + n x interval."""
+    return anchor + ((step - anchor) // interval + 1) * interval
 
-    `log_interval`: the user's explicit value (None: adaptive). `coordinated`: distributed, so the
-    adaptive interval comes from rank 0 through `adopt()` (called by the worker after the exchange).
+
+class Cadence:
+    """The training thread's flush trigger (hot path: `index >= due_step or steps >= threshold`,
+    then `due()`).
+
+    `log_interval`: the user's explicit value (None: adaptive). `coordinated`: distributed with the
+    exchange on, so flush steps are step-anchored (see the module doc); `decides`: this is rank 0,
+    which decides the adaptive interval (the others get it through `adopt()`, from the worker).
     """
 
     def __init__(
@@ -65,99 +74,92 @@ class Cadence:
         min_interval_s: float,
         max_interval_s: float,
         coordinated: bool,
-        wait_timeout_s: float,
+        decides: bool = False,
     ) -> None:
         self.adaptive = log_interval is None
-        self.threshold = ADAPTIVE_BASE_STEPS if log_interval is None else log_interval
-        self._agreed = self.threshold  # the last interval every rank adopted (coordinated)
+        self.interval = ADAPTIVE_BASE_STEPS if log_interval is None else log_interval
+        self.anchor = -1  # the schedule: flushes end at steps anchor + n x interval
+        self.threshold = self.interval  # counted steps that make a flush due (coordinated: a fallback)
         self._min_s = min_interval_s
         self._max_s = max_interval_s
-        self._coordinated = coordinated and self.adaptive
-        self._wait_timeout_s = wait_timeout_s
-        self._decisions: dict[int, int] = {}  # flush seq -> interval carried by that flush (0: none)
-        self._awaited: int | None = None  # the flush seq whose decision sets the current interval
-        self._changed = threading.Condition()
-        self._warned = False
-        self._wait_warned = False
+        self._coordinated = coordinated
+        self._decides = decides and coordinated and self.adaptive
+        self.due_step = self.interval - 1 if coordinated else _NEVER
+        self._next: tuple[int, int] | None = None  # (interval, anchor) the schedule switches to
+        self._received: tuple[int, int] | None = None  # the newest decision from rank 0 (worker)
+        self._taken: tuple[int, int] | None = None  # the one the training thread last looked at
+        self._frozen = False  # the exchange is off: no more decisions
+        self._last_flush = -1
+        self.late_decisions = 0  # decisions that came after their anchor step (realigned later)
+
+    @property
+    def decision(self) -> tuple[int, int]:
+        """(interval, anchor) of the newest schedule (rank 0 sends it down at each flush)."""
+        return self._next if self._next is not None else (self.interval, self.anchor)
 
     # --- training thread ---------------------------------------------------------------------------
     def proposal(self, steps: int, elapsed_s: float) -> int:
         """This process's proposed interval after an interval of `steps` steps over `elapsed_s`."""
         if not self.adaptive or steps <= 0:
-            return self.threshold
+            return self.interval
         return nice_interval(elapsed_s / steps, self._min_s, self._max_s)
 
-    def flushed(self, seq: int, proposal: int) -> None:
-        """Flush `seq` (not the final one) was handed to the worker carrying `proposal`."""
-        if not self.adaptive:
-            return
+    def flushed(self, proposal: int, step: int) -> None:
+        """A flush (not the final one) whose last step is `step` was taken, proposing `proposal`."""
         if not self._coordinated:
-            self.threshold = proposal
+            if self.adaptive:
+                self.interval = self.threshold = proposal
             return
-        # The interval up to flush seq+1 was carried by flush seq-1 (the first two use the base).
-        self._awaited = seq - 1 if seq >= 1 else None
-        if self._awaited is not None:
-            with self._changed:
-                decided = self._decisions.pop(self._awaited, None)
-                for old in [s for s in self._decisions if s < self._awaited]:
-                    del self._decisions[old]
-            if decided is not None:
-                self._awaited = None
-                self._apply(decided)
-                return
-        self.threshold = ADAPTIVE_BASE_STEPS  # a lower bound until the decision arrives
+        self._last_flush = step
+        if self._received is not self._taken:
+            self._take(step)
+        self.due_step = self._next_after(step)
+        if self._decides and not self._frozen and self._next is None and proposal != self.interval:
+            # From the next scheduled flush on: the others learn it a whole interval before it holds.
+            self._next = (proposal, self.due_step)
+        self._set_fallback(step)
 
-    def due(self, steps: int) -> bool:
-        """Called when `steps >= threshold`: whether to flush now (may wait for rank 0's decision)."""
-        if self._awaited is None:
+    def due(self, steps: int, index: int) -> bool:
+        """Called when `index >= due_step` or `steps >= threshold`: whether to flush now. Never waits."""
+        if not self._coordinated:
             return steps >= self.threshold
-        seq, self._awaited = self._awaited, None
-        waited_from = time.perf_counter()
-        with self._changed:
-            if self._changed.wait_for(lambda: seq in self._decisions, self._wait_timeout_s):
-                decided: int | None = self._decisions.pop(seq)
-            else:
-                decided = None
-        self.note_wait(time.perf_counter() - waited_from)
-        if decided is None:
-            self.threshold = self._agreed
-            if not self._warned:
-                self._warned = True
-                log.warning(
-                    "otel_train: no flush interval from rank 0 for flush %d within %.0f s; keeping %d steps",
-                    seq,
-                    self._wait_timeout_s,
-                    self.threshold,
-                )
-        else:
-            self._apply(decided)
-        return steps >= self.threshold
+        if self._last_flush < 0 and index > self.due_step:
+            # The first steps came after the schedule's first flush step (a resumed run): its next one.
+            self.due_step = self._next_after(index - 1)
+        if self._received is not self._taken:
+            self._take(index - 1)
+            self.due_step = self._next_after(index - 1)
+            self._set_fallback(self._last_flush)
+        return index >= self.due_step or steps >= self.threshold
 
-    def note_wait(self, seconds: float) -> None:
-        """The training thread waited `seconds` for the exchange with the other ranks (here for rank
-        0's interval, or in the flush for the worker, itself in an exchange). Ranks in lockstep
-        wait for each other anyway; independent ranks must not, so say once how to stop it."""
-        if seconds < WAIT_WARNING_S or self._wait_warned:
+    def _set_fallback(self, step: int) -> None:
+        """Counted steps after which a flush is due even off the schedule (numbering went back)."""
+        longest = max(self.interval, self._next[0] if self._next is not None else 0)
+        self.threshold = max(1, self.due_step - step) + longest
+
+    def _take(self, step: int) -> None:
+        """Adopt rank 0's newest decision, as the step after `step` begins (others than rank 0)."""
+        self._taken = decided = self._received
+        if decided is None or decided == self.decision or decided[1] < self.anchor:
             return
-        self._wait_warned = True
-        log.warning(
-            "otel_train: the training thread waited %.1f s for the telemetry exchange with the other "
-            "ranks (a rank reaches its flushes later: it is slower, idle or paused). Ranks that train in "
-            "lockstep (DDP, FSDP) wait for each other anyway; if these ranks are independent "
-            "(evaluators, RL workers, separate trials), set cross_rank=False (OTEL_TRAIN_CROSS_RANK=0) "
-            "so that telemetry never makes one wait for another.",
-            seconds,
-        )
+        if decided[1] <= self._last_flush:
+            self.late_decisions += 1  # its anchor passed here: join it at the next step on it
+        self._next = decided
 
-    def _apply(self, decided: int) -> None:
-        if decided >= 1:
-            self._agreed = decided
-        # 0: the exchange did not run (reducer disabled): every rank keeps the last agreed interval
-        self.threshold = self._agreed
+    def _next_after(self, step: int) -> int:
+        """The first flush step after `step`, switching to the pending schedule at its anchor."""
+        if self._next is not None:
+            interval, anchor = self._next
+            if step < anchor:
+                return min(_grid_next(self.anchor, self.interval, step), anchor)
+            self.interval, self.anchor, self._next = interval, anchor, None
+        return _grid_next(self.anchor, self.interval, step)
 
     # --- worker thread -----------------------------------------------------------------------------
-    def adopt(self, seq: int, interval_steps: int) -> None:
-        """The interval rank 0 carried in flush `seq`'s exchange (0: no exchange ran)."""
-        with self._changed:
-            self._decisions[seq] = max(0, int(interval_steps))
-            self._changed.notify_all()
+    def adopt(self, interval_steps: int, anchor: int) -> None:
+        """Rank 0's schedule from an answer (0 steps: the exchange is off, stop adapting). One
+        assignment: the training thread reads it at its next due step."""
+        if interval_steps >= 1:
+            self._received = (int(interval_steps), int(anchor))
+        else:
+            self._frozen = True

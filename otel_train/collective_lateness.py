@@ -367,13 +367,15 @@ class LatenessTracker:
         self._block[_B_OFFSET], self._block[_B_BOUND] = offset, bound
         return torch.tensor(self._block, dtype=torch.float64)
 
-    def after_exchange(self, interval: Interval, up: Any, down: Down, t4: float) -> None:
-        """The exchange's stamps (leaves: t1 is the up row's last float) and, when rank 0 asked,
-        this flush's read."""
+    def after_exchange(self, interval: Interval, down: Down | None, stamps: tuple[float, float]) -> None:
+        """The exchange's answer (None: none came at this flush), its stamps on a leaf (t1 of the
+        row it answers, t4 when it was taken) and, when rank 0 asked in it, this flush's read."""
         self._exchanges += 1
-        if self.rank != 0:
-            self.estimator.add(float(up[-1]), down.root_times[0], down.root_times[1], t4)
         self._steps += interval.steps
+        if down is None:
+            return
+        if self.rank != 0:
+            self.estimator.add(stamps[0], down.root_times[0], down.root_times[1], stamps[1])
         monitor = self.monitor if down.read_recorder else None
         dump = monitor.read(interval.seq, force=True) if monitor is not None else None
         if monitor is None or dump is None:

@@ -114,6 +114,9 @@ class Config:
     straggler_threshold: float = 0.9  # relative score: 1 - lateness / step time
     straggler_ewma: float = 0.5
     collective_timeout_s: float = 60.0
+    # How long rank 0 waits at a flush for the rows of the ranks that were on time at the last one
+    # (lockstep ranks come within milliseconds); a row that comes later is taken at a later flush.
+    exchange_grace_s: float = 1.0
     # One exchange per flush with rank 0 (cross-rank stats, stragglers, one cadence): right for ranks
     # that train in lockstep (DDP, FSDP). False for independent ranks (evaluators, RL workers,
     # separate trials): they then meet only at init() and never wait for each other's flushes.
@@ -380,6 +383,7 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
     need(0 < config.straggler_threshold < 1, "straggler_threshold", "use a score in (0, 1), e.g. 0.9")
     need(0 < config.straggler_ewma <= 1, "straggler_ewma", "use a smoothing factor in (0, 1]")
     need(config.collective_timeout_s > 0, "collective_timeout_s", "use a positive number of seconds")
+    need(config.exchange_grace_s > 0, "exchange_grace_s", "use a positive number of seconds")
     need(bool(config.service_name.strip()), "service_name", "use a non-empty name")
     if config.otlp_endpoint is not None:
         endpoint = config.otlp_endpoint

@@ -3,8 +3,9 @@ fixed-size float64 row (see `exchange`, which carries it, and `straggler`, which
 
 What it carries:
     - status: OK, or ABORT (a peer failed in this exchange: every rank disables its reducer now);
-    - the flush interval rank 0 proposes (the adaptive cadence, `cadence.py`), adopted by every rank
-      at this same flush, exactly as when it rode in rank 0's gathered row;
+    - rank 0's latest flush-cadence decision (`cadence.py`): "interval I from step A on", which a
+      rank adopts whenever the answer reaches it (flush steps are A + n x I, so a rank that learns
+      it late joins the same flush steps at the next one);
     - the verdicts rank 0 computed at the PREVIOUS flush (rank 0 answers before it reduces this
       flush's records, so no rank waits for rank 0's reductions): this rank's scores (relative,
       individual, lateness, wait) and the chronic stragglers, at most `MAX_CHRONIC` of them (the
@@ -21,7 +22,8 @@ is two runs); further runs are cut. Host and phase names travel in 48 UTF-8 byte
       `collectives.MAX_READ_SHARE`, so that every rank reads at the same flush).
 
     layout: [header (HEADER_LEN)] [scores (SCORES_LEN)] [MAX_CHRONIC x report (REPORT_LEN)] [clock]
-    header: version, status, verdict seq (-1: none yet), flush interval, chronic total, carried
+    header: version, status, verdict seq (-1: none yet), flush interval, chronic total, carried,
+            flush anchor (the step from which the flush interval holds)
     scores: has scores, relative, individual, raw relative, raw individual, lateness, wait (NaN: None)
     report: rank, local rank, lateness, score, raw score, wait, category, has sync phase,
             WAIT_RUNS x (first, last) waiting rank (-1: unused), host, phase, sync phase
@@ -37,7 +39,7 @@ from typing import Any, get_args
 from otel_train.rankwire import HOST_FLOATS, NAME_FLOATS, decode_text, encode_text
 from otel_train.straggler_model import Category, RankScores, StragglerReport
 
-DOWN_VERSION = 1.0
+DOWN_VERSION = 2.0
 STATUS_OK = 0
 STATUS_ABORT = 1
 MAX_CHRONIC = 4  # chronic stragglers carried per flush (the lowest scores); the rest are counted
@@ -45,7 +47,8 @@ WAIT_RUNS = 4  # runs of consecutive waiting ranks carried per report
 CATEGORIES: tuple[Category, ...] = get_args(Category)
 
 H_VERSION, H_STATUS, H_VERDICT_SEQ, H_FLUSH_INTERVAL, H_CHRONIC_TOTAL, H_CHRONIC_CARRIED = range(6)
-HEADER_LEN = 6
+H_FLUSH_ANCHOR = 6
+HEADER_LEN = 7
 SCORES_LEN = 7
 _R_RANK, _R_LOCAL, _R_LATENESS, _R_SCORE, _R_RAW, _R_WAIT, _R_CATEGORY, _R_HAS_SYNC = range(8)
 _R_RUNS = 8
@@ -72,13 +75,14 @@ class Down:
     """One decoded down row."""
 
     status: int
-    flush_interval: int  # rank 0's proposed steps per flush (0: none)
+    flush_interval: int  # rank 0's decided steps per flush (0: none) ...
     verdict_seq: int  # the flush whose verdicts these are (-1: none yet)
     scores: RankScores | None = None  # this rank's
     chronic: list[StragglerReport] = field(default_factory=list)
     chronic_total: int = 0  # chronic stragglers found (may exceed the carried list)
     read_recorder: bool = False  # every rank reads its Flight Recorder at this flush
     root_times: tuple[float, float] = (math.nan, math.nan)  # rank 0's (t2, t3) of this exchange
+    flush_anchor: int = -1  # ... from this step on (flush steps: anchor + n x interval)
 
 
 def _runs(ranks: Sequence[int]) -> list[tuple[int, int]]:
@@ -161,7 +165,13 @@ def _decode_scores(rank: int, values: Sequence[float]) -> RankScores | None:
     return RankScores(rank, relative, individual, raw_relative, raw_individual, values[5], values[6])
 
 
-def answers(world: int, flush_interval: int, verdict: Verdict | None, read_recorder: bool = False) -> Any:
+def answers(
+    world: int,
+    flush_interval: int,
+    verdict: Verdict | None,
+    flush_anchor: int = -1,
+    read_recorder: bool = False,
+) -> Any:
     """Rank 0's down rows for this flush, one per rank (row r for rank r): a [world, DOWN_LEN]
     float64 tensor with status OK (the exchange sets ABORT when a peer fails, and the clock)."""
     import torch
@@ -172,6 +182,7 @@ def answers(world: int, flush_interval: int, verdict: Verdict | None, read_recor
     common[H_VERSION] = DOWN_VERSION
     common[H_STATUS] = float(STATUS_OK)
     common[H_FLUSH_INTERVAL] = float(flush_interval)
+    common[H_FLUSH_ANCHOR] = float(flush_anchor)
     common[H_VERDICT_SEQ] = -1.0 if verdict is None else float(verdict.seq)
     if verdict is not None:
         reports = carried(verdict.chronic)
@@ -192,12 +203,14 @@ def decode(row: Any, rank: int) -> Down:
     values = row.tolist()
     verdict_seq = int(values[H_VERDICT_SEQ])
     read, times = bool(values[D_READ]), (values[D_T2], values[D_T3])
+    anchor = int(values[H_FLUSH_ANCHOR])
     down = Down(
         int(values[H_STATUS]),
         int(values[H_FLUSH_INTERVAL]),
         verdict_seq,
         read_recorder=read,
         root_times=times,
+        flush_anchor=anchor,
     )
     if verdict_seq < 0:
         return down
@@ -207,4 +220,4 @@ def decode(row: Any, rank: int) -> Down:
     ]
     scores = _decode_scores(rank, values[HEADER_LEN : HEADER_LEN + SCORES_LEN])
     total = int(values[H_CHRONIC_TOTAL])
-    return Down(down.status, down.flush_interval, verdict_seq, scores, chronic, total, read, times)
+    return Down(down.status, down.flush_interval, verdict_seq, scores, chronic, total, read, times, anchor)

@@ -1,46 +1,70 @@
 """The ONE telemetry exchange per flush, star-shaped around rank 0, on the dedicated gloo group:
-every rank but rank 0 sends and receives a fixed number of bytes, whatever the job size.
+every rank but rank 0 sends and receives a fixed number of bytes, whatever the job size. It never
+makes a rank wait for a peer that is late: telemetry must not couple ranks that the job itself does
+not couple (evaluators, data ranks, RL workers, independent trials). It runs on the background
+worker, never on the training thread.
 
-    rank r > 0:  isend(its up row -> rank 0) and irecv(its down row <- rank 0); waits for the down row
-    rank 0:      irecv(up row <- r) for every r; waits for them all; then isend(down row r -> r)
+    rank r > 0:  isend(its up row -> rank 0) with an irecv(its down row <- rank 0) posted for the
+                 answer, then looks for that answer for at most `leaf_wait_s` (2 x the grace); an
+                 answer that has not come stays posted and is taken at a later flush. At most
+                 `MAX_UNANSWERED` rows are up without an answer: beyond, a flush sends no row
+                 (`skipped`), so nothing piles up behind a rank 0 that does not keep pace.
+    rank 0:      at each flush, posts one irecv(up row <- r) for each peer that has none posted,
+                 and takes the rows that have come, in order, up to the first that reaches its own
+                 flush (`current`; a later row waits for the next flush), re-posting the receive
+                 after an older row; it answers each row at once (isend(down row r -> r): that
+                 peer's worker may be waiting for it), and looks again for at most `grace_s` until
+                 each peer it is told to expect has sent a row that reaches its flush. A row that
+                 has not come leaves its receive posted, to be taken (and answered) at a later
+                 flush. In lockstep that is one irecv and one isend per peer per flush.
 
-Why point-to-point, not a torch collective (checked against torch 2.13's ProcessGroupGloo and
-gloo's source): gloo's all_gather gives every rank every row, (N-1) rows in and out per rank;
-all_to_all with uneven splits is no cheaper in messages (gloo's `alltoallv` posts a send and a
-receive to EVERY peer, zero-length or not); gather then scatter would be two collectives. Here a
-rank r > 0 posts exactly one send and one receive: O(1) bytes and messages. Rank 0, a flat root,
-pays O(N) (see `bench/exchange_model.py`; per-node leaders would cut rank 0's message count, not
-its bytes, since the straggler model needs every rank's row).
+So a peer's rows and answers pair one to one, in order, on the wire (one gloo slot, `TAG`). Rank 0
+returns the rows with their ranks, whichever flush of the peer's each comes from, and the caller
+(`straggler`) pairs only rows of the same steps. `grace_s` (`exchange_grace_s`) is sized for ranks
+in lockstep (DDP, FSDP), whose rows come within milliseconds of each other: rank 0 waits only until
+the last expected row is in, and the caller expects only the peers that sent a row at its previous
+flush, so a late or independent rank costs rank 0's worker at most one grace in a row.
 
-Failure, and why rank 0 answers only after every row has arrived: the answer can then say whether
-this exchange failed. When a peer's row does not arrive (it died: connection closed; or it stopped
-flushing: gloo's timeout, `collective_timeout_s`), rank 0 answers ABORT to the others and raises,
-and so do they: every rank disables its reducer at this same flush, and none is left waiting in an
-exchange a peer would not issue. (A gloo timeout also closes every connection of the rank that
-timed out, so a peer still waiting on it fails at once.) A rank r > 0 waits up to twice the timeout
-for the answer, so that rank 0, which waits up to the timeout for the last row, always gives up
-first. A peer that dies after its row arrived fails its own receive; rank 0 finds it at the next
-flush (its row is missing) and aborts everyone then.
+How "has it come" is known without blocking: gloo's point-to-point works report completion only
+from `wait()`, and a `wait()` that times out closes every connection of the process (gloo signals
+the timeout to every pair). So every message ends with a trailer float `_ARRIVED`; a receive
+buffer's trailer is NaN until the message lands, and gloo writes a message in order, the trailer
+last. Seeing the trailer is only a hint: the buffer is then read after `wait()`, which returns at
+once for a finished receive and orders the reads after gloo's writes.
+
+Failure (the group's timeout is `collective_timeout_s`): a peer whose connection is closed when
+rank 0 posts its next receive fails at once; a peer that sent no row for `timeout_s` (it died while
+a receive was posted, or stopped flushing) fails then. Rank 0 then raises and posts ABORT to every
+other peer, answering its next row (never waited for), so each turns off at its next flush; none
+waits in an exchange a peer would not issue. A rank r > 0 whose oldest row has had no answer for
+twice the timeout raises too (rank 0 is gone or stopped flushing), so rank 0, which gives up after
+the timeout, decides first when it is alive.
 
 Clock (with `stamp_clock`): the up row's LAST float is the leaf's send time t1, written here just
-before the send; rank 0 stamps, in that leaf's down row, t2 (its row arrived: after the wait, so
-never early) and t3 (just before the answer leaves); the leaf's t4 is taken on receipt. All are
-`clock()` (time.time: the Flight Recorder's clock). `collective_lateness.ClockEstimator` turns
-them into the leaf's clock offset to rank 0 with an error bound.
+before the send; rank 0 stamps, in the answer to that row, t2 (when it took the row: never before it
+arrived) and t3 (just before the answer leaves); the leaf's t4 is when it took the answer. Rows and
+answers pair one to one, in order, so a late answer still pairs with its own row's t1. All are
+`clock()` (time.time: the Flight Recorder's clock). `collective_lateness.ClockEstimator` turns them
+into the leaf's clock offset to rank 0 with an error bound (a late look only widens the bound).
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from otel_train import downwire
 
 TAG = 18  # gloo slot of the exchange (the telemetry group carries nothing else)
+TRAILER_LEN = 1  # the exchange appends one float to every message (see the module doc)
+_ARRIVED = 2.0**40 + 18.0  # the trailer's value; a posted buffer holds NaN there until the message lands
+POLL_S = 0.002  # how often a waiting worker looks at its posted buffers
+SHUTDOWN_WAIT_S = 0.5  # at shutdown, how much longer the worker may wait for peers, in all
+MAX_UNANSWERED = 2  # rank r > 0: rows up without an answer; beyond, a flush sends none (skipped)
 
 
 class ExchangeFailed(RuntimeError):
@@ -49,101 +73,265 @@ class ExchangeFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Exchanged:
-    records: Any | None  # rank 0: [world, up_len] float64, row r = rank r's up row; others: None
-    down: Any  # this rank's down row (rank 0: its own answer row)
-    received_at: float = math.nan  # leaf with stamp_clock: t4, when the answer arrived (clock())
+    """What one call brought. Rank 0: `records` [n, up_len] float64, the rows taken at this call
+    (its own first), from `ranks`; `down`: its own answer row. Other ranks: `records` None; `down`:
+    the newest answer taken at this call, None when none came; `sent`: whether this call's row
+    went up (False: the previous one is still unanswered)."""
+
+    records: Any | None
+    down: Any | None
+    ranks: list[int] = field(default_factory=list)
+    sent: bool = True
+    # A leaf with stamp_clock: (t1 of the row `down` answers, t4 when `down` was taken), clock()
+    stamps: tuple[float, float] = (math.nan, math.nan)
+
+
+@dataclass
+class _Posted:
+    """A posted receive (and, on a rank r > 0, the send it answers)."""
+
+    work: Any
+    buffer: Any
+    since: float  # monotonic time it was posted
+    send: Any | None = None
+    sent_at: float = math.nan  # rank r > 0 with stamp_clock: t1 of the row this receive answers
 
 
 class StarExchange:
     """One exchange per call (see the module doc). `group`: the gloo telemetry group; `rank` and
-    `world` on that group; `timeout_s`: the group's timeout."""
+    `world` on that group; `timeout_s`: the group's timeout; `grace_s`: how long rank 0 waits for
+    the expected rows (a rank r > 0 waits twice that for its answer)."""
 
-    def __init__(self, group: Any, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(self, group: Any, rank: int, world: int, timeout_s: float, grace_s: float = 1.0) -> None:
         self.group = group
         self.rank = rank
         self.world = world
         self.timeout_s = timeout_s
-        self.sent_bytes = 0  # payload handed to gloo (tests and the bench)
+        self.grace_s = grace_s
+        self.leaf_wait_s = 2.0 * grace_s
+        self.sent_bytes = 0  # payload handed to gloo, trailers included (tests and the bench)
         self.received_bytes = 0
+        self.skipped = 0  # rank r > 0: calls that sent no row (MAX_UNANSWERED rows had no answer)
+        self._posted: dict[int, _Posted] = {}  # rank 0: the posted receive of each peer
+        self._unanswered: deque[_Posted] = deque()  # rank r > 0: its rows' answer receives, in order
+        self._missing_since: dict[int, float] = {}  # rank 0: peer -> first flush without its row
+        self._prompt = True  # rank r > 0: the last answer came within leaf_wait_s (so wait for the next)
+        self._parting: list[Any] = []  # works never waited for (turning off), kept with their buffers
+        self._until = math.inf  # shutting down: no wait goes past this (monotonic) time
         self.stamp_clock = False  # write t1..t3 (module doc); the caller reserves the row's last float
         self.clock: Callable[[], float] = time.time
+        self._stamps: tuple[float, float] = (math.nan, math.nan)  # the newest answer's (t1, t4)
 
-    def run(self, up: Any, answers: Any | None) -> Exchanged:
-        """Rank 0: `answers` is [world, DOWN_LEN] (downwire.answers); others: None."""
+    def stop_waiting(self) -> None:
+        """Shutting down: every wait (the one in progress on the worker, and the queued flushes')
+        ends within SHUTDOWN_WAIT_S from now, which leaves rows and answers of ranks in lockstep
+        (milliseconds) in, and a peer that is gone or far behind costs the shutdown no more."""
+        self._until = time.monotonic() + SHUTDOWN_WAIT_S
+
+    def run(
+        self,
+        up: Any,
+        answers: Any | None,
+        expect: set[int] | None = None,
+        current: Callable[[Any], bool] | None = None,
+    ) -> Exchanged:
+        """Rank 0: `answers` is [world, DOWN_LEN] (downwire.answers); it waits (up to the grace) for
+        a row for which `current(row)` holds from each peer in `expect` (None: every peer; `current`
+        None: any row). Others: `answers` None."""
         if self.rank == 0:
-            return self._root(up, answers)
+            expected = set(range(1, self.world)) if expect is None else expect
+            return self._root(up, answers, expected, current or (lambda row: True))
         return self._leaf(up)
 
+    # --- rank r > 0 --------------------------------------------------------------------------------
     def _leaf(self, up: Any) -> Exchanged:
         import torch
         import torch.distributed as dist
 
-        down = torch.empty(downwire.DOWN_LEN, dtype=torch.float64)
+        down = self._take_answers()
+        if len(self._unanswered) >= MAX_UNANSWERED:
+            if time.monotonic() - self._unanswered[0].since >= 2.0 * self.timeout_s:
+                raise ExchangeFailed(f"no answer from rank 0 for {2.0 * self.timeout_s:g} s")
+            self.skipped += 1
+            self._prompt = False
+            return Exchanged(None, down, sent=False, stamps=self._stamps_of(down))
+        buffer = _empty(torch, downwire.DOWN_LEN)
+        sent_at = math.nan
         if self.stamp_clock:
-            up[-1] = self.clock()  # t1
-        send = _posted(dist.isend(up, group=self.group, group_dst=0, tag=TAG))
-        recv = _posted(dist.irecv(down, group=self.group, group_src=0, tag=TAG))
-        # Rank 0 answers after every row arrived (or it timed out): wait longer than it can.
-        recv.wait(datetime.timedelta(seconds=2.0 * self.timeout_s))
-        received_at = self.clock() if self.stamp_clock else math.nan  # t4
-        send.wait()
-        self.sent_bytes += up.numel() * up.element_size()
-        self.received_bytes += down.numel() * down.element_size()
-        if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
-            raise ExchangeFailed("rank 0 found a failed peer in this exchange")
-        return Exchanged(None, down, received_at)
+            up[-1] = sent_at = self.clock()  # t1
+        message = _framed(torch, up)
+        recv = _posted(dist.irecv(buffer, group=self.group, group_src=0, tag=TAG))
+        send = _posted(dist.isend(message, group=self.group, group_dst=0, tag=TAG))
+        self.sent_bytes += message.numel() * message.element_size()
+        self._unanswered.append(_Posted(recv, buffer, time.monotonic(), send, sent_at))
+        if self._prompt:
+            if self._poll(lambda: _arrived(buffer), self.leaf_wait_s):
+                down = self._take_answers()
+            else:
+                self._prompt = False  # rank 0 is behind: do not wait at the next flushes either
+        return Exchanged(None, down, stamps=self._stamps_of(down))
 
-    def _root(self, up: Any, answers: Any) -> Exchanged:
+    def _stamps_of(self, down: Any | None) -> tuple[float, float]:
+        return self._stamps if down is not None else (math.nan, math.nan)
+
+    def _take_answers(self) -> Any | None:
+        """The answers that came, in order; the newest (None: none came). ABORT raises."""
+        down = None
+        while self._unanswered and _arrived(self._unanswered[0].buffer):
+            pending = self._unanswered.popleft()
+            pending.work.wait()  # finished (its trailer is in): returns at once
+            received_at = self.clock() if self.stamp_clock else math.nan  # t4
+            self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
+            down = pending.buffer[: downwire.DOWN_LEN]
+            self._stamps = (pending.sent_at, received_at)
+            if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
+                # Rank 0 may have posted it before taking this row, and never will: that send,
+                # and any later row's, are left pending (kept alive with their buffers).
+                self._parting.extend((p.work, p.send, p.buffer) for p in (pending, *self._unanswered))
+                raise ExchangeFailed("rank 0 found a failed peer in this exchange")
+            if pending.send is not None:
+                pending.send.wait()  # answered OK, so rank 0 took the row: done
+            self._prompt = True  # answered by the next flush at the latest: rank 0 keeps pace
+        return down
+
+    # --- rank 0 ------------------------------------------------------------------------------------
+    def _root(self, up: Any, answers: Any, expect: set[int], current: Callable[[Any], bool]) -> Exchanged:
         import torch
-        import torch.distributed as dist
 
-        records = torch.empty((self.world, up.numel()), dtype=torch.float64)
-        records[0] = up
         failed: dict[int, str] = {}
-        pending: dict[int, Any] = {}
+        taken: list[tuple[int, Any]] = []
+        sends: list[tuple[Any, Any]] = []
+        waiting = set(expect)
+        done: set[int] = set()  # peers whose row for this flush (or a later one) is taken
+
+        def drained() -> bool:
+            for peer in range(1, self.world):
+                for row in self._drain(torch, peer, up.numel(), failed, done, current):
+                    taken.append((peer, row))
+                    if self.stamp_clock:
+                        answers[peer, downwire.D_T2] = self.clock()  # t2: the row is in
+                    # Answered at once: that peer's worker may be waiting for it before its next row.
+                    sends.append(self._send(torch, answers, peer))
+            return not (waiting - done - set(failed))
+
+        self._poll(drained, self.grace_s)
+        self._finish(sends)
+        now = time.monotonic()
+        heard = {peer for peer, _ in taken}
         for peer in range(1, self.world):
-            try:
-                work = dist.irecv(records[peer], group=self.group, group_src=peer, tag=TAG)
-                pending[peer] = _posted(work)
-            except Exception as exc:  # its connection is already gone
-                failed[peer] = str(exc)
-        for peer, work in pending.items():
-            try:
-                work.wait()  # the group's timeout
-                if self.stamp_clock:
-                    answers[peer, downwire.D_T2] = self.clock()  # t2: after the row arrived
-                self.received_bytes += records[peer].numel() * records.element_size()
-            except Exception as exc:
-                failed[peer] = str(exc)
+            if peer in heard or peer in failed:
+                self._missing_since.pop(peer, None)
+            elif now - self._missing_since.setdefault(peer, now) >= self.timeout_s:
+                failed[peer] = f"no row for {self.timeout_s:g} s"
         if failed:
             answers[:, downwire.H_STATUS] = float(downwire.STATUS_ABORT)
-        self._answer(answers, failed)
-        if failed:
+            self._part(torch, answers, failed)
             first = min(failed)
             raise ExchangeFailed(f"no row from rank(s) {sorted(failed)} (rank {first}: {failed[first]})")
-        return Exchanged(records, answers[0])
+        taken.sort(key=lambda item: item[0])  # by rank, each peer's rows in the order they came
+        rows = torch.stack([up, *(row for _, row in taken)])
+        return Exchanged(rows, answers[0], [0, *(peer for peer, _ in taken)])
 
-    def _answer(self, answers: Any, failed: dict[int, str]) -> None:
-        """Send each live peer its down row. A send that fails is not this exchange's failure: that
-        peer's own receive fails too, and its row is missing at the next flush."""
+    def _poll(self, done: Callable[[], bool], limit_s: float) -> bool:
+        """Worker thread: look every POLL_S until `done()` or `limit_s` passed; whether it is done."""
+        deadline = time.monotonic() + limit_s
+        while not done():
+            if time.monotonic() >= min(deadline, self._until):
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    def _drain(
+        self,
+        torch: Any,
+        peer: int,
+        up_len: int,
+        failed: dict[int, str],
+        done: set[int],
+        current: Callable[[Any], bool],
+    ) -> list[Any]:
+        """The rows of `peer` that came, in order, up to the first that reaches this flush (a later
+        row waits for the next flush, so a rank 0 whose worker lags still pairs each flush's rows).
+        A receive is posted only while this flush still needs a row from that peer."""
+        rows = []
+        while peer not in done and peer not in failed:
+            if peer not in self._posted:
+                try:
+                    self._post_receive(torch, peer, up_len)
+                except Exception as exc:  # its connection is gone
+                    failed[peer] = str(exc)
+                    break
+            pending = self._posted[peer]
+            if not _arrived(pending.buffer):
+                break
+            del self._posted[peer]
+            try:
+                pending.work.wait()  # finished (its trailer is in): returns at once
+            except Exception as exc:
+                failed[peer] = str(exc)
+                break
+            self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
+            row = pending.buffer[:up_len]
+            rows.append(row)
+            if current(row):
+                done.add(peer)
+        return rows
+
+    def _post_receive(self, torch: Any, peer: int, up_len: int) -> None:
         import torch.distributed as dist
 
-        sends = []
+        buffer = _empty(torch, up_len)
+        work = _posted(dist.irecv(buffer, group=self.group, group_src=peer, tag=TAG))
+        self._posted[peer] = _Posted(work, buffer, time.monotonic())
+
+    def _send(self, torch: Any, answers: Any, peer: int) -> tuple[Any, Any]:
+        """Answer one row of `peer` (its down row), at once: the peer may be waiting for it."""
+        import torch.distributed as dist
+
+        if self.stamp_clock:
+            answers[peer, downwire.D_T3] = self.clock()  # t3: just before the answer leaves
+        message = _framed(torch, answers[peer])
+        try:
+            return dist.isend(message, group=self.group, group_dst=peer, tag=TAG), message
+        except Exception:
+            return None, message
+
+    def _finish(self, sends: list[tuple[Any, Any]]) -> None:
+        """Wait for the answers sent. A send that fails is not this exchange's failure: that
+        peer's own receive fails too, and its rows stop coming."""
+        for work, message in sends:
+            if work is None:
+                continue
+            try:
+                work.wait()  # the peer posted its receive with its row: the send goes at once
+                self.sent_bytes += message.numel() * message.element_size()
+            except Exception:
+                continue
+
+    def _part(self, torch: Any, answers: Any, failed: dict[int, str]) -> None:
+        """Turning off: post ABORT to every live peer, answering its next row, so it turns off at
+        its next flush instead of after its own timeout. Never waited for (the peer may never
+        flush again); kept so the buffers outlive the sends."""
         for peer in range(1, self.world):
-            if peer in failed:
-                continue
-            try:
-                if self.stamp_clock:
-                    answers[peer, downwire.D_T3] = self.clock()  # t3: before the answer leaves
-                sends.append(_posted(dist.isend(answers[peer], group=self.group, group_dst=peer, tag=TAG)))
-            except Exception:
-                continue
-        for work in sends:
-            try:
-                work.wait()
-                self.sent_bytes += answers.shape[1] * answers.element_size()
-            except Exception:
-                continue
+            if peer not in failed:
+                work, message = self._send(torch, answers, peer)
+                if work is not None:
+                    self._parting.append((work, message))
+
+
+def _empty(torch: Any, length: int) -> Any:
+    """A receive buffer for a `length`-float message: its trailer NaN until the message lands."""
+    buffer = torch.empty(length + TRAILER_LEN, dtype=torch.float64)
+    buffer[-1] = math.nan
+    return buffer
+
+
+def _framed(torch: Any, row: Any) -> Any:
+    return torch.cat([row.to(torch.float64), torch.tensor([_ARRIVED], dtype=torch.float64)])
+
+
+def _arrived(buffer: Any) -> bool:
+    return bool(buffer[-1].item() == _ARRIVED)
 
 
 def _posted(work: Any | None) -> Any:

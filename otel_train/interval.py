@@ -36,7 +36,10 @@ class Interval:
     batch_fingerprints: list[tuple[int, list[float]]] = field(default_factory=list)
     final: bool = False  # the last flush, from shutdown()
     autocast_dtype: str | None = None  # the torch.autocast dtype active on the training thread at the flush
-    flush_interval: int = 0  # proposed steps per flush (adaptive cadence): rank 0's is adopted by all
+    # this process's flush schedule: every flush_interval steps from step flush_anchor on (cadence.py;
+    # rank 0's is its decision, which its answers carry to the other ranks)
+    flush_interval: int = 0
+    flush_anchor: int = -1
 
 
 class FlushListener(Protocol):

@@ -14,7 +14,9 @@ Why it never misaligns, and needs no agreement on names:
 
     layout: [header (HEADER_LEN)] [max_timers x slot (SLOT_LEN)] [ANNOUNCE_SLOTS x (id, name...)]
     header: version, rank, seq, step, node_rank, local_rank, n_timers, flags, step stats, host,
-            flush interval (steps per flush rank 0 proposes: the adaptive cadence)
+            flush interval (this rank's steps per flush), from step (the last step of this rank's
+            previous flush: the row covers the steps after it up to `step`, so rank 0 pairs only
+            rows of the same steps)
     slot:   id, count, mean duration, arrival stats (STATS_LEN)
     stats:  count, lower median, max, MAD (median absolute deviation) of a list of seconds
 
@@ -38,7 +40,7 @@ from otel_train.interval import Interval
 
 logger = logging.getLogger("otel_train")
 
-PACK_VERSION = 2.0
+PACK_VERSION = 3.0
 MAX_TIMERS = 64
 ANNOUNCE_SLOTS = 4
 NAME_FLOATS = 8  # 6 bytes per float64 (exact below 2**53): names up to 48 UTF-8 bytes travel
@@ -48,9 +50,10 @@ STATS_LEN = 4  # count, lower median, max, MAD
 _H_VERSION, _H_RANK, _H_SEQ, _H_STEP, _H_NODE, _H_LOCAL, _H_NTIMERS, _H_FLAGS = range(8)
 _H_STEP_STATS = 8
 _H_HOST = _H_STEP_STATS + STATS_LEN
-# This rank's proposed flush interval (otel_train.cadence); rank 0's own travels down in its answer.
+# This rank's flush interval (otel_train.cadence); rank 0's decision travels down in its answer.
 _H_FLUSH_INTERVAL = _H_HOST + HOST_FLOATS
-HEADER_LEN = _H_FLUSH_INTERVAL + 1
+_H_FROM_STEP = _H_FLUSH_INTERVAL + 1
+HEADER_LEN = _H_FROM_STEP + 1
 _S_ID, _S_COUNT, _S_MEAN, _S_ARRIVAL = range(4)
 SLOT_LEN = _S_ARRIVAL + STATS_LEN
 ANNOUNCE_LEN = 1 + NAME_FLOATS
@@ -193,7 +196,8 @@ class RankRecord:
     step_stats: Spread
     local_rank: int = 0
     flags: int = 0
-    flush_interval: int = 0  # proposed steps per flush (adaptive cadence); rank 0's is adopted
+    flush_interval: int = 0  # this rank's steps per flush (the cadence)
+    from_step: int = -1  # the last step of the rank's previous flush: this row covers (from_step, step]
     timers: dict[int, TimerStats] = field(default_factory=dict)  # id -> stats
     announced: dict[int, str] = field(default_factory=dict)  # id -> name
 
@@ -212,9 +216,15 @@ class RankRecord:
 
 
 def pack(
-    interval: Interval, identity: Identity, table: TimerTable, out: Any | None = None, flags: int = 0
+    interval: Interval,
+    identity: Identity,
+    table: TimerTable,
+    out: Any | None = None,
+    flags: int = 0,
+    from_step: int = -1,
 ) -> Any:
-    """This rank's interval as one float64 tensor of `pack_len(table.capacity)` (see module doc)."""
+    """This rank's interval as one float64 tensor of `pack_len(table.capacity)` (see module doc);
+    `from_step`: the last step of this rank's previous flush."""
     import torch
 
     row = [0.0] * pack_len(table.capacity)
@@ -228,6 +238,7 @@ def pack(
     row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN] = Spread.of(interval.step_durations).encode()
     row[_H_HOST : _H_HOST + HOST_FLOATS] = encode_text(identity.host, HOST_FLOATS)
     row[_H_FLUSH_INTERVAL] = float(interval.flush_interval)
+    row[_H_FROM_STEP] = float(from_step)
     n = 0
     for name, durations in interval.phases.items():
         finite = [d for d in durations if math.isfinite(d)]
@@ -253,6 +264,11 @@ def pack(
     return tensor
 
 
+def row_steps(row: Any) -> tuple[int, int]:
+    """(from step, step) of one packed row: the steps it covers, without unpacking it."""
+    return int(row[_H_FROM_STEP]), int(row[_H_STEP])
+
+
 def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
     """Rows gathered on rank 0 (shape [world * pack_len] or [world, pack_len]) -> records."""
     length = pack_len(capacity)
@@ -269,6 +285,7 @@ def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
             local_rank=int(row[_H_LOCAL]),
             flags=int(row[_H_FLAGS]),
             flush_interval=int(row[_H_FLUSH_INTERVAL]),
+            from_step=int(row[_H_FROM_STEP]),
         )
         ids = row[HEADER_LEN + _S_ID : HEADER_LEN + capacity * SLOT_LEN : SLOT_LEN]
         for slot in (i for i, v in enumerate(ids) if v):  # used slots only

@@ -145,7 +145,7 @@ class SessionParts:
     @property
     def flush_interval_steps(self) -> int:
         """Steps per flush now (the explicit log_interval, or the adaptive cadence's current value)."""
-        return self.cadence.threshold
+        return self.cadence.interval
 
     @property
     def prometheus_url(self) -> str | None:
@@ -266,8 +266,9 @@ class Session(SessionParts, GoodputClock):
             buf.tokens += tokens
         if samples:
             buf.samples += samples
+        cadence = self.cadence
         if (
-            (buf.steps >= self.cadence.threshold and self.cadence.due(buf.steps))
+            ((index >= cadence.due_step or buf.steps >= cadence.threshold) and cadence.due(buf.steps, index))
             or (self._flush_requested and not self._lockstep)
             or (self._time_flush and end_ns * 1e-9 - self._last_flush >= self._interval_s)  # same clock
         ):
@@ -353,8 +354,10 @@ class Session(SessionParts, GoodputClock):
             self.buffer.spans.append(_mark_record(name, start_ns, end_ns, step, error, attributes))
 
     def flush(self, final: bool = False) -> bool:
-        """Hand the interval to the worker. Never blocks unless in lockstep: if the queue is full
-        the data stays in the buffer (counters keep summing) and the next step tries again.
+        """Hand the interval to the worker. Never blocks, in lockstep too (telemetry never makes
+        this rank wait for another): if the queue is full the data stays in the buffer (counters
+        keep summing) and the next step tries again; in lockstep that flush's row then covers other
+        steps than the peers' and is left out of that flush's cross-rank stats (`exchange`).
 
         Only the thread running the steps takes the buffer (the step counters are plain ints it
         alone increments); a flush asked for on another thread is done at its next step end."""
@@ -363,7 +366,7 @@ class Session(SessionParts, GoodputClock):
             return False
         now = time.perf_counter()
         worker = self.worker
-        if not final and not self._lockstep and worker.pending_batches() >= worker.max_batches:
+        if not final and worker.pending_batches() >= worker.max_batches:
             self.deferred_flushes += 1
             return False
         with self._lock:
@@ -374,26 +377,20 @@ class Session(SessionParts, GoodputClock):
             self._seq += 1
         batch.final = final
         if not final:
-            batch.flush_interval = self.cadence.proposal(batch.steps, batch.elapsed_s)
+            # Rank 0 decides the schedule here and sends it down with this flush (cadence.py).
+            self.cadence.flushed(self.cadence.proposal(batch.steps, batch.elapsed_s), batch.step)
+            batch.flush_interval, batch.flush_anchor = self.cadence.decision
         self._last_flush = now
         if "torch" in sys.modules:
             _note_torch_state(batch, self.config.compute_dtype == "auto")
-        # Every rank must hand every flush over (its exchange pairs with the peers'): in lockstep,
-        # wait for room; otherwise the room was checked above (final: never waits).
-        wait_s = self.config.collective_timeout_s if self._lockstep and not final else 0.0
-        waited_from = time.perf_counter()
-        with self._lock:
-            handed = self.worker.submit_batch(batch, wait_s)
-        self.cadence.note_wait(time.perf_counter() - waited_from)
-        if not handed:
-            # Only reachable when distributed and the worker is stuck longer than collective_timeout_s.
+        with self._lock:  # the room was checked above (final: never waits)
+            handed = self.worker.submit_batch(batch, 0.0)
+        if not handed:  # unreachable without a wait; kept so a lost flush is never silent
             self.lost_flushes += 1
             self.lost_steps += batch.steps
             self.buffer.drop("lost_flush")
             _warn_lost_flush(batch, self.lost_flushes)
             return False
-        if not final:
-            self.cadence.flushed(batch.seq, batch.flush_interval)
         return True
 
     def message(self, kind: str, key: str, payload: Any, step: int | None) -> None:
@@ -434,6 +431,7 @@ class Session(SessionParts, GoodputClock):
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
+        self.reducer.stop_waiting()  # the flushes still queued must not wait for a peer's row
         self.flush(final=True)
         flushes, steps = drain_worker(self.worker, self.instruments, budget)
         self.lost_flushes += flushes

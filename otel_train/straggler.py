@@ -7,20 +7,31 @@ gloo group (`distributed.create_telemetry_group`), never on the training's own (
 and never on the training thread; none at all when not distributed. Every rank but rank 0 sends its
 row up and gets one fixed-size answer down (`downwire`), so its cost does not grow with the job.
 
-Rank 0 holds every row: it computes the timer reductions (`crossrank`) and the straggler verdicts
+Rank 0 holds the rows: it computes the timer reductions (`crossrank`) and the straggler verdicts
 (`straggler_model`), publishes the cross-rank gauges, logs and emits the straggler events and its
-own scores at once. Its answer at a flush carries the flush interval (the adaptive cadence, adopted
-by every rank at that same flush) and the verdicts of the PREVIOUS flush: each rank's own scores,
-lateness and wait (published by that rank) and the chronic stragglers. So other ranks' gauges, and
-`on_straggler` on EVERY rank (rank 0 included, from its own decoded answer: the same list
-everywhere, at the same flush), run one flush after rank 0 decided. Cross-rank reductions and
-`abstain_reason` exist on rank 0 only; other ranks' `last_reductions` hold their own timers.
+own scores at once. Its answer at a flush carries its flush schedule (the adaptive cadence, which
+the other ranks adopt when it reaches them, `cadence.py`) and the verdicts of the PREVIOUS flush:
+each rank's own scores, lateness and wait (published by that rank) and the chronic stragglers. So
+other ranks' gauges, and `on_straggler` on EVERY rank (rank 0 included, from its own decoded
+answer: the same list everywhere, at the same flush while the ranks keep pace), run one flush
+after rank 0 decided. Cross-rank reductions and `abstain_reason` exist on rank 0 only; other
+ranks' `last_reductions` hold their own timers.
+
+Never coupled (telemetry must not make one rank wait for another): rank 0 waits at most
+`exchange_grace_s` for the rows of the ranks that were in at its last flush, on the worker thread;
+a rank whose row is not in is left out of that flush (its row is taken, and answered, at a later
+one). Every row carries the steps it covers (from the rank's previous flush step to this one), and
+rank 0 pairs only rows that cover exactly its own steps: a late or misaligned row is left out of
+that flush's stats and verdicts and counted (`left_out_rows`, `partial_flushes`; warned once),
+never paired with other steps. Ranks in lockstep (DDP, FSDP) flush at the same steps and their rows
+come within milliseconds, so each flush pairs them all, as before.
 
 Independent ranks (`cross_rank=False`): no exchange at all; every rank keeps its own view.
 
-Failure: the group's timeout is `collective_timeout_s`. A failed or timed-out exchange (a peer died
-or stopped flushing) disables the reducer for good on every rank at the same flush (logged once):
-it never retries an exchange that a peer would not issue.
+Failure: the group's timeout is `collective_timeout_s`. A peer that sent no row for that long (it
+died, or stopped flushing) makes rank 0 turn the exchange off and answer ABORT, and every rank that
+gets it (or whose own row had no answer for twice that long) disables its reducer for good (logged
+once): per-rank telemetry goes on, and no exchange that a peer would not issue is ever retried.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from otel_train.rankwire import (
     local_record,
     pack,
     pack_len,
+    row_steps,
     unpack,
 )
 from otel_train.replicas import EXT_LEN, ReplicaCheck
@@ -118,23 +130,28 @@ class CrossRankReducer:
         self.on_straggler = on_straggler
         self.option: str = getattr(config, "timing_log_option", "minmax")
         self.timeout_s = float(getattr(config, "collective_timeout_s", 60.0))
+        grace_s = float(getattr(config, "exchange_grace_s", 1.0))
         self.settings = Settings.from_config(config)
         self.scorer = StragglerScorer(self.settings)
         self.table = TimerTable(max_timers)
-        # Called after each flush's exchange with (flush seq, rank 0's flush_interval), 0 when no
-        # exchange ran: the adaptive cadence (otel_train.cadence) every rank adopts from rank 0.
+        # Ranks other than 0: called with rank 0's flush schedule (interval, anchor step) from each
+        # answer, and with (0, -1) when the exchange turns off (otel_train.cadence).
         self.on_cadence: Callable[[int, int], None] | None = None
-        self.collectives = 0  # exchanges issued (tests and self-observability)
+        self.collectives = 0  # exchanges this rank's row went up in (tests and self-observability)
+        self.left_out_rows = 0  # rank 0: rows taken that covered other steps than its own
+        self.partial_flushes = 0  # rank 0: flushes whose cross-rank view lacked a rank
         self.disabled_reason: str | None = None
         self.abstain_reason: str | None = None
         self.last_reductions: dict[str, Reduction] = {}
         self.last_scores: RankScores | None = None
         self.last_reports: list[StragglerReport] = []
         self._verdict: downwire.Verdict | None = None  # rank 0: sent down at the next flush
-        self._flagged: set[int] = set()
+        self._reporter = StragglerReporter(events)
         self._gathered_flushes = 0
         self._sharded_seen = False
-        self._seq_warned = False
+        self._left_out_warned = False
+        self._prev_step = -1  # the last step of this rank's previous flush (rows carry their steps)
+        self._expect: set[int] | None = None  # rank 0: peers whose rows to wait for (None: all)
         self._closed = False
         self._lock = threading.Lock()
         self._world = identity.world_size
@@ -147,15 +164,12 @@ class CrossRankReducer:
             import torch.distributed as dist
 
             self._world = int(dist.get_world_size(self.group))
-        self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s)
+        self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s, grace_s)
         # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)
         # Arrivals at collectives (collective_lateness.py): the row's last block, clock stamps in it.
         self.lateness = LatenessTracker.attach(identity.rank, self.exchange)
-        self._score_gauge = _create_gauge(meter, semconv.STRAGGLER_SCORE)
-        self._lateness_gauge = _create_gauge(meter, semconv.STRAGGLER_LATENESS)
-        self._wait_gauge = _create_gauge(meter, semconv.STRAGGLER_WAIT)
-        self._cross_gauge = _create_gauge(meter, semconv.PHASE_CROSS_RANK) if identity.rank == 0 else None
+        self.gauges = StragglerGauges(meter, identity.rank == 0)
 
     @property
     def distributed(self) -> bool:
@@ -180,6 +194,10 @@ class CrossRankReducer:
     def close(self) -> None:
         self._closed = True
 
+    def stop_waiting(self) -> None:
+        """Shutting down (called before the worker is drained): no exchange waits for a peer."""
+        self.exchange.stop_waiting()
+
     def set_threshold(self, threshold: float) -> None:
         """Runtime control: a new straggler_threshold, applied from the next flush on (verdicts are
         computed on rank 0 only, and every rank applies a control file at the same step)."""
@@ -196,6 +214,8 @@ class CrossRankReducer:
                 self.identity.rank,
                 reason,
             )
+            if self.on_cadence is not None:
+                self.on_cadence(0, -1)  # no more schedules from rank 0: every rank keeps its own
 
     def _sharded(self) -> bool:
         """Whether this process trains FSDP2 (`fully_shard`) modules; checked on the worker at each
@@ -204,49 +224,72 @@ class CrossRankReducer:
             self._sharded_seen = _fsdp_in_use()
         return self._sharded_seen
 
-    def _adopt_cadence(self, seq: int, flush_interval: int) -> None:
-        """Hand rank 0's flush interval to the cadence, right after the exchange and before anything
-        that could raise, so every rank adopts the same value at the same flush."""
-        if self.on_cadence is not None and self.identity.distributed:
-            self.on_cadence(seq, flush_interval)
-
     def _flush(self, interval: Interval) -> None:
         if not self.distributed:
-            self._adopt_cadence(interval.seq, 0)  # disabled: every rank keeps its interval
             self._flush_local(interval)
             return
         import torch
 
-        row = pack(interval, self.identity, self.table, flags=FLAG_SHARDED if self._sharded() else 0)
+        from_step, self._prev_step = self._prev_step, interval.step
+        flags = FLAG_SHARDED if self._sharded() else 0
+        row = pack(interval, self.identity, self.table, flags=flags, from_step=from_step)
         row = torch.cat([row, self.replicas.block(interval), self.lateness.block()])
         root = self.identity.rank == 0
-        read = root and self.lateness.wants_read()
-        answers = (
-            downwire.answers(self._world, interval.flush_interval, self._verdict, read) if root else None
-        )
-        self.collectives += 1
+        answers = None
+        if root:
+            schedule = (interval.flush_interval, interval.flush_anchor)
+            read = self.lateness.wants_read()
+            answers = downwire.answers(self._world, schedule[0], self._verdict, schedule[1], read)
         try:
-            got = self.exchange.run(row, answers)
+            # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
+            got = self.exchange.run(row, answers, self._expect, lambda up: row_steps(up)[1] >= interval.step)
         except Exception as exc:
+            self.collectives += 1
             self._disable(f"telemetry exchange failed at flush {interval.seq}: {exc}")
-            self._adopt_cadence(interval.seq, 0)
             self._flush_local(interval)
             return
-        down = downwire.decode(got.down, self.identity.rank)
-        self._adopt_cadence(interval.seq, down.flush_interval)
-        self._deliver(down, root)
-        self.lateness.after_exchange(interval, row, down, got.received_at)
+        self.collectives += int(got.sent)
+        down = downwire.decode(got.down, self.identity.rank) if got.down is not None else None
+        if down is not None:
+            if not root and self.on_cadence is not None and down.flush_interval >= 1:
+                self.on_cadence(down.flush_interval, down.flush_anchor)
+            self._deliver(down, root)
+        self.lateness.after_exchange(interval, down, got.stamps)
         if got.records is None:
             self.last_reductions = _own_reductions(local_record(interval, self.identity))
             return
+        self._reduce_rows(interval, got.records, from_step)
+
+    def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
+        """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
         base = pack_len(self.table.capacity)
-        records = unpack(got.records[:, :base], self.table.capacity)
-        ranks = [r.rank for r in records]
-        self.lateness.judge(got.records[:, -BLOCK_LEN:], records, self.identity.host)
-        self._reduce(interval, records)
+        records = unpack(rows[:, :base], self.table.capacity)
+        # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
+        self._expect = {r.rank for r in records} - {0}
+        same = [i for i, r in enumerate(records) if (r.from_step, r.step) == (from_step, interval.step)]
+        self._note_left_out(
+            [r for i, r in enumerate(records) if i not in same], len(same), from_step, interval
+        )
+        if len(same) < 2:
+            self._verdict = None  # nothing to compare: no verdict rides the next answers
+            self._flush_local(interval)
+            return
+        paired = [records[i] for i in same]
+        self.lateness.judge(rows[same, -BLOCK_LEN:], paired, self.identity.host)
+        self._reduce(interval, paired)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
-        sharded = any(r.flags & FLAG_SHARDED for r in records)
-        self.replicas.compare(got.records[:, base : base + EXT_LEN], ranks, sharded, labels)
+        sharded = any(r.flags & FLAG_SHARDED for r in paired)
+        self.replicas.compare(rows[same, base : base + EXT_LEN], [r.rank for r in paired], sharded, labels)
+
+    def _note_left_out(
+        self, left_out: Sequence[RankRecord], paired: int, from_step: int, interval: Interval
+    ) -> None:
+        self.left_out_rows += len(left_out)
+        if paired < self._world:
+            self.partial_flushes += 1
+        if left_out and not self._left_out_warned:
+            self._left_out_warned = True
+            _warn_left_out(left_out, from_step, interval.step)
 
     def _deliver(self, down: downwire.Down, root: bool) -> None:
         """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own
@@ -257,7 +300,7 @@ class CrossRankReducer:
             self.last_scores = down.scores
             self.last_reports = down.chronic
             if down.scores is not None:
-                self._set_scores(down.scores)
+                self.gauges.set_scores(down.scores)
         if down.chronic and self.on_straggler is not None:
             try:
                 self.on_straggler(down.chronic)
@@ -265,18 +308,14 @@ class CrossRankReducer:
                 logger.warning("otel_train: on_straggler callback failed: %s", exc)
 
     def _reduce(self, interval: Interval, records: Sequence[RankRecord]) -> None:
-        """Rank 0: reductions, verdicts, gauges and events from every rank's row."""
-        seqs = {r.seq for r in records}
-        if len(seqs) > 1 and not self._seq_warned:
-            self._seq_warned = True
-            logger.warning(
-                "otel_train: ranks flushed out of step (flush numbers %s); cross-rank stats may mix intervals",
-                sorted(seqs),
-            )
+        """Rank 0: reductions, verdicts, gauges and events from the rows of one flush's steps."""
         for record in records:
             for ident, name in record.announced.items():
                 self.table.names.setdefault(ident, name)
-        self.last_reductions = reduce_timings(per_rank_timings(records, self.table.names))
+        per_rank: list[Mapping[str, float | None]] = [{} for _ in range(self._world)]
+        for record, timings in zip(records, per_rank_timings(records, self.table.names), strict=True):
+            per_rank[record.rank] = timings  # reduce_timings indexes by rank: absent ranks stay empty
+        self.last_reductions = reduce_timings(per_rank)
         views = [
             RankView(
                 r.rank,
@@ -302,10 +341,10 @@ class CrossRankReducer:
             interval.seq, {s.rank: s for s in all_scores}, [r for r in reports if r.chronic]
         )
         if mine is not None:
-            self._set_scores(mine)
-        if self._cross_gauge is not None:
-            self._set_cross_rank(self.last_reductions)
-        self._report(reports, interval)
+            self.gauges.set_scores(mine)
+        self.gauges.set_cross_rank(self.option, self.last_reductions)
+        if not self.lateness.pending():  # else at the next flush, with the collective where they wait
+            self._reporter.report(reports, interval.step, self.settings.threshold)
 
     def _flush_local(self, interval: Interval) -> None:
         """Not distributed (or the exchange is off): this rank's timers and individual score."""
@@ -313,7 +352,7 @@ class CrossRankReducer:
         self.last_reductions = _own_reductions(record)
         self.last_scores = self.scorer.update_local(self.identity.rank, record.step_stats)
         self.last_reports = []
-        self._set_scores(self.last_scores)
+        self.gauges.set_scores(self.last_scores)
 
     def _note_abstain(self, views: Sequence[RankView], records: Sequence[RankRecord]) -> None:
         names = sorted({n for r in records for n in r.named_timers(self.table.names)})
@@ -323,35 +362,43 @@ class CrossRankReducer:
             logger.warning("otel_train: straggler detection abstains: %s", reason)
         self.abstain_reason = reason
 
-    def _set_scores(self, scores: RankScores) -> None:
-        if self._score_gauge is not None:
+
+class StragglerGauges:
+    """This rank's straggler gauges (scores, lateness, wait) and, on rank 0, the cross-rank phase
+    statistics (`train.phase.cross_rank`)."""
+
+    def __init__(self, meter: Any | None, root: bool) -> None:
+        self.score = _create_gauge(meter, semconv.STRAGGLER_SCORE)
+        self.lateness = _create_gauge(meter, semconv.STRAGGLER_LATENESS)
+        self.wait = _create_gauge(meter, semconv.STRAGGLER_WAIT)
+        self.cross = _create_gauge(meter, semconv.PHASE_CROSS_RANK) if root else None
+
+    def set_scores(self, scores: RankScores) -> None:
+        if self.score is not None:
             for kind, value in ((KIND_RELATIVE, scores.relative), (KIND_INDIVIDUAL, scores.individual)):
                 if value is not None:
-                    self._score_gauge.set(value, {semconv.STRAGGLER_KIND: kind, semconv.PHASE: OVERALL_PHASE})
+                    self.score.set(value, {semconv.STRAGGLER_KIND: kind, semconv.PHASE: OVERALL_PHASE})
         if scores.relative is None:
             return  # lateness and wait exist only across ranks
-        if self._lateness_gauge is not None:
-            self._lateness_gauge.set(scores.lateness_s)
-        if self._wait_gauge is not None:
-            self._wait_gauge.set(scores.wait_s)
+        if self.lateness is not None:
+            self.lateness.set(scores.lateness_s)
+        if self.wait is not None:
+            self.wait.set(scores.wait_s)
 
-    def _set_cross_rank(self, reductions: Mapping[str, Reduction]) -> None:
-        assert self._cross_gauge is not None
-        for name, red in reductions.items():
-            for stat in stats_for_option(self.option):
-                value = float(
-                    red.argmax
-                    if stat == "argmax_rank"
-                    else red.argmin
-                    if stat == "argmin_rank"
-                    else getattr(red, stat)
-                )
-                self._cross_gauge.set(value, {semconv.PHASE: name, semconv.STAT: stat})
+    def set_cross_rank(self, option: str, reductions: Mapping[str, Reduction]) -> None:
+        if self.cross is not None:
+            _publish_cross_rank(self.cross, option, reductions)
 
-    def _report(self, reports: Sequence[StragglerReport], interval: Interval) -> None:
-        """Rank 0: log and emit the new stragglers (the callback runs from the next answer)."""
-        if self.lateness.pending():
-            return  # reported at the next flush, with the collective where the others wait
+
+class StragglerReporter:
+    """Rank 0: logs and emits each NEW straggler once (a chronic one until it recovers); the
+    `on_straggler` callback runs from the next answer instead."""
+
+    def __init__(self, events: EventChannel | None) -> None:
+        self.events = events
+        self._flagged: set[int] = set()
+
+    def report(self, reports: Sequence[StragglerReport], step: int, threshold: float) -> None:
         now = {r.rank for r in reports if r.chronic}
         new = [r for r in reports if not r.chronic or r.rank not in self._flagged]
         new.sort(key=lambda r: (not r.chronic, r.score, r.rank))
@@ -359,25 +406,53 @@ class CrossRankReducer:
             logger.warning(
                 "otel_train: %d new stragglers at step %d; reporting the %d slowest (%s)",
                 len(new),
-                interval.step,
+                step,
                 MAX_REPORTS_PER_FLUSH,
                 ", ".join(f"rank {r.rank} {r.pattern} {r.score:.2f}" for r in new[:MAX_REPORTS_PER_FLUSH]),
             )
         for report in new[:MAX_REPORTS_PER_FLUSH]:
-            self._emit(report, interval)
+            _emit(self.events, report, step, threshold)
         for rank in sorted(self._flagged - now):
             logger.info("otel_train: rank %d is no longer a straggler", rank)
         self._flagged = now
 
-    def _emit(self, report: StragglerReport, interval: Interval) -> None:
-        message = describe(report, interval.step, self.settings.threshold)
-        logger.warning("otel_train: %s", message)
-        if self.events is None:
-            return
-        try:
-            self.events.emit("straggler", message, event_attributes(report, interval.step))
-        except Exception as exc:
-            logger.warning("otel_train: straggler event failed: %s", exc)
+
+def _emit(events: EventChannel | None, report: StragglerReport, step: int, threshold: float) -> None:
+    """Rank 0: log one new straggler and emit its `straggler` event."""
+    message = describe(report, step, threshold)
+    logger.warning("otel_train: %s", message)
+    if events is None:
+        return
+    try:
+        events.emit("straggler", message, event_attributes(report, step))
+    except Exception as exc:
+        logger.warning("otel_train: straggler event failed: %s", exc)
+
+
+def _warn_left_out(left_out: Sequence[RankRecord], from_step: int, step: int) -> None:
+    logger.warning(
+        "otel_train: rank(s) %s sent rows for other steps than rank 0's (after step %d up to %d; theirs: "
+        "%s); a row is left out of a flush's cross-rank stats unless it covers the same steps (ranks "
+        "not in lockstep, or a flush that came late)",
+        [r.rank for r in left_out],
+        from_step,
+        step,
+        [(r.from_step, r.step) for r in left_out],
+    )
+
+
+def _publish_cross_rank(gauge: _Gauge, option: str, reductions: Mapping[str, Reduction]) -> None:
+    """Rank 0: the cross-rank timer gauges."""
+    for name, red in reductions.items():
+        for stat in stats_for_option(option):
+            value = float(
+                red.argmax
+                if stat == "argmax_rank"
+                else red.argmin
+                if stat == "argmin_rank"
+                else getattr(red, stat)
+            )
+            gauge.set(value, {semconv.PHASE: name, semconv.STAT: stat})
 
 
 def _own_reductions(record: RankRecord) -> dict[str, Reduction]:

@@ -442,6 +442,7 @@ def resolve_interval(batch: FlushBatch) -> Interval:
         nonfinite=nonfinite,
         final=batch.final,
         flush_interval=batch.flush_interval,
+        flush_anchor=batch.flush_anchor,
         autocast_dtype=batch.autocast_dtype,
     )
 

@@ -1,11 +1,11 @@
 """The flush cadence: an explicit log_interval keeps its meaning; the default adapts to about one
-flush per log_interval_min_s, and in a multi-rank run every rank flushes at the same steps."""
+flush per log_interval_min_s, and in a multi-rank run in lockstep every rank flushes at the same
+steps, which rank 0 decides without any rank waiting for another."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -33,29 +33,55 @@ def test_nice_interval_rounds_up_to_a_readable_step_count() -> None:
     assert nice_interval(float("nan"), 1.0, 30.0) == ADAPTIVE_BASE_STEPS
 
 
-def test_coordinated_cadence_applies_rank0_decision_one_flush_later() -> None:
-    cadence = Cadence(None, 1.0, 30.0, coordinated=True, wait_timeout_s=5.0)
-    assert cadence.threshold == 10
-    cadence.flushed(0, 100)  # flush 0: the interval to flush 1 is the base
-    assert cadence.threshold == 10 and cadence.due(10)
-    cadence.adopt(0, 100)  # flush 0's collective carried rank 0's 100
-    cadence.flushed(1, 50)
-    assert cadence.threshold == 100  # flush 0's decision sets the interval to flush 2
-    started = time.monotonic()
-    assert not cadence.due(99) and cadence.due(100)
-    assert time.monotonic() - started < 4.0  # a decision already adopted is never waited for
-    # flush 1's decision arrives late: the training thread waits for it, then uses it
-    cadence.flushed(2, 50)
-    assert cadence.threshold == 10
-    timer = threading.Timer(0.2, cadence.adopt, (1, 50))
-    timer.start()
-    assert not cadence.due(10)  # waited for rank 0's 50
-    assert cadence.threshold == 50 and cadence.due(50)
-    timer.join()
-    # no collective ran (reducer disabled): every rank keeps the last agreed interval
-    cadence.adopt(2, 0)
-    cadence.flushed(3, 200)
-    assert cadence.threshold == 50
+def test_rank0_adopts_its_own_decision_at_once_anchored_on_the_next_flush() -> None:
+    cadence = Cadence(None, 1.0, 30.0, coordinated=True, decides=True)
+    assert cadence.due_step == 9 and not cadence.due(9, 8) and cadence.due(10, 9)
+    cadence.flushed(100, 9)  # rank 0 decides 100 steps, from its next scheduled flush (19) on
+    assert cadence.decision == (100, 19) and cadence.due_step == 19
+    assert not cadence.due(9, 18) and cadence.due(10, 19)
+    cadence.flushed(100, 19)
+    assert cadence.decision == (100, 19) and cadence.due_step == 119  # no new decision: same proposal
+    cadence.flushed(50, 119)
+    assert cadence.decision == (50, 219) and cadence.due_step == 219
+    cadence.flushed(50, 219)
+    assert cadence.due_step == 269
+    cadence.adopt(0, -1)  # the exchange turned off: keep the schedule, decide nothing more
+    cadence.flushed(200, 269)
+    assert cadence.decision == (50, 219) and cadence.due_step == 319
+
+
+def test_other_ranks_adopt_rank0s_schedule_without_waiting_and_realign_when_late() -> None:
+    on_time = Cadence(None, 1.0, 30.0, coordinated=True)
+    late = Cadence(None, 1.0, 30.0, coordinated=True)
+    for cadence in (on_time, late):
+        cadence.flushed(10, 9)  # other ranks' own proposals are never used
+        assert cadence.due_step == 19 and cadence.decision == (10, -1)
+    on_time.adopt(100, 19)  # rank 0's answer to flush 9, a whole interval before step 19
+    assert on_time.due(10, 19)  # flushes at 19 like rank 0, then on rank 0's schedule
+    on_time.flushed(10, 19)
+    assert on_time.due_step == 119 and on_time.late_decisions == 0
+    # the answer reaches `late` only after it flushed at 19 and 29 on the old schedule
+    late.flushed(10, 19)
+    late.flushed(10, 29)
+    late.adopt(100, 19)
+    assert not late.due(10, 39)  # not a step of the new schedule: no flush, and no wait either
+    assert late.due_step == 119 and late.late_decisions == 1
+    assert late.due(90, 119)  # back on the same flush steps as rank 0
+    late.flushed(10, 119)
+    assert late.due_step == 219
+
+
+def test_a_resumed_run_flushes_on_the_schedule_from_its_first_step() -> None:
+    cadence = Cadence(20, 1.0, 30.0, coordinated=True)  # an explicit log_interval: a fixed schedule
+    assert not cadence.due(1, 1000)  # resumed at step 1000: no one-step flush
+    assert cadence.due_step == 1019 and cadence.due(20, 1019)
+
+
+def test_numbering_that_goes_back_falls_back_to_counted_steps() -> None:
+    cadence = Cadence(None, 1.0, 30.0, coordinated=True)
+    cadence.flushed(10, 9)
+    assert cadence.due_step == 19 and cadence.threshold == 20
+    assert not cadence.due(19, 3) and cadence.due(20, 4)  # the epoch restarted at step 0
 
 
 def test_explicit_log_interval_is_honoured(tmp_path: Path) -> None:
@@ -89,15 +115,26 @@ STEPS = 240
 
 
 def _rank_with_own_pace(rank: int, world: int, out_dir: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
     import otel_train as ot
 
+    # 0.1, 0.4, 0.7, 1.0 s: each rank alone would pick its own interval
     session = ot.init(output_dir=out_dir, run_name="cadence", prometheus_port=0, verbosity=0, hardware=False,
-                      log_interval_min_s=0.1, trace_first=0)  # fmt: skip
+                      log_interval_min_s=0.1 * (1 + 3 * rank), trace_first=0)  # fmt: skip
+    grad = torch.zeros(4)
     for step in range(STEPS):
         with ot.step(step):
-            time.sleep(0.001 * (1 + 3 * rank))  # 1, 4, 7, 10 ms: each rank would pick its own interval
+            time.sleep(0.001)
+            dist.all_reduce(grad)  # the job's own collective keeps the ranks in lockstep, as DDP does
     ot.shutdown()
-    return {"collectives": session.reducer.collectives, "disabled": session.reducer.disabled_reason}
+    reducer = session.reducer
+    return {
+        "collectives": reducer.collectives,
+        "disabled": reducer.disabled_reason,
+        "partial": (reducer.left_out_rows, reducer.partial_flushes, reducer.exchange.skipped),
+    }
 
 
 @pytest.mark.multirank
@@ -110,4 +147,8 @@ def test_adaptive_cadence_keeps_every_rank_on_the_same_flush_steps(tmp_path: Pat
     gaps = [b - a for a, b in itertools.pairwise(steps[:-1])]
     # rank 0's ~1 ms steps set the pace (>= 20 steps per 0.1 s); rank 3 alone would have kept 10
     assert max(gaps) >= 20 and all(gap in NICE for gap in gaps), steps
-    assert results[0]["collectives"] == len(steps) - 1  # one per aligned flush, none at shutdown
+    # one exchange per scheduled flush on every rank (none at shutdown, which may coincide with the
+    # last scheduled flush), each pairing every rank's row: none late, left out or skipped
+    assert len(steps) - 1 <= results[0]["collectives"] <= len(steps), (steps, results)
+    assert all(r["collectives"] == results[0]["collectives"] for r in results), results
+    assert all(r["partial"] == (0, 0, 0) for r in results), results

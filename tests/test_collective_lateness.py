@@ -310,7 +310,7 @@ def test_fsdp2_slow_rank_named_from_collective_arrivals(timers: bool, skew_s: fl
 
 
 def _hf_rank(rank: int, world: int, out: str) -> dict[str, Any]:
-    from test_integration_transformers import SlowRows, _trainer
+    from integrations.test_transformers import SlowRows, _trainer
 
     import otel_train as ot
     from otel_train import collectives

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -309,7 +310,13 @@ class _FakeExchange:
         self.tables = [TimerTable() for _ in range(world)]
         self.answers: list[torch.Tensor] = []
 
-    def run(self, up: torch.Tensor, answers: torch.Tensor | None) -> Exchanged:
+    def run(
+        self,
+        up: torch.Tensor,
+        answers: torch.Tensor | None,
+        expect: set[int] | None = None,
+        current: Any = None,
+    ) -> Exchanged:
         if self.fail[0]:
             raise RuntimeError("Connection closed by peer")
         assert answers is not None and answers.shape == (self.world, downwire.DOWN_LEN)
@@ -322,6 +329,7 @@ class _FakeExchange:
                         self.interval_for(r, mine.seq),
                         Identity("r", rank=r, world_size=self.world, host=f"h{r}", local_rank=r % 8),
                         self.tables[r],
+                        from_step=mine.from_step,  # every simulated rank covers rank 0's steps
                     ),
                     ReplicaCheck(r, None, None).block(self.interval_for(r, mine.seq)),
                     LatenessTracker(r).block(),  # no recorder read: an empty block
@@ -329,7 +337,7 @@ class _FakeExchange:
             )
             for r in range(self.world)
         ]
-        return Exchanged(torch.stack(rows), answers[0])
+        return Exchanged(torch.stack(rows), answers[0], list(range(self.world)))
 
 
 def _fake_world(
@@ -420,22 +428,23 @@ def test_rank0_answers_carry_cadence_now_and_verdicts_one_flush_later(
     flagged: list[list[object]] = []
     adopted: list[tuple[int, int]] = []
     reducer.on_straggler = flagged.append
-    reducer.on_cadence = lambda seq, steps: adopted.append((seq, steps))
+    reducer.on_cadence = lambda steps, anchor: adopted.append((steps, anchor))
     verdicts: list[downwire.Verdict] = []
     for seq in range(5):
         iv = interval(seq, {})
-        iv.flush_interval = 20 * (seq + 1)
+        iv.flush_interval, iv.flush_anchor = 20 * (seq + 1), 10 * seq + 19
         reducer.on_flush(iv)
         assert reducer._verdict is not None
         verdicts.append(reducer._verdict)
-    assert adopted == [(seq, 20 * (seq + 1)) for seq in range(5)]  # the cadence is not delayed
+    assert adopted == []  # rank 0 adopts its own schedule at the flush (cadence.py), never from an answer
     sent = reducer.exchange.answers  # type: ignore[attr-defined]
     assert all(downwire.decode(row, r).verdict_seq == -1 for r, row in enumerate(sent[0]))
     for seq in range(1, 5):
         before = verdicts[seq - 1]
         for r, row in enumerate(sent[seq]):
             down = downwire.decode(row, r)
-            assert (down.status, down.verdict_seq, down.flush_interval) == (0, seq - 1, 20 * (seq + 1))
+            assert (down.status, down.verdict_seq) == (0, seq - 1)
+            assert (down.flush_interval, down.flush_anchor) == (20 * (seq + 1), 10 * seq + 19)  # not delayed
             assert down.scores == before.scores[r]  # this rank's own scores, exactly
             assert down.chronic == list(before.chronic)  # the same list for every rank
     chronic = [list(v.chronic) for v in verdicts[:-1] if v.chronic]

@@ -49,8 +49,8 @@ def _star(rank: int, world: int, flushes: int, group: Any) -> dict[str, list[flo
     import torch.distributed as dist
 
     from otel_train.config import Config
+    from otel_train.crossrank.reducer import CrossRankReducer
     from otel_train.distributed import detect_identity
-    from otel_train.straggler import CrossRankReducer
 
     reducer = CrossRankReducer(detect_identity(None), _meter(), None, Config(), group=group)
     run = reducer.exchange.run
@@ -90,8 +90,8 @@ def _all_gather(rank: int, world: int, flushes: int, group: Any) -> dict[str, li
     import torch
     import torch.distributed as dist
 
+    from otel_train.crossrank.up_row import TimerTable, pack, unpack
     from otel_train.distributed import detect_identity
-    from otel_train.rankwire import TimerTable, pack, unpack
 
     identity, table = detect_identity(None), TimerTable()
     out: dict[str, list[float]] = {"exchange": [], "cpu": [], "sent": []}

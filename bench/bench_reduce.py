@@ -82,8 +82,8 @@ def latency_target(rank: int, world: int, flushes: int) -> int | None:
     import random
 
     from otel_train.config import Config
+    from otel_train.crossrank.reducer import CrossRankReducer
     from otel_train.distributed import create_telemetry_group, detect_identity
-    from otel_train.straggler import CrossRankReducer
 
     identity = detect_identity(None)
     group = create_telemetry_group(identity, 60.0)
@@ -129,9 +129,9 @@ def rank_target(rank: int, world: int, flushes: int) -> dict[str, list[float]]:
     import torch.distributed as dist
 
     from otel_train.config import Config
+    from otel_train.crossrank.reducer import CrossRankReducer
+    from otel_train.crossrank.up_row import pack_len
     from otel_train.distributed import create_telemetry_group, detect_identity
-    from otel_train.rankwire import pack_len
-    from otel_train.straggler import CrossRankReducer
 
     identity = detect_identity(None)
     config = Config(timing_log_option="minmax")
@@ -153,8 +153,8 @@ def rank_target(rank: int, world: int, flushes: int) -> dict[str, list[float]]:
 
 def local(flushes: int) -> list[float]:
     from otel_train.config import Config
+    from otel_train.crossrank.reducer import CrossRankReducer
     from otel_train.distributed import Identity
-    from otel_train.straggler import CrossRankReducer
 
     reducer = CrossRankReducer(Identity("bench"), _meter(), None, Config())
     times = _measure(reducer, 0, flushes)

@@ -34,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from otel_train.downwire import DOWN_LEN
-from otel_train.rankwire import MAX_TIMERS, pack_len
+from otel_train.crossrank.down_row import DOWN_LEN
+from otel_train.crossrank.up_row import MAX_TIMERS, pack_len
 
 # gloo tcp framing per message beyond the payload (measured with /proc/self/io; the ring's messages
 # carry more of it than the star's)

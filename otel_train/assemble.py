@@ -41,10 +41,10 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.bridges.table import BridgeSpec
     from otel_train.cadence import Cadence
     from otel_train.collectives import CollectiveMonitor
+    from otel_train.crossrank import CrossRankReducer
     from otel_train.hang_attribution import HangReporter
     from otel_train.hardware import Discovery, HardwareMonitor
     from otel_train.health import HealthEvents
-    from otel_train.straggler import CrossRankReducer
     from otel_train.worker import Instruments
 
 logger = logging.getLogger("otel_train")
@@ -359,7 +359,7 @@ def _reducer_and_cadence(
 ) -> tuple[CrossRankReducer, Cadence]:
     """The cross-rank reducer, and the flush cadence it adopts from rank 0's proposal."""
     from otel_train.cadence import Cadence
-    from otel_train.straggler import CrossRankReducer
+    from otel_train.crossrank import CrossRankReducer
 
     ident = place.identity
     lockstep = ident.distributed and config.cross_rank

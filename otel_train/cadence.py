@@ -13,7 +13,7 @@ the flushes end at steps anchor + n x interval (the first schedule, anchor -1, e
 19, 29, ... for 10). An explicit `log_interval` is one fixed schedule. The adaptive interval is
 decided on rank 0 only, from rank 0's own step times, at a flush: "interval I from the next
 scheduled flush step A on". Rank 0 adopts it at once (it never waits for anything); it travels to
-the other ranks in rank 0's answers (`downwire`), and a rank adopts the newest it has whenever it
+the other ranks in rank 0's answers (`crossrank/down_row`), and a rank adopts the newest it has whenever it
 arrives. In lockstep the answer comes within the same flush, a whole interval before A, so every
 rank switches at A and the flush steps stay identical. A rank that learns it late (it is slower,
 paused, or independent of rank 0) keeps its schedule until then and joins the new one at its next

@@ -1,6 +1,6 @@
 """Rank identity, run id agreement and the dedicated telemetry process group.
 
-Cross-rank reductions and straggler scoring live in `otel_train.straggler` (`CrossRankReducer`).
+Cross-rank reductions and straggler scoring live in `otel_train.crossrank.reducer` (`CrossRankReducer`).
 
 Wiring (every rank calls this at init, in the same order, because `new_group` is collective)::
 

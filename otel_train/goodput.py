@@ -55,7 +55,7 @@ _EVAL_NAMES = {"eval", "evaluate", "evaluation", "validation", "validate", "val"
 _EVAL_NAMES |= {"sample", "samples", "sampling"}
 _CHECKPOINT_NAMES = {"checkpoint", "ckpt", "save", "save_checkpoint", "checkpointing"}
 _RESTORE_NAMES = {"load_checkpoint", "restore", "restore_checkpoint", "resume", "load", "load_ckpt"}
-# Timer names that are the step waiting for its input (the same names straggler_model files as data).
+# Timer names that are the step waiting for its input (the same names crossrank/verdicts files as data).
 DATA_PHASES = frozenset(
     {"data", "dataloader", "data_wait", "datawait", "data_loading", "batch", "get_batch", "input"}
 )

@@ -22,7 +22,7 @@ import torch
 
 from otel_train import semconv
 from otel_train.buffer import LayerStats
-from otel_train.replicas import FINGERPRINT
+from otel_train.crossrank import FINGERPRINT
 
 if TYPE_CHECKING:
     from otel_train.buffer import Buffer

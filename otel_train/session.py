@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.bridges.process import BridgeProcess
     from otel_train.cadence import Cadence
     from otel_train.control import ControlChange, ControlFile
+    from otel_train.crossrank import CrossRankReducer
     from otel_train.exporters import Telemetry
     from otel_train.goodput import GoodputListener
     from otel_train.hang import HangWatchdog
@@ -46,7 +47,6 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.model_watch import ModelWatch
     from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
     from otel_train.step_reader import StepReader
-    from otel_train.straggler import CrossRankReducer
     from otel_train.worker import Instruments, Worker
 
 log = logging.getLogger("otel_train")

@@ -30,9 +30,9 @@ from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.buffer import FlushBatch, LayerStats, SpanRecord
 from otel_train.config import redact_text
+from otel_train.crossrank import FINGERPRINT
 from otel_train.histogram_feed import record_many
 from otel_train.interval import FlushListener, Interval
-from otel_train.replicas import FINGERPRINT
 from otel_train.step_reader import StepReader, key_for
 
 log = logging.getLogger("otel_train")

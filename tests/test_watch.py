@@ -17,6 +17,7 @@ from torch import nn
 import otel_train as ot
 from otel_train import semconv as sc
 from otel_train.buffer import Buffer
+from otel_train.crossrank.replicas import FINGERPRINT
 from otel_train.model_watch import (
     HISTOGRAM_SAMPLE,
     ROOT_LABEL,
@@ -25,7 +26,6 @@ from otel_train.model_watch import (
     clean_name,
     layer_groups,
 )
-from otel_train.replicas import FINGERPRINT
 from otel_train.testing import Capture, capture_metrics
 
 

@@ -28,11 +28,11 @@ import torch.distributed  # noqa: F401  (init() imports it: 3 s per child otherw
 
 import otel_train as ot
 import otel_train.bridges.console
+import otel_train.crossrank.reducer
 import otel_train.envinfo
 import otel_train.exporters
 import otel_train.health
 import otel_train.step_reader
-import otel_train.straggler
 import otel_train.worker
 
 HANG_S = 10.0

@@ -1,7 +1,7 @@
 """The training-bug detectors (`data_not_sharded`, `no_gradient`, `replica_divergence`) through the
 entry points a user has, on real gloo ranks with the pinned frameworks: the Lightning callback
 (`watch_every`), the Hugging Face Trainer callback (`watch_every`), and `ot.step` + `ot.watch` under
-FSDP2 (`fully_shard`). Plain `ot.step` + `ot.watch` under DDP is in tests/test_replicas.py, one rank in
+FSDP2 (`fully_shard`). Plain `ot.step` + `ot.watch` under DDP is in tests/crossrank/test_replicas.py, one rank in
 tests/test_gradient_flow.py.
 
 Each multi-rank run plants the bugs it expects and asserts the events it does not: a run with

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from otel_train.rankwire import RankRecord
+from otel_train.crossrank.up_row import RankRecord
 
 STEP_PHASE = "step"  # reduction key of the step time (unless a timer is itself named "step")
 

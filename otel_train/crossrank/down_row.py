@@ -1,5 +1,5 @@
 """The down message of the telemetry exchange: rank 0's answer to one rank at one flush, as one
-fixed-size float64 row (see `exchange`, which carries it, and `straggler`, which fills and reads it).
+fixed-size float64 row (see `exchange`, which carries it, and `crossrank/reducer`, which fills and reads it).
 
 What it carries:
     - status: OK, or ABORT (a peer failed in this exchange: every rank disables its reducer now);
@@ -14,7 +14,7 @@ What it carries:
 Bounded: the row size depends only on constants, so every rank posts the same receive. A report's
 `waiting_ranks` travel as at most `WAIT_RUNS` runs of consecutive ranks ("everyone but the culprit"
 is two runs); further runs are cut. Host and phase names travel in 48 UTF-8 bytes (as in
-`rankwire`). Rank 0 hands ITS callback the decoded row too, so every rank sees the very same list.
+`crossrank/up_row`). Rank 0 hands ITS callback the decoded row too, so every rank sees the very same list.
 
     - rank 0's clock at this exchange (`exchange` stamps D_T2: when this rank's up row arrived, and
       D_T3: when this answer left; `collective_lateness.ClockEstimator` bounds the clock offset) and
@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
-from otel_train.rankwire import HOST_FLOATS, NAME_FLOATS, decode_text, encode_text
-from otel_train.straggler_model import Category, RankScores, StragglerReport
+from otel_train.crossrank.up_row import HOST_FLOATS, NAME_FLOATS, decode_text, encode_text
+from otel_train.crossrank.verdicts import Category, RankScores, StragglerReport
 
 DOWN_VERSION = 2.0
 STATUS_OK = 0

@@ -6,7 +6,7 @@ on every rank, so comparing its arrivals across ranks shows who came last; the r
 early wait inside it (they are never blamed: they arrive first). This needs no timer, so FSDP2
 (all-gathers inside forward), HF and Lightning jobs get culprits too.
 
-Per rank, at the flushes rank 0 picks (`downwire.D_READ`, within `collectives.MAX_READ_SHARE`;
+Per rank, at the flushes rank 0 picks (`down_row.D_READ`, within `collectives.MAX_READ_SHARE`;
 every rank reads at the same flush, so every rank's window is the same collectives):
 
     window  = the collectives (not p2p; otel_train's own group left out) enqueued between the
@@ -39,7 +39,7 @@ thread (up to `sys.getswitchinterval()`, 5 ms): the bound says so, and keeping t
 flushes recovers the lucky ones.
 
 The latest read's verdict stands at every flush until the next read replaces it. It joins the
-timer-based one (`straggler_model.assess`, in `straggler.CrossRankReducer`) as one verdict per
+timer-based one (`verdicts.assess`, in `reducer.CrossRankReducer`) as one verdict per
 rank: the culprit's chronic lateness is the larger of the two (the timers' phase kept when they
 saw it), the collective named (`Lateness.collective`), and the ranks that wait for it cleared.
 Until the first verdict (at most PENDING_FLUSHES flushes) new reports wait, so that their one
@@ -55,14 +55,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from otel_train.collectives import CollectiveMonitor, group_label, op_name
-from otel_train.downwire import Down
+from otel_train.crossrank.down_row import Down
+from otel_train.crossrank.up_row import RankRecord, name_id
+from otel_train.crossrank.verdicts import UNTIMED, Lateness, RankAssessment, RankView
 from otel_train.interval import Interval
-from otel_train.rankwire import RankRecord, name_id
-from otel_train.straggler_model import UNTIMED, Lateness, RankAssessment, RankView
 
 MAX_ARRIVALS = 32  # collectives per rank per read in the up row
 SPAN = 8 * MAX_ARRIVALS  # the latest collectives of a window they are sampled from (<< a ring buffer)
-FLOOR_S = 0.0005  # lateness below this is noise (as straggler_model.Settings.min_lateness_s)
+FLOOR_S = 0.0005  # lateness below this is noise (as verdicts.Settings.min_lateness_s)
 MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
 PENDING_FLUSHES = 8  # flushes that new reports wait for the first collective verdict
@@ -329,7 +329,7 @@ def apply(
 class LatenessTracker:
     """One rank's side (module doc): reads the recorder at the flushes rank 0 picks, keeps the
     next block and the clock estimate; on rank 0 also judges every rank's block and names the
-    collective. Lives in `straggler.CrossRankReducer`, on the flush worker only."""
+    collective. Lives in `reducer.CrossRankReducer`, on the flush worker only."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank

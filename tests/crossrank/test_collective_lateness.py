@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers.multirank import run_ranks
 
-from otel_train.collective_lateness import (
+from otel_train.crossrank.collective_lateness import (
     BLOCK_LEN,
     MAX_ARRIVALS,
     Arrival,
@@ -26,7 +26,7 @@ from otel_train.collective_lateness import (
     span,
     window,
 )
-from otel_train.rankwire import name_id
+from otel_train.crossrank.up_row import name_id
 
 FR_ON = {"TORCH_FR_BUFFER_SIZE": "200"}
 # Real jobs here are seconds long: reads may take 2 % of wall time (not 0.2 %) so that a verdict
@@ -349,11 +349,11 @@ def test_hf_trainer_ddp_names_the_slow_rank_and_the_collective_where_the_others_
 
 
 def test_the_answer_carries_rank_0s_clock_stamps_and_the_read_request() -> None:
-    from otel_train import downwire
+    from otel_train.crossrank import down_row
 
-    rows = downwire.answers(3, 5, None, read_recorder=True)
-    rows[2, downwire.D_T2], rows[2, downwire.D_T3] = 1000.25, 1000.5
-    down = downwire.decode(rows[2], 2)
+    rows = down_row.answers(3, 5, None, read_recorder=True)
+    rows[2, down_row.D_T2], rows[2, down_row.D_T3] = 1000.25, 1000.5
+    down = down_row.decode(rows[2], 2)
     assert down.read_recorder and down.root_times == (1000.25, 1000.5)
-    plain = downwire.decode(downwire.answers(3, 5, None)[1], 1)
+    plain = down_row.decode(down_row.answers(3, 5, None)[1], 1)
     assert not plain.read_recorder and all(math.isnan(t) for t in plain.root_times)

@@ -1,5 +1,5 @@
 """Cross-rank reductions, the wire format and the flush listener: no process group (the straggler
-model itself is tested in test_straggler_model.py)."""
+model itself is tested in test_verdicts.py)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,31 @@ import pytest
 import torch
 from helpers.events import Events
 
-from otel_train import downwire, semconv
-from otel_train.collective_lateness import LatenessTracker
+from otel_train import semconv
 from otel_train.config import Config
-from otel_train.crossrank import (
+from otel_train.crossrank import down_row
+from otel_train.crossrank.collective_lateness import LatenessTracker
+from otel_train.crossrank.exchange import Exchanged
+from otel_train.crossrank.reducer import CrossRankReducer
+from otel_train.crossrank.replicas import ReplicaCheck
+from otel_train.crossrank.timer_stats import (
     Reduction,
     format_timers,
     per_rank_timings,
     reduce_timings,
     stats_for_option,
 )
+from otel_train.crossrank.up_row import (
+    ANNOUNCE_SLOTS,
+    NAME_BYTES,
+    TimerTable,
+    name_id,
+    pack,
+    pack_len,
+    unpack,
+)
 from otel_train.distributed import Identity
-from otel_train.exchange import Exchanged
 from otel_train.interval import Interval
-from otel_train.rankwire import ANNOUNCE_SLOTS, NAME_BYTES, TimerTable, name_id, pack, pack_len, unpack
-from otel_train.replicas import ReplicaCheck
-from otel_train.straggler import CrossRankReducer
 
 
 def interval(
@@ -319,7 +328,7 @@ class _FakeExchange:
     ) -> Exchanged:
         if self.fail[0]:
             raise RuntimeError("Connection closed by peer")
-        assert answers is not None and answers.shape == (self.world, downwire.DOWN_LEN)
+        assert answers is not None and answers.shape == (self.world, down_row.DOWN_LEN)
         self.answers.append(answers.clone())
         (mine,) = unpack(up[: pack_len()])  # the replica-check block (replicas.py) follows
         rows = [
@@ -429,7 +438,7 @@ def test_rank0_answers_carry_cadence_now_and_verdicts_one_flush_later(
     adopted: list[tuple[int, int]] = []
     reducer.on_straggler = flagged.append
     reducer.on_cadence = lambda steps, anchor: adopted.append((steps, anchor))
-    verdicts: list[downwire.Verdict] = []
+    verdicts: list[down_row.Verdict] = []
     for seq in range(5):
         iv = interval(seq, {})
         iv.flush_interval, iv.flush_anchor = 20 * (seq + 1), 10 * seq + 19
@@ -438,11 +447,11 @@ def test_rank0_answers_carry_cadence_now_and_verdicts_one_flush_later(
         verdicts.append(reducer._verdict)
     assert adopted == []  # rank 0 adopts its own schedule at the flush (cadence.py), never from an answer
     sent = reducer.exchange.answers  # type: ignore[attr-defined]
-    assert all(downwire.decode(row, r).verdict_seq == -1 for r, row in enumerate(sent[0]))
+    assert all(down_row.decode(row, r).verdict_seq == -1 for r, row in enumerate(sent[0]))
     for seq in range(1, 5):
         before = verdicts[seq - 1]
         for r, row in enumerate(sent[seq]):
-            down = downwire.decode(row, r)
+            down = down_row.decode(row, r)
             assert (down.status, down.verdict_seq) == (0, seq - 1)
             assert (down.flush_interval, down.flush_anchor) == (20 * (seq + 1), 10 * seq + 19)  # not delayed
             assert down.scores == before.scores[r]  # this rank's own scores, exactly

@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from otel_train.rankwire import Spread
+from otel_train.crossrank.up_row import Spread
 
 Category = Literal["data", "compute", "communication", "other"]
 Pattern = Literal["chronic", "one_off"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from otel_train import downwire
-from otel_train.downwire import MAX_CHRONIC, Verdict, answers, carried, decode
-from otel_train.straggler_model import RankScores, StragglerReport
+from otel_train.crossrank import down_row
+from otel_train.crossrank.down_row import MAX_CHRONIC, Verdict, answers, carried, decode
+from otel_train.crossrank.verdicts import RankScores, StragglerReport
 
 
 def _report(
@@ -25,10 +25,10 @@ def test_round_trip_of_scores_reports_and_cadence() -> None:
     }
     culprit = _report(2, 0.8, waiting=(0, 1, 3))
     rows = answers(4, 50, Verdict(7, scores, [culprit]))
-    assert rows.shape == (4, downwire.DOWN_LEN)
+    assert rows.shape == (4, down_row.DOWN_LEN)
     for rank in range(4):
         down = decode(rows[rank], rank)
-        assert (down.status, down.flush_interval, down.verdict_seq) == (downwire.STATUS_OK, 50, 7)
+        assert (down.status, down.flush_interval, down.verdict_seq) == (down_row.STATUS_OK, 50, 7)
         assert down.chronic == [culprit] and down.chronic_total == 1
         assert down.scores == scores.get(rank)  # None for a rank without scores (1 has none here)
     first = decode(answers(4, 10, None)[3], 3)
@@ -59,5 +59,5 @@ def test_waiting_ranks_travel_as_bounded_runs_and_names_are_cut() -> None:
     scattered = tuple(range(0, 20, 2))  # ten runs: the first WAIT_RUNS travel
     cut = StragglerReport(1, "h", 1, "chronic", "data", "data", 0.1, 0.5, 0.5, None, scattered, 0.0)
     (down,) = decode(answers(2, 10, Verdict(0, {}, [cut]))[1], 1).chronic
-    assert down.waiting_ranks == scattered[: downwire.WAIT_RUNS]
+    assert down.waiting_ranks == scattered[: down_row.WAIT_RUNS]
     assert not math.isnan(down.wait_s)

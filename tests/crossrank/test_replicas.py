@@ -16,8 +16,7 @@ from helpers.multirank import run_ranks
 
 import otel_train as ot
 from otel_train import semconv as sc
-from otel_train.interval import Interval
-from otel_train.replicas import (
+from otel_train.crossrank.replicas import (
     ALL_RANKS,
     EXT_LEN,
     MAX_FINGERPRINTS,
@@ -28,6 +27,7 @@ from otel_train.replicas import (
     duplicate_batches,
     encode,
 )
+from otel_train.interval import Interval
 
 LABELS = ("embed", "mid", "head")
 

@@ -1,6 +1,6 @@
 """Data-parallel replicas checked against each other: unsharded data and replicas drifting apart.
 
-Both ride the ONE per-flush exchange (`straggler.CrossRankReducer`): every rank appends a fixed
+Both ride the ONE per-flush exchange (`reducer.CrossRankReducer`): every rank appends a fixed
 `EXT_LEN` block of float64 to its up row, and rank 0, which holds every row, compares them. No
 collective of its own, nothing on the training thread but the watched steps' device kernels.
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otel_train import semconv
+from otel_train.crossrank.up_row import name_id
 from otel_train.health import EventChannel
 from otel_train.interval import Interval
-from otel_train.rankwire import name_id
 
 logger = logging.getLogger("otel_train")
 

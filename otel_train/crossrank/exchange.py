@@ -20,7 +20,7 @@ worker, never on the training thread.
 
 So a peer's rows and answers pair one to one, in order, on the wire (one gloo slot, `TAG`). Rank 0
 returns the rows with their ranks, whichever flush of the peer's each comes from, and the caller
-(`straggler`) pairs only rows of the same steps. `grace_s` (`exchange_grace_s`) is sized for ranks
+(`crossrank/reducer`) pairs only rows of the same steps. `grace_s` (`exchange_grace_s`) is sized for ranks
 in lockstep (DDP, FSDP), whose rows come within milliseconds of each other: rank 0 waits only until
 the last expected row is in, and the caller expects only the peers that sent a row at its previous
 flush, so a late or independent rank costs rank 0's worker at most one grace in a row.
@@ -57,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from otel_train import downwire
+from otel_train.crossrank import down_row
 
 TAG = 18  # gloo slot of the exchange (the telemetry group carries nothing else)
 TRAILER_LEN = 1  # the exchange appends one float to every message (see the module doc)
@@ -135,7 +135,7 @@ class StarExchange:
         expect: set[int] | None = None,
         current: Callable[[Any], bool] | None = None,
     ) -> Exchanged:
-        """Rank 0: `answers` is [world, DOWN_LEN] (downwire.answers); it waits (up to the grace) for
+        """Rank 0: `answers` is [world, DOWN_LEN] (down_row.answers); it waits (up to the grace) for
         a row for which `current(row)` holds from each peer in `expect` (None: every peer; `current`
         None: any row). Others: `answers` None."""
         if self.rank == 0:
@@ -155,7 +155,7 @@ class StarExchange:
             self.skipped += 1
             self._prompt = False
             return Exchanged(None, down, sent=False, stamps=self._stamps_of(down))
-        buffer = _empty(torch, downwire.DOWN_LEN)
+        buffer = _empty(torch, down_row.DOWN_LEN)
         sent_at = math.nan
         if self.stamp_clock:
             up[-1] = sent_at = self.clock()  # t1
@@ -182,9 +182,9 @@ class StarExchange:
             pending.work.wait()  # finished (its trailer is in): returns at once
             received_at = self.clock() if self.stamp_clock else math.nan  # t4
             self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
-            down = pending.buffer[: downwire.DOWN_LEN]
+            down = pending.buffer[: down_row.DOWN_LEN]
             self._stamps = (pending.sent_at, received_at)
-            if int(down[downwire.H_STATUS]) == downwire.STATUS_ABORT:
+            if int(down[down_row.H_STATUS]) == down_row.STATUS_ABORT:
                 # Rank 0 may have posted it before taking this row, and never will: that send,
                 # and any later row's, are left pending (kept alive with their buffers).
                 self._parting.extend((p.work, p.send, p.buffer) for p in (pending, *self._unanswered))
@@ -209,7 +209,7 @@ class StarExchange:
                 for row in self._drain(torch, peer, up.numel(), failed, done, current):
                     taken.append((peer, row))
                     if self.stamp_clock:
-                        answers[peer, downwire.D_T2] = self.clock()  # t2: the row is in
+                        answers[peer, down_row.D_T2] = self.clock()  # t2: the row is in
                     # Answered at once: that peer's worker may be waiting for it before its next row.
                     sends.append(self._send(torch, answers, peer))
             return not (waiting - done - set(failed))
@@ -224,7 +224,7 @@ class StarExchange:
             elif now - self._missing_since.setdefault(peer, now) >= self.timeout_s:
                 failed[peer] = f"no row for {self.timeout_s:g} s"
         if failed:
-            answers[:, downwire.H_STATUS] = float(downwire.STATUS_ABORT)
+            answers[:, down_row.H_STATUS] = float(down_row.STATUS_ABORT)
             self._part(torch, answers, failed)
             first = min(failed)
             raise ExchangeFailed(f"no row from rank(s) {sorted(failed)} (rank {first}: {failed[first]})")
@@ -289,7 +289,7 @@ class StarExchange:
         import torch.distributed as dist
 
         if self.stamp_clock:
-            answers[peer, downwire.D_T3] = self.clock()  # t3: just before the answer leaves
+            answers[peer, down_row.D_T3] = self.clock()  # t3: just before the answer leaves
         message = _framed(torch, answers[peer])
         try:
             return dist.isend(message, group=self.group, group_dst=peer, tag=TAG), message

@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from otel_train.distributed import Identity
-from otel_train.interval import Interval
-from otel_train.rankwire import Spread, TimerTable, pack, unpack
-from otel_train.straggler_model import (
+from otel_train.crossrank.up_row import Spread, TimerTable, pack, unpack
+from otel_train.crossrank.verdicts import (
     Lateness,
     RankAssessment,
     RankView,
@@ -26,6 +24,8 @@ from otel_train.straggler_model import (
     holds_collective,
     phase_category,
 )
+from otel_train.distributed import Identity
+from otel_train.interval import Interval
 
 DDP = (("data", 0.004), ("forward", 0.030), ("backward", 0.030), ("optimizer", 0.006))
 

@@ -1,14 +1,14 @@
 """The cross-rank flush listener: ONE exchange per flush, off the training thread.
 
 `CrossRankReducer` runs at every flush on the background worker. It packs this rank's interval
-(`rankwire`: per-timer mean duration and arrival statistics, step statistics, host) into ONE
+(`crossrank/up_row`: per-timer mean duration and arrival statistics, step statistics, host) into ONE
 fixed-size float64 row and runs ONE star-shaped exchange (`exchange.StarExchange`) on a dedicated
 gloo group (`distributed.create_telemetry_group`), never on the training's own (maybe NCCL) group
 and never on the training thread; none at all when not distributed. Every rank but rank 0 sends its
-row up and gets one fixed-size answer down (`downwire`), so its cost does not grow with the job.
+row up and gets one fixed-size answer down (`crossrank/down_row`), so its cost does not grow with the job.
 
-Rank 0 holds the rows: it computes the timer reductions (`crossrank`) and the straggler verdicts
-(`straggler_model`), publishes the cross-rank gauges, logs and emits the straggler events and its
+Rank 0 holds the rows: it computes the timer reductions (`crossrank/timer_stats`) and the straggler verdicts
+(`crossrank/verdicts`), publishes the cross-rank gauges, logs and emits the straggler events and its
 own scores at once. Its answer at a flush carries its flush schedule (the adaptive cadence, which
 the other ranks adopt when it reaches them, `cadence.py`) and the verdicts of the PREVIOUS flush:
 each rank's own scores, lateness and wait (published by that rank) and the chronic stragglers. So
@@ -43,14 +43,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
-from otel_train import downwire, semconv
-from otel_train.collective_lateness import BLOCK_LEN, LatenessTracker
-from otel_train.crossrank import Reduction, per_rank_timings, reduce_timings, stats_for_option
-from otel_train.distributed import Identity, create_telemetry_group
-from otel_train.exchange import StarExchange
-from otel_train.health import EventChannel
-from otel_train.interval import Interval
-from otel_train.rankwire import (
+from otel_train import semconv
+from otel_train.crossrank import down_row
+from otel_train.crossrank.collective_lateness import BLOCK_LEN, LatenessTracker
+from otel_train.crossrank.exchange import StarExchange
+from otel_train.crossrank.replicas import EXT_LEN, ReplicaCheck
+from otel_train.crossrank.timer_stats import Reduction, per_rank_timings, reduce_timings, stats_for_option
+from otel_train.crossrank.up_row import (
     FLAG_SHARDED,
     MAX_TIMERS,
     RankRecord,
@@ -61,8 +60,7 @@ from otel_train.rankwire import (
     row_steps,
     unpack,
 )
-from otel_train.replicas import EXT_LEN, ReplicaCheck
-from otel_train.straggler_model import (
+from otel_train.crossrank.verdicts import (
     RankScores,
     RankView,
     Settings,
@@ -72,6 +70,9 @@ from otel_train.straggler_model import (
     assess,
     describe,
 )
+from otel_train.distributed import Identity, create_telemetry_group
+from otel_train.health import EventChannel
+from otel_train.interval import Interval
 
 logger = logging.getLogger("otel_train")
 
@@ -102,7 +103,7 @@ class CrossRankReducer:
     `exchange=False` (cross_rank=False: independent ranks): no exchange at all, as if not distributed.
     `group`: the telemetry group from `distributed.create_telemetry_group` (created here when None
     and distributed). `on_straggler(reports)`: called on every rank with the same list of chronic
-    stragglers (at most `downwire.MAX_CHRONIC`, the lowest scores) at each flush where there are
+    stragglers (at most `down_row.MAX_CHRONIC`, the lowest scores) at each flush where there are
     any, one flush after rank 0 found them (every rank gets the same list at the same flush, so a
     decision taken there, such as stopping, is the same on all ranks).
 
@@ -145,7 +146,7 @@ class CrossRankReducer:
         self.last_reductions: dict[str, Reduction] = {}
         self.last_scores: RankScores | None = None
         self.last_reports: list[StragglerReport] = []
-        self._verdict: downwire.Verdict | None = None  # rank 0: sent down at the next flush
+        self._verdict: down_row.Verdict | None = None  # rank 0: sent down at the next flush
         self._reporter = StragglerReporter(events)
         self._gathered_flushes = 0
         self._sharded_seen = False
@@ -239,7 +240,7 @@ class CrossRankReducer:
         if root:
             schedule = (interval.flush_interval, interval.flush_anchor)
             read = self.lateness.wants_read()
-            answers = downwire.answers(self._world, schedule[0], self._verdict, schedule[1], read)
+            answers = down_row.answers(self._world, schedule[0], self._verdict, schedule[1], read)
         try:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
             got = self.exchange.run(row, answers, self._expect, lambda up: row_steps(up)[1] >= interval.step)
@@ -249,7 +250,7 @@ class CrossRankReducer:
             self._flush_local(interval)
             return
         self.collectives += int(got.sent)
-        down = downwire.decode(got.down, self.identity.rank) if got.down is not None else None
+        down = down_row.decode(got.down, self.identity.rank) if got.down is not None else None
         if down is not None:
             if not root and self.on_cadence is not None and down.flush_interval >= 1:
                 self.on_cadence(down.flush_interval, down.flush_anchor)
@@ -291,7 +292,7 @@ class CrossRankReducer:
             self._left_out_warned = True
             _warn_left_out(left_out, from_step, interval.step)
 
-    def _deliver(self, down: downwire.Down, root: bool) -> None:
+    def _deliver(self, down: down_row.Down, root: bool) -> None:
         """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own
         already) and the chronic list for `on_straggler`, the same on every rank."""
         if down.verdict_seq < 0:
@@ -337,7 +338,7 @@ class CrossRankReducer:
         mine = next((s for s in all_scores if s.rank == self.identity.rank), None)
         self.last_scores = mine
         self.last_reports = reports
-        self._verdict = downwire.Verdict(
+        self._verdict = down_row.Verdict(
             interval.seq, {s.rank: s for s in all_scores}, [r for r in reports if r.chronic]
         )
         if mine is not None:
@@ -418,7 +419,7 @@ class StragglerReporter:
 
 
 def _emit(events: EventChannel | None, report: StragglerReport, step: int, threshold: float) -> None:
-    """Rank 0: log one new straggler and emit its `straggler` event."""
+    """Rank 0: log one new straggler and emit its `crossrank/reducer` event."""
     message = describe(report, step, threshold)
     logger.warning("otel_train: %s", message)
     if events is None:
@@ -474,7 +475,7 @@ def _fsdp_in_use() -> bool:
 
 
 def event_attributes(report: StragglerReport, step: int) -> dict[str, str | int | float]:
-    """The `straggler` health event's attributes (documented in the README)."""
+    """The `crossrank/reducer` health event's attributes (documented in the README)."""
     return {
         "rank": report.rank,
         "host.name": report.host,

@@ -1,5 +1,5 @@
 """The star exchange's protocol with torch.distributed's point-to-point calls faked in-process (real
-gloo ranks: test_straggler_multirank.py, tests/faults/test_fault_ranks.py): who sends what to whom,
+gloo ranks: tests/crossrank/test_reducer_multirank.py, tests/faults/test_fault_ranks.py): who sends what to whom,
 that nobody waits past the grace for a late peer (its posted receive stays posted and its row is
 taken later), and how a silent peer turns the exchange off on every rank."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from otel_train import downwire
-from otel_train.exchange import _ARRIVED, TRAILER_LEN, ExchangeFailed, StarExchange
+from otel_train.crossrank import down_row
+from otel_train.crossrank.exchange import _ARRIVED, TRAILER_LEN, ExchangeFailed, StarExchange
 
 
 class _Work:
@@ -59,8 +59,8 @@ def _up(rank: int) -> torch.Tensor:
 
 
 def _answers(world: int) -> torch.Tensor:
-    answers = downwire.answers(world, 20, None)
-    answers[:, downwire.H_FLUSH_INTERVAL] = torch.arange(world, dtype=torch.float64)  # tell the rows apart
+    answers = down_row.answers(world, 20, None)
+    answers[:, down_row.H_FLUSH_INTERVAL] = torch.arange(world, dtype=torch.float64)  # tell the rows apart
     return answers
 
 
@@ -70,7 +70,7 @@ def test_root_takes_every_row_then_answers_each_rank(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(exchange, "_post_receive", _only(exchange, p2p, {r: _up(r) for r in (1, 2, 3)}))
     got = exchange.run(_up(0), _answers(4))
     assert sorted(p2p.sent) == [1, 2, 3] and all(len(p2p.sent[r]) == 1 for r in (1, 2, 3))
-    assert [int(p2p.sent[r][0][downwire.H_FLUSH_INTERVAL]) for r in (1, 2, 3)] == [1, 2, 3]  # row r to r
+    assert [int(p2p.sent[r][0][down_row.H_FLUSH_INTERVAL]) for r in (1, 2, 3)] == [1, 2, 3]  # row r to r
     assert all(p2p.sent[r][0][-1] == _ARRIVED for r in (1, 2, 3))  # every message ends in the trailer
     assert got.ranks == [0, 1, 2, 3] and got.records is not None
     assert got.records[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and got.records.shape == (4, 10)
@@ -123,15 +123,15 @@ def test_a_peer_silent_for_the_timeout_aborts_the_others(monkeypatch: pytest.Mon
     exchange = StarExchange(object(), 0, 4, 0.2, grace_s=0.01)
     monkeypatch.setattr(exchange, "_post_receive", _only(exchange, p2p, {1: _up(1), 3: _up(3)}))
     exchange.run(_up(0), _answers(4))  # rank 2 is missing, not yet for the timeout
-    assert int(p2p.sent[1][-1][downwire.H_STATUS]) == downwire.STATUS_OK
+    assert int(p2p.sent[1][-1][down_row.H_STATUS]) == down_row.STATUS_OK
     time.sleep(0.25)
     p2p.deliver(1, _up(1))
     p2p.deliver(3, _up(3))
     with pytest.raises(ExchangeFailed, match=r"no row from rank\(s\) \[2\].*no row for 0.2 s"):
         exchange.run(_up(0), _answers(4))
     # every live peer gets ABORT as the answer to its next row (posted, never waited for)
-    assert int(p2p.sent[1][-1][downwire.H_STATUS]) == downwire.STATUS_ABORT
-    assert int(p2p.sent[3][-1][downwire.H_STATUS]) == downwire.STATUS_ABORT
+    assert int(p2p.sent[1][-1][down_row.H_STATUS]) == down_row.STATUS_ABORT
+    assert int(p2p.sent[3][-1][down_row.H_STATUS]) == down_row.STATUS_ABORT
     assert 2 not in p2p.sent  # nothing to the silent rank
 
 
@@ -146,15 +146,15 @@ def test_other_ranks_send_one_row_skip_while_unanswered_and_raise_on_abort(
     assert got.sent and len(p2p.sent[0]) == 2
     got = exchange.run(_up(2), None)  # MAX_UNANSWERED rows unanswered: this flush sends nothing
     assert not got.sent and exchange.skipped == 1 and len(p2p.sent[0]) == 2
-    ok = downwire.answers(4, 50, None)[2]
+    ok = down_row.answers(4, 50, None)[2]
     p2p.deliver(0, ok)
     p2p.deliver(0, ok)
     got = exchange.run(_up(2), None)  # both answers came: taken, and this flush's row goes up
     assert got.sent and len(p2p.sent[0]) == 3
-    assert got.down is not None and downwire.decode(got.down, 2).flush_interval == 50
+    assert got.down is not None and down_row.decode(got.down, 2).flush_interval == 50
     assert exchange.sent_bytes == 3 * 8 * (10 + TRAILER_LEN)
     aborted = ok.clone()
-    aborted[downwire.H_STATUS] = float(downwire.STATUS_ABORT)
+    aborted[down_row.H_STATUS] = float(down_row.STATUS_ABORT)
     p2p.deliver(0, aborted)
     with pytest.raises(ExchangeFailed, match="rank 0 found a failed peer"):
         exchange.run(_up(2), None)

@@ -130,8 +130,8 @@ def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) 
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from otel_train.config import Config
+    from otel_train.crossrank.reducer import CrossRankReducer
     from otel_train.distributed import create_telemetry_group, detect_identity
-    from otel_train.straggler import CrossRankReducer
 
     identity = detect_identity(None)
     assert identity.rank == rank and identity.world_size == world
@@ -196,11 +196,11 @@ def scenario_results() -> list[dict[str, Any]]:
 def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) -> None:
     """Per flush, every rank runs ONE exchange: a rank r > 0 posts one send to and one receive from
     rank 0, rank 0 one of each per peer; no torch collective at all. Bytes: O(1) off rank 0."""
-    from otel_train.collective_lateness import BLOCK_LEN
-    from otel_train.downwire import DOWN_LEN
-    from otel_train.exchange import TRAILER_LEN
-    from otel_train.rankwire import pack_len
-    from otel_train.replicas import EXT_LEN
+    from otel_train.crossrank.collective_lateness import BLOCK_LEN
+    from otel_train.crossrank.down_row import DOWN_LEN
+    from otel_train.crossrank.exchange import TRAILER_LEN
+    from otel_train.crossrank.replicas import EXT_LEN
+    from otel_train.crossrank.up_row import pack_len
 
     world = len(results)
     for rank, rank_result in enumerate(results):
@@ -289,8 +289,8 @@ def test_differing_timer_sets_reduce_by_name(scenario_results: list[dict[str, An
 
 def single_rank_target(rank: int, world: int) -> dict[str, Any]:
     from otel_train.config import Config
+    from otel_train.crossrank.reducer import CrossRankReducer
     from otel_train.distributed import create_telemetry_group, detect_identity
-    from otel_train.straggler import CrossRankReducer
 
     identity = detect_identity(None)
     counts = _count_collectives()
@@ -308,8 +308,8 @@ def test_world_size_one_issues_no_collective() -> None:
 
 def dead_peer_target(rank: int, world: int, mode: str, timeout_s: float) -> dict[str, Any]:
     from otel_train.config import Config
+    from otel_train.crossrank.reducer import CrossRankReducer
     from otel_train.distributed import create_telemetry_group, detect_identity
-    from otel_train.straggler import CrossRankReducer
 
     identity = detect_identity(None)
     config = Config(collective_timeout_s=timeout_s, exchange_grace_s=0.2)

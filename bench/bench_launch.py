@@ -267,7 +267,7 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         if config in WATCHED:
             ot.watch(model.net)
         if config in COLLECTIVE:  # one rank: attach the monitor every rank of a distributed job runs
-            from otel_train.collectives import start_monitor
+            from otel_train.diagnostics.collectives import start_monitor
 
             monitor = start_monitor(session.meter, None, 0)
             if monitor is None:

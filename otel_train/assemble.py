@@ -40,9 +40,8 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.bridges.process import BridgeProcess
     from otel_train.bridges.table import BridgeSpec
     from otel_train.cadence import Cadence
-    from otel_train.collectives import CollectiveMonitor
     from otel_train.crossrank import CrossRankReducer
-    from otel_train.hang_attribution import HangReporter
+    from otel_train.diagnostics import CollectiveMonitor, HangReporter
     from otel_train.hardware import Discovery, HardwareMonitor
     from otel_train.health import HealthEvents
     from otel_train.worker import Instruments
@@ -300,7 +299,7 @@ def _collective_monitor(place: RunPlace, meter: Any) -> CollectiveMonitor | None
                 "metrics and hang attribution are off. Call init_process_group() before ot.init()."
             )
         return None
-    from otel_train.collectives import start_monitor
+    from otel_train.diagnostics import start_monitor
 
     return start_monitor(meter, place.telemetry_group, place.identity.rank)
 
@@ -429,7 +428,7 @@ def _attach_goodput(session: Session) -> None:
 
 
 def _attach_memory_dumps(session: Session) -> None:
-    from otel_train.memory_dump import MemoryDumps
+    from otel_train.diagnostics import MemoryDumps
 
     ident = session.identity
     session.memory_dumps = MemoryDumps(session.run_dir, ident.rank, session.events, role=ident.role)
@@ -460,8 +459,7 @@ def _attach_worker(session: Session) -> None:
 
 def _hang_reporter(session: Session) -> HangReporter | None:
     """Hang attribution through the run directory, when the Flight Recorder feeds a monitor."""
-    from otel_train.collectives import CollectiveMonitor
-    from otel_train.hang_attribution import HangReporter
+    from otel_train.diagnostics import CollectiveMonitor, HangReporter
 
     monitor = next((x for x in session.listeners if isinstance(x, CollectiveMonitor)), None)
     if monitor is None or session.run_dir is None:
@@ -475,7 +473,7 @@ def _hang_reporter(session: Session) -> HangReporter | None:
 
 def _attach_watchdog(session: Session) -> None:
     from otel_train.control import ControlFile
-    from otel_train.hang import HangWatchdog
+    from otel_train.diagnostics import HangWatchdog
 
     config, rank = session.config, session.identity.rank
     reporter = _hang_reporter(session)
@@ -508,9 +506,9 @@ def _report_stuck_worker(session: Session) -> None:
 
 
 def _check_launch(session: Session, place: RunPlace, gpu_discovery: Discovery | None) -> dict[str, Any]:
+    from otel_train.diagnostics import check_launch, local_facts
     from otel_train.distributed import process_group_initialized
     from otel_train.hardware import RES_GPU_UUID
-    from otel_train.launch_check import check_launch, local_facts
 
     gpu_uuid = gpu_discovery.resource_attributes().get(RES_GPU_UUID) if gpu_discovery else None
     mine = local_facts(place.identity, gpu_uuid, process_group_initialized())

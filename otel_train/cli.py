@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def diagnose(run_dir: str, role: str = "") -> int:
     """Print the hang verdict from the `collectives.rank<k>.json` files the ranks left at their stall
-    (see otel_train/hang_attribution.py); 1 when there is none to give."""
+    (see otel_train/diagnostics/hang_attribution.py); 1 when there is none to give."""
     from pathlib import Path
 
-    from otel_train.hang_attribution import attribute, read_summaries
+    from otel_train.diagnostics import attribute, read_summaries
 
     summaries = read_summaries(Path(run_dir), role=role)
     if summaries:  # the last stall only: a rank's file from an earlier, resolved stall is stale

@@ -439,7 +439,7 @@ SYSTEM_MEMORY_USAGE = _m(
     "host/memory_{system.memory.state}", (MEMORY_STATE,),
 )  # fmt: skip
 
-# --- collectives (PyTorch's Flight Recorder; see otel_train/collectives.py) --------------------------
+# --- collectives (PyTorch's Flight Recorder; see otel_train/diagnostics/collectives.py) --------------
 PROCESS_GROUP = "train.collective.group"  # the process group's description (default_pg, ...) or name
 COLLECTIVE_OP = "train.collective.op"  # all_reduce | all_gather | reduce_scatter | ... ; "other" past the cap
 COLLECTIVE_COUNT = _m(

@@ -38,12 +38,11 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.cadence import Cadence
     from otel_train.control import ControlChange, ControlFile
     from otel_train.crossrank import CrossRankReducer
+    from otel_train.diagnostics import HangWatchdog, MemoryDumps
     from otel_train.exporters import Telemetry
     from otel_train.goodput import GoodputListener
-    from otel_train.hang import HangWatchdog
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents
-    from otel_train.memory_dump import MemoryDumps
     from otel_train.model_watch import ModelWatch
     from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
     from otel_train.step_reader import StepReader

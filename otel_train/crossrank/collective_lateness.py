@@ -54,10 +54,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from otel_train.collectives import CollectiveMonitor, group_label, op_name
 from otel_train.crossrank.down_row import Down
 from otel_train.crossrank.up_row import RankRecord, name_id
 from otel_train.crossrank.verdicts import UNTIMED, Lateness, RankAssessment, RankView
+from otel_train.diagnostics import CollectiveMonitor, group_label, op_name
 from otel_train.interval import Interval
 
 MAX_ARRIVALS = 32  # collectives per rank per read in the up row

@@ -228,7 +228,7 @@ def _fsdp_rank(rank: int, world: int, timers: bool, skew_s: float, out: str) -> 
     from torch.distributed.fsdp import fully_shard
 
     import otel_train as ot
-    from otel_train import collectives
+    from otel_train.diagnostics import collectives
 
     collectives.MAX_READ_SHARE = READ_SHARE
     events: list[dict[str, Any]] = []
@@ -313,7 +313,7 @@ def _hf_rank(rank: int, world: int, out: str) -> dict[str, Any]:
     from integrations.test_transformers import SlowRows, _trainer
 
     import otel_train as ot
-    from otel_train import collectives
+    from otel_train.diagnostics import collectives
     from otel_train.integrations.transformers import OtelTrainCallback
 
     collectives.MAX_READ_SHARE = READ_SHARE

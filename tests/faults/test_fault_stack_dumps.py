@@ -37,7 +37,7 @@ def _events(run_dir: Path, event: str) -> list[dict[str, Any]]:
 FLOOD = """
 import sys, time
 import otel_train as ot
-from otel_train.hang import SIGNAL_DUMP_INTERVAL_S
+from otel_train.diagnostics.hang import SIGNAL_DUMP_INTERVAL_S
 ot.init(output_dir=sys.argv[1], run_name="flood", prometheus_port=0, verbosity=0, hardware=False)
 print("ready", flush=True)
 step = 0

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from otel_train.collectives import buffer_size
+from otel_train.diagnostics.collectives import buffer_size
 from otel_train.health import EventChannel
 from otel_train.run_directory import RunFiles
 

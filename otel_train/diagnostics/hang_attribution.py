@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otel_train.collectives import CollectiveMonitor, group_label, op_name, read_dump
+from otel_train.diagnostics.collectives import CollectiveMonitor, group_label, op_name, read_dump
 from otel_train.health import EventChannel
 from otel_train.run_directory import RunFiles
 

@@ -13,7 +13,7 @@ import pytest
 from helpers.multirank import run_ranks
 
 import otel_train as ot
-from otel_train.launch_check import RankFacts, find_problems
+from otel_train.diagnostics.launch_check import RankFacts, find_problems
 
 
 def _facts(rank: int, world: int = 2, local: int | None = None, host: str = "h0", gpu: str | None = None,

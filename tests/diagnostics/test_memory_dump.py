@@ -18,7 +18,7 @@ import torch
 from helpers.events import Events
 
 import otel_train as ot
-from otel_train.memory_dump import MAX_DUMPS, MemoryDumps, has_history
+from otel_train.diagnostics.memory_dump import MAX_DUMPS, MemoryDumps, has_history
 from otel_train.run_directory import RunFiles
 
 HISTORY = {"segments": [{"blocks": [{"size": 512, "frames": [{"filename": "train.py", "line": 3}]}]}],

@@ -22,8 +22,8 @@ from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from otel_train import semconv
-from otel_train.collectives import OFF_MESSAGE, CollectiveMonitor
-from otel_train.hang_attribution import Verdict, attribute
+from otel_train.diagnostics.collectives import OFF_MESSAGE, CollectiveMonitor
+from otel_train.diagnostics.hang_attribution import Verdict, attribute
 
 FR_ON = {"TORCH_FR_BUFFER_SIZE": "500"}
 STALL_S = 1.5
@@ -51,7 +51,7 @@ def _metrics_target(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         messages.append(record.getMessage()) if record.levelno >= logging.WARNING else None
     )
     logging.getLogger("otel_train").addHandler(handler)
-    from otel_train import collectives
+    from otel_train.diagnostics import collectives
 
     collectives.MAX_READ_SHARE = 1.0  # read the recorder at every flush: this test counts exactly
     port = free_port()  # the pull endpoint listens on prometheus_port + local rank
@@ -268,7 +268,7 @@ def test_each_collective_is_counted_once_and_a_wrapped_buffer_is_said_once(caplo
 
 
 def test_stray_and_malformed_files_are_skipped_not_fatal(tmp_path: Path) -> None:
-    from otel_train.hang_attribution import read_summaries, summarize
+    from otel_train.diagnostics.hang_attribution import read_summaries, summarize
     from otel_train.run_directory import RunFiles
 
     waiting = {str(s): "all_reduce" for s in range(3, 8)}

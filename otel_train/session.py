@@ -190,7 +190,9 @@ class Session(SessionParts, GoodputClock):
         self.deferred_flushes = 0
         self.lost_flushes = 0
         self.lost_steps = 0  # steps in flushes that never reached the run dir (warned with the number)
-        self._step_thread: int | None = None  # the thread running ot.step(): the only one that flushes
+        # The thread running ot.step(), the only one that flushes: until the first step, the one that
+        # called init() (a flush from another thread before it would race the first step's counters).
+        self._step_thread: int | None = threading.get_ident()
         self._flush_requested = False  # another thread asked for a flush (log_metrics(step=...))
         self.shutdown_done = threading.Event()
 

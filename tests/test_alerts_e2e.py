@@ -156,10 +156,16 @@ def test_straggler_and_rank_stall_reach_alertmanager(fake_ranks: list[FakeRank],
         assert not _firing(am, run_id="balanced")
         assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStraggler")} == {"slow"}
         assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStalled")} <= {"hung"}
+
+        # Each rank's alert reaches Alertmanager on its own: wait until both ranks of the hung run
+        # are there (a rank that never fires times out), then check that no healthy rank is.
+        def hung_alerts() -> list[dict]:
+            alerts = _firing(am, alertname="TrainingCollectiveHang")
+            ranks = {(a["labels"]["run_id"], a["labels"]["rank"]) for a in alerts}
+            return alerts if {("hung", "0"), ("hung", "1")} <= ranks else []
+
         hung = wait_until(
-            lambda: _firing(am, alertname="TrainingCollectiveHang"),
-            timeout=60,
-            what="TrainingCollectiveHang in Alertmanager",
+            hung_alerts, timeout=60, what="TrainingCollectiveHang in Alertmanager on both hung ranks"
         )
         # on every rank of the hung run (all stuck in the collective), on no healthy rank
         assert {(a["labels"]["run_id"], a["labels"]["rank"]) for a in hung} == {("hung", "0"), ("hung", "1")}

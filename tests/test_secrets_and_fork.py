@@ -80,8 +80,11 @@ def test_forked_dataloader_workers_export_nothing() -> None:
         time.sleep(0.5)
         ot.shutdown()
     # every request came from this process, none from a worker (whose inherited Resource would
-    # look like the parent's): the receiver asks the kernel who owns each client socket
-    assert received.sender_pids and set(received.sender_pids) == {os.getpid()}, received.sender_pids
+    # look like the parent's): the receiver asks the kernel who holds each client socket. A worker
+    # forked while the exporter's keep-alive connection was open holds that socket too, so a
+    # request may list it beside us; a connection a worker opened itself would list only workers.
+    assert received.sender_pids, "no request recorded its sender"
+    assert all(os.getpid() in holders for holders in received.sender_pids), received.sender_pids
     points = received.metric_points()
     # A child re-exporting the parent's frozen cumulative values would show up as a decrease.
     exported = [

@@ -23,7 +23,9 @@ class Received:
     logs: list[Any] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)  # every request body, for secret scans
     headers: list[dict[str, str]] = field(default_factory=list)
-    sender_pids: list[int | None] = field(default_factory=list)  # http_receiver(record_senders=True)
+    # http_receiver(record_senders=True): per request, every process holding its client socket
+    # (a fork child inherits its parent's keep-alive connection, so more than one can)
+    sender_pids: list[frozenset[int]] = field(default_factory=list)
 
     # --- views ----------------------------------------------------------------------------------
     def metric_points(self) -> dict[str, list[tuple[dict[str, Any], Any, str]]]:
@@ -67,15 +69,20 @@ def attributes(items: Any) -> dict[str, Any]:
     return {kv.key: any_value(kv.value) for kv in items}
 
 
-def sender_pid(client: tuple[str, int], server: tuple[str, int]) -> int | None:
-    """The process that owns the client end of a connection to `server` (None: not found, or a
-    process of another user)."""
+def sender_pids(client: tuple[str, int], server: tuple[str, int]) -> frozenset[int]:
+    """Every process that holds the client end of a connection to `server` in its fd table
+    (empty: none found, or processes of another user). psutil lists one entry per holder."""
     import psutil
 
-    for conn in psutil.net_connections(kind="tcp4"):
-        if conn.laddr and conn.raddr and tuple(conn.laddr) == client and tuple(conn.raddr) == server:
-            return conn.pid
-    return None
+    return frozenset(
+        conn.pid
+        for conn in psutil.net_connections(kind="tcp4")
+        if conn.pid is not None
+        and conn.laddr
+        and conn.raddr
+        and tuple(conn.laddr) == client
+        and tuple(conn.raddr) == server
+    )
 
 
 def _free_port() -> int:
@@ -109,14 +116,14 @@ def http_receiver(port: int | None = None, record_senders: bool = False) -> Iter
             message = request_type()
             message.ParseFromString(body)
             # while this request is open, its client socket is in the sender's fd table
-            pid = (
-                sender_pid(self.client_address[:2], self.server.server_address[:2])
+            holders = (
+                sender_pids(self.client_address[:2], self.server.server_address[:2])
                 if record_senders
-                else None
+                else frozenset()
             )
             with lock:
                 if record_senders:
-                    received.sender_pids.append(pid)
+                    received.sender_pids.append(holders)
                 sink.append(message)
                 received.raw.append(body)
                 received.headers.append(dict(self.headers.items()))

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.diagnostics import CollectiveMonitor, HangReporter
     from otel_train.hardware import Discovery, HardwareMonitor
     from otel_train.health import HealthEvents
-    from otel_train.worker import Instruments
+    from otel_train.instruments import Instruments
 
 logger = logging.getLogger("otel_train")
 
@@ -236,10 +236,10 @@ def _build_session(
     from otel_train.exporters import build_telemetry
     from otel_train.gradient_flow import GradientFlowMonitor
     from otel_train.health import HealthMonitor
+    from otel_train.instruments import Instruments
     from otel_train.mps_memory import MpsMemory
     from otel_train.profiling import ProfiledStepsCounter
     from otel_train.step_reader import StepReader
-    from otel_train.worker import Instruments
 
     ident = place.identity
     step_reader = StepReader()
@@ -437,7 +437,8 @@ def _attach_memory_dumps(session: Session) -> None:
 
 
 def _attach_worker(session: Session) -> None:
-    from otel_train.worker import SpanWriter, Worker
+    from otel_train.tracing import SpanWriter
+    from otel_train.worker import Worker
 
     telemetry, ident, config = session.telemetry, session.identity, session.config
     tracer = (

@@ -43,10 +43,11 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.goodput import GoodputListener
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents
+    from otel_train.instruments import Instruments
     from otel_train.model_watch import ModelWatch
     from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
     from otel_train.step_reader import StepReader
-    from otel_train.worker import Instruments, Worker
+    from otel_train.worker import Worker
 
 log = logging.getLogger("otel_train")
 

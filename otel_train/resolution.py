@@ -1,0 +1,259 @@
+"""Value resolution, on the worker: a flush batch's raw values (numbers, device tensors, CUDA
+events) as host floats, bad ones dropped and counted; device tensors are copied in one transfer
+per device."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from otel_train.buffer import FlushBatch, LayerStats
+from otel_train.interval import Interval
+
+NO_DATA_WARNING = (
+    "otel_train: record() got a tensor with no data (a meta or fake tensor); such values are "
+    "dropped and counted as otel_train.dropped{reason=no_data_tensor}."
+)
+
+
+def has_data(tensor: Any) -> bool:
+    """False for a tensor that has no values to copy (a `meta` tensor, a FakeTensor of
+    torch.compile's tracing): copying one raises from deep in C++, slowly (its C++ stack is
+    symbolised), and a worker still inside that at interpreter exit aborts the process (SIGABRT),
+    losing the last flushes. Such values are dropped (`otel_train.dropped{reason=no_data_tensor}`)."""
+    if getattr(tensor, "is_meta", False):
+        return False
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is None or not isinstance(tensor, fake.FakeTensor)
+
+
+def histogram_values(values: Any) -> list[float]:
+    """A distribution (tensor, array or sequence) as finite floats; runs on the worker."""
+    if hasattr(values, "detach") and not has_data(values):
+        return []
+    if hasattr(values, "detach"):
+        values = values.detach().reshape(-1).double().cpu().tolist()
+    elif hasattr(values, "tolist"):
+        values = values.reshape(-1).tolist() if hasattr(values, "reshape") else values.tolist()
+    out: list[float] = []
+    for value in values if isinstance(values, (list, tuple)) else list(values):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(number):
+            out.append(number)
+    return out
+
+
+def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str, int]]:
+    """Turn recorded values (numbers, 0-dim or 1-element tensors) into finite floats, position by
+    position (None where a value was dropped: bad type, non-scalar tensor, NaN/Inf).
+
+    Device tensors are stacked and copied in ONE transfer. Returns (values, drop counts).
+    """
+    dropped: dict[str, int] = {}
+    stacked = _stacked_scalars(values)
+    if stacked is not None:
+        return _finite_only(stacked, dropped), dropped
+    out: list[float | None] = [None] * len(values)
+    tensors: list[tuple[int, Any]] = []
+    for i, value in enumerate(values):
+        # One value at a time: whatever a value does (10**400, a __float__ that raises anything),
+        # only that value is dropped and counted, never the flush.
+        try:
+            cls = value.__class__
+            if cls is float:
+                out[i] = value
+            elif cls is int:
+                out[i] = float(value)
+            elif cls is bool or value is None or isinstance(value, (str, bytes)):
+                dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+            elif hasattr(value, "numel") and hasattr(value, "detach"):
+                if not has_data(value):
+                    dropped["no_data_tensor"] = dropped.get("no_data_tensor", 0) + 1
+                elif value.is_complex():
+                    dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+                elif value.numel() == 1:
+                    tensors.append((i, value))
+                else:
+                    dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1
+            else:
+                out[i] = float(value)  # numpy scalars, Decimal, ...
+        except OverflowError:
+            dropped["overflow"] = dropped.get("overflow", 0) + 1
+        except Exception:
+            dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+    if tensors:
+        for (i, _), resolved in zip(tensors, tensors_to_host([t for _, t in tensors]), strict=True):
+            if resolved is None:  # a dtype that cannot convert (complex, ...)
+                dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+            else:
+                out[i] = resolved[0]
+    return _finite_only(out, dropped), dropped
+
+
+def _finite_only(values: list[float | None], dropped: dict[str, int]) -> list[float | None]:
+    """`values` with NaN/Inf replaced by None, counted as dropped `nonfinite`."""
+    for i, value in enumerate(values):
+        if value is not None and not math.isfinite(value):
+            values[i] = None
+            dropped["nonfinite"] = dropped.get("nonfinite", 0) + 1
+    return values
+
+
+def _stacked_scalars(values: Sequence[Any]) -> list[float | None] | None:
+    """The common interval (one loss tensor per step): every value a plain, real, one-element
+    `torch.Tensor` of one shape on one device, read with one stack and one copy, without the
+    per-value checks of `resolve_values` (~3x cheaper per value on the worker). None for anything
+    else (a number, a subclass such as FakeTensor, a meta or complex tensor, mixed shapes or
+    devices), which takes the careful path: the result is the same either way."""
+    torch = sys.modules.get("torch")
+    if torch is None or not values:
+        return None
+    plain = torch.Tensor
+    if any(value.__class__ is not plain or value.is_meta for value in values):
+        return None
+    try:
+        with torch.no_grad():
+            joined = torch.stack(list(values))  # raises on mixed shapes or devices
+            if joined.numel() != len(values) or joined.is_complex():
+                return None
+            if joined.device.type == "mps":  # Metal has no float64: convert on the host
+                joined = joined.cpu()
+            resolved: list[float | None] = joined.reshape(-1).to(torch.float64).cpu().tolist()
+            return resolved
+    except Exception:
+        return None
+
+
+def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
+    """Each tensor's values as floats, copied to the host in ONE transfer per device (None for a
+    tensor whose device group could not be converted)."""
+    import torch
+
+    by_device: dict[Any, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        try:
+            if has_data(tensor):
+                by_device.setdefault(tensor.device, []).append(i)
+        except Exception:  # a tensor-like object without a usable device: left as None
+            continue
+    out: list[list[float] | None] = [None] * len(tensors)
+    for positions in by_device.values():
+        try:
+            with torch.no_grad():  # one stack/cat and one cast per device, not one per tensor
+                group = [tensors[i] for i in positions]
+                shape = group[0].shape
+                if all(t.shape == shape for t in group):  # e.g. one 0-dim loss per step: 4x cheaper
+                    joined = torch.stack(group)
+                else:
+                    joined = torch.cat([t.reshape(-1) for t in group])
+                if joined.device.type == "mps":  # Metal has no float64: convert on the host
+                    joined = joined.cpu()
+                flat = joined.reshape(-1).to(torch.float64).cpu().tolist()
+        except Exception:  # one odd tensor (sparse, quantized, nested, ...): each on its own, so
+            for i in positions:  # only the odd ones are dropped, not the whole device's values
+                out[i] = _one_to_host(tensors[i])
+            continue
+        offset = 0
+        for i in positions:
+            size = tensors[i].numel()
+            out[i] = flat[offset : offset + size]
+            offset += size
+    return out
+
+
+def _one_to_host(tensor: Any) -> list[float] | None:
+    import torch
+
+    try:
+        with torch.no_grad():
+            return [float(x) for x in tensor.reshape(-1).to(torch.float64).cpu().tolist()]
+    except Exception:
+        return None
+
+
+def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats, list[float]]]:
+    """Per-layer values of watched steps, copied to the host with one transfer per device."""
+    resolved = tensors_to_host([r.values for r in records])
+    return [(r, values) for r, values in zip(records, resolved, strict=True) if values is not None]
+
+
+def _value_steps(
+    resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
+) -> list[int] | None:
+    """The step of each kept value, when the values were recorded k times in every step of the
+    interval (the usual once-per-step loss); None when that cannot be told (values recorded outside
+    steps, in some steps only, or under two names merged into one instrument)."""
+    if merged or not step_indices or len(resolved) % len(step_indices):
+        return None
+    per_step = len(resolved) // len(step_indices)
+    if per_step == 1 and None not in resolved:  # once a step, nothing dropped: the usual loss
+        return list(step_indices)
+    return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is not None]
+
+
+def timer_phases(batch: FlushBatch) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(phase durations, arrivals) in seconds: `ot.phase` values, then each timer's raw clock
+    readings (durations computed exactly as `_seconds` does for its span, so exemplars match;
+    the arrival, from its step's start to the timer's end, only for timers inside a step)."""
+    phases = {name: list(values) for name, values in batch.phases.items()}
+    arrivals: dict[str, list[float]] = {}
+    for name, timings in batch.timings.items():
+        durations = [(end - start) * 1e-9 for start, end, _ in timings]
+        phases[name] = phases[name] + durations if name in phases else durations
+        arrived = [(end - began) * 1e-9 for _, end, began in timings if began]
+        if arrived:
+            arrivals[name] = arrived
+    return phases, arrivals
+
+
+def resolve_interval(batch: FlushBatch) -> Interval:
+    """The batch as host floats (waiting on its CUDA event, here on the worker); bad values are
+    dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval."""
+    if batch.cuda_event is not None:
+        batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
+    scalars: dict[str, list[float]] = {}
+    scalar_steps: dict[str, list[int]] = {}
+    nonfinite: dict[str, int] = {}
+    for instrument, raw in batch.scalars.items():
+        resolved, dropped = resolve_values(raw)
+        for reason, count in dropped.items():
+            batch.dropped[reason] = batch.dropped.get(reason, 0) + count
+        if dropped.get("nonfinite", 0):
+            nonfinite[instrument] = dropped["nonfinite"]
+        values = [v for v in resolved if v is not None]
+        if values:
+            scalars[instrument] = values
+            steps = _value_steps(resolved, batch.step_indices, instrument in batch.merged)
+            if steps is not None:
+                scalar_steps[instrument] = steps
+    phases, arrivals = timer_phases(batch)
+    for name, start, end in batch.cuda_timers:
+        try:
+            end.synchronize()
+            phases.setdefault(name, []).append(start.elapsed_time(end) / 1000.0)
+        except Exception:
+            batch.dropped["cuda_timer"] = batch.dropped.get("cuda_timer", 0) + 1
+    return Interval(
+        seq=batch.seq,
+        step=batch.step,
+        wall_time=batch.wall_time,
+        elapsed_s=batch.elapsed_s,
+        steps=batch.steps,
+        tokens=batch.tokens,
+        samples=batch.samples,
+        step_durations=batch.step_durations,
+        phases=phases,
+        arrivals=arrivals,
+        scalars=scalars,
+        scalar_steps=scalar_steps,
+        nonfinite=nonfinite,
+        final=batch.final,
+        flush_interval=batch.flush_interval,
+        flush_anchor=batch.flush_anchor,
+        autocast_dtype=batch.autocast_dtype,
+    )

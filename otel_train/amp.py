@@ -27,12 +27,8 @@ class ScalerWatch:
         self._skipped_total: Any = None  # cumulative, on the scale's device
         self._latest: tuple[Any, Any] | None = None  # (scale clone, skipped total): one assignment
         self._reported_skips = 0.0
-        self._scale_gauge = meter.create_gauge(
-            semconv.LOSS_SCALE.name, semconv.LOSS_SCALE.unit, semconv.LOSS_SCALE.description
-        )
-        self._skips = meter.create_counter(
-            semconv.SKIPPED_STEPS.name, semconv.SKIPPED_STEPS.unit, semconv.SKIPPED_STEPS.description
-        )
+        self._scale_gauge = semconv.LOSS_SCALE.create(meter)
+        self._skips = semconv.SKIPPED_STEPS.create(meter)
         self._skips.add(0)
         self._hook = _WatchedUpdate(self)
         scaler.update = self._hook  # shadows the method on this instance only

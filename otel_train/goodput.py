@@ -93,16 +93,10 @@ class GoodputListener:
         self._clock = clock
         self._state_path = state_path
         self._run_id = run_id
-        self._gauge = meter.create_gauge(
-            semconv.GOODPUT.name, semconv.GOODPUT.unit, semconv.GOODPUT.description
-        )
-        self._badput = meter.create_counter(
-            semconv.BADPUT_DURATION.name, semconv.BADPUT_DURATION.unit, semconv.BADPUT_DURATION.description
-        )
-        spec = semconv.INTERRUPTIONS
-        interruptions = meter.create_counter(spec.name, spec.unit, spec.description)
-        spec = semconv.STEP_DEVIATION
-        self._deviation = meter.create_gauge(spec.name, spec.unit, spec.description)
+        self._gauge = semconv.GOODPUT.create(meter)
+        self._badput = semconv.BADPUT_DURATION.create(meter)
+        interruptions = semconv.INTERRUPTIONS.create(meter)
+        self._deviation = semconv.STEP_DEVIATION.create(meter)
         self._means: deque[float] = deque(maxlen=DEVIATION_BASELINE)
         self.step_s = 0.0  # this process's step time (worker-side, from the flushed durations)
         self.steps = 0

@@ -13,28 +13,18 @@ class Instruments:
 
     def __init__(self, meter: Any, max_user_gauges: int) -> None:
         self.meter = meter
-        self.steps = meter.create_counter(semconv.STEPS.name, semconv.STEPS.unit, semconv.STEPS.description)
-        self.tokens = meter.create_counter(
-            semconv.TOKENS.name, semconv.TOKENS.unit, semconv.TOKENS.description
-        )
-        self.samples = meter.create_counter(
-            semconv.SAMPLES.name, semconv.SAMPLES.unit, semconv.SAMPLES.description
-        )
-        self.step_duration = _histogram(meter, semconv.STEP_DURATION)
-        self.phase_duration = _histogram(meter, semconv.PHASE_DURATION)
-        self.current_step = _gauge(meter, semconv.CURRENT_STEP)
-        self.last_step_time = _gauge(meter, semconv.LAST_STEP_TIME)
-        self.total_steps = _gauge(meter, semconv.TOTAL_STEPS)
-        self.eta = _gauge(meter, semconv.ETA)
-        self.nonfinite_loss = meter.create_counter(
-            semconv.NONFINITE_LOSS.name, semconv.NONFINITE_LOSS.unit, semconv.NONFINITE_LOSS.description
-        )
-        self.health_events = meter.create_counter(
-            semconv.HEALTH_EVENTS.name, semconv.HEALTH_EVENTS.unit, semconv.HEALTH_EVENTS.description
-        )
-        self.dropped = meter.create_counter(
-            semconv.DROPPED.name, semconv.DROPPED.unit, semconv.DROPPED.description
-        )
+        self.steps = semconv.STEPS.create(meter)
+        self.tokens = semconv.TOKENS.create(meter)
+        self.samples = semconv.SAMPLES.create(meter)
+        self.step_duration = semconv.STEP_DURATION.create(meter)
+        self.phase_duration = semconv.PHASE_DURATION.create(meter)
+        self.current_step = semconv.CURRENT_STEP.create(meter)
+        self.last_step_time = semconv.LAST_STEP_TIME.create(meter)
+        self.total_steps = semconv.TOTAL_STEPS.create(meter)
+        self.eta = semconv.ETA.create(meter)
+        self.nonfinite_loss = semconv.NONFINITE_LOSS.create(meter)
+        self.health_events = semconv.HEALTH_EVENTS.create(meter)
+        self.dropped = semconv.DROPPED.create(meter)
         self._gauges: dict[str, Any] = {}
         self._max_user_gauges = max_user_gauges
         # Zero-valued series from the start, so increase() in alert rules sees the first event.
@@ -50,18 +40,8 @@ class Instruments:
             if spec is None and len(self._gauges) >= self._max_user_gauges + len(semconv.CATALOGUE):
                 return None
             if spec is not None:
-                gauge = _gauge(self.meter, spec)
+                gauge = spec.create(self.meter)
             else:
                 gauge = self.meter.create_gauge(instrument, "", "Recorded with otel_train.record().")
             self._gauges[instrument] = gauge
         return gauge
-
-
-def _histogram(meter: Any, spec: semconv.MetricSpec) -> Any:
-    return meter.create_histogram(
-        spec.name, spec.unit, spec.description, explicit_bucket_boundaries_advisory=list(spec.buckets or ())
-    )
-
-
-def _gauge(meter: Any, spec: semconv.MetricSpec) -> Any:
-    return meter.create_gauge(spec.name, spec.unit, spec.description)

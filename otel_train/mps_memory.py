@@ -66,9 +66,7 @@ class MpsMemory:
         for spec, value in values.items():
             gauge = self._gauges.get(spec.name)
             if gauge is None:
-                gauge = self._gauges[spec.name] = self._meter.create_gauge(
-                    spec.name, unit=spec.unit, description=spec.description
-                )
+                gauge = self._gauges[spec.name] = spec.create(self._meter)
             gauge.set(value)
 
     def close(self) -> None:

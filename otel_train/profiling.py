@@ -155,8 +155,7 @@ class ProfiledStepsCounter:
     """Flush listener: adds the steps profiled since the last flush to `train.profiler.steps`."""
 
     def __init__(self, meter: Any) -> None:
-        spec = semconv.PROFILED_STEPS
-        self._counter = meter.create_counter(spec.name, spec.unit, spec.description)
+        self._counter = semconv.PROFILED_STEPS.create(meter)
         self._counter.add(0)
         self.total = 0  # written by the training thread only
         self._reported = 0  # read and written by the worker only

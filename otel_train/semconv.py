@@ -13,8 +13,10 @@ a rate under `key + "_per_s"`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class Kind(str, Enum):
@@ -36,6 +38,27 @@ class MetricSpec:
     attributes: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
     gpu_only: bool = False
+
+    def create(self, meter: Any, callback: Callable[..., Iterable[Any]] | None = None) -> Any:
+        """The instrument this spec describes, on `meter` (observable kinds read `callback`): the
+        one way otel_train makes an instrument from the catalogue, so name, unit, description and
+        buckets always come from here."""
+        kw: dict[str, Any] = {"unit": self.unit, "description": self.description}
+        callbacks = [callback] if callback else None
+        match self.kind:
+            case Kind.COUNTER:
+                return meter.create_counter(self.name, **kw)
+            case Kind.HISTOGRAM:
+                buckets = None if self.buckets is None else list(self.buckets)
+                return meter.create_histogram(self.name, explicit_bucket_boundaries_advisory=buckets, **kw)
+            case Kind.GAUGE:
+                return meter.create_gauge(self.name, **kw)
+            case Kind.OBSERVABLE_GAUGE:
+                return meter.create_observable_gauge(self.name, callbacks=callbacks, **kw)
+            case Kind.OBSERVABLE_COUNTER:
+                return meter.create_observable_counter(self.name, callbacks=callbacks, **kw)
+            case Kind.OBSERVABLE_UP_DOWN_COUNTER:
+                return meter.create_observable_up_down_counter(self.name, callbacks=callbacks, **kw)
 
     @property
     def prometheus_name(self) -> str:

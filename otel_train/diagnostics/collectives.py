@@ -132,15 +132,9 @@ class CollectiveMonitor:
 
     def __init__(self, meter: Any, excluded_groups: Iterable[str]) -> None:
         self.excluded = set(excluded_groups)
-        self._count = meter.create_counter(
-            semconv.COLLECTIVE_COUNT.name, semconv.COLLECTIVE_COUNT.unit, semconv.COLLECTIVE_COUNT.description
-        )
-        self._size = meter.create_counter(
-            semconv.COLLECTIVE_SIZE.name, semconv.COLLECTIVE_SIZE.unit, semconv.COLLECTIVE_SIZE.description
-        )
-        self._time = meter.create_counter(
-            semconv.COLLECTIVE_TIME.name, semconv.COLLECTIVE_TIME.unit, semconv.COLLECTIVE_TIME.description
-        )
+        self._count = semconv.COLLECTIVE_COUNT.create(meter)
+        self._size = semconv.COLLECTIVE_SIZE.create(meter)
+        self._time = semconv.COLLECTIVE_TIME.create(meter)
         # per recorder (CPU/gloo, NCCL): record ids counted, pruned to what its buffer still holds,
         # and the largest record id of the previous read
         self._seen: dict[str, set[int]] = {}
@@ -152,12 +146,7 @@ class CollectiveMonitor:
         self.overwritten = 0  # entries the ring buffer dropped before a flush read them
         self._next_read = 0.0  # monotonic time of the next full read (see MAX_READ_SHARE)
         self._read: tuple[int, dict[str, Any] | None] = (-1, None)  # (flush seq, its dump)
-        meter.create_observable_gauge(
-            semconv.COLLECTIVE_LAST.name,
-            callbacks=[self._observe_last],
-            unit=semconv.COLLECTIVE_LAST.unit,
-            description=semconv.COLLECTIVE_LAST.description,
-        )
+        semconv.COLLECTIVE_LAST.create(meter, self._observe_last)
 
     # --- the hang signal ---------------------------------------------------------------------------
     def last_seconds(self) -> float:

@@ -11,8 +11,9 @@
 * ``host_sampler``: the psutil sampler thread (process CPU and memory, node memory).
 * ``efficiency``: CUDA allocator memory, memory pressure, energy and MFU, computed at each flush on
   the background worker; ``mfu`` holds the FLOPs-per-token conventions and the peak-FLOP/s table.
-* ``outputs``: where the parts' numbers go (OTel instruments on a meter; events go to the
-  `health.EventChannel`).
+
+The parts' numbers go to OTel instruments made from their catalogue specs (`MetricSpec.create`);
+their events go to the `health.EventChannel`.
 
 Nothing in this package runs on the training thread's step path, imports torch, or initialises
 CUDA on its own. One logger, ``otel_train.hardware``, for the whole package.

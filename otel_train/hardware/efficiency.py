@@ -19,7 +19,6 @@ from otel_train.config import Config
 from otel_train.hardware.discovery import cuda_initialized, torch_cuda_if_loaded, torch_device_index
 from otel_train.hardware.gpu_sampler import GpuSampler
 from otel_train.hardware.mfu import float32_matmul_dtype, normalize_dtype, resolve_peak
-from otel_train.hardware.outputs import create_instrument
 from otel_train.health import EventChannel
 from otel_train.interval import Interval
 
@@ -72,7 +71,7 @@ class FlushEfficiency:
 
     def _create(self, specs: tuple[sc.MetricSpec, ...]) -> None:
         for spec in specs:
-            self._instruments[spec.name] = create_instrument(self._meter, spec)
+            self._instruments[spec.name] = spec.create(self._meter)
 
     def create_energy_instruments(self) -> None:
         """Power and energy per step/token (only with a GPU that NVML samples)."""

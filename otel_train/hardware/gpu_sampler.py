@@ -22,7 +22,6 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel_train import semconv as sc
 from otel_train.hardware.discovery import GpuDevice, shutdown_quietly
-from otel_train.hardware.outputs import create_instrument
 from otel_train.health import EventChannel
 
 # One logger for the whole hardware subsystem (its modules were one file): users filter on it.
@@ -128,7 +127,7 @@ class GpuSampler:
 
     def create_instruments(self, meter: Meter) -> None:
         for spec in GPU_SPECS:
-            create_instrument(meter, spec, self._observe(spec.name))
+            spec.create(meter, self._observe(spec.name))
 
     def _observe(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def callback(options: CallbackOptions) -> Iterable[Observation]:

@@ -11,7 +11,6 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel_train import semconv as sc
-from otel_train.hardware.outputs import create_instrument
 
 # One logger for the whole hardware subsystem (its modules were one file): users filter on it.
 log = logging.getLogger("otel_train.hardware")
@@ -39,7 +38,7 @@ class HostSampler:
             log.info("otel_train: no host metrics (psutil unavailable: %s)", exc)
             return
         for spec in HOST_SPECS:
-            create_instrument(meter, spec, self._observe(spec.name))
+            spec.create(meter, self._observe(spec.name))
 
     def _observe(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def callback(options: CallbackOptions) -> Iterable[Observation]:

@@ -77,8 +77,7 @@ def end_phase(name: str, start_ns: int) -> int:
 def skipped_steps_counter() -> Any:
     """The catalogue's skipped-optimizer-step counter on the running session's meter (a no-op
     counter before `init()`), for frameworks that report a skipped iteration themselves."""
-    spec = semconv.SKIPPED_STEPS
-    return ot.get_meter().create_counter(spec.name, spec.unit, spec.description)
+    return semconv.SKIPPED_STEPS.create(ot.get_meter())
 
 
 def distributed_world() -> int:

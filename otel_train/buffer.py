@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otel_train import semconv
+from otel_train.interval import FlushHeader
 
 log = logging.getLogger("otel_train")
 
@@ -43,16 +44,11 @@ class LayerStats:
     step: int
 
 
-@dataclass
-class FlushBatch:
-    seq: int
-    step: int
-    wall_time: float
-    elapsed_s: float
-    steps: int
-    tokens: int
-    samples: int
-    step_durations: list[float]
+@dataclass(kw_only=True)
+class FlushBatch(FlushHeader):
+    """One interval as the training thread hands it over: raw values (numbers, device tensors),
+    resolved on the worker into an `Interval`."""
+
     phases: dict[str, list[float]]  # ot.phase() durations (timers' are in `timings`)
     timings: dict[str, list[tuple[int, int, int]]]  # timer name -> (start_ns, end_ns, step start_ns or 0)
     phase_errors: dict[tuple[str, str], list[float]]
@@ -62,19 +58,12 @@ class FlushBatch:
     dropped: dict[str, int]
     perf_to_epoch_ns: int
     cuda_event: Any = None  # recorded on the training stream at the flush, when tensors are on CUDA
-    final: bool = False
-    messages: list[Any] = field(default_factory=list)
     layer_stats: list[LayerStats] = field(default_factory=list)
     histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
-    flush_interval: int = (
-        0  # this process's steps per flush from flush_anchor on (cadence.py: rank 0's decision)
-    )
-    flush_anchor: int = -1
     # Every step that ended in the interval, failed ones too, in order: a name recorded k times in
     # each of them has k * len(step_indices) values, and value i belongs to step_indices[i // k].
     step_indices: list[int] = field(default_factory=list)
     merged: set[str] = field(default_factory=set)  # instruments fed by several record names (no order)
-    autocast_dtype: str | None = None  # torch.autocast's dtype on the training thread at the flush (MFU)
 
 
 class Buffer:

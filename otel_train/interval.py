@@ -1,14 +1,18 @@
 """The listener seam: what one flush hands to every `FlushListener` (health, hardware, the
-cross-rank reducer, goodput, profiled steps), resolved to host floats."""
+cross-rank reducer, goodput, profiled steps), resolved to host floats.
+
+`FlushHeader` holds what the training thread knows at the flush without resolving anything; the
+raw `buffer.FlushBatch` and the resolved `Interval` both extend it, so those fields are declared
+once and copied by `header_of`, never by hand."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import KW_ONLY, dataclass, field, fields
+from typing import Any, Protocol
 
 
 @dataclass
-class Interval:
+class FlushHeader:
     seq: int  # flush sequence number: the same on every rank for the same flush
     step: int  # index of the last completed step (-1 before the first)
     wall_time: float  # time.time() at the flush
@@ -17,6 +21,22 @@ class Interval:
     tokens: int
     samples: int
     step_durations: list[float] = field(default_factory=list)  # seconds, one per step
+    _: KW_ONLY  # the rest by name only, so the subclasses' own fields keep their positions
+    final: bool = False  # the last flush, from shutdown()
+    autocast_dtype: str | None = None  # the torch.autocast dtype active on the training thread at the flush
+    # this process's flush schedule: every flush_interval steps from step flush_anchor on (cadence.py;
+    # rank 0's is its decision, which its answers carry to the other ranks)
+    flush_interval: int = 0
+    flush_anchor: int = -1
+
+
+def header_of(flush: FlushHeader) -> dict[str, Any]:
+    """The header fields of `flush`, by name (for building an `Interval` from a `FlushBatch`)."""
+    return {f.name: getattr(flush, f.name) for f in fields(FlushHeader)}
+
+
+@dataclass
+class Interval(FlushHeader):
     phases: dict[str, list[float]] = field(default_factory=dict)  # timer name -> durations (s)
     # timer name -> seconds from its step's start to the timer's end (CPU timers inside a step only)
     arrivals: dict[str, list[float]] = field(default_factory=dict)
@@ -34,12 +54,6 @@ class Interval:
     layer_param_norms: list[tuple[int, tuple[str, ...], list[float]]] = field(default_factory=list)
     # (step, [sum, sum of squares]) of each watched step's batch (ot.watch), in step order
     batch_fingerprints: list[tuple[int, list[float]]] = field(default_factory=list)
-    final: bool = False  # the last flush, from shutdown()
-    autocast_dtype: str | None = None  # the torch.autocast dtype active on the training thread at the flush
-    # this process's flush schedule: every flush_interval steps from step flush_anchor on (cadence.py;
-    # rank 0's is its decision, which its answers carry to the other ranks)
-    flush_interval: int = 0
-    flush_anchor: int = -1
 
 
 class FlushListener(Protocol):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_train.buffer import FlushBatch, LayerStats
-from otel_train.interval import Interval
+from otel_train.interval import Interval, header_of
 
 NO_DATA_WARNING = (
     "otel_train: record() got a tensor with no data (a meta or fake tensor); such values are "
@@ -239,21 +239,10 @@ def resolve_interval(batch: FlushBatch) -> Interval:
         except Exception:
             batch.dropped["cuda_timer"] = batch.dropped.get("cuda_timer", 0) + 1
     return Interval(
-        seq=batch.seq,
-        step=batch.step,
-        wall_time=batch.wall_time,
-        elapsed_s=batch.elapsed_s,
-        steps=batch.steps,
-        tokens=batch.tokens,
-        samples=batch.samples,
-        step_durations=batch.step_durations,
+        **header_of(batch),
         phases=phases,
         arrivals=arrivals,
         scalars=scalars,
         scalar_steps=scalar_steps,
         nonfinite=nonfinite,
-        final=batch.final,
-        flush_interval=batch.flush_interval,
-        flush_anchor=batch.flush_anchor,
-        autocast_dtype=batch.autocast_dtype,
     )

@@ -15,7 +15,7 @@ import torch
 import otel_train as ot
 from otel_train import resolution, tracing
 from otel_train.buffer import Buffer, SpanRecord
-from otel_train.interval import Interval
+from otel_train.interval import Interval, header_of
 from otel_train.testing import capture_metrics
 
 
@@ -116,3 +116,19 @@ def test_durations_are_computed_as_the_span_computes_them() -> None:
     spans = [SpanRecord("forward", s, e, 0) for s, e, _ in readings]
     assert phases["forward"] == [tracing._seconds(span) for span in spans]
     assert arrivals["forward"] == [(start + 1_234_567 - (start - 10)) * 1e-9]
+
+
+def test_the_interval_carries_every_header_field_of_its_batch() -> None:
+    """`FlushBatch` and `Interval` share `FlushHeader`: each of its fields reaches the listeners."""
+    buffer = Buffer(max_names=10, max_values=10)
+    buffer.steps, buffer.tokens, buffer.samples = 3, 300, 6
+    buffer.step_durations.extend([0.1, 0.2, 0.3])
+    batch = buffer.take(7, 41, 2.5, 0)
+    batch.final, batch.autocast_dtype, batch.flush_interval, batch.flush_anchor = True, "bfloat16", 5, 20
+    interval = resolution.resolve_interval(batch)
+    assert header_of(interval) == header_of(batch)
+    assert header_of(interval) == {
+        "seq": 7, "step": 41, "wall_time": batch.wall_time, "elapsed_s": 2.5, "steps": 3, "tokens": 300,
+        "samples": 6, "step_durations": [0.1, 0.2, 0.3], "final": True, "autocast_dtype": "bfloat16",
+        "flush_interval": 5, "flush_anchor": 20,
+    }  # fmt: skip

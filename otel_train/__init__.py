@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 # The hot path reads the active session as `_runtime._current`, a plain module attribute, on
 # purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
-from otel_train import _runtime
+from otel_train import _runtime, messages
 from otel_train.config import Config, ConfigError, cap_text, redact, redact_text, redact_url
 from otel_train.distributed import RunInfo
 from otel_train.timing import begin_step, end_step, phase, span, step, timed, timer
@@ -161,7 +161,7 @@ def log_hyperparams(params: Mapping[str, Any]) -> None:
             "<hparams>", f"log_hyperparams() needs a mapping, got {type(params).__name__}; dropped."
         )
         return
-    session.message("hparams", "hparams", redacted, None)
+    session.message(messages.HparamsMessage, "hparams", redacted, None)
 
 
 def event(name: str, message: str, attributes: Mapping[str, str | int | float | bool] | None = None) -> None:
@@ -188,7 +188,7 @@ def log_text(name: str, text: str, step: int | None = None) -> None:
     session = _runtime._current
     if session is not None:
         try:
-            session.message("text", str(name), cap_text(str(text)), _message_step(step))
+            session.message(messages.TextMessage, str(name), cap_text(str(text)), _message_step(step))
         except Exception:
             session.buffer.drop("invalid_type")
 
@@ -211,7 +211,7 @@ def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: 
                     "<samples>",
                     f"log_samples() rows must be (prompt, output) pairs; dropped a {type(row).__name__}.",
                 )
-        session.message("samples", str(name), kept, _message_step(step))
+        session.message(messages.SamplesMessage, str(name), kept, _message_step(step))
     except Exception:  # rows not iterable, ...
         session.buffer.drop("invalid_sample")
 
@@ -221,7 +221,7 @@ def log_histogram(name: str, values: Any, step: int | None = None) -> None:
     session = _runtime._current
     if session is not None:
         try:
-            session.message("histogram", str(name), values, _message_step(step))
+            session.message(messages.HistogramMessage, str(name), values, _message_step(step))
         except Exception:
             session.buffer.drop("invalid_type")
 

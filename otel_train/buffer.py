@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from otel_train import semconv
@@ -18,6 +19,15 @@ from otel_train.interval import FlushHeader
 log = logging.getLogger("otel_train")
 
 MAX_ERROR_TYPES = 8
+
+
+class SpanRole(Enum):
+    """What a span record times: a whole step, a timer inside one (a child of the step's span), or
+    an `ot.span` mark (a sibling under the step's trace root)."""
+
+    STEP = "step"
+    PHASE = "phase"
+    MARK = "mark"
 
 
 @dataclass
@@ -29,7 +39,7 @@ class SpanRecord:
     end_ns: int
     step: int
     error: str | None = None
-    kind: str = "phase"  # "step" | "phase" | "mark"
+    kind: SpanRole = SpanRole.PHASE
     attributes: dict[str, str | int | float] | None = None
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from enum import Enum
 
 from otel_train import semconv
 from otel_train.health import EventChannel
@@ -42,6 +43,13 @@ _ALPHA = 0.2  # weight of the newest watched step in the layer's level (log spac
 _SHOWN = 5  # layers named in one event's message
 
 
+class Anomaly(Enum):
+    """A layer's gradient norm far off its own level; the value names the event, `gradient_<value>`."""
+
+    EXPLOSION = "explosion"
+    VANISHING = "vanishing"
+
+
 class _Layer:
     __slots__ = ("flag", "level", "seen", "spread", "streak", "streak_kind", "zeros")
 
@@ -50,9 +58,9 @@ class _Layer:
         self.level = 0.0  # EWMA of log(norm)
         self.spread = 0.0  # EWMA of |log(norm) - level|: the layer's own noise
         self.seen = 0  # non-zero finite norms taken into the level
-        self.flag: str | None = None  # the anomaly last reported, until a normal value
+        self.flag: Anomaly | None = None  # the anomaly last reported, until a normal value
         self.streak = 0  # anomalous watched steps in a row (of streak_kind)
-        self.streak_kind: str | None = None
+        self.streak_kind: Anomaly | None = None
 
 
 class GradientFlowMonitor:
@@ -71,7 +79,7 @@ class GradientFlowMonitor:
 
     def _check(self, step: int, labels: Sequence[str], norms: Sequence[float]) -> None:
         missing: list[str] = []
-        anomalies: dict[str, list[tuple[str, float]]] = {"explosion": [], "vanishing": []}
+        anomalies: dict[Anomaly, list[tuple[str, float]]] = {kind: [] for kind in Anomaly}
         for label, norm in zip(labels, norms, strict=True):
             layer = self._layers.get(label)
             if layer is None:
@@ -94,22 +102,22 @@ class GradientFlowMonitor:
                 self._report_anomaly(kind, step, found)
 
     @staticmethod
-    def _judge(layer: _Layer, log_norm: float) -> tuple[str | None, float]:
+    def _judge(layer: _Layer, log_norm: float) -> tuple[Anomaly | None, float]:
         """(the anomaly newly seen, or None; the factor from the layer's level)."""
         if layer.seen >= WARMUP:
             change = log_norm - layer.level
             kind = (
-                "explosion"
+                Anomaly.EXPLOSION
                 if change > math.log(EXPLODE)
-                else "vanishing"
+                else Anomaly.VANISHING
                 if -change > math.log(VANISH)
                 else None
             )
             if kind is not None:
-                layer.streak = layer.streak + 1 if layer.streak_kind == kind else 1
+                layer.streak = layer.streak + 1 if layer.streak_kind is kind else 1
                 layer.streak_kind = kind
-                due = layer.streak >= SUSTAIN or (kind == "explosion" and change >= math.log(IMMEDIATE))
-                if not due or layer.flag == kind:
+                due = layer.streak >= SUSTAIN or (kind is Anomaly.EXPLOSION and change >= math.log(IMMEDIATE))
+                if not due or layer.flag is kind:
                     return None, 1.0
                 layer.flag = kind
                 return kind, math.exp(abs(change))
@@ -137,17 +145,17 @@ class GradientFlowMonitor:
             {"step": step, semconv.LAYER: layers[0], "layers": len(layers)},
         )
 
-    def _report_anomaly(self, kind: str, step: int, found: list[tuple[str, float]]) -> None:
+    def _report_anomaly(self, kind: Anomaly, step: int, found: list[tuple[str, float]]) -> None:
         found.sort(key=lambda item: -item[1])
         worst, factor = found[0]
-        if kind == "explosion":
+        if kind is Anomaly.EXPLOSION:
             how = f"far above its own recent level ({SUSTAIN} watched steps in a row, or {IMMEDIATE:.0f}x at once)"
         else:
             how = f"far below its own recent level ({SUSTAIN} watched steps in a row)"
         shown = ", ".join(f"{label} ({f:.0f}x)" for label, f in found[:_SHOWN])
         more = f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
         self._events.emit(
-            f"gradient_{kind}",
+            f"gradient_{kind.value}",
             f"gradient norm of {len(found)} layer(s) at step {step} is {how}: {shown}{more}. Check the "
             "learning rate and warmup, the loss scale, and that layer's inputs (activation panels) "
             "around this step.",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
-from otel_train.buffer import Buffer, FlushBatch, SpanRecord
+from otel_train.buffer import Buffer, FlushBatch, SpanRecord, SpanRole
 from otel_train.closing import close_listeners, close_sinks, drain_worker, stop_exporters
 from otel_train.config import Config
 from otel_train.distributed import Identity
@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents
     from otel_train.instruments import Instruments
+    from otel_train.messages import Message
     from otel_train.model_watch import ModelWatch
     from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
     from otel_train.step_reader import StepReader
@@ -395,10 +396,8 @@ class Session(SessionParts, GoodputClock):
             return False
         return True
 
-    def message(self, kind: str, key: str, payload: Any, step: int | None) -> None:
-        from otel_train.worker import Message
-
-        self.worker.submit_message(Message(kind, key, payload, self.step_index if step is None else step))
+    def message(self, kind: type[Message], key: str, payload: Any, step: int | None) -> None:
+        self.worker.submit_message(kind(key, payload, self.step_index if step is None else step))
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def last_step(self) -> tuple[int, float | None]:
@@ -497,7 +496,7 @@ def _count(value: Any, what: str, buffer: Buffer) -> int | None:
 def _step_record(start_ns: int, end_ns: int, index: int, failed: bool, profiled: bool) -> SpanRecord:
     error = "StepFailed" if failed else None
     return SpanRecord(
-        "step", start_ns, end_ns, index, error, "step", {"train.profiled": True} if profiled else None
+        "step", start_ns, end_ns, index, error, SpanRole.STEP, {"train.profiled": True} if profiled else None
     )
 
 
@@ -511,7 +510,7 @@ def _mark_record(
 ) -> SpanRecord:
     """An `ot.span` as a span record; attributes of other than plain types are left out."""
     attrs = {str(k): v for k, v in (attributes or {}).items() if isinstance(v, (str, int, float, bool))}
-    return SpanRecord(name, start_ns, end_ns, step, error.__name__ if error else None, "mark", attrs)
+    return SpanRecord(name, start_ns, end_ns, step, error.__name__ if error else None, SpanRole.MARK, attrs)
 
 
 def _holds_cuda_values(batch: FlushBatch) -> bool:

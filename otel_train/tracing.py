@@ -11,7 +11,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otel_train import semconv
-from otel_train.buffer import SpanRecord
+from otel_train.buffer import SpanRecord, SpanRole
 
 
 def step_trace_ids(run_id: str, step: int) -> tuple[int, int]:
@@ -46,7 +46,7 @@ class SpanWriter:
         """Export the spans; return the context of each one, keyed by what its duration histogram
         records (so that those points carry the span's trace id as an exemplar)."""
         contexts: ExemplarContexts = {}
-        steps = {r.step: r for r in records if r.kind == "step"}
+        steps = {r.step: r for r in records if r.kind is SpanRole.STEP}
         parents: dict[int, Any] = {}
         for step, record in sorted(steps.items()):
             span = self._start(f"train.step {step}", record, perf_to_epoch_ns, self._virtual_root(step))
@@ -57,9 +57,9 @@ class SpanWriter:
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
             contexts[(None, _seconds(record))] = parents[step]
         for record in records:
-            if record.kind == "step":
+            if record.kind is SpanRole.STEP:
                 continue
-            parent = parents.get(record.step) if record.kind == "phase" else None
+            parent = parents.get(record.step) if record.kind is SpanRole.PHASE else None
             context = parent if parent is not None else self._virtual_root(record.step)
             span = self._start(record.name, record, perf_to_epoch_ns, context)
             span.set_attribute(semconv.PHASE, record.name)

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from opentelemetry._logs import SeverityNumber
@@ -30,21 +30,12 @@ from otel_train.crossrank import FINGERPRINT
 from otel_train.histogram_feed import record_many
 from otel_train.instruments import Instruments
 from otel_train.interval import FlushListener, Interval
+from otel_train.messages import HistogramMessage, HparamsMessage, Message, SamplesMessage, TextMessage
 from otel_train.resolution import NO_DATA_WARNING, histogram_values, resolve_interval, resolve_layer_stats
 from otel_train.step_reader import StepReader, key_for
 from otel_train.tracing import ExemplarContexts, SpanWriter
 
 log = logging.getLogger("otel_train")
-
-
-@dataclass
-class Message:
-    """A non-scalar item from the explicit logger API (text, samples, histogram, hparams)."""
-
-    kind: str  # "text" | "samples" | "histogram" | "hparams"
-    key: str
-    payload: Any
-    step: int
 
 
 def _record_durations(
@@ -164,10 +155,10 @@ class Worker:
             started, cpu_started = time.perf_counter(), time.thread_time()
             self.doing, self.busy_since = "processing a flush", started
             try:
-                if isinstance(item, Message):
-                    self._deliver_message(item)
-                else:
+                if isinstance(item, FlushBatch):
                     self._process(item)
+                else:
+                    self._deliver_message(item)
             except Exception as exc:  # never let one bad flush kill telemetry
                 self.failed_flushes += 1
                 self.instruments.dropped.add(1, {semconv.REASON: "flush_failed"})
@@ -197,7 +188,7 @@ class Worker:
             self._warn_once("no_data_tensor", NO_DATA_WARNING)
         self._feed_sdk(batch, interval)
         for key, step, values in batch.histograms:
-            self._deliver_message(Message("histogram", key, values, step))
+            self._deliver_message(HistogramMessage(key, values, step))
         for listener in self.listeners:
             self.doing = f"the flush listener {type(listener).__name__}"
             try:
@@ -284,24 +275,11 @@ class Worker:
                 gauge.set(stats[stat])
 
     def _deliver_message(self, message: Message) -> None:
-        if message.kind == "histogram":
-            message = Message(message.kind, message.key, histogram_values(message.payload), message.step)
-        elif message.kind == "text":
-            message = Message(message.kind, message.key, redact_text(message.payload), message.step)
-        elif message.kind == "samples":
-            rows = [(redact_text(p), redact_text(o)) for p, o in message.payload]
-            message = Message(message.kind, message.key, rows, message.step)
+        message = _prepared(message)
         self._log_record(message)
         for sink in self.sinks:
             try:
-                if message.kind == "text":
-                    sink.write_text(message.key, message.payload, message.step)
-                elif message.kind == "samples":
-                    sink.write_samples(message.key, message.payload, message.step)
-                elif message.kind == "histogram":
-                    sink.write_histogram(message.key, message.payload, message.step)
-                elif message.kind == "hparams":
-                    sink.write_hparams(message.payload)
+                _write(sink, message)
             except Exception as exc:
                 self._sink_failed(sink, exc)
 
@@ -321,25 +299,13 @@ class Worker:
         collector (and whatever sits behind it) sees them, not only the bridges."""
         if self.otel_logger is None:
             return
-        body: Any
-        if message.kind == "text":
-            body = message.payload
-        elif message.kind == "samples":
-            body = json.dumps([{"prompt": p, "output": o} for p, o in message.payload])
-        elif message.kind == "histogram":
-            values = message.payload
-            body = {"count": len(values)}
-            if values:
-                body.update(min=min(values), max=max(values), mean=sum(values) / len(values))
-        else:
-            body = json.dumps(message.payload, default=str, sort_keys=True)
         try:
             self.otel_logger.emit(
                 severity_number=SeverityNumber.INFO,
                 severity_text="INFO",
-                body=body,
+                body=_log_body(message),
                 attributes={"otel_train.key": message.key, "train.step": message.step},
-                event_name=f"otel_train.{message.kind}",
+                event_name=message.event_name,
             )
         except Exception as exc:
             self._warn_once("log_record", f"otel_train: could not emit a log record: {exc!r}")
@@ -348,6 +314,48 @@ class Worker:
         if key not in self._errors_warned:
             self._errors_warned.add(key)
             log.warning(message)
+
+
+def _prepared(message: Message) -> Message:
+    """`message` as the sinks and the log record get it: a histogram's values as finite floats,
+    text redacted (hyperparameters were redacted by `ot.log_hyperparams`)."""
+    match message:
+        case HistogramMessage():
+            return replace(message, values=histogram_values(message.values))
+        case TextMessage():
+            return replace(message, text=redact_text(message.text))
+        case SamplesMessage():
+            return replace(message, rows=[(redact_text(p), redact_text(o)) for p, o in message.rows])
+        case HparamsMessage():
+            return message
+
+
+def _write(sink: Sink, message: Message) -> None:
+    match message:
+        case TextMessage(key, text, step):
+            sink.write_text(key, text, step)
+        case SamplesMessage(key, rows, step):
+            sink.write_samples(key, rows, step)
+        case HistogramMessage(key, values, step):
+            sink.write_histogram(key, values, step)
+        case HparamsMessage(params=params):
+            sink.write_hparams(params)
+
+
+def _log_body(message: Message) -> Any:
+    """The OTel log record's body for `message`."""
+    match message:
+        case TextMessage(text=text):
+            return text
+        case SamplesMessage(rows=rows):
+            return json.dumps([{"prompt": p, "output": o} for p, o in rows])
+        case HistogramMessage(values=values):
+            body: dict[str, Any] = {"count": len(values)}
+            if values:
+                body.update(min=min(values), max=max(values), mean=sum(values) / len(values))
+            return body
+        case HparamsMessage(params=params):
+            return json.dumps(params, default=str, sort_keys=True)
 
 
 def stuck_message(worker: Worker, limit_s: float) -> str | None:

@@ -1,11 +1,20 @@
-"""The SDK instruments the worker records a flush into: created once at init(), user gauges
-created lazily (bounded by max_metric_names)."""
+"""The SDK instruments the worker records a flush into (created once at init(), user gauges
+created lazily, bounded by max_metric_names), and the recording that is more than one call:
+durations with their spans' exemplars, ot.watch's per-layer statistics."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 from otel_train import semconv
+from otel_train.buffer import FlushBatch
+from otel_train.crossrank import FINGERPRINT
+from otel_train.histogram_feed import record_many
+from otel_train.interval import Interval
+from otel_train.resolution import resolve_layer_stats
+from otel_train.tracing import ExemplarContexts
 
 
 class Instruments:
@@ -45,3 +54,50 @@ class Instruments:
                 gauge = self.meter.create_gauge(instrument, "", "Recorded with otel_train.record().")
             self._gauges[instrument] = gauge
         return gauge
+
+
+def record_durations(
+    histogram: Any,
+    values: Sequence[float],
+    phase: str | None,
+    attributes: dict[str, str],
+    exemplars: ExemplarContexts,
+) -> None:
+    """Durations with an exemplar context (sampled spans) one by one, the rest in bulk."""
+    if not exemplars:
+        record_many(histogram, values, attributes)
+        return
+    bulk: list[float] = []
+    for seconds in values:
+        context = exemplars.pop((phase, seconds), None)
+        if context is None:
+            bulk.append(seconds)
+        else:
+            histogram.record(seconds, attributes, context)
+    record_many(histogram, bulk, attributes)
+
+
+def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Interval) -> None:
+    """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
+    and, for gradients, named in the interval (health reports them as one event per step)."""
+    for record, values in resolve_layer_stats(batch.layer_stats):
+        if record.instrument == FINGERPRINT:  # not a metric: compared across ranks (replicas.py)
+            interval.batch_fingerprints.append((record.step, values))
+            continue
+        if record.instrument == semconv.LAYER_PARAM_NORM.name:
+            interval.layer_param_norms.append((record.step, record.labels, values))
+        gauge = instruments.gauge(record.instrument)
+        if gauge is None:
+            continue
+        if record.instrument == semconv.LAYER_GRAD_NORM.name:
+            interval.layer_grad_norms.append((record.step, record.labels, values))
+        bad = []
+        for label, value in zip(record.labels, values, strict=True):
+            if math.isfinite(value):
+                gauge.set(value, {semconv.LAYER: label})
+            else:
+                bad.append(label)
+        if bad:
+            batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
+            if record.instrument == semconv.LAYER_GRAD_NORM.name:
+                interval.nonfinite_grads.append((record.step, bad))

@@ -4,8 +4,9 @@ For each `FlushBatch` it (1) resolves device values in one batched transfer, dro
 ones, (2) feeds the OTel SDK: the sampled steps' spans first (the step-time exemplars link to them),
 then the instruments, (3) hands the interval's `ot.log_histogram` values to the sinks, (4) runs the
 flush listeners (health, hardware, cross-rank reduction, goodput), (5) collects the StepReader and
-(6) hands the flattened scalars to the sinks. Text, samples, histograms and hyperparameters travel
-through the same queue so they keep their order with the scalars.
+(6) hands the flattened scalars to the sinks. Text, samples, histograms and hyperparameters (the
+typed records of `messages.py`, dispatched by class) travel through the same queue, so they keep
+their order with the scalars.
 """
 
 from __future__ import annotations
@@ -26,37 +27,14 @@ from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.buffer import FlushBatch
 from otel_train.config import redact_text
-from otel_train.crossrank import FINGERPRINT
-from otel_train.histogram_feed import record_many
-from otel_train.instruments import Instruments
+from otel_train.instruments import Instruments, feed_layer_stats, record_durations
 from otel_train.interval import FlushListener, Interval
 from otel_train.messages import HistogramMessage, HparamsMessage, Message, SamplesMessage, TextMessage
-from otel_train.resolution import NO_DATA_WARNING, histogram_values, resolve_interval, resolve_layer_stats
+from otel_train.resolution import NO_DATA_WARNING, histogram_values, resolve_interval
 from otel_train.step_reader import StepReader, key_for
 from otel_train.tracing import ExemplarContexts, SpanWriter
 
 log = logging.getLogger("otel_train")
-
-
-def _record_durations(
-    histogram: Any,
-    values: Sequence[float],
-    phase: str | None,
-    attributes: dict[str, str],
-    exemplars: ExemplarContexts,
-) -> None:
-    """Durations with an exemplar context (sampled spans) one by one, the rest in bulk."""
-    if not exemplars:
-        record_many(histogram, values, attributes)
-        return
-    bulk: list[float] = []
-    for seconds in values:
-        context = exemplars.pop((phase, seconds), None)
-        if context is None:
-            bulk.append(seconds)
-        else:
-            histogram.record(seconds, attributes, context)
-    record_many(histogram, bulk, attributes)
 
 
 class Worker:
@@ -236,12 +214,12 @@ class Worker:
             ins.samples.add(interval.samples)
         # Sampled steps' durations go one by one with their span's context (trace-based exemplars);
         # the rest reach the SDK as one aggregation step per series and flush (histogram_feed).
-        _record_durations(ins.step_duration, interval.step_durations, None, {}, exemplars)
+        record_durations(ins.step_duration, interval.step_durations, None, {}, exemplars)
         for name, values in interval.phases.items():
-            _record_durations(ins.phase_duration, values, name, {semconv.PHASE: name}, exemplars)
+            record_durations(ins.phase_duration, values, name, {semconv.PHASE: name}, exemplars)
         for (name, error), values in batch.phase_errors.items():
             attributes = {semconv.PHASE: name, semconv.ERROR_TYPE: error}
-            _record_durations(ins.phase_duration, values, name, attributes, exemplars)
+            record_durations(ins.phase_duration, values, name, attributes, exemplars)
         for instrument, values in interval.scalars.items():
             gauge = ins.gauge(instrument)
             if gauge is None:
@@ -372,29 +350,3 @@ def stuck_message(worker: Worker, limit_s: float) -> str | None:
         f"the otel_train background worker has been {doing} for {busy_s:.0f}s; no telemetry is "
         "written until it returns (flushes wait; values beyond max_values_per_interval are dropped)"
     )
-
-
-def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Interval) -> None:
-    """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
-    and, for gradients, named in the interval (health reports them as one event per step)."""
-    for record, values in resolve_layer_stats(batch.layer_stats):
-        if record.instrument == FINGERPRINT:  # not a metric: compared across ranks (replicas.py)
-            interval.batch_fingerprints.append((record.step, values))
-            continue
-        if record.instrument == semconv.LAYER_PARAM_NORM.name:
-            interval.layer_param_norms.append((record.step, record.labels, values))
-        gauge = instruments.gauge(record.instrument)
-        if gauge is None:
-            continue
-        if record.instrument == semconv.LAYER_GRAD_NORM.name:
-            interval.layer_grad_norms.append((record.step, record.labels, values))
-        bad = []
-        for label, value in zip(record.labels, values, strict=True):
-            if math.isfinite(value):
-                gauge.set(value, {semconv.LAYER: label})
-            else:
-                bad.append(label)
-        if bad:
-            batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
-            if record.instrument == semconv.LAYER_GRAD_NORM.name:
-                interval.nonfinite_grads.append((record.step, bad))

@@ -1,5 +1,6 @@
 """The package's shape, checked with `ast` (no imports run): no import cycle between otel_train's
-modules, no reach into another module's private names, no oversized function or class, and no
+modules, no reach into another module's private names, no oversized function, class or module, no
+dispatch on `kind` strings, instruments made from the catalogue only by `MetricSpec.create`, and no
 integration (otel_train/integrations/) beyond the public API: names in `otel_train.__all__`,
 `otel_train.config`, the metric catalogue `otel_train.semconv` and the other integrations only, a
 `Session` never touched (issue #23).
@@ -12,6 +13,7 @@ restructure of issue #17 empties the list step by step).
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "otel_train"
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 300
+MAX_MODULE_LINES = 400
 
 # Private names that a module may read from another on purpose, as (reader, owner, name).
 RUNTIME_PRIVATE_READS: frozenset[tuple[str, str, str]] = frozenset(
@@ -47,8 +50,34 @@ KNOWN_VIOLATIONS: frozenset[str] = frozenset(
         # config.py: issue #17 leaves config.py alone (one table-like validation pass per setting).
         "size: function otel_train.config:_coerce",
         "size: function otel_train.config:validate",
+        # Modules still over MAX_MODULE_LINES after issue #31 item 2 (the worker split); each is
+        # another step's or owner's to split, the cap is not raised for them.
+        "size: module otel_train.session",  # the hot path plus goodput's clock and wiring (item 4)
+        "size: module otel_train.assemble",  # builds every part; the bridge table (item 5) shrinks it
+        "size: module otel_train.config",  # one validation pass per setting (left alone by #17)
+        "size: module otel_train.exporters",  # OTel providers, OTLP exporters and the pull endpoint
+        "size: module otel_train.hardware.gpu_sampler",  # the NVML sampler thread, 1 line over
+        "size: module otel_train.crossrank.reducer",  # crossrank/ is being reworked by its owner
+        "size: module otel_train.crossrank.verdicts",
+        "size: module otel_train.crossrank.collective_lateness",
+        # crossrank/ makes its gauges itself (its owner moves them to MetricSpec.create).
+        "factory: otel_train.crossrank.reducer calls meter.create_gauge",
+        "factory: otel_train.crossrank.replicas calls meter.create_gauge",
     }
 )
+
+# What breaks a rule for good, with the reason; like KNOWN_VIOLATIONS, an entry that no longer
+# occurs fails test_known_violations_still_occur.
+ALLOWED: dict[str, str] = {
+    "size: module otel_train.semconv": "the metric catalogue: one table, every metric spelled once",
+    "size: module otel_train.demo.train": "the demo: one runnable script a user reads top to bottom",
+    "kind-dispatch: otel_train.bridges.host compares kind with 'setup'": "a pipe frame's tag: data read "
+    "off the bridge process's pipe (bridges/framing), not a type inside this process",
+    "kind-dispatch: otel_train.bridges.process compares kind with 'BridgeImportError'": "the class name of "
+    "an error the bridge process sent back over its pipe",
+    "kind-dispatch: otel_train.bridges.process compares kind with 'BridgeSetupError'": "the same",
+}
+EXEMPT = KNOWN_VIOLATIONS | ALLOWED.keys()
 
 
 # --- the checker (also run on synthetic packages below) ----------------------------------------------
@@ -67,9 +96,19 @@ class Report:
     sizes: list[str] = field(default_factory=list)
     public: list[str] = field(default_factory=list)  # integrations beyond the public API
     walls: list[str] = field(default_factory=list)  # a walled package's module imported from outside
+    kinds: list[str] = field(default_factory=list)  # `kind` compared with a string
+    factory: list[str] = field(default_factory=list)  # an instrument made other than by MetricSpec.create
 
     def all(self) -> set[str]:
-        return {*self.cycles, *self.private, *self.sizes, *self.public, *self.walls}
+        return {
+            *self.cycles,
+            *self.private,
+            *self.sizes,
+            *self.public,
+            *self.walls,
+            *self.kinds,
+            *self.factory,
+        }
 
 
 def load_package(package_dir: Path) -> dict[str, Module]:
@@ -240,6 +279,73 @@ def oversized(module: Module) -> Iterator[str]:
                 yield from walk(child, prefix)
 
     yield from walk(module.tree, "")
+    if len(module.path.read_text().splitlines()) > MAX_MODULE_LINES:
+        yield f"size: module {module.name}"
+
+
+# --- typed dispatch: no `kind == "..."` (issue #31) ------------------------------------------------
+def _is_kind(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "kind") or (
+        isinstance(node, ast.Attribute) and node.attr == "kind"
+    )
+
+
+def _strings(node: ast.expr) -> list[str]:
+    """The string constants `node` is or holds (a tuple, list or set of them, for `in`)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [s for element in node.elts for s in _strings(element)]
+    return []
+
+
+def kind_dispatch(module: Module) -> Iterator[str]:
+    """`kind` (a name or an attribute) compared with string constants, by `==`, `!=`, `in` or a
+    `match` case: messages and records carry their type, dispatch goes by class or enum."""
+    for node in ast.walk(module.tree):
+        compared: list[str] = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for left, right in itertools.pairwise(operands):
+                if _is_kind(left):
+                    compared += _strings(right)
+                if _is_kind(right):
+                    compared += _strings(left)
+        elif isinstance(node, ast.Match) and _is_kind(node.subject):
+            for case in node.cases:
+                for pattern in ast.walk(case.pattern):
+                    if isinstance(pattern, ast.MatchValue):
+                        compared += _strings(pattern.value)
+        for text in compared:
+            yield f"kind-dispatch: {module.name} compares kind with {text!r}"
+
+
+# --- one instrument factory: MetricSpec.create (issue #31) ------------------------------------------
+METER_FACTORIES = frozenset(
+    {
+        "create_counter",
+        "create_up_down_counter",
+        "create_histogram",
+        "create_gauge",
+        "create_observable_counter",
+        "create_observable_up_down_counter",
+        "create_observable_gauge",
+    }
+)
+# Modules that call the SDK's Meter factories: the factory itself, and user gauges, which are named
+# by ot.record() and have no spec.
+FACTORY_MODULES = frozenset({"semconv", "instruments"})  # below the package root
+
+
+def instrument_factories(module: Module) -> Iterator[str]:
+    if module.name.partition(".")[2] in FACTORY_MODULES:
+        return
+    for node in ast.walk(module.tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr in METER_FACTORIES:
+            target = _dotted(node.func.value) or "..."
+            yield f"factory: {module.name} calls {target}.{node.func.attr}"
 
 
 # --- integrations use the public API only (issue #23) ---------------------------------------------
@@ -360,7 +466,17 @@ def violations(
         if module.name.startswith(f"{package_dir.name}.integrations."):
             report.public.extend(non_public_uses(module, modules))
         report.walls.extend(through_walls(module, modules, walled))
-    for part in (report.cycles, report.private, report.sizes, report.public, report.walls):
+        report.kinds.extend(kind_dispatch(module))
+        report.factory.extend(instrument_factories(module))
+    for part in (
+        report.cycles,
+        report.private,
+        report.sizes,
+        report.public,
+        report.walls,
+        report.kinds,
+        report.factory,
+    ):
         part[:] = sorted(set(part))
     return report
 
@@ -368,13 +484,13 @@ def violations(
 # --- the package ---------------------------------------------------------------------------------------
 def test_no_new_violations() -> None:
     found = violations(PACKAGE_DIR, RUNTIME_PRIVATE_READS).all()
-    new = sorted(found - KNOWN_VIOLATIONS)
+    new = sorted(found - EXEMPT)
     assert not new, "new architecture violations (fix them; see this module's docstring):\n" + "\n".join(new)
 
 
 def test_known_violations_still_occur() -> None:
-    gone = sorted(KNOWN_VIOLATIONS - violations(PACKAGE_DIR, RUNTIME_PRIVATE_READS).all())
-    assert not gone, "fixed: delete these from KNOWN_VIOLATIONS:\n" + "\n".join(gone)
+    gone = sorted(EXEMPT - violations(PACKAGE_DIR, RUNTIME_PRIVATE_READS).all())
+    assert not gone, "fixed: delete these from KNOWN_VIOLATIONS or ALLOWED:\n" + "\n".join(gone)
 
 
 def test_the_checker_sees_the_package() -> None:
@@ -459,6 +575,51 @@ def test_detects_oversized_functions_and_classes(tmp_path: Path) -> None:
         "size: class pkg.m:Big",
         "size: function pkg.m:long",
         "size: function pkg.n:Small.method",
+        "size: module pkg.m",  # 422 lines
+    ]
+
+
+def test_detects_oversized_modules(tmp_path: Path) -> None:
+    line = "x = 1\n"
+    root = _package(tmp_path, {"long.py": line * (MAX_MODULE_LINES + 1), "ok.py": line * MAX_MODULE_LINES})
+    assert violations(root).sizes == ["size: module pkg.long"]
+
+
+def test_detects_kind_string_dispatch(tmp_path: Path) -> None:
+    bad = (
+        "def f(message, kind, frame):\n"
+        "    if message.kind == 'text':\n        pass\n"
+        "    elif 'hparams' != kind:\n        pass\n"
+        "    ok = kind in ('a', 'b')\n"
+        "    match frame.kind:\n        case 'step' | 'mark':\n            pass\n"
+    )
+    ok = (
+        "import enum\nclass Role(enum.Enum):\n    STEP = 'step'\n"
+        "def f(record, kind, streak_kind, name):\n"
+        "    a = record.kind is Role.STEP\n    b = kind == Role.STEP\n    c = streak_kind == 'x'\n"
+        "    d = name == 'kind'\n"
+        "    match record:\n        case Role.STEP:\n            pass\n"
+    )
+    assert violations(_package(tmp_path, {"bad.py": bad, "ok.py": ok})).kinds == [
+        "kind-dispatch: pkg.bad compares kind with 'a'",
+        "kind-dispatch: pkg.bad compares kind with 'b'",
+        "kind-dispatch: pkg.bad compares kind with 'hparams'",
+        "kind-dispatch: pkg.bad compares kind with 'mark'",
+        "kind-dispatch: pkg.bad compares kind with 'step'",
+        "kind-dispatch: pkg.bad compares kind with 'text'",
+    ]
+
+
+def test_detects_instruments_made_outside_the_factory(tmp_path: Path) -> None:
+    files = {
+        "semconv.py": "class MetricSpec:\n    def create(self, meter):\n        return meter.create_counter('x')\n",
+        "instruments.py": "def user_gauge(meter, name):\n    return meter.create_gauge(name)\n",
+        "ok.py": "from pkg import semconv\ndef f(meter, spec):\n    return spec.create(meter)\n",
+        "bad.py": "def f(self, meter):\n    self.meter.create_histogram('h')\n    meter.create_observable_gauge('g')\n",
+    }
+    assert violations(_package(tmp_path, files)).factory == [
+        "factory: pkg.bad calls meter.create_observable_gauge",
+        "factory: pkg.bad calls self.meter.create_histogram",
     ]
 
 
@@ -515,7 +676,7 @@ def test_detects_imports_through_a_packages_walls(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("planted", ["cycle", "private", "size", "public-api"])
+@pytest.mark.parametrize("planted", ["cycle", "private", "size", "public-api", "kind-dispatch", "factory"])
 def test_a_planted_violation_fails_the_package_check(tmp_path: Path, planted: str) -> None:
     """The comparison test_no_new_violations makes, on a copy of a clean package plus one offender."""
     files = {
@@ -530,6 +691,10 @@ def test_a_planted_violation_fails_the_package_check(tmp_path: Path, planted: st
         files["a.py"] = "from pkg.b import _x\n"
     elif planted == "size":
         files["b.py"] = "def f():\n" + "    pass\n" * (MAX_FUNCTION_LINES + 5)
+    elif planted == "kind-dispatch":
+        files["b.py"] = "def f(m):\n    return m.kind == 'text'\n"
+    elif planted == "factory":
+        files["b.py"] = "def f(meter):\n    return meter.create_counter('train.steps')\n"
     clean = {
         "__init__.py": '__all__ = ["current_session"]\n',
         "a.py": "from pkg import b\n",
@@ -540,7 +705,7 @@ def test_a_planted_violation_fails_the_package_check(tmp_path: Path, planted: st
     if planted == "public-api":
         files = {**clean, "integrations/x.py": "import pkg\npkg.current_session().end_step()\n"}
     assert violations(_package(tmp_path / "clean", clean)).all() == set()
-    new = violations(_package(tmp_path, files)).all() - KNOWN_VIOLATIONS
+    new = violations(_package(tmp_path, files)).all() - EXEMPT
     assert len(new) >= 1 and all(v.startswith(planted) for v in new), new
 
 

@@ -19,6 +19,10 @@ def _metrics(reader: InMemoryMetricReader) -> dict[str, Metric]:
     return {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
 
 
+def _points(metrics: dict[str, Metric], name: str) -> list[Any]:
+    return list(metrics[name].data.data_points)
+
+
 def _instruments(max_user_gauges: int = 2) -> tuple[Instruments, InMemoryMetricReader]:
     reader = InMemoryMetricReader()
     return Instruments(MeterProvider(metric_readers=[reader]).get_meter("t"), max_user_gauges), reader
@@ -27,17 +31,18 @@ def _instruments(max_user_gauges: int = 2) -> tuple[Instruments, InMemoryMetricR
 def test_alerting_series_exist_at_zero_from_the_start() -> None:
     _, reader = _instruments()
     metrics = _metrics(reader)
-    events = {p.attributes[semconv.EVENT]: p.value for p in metrics[semconv.HEALTH_EVENTS.name].data.data_points}
+    events = {p.attributes[semconv.EVENT]: p.value for p in _points(metrics, semconv.HEALTH_EVENTS.name)}
     assert events == dict.fromkeys(("nonfinite", "nonfinite_grad", "loss_spike", "straggler", "stall"), 0)
-    (dropped,) = metrics[semconv.DROPPED.name].data.data_points
+    (dropped,) = _points(metrics, semconv.DROPPED.name)
     assert dropped.attributes == {semconv.REASON: "nonfinite"} and dropped.value == 0
-    assert [p.value for p in metrics[semconv.NONFINITE_LOSS.name].data.data_points] == [0]
+    assert [p.value for p in _points(metrics, semconv.NONFINITE_LOSS.name)] == [0]
 
 
 def test_gauges_come_from_the_catalogue_and_user_names_are_capped() -> None:
     instruments, reader = _instruments(max_user_gauges=1)
     loss = instruments.gauge(semconv.LOSS.name)
-    assert loss is not None and instruments.gauge(semconv.LOSS.name) is loss  # made once
+    assert loss is not None
+    assert instruments.gauge(semconv.LOSS.name) is loss  # made once
     loss.set(2.0)
     mine = instruments.gauge("my.value")
     assert mine is not None

@@ -57,7 +57,7 @@ def test_create_makes_the_instrument_the_spec_describes(spec: sc.MetricSpec) -> 
     assert type(metric.data) is expected[0]
     if isinstance(metric.data, Sum):
         assert metric.data.is_monotonic is expected[1]
-    (point,) = metric.data.data_points
+    (point,) = list[Any](metric.data.data_points)
     if isinstance(metric.data, Histogram):
         assert tuple(point.explicit_bounds) == spec.buckets  # seconds-scaled, not the SDK's ms default
         assert point.sum == 3.0

@@ -13,7 +13,7 @@ from otel_train.buffer import FlushBatch
 from otel_train.crossrank import FINGERPRINT
 from otel_train.histogram_feed import record_many
 from otel_train.interval import Interval
-from otel_train.resolution import resolve_layer_stats
+from otel_train.resolve import resolve_layer_stats
 from otel_train.tracing import ExemplarContexts
 
 

@@ -30,7 +30,7 @@ from otel_train.config import redact_text
 from otel_train.instruments import Instruments, feed_layer_stats, record_durations
 from otel_train.interval import FlushListener, Interval
 from otel_train.messages import HistogramMessage, HparamsMessage, Message, SamplesMessage, TextMessage
-from otel_train.resolution import NO_DATA_WARNING, histogram_values, resolve_interval
+from otel_train.resolve import NO_DATA_WARNING, histogram_values, resolve_interval
 from otel_train.step_reader import StepReader, key_for
 from otel_train.tracing import ExemplarContexts, SpanWriter
 

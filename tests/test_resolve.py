@@ -1,4 +1,4 @@
-"""otel_train/resolution.py: what the worker makes of an interval (issue #32's cheaper paths give
+"""otel_train/resolve.py: what the worker makes of an interval (issue #32's cheaper paths give
 what the careful ones give): scalar tensors read with one stack, timers' raw clock readings turned
 into durations and arrivals."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import otel_train as ot
-from otel_train import resolution, tracing
+from otel_train import resolve, tracing
 from otel_train.buffer import Buffer, SpanRecord
 from otel_train.interval import Interval, header_of
 from otel_train.testing import capture_metrics
@@ -21,8 +21,8 @@ from otel_train.testing import capture_metrics
 
 def _careful(values: list[Any], monkeypatch: pytest.MonkeyPatch) -> tuple[list[float | None], dict[str, int]]:
     with monkeypatch.context() as patch:
-        patch.setattr(resolution, "_stacked_scalars", lambda values: None)
-        return resolution.resolve_values(values)
+        patch.setattr(resolve, "_stacked_scalars", lambda values: None)
+        return resolve.resolve_values(values)
 
 
 def _losses(n: int) -> list[Any]:
@@ -55,20 +55,20 @@ def test_one_stack_path_takes_the_common_interval_and_equals_the_careful_path(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     values = COMMON[case]()
-    assert resolution._stacked_scalars(values) is not None  # the fast path is the one taken
-    assert resolution.resolve_values(values) == _careful(values, monkeypatch)
+    assert resolve._stacked_scalars(values) is not None  # the fast path is the one taken
+    assert resolve.resolve_values(values) == _careful(values, monkeypatch)
 
 
 @pytest.mark.parametrize("case", list(ODD))
 def test_anything_else_takes_the_careful_path(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     values = ODD[case]()
-    assert resolution._stacked_scalars(values) is None
-    assert resolution.resolve_values(values) == _careful(values, monkeypatch)
+    assert resolve._stacked_scalars(values) is None
+    assert resolve.resolve_values(values) == _careful(values, monkeypatch)
 
 
 def test_nonfinite_tensors_are_dropped_and_counted_on_the_fast_path() -> None:
     values = [torch.tensor(1.5), torch.tensor(math.nan), torch.tensor(math.inf)]
-    assert resolution.resolve_values(values) == ([1.5, None, None], {"nonfinite": 2})
+    assert resolve.resolve_values(values) == ([1.5, None, None], {"nonfinite": 2})
 
 
 class _Intervals:
@@ -112,7 +112,7 @@ def test_durations_are_computed_as_the_span_computes_them() -> None:
     start = perf_counter_ns()
     readings = [(start, start + 1_234_567, start - 10), (start + 7, start + 999_999_937, 0)]
     buffer.timings["forward"] = list(readings)
-    phases, arrivals = resolution.timer_phases(buffer.take(0, 0, 1.0, 0))
+    phases, arrivals = resolve.timer_phases(buffer.take(0, 0, 1.0, 0))
     spans = [SpanRecord("forward", s, e, 0) for s, e, _ in readings]
     assert phases["forward"] == [tracing._seconds(span) for span in spans]
     assert arrivals["forward"] == [(start + 1_234_567 - (start - 10)) * 1e-9]
@@ -125,7 +125,7 @@ def test_the_interval_carries_every_header_field_of_its_batch() -> None:
     buffer.step_durations.extend([0.1, 0.2, 0.3])
     batch = buffer.take(7, 41, 2.5, 0)
     batch.final, batch.autocast_dtype, batch.flush_interval, batch.flush_anchor = True, "bfloat16", 5, 20
-    interval = resolution.resolve_interval(batch)
+    interval = resolve.resolve_interval(batch)
     assert header_of(interval) == header_of(batch)
     assert header_of(interval) == {
         "seq": 7, "step": 41, "wall_time": batch.wall_time, "elapsed_s": 2.5, "steps": 3, "tokens": 300,

@@ -42,9 +42,12 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.cadence import Cadence
     from otel_train.crossrank import CrossRankReducer
     from otel_train.diagnostics import CollectiveMonitor, HangReporter
+    from otel_train.exporters import Telemetry
     from otel_train.hardware import Discovery, HardwareMonitor
     from otel_train.health import HealthEvents
     from otel_train.instruments import Instruments
+    from otel_train.step_reader import StepReader
+    from otel_train.worker import Worker
 
 logger = logging.getLogger("otel_train")
 
@@ -78,7 +81,6 @@ def build_session(config: Config) -> Session:
     _attach_memory_dumps(session)
     launch = _check_launch(session, place, gpu_discovery)  # collective (one gather) when distributed
     _attach_goodput(session)
-    _attach_worker(session)
     _attach_watchdog(session)
     if place.run_dir is not None and place.is_reporting_rank:
         run_dir = place.run_dir
@@ -283,7 +285,8 @@ def _build_session(
         config=config, identity=ident, run_name=place.run_name, run_dir=place.run_dir, resumed=place.resumed,
         resource=resource, step_reader=step_reader, telemetry=telemetry, meter=meter,
         instruments=instruments, otel_logger=otel_logger, events=events, console=console,
-        bridges=bridges, sinks=sinks, listeners=listeners, hardware=hardware, reducer=reducer,
+        bridges=bridges, hardware=hardware, reducer=reducer,
+        worker=_worker(config, telemetry, ident, instruments, step_reader, otel_logger, sinks, listeners),
         cadence=cadence, profiled_steps=profiled_steps,
     )  # fmt: skip
 
@@ -419,7 +422,7 @@ def _attach_goodput(session: Session) -> None:
 
     run_dir, rank = session.run_dir, session.identity.rank
     session.goodput = GoodputListener(
-        session,
+        session.clock,
         session.meter,
         RunFiles(run_dir, rank, session.identity.role).goodput if run_dir else None,
         session.identity.run_id,
@@ -436,25 +439,28 @@ def _attach_memory_dumps(session: Session) -> None:
         session.hardware.efficiency.on_pressure = session.memory_dumps.on_pressure
 
 
-def _attach_worker(session: Session) -> None:
+def _worker(
+    config: Config, telemetry: Telemetry, ident: Identity, instruments: Instruments,
+    step_reader: StepReader, otel_logger: Any | None, sinks: list[Sink], listeners: list[FlushListener],
+) -> Worker:  # fmt: skip
+    """The background worker, the one owner of the sinks and flush listeners (not started yet)."""
     from otel_train.tracing import SpanWriter
     from otel_train.worker import Worker
 
-    telemetry, ident, config = session.telemetry, session.identity, session.config
     tracer = (
         telemetry.tracer_provider.get_tracer("otel_train", _version())
         if telemetry.tracer_provider is not None
         else None
     )
-    session.worker = Worker(
-        session.instruments,
-        session.step_reader,
-        session.sinks,
-        session.listeners,
+    return Worker(
+        instruments,
+        step_reader,
+        sinks,
+        listeners,
         SpanWriter(tracer, ident.run_id, ident.rank) if tracer is not None else None,
         queue_size=config.queue_size,
         total_steps=config.total_steps,
-        otel_logger=session.otel_logger,
+        otel_logger=otel_logger,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -41,6 +42,27 @@ class SpanRecord:
     error: str | None = None
     kind: SpanRole = SpanRole.PHASE
     attributes: dict[str, str | int | float] | None = None
+
+
+def step_record(start_ns: int, end_ns: int, index: int, failed: bool, profiled: bool) -> SpanRecord:
+    """A sampled step as a span record (`profiled`: inside an ot.profile window)."""
+    error = "StepFailed" if failed else None
+    return SpanRecord(
+        "step", start_ns, end_ns, index, error, SpanRole.STEP, {"train.profiled": True} if profiled else None
+    )
+
+
+def mark_record(
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    step: int,
+    error: type[BaseException] | None,
+    attributes: Mapping[str, Any] | None,
+) -> SpanRecord:
+    """An `ot.span` as a span record; attributes of other than plain types are left out."""
+    attrs = {str(k): v for k, v in (attributes or {}).items() if isinstance(v, (str, int, float, bool))}
+    return SpanRecord(name, start_ns, end_ns, step, error.__name__ if error else None, SpanRole.MARK, attrs)
 
 
 @dataclass

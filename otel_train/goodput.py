@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from otel_train import semconv
 from otel_train.interval import Interval
@@ -74,18 +74,44 @@ def span_cause(name: str) -> str:
     return "other"
 
 
-class StepClock(Protocol):
-    """What the session's training thread keeps (cumulative, written by that thread only)."""
+class StepClock:
+    """Goodput's books on the training thread: a few cumulative nanosecond counters, written by
+    that thread only (the session's hot path), read by `GoodputListener` on the worker."""
 
-    process_start_s: float  # perf_counter seconds at process start
-    first_step_start_ns: int | None
-    startup_span_ns: int  # eval/checkpoint spans before the first step (not startup)
-    stall_ns: int
-    nested_badput_ns: int  # eval/checkpoint spans inside steps (not productive)
-    span_ns: dict[str, int]  # per cause, all eval/checkpoint spans
-    data_ns: int  # data-phase timers inside steps that are not re-runs
-    rerun_ns: int  # steps whose index is at most rerun_through
-    rerun_through: int  # the last step of the previous processes (-1: none); set by the listener
+    def __init__(self, stall_timeout_s: float) -> None:
+        self.process_start_s = process_start_perf_s()  # perf_counter seconds at process start
+        self.first_step_start_ns: int | None = None
+        self.startup_span_ns = 0  # eval/checkpoint spans before the first step (not startup)
+        self.stall_ns = 0
+        self.nested_badput_ns = 0  # eval/checkpoint spans inside steps (not productive)
+        self.span_ns: dict[str, int] = {}  # per cause, all eval/checkpoint spans
+        self.data_ns = 0  # data-phase timers inside steps that are not re-runs
+        self.data_phases = DATA_PHASES
+        self.rerun_ns = 0  # steps whose index is at most rerun_through
+        self.rerun_through = -1  # the last step of the previous processes (-1: none); set by the listener
+        self.gap_span_ns = 0  # spans since the last step ended (not stall time)
+        self.step_open = False
+        self.stall_gap_ns = int(stall_timeout_s * 1e9)
+
+    def note_long_gap(self, gap_ns: int) -> None:
+        """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""
+        stalled = gap_ns - self.gap_span_ns
+        if stalled > self.stall_gap_ns:
+            self.stall_ns += stalled
+
+    def note_span(self, name: str, duration_ns: int) -> None:
+        """An `ot.span` ended: its cause's time, and where it sits (inside a step, between steps,
+        before the first one)."""
+        cause = span_cause(name)
+        if cause != "other":
+            self.span_ns[cause] = self.span_ns.get(cause, 0) + duration_ns
+        if self.step_open:
+            if cause != "other":
+                self.nested_badput_ns += duration_ns
+        else:
+            self.gap_span_ns += duration_ns
+            if self.first_step_start_ns is None and cause != "other":
+                self.startup_span_ns += duration_ns  # not startup: its own cause
 
 
 class GoodputListener:

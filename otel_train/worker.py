@@ -121,6 +121,17 @@ class Worker:
             return False
         return True
 
+    # The worker iterates `sinks` and `listeners` at every flush: both lists are replaced
+    # (copy-on-write), never changed in place, so no flush sees a list mid-change.
+    def add_listener(self, listener: FlushListener) -> None:
+        self.listeners = [*self.listeners, listener]
+
+    def remove_listener(self, listener: FlushListener) -> None:
+        self.listeners = [x for x in self.listeners if x is not listener]
+
+    def add_sink(self, sink: Sink) -> None:
+        self.sinks = [*self.sinks, sink]
+
     def unwritten(self) -> tuple[int, int]:
         """(flush batches, steps) handed to the worker that it has not written (yet)."""
         return self.batches_put - self.batches_done, self.steps_put - self.steps_done

@@ -159,7 +159,7 @@ def test_data_loading_and_checkpoint_restore_are_their_own_causes(tmp_path: Path
     assert account["checkpoint_restore"] >= 0.3 and account["checkpoint_save"] >= 0.1
     assert account["data"] >= 0.4
     assert account["productive_s"] < account["data"] / 2  # 4 x 10 ms of forward, not the waits
-    startup_without_restore = session.first_step_start_ns * 1e-9 - session.process_start_s - 0.3
+    startup_without_restore = session.clock.first_step_start_ns * 1e-9 - session.clock.process_start_s - 0.3
     assert account["startup"] <= startup_without_restore + 0.01
 
 

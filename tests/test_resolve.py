@@ -95,7 +95,7 @@ def test_timers_become_durations_and_arrivals_capped_per_name() -> None:
                 pass
             with ot.step(10 + i), ot.timer("data"):
                 pass
-        data_ns = session.data_ns
+        data_ns = session.clock.data_ns
     phases = {k: v for x in listener.seen for k, v in x.phases.items()}
     arrivals = {k: v for x in listener.seen for k, v in x.arrivals.items()}
     assert len(phases["forward"]) == 3 and len(arrivals["forward"]) == 2  # capped at 3; 1 outside a step

@@ -1,0 +1,51 @@
+"""What `ot.step()` accepts: a step number, `tokens=` and `samples=` of any numeric type (numpy
+integers, 0-dim tensors, integral floats) as plain ints; anything else is counted, warned about once
+and replaced, never raised into the training loop."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from otel_train.buffer import Buffer
+
+MAX_STEP = 2**63 - 1  # a step must fit an int64 (Prometheus, TensorBoard, JSON readers)
+
+
+def step_number(step: Any, buffer: Buffer, last_step: int) -> int:
+    """A numpy integer, a 0-dim tensor or an integral float as a plain int; anything else
+    (NaN, 3.5, 10**400, a string) continues from the last step, counted and warned once."""
+    try:
+        index = operator.index(step)
+    except Exception:
+        try:
+            number = float(step)
+            index = int(number) if number.is_integer() else None  # type: ignore[assignment]
+        except Exception:
+            index = None  # type: ignore[assignment]
+    if index is None or not -MAX_STEP <= index <= MAX_STEP:
+        buffer.drop("invalid_step")
+        buffer.warn_once(
+            "<step>",
+            f"ot.step() got a step number it cannot use ({type(step).__name__}); continuing from "
+            "the last step. Pass an int (counted in otel_train.dropped{reason=invalid_step}).",
+        )
+        return last_step + 1
+    return index
+
+
+def count_of(value: Any, what: str, buffer: Buffer) -> int | None:
+    """tokens= / samples= as a plain int (numpy integers, 0-dim tensors, integral floats)."""
+    if value is None or value.__class__ is int:
+        return value  # type: ignore[no-any-return]
+    try:
+        number = operator.index(value)
+    except Exception:
+        try:
+            as_float = float(value)
+            number = int(as_float) if as_float.is_integer() else round(as_float)
+        except Exception:
+            buffer.drop("invalid_type")
+            buffer.warn_once(f"<{what}>", f"ot.step({what}=...) got {type(value).__name__}; ignored.")
+            return None
+    return number if 0 <= number <= MAX_STEP else None

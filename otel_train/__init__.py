@@ -31,8 +31,7 @@ from otel_train.version import __version__
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
-    from otel_train.amp import ScalerWatch
-    from otel_train.model_watch import ModelWatch, NullWatch
+    from otel_train.numerics import ModelWatch, NullWatch, ScalerWatch
     from otel_train.session import Session
 
 __all__ = [
@@ -252,7 +251,7 @@ def watch(
     The batch is the first tensor argument of the model's first forward in a watched step, or what
     `ot.watch_batch` gives; a loop that clears gradients before its step ends calls `ot.watch_read`.
     """
-    from otel_train.model_watch import ModelWatch, NullWatch, check_watch_args
+    from otel_train.numerics import ModelWatch, NullWatch, check_watch_args
 
     check_watch_args(model, every, max_layers, (grads, params, activations))
     session = _runtime._current
@@ -325,7 +324,7 @@ def watch_scaler(scaler: Any) -> ScalerWatch | None:
     steps it skips for inf/NaN gradients (`train.optimizer.skipped_steps`), with no host sync.
     Call once after creating the scaler; use the scaler as usual. Returns the handle (`.remove()`),
     or None before `init()`."""
-    from otel_train.amp import ScalerWatch
+    from otel_train.numerics import ScalerWatch
 
     if not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "scale"):
         raise TypeError(f"ot.watch_scaler expects a torch.amp.GradScaler, got {type(scaler).__name__}")

@@ -43,11 +43,9 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.crossrank import CrossRankReducer
     from otel_train.diagnostics import CollectiveMonitor, HangReporter
     from otel_train.exporters import Telemetry
+    from otel_train.flush import Instruments, StepReader, Worker
     from otel_train.hardware import Discovery, HardwareMonitor
     from otel_train.health import HealthEvents
-    from otel_train.instruments import Instruments
-    from otel_train.step_reader import StepReader
-    from otel_train.worker import Worker
 
 logger = logging.getLogger("otel_train")
 
@@ -236,12 +234,11 @@ def _build_session(
 ) -> Session:
     """The session with every part that does not call back into it (see `build_session`)."""
     from otel_train.exporters import build_telemetry
-    from otel_train.gradient_flow import GradientFlowMonitor
+    from otel_train.flush import Instruments, StepReader
+    from otel_train.hardware import MpsMemory
     from otel_train.health import HealthMonitor
-    from otel_train.instruments import Instruments
-    from otel_train.mps_memory import MpsMemory
+    from otel_train.numerics import GradientFlowMonitor
     from otel_train.profiling import ProfiledStepsCounter
-    from otel_train.step_reader import StepReader
 
     ident = place.identity
     step_reader = StepReader()
@@ -444,8 +441,7 @@ def _worker(
     step_reader: StepReader, otel_logger: Any | None, sinks: list[Sink], listeners: list[FlushListener],
 ) -> Worker:  # fmt: skip
     """The background worker, the one owner of the sinks and flush listeners (not started yet)."""
-    from otel_train.tracing import SpanWriter
-    from otel_train.worker import Worker
+    from otel_train.flush import SpanWriter, Worker
 
     tracer = (
         telemetry.tracer_provider.get_tracer("otel_train", _version())
@@ -505,7 +501,7 @@ def _attach_watchdog(session: Session) -> None:
 def _report_stuck_worker(session: Session) -> None:
     """Watchdog tick: one `worker_stuck` event per flush the worker spends longer than
     stall_timeout_s on (the training's buffers are capped meanwhile)."""
-    from otel_train.worker import stuck_message
+    from otel_train.flush import stuck_message
 
     message = stuck_message(session.worker, session.config.stall_timeout_s)
     if message is not None:

@@ -16,8 +16,7 @@ from otel_train.interval import FlushListener
 if TYPE_CHECKING:  # the SDK-backed modules are imported at init(), not when `import otel_train` runs
     from otel_train.bridges.process import BridgeProcess
     from otel_train.exporters import Telemetry
-    from otel_train.instruments import Instruments
-    from otel_train.worker import Worker
+    from otel_train.flush import Instruments, Worker
 
 log = logging.getLogger("otel_train")
 

@@ -26,13 +26,11 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.crossrank import CrossRankReducer
     from otel_train.diagnostics import MemoryDumps
     from otel_train.exporters import Telemetry
+    from otel_train.flush import Instruments, StepReader, Worker
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents
-    from otel_train.instruments import Instruments
-    from otel_train.model_watch import ModelWatch
+    from otel_train.numerics import ModelWatch
     from otel_train.profiling import ProfiledStepsCounter
-    from otel_train.step_reader import StepReader
-    from otel_train.worker import Worker
 
 
 @dataclass(kw_only=True, eq=False, repr=False)

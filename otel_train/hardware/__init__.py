@@ -11,6 +11,8 @@
 * ``host_sampler``: the psutil sampler thread (process CPU and memory, node memory).
 * ``efficiency``: CUDA allocator memory, memory pressure, energy and MFU, computed at each flush on
   the background worker; ``mfu`` holds the FLOPs-per-token conventions and the peak-FLOP/s table.
+* ``mps_memory``: Apple silicon's Metal allocator memory (`MpsMemory`, a flush listener of its own:
+  no NVML there).
 
 The parts' numbers go to OTel instruments made from their catalogue specs (`MetricSpec.create`);
 their events go to the `health.EventChannel`.
@@ -37,6 +39,7 @@ from otel_train.hardware.mfu import autocast_dtype
 
 if TYPE_CHECKING:
     from otel_train.hardware.monitor import HardwareMonitor
+    from otel_train.hardware.mps_memory import MpsMemory
 
 __all__ = [
     "RES_GPU_DRIVER_VERSION",
@@ -45,6 +48,7 @@ __all__ = [
     "RES_GPU_UUID",
     "Discovery",
     "HardwareMonitor",
+    "MpsMemory",
     "autocast_dtype",
     "discover_with_timeout",
     "parse_cuda_visible_devices",
@@ -56,4 +60,8 @@ def __getattr__(name: str) -> Any:
         from otel_train.hardware.monitor import HardwareMonitor
 
         return HardwareMonitor
+    if name == "MpsMemory":
+        from otel_train.hardware.mps_memory import MpsMemory
+
+        return MpsMemory
     raise AttributeError(f"module 'otel_train.hardware' has no attribute {name!r}")

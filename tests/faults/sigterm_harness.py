@@ -31,9 +31,9 @@ import otel_train.bridges.console
 import otel_train.crossrank.reducer
 import otel_train.envinfo
 import otel_train.exporters
+import otel_train.flush.step_reader
+import otel_train.flush.worker
 import otel_train.health
-import otel_train.step_reader
-import otel_train.worker
 
 HANG_S = 10.0
 DONE = struct.Struct("q")

@@ -13,7 +13,8 @@ from torch import nn
 
 import otel_train as ot
 from otel_train import semconv as sc
-from otel_train.gradient_flow import (
+from otel_train.interval import Interval
+from otel_train.numerics.gradient_flow import (
     EXPLODE,
     IMMEDIATE,
     SUSTAIN,
@@ -22,7 +23,6 @@ from otel_train.gradient_flow import (
     ZERO_STEPS,
     GradientFlowMonitor,
 )
-from otel_train.interval import Interval
 
 LABELS = ("embed", "mid", "head")
 FLOW_EVENTS = ("no_gradient", "gradient_explosion", "gradient_vanishing")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import otel_train as ot
-from otel_train import resolve, tracing
 from otel_train.buffer import Buffer, SpanRecord
+from otel_train.flush import resolve, tracing
 from otel_train.interval import Interval, header_of
 from otel_train.testing import capture_metrics
 

@@ -11,10 +11,10 @@ from typing import Any
 from otel_train import semconv
 from otel_train.buffer import FlushBatch
 from otel_train.crossrank import FINGERPRINT
-from otel_train.histogram_feed import record_many
+from otel_train.flush.histogram_feed import record_many
+from otel_train.flush.resolve import resolve_layer_stats
+from otel_train.flush.tracing import ExemplarContexts
 from otel_train.interval import Interval
-from otel_train.resolve import resolve_layer_stats
-from otel_train.tracing import ExemplarContexts
 
 
 class Instruments:

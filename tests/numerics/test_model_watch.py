@@ -18,7 +18,7 @@ import otel_train as ot
 from otel_train import semconv as sc
 from otel_train.buffer import Buffer
 from otel_train.crossrank.replicas import FINGERPRINT
-from otel_train.model_watch import (
+from otel_train.numerics.model_watch import (
     HISTOGRAM_SAMPLE,
     ROOT_LABEL,
     ModelWatch,

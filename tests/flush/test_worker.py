@@ -1,4 +1,4 @@
-"""otel_train/worker.py: the background thread. The logger API's typed messages reach each sink's
+"""otel_train/flush/worker.py: the background thread. The logger API's typed messages reach each sink's
 method for their type, prepared on the worker (text redacted, a tensor's values resolved to finite
 floats), in the order they were logged with the flushes around them."""
 

@@ -12,7 +12,7 @@ from opentelemetry.trace import StatusCode, get_current_span
 
 from otel_train import semconv
 from otel_train.buffer import SpanRecord, SpanRole
-from otel_train.tracing import SpanWriter, step_trace_ids
+from otel_train.flush.tracing import SpanWriter, step_trace_ids
 
 EPOCH_NS = 1_700_000_000_000_000_000  # perf_counter_ns 0 as epoch nanoseconds
 

@@ -56,7 +56,7 @@ class ScalerWatch:
         latest = self._latest
         if latest is None:
             return
-        from otel_train.resolve import tensors_to_host
+        from otel_train.flush import tensors_to_host
 
         scale, total = tensors_to_host(list(latest))
         if scale is not None:

@@ -19,7 +19,7 @@ from typing import Any
 from otel_train import semconv as sc
 from otel_train.interval import Interval
 
-log = logging.getLogger("otel_train")
+log = logging.getLogger("otel_train.hardware")
 
 # (gauge, torch.mps function); a function the torch build lacks is skipped
 READINGS = (

@@ -219,7 +219,8 @@ def bench_slow_backend(seconds: float) -> tuple[int, int, int]:
             time.sleep(5.0)
 
     def run(slow: bool) -> tuple[int, int]:
-        session = ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, log_interval=10)
+        ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, log_interval=10)
+        session = ot.current_session()
         sleepy = ThreadedSink(SleepySink(), queue_size=4, name="sleepy", close_timeout_s=0.1)
         if slow:
             session.add_sink(sleepy)

@@ -73,7 +73,8 @@ def bench_watched_step(rounds: int) -> dict[str, float]:
     def batch() -> tuple:
         return get_batch(data, 32, 128, gen, torch.device("cpu"))
 
-    session = ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, log_interval=10, hardware=False)
+    ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, log_interval=10, hardware=False)
+    session = ot.current_session()
     modes: dict[str, Callable[[], None]] = {
         "no watch": lambda: None,
         "grads + params": lambda: ot.watch(model, every=1),

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 # purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import _runtime, messages
-from otel_train.config import Config, ConfigError, cap_text, redact, redact_text, redact_url
+from otel_train.config import Config, ConfigError, cap_text, redact, redact_text
 from otel_train.distributed import RunInfo
+from otel_train.run import Run
 from otel_train.timing import begin_step, end_step, phase, span, step, timed, timer
 from otel_train.version import __version__
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Config",
     "ConfigError",
+    "Run",
     "RunInfo",
     "__version__",
     "begin_step",
@@ -67,15 +69,15 @@ __all__ = [
 ]
 
 
-def init(config_file: str | None = None, **settings: Any) -> Session:
-    """Start telemetry for this process (idempotent; returns the running session if any).
+def init(config_file: str | None = None, **settings: Any) -> Run:
+    """Start telemetry for this process (idempotent: a second call returns the running run).
 
     Settings are `Config` fields; precedence: keyword arguments > environment (`OTEL_*`,
     `OTEL_TRAIN_*`) > YAML file (`config_file` or `OTEL_TRAIN_CONFIG`) > defaults. Invalid settings
-    raise `ConfigError` naming the setting and the fix. Use as `with ot.init(...):` to shut down
-    at the end of the block.
+    raise `ConfigError` naming the setting and the fix. Returns a `Run` (run id, name, directory,
+    rank, the pull endpoint's URL); use as `with ot.init(...) as run:` to shut down at the end.
     """
-    return _runtime.init(config_file=config_file, settings=settings)
+    return Run(_runtime.init(config_file=config_file, settings=settings))
 
 
 def shutdown() -> None:
@@ -87,6 +89,8 @@ finish = shutdown
 
 
 def current_session() -> Session | None:
+    """The running session's internals (tests, debugging): not a stable API; `init()`'s `Run` and
+    `run_info()` are."""
     return _runtime.current()
 
 
@@ -94,23 +98,7 @@ def run_info() -> RunInfo | None:
     """Run id, run name, run directory, rank, world size and last step of the running session
     (None before `init()`): the public view for adapters and scripts."""
     session = _runtime._current
-    if session is None:
-        return None
-    ident = session.identity
-    return RunInfo(
-        run_id=ident.run_id,
-        run_name=session.run_name,
-        run_dir=str(session.run_dir) if session.run_dir is not None else None,
-        rank=ident.rank,
-        local_rank=ident.local_rank,
-        world_size=ident.world_size,
-        step=session.step_index,
-        role=ident.role,
-        output_dir=session.config.output_dir,
-        service_name=session.config.service_name,
-        otlp_endpoint=redact_url(session.config.otlp_endpoint),  # user:password@ -> ***@
-        otlp_metrics_endpoint=redact_url(session.config.otlp_metrics_endpoint),
-    )
+    return Run(session).info() if session is not None else None
 
 
 def record(name: str, value: Any) -> None:

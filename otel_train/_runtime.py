@@ -41,7 +41,6 @@ def init(
         return _current
     resolved = config or load_config(settings, config_file=config_file)
     session = build_session(resolved)
-    session.on_exit = shutdown  # `with ot.init(...):` ends like ot.shutdown()
     _current = session
     _install_hooks()
     return session

@@ -13,9 +13,8 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from otel_train.buffer import Buffer, SpanRecord, mark_record, step_record
@@ -48,7 +47,6 @@ class Session(SessionParts):
 
     def __post_init__(self) -> None:
         config = self.config
-        self.on_exit: Callable[[], None] = self.shutdown  # `_runtime.init` sets ot.shutdown
         self.reinit_warned = False  # a second init() with other settings was warned about
         self.clock = StepClock(config.stall_timeout_s)  # goodput's books, kept by the hot path
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
@@ -314,11 +312,3 @@ class Session(SessionParts):
         final = {**self.worker.final_scalars, **final_scalars(self.goodput.totals)}
         close_sinks(self.sinks, self.bridges, final, budget, started)
         stop_exporters(self.telemetry, budget, started)
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.on_exit()

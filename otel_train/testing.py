@@ -54,8 +54,10 @@ def capture_metrics(**settings: Any) -> Iterator[Capture]:
 
     settings.setdefault("prometheus_port", 0)
     settings.setdefault("verbosity", 0)
-    session = otel_train.init(**settings)
+    otel_train.init(**settings)
     capture = Capture()
+    session = _runtime.current()
+    assert session is not None  # init() just returned it
     session.add_sink(capture)
     try:
         yield capture

@@ -32,10 +32,16 @@ def test_everything_is_a_noop_before_init() -> None:
 
 
 def test_init_is_idempotent_and_context_manager(tmp_path) -> None:
-    with ot.init(prometheus_port=0, verbosity=0, output_dir=str(tmp_path)) as session:
-        assert ot.init() is session
-        assert session.run_dir is not None and session.run_dir.parent == tmp_path
-    assert ot.current_session() is None
+    with ot.init(prometheus_port=0, verbosity=0, output_dir=str(tmp_path), run_name="r") as run:
+        assert isinstance(run, ot.Run) and ot.init() == run  # the same run, not a second session
+        assert run.run_dir is not None and run.run_dir == tmp_path / "r" and run.run_name == "r"
+        assert (run.rank, run.world_size, run.prometheus_url) == (0, 1, None)
+        with ot.step(0):
+            pass
+        info = run.info()
+        assert info == ot.run_info() and info.run_id == run.run_id and info.step == 0
+    assert ot.current_session() is None  # the block shut it down
+    run.shutdown()  # again: nothing to do
     ot.shutdown()
 
 
@@ -144,9 +150,8 @@ def test_user_instruments_on_library_meter_reach_bridges() -> None:
 
 
 def test_total_steps_gives_eta_and_progress_file(tmp_path) -> None:
-    session = ot.init(
-        prometheus_port=0, verbosity=0, log_interval=5, total_steps=20, output_dir=str(tmp_path)
-    )
+    ot.init(prometheus_port=0, verbosity=0, log_interval=5, total_steps=20, output_dir=str(tmp_path))
+    session = ot.current_session()
     for i in range(10):
         with ot.step(i, tokens=10):
             time.sleep(0.001)
@@ -204,7 +209,7 @@ def test_quiet_mode_prints_nothing(capsys) -> None:
 
 def test_public_api_is_pinned() -> None:
     assert sorted(ot.__all__) == sorted([
-        "Config", "ConfigError", "RunInfo", "__version__", "begin_step", "current_session", "end_step", "event",
+        "Config", "ConfigError", "Run", "RunInfo", "__version__", "begin_step", "current_session", "end_step", "event",
         "finish", "get_meter", "init",
         "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "phase", "profile", "record", "run_info",
         "shutdown", "span", "step", "timed", "timer", "watch", "watch_batch", "watch_read", "watch_scaler",

@@ -86,7 +86,8 @@ def test_pull_endpoint_series_budget(tmp_path) -> None:
     from helpers.ports import free_port
 
     port = free_port()
-    session = ot.init(prometheus_port=port, verbosity=0, log_interval=5, output_dir=str(tmp_path))
+    ot.init(prometheus_port=port, verbosity=0, log_interval=5, output_dir=str(tmp_path))
+    session = ot.current_session()
     for i in range(50):
         with ot.step(i, tokens=10):
             for phase in ("data", "forward", "backward", "optimizer"):

@@ -85,8 +85,9 @@ def test_numbering_that_goes_back_falls_back_to_counted_steps() -> None:
 
 
 def test_explicit_log_interval_is_honoured(tmp_path: Path) -> None:
-    session = ot.init(output_dir=str(tmp_path), run_name="explicit", prometheus_port=0, verbosity=0,
+    ot.init(output_dir=str(tmp_path), run_name="explicit", prometheus_port=0, verbosity=0,
                       hardware=False, log_interval=3, log_interval_min_s=10.0)  # fmt: skip
+    session = ot.current_session()
     for step in range(20):
         with ot.step(step):
             time.sleep(0.001)  # an adaptive cadence would flush every 10000 steps here
@@ -96,8 +97,9 @@ def test_explicit_log_interval_is_honoured(tmp_path: Path) -> None:
 
 
 def test_default_cadence_adapts_to_fast_steps(tmp_path: Path) -> None:
-    session = ot.init(output_dir=str(tmp_path), run_name="adaptive", prometheus_port=0, verbosity=0,
+    ot.init(output_dir=str(tmp_path), run_name="adaptive", prometheus_port=0, verbosity=0,
                       hardware=False, log_interval_min_s=0.2)  # fmt: skip
+    session = ot.current_session()
     for step in range(400):
         with ot.step(step):
             time.sleep(0.001)
@@ -121,8 +123,9 @@ def _rank_with_own_pace(rank: int, world: int, out_dir: str) -> dict:
     import otel_train as ot
 
     # 0.1, 0.4, 0.7, 1.0 s: each rank alone would pick its own interval
-    session = ot.init(output_dir=out_dir, run_name="cadence", prometheus_port=0, verbosity=0, hardware=False,
+    ot.init(output_dir=out_dir, run_name="cadence", prometheus_port=0, verbosity=0, hardware=False,
                       log_interval_min_s=0.1 * (1 + 3 * rank), trace_first=0)  # fmt: skip
+    session = ot.current_session()
     grad = torch.zeros(4)
     for step in range(STEPS):
         with ot.step(step):

@@ -28,7 +28,8 @@ def test_validation_names_the_problem() -> None:
 
 
 def test_single_process_change_and_rejected_file(tmp_path: Path) -> None:
-    session = ot.init(run_name="ctl", prometheus_port=0, verbosity=0, hardware=False, log_interval=5)
+    ot.init(run_name="ctl", prometheus_port=0, verbosity=0, hardware=False, log_interval=5)
+    session = ot.current_session()
     control = session.run_dir / "control.json"
     control.write_text("{not json")
     level_at: dict[int, int] = {}

@@ -35,8 +35,9 @@ def _samples(text: str) -> dict[str, list[float]]:
 
 def test_a_loss_alternating_1_and_3_exports_mean_2_and_max_3(tmp_path) -> None:
     port = free_port()
-    session = ot.init(prometheus_port=port, verbosity=0, log_interval=10, output_dir=str(tmp_path),
+    ot.init(prometheus_port=port, verbosity=0, log_interval=10, output_dir=str(tmp_path),
                       hardware=False)  # fmt: skip
+    session = ot.current_session()
     try:
         for i in range(10):
             with ot.step(i):
@@ -66,8 +67,9 @@ def test_a_loss_alternating_1_and_3_exports_mean_2_and_max_3(tmp_path) -> None:
 
 
 def test_a_spike_between_two_flushes_is_detected_and_names_its_step(tmp_path) -> None:
-    session = ot.init(prometheus_port=0, verbosity=0, log_interval=10, output_dir=str(tmp_path),
+    ot.init(prometheus_port=0, verbosity=0, log_interval=10, output_dir=str(tmp_path),
                       hardware=False, loss_spike_factor=3.0)  # fmt: skip
+    session = ot.current_session()
     for i in range(30):
         with ot.step(i):
             ot.record("loss", torch.tensor(10.0 if i == 13 else 1.0))
@@ -82,9 +84,8 @@ def test_a_spike_between_two_flushes_is_detected_and_names_its_step(tmp_path) ->
 
 
 def test_the_final_flush_after_the_last_step_writes_no_second_row(tmp_path) -> None:
-    session = ot.init(
-        prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False
-    )
+    ot.init(prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False)
+    session = ot.current_session()
     for i in range(10):
         with ot.step(i):
             ot.record("loss", 1.0)
@@ -95,9 +96,8 @@ def test_the_final_flush_after_the_last_step_writes_no_second_row(tmp_path) -> N
 
 
 def test_a_value_recorded_after_the_last_step_still_gets_its_row(tmp_path) -> None:
-    session = ot.init(
-        prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False
-    )
+    ot.init(prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False)
+    session = ot.current_session()
     for i in range(5):
         with ot.step(i):
             ot.record("loss", 1.0)

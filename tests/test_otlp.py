@@ -27,7 +27,7 @@ def _train(steps: int = 25, sleep: float = 0.0) -> None:
 
 
 def _run(endpoint: str, protocol: str) -> ot.Session:
-    session = ot.init(
+    ot.init(
         otlp_endpoint=endpoint,
         otlp_protocol=protocol,
         run_id="otlp-test-run",
@@ -38,6 +38,7 @@ def _run(endpoint: str, protocol: str) -> ot.Session:
         trace_first=2,
         trace_every=10,
     )
+    session = ot.current_session()
     _train()
     ot.shutdown()
     return session

@@ -22,7 +22,7 @@ def test_secrets_never_reach_files_console_or_payloads(tmp_path, monkeypatch, ca
     monkeypatch.setenv("MY_SERVICE_TOKEN", env_marker)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"authorization=Bearer {header_marker}")
     with http_receiver() as (endpoint, received):
-        session = ot.init(
+        ot.init(
             otlp_endpoint=endpoint,
             output_dir=str(tmp_path),
             prometheus_port=0,
@@ -30,6 +30,7 @@ def test_secrets_never_reach_files_console_or_payloads(tmp_path, monkeypatch, ca
             log_interval=2,
             resource_attributes={"team": "ml", "api_token": field_marker},
         )
+        session = ot.current_session()
         ot.log_hyperparams({"lr": 1e-3, "api_key": hparam_marker, "nested": {"password": hparam_marker}})
         for i in range(4):
             with ot.step(i):

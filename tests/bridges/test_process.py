@@ -163,8 +163,9 @@ def test_a_hung_bridge_cannot_hold_shutdown_past_its_budget(
 
     monkeypatch.setattr(assemble, "bridge_specs", with_hanging)
     budget = 1.5
-    session = ot.init(output_dir=str(tmp_path), run_name="hung", tensorboard=True, prometheus_port=0, verbosity=0,
+    ot.init(output_dir=str(tmp_path), run_name="hung", tensorboard=True, prometheus_port=0, verbosity=0,
                       hardware=False, log_interval=2, shutdown_timeout_s=budget)  # fmt: skip
+    session = ot.current_session()
     assert session.bridges is not None
     for step in range(6):
         with ot.step(step):
@@ -191,8 +192,9 @@ TRAINER = textwrap.dedent(
     import sys, time
     import otel_train as ot
 
-    session = ot.init(output_dir=sys.argv[1], run_name="killed", tensorboard=True, prometheus_port=0,
+    ot.init(output_dir=sys.argv[1], run_name="killed", tensorboard=True, prometheus_port=0,
                       verbosity=0, hardware=False, log_interval=1)
+    session = ot.current_session()
     for step in range(20):
         with ot.step(step):
             ot.record("loss", float(step))

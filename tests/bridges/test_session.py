@@ -16,9 +16,10 @@ SECRET = "SESSION-SECRET-3141"
 
 def test_session_feeds_every_bridge_the_same_scalars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    session = ot.init(output_dir=str(tmp_path), run_name="bridged", tensorboard=True, wandb=True, mlflow=True,
+    ot.init(output_dir=str(tmp_path), run_name="bridged", tensorboard=True, wandb=True, mlflow=True,
                       prometheus_port=0, verbosity=0, log_interval=5,
                       otlp_headers={"authorization": SECRET})  # fmt: skip
+    session = ot.current_session()
     ot.log_hyperparams({"lr": 3e-4, "layers": 2, "api_key": SECRET})
     meter = ot.get_meter()
     widgets = meter.create_counter("my.widgets")

@@ -57,8 +57,9 @@ def recording_bridge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def test_a_bridge_added_as_one_row_runs_end_to_end(recording_bridge: Path, tmp_path: Path) -> None:
-    session = ot.init(output_dir=str(tmp_path), run_name="row", prometheus_port=0, verbosity=0, hardware=False,
+    ot.init(output_dir=str(tmp_path), run_name="row", prometheus_port=0, verbosity=0, hardware=False,
                       log_interval=2)  # fmt: skip
+    session = ot.current_session()
     assert session.bridges is not None, "the row did not start the bridge process"
     for step in range(4):
         with ot.step(step):

@@ -236,7 +236,7 @@ def _fsdp_rank(rank: int, world: int, timers: bool, skew_s: float, out: str) -> 
         import socket
 
         socket.gethostname = lambda: "other-host"  # another host: its own clock, offset estimated
-    session = ot.init(
+    ot.init(
         output_dir=out,
         run_name="fsdp",
         verbosity=0,
@@ -244,6 +244,7 @@ def _fsdp_rank(rank: int, world: int, timers: bool, skew_s: float, out: str) -> 
         hardware=False,
         collective_timeout_s=60.0,
     )
+    session = ot.current_session()
     session.events.add_callback(lambda e, m, a: events.append({"event": e, "message": m, **a}))
     if rank == 3 and skew_s:
         session.reducer.lateness.skew_s = skew_s  # this host's clock reads off: recorder and exchange
@@ -317,9 +318,8 @@ def _hf_rank(rank: int, world: int, out: str) -> dict[str, Any]:
     from otel_train.integrations.transformers import OtelTrainCallback
 
     collectives.MAX_READ_SHARE = READ_SHARE
-    session = ot.init(
-        verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0
-    )
+    ot.init(verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0)
+    session = ot.current_session()
     events: list[dict[str, Any]] = []
     session.events.add_callback(
         lambda event, message, attrs: events.append({"event": event, "message": message, **attrs})

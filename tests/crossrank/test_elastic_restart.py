@@ -34,9 +34,10 @@ def _incarnation(rank: int, world: int, out_dir: str, first: int, last: int, cra
 
     import otel_train as ot
 
-    session = ot.init(
+    ot.init(
         output_dir=out_dir, run_name="elastic", log_interval=LOG_INTERVAL, hardware=False, verbosity=0,
     )  # fmt: skip
+    session = ot.current_session()
     from otel_train.goodput import SAVE_EVERY_S
 
     for step in range(first, last):

@@ -64,10 +64,11 @@ def train(rank: int, scenario: dict[str, Any], out_dir: str) -> dict[str, Any]:
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)
     events: list[tuple[str, str, dict[str, Any]]] = []
-    session = ot.init(
+    ot.init(
         output_dir=out_dir, run_name=scenario.get("run_name"), verbosity=0, log_interval=LOG_INTERVAL,
         hardware=False, collective_timeout_s=60.0,
     )  # fmt: skip
+    session = ot.current_session()
     session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
     model, opt = _model(scenario["kind"])
     slow = scenario.get("slow", {})  # {"rank": r, "phase": "data" | "forward", "factor": f}

@@ -141,7 +141,8 @@ def _ddp_rank(rank: int, world: int, output_dir: str, mode: str, steps: int) -> 
         if mode == "long"
         else torch.optim.SGD(model.parameters(), lr=0.05)
     )
-    session = ot.init(prometheus_port=0, verbosity=0, hardware=False, log_interval=10, run_name="replicas")
+    ot.init(prometheus_port=0, verbosity=0, hardware=False, log_interval=10, run_name="replicas")
+    session = ot.current_session()
     # "own_group": every rank its own data-parallel group, as tensor-parallel peers would name theirs
     ot.watch(model, every=5, data_parallel_group=[rank] if mode == "own_group" else None)
     step = 0
@@ -212,7 +213,8 @@ def test_ranks_in_different_data_parallel_groups_are_not_compared(tmp_path: Path
 
 
 def test_ot_watch_names_the_data_parallel_group(tmp_path: Path) -> None:
-    session = ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False)
+    ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False)
+    session = ot.current_session()
     try:
         model = torch.nn.Linear(2, 2)
         ot.watch(model, data_parallel_group=[0])

@@ -359,7 +359,8 @@ def test_collector_puts_identity_labels_on_every_series_and_nothing_per_process(
         if p.split("/", 1)[0] == "resource"
         for a in collector["processors"][p]["attributes"]
     ]
-    session = otel_train.init(prometheus_port=0, verbosity=0, run_id="ident", hardware=False)
+    otel_train.init(prometheus_port=0, verbosity=0, run_id="ident", hardware=False)
+    session = otel_train.current_session()
     try:
         resource = dict(session.resource.attributes)
     finally:

@@ -135,10 +135,11 @@ def _hang_target(rank: int, world_size: int, out_dir: str) -> None:
     import otel_train as ot
 
     port = free_port()
-    session = ot.init(
+    ot.init(
         run_name="hang", stall_timeout_s=STALL_S, prometheus_port=port - rank, verbosity=0, hardware=False,
         log_interval=2, output_dir=out_dir,
     )  # fmt: skip
+    session = ot.current_session()
     assert any(isinstance(x, CollectiveMonitor) for x in session.listeners)
     stop = threading.Event()
     threading.Thread(

@@ -33,7 +33,8 @@ def _parked_in_marker_function(release: threading.Event) -> None:
 
 
 def test_stall_writes_stacks_and_an_event_naming_them(tmp_path: Path) -> None:
-    session = ot.init(run_name="stall", stall_timeout_s=0.4, prometheus_port=0, verbosity=0, hardware=False)
+    ot.init(run_name="stall", stall_timeout_s=0.4, prometheus_port=0, verbosity=0, hardware=False)
+    session = ot.current_session()
     for step in range(3):
         with ot.step(step):
             pass
@@ -58,13 +59,15 @@ def test_stall_writes_stacks_and_an_event_naming_them(tmp_path: Path) -> None:
 
 
 def test_no_stall_before_the_first_step(tmp_path: Path) -> None:
-    session = ot.init(run_name="startup", stall_timeout_s=0.2, prometheus_port=0, verbosity=0, hardware=False)
+    ot.init(run_name="startup", stall_timeout_s=0.2, prometheus_port=0, verbosity=0, hardware=False)
+    session = ot.current_session()
     time.sleep(1.0)  # start-up (model loading, compile) is not a stall
     assert list(session.run_dir.glob("stacks.*")) == []
 
 
 def test_sigusr1_dumps_on_the_watchdog_thread(tmp_path: Path) -> None:
-    session = ot.init(run_name="usr1", prometheus_port=0, verbosity=0, hardware=False)
+    ot.init(run_name="usr1", prometheus_port=0, verbosity=0, hardware=False)
+    session = ot.current_session()
     with ot.step(0):
         pass
     os.kill(os.getpid(), signal.SIGUSR1)

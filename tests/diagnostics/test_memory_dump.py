@@ -83,9 +83,8 @@ def test_no_cuda_or_no_run_dir_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_an_oom_raised_inside_ot_step_is_dumped_and_still_raised(tmp_path: Path) -> None:
-    session = ot.init(
-        output_dir=str(tmp_path), run_name="oom", prometheus_port=0, verbosity=0, hardware=False
-    )
+    ot.init(output_dir=str(tmp_path), run_name="oom", prometheus_port=0, verbosity=0, hardware=False)
+    session = ot.current_session()
     try:
         assert session.memory_dumps is not None
         session.memory_dumps.torch_cuda = lambda: FakeCuda(HISTORY)

@@ -49,7 +49,8 @@ def test_unusable_endpoints_are_refused_with_the_fix(endpoint) -> None:
 
 def test_second_init_with_other_settings_warns_once(tmp_path, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="otel_train")
-    first = ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, log_interval=5)
+    ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, log_interval=5)
+    first = ot.current_session()
     assert ot.init() is first  # no settings: silently the same session
     assert ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, log_interval=5) is first
     assert not [r for r in caplog.records if "init() was called again" in r.getMessage()]

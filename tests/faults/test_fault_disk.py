@@ -51,8 +51,9 @@ def _rows(path: Path) -> list[dict]:
 def test_disk_full_mid_run(tmp_path, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="otel_train")
     with small_tmpfs(tmp_path / "disk") as disk:
-        session = ot.init(output_dir=str(disk), run_name="r", prometheus_port=0, verbosity=0, log_interval=1,
+        ot.init(output_dir=str(disk), run_name="r", prometheus_port=0, verbosity=0, log_interval=1,
                           hardware=False)  # fmt: skip
+        session = ot.current_session()
         capture = Capture()
         session.add_sink(capture)
         _fill(disk, leave=16000)

@@ -85,8 +85,9 @@ def _valid_text(first_run: Path) -> str:
 
 def _restart(run_dir: Path) -> ot.Session:
     """The same run id started again on `run_dir` (the restart path of `ot.init()`), a few steps."""
-    session = ot.init(run_name=run_dir.name, run_id="job-9", output_dir=str(run_dir.parent), prometheus_port=0,
+    ot.init(run_name=run_dir.name, run_id="job-9", output_dir=str(run_dir.parent), prometheus_port=0,
                       verbosity=0, hardware=False, log_interval=2)  # fmt: skip
+    session = ot.current_session()
     for step in range(4, 8):
         with ot.step(step):
             time.sleep(0.01)

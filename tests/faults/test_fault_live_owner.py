@@ -15,8 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 TRAINER = """
 import sys
 import otel_train as ot
-session = ot.init(output_dir=sys.argv[1], run_name="job", run_id="slurm-4242", prometheus_port=0,
+ot.init(output_dir=sys.argv[1], run_name="job", run_id="slurm-4242", prometheus_port=0,
                   verbosity=0, hardware=False, log_interval=1)
+session = ot.current_session()
 for step in range(int(sys.argv[2])):
     with ot.step(step):
         ot.record("loss", 1.0)

@@ -27,7 +27,8 @@ def _closed_by_server(sock: socket.socket) -> bool:
 def test_300_idle_connections_do_not_make_300_threads(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(exporters, "PULL_READ_TIMEOUT_S", 1.0, raising=False)  # (10 s by default)
     port = free_port()
-    session = ot.init(run_name="pull", prometheus_port=port, verbosity=0, hardware=False)
+    ot.init(run_name="pull", prometheus_port=port, verbosity=0, hardware=False)
+    session = ot.current_session()
     assert session.prometheus_url is not None
     baseline = threading.active_count()
     clients: list[socket.socket] = []

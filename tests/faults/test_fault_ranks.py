@@ -42,10 +42,11 @@ def _flush_steps(run_dir: Path, rank: int) -> list[int]:
 def _own_interval_target(rank: int, world: int, out: str) -> dict[str, Any]:
     warnings = _Warnings()
     logging.getLogger("otel_train").addHandler(warnings)
-    session = ot.init(
+    ot.init(
         output_dir=out, run_name="mixed", prometheus_port=0, verbosity=0, hardware=False,
         log_interval=10 if rank == 0 else 7, collective_timeout_s=20.0,
     )  # fmt: skip
+    session = ot.current_session()
     for i in range(40):
         with ot.step(i):
             time.sleep(0.001)
@@ -70,10 +71,11 @@ def _late_target(rank: int, world: int, out: str, timeout_s: float) -> dict[str,
     logging.getLogger("otel_train").addHandler(warnings)
     if rank == 1:
         time.sleep(timeout_s + 2.0)  # ot.init() later than collective_timeout_s after rank 0's
-    session = ot.init(
+    ot.init(
         output_dir=out, prometheus_port=0, verbosity=0, hardware=False, log_interval=5,
         collective_timeout_s=timeout_s,
     )  # fmt: skip
+    session = ot.current_session()
     for i in range(10):
         with ot.step(i):
             pass
@@ -96,10 +98,11 @@ def _independent_target(rank: int, world: int, out: str, cross_rank: bool) -> di
     50 ms. Rank 0 counts its steps in 1.5 s without telemetry calls, then in 1.5 s of ot.step."""
     warnings = _Warnings()
     logging.getLogger("otel_train").addHandler(warnings)
-    session = ot.init(
+    ot.init(
         output_dir=out, run_name=f"independent-{cross_rank}", prometheus_port=0, verbosity=0,
         hardware=False, log_interval=10, cross_rank=cross_rank, collective_timeout_s=8.0,
     )  # fmt: skip
+    session = ot.current_session()
     result: dict[str, Any] = {"run_dir": str(session.run_dir)}
     if rank == 0:
         baseline, end = 0, time.monotonic() + 1.5
@@ -146,10 +149,11 @@ def _idle_rank_target(rank: int, world: int, out: str, grace_s: float) -> dict[s
     import torch
     import torch.distributed as dist
 
-    session = ot.init(
+    ot.init(
         output_dir=out, run_name="idle", prometheus_port=0, verbosity=0, hardware=False, log_interval=10,
         exchange_grace_s=grace_s, collective_timeout_s=30.0,
     )  # fmt: skip
+    session = ot.current_session()
     reducer = session.reducer
     alone = Path(out) / "rank0_alone"
     result: dict[str, Any] = {"run_dir": str(session.run_dir)}
@@ -198,10 +202,11 @@ def test_a_rank_idle_after_init_never_holds_rank0_and_the_cross_rank_view_resume
 def _paced_target(rank: int, world: int, out: str) -> dict[str, Any]:
     """No collective of the job's own: rank 0 steps every 1 ms, rank 1 every 20 ms until rank 0 is
     done. Rank 0 records the steps of the rows it paired in each flush's cross-rank view."""
-    session = ot.init(
+    ot.init(
         output_dir=out, run_name="paced", prometheus_port=0, verbosity=0, hardware=False, log_interval=10,
         exchange_grace_s=0.1, collective_timeout_s=30.0,
     )  # fmt: skip
+    session = ot.current_session()
     reducer = session.reducer
     done = Path(out) / "rank0_done"
     paired: list[list[tuple[int, int]]] = []

@@ -13,8 +13,9 @@ from otel_train.config import ConfigError
 
 
 def _run(tmp_path, steps: int, **settings) -> ot.Session:
-    session = ot.init(output_dir=str(tmp_path), run_name="exp", prometheus_port=0, verbosity=0, log_interval=1,
+    ot.init(output_dir=str(tmp_path), run_name="exp", prometheus_port=0, verbosity=0, log_interval=1,
                       hardware=False, **settings)  # fmt: skip
+    session = ot.current_session()
     for step in range(steps):
         with ot.step(step):
             ot.record("loss", 1.0)

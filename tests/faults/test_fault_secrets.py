@@ -32,7 +32,7 @@ def test_planted_secret_reaches_no_output(tmp_path, monkeypatch, capfd, caplog) 
             f"mlflow_tracking_uri: https://user:{SECRET}@mlflow.example\n"
             f"resource_attributes: {{team: ml, secret_sauce: {SECRET}}}\n"
         )
-        session = ot.init(
+        ot.init(
             config_file=str(config_file),
             output_dir=str(tmp_path / "runs"),
             prometheus_port=free_port(),
@@ -41,6 +41,7 @@ def test_planted_secret_reaches_no_output(tmp_path, monkeypatch, capfd, caplog) 
             metric_export_interval_s=0.2,
             tensorboard=True,
         )
+        session = ot.current_session()
         ot.log_hyperparams(
             {"lr": 1e-3, "api_key": SECRET, "nested": {"password": SECRET}, "url": f"http://u:{SECRET}@h"}
         )
@@ -75,7 +76,8 @@ def test_events_and_nested_hyperparameters_are_redacted(tmp_path) -> None:
 
     from otel_train.integrations.megatron import _plain
 
-    session = ot.init(output_dir=str(tmp_path), run_name="r", prometheus_port=0, verbosity=0, hardware=False)
+    ot.init(output_dir=str(tmp_path), run_name="r", prometheus_port=0, verbosity=0, hardware=False)
+    session = ot.current_session()
     ot.event(
         "worker_failure",
         f"upload to https://u:{SECRET}@host failed: token={SECRET}",

@@ -55,9 +55,8 @@ def test_value_fuzz_never_raises_and_every_flush_lands(tmp_path) -> None:
             {"a": 1}, object(), _Explodes(), _Weird(1.0), Decimal("NaN"), np.int64(3), np.float16(1.5),
             np.array([1.0, 2.0]), np.array(4.0), torch.tensor(5.0), torch.ones(2), torch.tensor(1 + 1j),
             torch.tensor(7, dtype=torch.int64), complex(1, 2)]  # fmt: skip
-    session = ot.init(
-        output_dir=str(tmp_path), run_name="fuzz", prometheus_port=0, verbosity=0, log_interval=5
-    )
+    ot.init(output_dir=str(tmp_path), run_name="fuzz", prometheus_port=0, verbosity=0, log_interval=5)
+    session = ot.current_session()
     for step in range(50):
         with ot.step(step):
             for _ in range(5):
@@ -79,8 +78,9 @@ def test_value_fuzz_never_raises_and_every_flush_lands(tmp_path) -> None:
     ],
 )
 def test_step_numbers_of_any_type_serialise(tmp_path, steps) -> None:
-    session = ot.init(output_dir=str(tmp_path), run_name="s", prometheus_port=0, verbosity=0, log_interval=2,
+    ot.init(output_dir=str(tmp_path), run_name="s", prometheus_port=0, verbosity=0, log_interval=2,
                       total_steps=10)  # fmt: skip
+    session = ot.current_session()
     for step in steps(6):
         with ot.step(step, tokens=np.int64(4), samples=torch.tensor(2)):
             ot.record("loss", np.float64(1.0))
@@ -143,8 +143,9 @@ def test_name_fuzz_keeps_metrics_endpoint_valid(tmp_path) -> None:
     names += ["tokens_total", "steps_total", "train.tokens_created", "a.b", "a_b", "a__b", "a/b", "A-B",
               "train_step_duration_seconds_bucket", "target_info", "otel_train_dropped_total", "loss",
               "throughput.tokens_per_s", "phase_duration_seconds", "train.phase.duration_count"]  # fmt: skip
-    session = ot.init(prometheus_port=free_port(), verbosity=0, log_interval=1, output_dir=str(tmp_path),
+    ot.init(prometheus_port=free_port(), verbosity=0, log_interval=1, output_dir=str(tmp_path),
                       max_metric_names=400)  # fmt: skip
+    session = ot.current_session()
     for step in range(3):
         with ot.step(step, tokens=5), ot.timer("forward"):
             for name in names:

@@ -69,10 +69,11 @@ def test_hung_gauge_callback_bounds_memory_and_warns_naming_it(tmp_path: Path) -
         with open(fifo) as f:
             return [Observation(float(f.read() or 0))]
 
-    session = ot.init(
+    ot.init(
         run_name="hung-cb", prometheus_port=0, verbosity=0, hardware=False, log_interval=10,
         stall_timeout_s=0.5, max_values_per_interval=500,
     )  # fmt: skip
+    session = ot.current_session()
     ot.get_meter().create_observable_gauge("custom.nfs_value", callbacks=[read_dead_file])
     try:
         step, deadline = 0, time.monotonic() + 60

@@ -264,8 +264,9 @@ def test_cpu_autocast_around_the_step_is_detected_in_a_session(torch_dtype: torc
     import otel_train as ot
 
     port = free_port()
-    session = ot.init(prometheus_port=port, verbosity=0, log_interval=2, run_dir_enabled=False,
+    ot.init(prometheus_port=port, verbosity=0, log_interval=2, run_dir_enabled=False,
                       peak_flops=1e12, flops_per_token=1e6)  # fmt: skip
+    session = ot.current_session()
     intervals = _Intervals()
     session.add_listener(intervals)
     try:
@@ -333,8 +334,9 @@ def test_mfu_reaches_the_console_and_run_dir_under_its_catalogue_key(capsys) -> 
 
     import otel_train as ot
 
-    session = ot.init(prometheus_port=0, verbosity=1, progress_bar=False, log_interval=5,
+    ot.init(prometheus_port=0, verbosity=1, progress_bar=False, log_interval=5,
                       peak_flops=1e12, flops_per_token=1e6)  # fmt: skip
+    session = ot.current_session()
     for i in range(5):
         with ot.step(i, tokens=1000):
             ot.record("loss", 1.0)

@@ -83,10 +83,11 @@ def megatron_job(rank: int, world: int, patch: bool, slow_rank: int, out_dir: st
     timers = Timers(2, "all")
     instrument(timers)
     events: list[dict[str, Any]] = []
-    session = ot.init(
+    ot.init(
         output_dir=out_dir, run_name="megatron", verbosity=0, log_interval=LOG_INTERVAL, hardware=False,
         timing_log_level=2, prometheus_port=0, collective_timeout_s=60.0,
     )  # fmt: skip
+    session = ot.current_session()
     seen = Intervals()
     session.add_listener(seen)
     session.events.add_callback(lambda e, m, a: events.append(dict(a)) if e == "straggler" else None)

@@ -88,7 +88,8 @@ def _scrape(url: str) -> dict[str, float]:
 
 def test_trainer_steps_logs_eval_and_tokens_reach_pull_endpoint_and_jsonl(tmp_path: Path) -> None:
     port = free_port()
-    session = ot.init(run_name="hf", prometheus_port=port, verbosity=0, log_interval=2, hardware=False)
+    ot.init(run_name="hf", prometheus_port=port, verbosity=0, log_interval=2, hardware=False)
+    session = ot.current_session()
     trainer = _trainer(tmp_path / "hf-out", OtelTrainCallback())
     trainer.train()
 
@@ -269,9 +270,8 @@ STRAGGLER_STEPS = 24
 
 def _ddp_slow_data_rank(rank: int, world_size: int, out: str) -> dict[str, Any]:
     # The user's session only to see the events; the timing is the callback's alone.
-    session = ot.init(
-        verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0
-    )
+    ot.init(verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0)
+    session = ot.current_session()
     events: list[dict[str, Any]] = []
     session.events.add_callback(lambda event, message, attrs: events.append({"event": event, **attrs}))
     dataset = SlowRows(256, 0.015 if rank == 1 else 0.0)  # 4 rows per step: +60 ms per step on rank 1

@@ -130,7 +130,8 @@ class Healthy(nn.Module):
 def _train(
     model: nn.Module, steps: int, every: int = 1, on_backward: Any = None
 ) -> list[tuple[str, str, dict]]:
-    session = ot.init(prometheus_port=0, verbosity=0, hardware=False, run_dir_enabled=False, log_interval=5)
+    ot.init(prometheus_port=0, verbosity=0, hardware=False, run_dir_enabled=False, log_interval=5)
+    session = ot.current_session()
     seen: list[tuple[str, str, dict]] = []
     session.events.add_callback(lambda e, m, a: seen.append((e, m, dict(a))))
     ot.watch(model, every=every)

@@ -86,7 +86,8 @@ def build_session(config: Config) -> Session:
     session.worker.start()
     session.watchdog.start()
     if session.control is not None:
-        session.control.start(session.poll_control)
+        control = session.control
+        control.start(lambda: control.schedule(session.step_index, session.seconds_per_step()))
     return session
 
 

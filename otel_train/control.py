@@ -26,6 +26,7 @@ file system for `output_dir`).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -210,6 +211,10 @@ class ControlFile:
         self._history: list[ControlChange] = []  # rank 0: the recent stamped changes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Scheduled changes in version order, for the training thread (`take_due`); the list is
+        # replaced, never changed in place, so that thread reads it without the lock.
+        self.pending: list[ControlChange] = []
+        self._pending_lock = threading.Lock()
 
     def start(self, on_poll: Callable[[], None]) -> None:
         """Call `on_poll` every POLL_S on a thread of its own until `close`."""
@@ -269,6 +274,21 @@ class ControlFile:
             self._version = new[-1].version
             self._history = [*self._history, *new][-_HISTORY:]
         return new
+
+    def schedule(self, last_step: int, seconds_per_step: float | None) -> None:
+        """Control thread: poll the file and schedule each new change for the training thread."""
+        for change in self.poll(last_step, seconds_per_step):
+            with self._pending_lock:
+                self.pending = [*self.pending, change]
+            self.announce(change)
+
+    def take_due(self, index: int) -> list[ControlChange]:
+        """Training thread, as step `index` begins: the scheduled changes due by now, in order."""
+        with self._pending_lock:
+            pending = self.pending
+            due = list(itertools.takewhile(lambda change: index >= change.apply_at_step, pending))
+            self.pending = pending[len(due) :]
+        return due
 
     def announce(self, change: ControlChange) -> None:
         """One `control` health event for a change this rank scheduled."""

@@ -8,7 +8,6 @@ counters; everything else happens on the worker.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 import threading
@@ -26,7 +25,7 @@ from otel_train.session_parts import SessionParts
 from otel_train.step_input import MAX_STEP, count_of, step_number
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
-    from otel_train.control import ControlChange, ControlFile
+    from otel_train.control import ControlFile
     from otel_train.diagnostics import HangWatchdog
     from otel_train.goodput import GoodputListener
     from otel_train.messages import Message
@@ -50,8 +49,6 @@ class Session(SessionParts):
         self.reinit_warned = False  # a second init() with other settings was warned about
         self.clock = StepClock(config.stall_timeout_s)  # goodput's books, kept by the hot path
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
-        self._pending_control: list[ControlChange] = []  # version order; replaced, never changed in place
-        self._control_lock = threading.Lock()
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
         self.timing_level = config.timing_log_level
         self.step_index = -1  # last completed step
@@ -89,9 +86,11 @@ class Session(SessionParts):
         else:
             index = step_number(step, self.buffer, self.step_index)
         self._step_thread = threading.get_ident()
-        pending = self._pending_control
-        if pending and index >= pending[0].apply_at_step:
-            self._apply_due_controls(index)
+        control = self.control
+        if control is not None and control.pending and index >= control.pending[0].apply_at_step:
+            from otel_train.control import apply_due  # imports the OTel API: not at `import otel_train`
+
+            apply_due(self, control.take_due(index), index)
         cfg = self.config
         self.sampled = self.worker.span_writer is not None and (
             index < cfg.trace_first or index % cfg.trace_every == 0
@@ -159,27 +158,10 @@ class Session(SessionParts):
         ):
             self.flush()
 
-    def poll_control(self) -> None:
-        """Watchdog thread: schedule a change from the control file (rank 0 decides the step)."""
-        if self.control is None:
-            return
-        steps = self.goodput.steps
-        end, first = self.step_end_ns, self.clock.first_step_start_ns
-        per_step = (end - first) * 1e-9 / steps if steps and end and first else None
-        for change in self.control.poll(self.step_index, per_step):
-            with self._control_lock:
-                self._pending_control = [*self._pending_control, change]
-            self.control.announce(change)
-
-    def _apply_due_controls(self, index: int) -> None:
-        """Training thread, as step `index` begins: the scheduled changes due by now, in version order."""
-        from otel_train.control import apply_due  # imports the SDK: not at `import otel_train`
-
-        with self._control_lock:
-            pending = self._pending_control
-            due = list(itertools.takewhile(lambda change: index >= change.apply_at_step, pending))
-            self._pending_control = pending[len(due) :]
-        apply_due(self, due, index)
+    def seconds_per_step(self) -> float | None:
+        """The mean step time so far (the control thread schedules changes with it)."""
+        steps, end, first = self.goodput.steps, self.step_end_ns, self.clock.first_step_start_ns
+        return (end - first) * 1e-9 / steps if steps and end and first else None
 
     def start_profile(self, window: ProfileWindow, ranks: Sequence[int] | None) -> bool:
         """Start a profiler window at the next step (training thread); False if not on this rank."""

@@ -16,7 +16,7 @@ Importing this package is light: no torch, SDK exporters, wandb or tensorboard a
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 # The hot path reads the active session as `_runtime._current`, a plain module attribute, on
@@ -53,6 +53,7 @@ __all__ = [
     "log_metrics",
     "log_samples",
     "log_text",
+    "on_event",
     "phase",
     "profile",
     "record",
@@ -168,6 +169,16 @@ def event(name: str, message: str, attributes: Mapping[str, str | int | float | 
         )
     except Exception:  # not a mapping, an unprintable message: never raise into the caller
         session.buffer.drop("invalid_type")
+
+
+def on_event(callback: Callable[[str, str, dict[str, Any]], None]) -> None:
+    """Call `callback(event, message, attributes)` after every health event of the running session
+    (`nonfinite`, `straggler`, `stall`, `hang`, ...: every name in `events.rank<k>.jsonl`): e.g. to stop a run on a
+    hang. It runs on the thread that raised the event (the worker, the watchdog, a sampler): keep it
+    quick; an exception it raises is logged, never raised there. Before `init()`: nothing."""
+    session = _runtime._current
+    if session is not None and callable(callback):
+        session.events.add_callback(callback)
 
 
 def log_text(name: str, text: str, step: int | None = None) -> None:

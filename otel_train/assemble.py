@@ -280,7 +280,7 @@ def _build_session(
         *([collectives] if collectives else []),
     ]
     return Session(
-        config=config, identity=ident, run_name=place.run_name, run_dir=place.run_dir, resumed=place.resumed,
+        config=config, identity=ident, run_name=place.run_name, run_dir=place.run_dir,
         resource=resource, step_reader=step_reader, telemetry=telemetry, meter=meter,
         instruments=instruments, otel_logger=otel_logger, events=events, console=console,
         bridges=bridges, hardware=hardware, reducer=reducer,

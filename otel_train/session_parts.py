@@ -42,7 +42,6 @@ class SessionParts:
     identity: Identity
     run_name: str
     run_dir: Path | None
-    resumed: bool  # the same run_id restarted: appending to this rank's files
     resource: Resource
     step_reader: StepReader
     telemetry: Telemetry

@@ -207,11 +207,33 @@ def test_quiet_mode_prints_nothing(capsys) -> None:
     assert capsys.readouterr().out == ""
 
 
+def test_on_event_sees_the_librarys_own_events_and_a_raising_callback_is_contained(tmp_path) -> None:
+    seen: list[tuple[str, str, dict]] = []
+
+    def boom(event: str, message: str, attrs: dict) -> None:
+        raise RuntimeError("user bug")
+
+    ot.on_event(seen.append)  # before init(): nothing (and no error)
+    ot.init(prometheus_port=0, verbosity=0, log_interval=2, output_dir=str(tmp_path), run_name="ev")
+    ot.on_event(boom)
+    ot.on_event(lambda event, message, attrs: seen.append((event, message, attrs)))
+    for i in range(4):
+        with ot.step(i):
+            ot.record("loss", float("nan") if i == 1 else 1.0)
+    ot.event("worker_failure", "worker 3 failed", {"worker.rank": 3})
+    ot.shutdown()
+    events = {event: attrs for event, _, attrs in seen}
+    assert events["nonfinite"]["step"] == 1, seen  # the library's own, from the worker thread
+    assert events["worker_failure"]["worker.rank"] == 3
+    written = (tmp_path / "ev" / "events.rank0.jsonl").read_text()
+    assert '"nonfinite"' in written and '"worker_failure"' in written  # the raising callback lost nothing
+
+
 def test_public_api_is_pinned() -> None:
     assert sorted(ot.__all__) == sorted([
         "Config", "ConfigError", "Run", "RunInfo", "__version__", "begin_step", "current_session", "end_step", "event",
         "finish", "get_meter", "init",
-        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "phase", "profile", "record", "run_info",
+        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "on_event", "phase", "profile", "record", "run_info",
         "shutdown", "span", "step", "timed", "timer", "watch", "watch_batch", "watch_read", "watch_scaler",
     ])  # fmt: skip
 

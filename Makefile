@@ -56,7 +56,7 @@ test: $(STAMP) $(OUMI_STAMP) tools bridge-wheel
 # manifests, ShellCheck on the SLURM script, vmalert -dryRun and the VictoriaMetrics flags).
 # Missing tools are failures here.
 check-deploy: $(STAMP) tools
-	CI=$${CI:-1} $(BIN)/python -m pytest -q -p no:cacheprovider tests/deploy/test_static.py tests/test_alert_rules.py \
+	CI=$${CI:-1} $(BIN)/python -m pytest -q -p no:cacheprovider tests/deploy/test_static.py tests/deploy/test_alert_rules.py \
 	  tests/deploy/test_kubernetes.py tests/deploy/test_slurm.py tests/deploy/test_victoriametrics.py
 
 lint: $(STAMP)

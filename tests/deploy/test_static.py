@@ -1,7 +1,7 @@
 """Checks of deploy/: there is no Docker engine here, so the stack is checked as files.
 
 Every file by the real tool of the version the stack pins (deploy/versions.env): docker-compose
-config, promtool check config (rules: tests/test_alert_rules.py), amtool check-config. No
+config, promtool check config (rules: tests/deploy/test_alert_rules.py), amtool check-config. No
 collector binary exists here, so deploy/otelcol.yaml is checked key by key against the options of
 the pinned collector, read from its upstream source (tests/helpers/collector_options.py). Plus
 structure checks for security defaults, Tempo and Grafana provisioning. `make check-deploy` runs this file.

@@ -2,7 +2,7 @@
 with the real tools of the pinned versions (deploy/versions.env): docker-compose config, every
 VictoriaMetrics/vmalert flag it passes is one the pinned binary knows (its -help), vmalert -dryRun
 loads the shipped alert pack as it is. `make check-deploy` runs this file. The running variant is
-tested by tests/test_victoriametrics_e2e.py."""
+tested by tests/deploy/test_victoriametrics_e2e.py."""
 
 from __future__ import annotations
 

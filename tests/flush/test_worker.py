@@ -43,7 +43,10 @@ class Recording(Sink):
 
 @pytest.fixture
 def session() -> Iterator[Session]:
-    yield ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=1)
+    ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=1)
+    running = ot.current_session()
+    assert running is not None
+    yield running
     ot.shutdown()
 
 

@@ -17,7 +17,7 @@ from helpers.promstack import alertmanager, prometheus, shorten_rules, wait_unti
 
 pytestmark = [pytest.mark.integration, pytest.mark.multirank]
 
-RULES_DIR = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "rules"
+RULES_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
 WORLD = 4
 
 
@@ -41,7 +41,7 @@ def _free_base_port(count: int) -> int:
 def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, slow_rank: int,
           freeze_rank: int, run_id: str, otlp_metrics_url: str = "") -> int:  # fmt: skip
     """One rank's training; its metrics are pulled from base_port + rank, or, with
-    `otlp_metrics_url`, pushed there over OTLP (tests/test_victoriametrics_e2e.py)."""
+    `otlp_metrics_url`, pushed there over OTLP (tests/deploy/test_victoriametrics_e2e.py)."""
     import torch
     import torch.distributed as dist
 

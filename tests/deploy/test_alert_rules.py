@@ -19,7 +19,7 @@ from helpers.promstack import duration_seconds, shorten_expr, shorten_rules
 
 from otel_train import semconv
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES_DIR = DEPLOY / "prometheus" / "rules"
 RULE_FILES = sorted(RULES_DIR.glob("*.yml"))
 RULE_TESTS = sorted((RULES_DIR / "tests").glob("*.yml"))

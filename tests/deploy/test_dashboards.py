@@ -239,7 +239,7 @@ def test_latency_panels_request_exemplars() -> None:
     assert any(f"{sc.PHASE_DURATION.prometheus_name}_bucket" in e for e in overview), with_exemplars
     assert with_exemplars.get("otel-train-ranks.json"), with_exemplars
     datasources = (
-        Path(__file__).resolve().parents[1] / "deploy/grafana/provisioning/datasources/otel_train.yaml"
+        Path(__file__).resolve().parents[2] / "deploy/grafana/provisioning/datasources/otel_train.yaml"
     )
     (prom,) = [d for d in yaml.safe_load(datasources.read_text())["datasources"] if d["type"] == "prometheus"]
     # the label the collector's OpenMetrics exemplars carry

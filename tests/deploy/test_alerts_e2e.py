@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from otel_train import semconv
 
-RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules"
+RULES_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
 LABELS = ["run_id", "rank", "local_rank", "host_name", "otel_scope_name"]
 TICK_S = 0.1  # one fake step per tick on every rank
 

@@ -14,6 +14,7 @@ from helpers.dashboard_queries import assert_all_queries_return_data
 from helpers.multirank import run_ranks
 from helpers.promstack import alertmanager, shorten_rules, wait_until
 from helpers.vmstack import victoriametrics, vmalert
+
 from deploy.test_stack_e2e import RULES_DIR, WORLD, _rank
 
 pytestmark = [pytest.mark.integration, pytest.mark.multirank]

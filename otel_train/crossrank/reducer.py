@@ -46,9 +46,10 @@ from typing import Any, Protocol
 from otel_train import semconv
 from otel_train.crossrank import down_row
 from otel_train.crossrank.collective_lateness import BLOCK_LEN, LatenessTracker
-from otel_train.crossrank.exchange import StarExchange
+from otel_train.crossrank.merge import Bundle, TreeView, unpacked, widen_waiting
 from otel_train.crossrank.replicas import EXT_LEN, ReplicaCheck
 from otel_train.crossrank.timer_stats import Reduction, per_rank_timings, reduce_timings, stats_for_option
+from otel_train.crossrank.tree_exchange import TreeExchange, exchange_for
 from otel_train.crossrank.up_row import (
     FLAG_SHARDED,
     MAX_TIMERS,
@@ -165,7 +166,17 @@ class CrossRankReducer:
             import torch.distributed as dist
 
             self._world = int(dist.get_world_size(self.group))
-        self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s, grace_s)
+        base, fanin = pack_len(max_timers), int(getattr(config, "exchange_fanin", 16))
+        self.exchange = exchange_for(
+            self.group,
+            identity.rank,
+            self._world,
+            self.timeout_s,
+            grace_s,
+            fanin,
+            base + EXT_LEN + BLOCK_LEN,
+            base,
+        )
         # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)
         # Arrivals at collectives (collective_lateness.py): the row's last block, clock stamps in it.
@@ -241,6 +252,8 @@ class CrossRankReducer:
             schedule = (interval.flush_interval, interval.flush_anchor)
             read = self.lateness.wants_read()
             answers = down_row.answers(self._world, schedule[0], self._verdict, schedule[1], read)
+            if isinstance(self.exchange, TreeExchange):
+                answers = down_row.tree_answer(schedule[0], self._verdict, schedule[1], read)
         try:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
             got = self.exchange.run(row, answers, self._expect, lambda up: row_steps(up)[1] >= interval.step)
@@ -264,6 +277,13 @@ class CrossRankReducer:
     def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
         """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
         base = pack_len(self.table.capacity)
+        if isinstance(rows, Bundle):  # the tree's: its rows cover rank 0's steps (tree_exchange)
+            tree = unpacked(rows, base, self.table.capacity)
+            rows, same, records = tree.rows, list(range(len(tree.exact))), tree.exact
+            self.left_out_rows = getattr(self.exchange, "left_out_bundles", 0)
+            self._note_left_out([], tree.ranks, from_step, interval)
+            self._reduce_paired(interval, rows, same, records, tree)
+            return
         records = unpack(rows[:, :base], self.table.capacity)
         # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
         self._expect = {r.rank for r in records} - {0}
@@ -271,13 +291,24 @@ class CrossRankReducer:
         self._note_left_out(
             [r for i, r in enumerate(records) if i not in same], len(same), from_step, interval
         )
-        if len(same) < 2:
+        self._reduce_paired(interval, rows, same, records)
+
+    def _reduce_paired(
+        self,
+        interval: Interval,
+        rows: Any,
+        same: list[int],
+        records: list[RankRecord],
+        tree: TreeView | None = None,
+    ) -> None:
+        base = pack_len(self.table.capacity)
+        if len(same) + (len(tree.summary) if tree else 0) < 2:
             self._verdict = None  # nothing to compare: no verdict rides the next answers
             self._flush_local(interval)
             return
         paired = [records[i] for i in same]
         self.lateness.judge(rows[same, -BLOCK_LEN:], paired, self.identity.host)
-        self._reduce(interval, paired)
+        self._reduce(interval, paired, tree)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
         sharded = any(r.flags & FLAG_SHARDED for r in paired)
         self.replicas.compare(rows[same, base : base + EXT_LEN], [r.rank for r in paired], sharded, labels)
@@ -308,9 +339,12 @@ class CrossRankReducer:
             except Exception as exc:
                 logger.warning("otel_train: on_straggler callback failed: %s", exc)
 
-    def _reduce(self, interval: Interval, records: Sequence[RankRecord]) -> None:
-        """Rank 0: reductions, verdicts, gauges and events from the rows of one flush's steps."""
-        for record in records:
+    def _reduce(
+        self, interval: Interval, records: Sequence[RankRecord], tree: TreeView | None = None
+    ) -> None:
+        """Rank 0: reductions, verdicts, gauges and events from the rows of one flush's steps
+        (`tree`: the tree's summary rows join the verdicts as weighted ranks, `merge`)."""
+        for record in [*records, *(tree.summary if tree else ())]:
             for ident, name in record.announced.items():
                 self.table.names.setdefault(ident, name)
         per_rank: list[Mapping[str, float | None]] = [{} for _ in range(self._world)]
@@ -324,8 +358,9 @@ class CrossRankReducer:
                 r.local_rank,
                 r.step_stats,
                 {n: t.arrival for n, t in r.named_timers(self.table.names).items() if t.arrival.count},
+                tree.weight if r.rank < 0 and tree else 1.0,
             )
-            for r in records
+            for r in [*records, *(tree.summary if tree else ())]
         ]
         self._note_abstain(views, records)
         # The first gathered interval holds warm-up (lazy init, first collectives, compilation), where
@@ -333,6 +368,8 @@ class CrossRankReducer:
         first = self._gathered_flushes == 0
         self._gathered_flushes += 1
         assessments = assess(views, self.settings)
+        if tree is not None:
+            assessments = widen_waiting(assessments, tree)
         self.lateness.join(assessments, views)
         all_scores, reports = self.scorer.update(assessments, one_offs=not first)
         mine = next((s for s in all_scores if s.rank == self.identity.rank), None)

@@ -125,7 +125,9 @@ def _record_reports(sink: list[list[tuple[int, str, str, str]]], reports: list[A
     sink.append([(r.rank, r.pattern, r.phase, r.category) for r in reports])
 
 
-def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) -> dict[str, Any]:
+def scenarios_target(
+    rank: int, world: int, scenarios: list[str], flushes: int, fanin: int = 16
+) -> dict[str, Any]:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -135,7 +137,7 @@ def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) 
 
     identity = detect_identity(None)
     assert identity.rank == rank and identity.world_size == world
-    config = Config(timing_log_option="all", collective_timeout_s=20.0)
+    config = Config(timing_log_option="all", collective_timeout_s=20.0, exchange_fanin=fanin)
     results: dict[str, Any] = {}
     for scenario in scenarios:
         group = create_telemetry_group(identity, config.collective_timeout_s)
@@ -177,6 +179,7 @@ def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) 
             "bytes": (reducer.exchange.sent_bytes, reducer.exchange.received_bytes),
             "reductions": {n: (r.n, r.argmin, r.argmax, r.values) for n, r in reductions.items()},
             "disabled": reducer.disabled_reason,
+            "fanin": fanin,
         }
         reducer.close()
         import torch.distributed as dist
@@ -188,9 +191,12 @@ def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) 
     return results
 
 
-@pytest.fixture(scope="module")
-def scenario_results() -> list[dict[str, Any]]:
-    return run_ranks(4, scenarios_target, (["balanced", "compute", "data", "timersets"], 5), timeout=90)
+# The star (the default fan-in reaches every rank) and a tree of fan-in 2 (rank 0 -> 1, 3; 1 -> 2):
+# four ranks travel whole in the tree's bundles (merge.K_EXACT), so the verdicts are the star's.
+@pytest.fixture(scope="module", params=[16, 2], ids=["star", "fanin2"])
+def scenario_results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    scenarios = (["balanced", "compute", "data", "timersets"], 5, request.param)
+    return run_ranks(4, scenarios_target, scenarios, timeout=90)
 
 
 def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) -> None:
@@ -203,6 +209,9 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
     from otel_train.crossrank.up_row import pack_len
 
     world = len(results)
+    if results[0]["balanced"]["fanin"] < world - 1:
+        _assert_one_tree_exchange_per_flush(results, flushes)
+        return
     for rank, rank_result in enumerate(results):
         peers = world - 1 if rank == 0 else 1
         for scenario, res in rank_result.items():
@@ -214,6 +223,31 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
             up = 8 * (pack_len() + EXT_LEN + BLOCK_LEN + TRAILER_LEN)
             down = 8 * (DOWN_LEN + TRAILER_LEN)
             sent, received = (up, down) if rank else (peers * down, peers * up)
+            assert res["bytes"] == (flushes * sent, flushes * received), (rank, res["bytes"])
+
+
+def _assert_one_tree_exchange_per_flush(results: list[dict[str, Any]], flushes: int) -> None:
+    """In the tree, per flush: each rank one send and one receive per child (answer and bundle)
+    and one of each to its parent; every message a fixed size (merge.bundle_len, TREE_DOWN_LEN)."""
+    from otel_train.crossrank.collective_lateness import BLOCK_LEN
+    from otel_train.crossrank.down_row import TREE_DOWN_LEN
+    from otel_train.crossrank.exchange import TRAILER_LEN
+    from otel_train.crossrank.merge import bundle_len
+    from otel_train.crossrank.replicas import EXT_LEN
+    from otel_train.crossrank.tree import layout
+    from otel_train.crossrank.up_row import pack_len
+
+    shape = layout(len(results), results[0]["balanced"]["fanin"])
+    up = 8 * (bundle_len(pack_len() + EXT_LEN + BLOCK_LEN, pack_len()) + TRAILER_LEN)
+    down = 8 * (TREE_DOWN_LEN + TRAILER_LEN)
+    for rank, rank_result in enumerate(results):
+        children, parents = len(shape.children[rank]), int(shape.parent[rank] >= 0)
+        for scenario, res in rank_result.items():
+            assert res["exchanges"] == [1] * flushes, (scenario, res["exchanges"])
+            n = children + parents
+            assert res["per_flush"] == [{"isend": n, "irecv": n}] * flushes, (scenario, res["counts"])
+            assert res["disabled"] is None
+            sent, received = children * down + parents * up, children * up + parents * down
             assert res["bytes"] == (flushes * sent, flushes * received), (rank, res["bytes"])
 
 

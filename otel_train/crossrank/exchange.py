@@ -137,7 +137,7 @@ class StarExchange:
         self.stamp_clock = False  # write t1..t3 (module doc); the caller reserves the row's last float
         self.clock: Callable[[], float] = time.time
         self._stamps: tuple[float, float] = (math.nan, math.nan)  # the newest answer's (t1, t4)
-        self.up_len: int | None = None  # the rows' length from peers (None: the length of this rank's)
+        self.up_lens: dict[int, int] = {}  # each peer's message length (absent: the length of this rank's)
 
     def stop_waiting(self) -> None:
         """Shutting down: every wait (the one in progress on the worker, and the queued flushes')
@@ -244,7 +244,9 @@ class StarExchange:
 
         def drained() -> bool:
             for peer in self.peers:
-                for row in self._drain(torch, peer, self.up_len or up.numel(), failed, done, current):
+                for row in self._drain(
+                    torch, peer, self.up_lens.get(peer, up.numel()), failed, done, current
+                ):
                     taken.append((peer, row))
                     if self.stamp_clock:
                         answers[peer][down_row.D_T2] = self.clock()  # t2: the row is in
@@ -270,7 +272,8 @@ class StarExchange:
             first = min(failed)
             raise ExchangeFailed(f"no row from rank(s) {sorted(failed)} (rank {first}: {failed[first]})")
         taken.sort(key=lambda item: item[0])  # by rank, each peer's rows in the order they came
-        rows = torch.stack([up, *(row for _, row in taken)])
+        rows: Any = [up, *(row for _, row in taken)]  # peers' lengths may differ (a tree's up_lens)
+        rows = rows if self.up_lens else torch.stack(rows)
         own = answers[0] if self.rank == 0 else None  # rank 0's own answer (the star's)
         return Exchanged(rows, own, [self.rank, *(peer for peer, _ in taken)])
 

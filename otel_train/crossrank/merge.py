@@ -58,9 +58,10 @@ _B_VERSION, _B_EXACT, _B_WEIGHT, _B_RUNS = range(4)
 HEAD_LEN = 4 + 2 * MAX_RUNS
 
 
-def bundle_len(row_len: int, base_len: int) -> int:
-    """Floats in a bundle of rows of `row_len` floats whose `up_row` part is `base_len`."""
-    return HEAD_LEN + K_EXACT * row_len + LEVELS * base_len
+def bundle_len(row_len: int, base_len: int, ranks: int = K_EXACT + 1) -> int:
+    """Floats in a bundle of rows of `row_len` floats whose `up_row` part is `base_len`, from a
+    subtree of `ranks` (one of at most K_EXACT ranks carries no summary rows, and fewer rows)."""
+    return HEAD_LEN + min(ranks, K_EXACT) * row_len + (LEVELS * base_len if ranks > K_EXACT else 0)
 
 
 @dataclass
@@ -81,10 +82,11 @@ class Bundle:
         return sum(hi - lo for lo, hi in self.runs)
 
 
-def encode(bundle: Bundle, row_len: int, base_len: int) -> Any:
+def encode(bundle: Bundle, row_len: int, base_len: int, ranks: int = K_EXACT + 1) -> Any:
+    """The bundle of a subtree of `ranks` (its length: `bundle_len`)."""
     import torch
 
-    out = torch.zeros(bundle_len(row_len, base_len), dtype=torch.float64)
+    out = torch.zeros(bundle_len(row_len, base_len, ranks), dtype=torch.float64)
     out[_B_VERSION], out[_B_EXACT], out[_B_WEIGHT] = VERSION, float(len(bundle.exact)), bundle.weight
     runs = bundle.runs[:MAX_RUNS]
     out[_B_RUNS] = float(len(runs))
@@ -94,18 +96,18 @@ def encode(bundle: Bundle, row_len: int, base_len: int) -> Any:
         exact = torch.tensor(bundle.exact[:K_EXACT], dtype=torch.float64)
         out[HEAD_LEN : HEAD_LEN + exact.numel()] = exact.reshape(-1)
     if bundle.summary:
-        at = HEAD_LEN + K_EXACT * row_len
+        at = HEAD_LEN + min(ranks, K_EXACT) * row_len
         summary = torch.tensor(bundle.summary[:LEVELS], dtype=torch.float64)
         out[at : at + summary.numel()] = summary.reshape(-1)
     return out
 
 
-def decode(message: Any, row_len: int, base_len: int) -> Bundle:
+def decode(message: Any, row_len: int, base_len: int, ranks: int = K_EXACT + 1) -> Bundle:
     values = message.tolist()
     n = min(int(values[_B_EXACT]), K_EXACT)
     exact = [values[HEAD_LEN + i * row_len : HEAD_LEN + (i + 1) * row_len] for i in range(n)]
     weight = values[_B_WEIGHT]
-    at = HEAD_LEN + K_EXACT * row_len
+    at = HEAD_LEN + min(ranks, K_EXACT) * row_len
     summary = (
         [values[at + j * base_len : at + (j + 1) * base_len] for j in range(LEVELS)] if weight > 0 else []
     )

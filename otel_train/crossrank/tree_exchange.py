@@ -65,7 +65,6 @@ class TreeExchange:
         self.children = layout.children[rank]
         self.parent = layout.parent[rank]
         self.row_len, self.base_len, self.capacity = row_len, base_len, capacity
-        self.length = bundle_len(row_len, base_len)
         world, down = layout.world, down_row.TREE_DOWN_LEN
         self.below: StarExchange | None = None
         self.above: StarExchange | None = None
@@ -73,7 +72,7 @@ class TreeExchange:
             self.below = StarExchange(
                 group, rank, world, timeout_s, grace_s, peers=self.children, down_len=down
             )
-            self.below.up_len = self.length
+            self.below.up_lens = {c: self._length(c) for c in self.children}
         if self.parent >= 0:
             self.above = StarExchange(
                 group, rank, world, timeout_s, grace_s, parent=self.parent, down_len=down
@@ -134,7 +133,7 @@ class TreeExchange:
         if self.above is None:
             return Exchanged(merged, answer, [self.rank, *taken])
         try:
-            got = self.above.send_up(encode(merged, self.row_len, self.base_len))
+            got = self.above.send_up(self._encode(merged, self.rank))
         except ExchangeFailed:
             if self.below is not None:
                 self.below.abort_peers(answers)  # pass the ABORT down
@@ -156,7 +155,7 @@ class TreeExchange:
         root = self.parent < 0
         template = answer if root and answer is not None else down_row.no_news()
         answers = {peer: template.clone() for peer in [self.rank, *self.children]}  # own: unused
-        mine = encode(own, self.row_len, self.base_len)
+        mine = self._encode(own, self.rank)
         try:
             got = self.below.gather(
                 mine, answers, self._expect, lambda b: row_steps(b[HEAD_LEN:])[1] >= steps[1], defer=not root
@@ -166,8 +165,8 @@ class TreeExchange:
             raise
         parts, taken = [own], got.ranks[1:]
         assert got.records is not None
-        for message in got.records[1:]:
-            bundle = decode(message, self.row_len, self.base_len)
+        for peer, message in zip(taken, got.records[1:], strict=True):
+            bundle = decode(message, self.row_len, self.base_len, self._ranks(peer))
             if message[0].item() == FAILED:
                 self.below.abort_peers(answers)
                 self._fail_up(own)
@@ -179,11 +178,22 @@ class TreeExchange:
         self._expect = set(taken)
         return parts, taken, answers
 
+    def _ranks(self, rank: int) -> int:
+        lo, hi = self.layout.span[rank]
+        return hi - lo
+
+    def _length(self, rank: int) -> int:
+        """The length of `rank`'s bundles (fixed: its subtree's size decides it)."""
+        return bundle_len(self.row_len, self.base_len, self._ranks(rank))
+
+    def _encode(self, bundle: Bundle, rank: int) -> Any:
+        return encode(bundle, self.row_len, self.base_len, self._ranks(rank))
+
     def _fail_up(self, own: Bundle) -> None:
         """Tell the parent at once (a FAILED bundle), so it need not wait out its timeout."""
         if self.above is None:
             return
-        message = encode(own, self.row_len, self.base_len)
+        message = self._encode(own, self.rank)
         message[0] = FAILED
         with contextlib.suppress(ExchangeFailed):  # turning off anyway
             self.above.send_up(message)

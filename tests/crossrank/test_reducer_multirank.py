@@ -239,16 +239,21 @@ def _assert_one_tree_exchange_per_flush(results: list[dict[str, Any]], flushes: 
     from otel_train.crossrank.up_row import pack_len
 
     shape = layout(len(results), next(iter(results[0].values()))["fanin"])
-    up = 8 * (bundle_len(pack_len() + EXT_LEN + BLOCK_LEN, pack_len()) + TRAILER_LEN)
+
+    def up(rank: int) -> int:  # a bundle's size depends only on its subtree's size
+        ranks = shape.span[rank][1] - shape.span[rank][0]
+        return 8 * (bundle_len(pack_len() + EXT_LEN + BLOCK_LEN, pack_len(), ranks) + TRAILER_LEN)
+
     down = 8 * (TREE_DOWN_LEN + TRAILER_LEN)
     for rank, rank_result in enumerate(results):
-        children, parents = len(shape.children[rank]), int(shape.parent[rank] >= 0)
+        children, parents = shape.children[rank], int(shape.parent[rank] >= 0)
         for scenario, res in rank_result.items():
             assert res["exchanges"] == [1] * flushes, (scenario, res["exchanges"])
-            n = children + parents
+            n = len(children) + parents
             assert res["per_flush"] == [{"isend": n, "irecv": n}] * flushes, (scenario, res["counts"])
             assert res["disabled"] is None
-            sent, received = children * down + parents * up, children * up + parents * down
+            from_children = sum(up(c) for c in children)
+            sent, received = len(children) * down + parents * up(rank), from_children + parents * down
             assert res["bytes"] == (flushes * sent, flushes * received), (rank, res["bytes"])
 
 

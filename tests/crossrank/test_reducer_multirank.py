@@ -346,21 +346,23 @@ def test_world_size_one_issues_no_collective() -> None:
     assert res == {"counts": {}, "collectives": 0, "group": False}
 
 
-def dead_peer_target(rank: int, world: int, mode: str, timeout_s: float) -> dict[str, Any]:
+def dead_peer_target(
+    rank: int, world: int, mode: str, timeout_s: float, fanin: int = 16, dead: int = 3
+) -> dict[str, Any]:
     from otel_train.config import Config
     from otel_train.crossrank.reducer import CrossRankReducer
     from otel_train.distributed import create_telemetry_group, detect_identity
 
     identity = detect_identity(None)
-    config = Config(collective_timeout_s=timeout_s, exchange_grace_s=0.2)
+    config = Config(collective_timeout_s=timeout_s, exchange_grace_s=0.2, exchange_fanin=fanin)
     group = create_telemetry_group(identity, timeout_s)
     reducer = CrossRankReducer(identity, None, None, config, group=group)
     reducer.on_flush(_interval(0, _phases(rank, 0, "balanced")))
     assert reducer.disabled_reason is None
-    if rank == 3:
+    if rank == dead:
         if mode == "silent":  # alive, but never flushes again (hung training, or finished early)
             time.sleep(timeout_s + 4)
-        return {"rank": 3}
+        return {"rank": dead}
     # The others keep flushing: no flush waits for rank 3 past the grace, and once rank 3 has sent
     # nothing for timeout_s, rank 0 turns the exchange off and tells the others in its answers.
     longest, seq, deadline = 0.0, 1, time.monotonic() + 2 * timeout_s + 5
@@ -383,10 +385,12 @@ def dead_peer_target(rank: int, world: int, mode: str, timeout_s: float) -> dict
     }
 
 
+# fan-in 2: rank 0 -> 1, 3 and 1 -> 2; rank 1 passes rank 0's ABORT down to rank 2
+@pytest.mark.parametrize("fanin", [16, 2], ids=["star", "fanin2"])
 @pytest.mark.parametrize("mode", ["exit", "silent"])
-def test_dead_peer_disables_instead_of_hanging(mode: str) -> None:
+def test_dead_peer_disables_instead_of_hanging(mode: str, fanin: int) -> None:
     timeout_s = 3.0
-    results = run_ranks(4, dead_peer_target, (mode, timeout_s), timeout=90)
+    results = run_ranks(4, dead_peer_target, (mode, timeout_s, fanin), timeout=90)
     for res in results[:3]:
         assert res["disabled"] is not None and "exchange failed" in res["disabled"], results
         assert res["longest"] < timeout_s  # bounded by the grace, never by a peer (generous on CI)
@@ -400,3 +404,17 @@ def test_dead_peer_disables_instead_of_hanging(mode: str) -> None:
     else:
         assert "no row for 3 s" in results[0]["disabled"] and results[0]["partial"] >= 1
     assert all("rank 0 found a failed peer" in res["disabled"] for res in results[1:3])
+
+
+def test_a_dead_rank_below_an_inner_rank_turns_the_whole_tree_off() -> None:
+    """Fan-in 2: rank 2's parent is rank 1, which finds it gone, tells rank 0 at once (a FAILED
+    bundle) and rank 0 tells rank 3: nobody waits out a timeout for a rank it does not talk to."""
+    timeout_s = 3.0
+    results = run_ranks(4, dead_peer_target, ("exit", timeout_s, 2, 2), timeout=90)
+    live = [results[r] for r in (0, 1, 3)]
+    for res in live:
+        assert res["disabled"] is not None and "exchange failed" in res["disabled"], results
+        assert res["longest"] < timeout_s
+        assert res["collectives_after"] == res["collectives_before"] >= 2
+    assert "no row from rank(s) [2]" in results[1]["disabled"]
+    assert "a rank below found a failed peer" in results[0]["disabled"]

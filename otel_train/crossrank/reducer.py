@@ -166,16 +166,9 @@ class CrossRankReducer:
             import torch.distributed as dist
 
             self._world = int(dist.get_world_size(self.group))
-        base, fanin = pack_len(max_timers), int(getattr(config, "exchange_fanin", 16))
+        fanin = int(getattr(config, "exchange_fanin", 16))
         self.exchange = exchange_for(
-            self.group,
-            identity.rank,
-            self._world,
-            self.timeout_s,
-            grace_s,
-            fanin,
-            base + EXT_LEN + BLOCK_LEN,
-            base,
+            self.group, identity.rank, self._world, self.timeout_s, grace_s, fanin, max_timers
         )
         # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)

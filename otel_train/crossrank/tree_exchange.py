@@ -37,10 +37,12 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_train.crossrank import down_row
+from otel_train.crossrank.collective_lateness import BLOCK_LEN
 from otel_train.crossrank.exchange import Exchanged, ExchangeFailed, StarExchange
 from otel_train.crossrank.merge import HEAD_LEN, Bundle, bundle_len, decode, encode, merge
+from otel_train.crossrank.replicas import EXT_LEN
 from otel_train.crossrank.tree import Layout, layout
-from otel_train.crossrank.up_row import MAX_TIMERS, row_steps
+from otel_train.crossrank.up_row import MAX_TIMERS, pack_len, row_steps
 
 FAILED = -1.0  # a bundle's version when the rank that sent it found a failed child
 
@@ -206,16 +208,15 @@ def exchange_for(
     timeout_s: float,
     grace_s: float,
     fanin: int,
-    row_len: int,
-    base_len: int,
     capacity: int = MAX_TIMERS,
 ) -> StarExchange | TreeExchange:
     """The star when `fanin` reaches every rank from rank 0, else the tree (per node where
-    LOCAL_WORLD_SIZE says how many ranks share one)."""
+    LOCAL_WORLD_SIZE says how many ranks share one). Rows: `up_row` and the two blocks."""
     shape = layout(max(world, 1), fanin, _local_world())
     if shape.star:
         return StarExchange(group, rank, world, timeout_s, grace_s)
-    return TreeExchange(group, rank, shape, timeout_s, grace_s, row_len, base_len, capacity)
+    base = pack_len(capacity)
+    return TreeExchange(group, rank, shape, timeout_s, grace_s, base + EXT_LEN + BLOCK_LEN, base, capacity)
 
 
 def _local_world() -> int | None:

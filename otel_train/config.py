@@ -387,7 +387,9 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
     need(0 < config.straggler_ewma <= 1, "straggler_ewma", "use a smoothing factor in (0, 1]")
     need(config.collective_timeout_s > 0, "collective_timeout_s", "use a positive number of seconds")
     need(config.exchange_grace_s > 0, "exchange_grace_s", "use a positive number of seconds")
-    need(config.exchange_fanin >= 2, "exchange_fanin", "use a whole number of children per rank >= 2, e.g. 16")
+    need(
+        config.exchange_fanin >= 2, "exchange_fanin", "use a whole number of children per rank >= 2, e.g. 16"
+    )
     need(bool(config.service_name.strip()), "service_name", "use a non-empty name")
     if config.otlp_endpoint is not None:
         endpoint = config.otlp_endpoint

@@ -143,6 +143,7 @@ class CrossRankReducer:
         self.left_out_rows = 0  # rank 0: rows taken that covered other steps than its own
         self.partial_flushes = 0  # rank 0: flushes whose cross-rank view lacked a rank
         self.disabled_reason: str | None = None
+        self.reforms = 0  # times the exchange re-formed on a new process group (`reform`)
         self.abstain_reason: str | None = None
         self.last_reductions: dict[str, Reduction] = {}
         self.last_scores: RankScores | None = None
@@ -154,8 +155,7 @@ class CrossRankReducer:
         self._left_out_warned = False
         self._prev_step = -1  # the last step of this rank's previous flush (rows carry their steps)
         self._expect: set[int] | None = None  # rank 0: peers whose rows to wait for (None: all)
-        self._closed = False
-        self._lock = threading.Lock()
+        self._closed, self._lock = False, threading.Lock()
         self._world = identity.world_size
         self.group = group
         if not exchange:  # independent ranks (cross_rank=False): this rank's own view only
@@ -166,9 +166,9 @@ class CrossRankReducer:
             import torch.distributed as dist
 
             self._world = int(dist.get_world_size(self.group))
-        fanin = int(getattr(config, "exchange_fanin", 16))
+        self.grace_s, self.fanin = grace_s, int(getattr(config, "exchange_fanin", 16))
         self.exchange = exchange_for(
-            self.group, identity.rank, self._world, self.timeout_s, grace_s, fanin, max_timers
+            self.group, identity.rank, self._world, self.timeout_s, grace_s, self.fanin, max_timers
         )
         # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)
@@ -198,6 +198,14 @@ class CrossRankReducer:
 
     def close(self) -> None:
         self._closed = True
+
+    def reform(self, group: Any | None = None) -> None:
+        """The job formed a new process group (`group`; None: the new default group), e.g. among
+        the ranks alive after a peer died: call it on every rank of it, as a collective (it creates
+        the new telemetry group). The exchange re-forms on it, turned on again if it was off, and a
+        `membership_change` event says so. Ranks in verdicts are then ranks of the new group."""
+        with self._lock:
+            _reform(self, group)
 
     def stop_waiting(self) -> None:
         """Shutting down (called before the worker is drained): no exchange waits for a peer."""
@@ -274,15 +282,15 @@ class CrossRankReducer:
             tree = unpacked(rows, base, self.table.capacity)
             rows, same, records = tree.rows, list(range(len(tree.exact))), tree.exact
             self.left_out_rows = getattr(self.exchange, "left_out_bundles", 0)
-            self._note_left_out([], tree.ranks, from_step, interval)
+            _note_left_out(self, [], tree.ranks, from_step, interval)
             self._reduce_paired(interval, rows, same, records, tree)
             return
         records = unpack(rows[:, :base], self.table.capacity)
         # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
         self._expect = {r.rank for r in records} - {0}
         same = [i for i, r in enumerate(records) if (r.from_step, r.step) == (from_step, interval.step)]
-        self._note_left_out(
-            [r for i, r in enumerate(records) if i not in same], len(same), from_step, interval
+        _note_left_out(
+            self, [r for i, r in enumerate(records) if i not in same], len(same), from_step, interval
         )
         self._reduce_paired(interval, rows, same, records)
 
@@ -305,16 +313,6 @@ class CrossRankReducer:
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
         sharded = any(r.flags & FLAG_SHARDED for r in paired)
         self.replicas.compare(rows[same, base : base + EXT_LEN], [r.rank for r in paired], sharded, labels)
-
-    def _note_left_out(
-        self, left_out: Sequence[RankRecord], paired: int, from_step: int, interval: Interval
-    ) -> None:
-        self.left_out_rows += len(left_out)
-        if paired < self._world:
-            self.partial_flushes += 1
-        if left_out and not self._left_out_warned:
-            self._left_out_warned = True
-            _warn_left_out(left_out, from_step, interval.step)
 
     def _deliver(self, down: down_row.Down, root: bool) -> None:
         """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own
@@ -458,6 +456,47 @@ def _emit(events: EventChannel | None, report: StragglerReport, step: int, thres
         events.emit("straggler", message, event_attributes(report, step))
     except Exception as exc:
         logger.warning("otel_train: straggler event failed: %s", exc)
+
+
+def _note_left_out(
+    reducer: CrossRankReducer, left_out: Sequence[RankRecord], paired: int, from_step: int, interval: Interval
+) -> None:
+    """Rank 0: count the rows left out of a flush (and the flushes that lacked a rank); warn once."""
+    reducer.left_out_rows += len(left_out)
+    if paired < reducer._world:
+        reducer.partial_flushes += 1
+    if left_out and not reducer._left_out_warned:
+        reducer._left_out_warned = True
+        _warn_left_out(left_out, from_step, interval.step)
+
+
+def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
+    """`CrossRankReducer.reform`, under its lock: a new telemetry group and exchange, this rank's
+    rank and world on the job's new group, a fresh view (the verdicts' state per rank is kept)."""
+    import torch.distributed as dist
+
+    before = reducer._world
+    identity = replace(reducer.identity, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+    ranks = None if group is None else list(dist.get_process_group_ranks(group))
+    telemetry = create_telemetry_group(identity, reducer.timeout_s, ranks)
+    if telemetry is None:
+        return
+    reducer.identity, reducer.group, reducer._world = identity, telemetry, identity.world_size
+    reducer.exchange = exchange_for(
+        telemetry, identity.rank, identity.world_size, reducer.timeout_s, reducer.grace_s, reducer.fanin,
+        reducer.table.capacity,
+    )  # fmt: skip
+    reducer.lateness = LatenessTracker.attach(identity.rank, reducer.exchange)
+    reducer.disabled_reason, reducer._expect, reducer._verdict = None, None, None
+    reducer.reforms += 1
+    message = (
+        f"cross-rank telemetry re-formed on a new process group: {identity.world_size} rank(s), was "
+        f"{before}; this rank is rank {identity.rank} of it"
+    )
+    logger.warning("otel_train: %s", message)
+    if reducer.events is not None:
+        attributes = {"rank": identity.rank, "world_size": identity.world_size, "world_size_before": before}
+        reducer.events.emit("membership_change", message, attributes)
 
 
 def _warn_left_out(left_out: Sequence[RankRecord], from_step: int, step: int) -> None:

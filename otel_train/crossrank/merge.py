@@ -56,6 +56,7 @@ MAX_RUNS = 8  # runs of covered ranks per bundle; beyond, the last ones are join
 VERSION = 1.0
 _B_VERSION, _B_EXACT, _B_WEIGHT, _B_RUNS = range(4)
 HEAD_LEN = 4 + 2 * MAX_RUNS
+Parsed = tuple[list[float], dict[int, list[float]]]  # up_row.row_values of one row
 
 
 def bundle_len(row_len: int, base_len: int, ranks: int = K_EXACT + 1) -> int:
@@ -119,22 +120,21 @@ def decode(message: Any, row_len: int, base_len: int, ranks: int = K_EXACT + 1) 
 def merge(parts: Sequence[Bundle], capacity: int = MAX_TIMERS) -> Bundle:
     """The bundles of one rank (its own first) and its children, as one (module doc)."""
     own, *others = [row for part in parts for row in part.exact]
-    ordered = sorted(range(len(others)), key=_strays(others, capacity), reverse=True)
+    parsed = [row_values(row, capacity) for row in others]
+    ordered = sorted(range(len(others)), key=_strays(parsed), reverse=True)
     keep = [others[i] for i in sorted(ordered[: K_EXACT - 1])]
-    demoted = [others[i] for i in ordered[K_EXACT - 1 :]]
-    points = [(row, 1.0) for row in demoted]
+    points = [(others[i], parsed[i], 1.0) for i in ordered[K_EXACT - 1 :]]
     for part in parts:
-        points.extend((row, part.weight / LEVELS) for row in part.summary)
+        points.extend((row, row_values(row, capacity), part.weight / LEVELS) for row in part.summary)
     runs = _union([run for part in parts for run in part.runs])
     if not points:
         return Bundle([own, *keep], runs=runs)
-    weight = sum(w for _, w in points)
+    weight = sum(w for _, _, w in points)
     return Bundle([own, *keep], _summarize(own, points, capacity), weight, runs)
 
 
-def _strays(rows: Sequence[Sequence[float]], capacity: int) -> Any:
+def _strays(parsed: Sequence[Parsed]) -> Any:
     """Key: how far a row strays from the rows' medians (seconds, at its worst timer or step)."""
-    parsed = [row_values(row, capacity) for row in rows]
     columns: dict[int, list[float]] = {}
     for step, timers in parsed:
         if step[0] > 0:
@@ -165,14 +165,13 @@ def _quantiles(points: list[tuple[float, float]]) -> list[float]:
 
 
 def _summarize(
-    template: Sequence[float], points: Sequence[tuple[Sequence[float], float]], capacity: int
+    template: Sequence[float], points: Sequence[tuple[Sequence[float], Parsed, float]], capacity: int
 ) -> list[list[float]]:
     """LEVELS summary rows of weighted rows (module doc)."""
     step_points: list[list[tuple[float, float]]] = [[] for _ in range(STATS_LEN)]
     timer_points: dict[int, list[list[tuple[float, float]]]] = {}
     announced: dict[float, list[float]] = {}
-    for row, weight in points:
-        step, timers = row_values(row, capacity)
+    for row, (step, timers), weight in points:
         if step[0] > 0 and all(v == v for v in step):
             for c, value in enumerate(step):
                 step_points[c].append((value, weight))

@@ -130,7 +130,7 @@ class TreeExchange:
         steps = row_steps(up)
         parts, taken, answers = [own], list[int](), dict[int, Any]()
         if self.below is not None:
-            parts, taken, answers = self._gather(own, steps, answer)
+            parts, taken, answers = self._gather(up, own, steps, answer)
         merged = merge(parts, self.capacity)
         if self.above is None:
             return Exchanged(merged, answer, [self.rank, *taken])
@@ -150,17 +150,16 @@ class TreeExchange:
         return got
 
     def _gather(
-        self, own: Bundle, steps: tuple[int, int], answer: Any | None
+        self, up: Any, own: Bundle, steps: tuple[int, int], answer: Any | None
     ) -> tuple[list[Bundle], list[int], dict[int, Any]]:
         """Step 1 (module doc): this rank's bundle and its children's that cover its steps."""
         assert self.below is not None
         root = self.parent < 0
         template = answer if root and answer is not None else down_row.no_news()
         answers = {peer: template.clone() for peer in [self.rank, *self.children]}  # own: unused
-        mine = self._encode(own, self.rank)
         try:
             got = self.below.gather(
-                mine, answers, self._expect, lambda b: row_steps(b[HEAD_LEN:])[1] >= steps[1], defer=not root
+                up, answers, self._expect, lambda b: row_steps(b[HEAD_LEN:])[1] >= steps[1], defer=not root
             )
         except ExchangeFailed:
             self._fail_up(own)

@@ -339,11 +339,11 @@ def row_values(
 ) -> tuple[list[float], dict[int, list[float]]]:
     """(step stats, {timer id: COLUMNS values}) of one packed row (a list of floats)."""
     timers: dict[int, list[float]] = {}
-    for slot in range(capacity):
+    ids = row[HEADER_LEN + _S_ID : HEADER_LEN + capacity * SLOT_LEN : SLOT_LEN]
+    for slot in (i for i, v in enumerate(ids) if v):  # used slots only
         base = HEADER_LEN + slot * SLOT_LEN
-        ident = int(row[base + _S_ID])
-        if ident and row[base + _S_COUNT] > 0:
-            timers[ident] = list(row[base + _S_COUNT : base + SLOT_LEN])
+        if row[base + _S_COUNT] > 0:
+            timers[int(row[base + _S_ID])] = list(row[base + _S_COUNT : base + SLOT_LEN])
     return list(row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN]), timers
 
 

@@ -40,6 +40,11 @@ waits in an exchange a peer would not issue. A rank r > 0 whose oldest row has h
 twice the timeout raises too (rank 0 is gone or stopped flushing), so rank 0, which gives up after
 the timeout, decides first when it is alive.
 
+Tree edges (`tree_exchange`): the same two roles with a parent other than rank 0 above
+(`parent`, `send_up`) and a rank's children below (`peers`, `gather`), whose messages may differ in
+length (`up_lens`) and whose answers a tree's inner rank sends only once its parent answered
+(`gather(defer=True)`, then `answer`).
+
 Clock (with `stamp_clock`): the up row's LAST float is the leaf's send time t1, written here just
 before the send; rank 0 stamps, in the answer to that row, t2 (when it took the row: never before it
 arrived) and t3 (just before the answer leaves); the leaf's t4 is when it took the answer. Rows and

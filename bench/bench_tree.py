@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--fanin", type=int, default=4)
     parser.add_argument("--flushes", type=int, default=20)
+    parser.add_argument("--star-at", type=int, nargs="*", default=[16], help="also the star at these sizes")
     args = parser.parse_args()
     print(
         f"bundle {model.bundle_bytes()} B up, answer {model.answer_bytes()} B down; cpu_count={os.cpu_count()}"
@@ -71,15 +72,18 @@ def main() -> None:
     print(
         "ranks fan-in | rank 0: children cpu ms wall ms kB | busiest other: children cpu ms wall ms kB | depth"
     )
-    for world in args.ranks:
-        results = run_ranks(world, rank_target, (args.flushes, args.fanin), timeout=600)
-        points += [(r["children"], r["cpu"]) for r in results]
+    runs = [(world, args.fanin) for world in args.ranks] + [(world, world) for world in args.star_at]
+    for world, fanin in runs:
+        results = run_ranks(world, rank_target, (args.flushes, fanin), timeout=600)
+        if fanin == args.fanin:
+            points += [(r["children"], r["cpu"]) for r in results]
         root, others = results[0], results[1:]
         busiest = max(others, key=lambda r: (r["children"], r["cpu"]))
-        root_cpu[world] = root["cpu"]
-        depth = model.layout(world, args.fanin).depth()
+        if fanin == args.fanin:
+            root_cpu[world] = root["cpu"]
+        depth = model.layout(world, fanin).depth()
         print(
-            f"{world:>5} {args.fanin:>6} | {root['children']:>8} {root['cpu'] * 1e3:6.2f} {root['wall'] * 1e3:7.2f} "
+            f"{world:>5} {fanin:>6} | {root['children']:>8} {root['cpu'] * 1e3:6.2f} {root['wall'] * 1e3:7.2f} "
             f"{root['bytes'] / 1e3:6.1f} | {busiest['children']:>8} {busiest['cpu'] * 1e3:6.2f} "
             f"{busiest['wall'] * 1e3:7.2f} {busiest['bytes'] / 1e3:6.1f} | {depth}",
             flush=True,

@@ -209,9 +209,8 @@ def tree_answer(
     """Rank 0's answer in a tree: one TREE_DOWN_LEN row for every rank (module constants)."""
     import torch
 
-    common = answers(1, flush_interval, None, flush_anchor, read_recorder)[0]
-    if verdict is not None:
-        common = answers(1, flush_interval, replace(verdict, scores={}), flush_anchor, read_recorder)[0]
+    bare = None if verdict is None else replace(verdict, scores={})  # the scores go in the table
+    common = answers(1, flush_interval, bare, flush_anchor, read_recorder)[0]
     table = [-1.0, *_encode_scores(None)] * TABLE_ENTRIES
     scored = sorted(verdict.scores.items())[:TABLE_ENTRIES] if verdict is not None else []
     for i, (rank, scores) in enumerate(scored):

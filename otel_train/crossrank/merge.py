@@ -231,8 +231,8 @@ def unpacked(bundle: Bundle, base_len: int, capacity: int = MAX_TIMERS) -> TreeV
     import torch
 
     rows = torch.tensor(bundle.exact, dtype=torch.float64)
-    exact = unpack(rows[:, :base_len], capacity)
-    summary = unpack(torch.tensor(bundle.summary, dtype=torch.float64), capacity) if bundle.summary else []
+    exact = unpack(bundle.exact, capacity)
+    summary = unpack(bundle.summary, capacity)
     weight = bundle.weight / LEVELS if summary else 0.0
     return TreeView(rows, exact, summary, weight, bundle.ranks, tuple(bundle.runs))
 

@@ -270,9 +270,15 @@ def row_steps(row: Any) -> tuple[int, int]:
 
 
 def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
-    """Rows gathered on rank 0 (shape [world * pack_len] or [world, pack_len]) -> records."""
+    """Rows gathered on rank 0 (shape [world * pack_len] or [world, pack_len], or a list of rows
+    as lists of floats) -> records."""
     length = pack_len(capacity)
-    flat = gathered.reshape(-1, length).tolist()
+    # rows already as lists (crossrank/merge): their first `length` floats
+    flat = (
+        [r[:length] for r in gathered]
+        if isinstance(gathered, list)
+        else gathered.reshape(-1, length).tolist()
+    )
     records: list[RankRecord] = []
     for row in flat:
         record = RankRecord(

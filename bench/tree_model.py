@@ -35,7 +35,7 @@ from otel_train.crossrank.tree import layout
 from otel_train.crossrank.up_row import pack_len
 
 # Thread CPU seconds per flush, fitted by bench/bench_tree.py on this project's 2-core VM.
-A_NODE, C_CHILD = 1.0e-3, 0.5e-3
+A_NODE, C_CHILD = 2.33e-3, 0.99e-3  # 2 to 32 ranks, fan-in 4, 20 flushes each (2026-11-24)
 
 
 @dataclass(frozen=True)

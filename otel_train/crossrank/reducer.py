@@ -308,7 +308,8 @@ class CrossRankReducer:
             self._flush_local(interval)
             return
         paired = [records[i] for i in same]
-        self.lateness.judge(rows[same, -BLOCK_LEN:], paired, self.identity.host)
+        if tree is None or _clocks_to_rank0(tree, self.exchange, self.identity.host):
+            self.lateness.judge(rows[same, -BLOCK_LEN:], paired, self.identity.host)
         self._reduce(interval, paired, tree)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
         sharded = any(r.flags & FLAG_SHARDED for r in paired)
@@ -468,6 +469,14 @@ def _note_left_out(
     if left_out and not reducer._left_out_warned:
         reducer._left_out_warned = True
         _warn_left_out(left_out, from_step, interval.step)
+
+
+def _clocks_to_rank0(tree: TreeView, exchange: Any, host: str) -> bool:
+    """Whether a tree's rows let rank 0 judge arrivals at collectives: every rank's row whole, and
+    each one's clock offset to rank 0 known (rank 0's host reads its clock; elsewhere a rank's
+    offset is to its parent, so that parent must be rank 0)."""
+    parent = exchange.layout.parent
+    return not tree.summary and all(r.host == host or parent[r.rank] == 0 for r in tree.exact)
 
 
 def _reform(reducer: CrossRankReducer, group: Any | None) -> None:

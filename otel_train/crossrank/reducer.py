@@ -2,7 +2,8 @@
 
 `CrossRankReducer` runs at every flush on the background worker. It packs this rank's interval
 (`crossrank/up_row`: per-timer mean duration and arrival statistics, step statistics, host) into ONE
-fixed-size float64 row and runs ONE star-shaped exchange (`exchange.StarExchange`) on a dedicated
+fixed-size float64 row and runs ONE star-shaped exchange (`exchange.StarExchange`; beyond
+`exchange_fanin` ranks, the same up a tree: `tree_exchange`, `merge`) on a dedicated
 gloo group (`distributed.create_telemetry_group`), never on the training's own (maybe NCCL) group
 and never on the training thread; none at all when not distributed. Every rank but rank 0 sends its
 row up and gets one fixed-size answer down (`crossrank/down_row`), so its cost does not grow with the job.

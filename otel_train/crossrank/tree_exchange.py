@@ -19,9 +19,9 @@ One flush on a rank with children:
        lockstep so get rank 0's answer at the same flush, as in the star.
 Rank 0 answers its children at once with its own answer, as in the star.
 
-Clock stamps (t2, t3) are each parent's: a rank's clock offset is to its parent. Flight
-Recorder verdicts (`collective_lateness`) so hold only where every rank's parent shares rank 0's
-host, or in the star.
+Clock stamps (t2, t3) are each parent's: a rank's clock offset is to its parent. Rank 0 so
+judges arrivals at collectives (`collective_lateness`) only when no rank is summarized and every
+rank is on rank 0's host or answers to rank 0 itself (`reducer`), as always in the star.
 
 Failure: a rank whose child failed (`exchange.ExchangeFailed`) sends its bundle up marked failed
 (FAILED), answers ABORT to its children and turns off; a parent that receives a FAILED bundle does

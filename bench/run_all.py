@@ -14,6 +14,7 @@ for script, args in (
     ("bench_hardware.py", []),
     ("bench_reduce.py", []),
     ("bench_exchange.py", ["--flushes", "10"] if QUICK else []),
+    ("bench_tree.py", ["--flushes", "5", "--ranks", "2", "4", "8"] if QUICK else []),
     ("bench_watch.py", []),
     ("bench_e2e.py", []),
     ("bench_launch.py", ["--quick"] if QUICK else []),

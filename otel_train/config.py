@@ -117,6 +117,9 @@ class Config:
     # How long rank 0 waits at a flush for the rows of the ranks that were on time at the last one
     # (lockstep ranks come within milliseconds); a row that comes later is taken at a later flush.
     exchange_grace_s: float = 1.0
+    # Children per rank in the exchange's reduction tree (per node first, then this fan-in). A
+    # fan-in >= the world size is the star around rank 0 (crossrank/tree.py, README "Scale").
+    exchange_fanin: int = 16
     # One exchange per flush with rank 0 (cross-rank stats, stragglers, one cadence): right for ranks
     # that train in lockstep (DDP, FSDP). False for independent ranks (evaluators, RL workers,
     # separate trials): they then meet only at init() and never wait for each other's flushes.
@@ -384,6 +387,9 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
     need(0 < config.straggler_ewma <= 1, "straggler_ewma", "use a smoothing factor in (0, 1]")
     need(config.collective_timeout_s > 0, "collective_timeout_s", "use a positive number of seconds")
     need(config.exchange_grace_s > 0, "exchange_grace_s", "use a positive number of seconds")
+    need(
+        config.exchange_fanin >= 2, "exchange_fanin", "use a whole number of children per rank >= 2, e.g. 16"
+    )
     need(bool(config.service_name.strip()), "service_name", "use a non-empty name")
     if config.otlp_endpoint is not None:
         endpoint = config.otlp_endpoint

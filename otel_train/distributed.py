@@ -148,19 +148,25 @@ def detect_identity(
     return Identity(str(job), rank, local_rank, max(world, 1), node, socket.gethostname(), source, role)
 
 
-def create_telemetry_group(identity: Identity, timeout_s: float) -> Any | None:
+def create_telemetry_group(
+    identity: Identity, timeout_s: float, ranks: list[int] | None = None
+) -> Any | None:
     """The dedicated gloo group the telemetry exchange runs on (never the training's default group).
 
     Collective: every rank must call it, in the same order relative to other `new_group` calls
     (otel_train calls it once, from `init()`). Returns None when not distributed or when the group
-    cannot be created (logged; cross-rank telemetry is then off on this rank).
+    cannot be created (logged; cross-rank telemetry is then off on this rank). `ranks`: the group
+    among these global ranks only (a job's new group after a peer died): only they call it.
     """
     if _process_group_rank_world() is None or not identity.distributed:
         return None
     import torch.distributed as dist
 
     try:
-        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=float(timeout_s)))
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        if ranks is not None:
+            return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+        return dist.new_group(backend="gloo", timeout=timeout)
     except Exception as exc:
         logger.warning(
             "otel_train: cannot create the gloo telemetry group (%s); cross-rank stats are off", exc

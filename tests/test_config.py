@@ -58,6 +58,7 @@ def test_standard_otel_variables() -> None:
         ),
         ({"prometheus_port": 70000}, {}, ["prometheus_port", "70000", "0 to disable"]),
         ({"timing_log_level": 3}, {}, ["timing_log_level", "0, 1 or 2"]),
+        ({}, {"OTEL_TRAIN_EXCHANGE_FANIN": "1"}, ["exchange_fanin", "OTEL_TRAIN_EXCHANGE_FANIN", ">= 2"]),
         ({"bogus": 1}, {}, ["unknown setting", "'bogus'"]),
         ({}, {"OTEL_METRIC_EXPORT_INTERVAL": "soon"}, ["OTEL_METRIC_EXPORT_INTERVAL", "milliseconds"]),
         ({"run_name": "bad name/.."}, {}, ["run_name", "letters, digits"]),

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
 from otel_train.crossrank.up_row import HOST_FLOATS, NAME_FLOATS, decode_text, encode_text
@@ -59,6 +59,11 @@ REPORT_LEN = _R_SYNC + NAME_FLOATS
 _CLOCK_AT = HEADER_LEN + SCORES_LEN + MAX_CHRONIC * REPORT_LEN
 D_T2, D_T3, D_READ = _CLOCK_AT, _CLOCK_AT + 1, _CLOCK_AT + 2
 DOWN_LEN = _CLOCK_AT + 3
+# The tree's answer (`tree_exchange`): the same row for every rank, then a table of the scored ranks
+# (rank, scores); each rank finds its own there. Rank 0 scores the exact rows of `merge` only.
+TABLE_ENTRIES = 4  # = merge.K_EXACT
+ENTRY_LEN = 1 + SCORES_LEN
+TREE_DOWN_LEN = DOWN_LEN + TABLE_ENTRIES * ENTRY_LEN
 
 
 @dataclass(frozen=True)
@@ -198,9 +203,33 @@ def answers(
     return rows
 
 
+def tree_answer(
+    flush_interval: int, verdict: Verdict | None, flush_anchor: int = -1, read_recorder: bool = False
+) -> Any:
+    """Rank 0's answer in a tree: one TREE_DOWN_LEN row for every rank (module constants)."""
+    import torch
+
+    bare = None if verdict is None else replace(verdict, scores={})  # the scores go in the table
+    common = answers(1, flush_interval, bare, flush_anchor, read_recorder)[0]
+    table = [-1.0, *_encode_scores(None)] * TABLE_ENTRIES
+    scored = sorted(verdict.scores.items())[:TABLE_ENTRIES] if verdict is not None else []
+    for i, (rank, scores) in enumerate(scored):
+        table[i * ENTRY_LEN : (i + 1) * ENTRY_LEN] = [float(rank), *_encode_scores(scores)]
+    return torch.cat([common, torch.tensor(table, dtype=torch.float64)])
+
+
+def no_news() -> Any:
+    """A tree's inner rank's answer when its parent's has not come: nothing to adopt."""
+    return tree_answer(0, None)
+
+
 def decode(row: Any, rank: int) -> Down:
-    """One rank's down row (a DOWN_LEN float64 tensor) -> Down."""
+    """One rank's down row (a DOWN_LEN float64 tensor, or a tree's TREE_DOWN_LEN) -> Down."""
     values = row.tolist()
+    if len(values) > DOWN_LEN:  # a tree's answer: this rank's scores from the table
+        entries = (values[at : at + ENTRY_LEN] for at in range(DOWN_LEN, len(values), ENTRY_LEN))
+        mine = next((e[1:] for e in entries if int(e[0]) == rank), _encode_scores(None))
+        values[HEADER_LEN : HEADER_LEN + SCORES_LEN] = mine
     verdict_seq = int(values[H_VERDICT_SEQ])
     read, times = bool(values[D_READ]), (values[D_T2], values[D_T3])
     anchor = int(values[H_FLUSH_ANCHOR])

@@ -40,6 +40,11 @@ waits in an exchange a peer would not issue. A rank r > 0 whose oldest row has h
 twice the timeout raises too (rank 0 is gone or stopped flushing), so rank 0, which gives up after
 the timeout, decides first when it is alive.
 
+Tree edges (`tree_exchange`): the same two roles with a parent other than rank 0 above
+(`parent`, `send_up`) and a rank's children below (`peers`, `gather`), whose messages may differ in
+length (`up_lens`) and whose answers a tree's inner rank sends only once its parent answered
+(`gather(defer=True)`, then `answer`).
+
 Clock (with `stamp_clock`): the up row's LAST float is the leaf's send time t1, written here just
 before the send; rank 0 stamps, in the answer to that row, t2 (when it took the row: never before it
 arrived) and t3 (just before the answer leaves); the leaf's t4 is when it took the answer. Rows and
@@ -53,7 +58,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +107,23 @@ class StarExchange:
     `world` on that group; `timeout_s`: the group's timeout; `grace_s`: how long rank 0 waits for
     the expected rows (a rank r > 0 waits twice that for its answer)."""
 
-    def __init__(self, group: Any, rank: int, world: int, timeout_s: float, grace_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        group: Any,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        grace_s: float = 1.0,
+        *,
+        parent: int = 0,
+        peers: Sequence[int] | None = None,
+        down_len: int = down_row.DOWN_LEN,
+    ) -> None:
+        # `parent`, `peers`, `down_len`: one edge of the tree (`tree_exchange`) uses the same two
+        # roles with another rank than 0 above (its parent) and its children below.
+        self.parent = parent
+        self.peers = list(range(1, world)) if peers is None else list(peers)
+        self.down_len = down_len
         self.group = group
         self.rank = rank
         self.world = world
@@ -121,6 +142,7 @@ class StarExchange:
         self.stamp_clock = False  # write t1..t3 (module doc); the caller reserves the row's last float
         self.clock: Callable[[], float] = time.time
         self._stamps: tuple[float, float] = (math.nan, math.nan)  # the newest answer's (t1, t4)
+        self.up_lens: dict[int, int] = {}  # each peer's message length (absent: the length of this rank's)
 
     def stop_waiting(self) -> None:
         """Shutting down: every wait (the one in progress on the worker, and the queued flushes')
@@ -134,14 +156,32 @@ class StarExchange:
         answers: Any | None,
         expect: set[int] | None = None,
         current: Callable[[Any], bool] | None = None,
+        defer: bool = False,
     ) -> Exchanged:
         """Rank 0: `answers` is [world, DOWN_LEN] (down_row.answers); it waits (up to the grace) for
         a row for which `current(row)` holds from each peer in `expect` (None: every peer; `current`
         None: any row). Others: `answers` None."""
         if self.rank == 0:
-            expected = set(range(1, self.world)) if expect is None else expect
-            return self._root(up, answers, expected, current or (lambda row: True))
+            expected = set(self.peers) if expect is None else expect
+            return self._root(up, answers, expected, current or (lambda row: True), defer)
         return self._leaf(up)
+
+    def gather(
+        self, up: Any, answers: Any, expect: set[int] | None, current: Callable[[Any], bool], defer: bool
+    ) -> Exchanged:
+        """The rank-0 role over `peers` (a tree's inner rank over its children): `up` is this rank's
+        own message of the peers' length. `defer`: the rows taken are answered later, by `answer`."""
+        return self._root(up, answers, set(self.peers) if expect is None else expect, current, defer)
+
+    def send_up(self, up: Any) -> Exchanged:
+        """The role of a rank r > 0 toward `parent`."""
+        return self._leaf(up)
+
+    def answer(self, peers: Sequence[int], answers: Any) -> None:
+        """Answer the rows `gather(defer=True)` took (one answer per row, in order)."""
+        import torch
+
+        self._finish([self._send(torch, answers, peer) for peer in peers])
 
     # --- rank r > 0 --------------------------------------------------------------------------------
     def _leaf(self, up: Any) -> Exchanged:
@@ -155,13 +195,13 @@ class StarExchange:
             self.skipped += 1
             self._prompt = False
             return Exchanged(None, down, sent=False, stamps=self._stamps_of(down))
-        buffer = _empty(torch, down_row.DOWN_LEN)
+        buffer = _empty(torch, self.down_len)
         sent_at = math.nan
         if self.stamp_clock:
             up[-1] = sent_at = self.clock()  # t1
         message = _framed(torch, up)
-        recv = _posted(dist.irecv(buffer, group=self.group, group_src=0, tag=TAG))
-        send = _posted(dist.isend(message, group=self.group, group_dst=0, tag=TAG))
+        recv = _posted(dist.irecv(buffer, group=self.group, group_src=self.parent, tag=TAG))
+        send = _posted(dist.isend(message, group=self.group, group_dst=self.parent, tag=TAG))
         self.sent_bytes += message.numel() * message.element_size()
         self._unanswered.append(_Posted(recv, buffer, time.monotonic(), send, sent_at))
         if self._prompt:
@@ -182,7 +222,7 @@ class StarExchange:
             pending.work.wait()  # finished (its trailer is in): returns at once
             received_at = self.clock() if self.stamp_clock else math.nan  # t4
             self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
-            down = pending.buffer[: down_row.DOWN_LEN]
+            down = pending.buffer[: self.down_len]
             self._stamps = (pending.sent_at, received_at)
             if int(down[down_row.H_STATUS]) == down_row.STATUS_ABORT:
                 # Rank 0 may have posted it before taking this row, and never will: that send,
@@ -195,7 +235,10 @@ class StarExchange:
         return down
 
     # --- rank 0 ------------------------------------------------------------------------------------
-    def _root(self, up: Any, answers: Any, expect: set[int], current: Callable[[Any], bool]) -> Exchanged:
+    def _root(
+        self, up: Any, answers: Any, expect: set[int], current: Callable[[Any], bool], defer: bool = False
+    ) -> Exchanged:
+        """`answers[peer]`: the answer row to each peer (a [world, DOWN_LEN] tensor or a dict)."""
         import torch
 
         failed: dict[int, str] = {}
@@ -205,32 +248,39 @@ class StarExchange:
         done: set[int] = set()  # peers whose row for this flush (or a later one) is taken
 
         def drained() -> bool:
-            for peer in range(1, self.world):
-                for row in self._drain(torch, peer, up.numel(), failed, done, current):
+            for peer in self.peers:
+                for row in self._drain(
+                    torch, peer, self.up_lens.get(peer, up.numel()), failed, done, current
+                ):
                     taken.append((peer, row))
                     if self.stamp_clock:
-                        answers[peer, down_row.D_T2] = self.clock()  # t2: the row is in
-                    # Answered at once: that peer's worker may be waiting for it before its next row.
-                    sends.append(self._send(torch, answers, peer))
+                        answers[peer][down_row.D_T2] = self.clock()  # t2: the row is in
+                    # Answered at once: that peer's worker may be waiting for it before its next row
+                    # (deferred: a tree's inner rank answers with its parent's answer, `answer`).
+                    if not defer:
+                        sends.append(self._send(torch, answers, peer))
             return not (waiting - done - set(failed))
 
         self._poll(drained, self.grace_s)
         self._finish(sends)
         now = time.monotonic()
         heard = {peer for peer, _ in taken}
-        for peer in range(1, self.world):
+        for peer in self.peers:
             if peer in heard or peer in failed:
                 self._missing_since.pop(peer, None)
             elif now - self._missing_since.setdefault(peer, now) >= self.timeout_s:
                 failed[peer] = f"no row for {self.timeout_s:g} s"
         if failed:
-            answers[:, down_row.H_STATUS] = float(down_row.STATUS_ABORT)
+            for peer in self.peers:
+                answers[peer][down_row.H_STATUS] = float(down_row.STATUS_ABORT)
             self._part(torch, answers, failed)
             first = min(failed)
             raise ExchangeFailed(f"no row from rank(s) {sorted(failed)} (rank {first}: {failed[first]})")
         taken.sort(key=lambda item: item[0])  # by rank, each peer's rows in the order they came
-        rows = torch.stack([up, *(row for _, row in taken)])
-        return Exchanged(rows, answers[0], [0, *(peer for peer, _ in taken)])
+        rows: Any = [up, *(row for _, row in taken)]  # peers' lengths may differ (a tree's up_lens)
+        rows = rows if self.up_lens else torch.stack(rows)
+        own = answers[0] if self.rank == 0 else None  # rank 0's own answer (the star's)
+        return Exchanged(rows, own, [self.rank, *(peer for peer, _ in taken)])
 
     def _poll(self, done: Callable[[], bool], limit_s: float) -> bool:
         """Worker thread: look every POLL_S until `done()` or `limit_s` passed; whether it is done."""
@@ -289,7 +339,7 @@ class StarExchange:
         import torch.distributed as dist
 
         if self.stamp_clock:
-            answers[peer, down_row.D_T3] = self.clock()  # t3: just before the answer leaves
+            answers[peer][down_row.D_T3] = self.clock()  # t3: just before the answer leaves
         message = _framed(torch, answers[peer])
         try:
             return dist.isend(message, group=self.group, group_dst=peer, tag=TAG), message
@@ -308,11 +358,19 @@ class StarExchange:
             except Exception:
                 continue
 
+    def abort_peers(self, answers: Any, failed: Sequence[int] = ()) -> None:
+        """Post ABORT (`answers[peer]`, status set here) to every peer not in `failed`."""
+        import torch
+
+        for peer in self.peers:
+            answers[peer][down_row.H_STATUS] = float(down_row.STATUS_ABORT)
+        self._part(torch, answers, {peer: "" for peer in failed})
+
     def _part(self, torch: Any, answers: Any, failed: dict[int, str]) -> None:
         """Turning off: post ABORT to every live peer, answering its next row, so it turns off at
         its next flush instead of after its own timeout. Never waited for (the peer may never
         flush again); kept so the buffers outlive the sends."""
-        for peer in range(1, self.world):
+        for peer in self.peers:
             if peer not in failed:
                 work, message = self._send(torch, answers, peer)
                 if work is not None:

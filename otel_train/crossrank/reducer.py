@@ -2,7 +2,8 @@
 
 `CrossRankReducer` runs at every flush on the background worker. It packs this rank's interval
 (`crossrank/up_row`: per-timer mean duration and arrival statistics, step statistics, host) into ONE
-fixed-size float64 row and runs ONE star-shaped exchange (`exchange.StarExchange`) on a dedicated
+fixed-size float64 row and runs ONE star-shaped exchange (`exchange.StarExchange`; beyond
+`exchange_fanin` ranks, the same up a tree: `tree_exchange`, `merge`) on a dedicated
 gloo group (`distributed.create_telemetry_group`), never on the training's own (maybe NCCL) group
 and never on the training thread; none at all when not distributed. Every rank but rank 0 sends its
 row up and gets one fixed-size answer down (`crossrank/down_row`), so its cost does not grow with the job.
@@ -46,9 +47,10 @@ from typing import Any, Protocol
 from otel_train import semconv
 from otel_train.crossrank import down_row
 from otel_train.crossrank.collective_lateness import BLOCK_LEN, LatenessTracker
-from otel_train.crossrank.exchange import StarExchange
+from otel_train.crossrank.merge import Bundle, TreeView, unpacked, widen_waiting
 from otel_train.crossrank.replicas import EXT_LEN, ReplicaCheck
 from otel_train.crossrank.timer_stats import Reduction, per_rank_timings, reduce_timings, stats_for_option
+from otel_train.crossrank.tree_exchange import TreeExchange, exchange_for
 from otel_train.crossrank.up_row import (
     FLAG_SHARDED,
     MAX_TIMERS,
@@ -142,6 +144,7 @@ class CrossRankReducer:
         self.left_out_rows = 0  # rank 0: rows taken that covered other steps than its own
         self.partial_flushes = 0  # rank 0: flushes whose cross-rank view lacked a rank
         self.disabled_reason: str | None = None
+        self.reforms = 0  # times the exchange re-formed on a new process group (`reform`)
         self.abstain_reason: str | None = None
         self.last_reductions: dict[str, Reduction] = {}
         self.last_scores: RankScores | None = None
@@ -153,8 +156,7 @@ class CrossRankReducer:
         self._left_out_warned = False
         self._prev_step = -1  # the last step of this rank's previous flush (rows carry their steps)
         self._expect: set[int] | None = None  # rank 0: peers whose rows to wait for (None: all)
-        self._closed = False
-        self._lock = threading.Lock()
+        self._closed, self._lock = False, threading.Lock()
         self._world = identity.world_size
         self.group = group
         if not exchange:  # independent ranks (cross_rank=False): this rank's own view only
@@ -165,7 +167,10 @@ class CrossRankReducer:
             import torch.distributed as dist
 
             self._world = int(dist.get_world_size(self.group))
-        self.exchange = StarExchange(self.group, identity.rank, self._world, self.timeout_s, grace_s)
+        self.grace_s, self.fanin = grace_s, int(getattr(config, "exchange_fanin", 16))
+        self.exchange = exchange_for(
+            self.group, identity.rank, self._world, self.timeout_s, grace_s, self.fanin, max_timers
+        )
         # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)
         # Arrivals at collectives (collective_lateness.py): the row's last block, clock stamps in it.
@@ -194,6 +199,14 @@ class CrossRankReducer:
 
     def close(self) -> None:
         self._closed = True
+
+    def reform(self, group: Any | None = None) -> None:
+        """The job formed a new process group (`group`; None: the new default group), e.g. among
+        the ranks alive after a peer died: call it on every rank of it, as a collective (it creates
+        the new telemetry group). The exchange re-forms on it, turned on again if it was off, and a
+        `membership_change` event says so. Ranks in verdicts are then ranks of the new group."""
+        with self._lock:
+            _reform(self, group)
 
     def stop_waiting(self) -> None:
         """Shutting down (called before the worker is drained): no exchange waits for a peer."""
@@ -241,6 +254,8 @@ class CrossRankReducer:
             schedule = (interval.flush_interval, interval.flush_anchor)
             read = self.lateness.wants_read()
             answers = down_row.answers(self._world, schedule[0], self._verdict, schedule[1], read)
+            if isinstance(self.exchange, TreeExchange):
+                answers = down_row.tree_answer(schedule[0], self._verdict, schedule[1], read)
         try:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
             got = self.exchange.run(row, answers, self._expect, lambda up: row_steps(up)[1] >= interval.step)
@@ -264,33 +279,42 @@ class CrossRankReducer:
     def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
         """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
         base = pack_len(self.table.capacity)
+        if isinstance(rows, Bundle):  # the tree's: its rows cover rank 0's steps (tree_exchange)
+            tree = unpacked(rows, base, self.table.capacity)
+            rows, same, records = tree.rows, list(range(len(tree.exact))), tree.exact
+            self.left_out_rows = getattr(self.exchange, "left_out_bundles", 0)
+            _note_left_out(self, [], tree.ranks, from_step, interval)
+            self._reduce_paired(interval, rows, same, records, tree)
+            return
         records = unpack(rows[:, :base], self.table.capacity)
         # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
         self._expect = {r.rank for r in records} - {0}
         same = [i for i, r in enumerate(records) if (r.from_step, r.step) == (from_step, interval.step)]
-        self._note_left_out(
-            [r for i, r in enumerate(records) if i not in same], len(same), from_step, interval
+        _note_left_out(
+            self, [r for i, r in enumerate(records) if i not in same], len(same), from_step, interval
         )
-        if len(same) < 2:
+        self._reduce_paired(interval, rows, same, records)
+
+    def _reduce_paired(
+        self,
+        interval: Interval,
+        rows: Any,
+        same: list[int],
+        records: list[RankRecord],
+        tree: TreeView | None = None,
+    ) -> None:
+        base = pack_len(self.table.capacity)
+        if len(same) + (len(tree.summary) if tree else 0) < 2:
             self._verdict = None  # nothing to compare: no verdict rides the next answers
             self._flush_local(interval)
             return
         paired = [records[i] for i in same]
-        self.lateness.judge(rows[same, -BLOCK_LEN:], paired, self.identity.host)
-        self._reduce(interval, paired)
+        if tree is None or _clocks_to_rank0(tree, self.exchange, self.identity.host):
+            self.lateness.judge(rows[same, -BLOCK_LEN:], paired, self.identity.host)
+        self._reduce(interval, paired, tree)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
         sharded = any(r.flags & FLAG_SHARDED for r in paired)
         self.replicas.compare(rows[same, base : base + EXT_LEN], [r.rank for r in paired], sharded, labels)
-
-    def _note_left_out(
-        self, left_out: Sequence[RankRecord], paired: int, from_step: int, interval: Interval
-    ) -> None:
-        self.left_out_rows += len(left_out)
-        if paired < self._world:
-            self.partial_flushes += 1
-        if left_out and not self._left_out_warned:
-            self._left_out_warned = True
-            _warn_left_out(left_out, from_step, interval.step)
 
     def _deliver(self, down: down_row.Down, root: bool) -> None:
         """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own
@@ -308,9 +332,12 @@ class CrossRankReducer:
             except Exception as exc:
                 logger.warning("otel_train: on_straggler callback failed: %s", exc)
 
-    def _reduce(self, interval: Interval, records: Sequence[RankRecord]) -> None:
-        """Rank 0: reductions, verdicts, gauges and events from the rows of one flush's steps."""
-        for record in records:
+    def _reduce(
+        self, interval: Interval, records: Sequence[RankRecord], tree: TreeView | None = None
+    ) -> None:
+        """Rank 0: reductions, verdicts, gauges and events from the rows of one flush's steps
+        (`tree`: the tree's summary rows join the verdicts as weighted ranks, `merge`)."""
+        for record in [*records, *(tree.summary if tree else ())]:
             for ident, name in record.announced.items():
                 self.table.names.setdefault(ident, name)
         per_rank: list[Mapping[str, float | None]] = [{} for _ in range(self._world)]
@@ -324,8 +351,9 @@ class CrossRankReducer:
                 r.local_rank,
                 r.step_stats,
                 {n: t.arrival for n, t in r.named_timers(self.table.names).items() if t.arrival.count},
+                tree.weight if r.rank < 0 and tree else 1.0,
             )
-            for r in records
+            for r in [*records, *(tree.summary if tree else ())]
         ]
         self._note_abstain(views, records)
         # The first gathered interval holds warm-up (lazy init, first collectives, compilation), where
@@ -333,6 +361,8 @@ class CrossRankReducer:
         first = self._gathered_flushes == 0
         self._gathered_flushes += 1
         assessments = assess(views, self.settings)
+        if tree is not None:
+            assessments = widen_waiting(assessments, tree)
         self.lateness.join(assessments, views)
         all_scores, reports = self.scorer.update(assessments, one_offs=not first)
         mine = next((s for s in all_scores if s.rank == self.identity.rank), None)
@@ -428,6 +458,55 @@ def _emit(events: EventChannel | None, report: StragglerReport, step: int, thres
         events.emit("straggler", message, event_attributes(report, step))
     except Exception as exc:
         logger.warning("otel_train: straggler event failed: %s", exc)
+
+
+def _note_left_out(
+    reducer: CrossRankReducer, left_out: Sequence[RankRecord], paired: int, from_step: int, interval: Interval
+) -> None:
+    """Rank 0: count the rows left out of a flush (and the flushes that lacked a rank); warn once."""
+    reducer.left_out_rows += len(left_out)
+    if paired < reducer._world:
+        reducer.partial_flushes += 1
+    if left_out and not reducer._left_out_warned:
+        reducer._left_out_warned = True
+        _warn_left_out(left_out, from_step, interval.step)
+
+
+def _clocks_to_rank0(tree: TreeView, exchange: Any, host: str) -> bool:
+    """Whether a tree's rows let rank 0 judge arrivals at collectives: every rank's row whole, and
+    each one's clock offset to rank 0 known (rank 0's host reads its clock; elsewhere a rank's
+    offset is to its parent, so that parent must be rank 0)."""
+    parent = exchange.layout.parent
+    return not tree.summary and all(r.host == host or parent[r.rank] == 0 for r in tree.exact)
+
+
+def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
+    """`CrossRankReducer.reform`, under its lock: a new telemetry group and exchange, this rank's
+    rank and world on the job's new group, a fresh view (the verdicts' state per rank is kept)."""
+    import torch.distributed as dist
+
+    before = reducer._world
+    identity = replace(reducer.identity, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+    ranks = None if group is None else list(dist.get_process_group_ranks(group))
+    telemetry = create_telemetry_group(identity, reducer.timeout_s, ranks)
+    if telemetry is None:
+        return
+    reducer.identity, reducer.group, reducer._world = identity, telemetry, identity.world_size
+    reducer.exchange = exchange_for(
+        telemetry, identity.rank, identity.world_size, reducer.timeout_s, reducer.grace_s, reducer.fanin,
+        reducer.table.capacity,
+    )  # fmt: skip
+    reducer.lateness = LatenessTracker.attach(identity.rank, reducer.exchange)
+    reducer.disabled_reason, reducer._expect, reducer._verdict = None, None, None
+    reducer.reforms += 1
+    message = (
+        f"cross-rank telemetry re-formed on a new process group: {identity.world_size} rank(s), was "
+        f"{before}; this rank is rank {identity.rank} of it"
+    )
+    logger.warning("otel_train: %s", message)
+    if reducer.events is not None:
+        attributes = {"rank": identity.rank, "world_size": identity.world_size, "world_size_before": before}
+        reducer.events.emit("membership_change", message, attributes)
 
 
 def _warn_left_out(left_out: Sequence[RankRecord], from_step: int, step: int) -> None:

@@ -270,9 +270,15 @@ def row_steps(row: Any) -> tuple[int, int]:
 
 
 def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
-    """Rows gathered on rank 0 (shape [world * pack_len] or [world, pack_len]) -> records."""
+    """Rows gathered on rank 0 (shape [world * pack_len] or [world, pack_len], or a list of rows
+    as lists of floats) -> records."""
     length = pack_len(capacity)
-    flat = gathered.reshape(-1, length).tolist()
+    # rows already as lists (crossrank/merge): their first `length` floats
+    flat = (
+        [r[:length] for r in gathered]
+        if isinstance(gathered, list)
+        else gathered.reshape(-1, length).tolist()
+    )
     records: list[RankRecord] = []
     for row in flat:
         record = RankRecord(
@@ -326,3 +332,58 @@ def local_record(interval: Interval, identity: Identity) -> RankRecord:
             )
             record.announced[name_id(name)] = name
     return record
+
+
+# --- rows standing for many ranks (crossrank/merge) ------------------------------------------------------
+
+SUMMARY_RANK = -1  # the rank field of a row that stands for summarized ranks (never a real rank)
+COLUMNS = 2 + STATS_LEN  # per timer: count, mean duration, arrival count, median, max, MAD
+
+
+def row_values(
+    row: Sequence[float], capacity: int = MAX_TIMERS
+) -> tuple[list[float], dict[int, list[float]]]:
+    """(step stats, {timer id: COLUMNS values}) of one packed row (a list of floats)."""
+    timers: dict[int, list[float]] = {}
+    ids = row[HEADER_LEN + _S_ID : HEADER_LEN + capacity * SLOT_LEN : SLOT_LEN]
+    for slot in (i for i, v in enumerate(ids) if v):  # used slots only
+        base = HEADER_LEN + slot * SLOT_LEN
+        if row[base + _S_COUNT] > 0:
+            timers[int(row[base + _S_ID])] = list(row[base + _S_COUNT : base + SLOT_LEN])
+    return list(row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN]), timers
+
+
+def row_announcements(row: Sequence[float], capacity: int = MAX_TIMERS) -> list[list[float]]:
+    """The (id, name...) announcements of one packed row, each ANNOUNCE_LEN floats."""
+    base = HEADER_LEN + capacity * SLOT_LEN
+    spans = (row[base + i * ANNOUNCE_LEN : base + (i + 1) * ANNOUNCE_LEN] for i in range(ANNOUNCE_SLOTS))
+    return [list(values) for values in spans if values[0]]
+
+
+def summary_row(
+    template: Sequence[float],
+    step: Sequence[float],
+    timers: Mapping[int, Sequence[float]],
+    announced: Sequence[Sequence[float]],
+    capacity: int = MAX_TIMERS,
+) -> list[float]:
+    """A row of SUMMARY_RANK with the template's steps and schedule and these values: what
+    `crossrank/merge` sends for the ranks it summarizes (one row per quantile level)."""
+    row = [0.0] * pack_len(capacity)
+    for at in (_H_VERSION, _H_SEQ, _H_STEP, _H_FLUSH_INTERVAL, _H_FROM_STEP, _H_FLAGS):
+        row[at] = float(template[at])
+    row[_H_RANK] = float(SUMMARY_RANK)
+    row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN] = list(step)
+    for slot, (ident, values) in enumerate(list(timers.items())[:capacity]):
+        base = HEADER_LEN + slot * SLOT_LEN
+        row[base + _S_ID] = float(ident)
+        row[base + _S_COUNT : base + SLOT_LEN] = list(values)
+    row[_H_NTIMERS] = float(min(len(timers), capacity))
+    base = HEADER_LEN + capacity * SLOT_LEN
+    for i, values in enumerate(announced[:ANNOUNCE_SLOTS]):
+        row[base + i * ANNOUNCE_LEN : base + (i + 1) * ANNOUNCE_LEN] = list(values)
+    return row
+
+
+def row_rank(row: Any) -> int:
+    return int(row[_H_RANK])

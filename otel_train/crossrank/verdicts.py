@@ -119,6 +119,8 @@ class RankView:
     local_rank: int
     step: Spread  # step durations
     arrivals: Mapping[str, Spread]  # timer name -> arrival statistics (timers inside steps only)
+    # How many ranks it stands for: 1, or a summary row of the tree (`merge`: rank < 0, never named)
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -167,11 +169,27 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
+def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The median of values standing for `weights` ranks each (all 1: `_median`)."""
+    if all(w == 1.0 for w in weights):
+        return _median(values)
+    pairs = sorted(zip(values, weights, strict=True))
+    half, acc = sum(weights) / 2.0, 0.0
+    for i, (value, weight) in enumerate(pairs):
+        acc += weight
+        if acc > half:
+            return value
+        if acc == half and i + 1 < len(pairs):
+            return (value + pairs[i + 1][0]) / 2.0
+    return pairs[-1][0]
+
+
 class _Table:
     """Arrival statistics by phase end (ordered) and rank index, with leave-one-out lateness."""
 
     def __init__(self, views: Sequence[RankView], settings: Settings) -> None:
         self.settings = settings
+        self.weights = [v.weight for v in views]
         by_phase: dict[str, dict[int, Spread]] = {}
         for index, view in enumerate(views):
             for name, spread in view.arrivals.items():
@@ -196,10 +214,11 @@ class _Table:
             own = by.get(index)
             if own is None:
                 continue
-            others = [s for i, s in by.items() if i != index]
-            ref = _median([s.max if use_max else s.median for s in others])
+            others = [(s, self.weights[i]) for i, s in by.items() if i != index]
+            weights = [w for _, w in others]
+            ref = _weighted_median([s.max if use_max else s.median for s, _ in others], weights)
             value = (own.max if use_max else own.median) - ref
-            noise = max(own.mad, _median([s.mad for s in others]))
+            noise = max(own.mad, _weighted_median([s.mad for s, _ in others], weights))
             floor = max(self.settings.noise_mads * noise, self.settings.min_lateness_s)
             out[phase] = value if abs(value) > floor else 0.0
         return out
@@ -275,6 +294,8 @@ def assess(views: Sequence[RankView], settings: Settings) -> list[RankAssessment
     if len(views) < 2 or not table.order:
         return out
     for a in out:
+        if a.rank < 0:
+            continue  # a summary of many ranks (`merge`): a reference, never a culprit
         a.chronic = _culprit_lateness(table, a.index, use_max=False)
         a.one_off = _culprit_lateness(table, a.index, use_max=True)
     worst = max(out, key=lambda a: a.chronic.seconds)
@@ -286,7 +307,7 @@ def assess(views: Sequence[RankView], settings: Settings) -> list[RankAssessment
             (a for a in out if a.index != worst.index and a.wait_s >= 0.5 * worst.chronic.seconds),
             key=lambda a: a.rank,
         )
-        worst.waiting_ranks = tuple(a.rank for a in waiting)
+        worst.waiting_ranks = tuple(sorted({a.rank for a in waiting}))  # a summary: rank < 0, once
         worst.waited_s = _median([a.wait_s for a in waiting]) if waiting else 0.0
     return out
 

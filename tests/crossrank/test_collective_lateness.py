@@ -287,15 +287,21 @@ def _fsdp_rank(rank: int, world: int, timers: bool, skew_s: float, out: str) -> 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("timers", "skew_s"), [(False, 3.0), (True, 0.0)], ids=["only-step-skewed-clock", "timers"]
+    ("timers", "skew_s", "fanin"),
+    [(False, 3.0, 16), (True, 0.0, 16), (False, 3.0, 2)],
+    ids=["only-step-skewed-clock", "timers", "only-step-skewed-clock-fanin2"],
 )
-def test_fsdp2_slow_rank_named_from_collective_arrivals(timers: bool, skew_s: float, tmp_path: Path) -> None:
+def test_fsdp2_slow_rank_named_from_collective_arrivals(
+    timers: bool, skew_s: float, fanin: int, tmp_path: Path
+) -> None:
     """4 gloo ranks, FSDP2, rank 2 slower in every layer's forward: only rank 2 is named (chronic),
     the collective where the others wait is named, and rank 3's clock (3 s ahead in the first
     case, whose ring buffer also wraps between reads) is corrected rather than blamed. The
     timer-only detector abstains here ("sharded")."""
     # Without timers, a ring buffer smaller than a flush's collectives: it wraps between reads.
     env = FR_ON if timers else {"TORCH_FR_BUFFER_SIZE": "40"}
+    # fan-in 2: rank 0 -> 1, 3 and 1 -> 2 (rank 3, on the other host, answers to rank 0 itself)
+    env = {**env, "OTEL_TRAIN_EXCHANGE_FANIN": str(fanin)}
     results = run_ranks(4, _fsdp_rank, (timers, skew_s, str(tmp_path)), timeout=300, env=env)
     root = results[0]
     reported = root["stragglers"]

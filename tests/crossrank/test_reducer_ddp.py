@@ -66,7 +66,7 @@ def train(rank: int, scenario: dict[str, Any], out_dir: str) -> dict[str, Any]:
     events: list[tuple[str, str, dict[str, Any]]] = []
     ot.init(
         output_dir=out_dir, run_name=scenario.get("run_name"), verbosity=0, log_interval=LOG_INTERVAL,
-        hardware=False, collective_timeout_s=60.0,
+        hardware=False, collective_timeout_s=60.0, exchange_fanin=scenario.get("fanin", 16),
     )  # fmt: skip
     session = ot.current_session()
     session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
@@ -191,15 +191,19 @@ def test_independent_ranks_slow_rank_flagged(ddp4) -> None:
     assert reported[0]["category"] == "compute" and reported[0]["waiting_ranks"] == ""
 
 
-@pytest.mark.parametrize("world", [2, 8])
-def test_ddp_forward_straggler_on_2_and_8_ranks(world: int, tmp_path: Path) -> None:
+# (8, 2): a tree of fan-in 2 three levels deep, where rank 0 sees K_EXACT ranks whole and the
+# others through the merged summary (crossrank/merge)
+@pytest.mark.parametrize(("world", "fanin"), [(2, 16), (8, 16), (8, 2)])
+def test_ddp_forward_straggler_on_2_and_8_ranks(world: int, fanin: int, tmp_path: Path) -> None:
     slow = world - 1
-    job = {"kind": "ddp", "steps": 20 if world == 2 else 15, "run_name": "r",
+    job = {"kind": "ddp", "steps": 20 if world == 2 else 15, "run_name": "r", "fanin": fanin,
            "slow": {"rank": slow, "phase": "forward", "factor": 1.5}}  # fmt: skip
     results = run_ranks(world, jobs_target, ([job], str(tmp_path)), timeout=240)
     reported = _reported(results, 0)
     assert reported and {a["rank"] for a in reported} == {slow}
     assert reported[0]["category"] == "compute"
+    # every other rank waits for it, those the tree summarized too
+    assert reported[0]["waiting_ranks"] == ",".join(str(r) for r in range(slow))
 
 
 def test_fsdp2_waiters_never_reported(tmp_path: Path) -> None:

@@ -125,7 +125,9 @@ def _record_reports(sink: list[list[tuple[int, str, str, str]]], reports: list[A
     sink.append([(r.rank, r.pattern, r.phase, r.category) for r in reports])
 
 
-def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) -> dict[str, Any]:
+def scenarios_target(
+    rank: int, world: int, scenarios: list[str], flushes: int, fanin: int = 16
+) -> dict[str, Any]:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -135,7 +137,7 @@ def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) 
 
     identity = detect_identity(None)
     assert identity.rank == rank and identity.world_size == world
-    config = Config(timing_log_option="all", collective_timeout_s=20.0)
+    config = Config(timing_log_option="all", collective_timeout_s=20.0, exchange_fanin=fanin)
     results: dict[str, Any] = {}
     for scenario in scenarios:
         group = create_telemetry_group(identity, config.collective_timeout_s)
@@ -177,6 +179,7 @@ def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) 
             "bytes": (reducer.exchange.sent_bytes, reducer.exchange.received_bytes),
             "reductions": {n: (r.n, r.argmin, r.argmax, r.values) for n, r in reductions.items()},
             "disabled": reducer.disabled_reason,
+            "fanin": fanin,
         }
         reducer.close()
         import torch.distributed as dist
@@ -188,9 +191,12 @@ def scenarios_target(rank: int, world: int, scenarios: list[str], flushes: int) 
     return results
 
 
-@pytest.fixture(scope="module")
-def scenario_results() -> list[dict[str, Any]]:
-    return run_ranks(4, scenarios_target, (["balanced", "compute", "data", "timersets"], 5), timeout=90)
+# The star (the default fan-in reaches every rank) and a tree of fan-in 2 (rank 0 -> 1, 3; 1 -> 2):
+# four ranks travel whole in the tree's bundles (merge.K_EXACT), so the verdicts are the star's.
+@pytest.fixture(scope="module", params=[16, 2], ids=["star", "fanin2"])
+def scenario_results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    scenarios = (["balanced", "compute", "data", "timersets"], 5, request.param)
+    return run_ranks(4, scenarios_target, scenarios, timeout=90)
 
 
 def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) -> None:
@@ -203,6 +209,10 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
     from otel_train.crossrank.up_row import pack_len
 
     world = len(results)
+    fanin = next(iter(results[0].values()))["fanin"]
+    if fanin < world - 1:
+        _assert_one_tree_exchange_per_flush(results, flushes)
+        return
     for rank, rank_result in enumerate(results):
         peers = world - 1 if rank == 0 else 1
         for scenario, res in rank_result.items():
@@ -214,6 +224,36 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
             up = 8 * (pack_len() + EXT_LEN + BLOCK_LEN + TRAILER_LEN)
             down = 8 * (DOWN_LEN + TRAILER_LEN)
             sent, received = (up, down) if rank else (peers * down, peers * up)
+            assert res["bytes"] == (flushes * sent, flushes * received), (rank, res["bytes"])
+
+
+def _assert_one_tree_exchange_per_flush(results: list[dict[str, Any]], flushes: int) -> None:
+    """In the tree, per flush: each rank one send and one receive per child (answer and bundle)
+    and one of each to its parent; every message a fixed size (merge.bundle_len, TREE_DOWN_LEN)."""
+    from otel_train.crossrank.collective_lateness import BLOCK_LEN
+    from otel_train.crossrank.down_row import TREE_DOWN_LEN
+    from otel_train.crossrank.exchange import TRAILER_LEN
+    from otel_train.crossrank.merge import bundle_len
+    from otel_train.crossrank.replicas import EXT_LEN
+    from otel_train.crossrank.tree import layout
+    from otel_train.crossrank.up_row import pack_len
+
+    shape = layout(len(results), next(iter(results[0].values()))["fanin"])
+
+    def up(rank: int) -> int:  # a bundle's size depends only on its subtree's size
+        ranks = shape.span[rank][1] - shape.span[rank][0]
+        return 8 * (bundle_len(pack_len() + EXT_LEN + BLOCK_LEN, pack_len(), ranks) + TRAILER_LEN)
+
+    down = 8 * (TREE_DOWN_LEN + TRAILER_LEN)
+    for rank, rank_result in enumerate(results):
+        children, parents = shape.children[rank], int(shape.parent[rank] >= 0)
+        for scenario, res in rank_result.items():
+            assert res["exchanges"] == [1] * flushes, (scenario, res["exchanges"])
+            n = len(children) + parents
+            assert res["per_flush"] == [{"isend": n, "irecv": n}] * flushes, (scenario, res["counts"])
+            assert res["disabled"] is None
+            from_children = sum(up(c) for c in children)
+            sent, received = len(children) * down + parents * up(rank), from_children + parents * down
             assert res["bytes"] == (flushes * sent, flushes * received), (rank, res["bytes"])
 
 
@@ -306,21 +346,23 @@ def test_world_size_one_issues_no_collective() -> None:
     assert res == {"counts": {}, "collectives": 0, "group": False}
 
 
-def dead_peer_target(rank: int, world: int, mode: str, timeout_s: float) -> dict[str, Any]:
+def dead_peer_target(
+    rank: int, world: int, mode: str, timeout_s: float, fanin: int = 16, dead: int = 3
+) -> dict[str, Any]:
     from otel_train.config import Config
     from otel_train.crossrank.reducer import CrossRankReducer
     from otel_train.distributed import create_telemetry_group, detect_identity
 
     identity = detect_identity(None)
-    config = Config(collective_timeout_s=timeout_s, exchange_grace_s=0.2)
+    config = Config(collective_timeout_s=timeout_s, exchange_grace_s=0.2, exchange_fanin=fanin)
     group = create_telemetry_group(identity, timeout_s)
     reducer = CrossRankReducer(identity, None, None, config, group=group)
     reducer.on_flush(_interval(0, _phases(rank, 0, "balanced")))
     assert reducer.disabled_reason is None
-    if rank == 3:
+    if rank == dead:
         if mode == "silent":  # alive, but never flushes again (hung training, or finished early)
             time.sleep(timeout_s + 4)
-        return {"rank": 3}
+        return {"rank": dead}
     # The others keep flushing: no flush waits for rank 3 past the grace, and once rank 3 has sent
     # nothing for timeout_s, rank 0 turns the exchange off and tells the others in its answers.
     longest, seq, deadline = 0.0, 1, time.monotonic() + 2 * timeout_s + 5
@@ -343,10 +385,12 @@ def dead_peer_target(rank: int, world: int, mode: str, timeout_s: float) -> dict
     }
 
 
+# fan-in 2: rank 0 -> 1, 3 and 1 -> 2; rank 1 passes rank 0's ABORT down to rank 2
+@pytest.mark.parametrize("fanin", [16, 2], ids=["star", "fanin2"])
 @pytest.mark.parametrize("mode", ["exit", "silent"])
-def test_dead_peer_disables_instead_of_hanging(mode: str) -> None:
+def test_dead_peer_disables_instead_of_hanging(mode: str, fanin: int) -> None:
     timeout_s = 3.0
-    results = run_ranks(4, dead_peer_target, (mode, timeout_s), timeout=90)
+    results = run_ranks(4, dead_peer_target, (mode, timeout_s, fanin), timeout=90)
     for res in results[:3]:
         assert res["disabled"] is not None and "exchange failed" in res["disabled"], results
         assert res["longest"] < timeout_s  # bounded by the grace, never by a peer (generous on CI)
@@ -360,3 +404,17 @@ def test_dead_peer_disables_instead_of_hanging(mode: str) -> None:
     else:
         assert "no row for 3 s" in results[0]["disabled"] and results[0]["partial"] >= 1
     assert all("rank 0 found a failed peer" in res["disabled"] for res in results[1:3])
+
+
+def test_a_dead_rank_below_an_inner_rank_turns_the_whole_tree_off() -> None:
+    """Fan-in 2: rank 2's parent is rank 1, which finds it gone, tells rank 0 at once (a FAILED
+    bundle) and rank 0 tells rank 3: nobody waits out a timeout for a rank it does not talk to."""
+    timeout_s = 3.0
+    results = run_ranks(4, dead_peer_target, ("exit", timeout_s, 2, 2), timeout=90)
+    live = [results[r] for r in (0, 1, 3)]
+    for res in live:
+        assert res["disabled"] is not None and "exchange failed" in res["disabled"], results
+        assert res["longest"] < timeout_s
+        assert res["collectives_after"] == res["collectives_before"] >= 2
+    assert "no row from rank(s) [2]" in results[1]["disabled"]
+    assert "a rank below found a failed peer" in results[0]["disabled"]

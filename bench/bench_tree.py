@@ -1,0 +1,99 @@
+"""Per-rank CPU, bytes and wall of one flush's telemetry exchange in a tree (crossrank/tree_exchange)
+and in the star, on real gloo ranks; fits bench/tree_model.py and predicts 10k and 100k ranks.
+
+    .venv/bin/python bench/bench_tree.py [--ranks 2 4 8 16] [--fanin 4] [--flushes 20]
+
+Each rank runs `--flushes` flushes of a 6-timer interval through `CrossRankReducer.on_flush`, all
+ranks meeting in a barrier on the default group before each. CPU: the thread time of the thread
+that runs the flush listener (in a job, otel_train's worker thread; gloo's own I/O threads are not
+in it). Bytes: the exchange's payload sent + received (trailers included, gloo's framing not).
+Wall: the whole on_flush. Medians over flushes. Acceptance (issue #28): rank 0's CPU at 16 ranks
+with fan-in 4 within 1.3x of the 4-rank figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+
+import tree_model as model  # noqa: E402
+from bench_reduce import _interval, _meter  # noqa: E402
+from helpers.multirank import run_ranks  # noqa: E402
+
+WARMUP = 3
+
+
+def rank_target(rank: int, world: int, flushes: int, fanin: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from otel_train.config import Config
+    from otel_train.crossrank.reducer import CrossRankReducer
+    from otel_train.crossrank.tree import layout
+    from otel_train.distributed import detect_identity
+
+    reducer = CrossRankReducer(detect_identity(None), _meter(), None, Config(exchange_fanin=fanin))
+    cpu, wall, moved = [], [], []
+    for seq in range(WARMUP + flushes):
+        interval = _interval(seq, rank)
+        dist.barrier()
+        before = reducer.exchange.sent_bytes + reducer.exchange.received_bytes
+        c0, w0 = time.thread_time(), time.perf_counter()
+        reducer.on_flush(interval)
+        if seq >= WARMUP:
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - w0)
+            moved.append(reducer.exchange.sent_bytes + reducer.exchange.received_bytes - before)
+    assert reducer.disabled_reason is None, reducer.disabled_reason
+    children = len(layout(world, fanin).children[rank])
+    return {"children": children, "cpu": statistics.median(cpu), "wall": statistics.median(wall),
+            "bytes": statistics.median(moved)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--fanin", type=int, default=4)
+    parser.add_argument("--flushes", type=int, default=20)
+    parser.add_argument("--star-at", type=int, nargs="*", default=[16], help="also the star at these sizes")
+    args = parser.parse_args()
+    print(
+        f"bundle {model.bundle_bytes()} B up, answer {model.answer_bytes()} B down; cpu_count={os.cpu_count()}"
+    )
+    points: list[tuple[int, float]] = []
+    root_cpu: dict[int, float] = {}
+    print(
+        "ranks fan-in | rank 0: children cpu ms wall ms kB | busiest other: children cpu ms wall ms kB | depth"
+    )
+    runs = [(world, args.fanin) for world in args.ranks] + [(world, world) for world in args.star_at]
+    for world, fanin in runs:
+        results = run_ranks(world, rank_target, (args.flushes, fanin), timeout=600)
+        if fanin == args.fanin:
+            points += [(r["children"], r["cpu"]) for r in results]
+        root, others = results[0], results[1:]
+        busiest = max(others, key=lambda r: (r["children"], r["cpu"]))
+        if fanin == args.fanin:
+            root_cpu[world] = root["cpu"]
+        depth = model.layout(world, fanin).depth()
+        print(
+            f"{world:>5} {fanin:>6} | {root['children']:>8} {root['cpu'] * 1e3:6.2f} {root['wall'] * 1e3:7.2f} "
+            f"{root['bytes'] / 1e3:6.1f} | {busiest['children']:>8} {busiest['cpu'] * 1e3:6.2f} "
+            f"{busiest['wall'] * 1e3:7.2f} {busiest['bytes'] / 1e3:6.1f} | {depth}",
+            flush=True,
+        )
+    if 4 in root_cpu and 16 in root_cpu:
+        print(f"rank 0 cpu at 16 ranks / at 4 ranks: {root_cpu[16] / root_cpu[4]:.2f} (acceptance: <= 1.3)")
+    model.A_NODE, model.C_CHILD = model.fit_line(points)
+    print(f"fit: cpu = {model.A_NODE * 1e3:.3f} ms + {model.C_CHILD * 1e3:.3f} ms x children")
+    print(model.predictions())
+
+
+if __name__ == "__main__":
+    main()

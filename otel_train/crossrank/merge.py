@@ -1,0 +1,247 @@
+"""What goes up the tree (`tree_exchange`): a rank's row merged with its children's into ONE
+bundle of bounded size, whatever the size of the subtree it stands for.
+
+    bundle = [header] [K_EXACT exact rows] [LEVELS summary rows]
+    header: version, exact rows, summarized ranks (weight), covered-rank runs (MAX_RUNS x (lo, hi))
+
+Exact rows: the merging rank's own row, then the rows that stray most from the others (the
+largest |arrival - the rows' median| at any timer or at the step end, either way, so both the rank
+that arrives last and the one that starts its steps late and arrives first at a collective stay
+whole). They are what the verdicts name (`verdicts.assess`: culprit, phases, waits), and they keep
+their replica and collective blocks. A job of at most K_EXACT ranks travels whole: its verdicts
+are exactly the star's.
+
+Summary rows: every other row is folded into LEVELS rows of `up_row` format (rank
+`up_row.SUMMARY_RANK`, weight = summarized ranks / LEVELS each). Row j holds, per timer id and per
+column (count, mean duration, arrival count, median, max, MAD; the step's statistics likewise),
+the weighted quantile (j + 0.5) / LEVELS of that column over the rows folded in. It is mergeable:
+a parent folds its children's summary rows (with their weights) and the exact rows it demotes
+(weight 1) the same way, so each level costs O(fan-in) whatever lies below. Rank 0 gives the
+summary rows to the verdicts as weighted ranks: the "median of the other ranks" that lateness is
+measured against becomes a weighted median over exact rows and summary rows, and summarized ranks
+are never named (their own lateness is within the spread of the rows kept exact).
+
+Error bound: one fold replaces a set of weighted values by LEVELS points at quantile levels
+(j + 0.5) / LEVELS, so a weighted quantile q read from them lies between the folded values' true
+quantiles q - 1/(2 LEVELS) and q + 1/(2 LEVELS); each level of the tree can add that again, so after
+d folds the summary's median lies between its true quantiles 1/2 -+ d / (2 LEVELS) (with LEVELS = 3
+and d = 2: between the 17th and 83rd percentiles of the summarized ranks). The exact rows are
+exact; minima and maxima of summarized ranks are not kept. A timer that only some summarized ranks
+run is summarized over those, at the same weight (its weight is overstated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_train.crossrank.up_row import (
+    ANNOUNCE_SLOTS,
+    COLUMNS,
+    MAX_TIMERS,
+    STATS_LEN,
+    SUMMARY_RANK,
+    RankRecord,
+    row_announcements,
+    row_values,
+    summary_row,
+    unpack,
+)
+from otel_train.crossrank.verdicts import RankAssessment
+
+K_EXACT = 4  # exact rows per bundle (the merging rank's own first)
+LEVELS = 3  # summary rows per bundle
+MAX_RUNS = 8  # runs of covered ranks per bundle; beyond, the last ones are joined (overstated)
+VERSION = 1.0
+_B_VERSION, _B_EXACT, _B_WEIGHT, _B_RUNS = range(4)
+HEAD_LEN = 4 + 2 * MAX_RUNS
+Parsed = tuple[list[float], dict[int, list[float]]]  # up_row.row_values of one row
+
+
+def bundle_len(row_len: int, base_len: int, ranks: int = K_EXACT + 1) -> int:
+    """Floats in a bundle of rows of `row_len` floats whose `up_row` part is `base_len`, from a
+    subtree of `ranks` (one of at most K_EXACT ranks carries no summary rows, and fewer rows)."""
+    return HEAD_LEN + min(ranks, K_EXACT) * row_len + (LEVELS * base_len if ranks > K_EXACT else 0)
+
+
+@dataclass
+class Bundle:
+    """One bundle, decoded: rows as lists of floats."""
+
+    exact: list[list[float]]
+    summary: list[list[float]] = field(default_factory=list)  # LEVELS rows, or none
+    weight: float = 0.0  # ranks the summary rows stand for, in all
+    runs: list[tuple[int, int]] = field(default_factory=list)  # [lo, hi) of every rank covered
+
+    @classmethod
+    def of_row(cls, row: Sequence[float], rank: int) -> Bundle:
+        return cls([list(row)], runs=[(rank, rank + 1)])
+
+    @property
+    def ranks(self) -> int:
+        return sum(hi - lo for lo, hi in self.runs)
+
+
+def encode(bundle: Bundle, row_len: int, base_len: int, ranks: int = K_EXACT + 1) -> Any:
+    """The bundle of a subtree of `ranks` (its length: `bundle_len`)."""
+    import torch
+
+    out = torch.zeros(bundle_len(row_len, base_len, ranks), dtype=torch.float64)
+    out[_B_VERSION], out[_B_EXACT], out[_B_WEIGHT] = VERSION, float(len(bundle.exact)), bundle.weight
+    runs = bundle.runs[:MAX_RUNS]
+    out[_B_RUNS] = float(len(runs))
+    for i, (lo, hi) in enumerate(runs):
+        out[HEAD_LEN - 2 * MAX_RUNS + 2 * i], out[HEAD_LEN - 2 * MAX_RUNS + 2 * i + 1] = float(lo), float(hi)
+    if bundle.exact:
+        exact = torch.tensor(bundle.exact[:K_EXACT], dtype=torch.float64)
+        out[HEAD_LEN : HEAD_LEN + exact.numel()] = exact.reshape(-1)
+    if bundle.summary:
+        at = HEAD_LEN + min(ranks, K_EXACT) * row_len
+        summary = torch.tensor(bundle.summary[:LEVELS], dtype=torch.float64)
+        out[at : at + summary.numel()] = summary.reshape(-1)
+    return out
+
+
+def decode(message: Any, row_len: int, base_len: int, ranks: int = K_EXACT + 1) -> Bundle:
+    values = message.tolist()
+    n = min(int(values[_B_EXACT]), K_EXACT)
+    exact = [values[HEAD_LEN + i * row_len : HEAD_LEN + (i + 1) * row_len] for i in range(n)]
+    weight = values[_B_WEIGHT]
+    at = HEAD_LEN + min(ranks, K_EXACT) * row_len
+    summary = (
+        [values[at + j * base_len : at + (j + 1) * base_len] for j in range(LEVELS)] if weight > 0 else []
+    )
+    first = HEAD_LEN - 2 * MAX_RUNS
+    runs = [(int(values[first + 2 * i]), int(values[first + 2 * i + 1])) for i in range(int(values[_B_RUNS]))]
+    return Bundle(exact, summary, weight, runs)
+
+
+def merge(parts: Sequence[Bundle], capacity: int = MAX_TIMERS) -> Bundle:
+    """The bundles of one rank (its own first) and its children, as one (module doc)."""
+    own, *others = [row for part in parts for row in part.exact]
+    parsed = [row_values(row, capacity) for row in others]
+    ordered = sorted(range(len(others)), key=_strays(parsed), reverse=True)
+    keep = [others[i] for i in sorted(ordered[: K_EXACT - 1])]
+    points = [(others[i], parsed[i], 1.0) for i in ordered[K_EXACT - 1 :]]
+    for part in parts:
+        points.extend((row, row_values(row, capacity), part.weight / LEVELS) for row in part.summary)
+    runs = _union([run for part in parts for run in part.runs])
+    if not points:
+        return Bundle([own, *keep], runs=runs)
+    weight = sum(w for _, _, w in points)
+    return Bundle([own, *keep], _summarize(own, points, capacity), weight, runs)
+
+
+def _strays(parsed: Sequence[Parsed]) -> Any:
+    """Key: how far a row strays from the rows' medians (seconds, at its worst timer or step)."""
+    columns: dict[int, list[float]] = {}
+    for step, timers in parsed:
+        if step[0] > 0:
+            columns.setdefault(0, []).append(step[1])
+        for ident, values in timers.items():
+            columns.setdefault(ident, []).append(values[3])  # arrival median
+    medians = {ident: sorted(v)[(len(v) - 1) // 2] for ident, v in columns.items()}
+    scores = []
+    for step, timers in parsed:
+        gaps = [abs(step[1] - medians[0])] if step[0] > 0 else []
+        gaps += [abs(values[3] - medians[ident]) for ident, values in timers.items() if values[2] > 0]
+        scores.append(max([g for g in gaps if g == g], default=0.0))
+    return lambda i: scores[i]
+
+
+def _quantiles(points: list[tuple[float, float]]) -> list[float]:
+    """The weighted quantiles (j + 0.5) / LEVELS of (value, weight) points."""
+    points.sort()
+    total = sum(w for _, w in points)
+    out, acc, i = [], points[0][1], 0
+    for j in range(LEVELS):
+        target = (j + 0.5) / LEVELS * total
+        while acc < target and i < len(points) - 1:
+            i += 1
+            acc += points[i][1]
+        out.append(points[i][0])
+    return out
+
+
+def _summarize(
+    template: Sequence[float], points: Sequence[tuple[Sequence[float], Parsed, float]], capacity: int
+) -> list[list[float]]:
+    """LEVELS summary rows of weighted rows (module doc)."""
+    step_points: list[list[tuple[float, float]]] = [[] for _ in range(STATS_LEN)]
+    timer_points: dict[int, list[list[tuple[float, float]]]] = {}
+    announced: dict[float, list[float]] = {}
+    for row, (step, timers), weight in points:
+        if step[0] > 0 and all(v == v for v in step):
+            for c, value in enumerate(step):
+                step_points[c].append((value, weight))
+        for ident, values in timers.items():
+            if len(timer_points) < capacity or ident in timer_points:
+                columns = timer_points.setdefault(ident, [[] for _ in range(COLUMNS)])
+                for c, value in enumerate(values):
+                    if value == value:
+                        columns[c].append((value, weight))
+        for entry in row_announcements(row, capacity):
+            announced.setdefault(entry[0], entry)
+    steps = [_quantiles(c) if c else [0.0] * LEVELS for c in step_points]
+    timers_q = {i: [_quantiles(c) if c else [0.0] * LEVELS for c in cols] for i, cols in timer_points.items()}
+    names = list(announced.values())
+    return [
+        summary_row(
+            template,
+            [steps[c][j] for c in range(STATS_LEN)],
+            {i: [cols[c][j] for c in range(COLUMNS)] for i, cols in timers_q.items()},
+            names[j * ANNOUNCE_SLOTS : (j + 1) * ANNOUNCE_SLOTS],
+            capacity,
+        )
+        for j in range(LEVELS)
+    ]
+
+
+def _union(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(runs):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(hi, out[-1][1]))
+        else:
+            out.append((lo, hi))
+    if len(out) > MAX_RUNS:
+        out = [*out[: MAX_RUNS - 1], (out[MAX_RUNS - 1][0], out[-1][1])]
+    return out
+
+
+@dataclass(frozen=True)
+class TreeView:
+    """Rank 0's merged bundle, unpacked for the reduction (`reducer.CrossRankReducer`)."""
+
+    rows: Any  # [exact, row_len] float64: the exact rows, whole (blocks included)
+    exact: list[RankRecord]
+    summary: list[RankRecord]  # LEVELS records of SUMMARY_RANK, or none
+    weight: float  # ranks each summary record stands for
+    ranks: int  # ranks covered, exact and summarized
+    runs: tuple[tuple[int, int], ...]
+
+    def summarized(self) -> list[int]:
+        """The ranks the summary stands for (covered, not exact)."""
+        exact = {r.rank for r in self.exact}
+        return [rank for lo, hi in self.runs for rank in range(lo, hi) if rank not in exact]
+
+
+def unpacked(bundle: Bundle, base_len: int, capacity: int = MAX_TIMERS) -> TreeView:
+    import torch
+
+    rows = torch.tensor(bundle.exact, dtype=torch.float64)
+    exact = unpack(bundle.exact, capacity)
+    summary = unpack(bundle.summary, capacity)
+    weight = bundle.weight / LEVELS if summary else 0.0
+    return TreeView(rows, exact, summary, weight, bundle.ranks, tuple(bundle.runs))
+
+
+def widen_waiting(assessments: Sequence[RankAssessment], tree: TreeView) -> list[RankAssessment]:
+    """The assessments of real ranks; where the summary waits for a culprit, every summarized
+    rank is among the ranks that wait for it."""
+    real = [a for a in assessments if a.rank >= 0]
+    for a in real:
+        if SUMMARY_RANK in a.waiting_ranks:
+            a.waiting_ranks = tuple(sorted({r for r in a.waiting_ranks if r >= 0} | set(tree.summarized())))
+    return real

@@ -1,0 +1,86 @@
+"""The shape of the telemetry exchange: which rank sends its row to which (`tree_exchange`).
+
+Every rank heads a CONTIGUOUS range of ranks (its subtree) and splits the rest of its range into at
+most `fanin` contiguous blocks, each headed by the block's first rank, recursively. Contiguous
+subtrees keep every merged row's set of ranks a few runs (`merge`), and the depth is
+ceil(log_fanin(world)) plus one level per node.
+
+Per node first: where the launcher says how many ranks share a node (LOCAL_WORLD_SIZE, ranks
+numbered node by node as torchrun, SLURM and MPI launchers do), the tree is built over node
+blocks (each headed by its node's first rank, the node leader), and each leader heads its own
+node's ranks with the same fan-in. A leader so has at most 2 x fanin children (its node's and other
+leaders'); every other rank at most fanin. Rows inside a node never cross the network.
+
+A fan-in >= world - 1 is the star: rank 0 is every other rank's parent (`exchange.StarExchange`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One job's tree: parent[r] (-1 for rank 0), children[r] (ascending), span[r] = (lo, hi): the
+    ranks of r's subtree, lo = r."""
+
+    world: int
+    fanin: int
+    parent: tuple[int, ...]
+    children: tuple[tuple[int, ...], ...]
+    span: tuple[tuple[int, int], ...]
+
+    @property
+    def star(self) -> bool:
+        return all(p <= 0 for p in self.parent)
+
+    def depth(self) -> int:
+        """Edges from the deepest rank up to rank 0."""
+        deepest = 0
+        for rank in range(self.world):
+            hops, at = 0, rank
+            while self.parent[at] >= 0:
+                hops, at = hops + 1, self.parent[at]
+            deepest = max(deepest, hops)
+        return deepest
+
+
+def _blocks(lo: int, hi: int, fanin: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into at most `fanin` contiguous blocks of near-equal size."""
+    n = hi - lo
+    parts = min(fanin, n)
+    out, at = [], lo
+    for i in range(parts):
+        size = n // parts + (1 if i < n % parts else 0)
+        out.append((at, at + size))
+        at += size
+    return out
+
+
+def layout(world: int, fanin: int, local_world: int | None = None) -> Layout:
+    """The tree of `world` ranks (module doc); `local_world`: ranks per node, where known and it
+    divides the world (else the ranks are treated as one node)."""
+    if fanin < 2:
+        raise ValueError("exchange_fanin must be >= 2")
+    unit = local_world if local_world and 1 < local_world < world and world % local_world == 0 else 1
+    parent = [-1] * world
+    span = [(r, r + 1) for r in range(world)]
+
+    def head(lo: int, hi: int, step: int) -> None:
+        """Rank lo heads [lo, hi), made of blocks of `step` ranks (lo's own block first)."""
+        span[lo] = (lo, hi)
+        if step > 1:  # lo's own node block, rank by rank
+            for b_lo, b_hi in _blocks(lo + 1, lo + step, fanin):
+                parent[b_lo] = lo
+                head(b_lo, b_hi, 1)
+        for b_lo, b_hi in _blocks(lo // step + 1, hi // step, fanin):
+            parent[b_lo * step] = lo
+            head(b_lo * step, b_hi * step, step)
+
+    if world > 0:
+        head(0, world, unit)
+    children: list[list[int]] = [[] for _ in range(world)]
+    for rank, up in enumerate(parent):
+        if up >= 0:
+            children[up].append(rank)
+    return Layout(world, fanin, tuple(parent), tuple(tuple(c) for c in children), tuple(span))

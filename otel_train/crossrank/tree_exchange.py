@@ -1,0 +1,225 @@
+"""The telemetry exchange as a tree of bounded fan-in (`tree.layout`): no rank receives, merges or
+answers more than its children's bundles, so every rank's CPU, bytes and messages per flush are
+O(fan-in) and the depth O(log world). A fan-in >= the world size is the star (`exchange`).
+
+Each edge of the tree is one `exchange.StarExchange` edge (parent above, children below), with the
+same non-blocking rules: a parent waits at most the grace for its children's messages (only for
+the children that were in at its previous flush), a child never waits for its answer beyond twice
+the grace, and at most `exchange.MAX_UNANSWERED` messages are up without an answer. All of it on
+the background worker.
+
+One flush on a rank with children:
+    1. take its children's bundles (`merge`) that have come, within the grace; a bundle that covers
+       other steps than this rank's own row is left out (counted in `left_out_bundles`);
+    2. merge its own row and those bundles into ONE bundle (`merge.merge`) and send it to its
+       parent (rank 0 keeps it: its cross-rank view);
+    3. answer each child with the answer its parent sent for this flush (the same row for every
+       rank, `down_row.tree_answer`), or, when none came within the wait, with `down_row.no_news`
+       (nothing to adopt; a late answer is forwarded at the flush that takes it). Ranks in
+       lockstep so get rank 0's answer at the same flush, as in the star.
+Rank 0 answers its children at once with its own answer, as in the star.
+
+Clock stamps (t2, t3) are each parent's: a rank's clock offset is to its parent. Rank 0 so
+judges arrivals at collectives (`collective_lateness`) only when no rank is summarized and every
+rank is on rank 0's host or answers to rank 0 itself (`reducer`), as always in the star.
+
+Failure: a rank whose child failed (`exchange.ExchangeFailed`) sends its bundle up marked failed
+(FAILED), answers ABORT to its children and turns off; a parent that receives a FAILED bundle does
+the same, so one failure turns the whole tree off within `collective_timeout_s` of it. An ABORT
+from the parent is passed down likewise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+from otel_train.crossrank import down_row
+from otel_train.crossrank.collective_lateness import BLOCK_LEN
+from otel_train.crossrank.exchange import Exchanged, ExchangeFailed, StarExchange
+from otel_train.crossrank.merge import HEAD_LEN, Bundle, bundle_len, decode, encode, merge
+from otel_train.crossrank.replicas import EXT_LEN
+from otel_train.crossrank.tree import Layout, layout
+from otel_train.crossrank.up_row import MAX_TIMERS, pack_len, row_steps
+
+FAILED = -1.0  # a bundle's version when the rank that sent it found a failed child
+
+
+class TreeExchange:
+    """One flush's exchange on a tree (module doc); the interface of `exchange.StarExchange.run`.
+    `row_len`: this job's full row (up row and blocks); `base_len`: its `up_row` part."""
+
+    def __init__(
+        self,
+        group: Any,
+        rank: int,
+        layout: Layout,
+        timeout_s: float,
+        grace_s: float,
+        row_len: int,
+        base_len: int,
+        capacity: int = MAX_TIMERS,
+    ) -> None:
+        self.rank = rank
+        self.layout = layout
+        self.children = layout.children[rank]
+        self.parent = layout.parent[rank]
+        self.row_len, self.base_len, self.capacity = row_len, base_len, capacity
+        world, down = layout.world, down_row.TREE_DOWN_LEN
+        self.below: StarExchange | None = None
+        self.above: StarExchange | None = None
+        if self.children:
+            self.below = StarExchange(
+                group, rank, world, timeout_s, grace_s, peers=self.children, down_len=down
+            )
+            self.below.up_lens = {c: self._length(c) for c in self.children}
+        if self.parent >= 0:
+            self.above = StarExchange(
+                group, rank, world, timeout_s, grace_s, parent=self.parent, down_len=down
+            )
+        self.left_out_bundles = 0  # children's bundles that covered other steps than this rank's
+        self._expect: set[int] | None = None  # children whose bundles to wait for (None: all)
+
+    @property
+    def _edges(self) -> list[StarExchange]:
+        return [edge for edge in (self.below, self.above) if edge is not None]
+
+    # The interface `collective_lateness.LatenessTracker.attach` and the bench use.
+    @property
+    def stamp_clock(self) -> bool:
+        return any(edge.stamp_clock for edge in self._edges)
+
+    @stamp_clock.setter
+    def stamp_clock(self, value: bool) -> None:
+        for edge in self._edges:
+            edge.stamp_clock = value
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._edges[0].clock
+
+    @clock.setter
+    def clock(self, value: Callable[[], float]) -> None:
+        for edge in self._edges:
+            edge.clock = value
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(edge.sent_bytes for edge in self._edges)
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(edge.received_bytes for edge in self._edges)
+
+    @property
+    def skipped(self) -> int:
+        return self.above.skipped if self.above is not None else 0
+
+    def stop_waiting(self) -> None:
+        for edge in self._edges:
+            edge.stop_waiting()
+
+    def run(
+        self, up: Any, answer: Any | None, expect: set[int] | None = None, current: Any = None
+    ) -> Exchanged:
+        """`up`: this rank's row; `answer`: rank 0's `down_row.tree_answer` (None elsewhere).
+        Rank 0 gets `records`: the merged `merge.Bundle` of the whole tree."""
+        own = Bundle.of_row(up.tolist(), self.rank)
+        steps = row_steps(up)
+        parts, taken, answers = [own], list[int](), dict[int, Any]()
+        if self.below is not None:
+            parts, taken, answers = self._gather(up, own, steps, answer)
+        merged = merge(parts, self.capacity)
+        if self.above is None:
+            return Exchanged(merged, answer, [self.rank, *taken])
+        try:
+            got = self.above.send_up(self._encode(merged, self.rank))
+        except ExchangeFailed:
+            if self.below is not None:
+                self.below.abort_peers(answers)  # pass the ABORT down
+            raise
+        if self.below is not None and taken:
+            news = got.down if got.down is not None else down_row.no_news()
+            for peer in set(taken):
+                stamp = answers[peer][down_row.D_T2]
+                answers[peer] = news.clone()
+                answers[peer][down_row.D_T2] = stamp
+            self.below.answer(taken, answers)
+        return got
+
+    def _gather(
+        self, up: Any, own: Bundle, steps: tuple[int, int], answer: Any | None
+    ) -> tuple[list[Bundle], list[int], dict[int, Any]]:
+        """Step 1 (module doc): this rank's bundle and its children's that cover its steps."""
+        assert self.below is not None
+        root = self.parent < 0
+        template = answer if root and answer is not None else down_row.no_news()
+        answers = {peer: template.clone() for peer in [self.rank, *self.children]}  # own: unused
+        try:
+            got = self.below.gather(
+                up, answers, self._expect, lambda b: row_steps(b[HEAD_LEN:])[1] >= steps[1], defer=not root
+            )
+        except ExchangeFailed:
+            self._fail_up(own)
+            raise
+        parts, taken = [own], got.ranks[1:]
+        assert got.records is not None
+        for peer, message in zip(taken, got.records[1:], strict=True):
+            bundle = decode(message, self.row_len, self.base_len, self._ranks(peer))
+            if message[0].item() == FAILED:
+                self.below.abort_peers(answers)
+                self._fail_up(own)
+                raise ExchangeFailed("a rank below found a failed peer")
+            if bundle.exact and row_steps(bundle.exact[0]) == steps:
+                parts.append(bundle)
+            else:
+                self.left_out_bundles += 1
+        self._expect = set(taken)
+        return parts, taken, answers
+
+    def _ranks(self, rank: int) -> int:
+        lo, hi = self.layout.span[rank]
+        return hi - lo
+
+    def _length(self, rank: int) -> int:
+        """The length of `rank`'s bundles (fixed: its subtree's size decides it)."""
+        return bundle_len(self.row_len, self.base_len, self._ranks(rank))
+
+    def _encode(self, bundle: Bundle, rank: int) -> Any:
+        return encode(bundle, self.row_len, self.base_len, self._ranks(rank))
+
+    def _fail_up(self, own: Bundle) -> None:
+        """Tell the parent at once (a FAILED bundle), so it need not wait out its timeout."""
+        if self.above is None:
+            return
+        message = self._encode(own, self.rank)
+        message[0] = FAILED
+        with contextlib.suppress(ExchangeFailed):  # turning off anyway
+            self.above.send_up(message)
+
+
+def exchange_for(
+    group: Any,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    grace_s: float,
+    fanin: int,
+    capacity: int = MAX_TIMERS,
+) -> StarExchange | TreeExchange:
+    """The star when `fanin` reaches every rank from rank 0, else the tree (per node where
+    LOCAL_WORLD_SIZE says how many ranks share one). Rows: `up_row` and the two blocks."""
+    shape = layout(max(world, 1), fanin, _local_world())
+    if shape.star:
+        return StarExchange(group, rank, world, timeout_s, grace_s)
+    base = pack_len(capacity)
+    return TreeExchange(group, rank, shape, timeout_s, grace_s, base + EXT_LEN + BLOCK_LEN, base, capacity)
+
+
+def _local_world() -> int | None:
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        return None

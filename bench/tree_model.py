@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exchange_model import FRAME_BYTES, HOP_S, NETWORK_BYTES_PER_S
 
-from otel_train.crossrank.collective_lateness import BLOCK_LEN
+from otel_train.crossrank.arrival_block import BLOCK_LEN
 from otel_train.crossrank.down_row import TREE_DOWN_LEN
 from otel_train.crossrank.merge import bundle_len
 from otel_train.crossrank.replicas import EXT_LEN

@@ -6,7 +6,7 @@ The story of one flush, on the background worker of every rank:
 1. `reducer.CrossRankReducer` (the flush listener) packs this rank's interval into ONE fixed-size
    float64 row. The row's format is `up_row` (per-timer mean duration and arrival statistics, step
    statistics, the steps it covers, host), followed by two fixed blocks: `replicas` (the watched
-   steps' batch fingerprint and per-layer parameter norms) and `collective_lateness` (arrivals at
+   steps' batch fingerprint and per-layer parameter norms) and `arrival_block` (arrivals at
    collectives read from PyTorch's Flight Recorder, and this rank's clock offset to rank 0).
 2. `exchange.StarExchange` carries it, star-shaped around rank 0, on the dedicated gloo group
    (`distributed.create_telemetry_group`): every other rank sends one row up and receives one
@@ -16,11 +16,13 @@ The story of one flush, on the background worker of every rank:
    then a fixed fan-in), each edge a star edge: every rank merges its row and its children's into
    one bounded bundle (`merge`: the rows that stray most, whole, and a mergeable quantile summary
    of the rest) and passes rank 0's answer down, so no rank pays more than O(fan-in).
-3. Rank 0 reduces the rows (in a tree: the bundle's whole rows, and its summary rows as weighted
-   ranks that are compared against, never named): `timer_stats` (min/max/mean/median of each phase across ranks),
-   `verdicts` (lateness, waits, culprits: the straggler model, with relative and individual
-   scores), `collective_lateness` (the rank that arrives last at collectives, clock offsets
-   bounded NTP-style), `replicas` (`data_not_sharded`, `replica_divergence`).
+3. Rank 0 reduces the rows that cover its own steps (`pairing`; in a tree: the bundle's whole rows,
+   and its summary rows as weighted ranks that are compared against, never named): `timer_stats`
+   (min/max/mean/median of each phase across ranks), `verdicts` (lateness, waits, culprits: the
+   straggler model), `scores` (relative and individual scores over flushes, chronic and one-off
+   reports), `collective_lateness` (the rank that arrives last at collectives, clock offsets
+   bounded NTP-style), `replicas` (`data_not_sharded`, `replica_divergence`); `straggler_outputs`
+   turns the verdicts into gauges and `straggler` events.
 4. Its answer, in the format `down_row` (the pair of `up_row`), carries the flush schedule
    (`cadence`) and the previous flush's verdicts down: each rank's scores and the chronic
    stragglers, so every rank calls `on_straggler` with the same list.

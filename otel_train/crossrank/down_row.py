@@ -36,8 +36,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
+from otel_train.crossrank.scores import RankScores, StragglerReport
 from otel_train.crossrank.up_row import HOST_FLOATS, NAME_FLOATS, decode_text, encode_text
-from otel_train.crossrank.verdicts import Category, RankScores, StragglerReport
+from otel_train.crossrank.verdicts import Category
 
 DOWN_VERSION = 2.0
 STATUS_OK = 0

@@ -38,18 +38,20 @@ once): per-rank telemetry goes on, and no exchange that a peer would not issue i
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
-from otel_train import semconv
 from otel_train.crossrank import down_row
-from otel_train.crossrank.collective_lateness import BLOCK_LEN, LatenessTracker
+from otel_train.crossrank.arrival_block import BLOCK_LEN
+from otel_train.crossrank.collective_lateness import LatenessTracker
 from otel_train.crossrank.merge import Bundle, TreeView, unpacked, widen_waiting
-from otel_train.crossrank.replicas import EXT_LEN, ReplicaCheck
-from otel_train.crossrank.timer_stats import Reduction, per_rank_timings, reduce_timings, stats_for_option
+from otel_train.crossrank.pairing import RowPairing, clocks_to_rank0
+from otel_train.crossrank.replicas import EXT_LEN, ReplicaCheck, fsdp_in_use
+from otel_train.crossrank.scores import RankScores, StragglerReport, StragglerScorer
+from otel_train.crossrank.straggler_outputs import StragglerGauges, StragglerReporter
+from otel_train.crossrank.timer_stats import Reduction, own_reductions, per_rank_timings, reduce_timings
 from otel_train.crossrank.tree_exchange import TreeExchange, exchange_for
 from otel_train.crossrank.up_row import (
     FLAG_SHARDED,
@@ -62,40 +64,12 @@ from otel_train.crossrank.up_row import (
     row_steps,
     unpack,
 )
-from otel_train.crossrank.verdicts import (
-    RankScores,
-    RankView,
-    Settings,
-    StragglerReport,
-    StragglerScorer,
-    abstain_reason,
-    assess,
-    describe,
-)
+from otel_train.crossrank.verdicts import RankView, Settings, abstain_reason, assess
 from otel_train.distributed import Identity, create_telemetry_group
 from otel_train.health import EventChannel
 from otel_train.interval import Interval
 
 logger = logging.getLogger("otel_train")
-
-OVERALL_PHASE = "all"  # train.phase of the overall straggler scores
-KIND_RELATIVE = "relative"
-KIND_INDIVIDUAL = "individual"
-MAX_REPORTS_PER_FLUSH = 5  # rank 0 logs and emits at most this many new stragglers per flush (slowest first)
-
-
-# --- the flush listener ------------------------------------------------------------------------------
-
-
-class _Gauge(Protocol):
-    def set(self, amount: float, attributes: Mapping[str, Any] | None = None) -> None: ...
-
-
-def _create_gauge(meter: Any, spec: semconv.MetricSpec) -> _Gauge | None:
-    if meter is None:
-        return None
-    gauge: _Gauge = meter.create_gauge(spec.name, unit=spec.unit, description=spec.description)
-    return gauge
 
 
 class CrossRankReducer:
@@ -141,8 +115,7 @@ class CrossRankReducer:
         # answer, and with (0, -1) when the exchange turns off (otel_train.cadence).
         self.on_cadence: Callable[[int, int], None] | None = None
         self.collectives = 0  # exchanges this rank's row went up in (tests and self-observability)
-        self.left_out_rows = 0  # rank 0: rows taken that covered other steps than its own
-        self.partial_flushes = 0  # rank 0: flushes whose cross-rank view lacked a rank
+        self.pairing = RowPairing()  # rank 0: rows left out of a flush (other steps than its own)
         self.disabled_reason: str | None = None
         self.reforms = 0  # times the exchange re-formed on a new process group (`reform`)
         self.abstain_reason: str | None = None
@@ -153,7 +126,6 @@ class CrossRankReducer:
         self._reporter = StragglerReporter(events)
         self._gathered_flushes = 0
         self._sharded_seen = False
-        self._left_out_warned = False
         self._prev_step = -1  # the last step of this rank's previous flush (rows carry their steps)
         self._expect: set[int] | None = None  # rank 0: peers whose rows to wait for (None: all)
         self._closed, self._lock = False, threading.Lock()
@@ -176,6 +148,14 @@ class CrossRankReducer:
         # Arrivals at collectives (collective_lateness.py): the row's last block, clock stamps in it.
         self.lateness = LatenessTracker.attach(identity.rank, self.exchange)
         self.gauges = StragglerGauges(meter, identity.rank == 0)
+
+    @property
+    def left_out_rows(self) -> int:
+        return self.pairing.left_out_rows
+
+    @property
+    def partial_flushes(self) -> int:
+        return self.pairing.partial_flushes
 
     @property
     def distributed(self) -> bool:
@@ -235,7 +215,7 @@ class CrossRankReducer:
         """Whether this process trains FSDP2 (`fully_shard`) modules; checked on the worker at each
         flush until seen (fully_shard may be applied after init)."""
         if not self._sharded_seen:
-            self._sharded_seen = _fsdp_in_use()
+            self._sharded_seen = fsdp_in_use()
         return self._sharded_seen
 
     def _flush(self, interval: Interval) -> None:
@@ -272,7 +252,7 @@ class CrossRankReducer:
             self._deliver(down, root)
         self.lateness.after_exchange(interval, down, got.stamps)
         if got.records is None:
-            self.last_reductions = _own_reductions(local_record(interval, self.identity))
+            self.last_reductions = own_reductions(local_record(interval, self.identity))
             return
         self._reduce_rows(interval, got.records, from_step)
 
@@ -282,17 +262,14 @@ class CrossRankReducer:
         if isinstance(rows, Bundle):  # the tree's: its rows cover rank 0's steps (tree_exchange)
             tree = unpacked(rows, base, self.table.capacity)
             rows, same, records = tree.rows, list(range(len(tree.exact))), tree.exact
-            self.left_out_rows = getattr(self.exchange, "left_out_bundles", 0)
-            _note_left_out(self, [], tree.ranks, from_step, interval)
+            self.pairing.left_out_rows = getattr(self.exchange, "left_out_bundles", 0)
+            self.pairing.note([], tree.ranks, self._world, from_step, interval.step)
             self._reduce_paired(interval, rows, same, records, tree)
             return
         records = unpack(rows[:, :base], self.table.capacity)
         # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
         self._expect = {r.rank for r in records} - {0}
-        same = [i for i, r in enumerate(records) if (r.from_step, r.step) == (from_step, interval.step)]
-        _note_left_out(
-            self, [r for i, r in enumerate(records) if i not in same], len(same), from_step, interval
-        )
+        same = self.pairing.same_steps(records, from_step, interval.step, self._world)
         self._reduce_paired(interval, rows, same, records)
 
     def _reduce_paired(
@@ -309,7 +286,7 @@ class CrossRankReducer:
             self._flush_local(interval)
             return
         paired = [records[i] for i in same]
-        if tree is None or _clocks_to_rank0(tree, self.exchange, self.identity.host):
+        if tree is None or clocks_to_rank0(tree, self.exchange, self.identity.host):
             self.lateness.judge(rows[same, -BLOCK_LEN:], paired, self.identity.host)
         self._reduce(interval, paired, tree)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
@@ -380,7 +357,7 @@ class CrossRankReducer:
     def _flush_local(self, interval: Interval) -> None:
         """Not distributed (or the exchange is off): this rank's timers and individual score."""
         record = local_record(interval, self.identity)
-        self.last_reductions = _own_reductions(record)
+        self.last_reductions = own_reductions(record)
         self.last_scores = self.scorer.update_local(self.identity.rank, record.step_stats)
         self.last_reports = []
         self.gauges.set_scores(self.last_scores)
@@ -392,92 +369,6 @@ class CrossRankReducer:
         if reason is not None and self.abstain_reason is None and self.identity.rank == 0:
             logger.warning("otel_train: straggler detection abstains: %s", reason)
         self.abstain_reason = reason
-
-
-class StragglerGauges:
-    """This rank's straggler gauges (scores, lateness, wait) and, on rank 0, the cross-rank phase
-    statistics (`train.phase.cross_rank`)."""
-
-    def __init__(self, meter: Any | None, root: bool) -> None:
-        self.score = _create_gauge(meter, semconv.STRAGGLER_SCORE)
-        self.lateness = _create_gauge(meter, semconv.STRAGGLER_LATENESS)
-        self.wait = _create_gauge(meter, semconv.STRAGGLER_WAIT)
-        self.cross = _create_gauge(meter, semconv.PHASE_CROSS_RANK) if root else None
-
-    def set_scores(self, scores: RankScores) -> None:
-        if self.score is not None:
-            for kind, value in ((KIND_RELATIVE, scores.relative), (KIND_INDIVIDUAL, scores.individual)):
-                if value is not None:
-                    self.score.set(value, {semconv.STRAGGLER_KIND: kind, semconv.PHASE: OVERALL_PHASE})
-        if scores.relative is None:
-            return  # lateness and wait exist only across ranks
-        if self.lateness is not None:
-            self.lateness.set(scores.lateness_s)
-        if self.wait is not None:
-            self.wait.set(scores.wait_s)
-
-    def set_cross_rank(self, option: str, reductions: Mapping[str, Reduction]) -> None:
-        if self.cross is not None:
-            _publish_cross_rank(self.cross, option, reductions)
-
-
-class StragglerReporter:
-    """Rank 0: logs and emits each NEW straggler once (a chronic one until it recovers); the
-    `on_straggler` callback runs from the next answer instead."""
-
-    def __init__(self, events: EventChannel | None) -> None:
-        self.events = events
-        self._flagged: set[int] = set()
-
-    def report(self, reports: Sequence[StragglerReport], step: int, threshold: float) -> None:
-        now = {r.rank for r in reports if r.chronic}
-        new = [r for r in reports if not r.chronic or r.rank not in self._flagged]
-        new.sort(key=lambda r: (not r.chronic, r.score, r.rank))
-        if len(new) > MAX_REPORTS_PER_FLUSH:
-            logger.warning(
-                "otel_train: %d new stragglers at step %d; reporting the %d slowest (%s)",
-                len(new),
-                step,
-                MAX_REPORTS_PER_FLUSH,
-                ", ".join(f"rank {r.rank} {r.pattern} {r.score:.2f}" for r in new[:MAX_REPORTS_PER_FLUSH]),
-            )
-        for report in new[:MAX_REPORTS_PER_FLUSH]:
-            _emit(self.events, report, step, threshold)
-        for rank in sorted(self._flagged - now):
-            logger.info("otel_train: rank %d is no longer a straggler", rank)
-        self._flagged = now
-
-
-def _emit(events: EventChannel | None, report: StragglerReport, step: int, threshold: float) -> None:
-    """Rank 0: log one new straggler and emit its `crossrank/reducer` event."""
-    message = describe(report, step, threshold)
-    logger.warning("otel_train: %s", message)
-    if events is None:
-        return
-    try:
-        events.emit("straggler", message, event_attributes(report, step))
-    except Exception as exc:
-        logger.warning("otel_train: straggler event failed: %s", exc)
-
-
-def _note_left_out(
-    reducer: CrossRankReducer, left_out: Sequence[RankRecord], paired: int, from_step: int, interval: Interval
-) -> None:
-    """Rank 0: count the rows left out of a flush (and the flushes that lacked a rank); warn once."""
-    reducer.left_out_rows += len(left_out)
-    if paired < reducer._world:
-        reducer.partial_flushes += 1
-    if left_out and not reducer._left_out_warned:
-        reducer._left_out_warned = True
-        _warn_left_out(left_out, from_step, interval.step)
-
-
-def _clocks_to_rank0(tree: TreeView, exchange: Any, host: str) -> bool:
-    """Whether a tree's rows let rank 0 judge arrivals at collectives: every rank's row whole, and
-    each one's clock offset to rank 0 known (rank 0's host reads its clock; elsewhere a rank's
-    offset is to its parent, so that parent must be rank 0)."""
-    parent = exchange.layout.parent
-    return not tree.summary and all(r.host == host or parent[r.rank] == 0 for r in tree.exact)
 
 
 def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
@@ -507,67 +398,3 @@ def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
     if reducer.events is not None:
         attributes = {"rank": identity.rank, "world_size": identity.world_size, "world_size_before": before}
         reducer.events.emit("membership_change", message, attributes)
-
-
-def _warn_left_out(left_out: Sequence[RankRecord], from_step: int, step: int) -> None:
-    logger.warning(
-        "otel_train: rank(s) %s sent rows for other steps than rank 0's (after step %d up to %d; theirs: "
-        "%s); a row is left out of a flush's cross-rank stats unless it covers the same steps (ranks "
-        "not in lockstep, or a flush that came late)",
-        [r.rank for r in left_out],
-        from_step,
-        step,
-        [(r.from_step, r.step) for r in left_out],
-    )
-
-
-def _publish_cross_rank(gauge: _Gauge, option: str, reductions: Mapping[str, Reduction]) -> None:
-    """Rank 0: the cross-rank timer gauges."""
-    for name, red in reductions.items():
-        for stat in stats_for_option(option):
-            value = float(
-                red.argmax
-                if stat == "argmax_rank"
-                else red.argmin
-                if stat == "argmin_rank"
-                else getattr(red, stat)
-            )
-            gauge.set(value, {semconv.PHASE: name, semconv.STAT: stat})
-
-
-def _own_reductions(record: RankRecord) -> dict[str, Reduction]:
-    """This rank's own timers as one-rank reductions."""
-    return reduce_timings(per_rank_timings([record], record.announced))
-
-
-def _fsdp_in_use() -> bool:
-    """FSDP2 registers a state for every `fully_shard`ed module in torch's composable-state map."""
-    states = sys.modules.get("torch.distributed._composable_state")
-    mapping = getattr(states, "_module_state_mapping", None)
-    if mapping is None:
-        return False
-    try:
-        refs = list(mapping.values())
-    except RuntimeError:  # changed size while the training thread shards a module: look again next flush
-        return False
-    return any(type(ref()).__name__ == "FSDPState" for ref in refs)
-
-
-def event_attributes(report: StragglerReport, step: int) -> dict[str, str | int | float]:
-    """The `crossrank/reducer` health event's attributes (documented in the README)."""
-    return {
-        "rank": report.rank,
-        "host.name": report.host,
-        "gpu": report.local_rank,
-        semconv.PHASE: report.phase,
-        "category": report.category,
-        "pattern": report.pattern,
-        semconv.STRAGGLER_KIND: report.kind,
-        "lateness_ms": round(report.lateness_s * 1000.0, 3),
-        "sync_phase": report.sync_phase or "",
-        "waiting_ranks": ",".join(str(r) for r in report.waiting_ranks),
-        "wait_ms": round(report.wait_s * 1000.0, 3),
-        "score": round(report.score, 4),
-        "collective": report.collective,
-        "step": step,
-    }

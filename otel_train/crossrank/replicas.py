@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,8 +181,8 @@ class ReplicaCheck:
         self.max_divergence = 0.0  # rank 0: the largest relative difference seen (tests, tuning)
         self._dup_gauge = self._div_gauge = None
         if meter is not None and rank == 0:
-            self._dup_gauge = _gauge(meter, semconv.DATA_DUPLICATE_RANKS)
-            self._div_gauge = _gauge(meter, semconv.REPLICA_DIVERGENCE)
+            self._dup_gauge = semconv.DATA_DUPLICATE_RANKS.create(meter)
+            self._div_gauge = semconv.REPLICA_DIVERGENCE.create(meter)
 
     def set_data_parallel_group(self, group: Any) -> None:
         """A torch ProcessGroup or the global ranks of this rank's data-parallel group."""
@@ -290,10 +291,19 @@ def _group_ranks(group: Any) -> list[int]:
     return ranks
 
 
-def _gauge(meter: Any, spec: semconv.MetricSpec) -> Any:
-    return meter.create_gauge(spec.name, unit=spec.unit, description=spec.description)
-
-
 def _names(ranks: Sequence[int]) -> str:
     more = f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else ""
     return ", ".join(str(r) for r in ranks[:_SHOWN]) + more
+
+
+def fsdp_in_use() -> bool:
+    """FSDP2 registers a state for every `fully_shard`ed module in torch's composable-state map."""
+    states = sys.modules.get("torch.distributed._composable_state")
+    mapping = getattr(states, "_module_state_mapping", None)
+    if mapping is None:
+        return False
+    try:
+        refs = list(mapping.values())
+    except RuntimeError:  # changed size while the training thread shards a module: look again next flush
+        return False
+    return any(type(ref()).__name__ == "FSDPState" for ref in refs)

@@ -71,36 +71,6 @@ def stats_for_option(option: str) -> tuple[str, ...]:
     return ("min", "max", "mean", "median", "argmin_rank", "argmax_rank")
 
 
-def format_timers(reductions: Mapping[str, Reduction], option: str = "minmax", unit: str = "ms") -> str:
-    """Console text for cross-rank timers, Megatron `Timers.log` semantics:
-
-    max    -> `name ....: 12.34 (rank 3)`               max over ranks, with the rank
-    minmax -> `name ....: (12.00, 12.34) (ranks 0, 3)`  (min, max) with their ranks
-    all    -> one line per timer with every rank's time (`-` for a rank that did not run it)
-    """
-    if not reductions:
-        return ""
-    scale = 1000.0 if unit == "ms" else 1.0
-    width = max(len(n) for n in reductions) + 4
-    if option == "max":
-        lines = [f"(max) time across ranks ({unit}):"]
-        for name, red in reductions.items():
-            lines.append(f"    {name} {'.' * (width - len(name))}: {red.max * scale:.2f} (rank {red.argmax})")
-    elif option == "minmax":
-        lines = [f"(min, max) time across ranks ({unit}):"]
-        for name, red in reductions.items():
-            lines.append(
-                f"    {name} {'.' * (width - len(name))}: ({red.min * scale:.2f}, {red.max * scale:.2f})"
-                f" (ranks {red.argmin}, {red.argmax})"
-            )
-    else:
-        lines = [f"times across ranks ({unit}):"]
-        for name, red in reductions.items():
-            cells = ", ".join("-" if v is None else f"{v * scale:.2f}" for v in red.values)
-            lines.append(f"    {name} {'.' * (width - len(name))}: [{cells}]")
-    return "\n".join(lines)
-
-
 def per_rank_timings(
     records: Sequence[RankRecord], names: Mapping[int, str]
 ) -> list[dict[str, float | None]]:
@@ -115,3 +85,8 @@ def per_rank_timings(
             timings[STEP_PHASE] = record.step_stats.median
         out.append(timings)
     return out
+
+
+def own_reductions(record: RankRecord) -> dict[str, Reduction]:
+    """One rank's own timers as one-rank reductions (its view when no rows are compared)."""
+    return reduce_timings(per_rank_timings([record], record.announced))

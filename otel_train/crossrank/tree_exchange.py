@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_train.crossrank import down_row
-from otel_train.crossrank.collective_lateness import BLOCK_LEN
+from otel_train.crossrank.arrival_block import BLOCK_LEN
 from otel_train.crossrank.exchange import Exchanged, ExchangeFailed, StarExchange
 from otel_train.crossrank.merge import HEAD_LEN, Bundle, bundle_len, decode, encode, merge
 from otel_train.crossrank.replicas import EXT_LEN

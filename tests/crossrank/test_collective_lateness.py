@@ -12,20 +12,18 @@ from typing import Any
 import pytest
 from helpers.multirank import run_ranks
 
-from otel_train.crossrank.collective_lateness import (
+from otel_train.crossrank.arrival_block import (
     BLOCK_LEN,
     MAX_ARRIVALS,
     Arrival,
-    ClockEstimator,
-    LatenessTracker,
     Row,
     decode,
     encode,
-    judge,
     sample,
     span,
     window,
 )
+from otel_train.crossrank.collective_lateness import ClockEstimator, LatenessTracker, judge
 from otel_train.crossrank.up_row import name_id
 
 FR_ON = {"TORCH_FR_BUFFER_SIZE": "200"}

@@ -6,7 +6,7 @@ import math
 
 from otel_train.crossrank import down_row
 from otel_train.crossrank.down_row import MAX_CHRONIC, Verdict, answers, carried, decode
-from otel_train.crossrank.verdicts import RankScores, StragglerReport
+from otel_train.crossrank.scores import RankScores, StragglerReport
 
 
 def _report(

@@ -20,8 +20,6 @@ from otel_train.crossrank.exchange import Exchanged
 from otel_train.crossrank.reducer import CrossRankReducer
 from otel_train.crossrank.replicas import ReplicaCheck
 from otel_train.crossrank.timer_stats import (
-    Reduction,
-    format_timers,
     per_rank_timings,
     reduce_timings,
     stats_for_option,
@@ -98,32 +96,6 @@ def test_reduce_differing_timer_sets_by_name() -> None:
     assert red["backward"].n == 2 and red["backward"].argmax == 1 and red["backward"].min == 2.0
     only = red["only_rank1"]
     assert (only.n, only.argmin, only.argmax, only.min, only.max, only.median) == (1, 1, 1, 9.0, 9.0, 9.0)
-
-
-# --- format_timers -------------------------------------------------------------------------------
-
-
-def _reds() -> dict[str, Reduction]:
-    return reduce_timings([{"forward": 0.010}, {"forward": 0.020}, {"forward": 0.015}, {}])
-
-
-def test_format_max() -> None:
-    text = format_timers(_reds(), "max")
-    assert text.splitlines()[0] == "(max) time across ranks (ms):"
-    assert "forward" in text and "20.00 (rank 1)" in text and "10.00" not in text
-
-
-def test_format_minmax() -> None:
-    text = format_timers(_reds(), "minmax")
-    assert text.splitlines()[0] == "(min, max) time across ranks (ms):"
-    assert "(10.00, 20.00) (ranks 0, 1)" in text
-
-
-def test_format_all_lists_every_rank() -> None:
-    text = format_timers(_reds(), "all")
-    assert text.splitlines()[0] == "times across ranks (ms):"
-    assert "[10.00, 20.00, 15.00, -]" in text
-    assert format_timers({}, "all") == ""
 
 
 def test_stats_for_option() -> None:

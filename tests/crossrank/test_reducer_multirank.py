@@ -202,7 +202,7 @@ def scenario_results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) -> None:
     """Per flush, every rank runs ONE exchange: a rank r > 0 posts one send to and one receive from
     rank 0, rank 0 one of each per peer; no torch collective at all. Bytes: O(1) off rank 0."""
-    from otel_train.crossrank.collective_lateness import BLOCK_LEN
+    from otel_train.crossrank.arrival_block import BLOCK_LEN
     from otel_train.crossrank.down_row import DOWN_LEN
     from otel_train.crossrank.exchange import TRAILER_LEN
     from otel_train.crossrank.replicas import EXT_LEN
@@ -230,7 +230,7 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
 def _assert_one_tree_exchange_per_flush(results: list[dict[str, Any]], flushes: int) -> None:
     """In the tree, per flush: each rank one send and one receive per child (answer and bundle)
     and one of each to its parent; every message a fixed size (merge.bundle_len, TREE_DOWN_LEN)."""
-    from otel_train.crossrank.collective_lateness import BLOCK_LEN
+    from otel_train.crossrank.arrival_block import BLOCK_LEN
     from otel_train.crossrank.down_row import TREE_DOWN_LEN
     from otel_train.crossrank.exchange import TRAILER_LEN
     from otel_train.crossrank.merge import bundle_len

@@ -11,14 +11,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from otel_train.crossrank.scores import StragglerReport, StragglerScorer
 from otel_train.crossrank.up_row import Spread, TimerTable, pack, unpack
 from otel_train.crossrank.verdicts import (
     Lateness,
     RankAssessment,
     RankView,
     Settings,
-    StragglerReport,
-    StragglerScorer,
     abstain_reason,
     assess,
     holds_collective,

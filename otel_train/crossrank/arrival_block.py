@@ -1,0 +1,135 @@
+"""The arrivals block of the up row: what each rank reads from its Flight Recorder at a read flush
+and sends up for `collective_lateness` to judge on rank 0.
+
+    window  = the collectives (not p2p; otel_train's own group left out) enqueued between two reads
+    span    = the window's latest SPAN collectives (the same on every rank, also where a ring
+              buffer wrapped on some ranks)
+    sample  = at most MAX_ARRIVALS of them, picked by their ids alone, so every rank picks the same
+
+The block (BLOCK_LEN floats): version, read sequence, this rank's clock offset to rank 0 and its
+bound, the window's length, the steps it covers, the count, then (group id, sequence id, arrival)
+per collective, and last the send time t1 the exchange writes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from otel_train.crossrank.up_row import name_id
+from otel_train.diagnostics import group_label, op_name
+
+MAX_ARRIVALS = 32  # collectives per rank per read in the up row
+SPAN = 8 * MAX_ARRIVALS  # the latest collectives of a window they are sampled from (<< a ring buffer)
+_VERSION = 1.0
+_B_VERSION, _B_READ_SEQ, _B_OFFSET, _B_BOUND, _B_WINDOW, _B_STEPS, _B_COUNT = range(7)
+_B_ENTRIES = 7
+ENTRY_LEN = 3  # group id, sequence id, arrival (this rank's clock, epoch seconds)
+BLOCK_LEN = _B_ENTRIES + MAX_ARRIVALS * ENTRY_LEN + 1  # + the send time t1 (written by the exchange)
+
+Key = tuple[int, int]  # (group id, sequence id)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One collective as this rank enqueued it."""
+
+    group: str  # the group's name (the same on every rank)
+    label: str  # its description (`default_pg`) for messages
+    seq: int
+    op: str
+    at: float  # epoch seconds on this rank's clock
+
+    @property
+    def key(self) -> Key:
+        return (name_id(self.group), self.seq)
+
+
+def window(
+    entries: Sequence[Mapping[str, Any]], excluded: set[str], after: float, until: float, skew: float = 0.0
+) -> list[Arrival]:
+    """The collectives enqueued in (after, until] (epoch seconds), in time order."""
+    out: list[Arrival] = []
+    for entry in entries:
+        names = entry.get("process_group") or ["?"]
+        if entry.get("is_p2p") or str(names[0]) in excluded:
+            continue
+        at = int(entry.get("time_created_ns") or 0) / 1e9 + skew
+        if after < at <= until:
+            out.append(
+                Arrival(
+                    str(names[0]),
+                    group_label(dict(entry)),
+                    int(entry.get("collective_seq_id") or 0),
+                    op_name(dict(entry)),
+                    at,
+                )
+            )
+    out.sort(key=lambda a: a.at)
+    return out
+
+
+def span(arrivals: Sequence[Arrival]) -> Sequence[Arrival]:
+    """The window's latest SPAN collectives: the same on every rank even where a ring buffer
+    wrapped (lost the window's start) on some ranks and not on others."""
+    return arrivals[-SPAN:]
+
+
+def sample(arrivals: Sequence[Arrival], read_seq: int, cap: int = MAX_ARRIVALS) -> list[Arrival]:
+    """At most `cap` of a span (`span`), picked by their ids alone (module doc)."""
+    stride = max(1, math.ceil(len(arrivals) / cap))
+    return [a for a in arrivals if (a.seq + read_seq) % stride == 0][-cap:]
+
+
+def encode(
+    read_seq: int, offset: float, bound: float, window_len: int, steps: float, picked: Sequence[Arrival]
+) -> list[float]:
+    block = [0.0] * BLOCK_LEN
+    block[_B_VERSION] = _VERSION
+    block[_B_READ_SEQ] = float(read_seq)
+    block[_B_OFFSET], block[_B_BOUND] = offset, bound
+    block[_B_WINDOW], block[_B_STEPS] = float(window_len), float(steps)
+    block[_B_COUNT] = float(len(picked))
+    for i, a in enumerate(picked[:MAX_ARRIVALS]):
+        at = _B_ENTRIES + i * ENTRY_LEN
+        block[at : at + ENTRY_LEN] = [float(name_id(a.group)), float(a.seq), a.at]
+    return block
+
+
+@dataclass(frozen=True)
+class Row:
+    """One rank's block, decoded on rank 0."""
+
+    rank: int
+    read_seq: int
+    offset: float
+    bound: float
+    window: int  # collectives in the span sampled
+    steps: float  # steps the span covers
+    arrivals: dict[Key, float]
+
+
+def decode(rank: int, block: Sequence[float]) -> Row | None:
+    if block[_B_VERSION] != _VERSION:
+        return None  # no read yet, or the recorder is off on that rank
+    arrivals: dict[Key, float] = {}
+    for i in range(min(int(block[_B_COUNT]), MAX_ARRIVALS)):
+        at = _B_ENTRIES + i * ENTRY_LEN
+        arrivals[(int(block[at]), int(block[at + 1]))] = block[at + 2]
+    return Row(
+        rank,
+        int(block[_B_READ_SEQ]),
+        block[_B_OFFSET],
+        block[_B_BOUND],
+        int(block[_B_WINDOW]),
+        block[_B_STEPS],
+        arrivals,
+    )
+
+
+def set_clock(block: list[float], offset: float, bound: float) -> None:
+    """Write this rank's current clock offset to rank 0 and its bound into its block (each flush:
+    the estimate improves between reads)."""
+    block[_B_OFFSET], block[_B_BOUND] = offset, bound

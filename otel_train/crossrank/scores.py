@@ -1,0 +1,174 @@
+"""Straggler scores over flushes, from each flush's assessments (`verdicts.assess`): smoothed
+relative and individual scores per rank (NVRx semantics: 1 = healthy, lower = slower), chronic
+stragglers (the smoothed relative score below the threshold) and one-off stalls, as
+`StragglerReport`s, and the one line that describes a report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from otel_train.crossrank.up_row import Spread
+from otel_train.crossrank.verdicts import (
+    STEP_END,
+    UNTIMED,
+    Category,
+    Lateness,
+    Pattern,
+    RankAssessment,
+    Settings,
+    phase_category,
+)
+
+
+@dataclass(frozen=True)
+class StragglerReport:
+    """A rank the others wait for: chronic (its smoothed relative score is below the threshold) or
+    one-off (one step of the interval was late by at least `Settings.one_off_steps` step times)."""
+
+    rank: int
+    host: str
+    local_rank: int
+    pattern: Pattern
+    phase: str  # the phase where its lateness arose
+    category: Category
+    lateness_s: float  # per step (chronic) or in the one step (one-off)
+    score: float  # smoothed relative score (chronic) / that step's score (one-off)
+    raw_score: float  # this interval's relative score
+    sync_phase: str | None  # where the others wait for it (None: nobody waits)
+    waiting_ranks: tuple[int, ...] = ()
+    wait_s: float = 0.0  # per waiting rank and step (median)
+    kind: str = "relative"
+    collective: str = ""  # the collective where the others wait for it, when the Flight Recorder saw it
+
+    @property
+    def chronic(self) -> bool:
+        return self.pattern == "chronic"
+
+
+@dataclass
+class RankScores:
+    rank: int
+    relative: float | None = None  # EWMA of the relative score (None: not distributed)
+    individual: float | None = None  # EWMA of own best / own time
+    raw_relative: float | None = None
+    raw_individual: float | None = None
+    lateness_s: float = 0.0
+    wait_s: float = 0.0
+
+
+def _category(phase: str) -> Category:
+    return "other" if phase in (UNTIMED, STEP_END) else phase_category(phase)
+
+
+class StragglerScorer:
+    """Smoothed scores and verdicts for every rank from every rank's data (on rank 0, which sends
+    each rank its scores and every rank the chronic list). EWMA with prior 1.0."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self._relative: dict[int, float] = {}
+        self._individual: dict[int, float] = {}
+        self._best_own: dict[int, float] = {}
+        self._chronic: set[int] = set()  # ranks reported chronic at the last update
+
+    def _smooth(self, state: dict[int, float], rank: int, raw: float) -> float:
+        alpha = self.settings.ewma
+        value = alpha * raw + (1.0 - alpha) * state.get(rank, 1.0)
+        state[rank] = value
+        return value
+
+    def _individual_score(self, rank: int, own: float | None) -> tuple[float | None, float | None]:
+        if own is None or own <= 0:
+            return None, None
+        best = min(self._best_own.get(rank, own), own)
+        self._best_own[rank] = best
+        raw = best / own
+        return raw, self._smooth(self._individual, rank, raw)
+
+    def update(
+        self, assessments: Sequence[RankAssessment], one_offs: bool = True
+    ) -> tuple[list[RankScores], list[StragglerReport]]:
+        """Scores of every rank and this interval's reports (chronic first, then one-offs)."""
+        scores: list[RankScores] = []
+        chronic: list[StragglerReport] = []
+        one_off: list[StragglerReport] = []
+        threshold = self.settings.threshold
+        for a in assessments:
+            raw = a.relative
+            smoothed = self._smooth(self._relative, a.rank, raw)
+            raw_ind, ind = self._individual_score(a.rank, a.own_s)
+            scores.append(RankScores(a.rank, smoothed, ind, raw, raw_ind, a.chronic.seconds, a.wait_s))
+            # Hysteresis: a chronic straggler stays one until its score is half way back to 1, so a
+            # score hovering at the threshold is not reported again at every other flush.
+            limit = threshold + 0.5 * (1.0 - threshold) if a.rank in self._chronic else threshold
+            if smoothed < limit and a.chronic.seconds > 0:
+                chronic.append(self._report(a, "chronic", a.chronic, smoothed, raw))
+            elif one_offs and a.step_s and a.one_off.seconds >= self.settings.one_off_steps * a.step_s:
+                step_score = a.step_s / (a.step_s + a.one_off.seconds)
+                one_off.append(self._report(a, "one_off", a.one_off, step_score, raw))
+        self._chronic = {r.rank for r in chronic}
+        return scores, chronic + one_off
+
+    @staticmethod
+    def _report(
+        a: RankAssessment, pattern: Pattern, late: Lateness, score: float, raw: float
+    ) -> StragglerReport:
+        waiting = a.waiting_ranks if pattern == "chronic" else ()
+        return StragglerReport(
+            a.rank,
+            a.host,
+            a.local_rank,
+            pattern,
+            late.late_in,
+            _category(late.late_in),
+            late.seconds,
+            score,
+            raw,
+            late.sync_phase,
+            waiting,
+            a.waited_s if pattern == "chronic" else 0.0,
+            collective=late.collective,
+        )
+
+    def update_local(self, rank: int, step: Spread) -> RankScores:
+        """Not distributed: only the individual score (own time = step time; nobody to wait for)."""
+        raw_ind, ind = self._individual_score(rank, step.median if step.count else None)
+        return RankScores(rank, None, ind, None, raw_ind)
+
+
+def describe(report: StragglerReport, step: int, threshold: float) -> str:
+    """One line for the log and the health event."""
+    where = f"in {report.phase!r} ({report.category})"
+    if report.phase == UNTIMED:
+        where = "outside every timer (other)"
+    ms = report.lateness_s * 1000.0
+    if report.chronic:
+        head = (
+            f"straggler: rank {report.rank} ({report.host}, local rank {report.local_rank}) is chronically "
+            f"{ms:.1f} ms late per step, {where}"
+        )
+    else:
+        head = (
+            f"straggler (one-off): rank {report.rank} ({report.host}, local rank {report.local_rank}) was "
+            f"{ms:.1f} ms late in one step, {where}"
+        )
+    if report.waiting_ranks:
+        ranks = ", ".join(str(r) for r in report.waiting_ranks)
+        cost = (
+            f"; ranks {ranks} wait {report.wait_s * 1000.0:.1f} ms per step for rank {report.rank}"
+            f" in {report.sync_phase!r}"
+        )
+    elif report.sync_phase is not None:
+        cost = f"; the others wait for it in {report.sync_phase!r}"
+    else:
+        cost = "; nobody waits for it (no synchronization after it in the step)"
+    if report.collective and report.collective != report.sync_phase:
+        cost += f", at {report.collective}"
+    score = (
+        f" (score {report.score:.2f}, this interval {report.raw_score:.2f}, threshold {threshold})"
+        if report.chronic
+        else f" (that step's score {report.score:.2f})"
+    )
+    return f"{head}{cost}{score} at step {step}"

@@ -1,151 +1,42 @@
 """OpenTelemetry pipelines: one MeterProvider, TracerProvider and LoggerProvider per process.
 
 - OTLP (HTTP/protobuf by default, or gRPC) for metrics, spans and logs, with bounded timeouts;
-- the Prometheus pull endpoint on `prometheus_host:prometheus_port + local_rank`;
+- the Prometheus pull endpoint (`pull_endpoint`) on `prometheus_host:prometheus_port + local_rank`;
 - console exporters for debugging;
 - the StepReader (step_reader) is passed in and registered on the same MeterProvider.
 
-Every exporter is wrapped in a fork guard: a forked child (a DataLoader worker) inherits the SDK's
-threads, which the SDK restarts after fork; without the guard the child would re-export the
-parent's frozen values under the same identity.
+Every exporter is wrapped in a fork guard (`exporter_guards`): a forked child (a DataLoader
+worker) must never re-export the parent's frozen values under the same identity.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (
-    MetricExporter,
-    MetricExportResult,
-    MetricReader,
-    PeriodicExportingMetricReader,
-)
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from otel_train import semconv
-from otel_train.config import Config, redact_url
+from otel_train.config import Config
+from otel_train.exporter_guards import (
+    ExportStatus,
+    ForkGuardLogExporter,
+    ForkGuardMetricExporter,
+    ForkGuardSpanExporter,
+    quiet_sdk_exporter_logs,
+)
+from otel_train.pull_endpoint import PullEndpoint, start_pull_endpoint
 
 log = logging.getLogger("otel_train")
-
-
-# --- export status: one warning per outage instead of the SDK's line per retry -------------------
-class ExportStatus:
-    """Reports a collector outage once and its recovery once (the SDK logs every retry)."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = redact_url(endpoint)  # never log userinfo
-        self.failing = False
-        self.failures = 0
-
-    def report(self, ok: bool, signal: str) -> None:
-        if ok and self.failing:
-            self.failing = False
-            log.warning("otel_train: OTLP export to %s works again.", self.endpoint)
-        elif not ok:
-            self.failures += 1
-            if not self.failing:
-                self.failing = True
-                log.warning(
-                    "otel_train: OTLP %s export to %s failed (collector down or unreachable?). Training continues; "
-                    "exports retry every interval and cumulative totals stay right when it returns.",
-                    signal,
-                    self.endpoint,
-                )
-
-
-def _not_a_header_echo(record: logging.LogRecord) -> bool:
-    # The SDK re-parses OTEL_EXPORTER_OTLP_HEADERS in every exporter and logs an entry it rejects
-    # verbatim, secret included; otel_train has parsed and checked that variable at init().
-    return not str(record.msg).startswith("Header format invalid")
-
-
-def quiet_sdk_exporter_logs() -> None:
-    """Silence the OTLP exporters' per-retry log lines unless the user configured those loggers,
-    and never let the SDK echo a header value."""
-    for name in ("opentelemetry.exporter.otlp",):
-        logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.CRITICAL)
-    header_logger = logging.getLogger("opentelemetry.util.re")
-    if _not_a_header_echo not in header_logger.filters:
-        header_logger.addFilter(_not_a_header_echo)
-
-
-# --- fork guards -----------------------------------------------------------------------------------
-class ForkGuardMetricExporter(MetricExporter):
-    def __init__(self, inner: MetricExporter, status: ExportStatus | None = None) -> None:
-        super().__init__(
-            preferred_temporality=inner._preferred_temporality,
-            preferred_aggregation=inner._preferred_aggregation,
-        )
-        self._inner = inner
-        self._pid = os.getpid()
-        self._status = status
-
-    def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
-        if os.getpid() != self._pid:
-            return MetricExportResult.SUCCESS  # a forked child never exports
-        result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-        if self._status is not None:
-            self._status.report(result == MetricExportResult.SUCCESS, "metrics")
-        return result
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return os.getpid() != self._pid or self._inner.force_flush(timeout_millis=timeout_millis)
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        if os.getpid() == self._pid:
-            self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
-
-
-class ForkGuardSpanExporter(SpanExporter):
-    def __init__(self, inner: SpanExporter, status: ExportStatus | None = None) -> None:
-        self._inner = inner
-        self._pid = os.getpid()
-        self._status = status
-
-    def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        if os.getpid() != self._pid:
-            return SpanExportResult.SUCCESS
-        result = self._inner.export(spans)
-        if self._status is not None:
-            self._status.report(result == SpanExportResult.SUCCESS, "span")
-        return result
-
-    def shutdown(self) -> None:
-        if os.getpid() == self._pid:
-            self._inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return os.getpid() != self._pid or self._inner.force_flush(timeout_millis)
-
-
-class ForkGuardLogExporter(LogRecordExporter):
-    def __init__(self, inner: LogRecordExporter) -> None:
-        self._inner = inner
-        self._pid = os.getpid()
-
-    def export(self, batch: Sequence[Any]) -> LogRecordExportResult:
-        if os.getpid() != self._pid:
-            return LogRecordExportResult.SUCCESS
-        return self._inner.export(batch)
-
-    def shutdown(self) -> None:
-        if os.getpid() == self._pid:
-            self._inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return True
 
 
 # --- builders --------------------------------------------------------------------------------------
@@ -194,110 +85,6 @@ def _otlp_event_exporters(config: Config) -> tuple[SpanExporter, LogRecordExport
         OTLPSpanExporter(endpoint=_otlp_url(config, "traces"), headers=headers, timeout=timeout),
         OTLPLogExporter(endpoint=_otlp_url(config, "logs"), headers=headers, timeout=timeout),
     )
-
-
-# The pull endpoint serves each connection on a thread of its own, in the training process: at most
-# this many at once (more are closed at once; Prometheus needs one per scrape), and a connection
-# that sends nothing for PULL_READ_TIMEOUT_S is closed. Collecting for a scrape is not bounded by it.
-MAX_PULL_CONNECTIONS = 8
-PULL_READ_TIMEOUT_S = 10.0
-
-
-def _pull_server_class() -> Any:
-    """A threading WSGI server with a cap on connections (built on first use: wsgiref at init())."""
-    from socketserver import ThreadingMixIn
-    from wsgiref.simple_server import WSGIServer
-
-    class PullServer(ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-        request_queue_size = 64
-
-        def server_activate(self) -> None:
-            super().server_activate()
-            self.slots = threading.BoundedSemaphore(MAX_PULL_CONNECTIONS)
-            self.refused = 0
-
-        def process_request(self, request: Any, client_address: Any) -> None:
-            if not self.slots.acquire(blocking=False):
-                self.refused += 1  # all slots busy (idle clients, hung scrapes): no new thread
-                self.shutdown_request(request)
-                return
-            threading.Thread(
-                target=self._serve,
-                args=(request, client_address),
-                name="otel_train-metrics-http",
-                daemon=True,
-            ).start()
-
-        def _serve(self, request: Any, client_address: Any) -> None:
-            try:
-                self.process_request_thread(request, client_address)
-            finally:
-                self.slots.release()
-
-    return PullServer
-
-
-def _serve_pull(host: str, port: int, registry: Any) -> tuple[Any, threading.Thread]:
-    import socket
-    from wsgiref.simple_server import WSGIRequestHandler, make_server
-
-    from prometheus_client import make_wsgi_app
-
-    class QuietHandler(WSGIRequestHandler):
-        timeout = PULL_READ_TIMEOUT_S  # socket timeout on every read and write of the connection
-
-        def log_message(self, format: str, *args: Any) -> None:
-            """No line per request on stderr."""
-
-    server_class = _pull_server_class()
-    # IPv6 hosts need an AF_INET6 socket (as prometheus_client's own server picks it).
-    server_class.address_family = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0][0]
-    server: Any = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=QuietHandler)
-    thread = threading.Thread(target=server.serve_forever, name="otel_train-metrics-server", daemon=True)
-    thread.start()
-    return server, thread
-
-
-@dataclass
-class PullEndpoint:
-    url: str
-    server: Any
-    thread: threading.Thread
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def start_pull_endpoint(
-    config: Config, local_rank: int, label_keys: Sequence[str]
-) -> tuple[MetricReader | None, PullEndpoint | None]:
-    """Prometheus pull endpoint; a busy port warns once (naming port and setting) and is skipped."""
-    if config.prometheus_port == 0:
-        return None, None
-    from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import CollectorRegistry
-
-    port = config.prometheus_port + local_rank
-    registry = CollectorRegistry()
-    keys = frozenset(label_keys)
-    reader = PrometheusMetricReader(registry=registry, resource_attribute_filter=keys.__contains__)
-    try:
-        server, thread = _serve_pull(config.prometheus_host, port, registry)
-    except OSError as exc:
-        log.warning(
-            "otel_train: Prometheus pull endpoint %s:%d is unavailable (%s); continuing without it. "
-            "Set OTEL_TRAIN_PROMETHEUS_PORT to a free base port (the endpoint uses port + local_rank), "
-            "or 0 to disable.",
-            config.prometheus_host,
-            port,
-            exc.strerror or exc,
-        )
-        return None, None
-    return reader, PullEndpoint(f"http://{config.prometheus_host}:{port}/metrics", server, thread)
 
 
 @dataclass

@@ -20,9 +20,10 @@ from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
 from otel_train.bridges.rundir import RunDirSink
-from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, signal_number
+from otel_train.config import Config, ConfigError, config_as_dict, signal_number
 from otel_train.distributed import Agreement, Identity, agree_job, create_telemetry_group, detect_identity
 from otel_train.interval import FlushListener
+from otel_train.redaction import is_secret_key
 from otel_train.run_directory import (
     RunFiles,
     avoid_live_owner,

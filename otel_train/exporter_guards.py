@@ -17,7 +17,7 @@ from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportRes
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from otel_train.config import redact_url
+from otel_train.redaction import redact_url
 
 log = logging.getLogger("otel_train")
 

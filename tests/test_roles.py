@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot
 from otel_train import semconv
-from otel_train.config import ConfigError, load_config
+from otel_train.config import ConfigError
+from otel_train.config_loading import load_config
 from otel_train.run_directory import RunFiles
 
 # One role's process: a few steps, a sample and an event-producing NaN loss, then shutdown.

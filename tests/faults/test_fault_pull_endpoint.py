@@ -12,7 +12,7 @@ from pathlib import Path
 from helpers.ports import free_port
 
 import otel_train as ot
-from otel_train import pull_endpoint
+from otel_train.exporters import pull_endpoint
 
 
 def _closed_by_server(sock: socket.socket) -> bool:

@@ -1,12 +1,7 @@
-"""OpenTelemetry pipelines: one MeterProvider, TracerProvider and LoggerProvider per process.
-
-- OTLP (HTTP/protobuf by default, or gRPC) for metrics, spans and logs, with bounded timeouts;
-- the Prometheus pull endpoint (`pull_endpoint`) on `prometheus_host:prometheus_port + local_rank`;
-- console exporters for debugging;
-- the StepReader (step_reader) is passed in and registered on the same MeterProvider.
-
-Every exporter is wrapped in a fork guard (`exporter_guards`): a forked child (a DataLoader
-worker) must never re-export the parent's frozen values under the same identity.
+"""The providers: one MeterProvider, TracerProvider and LoggerProvider per process, and what they
+export to: OTLP (HTTP/protobuf by default, or gRPC) with bounded timeouts, the console (debugging),
+the Prometheus pull endpoint (`pull_endpoint`) and the per-flush StepReader (passed in). Every
+exporter is wrapped in a fork guard (`guards`); `Telemetry.shutdown` bounds the shutdown.
 """
 
 from __future__ import annotations
@@ -27,14 +22,14 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from otel_train import semconv
 from otel_train.config import Config
-from otel_train.exporter_guards import (
+from otel_train.exporters.guards import (
     ExportStatus,
     ForkGuardLogExporter,
     ForkGuardMetricExporter,
     ForkGuardSpanExporter,
     quiet_sdk_exporter_logs,
 )
-from otel_train.pull_endpoint import PullEndpoint, start_pull_endpoint
+from otel_train.exporters.pull_endpoint import PullEndpoint, start_pull_endpoint
 
 log = logging.getLogger("otel_train")
 

@@ -1,7 +1,7 @@
 """OpenTelemetry pipelines: one MeterProvider, TracerProvider and LoggerProvider per process.
 
-`assemble` calls `build_telemetry` once at init(); `Session` and `closing` hold the `Telemetry` it
-returns and shut it down within a bounded time. The parts, each with one job:
+`assemble` calls `build_telemetry` once at init(); the session holds the `Telemetry` it returns and
+`closing` shuts it down within a bounded time. The parts, each with one job:
 
 * ``providers``: the providers and what they export to: OTLP (HTTP/protobuf by default, or gRPC)
   for metrics, spans and logs, with bounded timeouts; console exporters for debugging; the

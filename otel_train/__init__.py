@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 # purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import _runtime, messages
-from otel_train.config import Config, ConfigError, cap_text, redact, redact_text
+from otel_train.config import Config, ConfigError
 from otel_train.distributed import RunInfo
+from otel_train.redaction import cap_text, redact, redact_text
 from otel_train.run import Run
 from otel_train.timing import begin_step, end_step, phase, span, step, timed, timer
 from otel_train.version import __version__

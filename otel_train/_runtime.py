@@ -20,7 +20,8 @@ from types import FrameType
 from typing import Any
 
 from otel_train.assemble import build_session
-from otel_train.config import FIELDS, Config, ConfigError, load_config
+from otel_train.config import FIELDS, Config, ConfigError
+from otel_train.config_loading import load_config
 from otel_train.session import Session
 
 log = logging.getLogger("otel_train")

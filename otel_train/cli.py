@@ -72,7 +72,9 @@ def doctor() -> int:
     """Print what otel_train would do here and whether each piece is reachable."""
     from importlib.util import find_spec
 
-    from otel_train.config import ConfigError, load_config, redact_url
+    from otel_train.config import ConfigError
+    from otel_train.config_loading import load_config
+    from otel_train.redaction import redact_url
 
     ok = True
     try:

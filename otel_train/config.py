@@ -1,5 +1,6 @@
-"""Config: one frozen dataclass, resolved from kwargs > environment > YAML file > defaults.
+"""Config: one frozen dataclass of every setting, with its default and its allowed values.
 
+`load_config` (config_loading) resolves one from kwargs > environment > YAML file > defaults.
 Standard OpenTelemetry variables are honoured (`OTEL_EXPORTER_OTLP_ENDPOINT`, `..._PROTOCOL`,
 `..._HEADERS`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_METRIC_EXPORT_INTERVAL`);
 every field also reads `OTEL_TRAIN_<FIELD>` (for example `OTEL_TRAIN_LOG_INTERVAL=50`).
@@ -9,13 +10,12 @@ Invalid settings raise `ConfigError` at `init()`, naming the setting, the bad va
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from otel_train.redaction import REDACTED, is_secret_key, redact, redact_url
 
 OtlpProtocol = Literal["http/protobuf", "grpc"]
 TimingLogOption = Literal["max", "minmax", "all"]
@@ -126,206 +126,14 @@ class Config:
     cross_rank: bool = True
 
 
-_SECRET_RE = re.compile(r"(key|token|secret|passw|auth|credential|header|cookie|bearer)", re.I)
-REDACTED = "***"
-
-# Standard OTel variables → field. Parsed specially; OTEL_TRAIN_<FIELD> is generic.
-_STANDARD_ENV = {
-    "OTEL_SERVICE_NAME": "service_name",
-    "OTEL_EXPORTER_OTLP_ENDPOINT": "otlp_endpoint",
-    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "otlp_metrics_endpoint",
-    "OTEL_EXPORTER_OTLP_PROTOCOL": "otlp_protocol",
-    "OTEL_EXPORTER_OTLP_HEADERS": "otlp_headers",
-    "OTEL_RESOURCE_ATTRIBUTES": "resource_attributes",
-    "OTEL_METRIC_EXPORT_INTERVAL": "metric_export_interval_s",  # milliseconds in the spec
-    "OTEL_EXPORTER_OTLP_TIMEOUT": "otlp_timeout_s",  # milliseconds in the spec
-}
 _SIGNAL_PATH_RE = re.compile(r"/v1/(metrics|traces|logs)/?$")
-# An HTTP header name (RFC 9110 token); values are checked for control characters only.
-_HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 CONFIG_FILE_ENV = "OTEL_TRAIN_CONFIG"
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
-_HINTS = typing.get_type_hints(Config)
 
 
 def env_name(field_name: str) -> str:
     return f"OTEL_TRAIN_{field_name.upper()}"
-
-
-def load_config(
-    overrides: Mapping[str, Any] | None = None,
-    environ: Mapping[str, str] | None = None,
-    config_file: str | None = None,
-) -> Config:
-    """Resolve a Config: `overrides` (kwargs) > environment > YAML file > defaults."""
-    environ = os.environ if environ is None else environ
-    overrides = dict(overrides or {})
-    values: dict[str, tuple[Any, str]] = {}  # field -> (value, where it came from)
-
-    path = config_file or overrides.pop("config_file", None) or environ.get(CONFIG_FILE_ENV)
-    if path:
-        for name, value in _read_yaml(path).items():
-            values[name] = (value, f"{path}:{name}")
-    for env_key, name in _STANDARD_ENV.items():
-        if env_key in environ and environ[env_key].strip() != "":
-            values[name] = (_parse_standard_env(env_key, environ[env_key]), env_key)
-    for name in FIELDS:
-        key = env_name(name)
-        if key in environ and environ[key].strip() != "":
-            values[name] = (environ[key], key)
-    for name, value in overrides.items():
-        if name not in FIELDS:
-            raise ConfigError(
-                f"init() got an unknown setting {name!r}. Known settings: {', '.join(sorted(FIELDS))}."
-            )
-        values[name] = (value, f"init({name}=...)")
-
-    resolved = {name: _coerce(name, value, source) for name, (value, source) in values.items()}
-    config = Config(**resolved)
-    validate(config, {name: source for name, (_, source) in values.items()})
-    return config
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
-    except FileNotFoundError:
-        raise ConfigError(
-            f"config file {path!r} (from {CONFIG_FILE_ENV} or config_file=) does not exist. "
-            "Fix the path or unset it."
-        ) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping of settings, got {type(data).__name__}.")
-    unknown = sorted(set(data) - set(FIELDS))
-    if unknown:
-        raise ConfigError(
-            f"config file {path!r} has unknown settings {unknown}. Known: {', '.join(sorted(FIELDS))}."
-        )
-    return data
-
-
-def _parse_standard_env(env_key: str, raw: str) -> Any:
-    if env_key in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_RESOURCE_ATTRIBUTES"):
-        return parse_key_values(raw, env_key)
-    if env_key in ("OTEL_METRIC_EXPORT_INTERVAL", "OTEL_EXPORTER_OTLP_TIMEOUT"):
-        example = "10000" if env_key == "OTEL_METRIC_EXPORT_INTERVAL" else "5000"
-        try:
-            millis = float(raw)
-        except ValueError:
-            raise ConfigError(
-                f"{env_key}={raw!r} is not a number of milliseconds. Set it to e.g. {example} or unset it."
-            ) from None
-        if env_key == "OTEL_EXPORTER_OTLP_TIMEOUT" and 0 < millis < 100:
-            # The Python SDK once read this variable as seconds; a value that small is that mistake.
-            raise ConfigError(
-                f"{env_key}={raw!r} is in milliseconds (the OpenTelemetry spec's unit), so this is "
-                f"{millis:g} ms, too short for an export. Set it to e.g. {example} (5 s) or unset it."
-            )
-        return millis / 1000.0
-    return raw
-
-
-def parse_key_values(raw: str, setting: str) -> dict[str, str]:
-    """Parse the OTel `k1=v1,k2=v2` format (values may be percent-encoded)."""
-    from urllib.parse import unquote
-
-    out: dict[str, str] = {}
-    for item in raw.split(","):
-        if not item.strip():
-            continue
-        if "=" not in item:
-            # Never echo the raw value: it may hold a header secret.
-            raise ConfigError(
-                f"{setting} has an entry without '=' (entry #{len(out) + 1}). Use the form key1=value1,key2=value2."
-            )
-        key, value = item.split("=", 1)
-        out[unquote(key.strip())] = unquote(value.strip())
-    if "HEADERS" in setting.upper():
-        check_headers(out, setting)
-    return out
-
-
-def check_headers(headers: Mapping[str, str], setting: str) -> None:
-    """Reject what an HTTP/gRPC client would reject, naming the header but never its value."""
-    for number, (key, value) in enumerate(headers.items(), start=1):
-        if not _HEADER_KEY_RE.match(key):
-            raise ConfigError(
-                f"{setting}: header #{number} has an invalid name {key[:40]!r} (letters, digits and "
-                "!#$%&'*+-.^_`|~ only). Fix the name; percent-encode the value if it has commas or spaces."
-            )
-        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-            raise ConfigError(
-                f"{setting}: the value of header {key!r} has a control character (newline?). Remove it."
-            )
-
-
-def _coerce(name: str, value: Any, source: str) -> Any:
-    hint = _HINTS[name]
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    optional = origin in (typing.Union, types.UnionType) and type(None) in args
-    if optional:
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
-            return None
-        hint = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-
-    def bad(expected: str) -> ConfigError:
-        shown = REDACTED if _SECRET_RE.search(name) else repr(redact_url(value))
-        return ConfigError(f"setting {name} (from {source}) = {shown} is invalid: expected {expected}.")
-
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
-            return False
-        raise bad("true or false")
-    if hint is int:
-        if isinstance(value, bool):
-            raise bad("an integer")
-        try:
-            return int(str(value).strip()) if not isinstance(value, int) else value
-        except ValueError:
-            raise bad("an integer") from None
-    if hint is float:
-        if isinstance(value, bool):
-            raise bad("a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise bad("a number") from None
-    if hint is str:
-        if not isinstance(value, str):
-            raise bad("a string")
-        return value
-    if origin is Literal:
-        if value not in args:
-            raise bad(f"one of {', '.join(map(repr, args))}")
-        return value
-    if origin is dict:
-        if isinstance(value, str):
-            return parse_key_values(value, source if "header" not in name else f"{source} (headers)")
-        if not isinstance(value, Mapping):
-            raise bad("a mapping of strings")
-        mapping = {str(k): str(v) for k, v in value.items()}
-        if "header" in name:
-            check_headers(mapping, source)
-        return mapping
-    if origin is tuple:
-        if isinstance(value, str):
-            return tuple(v.strip() for v in value.split(",") if v.strip())
-        if isinstance(value, (list, tuple)):
-            return tuple(str(v) for v in value)
-        raise bad("a list of strings")
-    return value
 
 
 def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
@@ -336,7 +144,7 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
     def need(cond: bool, name: str, fix: str) -> None:
         if not cond:
             value = getattr(config, name)
-            shown = REDACTED if _SECRET_RE.search(name) else repr(redact_url(value))
+            shown = REDACTED if is_secret_key(name) else repr(redact_url(value))
             source = sources.get(name)
             if source is None:
                 where = f"env {env_name(name)}"
@@ -452,80 +260,6 @@ def signal_number(name: str) -> int | None:
         return number if number in {s.value for s in signal.Signals} else None
     member = getattr(signal.Signals, text if text.startswith("SIG") else f"SIG{text}", None)
     return int(member) if member is not None else None
-
-
-def is_secret_key(key: str) -> bool:
-    return _SECRET_RE.search(key) is not None
-
-
-def redact_url(value: Any) -> Any:
-    """`scheme://user:password@host/...` -> `scheme://***@host/...`; other values unchanged."""
-    if isinstance(value, str) and "@" in value and "://" in value:
-        return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@", rf"\1{REDACTED}@", value)
-    return value
-
-
-# Free text (ot.log_text, samples) is capped before it is queued: a megabyte string would hold the
-# worker (and the GIL) while it is redacted and written, and it has no place in a JSONL line.
-TEXT_LIMIT = 65_536  # characters per text and per sample prompt/output
-
-
-def cap_text(text: str) -> str:
-    """`text` cut to TEXT_LIMIT characters, saying so and how long it was."""
-    if len(text) <= TEXT_LIMIT:
-        return text
-    return f"{text[:TEXT_LIMIT]} [... truncated by otel_train: {len(text)} characters in all]"
-
-
-# A secret-looking name and its value inside free text: `api_key=...`, `password: ...`,
-# `"api_key": "..."`, `api_key='...'` (argparse.Namespace, dict reprs), `export HF_TOKEN='...'`,
-# `--hf-token ...`, `--api-key=...`, `['--hf-token', '...']`. Linear time, because this runs on
-# text of any shape (a 100 kB base64 blob took 11 s with `\b[\w.-]*key[\w.-]*`: every start
-# inside a long word rescanned the word): a name starts only where a word starts, and its parts
-# around the keyword are bounded, so each word costs a bounded amount of backtracking; every
-# value form is one loop over characters that cannot also end it. `tokens`/`tokenizer` are
-# counts and model names, not secrets.
-_SECRET_WORD = r"(?:key|token(?!s|iz)|secret|passw|auth|credential|cookie)"
-_SECRET_IN_TEXT_RE = re.compile(
-    r"(?i)(?<![\w.-])"
-    rf"(?P<name>(?P<flag>--?)?[\w.-]{{0,64}}{_SECRET_WORD}[\w.-]{{0,64}})(?![\w.-])"
-    # after the name: an optional closing quote, then `:` / `=`; a flag also takes a space or a
-    # list separator (`'--hf-token', '...'`)
-    r"(?P<sep>\\?[\"']?[ \t]*[:=][ \t]*|(?(flag)(?:[ \t]+|[\"'],[ \t]*)|(?!)))"
-    r"(?:bearer[ \t]+|basic[ \t]+)?"
-    r"(?P<value>\"(?:[^\"\\\n]|\\.)*\"?|'[^'\n]*'?|\\\"[^\"\\\n]*|(?!-)[^\s,;&'\"(){}\[\]<>\\]+)"
-)
-_BEARER_RE = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{6,}")
-_USERINFO_RE = re.compile(r"(?<=://)[^/@\s]+@")  # `scheme://user:password@host`
-
-
-def _redacted_pair(match: re.Match[str]) -> str:
-    value = match["value"]
-    quote = next((q for q in ('\\"', '"', "'") if value.startswith(q)), "")
-    closing = quote if quote and len(value) > len(quote) and value.endswith(quote) else ""
-    return f"{match['name']}{match['sep']}{quote}{REDACTED}{closing}"
-
-
-def redact_text(text: str) -> str:
-    """Best effort for free text (ot.log_text, samples), in linear time: the values of
-    secret-looking names (`key=value`, `key: value`, quoted, JSON, dict and Namespace reprs,
-    `--flag value`), bearer tokens and URL userinfo become '***'."""
-    text = _SECRET_IN_TEXT_RE.sub(_redacted_pair, text)
-    text = _BEARER_RE.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
-    return _USERINFO_RE.sub(f"{REDACTED}@", text)
-
-
-def redact(value: Any, key: str = "") -> Any:
-    """Replace secret-looking values (by key name) with '***', recursively."""
-    if key and is_secret_key(key):
-        return REDACTED if value not in (None, "", {}, ()) else value
-    if isinstance(value, Mapping):
-        return {str(k): redact(v, str(k)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact(v) for v in value]
-    # A string leaf may itself hold secrets (a nested config rendered with str(): `{'hf_token':
-    # ...}`, a command line): the free-text redaction, which also covers URL userinfo.
-    return redact_text(value) if isinstance(value, str) else value
 
 
 def config_as_dict(config: Config) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from pathlib import Path
 from types import TracebackType
 
 from otel_train import _runtime
-from otel_train.config import redact_url
 from otel_train.distributed import RunInfo
+from otel_train.redaction import redact_url
 from otel_train.session import Session
 
 

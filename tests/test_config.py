@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from otel_train.config import Config, ConfigError, config_as_dict, load_config
+from otel_train.config import Config, ConfigError, config_as_dict
+from otel_train.config_loading import load_config
 
 
 def test_defaults() -> None:

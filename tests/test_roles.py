@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot
 from otel_train import semconv
-from otel_train.config import ConfigError, load_config
+from otel_train.config import ConfigError
+from otel_train.config_loading import load_config
 from otel_train.run_directory import RunFiles
 
 # One role's process: a few steps, a sample and an event-producing NaN loss, then shutdown.
@@ -141,7 +142,8 @@ def test_one_process_group_never_mixes_two_roles(tmp_path: Path) -> None:
 
 
 def test_each_role_gets_its_own_wandb_run_grouped_under_the_run(tmp_path: Path) -> None:
-    from otel_train.assemble import RunPlace, bridge_specs
+    from otel_train.assemble.run_place import RunPlace
+    from otel_train.assemble.sinks import bridge_specs
     from otel_train.distributed import Identity
 
     def wandb_args(role: str) -> dict:

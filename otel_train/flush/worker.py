@@ -26,13 +26,13 @@ from opentelemetry._logs import SeverityNumber
 from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.buffer import FlushBatch
-from otel_train.config import redact_text
 from otel_train.flush.instruments import Instruments, feed_layer_stats, record_durations
 from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, resolve_interval
 from otel_train.flush.step_reader import StepReader, key_for
 from otel_train.flush.tracing import ExemplarContexts, SpanWriter
 from otel_train.interval import FlushListener, Interval
 from otel_train.messages import HistogramMessage, HparamsMessage, Message, SamplesMessage, TextMessage
+from otel_train.redaction import redact_text
 
 log = logging.getLogger("otel_train")
 

@@ -8,6 +8,7 @@
   at most that timeout.
 * ``gpu_sampler``: the NVML sampler thread. NVML is called only there; the SDK's callbacks read the
   snapshot it swaps in, so a hung NVML call stalls the sampler, never collection or export.
+  ``nvml_reads`` holds the NVML calls of one device's sample (unsupported fields, lost GPUs, XIDs).
 * ``host_sampler``: the psutil sampler thread (process CPU and memory, node memory).
 * ``efficiency``: CUDA allocator memory, memory pressure, energy and MFU, computed at each flush on
   the background worker; ``mfu`` holds the FLOPs-per-token conventions and the peak-FLOP/s table.

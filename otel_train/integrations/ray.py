@@ -57,7 +57,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import otel_train as ot
-from otel_train.config import env_name, load_config
+from otel_train.config import env_name
+from otel_train.config_loading import load_config
 from otel_train.integrations._common import settings_from_kwargs, start_session
 from otel_train.integrations.nemo_rl import flatten_numbers, publish_reductions
 

@@ -16,6 +16,7 @@ import otel_train as ot
 from otel_train import config as config_module
 from otel_train.bridges import table
 from otel_train.cli import main as cli_main
+from otel_train.config_loading import load_config
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -27,8 +28,8 @@ def test_every_row_matches_a_setting_an_extra_and_a_sink_class() -> None:
     for bridge in table.BRIDGES:
         switch = bridge.module.rsplit(".", 1)[1]
         assert switch in fields, f"{bridge.name}: no Config.{switch} to switch it on"
-        assert bridge.enabled(config_module.load_config({switch: True}))
-        assert not bridge.enabled(config_module.load_config({switch: False}))
+        assert bridge.enabled(load_config({switch: True}))
+        assert not bridge.enabled(load_config({switch: False}))
         assert any(bridge.distribution in req for req in extras[bridge.extra]), bridge
         text = (REPO / (bridge.module.replace(".", "/") + ".py")).read_text()
         assert f"class {bridge.sink_class}(" in text, bridge

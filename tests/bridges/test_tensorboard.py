@@ -12,7 +12,8 @@ from helpers.readback import read_tensorboard
 from otel_train.bridges.base import flatten_params
 from otel_train.bridges.errors import BridgeSetupError
 from otel_train.bridges.tensorboard import TensorBoardSink
-from otel_train.config import Config, config_as_dict, redact
+from otel_train.config import Config, config_as_dict
+from otel_train.redaction import redact
 
 pytest.importorskip("torch.utils.tensorboard")
 

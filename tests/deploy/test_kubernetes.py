@@ -353,7 +353,7 @@ def test_training_pod_exports_to_the_agent_on_its_node() -> None:
 def test_training_pod_environment_is_what_otel_train_reads() -> None:
     """The example's variables, expanded as Kubernetes would, give the library the agent's
     endpoint and the pod's attributes (through otel_train's own config loader)."""
-    from otel_train.config import load_config
+    from otel_train.config_loading import load_config
 
     values = {"HOST_IP": "10.1.2.3", "POD_NAME": "train-demo-0-abcde", "POD_NAMESPACE": "default"}
     values["OTEL_TRAIN_RUN_ID"] = "6f1c1f1e-0000-4000-8000-000000000000"

@@ -9,7 +9,8 @@ import logging
 import pytest
 
 import otel_train as ot
-from otel_train.config import ConfigError, load_config
+from otel_train.config import ConfigError
+from otel_train.config_loading import load_config
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pathlib import Path
 from helpers.ports import free_port
 
 import otel_train as ot
-from otel_train import exporters
+from otel_train.exporters import pull_endpoint
 
 
 def _closed_by_server(sock: socket.socket) -> bool:
@@ -25,7 +25,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 
 def test_300_idle_connections_do_not_make_300_threads(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(exporters, "PULL_READ_TIMEOUT_S", 1.0, raising=False)  # (10 s by default)
+    monkeypatch.setattr(pull_endpoint, "PULL_READ_TIMEOUT_S", 1.0)  # (10 s by default)
     port = free_port()
     ot.init(run_name="pull", prometheus_port=port, verbosity=0, hardware=False)
     session = ot.current_session()
@@ -44,7 +44,7 @@ def test_300_idle_connections_do_not_make_300_threads(tmp_path: Path, monkeypatc
             most = max(most, threading.active_count())
             time.sleep(0.05)
         assert all(_closed_by_server(s) for s in clients)  # refused at once, or closed when idle
-        assert most <= baseline + getattr(exporters, "MAX_PULL_CONNECTIONS", 8)
+        assert most <= baseline + pull_endpoint.MAX_PULL_CONNECTIONS
     finally:
         for sock in clients:
             sock.close()

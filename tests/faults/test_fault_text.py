@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import otel_train as ot
-from otel_train.config import TEXT_LIMIT
+from otel_train.redaction import TEXT_LIMIT
 
 SECRET = "sk-Q7fz29bXk"
 
@@ -84,7 +84,7 @@ def test_redaction_is_linear_on_a_megabyte_of_base64() -> None:
     }
     code = (
         "import json, sys\n"
-        "from otel_train.config import redact_text\n"
+        "from otel_train.redaction import redact_text\n"
         "blobs = json.load(sys.stdin)\n"
         "print(json.dumps({k: len(redact_text(v)) for k, v in blobs.items()}))\n"
     )

@@ -1,7 +1,7 @@
 """otel_train/tracing.py: `SpanWriter` on a real SDK tracer. A step span is the child of the step's
 virtual root (trace id from run id and step, the same on every rank), its timers are its children,
 an `ot.span` mark hangs off the root; each span's context is returned keyed by what its duration
-histogram records. The end-to-end path through OTLP is tests/test_otlp.py."""
+histogram records. The end-to-end path through OTLP is tests/exporters/test_otlp.py."""
 
 from __future__ import annotations
 

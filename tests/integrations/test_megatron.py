@@ -18,7 +18,7 @@ import yaml
 from helpers.multirank import run_ranks
 
 import otel_train as ot
-from otel_train.config import load_config
+from otel_train.config_loading import load_config
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     if os.environ.get("CI"):  # make test installs it (pyproject's dev extra): missing is a failure

@@ -1,44 +1,33 @@
-"""The composition root: `build_session(config)` builds every part of a session and wires them.
+"""`build_session(config)`: builds every part of a session, in order, and wires them.
 
-In order: the rank's identity and the telemetry gloo group, the run (one name and directory for
-the whole job), GPU discovery, the Resource, the SDK providers and instruments, health events,
-sinks and the bridge process, the flush listeners (health, hardware, cross-rank reducer, profiled
-steps, goodput), the worker, the hang watchdog and the control file. `Session` itself only runs
-the steps; nothing here runs on the training thread after init().
+The run place (`run_place`), GPU discovery, the Resource (`resource`), the SDK providers and
+instruments, health events, the sinks and the bridge process (`sinks`), the flush listeners
+(health, hardware, cross-rank reducer, profiled steps, goodput), the worker, the hang watchdog and
+the control file; then config.json and env.json, and the threads start.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_train import semconv
-from otel_train.bridges.base import Sink
-from otel_train.bridges.console import ConsoleSink
-from otel_train.bridges.rundir import RunDirSink
-from otel_train.config import Config, ConfigError, config_as_dict, is_secret_key, signal_number
-from otel_train.distributed import Agreement, Identity, agree_job, create_telemetry_group, detect_identity
+from otel_train.assemble.resource import build_resource, role_attribute
+from otel_train.assemble.run_place import RunPlace, agree_run_place, process_group_started
+from otel_train.assemble.sinks import build_sinks
+from otel_train.config import Config, config_as_dict, signal_number
+from otel_train.distributed import Identity
 from otel_train.interval import FlushListener
-from otel_train.run_directory import (
-    RunFiles,
-    avoid_live_owner,
-    claim_run_dir,
-    default_run_name,
-    make_run_dir,
-    run_dir_errors_as_config_errors,
-    write_json,
-)
+from otel_train.run_directory import RunFiles, run_dir_errors_as_config_errors, write_json
 from otel_train.session import Session
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
     from opentelemetry.sdk.resources import Resource
 
-    from otel_train.bridges.process import BridgeProcess
-    from otel_train.bridges.table import BridgeSpec
+    from otel_train.bridges.base import Sink
     from otel_train.cadence import Cadence
     from otel_train.crossrank import CrossRankReducer
     from otel_train.diagnostics import CollectiveMonitor, HangReporter
@@ -48,22 +37,6 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.health import HealthEvents
 
 logger = logging.getLogger("otel_train")
-
-
-@dataclass(frozen=True)
-class RunPlace:
-    """Who this process is in the job and where the run writes."""
-
-    identity: Identity
-    telemetry_group: Any  # a torch.distributed ProcessGroup, or None when not distributed
-    run_name: str
-    is_reporting_rank: bool  # writes progress, console and bridges (rank 0, or all with bridge_all_ranks)
-    run_dir: Path | None
-    resumed: bool  # the same run_id restarted: append to this rank's files
-    log_interval: int | None  # rank 0's in lockstep (every rank flushes at the same steps)
-    cross_rank: bool  # rank 0's
-    # (event, message): what init found about the job as a whole, emitted once the events exist
-    notices: tuple[tuple[str, str], ...] = ()
 
 
 def build_session(config: Config) -> Session:
@@ -91,96 +64,6 @@ def build_session(config: Config) -> Session:
     return session
 
 
-def agree_run_place(config: Config) -> RunPlace:
-    identity = detect_identity(config.run_id, role=config.role)
-    # A dedicated gloo group: telemetry's one exchange per flush runs on the worker thread and
-    # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
-    group = create_telemetry_group(identity, config.collective_timeout_s)
-    # One run per job: every rank adopts rank 0's run id, run name (a generated name differs per
-    # process) and log_interval, so all ranks write into one run directory and flush together.
-    run_name = config.run_name or default_run_name()
-    if identity.rank == 0 and config.run_dir_enabled:  # rank 0's choice is every rank's (agree_job)
-        run_name = avoid_live_owner(Path(config.output_dir), run_name, identity.run_id, identity.role)
-    agreed = agree_job(identity, group, run_name, config.log_interval, config.cross_rank)
-    identity, run_name = agreed.identity, agreed.run_name
-    if "role" in agreed.differs:
-        raise ConfigError(
-            f"role: rank {identity.rank} has role {identity.role!r} but rank 0 of its process group another; "
-            "ranks are compared only within one role, so one torch process group holds one role. Give "
-            "every rank of the group the same OTEL_TRAIN_ROLE (each role with its own process group)."
-        )
-    run_dir = make_run_dir(config, run_name)
-    resumed = False
-    if run_dir is not None:
-        rank, run_id = identity.rank, identity.run_id
-        role = identity.role
-        resumed = run_dir_errors_as_config_errors(
-            lambda: claim_run_dir(run_dir, rank, run_id, run_name, role)
-        )
-    reporting = identity.rank == 0 or config.bridge_all_ranks
-    notices = _job_notices(config, agreed, group, run_dir)
-    for _, message in notices:
-        logger.warning("otel_train: %s", message)
-    return RunPlace(
-        identity,
-        group,
-        run_name,
-        reporting,
-        run_dir,
-        resumed,
-        agreed.log_interval,
-        agreed.cross_rank,
-        notices,
-    )
-
-
-def _job_notices(
-    config: Config, agreed: Agreement, group: Any, run_dir: Path | None
-) -> tuple[tuple[str, str], ...]:
-    """What this rank must say about the job at init: it was split off (no telemetry group, so
-    no agreed run directory), or it asked for another log_interval than rank 0."""
-    ident = agreed.identity
-    if ident.distributed and group is None and _process_group_started():
-        return (
-            (
-                "run_split",
-                f"rank {ident.rank} could not join the other ranks' telemetry group within "
-                f"collective_timeout_s={config.collective_timeout_s:g} s (a rank called ot.init() that "
-                f"much later than another, or a peer is gone): it writes its own run directory "
-                f"{run_dir or agreed.run_name} under run id {ident.run_id}, and has no cross-rank stats. "
-                "Give every rank the same run_name (or OTEL_TRAIN_RUN_ID) to keep one directory, call "
-                "ot.init() at the same point on every rank, or raise collective_timeout_s.",
-            ),
-        )
-    if agreed.differs:
-        asked = {"log_interval": _cadence_text(config.log_interval), "cross_rank": str(config.cross_rank)}
-        rank0 = {"log_interval": _cadence_text(agreed.log_interval), "cross_rank": str(agreed.cross_rank)}
-        names = " and ".join(agreed.differs)
-        return (
-            (
-                "settings_mismatch",
-                f"{names} differ{'s' if len(agreed.differs) == 1 else ''} across ranks: rank {ident.rank} "
-                f"asked for {', '.join(asked[n] for n in agreed.differs)}, rank 0 for "
-                f"{', '.join(rank0[n] for n in agreed.differs)}; every rank uses rank 0's, so that the "
-                f"ranks exchange at the same flushes and steps. Set the same {names} on every rank.",
-            ),
-        )
-    return ()
-
-
-def _cadence_text(log_interval: int | None) -> str:
-    return "the adaptive cadence (log_interval unset)" if log_interval is None else f"{log_interval} steps"
-
-
-def _process_group_started() -> bool:
-    try:
-        import torch.distributed as dist
-
-        return bool(dist.is_available() and dist.is_initialized())
-    except Exception:  # torch missing or broken
-        return False
-
-
 def _discover_gpus(config: Config, identity: Identity) -> Discovery | None:
     if not config.hardware:
         return None
@@ -188,46 +71,6 @@ def _discover_gpus(config: Config, identity: Identity) -> Discovery | None:
 
     # Before the Resource: the rank's GPU UUID and PCI bus id join DCGM series to ranks.
     return discover_with_timeout(identity.local_rank, timeout_s=5.0)
-
-
-def build_resource(config: Config, ident: Identity, gpu_attributes: Mapping[str, str]) -> Resource:
-    from opentelemetry.sdk.resources import Resource
-
-    attributes: dict[str, Any] = {
-        k: v
-        for k, v in config.resource_attributes.items()
-        if not is_secret_key(k)  # a secret-looking resource attribute would reach every exporter
-    }
-    attributes.update(gpu_attributes)
-    attributes.update(
-        {
-            "service.name": config.service_name,
-            "service.instance.id": ident.instance_id,
-            semconv.RUN_ID: ident.run_id,
-            semconv.RANK: ident.rank,
-            **_role_attribute(ident),
-            "local_rank": ident.local_rank,
-            "world_size": ident.world_size,
-            "node_rank": ident.node_rank,
-            "host.name": ident.host,
-        }
-    )
-    # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES (and the SDK defaults and detectors)
-    # back in, so the filters run on what it returns, not only on what went in. No per-process
-    # attribute stays (semconv.PROCESS_ATTRIBUTE_PREFIX): this Resource labels metric series;
-    # per-launch attributes go on spans and logs only (build_telemetry's event_attributes).
-    created = Resource.create(attributes)
-    kept = {
-        k: v
-        for k, v in created.attributes.items()
-        if not is_secret_key(k) and not k.startswith(semconv.PROCESS_ATTRIBUTE_PREFIX)
-    }
-    return Resource(kept, created.schema_url)
-
-
-def _role_attribute(ident: Identity) -> dict[str, str]:
-    """The role resource/event attribute: none without a role (the identity as before roles)."""
-    return {semconv.ROLE: ident.role} if ident.role else {}
 
 
 def _build_session(
@@ -263,7 +106,7 @@ def _build_session(
         )
     for event, message in place.notices:
         events.emit(event, message)
-    sinks, console, bridges = run_dir_errors_as_config_errors(lambda: _sinks(config, place, instruments))
+    sinks, console, bridges = run_dir_errors_as_config_errors(lambda: build_sinks(config, place, instruments))
     hardware = _start_hardware(config, meter, events, ident, gpu_discovery)
     reducer, cadence = _reducer_and_cadence(config, place, meter, events)
     profiled_steps = ProfiledStepsCounter(meter)
@@ -293,7 +136,7 @@ def _collective_monitor(place: RunPlace, meter: Any) -> CollectiveMonitor | None
     """Collective metrics from the Flight Recorder, on a rank of a started process group."""
     if not place.identity.distributed:
         return None
-    if not _process_group_started():
+    if not process_group_started():
         if place.identity.rank == 0:  # the launch check's no_process_group event says why, too
             logger.warning(
                 "otel_train: torch.distributed had no process group when ot.init() ran: collective "
@@ -315,31 +158,9 @@ def _health_events(
         instruments.health_events,
         otel_logger,
         RunFiles(place.run_dir, rank, place.identity.role).events if place.run_dir else None,
-        {semconv.RANK: rank, "host.name": place.identity.host, **_role_attribute(place.identity)},
+        {semconv.RANK: rank, "host.name": place.identity.host, **role_attribute(place.identity)},
         echo=config.verbosity > 0,
     )
-
-
-def _sinks(
-    config: Config, place: RunPlace, instruments: Instruments
-) -> tuple[list[Sink], ConsoleSink | None, BridgeProcess | None]:
-    """Every rank keeps its own metrics JSONL (the local copy); progress, console and bridges
-    are written by the reporting rank (rank 0, or every rank with bridge_all_ranks)."""
-    sinks: list[Sink] = []
-    if place.run_dir is not None:
-        progress = place.is_reporting_rank
-        ident = place.identity
-        sinks.append(RunDirSink(place.run_dir, ident.rank, config.total_steps, progress, ident.role))
-    if not place.is_reporting_rank:
-        return sinks, None, None
-    console = None
-    if place.identity.rank == 0:
-        console = ConsoleSink(config.verbosity, config.progress_bar, config.total_steps)
-        sinks.append(console)
-    bridges = _bridge_process(config, place, instruments)
-    if bridges is not None:
-        sinks.append(bridges)
-    return sinks, console, bridges
 
 
 def _start_hardware(
@@ -376,43 +197,6 @@ def _reducer_and_cadence(
     if lockstep:
         reducer.on_cadence = cadence.adopt
     return reducer, cadence
-
-
-def bridge_specs(config: Config, place: RunPlace) -> list[BridgeSpec]:
-    """The switched-on bridges (`bridges/table`) as the bridge process builds them."""
-    from otel_train.bridges.table import BridgePlace, specs
-
-    return specs(
-        config,
-        BridgePlace(
-            run_dir=place.run_dir or Path(config.output_dir) / place.run_name,
-            run_name=place.run_name,
-            run_id=place.identity.run_id,
-            rank=place.identity.rank,
-            role=place.identity.role,
-            every_rank=config.bridge_all_ranks,
-        ),
-    )
-
-
-def _bridge_process(config: Config, place: RunPlace, instruments: Instruments) -> BridgeProcess | None:
-    """TensorBoard / W&B / MLflow in one child process (`bridges.process`), off this process's
-    GIL. A missing package or an unwritable directory raises here, at
-    init(), naming the extra or the path (the child reports its set-up before init() returns)."""
-    from otel_train.bridges.errors import BridgeSetupFailed
-    from otel_train.bridges.process import BridgeProcess
-
-    specs = bridge_specs(config, place)
-    if not specs:
-        return None
-
-    def count_drop(reason: str, count: int) -> None:
-        instruments.dropped.add(count, {semconv.REASON: reason})
-
-    try:
-        return BridgeProcess(specs, config.bridge_queue_size, count_drop)
-    except BridgeSetupFailed as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def _attach_goodput(session: Session) -> None:

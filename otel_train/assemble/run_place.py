@@ -1,0 +1,134 @@
+"""Where this process runs: its identity in the job, the telemetry gloo group, and the one run
+(name, directory, cadence) every rank agrees on at init.
+
+Rank 0's run name, run id, log_interval and cross_rank are every rank's (`distributed.agree_job`),
+so all ranks write into one run directory and flush together; this rank claims its files in it
+(appending when the same run restarts). What init found about the job as a whole (a rank split
+off, settings that differ from rank 0's) becomes `RunPlace.notices`, emitted as health events once
+the events exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from otel_train.config import Config, ConfigError
+from otel_train.distributed import Agreement, Identity, agree_job, create_telemetry_group, detect_identity
+from otel_train.run_directory import (
+    avoid_live_owner,
+    claim_run_dir,
+    default_run_name,
+    make_run_dir,
+    run_dir_errors_as_config_errors,
+)
+
+logger = logging.getLogger("otel_train")
+
+
+@dataclass(frozen=True)
+class RunPlace:
+    """Who this process is in the job and where the run writes."""
+
+    identity: Identity
+    telemetry_group: Any  # a torch.distributed ProcessGroup, or None when not distributed
+    run_name: str
+    is_reporting_rank: bool  # writes progress, console and bridges (rank 0, or all with bridge_all_ranks)
+    run_dir: Path | None
+    resumed: bool  # the same run_id restarted: append to this rank's files
+    log_interval: int | None  # rank 0's in lockstep (every rank flushes at the same steps)
+    cross_rank: bool  # rank 0's
+    # (event, message): what init found about the job as a whole, emitted once the events exist
+    notices: tuple[tuple[str, str], ...] = ()
+
+
+def agree_run_place(config: Config) -> RunPlace:
+    identity = detect_identity(config.run_id, role=config.role)
+    # A dedicated gloo group: telemetry's one exchange per flush runs on the worker thread and
+    # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
+    group = create_telemetry_group(identity, config.collective_timeout_s)
+    # One run per job: every rank adopts rank 0's run id, run name (a generated name differs per
+    # process) and log_interval, so all ranks write into one run directory and flush together.
+    run_name = config.run_name or default_run_name()
+    if identity.rank == 0 and config.run_dir_enabled:  # rank 0's choice is every rank's (agree_job)
+        run_name = avoid_live_owner(Path(config.output_dir), run_name, identity.run_id, identity.role)
+    agreed = agree_job(identity, group, run_name, config.log_interval, config.cross_rank)
+    identity, run_name = agreed.identity, agreed.run_name
+    if "role" in agreed.differs:
+        raise ConfigError(
+            f"role: rank {identity.rank} has role {identity.role!r} but rank 0 of its process group another; "
+            "ranks are compared only within one role, so one torch process group holds one role. Give "
+            "every rank of the group the same OTEL_TRAIN_ROLE (each role with its own process group)."
+        )
+    run_dir = make_run_dir(config, run_name)
+    resumed = False
+    if run_dir is not None:
+        rank, run_id = identity.rank, identity.run_id
+        role = identity.role
+        resumed = run_dir_errors_as_config_errors(
+            lambda: claim_run_dir(run_dir, rank, run_id, run_name, role)
+        )
+    reporting = identity.rank == 0 or config.bridge_all_ranks
+    notices = _job_notices(config, agreed, group, run_dir)
+    for _, message in notices:
+        logger.warning("otel_train: %s", message)
+    return RunPlace(
+        identity,
+        group,
+        run_name,
+        reporting,
+        run_dir,
+        resumed,
+        agreed.log_interval,
+        agreed.cross_rank,
+        notices,
+    )
+
+
+def _job_notices(
+    config: Config, agreed: Agreement, group: Any, run_dir: Path | None
+) -> tuple[tuple[str, str], ...]:
+    """What this rank must say about the job at init: it was split off (no telemetry group, so
+    no agreed run directory), or it asked for another log_interval than rank 0."""
+    ident = agreed.identity
+    if ident.distributed and group is None and process_group_started():
+        return (
+            (
+                "run_split",
+                f"rank {ident.rank} could not join the other ranks' telemetry group within "
+                f"collective_timeout_s={config.collective_timeout_s:g} s (a rank called ot.init() that "
+                f"much later than another, or a peer is gone): it writes its own run directory "
+                f"{run_dir or agreed.run_name} under run id {ident.run_id}, and has no cross-rank stats. "
+                "Give every rank the same run_name (or OTEL_TRAIN_RUN_ID) to keep one directory, call "
+                "ot.init() at the same point on every rank, or raise collective_timeout_s.",
+            ),
+        )
+    if agreed.differs:
+        asked = {"log_interval": _cadence_text(config.log_interval), "cross_rank": str(config.cross_rank)}
+        rank0 = {"log_interval": _cadence_text(agreed.log_interval), "cross_rank": str(agreed.cross_rank)}
+        names = " and ".join(agreed.differs)
+        return (
+            (
+                "settings_mismatch",
+                f"{names} differ{'s' if len(agreed.differs) == 1 else ''} across ranks: rank {ident.rank} "
+                f"asked for {', '.join(asked[n] for n in agreed.differs)}, rank 0 for "
+                f"{', '.join(rank0[n] for n in agreed.differs)}; every rank uses rank 0's, so that the "
+                f"ranks exchange at the same flushes and steps. Set the same {names} on every rank.",
+            ),
+        )
+    return ()
+
+
+def _cadence_text(log_interval: int | None) -> str:
+    return "the adaptive cadence (log_interval unset)" if log_interval is None else f"{log_interval} steps"
+
+
+def process_group_started() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+    except Exception:  # torch missing or broken
+        return False

@@ -1,0 +1,212 @@
+"""The providers: one MeterProvider, TracerProvider and LoggerProvider per process, and what they
+export to: OTLP (HTTP/protobuf by default, or gRPC) with bounded timeouts, the console (debugging),
+the Prometheus pull endpoint (`pull_endpoint`) and the per-flush StepReader (passed in). Every
+exporter is wrapped in a fork guard (`guards`); `Telemetry.shutdown` bounds the shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+
+from otel_train import semconv
+from otel_train.config import Config
+from otel_train.exporters.guards import (
+    ExportStatus,
+    ForkGuardLogExporter,
+    ForkGuardMetricExporter,
+    ForkGuardSpanExporter,
+    quiet_sdk_exporter_logs,
+)
+from otel_train.exporters.pull_endpoint import PullEndpoint, start_pull_endpoint
+
+log = logging.getLogger("otel_train")
+
+
+# --- builders --------------------------------------------------------------------------------------
+def _otlp_url(config: Config, signal: str) -> str:
+    if signal == "metrics" and config.otlp_metrics_endpoint:
+        return config.otlp_metrics_endpoint  # used as-is, as the OTel spec says
+    assert config.otlp_endpoint is not None
+    base = config.otlp_endpoint.rstrip("/")
+    if config.otlp_protocol == "grpc":
+        return base
+    return f"{base}/v1/{signal}"
+
+
+def _otlp_metric_exporter(config: Config) -> MetricExporter:
+    headers = dict(config.otlp_headers)
+    endpoint = _otlp_url(config, "metrics")
+    if config.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
+
+        insecure = config.otlp_insecure and not endpoint.startswith("https")
+        return GrpcMetrics(
+            endpoint=endpoint, insecure=insecure, headers=headers, timeout=config.otlp_timeout_s
+        )
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+    return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s)
+
+
+def _otlp_event_exporters(config: Config) -> tuple[SpanExporter, LogRecordExporter]:
+    headers = dict(config.otlp_headers)
+    timeout = config.otlp_timeout_s  # seconds: the Python SDK's unit
+    if config.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcLogs
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpans
+
+        insecure = config.otlp_insecure and not config.otlp_endpoint.startswith("https")  # type: ignore[union-attr]
+        endpoint = _otlp_url(config, "traces")
+        return (
+            GrpcSpans(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
+            GrpcLogs(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
+        )
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return (
+        OTLPSpanExporter(endpoint=_otlp_url(config, "traces"), headers=headers, timeout=timeout),
+        OTLPLogExporter(endpoint=_otlp_url(config, "logs"), headers=headers, timeout=timeout),
+    )
+
+
+@dataclass
+class Telemetry:
+    resource: Resource
+    meter_provider: MeterProvider
+    tracer_provider: TracerProvider | None
+    logger_provider: LoggerProvider | None
+    pull_endpoint: PullEndpoint | None
+    remote: bool = False  # exports over OTLP (a slow shutdown then points at the collector)
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def shutdown(self, timeout_s: float) -> bool:
+        """Shut every provider down on a helper thread; give up after `timeout_s`.
+
+        The SDK's own timeouts are not honoured by the OTLP exporters (seconds vs millis, retries),
+        so the bound is enforced here. Returns False when something was abandoned.
+        """
+        steps: list[Callable[[], Any]] = []
+        if self.tracer_provider is not None:
+            steps.append(self.tracer_provider.shutdown)
+        if self.logger_provider is not None:
+            steps.append(self.logger_provider.shutdown)
+        millis = max(1, int(timeout_s * 1000))
+        steps.append(lambda: self.meter_provider.shutdown(timeout_millis=millis))
+        if self.pull_endpoint is not None:
+            steps.append(self.pull_endpoint.close)
+
+        def run() -> None:
+            for step in steps:
+                try:
+                    step()
+                except Exception as exc:  # shutdown must not raise into the training's exit path
+                    log.debug("otel_train: shutdown step failed: %s", exc)
+
+        thread = threading.Thread(target=run, name="otel_train-shutdown", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.warning(
+                "otel_train: exporters did not finish within %.1fs%s; abandoning the last export. "
+                "Local run-dir files are complete (more time: shutdown_timeout_s).",
+                timeout_s,
+                " (collector down or slow?)" if self.remote else "",
+            )
+            return False
+        return True
+
+
+def build_telemetry(
+    config: Config,
+    resource: Resource,
+    event_attributes: Mapping[str, str | int],
+    step_reader: MetricReader,
+    local_rank: int,
+) -> Telemetry:
+    """`resource` identifies metric series (no per-launch attribute); spans and logs carry
+    `event_attributes` (process.pid, run name) on top."""
+    readers: list[MetricReader] = [step_reader]
+    span_exporters: list[SpanExporter] = []
+    log_exporters: list[LogRecordExporter] = []
+    interval_ms = config.metric_export_interval_s * 1000
+
+    if config.otlp_endpoint or config.otlp_metrics_endpoint:
+        quiet_sdk_exporter_logs()
+        # Named by the endpoint the user set: the base URL for all signals, or the metrics URL.
+        metrics_status = ExportStatus(config.otlp_metrics_endpoint or config.otlp_endpoint or "")
+        readers.append(
+            PeriodicExportingMetricReader(
+                ForkGuardMetricExporter(_otlp_metric_exporter(config), metrics_status),
+                export_interval_millis=interval_ms,
+                export_timeout_millis=config.otlp_timeout_s * 1000,
+            )
+        )
+    if config.otlp_endpoint:
+        spans, logs = _otlp_event_exporters(config)
+        same = not config.otlp_metrics_endpoint  # one endpoint: one outage warning for all signals
+        span_exporters.append(
+            ForkGuardSpanExporter(spans, metrics_status if same else ExportStatus(config.otlp_endpoint))
+        )
+        log_exporters.append(ForkGuardLogExporter(logs))
+    if config.console_exporter:
+        from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        readers.append(
+            PeriodicExportingMetricReader(
+                ForkGuardMetricExporter(ConsoleMetricExporter()), export_interval_millis=interval_ms
+            )
+        )
+        span_exporters.append(ForkGuardSpanExporter(ConsoleSpanExporter()))
+        log_exporters.append(ForkGuardLogExporter(ConsoleLogRecordExporter()))
+
+    pull_reader, pull_endpoint = start_pull_endpoint(config, local_rank, semconv.LABEL_RESOURCE_KEYS)
+    if pull_reader is not None:
+        readers.append(pull_reader)
+
+    meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+    # Spans and logs are events, not series: they name the process (to find it on the host).
+    event_resource = resource.merge(Resource(dict(event_attributes)))
+    tracer_provider, logger_provider = _event_providers(config, event_resource, span_exporters, log_exporters)
+    remote = bool(config.otlp_endpoint or config.otlp_metrics_endpoint)
+    return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint, remote)
+
+
+def _event_providers(
+    config: Config,
+    event_resource: Resource,
+    span_exporters: list[SpanExporter],
+    log_exporters: list[LogRecordExporter],
+) -> tuple[TracerProvider | None, LoggerProvider | None]:
+    """The tracer and logger providers that batch spans and log records to their exporters."""
+    tracer_provider: TracerProvider | None = None
+    logger_provider: LoggerProvider | None = None
+    if span_exporters and config.traces:
+        tracer_provider = TracerProvider(resource=event_resource, shutdown_on_exit=False)
+        for exporter in span_exporters:
+            tracer_provider.add_span_processor(
+                BatchSpanProcessor(
+                    exporter, schedule_delay_millis=2000, export_timeout_millis=config.otlp_timeout_s * 1000
+                )
+            )
+    if log_exporters:
+        logger_provider = LoggerProvider(resource=event_resource, shutdown_on_exit=False)
+        for log_exporter in log_exporters:
+            logger_provider.add_log_record_processor(
+                BatchLogRecordProcessor(log_exporter, schedule_delay_millis=2000)
+            )
+    return tracer_provider, logger_provider

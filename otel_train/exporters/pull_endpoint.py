@@ -1,0 +1,120 @@
+"""The Prometheus pull endpoint: `http://prometheus_host:prometheus_port + local_rank/metrics`,
+served by a threading WSGI server in the training process with a cap on connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import MetricReader
+
+from otel_train.config import Config
+
+log = logging.getLogger("otel_train")
+
+# The pull endpoint serves each connection on a thread of its own, in the training process: at most
+# this many at once (more are closed at once; Prometheus needs one per scrape), and a connection
+# that sends nothing for PULL_READ_TIMEOUT_S is closed. Collecting for a scrape is not bounded by it.
+MAX_PULL_CONNECTIONS = 8
+PULL_READ_TIMEOUT_S = 10.0
+
+
+def _pull_server_class() -> Any:
+    """A threading WSGI server with a cap on connections (built on first use: wsgiref at init())."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIServer
+
+    class PullServer(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        request_queue_size = 64
+
+        def server_activate(self) -> None:
+            super().server_activate()
+            self.slots = threading.BoundedSemaphore(MAX_PULL_CONNECTIONS)
+            self.refused = 0
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self.slots.acquire(blocking=False):
+                self.refused += 1  # all slots busy (idle clients, hung scrapes): no new thread
+                self.shutdown_request(request)
+                return
+            threading.Thread(
+                target=self._serve,
+                args=(request, client_address),
+                name="otel_train-metrics-http",
+                daemon=True,
+            ).start()
+
+        def _serve(self, request: Any, client_address: Any) -> None:
+            try:
+                self.process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
+    return PullServer
+
+
+def _serve_pull(host: str, port: int, registry: Any) -> tuple[Any, threading.Thread]:
+    import socket
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    class QuietHandler(WSGIRequestHandler):
+        timeout = PULL_READ_TIMEOUT_S  # socket timeout on every read and write of the connection
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """No line per request on stderr."""
+
+    server_class = _pull_server_class()
+    # IPv6 hosts need an AF_INET6 socket (as prometheus_client's own server picks it).
+    server_class.address_family = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0][0]
+    server: Any = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="otel_train-metrics-server", daemon=True)
+    thread.start()
+    return server, thread
+
+
+@dataclass
+class PullEndpoint:
+    url: str
+    server: Any
+    thread: threading.Thread
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def start_pull_endpoint(
+    config: Config, local_rank: int, label_keys: Sequence[str]
+) -> tuple[MetricReader | None, PullEndpoint | None]:
+    """Prometheus pull endpoint; a busy port warns once (naming port and setting) and is skipped."""
+    if config.prometheus_port == 0:
+        return None, None
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry
+
+    port = config.prometheus_port + local_rank
+    registry = CollectorRegistry()
+    keys = frozenset(label_keys)
+    reader = PrometheusMetricReader(registry=registry, resource_attribute_filter=keys.__contains__)
+    try:
+        server, thread = _serve_pull(config.prometheus_host, port, registry)
+    except OSError as exc:
+        log.warning(
+            "otel_train: Prometheus pull endpoint %s:%d is unavailable (%s); continuing without it. "
+            "Set OTEL_TRAIN_PROMETHEUS_PORT to a free base port (the endpoint uses port + local_rank), "
+            "or 0 to disable.",
+            config.prometheus_host,
+            port,
+            exc.strerror or exc,
+        )
+        return None, None
+    return reader, PullEndpoint(f"http://{config.prometheus_host}:{port}/metrics", server, thread)

@@ -1,0 +1,274 @@
+"""One sample of one GPU through NVML, on the sampler's thread (`gpu_sampler` runs it).
+
+A value the device does not support (NotSupported, NoPermission, missing function) is omitted,
+never reported as 0, and not asked for again (`DeviceState.unsupported`). A lost GPU (GpuIsLost /
+Unknown) raises `GpuLost`; the sampler stops its series and emits one ``gpu_lost`` event. Critical
+XID events are drained from a per-device event set, each emitted as a ``gpu_xid`` event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.metrics import Observation
+
+from otel_train import semconv as sc
+from otel_train.hardware.discovery import GpuDevice, shutdown_quietly
+from otel_train.health import EventChannel
+
+# One logger for the whole hardware subsystem (its modules were one file): users filter on it.
+log = logging.getLogger("otel_train.hardware")
+
+MAX_XID_EVENTS_PER_SAMPLE = 64
+
+# Clock-event (throttle) reasons -> NVML bits. GpuIdle and ApplicationsClocksSetting are not
+# slowdowns and are left out. "sw_slowdown" is SyncBoost (software lowered clocks to match the
+# sync-boost group); NVML has no other software slowdown bit besides the power cap and thermal.
+THROTTLE_BITS: dict[str, int] = {
+    "power_cap": 0x4,  # SwPowerCap
+    "thermal": 0x20 | 0x40,  # SwThermalSlowdown | HwThermalSlowdown
+    "hw_slowdown": 0x8 | 0x80,  # HwSlowdown | HwPowerBrakeSlowdown
+    "sw_slowdown": 0x10,  # SyncBoost
+}
+
+_UNSUPPORTED_CODES = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR_FUNCTION_NOT_FOUND")
+_LOST_CODES = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN")
+
+
+class GpuLost(Exception):
+    pass
+
+
+@dataclass
+class DeviceState:
+    """What the sampler knows about one GPU: the fields it does not ask for again, lost, XIDs."""
+
+    dev: GpuDevice
+    unsupported: set[str] = field(default_factory=set)
+    lost: bool = False
+    event_set: Any = None
+    xid_count: int = 0
+    last_xid: int | None = None
+    io_bytes: dict[str, float] = field(default_factory=dict)  # hw.gpu.io by direction (integrated)
+    io_sampled_at: float | None = None
+
+
+def _codes(nvml: Any, names: tuple[str, ...]) -> frozenset[int]:
+    return frozenset(int(getattr(nvml, n)) for n in names if hasattr(nvml, n))
+
+
+class DeviceSample:
+    """Observations of one device in one sample, each with the device's identity attributes."""
+
+    def __init__(self, state: DeviceState) -> None:
+        self.attrs = {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name}
+        self.typed_attrs = {**self.attrs, sc.HW_TYPE: sc.HW_TYPE_GPU}  # for specs that carry hw.type
+        self.obs: dict[str, list[Observation]] = {}
+        self.energy_j: float | None = None
+        self.memory: tuple[str, int, int] | None = None
+
+    def put(self, spec: sc.MetricSpec, value: float, extra: Mapping[str, str] | None = None) -> None:
+        base = self.typed_attrs if sc.HW_TYPE in spec.attributes else self.attrs
+        attrs = {**base, **extra} if extra else base
+        self.obs.setdefault(spec.name, []).append(Observation(value, attrs))
+
+
+class NvmlReads:
+    """The NVML calls of a sample, through ``nvml`` (initialised by discovery; `release` frees it).
+
+    ``current_call`` names the NVML function running now ("" between calls): the sampler's warning
+    about a call that has blocked it for long names it.
+    """
+
+    def __init__(self, nvml: Any, events: EventChannel) -> None:
+        self._nvml = nvml
+        self._events = events
+        self._unsupported_codes = _codes(nvml, _UNSUPPORTED_CODES)
+        self._lost_codes = _codes(nvml, _LOST_CODES)
+        self.current_call = ""
+
+    def release(self, devices: Iterable[DeviceState]) -> None:
+        """Free the devices' XID event sets and shut NVML down."""
+        for state in devices:
+            if state.event_set is not None:
+                with contextlib.suppress(Exception):
+                    self._nvml.nvmlEventSetFree(state.event_set)
+                state.event_set = None
+        shutdown_quietly(self._nvml)
+
+    def sample_device(self, state: DeviceState, clock: Callable[[], float]) -> DeviceSample:
+        """One sample of the device; raises `GpuLost` when it is gone. `clock` times the PCIe counter."""
+        out = DeviceSample(state)
+        self._sample_load(state, out)
+        self._sample_errors(state, out)
+        self._sample_clocks(state, out)
+        self._sample_pcie(state, out, clock)
+        return out
+
+    def _sample_load(self, state: DeviceState, out: DeviceSample) -> None:
+        """Utilisation, memory, temperature, power and the energy counter."""
+        nvml: Any = self._nvml
+        util = self._call(state, "utilization", "nvmlDeviceGetUtilizationRates")
+        if util is not None:
+            out.put(sc.GPU_UTILIZATION, util.gpu / 100.0)
+            out.put(sc.GPU_MEMORY_CONTROLLER, util.memory / 100.0)
+        mem_info = self._call(state, "memory", "nvmlDeviceGetMemoryInfo")
+        if mem_info is not None:
+            out.put(sc.GPU_MEMORY_USAGE, int(mem_info.used))
+            out.put(sc.GPU_MEMORY_LIMIT, int(mem_info.total))
+            if mem_info.total > 0:
+                out.put(sc.GPU_MEMORY_UTILIZATION, mem_info.used / mem_info.total)
+            out.memory = (state.dev.uuid, int(mem_info.used), int(mem_info.total))
+        temp = self._call(
+            state, "temperature", "nvmlDeviceGetTemperature", getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
+        )
+        if temp is not None:
+            out.put(sc.GPU_TEMPERATURE, float(temp))
+        power = self._call(state, "power", "nvmlDeviceGetPowerUsage")
+        if power is not None:
+            out.put(sc.GPU_POWER, power / 1000.0)  # mW -> W
+        energy_mj = self._call(state, "energy", "nvmlDeviceGetTotalEnergyConsumption")
+        out.energy_j = energy_mj / 1000.0 if energy_mj is not None else None  # mJ -> J
+        if out.energy_j is not None:
+            out.put(sc.GPU_ENERGY, out.energy_j)
+
+    def _sample_errors(self, state: DeviceState, out: DeviceSample) -> None:
+        """ECC error counts and critical XID events."""
+        nvml: Any = self._nvml
+        for err_type, nvml_type in (("ecc_corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED"),
+                                    ("ecc_uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED")):  # fmt: skip
+            count = self._call(
+                state, err_type, "nvmlDeviceGetTotalEccErrors", getattr(nvml, nvml_type),
+                getattr(nvml, "NVML_VOLATILE_ECC", 0),
+            )  # fmt: skip
+            if count is not None:
+                out.put(sc.GPU_ERRORS, int(count), {sc.ERROR_TYPE: err_type})
+        if self._drain_xids(state):
+            out.put(sc.GPU_ERRORS, state.xid_count, {sc.ERROR_TYPE: "xid"})
+
+    def _sample_clocks(self, state: DeviceState, out: DeviceSample) -> None:
+        """SM and memory clocks and the clock-event (throttle) reasons."""
+        nvml: Any = self._nvml
+        for spec, field_name, clock in ((sc.GPU_CLOCK_SM, "clock_sm", "NVML_CLOCK_SM"),
+                                        (sc.GPU_CLOCK_MEMORY, "clock_mem", "NVML_CLOCK_MEM")):  # fmt: skip
+            mhz = self._call(state, field_name, "nvmlDeviceGetClockInfo", getattr(nvml, clock))
+            if mhz is not None:
+                out.put(spec, mhz * 1e6)  # MHz -> Hz
+        reasons = self._call(state, "clock_reasons", "nvmlDeviceGetCurrentClocksEventReasons")
+        if reasons is None and "clock_reasons" in state.unsupported:
+            reasons = self._call(state, "throttle_reasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+        if reasons is not None:
+            for reason, bits in THROTTLE_BITS.items():
+                out.put(sc.GPU_THROTTLE, 1 if int(reasons) & bits else 0, {sc.THROTTLE_REASON: reason})
+
+    def _sample_pcie(self, state: DeviceState, out: DeviceSample, clock: Callable[[], float]) -> None:
+        """hw.gpu.io: NVML gives PCIe throughput (KB/s over a short window), not a byte count, so
+        the counter adds each sample's rate times the time since the previous sample."""
+        nvml: Any = self._nvml
+        now = clock()
+        elapsed = now - state.io_sampled_at if state.io_sampled_at is not None else 0.0
+        state.io_sampled_at = now
+        for direction, counter in (
+            ("receive", "NVML_PCIE_UTIL_RX_BYTES"),
+            ("transmit", "NVML_PCIE_UTIL_TX_BYTES"),
+        ):
+            kbs = self._call(
+                state, f"pcie_{direction}", "nvmlDeviceGetPcieThroughput", getattr(nvml, counter)
+            )
+            if kbs is not None:
+                total = state.io_bytes.get(direction, 0.0) + kbs * 1024.0 * elapsed  # KB/s -> By
+                state.io_bytes[direction] = total
+                out.put(sc.GPU_IO, int(total), {sc.DIRECTION: direction})
+
+    def _call(self, state: DeviceState, field_name: str, fn_name: str, *args: Any) -> Any | None:
+        """One NVML call; None when unsupported (remembered) or failing transiently."""
+        if field_name in state.unsupported:
+            return None
+        nvml = self._nvml
+        fn = getattr(nvml, fn_name, None)
+        if fn is None:
+            state.unsupported.add(field_name)
+            return None
+        self.current_call = fn_name
+        try:
+            return fn(state.dev.handle, *args)
+        except Exception as exc:
+            code = getattr(exc, "value", None)
+            if code in self._lost_codes:
+                raise GpuLost(f"{fn_name}: {exc}") from exc
+            if code in self._unsupported_codes:
+                state.unsupported.add(field_name)
+                log.debug("otel_train: %s not supported on %s (%s)", fn_name, state.dev.uuid, exc)
+            return None
+        finally:
+            self.current_call = ""
+
+    # -- XID events --------------------------------------------------------------------------------
+    def _drain_xids(self, state: DeviceState) -> bool:
+        """Count critical XID events; True when XID reporting works on this device."""
+        if "xid" in state.unsupported:
+            return False
+        if state.event_set is None and not self._register_xids(state):
+            return False
+        nvml: Any = self._nvml
+        for _ in range(MAX_XID_EVENTS_PER_SAMPLE):
+            try:
+                self.current_call = "nvmlEventSetWait"
+                data = nvml.nvmlEventSetWait(state.event_set, 0)
+            except Exception as exc:
+                code = getattr(exc, "value", None)
+                if code in self._lost_codes:
+                    raise GpuLost(f"nvmlEventSetWait: {exc}") from exc
+                if code in self._unsupported_codes:  # a count that can never move is not a 0
+                    log.debug("otel_train: XID wait unavailable on %s (%s)", state.dev.uuid, exc)
+                    self._give_up_xids(state)
+                    return False
+                break  # NVML_ERROR_TIMEOUT: no pending event
+            finally:
+                self.current_call = ""
+            state.xid_count += 1
+            state.last_xid = int(getattr(data, "eventData", 0))
+            _emit_xid(self._events, state, state.last_xid)
+        return True
+
+    def _register_xids(self, state: DeviceState) -> bool:
+        """Create the device's XID event set; False (remembered) when the device cannot."""
+        nvml: Any = self._nvml
+        try:
+            self.current_call = "nvmlEventSetCreate"
+            state.event_set = nvml.nvmlEventSetCreate()
+            self.current_call = "nvmlDeviceRegisterEvents"
+            nvml.nvmlDeviceRegisterEvents(
+                state.dev.handle, nvml.nvmlEventTypeXidCriticalError, state.event_set
+            )
+        except Exception as exc:
+            if getattr(exc, "value", None) in self._lost_codes:
+                raise GpuLost(f"nvmlDeviceRegisterEvents: {exc}") from exc
+            log.debug("otel_train: XID events unavailable on %s (%s)", state.dev.uuid, exc)
+            self._give_up_xids(state)
+            return False
+        finally:
+            self.current_call = ""
+        return True
+
+    def _give_up_xids(self, state: DeviceState) -> None:
+        nvml: Any = self._nvml
+        state.unsupported.add("xid")
+        if state.event_set is not None:
+            with contextlib.suppress(Exception):
+                nvml.nvmlEventSetFree(state.event_set)
+            state.event_set = None
+
+
+def _emit_xid(events: EventChannel, state: DeviceState, code: int) -> None:
+    """A `gpu_xid` health event carrying the code (hw.errors{error.type="xid"} counts them)."""
+    message = f"GPU {state.dev.name} ({state.dev.uuid}) reported XID {code}"
+    attributes: dict[str, str | int] = {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name, sc.XID: code}
+    try:
+        events.emit("gpu_xid", message, attributes, severity="ERROR")
+    except Exception:
+        log.warning("otel_train: %s", message)

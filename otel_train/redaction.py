@@ -1,0 +1,89 @@
+"""What leaves the process is cleaned first: secret-looking values redacted (by key name, in URLs,
+in free text) and free text capped in length.
+
+Used for config.json, hyperparameters, resource attributes, ot.log_text and samples, and every
+setting an error message shows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+_SECRET_RE = re.compile(r"(key|token|secret|passw|auth|credential|header|cookie|bearer)", re.I)
+REDACTED = "***"
+
+
+def is_secret_key(key: str) -> bool:
+    return _SECRET_RE.search(key) is not None
+
+
+def redact_url(value: Any) -> Any:
+    """`scheme://user:password@host/...` -> `scheme://***@host/...`; other values unchanged."""
+    if isinstance(value, str) and "@" in value and "://" in value:
+        return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@", rf"\1{REDACTED}@", value)
+    return value
+
+
+# Free text (ot.log_text, samples) is capped before it is queued: a megabyte string would hold the
+# worker (and the GIL) while it is redacted and written, and it has no place in a JSONL line.
+TEXT_LIMIT = 65_536  # characters per text and per sample prompt/output
+
+
+def cap_text(text: str) -> str:
+    """`text` cut to TEXT_LIMIT characters, saying so and how long it was."""
+    if len(text) <= TEXT_LIMIT:
+        return text
+    return f"{text[:TEXT_LIMIT]} [... truncated by otel_train: {len(text)} characters in all]"
+
+
+# A secret-looking name and its value inside free text: `api_key=...`, `password: ...`,
+# `"api_key": "..."`, `api_key='...'` (argparse.Namespace, dict reprs), `export HF_TOKEN='...'`,
+# `--hf-token ...`, `--api-key=...`, `['--hf-token', '...']`. Linear time, because this runs on
+# text of any shape (a 100 kB base64 blob took 11 s with `\b[\w.-]*key[\w.-]*`: every start
+# inside a long word rescanned the word): a name starts only where a word starts, and its parts
+# around the keyword are bounded, so each word costs a bounded amount of backtracking; every
+# value form is one loop over characters that cannot also end it. `tokens`/`tokenizer` are
+# counts and model names, not secrets.
+_SECRET_WORD = r"(?:key|token(?!s|iz)|secret|passw|auth|credential|cookie)"
+_SECRET_IN_TEXT_RE = re.compile(
+    r"(?i)(?<![\w.-])"
+    rf"(?P<name>(?P<flag>--?)?[\w.-]{{0,64}}{_SECRET_WORD}[\w.-]{{0,64}})(?![\w.-])"
+    # after the name: an optional closing quote, then `:` / `=`; a flag also takes a space or a
+    # list separator (`'--hf-token', '...'`)
+    r"(?P<sep>\\?[\"']?[ \t]*[:=][ \t]*|(?(flag)(?:[ \t]+|[\"'],[ \t]*)|(?!)))"
+    r"(?:bearer[ \t]+|basic[ \t]+)?"
+    r"(?P<value>\"(?:[^\"\\\n]|\\.)*\"?|'[^'\n]*'?|\\\"[^\"\\\n]*|(?!-)[^\s,;&'\"(){}\[\]<>\\]+)"
+)
+_BEARER_RE = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{6,}")
+_USERINFO_RE = re.compile(r"(?<=://)[^/@\s]+@")  # `scheme://user:password@host`
+
+
+def _redacted_pair(match: re.Match[str]) -> str:
+    value = match["value"]
+    quote = next((q for q in ('\\"', '"', "'") if value.startswith(q)), "")
+    closing = quote if quote and len(value) > len(quote) and value.endswith(quote) else ""
+    return f"{match['name']}{match['sep']}{quote}{REDACTED}{closing}"
+
+
+def redact_text(text: str) -> str:
+    """Best effort for free text (ot.log_text, samples), in linear time: the values of
+    secret-looking names (`key=value`, `key: value`, quoted, JSON, dict and Namespace reprs,
+    `--flag value`), bearer tokens and URL userinfo become '***'."""
+    text = _SECRET_IN_TEXT_RE.sub(_redacted_pair, text)
+    text = _BEARER_RE.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+    return _USERINFO_RE.sub(f"{REDACTED}@", text)
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """Replace secret-looking values (by key name) with '***', recursively."""
+    if key and is_secret_key(key):
+        return REDACTED if value not in (None, "", {}, ()) else value
+    if isinstance(value, Mapping):
+        return {str(k): redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    # A string leaf may itself hold secrets (a nested config rendered with str(): `{'hf_token':
+    # ...}`, a command line): the free-text redaction, which also covers URL userinfo.
+    return redact_text(value) if isinstance(value, str) else value

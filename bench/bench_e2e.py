@@ -184,7 +184,9 @@ def run(args: argparse.Namespace) -> Result:
         total_steps=args.total_steps, flops_per_token=loop.fpt,
         log_interval=args.log_interval,  # fixed, so B's flushes can be phased to land mid-block
     )  # fmt: skip
-    with out, ot.init(**settings) as session:
+    with out, ot.init(**settings):
+        session = ot.current_session()  # the internals: the worker's counters, the meter
+        assert session is not None
         interval = session.config.log_interval
         if args.block % interval:
             raise SystemExit(f"--block ({args.block}) must be a multiple of log_interval ({interval})")

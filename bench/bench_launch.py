@@ -263,7 +263,9 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
     block = block_size(step_ms)
     rounds = max(2, int(seconds * 1000 / step_ms / block / 3))
     index = itertools.count()
-    with out, ot.init(**settings) as session:
+    with out, ot.init(**settings):
+        session = ot.current_session()  # the internals: the worker's counters, the meter
+        assert session is not None
         if config in WATCHED:
             ot.watch(model.net)
         if config in COLLECTIVE:  # one rank: attach the monitor every rank of a distributed job runs

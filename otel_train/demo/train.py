@@ -418,9 +418,9 @@ def train(args: argparse.Namespace, ot: Telemetry) -> Result:
     checkpoint: Path | None = None
     run_dir: Path | None = None
 
-    with ot.init(**_settings(args, setup)) as session:
-        run_dir = getattr(session, "run_dir", None)
-        metrics_url = getattr(session, "prometheus_url", None)
+    with ot.init(**_settings(args, setup)) as run:
+        run_dir = getattr(run, "run_dir", None)
+        metrics_url = getattr(run, "prometheus_url", None)
         ot.log_hyperparams(_hyperparams(args, setup))
         if args.watch_every:
             # per-layer grad/param norms and activation stats on every N-th step (read at the step's

@@ -208,29 +208,39 @@ class CollectiveMonitor:
                     buffer_size(),
                 )
             self.overwritten += min(ids) - highest - 1
+        # Summed per (group, op) here, one SDK add per series and read: an add per entry (2,000
+        # a read) cost the worker more than the read itself, holding the GIL.
+        totals: dict[tuple[str, str], list[float]] = {}  # pair -> [count, bytes, seconds, timed]
         for rid, entry in zip(ids, entries, strict=True):
             if rid in seen or not _done(entry):
                 continue
             if str((entry.get("process_group") or ["?"])[0]) in self.excluded:
                 continue  # otel_train's own exchange
             seen.add(rid)
-            attrs = self._attributes(group_label(entry), op_name(entry))
-            self._count.add(1, attrs)
-            self._size.add(input_bytes(entry), attrs)
+            total = totals.setdefault(self._pair(group_label(entry), op_name(entry)), [0, 0, 0.0, 0])
+            total[0] += 1
+            total[1] += input_bytes(entry)
             duration_ms = entry.get("duration_ms")
             if isinstance(duration_ms, (int, float)) and duration_ms >= 0:
-                self._time.add(duration_ms / 1e3, attrs)
+                total[2] += duration_ms / 1e3
+                total[3] += 1
+        for (group, op), (count, size, seconds, timed) in totals.items():
+            attrs = {semconv.PROCESS_GROUP: group, semconv.COLLECTIVE_OP: op}
+            self._count.add(count, attrs)
+            self._size.add(size, attrs)
+            if timed:
+                self._time.add(seconds, attrs)
         if ids:
             low, self._highest[recorder] = min(ids), max(ids)
             self._seen[recorder] = {rid for rid in seen if rid >= low}
 
-    def _attributes(self, group: str, op: str) -> dict[str, str]:
+    def _pair(self, group: str, op: str) -> tuple[str, str]:
         pair = (group, op)
         if pair not in self._pairs:
             if len(self._pairs) >= MAX_PAIRS - 1:  # the last slot is the catch-all: MAX_PAIRS in all
                 pair = (OTHER, OTHER)
             self._pairs.add(pair)
-        return {semconv.PROCESS_GROUP: pair[0], semconv.COLLECTIVE_OP: pair[1]}
+        return pair
 
     def close(self) -> None:
         return None

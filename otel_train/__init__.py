@@ -33,6 +33,7 @@ from otel_train.version import __version__
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
+    from otel_train.crossrank import StragglerReport
     from otel_train.numerics import ModelWatch, NullWatch, ScalerWatch
     from otel_train.session import Session
 
@@ -55,6 +56,7 @@ __all__ = [
     "log_samples",
     "log_text",
     "on_event",
+    "on_straggler",
     "phase",
     "profile",
     "record",
@@ -180,6 +182,18 @@ def on_event(callback: Callable[[str, str, dict[str, Any]], None]) -> None:
     session = _runtime._current
     if session is not None and callable(callback):
         session.events.add_callback(callback)
+
+
+def on_straggler(callback: Callable[[list[StragglerReport]], None]) -> None:
+    """Call `callback(reports)` on EVERY rank with the same list of chronic stragglers (each a
+    `StragglerReport`: rank, host, phase, lateness, the ranks that wait for it, ...), one flush
+    after rank 0 found them, at the same flush on every rank while the ranks keep pace: for a
+    decision all ranks must take alike (stop, checkpoint, drain a host). It runs on the worker
+    thread: keep it quick. Replaces an earlier callback. Before `init()`, or in a single process:
+    never called."""
+    session = _runtime._current
+    if session is not None and callable(callback):
+        session.reducer.on_straggler = callback
 
 
 def log_text(name: str, text: str, step: int | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -25,3 +26,16 @@ def _isolated_session(tmp_path, monkeypatch) -> Iterator[None]:
     except ImportError:
         return
     testing.reset()
+
+
+@pytest.fixture
+def quiet_session() -> Iterator[Any]:
+    """A running session (no run dir, no pull endpoint, no hardware, a flush every step): the
+    internals `ot.current_session()` returns, for tests of the worker and the session's parts."""
+    import otel_train as ot
+
+    ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=1)
+    running = ot.current_session()
+    assert running is not None
+    yield running
+    ot.shutdown()

@@ -233,7 +233,7 @@ def test_public_api_is_pinned() -> None:
     assert sorted(ot.__all__) == sorted([
         "Config", "ConfigError", "Run", "RunInfo", "__version__", "begin_step", "current_session", "end_step", "event",
         "finish", "get_meter", "init",
-        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "on_event", "phase", "profile", "record", "run_info",
+        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "on_event", "on_straggler", "phase", "profile", "record", "run_info",
         "shutdown", "span", "step", "timed", "timer", "watch", "watch_batch", "watch_read", "watch_scaler",
     ])  # fmt: skip
 

@@ -4,7 +4,6 @@ may be iterating is never changed in place (copy-on-write)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -29,12 +28,8 @@ def _wait_for_call(listener: CountingListener) -> None:
 
 
 @pytest.fixture
-def session() -> Iterator[Session]:
-    ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=1)
-    running = ot.current_session()
-    assert running is not None
-    yield running
-    ot.shutdown()
+def session(quiet_session: Session) -> Session:
+    return quiet_session
 
 
 def test_add_sink_replaces_the_list_the_worker_iterates(session: Session) -> None:

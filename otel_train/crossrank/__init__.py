@@ -35,5 +35,6 @@ From outside, import only the names below (tests/test_architecture.py: walled pa
 
 from otel_train.crossrank.reducer import CrossRankReducer
 from otel_train.crossrank.replicas import FINGERPRINT
+from otel_train.crossrank.scores import StragglerReport
 
-__all__ = ["FINGERPRINT", "CrossRankReducer"]
+__all__ = ["FINGERPRINT", "CrossRankReducer", "StragglerReport"]

@@ -70,6 +70,8 @@ def train(rank: int, scenario: dict[str, Any], out_dir: str) -> dict[str, Any]:
     )  # fmt: skip
     session = ot.current_session()
     session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
+    chronic: list[list[int]] = []  # each delivery of the chronic list on this rank (ot.on_straggler)
+    ot.on_straggler(lambda reports: chronic.append([r.rank for r in reports]))
     model, opt = _model(scenario["kind"])
     slow = scenario.get("slow", {})  # {"rank": r, "phase": "data" | "forward", "factor": f}
     factor = slow.get("factor", 1.0) if rank == slow.get("rank") else 1.0
@@ -109,6 +111,7 @@ def train(rank: int, scenario: dict[str, Any], out_dir: str) -> dict[str, Any]:
         "collectives": reducer.collectives,
         "relative": scores.relative if scores else None,
         "wait_s": scores.wait_s if scores else None,
+        "chronic": chronic,
     }
 
 
@@ -148,6 +151,10 @@ def test_ddp_forward_straggler_only_culprit_reported_as_compute(ddp4) -> None:
     assert first["sync_phase"] == "backward" and first["waiting_ranks"] == "0,1,3"
     assert first["wait_ms"] == pytest.approx(12.0, abs=6.0)  # 0.4 x 30 ms per step
     assert first["step"] <= 3 * LOG_INTERVAL - 1  # within 3 flushes
+    # ot.on_straggler: every rank, rank 0 included, is handed the chronic list, and it names rank 2
+    # only (an answer that lags may reach a rank a flush later: the count may differ by one)
+    delivered = [res[0]["chronic"] for res in results]
+    assert all(lists and all(ranks == [2] for ranks in lists) for lists in delivered), delivered
     for rank, res in enumerate(results):
         job = res[0]
         assert job["collectives"] == 25 // LOG_INTERVAL  # one per aligned flush

@@ -5,7 +5,7 @@ floats), in the order they were logged with the flushes around them."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -42,12 +42,8 @@ class Recording(Sink):
 
 
 @pytest.fixture
-def session() -> Iterator[Session]:
-    ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=1)
-    running = ot.current_session()
-    assert running is not None
-    yield running
-    ot.shutdown()
+def session(quiet_session: Session) -> Session:
+    return quiet_session
 
 
 def test_each_message_type_reaches_its_sink_method_in_order(session: Session) -> None:

@@ -205,6 +205,14 @@ class HangReporter:
         since = float(summary["written_at"]) - self._stall_timeout_s
         threading.Thread(target=self._compare, args=(since,), name="otel_train-hang", daemon=True).start()
 
+    def _lower_rank_silent(self, summaries: Mapping[int, Any]) -> bool:
+        """Would this rank speak while a lower rank, which would speak instead, left no summary,
+        though the culprit is already known (a rank that never reached the collective wrote one)?
+        A silent rank may be the culprit itself when none is known: then this rank speaks now."""
+        verdict = self.verdicts[0] if self.verdicts else None
+        speaks = verdict is not None and verdict.waiting[0] == self.rank and bool(verdict.missing)
+        return speaks and any(r not in summaries for r in range(self.rank))
+
     def _compare(self, since: float) -> None:
         deadline = time.monotonic() + self.grace_s
         summaries = read_summaries(self.run_dir, since, self.role)
@@ -212,6 +220,15 @@ class HangReporter:
             time.sleep(0.2)
             summaries = read_summaries(self.run_dir, since, self.role)
         self.verdicts = attribute(summaries, self.world_size)
+        if self._lower_rank_silent(summaries):
+            # This rank would speak only because a lower rank has not written yet (its stall came
+            # late, e.g. on a loaded host): give it one more grace to write and speak for the job
+            # with every waiting rank; a lower rank that stays silent leaves the word to this one.
+            deadline = time.monotonic() + self.grace_s
+            while self._lower_rank_silent(summaries) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                summaries = read_summaries(self.run_dir, since, self.role)
+            self.verdicts = attribute(summaries, self.world_size)
         if not self.verdicts or self.verdicts[0].waiting[0] != self.rank:
             return  # nothing to name, or another rank speaks for the job
         verdict = self.verdicts[0]

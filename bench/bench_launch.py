@@ -11,16 +11,23 @@ The ~2 ms set (defaults, watch, all bridges, fr, fr-own; ~15 min at 120 s a row)
 and the ~10 ms set the same way with `--preset 10ms`.
 
 Each (step time, configuration) runs in a fresh child process of this script, so sessions, bridge
-processes and imports never leak from one measurement into the next. Inside it, three loops share
+processes and imports never leak from one measurement into the next. Inside it, four loops share
 one seeded model: A (no otel_train call), B (the same step instrumented like the README: `ot.step`,
-4 timers, the loss tensor and the lr float recorded) and C (A again: the A/A control). Blocks of
-A, B and C rotate (ABC BCA CAB ...), each block long enough (>= 1.2 s) to hold at least one flush at
-the default cadence, every step timed back to back with perf_counter_ns. Overhead = ratio of block
-means of B over A (and C over A, the control) with a bootstrap 95% CI over the block pairs; the
-control's CI is the resolution of the method on this machine at that moment. A third pair of
-columns repeats the ratio on block times minus the time the training thread sat runnable in a
-CPU's run queue (Linux schedstat): what other processes' preemption adds on a shared machine is
-gone, while waiting for the GIL (a sleep) and everything our threads do stay in.
+4 timers, the loss tensor and the lr float recorded), N (B's code with an API that does nothing:
+the floor that five `with` blocks, two calls and the loss's `detach()` cost any instrumentation of
+this shape) and C (A again: the A/A control). Blocks of ~10 ms of steps (`fine_block`) rotate
+(ABNC BNCA NCAB ...), every step timed back to back with perf_counter_ns: this VM's speed drifts by
+2x within seconds, which blocks of a second or more (one flush each) could not resolve (A/A pairs of
+600-step blocks moved +-8 %, of 5-step blocks +-0.45 %, in 60 s). Ratios of block sums, with a
+bootstrap 95% CI over the block pairs: B/A - 1 (what the user sees), C/A - 1 (the resolution of the
+method at that moment), N/A - 1 (the shape's floor) and B/N - 1 (otel_train above that floor).
+
+Short blocks spread the work of otel_train's own threads (the worker's flush, the hardware sampler,
+the watchdog) over all four loops, so `threads` adds their whole CPU time as a share of the B
+blocks' time, as if every microsecond of it held the GIL against training; `bound` = B/N - 1 +
+threads is an upper bound on otel_train's cost. The flush interval is set to what the adaptive
+cadence picks when every step is instrumented (left to adapt, it would see a quarter of the steps
+per second and flush four times as often).
 
 Configurations: `defaults` (library defaults: run dir, hardware sampler, adaptive cadence; no OTLP
 endpoint, no pull endpoint, console quiet), `tensorboard`, `wandb` (offline), `mlflow` (local
@@ -28,7 +35,8 @@ store), each alone on top of the defaults, `all` (the three bridges), and `watch
 plus `ot.watch(model)` at its default cadence: per-layer norms, the batch fingerprint, and the
 checks that read them: gradient flow, unsharded data, replica divergence). Reported beside the
 ratios: flushes, the worker thread's CPU per flush (time.thread_time inside the worker) and the
-bridge process's CPU per flush (psutil on the child process, when bridges run there).
+bridge process's CPU per flush (psutil on the child process, when bridges run there: another
+process, it never holds the training process's GIL).
 
 The step time is reached by calibration: the number of passes over the 8 tiny layers is scaled
 until a plain step takes `--step-ms` (each op is a few microseconds of dispatch, so ~2 ms is a few
@@ -141,6 +149,35 @@ class LaunchBoundModel:
             ot.record("lr", self.lr)
 
 
+class NullScope:
+    """A `with` block that does nothing."""
+
+    def __enter__(self) -> NullScope:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class NullApi:
+    """`ot.step`, `ot.timer` and `ot.record` doing nothing: the floor any API of this shape costs
+    the instrumented loop (its calls, five `with` blocks, the loss's detach), otel_train or not."""
+
+    scope = NullScope()
+
+    def step(self, index: int, tokens: int, samples: int) -> NullScope:
+        return self.scope
+
+    def timer(self, name: str) -> NullScope:
+        return self.scope
+
+    def record(self, name: str, value: Any) -> None:
+        return None
+
+
+NULL_API = NullApi()
+
+
 def stack_module(model: LaunchBoundModel) -> Any:
     """An nn.Module over the model's layers whose forward is the model's layer passes."""
     import torch
@@ -154,17 +191,6 @@ def stack_module(model: LaunchBoundModel) -> Any:
             return model.layer_passes(x)
 
     return Stack()
-
-
-def runqueue_wait_ns() -> int:
-    """Time this thread has spent runnable but waiting for a CPU (Linux schedstat; 0 elsewhere):
-    preemption by OTHER processes. Waiting for the GIL is sleeping, not runqueue time, so a block's
-    wall time minus this still contains every cost of our own threads."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def timed_block(step: Callable[[], None], n: int) -> list[int]:
@@ -210,8 +236,36 @@ def start_collective(model: LaunchBoundModel, directory: str, flight_recorder: b
     model.collective = lambda: dist.all_reduce(tiny)
 
 
-def block_size(step_ms: float) -> int:
-    return max(20, int(1200 / step_ms))  # >= 1.2 s: at least one flush per B block at 1 flush/s
+FINE_BLOCK_MS = 10.0  # A, B and C alternate this often: the VM's speed drifts 2x within seconds
+
+
+def fine_block(step_ms: float) -> int:
+    """Steps per block: ~10 ms of steps, at least 2 (measured here: A/A pairs of 5-step blocks at
+    2 ms resolve +-0.45 % in 60 s where 600-step blocks resolve +-8 %)."""
+    return max(2, round(FINE_BLOCK_MS / step_ms))
+
+
+def warmup_steps(step_ms: float) -> int:
+    return max(20, int(1200 / step_ms))  # >= 1.2 s: the first flushes happen before measuring
+
+
+def background_cpu_ns() -> int:
+    """CPU time of this process's Python threads other than the calling (training) thread: the
+    worker, the hardware sampler, the watchdog, the control poller (Linux schedstat, ns)."""
+    import threading
+
+    me = threading.get_native_id()
+    total = 0
+    for thread in threading.enumerate():
+        tid = thread.native_id
+        if tid is None or tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that just ended
+    return total
 
 
 def measure_fr_own(
@@ -230,16 +284,14 @@ def measure_fr_own(
             model.passes = passes
         else:
             calibrate(model, step_ms)
-        block = block_size(step_ms)
+        block = warmup_steps(step_ms)  # whole processes alternate: blocks this long are enough
         timed_block(model.plain, block)  # warm-up
-        means, own = [], []
-        for _ in range(max(2, int(seconds * 1000 / step_ms / block))):
-            waited = runqueue_wait_ns()
-            durations = timed_block(model.plain, block)
-            means.append(statistics.fmean(durations))
-            own.append(sum(durations) - (runqueue_wait_ns() - waited))
+        means = [
+            statistics.fmean(timed_block(model.plain, block))
+            for _ in range(max(2, int(seconds * 1000 / step_ms / block)))
+        ]
         torch.distributed.destroy_process_group()
-    return {"passes": model.passes, "ops": model.ops_per_step(), "means": means, "own": own}
+    return {"passes": model.passes, "ops": model.ops_per_step(), "means": means}
 
 
 def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: int) -> dict[str, Any]:
@@ -248,6 +300,8 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
     import torch
 
     import otel_train as ot
+    from otel_train.cadence import nice_interval
+    from otel_train.config import Config
 
     torch.set_num_threads(1)
     model = LaunchBoundModel(300, seed)
@@ -255,13 +309,17 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
     if config in COLLECTIVE:
         start_collective(model, out.name, flight_recorder=True)
     calibrate(model, step_ms)
+    plain_s = statistics.median(timed_block(model.plain, 50)) / 1e9
     os.environ.setdefault("WANDB_SILENT", "true")
     settings: dict[str, Any] = dict(
         run_name=f"launch-{config}", output_dir=out.name, prometheus_port=0, verbosity=0, progress_bar=False,
     )  # fmt: skip
+    # The flush interval the adaptive cadence picks when every step is instrumented: left to
+    # adapt here, it would see a third of the steps per second and flush three times as often.
+    settings["log_interval"] = nice_interval(plain_s, Config.log_interval_min_s, Config.log_interval_s)
     settings.update(CONFIGS[config])
-    block = block_size(step_ms)
-    rounds = max(2, int(seconds * 1000 / step_ms / block / 3))
+    block = fine_block(step_ms)
+    rounds = max(2, int(seconds * 1000 / step_ms / block / 4))
     index = itertools.count()
     with out, ot.init(**settings):
         session = ot.current_session()  # the internals: the worker's counters, the meter
@@ -283,7 +341,7 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
             model.instrumented(ot, next(index))
 
         for step in (model.plain, step_b):
-            timed_block(step, block)  # warm-up: first flushes, so the bridges create their runs
+            timed_block(step, warmup_steps(step_ms))  # first flushes, so the bridges create their runs
         if child is not None:  # wait for the bridges' one-off set-up (imports, run creation) to end
             deadline, last = time.monotonic() + 120, sum(child.cpu_times()[:2])
             while time.monotonic() < deadline:
@@ -295,45 +353,51 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         time.sleep(0.5)
         flushes0, cpu0 = worker.flushes, getattr(worker, "cpu_s", 0.0)
         child_cpu0 = sum(child.cpu_times()[:2]) if child else 0.0
-        blocks: dict[str, list[list[int]]] = {"A": [], "B": [], "C": []}
-        own: dict[str, list[float]] = {"A": [], "B": [], "C": []}  # block time minus runqueue wait
+        background0 = background_cpu_ns()
+        loops = {
+            "A": model.plain,
+            "B": step_b,
+            "N": lambda: model.instrumented(NULL_API, 0),
+            "C": model.plain,
+        }
+        sums: dict[str, list[int]] = {kind: [] for kind in loops}
         start = time.perf_counter()
         for i in range(rounds):
-            for kind in "ABCABC"[i % 3 : i % 3 + 3]:
-                waited = runqueue_wait_ns()
-                durations = timed_block(step_b if kind == "B" else model.plain, block)
-                blocks[kind].append(durations)
-                own[kind].append(sum(durations) - (runqueue_wait_ns() - waited))
+            for kind in "ABNCABNC"[i % 4 : i % 4 + 4]:
+                sums[kind].append(sum(timed_block(loops[kind], block)))
         wall = time.perf_counter() - start
-        time.sleep(0.3)  # let the last flush finish before reading CPU
+        background = background_cpu_ns() - background0  # before the wait: the last flush's work
+        # belongs to B steps, but so does the first one's, which began before the window
+        time.sleep(0.3)  # let the last flush finish before reading the worker's CPU
         flushes = worker.flushes - flushes0
         worker_cpu = getattr(worker, "cpu_s", 0.0) - cpu0
         child_cpu = (sum(child.cpu_times()[:2]) - child_cpu0) if child else 0.0
         interval = getattr(session, "flush_interval_steps", None)
     if config in COLLECTIVE:
         torch.distributed.destroy_process_group()
-    means = {k: [statistics.fmean(b) for b in v] for k, v in blocks.items()}
-    medians = {k: [statistics.median(b) for b in v] for k, v in blocks.items()}
-    b_time_s = sum(sum(b) for b in blocks["B"]) / 1e9
+    b_time_s = sum(sums["B"]) / 1e9
+    b_vs_a = estimate(list(zip(sums["A"], sums["B"], strict=True)), resamples, seed)
+    b_vs_n = estimate(list(zip(sums["N"], sums["B"], strict=True)), resamples, seed)
+    background_pct = 100 * background / 1e9 / b_time_s
     return {
         "step_ms": step_ms,
         "config": config,
-        "plain_step_ms": statistics.median(x for b in blocks["A"] for x in b) / 1e6,
+        "plain_step_ms": sum(sums["A"]) / len(sums["A"]) / block / 1e6,
         "ops": model.ops_per_step(),
         "rounds": rounds,
         "block": block,
         "wall_s": wall,
-        "b_vs_a": estimate(list(zip(means["A"], means["B"], strict=True)), resamples, seed),
-        "c_vs_a": estimate(list(zip(means["A"], means["C"], strict=True)), resamples, seed),
-        # the typical step (robust to the machine's spikes): ratio of block medians
-        "b_vs_a_median": estimate(list(zip(medians["A"], medians["B"], strict=True)), resamples, seed),
-        "c_vs_a_median": estimate(list(zip(medians["A"], medians["C"], strict=True)), resamples, seed),
-        # the same blocks without the time the training thread waited for a CPU (other processes'
-        # preemption on a shared machine); GIL waits and our own threads' work stay in
-        "b_vs_a_own": estimate(list(zip(own["A"], own["B"], strict=True)), resamples, seed),
-        "c_vs_a_own": estimate(list(zip(own["A"], own["C"], strict=True)), resamples, seed),
-        # the worker's CPU (GIL) time as a share of the instrumented blocks' time: what it can take
-        "worker_cpu_pct_of_b": 100 * worker_cpu / b_time_s if b_time_s else 0.0,
+        "b_vs_a": b_vs_a,
+        "c_vs_a": estimate(list(zip(sums["A"], sums["C"], strict=True)), resamples, seed),
+        # the instrumented loop's own shape (5 with blocks, 2 calls, the loss's detach) with an API
+        # that does nothing, and otel_train's cost above that floor
+        "n_vs_a": estimate(list(zip(sums["A"], sums["N"], strict=True)), resamples, seed),
+        "b_vs_n": b_vs_n,
+        # otel_train's own threads' CPU as a share of the instrumented steps' time: all of it
+        # counted as taken from training (GIL held throughout), an upper bound on what the
+        # short blocks spread over A and C as well
+        "background_pct": background_pct,
+        "bound_pct": b_vs_n["pct"] + background_pct,
         "flushes": flushes,
         "flush_interval_steps": interval,
         "worker_ms_per_flush": 1e3 * worker_cpu / max(1, flushes),
@@ -342,25 +406,25 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
 
 
 def report(r: dict[str, Any]) -> str:
-    def pct(e: dict[str, Any]) -> str:
-        return f"{e['pct']:+6.2f}% [{e['ci95'][0]:+.2f}, {e['ci95'][1]:+.2f}]"
+    def pct(e: dict[str, Any] | None) -> str:
+        return f"{e['pct']:+6.2f}% [{e['ci95'][0]:+.2f}, {e['ci95'][1]:+.2f}]" if e else "-"
+
+    def share(value: float | None) -> str:
+        return f"{value:+6.2f}%" if value is not None else "-"
 
     bridge = f"{r['bridge_ms_per_flush']:.2f}" if r["bridge_ms_per_flush"] is not None else "-"
     return (
-        f"{r['step_ms']:>5.0f} ms {r['config']:<12} {r['plain_step_ms']:7.2f} {r['ops']:>5}  {pct(r['b_vs_a']):>28}  "
-        f"{pct(r['c_vs_a']):>28}  {pct(r['b_vs_a_median']):>28}  {pct(r['c_vs_a_median']):>28}  "
-        f"{pct(r['b_vs_a_own']):>28}  {pct(r['c_vs_a_own']):>28}  "
-        f"{r['flushes']:>4} {r['flush_interval_steps'] or '-'!s:>5} "
-        f"{r['worker_ms_per_flush']:8.2f} {r['worker_cpu_pct_of_b']:6.2f}% {bridge:>8}"
+        f"{r['step_ms']:>5.0f} ms {r['config']:<8} {r['plain_step_ms']:7.2f} {r['ops']:>5} {r['block']:>5}  "
+        f"{pct(r['b_vs_a']):>26}  {pct(r['c_vs_a']):>26}  {pct(r.get('n_vs_a')):>26}  "
+        f"{pct(r.get('b_vs_n')):>26}  {share(r['background_pct']):>8} {share(r['bound_pct']):>8}  "
+        f"{r['flushes']:>4} {r['flush_interval_steps'] or '-'!s:>5} {r['worker_ms_per_flush']:8.2f} {bridge:>8}"
     )
 
 
 HEADER = (
-    f"{'step':>8} {'config':<12} {'A (ms)':>7} {'ops':>5}  {'means: B/A - 1 [95% CI]':>28}  "
-    f"{'A/A control C/A - 1':>28}  "
-    f"{'medians: B/A - 1':>28}  {'A/A control C/A - 1':>28}  "
-    f"{'no runqueue wait: B/A - 1':>28}  {'A/A control C/A - 1':>28}  "
-    f"{'fl.':>4} {'every':>5} {'wrk ms/fl':>8} {'wrk/B':>7} {'brg ms/fl':>8}"
+    f"{'step':>8} {'config':<8} {'A (ms)':>7} {'ops':>5} {'block':>5}  {'B/A - 1 [95% CI]':>26}  "
+    f"{'A/A control C/A - 1':>26}  {'no-op API N/A - 1':>26}  {'otel_train B/N - 1':>26}  "
+    f"{'threads':>8} {'bound':>8}  {'fl.':>4} {'every':>5} {'wrk ms/fl':>8} {'brg ms/fl':>8}"
 )
 
 
@@ -398,29 +462,26 @@ def fr_own(step_ms: float, seconds: float, seed: int, resamples: int) -> dict[st
                 return result
             passes = result["passes"]
             got[kind].append(result)
-    pairs: dict[str, list[tuple[float, float]]] = {}
-    for field in ("means", "own"):
-        for kind in "BC":
-            pairs[kind + field] = [
-                pair
-                for a, x in zip(got["A"], got[kind], strict=True)
-                for pair in zip(a[field], x[field], strict=False)
-            ]
+    pairs: dict[str, list[tuple[float, float]]] = {
+        kind: [
+            pair
+            for a, x in zip(got["A"], got[kind], strict=True)
+            for pair in zip(a["means"], x["means"], strict=False)
+        ]
+        for kind in "BC"
+    }
     a_blocks = [m for r in got["A"] for m in r["means"]]
-    nan = {"pct": float("nan"), "ci95": (float("nan"), float("nan"))}
     return {
         "step_ms": step_ms,
         "config": "fr-own",
         "plain_step_ms": statistics.median(a_blocks) / 1e6,
         "ops": got["A"][0]["ops"],
         "rounds": FR_OWN_ROUNDS,
-        "b_vs_a": estimate(pairs["Bmeans"], resamples, seed),
-        "c_vs_a": estimate(pairs["Cmeans"], resamples, seed),
-        "b_vs_a_median": nan,  # one mean per block is all a child reports
-        "c_vs_a_median": nan,
-        "b_vs_a_own": estimate(pairs["Bown"], resamples, seed),
-        "c_vs_a_own": estimate(pairs["Cown"], resamples, seed),
-        "worker_cpu_pct_of_b": 0.0,
+        "b_vs_a": estimate(pairs["B"], resamples, seed),
+        "c_vs_a": estimate(pairs["C"], resamples, seed),
+        "block": warmup_steps(step_ms),
+        "background_pct": None,
+        "bound_pct": None,
         "flushes": 0,
         "flush_interval_steps": None,
         "worker_ms_per_flush": 0.0,
@@ -461,8 +522,9 @@ def main() -> int:
     if args.preset:
         args.step_ms, args.configs = [PRESETS[args.preset]], ["defaults", "watch", "all", "fr", "fr-own"]
     print(
-        f"launch-bound loop, 1 torch thread; blocks A (plain), B (otel_train), C (plain: A/A control) "
-        f"rotating; {args.seconds:.0f} s measured per row; CI: bootstrap 95% over block pairs"
+        "launch-bound loop, 1 torch thread; ~10 ms blocks of A (plain), B (otel_train), N (no-op API), "
+        f"C (plain: A/A control) rotating; {args.seconds:.0f} s measured per row; CI: bootstrap 95% "
+        "over block pairs; threads: otel_train's threads' CPU / B time; bound: B/N - 1 + threads"
     )
     print(HEADER, flush=True)
     results = []

@@ -14,9 +14,10 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from helpers.events import Events
 from helpers.multirank import RankError, run_ranks
 from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
@@ -209,6 +210,44 @@ def test_hang_names_the_rank_that_never_reached_the_collective(tmp_path: Path) -
 def _summary(rank: int, enqueued: int, completed: int, ops: dict[str, str]) -> dict[str, Any]:
     group = {"label": "default_pg", "last_enqueued": enqueued, "last_completed": completed, "ops": ops}
     return {"rank": rank, "host": f"h{rank}", "stacks": f"stacks.rank{rank}.0.txt", "groups": {"0": group}}
+
+
+def test_a_waiting_rank_leaves_the_word_to_a_lower_rank_whose_summary_comes_late(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded host (seen in CI): ranks 0 and 3 stall, and write their summaries, a grace later
+    than rank 2. Rank 2 must not speak for the job with waiting ranks '2': rank 1 (the culprit) is
+    known already, so it waits one more grace for rank 0, which then speaks with every waiter."""
+    from otel_train.diagnostics import hang_attribution
+    from otel_train.diagnostics.hang_attribution import HangReporter
+
+    waiting = {str(s): "all_reduce" for s in range(3, 8)}
+    everyone = {r: _summary(r, 7, 6, waiting) for r in (0, 2, 3)} | {
+        1: _summary(1, 6, 6, {"6": "all_reduce"})
+    }
+    events = Events()
+    reporter = HangReporter(tmp_path, 2, 4, "h2", events, cast(Any, None), stall_timeout_s=1.0)
+    reporter.grace_s = 0.3
+    compared: list[int] = []  # ranks 0 and 3 write only once rank 2 has compared what it had
+
+    def read(run_dir: Path, since: float, role: str) -> dict[int, dict[str, Any]]:
+        return {r: summary for r, summary in everyone.items() if r in (1, 2) or compared}
+
+    def compare(summaries: dict[int, Any], world_size: int) -> list[Verdict]:
+        compared.append(len(summaries))
+        return attribute(summaries, world_size)
+
+    monkeypatch.setattr(hang_attribution, "read_summaries", read)
+    monkeypatch.setattr(hang_attribution, "attribute", compare)
+    reporter._compare(since=0.0)
+    assert compared == [2, 4]
+    assert reporter.verdicts == [Verdict("default_pg", "all_reduce", 7, (1,), (0, 2, 3), ())]
+    assert events.named("hang") == []  # rank 0 speaks for the job
+    # Ranks 0 and 3 never write: after its second grace rank 2 speaks, naming the culprit
+    del everyone[0], everyone[3]
+    reporter._compare(since=0.0)
+    assert [e[2]["missing_ranks"] for e in events.named("hang")] == ["1"]
+    assert events.named("hang")[0][2]["waiting_ranks"] == "2"
 
 
 def test_attribution_names_missing_ranks_and_silent_ones_only_when_none_is_missing() -> None:

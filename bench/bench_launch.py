@@ -23,9 +23,10 @@ bootstrap 95% CI over the block pairs: B/A - 1 (what the user sees), C/A - 1 (th
 method at that moment), N/A - 1 (the shape's floor) and B/N - 1 (otel_train above that floor).
 
 Short blocks spread the work of otel_train's own threads (the worker's flush, the hardware sampler,
-the watchdog) over all four loops, so `threads` adds their whole CPU time as a share of the B
-blocks' time, as if every microsecond of it held the GIL against training; `bound` = B/N - 1 +
-threads is an upper bound on otel_train's cost. The flush interval is set to what the adaptive
+the watchdog) over all four loops, so `threads` adds their whole CPU time, as if every microsecond
+of it held the GIL against training: the worker's as a share of the B blocks' time (B steps cause
+its flushes), the periodic threads' as a share of the run's; `bound` = B/N - 1 + threads is an
+upper bound on otel_train's cost. The flush interval is set to what the adaptive
 cadence picks when every step is instrumented (left to adapt, it would see a quarter of the steps
 per second and flush four times as often).
 
@@ -249,23 +250,28 @@ def warmup_steps(step_ms: float) -> int:
     return max(20, int(1200 / step_ms))  # >= 1.2 s: the first flushes happen before measuring
 
 
-def background_cpu_ns() -> int:
-    """CPU time of this process's Python threads other than the calling (training) thread: the
-    worker, the hardware sampler, the watchdog, the control poller (Linux schedstat, ns)."""
+def background_cpu_ns() -> tuple[int, int]:
+    """CPU time (Linux schedstat, ns) of this process's Python threads other than the calling
+    (training) one: (the worker, whose flushes the B steps cause; the others: the hardware sampler,
+    the watchdog, the control poller, which run on a wall-clock period whatever the loop does)."""
     import threading
 
     me = threading.get_native_id()
-    total = 0
+    worker = others = 0
     for thread in threading.enumerate():
         tid = thread.native_id
         if tid is None or tid == me:
             continue
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                used = int(f.read().split()[0])
         except (OSError, IndexError, ValueError):
             continue  # a thread that just ended
-    return total
+        if thread.name == "otel_train-worker":
+            worker += used
+        else:
+            others += used
+    return worker, others
 
 
 def measure_fr_own(
@@ -366,7 +372,7 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
             for kind in "ABNCABNC"[i % 4 : i % 4 + 4]:
                 sums[kind].append(sum(timed_block(loops[kind], block)))
         wall = time.perf_counter() - start
-        background = background_cpu_ns() - background0  # before the wait: the last flush's work
+        background = background_cpu_ns()  # before the wait: the last flush's work
         # belongs to B steps, but so does the first one's, which began before the window
         time.sleep(0.3)  # let the last flush finish before reading the worker's CPU
         flushes = worker.flushes - flushes0
@@ -378,7 +384,10 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
     b_time_s = sum(sums["B"]) / 1e9
     b_vs_a = estimate(list(zip(sums["A"], sums["B"], strict=True)), resamples, seed)
     b_vs_n = estimate(list(zip(sums["N"], sums["B"], strict=True)), resamples, seed)
-    background_pct = 100 * background / 1e9 / b_time_s
+    # the worker's CPU over the B blocks' time (B steps cause its flushes), the periodic threads'
+    # over the whole run's (they run every few seconds whatever the loop is doing)
+    worker_ns, others_ns = (after - before for after, before in zip(background, background0, strict=True))
+    background_pct = 100 * (worker_ns / 1e9 / b_time_s + others_ns / 1e9 / wall)
     return {
         "step_ms": step_ms,
         "config": config,

@@ -237,7 +237,7 @@ def start_collective(model: LaunchBoundModel, directory: str, flight_recorder: b
     model.collective = lambda: dist.all_reduce(tiny)
 
 
-FINE_BLOCK_MS = 10.0  # A, B and C alternate this often: the VM's speed drifts 2x within seconds
+FINE_BLOCK_MS = 10.0  # A, B, N and C alternate this often: the VM's speed drifts 2x within seconds
 
 
 def fine_block(step_ms: float) -> int:
@@ -321,7 +321,7 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         run_name=f"launch-{config}", output_dir=out.name, prometheus_port=0, verbosity=0, progress_bar=False,
     )  # fmt: skip
     # The flush interval the adaptive cadence picks when every step is instrumented: left to
-    # adapt here, it would see a third of the steps per second and flush three times as often.
+    # adapt here, it would see a quarter of the steps per second and flush four times as often.
     settings["log_interval"] = nice_interval(plain_s, Config.log_interval_min_s, Config.log_interval_s)
     settings.update(CONFIGS[config])
     block = fine_block(step_ms)

@@ -402,9 +402,8 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         # that does nothing, and otel_train's cost above that floor
         "n_vs_a": estimate(list(zip(sums["A"], sums["N"], strict=True)), resamples, seed),
         "b_vs_n": b_vs_n,
-        # otel_train's own threads' CPU as a share of the instrumented steps' time: all of it
-        # counted as taken from training (GIL held throughout), an upper bound on what the
-        # short blocks spread over A and C as well
+        # otel_train's own threads' CPU (above), all of it counted as taken from training (GIL
+        # held throughout): an upper bound on what the short blocks spread over A, N and C too
         "background_pct": background_pct,
         "bound_pct": b_vs_n["pct"] + background_pct,
         "flushes": flushes,

@@ -85,7 +85,7 @@ def bench_measurements(n: int) -> list[tuple[str, float, float]]:
 
     def ot_step_counter(k: int) -> None:
         for _ in range(k):
-            session.buffer.tokens += 1  # what ot.step(tokens=...) does per step for the counter
+            session.step_events.append((0, 0, 0, 1, None, False))  # what ot.step(tokens=...) adds per step
 
     rows = []
     for label, ours, theirs in (
@@ -94,7 +94,7 @@ def bench_measurements(n: int) -> list[tuple[str, float, float]]:
         ("counter add", ot_step_counter, sdk_counter),
     ):
         rows.append((label, _per_call_us(ours, n), _per_call_us(theirs, n)))
-        session.buffer.take(0, 0, 0.0, 0)  # discard what the benchmark accumulated
+        session.flush()  # hand what the benchmark accumulated to the worker
     ot.shutdown()
     provider.shutdown()  # type: ignore[attr-defined]
     return rows

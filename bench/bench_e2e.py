@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> Result:
         step_b = loop.plain if args.null else loop.instrumented  # --null: an A/A calibration run
         timed_block(loop.plain, args.warmup)
         timed_block(step_b, args.warmup)
-        while not args.null and session.buffer.steps != interval // 2:  # flushes land mid-block
+        while not args.null and session.interval_steps != interval // 2:  # flushes land mid-block
             loop.instrumented()
         cpu0, flushes0, busy0 = thread_cpu(), session.worker.flushes, session.worker.busy_s
         expected, behind = flushes0, 0

@@ -20,6 +20,10 @@ from otel_train.interval import FlushHeader
 log = logging.getLogger("otel_train")
 
 MAX_ERROR_TYPES = 8
+MAX_SPAN_RECORDS = 10_000  # span records per interval (sampled steps, their timers, ot.span marks)
+# All timers together may append this many times max_values_per_interval events per interval (the
+# cap per timer name is applied on the worker).
+TIMER_EVENTS_PER_VALUE = 16
 
 
 class SpanRole(Enum):
@@ -29,6 +33,10 @@ class SpanRole(Enum):
     STEP = "step"
     PHASE = "phase"
     MARK = "mark"
+
+
+# (index, start_ns, end_ns, tokens, samples, failed): one step as the training thread saw it end
+StepEvent = tuple[int, int, int, int | None, int | None, bool]
 
 
 @dataclass
@@ -65,6 +73,21 @@ def mark_record(
     return SpanRecord(name, start_ns, end_ns, step, error.__name__ if error else None, SpanRole.MARK, attrs)
 
 
+def span_records(batch: FlushBatch, limit: int) -> list[SpanRecord]:
+    """The batch's span records and, for each traced step among them, its timers' (read from
+    `timer_events` by the step's start): at most `limit` (worker side)."""
+    records = batch.spans
+    traced = {r.start_ns: r.step for r in records if r.kind is SpanRole.STEP}
+    if not traced:
+        return records
+    timers = [
+        SpanRecord(name, start, end, traced[began])
+        for name, start, end, began in batch.timer_events
+        if began in traced
+    ]
+    return records + timers[: max(0, limit - len(records))]
+
+
 @dataclass
 class LayerStats:
     """One ot.watch statistic for every layer of a watched step: a 1-D device tensor, one value per
@@ -81,8 +104,10 @@ class FlushBatch(FlushHeader):
     """One interval as the training thread hands it over: raw values (numbers, device tensors),
     resolved on the worker into an `Interval`."""
 
-    phases: dict[str, list[float]]  # ot.phase() durations (timers' are in `timings`)
-    timings: dict[str, list[tuple[int, int, int]]]  # timer name -> (start_ns, end_ns, step start_ns or 0)
+    phases: dict[str, list[float]]  # ot.phase() durations (timers' are in `timer_events`)
+    # every timer that ended without an error, in order: (name, start_ns, end_ns, its step's start_ns
+    # or 0 outside a step); the worker derives durations, arrivals, spans and goodput's data time
+    timer_events: list[tuple[str, int, int, int]]
     phase_errors: dict[tuple[str, str], list[float]]
     scalars: dict[str, list[Any]]  # instrument name -> raw values (numbers or tensors)
     cuda_timers: list[tuple[str, Any, Any]]  # (phase, start event, end event)
@@ -92,10 +117,17 @@ class FlushBatch(FlushHeader):
     cuda_event: Any = None  # recorded on the training stream at the flush, when tensors are on CUDA
     layer_stats: list[LayerStats] = field(default_factory=list)
     histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
-    # Every step that ended in the interval, failed ones too, in order: a name recorded k times in
+    # (Filled on the worker from step_events.) Every step that ended in the interval, failed ones
+    # too, in order: a name recorded k times in
     # each of them has k * len(step_indices) values, and value i belongs to step_indices[i // k].
     step_indices: list[int] = field(default_factory=list)
     merged: set[str] = field(default_factory=set)  # instruments fed by several record names (no order)
+    # every step that ended, failed ones too, in order, up to max_values_per_interval (the counts of
+    # the rest are in the header's tokens and samples): (index, start_ns, end_ns, tokens, samples,
+    # failed); the worker adds them up into the header (resolve.resolve_steps)
+    step_events: list[StepEvent] = field(default_factory=list)
+    value_cap: int = 0  # max_values_per_interval: the worker caps each timer's durations at it (0: no cap)
+    rerun_through: int = -1  # steps up to this index re-run the previous processes' (goodput)
 
 
 class Buffer:
@@ -104,6 +136,7 @@ class Buffer:
     def __init__(self, max_names: int, max_values: int) -> None:
         self.max_names = max_names
         self.max_values = max_values
+        self.max_timer_events = max_values * TIMER_EVENTS_PER_VALUE
         self._name_map: dict[str, str | None] = {}  # record name -> instrument name (None: rejected)
         self._owners: dict[str, str] = {}  # instrument name -> first record name that claimed it
         self._prom_owners: dict[str, str] = {}  # Prometheus name -> the user instrument holding it
@@ -115,19 +148,20 @@ class Buffer:
     def _reset(self) -> None:
         self.scalars: dict[str, list[Any]] = {}
         self.phases: dict[str, list[float]] = {}
-        # Timer name -> (start_ns, end_ns, its step's start_ns or 0 outside a step) per timer that
-        # ended without an error (Session.end_timer); the worker derives durations and arrivals.
-        self.timings: dict[str, list[tuple[int, int, int]]] = {}
+        # (name, start_ns, end_ns, its step's start_ns or 0 outside a step) per timer that ended
+        # without an error, appended by timing.TimerScope: one flat list, so that a timer's end
+        # touches as little as possible on the training thread (capped at max_timer_events; the
+        # worker caps each name at max_values and derives durations, arrivals and spans).
+        self.timer_events: list[tuple[str, int, int, int]] = []
+        self.step_events: list[StepEvent] = []  # appended by Session.end_step (see FlushBatch)
         self.phase_errors: dict[tuple[str, str], list[float]] = {}
-        self.step_durations: list[float] = []
-        self.step_indices: list[int] = []  # appended once per step by the session, never per record()
         self.cuda_timers: list[tuple[str, Any, Any]] = []
         self.spans: list[SpanRecord] = []
         self.dropped: dict[str, int] = {}
         self.layer_stats: list[LayerStats] = []
         self.histograms: list[tuple[str, int, Any]] = []
-        self.steps = 0
-        self.tokens = 0
+        self.steps = 0  # steps that ended without failing: set by the session before take()
+        self.tokens = 0  # of the steps beyond the step_events cap only (add_uncapped_step)
         self.samples = 0
 
     # --- hot path ------------------------------------------------------------------------------
@@ -147,6 +181,13 @@ class Buffer:
             values.append(value)
         else:
             self.drop("too_many_values")
+
+    def add_uncapped_step(self, tokens: int | None, samples: int | None, failed: bool) -> None:
+        """A step beyond the step_events cap: its counts only (its duration and index are dropped)."""
+        self.drop("too_many_values")
+        if not failed:
+            self.tokens += tokens or 0
+            self.samples += samples or 0
 
     def add_phase(self, name: str, seconds: float) -> None:
         values = self.phases.get(name)
@@ -312,9 +353,8 @@ class Buffer:
             steps=self.steps,
             tokens=self.tokens,
             samples=self.samples,
-            step_durations=self.step_durations,
             phases=self.phases,
-            timings=self.timings,
+            timer_events=self.timer_events,
             phase_errors=self.phase_errors,
             scalars=scalars,
             cuda_timers=self.cuda_timers,
@@ -323,8 +363,9 @@ class Buffer:
             perf_to_epoch_ns=perf_to_epoch_ns,
             layer_stats=self.layer_stats,
             histograms=self.histograms,
-            step_indices=self.step_indices,
             merged=merged_names,
+            step_events=self.step_events,
+            value_cap=self.max_values,
         )
         self._reset()
         return batch

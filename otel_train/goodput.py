@@ -19,8 +19,9 @@
 A data timer inside an eval or checkpoint span that is itself inside a step is counted twice (data
 and that span's cause); `other` then absorbs the difference.
 
-The training thread only keeps a few cumulative nanosecond counters (a compare per step and per
-timer inside a step, the rest when a span ends or a long gap closes); this listener turns them into
+The training thread only keeps a few cumulative nanosecond counters (a compare per step, the rest
+when a span ends or a long gap closes); the data cause comes with each flush's timers (resolved
+on the worker, `Interval.data_s`). This listener turns them into
 `train.goodput`, `train.badput.duration{train.badput.cause}`, `train.interruptions` and
 `train.step.deviation` at each flush and saves the totals to `goodput.rank<k>.json`, so a restart
 of the same run id continues the account (DESIGN: the run id is stable across restarts when the
@@ -76,7 +77,8 @@ def span_cause(name: str) -> str:
 
 class StepClock:
     """Goodput's books on the training thread: a few cumulative nanosecond counters, written by
-    that thread only (the session's hot path), read by `GoodputListener` on the worker."""
+    that thread only (at a long gap between steps and when a span ends, never per step or timer),
+    read by `GoodputListener` on the worker."""
 
     def __init__(self, stall_timeout_s: float) -> None:
         self.process_start_s = process_start_perf_s()  # perf_counter seconds at process start
@@ -85,33 +87,40 @@ class StepClock:
         self.stall_ns = 0
         self.nested_badput_ns = 0  # eval/checkpoint spans inside steps (not productive)
         self.span_ns: dict[str, int] = {}  # per cause, all eval/checkpoint spans
-        self.data_ns = 0  # data-phase timers inside steps that are not re-runs
-        self.data_phases = DATA_PHASES
-        self.rerun_ns = 0  # steps whose index is at most rerun_through
         self.rerun_through = -1  # the last step of the previous processes (-1: none); set by the listener
-        self.gap_span_ns = 0  # spans since the last step ended (not stall time)
-        self.step_open = False
+        # spans between two steps (not stall time): their total, and the end of the step before them
+        self.gap_span_ns = 0
+        self.gap_after_ns: int | None = None
         self.stall_gap_ns = int(stall_timeout_s * 1e9)
 
-    def note_long_gap(self, gap_ns: int) -> None:
-        """A gap between steps longer than stall_timeout_s: stall time, less the spans inside it."""
-        stalled = gap_ns - self.gap_span_ns
+    def note_gap(self, start_ns: int, previous_end_ns: int | None) -> None:
+        """A step starts at `start_ns` after the first step, or more than stall_timeout_s after the
+        last one ended (`previous_end_ns`; None: this is the first step): stall time, less the
+        spans inside the gap."""
+        if previous_end_ns is None:
+            self.first_step_start_ns = start_ns
+            return
+        spans = self.gap_span_ns if self.gap_after_ns == previous_end_ns else 0
+        stalled = start_ns - previous_end_ns - spans
         if stalled > self.stall_gap_ns:
             self.stall_ns += stalled
 
-    def note_span(self, name: str, duration_ns: int) -> None:
-        """An `ot.span` ended: its cause's time, and where it sits (inside a step, between steps,
-        before the first one)."""
+    def note_span(self, name: str, duration_ns: int, in_step: bool, last_step_end_ns: int | None) -> None:
+        """An `ot.span` ended (`in_step`: inside a step; `last_step_end_ns`: when the last step
+        ended): its cause's time, and where it sits (inside a step, between steps, before the first
+        one)."""
         cause = span_cause(name)
         if cause != "other":
             self.span_ns[cause] = self.span_ns.get(cause, 0) + duration_ns
-        if self.step_open:
+        if in_step:
             if cause != "other":
                 self.nested_badput_ns += duration_ns
-        else:
-            self.gap_span_ns += duration_ns
-            if self.first_step_start_ns is None and cause != "other":
-                self.startup_span_ns += duration_ns  # not startup: its own cause
+            return
+        if self.gap_after_ns != last_step_end_ns:  # the first span of a new gap
+            self.gap_after_ns, self.gap_span_ns = last_step_end_ns, 0
+        self.gap_span_ns += duration_ns
+        if self.first_step_start_ns is None and cause != "other":
+            self.startup_span_ns += duration_ns  # not startup: its own cause
 
 
 class GoodputListener:
@@ -125,6 +134,8 @@ class GoodputListener:
         self._deviation = semconv.STEP_DEVIATION.create(meter)
         self._means: deque[float] = deque(maxlen=DEVIATION_BASELINE)
         self.step_s = 0.0  # this process's step time (worker-side, from the flushed durations)
+        self.data_s = 0.0  # data-phase timers inside steps that are not re-runs (from the flushes)
+        self.rerun_s = 0.0  # steps that re-ran a step of the previous processes (from the flushes)
         self.steps = 0
         self._previous = _load(state_path, run_id)
         self._saved_at = 0.0
@@ -147,6 +158,8 @@ class GoodputListener:
 
     def on_flush(self, interval: Interval) -> None:
         self.step_s += math.fsum(interval.step_durations)
+        self.data_s += interval.data_s
+        self.rerun_s += interval.rerun_s
         self.steps += interval.steps
         if interval.steps:
             self.last_step = max(self.last_step, interval.step)
@@ -187,7 +200,7 @@ class GoodputListener:
         wall = time.perf_counter() - clock.process_start_s
         first = clock.first_step_start_ns
         before_first = (first * 1e-9 - clock.process_start_s) if first is not None else wall
-        data, wasted = clock.data_ns * 1e-9, clock.rerun_ns * 1e-9
+        data, wasted = self.data_s, self.rerun_s
         productive = max(0.0, self.step_s - clock.nested_badput_ns * 1e-9 - data - wasted)
         spans = {cause: clock.span_ns.get(cause, 0) * 1e-9 for cause in SPAN_CAUSES}
         startup_spans = clock.startup_span_ns if first is not None else sum(clock.span_ns.values())

@@ -40,6 +40,9 @@ class Interval(FlushHeader):
     phases: dict[str, list[float]] = field(default_factory=dict)  # timer name -> durations (s)
     # timer name -> seconds from its step's start to the timer's end (CPU timers inside a step only)
     arrivals: dict[str, list[float]] = field(default_factory=dict)
+    # seconds of data-phase timers (goodput.DATA_PHASES) inside steps that did not re-run a step
+    data_s: float = 0.0
+    rerun_s: float = 0.0  # seconds of steps that re-ran a step of the previous processes (goodput)
     scalars: dict[str, list[float]] = field(default_factory=dict)  # instrument name -> finite values
     # instrument name -> the step of each of its finite values, where known: values recorded the same
     # number of times in every step of the interval (see FlushBatch.step_indices); absent otherwise

@@ -14,9 +14,10 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from otel_train.buffer import Buffer, SpanRecord, mark_record, step_record
+from otel_train.buffer import MAX_SPAN_RECORDS, Buffer, SpanRecord, mark_record, step_record
 from otel_train.closing import close_listeners, close_sinks, drain_worker, stop_exporters
 from otel_train.flush_handoff import note_torch_state, warn_lost_flush
 from otel_train.goodput import StepClock
@@ -33,8 +34,6 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
 
 log = logging.getLogger("otel_train")
 
-_MAX_SPAN_RECORDS = 10_000
-
 
 class Session(SessionParts):
     """Steps, timers, flushes and the shutdown of one process's telemetry (see the module doc)."""
@@ -50,6 +49,18 @@ class Session(SessionParts):
         self.clock = StepClock(config.stall_timeout_s)  # goodput's books, kept by the hot path
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
+        # The interval's timer and step events, read here by timing.TimerScope and end_step (one
+        # attribute, not two); flush() points them at the fresh lists each time it takes the buffer.
+        self.timer_events = self.buffer.timer_events
+        self.max_timer_events = self.buffer.max_timer_events
+        self.step_events = self.buffer.step_events
+        self.max_step_events = config.max_values_per_interval
+        self.interval_steps = 0  # steps that ended (not failed) since the last flush
+        # Copies of what the hot path reads from other objects, so that a step touches the session only:
+        self._due_step, self._due_threshold = self.cadence.due_step, self.cadence.threshold
+        self._tracing = self.worker.span_writer is not None
+        self._trace_first, self._trace_every = config.trace_first, config.trace_every
+        self._stall_gap_ns = self.clock.stall_gap_ns
         self.timing_level = config.timing_log_level
         self.step_index = -1  # last completed step
         self.step_end_ns: int | None = None  # perf_counter_ns when it ended (the stall watchdog reads it)
@@ -78,27 +89,23 @@ class Session(SessionParts):
 
     # --- hot path (training thread) ------------------------------------------------------------
     def begin_step(self, step: Any) -> int:
-        if step is None:
+        if step.__class__ is int and -MAX_STEP <= step <= MAX_STEP:
+            index: int = step
+        elif step is None:
             index = self.step_index + 1
             self.clock.rerun_through = -1  # unnumbered steps restart from 0: re-runs cannot be told apart
-        elif step.__class__ is int and -MAX_STEP <= step <= MAX_STEP:
-            index = step
         else:
             index = step_number(step, self.buffer, self.step_index)
-        self._step_thread = threading.get_ident()
+        self._step_thread = get_ident()
+        self._step_index_running = index
+        self.sampled = self._tracing and (index < self._trace_first or index % self._trace_every == 0)
         control = self.control
         if control is not None and control.pending and index >= control.pending[0].apply_at_step:
             from otel_train.control import apply_due  # imports the OTel API: not at `import otel_train`
 
             apply_due(self, control.take_due(index), index)
-        cfg = self.config
-        self.sampled = self.worker.span_writer is not None and (
-            index < cfg.trace_first or index % cfg.trace_every == 0
-        )
-        self._step_index_running = index
-        self.clock.step_open = True
         if self.profiler is not None and self.profiler.next_step_active():
-            self.sampled = self.worker.span_writer is not None  # profiled steps are always traced
+            self.sampled = self._tracing  # profiled steps are always traced
         if self.watches:
             for watch in self.watches:
                 watch.begin_step(index)
@@ -107,22 +114,21 @@ class Session(SessionParts):
     def end_step(
         self, index: int, start_ns: int, end_ns: int, tokens: int | None, samples: int | None, failed: bool
     ) -> None:
-        buf = self.buffer
+        """One append to `step_events` and the flush check; the worker derives durations, counts,
+        goodput's re-runs (resolve.resolve_steps). Cold-cache cost: see timing.TimerScope."""
         if (tokens is not None and tokens.__class__ is not int) or (
             samples is not None and samples.__class__ is not int
         ):
-            tokens, samples = count_of(tokens, "tokens", buf), count_of(samples, "samples", buf)
+            tokens, samples = (
+                count_of(tokens, "tokens", self.buffer),
+                count_of(samples, "samples", self.buffer),
+            )
+        self.step_start_ns = 0
         self.step_index = index
         previous_end = self.step_end_ns
         self.step_end_ns = end_ns
-        clock = self.clock
-        clock.step_open = False
-        if previous_end is None:
-            clock.first_step_start_ns = start_ns
-        elif start_ns - previous_end > clock.stall_gap_ns:
-            clock.note_long_gap(start_ns - previous_end)
-        if clock.gap_span_ns:
-            clock.gap_span_ns = 0
+        if previous_end is None or start_ns - previous_end > self._stall_gap_ns:
+            self.clock.note_gap(start_ns, previous_end)
         if self.watches:
             for watch in self.watches:
                 watch.end_step(index, failed)
@@ -130,33 +136,29 @@ class Session(SessionParts):
         if self.profiler is not None:
             profiled, self.profiler = advance_window(self.profiler, index, self.profiled_steps)
         if self.sampled:
-            if len(buf.spans) < _MAX_SPAN_RECORDS:
-                buf.spans.append(step_record(start_ns, end_ns, index, failed, profiled))
+            if len(self.buffer.spans) < MAX_SPAN_RECORDS:
+                self.buffer.spans.append(step_record(start_ns, end_ns, index, failed, profiled))
             self.sampled = False
-        if len(buf.step_indices) < buf.max_values:  # capped: see step_durations below
-            buf.step_indices.append(index)  # which step the interval's recorded values belong to
+        events = self.step_events
+        if len(events) < self.max_step_events:
+            events.append((index, start_ns, end_ns, tokens, samples, failed))
+        else:  # a worker stuck for hours defers every flush: counts only (~43 MB per 1M steps otherwise)
+            self.buffer.add_uncapped_step(tokens, samples, failed)
         if failed:
             return
-        if index <= clock.rerun_through:  # goodput's wasted progress: re-running steps after a restart
-            clock.rerun_ns += end_ns - start_ns
-        buf.steps += 1
-        # Capped like every per-interval list: a worker stuck for hours defers every flush, and
-        # this interval would grow until it returns (~43 MB per 1M steps).
-        if len(buf.step_durations) < buf.max_values:
-            buf.step_durations.append((end_ns - start_ns) * 1e-9)
-        else:
-            buf.drop("too_many_values")
-        if tokens:
-            buf.tokens += tokens
-        if samples:
-            buf.samples += samples
-        cadence = self.cadence
+        steps = self.interval_steps = self.interval_steps + 1
         if (
-            ((index >= cadence.due_step or buf.steps >= cadence.threshold) and cadence.due(buf.steps, index))
+            ((index >= self._due_step or steps >= self._due_threshold) and self._cadence_due(steps, index))
             or (self._flush_requested and not self._lockstep)
             or (self._time_flush and end_ns * 1e-9 - self._last_flush >= self._interval_s)  # same clock
         ):
             self.flush()
+
+    def _cadence_due(self, steps: int, index: int) -> bool:
+        cadence = self.cadence
+        due = cadence.due(steps, index)
+        self._due_step, self._due_threshold = cadence.due_step, cadence.threshold
+        return due
 
     def seconds_per_step(self) -> float | None:
         """The mean step time so far (the control thread schedules changes with it)."""
@@ -173,24 +175,19 @@ class Session(SessionParts):
         return self.profiler is not None
 
     def end_timer(self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None) -> None:
-        buf = self.buffer
-        if error is None:  # raw clock readings, one append: the worker derives duration and arrival
-            timings = buf.timings.get(name) or buf.timings.setdefault(name, [])
-            if len(timings) < buf.max_values:
-                timings.append((start_ns, end_ns, self.step_start_ns))
+        """A timer's end off the `with` path (`stop()`, `ot.span`, a failed phase). A `with ot.timer`
+        that ends without an error appends to `timer_events` itself (timing.TimerScope)."""
+        if error is None:
+            events = self.timer_events
+            if len(events) < self.max_timer_events:
+                events.append((name, start_ns, end_ns, self.step_start_ns))
             else:
-                buf.drop("too_many_values")
-            clock = self.clock
-            data = name in clock.data_phases and self.step_start_ns  # goodput's data cause
-            if data and self._step_index_running > clock.rerun_through:
-                clock.data_ns += end_ns - start_ns
-        else:
-            buf.add_phase_error(name, error.__name__, (end_ns - start_ns) * 1e-9)
-        if self.sampled and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
+                self.buffer.drop("too_many_values")
+            return
+        self.buffer.add_phase_error(name, error.__name__, (end_ns - start_ns) * 1e-9)
+        if self.sampled and len(self.buffer.spans) < MAX_SPAN_RECORDS:
             self.buffer.spans.append(
-                SpanRecord(
-                    name, start_ns, end_ns, self._step_index_running, error.__name__ if error else None
-                )
+                SpanRecord(name, start_ns, end_ns, self._step_index_running, error.__name__)
             )
 
     def end_mark(
@@ -204,8 +201,8 @@ class Session(SessionParts):
         """An eval / checkpoint span: always traced (rare and short), timed as a phase, and
         accounted as goodput's eval / checkpoint badput."""
         self.end_timer(name, start_ns, end_ns, error)
-        self.clock.note_span(name, end_ns - start_ns)
-        if self.worker.span_writer is not None and len(self.buffer.spans) < _MAX_SPAN_RECORDS:
+        self.clock.note_span(name, end_ns - start_ns, self.step_start_ns != 0, self.step_end_ns)
+        if self.worker.span_writer is not None and len(self.buffer.spans) < MAX_SPAN_RECORDS:
             step = max(self.step_index, 0)
             self.buffer.spans.append(mark_record(name, start_ns, end_ns, step, error, attributes))
 
@@ -227,14 +224,18 @@ class Session(SessionParts):
             return False
         with self._lock:
             self._flush_requested = False
+            self.buffer.steps, self.interval_steps = self.interval_steps, 0
             batch = self.buffer.take(
                 self._seq, self.step_index, now - self._last_flush, self._perf_to_epoch_ns
             )
+            self.timer_events, self.step_events = self.buffer.timer_events, self.buffer.step_events
             self._seq += 1
         batch.final = final
+        batch.rerun_through = self.clock.rerun_through
         if not final:
             # Rank 0 decides the schedule here and sends it down with this flush (cadence.py).
             self.cadence.flushed(self.cadence.proposal(batch.steps, batch.elapsed_s), batch.step)
+            self._due_step, self._due_threshold = self.cadence.due_step, self.cadence.threshold
             batch.flush_interval, batch.flush_anchor = self.cadence.decision
         self._last_flush = now
         if "torch" in sys.modules:

@@ -46,6 +46,7 @@ class _NullScope:
 
 
 _NULL = _NullScope()
+_new_scope = object.__new__
 
 
 class StepScope:
@@ -72,7 +73,6 @@ class StepScope:
     ) -> None:
         session = self._session
         if session is not None:
-            session.step_start_ns = 0
             session.end_step(
                 self._index, self._start, perf_counter_ns(), self.tokens, self.samples, exc_type is not None
             )
@@ -97,12 +97,15 @@ def step(index: Any = None, *, tokens: int | None = None, samples: int | None = 
 
 
 class TimerScope:
-    __slots__ = ("_cuda_start", "_session", "_start", "cuda", "name")
+    """`with ot.timer("forward"):`. Its end appends one tuple to the interval's `timer_events` and
+    touches nothing else: at 1-2 ms steps each object touched between torch's calls costs cache
+    misses (README, Performance); the worker derives durations, arrivals, spans and goodput."""
+
+    __slots__ = ("_session", "_start", "name")
     _start: int  # perf_counter_ns at the start (set by __enter__)
 
-    def __init__(self, name: str, cuda: bool) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.cuda = cuda
         self._session: Session | None = None
 
     def start(self, at_ns: int | None = None) -> TimerScope:
@@ -117,34 +120,63 @@ class TimerScope:
         """End the phase `start()` began (`error`: the exception type if the phase failed; `at_ns`:
         an earlier `perf_counter_ns()` reading where it ended, for a hook that runs after the end:
         that is also this rank's arrival). A stop without a start, or a second stop, does nothing."""
-        session = self._session
-        error = _error_type(error)
-        if at_ns.__class__ is not int or session is None or self._cuda_start is not None:
-            self.__exit__(error, None, None)
+        session = getattr(self, "_session", None)  # unset: made by timer() and never started
+        if session is None:
             return
-        session.end_timer(self.name, self._start, max(at_ns, self._start), error)  # type: ignore[arg-type]
         self._session = None
+        end = perf_counter_ns()
+        if at_ns.__class__ is int:
+            end = max(at_ns, self._start)  # type: ignore[call-overload]
+        self._end(session, end, _error_type(error))
 
     def __enter__(self) -> TimerScope:
-        session = _runtime._current
-        self._session = session
-        if session is not None:
-            self._cuda_start = _cuda_event() if self.cuda else None
-            self._start = perf_counter_ns()
+        self._session = _runtime._current
+        self._start = perf_counter_ns()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        end = perf_counter_ns()
+        session = self._session
+        if session is None:
+            return
+        if exc_type is None:
+            events = session.timer_events
+            if len(events) < session.max_timer_events:
+                events.append((self.name, self._start, end, session.step_start_ns))
+                return
+        session.end_timer(self.name, self._start, end, exc_type)
+
+    def _end(self, session: Session, end_ns: int, error: type[BaseException] | None) -> None:
+        session.end_timer(self.name, self._start, end_ns, error)
+
+
+class CudaTimerScope(TimerScope):
+    """`ot.timer(name, cuda=True)`: the device time between two CUDA events, resolved on the
+    worker (no sync on the training thread); off CUDA, a CPU timer."""
+
+    __slots__ = ("_cuda_start",)
+
+    def __enter__(self) -> CudaTimerScope:
+        super().__enter__()
+        self._cuda_start = _cuda_event() if self._session is not None else None
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         session = self._session
-        if session is None:
+        if session is not None and self._cuda_start is not None:
+            session.buffer.add_cuda_timer(self.name, self._cuda_start, _cuda_event())
             return
-        end = perf_counter_ns()
-        if self._cuda_start is not None:
+        super().__exit__(exc_type, exc, tb)
+
+    def _end(self, session: Session, end_ns: int, error: type[BaseException] | None) -> None:
+        if self._cuda_start is not None:  # the device's time, not the hook's clock reading
             session.buffer.add_cuda_timer(self.name, self._cuda_start, _cuda_event())
         else:
-            session.end_timer(self.name, self._start, end, exc_type)
-        self._session = None
+            super()._end(session, end_ns, error)
 
 
 def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullScope:
@@ -159,7 +191,11 @@ def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullSc
     except TypeError:  # level="1", None, ...: read it as a number if it is one, never raise
         if _timer_level(session, level) > session.timing_level:
             return _NULL
-    return TimerScope(name, cuda)
+    if cuda:
+        return CudaTimerScope(name)
+    scope = _new_scope(TimerScope)  # no __init__ frame: a timer is made on every step
+    scope.name = name
+    return scope
 
 
 def _timer_level(session: Session, level: Any) -> int:

@@ -57,7 +57,7 @@ def test_account_of_one_process(tmp_path: Path) -> None:
     assert account["startup"] >= 0.2
     assert 0.3 <= account["eval"] < 0.8
     assert 0.1 <= account["checkpoint_save"] < 0.5
-    assert 0.6 <= account["stall"] < 1.2
+    assert 0.6 <= account["stall"] < 0.85  # the gap (0.9 s) less the eval and checkpoint spans in it
     assert account["restart"] == 0 and account["data"] == 0 and account["wasted_progress"] == 0
     assert 0.3 <= account["productive_s"] < 0.9  # 6 x 50 ms of step work (the nested eval excluded)
     progress = (session.run_dir / "progress.txt").read_text()

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from otel_train.buffer import FlushBatch, LayerStats
+from otel_train.goodput import DATA_PHASES
 from otel_train.interval import Interval, header_of
 
 NO_DATA_WARNING = (
@@ -97,6 +100,8 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str,
 
 def _finite_only(values: list[float | None], dropped: dict[str, int]) -> list[float | None]:
     """`values` with NaN/Inf replaced by None, counted as dropped `nonfinite`."""
+    if None not in values and all(map(math.isfinite, values)):  # type: ignore[arg-type]  # usual case, C speed
+        return values
     for i, value in enumerate(values):
         if value is not None and not math.isfinite(value):
             values[i] = None
@@ -196,19 +201,59 @@ def _value_steps(
     return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is not None]
 
 
-def timer_phases(batch: FlushBatch) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """(phase durations, arrivals) in seconds: `ot.phase` values, then each timer's raw clock
+def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
+    """Fill the batch's step durations, indices, tokens and samples from its step events (the
+    training thread only appended them); return goodput's wasted progress in seconds (steps whose
+    index is at most `rerun_through`) and those steps' starts."""
+    events = batch.step_events
+    batch.step_indices.extend([index for index, *_ in events])
+    done = [event for event in events if not event[5]]  # failed steps: no duration, no counts
+    batch.step_durations.extend([(end - start) * 1e-9 for _, start, end, *_ in done])
+    batch.tokens += sum([tokens for *_, tokens, _, _ in done if tokens])
+    batch.samples += sum([samples for *_, samples, _ in done if samples])
+    through = batch.rerun_through
+    if through < 0:  # no earlier process of this run id (or unnumbered steps)
+        return 0.0, set()
+    reruns = [(start, end) for index, start, end, *_ in done if index <= through]
+    return sum([end - start for start, end in reruns]) * 1e-9, {start for start, _ in reruns}
+
+
+_timer_name = itemgetter(0)  # of a timer event: C, not a Python call per event
+
+
+def timer_phases(
+    batch: FlushBatch, rerun_starts: Set[int] = frozenset()
+) -> tuple[dict[str, list[float]], dict[str, list[float]], float]:
+    """(phase durations, arrivals, data seconds): `ot.phase` values, then each timer's raw clock
     readings (durations computed exactly as `_seconds` does for its span, so exemplars match;
-    the arrival, from its step's start to the timer's end, only for timers inside a step)."""
+    the arrival, from its step's start to the timer's end, only for timers inside a step), each
+    timer name capped at `batch.value_cap` values (the rest dropped and counted); and the seconds
+    of goodput's data cause: data-phase timers inside steps that did not re-run an earlier step
+    (`rerun_starts`: those steps' starts)."""
     phases = {name: list(values) for name, values in batch.phases.items()}
     arrivals: dict[str, list[float]] = {}
-    for name, timings in batch.timings.items():
-        durations = [(end - start) * 1e-9 for start, end, _ in timings]
-        phases[name] = phases[name] + durations if name in phases else durations
-        arrived = [(end - began) * 1e-9 for _, end, began in timings if began]
+    cap = batch.value_cap or len(batch.timer_events)
+    over = data_ns = 0
+    # A stable sort groups each timer's events in their order (C speed: the worker's time per
+    # event is what bounds its share of a 1-2 ms step).
+    for name, group in groupby(sorted(batch.timer_events, key=_timer_name), key=_timer_name):
+        readings = list(group)
+        if name in DATA_PHASES:
+            data_ns += sum(
+                [end - start for _, start, end, began in readings if began and began not in rerun_starts]
+            )
+        durations = phases.setdefault(name, [])
+        room = max(0, cap - len(durations))
+        if len(readings) > room:
+            over += len(readings) - room
+            readings = readings[:room]
+        durations.extend([(end - start) * 1e-9 for _, start, end, _ in readings])
+        arrived = [(end - began) * 1e-9 for _, _, end, began in readings if began]
         if arrived:
             arrivals[name] = arrived
-    return phases, arrivals
+    if over:
+        batch.dropped["too_many_values"] = batch.dropped.get("too_many_values", 0) + over
+    return phases, arrivals, data_ns * 1e-9
 
 
 def resolve_interval(batch: FlushBatch) -> Interval:
@@ -216,6 +261,7 @@ def resolve_interval(batch: FlushBatch) -> Interval:
     dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval."""
     if batch.cuda_event is not None:
         batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
+    rerun_s, rerun_starts = resolve_steps(batch)
     scalars: dict[str, list[float]] = {}
     scalar_steps: dict[str, list[int]] = {}
     nonfinite: dict[str, int] = {}
@@ -231,7 +277,7 @@ def resolve_interval(batch: FlushBatch) -> Interval:
             steps = _value_steps(resolved, batch.step_indices, instrument in batch.merged)
             if steps is not None:
                 scalar_steps[instrument] = steps
-    phases, arrivals = timer_phases(batch)
+    phases, arrivals, data_s = timer_phases(batch, rerun_starts)
     for name, start, end in batch.cuda_timers:
         try:
             end.synchronize()
@@ -242,6 +288,8 @@ def resolve_interval(batch: FlushBatch) -> Interval:
         **header_of(batch),
         phases=phases,
         arrivals=arrivals,
+        data_s=data_s,
+        rerun_s=rerun_s,
         scalars=scalars,
         scalar_steps=scalar_steps,
         nonfinite=nonfinite,

@@ -25,7 +25,7 @@ from opentelemetry._logs import SeverityNumber
 
 from otel_train import semconv
 from otel_train.bridges.base import Sink
-from otel_train.buffer import FlushBatch
+from otel_train.buffer import MAX_SPAN_RECORDS, FlushBatch, span_records
 from otel_train.flush.instruments import Instruments, feed_layer_stats, record_durations
 from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, resolve_interval
 from otel_train.flush.step_reader import StepReader, key_for
@@ -210,7 +210,8 @@ class Worker:
             feed_layer_stats(self.instruments, batch, interval)
         exemplars: ExemplarContexts = {}
         if self.span_writer is not None and batch.spans:
-            exemplars = self.span_writer.write(batch.spans, batch.perf_to_epoch_ns)
+            records = span_records(batch, MAX_SPAN_RECORDS)
+            exemplars = self.span_writer.write(records, batch.perf_to_epoch_ns)
         self._feed(batch, interval, exemplars)
 
     def _feed(self, batch: FlushBatch, interval: Interval, exemplars: ExemplarContexts) -> None:

@@ -89,7 +89,7 @@ def test_hung_gauge_callback_bounds_memory_and_warns_naming_it(tmp_path: Path) -
         assert len(stuck) == 1, stuck  # once per stuck flush
         assert "observable-instrument callbacks" in stuck[0]["message"]
         # The training thread's interval stays within the cap while every flush is deferred.
-        assert step > 2000 and len(session.buffer.step_durations) <= 500
+        assert step > 2000 and len(session.step_events) <= 500
         assert session.buffer.dropped.get("too_many_values", 0) > 0
     finally:
         with open(fifo, "w") as f:  # the "file system" comes back: the callback returns

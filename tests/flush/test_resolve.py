@@ -95,7 +95,7 @@ def test_timers_become_durations_and_arrivals_capped_per_name() -> None:
                 pass
             with ot.step(10 + i), ot.timer("data"):
                 pass
-        data_ns = session.clock.data_ns
+    data_s = session.goodput.data_s  # after the final flush
     phases = {k: v for x in listener.seen for k, v in x.phases.items()}
     arrivals = {k: v for x in listener.seen for k, v in x.arrivals.items()}
     assert len(phases["forward"]) == 3 and len(arrivals["forward"]) == 2  # capped at 3; 1 outside a step
@@ -103,7 +103,7 @@ def test_timers_become_durations_and_arrivals_capped_per_name() -> None:
     assert all(0 <= d < 1 for d in phases["forward"] + arrivals["forward"])
     # over the cap: 2 forward, 1 data, and 5 of the 8 step durations
     assert cap.last("otel_train/dropped/too_many_values") == 8
-    assert data_ns > 0  # goodput's data cause still counted on the training thread
+    assert data_s > 0  # goodput's data cause, from the flushed timers (capped ones included)
 
 
 def test_durations_are_computed_as_the_span_computes_them() -> None:
@@ -111,8 +111,8 @@ def test_durations_are_computed_as_the_span_computes_them() -> None:
     buffer = Buffer(max_names=10, max_values=10)
     start = perf_counter_ns()
     readings = [(start, start + 1_234_567, start - 10), (start + 7, start + 999_999_937, 0)]
-    buffer.timings["forward"] = list(readings)
-    phases, arrivals = resolve.timer_phases(buffer.take(0, 0, 1.0, 0))
+    buffer.timer_events.extend(("forward", s, e, b) for s, e, b in readings)
+    phases, arrivals, _ = resolve.timer_phases(buffer.take(0, 0, 1.0, 0))
     spans = [SpanRecord("forward", s, e, 0) for s, e, _ in readings]
     assert phases["forward"] == [tracing._seconds(span) for span in spans]
     assert arrivals["forward"] == [(start + 1_234_567 - (start - 10)) * 1e-9]
@@ -121,14 +121,16 @@ def test_durations_are_computed_as_the_span_computes_them() -> None:
 def test_the_interval_carries_every_header_field_of_its_batch() -> None:
     """`FlushBatch` and `Interval` share `FlushHeader`: each of its fields reaches the listeners."""
     buffer = Buffer(max_names=10, max_values=10)
-    buffer.steps, buffer.tokens, buffer.samples = 3, 300, 6
-    buffer.step_durations.extend([0.1, 0.2, 0.3])
+    buffer.steps, buffer.tokens, buffer.samples = 3, 100, 2  # tokens, samples: of steps beyond the cap
+    buffer.step_events.extend([(5, 0, 100_000_000, 100, 2, False), (6, 0, 200_000_000, 100, 2, False)])
+    buffer.step_events.append((7, 0, 10**9, 999, 99, True))  # failed: no duration, no counts
     batch = buffer.take(7, 41, 2.5, 0)
     batch.final, batch.autocast_dtype, batch.flush_interval, batch.flush_anchor = True, "bfloat16", 5, 20
     interval = resolve.resolve_interval(batch)
     assert header_of(interval) == header_of(batch)
+    assert batch.step_indices == [5, 6, 7]  # failed steps too: values recorded in them belong to them
     assert header_of(interval) == {
         "seq": 7, "step": 41, "wall_time": batch.wall_time, "elapsed_s": 2.5, "steps": 3, "tokens": 300,
-        "samples": 6, "step_durations": [0.1, 0.2, 0.3], "final": True, "autocast_dtype": "bfloat16",
+        "samples": 6, "step_durations": [0.1, 0.2], "final": True, "autocast_dtype": "bfloat16",
         "flush_interval": 5, "flush_anchor": 20,
     }  # fmt: skip

@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode, get_current_span
 
 from otel_train import semconv
-from otel_train.buffer import SpanRecord, SpanRole
+from otel_train.buffer import Buffer, SpanRecord, SpanRole, span_records, step_record
 from otel_train.flush.tracing import SpanWriter, step_trace_ids
 
 EPOCH_NS = 1_700_000_000_000_000_000  # perf_counter_ns 0 as epoch nanoseconds
@@ -54,3 +54,25 @@ def test_trace_ids_depend_on_run_and_step_only() -> None:
     assert step_trace_ids("run-1", 7) == step_trace_ids("run-1", 7)
     assert step_trace_ids("run-1", 7) != step_trace_ids("run-1", 8)
     assert step_trace_ids("run-1", 7) != step_trace_ids("run-2", 7)
+
+
+def test_only_the_traced_steps_timers_become_span_records_within_the_limit() -> None:
+    """The training thread appends every timer as one tuple; the worker makes span records of those
+    whose step is traced (found by the step's start), as children of that step, up to the limit."""
+    buffer = Buffer(max_names=10, max_values=10)
+    buffer.spans.append(step_record(100, 190, 0, False, False))
+    buffer.spans.append(step_record(300, 390, 2, True, False))
+    buffer.timer_events.extend([
+        ("data", 101, 110, 100), ("forward", 111, 150, 100),  # step 0: traced
+        ("forward", 211, 250, 200),  # step 1: not traced
+        ("forward", 311, 350, 300),  # step 2: traced (it failed)
+        ("eval_load", 400, 450, 0),  # outside any step
+    ])  # fmt: skip
+    batch = buffer.take(0, 2, 1.0, 0)
+    records = span_records(batch, 100)
+    timers = [(r.name, r.start_ns, r.step, r.kind) for r in records if r.kind is not SpanRole.STEP]
+    assert timers == [
+        ("data", 101, 0, SpanRole.PHASE), ("forward", 111, 0, SpanRole.PHASE), ("forward", 311, 2, SpanRole.PHASE)
+    ]  # fmt: skip
+    assert len(span_records(batch, 3)) == 3  # the two steps' records first, then timers to the limit
+    assert span_records(buffer.take(1, 2, 1.0, 0), 100) == []  # no traced step: nothing

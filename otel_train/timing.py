@@ -93,7 +93,9 @@ def step(index: Any = None, *, tokens: int | None = None, samples: int | None = 
     """Mark one training step. Steps are numbered from 0; `index=None` continues from the last."""
     if callable(index):
         return StepScope(None, tokens, samples)(index)
-    return StepScope(index, tokens, samples)
+    scope = _new_scope(StepScope)  # no __init__ frame: a step scope is made on every step
+    scope.index, scope.tokens, scope.samples, scope._session = index, tokens, samples, None
+    return scope
 
 
 class TimerScope:

@@ -2,8 +2,10 @@
 
 `assemble.build_session` builds and wires the parts (`SessionParts`); `_runtime` holds the active
 session and the process hooks. The training thread talks to the session only through
-`begin_step`, `end_step`, `end_timer`, `record` and `flush`, all plain-Python appends and
-counters; everything else happens on the worker.
+`begin_step`, `end_step`, `end_timer`, `record` and `flush`, and a timer's end appends to
+`timer_events` itself: each step and each timer is one tuple appended to a flat per-interval list
+(the fewer objects a call touches, the fewer cache misses it costs between torch's calls);
+everything else, down to the step durations, happens on the worker (`flush/resolve.py`).
 """
 
 from __future__ import annotations

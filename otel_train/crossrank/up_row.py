@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otel_train.distributed import Identity
-from otel_train.interval import Interval
+from otel_train.interval import Interval, finite
 
 logger = logging.getLogger("otel_train")
 
@@ -82,11 +82,9 @@ class Spread:
 
     @classmethod
     def of(cls, values: Iterable[float]) -> Spread:
-        isfinite = math.isfinite
-        ordered = [v for v in values if isfinite(v)]  # list comprehensions: ~2x a generator's speed
+        ordered = sorted(finite(values))
         if not ordered:
             return cls()
-        ordered.sort()
         median = ordered[(len(ordered) - 1) // 2]
         deviations = sorted([abs(v - median) for v in ordered])
         return cls(len(ordered), median, ordered[-1], deviations[(len(deviations) - 1) // 2])
@@ -241,13 +239,13 @@ def pack(
     row[_H_FROM_STEP] = float(from_step)
     n = 0
     for name, durations in interval.phases.items():
-        finite = [d for d in durations if math.isfinite(d)]
-        if not finite or not table.add(name):
+        kept = finite(durations)
+        if not kept or not table.add(name):
             continue
         base = HEADER_LEN + table.slots[name] * SLOT_LEN
         row[base + _S_ID] = float(table.ids[name])
-        row[base + _S_COUNT] = float(len(finite))
-        row[base + _S_MEAN] = sum(finite) / len(finite)
+        row[base + _S_COUNT] = float(len(kept))
+        row[base + _S_MEAN] = sum(kept) / len(kept)
         arrival = Spread.of(interval.arrivals.get(name, ()))
         row[base + _S_ARRIVAL : base + SLOT_LEN] = arrival.encode()
         n += 1
@@ -325,10 +323,10 @@ def local_record(interval: Interval, identity: Identity) -> RankRecord:
         identity.local_rank,
     )
     for name, durations in interval.phases.items():
-        finite = [d for d in durations if math.isfinite(d)]
-        if finite:
+        kept = finite(durations)
+        if kept:
             record.timers[name_id(name)] = TimerStats(
-                len(finite), sum(finite) / len(finite), Spread.of(interval.arrivals.get(name, ()))
+                len(kept), sum(kept) / len(kept), Spread.of(interval.arrivals.get(name, ()))
             )
             record.announced[name_id(name)] = name
     return record

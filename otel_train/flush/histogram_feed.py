@@ -24,6 +24,8 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from otel_train.interval import finite
+
 _FIELDS = (
     "_lock",
     "_value",
@@ -38,11 +40,11 @@ _FIELDS = (
 
 def record_many(histogram: Any, values: Sequence[float], attributes: Mapping[str, Any] | None = None) -> None:
     """Like `for v in values: histogram.record(v, attributes)` (finite values), in one step."""
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
+    kept = finite(values)
+    if not kept:
         return
-    if len(finite) == 1 or not _merge(histogram, finite, dict(attributes or {})):
-        for value in finite:
+    if len(kept) == 1 or not _merge(histogram, kept, dict(attributes or {})):
+        for value in kept:
             histogram.record(value, attributes)
 
 

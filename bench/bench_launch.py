@@ -50,7 +50,8 @@ Flight Recorder on, collective telemetry included: with one rank otel_train does
 collective monitor by itself, so the bench attaches the same `collectives.start_monitor` a rank of
 a distributed job runs. `fr-own`: the Flight Recorder's own cost, without otel_train; the recorder
 is set once per process, so processes alternate instead of blocks: per round one process with it
-off (A), one with it on (B) and one off again (C, the A/A control), in rotating order, each timing
+off (A: `TORCH_FR_BUFFER_SIZE=0`, since torch 2.13 records by default), one with it on (B) and one
+off again (C, the A/A control), in rotating order, each timing
 plain blocks only, with the step calibrated once and reused by all.
 """
 
@@ -224,12 +225,13 @@ def calibrate(model: LaunchBoundModel, target_ms: float) -> None:
 
 
 def start_collective(model: LaunchBoundModel, directory: str, flight_recorder: bool) -> None:
-    """A 1-rank gloo process group, the Flight Recorder on or off (torch reads it once, when the
-    group is created), and one tiny all_reduce per step."""
+    """A 1-rank gloo process group, the Flight Recorder on or off (torch reads it once per process,
+    when the first group is created; torch 2.13's is on unless the variable is 0, so "off" sets
+    0: earlier fr-own runs that only unset it compared the recorder with itself), and one tiny
+    all_reduce per step."""
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         os.environ.pop(name, None)
-    if flight_recorder:
-        os.environ["TORCH_FR_BUFFER_SIZE"] = FR_BUFFER
+    os.environ["TORCH_FR_BUFFER_SIZE"] = FR_BUFFER if flight_recorder else "0"
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{directory}/pg", rank=0, world_size=1)

@@ -23,7 +23,7 @@ from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from otel_train import semconv
-from otel_train.diagnostics.collectives import OFF_MESSAGE, CollectiveMonitor
+from otel_train.diagnostics.collectives import OFF_MESSAGE, UNUSED_MESSAGE, CollectiveMonitor
 from otel_train.diagnostics.hang_attribution import Verdict, attribute
 
 FR_ON = {"TORCH_FR_BUFFER_SIZE": "500"}
@@ -106,6 +106,18 @@ def test_collectives_per_group_and_op_on_the_pull_endpoint(tmp_path: Path) -> No
         (last,) = _series(result["samples"], semconv.COLLECTIVE_LAST.prometheus_name).values()
         assert 0 <= last < 30
         assert not [m for m in result["messages"] if "Flight Recorder is off" in m]
+
+
+@pytest.mark.multirank
+def test_recorder_on_by_torch_default_but_unread_is_said_once_and_exports_nothing(tmp_path: Path) -> None:
+    """torch 2.13 records collectives with neither variable set (2,000 entries); otel_train reads
+    the recorder only when the variable asks for it, and says so rather than "off"."""
+    env: dict[str, str | None] = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
+    results = run_ranks(2, _metrics_target, (str(tmp_path),), timeout=120, env=env)
+    said = [[m for m in result["messages"] if "Flight Recorder" in m] for result in results]
+    assert said == [[UNUSED_MESSAGE], []]  # once for the job (rank 0), and not "off"
+    for result in results:
+        assert not [n for (n, _) in result["samples"] if n.startswith("train_collective")]
 
 
 @pytest.mark.multirank

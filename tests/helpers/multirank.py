@@ -37,7 +37,7 @@ def _child(
     target_fn: Callable[..., Any],
     args: Sequence[Any],
     results: Any,
-    env: Mapping[str, str],
+    env: Mapping[str, str | None],
     init_timeout_s: float,
 ) -> None:
     os.environ.update(
@@ -52,7 +52,11 @@ def _child(
             "OMP_NUM_THREADS": "1",
         }
     )
-    os.environ.update(env)
+    for name, value in env.items():  # None: unset it (an empty TORCH_FR_BUFFER_SIZE hangs torch's init)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     import datetime
 
     import torch
@@ -81,10 +85,11 @@ def run_ranks(
     target_fn: Callable[..., Any],
     args: Sequence[Any] = (),
     timeout: float = 60.0,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str | None] | None = None,
     init_timeout_s: float = 30.0,
 ) -> list[Any]:
-    """Run ``target_fn(rank, world_size, *args)`` on ``world_size`` real gloo ranks; results by rank."""
+    """Run ``target_fn(rank, world_size, *args)`` on ``world_size`` real gloo ranks; results by rank.
+    ``env``: variables set in each rank before its process group is created (None: unset)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

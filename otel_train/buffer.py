@@ -117,9 +117,9 @@ class FlushBatch(FlushHeader):
     cuda_event: Any = None  # recorded on the training stream at the flush, when tensors are on CUDA
     layer_stats: list[LayerStats] = field(default_factory=list)
     histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
-    # (Filled on the worker from step_events.) Every step that ended in the interval, failed ones
-    # too, in order: a name recorded k times in
-    # each of them has k * len(step_indices) values, and value i belongs to step_indices[i // k].
+    # Every step that ended in the interval, failed ones too, in order (filled on the worker from
+    # step_events): a name recorded k times in each of them has k * len(step_indices) values, and
+    # value i belongs to step_indices[i // k].
     step_indices: list[int] = field(default_factory=list)
     merged: set[str] = field(default_factory=set)  # instruments fed by several record names (no order)
     # every step that ended, failed ones too, in order, up to max_values_per_interval (the counts of

@@ -94,9 +94,8 @@ class StepClock:
         self.stall_gap_ns = int(stall_timeout_s * 1e9)
 
     def note_gap(self, start_ns: int, previous_end_ns: int | None) -> None:
-        """A step starts at `start_ns` after the first step, or more than stall_timeout_s after the
-        last one ended (`previous_end_ns`; None: this is the first step): stall time, less the
-        spans inside the gap."""
+        """The first step starts (`previous_end_ns` None), or a step starts at `start_ns` more than
+        stall_timeout_s after the last one ended: that gap is stall time, less the spans in it."""
         if previous_end_ns is None:
             self.first_step_start_ns = start_ns
             return

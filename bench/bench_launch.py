@@ -16,7 +16,7 @@ one seeded model: A (no otel_train call), B (the same step instrumented like the
 4 timers, the loss tensor and the lr float recorded), N (B's code with an API that does nothing:
 the floor that five `with` blocks, two calls and the loss's `detach()` cost any instrumentation of
 this shape) and C (A again: the A/A control). Blocks of ~10 ms of steps (`fine_block`) rotate
-(ABNC BNCA NCAB ...), every step timed back to back with perf_counter_ns: this VM's speed drifts by
+(in a random order each round), every step timed back to back with perf_counter_ns: this VM's speed drifts by
 2x within seconds, which blocks of a second or more (one flush each) could not resolve (A/A pairs of
 600-step blocks moved +-8 %, of 5-step blocks +-0.45 %, in 60 s). Ratios of block sums, with a
 bootstrap 95% CI over the block pairs: B/A - 1 (what the user sees), C/A - 1 (the resolution of the
@@ -25,10 +25,12 @@ method at that moment), N/A - 1 (the shape's floor) and B/N - 1 (otel_train abov
 Short blocks spread the work of otel_train's own threads (the worker's flush, the hardware sampler,
 the watchdog) over all four loops, so `threads` adds their whole CPU time, as if every microsecond
 of it held the GIL against training: the worker's as a share of the B blocks' time (B steps cause
-its flushes), the periodic threads' as a share of the run's; `bound` = B/N - 1 + threads is an
-upper bound on otel_train's cost. The flush interval is set to what the adaptive
-cadence picks when every step is instrumented (left to adapt, it would see a quarter of the steps
-per second and flush four times as often).
+its flushes), the periodic threads' as a share of the run's. A flush that B's step sets off runs
+during the blocks after it, mostly the other loops' (a fixed rotation ABNC BNCA ... put it in N's
+nearly always: earlier figures' N/A carried the flushes and B/N missed them), so B/A - 1 is the
+training thread's cost and `bound` = B/A - 1 + threads an upper bound on otel_train's. The flush
+interval is the one the library's adaptive cadence settles on while B runs alone before the
+measurement (`settle_cadence`), then frozen.
 
 Configurations: `defaults` (library defaults: run dir, hardware sampler, adaptive cadence; no OTLP
 endpoint, no pull endpoint, console quiet), `tensorboard`, `wandb` (offline), `mlflow` (local
@@ -48,7 +50,8 @@ tiny `all_reduce` per step (inside the backward timer, where DDP's would be). `f
 Recorder on (`TORCH_FR_BUFFER_SIZE=2000`) in A, B and C, so B/A - 1 is otel_train's cost with the
 Flight Recorder on, collective telemetry included: with one rank otel_train does not start its
 collective monitor by itself, so the bench attaches the same `collectives.start_monitor` a rank of
-a distributed job runs. `fr-own`: the Flight Recorder's own cost, without otel_train; the recorder
+a distributed job runs. Its reads of the recorder are budgeted in wall time (at most 0.2 % of it),
+so `threads` counts their CPU as a share of the run's time, like the periodic threads'. `fr-own`: the Flight Recorder's own cost, without otel_train; the recorder
 is set once per process, so processes alternate instead of blocks: per round one process with it
 off (A: `TORCH_FR_BUFFER_SIZE=0`, since torch 2.13 records by default), one with it on (B) and one
 off again (C, the A/A control), in rotating order, each timing
@@ -216,11 +219,15 @@ def estimate(pairs: list[tuple[float, float]], resamples: int, seed: int) -> dic
     return {"pct": point, "ci95": (ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1])}
 
 
+CALIBRATION_S = 3.0  # the last calibration round's length: this VM's speed drifts 2x within seconds
+
+
 def calibrate(model: LaunchBoundModel, target_ms: float) -> None:
-    """Scale the number of passes so a plain step takes about target_ms."""
-    for _ in range(3):
+    """Scale the number of passes so a plain step takes about target_ms: three quick rounds, then
+    one over CALIBRATION_S (a 20-step median landed anywhere from 5 to 13.5 ms for "10 ms")."""
+    for steps in (20, 20, 20, max(20, round(CALIBRATION_S * 1e3 / target_ms))):
         timed_block(model.plain, 5)
-        ms = statistics.median(timed_block(model.plain, 20)) / 1e6
+        ms = statistics.median(timed_block(model.plain, steps)) / 1e6
         model.passes = max(1, round(model.passes * target_ms / ms))
 
 
@@ -248,8 +255,39 @@ def fine_block(step_ms: float) -> int:
     return max(2, round(FINE_BLOCK_MS / step_ms))
 
 
+SETTLE_FLUSHES = 5  # flushes of B alone before measuring: the adaptive cadence's interval settles
+SETTLE_MAX_S = 60.0
+
+
+def settle_cadence(session: Any, step_b: Callable[[], None], step_ms: float) -> None:
+    """Run B alone until the adaptive cadence has chosen its interval (SETTLE_FLUSHES flushes),
+    then freeze it: interleaved with A, N and C, B's steps come at a quarter of their rate, and the
+    cadence, which counts wall time per step, would flush four times as often per B step."""
+    worker, deadline = session.worker, time.monotonic() + SETTLE_MAX_S
+    while worker.flushes < SETTLE_FLUSHES and time.monotonic() < deadline:
+        timed_block(step_b, warmup_steps(step_ms))
+    session.cadence.adaptive = False
+
+
 def warmup_steps(step_ms: float) -> int:
     return max(20, int(1200 / step_ms))  # >= 1.2 s: the first flushes happen before measuring
+
+
+class ThreadTimed:
+    """A flush listener that counts the CPU time (of the worker thread) `listener` takes."""
+
+    def __init__(self, listener: Any) -> None:
+        self.listener, self.cpu_s = listener, 0.0
+
+    def on_flush(self, interval: Any) -> None:
+        started = time.thread_time()
+        try:
+            self.listener.on_flush(interval)
+        finally:
+            self.cpu_s += time.thread_time() - started
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 def background_cpu_ns() -> tuple[int, int]:
@@ -308,8 +346,6 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
     import torch
 
     import otel_train as ot
-    from otel_train.cadence import nice_interval
-    from otel_train.config import Config
 
     torch.set_num_threads(1)
     model = LaunchBoundModel(300, seed)
@@ -317,14 +353,10 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
     if config in COLLECTIVE:
         start_collective(model, out.name, flight_recorder=True)
     calibrate(model, step_ms)
-    plain_s = statistics.median(timed_block(model.plain, 50)) / 1e9
     os.environ.setdefault("WANDB_SILENT", "true")
     settings: dict[str, Any] = dict(
         run_name=f"launch-{config}", output_dir=out.name, prometheus_port=0, verbosity=0, progress_bar=False,
     )  # fmt: skip
-    # The flush interval the adaptive cadence picks when every step is instrumented: left to
-    # adapt here, it would see a quarter of the steps per second and flush four times as often.
-    settings["log_interval"] = nice_interval(plain_s, Config.log_interval_min_s, Config.log_interval_s)
     settings.update(CONFIGS[config])
     block = fine_block(step_ms)
     rounds = max(2, int(seconds * 1000 / step_ms / block / 4))
@@ -340,7 +372,8 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
             monitor = start_monitor(session.meter, None, 0)
             if monitor is None:
                 raise SystemExit("the Flight Recorder did not start")
-            session.add_listener(monitor)
+            timed_monitor = ThreadTimed(monitor)
+            session.add_listener(timed_monitor)
         worker = session.worker
         bridge_pid = session.bridges.pid if getattr(session, "bridges", None) is not None else None
         child = psutil.Process(bridge_pid) if bridge_pid else None
@@ -348,8 +381,8 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         def step_b() -> None:
             model.instrumented(ot, next(index))
 
-        for step in (model.plain, step_b):
-            timed_block(step, warmup_steps(step_ms))  # first flushes, so the bridges create their runs
+        timed_block(model.plain, warmup_steps(step_ms))
+        settle_cadence(session, step_b, step_ms)
         if child is not None:  # wait for the bridges' one-off set-up (imports, run creation) to end
             deadline, last = time.monotonic() + 120, sum(child.cpu_times()[:2])
             while time.monotonic() < deadline:
@@ -360,6 +393,7 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
                 last = now
         time.sleep(0.5)
         flushes0, cpu0 = worker.flushes, getattr(worker, "cpu_s", 0.0)
+        monitor_cpu0 = timed_monitor.cpu_s if config in COLLECTIVE else 0.0
         child_cpu0 = sum(child.cpu_times()[:2]) if child else 0.0
         background0 = background_cpu_ns()
         loops = {
@@ -370,8 +404,10 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         }
         sums: dict[str, list[int]] = {kind: [] for kind in loops}
         start = time.perf_counter()
-        for i in range(rounds):
-            for kind in "ABNCABNC"[i % 4 : i % 4 + 4]:
+        order, shuffle = list(loops), random.Random(seed).shuffle
+        for _ in range(rounds):
+            shuffle(order)  # a random order per round: a fixed rotation always put N after B,
+            for kind in order:  # and with it the flush B's last step set off
                 sums[kind].append(sum(timed_block(loops[kind], block)))
         wall = time.perf_counter() - start
         background = background_cpu_ns()  # before the wait: the last flush's work
@@ -379,16 +415,19 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         time.sleep(0.3)  # let the last flush finish before reading the worker's CPU
         flushes = worker.flushes - flushes0
         worker_cpu = getattr(worker, "cpu_s", 0.0) - cpu0
+        monitor_ns = 1e9 * (timed_monitor.cpu_s - monitor_cpu0) if config in COLLECTIVE else 0.0
         child_cpu = (sum(child.cpu_times()[:2]) - child_cpu0) if child else 0.0
-        interval = getattr(session, "flush_interval_steps", None)
+        interval = session.flush_interval_steps
     if config in COLLECTIVE:
         torch.distributed.destroy_process_group()
     b_time_s = sum(sums["B"]) / 1e9
     b_vs_a = estimate(list(zip(sums["A"], sums["B"], strict=True)), resamples, seed)
     b_vs_n = estimate(list(zip(sums["N"], sums["B"], strict=True)), resamples, seed)
     # the worker's CPU over the B blocks' time (B steps cause its flushes), the periodic threads'
-    # over the whole run's (they run every few seconds whatever the loop is doing)
+    # over the whole run's (they run every few seconds whatever the loop is doing), and so the
+    # Flight Recorder's reads (on the worker, but at most so often in wall time: MAX_READ_SHARE)
     worker_ns, others_ns = (after - before for after, before in zip(background, background0, strict=True))
+    worker_ns, others_ns = worker_ns - monitor_ns, others_ns + monitor_ns
     background_pct = 100 * (worker_ns / 1e9 / b_time_s + others_ns / 1e9 / wall)
     return {
         "step_ms": step_ms,
@@ -405,9 +444,10 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         "n_vs_a": estimate(list(zip(sums["A"], sums["N"], strict=True)), resamples, seed),
         "b_vs_n": b_vs_n,
         # otel_train's own threads' CPU (above), all of it counted as taken from training (GIL
-        # held throughout): an upper bound on what the short blocks spread over A, N and C too
+        # held throughout): the flushes B's steps set off land mostly in the other loops' blocks,
+        # so B/A holds the training thread's cost and this the threads'; their sum is the bound
         "background_pct": background_pct,
-        "bound_pct": b_vs_n["pct"] + background_pct,
+        "bound_pct": b_vs_a["pct"] + background_pct,
         "flushes": flushes,
         "flush_interval_steps": interval,
         "worker_ms_per_flush": 1e3 * worker_cpu / max(1, flushes),
@@ -533,8 +573,8 @@ def main() -> int:
         args.step_ms, args.configs = [PRESETS[args.preset]], ["defaults", "watch", "all", "fr", "fr-own"]
     print(
         "launch-bound loop, 1 torch thread; ~10 ms blocks of A (plain), B (otel_train), N (no-op API), "
-        f"C (plain: A/A control) rotating; {args.seconds:.0f} s measured per row; CI: bootstrap 95% "
-        "over block pairs; threads: otel_train's threads' CPU / B time; bound: B/N - 1 + threads"
+        f"C (plain: A/A control) in random order; {args.seconds:.0f} s measured per row; CI: bootstrap 95% "
+        "over block pairs; threads: otel_train's threads' CPU / B time; bound: B/A - 1 + threads"
     )
     print(HEADER, flush=True)
     results = []

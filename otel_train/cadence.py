@@ -3,7 +3,8 @@
 A flush every 10 steps is 100 flushes a second at 10 ms steps: 100 console lines, 100 SDK
 collections and 100 bridge writes a second, each paid for on the training process's GIL, while
 Prometheus scrapes every 15 s. So unless the user sets `log_interval`, the cadence adapts: every
-`ADAPTIVE_BASE_STEPS` steps, but not more often than about once per `log_interval_min_s`, rounded
+`ADAPTIVE_BASE_STEPS` steps, but not more often than about once per `log_interval_min_s` (longer,
+up to 5x, when the worker's CPU per flush would exceed 0.25 % of the time between flushes), rounded
 up to a "nice" number of steps (10, 20, 50, 100, 200, 500, ...), so step numbers in the console
 and the bridges stay readable. An explicit `log_interval` keeps its exact meaning.
 
@@ -34,6 +35,12 @@ import math
 log = logging.getLogger("otel_train")
 
 ADAPTIVE_BASE_STEPS = 10
+# The worker's flush holds the training process's GIL, mostly for a fixed cost (SDK collection,
+# files, the exchange): ~5 ms a flush measured on the launch-bound bench, 0.5 % of wall time at
+# one flush a second. The adaptive cadence keeps it under WORKER_SHARE by flushing less often,
+# up to MAX_STRETCH x log_interval_min_s (its per-step part no cadence can amortize).
+WORKER_SHARE = 0.0025
+MAX_STRETCH = 5.0
 _NEVER = 2**62  # due_step when flushes are counted, not scheduled
 _NICE = (1, 2, 5)
 
@@ -98,11 +105,17 @@ class Cadence:
         return self._next if self._next is not None else (self.interval, self.anchor)
 
     # --- training thread ---------------------------------------------------------------------------
-    def proposal(self, steps: int, elapsed_s: float) -> int:
-        """This process's proposed interval after an interval of `steps` steps over `elapsed_s`."""
+    def proposal(self, steps: int, elapsed_s: float, flush_cpu_s: float = 0.0) -> int:
+        """This process's proposed interval after an interval of `steps` steps over `elapsed_s`,
+        its worker spending `flush_cpu_s` of CPU on a flush (smoothed; 0: not known yet)."""
         if not self.adaptive or steps <= 0:
             return self.interval
-        return nice_interval(elapsed_s / steps, self._min_s, self._max_s)
+        return nice_interval(elapsed_s / steps, self.min_flush_s(flush_cpu_s), self._max_s)
+
+    def min_flush_s(self, flush_cpu_s: float) -> float:
+        """The shortest time between adaptive flushes: log_interval_min_s, stretched (at most
+        MAX_STRETCH x) so that a flush's CPU stays under WORKER_SHARE of it."""
+        return max(self._min_s, min(flush_cpu_s / WORKER_SHARE, self._min_s * MAX_STRETCH))
 
     def flushed(self, proposal: int, step: int) -> None:
         """A flush (not the final one) whose last step is `step` was taken, proposing `proposal`."""

@@ -236,7 +236,8 @@ class Session(SessionParts):
         batch.rerun_through = self.clock.rerun_through
         if not final:
             # Rank 0 decides the schedule here and sends it down with this flush (cadence.py).
-            self.cadence.flushed(self.cadence.proposal(batch.steps, batch.elapsed_s), batch.step)
+            proposal = self.cadence.proposal(batch.steps, batch.elapsed_s, worker.flush_cpu_s)
+            self.cadence.flushed(proposal, batch.step)
             self._due_step, self._due_threshold = self.cadence.due_step, self.cadence.threshold
             batch.flush_interval, batch.flush_anchor = self.cadence.decision
         self._last_flush = now

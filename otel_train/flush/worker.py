@@ -36,6 +36,8 @@ from otel_train.redaction import redact_text
 
 log = logging.getLogger("otel_train")
 
+FLUSH_CPU_WEIGHT = 0.3  # the newest flush's weight in the smoothed CPU per flush
+
 
 class Worker:
     """The one background thread that turns flushes into telemetry."""
@@ -78,6 +80,10 @@ class Worker:
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
+        # CPU of one flush, smoothed (the first, which pays one-off set-up, left out): the adaptive
+        # cadence flushes less often when it is large (cadence.WORKER_SHARE). Read by the training
+        # thread: one float.
+        self.flush_cpu_s = 0.0
         self._errors_warned: set[str] = set()
         self.sink_errors: dict[str, int] = {}
         self._started_at = time.time()
@@ -161,12 +167,21 @@ class Worker:
             finally:
                 self.busy_since, self.doing = None, "idle"
                 self.busy_s += time.perf_counter() - started
-                self.cpu_s += time.thread_time() - cpu_started
-                if isinstance(item, FlushBatch) and not self._abandoned:
-                    with self._room:
-                        self.steps_done += item.steps
-                        self.batches_done += 1
-                        self._room.notify_all()
+                self._done(item, time.thread_time() - cpu_started)
+
+    def _done(self, item: FlushBatch | Message, cpu_s: float) -> None:
+        """Account for one processed item that took `cpu_s` of this thread's CPU."""
+        self.cpu_s += cpu_s
+        if not isinstance(item, FlushBatch):
+            return
+        if not item.final and self.batches_done:
+            smoothed = self.flush_cpu_s
+            self.flush_cpu_s = cpu_s if smoothed == 0.0 else smoothed + FLUSH_CPU_WEIGHT * (cpu_s - smoothed)
+        if not self._abandoned:
+            with self._room:
+                self.steps_done += item.steps
+                self.batches_done += 1
+                self._room.notify_all()
 
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:
@@ -238,7 +253,7 @@ class Worker:
                 batch.dropped["too_many_names"] = batch.dropped.get("too_many_names", 0) + 1
                 continue
             gauge.set(math.fsum(values) / len(values))  # the interval's mean (see semconv.INTERVAL_STATS)
-            self._set_interval_stats(instrument, values)
+            _set_interval_stats(ins, self._stat_keys, instrument, values)
         for reason, count in batch.dropped.items():
             ins.dropped.add(count, {semconv.REASON: reason})
         self._steps_done += interval.steps
@@ -248,21 +263,6 @@ class Worker:
             elapsed = interval.wall_time - self._started_at
             if self._steps_done and remaining >= 0:
                 ins.eta.set(remaining * elapsed / self._steps_done)
-
-    def _set_interval_stats(self, instrument: str, values: Sequence[float]) -> None:
-        """The interval's min, max and last value beside the mean: gauges of their own for the
-        instruments semconv gives them (the loss), bridge keys for the others (series budget)."""
-        stats = {"min": min(values), "max": max(values), "last": values[-1]}
-        specs = semconv.INTERVAL_STAT_SPECS.get(instrument)
-        if specs is None:
-            key = key_for(instrument, {})
-            for stat, value in stats.items():
-                self._stat_keys[semconv.interval_key(key, stat)] = value
-            return
-        for stat, spec in specs.items():
-            gauge = self.instruments.gauge(spec.name)
-            if gauge is not None:
-                gauge.set(stats[stat])
 
     def _deliver_message(self, message: Message) -> None:
         message = _prepared(message)
@@ -304,6 +304,25 @@ class Worker:
         if key not in self._errors_warned:
             self._errors_warned.add(key)
             log.warning(message)
+
+
+def _set_interval_stats(
+    instruments: Instruments, stat_keys: dict[str, float], instrument: str, values: Sequence[float]
+) -> None:
+    """The interval's min, max and last value beside the mean: gauges of their own for the
+    instruments semconv gives them (the loss), bridge keys (into `stat_keys`) for the others
+    (series budget)."""
+    stats = {"min": min(values), "max": max(values), "last": values[-1]}
+    specs = semconv.INTERVAL_STAT_SPECS.get(instrument)
+    if specs is None:
+        key = key_for(instrument, {})
+        for stat, value in stats.items():
+            stat_keys[semconv.interval_key(key, stat)] = value
+        return
+    for stat, spec in specs.items():
+        gauge = instruments.gauge(spec.name)
+        if gauge is not None:
+            gauge.set(stats[stat])
 
 
 def _prepared(message: Message) -> Message:

@@ -69,20 +69,29 @@ def attributes(items: Any) -> dict[str, Any]:
     return {kv.key: any_value(kv.value) for kv in items}
 
 
-def sender_pids(client: tuple[str, int], server: tuple[str, int]) -> frozenset[int]:
+def sender_pids(client: tuple[str, int], server: tuple[str, int], scans: int = 3) -> frozenset[int]:
     """Every process that holds the client end of a connection to `server` in its fd table
-    (empty: none found, or processes of another user). psutil lists one entry per holder."""
+    (empty: none found, or processes of another user). psutil lists one entry per holder.
+
+    The union of `scans` scans: one scan was seen (in CI, and 3 of 8 runs here) to list a forked
+    DataLoader worker holding a request's connection but not the parent, which holds it while the
+    request is open; psutil walks /proc one process at a time, and a scan that overlaps a fork is
+    the likely cause. A connection a child opened itself is in no scan of the parent's fd table,
+    so the union still tells them apart (checked by turning the fork guard off)."""
     import psutil
 
-    return frozenset(
-        conn.pid
-        for conn in psutil.net_connections(kind="tcp4")
-        if conn.pid is not None
-        and conn.laddr
-        and conn.raddr
-        and tuple(conn.laddr) == client
-        and tuple(conn.raddr) == server
-    )
+    holders: set[int] = set()
+    for _ in range(scans):
+        holders.update(
+            conn.pid
+            for conn in psutil.net_connections(kind="tcp4")
+            if conn.pid is not None
+            and conn.laddr
+            and conn.raddr
+            and tuple(conn.laddr) == client
+            and tuple(conn.raddr) == server
+        )
+    return frozenset(holders)
 
 
 def _free_port() -> int:

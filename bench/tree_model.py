@@ -5,9 +5,10 @@ Every message is a fixed size: up, a bundle (merge.bundle_len: K_EXACT whole row
 summary rows); down, the tree's answer (down_row.TREE_DOWN_LEN). A rank with c children receives
 c bundles and sends c answers, and sends one bundle and receives one answer from its parent, so
 
-    cpu(c)  = A_NODE + C_CHILD x c          (fitted by bench/bench_tree.py: the flush listener's
-                                             thread time, rank 0's reduction of the merged bundle
-                                             included in A_NODE)
+    cpu(c)  = A_NODE + C_CHILD x c          (fitted by bench/bench_tree.py over the ranks other than
+                                             rank 0: the flush listener's thread time. Rank 0 has
+                                             one child, its deputy (tree.layout), and draws the
+                                             verdicts: its own figure is measured, the same at any N)
     bytes   = (c + 1) x (bundle + answer + 2 frames)
     depth   = tree.layout(N, fanin, ranks per node).depth()   (O(log_fanin N) + 1 per node)
     wall    = depth x (cpu(fan-in) + 2 hops + fan-in x bundle / bandwidth)   (an answer reaches the
@@ -35,7 +36,7 @@ from otel_train.crossrank.tree import layout
 from otel_train.crossrank.up_row import pack_len
 
 # Thread CPU seconds per flush, fitted by bench/bench_tree.py on this project's 2-core VM.
-A_NODE, C_CHILD = 2.33e-3, 0.99e-3  # 2 to 32 ranks, fan-in 4, 20 flushes each (2026-11-24)
+A_NODE, C_CHILD = 1.48e-3, 0.60e-3  # 2 to 32 ranks but rank 0, fan-in 4, 20 flushes each (2026-11-25)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,12 @@ def merge(parts: Sequence[Bundle], capacity: int = MAX_TIMERS) -> Bundle:
     return Bundle([own, *keep], _summarize(own, points, capacity), weight, runs)
 
 
+def join(own: Bundle, child: Bundle) -> Bundle:
+    """Rank 0's view: its own row and its deputy's bundle (`tree.layout`), folded no further: every
+    exact row stays exact (one more than a bundle holds) and the summary rows keep their weight."""
+    return Bundle([*own.exact, *child.exact], child.summary, child.weight, _union([*own.runs, *child.runs]))
+
+
 def _strays(parsed: Sequence[Parsed]) -> Any:
     """Key: how far a row strays from the rows' medians (seconds, at its worst timer or step)."""
     columns: dict[int, list[float]] = {}

@@ -3,7 +3,7 @@
 Every rank heads a CONTIGUOUS range of ranks (its subtree) and splits the rest of its range into at
 most `fanin` contiguous blocks, each headed by the block's first rank, recursively. Contiguous
 subtrees keep every merged row's set of ranks a few runs (`merge`), and the depth is
-ceil(log_fanin(world)) plus one level per node.
+ceil(log_fanin(world)) plus one level per node and one for rank 0's deputy (below).
 
 Per node first: where the launcher says how many ranks share a node (LOCAL_WORLD_SIZE, ranks
 numbered node by node as torchrun, SLURM and MPI launchers do), the tree is built over node
@@ -11,12 +11,20 @@ blocks (each headed by its node's first rank, the node leader), and each leader 
 node's ranks with the same fan-in. A leader so has at most 2 x fanin children (its node's and other
 leaders'); every other rank at most fanin. Rows inside a node never cross the network.
 
+Rank 0 alone draws the verdicts, so in a tree of more than `merge.K_EXACT` ranks it merges
+nothing: its one child, rank 1 (its deputy), heads every other rank, and rank 0 takes that one
+bundle as it comes (`merge.join`). So rank 0's CPU per flush is one bundle's and the verdicts',
+whatever the job size (issue #28; the depth is one more). A smaller tree travels whole, and its
+rank 0 keeps its children, whose clock stamps are then to rank 0 itself (`collective_lateness`).
+
 A fan-in >= world - 1 is the star: rank 0 is every other rank's parent (`exchange.StarExchange`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from otel_train.crossrank.merge import K_EXACT
 
 
 @dataclass(frozen=True)
@@ -69,15 +77,18 @@ def layout(world: int, fanin: int, local_world: int | None = None) -> Layout:
     def head(lo: int, hi: int, step: int) -> None:
         """Rank lo heads [lo, hi), made of blocks of `step` ranks (lo's own block first)."""
         span[lo] = (lo, hi)
-        if step > 1:  # lo's own node block, rank by rank
-            for b_lo, b_hi in _blocks(lo + 1, lo + step, fanin):
+        if step > 1:  # the rest of lo's own node block, rank by rank
+            for b_lo, b_hi in _blocks(lo + 1, (lo // step + 1) * step, fanin):
                 parent[b_lo] = lo
                 head(b_lo, b_hi, 1)
         for b_lo, b_hi in _blocks(lo // step + 1, hi // step, fanin):
             parent[b_lo * step] = lo
             head(b_lo * step, b_hi * step, step)
 
-    if world > 0:
+    if world > K_EXACT and fanin < world - 1:  # rank 0 heads only its deputy, which heads the rest
+        parent[1], span[0] = 0, (0, world)
+        head(1, world, unit)
+    elif world > 0:
         head(0, world, unit)
     children: list[list[int]] = [[] for _ in range(world)]
     for rank, up in enumerate(parent):

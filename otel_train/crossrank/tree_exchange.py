@@ -12,7 +12,8 @@ One flush on a rank with children:
     1. take its children's bundles (`merge`) that have come, within the grace; a bundle that covers
        other steps than this rank's own row is left out (counted in `left_out_bundles`);
     2. merge its own row and those bundles into ONE bundle (`merge.merge`) and send it to its
-       parent (rank 0 keeps it: its cross-rank view);
+       parent; rank 0, whose one child is its deputy (`tree.layout`), joins its own row to that
+       bundle without folding it (`merge.join`): its cross-rank view;
     3. answer each child with the answer its parent sent for this flush (the same row for every
        rank, `down_row.tree_answer`), or, when none came within the wait, with `down_row.no_news`
        (nothing to adopt; a late answer is forwarded at the flush that takes it). Ranks in
@@ -39,7 +40,7 @@ from typing import Any
 from otel_train.crossrank import down_row
 from otel_train.crossrank.arrival_block import BLOCK_LEN
 from otel_train.crossrank.exchange import Exchanged, ExchangeFailed, StarExchange
-from otel_train.crossrank.merge import HEAD_LEN, Bundle, bundle_len, decode, encode, merge
+from otel_train.crossrank.merge import HEAD_LEN, Bundle, bundle_len, decode, encode, join, merge
 from otel_train.crossrank.replicas import EXT_LEN
 from otel_train.crossrank.tree import Layout, layout
 from otel_train.crossrank.up_row import MAX_TIMERS, pack_len, row_steps
@@ -131,9 +132,10 @@ class TreeExchange:
         parts, taken, answers = [own], list[int](), dict[int, Any]()
         if self.below is not None:
             parts, taken, answers = self._gather(up, own, steps, answer)
-        merged = merge(parts, self.capacity)
-        if self.above is None:
+        if self.above is None:  # rank 0: its deputy's bundle as it came (tree.layout)
+            merged = join(*parts) if len(parts) == 2 else merge(parts, self.capacity)
             return Exchanged(merged, answer, [self.rank, *taken])
+        merged = merge(parts, self.capacity)
         try:
             got = self.above.send_up(self._encode(merged, self.rank))
         except ExchangeFailed:

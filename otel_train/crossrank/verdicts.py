@@ -40,6 +40,7 @@ When the data cannot tell, the model abstains rather than guesses (see `abstain_
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,19 +170,27 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
-def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
-    """The median of values standing for `weights` ranks each (all 1: `_median`)."""
-    if all(w == 1.0 for w in weights):
-        return _median(values)
-    pairs = sorted(zip(values, weights, strict=True))
-    half, acc = sum(weights) / 2.0, 0.0
-    for i, (value, weight) in enumerate(pairs):
+_Point = tuple[float, float, int]  # (value, weight, rank index)
+
+
+def _median_without(ordered: Sequence[_Point], skip: int, half: float) -> float:
+    """The median of the sorted points but rank index `skip`'s, each value standing for `weight`
+    ranks (all 1: the plain median, the middle two averaged); `half`: half the others' weight. One
+    pass, no sort: the verdicts take one for every rank at every phase, twice."""
+    tie: float | None = None
+    acc, last = 0.0, math.nan
+    for value, weight, index in ordered:
+        if index == skip:
+            continue
+        if tie is not None:
+            return (tie + value) / 2.0
         acc += weight
         if acc > half:
             return value
-        if acc == half and i + 1 < len(pairs):
-            return (value + pairs[i + 1][0]) / 2.0
-    return pairs[-1][0]
+        if acc == half:
+            tie = value
+        last = value
+    return last
 
 
 class _Table:
@@ -202,6 +211,7 @@ class _Table:
             self.phases[STEP_END] = steps
             self.order.append(STEP_END)
         self.timed_communication = any(phase_category(p) == "communication" for p in self.order)
+        self._orders: dict[str, tuple[list[_Point], list[_Point], list[_Point]]] = {}
 
     def holds_collective(self, phase: str) -> bool:
         return holds_collective(phase, self.timed_communication)
@@ -214,14 +224,27 @@ class _Table:
             own = by.get(index)
             if own is None:
                 continue
-            others = [(s, self.weights[i]) for i, s in by.items() if i != index]
-            weights = [w for _, w in others]
-            ref = _weighted_median([s.max if use_max else s.median for s, _ in others], weights)
+            medians, maxima, mads = self._sorted(phase)
+            half = sum(self.weights[i] for i in by if i != index) / 2.0
+            ref = _median_without(maxima if use_max else medians, index, half)
             value = (own.max if use_max else own.median) - ref
-            noise = max(own.mad, _weighted_median([s.mad for s, _ in others], weights))
+            noise = max(own.mad, _median_without(mads, index, half))
             floor = max(self.settings.noise_mads * noise, self.settings.min_lateness_s)
             out[phase] = value if abs(value) > floor else 0.0
         return out
+
+    def _sorted(self, phase: str) -> tuple[list[_Point], list[_Point], list[_Point]]:
+        """The phase's (value, weight, rank index) sorted by median, by max and by MAD: sorted
+        once per phase, so each rank's leave-one-out median is one pass (`_median_without`)."""
+        got = self._orders.get(phase)
+        if got is None:
+            points = [(s, self.weights[i], i) for i, s in self.phases[phase].items()]
+            got = self._orders[phase] = (
+                sorted((s.median, w, i) for s, w, i in points),
+                sorted((s.max, w, i) for s, w, i in points),
+                sorted((s.mad, w, i) for s, w, i in points),
+            )
+        return got
 
     def gap(self, culprit: int, other: int, phase: str, use_max: bool) -> float | None:
         by = self.phases.get(phase, {})

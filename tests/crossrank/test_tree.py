@@ -16,6 +16,7 @@ from otel_train.crossrank.merge import (
     bundle_len,
     decode,
     encode,
+    join,
     merge,
     unpacked,
     widen_waiting,
@@ -30,7 +31,7 @@ STEP = 0.25
 BASE = {"data": 0.002, "forward": 0.030, "backward": 0.060, "optimizer": 0.005}
 
 
-@pytest.mark.parametrize("world", [2, 5, 16, 17, 100, 1000])
+@pytest.mark.parametrize("world", [2, 4, 5, 16, 17, 100, 1000])
 @pytest.mark.parametrize("fanin", [2, 4, 16])
 def test_layout_is_a_tree_of_contiguous_subtrees_with_bounded_fanin(world: int, fanin: int) -> None:
     shape = layout(world, fanin)
@@ -45,10 +46,13 @@ def test_layout_is_a_tree_of_contiguous_subtrees_with_bounded_fanin(world: int, 
         assert sorted(covered) == list(range(*shape.span[rank]))
         assert len(shape.children[rank]) <= fanin
     assert shape.star == (fanin >= world - 1)
+    deputy = world > K_EXACT and not shape.star  # rank 0 draws the verdicts and merges nothing
+    if deputy:
+        assert shape.children[0] == (1,) and shape.span[1] == (1, world)
     levels = 0
-    while fanin**levels < world:
+    while fanin**levels < world - deputy:  # the deputy's subtree is one level below rank 0
         levels += 1
-    assert shape.depth() <= max(levels, 1)
+    assert shape.depth() <= max(levels + deputy, 1)
 
 
 def test_layout_groups_ranks_per_node_first() -> None:
@@ -56,8 +60,8 @@ def test_layout_groups_ranks_per_node_first() -> None:
     for rank in range(16):
         if rank % 4:  # a rank's parent is on its node, unless it leads the node
             assert shape.parent[rank] // 4 == rank // 4
-        elif rank:
-            assert shape.parent[rank] % 4 == 0  # a leader's parent is a leader
+        elif rank:  # a leader's parent is a leader, or rank 0's deputy (rank 1, on node 0)
+            assert shape.parent[rank] % 4 == 0 or shape.parent[rank] == 1
     assert all(len(c) <= 2 * 2 for c in shape.children)
     assert layout(16, 4, local_world=5).parent == layout(16, 4).parent  # does not divide: ignored
 
@@ -101,7 +105,7 @@ def _rows(world: int, culprit: int) -> list[list[float]]:
 
 def _merge_up(rows: list[list[float]], fanin: int) -> Bundle:
     """Merge as the tree does: deepest ranks first, each rank its own row and its children's
-    bundles, through the wire format."""
+    bundles, through the wire format; rank 0 joins its deputy's bundle (`tree_exchange`)."""
     shape = layout(len(rows), fanin)
     base = pack_len()
     done: dict[int, Any] = {}
@@ -109,9 +113,11 @@ def _merge_up(rows: list[list[float]], fanin: int) -> Bundle:
         parts = [Bundle.of_row(rows[rank], rank)] + [
             decode(done[c], base, base) for c in shape.children[rank]
         ]
+        if rank == 0:
+            return join(*parts) if len(parts) == 2 else merge(parts)
         done[rank] = encode(merge(parts), base, base)
         assert done[rank].numel() == bundle_len(base, base)  # bounded, whatever the subtree
-    return decode(done[0], base, base)
+    raise AssertionError("rank 0 is the shallowest rank")
 
 
 def _depth(parent: tuple[int, ...], rank: int) -> int:
@@ -151,8 +157,9 @@ def test_the_tree_names_the_stars_culprit_and_its_waiting_ranks(fanin: int) -> N
     assert late.rank == culprit and late.waiting_ranks == tuple(r for r in range(world) if r != culprit)
 
     tree = unpacked(_merge_up(rows, fanin), pack_len())
-    assert len(tree.exact) == K_EXACT and len(tree.summary) == LEVELS and tree.ranks == world
-    assert tree.weight * LEVELS + K_EXACT == pytest.approx(world)
+    # rank 0's own row and its deputy's bundle as it came: one exact row more than a bundle holds
+    assert len(tree.exact) == K_EXACT + 1 and len(tree.summary) == LEVELS and tree.ranks == world
+    assert tree.weight * LEVELS + K_EXACT + 1 == pytest.approx(world)
     assert culprit in {r.rank for r in tree.exact}  # the rank that strays most stays whole
     found = widen_waiting(assess(_views(tree.exact + tree.summary, tree.weight), Settings()), tree)
     worst = max(found, key=lambda a: a.chronic.seconds)
@@ -187,7 +194,7 @@ def test_the_summary_median_is_within_its_documented_bound() -> None:
         if abs(t.mean - BASE["forward"]) < 0.01
     ]
     middle = sorted(summary)[len(summary) // 2]
-    folds = shape.depth()
+    folds = shape.depth() - 1  # every rank with children folds, but rank 0 (it joins)
     lo = truth[max(0, int((0.5 - folds / (2 * LEVELS)) * len(truth)) - 1)]
     hi = truth[min(len(truth) - 1, int((0.5 + folds / (2 * LEVELS)) * len(truth)))]
     assert lo <= middle <= hi and forward  # step medians are all STEP

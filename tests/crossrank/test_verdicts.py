@@ -18,6 +18,7 @@ from otel_train.crossrank.verdicts import (
     RankAssessment,
     RankView,
     Settings,
+    _median_without,
     abstain_reason,
     assess,
     holds_collective,
@@ -249,3 +250,40 @@ def test_chronic_verdict_has_hysteresis() -> None:
         _, reports = scorer.update([RankAssessment(1, 0, "h", 0, 0.1), a])
         verdicts.append([r.rank for r in reports])
     assert verdicts == [[1], [1], [1], [1], []]
+
+
+def _weighted_median_reference(values: list[float], weights: list[float]) -> float:
+    """The leave-one-out median as the verdicts took it before `_median_without`: the others'
+    values sorted anew for every rank (all weights 1: the plain median)."""
+    if all(w == 1.0 for w in weights):
+        ordered = sorted(values)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+    pairs = sorted(zip(values, weights, strict=True))
+    half, acc = sum(weights) / 2.0, 0.0
+    for i, (value, weight) in enumerate(pairs):
+        acc += weight
+        if acc > half:
+            return value
+        if acc == half and i + 1 < len(pairs):
+            return (value + pairs[i + 1][0]) / 2.0
+    return pairs[-1][0]
+
+
+def test_the_one_pass_leave_one_out_median_is_the_sorted_one() -> None:
+    """Ties, even and odd counts, weights 1 and summary weights (fractional too), every rank left
+    out in turn: the one pass over points sorted once agrees with sorting the others each time."""
+    rng = random.Random(7)
+    for trial in range(3000):
+        n = rng.randint(2, 9)
+        values = [rng.choice([0.1, 0.2, 0.2, 0.3]) if trial % 3 == 0 else rng.random() for _ in range(n)]
+        weights = [1.0] * n
+        if trial % 2:
+            for i in rng.sample(range(n), rng.randint(1, n)):
+                weights[i] = rng.choice([1.0, 2.0, 4.0, 5 / 3, 0.5])
+        ordered = sorted((v, w, i) for i, (v, w) in enumerate(zip(values, weights, strict=True)))
+        for skip in range(n):
+            others = [i for i in range(n) if i != skip]
+            half = sum(weights[i] for i in others) / 2.0
+            expected = _weighted_median_reference([values[i] for i in others], [weights[i] for i in others])
+            assert _median_without(ordered, skip, half) == expected, (values, weights, skip)

@@ -10,7 +10,7 @@ c bundles and sends c answers, and sends one bundle and receives one answer from
                                              one child, its deputy (tree.layout), and draws the
                                              verdicts: its own figure is measured, the same at any N)
     bytes   = (c + 1) x (bundle + answer + 2 frames)
-    depth   = tree.layout(N, fanin, ranks per node).depth()   (O(log_fanin N) + 1 per node)
+    depth   = tree.layout(N, fanin, ranks per node).depth()   (O(log_fanin N) + 1 per node + 1 deputy)
     wall    = depth x (cpu(fan-in) + 2 hops + fan-in x bundle / bandwidth)   (an answer reaches the
                                              deepest rank after every level merged and answered)
 

@@ -9,6 +9,11 @@ that runs the flush listener (in a job, otel_train's worker thread; gloo's own I
 in it). Bytes: the exchange's payload sent + received (trailers included, gloo's framing not).
 Wall: the whole on_flush. Medians over flushes. Acceptance (issue #28): rank 0's CPU at 16 ranks
 with fan-in 4 within 1.3x of the 4-rank figure.
+
+`--processes N` holds the host's load the same for every size: each job runs N processes, of which
+ranks [0, size) exchange as the job measured and the other N - size run the same flushes in an
+exchange of their own (on a 2-core machine, 16 processes make every thread's CPU time grow, so a
+4-process job and a 16-process job differ in more than the exchange's size).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from helpers.multirank import run_ranks  # noqa: E402
 WARMUP = 3
 
 
-def rank_target(rank: int, world: int, flushes: int, fanin: int) -> dict[str, Any]:
+def rank_target(rank: int, processes: int, flushes: int, fanin: int, world: int) -> dict[str, Any]:
+    """One process of a job of `world` ranks (ranks [0, world)) among `processes` (module doc)."""
     import torch.distributed as dist
 
     from otel_train.config import Config
@@ -40,6 +46,10 @@ def rank_target(rank: int, world: int, flushes: int, fanin: int) -> dict[str, An
     from otel_train.distributed import detect_identity
 
     reducer = CrossRankReducer(detect_identity(None), _meter(), None, Config(exchange_fanin=fanin))
+    if world < processes:  # two exchanges side by side: the job's, and the rest's (same load)
+        groups = [dist.new_group(list(range(world))), dist.new_group(list(range(world, processes)))]
+        reducer.reform(groups[rank >= world])
+        rank, world = (rank, world) if rank < world else (rank - world, processes - world)
     cpu, wall, moved = [], [], []
     for seq in range(WARMUP + flushes):
         interval = _interval(seq, rank)
@@ -52,7 +62,7 @@ def rank_target(rank: int, world: int, flushes: int, fanin: int) -> dict[str, An
             wall.append(time.perf_counter() - w0)
             moved.append(reducer.exchange.sent_bytes + reducer.exchange.received_bytes - before)
     assert reducer.disabled_reason is None, reducer.disabled_reason
-    children = len(layout(world, fanin).children[rank])
+    children = len(layout(world, fanin).children[rank]) if world > 1 else 0
     return {"children": children, "cpu": statistics.median(cpu), "wall": statistics.median(wall),
             "bytes": statistics.median(moved)}  # fmt: skip
 
@@ -63,9 +73,16 @@ def main() -> None:
     parser.add_argument("--fanin", type=int, default=4)
     parser.add_argument("--flushes", type=int, default=20)
     parser.add_argument("--star-at", type=int, nargs="*", default=[16], help="also the star at these sizes")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="processes per job, whatever its size (module doc; 0: its size)",
+    )
     args = parser.parse_args()
     print(
         f"bundle {model.bundle_bytes()} B up, answer {model.answer_bytes()} B down; cpu_count={os.cpu_count()}"
+        + (f"; every job runs {args.processes} processes" if args.processes else "")
     )
     points: list[tuple[int, float]] = []
     root_cpu: dict[int, float] = {}
@@ -74,7 +91,8 @@ def main() -> None:
     )
     runs = [(world, args.fanin) for world in args.ranks] + [(world, world) for world in args.star_at]
     for world, fanin in runs:
-        results = run_ranks(world, rank_target, (args.flushes, fanin), timeout=600)
+        processes = max(world, args.processes)
+        results = run_ranks(processes, rank_target, (args.flushes, fanin, world), timeout=600)[:world]
         if fanin == args.fanin:
             points += [(r["children"], r["cpu"]) for r in results[1:]]  # rank 0 draws the verdicts too
         root, others = results[0], results[1:]

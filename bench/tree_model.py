@@ -36,7 +36,7 @@ from otel_train.crossrank.tree import layout
 from otel_train.crossrank.up_row import pack_len
 
 # Thread CPU seconds per flush, fitted by bench/bench_tree.py on this project's 2-core VM.
-A_NODE, C_CHILD = 1.48e-3, 0.60e-3  # 2 to 32 ranks but rank 0, fan-in 4, 20 flushes each (2026-11-25)
+A_NODE, C_CHILD = 1.73e-3, 0.61e-3  # 2 to 32 ranks but rank 0, fan-in 4, 20 flushes each (2026-11-25)
 
 
 @dataclass(frozen=True)

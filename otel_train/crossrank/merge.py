@@ -73,10 +73,16 @@ class Bundle:
     summary: list[list[float]] = field(default_factory=list)  # LEVELS rows, or none
     weight: float = 0.0  # ranks the summary rows stand for, in all
     runs: list[tuple[int, int]] = field(default_factory=list)  # [lo, hi) of every rank covered
+    # The exact rows as one [rows, row_len] float64 tensor where they came as one (a received
+    # bundle, a rank's own row): rank 0 reads the blocks from it without rebuilding it (`unpacked`).
+    tensor: Any = None
 
     @classmethod
-    def of_row(cls, row: Sequence[float], rank: int) -> Bundle:
-        return cls([list(row)], runs=[(rank, rank + 1)])
+    def of_row(cls, row: Sequence[float], rank: int, tensor: Any = None) -> Bundle:
+        """`tensor`: the same row as a 1-D tensor, when the caller has it."""
+        return cls(
+            [list(row)], runs=[(rank, rank + 1)], tensor=None if tensor is None else tensor.reshape(1, -1)
+        )
 
     @property
     def ranks(self) -> int:
@@ -114,7 +120,8 @@ def decode(message: Any, row_len: int, base_len: int, ranks: int = K_EXACT + 1) 
     )
     first = HEAD_LEN - 2 * MAX_RUNS
     runs = [(int(values[first + 2 * i]), int(values[first + 2 * i + 1])) for i in range(int(values[_B_RUNS]))]
-    return Bundle(exact, summary, weight, runs)
+    tensor = message[HEAD_LEN : HEAD_LEN + n * row_len].reshape(n, row_len).clone()  # not the receive buffer
+    return Bundle(exact, summary, weight, runs, tensor)
 
 
 def merge(parts: Sequence[Bundle], capacity: int = MAX_TIMERS) -> Bundle:
@@ -136,7 +143,13 @@ def merge(parts: Sequence[Bundle], capacity: int = MAX_TIMERS) -> Bundle:
 def join(own: Bundle, child: Bundle) -> Bundle:
     """Rank 0's view: its own row and its deputy's bundle (`tree.layout`), folded no further: every
     exact row stays exact (one more than a bundle holds) and the summary rows keep their weight."""
-    return Bundle([*own.exact, *child.exact], child.summary, child.weight, _union([*own.runs, *child.runs]))
+    tensor = None
+    if own.tensor is not None and child.tensor is not None:
+        import torch
+
+        tensor = torch.cat([own.tensor, child.tensor])
+    exact = [*own.exact, *child.exact]
+    return Bundle(exact, child.summary, child.weight, _union([*own.runs, *child.runs]), tensor)
 
 
 def _strays(parsed: Sequence[Parsed]) -> Any:
@@ -236,7 +249,7 @@ class TreeView:
 def unpacked(bundle: Bundle, base_len: int, capacity: int = MAX_TIMERS) -> TreeView:
     import torch
 
-    rows = torch.tensor(bundle.exact, dtype=torch.float64)
+    rows = bundle.tensor if bundle.tensor is not None else torch.tensor(bundle.exact, dtype=torch.float64)
     exact = unpack(bundle.exact, capacity)
     summary = unpack(bundle.summary, capacity)
     weight = bundle.weight / LEVELS if summary else 0.0

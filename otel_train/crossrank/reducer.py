@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -233,9 +233,10 @@ class CrossRankReducer:
         if root:
             schedule = (interval.flush_interval, interval.flush_anchor)
             read = self.lateness.wants_read()
-            answers = down_row.answers(self._world, schedule[0], self._verdict, schedule[1], read)
-            if isinstance(self.exchange, TreeExchange):
+            if isinstance(self.exchange, TreeExchange):  # one row for every rank: O(1), not O(world)
                 answers = down_row.tree_answer(schedule[0], self._verdict, schedule[1], read)
+            else:
+                answers = down_row.answers(self._world, schedule[0], self._verdict, schedule[1], read)
         try:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
             got = self.exchange.run(row, answers, self._expect, lambda up: row_steps(up)[1] >= interval.step)
@@ -317,10 +318,8 @@ class CrossRankReducer:
         for record in [*records, *(tree.summary if tree else ())]:
             for ident, name in record.announced.items():
                 self.table.names.setdefault(ident, name)
-        per_rank: list[Mapping[str, float | None]] = [{} for _ in range(self._world)]
-        for record, timings in zip(records, per_rank_timings(records, self.table.names), strict=True):
-            per_rank[record.rank] = timings  # reduce_timings indexes by rank: absent ranks stay empty
-        self.last_reductions = reduce_timings(per_rank)
+        timings = per_rank_timings(records, self.table.names)
+        self.last_reductions = reduce_timings({r.rank: t for r, t in zip(records, timings, strict=True)})
         views = [
             RankView(
                 r.rank,

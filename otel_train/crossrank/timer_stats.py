@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from otel_train.crossrank.up_row import RankRecord
 
@@ -21,7 +21,7 @@ class Reduction:
     argmin: int  # rank with the smallest value (lowest rank on ties)
     argmax: int  # rank with the largest value (lowest rank on ties)
     n: int  # ranks that ran the timer
-    values: tuple[float | None, ...] = ()  # per rank (None: that rank did not run it)
+    values: Mapping[int, float] = field(default_factory=dict)  # by rank, of the ranks that ran it
 
 
 def _median(sorted_values: Sequence[float]) -> float:
@@ -30,20 +30,25 @@ def _median(sorted_values: Sequence[float]) -> float:
     return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2.0
 
 
-def reduce_timings(per_rank: Sequence[Mapping[str, float | None]]) -> dict[str, Reduction]:
-    """Reduce per-rank timer values (index = rank) by NAME: min/max/mean/median/argmin/argmax over the
-    ranks that ran each timer. Missing names, None and non-finite values mean "did not run"."""
+def reduce_timings(
+    per_rank: Mapping[int, Mapping[str, float | None]] | Sequence[Mapping[str, float | None]],
+) -> dict[str, Reduction]:
+    """Reduce per-rank timer values ({rank: timings}, or a list indexed by rank) by NAME:
+    min/max/mean/median/argmin/argmax over the ranks that ran each timer. Missing names, None and
+    non-finite values mean "did not run". O(ranks given), whatever the world size (rank 0 of a tree
+    passes only the ranks it holds whole)."""
+    by_rank = per_rank if isinstance(per_rank, Mapping) else dict(enumerate(per_rank))
     names: dict[str, None] = {}
-    for timings in per_rank:
+    for timings in by_rank.values():
         for name in timings:
             names.setdefault(name, None)
     out: dict[str, Reduction] = {}
     for name in names:
-        values: list[float | None] = []
-        for timings in per_rank:
+        present = []
+        for rank, timings in sorted(by_rank.items()):
             v = timings.get(name)
-            values.append(float(v) if v is not None and math.isfinite(v) else None)
-        present = [(v, r) for r, v in enumerate(values) if v is not None]
+            if v is not None and math.isfinite(v):
+                present.append((float(v), rank))
         if not present:
             continue
         vmin, amin = min(present, key=lambda t: (t[0], t[1]))
@@ -57,7 +62,7 @@ def reduce_timings(per_rank: Sequence[Mapping[str, float | None]]) -> dict[str, 
             argmin=amin,
             argmax=amax,
             n=len(present),
-            values=tuple(values),
+            values={rank: v for v, rank in present},
         )
     return out
 

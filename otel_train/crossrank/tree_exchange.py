@@ -127,7 +127,7 @@ class TreeExchange:
     ) -> Exchanged:
         """`up`: this rank's row; `answer`: rank 0's `down_row.tree_answer` (None elsewhere).
         Rank 0 gets `records`: the merged `merge.Bundle` of the whole tree."""
-        own = Bundle.of_row(up.tolist(), self.rank)
+        own = Bundle.of_row(up.tolist(), self.rank, up)
         steps = row_steps(up)
         parts, taken, answers = [own], list[int](), dict[int, Any]()
         if self.below is not None:

@@ -75,7 +75,16 @@ def test_reduce_known_values_with_argmin_argmax() -> None:
     data = red["data"]
     assert (data.argmin, data.argmax) == (1, 3)
     assert data.median == pytest.approx(0.002)
-    assert fwd.values == (0.010, 0.012, 0.030, 0.011)
+    assert fwd.values == {0: 0.010, 1: 0.012, 2: 0.030, 3: 0.011}
+
+
+def test_reduce_by_rank_costs_the_ranks_given_not_the_world() -> None:
+    """Rank 0 of a tree holds a few ranks of a large world whole: the reduction names their ranks
+    and holds only them."""
+    red = reduce_timings({9999: {"a": 3.0}, 0: {"a": 1.0}, 4711: {"a": 2.0, "b": 5.0}})
+    assert (red["a"].argmin, red["a"].argmax, red["a"].n, red["a"].median) == (0, 9999, 3, 2.0)
+    assert red["a"].values == {0: 1.0, 4711: 2.0, 9999: 3.0}
+    assert (red["b"].argmin, red["b"].argmax, red["b"].values) == (4711, 4711, {4711: 5.0})
 
 
 def test_reduce_ties_pick_lowest_rank() -> None:
@@ -91,7 +100,7 @@ def test_reduce_differing_timer_sets_by_name() -> None:
         {"forward": math.nan},  # non-finite: did not run
     ]
     red = reduce_timings(per_rank)
-    assert red["forward"].n == 3 and red["forward"].values == (1.0, 1.5, 1.2, None)
+    assert red["forward"].n == 3 and red["forward"].values == {0: 1.0, 1: 1.5, 2: 1.2}
     assert red["forward"].argmax == 1 and red["forward"].max == 1.5
     assert red["backward"].n == 2 and red["backward"].argmax == 1 and red["backward"].min == 2.0
     only = red["only_rank1"]
@@ -173,7 +182,7 @@ def test_different_first_seen_order_never_misaligns() -> None:
         for name in ("a", "b", "c"):
             for r in range(3):
                 expected = phases_by_rank[r].get(name)
-                assert red[name].values[r] == (expected[0] if expected else None), (seq, name, r)
+                assert red[name].values.get(r) == (expected[0] if expected else None), (seq, name, r)
     # slot positions really differ between ranks
     assert tables[0].slots["a"] != tables[2].slots["a"]
 
@@ -250,7 +259,7 @@ def test_not_distributed_issues_no_collective(monkeypatch: pytest.MonkeyPatch) -
             steps = [0.1 * (seq + 1)] * 10
             reducer.on_flush(interval(seq, {"forward": [0.01 * (seq + 1)], "data": [0.001]}, steps))
         assert reducer.collectives == 0 and not reducer.distributed
-        assert reducer.last_reductions["forward"].values == (0.03,)
+        assert reducer.last_reductions["forward"].values == {0: 0.03}
         assert reducer.last_scores is not None
         assert reducer.last_scores.raw_individual == pytest.approx(1 / 3)  # own best / own now
         assert reducer.last_scores.relative is None and reducer.last_reports == []

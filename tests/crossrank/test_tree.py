@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from otel_train.crossrank.merge import (
     K_EXACT,
@@ -110,7 +111,8 @@ def _merge_up(rows: list[list[float]], fanin: int) -> Bundle:
     base = pack_len()
     done: dict[int, Any] = {}
     for rank in sorted(range(len(rows)), key=lambda r: -_depth(shape.parent, r)):
-        parts = [Bundle.of_row(rows[rank], rank)] + [
+        own = torch.tensor(rows[rank], dtype=torch.float64)
+        parts = [Bundle.of_row(rows[rank], rank, own)] + [
             decode(done[c], base, base) for c in shape.children[rank]
         ]
         if rank == 0:
@@ -156,7 +158,12 @@ def test_the_tree_names_the_stars_culprit_and_its_waiting_ranks(fanin: int) -> N
     late = max(star, key=lambda a: a.chronic.seconds)
     assert late.rank == culprit and late.waiting_ranks == tuple(r for r in range(world) if r != culprit)
 
-    tree = unpacked(_merge_up(rows, fanin), pack_len())
+    bundle = _merge_up(rows, fanin)
+    tree = unpacked(bundle, pack_len())
+    # the whole rows come as the tensors they travelled in, the same as the rows parsed
+    assert bundle.tensor is not None and torch.equal(
+        tree.rows, torch.tensor(bundle.exact, dtype=torch.float64)
+    )
     # rank 0's own row and its deputy's bundle as it came: one exact row more than a bundle holds
     assert len(tree.exact) == K_EXACT + 1 and len(tree.summary) == LEVELS and tree.ranks == world
     assert tree.weight * LEVELS + K_EXACT + 1 == pytest.approx(world)
@@ -201,6 +208,4 @@ def test_the_summary_median_is_within_its_documented_bound() -> None:
 
 
 def _tensor(rows: list[list[float]]) -> Any:
-    import torch
-
     return torch.tensor(rows, dtype=torch.float64)

@@ -146,6 +146,10 @@ def check_headers(headers: Mapping[str, str], setting: str) -> None:
             )
 
 
+# Integer settings where None reads as "off": the value that turns them off, named in the error.
+_OFF_VALUES = {"prometheus_port": " (0 turns the pull endpoint off)"}
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
     hint = _HINTS[name]
     origin = typing.get_origin(hint)
@@ -170,8 +174,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return False
         raise bad("true or false")
     if hint is int:
-        if isinstance(value, bool):
-            raise bad("an integer")
+        if isinstance(value, bool) or value is None:
+            raise bad("an integer" + _OFF_VALUES.get(name, ""))
         try:
             return int(str(value).strip()) if not isinstance(value, int) else value
         except ValueError:

@@ -58,6 +58,11 @@ def test_standard_otel_variables() -> None:
             ["otlp_metrics_endpoint", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "/opentelemetry/v1/metrics"],
         ),
         ({"prometheus_port": 70000}, {}, ["prometheus_port", "70000", "0 to disable"]),
+        (
+            {"prometheus_port": None},
+            {},
+            ["prometheus_port", "None", "integer", "0 turns the pull endpoint off"],
+        ),
         ({"timing_log_level": 3}, {}, ["timing_log_level", "0, 1 or 2"]),
         ({}, {"OTEL_TRAIN_EXCHANGE_FANIN": "1"}, ["exchange_fanin", "OTEL_TRAIN_EXCHANGE_FANIN", ">= 2"]),
         ({"bogus": 1}, {}, ["unknown setting", "'bogus'"]),

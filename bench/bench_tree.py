@@ -80,6 +80,11 @@ def main() -> None:
         help="processes per job, whatever its size (module doc; 0: its size)",
     )
     args = parser.parse_args()
+    for world in [*args.ranks, *args.star_at]:
+        if world < args.processes and min(world, args.processes - world) < 2:
+            parser.error(
+                f"--processes {args.processes} with a job of {world}: each side needs 2 ranks or more"
+            )
     print(
         f"bundle {model.bundle_bytes()} B up, answer {model.answer_bytes()} B down; cpu_count={os.cpu_count()}"
         + (f"; every job runs {args.processes} processes" if args.processes else "")

@@ -79,7 +79,7 @@ def stats_for_option(option: str) -> tuple[str, ...]:
 def per_rank_timings(
     records: Sequence[RankRecord], names: Mapping[int, str]
 ) -> list[dict[str, float | None]]:
-    """Per-rank {name: mean duration} (index = rank) from unpacked records; ids without a known name
+    """{name: mean duration} per record (in the records' order) from unpacked records; ids without a known name
     are skipped, and the step time (its lower median) is added under STEP_PHASE unless a timer
     already has that name."""
     has_step_timer = STEP_PHASE in names.values()
@@ -94,4 +94,4 @@ def per_rank_timings(
 
 def own_reductions(record: RankRecord) -> dict[str, Reduction]:
     """One rank's own timers as one-rank reductions (its view when no rows are compared)."""
-    return reduce_timings(per_rank_timings([record], record.announced))
+    return reduce_timings({record.rank: per_rank_timings([record], record.announced)[0]})

@@ -20,6 +20,7 @@ from otel_train.crossrank.exchange import Exchanged
 from otel_train.crossrank.reducer import CrossRankReducer
 from otel_train.crossrank.replicas import ReplicaCheck
 from otel_train.crossrank.timer_stats import (
+    own_reductions,
     per_rank_timings,
     reduce_timings,
     stats_for_option,
@@ -28,6 +29,7 @@ from otel_train.crossrank.up_row import (
     ANNOUNCE_SLOTS,
     NAME_BYTES,
     TimerTable,
+    local_record,
     name_id,
     pack,
     pack_len,
@@ -85,6 +87,12 @@ def test_reduce_by_rank_costs_the_ranks_given_not_the_world() -> None:
     assert (red["a"].argmin, red["a"].argmax, red["a"].n, red["a"].median) == (0, 9999, 3, 2.0)
     assert red["a"].values == {0: 1.0, 4711: 2.0, 9999: 3.0}
     assert (red["b"].argmin, red["b"].argmax, red["b"].values) == (4711, 4711, {4711: 5.0})
+
+
+def test_a_ranks_own_reductions_name_that_rank() -> None:
+    record = local_record(interval(0, {"forward": [0.02, 0.04]}), Identity("run", rank=3, world_size=4))
+    forward = own_reductions(record)["forward"]
+    assert (forward.argmin, forward.argmax, forward.n, forward.values) == (3, 3, 1, {3: pytest.approx(0.03)})
 
 
 def test_reduce_ties_pick_lowest_rank() -> None:

@@ -38,14 +38,15 @@ def reduce_timings(
     non-finite values mean "did not run". O(ranks given), whatever the world size (rank 0 of a tree
     passes only the ranks it holds whole)."""
     by_rank = per_rank if isinstance(per_rank, Mapping) else dict(enumerate(per_rank))
+    ranks = sorted(by_rank.items())
     names: dict[str, None] = {}
-    for timings in by_rank.values():
+    for _, timings in ranks:
         for name in timings:
             names.setdefault(name, None)
     out: dict[str, Reduction] = {}
     for name in names:
         present = []
-        for rank, timings in sorted(by_rank.items()):
+        for rank, timings in ranks:
             v = timings.get(name)
             if v is not None and math.isfinite(v):
                 present.append((float(v), rank))

@@ -211,7 +211,7 @@ class _Table:
             self.phases[STEP_END] = steps
             self.order.append(STEP_END)
         self.timed_communication = any(phase_category(p) == "communication" for p in self.order)
-        self._orders: dict[str, tuple[list[_Point], list[_Point], list[_Point]]] = {}
+        self._orders: dict[str, tuple[list[_Point], list[_Point], list[_Point], float]] = {}
 
     def holds_collective(self, phase: str) -> bool:
         return holds_collective(phase, self.timed_communication)
@@ -224,8 +224,8 @@ class _Table:
             own = by.get(index)
             if own is None:
                 continue
-            medians, maxima, mads = self._sorted(phase)
-            half = sum(self.weights[i] for i in by if i != index) / 2.0
+            medians, maxima, mads, total = self._sorted(phase)
+            half = (total - self.weights[index]) / 2.0  # the others' weight, halved
             ref = _median_without(maxima if use_max else medians, index, half)
             value = (own.max if use_max else own.median) - ref
             noise = max(own.mad, _median_without(mads, index, half))
@@ -233,9 +233,10 @@ class _Table:
             out[phase] = value if abs(value) > floor else 0.0
         return out
 
-    def _sorted(self, phase: str) -> tuple[list[_Point], list[_Point], list[_Point]]:
-        """The phase's (value, weight, rank index) sorted by median, by max and by MAD: sorted
-        once per phase, so each rank's leave-one-out median is one pass (`_median_without`)."""
+    def _sorted(self, phase: str) -> tuple[list[_Point], list[_Point], list[_Point], float]:
+        """The phase's (value, weight, rank index) sorted by median, by max and by MAD, and their
+        total weight: once per phase, so each rank's leave-one-out median is one pass
+        (`_median_without`) and the whole table's verdicts O(ranks log ranks) per phase."""
         got = self._orders.get(phase)
         if got is None:
             points = [(s, self.weights[i], i) for i, s in self.phases[phase].items()]
@@ -243,6 +244,7 @@ class _Table:
                 sorted((s.median, w, i) for s, w, i in points),
                 sorted((s.max, w, i) for s, w, i in points),
                 sorted((s.mad, w, i) for s, w, i in points),
+                sum(w for _, w, _ in points),
             )
         return got
 

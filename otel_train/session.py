@@ -254,7 +254,17 @@ class Session(SessionParts):
         return True
 
     def message(self, kind: type[Message], key: str, payload: Any, step: int | None) -> None:
-        self.worker.submit_message(kind(key, payload, self.step_index if step is None else step))
+        """Hand a log_text / log_samples / log_histogram / log_hyperparams entry to the worker; one
+        that finds its queue full is dropped, counted and warned about once, never waited for."""
+        if not self.worker.submit_message(kind(key, payload, self.step_index if step is None else step)):
+            self.buffer.drop("message_queue_full")
+            self.buffer.warn_once(
+                "<message_queue_full>",
+                f"otel_train: the background worker has {self.worker.max_messages} log_text/log_samples/"
+                "log_histogram/log_hyperparams entries waiting (it is behind or stuck); further ones are "
+                "dropped and counted as otel_train.dropped{reason=message_queue_full}. Log them less "
+                "often, or raise queue_size (the limit is 8 x queue_size, at least 64).",
+            )
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def last_step(self) -> tuple[int, float | None]:

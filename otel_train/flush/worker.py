@@ -74,7 +74,6 @@ class Worker:
         self.failed_flushes = 0
         self._room = threading.Condition()
         self._abandoned = False
-        self.dropped_messages = 0
         self.final_scalars: dict[str, float] = {}
         self._stat_keys: dict[str, float] = {}  # this flush's interval statistics of users' names
         self.flushes = 0
@@ -96,11 +95,12 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit_message(self, message: Message) -> None:
+    def submit_message(self, message: Message) -> bool:
+        """Queue a message; False (not queued) when `max_messages` are already waiting."""
         if self.queue.qsize() >= self.max_messages:
-            self.dropped_messages += 1
-        else:
-            self.queue.put(message)
+            return False
+        self.queue.put(message)
+        return True
 
     def pending_batches(self) -> int:
         return self.batches_put - self.batches_done

@@ -95,3 +95,45 @@ def test_hung_gauge_callback_bounds_memory_and_warns_naming_it(tmp_path: Path) -
         with open(fifo, "w") as f:  # the "file system" comes back: the callback returns
             f.write("1")
         ot.shutdown()
+
+
+def test_messages_beyond_the_queue_of_a_stuck_worker_are_counted_and_warned_once(
+    tmp_path: Path, caplog
+) -> None:
+    import threading
+
+    import otel_train as ot
+
+    release = threading.Event()
+
+    def hanging(options: object) -> list:
+        release.wait(60)  # a callback that hangs until the test lets it go
+        return []
+
+    ot.init(
+        run_name="full-queue", output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False,
+        log_interval=1,
+    )  # fmt: skip
+    session = ot.current_session()
+    assert session is not None
+    ot.get_meter().create_observable_gauge("custom.hanging", callbacks=[hanging])
+    try:
+        with ot.step(0):
+            ot.record("loss", 1.0)  # its flush runs the callback: the worker hangs there
+        deadline = time.monotonic() + 30
+        while session.worker.doing == "idle" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        limit = session.worker.max_messages
+        with caplog.at_level("WARNING", logger="otel_train"):
+            for i in range(limit + 25):
+                ot.log_text("note", f"entry {i}")
+        assert session.buffer.dropped.get("message_queue_full") == 25
+        assert sum("message_queue_full" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        release.set()
+        ot.shutdown()
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "full-queue" / "metrics.rank0.jsonl").read_text().splitlines()
+    ]
+    assert max(r.get("otel_train/dropped/message_queue_full", 0) for r in rows) == 25

@@ -1,13 +1,14 @@
 """What the training thread adds to a flush batch as it hands it to the worker: a CUDA event when
 the batch holds CUDA values (the worker waits on it, never the training thread) and the active
-torch.autocast dtype (thread-local: readable only here); and the warning for a flush that was lost."""
+torch.autocast dtype (thread-local: readable only here); the warning for a flush that was lost, and
+the count for a message that found the worker's queue full."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from otel_train.buffer import FlushBatch
+from otel_train.buffer import Buffer, FlushBatch
 from otel_train.hardware import autocast_dtype
 
 log = logging.getLogger("otel_train")
@@ -53,3 +54,16 @@ def _record_cuda_event() -> Any:
     event = torch.cuda.Event()
     event.record()  # on the training thread's current stream; the worker waits on it
     return event
+
+
+def drop_message(buffer: Buffer, limit: int) -> None:
+    """A log_text / log_samples / log_histogram / log_hyperparams entry that found `limit` entries
+    waiting for the worker: dropped, counted and warned about once, never waited for."""
+    buffer.drop("message_queue_full")
+    buffer.warn_once(
+        "<message_queue_full>",
+        f"otel_train: the background worker has {limit} log_text/log_samples/log_histogram/"
+        "log_hyperparams entries waiting (it is behind or stuck); further ones are dropped and "
+        "counted as otel_train.dropped{reason=message_queue_full}. Log them less often, or raise "
+        "queue_size (the limit is 8 x queue_size, at least 64).",
+    )

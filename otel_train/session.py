@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from otel_train.buffer import MAX_SPAN_RECORDS, Buffer, SpanRecord, mark_record, step_record
 from otel_train.closing import close_listeners, close_sinks, drain_worker, stop_exporters
-from otel_train.flush_handoff import note_torch_state, warn_lost_flush
+from otel_train.flush_handoff import drop_message, note_torch_state, warn_lost_flush
 from otel_train.goodput import StepClock
 from otel_train.profiling import advance_window, start_window
 from otel_train.session_parts import SessionParts
@@ -35,6 +35,14 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from otel_train.profiling import ProfileWindow, StepProfiler
 
 log = logging.getLogger("otel_train")
+
+_NEVER_NS = 2**63  # a perf_counter_ns no step ends at
+
+
+def _time_due_ns(lockstep: bool, last_flush_s: float, interval_s: float) -> int:
+    """The perf_counter_ns when log_interval_s will have passed since the last flush; never in
+    lockstep (time-based flushes would desync the ranks)."""
+    return _NEVER_NS if lockstep else int((last_flush_s + interval_s) * 1e9)
 
 
 class Session(SessionParts):
@@ -73,8 +81,8 @@ class Session(SessionParts):
         self._seq = 0
         self._last_flush = time.perf_counter()
         self._lockstep = self.identity.distributed and config.cross_rank  # flushes pair across ranks
-        self._time_flush = not self._lockstep  # time-based flushes would desync ranks
         self._interval_s = config.log_interval_s
+        self._due_ns = _time_due_ns(self._lockstep, self._last_flush, self._interval_s)
         self._perf_to_epoch_ns = time.time_ns() - time.perf_counter_ns()
         self._closed = False
         self._lock = threading.Lock()
@@ -86,7 +94,8 @@ class Session(SessionParts):
         # The thread running ot.step(), the only one that flushes: until the first step, the one that
         # called init() (a flush from another thread before it would race the first step's counters).
         self._step_thread: int | None = threading.get_ident()
-        self._flush_requested = False  # another thread asked for a flush (log_metrics(step=...))
+        # another thread asked for a flush (log_metrics(step=...)); never in lockstep
+        self._flush_requested = False
         self.shutdown_done = threading.Event()
 
     # --- hot path (training thread) ------------------------------------------------------------
@@ -118,8 +127,8 @@ class Session(SessionParts):
     ) -> None:
         """One append to `step_events` and the flush check; the worker derives durations, counts,
         goodput's re-runs (resolve.resolve_steps). Cold-cache cost: see timing.TimerScope."""
-        if (tokens is not None and tokens.__class__ is not int) or (
-            samples is not None and samples.__class__ is not int
+        if (tokens.__class__ is not int and tokens is not None) or (
+            samples.__class__ is not int and samples is not None
         ):
             tokens, samples = (
                 count_of(tokens, "tokens", self.buffer),
@@ -149,11 +158,10 @@ class Session(SessionParts):
         if failed:
             return
         steps = self.interval_steps = self.interval_steps + 1
-        if (
-            ((index >= self._due_step or steps >= self._due_threshold) and self._cadence_due(steps, index))
-            or (self._flush_requested and not self._lockstep)
-            or (self._time_flush and end_ns * 1e-9 - self._last_flush >= self._interval_s)  # same clock
-        ):
+        # Due at the cadence's step or count, once log_interval_s has passed (`_due_ns`, on end_ns's
+        # clock: one comparison), or when another thread asked for a flush.
+        by_steps = index >= self._due_step or steps >= self._due_threshold
+        if (by_steps and self._cadence_due(steps, index)) or end_ns >= self._due_ns or self._flush_requested:
             self.flush()
 
     def _cadence_due(self, steps: int, index: int) -> bool:
@@ -217,7 +225,8 @@ class Session(SessionParts):
         Only the thread running the steps takes the buffer (the step counters are plain ints it
         alone increments); a flush asked for on another thread is done at its next step end."""
         if not final and self._step_thread is not None and threading.get_ident() != self._step_thread:
-            self._flush_requested = True
+            # at the next step end; in lockstep it rides with the next aligned flush instead
+            self._flush_requested = not self._lockstep
             return False
         now = time.perf_counter()
         worker = self.worker
@@ -241,6 +250,7 @@ class Session(SessionParts):
             self._due_step, self._due_threshold = self.cadence.due_step, self.cadence.threshold
             batch.flush_interval, batch.flush_anchor = self.cadence.decision
         self._last_flush = now
+        self._due_ns = _time_due_ns(self._lockstep, now, self._interval_s)
         if "torch" in sys.modules:
             note_torch_state(batch, self.config.compute_dtype == "auto")
         with self._lock:  # the room was checked above (final: never waits)
@@ -254,17 +264,9 @@ class Session(SessionParts):
         return True
 
     def message(self, kind: type[Message], key: str, payload: Any, step: int | None) -> None:
-        """Hand a log_text / log_samples / log_histogram / log_hyperparams entry to the worker; one
-        that finds its queue full is dropped, counted and warned about once, never waited for."""
+        """Hand a log_text / log_samples / log_histogram / log_hyperparams entry to the worker."""
         if not self.worker.submit_message(kind(key, payload, self.step_index if step is None else step)):
-            self.buffer.drop("message_queue_full")
-            self.buffer.warn_once(
-                "<message_queue_full>",
-                f"otel_train: the background worker has {self.worker.max_messages} log_text/log_samples/"
-                "log_histogram/log_hyperparams entries waiting (it is behind or stuck); further ones are "
-                "dropped and counted as otel_train.dropped{reason=message_queue_full}. Log them less "
-                "often, or raise queue_size (the limit is 8 x queue_size, at least 64).",
-            )
+            drop_message(self.buffer, self.worker.max_messages)
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def last_step(self) -> tuple[int, float | None]:

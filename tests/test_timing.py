@@ -200,3 +200,32 @@ def test_bad_start_readings_and_error_instances_never_raise(caplog) -> None:
     phases = seen.merged("phases")
     assert all(d < 1.0 for name in ("float", "text", "future") for d in phases[name])  # not the uptime
     assert "needs an earlier time.perf_counter_ns() reading" in caplog.text
+
+
+def test_a_single_process_flushes_after_log_interval_s_and_when_another_thread_asks() -> None:
+    import threading
+
+    # log_interval far away: only the two slow reasons can flush here
+    with capture_metrics(log_interval=1_000_000, log_interval_s=0.2, run_dir_enabled=False):
+        seen = _listen()
+        with ot.step(0):
+            pass
+        assert seen.seen == []
+        time.sleep(0.25)
+        with ot.step(1):
+            pass  # ends after log_interval_s: flushes
+        deadline = time.monotonic() + 10
+        while not seen.seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [x.step for x in seen.seen] == [1]
+        with ot.step(2):
+            pass  # within log_interval_s of the last flush: none
+        asker = threading.Thread(target=lambda: ot.log_metrics({"eval/loss": 1.5}, step=2))
+        asker.start()
+        asker.join()
+        with ot.step(3):
+            pass  # the flush the other thread asked for
+        while len(seen.seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [x.step for x in seen.seen] == [1, 3]
+        assert seen.seen[1].scalars["eval.loss"] == [1.5]

@@ -240,6 +240,19 @@ def test_spread_is_robust() -> None:
     assert Spread.of([]).count == 0 and Spread.decode(Spread.of([]).encode()).count == 0
 
 
+def test_the_binary_search_mad_is_the_median_of_the_sorted_deviations() -> None:
+    """Spread.of finds the MAD by a binary search over the two sorted runs of deviations; it must
+    be the very float the lower median of `sorted(abs(v - median))` is (ties, repeats, one value)."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        n = rng.randint(1, 30)
+        values = [rng.choice([0.1, 0.2, 0.3, 0.5, rng.gauss(1, 1)]) for _ in range(n)]
+        ordered = sorted(values)
+        median = ordered[(n - 1) // 2]
+        deviations = sorted([abs(v - median) for v in ordered])
+        assert Spread.of(values).mad == deviations[(n - 1) // 2], values
+
+
 def test_chronic_verdict_has_hysteresis() -> None:
     """A score hovering just around the threshold is one chronic straggler, not a new one each flush."""
     scorer = StragglerScorer(Settings(threshold=0.9, ewma=1.0))

@@ -2,7 +2,8 @@
 thread holding the GIL nearly all the time (a small model on a GPU looks like this to Python).
 
     .venv/bin/python bench/bench_launch.py [--step-ms 5 10 30] [--configs defaults tensorboard ...]
-                                           [--seconds 40] [--quick] [--preset 2ms|10ms] [--json PATH]
+                                           [--seconds 40] [--quick] [--preset 2ms|10ms] [--keeping]
+                                           [--json PATH]
 
 The ~2 ms set (defaults, watch, all bridges, fr, fr-own; ~15 min at 120 s a row), in one command:
 
@@ -21,6 +22,10 @@ this shape) and C (A again: the A/A control). Blocks of ~10 ms of steps (`fine_b
 600-step blocks moved +-8 %, of 5-step blocks +-0.45 %, in 60 s). Ratios of block sums, with a
 bootstrap 95% CI over the block pairs: B/A - 1 (what the user sees), C/A - 1 (the resolution of the
 method at that moment), N/A - 1 (the shape's floor) and B/N - 1 (otel_train above that floor).
+
+`--keeping` adds a fifth loop, K: B's code with the cheapest API that keeps what it records (both
+clock readings of each block and the values, in lists dropped every flush interval; no worker, no
+checks). K/A - 1 is what keeping the data costs this loop at all; B/K - 1 is otel_train above that.
 
 Short blocks spread the work of otel_train's own threads (the worker's flush, the hardware sampler,
 the watchdog) over all four loops, so `threads` adds their whole CPU time, as if every microsecond
@@ -183,6 +188,51 @@ class NullApi:
 NULL_API = NullApi()
 
 
+class KeepingScope:
+    """A `with` block that keeps its name and both clock readings, as a timer's end does."""
+
+    __slots__ = ("events", "name", "start")
+
+    def __enter__(self) -> KeepingScope:
+        self.start = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.events.append((self.name, self.start, time.perf_counter_ns()))
+
+
+class KeepingApi:
+    """`ot.step`, `ot.timer` and `ot.record` reduced to what any API that records this loop must
+    do: read the clock at both ends of each block and keep the readings and the values until a
+    flush, here every `interval` steps, dropped (no worker, no checks, no hand-off): `--keeping`'s
+    K loop, the floor of an API that keeps its data."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval, self.steps = interval, 0
+        self.events: list[tuple[str, int, int]] = []
+        self.values: dict[str, list[Any]] = {}
+
+    def _scope(self, name: str) -> KeepingScope:
+        scope = KeepingScope()
+        scope.events, scope.name = self.events, name
+        return scope
+
+    def step(self, index: int, tokens: int, samples: int) -> KeepingScope:
+        self.steps += 1
+        if self.steps >= self.interval:  # the "flush": a fresh interval
+            self.events, self.values, self.steps = [], {}, 0
+        return self._scope("step")
+
+    def timer(self, name: str) -> KeepingScope:
+        return self._scope(name)
+
+    def record(self, name: str, value: Any) -> None:
+        values = self.values.get(name)
+        if values is None:
+            values = self.values[name] = []
+        values.append(value)
+
+
 def stack_module(model: LaunchBoundModel) -> Any:
     """An nn.Module over the model's layers whose forward is the model's layer passes."""
     import torch
@@ -340,8 +390,10 @@ def measure_fr_own(
     return {"passes": model.passes, "ops": model.ops_per_step(), "means": means}
 
 
-def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: int) -> dict[str, Any]:
-    """One configuration at one step time (runs in its own process)."""
+def measure(
+    step_ms: float, config: str, seconds: float, seed: int, resamples: int, keeping: bool = False
+) -> dict[str, Any]:
+    """One configuration at one step time (runs in its own process); `keeping`: a fifth loop, K."""
     import psutil
     import torch
 
@@ -402,6 +454,9 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
             "N": lambda: model.instrumented(NULL_API, 0),
             "C": model.plain,
         }
+        if keeping:  # the cheapest API that keeps what B keeps, flushed as often
+            keeping_api = KeepingApi(session.flush_interval_steps or 1000)
+            loops["K"] = lambda: model.instrumented(keeping_api, 0)
         sums: dict[str, list[int]] = {kind: [] for kind in loops}
         start = time.perf_counter()
         order, shuffle = list(loops), random.Random(seed).shuffle
@@ -452,6 +507,13 @@ def measure(step_ms: float, config: str, seconds: float, seed: int, resamples: i
         "flush_interval_steps": interval,
         "worker_ms_per_flush": 1e3 * worker_cpu / max(1, flushes),
         "bridge_ms_per_flush": 1e3 * child_cpu / max(1, flushes) if child else None,
+        # --keeping: the cheapest API that keeps the data (K/A - 1) and otel_train above it
+        "k_vs_a": estimate(list(zip(sums["A"], sums["K"], strict=True)), resamples, seed)
+        if keeping
+        else None,
+        "b_vs_k": estimate(list(zip(sums["K"], sums["B"], strict=True)), resamples, seed)
+        if keeping
+        else None,
     }
 
 
@@ -550,6 +612,11 @@ def main() -> int:
     parser.add_argument(
         "--preset", choices=list(PRESETS), help="that step time with defaults, watch, all, fr and fr-own"
     )
+    parser.add_argument(
+        "--keeping",
+        action="store_true",
+        help="a fifth loop K: the cheapest API that keeps what B keeps (K/A - 1, B/K - 1)",
+    )
     parser.add_argument("--resamples", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--json", type=Path, default=None)
@@ -564,7 +631,9 @@ def main() -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.one:
-        result = measure(float(args.one[0]), args.one[1], args.seconds, args.seed, args.resamples)
+        result = measure(
+            float(args.one[0]), args.one[1], args.seconds, args.seed, args.resamples, args.keeping
+        )
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.quick:
@@ -584,12 +653,21 @@ def main() -> int:
                 result = fr_own(step_ms, args.seconds, args.seed, args.resamples)
             else:
                 child = ["--one", str(step_ms), config, "--seconds", str(args.seconds)]
+                child += ["--keeping"] if args.keeping else []
                 result = run_child([*child, "--resamples", str(args.resamples), "--seed", str(args.seed)])
             if isinstance(result, str):
                 print(f"{step_ms:>5.0f} ms {config:<12} FAILED: {result}", flush=True)
                 continue
             results.append(result)
             print(report(result), flush=True)
+            if result.get("k_vs_a") is not None:
+                k, above = result["k_vs_a"], result["b_vs_k"]
+                print(
+                    f"{'':>17}K, the cheapest keeping API: K/A - 1 {k['pct']:+.2f}% [{k['ci95'][0]:+.2f}, "
+                    f"{k['ci95'][1]:+.2f}]; otel_train above it, B/K - 1 {above['pct']:+.2f}% "
+                    f"[{above['ci95'][0]:+.2f}, {above['ci95'][1]:+.2f}]",
+                    flush=True,
+                )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -117,7 +117,7 @@ class Session(SessionParts):
             apply_due(self, control.take_due(index), index)
         if self.profiler is not None and self.profiler.next_step_active():
             self.sampled = self._tracing  # profiled steps are always traced
-        if self.watches:
+        if self.watches and index % self.watch_period == 0:
             for watch in self.watches:
                 watch.begin_step(index)
         return index
@@ -140,7 +140,7 @@ class Session(SessionParts):
         self.step_end_ns = end_ns
         if previous_end is None or start_ns - previous_end > self._stall_gap_ns:
             self.clock.note_gap(start_ns, previous_end)
-        if self.watches:
+        if self.watches and index % self.watch_period == 0:
             for watch in self.watches:
                 watch.end_step(index, failed)
         profiled = False

@@ -6,6 +6,7 @@ listeners, `ot.watch` handles). `session.Session` adds the hot path and the life
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,9 @@ class SessionParts:
     cadence: Cadence
     profiled_steps: ProfiledStepsCounter
     watches: list[ModelWatch] = field(default_factory=list)  # ot.watch(model) handles
+    # gcd of the watches' `every`: a step whose index it divides calls them (only such a step can
+    # be a watched one; the others cost the hot path one modulo, not two calls per watch)
+    watch_period: int = 0
     memory_dumps: MemoryDumps | None = None  # CUDA allocator dumps on an OOM inside ot.step
 
     def __post_init__(self) -> None:
@@ -85,10 +89,12 @@ class SessionParts:
     def add_watch(self, watch: ModelWatch) -> None:
         """Call `watch` at every step's begin and end (training thread) until `remove_watch`."""
         self.watches = [*self.watches, watch]  # copy-on-write too: a step may be iterating it
+        self.watch_period = math.gcd(*(w.every for w in self.watches))
 
     def remove_watch(self, watch: ModelWatch) -> None:
         """Stop calling `watch` (idempotent; `ModelWatch.remove()` calls it)."""
         self.watches = [x for x in self.watches if x is not watch]
+        self.watch_period = math.gcd(*(w.every for w in self.watches))
 
     @property
     def flush_interval_steps(self) -> int:

@@ -544,3 +544,28 @@ def test_watched_steps_never_sync_the_device() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert cap.last("grad_norm/head") is not None
+
+
+def test_two_watches_of_other_periods_each_read_their_own_steps() -> None:
+    """The session calls its watches only at steps their periods' gcd divides: every=2 and every=3
+    read steps 0, 2, 4, 6 and 0, 3, 6, whatever the steps in between do."""
+    tiny, other = Tiny(), nn.Sequential(nn.Linear(6, 3))
+    with capture_metrics(log_interval=100, run_dir_enabled=False, hardware=False):
+        session = ot.current_session()
+        assert session is not None
+        ot.watch(tiny, every=2)
+        ot.watch(other, every=3)
+        assert session.watch_period == 1
+        gen = torch.Generator().manual_seed(0)
+        for i in range(7):
+            with ot.step(i):
+                x = torch.randn(5, 6, generator=gen)
+                (tiny(x).pow(2).mean() + other(x).pow(2).mean()).backward()
+        steps: dict[tuple[str, ...], list[int]] = {}
+        for stats in session.buffer.layer_stats:
+            if stats.instrument == sc.LAYER_GRAD_NORM.name:
+                steps.setdefault(stats.labels, []).append(stats.step)
+        assert sorted(steps.values()) == [[0, 2, 4, 6], [0, 3, 6]]
+        for handle in list(session.watches):
+            handle.remove()
+        assert session.watch_period == 0

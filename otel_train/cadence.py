@@ -57,7 +57,7 @@ def nice_interval(step_s: float, min_s: float, max_s: float, base: int = ADAPTIV
         for factor in _NICE:
             steps = base * factor * scale
             if steps >= needed:
-                longest = max(base, int(max_s / step_s))
+                longest = max(base, int(min(max_s / step_s, _NEVER)))  # log_interval_s=inf
                 return min(steps, longest)
         scale *= 10
 

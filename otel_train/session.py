@@ -42,7 +42,8 @@ _NEVER_NS = 2**63  # a perf_counter_ns no step ends at
 def _time_due_ns(lockstep: bool, last_flush_s: float, interval_s: float) -> int:
     """The perf_counter_ns when log_interval_s will have passed since the last flush; never in
     lockstep (time-based flushes would desync the ranks)."""
-    return _NEVER_NS if lockstep else int((last_flush_s + interval_s) * 1e9)
+    due = (last_flush_s + interval_s) * 1e9
+    return int(due) if not lockstep and due < _NEVER_NS else _NEVER_NS  # log_interval_s=inf: never
 
 
 class Session(SessionParts):
@@ -158,8 +159,8 @@ class Session(SessionParts):
         if failed:
             return
         steps = self.interval_steps = self.interval_steps + 1
-        # Due at the cadence's step or count, once log_interval_s has passed (`_due_ns`, on end_ns's
-        # clock: one comparison), or when another thread asked for a flush.
+        # Due at the cadence's step or count, or once log_interval_s has passed (`_due_ns`, on
+        # end_ns's clock: one comparison), or when another thread asked for a flush.
         by_steps = index >= self._due_step or steps >= self._due_threshold
         if (by_steps and self._cadence_due(steps, index)) or end_ns >= self._due_ns or self._flush_requested:
             self.flush()

@@ -58,9 +58,10 @@ class SessionParts:
     cadence: Cadence
     profiled_steps: ProfiledStepsCounter
     watches: list[ModelWatch] = field(default_factory=list)  # ot.watch(model) handles
-    # gcd of the watches' `every`: a step whose index it divides calls them (only such a step can
-    # be a watched one; the others cost the hot path one modulo, not two calls per watch)
-    watch_period: int = 0
+    # gcd of the watches' `every` (1 without watches, never 0: another thread may change them
+    # while a step reads both): a step whose index it divides calls them (only such a step can be
+    # a watched one; the others cost a modulo at their begin and end, not two calls per watch)
+    watch_period: int = 1
     memory_dumps: MemoryDumps | None = None  # CUDA allocator dumps on an OOM inside ot.step
 
     def __post_init__(self) -> None:
@@ -87,14 +88,16 @@ class SessionParts:
         self.worker.add_sink(sink)
 
     def add_watch(self, watch: ModelWatch) -> None:
-        """Call `watch` at every step's begin and end (training thread) until `remove_watch`."""
-        self.watches = [*self.watches, watch]  # copy-on-write too: a step may be iterating it
-        self.watch_period = math.gcd(*(w.every for w in self.watches))
+        """Call `watch` at the begin and end of the steps `watch_period` divides (training thread)
+        until `remove_watch`."""
+        watches = [*self.watches, watch]  # copy-on-write too: a step may be iterating it
+        self.watch_period = math.gcd(*(w.every for w in watches))  # first: a divisor of the old one
+        self.watches = watches
 
     def remove_watch(self, watch: ModelWatch) -> None:
         """Stop calling `watch` (idempotent; `ModelWatch.remove()` calls it)."""
         self.watches = [x for x in self.watches if x is not watch]
-        self.watch_period = math.gcd(*(w.every for w in self.watches))
+        self.watch_period = math.gcd(*(w.every for w in self.watches)) or 1  # then: a multiple
 
     @property
     def flush_interval_steps(self) -> int:

@@ -205,13 +205,13 @@ def test_bad_start_readings_and_error_instances_never_raise(caplog) -> None:
 def test_a_single_process_flushes_after_log_interval_s_and_when_another_thread_asks() -> None:
     import threading
 
-    # log_interval far away: only the two slow reasons can flush here
-    with capture_metrics(log_interval=1_000_000, log_interval_s=0.2, run_dir_enabled=False):
+    # log_interval far away: only the two slow reasons can flush here (2 s: room on a loaded host)
+    with capture_metrics(log_interval=1_000_000, log_interval_s=2.0, run_dir_enabled=False):
         seen = _listen()
         with ot.step(0):
             pass
         assert seen.seen == []
-        time.sleep(0.25)
+        time.sleep(2.1)
         with ot.step(1):
             pass  # ends after log_interval_s: flushes
         deadline = time.monotonic() + 10
@@ -229,3 +229,18 @@ def test_a_single_process_flushes_after_log_interval_s_and_when_another_thread_a
             time.sleep(0.01)
         assert [x.step for x in seen.seen] == [1, 3]
         assert seen.seen[1].scalars["eval.loss"] == [1.5]
+
+
+@pytest.mark.parametrize("log_interval", [None, 5])
+def test_an_infinite_log_interval_s_never_flushes_on_time_and_never_raises(log_interval: int | None) -> None:
+    """log_interval_s=inf (accepted: > 0) means "never by time": no OverflowError at init() or in
+    the adaptive cadence, and the steps still flush."""
+    with capture_metrics(log_interval=log_interval, log_interval_s=float("inf"), run_dir_enabled=False):
+        seen = _listen()
+        for i in range(30):
+            with ot.step(i):
+                pass
+        deadline = time.monotonic() + 10
+        while not seen.seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen.seen and seen.seen[0].step in (4, 9)

@@ -124,7 +124,7 @@ def _kth_deviation(ordered: Sequence[float], center: float, k: int) -> float:
             hi = taken
     last_below = below(lo - 1) if lo > 0 else -math.inf
     last_above = above(k - lo) if k - lo >= 0 else -math.inf
-    return max(last_below, last_above)
+    return max(last_below, last_above) + 0.0  # never -0.0 (center - 0.0 with center -0.0)
 
 
 # --- names -------------------------------------------------------------------------------------------

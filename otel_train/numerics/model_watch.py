@@ -143,6 +143,9 @@ class ModelWatch:
     def begin_step(self, index: int) -> None:
         self._step = None
         if index % self.every == 0:
+            if self._hooks:  # a watched step begun and never ended (ot.begin_step without end_step)
+                self._remove_activation_hooks()
+            self._activations, self._fingerprint, self._read = {}, None, None
             self._step = index
             try:
                 if self.fingerprints:  # the batch fingerprint (replicas.py: unsharded data)

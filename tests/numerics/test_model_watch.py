@@ -568,4 +568,33 @@ def test_two_watches_of_other_periods_each_read_their_own_steps() -> None:
         assert sorted(steps.values()) == [[0, 2, 4, 6], [0, 3, 6]]
         for handle in list(session.watches):
             handle.remove()
-        assert session.watch_period == 0
+        assert session.watch_period == 1  # never 0: a step may read it while another thread changes it
+
+
+def test_a_watched_step_never_ended_does_not_lend_its_batch_to_the_next_watched_step() -> None:
+    """ot.begin_step on a watched step without ot.end_step, then `with ot.step` steps: the watch is
+    not called at the steps between (watch_period), so the next watched step starts afresh: its
+    own batch's fingerprint, and no hooks left over once it ends."""
+
+    def hooks(model: nn.Module) -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    model = Tiny()
+    first, later = torch.ones(5, 6), torch.full((5, 6), 2.0)
+    with capture_metrics(log_interval=100, run_dir_enabled=False, hardware=False):
+        session = ot.current_session()
+        assert session is not None
+        handle = ot.watch(model, every=2, activations=True)
+        handle.fingerprints = True  # as on a rank of a distributed job
+        ot.begin_step(0)  # watched, and never ended
+        model(first)
+        with ot.step(1):
+            model(first)
+        with ot.step(2):
+            model(later).pow(2).mean().backward()
+        assert hooks(model) == 0
+        [fingerprint] = [r for r in session.buffer.layer_stats if r.instrument == FINGERPRINT]
+        assert fingerprint.step == 2
+        assert fingerprint.values.tolist() == pytest.approx(
+            [later.sum().item(), (later * later).sum().item()]
+        )

@@ -36,11 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from otel_train.crossrank.spread import STATS_LEN
 from otel_train.crossrank.up_row import (
     ANNOUNCE_SLOTS,
     COLUMNS,
     MAX_TIMERS,
-    STATS_LEN,
     SUMMARY_RANK,
     RankRecord,
     row_announcements,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from otel_train.crossrank.up_row import Spread
+from otel_train.crossrank.spread import Spread
 from otel_train.crossrank.verdicts import (
     STEP_END,
     UNTIMED,

@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from otel_train.crossrank.up_row import Spread
+from otel_train.crossrank.spread import Spread
 
 Category = Literal["data", "compute", "communication", "other"]
 Pattern = Literal["chronic", "one_off"]

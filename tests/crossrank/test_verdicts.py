@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from otel_train.crossrank.scores import StragglerReport, StragglerScorer
-from otel_train.crossrank.up_row import Spread, TimerTable, pack, unpack
+from otel_train.crossrank.spread import Spread
+from otel_train.crossrank.up_row import TimerTable, pack, unpack
 from otel_train.crossrank.verdicts import (
     Lateness,
     RankAssessment,

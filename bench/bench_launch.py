@@ -5,7 +5,8 @@ thread holding the GIL nearly all the time (a small model on a GPU looks like th
                                            [--seconds 40] [--quick] [--preset 2ms|10ms] [--keeping]
                                            [--json PATH]
 
-The ~2 ms set (defaults, watch, all bridges, fr, fr-own; ~15 min at 120 s a row), in one command:
+The ~2 ms set (defaults, watch, all bridges, fr, fr-own; ~15 min at 120 s a row, a quarter more
+with `--keeping`), in one command:
 
     .venv/bin/python bench/bench_launch.py --preset 2ms --seconds 120 --json /tmp/launch-2ms.json
 
@@ -24,8 +25,8 @@ bootstrap 95% CI over the block pairs: B/A - 1 (what the user sees), C/A - 1 (th
 method at that moment), N/A - 1 (the shape's floor) and B/N - 1 (otel_train above that floor).
 
 `--keeping` adds a fifth loop, K: B's code with the cheapest API that keeps what it records (both
-clock readings of each block and the values, in lists dropped every flush interval; no worker, no
-checks). K/A - 1 is what keeping the data costs this loop at all; B/K - 1 is otel_train above that.
+clock readings of each block, the step's numbers and the values, in lists dropped every flush
+interval; no worker, no checks). K/A - 1 is what keeping the data costs this loop at all; B/K - 1 is otel_train above that.
 
 Short blocks spread the work of otel_train's own threads (the worker's flush, the hardware sampler,
 the watchdog) over all four loops, so `threads` adds their whole CPU time, as if every microsecond
@@ -201,15 +202,30 @@ class KeepingScope:
         self.events.append((self.name, self.start, time.perf_counter_ns()))
 
 
+class KeepingStepScope:
+    """A step that keeps (index, start, end, tokens, samples, failed), as `ot.step`'s end does."""
+
+    __slots__ = ("events", "index", "samples", "start", "tokens")
+
+    def __enter__(self) -> KeepingStepScope:
+        self.start = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        end = time.perf_counter_ns()
+        self.events.append((self.index, self.start, end, self.tokens, self.samples, exc_type is not None))
+
+
 class KeepingApi:
     """`ot.step`, `ot.timer` and `ot.record` reduced to what any API that records this loop must
-    do: read the clock at both ends of each block and keep the readings and the values until a
-    flush, here every `interval` steps, dropped (no worker, no checks, no hand-off): `--keeping`'s
-    K loop, the floor of an API that keeps its data."""
+    do: read the clock at both ends of each block and keep the readings, the step's numbers and the
+    values until a flush, here every `interval` steps, dropped (no worker, no checks, no hand-off):
+    `--keeping`'s K loop, the floor of an API that keeps its data."""
 
     def __init__(self, interval: int) -> None:
         self.interval, self.steps = interval, 0
         self.events: list[tuple[str, int, int]] = []
+        self.steps_kept: list[tuple[int, int, int, int, int, bool]] = []
         self.values: dict[str, list[Any]] = {}
 
     def _scope(self, name: str) -> KeepingScope:
@@ -217,11 +233,13 @@ class KeepingApi:
         scope.events, scope.name = self.events, name
         return scope
 
-    def step(self, index: int, tokens: int, samples: int) -> KeepingScope:
+    def step(self, index: int, tokens: int, samples: int) -> KeepingStepScope:
         self.steps += 1
         if self.steps >= self.interval:  # the "flush": a fresh interval
-            self.events, self.values, self.steps = [], {}, 0
-        return self._scope("step")
+            self.events, self.steps_kept, self.values, self.steps = [], [], {}, 0
+        scope = KeepingStepScope()
+        scope.events, scope.index, scope.tokens, scope.samples = self.steps_kept, index, tokens, samples
+        return scope
 
     def timer(self, name: str) -> KeepingScope:
         return self._scope(name)

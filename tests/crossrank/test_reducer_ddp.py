@@ -103,7 +103,9 @@ def train(rank: int, scenario: dict[str, Any], out_dir: str) -> dict[str, Any]:
     reducer = session.reducer
     ot.shutdown()
     scores = reducer.last_scores
+    layout = getattr(reducer.exchange, "layout", None)  # a tree's (crossrank/tree.layout)
     return {
+        "parents": layout.parent if layout is not None else None,
         "events": [e for e in events if e[0] == "straggler"],
         "run_dir": str(session.run_dir),
         "run_name": session.run_name,
@@ -199,13 +201,24 @@ def test_independent_ranks_slow_rank_flagged(ddp4) -> None:
 
 
 # (8, 2): a tree of fan-in 2 three levels deep, where rank 0 sees K_EXACT ranks whole and the
-# others through the merged summary (crossrank/merge)
-@pytest.mark.parametrize(("world", "fanin"), [(2, 16), (8, 16), (8, 2)])
-def test_ddp_forward_straggler_on_2_and_8_ranks(world: int, fanin: int, tmp_path: Path) -> None:
+# others through the merged summary (crossrank/merge); (8, 2, 4): the same ranks as two "nodes" of
+# 4 (LOCAL_WORLD_SIZE), so the tree goes per node first: rank 1 heads its node's 2 and 3 and the
+# other node's head, rank 4, which heads 5 (and through it 6) and 7
+@pytest.mark.parametrize(
+    ("world", "fanin", "local_world"),
+    [(2, 16, None), (8, 16, None), (8, 2, None), (8, 2, 4)],
+    ids=["2-star", "8-star", "8-fanin2", "8-fanin2-per-node"],
+)
+def test_ddp_forward_straggler_on_2_and_8_ranks(
+    world: int, fanin: int, local_world: int | None, tmp_path: Path
+) -> None:
     slow = world - 1
     job = {"kind": "ddp", "steps": 20 if world == 2 else 15, "run_name": "r", "fanin": fanin,
            "slow": {"rank": slow, "phase": "forward", "factor": 1.5}}  # fmt: skip
-    results = run_ranks(world, jobs_target, ([job], str(tmp_path)), timeout=240)
+    env = {"LOCAL_WORLD_SIZE": str(local_world)} if local_world else None
+    results = run_ranks(world, jobs_target, ([job], str(tmp_path)), timeout=240, env=env)
+    if local_world:
+        assert results[0][0]["parents"] == (-1, 0, 1, 1, 1, 4, 5, 4)
     reported = _reported(results, 0)
     assert reported and {a["rank"] for a in reported} == {slow}
     assert reported[0]["category"] == "compute"

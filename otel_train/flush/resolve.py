@@ -118,12 +118,13 @@ def _stacked_scalars(values: Sequence[Any]) -> list[float | None] | None:
     torch = sys.modules.get("torch")
     if torch is None or not values:
         return None
-    if set(map(type, values)) != {torch.Tensor}:  # one C pass, not a Python test per value
+    plain = torch.Tensor
+    if any(value.__class__ is not plain or value.is_meta for value in values):
         return None
     try:
         with torch.no_grad():
-            joined = torch.stack(list(values))  # raises on mixed shapes or devices (meta among others)
-            if joined.is_meta or joined.numel() != len(values) or joined.is_complex():
+            joined = torch.stack(list(values))  # raises on mixed shapes or devices
+            if joined.numel() != len(values) or joined.is_complex():
                 return None
             if joined.device.type == "mps":  # Metal has no float64: convert on the host
                 joined = joined.cpu()

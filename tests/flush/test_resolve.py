@@ -66,6 +66,22 @@ def test_anything_else_takes_the_careful_path(case: str, monkeypatch: pytest.Mon
     assert resolve.resolve_values(values) == _careful(values, monkeypatch)
 
 
+@pytest.mark.parametrize("case", ["a meta tensor", "all meta"])
+def test_a_meta_tensor_never_reaches_a_torch_op(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process's first meta dispatch imports torch's meta kernels (1.2 s idle here, past the
+    2 s shutdown deadline on a loaded host: the worker was still in torch at exit and the process
+    aborted), so the fast path turns meta tensors away before stacking anything."""
+    stack, stacked = torch.stack, []
+
+    def watched_stack(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        stacked.append([t.is_meta for t in tensors])
+        return stack(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "stack", watched_stack)
+    assert resolve._stacked_scalars(ODD[case]()) is None
+    assert not any(any(meta) for meta in stacked), "a meta tensor reached torch.stack"
+
+
 def test_nonfinite_tensors_are_dropped_and_counted_on_the_fast_path() -> None:
     values = [torch.tensor(1.5), torch.tensor(math.nan), torch.tensor(math.inf)]
     assert resolve.resolve_values(values) == ([1.5, None, None], {"nonfinite": 2})

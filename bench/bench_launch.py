@@ -275,7 +275,9 @@ def timed_block(step: Callable[[], None], n: int) -> list[int]:
 
 
 def estimate(pairs: list[tuple[float, float]], resamples: int, seed: int) -> dict[str, Any]:
-    """B/A - 1 in % over paired blocks, with a bootstrap 95% CI (resampling the pairs)."""
+    """B/A - 1 in % over paired blocks (ratio of their sums: the flushes' rare slow blocks count in
+    full), with a bootstrap 95% CI (resampling the pairs); and `median`, the median of the pairs'
+    own ratios (issue #32's acceptance reads that one: it leaves the rare slow blocks out)."""
     rng = random.Random(seed)
     n = len(pairs)
     ratios = []
@@ -284,7 +286,12 @@ def estimate(pairs: list[tuple[float, float]], resamples: int, seed: int) -> dic
         ratios.append(100 * (sum(p[1] for p in sample) / sum(p[0] for p in sample) - 1.0))
     ratios.sort()
     point = 100 * (sum(p[1] for p in pairs) / sum(p[0] for p in pairs) - 1.0)
-    return {"pct": point, "ci95": (ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1])}
+    median = 100 * (statistics.median([b / a for a, b in pairs]) - 1.0)
+    return {
+        "pct": point,
+        "ci95": (ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]),
+        "median": median,
+    }
 
 
 CALIBRATION_S = 3.0  # the last calibration round's length: this VM's speed drifts 2x within seconds
@@ -678,6 +685,8 @@ def main() -> int:
                 continue
             results.append(result)
             print(report(result), flush=True)
+            b_med, c_med = result["b_vs_a"]["median"], result["c_vs_a"]["median"]
+            print(f"{'':>17}median of the block pairs' own ratios: B/A - 1 {b_med:+.2f}%, A/A {c_med:+.2f}%")
             if result.get("k_vs_a") is not None:
                 k, above = result["k_vs_a"], result["b_vs_k"]
                 print(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence, Set
-from itertools import groupby
-from operator import itemgetter
+from itertools import compress, groupby
+from operator import attrgetter, itemgetter, sub
 from typing import Any
 
 from otel_train.buffer import FlushBatch, LayerStats
@@ -109,6 +109,9 @@ def _finite_only(values: list[float | None], dropped: dict[str, int]) -> list[fl
     return values
 
 
+_is_meta = attrgetter("is_meta")
+
+
 def _stacked_scalars(values: Sequence[Any]) -> list[float | None] | None:
     """The common interval (one loss tensor per step): every value a plain, real, one-element
     `torch.Tensor` of one shape on one device, read with one stack and one copy, without the
@@ -118,8 +121,8 @@ def _stacked_scalars(values: Sequence[Any]) -> list[float | None] | None:
     torch = sys.modules.get("torch")
     if torch is None or not values:
         return None
-    plain = torch.Tensor
-    if any(value.__class__ is not plain or value.is_meta for value in values):
+    # type(), not __class__ (a proxy may claim to be a Tensor); both checks at C speed
+    if set(map(type, values)) != {torch.Tensor} or any(map(_is_meta, values)):
         return None
     try:
         with torch.no_grad():
@@ -204,21 +207,83 @@ def _value_steps(
 def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
     """Fill the batch's step durations, indices, tokens and samples from its step events (the
     training thread only appended them); return goodput's wasted progress in seconds (steps whose
-    index is at most `rerun_through`) and those steps' starts."""
+    index is at most `rerun_through`) and those steps' starts. Each column is read in one C-level
+    pass (`map`): the worker's time per step is what bounds its share of a 1-2 ms
+    step, since it holds the GIL the training thread needs."""
     events = batch.step_events
-    batch.step_indices.extend([index for index, *_ in events])
-    done = [event for event in events if not event[5]]  # failed steps: no duration, no counts
-    batch.step_durations.extend([(end - start) * 1e-9 for _, start, end, *_ in done])
-    batch.tokens += sum([tokens for *_, tokens, _, _ in done if tokens])
-    batch.samples += sum([samples for *_, samples, _ in done if samples])
+    if not events:
+        return 0.0, set()
+    indices, starts, ends, tokens, samples, failed = (_column(events, k) for k in range(6))
+    batch.step_indices.extend(indices)
+    if any(failed):  # failed steps: no duration, no counts
+        done = [not f for f in failed]
+        indices, starts, ends, tokens, samples = (
+            list(compress(column, done)) for column in (indices, starts, ends, tokens, samples)
+        )
+    batch.step_durations.extend(_seconds_between(starts, ends))
+    batch.tokens += sum(filter(None, tokens))
+    batch.samples += sum(filter(None, samples))
     through = batch.rerun_through
     if through < 0:  # no earlier process of this run id (or unnumbered steps)
         return 0.0, set()
-    reruns = [(start, end) for index, start, end, *_ in done if index <= through]
+    reruns = [
+        (start, end) for index, start, end in zip(indices, starts, ends, strict=True) if index <= through
+    ]
     return sum([end - start for start, end in reruns]) * 1e-9, {start for start, _ in reruns}
 
 
+def _column(rows: Sequence[tuple[Any, ...]], k: int) -> list[Any]:
+    """Item k of every row, in C. Not `zip(*rows)`: that makes an iterator per row, and so many
+    GC-tracked objects set off the collector several times per flush."""
+    return list(map(itemgetter(k), rows))
+
+
+_NS = 1e-9  # seconds per clock tick: `_NS.__mul__(ticks)` is `ticks * 1e-9`, bit for bit
+
+
+def _seconds_between(starts: Sequence[int], ends: Sequence[int]) -> list[float]:
+    """[(end - start) * 1e-9 ...], computed in C (the same float as the expression: IEEE products
+    commute), as tracing._seconds computes a span's duration, so exemplars match."""
+    return list(map(_NS.__mul__, map(sub, ends, starts)))
+
+
 _timer_name = itemgetter(0)  # of a timer event: C, not a Python call per event
+
+# One timer's events in the interval, in order: (name, starts, ends, its steps' starts (0: outside a step))
+TimerColumns = tuple[str, Sequence[int], Sequence[int], Sequence[int]]
+
+
+def timer_columns(events: Sequence[tuple[str, int, int, int]]) -> list[TimerColumns]:
+    """The events grouped by timer name, in name order, each name's in their order. The usual loop
+    ends the same distinct timers in the same order every step; that periodic pattern is found and
+    split with strided slices (C speed, no Python code per event); any other takes a stable sort."""
+    if not events:
+        return []
+    names, starts, ends, began = (_column(events, k) for k in range(4))
+    period = _period(names)
+    if period:
+        groups = [(names[k], starts[k::period], ends[k::period], began[k::period]) for k in range(period)]
+        return sorted(groups, key=_timer_name)
+    out: list[TimerColumns] = []
+    for name, group in groupby(sorted(events, key=_timer_name), key=_timer_name):
+        readings = list(group)
+        out.append((name, _column(readings, 1), _column(readings, 2), _column(readings, 3)))
+    return out
+
+
+def _period(names: Sequence[str]) -> int:
+    """P when names[k::P] is one name for every k < P and names[:P] are distinct; 0 otherwise."""
+    try:
+        period = names.index(names[0], 1)
+    except ValueError:
+        period = len(names)
+    if len(set(names[:period])) != period:
+        return 0
+    for k in range(period):
+        column = names[k::period]
+        if column.count(names[k]) != len(column):
+            return 0
+    return period
 
 
 def timer_phases(
@@ -234,21 +299,30 @@ def timer_phases(
     arrivals: dict[str, list[float]] = {}
     cap = batch.value_cap or len(batch.timer_events)
     over = data_ns = 0
-    # A stable sort groups each timer's events in their order (C speed: the worker's time per
-    # event is what bounds its share of a 1-2 ms step).
-    for name, group in groupby(sorted(batch.timer_events, key=_timer_name), key=_timer_name):
-        readings = list(group)
+    for name, starts, ends, began in timer_columns(batch.timer_events):
+        inside = all(began)  # the usual case: every one inside a step
         if name in DATA_PHASES:
-            data_ns += sum(
-                [end - start for _, start, end, began in readings if began and began not in rerun_starts]
-            )
+            if inside and not rerun_starts:
+                data_ns += sum(map(sub, ends, starts))
+            else:
+                data_ns += sum(
+                    [
+                        e - s
+                        for s, e, b in zip(starts, ends, began, strict=True)
+                        if b and b not in rerun_starts
+                    ]
+                )
         durations = phases.setdefault(name, [])
         room = max(0, cap - len(durations))
-        if len(readings) > room:
-            over += len(readings) - room
-            readings = readings[:room]
-        durations.extend([(end - start) * 1e-9 for _, start, end, _ in readings])
-        arrived = [(end - began) * 1e-9 for _, _, end, began in readings if began]
+        if len(starts) > room:
+            over += len(starts) - room
+            starts, ends, began = starts[:room], ends[:room], began[:room]
+        durations.extend(_seconds_between(starts, ends))
+        arrived = (
+            _seconds_between(began, ends)
+            if inside
+            else [(e - b) * 1e-9 for e, b in zip(ends, began, strict=True) if b]
+        )
         if arrived:
             arrivals[name] = arrived
     if over:

@@ -150,3 +150,107 @@ def test_the_interval_carries_every_header_field_of_its_batch() -> None:
         "samples": 6, "step_durations": [0.1, 0.2], "final": True, "autocast_dtype": "bfloat16",
         "flush_interval": 5, "flush_anchor": 20,
     }  # fmt: skip
+
+
+# --- the column reading of step and timer events equals the per-event reading it replaced ----------
+
+
+def _steps_per_event(batch: Any) -> tuple[float, set[int]]:
+    """resolve.resolve_steps as it was: one Python pass per column over the step events."""
+    events = batch.step_events
+    batch.step_indices.extend([index for index, *_ in events])
+    done = [event for event in events if not event[5]]
+    batch.step_durations.extend([(end - start) * 1e-9 for _, start, end, *_ in done])
+    batch.tokens += sum([tokens for *_, tokens, _, _ in done if tokens])
+    batch.samples += sum([samples for *_, samples, _ in done if samples])
+    if batch.rerun_through < 0:
+        return 0.0, set()
+    reruns = [(start, end) for index, start, end, *_ in done if index <= batch.rerun_through]
+    return sum([end - start for start, end in reruns]) * 1e-9, {start for start, _ in reruns}
+
+
+def _timers_per_event(batch: Any, rerun_starts: set[int]) -> tuple[dict, dict, float]:
+    """resolve.timer_phases as it was: a sort by name, then Python passes over each name's events."""
+    from itertools import groupby
+
+    phases = {name: list(values) for name, values in batch.phases.items()}
+    arrivals: dict[str, list[float]] = {}
+    cap = batch.value_cap or len(batch.timer_events)
+    over = data_ns = 0
+    for name, group in groupby(sorted(batch.timer_events, key=lambda e: e[0]), key=lambda e: e[0]):
+        readings = list(group)
+        if name in resolve.DATA_PHASES:
+            data_ns += sum([e - s for _, s, e, b in readings if b and b not in rerun_starts])
+        durations = phases.setdefault(name, [])
+        room = max(0, cap - len(durations))
+        if len(readings) > room:
+            over += len(readings) - room
+            readings = readings[:room]
+        durations.extend([(e - s) * 1e-9 for _, s, e, _ in readings])
+        arrived = [(e - b) * 1e-9 for _, _, e, b in readings if b]
+        if arrived:
+            arrivals[name] = arrived
+    if over:
+        batch.dropped["too_many_values"] = batch.dropped.get("too_many_values", 0) + over
+    return phases, arrivals, data_ns * 1e-9
+
+
+SHAPES = ["periodic", "periodic, ragged end", "a timer in some steps", "a name twice a step", "outside steps"]
+
+
+def _random_batch(rng: Any, shape: str) -> Any:
+    buffer = Buffer(max_names=50, max_values=rng.choice([3, 50, 10_000]))
+    names = rng.sample(["data", "forward", "backward", "optimizer", "zeta", "dataloader"], rng.randint(1, 5))
+    clock = rng.randrange(10**15)
+    for index in range(rng.randint(0, 60)):
+        began = clock
+        step_names = list(names)
+        if shape == "a timer in some steps" and index % 3:
+            step_names = step_names[:-1]
+        if shape == "a name twice a step":
+            step_names.append(step_names[0])
+        for name in step_names:
+            start, clock = clock, clock + rng.randrange(1, 10**7)
+            outside = shape == "outside steps" and rng.random() < 0.3
+            buffer.timer_events.append((name, start, clock, 0 if outside else began))
+        failed = rng.random() < 0.2
+        tokens = rng.choice([None, 0, rng.randrange(1, 10**6)])
+        samples = rng.choice([None, 0, rng.randrange(1, 100)])
+        buffer.step_events.append((index, began, clock, tokens, samples, failed))
+    if shape == "periodic, ragged end" and buffer.timer_events:
+        buffer.timer_events.pop()
+    if rng.random() < 0.3:
+        buffer.add_phase(names[0], 0.25)  # an ot.phase value under a timer's name comes first
+    batch = buffer.take(0, 0, 1.0, 0)
+    batch.value_cap = buffer.max_values
+    batch.rerun_through = rng.choice([-1, 5, 100])
+    return batch
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_column_reading_of_steps_and_timers_equals_the_per_event_reading(shape: str) -> None:
+    import copy
+    import random
+
+    rng = random.Random(shape)
+    for _ in range(300):
+        batch = _random_batch(rng, shape)
+        reference = copy.deepcopy(batch)
+        rerun = resolve.resolve_steps(batch)
+        assert rerun == _steps_per_event(reference)
+        assert (batch.step_indices, batch.step_durations) == (reference.step_indices, reference.step_durations)
+        assert (batch.tokens, batch.samples) == (reference.tokens, reference.samples)
+        phases, arrivals, data_s = resolve.timer_phases(batch, rerun[1])
+        expected = _timers_per_event(reference, rerun[1])
+        assert (phases, arrivals, data_s) == expected
+        assert list(phases) == list(expected[0])  # the same name order too
+        assert batch.dropped == reference.dropped
+
+
+def test_the_periodic_split_is_taken_for_the_usual_loop_and_not_for_others() -> None:
+    usual = ("data", "forward", "backward") * 4 + ("data",)
+    assert resolve._period(usual) == 3
+    assert resolve._period(("forward",) * 5) == 1
+    assert resolve._period(("data", "forward", "forward") * 3) == 0  # a name twice a step
+    assert resolve._period(("data", "forward", "data", "backward")) == 0
+    assert resolve._period(("data", "forward", "backward")) == 3

@@ -22,7 +22,8 @@ this shape) and C (A again: the A/A control). Blocks of ~10 ms of steps (`fine_b
 2x within seconds, which blocks of a second or more (one flush each) could not resolve (A/A pairs of
 600-step blocks moved +-8 %, of 5-step blocks +-0.45 %, in 60 s). Ratios of block sums, with a
 bootstrap 95% CI over the block pairs: B/A - 1 (what the user sees), C/A - 1 (the resolution of the
-method at that moment), N/A - 1 (the shape's floor) and B/N - 1 (otel_train above that floor).
+method at that moment), N/A - 1 (the shape's floor) and B/N - 1 (otel_train above that floor). Below
+each row, the median of the block pairs' own ratios (B/A and A/A), the statistic issue #32 names.
 
 `--keeping` adds a fifth loop, K: B's code with the cheapest API that keeps what it records (both
 clock readings of each block, the step's numbers and the values, in lists dropped every flush

@@ -238,7 +238,10 @@ def test_column_reading_of_steps_and_timers_equals_the_per_event_reading(shape: 
         reference = copy.deepcopy(batch)
         rerun = resolve.resolve_steps(batch)
         assert rerun == _steps_per_event(reference)
-        assert (batch.step_indices, batch.step_durations) == (reference.step_indices, reference.step_durations)
+        assert (batch.step_indices, batch.step_durations) == (
+            reference.step_indices,
+            reference.step_durations,
+        )
         assert (batch.tokens, batch.samples) == (reference.tokens, reference.samples)
         phases, arrivals, data_s = resolve.timer_phases(batch, rerun[1])
         expected = _timers_per_event(reference, rerun[1])

@@ -195,7 +195,14 @@ def _timers_per_event(batch: Any, rerun_starts: set[int]) -> tuple[dict, dict, f
     return phases, arrivals, data_ns * 1e-9
 
 
-SHAPES = ["periodic", "periodic, ragged end", "a timer in some steps", "a name twice a step", "outside steps"]
+SHAPES = [
+    "periodic",
+    "periodic, ragged end",
+    "a timer in some steps",
+    "a name twice a step",
+    "a later name twice a step",
+    "outside steps",
+]
 
 
 def _random_batch(rng: Any, shape: str) -> Any:
@@ -209,6 +216,8 @@ def _random_batch(rng: Any, shape: str) -> Any:
             step_names = step_names[:-1]
         if shape == "a name twice a step":
             step_names.append(step_names[0])
+        if shape == "a later name twice a step":  # every column of period 1 + len(names) is one name
+            step_names.append(step_names[len(step_names) // 2])
         for name in step_names:
             start, clock = clock, clock + rng.randrange(1, 10**7)
             outside = shape == "outside steps" and rng.random() < 0.3

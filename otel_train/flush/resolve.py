@@ -208,8 +208,8 @@ def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
     """Fill the batch's step durations, indices, tokens and samples from its step events (the
     training thread only appended them); return goodput's wasted progress in seconds (steps whose
     index is at most `rerun_through`) and those steps' starts. Each column is read in one C-level
-    pass (`map`): the worker's time per step is what bounds its share of a 1-2 ms
-    step, since it holds the GIL the training thread needs."""
+    pass (`map`): the worker's time per step bounds its share of a 1-2 ms step, since it holds the
+    GIL the training thread needs."""
     events = batch.step_events
     if not events:
         return 0.0, set()

@@ -28,6 +28,10 @@ each row, the median of the block pairs' own ratios (B/A and A/A), the statistic
 `--keeping` adds a fifth loop, K: B's code with the cheapest API that keeps what it records (both
 clock readings of each block, the step's numbers and the values, in lists dropped every flush
 interval; no worker, no checks). K/A - 1 is what keeping the data costs this loop at all; B/K - 1 is otel_train above that.
+It adds a sixth loop too, F: B's code with an API made of C only (each `ot.step` and `ot.timer` a new
+`_thread.RLock`, whose `__enter__`/`__exit__` are C; `ot.record` a C `dict.__setitem__`), keeping
+nothing: F/A - 1 is the floor of this loop's shape even for an API written in C (issue #32: a C
+hot path could not go below it).
 
 Short blocks spread the work of otel_train's own threads (the worker's flush, the hardware sampler,
 the watchdog) over all four loops, so `threads` adds their whole CPU time, as if every microsecond
@@ -188,6 +192,19 @@ class NullApi:
 
 
 NULL_API = NullApi()
+
+
+class CFloorApi:
+    """`ot.step`, `ot.timer` and `ot.record` as C calls returning C context managers, keeping
+    nothing: `--keeping`'s F loop, the floor of this loop's shape for an API written in C."""
+
+    def __init__(self) -> None:
+        import _thread
+
+        self.last: dict[str, Any] = {}
+        self.step = _thread.RLock  # RLock(index, tokens=, samples=): its constructor ignores them
+        self.timer = _thread.RLock
+        self.record = self.last.__setitem__
 
 
 class KeepingScope:
@@ -483,6 +500,8 @@ def measure(
         if keeping:  # the cheapest API that keeps what B keeps, flushed as often
             keeping_api = KeepingApi(session.flush_interval_steps or 1000)
             loops["K"] = lambda: model.instrumented(keeping_api, 0)
+            c_floor = CFloorApi()
+            loops["F"] = lambda: model.instrumented(c_floor, 0)
         sums: dict[str, list[int]] = {kind: [] for kind in loops}
         start = time.perf_counter()
         order, shuffle = list(loops), random.Random(seed).shuffle
@@ -538,6 +557,13 @@ def measure(
         if keeping
         else None,
         "b_vs_k": estimate(list(zip(sums["K"], sums["B"], strict=True)), resamples, seed)
+        if keeping
+        else None,
+        # --keeping: an API of C calls and C with-blocks keeping nothing (F/A - 1), and B above it
+        "f_vs_a": estimate(list(zip(sums["A"], sums["F"], strict=True)), resamples, seed)
+        if keeping
+        else None,
+        "b_vs_f": estimate(list(zip(sums["F"], sums["B"], strict=True)), resamples, seed)
         if keeping
         else None,
     }
@@ -641,7 +667,7 @@ def main() -> int:
     parser.add_argument(
         "--keeping",
         action="store_true",
-        help="a fifth loop K: the cheapest API that keeps what B keeps (K/A - 1, B/K - 1)",
+        help="a fifth loop K, the cheapest API that keeps what B keeps (K/A - 1, B/K - 1), and a sixth, F, an all-C API keeping nothing (F/A - 1)",
     )
     parser.add_argument("--resamples", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=1337)
@@ -694,6 +720,13 @@ def main() -> int:
                     f"{'':>17}K, the cheapest keeping API: K/A - 1 {k['pct']:+.2f}% [{k['ci95'][0]:+.2f}, "
                     f"{k['ci95'][1]:+.2f}]; otel_train above it, B/K - 1 {above['pct']:+.2f}% "
                     f"[{above['ci95'][0]:+.2f}, {above['ci95'][1]:+.2f}]",
+                    flush=True,
+                )
+                f, above = result["f_vs_a"], result["b_vs_f"]
+                print(
+                    f"{'':>17}F, an all-C API keeping nothing: F/A - 1 {f['pct']:+.2f}% [{f['ci95'][0]:+.2f}, "
+                    f"{f['ci95'][1]:+.2f}] (median {f['median']:+.2f}%); B/F - 1 {above['pct']:+.2f}% "
+                    f"[{above['ci95'][0]:+.2f}, {above['ci95'][1]:+.2f}] (median {above['median']:+.2f}%)",
                     flush=True,
                 )
     if args.json is not None:

@@ -2,7 +2,8 @@
 
 `load_config` (config_loading) resolves one from kwargs > environment > YAML file > defaults.
 Standard OpenTelemetry variables are honoured (`OTEL_EXPORTER_OTLP_ENDPOINT`, `..._PROTOCOL`,
-`..._HEADERS`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_METRIC_EXPORT_INTERVAL`);
+`..._HEADERS`, `..._TIMEOUT`, `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`, `OTEL_SERVICE_NAME`,
+`OTEL_RESOURCE_ATTRIBUTES`, `OTEL_METRIC_EXPORT_INTERVAL`);
 every field also reads `OTEL_TRAIN_<FIELD>` (for example `OTEL_TRAIN_LOG_INTERVAL=50`).
 Invalid settings raise `ConfigError` at `init()`, naming the setting, the bad value and the fix.
 """
@@ -55,7 +56,7 @@ class Config:
     # in-process Prometheus pull endpoint: http://<host>:<port + local_rank>/metrics; 0 disables
     prometheus_port: int = 9464
     prometheus_host: str = "127.0.0.1"
-    console_exporter: bool = False  # print OTel metrics/spans to stdout (debugging)
+    console_exporter: bool = False  # print OTel metrics/spans/logs to stdout (debugging)
     # flush cadence and hot-path bounds
     # flush every N steps; unset: adaptive (every 10 steps, but at most about once per
     # log_interval_min_s, rounded to 10/20/50/100/... steps, decided on rank 0 for every rank)
@@ -118,7 +119,7 @@ class Config:
     # (lockstep ranks come within milliseconds); a row that comes later is taken at a later flush.
     exchange_grace_s: float = 1.0
     # Children per rank in the exchange's reduction tree (per node first, then this fan-in). A
-    # fan-in >= the world size is the star around rank 0 (crossrank/tree.py, README "Scale").
+    # fan-in >= the world size - 1 is the star around rank 0 (crossrank/tree.py, README "Scale").
     exchange_fanin: int = 16
     # One exchange per flush with rank 0 (cross-rank stats, stragglers, one cadence): right for ranks
     # that train in lockstep (DDP, FSDP). False for independent ranks (evaluators, RL workers,

@@ -1,64 +1,89 @@
-"""`otel-train`: demo, doctor, diagnose, dashboards."""
+"""`otel-train`: demo, doctor, diagnose (also `python -m otel_train`)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import socket
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from otel_train.config import Config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="otel-train", description="OpenTelemetry-native observability for ML training."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{demo,doctor,diagnose}")
+    sub.add_parser(
+        "demo",
+        help="train a tiny char-level transformer, fully instrumented (otel-train demo --help for flags)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "doctor",
+        help="check configuration, endpoints, NVML and optional packages",
+        description="Check what otel_train would do here: configuration (the OTEL_TRAIN_* and OTEL_* "
+        "variables), the output directory, the OTLP endpoint, the pull port, the extras and NVML. "
+        "Exit 1 when something would fail or lose data.",
+    )
+    diagnose_parser = sub.add_parser(
+        "diagnose",
+        help="name the rank a hung job waited for, from its run directory: RUN_DIR [--role ROLE]",
+        description="Name the rank a hung job waited for, from the collectives.rank<k>.json files the "
+        "ranks wrote at their stall (PyTorch's Flight Recorder on). Exit 0 with a verdict, 1 without.",
+    )
+    diagnose_parser.add_argument("run_dir", metavar="RUN_DIR", help="the job's run directory")
+    diagnose_parser.add_argument(
+        "--role", default="", help="the ranks' role, for a job whose ranks have one (ot.init(role=...))"
+    )
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        prog="otel-train", description="OpenTelemetry-native observability for ML training."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser(
-        "demo",
-        help="train a tiny char-level transformer, fully instrumented (--help for flags)",
-        add_help=False,
-    )
-    sub.add_parser("doctor", help="check configuration, endpoints, NVML and optional packages")
-    sub.add_parser(
-        "diagnose",
-        help="name the rank a hung job waited for, from its run directory: RUN_DIR [--role ROLE]",
-    )
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "demo":
+    parser = build_parser()
+    if argv[:1] == ["demo"]:  # the demo parses its own flags (its --help lists them)
         from otel_train.demo.train import main as demo_main
 
-        return demo_main(rest)
-    if command == "doctor":
+        return demo_main(argv[1:], prog="otel-train demo")
+    args = parser.parse_args(argv)  # a usage error exits 2
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "doctor":
         return doctor()
-    if command == "diagnose" and len(rest) in (1, 3) and rest[1:2] in ([], ["--role"]):
-        return diagnose(rest[0], rest[2] if len(rest) == 3 else "")
-    parser.parse_args(argv)  # prints the usage error
-    return 2
+    return diagnose(args.run_dir, args.role)
 
 
 def diagnose(run_dir: str, role: str = "") -> int:
     """Print the hang verdict from the `collectives.rank<k>.json` files the ranks left at their stall
-    (see otel_train/diagnostics/hang_attribution.py); 1 when there is none to give."""
-    from pathlib import Path
+    (see otel_train/diagnostics/hang_attribution.py); 1 when there is none to give, 2 when RUN_DIR
+    is not a directory."""
+    from otel_train.diagnostics import attribute, scan_summaries
 
-    from otel_train.diagnostics import attribute, read_summaries
-
-    summaries = read_summaries(Path(run_dir), role=role)
+    directory = Path(run_dir)
+    if not directory.is_dir():
+        what = "does not exist" if not directory.exists() else "is not a directory"
+        print(f"otel-train diagnose: {run_dir} {what} (give the job's run directory)", file=sys.stderr)
+        return 2
+    summaries, skipped = scan_summaries(directory, role=role)
+    for line in skipped:  # a rank whose file is damaged is not one that left none
+        print(f"skipped {line}", file=sys.stderr)
     if summaries:  # the last stall only: a rank's file from an earlier, resolved stall is stale
         newest = max(float(s["written_at"]) for s in summaries.values())
-        window = max(float(s.get("stall_timeout_s", 0.0)) for s in summaries.values())
-        summaries = read_summaries(Path(run_dir), newest - window, role)
+        window = max(float(s.get("stall_timeout_s") or 0.0) for s in summaries.values())
+        summaries = scan_summaries(directory, newest - window, role)[0]
     if not summaries:
-        print(
-            f"{run_dir}: no collectives.rank<k>.json (no rank stalled with PyTorch's Flight Recorder "
-            "on: set TORCH_FR_BUFFER_SIZE before init_process_group)"
-        )
+        print(f"{run_dir}: {_no_summaries(directory, role)}")
         return 1
-    world_size = max(int(s.get("world_size", 0)) for s in summaries.values())
+    world_size = max(int(s.get("world_size") or 0) for s in summaries.values())
+    world_size = max(world_size, max(summaries) + 1)
     verdicts = attribute(summaries, world_size)
     print(f"{run_dir}: summaries from ranks {sorted(summaries)} of {world_size}")
     for verdict in verdicts:
@@ -68,41 +93,42 @@ def diagnose(run_dir: str, role: str = "") -> int:
     return 0 if verdicts else 1
 
 
+def _no_summaries(directory: Path, role: str) -> str:
+    """Why there is no verdict: another role's files, or no rank stalled with the recorder on."""
+    pattern = f"collectives.{role}.rank<k>.json" if role else "collectives.rank<k>.json"
+    roles = sorted(
+        {
+            m.group(1)
+            for p in directory.glob("collectives.*.json")
+            if (m := re.match(r"collectives\.(.+)\.rank\d+\.json$", p.name))
+        }
+        - {role}
+    )
+    if roles:
+        return f"no readable {pattern}; there are files of role(s) {', '.join(roles)}: pass --role {roles[0]}"
+    if role and any(directory.glob("collectives.rank*.json")):
+        return f"no readable {pattern}; there are files of ranks without a role: leave out --role"
+    return (
+        f"no readable {pattern} (no rank stalled with PyTorch's Flight Recorder on: set "
+        "TORCH_FR_BUFFER_SIZE before init_process_group)"
+    )
+
+
 def doctor() -> int:
-    """Print what otel_train would do here and whether each piece is reachable."""
+    """Print what otel_train would do here and whether each piece works; 1 when one would fail or
+    lose data (an invalid setting, an unwritable output dir, an unreachable endpoint, a busy port)."""
     from importlib.util import find_spec
 
     from otel_train.config import ConfigError
     from otel_train.config_loading import load_config
-    from otel_train.redaction import redact_url
 
-    ok = True
     try:
         config = load_config()
     except ConfigError as exc:
         print(f"config: INVALID - {exc}")
         return 1
     print("config: ok")
-    if config.otlp_endpoint:
-        parsed = urlparse(config.otlp_endpoint)
-        port = parsed.port or (4317 if config.otlp_protocol == "grpc" else 4318)
-        try:
-            with socket.create_connection((parsed.hostname or "localhost", port), timeout=2):
-                print(f"otlp: {redact_url(config.otlp_endpoint)} ({config.otlp_protocol}) reachable")
-        except OSError as exc:
-            ok = False
-            print(
-                f"otlp: {redact_url(config.otlp_endpoint)} NOT reachable ({exc}); training still runs, exports are dropped"
-            )
-    else:
-        print("otlp: off (set OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://127.0.0.1:4318)")
-    if config.prometheus_port:
-        with socket.socket() as sock:
-            busy = sock.connect_ex((config.prometheus_host, config.prometheus_port)) == 0
-        state = "BUSY (another job?)" if busy else "free"
-        print(
-            f"prometheus pull endpoint: {config.prometheus_host}:{config.prometheus_port}+local_rank ({state})"
-        )
+    ok = _output_dir_ok(config) & _otlp_ok(config) & _pull_port_ok(config)  # `&`: every check prints
     from otel_train.bridges.table import BRIDGES
 
     for extra, module in [(b.extra, b.import_name) for b in BRIDGES] + [("gpu", "pynvml")]:
@@ -120,6 +146,49 @@ def doctor() -> int:
         except Exception as exc:
             print(f"nvml: unavailable ({exc}); no GPU metrics")
     return 0 if ok else 1
+
+
+def _output_dir_ok(config: Config) -> bool:
+    """Can init() make the run directory (under the nearest existing parent)?"""
+    output = Path(config.output_dir).expanduser()
+    existing = next((p for p in (output, *output.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        print(f"output dir: {output} NOT writable; init() would fail: set OTEL_TRAIN_OUTPUT_DIR")
+        return False
+    print(f"output dir: {output} ({'exists' if output.exists() else 'created at init()'})")
+    return True
+
+
+def _otlp_ok(config: Config) -> bool:
+    from otel_train.redaction import redact_url
+
+    if not config.otlp_endpoint:
+        print("otlp: off (set OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://127.0.0.1:4318)")
+        return True
+    parsed = urlparse(config.otlp_endpoint)
+    port = parsed.port or (4317 if config.otlp_protocol == "grpc" else 4318)
+    endpoint = f"{redact_url(config.otlp_endpoint)} ({config.otlp_protocol})"
+    try:
+        with socket.create_connection((parsed.hostname or "localhost", port), timeout=2):
+            print(f"otlp: {endpoint} reachable")
+            return True
+    except OSError as exc:
+        print(f"otlp: {endpoint} NOT reachable ({exc}); training still runs, exports are dropped")
+        return False
+
+
+def _pull_port_ok(config: Config) -> bool:
+    """Is local rank 0's pull port free (a busy one is skipped at init(), with a warning)?"""
+    if not config.prometheus_port:
+        print("prometheus pull endpoint: off")
+        return True
+    with socket.socket() as sock:
+        busy = sock.connect_ex((config.prometheus_host, config.prometheus_port)) == 0
+    state = (
+        "BUSY (another job?): no endpoint for this job; set OTEL_TRAIN_PROMETHEUS_PORT" if busy else "free"
+    )
+    print(f"prometheus pull endpoint: {config.prometheus_host}:{config.prometheus_port}+local_rank ({state})")
+    return not busy
 
 
 if __name__ == "__main__":

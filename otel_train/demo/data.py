@@ -49,18 +49,22 @@ def read_corpus(paths: Iterable[Path], max_chars: int = DEFAULT_MAX_CHARS) -> st
     return "".join(parts)[:max_chars]
 
 
+class CorpusError(ValueError):
+    """The demo's text cannot train it (no corpus, or too short for the context)."""
+
+
 def load_text(data: str | Path | None = None, max_chars: int = DEFAULT_MAX_CHARS) -> str:
     """`data` is a text file; None means the stdlib corpus (capped at `max_chars`)."""
     if data is None:
         text = read_corpus(stdlib_files(), max_chars)
         if not text:
-            raise RuntimeError("found no Python standard-library sources; pass --data FILE")
+            raise CorpusError("found no Python standard-library sources; pass --data FILE")
         return text
     text = Path(data).read_text(encoding="utf-8", errors="replace")
     if max_chars > 0:
         text = text[:max_chars]
     if len(text) < 2:
-        raise ValueError(f"{data} holds fewer than 2 characters of text")
+        raise CorpusError(f"{data} holds fewer than 2 characters of text")
     return text
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import secrets
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -22,7 +23,8 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
-from otel_train.demo.data import CharVocab, get_batch, load_text, split, unigram_entropy
+from otel_train.config import ConfigError
+from otel_train.demo.data import CharVocab, CorpusError, get_batch, load_text, split, unigram_entropy
 from otel_train.demo.model import CharTransformer, ModelConfig, flops_per_token
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -231,9 +233,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m otel_train.demo") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m otel_train.demo",
+        prog=prog,
         description="Train a tiny character-level transformer on Python source, instrumented with otel_train.",
         formatter_class=_HelpFormatter,
     )
@@ -259,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", choices=("cpu", "cuda", "auto"), default="auto", help="auto: cuda if available"
     )
     g.add_argument("--data", default=None, help="a text file; when unset, the Python stdlib's own source")
-    g.add_argument("--max-chars", type=int, default=2_000_000, help="cap on corpus characters")
+    g.add_argument(
+        "--max-chars", type=int, default=2_000_000, help="cap on corpus characters (stdlib or --data)"
+    )
     g.add_argument("--seed", type=int, default=1337, help="seeds init, batches, eval and samples")
     t = p.add_argument_group("telemetry")
     t.add_argument("--run-name", default=None, help="when unset, demo-<UTC time>-<4 hex>")
@@ -315,6 +319,11 @@ def _setup(args: argparse.Namespace) -> _Setup:
     text = load_text(args.data, args.max_chars)
     vocab = CharVocab.from_text(text)
     train_data, val_data = split(vocab.encode(text), val_fraction=0.1)
+    if len(val_data) <= args.context:  # the smaller split must hold one context and its target
+        raise CorpusError(
+            f"{len(text):,} characters of text leave {len(val_data):,} for validation, fewer than "
+            f"--context {args.context} + 1: use a longer --data file (or --max-chars) or a smaller --context"
+        )
     baseline = unigram_entropy(train_data, vocab.size)
     cfg = ModelConfig(
         vocab_size=vocab.size,
@@ -585,19 +594,52 @@ def print_outputs(result: Result, args: argparse.Namespace) -> None:
             print(f"  MLflow       mlflow ui --backend-store-uri sqlite:///{databases[0].resolve()}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    for name in ("steps", "batch_size", "context", "log_interval", "eval_interval", "sample_interval"):
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line, before anything is built or any run directory made."""
+    positive = (
+        "steps", "batch_size", "context", "layers", "d_model", "heads", "log_interval",
+        "eval_interval", "eval_batches", "sample_interval", "sample_tokens", "max_chars", "trace_every",
+    )  # fmt: skip
+    for name in positive:
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.eval_batches < 1:
-        raise SystemExit("--eval-batches must be >= 1")
-    if args.watch_every < 0:
-        raise SystemExit("--watch-every must be >= 0 (0 turns ot.watch off)")
-    result = train(args, telemetry(not args.uninstrumented))
+            return f"--{name.replace('_', '-')} must be >= 1"
+    for name in ("warmup", "watch_every", "prometheus_port"):
+        if getattr(args, name) < 0:
+            return f"--{name.replace('_', '-')} must be >= 0" + (
+                " (0 turns it off)" if name != "warmup" else ""
+            )
+    if args.d_model % args.heads:
+        return f"--d-model {args.d_model} must be a multiple of --heads {args.heads}"
+    if not (args.lr > 0 and args.min_lr >= 0):
+        return f"--lr must be > 0 and --min-lr >= 0 (got {args.lr} and {args.min_lr})"
+    if not (args.weight_decay >= 0 and args.grad_clip > 0 and args.temperature > 0):
+        return "--weight-decay must be >= 0, --grad-clip and --temperature > 0"
+    if args.data is not None and not Path(args.data).is_file():
+        return f"--data {args.data}: no such file"
+    return None
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m otel_train.demo") -> int:
+    """Run the demo; a bad command line or corpus, or a setting otel_train refuses, exits 2 with
+    one line naming the flag (no traceback, and no run directory left behind by a bad flag)."""
+    args = build_parser(prog).parse_args(argv)
+    problem = check_args(args)
+    if problem is not None:
+        return _error(prog, f"{problem} ({prog} --help lists the flags)")
+    try:
+        result = train(args, telemetry(not args.uninstrumented))
+    except CorpusError as exc:
+        return _error(prog, str(exc))
+    except ConfigError as exc:  # a run name in use, an unwritable --output-dir, ...
+        return _error(prog, f"{exc}\n(--run-name and --output-dir set otel_train's run_name and output_dir)")
     if not args.quiet:
         print_outputs(result, args)
     return 0
+
+
+def _error(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ From outside, import only the names below (tests/test_architecture.py: walled pa
 
 from otel_train.diagnostics.collectives import CollectiveMonitor, group_label, op_name, start_monitor
 from otel_train.diagnostics.hang import HangWatchdog
-from otel_train.diagnostics.hang_attribution import HangReporter, attribute, read_summaries
+from otel_train.diagnostics.hang_attribution import HangReporter, attribute, read_summaries, scan_summaries
 from otel_train.diagnostics.launch_check import check_launch, local_facts
 from otel_train.diagnostics.memory_dump import MemoryDumps
 
@@ -33,5 +33,6 @@ __all__ = [
     "local_facts",
     "op_name",
     "read_summaries",
+    "scan_summaries",
     "start_monitor",
 ]

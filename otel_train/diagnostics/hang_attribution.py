@@ -145,28 +145,60 @@ def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> li
 
 def read_summaries(run_dir: Path, written_after: float = 0.0, role: str = "") -> dict[int, dict[str, Any]]:
     """Every rank's summary (of `role`) in `run_dir` written after `written_after` (unix time)."""
+    return scan_summaries(run_dir, written_after, role)[0]
+
+
+def scan_summaries(
+    run_dir: Path, written_after: float = 0.0, role: str = ""
+) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """`read_summaries`, and one line for each file it skipped as unreadable or malformed (a
+    truncated file, another version's, a stray JSON): `otel-train diagnose` names them."""
     found: dict[int, dict[str, Any]] = {}
+    skipped: list[str] = []
     for path in sorted(run_dir.glob(RunFiles(run_dir, role=role).collectives_glob)):
         try:
             summary = json.loads(path.read_text(encoding="utf-8"))
-            if _well_formed(summary) and float(summary.get("written_at", 0.0)) >= written_after:
-                found[int(summary["rank"])] = summary
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            continue  # another rank replacing it right now, or a stray / malformed file
-    return found
+        except (OSError, ValueError) as exc:  # ValueError: not JSON (truncated), not UTF-8
+            skipped.append(f"{path.name}: unreadable ({exc})")
+            continue
+        problem = _malformed(summary)
+        if problem is not None:
+            skipped.append(f"{path.name}: {problem}")
+        elif summary["written_at"] >= written_after:
+            found[summary["rank"]] = summary
+    return found, skipped
 
 
-def _well_formed(summary: Any) -> bool:
-    """A summary `attribute` can read: groups of int sequence ids and an ops mapping (a file of
-    another version or a stray JSON is skipped, never a crash of the comparing thread or diagnose)."""
-    groups = summary.get("groups") if isinstance(summary, dict) else None
-    return isinstance(groups, dict) and all(
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _malformed(summary: Any) -> str | None:
+    """Why `attribute` and `otel-train diagnose` cannot read this summary, or None: groups of int
+    sequence ids and an ops mapping, an int rank, a number `written_at` (a file of another version
+    or a stray JSON is skipped, never a crash of the comparing thread or of diagnose)."""
+    if not isinstance(summary, dict):
+        return f"not a summary (a JSON {type(summary).__name__})"
+    if not _is_int(summary.get("rank")) or summary["rank"] < 0:
+        return f"no valid rank ({summary.get('rank')!r})"
+    written_at = summary.get("written_at")
+    if not (_is_int(written_at) or isinstance(written_at, float)):
+        return f"no valid written_at ({written_at!r})"
+    world_size, window = summary.get("world_size"), summary.get("stall_timeout_s")  # optional
+    if world_size is not None and not (_is_int(world_size) and world_size >= 1):
+        return f"no valid world_size ({world_size!r})"
+    if window is not None and not ((_is_int(window) or isinstance(window, float)) and window >= 0):
+        return f"no valid stall_timeout_s ({window!r})"
+    groups = summary.get("groups")
+    if not isinstance(groups, dict) or not all(
         isinstance(g, dict)
-        and isinstance(g.get("last_enqueued"), int)
-        and isinstance(g.get("last_completed"), int)
+        and _is_int(g.get("last_enqueued"))
+        and _is_int(g.get("last_completed"))
         and isinstance(g.get("ops"), dict)
         for g in groups.values()
-    )
+    ):
+        return "no valid groups (last_enqueued, last_completed and ops for each process group)"
+    return None
 
 
 class HangReporter:

@@ -1,0 +1,198 @@
+"""`otel-train` as a user runs it: diagnose on whole, damaged and foreign run directories, doctor's
+checks, the demo's refusals of bad flags (exit 2, one line, no traceback, no run directory left)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from otel_train.cli import main
+from otel_train.diagnostics.hang_attribution import summarize
+from otel_train.run_directory import RunFiles
+
+
+def _write_hang(run_dir: Path, role: str = "") -> None:
+    """Four ranks' summaries of one stall, as HangReporter writes them: ranks 0, 2 and 3 wait in
+    all_reduce #7; rank 1 never reached it (its last collective is #6)."""
+    for rank in range(4):
+        last = 6 if rank == 1 else 7
+        dump = {
+            "pg_status": {"0": {"last_enqueued_collective": last, "last_completed_collective": 6}},
+            "entries": [
+                {
+                    "process_group": ["0", "default_pg"],
+                    "collective_seq_id": seq,
+                    "profiling_name": "gloo:all_reduce",
+                }
+                for seq in range(3, last + 1)
+            ],
+        }
+        summary = summarize(dump, (), rank, 4, f"host{rank}", run_dir / f"stacks.rank{rank}.0.txt", 12.0)
+        summary["stall_timeout_s"] = 10.0
+        files = RunFiles(run_dir, rank, role)
+        files.collectives.write_text(json.dumps(summary), encoding="utf-8")
+
+
+def _diagnose(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["diagnose", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_diagnose_names_the_rank_that_never_reached_the_collective(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_hang(tmp_path)
+    code, out, err = _diagnose([str(tmp_path)], capsys)
+    assert code == 0 and err == "", err
+    assert "summaries from ranks [0, 1, 2, 3] of 4" in out
+    assert "rank 1 (host1) never reached all_reduce #7 of process group default_pg" in out, out
+    assert "where rank(s) 0,2,3 wait" in out
+
+
+def test_diagnose_names_a_damaged_summary_instead_of_a_missing_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_hang(tmp_path)
+    rank1 = RunFiles(tmp_path, 1).collectives
+    rank1.write_bytes(rank1.read_bytes()[:60])  # a crash mid-write on a file system without rename
+    code, out, err = _diagnose([str(tmp_path)], capsys)
+    assert "skipped collectives.rank1.json: unreadable" in err, err
+    assert code == 0 and "rank 1 (" not in out and "rank 1 left no Flight Recorder summary" in out, out
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"written_at": None}, "no valid written_at (None)"),
+        ({"stall_timeout_s": None}, None),  # optional: read as no window
+        ({"stall_timeout_s": "ten"}, "no valid stall_timeout_s ('ten')"),
+        ({"world_size": "two"}, "no valid world_size ('two')"),
+        ({"rank": True}, "no valid rank (True)"),
+        ({"groups": {"0": {"last_enqueued": "7"}}}, "no valid groups"),
+    ],
+)
+def test_diagnose_never_crashes_on_a_malformed_summary(
+    change: dict[str, Any], reason: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_hang(tmp_path)
+    path = RunFiles(tmp_path, 3).collectives
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}), encoding="utf-8")
+    code, out, err = _diagnose([str(tmp_path)], capsys)
+    assert code == 0 and "rank 1 (host1) never reached all_reduce #7" in out, (out, err)
+    if reason is None:
+        assert err == "" and "summaries from ranks [0, 1, 2, 3] of 4" in out
+    else:
+        assert f"skipped collectives.rank3.json: {reason}" in err, err
+        assert "summaries from ranks [0, 1, 2] of 4" in out
+
+
+def test_diagnose_points_at_the_role_and_at_a_wrong_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_hang(tmp_path, role="trainer")
+    code, out, _ = _diagnose([str(tmp_path)], capsys)
+    assert code == 1 and "files of role(s) trainer: pass --role trainer" in out, out
+    code, out, _ = _diagnose([str(tmp_path), "--role", "trainer"], capsys)
+    assert code == 0 and "rank 1 (host1) never reached" in out
+    code, out, _ = _diagnose(["--role=trainer", str(tmp_path)], capsys)  # flags before or after
+    assert code == 0 and "rank 1 (host1) never reached" in out
+    code, out, err = _diagnose([str(tmp_path / "nope")], capsys)
+    assert code == 2 and out == "" and "nope does not exist" in err
+    (tmp_path / "afile").write_text("x")
+    code, _, err = _diagnose([str(tmp_path / "afile")], capsys)
+    assert code == 2 and "is not a directory" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out, _ = _diagnose([str(empty)], capsys)
+    assert code == 1 and "no rank stalled with PyTorch's Flight Recorder on" in out
+
+
+def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["diagnose"], ["doctor", "extra"], ["nonsense"]):
+        with pytest.raises(SystemExit) as raised:
+            main(argv)
+        assert raised.value.code == 2, argv
+    assert "RUN_DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as raised:
+        main(["diagnose", "--help"])
+    assert raised.value.code == 0 and "--role ROLE" in capsys.readouterr().out
+    assert main([]) == 2 and "{demo,doctor,diagnose}" in capsys.readouterr().out
+    # `python -m otel_train` is the same command
+    proc = subprocess.run([sys.executable, "-m", "otel_train", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: otel-train" in proc.stdout, proc.stderr
+
+
+def test_doctor_fails_on_an_unwritable_output_dir_and_a_busy_pull_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", str(listener.getsockname()[1]))
+        monkeypatch.setenv("OTEL_TRAIN_OUTPUT_DIR", str(blocker / "runs"))
+        assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert f"output dir: {blocker / 'runs'} NOT writable" in out, out
+    assert "BUSY (another job?)" in out
+    monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "0")
+    monkeypatch.setenv("OTEL_TRAIN_OUTPUT_DIR", str(tmp_path / "runs"))
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_TRAIN_OTLP_ENDPOINT", raising=False)
+    assert main(["doctor"]) == 0
+    assert f"output dir: {tmp_path / 'runs'} (created at init())" in capsys.readouterr().out
+
+
+TINY = ["--steps", "1", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "8",
+        "--batch-size", "2", "--quiet", "--prometheus-port", "0"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--heads", "3"], "--d-model 16 must be a multiple of --heads 3"),
+        (["--lr", "-1"], "--lr must be > 0"),
+        (["--max-chars", "0"], "--max-chars must be >= 1"),
+        (["--trace-every", "0"], "--trace-every must be >= 1"),
+        (["--data", "no-such-file"], "--data no-such-file: no such file"),
+    ],
+)
+def test_the_demo_refuses_bad_flags_in_one_line_before_making_a_run_directory(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", *TINY, "--output-dir", str(tmp_path / "runs"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"otel-train demo: error: {message}") and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_demo_names_a_short_corpus_and_a_refused_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text("def f(): pass\n")
+    assert main(["demo", *TINY, "--output-dir", str(tmp_path / "runs"), "--data", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert "characters of text leave" in err and "smaller --context" in err, err
+    assert not (tmp_path / "runs").exists()
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x * 2\n" * 40)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["demo", *TINY, "--output-dir", str(blocker / "runs"), "--data", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert "otel-train demo: error: output_dir" in err and "--output-dir set otel_train's" in err, err
+    assert main(["demo", *TINY, "--output-dir", str(tmp_path / "runs"), "--data", str(text),
+                 "--run-name", "fixed", "--no-wandb", "--no-mlflow", "--no-tensorboard"]) == 0  # fmt: skip
+    assert (tmp_path / "runs" / "fixed").is_dir()
+    assert main(["demo", *TINY, "--output-dir", str(tmp_path / "runs"), "--data", str(text),
+                 "--run-name", "fixed", "--no-wandb", "--no-mlflow", "--no-tensorboard"]) == 2  # fmt: skip
+    assert "--run-name and --output-dir" in capsys.readouterr().err

@@ -86,7 +86,7 @@ ERROR_TYPE = "error.type"
 REASON = "otel_train.reason"
 EVENT = "otel_train.event"
 STRAGGLER_KIND = "straggler.kind"  # relative | individual
-STAT = "stat"  # min | max | mean | median
+STAT = "stat"  # min | max | mean | median | argmin_rank | argmax_rank
 BADPUT_CAUSE = "train.badput.cause"  # goodput.CAUSES: startup | eval | checkpoint_save | ... | other
 LAYER = "train.layer"  # a module path from ot.watch(model), e.g. blocks.3.attn
 HW_ID = "hw.id"
@@ -295,7 +295,7 @@ STRAGGLER_WAIT = _m(
 )  # fmt: skip
 PHASE_CROSS_RANK = _m(
     "train.phase.cross_rank", S.GAUGE, "s",
-    "Cross-rank statistic (min/max/mean/median) of a phase's mean time over the interval.",
+    "Cross-rank statistic (min/max/mean/median) of a phase's mean time over the interval (argmin_rank/argmax_rank: the rank).",
     "timers/{train.phase}/ranks_{stat}", attributes=(PHASE, STAT),
 )  # fmt: skip
 

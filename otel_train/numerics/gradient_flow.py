@@ -44,10 +44,11 @@ _SHOWN = 5  # layers named in one event's message
 
 
 class Anomaly(Enum):
-    """A layer's gradient norm far off its own level; the value names the event, `gradient_<value>`."""
+    """A layer's gradient norm far off its own level; the value is the event's name (alert rules
+    match it: tests/deploy/test_alert_rules.py)."""
 
-    EXPLOSION = "explosion"
-    VANISHING = "vanishing"
+    EXPLOSION = "gradient_explosion"
+    VANISHING = "gradient_vanishing"
 
 
 class _Layer:
@@ -155,7 +156,7 @@ class GradientFlowMonitor:
         shown = ", ".join(f"{label} ({f:.0f}x)" for label, f in found[:_SHOWN])
         more = f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
         self._events.emit(
-            f"gradient_{kind.value}",
+            kind.value,
             f"gradient norm of {len(found)} layer(s) at step {step} is {how}: {shown}{more}. Check the "
             "learning rate and warmup, the loss scale, and that layer's inputs (activation panels) "
             "around this step.",

@@ -258,3 +258,62 @@ def test_shorten_rules_rewrites_for(tmp_path: Path) -> None:
     promtool = require_binary("promtool")
     proc = subprocess.run([promtool, "check", "rules", str(short)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- label values: matched values must be ones the code emits -------------------------------------
+VALUE_LABELS = {_label(a) for a in (semconv.EVENT, semconv.STRAGGLER_KIND, semconv.STAT, semconv.REASON)}
+_MATCHER_RE = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|=)\s*\"([^\"]*)\"")
+
+
+def _source_strings() -> set[str]:
+    """Every string constant in otel_train's source: an emitted label value is written there."""
+    import ast
+
+    package = Path(semconv.__file__).parent
+    found: set[str] = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.add(node.value)
+    return found
+
+
+def _dashboard_exprs() -> list[tuple[str, str]]:
+    import json
+
+    out: list[tuple[str, str]] = []
+
+    def walk(node: object, where: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("expr", "query") and isinstance(value, str):
+                    out.append((where, value))
+                else:
+                    walk(value, where)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, where)
+
+    for path in sorted((DEPLOY.parent / "dashboards" / "json").glob("*.json")):
+        walk(json.loads(path.read_text()), path.name)
+    return out
+
+
+def test_matched_label_values_are_ones_the_code_emits() -> None:
+    """A rule or panel matching `otel_train_event="nonfint_grad"` (or a renamed event, stat or
+    straggler kind) would never fire or always be empty: every value matched on these labels is a
+    string the library's source writes (alternations split; other regexes skipped)."""
+    emitted = _source_strings()
+    assert len(_dashboard_exprs()) > 50, "the dashboards' queries were not found"
+    exprs = [(r.get("alert") or r.get("record") or "?", r["expr"]) for r in _rules()] + _dashboard_exprs()
+    checked = set()
+    for where, expr in exprs:
+        for label, op, value in _MATCHER_RE.findall(expr):
+            if label not in VALUE_LABELS or "$" in value:  # a dashboard variable
+                continue
+            if op == "=~" and not re.fullmatch(r"[a-z0-9_]+(\|[a-z0-9_]+)*", value):
+                continue
+            for one in value.split("|"):
+                assert one in emitted, f"{where}: {label}={one!r} is never emitted by otel_train"
+                checked.add((label, one))
+    assert ("otel_train_event", "loss_spike") in checked and ("straggler_kind", "relative") in checked

@@ -128,6 +128,7 @@ class FlushBatch(FlushHeader):
     step_events: list[StepEvent] = field(default_factory=list)
     value_cap: int = 0  # max_values_per_interval: the worker caps each timer's durations at it (0: no cap)
     rerun_through: int = -1  # steps up to this index re-run the previous processes' (goodput)
+    problems: dict[str, str] = field(default_factory=dict)  # worker: reason -> the first name (warned once)
 
 
 class Buffer:

@@ -372,10 +372,21 @@ def append_line(path: Path, row: Mapping[str, Any]) -> None:
         line.close(fsync=False)
 
 
+def _finite(data: Any) -> Any:
+    """`data` with NaN/Inf floats as null: json.dumps writes them as `NaN`, which is not JSON."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(value) for value in data]
+    return data
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write via a temporary file and rename: the old file stays whole if the disk is full."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    text = json.dumps(data, indent=2, sort_keys=True, default=json_default) + "\n"
+    text = json.dumps(_finite(data), indent=2, sort_keys=True, default=json_default) + "\n"
     try:
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)

@@ -513,12 +513,15 @@ def instrument_name_for(record_name: str) -> str | None:
     """
     raw = record_name.strip().lower().replace("/", ".").replace("-", "_").replace(" ", "_")
     raw = re.sub(r"\.+", ".", raw).strip(".")
+    if not raw:  # "", "/", " ": no name at all
+        return None
     if raw in RECORD_ALIASES:
         return RECORD_ALIASES[raw]
     if "." not in raw:
         raw = f"train.{raw}"
-    if raw.startswith("train.") and raw[6:] in RECORD_ALIASES:
-        return RECORD_ALIASES[raw[6:]]
+    alias = RECORD_ALIASES.get(raw[6:], "") if raw.startswith("train.") else ""
+    if alias.startswith("train."):  # train/lr is train.learning_rate; train/accuracy stays train's own
+        return alias
     return raw if _NAME_RE.match(raw) else None
 
 

@@ -36,7 +36,7 @@ def step_number(step: Any, buffer: Buffer, last_step: int) -> int:
 
 def count_of(value: Any, what: str, buffer: Buffer) -> int | None:
     """tokens= / samples= as a plain int (numpy integers, 0-dim tensors, integral floats)."""
-    if value is None or value.__class__ is int:
+    if value is None or (value.__class__ is int and 0 <= value <= MAX_STEP):
         return value  # type: ignore[no-any-return]
     try:
         number = operator.index(value)
@@ -48,4 +48,10 @@ def count_of(value: Any, what: str, buffer: Buffer) -> int | None:
             buffer.drop("invalid_type")
             buffer.warn_once(f"<{what}>", f"ot.step({what}=...) got {type(value).__name__}; ignored.")
             return None
-    return number if 0 <= number <= MAX_STEP else None
+    if 0 <= number <= MAX_STEP:
+        return number
+    buffer.drop("invalid_value")  # a negative count would take tokens away from the totals
+    buffer.warn_once(
+        f"<{what} range>", f"ot.step({what}={value!r}): a count must be >= 0 (and < 2**63); ignored."
+    )
+    return None

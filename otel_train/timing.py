@@ -255,7 +255,19 @@ class MarkScope:
             self._session = None
 
 
-def span(name: str, attributes: Mapping[str, Any] | None = None) -> MarkScope:
+def span(name: str, attributes: Mapping[str, Any] | None = None) -> MarkScope | _NullScope:
+    """`with ot.span("eval"):` (see MarkScope). A name that is not a str is dropped, counted
+    (`invalid_name`) and warned about once; a `str` Enum's value is used."""
+    if name.__class__ is not str:
+        if not isinstance(name, str):
+            session = _runtime._current
+            if session is not None:
+                session.buffer.drop("invalid_name")
+                session.buffer.warn_once(
+                    "<span name>", f"ot.span({name!r}): the name must be a str; dropped."
+                )
+            return _NULL
+        name = str.__str__(name)
     return MarkScope(name, attributes)
 
 

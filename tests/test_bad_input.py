@@ -104,3 +104,118 @@ def test_pull_endpoint_series_budget(tmp_path) -> None:
     assert all(
         s.labels.get("run_id") and s.labels.get("rank") == "0" for s in series if s.name != "target_info"
     )
+
+
+def test_a_timer_name_that_is_not_a_str_never_loses_the_interval(caplog) -> None:
+    """An Enum, None or int as a timer's name (not checked on the hot path) is dropped and counted
+    on the worker; the interval's other timers, values and steps all arrive. A `str` Enum is its
+    plain string. (It used to fail the whole flush: sorting the names raised.)"""
+    import enum
+
+    class Phase(enum.Enum):
+        FORWARD = "forward"
+
+    class Named(str, enum.Enum):
+        BACKWARD = "backward"
+
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=2) as cap:
+        for i in range(2):
+            with ot.step(i, tokens=10):
+                ot.record("keep", 1.0)
+                with ot.timer(Phase.FORWARD):  # type: ignore[arg-type]
+                    pass
+                with ot.timer(None):  # type: ignore[arg-type]
+                    pass
+                with ot.timer(Named.BACKWARD):
+                    pass
+                with ot.timer("optimizer"):
+                    pass
+                with ot.span(7):  # type: ignore[arg-type]  # dropped too, never raised
+                    pass
+    flushed = cap.flushes[-1][1]
+    assert flushed["train/keep"] == 1.0 and flushed["throughput/tokens"] == 20
+    assert flushed["timers/optimizer/count"] == 2 and flushed["timers/backward/count"] == 2
+    assert flushed["otel_train/dropped/invalid_timer_name"] == 4
+    assert flushed["otel_train/dropped/invalid_name"] == 2  # the spans
+    assert not any(k.startswith("timers/Phase") or "None" in k for k in flushed), sorted(flushed)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("timer's name was not a str" in w for w in warnings) == 1, warnings
+    assert not any("flush" in w and "failed" in w for w in warnings), warnings
+
+
+def test_dropped_values_are_warned_about_once_naming_the_metric(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=2) as cap:
+        for i in range(4):
+            with ot.step(i):
+                ot.record("reward", None)
+                ot.record("reward", torch.ones(3))
+                ot.record("reward", 1.0)
+    assert cap.flushes[-1][1]["train/reward"] == 1.0
+    warnings = [r.getMessage() for r in caplog.records]
+    for text in ("a value of train.reward was not a number", "a tensor of train.reward had more than one"):
+        assert sum(text in w for w in warnings) == 1, warnings
+
+
+def test_a_tensor_recorded_again_after_in_place_changes_is_warned_about(caplog) -> None:
+    """Values are read at the flush: an accumulator recorded every step reads its last value for
+    every step. That cannot be undone without a copy on the hot path; it is said, once."""
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    total = torch.zeros(())
+    with capture_metrics(log_interval=4) as cap:
+        for i in range(4):
+            with ot.step(i):
+                total += 1
+                ot.record("running_total", total)
+                ot.record("copied_total", total.clone())
+                ot.record("lr", 0.1)  # the same float object each step: not a tensor, not warned
+    flushed = cap.flushes[-1][1]
+    assert flushed["train/copied_total"] == 2.5  # what a copy keeps
+    assert flushed["train/running_total"] == 4.0  # what the same object reads at the flush
+    warnings = [r.getMessage() for r in caplog.records if "same tensor object" in r.getMessage()]
+    assert len(warnings) == 1 and "train.running_total" in warnings[0], warnings
+
+
+def test_mixed_dtypes_under_one_name_are_not_promoted_to_the_narrowest() -> None:
+    """An int64 70000 beside an fp16 value: stacking them together would make fp16 (70000 -> inf,
+    a false non-finite); each dtype is converted on its own."""
+    with capture_metrics(log_interval=2) as cap:
+        for i in range(2):
+            with ot.step(i):
+                ot.record("loss", torch.tensor(70000) if i == 0 else torch.tensor(1.5, dtype=torch.float16))
+    flushed = cap.flushes[-1][1]
+    assert flushed["train/loss_max"] == 70000.0 and flushed["train/loss_min"] == 1.5
+    assert flushed.get("health/nonfinite_loss", 0) == 0
+
+
+def test_counts_names_and_histograms_that_used_to_slip_through(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=3) as cap:
+        with ot.step(0, tokens=100):
+            ot.record("", 1.0)  # no name at all
+            ot.record("train/accuracy", 0.5)  # train's own, not eval.accuracy
+        with ot.step(1, tokens=-50):  # ignored: it would take 50 tokens away
+            ot.log_histogram("h", 3.0)  # one number: a distribution of one
+        with ot.step(2, tokens=50):
+            pass
+    flushed = cap.flushes[-1][1]
+    assert flushed["throughput/tokens"] == 150
+    assert flushed["train/accuracy"] == 0.5 and "eval/accuracy" not in flushed
+    assert "train" not in flushed and "train_last" not in flushed
+    assert flushed["otel_train/dropped/invalid_name"] == 1
+    assert flushed["otel_train/dropped/invalid_value"] == 1
+    assert not flushed.get("otel_train/dropped/flush_failed")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("ot.step(tokens=-50): a count must be >= 0" in w for w in warnings) == 1, warnings
+
+
+def test_hyperparameters_logged_twice_are_merged_and_non_finite_ones_stay_json(tmp_path) -> None:
+    import json
+
+    ot.init(output_dir=str(tmp_path), run_name="hp", prometheus_port=0, verbosity=0, hardware=False)
+    ot.log_hyperparams({"model": "gpt", "dropout": float("nan")})
+    ot.log_hyperparams({"lr": 0.1})
+    ot.shutdown()
+    text = (tmp_path / "hp" / "hparams.json").read_text()
+    assert json.loads(text) == {"model": "gpt", "dropout": None, "lr": 0.1}, text  # strict JSON: no NaN

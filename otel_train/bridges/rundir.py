@@ -34,6 +34,7 @@ class RunDirSink(Sink):
         self._total_steps = total_steps
         self._started = time.time()
         self._tokens = 0.0
+        self._hparams: dict[str, Any] = {}
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         row = {
@@ -73,7 +74,8 @@ class RunDirSink(Sink):
         append_line(self.files.histograms, {"step": step, "key": key, **summary})
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
-        write_json(self.files.hparams, dict(params))
+        self._hparams.update(params)  # a later call adds keys (W&B's config and MLflow's params do too)
+        write_json(self.files.hparams, self._hparams)
 
     def close(self, final_scalars: Mapping[str, float]) -> None:
         from otel_train.goodput import summary

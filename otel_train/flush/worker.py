@@ -27,7 +27,7 @@ from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.buffer import MAX_SPAN_RECORDS, FlushBatch, span_records
 from otel_train.flush.instruments import Instruments, feed_layer_stats, record_durations
-from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, resolve_interval
+from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, problem_warning, resolve_interval
 from otel_train.flush.step_reader import StepReader, key_for
 from otel_train.flush.tracing import ExemplarContexts, SpanWriter
 from otel_train.interval import FlushListener, Interval
@@ -190,6 +190,8 @@ class Worker:
         interval = resolve_interval(batch)
         if batch.dropped.get("no_data_tensor"):
             self._warn_once("no_data_tensor", NO_DATA_WARNING)
+        for reason, name in batch.problems.items():
+            self._warn_once(f"problem:{reason}", problem_warning(reason, name))
         self._feed_sdk(batch, interval)
         for key, step, values in batch.histograms:
             self._deliver_message(HistogramMessage(key, values, step))

@@ -5,7 +5,9 @@ The story of one flush (the training thread only hands a `buffer.FlushBatch` ove
 
 1. `worker.Worker` (the one thread, one ordered queue of flush batches and API messages) takes it.
 2. `resolve` turns its raw values into host floats: device tensors in one transfer per device,
-   timers' clock readings into phase durations and arrivals, giving the `interval.Interval`.
+   timers' clock readings into phase durations and arrivals, giving the `interval.Interval`;
+   `batch_checks` first drops what the hot path appended unchecked (a timer named by an Enum, a
+   negative count) and notes each problem, which the worker warns about once.
 3. `instruments` records the interval into the SDK instruments (durations as one aggregation step
    per series through `histogram_feed`, with exemplars from `tracing`'s step trace ids);
    `tracing` writes the sampled steps' spans.

@@ -12,6 +12,7 @@ from operator import attrgetter, itemgetter, sub
 from typing import Any
 
 from otel_train.buffer import FlushBatch, LayerStats
+from otel_train.flush.batch_checks import PROBLEMS, count_sum, drop_bad_timer_names, same_tensor_twice
 from otel_train.goodput import DATA_PHASES
 from otel_train.interval import Interval, header_of
 
@@ -19,63 +20,6 @@ NO_DATA_WARNING = (
     "otel_train: record() got a tensor with no data (a meta or fake tensor); such values are "
     "dropped and counted as otel_train.dropped{reason=no_data_tensor}."
 )
-
-
-# What the worker says, once per reason, the first time values are dropped (or suspect); {name}: the
-# instrument. Every drop is also counted in otel_train.dropped{reason}.
-PROBLEMS = {
-    "invalid_type": "a value of {name} was not a number (None, a str, a bool, a complex number, ...)",
-    "non_scalar_tensor": "a tensor of {name} had more than one element: record a scalar (x.mean())",
-    "nonfinite": "a value of {name} was NaN or Inf",
-    "overflow": "a value of {name} was too large for a float64",
-    "invalid_timer_name": "a timer's name was not a str ({name}): its phases were",
-    "negative_count": "ot.step({name}): a count must be >= 0; such counts were",
-    "same_tensor": (
-        "the same tensor object was recorded several times in one interval as {name}: values are "
-        "read at the flush, so a tensor changed in place (an accumulator, a Parameter) gives its "
-        "latest value for every step; record a copy (x.detach().clone()) or a float"
-    ),
-}
-
-
-def problem_warning(reason: str, name: str) -> str:
-    """The one warning for `reason` (a PROBLEMS key or a count reason without a message)."""
-    text = PROBLEMS.get(reason, "values of {name} were").format(name=name)
-    if reason == "same_tensor":
-        return f"otel_train: {text}."
-    counted = "invalid_value" if reason == "negative_count" else reason
-    return f"otel_train: {text} dropped and counted as otel_train.dropped{{reason={counted}}} (warned once)."
-
-
-def _same_tensor_twice(values: Sequence[Any]) -> bool:
-    """Is one tensor object among `values` more than once (recorded again after in-place changes)?"""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    seen: set[int] = set()
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if id(value) in seen:
-                return True
-            seen.add(id(value))
-    return False
-
-
-def _drop_bad_timer_names(batch: FlushBatch) -> None:
-    """`ot.timer(name)` does not check its name on the hot path; here, before anything sorts or
-    exports the names, a str subclass (a `str` Enum) becomes its plain string, and any other name
-    (an Enum, None, an int) is dropped and counted, instead of failing the whole flush."""
-    events = batch.timer_events
-    if not events or set(map(type, map(_timer_name, events))) == {str}:
-        return
-    kept: list[tuple[str, int, int, int]] = []
-    for name, start, end, began in events:
-        if isinstance(name, str):
-            kept.append((str.__str__(name), start, end, began))
-        else:
-            batch.dropped["invalid_timer_name"] = batch.dropped.get("invalid_timer_name", 0) + 1
-            batch.problems.setdefault("invalid_timer_name", repr(name))
-    batch.timer_events = kept
 
 
 def has_data(tensor: Any) -> bool:
@@ -287,8 +231,8 @@ def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
             list(compress(column, done)) for column in (indices, starts, ends, tokens, samples)
         )
     batch.step_durations.extend(_seconds_between(starts, ends))
-    batch.tokens += _count_sum(batch, "tokens", tokens)
-    batch.samples += _count_sum(batch, "samples", samples)
+    batch.tokens += count_sum(batch, "tokens", tokens)
+    batch.samples += count_sum(batch, "samples", samples)
     through = batch.rerun_through
     if through < 0:  # no earlier process of this run id (or unnumbered steps)
         return 0.0, set()
@@ -296,18 +240,6 @@ def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
         (start, end) for index, start, end in zip(indices, starts, ends, strict=True) if index <= through
     ]
     return sum([end - start for start, end in reruns]) * 1e-9, {start for start, _ in reruns}
-
-
-def _count_sum(batch: FlushBatch, what: str, counts: Sequence[int | None]) -> int:
-    """The steps' tokens= or samples=, without negative ones (the hot path appends a plain int
-    unchecked; a negative count would take tokens away): those are dropped and counted."""
-    given: list[int] = list(filter(None, counts))
-    if given and min(given) < 0:
-        bad = [c for c in given if c < 0]
-        batch.dropped["invalid_value"] = batch.dropped.get("invalid_value", 0) + len(bad)
-        batch.problems.setdefault("negative_count", f"{what}={bad[0]}")
-        given = [c for c in given if c > 0]
-    return sum(given)
 
 
 def _column(rows: Sequence[tuple[Any, ...]], k: int) -> list[Any]:
@@ -413,7 +345,7 @@ def resolve_interval(batch: FlushBatch) -> Interval:
     dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval."""
     if batch.cuda_event is not None:
         batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
-    _drop_bad_timer_names(batch)
+    drop_bad_timer_names(batch)
     rerun_s, rerun_starts = resolve_steps(batch)
     scalars: dict[str, list[float]] = {}
     scalar_steps: dict[str, list[int]] = {}
@@ -424,7 +356,7 @@ def resolve_interval(batch: FlushBatch) -> Interval:
             batch.dropped[reason] = batch.dropped.get(reason, 0) + count
             if reason in PROBLEMS:  # the worker warns once per reason (no_data_tensor: its own)
                 batch.problems.setdefault(reason, instrument)
-        if len(set(map(id, raw))) < len(raw) and _same_tensor_twice(raw):
+        if len(set(map(id, raw))) < len(raw) and same_tensor_twice(raw):
             batch.problems.setdefault("same_tensor", instrument)
         if dropped.get("nonfinite", 0):
             nonfinite[instrument] = dropped["nonfinite"]

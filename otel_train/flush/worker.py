@@ -26,8 +26,9 @@ from opentelemetry._logs import SeverityNumber
 from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.buffer import MAX_SPAN_RECORDS, FlushBatch, span_records
+from otel_train.flush.batch_checks import problem_warning
 from otel_train.flush.instruments import Instruments, feed_layer_stats, record_durations
-from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, problem_warning, resolve_interval
+from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, resolve_interval
 from otel_train.flush.step_reader import StepReader, key_for
 from otel_train.flush.tracing import ExemplarContexts, SpanWriter
 from otel_train.interval import FlushListener, Interval

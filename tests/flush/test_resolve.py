@@ -34,10 +34,12 @@ COMMON: dict[str, Callable[[], list[Any]]] = {
     "0-dim losses": lambda: _losses(50),
     "with nan and inf": lambda: [*_losses(3), torch.tensor(math.nan), torch.tensor(-math.inf)],
     "one-element 1-d": lambda: [torch.tensor([0.5]), torch.tensor([2.0])],
-    "int and float tensors": lambda: [torch.tensor(3), torch.tensor(0.25)],
     "float64": lambda: [torch.tensor(1 / 3, dtype=torch.float64)] * 3,
 }
 ODD: dict[str, Callable[[], list[Any]]] = {
+    # mixed dtypes: one stack would promote them (int64 70000 with fp16 became inf)
+    "int and float tensors": lambda: [torch.tensor(3), torch.tensor(0.25)],
+    "int64 beside fp16": lambda: [torch.tensor(70000), torch.tensor(1.5, dtype=torch.float16)],
     "numbers": lambda: [1.0, 2, 3.5],
     "mixed numbers and tensors": lambda: [1.0, torch.tensor(2.0)],
     "mixed shapes": lambda: [torch.tensor(1.0), torch.tensor([2.0])],

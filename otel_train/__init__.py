@@ -145,7 +145,7 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
         session.buffer.drop("invalid_type")
         return
     for name, value in items:
-        record(f"{prefix}{name}" if isinstance(name, str) else name, value)
+        record(f"{prefix or ''}{name}" if isinstance(name, str) else name, value)
     if step is not None and not session.identity.distributed:
         session.flush()
 
@@ -227,6 +227,8 @@ def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: 
     try:
         for row in list(rows)[:limit]:
             try:
+                if isinstance(row, (str, bytes)):  # "ab" would unpack as prompt "a", output "b"
+                    raise TypeError(row)
                 prompt, output = row
                 kept.append((cap_text(str(prompt)), cap_text(str(output))))
             except Exception:  # not a (prompt, output) pair: that row is dropped, counted

@@ -219,3 +219,26 @@ def test_hyperparameters_logged_twice_are_merged_and_non_finite_ones_stay_json(t
     ot.shutdown()
     text = (tmp_path / "hp" / "hparams.json").read_text()
     assert json.loads(text) == {"model": "gpt", "dropout": None, "lr": 0.1}, text  # strict JSON: no NaN
+
+
+def test_odd_numeric_types_samples_and_prefixes(caplog) -> None:
+    """numpy bools and complex numbers are dropped as Python's are (not read as 1.0 or as their
+    real part); a str row of log_samples is not a (prompt, output) pair; prefix=None is no
+    prefix; a recorded name that is another's statistic key keeps its value and is warned about."""
+    import numpy as np
+
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=1) as cap, ot.step(0):
+        for value in (np.bool_(True), np.complex128(1 + 2j), torch.tensor(True), 2.0):
+            ot.record("flag", value)
+        ot.log_metrics({"acc": 0.5}, prefix=None)  # type: ignore[arg-type]
+        ot.log_samples(["ab", ("prompt", "output")])
+        ot.record("reward", 1.0)
+        ot.record("reward_max", 99.0)
+    flushed = cap.flushes[-1][1]
+    assert flushed["train/flag"] == 2.0 and flushed["otel_train/dropped/invalid_type"] == 3
+    assert flushed["train/acc"] == 0.5 and not any("none" in k for k in flushed)
+    assert flushed["otel_train/dropped/invalid_sample"] == 1
+    assert flushed["train/reward_max"] == 99.0
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("'train/reward_max'" in w and "rename one" in w for w in warnings) == 1, warnings

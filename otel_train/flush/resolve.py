@@ -79,12 +79,12 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str,
                 out[i] = value
             elif cls is int:
                 out[i] = float(value)
-            elif cls is bool or value is None or isinstance(value, (str, bytes)):
+            elif cls is bool or value is None or isinstance(value, (str, bytes)) or _not_real(value):
                 dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
             elif hasattr(value, "numel") and hasattr(value, "detach"):
                 if not has_data(value):
                     dropped["no_data_tensor"] = dropped.get("no_data_tensor", 0) + 1
-                elif value.is_complex():
+                elif value.is_complex() or str(value.dtype) == "torch.bool":  # as Python's
                     dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
                 elif value.numel() == 1:
                     tensors.append((i, value))
@@ -116,6 +116,13 @@ def _finite_only(values: list[float | None], dropped: dict[str, int]) -> list[fl
     return values
 
 
+def _not_real(value: Any) -> bool:
+    """A numpy bool or complex scalar (dropped as Python's bool and complex are: float() would
+    read True as 1.0 and drop an imaginary part)."""
+    kind = getattr(getattr(value, "dtype", None), "kind", None)  # numpy's: b bool, c complex
+    return kind in ("b", "c") or isinstance(value, complex)
+
+
 _is_meta = attrgetter("is_meta")
 _dtype = attrgetter("dtype")
 
@@ -137,7 +144,7 @@ def _stacked_scalars(values: Sequence[Any]) -> list[float | None] | None:
     try:
         with torch.no_grad():
             joined = torch.stack(list(values))  # raises on mixed shapes or devices
-            if joined.numel() != len(values) or joined.is_complex():
+            if joined.numel() != len(values) or joined.is_complex() or joined.dtype is torch.bool:
                 return None
             if joined.device.type == "mps":  # Metal has no float64: convert on the host
                 joined = joined.cpu()

@@ -207,7 +207,15 @@ class Worker:
         self.doing = "collecting metrics (observable-instrument callbacks, e.g. ones made on ot.get_meter())"
         scalars = self.step_reader.collect_scalars(interval.elapsed_s)
         for key, value in self._stat_keys.items():
-            scalars.setdefault(key, value)  # a user's own name of that key keeps its value
+            if key in scalars:  # a user's own name of that key keeps its value
+                self._warn_once(
+                    f"stat:{key}",
+                    f"otel_train: a recorded name writes {key!r}, which is also the key of another "
+                    "recorded name's interval statistic (<key>_min, _max, _last); the recorded value is "
+                    "kept and the statistic is not written: rename one of them.",
+                )
+            else:
+                scalars[key] = value
         self._stat_keys.clear()
         self.final_scalars.update(scalars)
         self.flushes += 1

@@ -552,20 +552,16 @@ def measure(
         "flush_interval_steps": interval,
         "worker_ms_per_flush": 1e3 * worker_cpu / max(1, flushes),
         "bridge_ms_per_flush": 1e3 * child_cpu / max(1, flushes) if child else None,
-        # --keeping: the cheapest API that keeps the data (K/A - 1) and otel_train above it
-        "k_vs_a": estimate(list(zip(sums["A"], sums["K"], strict=True)), resamples, seed)
-        if keeping
-        else None,
-        "b_vs_k": estimate(list(zip(sums["K"], sums["B"], strict=True)), resamples, seed)
-        if keeping
-        else None,
-        # --keeping: an API of C calls and C with-blocks keeping nothing (F/A - 1), and B above it
-        "f_vs_a": estimate(list(zip(sums["A"], sums["F"], strict=True)), resamples, seed)
-        if keeping
-        else None,
-        "b_vs_f": estimate(list(zip(sums["F"], sums["B"], strict=True)), resamples, seed)
-        if keeping
-        else None,
+        # --keeping: the cheapest API that keeps the data (K/A - 1) and otel_train above it; an API
+        # of C calls and C with-blocks keeping nothing (F/A - 1) and otel_train above that
+        **{
+            f"{second.lower()}_vs_{first.lower()}": (
+                estimate(list(zip(sums[first], sums[second], strict=True)), resamples, seed)
+                if keeping
+                else None
+            )
+            for first, second in (("A", "K"), ("K", "B"), ("A", "F"), ("F", "B"))
+        },
     }
 
 

@@ -15,7 +15,6 @@ Importing this package is light: no torch, SDK exporters, wandb or tensorboard a
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,7 @@ from otel_train.config import Config, ConfigError
 from otel_train.distributed import RunInfo
 from otel_train.redaction import cap_text, redact, redact_text
 from otel_train.run import Run
+from otel_train.step_input import message_step
 from otel_train.timing import begin_step, end_step, phase, span, step, timed, timer
 from otel_train.version import __version__
 
@@ -212,7 +212,9 @@ def log_text(name: str, text: str, step: int | None = None) -> None:
     session = _runtime._current
     if session is not None:
         try:
-            session.message(messages.TextMessage, str(name), cap_text(str(text)), _message_step(step))
+            session.message(
+                messages.TextMessage, str(name), cap_text(str(text)), message_step(step, session.buffer)
+            )
         except Exception:
             session.buffer.drop("invalid_type")
 
@@ -237,7 +239,7 @@ def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: 
                     "<samples>",
                     f"log_samples() rows must be (prompt, output) pairs; dropped a {type(row).__name__}.",
                 )
-        session.message(messages.SamplesMessage, str(name), kept, _message_step(step))
+        session.message(messages.SamplesMessage, str(name), kept, message_step(step, session.buffer))
     except Exception:  # rows not iterable, ...
         session.buffer.drop("invalid_sample")
 
@@ -247,7 +249,7 @@ def log_histogram(name: str, values: Any, step: int | None = None) -> None:
     session = _runtime._current
     if session is not None:
         try:
-            session.message(messages.HistogramMessage, str(name), values, _message_step(step))
+            session.message(messages.HistogramMessage, str(name), values, message_step(step, session.buffer))
         except Exception:
             session.buffer.drop("invalid_type")
 
@@ -374,14 +376,3 @@ def get_meter() -> Meter:
 
         return NoOpMeter("otel_train")
     return session.meter
-
-
-def _message_step(step: Any) -> int | None:
-    """A step= argument of the logger API as a plain int (numpy, tensor, float) or None."""
-    if step is None or step.__class__ is int:
-        return step  # type: ignore[no-any-return]
-    try:
-        return operator.index(step)
-    except Exception:
-        number = float(step)
-        return int(number) if number.is_integer() else None

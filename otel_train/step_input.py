@@ -1,6 +1,6 @@
 """What `ot.step()` accepts: a step number, `tokens=` and `samples=` of any numeric type (numpy
-integers, 0-dim tensors, integral floats) as plain ints; anything else is counted, warned about once
-and replaced, never raised into the training loop."""
+integers, 0-dim tensors, integral floats) as plain ints, and the logger API's `step=`; anything
+else is counted, warned about once and replaced, never raised into the training loop."""
 
 from __future__ import annotations
 
@@ -53,5 +53,29 @@ def count_of(value: Any, what: str, buffer: Buffer) -> int | None:
     buffer.drop("invalid_value")  # a negative count would take tokens away from the totals
     buffer.warn_once(
         f"<{what} range>", f"ot.step({what}={value!r}): a count must be >= 0 (and < 2**63); ignored."
+    )
+    return None
+
+
+def message_step(step: Any, buffer: Buffer) -> int | None:
+    """A step= argument of the logger API as a plain int (numpy, tensor, integral float), or None
+    (the current step): also for a number that is no step (2.5, 2**70), which is counted and
+    warned about once."""
+    if step is None or (step.__class__ is int and -MAX_STEP <= step <= MAX_STEP):
+        return step  # type: ignore[no-any-return]
+    try:
+        number: int | None = operator.index(step)
+    except Exception:
+        try:
+            as_float = float(step)
+            number = int(as_float) if as_float.is_integer() else None
+        except Exception:
+            number = None
+    if number is not None and -MAX_STEP <= number <= MAX_STEP:
+        return number
+    buffer.drop("invalid_step")
+    buffer.warn_once(
+        "<message step>",
+        f"step={step!r} is not a step number (an int within int64); filed under the current step.",
     )
     return None

@@ -242,3 +242,16 @@ def test_odd_numeric_types_samples_and_prefixes(caplog) -> None:
     assert flushed["train/reward_max"] == 99.0
     warnings = [r.getMessage() for r in caplog.records]
     assert sum("'train/reward_max'" in w and "rename one" in w for w in warnings) == 1, warnings
+
+
+def test_a_message_step_that_is_no_step_number_is_counted_and_filed_under_the_current_step(
+    caplog,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=1) as cap, ot.step(3):
+        ot.log_text("note", "a", step=2**70)
+        ot.log_text("note", "b", step=2.5)
+        ot.log_text("note", "c", step=4.0)  # an integral float is a step
+    assert cap.flushes[-1][1]["otel_train/dropped/invalid_step"] == 2
+    warnings = [r.getMessage() for r in caplog.records if "is not a step number" in r.getMessage()]
+    assert len(warnings) == 1, warnings

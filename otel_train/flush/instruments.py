@@ -5,7 +5,7 @@ durations with their spans' exemplars, ot.watch's per-layer statistics."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from otel_train import semconv
@@ -13,6 +13,7 @@ from otel_train.buffer import FlushBatch
 from otel_train.crossrank import FINGERPRINT
 from otel_train.flush.histogram_feed import record_many
 from otel_train.flush.resolve import resolve_layer_stats
+from otel_train.flush.step_reader import key_for
 from otel_train.flush.tracing import ExemplarContexts
 from otel_train.interval import Interval
 
@@ -101,3 +102,38 @@ def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Inte
             batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
             if record.instrument == semconv.LAYER_GRAD_NORM.name:
                 interval.nonfinite_grads.append((record.step, bad))
+
+
+STAT_KEY_TAKEN = (
+    "otel_train: a recorded name writes {key!r}, which is also the key of another recorded name's "
+    "interval statistic (<key>_min, _max, _last); the recorded value is kept and the statistic is "
+    "not written: rename one of them."
+)
+
+
+def add_stat_keys(scalars: dict[str, float], stat_keys: Mapping[str, float]) -> list[str]:
+    """Add the interval statistics' keys to a flush's scalars; return those a user's own record
+    name already wrote (it keeps its value)."""
+    taken = [key for key in stat_keys if key in scalars]
+    for key, value in stat_keys.items():
+        scalars.setdefault(key, value)
+    return taken
+
+
+def set_interval_stats(
+    instruments: Instruments, stat_keys: dict[str, float], instrument: str, values: Sequence[float]
+) -> None:
+    """The interval's min, max and last value beside the mean: gauges of their own for the
+    instruments semconv gives them (the loss), bridge keys (into `stat_keys`) for the others
+    (series budget)."""
+    stats = {"min": min(values), "max": max(values), "last": values[-1]}
+    specs = semconv.INTERVAL_STAT_SPECS.get(instrument)
+    if specs is None:
+        key = key_for(instrument, {})
+        for stat, value in stats.items():
+            stat_keys[semconv.interval_key(key, stat)] = value
+        return
+    for stat, spec in specs.items():
+        gauge = instruments.gauge(spec.name)
+        if gauge is not None:
+            gauge.set(stats[stat])

@@ -5,6 +5,7 @@ per device."""
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from collections.abc import Sequence, Set
 from itertools import compress, groupby
@@ -117,10 +118,12 @@ def _finite_only(values: list[float | None], dropped: dict[str, int]) -> list[fl
 
 
 def _not_real(value: Any) -> bool:
-    """A numpy bool or complex scalar (dropped as Python's bool and complex are: float() would
-    read True as 1.0 and drop an imaginary part)."""
-    kind = getattr(getattr(value, "dtype", None), "kind", None)  # numpy's: b bool, c complex
-    return kind in ("b", "c") or isinstance(value, complex)
+    """A complex number (Python's or numpy's) or a numpy bool: dropped as Python's bool is, where
+    float() would drop an imaginary part or read True as 1.0."""
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and dtype == bool  # noqa: E721  (a numpy dtype equals the type bool)
 
 
 _is_meta = attrgetter("is_meta")

@@ -17,7 +17,6 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -27,9 +26,16 @@ from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.buffer import MAX_SPAN_RECORDS, FlushBatch, span_records
 from otel_train.flush.batch_checks import problem_warning
-from otel_train.flush.instruments import Instruments, feed_layer_stats, record_durations
+from otel_train.flush.instruments import (
+    STAT_KEY_TAKEN,
+    Instruments,
+    add_stat_keys,
+    feed_layer_stats,
+    record_durations,
+    set_interval_stats,
+)
 from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, resolve_interval
-from otel_train.flush.step_reader import StepReader, key_for
+from otel_train.flush.step_reader import StepReader
 from otel_train.flush.tracing import ExemplarContexts, SpanWriter
 from otel_train.interval import FlushListener, Interval
 from otel_train.messages import HistogramMessage, HparamsMessage, Message, SamplesMessage, TextMessage
@@ -206,16 +212,8 @@ class Worker:
                 )
         self.doing = "collecting metrics (observable-instrument callbacks, e.g. ones made on ot.get_meter())"
         scalars = self.step_reader.collect_scalars(interval.elapsed_s)
-        for key, value in self._stat_keys.items():
-            if key in scalars:  # a user's own name of that key keeps its value
-                self._warn_once(
-                    f"stat:{key}",
-                    f"otel_train: a recorded name writes {key!r}, which is also the key of another "
-                    "recorded name's interval statistic (<key>_min, _max, _last); the recorded value is "
-                    "kept and the statistic is not written: rename one of them.",
-                )
-            else:
-                scalars[key] = value
+        for key in add_stat_keys(scalars, self._stat_keys):
+            self._warn_once(f"stat:{key}", STAT_KEY_TAKEN.format(key=key))
         self._stat_keys.clear()
         self.final_scalars.update(scalars)
         self.flushes += 1
@@ -264,7 +262,7 @@ class Worker:
                 batch.dropped["too_many_names"] = batch.dropped.get("too_many_names", 0) + 1
                 continue
             gauge.set(math.fsum(values) / len(values))  # the interval's mean (see semconv.INTERVAL_STATS)
-            _set_interval_stats(ins, self._stat_keys, instrument, values)
+            set_interval_stats(ins, self._stat_keys, instrument, values)
         for reason, count in batch.dropped.items():
             ins.dropped.add(count, {semconv.REASON: reason})
         self._steps_done += interval.steps
@@ -315,25 +313,6 @@ class Worker:
         if key not in self._errors_warned:
             self._errors_warned.add(key)
             log.warning(message)
-
-
-def _set_interval_stats(
-    instruments: Instruments, stat_keys: dict[str, float], instrument: str, values: Sequence[float]
-) -> None:
-    """The interval's min, max and last value beside the mean: gauges of their own for the
-    instruments semconv gives them (the loss), bridge keys (into `stat_keys`) for the others
-    (series budget)."""
-    stats = {"min": min(values), "max": max(values), "last": values[-1]}
-    specs = semconv.INTERVAL_STAT_SPECS.get(instrument)
-    if specs is None:
-        key = key_for(instrument, {})
-        for stat, value in stats.items():
-            stat_keys[semconv.interval_key(key, stat)] = value
-        return
-    for stat, spec in specs.items():
-        gauge = instruments.gauge(spec.name)
-        if gauge is not None:
-            gauge.set(stats[stat])
 
 
 def _prepared(message: Message) -> Message:

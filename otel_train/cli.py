@@ -108,6 +108,8 @@ def _no_summaries(directory: Path, role: str) -> str:
         return f"no readable {pattern}; there are files of role(s) {', '.join(roles)}: pass --role {roles[0]}"
     if role and any(directory.glob("collectives.rank*.json")):
         return f"no readable {pattern}; there are files of ranks without a role: leave out --role"
+    if any(directory.glob(f"collectives.{role}.rank*.json" if role else "collectives.rank*.json")):
+        return f"no readable {pattern}: every one was skipped (above)"
     return (
         f"no readable {pattern} (no rank stalled with PyTorch's Flight Recorder on: set "
         "TORCH_FR_BUFFER_SIZE before init_process_group)"
@@ -149,8 +151,11 @@ def doctor() -> int:
 
 
 def _output_dir_ok(config: Config) -> bool:
-    """Can init() make the run directory (under the nearest existing parent)?"""
-    output = Path(config.output_dir).expanduser()
+    """Can init() make the run directory (under the nearest existing parent), as it resolves it?"""
+    if not config.run_dir_enabled:
+        print("output dir: off (run_dir_enabled=False)")
+        return True
+    output = Path(config.output_dir)  # as make_run_dir takes it: relative to here, no ~ expansion
     existing = next((p for p in (output, *output.parents) if p.exists()), None)
     if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         print(f"output dir: {output} NOT writable; init() would fail: set OTEL_TRAIN_OUTPUT_DIR")

@@ -71,6 +71,8 @@ def test_diagnose_names_a_damaged_summary_instead_of_a_missing_one(
     ("change", "reason"),
     [
         ({"written_at": None}, "no valid written_at (None)"),
+        ({"written_at": float("nan")}, "no valid written_at (nan)"),  # json reads NaN
+        ({"stall_timeout_s": float("inf")}, "no valid stall_timeout_s (inf)"),
         ({"stall_timeout_s": None}, None),  # optional: read as no window
         ({"stall_timeout_s": "ten"}, "no valid stall_timeout_s ('ten')"),
         ({"world_size": "two"}, "no valid world_size ('two')"),
@@ -112,6 +114,10 @@ def test_diagnose_points_at_the_role_and_at_a_wrong_directory(
     empty.mkdir()
     code, out, _ = _diagnose([str(empty)], capsys)
     assert code == 1 and "no rank stalled with PyTorch's Flight Recorder on" in out
+    (empty / "collectives.rank0.json").write_text('{"rank": 0}')  # a rank stalled; its file is bad
+    code, out, err = _diagnose([str(empty)], capsys)
+    assert code == 1 and "every one was skipped" in out and "Flight Recorder on" not in out, out
+    assert "skipped collectives.rank0.json: no valid written_at" in err
 
 
 def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,6 +150,10 @@ def test_doctor_fails_on_an_unwritable_output_dir_and_a_busy_pull_port(
     assert f"output dir: {blocker / 'runs'} NOT writable" in out, out
     assert "BUSY (another job?)" in out
     monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "0")
+    monkeypatch.setenv("OTEL_TRAIN_RUN_DIR_ENABLED", "false")  # no run dir: nothing to write
+    assert main(["doctor"]) == 0
+    assert "output dir: off (run_dir_enabled=False)" in capsys.readouterr().out
+    monkeypatch.delenv("OTEL_TRAIN_RUN_DIR_ENABLED")
     monkeypatch.setenv("OTEL_TRAIN_OUTPUT_DIR", str(tmp_path / "runs"))
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_TRAIN_OTLP_ENDPOINT", raising=False)
@@ -160,7 +170,7 @@ TINY = ["--steps", "1", "--layers", "1", "--d-model", "16", "--heads", "2", "--c
     [
         (["--heads", "3"], "--d-model 16 must be a multiple of --heads 3"),
         (["--lr", "-1"], "--lr must be > 0"),
-        (["--max-chars", "0"], "--max-chars must be >= 1"),
+        (["--max-chars", "0"], "--max-chars must be >= 1 (0, no cap, only with --data)"),
         (["--trace-every", "0"], "--trace-every must be >= 1"),
         (["--data", "no-such-file"], "--data no-such-file: no such file"),
     ],

@@ -262,7 +262,10 @@ def build_parser(prog: str = "python -m otel_train.demo") -> argparse.ArgumentPa
     )
     g.add_argument("--data", default=None, help="a text file; when unset, the Python stdlib's own source")
     g.add_argument(
-        "--max-chars", type=int, default=2_000_000, help="cap on corpus characters (stdlib or --data)"
+        "--max-chars",
+        type=int,
+        default=2_000_000,
+        help="cap on corpus characters (stdlib or --data; 0 with --data: no cap)",
     )
     g.add_argument("--seed", type=int, default=1337, help="seeds init, batches, eval and samples")
     t = p.add_argument_group("telemetry")
@@ -598,7 +601,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the command line, before anything is built or any run directory made."""
     positive = (
         "steps", "batch_size", "context", "layers", "d_model", "heads", "log_interval",
-        "eval_interval", "eval_batches", "sample_interval", "sample_tokens", "max_chars", "trace_every",
+        "eval_interval", "eval_batches", "sample_interval", "sample_tokens", "trace_every",
     )  # fmt: skip
     for name in positive:
         if getattr(args, name) < 1:
@@ -608,6 +611,8 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0" + (
                 " (0 turns it off)" if name != "warmup" else ""
             )
+    if args.max_chars < (0 if args.data is not None else 1):
+        return "--max-chars must be >= 1 (0, no cap, only with --data)"
     if args.d_model % args.heads:
         return f"--d-model {args.d_model} must be a multiple of --heads {args.heads}"
     if not (args.lr > 0 and args.min_lr >= 0):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -182,12 +183,12 @@ def _malformed(summary: Any) -> str | None:
     if not _is_int(summary.get("rank")) or summary["rank"] < 0:
         return f"no valid rank ({summary.get('rank')!r})"
     written_at = summary.get("written_at")
-    if not (_is_int(written_at) or isinstance(written_at, float)):
+    if not (_is_int(written_at) or (isinstance(written_at, float) and math.isfinite(written_at))):
         return f"no valid written_at ({written_at!r})"
     world_size, window = summary.get("world_size"), summary.get("stall_timeout_s")  # optional
     if world_size is not None and not (_is_int(world_size) and world_size >= 1):
         return f"no valid world_size ({world_size!r})"
-    if window is not None and not ((_is_int(window) or isinstance(window, float)) and window >= 0):
+    if window is not None and not ((_is_int(window) or isinstance(window, float)) and 0 <= window < math.inf):
         return f"no valid stall_timeout_s ({window!r})"
     groups = summary.get("groups")
     if not isinstance(groups, dict) or not all(

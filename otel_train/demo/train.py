@@ -261,12 +261,7 @@ def build_parser(prog: str = "python -m otel_train.demo") -> argparse.ArgumentPa
         "--device", choices=("cpu", "cuda", "auto"), default="auto", help="auto: cuda if available"
     )
     g.add_argument("--data", default=None, help="a text file; when unset, the Python stdlib's own source")
-    g.add_argument(
-        "--max-chars",
-        type=int,
-        default=2_000_000,
-        help="cap on corpus characters (stdlib or --data; 0 with --data: no cap)",
-    )
+    g.add_argument("--max-chars", type=int, default=2_000_000, help="corpus cap (0 with --data: none)")
     g.add_argument("--seed", type=int, default=1337, help="seeds init, batches, eval and samples")
     t = p.add_argument_group("telemetry")
     t.add_argument("--run-name", default=None, help="when unset, demo-<UTC time>-<4 hex>")

@@ -649,6 +649,10 @@ def fr_own(step_ms: float, seconds: float, seed: int, resamples: int) -> dict[st
     }
 
 
+def _pct(e: dict[str, Any]) -> str:
+    return f"{e['pct']:+.2f}% [{e['ci95'][0]:+.2f}, {e['ci95'][1]:+.2f}] (median {e['median']:+.2f}%)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-ms", type=float, nargs="+", default=[5.0, 10.0, 30.0])
@@ -710,20 +714,11 @@ def main() -> int:
             print(report(result), flush=True)
             b_med, c_med = result["b_vs_a"]["median"], result["c_vs_a"]["median"]
             print(f"{'':>17}median of the block pairs' own ratios: B/A - 1 {b_med:+.2f}%, A/A {c_med:+.2f}%")
-            if result.get("k_vs_a") is not None:
-                k, above = result["k_vs_a"], result["b_vs_k"]
+            floors = (("k", "K, the cheapest keeping API"), ("f", "F, an all-C API keeping nothing"))
+            for loop, label in floors if result.get("k_vs_a") is not None else ():
+                floor, above = result[f"{loop}_vs_a"], result[f"b_vs_{loop}"]
                 print(
-                    f"{'':>17}K, the cheapest keeping API: K/A - 1 {k['pct']:+.2f}% [{k['ci95'][0]:+.2f}, "
-                    f"{k['ci95'][1]:+.2f}]; otel_train above it, B/K - 1 {above['pct']:+.2f}% "
-                    f"[{above['ci95'][0]:+.2f}, {above['ci95'][1]:+.2f}]",
-                    flush=True,
-                )
-                f, above = result["f_vs_a"], result["b_vs_f"]
-                print(
-                    f"{'':>17}F, an all-C API keeping nothing: F/A - 1 {f['pct']:+.2f}% [{f['ci95'][0]:+.2f}, "
-                    f"{f['ci95'][1]:+.2f}] (median {f['median']:+.2f}%); B/F - 1 {above['pct']:+.2f}% "
-                    f"[{above['ci95'][0]:+.2f}, {above['ci95'][1]:+.2f}] (median {above['median']:+.2f}%)",
-                    flush=True,
+                    f"{'':>17}{label}: {loop.upper()}/A - 1 {_pct(floor)}; B/{loop.upper()} - 1 {_pct(above)}"
                 )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

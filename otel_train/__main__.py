@@ -2,4 +2,5 @@
 
 from otel_train.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a documentation tool imports every module
+    raise SystemExit(main())

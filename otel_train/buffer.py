@@ -186,9 +186,13 @@ class Buffer:
     def add_uncapped_step(self, tokens: int | None, samples: int | None, failed: bool) -> None:
         """A step beyond the step_events cap: its counts only (its duration and index are dropped)."""
         self.drop("too_many_values")
-        if not failed:  # a negative count (the hot path passes a plain int unchecked) adds nothing
-            self.tokens += max(0, tokens or 0)
-            self.samples += max(0, samples or 0)
+        if failed:
+            return
+        for count in (tokens, samples):  # the hot path passes a plain int unchecked
+            if count is not None and count < 0:
+                self.drop("invalid_value")  # dropped and counted, as count_sum does under the cap
+        self.tokens += max(0, tokens or 0)
+        self.samples += max(0, samples or 0)
 
     def add_phase(self, name: str, seconds: float) -> None:
         values = self.phases.get(name)

@@ -96,6 +96,8 @@ def diagnose(run_dir: str, role: str = "") -> int:
 def _no_summaries(directory: Path, role: str) -> str:
     """Why there is no verdict: another role's files, or no rank stalled with the recorder on."""
     pattern = f"collectives.{role}.rank<k>.json" if role else "collectives.rank<k>.json"
+    if any(directory.glob(f"collectives.{role}.rank*.json" if role else "collectives.rank*.json")):
+        return f"no readable {pattern}: every one was skipped (above)"
     roles = sorted(
         {
             m.group(1)
@@ -108,8 +110,6 @@ def _no_summaries(directory: Path, role: str) -> str:
         return f"no readable {pattern}; there are files of role(s) {', '.join(roles)}: pass --role {roles[0]}"
     if role and any(directory.glob("collectives.rank*.json")):
         return f"no readable {pattern}; there are files of ranks without a role: leave out --role"
-    if any(directory.glob(f"collectives.{role}.rank*.json" if role else "collectives.rank*.json")):
-        return f"no readable {pattern}: every one was skipped (above)"
     return (
         f"no readable {pattern} (no rank stalled with PyTorch's Flight Recorder on: set "
         "TORCH_FR_BUFFER_SIZE before init_process_group)"
@@ -156,11 +156,13 @@ def _output_dir_ok(config: Config) -> bool:
         print("output dir: off (run_dir_enabled=False)")
         return True
     output = Path(config.output_dir)  # as make_run_dir takes it: relative to here, no ~ expansion
-    existing = next((p for p in (output, *output.parents) if p.exists()), None)
-    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    # os.path, not Path.exists(): before Python 3.13 that raises PermissionError under a directory
+    # this user may not enter (OTEL_TRAIN_OUTPUT_DIR=/root/runs); here that is "NOT writable"
+    existing = next((p for p in (output, *output.parents) if os.path.exists(p)), None)
+    if existing is None or not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         print(f"output dir: {output} NOT writable; init() would fail: set OTEL_TRAIN_OUTPUT_DIR")
         return False
-    print(f"output dir: {output} ({'exists' if output.exists() else 'created at init()'})")
+    print(f"output dir: {output} ({'exists' if os.path.exists(output) else 'created at init()'})")
     return True
 
 
@@ -187,8 +189,19 @@ def _pull_port_ok(config: Config) -> bool:
     if not config.prometheus_port:
         print("prometheus pull endpoint: off")
         return True
-    with socket.socket() as sock:
-        busy = sock.connect_ex((config.prometheus_host, config.prometheus_port)) == 0
+    where = f"{config.prometheus_host}:{config.prometheus_port}"
+    try:  # the host's own address family: "::" is IPv6; a name that does not resolve raises
+        family, kind, proto, _, address = socket.getaddrinfo(
+            config.prometheus_host, config.prometheus_port, type=socket.SOCK_STREAM
+        )[0]
+        with socket.socket(family, kind, proto) as sock:
+            busy = sock.connect_ex(address) == 0
+    except OSError as exc:
+        print(
+            f"prometheus pull endpoint: {where} cannot be checked ({exc}); init() could not serve "
+            "it: set OTEL_TRAIN_PROMETHEUS_HOST to an address of this machine"
+        )
+        return False
     state = (
         "BUSY (another job?): no endpoint for this job; set OTEL_TRAIN_PROMETHEUS_PORT" if busy else "free"
     )

@@ -71,6 +71,8 @@ def message_step(step: Any, buffer: Buffer) -> int | None:
             number = int(as_float) if as_float.is_integer() else None
         except Exception:
             number = None
+    if isinstance(step, bool) or str(getattr(step, "dtype", "")) in ("bool", "torch.bool"):
+        number = None  # True is no step 1, whether Python's, numpy's or torch's
     if number is not None and -MAX_STEP <= number <= MAX_STEP:
         return number
     buffer.drop("invalid_step")

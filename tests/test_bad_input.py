@@ -144,6 +144,37 @@ def test_a_timer_name_that_is_not_a_str_never_loses_the_interval(caplog) -> None
     assert not any("flush" in w and "failed" in w for w in warnings), warnings
 
 
+def test_a_timer_name_that_is_not_a_str_is_dropped_on_every_path(caplog) -> None:
+    """Not only a `with` block that ends normally: a raising block (its phase error and its span on
+    a traced step) and `ot.phase()` drop an Enum name the same way, and take a `str` Enum's value."""
+    import enum
+
+    class Phase(enum.Enum):
+        FORWARD = "forward"
+
+    class Named(str, enum.Enum):
+        BACKWARD = "backward"
+
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=2) as cap:
+        for i in range(2):
+            with ot.step(i):
+                for name in (Phase.FORWARD, Named.BACKWARD):
+                    try:
+                        with ot.timer(name):  # type: ignore[arg-type]
+                            raise ValueError("boom")
+                    except ValueError:
+                        pass
+                ot.phase(Named.BACKWARD, 0.5)
+    flushed = cap.flushes[-1][1]
+    assert flushed["timers/backward/ValueError/count"] == 2, sorted(flushed)
+    assert flushed["timers/backward/count"] == 2  # the two ot.phase() values, under the plain name
+    assert flushed["otel_train/dropped/invalid_timer_name"] == 2
+    assert not any("Phase" in k or "Named" in k for k in flushed), sorted(flushed)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert not any("flush" in w and "failed" in w for w in warnings), warnings
+
+
 def test_dropped_values_are_warned_about_once_naming_the_metric(caplog) -> None:
     caplog.set_level(logging.WARNING, logger="otel_train")
     with capture_metrics(log_interval=2) as cap:
@@ -252,7 +283,9 @@ def test_a_message_step_that_is_no_step_number_is_counted_and_filed_under_the_cu
         ot.log_text("note", "a", step=2**70)
         ot.log_text("note", "b", step=2.5)
         ot.log_text("note", "c", step=4.0)  # an integral float is a step
-    assert cap.flushes[-1][1]["otel_train/dropped/invalid_step"] == 2
+        ot.log_text("note", "d", step=True)  # no step 1
+        ot.log_text("note", "e", step=torch.tensor(True))
+    assert cap.flushes[-1][1]["otel_train/dropped/invalid_step"] == 4
     warnings = [r.getMessage() for r in caplog.records if "is not a step number" in r.getMessage()]
     assert len(warnings) == 1, warnings
 
@@ -265,3 +298,4 @@ def test_a_negative_count_beyond_the_step_event_cap_adds_nothing() -> None:
             with ot.step(i, tokens=tokens):
                 pass
     assert cap.flushes[-1][1]["throughput/tokens"] == 30
+    assert cap.flushes[-1][1]["otel_train/dropped/invalid_value"] == 1  # counted, as under the cap

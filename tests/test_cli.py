@@ -75,8 +75,14 @@ def test_diagnose_names_a_damaged_summary_instead_of_a_missing_one(
         ({"stall_timeout_s": float("inf")}, "no valid stall_timeout_s (inf)"),
         ({"stall_timeout_s": None}, None),  # optional: read as no window
         ({"stall_timeout_s": "ten"}, "no valid stall_timeout_s ('ten')"),
-        ({"world_size": "two"}, "no valid world_size ('two')"),
+        ({"world_size": "two"}, "no valid world_size ('two' for rank 3)"),
         ({"rank": True}, "no valid rank (True)"),
+        # diagnose looks at every rank below the world size: a forged one would never end
+        ({"rank": 10**12}, "no valid rank (1000000000000)"),
+        ({"world_size": 3}, "no valid world_size (3 for rank 3)"),
+        ({"world_size": 10**12}, "no valid world_size (1000000000000 for rank 3)"),
+        ({"written_at": 10**400}, "no valid written_at (1000000"),  # float() would overflow
+        ({"stall_timeout_s": 10**400}, "no valid stall_timeout_s (1000000"),
         ({"groups": {"0": {"last_enqueued": "7"}}}, "no valid groups"),
     ],
 )
@@ -120,6 +126,21 @@ def test_diagnose_points_at_the_role_and_at_a_wrong_directory(
     assert "skipped collectives.rank0.json: no valid written_at" in err
 
 
+def test_diagnose_says_a_roles_own_files_were_skipped_before_pointing_elsewhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--role trainer whose every file is damaged, beside files of ranks without a role: the
+    trainer's files were skipped (named on stderr); "leave out --role" would send the user to the
+    wrong job's files."""
+    _write_hang(tmp_path, role="trainer")
+    _write_hang(tmp_path)
+    for rank in range(4):
+        RunFiles(tmp_path, rank, "trainer").collectives.write_text("{", encoding="utf-8")
+    code, out, err = _diagnose([str(tmp_path), "--role", "trainer"], capsys)
+    assert code == 1 and "every one was skipped" in out and "leave out --role" not in out, out
+    assert "skipped collectives.trainer.rank0.json: unreadable" in err, err
+
+
 def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["diagnose"], ["doctor", "extra"], ["nonsense"]):
         with pytest.raises(SystemExit) as raised:
@@ -159,6 +180,27 @@ def test_doctor_fails_on_an_unwritable_output_dir_and_a_busy_pull_port(
     monkeypatch.delenv("OTEL_TRAIN_OTLP_ENDPOINT", raising=False)
     assert main(["doctor"]) == 0
     assert f"output dir: {tmp_path / 'runs'} (created at init())" in capsys.readouterr().out
+
+
+def test_doctor_never_raises_on_an_unenterable_output_dir_or_an_unresolvable_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before Python 3.13 `Path.exists()` raises PermissionError under a directory this user may
+    not enter (root runs the suite, so that is simulated); a pull host that does not resolve made
+    the port check raise socket.gaierror. Both are a failed check, not a traceback."""
+
+    def no_entry(self: Path, *args: object, **kwargs: object) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "exists", no_entry)
+    monkeypatch.setenv("OTEL_TRAIN_OUTPUT_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "9464")
+    monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_HOST", "no-such-host.invalid")
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert f"output dir: {tmp_path / 'runs'} (created at init())" in out, out
+    assert "prometheus pull endpoint: no-such-host.invalid:9464 cannot be checked" in out, out
+    assert "OTEL_TRAIN_PROMETHEUS_HOST" in out
 
 
 TINY = ["--steps", "1", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "8",

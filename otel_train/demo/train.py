@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m otel_train.demo")
     except CorpusError as exc:
         return _error(prog, str(exc))
     except ConfigError as exc:  # a run name in use, an unwritable --output-dir, ...
-        return _error(prog, f"{exc}\n(--run-name and --output-dir set otel_train's run_name and output_dir)")
+        return _error(prog, f"{exc} (--run-name and --output-dir set otel_train's run_name and output_dir)")
     if not args.quiet:
         print_outputs(result, args)
     return 0

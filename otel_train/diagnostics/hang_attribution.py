@@ -174,21 +174,33 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_RANKS = 1 << 24  # a rank or world size beyond this is no job's: a forged or damaged file
+
+
+def _is_seconds(value: Any) -> bool:
+    """A finite number of seconds that float() takes (an int of 400 digits overflows it)."""
+    if _is_int(value):
+        return bool(abs(value) < 1 << 62)
+    return isinstance(value, float) and math.isfinite(value)
+
+
 def _malformed(summary: Any) -> str | None:
     """Why `attribute` and `otel-train diagnose` cannot read this summary, or None: groups of int
-    sequence ids and an ops mapping, an int rank, a number `written_at` (a file of another version
-    or a stray JSON is skipped, never a crash of the comparing thread or of diagnose)."""
+    sequence ids and an ops mapping, an int rank below the world size, a number `written_at` (a
+    file of another version or a stray JSON is skipped, never a crash or a hang of the comparing
+    thread or of diagnose, which looks at every rank below the world size)."""
     if not isinstance(summary, dict):
         return f"not a summary (a JSON {type(summary).__name__})"
-    if not _is_int(summary.get("rank")) or summary["rank"] < 0:
-        return f"no valid rank ({summary.get('rank')!r})"
-    written_at = summary.get("written_at")
-    if not (_is_int(written_at) or (isinstance(written_at, float) and math.isfinite(written_at))):
-        return f"no valid written_at ({written_at!r})"
-    world_size, window = summary.get("world_size"), summary.get("stall_timeout_s")  # optional
-    if world_size is not None and not (_is_int(world_size) and world_size >= 1):
-        return f"no valid world_size ({world_size!r})"
-    if window is not None and not ((_is_int(window) or isinstance(window, float)) and 0 <= window < math.inf):
+    rank: Any = summary.get("rank")
+    world_size: Any = summary.get("world_size")  # optional
+    if not _is_int(rank) or not 0 <= rank < MAX_RANKS:
+        return f"no valid rank ({rank!r})"
+    if not _is_seconds(summary.get("written_at")):
+        return f"no valid written_at ({summary.get('written_at')!r})"
+    if world_size is not None and not (_is_int(world_size) and rank < world_size <= MAX_RANKS):
+        return f"no valid world_size ({world_size!r} for rank {rank})"
+    window = summary.get("stall_timeout_s")  # optional
+    if window is not None and not (_is_seconds(window) and window >= 0):
         return f"no valid stall_timeout_s ({window!r})"
     groups = summary.get("groups")
     if not isinstance(groups, dict) or not all(

@@ -4,7 +4,7 @@ and the flush listeners run, off the training thread.
 The story of one flush (the training thread only hands a `buffer.FlushBatch` over: `Session.flush`):
 
 1. `worker.Worker` (the one thread, one ordered queue of flush batches and API messages) takes it.
-2. `resolve` turns its raw values into host floats: device tensors in one transfer per device,
+2. `resolve` turns its raw values into host floats: device tensors in one transfer per device and dtype,
    timers' clock readings into phase durations and arrivals, giving the `interval.Interval`;
    `batch_checks` first drops what the hot path appended unchecked (a timer named by an Enum, a
    negative count) and notes each problem, which the worker warns about once.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from operator import itemgetter
 from typing import Any
 
@@ -58,18 +59,53 @@ def same_tensor_twice(values: Sequence[Any]) -> bool:
 def drop_bad_timer_names(batch: FlushBatch) -> None:
     """`ot.timer(name)` does not check its name on the hot path; here, before anything sorts or
     exports the names, a str subclass (a `str` Enum) becomes its plain string, and any other name
-    (an Enum, None, an int) is dropped and counted, instead of failing the whole flush."""
+    (an Enum, None, an int) is dropped and counted, instead of failing the whole flush. The same
+    for every other place a timer's name reaches: a raising block's phase errors and span, a CUDA
+    timer's events and `ot.phase()` durations."""
     events = batch.timer_events
-    if not events or set(map(type, map(_timer_name, events))) == {str}:
-        return
-    kept: list[tuple[str, int, int, int]] = []
-    for name, start, end, began in events:
-        if isinstance(name, str):
-            kept.append((str.__str__(name), start, end, began))
-        else:
-            batch.dropped["invalid_timer_name"] = batch.dropped.get("invalid_timer_name", 0) + 1
-            batch.problems.setdefault("invalid_timer_name", repr(name))
-    batch.timer_events = kept
+    if events and set(map(type, map(_timer_name, events))) != {str}:
+        kept: list[tuple[str, int, int, int]] = []
+        for name, start, end, began in events:
+            plain = _plain_name(batch, name)
+            if plain is not None:
+                kept.append((plain, start, end, began))
+        batch.timer_events = kept
+    if any(name.__class__ is not str for name, _ in batch.phase_errors):
+        errors: dict[tuple[str, str], list[float]] = {}
+        for (name, error), values in batch.phase_errors.items():
+            plain = _plain_name(batch, name, len(values))
+            if plain is not None:
+                errors.setdefault((plain, error), []).extend(values)
+        batch.phase_errors = errors
+    if any(name.__class__ is not str for name, _, _ in batch.cuda_timers):
+        batch.cuda_timers = [
+            (plain, start, end)
+            for name, start, end in batch.cuda_timers
+            if (plain := _plain_name(batch, name)) is not None
+        ]
+    if any(name.__class__ is not str for name in batch.phases):
+        phases: dict[str, list[float]] = {}
+        for name, values in batch.phases.items():
+            plain = _plain_name(batch, name, len(values))
+            if plain is not None:
+                phases.setdefault(plain, []).extend(values)
+        batch.phases = phases
+    if any(record.name.__class__ is not str for record in batch.spans):  # a raising timer's span
+        batch.spans = [  # (its phase error was counted above)
+            replace(record, name=str.__str__(record.name)) if record.name.__class__ is not str else record
+            for record in batch.spans
+            if isinstance(record.name, str)
+        ]
+
+
+def _plain_name(batch: FlushBatch, name: Any, count: int = 1) -> str | None:
+    """A timer's name as a plain str, or None (its `count` values dropped, counted and warned
+    about once) when it is not a str."""
+    if isinstance(name, str):
+        return str.__str__(name)
+    batch.dropped["invalid_timer_name"] = batch.dropped.get("invalid_timer_name", 0) + count
+    batch.problems.setdefault("invalid_timer_name", repr(name))
+    return None
 
 
 def count_sum(batch: FlushBatch, what: str, counts: Sequence[int | None]) -> int:

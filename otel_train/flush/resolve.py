@@ -1,6 +1,6 @@
 """Value resolution, on the worker: a flush batch's raw values (numbers, device tensors, CUDA
 events) as host floats, bad ones dropped and counted; device tensors are copied in one transfer
-per device."""
+per device and dtype (the usual one-element loss per step: one stack and one copy)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def has_data(tensor: Any) -> bool:
 
 def histogram_values(values: Any) -> list[float]:
     """A distribution (tensor, array or sequence) as finite floats; runs on the worker."""
-    if hasattr(values, "detach") and not has_data(values):
+    if hasattr(values, "detach") and (not has_data(values) or str(values.dtype) == "torch.bool"):
         return []
     if hasattr(values, "detach"):
         values = values.detach().reshape(-1).double().cpu().tolist()
@@ -45,11 +45,16 @@ def histogram_values(values: Any) -> list[float]:
     if isinstance(values, (int, float)):  # one number: a distribution of one value
         values = [values]
     out: list[float] = []
+    if isinstance(values, (str, bytes)):  # not "123" read as 1, 2, 3
+        return out
     try:
         values = values if isinstance(values, (list, tuple)) else list(values)
     except TypeError:  # not a sequence (a dict is one: of its keys): nothing to plot
         return out
     for value in values:
+        cls = value.__class__
+        if cls is not float and cls is not int and (cls is bool or _not_real(value)):
+            continue  # a bool or complex number is dropped, as a recorded one is
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -158,8 +163,8 @@ def _stacked_scalars(values: Sequence[Any]) -> list[float | None] | None:
 
 
 def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
-    """Each tensor's values as floats, copied to the host in ONE transfer per device (None for a
-    tensor whose device group could not be converted)."""
+    """Each tensor's values as floats, copied to the host in ONE transfer per device and dtype
+    (a stack would promote mixed dtypes); None for a tensor whose group could not be converted."""
     import torch
 
     by_device: dict[Any, list[int]] = {}  # by device and dtype: a stack would promote mixed dtypes
@@ -205,7 +210,7 @@ def _one_to_host(tensor: Any) -> list[float] | None:
 
 
 def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats, list[float]]]:
-    """Per-layer values of watched steps, copied to the host with one transfer per device."""
+    """Per-layer values of watched steps, copied to the host with one transfer per device and dtype."""
     resolved = tensors_to_host([r.values for r in records])
     return [(r, values) for r, values in zip(records, resolved, strict=True) if values is not None]
 

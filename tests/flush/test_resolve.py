@@ -268,3 +268,49 @@ def test_the_periodic_split_is_taken_for_the_usual_loop_and_not_for_others() -> 
     assert resolve._period(("data", "forward", "forward") * 3) == 0  # a name twice a step
     assert resolve._period(("data", "forward", "data", "backward")) == 0
     assert resolve._period(("data", "forward", "backward")) == 3
+
+
+def test_every_place_a_timer_name_reaches_drops_a_non_str_and_takes_a_str_enums_value() -> None:
+    """The hot path checks no timer name: the worker makes a `str` Enum its plain string and drops
+    (and counts, each value) any other name in the timers' events, a raising block's phase errors
+    and span record, CUDA timers' events and `ot.phase()` durations, before anything exports them."""
+    import enum
+
+    from otel_train.flush.batch_checks import drop_bad_timer_names
+
+    class Plain(enum.Enum):
+        FORWARD = "forward"
+
+    class Named(str, enum.Enum):
+        BACKWARD = "backward"
+
+    buffer = Buffer(max_names=10, max_values=10)
+    buffer.timer_events.extend([(Named.BACKWARD, 1, 2, 0), (Plain.FORWARD, 3, 4, 0)])  # type: ignore[list-item]
+    buffer.add_phase_error(Named.BACKWARD, "ValueError", 0.5)  # type: ignore[arg-type]
+    buffer.add_phase_error(Plain.FORWARD, "ValueError", 0.5)  # type: ignore[arg-type]
+    buffer.add_phase_error(Plain.FORWARD, "ValueError", 0.25)  # type: ignore[arg-type]
+    buffer.add_phase(Named.BACKWARD, 0.1)  # type: ignore[arg-type]
+    buffer.cuda_timers.extend([(Plain.FORWARD, None, None), (Named.BACKWARD, None, None)])  # type: ignore[list-item]
+    spans = [SpanRecord(Plain.FORWARD, 1, 2, 0, "ValueError"), SpanRecord(Named.BACKWARD, 1, 2, 0)]  # type: ignore[arg-type]
+    buffer.spans.extend(spans)
+    batch = buffer.take(0, 1, 1.0, 0)
+    drop_bad_timer_names(batch)
+    assert [e[0].__class__ for e in batch.timer_events] == [str] and batch.timer_events[0][0] == "backward"
+    assert batch.phase_errors == {("backward", "ValueError"): [0.5]}
+    assert list(batch.phases) == ["backward"] and type(next(iter(batch.phases))) is str
+    assert [(name, type(name)) for name, _, _ in batch.cuda_timers] == [("backward", str)]
+    assert [(r.name, type(r.name)) for r in batch.spans] == [("backward", str)]
+    # one timer event, two phase-error values, one CUDA timer; the span's phase error counted them
+    assert batch.dropped["invalid_timer_name"] == 4
+    assert batch.problems["invalid_timer_name"] == repr(Plain.FORWARD)
+
+
+def test_a_histogram_drops_bools_and_complex_numbers_and_never_reads_a_str_as_digits() -> None:
+    import numpy as np
+
+    assert resolve.histogram_values([1, 2.5, True, np.bool_(False), 1 + 2j, "x", math.nan]) == [1.0, 2.5]
+    assert resolve.histogram_values("123") == [] and resolve.histogram_values(b"12") == []
+    assert resolve.histogram_values(True) == [] and resolve.histogram_values(3) == [3.0]
+    assert resolve.histogram_values(torch.tensor([True, False])) == []
+    assert resolve.histogram_values(np.array([True, False])) == []
+    assert resolve.histogram_values(torch.tensor([[1.0, 2.0]])) == [1.0, 2.0]

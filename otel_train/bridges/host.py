@@ -61,7 +61,10 @@ class CpuPolicy:
     busy (the CPU demo: torch on all cores), SCHED_IDLE starves the bridges until their queues
     overflow. So when any bridge's queue is half full the whole process tree (W&B's service
     included) goes back to normal scheduling at nice 10, which keeps up there, and returns to
-    SCHED_IDLE once every queue is nearly empty again.
+    SCHED_IDLE once every queue is nearly empty again. The set-up (importing the backends, W&B's
+    service starting) runs at nice 10 only: under SCHED_IDLE a machine whose cores are all busy (other
+    jobs, other ranks already training, data-loader workers) starved it past init()'s set-up time
+    limit, and init() failed ("the bridge process did not start within 120 s").
     """
 
     CATCH_UP_AT = 0.5  # a bridge queue this full: normal scheduling
@@ -73,8 +76,12 @@ class CpuPolicy:
         self.switches = 0
 
     def start(self) -> None:
+        """Nice 10, at normal scheduling while the bridges are set up (`set_up`)."""
         with contextlib.suppress(OSError):
             os.nice(10)
+
+    def set_up(self) -> None:
+        """The bridges are ready: below the training from now on (SCHED_IDLE)."""
         self._set(idle=True)
 
     def update(self, fullest: float) -> None:
@@ -163,6 +170,7 @@ def serve(parent_pid: int, reply_fd: int, cpu: CpuPolicy) -> None:
         except Exception as exc:
             write_frame(reply_fd, encode(("error", type(exc).__name__, str(exc))))
             return
+        cpu.set_up()  # W&B's service included: it started in build()
         write_frame(reply_fd, encode(("ready", [s.name for s in sinks])))
         while True:
             message = read_frame(in_fd)

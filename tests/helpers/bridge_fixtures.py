@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -17,8 +18,10 @@ class Recording(Sink):
 
     name = "recording"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, note_policy: bool = False) -> None:
         self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        if note_policy:  # the bridge process's scheduling policy during its set-up
+            self._log("setup_policy", os.sched_getscheduler(0))
 
     def _log(self, *call: Any) -> None:
         self._file.write(json.dumps(call) + "\n")

@@ -61,7 +61,9 @@ class CpuPolicy:
     busy (the CPU demo: torch on all cores), SCHED_IDLE starves the bridges until their queues
     overflow. So when any bridge's queue is half full the whole process tree (W&B's service
     included) goes back to normal scheduling at nice 10, which keeps up there, and returns to
-    SCHED_IDLE once every queue is nearly empty again. The set-up (importing the backends, W&B's
+    SCHED_IDLE once every queue is nearly empty again. A process that gets no CPU at all cannot
+    see its queues fill: the training process lifts it (`normal_scheduling`) when its own queue to
+    this process is half full, and at the close. The set-up (importing the backends, W&B's
     service starting) runs at nice 10 only: under SCHED_IDLE a machine whose cores are all busy (other
     jobs, other ranks already training, data-loader workers) starved it past init()'s set-up time
     limit, and init() failed ("the bridge process did not start within 120 s").
@@ -86,6 +88,8 @@ class CpuPolicy:
 
     def update(self, fullest: float) -> None:
         """`fullest`: the largest fill fraction of the bridges' queues."""
+        if self.idle and self.idle_policy is not None:  # the training process lifts a starved one
+            self.idle = os.sched_getscheduler(0) == self.idle_policy  # (BridgeProcess._catch_up)
         if self.idle and fullest >= self.CATCH_UP_AT:
             self._set(idle=False)
         elif not self.idle and fullest <= self.IDLE_AT:
@@ -102,13 +106,23 @@ class CpuPolicy:
         self.switches += 1
 
 
-def _task_ids() -> list[int]:
-    """Every thread of this process and of its descendants (W&B's service)."""
+def normal_scheduling(pid: int) -> None:
+    """Lift bridge process `pid` and its descendants to normal scheduling (at their nice 10), from
+    the training process at shutdown: the close, which the bridge process reads under SCHED_IDLE,
+    must run even while every core is busy (other ranks of the node still training)."""
+    if hasattr(os, "SCHED_OTHER"):
+        for tid in _task_ids(pid):
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+
+
+def _task_ids(pid: int = 0) -> list[int]:
+    """Every thread of process `pid` (0: this one) and of its descendants (W&B's service)."""
     import psutil
 
-    pids = [os.getpid()]
+    pids = [pid or os.getpid()]
     with contextlib.suppress(psutil.Error):
-        pids += [child.pid for child in psutil.Process().children(recursive=True)]
+        pids += [child.pid for child in psutil.Process(pids[0]).children(recursive=True)]
     tids: list[int] = []
     for pid in pids:
         with contextlib.suppress(OSError):

@@ -39,11 +39,13 @@ from typing import Any
 from otel_train.bridges.base import Sink
 from otel_train.bridges.errors import BridgeSetupFailed
 from otel_train.bridges.framing import encode, plain, read_frame, write_frame
+from otel_train.bridges.host import normal_scheduling
 from otel_train.bridges.table import BridgeSpec
 
 log = logging.getLogger("otel_train")
 
 SETUP_TIMEOUT_S = 120.0  # importing torch.utils.tensorboard, wandb and mlflow on a busy machine
+LIFT_EVERY_S = 5.0  # a starved bridge process is lifted to normal scheduling at most this often
 CHILD_GRACE_S = 30.0  # per bridge, in parallel, in the child: then a hung bridge is abandoned
 
 
@@ -68,6 +70,7 @@ class BridgeProcess(Sink):
         self._dead = False
         self._closing = False
         self._warned_drop = False
+        self._next_lift = 0.0  # monotonic time before which _catch_up does nothing
         self._setup_done = threading.Event()
         self._setup_error: BaseException | None = None
         self._closed_reply = threading.Event()
@@ -111,6 +114,8 @@ class BridgeProcess(Sink):
         self._closing = True
         deadline = time.monotonic() + (CHILD_GRACE_S if timeout is None else max(0.0, timeout))
         if not self._dead:
+            if self.proc is not None:
+                normal_scheduling(self.proc.pid)
             grace = max(CHILD_GRACE_S, deadline - time.monotonic())
             frame = encode(("close", {str(k): float(v) for k, v in final_scalars.items()}, grace))
             self._close_frame = frame
@@ -167,6 +172,17 @@ class BridgeProcess(Sink):
             self._queue.put_nowait(frame)
         except queue.Full:
             self._on_drop()
+        if self._queue.qsize() * 2 >= self._queue_size:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """The bridge process is not reading (starved under SCHED_IDLE while every core is busy, so
+        it cannot see its own queues fill): lift it to normal scheduling, at most every LIFT_EVERY_S;
+        it returns to SCHED_IDLE by itself once its queues are nearly empty (host.CpuPolicy)."""
+        now = time.monotonic()
+        if self.proc is not None and now >= self._next_lift:
+            self._next_lift = now + LIFT_EVERY_S
+            normal_scheduling(self.proc.pid)
 
     def _on_drop(self) -> None:
         self.dropped += 1

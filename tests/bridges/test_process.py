@@ -92,6 +92,60 @@ def test_bridge_process_runs_below_the_training(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+@pytest.mark.usefixtures("fixtures_on_path")
+def test_the_close_lifts_the_bridge_process_out_of_sched_idle_from_the_parent(tmp_path: Path) -> None:
+    """Under SCHED_IDLE the bridge process may get no CPU at all while every core is busy (other
+    ranks of the node still training): the training process lifts it to normal scheduling before it
+    hands over the close, so the close does not wait for an idle core. Here the bridge process is
+    stopped (SIGSTOP), as starved, when the close is handed over."""
+    path = tmp_path / "c.jsonl"
+    bridges = BridgeProcess([("helpers.bridge_fixtures", "Recording", {"path": str(path)})], 8)
+    assert bridges.pid is not None and os.sched_getscheduler(bridges.pid) == os.SCHED_IDLE
+    os.kill(bridges.pid, signal.SIGSTOP)
+    try:
+        bridges.close({"x": 1.0}, timeout=0.5)  # no reply from a stopped process: gives up at once
+        assert os.sched_getscheduler(bridges.pid) == os.SCHED_OTHER
+        assert psutil.Process(bridges.pid).nice() == 10  # below the training still
+    finally:
+        os.kill(bridges.pid, signal.SIGCONT)
+    assert bridges.wait(30)
+    assert json.loads(path.read_text().splitlines()[-1]) == ["close", {"x": 1.0}]  # it still closed
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+@pytest.mark.usefixtures("fixtures_on_path")
+def test_a_bridge_process_that_stops_reading_is_lifted_and_returns_to_sched_idle(tmp_path: Path) -> None:
+    """Starved under SCHED_IDLE (here: stopped), the bridge process cannot see its queues fill: the
+    training process lifts it when its own queue to it is half full; it goes back to SCHED_IDLE by
+    itself once it has caught up, and nothing that fitted in the queues is lost."""
+    path = tmp_path / "c.jsonl"
+    bridges = BridgeProcess([("helpers.bridge_fixtures", "Recording", {"path": str(path)})], 64)
+    assert bridges.pid is not None
+    os.kill(bridges.pid, signal.SIGSTOP)
+    try:
+        big = {f"k{i}": float(i) for i in range(400)}  # ~10 KB a frame: the pipe fills in a few
+        step = 0
+        deadline = time.monotonic() + 30
+        while os.sched_getscheduler(bridges.pid) == os.SCHED_IDLE and time.monotonic() < deadline:
+            bridges.write_scalars(step, 0.0, big)
+            step += 1
+            time.sleep(0.01)  # the writer thread moves frames into the pipe until it is full
+        assert os.sched_getscheduler(bridges.pid) == os.SCHED_OTHER, step
+        assert bridges.dropped == 0 and step >= 32  # lifted at half of the 64-frame queue, not before
+    finally:
+        os.kill(bridges.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30  # caught up: a call with empty queues puts it back
+    while os.sched_getscheduler(bridges.pid) != os.SCHED_IDLE and time.monotonic() < deadline:
+        bridges.write_scalars(step, 0.0, {"x": 1.0})
+        step += 1
+        time.sleep(0.2)
+    assert os.sched_getscheduler(bridges.pid) == os.SCHED_IDLE
+    bridges.close({}, timeout=60)
+    assert bridges.closed_cleanly and bridges.dropped == 0
+    assert sum(1 for line in path.read_text().splitlines() if line.startswith('["scalars"')) == step
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_bridges_leave_sched_idle_while_they_fall_behind() -> None:
     """Starved by a training that keeps every core busy, the bridges' queues fill: the whole process
     tree then runs normally (nice 10) until the queues are nearly empty (in a child: it renices)."""

@@ -67,13 +67,20 @@ class CpuPolicy:
     service starting) runs at nice 10 only: under SCHED_IDLE a machine whose cores are all busy (other
     jobs, other ranks already training, data-loader workers) starved it past init()'s set-up time
     limit, and init() failed ("the bridge process did not start within 120 s").
+
+    Linux lets a process leave SCHED_IDLE only with CAP_SYS_NICE or an RLIMIT_NICE of at least 10
+    (for nice 10): an ordinary user, and root in a default Docker or Kubernetes container, has
+    neither, and a bridge process put in SCHED_IDLE there could never catch up. Where leaving it is
+    not allowed (`_may_leave_idle`, tried on a thread of its own) the idle policy is SCHED_BATCH at
+    nice 10 instead, which any user may switch to and from: it never preempts a training thread
+    on wake-up either, and gets nice 10's share of a busy core.
     """
 
     CATCH_UP_AT = 0.5  # a bridge queue this full: normal scheduling
-    IDLE_AT = 0.1  # every queue at most this full again: back to SCHED_IDLE
+    IDLE_AT = 0.1  # every queue at most this full again: back to the idle policy
 
     def __init__(self) -> None:
-        self.idle_policy = getattr(os, "SCHED_IDLE", None)
+        self.idle_policy: int | None = None  # chosen by start(), at nice 10
         self.idle = False
         self.switches = 0
 
@@ -81,9 +88,11 @@ class CpuPolicy:
         """Nice 10, at normal scheduling while the bridges are set up (`set_up`)."""
         with contextlib.suppress(OSError):
             os.nice(10)
+        if hasattr(os, "SCHED_IDLE"):
+            self.idle_policy = os.SCHED_IDLE if _may_leave_idle() else os.SCHED_BATCH
 
     def set_up(self) -> None:
-        """The bridges are ready: below the training from now on (SCHED_IDLE)."""
+        """The bridges are ready: below the training from now on (the idle policy)."""
         self._set(idle=True)
 
     def update(self, fullest: float) -> None:
@@ -104,6 +113,25 @@ class CpuPolicy:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
         self.idle = idle
         self.switches += 1
+
+
+def _may_leave_idle() -> bool:
+    """May this process's threads (at their nice value) go from SCHED_IDLE back to SCHED_OTHER?
+    Tried on a short-lived thread of its own: the policy is per thread."""
+    allowed: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            allowed.append(True)
+        except OSError:
+            allowed.append(False)
+
+    thread = threading.Thread(target=probe, name="otel_train-sched-probe", daemon=True)
+    thread.start()
+    thread.join()
+    return allowed == [True]
 
 
 def normal_scheduling(pid: int) -> None:

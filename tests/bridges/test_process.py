@@ -7,10 +7,12 @@ from __future__ import annotations
 import ast
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from helpers.readback import read_tensorboard
 import otel_train as ot
 from otel_train.assemble import sinks
 from otel_train.assemble.run_place import RunPlace
+from otel_train.bridges import host
 from otel_train.bridges.process import BridgeProcess
 from otel_train.config import ConfigError
 
@@ -46,6 +49,21 @@ def _gone(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def _idle_policy() -> int:
+    """The idle policy a bridge process (at nice 10) takes here: SCHED_IDLE where it may leave it
+    again, else SCHED_BATCH (host.CpuPolicy)."""
+    chosen: list[int] = []
+
+    def at_nice_10() -> None:  # nice is per thread on Linux; the probe's thread inherits it
+        os.nice(10)
+        chosen.append(os.SCHED_IDLE if host._may_leave_idle() else os.SCHED_BATCH)
+
+    thread = threading.Thread(target=at_nice_10)
+    thread.start()
+    thread.join()
+    return chosen[0]
 
 
 @pytest.mark.usefixtures("fixtures_on_path")
@@ -79,7 +97,7 @@ def test_bridge_process_runs_below_the_training(tmp_path: Path) -> None:
     )
     try:
         assert bridges.pid is not None
-        assert os.sched_getscheduler(bridges.pid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(bridges.pid) == _idle_policy()
         assert psutil.Process(bridges.pid).nice() == 10
         assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training process keeps its own policy
     finally:
@@ -100,7 +118,7 @@ def test_the_close_lifts_the_bridge_process_out_of_sched_idle_from_the_parent(tm
     stopped (SIGSTOP), as starved, when the close is handed over."""
     path = tmp_path / "c.jsonl"
     bridges = BridgeProcess([("helpers.bridge_fixtures", "Recording", {"path": str(path)})], 8)
-    assert bridges.pid is not None and os.sched_getscheduler(bridges.pid) == os.SCHED_IDLE
+    assert bridges.pid is not None and os.sched_getscheduler(bridges.pid) == _idle_policy()
     os.kill(bridges.pid, signal.SIGSTOP)
     try:
         bridges.close({"x": 1.0}, timeout=0.5)  # no reply from a stopped process: gives up at once
@@ -126,7 +144,8 @@ def test_a_bridge_process_that_stops_reading_is_lifted_and_returns_to_sched_idle
         big = {f"k{i}": float(i) for i in range(400)}  # ~10 KB a frame: the pipe fills in a few
         step = 0
         deadline = time.monotonic() + 30
-        while os.sched_getscheduler(bridges.pid) == os.SCHED_IDLE and time.monotonic() < deadline:
+        idle = _idle_policy()
+        while os.sched_getscheduler(bridges.pid) == idle and time.monotonic() < deadline:
             bridges.write_scalars(step, 0.0, big)
             step += 1
             time.sleep(0.01)  # the writer thread moves frames into the pipe until it is full
@@ -135,14 +154,50 @@ def test_a_bridge_process_that_stops_reading_is_lifted_and_returns_to_sched_idle
     finally:
         os.kill(bridges.pid, signal.SIGCONT)
     deadline = time.monotonic() + 30  # caught up: a call with empty queues puts it back
-    while os.sched_getscheduler(bridges.pid) != os.SCHED_IDLE and time.monotonic() < deadline:
+    while os.sched_getscheduler(bridges.pid) != idle and time.monotonic() < deadline:
         bridges.write_scalars(step, 0.0, {"x": 1.0})
         step += 1
         time.sleep(0.2)
-    assert os.sched_getscheduler(bridges.pid) == os.SCHED_IDLE
+    assert os.sched_getscheduler(bridges.pid) == idle
     bridges.close({}, timeout=60)
     assert bridges.closed_cleanly and bridges.dropped == 0
     assert sum(1 for line in path.read_text().splitlines() if line.startswith('["scalars"')) == step
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_a_user_who_may_not_leave_sched_idle_gets_sched_batch_and_still_catches_up() -> None:
+    """Linux lets a process leave SCHED_IDLE only with CAP_SYS_NICE or RLIMIT_NICE >= 10 (at nice 10):
+    an ordinary user could never catch up. As such a user (root drops to nobody in a forked child;
+    another user runs as itself), the idle policy is SCHED_BATCH, and the catch-up works."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            cpu = host.CpuPolicy()
+            cpu.start()
+            cpu.set_up()
+            seen = [os.sched_getscheduler(0)]
+            for fill in (0.6, 0.0):
+                cpu.update(fill)
+                seen.append(os.sched_getscheduler(0))
+            os.write(write_end, repr((seen, cpu.idle_policy, os.nice(0))).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        report = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, report
+    seen, idle_policy, nice = ast.literal_eval(report)
+    assert nice == 10 and idle_policy in (os.SCHED_IDLE, os.SCHED_BATCH)
+    if os.geteuid() == 0:  # nobody has neither CAP_SYS_NICE nor RLIMIT_NICE >= 10 by default
+        assert idle_policy == os.SCHED_BATCH or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 10
+    assert seen == [idle_policy, os.SCHED_OTHER, idle_policy]  # below, caught up, below again
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")

@@ -188,9 +188,14 @@ class Buffer:
         self.drop("too_many_values")
         if failed:
             return
-        for count in (tokens, samples):  # the hot path passes a plain int unchecked
-            if count is not None and count < 0:
-                self.drop("invalid_value")  # dropped and counted, as count_sum does under the cap
+        for what, count in (("tokens", tokens), ("samples", samples)):  # plain ints, unchecked
+            if count is not None and count < 0:  # dropped, counted and warned as under the cap
+                self.drop("invalid_value")
+                self.warn_once(
+                    "<negative count>",
+                    f"otel_train: ot.step({what}={count}): a count must be >= 0; such counts were "
+                    "dropped and counted as otel_train.dropped{reason=invalid_value} (warned once).",
+                )
         self.tokens += max(0, tokens or 0)
         self.samples += max(0, samples or 0)
 

@@ -196,7 +196,7 @@ def _pull_port_ok(config: Config) -> bool:
         )[0]
         with socket.socket(family, kind, proto) as sock:
             busy = sock.connect_ex(address) == 0
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a host name label over 63 characters
         print(
             f"prometheus pull endpoint: {where} cannot be checked ({exc}); init() could not serve "
             "it: set OTEL_TRAIN_PROMETHEUS_HOST to an address of this machine"

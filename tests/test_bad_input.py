@@ -290,12 +290,14 @@ def test_a_message_step_that_is_no_step_number_is_counted_and_filed_under_the_cu
     assert len(warnings) == 1, warnings
 
 
-def test_a_negative_count_beyond_the_step_event_cap_adds_nothing() -> None:
+def test_a_negative_count_beyond_the_step_event_cap_adds_nothing(caplog) -> None:
     """Past max_values_per_interval steps only the counts are kept (Buffer.add_uncapped_step):
-    a negative one must not take tokens away there either."""
+    a negative one must not take tokens away there either, and is counted and warned about."""
+    caplog.set_level(logging.WARNING, logger="otel_train")
     with capture_metrics(log_interval=4, max_values_per_interval=2) as cap:
         for i, tokens in enumerate((10, 10, 10, -50)):
             with ot.step(i, tokens=tokens):
                 pass
     assert cap.flushes[-1][1]["throughput/tokens"] == 30
     assert cap.flushes[-1][1]["otel_train/dropped/invalid_value"] == 1  # counted, as under the cap
+    assert any("ot.step(tokens=-50)" in r.getMessage() for r in caplog.records)

@@ -201,6 +201,9 @@ def test_doctor_never_raises_on_an_unenterable_output_dir_or_an_unresolvable_hos
     assert f"output dir: {tmp_path / 'runs'} (created at init())" in out, out
     assert "prometheus pull endpoint: no-such-host.invalid:9464 cannot be checked" in out, out
     assert "OTEL_TRAIN_PROMETHEUS_HOST" in out
+    monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_HOST", "a" * 64 + ".example")  # idna: a label > 63
+    assert main(["doctor"]) == 1
+    assert "cannot be checked" in capsys.readouterr().out
 
 
 TINY = ["--steps", "1", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "8",

@@ -20,9 +20,11 @@ import contextlib
 import importlib
 import logging
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,8 +64,9 @@ class CpuPolicy:
     overflow. So when any bridge's queue is half full the whole process tree (W&B's service
     included) goes back to normal scheduling at nice 10, which keeps up there, and returns to
     SCHED_IDLE once every queue is nearly empty again. A process that gets no CPU at all cannot
-    see its queues fill: the training process lifts it (`normal_scheduling`) when its own queue to
-    this process is half full, and at the close. The set-up (importing the backends, W&B's
+    see its queues fill: the training process lifts its main thread (`BridgeProcess._lift`) when
+    its own queue to this process is half full, and at the close; noticing that, this process lifts
+    the rest, and it returns to idle only once its queues are nearly empty and the pipe is read. The set-up (importing the backends, W&B's
     service starting) runs at nice 10 only: under SCHED_IDLE a machine whose cores are all busy (other
     jobs, other ranks already training, data-loader workers) starved it past init()'s set-up time
     limit, and init() failed ("the bridge process did not start within 120 s").
@@ -95,24 +98,34 @@ class CpuPolicy:
         """The bridges are ready: below the training from now on (the idle policy)."""
         self._set(idle=True)
 
-    def update(self, fullest: float) -> None:
-        """`fullest`: the largest fill fraction of the bridges' queues."""
-        if self.idle and self.idle_policy is not None:  # the training process lifts a starved one
-            self.idle = os.sched_getscheduler(0) == self.idle_policy  # (BridgeProcess._catch_up)
+    def follow_lift(self) -> None:
+        """The training process lifted this (main) thread (BridgeProcess._lift): lift the others
+        and W&B's service too, before the frame just read reaches them."""
+        if self.idle and self.idle_policy is not None and os.sched_getscheduler(0) != self.idle_policy:
+            self._set(idle=False)
+
+    def update(self, fullest: float, unread: bool = False) -> None:
+        """`fullest`: the largest fill fraction of the bridges' queues; `unread`: frames wait in
+        the pipe (a backlog the queues do not show: back to idle only once it is read)."""
         if self.idle and fullest >= self.CATCH_UP_AT:
             self._set(idle=False)
-        elif not self.idle and fullest <= self.IDLE_AT:
+        elif not self.idle and fullest <= self.IDLE_AT and not unread:
             self._set(idle=True)
 
     def _set(self, idle: bool) -> None:
         if self.idle_policy is None:
             return
         policy = self.idle_policy if idle else os.SCHED_OTHER
+        changed = False
         for tid in _task_ids():
-            with contextlib.suppress(OSError):
+            try:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
-        self.idle = idle
-        self.switches += 1
+                changed = True
+            except OSError:  # a thread that just ended
+                continue
+        if changed:
+            self.idle = idle
+            self.switches += 1
 
 
 def _may_leave_idle() -> bool:
@@ -134,23 +147,26 @@ def _may_leave_idle() -> bool:
     return allowed == [True]
 
 
-def normal_scheduling(pid: int) -> None:
-    """Lift bridge process `pid` and its descendants to normal scheduling (at their nice 10), from
-    the training process at shutdown: the close, which the bridge process reads under SCHED_IDLE,
-    must run even while every core is busy (other ranks of the node still training)."""
-    if hasattr(os, "SCHED_OTHER"):
-        for tid in _task_ids(pid):
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+def unread(fd: int) -> bool:
+    """Are there bytes waiting in pipe `fd` (FIONREAD; False where it cannot be told)?"""
+    try:
+        import fcntl
+        import termios
+
+        waiting = bytearray(4)
+        fcntl.ioctl(fd, termios.FIONREAD, waiting)
+        return int.from_bytes(waiting, sys.byteorder) > 0
+    except Exception:
+        return False
 
 
-def _task_ids(pid: int = 0) -> list[int]:
-    """Every thread of process `pid` (0: this one) and of its descendants (W&B's service)."""
+def _task_ids() -> list[int]:
+    """Every thread of this process and of its descendants (W&B's service)."""
     import psutil
 
-    pids = [pid or os.getpid()]
+    pids = [os.getpid()]
     with contextlib.suppress(psutil.Error):
-        pids += [child.pid for child in psutil.Process(pids[0]).children(recursive=True)]
+        pids += [child.pid for child in psutil.Process().children(recursive=True)]
     tids: list[int] = []
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -215,23 +231,58 @@ def serve(parent_pid: int, reply_fd: int, cpu: CpuPolicy) -> None:
         cpu.set_up()  # W&B's service included: it started in build()
         write_frame(reply_fd, encode(("ready", [s.name for s in sinks])))
         while True:
-            message = read_frame(in_fd)
+            message = _read_whole(in_fd)
+            cpu.follow_lift()
             if message[0] == "call":
                 _, method, args = message
                 for sink in sinks:
                     getattr(sink, method)(*args)
-                cpu.update(fullest_queue(sinks))
+                cpu.update(fullest_queue(sinks), unread(in_fd))
             elif message[0] == "close":
                 _, final, grace_s = message
                 break
-    except (EOFError, ParentGone, OSError):
+    except (EOFError, ParentGone, OSError):  # OSError: TimeoutError too (a frame cut by a death)
         reply = False  # the parent is gone: still close the bridges, so what they got is on disk
     closing.set()
     cpu.update(1.0)  # closing: finish the backlog at normal priority, within the grace period
+    if not reply:
+        _drain(in_fd, sinks)
     close_all(sinks, final, grace_s)
     if reply:
         with contextlib.suppress(OSError):
             write_frame(reply_fd, encode(("closed", stats(sinks))))
+
+
+DRAIN_S = 5.0  # after the parent's death: how long the calls still in the pipe are read
+FRAME_S = 5.0  # a frame whose first byte arrived is whole within this (the parent writes it at once)
+
+
+def _read_whole(in_fd: int) -> Any:
+    """The next frame: waiting for it may be cut short by SIGTERM (ParentGone), reading it may not.
+    A death signal that cut a frame in half left the pipe mid-frame, and `_drain` read garbage."""
+    select.select([in_fd], [], [])  # interruptible: nothing read yet
+    if not hasattr(signal, "pthread_sigmask"):
+        return read_frame(in_fd, time.monotonic() + FRAME_S)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return read_frame(in_fd, time.monotonic() + FRAME_S)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held SIGTERM is raised after this
+
+
+def _drain(in_fd: int, sinks: list[ThreadedSink]) -> None:
+    """The parent died (SIGKILL, OOM) with calls in the pipe that this process, behind (starved on a
+    busy machine), had not read: hand them to the bridges too. Never blocks past DRAIN_S: a forked
+    grandchild may still hold the pipe open, and the death signal may have cut a frame in half."""
+    deadline = time.monotonic() + DRAIN_S
+    with contextlib.suppress(Exception):  # EOF, a cut frame, the deadline: what was read is kept
+        while True:
+            message = read_frame(in_fd, deadline)
+            if message[0] != "call":
+                return
+            _, method, args = message
+            for sink in sinks:
+                getattr(sink, method)(*args)
 
 
 def main() -> None:

@@ -39,7 +39,6 @@ from typing import Any
 from otel_train.bridges.base import Sink
 from otel_train.bridges.errors import BridgeSetupFailed
 from otel_train.bridges.framing import encode, plain, read_frame, write_frame
-from otel_train.bridges.host import normal_scheduling
 from otel_train.bridges.table import BridgeSpec
 
 log = logging.getLogger("otel_train")
@@ -88,6 +87,12 @@ class BridgeProcess(Sink):
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def queued(self) -> int:
+        """Calls handed over and not yet written into the pipe (lost if this process is killed;
+        what is in the pipe is still read and written by the bridge process)."""
+        return self._queue.qsize()
+
     # -- Sink API (never blocks) ------------------------------------------------------------------
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
@@ -114,8 +119,7 @@ class BridgeProcess(Sink):
         self._closing = True
         deadline = time.monotonic() + (CHILD_GRACE_S if timeout is None else max(0.0, timeout))
         if not self._dead:
-            if self.proc is not None:
-                normal_scheduling(self.proc.pid)
+            self._lift()
             grace = max(CHILD_GRACE_S, deadline - time.monotonic())
             frame = encode(("close", {str(k): float(v) for k, v in final_scalars.items()}, grace))
             self._close_frame = frame
@@ -180,9 +184,17 @@ class BridgeProcess(Sink):
         it cannot see its own queues fill): lift it to normal scheduling, at most every LIFT_EVERY_S;
         it returns to SCHED_IDLE by itself once its queues are nearly empty (host.CpuPolicy)."""
         now = time.monotonic()
-        if self.proc is not None and now >= self._next_lift:
+        if now >= self._next_lift:
             self._next_lift = now + LIFT_EVERY_S
-            normal_scheduling(self.proc.pid)
+            self._lift()
+
+    def _lift(self) -> None:
+        """The bridge process's main thread to normal scheduling (at its nice 10): one system call;
+        it lifts its other threads and W&B's service itself when it notices (host.CpuPolicy)."""
+        if self.proc is None or not hasattr(os, "sched_setscheduler") or self.proc.poll() is not None:
+            return  # not Linux, or exited (poll reaps it: its pid is never another process's here)
+        with contextlib.suppress(OSError):  # another user's process: left as it is
+            os.sched_setscheduler(self.proc.pid, os.SCHED_OTHER, os.sched_param(0))
 
     def _on_drop(self) -> None:
         self.dropped += 1

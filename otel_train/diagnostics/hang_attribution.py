@@ -174,7 +174,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-MAX_RANKS = 1 << 24  # a rank or world size beyond this is no job's: a forged or damaged file
+MAX_RANKS = 1 << 20  # a rank or world size beyond this is no job's: a forged or damaged file
 
 
 def _is_seconds(value: Any) -> bool:

@@ -114,20 +114,31 @@ def test_bridge_process_runs_below_the_training(tmp_path: Path) -> None:
 def test_the_close_lifts_the_bridge_process_out_of_sched_idle_from_the_parent(tmp_path: Path) -> None:
     """Under SCHED_IDLE the bridge process may get no CPU at all while every core is busy (other
     ranks of the node still training): the training process lifts it to normal scheduling before it
-    hands over the close, so the close does not wait for an idle core. Here the bridge process is
-    stopped (SIGSTOP), as starved, when the close is handed over."""
+    hands over the close, so the close does not wait for an idle core; and the bridge process stays
+    lifted while a backlog waits in the pipe (its own queues, nearly empty, do not show it), so the
+    backlog and the close are read at normal scheduling. Here the bridge process is stopped
+    (SIGSTOP), as starved, while the backlog and the close are handed over."""
     path = tmp_path / "c.jsonl"
-    bridges = BridgeProcess([("helpers.bridge_fixtures", "Recording", {"path": str(path)})], 8)
+    bridges = BridgeProcess(
+        [("helpers.bridge_fixtures", "Recording", {"path": str(path), "note_policy": True})], 64
+    )
     assert bridges.pid is not None and os.sched_getscheduler(bridges.pid) == _idle_policy()
     os.kill(bridges.pid, signal.SIGSTOP)
     try:
+        for step in range(20):  # fewer than half the queue: no lift before the close
+            bridges.write_scalars(step, 0.0, {"x": float(step)})
+        time.sleep(0.5)  # into the pipe
+        assert os.sched_getscheduler(bridges.pid) == _idle_policy()
         bridges.close({"x": 1.0}, timeout=0.5)  # no reply from a stopped process: gives up at once
         assert os.sched_getscheduler(bridges.pid) == os.SCHED_OTHER
         assert psutil.Process(bridges.pid).nice() == 10  # below the training still
     finally:
         os.kill(bridges.pid, signal.SIGCONT)
     assert bridges.wait(30)
-    assert json.loads(path.read_text().splitlines()[-1]) == ["close", {"x": 1.0}]  # it still closed
+    calls = [json.loads(line) for line in path.read_text().splitlines()]
+    assert calls[-1] == ["close", {"x": 1.0}]  # it still closed
+    policies = [c[1] for c in calls if c[0] == "policy"]
+    assert len(policies) == 20 and set(policies) == {os.SCHED_OTHER}, policies  # the whole backlog
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
@@ -310,16 +321,55 @@ TRAINER = textwrap.dedent(
     ot.init(output_dir=sys.argv[1], run_name="killed", tensorboard=True, prometheus_port=0,
                       verbosity=0, hardware=False, log_interval=1)
     session = ot.current_session()
+    if sys.argv[2:] == ["stopped"]:  # the test stops the bridge process before the steps
+        print(session.bridges.pid, flush=True)
+        sys.stdin.readline()
     for step in range(20):
         with ot.step(step):
             ot.record("loss", float(step))
             time.sleep(0.02)
     while session.worker.flushes < 20 - session.deferred_flushes:  # every flush reached the bridges
         time.sleep(0.01)
+    while session.bridges.queued:  # and the pipe (on a busy machine the bridge process may be
+        time.sleep(0.01)  # starved under SCHED_IDLE: what is in the pipe it still reads after the kill)
+    time.sleep(0.1)  # the writer thread's last write
     print(session.bridges.pid, flush=True)
     time.sleep(600)
     """
 )
+
+
+def test_calls_still_in_the_pipe_when_the_trainer_is_killed_reach_the_bridges(tmp_path: Path) -> None:
+    """A bridge process behind (starved on a busy machine; here stopped) when the trainer is
+    SIGKILLed still reads what the trainer had written into the pipe before it closes the bridges,
+    instead of leaving at the death signal with its backlog unread."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    )
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "stopped"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    bridge_pid = 0
+    try:
+        assert trainer.stdin is not None and trainer.stdout is not None
+        bridge_pid = int(trainer.stdout.readline())
+        os.kill(bridge_pid, signal.SIGSTOP)
+        trainer.stdin.write(b"go\n")
+        trainer.stdin.flush()
+        assert int(trainer.stdout.readline()) == bridge_pid  # all 20 flushes are in the pipe
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(30)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        if bridge_pid:
+            os.kill(bridge_pid, signal.SIGCONT)
+    assert _gone(bridge_pid, 60), "the bridge process outlived the SIGKILLed trainer"
+    steps = [s for s, _ in read_tensorboard(tmp_path / "killed" / "tensorboard").scalars["train/loss"]]
+    assert steps == list(range(20)), steps
 
 
 def test_sigkill_of_the_trainer_loses_at_most_one_flush_and_no_orphan(tmp_path: Path) -> None:

@@ -20,13 +20,16 @@ class Recording(Sink):
 
     def __init__(self, path: str, note_policy: bool = False) -> None:
         self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
-        if note_policy:  # the bridge process's scheduling policy during its set-up
+        self._note_policy = note_policy  # the scheduling policy at the set-up and at each scalars call
+        if note_policy:
             self._log("setup_policy", os.sched_getscheduler(0))
 
     def _log(self, *call: Any) -> None:
         self._file.write(json.dumps(call) + "\n")
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        if self._note_policy:
+            self._log("policy", os.sched_getscheduler(0))
         self._log("scalars", step, dict(scalars))
 
     def write_text(self, key: str, text: str, step: int) -> None:

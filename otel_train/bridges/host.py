@@ -65,11 +65,12 @@ class CpuPolicy:
     included) goes back to normal scheduling at nice 10, which keeps up there, and returns to
     SCHED_IDLE once every queue is nearly empty again. A process that gets no CPU at all cannot
     see its queues fill: the training process lifts its main thread (`BridgeProcess._lift`) when
-    its own queue to this process is half full, and at the close; noticing that, this process lifts
-    the rest, and it returns to idle only once its queues are nearly empty and the pipe is read. The set-up (importing the backends, W&B's
-    service starting) runs at nice 10 only: under SCHED_IDLE a machine whose cores are all busy (other
-    jobs, other ranks already training, data-loader workers) starved it past init()'s set-up time
-    limit, and init() failed ("the bridge process did not start within 120 s").
+    its own queue to this process is half full, and at the close; noticing that, this process
+    lifts the rest, and it returns to idle only once its queues are nearly empty and the pipe is
+    read. The set-up (importing the backends, W&B's service starting) runs at nice 10 only: under
+    SCHED_IDLE a machine whose cores are all busy (other jobs, other ranks already training,
+    data-loader workers) starved it past init()'s set-up time limit, and init() failed ("the bridge
+    process did not start within 120 s").
 
     Linux lets a process leave SCHED_IDLE only with CAP_SYS_NICE or an RLIMIT_NICE of at least 10
     (for nice 10): an ordinary user, and root in a default Docker or Kubernetes container, has

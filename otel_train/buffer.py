@@ -297,7 +297,7 @@ class Buffer:
             )
             return None
         if spec is None or instrument in semconv.INTERVAL_STAT_NAMES:
-            reserved = semconv.reserved_by(instrument)
+            reserved = semconv.reserved_by(semconv.otel_name(instrument))
             if reserved is not None:
                 if len(self._reserved_names) < self.max_names * 8:
                     self._reserved_names.add(name)
@@ -310,9 +310,19 @@ class Buffer:
                 )
                 return None
             # Names that differ only in . _ / - become ONE Prometheus name: one instrument for them.
-            prom = semconv.prometheus_sanitized(instrument)
+            # Names that differ only in case stay apart (run dir and bridges are case-sensitive)
+            # and share one OTel instrument (its names are not).
+            prom = semconv.prometheus_sanitized(semconv.otel_name(instrument))
             claimed = self._prom_owners.setdefault(prom, instrument)
-            if claimed != instrument:
+            if claimed != instrument and semconv.otel_name(claimed) == semconv.otel_name(instrument):
+                self.warn_once(
+                    name,
+                    f"record() names {self._owners.get(claimed, claimed)!r} and {name!r} differ only in "
+                    f"case: separate keys in the run dir and bridges, one OTLP/Prometheus series "
+                    f"{semconv.otel_name(instrument)!r} (OTel names are case-insensitive) holding the "
+                    "last one recorded in each interval.",
+                )
+            elif claimed != instrument:
                 self.warn_once(
                     name, f"record() name {name!r} is the Prometheus name {prom!r} of {claimed!r}; merged."
                 )

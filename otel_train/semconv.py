@@ -509,20 +509,33 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_.]{0,120}$")
 def instrument_name_for(record_name: str) -> str | None:
     """Map a user's record name (`loss`, `train/loss`, `eval/perplexity`) to an instrument name.
 
-    Returns None when the name cannot be made valid (it is then dropped and counted).
+    A name of the user's own keeps its case (`val_F1` -> `eval.F1`, `FloatTensor` ->
+    `train.FloatTensor`): it becomes the key in the run dir and the bridges, which are
+    case-sensitive like every built-in logger. The SDK's instrument is `otel_name()` of it, since
+    OTel instrument names are case-insensitive. Catalogue names and their aliases match in any case
+    and are returned as the catalogue spells them. Returns None when the name cannot be made valid
+    (it is then dropped and counted).
     """
-    raw = record_name.strip().lower().replace("/", ".").replace("-", "_").replace(" ", "_")
+    raw = record_name.strip().replace("/", ".").replace("-", "_").replace(" ", "_")
     raw = re.sub(r"\.+", ".", raw).strip(".")
     if not raw:  # "", "/", " ": no name at all
         return None
-    if raw in RECORD_ALIASES:
-        return RECORD_ALIASES[raw]
+    folded = raw.lower()
+    if folded in RECORD_ALIASES:
+        return RECORD_ALIASES[folded]
     if "." not in raw:
-        raw = f"train.{raw}"
-    alias = RECORD_ALIASES.get(raw[6:], "") if raw.startswith("train.") else ""
+        raw, folded = f"train.{raw}", f"train.{folded}"
+    alias = RECORD_ALIASES.get(folded[6:], "") if folded.startswith("train.") else ""
     if alias.startswith("train."):  # train/lr is train.learning_rate; train/accuracy stays train's own
         return alias
-    return raw if _NAME_RE.match(raw) else None
+    if folded in BY_NAME:
+        return folded
+    return raw if _NAME_RE.match(folded) else None
+
+
+def otel_name(instrument_name: str) -> str:
+    """The SDK instrument (and so the OTLP/Prometheus name) of `instrument_name`: case folded."""
+    return instrument_name.lower()
 
 
 def default_key(instrument_name: str) -> str:

@@ -264,6 +264,48 @@ def test_semconv_catalogue_is_consistent() -> None:
     assert semconv.instrument_name_for("train/loss") == "train.loss"
     assert semconv.instrument_name_for("eval/perplexity") == "eval.perplexity"
     assert semconv.instrument_name_for("9 bad!") is None
+    # The user's own names keep their case; catalogue names match in any case.
+    assert semconv.instrument_name_for("FloatTensor") == "train.FloatTensor"
+    assert semconv.instrument_name_for("eval/F1") == "eval.F1"
+    assert semconv.instrument_name_for("Train/Loss") == "train.loss"
+    assert semconv.instrument_name_for("Eval/Perplexity") == "eval.perplexity"
+    assert semconv.otel_name("eval.F1") == "eval.f1"
+
+
+def test_names_differing_only_in_case_keep_their_own_keys(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """TensorBoard, W&B, MLflow and the run dir are case-sensitive: `Acc` and `acc` are two keys with
+    their own values there (tests/bridges/test_session.py reads every bridge back). OTel instrument
+    names are case-insensitive: the pull endpoint has one folded series, and a warning says so."""
+    import urllib.request
+
+    from helpers.ports import free_port
+    from helpers.waiting import wait_for
+    from prometheus_client.parser import text_string_to_metric_families
+
+    caplog.set_level("WARNING", logger="otel_train")
+    ot.init(
+        prometheus_port=free_port(), verbosity=0, log_interval=2, output_dir=str(tmp_path), run_name="case"
+    )
+    session = ot.current_session()
+    assert session is not None
+    for i in range(4):
+        with ot.step(i):
+            ot.record("Acc", 0.25)
+            ot.record("acc", 0.75)
+            ot.record("FloatTensor", 2.0)
+    rows_file = tmp_path / "case" / "metrics.rank0.jsonl"
+    wait_for(lambda: rows_file.exists() and len(rows_file.read_text().splitlines()) >= 2, 30, "two rows")
+    text = urllib.request.urlopen(session.prometheus_url, timeout=5).read().decode()
+    ot.shutdown()
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert all(
+        r["train/Acc"] == 0.25 and r["train/acc"] == 0.75 and r["train/FloatTensor"] == 2.0 for r in rows
+    )
+    assert not any("train/floattensor" in r for r in rows)
+    names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert "train_acc" in names and "train_floattensor" in names
+    assert not {n for n in names if n.lower() != n}  # the SDK's names are folded: no second series
+    assert sum("differ only in case" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_event_reaches_the_events_file(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -51,8 +51,11 @@ class Instruments:
                 return None
             if spec is not None:
                 gauge = spec.create(self.meter)
-            else:
-                gauge = self.meter.create_gauge(instrument, "", "Recorded with otel_train.record().")
+            else:  # names differing only in case share the SDK's one instrument
+                folded = semconv.otel_name(instrument)
+                gauge = self._gauges.get(folded) or self.meter.create_gauge(
+                    folded, "", "Recorded with otel_train.record()."
+                )
             self._gauges[instrument] = gauge
         return gauge
 
@@ -102,6 +105,29 @@ def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Inte
             batch.dropped["nonfinite"] = batch.dropped.get("nonfinite", 0) + len(bad)
             if record.instrument == semconv.LAYER_GRAD_NORM.name:
                 interval.nonfinite_grads.append((record.step, bad))
+
+
+def keep_case(
+    scalars: dict[str, float], recorded: Mapping[str, Sequence[float]], spelling: dict[str, str]
+) -> None:
+    """Give the user's own names their keys in the case they were recorded (`eval/F1`): the SDK's
+    instruments are case-folded (OTel names are case-insensitive) and a gauge goes on reporting its
+    last value in later flushes, under the folded key. `spelling` (the worker's, kept across
+    flushes) maps a folded key to the spelling whose value the SDK's gauge holds: the last one set.
+    Names differing only in case each get their own interval mean. A name the SDK did not export
+    (over max_metric_names) gets no key."""
+    fresh: dict[str, float] = {}
+    for instrument, values in recorded.items():  # the order the worker set the gauges in
+        if instrument in semconv.BY_NAME or not values:
+            continue
+        folded_key = semconv.default_key(semconv.otel_name(instrument))
+        if folded_key in scalars:
+            spelling[folded_key] = key = semconv.default_key(instrument)
+            fresh[key] = math.fsum(values) / len(values)
+    for folded_key, key in spelling.items():
+        if key != folded_key and folded_key in scalars:
+            scalars[key] = scalars.pop(folded_key)
+    scalars.update(fresh)
 
 
 STAT_KEY_TAKEN = (

@@ -31,6 +31,7 @@ from otel_train.flush.instruments import (
     Instruments,
     add_stat_keys,
     feed_layer_stats,
+    keep_case,
     record_durations,
     set_interval_stats,
 )
@@ -83,6 +84,7 @@ class Worker:
         self._abandoned = False
         self.final_scalars: dict[str, float] = {}
         self._stat_keys: dict[str, float] = {}  # this flush's interval statistics of users' names
+        self._spelling: dict[str, str] = {}  # folded bridge key -> the user's spelling (keep_case)
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
@@ -212,6 +214,7 @@ class Worker:
                 )
         self.doing = "collecting metrics (observable-instrument callbacks, e.g. ones made on ot.get_meter())"
         scalars = self.step_reader.collect_scalars(interval.elapsed_s)
+        keep_case(scalars, interval.scalars, self._spelling)
         for key in add_stat_keys(scalars, self._stat_keys):
             self._warn_once(f"stat:{key}", STAT_KEY_TAKEN.format(key=key))
         self._stat_keys.clear()

@@ -29,9 +29,13 @@ def test_session_feeds_every_bridge_the_same_scalars(tmp_path: Path, monkeypatch
             with ot.timer("forward"):
                 pass
             ot.record("loss", 2.0 - 0.1 * step)
+            # The user's keys keep their case in every bridge, as every built-in logger keeps them.
+            ot.record("FloatTensor", float(step))
+            ot.record("Acc", 0.25)
+            ot.record("acc", 0.75)
             widgets.add(1)
             latency.record(0.25)
-    ot.log_metrics({"eval/loss": 1.5, "eval/perplexity": 4.5}, step=9)
+    ot.log_metrics({"eval/loss": 1.5, "eval/perplexity": 4.5, "eval/F1": 0.5}, step=9)
     ot.log_text("notes", "**hello** from the run", step=9)
     ot.log_histogram("weights", [0.1, 0.2, 0.2, 0.9], step=9)
     ot.log_samples([("def ", "main():"), ("import ", "os")], step=9)
@@ -48,8 +52,10 @@ def test_session_feeds_every_bridge_the_same_scalars(tmp_path: Path, monkeypatch
             if key not in ("step", "time") and value is not None:
                 expected.setdefault(key, {})[row["step"]] = value
     for key in ("train/loss", "timers/forward/mean", "throughput/tokens_per_s", "my/widgets", "my/latency/mean",
-                "eval/loss", "eval/perplexity"):  # fmt: skip
+                "eval/loss", "eval/perplexity", "train/FloatTensor", "eval/F1", "train/Acc", "train/acc"):  # fmt: skip
         assert key in expected, key
+    assert not {"train/floattensor", "eval/f1"} & expected.keys()
+    assert set(expected["train/Acc"].values()) == {0.25} and set(expected["train/acc"].values()) == {0.75}
 
     tb = read_tensorboard(run_dir / "tensorboard")
     wb = read_wandb_offline(run_dir)

@@ -68,7 +68,9 @@ class Config:
     queue_size: int = 8  # flush batches waiting for the background worker
     shutdown_timeout_s: float = 2.0
     # timers and traces
-    timing_log_level: int = 1  # timers with level > this cost ~nothing (Megatron semantics)
+    # Timers with level > this cost ~nothing (Megatron semantics). Unset: 1 (`timer_level`), but an
+    # instrumented Megatron `Timers` reports every timer its own log_level enables.
+    timing_log_level: int | None = None
     timing_log_option: TimingLogOption = "minmax"
     traces: bool = True
     trace_first: int = 3  # sample the first N steps ...
@@ -126,6 +128,11 @@ class Config:
     # separate trials): they then meet only at init() and never wait for each other's flushes.
     cross_rank: bool = True
 
+    @property
+    def timer_level(self) -> int:
+        """The level `ot.timer` and `ot.phase` keep timers up to: `timing_log_level`, 1 when unset."""
+        return 1 if self.timing_log_level is None else self.timing_log_level
+
 
 _SIGNAL_PATH_RE = re.compile(r"/v1/(metrics|traces|logs)/?$")
 CONFIG_FILE_ENV = "OTEL_TRAIN_CONFIG"
@@ -169,7 +176,11 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
         "otlp_timeout_s",
         "use seconds in (0, 60]; OTEL_EXPORTER_OTLP_TIMEOUT is in milliseconds: (0, 60000]",
     )
-    need(config.timing_log_level in (0, 1, 2), "timing_log_level", "use 0, 1 or 2")
+    need(
+        config.timing_log_level in (None, 0, 1, 2),
+        "timing_log_level",
+        "use 0, 1 or 2, or leave it unset (1; Megatron's Timers keep their own level)",
+    )
     need(config.trace_first >= 0, "trace_first", "use an integer >= 0")
     need(config.trace_every >= 1, "trace_every", "use an integer >= 1")
     need(config.verbosity in (0, 1, 2), "verbosity", "use 0 (quiet), 1 or 2")

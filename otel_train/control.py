@@ -355,7 +355,7 @@ def apply_change(session: Any, change: ControlChange, index: int) -> None:
     `Session`; not named here: session imports this module)."""
     settings = dict(change.settings)
     session.config = changed_config(session.config, settings)
-    session.timing_level = session.config.timing_log_level
+    session.timing_level = session.config.timer_level
     if session.console is not None:
         session.console.verbosity = session.config.verbosity
     if "straggler_threshold" in settings:

@@ -72,7 +72,7 @@ class Session(SessionParts):
         self._tracing = self.worker.span_writer is not None
         self._trace_first, self._trace_every = config.trace_first, config.trace_every
         self._stall_gap_ns = self.clock.stall_gap_ns
-        self.timing_level = config.timing_log_level
+        self.timing_level = config.timer_level
         self.step_index = -1  # last completed step
         self.step_end_ns: int | None = None  # perf_counter_ns when it ended (the stall watchdog reads it)
         self.sampled = False  # is the current step traced?

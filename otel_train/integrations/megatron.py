@@ -3,10 +3,12 @@
 Three pieces, usable alone:
 
 - `instrument(timers)`: every start->stop of a Megatron-Core `Timers` timer is also an otel_train
-  phase of the same name, at the same level (Megatron's 0/1/2 are `timing_log_level`'s 0/1/2), with
-  Megatron's own duration (read back through the public `Timer.active_time()`, so otel_train's
-  per-rank totals are Megatron's numbers). Megatron's output (`Timers.log`, `write`, ...) is
-  unchanged: its methods run first and untouched.
+  phase of the same name, with Megatron's own duration (read back through the public
+  `Timer.active_time()`, so otel_train's per-rank totals are Megatron's numbers). Megatron's level
+  decides which timers: those its `log_level` enables (`Timers(log_level=2, ...)`: `forward-compute`
+  too). An otel_train `timing_log_level` the user set (init kwarg, `OTEL_TRAIN_TIMING_LOG_LEVEL`,
+  config or control file; Megatron's 0/1/2 are its 0/1/2) wins: timers above it are dropped.
+  Megatron's output (`Timers.log`, `write`, ...) is unchanged: its methods run first and untouched.
 - `OtelTrainCallback`: a Megatron Bridge callback (Bridge's `CallbackManager` registers any object
   with `on_*` methods, so nothing from `megatron.bridge` is imported): steps, loss, grad norm,
   learning rate, skipped iterations, tokens, eval spans, hyperparameters; it also instruments
@@ -23,9 +25,11 @@ disabled level) a subclass too. Identity and state are kept, so `GlobalState.tim
 written, only its public methods are called (`__call__`, `start`, `stop`, `elapsed`, `reset`,
 `active_time`, `name`).
 
-- The level of a timer is the `log_level` Megatron code passes when it starts it (it does, e.g.
-  `timers("forward-backward", log_level=1).start()`), else Megatron's default for a new timer, 2
-  (a timer created before `instrument()` and never named with a level again counts as 2).
+- The level a set `timing_log_level` compares is the `log_level` Megatron code passes when it
+  starts a timer (it does, e.g. `timers("forward-backward", log_level=1).start()`), else
+  Megatron's default for a new timer, 2 (a timer created before `instrument()` and never named
+  with a level again counts as 2). Megatron's own `Timers._log_level` is never read: which timers
+  it enabled shows in what `__call__` returns.
 - Evaluation runs the same schedule, so its `forward-backward`/`forward-compute` add to those
   phases outside steps (no arrivals), as they add to Megatron's own timers.
 - `elapsed()` is a read: the stop and start Megatron does inside it are not phases (Bridge reads
@@ -64,6 +68,15 @@ __all__ = ["OtelTrainCallback", "instrument", "settings_from_logger_config"]
 # Timers that are not phases: Bridge's cross-step iteration clock (started once, read by elapsed()).
 DEFAULT_SKIP = frozenset({"interval-time"})
 _MEGATRON_DEFAULT_LEVEL = 2  # what Megatron gives a timer created without a log_level
+_ANY_LEVEL = 0  # kept at every timing_log_level: for a timer Megatron's own level already enabled
+
+
+def _level_set() -> bool:
+    """Whether the running session has a `timing_log_level` the user set (init kwarg, environment,
+    config file or control file). Unset, Megatron's `Timers` already chose: a real `Timer` is one
+    its log_level enables (a disabled level gets the `DummyTimer`, never instrumented)."""
+    session = ot.current_session()
+    return session is not None and session.config.timing_log_level is not None
 
 
 class _Tracker:
@@ -95,7 +108,7 @@ class _Tracker:
             return
         end = perf_counter_ns()
         start = end - int(max(active - mark, 0.0) * 1e9)  # Megatron's own duration, ending now
-        level = self.levels.get(name, _MEGATRON_DEFAULT_LEVEL)
+        level = self.levels.get(name, _MEGATRON_DEFAULT_LEVEL) if _level_set() else _ANY_LEVEL
         self.depth = max(self.depth - 1, 0)
         if "checkpoint" in name:
             ot.span(name).start(at_ns=start).stop()

@@ -59,10 +59,19 @@ class Intervals:
         pass
 
 
-def megatron_job(rank: int, world: int, patch: bool, slow_rank: int, out_dir: str) -> dict[str, Any]:
+def megatron_job(
+    rank: int,
+    world: int,
+    patch: bool,
+    slow_rank: int,
+    out_dir: str,
+    log_option: str = "all",
+    timing: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A Megatron-shaped data-parallel step: forward-backward (level 1) holding per-micro-batch
     forward-compute / backward-compute (level 2), the gradient all-reduce inside the last
-    backward (as DDP does), then the optimizer (level 1)."""
+    backward (as DDP does), then the optimizer (level 1). Megatron's `Timers(2, log_option)`;
+    `timing`: otel_train's own timing settings for `ot.init()` (none: Megatron's level decides)."""
     import logging
 
     import torch
@@ -80,12 +89,12 @@ def megatron_job(rank: int, world: int, patch: bool, slow_rank: int, out_dir: st
     logging.getLogger("megatron.core.timers").addHandler(handler)
     logging.getLogger("megatron.core.timers").setLevel(logging.INFO)
 
-    timers = Timers(2, "all")
+    timers = Timers(2, log_option)
     instrument(timers)
     events: list[dict[str, Any]] = []
     ot.init(
         output_dir=out_dir, run_name="megatron", verbosity=0, log_interval=LOG_INTERVAL, hardware=False,
-        timing_log_level=2, prometheus_port=0, collective_timeout_s=60.0,
+        prometheus_port=0, collective_timeout_s=60.0, **(timing or {}),
     )  # fmt: skip
     session = ot.current_session()
     seen = Intervals()
@@ -137,12 +146,23 @@ def _check_megatron_job(results: list[dict[str, Any]], slow_rank: int) -> None:
         for name in NAMES:
             # Every duration is Megatron's own (Timer.active_time), to the nanosecond.
             assert res["otel"][name] == pytest.approx(res["megatron"][name], abs=1e-6), (rank, name)
-    log = "\n".join(results[-1]["log"])  # Megatron's output, unchanged: every rank's total in ms
-    for rank, res in enumerate(results):
+    log = "\n".join(results[-1]["log"])  # Megatron's output, unchanged
+    if "times across ranks (ms):" in log:  # log_option "all": every rank's total in ms
+        for rank, res in enumerate(results):
+            for name in NAMES:
+                block = log.split(f"\n  {name}:")[1]
+                line = next(x for x in block.splitlines() if x.strip().startswith(f"rank {rank:2d}:".strip()))
+                assert float(line.split(":")[1]) == pytest.approx(res["otel"][name] * 1e3, abs=0.0051)
+    else:  # "minmax": the least and the greatest rank total in ms
+        assert "(min, max) time across ranks (ms):" in log, log
         for name in NAMES:
-            block = log.split(f"\n  {name}:")[1]
-            line = next(x for x in block.splitlines() if x.strip().startswith(f"rank {rank:2d}:".strip()))
-            assert float(line.split(":")[1]) == pytest.approx(res["otel"][name] * 1e3, abs=0.0051)
+            line = next(x for x in log.splitlines() if x.strip().startswith(f"{name} ."))
+            low, high = (float(v) for v in line.split(": (")[1].rstrip(")").split(","))
+            totals = [res["otel"][name] * 1e3 for res in results]
+            assert (low, high) == (
+                pytest.approx(min(totals), abs=0.0051),
+                pytest.approx(max(totals), abs=0.0051),
+            )
     reported = [e for e in results[0]["events"]]
     assert reported, "the rank slowed in forward-compute was never named"
     assert {e["rank"] for e in reported} == {slow_rank}  # the waiter (in backward-compute) never
@@ -158,8 +178,19 @@ def _check_megatron_job(results: list[dict[str, Any]], slow_rank: int) -> None:
 
 @pytest.mark.multirank
 def test_megatron_timers_on_two_gloo_ranks(tmp_path: Path) -> None:
-    results = run_ranks(2, megatron_job, (True, 1, str(tmp_path)), timeout=240)
+    results = run_ranks(
+        2, megatron_job, (True, 1, str(tmp_path), "all", {"timing_log_level": 2}), timeout=240
+    )
     _check_megatron_job(results, slow_rank=1)
+
+
+@pytest.mark.multirank
+def test_megatron_log_level_is_followed_without_an_otel_train_level(tmp_path: Path) -> None:
+    """`Timers(log_level=2, log_option="minmax")` and no otel_train timing setting at all: the
+    level-2 timers Megatron enabled are exported with Megatron's totals, and the rank slow in
+    forward-compute (rank 0 here) is named; the user chose the level once, on Megatron's object."""
+    results = run_ranks(2, megatron_job, (True, 0, str(tmp_path), "minmax", None), timeout=240)
+    _check_megatron_job(results, slow_rank=0)
 
 
 @pytest.mark.gpu
@@ -168,7 +199,9 @@ def test_megatron_timers_unpatched_on_gpu(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA: Megatron's Timer syncs the device and allocates on it")
-    results = run_ranks(2, megatron_job, (False, 1, str(tmp_path)), timeout=240)
+    results = run_ranks(
+        2, megatron_job, (False, 1, str(tmp_path), "all", {"timing_log_level": 2}), timeout=240
+    )
     _check_megatron_job(results, slow_rank=1)
 
 
@@ -205,6 +238,78 @@ def test_elapsed_reads_and_skipped_timers_are_not_phases(monkeypatch: pytest.Mon
         timers("interval-time").elapsed(barrier=False)  # Bridge's read of its cross-step clock
         timers("interval-time").stop()
     assert seen.counts == {"forward-backward": 3}
+
+
+def _level_run(
+    monkeypatch: pytest.MonkeyPatch, megatron_level: int, **settings: Any
+) -> tuple[Intervals, Any]:
+    """Three Megatron-shaped steps on one process under `Timers(megatron_level, "minmax")` and
+    `ot.init(**settings)`; also an otel_train timer of the user's own at level 2."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # see neutralise_cuda
+    from megatron.core.timers import Timers
+
+    from otel_train.integrations.megatron import instrument
+    from otel_train.testing import capture_metrics
+
+    timers = instrument(Timers(megatron_level, "minmax"))
+    seen = Intervals()
+    with capture_metrics(log_interval=100, run_dir_enabled=False, **settings):
+        session = ot.current_session()
+        assert session is not None
+        session.add_listener(seen)
+        for step in range(3):
+            ot.begin_step(step)
+            timers("forward-backward", log_level=1).start()
+            for _ in range(MICRO_BATCHES):
+                timers("forward-compute", log_level=2).start()
+                time.sleep(0.001)
+                timers("forward-compute").stop()
+                timers("backward-compute", log_level=2).start()
+                timers("backward-compute").stop()
+            timers("forward-backward").stop()
+            timers("optimizer", log_level=1).start()
+            timers("optimizer").stop()
+            with ot.timer("users-own", level=2):  # not Megatron's: otel_train's level (1 when unset)
+                pass
+            ot.end_step()
+    return seen, timers
+
+
+LEVEL_ONE = {"forward-backward": 3, "optimizer": 3}
+LEVEL_TWO = {**LEVEL_ONE, "forward-compute": 3 * MICRO_BATCHES, "backward-compute": 3 * MICRO_BATCHES}
+
+
+def test_megatron_level_two_is_exported_when_otel_train_has_no_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen, timers = _level_run(monkeypatch, 2)
+    assert seen.counts == LEVEL_TWO  # the user's own level-2 timer still follows otel_train's default, 1
+    for name in LEVEL_TWO:  # Megatron's own totals
+        assert seen.phases[name] == pytest.approx(timers(name).elapsed(reset=False), abs=1e-6), name
+
+
+def test_megatron_level_one_timers_object_keeps_level_two_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen, _ = _level_run(monkeypatch, 1)  # Megatron hands out its DummyTimer for level 2
+    assert seen.counts == LEVEL_ONE
+
+
+@pytest.mark.parametrize(
+    ("settings", "env", "expected"),
+    [
+        ({"timing_log_level": 1}, None, LEVEL_ONE),
+        ({}, "1", LEVEL_ONE),  # OTEL_TRAIN_TIMING_LOG_LEVEL is as explicit as the kwarg
+        ({"timing_log_level": 0}, None, {}),
+        ({"timing_log_level": 2}, None, {**LEVEL_TWO, "users-own": 3}),
+    ],
+    ids=["kwarg-1", "env-1", "kwarg-0", "kwarg-2"],
+)
+def test_an_explicit_timing_log_level_wins_over_megatrons(
+    monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any], env: str | None, expected: dict[str, int]
+) -> None:
+    if env is not None:
+        monkeypatch.setenv("OTEL_TRAIN_TIMING_LOG_LEVEL", env)
+    seen, _ = _level_run(monkeypatch, 2, **settings)
+    assert seen.counts == expected
 
 
 # --- Megatron Bridge callback ---------------------------------------------------------------------

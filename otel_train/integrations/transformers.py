@@ -33,7 +33,20 @@ read at the same point.
 
 The session starts lazily (at `on_train_begin`, or at the first step for trainers that never call
 it) on every rank, with `total_steps=max_steps`, unless the user already called `ot.init()`; a
-session the callback started is shut down at `on_train_end`.
+session the callback started is shut down at `on_train_end`. `auto_find_batch_size` re-enters the
+training loop after an out-of-memory error (a second `on_train_begin` in one `train()`): the run goes
+on, the step that ran out of memory ends as failed.
+
+What the callback adopts from the Trainer's own settings, for a session it starts, unless the same
+otel_train setting is given (keyword, `OTEL_TRAIN_*`, config file): a `logging_steps` other than the
+default (with `logging_strategy="steps"`) as `log_interval`, so each flush holds one Trainer log;
+`output_dir`: run directories under `<output_dir>/_otel_train/` (the `_` keeps them out of
+`push_to_hub`). An otel_train bridge that is on (`tensorboard`, `wandb`, `mlflow`) takes the
+Trainer's `report_to` reporter for that backend off the Trainer at `on_init_end` (the logs reach the
+backend through the bridge: one W&B / MLflow run, not two), with a warning; W&B then keeps the
+reporter's project (`WANDB_PROJECT`, else "huggingface"). Otherwise `report_to` is left alone and
+otel_train opens no bridge of its own. `run_name` is not adopted: it names otel_train's run
+directory, which a second run may not reuse, while the Trainer lets every run share one.
 
 The Trainer has neither an exception hook nor one between fetching a step's batches and that
 gather, so at `on_init_end` (or `on_train_begin`, for a callback added with `add_callback`) the
@@ -54,6 +67,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import os
 import sys
 from collections.abc import Callable, Mapping
 from time import perf_counter_ns
@@ -63,6 +78,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import otel_train as ot
+from otel_train.config import CONFIG_FILE_ENV, env_name
 from otel_train.integrations._common import (
     distributed_world,
     scalar_logs,
@@ -72,6 +88,11 @@ from otel_train.integrations._common import (
 )
 
 __all__ = ["OtelTrainCallback"]
+
+log = logging.getLogger("otel_train")
+
+_BRIDGES = ("tensorboard", "wandb", "mlflow")  # otel_train bridges that are also `report_to` names
+_RUN_DIRS = "_otel_train"  # under the Trainer's output_dir; push_to_hub skips names starting with _
 
 # Keys of the Trainer's logs that duplicate what otel_train measures itself (the last four: Oumi's).
 _SKIPPED_LOG_KEYS = frozenset(
@@ -108,8 +129,9 @@ class OtelTrainCallback(TrainerCallback):
         self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._hyperparams = hyperparams
         self._watch_every = watch_every
+        self._took_wandb = False  # the Trainer's W&B reporter was taken off for otel_train's bridge
         self._started = False  # this callback's run began (on_train_begin or a lazy first step)
-        self._owns_session = False
+        self._session: Any = None  # the session this callback started (and ends), else None
         self._mark_ns: int | None = None  # end of the last accounted stretch (step, log, eval, save)
         self._open = False  # a step this callback began is open
         self._phase_start_ns = 0
@@ -124,12 +146,38 @@ class OtelTrainCallback(TrainerCallback):
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._adopt(_calling_trainer(self))
+        trainer = _calling_trainer(self)
+        self._adopt(trainer)
+        if trainer is not None:
+            self._drop_duplicate_reporters(trainer)
+
+    def _drop_duplicate_reporters(self, trainer: Any) -> None:
+        """Take the Trainer's `report_to` reporter off for each backend an otel_train bridge writes
+        to (before any reporter's `on_train_begin` opened a run there)."""
+        on = _bridges_on(self._settings)
+        handler = trainer.callback_handler
+        dropped = [c for c in handler.callbacks if _reporter_backend(c) in on]
+        if not dropped:
+            return
+        # A new list, not remove(): the handler is iterating over the old one (this on_init_end).
+        handler.callbacks = [c for c in handler.callbacks if c not in dropped]
+        names = sorted({_reporter_backend(c) or "" for c in dropped})
+        log.warning(
+            "otel_train: the Trainer reports to %s and otel_train's bridge does too: the Trainer's %s "
+            "is taken off, its logs reach %s through otel_train (one run, not two). To keep the "
+            "Trainer's reporter instead, set %s on OtelTrainCallback.",
+            ", ".join(names),
+            ", ".join(type(c).__name__ for c in dropped),
+            ", ".join(names),
+            ", ".join(f"{n}=False" for n in names),
+        )
+        if "wandb" in names:
+            self._took_wandb = True
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_abandoned_step()
+        self._end_abandoned_step()  # a failed attempt of auto_find_batch_size, or a stale step
         self._adopt(_calling_trainer(self))  # added with add_callback: no on_init_end was seen
         self._start(args, state, kwargs.get("model"))
 
@@ -145,16 +193,23 @@ class OtelTrainCallback(TrainerCallback):
             )
 
     def _start(self, args: Any, state: TrainerState | None, model: Any) -> None:
-        settings = dict(self._settings)
-        max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
-        if isinstance(max_steps, int) and max_steps > 0:
-            settings.setdefault("total_steps", max_steps)
-        self._owns_session = start_session(with_precision(settings, _precision(args)))
+        # Began already and its session still runs: the Trainer re-entered its training loop in the
+        # same train() (auto_find_batch_size after an out-of-memory error). The run goes on.
+        again = self._started and self._session is not None and ot.current_session() is self._session
+        if not again:
+            settings = {**_adopted_settings(args, state, self._settings), **self._settings}
+            if self._took_wandb and not _chosen("wandb_project", self._settings):
+                settings["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
+            max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
+            if isinstance(max_steps, int) and max_steps > 0:
+                settings.setdefault("total_steps", max_steps)
+            started = start_session(with_precision(settings, _precision(args)))
+            self._session = ot.current_session() if started else None
         self._started = True
         info = ot.run_info()
         self._rank = info.rank if info is not None else 0
         self._world = distributed_world()
-        if self._hyperparams:
+        if self._hyperparams and not again:
             params = _hyperparams(args)
             if params:
                 ot.log_hyperparams(params)
@@ -177,8 +232,8 @@ class OtelTrainCallback(TrainerCallback):
         self._end_abandoned_step()
         self._started = False
         self._mark_ns = None
-        if self._owns_session:
-            self._owns_session = False
+        session, self._session = self._session, None
+        if session is not None and ot.current_session() is session:
             ot.shutdown()
 
     def _end_abandoned_step(self) -> None:
@@ -290,6 +345,67 @@ class OtelTrainCallback(TrainerCallback):
             return max(job_tokens, 0)
         share, rest = divmod(job_tokens, world)
         return share + (1 if rank < rest else 0)
+
+
+def _chosen(name: str, settings: Mapping[str, Any]) -> bool:
+    """Whether the user gave otel_train setting `name`: a keyword, `OTEL_TRAIN_<NAME>` or the
+    config file (read here only for its keys)."""
+    if name in settings or os.environ.get(env_name(name), "").strip():
+        return True
+    path = os.environ.get(CONFIG_FILE_ENV)
+    if not path:
+        return False
+    from otel_train.config_loading import _read_yaml
+
+    return name in _read_yaml(path)
+
+
+def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The otel_train settings taken from `TrainingArguments` (module doc), those the user did not
+    choose."""
+    out: dict[str, Any] = {}
+    strategy = getattr(args, "logging_strategy", None)
+    strategy = getattr(strategy, "value", strategy)  # IntervalStrategy, a str enum
+    steps = getattr(args, "logging_steps", None)
+    field = getattr(type(args), "__dataclass_fields__", {}).get("logging_steps")
+    if (
+        strategy == "steps"
+        and isinstance(steps, (int, float))
+        and field is not None
+        and steps != field.default
+    ):
+        # A ratio of the run (0 < steps < 1) is resolved by the Trainer into state.logging_steps.
+        resolved = state.logging_steps if state is not None and steps < 1 else steps
+        if isinstance(resolved, (int, float)) and resolved >= 1:
+            out["log_interval"] = int(resolved)
+    output_dir = getattr(args, "output_dir", None)
+    if isinstance(output_dir, str) and output_dir:
+        out["output_dir"] = os.path.join(output_dir, _RUN_DIRS)
+    return {name: value for name, value in out.items() if not _chosen(name, settings)}
+
+
+def _bridges_on(settings: Mapping[str, Any]) -> set[str]:
+    """The otel_train bridges that are on: the running session's, else those a session started
+    with `settings` would open."""
+    session = ot.current_session()
+    if session is not None:
+        config: Any = getattr(session, "config", None)
+    else:
+        from otel_train.config_loading import load_config
+
+        config = load_config(settings)
+    return {name for name in _BRIDGES if getattr(config, name, False) is True}
+
+
+def _reporter_backend(callback: Any) -> str | None:
+    """The `report_to` name of a Trainer reporter for a backend otel_train also bridges to (its
+    exact class: a user's subclass, or DagsHub's MLflow one, is another reporter)."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK
+
+    for name in _BRIDGES:
+        if type(callback) is INTEGRATION_TO_CALLBACK.get(name):
+            return name
+    return None
 
 
 def _hyperparams(args: Any) -> dict[str, Any]:

@@ -357,3 +357,163 @@ def test_callback_hooks_never_sync_the_device_on_cuda(tmp_path: Path, watch_ever
     if watch_every:  # read before the Trainer zeroed the gradients
         layers = [v for r in rows for k, v in r.items() if k.startswith("grad_norm/transformer.")]
         assert layers and all(v > 0 for v in layers), sorted(set().union(*rows))
+
+
+def _oom_at_batch_size(model: Any, size: int) -> list[int]:
+    """Make `model` raise the CUDA out-of-memory error (the text accelerate's
+    `should_reduce_batch_size` matches) for every micro-batch of `size` rows; returns the batch
+    sizes seen, in order."""
+    seen: list[int] = []
+
+    def hook(module: Any, inputs: Any, output: Any) -> None:
+        rows = int(inputs[0].shape[0])
+        seen.append(rows)
+        if rows == size:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.transformer.wte.register_forward_hook(hook)
+    return seen
+
+
+def test_auto_find_batch_size_retry_keeps_one_run_and_ends_it(tmp_path: Path) -> None:
+    """`auto_find_batch_size`: the first batch size runs out of memory in its first step and
+    accelerate re-enters the training loop (a second `on_train_begin` in one `train()`). The
+    callback's session still ends at `on_train_end`, the failed attempt's step is not a success,
+    and the next Trainer gets a run of its own."""
+    run_dirs = []
+    for attempt in range(2):
+        model = tiny_causal_lm()
+        seen = _oom_at_batch_size(model, 8)
+        callback = OtelTrainCallback(verbosity=0, hardware=False, prometheus_port=0)
+        trainer = _trainer(
+            tmp_path / f"hf-out{attempt}", callback, max_steps=3, model=model, auto_find_batch_size=True,
+            per_device_train_batch_size=8, eval_strategy="no", save_strategy="no",
+        )  # fmt: skip
+        trainer.train()
+        assert seen[0] == 8 and trainer._train_batch_size == 7  # a real retry, at accelerate's 0.9 x
+        assert ot.current_session() is None  # the session the callback started ended with train()
+        (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if d not in run_dirs]
+        run_dirs.append(run_dir)
+        rows = _rows(run_dir)
+        assert trainer.state.global_step == 3
+        assert sum(r.get("train/steps", 0) for r in rows) == 3  # the step that ran out of memory is not one
+        assert sum(r.get("timers/step/count", 0) for r in rows) == 3
+        assert sum(r.get("throughput/tokens", 0) for r in rows) == 3 * GRAD_ACCUM * 7 * 16
+
+
+@pytest.mark.parametrize(
+    ("trainer_args", "otel_settings", "env", "log_interval", "run_dirs"),
+    [
+        ({"logging_steps": 3}, {}, {}, 3, "hf-out/_otel_train"),  # each flush holds one Trainer log
+        ({"logging_steps": 0.5}, {}, {}, 2, "hf-out/_otel_train"),  # a ratio of max_steps=4
+        ({}, {}, {}, None, "hf-out/_otel_train"),  # the Trainer's default 500: otel_train's cadence
+        ({"logging_steps": 3, "logging_strategy": "epoch"}, {}, {}, None, "hf-out/_otel_train"),
+        ({"logging_steps": 3}, {"log_interval": 2, "output_dir": "mine"}, {}, 2, "mine"),
+        (
+            {"logging_steps": 3},
+            {},
+            {"OTEL_TRAIN_LOG_INTERVAL": "1", "OTEL_TRAIN_OUTPUT_DIR": "env"},
+            1,
+            "env",
+        ),
+    ],
+)
+def test_trainer_logging_steps_and_output_dir_are_adopted_unless_otel_train_has_its_own(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    trainer_args: dict[str, Any],
+    otel_settings: dict[str, Any],
+    env: dict[str, str],
+    log_interval: int | None,
+    run_dirs: str,
+) -> None:
+    monkeypatch.delenv("OTEL_TRAIN_OUTPUT_DIR")  # (the suite's own run-dir place)
+    monkeypatch.chdir(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = {"run_name": "adopt", "verbosity": 0, "hardware": False, "prometheus_port": 0}
+    callback = OtelTrainCallback(**settings, **otel_settings)
+    overrides = {"logging_steps": 500, **trainer_args}  # 500: the field's default (never set by the user)
+    trainer = _trainer(
+        Path("hf-out"), callback, max_steps=4, eval_strategy="no", save_strategy="no", **overrides
+    )
+    trainer.train()
+    run_dir = tmp_path / run_dirs / "adopt"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["log_interval"] == log_interval
+    assert sum(r.get("train/steps", 0) for r in _rows(run_dir)) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"hf-out", run_dirs.split("/")[0]})
+    if log_interval is not None:  # flushed every log_interval steps (the last one at the end)
+        steps = [r["train/steps"] for r in _rows(run_dir) if r.get("train/steps")]
+        assert steps[0] == log_interval, steps
+
+
+def _tensorboard_scalars(log_dir: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for events in log_dir.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events.parent))
+        accumulator.Reload()
+        tags |= set(accumulator.Tags().get("scalars", []))
+        tags |= set(accumulator.Tags().get("tensors", []))
+    return tags
+
+
+def test_report_to_tensorboard_keeps_the_trainers_reporter_unless_otel_trains_bridge_is_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`report_to=["tensorboard"]`: with otel_train's bridge off (its default) the Trainer's own
+    TensorBoardCallback writes and otel_train opens none; with `tensorboard=True` the Trainer's is
+    taken off at construction and the Trainer's logs reach TensorBoard once, through otel_train."""
+    from transformers.integrations import TensorBoardCallback
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "hf-tb"))
+    settings = {"verbosity": 0, "hardware": False, "prometheus_port": 0}
+    kept = _trainer(
+        tmp_path / "a", OtelTrainCallback(run_name="kept", **settings), max_steps=2,
+        eval_strategy="no", save_strategy="no", report_to=["tensorboard"],
+    )  # fmt: skip
+    assert any(type(c) is TensorBoardCallback for c in kept.callback_handler.callbacks)
+    kept.train()
+    assert "loss" in _tensorboard_scalars(tmp_path / "hf-tb") or "train/loss" in _tensorboard_scalars(
+        tmp_path / "hf-tb"
+    )
+    assert json.loads((tmp_path / "runs" / "kept" / "config.json").read_text())["tensorboard"] is False
+    assert not (tmp_path / "runs" / "kept" / "tensorboard").exists()
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "hf-tb2"))
+    with caplog.at_level("WARNING", logger="otel_train"):
+        taken = _trainer(
+            tmp_path / "b", OtelTrainCallback(run_name="taken", tensorboard=True, **settings), max_steps=2,
+            eval_strategy="no", save_strategy="no", report_to=["tensorboard"],
+        )  # fmt: skip
+    assert not any(type(c) is TensorBoardCallback for c in taken.callback_handler.callbacks)
+    assert "tensorboard=False" in caplog.text
+    taken.train()
+    assert not (tmp_path / "hf-tb2").exists()  # the Trainer's reporter never ran
+    assert "train/loss" in _tensorboard_scalars(tmp_path / "runs" / "taken" / "tensorboard")
+
+
+def test_report_to_wandb_with_otel_trains_wandb_bridge_makes_one_wandb_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both the Trainer (`report_to=["wandb"]`) and otel_train (`wandb=True`) asked for W&B (offline
+    here): one W&B run, otel_train's, in the project the Trainer's reporter would have used."""
+    pytest.importorskip("wandb")
+    monkeypatch.chdir(tmp_path)  # where the Trainer's WandbCallback would put its run
+    monkeypatch.setenv("WANDB_PROJECT", "hf-project")
+    callback = OtelTrainCallback(run_name="wb", wandb=True, verbosity=0, hardware=False, prometheus_port=0)
+    trainer = _trainer(
+        tmp_path / "hf-out",
+        callback,
+        max_steps=2,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to=["wandb"],
+    )
+    trainer.train()
+    runs = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("offline-run-*") if p.is_dir())
+    assert len(runs) == 1, runs
+    info = json.loads((tmp_path / "runs" / "wb" / "wandb_run.json").read_text())
+    assert info["project"] == "hf-project"

@@ -1,47 +1,101 @@
-"""Accelerate integration: `Accelerator(log_with=[OtelTrainTracker()])`.
+"""Accelerate integration: `Accelerator(log_with=[OtelTrainTracker()])`, or by name after
+`accelerate.tracking.register_tracker_class(OtelTrainTracker)`: `Accelerator(log_with="otel_train")`.
 
-`accelerator.init_trackers(project, config=...)` logs `config` as hyperparameters and
-`accelerator.log({...}, step=...)` records the values. Accelerate calls trackers on the main
-process only, so in a multi-process job call `ot.init()` on every rank (after creating the
-`Accelerator`): starting a session runs collectives every rank must join, so the tracker never
-starts one itself there; it warns once and forwards nothing until a session exists. In a single
-process it starts the session lazily (keyword arguments are `ot.init()` settings, `Config` fields:
-`OtelTrainTracker(run_name="x")`; the older `settings={...}` mapping still works) and `end_training()`
-shuts down a session it started. Steps and timers still come from `ot.step` / `ot.timer` in your
-loop: `accelerator.log` carries values, not timing.
+Accelerate's tracker contract, as its built-in trackers keep it:
+
+- `accelerator.init_trackers(project, config=..., init_kwargs={"otel_train": {...}})`: `init_kwargs`
+  are `ot.init()` settings (`Config` fields), `config` is logged as hyperparameters, and `project`
+  is what a project is in the bridges (`wandb_project`, `mlflow_experiment`) and the start of the
+  run's name, `<project>-<UTC date-time>-<4 hex>` (a fixed name would collide with the previous
+  run's directory). A setting the user chose (a keyword, `OTEL_TRAIN_<FIELD>`, a config file) wins.
+- `accelerator.log(values, step=N)`: the values are filed under step N. When the loop marks no
+  steps itself (no `ot.step`/`ot.begin_step`), the tracker marks them as `OtelTrainLogger` alone
+  does: one otel_train step per distinct step logged, numbered as logged and lasting from the
+  previous logged step (or `init_trackers`) to this one, so `train/steps` counts logged steps and
+  goodput is the time between logs over wall time. Once the loop has marked a step it never does
+  (no step counted twice). A value logged for an earlier step than the last completed one is filed
+  under the last completed one (a flush row cannot go back). Without `step`, values leave with the
+  next flush.
+
+Accelerate calls `log` and `init_trackers` on the main process only, so in a multi-process job
+call `ot.init()` on every rank (after creating the `Accelerator`) and mark steps with `ot.step` on
+every rank: starting a session, and a flush, run collectives every rank must join, so there the
+tracker never starts a session nor marks a step itself; it warns once and forwards nothing until a
+session exists. In a single process it starts the session lazily and `end_training()` shuts down
+a session it started. Keyword arguments are `ot.init()` settings (`OtelTrainTracker(run_name="x")`;
+the older `settings={...}` mapping still works).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Mapping
+from time import perf_counter_ns
 from typing import Any
 
 from accelerate.tracking import GeneralTracker
 
 import otel_train as ot
+from otel_train.config import CONFIG_FILE_ENV, env_name
 from otel_train.integrations._common import (
     distributed_world,
     scalar_logs,
     settings_from_kwargs,
     start_session,
 )
+from otel_train.run_directory import default_run_name
+from otel_train.step_input import message_step
 
 __all__ = ["OtelTrainTracker"]
 
 log = logging.getLogger("otel_train")
 
+# Settings a project name stands for, unless the user chose them.
+_PROJECT_SETTINGS = ("wandb_project", "mlflow_experiment")
+_RUN_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:-]+")
+
 
 class OtelTrainTracker(GeneralTracker):
+    """An Accelerate tracker writing into otel_train. The first positional argument is the project
+    name, as Accelerate passes it to a tracker it creates by name (`cls(project_name, **kwargs)`);
+    keyword arguments are `ot.init()` settings."""
+
     name = "otel_train"
-    requires_logging_directory = False
+    requires_logging_directory = False  # the run directory is otel_train's output_dir/run_name
+    # Accelerate gates only trackers' @on_main_process methods with this; ours run where called
+    # (Accelerator.log and init_trackers are main-process only themselves), and `finish` must run
+    # on every rank that started a session.
     main_process_only = False
 
-    def __init__(self, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        project_name: str | Mapping[str, Any] | None = None,
+        /,
+        settings: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
+        if isinstance(project_name, Mapping):  # the older OtelTrainTracker({...}) form
+            if settings is not None:
+                raise TypeError(
+                    "OtelTrainTracker got two settings mappings: pass the project name first "
+                    "(OtelTrainTracker('project', settings={...})) or only one mapping."
+                )
+            project_name, settings = None, project_name
+        if project_name is not None and not isinstance(project_name, str):
+            raise TypeError(
+                f"OtelTrainTracker's first argument is the project name (a str), got "
+                f"{type(project_name).__name__}: pass settings as keywords or settings={{...}}."
+            )
+        self.project_name = project_name or None
         self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._owns_session = False
         self._warned = False
+        self._marks_steps = True  # until the loop marks a step itself (or the job is multi-rank)
+        self._marked = -1  # the last step this tracker marked; -1: none (a fresh session's last step)
+        self._mark_ns: int | None = None  # where the next marked step starts
 
     @property
     def tracker(self) -> Any:
@@ -49,7 +103,8 @@ class OtelTrainTracker(GeneralTracker):
         return ot.current_session()
 
     def start(self) -> None:
-        self._ready()
+        if self._ready():
+            self._mark_ns = perf_counter_ns()  # the first logged step starts at init_trackers
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         if self._ready():
@@ -57,8 +112,32 @@ class OtelTrainTracker(GeneralTracker):
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
         # **kwargs: Accelerate passes each tracker its own `log_kwargs` entry; none apply here.
-        if self._ready():
-            ot.log_metrics(scalar_logs(values))
+        if not self._ready():
+            return
+        session = ot.current_session()
+        if session is None:
+            return
+        scalars = scalar_logs(values)
+        number = message_step(step, session.buffer)  # numpy/tensor steps as int; junk counted
+        in_step = session.step_start_ns != 0
+        if self._marks_steps and (
+            in_step or session.identity.distributed or session.step_index != self._marked
+        ):
+            # The loop marks steps (or a step's flush must pair across ranks): only log values.
+            self._marks_steps = False
+        if self._marks_steps and number is not None and number > self._marked:
+            ot.begin_step(number, start_ns=self._mark_ns)
+            ot.log_metrics(scalars)  # inside the step: they leave with its flush, filed under it
+            ot.end_step()
+            self._marked = number
+            self._mark_ns = perf_counter_ns()
+        elif in_step and (number is None or number == session._step_index_running):
+            # the step running now: they leave with its flush (a flush now would file them under
+            # the step before it, the last completed one)
+            ot.log_metrics(scalars)
+        else:
+            # Flushed now, filed under the last completed step: the one logged, once it ended.
+            ot.log_metrics(scalars, step=number)
 
     def finish(self) -> None:
         if self._owns_session:
@@ -77,5 +156,25 @@ class OtelTrainTracker(GeneralTracker):
                     distributed_world(),
                 )
             return False
-        self._owns_session = start_session(self._settings)
+        self._owns_session = start_session(self._session_settings())
+        self._mark_ns = perf_counter_ns()
         return True
+
+    def _session_settings(self) -> dict[str, Any]:
+        """The user's settings plus what the project name stands for, where the user chose nothing
+        (a config file is not read here, so with one the project adds nothing)."""
+        settings = dict(self._settings)
+        project = self.project_name
+        if project is None or CONFIG_FILE_ENV in os.environ:
+            return settings
+
+        def chosen(field: str) -> bool:
+            return field in settings or os.environ.get(env_name(field), "").strip() != ""
+
+        for field in _PROJECT_SETTINGS:
+            if not chosen(field):
+                settings[field] = project
+        prefix = _RUN_NAME_CHARS.sub("-", project).lstrip("-_.:")[:100]
+        if prefix and not chosen("run_name"):
+            settings["run_name"] = f"{prefix}-{default_run_name()}"
+        return settings

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("accelerate")
 
 from accelerate import Accelerator
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, register_tracker_class
 from helpers.multirank import run_ranks
+from helpers.readback import read_tensorboard
 
 import otel_train as ot
 from otel_train.integrations.accelerate import OtelTrainTracker
@@ -57,3 +61,151 @@ def test_tracker_never_starts_a_session_alone_in_a_multi_process_job() -> None:
 def test_tracker_rejects_an_unknown_setting_by_name() -> None:
     with pytest.raises(ot.ConfigError, match=r"OtelTrainTracker.*'prometheus_prot'.*'prometheus_port'"):
         OtelTrainTracker(prometheus_prot=0)
+
+
+QUIET = {"prometheus_port": 0, "verbosity": 0, "hardware": False}
+# A flush per step, and room for all of them: with the default queue of 8, a worker slow to start
+# (a busy machine) defers flushes and their steps share a row.
+EVERY_STEP = {"log_interval": 1, "queue_size": 64}
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def registry() -> Iterator[None]:
+    """Accelerate's tracker registry as it was: registering is process-wide."""
+    saved = dict(LOGGER_TYPE_TO_CLASS)
+    yield
+    LOGGER_TYPE_TO_CLASS.clear()
+    LOGGER_TYPE_TO_CLASS.update(saved)
+
+
+def test_tracker_alone_files_each_logged_step_under_its_step(tmp_path: Path) -> None:
+    """No ot.step in the loop: `accelerator.log(values, step=N)` every 5 steps; each logged step is
+    an otel_train step of its own, numbered as logged, with its own values (run dir and the
+    TensorBoard bridge read back), and a second log at the same step is filed under it too."""
+    tracker = OtelTrainTracker(run_name="alone", tensorboard=True, **EVERY_STEP, **QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("proj")
+    logged = list(range(0, 40, 5))
+    for step in logged:
+        accelerator.log({"loss": 100.0 + step}, step=step)
+        if step == 15:
+            accelerator.log({"eval_accuracy": 0.5}, step=step)
+    accelerator.end_training()
+
+    rows = _rows(tmp_path / "runs" / "alone")
+    losses = {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")}
+    assert losses == {step: 100.0 + step for step in logged}
+    assert sum(r.get("train/steps") or 0 for r in rows) == len(logged)  # one step per logged step
+    assert min(r["step"] for r in rows if "eval/accuracy" in r) == 15
+    assert 0 < rows[-1]["train/goodput"] <= 1  # the time between logs is step time
+    tb = read_tensorboard(tmp_path / "runs" / "alone" / "tensorboard")
+    assert dict(tb.scalars["train/loss"]) == {step: 100.0 + step for step in logged}
+
+
+@pytest.mark.parametrize("every_step", [False, True], ids=["adaptive", "every-step"])
+def test_tracker_beside_the_loops_steps_counts_each_once_and_files_eval_at_its_step(
+    tmp_path: Path, every_step: bool
+) -> None:
+    """The loop marks steps with ot.step and logs inside them; an eval run after step 6 is logged
+    with step=6. The tracker marks no step of its own, the eval is filed under step 6 (not at the
+    next flush, step 9 at the default cadence), and a value logged inside step N stays with N."""
+    cadence = EVERY_STEP if every_step else {}
+    tracker = OtelTrainTracker(run_name="loop", **cadence, **QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("proj")
+    for step in range(10):
+        with ot.step(step):
+            accelerator.log({"loss": 100.0 + step}, step=step)
+        if step == 6:
+            accelerator.log({"eval_loss": 0.5}, step=6)
+    accelerator.end_training()
+
+    rows = _rows(tmp_path / "runs" / "loop")
+    assert sum(r.get("train/steps") or 0 for r in rows) == 10
+    assert min(r["step"] for r in rows if "eval/loss" in r) == 6
+    if every_step:  # a row repeats the last value until a new one: where each first appears
+        first_seen: dict[float, int] = {}
+        for row in rows:
+            first_seen.setdefault(row["train/loss"], row["step"])
+        assert first_seen == {100.0 + step: step for step in range(10)}
+
+
+def test_tracker_stops_marking_once_the_loop_marks_a_step(tmp_path: Path) -> None:
+    """ot.step appears only after a few logged steps: from then on the loop's steps are the steps
+    (none counted twice), and the tracker's own earlier steps stay counted."""
+    tracker = OtelTrainTracker(run_name="late", log_interval=1, **QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("proj")
+    for step in range(3):
+        accelerator.log({"loss": 1.0}, step=step)
+    for step in range(3, 6):
+        with ot.step(step):
+            accelerator.log({"loss": 1.0}, step=step)
+    accelerator.log({"loss": 1.0}, step=6)  # after the loop's last step: no step of its own
+    accelerator.end_training()
+    rows = _rows(tmp_path / "runs" / "late")
+    assert sum(r.get("train/steps") or 0 for r in rows) == 6
+
+
+def test_register_by_name_adopts_project_config_and_init_kwargs(tmp_path: Path, registry: None) -> None:
+    """Accelerate's own way: `register_tracker_class` then `log_with="otel_train"`; Accelerate
+    creates it as `cls(project_name, **init_kwargs["otel_train"])`."""
+    register_tracker_class(OtelTrainTracker)
+    accelerator = Accelerator(log_with="otel_train", cpu=True)
+    accelerator.init_trackers(
+        "my-proj", config={"lr": 0.1}, init_kwargs={"otel_train": {**QUIET, "log_interval": 1}}
+    )
+    session = ot.current_session()
+    assert session is not None
+    assert session.run_name.startswith("my-proj-") and session.run_name != "my-proj-"
+    assert (session.config.wandb_project, session.config.mlflow_experiment) == ("my-proj", "my-proj")
+    assert session.config.log_interval == 1  # init_kwargs are ot.init settings
+    tracker = accelerator.get_tracker("otel_train")
+    assert isinstance(tracker, OtelTrainTracker) and tracker.tracker is session
+    accelerator.log({"loss": 3.0}, step=0)
+    accelerator.end_training()
+    assert ot.current_session() is None
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "hparams.json").read_text())["lr"] == 0.1
+    assert [r["train/loss"] for r in _rows(run_dir) if r.get("train/steps")] == [3.0]
+
+
+def test_an_explicit_setting_wins_over_the_project(
+    tmp_path: Path, registry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_WANDB_PROJECT", "from-env")
+    register_tracker_class(OtelTrainTracker)
+    accelerator = Accelerator(log_with="otel_train", cpu=True)
+    accelerator.init_trackers("my-proj", init_kwargs={"otel_train": {"run_name": "mine", **QUIET}})
+    session = ot.current_session()
+    assert session is not None
+    assert (session.run_name, session.config.wandb_project) == ("mine", "from-env")
+    assert session.config.mlflow_experiment == "my-proj"
+    accelerator.end_training()
+
+
+def test_a_project_name_with_odd_characters_still_names_the_run(tmp_path: Path) -> None:
+    tracker = OtelTrainTracker("org/My Project!", **QUIET)
+    tracker.start()
+    session = ot.current_session()
+    assert session is not None and session.run_name.startswith("org-My-Project-")
+    assert session.config.wandb_project == "org/My Project!"
+    tracker.finish()
+
+
+def test_constructor_forms() -> None:
+    assert OtelTrainTracker(settings={"run_name": "a"})._settings == {"run_name": "a"}
+    assert OtelTrainTracker({"run_name": "a"}, log_interval=2)._settings == {
+        "run_name": "a",
+        "log_interval": 2,
+    }
+    named = OtelTrainTracker("proj", settings={"run_name": "a"}, log_interval=2)
+    assert (named.project_name, named._settings) == ("proj", {"run_name": "a", "log_interval": 2})
+    with pytest.raises(TypeError, match="project name"):
+        OtelTrainTracker(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="two settings mappings"):
+        OtelTrainTracker({"run_name": "a"}, settings={"run_name": "b"})

@@ -33,16 +33,24 @@ nothing. Either piece starts the session lazily on every rank unless `ot.init()`
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import sys
+import weakref
 from argparse import Namespace
 from collections.abc import Callable, Mapping
 from time import perf_counter_ns
-from typing import Any
+from types import FrameType
+from typing import Any, NamedTuple
 
+from lightning.fabric.utilities.logger import _convert_params, _sanitize_callable_params
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
 import otel_train as ot
+from otel_train.config import Config, ConfigError, env_name
+from otel_train.config_loading import load_config
 from otel_train.integrations._common import (
     end_phase,
     scalar_logs,
@@ -50,6 +58,7 @@ from otel_train.integrations._common import (
     start_session,
     with_precision,
 )
+from otel_train.run import Run
 
 __all__ = ["OtelTrainCallback", "OtelTrainLogger", "callbacks_factory"]
 
@@ -57,6 +66,9 @@ ENV_SWITCH = "OTEL_TRAIN_LIGHTNING"
 # Lightning's conventional names onto otel_train's catalogue.
 _RENAMES = {"train_loss": "loss", "val_loss": "eval_loss"}
 _SKIPPED = frozenset({"epoch", "step"})
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")  # Config's run_name rule
+_VERSION_DIR = re.compile(r"version_(\d+)")
+log = logging.getLogger("otel_train")
 
 
 def _lightning_scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -65,10 +77,107 @@ def _lightning_scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return scalar_logs(renamed, _SKIPPED)
 
 
+class _Place(NamedTuple):
+    """Where a logger's run lives, fixed the first time anyone asks (see `OtelTrainLogger`)."""
+
+    save_dir: str
+    name: str
+    version: str
+
+
+# The running session an OtelTrainLogger started, and that logger: a session the user (or the
+# callback) started is never shut down by a logger. A weak reference: holding the logger alive
+# for the module's life would keep its Trainer's objects too.
+_owned_session: Any = None
+_owner_ref: weakref.ref[OtelTrainLogger] | None = None
+
+
+def _owner_of(session: Any) -> OtelTrainLogger | None:
+    if session is None or session is not _owned_session or _owner_ref is None:
+        return None
+    return _owner_ref()
+
+
+def _version_name(version: int | str | None) -> str | None:
+    """Lightning's `version=` as a run name: an int n is `version_n` (its log dir's name under
+    TensorBoardLogger/CSVLogger), a str is used as is and must be a valid run name."""
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, (int, str)):
+        raise ConfigError(
+            f"OtelTrainLogger(version={version!r}): use an int (the run is named version_<n>) or a run "
+            "name string, or leave it unset for the next free version_<n>"
+        )
+    text = f"version_{version}" if isinstance(version, int) else version
+    if _RUN_NAME.match(text) is None:
+        raise ConfigError(
+            f"OtelTrainLogger(version={version!r}): the version is the otel_train run name; use letters, "
+            "digits and _ . : - (max 128 characters)"
+        )
+    return text
+
+
+def _next_version(root: str) -> str:
+    """TensorBoardLogger's automatic versioning: one more than the highest `version_<n>` in root."""
+    try:
+        names = os.listdir(root)
+    except OSError:  # not created yet: the first version
+        return "version_0"
+    taken = [
+        int(m.group(1))
+        for n in names
+        if (m := _VERSION_DIR.fullmatch(n)) and os.path.isdir(os.path.join(root, n))
+    ]
+    return f"version_{max(taken) + 1 if taken else 0}"
+
+
+def _trainer_on_stack(logger: OtelTrainLogger) -> Trainer | None:
+    """The Trainer running this logger, found on the caller's stack: Lightning hands a logger no
+    Trainer, and its base dir (`default_root_dir`) and other otel_train pieces are the Trainer's.
+    Only a Trainer holding this very logger counts; none when the user asks outside a run."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return None
+        local = frame.f_locals
+        for key in ("trainer", "self"):
+            candidate = local.get(key)
+            if isinstance(candidate, Trainer) and any(lg is logger for lg in candidate.loggers):
+                return candidate
+        frame = frame.f_back
+    return None
+
+
 class OtelTrainLogger(Logger):
     """`Trainer(logger=OtelTrainLogger(run_name="x"))`: every `self.log` value reaches otel_train at
     Lightning's step, on every rank. Keyword arguments are `ot.init()` settings (`Config` fields;
-    the older `settings={...}` mapping still works), used when the logger starts the session.
+    the older `settings={...}` mapping still works), used when the logger starts the session;
+    `name=` and `version=` are Lightning's, as TensorBoardLogger/CSVLogger take them.
+
+    One logger is one otel_train run, and its Lightning directories are that run's directory:
+
+        save_dir   output_dir (a keyword, OTEL_TRAIN_OUTPUT_DIR or the config file), else the
+                   Trainer's `default_root_dir` unless it is the working directory (Lightning's
+                   default) or remote, else otel_train's "runs"
+        name       `name=`, default "" (no subfolder: a default folder named like a package in
+                   the working directory would shadow that package's import)
+        root_dir   save_dir/name: the `output_dir` the session gets
+        version    run_name (a keyword, OTEL_TRAIN_RUN_NAME or the config file), else `version=`
+                   (an int n: "version_n"), else the next free version_<n> in root_dir
+        log_dir    root_dir/version: the otel_train run directory, so ModelCheckpoint's default
+                   `save_dir/name/version/checkpoints` is `<run dir>/checkpoints`
+
+    They are fixed the first time anyone asks (Lightning first asks for `experiment` as a fit,
+    validate, test or predict sets up; a Trainer's `default_root_dir` is seen only from then on) and
+    stay for the logger's life, after `finalize` too. `experiment` starts the session (on every rank
+    at the same point of Lightning's set-up, so the ranks agree on rank 0's run name and the logger
+    takes it); a session the user started first is used as it is, and names the logger's run.
+
+    The session lasts across `fit`, `validate`, `test` and `predict` (one run), and ends (final
+    flush) when the Trainer reports a failure or interruption, when another OtelTrainLogger starts
+    its own run, or at process exit (`ot.shutdown()` ends it sooner); used again later, the logger
+    appends to its run (same run id). With several OtelTrainLoggers on one Trainer the first does
+    the work and the others only share its run: each step and value is sent once.
 
     Alone (no `OtelTrainCallback` on the Trainer) the logger also marks the steps: one otel_train
     step per distinct step Lightning logs at, numbered as Lightning numbers it and lasting from the
@@ -77,33 +186,179 @@ class OtelTrainLogger(Logger):
     steps, and step time is the time per logging interval: add `OtelTrainCallback` for one step per
     optimizer step with phases, eval spans and straggler detection (the logger then only logs)."""
 
-    def __init__(self, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        settings: Mapping[str, Any] | None = None,
+        *,
+        name: str | None = None,
+        version: int | str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
         self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
-        self._owns_session = False
+        if name is not None and not isinstance(name, str):
+            raise ConfigError(f"OtelTrainLogger(name={name!r}): use a folder name string, or leave it unset")
+        self._name_arg = name or ""
+        self._version_arg = _version_name(version)
+        self._place: _Place | None = None
+        self._version_shown = False  # someone read the version: it may no longer change
+        self._run_id: str | None = None  # of the run this logger started: a restart appends to it
+        self._primary: OtelTrainLogger | None = None  # another OtelTrainLogger on our Trainer does the work
         self.marks_steps = True  # OtelTrainCallback on the same Trainer turns it off: it marks them
         self._last_step: int | None = None
         self._mark_ns: int | None = None  # where the next logged step starts
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_primary"] = None  # found again from the Trainer where the copy runs
+        return state
+
+    # --- Lightning's names and directories --------------------------------------------------------
     @property
     def name(self) -> str:
-        return "otel_train"
+        return self._place_now().name
 
     @property
-    def version(self) -> str | None:
-        info = ot.run_info()
-        return info.run_name if info is not None else None
+    def version(self) -> str:
+        place = self._place_now()
+        self._version_shown = True
+        return place.version
 
-    def _ensure_session(self) -> None:
-        if ot.current_session() is None:
-            self._owns_session = start_session(self._settings)
+    @property
+    def save_dir(self) -> str:
+        return self._place_now().save_dir
 
+    @property
+    def root_dir(self) -> str:
+        place = self._place_now()
+        return os.path.join(place.save_dir, place.name) if place.name else place.save_dir
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.root_dir, self.version)
+
+    @property
+    def experiment(self) -> Run | None:
+        """The otel_train run (`ot.Run`), started here if need be: Lightning asks for it on every
+        rank before the set-up hooks, so all ranks start the session at the same point."""
+        trainer = _trainer_on_stack(self)
+        if trainer is not None:
+            self._join(trainer)
+        self._ensure_session(trainer)
+        session = ot.current_session()
+        return Run(session) if session is not None else None
+
+    def _place_now(self) -> _Place:
+        return self._resolve(_trainer_on_stack(self) if self._place is None else None)
+
+    def _resolve(self, trainer: Trainer | None) -> _Place:
+        if self._place is not None:
+            return self._place
+        if self._primary is not None:
+            self._place = self._primary._resolve(trainer)
+            return self._place
+        session = ot.current_session()
+        if session is not None and _owner_of(session) is None:  # the user's own session names the run
+            self._place = _Place(str(session.config.output_dir), "", session.run_name)
+            return self._place
+        config = load_config(self._settings)
+        explicit_dir = (
+            "output_dir" in self._settings
+            or os.environ.get(env_name("output_dir"), "").strip() != ""
+            or config.output_dir != Config.output_dir
+        )
+        save_dir = config.output_dir
+        if not explicit_dir and trainer is not None:
+            root = str(trainer.default_root_dir)
+            # Lightning's default is the working directory: otel_train's "runs" goes there instead
+            # of bare version_<n> folders. otel_train writes local files only: a remote base is left.
+            if "://" not in root and os.path.abspath(root) != os.getcwd():
+                save_dir = root
+        name = self._name_arg
+        root_dir = os.path.join(save_dir, name) if name else save_dir
+        version = config.run_name or self._version_arg or _next_version(root_dir)
+        self._place = _Place(save_dir, name, version)
+        return self._place
+
+    def _join(self, trainer: Trainer) -> None:
+        """Settle what this logger does on `trainer`: the first OtelTrainLogger there works, the
+        others share its run and send nothing (each step and value once)."""
+        ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
+        self._primary = ours[0] if ours and ours[0] is not self else None
+        if self._primary is not None and self._place is None:
+            self._place = self._primary._resolve(trainer)
+
+    # --- the session ------------------------------------------------------------------------------
+    def _ensure_session(self, trainer: Trainer | None = None) -> None:
+        global _owned_session, _owner_ref
+        if self._primary is not None:
+            self._primary._ensure_session(trainer)
+            return
+        session = ot.current_session()
+        if session is not None:
+            owner = _owner_of(session)
+            if owner is None or owner is self:
+                return  # the user's session, or ours
+            ot.shutdown()  # another logger's run is over: this logger's run begins
+        place = self._resolve(trainer)
+        settings = self._session_settings(trainer)
+        settings["run_name"] = place.version
+        settings["output_dir"] = os.path.join(place.save_dir, place.name) if place.name else place.save_dir
+        if self._run_id is not None:
+            settings.setdefault("run_id", self._run_id)  # this logger's run again: append to it
+        ot.init(**settings)
+        session = ot.current_session()
+        if session is None:
+            return
+        _owned_session, _owner_ref = session, weakref.ref(self)
+        self._run_id = session.identity.run_id
+        if session.run_name != place.version:
+            # Another rank (rank 0) chose the run name: take it unless this rank already gave ours out.
+            if self._version_shown:
+                log.warning(
+                    "otel_train: this rank's OtelTrainLogger version %r differs from the run name %r "
+                    "rank 0 chose (their output dirs differ); set run_name or version= to the same value "
+                    "on every rank",
+                    place.version,
+                    session.run_name,
+                )
+            else:
+                self._place = place._replace(version=session.run_name)
+        self._mark_ns = None
+
+    def _session_settings(self, trainer: Trainer | None) -> dict[str, Any]:
+        """The logger's settings over those of the OtelTrainCallbacks on the same Trainer, with
+        what the Trainer says (total steps, precision) where the user set neither."""
+        settings: dict[str, Any] = {}
+        if trainer is not None:
+            for callback in getattr(trainer, "callbacks", ()):
+                if isinstance(callback, OtelTrainCallback):
+                    settings.update(callback._settings)
+        settings.update(self._settings)
+        if trainer is None:
+            return settings
+        if trainer.max_steps and trainer.max_steps > 0:
+            settings.setdefault("total_steps", trainer.max_steps)
+        return with_precision(settings, getattr(trainer, "precision", None))
+
+    def _shutdown_owned(self) -> None:
+        global _owned_session, _owner_ref
+        session = ot.current_session()
+        if session is not None and _owner_of(session) is self:
+            _owned_session, _owner_ref = None, None
+            ot.shutdown()
+
+    # --- what Lightning logs ----------------------------------------------------------------------
     def log_graph(self, model: Any, input_array: Any = None) -> None:
         # Lightning calls this on every logger once at fit start: the first logged step starts here.
+        if self._primary is not None:
+            return
         self._ensure_session()
         self._mark_ns = perf_counter_ns()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if self._primary is not None:
+            return  # the first OtelTrainLogger on the Trainer sent these
         self._ensure_session()
         values = _lightning_scalars(metrics)
         if step is not None and self.marks_steps and (self._last_step is None or step > self._last_step):
@@ -117,14 +372,34 @@ class OtelTrainLogger(Logger):
         # With a step: flushed now, filed under that step (see ot.log_metrics).
         ot.log_metrics(values, step=step)
 
-    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        if self._primary is not None:
+            return
         self._ensure_session()
-        ot.log_hyperparams(vars(params) if isinstance(params, Namespace) else dict(params))
+        ot.log_hyperparams(_plain_params(params))
 
     def finalize(self, status: str) -> None:
-        if self._owns_session:
-            self._owns_session = False
-            ot.shutdown()
+        # "success" ends one fit/validate/test/predict, not the run: a test after the fit belongs
+        # to it. A failure or an interruption ends it now (final flush), as process exit would.
+        if status != "success" and self._primary is None:
+            self._shutdown_owned()
+
+
+def _plain_params(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:
+    """Hyperparameters as Lightning's own loggers take them: a Namespace (nested too) as a dict,
+    a callable as its name; other values pass on to otel_train's writers."""
+    if params is None:
+        return {}
+    converted = _convert_params(params if isinstance(params, Namespace) else dict(params))
+    return _sanitize_callable_params(_namespaces_as_dicts(converted))
+
+
+def _namespaces_as_dicts(value: Any) -> Any:
+    if isinstance(value, Namespace):
+        value = vars(value)
+    if isinstance(value, Mapping):
+        return {k: _namespaces_as_dicts(v) for k, v in value.items()}
+    return value
 
 
 class OtelTrainCallback(Callback):

@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from argparse import Namespace
+from dataclasses import dataclass, field
+from enum import Enum
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -91,7 +94,8 @@ def test_logger_and_callback_together(tmp_path: Path) -> None:
     settings = {"run_name": "pl", "prometheus_port": 0, "verbosity": 0, "log_interval": 2, "hardware": False}
     trainer = _trainer(tmp_path, logger=OtelTrainLogger(settings), callbacks=[OtelTrainCallback(settings)])
     trainer.fit(TinyRegression(), _loader(64), _loader(8))
-    assert ot.current_session() is None  # the integration started the session and ended it
+    assert ot.current_session() is not None  # the run lasts past the fit (a test() may follow)
+    ot.shutdown()  # ... until process exit, a failure or the next logger's run: here, now
 
     rows = _rows(tmp_path / "runs" / "pl")
     assert trainer.global_step == MAX_STEPS
@@ -127,7 +131,7 @@ def test_logger_alone_starts_a_session_on_first_use(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("OTEL_TRAIN_RUN_NAME", "logger-only")
     trainer = _trainer(tmp_path, logger=OtelTrainLogger({"verbosity": 0, "hardware": False}))
     trainer.fit(TinyRegression(), _loader(64), _loader(8))
-    assert ot.current_session() is None
+    ot.shutdown()
     keys = set().union(*_rows(tmp_path / "runs" / "logger-only"))
     assert {"train/loss", "eval/loss"} <= keys
 
@@ -151,7 +155,7 @@ def test_logger_alone_records_every_logged_value_at_its_step(tmp_path: Path) -> 
         accelerator="cpu", devices=1, default_root_dir=str(tmp_path), callbacks=[Scrape()],
     )  # fmt: skip
     trainer.fit(TinyRegression(), _loader(160), _loader(8))
-    assert ot.current_session() is None
+    ot.shutdown()
     assert scraped["train_loss"] > 0 and scraped["eval_loss"] > 0 and scraped["train_steps_total"] == 8
     tb = read_tensorboard(tmp_path / "runs" / "alone" / "tensorboard")
     assert sorted({step for step, _ in tb.scalars["train/loss"]}) == list(range(4, 40, 5))
@@ -255,3 +259,277 @@ def test_unmodified_script_exports_only_with_the_switch(tmp_path: Path) -> None:
         if "eval/loss" in r:
             got.setdefault(r["eval/loss"], r["step"])  # the first row that carries this value
     assert {step: pytest.approx(value, rel=1e-6) for value, step in got.items()} == expected
+
+
+# --- Lightning's logger contract: names, directories, one run per logger (issue #43) ----------------
+def _quick_trainer(logger: Any, **extra: Any) -> Trainer:
+    extra.setdefault("max_steps", 1)
+    return Trainer(
+        logger=logger, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+        limit_val_batches=1, limit_test_batches=2, **extra,
+    )  # fmt: skip
+
+
+def _boring() -> LightningModule:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    return BoringModel()
+
+
+def _quiet(**settings: Any) -> OtelTrainLogger:
+    return OtelTrainLogger(verbosity=0, hardware=False, prometheus_port=0, **settings)
+
+
+def _run_id(run_dir: Path) -> str:
+    return str(json.loads((run_dir / "config.json").read_text())["run_id"])
+
+
+def test_each_logger_names_its_own_run_and_checkpoint_dir(tmp_path: Path) -> None:
+    """Two loggers one after the other: each run's checkpoints in its own run dir (they shared
+    otel_train/version_None/checkpoints, the second as -v1), and the names stay after finalize."""
+    runs = tmp_path / "runs"  # OTEL_TRAIN_OUTPUT_DIR (conftest)
+    seen = {}
+    for run_name in ("first", "second"):
+        logger = _quiet(run_name=run_name)
+        trainer = _quick_trainer(logger)
+        trainer.fit(_boring())
+        session = ot.current_session()
+        assert session is not None and session.run_dir == runs / run_name
+        assert trainer.checkpoint_callback is not None
+        assert Path(trainer.checkpoint_callback.dirpath) == runs / run_name / "checkpoints"
+        assert sorted(p.name for p in (runs / run_name / "checkpoints").iterdir()) == ["epoch=0-step=1.ckpt"]
+        # Stable after finalize, the same as Lightning's directory contract computes them
+        assert (logger.name, logger.version) == ("", run_name)
+        assert Path(logger.save_dir) == runs and Path(logger.root_dir) == runs
+        assert Path(logger.log_dir) == runs / run_name
+        assert trainer.log_dir is not None and Path(trainer.log_dir) == runs  # save_dir, as for any logger
+        seen[run_name] = logger
+    ot.shutdown()
+    assert _run_id(runs / "first") != _run_id(runs / "second")
+    assert not (tmp_path / "otel_train").exists()
+
+
+def test_default_names_adopt_default_root_dir_and_never_shadow_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OTEL_TRAIN_OUTPUT_DIR")
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "root"
+    versions = []
+    for _ in range(2):
+        logger = _quiet()
+        trainer = _quick_trainer(logger, default_root_dir=str(root))
+        trainer.fit(_boring())
+        session = ot.current_session()
+        assert session is not None
+        assert session.run_dir is not None and session.run_dir.resolve() == Path(logger.log_dir).resolve()
+        assert (
+            Path(trainer.checkpoint_callback.dirpath).resolve() == session.run_dir.resolve() / "checkpoints"
+        )  # type: ignore[union-attr]
+        versions.append(logger.version)
+    assert versions == ["version_0", "version_1"]  # Lightning's automatic versioning, in default_root_dir
+    # Lightning's own default root (the working directory): otel_train's "runs" below it
+    logger = _quiet()
+    _quick_trainer(logger).fit(_boring())
+    assert (
+        Path(logger.log_dir) == Path("runs") / "version_0"
+        and (tmp_path / "runs" / "version_0" / "checkpoints").is_dir()
+    )
+    ot.shutdown()
+    # Nothing in the working directory a later script there would import instead of otel_train
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root", "runs"]
+    probe = "import otel_train, sys; sys.exit(0 if hasattr(otel_train, 'init') else 3)"
+    subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True, timeout=120)
+
+
+def test_explicit_otel_train_settings_win_over_lightning_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # name= and version= as TensorBoardLogger/CSVLogger take them
+    logger = _quiet(name="exp", version=3)
+    trainer = _quick_trainer(logger, default_root_dir=str(tmp_path / "root"))
+    trainer.fit(_boring())
+    runs = tmp_path / "runs"  # OTEL_TRAIN_OUTPUT_DIR beats default_root_dir
+    assert (logger.name, logger.version) == ("exp", "version_3")
+    assert Path(trainer.checkpoint_callback.dirpath) == runs / "exp" / "version_3" / "checkpoints"  # type: ignore[union-attr]
+    assert ot.run_info() is not None and ot.run_info().run_dir == str(runs / "exp" / "version_3")  # type: ignore[union-attr]
+    ot.shutdown()
+    # run_name (here from the environment) beats version=; the output_dir keyword beats the environment
+    monkeypatch.setenv("OTEL_TRAIN_RUN_NAME", "from-env")
+    logger = _quiet(version=7, output_dir=str(tmp_path / "kw"))
+    _quick_trainer(logger, default_root_dir=str(tmp_path / "root")).fit(_boring())
+    assert Path(logger.log_dir) == tmp_path / "kw" / "from-env"
+    assert (tmp_path / "kw" / "from-env" / "checkpoints" / "epoch=0-step=1.ckpt").is_file()
+    assert not (tmp_path / "root").exists()
+    with pytest.raises(ot.ConfigError, match=r"version='a/b'.*letters, digits"):
+        OtelTrainLogger(version="a/b")
+
+
+def test_fit_then_test_is_one_run_and_the_next_logger_ends_it(tmp_path: Path) -> None:
+    class Logs(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("test_loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    runs = tmp_path / "runs"
+    first = _quiet(run_name="first")
+    trainer = _quick_trainer(first, max_steps=3, log_every_n_steps=1, enable_checkpointing=False)
+    model = Logs()
+    trainer.fit(model, _loader(16))
+    session = ot.current_session()
+    assert session is not None  # a fit's end is not the run's
+    trainer.test(model, _loader(8))
+    assert ot.current_session() is session
+    assert not session.shutdown_done.is_set()
+
+    second = _quiet(run_name="second")
+    _quick_trainer(second, max_steps=2, enable_checkpointing=False).fit(Logs(), _loader(16))
+    # The second logger's run began: the first's ended with its final flush, not at process exit
+    assert session.shutdown_done.is_set() and ot.current_session() is not session
+    ot.shutdown()
+    assert sorted(p.name for p in runs.iterdir()) == ["first", "second"]
+    rows = _rows(runs / "first")
+    keys = set().union(*rows)
+    assert {"train/loss", "test/loss"} <= keys  # fit and test in one run's file
+    assert len({r.get("run_id") for r in rows if "run_id" in r} | {_run_id(runs / "first")}) == 1
+
+    # The first logger used again later: its own run, appended to (same run id), not a third one
+    trainer = _quick_trainer(first, enable_checkpointing=False)
+    trainer.test(model, _loader(8))
+    assert ot.run_info() is not None and ot.run_info().run_name == "first"  # type: ignore[union-attr]
+    ot.shutdown()
+    assert sorted(p.name for p in runs.iterdir()) == ["first", "second"]
+    assert _run_id(runs / "first") == _run_id(runs / "first")
+    assert len(_rows(runs / "first")) > len(rows)
+
+
+def test_a_failed_fit_ends_the_run(tmp_path: Path) -> None:
+    class Fails(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if batch_idx == 1:
+                raise RuntimeError("boom")
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    started: list[Any] = []
+
+    class Keep(Callback):
+        def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            started.append(ot.current_session())
+
+    logger = _quiet(run_name="fails")
+    trainer = _quick_trainer(logger, max_steps=4, enable_checkpointing=False, callbacks=[Keep()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Fails(), _loader(16))
+    assert ot.current_session() is None
+    assert started[0] is not None and started[0].shutdown_done.is_set()  # the final flush ran
+    assert logger.version == "fails"
+
+
+def test_two_loggers_on_one_trainer_count_each_step_once(tmp_path: Path) -> None:
+    totals = {}
+    for count in (1, 2):
+        loggers = [_quiet(run_name=f"x{count}") for _ in range(count)]
+        trainer = Trainer(
+            max_steps=12, log_every_n_steps=3, logger=loggers, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+        )  # fmt: skip
+        torch.manual_seed(0)  # the same model both times: the same losses
+        trainer.fit(TinyRegression(), _loader(64))
+        assert all(lg.version == f"x{count}" for lg in loggers)  # they share the first one's run
+        ot.shutdown()
+        rows = _rows(tmp_path / "runs" / f"x{count}")
+        totals[count] = (_total(rows, "train/steps"), [r["train/loss"] for r in rows if "train/loss" in r])
+    assert totals[1][0] == 4  # steps 2, 5, 8, 11
+    assert totals[2] == totals[1]  # the same steps and values, not twice
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["x1", "x2"]
+
+
+class _Flavour(Enum):
+    SALTY = "salty"
+
+
+@dataclass
+class _Opts:
+    depth: int = 2
+    inner: dict[str, Any] = field(default_factory=lambda: {"a": 1})
+
+
+def test_hyperparameters_of_every_type_reach_hparams_json(tmp_path: Path) -> None:
+    import numpy as np
+
+    logger = _quiet(run_name="hp")
+    params = {
+        "float": 0.3, "int": 1, "string": "abc", "bool": True, "none": None, "list": [1, 2, 3],
+        "tuple": (1, "a"), "nested": {"a": {"b": 2}}, "namespace": Namespace(foo=Namespace(bar="x")),
+        "tensor": torch.tensor([1.5, 2.0]), "scalar_tensor": torch.tensor(3), "np_array": np.arange(3),
+        "np_float": np.float32(0.5), "enum": _Flavour.SALTY, "dataclass": _Opts(), "callable": torch.nn.ReLU,
+        "layer": torch.nn.Linear(1, 1), "set": {1, 2},
+    }  # fmt: skip
+    logger.log_hyperparams(Namespace(**params))
+    logger.log_hyperparams(params)
+    ot.shutdown()
+    written = json.loads((tmp_path / "runs" / "hp" / "hparams.json").read_text())
+    assert written["float"] == 0.3 and written["string"] == "abc" and written["bool"] is True
+    assert written["namespace"] == {"foo": {"bar": "x"}}  # nested Namespaces as mappings
+    assert written["callable"] == "ReLU"  # a callable by its name, as Lightning's loggers write it
+    assert {"tensor", "np_array", "enum", "dataclass", "layer", "set"} <= set(written)
+
+
+def _ddp_versions(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """One DDP rank: its own default_root_dir (as nodes that share no file system see it), rank 0's
+    holding version_0 already. No run name given: rank 0's choice must be every rank's."""
+    import os
+
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    import otel_train as ot
+    from otel_train.integrations.lightning import OtelTrainLogger
+
+    root = Path(out_dir) / f"node{rank}"
+    if rank == 0:
+        (root / "version_0").mkdir(parents=True)
+    os.environ.pop("OTEL_TRAIN_OUTPUT_DIR", None)
+    logger = OtelTrainLogger(verbosity=0, hardware=False, prometheus_port=0, collective_timeout_s=60.0)
+    trainer = Trainer(
+        max_steps=2, accelerator="cpu", devices=world, strategy="ddp", logger=logger,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root),
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    run = ot.run_info()
+    ot.shutdown()
+    assert trainer.checkpoint_callback is not None
+    return {
+        "version": logger.version, "log_dir": logger.log_dir, "run_name": run.run_name if run else None,
+        "run_dir": run.run_dir if run else None, "ckpt_dir": trainer.checkpoint_callback.dirpath,
+    }  # fmt: skip
+
+
+@pytest.mark.multirank
+def test_ddp_ranks_agree_on_the_version(tmp_path: Path) -> None:
+    from helpers.multirank import run_ranks
+
+    results = run_ranks(2, _ddp_versions, (str(tmp_path),), timeout=240)
+    assert [r["version"] for r in results] == ["version_1", "version_1"]  # rank 0's, on rank 1 too
+    assert [r["run_name"] for r in results] == ["version_1", "version_1"]
+    assert [Path(r["log_dir"]) for r in results] == [Path(r["run_dir"]) for r in results]
+    node0 = tmp_path / "node0" / "version_1"
+    assert {Path(r["ckpt_dir"]) for r in results} == {node0 / "checkpoints"}  # Lightning broadcasts rank 0's
+    assert sorted(p.name for p in (node0 / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt"]

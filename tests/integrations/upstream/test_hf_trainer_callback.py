@@ -101,9 +101,24 @@ class EventRecorderCallback(TrainerCallback):
 
 
 _EVENTS = frozenset(
-    "on_init_end on_train_begin on_train_end on_epoch_begin on_epoch_end on_step_begin "
-    "on_pre_optimizer_step on_optimizer_step on_substep_end on_step_end on_evaluate on_predict "
-    "on_save on_log on_prediction_step on_push_begin".split()
+    [
+        "on_init_end",
+        "on_train_begin",
+        "on_train_end",
+        "on_epoch_begin",
+        "on_epoch_end",
+        "on_step_begin",
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
+        "on_substep_end",
+        "on_step_end",
+        "on_evaluate",
+        "on_predict",
+        "on_save",
+        "on_log",
+        "on_prediction_step",
+        "on_push_begin",
+    ]
 )
 
 
@@ -195,7 +210,7 @@ def _expected_events(trainer: Trainer) -> list[str]:
         expected.append("on_epoch_end")
         if args.eval_strategy == IntervalStrategy.EPOCH:
             expected += evaluation
-    return expected + ["on_log", "on_train_end"]
+    return [*expected, "on_log", "on_train_end"]
 
 
 # --- registration ---------------------------------------------------------------------------------
@@ -203,10 +218,10 @@ def _expected_events(trainer: Trainer) -> list[str]:
 def test_default_and_custom_callbacks_are_present(tmp_path: Path, arm: str) -> None:
     ours = _ours(arm)
     trainer = _create_trainer(tmp_path / "out", callbacks=[EventRecorderCallback, *ours])
-    expected = DEFAULT_CALLBACKS + [ProgressCallback, EventRecorderCallback] + ours
+    expected = [*DEFAULT_CALLBACKS, ProgressCallback, EventRecorderCallback, *ours]
     assert _names(trainer.callback_handler.callbacks) == _names(expected)
     trainer = _create_trainer(tmp_path / "out", callbacks=ours, disable_tqdm=True)
-    assert _names(trainer.callback_handler.callbacks) == _names(DEFAULT_CALLBACKS + [PrinterCallback] + ours)
+    assert _names(trainer.callback_handler.callbacks) == _names([*DEFAULT_CALLBACKS, PrinterCallback, *ours])
 
 
 # --- event flow -----------------------------------------------------------------------------------

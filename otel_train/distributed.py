@@ -69,6 +69,9 @@ class RunInfo:
     service_name: str = ""
     otlp_endpoint: str | None = None
     otlp_metrics_endpoint: str | None = None
+    # The timing_log_level setting as the user gave it (None: unset), so an adapter whose framework
+    # has its own timer level (Megatron's Timers) knows whether the user chose otel_train's.
+    timing_log_level: int | None = None
 
 
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:

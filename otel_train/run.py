@@ -71,6 +71,7 @@ class Run:
             service_name=config.service_name,
             otlp_endpoint=redact_url(config.otlp_endpoint),  # user:password@ -> ***@
             otlp_metrics_endpoint=redact_url(config.otlp_metrics_endpoint),
+            timing_log_level=config.timing_log_level,
         )
 
     def shutdown(self) -> None:

@@ -72,17 +72,17 @@ _ANY_LEVEL = 0  # kept at every timing_log_level: for a timer Megatron's own lev
 
 
 def _level_set() -> bool:
-    """Whether the running session has a `timing_log_level` the user set (init kwarg, environment,
-    config file or control file). Unset, Megatron's `Timers` already chose: a real `Timer` is one
-    its log_level enables (a disabled level gets the `DummyTimer`, never instrumented)."""
-    session = ot.current_session()
-    return session is not None and session.config.timing_log_level is not None
+    """Whether the user set otel_train's `timing_log_level` (init kwarg, environment, config or
+    control file). Unset, Megatron's `Timers` already chose: a real `Timer` is one its log_level
+    enables (a disabled level gets the `DummyTimer`, never instrumented)."""
+    info = ot.run_info()
+    return info is not None and info.timing_log_level is not None
 
 
 class _Tracker:
     """State of one instrumented `Timers` (training thread only)."""
 
-    __slots__ = ("depth", "levels", "marks", "pending", "reading", "skip", "timer_classes")
+    __slots__ = ("depth", "level_set", "levels", "marks", "pending", "reading", "skip", "timer_classes")
 
     def __init__(self, skip: Iterable[str]) -> None:
         self.skip = frozenset(skip)
@@ -93,10 +93,15 @@ class _Tracker:
         self.pending: dict[str, tuple[int, int, int]] = {}
         self.reading = False  # inside elapsed()
         self.timer_classes: dict[type, type] = {}
+        # _level_set(), read as an outermost timer starts (a run_info() costs microseconds; the
+        # timers nested in it, one per micro-batch, share the answer)
+        self.level_set = False
 
     def started(self, name: str, active: float) -> None:
         if self.reading or name in self.skip:
             return
+        if self.depth == 0:
+            self.level_set = _level_set()
         self.depth += 1
         self.marks[name] = active
 
@@ -108,7 +113,7 @@ class _Tracker:
             return
         end = perf_counter_ns()
         start = end - int(max(active - mark, 0.0) * 1e9)  # Megatron's own duration, ending now
-        level = self.levels.get(name, _MEGATRON_DEFAULT_LEVEL) if _level_set() else _ANY_LEVEL
+        level = self.levels.get(name, _MEGATRON_DEFAULT_LEVEL) if self.level_set else _ANY_LEVEL
         self.depth = max(self.depth - 1, 0)
         if "checkpoint" in name:
             ot.span(name).start(at_ns=start).stop()

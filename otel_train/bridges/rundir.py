@@ -13,6 +13,7 @@ from typing import Any
 
 from otel_train import semconv as sc
 from otel_train.bridges.base import Sink
+from otel_train.bridges.framing import plain
 from otel_train.run_directory import LineFile, RunFiles, append_line, dumps_line, write_json
 
 
@@ -74,7 +75,10 @@ class RunDirSink(Sink):
         append_line(self.files.histograms, {"step": step, "key": key, **summary})
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
-        self._hparams.update(params)  # a later call adds keys (W&B's config and MLflow's params do too)
+        # The values the bridge process sends W&B and MLflow (numpy/torch scalars as bool, int,
+        # float; a complex as its text), so hparams.json agrees with them. A later call adds keys
+        # (W&B's config and MLflow's params do too).
+        self._hparams.update(plain(dict(params)))
         write_json(self.files.hparams, self._hparams)
 
     def close(self, final_scalars: Mapping[str, float]) -> None:

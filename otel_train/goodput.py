@@ -14,6 +14,8 @@
                         process, so they cannot be told apart from re-runs
     stall               gaps between steps longer than `stall_timeout_s` (less any span inside the gap)
     restart             from the last record of the previous process of the same run id to this start
+                        (on the host's boot clock when it is the same boot; a gap the clocks cannot
+                        vouch for is not booked, with one warning: `_restart_gap`)
     other               the rest (logging, short gaps between steps, spans of other names)
 
 A data timer inside an eval or checkpoint span that is itself inside a step is counted twice (data
@@ -143,7 +145,7 @@ class GoodputListener:
         self.last_step = -1  # the highest step index completed under this run id
         previous = self._previous
         if previous is not None:
-            gap = max(0.0, _process_start_epoch(clock) - previous["updated"])
+            gap = _restart_gap(previous, clock, state_path)
             previous["badput"]["restart"] += gap
             previous["wall_s"] += gap
             self.interruptions = previous["interruptions"] + 1
@@ -227,6 +229,7 @@ class GoodputListener:
         state = {
             "run_id": self._run_id,
             "updated": time.time(),
+            **_boot_stamp(),
             "wall_s": account["wall_s"],
             "productive_s": account["productive_s"],
             "badput": {cause: account[cause] for cause in CAUSES},
@@ -262,8 +265,60 @@ def summary(final: Mapping[str, float]) -> str:
     return f"goodput {100 * account['productive_s'] / wall:.1f}% of {wall:.1f}s | badput {causes}"
 
 
-def _process_start_epoch(clock: StepClock) -> float:
-    return time.time() - (time.perf_counter() - clock.process_start_s)
+# Restart gaps. `updated` is the previous process's wall clock, which may have been off (a host
+# clock hours behind, stepped later by chrony or a VM migration): the gap would then book hours of
+# restart badput that never happened. On the same boot of the same host the gap is read on
+# CLOCK_BOOTTIME instead (no steps, counts suspend). Elsewhere `updated` must agree with the file's
+# own modification time (set by the file system's clock when it was written) and lie after
+# EARLIEST_UPDATED; otherwise the gap is unknown: not booked, said once.
+EARLIEST_UPDATED = 1.6e9  # 2020-09-13: no goodput file was written before it
+MAX_MTIME_DISAGREEMENT_S = 600.0  # `updated` vs the file's mtime: clocks in sync agree to far less
+
+
+def _boot_stamp() -> dict[str, Any]:
+    """This host's boot id and seconds since boot, where the system has them (Linux)."""
+    boot_id = _boot_id()
+    if boot_id is None:
+        return {}
+    return {"boot_id": boot_id, "boottime": time.clock_gettime(time.CLOCK_BOOTTIME)}
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read(64).strip() or None
+    except (OSError, ValueError):
+        return None
+
+
+def _restart_gap(previous: Mapping[str, Any], clock: StepClock, state_path: Path | None) -> float:
+    """Seconds from the previous process's last record to this process's start; 0 (and one
+    warning) when they cannot be trusted (see EARLIEST_UPDATED)."""
+    started_ago = time.perf_counter() - clock.process_start_s
+    boot_id, boottime = previous.get("boot_id"), previous.get("boottime")
+    if boot_id is not None and boot_id == _boot_id() and boottime is not None:
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started_ago - boottime)
+    updated = previous["updated"]
+    problem = None
+    if updated < EARLIEST_UPDATED:
+        problem = f"its last record is dated {updated:.0f} (unix time), before {EARLIEST_UPDATED:.0f}"
+    elif state_path is not None:
+        try:
+            written = state_path.stat().st_mtime
+        except OSError:
+            written = updated
+        if abs(written - updated) > MAX_MTIME_DISAGREEMENT_S:
+            problem = (
+                f"the clock of the process that wrote it was {updated - written:+.0f} s off the file system's"
+            )
+    if problem is None:
+        return max(0.0, time.time() - started_ago - updated)
+    log.warning(
+        "otel_train: the restart gap before this process is unknown (%s: %s); no restart badput is "
+        "booked for it, the rest of the account continues.",
+        state_path, problem,
+    )  # fmt: skip
+    return 0.0
 
 
 MAX_STATE_BYTES = 64 * 1024  # a goodput file is ~300 bytes; anything larger is not ours
@@ -317,8 +372,13 @@ def _validated(state: object) -> dict[str, Any]:
     causes = {cause: _number(badput, cause, 0.0, wall * (1 + 1e-9)) for cause in CAUSES if cause in badput}
     last_step = _integer(state, "last_step", -1, 2**63) if "last_step" in state else -1
     interruptions = _integer(state, "interruptions", 0, 10**9) if "interruptions" in state else 0
+    boot_id, boottime = state.get("boot_id"), state.get("boottime")
+    if not (isinstance(boot_id, str) and len(boot_id) <= 64 and _is_seconds(boottime)):
+        boot_id = boottime = None  # another host's or an older file's: the gap comes from `updated`
     return {
         "updated": updated,
+        "boot_id": boot_id,
+        "boottime": boottime,
         "wall_s": wall,
         "productive_s": productive,
         "badput": {cause: causes.get(cause, 0.0) for cause in CAUSES},
@@ -334,6 +394,10 @@ def _number(values: dict[Any, Any], key: str, low: float, high: float) -> float:
     if not low <= value <= high:  # also false for NaN
         raise ValueError(f"{key} is {value!r}, outside [{low:g}, {high:g}]")
     return float(value)
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value < 1e12
 
 
 def _integer(values: dict[Any, Any], key: str, low: int, high: int) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import otel_train as ot
-from otel_train.goodput import CAUSES
+from otel_train.goodput import CAUSES, process_start_perf_s
 
 _FIRST_PROCESS = """
 import sys, time
@@ -140,3 +141,98 @@ def test_a_file_from_an_older_version_is_continued(
     assert after["badput"]["startup"] >= before["badput"]["startup"]
     assert after["badput"]["checkpoint_save"] == 0.25 * before["wall_s"]
     assert after["interruptions"] == 1 and after["last_step"] == 7
+
+
+# --- restart gaps the clocks cannot vouch for ---------------------------------------------------------
+
+_BEHIND_S = 7200.0  # the first process's host clock is 2 h behind (stepped right later: chrony, a VM move)
+
+
+@pytest.fixture(scope="module")
+def behind_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory a first process of run id job-9 left while its wall clock read 2 h behind."""
+    root = tmp_path_factory.mktemp("behind")
+    script = root / "first.py"
+    skewed = f"import time\n_real = time.time\ntime.time = lambda: _real() - {_BEHIND_S}\n"
+    script.write_text(skewed + _FIRST_PROCESS)
+    subprocess.run([sys.executable, str(script), str(root / "runs")], check=True, timeout=120)
+    return root / "runs" / "requeued"
+
+
+def _gap_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "restart gap" in r.getMessage()]
+
+
+def test_a_clock_hours_behind_on_the_same_boot_books_the_real_gap(
+    behind_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The file says `updated` 2 h ago; the host's boot clock says seconds: the gap is the seconds."""
+    run_dir = tmp_path / "requeued"
+    shutil.copytree(behind_run, run_dir)
+    before = _valid(behind_run)
+    assert time.time() - before["updated"] > _BEHIND_S  # what the old account booked as restart time
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    _restart(run_dir)
+    after = _valid(run_dir)
+    # (in-process restart: this process started before the first one, so the gap reads as 0 here)
+    assert 0.0 <= after["badput"]["restart"] < 120.0, after
+    assert after["wall_s"] < before["wall_s"] + 300.0, after
+    assert not _gap_warnings(caplog) and not (run_dir / "goodput.rank0.json.corrupt").exists()
+
+
+def test_a_clock_hours_behind_on_another_host_leaves_the_gap_unknown(
+    behind_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Written on another boot (another host): `updated` disagrees with the file's own time by 2 h,
+    so the gap is unknown: nothing booked for it, one warning naming the file; the account goes on."""
+    run_dir = tmp_path / "requeued"
+    shutil.copytree(behind_run, run_dir)
+    state_file = run_dir / "goodput.rank0.json"
+    before = _valid(behind_run)
+    written = state_file.stat().st_mtime
+    state_file.write_text(json.dumps({**before, "boot_id": "another-host-boot"}))
+    os.utime(state_file, (written, written))  # as the first process left it
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    _restart(run_dir)
+    after = _valid(run_dir)
+    assert after["badput"]["restart"] == before["badput"]["restart"] == 0.0, after
+    assert before["productive_s"] < after["productive_s"] <= after["wall_s"] < before["wall_s"] + 300.0
+    assert after["interruptions"] == 1
+    [warning] = _gap_warnings(caplog)
+    assert str(state_file) in warning and "off the file system's" in warning, warning
+
+
+def test_updated_zero_leaves_the_gap_unknown_not_56_years(
+    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`updated: 0` (the epoch) in a file from another host: no 56-year restart, one warning."""
+    run_dir = tmp_path / "requeued"
+    shutil.copytree(first_run, run_dir)
+    before = {k: v for k, v in _valid(first_run).items() if k not in ("boot_id", "boottime")}
+    (run_dir / "goodput.rank0.json").write_text(json.dumps({**before, "updated": 0}))
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    _restart(run_dir)
+    after = _valid(run_dir)
+    assert after["badput"]["restart"] == 0.0 and after["wall_s"] < before["wall_s"] + 300.0, after
+    assert after["productive_s"] > before["productive_s"]
+    [warning] = _gap_warnings(caplog)
+    assert "before 1600000000" in warning, warning
+
+
+def test_a_restart_on_another_host_with_clocks_in_sync_books_its_gap(
+    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another boot, `updated` agreeing with the file's time: the gap comes from `updated`."""
+    run_dir = tmp_path / "requeued"
+    shutil.copytree(first_run, run_dir)
+    state_file = run_dir / "goodput.rank0.json"
+    # 30 s before this process started (the restart is in-process: this pytest process)
+    updated = time.time() - (time.perf_counter() - process_start_perf_s()) - 30.0
+    state_file.write_text(
+        json.dumps({**_valid(first_run), "boot_id": "another-host-boot", "updated": updated})
+    )
+    os.utime(state_file, (updated, updated))
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    _restart(run_dir)
+    assert _valid(run_dir)["badput"]["restart"] == pytest.approx(30.0, abs=1.0)
+    assert not _gap_warnings(caplog)

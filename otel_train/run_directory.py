@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ import operator
 import os
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -380,6 +382,36 @@ def _finite(data: Any) -> Any:
         return {key: _finite(value) for key, value in data.items()}
     if isinstance(data, (list, tuple)):
         return [_finite(value) for value in data]
+    return data
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of `path` when it is a regular file of at most `max_bytes`; OSError naming the
+    file otherwise. A reader of files that anyone who can write the run directory may plant: a FIFO
+    is opened without waiting for a writer (O_NONBLOCK) and refused, as are devices (/dev/zero,
+    endless) and directories; a file too large is refused before it is read, so a damaged or
+    forged file costs at most `max_bytes` of memory."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if info.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"{info.st_size} bytes, more than the {max_bytes} read", str(path))
+        chunks: list[bytes] = []
+        left = max_bytes + 1  # one byte more tells a file that grew past the limit while read
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"more than the {max_bytes} bytes read", str(path))
     return data
 
 

@@ -4,6 +4,7 @@ checks, the demo's refusals of bad flags (exit 2, one line, no traceback, no run
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -99,6 +100,71 @@ def test_diagnose_never_crashes_on_a_malformed_summary(
     else:
         assert f"skipped collectives.rank3.json: {reason}" in err, err
         assert "summaries from ranks [0, 1, 2] of 4" in out
+
+
+def _diagnose_in_child(run_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`otel-train diagnose RUN_DIR` in its own process, which prints its peak RSS (KiB) last: the
+    address space's own VmHWM (ru_maxrss would include the parent's peak, kept across exec). The
+    timeout only guards against a reader that blocks for ever (it never measures speed)."""
+    code = (
+        "import re, sys\n"
+        "from otel_train.cli import main\n"
+        f"code = main(['diagnose', {str(run_dir)!r}])\n"
+        "status = open('/proc/self/status').read()\n"
+        "print('maxrss', re.search(r'VmHWM:\\s*(\\d+)', status).group(1))\n"
+        "sys.exit(code)\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def _maxrss_kib(stdout: str) -> int:
+    return int(stdout.rsplit("maxrss", 1)[1].split()[0])
+
+
+@pytest.mark.parametrize("planted", ["fifo", "dev_zero"])
+def test_diagnose_skips_a_fifo_or_a_device_named_like_a_summary_without_blocking(
+    planted: str, tmp_path: Path
+) -> None:
+    _write_hang(tmp_path)
+    path = RunFiles(tmp_path, 2).collectives
+    path.unlink()
+    if planted == "fifo":
+        os.mkfifo(path)  # nobody ever writes it: an open() without O_NONBLOCK waits for ever
+    else:
+        path.symlink_to("/dev/zero")  # endless: a read() to the end never ends
+    done = _diagnose_in_child(tmp_path)
+    assert "skipped collectives.rank2.json: unreadable (not a regular file)" in done.stderr, done.stderr
+    assert done.returncode == 0 and "rank 1 (host1) never reached all_reduce #7" in done.stdout, done.stdout
+
+
+def test_diagnose_skips_an_oversized_summary_before_reading_it(tmp_path: Path) -> None:
+    _write_hang(tmp_path)
+    baseline = _diagnose_in_child(tmp_path)
+    path = RunFiles(tmp_path, 2).collectives
+    # rank 2's own, valid summary padded to 100 MB: parsed whole, it took +0.7 GB
+    with path.open("a", encoding="utf-8") as f:
+        for _ in range(100):
+            f.write(" " * (1 << 20))
+    done = _diagnose_in_child(tmp_path)
+    assert "skipped collectives.rank2.json: unreadable (" in done.stderr, done.stderr
+    assert "more than the" in done.stderr and "summaries from ranks [0, 1, 3] of 4" in done.stdout
+    assert _maxrss_kib(done.stdout) < _maxrss_kib(baseline.stdout) + 32 * 1024  # far below 100 MB
+
+
+def test_diagnose_never_lets_one_ranks_file_stand_in_for_another(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_hang(tmp_path)
+    rank0 = json.loads(RunFiles(tmp_path, 0).collectives.read_text(encoding="utf-8"))
+    # rank 1's file claims to be rank 0, on another host and behind: read as rank 0 it would make
+    # rank 0 the culprit and rank 1 the silent one
+    forged = {**rank0, "host": "elsewhere", "written_at": rank0["written_at"] + 1}
+    forged["groups"]["0"]["last_enqueued"] = 5
+    RunFiles(tmp_path, 1).collectives.write_text(json.dumps(forged), encoding="utf-8")
+    code, out, err = _diagnose([str(tmp_path)], capsys)
+    assert "skipped collectives.rank1.json: claims rank 0, but its name is another rank's" in err, err
+    assert "elsewhere" not in out and "summaries from ranks [0, 2, 3] of 4" in out, out
+    assert code == 0 and "rank 1 left no Flight Recorder summary" in out, out
 
 
 def test_diagnose_points_at_the_role_and_at_a_wrong_directory(

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -29,12 +30,15 @@ from typing import Any
 
 from otel_train.diagnostics.collectives import CollectiveMonitor, group_label, op_name, read_dump
 from otel_train.health import EventChannel
-from otel_train.run_directory import RunFiles
+from otel_train.run_directory import RunFiles, read_regular_file
 
 log = logging.getLogger("otel_train")
 
 DEFAULT_GROUP = "0"  # the name torch gives the default process group (its description: default_pg)
 KEEP_OPS = 8  # the last ops per group kept in a summary (the waiting ranks' op is the newest)
+# A rank's summary is a few KiB per process group; a file beyond this is damaged or planted and is
+# skipped before it is parsed (json.loads of 100 MB took +0.7 GB).
+MAX_SUMMARY_BYTES = 4 << 20
 
 
 def summarize(
@@ -157,12 +161,17 @@ def scan_summaries(
     found: dict[int, dict[str, Any]] = {}
     skipped: list[str] = []
     for path in sorted(run_dir.glob(RunFiles(run_dir, role=role).collectives_glob)):
+        named = re.search(r"\.rank(\d+)\.json$", path.name)
         try:
-            summary = json.loads(path.read_text(encoding="utf-8"))
+            summary = json.loads(read_regular_file(path, MAX_SUMMARY_BYTES).decode("utf-8"))
         except (OSError, ValueError) as exc:  # ValueError: not JSON (truncated), not UTF-8
-            skipped.append(f"{path.name}: unreadable ({exc})")
+            reason = (exc.strerror or exc) if isinstance(exc, OSError) else exc
+            skipped.append(f"{path.name}: unreadable ({reason})")
             continue
         problem = _malformed(summary)
+        if problem is None and (named is None or named.group(1) != str(summary["rank"])):
+            # one rank's file never stands in for another's (a copied or forged file)
+            problem = f"claims rank {summary['rank']}, but its name is another rank's"
         if problem is not None:
             skipped.append(f"{path.name}: {problem}")
         elif summary["written_at"] >= written_after:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import otel_train as ot
@@ -67,7 +68,7 @@ def _kinds(value: Any) -> Any:
 
 
 def _without_nan(value: Any) -> Any:
-    """The bridge path keeps NaN (W&B's config takes it); JSON writes it as null."""
+    """The bridge payload keeps NaN (W&B's config stores it as null, MLflow's param as "nan")."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
@@ -109,3 +110,36 @@ def test_sink_merges_later_hparams_without_a_warning(tmp_path: Path) -> None:
     read = json.loads(sink.files.hparams.read_text())
     assert read == {"z": "(3-4j)", "flag": True, "steps": 10}
     assert _kinds(read) == {"z": "str", "flag": "bool", "steps": "int"}
+
+
+def test_hparams_json_agrees_with_real_wandb_config_and_mlflow_params(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same params through the real bridge process into W&B (offline) and MLflow (local
+    store), read back from each and from hparams.json."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    from helpers.readback import read_mlflow, read_wandb_offline
+
+    from otel_train.bridges.mlflow import default_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ot.init(output_dir=str(tmp_path), run_name="hpb", wandb=True, wandb_mode="offline", mlflow=True,
+            prometheus_port=0, verbosity=0, hardware=False)  # fmt: skip
+    session = ot.current_session()
+    ot.log_hyperparams(params())
+    ot.shutdown()
+    # shutdown() waits shutdown_timeout_s for the bridges; on a busy host they finish later
+    assert session is not None and session.bridges is not None and session.bridges.wait(120)
+    run_dir = tmp_path / "hpb"
+    read = json.loads((run_dir / "hparams.json").read_text())
+    assert read == EXPECTED
+    config = read_wandb_offline(run_dir).config  # nested keys read back as `nested/heads`
+    flat = {f"nested/{k}": v for k, v in read["nested"].items()}
+    flat.update((k, v) for k, v in read.items() if k != "nested")
+    for key, value in flat.items():  # NaN included: W&B's config holds null too
+        assert config[key] == value and _kinds(config[key]) == _kinds(value), key
+    mlflow = read_mlflow(default_tracking_uri(run_dir), "otel-train", "hpb").params
+    here = flatten_params(read)
+    assert here.pop("nan") == "None" and mlflow["nan"] == "nan"
+    assert {k: mlflow[k] for k in here} == here

@@ -3,10 +3,12 @@
 A flush listener over the per-layer gradient norms `ot.watch` already computes (no extra device
 work): each watched step's norms arrive resolved in the interval, in step order.
 
-- `no_gradient`: a layer whose gradient is missing or exactly zero for `ZERO_STEPS` watched steps
-  in a row: its output is detached (`.detach()`, `.item()`, `torch.no_grad()`), it is unused in
-  `forward`, or it was meant to be frozen. Only trainable parameters are watched, so a layer frozen
-  with `requires_grad=False` never counts.
+- `no_gradient`: a layer that ran and whose gradient is missing or exactly zero for `ZERO_STEPS`
+  watched steps in a row (of those where it ran): its output is detached (`.detach()`, `.item()`,
+  `torch.no_grad()`), or it was meant to be frozen. A layer that did not run at a step (a head used
+  on alternate steps, one task head of several, an expert that got no token) is not in that step's
+  norms (`model_watch`), so it never counts. Only trainable parameters are watched, so a layer
+  frozen with `requires_grad=False` never counts.
 - `gradient_explosion` / `gradient_vanishing`: a layer's norm far above or below its own recent
   level (an exponential moving average of log norms, after `WARMUP` watched steps) — at least
   `EXPLODE` times above / `VANISH` times below, and more than `NOISE_SPREADS` times the layer's
@@ -55,7 +57,7 @@ class _Layer:
     __slots__ = ("flag", "level", "seen", "spread", "streak", "streak_kind", "zeros")
 
     def __init__(self) -> None:
-        self.zeros = 0  # watched steps in a row without a gradient
+        self.zeros = 0  # watched steps in a row (where it ran) without a gradient
         self.level = 0.0  # EWMA of log(norm)
         self.spread = 0.0  # EWMA of |log(norm) - level|: the layer's own noise
         self.seen = 0  # non-zero finite norms taken into the level
@@ -136,8 +138,8 @@ class GradientFlowMonitor:
             )
         else:
             cause = (
-                "usual causes: the layer's output is detached (.detach(), .item(), torch.no_grad()), "
-                "the layer is unused in forward(), or it should be frozen (requires_grad=False)"
+                "the layer ran but its output is detached (.detach(), .item(), torch.no_grad()), or "
+                "it should be frozen (requires_grad=False)"
             )
         self._events.emit(
             "no_gradient",

@@ -9,6 +9,12 @@ only while a watched step runs, so unwatched steps run no Python hook at all.
 
 Layers are the parameters' owning modules, coarsened to at most `max_layers` groups by module path
 depth (`blocks.3.attn.qkv` -> `blocks.3` -> `blocks`), in the model's registration order.
+
+Gradient norms are of the layers that ran in the watched step: a forward hook on each owning module
+(watched steps only) marks its layer. A head used on alternate steps, one of several task heads or
+an expert of a mixture that got no tokens has no gradient because it did not run, which is no fault:
+it is left out of that step's gradient norms (and of `no_gradient`, which reads them). When no hook
+fired at all (a forward these hooks do not see, e.g. a compiled graph), every layer is reported.
 """
 
 from __future__ import annotations
@@ -111,6 +117,13 @@ class ModelWatch:
         for position, group in enumerate(groups):
             self._members[group].append(position)
         self._place_on(self._params[0].device)
+        # Each parameter's owning module and the layers it marks as run when its forward runs.
+        owners: dict[str, set[int]] = {}
+        for (name, _), group in zip(named, groups, strict=True):
+            owners.setdefault(name.rpartition(".")[0], set()).add(group)
+        modules = dict(model.named_modules())
+        self._owners = [(modules[n], tuple(sorted(g))) for n, g in owners.items() if n in modules]
+        self._ran: set[int] = set()  # layers whose module ran in this watched step
         self._hooks: list[Any] = []
         self._activations: dict[int, tuple[Any, Any]] = {}
         self._fingerprint: Any | None = None  # this watched step's batch fingerprint (device tensor)
@@ -146,8 +159,12 @@ class ModelWatch:
             if self._hooks:  # a watched step begun and never ended (ot.begin_step without end_step)
                 self._remove_activation_hooks()
             self._activations, self._fingerprint, self._read = {}, None, None
+            self._ran = set()
             self._step = index
             try:
+                if self.grads:
+                    for module, marks in self._owners:
+                        self._hooks.append(module.register_forward_hook(self._ran_hook(marks)))
                 if self.fingerprints:  # the batch fingerprint (replicas.py: unsharded data)
                     self._hooks.append(
                         self.model.register_forward_pre_hook(self._fingerprint_hook, with_kwargs=True)
@@ -216,7 +233,9 @@ class ModelWatch:
                 )
             else:
                 per_layer, total = self._norms(grads)
-                records.append(LayerStats(semconv.LAYER_GRAD_NORM.name, *self._held_only(per_layer), index))
+                ran = self._ran_only(per_layer)
+                if ran is not None:
+                    records.append(LayerStats(semconv.LAYER_GRAD_NORM.name, *ran, index))
                 if not buffer.has_user_values_for(semconv.GRAD_NORM.name):  # the user's own grad_norm wins
                     buffer.add_internal(semconv.GRAD_NORM.name, total)
                 if self.histograms:
@@ -239,6 +258,19 @@ class ModelWatch:
             records.append(LayerStats(FINGERPRINT, ("sum", "sum_of_squares"), self._fingerprint, index))
             self._fingerprint = None
         buffer.add_layer_stats(records)
+
+    def _ran_only(self, per_layer: Any) -> tuple[tuple[str, ...], Any] | None:
+        """(labels, values) of the layers held here that ran in this watched step (module doc); all
+        held layers when no forward hook fired; None when none of the held ones ran."""
+        ran, self._ran = self._ran, set()
+        held = self._held[1] if self._held is not None else self.labels
+        if not ran or len(ran) == len(self.labels):
+            return self._held_only(per_layer)
+        groups = [g for g, label in enumerate(self.labels) if g in ran and label in held]
+        if not groups:
+            return None
+        # views and one stack: no index tensor (a host-to-device copy would sync)
+        return tuple(self.labels[g] for g in groups), torch.stack([per_layer[g] for g in groups])
 
     def _held_only(self, per_layer: Any) -> tuple[tuple[str, ...], Any]:
         """(labels, per-layer values) of the layers with elements on this rank (all, unsharded)."""
@@ -306,6 +338,12 @@ class ModelWatch:
             if rms.device != self._device:
                 rms, absmax = rms.to(self._device), absmax.to(self._device)
             self._activations[group] = (rms, absmax)  # the last call of the step wins
+
+        return hook
+
+    def _ran_hook(self, groups: tuple[int, ...]) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            self._ran.update(groups)
 
         return hook
 

@@ -171,3 +171,93 @@ def test_an_exploding_layer_is_named_at_its_step() -> None:
     events = _train(Healthy(), 50, on_backward=blow_up)
     [(name, _, attrs)] = events
     assert (name, attrs[sc.LAYER], attrs["step"]) == ("gradient_explosion", "net.2", 40)
+
+
+# --- layers that do not run at every step: no gradient there is no fault ------------------------------
+class AlternateHeads(nn.Module):
+    """Two heads used on alternate steps (e.g. two losses or two data sources taking turns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 16)
+        self.heads = nn.ModuleList([nn.Linear(16, 1), nn.Linear(16, 1)])
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.heads[self.calls % 2]
+        self.calls += 1
+        return head(torch.tanh(self.trunk(x)))
+
+
+class RandomTaskHeads(nn.Module):
+    """Three task heads, one chosen at random per step (multi-task training); `detach_side`: a side
+    layer that runs every step with its output detached (the bug no_gradient is for)."""
+
+    def __init__(self, detach_side: bool = False) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 16)
+        self.side = nn.Linear(16, 16)
+        self.tasks = nn.ModuleList([nn.Linear(16, 1) for _ in range(3)])
+        self.detach_side = detach_side
+        self.gen = torch.Generator().manual_seed(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        side = self.side(h)
+        h = h + (side.detach() if self.detach_side else side)
+        task = int(torch.randint(3, (1,), generator=self.gen))
+        return self.tasks[task](h)
+
+
+class TopOneMoE(nn.Module):
+    """A top-1 mixture of 8 experts over 16 tokens: an expert that gets no token does not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        self.router = nn.Linear(16, 8)
+        self.experts = nn.ModuleList([nn.Linear(16, 16) for _ in range(8)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        probs = torch.softmax(self.router(h), dim=-1)
+        choice = probs.argmax(dim=-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            mask = choice == e
+            if mask.any():
+                out[mask] = expert(h[mask]) * probs[mask, e : e + 1]
+        return self.head(h + out)
+
+
+@pytest.mark.parametrize("shape", [AlternateHeads, RandomTaskHeads, TopOneMoE])
+def test_layers_that_did_not_run_are_not_missing_a_gradient(shape: type[nn.Module]) -> None:
+    """Healthy runs where some layers sit out steps: no event (each raised no_gradient before)."""
+    assert _train(shape(), 60, every=2) == []
+
+
+def test_a_detached_layer_is_named_beside_heads_that_take_turns() -> None:
+    [(name, _, attrs)] = _train(RandomTaskHeads(detach_side=True), 30, every=2)
+    assert (name, attrs[sc.LAYER], attrs["layers"]) == ("no_gradient", "side", 1)
+    assert attrs["step"] == 2 * (ZERO_STEPS - 1)
+
+
+def test_the_gradient_norms_of_a_step_are_of_the_layers_that_ran() -> None:
+    """The watch's gradient norms at a watched step: only the head that ran, next to the trunk."""
+    from otel_train.buffer import Buffer
+    from otel_train.numerics.model_watch import ModelWatch
+
+    model = AlternateHeads()
+    buffer = Buffer(max_names=100, max_values=100)
+    watch = ModelWatch(buffer, model, 1, grads=True, params=False, activations=False, histograms=False,
+                       max_layers=8)  # fmt: skip
+    watch.fingerprints = False
+    for step in range(2):
+        watch.begin_step(step)
+        model.zero_grad()
+        model(torch.randn(4, 6)).sum().backward()
+        watch.end_step(step, failed=False)
+    grads = [r for r in buffer.layer_stats if r.instrument == sc.LAYER_GRAD_NORM.name]
+    assert [(r.step, r.labels) for r in grads] == [(0, ("trunk", "heads.0")), (1, ("trunk", "heads.1"))]
+    assert all(float(v) > 0 for r in grads for v in r.values)

@@ -298,10 +298,11 @@ def test_no_hooks_unless_watching_activations_and_only_during_watched_steps(cap:
     def hook_count() -> int:
         return sum(len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
 
-    ot.watch(model, every=2)  # default: grads and params only, no hooks at all
+    ot.watch(model, every=2)  # default: grads and params; only the hooks that mark the layers that ran
     seen: list[tuple[int, int]] = []
     _train(model, 3, on_step=lambda i, m: seen.append((i, hook_count())))
-    assert seen == [(0, 0), (1, 0), (2, 0)]
+    assert [n > 0 for _, n in seen] == [True, False, True]  # inside watched steps only
+    assert hook_count() == 0
 
     handle = ot.watch(model, every=2, activations=True)  # replaces the first watch
     session = ot.current_session()

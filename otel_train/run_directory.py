@@ -75,15 +75,18 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: st
     files = RunFiles(run_dir, rank, role)
     owner, metrics = files.owner, files.metrics
     previous: str | None
-    if owner.exists():
-        try:
-            previous = str(json.loads(owner.read_text(encoding="utf-8")).get("run_id"))
-        except (OSError, ValueError, AttributeError):
-            previous = None
+    if os.path.lexists(owner):
+        previous = _owner_run_id(owner)
+        if previous is None:  # damaged (a node died before it reached the disk): not a verdict
+            previous = _set_aside_owner(files, run_id)
+            if previous is None:
+                wrote = metrics.exists() and metrics.stat().st_size > 0
+                write_json(owner, _owner_record(run_id), fsync=True)
+                return wrote
     elif metrics.exists() and metrics.stat().st_size > 0:
         previous = None  # written by a version without owner files: cannot tell, so not ours
     else:  # nothing of this rank yet: a fresh start
-        write_json(owner, _owner_record(run_id))
+        write_json(owner, _owner_record(run_id), fsync=True)
         return False
     if previous == run_id:
         holder = live_owner(run_dir, rank, role)
@@ -95,7 +98,7 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: st
                 holder.get("pid"),
                 holder.get("host"),
             )
-        write_json(owner, _owner_record(run_id))  # this process holds the files now
+        write_json(owner, _owner_record(run_id), fsync=True)  # this process holds the files now
         return True
     raise ConfigError(
         f"run_name {run_name!r}: {run_dir} already holds {role + ' ' if role else ''}rank {rank}'s files from another run "
@@ -103,6 +106,46 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: st
         "a new name (init(run_name=...) / OTEL_TRAIN_RUN_NAME, or leave it unset for a unique one), "
         "move the old directory away, or set the same run_id (OTEL_TRAIN_RUN_ID) to resume that run."
     )
+
+
+MAX_OWNER_BYTES = 64 * 1024  # an owner record is ~150 bytes; anything larger is not one
+
+
+def _owner_run_id(owner: Path) -> str | None:
+    """The run id in owner file `owner`, or None when the file cannot be trusted (empty, cut short,
+    `{}`, not JSON, not a regular file, too large)."""
+    try:
+        record = json.loads(read_regular_file(owner, MAX_OWNER_BYTES).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    run_id = record.get("run_id") if isinstance(record, dict) else None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def _set_aside_owner(files: RunFiles, run_id: str) -> str | None:
+    """A damaged owner file never stops a restart (as a damaged goodput file): it is kept aside as
+    `<name>.corrupt` with one warning, and None returned. Unless this rank's goodput file, which
+    also records the run id, names another run: that run id is returned (the claim refuses it, as
+    for a whole owner file) and the file is left where it is."""
+    owner = files.owner
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        recorded = json.loads(read_regular_file(files.goodput, MAX_OWNER_BYTES).decode("utf-8")).get("run_id")
+        if isinstance(recorded, str) and recorded and recorded != run_id:
+            return recorded
+    aside = owner.with_name(owner.name + ".corrupt")
+    try:
+        owner.replace(aside)
+    except OSError:
+        aside = owner  # overwritten by this process's record
+    log.warning(
+        "otel_train: %s is damaged (empty, cut short or not an owner record); kept as %s. Nothing "
+        "names another run, so run_id %s takes rank %d's files over and appends to them.",
+        owner,
+        aside,
+        run_id,
+        files.rank,
+    )
+    return None
 
 
 def _owner_record(run_id: str) -> dict[str, object]:
@@ -133,7 +176,7 @@ def live_owner(run_dir: Path, rank: int, role: str = "") -> dict[str, object] | 
     """The owner record of rank `rank`'s files when another live process on this host holds them
     (same pid and the same process start time). Owners on other hosts cannot be checked: None."""
     try:
-        record = json.loads(RunFiles(run_dir, rank, role).owner.read_text(encoding="utf-8"))
+        record = json.loads(read_regular_file(RunFiles(run_dir, rank, role).owner, MAX_OWNER_BYTES))
         pid = int(record["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -415,13 +458,31 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes:
     return data
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write via a temporary file and rename: the old file stays whole if the disk is full."""
+def write_json(path: Path, data: Any, fsync: bool = False) -> None:
+    """Write via a temporary file and rename: the old file stays whole if the disk is full. With
+    `fsync`, the data reaches the disk before the rename and the rename before this returns (a node
+    that dies right after would otherwise leave an empty file under the new name)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     text = json.dumps(_finite(data), indent=2, sort_keys=True, default=json_default) + "\n"
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         tmp.replace(path)
+        if fsync:
+            _fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
+
+
+def _fsync_dir(directory: Path) -> None:
+    """The directory entry of a rename on disk (best effort: not every file system allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 TRAINER = """
@@ -84,3 +86,63 @@ def test_a_live_owner_is_never_appended_to(tmp_path: Path) -> None:
     assert _events(owned).count("restart") == 1
     steps, counted = _steps(owned)
     assert counted == 35 and steps[-1] == 4
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "empty_object"])
+def test_a_damaged_owner_file_is_set_aside_and_the_same_run_resumes(damage: str, tmp_path: Path) -> None:
+    """The requeued job (same run id and name) finds its owner file damaged by a node that died
+    while writing it: it resumes in place, warning once and keeping the damaged file aside."""
+    _finish(_start(tmp_path, 5))
+    owner = tmp_path / "job" / ".owner.rank0.json"
+    whole = owner.read_bytes()
+    owner.write_bytes({"empty": b"", "truncated": whole[:17], "empty_object": b"{}"}[damage])
+    damaged = owner.read_bytes()
+    stderr = _finish(_start(tmp_path, 5))
+    assert "already holds rank 0's files" not in stderr
+    assert f"{owner} is damaged" in stderr and "slurm-4242 takes rank 0's files over" in stderr, stderr
+    assert (tmp_path / "job" / ".owner.rank0.json.corrupt").read_bytes() == damaged
+    assert json.loads(owner.read_text())["run_id"] == "slurm-4242"  # whole again, for the next restart
+    steps, counted = _steps(tmp_path / "job")
+    assert counted == 10 and steps[-1] == 4  # appended: both processes' steps in the one file
+    assert _events(tmp_path / "job").count("restart") == 1
+    assert not [p for p in tmp_path.iterdir() if p.name != "job"]  # no second run directory
+
+
+def test_a_damaged_owner_file_of_another_run_is_still_refused(tmp_path: Path) -> None:
+    """The damaged file is no way in for a different run: this rank's goodput file still names the
+    run that wrote the files, and the claim refuses as it does with a whole owner file."""
+    _finish(_start(tmp_path, 3))
+    owner = tmp_path / "job" / ".owner.rank0.json"
+    owner.write_bytes(b"")
+    goodput = tmp_path / "job" / "goodput.rank0.json"
+    assert json.loads(goodput.read_text())["run_id"] == "slurm-4242"
+    goodput.write_text(goodput.read_text().replace("slurm-4242", "slurm-1111"))
+    proc = _start(tmp_path, 3)
+    _, stderr = proc.communicate("stop\n", timeout=60)
+    assert proc.returncode != 0
+    assert (
+        "already holds rank 0's files from another run (run_id slurm-1111; this one is slurm-4242)" in stderr
+    )
+    assert owner.read_bytes() == b"" and not (tmp_path / "job" / ".owner.rank0.json.corrupt").exists()
+
+
+def test_owner_records_reach_the_disk_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from otel_train import run_directory
+
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, Path.replace
+
+    def fsync(fd: int) -> None:
+        calls.append("fsync " + os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1])
+        real_fsync(fd)
+
+    def replace(self: Path, target: Path) -> Path:
+        calls.append(f"rename {Path(target).name}")
+        return real_replace(self, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "replace", replace)
+    assert run_directory.claim_run_dir(tmp_path, 0, "job-1", "exp") is False
+    assert calls == ["fsync .owner.rank0.json.tmp", "rename .owner.rank0.json", f"fsync {tmp_path.name}"]

@@ -15,6 +15,7 @@ Importing this package is light: no torch, SDK exporters, wandb or tensorboard a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from otel_train import _runtime, messages
 from otel_train.config import Config, ConfigError
 from otel_train.distributed import RunInfo
-from otel_train.redaction import cap_text, redact, redact_text
+from otel_train.redaction import cap_text, redact
 from otel_train.run import Run
 from otel_train.step_input import message_step
 from otel_train.timing import begin_step, end_step, phase, span, step, timed, timer
@@ -132,9 +133,12 @@ def record(name: str, value: Any) -> None:
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
     """Record several scalars (`{"eval/loss": v, ...}`).
 
-    Without `step` they leave with the next flush. With `step` (eval results after step N) they are
-    flushed now, filed under the last completed step; in a multi-rank run they ride with the next
-    aligned flush instead, since an extra flush would desynchronise the ranks' collectives.
+    Without `step` they leave with the next flush, like `record`. With `step` they are filed under
+    that step in the run dir and every bridge, as every built-in logger keeps the step a framework
+    passes: after step N with `step=N`, by a flush now (one process); for any other step, or in a
+    multi-rank run (where an extra flush would desynchronise the ranks' collectives), as a row of
+    their own at that step, written in order with the flushes. The OTel gauges and the health
+    checks get them with the flush either way.
     """
     session = _runtime._current
     if session is None:
@@ -144,10 +148,20 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
     except Exception:
         session.buffer.drop("invalid_type")
         return
-    for name, value in items:
-        record(f"{prefix or ''}{name}" if isinstance(name, str) else name, value)
-    if step is not None and not session.identity.distributed:
+    names = [f"{prefix or ''}{name}" if isinstance(name, str) else name for name, _ in items]
+    for name, (_, value) in zip(names, items, strict=True):
+        record(name, value)
+    if step is None:
+        return
+    instruments = [session.buffer.instrument_of(name) for name in names]
+    session.buffer.stepped.update(i for i in instruments if i)
+    filed = message_step(step, session.buffer)
+    if filed is None or (filed == session.step_index and not session.identity.distributed):
         session.flush()
+        return
+    row = {i: v for i, (_, v) in zip(instruments, items, strict=True) if i}
+    if row:
+        session.message(messages.ScalarsMessage, "", row, filed)
 
 
 def log_hyperparams(params: Mapping[str, Any]) -> None:
@@ -177,10 +191,8 @@ def event(name: str, message: str, attributes: Mapping[str, str | int | float | 
         attrs = {
             str(k): v for k, v in dict(attributes or {}).items() if isinstance(v, (str, int, float, bool))
         }
-        text = redact_text(cap_text(str(message)))  # an exception's text may carry a token or a URL password
-        session.events.emit(
-            str(name), text, {k: redact_text(v) if isinstance(v, str) else v for k, v in attrs.items()}
-        )
+        # the events redact message and attributes (an exception's text, an `hf_token` attribute)
+        session.events.emit(str(name), cap_text(str(message)), attrs)
     except Exception:  # not a mapping, an unprintable message: never raise into the caller
         session.buffer.drop("invalid_type")
 
@@ -188,23 +200,27 @@ def event(name: str, message: str, attributes: Mapping[str, str | int | float | 
 def on_event(callback: Callable[[str, str, dict[str, Any]], None]) -> None:
     """Call `callback(event, message, attributes)` after every health event of the running session
     (`nonfinite`, `straggler`, `stall`, `hang`, ...: every name in `events.rank<k>.jsonl`): e.g. to stop a run on a
-    hang. It runs on the thread that raised the event (the worker, the watchdog, a sampler): keep it
-    quick; an exception it raises is logged, never raised there. Before `init()`: nothing."""
+    hang. It runs on a thread of its own, one call at a time in order, so it may block (a webhook)
+    or call `ot.shutdown()` without holding the training, the worker or the watchdog; calls beyond
+    a backlog of 1024 are dropped (`otel_train.dropped{reason="callback_backlog"}`). An event it
+    raises itself (`ot.event`) is recorded but not handed to the callbacks again. An exception it
+    raises is logged. Before `init()`: nothing."""
     session = _runtime._current
     if session is not None and callable(callback):
-        session.events.add_callback(callback)
+        session.events.add_hook(callback, session.instruments.dropped)
 
 
 def on_straggler(callback: Callable[[list[StragglerReport]], None]) -> None:
     """Call `callback(reports)` on EVERY rank with the same list of chronic stragglers (each a
     `StragglerReport`: rank, host, phase, lateness, the ranks that wait for it, ...), one flush
     after rank 0 found them, at the same flush on every rank while the ranks keep pace: for a
-    decision all ranks must take alike (stop, checkpoint, drain a host). It runs on the worker
-    thread: keep it quick. Replaces an earlier callback. Before `init()`, or in a single process:
-    never called."""
+    decision all ranks must take alike (stop, checkpoint, drain a host). It runs on the thread
+    of `on_event`'s callbacks (it may block or call `ot.shutdown()`). Replaces an earlier callback.
+    Before `init()`, or in a single process: never called."""
     session = _runtime._current
     if session is not None and callable(callback):
-        session.reducer.on_straggler = callback
+        hooks = session.events.hook_thread(session.instruments.dropped)
+        session.reducer.on_straggler = functools.partial(hooks.submit, callback)
 
 
 def log_text(name: str, text: str, step: int | None = None) -> None:

@@ -122,6 +122,9 @@ class FlushBatch(FlushHeader):
     # value i belongs to step_indices[i // k].
     step_indices: list[int] = field(default_factory=list)
     merged: set[str] = field(default_factory=set)  # instruments fed by several record names (no order)
+    # instruments logged with an explicit step (log_metrics(step=N)): their latest value, not the
+    # interval's mean, is what the gauge holds, as each was filed under a step of its own
+    stepped: set[str] = field(default_factory=set)
     # every step that ended, failed ones too, in order, up to max_values_per_interval (the counts of
     # the rest are in the header's tokens and samples): (index, start_ns, end_ns, tokens, samples,
     # failed); the worker adds them up into the header (resolve.resolve_steps)
@@ -161,6 +164,7 @@ class Buffer:
         self.dropped: dict[str, int] = {}
         self.layer_stats: list[LayerStats] = []
         self.histograms: list[tuple[str, int, Any]] = []
+        self.stepped: set[str] = set()  # see FlushBatch.stepped
         self.steps = 0  # steps that ended without failing: set by the session before take()
         self.tokens = 0  # of the steps beyond the step_events cap only (add_uncapped_step)
         self.samples = 0
@@ -252,6 +256,10 @@ class Buffer:
             values.append(value)
         else:
             self.drop("too_many_values")
+
+    def instrument_of(self, name: str) -> str | None:
+        """The instrument a record() name seen before maps to (None: unseen or rejected)."""
+        return self._name_map.get(name) if isinstance(name, str) else None
 
     def has_user_values_for(self, instrument: str) -> bool:
         """Whether a user's record() name mapping to `instrument` has values in this interval."""
@@ -384,6 +392,7 @@ class Buffer:
             layer_stats=self.layer_stats,
             histograms=self.histograms,
             merged=merged_names,
+            stepped=self.stepped,
             step_events=self.step_events,
             value_cap=self.max_values,
         )

@@ -1,6 +1,7 @@
 """What the logger API hands the worker besides flushes (`ot.log_text`, `ot.log_samples`,
-`ot.log_histogram`, `ot.log_hyperparams`): one small frozen record per kind, dispatched by class on
-the worker. They travel in the flushes' queue, so they keep their order with the scalars."""
+`ot.log_histogram`, `ot.log_hyperparams`, `ot.log_metrics(step=N)`'s row): one small frozen record
+per kind, dispatched by class on the worker. They travel in the flushes' queue, so they keep their
+order with the scalars."""
 
 from __future__ import annotations
 
@@ -40,4 +41,14 @@ class HparamsMessage:
     step: int
 
 
-Message = TextMessage | SamplesMessage | HistogramMessage | HparamsMessage
+@dataclass(frozen=True)
+class ScalarsMessage:
+    """`ot.log_metrics(values, step=N)`: one row at step N for the run dir and the bridges."""
+
+    event_name: ClassVar[str] = "otel_train.scalars"
+    key: str
+    values: dict[str, Any]  # instrument name -> the value as recorded (a tensor stays on its device)
+    step: int
+
+
+Message = TextMessage | SamplesMessage | HistogramMessage | HparamsMessage | ScalarsMessage

@@ -134,6 +134,32 @@ def test_log_metrics_prefix_and_eval_keys() -> None:
     assert flushed["train/my_metric"] == 2
 
 
+def test_log_metrics_files_values_under_the_step_given(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`step=N` is the step the run dir and every bridge file the values under, for a past step, a
+    future one and the open one alike (an eval logged with `step=6` after step 9 is at 6)."""
+    from helpers.readback import read_tensorboard
+
+    ot.init(prometheus_port=0, verbosity=0, log_interval=100, output_dir=str(tmp_path), run_name="s",
+            tensorboard=True)  # fmt: skip
+    for i in range(10):
+        with ot.step(i):
+            ot.record("loss", 1.0)
+            if i == 4:
+                ot.log_metrics({"eval/F1": 0.25}, step=4)  # inside the open step 4
+    ot.log_metrics({"eval/F1": 0.5, "eval/loss": 2.0}, step=6)  # late: after step 9
+    ot.log_metrics({"eval/F1": 0.75}, step=9)  # the last completed step: a flush now
+    ot.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "s" / "metrics.rank0.jsonl").read_text().splitlines()]
+    first = {}
+    for row in rows:
+        if "eval/F1" in row:
+            first.setdefault(row["step"], row["eval/F1"])
+    assert first == {4: 0.25, 6: 0.5, 9: 0.75}
+    assert next(r for r in rows if r["step"] == 6)["eval/loss"] == 2.0
+    scalars = read_tensorboard(tmp_path / "s" / "tensorboard").scalars
+    assert dict(scalars["eval/F1"]) == {4: 0.25, 6: 0.5, 9: 0.75}
+
+
 def test_user_instruments_on_library_meter_reach_bridges() -> None:
     with capture_metrics(log_interval=2) as cap:
         meter = ot.get_meter()

@@ -5,7 +5,7 @@ durations with their spans' exemplars, ot.watch's per-layer statistics."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 from otel_train import semconv
@@ -108,13 +108,17 @@ def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Inte
 
 
 def keep_case(
-    scalars: dict[str, float], recorded: Mapping[str, Sequence[float]], spelling: dict[str, str]
+    scalars: dict[str, float],
+    recorded: Mapping[str, Sequence[float]],
+    spelling: dict[str, str],
+    stepped: Set[str] = frozenset(),
 ) -> None:
     """Give the user's own names their keys in the case they were recorded (`eval/F1`): the SDK's
     instruments are case-folded (OTel names are case-insensitive) and a gauge goes on reporting its
     last value in later flushes, under the folded key. `spelling` (the worker's, kept across
     flushes) maps a folded key to the spelling whose value the SDK's gauge holds: the last one set.
-    Names differing only in case each get their own interval mean. A name the SDK did not export
+    Names differing only in case each get their own interval mean (the latest value for `stepped`
+    instruments, as the worker set the gauge). A name the SDK did not export
     (over max_metric_names) gets no key."""
     fresh: dict[str, float] = {}
     for instrument, values in recorded.items():  # the order the worker set the gauges in
@@ -123,7 +127,7 @@ def keep_case(
         folded_key = semconv.default_key(semconv.otel_name(instrument))
         if folded_key in scalars:
             spelling[folded_key] = key = semconv.default_key(instrument)
-            fresh[key] = math.fsum(values) / len(values)
+            fresh[key] = values[-1] if instrument in stepped else math.fsum(values) / len(values)
     for folded_key, key in spelling.items():
         if key != folded_key and folded_key in scalars:
             scalars[key] = scalars.pop(folded_key)

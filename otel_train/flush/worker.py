@@ -17,6 +17,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -35,11 +36,18 @@ from otel_train.flush.instruments import (
     record_durations,
     set_interval_stats,
 )
-from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, resolve_interval
-from otel_train.flush.step_reader import StepReader
+from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, resolve_interval, resolve_values
+from otel_train.flush.step_reader import StepReader, key_for
 from otel_train.flush.tracing import ExemplarContexts, SpanWriter
 from otel_train.interval import FlushListener, Interval
-from otel_train.messages import HistogramMessage, HparamsMessage, Message, SamplesMessage, TextMessage
+from otel_train.messages import (
+    HistogramMessage,
+    HparamsMessage,
+    Message,
+    SamplesMessage,
+    ScalarsMessage,
+    TextMessage,
+)
 from otel_train.redaction import redact_text
 
 log = logging.getLogger("otel_train")
@@ -214,7 +222,7 @@ class Worker:
                 )
         self.doing = "collecting metrics (observable-instrument callbacks, e.g. ones made on ot.get_meter())"
         scalars = self.step_reader.collect_scalars(interval.elapsed_s)
-        keep_case(scalars, interval.scalars, self._spelling)
+        keep_case(scalars, interval.scalars, self._spelling, batch.stepped)
         for key in add_stat_keys(scalars, self._stat_keys):
             self._warn_once(f"stat:{key}", STAT_KEY_TAKEN.format(key=key))
         self._stat_keys.clear()
@@ -264,7 +272,8 @@ class Worker:
             if gauge is None:
                 batch.dropped["too_many_names"] = batch.dropped.get("too_many_names", 0) + 1
                 continue
-            gauge.set(math.fsum(values) / len(values))  # the interval's mean (see semconv.INTERVAL_STATS)
+            # the interval's mean (see semconv.INTERVAL_STATS); a stepped value's latest
+            gauge.set(values[-1] if instrument in batch.stepped else math.fsum(values) / len(values))
             set_interval_stats(ins, self._stat_keys, instrument, values)
         for reason, count in batch.dropped.items():
             ins.dropped.add(count, {semconv.REASON: reason})
@@ -298,8 +307,9 @@ class Worker:
 
     def _log_record(self, message: Message) -> None:
         """Text, samples, histograms and hyperparameters also leave as OTel log records, so the
-        collector (and whatever sits behind it) sees them, not only the bridges."""
-        if self.otel_logger is None:
+        collector (and whatever sits behind it) sees them, not only the bridges. (A step's row of
+        scalars does not: its values reach the OTel gauges with the next flush.)"""
+        if self.otel_logger is None or isinstance(message, ScalarsMessage):
             return
         try:
             self.otel_logger.emit(
@@ -330,6 +340,19 @@ def _prepared(message: Message) -> Message:
             return replace(message, rows=[(redact_text(p), redact_text(o)) for p, o in message.rows])
         case HparamsMessage():
             return message
+        case ScalarsMessage():
+            return replace(message, values=_row(message.values))
+
+
+def _row(values: Mapping[str, Any]) -> dict[str, float]:
+    """A step's row: bridge keys and finite floats. What is dropped here was counted when the same
+    values were recorded for the flush."""
+    row: dict[str, float] = {}
+    for instrument, value in values.items():
+        resolved, _ = resolve_values([value])
+        if resolved and resolved[0] is not None:
+            row[key_for(instrument, {})] = resolved[0]
+    return row
 
 
 def _write(sink: Sink, message: Message) -> None:
@@ -342,6 +365,9 @@ def _write(sink: Sink, message: Message) -> None:
             sink.write_histogram(key, values, step)
         case HparamsMessage(params=params):
             sink.write_hparams(params)
+        case ScalarsMessage(values=values, step=step):
+            if values:
+                sink.write_scalars(step, time.time(), values)
 
 
 def _log_body(message: Message) -> Any:
@@ -358,6 +384,8 @@ def _log_body(message: Message) -> Any:
             return body
         case HparamsMessage(params=params):
             return json.dumps(params, default=str, sort_keys=True)
+        case ScalarsMessage(values=values):
+            return values
 
 
 def stuck_message(worker: Worker, limit_s: float) -> str | None:

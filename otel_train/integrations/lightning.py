@@ -528,9 +528,10 @@ class OtelTrainCallback(Callback):
             return
         self._eval.stop()
         self._eval = None
-        # The validation's values, now (flushed under the step it followed): also the final
-        # validation's, after which no training step ends to carry them.
-        self._forward_logged(trainer, trainer.global_step)
+        # The validation's values, now, under the step it followed (where Lightning's own loggers
+        # file them): also the final validation's, after which no training step ends to carry them.
+        info = ot.run_info()
+        self._forward_logged(trainer, info.step if info is not None else trainer.global_step - 1)
         self._mark_ns = perf_counter_ns()
 
 

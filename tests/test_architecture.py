@@ -22,9 +22,9 @@ import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "otel_train"
 MAX_FUNCTION_LINES = 60
-MAX_CLASS_LINES = 300
-NEAR_CAP = 0.9  # a class above 90 % of its cap is listed in ALLOWED with a reason (issue #31)
-MAX_MODULE_LINES = 400
+# Guards against a god class and an unreadable file, not targets: sizes follow the ideas (issue #46).
+MAX_CLASS_LINES = 320
+MAX_MODULE_LINES = 800
 MAX_TOP_LEVEL_MODULES = 30  # issue #31: the file list shows the architecture; parts with a story are packages
 
 # Private names that a module may read from another on purpose, as (reader, owner, name).
@@ -59,14 +59,6 @@ KNOWN_VIOLATIONS: frozenset[str] = frozenset(
 # What breaks a rule for good, with the reason; like KNOWN_VIOLATIONS, an entry that no longer
 # occurs fails test_known_violations_still_occur.
 ALLOWED: dict[str, str] = {
-    "size: module otel_train.semconv": "the metric catalogue: one table, every metric spelled once",
-    "size: module otel_train.demo.train": "the demo: one runnable script a user reads top to bottom",
-    "near-cap: class otel_train.crossrank.reducer:CrossRankReducer": "the flush listener sequences one "
-    "flush (pack, exchange, deliver, reduce, re-form); each step's logic lives in its own module "
-    "(pairing, verdicts, scores, collective_lateness, replicas, straggler_outputs)",
-    "near-cap: class otel_train.crossrank.exchange:StarExchange": "both halves of one wire protocol "
-    "(rank 0 posts, takes and answers; a leaf sends and takes answers, the same slot and trailer): "
-    "split by role, each half would hide the other's invariants",
     "kind-dispatch: otel_train.bridges.host compares kind with 'setup'": "a pipe frame's tag: data read "
     "off the bridge process's pipe (bridges/framing), not a type inside this process",
     "kind-dispatch: otel_train.bridges.process compares kind with 'BridgeImportError'": "the class name of "
@@ -270,8 +262,6 @@ def oversized(module: Module) -> Iterator[str]:
                 limit = MAX_CLASS_LINES if is_class else MAX_FUNCTION_LINES
                 if lines > limit:
                     yield f"size: {'class' if is_class else 'function'} {module.name}:{qualname}"
-                elif is_class and lines > NEAR_CAP * limit:
-                    yield f"near-cap: class {module.name}:{qualname}"
                 yield from walk(child, f"{qualname}.")
             else:
                 yield from walk(child, prefix)
@@ -585,21 +575,19 @@ def test_detects_oversized_functions_and_classes(tmp_path: Path) -> None:
     ok_function = "def ok():\n" + body * (MAX_FUNCTION_LINES - 1)
     method = "    def method(self):\n" + ("    " + body) * MAX_FUNCTION_LINES
     long_class = "class Big:\n" + "    y = 1\n" * MAX_CLASS_LINES
-    near_class = "class Near:\n" + "    y = 1\n" * int(NEAR_CAP * MAX_CLASS_LINES)  # 271 lines
+    ok_class = "class Fits:\n" + "    y = 1\n" * (MAX_CLASS_LINES - 1)
     root = _package(
         tmp_path,
         {
             "m.py": long_function + ok_function + long_class,
             "n.py": "class Small:\n" + method,
-            "o.py": near_class,
+            "o.py": ok_class,
         },
     )
     assert violations(root).sizes == [
-        "near-cap: class pkg.o:Near",
         "size: class pkg.m:Big",
         "size: function pkg.m:long",
         "size: function pkg.n:Small.method",
-        "size: module pkg.m",  # 422 lines
     ]
 
 

@@ -72,6 +72,12 @@ class RunInfo:
     # The timing_log_level setting as the user gave it (None: unset), so an adapter whose framework
     # has its own timer level (Megatron's Timers) knows whether the user chose otel_train's.
     timing_log_level: int | None = None
+    # The step begun and not yet ended (None outside a step), so an adapter can tell the user's own
+    # ot.step from its own and file a framework's logged values where they belong.
+    open_step: int | None = None
+    # The tracker bridges on ("tensorboard", "wandb", "mlflow"), so an adapter never opens a
+    # framework's own writer for a backend otel_train already feeds.
+    bridges: tuple[str, ...] = ()
 
 
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:

@@ -72,6 +72,16 @@ class Run:
             otlp_endpoint=redact_url(config.otlp_endpoint),  # user:password@ -> ***@
             otlp_metrics_endpoint=redact_url(config.otlp_metrics_endpoint),
             timing_log_level=config.timing_log_level,
+            open_step=session.running_step,
+            bridges=tuple(
+                name
+                for name, on in (
+                    ("tensorboard", config.tensorboard),
+                    ("wandb", config.wandb),
+                    ("mlflow", config.mlflow),
+                )
+                if on
+            ),
         )
 
     def shutdown(self) -> None:

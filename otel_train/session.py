@@ -270,6 +270,11 @@ class Session(SessionParts):
             drop_message(self.buffer, self.worker.max_messages)
 
     # --- lifecycle -----------------------------------------------------------------------------------
+    @property
+    def running_step(self) -> int | None:
+        """The index of the step begun and not yet ended (None outside a step)."""
+        return self._step_index_running if self.step_start_ns else None
+
     def last_step(self) -> tuple[int, float | None]:
         """(last completed step, its end as perf_counter seconds or None): for the watchdog thread."""
         end_ns = self.step_end_ns

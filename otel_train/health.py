@@ -6,7 +6,9 @@ one batched transfer on the background worker, and checked there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -17,6 +19,7 @@ from opentelemetry._logs import SeverityNumber
 
 from otel_train import semconv
 from otel_train.interval import Interval
+from otel_train.redaction import redact_attributes, redact_text
 from otel_train.run_directory import append_line
 
 log = logging.getLogger("otel_train")
@@ -54,11 +57,83 @@ class NullEventChannel:
 
 EventCallback = Callable[[str, str, dict[str, AttributeValue]], None]
 
+# Calls waiting for the user's hooks: beyond this they are dropped (a hook that hangs must not
+# grow memory without bound), counted as otel_train.dropped{reason="callback_backlog"}.
+CALLBACK_QUEUE = 1024
+
+
+class HookThread:
+    """Runs the user's hooks (`ot.on_event`, `ot.on_straggler`) on a thread of their own, in order.
+
+    A hook is the user's code: a webhook that hangs, a call to `ot.shutdown()`, an `ot.event` that
+    forwards what it is given. Run on the thread that raised the event, the first held the worker
+    (no step written) and the watchdog (no stall reported), the second could not join the thread
+    it ran on, the third fed itself. Here the raising thread only queues the call (never waits:
+    a full queue drops it, counted and warned once), `ot.shutdown()` from a hook closes
+    everything but this thread, and an event raised on this thread is not handed to the hooks."""
+
+    def __init__(self, dropped: Any, maxsize: int = CALLBACK_QUEUE) -> None:
+        self._dropped = dropped
+        self._queue: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue(maxsize)
+        self._closed = False
+        self._warned = False
+        self.drops = 0
+        self._thread = threading.Thread(target=self._run, name="otel_train-hooks", daemon=True)
+        self._thread.start()
+
+    def on_hook_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, hook: Callable[..., None], *args: Any) -> None:
+        """Queue `hook(*args)`; never blocks."""
+        if self._closed:
+            return
+        try:
+            self._queue.put_nowait((hook, args))
+        except queue.Full:
+            self.drops += 1
+            self._dropped.add(1, {semconv.REASON: "callback_backlog"})
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "otel_train: %d calls wait for an ot.on_event/ot.on_straggler callback (one is "
+                    "blocked?); further ones are dropped, counted as otel_train.dropped"
+                    '{reason="callback_backlog"}. Training and health events are not affected.',
+                    self._queue.maxsize,
+                )
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None or self._closed:
+                return
+            hook, args = item
+            try:
+                hook(*args)
+            except Exception as exc:  # the user's code: logged, never kills the thread
+                log.warning("otel_train: callback %s failed: %s", getattr(hook, "__name__", hook), exc)
+
+    def close(self, timeout_s: float) -> None:
+        """Let the queued calls run for up to `timeout_s`, then stop (a hook still running is left
+        behind: the thread is a daemon). From a hook itself (`ot.shutdown()` in a callback): stop
+        once that hook returns, without waiting for it."""
+        if self._closed:
+            return
+        if self.on_hook_thread():
+            self._closed = True
+            return
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with contextlib.suppress(queue.Full):  # a hook blocked with the queue full: the join times out
+            self._queue.put(None, timeout=max(0.0, timeout_s))
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._closed = True
+
 
 class HealthEvents:
     """One way out for every health event: counter + OTel log record + events JSONL + log line.
 
-    Thread-safe; called from the worker, the hardware sampler and the reducer.
+    Thread-safe; called from the worker, the hardware sampler and the reducer. Attributes and
+    message are redacted here (an `ot.event` may carry a token), whoever raised them.
     """
 
     def __init__(
@@ -76,11 +151,34 @@ class HealthEvents:
         self._echo = echo
         self._lock = threading.Lock()
         self._callbacks: list[EventCallback] = []
+        self._hook_callbacks: list[EventCallback] = []
+        self.hooks: HookThread | None = None  # started by the first user hook (`hook_thread`)
 
     def add_callback(self, callback: EventCallback) -> None:
-        """Call `callback(event, message, attributes)` after each event (on the emitting thread;
-        an exception it raises is logged, never raised to the emitter)."""
+        """Call `callback(event, message, attributes)` after each event ON THE EMITTING THREAD (an
+        exception it raises is logged): for quick observers that never block nor call the API
+        (the library's own, tests). The user's go through `add_hook`."""
         self._callbacks = [*self._callbacks, callback]  # replaced, not mutated: emit() iterates it
+
+    def hook_thread(self, dropped: Any) -> HookThread:
+        """The thread the user's hooks run on, started at the first one (`dropped`: the counter a
+        full queue's drops go to)."""
+        with self._lock:
+            if self.hooks is None:
+                self.hooks = HookThread(dropped)
+            return self.hooks
+
+    def add_hook(self, callback: EventCallback, dropped: Any) -> None:
+        """Call `callback(event, message, attributes)` after each event on the hook thread
+        (`HookThread`): it may block or call the API without holding the thread that raised it."""
+        self.hook_thread(dropped)
+        self._hook_callbacks = [*self._hook_callbacks, callback]
+
+    def close(self, timeout_s: float) -> None:
+        """Give the hooks what is queued (up to `timeout_s`), then stop their thread."""
+        hooks = self.hooks
+        if hooks is not None:
+            hooks.close(timeout_s)
 
     def emit(
         self,
@@ -89,7 +187,9 @@ class HealthEvents:
         attributes: Mapping[str, AttributeValue] | None = None,
         severity: str = "WARNING",
     ) -> None:
-        attrs: dict[str, AttributeValue] = {**self._base, **(attributes or {}), semconv.EVENT: event}
+        message = redact_text(message)
+        extra = redact_attributes(attributes) if attributes else {}
+        attrs: dict[str, AttributeValue] = {**self._base, **extra, semconv.EVENT: event}
         self._counter.add(1, {semconv.EVENT: event})
         if self._otel_logger is not None:
             try:
@@ -122,6 +222,12 @@ class HealthEvents:
                 callback(event, message, attrs)
             except Exception as exc:
                 log.warning("otel_train: health-event callback failed: %s", exc)
+        hooks = self.hooks
+        # An event a hook raised (ot.event forwarding what it was given) is recorded above but not
+        # handed to the hooks again: one forwarded event, never a hook feeding itself.
+        if hooks is not None and not hooks.on_hook_thread():
+            for hook in self._hook_callbacks:
+                hooks.submit(hook, event, message, dict(attrs))
 
 
 class HealthMonitor:

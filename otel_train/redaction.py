@@ -20,10 +20,13 @@ def is_secret_key(key: str) -> bool:
 
 
 def redact_url(value: Any) -> Any:
-    """`scheme://user:password@host/...` -> `scheme://***@host/...`; other values unchanged."""
-    if isinstance(value, str) and "@" in value and "://" in value:
-        return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@", rf"\1{REDACTED}@", value)
-    return value
+    """`scheme://user:password@host/...?api_key=...` -> `scheme://***@host/...?api_key=***` (the
+    userinfo and secret-looking query parameters); other values unchanged."""
+    if not isinstance(value, str) or "://" not in value:
+        return value
+    if "@" in value:
+        value = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@", rf"\1{REDACTED}@", value)
+    return _SECRET_IN_TEXT_RE.sub(_redacted_pair, value) if "=" in value else value
 
 
 # Free text (ot.log_text, samples) is capped before it is queued: a megabyte string would hold the
@@ -74,6 +77,18 @@ def redact_text(text: str) -> str:
     text = _SECRET_IN_TEXT_RE.sub(_redacted_pair, text)
     text = _BEARER_RE.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     return _USERINFO_RE.sub(f"{REDACTED}@", text)
+
+
+def redact_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat attributes (a health event's, an OTel log record's): a str under a secret-looking
+    name becomes '***', every other str gets the free-text redaction; numbers and bools are kept
+    (a count named `tokens` is no secret)."""
+    out: dict[str, Any] = {}
+    for key, value in attributes.items():
+        if isinstance(value, str):
+            value = REDACTED if value and is_secret_key(str(key)) else redact_text(value)
+        out[str(key)] = value
+    return out
 
 
 def redact(value: Any, key: str = "") -> Any:

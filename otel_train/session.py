@@ -313,6 +313,8 @@ class Session(SessionParts):
         self.lost_flushes += flushes
         self.lost_steps += steps
         close_listeners(self.listeners)
+        # The user's hooks get what the last flushes raised; from a hook itself this returns at once.
+        self.events.close(max(0.1, 0.6 * budget - (time.monotonic() - started)))
         final = {**self.worker.final_scalars, **final_scalars(self.goodput.totals)}
         close_sinks(self.sinks, self.bridges, final, budget, started)
         stop_exporters(self.telemetry, budget, started)

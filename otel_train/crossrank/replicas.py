@@ -5,10 +5,12 @@ Both ride the ONE per-flush exchange (`reducer.CrossRankReducer`): every rank ap
 collective of its own, nothing on the training thread but the watched steps' device kernels.
 
 - `data_not_sharded`: `ot.watch` fingerprints each watched step's batch on the device (the first
-  tensor argument of the watched module's first forward in the step, or the batch an integration
-  gives `ot.watch_batch` first: float64 sum and sum of squares). Data-parallel peers that trained
-  on identical batches at the same step (a DataLoader without DistributedSampler) are named in one
-  event per set of ranks. An all-zero batch proves nothing and is skipped.
+  tensors among the arguments of the watched module's first forward in the step, or of the batch
+  an integration gives `ot.watch_batch` first: float64 sums weighted by each element's position, so
+  one-hot inputs and all-ones masks count by content, not shape; `model_watch._fingerprint`).
+  Data-parallel peers that trained on identical batches at the same step (a DataLoader without
+  DistributedSampler) are named in one event per set of ranks. An all-zero batch proves nothing
+  and is skipped.
 - `replica_divergence`: under DDP every replica's parameters are identical after the optimizer
   step, so their per-layer norms (ot.watch's, at the same watched step) are too. A relative
   difference above `REL_TOL` names the first diverging layer (module order) and the ranks that
@@ -49,7 +51,7 @@ FINGERPRINT = "otel_train.batch.fingerprint"
 REL_TOL = 1e-4
 MAX_FINGERPRINTS = 4  # watched steps per flush whose fingerprints travel (the latest)
 MAX_LAYERS = 64  # layers whose parameter norms travel (ot.watch's default max_layers)
-FP_LEN = 3  # step, sum, sum of squares
+FP_LEN = 3  # step, the two position-weighted sums
 ALL_RANKS = -1.0  # data-parallel key when no group was named: every rank is a peer
 _VERSION = 1.0
 _O_VERSION, _O_KEY, _O_NFP = range(3)
@@ -68,7 +70,7 @@ class ReplicaRow:
 
     rank: int
     key: float
-    fingerprints: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (sum, sumsq)
+    fingerprints: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (weighted sums)
     param_step: int = -1  # -1: no parameter norms in this interval
     labels_id: int = 0
     norms: list[float] = field(default_factory=list)

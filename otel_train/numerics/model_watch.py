@@ -208,9 +208,7 @@ class ModelWatch:
         if self._step is None or not self.fingerprints or self._fingerprint is not None:
             return
         try:
-            tensor = _batch_tensor(batch)
-            if tensor is not None:
-                self._fingerprint = _fingerprint(tensor)
+            self._fingerprint = _fingerprint(_batch_tensors(batch))
         except Exception as exc:
             self._fail(exc)
 
@@ -255,7 +253,7 @@ class ModelWatch:
             records.append(LayerStats(semconv.LAYER_ACTIVATION_ABSMAX.name, labels, absmax, index))
             self._activations = {}
         if self._fingerprint is not None:
-            records.append(LayerStats(FINGERPRINT, ("sum", "sum_of_squares"), self._fingerprint, index))
+            records.append(LayerStats(FINGERPRINT, FINGERPRINT_LABELS, self._fingerprint, index))
             self._fingerprint = None
         buffer.add_layer_stats(records)
 
@@ -348,15 +346,12 @@ class ModelWatch:
         return hook
 
     def _fingerprint_hook(self, module: Any, args: Any, kwargs: Any) -> None:
-        """The fingerprint of the first tensor argument of the step's first forward."""
+        """The fingerprint of the tensor arguments of the step's first forward."""
         if self._fingerprint is not None:
             return
-        tensor = _first_tensor(args) if args else None
-        if tensor is None:
-            tensor = next((v for v in kwargs.values() if hasattr(v, "is_floating_point")), None)
+        tensors = [a for a in (*(args or ()), *kwargs.values()) if hasattr(a, "is_floating_point")]
         try:  # inside the user's forward: never raise there
-            if tensor is not None:
-                self._fingerprint = _fingerprint(tensor)
+            self._fingerprint = _fingerprint(tensors)
         except Exception as exc:
             self._fail(exc)
 
@@ -384,33 +379,65 @@ def _local(tensor: Any) -> Any:
     return to_local() if to_local is not None else tensor
 
 
-def _fingerprint(tensor: Any) -> Any:
-    """[sum, sum of squares] in float64 of `tensor` (device kernels only; None for an empty or
-    complex one). Identical batches give identical fingerprints."""
-    if tensor.numel() == 0 or tensor.is_complex():
+# The batch fingerprint (`replicas.py`: ranks that trained on identical batches). Sums alone see
+# only the shape of one-hot inputs and of all-ones masks (every rank's sum is the count of ones), so
+# each element is weighted by a pseudo-random weight of its position, and the first few tensors of
+# the batch go in together (an all-ones attention_mask ahead of the input ids). Two weightings: the
+# second, of the squares, is 0 only for an all-zero batch (which proves nothing).
+FINGERPRINT_LABELS = ("position_weighted_sum", "position_weighted_sum_of_squares")
+FINGERPRINT_TENSORS = 4  # tensors of a batch that go into its fingerprint
+FINGERPRINT_ELEMENTS = 1 << 20  # elements per tensor; larger ones are sampled at a stride
+_WEIGHTS = ((40503, 65521), (10007, 65519))  # weight(p) = (p * a) % m + 1, m prime
+
+
+def _fingerprint(tensors: Sequence[Any]) -> Any:
+    """[sum of x * w1(p), sum of x^2 * w2(p)] in float64 over `tensors` (the first
+    FINGERPRINT_TENSORS non-empty real ones on the first one's device, positions p counted across
+    them), or None without any. Device kernels only: identical batches give identical fingerprints,
+    and the weights make the content count, not only the shape."""
+    device, parts = None, []
+    for tensor in tensors:
+        if tensor is None or tensor.numel() == 0 or tensor.is_complex():
+            continue
+        flat = _local(tensor.detach()).reshape(-1)
+        if device is None:
+            device = flat.device
+        if flat.device != device:
+            continue  # a copy to another device could sync
+        if flat.numel() > FINGERPRINT_ELEMENTS:
+            flat = flat[:: -(-flat.numel() // FINGERPRINT_ELEMENTS)]
+        parts.append(flat)
+        if len(parts) == FINGERPRINT_TENSORS:
+            break
+    if device is None or not parts:
         return None
-    flat = _local(tensor.detach()).reshape(-1)
     # float64 makes equal sums mean equal batches; Metal (mps) has no float64
-    flat = flat.to(torch.float32 if flat.device.type == "mps" else torch.float64)
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    values = torch.cat([part.to(dtype) for part in parts])
     # stays on the batch's device (a copy to the parameters' could sync): one transfer per device
-    return torch.stack([flat.sum(), torch.dot(flat, flat)])
+    position = torch.arange(values.numel(), device=device, dtype=torch.int64)
+    (a1, m1), (a2, m2) = _WEIGHTS
+    w1 = ((position * a1) % m1 + 1).to(dtype)
+    w2 = ((position * a2) % m2 + 1).to(dtype)
+    return torch.stack([torch.dot(values, w1), torch.dot(values * values, w2)])
 
 
-def _batch_tensor(batch: Any, depth: int = 0) -> Any:
-    """The first tensor of a batch: the tensor itself, else the first found in a mapping's values
-    or a sequence's items (in order, two levels deep), else None."""
+def _batch_tensors(batch: Any, depth: int = 0) -> list[Any]:
+    """The batch's first FINGERPRINT_TENSORS tensors: the tensor itself, else those found in a
+    mapping's values or a sequence's items (in order, two levels deep)."""
     if hasattr(batch, "is_floating_point"):
-        return batch
+        return [batch]
     if depth >= 2:
-        return None
+        return []
     items = (
         batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
     )
+    found: list[Any] = []
     for item in items:
-        found = _batch_tensor(item, depth + 1)
-        if found is not None:
-            return found
-    return None
+        found += _batch_tensors(item, depth + 1)[: FINGERPRINT_TENSORS - len(found)]
+        if len(found) >= FINGERPRINT_TENSORS:
+            break
+    return found
 
 
 def _first_tensor(output: Any) -> Any:

@@ -159,10 +159,8 @@ def test_watch_on_a_bare_buffer_without_a_session() -> None:
         sc.LAYER_GRAD_NORM.name, sc.LAYER_PARAM_NORM.name, sc.LAYER_ACTIVATION_RMS.name,
         sc.LAYER_ACTIVATION_ABSMAX.name, FINGERPRINT,
     }  # fmt: skip
-    batch = torch.randn(5, 6, generator=torch.Generator().manual_seed(0)).double()  # step 0's input
-    assert by_name[FINGERPRINT].values.tolist() == pytest.approx(
-        [batch.sum().item(), (batch * batch).sum().item()]
-    )
+    batch = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))  # step 0's input
+    assert by_name[FINGERPRINT].values.tolist() == pytest.approx(_fingerprint_of(batch))
     grad_stats = by_name[sc.LAYER_GRAD_NORM.name]
     assert grad_stats.step == 0 and list(grad_stats.labels) == watch.labels
     expected = _by_label(grads, watch.labels)
@@ -205,8 +203,19 @@ def test_read_now_takes_the_statistics_before_the_loop_clears_the_gradients() ->
     assert not buffer.dropped
 
 
+def _fingerprint_of(*tensors: torch.Tensor) -> list[float]:
+    """The batch fingerprint, computed here element by element: sum x * w1(p), sum x^2 * w2(p),
+    positions p counted across the tensors, w(p) = (p * a) % m + 1."""
+    values = [float(v) for t in tensors for v in t.reshape(-1).tolist()]
+    (a1, m1), (a2, m2) = (40503, 65521), (10007, 65519)
+    return [
+        math.fsum(x * ((p * a1) % m1 + 1) for p, x in enumerate(values)),
+        math.fsum(x * x * ((p * a2) % m2 + 1) for p, x in enumerate(values)),
+    ]
+
+
 def test_see_batch_fingerprints_the_batch_the_forward_never_sees() -> None:
-    """ot.watch_batch: the first tensor of a mapping / tuple batch, the step's first fingerprint wins
+    """ot.watch_batch: the tensors of a mapping / tuple batch, the step's first fingerprint wins
     (the forward pre-hook's then stands aside), and only on watched steps."""
     buffer = Buffer(max_names=100, max_values=100)
     model = Tiny()
@@ -219,8 +228,8 @@ def test_see_batch_fingerprints_the_batch_the_forward_never_sees() -> None:
         model(torch.randn(5, 6)).sum().backward()  # nor does the forward's own input
         watch.end_step(2 * index, False)
     prints = [r.values.tolist() for r in buffer.layer_stats if r.instrument == FINGERPRINT]
-    flat = ids.double().reshape(-1)
-    assert prints == [pytest.approx([flat.sum().item(), flat.dot(flat).item()])] * 3
+    # every tensor of the batch in order (up to 4): the mapping's ids and labels, then the ids alone
+    assert prints == [pytest.approx(_fingerprint_of(*b)) for b in [(ids, ids + 1), (ids,), (ids,)]]
     watch.begin_step(1)  # unwatched
     watch.see_batch(ids)
     watch.end_step(1, False)
@@ -596,6 +605,4 @@ def test_a_watched_step_never_ended_does_not_lend_its_batch_to_the_next_watched_
         assert hooks(model) == 0
         [fingerprint] = [r for r in session.buffer.layer_stats if r.instrument == FINGERPRINT]
         assert fingerprint.step == 2
-        assert fingerprint.values.tolist() == pytest.approx(
-            [later.sum().item(), (later * later).sum().item()]
-        )
+        assert fingerprint.values.tolist() == pytest.approx(_fingerprint_of(later))

@@ -45,7 +45,7 @@ def test_a_blocking_callback_holds_neither_the_worker_nor_the_watchdog(tmp_path)
 
     def webhook_that_hangs(event: str, message: str, attrs: dict[str, Any]) -> None:
         entered.append(event)
-        release.wait(HANG_GUARD_S)
+        release.wait(10 * HANG_GUARD_S)  # released when the test ends; outlasts every wait below
 
     try:
         ot.init(
@@ -68,7 +68,8 @@ def test_a_blocking_callback_holds_neither_the_worker_nor_the_watchdog(tmp_path)
             time.sleep(0.002)
         assert _wait_for(lambda: entered), "the callback was never called"
         # a real stall of the training thread, after the callback blocked: the watchdog must see it
-        assert _wait_for(lambda: any(e["event"] == "stall" for e in _events(run_dir))), _events(run_dir)
+        stalled = _wait_for(lambda: any(e["event"] == "stall" for e in _events(run_dir)), HANG_GUARD_S / 2)
+        assert stalled, [e["event"] for e in _events(run_dir)]
         with ot.step(steps):
             ot.record("loss", 1.0)
         ot.shutdown()

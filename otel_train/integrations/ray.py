@@ -22,7 +22,7 @@ into a Ray `runtime_env`'s `env_vars` (as `OTEL_TRAIN_*`, read by `ot.init()` in
 They come from the running session, else from `job_settings()`, which makes a run id once per
 driver. The output directory is made absolute on the driver: on several nodes it must be a shared
 file system path (or turn the run directory off and rely on OTLP). OTLP headers, and an endpoint
-with `user:password@` in it, are NOT copied (Ray shows runtime_envs in its dashboard): give the
+with `user:password@` or a secret-looking query parameter (`?api_key=...`) in it, are NOT copied (Ray shows runtime_envs in its dashboard): give the
 actors those through your own secret mechanism.
 
 `ControllerCallback` is a `ray.train.UserCallback` (Ray 2.60: `after_report(run_context, metrics,
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -101,15 +102,28 @@ def job_settings(role: str = "") -> dict[str, Any]:
     return {**settings, "role": role} if role else settings
 
 
+# A query parameter named like a credential (`?api_key=`, `&access_token=`; not `tokens=`), in clear
+# or already redacted by `ot.run_info()`.
+_CREDENTIAL_PARAMETER = re.compile(
+    r"(?i)[?&][^=&#]*(key|token(?!s|iz)|secret|passw|auth|credential|cookie)[^=&#]*="
+)
+
+
+def _has_credentials(url: str) -> bool:
+    netloc = url.partition("://")[2].partition("/")[0].partition("?")[0]
+    return "@" in netloc or _CREDENTIAL_PARAMETER.search(url) is not None
+
+
 def _shareable(url: str | None, setting: str) -> str | None:
     """An endpoint that may travel in a runtime_env (Ray shows runtime_envs in its dashboard and
-    job info): not one with credentials in it (`user:password@`), which is left out, warned."""
-    if url is None or "@" not in url.partition("://")[2].partition("/")[0]:
+    job info): not one with credentials in it (`user:password@`, `?api_key=...`), which is left
+    out, warned (a redacted copy would reach the actors as a wrong endpoint)."""
+    if url is None or not _has_credentials(url):
         return url
     log.warning(
-        "otel_train: %s carries credentials (user:password@); it is not copied into the Ray "
-        "runtime_env, which Ray shows in its dashboard. Set OTEL_TRAIN_OTLP_ENDPOINT (and headers) "
-        "on the workers from a secret instead.",
+        "otel_train: %s carries credentials (user:password@ or a key in its query); it is not copied "
+        "into the Ray runtime_env, which Ray shows in its dashboard. Set OTEL_TRAIN_OTLP_ENDPOINT "
+        "(and headers) on the workers from a secret instead.",
         setting,
     )
     return None

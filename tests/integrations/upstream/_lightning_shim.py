@@ -36,6 +36,7 @@ def mock_mlflow_run_creation(logger, experiment_name=None, experiment_id=None, r
     logger._mlflow_client.create_run = MagicMock(return_value=run)
     return logger
 
+
 @pytest.fixture
 def mlflow_mock(monkeypatch):
     mlflow = ModuleType("mlflow")
@@ -129,5 +130,3 @@ def comet_mock(monkeypatch):
 
     monkeypatch.setattr("lightning.pytorch.loggers.comet._COMET_AVAILABLE", True)
     return comet
-
-

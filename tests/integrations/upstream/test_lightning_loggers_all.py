@@ -7,6 +7,7 @@ not). Every change from upstream is marked `# otel_train:`. Helpers from tests_p
 _lightning_shim.py. Nothing is left out: no case here needs a GPU, a hub download or the network.
 """
 
+# ruff: noqa: F401, F811  # the shim's fixtures are imported by name for pytest (upstream: a conftest)
 # Copyright The Lightning AI team.
 #
 # Licensed under the Apache License, Version 2.0 (the "License");
@@ -28,7 +29,6 @@ from unittest.mock import ANY, Mock
 
 import pytest
 import torch
-
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import (
@@ -41,6 +41,7 @@ from lightning.pytorch.loggers import (
 from lightning.pytorch.loggers.logger import DummyExperiment, Logger
 from lightning.pytorch.loggers.tensorboard import _TENSORBOARD_AVAILABLE
 from lightning.pytorch.tuner.tuning import Tuner
+
 from integrations.upstream._lightning_shim import (  # otel_train: tests_pytorch's helpers, copied
     RunIf,
     _patch_comet_atexit,
@@ -49,7 +50,6 @@ from integrations.upstream._lightning_shim import (  # otel_train: tests_pytorch
     mock_mlflow_run_creation,
     wandb_mock,
 )
-
 from otel_train.integrations.lightning import OtelTrainLogger  # otel_train
 
 ALL_LOGGER_CLASSES = (
@@ -272,7 +272,10 @@ class CustomLoggerWithoutExperiment(Logger):
     [
         # otel_train: upstream's wandb-less CI xfails WandbLogger here (ImportError); with the installed
         # wandb its ddp_spawn child intermittently fails to attach to the parent's wandb service here
-        pytest.param(c, marks=pytest.mark.xfail(reason="intermittent wandb service attach under ddp_spawn", strict=False))
+        pytest.param(
+            c,
+            marks=pytest.mark.xfail(reason="intermittent wandb service attach under ddp_spawn", strict=False),
+        )
         if c is WandbLogger
         else c
         for c in [*ALL_LOGGER_CLASSES, CustomLoggerWithoutExperiment]

@@ -88,6 +88,61 @@ def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int 
     return default
 
 
+# (rank, world size) as each launcher sets them: torchrun / env://, srun, Open MPI, MPICH's PMI.
+_LAUNCHER_RANKS = (
+    ("RANK", "WORLD_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+)
+_said: set[str] = set()  # what detect_identity told this process already (said once per process)
+
+
+def _launcher_rank_world(env: Mapping[str, str]) -> tuple[int, int, str, str]:
+    """(rank, world size, the variables they came from, what was ignored and why): from the
+    first launcher whose rank variable is set, read together with that launcher's world size.
+    A rank without its world size, or outside it, describes no job (an `export RANK=3` left in a
+    shell, variables of two launchers mixed): it is ignored, and the process is rank 0 of 1."""
+    for rank_name, world_name in _LAUNCHER_RANKS:
+        rank = _first_int(env, (rank_name,), None)
+        if rank is None:
+            continue
+        world = _first_int(env, (world_name,), None)
+        if world is not None and 0 <= rank < world:
+            return rank, world, f"{rank_name}={rank}, {world_name}={world}", ""
+        given = f"{rank_name}={env[rank_name].strip()}" + (
+            f" with {world_name}={env[world_name].strip()}" if world is not None else f" without {world_name}"
+        )
+        return 0, 1, "", given
+    # No rank variable: rank 0, of the world size a launcher gives (an sbatch script's one process)
+    return 0, _first_int(env, tuple(world for _, world in _LAUNCHER_RANKS), 1) or 1, "", ""
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.warning("otel_train: %s", message)
+
+
+def _explain_rank(rank: int, world: int, source: str, ignored: str) -> None:
+    """Say why a process without a process group is not the job's rank 0, or why it is."""
+    if ignored:
+        _say_once(
+            f"{ignored} describes no job and torch.distributed has no process group: this process runs "
+            "as a single process, rank 0 (console and bridges on). Unset the leftover variable, or "
+            "launch with torchrun / srun / mpirun, which set a rank and its world size together."
+        )
+    elif rank != 0:
+        _say_once(
+            f"this process is rank {rank} of {world} ({source}) and torch.distributed has no process "
+            "group yet: the console and the TensorBoard / W&B / MLflow bridges are rank 0's, so this "
+            f"process shows none (its metrics still go to its own rank-{rank} files and OTLP). If it runs "
+            "alone, unset those variables; in a distributed job, call "
+            "torch.distributed.init_process_group() before ot.init() (or set bridge_all_ranks=True for "
+            "its own bridges)."
+        )
+
+
 def _scheduler_run_id(env: Mapping[str, str]) -> tuple[str, RunIdSource] | None:
     """A run id shared by every rank and stable across restarts, when the launcher gives one."""
     candidates: tuple[tuple[str, RunIdSource], ...] = (
@@ -129,22 +184,30 @@ def detect_identity(
 ) -> Identity:
     """Rank identity from torchrun / SLURM / Open MPI / PMI variables or an initialized process group.
 
+    Without a process group, a launcher's rank counts only with its own world size and inside it
+    (`_launcher_rank_world`); what does not is ignored and said once, as is a non-zero rank's
+    missing console (a job whose process group starts after `ot.init()` keeps its ranks).
+
     An explicit `run_id` wins, then OTEL_TRAIN_RUN_ID, a scheduler id (TORCHELASTIC_RUN_ID unless
     "none", SLURM_JOB_ID, PBS_JOBID, LSB_JOBID), else a fresh uuid (which differs per rank until
     `agree_run_id` replaces it with rank 0's). Rank and world size come from an initialized
     `torch.distributed` process group when there is one (default: only when `environ` is None).
     """
     env = os.environ if environ is None else environ
-    rank = _first_int(env, ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"), 0) or 0
     local_rank = (
         _first_int(env, ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"), 0)
         or 0
     )
-    world = _first_int(env, ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"), 1) or 1
-    if use_process_group if use_process_group is not None else environ is None:
-        pg = _process_group_rank_world()
-        if pg is not None:
-            rank, world = pg
+    rank, world, source, ignored = _launcher_rank_world(env)
+    pg = (
+        _process_group_rank_world()
+        if (use_process_group if use_process_group is not None else environ is None)
+        else None
+    )
+    if pg is not None:
+        rank, world = pg
+    else:
+        _explain_rank(rank, world, source, ignored)
     local_world = _first_int(env, ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"), None)
     node = _first_int(env, ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"), None)
     if node is None:

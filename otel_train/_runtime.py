@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from otel_train.assemble import build_session
+from otel_train.assemble import build_session, refuse_together
 from otel_train.config import FIELDS, Config, ConfigError
 from otel_train.config_loading import load_config
 from otel_train.session import Session
@@ -40,7 +40,11 @@ def init(
     if _current is not None:
         _warn_if_different(_current, config, config_file, settings)
         return _current
-    resolved = config or load_config(settings, config_file=config_file)
+    try:
+        resolved = config or load_config(settings, config_file=config_file)
+    except ConfigError as exc:
+        refuse_together(str(exc))  # the other ranks of a process group refuse with it, at once
+        raise
     session = build_session(resolved)
     _current = session
     _install_hooks()

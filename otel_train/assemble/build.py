@@ -185,8 +185,9 @@ def _reducer_and_cadence(
     ident = place.identity
     lockstep = ident.distributed and config.cross_rank
     reducer = CrossRankReducer(
-        ident, meter, events, config, group=place.telemetry_group, exchange=config.cross_rank
-    )
+        ident, meter, events, config, group=place.telemetry_group, exchange=config.cross_rank,
+        shape=place.exchange,
+    )  # fmt: skip
     cadence = Cadence(
         config.log_interval,
         config.log_interval_min_s,

@@ -1,7 +1,8 @@
 """Where this process runs: its identity in the job, the telemetry gloo group, and the one run
 (name, directory, cadence) every rank agrees on at init.
 
-Rank 0's run name, run id, log_interval and cross_rank are every rank's (`distributed.agree_job`),
+First every rank's facts decide refusals and the exchange's shape together (`agreement`); then
+rank 0's run name, run id, log_interval and cross_rank are every rank's (`distributed.agree_job`),
 so all ranks write into one run directory and flush together; this rank claims its files in it
 (appending when the same run restarts). What init found about the job as a whole (a rank split
 off, settings that differ from rank 0's) becomes `RunPlace.notices`, emitted as health events once
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otel_train.config import Config, ConfigError
+from otel_train.assemble.agreement import JobFacts, gather_job_facts, refuse_if_any
+from otel_train.config import Config
+from otel_train.crossrank import ExchangeShape
 from otel_train.distributed import Agreement, Identity, agree_job, create_telemetry_group, detect_identity
 from otel_train.run_directory import (
     avoid_live_owner,
@@ -42,6 +45,7 @@ class RunPlace:
     cross_rank: bool  # rank 0's
     # (event, message): what init found about the job as a whole, emitted once the events exist
     notices: tuple[tuple[str, str], ...] = ()
+    exchange: ExchangeShape | None = None  # the exchange's shape, the job's (None: not agreed)
 
 
 def agree_run_place(config: Config) -> RunPlace:
@@ -49,6 +53,12 @@ def agree_run_place(config: Config) -> RunPlace:
     # A dedicated gloo group: telemetry's one exchange per flush runs on the worker thread and
     # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
     group = create_telemetry_group(identity, config.collective_timeout_s)
+    # Refusals and the exchange's shape first, decided together from every rank's facts (agreement).
+    facts = gather_job_facts(group, identity, config.exchange_fanin) if group is not None else None
+    if facts is None:
+        group = None  # this rank could not agree with the others: it keeps to itself (run_split)
+    else:
+        refuse_if_any(facts, identity)
     # One run per job: every rank adopts rank 0's run id, run name (a generated name differs per
     # process) and log_interval, so all ranks write into one run directory and flush together.
     run_name = config.run_name or default_run_name()
@@ -56,12 +66,6 @@ def agree_run_place(config: Config) -> RunPlace:
         run_name = avoid_live_owner(Path(config.output_dir), run_name, identity.run_id, identity.role)
     agreed = agree_job(identity, group, run_name, config.log_interval, config.cross_rank)
     identity, run_name = agreed.identity, agreed.run_name
-    if "role" in agreed.differs:
-        raise ConfigError(
-            f"role: rank {identity.rank} has role {identity.role!r} but rank 0 of its process group another; "
-            "ranks are compared only within one role, so one torch process group holds one role. Give "
-            "every rank of the group the same OTEL_TRAIN_ROLE (each role with its own process group)."
-        )
     run_dir = make_run_dir(config, run_name)
     resumed = False
     if run_dir is not None:
@@ -71,7 +75,7 @@ def agree_run_place(config: Config) -> RunPlace:
             lambda: claim_run_dir(run_dir, rank, run_id, run_name, role)
         )
     reporting = identity.rank == 0 or config.bridge_all_ranks
-    notices = _job_notices(config, agreed, group, run_dir)
+    notices = _job_notices(config, agreed, group, run_dir, facts)
     for _, message in notices:
         logger.warning("otel_train: %s", message)
     return RunPlace(
@@ -84,14 +88,16 @@ def agree_run_place(config: Config) -> RunPlace:
         agreed.log_interval,
         agreed.cross_rank,
         notices,
+        facts.shape if facts is not None else None,
     )
 
 
 def _job_notices(
-    config: Config, agreed: Agreement, group: Any, run_dir: Path | None
+    config: Config, agreed: Agreement, group: Any, run_dir: Path | None, facts: JobFacts | None
 ) -> tuple[tuple[str, str], ...]:
     """What this rank must say about the job at init: it was split off (no telemetry group, so
-    no agreed run directory), or it asked for another log_interval than rank 0."""
+    no agreed run directory), or it asked for another log_interval, cross_rank or exchange_fanin
+    than rank 0."""
     ident = agreed.identity
     if ident.distributed and group is None and process_group_started():
         return (
@@ -105,20 +111,24 @@ def _job_notices(
                 "ot.init() at the same point on every rank, or raise collective_timeout_s.",
             ),
         )
-    if agreed.differs:
-        asked = {"log_interval": _cadence_text(config.log_interval), "cross_rank": str(config.cross_rank)}
-        rank0 = {"log_interval": _cadence_text(agreed.log_interval), "cross_rank": str(agreed.cross_rank)}
-        names = " and ".join(agreed.differs)
-        return (
-            (
-                "settings_mismatch",
-                f"{names} differ{'s' if len(agreed.differs) == 1 else ''} across ranks: rank {ident.rank} "
-                f"asked for {', '.join(asked[n] for n in agreed.differs)}, rank 0 for "
-                f"{', '.join(rank0[n] for n in agreed.differs)}; every rank uses rank 0's, so that the "
-                f"ranks exchange at the same flushes and steps. Set the same {names} on every rank.",
-            ),
-        )
-    return ()
+    differs = [n for n in agreed.differs if n != "role"]
+    asked = {"log_interval": _cadence_text(config.log_interval), "cross_rank": str(config.cross_rank)}
+    rank0 = {"log_interval": _cadence_text(agreed.log_interval), "cross_rank": str(agreed.cross_rank)}
+    if facts is not None and facts.fanins[ident.rank] != facts.fanins[0]:
+        differs.append("exchange_fanin")
+        asked["exchange_fanin"], rank0["exchange_fanin"] = str(config.exchange_fanin), str(facts.fanins[0])
+    if not differs:
+        return ()
+    names = " and ".join(differs)
+    return (
+        (
+            "settings_mismatch",
+            f"{names} differ{'s' if len(differs) == 1 else ''} across ranks: rank {ident.rank} asked "
+            f"for {', '.join(asked[n] for n in differs)}, rank 0 for {', '.join(rank0[n] for n in differs)}; "
+            "every rank uses rank 0's, so that the ranks exchange at the same flushes and steps, in "
+            f"one shape. Set the same {names} on every rank.",
+        ),
+    )
 
 
 def _cadence_text(log_interval: int | None) -> str:

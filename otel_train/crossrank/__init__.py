@@ -27,6 +27,9 @@ The story of one flush, on the background worker of every rank:
    (`cadence`) and the previous flush's verdicts down: each rank's scores and the chronic
    stragglers, so every rank calls `on_straggler` with the same list.
 
+The exchange's shape (`shape`: rank 0's fan-in, the nodes as every rank reports them) is decided
+once for the job, never from one rank's environment: it sets every message's size.
+
 A peer that dies turns the exchange off on every rank; `CrossRankReducer.reform` re-forms it on
 the job's new process group among the live ranks.
 
@@ -36,5 +39,7 @@ From outside, import only the names below (tests/test_architecture.py: walled pa
 from otel_train.crossrank.reducer import CrossRankReducer
 from otel_train.crossrank.replicas import FINGERPRINT
 from otel_train.crossrank.scores import StragglerReport
+from otel_train.crossrank.shape import ExchangeShape, node_key
+from otel_train.crossrank.shape import decide as decide_shape
 
-__all__ = ["FINGERPRINT", "CrossRankReducer", "StragglerReport"]
+__all__ = ["FINGERPRINT", "CrossRankReducer", "ExchangeShape", "StragglerReport", "decide_shape", "node_key"]

@@ -50,9 +50,10 @@ from otel_train.crossrank.merge import Bundle, TreeView, unpacked, widen_waiting
 from otel_train.crossrank.pairing import RowPairing, clocks_to_rank0
 from otel_train.crossrank.replicas import EXT_LEN, ReplicaCheck, fsdp_in_use
 from otel_train.crossrank.scores import RankScores, StragglerReport, StragglerScorer
+from otel_train.crossrank.shape import ExchangeShape, shaped_exchange, telemetry_group
 from otel_train.crossrank.straggler_outputs import StragglerGauges, StragglerReporter
 from otel_train.crossrank.timer_stats import Reduction, own_reductions, per_rank_timings, reduce_timings
-from otel_train.crossrank.tree_exchange import TreeExchange, exchange_for
+from otel_train.crossrank.tree_exchange import TreeExchange
 from otel_train.crossrank.up_row import (
     FLAG_SHARDED,
     MAX_TIMERS,
@@ -101,6 +102,7 @@ class CrossRankReducer:
         on_straggler: Callable[[list[StragglerReport]], None] | None = None,
         max_timers: int = MAX_TIMERS,
         exchange: bool = True,
+        shape: ExchangeShape | None = None,
     ) -> None:
         self.identity = identity
         self.events = events
@@ -129,20 +131,16 @@ class CrossRankReducer:
         self._prev_step = -1  # the last step of this rank's previous flush (rows carry their steps)
         self._expect: set[int] | None = None  # rank 0: peers whose rows to wait for (None: all)
         self._closed, self._lock = False, threading.Lock()
-        self._world = identity.world_size
-        self.group = group
-        if not exchange:  # independent ranks (cross_rank=False): this rank's own view only
-            self.group = None
-        elif group is None and identity.distributed:
-            self.group = create_telemetry_group(identity, self.timeout_s)
-        if self.group is not None:
-            import torch.distributed as dist
-
-            self._world = int(dist.get_world_size(self.group))
-        self.grace_s, self.fanin = grace_s, int(getattr(config, "exchange_fanin", 16))
-        self.exchange = exchange_for(
-            self.group, identity.rank, self._world, self.timeout_s, grace_s, self.fanin, max_timers
+        # exchange=False (cross_rank=False: independent ranks): no group, this rank's own view only
+        self.group, self._world = telemetry_group(
+            identity, group if exchange else None, exchange, self.timeout_s
         )
+        self.grace_s, fanin = grace_s, int(getattr(config, "exchange_fanin", 16))
+        self.exchange, self.fanin, unshaped = shaped_exchange(
+            self.group, identity, self._world, self.timeout_s, grace_s, fanin, max_timers, shape
+        )
+        if unshaped is not None:
+            self._disable(unshaped)
         # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)
         # Arrivals at collectives (collective_lateness.py): the row's last block, clock stamps in it.
@@ -382,12 +380,12 @@ def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
     if telemetry is None:
         return
     reducer.identity, reducer.group, reducer._world = identity, telemetry, identity.world_size
-    reducer.exchange = exchange_for(
-        telemetry, identity.rank, identity.world_size, reducer.timeout_s, reducer.grace_s, reducer.fanin,
-        reducer.table.capacity,
+    reducer.exchange, reducer.fanin, unshaped = shaped_exchange(
+        telemetry, identity, identity.world_size, reducer.timeout_s, reducer.grace_s, reducer.fanin,
+        reducer.table.capacity, None,
     )  # fmt: skip
     reducer.lateness = LatenessTracker.attach(identity.rank, reducer.exchange)
-    reducer.disabled_reason, reducer._expect, reducer._verdict = None, None, None
+    reducer.disabled_reason, reducer._expect, reducer._verdict = unshaped, None, None
     reducer.reforms += 1
     message = (
         f"cross-rank telemetry re-formed on a new process group: {identity.world_size} rank(s), was "

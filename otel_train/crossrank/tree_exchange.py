@@ -33,8 +33,7 @@ from the parent is passed down likewise.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from otel_train.crossrank import down_row
@@ -210,18 +209,13 @@ def exchange_for(
     grace_s: float,
     fanin: int,
     capacity: int = MAX_TIMERS,
+    nodes: Sequence[int] = (),
 ) -> StarExchange | TreeExchange:
-    """The star when `fanin` reaches every rank from rank 0, else the tree (per node where
-    LOCAL_WORLD_SIZE says how many ranks share one). Rows: `up_row` and the two blocks."""
-    shape = layout(max(world, 1), fanin, _local_world())
+    """The star when `fanin` reaches every rank from rank 0, else the tree (per node where `nodes`,
+    the job's, say where each begins: `shape`). Rows: `up_row` and the two blocks. `fanin` and
+    `nodes` must be the same on every rank (`shape.agree`): they decide every message's size."""
+    shape = layout(max(world, 1), fanin, nodes=nodes)
     if shape.star:
         return StarExchange(group, rank, world, timeout_s, grace_s)
     base = pack_len(capacity)
     return TreeExchange(group, rank, shape, timeout_s, grace_s, base + EXT_LEN + BLOCK_LEN, base, capacity)
-
-
-def _local_world() -> int | None:
-    try:
-        return int(os.environ.get("LOCAL_WORLD_SIZE", ""))
-    except ValueError:
-        return None

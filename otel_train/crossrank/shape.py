@@ -1,0 +1,102 @@
+"""The exchange's shape, decided once for the whole job: the fan-in and where the nodes begin.
+
+Every message of the exchange has a size that the shape decides (`tree.layout`: a rank's parent,
+its children and their bundles' lengths), and gloo's point-to-point enforces that size: a rank
+that posted a receive of one row and got a bundle of two calls `std::terminate`. So no rank ever
+derives the shape from its own environment (LOCAL_WORLD_SIZE is right for its own host only;
+OTEL_TRAIN_EXCHANGE_FANIN may differ between two pod templates): every rank reports its facts
+(its fan-in setting and its node: host name and node rank), and each computes the same shape from
+the same gathered list:
+
+    fan-in = rank 0's
+    nodes  = runs of consecutive ranks that report the same node (a node of any size; ranks
+             numbered node by node as torchrun, SLURM and MPI launchers do)
+
+At init the facts travel in the job agreement (`assemble.run_place`, one all_gather that also
+decides refusals); a reducer built without them gathers them itself (`agree`), once, on its own
+telemetry group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from otel_train.crossrank.exchange import StarExchange
+from otel_train.crossrank.tree_exchange import TreeExchange, exchange_for
+from otel_train.distributed import Identity, create_telemetry_group
+
+logger = logging.getLogger("otel_train")
+
+
+@dataclass(frozen=True)
+class ExchangeShape:
+    """The job's exchange settings, the same on every rank: `fanin` (rank 0's) and `nodes` (the
+    first rank of each node, ascending; () when every rank is on one node or nothing is known)."""
+
+    fanin: int
+    nodes: tuple[int, ...] = ()
+
+
+def node_key(host: str, node_rank: int) -> int:
+    """A rank's node as a signed 64-bit number (the same in every process: not Python's hash)."""
+    digest = hashlib.blake2b(f"{host}\0{node_rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def decide(fanins: Sequence[int], keys: Sequence[int]) -> ExchangeShape:
+    """The shape from every rank's facts, by rank (module doc)."""
+    starts = tuple(rank for rank in range(1, len(keys)) if keys[rank] != keys[rank - 1])
+    return ExchangeShape(int(fanins[0]) if fanins else 16, starts)
+
+
+def agree(group: Any, world: int, fanin: int, key: int) -> ExchangeShape:
+    """Every rank's (fan-in, node key) on every rank (one all_gather on `group`), decided. Raises
+    when the gather fails (the caller turns the exchange off: no shape, no exchange)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([fanin, key], dtype=torch.int64)
+    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    return decide([int(t[0]) for t in gathered], [int(t[1]) for t in gathered])
+
+
+def telemetry_group(
+    identity: Identity, group: Any | None, exchange: bool, timeout_s: float
+) -> tuple[Any | None, int]:
+    """The group a reducer exchanges on (`group`, or a new one when none was given and the job is
+    distributed; None when `exchange` is off) and this rank's world on it."""
+    if exchange and group is None and identity.distributed:
+        group = create_telemetry_group(identity, timeout_s)
+    if not exchange or group is None:
+        return None, identity.world_size
+    import torch.distributed as dist
+
+    return group, int(dist.get_world_size(group))
+
+
+def shaped_exchange(
+    group: Any | None,
+    identity: Identity,
+    world: int,
+    timeout_s: float,
+    grace_s: float,
+    fanin: int,
+    capacity: int,
+    shape: ExchangeShape | None,
+) -> tuple[StarExchange | TreeExchange, int, str | None]:
+    """The exchange of the job's shape (`shape`, agreed at init; None: agreed here, on `group`),
+    the fan-in it uses, and why it cannot run (None: it can)."""
+    failed = None
+    if shape is None and group is not None and world > 1:
+        try:
+            shape = agree(group, world, fanin, node_key(identity.host, identity.node_rank))
+        except Exception as exc:  # a peer gone at init: never guess a shape a peer may not share
+            failed = f"the ranks could not agree on the exchange's shape ({exc})"
+    shape = shape or ExchangeShape(fanin)
+    built = exchange_for(group, identity.rank, world, timeout_s, grace_s, shape.fanin, capacity, shape.nodes)
+    return built, shape.fanin, failed

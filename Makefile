@@ -11,13 +11,13 @@ STAMP  := $(VENV)/.stamp-install
 OUMI   := oumi==0.9 omegaconf==2.4.0.dev4 peft==0.19.1 jsonlines==4.0.0 pexpect==4.9.0 ptyprocess==0.7.0
 OUMI_STAMP := $(VENV)/.stamp-oumi
 
-.PHONY: demo test tools bridge-wheel check-deploy lint typecheck dashboards bench clean
+.PHONY: demo test docs tools bridge-wheel check-deploy lint typecheck dashboards bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[all,dev]" "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[all,dev,docs]" "$(TORCH)"
 	touch $@
 
 $(OUMI_STAMP): $(STAMP) Makefile
@@ -47,6 +47,11 @@ bridge-wheel: $(STAMP)
 	    megatron-bridge==0.6.2 -d $(BRIDGE_WHEELS) || { if [ -n "$$CI" ]; then exit 1; fi; \
 	  echo "WARNING: megatron-bridge wheel unavailable: its callback tests will be skipped (they FAIL under CI)."; }
 
+# The documentation site from docs/ into site/ (git-ignored); `make test` builds it strictly
+# (warnings and broken links are errors) in tests/test_docs.py.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
 test: $(STAMP) $(OUMI_STAMP) tools bridge-wheel
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
 
@@ -73,4 +78,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .tools runs build *.egg-info
+	rm -rf $(VENV) .tools runs build site *.egg-info

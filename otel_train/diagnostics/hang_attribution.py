@@ -12,6 +12,11 @@ emits the one `hang` event of the job; `otel-train diagnose RUN_DIR` gives the s
 Sequence ids count per process group and agree across its members (every member calls the same
 collectives in the same order), so no clock is compared. A rank that left no file (dead, or frozen
 with its watchdog too) is named when no member of the default group is missing.
+
+Waits can close a cycle across groups: rank 0 waits in group A for rank 1, which waits in group B
+for rank 0 (they call the two groups' collectives in different orders). Then every rank is both a
+victim and a culprit: a `Deadlock` naming each rank, group and collective of the cycle comes first
+and is the one event.
 """
 
 from __future__ import annotations
@@ -112,19 +117,116 @@ class Verdict:
         }
 
 
+@dataclass(frozen=True)
+class Deadlock:
+    """Waits that close a cycle: `hops[i]`'s ranks wait for `hops[i + 1]`'s (the last for the
+    first's), each hop (the waiting rank, the verdict of the group it waits in)."""
+
+    hops: tuple[tuple[int, Verdict], ...]
+
+    @property
+    def group(self) -> str:
+        return ",".join(dict.fromkeys(v.group for _, v in self.hops))
+
+    @property
+    def op(self) -> str:
+        return ",".join(dict.fromkeys(v.op for _, v in self.hops))
+
+    @property
+    def seq(self) -> int:
+        return self.hops[0][1].seq
+
+    @property
+    def missing(self) -> tuple[int, ...]:
+        return tuple(sorted({rank for rank, _ in self.hops}))
+
+    @property
+    def waiting(self) -> tuple[int, ...]:
+        return tuple(sorted({r for _, v in self.hops for r in v.waiting}))
+
+    silent: tuple[int, ...] = ()
+
+    def culprits(self) -> tuple[int, ...]:
+        return self.missing
+
+    def describe(self, summaries: Mapping[int, Mapping[str, Any]]) -> str:
+        waits = []
+        for i, (rank, verdict) in enumerate(self.hops):
+            awaited = self.hops[(i + 1) % len(self.hops)][0]
+            waits.append(
+                f"{_rank_at(rank, summaries)} waits in {verdict.op} #{verdict.seq} of process group "
+                f"{verdict.group} for rank {awaited}"
+            )
+        return (
+            f"deadlock across process groups: {'; '.join(waits)}. Ranks {', '.join(map(str, self.missing))} "
+            f"call these groups' collectives in different orders; stacks: "
+            f"{', '.join(stack_files(self, summaries)) or 'none'}"
+        )
+
+    def attributes(self, summaries: Mapping[int, Mapping[str, Any]]) -> dict[str, str | int]:
+        return {
+            "process_group": self.group,
+            "op": self.op,
+            "sequence_id": self.seq,
+            "missing_ranks": ",".join(str(r) for r in self.missing),
+            "missing_hosts": ",".join(str(summaries.get(r, {}).get("host", "?")) for r in self.missing),
+            "waiting_ranks": ",".join(str(r) for r in self.waiting),
+            "cycle": " -> ".join(f"rank {r} ({v.group})" for r, v in self.hops),
+            "files": ",".join(stack_files(self, summaries)),
+        }
+
+
+def _cycle(verdicts: list[Verdict]) -> Deadlock | None:
+    """The shortest cycle of waits (a rank waiting in one verdict's group for a rank that waits
+    in another's: within one group a waiting rank is never missing), from its lowest rank; None
+    without one."""
+    edges: dict[int, list[tuple[int, Verdict]]] = {}
+    for verdict in verdicts:
+        for waiter in verdict.waiting:
+            for awaited in verdict.missing:
+                edges.setdefault(waiter, []).append((awaited, verdict))
+    best: list[tuple[int, Verdict]] | None = None
+    for start in sorted(edges):
+        # breadth first from `start`: the shortest way back to it
+        came: dict[int, tuple[int, Verdict]] = {}  # rank -> (the rank waiting for it, in which group)
+        frontier, closing = [start], None
+        while frontier and closing is None:
+            reached = []
+            for rank in frontier:
+                for awaited, verdict in edges.get(rank, []):
+                    if awaited == start:
+                        closing = (rank, verdict)
+                        break
+                    if awaited not in came:
+                        came[awaited] = (rank, verdict)
+                        reached.append(awaited)
+                if closing is not None:
+                    break
+            frontier = reached
+        if closing is None:
+            continue
+        hops = [closing]
+        while hops[-1][0] != start:
+            hops.append(came[hops[-1][0]])
+        if best is None or len(hops) < len(best):
+            best = hops[::-1]
+    return Deadlock(tuple(best)) if best is not None else None
+
+
 def _rank_at(rank: int, summaries: Mapping[int, Mapping[str, Any]]) -> str:
     host = summaries.get(rank, {}).get("host")
     return f"rank {rank}" + (f" ({host})" if host else "")
 
 
-def stack_files(verdict: Verdict, summaries: Mapping[int, Mapping[str, Any]]) -> list[str]:
+def stack_files(verdict: Verdict | Deadlock, summaries: Mapping[int, Mapping[str, Any]]) -> list[str]:
     """The culprits' stack files first, then the waiting ranks'."""
-    ranks = [*verdict.culprits(), *verdict.waiting]
+    ranks = dict.fromkeys([*verdict.culprits(), *verdict.waiting])
     return [str(summaries[r]["stacks"]) for r in ranks if r in summaries and summaries[r].get("stacks")]
 
 
-def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Verdict]:
-    """Every group where some ranks wait in a collective others never reached, most waiters first."""
+def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Verdict | Deadlock]:
+    """Every group where some ranks wait in a collective others never reached, most waiters first;
+    ahead of them a cycle of such waits across groups (a `Deadlock`), when there is one."""
     members: dict[str, dict[int, Mapping[str, Any]]] = {}
     for rank, summary in summaries.items():
         for name, group in (summary.get("groups") or {}).items():
@@ -145,7 +247,9 @@ def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> li
         op = next((g["ops"][str(top)] for g in groups.values() if str(top) in g["ops"]), "?")
         label = str(groups[waiting[0]].get("label", "?"))
         verdicts.append(Verdict(label, op, top, missing, waiting, () if missing else absent))
-    return sorted(verdicts, key=lambda v: (-len(v.waiting), v.group))
+    ordered: list[Verdict | Deadlock] = sorted(verdicts, key=lambda v: (-len(v.waiting), v.group))
+    deadlock = _cycle(verdicts)
+    return ordered if deadlock is None else [deadlock, *ordered]
 
 
 def read_summaries(run_dir: Path, written_after: float = 0.0, role: str = "") -> dict[int, dict[str, Any]]:
@@ -239,7 +343,7 @@ class HangReporter:
         # Ranks stall within a poll of each other (their last steps end together); a rank that
         # stalls later than this is not waited for, and named as silent when no member is missing.
         self.grace_s = min(max(2.0, stall_timeout_s / 2), 30.0)
-        self.verdicts: list[Verdict] = []  # the last comparison (tests read it)
+        self.verdicts: list[Verdict | Deadlock] = []  # the last comparison (tests read it)
 
     def on_stall(self, stacks: Path | None) -> None:
         dump = read_dump(entries=True)

@@ -20,6 +20,18 @@ They run in ONE child process instead, fed once per flush through a pipe:
   child then finishes (or gives up) on its own, and exits.
 * SIGKILL of the training process: the child sees stdin EOF (or its death signal), closes the
   bridges, which writes what they received, and exits: at most the flush in flight is lost.
+* The child dies (the OOM killer's usual pick is the process holding W&B): the feeder thread sees
+  the pipe break at its next write, warns, and starts a new child after a back-off (RESTART_AFTER_S,
+  doubling up to MAX_RESTART_AFTER_S), at most MAX_RESTARTS times (`restarts` counts them). The new
+  child sets the same bridges up again, so later steps arrive: TensorBoard appends a new event file
+  to the same log dir (one run to TensorBoard); W&B resumes its run by id (offline: a second run
+  directory of the same id, which `wandb sync` uploads into the one run); MLflow starts a new run
+  of the same name (the child that created the first took its run id with it). What the dead child
+  had not written, and what is dropped while none runs, is lost (counted); the frame whose write
+  failed is sent to the new child.
+* The child's stderr is a pipe this process relays to its own stderr, so a child that outlives
+  this process (stopped with SIGSTOP until after it exited) never holds the trainer's stdout or
+  stderr open; a child found stopped at the close is continued, so it can finish and exit.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import contextlib
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -46,6 +59,11 @@ log = logging.getLogger("otel_train")
 SETUP_TIMEOUT_S = 120.0  # importing torch.utils.tensorboard, wandb and mlflow on a busy machine
 LIFT_EVERY_S = 5.0  # a starved bridge process is lifted to normal scheduling at most this often
 CHILD_GRACE_S = 30.0  # per bridge, in parallel, in the child: then a hung bridge is abandoned
+MAX_RESTARTS = (
+    5  # a child that keeps dying (a bridge that crashes it at every set-up) is not restarted for ever
+)
+RESTART_AFTER_S = 1.0  # the first restart's back-off; doubles with each restart
+MAX_RESTART_AFTER_S = 30.0
 
 
 class BridgeProcess(Sink):
@@ -73,7 +91,11 @@ class BridgeProcess(Sink):
         self._setup_done = threading.Event()
         self._setup_error: BaseException | None = None
         self._closed_reply = threading.Event()
+        self._ended = threading.Event()  # the feeder thread is done (closed, or the child gone for good)
+        self._close_requested = threading.Event()
         self._close_frame: bytes | None = None
+        self.restarts = 0
+        self._stderr_relay: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name="otel_train-bridges", daemon=True)
         self._thread.start()
         if not self._setup_done.wait(setup_timeout_s):
@@ -117,6 +139,7 @@ class BridgeProcess(Sink):
         if self._closing:
             return
         self._closing = True
+        self._close_requested.set()
         deadline = time.monotonic() + (CHILD_GRACE_S if timeout is None else max(0.0, timeout))
         if not self._dead:
             self._lift()
@@ -130,18 +153,31 @@ class BridgeProcess(Sink):
                 except queue.Full:
                     if time.monotonic() >= deadline:
                         break
-            self._closed_reply.wait(max(0.0, deadline - time.monotonic()))
+            while not self._closed_reply.is_set() and not self._ended.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._closed_reply.wait(min(left, 0.1))
         if self._closed_reply.is_set():
             self.closed_cleanly = all(s.get("clean") for s in self.bridge_stats.values())
             for name, stat in self.bridge_stats.items():
                 if stat.get("dropped"):
                     self._drop(f"bridge_{name}", int(stat["dropped"]))
-        else:
+        elif self.proc is None or self.proc.poll() is not None or self._dead:
             log.warning(
-                "otel_train: the bridges did not finish within %.1f s; the bridge process (pid %s) "
+                "otel_train: the bridge process is gone (pid %s, %s); what it had not written is lost "
+                "(the run directory's JSONL has every value).",
+                self.pid,
+                _exit_text(self.proc),
+            )
+        else:
+            continued = self._continue_if_stopped()
+            log.warning(
+                "otel_train: the bridges did not finish within %.1f s; the bridge process (pid %s%s) "
                 "finishes on its own (at most %.0f s more) and exits.",
                 timeout or CHILD_GRACE_S,
                 self.pid,
+                ", found stopped: continued" if continued else "",
                 CHILD_GRACE_S,
             )
 
@@ -217,57 +253,149 @@ class BridgeProcess(Sink):
         env["CUDA_VISIBLE_DEVICES"] = ""  # the bridge process never touches a GPU
         package_root = str(Path(__file__).resolve().parents[2])  # otel_train importable as the parent has it
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "otel_train.bridges.host", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             env=env,
             close_fds=True,
             start_new_session=False,
         )
+        assert proc.stderr is not None
+        self._stderr_relay = threading.Thread(
+            target=_relay, args=(proc.stderr,), name="otel_train-bridges-stderr", daemon=True
+        )
+        self._stderr_relay.start()
+        return proc
 
     def _run(self) -> None:
         try:
-            self.proc = self._start()
-            assert self.proc.stdin is not None and self.proc.stdout is not None
-            out_fd, in_fd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-            write_frame(out_fd, encode(("setup", self.specs, self._queue_size)))
-            reply = read_frame(in_fd, time.monotonic() + SETUP_TIMEOUT_S)
-            if reply[0] == "error":
-                _, kind, message = reply
-                known = kind in ("BridgeImportError", "BridgeSetupError")
-                self._setup_error = BridgeSetupFailed(message if known else f"{kind}: {message}")
-                self._dead = True
-                return
+            self._set_up_child()
         except BaseException as exc:
-            self._setup_error = BridgeSetupFailed(f"the bridge process could not start: {exc!r}")
+            if self._setup_error is None:
+                self._setup_error = BridgeSetupFailed(f"the bridge process could not start: {exc!r}")
             self._dead = True
+            self._kill()
+            self._release()
+            self._ended.set()
             return
         finally:
             self._setup_done.set()
+        unsent: bytes | None = None  # the frame whose write found the child dead
         try:
             while True:
-                frame = self._queue.get()
-                write_frame(out_fd, frame)
-                if frame is self._close_frame:
-                    break
-            reply = read_frame(in_fd, time.monotonic() + 2 * CHILD_GRACE_S + 5.0)
-            if reply[0] == "closed":
-                self.bridge_stats = reply[1]
-                self._closed_reply.set()
-            self.proc.wait(5.0)  # reap it (it exits right after answering)
-        except (OSError, EOFError, TimeoutError, subprocess.TimeoutExpired) as exc:
-            if not self._closing:
-                log.warning("otel_train: the bridge process is gone (%r); bridge updates are dropped.", exc)
-            self._dead = True
+                try:
+                    self._feed(unsent)
+                    return
+                except (OSError, EOFError, TimeoutError, subprocess.TimeoutExpired) as exc:
+                    unsent = exc.frame if isinstance(exc, _Unsent) else None
+                    if self._closing or not self._restart(exc):
+                        if not self._closing:
+                            log.warning(
+                                "otel_train: the bridge process is gone (%r); bridge updates are dropped.",
+                                exc,
+                            )
+                        self._dead = True
+                        return
         finally:
             self._release()
+            self._ended.set()
+
+    def _set_up_child(self) -> None:
+        """Start the child and have it build the bridges; BridgeSetupFailed when it refuses."""
+        self.proc = self._start()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        write_frame(self.proc.stdin.fileno(), encode(("setup", self.specs, self._queue_size)))
+        reply = read_frame(self.proc.stdout.fileno(), time.monotonic() + SETUP_TIMEOUT_S)
+        if reply[0] == "error":
+            _, kind, message = reply
+            known = kind in ("BridgeImportError", "BridgeSetupError")
+            self._setup_error = BridgeSetupFailed(message if known else f"{kind}: {message}")
+            raise self._setup_error
+
+    def _feed(self, unsent: bytes | None) -> None:
+        """Write the queue into the pipe until the close, then read the child's answer."""
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        out_fd, in_fd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        while True:
+            frame = unsent if unsent is not None else self._queue.get()
+            unsent = None
+            try:
+                write_frame(out_fd, frame)
+            except OSError as exc:
+                raise _Unsent(exc, frame) from exc
+            if frame is self._close_frame:
+                break
+        reply = read_frame(in_fd, time.monotonic() + 2 * CHILD_GRACE_S + 5.0)
+        if reply[0] == "closed":
+            self.bridge_stats = reply[1]
+            self._closed_reply.set()
+        self.proc.wait(5.0)  # reap it (it exits right after answering)
+
+    def _restart(self, exc: BaseException) -> bool:
+        """The child died (or its pipe broke): a new one after the back-off, unless restarts are
+        used up or the close came meanwhile. True when a new child runs the bridges."""
+        self._kill()  # a pipe broken under a live child: that child is of no more use
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if self.proc is not None:
+                self.proc.wait(5.0)
+        how = _exit_text(self.proc)
+        self._release()
+        if self.restarts >= MAX_RESTARTS:
+            log.warning(
+                "otel_train: the bridge process died again (%s) after %d restarts; it is not restarted "
+                "and bridge updates are dropped for the rest of the run (the run directory's JSONL "
+                "has every value).",
+                how,
+                self.restarts,
+            )
+            return False
+        delay = min(RESTART_AFTER_S * 2**self.restarts, MAX_RESTART_AFTER_S)
+        self.restarts += 1
+        log.warning(
+            "otel_train: the bridge process (pid %s) died (%s); restarting it in %.0f s (restart %d of "
+            "at most %d). What it had not written, and updates meanwhile, are lost (counted).",
+            self.pid,
+            how,
+            delay,
+            self.restarts,
+            MAX_RESTARTS,
+        )
+        self._drop("bridge_restart", 1)
+        if self._close_requested.wait(delay):
+            return False  # the run ends: nothing left that a new child would write
+        try:
+            self._set_up_child()
+        except BaseException as retry:
+            log.warning(
+                "otel_train: the bridge process could not be restarted (%s); bridge updates are dropped.",
+                retry,
+            )
+            self._kill()
+            return False
+        return True
+
+    def _continue_if_stopped(self) -> bool:
+        """A child stopped (SIGSTOP, a debugger gone) cannot finish on its own: continue it."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", encoding="ascii", errors="replace") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        if state not in ("T", "t"):
+            return False
+        with contextlib.suppress(OSError):
+            os.kill(self.proc.pid, signal.SIGCONT)
+        return True
 
     def _release(self) -> None:
         proc = self.proc
         if proc is None:
             return
-        for stream in (proc.stdin, proc.stdout):
+        for stream in (proc.stdin, proc.stdout):  # stderr: the relay thread closes it at EOF
             try:
                 if stream is not None:
                     stream.close()
@@ -277,3 +405,36 @@ class BridgeProcess(Sink):
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
+
+
+class _Unsent(OSError):
+    """A write into the pipe failed: `frame` never reached the child."""
+
+    def __init__(self, cause: OSError, frame: bytes) -> None:
+        super().__init__(cause.errno, cause.strerror)
+        self.frame = frame
+
+
+def _exit_text(proc: subprocess.Popen[bytes] | None) -> str:
+    code = None if proc is None else proc.poll()
+    if code is None:
+        return "its pipe broke"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _relay(stream: Any) -> None:
+    """Copy the child's stderr (backends' own messages, its warnings) to this process's stderr."""
+    try:
+        for line in iter(stream.readline, b""):
+            with contextlib.suppress(Exception):
+                sys.stderr.write(line.decode("utf-8", errors="replace"))
+                sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            stream.close()

@@ -394,3 +394,113 @@ def test_sigkill_of_the_trainer_loses_at_most_one_flush_and_no_orphan(tmp_path: 
     steps = [s for s, _ in read_tensorboard(tmp_path / "killed" / "tensorboard").scalars["train/loss"]]
     assert steps == sorted(set(steps)) and steps[0] == 0, steps
     assert steps[-1] >= 18, steps  # every flush handed over, except at most the one in flight
+
+
+RESTART_TRAINER = textwrap.dedent(
+    """
+    import sys, time
+    import otel_train as ot
+
+    ot.init(output_dir=sys.argv[1], run_name="restarted", tensorboard=True, prometheus_port=0,
+            verbosity=0, hardware=False, log_interval=1)
+    session = ot.current_session()
+    print(session.bridges.pid, flush=True)
+    step = 0
+    stop = sys.argv[2]
+    import os, select
+    while True:  # steps until the test writes a line
+        with ot.step(step):
+            ot.record("loss", float(step))
+            time.sleep(0.01)
+        step += 1
+        if stop == "stdin" and select.select([sys.stdin], [], [], 0)[0]:
+            break
+        if stop != "stdin" and step >= int(stop):
+            break
+    print("last", step - 1, session.bridges.pid, flush=True)
+    ot.shutdown()
+    print("restarts", getattr(session.bridges, "restarts", None), flush=True)
+    """
+)
+
+
+def _trainer_env() -> dict[str, str]:
+    return dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    )
+
+
+def _tb_steps(log_dir: Path) -> list[int]:
+    return sorted({s for s, _ in read_tensorboard(log_dir).scalars.get("train/loss", [])})
+
+
+def _wait_for_steps(log_dir: Path, above: int, guard_s: float) -> list[int]:
+    """TensorBoard's steps once one is above `above`; the guard only ends a wait that never would."""
+    deadline = time.monotonic() + guard_s
+    steps = _tb_steps(log_dir)
+    while not (steps and steps[-1] > above) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        steps = _tb_steps(log_dir)
+    return steps
+
+
+def test_a_killed_bridge_process_is_restarted_and_later_steps_reach_tensorboard(tmp_path: Path) -> None:
+    script = tmp_path / "trainer.py"
+    script.write_text(RESTART_TRAINER)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "stdin"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_trainer_env(),
+    )  # fmt: skip
+    log_dir = tmp_path / "restarted" / "tensorboard"
+    try:
+        assert trainer.stdout is not None and trainer.stdin is not None
+        first_pid = int(trainer.stdout.readline())
+        before = _wait_for_steps(log_dir, 20, 120)
+        assert before and before[-1] > 20, before
+        os.kill(first_pid, signal.SIGKILL)  # what the OOM killer does
+        assert _gone(first_pid, 30)
+        killed_at = _tb_steps(log_dir)[-1]
+        after = _wait_for_steps(log_dir, killed_at + 20, 120)
+        trainer.stdin.write("stop\n")
+        trainer.stdin.flush()
+        out, err = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    assert trainer.returncode == 0, err[-3000:]
+    assert after[-1] > killed_at + 20, (killed_at, after[-5:])  # written by the new bridge process
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("last ", "restarts ")))
+    assert set(lines) == {"last", "restarts"}, out
+    last, second_pid = (int(v) for v in lines["last"].split())
+    assert second_pid != first_pid and lines["restarts"] == "1"
+    assert f"the bridge process (pid {first_pid}) died (killed by SIGKILL); restarting it" in err, err[-3000:]
+    assert "finishes on its own" not in err and "is gone" not in err, err[-3000:]
+    steps = _tb_steps(log_dir)
+    assert steps[-1] == last and _gone(second_pid, 30)  # the close reached the new one: every step
+
+
+def test_a_bridge_process_stopped_past_the_trainers_exit_never_holds_its_output(tmp_path: Path) -> None:
+    """SIGSTOP the bridge process and let the trainer end: the trainer's stdout and stderr reach
+    EOF when it exits (a caller reading them is not held), and the bridge process is gone after."""
+    script = tmp_path / "trainer.py"
+    script.write_text(RESTART_TRAINER)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "30"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_trainer_env(),
+    )  # fmt: skip
+    bridge_pid = 0
+    try:
+        assert trainer.stdout is not None
+        bridge_pid = int(trainer.stdout.readline())
+        os.kill(bridge_pid, signal.SIGSTOP)
+        _, err = trainer.communicate(timeout=120)  # hangs here while the child holds the pipes
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        if bridge_pid and not _gone(bridge_pid, 0):
+            os.kill(bridge_pid, signal.SIGCONT)
+    assert trainer.returncode == 0, err[-3000:]
+    assert f"pid {bridge_pid}, found stopped: continued" in err, err[-3000:]
+    assert _gone(bridge_pid, 60), "the stopped bridge process outlived the trainer"

@@ -45,6 +45,11 @@ class Sink:
     def close(self, final_scalars: Mapping[str, float]) -> None:
         """End of run: the last value of every scalar key (for hparams' final metrics)."""
 
+    def reopen(self) -> None:
+        """Before a disabled bridge is retried (`ThreadedSink`): drop the backend's writer, which
+        may be broken for good by the failure (TensorBoard's keeps its first I/O error), so the
+        next call opens a fresh one. Default: nothing to drop."""
+
 
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>")

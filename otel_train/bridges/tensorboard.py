@@ -94,6 +94,17 @@ class TensorBoardSink(Sink):
         self._hparams_written = True
         self._writer.flush()
 
+    def reopen(self) -> None:
+        """A fresh writer at the next call, into a new event file of the same log dir (TensorBoard
+        reads them all as one run): the old one keeps its first write error for good, and its file
+        may end in a record cut by the full disk, which the reader stops at."""
+        old, self._writer_or_none = self._writer_or_none, None
+        if old is not None:
+            try:
+                old.close()
+            except Exception as exc:  # the error it kept: already counted by the caller
+                logger.debug("otel_train: closing the failed TensorBoard writer: %r", exc)
+
     def close(self, final_scalars: Mapping[str, float]) -> None:
         if self._closed:
             return

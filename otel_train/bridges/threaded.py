@@ -9,8 +9,14 @@ that feeds every sink. Each backend therefore gets a `ThreadedSink`:
   logger.
 * A backend call that raises logs one warning naming the backend (later errors go to DEBUG) and is
   counted (`errors`). After `max_consecutive_failures` failures in a row the backend is disabled
-  (`disabled`): one more warning, and every later call is dropped and counted. A success resets
+  (`disabled`): one more warning, and calls are dropped and counted while it is. A success resets
   the consecutive count, so a backend with occasional errors keeps working.
+* A disabled backend is retried, since the cause is often transient (a full disk that gets room
+  again, a file system remounted): after `retry_after_s`, then twice as long after each retry that
+  fails, up to `max_retry_after_s`, the call at hand goes to the backend after `inner.reopen()`
+  (a fresh writer: TensorBoard's stays broken after its first I/O error). A retry that works
+  enables it again, with one warning saying how many calls were lost meanwhile (`retries`,
+  `reenabled` count them).
 * `close(final_scalars, timeout)` queues the inner `close` and waits at most `timeout` seconds for
   the queue to drain. A backend that is still stuck after that is abandoned (its thread is a
   daemon thread, so it cannot keep the process alive) and `closed_cleanly` is False.
@@ -31,6 +37,8 @@ from otel_train.bridges.base import Sink
 logger = logging.getLogger("otel_train")
 
 _CLOSE = "close"
+RETRY_AFTER_S = 2.0  # a disabled backend's first retry
+MAX_RETRY_AFTER_S = 60.0  # the back-off's ceiling: a disk that gets room is written again within this
 
 
 class ThreadedSink(Sink):
@@ -44,6 +52,8 @@ class ThreadedSink(Sink):
         *,
         max_consecutive_failures: int = 5,
         close_timeout_s: float = 10.0,
+        retry_after_s: float = RETRY_AFTER_S,
+        max_retry_after_s: float = MAX_RETRY_AFTER_S,
     ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
@@ -57,6 +67,13 @@ class ThreadedSink(Sink):
         self._errors = 0
         self._consecutive = 0
         self._disabled = False
+        self.retry_after_s = max(0.0, float(retry_after_s))
+        self.max_retry_after_s = max(self.retry_after_s, float(max_retry_after_s))
+        self._backoff = self.retry_after_s
+        self._retry_at = 0.0  # monotonic time of the next retry while disabled
+        self._dropped_while_disabled = 0
+        self.retries = 0
+        self.reenabled = 0
         self._closing = False
         self._closed_cleanly = False
         self._warned_drop = False
@@ -143,7 +160,12 @@ class ThreadedSink(Sink):
     # -- internals --------------------------------------------------------------------------------
 
     def _submit(self, method: str, args: tuple[Any, ...]) -> None:
-        if self._disabled or self._closing:
+        if self._closing:
+            self._count_drop(None)
+            return
+        if self._disabled and time.monotonic() < self._retry_at:  # a call at the retry time goes on
+            with self._lock:
+                self._dropped_while_disabled += 1
             self._count_drop(None)
             return
         try:
@@ -172,10 +194,42 @@ class ThreadedSink(Sink):
                 self._done.set()
                 return
             if self._disabled:
-                with self._lock:
-                    self._dropped += 1
+                if time.monotonic() < self._retry_at:
+                    with self._lock:
+                        self._dropped += 1
+                        self._dropped_while_disabled += 1
+                    continue
+                self._retry(method, args)
                 continue
             self._call(method, args)
+
+    def _retry(self, method: str, args: tuple[Any, ...]) -> None:
+        """The disabled backend, once more, with a fresh writer; back-off doubles while it fails."""
+        self.retries += 1
+        try:
+            self.inner.reopen()
+            getattr(self.inner, method)(*args)
+        except Exception as exc:
+            with self._lock:
+                self._errors += 1
+                self._dropped += 1
+                self._dropped_while_disabled += 1
+            self._backoff = min(self._backoff * 2, self.max_retry_after_s)
+            self._retry_at = time.monotonic() + self._backoff
+            logger.debug("otel_train: the %s bridge failed again in %s", self.name, method, exc_info=exc)
+            return
+        with self._lock:
+            self._disabled = False
+            self._consecutive = 0
+            lost, self._dropped_while_disabled = self._dropped_while_disabled, 0
+        self._backoff = self.retry_after_s
+        self.reenabled += 1
+        logger.warning(
+            "otel_train: the %s bridge works again (retried with a fresh writer); %d update(s) "
+            "were dropped while it was disabled.",
+            self.name,
+            lost,
+        )
 
     def _call(self, method: str, args: tuple[Any, ...]) -> None:
         if self._disabled and method != _CLOSE:
@@ -195,6 +249,7 @@ class ThreadedSink(Sink):
                 )
                 if disable:
                     self._disabled = True
+                    self._retry_at = time.monotonic() + self._backoff
             if first:
                 logger.warning(
                     "otel_train: the %s bridge failed in %s: %s: %s. Training continues; further "
@@ -209,10 +264,13 @@ class ThreadedSink(Sink):
                 logger.debug("otel_train: the %s bridge failed in %s", self.name, method, exc_info=exc)
             if disable:
                 logger.warning(
-                    "otel_train: the %s bridge failed %d times in a row and is now disabled for the "
-                    "rest of the run.",
+                    "otel_train: the %s bridge failed %d times in a row and is disabled; its updates "
+                    "are dropped (counted) and it is retried with a fresh writer after %.0f s, then "
+                    "less often (at most every %.0f s).",
                     self.name,
                     self._consecutive,
+                    self._backoff,
+                    self.max_retry_after_s,
                 )
         else:
             self._consecutive = 0

@@ -112,6 +112,8 @@ class HookThread:
                 hook(*args)
             except Exception as exc:  # the user's code: logged, never kills the thread
                 log.warning("otel_train: callback %s failed: %s", getattr(hook, "__name__", hook), exc)
+            if self._closed:  # the hook shut the session down: this thread ends with it
+                return
 
     def close(self, timeout_s: float) -> None:
         """Let the queued calls run for up to `timeout_s`, then stop (a hook still running is left

@@ -130,6 +130,8 @@ def test_shutdown_from_a_callback_closes_sinks_bridges_and_exporters(tmp_path, c
     # exporters: the pull endpoint is gone
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url, timeout=5).read()
+    hooks = session.events.hooks
+    assert hooks is not None and _wait_for(lambda: not hooks._thread.is_alive())  # ended with the session
     ot.shutdown()  # again, from the training thread: a no-op
 
 

@@ -33,7 +33,10 @@ Clocks: ranks on rank 0's host read its clock (offset 0, exact). Ranks on other 
 clocks: `ClockEstimator` bounds each one's offset to rank 0 from the exchange's NTP-style stamps
 (`exchange`): t1 (leaf sends), t2 (rank 0 has the row), t3 (rank 0 answers), t4 (leaf has the
 answer): offset in [t3 - t4, t2 - t1]. It keeps the tightest interval over flushes, widened by
-DRIFT per second of age, and sends its midpoint and half-width up in the next block. The stamps
+DRIFT per second of age, and sends its midpoint and half-width up in the next block. A sample
+disjoint from that aged interval cannot be: a clock stepped (chrony's makestep, a VM migration), so
+the estimate starts over from it. A culprit later per step than rank 0's mean step time cannot be
+either (the others wait inside their steps): that verdict abstains, naming the clocks. The stamps
 are taken in Python on the flush worker, so each can lag by a GIL hand-off from the training
 thread (up to `sys.getswitchinterval()`, 5 ms): the bound says so, and keeping the tightest over
 flushes recovers the lucky ones.
@@ -91,8 +94,11 @@ class ClockEstimator:
         if not (math.isfinite(low) and math.isfinite(high)) or high < low:
             return
         sample = ((low + high) / 2.0, (high - low) / 2.0, t4)
-        if self._best is None or sample[1] <= self._aged(self._best, t4):
+        best = self._best
+        if best is None or sample[1] <= self._aged(best, t4):
             self._best = sample
+        elif abs(sample[0] - best[0]) > sample[1] + self._aged(best, t4):
+            self._best = sample  # disjoint: one of the two clocks stepped since the best was measured
 
     @staticmethod
     def _aged(best: tuple[float, float, float], now: float) -> float:
@@ -127,8 +133,12 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
-def judge(rows: Sequence[Row], world: int) -> Verdict | None:
-    """Every rank's row of one read -> the verdict; None when not every rank reported that read."""
+STEP_MARGIN = 1.5  # a culprit's lateness per step above this many of rank 0's mean steps: the clocks
+
+
+def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdict | None:
+    """Every rank's row of one read -> the verdict; None when not every rank reported that read.
+    `step_s`: rank 0's mean step time over the read's window, which bounds any rank's lateness."""
     if len(rows) < max(world, 2) or len({r.read_seq for r in rows}) != 1:
         return None
     read_seq = rows[0].read_seq
@@ -175,11 +185,19 @@ def judge(rows: Sequence[Row], world: int) -> Verdict | None:
     # The sample stands for the whole window (window / matched collectives each), over its steps
     # (the same window on every rank: the first row's).
     scale = (rows[0].window / max(len(common), 1)) / max(rows[0].steps, 1)
+    seconds = late_sum[culprit] * scale
+    if step_s is not None and step_s > 0 and seconds > STEP_MARGIN * step_s:
+        return replace(verdict, abstain=(
+            f"rank {culprit} would be {seconds * 1e3:.1f} ms late per step, longer than a step "
+            f"({step_s * 1e3:.1f} ms on rank 0): its host's clock stepped or is off by more than the "
+            "telemetry exchange measured; no rank is named from collective arrivals until it is "
+            "measured again"
+        ))  # fmt: skip
     waits, waiting = _waits(rows, culprit, last_at[culprit], late_sum[culprit])
     return replace(
         verdict,
         culprit=culprit,
-        seconds=late_sum[culprit] * scale,
+        seconds=seconds,
         key=worst[culprit][1],
         waits={r: w * scale for r, w in waits.items()},
         waiting=waiting,
@@ -249,6 +267,7 @@ class LatenessTracker:
         # rank 0: its own windows by read flush (this read's and the one its verdict is about), each
         # with its steps and the start of its last step, for naming the collective
         self._own: dict[int, tuple[list[Arrival], int, float]] = {}
+        self._step_s: dict[int, float] = {}  # rank 0: its mean step time in those windows
         self._exchanges = 0
 
     @classmethod
@@ -299,6 +318,9 @@ class LatenessTracker:
                 last = interval.step_durations[-1] if interval.step_durations else math.nan
                 self._own = {s: v for s, v in self._own.items() if s == max(self._own, default=-1)}
                 self._own[interval.seq] = (arrivals, self._steps, until - last)
+                self._step_s = {s: v for s, v in self._step_s.items() if s in self._own}
+                if self._steps:
+                    self._step_s[interval.seq] = (until - self._after) / self._steps
         self._after, self._steps = until, 0
 
     def judge(self, blocks: Any, records: Sequence[RankRecord], host: str) -> None:
@@ -311,7 +333,7 @@ class LatenessTracker:
         got = [replace(r, offset=0.0, bound=0.0) if s else r for r, s in zip(rows, same, strict=True) if r]
         if self.verdict is not None and got[0].read_seq == self.verdict.read_seq:
             return
-        self.verdict = judge(got, len(records)) or self.verdict
+        self.verdict = judge(got, len(records), self._step_s.get(got[0].read_seq)) or self.verdict
 
     def join(self, assessments: Sequence[RankAssessment], views: Sequence[RankView]) -> None:
         """Rank 0: the current verdict into the timer-based assessments (its own timers' ends

@@ -411,14 +411,13 @@ def test_in_cluster_scrape_job_is_valid_and_keeps_the_gateway(tmp_path: Path) ->
     assert keep["regex"] == f"{service['metadata']['name']};{metrics_port[0]}"
 
 
-# --- the README says what the manifests do ----------------------------------------------------------
+# --- the docs say what the manifests do ------------------------------------------------------------
 def test_readme_env_block_is_the_example_jobs() -> None:
-    """The env block the README tells users to copy is the example Job's (without its own
-    torchrun NODE_RANK), and the README's validation command uses the tested schema version."""
-    readme = (DEPLOY.parent / "README.md").read_text()
-    section = readme[readme.index("## Running at scale") :]
+    """The env block the docs' Running at scale page tells users to copy is the example Job's
+    (without its own torchrun NODE_RANK), and its validation command uses the tested schema version."""
+    section = (DEPLOY.parent / "docs" / "scale.md").read_text()
     block = re.search(r"```yaml\n(env:\n.*?)```", section, re.S)
-    assert block, "README's Running at scale lost its env block"
+    assert block, "the docs' Running at scale lost its env block"
     documented = yaml.safe_load(block.group(1))["env"]
     example = [e for e in _container(MANIFESTS, "Job", "train-demo")["env"] if e["name"] != "NODE_RANK"]
     assert documented == example

@@ -49,6 +49,7 @@ CATEGORIES: tuple[Category, ...] = get_args(Category)
 
 H_VERSION, H_STATUS, H_VERDICT_SEQ, H_FLUSH_INTERVAL, H_CHRONIC_TOTAL, H_CHRONIC_CARRIED = range(6)
 H_FLUSH_ANCHOR = 6
+H_GONE = H_VERDICT_SEQ  # in an ABORT answer (no verdict rides it): the rank found gone (-1: unknown)
 HEADER_LEN = 7
 SCORES_LEN = 7
 _R_RANK, _R_LOCAL, _R_LATENESS, _R_SCORE, _R_RAW, _R_WAIT, _R_CATEGORY, _R_HAS_SYNC = range(8)

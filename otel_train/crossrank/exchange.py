@@ -4,26 +4,20 @@ makes a rank wait for a peer that is late: telemetry must not couple ranks that 
 not couple (evaluators, data ranks, RL workers, independent trials). It runs on the background
 worker, never on the training thread.
 
-    rank r > 0:  isend(its up row -> rank 0) with an irecv(its down row <- rank 0) posted for the
-                 answer, then looks for that answer for at most `leaf_wait_s` (2 x the grace); an
-                 answer that has not come stays posted and is taken at a later flush. At most
-                 `MAX_UNANSWERED` rows are up without an answer: beyond, a flush sends no row
-                 (`skipped`), so nothing piles up behind a rank 0 that does not keep pace.
-    rank 0:      at each flush, posts one irecv(up row <- r) for each peer that has none posted,
-                 and takes the rows that have come, in order, up to the first that reaches its own
-                 flush (`current`; a later row waits for the next flush), re-posting the receive
-                 after an older row; it answers each row at once (isend(down row r -> r): that
-                 peer's worker may be waiting for it), and looks again for at most `grace_s` until
-                 each peer it is told to expect has sent a row that reaches its flush. A row that
-                 has not come leaves its receive posted, to be taken (and answered) at a later
-                 flush. In lockstep that is one irecv and one isend per peer per flush.
+    rank r > 0:  isend(up row -> rank 0) and irecv(down row <- rank 0), then looks for the answer
+                 for at most `leaf_wait_s` (2 x the grace); one not come is taken at a later flush.
+                 Beyond `MAX_UNANSWERED` unanswered rows a flush sends none (`skipped`).
+    rank 0:      posts one irecv(up row <- r) per peer with none posted, takes the rows come, in
+                 order, up to the first that reaches its flush (`current`), answers each at once
+                 (isend(down row -> r): that peer may be waiting) and looks again for at most
+                 `grace_s` until each expected peer's row reaches its flush; a row not come is
+                 taken (and answered) later. In lockstep: one irecv and one isend per peer per flush.
 
-So a peer's rows and answers pair one to one, in order, on the wire (one gloo slot, `TAG`). Rank 0
-returns the rows with their ranks, whichever flush of the peer's each comes from, and the caller
-(`crossrank/reducer`) pairs only rows of the same steps. `grace_s` (`exchange_grace_s`) is sized for ranks
-in lockstep (DDP, FSDP), whose rows come within milliseconds of each other: rank 0 waits only until
-the last expected row is in, and the caller expects only the peers that sent a row at its previous
-flush, so a late or independent rank costs rank 0's worker at most one grace in a row.
+So a peer's rows and answers pair one to one, in order, on the wire (one gloo slot, `TAG`); the
+caller (`crossrank/reducer`) pairs only rows of the same steps. `grace_s` (`exchange_grace_s`) is
+sized for ranks in lockstep (DDP, FSDP), whose rows come within milliseconds: rank 0 expects only
+the peers whose row came at its previous flush, so a late or independent rank costs it at most one
+grace in a row.
 
 How "has it come" is known without blocking: gloo's point-to-point works report completion only
 from `wait()`, and a `wait()` that times out closes every connection of the process (gloo signals
@@ -38,19 +32,16 @@ a receive was posted, or stopped flushing) fails then. Rank 0 then raises and po
 other peer, answering its next row (never waited for), so each turns off at its next flush; none
 waits in an exchange a peer would not issue. A rank r > 0 whose oldest row has had no answer for
 twice the timeout raises too (rank 0 is gone or stopped flushing), so rank 0, which gives up after
-the timeout, decides first when it is alive.
+the timeout, decides first when it is alive. The rank found gone travels in the ABORT
+(`down_row.H_GONE`), so every rank's reason names it.
 
-Tree edges (`tree_exchange`): the same two roles with a parent other than rank 0 above
-(`parent`, `send_up`) and a rank's children below (`peers`, `gather`), whose messages may differ in
-length (`up_lens`) and whose answers a tree's inner rank sends only once its parent answered
-(`gather(defer=True)`, then `answer`).
+Tree edges (`tree_exchange`): the same two roles with a parent other than rank 0 above (`parent`,
+`send_up`) and children below (`peers`, `gather`; their lengths: `up_lens`), answered once the
+parent answered (`gather(defer=True)`, then `answer`).
 
-Clock (with `stamp_clock`): the up row's LAST float is the leaf's send time t1, written here just
-before the send; rank 0 stamps, in the answer to that row, t2 (when it took the row: never before it
-arrived) and t3 (just before the answer leaves); the leaf's t4 is when it took the answer. Rows and
-answers pair one to one, in order, so a late answer still pairs with its own row's t1. All are
-`clock()` (time.time: the Flight Recorder's clock). `collective_lateness.ClockEstimator` turns them
-into the leaf's clock offset to rank 0 with an error bound (a late look only widens the bound).
+Clock (with `stamp_clock`): the leaf writes its send time t1 in the up row's LAST float; rank 0
+stamps t2 (took the row) and t3 (answer leaves) in the answer; t4 is when the leaf took it, all by
+`clock()` (`collective_lateness.ClockEstimator` turns them into an offset with a bound).
 """
 
 from __future__ import annotations
@@ -73,7 +64,13 @@ MAX_UNANSWERED = 2  # rank r > 0: rows up without an answer; beyond, a flush sen
 
 
 class ExchangeFailed(RuntimeError):
-    """The exchange failed on this rank (it disables the reducer for good)."""
+    """The exchange failed on this rank (it disables the reducer for good); `gone`: the rank
+    found gone (-1: not known here), named on every rank it reaches (ABORT, a tree's FAILED)."""
+
+    def __init__(self, message: str, gone: int = -1) -> None:
+        named = gone >= 0 and "is gone" not in message
+        super().__init__(message + (f": rank {gone} is gone" if named else ""))
+        self.gone = gone
 
 
 @dataclass(frozen=True)
@@ -123,12 +120,8 @@ class StarExchange:
         # roles with another rank than 0 above (its parent) and its children below.
         self.parent = parent
         self.peers = list(range(1, world)) if peers is None else list(peers)
-        self.down_len = down_len
-        self.group = group
-        self.rank = rank
-        self.world = world
-        self.timeout_s = timeout_s
-        self.grace_s = grace_s
+        self.down_len, self.group, self.rank, self.world = down_len, group, rank, world
+        self.timeout_s, self.grace_s = timeout_s, grace_s
         self.leaf_wait_s = 2.0 * grace_s
         self.sent_bytes = 0  # payload handed to gloo, trailers included (tests and the bench)
         self.received_bytes = 0
@@ -191,7 +184,9 @@ class StarExchange:
         down = self._take_answers()
         if len(self._unanswered) >= MAX_UNANSWERED:
             if time.monotonic() - self._unanswered[0].since >= 2.0 * self.timeout_s:
-                raise ExchangeFailed(f"no answer from rank 0 for {2.0 * self.timeout_s:g} s")
+                raise ExchangeFailed(
+                    f"no answer from rank {self.parent} for {2.0 * self.timeout_s:g} s", self.parent
+                )
             self.skipped += 1
             self._prompt = False
             return Exchanged(None, down, sent=False, stamps=self._stamps_of(down))
@@ -200,8 +195,11 @@ class StarExchange:
         if self.stamp_clock:
             up[-1] = sent_at = self.clock()  # t1
         message = _framed(torch, up)
-        recv = _posted(dist.irecv(buffer, group=self.group, group_src=self.parent, tag=TAG))
-        send = _posted(dist.isend(message, group=self.group, group_dst=self.parent, tag=TAG))
+        try:
+            recv = _posted(dist.irecv(buffer, group=self.group, group_src=self.parent, tag=TAG))
+            send = _posted(dist.isend(message, group=self.group, group_dst=self.parent, tag=TAG))
+        except RuntimeError as exc:  # its connection is gone (a parent that exited)
+            raise ExchangeFailed(f"no connection to rank {self.parent} ({exc})", self.parent) from exc
         self.sent_bytes += message.numel() * message.element_size()
         self._unanswered.append(_Posted(recv, buffer, time.monotonic(), send, sent_at))
         if self._prompt:
@@ -228,7 +226,8 @@ class StarExchange:
                 # Rank 0 may have posted it before taking this row, and never will: that send,
                 # and any later row's, are left pending (kept alive with their buffers).
                 self._parting.extend((p.work, p.send, p.buffer) for p in (pending, *self._unanswered))
-                raise ExchangeFailed("rank 0 found a failed peer in this exchange")
+                gone = int(down[down_row.H_GONE])
+                raise ExchangeFailed(f"rank {self.parent} found a failed peer in this exchange", gone)
             if pending.send is not None:
                 pending.send.wait()  # answered OK, so rank 0 took the row: done
             self._prompt = True  # answered by the next flush at the latest: rank 0 keeps pace
@@ -271,11 +270,11 @@ class StarExchange:
             elif now - self._missing_since.setdefault(peer, now) >= self.timeout_s:
                 failed[peer] = f"no row for {self.timeout_s:g} s"
         if failed:
-            for peer in self.peers:
-                answers[peer][down_row.H_STATUS] = float(down_row.STATUS_ABORT)
-            self._part(torch, answers, failed)
             first = min(failed)
-            raise ExchangeFailed(f"no row from rank(s) {sorted(failed)} (rank {first}: {failed[first]})")
+            self.abort_peers(answers, list(failed), first)
+            raise ExchangeFailed(
+                f"no row from rank(s) {sorted(failed)} (rank {first}: {failed[first]})", first
+            )
         taken.sort(key=lambda item: item[0])  # by rank, each peer's rows in the order they came
         rows: Any = [up, *(row for _, row in taken)]  # peers' lengths may differ (a tree's up_lens)
         rows = rows if self.up_lens else torch.stack(rows)
@@ -358,12 +357,13 @@ class StarExchange:
             except Exception:
                 continue
 
-    def abort_peers(self, answers: Any, failed: Sequence[int] = ()) -> None:
-        """Post ABORT (`answers[peer]`, status set here) to every peer not in `failed`."""
+    def abort_peers(self, answers: Any, failed: Sequence[int] = (), gone: int = -1) -> None:
+        """Post ABORT (`answers[peer]`, status and the rank `gone` set here) to every peer not in `failed`."""
         import torch
 
         for peer in self.peers:
             answers[peer][down_row.H_STATUS] = float(down_row.STATUS_ABORT)
+            answers[peer][down_row.H_GONE] = float(gone)
         self._part(torch, answers, {peer: "" for peer in failed})
 
     def _part(self, torch: Any, answers: Any, failed: dict[int, str]) -> None:

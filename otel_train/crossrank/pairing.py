@@ -42,12 +42,27 @@ class RowPairing:
             _warn_left_out(left_out, from_step, step)
 
 
-def clocks_to_rank0(tree: TreeView, exchange: Any, host: str) -> bool:
-    """Whether a tree's rows let rank 0 judge arrivals at collectives: every rank's row whole, and
-    each one's clock offset to rank 0 known (rank 0's host reads its clock; elsewhere a rank's
-    offset is to its parent, so that parent must be rank 0)."""
+def unjudged(tree: TreeView, exchange: Any, host: str) -> str | None:
+    """Why a tree's rows do not let rank 0 judge arrivals at collectives (None: they do). That
+    needs every rank's row whole, and each one's clock offset to rank 0 (rank 0's host reads its
+    clock; elsewhere a rank's offset is to its parent, so that parent must be rank 0)."""
+    world, fanin = exchange.layout.world, exchange.layout.fanin
+    keep = f"an exchange_fanin of at least {world - 1} keeps the exact star (every rank answers to rank 0)"
+    if tree.summary:
+        return (
+            f"arrivals at collectives cannot be judged: rank 0 has {len(tree.exact)} of {world} ranks' "
+            f"rows whole (the tree of exchange_fanin={fanin} summarizes the rest); {keep}"
+        )
     parent = exchange.layout.parent
-    return not tree.summary and all(r.host == host or parent[r.rank] == 0 for r in tree.exact)
+    far = sorted(r.rank for r in tree.exact if r.host != host and parent[r.rank] != 0)
+    if not far:
+        return None
+    names = f"rank {far[0]}" if len(far) == 1 else f"ranks {', '.join(str(r) for r in far)}"
+    return (
+        f"arrivals at collectives cannot be judged: {names}, on another host than rank 0, answer(s) to "
+        f"rank(s) {sorted({parent[r] for r in far})} in the tree of exchange_fanin={fanin}, so "
+        f"{'its' if len(far) == 1 else 'their'} clock offset is known to that rank, not to rank 0; {keep}"
+    )
 
 
 def _warn_left_out(left_out: Sequence[RankRecord], from_step: int, step: int) -> None:

@@ -47,7 +47,7 @@ from otel_train.crossrank import down_row
 from otel_train.crossrank.arrival_block import BLOCK_LEN
 from otel_train.crossrank.collective_lateness import LatenessTracker
 from otel_train.crossrank.merge import Bundle, TreeView, unpacked, widen_waiting
-from otel_train.crossrank.pairing import RowPairing, clocks_to_rank0
+from otel_train.crossrank.pairing import RowPairing, unjudged
 from otel_train.crossrank.replicas import EXT_LEN, ReplicaCheck, fsdp_in_use
 from otel_train.crossrank.scores import RankScores, StragglerReport, StragglerScorer
 from otel_train.crossrank.shape import ExchangeShape, shaped_exchange, telemetry_group
@@ -285,7 +285,7 @@ class CrossRankReducer:
             self._flush_local(interval)
             return
         paired = [records[i] for i in same]
-        if tree is None or clocks_to_rank0(tree, self.exchange, self.identity.host):
+        if self.lateness.judgeable(unjudged(tree, self.exchange, self.identity.host) if tree else None):
             self.lateness.judge(rows[same, -BLOCK_LEN:], paired, self.identity.host)
         self._reduce(interval, paired, tree)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()

@@ -137,9 +137,9 @@ class TreeExchange:
         merged = merge(parts, self.capacity)
         try:
             got = self.above.send_up(self._encode(merged, self.rank))
-        except ExchangeFailed:
+        except ExchangeFailed as exc:
             if self.below is not None:
-                self.below.abort_peers(answers)  # pass the ABORT down
+                self.below.abort_peers(answers, gone=exc.gone)  # pass the ABORT down
             raise
         if self.below is not None and taken:
             news = got.down if got.down is not None else down_row.no_news()
@@ -162,17 +162,18 @@ class TreeExchange:
             got = self.below.gather(
                 up, answers, self._expect, lambda b: row_steps(b[HEAD_LEN:])[1] >= steps[1], defer=not root
             )
-        except ExchangeFailed:
-            self._fail_up(own)
+        except ExchangeFailed as exc:
+            self._fail_up(own, exc.gone)
             raise
         parts, taken = [own], got.ranks[1:]
         assert got.records is not None
         for peer, message in zip(taken, got.records[1:], strict=True):
+            if message[0].item() == FAILED:  # its second float: the rank found gone
+                gone = int(message[1].item())
+                self.below.abort_peers(answers, gone=gone)
+                self._fail_up(own, gone)
+                raise ExchangeFailed(f"a rank below found a failed peer (reported by rank {peer})", gone)
             bundle = decode(message, self.row_len, self.base_len, self._ranks(peer))
-            if message[0].item() == FAILED:
-                self.below.abort_peers(answers)
-                self._fail_up(own)
-                raise ExchangeFailed("a rank below found a failed peer")
             if bundle.exact and row_steps(bundle.exact[0]) == steps:
                 parts.append(bundle)
             else:
@@ -191,12 +192,13 @@ class TreeExchange:
     def _encode(self, bundle: Bundle, rank: int) -> Any:
         return encode(bundle, self.row_len, self.base_len, self._ranks(rank))
 
-    def _fail_up(self, own: Bundle) -> None:
-        """Tell the parent at once (a FAILED bundle), so it need not wait out its timeout."""
+    def _fail_up(self, own: Bundle, gone: int) -> None:
+        """Tell the parent at once (a FAILED bundle naming the rank `gone`), so it need not wait
+        out its timeout."""
         if self.above is None:
             return
         message = self._encode(own, self.rank)
-        message[0] = FAILED
+        message[0], message[1] = FAILED, float(gone)
         with contextlib.suppress(ExchangeFailed):  # turning off anyway
             self.above.send_up(message)
 

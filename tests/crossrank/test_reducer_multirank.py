@@ -404,7 +404,9 @@ def test_dead_peer_disables_instead_of_hanging(mode: str, fanin: int) -> None:
         assert "Connection closed" in results[0]["disabled"] and results[0]["partial"] == 0
     else:
         assert "no row for 3 s" in results[0]["disabled"] and results[0]["partial"] >= 1
-    assert all("rank 0 found a failed peer" in res["disabled"] for res in results[1:3])
+    # each names the rank that is gone (rank 2 under fan-in 2 hears it from its parent, rank 1)
+    assert all("found a failed peer" in res["disabled"] for res in results[1:3])
+    assert all(res["disabled"].endswith("rank 3 is gone") for res in results[:3]), results
 
 
 def test_a_dead_rank_below_an_inner_rank_turns_the_whole_tree_off() -> None:
@@ -419,3 +421,18 @@ def test_a_dead_rank_below_an_inner_rank_turns_the_whole_tree_off() -> None:
         assert res["collectives_after"] == res["collectives_before"] >= 2
     assert "no row from rank(s) [2]" in results[1]["disabled"]
     assert "a rank below found a failed peer" in results[0]["disabled"]
+    assert all(res["disabled"].endswith("rank 2 is gone") for res in live), live
+
+
+def test_a_mid_tree_rank_that_leaves_is_named_on_every_rank() -> None:
+    """Fan-in 2 on 6 ranks: rank 0 -> 1 (its deputy) -> 2, 4; 2 -> 3 and 4 -> 5. Rank 4, in the
+    middle of the tree, leaves: its parent (rank 1), rank 0 through rank 1's FAILED bundle, rank 2
+    and rank 3 through the ABORT passed down, and its own child (rank 5) all name rank 4."""
+    from otel_train.crossrank.tree import layout
+
+    assert layout(6, 2).parent == (-1, 0, 1, 2, 1, 4)
+    results = run_ranks(6, dead_peer_target, ("exit", 3.0, 2, 4), timeout=120)
+    live = [results[r] for r in (0, 1, 2, 3, 5)]
+    for res in live:
+        assert res["disabled"] is not None and "exchange failed" in res["disabled"], results
+        assert res["disabled"].endswith("rank 4 is gone"), results

@@ -232,3 +232,17 @@ def test_a_refusal_on_one_rank_is_every_ranks_at_once(refuse: dict[str, Any], tm
     # decided together, not after collective_timeout_s (60 s) in a collective the refused rank skips
     assert max(r["seconds"] for r in results) < 30.0, results
     assert not list(tmp_path.iterdir())  # no run directory was split off
+
+
+def test_the_shape_comes_from_every_ranks_facts_and_nodes_of_any_size() -> None:
+    from otel_train.crossrank import decide_shape, node_key
+    from otel_train.crossrank.tree import layout
+
+    keys = [node_key("nodeA", 0)] * 4 + [node_key("nodeB", 2)] * 2
+    shape = decide_shape([2, 2, 2, 2, 16, 16], keys)  # rank 0's fan-in, whatever the others say
+    assert shape.fanin == 2 and shape.nodes == (4,)
+    tree = layout(6, shape.fanin, nodes=shape.nodes)
+    assert tree.parent == (-1, 0, 1, 1, 1, 4)  # node B's ranks answer to its leader, rank 4
+    # the star whenever the fan-in reaches every rank, whatever the nodes say
+    assert layout(4, 16, nodes=(2,)).star and layout(6, 5, nodes=(4,)).star
+    assert node_key("nodeA", 0) == node_key("nodeA", 0) != node_key("nodeA", 1)

@@ -1,0 +1,83 @@
+"""The package as users get it: the sdist and wheel built with `python -m build`, the wheel
+installed in a fresh virtual environment beside `torch==2.13.0` (and the core dependencies only,
+no extras), and the README's quickstart and the CLI run from there, outside the source tree.
+
+Slow by nature (a build in an isolated environment, a venv, torch installed into it): about two
+minutes on a 2-core machine. pip resolves torch from the local wheels the machine's pip
+configuration points at, and the other dependencies from the package index."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from test_docs import run_quickstart
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH = "torch==2.13.0"
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{args}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def _clean_env(tmp_path: Path) -> dict[str, str]:
+    """The environment without the test venv's traces, so nothing from the source tree leaks in."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["OTEL_TRAIN_OUTPUT_DIR"] = str(tmp_path / "runs")
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def test_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart_and_cli(tmp_path) -> None:
+    pytest.importorskip("build")
+    env = _clean_env(tmp_path)
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)], ROOT, env, 600)
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    (wheel,) = dist.glob(f"otel_train-{version}-py3-none-any.whl")
+    (sdist,) = dist.glob(f"otel_train-{version}.tar.gz")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert "otel_train/py.typed" in names and "otel_train/__init__.py" in names
+    assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/"))], "the wheel ships only the package"
+    assert sdist.stat().st_size > 0
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env, 120)
+    python, bin_dir = str(venv / "bin" / "python"), venv / "bin"
+    _run([python, "-m", "pip", "install", "-q", TORCH, str(wheel)], tmp_path, env, 900)
+
+    work = tmp_path / "work"
+    work.mkdir()
+    where = _run(
+        [python, "-c", "import importlib.metadata, otel_train; print(otel_train.__file__); "
+         "print(importlib.metadata.version('otel-train'))"],
+        work, env, 120,
+    ).stdout.split()  # fmt: skip
+    assert Path(where[0]).is_relative_to(venv), "otel_train came from the source tree, not the wheel"
+    assert where[1] == version
+    extras = _run([python, "-m", "pip", "list", "--format=freeze"], work, env, 120).stdout
+    assert "tensorboard" not in extras and "wandb" not in extras, "no extra is installed by default"
+
+    run_dir = run_quickstart(python, work, env)
+    assert run_dir.is_relative_to(tmp_path / "runs")
+
+    help_text = _run([str(bin_dir / "otel-train"), "--help"], work, env, 120).stdout
+    for command in ("demo", "doctor", "diagnose"):
+        assert command in help_text
+    doctor_env = {**env, "OTEL_TRAIN_PROMETHEUS_PORT": "0"}
+    doctor = _run([str(bin_dir / "otel-train"), "doctor"], work, doctor_env, 120).stdout
+    assert "config: ok" in doctor
+    # Core only: the doctor says how to add a bridge, and that alone is no failure (exit 0).
+    assert "extra [tensorboard]: missing: pip install otel-train[tensorboard]" in doctor

@@ -8,15 +8,14 @@ configuration points at, and the other dependencies from the package index."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
-
 from test_docs import run_quickstart
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,13 +43,15 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart_and_cli(tmp_path
     env = _clean_env(tmp_path)
     dist = tmp_path / "dist"
     _run([sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)], ROOT, env, 600)
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    version = importlib.metadata.version("otel-train")  # this tree's, installed editable
     (wheel,) = dist.glob(f"otel_train-{version}-py3-none-any.whl")
     (sdist,) = dist.glob(f"otel_train-{version}.tar.gz")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     assert "otel_train/py.typed" in names and "otel_train/__init__.py" in names
-    assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/"))], "the wheel ships only the package"
+    assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/"))], (
+        "the wheel ships only the package"
+    )
     assert sdist.stat().st_size > 0
 
     venv = tmp_path / "venv"

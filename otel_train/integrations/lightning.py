@@ -58,7 +58,6 @@ from otel_train.integrations._common import (
     start_session,
     with_precision,
 )
-from otel_train.run import Run
 
 __all__ = ["OtelTrainCallback", "OtelTrainLogger", "callbacks_factory"]
 
@@ -238,15 +237,15 @@ class OtelTrainLogger(Logger):
         return os.path.join(self.root_dir, self.version)
 
     @property
-    def experiment(self) -> Run | None:
+    def experiment(self) -> ot.Run | None:
         """The otel_train run (`ot.Run`), started here if need be: Lightning asks for it on every
         rank before the set-up hooks, so all ranks start the session at the same point."""
         trainer = _trainer_on_stack(self)
         if trainer is not None:
             self._join(trainer)
         self._ensure_session(trainer)
-        session = ot.current_session()
-        return Run(session) if session is not None else None
+        # With a session running, init() only returns its run (no settings: nothing to compare).
+        return ot.init() if ot.run_info() is not None else None
 
     def _place_now(self) -> _Place:
         return self._resolve(_trainer_on_stack(self) if self._place is None else None)
@@ -257,9 +256,9 @@ class OtelTrainLogger(Logger):
         if self._primary is not None:
             self._place = self._primary._resolve(trainer)
             return self._place
-        session = ot.current_session()
-        if session is not None and _owner_of(session) is None:  # the user's own session names the run
-            self._place = _Place(str(session.config.output_dir), "", session.run_name)
+        info = ot.run_info()
+        if info is not None and _owner_of(ot.current_session()) is None:  # the user's session names the run
+            self._place = _Place(str(info.output_dir), "", info.run_name)
             return self._place
         config = load_config(self._settings)
         explicit_dir = (
@@ -307,12 +306,12 @@ class OtelTrainLogger(Logger):
         if self._run_id is not None:
             settings.setdefault("run_id", self._run_id)  # this logger's run again: append to it
         ot.init(**settings)
-        session = ot.current_session()
-        if session is None:
+        info = ot.run_info()
+        if info is None:
             return
-        _owned_session, _owner_ref = session, weakref.ref(self)
-        self._run_id = session.identity.run_id
-        if session.run_name != place.version:
+        _owned_session, _owner_ref = ot.current_session(), weakref.ref(self)
+        self._run_id = info.run_id
+        if info.run_name != place.version:
             # Another rank (rank 0) chose the run name: take it unless this rank already gave ours out.
             if self._version_shown:
                 log.warning(
@@ -320,10 +319,10 @@ class OtelTrainLogger(Logger):
                     "rank 0 chose (their output dirs differ); set run_name or version= to the same value "
                     "on every rank",
                     place.version,
-                    session.run_name,
+                    info.run_name,
                 )
             else:
-                self._place = place._replace(version=session.run_name)
+                self._place = place._replace(version=info.run_name)
         self._mark_ns = None
 
     def _session_settings(self, trainer: Trainer | None) -> dict[str, Any]:

@@ -1,132 +1,91 @@
-"""Test helpers copied from Lightning for the ported Lightning suites (no `tests_pytorch` package here).
+"""Shared pieces of the Lightning suites under tests/integrations/upstream/ (written for this repo).
 
-From github:Lightning-AI/pytorch-lightning at tag 2.6.5 (the newest tag in the mirror; the installed
-lightning 2.6.6's loggers, ModelCheckpoint and Trainer sources are byte-identical to 2.6.5's):
-`mlflow_mock`, `wandb_mock`, `comet_mock` from tests/tests_pytorch/loggers/conftest.py,
-`_patch_comet_atexit` from tests/tests_pytorch/loggers/test_comet.py, `mock_mlflow_run_creation`
-from tests/tests_pytorch/loggers/test_mlflow.py, and a `RunIf` reduced to the `skip_windows` it is used
-with here (tests/tests_pytorch/helpers/runif.py). Import the fixtures into a test module to use them.
+Lightning's own suites take their helpers from `tests_pytorch` (a conftest that swaps W&B, MLflow
+and Comet for mocks, `RunIf`). Here the upstream loggers run on their real, installed backends
+instead: TensorBoard and CSV files, an MLflow file store and W&B in offline mode, each one under
+the test's tmp_path, beside OtelTrainLogger writing its run directory there too. The readers of
+what each one wrote are in tests/helpers/readback.py (TensorBoard, W&B) and below (otel_train).
 """
-# ruff: noqa
 
+from __future__ import annotations
+
+import json
 import sys
-from types import ModuleType
-from unittest.mock import MagicMock, Mock
+from pathlib import Path
+from typing import Any
 
 import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import Logger, MLFlowLogger, WandbLogger
+
+from otel_train.integrations.lightning import OtelTrainLogger
+
+posix_only = pytest.mark.skipif(
+    sys.platform == "win32", reason="ddp_spawn over gloo is run on POSIX only here"
+)
+
+# No pull endpoint, console lines or hardware sampling from otel_train; the MLflow control may
+# use a local file store (the installed mlflow refuses one without this switch).
+QUIET_ENV = {
+    "OTEL_TRAIN_PROMETHEUS_PORT": "0",
+    "OTEL_TRAIN_VERBOSITY": "0",
+    "OTEL_TRAIN_HARDWARE": "false",
+    "MLFLOW_ALLOW_FILE_STORE": "true",
+}
 
 
-def RunIf(skip_windows: bool = False):  # otel_train: reduced to the one condition used
-    return pytest.mark.skipif(skip_windows and sys.platform == "win32", reason="not on Windows")
+def quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in QUIET_ENV.items():
+        monkeypatch.setenv(key, value)
 
 
-def _patch_comet_atexit(monkeypatch):
-    """Prevent comet logger from trying to print at exit, since pytest's stdout/stderr redirection breaks it."""
-    import atexit
-
-    monkeypatch.setattr(atexit, "register", lambda _: None)
-
-
-def mock_mlflow_run_creation(logger, experiment_name=None, experiment_id=None, run_id=None):
-    """Helper function to simulate mlflow client creating a new (or existing) experiment."""
-    run = MagicMock()
-    run.info.run_id = run_id
-    logger._mlflow_client.get_experiment_by_name = MagicMock(return_value=experiment_name)
-    logger._mlflow_client.create_experiment = MagicMock(return_value=experiment_id)
-    logger._mlflow_client.create_run = MagicMock(return_value=run)
-    return logger
+def logger_under(cls: type[Logger], where: Path, **overrides: Any) -> Logger:
+    """A `cls` logger whose files all land under `where`, with nothing sent over the network."""
+    base: dict[str, Any]
+    if issubclass(cls, OtelTrainLogger):
+        base = {"output_dir": str(where)}
+    elif issubclass(cls, MLFlowLogger):
+        base = {"save_dir": str(where / "mlruns")}  # a file store: file:<where>/mlruns
+    elif issubclass(cls, WandbLogger):
+        base = {"save_dir": str(where), "offline": True}
+    else:
+        base = {"save_dir": str(where)}
+    return cls(**{**base, **overrides})
 
 
-@pytest.fixture
-def mlflow_mock(monkeypatch):
-    mlflow = ModuleType("mlflow")
-    mlflow.set_tracking_uri = Mock()
-    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
-
-    mlflow_tracking = ModuleType("tracking")
-    mlflow_tracking.MlflowClient = Mock()
-    mlflow_tracking.artifact_utils = Mock()
-    monkeypatch.setitem(sys.modules, "mlflow.tracking", mlflow_tracking)
-
-    mlflow_entities = ModuleType("entities")
-    mlflow_entities.Metric = Mock()
-    mlflow_entities.Param = Mock()
-    mlflow_entities.time = Mock()
-    monkeypatch.setitem(sys.modules, "mlflow.entities", mlflow_entities)
-
-    mlflow.tracking = mlflow_tracking
-    mlflow.entities = mlflow_entities
-
-    monkeypatch.setattr("lightning.pytorch.loggers.mlflow._MLFLOW_AVAILABLE", True)
-    monkeypatch.setattr("lightning.pytorch.loggers.mlflow._MLFLOW_SYNCHRONOUS_AVAILABLE", True)
-    return mlflow
+def short_trainer(root: Path, logger: Any, **extra: Any) -> Trainer:
+    """A Trainer that runs a step or two of BoringModel on the CPU, silently."""
+    options: dict[str, Any] = {
+        "default_root_dir": str(root),
+        "logger": logger,
+        "accelerator": "cpu",
+        "devices": 1,
+    }
+    options.update(max_steps=1, limit_val_batches=1, limit_test_batches=1, num_sanity_val_steps=0)
+    options.update(enable_progress_bar=False, enable_model_summary=False)
+    options.update(extra)
+    return Trainer(**options)
 
 
-@pytest.fixture
-def wandb_mock(monkeypatch):
-    class RunType:  # to make isinstance checks pass
-        pass
-
-    run_mock = Mock(
-        spec=RunType,
-        log=Mock(),
-        config=Mock(),
-        watch=Mock(),
-        log_artifact=Mock(),
-        use_artifact=Mock(),
-        define_metric=Mock(),
-        id="run_id",
-    )
-
-    wandb = ModuleType("wandb")
-    wandb.init = Mock(return_value=run_mock)
-    wandb.run = Mock()
-    wandb.require = Mock()
-    wandb.Api = Mock()
-    wandb.Artifact = Mock()
-    wandb.Image = Mock()
-    wandb.Audio = Mock()
-    wandb.Video = Mock()
-    wandb.Table = Mock()
-    monkeypatch.setitem(sys.modules, "wandb", wandb)
-
-    wandb_sdk = ModuleType("sdk")
-    monkeypatch.setitem(sys.modules, "wandb.sdk", wandb_sdk)
-
-    wandb_sdk_lib = ModuleType("lib")
-    wandb_sdk_lib.RunDisabled = RunType
-    monkeypatch.setitem(sys.modules, "wandb.sdk.lib", wandb_sdk_lib)
-
-    wandb_wandb_run = ModuleType("wandb_run")
-    wandb_wandb_run.Run = RunType
-    monkeypatch.setitem(sys.modules, "wandb.wandb_run", wandb_wandb_run)
-
-    wandb.sdk = wandb_sdk
-    wandb.sdk.lib = wandb_sdk_lib
-    wandb.wandb_run = wandb_wandb_run
-
-    monkeypatch.setattr("lightning.pytorch.loggers.wandb._WANDB_AVAILABLE", True)
-    return wandb
+def as_dir_name(version: int | str | None) -> str:
+    """How ModelCheckpoint turns a logger's version into a folder name: an int n is version_n."""
+    return version if isinstance(version, str) else f"version_{version}"
 
 
-@pytest.fixture
-def comet_mock(monkeypatch):
-    comet = ModuleType("comet_ml")
-    monkeypatch.setitem(sys.modules, "comet_ml", comet)
+def run_rows(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows otel_train wrote to a run directory's metrics.rank0.jsonl, in order."""
+    lines = (Path(run_dir) / "metrics.rank0.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
-    # to support dunder methods calling we will create a special mock
-    comet_experiment = MagicMock(name="CommonExperiment")
-    setattr(comet_experiment, "__internal_api__set_model_graph__", MagicMock())
-    setattr(comet_experiment, "__internal_api__log_metrics__", MagicMock())
-    setattr(comet_experiment, "__internal_api__log_parameters__", MagicMock())
 
-    comet.Experiment = MagicMock(name="Experiment", return_value=comet_experiment)
-    comet.ExistingExperiment = MagicMock(name="ExistingExperiment", return_value=comet_experiment)
-    comet.OfflineExperiment = MagicMock(name="OfflineExperiment", return_value=comet_experiment)
+def run_hparams(run_dir: str | Path) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((Path(run_dir) / "hparams.json").read_text())
+    return loaded
 
-    comet.ExperimentConfig = Mock()
-    comet.start = Mock(name="comet_ml.start", return_value=comet.Experiment())
-    comet.config = Mock()
 
-    monkeypatch.setattr("lightning.pytorch.loggers.comet._COMET_AVAILABLE", True)
-    return comet
+def first_filed(rows: list[dict[str, Any]], key: str) -> tuple[int, Any] | None:
+    """(step, value) of the first row holding `key` (later rows repeat a gauge's latest value)."""
+    for row in rows:
+        if key in row:
+            return int(row["step"]), row[key]
+    return None

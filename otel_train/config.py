@@ -11,7 +11,9 @@ Invalid settings raise `ConfigError` at `init()`, naming the setting, the bad va
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -142,6 +144,20 @@ FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fiel
 
 def env_name(field_name: str) -> str:
     return f"OTEL_TRAIN_{field_name.upper()}"
+
+
+# What a run name may not hold (see `validate`), as a project name given as its prefix is cleaned.
+_NOT_RUN_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:-]+")
+
+
+def default_run_name(prefix: str | None = None) -> str:
+    """The run name when none is set: `<UTC date-time>-<4 hex>`, so a run never reuses the previous
+    run's directory. With `prefix` (a framework's project name), `<prefix>-<UTC date-time>-<4 hex>`,
+    the prefix made a valid run name's start (other characters as `-`, at most 100 of them)."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    name = f"{stamp}-{secrets.token_hex(2)}"
+    start = _NOT_RUN_NAME_CHARS.sub("-", prefix or "").lstrip("-_.:")[:100]
+    return f"{start}-{name}" if start else name
 
 
 def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:

@@ -46,7 +46,7 @@ def load_config(
 
     path = config_file or overrides.pop("config_file", None) or environ.get(CONFIG_FILE_ENV)
     if path:
-        for name, value in _read_yaml(path).items():
+        for name, value in config_file_settings(path).items():
             values[name] = (value, f"{path}:{name}")
     for env_key, name in _STANDARD_ENV.items():
         if env_key in environ and environ[env_key].strip() != "":
@@ -68,7 +68,10 @@ def load_config(
     return config
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
+def config_file_settings(path: str) -> dict[str, Any]:
+    """The settings a YAML config file names, as written there (not yet coerced nor checked): an
+    adapter asks it which settings the user chose. A missing or malformed file, or one naming an
+    unknown setting, raises `ConfigError` naming the file and the fix."""
     import yaml
 
     try:

@@ -29,14 +29,12 @@ the file back to its last complete line, and the error names the file.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
 import json
 import logging
 import math
 import operator
 import os
-import secrets
 import socket
 import stat
 import time
@@ -46,6 +44,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from otel_train.config import Config, ConfigError
+from otel_train.config import default_run_name as default_run_name  # its default name (assemble)
 
 _T = TypeVar("_T")
 log = logging.getLogger("otel_train")
@@ -228,11 +227,6 @@ def run_dir_errors_as_config_errors(make: Callable[[], _T]) -> _T:
         return make()
     except OSError as exc:
         raise run_dir_config_error(Path(exc.filename or "?"), exc) from None
-
-
-def default_run_name() -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{secrets.token_hex(2)}"
 
 
 # --- the layout and the whole-line writers ---------------------------------------------------------

@@ -13,9 +13,9 @@ Accelerate's tracker contract, as its built-in trackers keep it:
   does: one otel_train step per distinct step logged, numbered as logged and lasting from the
   previous logged step (or `init_trackers`) to this one, so `train/steps` counts logged steps and
   goodput is the time between logs over wall time. Once the loop has marked a step it never does
-  (no step counted twice). A value logged for an earlier step than the last completed one is filed
-  under the last completed one (a flush row cannot go back). Without `step`, values leave with the
-  next flush.
+  (no step counted twice). Any other value is filed by `ot.log_metrics(values, step=N)`: under step
+  N in the run dir and every bridge, an earlier step's included (an eval logged for step 6 after
+  step 9). Without `step`, values leave with the next flush.
 
 Accelerate calls `log` and `init_trackers` on the main process only, so in a multi-process job
 call `ot.init()` on every rank (after creating the `Accelerator`) and mark steps with `ot.step` on
@@ -29,8 +29,8 @@ the older `settings={...}` mapping still works).
 from __future__ import annotations
 
 import logging
+import operator
 import os
-import re
 from collections.abc import Mapping
 from time import perf_counter_ns
 from typing import Any
@@ -38,15 +38,13 @@ from typing import Any
 from accelerate.tracking import GeneralTracker
 
 import otel_train as ot
-from otel_train.config import CONFIG_FILE_ENV, env_name
+from otel_train.config import CONFIG_FILE_ENV, default_run_name, env_name
 from otel_train.integrations._common import (
     distributed_world,
     scalar_logs,
     settings_from_kwargs,
     start_session,
 )
-from otel_train.run_directory import default_run_name
-from otel_train.step_input import message_step
 
 __all__ = ["OtelTrainTracker"]
 
@@ -54,7 +52,6 @@ log = logging.getLogger("otel_train")
 
 # Settings a project name stands for, unless the user chose them.
 _PROJECT_SETTINGS = ("wandb_project", "mlflow_experiment")
-_RUN_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:-]+")
 
 
 class OtelTrainTracker(GeneralTracker):
@@ -114,30 +111,29 @@ class OtelTrainTracker(GeneralTracker):
         # **kwargs: Accelerate passes each tracker its own `log_kwargs` entry; none apply here.
         if not self._ready():
             return
-        session = ot.current_session()
-        if session is None:
+        info = ot.run_info()
+        if info is None:
             return
         scalars = scalar_logs(values)
-        number = message_step(step, session.buffer)  # numpy/tensor steps as int; junk counted
-        in_step = session.step_start_ns != 0
         if self._marks_steps and (
-            in_step or session.identity.distributed or session.step_index != self._marked
+            info.open_step is not None or info.world_size > 1 or info.step != self._marked
         ):
-            # The loop marks steps (or a step's flush must pair across ranks): only log values.
+            # The loop marks steps (or a step's flush must pair across ranks): only file values.
             self._marks_steps = False
+        number = _step_number(step)
         if self._marks_steps and number is not None and number > self._marked:
             ot.begin_step(number, start_ns=self._mark_ns)
             ot.log_metrics(scalars)  # inside the step: they leave with its flush, filed under it
             ot.end_step()
             self._marked = number
             self._mark_ns = perf_counter_ns()
-        elif in_step and (number is None or number == session._step_index_running):
-            # the step running now: they leave with its flush (a flush now would file them under
-            # the step before it, the last completed one)
+        elif number is not None and number == info.open_step:
+            # the step open now: its values, like ot.record's, leave with the flush (a row of
+            # their own per log would be a bridge write per step)
             ot.log_metrics(scalars)
         else:
-            # Flushed now, filed under the last completed step: the one logged, once it ended.
-            ot.log_metrics(scalars, step=number)
+            # under step N, an earlier one too; a step that is no number is counted and warned there
+            ot.log_metrics(scalars, step=step if number is None else number)
 
     def finish(self) -> None:
         if self._owns_session:
@@ -174,7 +170,24 @@ class OtelTrainTracker(GeneralTracker):
         for field in _PROJECT_SETTINGS:
             if not chosen(field):
                 settings[field] = project
-        prefix = _RUN_NAME_CHARS.sub("-", project).lstrip("-_.:")[:100]
-        if prefix and not chosen("run_name"):
-            settings["run_name"] = f"{prefix}-{default_run_name()}"
+        if not chosen("run_name"):
+            settings["run_name"] = default_run_name(project)
         return settings
+
+
+def _step_number(step: Any) -> int | None:
+    """`step` as an int (a numpy or 0-d tensor integer, an integral float); None for no step or
+    none that is a number (True included)."""
+    if step is None or isinstance(step, bool) or str(getattr(step, "dtype", "")) in ("bool", "torch.bool"):
+        return None
+    try:
+        number = operator.index(step)
+    except TypeError:
+        try:
+            as_float = float(step)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if not as_float.is_integer():
+            return None
+        number = int(as_float)
+    return number if -(2**63) <= number < 2**63 else None

@@ -134,6 +134,57 @@ def test_tracker_beside_the_loops_steps_counts_each_once_and_files_eval_at_its_s
         assert first_seen == {100.0 + step: step for step in range(10)}
 
 
+def test_an_eval_logged_after_the_loop_for_an_earlier_step_lands_at_that_step(tmp_path: Path) -> None:
+    """The loop marks steps 0-9 with ot.step; an eval is logged afterwards with `step=6`, as a
+    delayed evaluation reports its step: the run dir's JSONL and TensorBoard file it under 6 (not
+    under 9, the last completed step, nor at the next flush)."""
+    tracker = OtelTrainTracker(run_name="late-eval", tensorboard=True, **QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("proj")
+    for step in range(10):
+        with ot.step(step):
+            accelerator.log({"loss": 100.0 + step}, step=step)
+    accelerator.log({"eval": 0.625}, step=6)
+    accelerator.end_training()
+
+    rows = _rows(tmp_path / "runs" / "late-eval")
+    evals = [(r["step"], r["train/eval"]) for r in rows if "train/eval" in r]
+    assert evals[0] == (6, 0.625)
+    assert sum(r.get("train/steps") or 0 for r in rows) == 10  # the late eval marked no step
+    tb = read_tensorboard(tmp_path / "runs" / "late-eval" / "tensorboard")
+    assert tb.scalars["train/eval"][0] == (6, 0.625)
+
+
+def test_tracker_alone_files_a_late_log_under_its_step_and_reads_step_numbers(tmp_path: Path) -> None:
+    """No ot.step: the tracker marks the logged steps. A numpy, a 0-d tensor and an integral float
+    step are step numbers; a log for an earlier step (15 after 30) is filed under 15 and marks no
+    step; 2.5 is no step: counted as invalid_step, its value kept under the current step."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    tracker = OtelTrainTracker(run_name="alone-late", tensorboard=True, **EVERY_STEP, **QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("proj")
+    accelerator.log({"loss": 10.0}, step=np.int64(10))
+    accelerator.log({"loss": 20.0}, step=torch.tensor(20))
+    accelerator.log({"loss": 30.0}, step=30.0)
+    accelerator.log({"eval_score": 0.5}, step=15)
+    accelerator.log({"odd": 1.0}, step=2.5)  # type: ignore[arg-type]
+    accelerator.end_training()
+
+    rows = _rows(tmp_path / "runs" / "alone-late")
+    assert {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")} == {
+        10: 10.0,
+        20: 20.0,
+        30: 30.0,
+    }
+    assert sum(r.get("train/steps") or 0 for r in rows) == 3
+    assert next((r["step"], r["eval/score"]) for r in rows if "eval/score" in r) == (15, 0.5)
+    assert max(r.get("otel_train/dropped/invalid_step") or 0 for r in rows) == 1
+    assert next(r["step"] for r in rows if "train/odd" in r) == 30
+    tb = read_tensorboard(tmp_path / "runs" / "alone-late" / "tensorboard")
+    assert tb.scalars["eval/score"][0] == (15, 0.5)
+
+
 def test_tracker_stops_marking_once_the_loop_marks_a_step(tmp_path: Path) -> None:
     """ot.step appears only after a few logged steps: from then on the loop's steps are the steps
     (none counted twice), and the tracker's own earlier steps stay counted."""

@@ -355,9 +355,9 @@ def _chosen(name: str, settings: Mapping[str, Any]) -> bool:
     path = os.environ.get(CONFIG_FILE_ENV)
     if not path:
         return False
-    from otel_train.config_loading import _read_yaml
+    from otel_train.config_loading import config_file_settings
 
-    return name in _read_yaml(path)
+    return name in config_file_settings(path)
 
 
 def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -387,14 +387,13 @@ def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[s
 def _bridges_on(settings: Mapping[str, Any]) -> set[str]:
     """The otel_train bridges that are on: the running session's, else those a session started
     with `settings` would open."""
-    session = ot.current_session()
-    if session is not None:
-        config: Any = getattr(session, "config", None)
-    else:
-        from otel_train.config_loading import load_config
+    info = ot.run_info()
+    if info is not None:
+        return set(info.bridges)
+    from otel_train.config_loading import load_config
 
-        config = load_config(settings)
-    return {name for name in _BRIDGES if getattr(config, name, False) is True}
+    config = load_config(settings)
+    return {name for name in _BRIDGES if getattr(config, name) is True}
 
 
 def _reporter_backend(callback: Any) -> str | None:

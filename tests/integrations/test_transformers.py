@@ -448,6 +448,45 @@ def test_trainer_logging_steps_and_output_dir_are_adopted_unless_otel_train_has_
         assert steps[0] == log_interval, steps
 
 
+def test_a_setting_in_the_config_file_wins_over_the_trainers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`OTEL_TRAIN_CONFIG` names a file with `log_interval: 2`: the user chose it there, so the
+    Trainer's `logging_steps=3` is not adopted over it (the output_dir, not in the file, still is)."""
+    monkeypatch.delenv("OTEL_TRAIN_OUTPUT_DIR")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "otel.yaml").write_text("log_interval: 2\nverbosity: 0\n")
+    monkeypatch.setenv("OTEL_TRAIN_CONFIG", str(tmp_path / "otel.yaml"))
+    callback = OtelTrainCallback(run_name="filed", hardware=False, prometheus_port=0)
+    trainer = _trainer(
+        Path("hf-out"), callback, max_steps=4, eval_strategy="no", save_strategy="no", logging_steps=3
+    )
+    trainer.train()
+    config = json.loads((tmp_path / "hf-out" / "_otel_train" / "filed" / "config.json").read_text())
+    assert config["log_interval"] == 2
+
+
+@pytest.mark.parametrize("bridge_on", [True, False], ids=["session-bridge-on", "session-bridge-off"])
+def test_the_running_sessions_bridges_decide_which_reporters_go(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, bridge_on: bool
+) -> None:
+    """A session started before the Trainer: its TensorBoard bridge, not the callback's own
+    settings (which start no session now), decides whether the Trainer's TensorBoardCallback goes."""
+    from transformers.integrations import TensorBoardCallback
+
+    ot.init(run_name="first", tensorboard=bridge_on, verbosity=0, hardware=False, prometheus_port=0)
+    callback = OtelTrainCallback(tensorboard=not bridge_on)
+    with caplog.at_level("WARNING", logger="otel_train"):
+        trainer = _trainer(
+            tmp_path / "hf", callback, max_steps=1, eval_strategy="no", save_strategy="no",
+            report_to=["tensorboard"],
+        )  # fmt: skip
+    kept = any(type(c) is TensorBoardCallback for c in trainer.callback_handler.callbacks)
+    assert kept is not bridge_on
+    assert ("tensorboard=False" in caplog.text) is bridge_on
+    ot.shutdown()
+
+
 def _tensorboard_scalars(log_dir: Path) -> set[str]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

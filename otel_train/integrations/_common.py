@@ -31,7 +31,7 @@ def settings_from_kwargs(
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(
                 f"{owner} got an unknown setting {name!r}: {hint}Settings are otel_train.Config fields "
-                f"(the README's settings table): {', '.join(sorted(FIELDS))}."
+                f"(docs/reference/configuration.md): {', '.join(sorted(FIELDS))}."
             )
     return merged
 

@@ -39,6 +39,7 @@ from accelerate.tracking import GeneralTracker
 
 import otel_train as ot
 from otel_train.config import CONFIG_FILE_ENV, default_run_name, env_name
+from otel_train.config_loading import config_file_settings
 from otel_train.integrations._common import (
     distributed_world,
     scalar_logs,
@@ -158,14 +159,16 @@ class OtelTrainTracker(GeneralTracker):
 
     def _session_settings(self) -> dict[str, Any]:
         """The user's settings plus what the project name stands for, where the user chose nothing
-        (a config file is not read here, so with one the project adds nothing)."""
+        (a keyword, `OTEL_TRAIN_<FIELD>`, the config file)."""
         settings = dict(self._settings)
         project = self.project_name
-        if project is None or CONFIG_FILE_ENV in os.environ:
+        if project is None:
             return settings
+        path = os.environ.get(CONFIG_FILE_ENV)
+        in_file = config_file_settings(path) if path else {}
 
         def chosen(field: str) -> bool:
-            return field in settings or os.environ.get(env_name(field), "").strip() != ""
+            return field in settings or field in in_file or os.environ.get(env_name(field), "").strip() != ""
 
         for field in _PROJECT_SETTINGS:
             if not chosen(field):

@@ -239,6 +239,23 @@ def test_an_explicit_setting_wins_over_the_project(
     accelerator.end_training()
 
 
+def test_a_config_file_setting_wins_over_the_project_and_the_rest_follow_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`OTEL_TRAIN_CONFIG` names a file setting `wandb_project`: that one is the user's; the
+    project still names the MLflow experiment and starts the run's name."""
+    (tmp_path / "otel.yaml").write_text("wandb_project: from-file\nverbosity: 0\n")
+    monkeypatch.setenv("OTEL_TRAIN_CONFIG", str(tmp_path / "otel.yaml"))
+    tracker = OtelTrainTracker("my-proj", prometheus_port=0, hardware=False)
+    tracker.start()
+    info = ot.run_info()
+    session = ot.current_session()
+    assert info is not None and session is not None
+    assert (session.config.wandb_project, session.config.mlflow_experiment) == ("from-file", "my-proj")
+    assert info.run_name.startswith("my-proj-")
+    tracker.finish()
+
+
 def test_a_project_name_with_odd_characters_still_names_the_run(tmp_path: Path) -> None:
     tracker = OtelTrainTracker("org/My Project!", **QUIET)
     tracker.start()

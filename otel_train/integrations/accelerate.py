@@ -13,9 +13,10 @@ Accelerate's tracker contract, as its built-in trackers keep it:
   does: one otel_train step per distinct step logged, numbered as logged and lasting from the
   previous logged step (or `init_trackers`) to this one, so `train/steps` counts logged steps and
   goodput is the time between logs over wall time. Once the loop has marked a step it never does
-  (no step counted twice). Any other value is filed by `ot.log_metrics(values, step=N)`: under step
-  N in the run dir and every bridge, an earlier step's included (an eval logged for step 6 after
-  step 9). Without `step`, values leave with the next flush.
+  (no step counted twice). Values for the step open now join that step's own (as `ot.record`'s);
+  any others are filed by `ot.log_metrics(values, step=N)`: under step N in the run dir and every
+  bridge, an earlier step's included (an eval logged for step 6 after step 9). Without `step`,
+  values leave with the next flush.
 
 Accelerate calls `log` and `init_trackers` on the main process only, so in a multi-process job
 call `ot.init()` on every rank (after creating the `Accelerator`) and mark steps with `ot.step` on

@@ -51,7 +51,6 @@ event names the collective. Without the recorder everything here is idle (an emp
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -81,8 +80,6 @@ MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
 PENDING_FLUSHES = 8  # flushes that new reports wait for the first collective verdict
 DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
-
-logger = logging.getLogger("otel_train")
 
 
 class ClockEstimator:
@@ -136,7 +133,7 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
-STEP_MARGIN = 1.5  # a culprit's lateness per step above this many of rank 0's mean steps: the clocks
+STEP_MARGIN = 3.0  # a culprit's lateness per step above this many of rank 0's mean steps: the clocks
 
 
 def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdict | None:
@@ -190,12 +187,7 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
     scale = (rows[0].window / max(len(common), 1)) / max(rows[0].steps, 1)
     seconds = late_sum[culprit] * scale
     if step_s is not None and step_s > 0 and seconds > STEP_MARGIN * step_s:
-        return replace(verdict, abstain=(
-            f"rank {culprit} would be {seconds * 1e3:.1f} ms late per step, longer than a step "
-            f"({step_s * 1e3:.1f} ms on rank 0): its host's clock stepped or is off by more than the "
-            "telemetry exchange measured; no rank is named from collective arrivals until it is "
-            "measured again"
-        ))  # fmt: skip
+        return replace(verdict, abstain=_longer_than_a_step(culprit, seconds, step_s))
     waits, waiting = _waits(rows, culprit, last_at[culprit], late_sum[culprit])
     return replace(
         verdict,
@@ -204,6 +196,15 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
         key=worst[culprit][1],
         waits={r: w * scale for r, w in waits.items()},
         waiting=waiting,
+    )
+
+
+def _longer_than_a_step(culprit: int, seconds: float, step_s: float) -> str:
+    return (
+        f"rank {culprit} would be {seconds * 1e3:.1f} ms late per step, far longer than a step "
+        f"({step_s * 1e3:.1f} ms on rank 0): its host's clock stepped or is off by more than the "
+        "telemetry exchange measured; no rank is named from collective arrivals until it is "
+        "measured again"
     )
 
 
@@ -272,9 +273,6 @@ class LatenessTracker:
         self._own: dict[int, tuple[list[Arrival], int, float]] = {}
         self._step_s: dict[int, float] = {}  # rank 0: its mean step time in those windows
         self._exchanges = 0
-        # rank 0: why the exchange's rows do not let it judge arrivals (a tree's, `pairing.unjudged`)
-        self.unjudged: str | None = None
-        self._told = False
 
     @classmethod
     def attach(cls, rank: int, exchange: Any) -> LatenessTracker:
@@ -329,16 +327,6 @@ class LatenessTracker:
                     self._step_s[interval.seq] = (until - self._after) / self._steps
         self._after, self._steps = until, 0
 
-    def judgeable(self, unjudged: str | None) -> bool:
-        """Rank 0: whether this flush's rows let it judge arrivals (`unjudged`: why not); the
-        first time they do not while the recorder is on, it says so (also where timers name
-        culprits: those named at collectives are then missed)."""
-        if unjudged is not None and not self._told and self.monitor is not None:
-            self._told = True
-            logger.warning("otel_train: %s", unjudged)
-        self.unjudged = unjudged
-        return unjudged is None
-
     def judge(self, blocks: Any, records: Sequence[RankRecord], host: str) -> None:
         """Rank 0: every rank's block ([world, BLOCK_LEN], row i from `records[i]`); a new read
         gives a new verdict. Rows from rank 0's `host` read its clock: offset 0, exact."""
@@ -364,15 +352,12 @@ class LatenessTracker:
         """Rank 0: the recorder is on and its first verdict is still on its way (a read travels
         one flush): new straggler reports wait for it, so that their event names the collective.
         Bounded: after PENDING_FLUSHES exchanges the timers' reports go out without it."""
-        waiting = self.verdict is None and self.unjudged is None
-        return self.monitor is not None and waiting and self._exchanges <= PENDING_FLUSHES
+        return self.monitor is not None and self.verdict is None and self._exchanges <= PENDING_FLUSHES
 
     def abstain(self, timer_reason: str | None) -> str | None:
         """Rank 0: why culprits cannot be found, the collectives considered."""
         if self.monitor is None:
             return timer_reason
-        if self.unjudged is not None:  # no verdict will come: say why, with the timers' reason
-            return f"{timer_reason}; {self.unjudged}" if timer_reason else None
         if self.verdict is None:
             return None  # the first read is still on its way: no reason to give yet
         if self.verdict.abstain is not None:

@@ -51,6 +51,7 @@ event names the collective. Without the recorder everything here is idle (an emp
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -80,6 +81,8 @@ MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
 PENDING_FLUSHES = 8  # flushes that new reports wait for the first collective verdict
 DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
+
+logger = logging.getLogger("otel_train")
 
 
 class ClockEstimator:
@@ -273,6 +276,9 @@ class LatenessTracker:
         self._own: dict[int, tuple[list[Arrival], int, float]] = {}
         self._step_s: dict[int, float] = {}  # rank 0: its mean step time in those windows
         self._exchanges = 0
+        # rank 0: why the exchange's rows do not let it judge arrivals (a tree's, `pairing.unjudged`)
+        self.unjudged: str | None = None
+        self._told = False
 
     @classmethod
     def attach(cls, rank: int, exchange: Any) -> LatenessTracker:
@@ -327,6 +333,16 @@ class LatenessTracker:
                     self._step_s[interval.seq] = (until - self._after) / self._steps
         self._after, self._steps = until, 0
 
+    def judgeable(self, unjudged: str | None) -> bool:
+        """Rank 0: whether this flush's rows let it judge arrivals (`unjudged`: why not); the
+        first time they do not while the recorder is on, it says so (also where timers name
+        culprits: those named at collectives are then missed)."""
+        if unjudged is not None and not self._told and self.monitor is not None:
+            self._told = True
+            logger.warning("otel_train: %s", unjudged)
+        self.unjudged = unjudged
+        return unjudged is None
+
     def judge(self, blocks: Any, records: Sequence[RankRecord], host: str) -> None:
         """Rank 0: every rank's block ([world, BLOCK_LEN], row i from `records[i]`); a new read
         gives a new verdict. Rows from rank 0's `host` read its clock: offset 0, exact."""
@@ -352,12 +368,15 @@ class LatenessTracker:
         """Rank 0: the recorder is on and its first verdict is still on its way (a read travels
         one flush): new straggler reports wait for it, so that their event names the collective.
         Bounded: after PENDING_FLUSHES exchanges the timers' reports go out without it."""
-        return self.monitor is not None and self.verdict is None and self._exchanges <= PENDING_FLUSHES
+        waiting = self.verdict is None and self.unjudged is None
+        return self.monitor is not None and waiting and self._exchanges <= PENDING_FLUSHES
 
     def abstain(self, timer_reason: str | None) -> str | None:
         """Rank 0: why culprits cannot be found, the collectives considered."""
         if self.monitor is None:
             return timer_reason
+        if self.unjudged is not None:  # no verdict will come: say why, with the timers' reason
+            return f"{timer_reason}; {self.unjudged}" if timer_reason else None
         if self.verdict is None:
             return None  # the first read is still on its way: no reason to give yet
         if self.verdict.abstain is not None:

@@ -12,8 +12,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,89 @@ def test_file_size_limit_mid_run(tmp_path) -> None:
     rows = _rows(metrics)
     assert 0 < len(rows) < 61 and metrics.stat().st_size <= 8192
     assert str(metrics) in proc.stderr and "File too large" in proc.stderr, proc.stderr[-2000:]
+
+
+TB_TRAINER = textwrap.dedent(
+    """
+    import select, sys, time
+    import otel_train as ot
+
+    ot.init(output_dir=sys.argv[1], run_name="full", tensorboard=True, prometheus_port=0,
+            verbosity=0, hardware=False, log_interval=1)
+    step = 0
+    while not select.select([sys.stdin], [], [], 0)[0]:  # steps until the test writes a line
+        with ot.step(step):
+            for i in range(3):
+                ot.record(f"value_{i}", float(step))
+            time.sleep(0.02)
+        step += 1
+    print("last", step - 1, flush=True)
+    ot.shutdown()
+    """
+)
+
+
+def _tb_steps(log_dir: Path) -> list[int]:
+    from helpers.readback import read_tensorboard
+
+    if not log_dir.is_dir() or not any(log_dir.iterdir()):
+        return []
+    return sorted({s for s, _ in read_tensorboard(log_dir).scalars.get("train/value_0", [])})
+
+
+def _until(check: Callable[[], bool], guard_s: float) -> bool:
+    """Poll `check`; the guard only ends a wait that would never end (no speed is asserted)."""
+    deadline = time.monotonic() + guard_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
+def test_tensorboard_writes_again_once_a_full_disk_has_room(tmp_path: Path) -> None:
+    """A small run directory (8 MiB: the JSONL alone must not fill it while the bridge process
+    starts on a busy machine) fills mid-run and gets room again: TensorBoard (in the real bridge
+    process) is disabled by the failures, retried with a fresh writer, and has the later steps."""
+    pytest.importorskip("torch.utils.tensorboard")
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)
+    )
+    with small_tmpfs(tmp_path / "disk", size="8m") as disk:
+        script = tmp_path / "trainer.py"
+        script.write_text(TB_TRAINER)
+        trainer = subprocess.Popen(
+            [sys.executable, str(script), str(disk)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        errors: list[str] = []
+        assert trainer.stderr is not None and trainer.stdin is not None
+        reader = threading.Thread(
+            target=lambda: errors.extend(iter(trainer.stderr.readline, "")), daemon=True
+        )
+        reader.start()
+        log_dir = disk / "full" / "tensorboard"
+        try:
+            assert _until(lambda: len(_tb_steps(log_dir)) > 20, 120), errors[-20:]
+            _fill(disk, leave=0)
+            assert _until(lambda: any("tensorboard bridge failed 5 times" in e for e in errors), 120), [
+                e for e in errors if e.startswith("otel_train")
+            ]
+            before = _tb_steps(log_dir)
+            (disk / "filler").unlink()  # room again
+            assert _until(lambda: _tb_steps(log_dir)[-1:] > [before[-1] + 50], 120), (
+                before[-5:],
+                errors[-20:],
+            )
+            trainer.stdin.write("stop\n")
+            trainer.stdin.flush()
+            out, _ = trainer.communicate(timeout=120)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
+        reader.join(10)
+        assert trainer.returncode == 0, "".join(errors)[-3000:]
+        assert any("the tensorboard bridge works again" in e for e in errors), errors[-20:]
+        assert _tb_steps(log_dir)[-1] == int(out.split()[-1])  # to the last step

@@ -140,11 +140,10 @@ STEP_MARGIN = 3.0  # a culprit's lateness per step above this many of rank 0's m
 
 
 def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdict | None:
-    """Every rank's row of one read -> the verdict; None when not every rank reported that read.
-    `step_s`: rank 0's mean step time over the read's window, which bounds any rank's lateness."""
+    """Every rank's row of one read -> the verdict (None: not every rank reported that read);
+    `step_s`, rank 0's mean step time in the read's window, bounds any rank's lateness."""
     if len(rows) < max(world, 2) or len({r.read_seq for r in rows}) != 1:
         return None
-    read_seq = rows[0].read_seq
     common = set(rows[0].arrivals).intersection(*(r.arrivals for r in rows[1:]))
     lates: dict[int, list[float]] = {}
     last_at: dict[int, list[Key]] = {}
@@ -169,7 +168,7 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
         if late > worst.get(last, (0.0, key))[0]:
             worst[last] = (late, key)
     resolved = sum(len(keys) for keys in last_at.values())
-    verdict = Verdict(read_seq, len(common), resolved, unclear)
+    verdict = Verdict(rows[0].read_seq, len(common), resolved, unclear)
     # Consistently last: at MIN_RESOLVED collectives at least, and at >= CONSISTENT of those where
     # anyone was late (scheduling noise splits among all ranks; one long stall is one collective).
     # Its lateness: times last x its median lateness. Unclear collectives (within the clocks'
@@ -188,9 +187,9 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
     # The sample stands for the whole window (window / matched collectives each), over its steps
     # (the same window on every rank: the first row's).
     scale = (rows[0].window / max(len(common), 1)) / max(rows[0].steps, 1)
-    seconds = late_sum[culprit] * scale
-    if step_s is not None and step_s > 0 and seconds > STEP_MARGIN * step_s:
+    if step_s and (seconds := late_sum[culprit] * scale) > STEP_MARGIN * step_s:
         return replace(verdict, abstain=_longer_than_a_step(culprit, seconds, step_s))
+    seconds = late_sum[culprit] * scale
     waits, waiting = _waits(rows, culprit, last_at[culprit], late_sum[culprit])
     return replace(
         verdict,

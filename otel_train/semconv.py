@@ -487,6 +487,57 @@ COLLECTIVE_LAST = _m(
     "collective/last_seconds",
 )  # fmt: skip
 
+# --- DeepSpeed ZeRO (integrations/deepspeed.py; checked across ranks in crossrank/zero_partition.py) ---
+ZERO_STAGE = _m("deepspeed.zero.stage", S.GAUGE, "1", "DeepSpeed ZeRO stage this rank trains with (0-3).",
+                "deepspeed/zero/stage")  # fmt: skip
+ZERO_DP_SIZE = _m(
+    "deepspeed.zero.dp_size", S.GAUGE, "{rank}", "Ranks of the data-parallel group ZeRO partitions over.",
+    "deepspeed/zero/dp_size",
+)  # fmt: skip
+ZERO_MODEL_NUMEL = _m(
+    "deepspeed.zero.model.numel", S.GAUGE, "{element}",
+    "Trainable parameter elements of the whole model (every rank's ZeRO partitions together hold them).",
+    "deepspeed/zero/model_numel",
+)  # fmt: skip
+ZERO_PARTITION_NUMEL = _m(
+    "deepspeed.zero.partition.numel", S.GAUGE, "{element}",
+    "fp32 master-weight elements this rank's optimizer owns (its ZeRO partition; the whole model at stage 0).",
+    "deepspeed/zero/partition_numel",
+)  # fmt: skip
+ZERO_OPTIMIZER_STATE_BYTES = _m(
+    "deepspeed.zero.optimizer_state.bytes", S.GAUGE, "By",
+    "Bytes of optimizer state (Adam's moments, ...) this rank holds for its ZeRO partition.",
+    "deepspeed/zero/optimizer_state_bytes",
+)  # fmt: skip
+ZERO_PARAM_SHARD_NUMEL = _m(
+    "deepspeed.zero.param_shard.numel", S.GAUGE, "{element}",
+    "ZeRO-3: parameter elements this rank holds between gathers (its shard of every parameter).",
+    "deepspeed/zero/param_shard_numel",
+)  # fmt: skip
+DS_COMM_SIZE = "deepspeed.comm.size_class"  # message size rounded up to a power of two (64KiB)
+DS_COMM_COUNT = _m(
+    "deepspeed.comm.count", S.OBSERVABLE_COUNTER, "{collective}",
+    "Collectives DeepSpeed's comms logger timed on this rank, per op and message size class.",
+    "deepspeed/comm/{train.collective.op}/{deepspeed.comm.size_class}/count", (COLLECTIVE_OP, DS_COMM_SIZE),
+)  # fmt: skip
+DS_COMM_BYTES = _m(
+    "deepspeed.comm.size", S.OBSERVABLE_COUNTER, "By",
+    "Message bytes of the collectives DeepSpeed's comms logger timed, per op and size class.",
+    "deepspeed/comm/{train.collective.op}/{deepspeed.comm.size_class}/bytes", (COLLECTIVE_OP, DS_COMM_SIZE),
+)  # fmt: skip
+DS_COMM_TIME = _m(
+    "deepspeed.comm.time", S.OBSERVABLE_COUNTER, "s",
+    "Latency DeepSpeed's comms logger measured for its collectives (it synchronizes the device after "
+    "each), per op and size class.",
+    "deepspeed/comm/{train.collective.op}/{deepspeed.comm.size_class}/time", (COLLECTIVE_OP, DS_COMM_SIZE),
+)  # fmt: skip
+DS_COMM_BUSBW = _m(
+    "deepspeed.comm.busbw", S.OBSERVABLE_GAUGE, "Gbit/s",
+    "Bus bandwidth DeepSpeed's comms logger computed, mean of the collectives since the previous "
+    "export, per op and size class.",
+    "deepspeed/comm/{train.collective.op}/{deepspeed.comm.size_class}/busbw", (COLLECTIVE_OP, DS_COMM_SIZE),
+)  # fmt: skip
+
 CATALOGUE: tuple[MetricSpec, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricSpec))
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOGUE}
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otel_train import semconv
+from otel_train.crossrank import zero_partition
 from otel_train.crossrank.up_row import name_id
 from otel_train.health import EventChannel
 from otel_train.interval import Interval
@@ -60,7 +61,8 @@ _O_PSTEP = _O_FP + MAX_FINGERPRINTS * FP_LEN
 _O_NLAYERS = _O_PSTEP + 1
 _O_LABELS = _O_NLAYERS + 1
 _O_NORMS = _O_LABELS + 1
-EXT_LEN = _O_NORMS + MAX_LAYERS
+_O_ZERO = _O_NORMS + MAX_LAYERS  # the ZeRO partition facts (zero_partition.py) ride this block too
+EXT_LEN = _O_ZERO + zero_partition.ZLEN
 _SHOWN = 8  # ranks named in one message
 
 
@@ -99,6 +101,7 @@ def encode(interval: Interval, key: float) -> list[float]:
         block[_O_NLAYERS] = float(len(kept))
         block[_O_LABELS] = float(labels_id(labels[:MAX_LAYERS]))
         block[_O_NORMS : _O_NORMS + len(kept)] = kept
+    block[_O_ZERO:] = zero_partition.encode(interval)
     return block
 
 
@@ -182,6 +185,7 @@ class ReplicaCheck:
         self._sharded_said = False
         self.max_divergence = 0.0  # rank 0: the largest relative difference seen (tests, tuning)
         self._dup_gauge = self._div_gauge = None
+        self.zero = zero_partition.ZeroPartitionCheck(events)
         if meter is not None and rank == 0:
             self._dup_gauge = semconv.DATA_DUPLICATE_RANKS.create(meter)
             self._div_gauge = semconv.REPLICA_DIVERGENCE.create(meter)
@@ -200,7 +204,9 @@ class ReplicaCheck:
 
     def compare(self, blocks: Any, ranks: Sequence[int], sharded: bool, labels: Sequence[str]) -> None:
         """Rank 0: every rank's block ([world, EXT_LEN], row i from rank `ranks[i]`)."""
-        rows = [decode(rank, values) for rank, values in zip(ranks, blocks.tolist(), strict=True)]
+        values = blocks.tolist()
+        self.zero.compare([v[_O_ZERO:] for v in values], ranks)
+        rows = [decode(rank, v) for rank, v in zip(ranks, values, strict=True)]
         groups: dict[float, list[ReplicaRow]] = {}
         for row in rows:
             groups.setdefault(row.key, []).append(row)

@@ -1,0 +1,148 @@
+"""ZeRO optimizer-state partitioning checked across ranks (`zero_partition`), on the one exchange.
+
+The DeepSpeed adapter (`integrations/deepspeed.py`) records, at every optimizer step, this rank's
+ZeRO facts under catalogue names (`semconv.ZERO_*`): stage, data-parallel size, the model's
+trainable elements, the fp32 partition its optimizer owns, the bytes of that optimizer's state and,
+under ZeRO-3, its parameter shard. They reach the interval as scalars; `encode` copies the latest
+of each into a fixed block that rides the replica block of the up row (`replicas.EXT_LEN`), and
+rank 0, which holds every row, compares them. No collective of its own.
+
+What is a violation (stage >= 1, more than one data-parallel rank):
+- a rank's partition (or ZeRO-3 shard) is not its share of the model: model / dp, give or take
+  DeepSpeed's alignment padding (`SHARE_TOL` relative plus `PAD_ELEMENTS`). This is "shares add up
+  to the model" and "balanced" at once, and it holds per model-parallel slice, since each rank
+  compares against its own slice's numel.
+- a rank holds about the whole model's optimizer state: its state bytes reach `FULL_STATE` of
+  what the leanest rank's bytes-per-partition-element would give for the whole model.
+
+One `zero_partition` event per kind of violation for the run, naming the ranks and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from otel_train import semconv
+from otel_train.interval import Interval
+
+logger = logging.getLogger("otel_train")
+
+_VERSION = 1.0
+# version, stage, dp size, model numel, partition numel, optimizer-state bytes, param-shard numel
+_FIELDS = (
+    semconv.ZERO_STAGE.name,
+    semconv.ZERO_DP_SIZE.name,
+    semconv.ZERO_MODEL_NUMEL.name,
+    semconv.ZERO_PARTITION_NUMEL.name,
+    semconv.ZERO_OPTIMIZER_STATE_BYTES.name,
+    semconv.ZERO_PARAM_SHARD_NUMEL.name,
+)
+ZLEN = 1 + len(_FIELDS)
+ABSENT = -1.0
+# DeepSpeed pads each parameter group's flat buffer to a multiple of the dp size times its
+# alignment (2 * world elements for ZeRO-1/2, a few hundred at most for NCCL's 4-byte start
+# alignment): a rank's share may differ from model / dp by that much, never by a whole share.
+SHARE_TOL = 0.05
+PAD_ELEMENTS = 512
+FULL_STATE = 0.75  # of the whole model's state: a rank at stage >= 1 holding this much holds it all
+_SHOWN = 8
+
+
+def encode(interval: Interval) -> list[float]:
+    """This rank's block: the latest value of each ZeRO fact recorded in the interval."""
+    block = [ABSENT] * ZLEN
+    for i, name in enumerate(_FIELDS):
+        values = interval.scalars.get(name)
+        if values:
+            block[1 + i] = float(values[-1])
+    if block[1] != ABSENT:  # the stage is recorded with the rest: this rank trains with ZeRO
+        block[0] = _VERSION
+    return block
+
+
+class ZeroPartitionCheck:
+    """Rank 0: compares every rank's ZeRO block and reports a violation once per kind."""
+
+    def __init__(self, events: Any) -> None:
+        self.events = events
+        self._reported: set[str] = set()
+
+    def compare(self, blocks: Sequence[Sequence[float]], ranks: Sequence[int]) -> None:
+        rows = [(rank, list(b)) for rank, b in zip(ranks, blocks, strict=True) if len(b) == ZLEN]
+        rows = [(rank, b) for rank, b in rows if b[0] == _VERSION and all(map(math.isfinite, b))]
+        if len(rows) < 2:
+            return
+        stage = int(max(b[1] for _, b in rows))
+        if stage < 1:
+            return
+        unbalanced = [rank for rank, b in rows if _off_share(b, b[4], stage)]
+        if stage >= 3:
+            unbalanced += [rank for rank, b in rows if b[6] >= 0 and _off_share(b, b[6], stage)]
+        if unbalanced:
+            ranks = sorted(set(unbalanced))
+            self._report(
+                "partition",
+                ranks,
+                f"ZeRO-{stage} partitions are not each rank's share of the model (model / data-parallel "
+                f"size): ranks {_names(ranks)} ({_detail(rows, ranks)}).",
+                "Every data-parallel rank must run deepspeed.initialize with the same model, config and "
+                "data-parallel group (mpu): check that no rank builds a different model or passes its own "
+                "zero_optimization section.",
+                stage,
+            )
+        full = _full_state(rows)
+        if full:
+            self._report(
+                "full_state",
+                full,
+                f"ranks {_names(full)} hold about the whole model's optimizer state although ZeRO-{stage} "
+                f"partitions it ({_detail(rows, full)}).",
+                "Create the optimizer state through the engine only (no torch optimizer stepped outside "
+                "it, no state loaded in full into engine.optimizer), and load checkpoints with the "
+                "engine's load_checkpoint so each rank keeps its own partition.",
+                stage,
+            )
+
+    def _report(self, kind: str, ranks: list[int], what: str, fix: str, stage: int) -> None:
+        if kind in self._reported:
+            return
+        self._reported.add(kind)
+        message = f"{what} {fix}"
+        logger.warning("otel_train: %s", message)
+        if self.events is not None:
+            attributes = {"ranks": ",".join(map(str, ranks)), "zero.stage": stage, "kind": kind}
+            self.events.emit("zero_partition", message, attributes)
+
+
+def _names(ranks: Sequence[int]) -> str:
+    more = f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else ""
+    return ", ".join(map(str, ranks[:_SHOWN])) + more
+
+
+def _detail(rows: Sequence[tuple[int, Sequence[float]]], ranks: Sequence[int]) -> str:
+    return "; ".join(
+        f"rank {rank}: partition {int(b[4])} of {int(b[3])} elements, optimizer state {int(b[5])} B"
+        for rank, b in rows
+        if rank in ranks[:_SHOWN]
+    )
+
+
+def _off_share(block: Sequence[float], held: float, stage: int) -> bool:
+    dp, model = block[2], block[3]
+    if dp < 2 or model <= 0 or held < 0:
+        return False
+    share = model / dp
+    return abs(held - share) > SHARE_TOL * share + PAD_ELEMENTS
+
+
+def _full_state(rows: Sequence[tuple[int, Sequence[float]]]) -> list[int]:
+    """Ranks whose optimizer state is about the whole model's (judged by the leanest rank's bytes
+    per partition element: a rank without state yet, before its first step, proves nothing)."""
+    per_element = [b[5] / b[4] for _, b in rows if b[5] > 0 and b[4] > 0 and b[2] >= 2]
+    if not per_element:
+        return []
+    lean = min(per_element)
+    return sorted(rank for rank, b in rows if b[2] >= 2 and b[5] >= FULL_STATE * lean * b[3])

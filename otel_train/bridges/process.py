@@ -64,6 +64,14 @@ MAX_RESTARTS = (
 )
 RESTART_AFTER_S = 1.0  # the first restart's back-off; doubles with each restart
 MAX_RESTART_AFTER_S = 30.0
+_RESTARTING = (
+    "otel_train: the bridge process (pid %s) died (%s); restarting it in %.0f s (restart %d of at most "
+    "%d). What it had not written, and updates meanwhile, are lost (counted)."
+)
+_GONE_FOR_GOOD = (
+    "otel_train: the bridge process died again (%s) after %d restarts; it is not restarted and bridge "
+    "updates are dropped for the rest of the run (the run directory's JSONL has every value)."
+)
 
 
 class BridgeProcess(Sink):
@@ -171,7 +179,7 @@ class BridgeProcess(Sink):
                 _exit_text(self.proc),
             )
         else:
-            continued = self._continue_if_stopped()
+            continued = _continue_if_stopped(self.proc)
             log.warning(
                 "otel_train: the bridges did not finish within %.1f s; the bridge process (pid %s%s) "
                 "finishes on its own (at most %.0f s more) and exits.",
@@ -343,25 +351,11 @@ class BridgeProcess(Sink):
         how = _exit_text(self.proc)
         self._release()
         if self.restarts >= MAX_RESTARTS:
-            log.warning(
-                "otel_train: the bridge process died again (%s) after %d restarts; it is not restarted "
-                "and bridge updates are dropped for the rest of the run (the run directory's JSONL "
-                "has every value).",
-                how,
-                self.restarts,
-            )
+            log.warning(_GONE_FOR_GOOD, how, self.restarts)
             return False
         delay = min(RESTART_AFTER_S * 2**self.restarts, MAX_RESTART_AFTER_S)
         self.restarts += 1
-        log.warning(
-            "otel_train: the bridge process (pid %s) died (%s); restarting it in %.0f s (restart %d of "
-            "at most %d). What it had not written, and updates meanwhile, are lost (counted).",
-            self.pid,
-            how,
-            delay,
-            self.restarts,
-            MAX_RESTARTS,
-        )
+        log.warning(_RESTARTING, self.pid, how, delay, self.restarts, MAX_RESTARTS)
         self._drop("bridge_restart", 1)
         if self._close_requested.wait(delay):
             return False  # the run ends: nothing left that a new child would write
@@ -374,21 +368,6 @@ class BridgeProcess(Sink):
             )
             self._kill()
             return False
-        return True
-
-    def _continue_if_stopped(self) -> bool:
-        """A child stopped (SIGSTOP, a debugger gone) cannot finish on its own: continue it."""
-        if self.proc is None or self.proc.poll() is not None:
-            return False
-        try:
-            with open(f"/proc/{self.proc.pid}/stat", encoding="ascii", errors="replace") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False
-        if state not in ("T", "t"):
-            return False
-        with contextlib.suppress(OSError):
-            os.kill(self.proc.pid, signal.SIGCONT)
         return True
 
     def _release(self) -> None:
@@ -438,3 +417,19 @@ def _relay(stream: Any) -> None:
     finally:
         with contextlib.suppress(OSError):
             stream.close()
+
+
+def _continue_if_stopped(proc: subprocess.Popen[bytes] | None) -> bool:
+    """A child stopped (SIGSTOP, a debugger gone) cannot finish on its own: continue it."""
+    if proc is None or proc.poll() is not None:
+        return False
+    try:
+        with open(f"/proc/{proc.pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    if state not in ("T", "t"):
+        return False
+    with contextlib.suppress(OSError):
+        os.kill(proc.pid, signal.SIGCONT)
+    return True

@@ -1,0 +1,578 @@
+"""DeepSpeed: `engine = instrument(deepspeed.initialize(...)[0])`, no DeepSpeed config change.
+
+`instrument(engine)` wraps, on that engine instance only, the training methods DeepSpeed documents
+(`engine(x)` / `forward`, `backward(loss)`, `step()`); nothing of DeepSpeed's behaviour or output
+changes (its monitor's csv/TensorBoard/W&B files and its prints are written as before):
+
+- Phases `forward` (the engine's forward), `backward` (from the gradient reaching the model's
+  output to the end of DeepSpeed's gradient reduction: the same span as DeepSpeed's own `bwd`
+  timer, taken from the engine's backward prologue/epilogue, which run for `engine.backward(loss)`
+  and for a torch-style `loss.backward()` alike) and `optimizer` (`step()` at the
+  gradient-accumulation boundary). The boundary is the step: with `steps=True` (the default, a
+  plain DeepSpeed loop) one otel_train step runs from the end of the previous optimizer step to the
+  end of this one, so data loading belongs to it and `forward`'s end is this rank's arrival for the
+  straggler detector (before the gradient reduction, where every rank waits for the slowest). A
+  loop that marks its own steps (`ot.step`) is seen at the first forward and left to do so.
+- Per optimizer step: samples (micro batch x accumulation), tokens (the elements of the first
+  integer tensor handed to forward: `input_ids`), the loss (each tensor handed to `backward`, kept
+  a tensor: resolved at the flush; a torch-style `loss.backward()` gives no loss), the learning
+  rate, `get_global_grad_norm()` (a tensor, recorded as it is), the fp16 loss scale and the
+  optimizer steps DeepSpeed skipped for overflow (`engine.skipped_steps`, as
+  `train.optimizer.skipped_steps`). With `wall_clock_breakdown` on, DeepSpeed's own finer timers
+  become phases too: `bwd_inner`, `bwd_allreduce` (`get_wall_clock_timers()`) and the ZeRO
+  optimizer's `optimizer_allgather`, `optimizer_gradients`, `optimizer_step` (read as DeepSpeed
+  logs them, where it reads them itself: no added sync).
+- ZeRO, per rank: stage, data-parallel size, precision, micro/global batch and accumulation, offload
+  devices (`nvme_path`, `pin_memory`) as hyperparameters (once); this rank's fp32 partition,
+  optimizer-state bytes and, under ZeRO-3, parameter shard as gauges (`deepspeed.zero.*`), and a
+  log line per rank. They ride the flush exchange, where rank 0 checks that every rank holds its
+  share and no rank at stage >= 1 holds the whole optimizer state (`zero_partition` events,
+  `crossrank/zero_partition.py`). NVMe asked of ZeRO-1/2 (DeepSpeed runs it as CPU offload and never
+  creates `nvme_path`) is one `zero_partition` event from rank 0.
+- DeepSpeed's comms logger, when the config enables it: its per-op counts, message bytes, latency
+  and bus bandwidth (`deepspeed.comm.*`, per op and message-size class, apart from the Flight
+  Recorder's `train.collective.*`), read from `deepspeed.comm.comms_logger` when metrics are
+  exported, on otel_train's worker: never `log_summary()`, which is a collective.
+
+Under the HF Trainer (or Accelerate) the Trainer marks steps and logs loss, learning rate and grad
+norm itself: `instrument(engine, steps=False)` (what `integrations.transformers` does when it finds
+a DeepSpeed engine) adds the phases, loss scale, skipped steps, ZeRO facts and comms only.
+
+The session starts here on every rank (keyword arguments are `ot.init()` settings; DeepSpeed's
+precision becomes `compute_dtype`) unless one is running; call `ot.shutdown()` at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from time import perf_counter_ns
+from typing import Any
+
+import otel_train as ot
+from otel_train import semconv
+from otel_train.integrations._common import (
+    settings_from_kwargs,
+    skipped_steps_counter,
+    start_session,
+    with_precision,
+)
+
+__all__ = ["instrument", "zero_facts"]
+
+log = logging.getLogger("otel_train")
+
+# DeepSpeed's global timers (summed over the accumulation window, reset at the boundary) that are
+# finer than the adapter's own phases; fwd / bwd / step are those phases already.
+ENGINE_TIMERS = ("bwd_inner", "bwd_allreduce")
+# The ZeRO-1/2 optimizer's timers (stage_1_and_2.py OPTIMIZER_*_TIMER), logged by DeepSpeed itself.
+OPTIMIZER_TIMERS = ("optimizer_allgather", "optimizer_gradients", "optimizer_step")
+FACT_READS = 16  # optimizer steps at which the ZeRO facts are read while the state does not exist yet
+MAX_COMM_SERIES = 32  # (op, size class) pairs exported; the rest are "other"
+_said: set[str] = set()
+
+
+def instrument(
+    engine: Any, *, steps: bool = True, settings: Mapping[str, Any] | None = None, **kwargs: Any
+) -> Any:
+    """Instrument a `deepspeed.DeepSpeedEngine` (what `deepspeed.initialize` returns first); returns
+    the same engine. Idempotent. `steps=False`: the caller (a Trainer) marks steps and logs loss, lr
+    and grad norm. Keyword arguments / `settings`: `ot.init()` settings for a session started here."""
+    if not callable(getattr(engine, "is_gradient_accumulation_boundary", None)) or not callable(
+        getattr(engine, "zero_optimization_stage", None)
+    ):
+        raise TypeError(
+            f"instrument() needs the DeepSpeedEngine that deepspeed.initialize() returns first, got "
+            f"{type(engine).__name__}: engine, optimizer, _, _ = deepspeed.initialize(...); instrument(engine)."
+        )
+    existing = engine.__dict__.get("_otel_train")
+    if isinstance(existing, _Adapter):
+        return engine
+    merged = settings_from_kwargs(settings, kwargs, "instrument")
+    start_session(with_precision(merged, precision(engine)))
+    adapter = _Adapter(engine, steps)
+    engine.__dict__["_otel_train"] = adapter
+    adapter.wrap()
+    adapter.announce()
+    return engine
+
+
+def precision(engine: Any) -> str:
+    """`fp16`, `bf16` or `fp32`: what the engine trains in."""
+    if _call(engine, "fp16_enabled"):
+        return "fp16"
+    if _call(engine, "bfloat16_enabled"):
+        return "bf16"
+    return "fp32"
+
+
+def zero_facts(engine: Any) -> dict[str, Any]:
+    """This rank's ZeRO facts, read from the engine and the torch optimizer holding this rank's
+    partition (`engine.optimizer.optimizer` under ZeRO): stage, dp size, the model's trainable
+    elements, the fp32 partition this rank's optimizer owns, its state bytes, ZeRO-3's parameter
+    shard, and the devices of the master weights and the state. Walks tensors: call it once."""
+    import torch
+
+    stage = int(_call(engine, "zero_optimization_stage") or 0)
+    outer = getattr(engine, "optimizer", None)
+    inner = getattr(outer, "optimizer", None) if stage >= 1 else None
+    holder = inner if inner is not None and hasattr(inner, "param_groups") else outer
+    groups = list(getattr(holder, "param_groups", None) or ())
+    params = [p for g in groups for p in g.get("params", ()) if isinstance(p, torch.Tensor)]
+    state = getattr(holder, "state", None) or {}
+    if not params:  # ZeRO-3 hands its flat partitions to the torch optimizer only inside step()
+        params = [p for p in state if isinstance(p, torch.Tensor)]
+    state_tensors = [
+        t for s in state.values() if isinstance(s, Mapping) for t in s.values() if isinstance(t, torch.Tensor)
+    ]
+    module_params = list(engine.module.parameters())
+    model = sum(int(getattr(p, "ds_numel", p.numel())) for p in module_params if p.requires_grad)
+    shard = -1
+    if stage >= 3:
+        shard = sum(
+            int(p.ds_tensor.numel()) for p in module_params if getattr(p, "ds_tensor", None) is not None
+        )
+    return {
+        "stage": stage,
+        "dp_size": int(getattr(engine, "dp_world_size", 1) or 1),
+        "model_numel": model,
+        "partition_numel": sum(int(p.numel()) for p in params),
+        "partition_groups": [int(p.numel()) for p in params],
+        "optimizer_state_bytes": sum(int(t.numel()) * t.element_size() for t in state_tensors if t.dim() > 0),
+        "param_shard_numel": shard,
+        "master_device": str(params[0].device) if params else "",
+        "state_device": str(state_tensors[0].device) if state_tensors else "",
+    }
+
+
+class _Adapter:
+    """The wrapped engine's state (training thread, except `comms`' callbacks on the worker)."""
+
+    def __init__(self, engine: Any, steps: bool) -> None:
+        self.engine = engine
+        self.steps = steps  # mark steps and record loss / lr / grad norm
+        self.marking = steps  # False once the loop's own step is seen
+        self.open = False  # a step this adapter began is open
+        self.last_end: int | None = None  # perf_counter_ns where the previous optimizer step ended
+        self.tokens = 0
+        self.backward_timer: Any = None
+        self.skips = skipped_steps_counter()
+        self.skipped = int(getattr(engine, "skipped_steps", 0) or 0)
+        self.fp16 = precision(engine) == "fp16"
+        self.breakdown = bool(_call(engine, "wall_clock_breakdown"))
+        self.optimizer_times: dict[str, float] = {}  # ms, as DeepSpeed's timers.log read them
+        self.samples = int(_call(engine, "train_micro_batch_size_per_gpu") or 0) * int(
+            _call(engine, "gradient_accumulation_steps") or 1
+        )
+        self.facts: list[tuple[str, float]] | None = None  # recorded at every optimizer step
+        self.facts_pending = True  # no optimizer state yet: read the facts again at the next step
+        self.fact_reads = 0
+        self.comms: _Comms | None = None
+
+    # --- wrapping -------------------------------------------------------------------------------
+
+    def wrap(self) -> None:
+        engine = self.engine
+        d = engine.__dict__
+        forward, backward, step = engine.forward, engine.backward, engine.step
+        d["forward"] = _wraps(forward, self._forward)
+        d["backward"] = _wraps(backward, self._backward)
+        d["step"] = _wraps(step, self._step)
+        prologue, epilogue = (
+            getattr(engine, "_backward_prologue", None),
+            getattr(engine, "_backward_epilogue", None),
+        )
+        if callable(prologue) and callable(epilogue):
+            # Looked up on the engine each time DeepSpeed runs them (from the output's backward hook
+            # and the gradient post-hook, or inside engine.backward): a torch-style loss.backward()
+            # passes through them too.
+            d["_backward_prologue"] = _around(prologue, before=self._backward_started)
+            d["_backward_epilogue"] = _around(epilogue, after=self._backward_ended)
+        else:
+            self.backward_timer = False  # no hooks: engine.backward times the phase itself
+        timers: Any = getattr(engine, "timers", None)
+        log_method = getattr(timers, "log", None)
+        if self.breakdown and callable(log_method) and isinstance(getattr(timers, "timers", None), dict):
+            timers.__dict__["log"] = _wraps(log_method, self._timers_log)
+
+    def _forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.marking and not self.open:
+            self._begin()
+        self.tokens += _tokens(args, kwargs)
+        timer = ot.timer("forward").start()
+        try:
+            out = original(*args, **kwargs)
+        except BaseException as exc:
+            timer.stop(type(exc))
+            raise
+        timer.stop()
+        return out
+
+    def _backward(self, original: Callable[..., Any], loss: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.steps:
+            ot.record("loss", loss)  # the tensor: resolved at the flush, no sync here
+        if self.backward_timer is not False:
+            return original(loss, *args, **kwargs)
+        with ot.timer("backward"):
+            return original(loss, *args, **kwargs)
+
+    def _backward_started(self) -> None:
+        if self.backward_timer is None:
+            self.backward_timer = ot.timer("backward").start()
+
+    def _backward_ended(self) -> None:
+        timer, self.backward_timer = self.backward_timer, None
+        if timer:
+            timer.stop()
+
+    def _step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not self.engine.is_gradient_accumulation_boundary():
+            return original(*args, **kwargs)
+        timer = ot.timer("optimizer").start()
+        try:
+            out = original(*args, **kwargs)
+        except BaseException as exc:
+            timer.stop(type(exc))
+            if self.open:
+                self.open = False
+                ot.end_step(failed=True)
+            raise
+        timer.stop()
+        self._after_step()
+        return out
+
+    def _timers_log(
+        self, original: Callable[..., Any], names: Iterable[str], *args: Any, **kwargs: Any
+    ) -> Any:
+        names = list(names)
+        held = self.engine.timers.timers
+        for name in names:
+            if name in OPTIMIZER_TIMERS and name in held:
+                # DeepSpeed reads (and on CUDA synchronizes) the same timer next, in its log
+                with contextlib.suppress(Exception):
+                    self.optimizer_times[name] = float(held[name].elapsed(reset=False))
+        return original(names, *args, **kwargs)
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        info = ot.run_info()
+        if info is None:
+            return
+        if info.open_step is not None:  # the loop marks its own steps
+            self.marking = False
+            return
+        ot.begin_step(start_ns=self.last_end)
+        self.open = True
+
+    def _after_step(self) -> None:
+        engine = self.engine
+        applied = bool(_call(engine, "was_step_applied"))
+        if self.steps:
+            lr = _call(engine, "get_lr")
+            if isinstance(lr, (list, tuple)) and lr:
+                ot.record("learning_rate", lr[0])
+            norm = _call(engine, "get_global_grad_norm")
+            if norm is not None and applied:  # an overflowed step's norm is inf by design: not a value
+                ot.record("grad_norm", norm)
+        if self.fp16:
+            scale = getattr(getattr(engine, "optimizer", None), "loss_scale", None)
+            if scale is not None:
+                ot.record(semconv.LOSS_SCALE.name, scale)
+        skipped = int(getattr(engine, "skipped_steps", 0) or 0)
+        if skipped > self.skipped:
+            self.skips.add(skipped - self.skipped)
+        self.skipped = skipped
+        if self.breakdown:
+            self._finer_phases()
+        self._zero()
+        if self.open:
+            self.open = False
+            tokens, self.tokens = self.tokens, 0
+            ot.end_step(tokens=tokens or None, samples=self.samples or None)
+        self.last_end = perf_counter_ns()
+
+    def _finer_phases(self) -> None:
+        timers = _call(self.engine, "get_wall_clock_timers") or {}
+        for name in ENGINE_TIMERS:
+            if isinstance(timers.get(name), (int, float)):
+                ot.phase(name, timers[name] / 1000.0)
+        for name, ms in self.optimizer_times.items():
+            ot.phase(name, ms / 1000.0)
+        self.optimizer_times.clear()
+
+    def _zero(self) -> None:
+        """This rank's ZeRO facts, read until the optimizer state exists (torch creates it at the
+        first applied step; fp16 may skip several), then recorded as they are at every step."""
+        if self.fact_reads < FACT_READS and (self.facts is None or self.facts_pending):
+            self.fact_reads += 1
+            try:
+                facts = zero_facts(self.engine)
+            except Exception as exc:  # telemetry never breaks training
+                log.warning("otel_train: DeepSpeed ZeRO facts unreadable: %s", exc)
+                self.fact_reads = FACT_READS
+                return
+            self.facts_pending = facts["optimizer_state_bytes"] == 0
+            self._set_facts(facts, say=not self.facts_pending or self.fact_reads == FACT_READS)
+        for name, value in self.facts or ():
+            ot.record(name, value)
+
+    def _set_facts(self, facts: dict[str, Any], say: bool) -> None:
+        self.facts = [
+            (semconv.ZERO_STAGE.name, facts["stage"]),
+            (semconv.ZERO_DP_SIZE.name, facts["dp_size"]),
+            (semconv.ZERO_MODEL_NUMEL.name, facts["model_numel"]),
+            (semconv.ZERO_PARTITION_NUMEL.name, facts["partition_numel"]),
+            (semconv.ZERO_OPTIMIZER_STATE_BYTES.name, facts["optimizer_state_bytes"]),
+        ]
+        if facts["param_shard_numel"] >= 0:
+            self.facts.append((semconv.ZERO_PARAM_SHARD_NUMEL.name, facts["param_shard_numel"]))
+        if not say:
+            return
+        info = ot.run_info()
+        log.info(
+            "otel_train: DeepSpeed ZeRO-%d on rank %s of %d data-parallel ranks: partition %d of %d trainable "
+            "elements (groups %s) on %s, optimizer state %d B on %s%s",
+            facts["stage"], info.rank if info else "?", facts["dp_size"], facts["partition_numel"],
+            facts["model_numel"], facts["partition_groups"], facts["master_device"] or "-",
+            facts["optimizer_state_bytes"], facts["state_device"] or "-",
+            f", parameter shard {facts['param_shard_numel']} elements" if facts["param_shard_numel"] >= 0 else "",
+        )  # fmt: skip
+
+    # --- once, at instrument() ------------------------------------------------------------------
+
+    def announce(self) -> None:
+        engine = self.engine
+        stage = int(_call(engine, "zero_optimization_stage") or 0)
+        ot.log_hyperparams({"deepspeed": hyperparams(engine)})
+        info = ot.run_info()
+        rank0 = info is None or info.rank == 0
+        offload = _call(engine, "zero_offload_optimizer")
+        if rank0 and stage in (1, 2) and _device(offload) == "nvme":
+            message = (
+                f"DeepSpeed ZeRO-{stage} was asked to offload the optimizer to NVMe (offload_optimizer.device: "
+                f"nvme, nvme_path {getattr(offload, 'nvme_path', None)!s}), but ZeRO-1/2 run any offload device "
+                "as CPU offload: nothing is written to nvme_path and the state stays in host memory. Use "
+                'zero_optimization.stage 3 for NVMe swapping, or set offload_optimizer.device: "cpu" to say '
+                "what runs."
+            )
+            log.warning("otel_train: %s", message)
+            ot.event(
+                "zero_partition", message, {"ranks": "all", "zero.stage": stage, "kind": "nvme_not_used"}
+            )
+        self.comms = _Comms.start(engine, rank0)
+
+
+def hyperparams(engine: Any) -> dict[str, Any]:
+    """What the engine's config says about ZeRO, batch and precision (once per run)."""
+    out: dict[str, Any] = {
+        "zero_stage": int(_call(engine, "zero_optimization_stage") or 0),
+        "dp_world_size": int(getattr(engine, "dp_world_size", 1) or 1),
+        "precision": precision(engine),
+        "train_micro_batch_size_per_gpu": _call(engine, "train_micro_batch_size_per_gpu"),
+        "train_batch_size": _call(engine, "train_batch_size"),
+        "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps"),
+        "overlap_comm": _call(engine, "zero_overlap_comm"),
+        "wall_clock_breakdown": bool(_call(engine, "wall_clock_breakdown")),
+    }
+    for key, method in (
+        ("offload_optimizer", "zero_offload_optimizer"),
+        ("offload_param", "zero_offload_param"),
+    ):
+        cfg = _call(engine, method)
+        out[f"{key}.device"] = _device(cfg)
+        if cfg is not None and _device(cfg) != "none":
+            for field in ("nvme_path", "pin_memory", "ratio", "buffer_count"):
+                value = getattr(cfg, field, None)
+                if value is not None:
+                    out[f"{key}.{field}"] = value if isinstance(value, (bool, int, float)) else str(value)
+    return out
+
+
+# --- the comms logger -----------------------------------------------------------------------------
+
+
+class _Comms:
+    """DeepSpeed's comms logger read at export time (observable instruments' callbacks, on the
+    worker): cumulative count, bytes and time per (op, size class) from the deltas of its
+    `comms_dict`, the mean bus bandwidth since the previous export. No collective, no sync."""
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+        self.lock = threading.Lock()
+        self.seen: dict[tuple[str, int], int] = {}  # (op, size) -> entries consumed
+        self.totals: dict[tuple[str, str], list[float]] = {}  # (op, class) -> [count, bytes, seconds]
+        self.busbw: dict[tuple[str, str], list[float]] = {}  # (op, class) -> [sum, n] since last export
+
+    @classmethod
+    def start(cls, engine: Any, rank0: bool) -> _Comms | None:
+        config = getattr(engine, "config", None)
+        section = config.get("comms_logger") if isinstance(config, Mapping) else None
+        try:
+            import deepspeed.comm as dist
+
+            logger = getattr(dist, "comms_logger", None)
+        except Exception:
+            return None
+        if logger is None or not getattr(logger, "enabled", False):
+            return None
+        if rank0 and "comms" not in _said:
+            _said.add("comms")
+            off = isinstance(section, Mapping) and section.get("enabled") is False
+            log.warning(
+                "otel_train: DeepSpeed's comms logger is on%s: it synchronizes the device after every "
+                "collective it times (and barriers under MPI), which slows the step it measures. Its counts, "
+                'bytes, latency and bus bandwidth are exported as deepspeed.comm.*. Remove the "comms_logger" '
+                "section from the DeepSpeed config to turn it off: DeepSpeed checks only that the key is present.",
+                ' although the config says "comms_logger": {"enabled": false}' if off else "",
+            )
+        comms = cls(logger)
+        meter = ot.get_meter()
+        semconv.DS_COMM_COUNT.create(meter, comms.observe_count)
+        semconv.DS_COMM_BYTES.create(meter, comms.observe_bytes)
+        semconv.DS_COMM_TIME.create(meter, comms.observe_time)
+        semconv.DS_COMM_BUSBW.create(meter, comms.observe_busbw)
+        return comms
+
+    def poll(self) -> None:
+        raw = getattr(self.logger, "comms_dict", None)
+        if not isinstance(raw, dict):
+            return
+        for _ in range(3):  # the training thread may add an op while this copies: try again
+            try:
+                items = [(op, list(sizes.items())) for op, sizes in list(raw.items())]
+                break
+            except RuntimeError:
+                continue
+        else:
+            return
+        for op, sizes in items:
+            for size, entry in sizes:
+                try:
+                    count, lats, _, busbws = int(entry[0]), entry[1], entry[2], entry[3]
+                except (TypeError, IndexError, ValueError):
+                    continue
+                key = (str(op), int(size))
+                done = self.seen.get(key, 0)
+                if count < done:  # reset_log(): counting starts again
+                    done = 0
+                if count == done:
+                    continue
+                self.seen[key] = count
+                series = self._series(str(op), int(size))
+                new_lats = lats[done:count]
+                total = self.totals.setdefault(series, [0.0, 0.0, 0.0])
+                total[0] += count - done
+                total[1] += (count - done) * int(size)
+                total[2] += sum(float(v) for v in new_lats) / 1000.0  # ms -> s
+                bw = self.busbw.setdefault(series, [0.0, 0.0])
+                new_bw = [float(v) for v in busbws[done:count] if math.isfinite(float(v))]
+                bw[0] += sum(new_bw)
+                bw[1] += len(new_bw)
+
+    def _series(self, op: str, size: int) -> tuple[str, str]:
+        name = op.split("|", 1)[0].strip() or "other"  # debug mode appends the caller
+        series = (name, size_class(size))
+        if series not in self.totals and len(self.totals) >= MAX_COMM_SERIES:
+            return ("other", "other")
+        return series
+
+    def _observe(self, index: int) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        with self.lock:
+            self.poll()
+            return [Observation(t[index], _attrs(k)) for k, t in self.totals.items()]
+
+    def observe_count(self, options: Any) -> Iterable[Any]:
+        return self._observe(0)
+
+    def observe_bytes(self, options: Any) -> Iterable[Any]:
+        return self._observe(1)
+
+    def observe_time(self, options: Any) -> Iterable[Any]:
+        return self._observe(2)
+
+    def observe_busbw(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        with self.lock:
+            self.poll()
+            out = [Observation(s / n, _attrs(k)) for k, (s, n) in self.busbw.items() if n > 0]
+            self.busbw = {}
+            return out
+
+
+def size_class(size: int) -> str:
+    """A message size rounded up to a power of two, as a label: 37540 -> `64KiB`."""
+    bound = 1 << max(int(size) - 1, 0).bit_length()
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if bound >= 1 << shift:
+            return f"{bound >> shift}{unit}"
+    return f"{bound}B"
+
+
+def _attrs(key: tuple[str, str]) -> dict[str, str]:
+    return {semconv.COLLECTIVE_OP: key[0], semconv.DS_COMM_SIZE: key[1]}
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def _wraps(original: Callable[..., Any], hook: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return hook(original, *args, **kwargs)
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    return wrapper
+
+
+def _around(
+    original: Callable[..., Any],
+    before: Callable[[], None] | None = None,
+    after: Callable[[], None] | None = None,
+) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before()
+        out = original(*args, **kwargs)
+        if after is not None:
+            after()
+        return out
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _call(obj: Any, name: str) -> Any:
+    method = getattr(obj, name, None)
+    if not callable(method):
+        return None
+    try:
+        return method()
+    except Exception:
+        return None
+
+
+def _device(cfg: Any) -> str:
+    if cfg is None:
+        return "none"
+    device = getattr(cfg, "device", None)
+    return str(getattr(device, "value", device) or "none")
+
+
+def _tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """Elements of the first integer tensor handed to forward (`input_ids`): a shape, no sync."""
+    for value in (kwargs.get("input_ids"), *args):
+        dtype = getattr(value, "dtype", None)
+        if (
+            dtype is not None
+            and not getattr(dtype, "is_floating_point", True)
+            and not getattr(dtype, "is_complex", True)
+        ):
+            return int(value.numel())
+    return 0

@@ -10,6 +10,10 @@ STAMP  := $(VENV)/.stamp-install
 # the TRL and datasets it trains with, with theirs); not part of the [all] extra. Versions pinned.
 OUMI   := oumi==0.9 omegaconf==2.4.0.dev4 peft==0.19.1 jsonlines==4.0.0 pexpect==4.9.0 ptyprocess==0.7.0
 OUMI_STAMP := $(VENV)/.stamp-oumi
+# DeepSpeed (the [deepspeed] extra, in [all]) is an sdist: without this its build tries to compile
+# its CUDA/C++ ops. Its tests JIT-build one small comm op at their first run and cache it in
+# $(OTEL_TRAIN_TOOLS or .tools)/torch_extensions, kept with the pinned tools between runs.
+export DS_BUILD_OPS := 0
 
 .PHONY: demo test docs tools bridge-wheel check-deploy lint typecheck dashboards bench clean
 

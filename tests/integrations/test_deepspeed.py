@@ -30,7 +30,9 @@ if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed==0.19.8 not installed (make test installs it)", allow_module_level=True)
 
 REPO = Path(__file__).resolve().parents[2]
-EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(REPO / ".tools" / "torch_extensions")
+# Next to the pinned tools (`make test` keeps .tools/ between runs, CI caches it)
+TOOLS = Path(os.environ.get("OTEL_TRAIN_TOOLS") or REPO / ".tools")
+EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(TOOLS / "torch_extensions")
 RANK_ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": EXTENSIONS, "DS_BUILD_OPS": "0"}
 TIMEOUT = 420.0  # the first run on a fresh clone builds DeepSpeed's comm op (~90 s on 2 cores)
 MICRO, GAS = 4, 2

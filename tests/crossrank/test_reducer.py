@@ -19,6 +19,7 @@ from otel_train.crossrank.collective_lateness import LatenessTracker
 from otel_train.crossrank.exchange import Exchanged
 from otel_train.crossrank.reducer import CrossRankReducer
 from otel_train.crossrank.replicas import ReplicaCheck
+from otel_train.crossrank.shape import ExchangeShape
 from otel_train.crossrank.timer_stats import (
     own_reductions,
     per_rank_timings,
@@ -353,6 +354,7 @@ def _fake_world(
         Events(),
         config or Config(),
         group=_FakeGroup(world),
+        shape=ExchangeShape((config or Config()).exchange_fanin),  # agreed at init (assemble.agreement)
     )
     reducer.exchange = _FakeExchange(world, interval_for, fail)  # type: ignore[assignment]
     return reducer

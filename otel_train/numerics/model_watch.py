@@ -15,6 +15,16 @@ Gradient norms are of the layers that ran in the watched step: a forward hook on
 an expert of a mixture that got no tokens has no gradient because it did not run, which is no fault:
 it is left out of that step's gradient norms (and of `no_gradient`, which reads them). When no hook
 fired at all (a forward these hooks do not see, e.g. a compiled graph), every layer is reported.
+
+Gradients are read at the last point they exist in the watched step, wherever the loop clears them
+(`backward; step; zero_grad(set_to_none=True)` as in nanoGPT, or `zero_grad` first): a global
+optimizer step pre-hook reads the stepping optimizer's watched gradients just before its update
+(after `GradScaler.unscale_` and clipping; an optimizer that unscales inside its fused kernel is
+handed the scale as `optimizer.grad_scale`, which the read divides out). A post-accumulate-grad hook
+on each watched parameter keeps a reference to the gradient each backward leaves, so gradients no
+optimizer step read (no torch optimizer, or a step GradScaler skipped for inf/NaN) are still read
+when the step ends though the loop set them to None. Both kinds of hook exist only during watched
+steps; a read replaces nothing but its own parameters' values.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from otel_train import semconv
 from otel_train.buffer import LayerStats
@@ -110,6 +121,8 @@ class ModelWatch:
         if not named:
             raise ValueError("ot.watch(model): the model has no trainable parameters to watch.")
         self._params = [p for _, p in named]
+        self._position = {id(p): i for i, p in enumerate(self._params)}
+        self._keep_hooks = [self._keep_hook(i) for i in range(len(self._params))]
         self._ddp = is_ddp_wrapped(model)
         self.labels, groups = layer_groups([clean_name(name, self._ddp) for name, _ in named], max_layers)
         self._groups = groups
@@ -124,6 +137,12 @@ class ModelWatch:
         modules = dict(model.named_modules())
         self._owners = [(modules[n], tuple(sorted(g))) for n, g in owners.items() if n in modules]
         self._ran: set[int] = set()  # layers whose module ran in this watched step
+        # This watched step's gradient reads, per watched parameter (None: none yet): the norm (and
+        # histogram sample) an optimizer step pre-hook read, and the gradient tensor the last
+        # backward left, until a pre-hook reads it.
+        self._grad_norms: list[Any] = []
+        self._grad_samples: list[Any] = []
+        self._kept: list[Any] = []
         self._hooks: list[Any] = []
         self._activations: dict[int, tuple[Any, Any]] = {}
         self._fingerprint: Any | None = None  # this watched step's batch fingerprint (device tensor)
@@ -163,8 +182,12 @@ class ModelWatch:
             self._step = index
             try:
                 if self.grads:
+                    self._reset_grad_reads(len(self._params))
                     for module, marks in self._owners:
                         self._hooks.append(module.register_forward_hook(self._ran_hook(marks)))
+                    self._hooks.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
+                    for param, keep in zip(self._params, self._keep_hooks, strict=True):
+                        self._hooks.append(param.register_post_accumulate_grad_hook(keep))
                 if self.fingerprints:  # the batch fingerprint (replicas.py: unsharded data)
                     self._hooks.append(
                         self.model.register_forward_pre_hook(self._fingerprint_hook, with_kwargs=True)
@@ -180,11 +203,13 @@ class ModelWatch:
         self._step = None
         if failed or index % self.every != 0 or self._buffer is None or self._read == index:
             self._activations, self._fingerprint, self._read = {}, None, None
+            self._reset_grad_reads(0)
             return
         try:
             self._collect(index, self._buffer)
         except Exception as exc:
             self._activations, self._fingerprint = {}, None
+            self._reset_grad_reads(0)
             self._fail(exc)
 
     def read_now(self) -> None:
@@ -199,6 +224,7 @@ class ModelWatch:
             self._collect(index, buffer)
         except Exception as exc:
             self._activations, self._fingerprint = {}, None
+            self._reset_grad_reads(0)
             self._fail(exc)
 
     def see_batch(self, batch: Any) -> None:
@@ -222,28 +248,29 @@ class ModelWatch:
             self._place_on(self._params[0].device)
         records: list[LayerStats] = []
         if self.grads:
-            grads = [p.grad for p in self._params]
-            if all(g is None for g in grads):
+            norms, samples = self._final_grad_reads()
+            if all(n is None for n in norms):
                 self._warn_once(
                     "no_grads",
-                    f"ot.watch: no gradients at the end of step {index}. Gradients are read when the "
-                    "step ends: call optimizer.zero_grad() at the start of the step, not the end.",
+                    f"ot.watch: no gradients in step {index}: no backward pass inside the step reached "
+                    "the watched parameters, so the step has no gradient statistics. Run the backward "
+                    "pass (and the optimizer step) inside the step.",
                 )
             else:
-                per_layer, total = self._norms(grads)
+                per_layer, total = self._group_norms(norms)
                 ran = self._ran_only(per_layer)
                 if ran is not None:
                     records.append(LayerStats(semconv.LAYER_GRAD_NORM.name, *ran, index))
                 if not buffer.has_user_values_for(semconv.GRAD_NORM.name):  # the user's own grad_norm wins
                     buffer.add_internal(semconv.GRAD_NORM.name, total)
                 if self.histograms:
-                    self._sample_histograms("gradients", grads, index)
+                    self._add_histograms("gradients", samples, index)
         if self.params:
             per_layer, total = self._norms(self._params)
             records.append(LayerStats(semconv.LAYER_PARAM_NORM.name, *self._held_only(per_layer), index))
             buffer.add_internal(semconv.PARAM_NORM.name, total)
             if self.histograms:
-                self._sample_histograms("parameters", self._params, index)
+                self._add_histograms("parameters", self._samples(self._params), index)
         if self._activations:
             groups = sorted(self._activations)
             rms = torch.stack([self._activations[g][0] for g in groups])
@@ -284,36 +311,114 @@ class ModelWatch:
         if buffer is not None and self._on_remove is not None:
             self._on_remove(self)
 
+    # --- gradient reads (hooks exist only during watched steps) -----------------------------------
+    def _reset_grad_reads(self, count: int) -> None:
+        self._grad_norms, self._grad_samples, self._kept = [None] * count, [None] * count, [None] * count
+
+    def _keep_hook(self, position: int) -> Callable[[Any], None]:
+        def hook(param: Any) -> None:
+            # A reference, no copy: the loop may set .grad to None before the step ends; a step that
+            # an optimizer pre-hook reads drops it there.
+            if position < len(self._kept):
+                self._kept[position] = param.grad
+
+        return hook
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer step pre-hook: read the watched gradients this optimizer is about to
+        apply (any optimizer's step calls it; others' parameters are not ours)."""
+        try:
+            positions = [
+                i
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if (i := self._position.get(id(p))) is not None
+            ]
+            if positions and len(self._grad_norms) == len(self._params):
+                # set by GradScaler.step for optimizers that unscale inside their own (fused) step
+                scale = getattr(optimizer, "grad_scale", None)
+                self._read_grads(positions, scale if isinstance(scale, torch.Tensor) else None)
+        except Exception as exc:  # inside the user's optimizer step: never raise there
+            self._fail(exc)
+
+    def _read_grads(self, positions: Sequence[int], scale: Any) -> None:
+        """Norms (and histogram samples) of the present gradients of the parameters at `positions`,
+        divided by `scale` when the gradients are still scaled; replaces earlier reads of those."""
+        present = [(i, g) for i in positions if (g := self._params[i].grad) is not None and not g.is_sparse]
+        if not present:
+            return
+        norms = self._foreach_norms([g for _, g in present])
+        if scale is not None:
+            inverse = scale.to(self._device, torch.float32).reciprocal()
+            norms = [norm * inverse for norm in norms]
+        for (i, grad), norm in zip(present, norms, strict=True):
+            self._grad_norms[i] = norm
+            self._kept[i] = None
+            if self.histograms:
+                sample = self._sample(grad, i)
+                self._grad_samples[i] = sample if scale is None else sample / scale.to(sample.device)
+
+    def _final_grad_reads(self) -> tuple[list[Any], list[Any]]:
+        """Per watched parameter, (norm, histogram sample) of its gradient as last seen in the step:
+        an optimizer pre-hook's read, else the gradient it has now, else the one the last backward
+        left; (None, None) where it had none. Clears the step's reads."""
+        norms, samples, kept = self._grad_norms, self._grad_samples, self._kept
+        self._reset_grad_reads(0)
+        if len(norms) != len(self._params):  # a watch added inside the step: only what is there now
+            norms, samples, kept = ([None] * len(self._params) for _ in range(3))
+        unread = [
+            (i, g)
+            for i, p in enumerate(self._params)
+            if norms[i] is None and (g := p.grad if p.grad is not None else kept[i]) is not None
+        ]
+        unread = [(i, g) for i, g in unread if not g.is_sparse]
+        if unread:
+            for (i, grad), norm in zip(unread, self._foreach_norms([g for _, g in unread]), strict=True):
+                norms[i] = norm
+                if self.histograms:
+                    samples[i] = self._sample(grad, i)
+        return norms, samples
+
     # --- device math (no host sync: results stay device tensors) ----------------------------------
     def _norms(self, tensors: Sequence[Any]) -> tuple[Any, Any]:
         """(per-layer L2 norms, global L2 norm) of `tensors` (one per watched parameter; None = absent)."""
-        present = [(i, _local(t)) for i, t in enumerate(tensors) if t is not None and not t.is_sparse]
-        norms = [self._zero] * len(tensors)  # an absent gradient counts as zero
-        for (i, _), norm in zip(
-            present, torch._foreach_norm([t for _, t in present], 2, dtype=torch.float32), strict=True
-        ):
-            norms[i] = norm if norm.device == self._device else norm.to(self._device)
-        stacked = torch.stack(norms).square_()
+        present = [(i, t) for i, t in enumerate(tensors) if t is not None and not t.is_sparse]
+        norms: list[Any] = [None] * len(tensors)
+        for (i, _), norm in zip(present, self._foreach_norms([t for _, t in present]), strict=True):
+            norms[i] = norm
+        return self._group_norms(norms)
+
+    def _foreach_norms(self, tensors: Sequence[Any]) -> list[Any]:
+        """The float32 L2 norm of each tensor's local part, on the watch's device."""
+        norms = torch._foreach_norm([_local(t) for t in tensors], 2, dtype=torch.float32)
+        return [norm if norm.device == self._device else norm.to(self._device) for norm in norms]
+
+    def _group_norms(self, norms: Sequence[Any]) -> tuple[Any, Any]:
+        """(per-layer L2 norms, global L2 norm) from one norm per watched parameter (None = 0)."""
+        stacked = torch.stack([self._zero if n is None else n for n in norms]).square_()
         per_layer = torch.zeros(len(self.labels), dtype=torch.float32, device=self._device)
         per_layer.index_add_(0, self._group_index, stacked)
         return per_layer.sqrt_(), stacked.sum().sqrt()
 
-    def _sample_histograms(self, kind: str, tensors: Sequence[Any], index: int) -> None:
-        """A strided sample of each layer's values (HISTOGRAM_SAMPLE per layer): a small on-device
-        copy now, so the optimizer cannot change it before the worker reads it."""
+    def _sample(self, tensor: Any, position: int) -> Any:
+        """A strided float32 copy of at most HISTOGRAM_SAMPLE / (tensors in its layer) values: a copy
+        now, so the optimizer or zero_grad cannot change it before the worker reads it."""
+        per_tensor = max(1, HISTOGRAM_SAMPLE // len(self._members[self._groups[position]]))
+        flat = _local(tensor).detach().reshape(-1)
+        stride = max(1, flat.numel() // per_tensor)
+        return flat[::stride][:per_tensor].to(torch.float32, copy=True)
+
+    def _samples(self, tensors: Sequence[Any]) -> list[Any]:
+        return [None if t is None else self._sample(t, i) for i, t in enumerate(tensors)]
+
+    def _add_histograms(self, kind: str, samples: Sequence[Any], index: int) -> None:
+        """One histogram per layer from its parameters' samples (at most HISTOGRAM_SAMPLE values)."""
         buffer = self._buffer
         assert buffer is not None
         for group, members in enumerate(self._members):
-            present = [_local(tensors[i]) for i in members if tensors[i] is not None]
-            if not present:
-                continue
-            per_tensor = max(1, HISTOGRAM_SAMPLE // len(present))
-            parts = []
-            for t in present:
-                flat = t.detach().reshape(-1)
-                stride = max(1, flat.numel() // per_tensor)
-                parts.append(flat[::stride][:per_tensor].to(torch.float32))
-            buffer.add_histogram(f"{kind}/{self.labels[group]}", index, torch.cat(parts))
+            present = [samples[i] for i in members if samples[i] is not None]
+            if present:
+                buffer.add_histogram(f"{kind}/{self.labels[group]}", index, torch.cat(present))
 
     # --- activation hooks (only during watched steps) ---------------------------------------------
     def _add_activation_hooks(self) -> None:

@@ -16,7 +16,8 @@ each version once, in order, on its training thread when its step begins, so all
 the same step and a change overwritten by the next one before some rank read it is still applied
 everywhere. Ranks that see a stamp only after its step has passed apply at once and say so. Any
 edit of the file (a digest that no longer matches, even with the stamp fields copied) is a new
-change. The whole document is validated before anything is announced: each accepted change is one
+change, and so is an older stamped file written back (an editor's undo). The whole document is
+validated before anything is announced: each accepted change is one
 `control` health event, each refused file one `control_rejected` event naming the key and the fix;
 a change that still fails while being applied is a `control_rejected` event too, never an
 exception in the training step. All ranks must share the run directory (one node, or a shared
@@ -256,6 +257,10 @@ class ControlFile:
             self._reject(f"does not parse: {exc}")
             return []
         changes = stamped_changes(document, self.world_size)
+        if changes is not None and self.rank == 0 and changes[-1].version < self._version:
+            # An older stamp written back (an editor's undo, a saved copy): rank 0 only ever
+            # writes newer ones, so a person asked for those settings again.
+            changes = None
         if changes is None:  # written by a person (or edited since rank 0 stamped it)
             settings = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
             problem = validate(settings, self.world_size)

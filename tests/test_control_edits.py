@@ -1,0 +1,64 @@
+"""Edits of the stamped control file by a person, read by rank 0's `ControlFile.poll` directly (no
+session, no threads): each edit that asks for settings is one new change with one `control` event."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from otel_train.control import ControlFile
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def emit(
+        self, event: str, message: str, attributes: Mapping[str, Any] | None = None, severity: str = "WARNING"
+    ) -> None:
+        self.seen.append((event, message))
+
+
+def _write_and_schedule(control: ControlFile, text: str, step: int) -> None:
+    control.path.write_text(text)
+    control.schedule(last_step=step, seconds_per_step=0.01)
+
+
+def test_every_edit_of_the_stamped_file_is_a_change_with_an_event(tmp_path: Path) -> None:
+    events = _Events()
+    control = ControlFile(tmp_path, rank=0, events=events)
+    _write_and_schedule(control, json.dumps({"trace_every": 10}), step=100)
+    first = control.path.read_text()
+    assert json.loads(first)["version"] == 1
+
+    edited = {**json.loads(first), "trace_every": 20}  # a value changed, the stamp fields kept
+    _write_and_schedule(control, json.dumps(edited, indent=1), step=200)
+    assert json.loads(control.path.read_text())["version"] == 2
+
+    _write_and_schedule(control, first, step=300)  # the editor's undo: v1's stamped text back
+    restamped = json.loads(control.path.read_text())
+    assert restamped["version"] == 3 and restamped["trace_every"] == 10
+
+    changes = [c for c in control.take_due(10**6)]
+    assert [(c.version, dict(c.settings)) for c in changes] == [
+        (1, {"trace_every": 10}),
+        (2, {"trace_every": 20}),
+        (3, {"trace_every": 10}),
+    ]
+    assert [e for e, _ in events.seen] == ["control"] * 3
+
+
+def test_a_rank_other_than_zero_applies_an_old_stamp_once_and_never_restamps(tmp_path: Path) -> None:
+    events = _Events()
+    rank0 = ControlFile(tmp_path, rank=0, events=_Events())
+    _write_and_schedule(rank0, json.dumps({"trace_every": 10}), step=100)
+    stamped = rank0.path.read_text()
+    rank1 = ControlFile(tmp_path, rank=1, events=events)
+    rank1.schedule(last_step=100, seconds_per_step=0.01)
+    rank1.path.write_text(stamped + "\n")  # the same stamp again (other bytes): nothing new
+    rank1.schedule(last_step=101, seconds_per_step=0.01)
+    assert [c.version for c in rank1.take_due(10**6)] == [1]
+    assert rank1.path.read_text() == stamped + "\n"  # rank 1 never writes the file
+    assert [e for e, _ in events.seen] == ["control"]

@@ -14,6 +14,12 @@ phases the Trainer lets a callback see:
     eval, checkpoint  spans (always traced) and phases, from the end of the step's logging to
                       `on_evaluate` / `on_save`
 
+Under DeepSpeed (`trainer.model_wrapped` is a DeepSpeed engine at `on_train_begin`) the engine is
+instrumented (`integrations.deepspeed.instrument(engine, steps=False)`): Accelerate runs
+`engine.step()` inside `accelerator.backward`, so `optimizer` is DeepSpeed's real step, timed there
+(inside `forward_backward`), not the Trainer's no-op `optimizer.step()`; `forward`/`backward` and the
+ZeRO facts come with it, and `watch_every` watches parameters only (ZeRO leaves `p.grad` None).
+
 Each step begins where the previous one ended (`ot.begin_step(start_ns=...)`), so `data` lies
 inside it and its end is this rank's arrival: under DDP the gradient all-reduce runs inside
 `forward_backward`, and the straggler detector names the rank the others wait for there.
@@ -130,6 +136,7 @@ class OtelTrainCallback(TrainerCallback):
         self._hyperparams = hyperparams
         self._watch_every = watch_every
         self._took_wandb = False  # the Trainer's W&B reporter was taken off for otel_train's bridge
+        self._deepspeed = False  # the Trainer trains a DeepSpeed engine (instrumented at train begin)
         self._started = False  # this callback's run began (on_train_begin or a lazy first step)
         self._session: Any = None  # the session this callback started (and ends), else None
         self._mark_ns: int | None = None  # end of the last accounted stretch (step, log, eval, save)
@@ -178,8 +185,17 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._end_abandoned_step()  # a failed attempt of auto_find_batch_size, or a stale step
-        self._adopt(_calling_trainer(self))  # added with add_callback: no on_init_end was seen
+        trainer = _calling_trainer(self)
+        self._adopt(trainer)  # added with add_callback: no on_init_end was seen
+        self._deepspeed = _deepspeed_engine(trainer) is not None
         self._start(args, state, kwargs.get("model"))
+        if self._deepspeed:
+            from otel_train.integrations import deepspeed
+
+            # Accelerate runs engine.step() inside accelerator.backward (the Trainer's own
+            # optimizer.step() is a no-op): the adapter times it as `optimizer`, inside
+            # `forward_backward`, and adds the ZeRO facts; the Trainer keeps marking the steps.
+            deepspeed.instrument(_deepspeed_engine(trainer), steps=False)
 
     def _adopt(self, trainer: Any) -> None:
         """Wrap the Trainer's `train` and `get_batch_samples` (that instance only, once)."""
@@ -216,7 +232,9 @@ class OtelTrainCallback(TrainerCallback):
         self._tokens_seen = state.num_input_tokens_seen if state is not None else 0
         self._steps = 0
         if self._watch_every > 0 and model is not None:
-            ot.watch(model, every=self._watch_every)
+            # ZeRO leaves p.grad None after backward by design: parameter statistics only (the
+            # Trainer logs DeepSpeed's global grad norm), and no "no gradient" verdict.
+            ot.watch(model, every=self._watch_every, grads=not self._deepspeed)
         self._mark_ns = perf_counter_ns()
 
     def on_train_end(
@@ -280,7 +298,10 @@ class OtelTrainCallback(TrainerCallback):
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_phase("optimizer")
+        if self._deepspeed:  # the Trainer's optimizer.step() is a no-op: DeepSpeed's is timed
+            self._phase_start_ns = perf_counter_ns()
+        else:
+            self._end_phase("optimizer")
         if self._open:
             ot.watch_read()  # the Trainer zeroes the gradients before on_step_end
 
@@ -417,6 +438,14 @@ def _hyperparams(args: Any) -> dict[str, Any]:
     except Exception:  # an argument object that cannot be listed: no hyperparameters, no failure
         pass
     return {}
+
+
+def _deepspeed_engine(trainer: Any) -> Any:
+    """The DeepSpeed engine a Trainer trains (`model_wrapped`, set before `on_train_begin`), else None."""
+    if trainer is None or not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    engine = getattr(trainer, "model_wrapped", None)
+    return engine if callable(getattr(engine, "zero_optimization_stage", None)) else None
 
 
 def _calling_trainer(callback: OtelTrainCallback) -> Any:

@@ -374,3 +374,92 @@ def test_size_class_labels() -> None:
         "1MiB",
         "4GiB",
     ]
+
+
+SLOW_OPTIMIZER_S = 0.02
+
+
+def hf_job(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """The HF Trainer with DeepSpeed ZeRO-2 and optimizer offload to CPU, the otel_train callback
+    with watch_every=1. The torch optimizer's step lasts SLOW_OPTIMIZER_S longer (TEST ONLY: a
+    class-level wrapper in this rank), so the real optimizer step is measurable."""
+    import deepspeed
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from otel_train.integrations.transformers import OtelTrainCallback
+
+    real_step = torch.optim.AdamW.step
+
+    def slow_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(SLOW_OPTIMIZER_S)
+        return real_step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = slow_step  # type: ignore[method-assign]
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+            )
+
+        def forward(self, x: Any, labels: Any = None) -> Any:
+            logits = self.net(x)
+            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    gen = torch.Generator().manual_seed(rank)
+    data = [{"x": torch.randn(64, generator=gen), "labels": int(i % 10)} for i in range(64)]
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    args = TrainingArguments(
+        output_dir=str(Path(out_dir) / "hf"), per_device_train_batch_size=4, max_steps=6, logging_steps=2,
+        save_strategy="no", report_to=[], deepspeed=ds_config, ddp_backend="gloo", use_cpu=True,
+        disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    ot.init(output_dir=out_dir, run_name="hf", verbosity=0, log_interval=2, hardware=False, prometheus_port=0)
+    session = ot.current_session()
+    seen = Intervals()
+    session.add_listener(seen)
+    events: list[tuple[str, str, dict[str, Any]]] = []
+    session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
+    trainer = Trainer(
+        model=Model(), args=args, train_dataset=data, callbacks=[OtelTrainCallback(watch_every=1)]
+    )
+    trainer.train()
+    engine = trainer.model_wrapped
+    time.sleep(0.5)
+    ot.shutdown()
+    return {
+        "counts": seen.counts,
+        "phases": seen.phases,
+        "scalars": seen.scalars,
+        "steps": seen.steps,
+        "events": events,
+        "partition": sum(int(t.numel()) for t in engine.optimizer.single_partition_of_fp32_groups),
+        "run_dir": str(Path(out_dir) / "hf"),
+    }
+
+
+@pytest.mark.multirank
+def test_hf_trainer_with_deepspeed_zero2_reports_the_real_optimizer_step(tmp_path: Path) -> None:
+    """HF Trainer + DeepSpeed ZeRO-2 (CPU offload) on 2 ranks: `optimizer` is DeepSpeed's real
+    optimizer step (it holds the slowed torch step, not the Trainer's no-op), inside
+    `forward_backward`; the ZeRO facts are reported; ot.watch prints no no_gradient hint."""
+    pytest.importorskip("transformers")
+    results = run_ranks(2, hf_job, (str(tmp_path),), timeout=TIMEOUT, env=RANK_ENV)
+    for rank, res in enumerate(results):
+        assert res["steps"] == 6, rank
+        assert res["counts"]["optimizer"] == 6, rank  # once per step: the Trainer's no-op is not timed
+        assert res["phases"]["optimizer"] / 6 >= SLOW_OPTIMIZER_S, rank
+        assert res["phases"]["forward_backward"] >= res["phases"]["optimizer"]  # DeepSpeed steps inside it
+        assert res["counts"]["forward"] == 6 and res["counts"]["backward"] == 6
+        assert res["scalars"][semconv.ZERO_PARTITION_NUMEL.name][-1] == res["partition"]
+        assert res["scalars"][semconv.ZERO_STAGE.name][-1] == 2
+        assert [e for e in res["events"] if e[0] in ("no_gradient", "zero_partition")] == []
+        assert "train.loss" in res["scalars"] and "train.grad.norm" in res["scalars"]  # the Trainer's logs

@@ -15,7 +15,6 @@ Importing this package is light: no torch, SDK exporters, wandb or tensorboard a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,32 +22,26 @@ from typing import TYPE_CHECKING, Any
 # purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
 # in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
 from otel_train import _runtime, messages
-from otel_train.config import Config, ConfigError
-from otel_train.distributed import RunInfo
+from otel_train.config import Config as Config
+from otel_train.config import ConfigError as ConfigError
+from otel_train.distributed import RunInfo as RunInfo
 from otel_train.redaction import cap_text, redact
-from otel_train.run import Run
+from otel_train.run import Run as Run
 from otel_train.step_input import message_step
-from otel_train.timing import begin_step, end_step, phase, span, step, timed, timer
-from otel_train.version import __version__
+from otel_train.timing import span, step, timer
+from otel_train.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
-    from otel_train.crossrank import StragglerReport
-    from otel_train.numerics import ModelWatch, NullWatch, ScalerWatch
+    from otel_train.numerics import ModelWatch, NullWatch
     from otel_train.session import Session
 
+# The public API: one name per job (tests/test_api.py says why each is here). Adapters for frameworks
+# use `otel_train.adapters` as well; `Run`, `RunInfo`, `Config` and `ConfigError` are importable
+# types (what `init`/`run_info` return, what settings are, what bad settings raise), not functions.
 __all__ = [
-    "Config",
-    "ConfigError",
-    "Run",
-    "RunInfo",
-    "__version__",
-    "begin_step",
-    "current_session",
-    "end_step",
     "event",
-    "finish",
     "get_meter",
     "init",
     "log_histogram",
@@ -57,20 +50,13 @@ __all__ = [
     "log_samples",
     "log_text",
     "on_event",
-    "on_straggler",
-    "phase",
-    "profile",
     "record",
     "run_info",
     "shutdown",
     "span",
     "step",
-    "timed",
     "timer",
     "watch",
-    "watch_batch",
-    "watch_read",
-    "watch_scaler",
 ]
 
 
@@ -88,15 +74,6 @@ def init(config_file: str | None = None, **settings: Any) -> Run:
 def shutdown() -> None:
     """Final flush, then stop every exporter within `shutdown_timeout_s`. Safe to call twice."""
     _runtime.shutdown()
-
-
-finish = shutdown
-
-
-def current_session() -> Session | None:
-    """The running session's internals (tests, debugging): not a stable API; `init()`'s `Run` and
-    `run_info()` are."""
-    return _runtime.current()
 
 
 def run_info() -> RunInfo | None:
@@ -210,19 +187,6 @@ def on_event(callback: Callable[[str, str, dict[str, Any]], None]) -> None:
         session.events.add_hook(callback, session.instruments.dropped)
 
 
-def on_straggler(callback: Callable[[list[StragglerReport]], None]) -> None:
-    """Call `callback(reports)` on EVERY rank with the same list of chronic stragglers (each a
-    `StragglerReport`: rank, host, phase, lateness, the ranks that wait for it, ...), one flush
-    after rank 0 found them, at the same flush on every rank while the ranks keep pace: for a
-    decision all ranks must take alike (stop, checkpoint, drain a host). It runs on the thread
-    of `on_event`'s callbacks (it may block or call `ot.shutdown()`). Replaces an earlier callback.
-    Before `init()`, or in a single process: never called."""
-    session = _runtime._current
-    if session is not None and callable(callback):
-        hooks = session.events.hook_thread(session.instruments.dropped)
-        session.reducer.on_straggler = functools.partial(hooks.submit, callback)
-
-
 def log_text(name: str, text: str, step: int | None = None) -> None:
     """Free text for every bridge; secret-looking values redacted, cut to `TEXT_LIMIT` characters."""
     session = _runtime._current
@@ -274,6 +238,7 @@ def watch(
     model: Any,
     every: int = 100,
     *,
+    scaler: Any = None,
     grads: bool = True,
     params: bool = True,
     activations: bool = False,
@@ -284,21 +249,26 @@ def watch(
     """Per-layer gradient and parameter L2 norms (and, opt-in, activation RMS/abs-max and value
     histograms) every `every` steps, plus `train.grad.norm` / `train.param.norm` overall.
 
-    Values stay on the device until the flush (no host sync). Gradients are read when a watched
-    step ends, so call `optimizer.zero_grad()` at the start of the step; if you record `grad_norm`
-    yourself (say, the pre-clip norm `clip_grad_norm_` returns), yours is kept. A non-finite
-    gradient raises a `nonfinite_grad` health event naming the layers. Watching the same model
-    again replaces the earlier watch; `.remove()` on the returned handle stops it. With the
-    `watch_aggregate="model"` setting every watch is one group, the whole model (series budget).
-    Across ranks, the watched steps' batches and parameter norms are compared (`data_not_sharded`,
-    `replica_divergence`) between data-parallel peers: every rank, unless `data_parallel_group` (a
-    ProcessGroup or this rank's peers' global ranks) names them (tensor/pipeline parallel jobs).
-    The batch is the first tensor argument of the model's first forward in a watched step, or what
-    `ot.watch_batch` gives; a loop that clears gradients before its step ends calls `ot.watch_read`.
+    Values stay on the device until the flush (no host sync). Gradients are read just before the
+    optimizer step (or, with no optimizer step, when the step ends), whatever the order of
+    `zero_grad` in the loop; if you record `grad_norm` yourself (say, the pre-clip norm
+    `clip_grad_norm_` returns), yours is kept. A non-finite gradient raises a `nonfinite_grad`
+    health event naming the layers. `scaler` (a `torch.amp.GradScaler`) also exports its loss
+    scale (`train.loss_scale`) and counts the optimizer steps it skips for inf/NaN gradients
+    (`train.optimizer.skipped_steps`) on every step, with no host sync; use the scaler as usual.
+    Watching the same model again replaces the earlier watch; `.remove()` on the returned handle
+    stops it (and the scaler's). With the `watch_aggregate="model"` setting every watch is one
+    group, the whole model (series budget). Across ranks, the watched steps' batches and parameter
+    norms are compared (`data_not_sharded`, `replica_divergence`) between data-parallel peers: every
+    rank, unless `data_parallel_group` (a ProcessGroup or this rank's peers' global ranks) names
+    them (tensor/pipeline parallel jobs). The batch is the first tensor argument of the model's
+    first forward in a watched step (a framework adapter may give it: `otel_train.adapters`).
     """
     from otel_train.numerics import ModelWatch, NullWatch, check_watch_args
 
     check_watch_args(model, every, max_layers, (grads, params, activations))
+    if scaler is not None and (not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "scale")):
+        raise TypeError(f"ot.watch(scaler=...) expects a torch.amp.GradScaler, got {type(scaler).__name__}")
     session = _runtime._current
     if session is None:
         return NullWatch()
@@ -308,80 +278,33 @@ def watch(
         earlier.remove()
     # watch_aggregate="model" (a job-wide setting for huge jobs) makes every watch one group
     layers = 1 if session.config.watch_aggregate == "model" else max_layers
+    on_remove = session.remove_watch if scaler is None else _watch_scaler(session, scaler)
     handle = ModelWatch(
-        session.buffer, model, every, grads, params, activations, histograms, layers, session.remove_watch
+        session.buffer, model, every, grads, params, activations, histograms, layers, on_remove
     )
     handle.fingerprints = session.identity.distributed and session.config.cross_rank
     session.add_watch(handle)
     return handle
 
 
-def watch_batch(batch: Any) -> None:
-    """This step's batch, for `ot.watch`'s unsharded-data check (`data_not_sharded`). `ot.watch`
-    fingerprints the first tensor argument of the watched model's first forward in a watched step by
-    itself; call this inside the step when the batch never reaches that forward as an argument (a
-    Lightning `training_step` that calls submodules). `batch` is a tensor, or a mapping / tuple /
-    list whose first tensor (in order) is fingerprinted; the step's first fingerprint wins. Costs
-    nothing on unwatched steps and in a single process; never raises."""
-    session = _runtime._current
-    if session is not None and session.watches:
-        for handle in session.watches:
-            handle.see_batch(batch)
-
-
-def watch_read() -> None:
-    """Take the current watched step's `ot.watch` statistics now rather than when the step ends:
-    for a loop that clears the gradients before its step ends (the Hugging Face Trainer zeroes them
-    before `on_step_end`). Call it after the optimizer step; unwatched steps cost nothing."""
-    session = _runtime._current
-    if session is not None and session.watches:
-        for handle in session.watches:
-            handle.read_now()
-
-
-def profile(
-    wait: int = 0,
-    warmup: int = 1,
-    active: int = 3,
-    repeat: int = 1,
-    skip_first: int = 0,
-    ranks: Sequence[int] | None = None,
-) -> bool:
-    """Profile upcoming steps with torch.profiler: counting from the next step, skip `skip_first`,
-    then `repeat` cycles of `wait` idle, `warmup` and `active` recorded steps. Chrome traces go to
-    `<run dir>/profiles/rank<k>/`; profiled steps are traced and counted (`train.profiler.steps`).
-    Call it any time on the training thread (for example when a condition arises) on the ranks
-    you name (default: every rank). Returns True when a window started on this rank. Raises
-    ValueError beyond the caps: `active` <= 50, `repeat * active` <= 100, the whole window
-    <= 100,000 steps (`otel_train.profiling`).
-    """
-    from otel_train.profiling import ProfileWindow
-
-    window = ProfileWindow(wait, warmup, active, repeat, skip_first)  # raises on bad arguments
-    session = _runtime._current
-    if session is None:
-        return False
-    return session.start_profile(window, ranks)
-
-
-def watch_scaler(scaler: Any) -> ScalerWatch | None:
-    """Export a `torch.amp.GradScaler`'s loss scale (`train.loss_scale`) and count the optimizer
-    steps it skips for inf/NaN gradients (`train.optimizer.skipped_steps`), with no host sync.
-    Call once after creating the scaler; use the scaler as usual. Returns the handle (`.remove()`),
-    or None before `init()`."""
+def _watch_scaler(session: Session, scaler: Any) -> Callable[[ModelWatch], None]:
+    """Start the scaler's listener (replacing one on the same scaler); returns the model watch's
+    `on_remove`, which also hands the scaler its own `update` back. The listener stays until the
+    session ends, so what the scaler did before the removal (or the shutdown, which removes every
+    watch before its final flush) is still exported."""
     from otel_train.numerics import ScalerWatch
 
-    if not callable(getattr(scaler, "update", None)) or not hasattr(scaler, "scale"):
-        raise TypeError(f"ot.watch_scaler expects a torch.amp.GradScaler, got {type(scaler).__name__}")
-    session = _runtime._current
-    if session is None:
-        return None
     for listener in [x for x in session.listeners if isinstance(x, ScalerWatch) and x.scaler is scaler]:
         listener.remove()
         session.remove_listener(listener)
-    handle = ScalerWatch(scaler, session.meter)
-    session.add_listener(handle)
-    return handle
+    listener = ScalerWatch(scaler, session.meter)
+    session.add_listener(listener)
+
+    def on_remove(handle: ModelWatch) -> None:
+        session.remove_watch(handle)
+        listener.remove()
+
+    return on_remove
 
 
 def get_meter() -> Meter:

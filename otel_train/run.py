@@ -3,14 +3,16 @@
     with ot.init(run_name="sft") as run:      # shuts down at the end of the block
         print(run.run_dir, run.prometheus_url)
 
-It names the run (id, name, directory, rank, world size, the pull endpoint) and ends it; steps,
-timers and records go through the module functions (`ot.step`, `ot.timer`, `ot.record`, ...),
-which find the running session themselves. The session's internals stay behind
-`ot.current_session()`, for tests and debugging, not a stable API.
+It names the run (id, name, directory, rank, world size, the pull endpoint), profiles a window of
+steps (`run.profile(...)`) and ends it; steps, timers and records go through the module functions
+(`ot.step`, `ot.timer`, `ot.record`, ...), which find the running session themselves. The
+session's internals stay behind `otel_train.testing.current_session()`, for tests and debugging,
+not a stable API.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -83,6 +85,29 @@ class Run:
                 if on
             ),
         )
+
+    def profile(
+        self,
+        wait: int = 0,
+        warmup: int = 1,
+        active: int = 3,
+        repeat: int = 1,
+        skip_first: int = 0,
+        ranks: Sequence[int] | None = None,
+    ) -> bool:
+        """Profile upcoming steps with torch.profiler: counting from the next step, skip
+        `skip_first`, then `repeat` cycles of `wait` idle, `warmup` and `active` recorded steps.
+        Chrome traces go to `<run dir>/profiles/rank<k>/`; profiled steps are traced and counted
+        (`train.profiler.steps`). Call it any time on the training thread (for example when a
+        condition arises; `ot.init()` returns the running run) on the ranks you name (default:
+        every rank). Returns True when a window started on this rank. Raises ValueError beyond the
+        caps: `active` <= 50, `repeat * active` <= 100, the whole window <= 100,000 steps."""
+        from otel_train.profiling import ProfileWindow
+
+        window = ProfileWindow(wait, warmup, active, repeat, skip_first)  # raises on bad arguments
+        if _runtime.current() is not self._session:  # shut down (or replaced): nothing to profile
+            return False
+        return self._session.start_profile(window, ranks)
 
     def shutdown(self) -> None:
         """`ot.shutdown()` for this run: final flush, exporters stopped. Safe to call twice."""

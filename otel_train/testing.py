@@ -1,14 +1,18 @@
-"""Helpers for tests (ours and users'): capture what a run would send to the bridges."""
+"""Helpers for tests (ours and users'): capture what a run would send to the bridges, and the
+running session's internals (`current_session()`) for tests and debugging: not a stable API."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from otel_train import _runtime
 from otel_train.bridges.base import Sink
+
+if TYPE_CHECKING:
+    from otel_train.session import Session
 
 
 @dataclass
@@ -63,6 +67,12 @@ def capture_metrics(**settings: Any) -> Iterator[Capture]:
         yield capture
     finally:
         otel_train.shutdown()
+
+
+def current_session() -> Session | None:
+    """The running session's internals (tests, debugging): not a stable API. A script's stable
+    view is `ot.init()`'s `Run` and `ot.run_info()`; an adapter's, `otel_train.adapters`."""
+    return _runtime.current()
 
 
 def reset() -> None:

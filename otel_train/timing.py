@@ -1,10 +1,10 @@
-"""step(), timed(), timer(), span(): the instrumentation you put in a training loop, and the
-same without a `with` block for adapters whose framework calls hooks at the start and end:
+"""step(), timer(), span(): the instrumentation you put in a training loop, and the same without
+a `with` block for adapters whose framework calls hooks at the start and end (`otel_train.adapters`):
 begin_step()/end_step(), `timer(name).start()`/`.stop()`, `span(name).start()`/`.stop()`, and
 phase() for a phase known only by its duration.
 
-Each is a context manager and a decorator. Before `init()` they do nothing; a timer above the
-configured `timing_log_level` returns a shared no-op object. On the training thread they only read
+step() and timer() are context managers and decorators. Before `init()` they do nothing; a timer
+above the configured `timing_log_level` returns a no-op object. On the training thread they only read
 `perf_counter_ns` and append to the session buffer. Clocks are `time.perf_counter_ns()`.
 """
 
@@ -28,9 +28,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _NullScope:
-    """Shared no-op scope for disabled timers."""
+    """No-op scope: the shared `_NULL`, or, from `timer()`, one that keeps the timer's arguments
+    for the decorator form (a function decorated before `init()` is timed once a session runs)."""
 
-    __slots__ = ()
+    __slots__ = ("cuda", "level", "name")
 
     def __enter__(self) -> _NullScope:
         return self
@@ -43,6 +44,11 @@ class _NullScope:
 
     def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
         return None
+
+    def __call__(self, fn: F) -> F:
+        return _timed(
+            fn, getattr(self, "name", None), getattr(self, "level", 1), getattr(self, "cuda", False)
+        )
 
 
 _NULL = _NullScope()
@@ -153,6 +159,13 @@ class TimerScope:
     def _end(self, session: Session, end_ns: int, error: type[BaseException] | None) -> None:
         session.end_timer(self.name, self._start, end_ns, error)
 
+    def __call__(self, fn: F) -> F:
+        """`@ot.timer("forward")`: each call of `fn` runs in a fresh timer of that name. A scope
+        does not keep its level (a slot stored on every timer would cost each one): a timer made
+        enabled after `init()` decorates at the default level 1; one made before `init()` or above
+        the level keeps its own (the common case: a decorator runs at import)."""
+        return _timed(fn, self.name, 1, isinstance(self, CudaTimerScope))
+
 
 class CudaTimerScope(TimerScope):
     """`ot.timer(name, cuda=True)`: the device time between two CUDA events, resolved on the
@@ -182,21 +195,33 @@ class CudaTimerScope(TimerScope):
 
 
 def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullScope:
-    """`with ot.timer("forward"):` — time a phase. `cuda=True` times the device work with CUDA
-    events (resolved on the worker, no sync on the training thread)."""
+    """`with ot.timer("forward"):` — time a phase; `@ot.timer("forward")` times each call of a
+    function (sync or async), also one decorated before `init()`. `cuda=True` times the device work
+    with CUDA events (resolved on the worker, no sync on the training thread). Before `init()` or
+    above the configured `timing_log_level` it does nothing."""
     session = _runtime._current
     if session is None:
-        return _NULL
+        return _off(name, level, cuda)
     try:
         if level > session.timing_level:
-            return _NULL
+            return _off(name, level, cuda)
     except TypeError:  # level="1", None, ...: read it as a number if it is one, never raise
-        if _timer_level(session, level) > session.timing_level:
-            return _NULL
+        level = _timer_level(session, level)
+        if level > session.timing_level:
+            return _off(name, level, cuda)
     if cuda:
         return CudaTimerScope(name)
     scope = _new_scope(TimerScope)  # no __init__ frame: a timer is made on every step
     scope.name = name
+    return scope
+
+
+def _off(name: str, level: Any, cuda: bool) -> _NullScope:
+    """A no-op scope that keeps the timer's arguments for the decorator form (before `init()`, or
+    above the level, which may be raised later): not the shared `_NULL`, at an object's cost off
+    the measured path."""
+    scope = _new_scope(_NullScope)
+    scope.name, scope.level, scope.cuda = name, level, cuda
     return scope
 
 
@@ -209,14 +234,13 @@ def _timer_level(session: Session, level: Any) -> int:
         return 1
 
 
-def timed(name: str, level: int = 1, cuda: bool = False) -> Callable[[F], F]:
-    """Decorator form of `timer`: `@ot.timed("forward")` (sync and async functions)."""
-
-    def decorate(fn: F) -> F:
-        # timer() returns the shared no-op scope before init() or above the level: ~free.
-        return _wrap(fn, lambda: timer(name, level, cuda))
-
-    return decorate
+def _timed(fn: F, name: str | None, level: int, cuda: bool) -> F:
+    """`fn`, each call timed by `timer(name, level, cuda)`, made anew per call (before init() or
+    above the level that is a no-op scope: ~free). Without a name (the shared `_NULL`, which an
+    invalid level returns) `fn` itself."""
+    if name is None:
+        return fn
+    return _wrap(fn, lambda: timer(name, level, cuda))
 
 
 class MarkScope:

@@ -1,9 +1,11 @@
 """The package's shape, checked with `ast` (no imports run): no import cycle between otel_train's
 modules, no reach into another module's private names, no oversized function, class or module, no
 dispatch on `kind` strings, instruments made from the catalogue only by `MetricSpec.create`, and no
-integration (otel_train/integrations/) beyond the public API: names in `otel_train.__all__`,
-the settings (`otel_train.config`, `otel_train.config_loading`), the metric catalogue
-`otel_train.semconv` and the other integrations only, a `Session` never touched (issue #23).
+integration (otel_train/integrations/) beyond the public API: names in `otel_train.__all__`, the
+adapter API (the names in `otel_train.adapters.__all__`: steps begun and ended by hooks, phases a
+framework timed, the batch for the data check; issue #45), the settings (`otel_train.config`,
+`otel_train.config_loading`), the metric catalogue `otel_train.semconv` and the other integrations
+only, a `Session` never touched (issue #23).
 
 What still breaks a rule is named in KNOWN_VIOLATIONS, one entry per offender, so the test passes
 today and fails on any new violation, and on an entry that no longer occurs (delete it then: the
@@ -337,14 +339,19 @@ def instrument_factories(module: Module) -> Iterator[str]:
 
 
 # --- integrations use the public API only (issue #23) ---------------------------------------------
-# What an adapter may use: the names in the package's `__all__`, its settings modules (config,
-# config_loading), the catalogue, the other integrations. A `Session` (from `current_session()`/
+# What an adapter may use: the names in the package's `__all__` and in its adapter module's
+# `__all__` (ADAPTER_MODULE), its settings modules (config, config_loading), the catalogue, the
+# other integrations. A `Session` (from `current_session()`/
 # `init()`, or typed `Session`) is opaque: any method call or attribute read/write on it is a
 # violation (adapters for other frameworks must be writable from the outside with the same API).
 SESSION_FACTORIES = frozenset({"current_session", "init"})
+ADAPTER_MODULE = "adapters"  # below the package root
 
 
 def _public_names(modules: dict[str, Module], root: str) -> frozenset[str]:
+    """The `__all__` of module `root` (empty when the module or its `__all__` is missing)."""
+    if root not in modules:
+        return frozenset()
     for node in ast.walk(modules[root].tree):
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
@@ -366,10 +373,13 @@ def non_public_uses(module: Module, modules: dict[str, Module]) -> Iterator[str]
     """What an integration module uses beyond the public API, as report lines."""
     root = module.name.split(".")[0]
     public = _public_names(modules, root)
+    adapters = f"{root}.{ADAPTER_MODULE}"
+    adapter_names = _public_names(modules, adapters)
     # settings (and loading them) and metric names are public
-    allowed_modules = {root, f"{root}.config", f"{root}.config_loading", f"{root}.semconv"}
+    allowed_modules = {root, f"{root}.config", f"{root}.config_loading", f"{root}.semconv", adapters}
     here = module.name
     package_aliases: set[str] = set()
+    adapter_aliases: set[str] = set()
     factories: set[str] = set()  # local names (dotted) that call into a Session factory
     for imp in imports_of(module, modules):
         if imp.module is not None and (
@@ -377,6 +387,8 @@ def non_public_uses(module: Module, modules: dict[str, Module]) -> Iterator[str]
         ):
             if imp.module == root:
                 package_aliases.add(imp.bound_as)
+            if imp.module == adapters:
+                adapter_aliases.add(imp.bound_as)
             continue
         if imp.module is None and imp.owner == root and f"{root}.{imp.name}" in allowed_modules:
             continue
@@ -384,8 +396,10 @@ def non_public_uses(module: Module, modules: dict[str, Module]) -> Iterator[str]
             if imp.name in SESSION_FACTORIES:
                 factories.add(imp.bound_as)
             continue
+        if imp.module is None and imp.owner == adapters and imp.name in adapter_names:
+            continue
         if imp.module is None and (
-            imp.owner in allowed_modules - {root} or imp.owner.startswith(f"{root}.integrations")
+            imp.owner in allowed_modules - {root, adapters} or imp.owner.startswith(f"{root}.integrations")
         ):
             continue
         yield f"public-api: {here} imports {imp.owner}{'.' + imp.name if imp.name else ''}"
@@ -419,6 +433,8 @@ def non_public_uses(module: Module, modules: dict[str, Module]) -> Iterator[str]
         value = _dotted(node.value)
         if value in package_aliases and node.attr not in public:
             yield f"public-api: {here} uses {root}.{node.attr} (not in {root}.__all__)"
+        elif value in adapter_aliases and node.attr not in adapter_names:
+            yield f"public-api: {here} uses {adapters}.{node.attr} (not in {adapters}.__all__)"
         elif value in sessions or is_session_call(node.value):
             yield f"public-api: {here} uses Session.{node.attr}"
 
@@ -668,6 +684,32 @@ def test_detects_integrations_beyond_the_public_api(tmp_path: Path) -> None:
         "public-api: pkg.integrations.bad uses Session.run_dir",
         "public-api: pkg.integrations.bad uses Session.step_start_ns",
         "public-api: pkg.integrations.bad uses pkg._runtime (not in pkg.__all__)",
+    ]
+
+
+def test_integrations_may_use_the_adapter_modules_names_only(tmp_path: Path) -> None:
+    """`pkg.adapters.__all__` is open to integrations as `pkg.__all__` is; its other names, and
+    the internals it imports, are not."""
+    adapters = (
+        '__all__ = ["begin_step", "current_run"]\nfrom pkg import _runtime\n'
+        "def begin_step(): ...\ndef current_run(): ...\ndef _helper(): ...\ndef hidden(): ...\n"
+    )
+    ok = (
+        "from pkg import adapters\nfrom pkg.adapters import current_run\nimport pkg.adapters as ad\n"
+        "def g():\n    adapters.begin_step()\n    ad.begin_step()\n    return current_run() == current_run()\n"
+    )
+    bad = (
+        "import pkg as ot\nfrom pkg import adapters\nfrom pkg.adapters import hidden, _helper\n"
+        "def g():\n    adapters.hidden()\n    adapters._runtime.current()\n    ot.adapters.begin_step()\n"
+    )
+    files = {"__init__.py": _FAKE_ROOT, **_FAKE_MODULES, "adapters.py": adapters, "integrations/ok.py": ok,
+             "integrations/bad.py": bad}  # fmt: skip
+    assert violations(_package(tmp_path, files)).public == [
+        "public-api: pkg.integrations.bad imports pkg.adapters._helper",
+        "public-api: pkg.integrations.bad imports pkg.adapters.hidden",
+        "public-api: pkg.integrations.bad uses pkg.adapters (not in pkg.__all__)",
+        "public-api: pkg.integrations.bad uses pkg.adapters._runtime (not in pkg.adapters.__all__)",
+        "public-api: pkg.integrations.bad uses pkg.adapters.hidden (not in pkg.adapters.__all__)",
     ]
 
 

@@ -11,7 +11,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
-from otel_train import semconv
+from otel_train import adapters, semconv
 from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError
 
 log = logging.getLogger("otel_train")
@@ -61,7 +61,7 @@ def with_precision(settings: Mapping[str, Any], framework_precision: str | None)
 def start_session(settings: Mapping[str, Any] | None) -> bool:
     """Start a session unless the user already has one. True when this call started it (the
     integration then also shuts it down); the user's own session is never replaced."""
-    if ot.current_session() is not None:
+    if adapters.current_run() is not None:
         return False
     ot.init(**dict(settings or {}))
     return True

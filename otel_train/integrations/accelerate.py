@@ -39,6 +39,7 @@ from typing import Any
 from accelerate.tracking import GeneralTracker
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.config import CONFIG_FILE_ENV, default_run_name, env_name
 from otel_train.config_loading import config_file_settings
 from otel_train.integrations._common import (
@@ -98,8 +99,8 @@ class OtelTrainTracker(GeneralTracker):
 
     @property
     def tracker(self) -> Any:
-        """The otel_train session (Accelerate's handle to the underlying tracker)."""
-        return ot.current_session()
+        """The running otel_train `Run` (Accelerate's handle to the underlying tracker), or None."""
+        return adapters.current_run()
 
     def start(self) -> None:
         if self._ready():
@@ -124,9 +125,9 @@ class OtelTrainTracker(GeneralTracker):
             self._marks_steps = False
         number = _step_number(step)
         if self._marks_steps and number is not None and number > self._marked:
-            ot.begin_step(number, start_ns=self._mark_ns)
+            adapters.begin_step(number, start_ns=self._mark_ns)
             ot.log_metrics(scalars)  # inside the step: they leave with its flush, filed under it
-            ot.end_step()
+            adapters.end_step()
             self._marked = number
             self._mark_ns = perf_counter_ns()
         elif number is not None and number == info.open_step:
@@ -143,7 +144,7 @@ class OtelTrainTracker(GeneralTracker):
             ot.shutdown()
 
     def _ready(self) -> bool:
-        if ot.current_session() is not None:
+        if adapters.current_run() is not None:
             return True
         if distributed_world() > 1:
             if not self._warned:

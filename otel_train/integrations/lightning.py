@@ -49,6 +49,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.config import Config, ConfigError, env_name
 from otel_train.config_loading import load_config
 from otel_train.integrations._common import (
@@ -84,15 +85,15 @@ class _Place(NamedTuple):
     version: str
 
 
-# The running session an OtelTrainLogger started, and that logger: a session the user (or the
-# callback) started is never shut down by a logger. A weak reference: holding the logger alive
-# for the module's life would keep its Trainer's objects too.
+# The run an OtelTrainLogger started (a `Run`: runs of one session compare equal), and that logger:
+# a session the user (or the callback) started is never shut down by a logger. A weak reference:
+# holding the logger alive for the module's life would keep its Trainer's objects too.
 _owned_session: Any = None
 _owner_ref: weakref.ref[OtelTrainLogger] | None = None
 
 
 def _owner_of(session: Any) -> OtelTrainLogger | None:
-    if session is None or session is not _owned_session or _owner_ref is None:
+    if session is None or session != _owned_session or _owner_ref is None:
         return None
     return _owner_ref()
 
@@ -237,8 +238,8 @@ class OtelTrainLogger(Logger):
         return os.path.join(self.root_dir, self.version)
 
     @property
-    def experiment(self) -> ot.Run | None:
-        """The otel_train run (`ot.Run`), started here if need be: Lightning asks for it on every
+    def experiment(self) -> adapters.Run | None:
+        """The otel_train run (`adapters.Run`), started here if need be: Lightning asks for it on every
         rank before the set-up hooks, so all ranks start the session at the same point."""
         trainer = _trainer_on_stack(self)
         if trainer is not None:
@@ -257,7 +258,7 @@ class OtelTrainLogger(Logger):
             self._place = self._primary._resolve(trainer)
             return self._place
         info = ot.run_info()
-        if info is not None and _owner_of(ot.current_session()) is None:  # the user's session names the run
+        if info is not None and _owner_of(adapters.current_run()) is None:  # the user's session names the run
             self._place = _Place(str(info.output_dir), "", info.run_name)
             return self._place
         config = load_config(self._settings)
@@ -293,7 +294,7 @@ class OtelTrainLogger(Logger):
         if self._primary is not None:
             self._primary._ensure_session(trainer)
             return
-        session = ot.current_session()
+        session = adapters.current_run()
         if session is not None:
             owner = _owner_of(session)
             if owner is None or owner is self:
@@ -309,7 +310,7 @@ class OtelTrainLogger(Logger):
         info = ot.run_info()
         if info is None:
             return
-        _owned_session, _owner_ref = ot.current_session(), weakref.ref(self)
+        _owned_session, _owner_ref = adapters.current_run(), weakref.ref(self)
         self._run_id = info.run_id
         if info.run_name != place.version:
             # Another rank (rank 0) chose the run name: take it unless this rank already gave ours out.
@@ -342,7 +343,7 @@ class OtelTrainLogger(Logger):
 
     def _shutdown_owned(self) -> None:
         global _owned_session, _owner_ref
-        session = ot.current_session()
+        session = adapters.current_run()
         if session is not None and _owner_of(session) is self:
             _owned_session, _owner_ref = None, None
             ot.shutdown()
@@ -361,9 +362,9 @@ class OtelTrainLogger(Logger):
         self._ensure_session()
         values = _lightning_scalars(metrics)
         if step is not None and self.marks_steps and (self._last_step is None or step > self._last_step):
-            ot.begin_step(step, start_ns=self._mark_ns)
+            adapters.begin_step(step, start_ns=self._mark_ns)
             ot.log_metrics(values)  # inside the step: they leave with its flush
-            ot.end_step()
+            adapters.end_step()
             self._mark_ns = perf_counter_ns()
             values = {}
         if step is not None:
@@ -452,7 +453,7 @@ class OtelTrainCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._step is not None:
-            ot.end_step(failed=True)
+            adapters.end_step(failed=True)
             self._step = None
         if self._owns_session:
             self._owns_session = False
@@ -462,7 +463,7 @@ class OtelTrainCallback(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if ot.current_session() is None:
+        if adapters.current_run() is None:
             return
         now = perf_counter_ns()
         start = self._mark_ns if self._mark_ns is not None else now
@@ -470,11 +471,11 @@ class OtelTrainCallback(Callback):
             # Backdated to the previous batch's end: the data wait belongs to this step, and the
             # arrivals are measured from there (a rank slow to load arrives late at the backward
             # all-reduce: that makes it the straggler, not the ranks that wait for it).
-            self._step = ot.begin_step(trainer.global_step, start_ns=start)
+            self._step = adapters.begin_step(trainer.global_step, start_ns=start)
             self._step_global = trainer.global_step
             self._tokens = 0
             # unsharded data (watched steps only): training_step need not pass the batch to forward
-            ot.watch_batch(batch)
+            adapters.watch_batch(batch)
         if self._tokens_of is not None:
             self._tokens += int(self._tokens_of(batch))
         if start < now:
@@ -498,7 +499,7 @@ class OtelTrainCallback(Callback):
             return  # a micro-batch that accumulated gradients: the step goes on
         self._end_phase("optimizer")
         self._forward_logged(trainer, None)  # this step's values (the trainer computes them now)
-        ot.end_step(tokens=self._tokens or None)
+        adapters.end_step(tokens=self._tokens or None)
         self._step = None
         self._mark_ns = perf_counter_ns()
 
@@ -510,7 +511,7 @@ class OtelTrainCallback(Callback):
         """Without an OtelTrainLogger: send what the trainer's loggers get. Only values that changed
         since the last call (new objects; tensors stay on device) so that a validation value is
         not re-sent at every later step."""
-        if not self._forwards_logged or ot.current_session() is None:
+        if not self._forwards_logged or adapters.current_run() is None:
             return
         fresh = {k: v for k, v in trainer.logged_metrics.items() if self._forwarded.get(k) is not v}
         if fresh:
@@ -519,7 +520,7 @@ class OtelTrainCallback(Callback):
 
     # --- validation ------------------------------------------------------------------------------
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.sanity_checking and ot.current_session() is not None:
+        if not trainer.sanity_checking and adapters.current_run() is not None:
             self._eval = ot.span("eval", {"train.step": trainer.global_step}).start()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

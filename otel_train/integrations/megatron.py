@@ -61,6 +61,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.integrations._common import skipped_steps_counter, start_session
 
 __all__ = ["OtelTrainCallback", "instrument", "settings_from_logger_config"]
@@ -123,7 +124,7 @@ class _Tracker:
         else:
             earlier = self.pending.get(name)
             if earlier is not None:  # an earlier micro-batch: its duration, no arrival
-                ot.phase(name, (earlier[1] - earlier[0]) * 1e-9, earlier[2])
+                adapters.phase(name, (earlier[1] - earlier[0]) * 1e-9, earlier[2])
             self.pending[name] = (start, end, level)
 
     def flush(self) -> None:
@@ -249,7 +250,7 @@ class OtelTrainCallback:
 
     def on_train_step_start(self, context: Any) -> None:
         # Bridge increments train_state.step after on_train_step_end: this is the step running now.
-        ot.begin_step(context.state.train_state.step)
+        adapters.begin_step(context.state.train_state.step)
 
     def on_train_step_end(self, context: Any) -> None:
         for key, value in (context.loss_dict or {}).items():  # reduced tensors: stay on device
@@ -261,7 +262,7 @@ class OtelTrainCallback:
             ot.record("learning_rate", lr)
         if context.skipped_iter and self._skips is not None:
             self._skips.add(1)
-        ot.end_step(tokens=self._tokens, samples=self._samples)
+        adapters.end_step(tokens=self._tokens, samples=self._samples)
 
     def on_eval_start(self, context: Any) -> None:
         self._open_span("eval", context)

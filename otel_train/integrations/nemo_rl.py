@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.integrations._common import settings_from_kwargs, start_session
 
 __all__ = ["REDUCTIONS", "OtelTrainLogger", "publish_reductions"]
@@ -192,10 +193,10 @@ class OtelTrainLogger:
         start = self._last_end_ns if self._last_end_ns is not None else now
         if total is not None and math.isfinite(total) and total >= 0:
             start = now - int(total * 1e9)
-        ot.begin_step(int(step), start_ns=start)
+        adapters.begin_step(int(step), start_ns=start)
         for name, seconds in durations.items():
             if name not in rates and math.isfinite(seconds) and seconds >= 0:
-                ot.phase(name, seconds)
+                adapters.phase(name, seconds)
         if rates:
             ot.log_metrics({f"{prefix}/{k}": v for k, v in rates.items()})
         with self._lock:
@@ -203,5 +204,5 @@ class OtelTrainLogger:
         if gauges:
             ot.log_metrics({f"{GPU_MONITOR_PREFIX}/{k}": v for k, v in gauges.items()})
         tokens, self._tokens = self._tokens, None
-        ot.end_step(tokens=int(tokens) if tokens is not None and math.isfinite(tokens) else None)
+        adapters.end_step(tokens=int(tokens) if tokens is not None and math.isfinite(tokens) else None)
         self._last_end_ns, self._ended_step = now, step

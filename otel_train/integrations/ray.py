@@ -58,6 +58,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.config import env_name
 from otel_train.config_loading import load_config
 from otel_train.integrations._common import settings_from_kwargs, start_session
@@ -167,7 +168,7 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
         self._failed_ns: int | None = None
 
     def _start(self) -> None:
-        if ot.current_session() is None:
+        if adapters.current_run() is None:
             start_session(self.settings)
             self._last_report_ns = time.perf_counter_ns()
 
@@ -179,7 +180,7 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
             ot.event("worker_group_restart", "the worker group reported again after a failure", {})
             self._failed_ns = None
         self._step += 1
-        ot.begin_step(self._step, start_ns=self._last_report_ns)
+        adapters.begin_step(self._step, start_ns=self._last_report_ns)
         per_name: dict[str, list[float]] = {}
         for worker_metrics in metrics:
             for name, value in flatten_numbers(worker_metrics).items():
@@ -188,7 +189,7 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
             publish_reductions(f"ray_train/{name}", values)
         if checkpoint is not None:
             ot.log_text("ray_train_checkpoint", str(getattr(checkpoint, "path", checkpoint)), self._step)
-        ot.end_step()
+        adapters.end_step()
         self._last_report_ns = now
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:

@@ -20,7 +20,7 @@ instrumented (`integrations.deepspeed.instrument(engine, steps=False)`): Acceler
 (inside `forward_backward`), not the Trainer's no-op `optimizer.step()`; `forward`/`backward` and the
 ZeRO facts come with it, and `watch_every` watches parameters only (ZeRO leaves `p.grad` None).
 
-Each step begins where the previous one ended (`ot.begin_step(start_ns=...)`), so `data` lies
+Each step begins where the previous one ended (`adapters.begin_step(start_ns=...)`), so `data` lies
 inside it and its end is this rank's arrival: under DDP the gradient all-reduce runs inside
 `forward_backward`, and the straggler detector names the rank the others wait for there.
 
@@ -84,6 +84,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.config import CONFIG_FILE_ENV, env_name
 from otel_train.integrations._common import (
     distributed_world,
@@ -211,7 +212,7 @@ class OtelTrainCallback(TrainerCallback):
     def _start(self, args: Any, state: TrainerState | None, model: Any) -> None:
         # Began already and its session still runs: the Trainer re-entered its training loop in the
         # same train() (auto_find_batch_size after an out-of-memory error). The run goes on.
-        again = self._started and self._session is not None and ot.current_session() is self._session
+        again = self._started and self._session is not None and adapters.current_run() == self._session
         if not again:
             settings = {**_adopted_settings(args, state, self._settings), **self._settings}
             if self._took_wandb and not _chosen("wandb_project", self._settings):
@@ -220,7 +221,7 @@ class OtelTrainCallback(TrainerCallback):
             if isinstance(max_steps, int) and max_steps > 0:
                 settings.setdefault("total_steps", max_steps)
             started = start_session(with_precision(settings, _precision(args)))
-            self._session = ot.current_session() if started else None
+            self._session = adapters.current_run() if started else None
         self._started = True
         info = ot.run_info()
         self._rank = info.rank if info is not None else 0
@@ -251,7 +252,7 @@ class OtelTrainCallback(TrainerCallback):
         self._started = False
         self._mark_ns = None
         session, self._session = self._session, None
-        if session is not None and ot.current_session() is session:
+        if session is not None and adapters.current_run() == session:
             ot.shutdown()
 
     def _end_abandoned_step(self) -> None:
@@ -259,7 +260,7 @@ class OtelTrainCallback(TrainerCallback):
         counts and durations."""
         if self._open:
             self._open = False
-            ot.end_step(failed=True)
+            adapters.end_step(failed=True)
 
     # --- one optimizer step ----------------------------------------------------------------------
     def on_step_begin(
@@ -271,12 +272,12 @@ class OtelTrainCallback(TrainerCallback):
         now = perf_counter_ns()
         start = self._mark_ns if self._mark_ns is not None else now
         index = state.global_step if state is not None else self._steps
-        if ot.begin_step(index, start_ns=start) is None:
+        if adapters.begin_step(index, start_ns=start) is None:
             return  # no session (the user's was shut down)
         self._open = True
         batch, self._batches[0] = self._batches[0], None
         if batch is not None:
-            ot.watch_batch(batch)  # unsharded data: the batch as it left the loader (watched steps)
+            adapters.watch_batch(batch)  # unsharded data: the batch as it left the loader (watched steps)
         if state is not None and start < now:  # OumiTrainer fetches the batch inside the step
             self._time_data(start, now)
         self._phase_start_ns = now
@@ -303,7 +304,7 @@ class OtelTrainCallback(TrainerCallback):
         else:
             self._end_phase("optimizer")
         if self._open:
-            ot.watch_read()  # the Trainer zeroes the gradients before on_step_end
+            adapters.watch_read()  # the Trainer zeroes the gradients before on_step_end
 
     def _end_phase(self, name: str) -> None:
         if self._open:
@@ -321,7 +322,7 @@ class OtelTrainCallback(TrainerCallback):
             tokens = self._rank_tokens(state.num_input_tokens_seen - self._tokens_seen, self._rank) or None
             self._tokens_seen = state.num_input_tokens_seen
         self._open = False
-        ot.end_step(tokens=tokens)
+        adapters.end_step(tokens=tokens)
         self._mark_ns = perf_counter_ns()
 
     # --- logs, eval, checkpoints -----------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""The adapter API: what a framework integration needs that a training loop does not.
+
+A training loop uses `otel_train`'s own names (`ot.step`, `ot.timer`, `ot.record`, ...). An adapter
+for a framework that calls hooks at the start and end of a step, or reports phases it timed itself,
+uses these as well (`otel_train/integrations/` use these and `otel_train.__all__`, nothing else):
+
+    from otel_train import adapters
+
+    def on_step_begin(self, step):                      # the framework's hook
+        adapters.begin_step(step, start_ns=self.last_end_ns)
+        adapters.watch_batch(self.batch)                # the batch, for the unsharded-data check
+
+    def on_step_end(self, timings):
+        for name, seconds in timings.items():
+            adapters.phase(name, seconds)               # a duration the framework measured
+        adapters.end_step(tokens=self.tokens)
+
+Like the rest of the API, every function here is a no-op before `ot.init()` and never raises into
+the framework for a bad value. `Run` is the type `current_run()` (and `ot.init()`) returns.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+# An adapter's hooks run once per step, not per op: `_runtime.current()` (one call) is cheap here,
+# unlike in ot.record/ot.timer, which read the module attribute directly.
+from otel_train import _runtime
+from otel_train.run import Run
+from otel_train.timing import begin_step, end_step, phase
+
+if TYPE_CHECKING:
+    from otel_train.crossrank import StragglerReport
+
+__all__ = [
+    "Run",
+    "begin_step",
+    "current_run",
+    "end_step",
+    "on_straggler",
+    "phase",
+    "watch_batch",
+    "watch_read",
+]
+
+
+def current_run() -> Run | None:
+    """The running run (what `ot.init()` returned), or None when none is running; unlike
+    `ot.init()` it never starts one. Runs compare equal when they are the same session: an adapter
+    that started a run keeps it and checks `adapters.current_run() == mine` before ending it."""
+    session = _runtime.current()
+    return Run(session) if session is not None else None
+
+
+def watch_batch(batch: object) -> None:
+    """This step's batch, for `ot.watch`'s unsharded-data check (`data_not_sharded`). `ot.watch`
+    fingerprints the first tensor argument of the watched model's first forward in a watched step by
+    itself; call this inside the step when the batch never reaches that forward as an argument (a
+    Lightning `training_step` that calls submodules). `batch` is a tensor, or a mapping / tuple /
+    list whose first tensor (in order) is fingerprinted; the step's first fingerprint wins. Costs
+    nothing on unwatched steps and in a single process; never raises."""
+    session = _runtime.current()
+    if session is not None and session.watches:
+        for handle in session.watches:
+            handle.see_batch(batch)
+
+
+def watch_read() -> None:
+    """Take the current watched step's `ot.watch` statistics now rather than when the step ends:
+    for a framework that clears the gradients before its step-end hook and outside an optimizer
+    step `ot.watch` sees. Call it after the optimizer step; unwatched steps cost nothing."""
+    session = _runtime.current()
+    if session is not None and session.watches:
+        for handle in session.watches:
+            handle.read_now()
+
+
+def on_straggler(callback: Callable[[list[StragglerReport]], None]) -> None:
+    """Call `callback(reports)` on EVERY rank with the same list of chronic stragglers (each a
+    `StragglerReport`: rank, host, phase, lateness, the ranks that wait for it, ...), one flush
+    after rank 0 found them, at the same flush on every rank while the ranks keep pace: for a
+    decision all ranks must take alike (stop, checkpoint, drain a host). It runs on the thread
+    of `ot.on_event`'s callbacks (it may block or call `ot.shutdown()`). Replaces an earlier
+    callback. Before `init()`, or in a single process: never called."""
+    session = _runtime.current()
+    if session is not None and callable(callback):
+        hooks = session.events.hook_thread(session.instruments.dropped)
+        session.reducer.on_straggler = functools.partial(hooks.submit, callback)

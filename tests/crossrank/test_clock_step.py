@@ -53,13 +53,14 @@ def _rank(rank: int, world: int, out: str) -> dict[str, Any]:
 
     import otel_train as ot
     from otel_train.diagnostics import collectives
+    from otel_train.testing import current_session
 
     collectives.MAX_READ_SHARE = 0.02  # a verdict within seconds (as test_collective_lateness)
     if rank == 3:
         socket.gethostname = lambda: "nodeB"  # another host: its own clock, its offset estimated
     ot.init(output_dir=out, run_name="clockstep", verbosity=0, log_interval=5, hardware=False,
             collective_timeout_s=60.0)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     events: list[dict[str, Any]] = []
     session.events.add_callback(lambda e, m, a: events.append({"event": e, "message": m, **a}))

@@ -229,6 +229,7 @@ def _fsdp_rank(rank: int, world: int, timers: bool, skew_s: float, out: str) -> 
 
     import otel_train as ot
     from otel_train.diagnostics import collectives
+    from otel_train.testing import current_session
 
     collectives.MAX_READ_SHARE = READ_SHARE
     events: list[dict[str, Any]] = []
@@ -244,7 +245,7 @@ def _fsdp_rank(rank: int, world: int, timers: bool, skew_s: float, out: str) -> 
         hardware=False,
         collective_timeout_s=60.0,
     )
-    session = ot.current_session()
+    session = current_session()
     session.events.add_callback(lambda e, m, a: events.append({"event": e, "message": m, **a}))
     if rank == 3 and skew_s:
         session.reducer.lateness.skew_s = skew_s  # this host's clock reads off: recorder and exchange
@@ -322,10 +323,11 @@ def _hf_rank(rank: int, world: int, out: str) -> dict[str, Any]:
     import otel_train as ot
     from otel_train.diagnostics import collectives
     from otel_train.integrations.transformers import OtelTrainCallback
+    from otel_train.testing import current_session
 
     collectives.MAX_READ_SHARE = READ_SHARE
     ot.init(verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0)
-    session = ot.current_session()
+    session = current_session()
     events: list[dict[str, Any]] = []
     session.events.add_callback(
         lambda event, message, attrs: events.append({"event": event, "message": message, **attrs})

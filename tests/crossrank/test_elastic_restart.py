@@ -33,11 +33,12 @@ def _incarnation(rank: int, world: int, out_dir: str, first: int, last: int, cra
     import torch.distributed as dist
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     ot.init(
         output_dir=out_dir, run_name="elastic", log_interval=LOG_INTERVAL, hardware=False, verbosity=0,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     from otel_train.goodput import SAVE_EVERY_S
 
     for step in range(first, last):

@@ -66,13 +66,14 @@ def _job_target(
     import torch.distributed as dist
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     warnings = _place(rank, places, env)
     ot.init(
         output_dir=out, run_name="shape", verbosity=0, hardware=False, prometheus_port=0,
         log_interval=LOG_INTERVAL, collective_timeout_s=30.0,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     views: list[int] = []  # rank 0: the ranks in each flush's cross-rank view
     if rank == 0:
         session.add_listener(_ViewCounter(session.reducer, views))
@@ -152,6 +153,7 @@ def _tree_target(
 
     import otel_train as ot
     from otel_train.diagnostics import collectives
+    from otel_train.testing import current_session
 
     collectives.MAX_READ_SHARE = 0.02  # seconds-long job: reads may take 2 % (see test_collective_lateness)
     _place(rank, places, env)
@@ -160,7 +162,7 @@ def _tree_target(
         output_dir=out, run_name="late", verbosity=0, hardware=False, prometheus_port=0,
         log_interval=LOG_INTERVAL, collective_timeout_s=30.0,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     session.events.add_callback(lambda e, m, a: events.append({"event": e, "message": m, **a}))
     grad = torch.ones(16)
     for step in range(60):

@@ -58,6 +58,8 @@ def train(rank: int, scenario: dict[str, Any], out_dir: str) -> dict[str, Any]:
     import torch
 
     import otel_train as ot
+    from otel_train import adapters
+    from otel_train.testing import current_session
 
     if scenario.get("spawn_env"):
         # torch.multiprocessing.spawn style: only the process group says who is who
@@ -68,10 +70,10 @@ def train(rank: int, scenario: dict[str, Any], out_dir: str) -> dict[str, Any]:
         output_dir=out_dir, run_name=scenario.get("run_name"), verbosity=0, log_interval=LOG_INTERVAL,
         hardware=False, collective_timeout_s=60.0, exchange_fanin=scenario.get("fanin", 16),
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
     chronic: list[list[int]] = []  # each delivery of the chronic list on this rank (ot.on_straggler)
-    ot.on_straggler(lambda reports: chronic.append([r.rank for r in reports]))
+    adapters.on_straggler(lambda reports: chronic.append([r.rank for r in reports]))
     model, opt = _model(scenario["kind"])
     slow = scenario.get("slow", {})  # {"rank": r, "phase": "data" | "forward", "factor": f}
     factor = slow.get("factor", 1.0) if rank == slow.get("rank") else 1.0

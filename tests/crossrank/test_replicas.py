@@ -28,6 +28,7 @@ from otel_train.crossrank.replicas import (
     encode,
 )
 from otel_train.interval import Interval
+from otel_train.testing import current_session
 
 LABELS = ("embed", "mid", "head")
 
@@ -142,7 +143,7 @@ def _ddp_rank(rank: int, world: int, output_dir: str, mode: str, steps: int) -> 
         else torch.optim.SGD(model.parameters(), lr=0.05)
     )
     ot.init(prometheus_port=0, verbosity=0, hardware=False, log_interval=10, run_name="replicas")
-    session = ot.current_session()
+    session = current_session()
     # "own_group": every rank its own data-parallel group, as tensor-parallel peers would name theirs
     ot.watch(model, every=5, data_parallel_group=[rank] if mode == "own_group" else None)
     step = 0
@@ -214,7 +215,7 @@ def test_ranks_in_different_data_parallel_groups_are_not_compared(tmp_path: Path
 
 def test_ot_watch_names_the_data_parallel_group(tmp_path: Path) -> None:
     ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     try:
         model = torch.nn.Linear(2, 2)
         ot.watch(model, data_parallel_group=[0])

@@ -14,6 +14,7 @@ import torch
 from helpers.multirank import run_ranks
 
 import otel_train as ot
+from otel_train import adapters
 
 LENGTH = 32  # bases per sequence / tokens per row
 STEPS = 20  # a flush every 10 steps, a watched step every 5: two flushes compare four steps
@@ -66,7 +67,7 @@ def _rank(rank: int, world: int, output_dir: str, data: str, sharded: bool) -> l
             if data == "dna":  # fingerprinted by the forward pre-hook: the argument
                 out = model(batch[0])
             else:  # as the integrations do: the batch as it left the loader, mask first
-                ot.watch_batch({"attention_mask": batch[0], "input_ids": batch[1]})
+                adapters.watch_batch({"attention_mask": batch[0], "input_ids": batch[1]})
                 out = model(batch[0], batch[1])
             out.pow(2).mean().backward()
             opt.step()

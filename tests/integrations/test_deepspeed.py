@@ -23,6 +23,7 @@ from helpers.multirank import run_ranks
 import otel_train as ot
 from otel_train import semconv
 from otel_train.integrations.deepspeed import size_class
+from otel_train.testing import current_session
 
 if importlib.util.find_spec("deepspeed") is None:
     if os.environ.get("CI"):  # make test installs it (pyproject's deepspeed extra): missing is a failure
@@ -139,7 +140,7 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
         output_dir=out_dir, run_name=f"ds{case['zero']}", verbosity=0, log_interval=2, hardware=False,
         prometheus_port=0, collective_timeout_s=60.0,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     seen = Intervals()
     session.add_listener(seen)
     events: list[tuple[str, str, dict[str, Any]]] = []
@@ -423,7 +424,7 @@ def hf_job(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
     ot.init(output_dir=out_dir, run_name="hf", verbosity=0, log_interval=2, hardware=False, prometheus_port=0)
-    session = ot.current_session()
+    session = current_session()
     seen = Intervals()
     session.add_listener(seen)
     events: list[tuple[str, str, dict[str, Any]]] = []

@@ -33,6 +33,7 @@ from otel_train.integrations.lightning import (
     OtelTrainLogger,
     callbacks_factory,
 )
+from otel_train.testing import current_session
 
 MAX_STEPS = 6
 ACCUMULATE = 2
@@ -94,7 +95,7 @@ def test_logger_and_callback_together(tmp_path: Path) -> None:
     settings = {"run_name": "pl", "prometheus_port": 0, "verbosity": 0, "log_interval": 2, "hardware": False}
     trainer = _trainer(tmp_path, logger=OtelTrainLogger(settings), callbacks=[OtelTrainCallback(settings)])
     trainer.fit(TinyRegression(), _loader(64), _loader(8))
-    assert ot.current_session() is not None  # the run lasts past the fit (a test() may follow)
+    assert current_session() is not None  # the run lasts past the fit (a test() may follow)
     ot.shutdown()  # ... until process exit, a failure or the next logger's run: here, now
 
     rows = _rows(tmp_path / "runs" / "pl")
@@ -112,12 +113,12 @@ def test_logger_and_callback_together(tmp_path: Path) -> None:
 
 def test_callback_alone_counts_steps_tokens_and_watches(tmp_path: Path) -> None:
     ot.init(run_name="cb", prometheus_port=0, verbosity=0, log_interval=2, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     callback = OtelTrainCallback(watch_every=2, tokens=lambda batch: batch[0].shape[0] * 10)
     trainer = _trainer(tmp_path, logger=False, callbacks=[callback])
     trainer.fit(TinyRegression(), _loader(64))
-    assert ot.current_session() is session  # the user's own session stays up
+    assert current_session() is session  # the user's own session stays up
     ot.shutdown()
     rows = _rows(session.run_dir)
     assert _total(rows, "train/steps") == MAX_STEPS
@@ -293,7 +294,7 @@ def test_each_logger_names_its_own_run_and_checkpoint_dir(tmp_path: Path) -> Non
         logger = _quiet(run_name=run_name)
         trainer = _quick_trainer(logger)
         trainer.fit(_boring())
-        session = ot.current_session()
+        session = current_session()
         assert session is not None and session.run_dir == runs / run_name
         assert trainer.checkpoint_callback is not None
         assert Path(trainer.checkpoint_callback.dirpath) == runs / run_name / "checkpoints"
@@ -320,7 +321,7 @@ def test_default_names_adopt_default_root_dir_and_never_shadow_the_package(
         logger = _quiet()
         trainer = _quick_trainer(logger, default_root_dir=str(root))
         trainer.fit(_boring())
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         assert session.run_dir is not None and session.run_dir.resolve() == Path(logger.log_dir).resolve()
         assert (
@@ -387,16 +388,16 @@ def test_fit_then_test_is_one_run_and_the_next_logger_ends_it(tmp_path: Path) ->
     trainer = _quick_trainer(first, max_steps=3, log_every_n_steps=1, enable_checkpointing=False)
     model = Logs()
     trainer.fit(model, _loader(16))
-    session = ot.current_session()
+    session = current_session()
     assert session is not None  # a fit's end is not the run's
     trainer.test(model, _loader(8))
-    assert ot.current_session() is session
+    assert current_session() is session
     assert not session.shutdown_done.is_set()
 
     second = _quiet(run_name="second")
     _quick_trainer(second, max_steps=2, enable_checkpointing=False).fit(Logs(), _loader(16))
     # The second logger's run began: the first's ended with its final flush, not at process exit
-    assert session.shutdown_done.is_set() and ot.current_session() is not session
+    assert session.shutdown_done.is_set() and current_session() is not session
     ot.shutdown()
     assert sorted(p.name for p in runs.iterdir()) == ["first", "second"]
     rows = _rows(runs / "first")
@@ -432,13 +433,13 @@ def test_a_failed_fit_ends_the_run(tmp_path: Path) -> None:
 
     class Keep(Callback):
         def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-            started.append(ot.current_session())
+            started.append(current_session())
 
     logger = _quiet(run_name="fails")
     trainer = _quick_trainer(logger, max_steps=4, enable_checkpointing=False, callbacks=[Keep()])
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit(Fails(), _loader(16))
-    assert ot.current_session() is None
+    assert current_session() is None
     assert started[0] is not None and started[0].shutdown_done.is_set()  # the final flush ran
     assert logger.version == "fails"
 

@@ -25,8 +25,8 @@ def train(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     import torch
     from lightning.pytorch import Callback, LightningModule, Trainer
 
-    import otel_train as ot
     from otel_train.integrations.lightning import OtelTrainCallback
+    from otel_train.testing import current_session
 
     class SlowOnRank1(torch.utils.data.Dataset):  # type: ignore[type-arg]
         def __init__(self) -> None:
@@ -58,7 +58,7 @@ def train(rank: int, world: int, out_dir: str) -> dict[str, Any]:
 
     class Listen(Callback):  # test-only: read the session the integration started
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            session = ot.current_session()
+            session = current_session()
             assert session is not None
             seen["session"] = session
             session.events.add_callback(lambda e, m, a: events.append(dict(a)) if e == "straggler" else None)

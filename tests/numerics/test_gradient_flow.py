@@ -23,6 +23,7 @@ from otel_train.numerics.gradient_flow import (
     ZERO_STEPS,
     GradientFlowMonitor,
 )
+from otel_train.testing import current_session
 
 LABELS = ("embed", "mid", "head")
 FLOW_EVENTS = ("no_gradient", "gradient_explosion", "gradient_vanishing")
@@ -131,7 +132,7 @@ def _train(
     model: nn.Module, steps: int, every: int = 1, on_backward: Any = None
 ) -> list[tuple[str, str, dict]]:
     ot.init(prometheus_port=0, verbosity=0, hardware=False, run_dir_enabled=False, log_interval=5)
-    session = ot.current_session()
+    session = current_session()
     seen: list[tuple[str, str, dict]] = []
     session.events.add_callback(lambda e, m, a: seen.append((e, m, dict(a))))
     ot.watch(model, every=every)

@@ -15,6 +15,7 @@ from helpers.ports import free_port
 from torch import nn
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train import semconv as sc
 from otel_train.buffer import Buffer
 from otel_train.crossrank.replicas import FINGERPRINT
@@ -26,7 +27,7 @@ from otel_train.numerics.model_watch import (
     clean_name,
     layer_groups,
 )
-from otel_train.testing import Capture, capture_metrics
+from otel_train.testing import Capture, capture_metrics, current_session
 
 
 class Tiny(nn.Module):
@@ -264,28 +265,28 @@ def test_a_layer_with_no_local_elements_is_left_out() -> None:
 def test_watch_read_and_watch_batch_through_the_public_api(cap: Capture) -> None:
     """A loop that clears gradients before its step ends still gets its gradient norms; both calls
     are harmless without a watch, and without a session."""
-    ot.watch_batch(torch.ones(2))
-    ot.watch_read()
+    adapters.watch_batch(torch.ones(2))
+    adapters.watch_read()
     model = Tiny()
     ot.watch(model, every=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for i in range(2):
         with ot.step(i):
-            ot.watch_batch({"x": torch.ones(2)})  # a single process: no fingerprint, no failure
+            adapters.watch_batch({"x": torch.ones(2)})  # a single process: no fingerprint, no failure
             model(torch.randn(5, 6)).pow(2).mean().backward()
             opt.step()
-            ot.watch_read()
+            adapters.watch_read()
             opt.zero_grad(set_to_none=True)
     ot.shutdown()
     assert cap.last("grad_norm/head") is not None and cap.last("grad_norm/head") > 0
-    ot.watch_batch(torch.ones(2))  # no session
-    ot.watch_read()
+    adapters.watch_batch(torch.ones(2))  # no session
+    adapters.watch_read()
 
 
 def test_values_stay_on_device_until_the_flush() -> None:
     """The training thread hands tensors to the buffer; only the worker turns them into floats."""
     with capture_metrics(log_interval=1000, run_dir_enabled=False, hardware=False) as cap:
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         model = Tiny()
         ot.watch(model, every=1, activations=True)
@@ -314,7 +315,7 @@ def test_no_hooks_unless_watching_activations_and_only_during_watched_steps(cap:
     assert hook_count() == 0
 
     handle = ot.watch(model, every=2, activations=True)  # replaces the first watch
-    session = ot.current_session()
+    session = current_session()
     assert session is not None and session.watches == [handle]
     seen.clear()
     _train(model, 3, on_step=lambda i, m: seen.append((i, hook_count())))
@@ -352,7 +353,7 @@ def test_users_own_grad_norm_is_kept(cap: Capture) -> None:
 
 
 def test_nonfinite_gradient_names_the_layer(cap: Capture) -> None:
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     events: list[tuple[str, str, dict[str, Any]]] = []
     session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
@@ -450,7 +451,7 @@ def test_layer_series_on_the_prometheus_endpoint(tmp_path) -> None:
         model = Tiny()
         ot.watch(model, every=1)
         _train(model, 2)
-        ot.current_session().worker.stop(timeout_s=10)  # type: ignore[union-attr]
+        current_session().worker.stop(timeout_s=10)  # type: ignore[union-attr]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         ot.shutdown()
@@ -468,7 +469,7 @@ def _layer_series(aggregate: str, tmp_path) -> list[str]:
         model = Tiny()
         ot.watch(model, every=1, activations=True, max_layers=64)
         _train(model, 2)
-        ot.current_session().worker.stop(timeout_s=10)  # type: ignore[union-attr]
+        current_session().worker.stop(timeout_s=10)  # type: ignore[union-attr]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         ot.shutdown()
@@ -561,7 +562,7 @@ def test_two_watches_of_other_periods_each_read_their_own_steps() -> None:
     read steps 0, 2, 4, 6 and 0, 3, 6, whatever the steps in between do."""
     tiny, other = Tiny(), nn.Sequential(nn.Linear(6, 3))
     with capture_metrics(log_interval=100, run_dir_enabled=False, hardware=False):
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         ot.watch(tiny, every=2)
         ot.watch(other, every=3)
@@ -592,11 +593,11 @@ def test_a_watched_step_never_ended_does_not_lend_its_batch_to_the_next_watched_
     model = Tiny()
     first, later = torch.ones(5, 6), torch.full((5, 6), 2.0)
     with capture_metrics(log_interval=100, run_dir_enabled=False, hardware=False):
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         handle = ot.watch(model, every=2, activations=True)
         handle.fingerprints = True  # as on a rank of a distributed job
-        ot.begin_step(0)  # watched, and never ended
+        adapters.begin_step(0)  # watched, and never ended
         model(first)
         with ot.step(1):
             model(first)

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train import semconv as sc
-from otel_train.testing import Capture, capture_metrics
+from otel_train.testing import Capture, capture_metrics, current_session
 
 LABELS = ["embed", "blocks.0.0", "blocks.1.0", "head"]
 
@@ -147,7 +148,7 @@ def test_a_step_grad_scaler_skips_still_reports_its_gradients(
 ) -> None:
     """An inf gradient: scaler.step never calls optimizer.step (no pre-hook runs) and zero_grad sets
     the gradients to None; they are read when the step ends, unscaled, and the inf is named."""
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     events: list[tuple[str, dict[str, Any]]] = []
     session.events.add_callback(lambda event, message, attrs: events.append((event, dict(attrs))))
@@ -257,7 +258,7 @@ def test_watch_read_after_the_gradients_are_cleared(cap: Capture, caplog: pytest
             refs[step] = _snapshot(model)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            ot.watch_read()
+            adapters.watch_read()
     ot.shutdown()
     _assert_exported(cap, refs)
     assert _watch_warnings(caplog) == []

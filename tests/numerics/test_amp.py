@@ -1,4 +1,5 @@
-"""ot.watch_scaler: a real torch.amp.GradScaler on CPU, loss scale exported, skipped steps counted."""
+"""ot.watch(model, scaler=...): a real torch.amp.GradScaler on CPU, loss scale exported, skipped
+steps counted."""
 
 from __future__ import annotations
 
@@ -16,9 +17,19 @@ import otel_train as ot
 from otel_train.testing import capture_metrics
 
 
-def _train(scaler: torch.amp.GradScaler, steps: int, poison: set[int], start: int = 0) -> None:
+def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
+    return torch.nn.Linear(8, 1)
+
+
+def _train(
+    scaler: torch.amp.GradScaler,
+    steps: int,
+    poison: set[int],
+    start: int = 0,
+    model: torch.nn.Module | None = None,
+) -> None:
+    model = model if model is not None else _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(16, 8)
     for step in range(start, start + steps):
@@ -36,8 +47,9 @@ def _train(scaler: torch.amp.GradScaler, steps: int, poison: set[int], start: in
 def test_scale_and_skipped_steps_are_exported() -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
     with capture_metrics(run_name="amp", log_interval=5, hardware=False) as capture:
-        handle = ot.watch_scaler(scaler)
-        _train(scaler, 10, poison={3, 7})
+        model = _model()
+        handle = ot.watch(model, scaler=scaler)
+        _train(scaler, 10, poison={3, 7}, model=model)
     assert sum(v for _, v in capture.series("train/skipped_steps")) == 2
     assert capture.last("train/loss_scale") == scaler.get_scale() == 1024.0 * 0.5 * 0.5
     assert handle is not None
@@ -74,18 +86,36 @@ def test_watched_update_reads_nothing_on_the_training_thread() -> None:
         unwatched = torch.amp.GradScaler("cpu")
         _train(unwatched, 1, poison=set())  # the scaler's lazy state exists before counting
         baseline = _host_reads_on_this_thread(lambda: _train(unwatched, 3, poison={2}, start=1))
-        watched = torch.amp.GradScaler("cpu")
-        ot.watch_scaler(watched)
-        _train(watched, 1, poison=set())
-        with_watch = _host_reads_on_this_thread(lambda: _train(watched, 3, poison={2}, start=1))
+        watched, model = torch.amp.GradScaler("cpu"), _model()
+        ot.watch(model, scaler=watched)  # steps 1-3 are not the model watch's (every 100)
+        _train(watched, 1, poison=set(), model=model)
+        with_watch = _host_reads_on_this_thread(lambda: _train(watched, 3, poison={2}, start=1, model=model))
     assert baseline > 0  # the counter works
     assert with_watch == baseline
 
 
 def test_watch_scaler_rejects_other_objects_and_is_a_no_op_before_init() -> None:
     with pytest.raises(TypeError, match="GradScaler"):
-        ot.watch_scaler(object())
-    assert ot.watch_scaler(torch.amp.GradScaler("cpu")) is None
+        ot.watch(_model(), scaler=object())
+    scaler = torch.amp.GradScaler("cpu")
+    ot.watch(_model(), scaler=scaler).remove()  # before init(): a no-op handle
+    assert "update" not in scaler.__dict__
+
+
+def test_removing_the_watch_ends_the_scalers_and_rewatching_replaces_it() -> None:
+    """The scaler's watch belongs to the model's: `.remove()` hands the scaler its own `update`
+    back (what it did before is still exported); watching the model again replaces both."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    with capture_metrics(run_name="amp-remove", log_interval=1000, hardware=False) as capture:
+        model = _model()
+        ot.watch(model, scaler=scaler)
+        handle = ot.watch(model, scaler=scaler)  # again: one listener, one count per skip
+        _train(scaler, 3, poison={1}, model=model)
+        handle.remove()
+        assert "update" not in scaler.__dict__
+        _train(scaler, 3, poison={4}, start=3, model=model)  # unwatched: not counted
+    assert sum(v for _, v in capture.series("train/skipped_steps")) == 1
+    assert capture.last("train/loss_scale") == 512.0
 
 
 def test_watched_scaler_copies_pickles_and_checkpoints_unwatched() -> None:
@@ -94,8 +124,9 @@ def test_watched_scaler_copies_pickles_and_checkpoints_unwatched() -> None:
     plain scalers: their skipped steps are not counted, and the original stays watched."""
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
     with capture_metrics(run_name="amp-copy", log_interval=5, hardware=False) as capture:
-        ot.watch_scaler(scaler)
-        _train(scaler, 5, poison={1})
+        model = _model()
+        ot.watch(model, scaler=scaler)
+        _train(scaler, 5, poison={1}, model=model)
         buffer = io.BytesIO()
         torch.save({"scaler": scaler, "step": 5}, buffer)
         buffer.seek(0)
@@ -109,7 +140,7 @@ def test_watched_scaler_copies_pickles_and_checkpoints_unwatched() -> None:
             _train(other, 5, poison={5, 6}, start=5)  # two skips no one watches
             assert other.get_scale() == 128.0
             assert pickle.loads(pickle.dumps(other)).get_scale() == 128.0  # still a plain scaler
-        _train(scaler, 5, poison={7}, start=5)  # the original is still watched
+        _train(scaler, 5, poison={7}, start=5, model=model)  # the original is still watched
     assert sum(v for _, v in capture.series("train/skipped_steps")) == 2
     assert capture.last("train/loss_scale") == scaler.get_scale() == 256.0
     assert "update" not in scaler.__dict__

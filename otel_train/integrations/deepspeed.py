@@ -156,6 +156,7 @@ class _Adapter:
         self.steps = steps  # mark steps and record loss / lr / grad norm
         self.marking = steps  # False once the loop's own step is seen
         self.open = False  # a step this adapter began is open
+        self.checked = False  # whether the loop's own ot.step was looked for (at the first forward)
         self.last_end: int | None = None  # perf_counter_ns where the previous optimizer step ended
         self.tokens = 0
         self.backward_timer: Any = None
@@ -259,14 +260,15 @@ class _Adapter:
     # --- steps ----------------------------------------------------------------------------------
 
     def _begin(self) -> None:
-        info = ot.run_info()
-        if info is None:
-            return
-        if info.open_step is not None:  # the loop marks its own steps
-            self.marking = False
-            return
-        ot.begin_step(start_ns=self.last_end)
-        self.open = True
+        if not self.checked:  # once: run_info() costs microseconds, a loop keeps its shape
+            info = ot.run_info()
+            if info is None:
+                return
+            self.checked = True
+            if info.open_step is not None:  # the loop marks its own steps
+                self.marking = False
+                return
+        self.open = ot.begin_step(start_ns=self.last_end) is not None
 
     def _after_step(self) -> None:
         engine = self.engine

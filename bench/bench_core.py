@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import otel_train as ot
 from otel_train import semconv
+from otel_train.testing import current_session
 
 
 def _per_call_us(fn: Callable[[int], None], n: int, repeats: int = 5) -> float:
@@ -71,7 +72,7 @@ def bench_measurements(n: int) -> list[tuple[str, float, float]]:
 
     ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, log_interval=1_000_000, log_interval_s=1e9,
             max_values_per_interval=10**9)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
 
     def ot_timer(k: int) -> None:
@@ -158,7 +159,7 @@ def bench_flush(rounds: int, bridges: bool) -> tuple[float, float, float]:
     tmp = tempfile.mkdtemp()
     ot.init(prometheus_port=0, verbosity=0, output_dir=tmp, log_interval=10**9, log_interval_s=1e9,
             tensorboard=bridges, wandb=bridges, mlflow=bridges, queue_size=rounds + 2)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     costs = []
     for _r in range(rounds):
@@ -201,7 +202,7 @@ def bench_memory(steps: int) -> tuple[float, float]:
             ot.record("lr", 1e-3)
     gc.collect()
     after = proc.memory_info().rss
-    dropped = ot.current_session().deferred_flushes  # type: ignore[union-attr]
+    dropped = current_session().deferred_flushes  # type: ignore[union-attr]
     ot.shutdown()
     return (after - before) / 2**20, float(dropped)
 
@@ -220,7 +221,7 @@ def bench_slow_backend(seconds: float) -> tuple[int, int, int]:
 
     def run(slow: bool) -> tuple[int, int]:
         ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, log_interval=10)
-        session = ot.current_session()
+        session = current_session()
         sleepy = ThreadedSink(SleepySink(), queue_size=4, name="sleepy", close_timeout_s=0.1)
         if slow:
             session.add_sink(sleepy)

@@ -42,6 +42,7 @@ import otel_train as ot
 from otel_train.demo.data import CharVocab, get_batch, load_text, split
 from otel_train.demo.model import CharTransformer, ModelConfig, flops_per_token
 from otel_train.demo.train import build_parser, lr_at, make_optimizer, seed_everything
+from otel_train.testing import current_session
 
 DEMO = build_parser().parse_args([])  # the demo's defaults: model, optimizer, schedule, clipping
 
@@ -185,7 +186,7 @@ def run(args: argparse.Namespace) -> Result:
         log_interval=args.log_interval,  # fixed, so B's flushes can be phased to land mid-block
     )  # fmt: skip
     with out, ot.init(**settings):
-        session = ot.current_session()  # the internals: the worker's counters, the meter
+        session = current_session()  # the internals: the worker's counters, the meter
         assert session is not None
         interval = session.config.log_interval
         if args.block % interval:

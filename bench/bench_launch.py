@@ -441,6 +441,7 @@ def measure(
     import torch
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     torch.set_num_threads(1)
     model = LaunchBoundModel(300, seed)
@@ -457,7 +458,7 @@ def measure(
     rounds = max(2, int(seconds * 1000 / step_ms / block / 4))
     index = itertools.count()
     with out, ot.init(**settings):
-        session = ot.current_session()  # the internals: the worker's counters, the meter
+        session = current_session()  # the internals: the worker's counters, the meter
         assert session is not None
         if config in WATCHED:
             ot.watch(model.net)

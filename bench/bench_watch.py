@@ -25,6 +25,7 @@ import torch
 import otel_train as ot
 from otel_train.demo.data import CharVocab, get_batch, load_text, split
 from otel_train.demo.model import CharTransformer, ModelConfig
+from otel_train.testing import current_session
 
 
 def per_step_us(n: int, repeats: int = 5) -> float:
@@ -74,7 +75,7 @@ def bench_watched_step(rounds: int) -> dict[str, float]:
         return get_batch(data, 32, 128, gen, torch.device("cpu"))
 
     ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, log_interval=10, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     modes: dict[str, Callable[[], None]] = {
         "no watch": lambda: None,
         "grads + params": lambda: ot.watch(model, every=1),

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers.ports import free_port
 
 import otel_train as ot
+from otel_train.testing import current_session
 
 LAYERS = 64
 
@@ -53,11 +54,16 @@ def exported_series(
             run_dir_enabled=False, watch_aggregate=aggregate)  # fmt: skip
     try:
         model = Deep()
-        if watch:
-            ot.watch(model, every=2, activations=activations)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         scaler = torch.amp.GradScaler("cpu")
-        ot.watch_scaler(scaler)
+        if watch:
+            ot.watch(model, every=2, activations=activations, scaler=scaler)
+        else:  # the scaler's series without a model watch: what ot.watch(scaler=) adds, by hand
+            from otel_train.numerics import ScalerWatch
+
+            session = current_session()
+            assert session is not None
+            session.add_listener(ScalerWatch(scaler, session.meter))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         for step in range(steps):
             with ot.step(step, tokens=256, samples=8):
                 with ot.timer("data"):
@@ -72,7 +78,7 @@ def exported_series(
                     scaler.update()
                 ot.record("loss", loss)
                 ot.record("lr", 1e-3)
-        ot.current_session().worker.stop(timeout_s=10)  # type: ignore[union-attr]
+        current_session().worker.stop(timeout_s=10)  # type: ignore[union-attr]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         ot.shutdown()

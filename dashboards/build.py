@@ -396,17 +396,17 @@ def overview() -> DashboardDef:
                     ts(
                         "Loss scale",
                         T(agg("min", RUN, selector(sc.LOSS_SCALE)), _lg()),
-                        description="GradScaler's loss scale (ot.watch_scaler); it halves on every skipped step.",
+                        description="GradScaler's loss scale (ot.watch(model, scaler=...)); it halves on every skipped step.",
                     ),
                     ts(
                         "Skipped optimizer steps",
                         T(agg("sum", RUN, rate(sc.SKIPPED_STEPS, fn="increase")), _lg()),
-                        description="Steps GradScaler skipped for inf/NaN gradients (ot.watch_scaler).",
+                        description="Steps GradScaler skipped for inf/NaN gradients (ot.watch(model, scaler=...)).",
                     ),
                     ts(
                         "Profiled steps",
                         T(agg("sum", RUN, rate(sc.PROFILED_STEPS, fn="increase")), _lg()),
-                        description="Steps inside an ot.profile window: step times there are skewed by the profiler.",
+                        description="Steps inside a run.profile window: step times there are skewed by the profiler.",
                     ),
                 ),
             ),

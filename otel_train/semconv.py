@@ -250,16 +250,16 @@ STEP_DEVIATION = _m(
     "train/step_deviation",
 )  # fmt: skip
 LOSS_SCALE = _m(
-    "train.loss_scale", S.GAUGE, "", "Mixed-precision loss scale (GradScaler, ot.watch_scaler).",
+    "train.loss_scale", S.GAUGE, "", "Mixed-precision loss scale (GradScaler, ot.watch(model, scaler=...)).",
     "train/loss_scale",
 )  # fmt: skip
 SKIPPED_STEPS = _m(
     "train.optimizer.skipped_steps", S.COUNTER, "{step}",
-    "Optimizer steps skipped for inf/NaN gradients (GradScaler, ot.watch_scaler).", "train/skipped_steps",
+    "Optimizer steps skipped for inf/NaN gradients (GradScaler, ot.watch(model, scaler=...)).", "train/skipped_steps",
 )  # fmt: skip
 PROFILED_STEPS = _m(
     "train.profiler.steps", S.COUNTER, "{step}",
-    "Steps run inside an ot.profile window (their durations are skewed by the profiler).",
+    "Steps run inside a run.profile window (their durations are skewed by the profiler).",
     "train/profiled_steps",
 )  # fmt: skip
 HEALTH_EVENTS = _m(

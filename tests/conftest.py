@@ -31,11 +31,12 @@ def _isolated_session(tmp_path, monkeypatch) -> Iterator[None]:
 @pytest.fixture
 def quiet_session() -> Iterator[Any]:
     """A running session (no run dir, no pull endpoint, no hardware, a flush every step): the
-    internals `ot.current_session()` returns, for tests of the worker and the session's parts."""
+    internals `current_session()` returns, for tests of the worker and the session's parts."""
     import otel_train as ot
+    from otel_train.testing import current_session
 
     ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=1)
-    running = ot.current_session()
+    running = current_session()
     assert running is not None
     yield running
     ot.shutdown()

@@ -8,23 +8,24 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 import otel_train as ot
 from otel_train import semconv
-from otel_train.testing import capture_metrics
+from otel_train.testing import capture_metrics, current_session
 
 
 def test_everything_is_a_noop_before_init() -> None:
-    assert ot.current_session() is None
+    assert current_session() is None
     with ot.step(0, tokens=10), ot.timer("forward"):
         ot.record("loss", 1.0)
     ot.log_metrics({"a": 1})
     ot.log_text("t", "x")
     ot.shutdown()  # nothing to shut down, still fine
 
-    @ot.timed("f")
+    @ot.timer("f")
     def f() -> int:
         return 3
 
@@ -40,7 +41,7 @@ def test_init_is_idempotent_and_context_manager(tmp_path) -> None:
             pass
         info = run.info()
         assert info == ot.run_info() and info.run_id == run.run_id and info.step == 0
-    assert ot.current_session() is None  # the block shut it down
+    assert current_session() is None  # the block shut it down
     run.shutdown()  # again: nothing to do
     ot.shutdown()
 
@@ -75,12 +76,12 @@ def test_decorators_nesting_threads_async_and_errors() -> None:
         with ot.timer("outer"), ot.timer("inner"):
             pass
 
-    @ot.timed("async_phase")
+    @ot.timer("async_phase")
     async def async_work() -> int:
         await asyncio.sleep(0.001)
         return 7
 
-    @ot.timed("raises")
+    @ot.timer("raises")
     def boom() -> None:
         raise ValueError("boom")
 
@@ -117,6 +118,45 @@ def test_timing_level_filters_timers() -> None:
     flushed = cap.flushes[-1][1]
     assert "timers/coarse/count" in flushed
     assert not any(k.startswith("timers/fine") for k in flushed)
+
+
+def test_timer_decorates_before_and_after_init_and_keeps_its_level() -> None:
+    """`@ot.timer(name)` (what `ot.timed` was): a fresh timer per call, also for a function decorated
+    before `init()`, and the decorated level is checked at each call against the running session's."""
+
+    @ot.timer("fine_fn", level=2)
+    def fine() -> None:
+        pass
+
+    @ot.timer("coarse_fn")
+    def coarse() -> None:
+        pass
+
+    with capture_metrics(log_interval=100, timing_log_level=1) as cap, ot.step(0):
+        fine()
+        coarse()
+        coarse()
+        late = ot.timer("late_fn", level=2)(lambda: None)  # decorated while above the level
+        late()
+    flushed = cap.flushes[-1][1]
+    assert flushed["timers/coarse_fn/count"] == 2
+    assert not any(k.startswith(("timers/fine_fn", "timers/late_fn")) for k in flushed)
+    with capture_metrics(log_interval=100, timing_log_level=2) as cap, ot.step(0):
+        fine()
+        late()
+    flushed = cap.flushes[-1][1]
+    assert flushed["timers/fine_fn/count"] == 1 and flushed["timers/late_fn/count"] == 1
+
+
+def test_adapters_current_run_is_the_running_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from otel_train import adapters
+
+    assert adapters.current_run() is None  # never starts one
+    with ot.init(prometheus_port=0, verbosity=0, output_dir=str(tmp_path), run_name="a") as run:
+        assert adapters.current_run() == run and adapters.current_run() == ot.init()
+    assert adapters.current_run() is None
+    with ot.init(prometheus_port=0, verbosity=0, output_dir=str(tmp_path), run_name="b"):
+        assert adapters.current_run() != run and adapters.current_run() is not None
 
 
 def test_log_metrics_prefix_and_eval_keys() -> None:
@@ -177,7 +217,7 @@ def test_user_instruments_on_library_meter_reach_bridges() -> None:
 
 def test_total_steps_gives_eta_and_progress_file(tmp_path) -> None:
     ot.init(prometheus_port=0, verbosity=0, log_interval=5, total_steps=20, output_dir=str(tmp_path))
-    session = ot.current_session()
+    session = current_session()
     for i in range(10):
         with ot.step(i, tokens=10):
             time.sleep(0.001)
@@ -255,13 +295,81 @@ def test_on_event_sees_the_librarys_own_events_and_a_raising_callback_is_contain
     assert '"nonfinite"' in written and '"worker_failure"' in written  # the raising callback lost nothing
 
 
+# The public API (issue #45: at most 16 names, no two doing one job), each with why it is here.
+PUBLIC_API: dict[str, str] = {
+    "init": "starts the run (settings by keyword, env, YAML); returns the `Run` (id, dir, profile)",
+    "shutdown": "ends it: final flush, exporters stopped (`with ot.init()` or `run.shutdown()` alike)",
+    "step": "marks a training step (context manager or decorator): step counts, throughput, traces",
+    "timer": "times a phase inside a step (context manager or decorator; `.start()`/`.stop()`)",
+    "span": "a traced region outside the step's timers (eval, checkpoint), also timed as a phase",
+    "record": "one scalar on the hot path (a tensor stays on device until the flush)",
+    "log_metrics": "a dict of scalars, optionally filed under a given step (eval after step N)",
+    "log_hyperparams": "the run's configuration for every bridge (secrets redacted)",
+    "log_text": "free text for every bridge",
+    "log_samples": "(prompt, output) pairs: a console table and a table in every bridge",
+    "log_histogram": "a distribution for every bridge",
+    "watch": "the model's gradient/parameter statistics (and a GradScaler's scale and skipped steps)",
+    "event": "a health event of the caller's own (events file, OTel log, events counter)",
+    "on_event": "a callback on every health event (stop on a hang, page someone)",
+    "get_meter": "the library's OTel meter for the user's own instruments (every exporter gets them)",
+    "run_info": "the running run's facts (id, dir, rank, step) without holding the `Run`",
+}
+# Names that left the top level, and where each went (docs/changelog.md lists the same).
+MOVED: dict[str, str] = {
+    "finish": "ot.shutdown (the same function)",
+    "timed": "ot.timer, which is a decorator too",
+    "watch_scaler": "ot.watch(model, scaler=...)",
+    "profile": "Run.profile (ot.init() returns the Run)",
+    "current_session": "otel_train.testing.current_session (internals)",
+    "begin_step": "otel_train.adapters",
+    "end_step": "otel_train.adapters",
+    "phase": "otel_train.adapters",
+    "watch_batch": "otel_train.adapters",
+    "watch_read": "otel_train.adapters",
+    "on_straggler": "otel_train.adapters",
+}
+
+
+# Moved names still importable from the top level, and why (delete each entry with its alias):
+# otel_train/integrations/deepspeed.py spelled them `ot.<name>` while another change to it was open.
+TEMPORARY_ALIASES = frozenset({"begin_step", "end_step", "phase"})
+
+
 def test_public_api_is_pinned() -> None:
-    assert sorted(ot.__all__) == sorted([
-        "Config", "ConfigError", "Run", "RunInfo", "__version__", "begin_step", "current_session", "end_step", "event",
-        "finish", "get_meter", "init",
-        "log_histogram", "log_hyperparams", "log_metrics", "log_samples", "log_text", "on_event", "on_straggler", "phase", "profile", "record", "run_info",
-        "shutdown", "span", "step", "timed", "timer", "watch", "watch_batch", "watch_read", "watch_scaler",
-    ])  # fmt: skip
+    assert len(ot.__all__) <= 16
+    assert sorted(ot.__all__) == sorted(PUBLIC_API)
+
+
+def test_moved_names_are_gone_from_the_top_level_and_live_where_the_changelog_says() -> None:
+    """Pre-1.0: no aliases. Each removed name raises AttributeError at the top level, and its new
+    home has it (a module's name, or the call that replaces it)."""
+    import otel_train.adapters
+    import otel_train.testing
+
+    for name in MOVED:
+        assert hasattr(ot, name) == (name in TEMPORARY_ALIASES), name
+        assert name not in ot.__all__
+    assert set(otel_train.adapters.__all__) >= {
+        n for n, home in MOVED.items() if home == "otel_train.adapters"
+    }
+    assert callable(otel_train.testing.current_session) and callable(ot.Run.profile)
+    changelog = (Path(__file__).resolve().parents[1] / "docs" / "changelog.md").read_text()
+    for name in MOVED:
+        assert f"`{name}`" in changelog, f"docs/changelog.md does not say where {name} went"
+
+
+def test_types_are_importable_but_not_in_all() -> None:
+    """`Run`, `RunInfo` (what init/run_info return), `Config` and `ConfigError` (what a user catches
+    for bad settings) are types to annotate and catch with, not API calls; `__version__` an attribute."""
+    from otel_train import Config, ConfigError, Run, RunInfo, __version__
+
+    assert {Config.__name__, ConfigError.__name__, Run.__name__, RunInfo.__name__} == {
+        "Config", "ConfigError", "Run", "RunInfo"
+    }  # fmt: skip
+    assert issubclass(ConfigError, Exception) and isinstance(__version__, str)
+    assert not {"Config", "ConfigError", "Run", "RunInfo", "__version__"} & set(ot.__all__)
+    with pytest.raises(ConfigError):
+        ot.init(log_interval=-1)
 
 
 def test_import_is_light() -> None:
@@ -312,7 +420,7 @@ def test_names_differing_only_in_case_keep_their_own_keys(tmp_path, caplog) -> N
     ot.init(
         prometheus_port=free_port(), verbosity=0, log_interval=2, output_dir=str(tmp_path), run_name="case"
     )
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     for i in range(4):
         with ot.step(i):

@@ -11,7 +11,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot
-from otel_train.testing import capture_metrics
+from otel_train import adapters
+from otel_train.testing import capture_metrics, current_session
 
 SERIES_BUDGET = 200
 
@@ -88,7 +89,7 @@ def test_pull_endpoint_series_budget(tmp_path) -> None:
 
     port = free_port()
     ot.init(prometheus_port=port, verbosity=0, log_interval=5, output_dir=str(tmp_path))
-    session = ot.current_session()
+    session = current_session()
     for i in range(50):
         with ot.step(i, tokens=10):
             for phase in ("data", "forward", "backward", "optimizer"):
@@ -147,7 +148,7 @@ def test_a_timer_name_that_is_not_a_str_never_loses_the_interval(caplog) -> None
 
 def test_a_timer_name_that_is_not_a_str_is_dropped_on_every_path(caplog) -> None:
     """Not only a `with` block that ends normally: a raising block (its phase error and its span on
-    a traced step) and `ot.phase()` drop an Enum name the same way, and take a `str` Enum's value."""
+    a traced step) and `adapters.phase()` drop an Enum name the same way, and take a `str` Enum's value."""
     caplog.set_level(logging.WARNING, logger="otel_train")
     with capture_metrics(log_interval=2) as cap:
         for i in range(2):
@@ -158,10 +159,10 @@ def test_a_timer_name_that_is_not_a_str_is_dropped_on_every_path(caplog) -> None
                             raise ValueError("boom")
                     except ValueError:
                         pass
-                ot.phase(_Named.BACKWARD, 0.5)
+                adapters.phase(_Named.BACKWARD, 0.5)
     flushed = cap.flushes[-1][1]
     assert flushed["timers/backward/ValueError/count"] == 2, sorted(flushed)
-    assert flushed["timers/backward/count"] == 2  # the two ot.phase() values, under the plain name
+    assert flushed["timers/backward/count"] == 2  # the two adapters.phase() values, under the plain name
     assert flushed["otel_train/dropped/invalid_timer_name"] == 2
     assert not any("Phase" in k or "Named" in k for k in flushed), sorted(flushed)
     warnings = [r.getMessage() for r in caplog.records]

@@ -14,6 +14,7 @@ from helpers.multirank import run_ranks
 
 import otel_train as ot
 from otel_train.cadence import ADAPTIVE_BASE_STEPS, Cadence, nice_interval
+from otel_train.testing import current_session
 
 NICE = {10, 20, 50, 100, 200, 500, 1000, 2000, 5000}
 
@@ -62,7 +63,7 @@ class _CpuBurner:
 def test_the_session_flushes_less_often_when_its_worker_spends_more_per_flush(tmp_path: Path) -> None:
     ot.init(output_dir=str(tmp_path), run_name="stretch", prometheus_port=0, verbosity=0,
             hardware=False, log_interval_min_s=0.08, traces=False)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     session.add_listener(_CpuBurner(0.03))
     for step in range(1500):
@@ -132,7 +133,7 @@ def test_numbering_that_goes_back_falls_back_to_counted_steps() -> None:
 def test_explicit_log_interval_is_honoured(tmp_path: Path) -> None:
     ot.init(output_dir=str(tmp_path), run_name="explicit", prometheus_port=0, verbosity=0,
                       hardware=False, log_interval=3, log_interval_min_s=10.0)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for step in range(20):
         with ot.step(step):
             time.sleep(0.001)  # an adaptive cadence would flush every 10000 steps here
@@ -144,7 +145,7 @@ def test_explicit_log_interval_is_honoured(tmp_path: Path) -> None:
 def test_default_cadence_adapts_to_fast_steps(tmp_path: Path) -> None:
     ot.init(output_dir=str(tmp_path), run_name="adaptive", prometheus_port=0, verbosity=0,
                       hardware=False, log_interval_min_s=0.2)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for step in range(400):
         with ot.step(step):
             time.sleep(0.001)
@@ -170,7 +171,7 @@ def _rank_with_own_pace(rank: int, world: int, out_dir: str) -> dict:
     # 0.1, 0.4, 0.7, 1.0 s: each rank alone would pick its own interval
     ot.init(output_dir=out_dir, run_name="cadence", prometheus_port=0, verbosity=0, hardware=False,
                       log_interval_min_s=0.1 * (1 + 3 * rank), trace_first=0)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     grad = torch.zeros(4)
     for step in range(STEPS):
         with ot.step(step):

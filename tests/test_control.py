@@ -12,6 +12,7 @@ from helpers.multirank import run_ranks
 
 import otel_train as ot
 from otel_train.control import validate
+from otel_train.testing import current_session
 
 
 def _events(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
@@ -29,7 +30,7 @@ def test_validation_names_the_problem() -> None:
 
 def test_single_process_change_and_rejected_file(tmp_path: Path) -> None:
     ot.init(run_name="ctl", prometheus_port=0, verbosity=0, hardware=False, log_interval=5)
-    session = ot.current_session()
+    session = current_session()
     control = session.run_dir / "control.json"
     control.write_text("{not json")
     level_at: dict[int, int] = {}
@@ -65,7 +66,7 @@ def _rank_with_control(rank: int, world_size: int, out: str) -> dict[str, Any]:
 
     ot.init(run_name="ctl-ranks", output_dir=out, prometheus_port=0, verbosity=0, hardware=False,
             log_interval=5)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     first_detail: int | None = None
     flag = torch.zeros(1)

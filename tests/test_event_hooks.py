@@ -18,7 +18,8 @@ import pytest
 from helpers.ports import free_port
 
 import otel_train as ot
-from otel_train import semconv
+from otel_train import adapters, semconv
+from otel_train.testing import current_session
 
 HANG_GUARD_S = 60.0  # only a bound on a test that went wrong: nothing here waits this long when it works
 
@@ -52,7 +53,7 @@ def test_a_blocking_callback_holds_neither_the_worker_nor_the_watchdog(tmp_path)
             output_dir=str(tmp_path), run_name="hook", prometheus_port=0, verbosity=0, hardware=False,
             log_interval=1, stall_timeout_s=1.0,
         )  # fmt: skip
-        session = ot.current_session()
+        session = current_session()
         assert session is not None and session.run_dir is not None
         run_dir = session.run_dir
         ot.on_event(webhook_that_hangs)
@@ -108,7 +109,7 @@ def test_shutdown_from_a_callback_closes_sinks_bridges_and_exporters(tmp_path, c
         output_dir=str(tmp_path), run_name="stop", prometheus_port=free_port(), verbosity=0,
         hardware=False, log_interval=1, tensorboard=True,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session is not None and session.run_dir is not None and session.bridges is not None
     url = session.prometheus_url
     assert url is not None
@@ -119,7 +120,7 @@ def test_shutdown_from_a_callback_closes_sinks_bridges_and_exporters(tmp_path, c
             ot.record("loss", float("nan") if i == 3 else 1.0)  # raised on the worker thread
     assert done.wait(HANG_GUARD_S), "the callback never ran"
     assert errors == [] and threads == ["otel_train-hooks"]
-    assert ot.current_session() is None and session.shutdown_done.is_set()
+    assert current_session() is None and session.shutdown_done.is_set()
     assert "callback" not in caplog.text and "cannot join" not in caplog.text, caplog.text
     # sinks: the run dir's files were closed with the end-of-process line
     progress = [p for p in session.run_dir.iterdir() if p.name.startswith("progress")]
@@ -138,7 +139,7 @@ def test_shutdown_from_a_callback_closes_sinks_bridges_and_exporters(tmp_path, c
 def test_a_callback_forwarding_with_ot_event_gives_one_event(tmp_path) -> None:
     ot.init(output_dir=str(tmp_path), run_name="fwd", prometheus_port=0, verbosity=0, hardware=False,
             log_interval=1)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session is not None and session.run_dir is not None
     forwarded: list[str] = []
 
@@ -165,10 +166,10 @@ def test_a_callback_forwarding_with_ot_event_gives_one_event(tmp_path) -> None:
 
 def test_on_straggler_runs_on_the_hook_thread(tmp_path) -> None:
     ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     seen: list[tuple[str, list[int]]] = []
-    ot.on_straggler(lambda reports: seen.append((threading.current_thread().name, reports)))
+    adapters.on_straggler(lambda reports: seen.append((threading.current_thread().name, reports)))
     session.reducer.on_straggler([3])  # as the reducer calls it, on the worker thread
     ot.shutdown()  # runs what is queued first
     assert seen == [("otel_train-hooks", [3])]

@@ -13,6 +13,7 @@ import pytest
 
 import otel_train as ot
 from otel_train.goodput import CAUSES, span_cause
+from otel_train.testing import current_session
 
 
 def _account(run_dir: Path, rank: int = 0) -> dict[str, float]:
@@ -35,7 +36,7 @@ def test_span_causes() -> None:
 
 def test_account_of_one_process(tmp_path: Path) -> None:
     ot.init(run_name="gp", stall_timeout_s=0.3, prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     time.sleep(0.2)  # start-up: model loading, say
     for step in range(4):
         with ot.step(step):
@@ -144,7 +145,7 @@ def test_data_loading_and_checkpoint_restore_are_their_own_causes(tmp_path: Path
     """A restore before the first step is checkpoint_restore (not startup); a save is
     checkpoint_save; the step's wait in `ot.timer("data")` is data, not productive time."""
     ot.init(run_name="causes", prometheus_port=0, verbosity=0, hardware=False, log_interval=2)
-    session = ot.current_session()
+    session = current_session()
     with ot.span("load_checkpoint"):
         time.sleep(0.3)
     for step in range(4):
@@ -206,7 +207,7 @@ def test_steps_re_run_after_a_restart_are_wasted_progress_and_the_restart_is_cou
 
 def test_step_deviation_is_the_interval_against_the_typical_step(tmp_path: Path) -> None:
     ot.init(run_name="deviation", prometheus_port=0, verbosity=0, hardware=False, log_interval=2)
-    session = ot.current_session()
+    session = current_session()
     for step in range(12):
         with ot.step(step):
             time.sleep(0.02 if step < 10 else 0.2)  # the last interval is ~10x slower

@@ -18,7 +18,7 @@ import otel_train as ot
 from otel_train import semconv as sc
 from otel_train.interval import Interval
 from otel_train.run_directory import RunFiles
-from otel_train.testing import capture_metrics
+from otel_train.testing import capture_metrics, current_session
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -37,7 +37,7 @@ def test_a_loss_alternating_1_and_3_exports_mean_2_and_max_3(tmp_path) -> None:
     port = free_port()
     ot.init(prometheus_port=port, verbosity=0, log_interval=10, output_dir=str(tmp_path),
                       hardware=False)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     try:
         for i in range(10):
             with ot.step(i):
@@ -69,7 +69,7 @@ def test_a_loss_alternating_1_and_3_exports_mean_2_and_max_3(tmp_path) -> None:
 def test_a_spike_between_two_flushes_is_detected_and_names_its_step(tmp_path) -> None:
     ot.init(prometheus_port=0, verbosity=0, log_interval=10, output_dir=str(tmp_path),
                       hardware=False, loss_spike_factor=3.0)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for i in range(30):
         with ot.step(i):
             ot.record("loss", torch.tensor(10.0 if i == 13 else 1.0))
@@ -85,7 +85,7 @@ def test_a_spike_between_two_flushes_is_detected_and_names_its_step(tmp_path) ->
 
 def test_the_final_flush_after_the_last_step_writes_no_second_row(tmp_path) -> None:
     ot.init(prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False)
-    session = ot.current_session()
+    session = current_session()
     for i in range(10):
         with ot.step(i):
             ot.record("loss", 1.0)
@@ -97,7 +97,7 @@ def test_the_final_flush_after_the_last_step_writes_no_second_row(tmp_path) -> N
 
 def test_a_value_recorded_after_the_last_step_still_gets_its_row(tmp_path) -> None:
     ot.init(prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False)
-    session = ot.current_session()
+    session = current_session()
     for i in range(5):
         with ot.step(i):
             ot.record("loss", 1.0)
@@ -124,7 +124,7 @@ class _Intervals:
 def test_the_step_of_each_value_is_known_when_each_step_recorded_it_equally_often() -> None:
     listener = _Intervals()
     with capture_metrics(log_interval=4, hardware=False) as _:
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         session.add_listener(listener)
         for i in range(10, 14):  # two micro-batch losses per step; grad_norm in some steps only
@@ -144,7 +144,7 @@ def test_the_step_of_each_value_is_known_when_each_step_recorded_it_equally_ofte
 def test_two_names_merged_into_one_instrument_have_no_steps() -> None:
     listener = _Intervals()
     with capture_metrics(log_interval=2, hardware=False):
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         session.add_listener(listener)
         for i in range(2):
@@ -158,7 +158,7 @@ def test_two_names_merged_into_one_instrument_have_no_steps() -> None:
 def test_nonfinite_values_keep_the_others_steps() -> None:
     listener = _Intervals()
     with capture_metrics(log_interval=3, hardware=False):
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         session.add_listener(listener)
         for i, loss in enumerate((1.0, float("nan"), 3.0)):

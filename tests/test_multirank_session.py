@@ -22,13 +22,14 @@ def _train_rank(
     import torch.distributed as dist
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     events: list[tuple[str, dict]] = []
     ot.init(
         otlp_endpoint=endpoint, prometheus_port=0, output_dir=out_dir, run_name="mr", verbosity=0,
         log_interval=LOG_INTERVAL, trace_first=1, trace_every=10, hardware=False, metric_export_interval_s=1.0,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     session.events.add_callback(lambda event, message, attrs: events.append((event, dict(attrs))))
     for step in range(STEPS):
         with ot.step(step, tokens=128):

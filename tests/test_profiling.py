@@ -1,4 +1,4 @@
-"""ot.profile: torch.profiler windows on a step schedule, traces per rank, profiled steps marked."""
+"""run.profile (the `Run` ot.init() returns): torch.profiler windows on a step schedule, traces per rank, profiled steps marked."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from helpers.otlp_receiver import attributes, http_receiver
 
 import otel_train as ot
 from otel_train.profiling import ProfileWindow
-from otel_train.testing import capture_metrics
+from otel_train.testing import capture_metrics, current_session
 
 
 def _train(steps: int, start: int = 0) -> None:
@@ -39,9 +39,9 @@ def test_window_positions() -> None:
 def test_traces_cover_exactly_the_scheduled_steps_and_are_counted() -> None:
     with capture_metrics(run_name="prof", log_interval=4, hardware=False) as capture:
         _train(2)  # steps 0, 1 run unprofiled
-        assert ot.profile(wait=1, warmup=1, active=2, repeat=2) is True
+        assert ot.init().profile(wait=1, warmup=1, active=2, repeat=2) is True  # the running run
         _train(10, start=2)  # window: 2 wait, 3 warmup, 4-5 active, 6 wait, 7 warmup, 8-9 active
-        session = ot.current_session()
+        session = current_session()
         assert session is not None and session.profiler is None  # finished and detached
         run_dir = session.run_dir
     traces = sorted((run_dir / "profiles" / "rank0").glob("*.json"))
@@ -54,21 +54,21 @@ def test_traces_cover_exactly_the_scheduled_steps_and_are_counted() -> None:
 
 def test_profile_on_other_ranks_only_is_a_no_op_here() -> None:
     with capture_metrics(run_name="prof-ranks", hardware=False):
-        assert ot.profile(active=1, ranks=[1, 2]) is False
+        assert ot.init().profile(active=1, ranks=[1, 2]) is False
         _train(3)
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         assert not (session.run_dir / "profiles").exists()
 
 
 def test_profiled_steps_are_traced_and_marked_in_their_spans() -> None:
     with http_receiver() as (endpoint, received):
-        ot.init(
+        run = ot.init(
             run_name="prof-spans", otlp_endpoint=endpoint, prometheus_port=0, verbosity=0,
             hardware=False, trace_first=0, trace_every=1000,
         )  # fmt: skip
         _train(1)
-        ot.profile(wait=0, warmup=1, active=2)
+        run.profile(wait=0, warmup=1, active=2)
         _train(4, start=1)
         ot.shutdown()
         steps = {
@@ -81,7 +81,9 @@ def test_profiled_steps_are_traced_and_marked_in_their_spans() -> None:
     assert set(steps) == {0, 2, 3}
 
 
-def test_profile_before_init_and_bad_arguments() -> None:
-    assert ot.profile() is False
-    with pytest.raises(ValueError, match="active >= 1"):
-        ot.profile(active=0)
+def test_profile_after_shutdown_and_bad_arguments() -> None:
+    with capture_metrics(run_name="prof-args", hardware=False):
+        run = ot.init()
+        with pytest.raises(ValueError, match="active >= 1"):
+            run.profile(active=0)
+    assert run.profile() is False  # the run has ended: nothing to profile

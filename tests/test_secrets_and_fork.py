@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import otel_train as ot
 from otel_train import semconv
+from otel_train.testing import current_session
 
 MARKERS = ("MARKER-ENV-7f3a", "MARKER-FIELD-19cd", "MARKER-HEADER-55be", "MARKER-HPARAM-a0a0")
 
@@ -30,7 +31,7 @@ def test_secrets_never_reach_files_console_or_payloads(tmp_path, monkeypatch, ca
             log_interval=2,
             resource_attributes={"team": "ml", "api_token": field_marker},
         )
-        session = ot.current_session()
+        session = current_session()
         ot.log_hyperparams({"lr": 1e-3, "api_key": hparam_marker, "nested": {"password": hparam_marker}})
         for i in range(4):
             with ot.step(i):

@@ -9,8 +9,9 @@ from time import perf_counter_ns
 import pytest
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.interval import Interval
-from otel_train.testing import capture_metrics
+from otel_train.testing import capture_metrics, current_session
 
 
 class Intervals:
@@ -35,7 +36,7 @@ class Intervals:
 
 def _listen() -> Intervals:
     listener = Intervals()
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     session.add_listener(listener)
     return listener
@@ -46,9 +47,9 @@ def test_begin_end_step_counts_steps_tokens_and_arrivals() -> None:
         seen = _listen()
         for i in range(4):
             mark = perf_counter_ns()
-            assert ot.begin_step(i, start_ns=mark - 2_000_000) == i  # backdated by 2 ms
+            assert adapters.begin_step(i, start_ns=mark - 2_000_000) == i  # backdated by 2 ms
             ot.timer("forward").start().stop()
-            ot.end_step(tokens=10, samples=2)
+            adapters.end_step(tokens=10, samples=2)
     assert sum(x.steps for x in seen.seen) == 4
     assert sum(x.tokens for x in seen.seen) == 40
     assert sum(x.samples for x in seen.seen) == 8
@@ -62,10 +63,10 @@ def test_begin_end_step_counts_steps_tokens_and_arrivals() -> None:
 def test_timer_start_at_an_earlier_reading_times_from_there() -> None:
     with capture_metrics(log_interval=1, run_dir_enabled=False):
         seen = _listen()
-        ot.begin_step(0)
+        adapters.begin_step(0)
         earlier = perf_counter_ns() - 50_000_000
         ot.timer("data").start(at_ns=earlier).stop()
-        ot.end_step()
+        adapters.end_step()
     (duration,) = seen.merged("phases")["data"]
     assert 0.05 <= duration < 5.0
 
@@ -74,12 +75,12 @@ def test_timer_stop_at_an_earlier_reading_ends_and_arrives_there() -> None:
     with capture_metrics(log_interval=1, run_dir_enabled=False):
         seen = _listen()
         start = perf_counter_ns()
-        ot.begin_step(0, start_ns=start)
+        adapters.begin_step(0, start_ns=start)
         ended = start + 30_000_000
         time.sleep(0.08)  # the hook runs later than the phase's end
         ot.timer("data").start(at_ns=start).stop(at_ns=ended)
         ot.timer("late").start(at_ns=ended).stop(at_ns=ended - 1)  # before its start: zero, not negative
-        ot.end_step()
+        adapters.end_step()
     assert seen.merged("phases")["data"] == [pytest.approx(0.03)]
     assert seen.merged("arrivals")["data"] == [pytest.approx(0.03)]  # where it ended, not when stopped
     assert seen.merged("phases")["late"] == [0.0]
@@ -89,11 +90,11 @@ def test_phase_by_duration_is_counted_without_an_arrival() -> None:
     with capture_metrics(log_interval=1, run_dir_enabled=False):
         seen = _listen()
         with ot.step(0):
-            ot.phase("generation", 0.25)
-            ot.phase("bad", -1.0)
-            ot.phase("bad", float("nan"))
-            ot.phase("bad", "x")  # type: ignore[arg-type]
-            ot.phase("deep", 1.0, level=2)  # above timing_log_level=1: ignored
+            adapters.phase("generation", 0.25)
+            adapters.phase("bad", -1.0)
+            adapters.phase("bad", float("nan"))
+            adapters.phase("bad", "x")  # type: ignore[arg-type]
+            adapters.phase("deep", 1.0, level=2)  # above timing_log_level=1: ignored
     phases = seen.merged("phases")
     assert phases["generation"] == [0.25]
     assert "bad" not in phases and "deep" not in phases
@@ -115,12 +116,12 @@ def test_span_start_stop_is_a_traced_mark() -> None:
 def test_end_step_without_begin_and_double_begin_are_handled(caplog) -> None:
     with capture_metrics(log_interval=100, run_dir_enabled=False):
         seen = _listen()
-        ot.end_step()  # nothing open: dropped, counted, warned
-        ot.begin_step(0)
-        ot.begin_step(1)  # step 0 still open: ended first
-        ot.end_step()
-        ot.end_step()  # second end: ignored
-        session = ot.current_session()
+        adapters.end_step()  # nothing open: dropped, counted, warned
+        adapters.begin_step(0)
+        adapters.begin_step(1)  # step 0 still open: ended first
+        adapters.end_step()
+        adapters.end_step()  # second end: ignored
+        session = current_session()
         assert session is not None
         assert session.buffer.dropped.get("no_open_step") == 2
     assert sum(x.steps for x in seen.seen) == 2
@@ -130,17 +131,17 @@ def test_end_step_without_begin_and_double_begin_are_handled(caplog) -> None:
 def test_failed_step_is_not_counted() -> None:
     with capture_metrics(log_interval=100, run_dir_enabled=False):
         seen = _listen()
-        ot.begin_step(0)
-        ot.end_step(failed=True)
-        ot.begin_step(1)
-        ot.end_step()
+        adapters.begin_step(0)
+        adapters.end_step(failed=True)
+        adapters.begin_step(1)
+        adapters.end_step()
     assert sum(x.steps for x in seen.seen) == 1
 
 
 def test_everything_is_a_no_op_before_init() -> None:
-    assert ot.begin_step(3) is None
-    ot.end_step(tokens=5)
-    ot.phase("x", 1.0)
+    assert adapters.begin_step(3) is None
+    adapters.end_step(tokens=5)
+    adapters.phase("x", 1.0)
     ot.timer("x").start().stop()
     ot.span("x").start().stop()
     assert ot.run_info() is None
@@ -175,13 +176,13 @@ def test_timer_stop_at_an_earlier_reading_clamps_and_respects_the_level() -> Non
     with capture_metrics(log_interval=1, run_dir_enabled=False):
         seen = _listen()
         step_start = perf_counter_ns()
-        ot.begin_step(0, start_ns=step_start)
+        adapters.begin_step(0, start_ns=step_start)
         start, end = step_start + 1_000_000, step_start + 4_000_000  # a phase reported after the fact
         time.sleep(0.02)
         ot.timer("forward").start(at_ns=start).stop(at_ns=end)
         ot.timer("clamped").start(at_ns=end).stop(at_ns=start)  # an end before the start: zero length
         ot.timer("deep", level=2).start(at_ns=start).stop(at_ns=end)  # above the level: no-op
-        ot.end_step()
+        adapters.end_step()
     phases, arrivals = seen.merged("phases"), seen.merged("arrivals")
     assert phases["forward"] == [pytest.approx(0.003)] and phases["clamped"] == [0.0]
     assert arrivals["forward"] == [pytest.approx(0.004)]  # where it ended, not when stop() ran

@@ -433,7 +433,7 @@ def train(args: argparse.Namespace, ot: Telemetry) -> Result:
             # per-layer grad/param norms and activation stats on every N-th step (read at the step's
             # end: after clipping); grad_norm recorded below stays the pre-clip global norm
             ot.watch(setup.model, every=args.watch_every, activations=True)
-        sample = ot.timed("generate", level=2)(generate_samples)
+        sample = ot.timer("generate", level=2)(generate_samples)
 
         setup.model.train()
         for step in range(args.steps):  # 0-based, like otel_train (its console shows step + 1)

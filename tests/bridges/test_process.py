@@ -26,6 +26,7 @@ from otel_train.assemble.run_place import RunPlace
 from otel_train.bridges import host
 from otel_train.bridges.process import BridgeProcess
 from otel_train.config import ConfigError
+from otel_train.testing import current_session
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -275,7 +276,7 @@ def test_setup_error_raises_at_init_naming_the_path(tmp_path: Path) -> None:
         ot.init(output_dir=str(tmp_path), run_name="blocked", tensorboard=True, prometheus_port=0, verbosity=0,
                 hardware=False)  # fmt: skip
     assert "TensorBoard" in str(info.value) and str(run_dir / "tensorboard") in str(info.value)
-    assert ot.current_session() is None
+    assert current_session() is None
 
 
 @pytest.mark.usefixtures("fixtures_on_path")
@@ -291,7 +292,7 @@ def test_a_hung_bridge_cannot_hold_shutdown_past_its_budget(
     budget = 1.5
     ot.init(output_dir=str(tmp_path), run_name="hung", tensorboard=True, prometheus_port=0, verbosity=0,
                       hardware=False, log_interval=2, shutdown_timeout_s=budget)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session.bridges is not None
     for step in range(6):
         with ot.step(step):
@@ -317,10 +318,11 @@ TRAINER = textwrap.dedent(
     """
     import sys, time
     import otel_train as ot
+    from otel_train.testing import current_session
 
     ot.init(output_dir=sys.argv[1], run_name="killed", tensorboard=True, prometheus_port=0,
                       verbosity=0, hardware=False, log_interval=1)
-    session = ot.current_session()
+    session = current_session()
     if sys.argv[2:] == ["stopped"]:  # the test stops the bridge process before the steps
         print(session.bridges.pid, flush=True)
         sys.stdin.readline()
@@ -400,10 +402,11 @@ RESTART_TRAINER = textwrap.dedent(
     """
     import sys, time
     import otel_train as ot
+    from otel_train.testing import current_session
 
     ot.init(output_dir=sys.argv[1], run_name="restarted", tensorboard=True, prometheus_port=0,
             verbosity=0, hardware=False, log_interval=1)
-    session = ot.current_session()
+    session = current_session()
     print(session.bridges.pid, flush=True)
     step = 0
     stop = sys.argv[2]

@@ -19,6 +19,7 @@ import otel_train as ot
 from otel_train.bridges.base import flatten_params
 from otel_train.bridges.framing import plain
 from otel_train.bridges.rundir import RunDirSink
+from otel_train.testing import current_session
 
 
 def params() -> dict[str, Any]:
@@ -126,7 +127,7 @@ def test_hparams_json_agrees_with_real_wandb_config_and_mlflow_params(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     ot.init(output_dir=str(tmp_path), run_name="hpb", wandb=True, wandb_mode="offline", mlflow=True,
             prometheus_port=0, verbosity=0, hardware=False)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     ot.log_hyperparams(params())
     ot.shutdown()
     # shutdown() waits shutdown_timeout_s for the bridges; on a busy host they finish later

@@ -10,6 +10,7 @@ import pytest
 from helpers.readback import read_mlflow, read_tensorboard, read_wandb_offline
 
 import otel_train as ot
+from otel_train.testing import current_session
 
 SECRET = "SESSION-SECRET-3141"
 
@@ -19,7 +20,7 @@ def test_session_feeds_every_bridge_the_same_scalars(tmp_path: Path, monkeypatch
     ot.init(output_dir=str(tmp_path), run_name="bridged", tensorboard=True, wandb=True, mlflow=True,
                       prometheus_port=0, verbosity=0, log_interval=5,
                       otlp_headers={"authorization": SECRET})  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     ot.log_hyperparams({"lr": 3e-4, "layers": 2, "api_key": SECRET})
     meter = ot.get_meter()
     widgets = meter.create_counter("my.widgets")

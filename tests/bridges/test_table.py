@@ -17,6 +17,7 @@ from otel_train import config as config_module
 from otel_train.bridges import table
 from otel_train.cli import main as cli_main
 from otel_train.config_loading import load_config
+from otel_train.testing import current_session
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -60,7 +61,7 @@ def recording_bridge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def test_a_bridge_added_as_one_row_runs_end_to_end(recording_bridge: Path, tmp_path: Path) -> None:
     ot.init(output_dir=str(tmp_path), run_name="row", prometheus_port=0, verbosity=0, hardware=False,
                       log_interval=2)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session.bridges is not None, "the row did not start the bridge process"
     for step in range(4):
         with ot.step(step):

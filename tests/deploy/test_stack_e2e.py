@@ -58,13 +58,12 @@ def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, s
         flops_per_token=1e6, hardware_interval_s=1.0, **push,
     )  # fmt: skip
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
-    ot.watch(model, every=5, activations=True)  # feeds the dashboards' ot.watch panels
+    scaler = torch.amp.GradScaler("cpu")  # feeds the mixed-precision panels
+    ot.watch(model, every=5, activations=True, scaler=scaler)  # and the dashboards' ot.watch panels
     synced = freeze_rank < 0  # a frozen peer would hang the training's own collectives
     if synced:  # a real DDP job: the gradient all-reduce runs inside backward, the waiters wait there
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    ot.watch_scaler(scaler)  # feeds the mixed-precision panels
     deadline = time.monotonic() + seconds
     step = 0
     while True:

@@ -346,6 +346,7 @@ def test_collector_puts_identity_labels_on_every_series_and_nothing_per_process(
     """The Resource otel_train really builds, through the metrics pipeline's resource processors,
     becomes the label set (resource_to_telemetry_conversion): identity in, per-process out."""
     import otel_train
+    from otel_train.testing import current_session
 
     prom = collector["exporters"]["prometheus"]
     assert prom["resource_to_telemetry_conversion"] == {"enabled": True}
@@ -360,7 +361,7 @@ def test_collector_puts_identity_labels_on_every_series_and_nothing_per_process(
         for a in collector["processors"][p]["attributes"]
     ]
     otel_train.init(prometheus_port=0, verbosity=0, run_id="ident", hardware=False)
-    session = otel_train.current_session()
+    session = current_session()
     try:
         resource = dict(session.resource.attributes)
     finally:

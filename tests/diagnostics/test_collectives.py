@@ -45,6 +45,7 @@ def _metrics_target(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     messages: list[str] = []
     handler = logging.Handler()
@@ -74,7 +75,7 @@ def _metrics_target(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     for step in range(6, 8):  # two steps without collectives: the flush after step 7 reads them all
         with ot.step(step):
             pass
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     session.worker.stop(timeout_s=10)  # that flush done, the SDK serves what it counted
     samples = _scrape(port)
@@ -146,13 +147,14 @@ def _hang_target(rank: int, world_size: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     port = free_port()
     ot.init(
         run_name="hang", stall_timeout_s=STALL_S, prometheus_port=port - rank, verbosity=0, hardware=False,
         log_interval=2, output_dir=out_dir,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert any(isinstance(x, CollectiveMonitor) for x in session.listeners)
     stop = threading.Event()
     threading.Thread(

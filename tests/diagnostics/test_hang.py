@@ -19,6 +19,7 @@ from helpers.waiting import wait_for
 
 import otel_train as ot
 from otel_train.config import ConfigError
+from otel_train.testing import current_session
 
 
 def _events(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
@@ -34,7 +35,7 @@ def _parked_in_marker_function(release: threading.Event) -> None:
 
 def test_stall_writes_stacks_and_an_event_naming_them(tmp_path: Path) -> None:
     ot.init(run_name="stall", stall_timeout_s=0.4, prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     for step in range(3):
         with ot.step(step):
             pass
@@ -60,14 +61,14 @@ def test_stall_writes_stacks_and_an_event_naming_them(tmp_path: Path) -> None:
 
 def test_no_stall_before_the_first_step(tmp_path: Path) -> None:
     ot.init(run_name="startup", stall_timeout_s=0.2, prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     time.sleep(1.0)  # start-up (model loading, compile) is not a stall
     assert list(session.run_dir.glob("stacks.*")) == []
 
 
 def test_sigusr1_dumps_on_the_watchdog_thread(tmp_path: Path) -> None:
     ot.init(run_name="usr1", prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     with ot.step(0):
         pass
     os.kill(os.getpid(), signal.SIGUSR1)

@@ -77,10 +77,11 @@ def _crossed_rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     ot.init(run_name="crossed", stall_timeout_s=STALL_S, prometheus_port=0, verbosity=0, hardware=False,
             log_interval=2, output_dir=out)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session is not None and session.run_dir is not None
     group_a, group_b = dist.new_group([0, 1]), dist.new_group([0, 1])
     if rank == 0:  # how the Flight Recorder names them (otel_train's own group is one more)

@@ -20,6 +20,7 @@ from helpers.events import Events
 import otel_train as ot
 from otel_train.diagnostics.memory_dump import MAX_DUMPS, MemoryDumps, has_history
 from otel_train.run_directory import RunFiles
+from otel_train.testing import current_session
 
 HISTORY = {"segments": [{"blocks": [{"size": 512, "frames": [{"filename": "train.py", "line": 3}]}]}],
            "device_traces": [[{"action": "alloc", "size": 512}]]}  # fmt: skip
@@ -84,7 +85,7 @@ def test_no_cuda_or_no_run_dir_writes_nothing(tmp_path: Path) -> None:
 
 def test_an_oom_raised_inside_ot_step_is_dumped_and_still_raised(tmp_path: Path) -> None:
     ot.init(output_dir=str(tmp_path), run_name="oom", prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     try:
         assert session.memory_dumps is not None
         session.memory_dumps.torch_cuda = lambda: FakeCuda(HISTORY)

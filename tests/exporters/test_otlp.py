@@ -11,6 +11,7 @@ from helpers.otlp_receiver import grpc_receiver, http_receiver, refused_endpoint
 import otel_train as ot
 from otel_train import semconv
 from otel_train.flush.tracing import step_trace_ids
+from otel_train.testing import current_session
 
 
 def _train(steps: int = 25, sleep: float = 0.0) -> None:
@@ -38,7 +39,7 @@ def _run(endpoint: str, protocol: str) -> ot.Session:
         trace_first=2,
         trace_every=10,
     )
-    session = ot.current_session()
+    session = current_session()
     _train()
     ot.shutdown()
     return session

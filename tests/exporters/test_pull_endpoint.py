@@ -10,6 +10,7 @@ from helpers.ports import free_port
 from helpers.promstack import prometheus, wait_until
 
 import otel_train as ot
+from otel_train.testing import current_session
 
 pytestmark = pytest.mark.integration
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.integration
 def test_prometheus_scrapes_pull_endpoint_with_run_and_rank_labels(tmp_path) -> None:
     port = free_port()
     ot.init(prometheus_port=port, run_id="pull-test", verbosity=0, log_interval=5, output_dir=str(tmp_path))
-    session = ot.current_session()
+    session = current_session()
     assert session.prometheus_url == f"http://127.0.0.1:{port}/metrics"
     stop = threading.Event()
 
@@ -75,7 +76,7 @@ def test_busy_port_warns_and_continues(caplog) -> None:
         blocker.listen(1)
         port = blocker.getsockname()[1]
         ot.init(prometheus_port=port, verbosity=0, run_dir_enabled=False)
-        session = ot.current_session()
+        session = current_session()
         with ot.step(0):
             ot.record("loss", 1.0)
         assert session.prometheus_url is None

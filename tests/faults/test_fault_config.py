@@ -11,6 +11,7 @@ import pytest
 import otel_train as ot
 from otel_train.config import ConfigError
 from otel_train.config_loading import load_config
+from otel_train.testing import current_session
 
 
 @pytest.mark.parametrize(
@@ -51,12 +52,12 @@ def test_unusable_endpoints_are_refused_with_the_fix(endpoint) -> None:
 def test_second_init_with_other_settings_warns_once(tmp_path, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="otel_train")
     first = ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, log_interval=5)
-    session = ot.current_session()
-    assert ot.init() == first and ot.current_session() is session  # no settings: silently the same session
+    session = current_session()
+    assert ot.init() == first and current_session() is session  # no settings: silently the same session
     assert ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0, log_interval=5) == first
     assert not [r for r in caplog.records if "init() was called again" in r.getMessage()]
     assert ot.init(log_interval=50, verbosity=0) == first
-    assert ot.init(log_interval=70) == first and ot.current_session() is session
+    assert ot.init(log_interval=70) == first and current_session() is session
     warnings = [r.getMessage() for r in caplog.records if "init() was called again" in r.getMessage()]
     assert len(warnings) == 1 and "log_interval" in warnings[0] and "ot.shutdown()" in warnings[0]
     assert session is not None and session.config.log_interval == 5

@@ -19,6 +19,7 @@ from helpers.waiting import wait_for
 
 import otel_train as ot
 from otel_train.control import MAX_FILE_BYTES
+from otel_train.testing import current_session
 
 BAD_FILES = [
     '{"profile": {"active": 0}}',
@@ -90,7 +91,7 @@ def _rank_with_hostile_control(rank: int, world_size: int, out: str) -> dict[str
 
     ot.init(run_name="hostile", output_dir=out, prometheus_port=0, verbosity=0, hardware=False,
                       log_interval=5)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     run_dir = session.run_dir
     advance = _driver(run_dir / "control.json", run_dir) if rank == 0 else (lambda: True)
     seen: list[tuple[int, int, int]] = []  # (step, timing level, trace_every) at each change
@@ -140,7 +141,7 @@ def _rejections(run_dir: Path) -> list[str]:
 
 def test_special_and_huge_control_files_are_refused_unread(tmp_path: Path) -> None:
     ot.init(run_name="special", prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     control = session.run_dir / "control.json"
     with ot.step(0):
         pass
@@ -171,7 +172,7 @@ def test_special_and_huge_control_files_are_refused_unread(tmp_path: Path) -> No
 def test_a_blocked_control_read_does_not_stop_stack_dumps(tmp_path: Path) -> None:
     """A read that blocks (a dead network file system) holds only the control thread."""
     ot.init(run_name="blocked", stall_timeout_s=0.5, prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     assert session.control is not None
     release = threading.Event()
     reading = threading.Event()
@@ -198,7 +199,7 @@ def test_a_blocked_control_read_does_not_stop_stack_dumps(tmp_path: Path) -> Non
 
 def test_a_change_that_cannot_be_applied_is_an_event_not_an_exception(tmp_path: Path) -> None:
     ot.init(run_name="busy-profiler", prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     control = session.run_dir / "control.json"
     control.write_text('{"profile": {"wait": 3000, "active": 1}}')  # a long window: still running ...
     step = 0

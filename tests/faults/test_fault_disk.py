@@ -21,7 +21,7 @@ import pytest
 
 import otel_train as ot
 from otel_train.config import ConfigError
-from otel_train.testing import Capture
+from otel_train.testing import Capture, current_session
 
 
 @contextlib.contextmanager
@@ -54,7 +54,7 @@ def test_disk_full_mid_run(tmp_path, caplog) -> None:
     with small_tmpfs(tmp_path / "disk") as disk:
         ot.init(output_dir=str(disk), run_name="r", prometheus_port=0, verbosity=0, log_interval=1,
                           hardware=False)  # fmt: skip
-        session = ot.current_session()
+        session = current_session()
         capture = Capture()
         session.add_sink(capture)
         _fill(disk, leave=16000)

@@ -13,6 +13,7 @@ from helpers.otlp_receiver import http_receiver
 from helpers.ports import free_port
 
 import otel_train as ot
+from otel_train.testing import current_session
 
 HF_TOKEN = "hf_Zq81SECRETxYw"
 API_KEY = "sk-live-9f8eSECRET"
@@ -30,7 +31,7 @@ def test_event_attributes_with_tokens_reach_no_output(tmp_path, capfd, caplog) -
             otlp_endpoint=endpoint, output_dir=str(tmp_path), run_name="ev", prometheus_port=0,
             verbosity=2, hardware=False, log_interval=1, metric_export_interval_s=0.2,
         )  # fmt: skip
-        session = ot.current_session()
+        session = current_session()
         assert session is not None and session.run_dir is not None
         ot.on_event(lambda event, message, attrs: seen.append(dict(attrs)))
         for i in range(3):

@@ -18,6 +18,7 @@ import pytest
 
 import otel_train as ot
 from otel_train.goodput import CAUSES, process_start_perf_s
+from otel_train.testing import current_session
 
 _FIRST_PROCESS = """
 import sys, time
@@ -88,7 +89,7 @@ def _restart(run_dir: Path) -> ot.Session:
     """The same run id started again on `run_dir` (the restart path of `ot.init()`), a few steps."""
     ot.init(run_name=run_dir.name, run_id="job-9", output_dir=str(run_dir.parent), prometheus_port=0,
                       verbosity=0, hardware=False, log_interval=2)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for step in range(4, 8):
         with ot.step(step):
             time.sleep(0.01)

@@ -17,9 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 TRAINER = """
 import sys
 import otel_train as ot
+from otel_train.testing import current_session
 ot.init(output_dir=sys.argv[1], run_name="job", run_id="slurm-4242", prometheus_port=0,
                   verbosity=0, hardware=False, log_interval=1)
-session = ot.current_session()
+session = current_session()
 for step in range(int(sys.argv[2])):
     with ot.step(step):
         ot.record("loss", 1.0)

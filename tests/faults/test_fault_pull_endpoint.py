@@ -13,6 +13,7 @@ from helpers.ports import free_port
 
 import otel_train as ot
 from otel_train.exporters import pull_endpoint
+from otel_train.testing import current_session
 
 
 def _closed_by_server(sock: socket.socket) -> bool:
@@ -28,7 +29,7 @@ def test_300_idle_connections_do_not_make_300_threads(tmp_path: Path, monkeypatc
     monkeypatch.setattr(pull_endpoint, "PULL_READ_TIMEOUT_S", 1.0)  # (10 s by default)
     port = free_port()
     ot.init(run_name="pull", prometheus_port=port, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     assert session.prometheus_url is not None
     baseline = threading.active_count()
     clients: list[socket.socket] = []

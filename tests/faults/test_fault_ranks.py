@@ -16,6 +16,7 @@ import pytest
 from helpers.multirank import run_ranks
 
 import otel_train as ot
+from otel_train.testing import current_session
 
 pytestmark = pytest.mark.multirank
 
@@ -46,7 +47,7 @@ def _own_interval_target(rank: int, world: int, out: str) -> dict[str, Any]:
         output_dir=out, run_name="mixed", prometheus_port=0, verbosity=0, hardware=False,
         log_interval=10 if rank == 0 else 7, collective_timeout_s=20.0,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for i in range(40):
         with ot.step(i):
             time.sleep(0.001)
@@ -75,7 +76,7 @@ def _late_target(rank: int, world: int, out: str, timeout_s: float) -> dict[str,
         output_dir=out, prometheus_port=0, verbosity=0, hardware=False, log_interval=5,
         collective_timeout_s=timeout_s,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for i in range(10):
         with ot.step(i):
             pass
@@ -102,7 +103,7 @@ def _independent_target(rank: int, world: int, out: str, cross_rank: bool) -> di
         output_dir=out, run_name=f"independent-{cross_rank}", prometheus_port=0, verbosity=0,
         hardware=False, log_interval=10, cross_rank=cross_rank, collective_timeout_s=8.0,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     result: dict[str, Any] = {"run_dir": str(session.run_dir)}
     if rank == 0:
         baseline, end = 0, time.monotonic() + 1.5
@@ -153,7 +154,7 @@ def _idle_rank_target(rank: int, world: int, out: str, grace_s: float) -> dict[s
         output_dir=out, run_name="idle", prometheus_port=0, verbosity=0, hardware=False, log_interval=10,
         exchange_grace_s=grace_s, collective_timeout_s=30.0,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     reducer = session.reducer
     alone = Path(out) / "rank0_alone"
     result: dict[str, Any] = {"run_dir": str(session.run_dir)}
@@ -206,7 +207,7 @@ def _paced_target(rank: int, world: int, out: str) -> dict[str, Any]:
         output_dir=out, run_name="paced", prometheus_port=0, verbosity=0, hardware=False, log_interval=10,
         exchange_grace_s=0.1, collective_timeout_s=30.0,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     reducer = session.reducer
     done = Path(out) / "rank0_done"
     paired: list[list[tuple[int, int]]] = []

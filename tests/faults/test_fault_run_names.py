@@ -10,12 +10,13 @@ import pytest
 
 import otel_train as ot
 from otel_train.config import ConfigError
+from otel_train.testing import current_session
 
 
 def _run(tmp_path, steps: int, **settings) -> ot.Session:
     ot.init(output_dir=str(tmp_path), run_name="exp", prometheus_port=0, verbosity=0, log_interval=1,
                       hardware=False, **settings)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for step in range(steps):
         with ot.step(step):
             ot.record("loss", 1.0)

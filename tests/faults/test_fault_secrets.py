@@ -10,6 +10,7 @@ from pathlib import Path
 from helpers.otlp_receiver import http_receiver
 
 import otel_train as ot
+from otel_train.testing import current_session
 
 SECRET = "S3CR3T-7f3a9c"
 
@@ -41,7 +42,7 @@ def test_planted_secret_reaches_no_output(tmp_path, monkeypatch, capfd, caplog) 
             metric_export_interval_s=0.2,
             tensorboard=True,
         )
-        session = ot.current_session()
+        session = current_session()
         ot.log_hyperparams(
             {"lr": 1e-3, "api_key": SECRET, "nested": {"password": SECRET}, "url": f"http://u:{SECRET}@h"}
         )
@@ -77,7 +78,7 @@ def test_events_and_nested_hyperparameters_are_redacted(tmp_path) -> None:
     from otel_train.integrations.megatron import _plain
 
     ot.init(output_dir=str(tmp_path), run_name="r", prometheus_port=0, verbosity=0, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     ot.event(
         "worker_failure",
         f"upload to https://u:{SECRET}@host failed: token={SECRET}",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import otel_train as ot
 from otel_train.redaction import TEXT_LIMIT
+from otel_train.testing import current_session
 
 SECRET = "sk-Q7fz29bXk"
 
@@ -50,7 +51,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def test_quoted_secret_forms_are_redacted_in_the_run_files(tmp_path) -> None:
     ot.init(output_dir=str(tmp_path), run_name="text", prometheus_port=0, verbosity=0, log_interval=2)
-    session = ot.current_session()
+    session = current_session()
     forms = [form for form, _ in QUOTED_FORMS] + PLAIN
     for i, form in enumerate(forms):
         ot.log_text(f"t{i}", form)
@@ -98,7 +99,7 @@ def test_redaction_is_linear_on_a_megabyte_of_base64() -> None:
 
 def test_huge_texts_and_samples_are_cut_and_say_so(tmp_path) -> None:
     ot.init(output_dir=str(tmp_path), run_name="big", prometheus_port=0, verbosity=0, log_interval=2)
-    session = ot.current_session()
+    session = current_session()
     blob = base64.b64encode(os.urandom(750_000)).decode()  # 1,000,000 characters
     ot.log_text("payload", blob)
     ot.log_samples([(blob, blob), ("short prompt", blob), (blob, "short output")])

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import otel_train as ot
 from otel_train.bridges.base import Sink
+from otel_train.testing import current_session
 
 
 def _written_steps(session: ot.Session) -> int:
@@ -35,7 +36,7 @@ def test_tiny_switch_interval_every_step_arrives_or_is_counted(tmp_path, caplog)
     steps = 3000
     ot.init(output_dir=str(tmp_path), run_name="race", prometheus_port=0, verbosity=0, log_interval=1,
                       hardware=False)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     stop = threading.Event()
 
     def recorder(k: int) -> None:
@@ -81,7 +82,7 @@ def test_shutdown_with_a_busy_worker_counts_and_warns(tmp_path, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="otel_train")
     ot.init(output_dir=str(tmp_path), run_name="busy", prometheus_port=0, verbosity=0, log_interval=1,
                       hardware=False, shutdown_timeout_s=0.5)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     session.add_sink(_SlowSink())
     for step in range(20):
         with ot.step(step):

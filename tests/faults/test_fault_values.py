@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import otel_train as ot
-from otel_train.testing import capture_metrics
+from otel_train.testing import capture_metrics, current_session
 
 
 class _Explodes:
@@ -56,7 +56,7 @@ def test_value_fuzz_never_raises_and_every_flush_lands(tmp_path) -> None:
             np.array([1.0, 2.0]), np.array(4.0), torch.tensor(5.0), torch.ones(2), torch.tensor(1 + 1j),
             torch.tensor(7, dtype=torch.int64), complex(1, 2)]  # fmt: skip
     ot.init(output_dir=str(tmp_path), run_name="fuzz", prometheus_port=0, verbosity=0, log_interval=5)
-    session = ot.current_session()
+    session = current_session()
     for step in range(50):
         with ot.step(step):
             for _ in range(5):
@@ -80,7 +80,7 @@ def test_value_fuzz_never_raises_and_every_flush_lands(tmp_path) -> None:
 def test_step_numbers_of_any_type_serialise(tmp_path, steps) -> None:
     ot.init(output_dir=str(tmp_path), run_name="s", prometheus_port=0, verbosity=0, log_interval=2,
                       total_steps=10)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for step in steps(6):
         with ot.step(step, tokens=np.int64(4), samples=torch.tensor(2)):
             ot.record("loss", np.float64(1.0))
@@ -145,7 +145,7 @@ def test_name_fuzz_keeps_metrics_endpoint_valid(tmp_path) -> None:
               "throughput.tokens_per_s", "phase_duration_seconds", "train.phase.duration_count"]  # fmt: skip
     ot.init(prometheus_port=free_port(), verbosity=0, log_interval=1, output_dir=str(tmp_path),
                       max_metric_names=400)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for step in range(3):
         with ot.step(step, tokens=5), ot.timer("forward"):
             for name in names:

@@ -59,6 +59,7 @@ def _events(run_dir: Path) -> list[dict]:
 
 def test_hung_gauge_callback_bounds_memory_and_warns_naming_it(tmp_path: Path) -> None:
     import otel_train as ot
+    from otel_train.testing import current_session
 
     fifo = tmp_path / "dead-nfs-file"
     os.mkfifo(fifo)  # opening it for reading blocks until a writer comes: a read that never returns
@@ -73,7 +74,7 @@ def test_hung_gauge_callback_bounds_memory_and_warns_naming_it(tmp_path: Path) -
         run_name="hung-cb", prometheus_port=0, verbosity=0, hardware=False, log_interval=10,
         stall_timeout_s=0.5, max_values_per_interval=500,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     ot.get_meter().create_observable_gauge("custom.nfs_value", callbacks=[read_dead_file])
     try:
         step, deadline = 0, time.monotonic() + 60
@@ -103,6 +104,7 @@ def test_messages_beyond_the_queue_of_a_stuck_worker_are_counted_and_warned_once
     import threading
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     release = threading.Event()
 
@@ -114,7 +116,7 @@ def test_messages_beyond_the_queue_of_a_stuck_worker_are_counted_and_warned_once
         run_name="full-queue", output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False,
         log_interval=1,
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     ot.get_meter().create_observable_gauge("custom.hanging", callbacks=[hanging])
     try:

@@ -16,7 +16,7 @@ import otel_train as ot
 from otel_train.buffer import Buffer, SpanRecord
 from otel_train.flush import resolve, tracing
 from otel_train.interval import Interval, header_of
-from otel_train.testing import capture_metrics
+from otel_train.testing import capture_metrics, current_session
 
 
 def _careful(values: list[Any], monkeypatch: pytest.MonkeyPatch) -> tuple[list[float | None], dict[str, int]]:
@@ -102,7 +102,7 @@ class _Intervals:
 
 def test_timers_become_durations_and_arrivals_capped_per_name() -> None:
     with capture_metrics(log_interval=1000, max_values_per_interval=3, run_dir_enabled=False) as cap:
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         listener = _Intervals()
         session.add_listener(listener)
@@ -273,7 +273,7 @@ def test_the_periodic_split_is_taken_for_the_usual_loop_and_not_for_others() -> 
 def test_every_place_a_timer_name_reaches_drops_a_non_str_and_takes_a_str_enums_value() -> None:
     """The hot path checks no timer name: the worker makes a `str` Enum its plain string and drops
     (and counts, each value) any other name in the timers' events, a raising block's phase errors
-    and span record, CUDA timers' events and `ot.phase()` durations, before anything exports them."""
+    and span record, CUDA timers' events and `adapters.phase()` durations, before anything exports them."""
     import enum
 
     from otel_train.flush.batch_checks import drop_bad_timer_names

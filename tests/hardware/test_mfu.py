@@ -262,11 +262,12 @@ def test_cpu_autocast_around_the_step_is_detected_in_a_session(torch_dtype: torc
     from prometheus_client.parser import text_string_to_metric_families
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     port = free_port()
     ot.init(prometheus_port=port, verbosity=0, log_interval=2, run_dir_enabled=False,
                       peak_flops=1e12, flops_per_token=1e6)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     intervals = _Intervals()
     session.add_listener(intervals)
     try:
@@ -333,10 +334,11 @@ def test_mfu_reaches_the_console_and_run_dir_under_its_catalogue_key(capsys) -> 
     import json
 
     import otel_train as ot
+    from otel_train.testing import current_session
 
     ot.init(prometheus_port=0, verbosity=1, progress_bar=False, log_interval=5,
                       peak_flops=1e12, flops_per_token=1e6)  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     for i in range(5):
         with ot.step(i, tokens=1000):
             ot.record("loss", 1.0)

@@ -19,6 +19,7 @@ from helpers.readback import read_tensorboard
 
 import otel_train as ot
 from otel_train.integrations.accelerate import OtelTrainTracker
+from otel_train.testing import current_session
 
 
 def test_tracker_logs_values_and_config(tmp_path: Path) -> None:
@@ -30,9 +31,9 @@ def test_tracker_logs_values_and_config(tmp_path: Path) -> None:
     for step in range(4):
         with ot.step(step, tokens=32):
             accelerator.log({"loss": 2.0 - step * 0.25, "accuracy": 0.1 * step, "note": "text"}, step=step)
-    assert accelerator.get_tracker("otel_train").tracker is ot.current_session()
+    assert accelerator.get_tracker("otel_train").tracker is current_session()
     accelerator.end_training()
-    assert ot.current_session() is None
+    assert current_session() is None
 
     run_dir = tmp_path / "runs" / "acc"
     rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
@@ -50,7 +51,7 @@ def _rank_without_init(rank: int, world_size: int) -> int:
     logging.basicConfig()
     tracker = OtelTrainTracker()
     tracker.log({"loss": 1.0})  # no session on any rank: must not start one (collectives) nor raise
-    return int(ot.current_session() is None)
+    return int(current_session() is None)
 
 
 @pytest.mark.multirank
@@ -210,7 +211,7 @@ def test_register_by_name_adopts_project_config_and_init_kwargs(tmp_path: Path, 
     accelerator.init_trackers(
         "my-proj", config={"lr": 0.1}, init_kwargs={"otel_train": {**QUIET, "log_interval": 1}}
     )
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     assert session.run_name.startswith("my-proj-") and session.run_name != "my-proj-"
     assert (session.config.wandb_project, session.config.mlflow_experiment) == ("my-proj", "my-proj")
@@ -219,7 +220,7 @@ def test_register_by_name_adopts_project_config_and_init_kwargs(tmp_path: Path, 
     assert isinstance(tracker, OtelTrainTracker) and tracker.tracker is session
     accelerator.log({"loss": 3.0}, step=0)
     accelerator.end_training()
-    assert ot.current_session() is None
+    assert current_session() is None
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "hparams.json").read_text())["lr"] == 0.1
     assert [r["train/loss"] for r in _rows(run_dir) if r.get("train/steps")] == [3.0]
@@ -232,7 +233,7 @@ def test_an_explicit_setting_wins_over_the_project(
     register_tracker_class(OtelTrainTracker)
     accelerator = Accelerator(log_with="otel_train", cpu=True)
     accelerator.init_trackers("my-proj", init_kwargs={"otel_train": {"run_name": "mine", **QUIET}})
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     assert (session.run_name, session.config.wandb_project) == ("mine", "from-env")
     assert session.config.mlflow_experiment == "my-proj"
@@ -249,7 +250,7 @@ def test_a_config_file_setting_wins_over_the_project_and_the_rest_follow_it(
     tracker = OtelTrainTracker("my-proj", prometheus_port=0, hardware=False)
     tracker.start()
     info = ot.run_info()
-    session = ot.current_session()
+    session = current_session()
     assert info is not None and session is not None
     assert (session.config.wandb_project, session.config.mlflow_experiment) == ("from-file", "my-proj")
     assert info.run_name.startswith("my-proj-")
@@ -259,7 +260,7 @@ def test_a_config_file_setting_wins_over_the_project_and_the_rest_follow_it(
 def test_a_project_name_with_odd_characters_still_names_the_run(tmp_path: Path) -> None:
     tracker = OtelTrainTracker("org/My Project!", **QUIET)
     tracker.start()
-    session = ot.current_session()
+    session = current_session()
     assert session is not None and session.run_name.startswith("org-My-Project-")
     assert session.config.wandb_project == "org/My Project!"
     tracker.finish()

@@ -18,7 +18,9 @@ import yaml
 from helpers.multirank import run_ranks
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.config_loading import load_config
+from otel_train.testing import current_session
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     if os.environ.get("CI"):  # make test installs it (pyproject's dev extra): missing is a failure
@@ -96,7 +98,7 @@ def megatron_job(
         output_dir=out_dir, run_name="megatron", verbosity=0, log_interval=LOG_INTERVAL, hardware=False,
         prometheus_port=0, collective_timeout_s=60.0, **(timing or {}),
     )  # fmt: skip
-    session = ot.current_session()
+    session = current_session()
     seen = Intervals()
     session.add_listener(seen)
     session.events.add_callback(lambda e, m, a: events.append(dict(a)) if e == "straggler" else None)
@@ -105,7 +107,7 @@ def megatron_job(
     x = torch.randn(4, 16)
     forward_s = FORWARD_S * (SLOW_FACTOR if rank == slow_rank else 1.0)
     for step in range(STEPS):
-        ot.begin_step(step)
+        adapters.begin_step(step)
         timers("forward-backward", log_level=1).start()
         for mb in range(MICRO_BATCHES):
             timers("forward-compute", log_level=2).start()
@@ -123,7 +125,7 @@ def megatron_job(
         opt.step()
         opt.zero_grad()
         timers("optimizer").stop()
-        ot.end_step(tokens=64)
+        adapters.end_step(tokens=64)
     ot.shutdown()
     # Megatron's own numbers: its per-rank totals, and its log string (printed on the last rank).
     mine = timers._get_elapsed_time_all_ranks(NAMES, reset=False, barrier=False)[rank].tolist()
@@ -220,12 +222,12 @@ def test_elapsed_reads_and_skipped_timers_are_not_phases(monkeypatch: pytest.Mon
     assert type(timers).__name__ == "Timers" and isinstance(timers, Timers)
     with capture_metrics(log_interval=100, run_dir_enabled=False, timing_log_level=1):
         seen = Intervals()
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         session.add_listener(seen)
         timers("interval-time", log_level=0).start()
         for step in range(3):
-            ot.begin_step(step)
+            adapters.begin_step(step)
             # Megatron names the level when it starts a timer; the Timer object held from before
             # instrument() is that same object, now reporting too.
             assert timers("forward-backward", log_level=1) is held
@@ -234,7 +236,7 @@ def test_elapsed_reads_and_skipped_timers_are_not_phases(monkeypatch: pytest.Mon
             timers("fine-grained", log_level=2).start()  # above Megatron's level: DummyTimer
             timers("fine-grained").stop()
             assert timers("forward-backward").elapsed(reset=False) >= 0.0
-            ot.end_step()
+            adapters.end_step()
         timers("interval-time").elapsed(barrier=False)  # Bridge's read of its cross-step clock
         timers("interval-time").stop()
     assert seen.counts == {"forward-backward": 3}
@@ -256,11 +258,11 @@ def _level_run(
     timers = instrument(Timers(megatron_level, "minmax"))
     seen = Intervals()
     with capture_metrics(log_interval=100, run_dir_enabled=False, **settings):
-        session = ot.current_session()
+        session = current_session()
         assert session is not None
         session.add_listener(seen)
         for step in range(3):
-            ot.begin_step(step)
+            adapters.begin_step(step)
             timers("forward-backward", log_level=1).start()
             for _ in range(MICRO_BATCHES):
                 timers("forward-compute", log_level=2).start()
@@ -273,7 +275,7 @@ def _level_run(
             timers("optimizer").stop()
             with ot.timer("users-own", level=2):  # not Megatron's: otel_train's level (1 when unset)
                 pass
-            ot.end_step()
+            adapters.end_step()
     return seen, timers
 
 
@@ -384,7 +386,7 @@ def test_bridge_callback_in_bridges_firing_order(bridge_callbacks: Any, monkeypa
 
     capture = Capture()
     fire("on_train_start", optimizer=optimizer)  # train.py: after model.train(), before the loop
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     session.add_sink(capture)
     seen = Intervals()
@@ -424,7 +426,7 @@ def test_bridge_callback_in_bridges_firing_order(bridge_callbacks: Any, monkeypa
     fire("on_test_start")  # after training: evaluate_and_print_results on the test set
     fire("on_test_end", total_loss_dict={"lm loss": torch.tensor(1.0)})
     fire("on_train_end", optimizer=optimizer)
-    assert ot.current_session() is None  # the callback started it, so it shut it down
+    assert current_session() is None  # the callback started it, so it shut it down
     # lm loss 2.0 - 0.1 * step: the last flush interval (log_interval 2) holds 1.6 and 1.5
     assert capture.last("train/loss") == pytest.approx(1.55)  # the interval's mean
     assert capture.last("train/loss_last") == pytest.approx(1.5)

@@ -18,6 +18,7 @@ import pytest
 import otel_train as ot
 from otel_train.integrations.nemo_rl import OtelTrainLogger, publish_reductions
 from otel_train.run_directory import RunFiles
+from otel_train.testing import current_session
 
 
 class NemoLogger:
@@ -98,7 +99,7 @@ def test_grpo_loop_gives_steps_phases_and_gauges(tmp_path: Path) -> None:
     )
     _grpo_loop(logger, steps=3)
     logger.finish()
-    assert ot.current_session() is None  # the backend shut down the session it started
+    assert current_session() is None  # the backend shut down the session it started
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]  # training steps; no step from the monitor's seconds
     for row in rows:
@@ -125,7 +126,7 @@ def test_step_finished_on_a_metrics_call_ends_the_step_once(tmp_path: Path) -> N
             backend.log_metrics({"loss": 1.0}, step, "train", None, True)
             backend.log_metrics({"total_step_time": 0.1}, step, "timing/train", None, True)  # same step
         backend.finish()  # not its session: left running
-        assert ot.current_session() is not None
+        assert current_session() is not None
     finally:
         ot.shutdown()
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2]

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("oumi")
 
-import otel_train as ot
+from otel_train.testing import current_session
 
 ROWS = 64
 SEQ = 16
@@ -137,7 +137,7 @@ def test_oumi_train_with_the_callback(
     )
 
     assert oumi_train.build_training_callbacks is original  # Oumi is left as it was
-    assert ot.current_session() is None  # the callback's session ended with the training
+    assert current_session() is None  # the callback's session ended with the training
     run_dir = tmp_path / "runs" / kind
     rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     assert sum(r.get("train/steps", 0) for r in rows) == STEPS
@@ -185,7 +185,7 @@ def test_oumi_train_raising_restores_oumi_and_ends_the_session(
         callback.on_step_end = interrupted  # type: ignore[method-assign]
         oumi_train.train(config)
     assert oumi_train.build_training_callbacks is original
-    assert ot.current_session() is None
+    assert current_session() is None
     rows = [
         json.loads(x)
         for x in (tmp_path / "runs" / "stopped" / "metrics.rank0.jsonl").read_text().splitlines()

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-import otel_train as ot
 from otel_train.integrations._common import with_precision
+from otel_train.testing import current_session
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_hf_trainer_in_bf16_reports_bf16(tmp_path: Path) -> None:
 
     class Note(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            session = ot.current_session()
+            session = current_session()
             seen.dtype = session.config.compute_dtype if session is not None else None
 
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
@@ -80,7 +80,7 @@ def test_lightning_bf16_mixed_reports_bf16(tmp_path: Path) -> None:
 
     class Note(Callback):
         def on_train_batch_end(self, *args: Any) -> None:
-            session = ot.current_session()
+            session = current_session()
             seen.dtype = session.config.compute_dtype if session is not None else None
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)

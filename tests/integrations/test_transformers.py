@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot
 from otel_train.integrations.transformers import OtelTrainCallback
+from otel_train.testing import current_session
 
 MAX_STEPS = 6
 GRAD_ACCUM = 2
@@ -89,11 +90,11 @@ def _scrape(url: str) -> dict[str, float]:
 def test_trainer_steps_logs_eval_and_tokens_reach_pull_endpoint_and_jsonl(tmp_path: Path) -> None:
     port = free_port()
     ot.init(run_name="hf", prometheus_port=port, verbosity=0, log_interval=2, hardware=False)
-    session = ot.current_session()
+    session = current_session()
     trainer = _trainer(tmp_path / "hf-out", OtelTrainCallback())
     trainer.train()
 
-    assert ot.current_session() is session  # the user's session is neither replaced nor shut down
+    assert current_session() is session  # the user's session is neither replaced nor shut down
     metrics = _scrape(f"http://127.0.0.1:{port}/metrics")
     ot.shutdown()
 
@@ -131,7 +132,7 @@ def test_callback_starts_and_ends_its_own_session(tmp_path: Path, monkeypatch: p
     callback = OtelTrainCallback(settings={"run_name": "lazy", "verbosity": 0, "hardware": False})
     trainer = _trainer(tmp_path / "hf-out", callback, max_steps=4)
     trainer.train()
-    assert ot.current_session() is None  # started at on_train_begin, shut down at on_train_end
+    assert current_session() is None  # started at on_train_begin, shut down at on_train_end
     run_dir = tmp_path / "runs" / "lazy"
     rows = _rows(run_dir)
     assert sum(r.get("train/steps", 0) for r in rows) == 4
@@ -171,7 +172,7 @@ def test_train_raising_mid_epoch_ends_the_callbacks_session_without_a_false_stal
     with pytest.raises(RuntimeError, match="illegal memory access"):
         trainer.train()
     raised_at = time.time()
-    assert ot.current_session() is None  # shut down before the exception reached the user
+    assert current_session() is None  # shut down before the exception reached the user
     time.sleep(2.0)  # the user handles the error: four stall timeouts
     ot.shutdown()  # (what a user would call; without the fix it writes the pending stall event)
     run_dir = tmp_path / "runs" / "boom"
@@ -229,7 +230,7 @@ def test_callback_adds_no_host_sync_on_the_training_thread(tmp_path: Path) -> No
 
 def _ddp_rank(rank: int, world_size: int, out: str) -> dict[str, Any]:
     ot.init(verbosity=0, log_interval=2, hardware=False, prometheus_port=0)
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     trainer = _trainer(Path(out) / f"hf-out{rank}", OtelTrainCallback(), max_steps=4, ddp=True)
     trainer.train()
@@ -271,7 +272,7 @@ STRAGGLER_STEPS = 24
 def _ddp_slow_data_rank(rank: int, world_size: int, out: str) -> dict[str, Any]:
     # The user's session only to see the events; the timing is the callback's alone.
     ot.init(verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0)
-    session = ot.current_session()
+    session = current_session()
     events: list[dict[str, Any]] = []
     session.events.add_callback(lambda event, message, attrs: events.append({"event": event, **attrs}))
     dataset = SlowRows(256, 0.015 if rank == 1 else 0.0)  # 4 rows per step: +60 ms per step on rank 1
@@ -349,7 +350,7 @@ def test_callback_hooks_never_sync_the_device_on_cuda(tmp_path: Path, watch_ever
         callbacks=[Strict(watch_every=watch_every)],
     )  # fmt: skip
     trainer.train()
-    session = ot.current_session()
+    session = current_session()
     assert session is not None
     ot.shutdown()
     rows = _rows(session.run_dir)
@@ -391,7 +392,7 @@ def test_auto_find_batch_size_retry_keeps_one_run_and_ends_it(tmp_path: Path) ->
         )  # fmt: skip
         trainer.train()
         assert seen[0] == 8 and trainer._train_batch_size == 7  # a real retry, at accelerate's 0.9 x
-        assert ot.current_session() is None  # the session the callback started ended with train()
+        assert current_session() is None  # the session the callback started ended with train()
         (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if d not in run_dirs]
         run_dirs.append(run_dir)
         rows = _rows(run_dir)

@@ -21,8 +21,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.extras.profiling import ProfilingContext
 
-import otel_train as ot
 from otel_train.integrations import trl as ot_trl
+from otel_train.testing import current_session
 
 WORDS = ["<pad>", "<unk>", "<eos>"] + [f"w{i}" for i in range(61)]
 STEPS = 3
@@ -72,7 +72,7 @@ def test_grpo_phases_rewards_and_completions(tmp_path: Path) -> None:
     original = ProfilingContext.__enter__
     assert ot_trl.instrument(trainer, **_settings(tmp_path, "grpo")) is trainer
     trainer.train()
-    assert ot.current_session() is None  # the HF callback started the session and ended it
+    assert current_session() is None  # the HF callback started the session and ended it
     assert ProfilingContext.__enter__ is original  # the patch is undone at train end
 
     rows = _rows(tmp_path, "grpo")

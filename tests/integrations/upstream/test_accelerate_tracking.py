@@ -54,6 +54,7 @@ from accelerate.tracking import (
 
 import otel_train as ot
 from otel_train.integrations.accelerate import OtelTrainTracker
+from otel_train.testing import current_session
 
 # otel_train: the two arms of each custom-tracker flow
 ARMS = ["upstream", "with_otel_train"]
@@ -151,7 +152,7 @@ def test_config_reaches_every_tracker(tmp_path: Path, arm: str) -> None:
         learning_rate="0.01", num_iterations="12", some_boolean="False", some_string="some_value"
     )
     if arm == "with_otel_train":  # otel_train: the same config as our run's hyperparameters
-        assert ot.current_session() is None  # end_training ended the session the tracker started
+        assert current_session() is None  # end_training ended the session the tracker started
         assert _run_dir()[1] == CONFIG
 
 
@@ -351,4 +352,4 @@ def test_making_a_tracker_sets_up_no_distributed_state(
     Accelerator(log_with=tracker)
     assert PartialState._shared_state != {}
     if isinstance(tracker, OtelTrainTracker):  # otel_train: nor does ours start a session
-        assert ot.current_session() is None
+        assert current_session() is None

@@ -43,8 +43,8 @@ from transformers import (
 from transformers.trainer import DEFAULT_CALLBACKS, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 
-import otel_train as ot
 from otel_train.integrations.transformers import OtelTrainCallback
+from otel_train.testing import current_session
 
 # otel_train: the two arms of every flow, upstream's callbacks alone and with ours added
 ARMS = ["upstream", "with_otel_train"]
@@ -248,7 +248,7 @@ def test_event_flow(tmp_path: Path, flow: str, arm: str) -> None:
     assert events == _expected_events(trainer)
     if arm != "upstream":  # otel_train: one step per optimizer step, and its session ended
         assert _run_steps(tmp_path) == [trainer.state.global_step]
-        assert ot.current_session() is None
+        assert current_session() is None
 
 
 @pytest.mark.parametrize("arm", ARMS)
@@ -377,4 +377,4 @@ def test_auto_find_batch_size_event_flow(tmp_path: Path, arm: str) -> None:
     assert recorder.events[1 + len(failed) :] == retry
     if arm != "upstream":  # one run, the failed step left out, its session ended
         assert _run_steps(tmp_path) == [3]
-        assert ot.current_session() is None
+        assert current_session() is None

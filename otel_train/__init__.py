@@ -28,12 +28,6 @@ from otel_train.distributed import RunInfo as RunInfo
 from otel_train.redaction import cap_text, redact
 from otel_train.run import Run as Run
 from otel_train.step_input import message_step
-
-# Temporary, not API: otel_train/integrations/deepspeed.py still spells these `ot.<name>` while its
-# own change is in progress (tests/test_api.py TEMPORARY_ALIASES); they live in otel_train.adapters.
-from otel_train.timing import begin_step as begin_step
-from otel_train.timing import end_step as end_step
-from otel_train.timing import phase as phase
 from otel_train.timing import span, step, timer
 from otel_train.version import __version__ as __version__
 

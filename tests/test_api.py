@@ -330,11 +330,6 @@ MOVED: dict[str, str] = {
 }
 
 
-# Moved names still importable from the top level, and why (delete each entry with its alias):
-# otel_train/integrations/deepspeed.py spelled them `ot.<name>` while another change to it was open.
-TEMPORARY_ALIASES = frozenset({"begin_step", "end_step", "phase"})
-
-
 def test_public_api_is_pinned() -> None:
     assert len(ot.__all__) <= 16
     assert sorted(ot.__all__) == sorted(PUBLIC_API)
@@ -347,7 +342,7 @@ def test_moved_names_are_gone_from_the_top_level_and_live_where_the_changelog_sa
     import otel_train.testing
 
     for name in MOVED:
-        assert hasattr(ot, name) == (name in TEMPORARY_ALIASES), name
+        assert not hasattr(ot, name), name
         assert name not in ot.__all__
     assert set(otel_train.adapters.__all__) >= {
         n for n, home in MOVED.items() if home == "otel_train.adapters"

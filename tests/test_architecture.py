@@ -55,11 +55,6 @@ KNOWN_VIOLATIONS: frozenset[str] = frozenset(
     {
         # config.py: one table-like validation pass per setting (issue #17 left it alone).
         "size: function otel_train.config:validate",
-        # deepspeed.py: ot.begin_step/end_step/phase, now otel_train.adapters' (issue #45), while
-        # another change to the file was open; the aliases go with these entries.
-        "public-api: otel_train.integrations.deepspeed uses otel_train.begin_step (not in otel_train.__all__)",
-        "public-api: otel_train.integrations.deepspeed uses otel_train.end_step (not in otel_train.__all__)",
-        "public-api: otel_train.integrations.deepspeed uses otel_train.phase (not in otel_train.__all__)",
     }
 )
 

@@ -53,7 +53,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
-from otel_train import semconv
+from otel_train import adapters, semconv
 from otel_train.integrations._common import (
     settings_from_kwargs,
     skipped_steps_counter,
@@ -239,7 +239,7 @@ class _Adapter:
             timer.stop(type(exc))
             if self.open:
                 self.open = False
-                ot.end_step(failed=True)
+                adapters.end_step(failed=True)
             raise
         timer.stop()
         self._after_step()
@@ -268,7 +268,7 @@ class _Adapter:
             if info.open_step is not None:  # the loop marks its own steps
                 self.marking = False
                 return
-        self.open = ot.begin_step(start_ns=self.last_end) is not None
+        self.open = adapters.begin_step(start_ns=self.last_end) is not None
 
     def _after_step(self) -> None:
         engine = self.engine
@@ -294,16 +294,16 @@ class _Adapter:
         if self.open:
             self.open = False
             tokens, self.tokens = self.tokens, 0
-            ot.end_step(tokens=tokens or None, samples=self.samples or None)
+            adapters.end_step(tokens=tokens or None, samples=self.samples or None)
         self.last_end = perf_counter_ns()
 
     def _finer_phases(self) -> None:
         timers = _call(self.engine, "get_wall_clock_timers") or {}
         for name in ENGINE_TIMERS:
             if isinstance(timers.get(name), (int, float)):
-                ot.phase(name, timers[name] / 1000.0)
+                adapters.phase(name, timers[name] / 1000.0)
         for name, ms in self.optimizer_times.items():
-            ot.phase(name, ms / 1000.0)
+            adapters.phase(name, ms / 1000.0)
         self.optimizer_times.clear()
 
     def _zero(self) -> None:

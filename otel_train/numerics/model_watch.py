@@ -121,14 +121,15 @@ class ModelWatch:
         if not named:
             raise ValueError("ot.watch(model): the model has no trainable parameters to watch.")
         self._params = [p for _, p in named]
-        self._position = {id(p): i for i, p in enumerate(self._params)}
-        self._keep_hooks = [self._keep_hook(i) for i in range(len(self._params))]
         self._ddp = is_ddp_wrapped(model)
         self.labels, groups = layer_groups([clean_name(name, self._ddp) for name, _ in named], max_layers)
         self._groups = groups
         self._members: list[list[int]] = [[] for _ in self.labels]
         for position, group in enumerate(groups):
             self._members[group].append(position)
+        # values per tensor in a histogram: its layer's HISTOGRAM_SAMPLE shared among its tensors
+        self._sample_sizes = [max(1, HISTOGRAM_SAMPLE // len(self._members[g])) for g in groups]
+        self._reads = GradientReads(self._params, self._sample_sizes, self._fail)
         self._place_on(self._params[0].device)
         # Each parameter's owning module and the layers it marks as run when its forward runs.
         owners: dict[str, set[int]] = {}
@@ -137,12 +138,6 @@ class ModelWatch:
         modules = dict(model.named_modules())
         self._owners = [(modules[n], tuple(sorted(g))) for n, g in owners.items() if n in modules]
         self._ran: set[int] = set()  # layers whose module ran in this watched step
-        # This watched step's gradient reads, per watched parameter (None: none yet): the norm (and
-        # histogram sample) an optimizer step pre-hook read, and the gradient tensor the last
-        # backward left, until a pre-hook reads it.
-        self._grad_norms: list[Any] = []
-        self._grad_samples: list[Any] = []
-        self._kept: list[Any] = []
         self._hooks: list[Any] = []
         self._activations: dict[int, tuple[Any, Any]] = {}
         self._fingerprint: Any | None = None  # this watched step's batch fingerprint (device tensor)
@@ -157,6 +152,7 @@ class ModelWatch:
         """Index tensors on the parameters' device. Built here, outside the step path (a host-to-
         device copy would sync); again only if the model moves (`watch()` before `.cuda()`)."""
         self._device = device
+        self._reads.device = device
         self._group_index = torch.tensor(self._groups, dtype=torch.long, device=device)
         self._zero = torch.zeros((), dtype=torch.float32, device=device)
         # Sharded parameters (FSDP2): a layer smaller than the world can have no elements on this
@@ -182,12 +178,9 @@ class ModelWatch:
             self._step = index
             try:
                 if self.grads:
-                    self._reset_grad_reads(len(self._params))
                     for module, marks in self._owners:
                         self._hooks.append(module.register_forward_hook(self._ran_hook(marks)))
-                    self._hooks.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
-                    for param, keep in zip(self._params, self._keep_hooks, strict=True):
-                        self._hooks.append(param.register_post_accumulate_grad_hook(keep))
+                    self._reads.begin(self._hooks, self.histograms)
                 if self.fingerprints:  # the batch fingerprint (replicas.py: unsharded data)
                     self._hooks.append(
                         self.model.register_forward_pre_hook(self._fingerprint_hook, with_kwargs=True)
@@ -203,13 +196,13 @@ class ModelWatch:
         self._step = None
         if failed or index % self.every != 0 or self._buffer is None or self._read == index:
             self._activations, self._fingerprint, self._read = {}, None, None
-            self._reset_grad_reads(0)
+            self._reads.clear()
             return
         try:
             self._collect(index, self._buffer)
         except Exception as exc:
             self._activations, self._fingerprint = {}, None
-            self._reset_grad_reads(0)
+            self._reads.clear()
             self._fail(exc)
 
     def read_now(self) -> None:
@@ -224,7 +217,7 @@ class ModelWatch:
             self._collect(index, buffer)
         except Exception as exc:
             self._activations, self._fingerprint = {}, None
-            self._reset_grad_reads(0)
+            self._reads.clear()
             self._fail(exc)
 
     def see_batch(self, batch: Any) -> None:
@@ -248,7 +241,7 @@ class ModelWatch:
             self._place_on(self._params[0].device)
         records: list[LayerStats] = []
         if self.grads:
-            norms, samples = self._final_grad_reads()
+            norms, samples = self._reads.final()
             if all(n is None for n in norms):
                 self._warn_once(
                     "no_grads",
@@ -270,7 +263,8 @@ class ModelWatch:
             records.append(LayerStats(semconv.LAYER_PARAM_NORM.name, *self._held_only(per_layer), index))
             buffer.add_internal(semconv.PARAM_NORM.name, total)
             if self.histograms:
-                self._add_histograms("parameters", self._samples(self._params), index)
+                samples = [sample(t, size) for t, size in zip(self._params, self._sample_sizes, strict=True)]
+                self._add_histograms("parameters", samples, index)
         if self._activations:
             groups = sorted(self._activations)
             rms = torch.stack([self._activations[g][0] for g in groups])
@@ -311,87 +305,14 @@ class ModelWatch:
         if buffer is not None and self._on_remove is not None:
             self._on_remove(self)
 
-    # --- gradient reads (hooks exist only during watched steps) -----------------------------------
-    def _reset_grad_reads(self, count: int) -> None:
-        self._grad_norms, self._grad_samples, self._kept = [None] * count, [None] * count, [None] * count
-
-    def _keep_hook(self, position: int) -> Callable[[Any], None]:
-        def hook(param: Any) -> None:
-            # A reference, no copy: the loop may set .grad to None before the step ends; a step that
-            # an optimizer pre-hook reads drops it there.
-            if position < len(self._kept):
-                self._kept[position] = param.grad
-
-        return hook
-
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Global optimizer step pre-hook: read the watched gradients this optimizer is about to
-        apply (any optimizer's step calls it; others' parameters are not ours)."""
-        try:
-            positions = [
-                i
-                for group in optimizer.param_groups
-                for p in group["params"]
-                if (i := self._position.get(id(p))) is not None
-            ]
-            if positions and len(self._grad_norms) == len(self._params):
-                # set by GradScaler.step for optimizers that unscale inside their own (fused) step
-                scale = getattr(optimizer, "grad_scale", None)
-                self._read_grads(positions, scale if isinstance(scale, torch.Tensor) else None)
-        except Exception as exc:  # inside the user's optimizer step: never raise there
-            self._fail(exc)
-
-    def _read_grads(self, positions: Sequence[int], scale: Any) -> None:
-        """Norms (and histogram samples) of the present gradients of the parameters at `positions`,
-        divided by `scale` when the gradients are still scaled; replaces earlier reads of those."""
-        present = [(i, g) for i in positions if (g := self._params[i].grad) is not None and not g.is_sparse]
-        if not present:
-            return
-        norms = self._foreach_norms([g for _, g in present])
-        if scale is not None:
-            inverse = scale.to(self._device, torch.float32).reciprocal()
-            norms = [norm * inverse for norm in norms]
-        for (i, grad), norm in zip(present, norms, strict=True):
-            self._grad_norms[i] = norm
-            self._kept[i] = None
-            if self.histograms:
-                sample = self._sample(grad, i)
-                self._grad_samples[i] = sample if scale is None else sample / scale.to(sample.device)
-
-    def _final_grad_reads(self) -> tuple[list[Any], list[Any]]:
-        """Per watched parameter, (norm, histogram sample) of its gradient as last seen in the step:
-        an optimizer pre-hook's read, else the gradient it has now, else the one the last backward
-        left; (None, None) where it had none. Clears the step's reads."""
-        norms, samples, kept = self._grad_norms, self._grad_samples, self._kept
-        self._reset_grad_reads(0)
-        if len(norms) != len(self._params):  # a watch added inside the step: only what is there now
-            norms, samples, kept = ([None] * len(self._params) for _ in range(3))
-        unread = [
-            (i, g)
-            for i, p in enumerate(self._params)
-            if norms[i] is None and (g := p.grad if p.grad is not None else kept[i]) is not None
-        ]
-        unread = [(i, g) for i, g in unread if not g.is_sparse]
-        if unread:
-            for (i, grad), norm in zip(unread, self._foreach_norms([g for _, g in unread]), strict=True):
-                norms[i] = norm
-                if self.histograms:
-                    samples[i] = self._sample(grad, i)
-        return norms, samples
-
     # --- device math (no host sync: results stay device tensors) ----------------------------------
     def _norms(self, tensors: Sequence[Any]) -> tuple[Any, Any]:
         """(per-layer L2 norms, global L2 norm) of `tensors` (one per watched parameter; None = absent)."""
         present = [(i, t) for i, t in enumerate(tensors) if t is not None and not t.is_sparse]
         norms: list[Any] = [None] * len(tensors)
-        for (i, _), norm in zip(present, self._foreach_norms([t for _, t in present]), strict=True):
+        for (i, _), norm in zip(present, foreach_norms([t for _, t in present], self._device), strict=True):
             norms[i] = norm
         return self._group_norms(norms)
-
-    def _foreach_norms(self, tensors: Sequence[Any]) -> list[Any]:
-        """The float32 L2 norm of each tensor's local part, on the watch's device."""
-        norms = torch._foreach_norm([_local(t) for t in tensors], 2, dtype=torch.float32)
-        return [norm if norm.device == self._device else norm.to(self._device) for norm in norms]
 
     def _group_norms(self, norms: Sequence[Any]) -> tuple[Any, Any]:
         """(per-layer L2 norms, global L2 norm) from one norm per watched parameter (None = 0)."""
@@ -399,17 +320,6 @@ class ModelWatch:
         per_layer = torch.zeros(len(self.labels), dtype=torch.float32, device=self._device)
         per_layer.index_add_(0, self._group_index, stacked)
         return per_layer.sqrt_(), stacked.sum().sqrt()
-
-    def _sample(self, tensor: Any, position: int) -> Any:
-        """A strided float32 copy of at most HISTOGRAM_SAMPLE / (tensors in its layer) values: a copy
-        now, so the optimizer or zero_grad cannot change it before the worker reads it."""
-        per_tensor = max(1, HISTOGRAM_SAMPLE // len(self._members[self._groups[position]]))
-        flat = _local(tensor).detach().reshape(-1)
-        stride = max(1, flat.numel() // per_tensor)
-        return flat[::stride][:per_tensor].to(torch.float32, copy=True)
-
-    def _samples(self, tensors: Sequence[Any]) -> list[Any]:
-        return [None if t is None else self._sample(t, i) for i, t in enumerate(tensors)]
 
     def _add_histograms(self, kind: str, samples: Sequence[Any], index: int) -> None:
         """One histogram per layer from its parameters' samples (at most HISTOGRAM_SAMPLE values)."""
@@ -469,6 +379,114 @@ class ModelWatch:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message)
+
+
+class GradientReads:
+    """A watched step's gradients, read at the last point they exist (module doc). Per watched
+    parameter: the norm (and histogram sample) an optimizer step pre-hook read, else the gradient
+    tensor the last backward left (a reference until a pre-hook reads it), else its `.grad` when
+    the step ends. The hooks exist only between `begin` and the removal of the handles it adds."""
+
+    def __init__(self, params: Sequence[Any], sample_sizes: Sequence[int], fail: Callable[[Exception], None]):
+        self.params = params
+        self.sample_sizes = sample_sizes
+        self.device: Any = None
+        self.histograms = False
+        self._fail = fail
+        self._position = {id(p): i for i, p in enumerate(params)}
+        self._keep_hooks = [self._keep_hook(i) for i in range(len(params))]
+        self.clear()
+
+    def clear(self) -> None:
+        self._norms: list[Any] = []
+        self._samples: list[Any] = []
+        self._kept: list[Any] = []
+
+    def begin(self, handles: list[Any], histograms: bool) -> None:
+        """Start a watched step: its reads empty, the hooks' handles appended to `handles`."""
+        n = len(self.params)
+        self._norms, self._samples, self._kept = [None] * n, [None] * n, [None] * n
+        self.histograms = histograms
+        handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
+        for param, keep in zip(self.params, self._keep_hooks, strict=True):
+            handles.append(param.register_post_accumulate_grad_hook(keep))
+
+    def _keep_hook(self, position: int) -> Callable[[Any], None]:
+        def hook(param: Any) -> None:
+            # a reference, not a copy: the loop may set .grad to None before the step ends
+            if position < len(self._kept):
+                self._kept[position] = param.grad
+
+        return hook
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer step pre-hook: read the watched gradients this optimizer is about to
+        apply (every optimizer's step calls it; other models' parameters are not ours)."""
+        try:
+            positions = [
+                i
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if (i := self._position.get(id(p))) is not None
+            ]
+            if positions and len(self._norms) == len(self.params):
+                # set by GradScaler.step on optimizers that unscale inside their own (fused) step
+                scale = getattr(optimizer, "grad_scale", None)
+                self._read(positions, scale if isinstance(scale, torch.Tensor) else None)
+        except Exception as exc:  # inside the user's optimizer step: never raise there
+            self._fail(exc)
+
+    def _read(self, positions: Sequence[int], scale: Any) -> None:
+        """Norms (and samples) of the present gradients at `positions`, divided by `scale` when they
+        are still scaled; they replace earlier reads of those parameters."""
+        present = [(i, g) for i in positions if (g := self.params[i].grad) is not None and not g.is_sparse]
+        if not present:
+            return
+        norms = foreach_norms([g for _, g in present], self.device)
+        if scale is not None:
+            inverse = scale.to(self.device, torch.float32).reciprocal()
+            norms = [norm * inverse for norm in norms]
+        for (i, grad), norm in zip(present, norms, strict=True):
+            self._norms[i], self._kept[i] = norm, None  # read: the tensor may be freed by zero_grad
+            if self.histograms:
+                values = sample(grad, self.sample_sizes[i])
+                self._samples[i] = values if scale is None else values / scale.to(values.device)
+
+    def final(self) -> tuple[list[Any], list[Any]]:
+        """Per watched parameter, (norm, histogram sample) of its gradient as last seen in the step;
+        (None, None) where it had none. Clears the step's reads."""
+        norms, samples, kept = self._norms, self._samples, self._kept
+        self.clear()
+        if len(norms) != len(self.params):  # a watch added inside the step: only what is there now
+            norms, samples, kept = ([None] * len(self.params) for _ in range(3))
+        unread = [
+            (i, g)
+            for i, p in enumerate(self.params)
+            if norms[i] is None and (g := p.grad if p.grad is not None else kept[i]) is not None
+        ]
+        unread = [(i, g) for i, g in unread if not g.is_sparse]
+        if unread:
+            for (i, grad), norm in zip(
+                unread, foreach_norms([g for _, g in unread], self.device), strict=True
+            ):
+                norms[i] = norm
+                if self.histograms:
+                    samples[i] = sample(grad, self.sample_sizes[i])
+        return norms, samples
+
+
+def foreach_norms(tensors: Sequence[Any], device: Any) -> list[Any]:
+    """The float32 L2 norm of each tensor's local part, on `device` (device kernels, no sync)."""
+    norms = torch._foreach_norm([_local(t) for t in tensors], 2, dtype=torch.float32)
+    return [norm if norm.device == device else norm.to(device) for norm in norms]
+
+
+def sample(tensor: Any, size: int) -> Any:
+    """A strided float32 copy of at most `size` of the tensor's local values: a copy now, so the
+    optimizer or zero_grad cannot change it before the worker reads it."""
+    flat = _local(tensor).detach().reshape(-1)
+    stride = max(1, flat.numel() // size)
+    return flat[::stride][:size].to(torch.float32, copy=True)
 
 
 class NullWatch:

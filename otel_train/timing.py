@@ -32,6 +32,9 @@ class _NullScope:
     for the decorator form (a function decorated before `init()` is timed once a session runs)."""
 
     __slots__ = ("cuda", "level", "name")
+    name: str  # unset on the shared `_NULL` (hence getattr in __call__)
+    level: Any
+    cuda: bool
 
     def __enter__(self) -> _NullScope:
         return self

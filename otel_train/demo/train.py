@@ -42,12 +42,19 @@ DEFAULT_CONTEXT = 128
 # The slice of the otel_train API the demo uses, and a no-op stand-in for --uninstrumented.
 
 
+class TimerLike(Protocol):
+    """What `ot.timer(...)` returns: a context manager and a decorator."""
+
+    def __enter__(self) -> Any: ...
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any, /) -> Any: ...
+    def __call__(self, fn: F, /) -> F: ...
+
+
 class Telemetry(Protocol):
     def init(self, **settings: Any) -> Any: ...
     def shutdown(self) -> Any: ...
     def step(self, step: int, *, tokens: int, samples: int) -> AbstractContextManager[Any]: ...
-    def timer(self, name: str, level: int = ..., cuda: bool = ...) -> AbstractContextManager[Any]: ...
-    def timed(self, name: str, level: int = ...) -> Callable[[F], F]: ...
+    def timer(self, name: str, level: int = ..., cuda: bool = ...) -> TimerLike: ...
     def record(self, name: str, value: Any) -> Any: ...
     def span(self, name: str) -> AbstractContextManager[Any]: ...
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> Any: ...
@@ -57,6 +64,14 @@ class Telemetry(Protocol):
 
 
 _NULL_CONTEXT = contextlib.nullcontext()
+
+
+class _NullTimer(contextlib.nullcontext[None]):
+    def __call__(self, fn: F, /) -> F:
+        return fn
+
+
+_NULL_TIMER = _NullTimer()
 
 
 class _NullSession:
@@ -81,11 +96,8 @@ class NullTelemetry:
     def step(self, step: int, *, tokens: int, samples: int) -> AbstractContextManager[Any]:
         return _NULL_CONTEXT
 
-    def timer(self, name: str, level: int = 1, cuda: bool = False) -> AbstractContextManager[Any]:
-        return _NULL_CONTEXT
-
-    def timed(self, name: str, level: int = 1) -> Callable[[F], F]:
-        return lambda fn: fn
+    def timer(self, name: str, level: int = 1, cuda: bool = False) -> TimerLike:
+        return _NULL_TIMER
 
     def record(self, name: str, value: Any) -> None:
         return None

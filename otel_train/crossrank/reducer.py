@@ -258,7 +258,7 @@ class CrossRankReducer:
     def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
         """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
         base = pack_len(self.table.capacity)
-        if isinstance(rows, Bundle):  # the tree's: its rows cover rank 0's steps (tree_exchange)
+        if isinstance(rows, Bundle):  # the tree's: rows of one of rank 0's flushes (tree_exchange)
             tree = unpacked(rows, base, self.table.capacity)
             rows, same, records = tree.rows, list(range(len(tree.exact))), tree.exact
             self.pairing.left_out_rows = getattr(self.exchange, "left_out_bundles", 0)

@@ -9,10 +9,15 @@ the grace, and at most `exchange.MAX_UNANSWERED` messages are up without an answ
 the background worker.
 
 One flush on a rank with children:
-    1. take its children's bundles (`merge`) that have come, within the grace; a bundle that covers
-       other steps than this rank's own row is left out (counted in `left_out_bundles`);
-    2. merge its own row and those bundles into ONE bundle (`merge.merge`) and send it to its
-       parent; rank 0, whose one child is its deputy (`tree.layout`), joins its own row to that
+    1. take its children's bundles (`merge`) that have come, within the grace, and keep those of
+       the steps that most ranks at hand cover (its own row counts one); the others, and its own
+       row when it covers other steps, are left out (counted in `left_out_bundles`). So a rank
+       whose steps fell behind (paused, stopped) costs the view its own row, not its subtree's.
+       Rank 0 pairs bundles only with rows of its own: its current one, or one of its last
+       `KEPT_OWN` flushes' for a bundle that came that much late (a deputy that flushes later than
+       the others), each such view once;
+    2. merge its own row (when kept) and those bundles into ONE bundle (`merge.merge`) and send it
+       to its parent; rank 0, whose one child is its deputy (`tree.layout`), joins its row to that
        bundle without folding it (`merge.join`): its cross-rank view;
     3. answer each child with the answer its parent sent for this flush (the same row for every
        rank, `down_row.tree_answer`), or, when none came within the wait, with `down_row.no_news`
@@ -45,6 +50,7 @@ from otel_train.crossrank.tree import Layout, layout
 from otel_train.crossrank.up_row import MAX_TIMERS, pack_len, row_steps
 
 FAILED = -1.0  # a bundle's version when the rank that sent it found a failed child
+KEPT_OWN = 4  # rank 0: its own rows of that many last flushes, for bundles that come late
 
 
 class TreeExchange:
@@ -79,8 +85,9 @@ class TreeExchange:
             self.above = StarExchange(
                 group, rank, world, timeout_s, grace_s, parent=self.parent, down_len=down
             )
-        self.left_out_bundles = 0  # children's bundles that covered other steps than this rank's
+        self.left_out_bundles = 0  # bundles (its own row too) of other steps than the ones kept (step 1)
         self._expect: set[int] | None = None  # children whose bundles to wait for (None: all)
+        self._own: dict[tuple[int, int], Bundle] = {}  # rank 0: its rows of its last flushes, by steps
 
     @property
     def _edges(self) -> list[StarExchange]:
@@ -165,21 +172,43 @@ class TreeExchange:
         except ExchangeFailed as exc:
             self._fail_up(own, exc.gone)
             raise
-        parts, taken = [own], got.ranks[1:]
+        taken = got.ranks[1:]
         assert got.records is not None
+        bundles = []
         for peer, message in zip(taken, got.records[1:], strict=True):
             if message[0].item() == FAILED:  # its second float: the rank found gone
                 gone = int(message[1].item())
                 self.below.abort_peers(answers, gone=gone)
                 self._fail_up(own, gone)
                 raise ExchangeFailed(f"a rank below found a failed peer (reported by rank {peer})", gone)
-            bundle = decode(message, self.row_len, self.base_len, self._ranks(peer))
-            if bundle.exact and row_steps(bundle.exact[0]) == steps:
+            bundles.append(decode(message, self.row_len, self.base_len, self._ranks(peer)))
+        self._expect = set(taken)
+        return self._parts(own, steps, bundles), taken, answers
+
+    def _parts(self, own: Bundle, steps: tuple[int, int], bundles: list[Bundle]) -> list[Bundle]:
+        """Step 1's choice (module doc): the bundles of the steps most ranks at hand cover, this
+        rank's own row first when it covers them (rank 0: its row of those steps, kept from its
+        last `KEPT_OWN` flushes). The rest are left out (counted)."""
+        mine = {steps: own}
+        if self.above is None:  # rank 0 joins a bundle that came a flush or more late
+            mine = {**self._own, steps: own}
+            self._own = dict(list(mine.items())[-KEPT_OWN:])
+        weight = {at: 1 for at in mine}
+        for bundle in bundles:
+            if bundle.exact:
+                at = row_steps(bundle.exact[0])
+                weight[at] = weight.get(at, 0) + bundle.ranks
+        # Rank 0 pairs only steps of its own rows; most ranks, then its current steps, the newest.
+        best = max(mine if self.above is None else weight, key=lambda at: (weight[at], at == steps, at[1]))
+        parts = [mine[best]] if best in mine else []
+        for bundle in bundles:
+            if bundle.exact and row_steps(bundle.exact[0]) == best:
                 parts.append(bundle)
             else:
                 self.left_out_bundles += 1
-        self._expect = set(taken)
-        return parts, taken, answers
+        if self.above is None and len(parts) > 1:  # a view of those steps is made: never again
+            self._own = {at: row for at, row in self._own.items() if at[1] > best[1]}
+        return parts
 
     def _ranks(self, rank: int) -> int:
         lo, hi = self.layout.span[rank]

@@ -110,12 +110,12 @@ def record(name: str, value: Any) -> None:
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
     """Record several scalars (`{"eval/loss": v, ...}`).
 
-    Without `step` they leave with the next flush, like `record`. With `step` they are filed under
-    that step in the run dir and every bridge, as every built-in logger keeps the step a framework
-    passes: after step N with `step=N`, by a flush now (one process); for any other step, or in a
-    multi-rank run (where an extra flush would desynchronise the ranks' collectives), as a row of
-    their own at that step, written in order with the flushes. The OTel gauges and the health
-    checks get them with the flush either way.
+    Without `step` they leave with the next flush, like `record`. With `step` they are one row at
+    that step in the run dir and every bridge, as every built-in logger files what a framework logs
+    at its step, and only there (the flushes' rows leave them out, also while their gauge keeps its
+    value): written in order with the flushes, with no collective. The OTel gauges (the latest value)
+    and the health checks get them with the next flush; after step N with `step=N` in one process
+    that flush happens at once.
     """
     session = _runtime._current
     if session is None:
@@ -130,13 +130,20 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
         record(name, value)
     if step is None:
         return
-    instruments = [session.buffer.instrument_of(name) for name in names]
-    session.buffer.stepped.update(i for i in instruments if i)
-    filed = message_step(step, session.buffer)
-    if filed is None or (filed == session.step_index and not session.identity.distributed):
-        session.flush()
+    buffer = session.buffer
+    filed = message_step(step, buffer)
+    one_process = not session.identity.distributed
+    if filed is None:  # no step number: filed under the current step, as without `step`
+        if one_process:
+            session.flush()
         return
-    row = {i: v for i, (_, v) in zip(instruments, items, strict=True) if i}
+    row: dict[str, Any] = {}
+    for instrument, (_, value) in zip(map(buffer.instrument_of, names), items, strict=True):
+        if instrument is not None:
+            row[instrument] = value
+            buffer.stepped[instrument] = buffer.stepped.get(instrument, 0) + 1
+    if filed == session.step_index and one_process:
+        session.flush()  # the gauges and checks now; the row follows, after the step's own
     if row:
         session.message(messages.ScalarsMessage, "", row, filed)
 

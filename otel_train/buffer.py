@@ -122,9 +122,10 @@ class FlushBatch(FlushHeader):
     # value i belongs to step_indices[i // k].
     step_indices: list[int] = field(default_factory=list)
     merged: set[str] = field(default_factory=set)  # instruments fed by several record names (no order)
-    # instruments logged with an explicit step (log_metrics(step=N)): their latest value, not the
-    # interval's mean, is what the gauge holds, as each was filed under a step of its own
-    stepped: set[str] = field(default_factory=set)
+    # instrument -> how many of its values were logged with an explicit step (log_metrics(step=N)):
+    # such a value has a row of its own at its step, and its latest, not the interval's mean, is what
+    # the gauge holds; an instrument with only such values is left out of the flushes' rows
+    stepped: dict[str, int] = field(default_factory=dict)
     # every step that ended, failed ones too, in order, up to max_values_per_interval (the counts of
     # the rest are in the header's tokens and samples): (index, start_ns, end_ns, tokens, samples,
     # failed); the worker adds them up into the header (resolve.resolve_steps)
@@ -164,7 +165,7 @@ class Buffer:
         self.dropped: dict[str, int] = {}
         self.layer_stats: list[LayerStats] = []
         self.histograms: list[tuple[str, int, Any]] = []
-        self.stepped: set[str] = set()  # see FlushBatch.stepped
+        self.stepped: dict[str, int] = {}  # see FlushBatch.stepped
         self.steps = 0  # steps that ended without failing: set by the session before take()
         self.tokens = 0  # of the steps beyond the step_events cap only (add_uncapped_step)
         self.samples = 0

@@ -165,21 +165,23 @@ def test_log_metrics_prefix_and_eval_keys() -> None:
             pass
         ot.log_metrics({"loss": 1.25, "perplexity": 3.49, "accuracy": 0.5}, step=0, prefix="eval/")
         ot.log_metrics({"my_metric": 2})
-    # step= flushes at once, filed under that step (log_interval=100 would not flush otherwise)
-    assert next((s, f["eval/loss"]) for s, f in cap.flushes if "eval/loss" in f) == (0, 1.25)
-    flushed = cap.flushes[-1][1]
-    assert flushed["eval/loss"] == 1.25
-    assert flushed["eval/perplexity"] == 3.49
-    assert flushed["eval/accuracy"] == 0.5
-    assert flushed["train/my_metric"] == 2
+    # step= is one row at that step (log_interval=100 would not flush otherwise), and only there
+    evals = [(s, f) for s, f in cap.flushes if "eval/loss" in f]
+    assert [s for s, _ in evals] == [0]
+    assert evals[0][1]["eval/loss"] == 1.25
+    assert evals[0][1]["eval/perplexity"] == 3.49
+    assert evals[0][1]["eval/accuracy"] == 0.5
+    assert cap.flushes[-1][1]["train/my_metric"] == 2
 
 
 def test_log_metrics_files_values_under_the_step_given(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """`step=N` is the step the run dir and every bridge file the values under, for a past step, a
-    future one and the open one alike (an eval logged with `step=6` after step 9 is at 6)."""
+    """`step=N` is the step the run dir and every bridge file the values under, and the only one, as
+    a framework's built-in logger does: for a past step, a future one and the open one alike (an
+    eval logged with `step=6` after step 9 is at 6), never again in a later flush's row although
+    the gauge keeps its value."""
     from helpers.readback import read_tensorboard
 
-    ot.init(prometheus_port=0, verbosity=0, log_interval=100, output_dir=str(tmp_path), run_name="s",
+    ot.init(prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path), run_name="s",
             tensorboard=True)  # fmt: skip
     for i in range(10):
         with ot.step(i):
@@ -188,16 +190,19 @@ def test_log_metrics_files_values_under_the_step_given(tmp_path) -> None:  # typ
                 ot.log_metrics({"eval/F1": 0.25}, step=4)  # inside the open step 4
     ot.log_metrics({"eval/F1": 0.5, "eval/loss": 2.0}, step=6)  # late: after step 9
     ot.log_metrics({"eval/F1": 0.75}, step=9)  # the last completed step: a flush now
+    for i in range(10, 20):
+        with ot.step(i):
+            ot.record("loss", 1.0)
     ot.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "s" / "metrics.rank0.jsonl").read_text().splitlines()]
-    first = {}
-    for row in rows:
-        if "eval/F1" in row:
-            first.setdefault(row["step"], row["eval/F1"])
-    assert first == {4: 0.25, 6: 0.5, 9: 0.75}
-    assert next(r for r in rows if r["step"] == 6)["eval/loss"] == 2.0
+    filed = [(r["step"], r["eval/F1"]) for r in rows if "eval/F1" in r]
+    assert sorted(filed) == [(4, 0.25), (6, 0.5), (9, 0.75)]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [6]
+    assert not any(k.startswith("eval/F1_") for r in rows for k in r)  # no interval statistics either
+    assert sum("train/loss" in r for r in rows) >= 4  # the training values' flushes go on
     scalars = read_tensorboard(tmp_path / "s" / "tensorboard").scalars
-    assert dict(scalars["eval/F1"]) == {4: 0.25, 6: 0.5, 9: 0.75}
+    assert sorted(scalars["eval/F1"]) == [(4, 0.25), (6, 0.5), (9, 0.75)]
+    assert sorted(scalars["eval/loss"]) == [(6, 2.0)]
 
 
 def test_user_instruments_on_library_meter_reach_bridges() -> None:

@@ -62,6 +62,9 @@ class ConsoleSink(Sink):
         self.timers: dict[str, list[float]] = {}
         self.step_total = 0.0
         self._shown_eval_loss: float | None = None
+        # summary values that came in a row without training steps (log_metrics(step=N)): the next
+        # training line shows the latest of them
+        self._latest: dict[str, float] = {}
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         self._accumulate(scalars)
@@ -73,6 +76,10 @@ class ConsoleSink(Sink):
         eval_loss = scalars.get(sc.EVAL_LOSS.key)
         new_eval = eval_loss is not None and eval_loss != self._shown_eval_loss
         trained = sc.STEPS.key in scalars
+        if not trained:
+            self._latest.update((k, scalars[k]) for k, _, _ in _SUMMARY_FIELDS if k in scalars)
+        else:
+            scalars = {**self._latest, **scalars}
         if not trained and not new_eval:
             return  # nothing new to show (e.g. the shutdown flush after the last interval)
         if new_eval:

@@ -5,7 +5,7 @@ durations with their spans' exemplars, ot.watch's per-layer statistics."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Collection, Container, Mapping, Sequence
 from typing import Any
 
 from otel_train import semconv
@@ -111,7 +111,7 @@ def keep_case(
     scalars: dict[str, float],
     recorded: Mapping[str, Sequence[float]],
     spelling: dict[str, str],
-    stepped: Set[str] = frozenset(),
+    stepped: Container[str] = frozenset(),
 ) -> None:
     """Give the user's own names their keys in the case they were recorded (`eval/F1`): the SDK's
     instruments are case-folded (OTel names are case-insensitive) and a gauge goes on reporting its
@@ -132,6 +132,19 @@ def keep_case(
         if key != folded_key and folded_key in scalars:
             scalars[key] = scalars.pop(folded_key)
     scalars.update(fresh)
+
+
+def leave_out_own_rows(scalars: dict[str, float], instruments: Collection[str]) -> None:
+    """Take out of a flush's row the keys of instruments whose values have rows of their own
+    (`log_metrics(step=N)`): their value, its interval statistics and, for the loss, its min/max/last
+    gauges; a bridge then shows each at its own step only, as a framework's built-in logger does."""
+    for instrument in instruments:
+        key = key_for(instrument, {})
+        scalars.pop(key, None)
+        for stat in ("min", "max", "last"):
+            scalars.pop(semconv.interval_key(key, stat), None)
+        for spec in semconv.INTERVAL_STAT_SPECS.get(instrument, {}).values():
+            scalars.pop(spec.key, None)
 
 
 STAT_KEY_TAKEN = (

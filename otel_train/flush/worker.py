@@ -33,6 +33,7 @@ from otel_train.flush.instruments import (
     add_stat_keys,
     feed_layer_stats,
     keep_case,
+    leave_out_own_rows,
     record_durations,
     set_interval_stats,
 )
@@ -93,6 +94,9 @@ class Worker:
         self.final_scalars: dict[str, float] = {}
         self._stat_keys: dict[str, float] = {}  # this flush's interval statistics of users' names
         self._spelling: dict[str, str] = {}  # folded bridge key -> the user's spelling (keep_case)
+        # instruments whose values last came only with an explicit step: they have rows of their
+        # own at those steps (ScalarsMessage), so the flushes' rows leave them out
+        self._own_rows: set[str] = set()
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
@@ -205,6 +209,11 @@ class Worker:
         """One flush: resolve -> feed the SDK -> histograms to the sinks -> listeners -> collect ->
         scalars to the sinks."""
         interval = resolve_interval(batch)
+        for instrument, raw in batch.scalars.items():
+            if raw and batch.stepped.get(instrument, 0) >= len(raw):
+                self._own_rows.add(instrument)
+            else:
+                self._own_rows.discard(instrument)
         if batch.dropped.get("no_data_tensor"):
             self._warn_once("no_data_tensor", NO_DATA_WARNING)
         for reason, name in batch.problems.items():
@@ -226,6 +235,7 @@ class Worker:
         for key in add_stat_keys(scalars, self._stat_keys):
             self._warn_once(f"stat:{key}", STAT_KEY_TAKEN.format(key=key))
         self._stat_keys.clear()
+        leave_out_own_rows(scalars, self._own_rows)
         self.final_scalars.update(scalars)
         self.flushes += 1
         if not (interval.steps or batch.scalars or batch.dropped or interval.phases or batch.phase_errors):

@@ -313,8 +313,10 @@ class Session(SessionParts):
         self.lost_flushes += flushes
         self.lost_steps += steps
         close_listeners(self.listeners)
-        # The user's hooks get what the last flushes raised; from a hook itself this returns at once.
-        self.events.close(max(0.1, 0.6 * budget - (time.monotonic() - started)))
         final = {**self.worker.final_scalars, **final_scalars(self.goodput.totals)}
         close_sinks(self.sinks, self.bridges, final, budget, started)
         stop_exporters(self.telemetry, budget, started)
+        # The user's hooks get what the last flushes raised, with what is left of the budget: a
+        # hook that hangs (a webhook) never takes the sinks' and exporters' time. From a hook
+        # itself this returns at once.
+        self.events.close(max(0.1, budget - (time.monotonic() - started)))

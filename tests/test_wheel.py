@@ -82,3 +82,14 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart_and_cli(tmp_path
     assert "config: ok" in doctor
     # Core only: the doctor says how to add a bridge, and that alone is no failure (exit 0).
     assert "extra [tensorboard]: missing: pip install otel-train[tensorboard]" in doctor
+
+
+def test_the_package_version_is_spelled_once() -> None:
+    """pyproject.toml's version is the one the package reports (the wheel's name and
+    `otel_train.__version__`, read by the resource attributes, cannot disagree)."""
+    import tomllib
+
+    from otel_train.version import __version__
+
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as file:
+        assert tomllib.load(file)["project"]["version"] == __version__

@@ -39,6 +39,7 @@ __all__ = [
     "begin_step",
     "current_run",
     "end_step",
+    "idle",
     "on_straggler",
     "phase",
     "watch_batch",
@@ -52,6 +53,15 @@ def current_run() -> Run | None:
     that started a run keeps it and checks `adapters.current_run() == mine` before ending it."""
     session = _runtime.current()
     return Run(session) if session is not None else None
+
+
+def idle() -> None:
+    """The training loop pauses on purpose and the run stays open (a framework between `fit` and
+    `test`, or after training until the process exits): no `stall` is reported until the next step
+    begins. Call it after the last step ends; a no-op before `init()`."""
+    session = _runtime.current()
+    if session is not None:
+        session.mark_idle()
 
 
 def watch_batch(batch: object) -> None:

@@ -75,6 +75,9 @@ class Session(SessionParts):
         self.timing_level = config.timer_level
         self.step_index = -1  # last completed step
         self.step_end_ns: int | None = None  # perf_counter_ns when it ended (the stall watchdog reads it)
+        # (last step, running step's start) when an adapter said the loop idles (adapters.idle):
+        # no stall until that changes, without a store on the step path
+        self._idle_mark: tuple[int, int] | None = None
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
@@ -276,9 +279,17 @@ class Session(SessionParts):
         return self._step_index_running if self.step_start_ns else None
 
     def last_step(self) -> tuple[int, float | None]:
-        """(last completed step, its end as perf_counter seconds or None): for the watchdog thread."""
+        """(last completed step, its end as perf_counter seconds or None): for the watchdog thread.
+        None while the loop idles on purpose (`mark_idle`) until a step begins."""
         end_ns = self.step_end_ns
-        return self.step_index, (end_ns * 1e-9 if end_ns is not None else None)
+        if end_ns is None or self._idle_mark == (self.step_index, self.step_start_ns):
+            return self.step_index, None
+        return self.step_index, end_ns * 1e-9
+
+    def mark_idle(self) -> None:
+        """The loop pauses on purpose (a framework between fit and test): no stall until a step
+        begins."""
+        self._idle_mark = (self.step_index, self.step_start_ns)
 
     def shutdown(self) -> None:
         """Final flush, drain the worker, close sinks, stop exporters: bounded by shutdown_timeout_s

@@ -380,8 +380,11 @@ class OtelTrainLogger(Logger):
 
     def finalize(self, status: str) -> None:
         # "success" ends one fit/validate/test/predict, not the run: a test after the fit belongs
-        # to it. A failure or an interruption ends it now (final flush), as process exit would.
-        if status != "success" and self._primary is None:
+        # to it, and until then the run idles (no stall). A failure or an interruption ends it now
+        # (final flush), as process exit would.
+        if status == "success":
+            adapters.idle()
+        elif self._primary is None:
             self._shutdown_owned()
 
 

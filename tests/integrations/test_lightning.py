@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from argparse import Namespace
 from dataclasses import dataclass, field
 from enum import Enum
@@ -27,6 +28,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.integrations.lightning import (
     ENV_SWITCH,
     OtelTrainCallback,
@@ -413,6 +415,29 @@ def test_fit_then_test_is_one_run_and_the_next_logger_ends_it(tmp_path: Path) ->
     assert sorted(p.name for p in runs.iterdir()) == ["first", "second"]
     assert _run_id(runs / "first") == _run_id(runs / "first")
     assert len(_rows(runs / "first")) > len(rows)
+
+
+def test_the_run_idles_between_fit_and_test_without_a_stall(tmp_path: Path) -> None:
+    """The run stays open after a successful fit (for the test that follows): the stall watchdog
+    must not take the pause for a hung step, and the next fit's steps arm it again."""
+    from otel_train.integrations.lightning import OtelTrainCallback
+
+    logger = _quiet(run_name="idle", stall_timeout_s=0.5)
+    trainer = _quick_trainer(logger, max_steps=3, callbacks=[OtelTrainCallback()], enable_checkpointing=False)
+    trainer.fit(_boring())
+    session = current_session()
+    assert session is not None
+    step, _ = session.last_step()
+    time.sleep(2.0)  # four stall timeouts of idling: a watchdog still armed reports a stall
+    assert session.last_step() == (step, None)
+    adapters.begin_step(step + 1)
+    adapters.end_step()
+    assert session.last_step()[1] is not None  # a step after the pause arms it again
+    ot.shutdown()
+    events_file = tmp_path / "runs" / "idle" / "events.rank0.jsonl"  # written with the first event
+    assert (tmp_path / "runs" / "idle" / "metrics.rank0.jsonl").exists()
+    lines = events_file.read_text().splitlines() if events_file.exists() else []
+    assert "stall" not in [json.loads(line)["event"] for line in lines]
 
 
 def test_a_failed_fit_ends_the_run(tmp_path: Path) -> None:

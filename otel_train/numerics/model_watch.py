@@ -14,7 +14,18 @@ Gradient norms are of the layers that ran in the watched step: a forward hook on
 (watched steps only) marks its layer. A head used on alternate steps, one of several task heads or
 an expert of a mixture that got no tokens has no gradient because it did not run, which is no fault:
 it is left out of that step's gradient norms (and of `no_gradient`, which reads them). When no hook
-fired at all (a forward these hooks do not see, e.g. a compiled graph), every layer is reported.
+fired at all (a forward these hooks do not see), every layer is reported. A model compiled with
+`torch.compile` (its `OptimizedModule` wrapper, `model.compile()` in place, or a compiled submodule)
+gets no such hooks and every layer is reported, as is any hook inside a compiled module: Dynamo
+guards on a module's hooks, so adding and removing them on watched steps would recompile the model.
+There, activation statistics are left out (a warning once) and the batch fingerprint of an in-place
+compiled model comes only from `adapters.watch_batch`.
+
+Under DeepSpeed ZeRO the optimizer moves each gradient into its own partitioned buffers and sets
+`p.grad` to None during backward, by design: no per-layer gradient norms are reported (an info line
+once) and the global one comes from the DeepSpeed adapter. Parameter statistics are reported under
+ZeRO-1/2; ZeRO-3 partitions the parameters too, so it reports none. DeepSpeed is recognized by the
+attributes it sets on the parameters it manages, without importing it.
 
 Gradients are read at the last point they exist in the watched step, wherever the loop clears them
 (`backward; step; zero_grad(set_to_none=True)` as in nanoGPT, or `zero_grad` first): a global
@@ -136,7 +147,11 @@ class ModelWatch:
         for (name, _), group in zip(named, groups, strict=True):
             owners.setdefault(name.rpartition(".")[0], set()).add(group)
         modules = dict(model.named_modules())
+        self._compiled = compiled_modules(model)  # hooks there would make Dynamo recompile
+        if self._compiled:
+            owners = {}
         self._owners = [(modules[n], tuple(sorted(g))) for n, g in owners.items() if n in modules]
+        self._zero = 0  # DeepSpeed's ZeRO stage once seen on the parameters (deepspeed_zero)
         self._ran: set[int] = set()  # layers whose module ran in this watched step
         self._hooks: list[Any] = []
         self._activations: dict[int, tuple[Any, Any]] = {}
@@ -177,11 +192,12 @@ class ModelWatch:
             self._ran = set()
             self._step = index
             try:
-                if self.grads:
+                self._see_zero()
+                if self.grads and not self._zero:
                     for module, marks in self._owners:
                         self._hooks.append(module.register_forward_hook(self._ran_hook(marks)))
                     self._reads.begin(self._hooks, self.histograms)
-                if self.fingerprints:  # the batch fingerprint (replicas.py: unsharded data)
+                if self.fingerprints and id(self.model) not in self._compiled:  # replicas.py
                     self._hooks.append(
                         self.model.register_forward_pre_hook(self._fingerprint_hook, with_kwargs=True)
                     )
@@ -240,7 +256,7 @@ class ModelWatch:
         if self._params[0].device != self._device:
             self._place_on(self._params[0].device)
         records: list[LayerStats] = []
-        if self.grads:
+        if self.grads and not self._zero:
             norms, samples = self._reads.final()
             if all(n is None for n in norms):
                 self._warn_once(
@@ -258,7 +274,7 @@ class ModelWatch:
                     buffer.add_internal(semconv.GRAD_NORM.name, total)
                 if self.histograms:
                     self._add_histograms("gradients", samples, index)
-        if self.params:
+        if self.params and self._zero != 3:
             per_layer, total = self._norms(self._params)
             records.append(LayerStats(semconv.LAYER_PARAM_NORM.name, *self._held_only(per_layer), index))
             buffer.add_internal(semconv.PARAM_NORM.name, total)
@@ -277,6 +293,17 @@ class ModelWatch:
             records.append(LayerStats(FINGERPRINT, FINGERPRINT_LABELS, self._fingerprint, index))
             self._fingerprint = None
         buffer.add_layer_stats(records)
+
+    def _see_zero(self) -> None:
+        if not self._zero and (stage := deepspeed_zero(self._params)):
+            self._zero = stage
+            log.info(
+                "ot.watch: DeepSpeed ZeRO-%s holds the gradients in its own partitioned buffers (p.grad "
+                "is None after backward by design): no per-layer gradient norms%s; the global gradient "
+                "norm comes from the DeepSpeed adapter (otel_train.integrations.deepspeed.instrument).",
+                "3" if stage == 3 else "1/2",
+                " and no parameter statistics (the parameters are partitioned too)" if stage == 3 else "",
+            )
 
     def _ran_only(self, per_layer: Any) -> tuple[tuple[str, ...], Any] | None:
         """(labels, values) of the layers held here that ran in this watched step (module doc); all
@@ -336,6 +363,10 @@ class ModelWatch:
         for group, label in enumerate(self.labels):
             module = by_label.get(label)
             if module is None or label == ROOT_LABEL:
+                continue
+            if id(module) in self._compiled:
+                self._warn_once("compiled", "ot.watch: no activation statistics of compiled modules "
+                                "(a hook there would make torch.compile recompile).")  # fmt: skip
                 continue
             self._hooks.append(module.register_forward_hook(self._activation_hook(group)))
 
@@ -494,6 +525,31 @@ class NullWatch:
 
     def remove(self) -> None:
         return None
+
+
+def compiled_modules(model: Any) -> set[int]:
+    """ids of the modules whose forward runs inside a torch.compile'd region: an OptimizedModule's
+    own and its original's, and those of a module compiled in place (`module.compile()`) and below."""
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None):
+            inside.update(id(m) for m in module.modules())
+    return inside
+
+
+def deepspeed_zero(params: Iterable[Any]) -> int:
+    """3 where DeepSpeed ZeRO-3 partitions the parameters (`ds_id`), 1 where a ZeRO-1/2 (or bf16)
+    optimizer holds their gradients (`_hp_mapping`), else 0: attributes DeepSpeed (0.19) sets on
+    the parameters it manages, read without importing deepspeed."""
+    stage = 0
+    for param in params:
+        if hasattr(param, "ds_id"):
+            return 3
+        if hasattr(param, "_hp_mapping"):
+            stage = 1
+    return stage
 
 
 def _local(tensor: Any) -> Any:

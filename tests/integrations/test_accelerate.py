@@ -31,7 +31,8 @@ def test_tracker_logs_values_and_config(tmp_path: Path) -> None:
     for step in range(4):
         with ot.step(step, tokens=32):
             accelerator.log({"loss": 2.0 - step * 0.25, "accuracy": 0.1 * step, "note": "text"}, step=step)
-    assert accelerator.get_tracker("otel_train").tracker is current_session()
+    run = accelerator.get_tracker("otel_train").tracker  # the public Run, not the internals
+    assert isinstance(run, ot.Run) and run.run_name == "acc" and run == ot.init()
     accelerator.end_training()
     assert current_session() is None
 

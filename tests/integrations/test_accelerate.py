@@ -219,7 +219,7 @@ def test_register_by_name_adopts_project_config_and_init_kwargs(tmp_path: Path, 
     assert (session.config.wandb_project, session.config.mlflow_experiment) == ("my-proj", "my-proj")
     assert session.config.log_interval == 1  # init_kwargs are ot.init settings
     tracker = accelerator.get_tracker("otel_train")
-    assert isinstance(tracker, OtelTrainTracker) and tracker.tracker is session
+    assert isinstance(tracker, OtelTrainTracker) and tracker.tracker == ot.init()  # the running Run
     accelerator.log({"loss": 3.0}, step=0)
     accelerator.end_training()
     assert current_session() is None

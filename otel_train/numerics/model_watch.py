@@ -151,7 +151,7 @@ class ModelWatch:
         if self._compiled:
             owners = {}
         self._owners = [(modules[n], tuple(sorted(g))) for n, g in owners.items() if n in modules]
-        self._zero = 0  # DeepSpeed's ZeRO stage once seen on the parameters (deepspeed_zero)
+        self._zero_stage = 0  # DeepSpeed's ZeRO stage once seen on the parameters (deepspeed_zero)
         self._ran: set[int] = set()  # layers whose module ran in this watched step
         self._hooks: list[Any] = []
         self._activations: dict[int, tuple[Any, Any]] = {}
@@ -193,7 +193,7 @@ class ModelWatch:
             self._step = index
             try:
                 self._see_zero()
-                if self.grads and not self._zero:
+                if self.grads and not self._zero_stage:
                     for module, marks in self._owners:
                         self._hooks.append(module.register_forward_hook(self._ran_hook(marks)))
                     self._reads.begin(self._hooks, self.histograms)
@@ -256,7 +256,7 @@ class ModelWatch:
         if self._params[0].device != self._device:
             self._place_on(self._params[0].device)
         records: list[LayerStats] = []
-        if self.grads and not self._zero:
+        if self.grads and not self._zero_stage:
             norms, samples = self._reads.final()
             if all(n is None for n in norms):
                 self._warn_once(
@@ -274,7 +274,7 @@ class ModelWatch:
                     buffer.add_internal(semconv.GRAD_NORM.name, total)
                 if self.histograms:
                     self._add_histograms("gradients", samples, index)
-        if self.params and self._zero != 3:
+        if self.params and self._zero_stage != 3:
             per_layer, total = self._norms(self._params)
             records.append(LayerStats(semconv.LAYER_PARAM_NORM.name, *self._held_only(per_layer), index))
             buffer.add_internal(semconv.PARAM_NORM.name, total)
@@ -295,8 +295,8 @@ class ModelWatch:
         buffer.add_layer_stats(records)
 
     def _see_zero(self) -> None:
-        if not self._zero and (stage := deepspeed_zero(self._params)):
-            self._zero = stage
+        if not self._zero_stage and (stage := deepspeed_zero(self._params)):
+            self._zero_stage = stage
             log.info(
                 "ot.watch: DeepSpeed ZeRO-%s holds the gradients in its own partitioned buffers (p.grad "
                 "is None after backward by design): no per-layer gradient norms%s; the global gradient "

@@ -1,7 +1,8 @@
-"""Profiler windows: `ot.profile(...)` drives `torch.profiler` on a step schedule.
+"""Profiler windows: `run.profile(...)` (the `Run` `ot.init()` returns) drives `torch.profiler` on
+a step schedule.
 
-    ot.profile(wait=10, warmup=1, active=3)        # steps 11-13 from now, on every rank
-    ot.profile(active=5, ranks=[0])                # the next 5 steps (after 1 warm-up), rank 0
+    run.profile(wait=10, warmup=1, active=3)       # steps 11-13 from now, on every rank
+    run.profile(active=5, ranks=[0])               # the next 5 steps (after 1 warm-up), rank 0
 
 The window counts steps from the call (Oumi / torch.profiler semantics: `skip_first`, `wait`,
 `warmup`, `active`, `repeat`). Each finished active stretch becomes a chrome trace at

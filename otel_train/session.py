@@ -182,7 +182,7 @@ class Session(SessionParts):
     def start_profile(self, window: ProfileWindow, ranks: Sequence[int] | None) -> bool:
         """Start a profiler window at the next step (training thread); False if not on this rank."""
         if self.profiler is not None:
-            log.warning("otel_train: ot.profile: a profiler window is still running; ignored.")
+            log.warning("otel_train: Run.profile: a profiler window is still running; ignored.")
             return False
         base = self.run_dir if self.run_dir is not None else Path(self.config.output_dir) / self.run_name
         self.profiler = start_window(window, base, self.identity, ranks, log.warning)

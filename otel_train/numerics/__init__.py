@@ -1,4 +1,4 @@
-"""The model's own numbers (opt-in: `ot.watch` and `ot.watch_scaler`), which say a training run is
+"""The model's own numbers (opt-in: `ot.watch`, with `scaler=` for a GradScaler), which say a training run is
 going wrong before its loss does.
 
 * ``model_watch``: `ModelWatch`, what `ot.watch(model)` installs: on a watched step (every `every`

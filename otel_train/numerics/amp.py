@@ -1,4 +1,4 @@
-"""Mixed precision: `ot.watch_scaler(scaler)` exports a `torch.amp.GradScaler`'s loss scale and
+"""Mixed precision: `ot.watch(model, scaler=scaler)` exports a `torch.amp.GradScaler`'s loss scale and
 counts the optimizer steps it skipped for inf/NaN gradients, without a host sync.
 
 GradScaler has no hooks, so the watch wraps the scaler instance's `update()`: just before it runs,

@@ -132,9 +132,9 @@ class GradientFlowMonitor:
     def _report_missing(self, step: int, layers: list[str], watched: int) -> None:
         if len(layers) == watched:
             cause = (
-                "every watched layer: gradients are read when the step ends, so call "
-                "optimizer.zero_grad() at the start of the step (not after optimizer.step()), and "
-                "check that loss.backward() runs"
+                "every watched layer: gradients are read just before the optimizer step, so check "
+                "that loss.backward() runs inside the step and that nothing clears the gradients "
+                "between backward and the optimizer step"
             )
         else:
             cause = (

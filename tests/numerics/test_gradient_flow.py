@@ -47,11 +47,11 @@ def test_a_layer_without_gradient_is_named_once_after_n_watched_steps() -> None:
     assert "1 layer(s)" in message and "detached" in message
 
 
-def test_every_layer_without_gradient_points_at_zero_grad() -> None:
+def test_every_layer_without_gradient_points_at_backward_and_clearing() -> None:
     events = Events()
     _feed(GradientFlowMonitor(events), [(0.0, 0.0, 0.0)] * ZERO_STEPS)
     [(_, message, attrs)] = events.named("no_gradient")
-    assert attrs["layers"] == 3 and "zero_grad() at the start of the step" in message
+    assert attrs["layers"] == 3 and "between backward and the optimizer step" in message
 
 
 def test_explosion_and_vanishing_against_each_layers_own_level() -> None:

@@ -604,6 +604,58 @@ def ranks() -> DashboardDef:
                     ),
                 ),
             ),
+            _deepspeed_row(),
+        ),
+    )
+
+
+def _deepspeed_row() -> tuple[str, tuple[PanelDef, ...]]:
+    """DeepSpeed jobs (integrations/deepspeed.py): each rank's ZeRO share, checked across ranks by
+    the zero_partition health event, and DeepSpeed's comms logger when the user enabled it."""
+    by_op = f"{RUN}, {ROLE}, {RANK}, {COLL_OP}"
+    ds_size = label(sc.DS_COMM_SIZE)
+    return (
+        "DeepSpeed ZeRO and communication",
+        (
+            table(
+                "ZeRO per rank",
+                T(agg("max", _R, selector(sc.ZERO_STAGE)), "stage"),
+                T(agg("max", _R, selector(sc.ZERO_DP_SIZE)), "dp size"),
+                T(agg("max", _R, selector(sc.ZERO_MODEL_NUMEL)), "model elements"),
+                T(agg("max", _R, selector(sc.ZERO_PARTITION_NUMEL)), "partition elements"),
+                T(agg("max", _R, selector(sc.ZERO_PARAM_SHARD_NUMEL)), "ZeRO-3 shard elements"),
+                width=24,
+                description="Each rank should hold about model / dp size (a zero_partition event names the rank that does not).",
+            ),
+            ts(
+                "Optimizer state per rank",
+                T(agg("max", _R, selector(sc.ZERO_OPTIMIZER_STATE_BYTES)), _lg(RANK)),
+                unit="bytes",
+                description="Under ZeRO stage >= 1 each rank holds its share; one holding the whole state is a fault.",
+            ),
+            ts(
+                "Collective latency by op (comms logger)",
+                T(
+                    f"{agg('sum', by_op, rate(sc.DS_COMM_TIME))} / {agg('sum', by_op, rate(sc.DS_COMM_COUNT))}",
+                    _lg(RANK, COLL_OP),
+                ),
+                unit="s",
+                description="Mean latency DeepSpeed measured per collective (its comms logger syncs after each op).",
+            ),
+            ts(
+                "Collectives/s by op (comms logger)",
+                T(agg("sum", by_op, rate(sc.DS_COMM_COUNT)), _lg(RANK, COLL_OP)),
+            ),
+            ts(
+                "Message bytes/s by size class (comms logger)",
+                T(agg("sum", f"{RUN}, {COLL_OP}, {ds_size}", rate(sc.DS_COMM_BYTES)), _lg(COLL_OP, ds_size)),
+                unit="Bps",
+            ),
+            ts(
+                "Bus bandwidth by op (comms logger)",
+                T(agg("avg", by_op, selector(sc.DS_COMM_BUSBW)), _lg(RANK, COLL_OP)),
+                unit="Gbits",
+            ),
         ),
     )
 

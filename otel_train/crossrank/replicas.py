@@ -83,8 +83,9 @@ def labels_id(labels: Sequence[str]) -> int:
     return name_id("\x00".join(labels))
 
 
-def encode(interval: Interval, key: float) -> list[float]:
-    """This rank's block (the latest fingerprints and parameter norms of the interval)."""
+def encode(interval: Interval, key: float, zero: Sequence[float] | None = None) -> list[float]:
+    """This rank's block (the latest fingerprints and parameter norms of the interval, the ZeRO
+    facts of the interval or else `zero`, the block's last ZeRO part)."""
     block = [0.0] * EXT_LEN
     block[_O_VERSION] = _VERSION
     block[_O_KEY] = key
@@ -101,7 +102,7 @@ def encode(interval: Interval, key: float) -> list[float]:
         block[_O_NLAYERS] = float(len(kept))
         block[_O_LABELS] = float(labels_id(labels[:MAX_LAYERS]))
         block[_O_NORMS : _O_NORMS + len(kept)] = kept
-    block[_O_ZERO:] = zero_partition.encode(interval)
+    block[_O_ZERO:] = zero_partition.encode(interval, zero)
     return block
 
 
@@ -186,6 +187,7 @@ class ReplicaCheck:
         self.max_divergence = 0.0  # rank 0: the largest relative difference seen (tests, tuning)
         self._dup_gauge = self._div_gauge = None
         self.zero = zero_partition.ZeroPartitionCheck(events)
+        self._zero_sent: list[float] | None = None  # this rank's last ZeRO facts (sent until new ones)
         if meter is not None and rank == 0:
             self._dup_gauge = semconv.DATA_DUPLICATE_RANKS.create(meter)
             self._div_gauge = semconv.REPLICA_DIVERGENCE.create(meter)
@@ -200,7 +202,9 @@ class ReplicaCheck:
     def block(self, interval: Interval) -> Any:
         import torch
 
-        return torch.tensor(encode(interval, self.key), dtype=torch.float64)
+        block = encode(interval, self.key, self._zero_sent)
+        self._zero_sent = block[_O_ZERO:]
+        return torch.tensor(block, dtype=torch.float64)
 
     def compare(self, blocks: Any, ranks: Sequence[int], sharded: bool, labels: Sequence[str]) -> None:
         """Rank 0: every rank's block ([world, EXT_LEN], row i from rank `ranks[i]`)."""

@@ -1,10 +1,10 @@
 """ZeRO optimizer-state partitioning checked across ranks (`zero_partition`), on the one exchange.
 
-The DeepSpeed adapter (`integrations/deepspeed.py`) records, at every optimizer step, this rank's
-ZeRO facts under catalogue names (`semconv.ZERO_*`): stage, data-parallel size, the model's
-trainable elements, the fp32 partition its optimizer owns, the bytes of that optimizer's state and,
-under ZeRO-3, its parameter shard. They reach the interval as scalars; `encode` copies the latest
-of each into a fixed block that rides the replica block of the up row (`replicas.EXT_LEN`), and
+The DeepSpeed adapter (`integrations/deepspeed.py`) records, when they change, this rank's ZeRO
+facts under catalogue names (`semconv.ZERO_*`): stage, data-parallel size, the model's trainable
+elements, the fp32 partition its optimizer owns, the bytes of that optimizer's state and, under
+ZeRO-3, its parameter shard. They reach the interval as scalars; `encode` copies the latest of each
+(or, in an interval without them, the block sent last) into a fixed block that rides the replica block of the up row (`replicas.EXT_LEN`), and
 rank 0, which holds every row, compares them. No collective of its own.
 
 What is a violation (stage >= 1, more than one data-parallel rank):
@@ -51,8 +51,9 @@ FULL_STATE = 0.75  # of the whole model's state: a rank at stage >= 1 holding th
 _SHOWN = 8
 
 
-def encode(interval: Interval) -> list[float]:
-    """This rank's block: the latest value of each ZeRO fact recorded in the interval."""
+def encode(interval: Interval, previous: Sequence[float] | None = None) -> list[float]:
+    """This rank's block: the latest value of each ZeRO fact recorded in the interval, else the
+    `previous` block (the adapter records the facts when they change, not at every step)."""
     block = [ABSENT] * ZLEN
     for i, name in enumerate(_FIELDS):
         values = interval.scalars.get(name)
@@ -60,6 +61,8 @@ def encode(interval: Interval) -> list[float]:
             block[1 + i] = float(values[-1])
     if block[1] != ABSENT:  # the stage is recorded with the rest: this rank trains with ZeRO
         block[0] = _VERSION
+    elif previous is not None:
+        return list(previous)
     return block
 
 

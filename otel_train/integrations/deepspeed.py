@@ -308,7 +308,8 @@ class _Adapter:
 
     def _zero(self) -> None:
         """This rank's ZeRO facts, read until the optimizer state exists (torch creates it at the
-        first applied step; fp16 may skip several), then recorded as they are at every step."""
+        first applied step; fp16 may skip several), recorded when they change: their gauges keep
+        the value, and the partition check's block sends the last ones at every flush."""
         if self.fact_reads < FACT_READS and (self.facts is None or self.facts_pending):
             self.fact_reads += 1
             try:
@@ -319,8 +320,8 @@ class _Adapter:
                 return
             self.facts_pending = facts["optimizer_state_bytes"] == 0
             self._set_facts(facts, say=not self.facts_pending or self.fact_reads == FACT_READS)
-        for name, value in self.facts or ():
-            ot.record(name, value)
+            for name, value in self.facts or ():
+                ot.record(name, value)
 
     def _set_facts(self, facts: dict[str, Any], say: bool) -> None:
         self.facts = [

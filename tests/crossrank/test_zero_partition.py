@@ -87,3 +87,18 @@ def test_ranks_without_zero_facts_send_an_empty_block() -> None:
     events = Events()
     _compare([interval, interval], events)
     assert events.seen == []
+
+
+def test_an_interval_without_facts_sends_the_last_ones() -> None:
+    """The adapter records the facts when they change: a later flush's block still carries them
+    (ReplicaCheck keeps the last), so rank 0 compares every rank at every flush."""
+    check = replicas.ReplicaCheck(rank=1, meter=None, events=None)
+    with_facts = Interval(seq=1, step=3, wall_time=0.0, elapsed_s=1.0, steps=1, tokens=0, samples=0)
+    with_facts.scalars = {semconv.ZERO_STAGE.name: [2.0], semconv.ZERO_PARTITION_NUMEL.name: [500.0]}
+    without = Interval(seq=2, step=7, wall_time=0.0, elapsed_s=1.0, steps=1, tokens=0, samples=0)
+    first = check.block(with_facts).tolist()[replicas.EXT_LEN - zero_partition.ZLEN :]
+    later = check.block(without).tolist()[replicas.EXT_LEN - zero_partition.ZLEN :]
+    assert first[1] == 2.0 and later == first
+    assert (
+        zero_partition.encode(without) == [zero_partition.ABSENT] * zero_partition.ZLEN
+    )  # no memory of its own

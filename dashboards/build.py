@@ -258,6 +258,12 @@ def panel_gpu_only(panel: PanelDef) -> bool:
     return any(spec.gpu_only for t in panel.targets for spec in specs_in(t.expr))
 
 
+def panel_deepspeed_only(panel: PanelDef) -> bool:
+    """A panel only a DeepSpeed job (integrations/deepspeed.py) fills."""
+    specs = [spec for t in panel.targets for spec in specs_in(t.expr)]
+    return bool(specs) and all(spec.name.startswith("deepspeed.") for spec in specs)
+
+
 # --- the four dashboards --------------------------------------------------------------------------
 _R = f"{RUN}, {ROLE}, {RANK}"
 _GPU_BY = f"{RUN}, {HOST}, {HW_ID}, {HW_NAME}"
@@ -1076,12 +1082,13 @@ class DashboardQuery(NamedTuple):
     title: str
     expr: str
     gpu_only: bool
+    deepspeed_only: bool = False
 
 
 def all_queries() -> list[DashboardQuery]:
     """Every (dashboard uid, panel title, PromQL expr, gpu_only) in the generated dashboards."""
     return [
-        DashboardQuery(d.uid, p.title, t.expr, panel_gpu_only(p))
+        DashboardQuery(d.uid, p.title, t.expr, panel_gpu_only(p), panel_deepspeed_only(p))
         for d in dashboard_defs()
         for p in d.panels()
         for t in p.targets

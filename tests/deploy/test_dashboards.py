@@ -463,7 +463,21 @@ def test_query_returns_data(prometheus_with_fake_run: str, query: DashboardQuery
 def test_assert_all_queries_return_data(prometheus_with_fake_run: str) -> None:
     """The reusable check, with every dashboard variable set to one value."""
     variables = {"run_id": "run-collector", "host": "node-1", "rank": "3"}
-    checked = assert_all_queries_return_data(prometheus_with_fake_run, exclude_gpu=True, variables=variables)
+    checked = assert_all_queries_return_data(
+        prometheus_with_fake_run, exclude_gpu=True, variables=variables, exclude_deepspeed=False
+    )  # the fake run has every catalogue metric, DeepSpeed's included
     assert checked == len([q for q in QUERIES if not q.gpu_only]) > 40
     with pytest.raises(AssertionError, match="no data"):
         assert_all_queries_return_data(prometheus_with_fake_run, variables={"run_id": "no-such-run"})
+
+
+def test_deepspeed_only_marking_follows_the_catalogue() -> None:
+    """The e2e stacks (plain gloo ranks) skip exactly the panels that read only DeepSpeed's own
+    metrics; every other query must still have data there."""
+    for q in all_queries():
+        panel_specs = [
+            s for p in all_queries() if (p.uid, p.title) == (q.uid, q.title) for s in build.specs_in(p.expr)
+        ]
+        expected = bool(panel_specs) and all(s.name.startswith("deepspeed.") for s in panel_specs)
+        assert q.deepspeed_only == expected, q.title
+    assert any(q.deepspeed_only for q in all_queries()) and not all(q.deepspeed_only for q in all_queries())

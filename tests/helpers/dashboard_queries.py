@@ -75,11 +75,12 @@ def query_failures(
     exclude_gpu: bool = True,
     variables: Mapping[str, str] | None = None,
     skip_titles: Collection[str] = (),
+    exclude_deepspeed: bool = True,
 ) -> list[tuple[DashboardQuery, str]]:
     """(query, reason) for every query that errors or returns no (non-NaN) data."""
     failures = []
     for q in all_queries() if queries is None else queries:
-        if (exclude_gpu and q.gpu_only) or q.title in skip_titles:
+        if (exclude_gpu and q.gpu_only) or (exclude_deepspeed and q.deepspeed_only) or q.title in skip_titles:
             continue
         expr = substitute_variables(q.expr, variables)
         try:
@@ -98,18 +99,32 @@ def assert_all_queries_return_data(
     skip_titles: Collection[str] = (),
     wait_s: float = 0.0,
     poll_s: float = 1.0,
+    exclude_deepspeed: bool = True,
 ) -> int:
-    """Assert that every dashboard query (GPU-only ones excluded by default) returns data.
+    """Assert that every dashboard query (GPU-only and DeepSpeed-only ones excluded by default: the
+    stacks here train plain gloo ranks) returns data.
 
     `variables` sets dashboard variables (`run_id`, `host`, `rank`; default `.*`, i.e. All).
     `wait_s` keeps retrying failing queries that long (data still arriving).  Returns the number of
     queries checked.
     """
-    queries = [q for q in all_queries() if not (exclude_gpu and q.gpu_only) and q.title not in skip_titles]
+    queries = [
+        q
+        for q in all_queries()
+        if not (exclude_gpu and q.gpu_only)
+        and not (exclude_deepspeed and q.deepspeed_only)
+        and q.title not in skip_titles
+    ]
     deadline = time.monotonic() + wait_s
     pending = queries
     while True:
-        failures = query_failures(prom_url, pending, exclude_gpu=exclude_gpu, variables=variables)
+        failures = query_failures(
+            prom_url,
+            pending,
+            exclude_gpu=exclude_gpu,
+            variables=variables,
+            exclude_deepspeed=exclude_deepspeed,
+        )
         if not failures or time.monotonic() >= deadline:
             break
         pending = [q for q, _ in failures]

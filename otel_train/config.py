@@ -25,6 +25,11 @@ TimingLogOption = Literal["max", "minmax", "all"]
 WatchAggregate = Literal["layer", "model"]
 # The precision MFU's peak is taken for (otel_train.hardware.mfu); "auto": detected (see Config.compute_dtype).
 ComputeDtype = Literal["auto", "fp8", "bf16", "fp16", "tf32", "fp32"]
+# Which series each rank exports (README "Scale"): every one, or only those that find and explain a
+# bad rank (job-level series come from rank 0 in both). "auto": essential from
+# RANK_SERIES_ESSENTIAL_FROM ranks on.
+RankSeries = Literal["auto", "full", "essential"]
+RANK_SERIES_ESSENTIAL_FROM = 1024
 
 
 class ConfigError(ValueError):
@@ -129,6 +134,7 @@ class Config:
     # that train in lockstep (DDP, FSDP). False for independent ranks (evaluators, RL workers,
     # separate trials): they then meet only at init() and never wait for each other's flushes.
     cross_rank: bool = True
+    rank_series: RankSeries = "auto"
 
     @property
     def timer_level(self) -> int:

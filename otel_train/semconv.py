@@ -38,6 +38,10 @@ class MetricSpec:
     attributes: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
     gpu_only: bool = False
+    # Exported per rank in both series tiers (Config.rank_series; docs/scale.md "Series budget"):
+    # what finds and explains a bad rank. The others go per rank to the store in "full" only; the
+    # local outputs (run dir, bridges, console) always get every metric.
+    essential: bool = False
 
     def create(self, meter: Any, callback: Callable[..., Iterable[Any]] | None = None) -> Any:
         """The instrument this spec describes, on `meter` (observable kinds read `callback`): the
@@ -131,30 +135,34 @@ def _m(
     attributes: tuple[str, ...] = (),
     buckets: tuple[float, ...] | None = None,
     gpu_only: bool = False,
+    essential: bool = False,
 ) -> MetricSpec:
-    return MetricSpec(name, kind, unit, description, key, attributes, buckets, gpu_only)
+    return MetricSpec(name, kind, unit, description, key, attributes, buckets, gpu_only, essential)
 
 
 # --- training ------------------------------------------------------------------------------------
-STEPS = _m("train.steps", S.COUNTER, "{step}", "Completed training steps.", "train/steps")
+STEPS = _m("train.steps", S.COUNTER, "{step}", "Completed training steps.", "train/steps", essential=True)
 TOKENS = _m("train.tokens", S.COUNTER, "{token}", "Tokens processed.", "throughput/tokens")
 SAMPLES = _m("train.samples", S.COUNTER, "{sample}", "Samples processed.", "throughput/samples")
 STEP_DURATION = _m(
     "train.step.duration", S.HISTOGRAM, "s", "Wall time of one training step.", "timers/step",
-    buckets=STEP_BUCKETS,
+    buckets=STEP_BUCKETS, essential=True,
 )  # fmt: skip
 PHASE_DURATION = _m(
     "train.phase.duration", S.HISTOGRAM, "s", "Wall time of a timed phase (forward, backward, ...).",
     "timers/{train.phase}", attributes=(PHASE, ERROR_TYPE), buckets=PHASE_BUCKETS,
 )  # fmt: skip
-CURRENT_STEP = _m("train.step.current", S.GAUGE, "{step}", "Index of the last completed step.", "train/step")
+CURRENT_STEP = _m(
+    "train.step.current", S.GAUGE, "{step}", "Index of the last completed step.", "train/step", essential=True
+)
 LAST_STEP_TIME = _m(
     "train.step.last_timestamp", S.GAUGE, "s", "Unix time at which the last step completed.",
     "health/last_step_time",
 )  # fmt: skip
 TOTAL_STEPS = _m(
-    "train.steps.planned", S.GAUGE, "{step}", "Planned number of steps (when known).", "train/steps_planned"
-)
+    "train.steps.planned", S.GAUGE, "{step}", "Planned number of steps (when known).", "train/steps_planned",
+    essential=True,
+)  # fmt: skip
 ETA = _m("train.eta", S.GAUGE, "s", "Estimated time to the planned last step.", "progress/eta_s")
 LOSS = _m(
     "train.loss", S.GAUGE, "", "Training loss: mean over the interval's recorded values (one per step).",
@@ -227,7 +235,7 @@ LAYER_ACTIVATION_ABSMAX = _m(
 # --- health ----------------------------------------------------------------------------------------
 NONFINITE_LOSS = _m(
     "train.loss.nonfinite", S.COUNTER, "{value}", "Non-finite (NaN/Inf) loss values seen.",
-    "health/nonfinite_loss",
+    "health/nonfinite_loss", essential=True,
 )  # fmt: skip
 GOODPUT = _m(
     "train.goodput", S.GAUGE, "1",
@@ -256,6 +264,7 @@ LOSS_SCALE = _m(
 SKIPPED_STEPS = _m(
     "train.optimizer.skipped_steps", S.COUNTER, "{step}",
     "Optimizer steps skipped for inf/NaN gradients (GradScaler, ot.watch(model, scaler=...)).", "train/skipped_steps",
+    essential=True,
 )  # fmt: skip
 PROFILED_STEPS = _m(
     "train.profiler.steps", S.COUNTER, "{step}",
@@ -266,12 +275,12 @@ HEALTH_EVENTS = _m(
     "train.health.events", S.COUNTER, "{event}",
     "Health events (nonfinite, nonfinite_grad, loss_spike, straggler, stall, gpu_lost, gpu_xid, memory_pressure, "
     "mfu_over_100).",
-    "health/{otel_train.event}", attributes=(EVENT,),
+    "health/{otel_train.event}", attributes=(EVENT,), essential=True,
 )  # fmt: skip
 DROPPED = _m(
     "otel_train.dropped", S.COUNTER, "{value}",
     "Measurements otel_train dropped (bad value, bad or excess name, full queue, slow sink).",
-    "otel_train/dropped/{otel_train.reason}", attributes=(REASON,),
+    "otel_train/dropped/{otel_train.reason}", attributes=(REASON,), essential=True,
 )  # fmt: skip
 
 # --- distributed -----------------------------------------------------------------------------------
@@ -280,18 +289,18 @@ STRAGGLER_SCORE = _m(
     "Straggler score of this rank (1 = healthy, lower = slower). relative: 1 - this rank's lateness / "
     "step time (the share of the job's step the others wait for it); individual: own best / own time "
     "now (step time minus the time spent waiting for others).",
-    "stragglers/{straggler.kind}", attributes=(STRAGGLER_KIND, PHASE),
+    "stragglers/{straggler.kind}", attributes=(STRAGGLER_KIND, PHASE), essential=True,
 )  # fmt: skip
 STRAGGLER_LATENESS = _m(
     "train.straggler.lateness", S.GAUGE, "s",
     "How late this rank arrives per step, against the other ranks' median arrival (median over the "
     "interval, at its latest phase end; 0 = on time). The rank the others wait for has the largest.",
-    "stragglers/lateness",
+    "stragglers/lateness", essential=True,
 )  # fmt: skip
 STRAGGLER_WAIT = _m(
     "train.straggler.wait", S.GAUGE, "s",
     "Time per step this rank waits for the latest rank at the synchronization (0 = nobody to wait for).",
-    "stragglers/wait",
+    "stragglers/wait", essential=True,
 )  # fmt: skip
 PHASE_CROSS_RANK = _m(
     "train.phase.cross_rank", S.GAUGE, "s",
@@ -303,13 +312,13 @@ DATA_DUPLICATE_RANKS = _m(
     "train.data.duplicate_ranks", S.GAUGE, "{rank}",
     "Data-parallel ranks that trained on the same batch as another peer at the latest compared watched "
     "step (rank 0; 0 = the data is sharded). ot.watch fingerprints the batches.",
-    "data/duplicate_ranks",
+    "data/duplicate_ranks", essential=True,
 )  # fmt: skip
 REPLICA_DIVERGENCE = _m(
     "train.replica.divergence", S.GAUGE, "1",
     "Largest relative difference of a layer's parameter norm between data-parallel replicas at the latest "
     "compared watched step (rank 0; 0 under healthy DDP).",
-    "data/replica_divergence",
+    "data/replica_divergence", essential=True,
 )  # fmt: skip
 
 # --- throughput and efficiency ---------------------------------------------------------------------
@@ -343,7 +352,7 @@ _GPU = (HW_ID, HW_NAME)
 _GPU_TYPED = (HW_ID, HW_NAME, HW_TYPE)  # the common hw.* metrics say which kind of component
 GPU_UTILIZATION = _m(
     "hw.gpu.utilization", S.OBSERVABLE_GAUGE, "1", "GPU busy fraction.", "gpu/{hw.id}/utilization", _GPU,
-    gpu_only=True,
+    gpu_only=True, essential=True,
 )  # fmt: skip
 GPU_MEMORY_UTILIZATION = _m(
     "hw.gpu.memory.utilization", S.OBSERVABLE_GAUGE, "1", "Fraction of GPU memory used.",
@@ -356,19 +365,20 @@ GPU_MEMORY_CONTROLLER = _m(
 )  # fmt: skip
 GPU_MEMORY_USAGE = _m(
     "hw.gpu.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory used.", "gpu/{hw.id}/memory_used",
-    _GPU, gpu_only=True,
+    _GPU, gpu_only=True, essential=True,
 )  # fmt: skip
 GPU_MEMORY_LIMIT = _m(
     "hw.gpu.memory.limit", S.OBSERVABLE_UP_DOWN_COUNTER, "By", "GPU memory total.",
-    "gpu/{hw.id}/memory_limit", _GPU, gpu_only=True,
+    "gpu/{hw.id}/memory_limit", _GPU, gpu_only=True, essential=True,
 )  # fmt: skip
 GPU_TEMPERATURE = _m(
     "hw.temperature", S.OBSERVABLE_GAUGE, "Cel", "GPU temperature.", "gpu/{hw.id}/temperature", _GPU_TYPED,
-    gpu_only=True,
+    gpu_only=True, essential=True,
 )  # fmt: skip
 GPU_POWER = _m(
-    "hw.power", S.OBSERVABLE_GAUGE, "W", "GPU power draw.", "gpu/{hw.id}/power", _GPU_TYPED, gpu_only=True
-)
+    "hw.power", S.OBSERVABLE_GAUGE, "W", "GPU power draw.", "gpu/{hw.id}/power", _GPU_TYPED, gpu_only=True,
+    essential=True,
+)  # fmt: skip
 GPU_ENERGY = _m(
     "hw.energy", S.OBSERVABLE_COUNTER, "J", "GPU energy since driver load.", "gpu/{hw.id}/energy", _GPU_TYPED,
     gpu_only=True,
@@ -377,7 +387,7 @@ GPU_ERRORS = _m(
     "hw.errors", S.OBSERVABLE_COUNTER, "{error}",
     "GPU errors: ecc_corrected, ecc_uncorrected, xid (critical XID events; each one's code is on a "
     "gpu_xid health event).",
-    "gpu/{hw.id}/errors/{error.type}", (*_GPU_TYPED, ERROR_TYPE), gpu_only=True,
+    "gpu/{hw.id}/errors/{error.type}", (*_GPU_TYPED, ERROR_TYPE), gpu_only=True, essential=True,
 )  # fmt: skip
 GPU_IO = _m(
     "hw.gpu.io", S.OBSERVABLE_COUNTER, "By",
@@ -397,6 +407,7 @@ GPU_THROTTLE = _m(
     "otel_train.gpu.throttle", S.OBSERVABLE_GAUGE, "1",
     "1 while a clock-event/throttle reason is active (an otel_train extension).",
     "gpu/{hw.id}/throttle/{otel_train.gpu.throttle.reason}", (*_GPU, THROTTLE_REASON), gpu_only=True,
+    essential=True,
 )  # fmt: skip
 CUDA_MEMORY_ALLOCATED = _m(
     "train.cuda.memory.allocated",
@@ -484,7 +495,7 @@ COLLECTIVE_TIME = _m(
 COLLECTIVE_LAST = _m(
     "train.collective.last_seconds", S.OBSERVABLE_GAUGE, "s",
     "Seconds since this rank last enqueued or completed a collective: rises in a hang, no step needed.",
-    "collective/last_seconds",
+    "collective/last_seconds", essential=True,
 )  # fmt: skip
 
 # --- DeepSpeed ZeRO (integrations/deepspeed.py; checked across ranks in crossrank/zero_partition.py) ---

@@ -1,14 +1,6 @@
 """The arrivals block of the up row: what each rank reads from its Flight Recorder at a read flush
 and sends up for `collective_lateness` to judge on rank 0.
-
-    window  = the collectives (not p2p; otel_train's own group left out) enqueued between two reads
-    span    = the window's latest SPAN collectives (the same on every rank, also where a ring
-              buffer wrapped on some ranks)
-    sample  = at most MAX_ARRIVALS of them, picked by their ids alone, so every rank picks the same
-
-The block (BLOCK_LEN floats): version, read sequence, this rank's clock offset to rank 0 and its
-bound, the window's length, the steps it covers, the count, then (group id, sequence id, arrival)
-per collective, and last the send time t1 the exchange writes.
+Design and layout: docs/design/crossrank.md#arrival-block.
 """
 
 from __future__ import annotations

@@ -1,52 +1,8 @@
 """Arrival lateness at collectives: the rank the others wait for, found without user timers.
 
-PyTorch's Flight Recorder (`collectives`) stamps every collective with `time_created_ns`: when
-THIS rank enqueued it (its arrival). The same (process group, sequence id) is the same collective
-on every rank, so comparing its arrivals across ranks shows who came last; the ranks that came
-early wait inside it (they are never blamed: they arrive first). This needs no timer, so FSDP2
-(all-gathers inside forward), HF and Lightning jobs get culprits too.
-
-Per rank, at the flushes rank 0 picks (`down_row.D_READ`, within `collectives.MAX_READ_SHARE`;
-every rank reads at the same flush, so every rank's window is the same collectives):
-
-    window  = the collectives (not p2p; otel_train's own group left out) enqueued between the
-              previous read flush's and this read flush's `Interval.wall_time` (the first read
-              only starts the first window: before it lie setup and warm-up)
-    span    = the window's latest SPAN collectives (the same on every rank, also where a ring
-              buffer wrapped on some ranks: SPAN is far below its size)
-    sample  = at most MAX_ARRIVALS of them: those with (seq + read flush) % stride == 0, stride =
-              ceil(span / MAX_ARRIVALS) (a pure function of the ids: ranks pick the same ones;
-              rotating with the flush so that every position in a step is seen over time)
-
-travel in a fixed BLOCK_LEN block of the next flush's up row. Rank 0 matches them by (group, seq)
-and, for each collective every rank reported, corrects each arrival by that rank's clock offset
-and finds the last rank and its lateness (its arrival - the median of the others'). A collective
-counts (is resolved) only when the lateness exceeds FLOOR_S even with every clock off by its bound
-against it; otherwise it is unclear: it neither names nor clears anyone, and when no rank is named
-and unclear collectives outnumber resolved ones, the detector abstains and says why (the clocks).
-The culprit arrives last consistently: at MIN_RESOLVED collectives at least and at >= CONSISTENT of
-the resolved ones. Its lateness per step is (times last x its median lateness: one long stall
-weighs as one collective), scaled from the sample to the span and divided by the steps the span
-covers.
-
-Clocks: ranks on rank 0's host read its clock (offset 0, exact). Ranks on other hosts have other
-clocks: `ClockEstimator` bounds each one's offset to rank 0 from the exchange's NTP-style stamps
-(`exchange`): t1 (leaf sends), t2 (rank 0 has the row), t3 (rank 0 answers), t4 (leaf has the
-answer): offset in [t3 - t4, t2 - t1]. It keeps the tightest interval over flushes, widened by
-DRIFT per second of age, and sends its midpoint and half-width up in the next block. A sample
-disjoint from that aged interval cannot be: a clock stepped (chrony's makestep, a VM migration), so
-the estimate starts over from it. A culprit later per step than rank 0's mean step time cannot be
-either (the others wait inside their steps): that verdict abstains, naming the clocks. The stamps
-are taken in Python on the flush worker, so each can lag by a GIL hand-off from the training
-thread (up to `sys.getswitchinterval()`, 5 ms): the bound says so, and keeping the tightest over
-flushes recovers the lucky ones.
-
-The latest read's verdict stands at every flush until the next read replaces it. It joins the
-timer-based one (`verdicts.assess`, in `reducer.CrossRankReducer`) as one verdict per
-rank: the culprit's chronic lateness is the larger of the two (the timers' phase kept when they
-saw it), the collective named (`Lateness.collective`), and the ranks that wait for it cleared.
-Until the first verdict (at most PENDING_FLUSHES flushes) new reports wait, so that their one
-event names the collective. Without the recorder everything here is idle (an empty block).
+Arrivals at the same collectives, read from each rank's Flight Recorder, are compared on rank 0
+with each rank's clock offset bounded NTP-style (`ClockEstimator`).
+Design: docs/design/crossrank.md#collective-lateness.
 """
 
 from __future__ import annotations

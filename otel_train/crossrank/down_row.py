@@ -1,32 +1,6 @@
 """The down message of the telemetry exchange: rank 0's answer to one rank at one flush, as one
-fixed-size float64 row (see `exchange`, which carries it, and `crossrank/reducer`, which fills and reads it).
-
-What it carries:
-    - status: OK, or ABORT (a peer failed in this exchange: every rank disables its reducer now);
-    - rank 0's latest flush-cadence decision (`cadence.py`): "interval I from step A on", which a
-      rank adopts whenever the answer reaches it (flush steps are A + n x I, so a rank that learns
-      it late joins the same flush steps at the next one);
-    - the verdicts rank 0 computed at the PREVIOUS flush (rank 0 answers before it reduces this
-      flush's records, so no rank waits for rank 0's reductions): this rank's scores (relative,
-      individual, lateness, wait) and the chronic stragglers, at most `MAX_CHRONIC` of them (the
-      lowest scores; more are counted in `chronic_total`, never carried).
-
-Bounded: the row size depends only on constants, so every rank posts the same receive. A report's
-`waiting_ranks` travel as at most `WAIT_RUNS` runs of consecutive ranks ("everyone but the culprit"
-is two runs); further runs are cut. Host and phase names travel in 48 UTF-8 bytes (as in
-`crossrank/up_row`). Rank 0 hands ITS callback the decoded row too, so every rank sees the very same list.
-
-    - rank 0's clock at this exchange (`exchange` stamps D_T2: when this rank's up row arrived, and
-      D_T3: when this answer left; `collective_lateness.ClockEstimator` bounds the clock offset) and
-      whether every rank reads its Flight Recorder at this flush (D_READ: rank 0 decides, within
-      `collectives.MAX_READ_SHARE`, so that every rank reads at the same flush).
-
-    layout: [header (HEADER_LEN)] [scores (SCORES_LEN)] [MAX_CHRONIC x report (REPORT_LEN)] [clock]
-    header: version, status, verdict seq (-1: none yet), flush interval, chronic total, carried,
-            flush anchor (the step from which the flush interval holds)
-    scores: has scores, relative, individual, raw relative, raw individual, lateness, wait (NaN: None)
-    report: rank, local rank, lateness, score, raw score, wait, category, has sync phase,
-            WAIT_RUNS x (first, last) waiting rank (-1: unused), host, phase, sync phase
+fixed-size float64 row (status, flush schedule, the previous flush's verdicts, clock stamps).
+Design and layout: docs/design/crossrank.md#down-row.
 """
 
 from __future__ import annotations

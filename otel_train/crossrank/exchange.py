@@ -1,47 +1,9 @@
-"""The ONE telemetry exchange per flush, star-shaped around rank 0, on the dedicated gloo group:
-every rank but rank 0 sends and receives a fixed number of bytes, whatever the job size. It never
-makes a rank wait for a peer that is late: telemetry must not couple ranks that the job itself does
-not couple (evaluators, data ranks, RL workers, independent trials). It runs on the background
-worker, never on the training thread.
+"""The one telemetry exchange per flush, star-shaped around rank 0, on the dedicated gloo group.
 
-    rank r > 0:  isend(up row -> rank 0) and irecv(down row <- rank 0), then looks for the answer
-                 for at most `leaf_wait_s` (2 x the grace); one not come is taken at a later flush.
-                 Beyond `MAX_UNANSWERED` unanswered rows a flush sends none (`skipped`).
-    rank 0:      posts one irecv(up row <- r) per peer with none posted, takes the rows come, in
-                 order, up to the first that reaches its flush (`current`), answers each at once
-                 (isend(down row -> r): that peer may be waiting) and looks again for at most
-                 `grace_s` until each expected peer's row reaches its flush; a row not come is
-                 taken (and answered) later. In lockstep: one irecv and one isend per peer per flush.
-
-So a peer's rows and answers pair one to one, in order, on the wire (one gloo slot, `TAG`); the
-caller (`crossrank/reducer`) pairs only rows of the same steps. `grace_s` (`exchange_grace_s`) is
-sized for ranks in lockstep (DDP, FSDP), whose rows come within milliseconds: rank 0 expects only
-the peers whose row came at its previous flush, so a late or independent rank costs it at most one
-grace in a row.
-
-How "has it come" is known without blocking: gloo's point-to-point works report completion only
-from `wait()`, and a `wait()` that times out closes every connection of the process (gloo signals
-the timeout to every pair). So every message ends with a trailer float `_ARRIVED`; a receive
-buffer's trailer is NaN until the message lands, and gloo writes a message in order, the trailer
-last. Seeing the trailer is only a hint: the buffer is then read after `wait()`, which returns at
-once for a finished receive and orders the reads after gloo's writes.
-
-Failure (the group's timeout is `collective_timeout_s`): a peer whose connection is closed when
-rank 0 posts its next receive fails at once; a peer that sent no row for `timeout_s` (it died while
-a receive was posted, or stopped flushing) fails then. Rank 0 then raises and posts ABORT to every
-other peer, answering its next row (never waited for), so each turns off at its next flush; none
-waits in an exchange a peer would not issue. A rank r > 0 whose oldest row has had no answer for
-twice the timeout raises too (rank 0 is gone or stopped flushing), so rank 0, which gives up after
-the timeout, decides first when it is alive. The rank found gone travels in the ABORT
-(`down_row.H_GONE`), so every rank's reason names it.
-
-Tree edges (`tree_exchange`): the same two roles with a parent other than rank 0 above (`parent`,
-`send_up`) and children below (`peers`, `gather`; their lengths: `up_lens`), answered once the
-parent answered (`gather(defer=True)`, then `answer`).
-
-Clock (with `stamp_clock`): the leaf writes its send time t1 in the up row's LAST float; rank 0
-stamps t2 (took the row) and t3 (answer leaves) in the answer; t4 is when the leaf took it, all by
-`clock()` (`collective_lateness.ClockEstimator` turns them into an offset with a bound).
+Every rank but rank 0 sends one fixed-size row up and takes one answer down; nothing waits for a
+late peer, and a dead peer turns the exchange off on every rank. Also one edge of the tree
+(`tree_exchange`) and the clock stamps of `collective_lateness`.
+Design: docs/design/crossrank.md#exchange; costs: docs/scale.md#cross-rank-exchange.
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
 """What goes up the tree (`tree_exchange`): a rank's row merged with its children's into ONE
-bundle of bounded size, whatever the size of the subtree it stands for.
-
-    bundle = [header] [K_EXACT exact rows] [LEVELS summary rows]
-    header: version, exact rows, summarized ranks (weight), covered-rank runs (MAX_RUNS x (lo, hi))
-
-Exact rows: the merging rank's own row, then the rows that stray most from the others (the
-largest |arrival - the rows' median| at any timer or at the step end, either way, so both the rank
-that arrives last and the one that starts its steps late and arrives first at a collective stay
-whole). They are what the verdicts name (`verdicts.assess`: culprit, phases, waits), and they keep
-their replica and collective blocks. A job of at most K_EXACT ranks travels whole: its verdicts
-are exactly the star's.
-
-Summary rows: every other row is folded into LEVELS rows of `up_row` format (rank
-`up_row.SUMMARY_RANK`, weight = summarized ranks / LEVELS each). Row j holds, per timer id and per
-column (count, mean duration, arrival count, median, max, MAD; the step's statistics likewise),
-the weighted quantile (j + 0.5) / LEVELS of that column over the rows folded in. It is mergeable:
-a parent folds its children's summary rows (with their weights) and the exact rows it demotes
-(weight 1) the same way, so each level costs O(fan-in) whatever lies below. Rank 0 gives the
-summary rows to the verdicts as weighted ranks: the "median of the other ranks" that lateness is
-measured against becomes a weighted median over exact rows and summary rows, and summarized ranks
-are never named (their own lateness is within the spread of the rows kept exact).
-
-Error bound: one fold replaces a set of weighted values by LEVELS points at quantile levels
-(j + 0.5) / LEVELS, so a weighted quantile q read from them lies between the folded values' true
-quantiles q - 1/(2 LEVELS) and q + 1/(2 LEVELS); each level of the tree can add that again, so after
-d folds the summary's median lies between its true quantiles 1/2 -+ d / (2 LEVELS) (with LEVELS = 3
-and d = 2: between the 17th and 83rd percentiles of the summarized ranks). The exact rows are
-exact; minima and maxima of summarized ranks are not kept. A timer that only some summarized ranks
-run is summarized over those, at the same weight (its weight is overstated).
+bundle of bounded size (the rows that stray most, whole, and a mergeable quantile summary of the
+rest). Design, layout and error bound: docs/design/crossrank.md#merge.
 """
 
 from __future__ import annotations

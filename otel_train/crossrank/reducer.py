@@ -1,38 +1,8 @@
 """The cross-rank flush listener: ONE exchange per flush, off the training thread.
 
-`CrossRankReducer` runs at every flush on the background worker. It packs this rank's interval
-(`crossrank/up_row`: per-timer mean duration and arrival statistics, step statistics, host) into ONE
-fixed-size float64 row and runs ONE star-shaped exchange (`exchange.StarExchange`; beyond
-`exchange_fanin` ranks, the same up a tree: `tree_exchange`, `merge`) on a dedicated
-gloo group (`distributed.create_telemetry_group`), never on the training's own (maybe NCCL) group
-and never on the training thread; none at all when not distributed. Every rank but rank 0 sends its
-row up and gets one fixed-size answer down (`crossrank/down_row`), so its cost does not grow with the job.
-
-Rank 0 holds the rows: it computes the timer reductions (`crossrank/timer_stats`) and the straggler verdicts
-(`crossrank/verdicts`), publishes the cross-rank gauges, logs and emits the straggler events and its
-own scores at once. Its answer at a flush carries its flush schedule (the adaptive cadence, which
-the other ranks adopt when it reaches them, `cadence.py`) and the verdicts of the PREVIOUS flush:
-each rank's own scores, lateness and wait (published by that rank) and the chronic stragglers. So
-other ranks' gauges, and `on_straggler` on EVERY rank (rank 0 included, from its own decoded
-answer: the same list everywhere, at the same flush while the ranks keep pace), run one flush
-after rank 0 decided. Cross-rank reductions and `abstain_reason` exist on rank 0 only; other
-ranks' `last_reductions` hold their own timers.
-
-Never coupled (telemetry must not make one rank wait for another): rank 0 waits at most
-`exchange_grace_s` for the rows of the ranks that were in at its last flush, on the worker thread;
-a rank whose row is not in is left out of that flush (its row is taken, and answered, at a later
-one). Every row carries the steps it covers (from the rank's previous flush step to this one), and
-rank 0 pairs only rows that cover exactly its own steps: a late or misaligned row is left out of
-that flush's stats and verdicts and counted (`left_out_rows`, `partial_flushes`; warned once),
-never paired with other steps. Ranks in lockstep (DDP, FSDP) flush at the same steps and their rows
-come within milliseconds, so each flush pairs them all, as before.
-
-Independent ranks (`cross_rank=False`): no exchange at all; every rank keeps its own view.
-
-Failure: the group's timeout is `collective_timeout_s`. A peer that sent no row for that long (it
-died, or stopped flushing) makes rank 0 turn the exchange off and answer ABORT, and every rank that
-gets it (or whose own row had no answer for twice that long) disables its reducer for good (logged
-once): per-rank telemetry goes on, and no exchange that a peer would not issue is ever retried.
+`CrossRankReducer` packs this rank's interval into one row, runs the exchange on the telemetry
+gloo group, and on rank 0 reduces the rows and publishes the verdicts; its answer carries them
+to the other ranks one flush later. Design: docs/design/crossrank.md#reducer.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
-"""Data-parallel replicas checked against each other: unsharded data and replicas drifting apart.
-
-Both ride the ONE per-flush exchange (`reducer.CrossRankReducer`): every rank appends a fixed
-`EXT_LEN` block of float64 to its up row, and rank 0, which holds every row, compares them. No
-collective of its own, nothing on the training thread but the watched steps' device kernels.
-
-- `data_not_sharded`: `ot.watch` fingerprints each watched step's batch on the device (the first
-  tensors among the arguments of the watched module's first forward in the step, or of the batch
-  an integration gives `ot.watch_batch` first: float64 sums weighted by each element's position, so
-  one-hot inputs and all-ones masks count by content, not shape; `model_watch._fingerprint`).
-  Data-parallel peers that trained on identical batches at the same step (a DataLoader without
-  DistributedSampler) are named in one event per set of ranks. An all-zero batch proves nothing
-  and is skipped.
-- `replica_divergence`: under DDP every replica's parameters are identical after the optimizer
-  step, so their per-layer norms (ot.watch's, at the same watched step) are too. A relative
-  difference above `REL_TOL` names the first diverging layer (module order) and the ranks that
-  disagree with the group's lowest rank. Sharded parameters (FSDP2: each rank's norm is of its own
-  shard) are not compared (a warning once); their batches still are.
-
-Data-parallel groups: by default every rank is a peer of every other. Ranks that legitimately see
-the same batch and hold different parameters (tensor, pipeline, context parallel) name their
-data-parallel group with `ot.watch(model, data_parallel_group=...)`; each rank then sends the
-lowest global rank of its group as the group's key, and only rows with the same key are compared.
+"""Data-parallel replicas checked against each other: unsharded data (`data_not_sharded`) and
+replicas drifting apart (`replica_divergence`), on the one per-flush exchange.
+Design: docs/design/crossrank.md#replicas.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """The exchange's shape, decided once for the whole job: the fan-in and where the nodes begin.
 
-Every message of the exchange has a size that the shape decides (`tree.layout`: a rank's parent,
-its children and their bundles' lengths), and gloo's point-to-point enforces that size: a rank
-that posted a receive of one row and got a bundle of two calls `std::terminate`. So no rank ever
-derives the shape from its own environment (LOCAL_WORLD_SIZE is right for its own host only;
-OTEL_TRAIN_EXCHANGE_FANIN may differ between two pod templates): every rank reports its facts
-(its fan-in setting and its node: host name and node rank), and each computes the same shape from
-the same gathered list:
-
-    fan-in = rank 0's
-    nodes  = runs of consecutive ranks that report the same node (a node of any size; ranks
-             numbered node by node as torchrun, SLURM and MPI launchers do)
-
-At init the facts travel in the job agreement (`assemble.run_place`, one all_gather that also
-decides refusals); a reducer built without them gathers them itself (`agree`), once, on its own
-telemetry group.
+Every rank computes the same shape from the same gathered facts, never from its own environment,
+because the shape sets every message's size. Design: docs/design/crossrank.md#shape.
 """
 
 from __future__ import annotations

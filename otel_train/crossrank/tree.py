@@ -1,24 +1,7 @@
-"""The shape of the telemetry exchange: which rank sends its row to which (`tree_exchange`).
+"""The layout of the telemetry exchange as a tree: which rank sends its row to which.
 
-Every rank heads a CONTIGUOUS range of ranks (its subtree) and splits the rest of its range into at
-most `fanin` contiguous blocks, each headed by the block's first rank, recursively. Contiguous
-subtrees keep every merged row's set of ranks a few runs (`merge`), and the depth is
-ceil(log_fanin(world)) plus one level per node and one for rank 0's deputy (below).
-
-Per node first: where the job's nodes are known (`shape`: runs of consecutive ranks that report
-the same host and node rank, as torchrun, SLURM and MPI launchers number them; nodes of any size),
-the tree is built over node blocks (each headed by its node's first rank, the node leader), and
-each leader heads its own node's ranks with the same fan-in. A leader so has at most 2 x fanin children (its node's and other
-leaders'); every other rank at most fanin. Rows inside a node never cross the network.
-
-Rank 0 alone draws the verdicts, so in a tree of more than `merge.K_EXACT` ranks it merges
-nothing: its one child, rank 1 (its deputy), heads every other rank, and rank 0 takes that one
-bundle as it comes (`merge.join`). So rank 0's CPU per flush is one bundle's and the verdicts',
-whatever the job size (issue #28; the depth is one more). A smaller tree travels whole, and its
-rank 0 keeps its children, whose clock stamps are then to rank 0 itself (`collective_lateness`).
-
-A fan-in >= world - 1 is the star, whatever the nodes: rank 0 is every other rank's parent
-(`exchange.StarExchange`), and it judges every rank's arrivals at collectives itself.
+Contiguous subtrees of bounded fan-in, per node first; rank 0's one child (its deputy) heads
+every other rank. Design: docs/design/crossrank.md#tree; user view: docs/scale.md#the-tree-exchange_fanin.
 """
 
 from __future__ import annotations

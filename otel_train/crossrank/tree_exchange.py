@@ -1,38 +1,6 @@
-"""The telemetry exchange as a tree of bounded fan-in (`tree.layout`): no rank receives, merges or
-answers more than its children's bundles, so every rank's CPU, bytes and messages per flush are
-O(fan-in) and the depth O(log world). A fan-in >= the world size is the star (`exchange`).
-
-Each edge of the tree is one `exchange.StarExchange` edge (parent above, children below), with the
-same non-blocking rules: a parent waits at most the grace for its children's messages (only for
-the children that were in at its previous flush), a child never waits for its answer beyond twice
-the grace, and at most `exchange.MAX_UNANSWERED` messages are up without an answer. All of it on
-the background worker.
-
-One flush on a rank with children:
-    1. take its children's bundles (`merge`) that have come, within the grace, and keep those of
-       the steps that most ranks at hand cover (its own row counts one); the others, and its own
-       row when it covers other steps, are left out (counted in `left_out_bundles`). So a rank
-       whose steps fell behind (paused, stopped) costs the view its own row, not its subtree's.
-       Rank 0 pairs bundles only with rows of its own: its current one, or one of its last
-       `KEPT_OWN` flushes' for a bundle that came that much late (a deputy that flushes later than
-       the others), each such view once;
-    2. merge its own row (when kept) and those bundles into ONE bundle (`merge.merge`) and send it
-       to its parent; rank 0, whose one child is its deputy (`tree.layout`), joins its row to that
-       bundle without folding it (`merge.join`): its cross-rank view;
-    3. answer each child with the answer its parent sent for this flush (the same row for every
-       rank, `down_row.tree_answer`), or, when none came within the wait, with `down_row.no_news`
-       (nothing to adopt; a late answer is forwarded at the flush that takes it). Ranks in
-       lockstep so get rank 0's answer at the same flush, as in the star.
-Rank 0 answers its children at once with its own answer, as in the star.
-
-Clock stamps (t2, t3) are each parent's: a rank's clock offset is to its parent. Rank 0 so
-judges arrivals at collectives (`collective_lateness`) only when no rank is summarized and every
-rank is on rank 0's host or answers to rank 0 itself (`reducer`), as always in the star.
-
-Failure: a rank whose child failed (`exchange.ExchangeFailed`) sends its bundle up marked failed
-(FAILED), answers ABORT to its children and turns off; a parent that receives a FAILED bundle does
-the same, so one failure turns the whole tree off within `collective_timeout_s` of it. An ABORT
-from the parent is passed down likewise.
+"""The telemetry exchange as a tree of bounded fan-in (`tree.layout`): each rank's CPU, bytes
+and messages per flush are O(fan-in), whatever the job size; a fan-in >= the world size is the
+star (`exchange`). Design: docs/design/crossrank.md#tree-exchange.
 """
 
 from __future__ import annotations

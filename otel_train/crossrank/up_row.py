@@ -1,28 +1,7 @@
 """The up row of the one telemetry exchange per flush (`exchange`): one rank's interval as a
 fixed-size float64 row, and back (rank 0 unpacks every rank's).
 
-Why it never misaligns, and needs no agreement on names:
-    Each timer name gets a stable 48-bit id (blake2b of the UTF-8 name; exact in float64). A rank
-    keeps its own name -> slot table (first-seen order, at most `max_timers` = 64 names), and every
-    slot carries the id next to its values, so receivers match timers by id, never by position:
-    ranks with different timer sets, or that first saw a timer at different flushes, reduce
-    correctly. Two names with the same id on one rank: the later one is dropped (warned once),
-    never merged. Names travel once: each rank announces up to `ANNOUNCE_SLOTS` new (id, name)
-    pairs per flush in a fixed region of the same row, so rank 0 learns the name of a timer it
-    never ran (a timer seen only elsewhere is reported from the flush after its announcement).
-    The row size depends only on constants, so rank 0 always posts matching receives.
-
-    layout: [header (HEADER_LEN)] [max_timers x slot (SLOT_LEN)] [ANNOUNCE_SLOTS x (id, name...)]
-    header: version, rank, seq, step, node_rank, local_rank, n_timers, flags, step stats, host,
-            flush interval (this rank's steps per flush), from step (the last step of this rank's
-            previous flush: the row covers the steps after it up to `step`, so rank 0 pairs only
-            rows of the same steps)
-    slot:   id, count, mean duration, arrival stats (STATS_LEN)
-    stats:  count, lower median, max, MAD (median absolute deviation) of a list of seconds
-
-"Arrival" is the time from a step's start to a timer's end (`Interval.arrivals`); the step's own
-arrival is its duration. The statistics are computed here, on the background worker, at the flush:
-the training thread only appended the raw values.
+Timers travel by stable id, never by position. Design and layout: docs/design/crossrank.md#up-row.
 """
 
 from __future__ import annotations

@@ -1,40 +1,8 @@
 """Straggler detection that holds under synchronization: who is the rank everyone waits for?
 
-In synchronous training (DDP all-reduce inside backward, FSDP all-gathers in forward, ZeRO,
-pipelines) every rank's step takes as long as the slowest one, and the FAST ranks spend the
-difference waiting inside the collective. Comparing wall-clock step or phase times blames them.
-This model compares ARRIVALS instead (see shared reference `straggler-methods.md`):
-
-    arrival(rank, phase) = time from the rank's step start to the end of that timer
-
-Ranks start a step together (they left the previous synchronization together), so arrivals are
-comparable across ranks on any number of nodes, without clock sync. Before a synchronizing phase
-the arrivals spread; at its end they collapse. Per interval and per rank, for every phase end p
-(ordered by arrival; the step end last):
-
-    lateness(rank, p) = rank's lower-median arrival - median of the OTHER ranks' (leave-one-out,
-                        so 2 ranks work) ; counted only above the ranks' own noise (MAD)
-
-- The culprit of chronic slowness is the rank with the largest positive lateness: it arrives last.
-  The phase where its lateness arose (the first phase end reaching half of it) says data / compute /
-  communication / other. If its lateness collapses at a later phase end (the sync phase), the
-  others waited there for it: that wait, per rank, is its cost. If it does not collapse (independent
-  ranks), nobody waits and the rank is simply slower.
-- Waiters are never culprits: a rank whose lateness ARISES in a phase that holds the collective (a
-  communication timer, or backward, where DDP and FSDP reduce gradients) waited there. The rank
-  then to blame is the one that arrived EARLIEST at that phase's end relative to its step start
-  (it started the step late: slow after the previous synchronization, e.g. in the optimizer); its
-  lost time shows in the phase where its earliness collapses.
-- One-off vs chronic: lateness on lower medians ignores a single slow step (even with two steps);
-  the same computation on each rank's MAX arrival finds a one-off stall, for the stalled rank only
-  (the others' maxima rise only at and after the synchronization, where everyone's do).
-- Scores keep NVRx semantics (reference / own, 1 = healthy, lower = slower):
-    relative   = 1 - lateness / step time  (= step time without this rank's lateness / step time:
-                 the share of the job's step this rank costs), 1 for every rank that is on time;
-    individual = this rank's best own time / its own time now, where own time = step time - the
-                 time it waits for others (a waiter's individual score does not drop).
-
-When the data cannot tell, the model abstains rather than guesses (see `abstain_reason`).
+Ranks are compared by their arrivals at phase ends, not by wall-clock phase times; scores keep
+NVRx semantics, and the model abstains when the data cannot tell (`abstain_reason`).
+Design: docs/design/crossrank.md#verdicts.
 """
 
 from __future__ import annotations

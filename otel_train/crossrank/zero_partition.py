@@ -1,21 +1,6 @@
-"""ZeRO optimizer-state partitioning checked across ranks (`zero_partition`), on the one exchange.
-
-The DeepSpeed adapter (`integrations/deepspeed.py`) records, when they change, this rank's ZeRO
-facts under catalogue names (`semconv.ZERO_*`): stage, data-parallel size, the model's trainable
-elements, the fp32 partition its optimizer owns, the bytes of that optimizer's state and, under
-ZeRO-3, its parameter shard. They reach the interval as scalars; `encode` copies the latest of each
-(or, in an interval without them, the block sent last) into a fixed block that rides the replica block of the up row (`replicas.EXT_LEN`), and
-rank 0, which holds every row, compares them. No collective of its own.
-
-What is a violation (stage >= 1, more than one data-parallel rank):
-- a rank's partition (or ZeRO-3 shard) is not its share of the model: model / dp, give or take
-  DeepSpeed's alignment padding (`SHARE_TOL` relative plus `PAD_ELEMENTS`). This is "shares add up
-  to the model" and "balanced" at once, and it holds per model-parallel slice, since each rank
-  compares against its own slice's numel.
-- a rank holds about the whole model's optimizer state: its state bytes reach `FULL_STATE` of
-  what the leanest rank's bytes-per-partition-element would give for the whole model.
-
-One `zero_partition` event per kind of violation for the run, naming the ranks and the fix.
+"""ZeRO optimizer-state partitioning checked across ranks (`zero_partition` events), on the one
+exchange: each rank's partition is its share of the model, and no rank holds the whole state.
+Design: docs/design/crossrank.md#zero-partition.
 """
 
 from __future__ import annotations

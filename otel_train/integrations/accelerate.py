@@ -1,30 +1,7 @@
 """Accelerate integration: `Accelerator(log_with=[OtelTrainTracker()])`, or by name after
 `accelerate.tracking.register_tracker_class(OtelTrainTracker)`: `Accelerator(log_with="otel_train")`.
 
-Accelerate's tracker contract, as its built-in trackers keep it:
-
-- `accelerator.init_trackers(project, config=..., init_kwargs={"otel_train": {...}})`: `init_kwargs`
-  are `ot.init()` settings (`Config` fields), `config` is logged as hyperparameters, and `project`
-  is what a project is in the bridges (`wandb_project`, `mlflow_experiment`) and the start of the
-  run's name, `<project>-<UTC date-time>-<4 hex>` (a fixed name would collide with the previous
-  run's directory). A setting the user chose (a keyword, `OTEL_TRAIN_<FIELD>`, a config file) wins.
-- `accelerator.log(values, step=N)`: the values are filed under step N. When the loop marks no
-  steps itself (no `ot.step`/`ot.begin_step`), the tracker marks them as `OtelTrainLogger` alone
-  does: one otel_train step per distinct step logged, numbered as logged and lasting from the
-  previous logged step (or `init_trackers`) to this one, so `train/steps` counts logged steps and
-  goodput is the time between logs over wall time. Once the loop has marked a step it never does
-  (no step counted twice). Values for the step open now join that step's own (as `ot.record`'s);
-  any others are filed by `ot.log_metrics(values, step=N)`: under step N in the run dir and every
-  bridge, an earlier step's included (an eval logged for step 6 after step 9). Without `step`,
-  values leave with the next flush.
-
-Accelerate calls `log` and `init_trackers` on the main process only, so in a multi-process job
-call `ot.init()` on every rank (after creating the `Accelerator`) and mark steps with `ot.step` on
-every rank: starting a session, and a flush, run collectives every rank must join, so there the
-tracker never starts a session nor marks a step itself; it warns once and forwards nothing until a
-session exists. In a single process it starts the session lazily and `end_training()` shuts down
-a session it started. Keyword arguments are `ot.init()` settings (`OtelTrainTracker(run_name="x")`;
-the older `settings={...}` mapping still works).
+How it works (steps, multi-process jobs): docs/design/integrations.md#accelerate.
 """
 
 from __future__ import annotations
@@ -77,7 +54,7 @@ class OtelTrainTracker(GeneralTracker):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        if isinstance(project_name, Mapping):  # the older OtelTrainTracker({...}) form
+        if isinstance(project_name, Mapping):  # the OtelTrainTracker({...}) form: settings as a mapping
             if settings is not None:
                 raise TypeError(
                     "OtelTrainTracker got two settings mappings: pass the project name first "

@@ -1,45 +1,7 @@
 """DeepSpeed: `engine = instrument(deepspeed.initialize(...)[0])`, no DeepSpeed config change.
 
-`instrument(engine)` wraps, on that engine instance only, the training methods DeepSpeed documents
-(`engine(x)` / `forward`, `backward(loss)`, `step()`); nothing of DeepSpeed's behaviour or output
-changes (its monitor's csv/TensorBoard/W&B files and its prints are written as before):
-
-- Phases `forward` (the engine's forward), `backward` (from the gradient reaching the model's
-  output to the end of DeepSpeed's gradient reduction: the same span as DeepSpeed's own `bwd`
-  timer, taken from the engine's backward prologue/epilogue, which run for `engine.backward(loss)`
-  and for a torch-style `loss.backward()` alike) and `optimizer` (`step()` at the
-  gradient-accumulation boundary). The boundary is the step: with `steps=True` (the default, a
-  plain DeepSpeed loop) one otel_train step runs from the end of the previous optimizer step to the
-  end of this one, so data loading belongs to it and `forward`'s end is this rank's arrival for the
-  straggler detector (before the gradient reduction, where every rank waits for the slowest). A
-  loop that marks its own steps (`ot.step`) is seen at the first forward and left to do so.
-- Per optimizer step: samples (micro batch x accumulation), tokens (the elements of the first
-  integer tensor handed to forward: `input_ids`), the loss (each tensor handed to `backward`, kept
-  a tensor: resolved at the flush; a torch-style `loss.backward()` gives no loss), the learning
-  rate, `get_global_grad_norm()` (a tensor, recorded as it is), the fp16 loss scale and the
-  optimizer steps DeepSpeed skipped for overflow (`engine.skipped_steps`, as
-  `train.optimizer.skipped_steps`). With `wall_clock_breakdown` on, DeepSpeed's own finer timers
-  become phases too: `bwd_inner`, `bwd_allreduce` (`get_wall_clock_timers()`) and the ZeRO
-  optimizer's `optimizer_allgather`, `optimizer_gradients`, `optimizer_step` (read as DeepSpeed
-  logs them, where it reads them itself: no added sync).
-- ZeRO, per rank: stage, data-parallel size, precision, micro/global batch and accumulation, offload
-  devices (`nvme_path`, `pin_memory`) as hyperparameters (once); this rank's fp32 partition,
-  optimizer-state bytes and, under ZeRO-3, parameter shard as gauges (`deepspeed.zero.*`), and a
-  log line per rank. They ride the flush exchange, where rank 0 checks that every rank holds its
-  share and no rank at stage >= 1 holds the whole optimizer state (`zero_partition` events,
-  `crossrank/zero_partition.py`). NVMe asked of ZeRO-1/2 (DeepSpeed runs it as CPU offload and never
-  creates `nvme_path`) is one `zero_partition` event from rank 0.
-- DeepSpeed's comms logger, when the config enables it: its per-op counts, message bytes, latency
-  and bus bandwidth (`deepspeed.comm.*`, per op and message-size class, apart from the Flight
-  Recorder's `train.collective.*`), read from `deepspeed.comm.comms_logger` when metrics are
-  exported, on otel_train's worker: never `log_summary()`, which is a collective.
-
-Under the HF Trainer (or Accelerate) the Trainer marks steps and logs loss, learning rate and grad
-norm itself: `instrument(engine, steps=False)` (what `integrations.transformers` does when it finds
-a DeepSpeed engine) adds the phases, loss scale, skipped steps, ZeRO facts and comms only.
-
-The session starts here on every rank (keyword arguments are `ot.init()` settings; DeepSpeed's
-precision becomes `compute_dtype`) unless one is running; call `ot.shutdown()` at the end.
+Phases, per-step values, the ZeRO facts and DeepSpeed's comms logger, on that engine instance
+only. How it works: docs/design/integrations.md#deepspeed.
 """
 
 from __future__ import annotations

@@ -2,33 +2,8 @@
 
     trainer = Trainer(logger=OtelTrainLogger(), callbacks=[OtelTrainCallback()])
 
-`OtelTrainLogger` sends what `self.log(...)` logs into otel_train at Lightning's step (alone, it
-also marks those steps: see its doc). `OtelTrainCallback` makes one step per optimizer step
-(micro-batches of `accumulate_grad_batches` are not steps), begun at the end of the previous batch
-so that the data wait is part of it (and straggler arrivals are measured from there), with the
-phases Lightning's hooks expose:
-
-    data       end of the previous batch (or validation) -> `on_train_batch_start`
-    forward    `on_train_batch_start` -> `on_before_backward` (training_step)
-    backward   `on_before_backward` -> `on_after_backward`
-    optimizer  `on_before_optimizer_step` -> the end of the batch that stepped
-    eval       a span (and phase) around each validation run (the sanity check is skipped)
-
-`tokens=lambda batch: batch["input_ids"].numel()` counts tokens per micro-batch (a shape read, no
-device sync) into `train.tokens`. With `watch_every > 0` it calls
-`ot.watch(model, every=watch_every)` at fit start: per-layer gradient and parameter norms read at
-the end of the optimizer step (gradients are unscaled by then), the checks on them (`no_gradient`,
-`gradient_explosion`/`gradient_vanishing`, and under DDP `replica_divergence`), and on watched
-steps a fingerprint of the batch `on_train_batch_start` receives (`ot.watch_batch`; the first
-micro-batch of an accumulated step) for `data_not_sharded`.
-Without an `OtelTrainLogger` on the Trainer, the callback forwards the values in
-`trainer.logged_metrics` that changed (still tensors: no host sync) when each step ends, and a
-validation's values when it ends (flushed under the step it followed). On an exception the open step ends as failed and a
-session the integration started is shut down (final flush).
-
-Set `OTEL_TRAIN_LIGHTNING=1` to add the callback to every Trainer of an unmodified script through
-the `lightning.pytorch.callbacks_factory` entry point; without the variable the entry point adds
-nothing. Either piece starts the session lazily on every rank unless `ot.init()` already ran.
+`OTEL_TRAIN_LIGHTNING=1` adds the callback to every Trainer of an unmodified script.
+How it works: docs/design/integrations.md#lightning.
 """
 
 from __future__ import annotations
@@ -151,7 +126,7 @@ def _trainer_on_stack(logger: OtelTrainLogger) -> Trainer | None:
 class OtelTrainLogger(Logger):
     """`Trainer(logger=OtelTrainLogger(run_name="x"))`: every `self.log` value reaches otel_train at
     Lightning's step, on every rank. Keyword arguments are `ot.init()` settings (`Config` fields;
-    the older `settings={...}` mapping still works), used when the logger starts the session;
+    a `settings={...}` mapping is accepted too), used when the logger starts the session;
     `name=` and `version=` are Lightning's, as TensorBoardLogger/CSVLogger take them.
 
     One logger is one otel_train run, and its Lightning directories are that run's directory:

@@ -1,56 +1,8 @@
 """Megatron-Core timers and Megatron Bridge: `pretrain(cfg, forward_step, callbacks=[OtelTrainCallback()])`.
 
-Three pieces, usable alone:
-
-- `instrument(timers)`: every start->stop of a Megatron-Core `Timers` timer is also an otel_train
-  phase of the same name, with Megatron's own duration (read back through the public
-  `Timer.active_time()`, so otel_train's per-rank totals are Megatron's numbers). Megatron's level
-  decides which timers: those its `log_level` enables (`Timers(log_level=2, ...)`: `forward-compute`
-  too). An otel_train `timing_log_level` the user set (init kwarg, `OTEL_TRAIN_TIMING_LOG_LEVEL`,
-  config or control file; Megatron's 0/1/2 are its 0/1/2) wins: timers above it are dropped.
-  Megatron's output (`Timers.log`, `write`, ...) is unchanged: its methods run first and untouched.
-- `OtelTrainCallback`: a Megatron Bridge callback (Bridge's `CallbackManager` registers any object
-  with `on_*` methods, so nothing from `megatron.bridge` is imported): steps, loss, grad norm,
-  learning rate, skipped iterations, tokens, eval spans, hyperparameters; it also instruments
-  Bridge's `GlobalState.timers`.
-- `settings_from_logger_config(logger)`: `ot.init()` settings from a Bridge `LoggerConfig` (or the
-  `logger:` mapping of its YAML); the README lists what maps to what.
-
-How the timers are instrumented. `timers("name")` is looked up on the object's type, so the only
-way to see every timer a framework asks for while keeping the user's object is to give that object
-a subclass: `instrument` sets `timers.__class__` to a subclass of its own class whose `__call__`
-calls Megatron's and then gives each real `Timer` it returns (not the shared `DummyTimer` of a
-disabled level) a subclass too. Identity and state are kept, so `GlobalState.timers`,
-`ModelParallelConfig.timers` and every held `Timer` keep working; no Megatron attribute is read or
-written, only its public methods are called (`__call__`, `start`, `stop`, `elapsed`, `reset`,
-`active_time`, `name`).
-
-- The level a set `timing_log_level` compares is the `log_level` Megatron code passes when it
-  starts a timer (it does, e.g. `timers("forward-backward", log_level=1).start()`), else
-  Megatron's default for a new timer, 2 (a timer created before `instrument()` and never named
-  with a level again counts as 2). Megatron's own `Timers._log_level` is never read: which timers
-  it enabled shows in what `__call__` returns.
-- Evaluation runs the same schedule, so its `forward-backward`/`forward-compute` add to those
-  phases outside steps (no arrivals), as they add to Megatron's own timers.
-- `elapsed()` is a read: the stop and start Megatron does inside it are not phases (Bridge reads
-  its cross-step `interval-time` that way every log interval). `interval-time` itself is skipped
-  (`skip=`): it runs across steps and otel_train measures step time itself.
-- Timers whose name holds "checkpoint" (`save-checkpoint`, `load-checkpoint`) are spans: always
-  traced, and goodput's checkpoint time.
-- Straggler arrivals (when this rank reached the end of a phase, counted from its step start) come
-  from every level, but a timer nested in another (`forward-compute` in `forward-backward`) gives
-  one arrival per outermost timer: at its LAST end there, the last micro-batch's. The outer timers
-  alone cannot place a straggler: `forward-backward` ends after the data-parallel gradient
-  reduction, where every rank has waited for the slowest, so all ranks arrive together. The inner
-  timers end before it, where a slow rank arrives late, but one arrival per micro-batch would mix
-  arrivals a micro-batch apart into one statistic (noise that hides the lateness), and the FIRST
-  micro-batch's `backward-compute` is not the synchronisation: DDP reduces gradients in the last
-  one. So inner ends are held until the outermost timer stops, earlier micro-batches become
-  durations without arrival (`ot.phase`), and the last one is replayed with its own start and end
-  (`ot.timer(...).start(at_ns=).stop(at_ns=)`). A timer with no timer around it arrives at once.
-
-Only `perf_counter_ns()` and `active_time()` (a float) are read on the training thread; Megatron's
-own `torch.cuda.synchronize()` in `start`/`stop` is the only sync, as before.
+Three pieces, usable alone: `instrument(timers)` (every Megatron-Core timer is also a phase),
+`OtelTrainCallback` (a Megatron Bridge callback) and `settings_from_logger_config(logger)`.
+How it works: docs/design/integrations.md#megatron.
 """
 
 from __future__ import annotations

@@ -1,45 +1,8 @@
 """NeMo RL: a logger backend for `nemo_rl.utils.logger.Logger`, on the controller (the driver).
 
-NeMo RL runs one driver process (the algorithm loop, which logs) and Ray worker groups (policy,
-generation, reference). Its `Logger` fans every call out to the backends in its public list
-`Logger.loggers`, so the driver adds one line after building it::
+    logger.loggers.append(OtelTrainLogger(role="controller"))
 
-    from otel_train.integrations.nemo_rl import OtelTrainLogger
-    logger.loggers.append(OtelTrainLogger(role="controller"))   # settings: ot.init() settings by name
-
-The call shapes are those of `LoggerInterface` in NVIDIA-NeMo/RL `nemo_rl/utils/logger.py`
-(read at commit 0275e75840b11fd622e58886ae3f462dc334c1fa; the seed study used 7ea279ab, same
-shapes): `log_metrics(metrics, step, prefix="", step_metric=None, step_finished=False)`,
-`log_hyperparams(params)`, `log_histogram(histogram, step, name)`, `log_plot(figure, step, name)`.
-NeMo RL itself is not imported (it is not on PyPI and needs another Python and torch).
-
-What each call becomes:
-
-- `prefix` starting with `timing` (GRPO/SFT/DPO log `timer.get_timing_metrics(reduction_op="sum")`
-  with `prefix="timing/train"`, last in each step): each duration (seconds) becomes a phase
-  (`ot.phase`); `total_step_time` is the step's duration, and keys that are rates
-  (`valid_tokens_per_sec_per_gpu`) are recorded as metrics. This call ends the controller's step
-  (`ot.begin_step` backdated by `total_step_time`, then `ot.end_step`), as does any call with
-  `step_finished=True`; one step ends once.
-- `prefix="ray"` (`RayGpuMonitorLogger.flush`, from its own thread; its `step` and the
-  `ray/ray_step` value are seconds since the monitor started, not a training step): the values are
-  kept, the last per name, and recorded as gauges (`ray/<name>`) with the controller's next step,
-  never as a step of their own.
-- any other prefix (`train`, `train_rollout`, `validation`, `performance`): the numeric values,
-  nested dicts flattened with `/`, as `<prefix>/<name>` metrics of the current step. Lists and
-  other values are skipped (histograms: `log_histogram`). `global_valid_toks` also counts as the
-  step's tokens.
-- `log_hyperparams` → `ot.log_hyperparams`; `log_histogram` → `ot.log_histogram`; `log_plot`: a
-  no-op (figures are not telemetry).
-- Validation samples (NeMo RL prints `num_val_samples_to_print` of them): `log_val_samples(pairs,
-  step)` → `ot.log_samples`.
-
-Distributed metrics with a reduction (seed 003: "mean, max" over workers): the controller has
-each worker's value (NeMo RL returns per-worker results to the driver) and publishes the
-reductions with `publish_reductions("policy/grad_norm", per_worker, ("mean", "max"))`, recorded
-as `policy/grad_norm/mean` and `policy/grad_norm/max`. The workers' own sessions (role `policy`,
-...) carry their per-rank series; see `otel_train.integrations.ray` for starting them in the
-controller's run.
+How each call maps: docs/design/integrations.md#nemo-rl.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""Oumi: `otel_train.integrations.oumi.train(config)` in place of `oumi.train(config)`.
+"""Oumi: `otel_train.integrations.oumi.train(config)` in place of `oumi.train(config)`, or
+`with instrument(...)` around code that calls `oumi.train`.
 
-`oumi.train()` takes no callbacks (`additional_trainer_kwargs={"callbacks": ...}` collides with the
-`callbacks=` it passes itself), and builds its list with `oumi.builders.build_training_callbacks`,
-which `oumi/train.py` imports by name. So `instrument()` replaces that one name in the `oumi.train`
-module for the duration of a `with` block, appending an `OtelTrainCallback`; the original is put
-back when the block ends, also on error. Every trainer type gets the callback: the Hugging Face
-ones (`TRL_SFT`, `HF`, `TRL_DPO`, ...) through `Trainer`'s callback list, `OUMI` through its own
-calls (`state=None`, no `on_train_begin`: see `otel_train.integrations.transformers`).
-
-    from otel_train.integrations.oumi import train
-    train(config)                                  # = oumi.train(config), instrumented
-    train(config, run_name="sft", tensorboard=True)   # settings: ot.init() settings by name
-
-    with instrument(run_name="sft") as callback:   # or around any code that calls oumi.train
-        oumi.train(config)
+How it works: docs/design/integrations.md#oumi.
 """
 
 from __future__ import annotations

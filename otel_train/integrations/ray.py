@@ -1,50 +1,8 @@
 """Ray and Ray Train: one run across the driver, the Ray Train controller and the workers.
 
-A Ray job is a single-controller job: a driver, (with Ray Train) a controller actor and N worker
-actors in a torch process group. Each process runs its own session under ONE run id and run
-name, told apart by its role (`Config.role`): `metrics.controller.rank0.jsonl` beside the
-workers' `metrics.worker.rank0.jsonl`, `metrics.worker.rank1.jsonl`, ...
-
-    import otel_train.integrations.ray as otr
-    ray.init(runtime_env=otr.runtime_env(role="worker"))     # every actor joins this run
-    trainer = TorchTrainer(
-        train_fn, scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(callbacks=[otr.ControllerCallback()]),   # role "controller"
-    )
-
-    def train_fn(config):
-        otr.init_worker()          # = ot.init() with Ray Train's local rank; role, run from the env
-        for step in ...:
-            with ot.step(step): ...
-
-`runtime_env(role)` puts the run id, run name, output directory, OTLP endpoints and service name
-into a Ray `runtime_env`'s `env_vars` (as `OTEL_TRAIN_*`, read by `ot.init()` in every actor).
-They come from the running session, else from `job_settings()`, which makes a run id once per
-driver. The output directory is made absolute on the driver: on several nodes it must be a shared
-file system path (or turn the run directory off and rely on OTLP). OTLP headers, and an endpoint
-with `user:password@` or a secret-looking query parameter (`?api_key=...`) in it, are NOT copied (Ray shows runtime_envs in its dashboard): give the
-actors those through your own secret mechanism.
-
-`ControllerCallback` is a `ray.train.UserCallback` (Ray 2.60: `after_report(run_context, metrics,
-checkpoint)` and `after_exception(run_context, worker_exceptions)`, both called in the Ray Train
-controller actor, `ray/train/v2/api/callback.py`). It starts a session with role `controller` in
-that actor, in the driver's run, and turns:
-
-- each `ray.train.report` (all workers reported) into one controller step, with every numeric
-  reported value published as `ray_train/<name>/mean` and `/max` over the workers
-  (`nemo_rl.publish_reductions`), and a persisted checkpoint as a `ray_train_checkpoint` text entry;
-- each worker failure into a `worker_failure` health event (events.controller.rank0.jsonl, an OTel
-  log record, `otel_train.health.events{otel_train.event="worker_failure"}`) naming the worker
-  rank and the exception;
-- the time from a failure to the next report (Ray Train restarted the worker group,
-  `FailureConfig(max_failures=...)`) into a `worker_group_restart` event and a traced
-  `ray_train_restart` span (goodput: badput "other"). The restarted workers' own sessions reopen
-  their files under the same run id, which their goodput accounts as "restart" badput.
-
-Ray's own node metrics (CPU, memory, GPU, object store, per node) are already served by Ray in
-Prometheus format on each node's metrics export port (`ray start --metrics-export-port=8080`):
-the collector config we ship scrapes them (deploy/otelcol.yaml, the `prometheus/ray` receiver)
-rather than re-exporting them from here.
+`runtime_env(role)` carries the run to every actor, `init_worker()` starts a worker's session,
+`ControllerCallback` records reports, failures and restarts in the controller.
+How it works: docs/design/integrations.md#ray.
 """
 
 from __future__ import annotations

@@ -1,72 +1,9 @@
 """Hugging Face `Trainer` integration: `Trainer(..., callbacks=[OtelTrainCallback()])`.
 
-One step per optimizer step (gradient accumulation aware: micro-batches are not steps), with the
-phases the Trainer lets a callback see:
-
-    data              from the end of the previous step (or its logging / eval / checkpoint) to
-                      the last micro-batch of the step leaving the data loader (`on_step_begin`
-                      when that is unknown: see below)
-    data_sync         (more than one rank) from there to `on_step_begin`: the Trainer gathers the
-                      number of label tokens across ranks there (`average_tokens_across_devices`,
-                      on by default), where a rank fast at loading waits for the slow one
-    forward_backward  `on_step_begin` -> `on_pre_optimizer_step` (all micro-batches, clipping)
-    optimizer         `on_pre_optimizer_step` -> `on_optimizer_step`
-    eval, checkpoint  spans (always traced) and phases, from the end of the step's logging to
-                      `on_evaluate` / `on_save`
-
-Under DeepSpeed (`trainer.model_wrapped` is a DeepSpeed engine at `on_train_begin`) the engine is
-instrumented (`integrations.deepspeed.instrument(engine, steps=False)`): Accelerate runs
-`engine.step()` inside `accelerator.backward`, so `optimizer` is DeepSpeed's real step, timed there
-(inside `forward_backward`), not the Trainer's no-op `optimizer.step()`; `forward`/`backward` and the
-ZeRO facts come with it, and `watch_every` watches parameters only (ZeRO leaves `p.grad` None).
-
-Each step begins where the previous one ended (`adapters.begin_step(start_ns=...)`), so `data` lies
-inside it and its end is this rank's arrival: under DDP the gradient all-reduce runs inside
-`forward_backward`, and the straggler detector names the rank the others wait for there.
-
-The Trainer's logs (`loss`, `learning_rate`, `grad_norm`, `eval_*`) go through `ot.log_metrics`;
-they are Python floats by then, so the callback adds no device sync of its own. Tokens come from
-`state.num_input_tokens_seen` (set `include_num_input_tokens_seen`), a job-wide count that is split
-evenly across ranks so that summing `train.tokens` over ranks gives the job's total.
-
-`OtelTrainCallback(watch_every=N)` (N > 0) calls `ot.watch(model, every=N)` when training begins:
-per-layer gradient and parameter norms every N optimizer steps, read at `on_optimizer_step` (after
-clipping and the optimizer step; the Trainer zeroes the gradients before `on_step_end`), and with
-them the checks on those norms (`no_gradient`, `gradient_explosion`/`gradient_vanishing`, and under
-DDP `replica_divergence`). On watched steps the step's first micro-batch, as it left the data
-loader, is fingerprinted for `data_not_sharded` (`ot.watch_batch`). A user's own `ot.watch` is
-read at the same point.
-
-The session starts lazily (at `on_train_begin`, or at the first step for trainers that never call
-it) on every rank, with `total_steps=max_steps`, unless the user already called `ot.init()`; a
-session the callback started is shut down at `on_train_end`. `auto_find_batch_size` re-enters the
-training loop after an out-of-memory error (a second `on_train_begin` in one `train()`): the run goes
-on, the step that ran out of memory ends as failed.
-
-What the callback adopts from the Trainer's own settings, for a session it starts, unless the same
-otel_train setting is given (keyword, `OTEL_TRAIN_*`, config file): a `logging_steps` other than the
-default (with `logging_strategy="steps"`) as `log_interval`, so each flush holds one Trainer log;
-`output_dir`: run directories under `<output_dir>/_otel_train/` (the `_` keeps them out of
-`push_to_hub`). An otel_train bridge that is on (`tensorboard`, `wandb`, `mlflow`) takes the
-Trainer's `report_to` reporter for that backend off the Trainer at `on_init_end` (the logs reach the
-backend through the bridge: one W&B / MLflow run, not two), with a warning; W&B then keeps the
-reporter's project (`WANDB_PROJECT`, else "huggingface"). Otherwise `report_to` is left alone and
-otel_train opens no bridge of its own. `run_name` is not adopted: it names otel_train's run
-directory, which a second run may not reuse, while the Trainer lets every run share one.
-
-The Trainer has neither an exception hook nor one between fetching a step's batches and that
-gather, so at `on_init_end` (or `on_train_begin`, for a callback added with `add_callback`) the
-callback wraps two public methods of the Trainer that calls it (that instance only, found on the
-call stack): `get_batch_samples`, to note when its last `next()` on the data iterator returned, and
-`train`. When `train()` raises, the open step ends as failed and a session the callback started is
-shut down, before the exception reaches the user: no stall is reported while the user handles it.
-Only a `train()` already running when the callback first saw the Trainer (added with
-`add_callback`) is not covered: a step it left open ends at the next `on_train_begin` /
-`on_step_begin`.
-
-Trainers that call HF callbacks with `state=None, control=None` (Oumi's `OumiTrainer`) work too:
-the callback counts steps itself, starts at the first `on_step_begin` and times the whole step (the
-batch is fetched inside it there, so no `data` phase); the loss comes from `on_log`.
+One step per optimizer step with the phases `data`, `data_sync`, `forward_backward`, `optimizer`
+(and `eval`, `checkpoint` spans), the Trainer's logs as metrics, and the DeepSpeed engine
+instrumented when the Trainer runs one.
+How it works: docs/design/integrations.md#transformers.
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
-"""TRL integration (SFT, GRPO, DPO, ... trainers are `transformers.Trainer` subclasses), one line
-before `trainer.train()`:
+"""TRL integration: `otel_train.integrations.trl.instrument(trainer)` before `trainer.train()`.
 
-    otel_train.integrations.trl.instrument(trainer)          # or instrument(trainer, run_name="x")
-
-It adds the Hugging Face `OtelTrainCallback` (steps, data / forward_backward / optimizer phases,
-and the Trainer's logs as metrics: GRPO's `reward`, `reward_std` -> `train/reward`,
-`train/reward_std`, `rewards/<func>/mean|std`, `completions/*`; SFT's `entropy`,
-`mean_token_accuracy`, ...) unless the trainer has one, and a callback that, while `train()` runs,
-
-- turns the blocks TRL times itself (`trl.extras.profiling.ProfilingContext`, which TRL reports
-  only to W&B / MLflow / Trackio) into otel_train timers, on every rank:
-
-      generation      `transformers.generate` / `transformers.generate_batch` / `vLLM.generate`
-      rewards         `_calculate_rewards`; each reward function as `reward.<name>`
-      loss            `compute_loss`
-      logprobs        `_get_per_token_logps_and_entropies`
-      prepare_inputs  `_prepare_inputs` (generation and scoring of a batch together)
-      sync_weights    `sync_weights`; any other block under its own name
-
-  (they nest: `generation` and `rewards` run inside `prepare_inputs`, all of it inside the HF
-  callback's `forward_backward`). This is a patch of `ProfilingContext.__enter__`/`__exit__`,
-  made at `on_train_begin` and undone at `on_train_end` (or `disable_profiling()`);
-- sends GRPO's latest prompts and completions to `ot.log_samples(name="completions")` at each
-  training log on the main process (what `log_completions=True` prints).
-
-TRL 1.16's SFT and DPO trainers time nothing with `ProfilingContext`: for them the steps, phases and
-logged metrics come from the HF callback. Nothing here is imported by `import otel_train`.
+Adds the Hugging Face callback, TRL's own profiled blocks as timers (`generation`, `rewards`,
+`loss`, ...) and GRPO's completions as samples.
+How it works: docs/design/integrations.md#trl.
 """
 
 from __future__ import annotations

@@ -18,9 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-# The hot path reads the active session as `_runtime._current`, a plain module attribute, on
-# purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
-# in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
+# The hot path reads `_runtime._current` directly, on purpose: docs/design/core.md#runtime.
 from otel_train import _runtime, messages
 from otel_train.config import Config as Config
 from otel_train.config import ConfigError as ConfigError

@@ -1,22 +1,8 @@
-"""The adapter API: what a framework integration needs that a training loop does not.
+"""The adapter API: what a framework integration needs that a training loop does not (a step
+begun and ended by hooks, phases the framework timed itself, the batch to fingerprint).
 
-A training loop uses `otel_train`'s own names (`ot.step`, `ot.timer`, `ot.record`, ...). An adapter
-for a framework that calls hooks at the start and end of a step, or reports phases it timed itself,
-uses these as well (`otel_train/integrations/` use these and `otel_train.__all__`, nothing else):
-
-    from otel_train import adapters
-
-    def on_step_begin(self, step):                      # the framework's hook
-        adapters.begin_step(step, start_ns=self.last_end_ns)
-        adapters.watch_batch(self.batch)                # the batch, for the unsharded-data check
-
-    def on_step_end(self, timings):
-        for name, seconds in timings.items():
-            adapters.phase(name, seconds)               # a duration the framework measured
-        adapters.end_step(tokens=self.tokens)
-
-Like the rest of the API, every function here is a no-op before `ot.init()` and never raises into
-the framework for a bad value. `Run` is the type `current_run()` (and `ot.init()`) returns.
+Every function here is a no-op before `ot.init()` and never raises into the framework for a bad
+value. Example: docs/design/core.md#adapters.
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
 """When the training thread flushes: every `log_interval` steps, or, by default, at a human cadence.
 
-A flush every 10 steps is 100 flushes a second at 10 ms steps: 100 console lines, 100 SDK
-collections and 100 bridge writes a second, each paid for on the training process's GIL, while
-Prometheus scrapes every 15 s. So unless the user sets `log_interval`, the cadence adapts: every
-`ADAPTIVE_BASE_STEPS` steps, but not more often than about once per `log_interval_min_s` (longer,
-up to 2x, when the worker's CPU per flush would exceed 0.25 % of the time between flushes), rounded
-up to a "nice" number of steps (10, 20, 50, 100, 200, 500, ...), so step numbers in the console
-and the bridges stay readable. An explicit `log_interval` keeps its exact meaning.
-
-Distributed (cross_rank on): flush steps are step-anchored, so ranks in lockstep flush at the same
-steps without ever waiting for each other. A schedule is "every `interval` steps from step `anchor`":
-the flushes end at steps anchor + n x interval (the first schedule, anchor -1, ends them at steps 9,
-19, 29, ... for 10). An explicit `log_interval` is one fixed schedule. The adaptive interval is
-decided on rank 0 only, from rank 0's own step times, at a flush: "interval I from the next
-scheduled flush step A on". Rank 0 adopts it at once (it never waits for anything); it travels to
-the other ranks in rank 0's answers (`crossrank/down_row`), and a rank adopts the newest it has whenever it
-arrives. In lockstep the answer comes within the same flush, a whole interval before A, so every
-rank switches at A and the flush steps stay identical. A rank that learns it late (it is slower,
-paused, or independent of rank 0) keeps its schedule until then and joins the new one at its next
-step on it (`late_decisions` counts those): it realigns instead of drifting. No rank's training
-thread ever waits for another rank here. A run whose first step comes later (resumed at step
-1000) first flushes at the schedule's next step (1009 for 10). Numbering that goes back (or steps that never reach the
-next scheduled step) fall back to a flush every `2 x interval` counted steps. When the exchange is
-off (a peer died) no decision travels any more: rank 0 stops adapting and every rank keeps its
-schedule. Independent ranks (`cross_rank=False`) exchange nothing: each adapts its own interval by
-counting steps, as a single process does.
+Distributed, flush steps are step-anchored and rank 0's schedule travels in its answers, so ranks
+in lockstep flush at the same steps without waiting for each other.
+Design: docs/design/core.md#cadence.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """Runtime control: change settings of a running job by writing `<run dir>/control.json`.
 
     echo '{"timing_log_level": 2, "trace_every": 10}' > runs/<run>/control.json
-    echo '{"profile": {"active": 3, "ranks": [0]}}'     > runs/<run>/control.json
 
-Settings: `timing_log_level` (0-2), `verbosity` (0-2), `trace_every` (>= 1), `trace_first` (>= 0),
-`straggler_threshold` (0-1) and `profile` (`ot.profile` arguments, within its caps; `ranks` a
-non-empty list of ranks below the world size). A thread of its own on every rank reads the file
-about once a second: a dead file system can block it, never stall detection or stack dumps. The
-read is bounded: a regular file only (a symlink, FIFO or device is refused without opening it for
-long: O_NONBLOCK | O_NOFOLLOW), at most `MAX_FILE_BYTES`, standard JSON only (no NaN/Infinity).
-
-Rank 0 decides WHEN: it stamps the file with `apply_at_step` (a few seconds' worth of steps ahead),
-a `version`, the recent earlier changes (`earlier`) and a `digest` of all that; every rank applies
-each version once, in order, on its training thread when its step begins, so all ranks switch at
-the same step and a change overwritten by the next one before some rank read it is still applied
-everywhere. Ranks that see a stamp only after its step has passed apply at once and say so. Any
-edit of the file (a digest that no longer matches, even with the stamp fields copied) is a new
-change, and so is an older stamped file written back (an editor's undo). The whole document is
-validated before anything is announced: each accepted change is one
-`control` health event, each refused file one `control_rejected` event naming the key and the fix;
-a change that still fails while being applied is a `control_rejected` event too, never an
-exception in the training step. All ranks must share the run directory (one node, or a shared
-file system for `output_dir`).
+Rank 0 stamps each change with the step to apply it at, so all ranks switch at the same step.
+Settings, limits and design: docs/design/core.md#control.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Rank identity, run id agreement and the dedicated telemetry process group.
 
-Cross-rank reductions and straggler scoring live in `otel_train.crossrank.reducer` (`CrossRankReducer`).
-
-Wiring (every rank calls this at init, in the same order, because `new_group` is collective)::
-
-    identity = detect_identity(config.run_id)
-    group = create_telemetry_group(identity, config.collective_timeout_s)   # None when not distributed
-    agreed = agree_job(identity, group, run_name, log_interval, cross_rank)  # one broadcast at init
-    reducer = CrossRankReducer(identity, meter, events, config, group=group)
+Every rank calls these at init, in the same order (`new_group` is collective); the wiring:
+docs/design/core.md#distributed.
 """
 
 from __future__ import annotations
@@ -38,7 +32,7 @@ class Identity:
     node_rank: int = 0
     host: str = ""
     run_id_source: RunIdSource = "generated"
-    role: str = ""  # empty: no role (the identity is run id and rank, as before roles existed)
+    role: str = ""  # empty: no role (the identity is run id and rank alone)
 
     @property
     def distributed(self) -> bool:
@@ -275,7 +269,7 @@ def agree_job(
     log_interval: one broadcast on the telemetry group at init, so every rank of a job writes into
     one run directory (a generated name differs per process) and, in lockstep, flushes at the same
     steps (each flush's exchange pairs the same steps on every rank; a rank flushing every 7 steps
-    beside one flushing every 10 was throttled and paired different steps silently).
+    beside one flushing every 10 would pair different steps).
 
     Always broadcasts when `group` is given (every rank issues the same collective whatever its
     environment says), so ranks can never disagree on whether to communicate. Without a group

@@ -1,33 +1,8 @@
 """Goodput: each rank's wall time split into productive steps and badput by cause.
 
-    productive          training steps, less the causes below that happen inside a step
-    startup             process start -> first step, less eval / checkpoint spans before it
-    eval                `ot.span("eval" | "validation" | "generate" ...)` spans
-    checkpoint_save     `ot.span("checkpoint" | "save" ...)` spans
-    checkpoint_restore  `ot.span("load_checkpoint" | "restore" | "resume" ...)` spans
-    data                data loading the step waited for: `ot.timer("data")` (or another data phase
-                        name, DATA_PHASES) inside a step. A loader that prefetches while the device
-                        computes costs nothing here: only the part that does not overlap counts.
-    wasted_progress     steps re-run after a restart: every step whose index is at most the last
-                        step the previous processes of the run id completed (their whole time);
-                        only numbered steps (`ot.step(n)`): unnumbered ones count from 0 in every
-                        process, so they cannot be told apart from re-runs
-    stall               gaps between steps longer than `stall_timeout_s` (less any span inside the gap)
-    restart             from the last record of the previous process of the same run id to this start
-                        (on the host's boot clock when it is the same boot; a gap the clocks cannot
-                        vouch for is not booked, with one warning: `_restart_gap`)
-    other               the rest (logging, short gaps between steps, spans of other names)
-
-A data timer inside an eval or checkpoint span that is itself inside a step is counted twice (data
-and that span's cause); `other` then absorbs the difference.
-
-The training thread only keeps a few cumulative nanosecond counters (a compare per step, the rest
-when a span ends or a long gap closes); the data cause comes with each flush's timers (resolved
-on the worker, `Interval.data_s`). This listener turns them into
-`train.goodput`, `train.badput.duration{train.badput.cause}`, `train.interruptions` and
-`train.step.deviation` at each flush and saves the totals to `goodput.rank<k>.json`, so a restart
-of the same run id continues the account (DESIGN: the run id is stable across restarts when the
-scheduler gives one).
+The training thread keeps a few cumulative counters; this listener publishes `train.goodput` and
+`train.badput.duration` at each flush and keeps the account in `goodput.rank<k>.json` across
+restarts. The causes: docs/design/core.md#goodput.
 """
 
 from __future__ import annotations
@@ -413,8 +388,8 @@ def process_start_perf_s() -> float:
     Linux: `/proc/self/stat`'s starttime (clock ticks since boot, on CLOCK_BOOTTIME), against
     CLOCK_BOOTTIME now; exact to one clock tick (10 ms at the usual USER_HZ of 100, always early).
     Not psutil's create_time(): it adds the ticks to `/proc/stat`'s btime, a whole number of
-    seconds, so every start was off by up to 1 s (differently on each machine) and a restart's gap
-    and the account's wall time with it. Elsewhere psutil's create_time() (microseconds on macOS),
+    seconds, so every start would be off by up to 1 s (differently on each machine), and a restart's
+    gap and the account's wall time with it. Elsewhere psutil's create_time() (microseconds on macOS),
     and when nothing answers, now."""
     age = _age_from_proc()
     if age is None:

@@ -2,15 +2,8 @@
 a step schedule.
 
     run.profile(wait=10, warmup=1, active=3)       # steps 11-13 from now, on every rank
-    run.profile(active=5, ranks=[0])               # the next 5 steps (after 1 warm-up), rank 0
 
-The window counts steps from the call (Oumi / torch.profiler semantics: `skip_first`, `wait`,
-`warmup`, `active`, `repeat`). Each finished active stretch becomes a chrome trace at
-`<run dir>/profiles/rank<k>/steps<first>-<last>.json` (open it in Perfetto or chrome://tracing).
-Profiled steps are always traced, their step spans carry `train.profiled=true`, and
-`train.profiler.steps` counts them, so step-time panels can tell a profiled (skewed) step from a
-slow one. The profiler advances at each step end on the training thread (that is where torch needs
-it); writing a trace costs that step time, which is why it is counted.
+Each active stretch becomes a chrome trace in the run directory. Design: docs/design/core.md#profiling.
 """
 
 from __future__ import annotations

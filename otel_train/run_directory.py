@@ -2,28 +2,7 @@
 them whole (`LineFile`, `append_line`, `write_json`), its default name, creating it, and claiming
 this rank's files in it (`claim_run_dir`, `live_owner`).
 
-`RunFiles` is the layout (one rank's view of one run directory). The files:
-
-With a role (`Config.role`), `rank<k>` reads `<role>.rank<k>` and the per-run names carry the
-role (`progress.<role>.txt`, `config.<role>.json`, `tensorboard/<role>/`); see `RunFiles`.
-
-- `metrics.rank<k>.jsonl`: one line per flush (step, time, every flattened value), one `os.write`
-  per line, so a SIGKILL loses at most the interval in flight. Written by `bridges.rundir.RunDirSink`.
-- `progress.txt` (Megatron-style one-liners, the reporting rank), `text.jsonl`, `samples.jsonl`,
-  `histograms.jsonl`, `hparams.json`: `RunDirSink`.
-- `config.json`, `env.json`: written once at init, secrets redacted (`assemble`).
-- `.owner.rank<k>.json`: which run id wrote this rank's files (`run_directory`).
-- `events.rank<k>.jsonl`: health events (`health`); `goodput.rank<k>.json`: the goodput account
-  across restarts (`goodput`); `control.json`: runtime control (`control`).
-- `stacks.rank<k>.<n>.txt`, `faulthandler.rank<k>.txt` (raw, from C),
-  `flight_recorder.rank<k>.<n>`: hang diagnosis (`hang`); `collectives.rank<k>.json`: where the
-  rank's collectives stood at its last stall (`hang_attribution`); `profiles/rank<k>/`: profiler
-  traces (`profiling`).
-- `tensorboard/`, `wandb/`, `wandb_run.json`, `mlflow/`: the TensorBoard, W&B and MLflow bridges'
-  local output.
-
-Every line is written whole or not at all: a full disk (ENOSPC, a quota, RLIMIT_FSIZE) truncates
-the file back to its last complete line, and the error names the file.
+The files: docs/design/core.md#run-directory.
 """
 
 from __future__ import annotations

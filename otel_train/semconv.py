@@ -1,13 +1,7 @@
 """The metric catalogue: every instrument otel_train creates, named once.
 
 Code, dashboards, alert rules and bridges import these specs; nobody retypes a metric name.
-Names follow OpenTelemetry conventions (dotted lower case, UCUM units, no unit or `_total`
-in the name); GPU metrics use the `hw.*` semantic conventions where they exist.
-
-`key` is the bridge key (TensorBoard / W&B / MLflow / JSONL); `{attr}` placeholders are filled
-from the data point's attributes, so `train.phase.duration{train.phase=forward}` becomes
-`timers/forward`.  Histograms then gain `/mean`, `/max`, ...; counters their delta under `key` and
-a rate under `key + "_per_s"`.
+Naming and bridge keys: docs/design/core.md#semconv.
 """
 
 from __future__ import annotations

@@ -18,9 +18,7 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
-# The hot path reads the active session as `_runtime._current`, a plain module attribute, on
-# purpose: a call such as `_runtime.current()` adds a Python call, +50-70 ns (8-11 %) per ot.record()
-# in an interleaved A/B (issue #17). tests/test_architecture.py allows exactly this private read.
+# The hot path reads `_runtime._current` directly, on purpose: docs/design/core.md#runtime.
 from otel_train import _runtime
 from otel_train.session import Session
 

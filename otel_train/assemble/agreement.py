@@ -1,16 +1,6 @@
-"""What every rank of a process group decides together at init, from facts each rank reports.
-
-One all_gather on the telemetry group, before anything else is agreed, carries from every rank a
-fixed-size row: whether it refuses to start (and why), its role, its exchange fan-in and its
-node. From the same gathered rows every rank decides the same things:
-
-- a refusal anywhere is every rank's, at once: a rank whose settings are invalid (`ot.init()`
-  raises ConfigError there) still joins this one gather before it raises (`refuse_together`), and
-  a rank whose role differs from rank 0's is seen by all; every rank then raises ConfigError
-  naming the rank and the setting, instead of waiting out collective_timeout_s in the next
-  collective and splitting into separate run directories;
-- the exchange's shape (`crossrank.ExchangeShape`: rank 0's fan-in, the nodes as the ranks report
-  them), so that no environment difference can make two ranks disagree on a message's size.
+"""What every rank of a process group decides together at init, from facts each rank reports in
+one all_gather: a refusal anywhere is every rank's, and the exchange's shape.
+Design: docs/design/core.md#agreement.
 """
 
 from __future__ import annotations

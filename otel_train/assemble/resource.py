@@ -55,5 +55,5 @@ def build_resource(config: Config, ident: Identity, gpu_attributes: Mapping[str,
 
 
 def role_attribute(ident: Identity) -> dict[str, str]:
-    """The role resource/event attribute: none without a role (the identity as before roles)."""
+    """The role resource/event attribute: none without a role (the identity is run id and rank alone)."""
     return {semconv.ROLE: ident.role} if ident.role else {}

@@ -1,12 +1,5 @@
 """Where this process runs: its identity in the job, the telemetry gloo group, and the one run
-(name, directory, cadence) every rank agrees on at init.
-
-First every rank's facts decide refusals and the exchange's shape together (`agreement`); then
-rank 0's run name, run id, log_interval and cross_rank are every rank's (`distributed.agree_job`),
-so all ranks write into one run directory and flush together; this rank claims its files in it
-(appending when the same run restarts). What init found about the job as a whole (a rank split
-off, settings that differ from rank 0's) becomes `RunPlace.notices`, emitted as health events once
-the events exist.
+(name, directory, cadence) every rank agrees on at init. Design: docs/design/core.md#run-place.
 """
 
 from __future__ import annotations

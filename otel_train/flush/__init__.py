@@ -1,19 +1,5 @@
 """The background worker and what it does with one flush: the only place the OTel SDK, the sinks
-and the flush listeners run, off the training thread.
-
-The story of one flush (the training thread only hands a `buffer.FlushBatch` over: `Session.flush`):
-
-1. `worker.Worker` (the one thread, one ordered queue of flush batches and API messages) takes it.
-2. `resolve` turns its raw values into host floats: device tensors in one transfer per device and dtype,
-   timers' clock readings into phase durations and arrivals, giving the `interval.Interval`;
-   `batch_checks` first drops what the hot path appended unchecked (a timer named by an Enum, a
-   negative count) and notes each problem, which the worker warns about once.
-3. `instruments` records the interval into the SDK instruments (durations as one aggregation step
-   per series through `histogram_feed`, with exemplars from `tracing`'s step trace ids);
-   `tracing` writes the sampled steps' spans.
-4. The flush listeners (health, goodput, hardware, cross-rank, ...) see the `Interval`.
-5. `step_reader` collects the SDK's metrics for this flush (observable callbacks included) and the
-   flat scalars go to the sinks (run directory, console, bridge process).
+and the flush listeners run, off the training thread. Design: docs/design/core.md#one-flush.
 
 Names are loaded on first use (PEP 562): these modules import the OTel SDK, and `import otel_train`
 must not. From outside, import only the names below (tests/test_architecture.py: walled packages).

@@ -1,20 +1,8 @@
 """Many values into one SDK histogram series at once: one aggregation step per flush, not per value.
 
-A flush carries every step's duration and every timer's durations: hundreds of values per second
-at fast steps. One `Histogram.record()` walks the SDK's measurement pipeline for every reader
-(attribute cleaning and hashing, view matching, a lock, the bucket search), ~10-30 µs each on the
-worker, which at launch-bound step rates is the biggest share of a flush, paid on the training
-process's GIL. The exported data of an explicit-bucket histogram are only count, sum, min, max and
-bucket counts, so `record_many` computes those per flush and merges them into each reader's
-aggregation for the series, under the same locks `record()` takes: exactly what one `record()` per
-value would have produced.
-
-That merge uses SDK internals (opentelemetry-sdk 1.45: `_measurement_consumer._reader_storages`,
-`_ViewInstrumentMatch`, `_ExplicitBucketHistogramAggregation`). Anything unexpected (another SDK
-version, a view with another aggregation, a disabled instrument) falls back to one public
-`record()` per value, checked before anything is merged, so a value is never counted twice.
-A value that needs its own measurement (an exemplar: the sampled step's duration recorded with its
-span context) is recorded with `record(value, attributes, context=...)` as before, not through here.
+Merges count, sum, min, max and bucket counts into each reader's aggregation (SDK internals),
+falling back to one public `record()` per value when anything is unexpected.
+Design: docs/design/core.md#histogram-feed.
 """
 
 from __future__ import annotations

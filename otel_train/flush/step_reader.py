@@ -1,21 +1,5 @@
-"""StepReader: a delta-temporality MetricReader collected at each flush, flattened for the sinks.
-
-Flattening rules (one key per value; every backend gets the same keys):
-
-- gauge                   -> `key`: its value at the flush (a recorded value: the interval's mean, the
-                             worker sets it so; its min / max / last arrive as `key_min`, `key_max`,
-                             `key_last`: gauges of their own for the loss and gradient norm, keys the
-                             worker adds after collecting for the other names; see semconv.INTERVAL_STATS)
-- up-down counter         -> `key`: the current (cumulative) value
-- counter                 -> `key`: the interval's delta, and `key + "_per_s"`: delta / interval seconds
-- histogram               -> `key/mean`, `key/min`, `key/max`, `key/count`, `key/total` (the sum), and
-                             `key/p50`, `key/p95` when the quantile falls in a bucket with two finite
-                             bounds (linear interpolation, clamped to the observed min/max)
-- attributes              -> key segments: catalogue keys name them (`timers/{train.phase}` ->
-                             `timers/forward`); other attributes are appended as `/value`
-- instruments not in the catalogue (a user's own) -> the name with `.` as `/` (`my.metric` -> `my/metric`)
-
-Collected on the background worker only (collect() runs the SDK's aggregation in the caller).
+"""StepReader: a delta-temporality MetricReader collected at each flush on the worker, flattened
+into one key per value for the sinks. The flattening rules: docs/design/core.md#step-reader.
 """
 
 from __future__ import annotations

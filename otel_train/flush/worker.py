@@ -1,12 +1,5 @@
-"""The background worker: everything a flush does off the training thread.
-
-For each `FlushBatch` it (1) resolves device values in one batched transfer, drops and counts bad
-ones, (2) feeds the OTel SDK: the sampled steps' spans first (the step-time exemplars link to them),
-then the instruments, (3) hands the interval's `ot.log_histogram` values to the sinks, (4) runs the
-flush listeners (health, hardware, cross-rank reduction, goodput), (5) collects the StepReader and
-(6) hands the flattened scalars to the sinks. Text, samples, histograms and hyperparameters (the
-typed records of `messages.py`, dispatched by class) travel through the same queue, so they keep
-their order with the scalars.
+"""The background worker: everything a flush does off the training thread, and the typed
+records of `messages.py`, in one ordered queue. Design: docs/design/core.md#worker.
 """
 
 from __future__ import annotations

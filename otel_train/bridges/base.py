@@ -1,13 +1,7 @@
 """The sink seam: everything that receives flattened scalars at each flush.
 
-A sink gets `(step, wall_time, scalars)` from the StepReader on the background worker, plus text,
-histograms and hyperparameters from the explicit logger API. `Sink` is a null object: subclasses
-override only what their backend supports. Sinks never run on the training thread.
-
-The sinks: the run directory (`rundir`), the console (`console`) and the bridge process
-(`process`), which hosts the bridges, the sinks that forward to another tool (`tensorboard`,
-`wandb`, `mlflow`). The package's other seams: `interval.FlushListener` (analysis at each flush)
-and `health.EventChannel` (where health events go); reader and exporter are OpenTelemetry's own.
+`Sink` is a null object: subclasses override only what their backend supports. Sinks never run
+on the training thread. Design: docs/design/bridges.md#sinks.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """The bridge process: TensorBoard, W&B and MLflow run here, off the training process's GIL.
 
-Started by `bridges.process.BridgeProcess` as `python -m otel_train.bridges.host <parent pid>` (never
-through multiprocessing's spawn, which would re-import the user's `__main__`). It reads frames
-(`bridges.framing`) from stdin and answers on its original stdout (its own prints go to stderr):
-
-    -> ("setup", [(module, class, kwargs), ...])   <- ("ready", [names]) | ("error", message)
-    -> ("call", method, args)                        (in order, to every bridge)
-    -> ("close", final_scalars, grace_s)           <- ("closed", {name: {dropped, errors, clean}})
-
-Each bridge sits behind its own `ThreadedSink` here, so one hung backend never holds the others.
-It never touches CUDA (CUDA_VISIBLE_DEVICES is empty) and never outlives its parent for long: stdin
-EOF (the parent exited or was killed) or SIGTERM (PR_SET_PDEATHSIG on Linux, for when a forked
-grandchild still holds the pipe) closes the bridges, which flushes what they have, within `grace_s`.
+Started as `python -m otel_train.bridges.host <parent pid>`; reads frames (`bridges.framing`)
+from stdin and never outlives its parent for long. Design: docs/design/bridges.md#host.
 """
 
 from __future__ import annotations

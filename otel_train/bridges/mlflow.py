@@ -1,22 +1,6 @@
 """MLflow bridge through `MlflowClient` (no global `mlflow.start_run` state, safe on a worker thread).
 
-* Tracking URI: the `tracking_uri` argument, else `MLFLOW_TRACKING_URI`, else a local SQLite store
-  `sqlite:///<run_dir>/mlflow/mlflow.db` with artifacts in `<run_dir>/mlflow/artifacts`. MLflow 3.x
-  refuses the old `./mlruns` file store unless `MLFLOW_ALLOW_FILE_STORE=true` (it is in maintenance
-  mode), and SQLite needs no server: `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow/mlflow.db`.
-  A fresh SQLite store runs ~330 schema migrations (3-8 s of CPU); the sink therefore copies an
-  empty, migrated database cached per MLflow version in `~/.cache/otel_train/` (`XDG_CACHE_HOME`
-  honoured), so only the first run on a machine pays for them.
-  Pass one shared URI (a server, or one SQLite file under `output_dir`) to compare runs in one UI.
-* The client and run are created lazily at the first write, on the bridge's thread.
-* Params are flattened (`a.b`), keys sanitised to MLflow's character set, values truncated to
-  MLflow's limit (6000 characters), sent in batches of 100. MLflow forbids changing a logged param,
-  so a later different value for the same key is skipped (logged at DEBUG).
-* Metrics keep their `/` (MLflow groups by it); characters MLflow rejects become `_`. One
-  `log_batch` per flush (chunked at 1000 metrics), each metric with the training step.
-* Text goes to `text/<key>/step_<step>.md`, histograms to `histograms/<key>/step_<step>.json`
-  (64 bins plus count/min/max/mean/std), as run artifacts.
-* `close` ends the run as FINISHED.
+Tracking store, params, metrics and artifacts: docs/design/bridges.md#mlflow.
 """
 
 from __future__ import annotations

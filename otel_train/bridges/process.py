@@ -1,37 +1,8 @@
 """BridgeProcess: the training process's end of the bridge process (`bridges.host`).
 
-TensorBoard, W&B and MLflow writes are Python work (protobuf encoding, SQLite, W&B's record
-serialisation) that, in the training process, would compete with the training thread for the GIL.
-They run in ONE child process instead, fed once per flush through a pipe:
-
-* The child is `python -m otel_train.bridges.host`, started with `subprocess` (not multiprocessing's
-  spawn, which re-imports the user's `__main__`, nor fork, unsafe after torch/CUDA/threads), with
-  `CUDA_VISIBLE_DEVICES` empty. It is started from the feeder thread, which lives as long as the
-  bridges, because Linux's parent-death signal follows the thread that created the child.
-* Setup is checked before `init()` returns: the child builds the bridges and answers; a missing
-  package or an unwritable directory raises here, with the bridge's own message.
-* Every call is encoded (plain Python, `bridges.framing`) and put on a bounded queue without
-  blocking; a full queue drops the call and counts it (`otel_train.dropped{reason=bridge_queue}`).
-  One feeder thread writes the queue to the pipe in order, so every bridge sees scalars, text,
-  samples, histograms and hyperparameters in the order they were logged.
-* `close(final_scalars, timeout)` queues the close and waits at most `timeout` for the child's
-  answer (with the bridges' drop and error counts). All bridges close at once in the child, each
-  within its own grace period; a hung one cannot hold the training process past `timeout`: the
-  child then finishes (or gives up) on its own, and exits.
-* SIGKILL of the training process: the child sees stdin EOF (or its death signal), closes the
-  bridges, which writes what they received, and exits: at most the flush in flight is lost.
-* The child dies (the OOM killer's usual pick is the process holding W&B): the feeder thread sees
-  the pipe break at its next write, warns, and starts a new child after a back-off (RESTART_AFTER_S,
-  doubling up to MAX_RESTART_AFTER_S), at most MAX_RESTARTS times (`restarts` counts them). The new
-  child sets the same bridges up again, so later steps arrive: TensorBoard appends a new event file
-  to the same log dir (one run to TensorBoard); W&B resumes its run by id (offline: a second run
-  directory of the same id, which `wandb sync` uploads into the one run); MLflow starts a new run
-  of the same name (the child that created the first took its run id with it). What the dead child
-  had not written, and what is dropped while none runs, is lost (counted); the frame whose write
-  failed is sent to the new child.
-* The child's stderr is a pipe this process relays to its own stderr, so a child that outlives
-  this process (stopped with SIGSTOP until after it exited) never holds the trainer's stdout or
-  stderr open; a child found stopped at the close is continued, so it can finish and exit.
+TensorBoard, W&B and MLflow run in one child process fed once per flush through a pipe, never
+competing with the training thread for the GIL; a dead child is restarted.
+Design: docs/design/bridges.md#process.
 """
 
 from __future__ import annotations

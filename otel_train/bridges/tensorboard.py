@@ -1,16 +1,5 @@
-"""TensorBoard bridge: scalars, text, histograms and hparams through `torch.utils.tensorboard`.
-
-Layout: one log dir per run under a common root (the session passes `<output_dir>/<run_name>/tensorboard`),
-so `tensorboard --logdir <output_dir>` lists every run side by side.
-
-HParams: `SummaryWriter.add_hparams` writes into a new sub-run directory (`<log_dir>/<timestamp>/`) with
-copies of the metrics, which shows every run twice and splits the metrics from their curves. This
-sink instead writes the hparams plugin's `session_start_info` straight into the run's own log dir at
-the first `write_hparams`, and `session_end_info` at `close`. It writes no `experiment` summary, so the
-HParams dashboard builds the table from the union of all runs' hparams and takes each metric
-column from the run's own scalar curves (last value = final metric); runs with different hparam
-keys therefore compare correctly under one `--logdir`. The plugin keeps only the first
-`session_start_info` of a run, so keys passed to later `write_hparams` calls are not added to it.
+"""TensorBoard bridge: scalars, text, histograms and hparams through `torch.utils.tensorboard`,
+one log dir per run. Layout and hparams: docs/design/bridges.md#tensorboard.
 """
 
 from __future__ import annotations

@@ -1,26 +1,5 @@
-"""ThreadedSink: gives one backend its own bounded queue and daemon thread.
-
-A slow or hung backend (a `wandb.log` that blocks, a TensorBoard writer on a remote file system,
-an MLflow server that times out) must never delay the caller, which is the shared background worker
-that feeds every sink. Each backend therefore gets a `ThreadedSink`:
-
-* Every call is copied and put on a bounded queue without blocking. When the queue is full the
-  call is dropped and counted (`dropped`); the first drop logs one warning on the `otel_train`
-  logger.
-* A backend call that raises logs one warning naming the backend (later errors go to DEBUG) and is
-  counted (`errors`). After `max_consecutive_failures` failures in a row the backend is disabled
-  (`disabled`): one more warning, and calls are dropped and counted while it is. A success resets
-  the consecutive count, so a backend with occasional errors keeps working.
-* A disabled backend is retried, since the cause is often transient (a full disk that gets room
-  again, a file system remounted): after `retry_after_s`, then twice as long after each retry that
-  fails, up to `max_retry_after_s`, the call at hand goes to the backend after `inner.reopen()`
-  (a fresh writer: TensorBoard's stays broken after its first I/O error). A retry that works
-  enables it again, with one warning saying how many calls were lost meanwhile (`retries`,
-  `reenabled` count them).
-* `close(final_scalars, timeout)` queues the inner `close` and waits at most `timeout` seconds for
-  the queue to drain. A backend that is still stuck after that is abandoned (its thread is a
-  daemon thread, so it cannot keep the process alive) and `closed_cleanly` is False.
-
+"""ThreadedSink: gives one backend its own bounded queue and daemon thread, so a slow or hung
+backend never delays the worker that feeds every sink. Design: docs/design/bridges.md#threaded.
 """
 
 from __future__ import annotations

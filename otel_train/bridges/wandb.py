@@ -1,20 +1,5 @@
-"""Weights & Biases bridge.
-
-* `wandb.init` runs lazily, at the first write, on the bridge's own thread (see `ThreadedSink`), never at
-  `otel_train.init()` and never on the training thread.
-* Mode "auto" is "offline" unless W&B credentials exist (`WANDB_API_KEY`, or an `api.wandb.ai` login in
-  the netrc file that `wandb login` writes); a `WANDB_MODE` environment variable wins over "auto".
-  W&B never prompts.
-* Every series uses the training step as its x axis: `define_metric("train/step")` and
-  `define_metric("*", step_metric="train/step")`; each flush is ONE `run.log` call carrying
-  `train/step`. W&B's own `_step` just counts log calls.
-* The config is the redacted dict the session passes in. W&B's own metadata capture (argv, git remote,
-  code, environment, system metrics) is switched off: argv and git remotes are where secrets leak
-  (failure-modes §5.4), and otel_train already samples GPUs.
-* The run id, URL, mode and local directory are saved to `<run_dir>/wandb_run.json` (for `wandb sync`).
-* `close` summarises the final scalars and runs `run.finish()` in a helper thread joined with a timeout,
-  so a hung upload cannot hold the job (wandb/wandb#5601). If a W&B run is already active in the
-  process (the user called `wandb.init` themselves) the sink logs into it and does not finish it.
+"""Weights & Biases bridge: one `run.log` per flush on the training step's axis, `wandb.init`
+lazily on the bridge's thread. Design: docs/design/bridges.md#wandb.
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
 """The collective layer, read from PyTorch's Flight Recorder: per-rank collective metrics and the
-hang signal `train.collective.last_seconds`.
-
-With `TORCH_FR_BUFFER_SIZE` (or `TORCH_NCCL_TRACE_BUFFER_SIZE`) > 0 in the environment when the
-process group is created, torch (2.13: gloo and NCCL) keeps a ring buffer of this rank's recent
-collectives: process group, sequence id, op, tensor sizes, state, the time this rank enqueued it,
-and with NCCL and `TORCH_NCCL_ENABLE_TIMING=1` its duration. torch 2.13 also records with neither
-variable set (2,000 entries, measured with gloo on the pinned wheel; `0` turns it off; read once
-per process), but otel_train reads it only when the variable asks for it (`UNUSED_MESSAGE`).
-`torch._C._distributed_c10d` exports it pickled (`_dump_fr_trace` for the CPU/gloo recorder,
-`_dump_nccl_trace` on CUDA builds; read without stack traces) and as JSON (the `_json` variants,
-the fallback); no public wrapper exists in 2.13 (`torch.distributed.debug` serves the same calls
-over HTTP).
-
-`CollectiveMonitor` reads it on the flush worker (never the training thread) and counts each
-retired collective once (by its `record_id`). `last_seconds` is an observable gauge: each collection
-reads only the per-group sequence ids (no entries), so it keeps rising while every thread that could
-flush is stuck. The telemetry group (otel_train's own gloo exchange) is left out of everything.
+hang signal `train.collective.last_seconds`. Design: docs/design/diagnostics.md#collectives.
 """
 
 from __future__ import annotations

@@ -1,34 +1,8 @@
 """Hang diagnosis: when a rank stops stepping (or on SIGUSR1), write every thread's Python stack
 to the run directory and raise a health event that names the file.
 
-A watchdog thread (waking about once a second; it also reports a stuck background worker), not
-the worker, does this: the worker may itself be stuck in the telemetry
-collective when a peer hangs, and the training thread is the one that is stuck. The thread wakes
-every `poll_s`, compares the perf_counter time of the last completed step (one attribute store on the
-hot path) with `stall_timeout_s`, and reports each stall once (a new stall needs a step in between).
-
-Signals: a Python-level handler runs only when the main thread executes bytecode, which a rank
-blocked in a collective never does. So the watchdog listens on `signal.set_wakeup_fd`: the C-level
-handler writes the signal number there from whichever thread gets it, and the watchdog wakes and
-dumps while the main thread is still blocked (it released the GIL inside the collective). At most
-one such dump per `SIGNAL_DUMP_INTERVAL_S`: later requests are counted into the next dump's event
-(a flood of signals writes two files, not one per signal). After `close` (ot.shutdown) the signal
-goes back to the handler it had; when that was the default action (which terminates the process)
-a no-op handler stays instead, so a late `kill -USR1` never kills a finished run.
-
-A C call that holds the GIL (some extension code, a ctypes.PyDLL call) stops every Python thread,
-this one too. For that case `faulthandler`, which writes stacks from C without the GIL, appends
-raw stacks to `faulthandler.rank<k>.txt`: on every dump signal (chained before the wakeup fd; the
-file is emptied beyond `RAW_STACKS_MAX_BYTES`) and as a backstop timer that this thread re-arms at
-every wake-up once steps have begun, so it fires only when this thread could not run for
-`stall_timeout_s` + a margin. When this thread runs again it emits a `stall` event naming that file.
-If the process already has a wakeup fd (an asyncio loop in the main thread), `faulthandler` alone
-takes the signal (every request, no coalescing).
-
-When PyTorch's Flight Recorder is on (`TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE` > 0)
-its buffer is dumped beside the stacks; with the Flight Recorder on (gloo too), `on_stall` hands the stall to hang
-attribution (`hang_attribution`), which names the rank the others wait for. Nothing here touches CUDA or issues a collective; the job's own timeouts are
-left as they are.
+A watchdog thread does it (not the worker, which may be stuck too), with `faulthandler` as the
+backstop for a C call that holds the GIL. Design: docs/design/diagnostics.md#hang.
 """
 
 from __future__ import annotations

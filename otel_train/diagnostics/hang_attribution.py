@@ -1,22 +1,5 @@
-"""Hang attribution: which rank the others wait for, from every rank's Flight Recorder, through files.
-
-In a real hang every collective is blocked (otel_train's own exchange included), so the ranks compare
-notes through the run directory instead. At its stall (`HangWatchdog`) each rank writes
-`collectives.rank<k>.json`: per process group, the last sequence id it enqueued and completed and
-the ops of its last few collectives, with the file holding its stacks. It then waits a grace period
-for the others' files and compares: within a group, the ranks that enqueued the highest sequence id
-and did not complete it are *waiting*; the members whose last enqueued id is lower never reached
-that collective: they are *missing*, the ones to look at. The lowest waiting rank of the main verdict
-emits the one `hang` event of the job; `otel-train diagnose RUN_DIR` gives the same verdict offline.
-
-Sequence ids count per process group and agree across its members (every member calls the same
-collectives in the same order), so no clock is compared. A rank that left no file (dead, or frozen
-with its watchdog too) is named when no member of the default group is missing.
-
-Waits can close a cycle across groups: rank 0 waits in group A for rank 1, which waits in group B
-for rank 0 (they call the two groups' collectives in different orders). Then every rank is both a
-victim and a culprit: a `Deadlock` naming each rank, group and collective of the cycle comes first
-and is the one event.
+"""Hang attribution: which rank the others wait for, from every rank's Flight Recorder, through
+files in the run directory (no collective needed). Design: docs/design/diagnostics.md#hang-attribution.
 """
 
 from __future__ import annotations

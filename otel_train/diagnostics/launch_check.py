@@ -1,11 +1,7 @@
 """The launch doctor: at `init()`, is the distributed launch what the process group says it is?
 
-Seed 002's lesson: most failed distributed runs fail in the environment, not the model (SLURM not
-passing the right variables, two ranks on one GPU, a forgotten `init_process_group`). Every rank
-gathers its placement facts (launcher variables, host, the GPU it uses) once, over the telemetry
-group, at init; rank 0 checks them together and reports each problem as one `launch_config`
-health event naming the ranks and the fix, and records the whole report in `env.json`.
-Without a process group each process checks only its own facts.
+Rank 0 checks every rank's placement facts together and reports each problem as one
+`launch_config` event naming the ranks and the fix. Design: docs/design/diagnostics.md#launch-check.
 """
 
 from __future__ import annotations

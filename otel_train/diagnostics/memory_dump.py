@@ -1,18 +1,6 @@
-"""CUDA memory on the way to an OOM: the allocator's summary and snapshot, written to the run dir.
-
-Two triggers, neither on a healthy step's path:
-- a `torch.cuda.OutOfMemoryError` that leaves `ot.step` (StepScope.__exit__ sees the exception
-  type; only a raising step pays even the check). Written at once, on the training thread: the
-  exception is about to end the process, and a thread might not get to run.
-- the `memory_pressure` event (hardware/efficiency.py, on the worker at a flush): reserved or used memory
-  above 95 % of the device.
-
-Each dump writes `torch.cuda.memory_summary()` and, when the user recorded allocation history
-(`torch.cuda.memory._record_memory_history()`), the pickled `torch.cuda.memory._snapshot()` (open
-it at https://pytorch.org/memory_viz: every live block with the stack that allocated it, the
-segments, and fragmentation). One `oom` event (or `memory_snapshot` for pressure) names the files.
-At most `MAX_DUMPS` per process: a snapshot can be hundreds of MB. torch is never imported here:
-only an initialised `torch.cuda` already loaded is read.
+"""CUDA memory on the way to an OOM: the allocator's summary and snapshot, written to the run dir
+on an OOM that leaves `ot.step` or on the `memory_pressure` event.
+Design: docs/design/diagnostics.md#memory-dump.
 """
 
 from __future__ import annotations

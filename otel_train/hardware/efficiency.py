@@ -22,7 +22,7 @@ from otel_train.hardware.mfu import float32_matmul_dtype, normalize_dtype, resol
 from otel_train.health import EventChannel
 from otel_train.interval import Interval
 
-# One logger for the whole hardware subsystem (its modules were one file): users filter on it.
+# One logger for the whole hardware package: users filter on it.
 log = logging.getLogger("otel_train.hardware")
 
 MEMORY_PRESSURE_RATIO = 0.95  # reserved (allocator) or used (NVML) / limit above this -> event

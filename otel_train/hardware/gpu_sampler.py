@@ -23,7 +23,7 @@ from otel_train.hardware.discovery import GpuDevice
 from otel_train.hardware.nvml_reads import DeviceState, GpuLost, NvmlReads
 from otel_train.health import EventChannel
 
-# One logger for the whole hardware subsystem (its modules were one file): users filter on it.
+# One logger for the whole hardware package: users filter on it.
 log = logging.getLogger("otel_train.hardware")
 
 GPU_SPECS = (

@@ -12,7 +12,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel_train import semconv as sc
 
-# One logger for the whole hardware subsystem (its modules were one file): users filter on it.
+# One logger for the whole hardware package: users filter on it.
 log = logging.getLogger("otel_train.hardware")
 
 HOST_SPECS = (sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEMORY_USAGE)

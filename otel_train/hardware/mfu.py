@@ -1,23 +1,7 @@
 """Model FLOPs per token and the peak-FLOP/s table that MFU divides by.
 
-Conventions (state them, because MFU numbers are only comparable under the same ones):
-
-* **Training FLOPs per token** follow the PaLM paper (Chowdhery et al. 2022, appendix B):
-  ``6·N + 12·L·s·d`` where ``N`` is the non-embedding parameter count, ``L`` the number of layers,
-  ``s`` the sequence length and ``d`` the model width (heads × head dim). ``6N`` is forward (2N) +
-  backward (4N) of every weight matmul; ``12·L·s·d`` is the attention score and value matmuls
-  (``QKᵀ`` and ``A·V``: 2·s·d each per token per layer forward, ×3 for forward + backward).
-  The attention term counts the full ``s × s`` matrix, as PaLM, Megatron and torchtitan do; pass
-  ``causal=True`` to halve it (what a FlashAttention causal kernel actually computes).
-  Activation recomputation is *not* counted (that would be HFU, not MFU).
-* **Non-embedding parameters** are parameters used only by ``nn.Embedding`` lookups (token and
-  positional tables) and they are excluded: a lookup does no FLOPs. A tied output projection (the
-  embedding matrix reused by the LM head) does real matmul work and is counted once.
-* **Peaks** are dense (no 2:4 sparsity) tensor-core FLOP/s per GPU from the vendors' datasheets.
-  ``fp32`` means non-tensor FP32 (PyTorch's default matmul precision, ``allow_tf32=False``), ``tf32``
-  the TF32 tensor-core rate. MFU > 100 % means the peak (or the FLOPs) is wrong: torchtitan #668
-  used a TF32 peak for BF16 training, PR #4779 got "MFU ~152 %" on a device missing from the table.
-  An unknown device therefore gets **no** MFU rather than a guess.
+The conventions (PaLM's FLOPs, no embeddings, dense peaks; an unknown device gets no MFU):
+docs/design/hardware-and-numerics.md#mfu.
 """
 
 from __future__ import annotations

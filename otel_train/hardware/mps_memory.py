@@ -1,12 +1,5 @@
 """Apple silicon (`mps`): the Metal allocator's memory as gauges, read at the flush on the worker.
-
-On mps there is no NVML, no CUDA events and no allocator snapshot: steps and timers use CPU
-clocks (as everywhere without CUDA), and this listener exports what `torch.mps` reports, where the
-torch build has it: tensor memory (`current_allocated_memory`), the driver's total for the process
-(`driver_allocated_memory`, caches included) and the device's recommended working set
-(`recommended_max_memory`, torch >= 2.5). torch is never imported here: only a loaded torch whose
-mps backend is available is read, and nothing is exported until mps holds memory (a Mac run on CPU
-gets no series).
+Design: docs/design/hardware-and-numerics.md#mps.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from otel_train import semconv as sc
 from otel_train.hardware.discovery import GpuDevice, shutdown_quietly
 from otel_train.health import EventChannel
 
-# One logger for the whole hardware subsystem (its modules were one file): users filter on it.
+# One logger for the whole hardware package: users filter on it.
 log = logging.getLogger("otel_train.hardware")
 
 MAX_XID_EVENTS_PER_SAMPLE = 64

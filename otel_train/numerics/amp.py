@@ -1,13 +1,6 @@
 """Mixed precision: `ot.watch(model, scaler=scaler)` exports a `torch.amp.GradScaler`'s loss scale and
 counts the optimizer steps it skipped for inf/NaN gradients, without a host sync.
-
-GradScaler has no hooks, so the watch wraps the scaler instance's `update()`: just before it runs,
-the scaler's per-optimizer `found_inf` tensors say whether this iteration's step was skipped; after
-it, `_scale` holds the new scale. Both stay device tensors: the training thread only queues a clone
-and an add (asynchronous on a GPU) and stores the latest pair in one assignment; the background
-worker copies them to the host at the flush, the only place a device value is read. The wrapper
-pickles as the scaler's own `update`, so the scaler still checkpoints, unwatched. (`_scale` and
-`_per_optimizer_states` are private GradScaler state, unchanged from torch 1.6 to 2.x.)
+Design: docs/design/hardware-and-numerics.md#amp.
 """
 
 from __future__ import annotations

@@ -1,27 +1,5 @@
-"""Gradient flow: layers with no gradient, and layers whose gradient explodes or vanishes.
-
-A flush listener over the per-layer gradient norms `ot.watch` already computes (no extra device
-work): each watched step's norms arrive resolved in the interval, in step order.
-
-- `no_gradient`: a layer that ran and whose gradient is missing or exactly zero for `ZERO_STEPS`
-  watched steps in a row (of those where it ran): its output is detached (`.detach()`, `.item()`,
-  `torch.no_grad()`), or it was meant to be frozen. A layer that did not run at a step (a head used
-  on alternate steps, one task head of several, an expert that got no token) is not in that step's
-  norms (`model_watch`), so it never counts. Only trainable parameters are watched, so a layer
-  frozen with `requires_grad=False` never counts.
-- `gradient_explosion` / `gradient_vanishing`: a layer's norm far above or below its own recent
-  level (an exponential moving average of log norms, after `WARMUP` watched steps) — at least
-  `EXPLODE` times above / `VANISH` times below, and more than `NOISE_SPREADS` times the layer's
-  own step-to-step spread (an EWMA of |change| in log space) — for `SUSTAIN` watched steps in a
-  row (an explosion also once by `IMMEDIATE` times or more). One batch's gradient is noisy and heavy-tailed:
-  healthy runs measured here (batch 1-16, 600 steps, 12 runs) had single-step jumps of 10-29x in an
-  output layer, dozens of times, and at batch size 1 single-step drops of 1000x, but never three
-  in a row; an explosion that matters persists or is extreme, a vanishing gradient persists. The history is the layer's own, so layers of very different
-  scales are judged fairly, and a norm that drifts down slowly over a run (as it does) follows its
-  level. An anomalous value moves neither level nor spread; a layer is reported once when it turns
-  anomalous and again only after it was normal.
-
-Non-finite norms are `nonfinite_grad` events (health.py), not judged here.
+"""Gradient flow: layers with no gradient, and layers whose gradient explodes or vanishes, judged
+against each layer's own history. Design: docs/design/hardware-and-numerics.md#gradient-flow.
 """
 
 from __future__ import annotations

@@ -1,41 +1,8 @@
 """watch(model): per-layer gradient, parameter and activation statistics without host syncs.
 
-Opt-in and rate-limited, because a watcher that walks every weight each step stalls training
-(wandb.watch, see failure-modes). On a watched step (every `every` steps) the training thread
-launches a handful of device kernels (one multi-tensor norm per statistic, one `index_add_`) and
-appends the resulting device tensors to the buffer; they reach the host in the flush's batched
-transfer on the worker, with everything else. Other steps cost one modulo. Activation hooks exist
-only while a watched step runs, so unwatched steps run no Python hook at all.
-
-Layers are the parameters' owning modules, coarsened to at most `max_layers` groups by module path
-depth (`blocks.3.attn.qkv` -> `blocks.3` -> `blocks`), in the model's registration order.
-
-Gradient norms are of the layers that ran in the watched step: a forward hook on each owning module
-(watched steps only) marks its layer. A head used on alternate steps, one of several task heads or
-an expert of a mixture that got no tokens has no gradient because it did not run, which is no fault:
-it is left out of that step's gradient norms (and of `no_gradient`, which reads them). When no hook
-fired at all (a forward these hooks do not see), every layer is reported. A model compiled with
-`torch.compile` (its `OptimizedModule` wrapper, `model.compile()` in place, or a compiled submodule)
-gets no such hooks and every layer is reported, as is any hook inside a compiled module: Dynamo
-guards on a module's hooks, so adding and removing them on watched steps would recompile the model.
-There, activation statistics are left out (a warning once) and the batch fingerprint of an in-place
-compiled model comes only from `adapters.watch_batch`.
-
-Under DeepSpeed ZeRO the optimizer moves each gradient into its own partitioned buffers and sets
-`p.grad` to None during backward, by design: no per-layer gradient norms are reported (an info line
-once) and the global one comes from the DeepSpeed adapter. Parameter statistics are reported under
-ZeRO-1/2; ZeRO-3 partitions the parameters too, so it reports none. DeepSpeed is recognized by the
-attributes it sets on the parameters it manages, without importing it.
-
-Gradients are read at the last point they exist in the watched step, wherever the loop clears them
-(`backward; step; zero_grad(set_to_none=True)` as in nanoGPT, or `zero_grad` first): a global
-optimizer step pre-hook reads the stepping optimizer's watched gradients just before its update
-(after `GradScaler.unscale_` and clipping; an optimizer that unscales inside its fused kernel is
-handed the scale as `optimizer.grad_scale`, which the read divides out). A post-accumulate-grad hook
-on each watched parameter keeps a reference to the gradient each backward leaves, so gradients no
-optimizer step read (no torch optimizer, or a step GradScaler skipped for inf/NaN) are still read
-when the step ends though the loop set them to None. Both kinds of hook exist only during watched
-steps; a read replaces nothing but its own parameters' values.
+Opt-in and rate-limited: a watched step launches a handful of device kernels, read on the worker
+at the flush; other steps cost one modulo.
+Design: docs/design/hardware-and-numerics.md#model-watch.
 """
 
 from __future__ import annotations

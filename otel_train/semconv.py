@@ -36,6 +36,9 @@ class MetricSpec:
     # what finds and explains a bad rank. The others go per rank to the store in "full" only; the
     # local outputs (run dir, bridges, console) always get every metric.
     essential: bool = False
+    # "job": one series per job, exported by rank 0 alone without rank labels (crossrank/job_outputs,
+    # exporters/job_provider), in both tiers; "rank": one per rank.
+    scope: str = "rank"
 
     def create(self, meter: Any, callback: Callable[..., Iterable[Any]] | None = None) -> Any:
         """The instrument this spec describes, on `meter` (observable kinds read `callback`): the
@@ -130,8 +133,9 @@ def _m(
     buckets: tuple[float, ...] | None = None,
     gpu_only: bool = False,
     essential: bool = False,
+    scope: str = "rank",
 ) -> MetricSpec:
-    return MetricSpec(name, kind, unit, description, key, attributes, buckets, gpu_only, essential)
+    return MetricSpec(name, kind, unit, description, key, attributes, buckets, gpu_only, essential, scope)
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -313,6 +317,57 @@ REPLICA_DIVERGENCE = _m(
     "Largest relative difference of a layer's parameter norm between data-parallel replicas at the latest "
     "compared watched step (rank 0; 0 under healthy DDP).",
     "data/replica_divergence", essential=True,
+)  # fmt: skip
+
+# --- the job's own series (rank 0, no rank label; crossrank/job_block, job_outputs) ---------------------
+# Summed exactly over the ranks through the one exchange per flush: histograms and counters over every
+# row rank 0 took, gauges over the rows of its latest flush (docs/scale.md "Job-level series").
+JOB_STEP_DURATION = _m(
+    "train.job.step.duration", S.HISTOGRAM, "s",
+    "Wall time of one training step, every rank's steps (bucket counts summed over the ranks).",
+    "job/timers/step", buckets=STEP_BUCKETS, scope="job",
+)  # fmt: skip
+JOB_PHASE_DURATION = _m(
+    "train.job.phase.duration", S.HISTOGRAM, "s",
+    "Wall time of a timed phase, every rank's (bucket counts summed over the ranks).",
+    "job/timers/{train.phase}", attributes=(PHASE,), buckets=PHASE_BUCKETS, scope="job",
+)  # fmt: skip
+JOB_SAMPLES = _m(
+    "train.job.samples", S.COUNTER, "{sample}", "Samples processed by all ranks.", "job/throughput/samples",
+    scope="job",
+)  # fmt: skip
+JOB_TOKENS = _m(
+    "train.job.tokens", S.COUNTER, "{token}", "Tokens processed by all ranks.", "job/throughput/tokens",
+    scope="job",
+)  # fmt: skip
+JOB_SAMPLES_RATE = _m(
+    "train.job.samples.rate", S.GAUGE, "{sample}/s",
+    "Samples per second of the job over rank 0's latest flush interval.", "job/samples_rate", scope="job",
+)  # fmt: skip
+JOB_TOKENS_RATE = _m(
+    "train.job.tokens.rate", S.GAUGE, "{token}/s",
+    "Tokens per second of the job over rank 0's latest flush interval.", "job/tokens_rate", scope="job",
+)  # fmt: skip
+JOB_LOSS = _m(
+    "train.job.loss", S.GAUGE, "", "Training loss: mean over every rank's recorded values of the interval.",
+    "job/loss", scope="job",
+)  # fmt: skip
+JOB_LOSS_MIN = _m(
+    "train.job.loss.min", S.GAUGE, "", "Smallest training loss any rank recorded in the interval.",
+    "job/loss_min", scope="job",
+)  # fmt: skip
+JOB_LOSS_MAX = _m(
+    "train.job.loss.max", S.GAUGE, "", "Largest training loss any rank recorded in the interval.",
+    "job/loss_max", scope="job",
+)  # fmt: skip
+JOB_PHASE_CROSS_RANK = _m(
+    "train.job.phase.cross_rank", S.GAUGE, "s",
+    "Over every rank's mean time of a phase in the interval: min/max/mean (argmin_rank/argmax_rank: the rank).",
+    "job/timers/{train.phase}/ranks_{stat}", attributes=(PHASE, STAT), scope="job",
+)  # fmt: skip
+JOB_RANKS = _m(
+    "train.job.ranks", S.GAUGE, "{rank}", "Ranks' rows in the job-level series of rank 0's latest flush.",
+    "job/ranks", scope="job",
 )  # fmt: skip
 
 # --- throughput and efficiency ---------------------------------------------------------------------
@@ -545,6 +600,7 @@ DS_COMM_BUSBW = _m(
 
 CATALOGUE: tuple[MetricSpec, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricSpec))
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOGUE}
+JOB_SPECS: tuple[MetricSpec, ...] = tuple(m for m in CATALOGUE if m.scope == "job")
 
 # `ot.record()` names that map onto catalogue instruments. Anything else becomes a gauge named
 # `train.<name>` (or the name itself when it already has a namespace such as `eval.` or `train.`).

@@ -9,6 +9,7 @@ import random
 import subprocess
 import time
 import urllib.request
+from collections import Counter
 from decimal import Decimal
 
 import numpy as np
@@ -49,22 +50,56 @@ def test_one_bad_value_never_voids_a_flush() -> None:
     assert "train/big" not in flushed and "train/explodes" not in flushed
 
 
-def test_value_fuzz_never_raises_and_every_flush_lands(tmp_path) -> None:
+# Each hostile value with the reason it is dropped under (None: a number, recorded).
+_FUZZ_POOL: list[tuple[object, str | None]] = [
+    (0, None), (-1, None), (2**64, None), (np.int64(3), None), (np.float16(1.5), None),
+    (np.array(4.0), None), (torch.tensor(5.0), None), (torch.tensor(7, dtype=torch.int64), None),
+    (10**400, "overflow"), (-(10**400), "overflow"),
+    (1e308 * 10, "nonfinite"), (float("nan"), "nonfinite"), (Decimal("NaN"), "nonfinite"),
+    (True, "invalid_type"), (None, "invalid_type"), ("x", "invalid_type"), (b"y", "invalid_type"),
+    ([1.0], "invalid_type"), ((2,), "invalid_type"), ({"a": 1}, "invalid_type"), (object(), "invalid_type"),
+    (_Explodes(), "invalid_type"), (_Weird(1.0), "invalid_type"), (np.array([1.0, 2.0]), "invalid_type"),
+    (torch.tensor(1 + 1j), "invalid_type"), (complex(1, 2), "invalid_type"),
+    (torch.ones(2), "non_scalar_tensor"),
+]  # fmt: skip
+
+
+def test_value_fuzz_never_raises_and_counts_every_drop_under_its_reason(tmp_path) -> None:
+    """Random hostile values through `ot.record` and `ot.log_metrics`: every flush lands, and the
+    run's `otel_train/dropped/<reason>` counts are exactly the bad values fed, per reason (a value
+    under a name that is not a str is dropped for its name alone)."""
     rng = random.Random(7)
-    pool = [0, -1, 2**64, 10**400, -(10**400), 1e308 * 10, float("nan"), True, None, "x", b"y", [1.0], (2,),
-            {"a": 1}, object(), _Explodes(), _Weird(1.0), Decimal("NaN"), np.int64(3), np.float16(1.5),
-            np.array([1.0, 2.0]), np.array(4.0), torch.tensor(5.0), torch.ones(2), torch.tensor(1 + 1j),
-            torch.tensor(7, dtype=torch.int64), complex(1, 2)]  # fmt: skip
+    expected: Counter[str] = Counter()
     ot.init(output_dir=str(tmp_path), run_name="fuzz", prometheus_port=0, verbosity=0, log_interval=5)
     session = current_session()
     for step in range(50):
         with ot.step(step):
             for _ in range(5):
-                ot.record(rng.choice(["loss", "a", "b/c", "d.e"]), rng.choice(pool))
-            ot.log_metrics({"m": rng.choice(pool), rng.choice(["x", 3, None]): rng.choice(pool)})
+                value, reason = rng.choice(_FUZZ_POOL)
+                ot.record(rng.choice(["loss", "a", "b/c", "d.e"]), value)
+                expected[reason] += 1
+            (value, reason), key, (other, other_reason) = (
+                rng.choice(_FUZZ_POOL),
+                rng.choice(["x", 3, None]),
+                rng.choice(_FUZZ_POOL),
+            )
+            ot.log_metrics({"m": value, key: other})
+            expected[reason] += 1
+            expected[other_reason if isinstance(key, str) else "invalid_name"] += 1
     ot.shutdown()
     rows = [json.loads(line) for line in (session.run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     assert sum(r.get("train/steps", 0) for r in rows) == 50
+    prefix = "otel_train/dropped/"
+    dropped: Counter[str] = Counter()
+    for row in rows:
+        for key, count in row.items():
+            if key.startswith(prefix) and not key.endswith("_per_s"):
+                dropped[key[len(prefix) :]] += count
+    del expected[None]
+    assert all(
+        expected[reason] > 0 for reason in ("overflow", "nonfinite", "invalid_type", "non_scalar_tensor")
+    )
+    assert dropped == expected
 
 
 @pytest.mark.parametrize(

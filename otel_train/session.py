@@ -1,11 +1,9 @@
 """Session: the running telemetry of one process: steps, timers, flushes and shutdown.
 
 `assemble.build_session` builds and wires the parts (`SessionParts`); `_runtime` holds the active
-session and the process hooks. The training thread talks to the session only through
-`begin_step`, `end_step`, `end_timer`, `record` and `flush`, and a timer's end appends to
-`timer_events` itself: each step and each timer is one tuple appended to a flat per-interval list
-(the fewer objects a call touches, the fewer cache misses it costs between torch's calls);
-everything else, down to the step durations, happens on the worker (`flush/resolve.py`).
+session. The training thread calls only `begin_step`, `end_step`, `end_timer`, `record` and
+`flush`, each one append to a flat per-interval list; the rest happens on the worker.
+Design: docs/design/core.md#session.
 """
 
 from __future__ import annotations

@@ -101,28 +101,26 @@ def record(name: str, value: Any) -> None:
                 values.append(value)
                 return
             buffer.add_scalar(name, value)
-        except Exception:
-            buffer.drop("invalid_type")
+        except TypeError:  # an unhashable name (a list): dropped like any name that is not a str
+            buffer.drop("invalid_name")
 
 
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
     """Record several scalars (`{"eval/loss": v, ...}`).
 
-    Without `step` they leave with the next flush, like `record`. With `step` they are one row at
+    Without `step` they leave with the next flush, like `record`. `metrics` that is not a mapping
+    raises TypeError; bad names and values in it are dropped and counted, as by `record`. With `step` they are one row at
     that step in the run dir and every bridge, as every built-in logger files what a framework logs
     at its step, and only there (the flushes' rows leave them out, also while their gauge keeps its
     value): written in order with the flushes, with no collective. The OTel gauges (the latest value)
     and the health checks get them with the next flush; after step N with `step=N` in one process
     that flush happens at once.
     """
+    _need_mapping("log_metrics", metrics)
     session = _runtime._current
     if session is None:
         return
-    try:
-        items = list(metrics.items())
-    except Exception:
-        session.buffer.drop("invalid_type")
-        return
+    items = list(metrics.items())
     names = [f"{prefix or ''}{name}" if isinstance(name, str) else name for name, _ in items]
     for name, (_, value) in zip(names, items, strict=True):
         record(name, value)
@@ -148,35 +146,24 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
 
 def log_hyperparams(params: Mapping[str, Any]) -> None:
     """Hyperparameters for every bridge (secret-looking keys are redacted)."""
+    _need_mapping("log_hyperparams", params)
     session = _runtime._current
-    if session is None:
-        return
-    try:
-        redacted = redact(dict(params))
-    except Exception:  # not a mapping (None, a list, ...): never raise into the training script
-        session.buffer.drop("invalid_type")
-        session.buffer.warn_once(
-            "<hparams>", f"log_hyperparams() needs a mapping, got {type(params).__name__}; dropped."
-        )
-        return
-    session.message(messages.HparamsMessage, "hparams", redacted, None)
+    if session is not None:
+        session.message(messages.HparamsMessage, "hparams", redact(dict(params)), None)
 
 
 def event(name: str, message: str, attributes: Mapping[str, str | int | float | bool] | None = None) -> None:
     """A health event, as the library's own (events file, OTel log record, the events counter
     `otel_train.health.events{otel_train.event=name}`): for what an integration sees happen, e.g. a
     worker failure. `name` is a label value: use a few fixed names, put the details in `message`."""
+    if attributes is not None:
+        _need_mapping("event", attributes)
     session = _runtime._current
     if session is None:
         return
-    try:
-        attrs = {
-            str(k): v for k, v in dict(attributes or {}).items() if isinstance(v, (str, int, float, bool))
-        }
-        # the events redact message and attributes (an exception's text, an `hf_token` attribute)
-        session.events.emit(str(name), cap_text(str(message)), attrs)
-    except Exception:  # not a mapping, an unprintable message: never raise into the caller
-        session.buffer.drop("invalid_type")
+    attrs = {str(k): v for k, v in dict(attributes or {}).items() if isinstance(v, (str, int, float, bool))}
+    # the events redact message and attributes (an exception's text, an `hf_token` attribute)
+    session.events.emit(str(name), cap_text(str(message)), attrs)
 
 
 def on_event(callback: Callable[[str, str, dict[str, Any]], None]) -> None:
@@ -187,8 +174,10 @@ def on_event(callback: Callable[[str, str, dict[str, Any]], None]) -> None:
     a backlog of 1024 are dropped (`otel_train.dropped{reason="callback_backlog"}`). An event it
     raises itself (`ot.event`) is recorded but not handed to the callbacks again. An exception it
     raises is logged. Before `init()`: nothing."""
+    if not callable(callback):
+        raise TypeError(f"ot.on_event() needs a function (event, message, attributes), got {callback!r}")
     session = _runtime._current
-    if session is not None and callable(callback):
+    if session is not None:
         session.events.add_hook(callback, session.instruments.dropped)
 
 
@@ -196,47 +185,38 @@ def log_text(name: str, text: str, step: int | None = None) -> None:
     """Free text for every bridge; secret-looking values redacted, cut to `TEXT_LIMIT` characters."""
     session = _runtime._current
     if session is not None:
-        try:
-            session.message(
-                messages.TextMessage, str(name), cap_text(str(text)), message_step(step, session.buffer)
-            )
-        except Exception:
-            session.buffer.drop("invalid_type")
+        session.message(
+            messages.TextMessage, str(name), cap_text(str(text)), message_step(step, session.buffer)
+        )
 
 
 def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: str = "samples") -> None:
-    """Validation samples as (prompt, output) pairs: a console table and an entry in every bridge."""
+    """Validation samples as (prompt, output) pairs: a console table and an entry in every bridge.
+    `rows` that is not a sequence raises TypeError; a row that is not a pair is dropped, counted."""
+    if isinstance(rows, (str, bytes)) or not hasattr(rows, "__iter__"):
+        raise TypeError(f"ot.log_samples() needs a list of (prompt, output) pairs, got {type(rows).__name__}")
     session = _runtime._current
     if session is None:
         return
-    limit = session.config.samples_to_show
     kept: list[tuple[str, str]] = []
-    try:
-        for row in list(rows)[:limit]:
-            try:
-                if isinstance(row, (str, bytes)):  # "ab" would unpack as prompt "a", output "b"
-                    raise TypeError(row)
-                prompt, output = row
-                kept.append((cap_text(str(prompt)), cap_text(str(output))))
-            except Exception:  # not a (prompt, output) pair: that row is dropped, counted
-                session.buffer.drop("invalid_sample")
-                session.buffer.warn_once(
-                    "<samples>",
-                    f"log_samples() rows must be (prompt, output) pairs; dropped a {type(row).__name__}.",
-                )
-        session.message(messages.SamplesMessage, str(name), kept, message_step(step, session.buffer))
-    except Exception:  # rows not iterable, ...
+    for row in list(rows)[: session.config.samples_to_show]:
+        # "ab" would unpack as prompt "a", output "b"
+        pair = None if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__") else tuple(row)
+        if pair is not None and len(pair) == 2:
+            kept.append((cap_text(str(pair[0])), cap_text(str(pair[1]))))
+            continue
         session.buffer.drop("invalid_sample")
+        session.buffer.warn_once(
+            "<samples>", f"log_samples() rows must be (prompt, output) pairs; dropped a {type(row).__name__}."
+        )
+    session.message(messages.SamplesMessage, str(name), kept, message_step(step, session.buffer))
 
 
 def log_histogram(name: str, values: Any, step: int | None = None) -> None:
     """A distribution (sequence or tensor); resolved on the background worker."""
     session = _runtime._current
     if session is not None:
-        try:
-            session.message(messages.HistogramMessage, str(name), values, message_step(step, session.buffer))
-        except Exception:
-            session.buffer.drop("invalid_type")
+        session.message(messages.HistogramMessage, str(name), values, message_step(step, session.buffer))
 
 
 def watch(
@@ -290,6 +270,14 @@ def watch(
     handle.fingerprints = session.identity.distributed and session.config.cross_rank
     session.add_watch(handle)
     return handle
+
+
+def _need_mapping(call: str, value: Any) -> None:
+    """A mapping argument of the logger API: anything else is the caller's bug."""
+    if not callable(getattr(value, "items", None)):
+        raise TypeError(
+            f"ot.{call}() needs a mapping (a dict of names to values), got {type(value).__name__}"
+        )
 
 
 def _watch_scaler(session: Session, scaler: Any) -> Callable[[ModelWatch], None]:

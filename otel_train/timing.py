@@ -41,10 +41,13 @@ class _NullScope:
         return None
 
     def start(self, at_ns: int | None = None) -> _NullScope:
+        _earlier(None, at_ns, 0)  # the same argument checks as a running scope's
         return self
 
     def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
-        return None
+        _error_type(error)
+        if at_ns is not None and at_ns.__class__ is not int:
+            raise _not_ns(f"stop(at_ns={at_ns!r})", at_ns)
 
     def __call__(self, fn: F) -> F:
         return _timed(
@@ -121,22 +124,22 @@ class TimerScope:
         """Start without a `with` block (`at_ns`: an earlier `perf_counter_ns()` reading, for a
         phase whose start a framework hook saw); `stop()` ends it. Returns the scope."""
         self.__enter__()
-        if at_ns is not None and self._session is not None:
-            self._start = _earlier(self._session, at_ns, self._start)
+        self._start = _earlier(self._session, at_ns, self._start)
         return self
 
     def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
         """End the phase `start()` began (`error`: the exception type if the phase failed; `at_ns`:
         an earlier `perf_counter_ns()` reading where it ended, for a hook that runs after the end:
         that is also this rank's arrival). A stop without a start, or a second stop, does nothing."""
+        error = _error_type(error)
+        if at_ns is not None and at_ns.__class__ is not int:
+            raise _not_ns(f"stop(at_ns={at_ns!r})", at_ns)
         session = getattr(self, "_session", None)  # unset: made by timer() and never started
         if session is None:
             return
         self._session = None
-        end = perf_counter_ns()
-        if at_ns.__class__ is int:
-            end = max(at_ns, self._start)  # type: ignore[call-overload]
-        self._end(session, end, _error_type(error))
+        end = perf_counter_ns() if at_ns is None else max(at_ns, self._start)
+        self._end(session, end, error)
 
     def __enter__(self) -> TimerScope:
         self._session = _runtime._current
@@ -206,10 +209,8 @@ def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullSc
     try:
         if level > session.timing_level:
             return _off(name, level, cuda)
-    except TypeError:  # level="1", None, ...: read it as a number if it is one, never raise
-        level = _timer_level(session, level)
-        if level > session.timing_level:
-            return _off(name, level, cuda)
+    except TypeError:  # level="1", None: the message names the fix, not the comparison
+        raise _bad_level("timer", name, level) from None
     if cuda:
         return CudaTimerScope(name)
     scope = _new_scope(TimerScope)  # no __init__ frame: a timer is made on every step
@@ -226,13 +227,11 @@ def _off(name: str, level: Any, cuda: bool) -> _NullScope:
     return scope
 
 
-def _timer_level(session: Session, level: Any) -> int:
-    try:
-        return int(level)
-    except Exception:
-        session.buffer.drop("invalid_type")
-        session.buffer.warn_once("<timer level>", f"timer(level={level!r}) is not a number; using level 1.")
-        return 1
+def _bad_level(call: str, name: Any, level: Any) -> TypeError:
+    return TypeError(
+        f"ot.{call}({name!r}, level={level!r}): the level must be an int (1 is the default; a timer "
+        "above the timing_log_level setting does nothing)"
+    )
 
 
 def _timed(fn: F, name: str | None, level: int, cuda: bool) -> F:
@@ -259,8 +258,7 @@ class MarkScope:
         """Start without a `with` block (`at_ns`: an earlier `perf_counter_ns()` reading);
         `stop()` ends the span. Returns the scope."""
         self.__enter__()
-        if at_ns is not None and self._session is not None:
-            self._start = _earlier(self._session, at_ns, self._start)
+        self._start = _earlier(self._session, at_ns, self._start)
         return self
 
     def stop(self, error: type[BaseException] | None = None) -> None:
@@ -302,6 +300,8 @@ def begin_step(index: Any = None, *, start_ns: int | None = None) -> int | None:
     e.g. to the end of the previous step so that data loading belongs to this step. Timers that
     end inside the step record when this rank reached them (straggler arrivals), as in `ot.step`.
     Returns the step number, or None before `init()`. A step still open is ended first."""
+    if start_ns is not None and start_ns.__class__ is not int:
+        raise _not_ns(f"begin_step(start_ns={start_ns!r})", start_ns)
     session = _runtime._current
     if session is None:
         return None
@@ -314,7 +314,7 @@ def begin_step(index: Any = None, *, start_ns: int | None = None) -> int | None:
         )
         end_step()
     scope = StepScope(index, None, None).__enter__()
-    if start_ns.__class__ is int and 0 < start_ns <= scope._start:  # type: ignore[operator]
+    if start_ns is not None and 0 < start_ns <= scope._start:
         scope._start = session.step_start_ns = start_ns
     session.open_step = scope
     return scope._index
@@ -344,14 +344,19 @@ class _StepFailed(Exception):
 
 def phase(name: str, seconds: float, level: int = 1) -> None:
     """A phase known only by its duration (a framework reports it): counted and exported like a
-    timer's, with no arrival (its end on this rank's clock is unknown). Never raises: a negative,
-    non-finite or non-numeric duration is dropped and counted."""
+    timer's, with no arrival (its end on this rank's clock is unknown). A negative, non-finite or
+    non-numeric duration is dropped and counted; a level that is not an int raises TypeError."""
     session = _runtime._current
-    if session is None or _level_of(session, level) > session.timing_level:
+    if session is None:
         return
     try:
+        if level > session.timing_level:
+            return
+    except TypeError:
+        raise _bad_level("phase", name, level) from None
+    try:
         value = float(seconds)
-    except Exception:
+    except (TypeError, ValueError, OverflowError):  # None, "x", 10**400: a value, dropped below
         value = float("nan")
     if not (isfinite(value) and value >= 0.0) or not isinstance(name, str):
         session.buffer.drop("invalid_value")
@@ -362,26 +367,38 @@ def phase(name: str, seconds: float, level: int = 1) -> None:
     session.buffer.add_phase(name, value)
 
 
-def _level_of(session: Session, level: Any) -> int:
-    return level if level.__class__ is int else _timer_level(session, level)  # type: ignore[no-any-return]
-
-
-def _earlier(session: Session, at_ns: Any, now_ns: int) -> int:
-    """`start(at_ns=)`: an earlier `perf_counter_ns()` reading, or now (the reading is dropped,
-    counted and warned once) when it is not one: a float `perf_counter()`, a later time, None..."""
-    if at_ns.__class__ is int and 0 < at_ns <= now_ns:
+def _earlier(session: Session | None, at_ns: Any, now_ns: int) -> int:
+    """`start(at_ns=)`: an earlier `perf_counter_ns()` reading; a later or non-positive one is a
+    bad value (dropped, counted, warned once: timed from now), any other type the caller's bug."""
+    if at_ns is None:
+        return now_ns
+    if at_ns.__class__ is not int:
+        raise _not_ns(f"start(at_ns={at_ns!r})", at_ns)
+    if 0 < at_ns <= now_ns:
         return at_ns  # type: ignore[no-any-return]
-    session.buffer.drop("invalid_value")
-    session.buffer.warn_once(
-        "<at_ns>",
-        f"start(at_ns={at_ns!r}) needs an earlier time.perf_counter_ns() reading (an int); timed from now.",
-    )
+    if session is not None:
+        session.buffer.drop("invalid_value")
+        session.buffer.warn_once(
+            "<at_ns>",
+            f"start(at_ns={at_ns}) is not an earlier time.perf_counter_ns() reading; timed from now.",
+        )
     return now_ns
 
 
+def _not_ns(call: str, value: Any) -> TypeError:
+    return TypeError(
+        f"{call} needs an int from time.perf_counter_ns(), got {type(value).__name__} "
+        "(time.perf_counter() is seconds as a float)"
+    )
+
+
 def _error_type(error: Any) -> type[BaseException] | None:
-    """stop(error=...) takes the exception class; an exception instance means its class."""
-    return error if error is None or isinstance(error, type) else type(error)
+    """stop(error=...) takes the exception class (or None)."""
+    if error is None or (isinstance(error, type) and issubclass(error, BaseException)):
+        return error  # type: ignore[no-any-return]
+    raise TypeError(
+        f"stop(error={error!r}) needs an exception class or None: pass type(exc), not the exception"
+    )
 
 
 def _wrap(fn: F, scope: Callable[[], Any]) -> F:

@@ -24,7 +24,7 @@ def test_bad_values_never_raise_and_are_counted(caplog) -> None:
                       torch.tensor(1 + 2j)):  # fmt: skip
             ot.record("loss", value)
         ot.record("loss", 0.75)
-        ot.log_metrics(None)  # type: ignore[arg-type]
+        ot.record(["a list"], 1.0)  # type: ignore[arg-type]  # unhashable: a name like any bad one
         ot.log_metrics({"ok": 1.0, 3: 2.0})  # type: ignore[dict-item]
     flushed = cap.flushes[-1][1]
     assert flushed["train/loss"] == (5.0 + 0.75) / 2  # the mean of the two good values
@@ -32,11 +32,9 @@ def test_bad_values_never_raise_and_are_counted(caplog) -> None:
     assert flushed["train/ok"] == 1.0
     assert flushed["health/nonfinite_loss"] == 4  # nan, inf, -inf, tensor(nan)
     assert flushed["otel_train/dropped/nonfinite"] == 4
-    assert (
-        flushed["otel_train/dropped/invalid_type"] >= 6
-    )  # None, str, bytes, bool, object, complex, bad dict
+    assert flushed["otel_train/dropped/invalid_type"] == 6  # None, str, bytes, bool, object, complex
     assert flushed["otel_train/dropped/non_scalar_tensor"] == 1
-    assert flushed["otel_train/dropped/invalid_name"] == 1  # the int key
+    assert flushed["otel_train/dropped/invalid_name"] == 2  # the list and the int key
 
 
 def test_grad_tensor_is_detached_and_resolved() -> None:
@@ -269,19 +267,24 @@ def test_odd_numeric_types_samples_and_prefixes(caplog) -> None:
     assert sum("'train/reward_max'" in w and "rename one" in w for w in warnings) == 1, warnings
 
 
-def test_a_message_step_that_is_no_step_number_is_counted_and_filed_under_the_current_step(
-    caplog,
-) -> None:
+def test_a_message_step_that_is_no_int_is_counted_and_filed_under_the_current_step(caplog) -> None:
+    """A logger step= is a framework's value: an integer of any kind (numpy, a 0-dim tensor) is a
+    step; a float (also an integral one), a bool, a str or one beyond int64 is counted and filed
+    under the current step, never raised."""
+    import numpy as np
+
     caplog.set_level(logging.WARNING, logger="otel_train")
     with capture_metrics(log_interval=1) as cap, ot.step(3):
-        ot.log_text("note", "a", step=2**70)
-        ot.log_text("note", "b", step=2.5)
-        ot.log_text("note", "c", step=4.0)  # an integral float is a step
-        ot.log_text("note", "d", step=True)  # no step 1
-        ot.log_text("note", "e", step=torch.tensor(True))
-    assert cap.flushes[-1][1]["otel_train/dropped/invalid_step"] == 4
+        ot.log_text("note", "now")
+        ot.log_text("note", "c", step=np.int64(4))
+        ot.log_text("note", "d", step=torch.tensor(5))
+        for bad in (2**70, -(2**70), 2.5, 4.0, True, torch.tensor(True), np.bool_(True), "6"):
+            ot.log_text("note", "bad", step=bad)  # type: ignore[arg-type]
+    assert cap.flushes[-1][1]["otel_train/dropped/invalid_step"] == 8
     warnings = [r.getMessage() for r in caplog.records if "is not a step number" in r.getMessage()]
     assert len(warnings) == 1, warnings
+    now = cap.texts[0][2]
+    assert [(text, step) for _, text, step in cap.texts[1:]] == [("c", 4), ("d", 5)] + [("bad", now)] * 8
 
 
 def test_a_negative_count_beyond_the_step_event_cap_adds_nothing(caplog) -> None:

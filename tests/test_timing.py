@@ -189,18 +189,35 @@ def test_timer_stop_at_an_earlier_reading_clamps_and_respects_the_level() -> Non
     assert "deep" not in phases
 
 
-def test_bad_start_readings_and_error_instances_never_raise(caplog) -> None:
-    with capture_metrics(log_interval=1, run_dir_enabled=False):
+def test_a_later_start_reading_is_counted_and_wrong_argument_types_raise(caplog) -> None:
+    """A later or non-positive `perf_counter_ns()` reading is a bad value: timed from now, counted
+    and warned once. A float reading (`perf_counter()` seconds), a str, or an exception instance
+    for `error=` is the caller's bug: TypeError naming the fix, also before `init()`."""
+    bad_calls = [
+        (lambda: ot.timer("float").start(at_ns=time.perf_counter()), r"start\(at_ns=.*\) needs an int from"),
+        (lambda: ot.timer("text").start(at_ns="x"), r"start\(at_ns='x'\) needs an int"),  # type: ignore[arg-type]
+        (lambda: ot.timer("t").start().stop(at_ns=1.5), r"stop\(at_ns=1.5\) needs an int"),  # type: ignore[arg-type]
+        (lambda: ot.timer("t").start().stop(error=ValueError("boom")), r"pass type\(exc\)"),  # type: ignore[arg-type]
+        (lambda: ot.span("eval").start(at_ns=1.5), r"needs an int from time.perf_counter_ns"),  # type: ignore[arg-type]
+        (lambda: ot.span("eval").start().stop(error=KeyError("k")), r"pass type\(exc\)"),  # type: ignore[arg-type]
+        (lambda: adapters.begin_step(start_ns=1.5), r"begin_step\(start_ns=1.5\) needs an int"),  # type: ignore[arg-type]
+    ]
+    for call, fix in bad_calls:  # before init(): the same checks on the no-op scopes
+        with pytest.raises(TypeError, match=fix):
+            call()
+    with capture_metrics(log_interval=1, run_dir_enabled=False) as cap:
         seen = _listen()
         with ot.step(0):
-            ot.timer("float").start(at_ns=time.perf_counter()).stop()  # seconds, not ns: from now
-            ot.timer("text").start(at_ns="x").stop()  # type: ignore[arg-type]
+            for call, fix in bad_calls[:-1]:
+                with pytest.raises(TypeError, match=fix):
+                    call()
             ot.timer("future").start(at_ns=perf_counter_ns() + 10**12).stop()
-            ot.timer("failed").start().stop(error=ValueError("boom"))  # type: ignore[arg-type]
-            ot.span("eval").start(at_ns=1.5).stop(error=KeyError("k"))  # type: ignore[arg-type]
+            ot.timer("zero").start(at_ns=0).stop()
+            ot.timer("failed").start().stop(error=ValueError)
     phases = seen.merged("phases")
-    assert all(d < 1.0 for name in ("float", "text", "future") for d in phases[name])  # not the uptime
-    assert "needs an earlier time.perf_counter_ns() reading" in caplog.text
+    assert all(d < 1.0 for name in ("future", "zero") for d in phases[name])  # not the uptime
+    assert cap.last("otel_train/dropped/invalid_value") == 2
+    assert caplog.text.count("is not an earlier time.perf_counter_ns() reading") == 1
 
 
 def test_a_single_process_flushes_after_log_interval_s_and_when_another_thread_asks() -> None:

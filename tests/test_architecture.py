@@ -32,9 +32,8 @@ MAX_TOP_LEVEL_MODULES = 30  # issue #31: the file list shows the architecture; p
 # Private names that a module may read from another on purpose, as (reader, owner, name).
 RUNTIME_PRIVATE_READS: frozenset[tuple[str, str, str]] = frozenset(
     {
-        # The runtime's hot path: every ot.record()/ot.step()/ot.timer() reads the active session
-        # as a plain module attribute; a function call would add a Python call to each of them
-        # (+50-70 ns, 8-11 %, per ot.record() in an interleaved A/B; see otel_train/timing.py).
+        # The runtime's hot path reads the active session as a plain module attribute (why:
+        # docs/design/core.md#runtime).
         ("otel_train", "otel_train._runtime", "_current"),
         ("otel_train.timing", "otel_train._runtime", "_current"),
         # The package's own __init__ imports its private runtime module (the checker sees the

@@ -50,7 +50,7 @@ class Cadence:
     then `due()`).
 
     `log_interval`: the user's explicit value (None: adaptive). `coordinated`: distributed with the
-    exchange on, so flush steps are step-anchored (see the module doc); `decides`: this is rank 0,
+    exchange on, so flush steps are step-anchored (docs/design/core.md#cadence); `decides`: this is rank 0,
     which decides the adaptive interval (the others get it through `adopt()`, from the worker).
     """
 

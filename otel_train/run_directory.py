@@ -211,7 +211,7 @@ def run_dir_errors_as_config_errors(make: Callable[[], _T]) -> _T:
 # --- the layout and the whole-line writers ---------------------------------------------------------
 @dataclass(frozen=True)
 class RunFiles:
-    """Where each file goes in `run_dir`, as rank `rank` of role `role` sees it (see the module doc;
+    """Where each file goes in `run_dir`, as rank `rank` of role `role` sees it (docs/design/core.md#run-directory;
     the files that are one per run do not depend on the rank). With a role, every name carries it
     (`metrics.<role>.rank<k>.jsonl`, `progress.<role>.txt`): two roles of one run (a controller and
     its policy workers, each with its own rank 0) never share a file. Without one, the names are

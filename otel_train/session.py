@@ -45,7 +45,7 @@ def _time_due_ns(lockstep: bool, last_flush_s: float, interval_s: float) -> int:
 
 
 class Session(SessionParts):
-    """Steps, timers, flushes and the shutdown of one process's telemetry (see the module doc)."""
+    """Steps, timers, flushes and the shutdown of one process's telemetry (docs/design/core.md#session)."""
 
     # Attached by assemble.build_session once the session exists (they call back into it).
     goodput: GoodputListener

@@ -18,7 +18,7 @@ from typing import Any
 from otel_train.crossrank import down_row
 
 TAG = 18  # gloo slot of the exchange (the telemetry group carries nothing else)
-TRAILER_LEN = 1  # the exchange appends one float to every message (see the module doc)
+TRAILER_LEN = 1  # the exchange appends one float to every message (docs/design/crossrank.md#exchange)
 _ARRIVED = 2.0**40 + 18.0  # the trailer's value; a posted buffer holds NaN there until the message lands
 POLL_S = 0.002  # how often a waiting worker looks at its posted buffers
 SHUTDOWN_WAIT_S = 0.5  # at shutdown, how much longer the worker may wait for peers, in all
@@ -62,7 +62,7 @@ class _Posted:
 
 
 class StarExchange:
-    """One exchange per call (see the module doc). `group`: the gloo telemetry group; `rank` and
+    """One exchange per call (docs/design/crossrank.md#exchange). `group`: the gloo telemetry group; `rank` and
     `world` on that group; `timeout_s`: the group's timeout; `grace_s`: how long rank 0 waits for
     the expected rows (a rank r > 0 waits twice that for its answer)."""
 

@@ -44,7 +44,7 @@ logger = logging.getLogger("otel_train")
 
 
 class CrossRankReducer:
-    """Flush listener: cross-rank timer stats and straggler verdicts (see the module doc).
+    """Flush listener: cross-rank timer stats and straggler verdicts (docs/design/crossrank.md#reducer).
 
     Construct it on EVERY rank at init (it may create the dedicated gloo group, a collective).
     `exchange=False` (cross_rank=False: independent ranks): no exchange at all, as if not distributed.

@@ -69,7 +69,7 @@ RAW_STACKS_MAX_BYTES = 8 * 1024 * 1024  # faulthandler's file: emptied beyond th
 
 
 class HangWatchdog:
-    """Stall detection and stack dumps for one rank (see the module docstring)."""
+    """Stall detection and stack dumps for one rank (docs/design/diagnostics.md#hang)."""
 
     def __init__(
         self,

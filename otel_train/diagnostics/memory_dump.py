@@ -47,7 +47,7 @@ def has_history(snapshot: Any) -> bool:
 
 
 class MemoryDumps:
-    """Writes the dumps and emits the events (see the module doc). `torch_cuda` returns the loaded,
+    """Writes the dumps and emits the events (docs/design/diagnostics.md#memory-dump). `torch_cuda` returns the loaded,
     initialised `torch.cuda` or None (tests pass a fake)."""
 
     def __init__(

@@ -75,7 +75,7 @@ def transformer_flops_per_token(
 
     ``6·n_params + 12·n_layers·seq_len·d_model`` (PaLM appendix B); the attention term is halved
     with ``causal=True`` and dropped with ``include_attention=False``. ``n_params`` must exclude
-    embedding lookups (see the module docstring).
+    embedding lookups (docs/design/hardware-and-numerics.md#mfu).
     """
     if n_params < 0 or n_layers < 0 or seq_len < 0 or d_model < 0:
         raise ValueError("transformer_flops_per_token: all sizes must be >= 0")

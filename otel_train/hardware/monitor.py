@@ -1,5 +1,5 @@
 """HardwareMonitor: the facade `assemble` builds, over discovery, the two samplers and the flush
-figures (the package docstring, `otel_train/hardware/__init__.py`, tells the whole story)."""
+figures (the parts: docs/design/hardware-and-numerics.md#hardware)."""
 
 from __future__ import annotations
 

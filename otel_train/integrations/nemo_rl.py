@@ -78,8 +78,8 @@ def publish_reductions(
 
 
 class OtelTrainLogger:
-    """A NeMo RL `LoggerInterface` backend (duck-typed: NeMo RL is not imported). See the module
-    docstring. Starts a session (with these `ot.init()` settings) unless one is running, and
+    """A NeMo RL `LoggerInterface` backend (duck-typed: NeMo RL is not imported). How each call maps:
+    docs/design/integrations.md#nemo-rl. Starts a session (with these `ot.init()` settings) unless one is running, and
     shuts down only a session it started (`finish()`, which NeMo RL's `Logger.finish` calls)."""
 
     def __init__(self, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> None:

@@ -112,7 +112,7 @@ def init_worker(settings: Mapping[str, Any] | None = None, **kwargs: Any) -> Any
 
 
 class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
-    """A `ray.train.UserCallback` for the Ray Train controller (see the module docstring). Made on
+    """A `ray.train.UserCallback` for the Ray Train controller (docs/design/integrations.md#ray). Made on
     the driver, where it captures the run (`job_settings`); pickled into the controller actor,
     where it starts a session with role `role` (default `controller`) at its first call."""
 

@@ -76,7 +76,7 @@ def disable_profiling() -> None:
 
 
 class OtelTrainTrlCallback(TrainerCallback):
-    """TRL's profiled phases and GRPO's completions for one trainer (see the module doc)."""
+    """TRL's profiled phases and GRPO's completions for one trainer (docs/design/integrations.md#trl)."""
 
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
@@ -117,7 +117,7 @@ def _text(value: Any) -> str:
 
 
 def instrument(trainer: Trainer, **settings: Any) -> Trainer:
-    """Telemetry for a TRL trainer (see the module doc); keyword arguments are `ot.init()` settings
+    """Telemetry for a TRL trainer (docs/design/integrations.md#trl); keyword arguments are `ot.init()` settings
     (`Config` fields) for the session the HF callback starts. Returns the trainer."""
     settings = settings_from_kwargs(None, settings, "instrument")
     callbacks = trainer.callback_handler.callbacks

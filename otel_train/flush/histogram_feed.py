@@ -64,7 +64,7 @@ def _targets(histogram: Any, attributes: dict[str, Any]) -> list[tuple[Any, Any,
                 attrs = attributes if keys is None else {k: v for k, v in attributes.items() if k in keys}
                 targets.append((match, _hash_attributes(attrs), attrs))
         return targets
-    except Exception:  # another SDK version, another aggregation: use record()
+    except (ImportError, AttributeError, TypeError):  # the SDK's internals moved: use record()
         return None
 
 

@@ -100,7 +100,7 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str,
                 out[i] = float(value)  # numpy scalars, Decimal, ...
         except OverflowError:
             dropped["overflow"] = dropped.get("overflow", 0) + 1
-        except Exception:
+        except Exception:  # the value's own code (its __float__, __class__, a tensor subclass's)
             dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
     if tensors:
         for (i, _), resolved in zip(tensors, tensors_to_host([t for _, t in tensors]), strict=True):
@@ -131,6 +131,9 @@ def _not_real(value: Any) -> bool:
     return dtype is not None and dtype == bool  # noqa: E721  (a numpy dtype equals the type bool)
 
 
+# What torch raises for a tensor it cannot stack, cast or copy (sparse, quantized, nested, mixed
+# devices; NotImplementedError is a RuntimeError), or a tensor-like object without those methods.
+TORCH_ERRORS = (RuntimeError, TypeError, ValueError, AttributeError)
 _is_meta = attrgetter("is_meta")
 _dtype = attrgetter("dtype")
 
@@ -158,7 +161,7 @@ def _stacked_scalars(values: Sequence[Any]) -> list[float | None] | None:
                 joined = joined.cpu()
             resolved: list[float | None] = joined.reshape(-1).to(torch.float64).cpu().tolist()
             return resolved
-    except Exception:
+    except TORCH_ERRORS:
         return None
 
 
@@ -172,7 +175,7 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
         try:
             if has_data(tensor):
                 by_device.setdefault((tensor.device, tensor.dtype), []).append(i)
-        except Exception:  # a tensor-like object without a usable device: left as None
+        except TORCH_ERRORS:  # a tensor-like object without a usable device: left as None
             continue
     out: list[list[float] | None] = [None] * len(tensors)
     for positions in by_device.values():
@@ -187,7 +190,7 @@ def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
                 if joined.device.type == "mps":  # Metal has no float64: convert on the host
                     joined = joined.cpu()
                 flat = joined.reshape(-1).to(torch.float64).cpu().tolist()
-        except Exception:  # one odd tensor (sparse, quantized, nested, ...): each on its own, so
+        except TORCH_ERRORS:  # one odd tensor (sparse, quantized, nested, ...): each on its own, so
             for i in positions:  # only the odd ones are dropped, not the whole device's values
                 out[i] = _one_to_host(tensors[i])
             continue
@@ -205,7 +208,7 @@ def _one_to_host(tensor: Any) -> list[float] | None:
     try:
         with torch.no_grad():
             return [float(x) for x in tensor.reshape(-1).to(torch.float64).cpu().tolist()]
-    except Exception:
+    except TORCH_ERRORS:
         return None
 
 
@@ -386,7 +389,7 @@ def resolve_interval(batch: FlushBatch) -> Interval:
         try:
             end.synchronize()
             phases.setdefault(name, []).append(start.elapsed_time(end) / 1000.0)
-        except Exception:
+        except RuntimeError:  # a CUDA error of torch's events
             batch.dropped["cuda_timer"] = batch.dropped.get("cuda_timer", 0) + 1
     return Interval(
         **header_of(batch),

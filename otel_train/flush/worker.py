@@ -10,7 +10,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -168,7 +168,7 @@ class Worker:
                     self._process(item)
                 else:
                     self._deliver_message(item)
-            except Exception as exc:  # never let one bad flush kill telemetry
+            except Exception as exc:  # the SDK, torch, user callbacks: one flush, not the thread
                 self.failed_flushes += 1
                 self.instruments.dropped.add(1, {semconv.REASON: "flush_failed"})
                 log.warning(
@@ -218,7 +218,7 @@ class Worker:
             self.doing = f"the flush listener {type(listener).__name__}"
             try:
                 listener.on_flush(interval)
-            except Exception as exc:
+            except Exception as exc:  # listeners call torch, NVML, goodput files and user callbacks
                 self._warn_once(
                     type(listener).__name__, f"otel_train: {type(listener).__name__} failed: {exc!r}"
                 )
@@ -235,12 +235,7 @@ class Worker:
             # Nothing new since the last row (the final flush after the last step): the gauges
             # would write that row again under the same step.
             return
-        for sink in self.sinks:
-            self.doing = f"writing to the sink {type(sink).__name__}"
-            try:
-                sink.write_scalars(interval.step, interval.wall_time, scalars)
-            except Exception as exc:
-                self._sink_failed(sink, exc)
+        self._to_sinks(lambda sink: sink.write_scalars(interval.step, interval.wall_time, scalars))
 
     def _feed_sdk(self, batch: FlushBatch, interval: Interval) -> None:
         """Layer statistics, sampled steps' spans, then the instruments (with exemplars)."""
@@ -291,10 +286,14 @@ class Worker:
     def _deliver_message(self, message: Message) -> None:
         message = _prepared(message)
         self._log_record(message)
+        self._to_sinks(lambda sink: _write(sink, message))
+
+    def _to_sinks(self, write: Callable[[Sink], None]) -> None:
         for sink in self.sinks:
+            self.doing = f"writing to the sink {type(sink).__name__}"
             try:
-                _write(sink, message)
-            except Exception as exc:
+                write(sink)
+            except Exception as exc:  # the run directory's files, the console, the bridges' backends
                 self._sink_failed(sink, exc)
 
     def _sink_failed(self, sink: Sink, exc: Exception) -> None:
@@ -322,7 +321,7 @@ class Worker:
                 attributes={"otel_train.key": message.key, "train.step": message.step},
                 event_name=message.event_name,
             )
-        except Exception as exc:
+        except Exception as exc:  # the OTel SDK's log pipeline
             self._warn_once("log_record", f"otel_train: could not emit a log record: {exc!r}")
 
     def _warn_once(self, key: str, message: str) -> None:

@@ -94,12 +94,7 @@ def torch_cuda_if_loaded() -> Any | None:
 
 
 def cuda_initialized(torch_cuda: Any | None) -> bool:
-    if torch_cuda is None:
-        return False
-    try:
-        return bool(torch_cuda.is_initialized())
-    except Exception:
-        return False
+    return torch_cuda is not None and bool(torch_cuda.is_initialized())
 
 
 def torch_device_index(torch_cuda: Any, local_rank: int) -> int:
@@ -125,15 +120,15 @@ def discover_gpus(
             import pynvml
 
             nvml = pynvml
-        except Exception as exc:  # ImportError, or a broken install
+        except ImportError as exc:
             return Discovery(None, reason=f"nvidia-ml-py not importable ({type(exc).__name__})")
     try:
         nvml.nvmlInit()
-    except Exception as exc:
+    except nvml.NVMLError as exc:  # no driver, no library (NVMLError_LibraryNotFound), ...
         return Discovery(None, reason=f"nvmlInit failed: {exc}")
     try:
         driver: str | None = _nvml_text(nvml.nvmlSystemGetDriverVersion())
-    except Exception:
+    except nvml.NVMLError:
         driver = None
     try:
         handle = _rank_handle(nvml, local_rank, env, torch_cuda)
@@ -145,9 +140,9 @@ def discover_gpus(
         try:
             pci = nvml.nvmlDeviceGetPciInfo(handle)
             bus_id: str | None = _nvml_text(getattr(pci, "busId", b"")) or None
-        except Exception:
+        except nvml.NVMLError:
             bus_id = None
-    except Exception as exc:
+    except nvml.NVMLError as exc:
         shutdown_quietly(nvml)
         return Discovery(None, driver_version=driver, reason=f"GPU lookup failed: {exc}")
     return Discovery(nvml, [GpuDevice(handle, uuid, name, bus_id)], driver)
@@ -159,7 +154,7 @@ def _rank_reason(local_rank: int, env: Mapping[str, str]) -> str:
 
 
 def shutdown_quietly(nvml: Any) -> None:
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(nvml.NVMLError):
         nvml.nvmlShutdown()
 
 
@@ -171,7 +166,7 @@ def _all_devices(nvml: Any) -> list[tuple[Any, str]]:
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             out.append((handle, _nvml_text(nvml.nvmlDeviceGetUUID(handle))))
-        except Exception as exc:
+        except nvml.NVMLError as exc:
             log.debug("otel_train: NVML device %d skipped (%s)", i, exc)
     return out
 
@@ -185,12 +180,12 @@ def _rank_handle(nvml: Any, local_rank: int, env: Mapping[str, str], torch_cuda:
             # torch prints the bare UUID; NVML wants "GPU-<uuid>" (or "MIG-<uuid>" for a MIG slice,
             # which no enumeration of physical GPUs below would find).
             for prefix in ("GPU-", "MIG-"):
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(nvml.NVMLError):
                     return nvml.nvmlDeviceGetHandleByUUID(prefix + want)
             for handle, uuid in _all_devices(nvml):
                 if _uuid_key(uuid) == want:
                     return handle
-        except Exception as exc:
+        except (RuntimeError, AttributeError, nvml.NVMLError) as exc:  # torch without `.uuid`, ...
             log.debug("torch device UUID lookup failed (%s); using CUDA_VISIBLE_DEVICES", exc)
     visible = parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
     entries = visible if visible is not None else [str(i) for i in range(int(nvml.nvmlDeviceGetCount()))]

@@ -135,7 +135,7 @@ class FlushEfficiency:
         if self._cuda_total is None:
             try:
                 self._cuda_total = int(tc.get_device_properties(device).total_memory)
-            except Exception:
+            except RuntimeError:  # torch's CUDA errors
                 self._cuda_total = 0
         if reserved is not None and self._cuda_total:
             self._cuda_reserved_ratio = int(reserved) / self._cuda_total
@@ -209,7 +209,7 @@ class FlushEfficiency:
             assert tc is not None
             try:
                 return str(tc.get_device_name(torch_device_index(tc, self._local_rank)))
-            except Exception:
+            except RuntimeError:  # torch's CUDA errors
                 return None
         return None
 

@@ -81,10 +81,7 @@ class GpuSampler:
         """The sampler thread: sample every ``interval_s`` until ``stop``; then release NVML."""
         try:
             while True:
-                try:
-                    self.sample()
-                except Exception:  # never let the sampler die
-                    log.debug("otel_train: GPU sample failed", exc_info=True)
+                self.sample()  # NVML errors are handled per call (nvml_reads)
                 if stop.wait(interval_s):
                     break
         finally:
@@ -159,7 +156,4 @@ class GpuSampler:
         state.lost = True
         message = f"GPU {state.dev.name} ({state.dev.uuid}) is lost: {detail}; its metrics stop"
         log.error("otel_train: %s", message)
-        try:
-            self._events.emit("gpu_lost", message, {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name})
-        except Exception:
-            log.debug("otel_train: gpu_lost event channel failed", exc_info=True)
+        self._events.emit("gpu_lost", message, {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name})

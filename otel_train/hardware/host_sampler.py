@@ -34,7 +34,7 @@ class HostSampler:
 
             if self.process is None:
                 self.process = psutil.Process()
-        except Exception as exc:
+        except ImportError as exc:
             log.info("otel_train: no host metrics (psutil unavailable: %s)", exc)
             return
         for spec in HOST_SPECS:
@@ -48,10 +48,12 @@ class HostSampler:
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """The host sampler thread: sample every ``interval_s`` until ``stop``."""
+        import psutil  # create_instruments found it
+
         while True:
             try:
                 self.sample()
-            except Exception:
+            except (psutil.Error, OSError):  # a /proc read refused or gone: the next sample retries
                 log.debug("otel_train: host sample failed", exc_info=True)
             if stop.wait(interval_s):
                 break

@@ -42,7 +42,7 @@ def autocast_dtype() -> str | None:
         try:
             if torch.is_autocast_enabled(device):
                 return normalize_dtype(torch.get_autocast_dtype(device))
-        except Exception:  # a torch without per-device autocast queries: nothing detected
+        except (TypeError, AttributeError, RuntimeError):  # a torch without per-device autocast queries
             return None
     return None
 
@@ -57,7 +57,7 @@ def float32_matmul_dtype() -> str:
         tf32 = (
             bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
         )
-    except Exception:
+    except (AttributeError, RuntimeError):  # a torch without these settings
         return "fp32"
     return "tf32" if tf32 else "fp32"
 

@@ -104,7 +104,7 @@ class HardwareMonitor:
         for part in parts:
             try:
                 part(interval)
-            except Exception:
+            except Exception:  # torch.cuda, NVML and MFU reads (code this library does not own)
                 log.debug("otel_train: hardware flush step %s failed", part.__name__, exc_info=True)
 
     def _check_sampler(self, interval: Interval) -> None:

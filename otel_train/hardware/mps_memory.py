@@ -28,7 +28,7 @@ def loaded_torch_mps() -> Any | None:
     try:
         if torch is None or not torch.backends.mps.is_available():
             return None
-    except Exception:
+    except AttributeError:  # a torch without the mps backend
         return None
     return getattr(torch, "mps", None)
 
@@ -52,7 +52,7 @@ class MpsMemory:
                 continue
             try:
                 values[spec] = int(read())
-            except Exception:
+            except RuntimeError:  # torch's MPS errors
                 log.debug("otel_train: torch.mps.%s() failed", function, exc_info=True)
         if not self._gauges and not values.get(sc.MPS_MEMORY_DRIVER):
             return  # mps unused so far: no series

@@ -95,7 +95,7 @@ class NvmlReads:
         """Free the devices' XID event sets and shut NVML down."""
         for state in devices:
             if state.event_set is not None:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(self._nvml.NVMLError):
                     self._nvml.nvmlEventSetFree(state.event_set)
                 state.event_set = None
         shutdown_quietly(self._nvml)
@@ -196,7 +196,7 @@ class NvmlReads:
         self.current_call = fn_name
         try:
             return fn(state.dev.handle, *args)
-        except Exception as exc:
+        except nvml.NVMLError as exc:
             code = getattr(exc, "value", None)
             if code in self._lost_codes:
                 raise GpuLost(f"{fn_name}: {exc}") from exc
@@ -219,7 +219,7 @@ class NvmlReads:
             try:
                 self.current_call = "nvmlEventSetWait"
                 data = nvml.nvmlEventSetWait(state.event_set, 0)
-            except Exception as exc:
+            except nvml.NVMLError as exc:
                 code = getattr(exc, "value", None)
                 if code in self._lost_codes:
                     raise GpuLost(f"nvmlEventSetWait: {exc}") from exc
@@ -245,7 +245,7 @@ class NvmlReads:
             nvml.nvmlDeviceRegisterEvents(
                 state.dev.handle, nvml.nvmlEventTypeXidCriticalError, state.event_set
             )
-        except Exception as exc:
+        except nvml.NVMLError as exc:
             if getattr(exc, "value", None) in self._lost_codes:
                 raise GpuLost(f"nvmlDeviceRegisterEvents: {exc}") from exc
             log.debug("otel_train: XID events unavailable on %s (%s)", state.dev.uuid, exc)
@@ -259,7 +259,7 @@ class NvmlReads:
         nvml: Any = self._nvml
         state.unsupported.add("xid")
         if state.event_set is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(nvml.NVMLError):
                 nvml.nvmlEventSetFree(state.event_set)
             state.event_set = None
 
@@ -268,7 +268,4 @@ def _emit_xid(events: EventChannel, state: DeviceState, code: int) -> None:
     """A `gpu_xid` health event carrying the code (hw.errors{error.type="xid"} counts them)."""
     message = f"GPU {state.dev.name} ({state.dev.uuid}) reported XID {code}"
     attributes: dict[str, str | int] = {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name, sc.XID: code}
-    try:
-        events.emit("gpu_xid", message, attributes, severity="ERROR")
-    except Exception:
-        log.warning("otel_train: %s", message)
+    events.emit("gpu_xid", message, attributes, severity="ERROR")

@@ -14,9 +14,10 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from otel_train import semconv
 from otel_train.interval import Interval
@@ -52,13 +53,30 @@ def span_cause(name: str) -> str:
     return "other"
 
 
+def _boot_stamp_now() -> tuple[str, float] | None:
+    """This host's boot id and seconds since boot (CLOCK_BOOTTIME), where the system has them."""
+    boot_id = _boot_id()
+    return None if boot_id is None else (boot_id, time.clock_gettime(time.CLOCK_BOOTTIME))
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """The time sources of the account. Tests pass fake ones and move time by hand."""
+
+    perf: Callable[[], float] = time.perf_counter  # the steps' clock (timing's perf_counter_ns, in s)
+    wall: Callable[[], float] = time.time  # `updated` in the file; a restart gap across hosts
+    boot: Callable[[], tuple[str, float] | None] = _boot_stamp_now  # a restart gap on the same boot
+    started: Callable[[], float] = lambda: process_start_perf_s()  # process start on `perf`
+
+
 class StepClock:
     """Goodput's books on the training thread: a few cumulative nanosecond counters, written by
     that thread only (at a long gap between steps and when a span ends, never per step or timer),
-    read by `GoodputListener` on the worker."""
+    read by `GoodputListener` on the worker, which also reads time through `clocks`."""
 
-    def __init__(self, stall_timeout_s: float) -> None:
-        self.process_start_s = process_start_perf_s()  # perf_counter seconds at process start
+    def __init__(self, stall_timeout_s: float, clocks: Clocks | None = None) -> None:
+        self.clocks = clocks if clocks is not None else Clocks()
+        self.process_start_s = self.clocks.started()  # `clocks.perf` seconds at process start
         self.first_step_start_ns: int | None = None
         self.startup_span_ns = 0  # eval/checkpoint spans before the first step (not startup)
         self.stall_ns = 0
@@ -113,8 +131,8 @@ class GoodputListener:
         self.data_s = 0.0  # data-phase timers inside steps that are not re-runs (from the flushes)
         self.rerun_s = 0.0  # steps that re-ran a step of the previous processes (from the flushes)
         self.steps = 0
-        self._previous = _load(state_path, run_id)
-        self._saved_at = 0.0
+        self._previous = _load(state_path, run_id, clock.clocks.wall())
+        self._saved_at = -math.inf
         self.totals: dict[str, float] = {}  # the last account, job-wide (for tests and summaries)
         self.interruptions = 0
         self.last_step = -1  # the highest step index completed under this run id
@@ -144,7 +162,7 @@ class GoodputListener:
         self.totals = account
         if interval.steps:
             self._report(account)
-        if interval.final or time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+        if interval.final or self._clock.clocks.perf() - self._saved_at >= SAVE_EVERY_S:
             self._save(account)
 
     def _report(self, account: dict[str, float]) -> None:
@@ -173,7 +191,7 @@ class GoodputListener:
     def account(self) -> dict[str, float]:
         """Job-wide totals in seconds: `wall_s`, `productive_s` and one entry per cause."""
         clock = self._clock
-        wall = time.perf_counter() - clock.process_start_s
+        wall = clock.clocks.perf() - clock.process_start_s
         first = clock.first_step_start_ns
         before_first = (first * 1e-9 - clock.process_start_s) if first is not None else wall
         data, wasted = self.data_s, self.rerun_s
@@ -198,13 +216,15 @@ class GoodputListener:
         return {"wall_s": wall, "productive_s": productive, **badput}
 
     def _save(self, account: dict[str, float]) -> None:
-        self._saved_at = time.monotonic()
+        clocks = self._clock.clocks
+        self._saved_at = clocks.perf()
         if self._state_path is None:
             return
+        boot = clocks.boot()
         state = {
             "run_id": self._run_id,
-            "updated": time.time(),
-            **_boot_stamp(),
+            "updated": clocks.wall(),
+            **({"boot_id": boot[0], "boottime": boot[1]} if boot is not None else {}),
             "wall_s": account["wall_s"],
             "productive_s": account["productive_s"],
             "badput": {cause: account[cause] for cause in CAUSES},
@@ -250,14 +270,6 @@ EARLIEST_UPDATED = 1.6e9  # 2020-09-13: no goodput file was written before it
 MAX_MTIME_DISAGREEMENT_S = 600.0  # `updated` vs the file's mtime: clocks in sync agree to far less
 
 
-def _boot_stamp() -> dict[str, Any]:
-    """This host's boot id and seconds since boot, where the system has them (Linux)."""
-    boot_id = _boot_id()
-    if boot_id is None:
-        return {}
-    return {"boot_id": boot_id, "boottime": time.clock_gettime(time.CLOCK_BOOTTIME)}
-
-
 def _boot_id() -> str | None:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
@@ -269,10 +281,11 @@ def _boot_id() -> str | None:
 def _restart_gap(previous: Mapping[str, Any], clock: StepClock, state_path: Path | None) -> float:
     """Seconds from the previous process's last record to this process's start; 0 (and one
     warning) when they cannot be trusted (see EARLIEST_UPDATED)."""
-    started_ago = time.perf_counter() - clock.process_start_s
-    boot_id, boottime = previous.get("boot_id"), previous.get("boottime")
-    if boot_id is not None and boot_id == _boot_id() and boottime is not None:
-        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started_ago - boottime)
+    clocks = clock.clocks
+    started_ago = clocks.perf() - clock.process_start_s
+    boot, boot_id, boottime = clocks.boot(), previous["boot_id"], previous["boottime"]
+    if boot is not None and boot_id == boot[0] and boottime is not None:
+        return max(0.0, boot[1] - started_ago - boottime)
     updated = previous["updated"]
     problem = None
     if updated < EARLIEST_UPDATED:
@@ -287,7 +300,7 @@ def _restart_gap(previous: Mapping[str, Any], clock: StepClock, state_path: Path
                 f"the clock of the process that wrote it was {updated - written:+.0f} s off the file system's"
             )
     if problem is None:
-        return max(0.0, time.time() - started_ago - updated)
+        return max(0.0, clocks.wall() - started_ago - updated)
     log.warning(
         "otel_train: the restart gap before this process is unknown (%s: %s); no restart badput is "
         "booked for it, the rest of the account continues.",
@@ -301,7 +314,7 @@ MAX_WALL_S = 10 * 366 * 86400.0  # an account longer than ten years is a damaged
 MAX_CLOCK_AHEAD_S = 86400.0  # an `updated` later than now by more than this (clock skew) is damaged
 
 
-def _load(path: Path | None, run_id: str) -> dict[str, Any] | None:
+def _load(path: Path | None, run_id: str, now: float) -> dict[str, Any] | None:
     """The account of an earlier process of the same run id, if any. A file we cannot trust
     (unreadable, not our shape, a value out of range) never stops a restart: it is warned about
     once, kept aside as `<name>.corrupt` and the account starts over from this process."""
@@ -311,11 +324,13 @@ def _load(path: Path | None, run_id: str) -> dict[str, Any] | None:
         if path.stat().st_size > MAX_STATE_BYTES:
             raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
         state = json.loads(path.read_text(encoding="utf-8"))
-        owner = state.get("run_id") if isinstance(state, dict) else None
+        if not isinstance(state, dict):
+            raise ValueError(f"not a JSON object but {type(state).__name__}")
+        owner = state.get("run_id")
         if isinstance(owner, str) and owner != run_id:
             return None  # another job's account: this one starts over and overwrites it
-        return _validated(state)
-    except Exception as exc:  # whatever is in the file, a restart must not crash on it
+        return _validated(state, now)
+    except Exception as exc:  # a file on disk that anything may have damaged must not crash a restart
         aside = path.with_name(path.name + ".corrupt")
         try:
             path.replace(aside)
@@ -328,58 +343,55 @@ def _load(path: Path | None, run_id: str) -> dict[str, Any] | None:
         return None
 
 
-def _validated(state: object) -> dict[str, Any]:
-    """`state` as numbers we can add to (every cause present), or ValueError saying what is wrong."""
-    if not isinstance(state, dict):
-        raise ValueError(f"not a JSON object but {type(state).__name__}")
+def _validated(state: dict[str, Any], now: float) -> dict[str, Any]:
+    """`state` as numbers we can add to, or ValueError naming the first bad field. Fields an older
+    writer did not have take defaults: a cause 0, `last_step` -1, `interruptions` 0, and its one
+    `checkpoint` cause is checkpoint_save; a boot stamp that is not one leaves the gap to `updated`."""
     if not isinstance(state.get("run_id"), str):
         raise ValueError("no run_id")
-    now = time.time()
-    updated = _number(state, "updated", 0.0, now + MAX_CLOCK_AHEAD_S)
-    wall = _number(state, "wall_s", 0.0, MAX_WALL_S)
-    productive = _number(state, "productive_s", 0.0, wall * (1 + 1e-9))
     badput = state.get("badput")
     if not isinstance(badput, dict):
         raise ValueError(f"badput is {type(badput).__name__}, not an object")
-    if "checkpoint" in badput and "checkpoint_save" not in badput:  # before save and restore were apart
-        badput = {**badput, "checkpoint_save": badput["checkpoint"]}
-    # A cause missing from the file (written by a version that did not have it) is zero.
-    causes = {cause: _number(badput, cause, 0.0, wall * (1 + 1e-9)) for cause in CAUSES if cause in badput}
-    last_step = _integer(state, "last_step", -1, 2**63) if "last_step" in state else -1
-    interruptions = _integer(state, "interruptions", 0, 10**9) if "interruptions" in state else 0
+    if "checkpoint" in badput:
+        badput = {"checkpoint_save": badput["checkpoint"], **badput}
+    wall = _field(state, "wall_s", 0.0, MAX_WALL_S)
+    most = wall * (1 + 1e-9)  # no part of the account exceeds its wall time
     boot_id, boottime = state.get("boot_id"), state.get("boottime")
-    if not (isinstance(boot_id, str) and len(boot_id) <= 64 and _is_seconds(boottime)):
-        boot_id = boottime = None  # another host's or an older file's: the gap comes from `updated`
+    stamped = isinstance(boot_id, str) and len(boot_id) <= 64 and _in_range(boottime, 0.0, 1e12)
     return {
-        "updated": updated,
-        "boot_id": boot_id,
-        "boottime": boottime,
+        "updated": _field(state, "updated", 0.0, now + MAX_CLOCK_AHEAD_S),
+        "boot_id": boot_id if stamped else None,
+        "boottime": boottime if stamped else None,
         "wall_s": wall,
-        "productive_s": productive,
-        "badput": {cause: causes.get(cause, 0.0) for cause in CAUSES},
-        "last_step": last_step,
-        "interruptions": interruptions,
+        "productive_s": _field(state, "productive_s", 0.0, most),
+        "badput": {cause: _field(badput, cause, 0.0, most, default=0.0) for cause in CAUSES},
+        "last_step": int(_field(state, "last_step", -1, 2**63, default=-1, integer=True)),
+        "interruptions": int(_field(state, "interruptions", 0, 10**9, default=0, integer=True)),
     }
 
 
-def _number(values: dict[Any, Any], key: str, low: float, high: float) -> float:
+def _field(
+    values: dict[str, Any],
+    key: str,
+    low: float,
+    high: float,
+    default: float | None = None,
+    integer: bool = False,
+) -> float:
+    """`values[key]` when it is a number (an int where `integer`) in [low, high]; `default` when the
+    key is absent and there is one; otherwise ValueError naming the field."""
+    if key not in values and default is not None:
+        return default
     value = values.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{key} is {value!r}, not a number")
-    if not low <= value <= high:  # also false for NaN
-        raise ValueError(f"{key} is {value!r}, outside [{low:g}, {high:g}]")
-    return float(value)
+    if not _in_range(value, low, high) or (integer and not isinstance(value, int)):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{key} is {value!r}, not {kind} in [{low:g}, {high:g}]")
+    return value if integer else float(value)
 
 
-def _is_seconds(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value < 1e12
-
-
-def _integer(values: dict[Any, Any], key: str, low: int, high: int) -> int:
-    value = values.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{key} is {value!r}, not an integer in [{low}, {high}]")
-    return value
+def _in_range(value: object, low: float, high: float) -> TypeGuard[float]:
+    """A real number (not a bool) in [low, high]; NaN never is."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high
 
 
 def process_start_perf_s() -> float:

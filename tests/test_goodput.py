@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.fake_time import FakeTime
 
 import otel_train as ot
 from otel_train.goodput import CAUSES, span_cause
@@ -34,33 +35,38 @@ def test_span_causes() -> None:
     ]  # fmt: skip
 
 
-def test_account_of_one_process(tmp_path: Path) -> None:
+def test_account_of_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ot.init(run_name="gp", stall_timeout_s=0.3, prometheus_port=0, verbosity=0, hardware=False)
     session = current_session()
-    time.sleep(0.2)  # start-up: model loading, say
+    clock = FakeTime().install(session, monkeypatch)
+    clock.advance(0.2)  # start-up: model loading, say
     for step in range(4):
         with ot.step(step):
-            time.sleep(0.05)
+            clock.advance(0.05)
     with ot.span("eval"):
-        time.sleep(0.2)
+        clock.advance(0.2)
     with ot.span("checkpoint"):
-        time.sleep(0.1)
-    time.sleep(0.6)  # a stall (longer than stall_timeout_s, no span in it)
+        clock.advance(0.1)
+    clock.advance(0.6)  # a stall (longer than stall_timeout_s, no span in it)
     with ot.step(4):
-        time.sleep(0.05)
+        clock.advance(0.05)
         with ot.span("eval"):  # an eval inside a step is eval, not productive time
-            time.sleep(0.1)
+            clock.advance(0.1)
     with ot.step(5):
-        time.sleep(0.05)
+        clock.advance(0.05)
     ot.shutdown()
     account = _account(session.run_dir)
     _assert_sums_to_wall(account)
     assert account["startup"] >= 0.2
-    assert 0.3 <= account["eval"] < 0.8
-    assert 0.1 <= account["checkpoint_save"] < 0.5
-    assert 0.6 <= account["stall"] < 0.85  # the gap (0.9 s) less the eval and checkpoint spans in it
+    assert account["eval"] == pytest.approx(0.3, abs=1e-6)
+    assert account["checkpoint_save"] == pytest.approx(0.1, abs=1e-6)
+    assert account["stall"] == pytest.approx(
+        0.6, abs=1e-6
+    )  # the gap (0.9 s) less the eval and checkpoint spans in it
     assert account["restart"] == 0 and account["data"] == 0 and account["wasted_progress"] == 0
-    assert 0.3 <= account["productive_s"] < 0.9  # 6 x 50 ms of step work (the nested eval excluded)
+    assert account["productive_s"] == pytest.approx(
+        0.3, abs=1e-6
+    )  # 6 x 50 ms of step work (the nested eval excluded)
     progress = (session.run_dir / "progress.txt").read_text()
     assert "end of process | goodput" in progress and "stall" in progress
 
@@ -72,6 +78,18 @@ _DEMO = [sys.executable, "-m", "otel_train.cli", "demo", "--steps", "12", "--bat
          "--no-mlflow", "--quiet", "--max-chars", "20000"]  # fmt: skip
 
 
+def _as_if_written_earlier(state_file: Path, seconds: float) -> None:
+    """Move the last record in `state_file` `seconds` back on every clock the next process reads
+    its restart gap from (the boot clock, `updated`, the file's own time): the scheduler's restart
+    gap, without waiting it out."""
+    state = json.loads(state_file.read_text())
+    state["updated"] -= seconds
+    if "boottime" in state:
+        state["boottime"] -= seconds
+    state_file.write_text(json.dumps(state))
+    os.utime(state_file, (state["updated"], state["updated"]))
+
+
 def test_restart_of_the_same_run_id_continues_the_account(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_TRAIN_RUN_ID="job-7", OTEL_TRAIN_HARDWARE="false")
@@ -81,7 +99,7 @@ def test_restart_of_the_same_run_id_continues_the_account(tmp_path: Path) -> Non
     first = _account(run_dir)
     _assert_sums_to_wall(first)
     assert first["eval"] > 0 and first["checkpoint_save"] > 0
-    time.sleep(1.5)  # the scheduler's restart gap
+    _as_if_written_earlier(run_dir / "goodput.rank0.json", 1.5)  # the scheduler's restart gap
     subprocess.run(args, env=env, check=True, timeout=300)
     second = _account(run_dir)
     _assert_sums_to_wall(second)
@@ -95,13 +113,13 @@ def test_restart_of_the_same_run_id_continues_the_account(tmp_path: Path) -> Non
 
 
 _ONE_PROCESS = """
-import sys, time
+import sys
 import otel_train as ot
 ot.init(run_name="restarted", run_id="job-8", output_dir=sys.argv[1], prometheus_port=0, verbosity=0,
         hardware=False, log_interval=2)
 for step in range(6):
     with ot.step(step):
-        time.sleep(0.02)
+        pass
 ot.shutdown()
 """
 
@@ -112,7 +130,8 @@ def _busy_loop(seconds: float) -> subprocess.Popen[bytes]:
 
 
 def test_restart_gap_and_wall_time_are_exact_under_load(tmp_path: Path) -> None:
-    """Two processes on one run id, 2.0 s apart, while busy loops load every core: the restart
+    """Two processes on one run id, 2.0 s apart (the first one's last record moved 2.0 s back),
+    while busy loops load every core: the restart
     badput is the measured gap (the first process's last record to the second's start) and the
     account's wall time the real elapsed time. A start time off by a fraction of a second (psutil's
     create_time() rests on /proc/stat's whole-second btime) lost part of the gap and counted it
@@ -125,8 +144,8 @@ def test_restart_gap_and_wall_time_are_exact_under_load(tmp_path: Path) -> None:
     try:
         first_spawn = time.time()
         subprocess.run(args, check=True, timeout=120)
-        first_record = json.loads((run_dir / "goodput.rank0.json").read_text())["updated"]
-        time.sleep(2.0)
+        first_record = json.loads((run_dir / "goodput.rank0.json").read_text())["updated"] - 2.0
+        _as_if_written_earlier(run_dir / "goodput.rank0.json", 2.0)
         second_spawn = time.time()
         subprocess.run(args, check=True, timeout=120)
     finally:
@@ -135,48 +154,66 @@ def test_restart_gap_and_wall_time_are_exact_under_load(tmp_path: Path) -> None:
             proc.wait()
     state = json.loads((run_dir / "goodput.rank0.json").read_text())
     gap = second_spawn - first_record
-    elapsed = state["updated"] - first_spawn
+    elapsed = state["updated"] - first_spawn + 2.0  # the first process's wall time ran 2.0 s earlier
     assert gap >= 2.0
     assert abs(state["badput"]["restart"] - gap) <= 0.1, (state, gap)
     assert abs(state["wall_s"] - elapsed) <= 0.2, (state, elapsed)
 
 
-def test_data_loading_and_checkpoint_restore_are_their_own_causes(tmp_path: Path) -> None:
+def test_data_loading_and_checkpoint_restore_are_their_own_causes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A restore before the first step is checkpoint_restore (not startup); a save is
     checkpoint_save; the step's wait in `ot.timer("data")` is data, not productive time."""
     ot.init(run_name="causes", prometheus_port=0, verbosity=0, hardware=False, log_interval=2)
     session = current_session()
+    clock = FakeTime().install(session, monkeypatch)
     with ot.span("load_checkpoint"):
-        time.sleep(0.3)
+        clock.advance(0.3)
     for step in range(4):
         with ot.step(step):
             with ot.timer("data"):  # the loader had no batch ready: the step waits
-                time.sleep(0.1)
+                clock.advance(0.1)
             with ot.timer("forward"):
-                time.sleep(0.01)
+                clock.advance(0.01)
     with ot.span("save_checkpoint"):
-        time.sleep(0.1)
+        clock.advance(0.1)
     ot.shutdown()
     account = _account(session.run_dir)
     _assert_sums_to_wall(account)
-    assert account["checkpoint_restore"] >= 0.3 and account["checkpoint_save"] >= 0.1
-    assert account["data"] >= 0.4
-    assert account["productive_s"] < account["data"] / 2  # 4 x 10 ms of forward, not the waits
+    assert account["checkpoint_restore"] == pytest.approx(0.3, abs=1e-6)
+    assert account["checkpoint_save"] == pytest.approx(0.1, abs=1e-6)
+    assert account["data"] == pytest.approx(0.4, abs=1e-6)
+    assert account["productive_s"] == pytest.approx(0.04, abs=1e-6)  # 4 x 10 ms of forward, not the waits
     startup_without_restore = session.clock.first_step_start_ns * 1e-9 - session.clock.process_start_s - 0.3
-    assert account["startup"] <= startup_without_restore + 0.01
+    assert account["startup"] == pytest.approx(startup_without_restore, abs=1e-6)
 
 
 _RESUMED = """
-import sys, time
+import sys
 import otel_train as ot
+from helpers.fake_time import FakeTime
+from otel_train.testing import current_session
 first, last, seconds = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 ot.init(run_name="resumed", run_id="job-10", output_dir=sys.argv[1], prometheus_port=0, verbosity=0,
         hardware=False, log_interval=2)
+clock = FakeTime().install(current_session())
 for step in range(first, last):
     with ot.step(step if first >= 0 else None):  # first < 0: unnumbered steps (ot.step())
-        time.sleep(seconds)
+        clock.advance(seconds)
 ot.shutdown()
 """
+
+
+def _run_resumed(script: Path, output_dir: Path, *args: object) -> None:
+    """One process of `_RESUMED` (its fake clock comes from tests/helpers)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    subprocess.run(
+        [sys.executable, str(script), str(output_dir), *map(str, args)], env=env, check=True, timeout=120
+    )
 
 
 def test_steps_re_run_after_a_restart_are_wasted_progress_and_the_restart_is_counted(tmp_path: Path) -> None:
@@ -187,30 +224,32 @@ def test_steps_re_run_after_a_restart_are_wasted_progress_and_the_restart_is_cou
     run_dir = tmp_path / "runs" / "resumed"
 
     def run(first: int, last: int, seconds: float) -> None:
-        args = [sys.executable, str(script), str(tmp_path / "runs"), str(first), str(last), str(seconds)]
-        subprocess.run(args, check=True, timeout=120)
+        _run_resumed(script, tmp_path / "runs", first, last, seconds)
 
     run(0, 10, 0.01)
     before = json.loads((run_dir / "goodput.rank0.json").read_text())
     assert before["last_step"] == 9 and before["interruptions"] == 0
-    run(5, 13, 0.1)  # re-runs are slow on purpose: 5 x 0.1 s wasted, 3 x 0.1 s new progress
+    run(5, 13, 0.1)  # 5 x 0.1 s re-run (wasted), 3 x 0.1 s of new progress
     after = json.loads((run_dir / "goodput.rank0.json").read_text())
     _assert_sums_to_wall(
         {"wall_s": after["wall_s"], "productive_s": after["productive_s"], **after["badput"]}
     )
     assert after["last_step"] == 12 and after["interruptions"] == 1
-    assert after["badput"]["wasted_progress"] >= 0.5
-    assert after["productive_s"] - before["productive_s"] < after["badput"]["wasted_progress"]
+    assert after["badput"]["wasted_progress"] == pytest.approx(0.5, abs=1e-6)
+    assert after["productive_s"] - before["productive_s"] == pytest.approx(0.3, abs=1e-6)
     rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     assert sum(row.get("train/interruptions", 0) for row in rows) == 1
 
 
-def test_step_deviation_is_the_interval_against_the_typical_step(tmp_path: Path) -> None:
+def test_step_deviation_is_the_interval_against_the_typical_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ot.init(run_name="deviation", prometheus_port=0, verbosity=0, hardware=False, log_interval=2)
     session = current_session()
+    clock = FakeTime().install(session, monkeypatch)
     for step in range(12):
         with ot.step(step):
-            time.sleep(0.02 if step < 10 else 0.2)  # the last interval is ~10x slower
+            clock.advance(0.02 if step < 10 else 0.2)  # the last interval is 10x slower
     ot.shutdown()
     rows = [json.loads(line) for line in (session.run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     deviation = {
@@ -218,7 +257,8 @@ def test_step_deviation_is_the_interval_against_the_typical_step(tmp_path: Path)
     }
     assert deviation[1] == 0.0  # one interval: it is the typical one
     assert all(abs(deviation[step]) < 1.0 for step in (5, 7, 9)), deviation
-    assert deviation[11] > 3.0, deviation  # far slower than the median of the earlier intervals
+    assert all(deviation[step] == pytest.approx(0.0, abs=1e-6) for step in (5, 7, 9)), deviation
+    assert deviation[11] == pytest.approx(9.0, abs=1e-6), deviation  # 10x the median of the intervals' means
 
 
 def test_unnumbered_steps_are_never_counted_as_re_runs(tmp_path: Path) -> None:
@@ -228,8 +268,7 @@ def test_unnumbered_steps_are_never_counted_as_re_runs(tmp_path: Path) -> None:
     script.write_text(_RESUMED)
     run_dir = tmp_path / "runs" / "resumed"
     for _ in range(2):
-        args = [sys.executable, str(script), str(tmp_path / "runs"), "-4", "0", "0.05"]
-        subprocess.run(args, check=True, timeout=120)
+        _run_resumed(script, tmp_path / "runs", -4, 0, 0.05)
     after = json.loads((run_dir / "goodput.rank0.json").read_text())
     assert after["interruptions"] == 1 and after["badput"]["wasted_progress"] == 0
-    assert after["productive_s"] >= 8 * 0.05
+    assert after["productive_s"] == pytest.approx(8 * 0.05, abs=1e-6)

@@ -15,19 +15,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers.fake_time import FakeTime
 
 import otel_train as ot
 from otel_train.goodput import CAUSES, process_start_perf_s
 from otel_train.testing import current_session
 
 _FIRST_PROCESS = """
-import sys, time
+import sys
 import otel_train as ot
 ot.init(run_name="requeued", run_id="job-9", output_dir=sys.argv[1], prometheus_port=0, verbosity=0,
         hardware=False, log_interval=2)
 for step in range(4):
     with ot.step(step):
-        time.sleep(0.02)
+        pass
 ot.shutdown()
 """
 
@@ -85,21 +86,27 @@ def _valid_text(first_run: Path) -> str:
     return (first_run / "goodput.rank0.json").read_text()
 
 
-def _restart(run_dir: Path) -> ot.Session:
-    """The same run id started again on `run_dir` (the restart path of `ot.init()`), a few steps."""
+def _restart(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> ot.Session:
+    """The same run id started again on `run_dir` (the restart path of `ot.init()`), a few steps
+    of 10 ms on a hand-moved clock."""
     ot.init(run_name=run_dir.name, run_id="job-9", output_dir=str(run_dir.parent), prometheus_port=0,
                       verbosity=0, hardware=False, log_interval=2)  # fmt: skip
     session = current_session()
+    clock = FakeTime().install(session, monkeypatch)
     for step in range(4, 8):
         with ot.step(step):
-            time.sleep(0.01)
+            clock.advance(0.01)
     ot.shutdown()
     return session
 
 
 @pytest.mark.parametrize("case", list(_DAMAGED))
 def test_a_damaged_goodput_file_is_set_aside_and_the_account_starts_over(
-    case: str, first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    case: str,
+    first_run: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run_dir = tmp_path / "requeued"
     shutil.copytree(first_run, run_dir)
@@ -108,7 +115,7 @@ def test_a_damaged_goodput_file_is_set_aside_and_the_account_starts_over(
     state_file = run_dir / "goodput.rank0.json"
     state_file.write_bytes(data)
     caplog.set_level(logging.WARNING, logger="otel_train")
-    _restart(run_dir)  # must not raise
+    _restart(run_dir, monkeypatch)  # must not raise
     warnings = [r.getMessage() for r in caplog.records if "goodput file" in r.getMessage()]
     assert len(warnings) == 1 and str(state_file) in warnings[0], warnings
     assert (run_dir / "goodput.rank0.json.corrupt").read_bytes() == data
@@ -119,7 +126,7 @@ def test_a_damaged_goodput_file_is_set_aside_and_the_account_starts_over(
 
 
 def test_a_file_from_an_older_version_is_continued(
-    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The shape before data / wasted progress / save-vs-restore and the interruption count: one
     `checkpoint` cause (read as checkpoint_save), no last_step, no interruptions."""
@@ -134,7 +141,7 @@ def test_a_file_from_an_older_version_is_continued(
     }  # fmt: skip
     (run_dir / "goodput.rank0.json").write_text(json.dumps(older))
     caplog.set_level(logging.WARNING, logger="otel_train")
-    _restart(run_dir)
+    _restart(run_dir, monkeypatch)
     assert not [r for r in caplog.records if "goodput file" in r.getMessage()]
     assert not (run_dir / "goodput.rank0.json.corrupt").exists()
     after = json.loads((run_dir / "goodput.rank0.json").read_text())
@@ -172,7 +179,7 @@ def _gap_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_a_clock_hours_behind_on_the_same_boot_books_the_real_gap(
-    behind_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    behind_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The file says `updated` 2 h ago; the host's boot clock says seconds: the gap is the seconds."""
     run_dir = tmp_path / "requeued"
@@ -180,7 +187,7 @@ def test_a_clock_hours_behind_on_the_same_boot_books_the_real_gap(
     before = _valid(behind_run)
     assert time.time() - before["updated"] > _BEHIND_S  # what the old account booked as restart time
     caplog.set_level(logging.WARNING, logger="otel_train")
-    _restart(run_dir)
+    _restart(run_dir, monkeypatch)
     after = _valid(run_dir)
     # (in-process restart: this process started before the first one, so the gap reads as 0 here)
     assert 0.0 <= after["badput"]["restart"] < 120.0, after
@@ -189,7 +196,7 @@ def test_a_clock_hours_behind_on_the_same_boot_books_the_real_gap(
 
 
 def test_a_clock_hours_behind_on_another_host_leaves_the_gap_unknown(
-    behind_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    behind_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Written on another boot (another host): `updated` disagrees with the file's own time by 2 h,
     so the gap is unknown: nothing booked for it, one warning naming the file; the account goes on."""
@@ -201,7 +208,7 @@ def test_a_clock_hours_behind_on_another_host_leaves_the_gap_unknown(
     state_file.write_text(json.dumps({**before, "boot_id": "another-host-boot"}))
     os.utime(state_file, (written, written))  # as the first process left it
     caplog.set_level(logging.WARNING, logger="otel_train")
-    _restart(run_dir)
+    _restart(run_dir, monkeypatch)
     after = _valid(run_dir)
     assert after["badput"]["restart"] == before["badput"]["restart"] == 0.0, after
     assert before["productive_s"] < after["productive_s"] <= after["wall_s"] < _no_gap_booked(before)
@@ -211,7 +218,7 @@ def test_a_clock_hours_behind_on_another_host_leaves_the_gap_unknown(
 
 
 def test_updated_zero_leaves_the_gap_unknown_not_56_years(
-    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`updated: 0` (the epoch) in a file from another host: no 56-year restart, one warning."""
     run_dir = tmp_path / "requeued"
@@ -219,7 +226,7 @@ def test_updated_zero_leaves_the_gap_unknown_not_56_years(
     before = {k: v for k, v in _valid(first_run).items() if k not in ("boot_id", "boottime")}
     (run_dir / "goodput.rank0.json").write_text(json.dumps({**before, "updated": 0}))
     caplog.set_level(logging.WARNING, logger="otel_train")
-    _restart(run_dir)
+    _restart(run_dir, monkeypatch)
     after = _valid(run_dir)
     assert after["badput"]["restart"] == 0.0 and after["wall_s"] < _no_gap_booked(before), after
     assert after["productive_s"] > before["productive_s"]
@@ -228,7 +235,7 @@ def test_updated_zero_leaves_the_gap_unknown_not_56_years(
 
 
 def test_a_restart_on_another_host_with_clocks_in_sync_books_its_gap(
-    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another boot, `updated` agreeing with the file's time: the gap comes from `updated`."""
     run_dir = tmp_path / "requeued"
@@ -241,6 +248,6 @@ def test_a_restart_on_another_host_with_clocks_in_sync_books_its_gap(
     )
     os.utime(state_file, (updated, updated))
     caplog.set_level(logging.WARNING, logger="otel_train")
-    _restart(run_dir)
+    _restart(run_dir, monkeypatch)
     assert _valid(run_dir)["badput"]["restart"] == pytest.approx(30.0, abs=1.0)
     assert not _gap_warnings(caplog)

@@ -1,18 +1,23 @@
 """Overhead of the DeepSpeed adapter on a launch-bound DeepSpeed loop (~10 ms steps), as ratios in
 one run.
 
-    DS_ACCELERATOR=cpu .venv/bin/python bench/bench_deepspeed.py [--seconds 90] [--step-ms 10]
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python bench/bench_deepspeed.py [--seconds 90] [--step-ms 10]
 
-One process, one gloo rank (world 1), ZeRO-2, one otel_train session at library defaults. Two
-DeepSpeed engines over the same seeded model of many tiny layers (the layer count is calibrated so
-that a plain step takes `--step-ms`): A (plain: `engine(x)`, `engine.backward(loss)`,
-`engine.step()`), B (the same loop on an engine passed through `instrument()`: steps, phases,
-loss, lr, grad norm, ZeRO facts) and C (A's engine again: the A/A control, the method's resolution
-at that moment). Blocks of `--block` steps rotate in a random order each round, every block timed
-with perf_counter_ns, as bench_launch.py does (this VM's speed drifts within seconds). Reported:
-B/A - 1 and C/A - 1 as ratios of block sums, with a bootstrap 95 % CI over the rounds, and the
-median of the rounds' own B/A ratios. The worker's flushes run during the blocks after a B step,
-mostly other loops', so B/A - 1 is the training thread's cost (as in bench_launch.py).
+One process, one gloo rank (world 1), ZeRO-2, one otel_train session at library defaults, ONE
+DeepSpeed engine over a seeded model of many tiny layers (the layer count is calibrated so that a
+plain step takes `--step-ms`), passed through `instrument()`. The loop is always `engine(x)`,
+`engine.backward(loss)`, `engine.step()`; what differs between the loops is whether the adapter's
+wrappers are on the engine: A (off: the entries `instrument()` put in the engine's `__dict__` are
+taken out, so DeepSpeed's own methods run), B (on: steps, phases, loss, lr, grad norm, ZeRO facts)
+and C (off again: the A/A control). Blocks of `--block` steps rotate in a random order each round,
+every block timed with perf_counter_ns (and the training thread's CPU time), as bench_launch.py
+does (this VM's speed drifts within seconds). Reported: B/A - 1 and C/A - 1 as ratios of block
+sums, with a bootstrap 95 % CI over the rounds, and the median of the rounds' own B/A ratios.
+
+Why one engine: two engines built from the same seeded model differ by a few percent in step time
+on their own (where their tensors landed in memory; measured: a second plain engine built after
+the first ran 3 % faster), a bias the A/A control of one engine cannot see. `--engines` adds that
+control: D, a second plain engine, against A.
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ def build(layers: int, instrumented: bool) -> Any:
     if instrumented:
         from otel_train.integrations.deepspeed import instrument
 
+        before = set(engine.__dict__)
         instrument(engine)
+        engine.toggle = Toggle(engine, before)
     return engine
 
 
@@ -65,11 +72,32 @@ def step(engine: Any, x: Any) -> None:
     engine.step()
 
 
-def block(engine: Any, x: Any, n: int) -> int:
-    start = time.perf_counter_ns()
+def block(engine: Any, x: Any, n: int) -> tuple[int, int]:
+    """(wall, training-thread CPU) nanoseconds of n steps."""
+    start, cpu = time.perf_counter_ns(), time.thread_time_ns()
     for _ in range(n):
         step(engine, x)
-    return time.perf_counter_ns() - start
+    return time.perf_counter_ns() - start, time.thread_time_ns() - cpu
+
+
+class Toggle:
+    """Puts the adapter's wrappers on an instrumented engine, or takes them off (DeepSpeed's own
+    methods then run): the entries instrument() added to the engine's `__dict__`, found by diff."""
+
+    def __init__(self, engine: Any, before: set[str]) -> None:
+        self.engine = engine
+        self.wrappers = {
+            k: v for k, v in engine.__dict__.items() if k not in before and callable(v) and k != "_otel_train"
+        }
+        if not {"forward", "backward", "step"} <= set(self.wrappers):
+            raise RuntimeError(f"instrument() wrapped {sorted(self.wrappers)}: the bench cannot toggle it")
+
+    def on(self) -> None:
+        self.engine.__dict__.update(self.wrappers)
+
+    def off(self) -> None:
+        for name in self.wrappers:
+            self.engine.__dict__.pop(name, None)
 
 
 def ci(pairs: list[tuple[int, int]], draws: int = 2000) -> tuple[float, float]:
@@ -87,6 +115,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=90.0)
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--block", type=int, default=3)
+    parser.add_argument("--engines", action="store_true", help="also D: a second plain engine vs A")
     args = parser.parse_args()
     import deepspeed
     import torch
@@ -101,33 +130,41 @@ def main() -> None:
     while True:  # calibrate the plain step to --step-ms
         probe = build(layers, False)
         block(probe, x, 5)
-        ms = block(probe, x, 10) / 10 / 1e6
+        ms = block(probe, x, 10)[0] / 10 / 1e6
         if ms >= args.step_ms * 0.9 or layers > 4096:
             break
         layers = int(layers * max(1.2, args.step_ms / ms))
-    a, b = build(layers, False), build(layers, True)
-    for engine in (a, b):
-        block(engine, x, 20)  # warm up: optimizer state, the adapter's ZeRO facts
-    loops = {"A": a, "B": b, "C": a}
-    sums: dict[str, list[int]] = {k: [] for k in loops}
+    del probe
+    engine = build(layers, True)
+    toggle: Toggle = engine.toggle
+    block(engine, x, 20)  # warm up: optimizer state, the adapter's ZeRO facts
+    plain = build(layers, False) if args.engines else None
+    loops = ["A", "B", "C"] + (["D"] if plain is not None else [])
+    sums: dict[str, list[tuple[int, int]]] = {k: [] for k in loops}
     rng = random.Random(1)
     deadline = time.monotonic() + args.seconds
     while time.monotonic() < deadline:
-        order = list(loops)
-        rng.shuffle(order)
-        for name in order:
-            sums[name].append(block(loops[name], x, args.block))
+        rng.shuffle(loops)
+        for name in loops:
+            (toggle.on if name == "B" else toggle.off)()
+            sums[name].append(block(plain if name == "D" else engine, x, args.block))
+    toggle.on()
     ot.shutdown()
-    ba = list(zip(sums["B"], sums["A"], strict=True))
-    ca = list(zip(sums["C"], sums["A"], strict=True))
-    step_ms = sum(sums["A"]) / len(sums["A"]) / args.block / 1e6
-    print(f"layers {layers}, plain step {step_ms:.2f} ms, rounds {len(ba)} of {args.block} steps per loop")
-    for label, pairs in (("B/A - 1 (adapter)", ba), ("C/A - 1 (A/A control)", ca)):
-        ratio = sum(p for p, _ in pairs) / sum(q for _, q in pairs) - 1
-        low, high = ci(pairs)
-        print(f"{label:24s} {ratio * 100:+.2f} %  95% CI [{low * 100:+.2f}, {high * 100:+.2f}] %")
-    median = statistics.median(p / q - 1 for p, q in ba)
-    print(f"median of the rounds' B/A - 1: {median * 100:+.2f} %")
+    step_ms = sum(w for w, _ in sums["A"]) / len(sums["A"]) / args.block / 1e6
+    print(
+        f"layers {layers}, plain step {step_ms:.2f} ms, rounds {len(sums['A'])} of {args.block} steps per loop"
+    )
+    labels = {"B": "B/A - 1 (adapter)", "C": "C/A - 1 (A/A control)", "D": "D/A - 1 (other engine)"}
+    for clock, index in (("wall", 0), ("CPU", 1)):
+        for name in [k for k in ("B", "C", "D") if k in sums]:
+            pairs = [(p[index], q[index]) for p, q in zip(sums[name], sums["A"], strict=True)]
+            ratio = sum(p for p, _ in pairs) / sum(q for _, q in pairs) - 1
+            low, high = ci(pairs)
+            median = statistics.median(p / q - 1 for p, q in pairs)
+            print(
+                f"{clock:4s} {labels[name]:24s} {ratio * 100:+.2f} %  95% CI [{low * 100:+.2f}, {high * 100:+.2f}] %"
+                f"  median of rounds {median * 100:+.2f} %"
+            )
     sys.stdout.flush()
 
 

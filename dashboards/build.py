@@ -173,6 +173,35 @@ def mean(spec: MetricSpec, by: str, window: str = RATE) -> str:
     return f"{agg('sum', by, rate(spec, '_sum', window))} / {agg('sum', by, rate(spec, '_count', window))}"
 
 
+def job_or_ranks(job: str, ranks: str) -> str:
+    """The job-level series (rank 0 exports them once per job, in both tiers, for every distributed
+    job), or, for a run without them (a single process: no exchange), the same figure from the
+    per-rank series. `or` keeps the left side's series for each label set both sides have, so a
+    run is never counted twice."""
+    return f"({job}) or ({ranks})"
+
+
+def job_quantile(q: float, job: MetricSpec, ranks: MetricSpec, by: str, window: str = RATE) -> str:
+    """Quantile of the job's histogram (bucket counts summed over the ranks by rank 0), falling
+    back to the per-rank buckets summed here."""
+    job_buckets = agg("sum", f"le, {by}", rate(job, "_bucket", window, rank=False, host=False))
+    rank_buckets = agg("sum", f"le, {by}", rate(ranks, "_bucket", window))
+    return f"histogram_quantile({q}, {job_or_ranks(job_buckets, rank_buckets)})"
+
+
+def job_mean(job: MetricSpec, ranks: MetricSpec, by: str, window: str = RATE) -> str:
+    job_kw: dict[str, object] = {"rank": False, "host": False}
+    return job_or_ranks(
+        f"{agg('sum', by, rate(job, '_sum', window, **job_kw))} / {agg('sum', by, rate(job, '_count', window, **job_kw))}",
+        mean(ranks, by, window),
+    )
+
+
+def job_rate(job: MetricSpec, ranks: MetricSpec, by: str = RUN) -> str:
+    """Rate of a job-level counter (the sum over the ranks), or the per-rank counters' summed."""
+    return job_or_ranks(agg("sum", by, rate(job, rank=False, host=False)), agg("sum", by, rate(ranks)))
+
+
 # --- panel model ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Target:
@@ -254,6 +283,50 @@ def specs_in(expr: str) -> tuple[MetricSpec, ...]:
     return tuple(found[name] for name in sorted(found))
 
 
+# --- series tiers (Config.rank_series) -------------------------------------------------------------
+# "essential" exports per rank only the catalogue's `essential` specs, each per-rank histogram as its
+# sum and count (`_bucket` keeps `le="+Inf"` alone), plus the job-level specs (`scope="job"`, once per
+# job from rank 0, no rank label); "full" exports everything.
+TIER_ESSENTIAL, TIER_FULL = "essential", "full"
+
+
+def in_essential_tier(spec: MetricSpec, series: str = "") -> bool:
+    """True when the essential tier exports `spec` as the series `series` (one of its names)."""
+    if spec.scope == "job":
+        return True
+    bucket = spec.kind is Kind.HISTOGRAM and series.endswith("_bucket")
+    return spec.essential and not bucket
+
+
+def expr_tier(expr: str) -> str:
+    """The tier an expression needs: "full" when it reads a series the essential tier leaves out,
+    unless it also reads a job-level one. The queries here that read both are
+    `<job-level> or <per-rank sum>`: the job's series serve every distributed job in either tier,
+    the per-rank sum a single process (no exchange, no job-level series)."""
+    tokens = [tok for tok in _IDENT.findall(expr) if tok in _NAMES]
+    if any(_NAMES[tok].scope == "job" for tok in tokens):
+        return TIER_ESSENTIAL
+    if all(in_essential_tier(_NAMES[tok], tok) for tok in tokens):
+        return TIER_ESSENTIAL
+    return TIER_FULL
+
+
+def panel_tier(panel: PanelDef) -> str:
+    return TIER_FULL if any(expr_tier(t.expr) == TIER_FULL for t in panel.targets) else TIER_ESSENTIAL
+
+
+def _full_only_names(panel: PanelDef) -> list[str]:
+    """Series of a full-tier panel that the essential tier does not export (for its description)."""
+    names = {
+        tok
+        for t in panel.targets
+        if expr_tier(t.expr) == TIER_FULL
+        for tok in _IDENT.findall(t.expr)
+        if tok in _NAMES and not in_essential_tier(_NAMES[tok], tok)
+    }
+    return sorted(names)
+
+
 def panel_gpu_only(panel: PanelDef) -> bool:
     return any(spec.gpu_only for t in panel.targets for spec in specs_in(t.expr))
 
@@ -281,6 +354,21 @@ def _interval_targets(spec: MetricSpec) -> tuple[Target, ...]:
     )
 
 
+def _loss_targets() -> tuple[Target, ...]:
+    """The job's loss (mean over every rank's values of the interval) and the smallest and largest
+    step loss any rank recorded; per-rank series for a run without job-level ones."""
+    stats = sc.INTERVAL_STAT_SPECS[sc.LOSS.name]
+    job: dict[str, object] = {"rank": False, "host": False}
+    return (
+        T(job_or_ranks(agg("avg", RUN, selector(sc.JOB_LOSS, **job)), agg("avg", RUN, selector(sc.LOSS))),
+          _lg(suffix=" mean")),
+        T(job_or_ranks(agg("min", RUN, selector(sc.JOB_LOSS_MIN, **job)), agg("min", RUN, selector(stats["min"]))),
+          _lg(suffix=" min")),
+        T(job_or_ranks(agg("max", RUN, selector(sc.JOB_LOSS_MAX, **job)), agg("max", RUN, selector(stats["max"]))),
+          _lg(suffix=" max")),
+    )  # fmt: skip
+
+
 def _lg(*labels: str, prefix: str = "", suffix: str = "") -> str:
     """Legend format such as `{{run_id}} rank {{rank}}`."""
     parts = [f"{{{{{RUN}}}}}"]
@@ -291,7 +379,7 @@ def _lg(*labels: str, prefix: str = "", suffix: str = "") -> str:
 
 
 def overview() -> DashboardDef:
-    step = sc.STEP_DURATION
+    step, job_step = sc.STEP_DURATION, sc.JOB_STEP_DURATION
     return DashboardDef(
         "otel-train-overview",
         "otel_train / Training overview",
@@ -310,15 +398,33 @@ def overview() -> DashboardDef:
                         unit="percentunit",
                     ),
                     stat("ETA", T(agg("max", RUN, selector(sc.ETA)), _lg()), unit="dtdurations"),
-                    stat("Tokens/s (all ranks)", T(agg("sum", RUN, rate(sc.TOKENS)), _lg()), unit="short"),
+                    stat(
+                        "Tokens/s (all ranks)",
+                        T(
+                            job_or_ranks(
+                                agg("max", RUN, selector(sc.JOB_TOKENS_RATE, rank=False, host=False)),
+                                agg("sum", RUN, rate(sc.TOKENS)),
+                            ),
+                            _lg(),
+                        ),
+                        unit="short",
+                        description="Over rank 0's latest flush interval (job-level series).",
+                    ),
+                    stat(
+                        "Ranks reporting",
+                        T(agg("max", RUN, selector(sc.JOB_RANKS, rank=False, host=False)), _lg()),
+                        unit="none",
+                        description="Ranks whose rows rank 0's latest flush took into the job-level "
+                        "series (a distributed job; fewer than the world size: some ranks were late).",
+                    ),
                 ),
             ),
             (
                 "Loss and optimizer",
                 (
                     ts(
-                        "Training loss (interval mean; its steps' min, max, last)",
-                        *_interval_targets(sc.LOSS),
+                        "Training loss (interval mean over the ranks; the steps' min and max)",
+                        *_loss_targets(),
                     ),
                     ts("Learning rate", T(agg("max", RUN, selector(sc.LEARNING_RATE)), _lg())),
                     ts(
@@ -337,8 +443,22 @@ def overview() -> DashboardDef:
             (
                 "Throughput and efficiency",
                 (
-                    ts("Tokens/s", T(agg("sum", RUN, rate(sc.TOKENS)), _lg())),
-                    ts("Samples/s", T(agg("sum", RUN, rate(sc.SAMPLES)), _lg())),
+                    ts(
+                        "Tokens/s",
+                        T(job_rate(sc.JOB_TOKENS, sc.TOKENS), _lg()),
+                        T(
+                            agg("max", RUN, selector(sc.JOB_TOKENS_RATE, rank=False, host=False)),
+                            _lg(suffix=" (rank 0's flush interval)"),
+                        ),
+                    ),
+                    ts(
+                        "Samples/s",
+                        T(job_rate(sc.JOB_SAMPLES, sc.SAMPLES), _lg()),
+                        T(
+                            agg("max", RUN, selector(sc.JOB_SAMPLES_RATE, rank=False, host=False)),
+                            _lg(suffix=" (rank 0's flush interval)"),
+                        ),
+                    ),
                     ts("Steps/s", T(agg("avg", RUN, rate(sc.STEPS)), _lg())),
                     ts("MFU", T(agg("avg", RUN, selector(sc.MFU)), _lg()), unit="percentunit", min_val=0),
                     ts(
@@ -460,18 +580,27 @@ def overview() -> DashboardDef:
                 (
                     ts(
                         "Step time p50 / p95 / p99",
-                        TX(quantile(0.5, step, RUN), _lg(suffix=" p50")),
-                        TX(quantile(0.95, step, RUN), _lg(suffix=" p95")),
-                        TX(quantile(0.99, step, RUN), _lg(suffix=" p99")),
-                        T(mean(step, RUN), _lg(suffix=" mean")),
+                        TX(job_quantile(0.5, job_step, step, RUN), _lg(suffix=" p50")),
+                        TX(job_quantile(0.95, job_step, step, RUN), _lg(suffix=" p95")),
+                        TX(job_quantile(0.99, job_step, step, RUN), _lg(suffix=" p99")),
+                        T(job_mean(job_step, step, RUN), _lg(suffix=" mean")),
                         unit="s",
-                        description="Dots are exemplars: click one to open that sampled step's trace in Tempo.",
+                        description="Every rank's steps (the job-level histogram). Dots are exemplars "
+                        '(per-rank buckets, rank_series="full"): click one to open that sampled step\'s '
+                        "trace in Tempo.",
                     ),
                     PanelDef(
                         "Step time distribution",
                         (
                             Target(
-                                agg("sum", "le", rate(step, "_bucket", fn="increase")),
+                                job_or_ranks(
+                                    agg(
+                                        "sum",
+                                        "le",
+                                        rate(job_step, "_bucket", fn="increase", rank=False, host=False),
+                                    ),
+                                    agg("sum", "le", rate(step, "_bucket", fn="increase")),
+                                ),
                                 "{{le}}",
                                 fmt=PromQueryFormat.HEATMAP,
                             ),
@@ -481,10 +610,14 @@ def overview() -> DashboardDef:
                     ),
                     ts(
                         "Phase time p95 by phase",
-                        TX(quantile(0.95, sc.PHASE_DURATION, f"{RUN}, {PHASE}"), _lg(PHASE, suffix=" p95")),
+                        TX(
+                            job_quantile(0.95, sc.JOB_PHASE_DURATION, sc.PHASE_DURATION, f"{RUN}, {PHASE}"),
+                            _lg(PHASE, suffix=" p95"),
+                        ),
                         unit="s",
                         width=24,
-                        description="Dots are exemplars: click one to open the trace of a sampled step.",
+                        description="Every rank's phases (the job-level histograms). Dots are exemplars "
+                        '(per-rank buckets, rank_series="full"): click one to open the trace of a sampled step.',
                     ),
                 ),
             ),
@@ -575,21 +708,16 @@ def ranks() -> DashboardDef:
                 (
                     ts(
                         "Cross-rank min / max of phase time",
-                        T(
-                            agg(
-                                "max",
-                                f"{RUN}, {PHASE}, {STAT}",
-                                selector(cross, rank=False, host=False, stat="~min|max"),
-                            ),
-                            _lg(PHASE, STAT),
-                        ),
+                        T(_cross_rank(f"{RUN}, {PHASE}, {STAT}", "~min|max"), _lg(PHASE, STAT)),
                         unit="s",
                     ),
                     ts(
                         "Cross-rank spread (max / min)",
                         T(
-                            f"{agg('max', f'{RUN}, {PHASE}', selector(cross, rank=False, host=False, stat='max'))}"
-                            f" / {agg('max', f'{RUN}, {PHASE}', selector(cross, rank=False, host=False, stat='min'))}",
+                            job_or_ranks(
+                                f"{_stat(sc.JOB_PHASE_CROSS_RANK, 'max')} / {_stat(sc.JOB_PHASE_CROSS_RANK, 'min')}",
+                                f"{_stat(cross, 'max')} / {_stat(cross, 'min')}",
+                            ),
                             _lg(PHASE),
                         ),
                         unit="none",
@@ -597,13 +725,7 @@ def ranks() -> DashboardDef:
                     ),
                     table(
                         "Slowest and fastest rank per phase",
-                        T(
-                            agg(
-                                "max",
-                                f"{RUN}, {PHASE}, {STAT}",
-                                selector(cross, rank=False, host=False, stat="~argmax_rank|argmin_rank"),
-                            )
-                        ),
+                        T(_cross_rank(f"{RUN}, {PHASE}, {STAT}", "~argmax_rank|argmin_rank")),
                         unit="none",
                         width=24,
                         description="Rank index with the longest (argmax_rank) and shortest (argmin_rank) mean phase time.",
@@ -612,6 +734,19 @@ def ranks() -> DashboardDef:
             ),
             _deepspeed_row(),
         ),
+    )
+
+
+def _stat(spec: MetricSpec, stat_value: str) -> str:
+    return agg("max", f"{RUN}, {PHASE}", selector(spec, rank=False, host=False, **{STAT: stat_value}))
+
+
+def _cross_rank(by: str, stats: str) -> str:
+    """Rank 0's cross-rank statistics of the phase times: the job-level series, or the per-rank
+    exporter's (rank 0's, in the full tier) for a run without them."""
+    return job_or_ranks(
+        agg("max", by, selector(sc.JOB_PHASE_CROSS_RANK, rank=False, host=False, **{STAT: stats})),
+        agg("max", by, selector(sc.PHASE_CROSS_RANK, rank=False, host=False, **{STAT: stats})),
     )
 
 
@@ -890,7 +1025,14 @@ def health() -> DashboardDef:
                         T(agg("sum", _R, rate(sc.NONFINITE_LOSS, fn="increase")), _lg(RANK)),
                         unit="short",
                     ),
-                    ts("Training loss by rank", T(agg("max", _R, selector(sc.LOSS)), _lg(RANK))),
+                    ts(
+                        "Training loss by rank",
+                        T(agg("max", _R, selector(sc.LOSS)), _lg(RANK, suffix=" interval mean")),
+                        T(
+                            agg("max", _R, selector(sc.INTERVAL_STAT_SPECS[sc.LOSS.name]["last"])),
+                            _lg(RANK, suffix=" last step"),
+                        ),
+                    ),
                     ts(
                         "Health events by kind (loss spikes, stalls, stragglers, ...)",
                         T(agg("sum", f"{RUN}, {EVENT}", rate(sc.HEALTH_EVENTS, fn="increase")), _lg(EVENT)),
@@ -992,6 +1134,11 @@ def _description(panel: PanelDef) -> str:
     lines += [f"`{s.name}`: {s.description}" for s in seen.values()]
     if panel_gpu_only(panel):
         lines.append(GPU_NOTE)
+    if panel_tier(panel) == TIER_FULL:
+        names = ", ".join(f"`{n}`" for n in _full_only_names(panel))
+        lines.append(
+            f'Needs rank_series="full": empty in the essential tier, which exports no {names} per rank.'
+        )
     return "\n".join(lines)
 
 
@@ -1083,12 +1230,14 @@ class DashboardQuery(NamedTuple):
     expr: str
     gpu_only: bool
     deepspeed_only: bool = False
+    tier: str = TIER_ESSENTIAL  # the series tier the panel needs (TIER_ESSENTIAL: both)
 
 
 def all_queries() -> list[DashboardQuery]:
-    """Every (dashboard uid, panel title, PromQL expr, gpu_only) in the generated dashboards."""
+    """Every (dashboard uid, panel title, PromQL expr, gpu_only, deepspeed_only, tier) in the
+    generated dashboards."""
     return [
-        DashboardQuery(d.uid, p.title, t.expr, panel_gpu_only(p), panel_deepspeed_only(p))
+        DashboardQuery(d.uid, p.title, t.expr, panel_gpu_only(p), panel_deepspeed_only(p), panel_tier(p))
         for d in dashboard_defs()
         for p in d.panels()
         for t in p.targets

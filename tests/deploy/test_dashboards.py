@@ -14,6 +14,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -102,9 +103,11 @@ def parse_metric_names(expr: str) -> tuple[list[str], list[str]]:
     names = []
     for match in re.finditer(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\()?", text):
         token, call = match.group(1), match.group(2)
+        if token in _KEYWORDS:  # `x or (y)`: a binary operator before a parenthesis, not a call
+            continue
         if call:
             assert token in _FUNCTIONS, f"unknown PromQL function {token!r} in {expr!r}"
-        elif token not in _KEYWORDS:
+        else:
             names.append(token)
     return names, regexes
 
@@ -286,10 +289,14 @@ class FakeTrainingEndpoint:
 
     Generated from the catalogue (kind, unit, attributes, buckets), so a new metric is covered as
     soon as it is added.  Rank 3 is a straggler (1.5x slower).  Counters grow with wall time.
+    Job-level metrics (`scope="job"`) come once per run, without rank labels, as rank 0 exports them.
+    `tier="essential"` serves what that series tier exports: the essential and job-level metrics,
+    an essential per-rank histogram as its `+Inf` bucket, sum and count.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tier: str = build.TIER_FULL) -> None:
         self.start = time.time()
+        self.tier = tier
 
     def collect(self):  # type: ignore[no-untyped-def]
         from prometheus_client.core import (
@@ -302,8 +309,9 @@ class FakeTrainingEndpoint:
         now = time.time()
         elapsed = now - self.start + 1.0
         for spec in sc.CATALOGUE:
-            if spec.gpu_only:
+            if spec.gpu_only or (self.tier == build.TIER_ESSENTIAL and not build.in_essential_tier(spec)):
                 continue
+            job = spec.scope == "job"
             attrs = [a for a in spec.attributes if a not in OPTIONAL_ATTRIBUTES]
             for run_id, collector in RUNS.items():
                 name = spec.collector_prometheus_name if collector else spec.prometheus_name
@@ -315,13 +323,13 @@ class FakeTrainingEndpoint:
                     family = CounterMetricFamily(name.removesuffix("_total"), spec.description, labels=labels)
                 else:
                     family = GaugeMetricFamily(name, spec.description, labels=labels)
-                for rank in RANKS:
+                for rank in RANKS[:1] if job else RANKS:
                     for combo in _combinations([ATTRIBUTE_VALUES.get(a, ("other",)) for a in attrs]):
                         identity = {
                             sc.RUN_ID: run_id,
-                            sc.RANK: str(rank),
-                            "local_rank": str(rank % 2),
-                            "host.name": f"node-{rank // 2}",
+                            sc.RANK: "" if job else str(rank),
+                            "local_rank": "" if job else str(rank % 2),
+                            "host.name": "" if job else f"node-{rank // 2}",
                         }
                         values = [*(identity.get(k, "other") for k in sc.LABEL_RESOURCE_KEYS), *combo]
                         self._add(
@@ -329,8 +337,9 @@ class FakeTrainingEndpoint:
                         )
                 yield family
 
-    @staticmethod
-    def _add(family, spec: MetricSpec, rank: int, attrs: dict[str, str], values, now: float, elapsed: float):  # type: ignore[no-untyped-def]
+    def _add(
+        self, family, spec: MetricSpec, rank: int, attrs: dict[str, str], values, now: float, elapsed: float
+    ):  # type: ignore[no-untyped-def]
         slow = 1.5 if rank == 3 else 1.0
         if spec.kind is Kind.HISTOGRAM:
             assert spec.buckets, spec.name
@@ -340,6 +349,7 @@ class FakeTrainingEndpoint:
             buckets = [
                 (str(le), count * (0.0 if le < mean else 0.5 if le < 1.5 * mean else 1.0))
                 for le in spec.buckets
+                if self.tier == build.TIER_FULL or spec.scope == "job"
             ]
             family.add_metric(values, [*buckets, ("+Inf", count)], sum_value=count * 1.25 * mean)
         elif spec.kind in (Kind.COUNTER, Kind.OBSERVABLE_COUNTER):
@@ -348,7 +358,7 @@ class FakeTrainingEndpoint:
             family.add_metric(values, now - 0.2 * slow)
         elif spec is sc.STRAGGLER_SCORE:
             family.add_metric(values, 1.0 / slow)
-        elif spec is sc.PHASE_CROSS_RANK:
+        elif spec in (sc.PHASE_CROSS_RANK, sc.JOB_PHASE_CROSS_RANK):
             stats = {"min": 0.1, "max": 0.15, "argmin_rank": 0.0, "argmax_rank": float(RANKS[-1])}
             family.add_metric(values, stats.get(attrs[sc.STAT], 0.11))
         elif spec.unit == "1":
@@ -384,12 +394,17 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> No
 @pytest.fixture(scope="module")
 def prometheus_with_fake_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Prometheus scraping the fake endpoint every second, with rate() data and a firing alert."""
+    with _prometheus_scraping(FakeTrainingEndpoint(), tmp_path_factory.mktemp("prometheus")) as url:
+        yield url
+
+
+@contextmanager
+def _prometheus_scraping(endpoint: FakeTrainingEndpoint, tmp_path: Path) -> Iterator[str]:
     binary = require_binary("prometheus")
     from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
-    tmp_path = tmp_path_factory.mktemp("prometheus")
     registry = CollectorRegistry()
-    registry.register(FakeTrainingEndpoint())
+    registry.register(endpoint)
     assert generate_latest(registry)  # a broken fake endpoint fails here, not as "no data"
     target_port = free_port()
     server, thread = start_http_server(target_port, addr="127.0.0.1", registry=registry)
@@ -481,3 +496,58 @@ def test_deepspeed_only_marking_follows_the_catalogue() -> None:
         expected = bool(panel_specs) and all(s.name.startswith("deepspeed.") for s in panel_specs)
         assert q.deepspeed_only == expected, q.title
     assert any(q.deepspeed_only for q in all_queries()) and not all(q.deepspeed_only for q in all_queries())
+
+
+# --- (e) series tiers (Config.rank_series) -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def prometheus_with_essential_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The fake runs as the essential tier exports them."""
+    endpoint = FakeTrainingEndpoint(tier=build.TIER_ESSENTIAL)
+    with _prometheus_scraping(endpoint, tmp_path_factory.mktemp("prometheus-essential")) as url:
+        yield url
+
+
+def _panels_of(queries: list[DashboardQuery]) -> set[tuple[str, str]]:
+    return {(q.uid, q.title) for q in queries}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("run_id", list(RUNS))
+def test_panels_have_data_in_the_tier_they_say_they_need(
+    prometheus_with_essential_run: str, run_id: str
+) -> None:
+    """In the essential tier every panel marked for it has data, and every panel marked full has an
+    empty query (so the tier each panel names is the truth, both ways)."""
+    queries = [q for q in QUERIES if not q.gpu_only]
+    failing = _panels_of([q for q, _ in query_failures(prometheus_with_essential_run, queries, variables={"run_id": run_id}, exclude_deepspeed=False)])  # fmt: skip
+    full = _panels_of([q for q in queries if q.tier == build.TIER_FULL])
+    assert failing == full
+    assert len(full) > 10 and len(_panels_of(queries)) - len(full) > 20
+
+
+def test_full_tier_panels_say_so_in_their_description() -> None:
+    for file_name, dash in _dashboards().items():
+        for panel in _panels(dash):
+            if panel["type"] == "row":
+                continue
+            tier = {q.tier for q in QUERIES if (q.uid, q.title) == (dash["uid"], panel["title"])}
+            says = 'Needs rank_series="full"' in panel.get("description", "")
+            assert says == (tier == {build.TIER_FULL}), (file_name, panel["title"])
+
+
+def test_job_level_distributions_serve_both_tiers() -> None:
+    """The panels of a job-wide distribution (step and phase time, throughput, loss, cross-rank
+    statistics) read the job-level series, with no rank or host matcher on them: one query in
+    either tier."""
+    job_specs = {s.name for s in sc.CATALOGUE if s.scope == "job"}
+    read = {s.name for q in QUERIES for s in build.specs_in(q.expr) if s.scope == "job"}
+    assert read == job_specs
+    for q in QUERIES:
+        for selector in re.findall(r"train_job_\w+\{[^}]*\}", q.expr):
+            assert "rank=" not in selector and "host_name" not in selector, (q.title, selector)
+    titles = {q.title for q in QUERIES if q.tier == build.TIER_ESSENTIAL}
+    assert {
+        "Step time p50 / p95 / p99", "Step time distribution", "Phase time p95 by phase", "Tokens/s",
+        "Samples/s", "Training loss (interval mean over the ranks; the steps' min and max)",
+        "Cross-rank min / max of phase time",
+    } <= titles  # fmt: skip

@@ -1,27 +1,18 @@
 """mkdocs hook: the configuration reference and the metric catalogue, generated from the code.
 
 `reference/configuration.md` and `reference/metrics.md` hold a marker where the table goes; at
-each build this hook writes the table from `otel_train.config.Config` (every field, its default,
-its environment variables) and from `otel_train.semconv.CATALOGUE`, so a changed default, a new
-setting or a renamed metric changes the page. What a setting means is written in
-`docs/reference/settings.yml` (or, failing that, the field's own comment in `config.py`); a setting
-with neither, or a description of a setting that does not exist, fails the build.
+each build this hook writes the table from the settings table of `otel_train.config` (every field,
+its environment variables, its default, its doc, its allowed values and whether `control.json` may
+change it) and from `otel_train.semconv.CATALOGUE`, so a changed default, a new setting or a
+renamed metric changes the page. A setting declared without a doc fails the build.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import io
-import re
-import tokenize
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 SETTINGS_MARKER = "<!-- generated: settings -->"
 METRICS_MARKER = "<!-- generated: metrics -->"
-MEANINGS_FILE = Path(__file__).resolve().parent / "reference" / "settings.yml"
 
 
 class DocsGenerationError(RuntimeError):
@@ -32,77 +23,54 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _default(field: dataclasses.Field[Any]) -> Any:
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    raise DocsGenerationError(f"Config.{field.name} has no default; every setting needs one")
-
-
 def format_default(value: Any) -> str:
     """A default as the page shows it: unset for None, else the Python literal."""
     return "unset" if value is None else f"`{value!r}`"
 
 
-def env_names(name: str) -> list[str]:
+def env_names(name: str, config_cls: type | None = None) -> list[str]:
     """The variables that set `name`: `OTEL_TRAIN_<NAME>`, then any standard OTel variable."""
-    from otel_train import config_loading
-    from otel_train.config import env_name
+    from otel_train import config
 
-    # The standard OpenTelemetry variables and the fields they set: config_loading's own table.
-    standard: dict[str, str] = config_loading._STANDARD_ENV
-    return [env_name(name), *(key for key, field in standard.items() if field == name)]
+    cls = config.Config if config_cls is None else config_cls
+    return [config.env_name(name), *config.declared(cls)[name].setting.env]
 
 
-def field_comments(source: str, class_name: str = "Config") -> dict[str, str]:
-    """Each field's inline comment in `class_name`'s body (`name: type = default  # comment`)."""
-    comments: dict[str, str] = {}
-    in_class = False
-    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    for token in tokens:
-        line = token.line
-        if token.type == tokenize.NAME and token.string == "class" and token.start[1] == 0:
-            in_class = line.startswith(f"class {class_name}")
-        if in_class and token.type == tokenize.COMMENT:
-            match = re.match(r"^    (\w+)\s*:", line)
-            if match and line.index("#") > line.index(":"):
-                comments[match.group(1)] = token.string.lstrip("#").strip()
-    return comments
+def load_meanings(config_cls: type | None = None) -> dict[str, str]:
+    """Each setting's doc, as its `setting(doc=...)` declares it."""
+    from otel_train import config
 
-
-def load_meanings(path: Path = MEANINGS_FILE) -> dict[str, str]:
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise DocsGenerationError(f"{path} must map each setting's name to its description")
-    return {str(k): str(v) for k, v in data.items()}
+    cls = config.Config if config_cls is None else config_cls
+    return {name: entry.setting.doc for name, entry in config.declared(cls).items() if entry.setting.doc}
 
 
 def settings_table(config_cls: type | None = None, meanings: dict[str, str] | None = None) -> str:
-    """The configuration reference table: one row per `Config` field, in the class's order."""
-    import otel_train.config
+    """The configuration reference table: one row per field of `config_cls` (`Config`), in order;
+    `meanings` replaces the declared docs (a name `config_cls` lacks fails)."""
+    from otel_train import config
 
-    cls = otel_train.config.Config if config_cls is None else config_cls
-    meanings = load_meanings() if meanings is None else meanings
-    comments = field_comments(Path(otel_train.config.__file__).read_text())
-    fields = dataclasses.fields(cls)
-    names = {f.name for f in fields}
-    stale = sorted(set(meanings) - names)
+    cls = config.Config if config_cls is None else config_cls
+    table = config.declared(cls)
+    meanings = load_meanings(cls) if meanings is None else meanings
+    stale = sorted(set(meanings) - set(table))
     if stale:
         raise DocsGenerationError(
-            f"docs/reference/settings.yml describes settings Config does not have: {stale}; "
-            "remove or rename them"
+            f"descriptions of settings {cls.__name__} does not have: {stale}; remove or rename them"
         )
     rows = ["| setting | env | default | meaning |", "| --- | --- | --- | --- |"]
-    for f in fields:
-        meaning = meanings.get(f.name) or comments.get(f.name)
+    for name, entry in table.items():
+        meaning = meanings.get(name)
         if not meaning:
             raise DocsGenerationError(
-                f"setting {f.name} has no description: add `{f.name}: ...` to "
-                "docs/reference/settings.yml (or an inline comment on the field in config.py)"
+                f'setting {name} has no description: declare it with setting(..., doc="...") in otel_train/config.py'
             )
-        env = ", ".join(f"`{e}`" for e in env_names(f.name))
-        rows.append(f"| `{f.name}` | {env} | {format_default(_default(f))} | {_cell(meaning)} |")
+        spec = entry.setting
+        if any(rule is not None for rule in (spec.ge, spec.gt, spec.le, spec.lt)):
+            meaning += f". Allowed: {config.allowed(name, cls)}"
+        if spec.runtime:
+            meaning += ". `control.json` may change it in a running job"
+        env = ", ".join(f"`{e}`" for e in env_names(name, cls))
+        rows.append(f"| `{name}` | {env} | {format_default(entry.default)} | {_cell(meaning)} |")
     return "\n".join(rows)
 
 

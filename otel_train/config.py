@@ -1,10 +1,9 @@
-"""Config: one frozen dataclass of every setting, with its default and its allowed values.
+"""Config: one frozen dataclass of every setting, each declared once with `setting(...)`.
 
-`load_config` (config_loading) resolves one from kwargs > environment > YAML file > defaults.
-Standard OpenTelemetry variables are honoured (`OTEL_EXPORTER_OTLP_ENDPOINT`, `..._PROTOCOL`,
-`..._HEADERS`, `..._TIMEOUT`, `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`, `OTEL_SERVICE_NAME`,
-`OTEL_RESOURCE_ATTRIBUTES`, `OTEL_METRIC_EXPORT_INTERVAL`);
-every field also reads `OTEL_TRAIN_<FIELD>` (for example `OTEL_TRAIN_LOG_INTERVAL=50`).
+A declaration holds the default, the allowed values, the standard OpenTelemetry variables that also
+set it, whether the control file may change it in a running job, and its one-line doc; `validate`,
+the environment and file parsing (config_loading), the control file (control) and the docs'
+configuration page (docs/hooks.py) all read it. Every field also reads `OTEL_TRAIN_<FIELD>`.
 Invalid settings raise `ConfigError` at `init()`, naming the setting, the bad value and the fix.
 """
 
@@ -14,8 +13,10 @@ import dataclasses
 import datetime
 import re
 import secrets
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from otel_train.redaction import REDACTED, is_secret_key, redact, redact_url
@@ -25,11 +26,12 @@ TimingLogOption = Literal["max", "minmax", "all"]
 WatchAggregate = Literal["layer", "model"]
 # The precision MFU's peak is taken for (otel_train.hardware.mfu); "auto": detected (see Config.compute_dtype).
 ComputeDtype = Literal["auto", "fp8", "bf16", "fp16", "tf32", "fp32"]
-# Which series each rank exports (README "Scale"): every one, or only those that find and explain a
-# bad rank (job-level series come from rank 0 in both). "auto": essential from
-# RANK_SERIES_ESSENTIAL_FROM ranks on.
+# Which series each rank exports (README "Scale"). "auto": essential from RANK_SERIES_ESSENTIAL_FROM ranks on.
 RankSeries = Literal["auto", "full", "essential"]
 RANK_SERIES_ESSENTIAL_FROM = 1024
+
+CONFIG_FILE_ENV = "OTEL_TRAIN_CONFIG"
+_METADATA_KEY = "otel_train.setting"
 
 
 class ConfigError(ValueError):
@@ -37,241 +39,63 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class Config:
-    # identity
-    service_name: str = "otel-train"
-    run_name: str | None = None  # default: <UTC date-time>-<4 hex>
-    run_id: str | None = None  # default: scheduler job id (torchrun/SLURM) or a new uuid
-    # this process's part in a single-controller job (controller, policy, generation, ...): joins
-    # run_id and rank in the identity, so two roles' rank 0 never share a file or a series
-    role: str = ""
-    resource_attributes: dict[str, str] = field(default_factory=dict)
-    # where local output goes: <output_dir>/<run_name>/
-    output_dir: str = "runs"
-    run_dir_enabled: bool = True
-    # OTLP push (off unless an endpoint is set)
-    otlp_endpoint: str | None = None
-    # Metrics only, the full URL used as-is (the OTel spec's OTEL_EXPORTER_OTLP_METRICS_ENDPOINT),
-    # e.g. a store's own OTLP path: http://victoriametrics:8428/opentelemetry/v1/metrics. Spans
-    # and logs still go to otlp_endpoint (none when it is unset).
-    otlp_metrics_endpoint: str | None = None
-    otlp_protocol: OtlpProtocol = "http/protobuf"
-    otlp_headers: dict[str, str] = field(default_factory=dict)
-    otlp_timeout_s: float = 5.0
-    otlp_insecure: bool = True
-    metric_export_interval_s: float = 10.0
-    # in-process Prometheus pull endpoint: http://<host>:<port + local_rank>/metrics; 0 disables
-    prometheus_port: int = 9464
-    prometheus_host: str = "127.0.0.1"
-    console_exporter: bool = False  # print OTel metrics/spans/logs to stdout (debugging)
-    # flush cadence and hot-path bounds
-    # flush every N steps; unset: adaptive (every 10 steps, but at most about once per
-    # log_interval_min_s, rounded to 10/20/50/100/... steps, decided on rank 0 for every rank)
-    log_interval: int | None = None
-    log_interval_min_s: float = 1.0
-    log_interval_s: float = 30.0  # ... or after this many seconds (single-process only)
-    max_metric_names: int = 64  # distinct record() names; more are dropped and counted
-    max_values_per_interval: int = 10_000  # per name, between flushes
-    queue_size: int = 8  # flush batches waiting for the background worker
-    shutdown_timeout_s: float = 2.0
-    # timers and traces
-    # Timers with level > this cost ~nothing (Megatron semantics). Unset: 1 (`timer_level`), but an
-    # instrumented Megatron `Timers` reports every timer its own log_level enables.
-    timing_log_level: int | None = None
-    timing_log_option: TimingLogOption = "minmax"
-    traces: bool = True
-    trace_first: int = 3  # sample the first N steps ...
-    trace_every: int = 100  # ... then every N-th step
-    # console
-    verbosity: int = 1  # 0 quiet, 1 summary lines + final table, 2 also debug
-    progress_bar: bool = True
-    total_steps: int | None = None
-    # health
-    loss_spike_factor: float = 3.0  # loss > factor x recent EWMA mean is a spike
-    stall_timeout_s: float = 300.0  # no completed step for this long: stall event + stack dump
-    stack_dump_signal: str = "SIGUSR1"  # `kill -USR1 <pid>` dumps every thread's stack; "" turns it off
-    # bridges
-    tensorboard: bool = False
-    wandb: bool = False
-    mlflow: bool = False
-    bridge_all_ranks: bool = False
-    bridge_queue_size: int = 64
-    wandb_project: str = "otel-train"
-    wandb_entity: str | None = None
-    wandb_group: str | None = None
-    wandb_tags: tuple[str, ...] = ()
-    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
-    mlflow_tracking_uri: str | None = None  # default: file store under the run dir
-    mlflow_experiment: str = "otel-train"
-    samples_to_show: int = 4
-    # hardware
-    hardware: bool = True
-    hardware_interval_s: float = 5.0
-    peak_flops: float | None = None  # override the peak table (FLOP/s per GPU)
-    # The precision the matmuls run in, whose peak MFU divides by. "auto": the torch.autocast dtype
-    # active on the training thread at a flush, else bf16 (autocast around the forward pass only
-    # cannot be seen from a flush); set it for fp8, fp16 without autocast, tf32 or fp32 training.
-    compute_dtype: ComputeDtype = "auto"
-    flops_per_token: float | None = None
-    # Reset torch.cuda's peak memory stats at each flush (peak per interval). False leaves them to
-    # your code (torch.cuda.max_memory_allocated() keeps working); the peak is then the run's.
-    cuda_peak_per_interval: bool = True
-    # ot.watch's statistics per layer group (up to its max_layers), or one group for the whole
-    # model: on a huge job, ~2 series per rank (grad and param norm) instead of ~2 x 64, or 4 x 64
-    # with activations, which are per layer only (README "Series budget").
-    watch_aggregate: WatchAggregate = "layer"
-    # distributed
-    straggler_threshold: float = 0.9  # relative score: 1 - lateness / step time
-    straggler_ewma: float = 0.5
-    collective_timeout_s: float = 60.0
-    # How long rank 0 waits at a flush for the rows of the ranks that were on time at the last one
-    # (lockstep ranks come within milliseconds); a row that comes later is taken at a later flush.
-    exchange_grace_s: float = 1.0
-    # Children per rank in the exchange's reduction tree (per node first, then this fan-in). A
-    # fan-in >= the world size - 1 is the star around rank 0 (crossrank/tree.py, README "Scale").
-    exchange_fanin: int = 16
-    # One exchange per flush with rank 0 (cross-rank stats, stragglers, one cadence): right for ranks
-    # that train in lockstep (DDP, FSDP). False for independent ranks (evaluators, RL workers,
-    # separate trials): they then meet only at init() and never wait for each other's flushes.
-    cross_rank: bool = True
-    rank_series: RankSeries = "auto"
+class Setting:
+    """What a field's type and default do not say: its allowed values, its other environment
+    variables, whether it may change at runtime, and its doc."""
 
-    @property
-    def timer_level(self) -> int:
-        """The level `ot.timer` and `ot.phase` keep timers up to: `timing_log_level`, 1 when unset."""
-        return 1 if self.timing_log_level is None else self.timing_log_level
+    doc: str
+    # The allowed range (inclusive ge/le, exclusive gt/lt); None (for an optional field) is always allowed.
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    pattern: str | None = None  # a string setting must match it whole
+    check: Callable[[Any], str | None] | None = None  # a rule beyond the range: the fix, None when fine
+    fix: str | None = None  # the error's advice where the type and range alone say too little
+    env: tuple[str, ...] = ()  # standard OpenTelemetry variables that also set it
+    env_in_ms: bool = False  # those variables give milliseconds (the OpenTelemetry spec's unit)
+    runtime: bool = False  # the control file may change it in a running job
 
 
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    doc: str,
+    factory: Callable[[], Any] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    pattern: str | None = None,
+    check: Callable[[Any], str | None] | None = None,
+    fix: str | None = None,
+    env: tuple[str, ...] = (),
+    env_in_ms: bool = False,
+    runtime: bool = False,
+) -> Any:
+    """A `Config` field: its default (or `factory` for a mutable one) and its `Setting`."""
+    spec = Setting(
+        doc=doc,
+        ge=ge,
+        gt=gt,
+        le=le,
+        lt=lt,
+        pattern=pattern,
+        check=check,
+        fix=fix,
+        env=env,
+        env_in_ms=env_in_ms,
+        runtime=runtime,
+    )
+    metadata = {_METADATA_KEY: spec}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# --- the rules beyond a range, each named in its setting's declaration -------------------------------
+_URL_RE = re.compile(r"^https?://[^/\s]+")
 _SIGNAL_PATH_RE = re.compile(r"/v1/(metrics|traces|logs)/?$")
-CONFIG_FILE_ENV = "OTEL_TRAIN_CONFIG"
-
-FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
-
-
-def env_name(field_name: str) -> str:
-    return f"OTEL_TRAIN_{field_name.upper()}"
-
-
-# What a run name may not hold (see `validate`), as a project name given as its prefix is cleaned.
-_NOT_RUN_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:-]+")
-
-
-def default_run_name(prefix: str | None = None) -> str:
-    """The run name when none is set: `<UTC date-time>-<4 hex>`, so a run never reuses the previous
-    run's directory. With `prefix` (a framework's project name), `<prefix>-<UTC date-time>-<4 hex>`,
-    the prefix made a valid run name's start (other characters as `-`, at most 100 of them)."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    name = f"{stamp}-{secrets.token_hex(2)}"
-    start = _NOT_RUN_NAME_CHARS.sub("-", prefix or "").lstrip("-_.:")[:100]
-    return f"{start}-{name}" if start else name
-
-
-def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
-    """Check ranges; `sources` (field -> where the value came from) makes errors name the variable
-    or file the user actually set, e.g. OTEL_EXPORTER_OTLP_TIMEOUT rather than OTEL_TRAIN_*."""
-    sources = sources or {}
-
-    def need(cond: bool, name: str, fix: str) -> None:
-        if not cond:
-            value = getattr(config, name)
-            shown = REDACTED if is_secret_key(name) else repr(redact_url(value))
-            source = sources.get(name)
-            if source is None:
-                where = f"env {env_name(name)}"
-            elif source.startswith("OTEL_"):
-                where = f"from {source}"
-            else:
-                where = f"from {source}; env {env_name(name)}"
-            raise ConfigError(f"setting {name} = {shown} is invalid: {fix} ({where}).")
-
-    need(
-        config.log_interval is None or config.log_interval >= 1,
-        "log_interval",
-        "use a whole number of steps >= 1, or leave it unset for the adaptive cadence",
-    )
-    need(config.log_interval_min_s > 0, "log_interval_min_s", "use a positive number of seconds")
-    need(config.log_interval_s > 0, "log_interval_s", "use a positive number of seconds")
-    need(0 <= config.prometheus_port <= 65535, "prometheus_port", "use a TCP port 1-65535, or 0 to disable")
-    need(config.metric_export_interval_s > 0, "metric_export_interval_s", "use a positive number of seconds")
-    need(
-        0 < config.otlp_timeout_s <= 60,
-        "otlp_timeout_s",
-        "use seconds in (0, 60]; OTEL_EXPORTER_OTLP_TIMEOUT is in milliseconds: (0, 60000]",
-    )
-    need(
-        config.timing_log_level in (None, 0, 1, 2),
-        "timing_log_level",
-        "use 0, 1 or 2, or leave it unset (1; Megatron's Timers keep their own level)",
-    )
-    need(config.trace_first >= 0, "trace_first", "use an integer >= 0")
-    need(config.trace_every >= 1, "trace_every", "use an integer >= 1")
-    need(config.verbosity in (0, 1, 2), "verbosity", "use 0 (quiet), 1 or 2")
-    need(config.max_metric_names >= 1, "max_metric_names", "use an integer >= 1")
-    need(config.max_values_per_interval >= 1, "max_values_per_interval", "use an integer >= 1")
-    need(config.queue_size >= 1, "queue_size", "use an integer >= 1")
-    need(config.bridge_queue_size >= 1, "bridge_queue_size", "use an integer >= 1")
-    need(0 < config.shutdown_timeout_s <= 60, "shutdown_timeout_s", "use seconds in (0, 60]")
-    need(
-        config.total_steps is None or config.total_steps >= 1,
-        "total_steps",
-        "use a positive integer or leave unset",
-    )
-    need(config.loss_spike_factor > 1, "loss_spike_factor", "use a factor > 1")
-    need(config.stall_timeout_s > 0, "stall_timeout_s", "use a positive number of seconds")
-    need(
-        config.stack_dump_signal == "" or signal_number(config.stack_dump_signal) is not None,
-        "stack_dump_signal",
-        "use a signal name such as SIGUSR1 or SIGUSR2, or an empty string to turn signal dumps off",
-    )
-    need(config.hardware_interval_s > 0, "hardware_interval_s", "use a positive number of seconds")
-    need(config.peak_flops is None or config.peak_flops > 0, "peak_flops", "use FLOP/s > 0 or leave unset")
-    need(0 < config.straggler_threshold < 1, "straggler_threshold", "use a score in (0, 1), e.g. 0.9")
-    need(0 < config.straggler_ewma <= 1, "straggler_ewma", "use a smoothing factor in (0, 1]")
-    need(config.collective_timeout_s > 0, "collective_timeout_s", "use a positive number of seconds")
-    need(config.exchange_grace_s > 0, "exchange_grace_s", "use a positive number of seconds")
-    need(
-        config.exchange_fanin >= 2, "exchange_fanin", "use a whole number of children per rank >= 2, e.g. 16"
-    )
-    need(bool(config.service_name.strip()), "service_name", "use a non-empty name")
-    if config.otlp_endpoint is not None:
-        endpoint = config.otlp_endpoint
-        need(
-            re.match(r"^https?://[^/\s]+", endpoint) is not None,
-            "otlp_endpoint",
-            "use a URL such as http://localhost:4318 (HTTP) or http://localhost:4317 (gRPC), or unset it",
-        )
-        need(
-            _url_port_ok(endpoint),
-            "otlp_endpoint",
-            "the port must be a number in 1-65535, e.g. http://localhost:4318",
-        )
-        need(
-            _SIGNAL_PATH_RE.search(endpoint.split("?", 1)[0]) is None,
-            "otlp_endpoint",
-            "give the base URL without /v1/metrics, /v1/traces or /v1/logs (otel_train appends the "
-            "signal path itself), e.g. http://localhost:4318",
-        )
-    if config.otlp_metrics_endpoint is not None:
-        need(
-            re.match(r"^https?://[^/\s]+", config.otlp_metrics_endpoint) is not None
-            and _url_port_ok(config.otlp_metrics_endpoint),
-            "otlp_metrics_endpoint",
-            "use the full metrics URL, e.g. http://localhost:8428/opentelemetry/v1/metrics "
-            "(VictoriaMetrics) or http://localhost:4318/v1/metrics, or unset it",
-        )
-    need(
-        re.match(r"^([A-Za-z0-9][A-Za-z0-9_-]{0,63})?$", config.role) is not None,
-        "role",
-        "use letters, digits, _ and - (max 64 characters, no dots: the role is part of file names), "
-        "e.g. controller, policy, generation; or leave it empty",
-    )
-    for name in ("run_name", "run_id"):
-        value = getattr(config, name)
-        need(
-            value is None or re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$", value) is not None,
-            name,
-            "use letters, digits and _ . : - (max 128 characters)",
-        )
 
 
 def _url_port_ok(url: str) -> bool:
@@ -284,6 +108,38 @@ def _url_port_ok(url: str) -> bool:
     return port is None or port >= 1
 
 
+def _otlp_base_url_problem(url: str) -> str | None:
+    if _URL_RE.match(url) is None:
+        return "use a URL such as http://localhost:4318 (HTTP) or http://localhost:4317 (gRPC), or unset it"
+    if not _url_port_ok(url):
+        return "the port must be a number in 1-65535, e.g. http://localhost:4318"
+    if _SIGNAL_PATH_RE.search(url.split("?", 1)[0]) is not None:
+        return (
+            "give the base URL without /v1/metrics, /v1/traces or /v1/logs (otel_train appends the "
+            "signal path itself), e.g. http://localhost:4318"
+        )
+    return None
+
+
+def _otlp_metrics_url_problem(url: str) -> str | None:
+    if _URL_RE.match(url) is not None and _url_port_ok(url):
+        return None
+    return (
+        "use the full metrics URL, e.g. http://localhost:8428/opentelemetry/v1/metrics "
+        "(VictoriaMetrics) or http://localhost:4318/v1/metrics, or unset it"
+    )
+
+
+def _blank_problem(text: str) -> str | None:
+    return None if text.strip() else "use a non-empty name"
+
+
+def _signal_problem(name: str) -> str | None:
+    if name == "" or signal_number(name) is not None:
+        return None
+    return "use a signal name such as SIGUSR1 or SIGUSR2, or an empty string to turn signal dumps off"
+
+
 def signal_number(name: str) -> int | None:
     """`SIGUSR1` / `USR1` / `10` as a signal number, None if there is no such signal."""
     import signal
@@ -294,6 +150,435 @@ def signal_number(name: str) -> int | None:
         return number if number in {s.value for s in signal.Signals} else None
     member = getattr(signal.Signals, text if text.startswith("SIG") else f"SIG{text}", None)
     return int(member) if member is not None else None
+
+
+_RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}"
+_RUN_NAME_FIX = "use letters, digits and _ . : - (max 128 characters)"
+
+
+@dataclass(frozen=True)
+class Config:
+    # identity
+    service_name: str = setting(
+        "otel-train",
+        doc="`service.name` resource attribute",
+        check=_blank_problem,
+        env=("OTEL_SERVICE_NAME",),
+    )
+    run_name: str | None = setting(
+        None,
+        pattern=_RUN_NAME,
+        fix=_RUN_NAME_FIX,
+        doc="run directory name (default: UTC date-time + 4 hex); see [Reusing a run name](../reliability.md#reusing-a-run-name)",
+    )
+    run_id: str | None = setting(
+        None,
+        pattern=_RUN_NAME,
+        fix=_RUN_NAME_FIX,
+        doc="shared by all ranks of a job; default: TORCHELASTIC_RUN_ID / SLURM_JOB_ID, else agreed at init",
+    )
+    # Joins run_id and rank in the identity, so two roles' rank 0 never share a file or a series.
+    role: str = setting(
+        "",
+        pattern=r"([A-Za-z0-9][A-Za-z0-9_-]{0,63})?",
+        fix="use letters, digits, _ and - (max 64 characters, no dots: the role is part of file names), "
+        "e.g. controller, policy, generation; or leave it empty",
+        doc="this process's part in a single-controller job (`controller`, `policy`, `generation`, ...): a "
+        "`role` label on every series, in `service.instance.id` and in run-dir file names "
+        "(`metrics.<role>.rank<k>.jsonl`); empty: no role. See "
+        "[Ray, NeMo RL and other single-controller jobs](../frameworks/ray-nemo-rl.md)",
+    )
+    resource_attributes: dict[str, str] = setting(
+        factory=dict,
+        env=("OTEL_RESOURCE_ATTRIBUTES",),
+        doc="extra resource attributes (secret-looking keys are dropped)",
+    )
+    output_dir: str = setting("runs", doc="root of run directories: `<output_dir>/<run_name>/`")
+    run_dir_enabled: bool = setting(True, doc="write the run directory (JSONL, progress, config, env)")
+    # OTLP push
+    otlp_endpoint: str | None = setting(
+        None,
+        check=_otlp_base_url_problem,
+        env=("OTEL_EXPORTER_OTLP_ENDPOINT",),
+        doc="OTLP collector base URL (no `/v1/metrics`: the signal path is appended); OTLP is off when "
+        "unset; `user:password@` and secret-looking query keys (`?api_key=`) are used but written "
+        "everywhere as `***`",
+    )
+    otlp_metrics_endpoint: str | None = setting(
+        None,
+        check=_otlp_metrics_url_problem,
+        env=("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",),
+        doc="Metrics only, full URL used as-is (e.g. VictoriaMetrics' `http://host:8428/opentelemetry/v1/metrics`, "
+        "see [Scale-out store](../scale.md#scale-out-store)); spans and logs still go to `otlp_endpoint`",
+    )
+    otlp_protocol: OtlpProtocol = setting(
+        "http/protobuf", env=("OTEL_EXPORTER_OTLP_PROTOCOL",), doc="`http/protobuf` or `grpc`"
+    )
+    otlp_headers: dict[str, str] = setting(
+        factory=dict,
+        env=("OTEL_EXPORTER_OTLP_HEADERS",),
+        doc="headers sent with every export (never written anywhere)",
+    )
+    otlp_timeout_s: float = setting(
+        5.0,
+        gt=0,
+        le=60,
+        env=("OTEL_EXPORTER_OTLP_TIMEOUT",),
+        env_in_ms=True,
+        fix="use seconds in (0, 60]; OTEL_EXPORTER_OTLP_TIMEOUT is in milliseconds: (0, 60000]",
+        doc="per-export timeout, seconds (the `OTEL_EXPORTER_OTLP_TIMEOUT` variable is milliseconds, as the "
+        "OTel spec says; below 100 ms is refused as a seconds-vs-ms mistake, above 60 s as too long to wait "
+        "at each export)",
+    )
+    otlp_insecure: bool = setting(True, doc="gRPC without TLS for `http://` endpoints")
+    metric_export_interval_s: float = setting(
+        10.0,
+        gt=0,
+        env=("OTEL_METRIC_EXPORT_INTERVAL",),
+        env_in_ms=True,
+        doc="OTLP metric push interval (env var in ms, as the spec says)",
+    )
+    # in-process Prometheus pull endpoint: http://<host>:<port + local_rank>/metrics
+    prometheus_port: int = setting(
+        9464,
+        ge=0,
+        le=65535,
+        fix="use a TCP port 1-65535, or 0 to disable (0 turns the pull endpoint off)",
+        doc="pull endpoint base port (+ local rank); 0 disables",
+    )
+    prometheus_host: str = setting("127.0.0.1", doc="pull endpoint bind address")
+    console_exporter: bool = setting(False, doc="print OTel metrics/spans/logs to stdout (debugging)")
+    # flush cadence and hot-path bounds
+    log_interval: int | None = setting(
+        None,
+        ge=1,
+        fix="use a whole number of steps >= 1, or leave it unset for the adaptive cadence",
+        doc="flush every N steps; unset: adaptive (every 10 steps, but at most about once per "
+        "`log_interval_min_s`, rounded to 10/20/50/100/... steps, decided on rank 0; with `cross_rank=False` "
+        "each rank decides its own)",
+    )
+    log_interval_min_s: float = setting(
+        1.0,
+        gt=0,
+        doc="adaptive cadence: flush at most about this often (up to 2x less often when a flush's worker CPU "
+        "would exceed 0.25 % of the time between flushes)",
+    )
+    log_interval_s: float = setting(
+        30.0,
+        gt=0,
+        doc="...or after N seconds (not for ranks in lockstep, `cross_rank=True`, whose flush steps must "
+        "match); it also caps the adaptive interval, on every rank",
+    )
+    max_metric_names: int = setting(64, ge=1, doc="distinct `record()` names; more are dropped and counted")
+    max_values_per_interval: int = setting(
+        10_000,
+        ge=1,
+        doc="values kept per name between flushes (also step durations and timers: every per-interval list)",
+    )
+    queue_size: int = setting(8, ge=1, doc="flushes waiting for the background worker")
+    shutdown_timeout_s: float = setting(2.0, gt=0, le=60, doc="bound on exporter shutdown (at most 60 s)")
+    # timers and traces
+    timing_log_level: int | None = setting(
+        None,
+        ge=0,
+        le=2,
+        runtime=True,
+        fix="use 0, 1 or 2, or leave it unset (1; Megatron's Timers keep their own level)",
+        doc="timers above this level cost ~nothing (0, 1, 2); unset, 1, except that an instrumented "
+        "Megatron `Timers` keeps its own level",
+    )
+    timing_log_option: TimingLogOption = setting(
+        "minmax", doc="cross-rank timer view: `max`, `minmax`, `all`"
+    )
+    traces: bool = setting(True, doc="emit step spans")
+    trace_first: int = setting(3, ge=0, runtime=True, doc="trace the first N steps...")
+    trace_every: int = setting(100, ge=1, runtime=True, doc="...then every N-th step")
+    # console
+    verbosity: int = setting(
+        1,
+        ge=0,
+        le=2,
+        runtime=True,
+        fix="use 0 (quiet), 1 or 2",
+        doc="0 quiet, 1 summaries and final table, 2 debug",
+    )
+    progress_bar: bool = setting(True, doc="progress bar on a terminal")
+    total_steps: int | None = setting(None, ge=1, doc="planned steps (ETA, progress)")
+    # health
+    loss_spike_factor: float = setting(3.0, gt=1, doc="loss above factor x recent mean is a spike event")
+    stall_timeout_s: float = setting(
+        300.0,
+        gt=0,
+        doc="no step for this long: every thread's stack goes to `stacks.rank<k>.<n>.txt` in the run dir "
+        "and a stall event names the file",
+    )
+    stack_dump_signal: str = setting(
+        "SIGUSR1",
+        check=_signal_problem,
+        doc="`kill -USR1 <pid>` writes the same stack dump, also while the rank is blocked in a collective; "
+        '`""` turns it off',
+    )
+    # bridges
+    tensorboard: bool = setting(False, doc="TensorBoard bridge")
+    wandb: bool = setting(False, doc="Weights & Biases bridge")
+    mlflow: bool = setting(False, doc="MLflow bridge")
+    bridge_all_ranks: bool = setting(False, doc="bridges on every rank (one run per rank) instead of rank 0")
+    bridge_queue_size: int = setting(
+        64, ge=1, doc="per-bridge queue; a slow backend drops (counted) beyond it"
+    )
+    wandb_project: str = setting("otel-train", doc="W&B project")
+    wandb_entity: str | None = setting(None, doc="W&B entity")
+    wandb_group: str | None = setting(None, doc="W&B group")
+    wandb_tags: tuple[str, ...] = setting((), doc="W&B tags (comma-separated in env)")
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = setting(
+        "auto",
+        doc="`auto` (online with W&B credentials: `WANDB_API_KEY` or a `wandb login` entry in the netrc "
+        "file; offline without; a `WANDB_MODE` variable wins over `auto`), `online`, `offline`, `disabled`",
+    )
+    mlflow_tracking_uri: str | None = setting(
+        None, doc="unset: the `MLFLOW_TRACKING_URI` variable if set, else a local store under the run dir"
+    )
+    mlflow_experiment: str = setting("otel-train", doc="MLflow experiment")
+    samples_to_show: int = setting(4, doc="validation samples shown per call")
+    # hardware
+    hardware: bool = setting(True, doc="NVML / CUDA allocator / host metrics")
+    hardware_interval_s: float = setting(5.0, gt=0, doc="NVML sampling interval")
+    peak_flops: float | None = setting(None, gt=0, doc="override the peak FLOP/s per GPU for MFU")
+    # "auto" cannot see autocast around the forward pass alone: it has ended by the flush.
+    compute_dtype: ComputeDtype = setting(
+        "auto",
+        doc="the precision whose peak MFU divides by: `fp8`, `bf16`, `fp16`, `tf32`, `fp32` (`fp32` counts as "
+        "`tf32` when torch lets float32 matmuls use TF32); `auto`: the `torch.autocast` dtype active around "
+        "`ot.step` at a flush (it is per thread: autocast around the forward pass alone ends before the "
+        "flush and is not seen), else `bf16`. The HF and Lightning integrations, when they start the "
+        "session, pass the precision the framework trains in (`TrainingArguments(bf16/fp16/tf32=True)`, "
+        '`Trainer(precision="bf16-mixed")`, ...) unless you set one. The MFU point carries `compute.dtype`, '
+        "`peak.flops` and `peak.source`",
+    )
+    flops_per_token: float | None = setting(None, doc="model FLOPs per token for MFU")
+    cuda_peak_per_interval: bool = setting(
+        True,
+        doc="reset torch.cuda peak memory stats at each flush; `False` if your code reads `max_memory_allocated()`",
+    )
+    watch_aggregate: WatchAggregate = setting(
+        "layer",
+        doc='`ot.watch` statistics per layer group (up to `max_layers`), or `"model"`: one group for the '
+        "whole model, ~2 series per rank instead of ~2 × 64 (see [Series budget](../scale.md#series-budget))",
+    )
+    # distributed
+    straggler_threshold: float = setting(
+        0.9,
+        gt=0,
+        lt=1,
+        runtime=True,
+        fix="use a score in (0, 1), e.g. 0.9",
+        doc="a rank whose smoothed relative score (1 − lateness ÷ step time) falls below this is a chronic "
+        "straggler",
+    )
+    straggler_ewma: float = setting(
+        0.5, gt=0, le=1, doc="weight of the newest flush interval in the smoothed straggler scores"
+    )
+    collective_timeout_s: float = setting(
+        60.0,
+        gt=0,
+        doc="a rank that sends no telemetry row for this long turns the exchange off (and the timeout of "
+        "the run id broadcast at `init()`)",
+    )
+    exchange_grace_s: float = setting(
+        1.0,
+        gt=0,
+        doc="how long rank 0's worker waits at a flush for the rows of the ranks that were in at its previous "
+        "flush (lockstep ranks: milliseconds); later rows are taken at a later flush, never waited for on "
+        "the training thread",
+    )
+    exchange_fanin: int = setting(
+        16,
+        ge=2,
+        fix="use a whole number of children per rank >= 2, e.g. 16",
+        doc="children per rank in the exchange's reduction tree (at least 2; ranks grouped per node first "
+        "where `LOCAL_WORLD_SIZE` says which share one; a node leader has up to twice this): every rank's "
+        "CPU and bytes per flush are O(fan-in), the depth O(log N). A fan-in >= the world size - 1 is the "
+        "star around rank 0 (exact rows of every rank); larger jobs carry 4 rows whole per subtree and a "
+        "mergeable summary of the rest ([Cross-rank exchange](../scale.md#cross-rank-exchange))",
+    )
+    cross_rank: bool = setting(
+        True,
+        doc="one exchange per flush with rank 0 (cross-rank stats, stragglers, one flush cadence), never "
+        "waited for on the training thread: for ranks in lockstep (DDP, FSDP); `False` for independent ranks "
+        "(evaluators, RL workers, separate trials), which then meet only at `init()` and exchange nothing. "
+        "Rank 0's value wins (warned)",
+    )
+    rank_series: RankSeries = setting(
+        "auto",
+        doc='which series each rank exports: `"full"` (every one), `"essential"` (only those that find and '
+        'explain a bad rank; job-level series come from rank 0 in both), or `"auto"` (essential from '
+        f"{RANK_SERIES_ESSENTIAL_FROM:,} ranks on)",
+    )
+
+    @property
+    def timer_level(self) -> int:
+        """The level `ot.timer` and `ot.phase` keep timers up to: `timing_log_level`, 1 when unset."""
+        return 1 if self.timing_log_level is None else self.timing_log_level
+
+
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def env_name(field_name: str) -> str:
+    return f"OTEL_TRAIN_{field_name.upper()}"
+
+
+# --- the table, read by the loaders, the control file and the docs ----------------------------------
+@dataclass(frozen=True)
+class Declaration:
+    """A field as the table holds it: its type (`X` of `X | None`), whether it may be None, its
+    default and its `Setting`."""
+
+    type: Any
+    optional: bool
+    default: Any
+    setting: Setting
+
+
+_TABLES: dict[type, Mapping[str, Declaration]] = {}
+
+
+def declared(cls: type[Config] = Config) -> Mapping[str, Declaration]:
+    """Each field of `cls`, in order. A field re-declared without `setting` (a subclass changing a
+    default) keeps its base class's `Setting`; one never declared with it has an empty doc and no rule."""
+    table = _TABLES.get(cls)
+    if table is None:
+        table = _TABLES[cls] = _declarations(cls)
+    return table
+
+
+def _declarations(cls: type[Config]) -> dict[str, Declaration]:
+    hints = typing.get_type_hints(cls)
+    table: dict[str, Declaration] = {}
+    for f in dataclasses.fields(cls):
+        specs = (getattr(c, "__dataclass_fields__", {}).get(f.name) for c in cls.__mro__)
+        spec = next((s.metadata[_METADATA_KEY] for s in specs if s and _METADATA_KEY in s.metadata), None)
+        hint, args = hints[f.name], typing.get_args(hints[f.name])
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        table[f.name] = Declaration(
+            next(a for a in args if a is not type(None)) if optional else hint,
+            optional,
+            default,
+            spec if spec is not None else Setting(doc=""),
+        )
+    return table
+
+
+def runtime_settings(cls: type[Config] = Config) -> list[str]:
+    """The settings the control file may change in a running job."""
+    return [name for name, entry in declared(cls).items() if entry.setting.runtime]
+
+
+def allowed(name: str, cls: type[Config] = Config) -> str:
+    """The values setting `name` accepts, in words (an error's fix, the docs page)."""
+    entry = declared(cls)[name]
+    spec = entry.setting
+    bounds = [(spec.ge, "[", ">="), (spec.gt, "(", ">"), (spec.le, "]", "<="), (spec.lt, ")", "<")]
+    given = [(f"{v:g}", bracket, op) for v, bracket, op in bounds if v is not None]
+    if len(given) == 2:
+        (low, left, _), (high, right, _) = given
+        text = f"{_kind(entry.type, name)} in {left}{low}, {high}{right}"
+    else:
+        text = " ".join([_kind(entry.type, name), *(f"{op} {v}" for v, _, op in given)])
+    return text + ", or leave it unset" * entry.optional
+
+
+def _kind(hint: Any, name: str) -> str:
+    if hint is bool:
+        return "true or false"
+    if hint is int:
+        return "an integer"
+    if hint is float:
+        return "a number of seconds" if name.endswith("_s") else "a number"
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    if typing.get_origin(hint) is dict:
+        return "a mapping of strings"
+    if typing.get_origin(hint) is tuple:
+        return "a list of strings"
+    return "a string"
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if typing.get_origin(hint) is Literal:
+        return any(value == choice and type(value) is type(choice) for choice in typing.get_args(hint))
+    if typing.get_origin(hint) is dict:
+        return isinstance(value, dict) and all(isinstance(x, str) for kv in value.items() for x in kv)
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, tuple) and all(isinstance(x, str) for x in value)
+    return isinstance(value, hint)
+
+
+def problem(name: str, value: Any, cls: type[Config] = Config) -> str | None:
+    """What is wrong with `value` for setting `name`, as the fix; None when it is allowed."""
+    entry = declared(cls)[name]
+    spec = entry.setting
+    if value is None and entry.optional:
+        return None
+    advice = spec.fix or f"use {allowed(name, cls)}"
+    if not _is_a(value, entry.type):
+        return f"expected {_kind(entry.type, name)}; {advice}" if spec.fix else advice
+    in_range = (
+        (spec.ge is None or value >= spec.ge)
+        and (spec.gt is None or value > spec.gt)
+        and (spec.le is None or value <= spec.le)
+        and (spec.lt is None or value < spec.lt)
+    )
+    if not in_range or (spec.pattern is not None and re.fullmatch(spec.pattern, value) is None):
+        return advice
+    return spec.check(value) if spec.check is not None else None
+
+
+def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
+    """Check every setting against its declaration; `sources` (field -> where the value came from)
+    makes errors name the variable or file the user actually set, e.g. OTEL_EXPORTER_OTLP_TIMEOUT
+    rather than OTEL_TRAIN_*."""
+    sources = sources or {}
+    for name in declared(type(config)):
+        value = getattr(config, name)
+        fix = problem(name, value, type(config))
+        if fix is None:
+            continue
+        shown = REDACTED if is_secret_key(name) else repr(redact_url(value))
+        source = sources.get(name)
+        if source is None:
+            where = f"env {env_name(name)}"
+        elif source.startswith("OTEL_"):
+            where = f"from {source}"
+        else:
+            where = f"from {source}; env {env_name(name)}"
+        raise ConfigError(f"setting {name} = {shown} is invalid: {fix} ({where}).")
+
+
+def changed(config: Config, settings: Mapping[str, Any], source: str) -> Config:
+    """`config` with `settings` changed, checked as `init()` checks them (`ConfigError`)."""
+    new = dataclasses.replace(config, **settings)
+    validate(new, dict.fromkeys(settings, source))
+    return new
+
+
+# What a run name may not hold (see `_RUN_NAME`), as a project name given as its prefix is cleaned.
+_NOT_RUN_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:-]+")
+
+
+def default_run_name(prefix: str | None = None) -> str:
+    """The run name when none is set: `<UTC date-time>-<4 hex>`, so a run never reuses the previous
+    run's directory. With `prefix` (a framework's project name), `<prefix>-<UTC date-time>-<4 hex>`,
+    the prefix made a valid run name's start (other characters as `-`, at most 100 of them)."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    name = f"{stamp}-{secrets.token_hex(2)}"
+    start = _NOT_RUN_NAME_CHARS.sub("-", prefix or "").lstrip("-_.:")[:100]
+    return f"{start}-{name}" if start else name
 
 
 def config_as_dict(config: Config) -> dict[str, Any]:

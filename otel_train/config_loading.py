@@ -1,75 +1,65 @@
 """Where settings come from: `load_config` resolves a `Config` from kwargs > environment > YAML
-file > defaults, each value coerced to its field's type, then checked (`config.validate`).
+file > defaults, each value parsed by its field's type, then checked (`config.validate`).
 
-Standard OpenTelemetry variables are read as the spec says (`OTEL_EXPORTER_OTLP_HEADERS` as
-percent-encoded `k=v` pairs, `OTEL_METRIC_EXPORT_INTERVAL` and `OTEL_EXPORTER_OTLP_TIMEOUT` in
-milliseconds); `OTEL_TRAIN_<FIELD>` sets any field.
+Standard OpenTelemetry variables (each setting's `env` in config) are read as the spec says
+(`OTEL_EXPORTER_OTLP_HEADERS` as percent-encoded `k=v` pairs, milliseconds where the setting says
+`env_in_ms`); `OTEL_TRAIN_<FIELD>` sets any field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-import types
 import typing
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
-from otel_train.config import CONFIG_FILE_ENV, FIELDS, Config, ConfigError, env_name, validate
-from otel_train.redaction import REDACTED, is_secret_key, redact_url
+from otel_train.config import CONFIG_FILE_ENV, Config, ConfigError, declared, env_name, validate
 
-# Standard OTel variables → field. Parsed specially; OTEL_TRAIN_<FIELD> is generic.
-_STANDARD_ENV = {
-    "OTEL_SERVICE_NAME": "service_name",
-    "OTEL_EXPORTER_OTLP_ENDPOINT": "otlp_endpoint",
-    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "otlp_metrics_endpoint",
-    "OTEL_EXPORTER_OTLP_PROTOCOL": "otlp_protocol",
-    "OTEL_EXPORTER_OTLP_HEADERS": "otlp_headers",
-    "OTEL_RESOURCE_ATTRIBUTES": "resource_attributes",
-    "OTEL_METRIC_EXPORT_INTERVAL": "metric_export_interval_s",  # milliseconds in the spec
-    "OTEL_EXPORTER_OTLP_TIMEOUT": "otlp_timeout_s",  # milliseconds in the spec
-}
 # An HTTP header name (RFC 9110 token); values are checked for control characters only.
 _HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-_HINTS = typing.get_type_hints(Config)
 
 
 def load_config(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     config_file: str | None = None,
+    config_cls: type[Config] = Config,
 ) -> Config:
-    """Resolve a Config: `overrides` (kwargs) > environment > YAML file > defaults."""
+    """Resolve a `config_cls` (a Config): `overrides` (kwargs) > environment > YAML file > defaults."""
     environ = os.environ if environ is None else environ
     overrides = dict(overrides or {})
+    table = declared(config_cls)
     values: dict[str, tuple[Any, str]] = {}  # field -> (value, where it came from)
 
     path = config_file or overrides.pop("config_file", None) or environ.get(CONFIG_FILE_ENV)
     if path:
-        for name, value in config_file_settings(path).items():
+        for name, value in config_file_settings(path, config_cls).items():
             values[name] = (value, f"{path}:{name}")
-    for env_key, name in _STANDARD_ENV.items():
-        if env_key in environ and environ[env_key].strip() != "":
-            values[name] = (_parse_standard_env(env_key, environ[env_key]), env_key)
-    for name in FIELDS:
+    for name, entry in table.items():
+        for key in entry.setting.env:
+            if environ.get(key, "").strip() != "":
+                values[name] = (_from_standard_env(key, environ[key], name, config_cls), key)
+    for name in table:
         key = env_name(name)
-        if key in environ and environ[key].strip() != "":
+        if environ.get(key, "").strip() != "":
             values[name] = (environ[key], key)
     for name, value in overrides.items():
-        if name not in FIELDS:
+        if name not in table:
             raise ConfigError(
-                f"init() got an unknown setting {name!r}. Known settings: {', '.join(sorted(FIELDS))}."
+                f"init() got an unknown setting {name!r}. Known settings: {', '.join(sorted(table))}."
             )
         values[name] = (value, f"init({name}=...)")
 
-    resolved = {name: _coerce(name, value, source) for name, (value, source) in values.items()}
-    config = Config(**resolved)
+    resolved = {name: _parse(name, value, source, config_cls) for name, (value, source) in values.items()}
+    config = config_cls(**resolved)
     validate(config, {name: source for name, (_, source) in values.items()})
     return config
 
 
-def config_file_settings(path: str) -> dict[str, Any]:
-    """The settings a YAML config file names, as written there (not yet coerced nor checked): an
+def config_file_settings(path: str, config_cls: type[Config] = Config) -> dict[str, Any]:
+    """The settings a YAML config file names, as written there (not yet parsed nor checked): an
     adapter asks it which settings the user chose. A missing or malformed file, or one naming an
     unknown setting, raises `ConfigError` naming the file and the fix."""
     import yaml
@@ -86,33 +76,35 @@ def config_file_settings(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of settings, got {type(data).__name__}.")
-    unknown = sorted(set(data) - set(FIELDS))
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(
-            f"config file {path!r} has unknown settings {unknown}. Known: {', '.join(sorted(FIELDS))}."
+            f"config file {path!r} has unknown settings {unknown}. Known: {', '.join(sorted(known))}."
         )
     return data
 
 
-def _parse_standard_env(env_key: str, raw: str) -> Any:
-    if env_key in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_RESOURCE_ATTRIBUTES"):
-        return parse_key_values(raw, env_key)
-    if env_key in ("OTEL_METRIC_EXPORT_INTERVAL", "OTEL_EXPORTER_OTLP_TIMEOUT"):
-        example = "10000" if env_key == "OTEL_METRIC_EXPORT_INTERVAL" else "5000"
-        try:
-            millis = float(raw)
-        except ValueError:
-            raise ConfigError(
-                f"{env_key}={raw!r} is not a number of milliseconds. Set it to e.g. {example} or unset it."
-            ) from None
-        if env_key == "OTEL_EXPORTER_OTLP_TIMEOUT" and 0 < millis < 100:
-            # The Python SDK once read this variable as seconds; a value that small is that mistake.
-            raise ConfigError(
-                f"{env_key}={raw!r} is in milliseconds (the OpenTelemetry spec's unit), so this is "
-                f"{millis:g} ms, too short for an export. Set it to e.g. {example} (5 s) or unset it."
-            )
-        return millis / 1000.0
-    return raw
+def _from_standard_env(env_key: str, raw: str, name: str, config_cls: type[Config]) -> Any:
+    """A standard OpenTelemetry variable's value: milliseconds as seconds where the spec says so."""
+    entry = declared(config_cls)[name]
+    if not entry.setting.env_in_ms:
+        return raw
+    example = f"{entry.default * 1000:.0f}"  # env_in_ms settings are numbers of seconds
+    try:
+        millis = float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{env_key}={raw!r} is not a number of milliseconds. Set it to e.g. {example} or unset it."
+        ) from None
+    if env_key == "OTEL_EXPORTER_OTLP_TIMEOUT" and 0 < millis < 100:
+        # The Python SDK once read this variable as seconds; a value that small is that mistake.
+        raise ConfigError(
+            f"{env_key}={raw!r} is in milliseconds (the OpenTelemetry spec's unit), so this is "
+            f"{millis:g} ms, too short for an export. Set it to e.g. {example} ({entry.default:g} s) "
+            "or unset it."
+        )
+    return millis / 1000.0
 
 
 def parse_key_values(raw: str, setting: str) -> dict[str, str]:
@@ -149,75 +141,40 @@ def check_headers(headers: Mapping[str, str], setting: str) -> None:
             )
 
 
-# Integer settings where None reads as "off": the value that turns them off, named in the error.
-_OFF_VALUES = {"prometheus_port": " (0 turns the pull endpoint off)"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _coerce(name: str, value: Any, source: str) -> Any:
-    hint = _HINTS[name]
+def _parse(name: str, value: Any, source: str, config_cls: type[Config]) -> Any:
+    """`value` as its field's type where it is text (environment, YAML) or a looser type of the same
+    thing (a list for a tuple, an int for a float); anything else is left for `validate` to refuse."""
+    entry = declared(config_cls)[name]
+    hint, optional = entry.type, entry.optional
+    text = value.strip() if isinstance(value, str) else None
+    if optional and (value is None or (text is not None and text.lower() in ("", "none", "null"))):
+        return None
     origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    optional = origin in (typing.Union, types.UnionType) and type(None) in args
-    if optional:
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
-            return None
-        hint = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-
-    def bad(expected: str) -> ConfigError:
-        shown = REDACTED if is_secret_key(name) else repr(redact_url(value))
-        return ConfigError(f"setting {name} (from {source}) = {shown} is invalid: expected {expected}.")
-
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
-            return False
-        raise bad("true or false")
-    if hint is int:
-        if isinstance(value, bool) or value is None:
-            raise bad("an integer" + _OFF_VALUES.get(name, ""))
+    if hint is bool and text is not None and text.lower() in (*_TRUE, *_FALSE):
+        return text.lower() in _TRUE
+    if hint in (int, float) and text is not None:
         try:
-            return int(str(value).strip()) if not isinstance(value, int) else value
+            return hint(text)
         except ValueError:
-            raise bad("an integer") from None
-    if hint is float:
-        if isinstance(value, bool):
-            raise bad("a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise bad("a number") from None
-    if hint is str:
-        if not isinstance(value, str):
-            raise bad("a string")
-        return value
-    if origin is Literal:
-        if value not in args:
-            raise bad(f"one of {', '.join(map(repr, args))}")
-        return value
-    if origin in (dict, tuple):
-        return _coerce_collection(name, value, source, origin, bad)
-    return value
-
-
-def _coerce_collection(
-    name: str, value: Any, source: str, origin: Any, bad: Callable[[str], ConfigError]
-) -> Any:
-    """A dict setting from `k=v,...` or a mapping; a tuple setting from `a,b,...` or a list."""
+            return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
     if origin is dict:
-        if isinstance(value, str):
-            return parse_key_values(value, source if "header" not in name else f"{source} (headers)")
-        if not isinstance(value, Mapping):
-            raise bad("a mapping of strings")
-        mapping = {str(k): str(v) for k, v in value.items()}
-        if "header" in name:
-            check_headers(mapping, source)
-        return mapping
-    if isinstance(value, str):
+        headers = "header" in name
+        if text is not None:
+            return parse_key_values(
+                value, f"{source} (headers)" if headers and "HEADERS" not in source else source
+            )
+        if isinstance(value, Mapping):
+            mapping = {str(k): str(v) for k, v in value.items()}
+            if headers:
+                check_headers(mapping, source)
+            return mapping
+    if origin is tuple and text is not None:
         return tuple(v.strip() for v in value.split(",") if v.strip())
-    if isinstance(value, (list, tuple)):
+    if origin is tuple and isinstance(value, (list, tuple)):
         return tuple(str(v) for v in value)
-    raise bad("a list of strings")
+    return value

@@ -17,10 +17,11 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from otel_train import config as settings_table
 from otel_train.config import Config
 from otel_train.health import EventChannel
 from otel_train.run_directory import RunFiles
@@ -36,15 +37,6 @@ LEAD_TIME_S = 5.0
 POLL_S = 1.0
 MAX_FILE_BYTES = 64 * 1024  # a larger control file is refused unread
 _HISTORY = 8  # earlier changes rank 0 keeps in the stamped file, for ranks that missed one
-_MAX_INT = 2**63 - 1
-_LIMITS: dict[str, tuple[float, float]] = {
-    "timing_log_level": (0, 2),
-    "verbosity": (0, 2),
-    "trace_every": (1, _MAX_INT),
-    "trace_first": (0, _MAX_INT),
-    "straggler_threshold": (0.0, 1.0),
-}
-_INTEGERS = {"timing_log_level", "verbosity", "trace_every", "trace_first"}
 _PROFILE_KEYS = {"wait", "warmup", "active", "repeat", "skip_first", "ranks"}
 _STAMP_KEYS = ("version", "apply_at_step", "earlier", "digest")
 
@@ -56,23 +48,26 @@ class ControlChange:
     settings: Mapping[str, Any]
 
 
-def validate(settings: Mapping[str, Any], world_size: int = 1) -> str | None:
-    """None when every setting is known and in range, else what is wrong and how to fix it."""
+def validate(
+    settings: Mapping[str, Any], world_size: int = 1, config_cls: type[Config] = Config
+) -> str | None:
+    """None when every setting may change at runtime and its value is allowed, else what is wrong
+    and how to fix it."""
+    runtime = settings_table.runtime_settings(config_cls)
     if not settings:
-        return f"no setting: use one or more of {sorted([*_LIMITS, 'profile'])}"
+        return f"no setting: use one or more of {sorted([*runtime, 'profile'])}"
     for key, value in settings.items():
         if key == "profile":
             problem = _profile_problem(value, world_size)
-            if problem is not None:
-                return problem
-            continue
-        if key not in _LIMITS:
-            return f"unknown setting {key!r}: use one of {sorted([*_LIMITS, 'profile'])}"
-        low, high = _LIMITS[key]
-        number_ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        integer = key in _INTEGERS
-        if not number_ok or not low <= value <= high or (integer and not isinstance(value, int)):
-            return f"{key}={value!r}: use a number in [{low}, {high:g}]" + " (an integer)" * integer
+        elif key not in runtime:
+            known = key in settings_table.declared(config_cls)
+            what = f"{key} cannot change in a running job" if known else f"unknown setting {key!r}"
+            problem = f"{what}: use one of {sorted([*runtime, 'profile'])}"
+        else:
+            fix = settings_table.problem(key, value, config_cls)
+            problem = f"{key}={value!r}: {fix}" if fix is not None else None
+        if problem is not None:
+            return problem
     return None
 
 
@@ -148,19 +143,21 @@ def _digest(body: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _change(entry: Any, world_size: int) -> ControlChange | None:
+def _change(entry: Any, world_size: int, config_cls: type[Config]) -> ControlChange | None:
     """A stamped change ({version, apply_at_step, settings}) if well formed and valid."""
     if not isinstance(entry, Mapping):
         return None
     version, at, settings = entry.get("version"), entry.get("apply_at_step"), entry.get("settings")
     if version.__class__ is not int or at.__class__ is not int or not isinstance(settings, dict):
         return None
-    if version < 1 or validate(settings, world_size) is not None:
+    if version < 1 or validate(settings, world_size, config_cls) is not None:
         return None
     return ControlChange(version, at, settings)
 
 
-def stamped_changes(document: Mapping[str, Any], world_size: int) -> list[ControlChange] | None:
+def stamped_changes(
+    document: Mapping[str, Any], world_size: int, config_cls: type[Config] = Config
+) -> list[ControlChange] | None:
     """The changes of a file rank 0 stamped (earlier ones first), None when it is not one: no
     digest, or a digest that does not match (someone edited it since)."""
     settings = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
@@ -173,7 +170,7 @@ def stamped_changes(document: Mapping[str, Any], world_size: int) -> list[Contro
     }
     if document.get("digest") != _digest(body) or not isinstance(earlier, list):
         return None
-    changes = [_change(entry, world_size) for entry in [*earlier, body]]
+    changes = [_change(entry, world_size, config_cls) for entry in [*earlier, body]]
     if any(change is None for change in changes):
         return None
     return [change for change in changes if change is not None]
@@ -183,11 +180,18 @@ class ControlFile:
     """Read by a thread of its own (`start`); `poll` returns the changes to schedule, each once."""
 
     def __init__(
-        self, run_dir: Path, rank: int, events: EventChannel, world_size: int = 1, role: str = ""
+        self,
+        run_dir: Path,
+        rank: int,
+        events: EventChannel,
+        world_size: int = 1,
+        role: str = "",
+        config_cls: type[Config] = Config,
     ) -> None:
         self.path = RunFiles(run_dir, rank, role).control
         self.rank = rank
         self.world_size = world_size
+        self.config_cls = config_cls  # whose settings declared `runtime=True` the file may change
         self._events = events
         self._seen: bytes | None = None  # the content last looked at (each content is judged once)
         self._version = 0  # the last version handed out
@@ -238,14 +242,14 @@ class ControlFile:
         except ValueError as exc:
             self._reject(f"does not parse: {exc}")
             return []
-        changes = stamped_changes(document, self.world_size)
+        changes = stamped_changes(document, self.world_size, self.config_cls)
         if changes is not None and self.rank == 0 and changes[-1].version < self._version:
             # An older stamp written back (an editor's undo, a saved copy): rank 0 only ever
             # writes newer ones, so a person asked for those settings again.
             changes = None
         if changes is None:  # written by a person (or edited since rank 0 stamped it)
             settings = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
-            problem = validate(settings, self.world_size)
+            problem = validate(settings, self.world_size, self.config_cls)
             if problem is not None:
                 self._reject(problem)
                 return []
@@ -357,8 +361,10 @@ def apply_change(session: Any, change: ControlChange, index: int) -> None:
 
 
 def changed_config(config: Config, settings: Mapping[str, Any]) -> Config:
-    """`config` with a change's settings (all but `profile`, which starts a window instead)."""
-    return replace(config, **{k: settings[k] for k in settings if k != "profile"})
+    """`config` with a change's settings (all but `profile`, which starts a window instead), checked
+    as `init()` checks them (`ConfigError`)."""
+    changes = {k: v for k, v in settings.items() if k != "profile"}
+    return settings_table.changed(config, changes, "the control file")
 
 
 def profile_request(options: Mapping[str, Any]) -> tuple[ProfileWindow, list[int] | None]:

@@ -101,8 +101,8 @@ def test_changing_a_config_default_changes_the_page() -> None:
 
 
 def test_a_setting_without_a_description_or_a_stale_description_fails_the_build() -> None:
-    """A new field with neither a description in docs/reference/settings.yml nor an inline comment
-    in config.py, or a description of a setting that no longer exists, stops the build."""
+    """A new field declared without a doc (`setting(..., doc=...)` in config.py), or a description
+    of a setting that does not exist, stops the build."""
     hooks = _hooks()
 
     @dataclasses.dataclass(frozen=True)
@@ -116,12 +116,6 @@ def test_a_setting_without_a_description_or_a_stale_description_fails_the_build(
     assert "| `brand_new_setting` | `OTEL_TRAIN_BRAND_NEW_SETTING` | `3` | what it does |" in described
     with pytest.raises(hooks.DocsGenerationError, match="removed_setting"):
         hooks.settings_table(meanings={**hooks.load_meanings(), "removed_setting": "gone"})
-
-
-def test_inline_comments_of_config_are_read() -> None:
-    hooks = _hooks()
-    source = 'class Config:\n    # a section\n    alpha: int = 1  # the alpha\n    beta: str = "#x"\n'
-    assert hooks.field_comments(source) == {"alpha": "the alpha"}
 
 
 def test_metric_catalogue_is_the_code_table() -> None:

@@ -408,7 +408,7 @@ def test_semconv_catalogue_is_consistent() -> None:
 
 def test_names_differing_only_in_case_keep_their_own_keys(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     """TensorBoard, W&B, MLflow and the run dir are case-sensitive: `Acc` and `acc` are two keys with
-    their own values there (tests/bridges/test_session.py reads every bridge back). OTel instrument
+    their own values there (tests/bridges/test_every_bridge_end_to_end.py reads every bridge back). OTel instrument
     names are case-insensitive: the pull endpoint has one folded series, and a warning says so."""
     import urllib.request
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from otel_train.config import Config, ConfigError, config_as_dict
@@ -100,3 +102,21 @@ def test_secret_header_never_echoed_in_errors_or_dict() -> None:
     assert "SECRET-MARKER" not in str(info.value)
     config = load_config({"otlp_headers": {"authorization": "SECRET-MARKER"}}, environ={})
     assert "SECRET-MARKER" not in repr(config_as_dict(config))
+
+
+def test_file_values_are_read_by_their_declared_type(tmp_path) -> None:
+    """A YAML file's values take their field's type: a list as a tuple, an int as a float, "off"
+    as False, "null" as unset; a value of another type is refused naming the file."""
+    path = tmp_path / "ot.yaml"
+    path.write_text("wandb_tags: [a, 7]\notlp_timeout_s: 3\nhardware: 'off'\ntotal_steps: null\n")
+    config = load_config({}, environ={}, config_file=str(path))
+    assert config.wandb_tags == ("a", "7") and config.otlp_timeout_s == 3.0
+    assert (
+        isinstance(config.otlp_timeout_s, float) and config.hardware is False and config.total_steps is None
+    )
+    path.write_text("queue_size: 2.5\n")
+    with pytest.raises(
+        ConfigError,
+        match=rf"queue_size = 2\.5 is invalid: use an integer >= 1 \(from {re.escape(str(path))}:queue_size",
+    ):
+        load_config({}, environ={}, config_file=str(path))

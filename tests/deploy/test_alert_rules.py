@@ -17,6 +17,7 @@ import yaml
 from helpers.pinned import require_binary
 from helpers.promstack import duration_seconds, shorten_expr, shorten_rules
 
+from dashboards.build import TIER_ESSENTIAL, TIER_FULL, expr_tier, in_essential_tier
 from otel_train import semconv
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -118,17 +119,110 @@ def test_promtool_check_rules() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_promtool_test_rules() -> None:
-    """Every alert rule fires on its scenario and stays quiet on the look-alikes (see the yml files)."""
+def _promtool_test(files: list[Path], cwd: Path) -> subprocess.CompletedProcess[str]:
     promtool = require_binary("promtool")
-    proc = subprocess.run(
-        [promtool, "test", "rules", *(p.name for p in RULE_TESTS)],
-        capture_output=True,
-        text=True,
-        cwd=RULES_DIR / "tests",
+    return subprocess.run(
+        [promtool, "test", "rules", *map(str, files)], capture_output=True, text=True, cwd=cwd
     )
+
+
+# --- series tiers (Config.rank_series) --------------------------------------------------------------
+# promtool test groups that need rank_series="full", and what they read that the essential tier
+# does not export. Every other group passes unchanged on the essential tier's share of its input.
+FULL_ONLY_TESTS = {
+    "phase_seconds_recording": "per-rank phase histograms (otel_train:phase_seconds:mean5m per phase)",
+    "loss_spike_vs_average": "per-rank train_loss / train_loss_max (a single process: no job-level loss)",
+    "throughput_drop_single_process": "per-rank train_tokens_total (a single process: no job-level tokens)",
+    "goodput_rolling1h": "per-rank train_badput_duration_seconds_total",
+}
+_SERIES_RE = re.compile(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\{.*\})?\s*$")
+
+
+def essential_series(series: str) -> bool:
+    """Whether the essential tier exports this input series (`name{labels}`): the catalogue's
+    essential and job-level metrics (dashboards.build.in_essential_tier, the rule of
+    otel_train/exporters/tiers.py), a per-rank histogram's `_bucket` only as `le="+Inf"`."""
+    match = _SERIES_RE.match(series)
+    assert match, series
+    name, labels = match.group(1), match.group(2) or ""
+    spec = PULL_NAMES.get(name) or COLLECTOR_NAMES.get(name)
+    assert spec is not None, f"{name}: not a catalogue series"
+    if spec.kind is semconv.Kind.HISTOGRAM and name.endswith("_bucket") and spec.scope != "job":
+        return spec.essential and 'le="+Inf"' in labels
+    return in_essential_tier(spec, name)
+
+
+def essential_copies(tests: list[Path], dest: Path, groups: set[str] | None = None) -> list[Path]:
+    """The rule tests as they run on the essential tier's series: each group's input series cut to
+    what that tier exports; `groups`: keep only these (default: all but FULL_ONLY_TESTS)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = []
+    for path in tests:
+        doc = yaml.safe_load(path.read_text())
+        doc["rule_files"] = [str((path.parent / f).resolve()) for f in doc["rule_files"]]
+        kept = []
+        for group in doc["tests"]:
+            if (group["name"] in FULL_ONLY_TESTS) if groups is None else (group["name"] not in groups):
+                continue
+            group["input_series"] = [
+                s for s in group.get("input_series", []) if essential_series(s["series"])
+            ]
+            kept.append(group)
+        if kept:
+            doc["tests"] = kept
+            target = dest / path.name
+            target.write_text(yaml.safe_dump(doc, sort_keys=False))
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("tier", ["full", "essential"])
+def test_promtool_test_rules(tier: str, tmp_path: Path) -> None:
+    """Every alert rule fires on its scenario and stays quiet on the look-alikes (see the yml
+    files), in both series tiers: in `essential` on the share of the input that tier exports."""
+    files = RULE_TESTS if tier == "full" else essential_copies(RULE_TESTS, tmp_path)
+    proc = _promtool_test(files, RULES_DIR / "tests")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAILED" not in proc.stdout
+    if tier == "essential":  # the cut removed per-rank series, and only the full-only groups are gone
+        names = {g["name"] for f in files for g in yaml.safe_load(f.read_text())["tests"]}
+        every = {g["name"] for f in RULE_TESTS for g in yaml.safe_load(f.read_text())["tests"]}
+        assert names == every - set(FULL_ONLY_TESTS)
+
+
+@pytest.mark.parametrize("group", sorted(FULL_ONLY_TESTS))
+def test_full_only_rule_tests_fail_on_the_essential_series(group: str, tmp_path: Path) -> None:
+    """A group listed as full-only really needs the full tier: on the essential share of its input
+    its expectations fail (the list is the truth, and the cut removes what it should)."""
+    files = essential_copies(RULE_TESTS, tmp_path, groups={group})
+    assert len(files) == 1
+    proc = _promtool_test(files, RULES_DIR / "tests")
+    assert proc.returncode != 0 and "FAILED" in proc.stdout + proc.stderr, proc.stdout
+
+
+def test_essential_series_follows_the_tiers() -> None:
+    assert essential_series('train_steps_total{run_id="r",rank="0"}')
+    assert essential_series('train_step_duration_seconds_bucket{run_id="r",le="+Inf"}')
+    assert not essential_series('train_step_duration_seconds_bucket{run_id="r",le="0.5"}')
+    assert essential_series('train_step_duration_seconds_count{run_id="r"}')
+    assert not essential_series('train_phase_duration_seconds_count{run_id="r",train_phase="data"}')
+    assert essential_series('train_job_phase_duration_seconds_bucket{run_id="r",le="0.5"}')
+    assert essential_series('train_straggler_score_ratio{run_id="r"}')
+    assert not essential_series('train_loss{run_id="r"}')
+
+
+def test_every_alert_reads_series_both_tiers_export() -> None:
+    """Alerts work in both tiers; the recording rules that need `full` are the ones training.yml
+    says so for (no alert reads them)."""
+    for rule in _alerts():
+        assert expr_tier(rule["expr"]) == TIER_ESSENTIAL, rule["alert"]
+    full = {r["record"] for r in _rules() if "record" in r and expr_tier(r["expr"]) == TIER_FULL}
+    assert full == {"otel_train:phase_seconds:mean5m", "otel_train:goodput:rolling1h"}
+    text = (RULES_DIR / "training.yml").read_text()
+    assert text.count('rank_series="full"') >= 2 + 2  # the two recording rules, the two fallbacks
+    for rule in _alerts():
+        names, _, _ = parse_expr(rule["expr"])
+        assert not names & {r for r in full}, rule["alert"]
 
 
 def test_every_alert_has_a_firing_and_a_silent_case() -> None:

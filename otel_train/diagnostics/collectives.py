@@ -76,7 +76,7 @@ def read_dump(entries: bool) -> dict[str, Any] | None:
         return None  # the job has no torch loaded: nothing records collectives
     try:
         import torch._C._distributed_c10d as c10d
-    except Exception:
+    except ImportError:
         return None
     # "recorders": each recorder's own entries (record ids count per recorder, from 0 in each)
     merged: dict[str, Any] = {"pg_status": {}, "pg_config": {}, "entries": [], "recorders": {}}
@@ -114,7 +114,7 @@ def _dump(c10d: Any, pickled: str, as_json: str, entries: bool) -> dict[str, Any
             if dump is None:
                 return None
             data = json.loads(dump(includeCollectives=entries, onlyActive=False))
-    except Exception as exc:
+    except Exception as exc:  # torch's private Flight Recorder API and its pickle
         log.debug("otel_train: %s failed: %s", getattr(dump, "__name__", pickled), exc)
         return None
     return data if isinstance(data, dict) else None

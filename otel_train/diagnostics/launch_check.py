@@ -186,7 +186,7 @@ def gather_facts(mine: RankFacts, group: Any | None, world_size: int) -> list[Ra
     gathered: list[Any] = [None] * world_size
     try:
         dist.all_gather_object(gathered, asdict(mine), group=group)
-    except Exception as exc:
+    except RuntimeError as exc:  # torch.distributed's errors (a timeout, a peer gone)
         log.warning("otel_train: the launch check could not gather the ranks' placement (%s)", exc)
         return None
     return [RankFacts(**item) for item in gathered if isinstance(item, dict)]

@@ -25,10 +25,7 @@ def loaded_torch_cuda() -> Any | None:
     """`torch.cuda` when torch is loaded and CUDA initialised in this process, else None."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
-    try:
-        return cuda if cuda is not None and cuda.is_initialized() else None
-    except Exception:
-        return None
+    return cuda if cuda is not None and cuda.is_initialized() else None
 
 
 def is_cuda_oom(exc_type: type[BaseException] | None) -> bool:
@@ -88,7 +85,7 @@ class MemoryDumps:
             where = ", ".join(f"{k}={v}" for k, v in attributes.items())
             log.warning("otel_train: %s; memory dump: %s", message, where)
             self.events.emit(event, f"{message}; memory dump: {where}", attributes)
-        except Exception as exc:  # telemetry never breaks training (nor hides the OOM)
+        except Exception as exc:  # torch's allocator snapshot and the disk: never hide the OOM
             log.warning("otel_train: memory dump failed: %r", exc)
 
     def _write(self) -> dict[str, str] | None:

@@ -170,7 +170,7 @@ class ModelWatch:
                     )
                 if self.activations:
                     self._add_activation_hooks()
-            except Exception as exc:
+            except Exception as exc:  # the user's modules' own hook registration (and ZeRO's state)
                 self._fail(exc)
 
     def end_step(self, index: int, failed: bool) -> None:
@@ -181,12 +181,7 @@ class ModelWatch:
             self._activations, self._fingerprint, self._read = {}, None, None
             self._reads.clear()
             return
-        try:
-            self._collect(index, self._buffer)
-        except Exception as exc:
-            self._activations, self._fingerprint = {}, None
-            self._reads.clear()
-            self._fail(exc)
+        self._collect_or_skip(index, self._buffer)
 
     def read_now(self) -> None:
         """Take this watched step's statistics now instead of when the step ends (`ot.watch_read`):
@@ -196,12 +191,7 @@ class ModelWatch:
             return
         self._step, self._read = None, index
         self._remove_activation_hooks()
-        try:
-            self._collect(index, buffer)
-        except Exception as exc:
-            self._activations, self._fingerprint = {}, None
-            self._reads.clear()
-            self._fail(exc)
+        self._collect_or_skip(index, buffer)
 
     def see_batch(self, batch: Any) -> None:
         """Fingerprint `batch` (its first tensor) as this watched step's (`ot.watch_batch`), unless
@@ -211,7 +201,15 @@ class ModelWatch:
             return
         try:
             self._fingerprint = _fingerprint(_batch_tensors(batch))
-        except Exception as exc:
+        except (RuntimeError, TypeError, ValueError) as exc:  # torch on an odd batch tensor
+            self._fail(exc)
+
+    def _collect_or_skip(self, index: int, buffer: Buffer) -> None:
+        try:
+            self._collect(index, buffer)
+        except Exception as exc:  # torch on the user's parameters and gradients (any device, DTensor, ...)
+            self._activations, self._fingerprint = {}, None
+            self._reads.clear()
             self._fail(exc)
 
     def _fail(self, exc: Exception) -> None:
@@ -365,7 +363,7 @@ class ModelWatch:
         tensors = [a for a in (*(args or ()), *kwargs.values()) if hasattr(a, "is_floating_point")]
         try:  # inside the user's forward: never raise there
             self._fingerprint = _fingerprint(tensors)
-        except Exception as exc:
+        except (RuntimeError, TypeError, ValueError) as exc:  # torch on an odd input tensor
             self._fail(exc)
 
     def _remove_activation_hooks(self) -> None:
@@ -431,7 +429,7 @@ class GradientReads:
                 # set by GradScaler.step on optimizers that unscale inside their own (fused) step
                 scale = getattr(optimizer, "grad_scale", None)
                 self._read(positions, scale if isinstance(scale, torch.Tensor) else None)
-        except Exception as exc:  # inside the user's optimizer step: never raise there
+        except Exception as exc:  # inside the user's optimizer step (its param_groups): never raise there
             self._fail(exc)
 
     def _read(self, positions: Sequence[int], scale: Any) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from otel_train.crossrank import job_block
 from otel_train.crossrank.spread import STATS_LEN
 from otel_train.crossrank.up_row import (
     ANNOUNCE_SLOTS,
@@ -26,9 +27,11 @@ from otel_train.crossrank.verdicts import RankAssessment
 K_EXACT = 4  # exact rows per bundle (the merging rank's own first)
 LEVELS = 3  # summary rows per bundle
 MAX_RUNS = 8  # runs of covered ranks per bundle; beyond, the last ones are joined (overstated)
-VERSION = 1.0
+VERSION = 2.0
 _B_VERSION, _B_EXACT, _B_WEIGHT, _B_RUNS = range(4)
-HEAD_LEN = 4 + 2 * MAX_RUNS
+_RUNS_AT = 4
+_JOB_AT = _RUNS_AT + 2 * MAX_RUNS  # the job block of every rank covered (`job_block`)
+HEAD_LEN = _JOB_AT + job_block.JOB_LEN
 Parsed = tuple[list[float], dict[int, list[float]]]  # up_row.row_values of one row
 
 
@@ -49,6 +52,9 @@ class Bundle:
     # The exact rows as one [rows, row_len] float64 tensor where they came as one (a received
     # bundle, a rank's own row): rank 0 reads the blocks from it without rebuilding it (`unpacked`).
     tensor: Any = None
+    # The job block summed over every rank covered, exact and summarized (`job_block.combine`);
+    # None: none travels (a rank's own row before its exchange adds it)
+    job: Any = None
 
     @classmethod
     def of_row(cls, row: Sequence[float], rank: int, tensor: Any = None) -> Bundle:
@@ -71,7 +77,9 @@ def encode(bundle: Bundle, row_len: int, base_len: int, ranks: int = K_EXACT + 1
     runs = bundle.runs[:MAX_RUNS]
     out[_B_RUNS] = float(len(runs))
     for i, (lo, hi) in enumerate(runs):
-        out[HEAD_LEN - 2 * MAX_RUNS + 2 * i], out[HEAD_LEN - 2 * MAX_RUNS + 2 * i + 1] = float(lo), float(hi)
+        out[_RUNS_AT + 2 * i], out[_RUNS_AT + 2 * i + 1] = float(lo), float(hi)
+    if bundle.job is not None:
+        out[_JOB_AT:HEAD_LEN] = bundle.job
     if bundle.exact:
         exact = torch.tensor(bundle.exact[:K_EXACT], dtype=torch.float64)
         out[HEAD_LEN : HEAD_LEN + exact.numel()] = exact.reshape(-1)
@@ -91,10 +99,10 @@ def decode(message: Any, row_len: int, base_len: int, ranks: int = K_EXACT + 1) 
     summary = (
         [values[at + j * base_len : at + (j + 1) * base_len] for j in range(LEVELS)] if weight > 0 else []
     )
-    first = HEAD_LEN - 2 * MAX_RUNS
+    first = _RUNS_AT
     runs = [(int(values[first + 2 * i]), int(values[first + 2 * i + 1])) for i in range(int(values[_B_RUNS]))]
     tensor = message[HEAD_LEN : HEAD_LEN + n * row_len].reshape(n, row_len).clone()  # not the receive buffer
-    return Bundle(exact, summary, weight, runs, tensor)
+    return Bundle(exact, summary, weight, runs, tensor, message[_JOB_AT:HEAD_LEN].clone())
 
 
 def merge(parts: Sequence[Bundle], capacity: int = MAX_TIMERS) -> Bundle:

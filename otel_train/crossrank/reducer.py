@@ -13,9 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from otel_train.crossrank import down_row
+from otel_train.crossrank import down_row, job_block
 from otel_train.crossrank.arrival_block import BLOCK_LEN
 from otel_train.crossrank.collective_lateness import LatenessTracker
+from otel_train.crossrank.job_outputs import JobSeries
 from otel_train.crossrank.merge import Bundle, TreeView, unpacked, widen_waiting
 from otel_train.crossrank.pairing import RowPairing, unjudged
 from otel_train.crossrank.replicas import EXT_LEN, ReplicaCheck, fsdp_in_use
@@ -73,6 +74,7 @@ class CrossRankReducer:
         max_timers: int = MAX_TIMERS,
         exchange: bool = True,
         shape: ExchangeShape | None = None,
+        job_meter: Any | None = None,
     ) -> None:
         self.identity = identity
         self.events = events
@@ -116,6 +118,9 @@ class CrossRankReducer:
         # Arrivals at collectives (collective_lateness.py): the row's last block, clock stamps in it.
         self.lateness = LatenessTracker.attach(identity.rank, self.exchange)
         self.gauges = StragglerGauges(meter, identity.rank == 0)
+        # The job-level series (job_block, job_outputs): rank 0 publishes them on `job_meter`.
+        self.job = JobSeries(job_meter if identity.rank == 0 else None)
+        self._job_unsent: Any = None  # star, rank r > 0: the block of a row that could not go up
 
     @property
     def left_out_rows(self) -> int:
@@ -195,7 +200,14 @@ class CrossRankReducer:
         from_step, self._prev_step = self._prev_step, interval.step
         flags = FLAG_SHARDED if self._sharded() else 0
         row = pack(interval, self.identity, self.table, flags=flags, from_step=from_step)
-        row = torch.cat([row, self.replicas.block(interval), self.lateness.block()])
+        job = job_block.encode(interval, self.identity.rank)
+        tree = isinstance(self.exchange, TreeExchange)
+        if not tree and self._job_unsent is not None:
+            job = job_block.combine([job, self._job_unsent])
+        # The star's rows carry the job block before the arrivals (whose last float is stamped);
+        # the tree's bundles carry it summed in their header (merge.Bundle.job).
+        blocks = [self.replicas.block(interval), *([] if tree else [job]), self.lateness.block()]
+        row = torch.cat([row, *blocks])
         root = self.identity.rank == 0
         answers = None
         if root:
@@ -207,13 +219,16 @@ class CrossRankReducer:
                 answers = down_row.answers(self._world, schedule[0], self._verdict, schedule[1], read)
         try:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
-            got = self.exchange.run(row, answers, self._expect, lambda up: row_steps(up)[1] >= interval.step)
+            current = lambda up: row_steps(up)[1] >= interval.step  # noqa: E731
+            got = _run(self.exchange, row, answers, self._expect, current, job)
         except Exception as exc:
             self.collectives += 1
             self._disable(f"telemetry exchange failed at flush {interval.seq}: {exc}")
             self._flush_local(interval)
             return
         self.collectives += int(got.sent)
+        if not tree:
+            self._job_unsent = None if got.sent else job
         down = down_row.decode(got.down, self.identity.rank) if got.down is not None else None
         if down is not None:
             if not root and self.on_cadence is not None and down.flush_interval >= 1:
@@ -224,18 +239,21 @@ class CrossRankReducer:
             self.last_reductions = own_reductions(local_record(interval, self.identity))
             return
         self._reduce_rows(interval, got.records, from_step)
+        self.job.publish(_job_of(got.records, self.table.capacity), self.table.names, interval.elapsed_s)
 
     def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
         """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
         base = pack_len(self.table.capacity)
         if isinstance(rows, Bundle):  # the tree's: rows of one of rank 0's flushes (tree_exchange)
             tree = unpacked(rows, base, self.table.capacity)
+            _learn_names(self.table, [*tree.exact, *tree.summary])  # the job series use them too
             rows, same, records = tree.rows, list(range(len(tree.exact))), tree.exact
             self.pairing.left_out_rows = getattr(self.exchange, "left_out_bundles", 0)
             self.pairing.note([], tree.ranks, self._world, from_step, interval.step)
             self._reduce_paired(interval, rows, same, records, tree)
             return
         records = unpack(rows[:, :base], self.table.capacity)
+        _learn_names(self.table, records)  # of rows of other steps too: the job series use them
         # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
         self._expect = {r.rank for r in records} - {0}
         same = self.pairing.same_steps(records, from_step, interval.step, self._world)
@@ -283,9 +301,7 @@ class CrossRankReducer:
     ) -> None:
         """Rank 0: reductions, verdicts, gauges and events from the rows of one flush's steps
         (`tree`: the tree's summary rows join the verdicts as weighted ranks, `merge`)."""
-        for record in [*records, *(tree.summary if tree else ())]:
-            for ident, name in record.announced.items():
-                self.table.names.setdefault(ident, name)
+        _learn_names(self.table, [*records, *(tree.summary if tree else ())])
         timings = per_rank_timings(records, self.table.names)
         self.last_reductions = reduce_timings({r.rank: t for r, t in zip(records, timings, strict=True)})
         views = [
@@ -324,6 +340,10 @@ class CrossRankReducer:
     def _flush_local(self, interval: Interval) -> None:
         """Not distributed (or the exchange is off): this rank's timers and individual score."""
         record = local_record(interval, self.identity)
+        if self._world <= 1:  # one process: it is the job (a job whose exchange is off has none)
+            self.job.publish(
+                job_block.encode(interval, self.identity.rank), record.announced, interval.elapsed_s
+            )
         self.last_reductions = own_reductions(record)
         self.last_scores = self.scorer.update_local(self.identity.rank, record.step_stats)
         self.last_reports = []
@@ -336,6 +356,28 @@ class CrossRankReducer:
         if reason is not None and self.abstain_reason is None and self.identity.rank == 0:
             logger.warning("otel_train: straggler detection abstains: %s", reason)
         self.abstain_reason = reason
+
+
+def _run(exchange: Any, row: Any, answers: Any, expect: set[int] | None, current: Any, job: Any) -> Any:
+    """One exchange: the tree takes this rank's job block beside its row (the star's row holds it)."""
+    if isinstance(exchange, TreeExchange):
+        return exchange.run(row, answers, expect, current, job=job)
+    return exchange.run(row, answers, expect, current)
+
+
+def _job_of(rows: Any, capacity: int) -> Any:
+    """Rank 0: the job block of every row taken at this flush, whatever its steps (each row is
+    taken once), summed (job_block): the tree's bundle holds it; the star's rows each hold theirs."""
+    if isinstance(rows, Bundle):
+        return rows.job if rows.job is not None else job_block.empty()
+    at = pack_len(capacity) + EXT_LEN
+    return job_block.combine(rows[:, at : at + job_block.JOB_LEN])
+
+
+def _learn_names(table: TimerTable, records: Sequence[RankRecord]) -> None:
+    for record in records:
+        for ident, name in record.announced.items():
+            table.names.setdefault(ident, name)
 
 
 def _reform(reducer: CrossRankReducer, group: Any | None) -> None:

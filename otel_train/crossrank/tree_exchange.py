@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from otel_train.crossrank import down_row
+from otel_train.crossrank import down_row, job_block
 from otel_train.crossrank.arrival_block import BLOCK_LEN
 from otel_train.crossrank.exchange import Exchanged, ExchangeFailed, StarExchange
 from otel_train.crossrank.merge import HEAD_LEN, Bundle, bundle_len, decode, encode, join, merge
@@ -56,6 +56,7 @@ class TreeExchange:
         self.left_out_bundles = 0  # bundles (its own row too) of other steps than the ones kept (step 1)
         self._expect: set[int] | None = None  # children whose bundles to wait for (None: all)
         self._own: dict[tuple[int, int], Bundle] = {}  # rank 0: its rows of its last flushes, by steps
+        self._job_unsent: Any = None  # the job block of a bundle that could not go up (sent with the next)
 
     @property
     def _edges(self) -> list[StarExchange]:
@@ -97,25 +98,38 @@ class TreeExchange:
             edge.stop_waiting()
 
     def run(
-        self, up: Any, answer: Any | None, expect: set[int] | None = None, current: Any = None
+        self,
+        up: Any,
+        answer: Any | None,
+        expect: set[int] | None = None,
+        current: Any = None,
+        job: Any = None,
     ) -> Exchanged:
-        """`up`: this rank's row; `answer`: rank 0's `down_row.tree_answer` (None elsewhere).
-        Rank 0 gets `records`: the merged `merge.Bundle` of the whole tree."""
+        """`up`: this rank's row; `answer`: rank 0's `down_row.tree_answer` (None elsewhere);
+        `job`: this rank's `job_block`. Rank 0 gets `records`: the merged `merge.Bundle` of the
+        whole tree, whose `job` sums every bundle taken (module doc of `job_block`)."""
         own = Bundle.of_row(up.tolist(), self.rank, up)
         steps = row_steps(up)
         parts, taken, answers = [own], list[int](), dict[int, Any]()
+        jobs = [job_block.empty() if job is None else job]
+        if self._job_unsent is not None:
+            jobs.append(self._job_unsent)
         if self.below is not None:
-            parts, taken, answers = self._gather(up, own, steps, answer)
+            parts, taken, answers = self._gather(up, own, steps, answer, jobs)
         if self.above is None:  # rank 0: its deputy's bundle as it came (tree.layout)
             merged = join(*parts) if len(parts) == 2 else merge(parts, self.capacity)
+            merged.job = job_block.combine(jobs)
             return Exchanged(merged, answer, [self.rank, *taken])
         merged = merge(parts, self.capacity)
+        merged.job = job_block.combine(jobs)
         try:
             got = self.above.send_up(self._encode(merged, self.rank))
         except ExchangeFailed as exc:
             if self.below is not None:
                 self.below.abort_peers(answers, gone=exc.gone)  # pass the ABORT down
             raise
+        # Every bundle taken is counted once: one that could not go up goes with the next.
+        self._job_unsent = None if got.sent else merged.job
         if self.below is not None and taken:
             news = got.down if got.down is not None else down_row.no_news()
             for peer in set(taken):
@@ -126,9 +140,10 @@ class TreeExchange:
         return got
 
     def _gather(
-        self, up: Any, own: Bundle, steps: tuple[int, int], answer: Any | None
+        self, up: Any, own: Bundle, steps: tuple[int, int], answer: Any | None, jobs: list[Any]
     ) -> tuple[list[Bundle], list[int], dict[int, Any]]:
-        """Step 1 (module doc): this rank's bundle and its children's that cover its steps."""
+        """Step 1 (module doc): this rank's bundle and its children's that cover its steps. The
+        job blocks of every bundle taken join `jobs`, of whatever steps (each is taken once)."""
         assert self.below is not None
         root = self.parent < 0
         template = answer if root and answer is not None else down_row.no_news()
@@ -150,6 +165,7 @@ class TreeExchange:
                 self._fail_up(own, gone)
                 raise ExchangeFailed(f"a rank below found a failed peer (reported by rank {peer})", gone)
             bundles.append(decode(message, self.row_len, self.base_len, self._ranks(peer)))
+            jobs.append(bundles[-1].job)
         self._expect = set(taken)
         return self._parts(own, steps, bundles), taken, answers
 

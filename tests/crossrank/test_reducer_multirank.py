@@ -205,6 +205,7 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
     from otel_train.crossrank.arrival_block import BLOCK_LEN
     from otel_train.crossrank.down_row import DOWN_LEN
     from otel_train.crossrank.exchange import TRAILER_LEN
+    from otel_train.crossrank.job_block import JOB_LEN
     from otel_train.crossrank.replicas import EXT_LEN
     from otel_train.crossrank.up_row import pack_len
 
@@ -219,9 +220,9 @@ def _assert_one_exchange_per_flush(results: list[dict[str, Any]], flushes: int) 
             assert res["exchanges"] == [1] * flushes, (scenario, res["exchanges"])
             assert res["per_flush"] == [{"isend": peers, "irecv": peers}] * flushes, (scenario, res["counts"])
             assert res["disabled"] is None
-            # the timers' row, the replica block and the collective arrivals block up, the answer
-            # down, each with the exchange's trailer
-            up = 8 * (pack_len() + EXT_LEN + BLOCK_LEN + TRAILER_LEN)
+            # the timers' row, the replica block, the job block and the collective arrivals block
+            # up, the answer down, each with the exchange's trailer
+            up = 8 * (pack_len() + EXT_LEN + JOB_LEN + BLOCK_LEN + TRAILER_LEN)
             down = 8 * (DOWN_LEN + TRAILER_LEN)
             sent, received = (up, down) if rank else (peers * down, peers * up)
             assert res["bytes"] == (flushes * sent, flushes * received), (rank, res["bytes"])

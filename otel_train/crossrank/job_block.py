@@ -1,0 +1,214 @@
+"""The job block: what a rank adds to the job-level series (`job_outputs`), a fixed float64 block
+that rides the one exchange per flush, merged exactly on the way up.
+
+Every value in it is a sum, a minimum or a maximum over the rows it stands for, so merging is
+exact at any depth: a parent adds its children's bucket counts, never estimates them (unlike the
+summary rows' quantiles, `merge`). In the star the block is one more block of the up row (before
+the arrivals block, whose last float the exchange stamps); in the tree it rides each bundle's
+header as the sum over every rank the bundle covers (`merge.Bundle.job`), and the exact rows
+travel without it.
+
+    block  = [header (HEAD_LEN)] [RECORDS x record (REC_LEN)]
+    header: version, rows summed, timers left out (beyond RECORDS), samples, tokens,
+            loss: sum, count, min, max (of the recorded `train.loss` values)
+    record: id (STEP_ID for the step time, else the timer's `up_row.name_id`), explicit-bucket
+            counts (the library's own bounds, `semconv.STEP_BUCKETS` / `PHASE_BUCKETS`), sum of
+            durations, smallest and largest duration, and over the ranks' mean durations: the
+            smallest with its rank, the largest with its rank, their sum, the ranks counted
+
+A rank's block holds its interval: the same finite values its own `train.step.duration` and
+`train.phase.duration` histograms took at this flush (`flush.worker`), bucketed as the SDK buckets
+them (`bucket_counts`), so the job's buckets are the sum of the ranks' own.
+A timer that raised (`error.type`) is per rank only.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from otel_train import semconv
+from otel_train.crossrank.up_row import name_id
+from otel_train.interval import Interval, finite
+
+VERSION = 1.0
+_H_VERSION, _H_ROWS, _H_OVERFLOW, _H_SAMPLES, _H_TOKENS = range(5)
+_H_LOSS_SUM, _H_LOSS_COUNT, _H_LOSS_MIN, _H_LOSS_MAX = range(5, 9)
+HEAD_LEN = 9
+BUCKETS = len(semconv.PHASE_BUCKETS) + 1
+assert len(semconv.STEP_BUCKETS) == len(semconv.PHASE_BUCKETS)  # one record layout for both
+R_ID, R_BUCKETS = 0, 1
+R_SUM = R_BUCKETS + BUCKETS
+R_DMIN, R_DMAX, R_MMIN, R_MMIN_RANK, R_MMAX, R_MMAX_RANK, R_MSUM, R_N = range(R_SUM + 1, R_SUM + 9)
+REC_LEN = R_N + 1
+RECORDS = 16  # the step and up to 15 timers: a job's timers beyond are left out (counted, warned)
+JOB_LEN = HEAD_LEN + RECORDS * REC_LEN
+STEP_ID = float(2**48)  # above every name id (48 bits): the step time's record
+_ADD = [R_SUM, R_MSUM, R_N, *range(R_BUCKETS, R_BUCKETS + BUCKETS)]
+
+
+def encode(interval: Interval, rank: int) -> Any:
+    """This rank's block of `interval` (a [JOB_LEN] float64 tensor)."""
+    import torch
+
+    block = [0.0] * JOB_LEN
+    block[_H_VERSION], block[_H_ROWS] = VERSION, 1.0
+    block[_H_SAMPLES], block[_H_TOKENS] = float(interval.samples), float(interval.tokens)
+    loss = interval.scalars.get(semconv.LOSS.name) or []
+    block[_H_LOSS_SUM], block[_H_LOSS_COUNT] = math.fsum(loss), float(len(loss))
+    block[_H_LOSS_MIN], block[_H_LOSS_MAX] = min(loss, default=math.inf), max(loss, default=-math.inf)
+    timers = [(STEP_ID, finite(interval.step_durations), semconv.STEP_BUCKETS)]
+    phases = [(name, finite(values)) for name, values in interval.phases.items()]
+    phases = sorted((p for p in phases if p[1]), key=lambda p: -len(p[1]))
+    block[_H_OVERFLOW] = float(max(0, len(phases) - (RECORDS - 1)))
+    timers += [
+        (float(name_id(name)), values, semconv.PHASE_BUCKETS) for name, values in phases[: RECORDS - 1]
+    ]
+    for index, (ident, values, bounds) in enumerate(t for t in timers if t[1]):
+        at = HEAD_LEN + index * REC_LEN
+        ordered = sorted(values)
+        mean = math.fsum(ordered) / len(ordered)
+        block[at + R_ID] = ident
+        block[at + R_BUCKETS : at + R_SUM] = bucket_counts(ordered, bounds)
+        block[at + R_SUM], block[at + R_DMIN], block[at + R_DMAX] = (
+            math.fsum(ordered),
+            ordered[0],
+            ordered[-1],
+        )
+        block[at + R_MMIN : at + REC_LEN] = [mean, float(rank), mean, float(rank), mean, 1.0]
+    return torch.tensor(block, dtype=torch.float64)
+
+
+def bucket_counts(ordered: list[float], bounds: tuple[float, ...]) -> list[float]:
+    """Explicit-bucket counts of sorted values as the SDK buckets them: bucket i holds
+    bounds[i-1] < v <= bounds[i], the last one v > bounds[-1]."""
+    counts, below = [], 0
+    for bound in bounds:
+        upto = bisect_right(ordered, bound)
+        counts.append(float(upto - below))
+        below = upto
+    counts.append(float(len(ordered) - below))
+    return counts
+
+
+def empty() -> Any:
+    """A block that stands for no row (what a merge of nothing gives)."""
+    import torch
+
+    return torch.zeros(JOB_LEN, dtype=torch.float64)
+
+
+def combine(blocks: Any) -> Any:
+    """The blocks ([n, JOB_LEN] float64, or a list of [JOB_LEN] tensors) as one: sums added,
+    minima and maxima kept with the lowest rank on ties, records matched by id. Exact: the result
+    is what one block of all the rows would hold (beyond RECORDS timers, those with the fewest
+    durations are left out and counted)."""
+    import torch
+
+    if isinstance(blocks, list):
+        blocks = torch.stack(blocks) if blocks else empty().reshape(1, -1)
+    blocks = blocks[blocks[:, _H_VERSION] == VERSION]
+    out = empty()
+    if not len(blocks):
+        return out
+    out[_H_VERSION] = VERSION
+    for at in (_H_ROWS, _H_OVERFLOW, _H_SAMPLES, _H_TOKENS, _H_LOSS_SUM, _H_LOSS_COUNT):
+        out[at] = blocks[:, at].sum()
+    out[_H_LOSS_MIN], out[_H_LOSS_MAX] = blocks[:, _H_LOSS_MIN].min(), blocks[:, _H_LOSS_MAX].max()
+    records = blocks[:, HEAD_LEN:].reshape(-1, REC_LEN)
+    records = records[records[:, R_ID] != 0]
+    if not len(records):
+        return out
+    ids, where = torch.unique(records[:, R_ID], return_inverse=True)
+    merged = torch.zeros(len(ids), REC_LEN, dtype=torch.float64)
+    merged[:, R_ID] = ids
+    # Sums as a product with the records' one-hot id matrix: far cheaper than index_add on CPU here
+    onehot = (where.unsqueeze(0) == torch.arange(len(ids)).unsqueeze(1)).to(torch.float64)
+    merged[:, _ADD] = onehot @ records[:, _ADD]
+    for value, rank, reduce in ((R_MMIN, R_MMIN_RANK, "amin"), (R_MMAX, R_MMAX_RANK, "amax")):
+        best = merged[:, value].scatter_reduce(0, where, records[:, value], reduce, include_self=False)
+        merged[:, value] = best
+        held = torch.where(records[:, value] == best[where], records[:, rank], math.inf)
+        merged[:, rank] = torch.full_like(best, math.inf).scatter_reduce(0, where, held, "amin")
+    for column, reduce in ((R_DMIN, "amin"), (R_DMAX, "amax")):
+        merged[:, column] = merged[:, column].scatter_reduce(
+            0, where, records[:, column], reduce, include_self=False
+        )
+    counts = merged[:, R_BUCKETS:R_SUM].sum(1)
+    order = sorted(range(len(ids)), key=lambda i: (ids[i].item() != STEP_ID, -counts[i].item()))
+    kept = order[:RECORDS]
+    out[_H_OVERFLOW] += float(len(order) - len(kept))
+    out[HEAD_LEN : HEAD_LEN + len(kept) * REC_LEN] = merged[kept].reshape(-1)
+    return out
+
+
+@dataclass(frozen=True)
+class TimerTotals:
+    """One record of a block, decoded."""
+
+    buckets: tuple[int, ...]
+    total: float  # sum of durations (s)
+    low: float  # smallest duration
+    high: float  # largest duration
+    mean_min: float  # over the ranks' mean durations: smallest, its rank, largest, its rank
+    mean_min_rank: int
+    mean_max: float
+    mean_max_rank: int
+    mean_of_means: float
+    ranks: int
+
+    @property
+    def count(self) -> int:
+        return sum(self.buckets)
+
+
+@dataclass(frozen=True)
+class JobTotals:
+    """A block, decoded: rows it stands for, throughput, loss and timers by id (STEP_ID: step)."""
+
+    rows: int
+    overflow: int
+    samples: float
+    tokens: float
+    loss_sum: float
+    loss_count: int
+    loss_min: float
+    loss_max: float
+    timers: Mapping[float, TimerTotals]
+
+
+def decode(block: Any) -> JobTotals:
+    values = block.tolist() if hasattr(block, "tolist") else list(block)
+    timers: dict[float, TimerTotals] = {}
+    for index in range(RECORDS):
+        at = HEAD_LEN + index * REC_LEN
+        record = values[at : at + REC_LEN]
+        if not record[R_ID]:
+            continue
+        n = int(record[R_N])
+        timers[record[R_ID]] = TimerTotals(
+            tuple(int(c) for c in record[R_BUCKETS:R_SUM]),
+            record[R_SUM],
+            record[R_DMIN],
+            record[R_DMAX],
+            record[R_MMIN],
+            int(record[R_MMIN_RANK]),
+            record[R_MMAX],
+            int(record[R_MMAX_RANK]),
+            record[R_MSUM] / n if n else math.nan,
+            n,
+        )
+    return JobTotals(
+        int(values[_H_ROWS]),
+        int(values[_H_OVERFLOW]),
+        values[_H_SAMPLES],
+        values[_H_TOKENS],
+        values[_H_LOSS_SUM],
+        int(values[_H_LOSS_COUNT]),
+        values[_H_LOSS_MIN],
+        values[_H_LOSS_MAX],
+        timers,
+    )

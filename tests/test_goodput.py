@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 from helpers.fake_time import FakeTime
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 import otel_train as ot
-from otel_train.goodput import CAUSES, span_cause
+from otel_train.goodput import CAUSES, GoodputListener, StepClock, span_cause
+from otel_train.interval import Interval
 from otel_train.testing import current_session
 
 
@@ -272,3 +275,54 @@ def test_unnumbered_steps_are_never_counted_as_re_runs(tmp_path: Path) -> None:
     after = json.loads((run_dir / "goodput.rank0.json").read_text())
     assert after["interruptions"] == 1 and after["badput"]["wasted_progress"] == 0
     assert after["productive_s"] == pytest.approx(8 * 0.05, abs=1e-6)
+
+
+def _process(clock: FakeTime, state_file: Path) -> tuple[GoodputListener, InMemoryMetricReader]:
+    """One process's goodput on `clock`, started now, its first step starting at once."""
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("goodput-test")
+    books = StepClock(300.0, clock.clocks(started_s=clock.perf_ns * 1e-9))
+    listener = GoodputListener(books, meter, state_file, "job-11")
+    books.note_gap(clock.perf_ns, None)
+    return listener, reader
+
+
+def _restart_badput(reader: InMemoryMetricReader) -> float:
+    data = reader.get_metrics_data()
+    assert data is not None
+    return sum(
+        point.value
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "train.badput.duration"
+        for point in metric.data.data_points
+        if point.attributes.get("train.badput.cause") == "restart"
+    )
+
+
+@pytest.mark.parametrize("same_boot", [True, False], ids=["same boot", "another host"])
+def test_a_restart_gap_is_read_on_the_injected_clocks(tmp_path: Path, same_boot: bool) -> None:
+    """A process of 5 s (4 s of steps), then the next one of the run id 30 s later on the same
+    clocks: 30 s of restart badput, on the boot clock on the same boot and on the wall clock
+    (agreeing with the file's own time) from another host; the counter starts at the job's totals."""
+    clock, state_file = FakeTime(), tmp_path / "goodput.rank0.json"
+    first, _ = _process(clock, state_file)
+    clock.advance(5.0)
+    first.on_flush(Interval(0, 9, clock.wall_s, 5.0, 10, 0, 0, [0.4] * 10, final=True))
+    saved = json.loads(state_file.read_text())
+    assert (saved["wall_s"], saved["productive_s"], saved["badput"]["other"]) == pytest.approx(
+        (5.0, 4.0, 1.0)
+    )
+    if not same_boot:
+        state_file.write_text(json.dumps({**saved, "boot_id": "another-host-boot"}))
+        os.utime(state_file, (saved["updated"], saved["updated"]))
+    clock.advance(30.0)
+    second, reader = _process(clock, state_file)
+    account = second.account()
+    assert account["restart"] == pytest.approx(30.0, abs=1e-6)
+    assert account["wall_s"] == pytest.approx(35.0, abs=1e-6) and account["productive_s"] == pytest.approx(
+        4.0
+    )
+    assert _restart_badput(reader) == pytest.approx(30.0, abs=1e-6)
+    assert second.interruptions == 1 and second.last_step == 9

@@ -79,6 +79,6 @@ def plain(value: Any, depth: int = 0) -> Any:
     if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / 0-dim tensor scalars
         try:
             return plain(value.item(), depth + 1)
-        except Exception:
+        except (RuntimeError, TypeError, ValueError):  # a tensor or array that has no Python scalar
             return str(value)
     return str(value)

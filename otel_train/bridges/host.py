@@ -37,7 +37,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except Exception:  # not Linux: stdin EOF still ends this process
+    except (OSError, AttributeError):  # not Linux (no prctl): stdin EOF still ends this process
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         raise ParentGone
@@ -147,7 +147,7 @@ def unread(fd: int) -> bool:
         waiting = bytearray(4)
         fcntl.ioctl(fd, termios.FIONREAD, waiting)
         return int.from_bytes(waiting, sys.byteorder) > 0
-    except Exception:
+    except (ImportError, OSError):  # not POSIX, or not a pipe
         return False
 
 
@@ -216,7 +216,7 @@ def serve(parent_pid: int, reply_fd: int, cpu: CpuPolicy) -> None:
         assert kind == "setup"
         try:
             sinks = build(specs, queue_size)
-        except Exception as exc:
+        except Exception as exc:  # the backends' own set-up (TensorBoard, W&B, MLflow): told to the parent
             write_frame(reply_fd, encode(("error", type(exc).__name__, str(exc))))
             return
         cpu.set_up()  # W&B's service included: it started in build()

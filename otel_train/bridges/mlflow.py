@@ -77,7 +77,7 @@ def seed_local_store(db_path: Path, artifact_root: Path) -> bool:
         conn.close()
         os.replace(partial, db_path)
         return True
-    except Exception as exc:
+    except Exception as exc:  # MLflow's store (SQLAlchemy and its migrations) and sqlite
         logger.debug("otel_train: MLflow store template not used (%s); MLflow will migrate a new store", exc)
         with contextlib.suppress(OSError):
             db_path.with_name(db_path.name + ".partial").unlink()
@@ -147,9 +147,11 @@ class MlflowSink(Sink):
         artifact_location = None
         if self.local_store:
             artifact_location = (RunFiles(self.run_dir).mlflow / "artifacts").resolve().as_uri()
+        from mlflow.exceptions import MlflowException
+
         try:
             return str(client.create_experiment(self.experiment, artifact_location=artifact_location))
-        except Exception:
+        except MlflowException:
             existing = client.get_experiment_by_name(self.experiment)  # another rank created it
             if existing is None:
                 raise

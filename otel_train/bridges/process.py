@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import queue
 import signal
 import subprocess
@@ -183,7 +184,7 @@ class BridgeProcess(Sink):
             return
         try:
             frame = encode(("call", method, args))
-        except Exception as exc:
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError, RecursionError) as exc:
             log.warning("otel_train: a %s call could not be encoded for the bridges: %r", method, exc)
             self._on_drop()
             return

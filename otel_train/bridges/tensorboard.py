@@ -91,7 +91,7 @@ class TensorBoardSink(Sink):
         if old is not None:
             try:
                 old.close()
-            except Exception as exc:  # the error it kept: already counted by the caller
+            except Exception as exc:  # TensorBoard's writer re-raises the error it kept: counted already
                 logger.debug("otel_train: closing the failed TensorBoard writer: %r", exc)
 
     def close(self, final_scalars: Mapping[str, float]) -> None:

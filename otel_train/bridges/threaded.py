@@ -185,10 +185,8 @@ class ThreadedSink(Sink):
     def _retry(self, method: str, args: tuple[Any, ...]) -> None:
         """The disabled backend, once more, with a fresh writer; back-off doubles while it fails."""
         self.retries += 1
-        try:
-            self.inner.reopen()
-            getattr(self.inner, method)(*args)
-        except Exception as exc:
+        exc = self._attempt(method, args, reopen=True)
+        if exc is not None:
             with self._lock:
                 self._errors += 1
                 self._dropped += 1
@@ -210,12 +208,21 @@ class ThreadedSink(Sink):
             lost,
         )
 
+    def _attempt(self, method: str, args: tuple[Any, ...], reopen: bool = False) -> Exception | None:
+        """One call of the backend (after a fresh writer, with `reopen`); the error it raised."""
+        try:
+            if reopen:
+                self.inner.reopen()
+            getattr(self.inner, method)(*args)
+        except Exception as exc:  # the backend (TensorBoard, W&B, MLflow, a disk): never escapes the bridge
+            return exc
+        return None
+
     def _call(self, method: str, args: tuple[Any, ...]) -> None:
         if self._disabled and method != _CLOSE:
             return
-        try:
-            getattr(self.inner, method)(*args)
-        except Exception as exc:  # a backend failure must never escape the bridge
+        exc = self._attempt(method, args)
+        if exc is not None:
             with self._lock:
                 self._errors += 1
                 self._consecutive += 1

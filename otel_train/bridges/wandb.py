@@ -116,7 +116,7 @@ class WandbSink(Sink):
             mode = resolve_mode(self.mode)
             try:
                 self._run = self._init(wandb, mode)
-            except Exception as exc:
+            except Exception as exc:  # wandb.init (its service, the network)
                 if self.mode != "auto" or mode != "online":
                     raise
                 # wandb/wandb#9865, #7671: an online init that fails must not cost the run its data

@@ -241,8 +241,11 @@ def test_job_script_runs_ranks_against_their_node_collector_and_stops_it(tmp_pat
     assert _port_free(http_port)  # the collector is gone
     # both ranks of the node exported to it, under the job's run id
     assert "train.steps" in report["metrics"], report["metrics"]
-    ranks = {(r["run_id"], r["rank"], r["local_rank"]) for r in report["resources"]}
+    ranks = {(r["run_id"], r["rank"], r["local_rank"]) for r in report["resources"] if "rank" in r}
     assert ranks == {("4242", 0, 0), ("4242", 1, 1)}
+    # rank 0's job-level series come under the run's identity alone: no rank, no host
+    job = [r for r in report["resources"] if "rank" not in r]
+    assert all(r["run_id"] == "4242" and "host.name" not in r for r in job), job
     srun = (tmp_path / "srun.log").read_text().splitlines()
     assert len(srun) == 3, srun  # the collectors and the wait for them run at once: any order
     (collectors,) = [line for line in srun if "--config=" in line]

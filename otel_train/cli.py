@@ -145,7 +145,7 @@ def doctor() -> int:
             pynvml.nvmlInit()
             print(f"nvml: {pynvml.nvmlDeviceGetCount()} GPU(s), driver {pynvml.nvmlSystemGetDriverVersion()}")
             pynvml.nvmlShutdown()
-        except Exception as exc:
+        except pynvml.NVMLError as exc:
             print(f"nvml: unavailable ({exc}); no GPU metrics")
     return 0 if ok else 1
 

@@ -158,8 +158,8 @@ class HealthEvents:
 
     def add_callback(self, callback: EventCallback) -> None:
         """Call `callback(event, message, attributes)` after each event ON THE EMITTING THREAD (an
-        exception it raises is logged): for quick observers that never block nor call the API
-        (the library's own, tests). The user's go through `add_hook`."""
+        exception it raises reaches the emitter): for quick observers that never block nor call
+        the API (the library's own, tests). The user's go through `add_hook`."""
         self._callbacks = [*self._callbacks, callback]  # replaced, not mutated: emit() iterates it
 
     def hook_thread(self, dropped: Any) -> HookThread:
@@ -202,7 +202,9 @@ class HealthEvents:
                     attributes=attrs,
                     event_name=f"otel_train.{event}",
                 )
-            except Exception as exc:  # an exporter problem must not stop the caller
+            except (
+                Exception
+            ) as exc:  # the OTel SDK's log pipeline: an exporter problem must not stop the caller
                 log.debug("otel_train: could not emit a log record: %s", exc)
         with self._lock:
             if self._events_path is not None:
@@ -220,10 +222,7 @@ class HealthEvents:
         if self._echo:
             log.warning("otel_train %s: %s", event, message)
         for callback in self._callbacks:
-            try:
-                callback(event, message, attrs)
-            except Exception as exc:
-                log.warning("otel_train: health-event callback failed: %s", exc)
+            callback(event, message, attrs)
         hooks = self.hooks
         # An event a hook raised (ot.event forwarding what it was given) is recorded above but not
         # handed to the hooks again: one forwarded event, never a hook feeding itself.

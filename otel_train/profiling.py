@@ -138,7 +138,7 @@ class StepProfiler:
         path = self.out_dir / name
         try:
             profiler.export_chrome_trace(str(path))
-        except Exception as exc:  # a full disk must not stop training
+        except Exception as exc:  # torch.profiler's export (and a full disk) must not stop training
             log.warning("otel_train: could not write the profiler trace %s: %s", path, exc)
             return
         self.traces.append(path)
@@ -177,7 +177,7 @@ def start_window(
         return None
     try:
         return StepProfiler(window, RunFiles(base, ident.rank, ident.role).profiles)
-    except Exception as exc:  # torch missing or a profiler already running in this process
+    except (ImportError, RuntimeError) as exc:  # torch missing or a profiler already running here
         warn(f"otel_train: ot.profile could not start torch.profiler: {exc}")
         return None
 
@@ -189,7 +189,7 @@ def advance_window(
     fails is stopped with a warning: it must not stop training."""
     try:
         profiled = profiler.step_ended(index)
-    except Exception as exc:
+    except RuntimeError as exc:  # torch.profiler's errors
         log.warning("otel_train: torch.profiler failed and was stopped: %s", exc)
         return False, None
     if profiled:

@@ -329,18 +329,15 @@ class RunFiles:
 def json_default(value: Any) -> Any:
     """`default=` for json.dumps: numpy scalars and 0-dim tensors as numbers, anything else as
     text, so one odd value never empties a file."""
-    try:
+    try:  # the value's own __index__, __float__ and __str__: any code at all
         if hasattr(value, "__index__"):
-            return operator.index(value)  # numpy integers, integer 0-dim tensors
-    except Exception:
-        pass
-    try:
-        number = float(value)
+            with contextlib.suppress(TypeError):
+                return operator.index(value)  # numpy integers, integer 0-dim tensors
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            return str(value)
         return number if math.isfinite(number) else None
-    except Exception:
-        pass
-    try:
-        return str(value)
     except Exception:
         return f"<{type(value).__name__}>"
 

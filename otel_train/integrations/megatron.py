@@ -281,7 +281,7 @@ def _hparams(cfg: Any) -> dict[str, Any]:
     """Bridge's ConfigContainer as plain values (its own `to_dict()` when it works)."""
     try:
         raw = cfg.to_dict()
-    except Exception:
+    except Exception:  # Megatron Bridge's own to_dict()
         raw = cfg
     plain = _plain(raw, 0)
     return plain if isinstance(plain, dict) else {"config": plain}

@@ -373,7 +373,7 @@ def _hyperparams(args: Any) -> dict[str, Any]:
             return dict(args.to_dict())
         if dataclasses.is_dataclass(args) and not isinstance(args, type):
             return dataclasses.asdict(args)
-    except Exception:  # an argument object that cannot be listed: no hyperparameters, no failure
+    except Exception:  # the trainer's own to_dict()/fields: no hyperparameters, no failure
         pass
     return {}
 

@@ -160,7 +160,7 @@ def _process_group_rank_world() -> tuple[int, int] | None:
 
         if dist.is_available() and dist.is_initialized():
             return int(dist.get_rank()), int(dist.get_world_size())
-    except Exception:  # torch missing or broken: fall back to the environment
+    except ImportError:  # no torch: the environment says
         return None
     return None
 
@@ -233,7 +233,7 @@ def create_telemetry_group(
         if ranks is not None:
             return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
         return dist.new_group(backend="gloo", timeout=timeout)
-    except Exception as exc:
+    except (RuntimeError, ValueError) as exc:  # torch.distributed's errors: no gloo, a peer gone
         logger.warning(
             "otel_train: cannot create the gloo telemetry group (%s); cross-rank stats are off", exc
         )
@@ -317,7 +317,7 @@ def _broadcast_texts(group: Any, rank: int, texts: tuple[str, ...]) -> list[str]
                 buf[at : at + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     try:
         dist.broadcast(buf, src=0, group=group)
-    except Exception as exc:
+    except RuntimeError as exc:  # torch.distributed's errors (a timeout, a peer gone)
         logger.warning(
             "otel_train: run agreement with rank 0 failed (%s); this rank keeps its own run id, run name "
             "and log_interval",

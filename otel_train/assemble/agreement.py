@@ -55,7 +55,7 @@ def gather_job_facts(
     rows = [torch.zeros(ROW_LEN, dtype=torch.uint8) for _ in range(identity.world_size)]
     try:
         dist.all_gather(rows, mine, group=group)
-    except Exception as exc:
+    except RuntimeError as exc:  # torch.distributed's errors (a timeout, a peer gone)
         logger.warning("otel_train: the ranks could not agree at init (%s); this rank keeps to itself", exc)
         return None
     fields = [row[: _INTS * 8].view(torch.int64).tolist() for row in rows]

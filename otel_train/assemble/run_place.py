@@ -133,5 +133,5 @@ def process_group_started() -> bool:
         import torch.distributed as dist
 
         return bool(dist.is_available() and dist.is_initialized())
-    except Exception:  # torch missing or broken
+    except ImportError:  # no torch
         return False

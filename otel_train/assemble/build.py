@@ -77,7 +77,7 @@ def _build_session(
     config: Config, place: RunPlace, resource: Resource, gpu_discovery: Discovery | None
 ) -> Session:
     """The session with every part that does not call back into it (see `build_session`)."""
-    from otel_train.exporters import build_telemetry
+    from otel_train.exporters import build_job_provider, build_telemetry
     from otel_train.flush import Instruments, StepReader
     from otel_train.hardware import MpsMemory
     from otel_train.health import HealthMonitor
@@ -108,7 +108,9 @@ def _build_session(
         events.emit(event, message)
     sinks, console, bridges = run_dir_errors_as_config_errors(lambda: build_sinks(config, place, instruments))
     hardware = _start_hardware(config, meter, events, ident, gpu_discovery)
-    reducer, cadence = _reducer_and_cadence(config, place, meter, events)
+    job_provider = build_job_provider(config, ident, telemetry)  # rank 0: the job-level series
+    job_meter = job_provider.get_meter("otel_train", _version()) if job_provider is not None else None
+    reducer, cadence = _reducer_and_cadence(config, place, meter, events, job_meter)
     profiled_steps = ProfiledStepsCounter(meter)
     gradient_flow = GradientFlowMonitor(events)  # reads ot.watch's gradient norms: idle without a watch
     collectives = _collective_monitor(place, meter)
@@ -176,7 +178,7 @@ def _start_hardware(
 
 
 def _reducer_and_cadence(
-    config: Config, place: RunPlace, meter: Any, events: HealthEvents
+    config: Config, place: RunPlace, meter: Any, events: HealthEvents, job_meter: Any = None
 ) -> tuple[CrossRankReducer, Cadence]:
     """The cross-rank reducer, and the flush cadence it adopts from rank 0's proposal."""
     from otel_train.cadence import Cadence
@@ -186,7 +188,7 @@ def _reducer_and_cadence(
     lockstep = ident.distributed and config.cross_rank
     reducer = CrossRankReducer(
         ident, meter, events, config, group=place.telemetry_group, exchange=config.cross_rank,
-        shape=place.exchange,
+        shape=place.exchange, job_meter=job_meter,
     )  # fmt: skip
     cadence = Cadence(
         config.log_interval,

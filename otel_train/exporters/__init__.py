@@ -4,6 +4,7 @@
 Importing this package imports the OTel SDK: it is imported at init(), never by `import otel_train`.
 """
 
+from otel_train.exporters.job_provider import build_job_provider
 from otel_train.exporters.providers import Telemetry, build_telemetry
 
-__all__ = ["Telemetry", "build_telemetry"]
+__all__ = ["Telemetry", "build_job_provider", "build_telemetry"]

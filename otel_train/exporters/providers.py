@@ -6,6 +6,7 @@ exporter is wrapped in a fork guard (`guards`); `Telemetry.shutdown` bounds the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -60,6 +61,11 @@ def _otlp_metric_exporter(config: Config) -> MetricExporter:
     return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s)
 
 
+def otlp_metric_exporter(config: Config) -> MetricExporter:
+    """The OTLP metric exporter, for a provider beside this process's own (`job_provider`)."""
+    return _otlp_metric_exporter(config)
+
+
 def _otlp_event_exporters(config: Config) -> tuple[SpanExporter, LogRecordExporter]:
     headers = dict(config.otlp_headers)
     timeout = config.otlp_timeout_s  # seconds: the Python SDK's unit
@@ -91,6 +97,10 @@ class Telemetry:
     pull_endpoint: PullEndpoint | None
     remote: bool = False  # exports over OTLP (a slow shutdown then points at the collector)
     _closers: list[Callable[[], None]] = field(default_factory=list)
+    others: list[MeterProvider] = field(default_factory=list)  # shut down with it (`job_provider`)
+
+    def add_meter_provider(self, provider: MeterProvider) -> None:
+        self.others.append(provider)
 
     def shutdown(self, timeout_s: float) -> bool:
         """Shut every provider down on a helper thread; give up after `timeout_s`.
@@ -105,6 +115,7 @@ class Telemetry:
             steps.append(self.logger_provider.shutdown)
         millis = max(1, int(timeout_s * 1000))
         steps.append(lambda: self.meter_provider.shutdown(timeout_millis=millis))
+        steps += [functools.partial(provider.shutdown, timeout_millis=millis) for provider in self.others]
         if self.pull_endpoint is not None:
             steps.append(self.pull_endpoint.close)
 

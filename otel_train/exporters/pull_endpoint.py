@@ -86,6 +86,7 @@ class PullEndpoint:
     url: str
     server: Any
     thread: threading.Thread
+    registry: Any = None  # what it serves: a second provider's reader may join it (`job_provider`)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -117,4 +118,4 @@ def start_pull_endpoint(
             exc.strerror or exc,
         )
         return None, None
-    return reader, PullEndpoint(f"http://{config.prometheus_host}:{port}/metrics", server, thread)
+    return reader, PullEndpoint(f"http://{config.prometheus_host}:{port}/metrics", server, thread, registry)

@@ -1,0 +1,71 @@
+"""Rank 0's second MeterProvider: the job-level series (`semconv.JOB_SPECS`, published by
+`crossrank.job_outputs`), once per job and without any rank label.
+
+Its Resource holds the run identity only (service.name, run_id, role where set): no rank,
+local_rank, host.name, GPU or user attribute, so neither the pull endpoint (whose labels are the
+Resource's run_id and role) nor a store that turns every resource attribute into a label (the
+Collector's `resource_to_telemetry_conversion`, VictoriaMetrics' and Mimir's OTLP ingestion) sees
+which rank sent them. It exports where rank 0's own provider does: the same OTLP endpoint and
+interval, and the same pull endpoint (a second reader on its registry, without a second
+`target_info`). It is built in both series tiers: the essential tier leaves them in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+
+from otel_train import semconv
+from otel_train.config import Config
+from otel_train.distributed import Identity
+from otel_train.exporters.guards import ForkGuardMetricExporter
+from otel_train.exporters.providers import Telemetry, otlp_metric_exporter
+
+JOB_LABEL_KEYS: tuple[str, ...] = (semconv.RUN_ID, semconv.ROLE)  # the pull endpoint's labels
+
+
+def job_resource(config: Config, identity: Identity) -> Resource:
+    """The run's identity, nothing of any one rank (module doc)."""
+    attributes: dict[str, str] = {"service.name": config.service_name, semconv.RUN_ID: identity.run_id}
+    if identity.role:
+        attributes[semconv.ROLE] = identity.role
+    return Resource(attributes)
+
+
+def build_job_provider(config: Config, identity: Identity, telemetry: Telemetry) -> MeterProvider | None:
+    """Rank 0 of a job whose ranks exchange (cross_rank), or a single process: the job-level
+    series' provider, shut down with `telemetry`. None elsewhere: other ranks export none."""
+    if identity.rank != 0 or (identity.distributed and not config.cross_rank):
+        return None
+    readers: list[MetricReader] = []
+    if config.otlp_endpoint or config.otlp_metrics_endpoint:
+        readers.append(
+            PeriodicExportingMetricReader(
+                ForkGuardMetricExporter(otlp_metric_exporter(config)),  # rank 0's own reports outages
+                export_interval_millis=config.metric_export_interval_s * 1000,
+                export_timeout_millis=config.otlp_timeout_s * 1000,
+            )
+        )
+    endpoint = telemetry.pull_endpoint
+    if endpoint is not None and endpoint.registry is not None:
+        readers.append(_pull_reader(endpoint.registry))
+    if not readers:
+        return None
+    provider = MeterProvider(
+        metric_readers=readers, resource=job_resource(config, identity), shutdown_on_exit=False
+    )
+    telemetry.add_meter_provider(provider)
+    return provider
+
+
+def _pull_reader(registry: Any) -> MetricReader:
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+    keys = frozenset(JOB_LABEL_KEYS)
+    # rank 0's own reader already serves target_info on this registry: one per endpoint
+    return PrometheusMetricReader(
+        disable_target_info=True, registry=registry, resource_attribute_filter=keys.__contains__
+    )

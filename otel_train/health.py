@@ -202,9 +202,7 @@ class HealthEvents:
                     attributes=attrs,
                     event_name=f"otel_train.{event}",
                 )
-            except (
-                Exception
-            ) as exc:  # the OTel SDK's log pipeline: an exporter problem must not stop the caller
+            except Exception as exc:  # the OTel SDK's log pipeline must not stop the caller
                 log.debug("otel_train: could not emit a log record: %s", exc)
         with self._lock:
             if self._events_path is not None:

@@ -329,7 +329,7 @@ class RunFiles:
 def json_default(value: Any) -> Any:
     """`default=` for json.dumps: numpy scalars and 0-dim tensors as numbers, anything else as
     text, so one odd value never empties a file."""
-    try:  # the value's own __index__, __float__ and __str__: any code at all
+    try:
         if hasattr(value, "__index__"):
             with contextlib.suppress(TypeError):
                 return operator.index(value)  # numpy integers, integer 0-dim tensors
@@ -338,7 +338,7 @@ def json_default(value: Any) -> Any:
         except (TypeError, ValueError, OverflowError):
             return str(value)
         return number if math.isfinite(number) else None
-    except Exception:
+    except Exception:  # the value's own __index__, __float__ or __str__: any code at all
         return f"<{type(value).__name__}>"
 
 

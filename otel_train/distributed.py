@@ -72,6 +72,9 @@ class RunInfo:
     # The tracker bridges on ("tensorboard", "wandb", "mlflow"), so an adapter never opens a
     # framework's own writer for a backend otel_train already feeds.
     bridges: tuple[str, ...] = ()
+    # The series tier this rank sends to the metrics store ("full" or "essential"): the
+    # rank_series setting resolved at init from rank 0's setting and the world size.
+    rank_series: str = "full"
 
 
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:

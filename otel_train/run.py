@@ -84,6 +84,7 @@ class Run:
                 )
                 if on
             ),
+            rank_series=config.rank_series,
         )
 
     def profile(

@@ -22,8 +22,9 @@ from otel_train.distributed import (
 logger = logging.getLogger("otel_train")
 
 REASON_BYTES = 240  # a refusal's message travels in at most this many UTF-8 bytes
-_REFUSED, _FANIN, _NODE, _ROLE, _REASON_LEN = range(5)  # int64 fields, then the reason's bytes
-_INTS = 5
+_REFUSED, _FANIN, _NODE, _ROLE, _REASON_LEN, _RANK_SERIES = range(6)  # int64 fields, then the reason's bytes
+_INTS = 6
+RANK_SERIES_CODES = ("auto", "full", "essential")  # Config.rank_series as it travels in the row
 ROW_LEN = _INTS * 8 + REASON_BYTES
 
 
@@ -35,10 +36,11 @@ class JobFacts:
     roles: tuple[int, ...]  # role fingerprints (`_role_key`)
     refusals: tuple[tuple[int, str], ...]  # (rank, its message), for each rank that refused
     shape: ExchangeShape
+    rank_series: tuple[str, ...] = ()  # the rank_series setting each rank asked for (rank 0's wins)
 
 
 def gather_job_facts(
-    group: Any, identity: Identity, fanin: int, refusal: str | None = None
+    group: Any, identity: Identity, fanin: int, refusal: str | None = None, rank_series: str = "auto"
 ) -> JobFacts | None:
     """Every rank's facts on every rank (one all_gather on the telemetry group); None when it
     failed (logged: this rank then keeps to itself, as when the group could not be made)."""
@@ -47,7 +49,7 @@ def gather_job_facts(
 
     reason = (refusal or "").encode("utf-8")[:REASON_BYTES]
     ints = [int(refusal is not None), fanin, node_key(identity.host, identity.node_rank)]
-    ints += [_role_key(identity.role), len(reason)]
+    ints += [_role_key(identity.role), len(reason), RANK_SERIES_CODES.index(rank_series)]
     mine = torch.zeros(ROW_LEN, dtype=torch.uint8)
     mine[: _INTS * 8] = torch.tensor(ints, dtype=torch.int64).view(torch.uint8)
     if reason:
@@ -65,9 +67,9 @@ def gather_job_facts(
         if f[_REFUSED]
     )
     fanins = tuple(f[_FANIN] for f in fields)
-    return JobFacts(
-        fanins, tuple(f[_ROLE] for f in fields), refusals, decide_shape(fanins, [f[_NODE] for f in fields])
-    )
+    shape = decide_shape(fanins, [f[_NODE] for f in fields])
+    tiers = tuple(RANK_SERIES_CODES[f[_RANK_SERIES]] for f in fields)
+    return JobFacts(fanins, tuple(f[_ROLE] for f in fields), refusals, shape, tiers)
 
 
 def refuse_if_any(facts: JobFacts, identity: Identity) -> None:

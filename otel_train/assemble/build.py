@@ -43,7 +43,9 @@ def build_session(config: Config) -> Session:
     """A started session for `config`: every part built and wired, the worker and watchdog running."""
     place = agree_run_place(config)
     # Rank 0's cadence settings, so that ranks in lockstep flush at the same steps (init warned).
-    config = replace(config, log_interval=place.log_interval, cross_rank=place.cross_rank)
+    config = replace(
+        config, log_interval=place.log_interval, cross_rank=place.cross_rank, rank_series=place.rank_series
+    )
     gpu_discovery = _discover_gpus(config, place.identity)
     resource = build_resource(
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.assemble.agreement import JobFacts, gather_job_facts, refuse_if_any
-from otel_train.config import Config
+from otel_train.config import Config, RankSeries
 from otel_train.crossrank import ExchangeShape
 from otel_train.distributed import Agreement, Identity, agree_job, create_telemetry_group, detect_identity
 from otel_train.run_directory import (
@@ -39,6 +39,7 @@ class RunPlace:
     # (event, message): what init found about the job as a whole, emitted once the events exist
     notices: tuple[tuple[str, str], ...] = ()
     exchange: ExchangeShape | None = None  # the exchange's shape, the job's (None: not agreed)
+    rank_series: RankSeries = "full"  # the series tier, resolved from rank 0's setting and the world size
 
 
 def agree_run_place(config: Config) -> RunPlace:
@@ -47,7 +48,9 @@ def agree_run_place(config: Config) -> RunPlace:
     # can never interleave with the training's own (NCCL) collectives. Needs init_process_group first.
     group = create_telemetry_group(identity, config.collective_timeout_s)
     # Refusals and the exchange's shape first, decided together from every rank's facts (agreement).
-    facts = gather_job_facts(group, identity, config.exchange_fanin) if group is not None else None
+    facts = None
+    if group is not None:
+        facts = gather_job_facts(group, identity, config.exchange_fanin, rank_series=config.rank_series)
     if facts is None:
         group = None  # this rank could not agree with the others: it keeps to itself (run_split)
     else:
@@ -68,6 +71,11 @@ def agree_run_place(config: Config) -> RunPlace:
             lambda: claim_run_dir(run_dir, rank, run_id, run_name, role)
         )
     reporting = identity.rank == 0 or config.bridge_all_ranks
+    from otel_train.exporters import resolve_rank_series
+
+    # Rank 0's setting and the job's world size: every rank sends the same tier's series.
+    asked_tier = facts.rank_series[0] if facts is not None else config.rank_series
+    rank_series = resolve_rank_series(asked_tier, identity.world_size)
     notices = _job_notices(config, agreed, group, run_dir, facts)
     for _, message in notices:
         logger.warning("otel_train: %s", message)
@@ -82,6 +90,7 @@ def agree_run_place(config: Config) -> RunPlace:
         agreed.cross_rank,
         notices,
         facts.shape if facts is not None else None,
+        rank_series,
     )
 
 
@@ -89,8 +98,8 @@ def _job_notices(
     config: Config, agreed: Agreement, group: Any, run_dir: Path | None, facts: JobFacts | None
 ) -> tuple[tuple[str, str], ...]:
     """What this rank must say about the job at init: it was split off (no telemetry group, so
-    no agreed run directory), or it asked for another log_interval, cross_rank or exchange_fanin
-    than rank 0."""
+    no agreed run directory), or it asked for another log_interval, cross_rank, exchange_fanin or
+    rank_series than rank 0."""
     ident = agreed.identity
     if ident.distributed and group is None and process_group_started():
         return (
@@ -110,6 +119,9 @@ def _job_notices(
     if facts is not None and facts.fanins[ident.rank] != facts.fanins[0]:
         differs.append("exchange_fanin")
         asked["exchange_fanin"], rank0["exchange_fanin"] = str(config.exchange_fanin), str(facts.fanins[0])
+    if facts is not None and facts.rank_series[ident.rank] != facts.rank_series[0]:
+        differs.append("rank_series")
+        asked["rank_series"], rank0["rank_series"] = repr(config.rank_series), repr(facts.rank_series[0])
     if not differs:
         return ()
     names = " and ".join(differs)

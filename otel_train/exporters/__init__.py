@@ -6,5 +6,13 @@ Importing this package imports the OTel SDK: it is imported at init(), never by 
 
 from otel_train.exporters.job_provider import build_job_provider
 from otel_train.exporters.providers import Telemetry, build_telemetry
+from otel_train.exporters.tiers import essential_names, essential_only, resolve_rank_series
 
-__all__ = ["Telemetry", "build_job_provider", "build_telemetry"]
+__all__ = [
+    "Telemetry",
+    "build_job_provider",
+    "build_telemetry",
+    "essential_names",
+    "essential_only",
+    "resolve_rank_series",
+]

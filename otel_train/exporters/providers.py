@@ -31,6 +31,7 @@ from otel_train.exporters.guards import (
     quiet_sdk_exporter_logs,
 )
 from otel_train.exporters.pull_endpoint import PullEndpoint, start_pull_endpoint
+from otel_train.exporters.tiers import EssentialMetricExporter
 
 log = logging.getLogger("otel_train")
 
@@ -47,6 +48,12 @@ def _otlp_url(config: Config, signal: str) -> str:
 
 
 def _otlp_metric_exporter(config: Config) -> MetricExporter:
+    """The OTLP metric exporter; in the essential tier it sends that tier's series only."""
+    exporter = _otlp_protocol_metric_exporter(config)
+    return EssentialMetricExporter(exporter) if config.rank_series == "essential" else exporter
+
+
+def _otlp_protocol_metric_exporter(config: Config) -> MetricExporter:
     headers = dict(config.otlp_headers)
     endpoint = _otlp_url(config, "metrics")
     if config.otlp_protocol == "grpc":
@@ -148,7 +155,9 @@ def build_telemetry(
     local_rank: int,
 ) -> Telemetry:
     """`resource` identifies metric series (no per-launch attribute); spans and logs carry
-    `event_attributes` (process.pid, run name) on top."""
+    `event_attributes` (process.pid, run name) on top. `config.rank_series` is the resolved tier
+    (`build_session` resolves "auto"; "auto" here sends every series): "essential" filters the
+    OTLP metrics and the pull endpoint (`tiers`)."""
     readers: list[MetricReader] = [step_reader]
     span_exporters: list[SpanExporter] = []
     log_exporters: list[LogRecordExporter] = []

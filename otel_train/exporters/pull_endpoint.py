@@ -13,6 +13,7 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricReader
 
 from otel_train.config import Config
+from otel_train.exporters.tiers import essential_only
 
 log = logging.getLogger("otel_train")
 
@@ -93,10 +94,24 @@ class PullEndpoint:
         self.server.server_close()
 
 
+def _essential_reader_class() -> Any:
+    """The SDK's Prometheus reader, serving only what the essential tier sends (`tiers`)."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+    class EssentialPrometheusReader(PrometheusMetricReader):
+        def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
+            if metrics_data is not None:
+                metrics_data = essential_only(metrics_data)
+            super()._receive_metrics(metrics_data, timeout_millis, **kwargs)
+
+    return EssentialPrometheusReader
+
+
 def start_pull_endpoint(
     config: Config, local_rank: int, label_keys: Sequence[str]
 ) -> tuple[MetricReader | None, PullEndpoint | None]:
-    """Prometheus pull endpoint; a busy port warns once (naming port and setting) and is skipped."""
+    """Prometheus pull endpoint; a busy port warns once (naming port and setting) and is skipped.
+    In the essential tier (`config.rank_series`) it serves that tier's series only."""
     if config.prometheus_port == 0:
         return None, None
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -105,7 +120,8 @@ def start_pull_endpoint(
     port = config.prometheus_port + local_rank
     registry = CollectorRegistry()
     keys = frozenset(label_keys)
-    reader = PrometheusMetricReader(registry=registry, resource_attribute_filter=keys.__contains__)
+    reader_class = _essential_reader_class() if config.rank_series == "essential" else PrometheusMetricReader
+    reader = reader_class(registry=registry, resource_attribute_filter=keys.__contains__)
     try:
         server, thread = _serve_pull(config.prometheus_host, port, registry)
     except OSError as exc:

@@ -114,9 +114,9 @@ def main() -> None:
         cases[f"ot.watch, {LAYERS} layers, activations=True, {tier}"] = exported_series(
             watch=True, activations=True, rank_series=tier
         )
-    cases['same, watch_aggregate="model", full'] = exported_series(
-        watch=True, activations=True, aggregate="model"
-    )
+        cases[f'same, watch_aggregate="model", {tier}'] = exported_series(
+            watch=True, activations=True, aggregate="model", rank_series=tier
+        )
     for name, counts in cases.items():
         rank = Counter({family: n for family, n in counts.items() if family not in JOB_FAMILIES})
         job = sum(counts.values()) - sum(rank.values())

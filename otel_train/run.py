@@ -84,7 +84,7 @@ class Run:
                 )
                 if on
             ),
-            rank_series=config.rank_series,
+            rank_series=session.telemetry.rank_series,
         )
 
     def profile(

@@ -43,9 +43,7 @@ def build_session(config: Config) -> Session:
     """A started session for `config`: every part built and wired, the worker and watchdog running."""
     place = agree_run_place(config)
     # Rank 0's cadence settings, so that ranks in lockstep flush at the same steps (init warned).
-    config = replace(
-        config, log_interval=place.log_interval, cross_rank=place.cross_rank, rank_series=place.rank_series
-    )
+    config = replace(config, log_interval=place.log_interval, cross_rank=place.cross_rank)
     gpu_discovery = _discover_gpus(config, place.identity)
     resource = build_resource(
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
@@ -92,7 +90,9 @@ def _build_session(
         semconv.PROCESS_PID: os.getpid(),
         semconv.RUN_NAME: place.run_name,
     }
-    telemetry = build_telemetry(config, resource, event_attributes, step_reader, ident.local_rank)
+    # The tier the job agreed on; the session's config keeps the setting as asked ("auto").
+    tiered = replace(config, rank_series=place.rank_series)
+    telemetry = build_telemetry(tiered, resource, event_attributes, step_reader, ident.local_rank)
     meter = telemetry.meter_provider.get_meter("otel_train", _version())
     instruments = Instruments(meter, config.max_metric_names)
     otel_logger = (

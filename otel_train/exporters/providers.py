@@ -103,6 +103,7 @@ class Telemetry:
     logger_provider: LoggerProvider | None
     pull_endpoint: PullEndpoint | None
     remote: bool = False  # exports over OTLP (a slow shutdown then points at the collector)
+    rank_series: str = "full"  # the series tier sent to the store (`tiers`)
     _closers: list[Callable[[], None]] = field(default_factory=list)
     others: list[MeterProvider] = field(default_factory=list)  # shut down with it (`job_provider`)
 
@@ -203,7 +204,8 @@ def build_telemetry(
     event_resource = resource.merge(Resource(dict(event_attributes)))
     tracer_provider, logger_provider = _event_providers(config, event_resource, span_exporters, log_exporters)
     remote = bool(config.otlp_endpoint or config.otlp_metrics_endpoint)
-    return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint, remote)
+    tier = "essential" if config.rank_series == "essential" else "full"
+    return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint, remote, tier)
 
 
 def _event_providers(

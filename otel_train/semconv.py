@@ -321,7 +321,8 @@ REPLICA_DIVERGENCE = _m(
 
 # --- the job's own series (rank 0, no rank label; crossrank/job_block, job_outputs) ---------------------
 # Summed exactly over the ranks through the one exchange per flush: histograms and counters over every
-# row rank 0 took, gauges over the rows of its latest flush (docs/scale.md "Job-level series").
+# row rank 0 took, gauges over the rows of its latest flush (docs/scale.md "Job-level series"). Fed
+# when an exporter collects, not at the flush (rank 0's flush stays as cheap).
 JOB_STEP_DURATION = _m(
     "train.job.step.duration", S.HISTOGRAM, "s",
     "Wall time of one training step, every rank's steps (bucket counts summed over the ranks).",
@@ -333,41 +334,41 @@ JOB_PHASE_DURATION = _m(
     "job/timers/{train.phase}", attributes=(PHASE,), buckets=PHASE_BUCKETS, scope="job",
 )  # fmt: skip
 JOB_SAMPLES = _m(
-    "train.job.samples", S.COUNTER, "{sample}", "Samples processed by all ranks.", "job/throughput/samples",
-    scope="job",
+    "train.job.samples", S.OBSERVABLE_COUNTER, "{sample}", "Samples processed by all ranks.",
+    "job/throughput/samples", scope="job",
 )  # fmt: skip
 JOB_TOKENS = _m(
-    "train.job.tokens", S.COUNTER, "{token}", "Tokens processed by all ranks.", "job/throughput/tokens",
-    scope="job",
+    "train.job.tokens", S.OBSERVABLE_COUNTER, "{token}", "Tokens processed by all ranks.",
+    "job/throughput/tokens", scope="job",
 )  # fmt: skip
 JOB_SAMPLES_RATE = _m(
-    "train.job.samples.rate", S.GAUGE, "{sample}/s",
+    "train.job.samples.rate", S.OBSERVABLE_GAUGE, "{sample}/s",
     "Samples per second of the job over rank 0's latest flush interval.", "job/samples_rate", scope="job",
 )  # fmt: skip
 JOB_TOKENS_RATE = _m(
-    "train.job.tokens.rate", S.GAUGE, "{token}/s",
+    "train.job.tokens.rate", S.OBSERVABLE_GAUGE, "{token}/s",
     "Tokens per second of the job over rank 0's latest flush interval.", "job/tokens_rate", scope="job",
 )  # fmt: skip
 JOB_LOSS = _m(
-    "train.job.loss", S.GAUGE, "", "Training loss: mean over every rank's recorded values of the interval.",
-    "job/loss", scope="job",
+    "train.job.loss", S.OBSERVABLE_GAUGE, "",
+    "Training loss: mean over every rank's recorded values of the interval.", "job/loss", scope="job",
 )  # fmt: skip
 JOB_LOSS_MIN = _m(
-    "train.job.loss.min", S.GAUGE, "", "Smallest training loss any rank recorded in the interval.",
+    "train.job.loss.min", S.OBSERVABLE_GAUGE, "", "Smallest training loss any rank recorded in the interval.",
     "job/loss_min", scope="job",
 )  # fmt: skip
 JOB_LOSS_MAX = _m(
-    "train.job.loss.max", S.GAUGE, "", "Largest training loss any rank recorded in the interval.",
+    "train.job.loss.max", S.OBSERVABLE_GAUGE, "", "Largest training loss any rank recorded in the interval.",
     "job/loss_max", scope="job",
 )  # fmt: skip
 JOB_PHASE_CROSS_RANK = _m(
-    "train.job.phase.cross_rank", S.GAUGE, "s",
+    "train.job.phase.cross_rank", S.OBSERVABLE_GAUGE, "s",
     "Over every rank's mean time of a phase in the interval: min/max/mean (argmin_rank/argmax_rank: the rank).",
     "job/timers/{train.phase}/ranks_{stat}", attributes=(PHASE, STAT), scope="job",
 )  # fmt: skip
 JOB_RANKS = _m(
-    "train.job.ranks", S.GAUGE, "{rank}", "Ranks' rows in the job-level series of rank 0's latest flush.",
-    "job/ranks", scope="job",
+    "train.job.ranks", S.OBSERVABLE_GAUGE, "{rank}",
+    "Ranks' rows in the job-level series of rank 0's latest flush.", "job/ranks", scope="job",
 )  # fmt: skip
 
 # --- throughput and efficiency ---------------------------------------------------------------------

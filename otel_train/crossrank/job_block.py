@@ -24,6 +24,7 @@ A timer that raised (`error.type`) is per rank only.
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_right
 from collections.abc import Mapping
@@ -67,7 +68,9 @@ def encode(interval: Interval, rank: int) -> Any:
     timers += [
         (float(name_id(name)), values, semconv.PHASE_BUCKETS) for name, values in phases[: RECORDS - 1]
     ]
-    for index, (ident, values, bounds) in enumerate(t for t in timers if t[1]):
+    # by id (the step, above every name id, last): ranks with the same timers lay them out alike,
+    # so merging their blocks is column by column (`combine`)
+    for index, (ident, values, bounds) in enumerate(sorted((t for t in timers if t[1]), key=lambda t: t[0])):
         at = HEAD_LEN + index * REC_LEN
         ordered = sorted(values)
         mean = math.fsum(ordered) / len(ordered)
@@ -110,10 +113,79 @@ def combine(blocks: Any) -> Any:
 
     if isinstance(blocks, list):
         blocks = torch.stack(blocks) if blocks else empty().reshape(1, -1)
+    blocks = blocks.reshape(-1, JOB_LEN)
     blocks = blocks[blocks[:, _H_VERSION] == VERSION]
-    out = empty()
     if not len(blocks):
+        return empty()
+    columns = _columns()
+    ids = blocks[:, columns.ids]
+    if bool((ids == ids[0]).all()):  # the same records in the same places: column by column
+        return _by_column(blocks, columns)
+    return _by_id(blocks)
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """Which columns of a block are summed, kept at their least or greatest, or name the rank of
+    a least / greatest value (the value's column + 1); the rest (version, ids) are copied."""
+
+    added: Any  # bool masks over JOB_LEN
+    least: Any
+    greatest: Any
+    least_values: Any  # column indices whose rank sits in the next column
+    greatest_values: Any
+    ids: Any
+
+
+@functools.cache
+def _columns() -> _Columns:
+    import torch
+
+    added = [_H_ROWS, _H_OVERFLOW, _H_SAMPLES, _H_TOKENS, _H_LOSS_SUM, _H_LOSS_COUNT]
+    least, greatest = [_H_LOSS_MIN], [_H_LOSS_MAX]
+    least_values, greatest_values, ids = [], [], []
+    for index in range(RECORDS):
+        at = HEAD_LEN + index * REC_LEN
+        added += [at + c for c in _ADD]
+        least += [at + R_DMIN, at + R_MMIN]
+        greatest += [at + R_DMAX, at + R_MMAX]
+        least_values.append(at + R_MMIN)
+        greatest_values.append(at + R_MMAX)
+        ids.append(at + R_ID)
+
+    def mask(columns: list[int]) -> Any:
+        out = torch.zeros(JOB_LEN, dtype=torch.bool)
+        out[columns] = True
         return out
+
+    indices = torch.tensor
+    return _Columns(
+        mask(added),
+        mask(least),
+        mask(greatest),
+        indices(least_values),
+        indices(greatest_values),
+        indices(ids),
+    )
+
+
+def _by_column(blocks: Any, columns: _Columns) -> Any:
+    import torch
+
+    least, greatest = blocks.amin(0), blocks.amax(0)
+    out = torch.where(columns.added, blocks.sum(0), blocks[0])
+    out = torch.where(columns.least, least, torch.where(columns.greatest, greatest, out))
+    for values, best in ((columns.least_values, least), (columns.greatest_values, greatest)):
+        held = torch.where(blocks[:, values] == best[values], blocks[:, values + 1], math.inf)
+        out[values + 1] = held.amin(0)  # the lowest rank holding it
+    return out
+
+
+def _by_id(blocks: Any) -> Any:
+    """`combine` of blocks whose records differ: matched by id."""
+    import torch
+
+    out = empty()
     out[_H_VERSION] = VERSION
     for at in (_H_ROWS, _H_OVERFLOW, _H_SAMPLES, _H_TOKENS, _H_LOSS_SUM, _H_LOSS_COUNT):
         out[at] = blocks[:, at].sum()
@@ -122,7 +194,7 @@ def combine(blocks: Any) -> Any:
     records = records[records[:, R_ID] != 0]
     if not len(records):
         return out
-    ids, where = torch.unique(records[:, R_ID], return_inverse=True)
+    ids, where = torch.unique(records[:, R_ID], return_inverse=True)  # ascending: as `encode` lays them
     merged = torch.zeros(len(ids), REC_LEN, dtype=torch.float64)
     merged[:, R_ID] = ids
     # Sums as a product with the records' one-hot id matrix: far cheaper than index_add on CPU here
@@ -137,9 +209,9 @@ def combine(blocks: Any) -> Any:
         merged[:, column] = merged[:, column].scatter_reduce(
             0, where, records[:, column], reduce, include_self=False
         )
-    counts = merged[:, R_BUCKETS:R_SUM].sum(1)
-    order = sorted(range(len(ids)), key=lambda i: (ids[i].item() != STEP_ID, -counts[i].item()))
-    kept = order[:RECORDS]
+    counts = merged[:, R_BUCKETS:R_SUM].sum(1).tolist()
+    order = sorted(range(len(ids)), key=lambda i: (ids[i].item() != STEP_ID, -counts[i]))
+    kept = sorted(order[:RECORDS])  # by id again
     out[_H_OVERFLOW] += float(len(order) - len(kept))
     out[HEAD_LEN : HEAD_LEN + len(kept) * REC_LEN] = merged[kept].reshape(-1)
     return out

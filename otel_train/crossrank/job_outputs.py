@@ -1,4 +1,4 @@
-"""Rank 0's job-level series (`semconv.JOB_SPECS`) from the merged job block (`job_block`).
+"""Rank 0's job-level series (`semconv.JOB_SPECS`) from the merged job blocks (`job_block`).
 
 They go to a meter of their own (`exporters.job_provider`: a MeterProvider whose Resource holds
 the run identity only), so no store sees a rank label on them. What they mean:
@@ -12,9 +12,12 @@ the run identity only), so no store sees a rank label on them. What they mean:
 - the gauges (`train.job.loss`, its min and max, the rates, `train.job.phase.cross_rank`,
   `train.job.ranks`) are over the rows taken at rank 0's latest flush.
 
-The histograms are fed their bucket counts, never values, through the SDK's aggregation (the
-internals `flush.histogram_feed` also uses, opentelemetry-sdk 1.45). Where those are not what is
-expected, the job histograms are left out (warned once): they are exact or absent.
+At a flush rank 0 only keeps the blocks (`publish`); they are merged and fed to the SDK when an
+exporter collects (the observable instruments' callbacks, which the SDK runs before it reads the
+histograms), so rank 0's flush costs about as before and the merging runs once per export, not
+once per flush. The histograms are fed bucket counts, never values, through the SDK's aggregation
+(the internals `flush.histogram_feed` also uses, opentelemetry-sdk 1.45). Where those are not what
+is expected, the job histograms are left out (warned once): they are exact or absent.
 A timer whose name rank 0 has not learned yet (a timer only other ranks run: names travel in the
 rows' announcements) waits, counted, until it has.
 """
@@ -23,59 +26,103 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from otel_train import semconv
-from otel_train.crossrank.job_block import STEP_ID, JobTotals, TimerTotals, decode
+from otel_train.crossrank.job_block import STEP_ID, JobTotals, TimerTotals, combine, decode
 from otel_train.crossrank.timer_stats import STEP_PHASE
 
 logger = logging.getLogger("otel_train")
 
-MAX_WAITING = 64  # flushes a timer without a name is kept for; beyond, its counts are dropped (warned)
+MAX_WAITING = 64  # collections a timer without a name is kept for; beyond, its counts are dropped
+MAX_KEPT = 64  # flushes kept between two collections; beyond, they are merged into one
 
 
 class JobSeries:
-    """Rank 0: publishes each flush's merged job block on `meter` (None: nothing is published)."""
+    """Rank 0: the job-level series of the blocks `publish` gets, on `meter` (None: nothing)."""
 
     def __init__(self, meter: Any | None) -> None:
         self.meter = meter
-        self.published = 0  # blocks published (tests)
+        self.published = 0  # flushes published (tests)
         self.unexported = False  # the SDK's histogram internals were not as expected (module doc)
+        self._kept: list[Any] = []  # the blocks of the flushes since the last collection
+        self._latest: tuple[Any, float] | None = None  # the latest flush's blocks and seconds
+        self._names: Mapping[int, str] = {}
         self._waiting: dict[float, list[TimerTotals]] = {}
+        self._totals = {"samples": 0.0, "tokens": 0.0}
+        self._gauges: dict[str, list[tuple[float, dict[str, str]]]] = {}
         self._warned: set[str] = set()
+        self._lock = threading.Lock()
         if meter is None:
             return
         self.step = semconv.JOB_STEP_DURATION.create(meter)
         self.phase = semconv.JOB_PHASE_DURATION.create(meter)
-        self.samples = semconv.JOB_SAMPLES.create(meter)
-        self.tokens = semconv.JOB_TOKENS.create(meter)
-        self.samples_rate = semconv.JOB_SAMPLES_RATE.create(meter)
-        self.tokens_rate = semconv.JOB_TOKENS_RATE.create(meter)
-        self.loss = semconv.JOB_LOSS.create(meter)
-        self.loss_min = semconv.JOB_LOSS_MIN.create(meter)
-        self.loss_max = semconv.JOB_LOSS_MAX.create(meter)
-        self.cross_rank = semconv.JOB_PHASE_CROSS_RANK.create(meter)
-        self.ranks = semconv.JOB_RANKS.create(meter)
+        semconv.JOB_SAMPLES.create(meter, self._observe("samples"))
+        semconv.JOB_TOKENS.create(meter, self._observe("tokens"))
+        for spec in (
+            semconv.JOB_SAMPLES_RATE,
+            semconv.JOB_TOKENS_RATE,
+            semconv.JOB_LOSS,
+            semconv.JOB_LOSS_MIN,
+            semconv.JOB_LOSS_MAX,
+            semconv.JOB_PHASE_CROSS_RANK,
+            semconv.JOB_RANKS,
+        ):
+            spec.create(meter, self._observe(spec.name))
 
-    def publish(self, block: Any, names: Mapping[int, str], elapsed_s: float) -> None:
-        """One flush's merged block; `names`: timer id -> name; `elapsed_s`: rank 0's seconds since
-        its previous flush (the rates' denominator)."""
+    def publish(self, blocks: Any, names: Mapping[int, str], elapsed_s: float) -> None:
+        """One flush's blocks ([JOB_LEN] or [n, JOB_LEN]: the sum of them is the flush's);
+        `names`: timer id -> name (read when collected); `elapsed_s`: rank 0's seconds since its
+        previous flush (the rates' denominator)."""
         if self.meter is None:
             return
-        totals = decode(block)
-        if totals.rows <= 0:
-            return
-        self.published += 1
+        with self._lock:
+            self.published += 1
+            self._names = names
+            self._kept.append(blocks)
+            self._latest = (blocks, elapsed_s)
+            if len(self._kept) > MAX_KEPT:  # nothing collects: keep them bounded
+                self._kept = [combine(self._kept_blocks())]
+
+    def _observe(self, name: str) -> Any:
+        def callback(options: Any) -> Iterator[Any]:
+            from opentelemetry.metrics import Observation
+
+            self._collect()
+            if name in self._totals:
+                if self._totals[name]:
+                    yield Observation(self._totals[name])
+                return
+            for value, attributes in self._gauges.get(name, ()):
+                yield Observation(value, attributes)
+
+        return callback
+
+    def _kept_blocks(self) -> Any:
+        import torch
+
+        return torch.cat([b.reshape(-1, b.shape[-1]) for b in self._kept])
+
+    def _collect(self) -> None:
+        """Merge what the flushes since the last collection brought and feed it (module doc)."""
+        with self._lock:
+            if not self._kept or self._latest is None:
+                return
+            everything, (latest, elapsed_s) = combine(self._kept_blocks()), self._latest
+            self._kept = []
+        totals = decode(everything)
         if totals.overflow:
             self._warn(
                 "overflow",
                 f"otel_train: the job runs more than {len(totals.timers) - 1} timers; the job-level "
                 "series leave out those with the fewest durations (per-rank series keep them)",
             )
-        self._throughput(totals, elapsed_s)
+        self._totals["samples"] += totals.samples
+        self._totals["tokens"] += totals.tokens
         for ident, timer in totals.timers.items():
-            name = STEP_PHASE if ident == STEP_ID else names.get(int(ident))
+            name = STEP_PHASE if ident == STEP_ID else self._names.get(int(ident))
             if name is None:
                 waiting = self._waiting.setdefault(ident, [])
                 if len(waiting) < MAX_WAITING:
@@ -84,21 +131,7 @@ class JobSeries:
             for earlier in self._waiting.pop(ident, []):
                 self._histogram(ident, name, earlier)
             self._histogram(ident, name, timer)
-            self._timer_stats(name, timer)
-
-    def _throughput(self, totals: JobTotals, elapsed_s: float) -> None:
-        self.ranks.set(totals.rows)
-        if totals.samples:
-            self.samples.add(totals.samples)
-        if totals.tokens:
-            self.tokens.add(totals.tokens)
-        if elapsed_s > 0:
-            self.samples_rate.set(totals.samples / elapsed_s)
-            self.tokens_rate.set(totals.tokens / elapsed_s)
-        if totals.loss_count:
-            self.loss.set(totals.loss_sum / totals.loss_count)
-            self.loss_min.set(totals.loss_min)
-            self.loss_max.set(totals.loss_max)
+        self._gauges = _gauges(decode(combine(latest)), self._names, elapsed_s)
 
     def _histogram(self, ident: float, name: str, timer: TimerTotals) -> None:
         if ident == STEP_ID:
@@ -113,22 +146,39 @@ class JobSeries:
                 "aggregation is not the one otel_train merges bucket counts into (opentelemetry-sdk 1.45)",
             )
 
-    def _timer_stats(self, name: str, timer: TimerTotals) -> None:
-        stats = (
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+
+def _gauges(
+    totals: JobTotals, names: Mapping[int, str], elapsed_s: float
+) -> dict[str, list[tuple[float, dict[str, str]]]]:
+    """The gauges' points (name -> [(value, attributes)]) of one flush's merged block."""
+    out: dict[str, list[tuple[float, dict[str, str]]]] = {semconv.JOB_RANKS.name: [(float(totals.rows), {})]}
+    if elapsed_s > 0:
+        out[semconv.JOB_SAMPLES_RATE.name] = [(totals.samples / elapsed_s, {})]
+        out[semconv.JOB_TOKENS_RATE.name] = [(totals.tokens / elapsed_s, {})]
+    if totals.loss_count:
+        out[semconv.JOB_LOSS.name] = [(totals.loss_sum / totals.loss_count, {})]
+        out[semconv.JOB_LOSS_MIN.name] = [(totals.loss_min, {})]
+        out[semconv.JOB_LOSS_MAX.name] = [(totals.loss_max, {})]
+    stats = out.setdefault(semconv.JOB_PHASE_CROSS_RANK.name, [])
+    for ident, timer in totals.timers.items():
+        name = STEP_PHASE if ident == STEP_ID else names.get(int(ident))
+        if name is None:
+            continue
+        for stat, value in (
             ("min", timer.mean_min),
             ("max", timer.mean_max),
             ("mean", timer.mean_of_means),
             ("argmin_rank", float(timer.mean_min_rank)),
             ("argmax_rank", float(timer.mean_max_rank)),
-        )
-        for stat, value in stats:
+        ):
             if math.isfinite(value):
-                self.cross_rank.set(value, {semconv.PHASE: name, semconv.STAT: stat})
-
-    def _warn(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message)
+                stats.append((value, {semconv.PHASE: name, semconv.STAT: stat}))
+    return out
 
 
 def add_counts(

@@ -52,8 +52,8 @@ class Bundle:
     # The exact rows as one [rows, row_len] float64 tensor where they came as one (a received
     # bundle, a rank's own row): rank 0 reads the blocks from it without rebuilding it (`unpacked`).
     tensor: Any = None
-    # The job block summed over every rank covered, exact and summarized (`job_block.combine`);
-    # None: none travels (a rank's own row before its exchange adds it)
+    # The job blocks of every rank covered, exact and summarized: one summed block
+    # (`job_block.combine`), or at rank 0 the [n, JOB_LEN] blocks whose sum it is; None: none
     job: Any = None
 
     @classmethod

@@ -366,12 +366,12 @@ def _run(exchange: Any, row: Any, answers: Any, expect: set[int] | None, current
 
 
 def _job_of(rows: Any, capacity: int) -> Any:
-    """Rank 0: the job block of every row taken at this flush, whatever its steps (each row is
-    taken once), summed (job_block): the tree's bundle holds it; the star's rows each hold theirs."""
+    """Rank 0: the job blocks of every row taken at this flush, whatever its steps (each row is
+    taken once; job_block): the tree's bundle holds them; the star's rows each hold theirs."""
     if isinstance(rows, Bundle):
         return rows.job if rows.job is not None else job_block.empty()
     at = pack_len(capacity) + EXT_LEN
-    return job_block.combine(rows[:, at : at + job_block.JOB_LEN])
+    return rows[:, at : at + job_block.JOB_LEN].clone()
 
 
 def _learn_names(table: TimerTable, records: Sequence[RankRecord]) -> None:

@@ -108,6 +108,8 @@ class TreeExchange:
         """`up`: this rank's row; `answer`: rank 0's `down_row.tree_answer` (None elsewhere);
         `job`: this rank's `job_block`. Rank 0 gets `records`: the merged `merge.Bundle` of the
         whole tree, whose `job` sums every bundle taken (module doc of `job_block`)."""
+        import torch
+
         own = Bundle.of_row(up.tolist(), self.rank, up)
         steps = row_steps(up)
         parts, taken, answers = [own], list[int](), dict[int, Any]()
@@ -118,7 +120,7 @@ class TreeExchange:
             parts, taken, answers = self._gather(up, own, steps, answer, jobs)
         if self.above is None:  # rank 0: its deputy's bundle as it came (tree.layout)
             merged = join(*parts) if len(parts) == 2 else merge(parts, self.capacity)
-            merged.job = job_block.combine(jobs)
+            merged.job = torch.stack(jobs)  # merged when exported (crossrank/job_outputs)
             return Exchanged(merged, answer, [self.rank, *taken])
         merged = merge(parts, self.capacity)
         merged.job = job_block.combine(jobs)

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.multirank import run_ranks
 
 from otel_train import semconv
 from otel_train.crossrank import job_block
 from otel_train.crossrank.job_outputs import JobSeries
 from otel_train.interval import Interval
-from tests.helpers.multirank import run_ranks
 
 PHASES = ("data", "forward", "backward", "optimizer")
 FLUSHES = 5
@@ -201,3 +201,42 @@ def test_nonfinite_loss_never_reaches_the_block() -> None:
     block = job_block.decode(job_block.encode(interval, 0))
     assert block.timers[job_block.STEP_ID].count == 1 and block.loss_sum == 2.0
     assert torch.isfinite(job_block.encode(interval, 0)[: job_block.HEAD_LEN - 2]).all()
+
+
+def test_column_by_column_merge_is_the_merge_by_id() -> None:
+    """Ranks with the same timers lay out their blocks alike and merge column by column: the same
+    block as matching every record by id."""
+    intervals = [
+        Interval(1, 9, 0.0, 1.0, 3, 0, 8, [0.2, 0.3, 0.1 * r], {"f": [0.01 * r], "b": [0.02]})
+        for r in range(1, 6)
+    ]
+    blocks = torch.stack([job_block.encode(interval, rank) for rank, interval in enumerate(intervals)])
+    ids = blocks[:, job_block.HEAD_LEN :: job_block.REC_LEN][:, : job_block.RECORDS]
+    assert bool((ids == ids[0]).all())  # the column-by-column path is the one taken
+    assert torch.equal(job_block.combine(blocks), job_block._by_id(blocks))
+
+
+def test_two_readers_each_see_every_count_once() -> None:
+    """The pull endpoint and the OTLP push are two readers of the job's provider: whichever
+    collects first merges the flushes, and both export the same cumulative counts."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    first, second = InMemoryMetricReader(), InMemoryMetricReader()
+    series = JobSeries(MeterProvider(metric_readers=[first, second]).get_meter("job"))
+    for seq in range(3):
+        series.publish(
+            torch.stack(
+                [job_block.encode(Interval(seq, 9, 0.0, 1.0, 2, 4, 8, [0.2, 0.3]), r) for r in range(2)]
+            ),
+            {},
+            1.0,
+        )
+        if seq == 1:
+            _points(first)  # one reader collects in between
+    step = (semconv.JOB_STEP_DURATION.name, "")
+    a, b = _points(first), _points(second)
+    assert a[step]["count"] == b[step]["count"] == 3 * 2 * 2
+    samples = (semconv.JOB_SAMPLES.name, "")
+    assert a[samples]["value"] == b[samples]["value"] == 3 * 2 * 8
+    assert a[(semconv.JOB_RANKS.name, "")]["value"] == 2  # the latest flush's rows

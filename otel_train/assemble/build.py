@@ -90,8 +90,7 @@ def _build_session(
         semconv.PROCESS_PID: os.getpid(),
         semconv.RUN_NAME: place.run_name,
     }
-    # The tier the job agreed on; the session's config keeps the setting as asked ("auto").
-    tiered = replace(config, rank_series=place.rank_series)
+    tiered = replace(config, rank_series=place.rank_series)  # the job's tier; config keeps "auto"
     telemetry = build_telemetry(tiered, resource, event_attributes, step_reader, ident.local_rank)
     meter = telemetry.meter_provider.get_meter("otel_train", _version())
     instruments = Instruments(meter, config.max_metric_names)

@@ -131,7 +131,7 @@ def _job_notices(
             f"{names} differ{'s' if len(differs) == 1 else ''} across ranks: rank {ident.rank} asked "
             f"for {', '.join(asked[n] for n in differs)}, rank 0 for {', '.join(rank0[n] for n in differs)}; "
             "every rank uses rank 0's, so that the ranks exchange at the same flushes and steps, in "
-            f"one shape. Set the same {names} on every rank.",
+            f"one shape, and send one tier's series. Set the same {names} on every rank.",
         ),
     )
 

@@ -336,7 +336,7 @@ def apply_due(session: Any, due: list[ControlChange], index: int) -> None:
     for change in due:
         try:
             apply_change(session, change, index)
-        except Exception as exc:
+        except Exception as exc:  # torch.profiler (a `profile` change) and the sinks a setting reaches
             if session.control is not None:
                 session.control.reject_applied(change, index, f"not applied (partly, perhaps): {exc!r}")
 

@@ -7,6 +7,7 @@ restarts. The causes: docs/design/core.md#goodput.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -405,12 +406,12 @@ def process_start_perf_s() -> float:
     and when nothing answers, now."""
     age = _age_from_proc()
     if age is None:
-        try:
+        age = 0.0  # no process table: count from now
+        with contextlib.suppress(ImportError):
             import psutil
 
-            age = time.time() - psutil.Process().create_time()
-        except Exception:  # no process table: count from now
-            age = 0.0
+            with contextlib.suppress(psutil.Error, OSError):
+                age = time.time() - psutil.Process().create_time()
     return time.perf_counter() - max(0.0, age)
 
 

@@ -82,10 +82,7 @@ def _emit(events: EventChannel | None, report: StragglerReport, step: int, thres
     logger.warning("otel_train: %s", message)
     if events is None:
         return
-    try:
-        events.emit("straggler", message, event_attributes(report, step))
-    except Exception as exc:
-        logger.warning("otel_train: straggler event failed: %s", exc)
+    events.emit("straggler", message, event_attributes(report, step))
 
 
 def _publish_cross_rank(gauge: Any, option: str, reductions: Mapping[str, Reduction]) -> None:

@@ -1,6 +1,7 @@
-"""What `ot.step()` accepts: a step number, `tokens=` and `samples=` of any numeric type (numpy
-integers, 0-dim tensors, integral floats) as plain ints, and the logger API's `step=`; anything
-else is counted, warned about once and replaced, never raised into the training loop."""
+"""What `ot.step()` accepts: a step number of any integer type (numpy integers, 0-dim integer
+tensors) as a plain int, any other type being the caller's bug (TypeError naming the fix);
+`tokens=`/`samples=` and the logger API's `step=`, which arrive as values (a bad one is dropped,
+counted and warned about once; docs/reliability.md#error-policy)."""
 
 from __future__ import annotations
 

@@ -7,9 +7,8 @@ framework timed, the batch for the data check; issue #45), the settings (`otel_t
 `otel_train.config_loading`), the metric catalogue `otel_train.semconv` and the other integrations
 only, a `Session` never touched (issue #23).
 
-What still breaks a rule is named in KNOWN_VIOLATIONS, one entry per offender, so the test passes
-today and fails on any new violation, and on an entry that no longer occurs (delete it then: the
-restructure of issue #17 empties the list step by step).
+What still breaks a rule is named in KNOWN_VIOLATIONS, one entry per offender, so the test fails on
+any new violation, and on an entry that no longer occurs (delete it then).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ RUNTIME_PRIVATE_READS: frozenset[tuple[str, str, str]] = frozenset(
 )
 
 # Packages with walls: from outside, only the names the package itself exports (its __init__) are
-# imported, never its modules; its package docstring tells its story (issue #31).
+# imported, never its modules; the package docstring says what the package is.
 WALLED_PACKAGES: frozenset[str] = frozenset(
     {"hardware", "crossrank", "diagnostics", "flush", "numerics", "exporters", "assemble"}
 )

@@ -32,6 +32,10 @@ def test_a_thousand_ranks_hold_the_budgeted_series_in_victoriametrics(tier: str)
     assert 0 < result.per_rank_gpu < result.per_rank
     assert result.per_rank - result.per_rank_gpu <= BUDGET[tier]
     assert result.rank0 >= result.per_rank  # rank 0 adds the job's cross-rank verdicts
+    # the job-level series come once per job (rank 0's own Resource, no rank label), in both tiers
+    assert result.job > 0
+    assert result.by_metric["train_job_ranks"] == 1
+    assert result.by_metric["train_job_step_duration_seconds_count"] == 1
     # the 100,000-rank figure is the formula of the measured counts
     assert result.model(RANKS) == result.measured
     assert result.model(100_000) == result.rank0 + (100_000 - 1) * result.per_rank + result.job

@@ -551,3 +551,37 @@ def test_job_level_distributions_serve_both_tiers() -> None:
         "Samples/s", "Training loss (interval mean over the ranks; the steps' min and max)",
         "Cross-rank min / max of phase time",
     } <= titles  # fmt: skip
+
+
+def test_tier_marking_agrees_with_the_export_filter() -> None:
+    """The tier the panels and rules are marked with (build.in_essential_tier) is what the library's
+    essential-tier filter (otel_train/exporters/tiers.py) lets through: every catalogue metric
+    recorded once on a real SDK pipeline, then filtered."""
+    from opentelemetry.metrics import Observation
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from otel_train.exporters.tiers import essential_only
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("tiers")
+    for spec in sc.CATALOGUE:
+        if spec.kind.value.startswith("observable"):
+            spec.create(meter, lambda _options: [Observation(1.0)])
+            continue
+        instrument = spec.create(meter)
+        if spec.kind is Kind.COUNTER:
+            instrument.add(1.0)
+        elif spec.kind is Kind.HISTOGRAM:
+            instrument.record(1.0)
+        else:
+            instrument.set(1.0)
+    data = essential_only(reader.get_metrics_data())  # type: ignore[arg-type]
+    kept = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert len(kept) > 20
+    for spec in sc.CATALOGUE:
+        assert (sc.otel_name(spec.name) in kept) == build.in_essential_tier(spec), spec.name
+        if spec.kind is Kind.HISTOGRAM and spec.name in kept:
+            (point,) = kept[spec.name].data.data_points
+            bucket = f"{spec.prometheus_name}_bucket"
+            assert bool(point.explicit_bounds) == build.in_essential_tier(spec, bucket), spec.name

@@ -25,7 +25,7 @@ from otel_train.config import ConfigError as ConfigError
 from otel_train.distributed import RunInfo as RunInfo
 from otel_train.redaction import cap_text, redact
 from otel_train.run import Run as Run
-from otel_train.step_input import message_step
+from otel_train.session import message_step
 from otel_train.timing import span, step, timer
 from otel_train.version import __version__ as __version__
 

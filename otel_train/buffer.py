@@ -128,7 +128,7 @@ class FlushBatch(FlushHeader):
     stepped: dict[str, int] = field(default_factory=dict)
     # every step that ended, failed ones too, in order, up to max_values_per_interval (the counts of
     # the rest are in the header's tokens and samples): (index, start_ns, end_ns, tokens, samples,
-    # failed); the worker adds them up into the header (resolve.resolve_steps)
+    # failed); the worker adds them up into the header (worker.resolve_steps)
     step_events: list[StepEvent] = field(default_factory=list)
     value_cap: int = 0  # max_values_per_interval: the worker caps each timer's durations at it (0: no cap)
     rerun_through: int = -1  # steps up to this index re-run the previous processes' (goodput)
@@ -167,7 +167,7 @@ class Buffer:
         self.histograms: list[tuple[str, int, Any]] = []
         self.stepped: dict[str, int] = {}  # see FlushBatch.stepped
         self.steps = 0  # steps that ended without failing: set by the session before take()
-        self.tokens = 0  # of the steps beyond the step_events cap only (add_uncapped_step)
+        self.tokens = 0  # of the steps beyond the step_events cap only (session._uncapped_step)
         self.samples = 0
 
     # --- hot path ------------------------------------------------------------------------------
@@ -187,22 +187,6 @@ class Buffer:
             values.append(value)
         else:
             self.drop("too_many_values")
-
-    def add_uncapped_step(self, tokens: int | None, samples: int | None, failed: bool) -> None:
-        """A step beyond the step_events cap: its counts only (its duration and index are dropped)."""
-        self.drop("too_many_values")
-        if failed:
-            return
-        for what, count in (("tokens", tokens), ("samples", samples)):  # plain ints, unchecked
-            if count is not None and count < 0:  # dropped, counted and warned as under the cap
-                self.drop("invalid_value")
-                self.warn_once(
-                    "<negative count>",
-                    f"otel_train: ot.step({what}={count}): a count must be >= 0; such counts were "
-                    "dropped and counted as otel_train.dropped{reason=invalid_value} (warned once).",
-                )
-        self.tokens += max(0, tokens or 0)
-        self.samples += max(0, samples or 0)
 
     def add_phase(self, name: str, seconds: float) -> None:
         values = self.phases.get(name)

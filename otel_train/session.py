@@ -1,56 +1,92 @@
-"""Session: the running telemetry of one process: steps, timers, flushes and shutdown.
+"""Session: the running telemetry of one process, in the order of its life: the parts it opens
+with, its steps, the hand-off of each interval to the worker, and the close.
 
-`assemble.build_session` builds and wires the parts (`SessionParts`); `_runtime` holds the active
-session. The training thread calls only `begin_step`, `end_step`, `end_timer`, `record` and
-`flush`, each one append to a flat per-interval list; the rest happens on the worker.
-Design: docs/design/core.md#session.
+The training thread calls only `begin_step`, `end_step`, `end_timer`, `record` and `flush`, each
+one append to a flat per-interval list; the rest happens on the worker. `assemble.build_session`
+builds a session, `_runtime` holds the active one. Design: docs/design/core.md#session.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import operator
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from otel_train.buffer import MAX_SPAN_RECORDS, Buffer, SpanRecord, mark_record, step_record
-from otel_train.closing import close_listeners, close_sinks, drain_worker, stop_exporters
-from otel_train.flush_handoff import drop_message, note_torch_state, warn_lost_flush
+from otel_train import semconv
+from otel_train.bridges.base import Sink
+from otel_train.bridges.console import ConsoleSink
+from otel_train.buffer import MAX_SPAN_RECORDS, Buffer, FlushBatch, SpanRecord, mark_record, step_record
+from otel_train.config import Config
+from otel_train.distributed import Identity
 from otel_train.goodput import StepClock
+from otel_train.hardware import autocast_dtype
+from otel_train.interval import FlushListener
 from otel_train.profiling import advance_window, start_window
-from otel_train.session_parts import SessionParts
-from otel_train.step_input import MAX_STEP, count_of, step_number
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
+    from opentelemetry.metrics import Meter
+    from opentelemetry.sdk.resources import Resource
+
+    from otel_train.bridges.process import BridgeProcess
+    from otel_train.cadence import Cadence
     from otel_train.control import ControlFile
-    from otel_train.diagnostics import HangWatchdog
+    from otel_train.crossrank import CrossRankReducer
+    from otel_train.diagnostics import HangWatchdog, MemoryDumps
+    from otel_train.exporters import Telemetry
+    from otel_train.flush import Instruments, StepReader, Worker
     from otel_train.goodput import GoodputListener
+    from otel_train.hardware import HardwareMonitor
+    from otel_train.health import HealthEvents
     from otel_train.messages import Message
-    from otel_train.profiling import ProfileWindow, StepProfiler
+    from otel_train.numerics import ModelWatch
+    from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
 
 log = logging.getLogger("otel_train")
 
+MAX_STEP = 2**63 - 1  # a step must fit an int64 (Prometheus, TensorBoard, JSON readers)
 _NEVER_NS = 2**63  # a perf_counter_ns no step ends at
 
 
-def _time_due_ns(lockstep: bool, last_flush_s: float, interval_s: float) -> int:
-    """The perf_counter_ns when log_interval_s will have passed since the last flush; never in
-    lockstep (time-based flushes would desync the ranks)."""
-    due = (last_flush_s + interval_s) * 1e9
-    return int(due) if not lockstep and due < _NEVER_NS else _NEVER_NS  # log_interval_s=inf: never
-
-
-class Session(SessionParts):
+@dataclass(kw_only=True, eq=False, repr=False)
+class Session:
     """Steps, timers, flushes and the shutdown of one process's telemetry (docs/design/core.md#session)."""
 
-    # Attached by assemble.build_session once the session exists (they call back into it).
-    goodput: GoodputListener
-    watchdog: HangWatchdog
-    control: ControlFile | None
+    # --- open: the parts `assemble.build_session` builds and wires ---------------------------------
+    config: Config
+    identity: Identity
+    run_name: str
+    run_dir: Path | None
+    resource: Resource
+    step_reader: StepReader
+    telemetry: Telemetry
+    meter: Meter
+    instruments: Instruments
+    otel_logger: Any | None
+    events: HealthEvents
+    console: ConsoleSink | None
+    bridges: BridgeProcess | None
+    worker: Worker  # the one owner of the sinks and flush listeners
+    hardware: HardwareMonitor | None
+    reducer: CrossRankReducer
+    cadence: Cadence
+    profiled_steps: ProfiledStepsCounter
+    watches: list[ModelWatch] = field(default_factory=list)  # ot.watch(model) handles
+    # gcd of the watches' `every` (1 without watches, never 0: another thread may change them while a
+    # step reads both): only a step it divides can be watched; the others cost a modulo, not calls
+    watch_period: int = 1
+    memory_dumps: MemoryDumps | None = None  # CUDA allocator dumps on an OOM inside ot.step
+    # attached by assemble.build_session once the session exists (they call back into it)
+    goodput: GoodputListener = field(init=False)
+    watchdog: HangWatchdog = field(init=False)
+    control: ControlFile | None = field(init=False)
 
     def __post_init__(self) -> None:
         config = self.config
@@ -73,8 +109,7 @@ class Session(SessionParts):
         self.timing_level = config.timer_level
         self.step_index = -1  # last completed step
         self.step_end_ns: int | None = None  # perf_counter_ns when it ended (the stall watchdog reads it)
-        # (last step, running step's start) when an adapter said the loop idles (adapters.idle):
-        # no stall until that changes, without a store on the step path
+        # (last step, running step's start) while the loop idles on purpose (mark_idle): no stall
         self._idle_mark: tuple[int, int] | None = None
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
@@ -88,19 +123,58 @@ class Session(SessionParts):
         self._perf_to_epoch_ns = time.time_ns() - time.perf_counter_ns()
         self._closed = False
         self._lock = threading.Lock()
-        # Flush attempts that found the worker's queue full: the data stays in the buffer (counters
-        # keep summing) and goes with a later flush.
-        self.deferred_flushes = 0
-        self.lost_flushes = 0
-        self.lost_steps = 0  # steps in flushes that never reached the run dir (warned with the number)
+        self.deferred_flushes = 0  # the worker's queue was full: the data goes with a later flush
+        self.lost_flushes = self.lost_steps = 0  # flushes (and their steps) that never reached the run dir
         # The thread running ot.step(), the only one that flushes: until the first step, the one that
         # called init() (a flush from another thread before it would race the first step's counters).
         self._step_thread: int | None = threading.get_ident()
-        # another thread asked for a flush (log_metrics(step=...)); never in lockstep
-        self._flush_requested = False
+        self._flush_requested = False  # another thread asked for one (log_metrics(step=)); not in lockstep
         self.shutdown_done = threading.Event()
 
-    # --- hot path (training thread) ------------------------------------------------------------
+    # The worker iterates sinks and listeners at every flush; it replaces its lists, never changes them.
+    @property
+    def sinks(self) -> Sequence[Sink]:
+        return self.worker.sinks
+
+    @property
+    def listeners(self) -> Sequence[FlushListener]:
+        return self.worker.listeners
+
+    def add_listener(self, listener: FlushListener) -> None:
+        """Call `listener.on_flush(interval)` on the worker at every flush from now on."""
+        self.worker.add_listener(listener)
+
+    def remove_listener(self, listener: FlushListener) -> None:
+        """Stop calling `listener` (idempotent)."""
+        self.worker.remove_listener(listener)
+
+    def add_sink(self, sink: Sink) -> None:
+        """Hand every flush and message to `sink` too (on the worker), from the next one on."""
+        self.worker.add_sink(sink)
+
+    def add_watch(self, watch: ModelWatch) -> None:
+        """Call `watch` at the begin and end of the steps `watch_period` divides (training thread)
+        until `remove_watch`."""
+        watches = [*self.watches, watch]  # copy-on-write too: a step may be iterating it
+        self.watch_period = math.gcd(*(w.every for w in watches))  # first: a divisor of the old one
+        self.watches = watches
+
+    def remove_watch(self, watch: ModelWatch) -> None:
+        """Stop calling `watch` (idempotent; `ModelWatch.remove()` calls it)."""
+        self.watches = [x for x in self.watches if x is not watch]
+        self.watch_period = math.gcd(*(w.every for w in self.watches)) or 1  # then: a multiple
+
+    @property
+    def flush_interval_steps(self) -> int:
+        """Steps per flush now (the explicit log_interval, or the adaptive cadence's current value)."""
+        return self.cadence.interval
+
+    @property
+    def prometheus_url(self) -> str | None:
+        endpoint = self.telemetry.pull_endpoint
+        return endpoint.url if endpoint is not None else None
+
+    # --- steps (training thread) -----------------------------------------------------------------
     def begin_step(self, step: Any) -> int:
         if step.__class__ is int and -MAX_STEP <= step <= MAX_STEP:
             index: int = step
@@ -128,7 +202,7 @@ class Session(SessionParts):
         self, index: int, start_ns: int, end_ns: int, tokens: int | None, samples: int | None, failed: bool
     ) -> None:
         """One append to `step_events` and the flush check; the worker derives durations, counts,
-        goodput's re-runs (resolve.resolve_steps). Cold-cache cost: see timing.TimerScope."""
+        goodput's re-runs (worker.resolve_steps). Cold-cache cost: see timing.TimerScope."""
         if (tokens.__class__ is not int and tokens is not None) or (
             samples.__class__ is not int and samples is not None
         ):
@@ -156,7 +230,7 @@ class Session(SessionParts):
         if len(events) < self.max_step_events:
             events.append((index, start_ns, end_ns, tokens, samples, failed))
         else:  # a worker stuck for hours defers every flush: counts only (~43 MB per 1M steps otherwise)
-            self.buffer.add_uncapped_step(tokens, samples, failed)
+            _uncapped_step(self.buffer, tokens, samples, failed)
         if failed:
             return
         steps = self.interval_steps = self.interval_steps + 1
@@ -218,6 +292,24 @@ class Session(SessionParts):
             step = max(self.step_index, 0)
             self.buffer.spans.append(mark_record(name, start_ns, end_ns, step, error, attributes))
 
+    @property
+    def running_step(self) -> int | None:
+        """The index of the step begun and not yet ended (None outside a step)."""
+        return self._step_index_running if self.step_start_ns else None
+
+    def last_step(self) -> tuple[int, float | None]:
+        """(last completed step, its end as perf_counter seconds or None): for the watchdog thread.
+        None while the loop idles on purpose (`mark_idle`) until a step begins."""
+        end_ns = self.step_end_ns
+        if end_ns is None or self._idle_mark == (self.step_index, self.step_start_ns):
+            return self.step_index, None
+        return self.step_index, end_ns * 1e-9
+
+    def mark_idle(self) -> None:
+        """The loop pauses on purpose (between fit and test): no stall until a step begins."""
+        self._idle_mark = (self.step_index, self.step_start_ns)
+
+    # --- the flush hand-off: the interval to the worker ------------------------------------------
     def flush(self, final: bool = False) -> bool:
         """Hand the interval to the worker. Never blocks, in lockstep too (telemetry never makes
         this rank wait for another): if the queue is full the data stays in the buffer (counters
@@ -254,41 +346,23 @@ class Session(SessionParts):
         self._last_flush = now
         self._due_ns = _time_due_ns(self._lockstep, now, self._interval_s)
         if "torch" in sys.modules:
-            note_torch_state(batch, self.config.compute_dtype == "auto")
+            _note_torch_state(batch, self.config.compute_dtype == "auto")
         with self._lock:  # the room was checked above (final: never waits)
             handed = self.worker.submit_batch(batch, 0.0)
         if not handed:  # unreachable without a wait; kept so a lost flush is never silent
             self.lost_flushes += 1
             self.lost_steps += batch.steps
             self.buffer.drop("lost_flush")
-            warn_lost_flush(batch, self.lost_flushes)
+            _warn_lost_flush(batch, self.lost_flushes)
             return False
         return True
 
     def message(self, kind: type[Message], key: str, payload: Any, step: int | None) -> None:
         """Hand a log_text / log_samples / log_histogram / log_hyperparams entry to the worker."""
         if not self.worker.submit_message(kind(key, payload, self.step_index if step is None else step)):
-            drop_message(self.buffer, self.worker.max_messages)
+            _drop_message(self.buffer, self.worker.max_messages)
 
-    # --- lifecycle -----------------------------------------------------------------------------------
-    @property
-    def running_step(self) -> int | None:
-        """The index of the step begun and not yet ended (None outside a step)."""
-        return self._step_index_running if self.step_start_ns else None
-
-    def last_step(self) -> tuple[int, float | None]:
-        """(last completed step, its end as perf_counter seconds or None): for the watchdog thread.
-        None while the loop idles on purpose (`mark_idle`) until a step begins."""
-        end_ns = self.step_end_ns
-        if end_ns is None or self._idle_mark == (self.step_index, self.step_start_ns):
-            return self.step_index, None
-        return self.step_index, end_ns * 1e-9
-
-    def mark_idle(self) -> None:
-        """The loop pauses on purpose (a framework between fit and test): no stall until a step
-        begins."""
-        self._idle_mark = (self.step_index, self.step_start_ns)
-
+    # --- close -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Final flush, drain the worker, close sinks, stop exporters: bounded by shutdown_timeout_s
         for the network part. Idempotent."""
@@ -299,33 +373,225 @@ class Session(SessionParts):
             self.shutdown_done.wait(self.config.shutdown_timeout_s + 1.0)
             return
         try:
-            self._shutdown()
+            _close(self)
         finally:
             self.shutdown_done.set()
 
-    def _shutdown(self) -> None:
-        from otel_train.goodput import final_scalars
 
-        started = time.monotonic()
-        budget = self.config.shutdown_timeout_s
-        for watch in list(self.watches):
-            watch.remove()
-        self.watchdog.close()
-        if self.control is not None:
-            self.control.close()
-        if self.profiler is not None:
-            self.profiler.stop()
-            self.profiler = None
-        self.reducer.stop_waiting()  # the flushes still queued must not wait for a peer's row
-        self.flush(final=True)
-        flushes, steps = drain_worker(self.worker, self.instruments, budget)
-        self.lost_flushes += flushes
-        self.lost_steps += steps
-        close_listeners(self.listeners)
-        final = {**self.worker.final_scalars, **final_scalars(self.goodput.totals)}
-        close_sinks(self.sinks, self.bridges, final, budget, started)
-        stop_exporters(self.telemetry, budget, started)
-        # The user's hooks get what the last flushes raised, with what is left of the budget: a
-        # hook that hangs (a webhook) never takes the sinks' and exporters' time. From a hook
-        # itself this returns at once.
-        self.events.close(max(0.1, budget - (time.monotonic() - started)))
+# --- steps: what ot.step() accepts (docs/reliability.md#error-policy), and a step past the cap -----
+# A step number of any integer type (numpy integers, 0-dim integer tensors) becomes a plain int, any
+# other type is the caller's bug (TypeError naming the fix); tokens=/samples= and the logger API's
+# step= arrive as values: a bad one is dropped, counted and warned about once.
+
+
+def as_int(value: Any, call: str) -> int:
+    """`value` as a plain int when it is an integer of any kind (numpy, a 0-dim integer tensor);
+    any other type (a float, a str, a bool) is the caller's bug: TypeError naming the fix."""
+    if value.__class__ is not bool and str(getattr(value, "dtype", "")) not in ("bool", "torch.bool"):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{call} needs an int, got {type(value).__name__} {value!r}: pass int(...) of it")
+
+
+def step_number(step: Any, buffer: Buffer, last_step: int) -> int:
+    """The step number as a plain int; one beyond int64 continues from the last step, counted and
+    warned about once."""
+    index = as_int(step, "ot.step(index)")
+    if -MAX_STEP <= index <= MAX_STEP:
+        return index
+    buffer.drop("invalid_step")
+    buffer.warn_once(
+        "<step>",
+        f"ot.step({index}) does not fit an int64; continuing from the last step "
+        "(counted in otel_train.dropped{reason=invalid_step}).",
+    )
+    return last_step + 1
+
+
+def count_of(value: Any, what: str, buffer: Buffer) -> int | None:
+    """tokens= / samples= as a plain int (numpy integers, 0-dim integer tensors). They arrive as
+    a step ends, where raising would hide the step's own exception: a count of another type, a
+    negative or a huge one, is a bad value, ignored, counted and warned about once."""
+    if value is None or (value.__class__ is int and 0 <= value <= MAX_STEP):
+        return value  # type: ignore[no-any-return]
+    try:
+        number = operator.index(value)
+    except TypeError:
+        buffer.drop("invalid_type")
+        buffer.warn_once(f"<{what}>", f"ot.step({what}=...) got {type(value).__name__}, not an int; ignored.")
+        return None
+    if 0 <= number <= MAX_STEP:
+        return number
+    buffer.drop("invalid_value")  # a negative count would take tokens away from the totals
+    buffer.warn_once(
+        f"<{what} range>", f"ot.step({what}={value!r}): a count must be >= 0 (and < 2**63); ignored."
+    )
+    return None
+
+
+def _uncapped_step(buffer: Buffer, tokens: int | None, samples: int | None, failed: bool) -> None:
+    """A step beyond the step_events cap: its counts only (its duration and index are dropped)."""
+    buffer.drop("too_many_values")
+    if failed:
+        return
+    for what, count in (("tokens", tokens), ("samples", samples)):  # plain ints, unchecked
+        if count is not None and count < 0:  # dropped, counted and warned as under the cap
+            buffer.drop("invalid_value")
+            buffer.warn_once(
+                "<negative count>",
+                f"otel_train: ot.step({what}={count}): a count must be >= 0; such counts were "
+                "dropped and counted as otel_train.dropped{reason=invalid_value} (warned once).",
+            )
+    buffer.tokens += max(0, tokens or 0)
+    buffer.samples += max(0, samples or 0)
+
+
+def message_step(step: Any, buffer: Buffer) -> int | None:
+    """A step= argument of the logger API (a framework's logger hands its own on: a value, not
+    the caller's bug) as a plain int, or None (the current step): also for a step that is no
+    integer (2.5, True, "3") or does not fit an int64, which is counted and warned about once."""
+    if step is None or (step.__class__ is int and -MAX_STEP <= step <= MAX_STEP):
+        return step  # type: ignore[no-any-return]
+    try:
+        number: int | None = as_int(step, "step=")
+    except TypeError:
+        number = None
+    if number is not None and -MAX_STEP <= number <= MAX_STEP:
+        return number
+    buffer.drop("invalid_step")
+    buffer.warn_once(
+        "<message step>",
+        f"step={step!r} is not a step number (an int within int64); filed under the current step.",
+    )
+    return None
+
+
+# --- the flush hand-off: when, and what the training thread adds to a batch -----------------------
+def _time_due_ns(lockstep: bool, last_flush_s: float, interval_s: float) -> int:
+    """The perf_counter_ns when log_interval_s will have passed since the last flush; never in
+    lockstep (time-based flushes would desync the ranks)."""
+    due = (last_flush_s + interval_s) * 1e9
+    return int(due) if not lockstep and due < _NEVER_NS else _NEVER_NS  # log_interval_s=inf: never
+
+
+def _note_torch_state(batch: FlushBatch, detect_dtype: bool) -> None:
+    """A CUDA event when the batch holds CUDA values (the worker waits on it, never the training
+    thread), and the active torch.autocast dtype for MFU's peak (thread-local: only readable here)."""
+    if (
+        any(_on_cuda(v) for vs in batch.scalars.values() for v in vs[-1:])
+        or any(_on_cuda(r.values) for r in batch.layer_stats)
+        or any(_on_cuda(h[2]) for h in batch.histograms)
+    ):
+        import torch
+
+        batch.cuda_event = torch.cuda.Event()
+        batch.cuda_event.record()  # on the training thread's current stream
+    if detect_dtype:
+        batch.autocast_dtype = autocast_dtype()
+
+
+def _on_cuda(value: Any) -> bool:
+    device = getattr(value, "device", None)
+    return device is not None and getattr(device, "type", "") == "cuda"
+
+
+def _warn_lost_flush(batch: FlushBatch, lost_flushes: int) -> None:
+    log.warning(
+        "otel_train: the background worker is stuck; flush %d (%d steps, up to step %d) was "
+        "dropped (%d flushes lost so far).",
+        batch.seq,
+        batch.steps,
+        batch.step,
+        lost_flushes,
+    )
+
+
+def _drop_message(buffer: Buffer, limit: int) -> None:
+    """A log_text / log_samples / log_histogram / log_hyperparams entry that found `limit` entries
+    waiting for the worker: dropped, counted and warned about once, never waited for."""
+    buffer.drop("message_queue_full")
+    buffer.warn_once(
+        "<message_queue_full>",
+        f"otel_train: the background worker has {limit} log_text/log_samples/log_histogram/"
+        "log_hyperparams entries waiting (it is behind or stuck); further ones are dropped and "
+        "counted as otel_train.dropped{reason=message_queue_full}. Log them less often, or raise "
+        "queue_size (the limit is 8 x queue_size, at least 64).",
+    )
+
+
+# --- close: each part within what is left of shutdown_timeout_s -----------------------------------
+def _close(session: Session) -> None:
+    """The shutdown's parts in order, each within what is left of the budget."""
+    from otel_train.goodput import final_scalars
+
+    started = time.monotonic()
+    budget = session.config.shutdown_timeout_s
+    for watch in list(session.watches):
+        watch.remove()
+    session.watchdog.close()
+    if session.control is not None:
+        session.control.close()
+    if session.profiler is not None:
+        session.profiler.stop()
+        session.profiler = None
+    session.reducer.stop_waiting()  # the flushes still queued must not wait for a peer's row
+    session.flush(final=True)
+    flushes, steps = _drain_worker(session.worker, session.instruments, budget)
+    session.lost_flushes += flushes
+    session.lost_steps += steps
+    for listener in session.listeners:
+        listener.close()
+    final = {**session.worker.final_scalars, **final_scalars(session.goodput.totals)}
+    _close_sinks(session.sinks, session.bridges, final, budget, started)
+    # Keep a margin inside the budget for the abandon path itself.
+    session.telemetry.shutdown(max(0.1, 0.9 * budget - (time.monotonic() - started)))
+    # The user's hooks get what the last flushes raised, with what is left of the budget: a
+    # hook that hangs (a webhook) never takes the sinks' and exporters' time. From a hook
+    # itself this returns at once.
+    session.events.close(max(0.1, budget - (time.monotonic() - started)))
+
+
+def _drain_worker(worker: Worker, instruments: Instruments, budget_s: float) -> tuple[int, int]:
+    """Stop the worker within half the budget. Returns the (flushes, steps) it never wrote, counted
+    as dropped{reason=shutdown_deadline} and warned about, as are sinks that failed in this run."""
+    unwritten = (0, 0)
+    if not worker.stop(timeout_s=max(0.2, budget_s * 0.5)):
+        flushes, steps = worker.unwritten()
+        if flushes > 0:
+            unwritten = flushes, steps
+            instruments.dropped.add(flushes, {semconv.REASON: "shutdown_deadline"})
+            log.warning(
+                "otel_train: shutdown deadline (%.1fs): the background worker was still busy; %d "
+                "flush(es) holding %d step(s) were not written to the run dir or exporters. Raise "
+                "OTEL_TRAIN_SHUTDOWN_TIMEOUT_S if this happens often.",
+                budget_s,
+                flushes,
+                steps,
+            )
+    for name, count in worker.sink_errors.items():
+        log.warning(
+            "otel_train: sink %s failed %d time(s) in this run; those writes are missing.", name, count
+        )
+    return unwritten
+
+
+def _close_sinks(
+    sinks: Sequence[Sink],
+    bridges: BridgeProcess | None,
+    final: Mapping[str, float],
+    budget_s: float,
+    started: float,
+) -> None:
+    """Each sink gets the run's final scalars; the bridge process gets what is left of 80 % of the
+    budget (it finishes on its own past it)."""
+    for sink in sinks:
+        try:
+            if sink is bridges:
+                left = max(0.1, 0.8 * budget_s - (time.monotonic() - started))
+                bridges.close(dict(final), timeout=left)
+            else:
+                sink.close(dict(final))
+        except Exception as exc:  # the sinks' backends (bridges, their process, the disk)
+            log.warning("otel_train: closing %s failed: %s", sink.name, exc)

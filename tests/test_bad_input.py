@@ -288,7 +288,7 @@ def test_a_message_step_that_is_no_int_is_counted_and_filed_under_the_current_st
 
 
 def test_a_negative_count_beyond_the_step_event_cap_adds_nothing(caplog) -> None:
-    """Past max_values_per_interval steps only the counts are kept (Buffer.add_uncapped_step):
+    """Past max_values_per_interval steps only the counts are kept (session._uncapped_step):
     a negative one must not take tokens away there either, and is counted and warned about."""
     caplog.set_level(logging.WARNING, logger="otel_train")
     with capture_metrics(log_interval=4, max_values_per_interval=2) as cap:

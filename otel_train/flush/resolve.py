@@ -1,6 +1,7 @@
 """Value resolution, on the worker: a flush batch's raw values (numbers, device tensors, CUDA
-events) as host floats, bad ones dropped and counted; device tensors are copied in one transfer
-per device and dtype (the usual one-element loss per step: one stack and one copy)."""
+events, timers' clock readings) as host floats, bad ones (a non-str timer name too) dropped and
+counted; device tensors are copied in one transfer per device and dtype (the usual one-element
+loss per step: one stack and one copy)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ import math
 import numbers
 import sys
 from collections.abc import Sequence, Set
-from itertools import compress, groupby
+from dataclasses import replace
+from itertools import groupby
 from operator import attrgetter, itemgetter, sub
 from typing import Any
 
 from otel_train.buffer import FlushBatch, LayerStats
-from otel_train.flush.batch_checks import PROBLEMS, count_sum, drop_bad_timer_names, same_tensor_twice
 from otel_train.goodput import DATA_PHASES
-from otel_train.interval import Interval, header_of
 
 NO_DATA_WARNING = (
     "otel_train: record() got a tensor with no data (a meta or fake tensor); such values are "
@@ -218,49 +218,7 @@ def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats,
     return [(r, values) for r, values in zip(records, resolved, strict=True) if values is not None]
 
 
-def _value_steps(
-    resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
-) -> list[int] | None:
-    """The step of each kept value, when the values were recorded k times in every step of the
-    interval (the usual once-per-step loss); None when that cannot be told (values recorded outside
-    steps, in some steps only, or under two names merged into one instrument)."""
-    if merged or not step_indices or len(resolved) % len(step_indices):
-        return None
-    per_step = len(resolved) // len(step_indices)
-    if per_step == 1 and None not in resolved:  # once a step, nothing dropped: the usual loss
-        return list(step_indices)
-    return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is not None]
-
-
-def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
-    """Fill the batch's step durations, indices, tokens and samples from its step events (the
-    training thread only appended them); return goodput's wasted progress in seconds (steps whose
-    index is at most `rerun_through`) and those steps' starts. Each column is read in one C-level
-    pass (`map`): the worker's time per step bounds its share of a 1-2 ms step, since it holds the
-    GIL the training thread needs."""
-    events = batch.step_events
-    if not events:
-        return 0.0, set()
-    indices, starts, ends, tokens, samples, failed = (_column(events, k) for k in range(6))
-    batch.step_indices.extend(indices)
-    if any(failed):  # failed steps: no duration, no counts
-        done = [not f for f in failed]
-        indices, starts, ends, tokens, samples = (
-            list(compress(column, done)) for column in (indices, starts, ends, tokens, samples)
-        )
-    batch.step_durations.extend(_seconds_between(starts, ends))
-    batch.tokens += count_sum(batch, "tokens", tokens)
-    batch.samples += count_sum(batch, "samples", samples)
-    through = batch.rerun_through
-    if through < 0:  # no earlier process of this run id (or unnumbered steps)
-        return 0.0, set()
-    reruns = [
-        (start, end) for index, start, end in zip(indices, starts, ends, strict=True) if index <= through
-    ]
-    return sum([end - start for start, end in reruns]) * 1e-9, {start for start, _ in reruns}
-
-
-def _column(rows: Sequence[tuple[Any, ...]], k: int) -> list[Any]:
+def column_of(rows: Sequence[tuple[Any, ...]], k: int) -> list[Any]:
     """Item k of every row, in C. Not `zip(*rows)`: that makes an iterator per row, and so many
     GC-tracked objects set off the collector several times per flush."""
     return list(map(itemgetter(k), rows))
@@ -269,7 +227,7 @@ def _column(rows: Sequence[tuple[Any, ...]], k: int) -> list[Any]:
 _NS = 1e-9  # seconds per clock tick: `_NS.__mul__(ticks)` is `ticks * 1e-9`, bit for bit
 
 
-def _seconds_between(starts: Sequence[int], ends: Sequence[int]) -> list[float]:
+def seconds_between(starts: Sequence[int], ends: Sequence[int]) -> list[float]:
     """[(end - start) * 1e-9 ...], computed in C (the same float as the expression: IEEE products
     commute), as tracing._seconds computes a span's duration, so exemplars match."""
     return list(map(_NS.__mul__, map(sub, ends, starts)))
@@ -287,7 +245,7 @@ def timer_columns(events: Sequence[tuple[str, int, int, int]]) -> list[TimerColu
     split with strided slices (C speed, no Python code per event); any other takes a stable sort."""
     if not events:
         return []
-    names, starts, ends, began = (_column(events, k) for k in range(4))
+    names, starts, ends, began = (column_of(events, k) for k in range(4))
     period = _period(names)
     if period:
         groups = [(names[k], starts[k::period], ends[k::period], began[k::period]) for k in range(period)]
@@ -295,7 +253,7 @@ def timer_columns(events: Sequence[tuple[str, int, int, int]]) -> list[TimerColu
     out: list[TimerColumns] = []
     for name, group in groupby(sorted(events, key=_timer_name), key=_timer_name):
         readings = list(group)
-        out.append((name, _column(readings, 1), _column(readings, 2), _column(readings, 3)))
+        out.append((name, column_of(readings, 1), column_of(readings, 2), column_of(readings, 3)))
     return out
 
 
@@ -345,9 +303,9 @@ def timer_phases(
         if len(starts) > room:
             over += len(starts) - room
             starts, ends, began = starts[:room], ends[:room], began[:room]
-        durations.extend(_seconds_between(starts, ends))
+        durations.extend(seconds_between(starts, ends))
         arrived = (
-            _seconds_between(began, ends)
+            seconds_between(began, ends)
             if inside
             else [(e - b) * 1e-9 for e, b in zip(ends, began, strict=True) if b]
         )
@@ -358,46 +316,81 @@ def timer_phases(
     return phases, arrivals, data_ns * 1e-9
 
 
-def resolve_interval(batch: FlushBatch) -> Interval:
-    """The batch as host floats (waiting on its CUDA event, here on the worker); bad values are
-    dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval."""
-    if batch.cuda_event is not None:
-        batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
-    drop_bad_timer_names(batch)
-    rerun_s, rerun_starts = resolve_steps(batch)
-    scalars: dict[str, list[float]] = {}
-    scalar_steps: dict[str, list[int]] = {}
-    nonfinite: dict[str, int] = {}
-    for instrument, raw in batch.scalars.items():
-        resolved, dropped = resolve_values(raw)
-        for reason, count in dropped.items():
-            batch.dropped[reason] = batch.dropped.get(reason, 0) + count
-            if reason in PROBLEMS:  # the worker warns once per reason (no_data_tensor: its own)
-                batch.problems.setdefault(reason, instrument)
-        if len(set(map(id, raw))) < len(raw) and same_tensor_twice(raw):
-            batch.problems.setdefault("same_tensor", instrument)
-        if dropped.get("nonfinite", 0):
-            nonfinite[instrument] = dropped["nonfinite"]
-        values = [v for v in resolved if v is not None]
-        if values:
-            scalars[instrument] = values
-            steps = _value_steps(resolved, batch.step_indices, instrument in batch.merged)
-            if steps is not None:
-                scalar_steps[instrument] = steps
-    phases, arrivals, data_s = timer_phases(batch, rerun_starts)
-    for name, start, end in batch.cuda_timers:
-        try:
-            end.synchronize()
-            phases.setdefault(name, []).append(start.elapsed_time(end) / 1000.0)
-        except RuntimeError:  # a CUDA error of torch's events
-            batch.dropped["cuda_timer"] = batch.dropped.get("cuda_timer", 0) + 1
-    return Interval(
-        **header_of(batch),
-        phases=phases,
-        arrivals=arrivals,
-        data_s=data_s,
-        rerun_s=rerun_s,
-        scalars=scalars,
-        scalar_steps=scalar_steps,
-        nonfinite=nonfinite,
-    )
+def value_steps(
+    resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
+) -> list[int] | None:
+    """The step of each kept value, when the values were recorded k times in every step of the
+    interval (the usual once-per-step loss); None when that cannot be told (values recorded outside
+    steps, in some steps only, or under two names merged into one instrument)."""
+    if merged or not step_indices or len(resolved) % len(step_indices):
+        return None
+    per_step = len(resolved) // len(step_indices)
+    if per_step == 1 and None not in resolved:  # once a step, nothing dropped: the usual loss
+        return list(step_indices)
+    return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is not None]
+
+
+def same_tensor_twice(values: Sequence[Any]) -> bool:
+    """Is one tensor object among `values` more than once (recorded again after in-place changes)?"""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    seen: set[int] = set()
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if id(value) in seen:
+                return True
+            seen.add(id(value))
+    return False
+
+
+def drop_bad_timer_names(batch: FlushBatch) -> None:
+    """`ot.timer(name)` does not check its name on the hot path; here, before anything sorts or
+    exports the names, a str subclass (a `str` Enum) becomes its plain string, and any other name
+    (an Enum, None, an int) is dropped and counted, instead of failing the whole flush. The same
+    for every other place a timer's name reaches: a raising block's phase errors and span, a CUDA
+    timer's events and `ot.phase()` durations."""
+    events = batch.timer_events
+    if events and set(map(type, map(_timer_name, events))) != {str}:
+        kept: list[tuple[str, int, int, int]] = []
+        for name, start, end, began in events:
+            plain = _plain_name(batch, name)
+            if plain is not None:
+                kept.append((plain, start, end, began))
+        batch.timer_events = kept
+    if any(name.__class__ is not str for name, _ in batch.phase_errors):
+        errors: dict[tuple[str, str], list[float]] = {}
+        for (name, error), values in batch.phase_errors.items():
+            plain = _plain_name(batch, name, len(values))
+            if plain is not None:
+                errors.setdefault((plain, error), []).extend(values)
+        batch.phase_errors = errors
+    if any(name.__class__ is not str for name, _, _ in batch.cuda_timers):
+        batch.cuda_timers = [
+            (plain, start, end)
+            for name, start, end in batch.cuda_timers
+            if (plain := _plain_name(batch, name)) is not None
+        ]
+    if any(name.__class__ is not str for name in batch.phases):
+        phases: dict[str, list[float]] = {}
+        for name, values in batch.phases.items():
+            plain = _plain_name(batch, name, len(values))
+            if plain is not None:
+                phases.setdefault(plain, []).extend(values)
+        batch.phases = phases
+    if any(record.name.__class__ is not str for record in batch.spans):  # a raising timer's span
+        batch.spans = [  # (its phase error was counted above)
+            replace(record, name=str.__str__(record.name)) if record.name.__class__ is not str else record
+            for record in batch.spans
+            if isinstance(record.name, str)
+        ]
+
+
+def _plain_name(batch: FlushBatch, name: Any, count: int = 1) -> str | None:
+    """A timer's name as a plain str, or None (its `count` values dropped, counted and warned
+    about once) when it is not a str."""
+    if isinstance(name, str):
+        return str.__str__(name)
+    batch.dropped["invalid_timer_name"] = batch.dropped.get("invalid_timer_name", 0) + count
+    batch.problems.setdefault("invalid_timer_name", repr(name))
+    return None

@@ -1,5 +1,7 @@
-"""The background worker: everything a flush does off the training thread, and the typed
-records of `messages.py`, in one ordered queue. Design: docs/design/core.md#worker.
+"""The background worker: everything a flush does off the training thread (the batch resolved
+into an `Interval`, its steps' durations and counts included; the SDK, the flush listeners, the
+sinks), and the typed records of `messages.py`, in one ordered queue. Design:
+docs/design/core.md#worker.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from itertools import compress
 from typing import Any
 
 from opentelemetry._logs import SeverityNumber
@@ -19,7 +22,6 @@ from opentelemetry._logs import SeverityNumber
 from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.buffer import MAX_SPAN_RECORDS, FlushBatch, span_records
-from otel_train.flush.batch_checks import problem_warning
 from otel_train.flush.instruments import (
     STAT_KEY_TAKEN,
     Instruments,
@@ -30,10 +32,20 @@ from otel_train.flush.instruments import (
     record_durations,
     set_interval_stats,
 )
-from otel_train.flush.resolve import NO_DATA_WARNING, histogram_values, resolve_interval, resolve_values
+from otel_train.flush.resolve import (
+    NO_DATA_WARNING,
+    column_of,
+    drop_bad_timer_names,
+    histogram_values,
+    resolve_values,
+    same_tensor_twice,
+    seconds_between,
+    timer_phases,
+    value_steps,
+)
 from otel_train.flush.step_reader import StepReader, key_for
 from otel_train.flush.tracing import ExemplarContexts, SpanWriter
-from otel_train.interval import FlushListener, Interval
+from otel_train.interval import FlushListener, Interval, header_of
 from otel_train.messages import (
     HistogramMessage,
     HparamsMessage,
@@ -328,6 +340,118 @@ class Worker:
         if key not in self._errors_warned:
             self._errors_warned.add(key)
             log.warning(message)
+
+
+# --- one flush's interval: the batch's raw data as host floats ----------------------------
+def resolve_interval(batch: FlushBatch) -> Interval:
+    """The batch as host floats (waiting on its CUDA event, here on the worker); bad values are
+    dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval."""
+    if batch.cuda_event is not None:
+        batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
+    drop_bad_timer_names(batch)
+    rerun_s, rerun_starts = resolve_steps(batch)
+    scalars: dict[str, list[float]] = {}
+    scalar_steps: dict[str, list[int]] = {}
+    nonfinite: dict[str, int] = {}
+    for instrument, raw in batch.scalars.items():
+        resolved, dropped = resolve_values(raw)
+        for reason, count in dropped.items():
+            batch.dropped[reason] = batch.dropped.get(reason, 0) + count
+            if reason in PROBLEMS:  # the worker warns once per reason (no_data_tensor: its own)
+                batch.problems.setdefault(reason, instrument)
+        if len(set(map(id, raw))) < len(raw) and same_tensor_twice(raw):
+            batch.problems.setdefault("same_tensor", instrument)
+        if dropped.get("nonfinite", 0):
+            nonfinite[instrument] = dropped["nonfinite"]
+        values = [v for v in resolved if v is not None]
+        if values:
+            scalars[instrument] = values
+            steps = value_steps(resolved, batch.step_indices, instrument in batch.merged)
+            if steps is not None:
+                scalar_steps[instrument] = steps
+    phases, arrivals, data_s = timer_phases(batch, rerun_starts)
+    for name, start, end in batch.cuda_timers:
+        try:
+            end.synchronize()
+            phases.setdefault(name, []).append(start.elapsed_time(end) / 1000.0)
+        except RuntimeError:  # a CUDA error of torch's events
+            batch.dropped["cuda_timer"] = batch.dropped.get("cuda_timer", 0) + 1
+    return Interval(
+        **header_of(batch),
+        phases=phases,
+        arrivals=arrivals,
+        data_s=data_s,
+        rerun_s=rerun_s,
+        scalars=scalars,
+        scalar_steps=scalar_steps,
+        nonfinite=nonfinite,
+    )
+
+
+def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
+    """Fill the batch's step durations, indices, tokens and samples from its step events (the
+    training thread only appended them); return goodput's wasted progress in seconds (steps whose
+    index is at most `rerun_through`) and those steps' starts. Each column is read in one C-level
+    pass (`map`): the worker's time per step bounds its share of a 1-2 ms step, since it holds the
+    GIL the training thread needs."""
+    events = batch.step_events
+    if not events:
+        return 0.0, set()
+    indices, starts, ends, tokens, samples, failed = (column_of(events, k) for k in range(6))
+    batch.step_indices.extend(indices)
+    if any(failed):  # failed steps: no duration, no counts
+        done = [not f for f in failed]
+        indices, starts, ends, tokens, samples = (
+            list(compress(column, done)) for column in (indices, starts, ends, tokens, samples)
+        )
+    batch.step_durations.extend(seconds_between(starts, ends))
+    batch.tokens += count_sum(batch, "tokens", tokens)
+    batch.samples += count_sum(batch, "samples", samples)
+    through = batch.rerun_through
+    if through < 0:  # no earlier process of this run id (or unnumbered steps)
+        return 0.0, set()
+    reruns = [
+        (start, end) for index, start, end in zip(indices, starts, ends, strict=True) if index <= through
+    ]
+    return sum([end - start for start, end in reruns]) * 1e-9, {start for start, _ in reruns}
+
+
+def count_sum(batch: FlushBatch, what: str, counts: Sequence[int | None]) -> int:
+    """The steps' tokens= or samples=, without negative ones (the hot path appends a plain int
+    unchecked; a negative count would take tokens away): those are dropped and counted."""
+    given: list[int] = list(filter(None, counts))
+    if given and min(given) < 0:
+        bad = [c for c in given if c < 0]
+        batch.dropped["invalid_value"] = batch.dropped.get("invalid_value", 0) + len(bad)
+        batch.problems.setdefault("negative_count", f"{what}={bad[0]}")
+        given = [c for c in given if c > 0]
+    return sum(given)
+
+
+# What the worker says, once per reason, the first time values are dropped (or suspect); {name}: the
+# instrument. Every drop is also counted in otel_train.dropped{reason}.
+PROBLEMS = {
+    "invalid_type": "a value of {name} was not a number (None, a str, a bool, a complex number, ...)",
+    "non_scalar_tensor": "a tensor of {name} had more than one element: record a scalar (x.mean())",
+    "nonfinite": "a value of {name} was NaN or Inf",
+    "overflow": "a value of {name} was too large for a float64",
+    "invalid_timer_name": "a timer's name was not a str ({name}): its phases were",
+    "negative_count": "ot.step({name}): a count must be >= 0; such counts were",
+    "same_tensor": (
+        "the same tensor object was recorded several times in one interval as {name}: values are "
+        "read at the flush, so a tensor changed in place (an accumulator, a Parameter) gives its "
+        "latest value for every step; record a copy (x.detach().clone()) or a float"
+    ),
+}
+
+
+def problem_warning(reason: str, name: str) -> str:
+    """The one warning for `reason` (a PROBLEMS key or a count reason without a message)."""
+    text = PROBLEMS.get(reason, "values of {name} were").format(name=name)
+    if reason == "same_tensor":
+        return f"otel_train: {text}."
+    counted = "invalid_value" if reason == "negative_count" else reason
+    return f"otel_train: {text} dropped and counted as otel_train.dropped{{reason={counted}}} (warned once)."
 
 
 def _prepared(message: Message) -> Message:

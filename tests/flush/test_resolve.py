@@ -14,7 +14,7 @@ import torch
 
 import otel_train as ot
 from otel_train.buffer import Buffer, SpanRecord
-from otel_train.flush import resolve, tracing
+from otel_train.flush import resolve, tracing, worker
 from otel_train.interval import Interval, header_of
 from otel_train.testing import capture_metrics, current_session
 
@@ -144,7 +144,7 @@ def test_the_interval_carries_every_header_field_of_its_batch() -> None:
     buffer.step_events.append((7, 0, 10**9, 999, 99, True))  # failed: no duration, no counts
     batch = buffer.take(7, 41, 2.5, 0)
     batch.final, batch.autocast_dtype, batch.flush_interval, batch.flush_anchor = True, "bfloat16", 5, 20
-    interval = resolve.resolve_interval(batch)
+    interval = worker.resolve_interval(batch)
     assert header_of(interval) == header_of(batch)
     assert batch.step_indices == [5, 6, 7]  # failed steps too: values recorded in them belong to them
     assert header_of(interval) == {
@@ -158,7 +158,7 @@ def test_the_interval_carries_every_header_field_of_its_batch() -> None:
 
 
 def _steps_per_event(batch: Any) -> tuple[float, set[int]]:
-    """resolve.resolve_steps as it was: one Python pass per column over the step events."""
+    """worker.resolve_steps as it was: one Python pass per column over the step events."""
     events = batch.step_events
     batch.step_indices.extend([index for index, *_ in events])
     done = [event for event in events if not event[5]]
@@ -247,7 +247,7 @@ def test_column_reading_of_steps_and_timers_equals_the_per_event_reading(shape: 
     for _ in range(300):
         batch = _random_batch(rng, shape)
         reference = copy.deepcopy(batch)
-        rerun = resolve.resolve_steps(batch)
+        rerun = worker.resolve_steps(batch)
         assert rerun == _steps_per_event(reference)
         assert (batch.step_indices, batch.step_durations) == (
             reference.step_indices,
@@ -276,7 +276,7 @@ def test_every_place_a_timer_name_reaches_drops_a_non_str_and_takes_a_str_enums_
     and span record, CUDA timers' events and `adapters.phase()` durations, before anything exports them."""
     import enum
 
-    from otel_train.flush.batch_checks import drop_bad_timer_names
+    from otel_train.flush.resolve import drop_bad_timer_names
 
     class Plain(enum.Enum):
         FORWARD = "forward"

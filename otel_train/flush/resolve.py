@@ -218,6 +218,20 @@ def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats,
     return [(r, values) for r, values in zip(records, resolved, strict=True) if values is not None]
 
 
+def value_steps(
+    resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
+) -> list[int] | None:
+    """The step of each kept value, when the values were recorded k times in every step of the
+    interval (the usual once-per-step loss); None when that cannot be told (values recorded outside
+    steps, in some steps only, or under two names merged into one instrument)."""
+    if merged or not step_indices or len(resolved) % len(step_indices):
+        return None
+    per_step = len(resolved) // len(step_indices)
+    if per_step == 1 and None not in resolved:  # once a step, nothing dropped: the usual loss
+        return list(step_indices)
+    return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is not None]
+
+
 def column_of(rows: Sequence[tuple[Any, ...]], k: int) -> list[Any]:
     """Item k of every row, in C. Not `zip(*rows)`: that makes an iterator per row, and so many
     GC-tracked objects set off the collector several times per flush."""
@@ -314,20 +328,6 @@ def timer_phases(
     if over:
         batch.dropped["too_many_values"] = batch.dropped.get("too_many_values", 0) + over
     return phases, arrivals, data_ns * 1e-9
-
-
-def value_steps(
-    resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
-) -> list[int] | None:
-    """The step of each kept value, when the values were recorded k times in every step of the
-    interval (the usual once-per-step loss); None when that cannot be told (values recorded outside
-    steps, in some steps only, or under two names merged into one instrument)."""
-    if merged or not step_indices or len(resolved) % len(step_indices):
-        return None
-    per_step = len(resolved) // len(step_indices)
-    if per_step == 1 and None not in resolved:  # once a step, nothing dropped: the usual loss
-        return list(step_indices)
-    return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is not None]
 
 
 def same_tensor_twice(values: Sequence[Any]) -> bool:

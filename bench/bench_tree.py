@@ -7,7 +7,8 @@ Each rank runs `--flushes` flushes of a 6-timer interval through `CrossRankReduc
 ranks meeting in a barrier on the default group before each. CPU: the thread time of the thread
 that runs the flush listener (in a job, otel_train's worker thread; gloo's own I/O threads are not
 in it). Bytes: the exchange's payload sent + received (trailers included, gloo's framing not).
-Wall: the whole on_flush. Medians over flushes. Acceptance (issue #28): rank 0's CPU at 16 ranks
+Wall: the whole on_flush. Medians over flushes. Rank 0 also publishes the job-level series
+(`crossrank/job_outputs`) where the reducer has them, as in a job. Acceptance (issue #28): rank 0's CPU at 16 ranks
 with fan-in 4 within 1.3x of the 4-rank figure.
 
 `--processes N` holds the host's load the same for every size: each job runs N processes, of which
@@ -19,6 +20,7 @@ exchange of their own (on a 2-core machine, 16 processes make every thread's CPU
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -45,7 +47,10 @@ def rank_target(rank: int, processes: int, flushes: int, fanin: int, world: int)
     from otel_train.crossrank.tree import layout
     from otel_train.distributed import detect_identity
 
-    reducer = CrossRankReducer(detect_identity(None), _meter(), None, Config(exchange_fanin=fanin))
+    # Rank 0 publishes the job-level series (crossrank/job_outputs) on a meter of their own, as in a
+    # job; a reducer without them (an older tree, for a before/after run) is measured as it is.
+    job = {"job_meter": _meter()} if "job_meter" in inspect.signature(CrossRankReducer).parameters else {}
+    reducer = CrossRankReducer(detect_identity(None), _meter(), None, Config(exchange_fanin=fanin), **job)
     if world < processes:  # two exchanges side by side: the job's, and the rest's (same load)
         groups = [dist.new_group(list(range(world))), dist.new_group(list(range(world, processes)))]
         reducer.reform(groups[rank >= world])

@@ -27,7 +27,7 @@ from otel_train.crossrank.arrival_block import (
     window,
 )
 from otel_train.crossrank.down_row import Down
-from otel_train.crossrank.up_row import RankRecord
+from otel_train.crossrank.up_row import RankRecord, floats
 from otel_train.crossrank.verdicts import UNTIMED, Lateness, RankAssessment, RankView
 from otel_train.diagnostics import CollectiveMonitor
 from otel_train.interval import Interval
@@ -251,11 +251,9 @@ class LatenessTracker:
 
     def block(self) -> Any:
         """This rank's block for the up row: the latest read's sample and the clock estimate."""
-        import torch
-
         offset, bound = (0.0, 0.0) if self.rank == 0 else self.estimator.estimate(self.clock())
         set_clock(self._block, offset, bound)
-        return torch.tensor(self._block, dtype=torch.float64)
+        return floats(self._block)
 
     def after_exchange(self, interval: Interval, down: Down | None, stamps: tuple[float, float]) -> None:
         """The exchange's answer (None: none came at this flush), its stamps on a leaf (t1 of the

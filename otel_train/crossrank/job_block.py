@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from otel_train import semconv
-from otel_train.crossrank.up_row import name_id
+from otel_train.crossrank.up_row import floats, name_id
 from otel_train.interval import Interval, finite
 
 VERSION = 1.0
@@ -53,7 +53,6 @@ _ADD = [R_SUM, R_MSUM, R_N, *range(R_BUCKETS, R_BUCKETS + BUCKETS)]
 
 def encode(interval: Interval, rank: int) -> Any:
     """This rank's block of `interval` (a [JOB_LEN] float64 tensor)."""
-    import torch
 
     block = [0.0] * JOB_LEN
     block[_H_VERSION], block[_H_ROWS] = VERSION, 1.0
@@ -82,7 +81,7 @@ def encode(interval: Interval, rank: int) -> Any:
             ordered[-1],
         )
         block[at + R_MMIN : at + REC_LEN] = [mean, float(rank), mean, float(rank), mean, 1.0]
-    return torch.tensor(block, dtype=torch.float64)
+    return floats(block)
 
 
 def bucket_counts(ordered: list[float], bounds: tuple[float, ...]) -> list[float]:

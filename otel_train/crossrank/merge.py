@@ -5,6 +5,7 @@ rest). Design, layout and error bound: docs/design/crossrank.md#merge.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from otel_train.crossrank.up_row import (
     MAX_TIMERS,
     SUMMARY_RANK,
     RankRecord,
+    floats,
     row_announcements,
     row_values,
     summary_row,
@@ -81,12 +83,12 @@ def encode(bundle: Bundle, row_len: int, base_len: int, ranks: int = K_EXACT + 1
     if bundle.job is not None:
         out[_JOB_AT:HEAD_LEN] = bundle.job
     if bundle.exact:
-        exact = torch.tensor(bundle.exact[:K_EXACT], dtype=torch.float64)
-        out[HEAD_LEN : HEAD_LEN + exact.numel()] = exact.reshape(-1)
+        exact = floats(itertools.chain.from_iterable(bundle.exact[:K_EXACT]))
+        out[HEAD_LEN : HEAD_LEN + exact.numel()] = exact
     if bundle.summary:
         at = HEAD_LEN + min(ranks, K_EXACT) * row_len
-        summary = torch.tensor(bundle.summary[:LEVELS], dtype=torch.float64)
-        out[at : at + summary.numel()] = summary.reshape(-1)
+        summary = floats(itertools.chain.from_iterable(bundle.summary[:LEVELS]))
+        out[at : at + summary.numel()] = summary
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from otel_train import semconv
 from otel_train.crossrank import zero_partition
-from otel_train.crossrank.up_row import name_id
+from otel_train.crossrank.up_row import floats, name_id
 from otel_train.health import EventChannel
 from otel_train.interval import Interval
 
@@ -180,11 +180,9 @@ class ReplicaCheck:
         self.key = float(min(ranks))
 
     def block(self, interval: Interval) -> Any:
-        import torch
-
         block = encode(interval, self.key, self._zero_sent)
         self._zero_sent = block[_O_ZERO:]
-        return torch.tensor(block, dtype=torch.float64)
+        return floats(block)
 
     def compare(self, blocks: Any, ranks: Sequence[int], sharded: bool, labels: Sequence[str]) -> None:
         """Rank 0: every rank's block ([world, EXT_LEN], row i from rank `ranks[i]`)."""

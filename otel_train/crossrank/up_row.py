@@ -6,6 +6,7 @@ Timers travel by stable id, never by position. Design and layout: docs/design/cr
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 import logging
@@ -40,6 +41,14 @@ FLAG_SHARDED = 1  # this rank trains FSDP-sharded modules: collectives run insid
 
 def pack_len(max_timers: int = MAX_TIMERS) -> int:
     return HEADER_LEN + max_timers * SLOT_LEN + ANNOUNCE_SLOTS * ANNOUNCE_LEN
+
+
+def floats(values: Iterable[float]) -> Any:
+    """A 1-D float64 tensor of `values`: built through a C array of doubles, several times
+    faster than `torch.tensor` of a list (a flush builds rows of hundreds of floats)."""
+    import torch
+
+    return torch.frombuffer(array.array("d", values), dtype=torch.float64)
 
 
 # --- names -------------------------------------------------------------------------------------------
@@ -165,7 +174,6 @@ def pack(
 ) -> Any:
     """This rank's interval as one float64 tensor of `pack_len(table.capacity)` (see module doc);
     `from_step`: the last step of this rank's previous flush."""
-    import torch
 
     row = [0.0] * pack_len(table.capacity)
     row[_H_VERSION] = PACK_VERSION
@@ -197,7 +205,7 @@ def pack(
         at = base + i * ANNOUNCE_LEN
         row[at] = float(table.ids[name])
         row[at + 1 : at + ANNOUNCE_LEN] = encode_text(name, NAME_FLOATS)
-    tensor = torch.tensor(row, dtype=torch.float64)
+    tensor = floats(row)
     if out is not None:
         out.copy_(tensor)
         return out

@@ -97,8 +97,12 @@ def test_otlp_data_points_carry_no_process_attribute(process_detector: None) -> 
         {(n, k) for n, keys in points for k in keys if k.startswith("process.") or k == semconv.RUN_NAME}
     )
     assert per_launch == []
-    for _, keys in points:
-        assert {"run_id", "rank", "local_rank", "host.name"} <= keys
+    jobs = {spec.name for spec in semconv.JOB_SPECS}  # the job's own series name the run alone
+    for name, keys in points:
+        if name in jobs:
+            assert "run_id" in keys and not {"rank", "local_rank", "host.name"} & keys, name
+        else:
+            assert {"run_id", "rank", "local_rank", "host.name"} <= keys
     # spans are events, not series: they still name the process they came from
     span_pids = {resource.get("process.pid") for resource, _ in received.spans()}
     assert span_pids == {os.getpid()}

@@ -7,6 +7,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from helpers.otlp_receiver import http_receiver
 
 import otel_train as ot
@@ -84,7 +85,8 @@ def test_events_and_nested_hyperparameters_are_redacted(tmp_path) -> None:
         f"upload to https://u:{SECRET}@host failed: token={SECRET}",
         {"detail": f"api_key={SECRET}"},
     )
-    ot.event("bad", "attributes that are not a mapping", [1, 2])  # type: ignore[arg-type]  # never raises
+    with pytest.raises(TypeError, match="needs a mapping"):  # the caller's bug (error policy)
+        ot.event("bad", "attributes that are not a mapping", [1, 2])  # type: ignore[arg-type]
     # a Megatron config nested deeper than it is walked is rendered with str() before redaction
     ot.log_hyperparams(_plain({"model": {"a": {"b": {"tok": {"hf_token": SECRET}}}}}, 0))
     run_dir = session.run_dir

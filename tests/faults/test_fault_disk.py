@@ -38,10 +38,11 @@ def small_tmpfs(path: Path, size: str = "64k", read_only: bool = False) -> Itera
 
 
 def _fill(disk: Path, leave: int) -> None:
-    """Fill the filesystem to `leave` free bytes."""
+    """Fill the filesystem to `leave` free bytes, appending to `filler` (a test that races a
+    writer creates it first: creating a file on a disk that is already full fails)."""
     stats = os.statvfs(disk)
     free = stats.f_bavail * stats.f_frsize
-    with (disk / "filler").open("wb") as fh, contextlib.suppress(OSError):
+    with (disk / "filler").open("ab") as fh, contextlib.suppress(OSError):
         fh.write(b"x" * max(0, free - leave))
 
 
@@ -158,15 +159,18 @@ def _until(check: Callable[[], bool], guard_s: float) -> bool:
 
 
 def test_tensorboard_writes_again_once_a_full_disk_has_room(tmp_path: Path) -> None:
-    """A small run directory (8 MiB: the JSONL alone must not fill it while the bridge process
+    """A small run directory (32 MiB: the JSONL alone must not fill it while the bridge process
     starts on a busy machine) fills mid-run and gets room again: TensorBoard (in the real bridge
-    process) is disabled by the failures, retried with a fresh writer, and has the later steps."""
+    process) is disabled by the failures, retried with a fresh writer, and has the later steps.
+    The filler holds a reserve from the start, so removing it gives room even when the run
+    filled the disk on its own first."""
     pytest.importorskip("torch.utils.tensorboard")
     repo = Path(__file__).resolve().parents[2]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)
     )
-    with small_tmpfs(tmp_path / "disk", size="8m") as disk:
+    with small_tmpfs(tmp_path / "disk", size="32m") as disk:
+        (disk / "filler").write_bytes(b"x" * (4 << 20))  # the reserve (docstring)
         script = tmp_path / "trainer.py"
         script.write_text(TB_TRAINER)
         trainer = subprocess.Popen(

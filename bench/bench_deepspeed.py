@@ -14,10 +14,10 @@ every block timed with perf_counter_ns (and the training thread's CPU time), as 
 does (this VM's speed drifts within seconds). Reported: B/A - 1 and C/A - 1 as ratios of block
 sums, with a bootstrap 95 % CI over the rounds, and the median of the rounds' own B/A ratios.
 
-Why one engine: two engines built from the same seeded model differ by a few percent in step time
-on their own (where their tensors landed in memory; measured: a second plain engine built after
-the first ran 3 % faster), a bias the A/A control of one engine cannot see. `--engines` adds that
-control: D, a second plain engine, against A.
+Why one engine: two engines built from the same seeded model differ by one to three percent in
+step time on their own (where their tensors landed in memory; measured with `--engines`: a second
+plain engine +1.4 % on a quiet machine, -3.0 % on a loaded one), a bias the A/A control of one
+engine cannot see. `--engines` adds that control: D, a second plain engine, against A.
 """
 
 from __future__ import annotations

@@ -187,7 +187,9 @@ def test_full_rank_sends_every_series_on_both_paths(fake_gpu: FakeGpu) -> None:
         samples, _ = run_one_rank("full", endpoint)
     names = {name for name, _ in samples}
     pushed = otlp_series(received)
-    assert sum(pushed.values()) == len(samples) - 1
+    # the push and the scrape read at different moments: a series born between them (a drop or
+    # health counter's first value) may be in one only
+    assert abs(sum(pushed.values()) - (len(samples) - 1)) <= 1
     # What essential leaves out is here: per-phase histograms with their buckets, the loss, host
     # and the other GPU gauges.
     phase = semconv.PHASE_DURATION.prometheus_name

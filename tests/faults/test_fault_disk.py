@@ -42,7 +42,8 @@ def _fill(disk: Path, leave: int) -> None:
     writer creates it first: creating a file on a disk that is already full fails)."""
     stats = os.statvfs(disk)
     free = stats.f_bavail * stats.f_frsize
-    with (disk / "filler").open("ab") as fh, contextlib.suppress(OSError):
+    # unbuffered: a write the full disk refuses raises inside the suppress, none is left for close()
+    with (disk / "filler").open("ab", buffering=0) as fh, contextlib.suppress(OSError):
         fh.write(b"x" * max(0, free - leave))
 
 

@@ -1,4 +1,4 @@
-"""`otel-train`: demo, doctor, diagnose (also `python -m otel_train`)."""
+"""`otel-train`: doctor, diagnose (also `python -m otel_train`)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ if TYPE_CHECKING:
     from otel_train.config import Config
 
 
+_DEMO_MOVED = (
+    "otel-train demo: error: the demo is not part of the installed package; from a source checkout "
+    "of otel_train run `make demo` (or `python -m examples.demo` from the repository root)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="otel-train", description="OpenTelemetry-native observability for ML training."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,doctor,diagnose}")
-    sub.add_parser(
-        "demo",
-        help="train a tiny char-level transformer, fully instrumented (otel-train demo --help for flags)",
-        add_help=False,
-    )
+    sub = parser.add_subparsers(dest="command", metavar="{doctor,diagnose}")
     sub.add_parser(
         "doctor",
         help="check configuration, endpoints, NVML and optional packages",
@@ -48,10 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv[:1] == ["demo"]:  # the demo parses its own flags (its --help lists them)
-        from otel_train.demo.train import main as demo_main
-
-        return demo_main(argv[1:], prog="otel-train demo")
+    if argv[:1] == ["demo"]:  # argparse's "invalid choice" would not say where the demo went
+        print(_DEMO_MOVED, file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)  # a usage error exits 2
     if args.command is None:
         parser.print_help()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from otel_train.demo.data import (
+from examples.demo.data import (
     CharVocab,
     get_batch,
     load_text,
@@ -18,8 +18,8 @@ from otel_train.demo.data import (
     stdlib_files,
     unigram_entropy,
 )
-from otel_train.demo.model import CharTransformer, ModelConfig, flops_per_token
-from otel_train.demo.train import NullTelemetry, Telemetry, lr_at, main, telemetry
+from examples.demo.model import CharTransformer, ModelConfig, flops_per_token
+from examples.demo.train import NullTelemetry, Telemetry, lr_at, main, telemetry
 
 TINY = ModelConfig(vocab_size=11, context=16, n_layer=2, n_head=2, d_model=32)
 

@@ -1,7 +1,7 @@
 """The reference instrumented training: a tiny character-level transformer on Python source.
 
-Run it with `python -m otel_train.demo` (or `otel-train demo`). The loop below uses only the
-public otel_train API, exactly as a user would. `--uninstrumented` runs the very same loop with
+Run it from the repository root with `python -m examples.demo` (or `make demo`). The loop below
+uses only the public otel_train API, exactly as a user would. `--uninstrumented` runs the very same loop with
 a plain no-op stand-in for the API instead (for the overhead benchmark).
 """
 
@@ -23,9 +23,9 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
+from examples.demo.data import CharVocab, CorpusError, get_batch, load_text, split, unigram_entropy
+from examples.demo.model import CharTransformer, ModelConfig, flops_per_token
 from otel_train.config import ConfigError
-from otel_train.demo.data import CharVocab, CorpusError, get_batch, load_text, split, unigram_entropy
-from otel_train.demo.model import CharTransformer, ModelConfig, flops_per_token
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -245,7 +245,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser(prog: str = "python -m otel_train.demo") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m examples.demo") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Train a tiny character-level transformer on Python source, instrumented with otel_train.",
@@ -631,7 +631,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m otel_train.demo") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m examples.demo") -> int:
     """Run the demo; a bad command line or corpus, or a setting otel_train refuses, exits 2 with
     one line naming the flag (no traceback, and no run directory left behind by a bad flag)."""
     args = build_parser(prog).parse_args(argv)

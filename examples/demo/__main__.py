@@ -1,5 +1,5 @@
 from __future__ import annotations
 
-from otel_train.demo.train import main
+from examples.demo.train import main
 
 raise SystemExit(main())

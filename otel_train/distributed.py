@@ -187,7 +187,7 @@ def detect_identity(
 
     An explicit `run_id` wins, then OTEL_TRAIN_RUN_ID, a scheduler id (TORCHELASTIC_RUN_ID unless
     "none", SLURM_JOB_ID, PBS_JOBID, LSB_JOBID), else a fresh uuid (which differs per rank until
-    `agree_run_id` replaces it with rank 0's). Rank and world size come from an initialized
+    `agree_job` replaces it with rank 0's). Rank and world size come from an initialized
     `torch.distributed` process group when there is one (default: only when `environ` is None).
     """
     env = os.environ if environ is None else environ
@@ -241,17 +241,6 @@ def create_telemetry_group(
             "otel_train: cannot create the gloo telemetry group (%s); cross-rank stats are off", exc
         )
         return None
-
-
-def agree_run_id(identity: Identity, group: Any | None) -> Identity:
-    """Every rank adopts rank 0's run id (see `agree_run`, which also agrees the run name)."""
-    return agree_run(identity, group, "")[0]
-
-
-def agree_run(identity: Identity, group: Any | None, run_name: str) -> tuple[Identity, str]:
-    """Every rank adopts rank 0's run id AND run name (see `agree_job`)."""
-    agreed = agree_job(identity, group, run_name, None)
-    return agreed.identity, agreed.run_name
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from helpers.multirank import run_ranks
 
-from otel_train.distributed import Identity, agree_run, agree_run_id, detect_identity
+from otel_train.distributed import Identity, agree_job, detect_identity
 
 
 def test_single_process_defaults() -> None:
@@ -65,8 +65,8 @@ def test_precedence_explicit_then_env_then_scheduler() -> None:
 
 def test_agree_without_group_is_identity() -> None:
     ident = Identity("abc", rank=1, world_size=2)
-    assert agree_run_id(ident, None) is ident
-    assert agree_run(ident, None, "mine") == (ident, "mine")
+    agreed = agree_job(ident, None, "mine", None)
+    assert agreed.identity is ident and agreed.run_name == "mine"
 
 
 def agree_target(rank: int, world: int, env_run_id: str | None) -> dict[str, Any]:
@@ -82,15 +82,14 @@ def agree_target(rank: int, world: int, env_run_id: str | None) -> dict[str, Any
     os.environ.pop("OTEL_TRAIN_RUN_ID", None)
     ident = detect_identity(None)
     group = create_telemetry_group(ident, 10.0)
-    agreed = agree_run_id(ident, group)
     # one run per job: every rank adopts rank 0's run name too (generated names differ per process)
-    _, name = agree_run(ident, group, f"name-of-rank-{rank}-" + "é" * 200)
+    agreed = agree_job(ident, group, f"name-of-rank-{rank}-" + "é" * 200, None)
     return {
-        "name": name,
+        "name": agreed.run_name,
         "before": ident.run_id,
-        "after": agreed.run_id,
-        "source": agreed.run_id_source,
-        "rank": agreed.rank,
+        "after": agreed.identity.run_id,
+        "source": agreed.identity.run_id_source,
+        "rank": agreed.identity.rank,
     }
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 PEAK_FLOPS_ENV = "OTEL_TRAIN_PEAK_FLOPS"
-DTYPES: tuple[str, ...] = ("fp8", "bf16", "fp16", "tf32", "fp32")
 
 _DTYPE_ALIASES = {
     "bfloat16": "bf16", "torch.bfloat16": "bf16", "bf16": "bf16",
@@ -91,12 +90,10 @@ def count_non_embedding_params(model: Any) -> int:
     embedding and a Linear) counts once."""
     from torch import nn
 
-    lookup_only: dict[int, int] = {}
     compute: dict[int, int] = {}
     for module in model.modules():
-        is_lookup = isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-        for param in module.parameters(recurse=False):
-            (lookup_only if is_lookup else compute)[id(param)] = param.numel()
+        if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            compute.update((id(p), p.numel()) for p in module.parameters(recurse=False))
     # Tied weights that some Linear uses (e.g. lm_head.weight = wte.weight) are registered on the
     # Linear too, so they land in `compute`. Functional reuse (F.linear(x, wte.weight)) is not
     # visible from the module tree: pass n_params yourself for such models.
@@ -200,13 +197,15 @@ def _p(
     return {"fp8": s(fp8), "bf16": s(bf16), "fp16": s(fp16), "tf32": s(tf32), "fp32": s(fp32)}
 
 
-# Most specific patterns first. Numbers in TFLOP/s, dense (datasheet sparse figures / 2).
+# Most specific patterns first. Numbers in TFLOP/s, dense (datasheet sparse figures / 2). Boards of
+# one chip and form factor share their figures.
+_HOPPER_SXM = _p(1979, 989.5, 989.5, 494.7, 67)
+_HOPPER_NVL = _p(1670.5, 835.5, 835.5, 417.5, 60)
+_A100 = _p(None, 312, 312, 156, 19.5)
+_MI300 = _p(2614.9, 1307.4, 1307.4, 653.7, 163.4)
 PEAK_TABLE: tuple[PeakEntry, ...] = (
     PeakEntry(
-        "h100-nvl",
-        r"H100\s*NVL",
-        _p(1670.5, 835.5, 835.5, 417.5, 60),
-        "NVIDIA H100 datasheet (NVL column, per GPU; sparse/2)",
+        "h100-nvl", r"H100\s*NVL", _HOPPER_NVL, "NVIDIA H100 datasheet (NVL column, per GPU; sparse/2)"
     ),
     PeakEntry(
         "h100-pcie",
@@ -215,26 +214,16 @@ PEAK_TABLE: tuple[PeakEntry, ...] = (
         "NVIDIA H100 datasheet (PCIe column; sparse/2)",
     ),
     PeakEntry(
-        "gh200",
-        r"GH200",
-        _p(1979, 989.5, 989.5, 494.7, 67),
-        "NVIDIA GH200 datasheet (H100/H200-class Hopper GPU; sparse/2)",
+        "gh200", r"GH200", _HOPPER_SXM, "NVIDIA GH200 datasheet (H100/H200-class Hopper GPU; sparse/2)"
     ),
     PeakEntry(
         "h100-sxm",
         r"H100",
-        _p(1979, 989.5, 989.5, 494.7, 67),
+        _HOPPER_SXM,
         "NVIDIA H100 datasheet (SXM column; sparse/2); other H100 names assumed SXM",
     ),
-    PeakEntry(
-        "h200-nvl",
-        r"H200\s*NVL",
-        _p(1670.5, 835.5, 835.5, 417.5, 60),
-        "NVIDIA H200 datasheet (NVL column; sparse/2)",
-    ),
-    PeakEntry(
-        "h200-sxm", r"H200", _p(1979, 989.5, 989.5, 494.7, 67), "NVIDIA H200 datasheet (SXM column; sparse/2)"
-    ),
+    PeakEntry("h200-nvl", r"H200\s*NVL", _HOPPER_NVL, "NVIDIA H200 datasheet (NVL column; sparse/2)"),
+    PeakEntry("h200-sxm", r"H200", _HOPPER_SXM, "NVIDIA H200 datasheet (SXM column; sparse/2)"),
     PeakEntry("h20", r"\bH20\b", _p(296, 148, 148, 74, 44), "NVIDIA H20 product brief (dense)"),
     PeakEntry(
         "b200",
@@ -245,10 +234,10 @@ PEAK_TABLE: tuple[PeakEntry, ...] = (
     PeakEntry(
         "a100-pcie",
         r"A100.*PCIe",
-        _p(None, 312, 312, 156, 19.5),
+        _A100,
         "NVIDIA A100 datasheet (PCIe: same peak as SXM, lower sustained clocks)",
     ),
-    PeakEntry("a100-sxm", r"A100", _p(None, 312, 312, 156, 19.5), "NVIDIA A100 datasheet (SXM; dense)"),
+    PeakEntry("a100-sxm", r"A100", _A100, "NVIDIA A100 datasheet (SXM; dense)"),
     PeakEntry("l40s", r"L40S", _p(733, 366, 366, 183, 91.6), "NVIDIA L40S datasheet (sparse/2)"),
     PeakEntry("l4", r"\bL4\b", _p(242.5, 121, 121, 60, 30.3), "NVIDIA L4 datasheet (sparse/2)"),
     PeakEntry(
@@ -258,18 +247,8 @@ PEAK_TABLE: tuple[PeakEntry, ...] = (
         "NVIDIA Ada whitepaper, RTX 4090 (FP32-accumulate tensor rates; dense)",
     ),
     PeakEntry("v100", r"V100", _p(None, None, 125, None, 15.7), "NVIDIA V100 datasheet (SXM2; no BF16/TF32)"),
-    PeakEntry(
-        "mi325x",
-        r"MI325X",
-        _p(2614.9, 1307.4, 1307.4, 653.7, 163.4),
-        "AMD Instinct MI325X data sheet (dense)",
-    ),
-    PeakEntry(
-        "mi300x",
-        r"MI300X",
-        _p(2614.9, 1307.4, 1307.4, 653.7, 163.4),
-        "AMD Instinct MI300X data sheet (dense)",
-    ),
+    PeakEntry("mi325x", r"MI325X", _MI300, "AMD Instinct MI325X data sheet (dense)"),
+    PeakEntry("mi300x", r"MI300X", _MI300, "AMD Instinct MI300X data sheet (dense)"),
 )
 
 

@@ -29,8 +29,9 @@ $(OUMI_STAMP): $(STAMP) Makefile
 	$(BIN)/python -m pip install -q --no-deps $(OUMI)
 	touch $@
 
+# The demo is an example beside the package (not in the wheel), run from the repository root.
 demo: $(STAMP)
-	$(BIN)/otel-train demo $(ARGS)
+	$(BIN)/python -m examples.demo $(ARGS)
 
 # The real Prometheus/promtool, Alertmanager/amtool, docker-compose and VictoriaMetrics/vmalert
 # of the versions deploy/ pins (deploy/versions.env), from Debian's archive into .tools/
@@ -69,11 +70,11 @@ check-deploy: $(STAMP) tools
 	  tests/deploy/test_kubernetes.py tests/deploy/test_slurm.py tests/deploy/test_victoriametrics.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check otel_train tests bench dashboards
-	$(BIN)/ruff format --check otel_train tests bench dashboards
+	$(BIN)/ruff check otel_train examples tests bench dashboards
+	$(BIN)/ruff format --check otel_train examples tests bench dashboards
 
 typecheck: $(STAMP)
-	$(BIN)/mypy otel_train
+	$(BIN)/mypy otel_train examples
 
 dashboards: $(STAMP)
 	$(BIN)/python -m dashboards.build

@@ -27,6 +27,7 @@ import itertools
 import json
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -38,10 +39,13 @@ from typing import Any
 import psutil
 import torch
 
+# The repository root: examples/ is not installed, and a script's sys.path starts at bench/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import otel_train as ot
-from otel_train.demo.data import CharVocab, get_batch, load_text, split
-from otel_train.demo.model import CharTransformer, ModelConfig, flops_per_token
-from otel_train.demo.train import build_parser, lr_at, make_optimizer, seed_everything
+from examples.demo.data import CharVocab, get_batch, load_text, split
+from examples.demo.model import CharTransformer, ModelConfig, flops_per_token
+from examples.demo.train import build_parser, lr_at, make_optimizer, seed_everything
 from otel_train.testing import current_session
 
 DEMO = build_parser().parse_args([])  # the demo's defaults: model, optimizer, schedule, clipping

@@ -17,14 +17,19 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+# The repository root: examples/ is not installed, and a script's sys.path starts at bench/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import otel_train as ot
-from otel_train.demo.data import CharVocab, get_batch, load_text, split
-from otel_train.demo.model import CharTransformer, ModelConfig
+from examples.demo.data import CharVocab, get_batch, load_text, split
+from examples.demo.model import CharTransformer, ModelConfig
 from otel_train.testing import current_session
 
 

@@ -74,11 +74,12 @@ def test_account_of_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert "end of process | goodput" in progress and "stall" in progress
 
 
-_DEMO = [sys.executable, "-m", "otel_train.cli", "demo", "--steps", "12", "--batch-size", "4",
+_DEMO = [sys.executable, "-m", "examples.demo", "--steps", "12", "--batch-size", "4",
          "--context", "32", "--layers", "1", "--d-model", "32", "--eval-interval", "6",
          "--eval-batches", "2", "--sample-interval", "1000", "--log-interval", "3",
          "--prometheus-port", "0", "--watch-every", "0", "--no-tensorboard", "--no-wandb",
          "--no-mlflow", "--quiet", "--max-chars", "20000"]  # fmt: skip
+ROOT = Path(__file__).resolve().parents[1]  # the demo runs from the repository root (examples/)
 
 
 def _as_if_written_earlier(state_file: Path, seconds: float) -> None:
@@ -97,13 +98,13 @@ def test_restart_of_the_same_run_id_continues_the_account(tmp_path: Path) -> Non
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_TRAIN_RUN_ID="job-7", OTEL_TRAIN_HARDWARE="false")
     args = [*_DEMO, "--run-name", "restarted", "--output-dir", str(tmp_path / "runs")]
-    subprocess.run(args, env=env, check=True, timeout=300)
+    subprocess.run(args, env=env, check=True, timeout=300, cwd=ROOT)
     run_dir = tmp_path / "runs" / "restarted"
     first = _account(run_dir)
     _assert_sums_to_wall(first)
     assert first["eval"] > 0 and first["checkpoint_save"] > 0
     _as_if_written_earlier(run_dir / "goodput.rank0.json", 1.5)  # the scheduler's restart gap
-    subprocess.run(args, env=env, check=True, timeout=300)
+    subprocess.run(args, env=env, check=True, timeout=300, cwd=ROOT)
     second = _account(run_dir)
     _assert_sums_to_wall(second)
     assert second["restart"] >= 1.5  # the gap, plus the second process's time before init

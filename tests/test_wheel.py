@@ -49,9 +49,10 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart_and_cli(tmp_path
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     assert "otel_train/py.typed" in names and "otel_train/__init__.py" in names
-    assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/"))], (
+    assert not [n for n in names if n.startswith(("tests/", "docs/", "bench/", "examples/"))], (
         "the wheel ships only the package"
     )
+    assert not [n for n in names if "demo" in n], "the demo is an example in the checkout, not in the wheel"
     assert sdist.stat().st_size > 0
 
     venv = tmp_path / "venv"
@@ -75,8 +76,11 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart_and_cli(tmp_path
     assert run_dir.is_relative_to(tmp_path / "runs")
 
     help_text = _run([str(bin_dir / "otel-train"), "--help"], work, env, 120).stdout
-    for command in ("demo", "doctor", "diagnose"):
-        assert command in help_text
+    assert "{doctor,diagnose}" in help_text, help_text
+    demo = subprocess.run(
+        [str(bin_dir / "otel-train"), "demo"], cwd=work, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert demo.returncode == 2 and "make demo" in demo.stderr and "Traceback" not in demo.stderr, demo.stderr
     doctor_env = {**env, "OTEL_TRAIN_PROMETHEUS_PORT": "0"}
     doctor = _run([str(bin_dir / "otel-train"), "doctor"], work, doctor_env, 120).stdout
     assert "config: ok" in doctor

@@ -44,31 +44,10 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class CpuPolicy:
-    """The bridge process runs below the training, except while its bridges fall behind.
-
-    Idle (the default): nice 10 and, where the OS has it (Linux), SCHED_IDLE, which never preempts a
-    training thread. Measured on a launch-bound loop (bench/bench_launch.py, 2 cores): at nice 10
-    alone the bridge process still took the training thread's core now and then (+2 to +12 % step
-    time with all three bridges); SCHED_IDLE removed that. But where the training keeps every core
-    busy (the CPU demo: torch on all cores), SCHED_IDLE starves the bridges until their queues
-    overflow. So when any bridge's queue is half full the whole process tree (W&B's service
-    included) goes back to normal scheduling at nice 10, which keeps up there, and returns to
-    SCHED_IDLE once every queue is nearly empty again. A process that gets no CPU at all cannot
-    see its queues fill: the training process lifts its main thread (`BridgeProcess._lift`) when
-    its own queue to this process is half full, and at the close; noticing that, this process
-    lifts the rest, and it returns to idle only once its queues are nearly empty and the pipe is
-    read. The set-up (importing the backends, W&B's service starting) runs at nice 10 only: under
-    SCHED_IDLE a machine whose cores are all busy (other jobs, other ranks already training,
-    data-loader workers) starved it past init()'s set-up time limit, and init() failed ("the bridge
-    process did not start within 120 s").
-
-    Linux lets a process leave SCHED_IDLE only with CAP_SYS_NICE or an RLIMIT_NICE of at least 10
-    (for nice 10): an ordinary user, and root in a default Docker or Kubernetes container, has
-    neither, and a bridge process put in SCHED_IDLE there could never catch up. Where leaving it is
-    not allowed (`_may_leave_idle`, tried on a thread of its own) the idle policy is SCHED_BATCH at
-    nice 10 instead, which any user may switch to and from: it never preempts a training thread
-    on wake-up either, and gets nice 10's share of a busy core.
-    """
+    """The bridge process runs below the training (nice 10, and SCHED_IDLE or SCHED_BATCH where
+    the OS has them), except while its bridges fall behind: a half-full queue lifts the process
+    tree to normal scheduling until every queue is nearly empty again. The measurements and the
+    choice of policy: docs/design/bridges.md#cpu-policy."""
 
     CATCH_UP_AT = 0.5  # a bridge queue this full: normal scheduling
     IDLE_AT = 0.1  # every queue at most this full again: back to the idle policy

@@ -129,37 +129,10 @@ class OtelTrainLogger(Logger):
     a `settings={...}` mapping is accepted too), used when the logger starts the session;
     `name=` and `version=` are Lightning's, as TensorBoardLogger/CSVLogger take them.
 
-    One logger is one otel_train run, and its Lightning directories are that run's directory:
-
-        save_dir   output_dir (a keyword, OTEL_TRAIN_OUTPUT_DIR or the config file), else the
-                   Trainer's `default_root_dir` unless it is the working directory (Lightning's
-                   default) or remote, else otel_train's "runs"
-        name       `name=`, default "" (no subfolder: a default folder named like a package in
-                   the working directory would shadow that package's import)
-        root_dir   save_dir/name: the `output_dir` the session gets
-        version    run_name (a keyword, OTEL_TRAIN_RUN_NAME or the config file), else `version=`
-                   (an int n: "version_n"), else the next free version_<n> in root_dir
-        log_dir    root_dir/version: the otel_train run directory, so ModelCheckpoint's default
-                   `save_dir/name/version/checkpoints` is `<run dir>/checkpoints`
-
-    They are fixed the first time anyone asks (Lightning first asks for `experiment` as a fit,
-    validate, test or predict sets up; a Trainer's `default_root_dir` is seen only from then on) and
-    stay for the logger's life, after `finalize` too. `experiment` starts the session (on every rank
-    at the same point of Lightning's set-up, so the ranks agree on rank 0's run name and the logger
-    takes it); a session the user started first is used as it is, and names the logger's run.
-
-    The session lasts across `fit`, `validate`, `test` and `predict` (one run), and ends (final
-    flush) when the Trainer reports a failure or interruption, when another OtelTrainLogger starts
-    its own run, or at process exit (`ot.shutdown()` ends it sooner); used again later, the logger
-    appends to its run (same run id). With several OtelTrainLoggers on one Trainer the first does
-    the work and the others only share its run: each step and value is sent once.
-
-    Alone (no `OtelTrainCallback` on the Trainer) the logger also marks the steps: one otel_train
-    step per distinct step Lightning logs at, numbered as Lightning numbers it and lasting from the
-    previous logged step (or fit start) to this one, so goodput is the time spent between logs
-    (training and validation) over wall time. `train/steps` then counts logged steps, not optimizer
-    steps, and step time is the time per logging interval: add `OtelTrainCallback` for one step per
-    optimizer step with phases, eval spans and straggler detection (the logger then only logs)."""
+    One logger is one otel_train run, lasting across `fit`, `validate`, `test` and `predict`, and
+    its `log_dir` is that run's directory. Alone (no `OtelTrainCallback`) it also marks one step per
+    distinct step Lightning logs at. Directories, session life and step marking:
+    docs/design/integrations.md#lightning-logger."""
 
     def __init__(
         self,

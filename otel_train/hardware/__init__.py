@@ -17,10 +17,10 @@ from otel_train.hardware.discovery import (
     parse_cuda_visible_devices,
 )
 from otel_train.hardware.mfu import autocast_dtype
+from otel_train.hardware.mps_memory import MpsMemory
 
 if TYPE_CHECKING:
     from otel_train.hardware.monitor import HardwareMonitor
-    from otel_train.hardware.mps_memory import MpsMemory
 
 __all__ = [
     "RES_GPU_DRIVER_VERSION",
@@ -41,8 +41,4 @@ def __getattr__(name: str) -> Any:
         from otel_train.hardware.monitor import HardwareMonitor
 
         return HardwareMonitor
-    if name == "MpsMemory":
-        from otel_train.hardware.mps_memory import MpsMemory
-
-        return MpsMemory
     raise AttributeError(f"module 'otel_train.hardware' has no attribute {name!r}")

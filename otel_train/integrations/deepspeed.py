@@ -165,14 +165,8 @@ class _Adapter:
         if self.marking and not self.open:
             self._begin()
         self.tokens += _tokens(args, kwargs)
-        timer = ot.timer("forward").start()
-        try:
-            out = original(*args, **kwargs)
-        except BaseException as exc:
-            timer.stop(type(exc))
-            raise
-        timer.stop()
-        return out
+        with ot.timer("forward"):
+            return original(*args, **kwargs)
 
     def _backward(self, original: Callable[..., Any], loss: Any, *args: Any, **kwargs: Any) -> Any:
         if self.steps:
@@ -194,16 +188,14 @@ class _Adapter:
     def _step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not self.engine.is_gradient_accumulation_boundary():
             return original(*args, **kwargs)
-        timer = ot.timer("optimizer").start()
         try:
-            out = original(*args, **kwargs)
-        except BaseException as exc:
-            timer.stop(type(exc))
+            with ot.timer("optimizer"):
+                out = original(*args, **kwargs)
+        except BaseException:
             if self.open:
                 self.open = False
                 adapters.end_step(failed=True)
             raise
-        timer.stop()
         self._after_step()
         return out
 

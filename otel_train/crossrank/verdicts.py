@@ -143,8 +143,7 @@ _Point = tuple[float, float, int]  # (value, weight, rank index)
 
 def _median_without(ordered: Sequence[_Point], skip: int, half: float) -> float:
     """The median of the sorted points but rank index `skip`'s, each value standing for `weight`
-    ranks (all 1: the plain median, the middle two averaged); `half`: half the others' weight. One
-    pass, no sort: the verdicts take one for every rank at every phase, twice."""
+    ranks (all 1: the plain median, the middle two averaged); `half`: half the others' weight."""
     tie: float | None = None
     acc, last = 0.0, math.nan
     for value, weight, index in ordered:
@@ -159,6 +158,24 @@ def _median_without(ordered: Sequence[_Point], skip: int, half: float) -> float:
             tie = value
         last = value
     return last
+
+
+def _medians_without(ordered: Sequence[_Point], weights: Sequence[float], total: float) -> dict[int, float]:
+    """Every rank index's `_median_without`, at once. With every weight 1 (no summaries) the
+    median of the others is read at its place in the sorted points, O(1) a rank; the verdicts
+    take one for every rank at every phase, so rank 0's flush grows with ranks x phases."""
+    n = len(ordered)
+    if n < 2 or any(weight != 1.0 for _, weight, _ in ordered):
+        return {i: _median_without(ordered, i, (total - weights[i]) / 2.0) for _, _, i in ordered}
+    values = [value for value, _, _ in ordered]
+    mid = (n - 1) // 2  # of the n - 1 others: the middle place (n - 1 odd) or the upper middle one
+    odd = (n - 1) % 2 == 1
+    out: dict[int, float] = {}
+    for place, (_, _, index) in enumerate(ordered):
+        # the others' k-th value: values[k] below the left-out place, values[k + 1] from it on
+        upper = values[mid if mid < place else mid + 1]
+        out[index] = upper if odd else (values[mid - 1 if mid - 1 < place else mid] + upper) / 2.0
+    return out
 
 
 class _Table:
@@ -179,7 +196,7 @@ class _Table:
             self.phases[STEP_END] = steps
             self.order.append(STEP_END)
         self.timed_communication = any(phase_category(p) == "communication" for p in self.order)
-        self._orders: dict[str, tuple[list[_Point], list[_Point], list[_Point], float]] = {}
+        self._orders: dict[str, tuple[dict[int, float], dict[int, float], dict[int, float]]] = {}
 
     def holds_collective(self, phase: str) -> bool:
         return holds_collective(phase, self.timed_communication)
@@ -187,33 +204,30 @@ class _Table:
     def lateness(self, index: int, use_max: bool) -> dict[str, float]:
         """Leave-one-out lateness of rank `index` at every phase end it has (noise clamped to 0)."""
         out: dict[str, float] = {}
+        noise_mads, least = self.settings.noise_mads, self.settings.min_lateness_s
         for phase in self.order:
-            by = self.phases[phase]
-            own = by.get(index)
+            own = self.phases[phase].get(index)
             if own is None:
                 continue
-            medians, maxima, mads, total = self._sorted(phase)
-            half = (total - self.weights[index]) / 2.0  # the others' weight, halved
-            ref = _median_without(maxima if use_max else medians, index, half)
-            value = (own.max if use_max else own.median) - ref
-            noise = max(own.mad, _median_without(mads, index, half))
-            floor = max(self.settings.noise_mads * noise, self.settings.min_lateness_s)
+            medians, maxima, mads = self._others(phase)
+            value = own.max - maxima[index] if use_max else own.median - medians[index]
+            floor = max(noise_mads * max(own.mad, mads[index]), least)
             out[phase] = value if abs(value) > floor else 0.0
         return out
 
-    def _sorted(self, phase: str) -> tuple[list[_Point], list[_Point], list[_Point], float]:
-        """The phase's (value, weight, rank index) sorted by median, by max and by MAD, and their
-        total weight: once per phase, so each rank's leave-one-out median is one pass
-        (`_median_without`) and the whole table's verdicts O(ranks log ranks) per phase."""
+    def _others(self, phase: str) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        """The phase's median of the others' medians, of their maxima and of their MADs, for every
+        rank index: once per phase (`_medians_without`), read by each rank's `lateness`."""
         got = self._orders.get(phase)
         if got is None:
-            points = [(s, self.weights[i], i) for i, s in self.phases[phase].items()]
-            got = self._orders[phase] = (
-                sorted((s.median, w, i) for s, w, i in points),
-                sorted((s.max, w, i) for s, w, i in points),
-                sorted((s.mad, w, i) for s, w, i in points),
-                sum(w for _, w, _ in points),
-            )
+            by, weights = self.phases[phase], self.weights
+            total = sum(weights[i] for i in by)
+
+            def others(key: str) -> dict[int, float]:
+                ordered = sorted((getattr(s, key), weights[i], i) for i, s in by.items())
+                return _medians_without(ordered, weights, total)
+
+            got = self._orders[phase] = (others("median"), others("max"), others("mad"))
         return got
 
     def gap(self, culprit: int, other: int, phase: str, use_max: bool) -> float | None:

@@ -4,6 +4,7 @@ session records it (durations and arrivals), packed and unpacked through the wir
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from otel_train.crossrank.verdicts import (
     RankView,
     Settings,
     _median_without,
+    _medians_without,
     abstain_reason,
     assess,
     holds_collective,
@@ -301,3 +303,31 @@ def test_the_one_pass_leave_one_out_median_is_the_sorted_one() -> None:
             half = sum(weights[i] for i in others) / 2.0
             expected = _weighted_median_reference([values[i] for i in others], [weights[i] for i in others])
             assert _median_without(ordered, skip, half) == expected, (values, weights, skip)
+
+
+def test_every_ranks_leave_one_out_median_at_once_is_the_one_pass_one() -> None:
+    """`_medians_without` (all ranks of a phase at once, O(1) a rank with weights 1) gives each
+    rank what `_median_without` gives it alone, and with weights 1 the others' plain median."""
+    rng = random.Random(11)
+    for trial in range(3000):
+        n = rng.randint(1, 12)
+        values = [rng.choice([0.1, 0.2, 0.2, 0.3]) if trial % 3 == 0 else rng.random() for _ in range(n)]
+        weights = [1.0] * n
+        if trial % 4 == 1:
+            weights[rng.randrange(n)] = rng.choice([2.0, 5 / 3, 0.5])
+        ordered = sorted((v, w, i) for i, (v, w) in enumerate(zip(values, weights, strict=True)))
+        total = sum(weights)
+        got = _medians_without(ordered, weights, total)
+        assert sorted(got) == list(range(n))
+        for skip in range(n):
+            alone = _median_without(ordered, skip, (total - weights[skip]) / 2.0)
+            assert got[skip] == alone or (math.isnan(got[skip]) and math.isnan(alone)), (
+                values,
+                weights,
+                skip,
+            )
+            if n > 1 and all(w == 1.0 for w in weights):
+                plain = _weighted_median_reference(
+                    [v for i, v in enumerate(values) if i != skip], [1.0] * (n - 1)
+                )
+                assert got[skip] == plain, (values, skip)

@@ -52,6 +52,7 @@ def phase_category(name: str) -> Category:
     return "other"
 
 
+@functools.lru_cache(maxsize=1024)  # asked per rank and phase at every flush (`_early_at_collective`)
 def holds_collective(name: str, timed_communication: bool = False) -> bool:
     """Whether a phase (probably) holds the job's synchronizing collective: a communication timer,
     or, when the job times no communication phase, backward (DDP's gradient all-reduce and FSDP's

@@ -108,19 +108,24 @@ def combine(blocks: Any) -> Any:
     minima and maxima kept with the lowest rank on ties, records matched by id. Exact: the result
     is what one block of all the rows would hold (beyond RECORDS timers, those with the fewest
     durations are left out and counted)."""
+    import numpy as np
     import torch
 
+    # numpy, not torch: a tree parent merges at every flush, and on arrays this small each torch
+    # op costs microseconds of dispatch
     if isinstance(blocks, list):
-        blocks = torch.stack(blocks) if blocks else empty().reshape(1, -1)
-    blocks = blocks.reshape(-1, JOB_LEN)
-    blocks = blocks[blocks[:, _H_VERSION] == VERSION]
-    if not len(blocks):
+        array = np.stack([b.numpy() for b in blocks]) if blocks else np.zeros((0, JOB_LEN))
+    else:
+        array = blocks.numpy()
+    array = array.reshape(-1, JOB_LEN)
+    array = array[array[:, _H_VERSION] == VERSION]
+    if not len(array):
         return empty()
     columns = _columns()
-    ids = blocks[:, columns.ids]
-    if bool((ids == ids[0]).all()):  # the same records in the same places: column by column
-        return _by_column(blocks, columns)
-    return _by_id(blocks)
+    ids = array[:, columns.ids]
+    if (ids == ids[0]).all():  # the same records in the same places: column by column
+        return torch.from_numpy(_by_column(array, columns))
+    return _by_id(torch.from_numpy(array))
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,7 @@ class _Columns:
     """Which columns of a block are summed, kept at their least or greatest, or name the rank of
     a least / greatest value (the value's column + 1); the rest (version, ids) are copied."""
 
-    added: Any  # bool masks over JOB_LEN
+    added: Any  # bool masks over JOB_LEN (numpy)
     least: Any
     greatest: Any
     least_values: Any  # column indices whose rank sits in the next column
@@ -138,7 +143,7 @@ class _Columns:
 
 @functools.cache
 def _columns() -> _Columns:
-    import torch
+    import numpy as np
 
     added = [_H_ROWS, _H_OVERFLOW, _H_SAMPLES, _H_TOKENS, _H_LOSS_SUM, _H_LOSS_COUNT]
     least, greatest = [_H_LOSS_MIN], [_H_LOSS_MAX]
@@ -153,30 +158,30 @@ def _columns() -> _Columns:
         ids.append(at + R_ID)
 
     def mask(columns: list[int]) -> Any:
-        out = torch.zeros(JOB_LEN, dtype=torch.bool)
+        out = np.zeros(JOB_LEN, dtype=bool)
         out[columns] = True
         return out
 
-    indices = torch.tensor
     return _Columns(
         mask(added),
         mask(least),
         mask(greatest),
-        indices(least_values),
-        indices(greatest_values),
-        indices(ids),
+        np.array(least_values),
+        np.array(greatest_values),
+        np.array(ids),
     )
 
 
 def _by_column(blocks: Any, columns: _Columns) -> Any:
-    import torch
+    """`combine` of blocks (a [n, JOB_LEN] numpy array) whose records sit in the same places."""
+    import numpy as np
 
-    least, greatest = blocks.amin(0), blocks.amax(0)
-    out = torch.where(columns.added, blocks.sum(0), blocks[0])
-    out = torch.where(columns.least, least, torch.where(columns.greatest, greatest, out))
+    least, greatest = blocks.min(0), blocks.max(0)
+    out = np.where(columns.added, blocks.sum(0), blocks[0])
+    out = np.where(columns.least, least, np.where(columns.greatest, greatest, out))
     for values, best in ((columns.least_values, least), (columns.greatest_values, greatest)):
-        held = torch.where(blocks[:, values] == best[values], blocks[:, values + 1], math.inf)
-        out[values + 1] = held.amin(0)  # the lowest rank holding it
+        held = np.where(blocks[:, values] == best[values], blocks[:, values + 1], math.inf)
+        out[values + 1] = held.min(0)  # the lowest rank holding it
     return out
 
 

@@ -11,15 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from otel_train.crossrank.up_row import name_id
+from otel_train.crossrank.wire import ARRIVAL, ARRIVALS, MAX_ARRIVALS
 from otel_train.diagnostics import group_label, op_name
 
-MAX_ARRIVALS = 32  # collectives per rank per read in the up row
 SPAN = 8 * MAX_ARRIVALS  # the latest collectives of a window they are sampled from (<< a ring buffer)
-_VERSION = 1.0
-_B_VERSION, _B_READ_SEQ, _B_OFFSET, _B_BOUND, _B_WINDOW, _B_STEPS, _B_COUNT = range(7)
-_B_ENTRIES = 7
-ENTRY_LEN = 3  # group id, sequence id, arrival (this rank's clock, epoch seconds)
-BLOCK_LEN = _B_ENTRIES + MAX_ARRIVALS * ENTRY_LEN + 1  # + the send time t1 (written by the exchange)
+BLOCK_LEN = ARRIVALS.words  # its last word: the send time t1 (written by the exchange)
 
 Key = tuple[int, int]  # (group id, sequence id)
 
@@ -78,16 +74,11 @@ def sample(arrivals: Sequence[Arrival], read_seq: int, cap: int = MAX_ARRIVALS) 
 def encode(
     read_seq: int, offset: float, bound: float, window_len: int, steps: float, picked: Sequence[Arrival]
 ) -> list[float]:
-    block = [0.0] * BLOCK_LEN
-    block[_B_VERSION] = _VERSION
-    block[_B_READ_SEQ] = float(read_seq)
-    block[_B_OFFSET], block[_B_BOUND] = offset, bound
-    block[_B_WINDOW], block[_B_STEPS] = float(window_len), float(steps)
-    block[_B_COUNT] = float(len(picked))
-    for i, a in enumerate(picked[:MAX_ARRIVALS]):
-        at = _B_ENTRIES + i * ENTRY_LEN
-        block[at : at + ENTRY_LEN] = [float(name_id(a.group)), float(a.seq), a.at]
-    return block
+    entries = [v for a in picked[:MAX_ARRIVALS] for v in (float(name_id(a.group)), float(a.seq), a.at)]
+    return ARRIVALS.new(
+        read=1, read_seq=read_seq, offset=offset, bound=bound, window=window_len, steps=steps,
+        count=len(picked), entries=entries,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -104,24 +95,20 @@ class Row:
 
 
 def decode(rank: int, block: Sequence[float]) -> Row | None:
-    if block[_B_VERSION] != _VERSION:
+    if not block[ARRIVALS.at("read")]:
         return None  # no read yet, or the recorder is off on that rank
     arrivals: dict[Key, float] = {}
-    for i in range(min(int(block[_B_COUNT]), MAX_ARRIVALS)):
-        at = _B_ENTRIES + i * ENTRY_LEN
-        arrivals[(int(block[at]), int(block[at + 1]))] = block[at + 2]
+    for i in range(min(int(block[ARRIVALS.at("count")]), MAX_ARRIVALS)):
+        at = ARRIVALS.at("entries", i)
+        arrivals[(int(block[at]), int(block[at + 1]))] = block[at + ARRIVAL.at("at")]
+    get = ARRIVALS.get
     return Row(
-        rank,
-        int(block[_B_READ_SEQ]),
-        block[_B_OFFSET],
-        block[_B_BOUND],
-        int(block[_B_WINDOW]),
-        block[_B_STEPS],
-        arrivals,
-    )
+        rank, int(get(block, "read_seq")), get(block, "offset"), get(block, "bound"),
+        int(get(block, "window")), get(block, "steps"), arrivals,
+    )  # fmt: skip
 
 
 def set_clock(block: list[float], offset: float, bound: float) -> None:
     """Write this rank's current clock offset to rank 0 and its bound into its block (each flush:
     the estimate improves between reads)."""
-    block[_B_OFFSET], block[_B_BOUND] = offset, bound
+    ARRIVALS.put(block, offset=offset, bound=bound)

@@ -1,6 +1,6 @@
 """The down message of the telemetry exchange: rank 0's answer to one rank at one flush, as one
-fixed-size float64 row (status, flush schedule, the previous flush's verdicts, clock stamps).
-Design and layout: docs/design/crossrank.md#down-row.
+fixed-size row (`wire.DOWN`: status, flush schedule, the previous flush's verdicts, clock stamps).
+Design: docs/design/crossrank.md#down-row.
 """
 
 from __future__ import annotations
@@ -10,36 +10,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
+from otel_train.crossrank import wire
 from otel_train.crossrank.scores import RankScores, StragglerReport
-from otel_train.crossrank.up_row import HOST_FLOATS, NAME_FLOATS, decode_text, encode_text
 from otel_train.crossrank.verdicts import Category
+from otel_train.crossrank.wire import DOWN, ENTRY, MAX_CHRONIC, REPORT, SCORES, TREE_DOWN, WAIT_RUNS
 
-DOWN_VERSION = 2.0
 STATUS_OK = 0
 STATUS_ABORT = 1
-MAX_CHRONIC = 4  # chronic stragglers carried per flush (the lowest scores); the rest are counted
-WAIT_RUNS = 4  # runs of consecutive waiting ranks carried per report
 CATEGORIES: tuple[Category, ...] = get_args(Category)
 
-H_VERSION, H_STATUS, H_VERDICT_SEQ, H_FLUSH_INTERVAL, H_CHRONIC_TOTAL, H_CHRONIC_CARRIED = range(6)
-H_FLUSH_ANCHOR = 6
-H_GONE = H_VERDICT_SEQ  # in an ABORT answer (no verdict rides it): the rank found gone (-1: unknown)
-HEADER_LEN = 7
-SCORES_LEN = 7
-_R_RANK, _R_LOCAL, _R_LATENESS, _R_SCORE, _R_RAW, _R_WAIT, _R_CATEGORY, _R_HAS_SYNC = range(8)
-_R_RUNS = 8
-_R_HOST = _R_RUNS + 2 * WAIT_RUNS
-_R_PHASE = _R_HOST + HOST_FLOATS
-_R_SYNC = _R_PHASE + NAME_FLOATS
-REPORT_LEN = _R_SYNC + NAME_FLOATS
-_CLOCK_AT = HEADER_LEN + SCORES_LEN + MAX_CHRONIC * REPORT_LEN
-D_T2, D_T3, D_READ = _CLOCK_AT, _CLOCK_AT + 1, _CLOCK_AT + 2
-DOWN_LEN = _CLOCK_AT + 3
-# The tree's answer (`tree_exchange`): the same row for every rank, then a table of the scored ranks
-# (rank, scores); each rank finds its own there. Rank 0 scores the exact rows of `merge` only.
-TABLE_ENTRIES = 4  # = merge.K_EXACT
-ENTRY_LEN = 1 + SCORES_LEN
-TREE_DOWN_LEN = DOWN_LEN + TABLE_ENTRIES * ENTRY_LEN
+# The words the exchange writes into an answer on its way (status, the rank gone, clock stamps).
+H_STATUS, H_FLUSH_INTERVAL, H_GONE = DOWN.at("status"), DOWN.at("flush_interval"), DOWN.at("verdict_seq")
+D_T2, D_T3, D_READ = DOWN.at("t2"), DOWN.at("t3"), DOWN.at("read_recorder")
+DOWN_LEN = DOWN.words
+TREE_DOWN_LEN = TREE_DOWN.words
 
 
 @dataclass(frozen=True)
@@ -85,46 +69,41 @@ def carried(chronic: Sequence[StragglerReport], cap: int = MAX_CHRONIC) -> list[
     return [r for r in chronic if id(r) in keep]
 
 
-def _encode_report(report: StragglerReport) -> list[float]:
-    row = [0.0] * REPORT_LEN
-    row[_R_RANK] = float(report.rank)
-    row[_R_LOCAL] = float(report.local_rank)
-    row[_R_LATENESS] = report.lateness_s
-    row[_R_SCORE] = report.score
-    row[_R_RAW] = report.raw_score
-    row[_R_WAIT] = report.wait_s
-    row[_R_CATEGORY] = float(CATEGORIES.index(report.category))
-    row[_R_HAS_SYNC] = 0.0 if report.sync_phase is None else 1.0
-    runs = _runs(report.waiting_ranks)[:WAIT_RUNS]
-    for i in range(WAIT_RUNS):
-        first, last = runs[i] if i < len(runs) else (-1, -1)
-        row[_R_RUNS + 2 * i] = float(first)
-        row[_R_RUNS + 2 * i + 1] = float(last)
-    row[_R_HOST:_R_PHASE] = encode_text(report.host, HOST_FLOATS)
-    row[_R_PHASE:_R_SYNC] = encode_text(report.phase, NAME_FLOATS)
-    row[_R_SYNC:REPORT_LEN] = encode_text(report.sync_phase or "", NAME_FLOATS)
-    return row
+def _encode_report(row: list[float], at: int, report: StragglerReport) -> None:
+    runs = (_runs(report.waiting_ranks)[:WAIT_RUNS] + [(-1, -1)] * WAIT_RUNS)[:WAIT_RUNS]
+    REPORT.put(
+        row, at, rank=report.rank, local_rank=report.local_rank, lateness=report.lateness_s,
+        score=report.score, raw_score=report.raw_score, wait=report.wait_s,
+        category=CATEGORIES.index(report.category), has_sync=report.sync_phase is not None,
+        waiting_runs=[float(r) for run in runs for r in run], host=report.host, phase=report.phase,
+        sync_phase=report.sync_phase or "",
+    )  # fmt: skip
 
 
-def _decode_report(row: Sequence[float]) -> StragglerReport:
-    waiting: list[int] = []
-    for i in range(WAIT_RUNS):
-        first, last = int(row[_R_RUNS + 2 * i]), int(row[_R_RUNS + 2 * i + 1])
-        if first >= 0:
-            waiting.extend(range(first, last + 1))
+def _decode_report(row: Sequence[float], at: int) -> StragglerReport:
+    def get(name: str) -> Any:
+        return REPORT.get(row, name, at)
+
+    runs = get("waiting_runs")
+    waiting = [
+        r
+        for first, last in zip(runs[::2], runs[1::2], strict=True)
+        if first >= 0
+        for r in range(int(first), int(last) + 1)
+    ]
     return StragglerReport(
-        rank=int(row[_R_RANK]),
-        host=decode_text(row[_R_HOST:_R_PHASE]),
-        local_rank=int(row[_R_LOCAL]),
+        rank=int(get("rank")),
+        host=get("host"),
+        local_rank=int(get("local_rank")),
         pattern="chronic",
-        phase=decode_text(row[_R_PHASE:_R_SYNC]),
-        category=CATEGORIES[int(row[_R_CATEGORY])],
-        lateness_s=row[_R_LATENESS],
-        score=row[_R_SCORE],
-        raw_score=row[_R_RAW],
-        sync_phase=decode_text(row[_R_SYNC:REPORT_LEN]) if row[_R_HAS_SYNC] else None,
+        phase=get("phase"),
+        category=CATEGORIES[int(get("category"))],
+        lateness_s=get("lateness"),
+        score=get("score"),
+        raw_score=get("raw_score"),
+        sync_phase=get("sync_phase") if get("has_sync") else None,
         waiting_ranks=tuple(waiting),
-        wait_s=row[_R_WAIT],
+        wait_s=get("wait"),
     )
 
 
@@ -134,16 +113,23 @@ def _optional(value: float | None) -> float:
 
 def _encode_scores(scores: RankScores | None) -> list[float]:
     if scores is None:
-        return [0.0] + [math.nan] * (SCORES_LEN - 1)
-    values = (scores.relative, scores.individual, scores.raw_relative, scores.raw_individual)
-    return [1.0, *(_optional(v) for v in values), scores.lateness_s, scores.wait_s]
+        return SCORES.new(**dict.fromkeys(list(SCORES.fields)[1:], math.nan))
+    return SCORES.new(
+        present=1, relative=_optional(scores.relative), individual=_optional(scores.individual),
+        raw_relative=_optional(scores.raw_relative), raw_individual=_optional(scores.raw_individual),
+        lateness=scores.lateness_s, wait=scores.wait_s,
+    )  # fmt: skip
 
 
 def _decode_scores(rank: int, values: Sequence[float]) -> RankScores | None:
-    if not values[0]:
+    if not SCORES.get(values, "present"):
         return None
-    relative, individual, raw_relative, raw_individual = (None if math.isnan(v) else v for v in values[1:5])
-    return RankScores(rank, relative, individual, raw_relative, raw_individual, values[5], values[6])
+    got = {name: SCORES.get(values, name) for name in SCORES.fields}
+    kept = {name: None if math.isnan(value) else value for name, value in got.items()}
+    return RankScores(
+        rank, kept["relative"], kept["individual"], kept["raw_relative"], kept["raw_individual"],
+        got["lateness"], got["wait"],
+    )  # fmt: skip
 
 
 def answers(
@@ -157,40 +143,35 @@ def answers(
     float64 tensor with status OK (the exchange sets ABORT when a peer fails, and the clock)."""
     import torch
 
-    common = [0.0] * DOWN_LEN
-    common[D_T2] = common[D_T3] = math.nan
-    common[D_READ] = 1.0 if read_recorder else 0.0
-    common[H_VERSION] = DOWN_VERSION
-    common[H_STATUS] = float(STATUS_OK)
-    common[H_FLUSH_INTERVAL] = float(flush_interval)
-    common[H_FLUSH_ANCHOR] = float(flush_anchor)
-    common[H_VERDICT_SEQ] = -1.0 if verdict is None else float(verdict.seq)
+    common = DOWN.new(
+        version=wire.VERSION, status=STATUS_OK, flush_interval=flush_interval, flush_anchor=flush_anchor,
+        verdict_seq=-1 if verdict is None else verdict.seq, t2=math.nan, t3=math.nan,
+        read_recorder=read_recorder,
+    )  # fmt: skip
     if verdict is not None:
         reports = carried(verdict.chronic)
-        common[H_CHRONIC_TOTAL] = float(len(verdict.chronic))
-        common[H_CHRONIC_CARRIED] = float(len(reports))
+        DOWN.put(common, chronic_total=len(verdict.chronic), chronic_carried=len(reports))
         for i, report in enumerate(reports):
-            at = HEADER_LEN + SCORES_LEN + i * REPORT_LEN
-            common[at : at + REPORT_LEN] = _encode_report(report)
+            _encode_report(common, DOWN.at("chronic", i), report)
     rows = torch.tensor(common, dtype=torch.float64).repeat(world, 1)
     if verdict is not None:
         scores = [_encode_scores(verdict.scores.get(rank)) for rank in range(world)]
-        rows[:, HEADER_LEN : HEADER_LEN + SCORES_LEN] = torch.tensor(scores, dtype=torch.float64)
+        rows[:, DOWN.span("scores")] = torch.tensor(scores, dtype=torch.float64)
     return rows
 
 
 def tree_answer(
     flush_interval: int, verdict: Verdict | None, flush_anchor: int = -1, read_recorder: bool = False
 ) -> Any:
-    """Rank 0's answer in a tree: one TREE_DOWN_LEN row for every rank (module constants)."""
+    """Rank 0's answer in a tree: one TREE_DOWN_LEN row for every rank (`wire.TREE_DOWN`)."""
     import torch
 
     bare = None if verdict is None else replace(verdict, scores={})  # the scores go in the table
     common = answers(1, flush_interval, bare, flush_anchor, read_recorder)[0]
-    table = [-1.0, *_encode_scores(None)] * TABLE_ENTRIES
-    scored = sorted(verdict.scores.items())[:TABLE_ENTRIES] if verdict is not None else []
-    for i, (rank, scores) in enumerate(scored):
-        table[i * ENTRY_LEN : (i + 1) * ENTRY_LEN] = [float(rank), *_encode_scores(scores)]
+    scored = dict(sorted(verdict.scores.items())[: wire.K_EXACT]) if verdict is not None else {}
+    unused: list[tuple[int, RankScores | None]] = [(-1, None)] * (wire.K_EXACT - len(scored))
+    entries = [*scored.items(), *unused]
+    table = [v for rank, scores in entries for v in ENTRY.new(rank=rank, scores=_encode_scores(scores))]
     return torch.cat([common, torch.tensor(table, dtype=torch.float64)])
 
 
@@ -200,29 +181,27 @@ def no_news() -> Any:
 
 
 def decode(row: Any, rank: int) -> Down:
-    """One rank's down row (a DOWN_LEN float64 tensor, or a tree's TREE_DOWN_LEN) -> Down."""
+    """One rank's down row (a DOWN_LEN float64 tensor, or a tree's TREE_DOWN_LEN) -> Down; one of
+    another wire version raises `wire.Mismatch`."""
     values = row.tolist()
+    wire.check(values[DOWN.at("version")], "rank 0")
     if len(values) > DOWN_LEN:  # a tree's answer: this rank's scores from the table
-        entries = (values[at : at + ENTRY_LEN] for at in range(DOWN_LEN, len(values), ENTRY_LEN))
-        mine = next((e[1:] for e in entries if int(e[0]) == rank), _encode_scores(None))
-        values[HEADER_LEN : HEADER_LEN + SCORES_LEN] = mine
-    verdict_seq = int(values[H_VERDICT_SEQ])
+        entries = (values[at : at + ENTRY.words] for at in range(DOWN_LEN, len(values), ENTRY.words))
+        mine = next(
+            (e[ENTRY.span("scores")] for e in entries if ENTRY.get(e, "rank") == rank), _encode_scores(None)
+        )
+        values[DOWN.span("scores")] = mine
+    verdict_seq = int(values[DOWN.at("verdict_seq")])
     read, times = bool(values[D_READ]), (values[D_T2], values[D_T3])
-    anchor = int(values[H_FLUSH_ANCHOR])
+    anchor = int(values[DOWN.at("flush_anchor")])
     down = Down(
-        int(values[H_STATUS]),
-        int(values[H_FLUSH_INTERVAL]),
-        verdict_seq,
-        read_recorder=read,
-        root_times=times,
-        flush_anchor=anchor,
-    )
+        int(values[H_STATUS]), int(values[H_FLUSH_INTERVAL]), verdict_seq, read_recorder=read,
+        root_times=times, flush_anchor=anchor,
+    )  # fmt: skip
     if verdict_seq < 0:
         return down
-    chronic = [
-        _decode_report(values[at : at + REPORT_LEN])
-        for at in (HEADER_LEN + SCORES_LEN + i * REPORT_LEN for i in range(int(values[H_CHRONIC_CARRIED])))
-    ]
-    scores = _decode_scores(rank, values[HEADER_LEN : HEADER_LEN + SCORES_LEN])
-    total = int(values[H_CHRONIC_TOTAL])
+    carried_n = int(values[DOWN.at("chronic_carried")])
+    chronic = [_decode_report(values, DOWN.at("chronic", i)) for i in range(carried_n)]
+    scores = _decode_scores(rank, values[DOWN.span("scores")])
+    total = int(values[DOWN.at("chronic_total")])
     return Down(down.status, down.flush_interval, verdict_seq, scores, chronic, total, read, times, anchor)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from otel_train.crossrank import job_block
+from otel_train.crossrank import job_block, wire
 from otel_train.crossrank.spread import STATS_LEN
 from otel_train.crossrank.up_row import (
     ANNOUNCE_SLOTS,
@@ -25,15 +25,11 @@ from otel_train.crossrank.up_row import (
     unpack,
 )
 from otel_train.crossrank.verdicts import RankAssessment
+from otel_train.crossrank.wire import K_EXACT, MAX_RUNS  # exact rows (the merging rank's first), runs
 
-K_EXACT = 4  # exact rows per bundle (the merging rank's own first)
 LEVELS = 3  # summary rows per bundle
-MAX_RUNS = 8  # runs of covered ranks per bundle; beyond, the last ones are joined (overstated)
-VERSION = 2.0
-_B_VERSION, _B_EXACT, _B_WEIGHT, _B_RUNS = range(4)
-_RUNS_AT = 4
-_JOB_AT = _RUNS_AT + 2 * MAX_RUNS  # the job block of every rank covered (`job_block`)
-HEAD_LEN = _JOB_AT + job_block.JOB_LEN
+HEAD = wire.bundle_head(job_block.JOB_LEN)  # beyond MAX_RUNS runs, the last ones are joined (overstated)
+HEAD_LEN = HEAD.words
 Parsed = tuple[list[float], dict[int, list[float]]]  # up_row.row_values of one row
 
 
@@ -75,13 +71,14 @@ def encode(bundle: Bundle, row_len: int, base_len: int, ranks: int = K_EXACT + 1
     import torch
 
     out = torch.zeros(bundle_len(row_len, base_len, ranks), dtype=torch.float64)
-    out[_B_VERSION], out[_B_EXACT], out[_B_WEIGHT] = VERSION, float(len(bundle.exact)), bundle.weight
     runs = bundle.runs[:MAX_RUNS]
-    out[_B_RUNS] = float(len(runs))
-    for i, (lo, hi) in enumerate(runs):
-        out[_RUNS_AT + 2 * i], out[_RUNS_AT + 2 * i + 1] = float(lo), float(hi)
+    head = HEAD.new(
+        version=wire.VERSION, exact=len(bundle.exact), weight=bundle.weight, n_runs=len(runs),
+        runs=[float(end) for run in runs for end in run],
+    )  # fmt: skip
+    out[:HEAD_LEN] = floats(head)
     if bundle.job is not None:
-        out[_JOB_AT:HEAD_LEN] = bundle.job
+        out[HEAD.span("job")] = bundle.job
     if bundle.exact:
         exact = floats(itertools.chain.from_iterable(bundle.exact[:K_EXACT]))
         out[HEAD_LEN : HEAD_LEN + exact.numel()] = exact
@@ -94,17 +91,17 @@ def encode(bundle: Bundle, row_len: int, base_len: int, ranks: int = K_EXACT + 1
 
 def decode(message: Any, row_len: int, base_len: int, ranks: int = K_EXACT + 1) -> Bundle:
     values = message.tolist()
-    n = min(int(values[_B_EXACT]), K_EXACT)
+    n = min(int(HEAD.get(values, "exact")), K_EXACT)
     exact = [values[HEAD_LEN + i * row_len : HEAD_LEN + (i + 1) * row_len] for i in range(n)]
-    weight = values[_B_WEIGHT]
+    weight = HEAD.get(values, "weight")
     at = HEAD_LEN + min(ranks, K_EXACT) * row_len
     summary = (
         [values[at + j * base_len : at + (j + 1) * base_len] for j in range(LEVELS)] if weight > 0 else []
     )
-    first = _RUNS_AT
-    runs = [(int(values[first + 2 * i]), int(values[first + 2 * i + 1])) for i in range(int(values[_B_RUNS]))]
+    ends = [int(end) for end in HEAD.get(values, "runs")[: 2 * int(HEAD.get(values, "n_runs"))]]
+    runs = list(zip(ends[::2], ends[1::2], strict=True))
     tensor = message[HEAD_LEN : HEAD_LEN + n * row_len].reshape(n, row_len).clone()  # not the receive buffer
-    return Bundle(exact, summary, weight, runs, tensor, message[_JOB_AT:HEAD_LEN].clone())
+    return Bundle(exact, summary, weight, runs, tensor, message[HEAD.span("job")].clone())
 
 
 def merge(parts: Sequence[Bundle], capacity: int = MAX_TIMERS) -> Bundle:

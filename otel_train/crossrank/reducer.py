@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from otel_train.crossrank import down_row, job_block
-from otel_train.crossrank.arrival_block import BLOCK_LEN
+from otel_train.crossrank import down_row, job_block, wire
 from otel_train.crossrank.collective_lateness import LatenessTracker
+from otel_train.crossrank.exchange import StarExchange
 from otel_train.crossrank.job_outputs import JobSeries
 from otel_train.crossrank.merge import Bundle, TreeView, unpacked, widen_waiting
 from otel_train.crossrank.pairing import RowPairing, unjudged
-from otel_train.crossrank.replicas import EXT_LEN, ReplicaCheck, fsdp_in_use
+from otel_train.crossrank.replicas import ReplicaCheck, fsdp_in_use
 from otel_train.crossrank.scores import RankScores, StragglerReport, StragglerScorer
 from otel_train.crossrank.shape import ExchangeShape, shaped_exchange, telemetry_group
 from otel_train.crossrank.straggler_outputs import StragglerGauges, StragglerReporter
@@ -32,7 +32,6 @@ from otel_train.crossrank.up_row import (
     TimerTable,
     local_record,
     pack,
-    pack_len,
     row_steps,
     unpack,
 )
@@ -221,7 +220,12 @@ class CrossRankReducer:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
             current = lambda up: row_steps(up)[1] >= interval.step  # noqa: E731
             got = _run(self.exchange, row, answers, self._expect, current, job)
-        except Exception as exc:
+            down = down_row.decode(got.down, self.identity.rank) if got.down is not None else None
+            if got.records is not None and not tree:  # the tree's bundles are checked as they come
+                _check_versions(got.records[:, wire.up().at("version")].tolist(), got.ranks)
+        except (RuntimeError, wire.Mismatch) as exc:  # ExchangeFailed, gloo's; another release
+            if isinstance(exc, wire.Mismatch) and isinstance(self.exchange, StarExchange) and root:
+                self.exchange.abort_peers(answers)  # so the peers turn off at their next flush too
             self.collectives += 1
             self._disable(f"telemetry exchange failed at flush {interval.seq}: {exc}")
             self._flush_local(interval)
@@ -229,7 +233,6 @@ class CrossRankReducer:
         self.collectives += int(got.sent)
         if not tree:
             self._job_unsent = None if got.sent else job
-        down = down_row.decode(got.down, self.identity.rank) if got.down is not None else None
         if down is not None:
             if not root and self.on_cadence is not None and down.flush_interval >= 1:
                 self.on_cadence(down.flush_interval, down.flush_anchor)
@@ -239,20 +242,20 @@ class CrossRankReducer:
             self.last_reductions = own_reductions(local_record(interval, self.identity))
             return
         self._reduce_rows(interval, got.records, from_step)
-        self.job.publish(_job_of(got.records, self.table.capacity), self.table.names, interval.elapsed_s)
+        job_blocks = _job_of(got.records, _layout(self.exchange, self.table.capacity))
+        self.job.publish(job_blocks, self.table.names, interval.elapsed_s)
 
     def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
         """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
-        base = pack_len(self.table.capacity)
         if isinstance(rows, Bundle):  # the tree's: rows of one of rank 0's flushes (tree_exchange)
-            tree = unpacked(rows, base, self.table.capacity)
+            tree = unpacked(rows, wire.up(self.table.capacity).words, self.table.capacity)
             _learn_names(self.table, [*tree.exact, *tree.summary])  # the job series use them too
             rows, same, records = tree.rows, list(range(len(tree.exact))), tree.exact
             self.pairing.left_out_rows = getattr(self.exchange, "left_out_bundles", 0)
             self.pairing.note([], tree.ranks, self._world, from_step, interval.step)
             self._reduce_paired(interval, rows, same, records, tree)
             return
-        records = unpack(rows[:, :base], self.table.capacity)
+        records = unpack(rows[:, _layout(self.exchange, self.table.capacity).span("up")], self.table.capacity)
         _learn_names(self.table, records)  # of rows of other steps too: the job series use them
         # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
         self._expect = {r.rank for r in records} - {0}
@@ -267,18 +270,18 @@ class CrossRankReducer:
         records: list[RankRecord],
         tree: TreeView | None = None,
     ) -> None:
-        base = pack_len(self.table.capacity)
+        layout = _layout(self.exchange, self.table.capacity)
         if len(same) + (len(tree.summary) if tree else 0) < 2:
             self._verdict = None  # nothing to compare: no verdict rides the next answers
             self._flush_local(interval)
             return
         paired = [records[i] for i in same]
         if self.lateness.judgeable(unjudged(tree, self.exchange, self.identity.host) if tree else None):
-            self.lateness.judge(rows[same, -BLOCK_LEN:], paired, self.identity.host)
+            self.lateness.judge(rows[same, layout.span("arrivals")], paired, self.identity.host)
         self._reduce(interval, paired, tree)
         labels = interval.layer_param_norms[-1][1] if interval.layer_param_norms else ()
         sharded = any(r.flags & FLAG_SHARDED for r in paired)
-        self.replicas.compare(rows[same, base : base + EXT_LEN], [r.rank for r in paired], sharded, labels)
+        self.replicas.compare(rows[same, layout.span("replicas")], [r.rank for r in paired], sharded, labels)
 
     def _deliver(self, down: down_row.Down, root: bool) -> None:
         """The previous flush's verdicts from rank 0: this rank's scores (rank 0 published its own
@@ -293,7 +296,7 @@ class CrossRankReducer:
         if down.chronic and self.on_straggler is not None:
             try:
                 self.on_straggler(down.chronic)
-            except Exception as exc:
+            except Exception as exc:  # the user's on_straggler callback
                 logger.warning("otel_train: on_straggler callback failed: %s", exc)
 
     def _reduce(
@@ -365,13 +368,22 @@ def _run(exchange: Any, row: Any, answers: Any, expect: set[int] | None, current
     return exchange.run(row, answers, expect, current)
 
 
-def _job_of(rows: Any, capacity: int) -> Any:
+def _check_versions(versions: list[float], ranks: list[int]) -> None:
+    for version, rank in zip(versions, ranks, strict=True):
+        wire.check(version, f"rank {rank}")
+
+
+def _layout(exchange: Any, capacity: int) -> wire.Record:
+    """This job's up message (`wire.row`): the star's rows hold the job block, the tree's do not."""
+    return wire.row(capacity, 0 if isinstance(exchange, TreeExchange) else job_block.JOB_LEN)
+
+
+def _job_of(rows: Any, layout: wire.Record) -> Any:
     """Rank 0: the job blocks of every row taken at this flush, whatever its steps (each row is
     taken once; job_block): the tree's bundle holds them; the star's rows each hold theirs."""
     if isinstance(rows, Bundle):
         return rows.job if rows.job is not None else job_block.empty()
-    at = pack_len(capacity) + EXT_LEN
-    return rows[:, at : at + job_block.JOB_LEN].clone()
+    return rows[:, layout.span("job")].clone()
 
 
 def _learn_names(table: TimerTable, records: Sequence[RankRecord]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from otel_train import semconv
 from otel_train.crossrank import zero_partition
 from otel_train.crossrank.up_row import floats, name_id
+from otel_train.crossrank.wire import BATCH, MAX_FINGERPRINTS, MAX_LAYERS, REPLICAS
 from otel_train.health import EventChannel
 from otel_train.interval import Interval
 
@@ -30,19 +31,9 @@ FINGERPRINT = "otel_train.batch.fingerprint"
 # reduction (~1e-6 relative). A replica that missed one gradient sync differs by lr * gradient,
 # 1e-3..1e-2 relative within steps. 1e-4 sits between with two orders of margin each side.
 REL_TOL = 1e-4
-MAX_FINGERPRINTS = 4  # watched steps per flush whose fingerprints travel (the latest)
-MAX_LAYERS = 64  # layers whose parameter norms travel (ot.watch's default max_layers)
-FP_LEN = 3  # step, the two position-weighted sums
 ALL_RANKS = -1.0  # data-parallel key when no group was named: every rank is a peer
-_VERSION = 1.0
-_O_VERSION, _O_KEY, _O_NFP = range(3)
-_O_FP = 3
-_O_PSTEP = _O_FP + MAX_FINGERPRINTS * FP_LEN
-_O_NLAYERS = _O_PSTEP + 1
-_O_LABELS = _O_NLAYERS + 1
-_O_NORMS = _O_LABELS + 1
-_O_ZERO = _O_NORMS + MAX_LAYERS  # the ZeRO partition facts (zero_partition.py) ride this block too
-EXT_LEN = _O_ZERO + zero_partition.ZLEN
+EXT_LEN = REPLICAS.words  # `wire.REPLICAS`; the ZeRO partition facts (zero_partition.py) ride it too
+_ZERO = REPLICAS.span("zero")
 _SHOWN = 8  # ranks named in one message
 
 
@@ -66,38 +57,33 @@ def labels_id(labels: Sequence[str]) -> int:
 def encode(interval: Interval, key: float, zero: Sequence[float] | None = None) -> list[float]:
     """This rank's block (the latest fingerprints and parameter norms of the interval, the ZeRO
     facts of the interval or else `zero`, the block's last ZeRO part)."""
-    block = [0.0] * EXT_LEN
-    block[_O_VERSION] = _VERSION
-    block[_O_KEY] = key
     fingerprints = [(s, v) for s, v in interval.batch_fingerprints if len(v) >= 2][-MAX_FINGERPRINTS:]
-    block[_O_NFP] = float(len(fingerprints))
-    for i, (step, values) in enumerate(fingerprints):
-        at = _O_FP + i * FP_LEN
-        block[at : at + FP_LEN] = [float(step), float(values[0]), float(values[1])]
-    block[_O_PSTEP] = -1.0
+    block = REPLICAS.new(
+        present=1, key=key, n_fingerprints=len(fingerprints), param_step=-1,
+        fingerprints=[float(x) for step, values in fingerprints for x in (step, values[0], values[1])],
+    )  # fmt: skip
     if interval.layer_param_norms:
         step, labels, norms = interval.layer_param_norms[-1]
         kept = list(norms[:MAX_LAYERS])
-        block[_O_PSTEP] = float(step)
-        block[_O_NLAYERS] = float(len(kept))
-        block[_O_LABELS] = float(labels_id(labels[:MAX_LAYERS]))
-        block[_O_NORMS : _O_NORMS + len(kept)] = kept
-    block[_O_ZERO:] = zero_partition.encode(interval, zero)
+        REPLICAS.put(
+            block, param_step=step, n_layers=len(kept), labels_id=labels_id(labels[:MAX_LAYERS]), norms=kept
+        )
+    block[_ZERO] = zero_partition.encode(interval, zero)
     return block
 
 
 def decode(rank: int, block: Sequence[float]) -> ReplicaRow:
-    row = ReplicaRow(rank, block[_O_KEY])
-    if block[_O_VERSION] != _VERSION:
+    row = ReplicaRow(rank, REPLICAS.get(block, "key"))
+    if not REPLICAS.get(block, "present"):
         return row
-    for i in range(min(int(block[_O_NFP]), MAX_FINGERPRINTS)):
-        at = _O_FP + i * FP_LEN
-        row.fingerprints[int(block[at])] = (block[at + 1], block[at + 2])
-    row.param_step = int(block[_O_PSTEP])
+    for i in range(min(int(REPLICAS.get(block, "n_fingerprints")), MAX_FINGERPRINTS)):
+        step, sums = (BATCH.get(block, name, REPLICAS.at("fingerprints", i)) for name in ("step", "sums"))
+        row.fingerprints[int(step)] = (sums[0], sums[1])
+    row.param_step = int(REPLICAS.get(block, "param_step"))
     if row.param_step >= 0:
-        n = min(int(block[_O_NLAYERS]), MAX_LAYERS)
-        row.labels_id = int(block[_O_LABELS])
-        row.norms = list(block[_O_NORMS : _O_NORMS + n])
+        n = min(int(REPLICAS.get(block, "n_layers")), MAX_LAYERS)
+        row.labels_id = int(REPLICAS.get(block, "labels_id"))
+        row.norms = REPLICAS.get(block, "norms")[:n]
     return row
 
 
@@ -181,13 +167,13 @@ class ReplicaCheck:
 
     def block(self, interval: Interval) -> Any:
         block = encode(interval, self.key, self._zero_sent)
-        self._zero_sent = block[_O_ZERO:]
+        self._zero_sent = block[_ZERO]
         return floats(block)
 
     def compare(self, blocks: Any, ranks: Sequence[int], sharded: bool, labels: Sequence[str]) -> None:
         """Rank 0: every rank's block ([world, EXT_LEN], row i from rank `ranks[i]`)."""
         values = blocks.tolist()
-        self.zero.compare([v[_O_ZERO:] for v in values], ranks)
+        self.zero.compare([v[_ZERO] for v in values], ranks)
         rows = [decode(rank, v) for rank, v in zip(ranks, values, strict=True)]
         groups: dict[float, list[ReplicaRow]] = {}
         for row in rows:

@@ -9,15 +9,12 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from otel_train.crossrank import down_row, job_block
-from otel_train.crossrank.arrival_block import BLOCK_LEN
+from otel_train.crossrank import down_row, job_block, wire
 from otel_train.crossrank.exchange import Exchanged, ExchangeFailed, StarExchange
-from otel_train.crossrank.merge import HEAD_LEN, Bundle, bundle_len, decode, encode, join, merge
-from otel_train.crossrank.replicas import EXT_LEN
+from otel_train.crossrank.merge import HEAD, HEAD_LEN, Bundle, bundle_len, decode, encode, join, merge
 from otel_train.crossrank.tree import Layout, layout
 from otel_train.crossrank.up_row import MAX_TIMERS, pack_len, row_steps
 
-FAILED = -1.0  # a bundle's version when the rank that sent it found a failed child
 KEPT_OWN = 4  # rank 0: its own rows of that many last flushes, for bundles that come late
 
 
@@ -161,11 +158,14 @@ class TreeExchange:
         assert got.records is not None
         bundles = []
         for peer, message in zip(taken, got.records[1:], strict=True):
-            if message[0].item() == FAILED:  # its second float: the rank found gone
-                gone = int(message[1].item())
+            version = message[HEAD.at("version")].item()
+            if version != wire.VERSION:  # a failed child below, or another release: turn off
+                gone = int(message[HEAD.at("gone")].item()) if version == wire.FAILED else -1
                 self.below.abort_peers(answers, gone=gone)
                 self._fail_up(own, gone)
-                raise ExchangeFailed(f"a rank below found a failed peer (reported by rank {peer})", gone)
+                if version == wire.FAILED:
+                    raise ExchangeFailed(f"a rank below found a failed peer (reported by rank {peer})", gone)
+                raise ExchangeFailed(wire.refusal(version, f"rank {peer}"))
             bundles.append(decode(message, self.row_len, self.base_len, self._ranks(peer)))
             jobs.append(bundles[-1].job)
         self._expect = set(taken)
@@ -213,7 +213,7 @@ class TreeExchange:
         if self.above is None:
             return
         message = self._encode(own, self.rank)
-        message[0], message[1] = FAILED, float(gone)
+        message[HEAD.at("version")], message[HEAD.at("gone")] = wire.FAILED, float(gone)
         with contextlib.suppress(ExchangeFailed):  # turning off anyway
             self.above.send_up(message)
 
@@ -234,5 +234,5 @@ def exchange_for(
     shape = layout(max(world, 1), fanin, nodes=nodes)
     if shape.star:
         return StarExchange(group, rank, world, timeout_s, grace_s)
-    base = pack_len(capacity)
-    return TreeExchange(group, rank, shape, timeout_s, grace_s, base + EXT_LEN + BLOCK_LEN, base, capacity)
+    row_len, base_len = wire.row(capacity).words, pack_len(capacity)
+    return TreeExchange(group, rank, shape, timeout_s, grace_s, row_len, base_len, capacity)

@@ -1,46 +1,32 @@
 """The up row of the one telemetry exchange per flush (`exchange`): one rank's interval as a
-fixed-size float64 row, and back (rank 0 unpacks every rank's).
+fixed-size row (`wire.up`), and back (rank 0 unpacks every rank's).
 
-Timers travel by stable id, never by position. Design and layout: docs/design/crossrank.md#up-row.
+Timers travel by stable id, never by position. Design: docs/design/crossrank.md#up-row.
 """
 
 from __future__ import annotations
 
 import array
-import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from otel_train.crossrank.spread import STATS_LEN, Spread
+from otel_train.crossrank import wire
+from otel_train.crossrank.spread import Spread
+from otel_train.crossrank.wire import ANNOUNCE, ANNOUNCE_SLOTS, MAX_TIMERS, SLOT
 from otel_train.distributed import Identity
 from otel_train.interval import Interval, finite
 
 logger = logging.getLogger("otel_train")
 
-PACK_VERSION = 3.0
-MAX_TIMERS = 64
-ANNOUNCE_SLOTS = 4
-NAME_FLOATS = 8  # 6 bytes per float64 (exact below 2**53): names up to 48 UTF-8 bytes travel
-NAME_BYTES = 6 * NAME_FLOATS
-HOST_FLOATS = 8
-_H_VERSION, _H_RANK, _H_SEQ, _H_STEP, _H_NODE, _H_LOCAL, _H_NTIMERS, _H_FLAGS = range(8)
-_H_STEP_STATS = 8
-_H_HOST = _H_STEP_STATS + STATS_LEN
-# This rank's flush interval (otel_train.cadence); rank 0's decision travels down in its answer.
-_H_FLUSH_INTERVAL = _H_HOST + HOST_FLOATS
-_H_FROM_STEP = _H_FLUSH_INTERVAL + 1
-HEADER_LEN = _H_FROM_STEP + 1
-_S_ID, _S_COUNT, _S_MEAN, _S_ARRIVAL = range(4)
-SLOT_LEN = _S_ARRIVAL + STATS_LEN
-ANNOUNCE_LEN = 1 + NAME_FLOATS
+NAME_BYTES = wire.NAME.size  # names travel as up to 48 UTF-8 bytes
 FLAG_SHARDED = 1  # this rank trains FSDP-sharded modules: collectives run inside forward too
 
 
 def pack_len(max_timers: int = MAX_TIMERS) -> int:
-    return HEADER_LEN + max_timers * SLOT_LEN + ANNOUNCE_SLOTS * ANNOUNCE_LEN
+    return wire.up(max_timers).words
 
 
 def floats(values: Iterable[float]) -> Any:
@@ -51,29 +37,10 @@ def floats(values: Iterable[float]) -> Any:
     return torch.frombuffer(array.array("d", values), dtype=torch.float64)
 
 
-# --- names -------------------------------------------------------------------------------------------
-
-
 def name_id(name: str) -> int:
     """Stable 48-bit id of a timer name (same on every rank and across restarts); never 0."""
     value = int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=6).digest(), "big")
     return value or 1
-
-
-def encode_text(text: str, floats: int) -> list[float]:
-    raw = text.encode("utf-8")[: 6 * floats]
-    raw = raw + b"\x00" * (6 * floats - len(raw))
-    return [float(int.from_bytes(raw[i : i + 6], "big")) for i in range(0, 6 * floats, 6)]
-
-
-def decode_text(values: Iterable[float]) -> str:
-    raw = b"".join(int(v).to_bytes(6, "big") for v in values)
-    return raw.rstrip(b"\x00").decode("utf-8", errors="ignore")
-
-
-@functools.lru_cache(maxsize=256)  # one host name per rank, decoded at every flush
-def _decode_host(values: tuple[float, ...]) -> str:
-    return decode_text(values)
 
 
 class TimerTable:
@@ -119,9 +86,6 @@ class TimerTable:
     def take_announcements(self, limit: int = ANNOUNCE_SLOTS) -> list[str]:
         out, self._unannounced = self._unannounced[:limit], self._unannounced[limit:]
         return out
-
-
-# --- records -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -172,39 +136,34 @@ def pack(
     flags: int = 0,
     from_step: int = -1,
 ) -> Any:
-    """This rank's interval as one float64 tensor of `pack_len(table.capacity)` (see module doc);
+    """This rank's interval as one float64 tensor of `pack_len(table.capacity)` words (`wire.up`);
     `from_step`: the last step of this rank's previous flush."""
-
-    row = [0.0] * pack_len(table.capacity)
-    row[_H_VERSION] = PACK_VERSION
-    row[_H_RANK] = float(identity.rank)
-    row[_H_SEQ] = float(interval.seq)
-    row[_H_STEP] = float(interval.step)
-    row[_H_NODE] = float(identity.node_rank)
-    row[_H_LOCAL] = float(identity.local_rank)
-    row[_H_FLAGS] = float(flags)
-    row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN] = Spread.of(interval.step_durations).encode()
-    row[_H_HOST : _H_HOST + HOST_FLOATS] = encode_text(identity.host, HOST_FLOATS)
-    row[_H_FLUSH_INTERVAL] = float(interval.flush_interval)
-    row[_H_FROM_STEP] = float(from_step)
+    up = wire.up(table.capacity)
+    row = up.new(
+        version=wire.VERSION, rank=identity.rank, seq=interval.seq, step=interval.step,
+        node_rank=identity.node_rank, local_rank=identity.local_rank, flags=flags,
+        step_stats=Spread.of(interval.step_durations).encode(), host=identity.host,
+        flush_interval=interval.flush_interval, from_step=from_step,
+    )  # fmt: skip
     n = 0
     for name, durations in interval.phases.items():
         kept = finite(durations)
         if not kept or not table.add(name):
             continue
-        base = HEADER_LEN + table.slots[name] * SLOT_LEN
-        row[base + _S_ID] = float(table.ids[name])
-        row[base + _S_COUNT] = float(len(kept))
-        row[base + _S_MEAN] = sum(kept) / len(kept)
-        arrival = Spread.of(interval.arrivals.get(name, ()))
-        row[base + _S_ARRIVAL : base + SLOT_LEN] = arrival.encode()
+        arrival = Spread.of(interval.arrivals.get(name, ())).encode()
+        mean = sum(kept) / len(kept)
+        SLOT.put(
+            row,
+            up.at("slots", table.slots[name]),
+            id=table.ids[name],
+            count=len(kept),
+            mean=mean,
+            arrival=arrival,
+        )
         n += 1
-    row[_H_NTIMERS] = float(n)
-    base = HEADER_LEN + table.capacity * SLOT_LEN
+    up.put(row, n_timers=n)
     for i, name in enumerate(table.take_announcements()):
-        at = base + i * ANNOUNCE_LEN
-        row[at] = float(table.ids[name])
-        row[at + 1 : at + ANNOUNCE_LEN] = encode_text(name, NAME_FLOATS)
+        ANNOUNCE.put(row, up.at("announced", i), id=table.ids[name], name=name)
     tensor = floats(row)
     if out is not None:
         out.copy_(tensor)
@@ -212,53 +171,47 @@ def pack(
     return tensor
 
 
+_UP = wire.up()
+_NUMBERS = ("rank", "seq", "step", "node_rank", "local_rank", "flags", "flush_interval", "from_step")
+
+
 def row_steps(row: Any) -> tuple[int, int]:
     """(from step, step) of one packed row: the steps it covers, without unpacking it."""
-    return int(row[_H_FROM_STEP]), int(row[_H_STEP])
+    return int(row[_UP.at("from_step")]), int(row[_UP.at("step")])
 
 
 def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
     """Rows gathered on rank 0 (shape [world * pack_len] or [world, pack_len], or a list of rows
     as lists of floats) -> records."""
-    length = pack_len(capacity)
-    # rows already as lists (crossrank/merge): their first `length` floats
+    up = wire.up(capacity)
+    # rows already as lists (crossrank/merge): their first `up.words` floats
     flat = (
-        [r[:length] for r in gathered]
+        [r[: up.words] for r in gathered]
         if isinstance(gathered, list)
-        else gathered.reshape(-1, length).tolist()
+        else gathered.reshape(-1, up.words).tolist()
     )
     records: list[RankRecord] = []
     for row in flat:
-        record = RankRecord(
-            rank=int(row[_H_RANK]),
-            seq=int(row[_H_SEQ]),
-            step=int(row[_H_STEP]),
-            node_rank=int(row[_H_NODE]),
-            host=_decode_host(tuple(row[_H_HOST : _H_HOST + HOST_FLOATS])),
-            step_stats=Spread.decode(row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN]),
-            local_rank=int(row[_H_LOCAL]),
-            flags=int(row[_H_FLAGS]),
-            flush_interval=int(row[_H_FLUSH_INTERVAL]),
-            from_step=int(row[_H_FROM_STEP]),
-        )
-        ids = row[HEADER_LEN + _S_ID : HEADER_LEN + capacity * SLOT_LEN : SLOT_LEN]
-        for slot in (i for i, v in enumerate(ids) if v):  # used slots only
-            base = HEADER_LEN + slot * SLOT_LEN
-            ident = int(row[base + _S_ID])
-            if ident:
-                record.timers[ident] = TimerStats(
-                    int(row[base + _S_COUNT]),
-                    row[base + _S_MEAN],
-                    Spread.decode(row[base + _S_ARRIVAL : base + SLOT_LEN]),
-                )
-        base = HEADER_LEN + capacity * SLOT_LEN
-        for i in range(ANNOUNCE_SLOTS):
-            at = base + i * ANNOUNCE_LEN
-            ident = int(row[at])
-            if ident:
-                record.announced[ident] = decode_text(row[at + 1 : at + ANNOUNCE_LEN])
+        numbers: dict[str, Any] = {name: int(row[up.at(name)]) for name in _NUMBERS}
+        host, stats = up.get(row, "host"), Spread.decode(up.get(row, "step_stats"))
+        record = RankRecord(host=host, step_stats=stats, **numbers)
+        for ident, values in _timers(row, up, capacity).items():
+            record.timers[ident] = TimerStats(int(values[0]), values[1], Spread.decode(values[2:]))
+        for entry in row_announcements(row, capacity):
+            record.announced[int(entry[0])] = ANNOUNCE.get(entry, "name")
         records.append(record)
     return records
+
+
+def _timers(row: Sequence[float], up: wire.Record, capacity: int) -> dict[int, list[float]]:
+    """{timer id: its slot's words after the id} of the used slots of one row."""
+    first = up.at("slots")
+    ids = row[first : first + capacity * SLOT.words : SLOT.words]
+    return {
+        int(ident): list(row[first + slot * SLOT.words + 1 : first + (slot + 1) * SLOT.words])
+        for slot, ident in enumerate(ids)
+        if ident
+    }
 
 
 def local_record(interval: Interval, identity: Identity) -> RankRecord:
@@ -285,26 +238,22 @@ def local_record(interval: Interval, identity: Identity) -> RankRecord:
 # --- rows standing for many ranks (crossrank/merge) ------------------------------------------------------
 
 SUMMARY_RANK = -1  # the rank field of a row that stands for summarized ranks (never a real rank)
-COLUMNS = 2 + STATS_LEN  # per timer: count, mean duration, arrival count, median, max, MAD
+COLUMNS = SLOT.words - 1  # per timer: count, mean duration, arrival count, median, max, MAD
 
 
 def row_values(
     row: Sequence[float], capacity: int = MAX_TIMERS
 ) -> tuple[list[float], dict[int, list[float]]]:
     """(step stats, {timer id: COLUMNS values}) of one packed row (a list of floats)."""
-    timers: dict[int, list[float]] = {}
-    ids = row[HEADER_LEN + _S_ID : HEADER_LEN + capacity * SLOT_LEN : SLOT_LEN]
-    for slot in (i for i, v in enumerate(ids) if v):  # used slots only
-        base = HEADER_LEN + slot * SLOT_LEN
-        if row[base + _S_COUNT] > 0:
-            timers[int(row[base + _S_ID])] = list(row[base + _S_COUNT : base + SLOT_LEN])
-    return list(row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN]), timers
+    up = wire.up(capacity)
+    timers = {ident: values for ident, values in _timers(row, up, capacity).items() if values[0] > 0}
+    return up.get(row, "step_stats"), timers
 
 
 def row_announcements(row: Sequence[float], capacity: int = MAX_TIMERS) -> list[list[float]]:
-    """The (id, name...) announcements of one packed row, each ANNOUNCE_LEN floats."""
-    base = HEADER_LEN + capacity * SLOT_LEN
-    spans = (row[base + i * ANNOUNCE_LEN : base + (i + 1) * ANNOUNCE_LEN] for i in range(ANNOUNCE_SLOTS))
+    """The (id, name) announcements of one packed row, each ANNOUNCE.words floats."""
+    base = wire.up(capacity).at("announced")
+    spans = (row[base + i * ANNOUNCE.words : base + (i + 1) * ANNOUNCE.words] for i in range(ANNOUNCE_SLOTS))
     return [list(values) for values in spans if values[0]]
 
 
@@ -317,21 +266,12 @@ def summary_row(
 ) -> list[float]:
     """A row of SUMMARY_RANK with the template's steps and schedule and these values: what
     `crossrank/merge` sends for the ranks it summarizes (one row per quantile level)."""
-    row = [0.0] * pack_len(capacity)
-    for at in (_H_VERSION, _H_SEQ, _H_STEP, _H_FLUSH_INTERVAL, _H_FROM_STEP, _H_FLAGS):
-        row[at] = float(template[at])
-    row[_H_RANK] = float(SUMMARY_RANK)
-    row[_H_STEP_STATS : _H_STEP_STATS + STATS_LEN] = list(step)
+    up = wire.up(capacity)
+    kept = ("version", "seq", "step", "flush_interval", "from_step", "flags")
+    row = up.new(**{name: template[up.at(name)] for name in kept})
+    up.put(row, rank=SUMMARY_RANK, step_stats=list(step), n_timers=min(len(timers), capacity))
     for slot, (ident, values) in enumerate(list(timers.items())[:capacity]):
-        base = HEADER_LEN + slot * SLOT_LEN
-        row[base + _S_ID] = float(ident)
-        row[base + _S_COUNT : base + SLOT_LEN] = list(values)
-    row[_H_NTIMERS] = float(min(len(timers), capacity))
-    base = HEADER_LEN + capacity * SLOT_LEN
-    for i, values in enumerate(announced[:ANNOUNCE_SLOTS]):
-        row[base + i * ANNOUNCE_LEN : base + (i + 1) * ANNOUNCE_LEN] = list(values)
+        SLOT.put(row, up.at("slots", slot), id=ident)
+        row[up.at("slots", slot) + 1 : up.at("slots", slot + 1)] = list(values)
+    up.put(row, announced=[v for values in announced[:ANNOUNCE_SLOTS] for v in values])
     return row
-
-
-def row_rank(row: Any) -> int:
-    return int(row[_H_RANK])

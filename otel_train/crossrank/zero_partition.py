@@ -11,21 +11,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_train import semconv
+from otel_train.crossrank.wire import ZERO
 from otel_train.interval import Interval
 
 logger = logging.getLogger("otel_train")
+Facts = dict[str, float]  # one rank's block (`wire.ZERO`) by field name
 
-_VERSION = 1.0
-# version, stage, dp size, model numel, partition numel, optimizer-state bytes, param-shard numel
-_FIELDS = (
-    semconv.ZERO_STAGE.name,
-    semconv.ZERO_DP_SIZE.name,
-    semconv.ZERO_MODEL_NUMEL.name,
-    semconv.ZERO_PARTITION_NUMEL.name,
-    semconv.ZERO_OPTIMIZER_STATE_BYTES.name,
-    semconv.ZERO_PARAM_SHARD_NUMEL.name,
-)
-ZLEN = 1 + len(_FIELDS)
+# The block's fields (`wire.ZERO`) and the catalogue names the adapter records them under.
+_FIELDS = {
+    "stage": semconv.ZERO_STAGE.name,
+    "dp_size": semconv.ZERO_DP_SIZE.name,
+    "model_numel": semconv.ZERO_MODEL_NUMEL.name,
+    "partition_numel": semconv.ZERO_PARTITION_NUMEL.name,
+    "state_bytes": semconv.ZERO_OPTIMIZER_STATE_BYTES.name,
+    "shard_numel": semconv.ZERO_PARAM_SHARD_NUMEL.name,
+}
+ZLEN = ZERO.words
 ABSENT = -1.0
 # DeepSpeed pads each parameter group's flat buffer to a multiple of the dp size times its
 # alignment (2 * world elements for ZeRO-1/2, a few hundred at most for NCCL's 4-byte start
@@ -40,12 +41,10 @@ def encode(interval: Interval, previous: Sequence[float] | None = None) -> list[
     """This rank's block: the latest value of each ZeRO fact recorded in the interval, else the
     `previous` block (the adapter records the facts when they change, not at every step)."""
     block = [ABSENT] * ZLEN
-    for i, name in enumerate(_FIELDS):
-        values = interval.scalars.get(name)
-        if values:
-            block[1 + i] = float(values[-1])
-    if block[1] != ABSENT:  # the stage is recorded with the rest: this rank trains with ZeRO
-        block[0] = _VERSION
+    recorded = {field: interval.scalars.get(name) for field, name in _FIELDS.items()}
+    ZERO.put(block, **{field: values[-1] for field, values in recorded.items() if values})
+    if recorded["stage"]:  # the stage is recorded with the rest: this rank trains with ZeRO
+        ZERO.put(block, present=1)
     elif previous is not None:
         return list(previous)
     return block
@@ -59,16 +58,18 @@ class ZeroPartitionCheck:
         self._reported: set[str] = set()
 
     def compare(self, blocks: Sequence[Sequence[float]], ranks: Sequence[int]) -> None:
-        rows = [(rank, list(b)) for rank, b in zip(ranks, blocks, strict=True) if len(b) == ZLEN]
-        rows = [(rank, b) for rank, b in rows if b[0] == _VERSION and all(map(math.isfinite, b))]
+        rows = [(rank, dict(zip(ZERO.fields, b, strict=True))) for rank, b in zip(ranks, blocks, strict=True)]
+        rows = [(rank, b) for rank, b in rows if b["present"] == 1 and all(map(math.isfinite, b.values()))]
         if len(rows) < 2:
             return
-        stage = int(max(b[1] for _, b in rows))
+        stage = int(max(b["stage"] for _, b in rows))
         if stage < 1:
             return
-        unbalanced = [rank for rank, b in rows if _off_share(b, b[4], stage)]
+        unbalanced = [rank for rank, b in rows if _off_share(b, b["partition_numel"], stage)]
         if stage >= 3:
-            unbalanced += [rank for rank, b in rows if b[6] >= 0 and _off_share(b, b[6], stage)]
+            unbalanced += [
+                rank for rank, b in rows if b["shard_numel"] >= 0 and _off_share(b, b["shard_numel"], stage)
+            ]
         if unbalanced:
             ranks = sorted(set(unbalanced))
             self._report(
@@ -110,27 +111,36 @@ def _names(ranks: Sequence[int]) -> str:
     return ", ".join(map(str, ranks[:_SHOWN])) + more
 
 
-def _detail(rows: Sequence[tuple[int, Sequence[float]]], ranks: Sequence[int]) -> str:
+def _detail(rows: Sequence[tuple[int, Facts]], ranks: Sequence[int]) -> str:
     return "; ".join(
-        f"rank {rank}: partition {int(b[4])} of {int(b[3])} elements, optimizer state {int(b[5])} B"
+        f"rank {rank}: partition {int(b['partition_numel'])} of {int(b['model_numel'])} elements, "
+        f"optimizer state {int(b['state_bytes'])} B"
         for rank, b in rows
         if rank in ranks[:_SHOWN]
     )
 
 
-def _off_share(block: Sequence[float], held: float, stage: int) -> bool:
-    dp, model = block[2], block[3]
+def _off_share(block: Facts, held: float, stage: int) -> bool:
+    dp, model = block["dp_size"], block["model_numel"]
     if dp < 2 or model <= 0 or held < 0:
         return False
     share = model / dp
     return abs(held - share) > SHARE_TOL * share + PAD_ELEMENTS
 
 
-def _full_state(rows: Sequence[tuple[int, Sequence[float]]]) -> list[int]:
+def _full_state(rows: Sequence[tuple[int, Facts]]) -> list[int]:
     """Ranks whose optimizer state is about the whole model's (judged by the leanest rank's bytes
     per partition element: a rank without state yet, before its first step, proves nothing)."""
-    per_element = [b[5] / b[4] for _, b in rows if b[5] > 0 and b[4] > 0 and b[2] >= 2]
+    per_element = [
+        b["state_bytes"] / b["partition_numel"]
+        for _, b in rows
+        if b["state_bytes"] > 0 and b["partition_numel"] > 0 and b["dp_size"] >= 2
+    ]
     if not per_element:
         return []
     lean = min(per_element)
-    return sorted(rank for rank, b in rows if b[2] >= 2 and b[5] >= FULL_STATE * lean * b[3])
+    return sorted(
+        rank
+        for rank, b in rows
+        if b["dp_size"] >= 2 and b["state_bytes"] >= FULL_STATE * lean * b["model_numel"]
+    )

@@ -14,7 +14,7 @@ from helpers.events import Events
 
 from otel_train import semconv
 from otel_train.config import Config
-from otel_train.crossrank import down_row
+from otel_train.crossrank import down_row, job_block
 from otel_train.crossrank.collective_lateness import LatenessTracker
 from otel_train.crossrank.exchange import Exchanged
 from otel_train.crossrank.reducer import CrossRankReducer
@@ -331,6 +331,7 @@ class _FakeExchange:
                         from_step=mine.from_step,  # every simulated rank covers rank 0's steps
                     ),
                     ReplicaCheck(r, None, None).block(self.interval_for(r, mine.seq)),
+                    job_block.empty(),  # the star's rows hold a job block (wire.row); none here
                     LatenessTracker(r).block(),  # no recorder read: an empty block
                 ]
             )

@@ -269,7 +269,7 @@ class StarExchange:
             if peer not in self._posted:
                 try:
                     self._post_receive(torch, peer, up_len)
-                except Exception as exc:  # its connection is gone
+                except RuntimeError as exc:  # gloo's DistBackendError: its connection is gone
                     failed[peer] = str(exc)
                     break
             pending = self._posted[peer]
@@ -278,7 +278,7 @@ class StarExchange:
             del self._posted[peer]
             try:
                 pending.work.wait()  # finished (its trailer is in): returns at once
-            except Exception as exc:
+            except RuntimeError as exc:  # gloo's DistBackendError: the message failed
                 failed[peer] = str(exc)
                 break
             self.received_bytes += pending.buffer.numel() * pending.buffer.element_size()
@@ -304,7 +304,7 @@ class StarExchange:
         message = _framed(torch, answers[peer])
         try:
             return dist.isend(message, group=self.group, group_dst=peer, tag=TAG), message
-        except Exception:
+        except RuntimeError:  # gloo's DistBackendError: that peer's connection is gone
             return None, message
 
     def _finish(self, sends: list[tuple[Any, Any]]) -> None:
@@ -316,7 +316,7 @@ class StarExchange:
             try:
                 work.wait()  # the peer posted its receive with its row: the send goes at once
                 self.sent_bytes += message.numel() * message.element_size()
-            except Exception:
+            except RuntimeError:  # gloo's DistBackendError: that peer's receive failed
                 continue
 
     def abort_peers(self, answers: Any, failed: Sequence[int] = (), gone: int = -1) -> None:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from otel_train.core.buffer import Interval, finite
 from otel_train.crossrank.spread import STATS_LEN, Spread
 from otel_train.distributed import Identity
-from otel_train.interval import Interval, finite
 
 logger = logging.getLogger("otel_train")
 
@@ -29,7 +29,7 @@ HOST_FLOATS = 8
 _H_VERSION, _H_RANK, _H_SEQ, _H_STEP, _H_NODE, _H_LOCAL, _H_NTIMERS, _H_FLAGS = range(8)
 _H_STEP_STATS = 8
 _H_HOST = _H_STEP_STATS + STATS_LEN
-# This rank's flush interval (otel_train.cadence); rank 0's decision travels down in its answer.
+# This rank's flush interval (otel_train.core.cadence); rank 0's decision travels down in its answer.
 _H_FLUSH_INTERVAL = _H_HOST + HOST_FLOATS
 _H_FROM_STEP = _H_FLUSH_INTERVAL + 1
 HEADER_LEN = _H_FROM_STEP + 1

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_train import semconv
-from otel_train.interval import Interval
+from otel_train.core.buffer import Interval
 
 logger = logging.getLogger("otel_train")
 

@@ -21,11 +21,10 @@ import pytest
 from helpers.readback import read_tensorboard
 
 import otel_train as ot
-from otel_train.assemble import sinks
-from otel_train.assemble.run_place import RunPlace
 from otel_train.bridges import host
 from otel_train.bridges.process import BridgeProcess
 from otel_train.config import ConfigError
+from otel_train.core.assemble import RunPlace, sinks
 from otel_train.testing import current_session
 
 TESTS = Path(__file__).resolve().parents[1]

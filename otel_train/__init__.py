@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-# The hot path reads `_runtime._current` directly, on purpose: docs/design/core.md#runtime.
 from otel_train.config import Config as Config
 from otel_train.config import ConfigError as ConfigError
 from otel_train.core import Run as Run
 from otel_train.core import message_step, span, step, timer
+
+# The hot path reads `_runtime._current` directly, on purpose: docs/design/core.md#runtime.
 from otel_train.core import runtime as _runtime
 from otel_train.core.buffer import (
     HistogramMessage,

@@ -18,6 +18,7 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
+# The hot path reads `runtime._current` directly, on purpose: docs/design/core.md#runtime.
 from otel_train.core import runtime
 from otel_train.core.session import Session
 

@@ -27,8 +27,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from helpers.fake_nvml import FakeGpu, FakeNvml, gpu_uuid  # noqa: E402
 
 from otel_train.config import Config  # noqa: E402
+from otel_train.core.buffer import Interval  # noqa: E402
 from otel_train.hardware import HardwareMonitor, discover_with_timeout  # noqa: E402
-from otel_train.interval import Interval  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], object], n: int) -> float:

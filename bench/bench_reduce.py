@@ -42,7 +42,7 @@ PHASES = {
 
 
 def _interval(seq: int, rank: int) -> Any:
-    from otel_train.interval import Interval
+    from otel_train.core.buffer import Interval
 
     phases = {k: [v * (1 + 0.01 * ((rank + i + seq) % 3))] * 10 for i, (k, v) in enumerate(PHASES.items())}
     arrivals: dict[str, list[float]] = {}
@@ -55,7 +55,7 @@ def _interval(seq: int, rank: int) -> Any:
 
 def _ddp_interval(seq: int, rank: int, world: int, rng: Any, factor: float = 1.3) -> Any:
     """Ten DDP-like steps: every rank's backward ends when the slowest rank's does."""
-    from otel_train.interval import Interval
+    from otel_train.core.buffer import Interval
 
     phases: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "optimizer": []}
     arrivals: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "optimizer": []}

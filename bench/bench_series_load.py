@@ -220,8 +220,8 @@ def replay(sim: SimRank, template: Template, tier: str, endpoint: str, rounds: i
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
 
-    from otel_train.assemble.resource import build_resource
     from otel_train.config import Config
+    from otel_train.core.assemble import build_resource
     from otel_train.distributed import Identity
     from otel_train.exporters import build_telemetry
 

@@ -18,22 +18,29 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-# The hot path reads `_runtime._current` directly, on purpose: docs/design/core.md#runtime.
-from otel_train import _runtime, messages
 from otel_train.config import Config as Config
 from otel_train.config import ConfigError as ConfigError
+from otel_train.core import Run as Run
+from otel_train.core import message_step, span, step, timer
+
+# The hot path reads `_runtime._current` directly, on purpose: docs/design/core.md#runtime.
+from otel_train.core import runtime as _runtime
+from otel_train.core.buffer import (
+    HistogramMessage,
+    HparamsMessage,
+    SamplesMessage,
+    ScalarsMessage,
+    TextMessage,
+)
 from otel_train.distributed import RunInfo as RunInfo
 from otel_train.redaction import cap_text, redact
-from otel_train.run import Run as Run
-from otel_train.session import message_step
-from otel_train.timing import span, step, timer
 from otel_train.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
+    from otel_train.core import Session
     from otel_train.numerics import ModelWatch, NullWatch
-    from otel_train.session import Session
 
 # The public API: one name per job (tests/test_api.py says why each is here). Adapters for frameworks
 # use `otel_train.adapters` as well; `Run`, `RunInfo`, `Config` and `ConfigError` are importable
@@ -141,7 +148,7 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
     if filed == session.step_index and one_process:
         session.flush()  # the gauges and checks now; the row follows, after the step's own
     if row:
-        session.message(messages.ScalarsMessage, "", row, filed)
+        session.message(ScalarsMessage, "", row, filed)
 
 
 def log_hyperparams(params: Mapping[str, Any]) -> None:
@@ -149,7 +156,7 @@ def log_hyperparams(params: Mapping[str, Any]) -> None:
     _need_mapping("log_hyperparams", params)
     session = _runtime._current
     if session is not None:
-        session.message(messages.HparamsMessage, "hparams", redact(dict(params)), None)
+        session.message(HparamsMessage, "hparams", redact(dict(params)), None)
 
 
 def event(name: str, message: str, attributes: Mapping[str, str | int | float | bool] | None = None) -> None:
@@ -185,9 +192,7 @@ def log_text(name: str, text: str, step: int | None = None) -> None:
     """Free text for every bridge; secret-looking values redacted, cut to `TEXT_LIMIT` characters."""
     session = _runtime._current
     if session is not None:
-        session.message(
-            messages.TextMessage, str(name), cap_text(str(text)), message_step(step, session.buffer)
-        )
+        session.message(TextMessage, str(name), cap_text(str(text)), message_step(step, session.buffer))
 
 
 def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: str = "samples") -> None:
@@ -209,14 +214,14 @@ def log_samples(rows: Sequence[tuple[str, str]], step: int | None = None, name: 
         session.buffer.warn_once(
             "<samples>", f"log_samples() rows must be (prompt, output) pairs; dropped a {type(row).__name__}."
         )
-    session.message(messages.SamplesMessage, str(name), kept, message_step(step, session.buffer))
+    session.message(SamplesMessage, str(name), kept, message_step(step, session.buffer))
 
 
 def log_histogram(name: str, values: Any, step: int | None = None) -> None:
     """A distribution (sequence or tensor); resolved on the background worker."""
     session = _runtime._current
     if session is not None:
-        session.message(messages.HistogramMessage, str(name), values, message_step(step, session.buffer))
+        session.message(HistogramMessage, str(name), values, message_step(step, session.buffer))
 
 
 def watch(

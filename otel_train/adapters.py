@@ -11,11 +11,9 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-# An adapter's hooks run once per step, not per op: `_runtime.current()` (one call) is cheap here,
+# An adapter's hooks run once per step, not per op: `current()` (one call) is cheap here,
 # unlike in ot.record/ot.timer, which read the module attribute directly.
-from otel_train import _runtime
-from otel_train.run import Run
-from otel_train.timing import begin_step, end_step, phase
+from otel_train.core import Run, begin_step, current, end_step, phase
 
 if TYPE_CHECKING:
     from otel_train.crossrank import StragglerReport
@@ -37,7 +35,7 @@ def current_run() -> Run | None:
     """The running run (what `ot.init()` returned), or None when none is running; unlike
     `ot.init()` it never starts one. Runs compare equal when they are the same session: an adapter
     that started a run keeps it and checks `adapters.current_run() == mine` before ending it."""
-    session = _runtime.current()
+    session = current()
     return Run(session) if session is not None else None
 
 
@@ -45,7 +43,7 @@ def idle() -> None:
     """The training loop pauses on purpose and the run stays open (a framework between `fit` and
     `test`, or after training until the process exits): no `stall` is reported until the next step
     begins. Call it after the last step ends; a no-op before `init()`."""
-    session = _runtime.current()
+    session = current()
     if session is not None:
         session.mark_idle()
 
@@ -57,7 +55,7 @@ def watch_batch(batch: object) -> None:
     Lightning `training_step` that calls submodules). `batch` is a tensor, or a mapping / tuple /
     list whose first tensor (in order) is fingerprinted; the step's first fingerprint wins. Costs
     nothing on unwatched steps and in a single process; never raises."""
-    session = _runtime.current()
+    session = current()
     if session is not None and session.watches:
         for handle in session.watches:
             handle.see_batch(batch)
@@ -67,7 +65,7 @@ def watch_read() -> None:
     """Take the current watched step's `ot.watch` statistics now rather than when the step ends:
     for a framework that clears the gradients before its step-end hook and outside an optimizer
     step `ot.watch` sees. Call it after the optimizer step; unwatched steps cost nothing."""
-    session = _runtime.current()
+    session = current()
     if session is not None and session.watches:
         for handle in session.watches:
             handle.read_now()
@@ -80,7 +78,7 @@ def on_straggler(callback: Callable[[list[StragglerReport]], None]) -> None:
     decision all ranks must take alike (stop, checkpoint, drain a host). It runs on the thread
     of `ot.on_event`'s callbacks (it may block or call `ot.shutdown()`). Replaces an earlier
     callback. Before `init()`, or in a single process: never called."""
-    session = _runtime.current()
+    session = current()
     if session is not None and callable(callback):
         hooks = session.events.hook_thread(session.instruments.dropped)
         session.reducer.on_straggler = functools.partial(hooks.submit, callback)

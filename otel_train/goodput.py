@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from otel_train import semconv
-from otel_train.interval import Interval
+from otel_train.core.buffer import Interval
 
 log = logging.getLogger("otel_train")
 

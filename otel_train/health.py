@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from opentelemetry._logs import SeverityNumber
 
 from otel_train import semconv
-from otel_train.interval import Interval
+from otel_train.core.buffer import Interval
 from otel_train.redaction import redact_attributes, redact_text
 from otel_train.run_directory import append_line
 

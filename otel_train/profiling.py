@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import semconv
+from otel_train.core.buffer import Interval
 from otel_train.distributed import Identity
-from otel_train.interval import Interval
 from otel_train.run_directory import RunFiles
 
 log = logging.getLogger("otel_train")

@@ -8,11 +8,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from otel_train import _runtime
 from otel_train.bridges.base import Sink
+from otel_train.core import current
 
 if TYPE_CHECKING:
-    from otel_train.session import Session
+    from otel_train.core import Session
 
 
 @dataclass
@@ -60,7 +60,7 @@ def capture_metrics(**settings: Any) -> Iterator[Capture]:
     settings.setdefault("verbosity", 0)
     otel_train.init(**settings)
     capture = Capture()
-    session = _runtime.current()
+    session = current()
     assert session is not None  # init() just returned it
     session.add_sink(capture)
     try:
@@ -72,9 +72,11 @@ def capture_metrics(**settings: Any) -> Iterator[Capture]:
 def current_session() -> Session | None:
     """The running session's internals (tests, debugging): not a stable API. A script's stable
     view is `ot.init()`'s `Run` and `ot.run_info()`; an adapter's, `otel_train.adapters`."""
-    return _runtime.current()
+    return current()
 
 
 def reset() -> None:
     """Shut down any running session (tests call this between cases)."""
-    _runtime.shutdown()
+    import otel_train
+
+    otel_train.shutdown()

@@ -13,7 +13,7 @@ import pytest
 from helpers.multirank import run_ranks
 
 import otel_train as ot
-from otel_train.cadence import ADAPTIVE_BASE_STEPS, Cadence, nice_interval
+from otel_train.core.cadence import ADAPTIVE_BASE_STEPS, Cadence, nice_interval
 from otel_train.testing import current_session
 
 NICE = {10, 20, 50, 100, 200, 500, 1000, 2000, 5000}

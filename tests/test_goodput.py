@@ -15,8 +15,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 import otel_train as ot
+from otel_train.core.buffer import Interval
 from otel_train.goodput import CAUSES, GoodputListener, StepClock, span_cause
-from otel_train.interval import Interval
 from otel_train.testing import current_session
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from otel_train import semconv
+from otel_train.core.buffer import Interval
 from otel_train.health import HealthMonitor
-from otel_train.interval import Interval
 
 
 class RecordingEvents:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot
 from otel_train import semconv as sc
-from otel_train.interval import Interval
+from otel_train.core.buffer import Interval
 from otel_train.run_directory import RunFiles
 from otel_train.testing import capture_metrics, current_session
 

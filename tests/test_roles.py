@@ -142,8 +142,7 @@ def test_one_process_group_never_mixes_two_roles(tmp_path: Path) -> None:
 
 
 def test_each_role_gets_its_own_wandb_run_grouped_under_the_run(tmp_path: Path) -> None:
-    from otel_train.assemble.run_place import RunPlace
-    from otel_train.assemble.sinks import bridge_specs
+    from otel_train.core.assemble import RunPlace, bridge_specs
     from otel_train.distributed import Identity
 
     def wandb_args(role: str) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from otel_train.session import Session
+from otel_train.core.session import Session
 
 
 def test_the_session_is_one_class_without_a_base_holding_part_of_it() -> None:

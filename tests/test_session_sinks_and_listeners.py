@@ -8,8 +8,8 @@ import time
 import pytest
 
 import otel_train as ot
-from otel_train.interval import Interval
-from otel_train.session import Session
+from otel_train.core.buffer import Interval
+from otel_train.core.session import Session
 from otel_train.testing import Capture
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import otel_train as ot
 from otel_train import adapters
-from otel_train.interval import Interval
+from otel_train.core.buffer import Interval
 from otel_train.testing import capture_metrics, current_session
 
 

@@ -1,7 +1,7 @@
 """The one table of bridges: what turns each on, where its sink class lives, what it is built with
 and which package it needs.
 
-`assemble/sinks` builds the bridge process from it (`specs`), `otel-train doctor` checks its packages and
+`core.assemble` builds the bridge process from it (`specs`), `otel-train doctor` checks its packages and
 `env.json` records their versions. Adding a bridge (README, "How it fits together"): its sink module
 under `bridges/`, one row in `BRIDGES`, the setting that switches it on (and its own settings) in
 `config.py`, and its tests.

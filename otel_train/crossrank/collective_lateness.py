@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from otel_train.core.buffer import Interval
 from otel_train.crossrank.arrival_block import (
     BLOCK_LEN,
     Arrival,
@@ -30,7 +31,6 @@ from otel_train.crossrank.down_row import Down
 from otel_train.crossrank.up_row import RankRecord, floats
 from otel_train.crossrank.verdicts import UNTIMED, Lateness, RankAssessment, RankView
 from otel_train.diagnostics import CollectiveMonitor
-from otel_train.interval import Interval
 
 FLOOR_S = 0.0005  # lateness below this is noise (as verdicts.Settings.min_lateness_s)
 MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named

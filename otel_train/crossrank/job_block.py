@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from otel_train import semconv
+from otel_train.core.buffer import Interval, finite
 from otel_train.crossrank.up_row import floats, name_id
-from otel_train.interval import Interval, finite
 
 VERSION = 1.0
 _H_VERSION, _H_ROWS, _H_OVERFLOW, _H_SAMPLES, _H_TOKENS = range(5)

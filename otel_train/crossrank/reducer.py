@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from otel_train.core.buffer import Interval
 from otel_train.crossrank import down_row, job_block, wire
 from otel_train.crossrank.collective_lateness import LatenessTracker
 from otel_train.crossrank.exchange import StarExchange
@@ -38,7 +39,6 @@ from otel_train.crossrank.up_row import (
 from otel_train.crossrank.verdicts import RankView, Settings, abstain_reason, assess
 from otel_train.distributed import Identity, create_telemetry_group
 from otel_train.health import EventChannel
-from otel_train.interval import Interval
 
 logger = logging.getLogger("otel_train")
 
@@ -85,7 +85,7 @@ class CrossRankReducer:
         self.scorer = StragglerScorer(self.settings)
         self.table = TimerTable(max_timers)
         # Ranks other than 0: called with rank 0's flush schedule (interval, anchor step) from each
-        # answer, and with (0, -1) when the exchange turns off (otel_train.cadence).
+        # answer, and with (0, -1) when the exchange turns off (otel_train.core.cadence).
         self.on_cadence: Callable[[int, int], None] | None = None
         self.collectives = 0  # exchanges this rank's row went up in (tests and self-observability)
         self.pairing = RowPairing()  # rank 0: rows left out of a flush (other steps than its own)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otel_train import semconv
+from otel_train.core.buffer import Interval
 from otel_train.crossrank import zero_partition
 from otel_train.crossrank.up_row import floats, name_id
 from otel_train.crossrank.wire import BATCH, MAX_FINGERPRINTS, MAX_LAYERS, REPLICAS
 from otel_train.health import EventChannel
-from otel_train.interval import Interval
 
 logger = logging.getLogger("otel_train")
 

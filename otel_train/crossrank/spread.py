@@ -8,7 +8,7 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from otel_train.interval import finite
+from otel_train.core.buffer import finite
 
 STATS_LEN = 4  # count, lower median, max, MAD
 

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from otel_train.core.buffer import Interval, finite
 from otel_train.crossrank import wire
 from otel_train.crossrank.spread import Spread
 from otel_train.crossrank.wire import ANNOUNCE, ANNOUNCE_SLOTS, MAX_TIMERS, SLOT
 from otel_train.distributed import Identity
-from otel_train.interval import Interval, finite
 
 logger = logging.getLogger("otel_train")
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_train import semconv
+from otel_train.core.buffer import Interval
 from otel_train.crossrank.wire import ZERO
-from otel_train.interval import Interval
 
 logger = logging.getLogger("otel_train")
 Facts = dict[str, float]  # one rank's block (`wire.ZERO`) by field name

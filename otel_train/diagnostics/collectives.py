@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from otel_train import semconv
-from otel_train.interval import Interval
+from otel_train.core.buffer import Interval
 
 log = logging.getLogger("otel_train")
 

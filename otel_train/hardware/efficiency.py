@@ -16,11 +16,11 @@ from opentelemetry.metrics import Meter
 
 from otel_train import semconv as sc
 from otel_train.config import Config
+from otel_train.core.buffer import Interval
 from otel_train.hardware.discovery import cuda_initialized, torch_cuda_if_loaded, torch_device_index
 from otel_train.hardware.gpu_sampler import GpuSampler
 from otel_train.hardware.mfu import float32_matmul_dtype, normalize_dtype, resolve_peak
 from otel_train.health import EventChannel
-from otel_train.interval import Interval
 
 # One logger for the whole hardware package: users filter on it.
 log = logging.getLogger("otel_train.hardware")

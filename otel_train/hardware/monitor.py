@@ -11,6 +11,7 @@ from collections.abc import Callable
 from opentelemetry.metrics import Meter
 
 from otel_train.config import Config
+from otel_train.core.buffer import Interval
 from otel_train.hardware.discovery import (
     Discovery,
     shutdown_quietly,
@@ -19,7 +20,6 @@ from otel_train.hardware.efficiency import FlushEfficiency
 from otel_train.hardware.gpu_sampler import GpuSampler
 from otel_train.hardware.host_sampler import HostSampler
 from otel_train.health import EventChannel, NullEventChannel
-from otel_train.interval import Interval
 
 log = logging.getLogger("otel_train.hardware")
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otel_train import semconv as sc
-from otel_train.interval import Interval
+from otel_train.core.buffer import Interval
 
 log = logging.getLogger("otel_train.hardware")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from otel_train import semconv
-from otel_train.interval import Interval
+from otel_train.core.buffer import Interval
 
 
 class ScalerWatch:
@@ -49,7 +49,7 @@ class ScalerWatch:
         latest = self._latest
         if latest is None:
             return
-        from otel_train.flush import tensors_to_host
+        from otel_train.core.resolve import tensors_to_host
 
         scale, total = tensors_to_host(list(latest))
         if scale is not None:

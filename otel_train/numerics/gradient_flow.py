@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from enum import Enum
 
 from otel_train import semconv
+from otel_train.core.buffer import Interval
 from otel_train.health import EventChannel
-from otel_train.interval import Interval
 
 ZERO_STEPS = 3  # watched steps in a row without a gradient before `no_gradient`
 WARMUP = 5  # watched steps of a layer's history before it is judged

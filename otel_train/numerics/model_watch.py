@@ -16,11 +16,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from otel_train import semconv
-from otel_train.buffer import LayerStats
+from otel_train.core.buffer import LayerStats
 from otel_train.crossrank import FINGERPRINT
 
 if TYPE_CHECKING:
-    from otel_train.buffer import Buffer
+    from otel_train.core.buffer import Buffer
 
 log = logging.getLogger("otel_train")
 

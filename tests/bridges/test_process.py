@@ -21,11 +21,11 @@ import pytest
 from helpers.readback import read_tensorboard
 
 import otel_train as ot
-from otel_train.assemble import sinks
-from otel_train.assemble.run_place import RunPlace
 from otel_train.bridges import host
 from otel_train.bridges.process import BridgeProcess
 from otel_train.config import ConfigError
+from otel_train.core import assemble
+from otel_train.core.assemble import RunPlace
 from otel_train.testing import current_session
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -283,12 +283,12 @@ def test_setup_error_raises_at_init_naming_the_path(tmp_path: Path) -> None:
 def test_a_hung_bridge_cannot_hold_shutdown_past_its_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    specs = sinks.bridge_specs
+    specs = assemble.bridge_specs
 
     def with_hanging(config: ot.Config, place: RunPlace) -> list:
         return [*specs(config, place), ("helpers.bridge_fixtures", "Hanging", {})]
 
-    monkeypatch.setattr(sinks, "bridge_specs", with_hanging)
+    monkeypatch.setattr(assemble, "bridge_specs", with_hanging)
     budget = 1.5
     ot.init(output_dir=str(tmp_path), run_name="hung", tensorboard=True, prometheus_port=0, verbosity=0,
                       hardware=False, log_interval=2, shutdown_timeout_s=budget)  # fmt: skip

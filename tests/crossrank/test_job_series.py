@@ -13,9 +13,9 @@ import torch
 from helpers.multirank import run_ranks
 
 from otel_train import semconv
+from otel_train.core.buffer import Interval
 from otel_train.crossrank import job_block
 from otel_train.crossrank.job_outputs import JobSeries
-from otel_train.interval import Interval
 
 PHASES = ("data", "forward", "backward", "optimizer")
 FLUSHES = 5
@@ -63,9 +63,9 @@ def _rank(rank: int, world: int, fanin: int) -> dict[str, Any]:
     from opentelemetry.sdk.resources import Resource
 
     from otel_train.config import Config
+    from otel_train.core.instruments import record_durations
     from otel_train.crossrank.reducer import CrossRankReducer
     from otel_train.distributed import detect_identity
-    from otel_train.flush.instruments import record_durations
 
     own_reader = InMemoryMetricReader()
     meter = MeterProvider(metric_readers=[own_reader]).get_meter("rank")

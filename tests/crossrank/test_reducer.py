@@ -14,6 +14,7 @@ from helpers.events import Events
 
 from otel_train import semconv
 from otel_train.config import Config
+from otel_train.core.buffer import Interval
 from otel_train.crossrank import down_row, job_block
 from otel_train.crossrank.collective_lateness import LatenessTracker
 from otel_train.crossrank.exchange import Exchanged
@@ -37,7 +38,6 @@ from otel_train.crossrank.up_row import (
     unpack,
 )
 from otel_train.distributed import Identity
-from otel_train.interval import Interval
 
 
 def interval(

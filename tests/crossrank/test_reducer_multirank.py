@@ -62,7 +62,7 @@ def _count_collectives() -> dict[str, int]:
 
 def _interval(seq: int, phases: Mapping[str, float]) -> Any:
     """Ten identical steps; each timer's arrival is the sum of the phases up to its end (in order)."""
-    from otel_train.interval import Interval
+    from otel_train.core.buffer import Interval
 
     arrivals: dict[str, list[float]] = {}
     elapsed = 0.0

@@ -16,6 +16,7 @@ from helpers.multirank import run_ranks
 
 import otel_train as ot
 from otel_train import semconv as sc
+from otel_train.core.buffer import Interval
 from otel_train.crossrank.replicas import (
     ALL_RANKS,
     EXT_LEN,
@@ -27,7 +28,6 @@ from otel_train.crossrank.replicas import (
     duplicate_batches,
     encode,
 )
-from otel_train.interval import Interval
 from otel_train.testing import current_session
 
 LABELS = ("embed", "mid", "head")

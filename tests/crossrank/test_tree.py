@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from otel_train.core.buffer import Interval
 from otel_train.crossrank.merge import (
     K_EXACT,
     LEVELS,
@@ -26,7 +27,6 @@ from otel_train.crossrank.tree import layout
 from otel_train.crossrank.up_row import TimerTable, pack, pack_len, unpack
 from otel_train.crossrank.verdicts import RankView, Settings, assess
 from otel_train.distributed import Identity
-from otel_train.interval import Interval
 
 STEP = 0.25
 BASE = {"data": 0.002, "forward": 0.030, "backward": 0.060, "optimizer": 0.005}

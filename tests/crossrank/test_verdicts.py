@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from otel_train.core.buffer import Interval
 from otel_train.crossrank.scores import StragglerReport, StragglerScorer
 from otel_train.crossrank.spread import Spread
 from otel_train.crossrank.up_row import TimerTable, pack, unpack
@@ -28,7 +29,6 @@ from otel_train.crossrank.verdicts import (
     phase_category,
 )
 from otel_train.distributed import Identity
-from otel_train.interval import Interval
 
 DDP = (("data", 0.004), ("forward", 0.030), ("backward", 0.030), ("optimizer", 0.006))
 

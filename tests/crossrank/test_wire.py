@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers.multirank import run_ranks
 
+from otel_train.core.buffer import Interval
 from otel_train.crossrank import wire
 from otel_train.crossrank.up_row import TimerTable, pack, unpack
 from otel_train.distributed import Identity
-from otel_train.interval import Interval
 
 
 def _interval(seq: int = 0) -> Interval:

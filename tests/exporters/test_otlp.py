@@ -10,7 +10,7 @@ from helpers.otlp_receiver import grpc_receiver, http_receiver, refused_endpoint
 
 import otel_train as ot
 from otel_train import semconv
-from otel_train.flush.tracing import step_trace_ids
+from otel_train.core.instruments import step_trace_ids
 from otel_train.testing import current_session
 
 

@@ -28,11 +28,11 @@ import torch.distributed  # noqa: F401  (init() imports it: 3 s per child otherw
 
 import otel_train as ot
 import otel_train.bridges.console
+import otel_train.core.instruments
+import otel_train.core.worker
 import otel_train.crossrank.reducer
 import otel_train.envinfo
 import otel_train.exporters
-import otel_train.flush.step_reader
-import otel_train.flush.worker
 import otel_train.health
 
 HANG_S = 10.0

@@ -14,8 +14,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_train import semconv as sc
 from otel_train.config import Config
+from otel_train.core.buffer import Interval
 from otel_train.hardware import RES_GPU_UUID, HardwareMonitor, discover_with_timeout
-from otel_train.interval import Interval
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,6 +15,7 @@ from torch import nn
 
 from otel_train import semconv as sc
 from otel_train.config import Config
+from otel_train.core.buffer import Interval
 from otel_train.hardware import HardwareMonitor, discover_with_timeout
 from otel_train.hardware.mfu import (
     count_non_embedding_params,
@@ -24,7 +25,6 @@ from otel_train.hardware.mfu import (
     resolve_peak,
     transformer_flops_per_token,
 )
-from otel_train.interval import Interval
 
 V, D, FF, L, S = 50, 16, 32, 2, 24
 

@@ -24,6 +24,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_train import semconv as sc
 from otel_train.config import Config
+from otel_train.core.buffer import Interval
 from otel_train.hardware import (
     RES_GPU_DRIVER_VERSION,
     RES_GPU_NAME,
@@ -35,7 +36,6 @@ from otel_train.hardware import (
     gpu_sampler,
     parse_cuda_visible_devices,
 )
-from otel_train.interval import Interval
 
 GPU_SPECS = list(gpu_sampler.GPU_SPECS)
 HOST_SPECS = [sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEMORY_USAGE]

@@ -9,8 +9,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel_train import semconv as sc
+from otel_train.core.buffer import Interval
 from otel_train.hardware.mps_memory import MpsMemory, loaded_torch_mps
-from otel_train.interval import Interval
 
 
 class FakeMps:

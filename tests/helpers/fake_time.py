@@ -1,5 +1,5 @@
 """A hand-moved clock for goodput tests: a running session's steps, timers and spans read it
-(timing's `perf_counter_ns`), and so does its goodput account (`goodput.Clocks`), so a test books
+(scopes' `perf_counter_ns`), and so does its goodput account (`goodput.Clocks`), so a test books
 0.2 s of eval by advancing 0.2 s, not by sleeping.
 
 It starts at the real clocks' readings, so the session's real process start stays consistent
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from otel_train import timing
+from otel_train.core import scopes
 from otel_train.goodput import Clocks
 
 
@@ -41,8 +41,8 @@ class FakeTime:
         """Drive `session` (already initialised) by this clock until the test ends (`monkeypatch`
         undoes it then; without one, in a child process, for the rest of the process)."""
         if monkeypatch is not None:
-            monkeypatch.setattr(timing, "perf_counter_ns", lambda: self.perf_ns)
+            monkeypatch.setattr(scopes, "perf_counter_ns", lambda: self.perf_ns)
         else:
-            timing.perf_counter_ns = lambda: self.perf_ns
+            scopes.perf_counter_ns = lambda: self.perf_ns
         session.clock.clocks = self.clocks(session.clock.process_start_s)
         return self

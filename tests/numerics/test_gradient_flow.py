@@ -13,7 +13,7 @@ from torch import nn
 
 import otel_train as ot
 from otel_train import semconv as sc
-from otel_train.interval import Interval
+from otel_train.core.buffer import Interval
 from otel_train.numerics.gradient_flow import (
     EXPLODE,
     IMMEDIATE,
@@ -246,7 +246,7 @@ def test_a_detached_layer_is_named_beside_heads_that_take_turns() -> None:
 
 def test_the_gradient_norms_of_a_step_are_of_the_layers_that_ran() -> None:
     """The watch's gradient norms at a watched step: only the head that ran, next to the trunk."""
-    from otel_train.buffer import Buffer
+    from otel_train.core.buffer import Buffer
     from otel_train.numerics.model_watch import ModelWatch
 
     model = AlternateHeads()

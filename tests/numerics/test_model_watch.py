@@ -17,7 +17,7 @@ from torch import nn
 import otel_train as ot
 from otel_train import adapters
 from otel_train import semconv as sc
-from otel_train.buffer import Buffer
+from otel_train.core.buffer import Buffer
 from otel_train.crossrank.replicas import FINGERPRINT
 from otel_train.numerics.model_watch import (
     HISTOGRAM_SAMPLE,

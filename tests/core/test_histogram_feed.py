@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
 
-from otel_train.flush.histogram_feed import record_many
+from otel_train.core.resolve import record_many
 
 BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0]
 

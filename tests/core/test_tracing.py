@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode, get_current_span
 
 from otel_train import semconv
-from otel_train.buffer import Buffer, SpanRecord, SpanRole, span_records, step_record
-from otel_train.flush.tracing import SpanWriter, step_trace_ids
+from otel_train.core.buffer import Buffer, SpanRecord, SpanRole, span_records, step_record
+from otel_train.core.instruments import SpanWriter, step_trace_ids
 
 EPOCH_NS = 1_700_000_000_000_000_000  # perf_counter_ns 0 as epoch nanoseconds
 

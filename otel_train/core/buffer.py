@@ -1,24 +1,99 @@
-"""The hot-path accumulator: the training thread only appends here.
+"""The hot-path accumulator and the records that leave it: the training thread only appends here.
 
-Nothing in this module calls the OTel SDK, touches a device value or does I/O. A flush swaps
-the interval's containers for fresh ones (O(number of names)) and hands the old ones, as a
-`FlushBatch`, to the background worker, which resolves tensors and feeds the SDK and sinks.
+Nothing in this module calls the OTel SDK, touches a device value or does I/O. A flush swaps the
+interval's containers for fresh ones (O(number of names)) and hands the old ones, as a `FlushBatch`,
+to the background worker, which resolves them into the `Interval` every `FlushListener` (health,
+hardware, the cross-rank reducer, goodput, profiled steps) receives. The logger API's entries
+travel as `Message` records. Producers and listeners outside the core import from here.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from otel_train import semconv
-from otel_train.interval import FlushHeader
 
 log = logging.getLogger("otel_train")
 
+
+# --- the listener seam: what the training thread knows at a flush (`FlushHeader`), extended by the
+# raw `FlushBatch` and the resolved `Interval`, so the shared fields are declared once ---
+@dataclass
+class FlushHeader:
+    seq: int  # flush sequence number: the same on every rank for the same flush
+    step: int  # index of the last completed step (-1 before the first)
+    wall_time: float  # time.time() at the flush
+    elapsed_s: float  # wall seconds since the previous flush
+    steps: int  # steps completed in this interval
+    tokens: int
+    samples: int
+    step_durations: list[float] = field(default_factory=list)  # seconds, one per step
+    _: KW_ONLY  # the rest by name only, so the subclasses' own fields keep their positions
+    final: bool = False  # the last flush, from shutdown()
+    autocast_dtype: str | None = None  # the torch.autocast dtype active on the training thread at the flush
+    # this process's flush schedule: every flush_interval steps from step flush_anchor on (core/cadence.py;
+    # rank 0's is its decision, which its answers carry to the other ranks)
+    flush_interval: int = 0
+    flush_anchor: int = -1
+
+
+def finite(values: Iterable[float]) -> list[float]:
+    """The finite values, in order. Durations and arrivals are finite by construction (integer
+    clock readings), so the usual case is one check at C speed, not a Python test per value: the
+    worker's time per value is what bounds its share of a 1-2 ms step."""
+    values = values if isinstance(values, list) else list(values)
+    if all(map(math.isfinite, values)):
+        return values
+    return [v for v in values if math.isfinite(v)]
+
+
+def header_of(flush: FlushHeader) -> dict[str, Any]:
+    """The header fields of `flush`, by name (for building an `Interval` from a `FlushBatch`)."""
+    return {f.name: getattr(flush, f.name) for f in fields(FlushHeader)}
+
+
+@dataclass
+class Interval(FlushHeader):
+    phases: dict[str, list[float]] = field(default_factory=dict)  # timer name -> durations (s)
+    # timer name -> seconds from its step's start to the timer's end (CPU timers inside a step only)
+    arrivals: dict[str, list[float]] = field(default_factory=dict)
+    # seconds of data-phase timers (goodput.DATA_PHASES) inside steps that did not re-run a step
+    data_s: float = 0.0
+    rerun_s: float = 0.0  # seconds of steps that re-ran a step of the previous processes (goodput)
+    scalars: dict[str, list[float]] = field(default_factory=dict)  # instrument name -> finite values
+    # instrument name -> the step of each of its finite values, where known: values recorded the same
+    # number of times in every step of the interval (see FlushBatch.step_indices); absent otherwise
+    scalar_steps: dict[str, list[int]] = field(default_factory=dict)
+    nonfinite: dict[str, int] = field(default_factory=dict)  # instrument name -> NaN/Inf values dropped
+    # (step, layers) for each watched step whose per-layer gradient norms held NaN/Inf, in module order
+    nonfinite_grads: list[tuple[int, list[str]]] = field(default_factory=list)
+    # (step, layer labels, per-layer gradient L2 norms) for each watched step, in step order; an
+    # absent gradient is 0.0, a non-finite one NaN/Inf (also listed in nonfinite_grads)
+    layer_grad_norms: list[tuple[int, tuple[str, ...], list[float]]] = field(default_factory=list)
+    # (step, layer labels, per-layer parameter L2 norms) for each watched step, in step order
+    layer_param_norms: list[tuple[int, tuple[str, ...], list[float]]] = field(default_factory=list)
+    # (step, [sum, sum of squares]) of each watched step's batch (ot.watch), in step order
+    batch_fingerprints: list[tuple[int, list[float]]] = field(default_factory=list)
+
+
+class FlushListener(Protocol):
+    """Called on the background worker at every flush, before the StepReader collects for the sinks.
+
+    Gauges a listener sets here appear in the same flush's sink output.
+    """
+
+    def on_flush(self, interval: Interval) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# --- the buffer ---
 MAX_ERROR_TYPES = 8
 MAX_SPAN_RECORDS = 10_000  # span records per interval (sampled steps, their timers, ot.span marks)
 # All timers together may append this many times max_values_per_interval events per interval (the
@@ -154,7 +229,7 @@ class Buffer:
         self.scalars: dict[str, list[Any]] = {}
         self.phases: dict[str, list[float]] = {}
         # (name, start_ns, end_ns, its step's start_ns or 0 outside a step) per timer that ended
-        # without an error, appended by timing.TimerScope: one flat list, so that a timer's end
+        # without an error, appended by scopes.TimerScope: one flat list, so that a timer's end
         # touches as little as possible on the training thread (capped at max_timer_events; the
         # worker caps each name at max_values and derives durations, arrivals and spans).
         self.timer_events: list[tuple[str, int, int, int]] = []
@@ -383,3 +458,50 @@ class Buffer:
         )
         self._reset()
         return batch
+
+
+# --- what the logger API hands the worker besides flushes (log_text, log_samples, log_histogram,
+# log_hyperparams, log_metrics(step=N)'s row): in the flushes' queue, so they keep their order ---
+@dataclass(frozen=True)
+class TextMessage:
+    event_name: ClassVar[str] = "otel_train.text"  # the OTel log record's event name
+    key: str
+    text: str
+    step: int
+
+
+@dataclass(frozen=True)
+class SamplesMessage:
+    event_name: ClassVar[str] = "otel_train.samples"
+    key: str
+    rows: list[tuple[str, str]]  # (prompt, output)
+    step: int
+
+
+@dataclass(frozen=True)
+class HistogramMessage:
+    event_name: ClassVar[str] = "otel_train.histogram"
+    key: str
+    values: Any  # a tensor, array or sequence as recorded; finite floats once the worker resolved it
+    step: int
+
+
+@dataclass(frozen=True)
+class HparamsMessage:
+    event_name: ClassVar[str] = "otel_train.hparams"
+    key: str
+    params: dict[str, Any]  # already redacted by ot.log_hyperparams
+    step: int
+
+
+@dataclass(frozen=True)
+class ScalarsMessage:
+    """`ot.log_metrics(values, step=N)`: one row at step N for the run dir and the bridges."""
+
+    event_name: ClassVar[str] = "otel_train.scalars"
+    key: str
+    values: dict[str, Any]  # instrument name -> the value as recorded (a tensor stays on its device)
+    step: int
+
+
+Message = TextMessage | SamplesMessage | HistogramMessage | HparamsMessage | ScalarsMessage

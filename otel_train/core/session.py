@@ -3,7 +3,7 @@ with, its steps, the hand-off of each interval to the worker, and the close.
 
 The training thread calls only `begin_step`, `end_step`, `end_timer`, `record` and `flush`, each
 one append to a flat per-interval list; the rest happens on the worker. `assemble.build_session`
-builds a session, `_runtime` holds the active one. Design: docs/design/core.md#session.
+builds a session, `runtime` holds the active one. Design: docs/design/core.md#session.
 """
 
 from __future__ import annotations
@@ -23,12 +23,19 @@ from typing import TYPE_CHECKING, Any
 from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
-from otel_train.buffer import MAX_SPAN_RECORDS, Buffer, FlushBatch, SpanRecord, mark_record, step_record
 from otel_train.config import Config
+from otel_train.core.buffer import (
+    MAX_SPAN_RECORDS,
+    Buffer,
+    FlushBatch,
+    FlushListener,
+    SpanRecord,
+    mark_record,
+    step_record,
+)
 from otel_train.distributed import Identity
 from otel_train.goodput import StepClock
 from otel_train.hardware import autocast_dtype
-from otel_train.interval import FlushListener
 from otel_train.profiling import advance_window, start_window
 
 if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train` runs
@@ -36,16 +43,17 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
     from opentelemetry.sdk.resources import Resource
 
     from otel_train.bridges.process import BridgeProcess
-    from otel_train.cadence import Cadence
     from otel_train.control import ControlFile
+    from otel_train.core.buffer import Message
+    from otel_train.core.cadence import Cadence
+    from otel_train.core.instruments import Instruments, StepReader
+    from otel_train.core.worker import Worker
     from otel_train.crossrank import CrossRankReducer
     from otel_train.diagnostics import HangWatchdog, MemoryDumps
     from otel_train.exporters import Telemetry
-    from otel_train.flush import Instruments, StepReader, Worker
     from otel_train.goodput import GoodputListener
     from otel_train.hardware import HardwareMonitor
     from otel_train.health import HealthEvents
-    from otel_train.messages import Message
     from otel_train.numerics import ModelWatch
     from otel_train.profiling import ProfiledStepsCounter, ProfileWindow, StepProfiler
 
@@ -94,7 +102,7 @@ class Session:
         self.clock = StepClock(config.stall_timeout_s)  # goodput's books, kept by the hot path
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
-        # The interval's timer and step events, read here by timing.TimerScope and end_step (one
+        # The interval's timer and step events, read here by scopes.TimerScope and end_step (one
         # attribute, not two); flush() points them at the fresh lists each time it takes the buffer.
         self.timer_events = self.buffer.timer_events
         self.max_timer_events = self.buffer.max_timer_events
@@ -114,7 +122,7 @@ class Session:
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
-        self.open_step: Any = None  # the timing.StepScope ot.begin_step() opened, until ot.end_step()
+        self.open_step: Any = None  # the scopes.StepScope ot.begin_step() opened, until ot.end_step()
         self._seq = 0
         self._last_flush = time.perf_counter()
         self._lockstep = self.identity.distributed and config.cross_rank  # flushes pair across ranks
@@ -202,7 +210,7 @@ class Session:
         self, index: int, start_ns: int, end_ns: int, tokens: int | None, samples: int | None, failed: bool
     ) -> None:
         """One append to `step_events` and the flush check; the worker derives durations, counts,
-        goodput's re-runs (worker.resolve_steps). Cold-cache cost: see timing.TimerScope."""
+        goodput's re-runs (worker.resolve_steps). Cold-cache cost: see scopes.TimerScope."""
         if (tokens.__class__ is not int and tokens is not None) or (
             samples.__class__ is not int and samples is not None
         ):
@@ -262,7 +270,7 @@ class Session:
 
     def end_timer(self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None) -> None:
         """A timer's end off the `with` path (`stop()`, `ot.span`, a failed phase). A `with ot.timer`
-        that ends without an error appends to `timer_events` itself (timing.TimerScope)."""
+        that ends without an error appends to `timer_events` itself (scopes.TimerScope)."""
         if error is None:
             events = self.timer_events
             if len(events) < self.max_timer_events:

@@ -18,9 +18,9 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
-# The hot path reads `_runtime._current` directly, on purpose: docs/design/core.md#runtime.
-from otel_train import _runtime
-from otel_train.session import Session
+# The hot path reads `runtime._current` directly, on purpose: docs/design/core.md#runtime.
+from otel_train.core import runtime
+from otel_train.core.session import Session
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -71,7 +71,7 @@ class StepScope:
         self._session: Session | None = None
 
     def __enter__(self) -> StepScope:
-        session = _runtime._current
+        session = runtime._current
         self._session = session
         if session is not None:
             self._index = session.begin_step(self.index)
@@ -142,7 +142,7 @@ class TimerScope:
         self._end(session, end, error)
 
     def __enter__(self) -> TimerScope:
-        self._session = _runtime._current
+        self._session = runtime._current
         self._start = perf_counter_ns()
         return self
 
@@ -203,7 +203,7 @@ def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullSc
     function (sync or async), also one decorated before `init()`. `cuda=True` times the device work
     with CUDA events (resolved on the worker, no sync on the training thread). Before `init()` or
     above the configured `timing_log_level` it does nothing."""
-    session = _runtime._current
+    session = runtime._current
     if session is None:
         return _off(name, level, cuda)
     try:
@@ -266,7 +266,7 @@ class MarkScope:
         self.__exit__(_error_type(error), None, None)
 
     def __enter__(self) -> MarkScope:
-        self._session = _runtime._current
+        self._session = runtime._current
         self._start = perf_counter_ns()
         return self
 
@@ -283,7 +283,7 @@ def span(name: str, attributes: Mapping[str, Any] | None = None) -> MarkScope | 
     (`invalid_name`) and warned about once; a `str` Enum's value is used."""
     if name.__class__ is not str:
         if not isinstance(name, str):
-            session = _runtime._current
+            session = runtime._current
             if session is not None:
                 session.buffer.drop("invalid_name")
                 session.buffer.warn_once(
@@ -302,7 +302,7 @@ def begin_step(index: Any = None, *, start_ns: int | None = None) -> int | None:
     Returns the step number, or None before `init()`. A step still open is ended first."""
     if start_ns is not None and start_ns.__class__ is not int:
         raise _not_ns(f"begin_step(start_ns={start_ns!r})", start_ns)
-    session = _runtime._current
+    session = runtime._current
     if session is None:
         return None
     earlier: StepScope | None = session.open_step
@@ -323,7 +323,7 @@ def begin_step(index: Any = None, *, start_ns: int | None = None) -> int | None:
 def end_step(*, tokens: int | None = None, samples: int | None = None, failed: bool = False) -> None:
     """End the step `ot.begin_step()` began: `tokens`/`samples` processed in it on this rank;
     `failed=True` traces it as failed and leaves it out of the step counts and durations."""
-    session = _runtime._current
+    session = runtime._current
     if session is None:
         return
     scope: StepScope | None = session.open_step
@@ -346,7 +346,7 @@ def phase(name: str, seconds: float, level: int = 1) -> None:
     """A phase known only by its duration (a framework reports it): counted and exported like a
     timer's, with no arrival (its end on this rank's clock is unknown). A negative, non-finite or
     non-numeric duration is dropped and counted; a level that is not an int raises TypeError."""
-    session = _runtime._current
+    session = runtime._current
     if session is None:
         return
     try:

@@ -1,6 +1,6 @@
 """The background worker: everything a flush does off the training thread (the batch resolved
 into an `Interval`, its steps' durations and counts included; the SDK, the flush listeners, the
-sinks), and the typed records of `messages.py`, in one ordered queue. Design:
+sinks), and the logger API's `Message` records, in one ordered queue. Design:
 docs/design/core.md#worker.
 """
 
@@ -21,18 +21,35 @@ from opentelemetry._logs import SeverityNumber
 
 from otel_train import semconv
 from otel_train.bridges.base import Sink
-from otel_train.buffer import MAX_SPAN_RECORDS, FlushBatch, span_records
-from otel_train.flush.instruments import (
+from otel_train.core.buffer import (
+    MAX_SPAN_RECORDS,
+    FlushBatch,
+    FlushListener,
+    HistogramMessage,
+    HparamsMessage,
+    Interval,
+    Message,
+    SamplesMessage,
+    ScalarsMessage,
+    TextMessage,
+    header_of,
+    span_records,
+)
+from otel_train.core.instruments import (
     STAT_KEY_TAKEN,
+    ExemplarContexts,
     Instruments,
+    SpanWriter,
+    StepReader,
     add_stat_keys,
     feed_layer_stats,
     keep_case,
+    key_for,
     leave_out_own_rows,
     record_durations,
     set_interval_stats,
 )
-from otel_train.flush.resolve import (
+from otel_train.core.resolve import (
     NO_DATA_WARNING,
     column_of,
     drop_bad_timer_names,
@@ -42,17 +59,6 @@ from otel_train.flush.resolve import (
     seconds_between,
     timer_phases,
     value_steps,
-)
-from otel_train.flush.step_reader import StepReader, key_for
-from otel_train.flush.tracing import ExemplarContexts, SpanWriter
-from otel_train.interval import FlushListener, Interval, header_of
-from otel_train.messages import (
-    HistogramMessage,
-    HparamsMessage,
-    Message,
-    SamplesMessage,
-    ScalarsMessage,
-    TextMessage,
 )
 from otel_train.redaction import redact_text
 
@@ -270,7 +276,7 @@ class Worker:
         if interval.samples:
             ins.samples.add(interval.samples)
         # Sampled steps' durations go one by one with their span's context (trace-based exemplars);
-        # the rest reach the SDK as one aggregation step per series and flush (histogram_feed).
+        # the rest reach the SDK as one aggregation step per series and flush (resolve.record_many).
         record_durations(ins.step_duration, interval.step_durations, None, {}, exemplars)
         for name, values in interval.phases.items():
             record_durations(ins.phase_duration, values, name, {semconv.PHASE: name}, exemplars)

@@ -10,7 +10,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, Metric
 
 from otel_train import semconv
-from otel_train.flush.instruments import Instruments, record_durations
+from otel_train.core.instruments import Instruments, record_durations
 
 
 def _metrics(reader: InMemoryMetricReader) -> dict[str, Metric]:

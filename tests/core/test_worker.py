@@ -1,4 +1,4 @@
-"""otel_train/flush/worker.py: the background thread. The logger API's typed messages reach each sink's
+"""otel_train/core/worker.py: the background thread. The logger API's typed messages reach each sink's
 method for their type, prepared on the worker (text redacted, a tensor's values resolved to finite
 floats), in the order they were logged with the flushes around them."""
 
@@ -13,8 +13,8 @@ import torch
 
 import otel_train as ot
 from otel_train.bridges.base import Sink
-from otel_train.messages import HistogramMessage, HparamsMessage, SamplesMessage, TextMessage
-from otel_train.session import Session
+from otel_train.core.buffer import HistogramMessage, HparamsMessage, SamplesMessage, TextMessage
+from otel_train.core.session import Session
 
 
 class Recording(Sink):

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import otel_train as ot
-from otel_train.buffer import Buffer, SpanRecord
-from otel_train.flush import resolve, tracing, worker
-from otel_train.interval import Interval, header_of
+from otel_train.core import instruments, resolve, worker
+from otel_train.core.buffer import Buffer, Interval, SpanRecord, header_of
 from otel_train.testing import capture_metrics, current_session
 
 
@@ -132,7 +131,7 @@ def test_durations_are_computed_as_the_span_computes_them() -> None:
     buffer.timer_events.extend(("forward", s, e, b) for s, e, b in readings)
     phases, arrivals, _ = resolve.timer_phases(buffer.take(0, 0, 1.0, 0))
     spans = [SpanRecord("forward", s, e, 0) for s, e, _ in readings]
-    assert phases["forward"] == [tracing._seconds(span) for span in spans]
+    assert phases["forward"] == [instruments._seconds(span) for span in spans]
     assert arrivals["forward"] == [(start + 1_234_567 - (start - 10)) * 1e-9]
 
 
@@ -276,7 +275,7 @@ def test_every_place_a_timer_name_reaches_drops_a_non_str_and_takes_a_str_enums_
     and span record, CUDA timers' events and `adapters.phase()` durations, before anything exports them."""
     import enum
 
-    from otel_train.flush.resolve import drop_bad_timer_names
+    from otel_train.core.resolve import drop_bad_timer_names
 
     class Plain(enum.Enum):
         FORWARD = "forward"

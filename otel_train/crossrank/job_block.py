@@ -34,17 +34,37 @@ from typing import Any
 from otel_train import semconv
 from otel_train.core.buffer import Interval, finite
 from otel_train.crossrank.up_row import floats, name_id
+from otel_train.crossrank.wire import Record
 
 VERSION = 1.0
-_H_VERSION, _H_ROWS, _H_OVERFLOW, _H_SAMPLES, _H_TOKENS = range(5)
-_H_LOSS_SUM, _H_LOSS_COUNT, _H_LOSS_MIN, _H_LOSS_MAX = range(5, 9)
-HEAD_LEN = 9
 BUCKETS = len(semconv.PHASE_BUCKETS) + 1
 assert len(semconv.STEP_BUCKETS) == len(semconv.PHASE_BUCKETS)  # one record layout for both
-R_ID, R_BUCKETS = 0, 1
-R_SUM = R_BUCKETS + BUCKETS
-R_DMIN, R_DMAX, R_MMIN, R_MMIN_RANK, R_MMAX, R_MMAX_RANK, R_MSUM, R_N = range(R_SUM + 1, R_SUM + 9)
-REC_LEN = R_N + 1
+# The block's layout (`wire.Record`, as the rows' records): a header, then RECORDS timer records.
+# Over the ranks' mean durations a record keeps the smallest and the largest with their ranks.
+HEAD = Record(
+    ("version",), ("rows",), ("overflow",), ("samples",), ("tokens",), ("loss_sum",), ("loss_count",),
+    ("loss_min",), ("loss_max",),
+)  # fmt: skip
+TIMER = Record(
+    ("id",), ("buckets", BUCKETS), ("sum",), ("dmin",), ("dmax",), ("mmin",), ("mmin_rank",), ("mmax",),
+    ("mmax_rank",), ("msum",), ("n",),
+)  # fmt: skip
+(
+    _H_VERSION,
+    _H_ROWS,
+    _H_OVERFLOW,
+    _H_SAMPLES,
+    _H_TOKENS,
+    _H_LOSS_SUM,
+    _H_LOSS_COUNT,
+    _H_LOSS_MIN,
+    _H_LOSS_MAX,
+) = (HEAD.at(name) for name in HEAD.fields)
+HEAD_LEN = HEAD.words
+R_ID, R_BUCKETS, R_SUM, R_DMIN, R_DMAX, R_MMIN, R_MMIN_RANK, R_MMAX, R_MMAX_RANK, R_MSUM, R_N = (
+    TIMER.at(name) for name in TIMER.fields
+)
+REC_LEN = TIMER.words
 RECORDS = 16  # the step and up to 15 timers: a job's timers beyond are left out (counted, warned)
 JOB_LEN = HEAD_LEN + RECORDS * REC_LEN
 STEP_ID = float(2**48)  # above every name id (48 bits): the step time's record

@@ -485,6 +485,22 @@ def test_failed_collective_disables_and_falls_back_to_local(
     assert reducer.last_scores is not None and reducer.last_scores.raw_individual == pytest.approx(0.5)
 
 
+def test_an_exchange_that_fails_any_other_way_turns_off_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure mid-exchange that is not gloo's (here the answer row cannot be decoded) leaves the
+    exchange's state unknown: it turns off like a failed collective, not retried at every flush."""
+    reducer = _fake_world(monkeypatch, 4, lambda r, seq: interval(seq, {"forward": [0.1]}), [False])
+
+    def garbled(row: Any, rank: int) -> Any:
+        raise IndexError("answer row too short")
+
+    monkeypatch.setattr(down_row, "decode", garbled)
+    reducer.on_flush(interval(0, {"forward": [0.1]}))
+    assert reducer.disabled_reason is not None and "answer row too short" in reducer.disabled_reason
+    reducer.on_flush(interval(1, {"forward": [0.1]}))
+    assert reducer.collectives == 1  # never retried
+    assert reducer.last_reductions["forward"].n == 1  # local stats only
+
+
 def test_ewma_default_comes_from_config() -> None:
     reducer = CrossRankReducer(
         Identity("r"), None, None, Config(straggler_ewma=0.25, straggler_threshold=0.7)

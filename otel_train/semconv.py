@@ -120,22 +120,9 @@ PROCESS_ATTRIBUTE_PREFIX = "process."
 PROCESS_PID = "process.pid"
 RUN_NAME = "otel_train.run_name"
 
-S = Kind  # short alias for the table below
-
-
-def _m(
-    name: str,
-    kind: Kind,
-    unit: str,
-    description: str,
-    key: str,
-    attributes: tuple[str, ...] = (),
-    buckets: tuple[float, ...] | None = None,
-    gpu_only: bool = False,
-    essential: bool = False,
-    scope: str = "rank",
-) -> MetricSpec:
-    return MetricSpec(name, kind, unit, description, key, attributes, buckets, gpu_only, essential, scope)
+# Short aliases for the table below.
+S = Kind
+_m = MetricSpec
 
 
 # --- training ------------------------------------------------------------------------------------

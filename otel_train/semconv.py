@@ -373,13 +373,9 @@ ENERGY_PER_STEP = _m(
     "train.energy.per_step", S.GAUGE, "J", "GPU energy per step.", "energy/joules_per_step", gpu_only=True
 )
 POWER_AVERAGE = _m(
-    "train.power.average",
-    S.GAUGE,
-    "W",
-    "Average GPU power over the interval.",
-    "energy/avg_power_w",
+    "train.power.average", S.GAUGE, "W", "Average GPU power over the interval.", "energy/avg_power_w",
     gpu_only=True,
-)
+)  # fmt: skip
 
 # --- GPU ---------------------------------------------------------------------------------------------
 # `hw.*` names are exactly the OTel hardware semantic conventions (tests/test_hw_semconv.py checks
@@ -447,37 +443,21 @@ GPU_THROTTLE = _m(
     essential=True,
 )  # fmt: skip
 CUDA_MEMORY_ALLOCATED = _m(
-    "train.cuda.memory.allocated",
-    S.GAUGE,
-    "By",
-    "CUDA allocator: allocated.",
-    "cuda/memory_allocated",
+    "train.cuda.memory.allocated", S.GAUGE, "By", "CUDA allocator: allocated.", "cuda/memory_allocated",
     gpu_only=True,
-)
+)  # fmt: skip
 CUDA_MEMORY_RESERVED = _m(
-    "train.cuda.memory.reserved",
-    S.GAUGE,
-    "By",
-    "CUDA allocator: reserved.",
-    "cuda/memory_reserved",
+    "train.cuda.memory.reserved", S.GAUGE, "By", "CUDA allocator: reserved.", "cuda/memory_reserved",
     gpu_only=True,
-)
+)  # fmt: skip
 CUDA_MEMORY_PEAK = _m(
-    "train.cuda.memory.peak",
-    S.GAUGE,
-    "By",
-    "CUDA allocator: peak allocated over the interval.",
-    "cuda/memory_peak",
-    gpu_only=True,
-)
+    "train.cuda.memory.peak", S.GAUGE, "By", "CUDA allocator: peak allocated over the interval.",
+    "cuda/memory_peak", gpu_only=True,
+)  # fmt: skip
 CUDA_ALLOC_RETRIES = _m(
-    "train.cuda.alloc_retries",
-    S.COUNTER,
-    "{retry}",
-    "CUDA allocator retries.",
-    "cuda/alloc_retries",
+    "train.cuda.alloc_retries", S.COUNTER, "{retry}", "CUDA allocator retries.", "cuda/alloc_retries",
     gpu_only=True,
-)
+)  # fmt: skip
 CUDA_OOMS = _m(
     "train.cuda.ooms", S.COUNTER, "{event}", "CUDA out-of-memory events.", "cuda/ooms", gpu_only=True
 )

@@ -6,6 +6,7 @@ Naming and bridge keys: docs/design/core.md#semconv.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -707,29 +708,16 @@ def _key_pattern(spec: MetricSpec) -> re.Pattern[str]:
     return re.compile(f"^{template}{extra}{derived}$")
 
 
-_RESERVED: tuple[list[tuple[re.Pattern[str], str]], dict[str, str]] | None = None
-
-
+@functools.cache
 def _reserved() -> tuple[list[tuple[re.Pattern[str], str]], dict[str, str]]:
-    global _RESERVED
-    if _RESERVED is None:
-        keys = [(_key_pattern(spec), spec.name) for spec in CATALOGUE]
-        prom: dict[str, str] = {"target_info": "target_info"}
-        for spec in CATALOGUE:
-            for collector in (False, True):
-                base = prometheus_name(spec, collector)
-                stem = base.removesuffix("_total")
-                for name in (
-                    stem,
-                    f"{stem}_total",
-                    f"{stem}_created",
-                    f"{stem}_bucket",
-                    f"{stem}_sum",
-                    f"{stem}_count",
-                ):
-                    prom.setdefault(name, spec.name)
-        _RESERVED = (keys, prom)
-    return _RESERVED
+    keys = [(_key_pattern(spec), spec.name) for spec in CATALOGUE]
+    prom: dict[str, str] = {"target_info": "target_info"}
+    for spec in CATALOGUE:
+        for collector in (False, True):
+            stem = prometheus_name(spec, collector).removesuffix("_total")
+            for suffix in ("", "_total", "_created", "_bucket", "_sum", "_count"):
+                prom.setdefault(stem + suffix, spec.name)
+    return keys, prom
 
 
 def reserved_by(instrument: str) -> str | None:

@@ -58,36 +58,11 @@ class Setting:
 
 
 def setting(
-    default: Any = dataclasses.MISSING,
-    *,
-    doc: str,
-    factory: Callable[[], Any] | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    pattern: str | None = None,
-    check: Callable[[Any], str | None] | None = None,
-    fix: str | None = None,
-    env: tuple[str, ...] = (),
-    env_in_ms: bool = False,
-    runtime: bool = False,
+    default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None, **rules: Any
 ) -> Any:
-    """A `Config` field: its default (or `factory` for a mutable one) and its `Setting`."""
-    spec = Setting(
-        doc=doc,
-        ge=ge,
-        gt=gt,
-        le=le,
-        lt=lt,
-        pattern=pattern,
-        check=check,
-        fix=fix,
-        env=env,
-        env_in_ms=env_in_ms,
-        runtime=runtime,
-    )
-    metadata = {_METADATA_KEY: spec}
+    """A `Config` field: its default (or `factory` for a mutable one) and its `Setting`, made of
+    `rules` (`doc` and any of the other `Setting` fields)."""
+    metadata = {_METADATA_KEY: Setting(**rules)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -415,19 +415,14 @@ class Declaration:
     setting: Setting
 
 
-_TABLES: dict[type, Mapping[str, Declaration]] = {}
+_TABLES: dict[type, dict[str, Declaration]] = {}
 
 
 def declared(cls: type[Config] = Config) -> Mapping[str, Declaration]:
     """Each field of `cls`, in order. A field re-declared without `setting` (a subclass changing a
     default) keeps its base class's `Setting`; one never declared with it has an empty doc and no rule."""
-    table = _TABLES.get(cls)
-    if table is None:
-        table = _TABLES[cls] = _declarations(cls)
-    return table
-
-
-def _declarations(cls: type[Config]) -> dict[str, Declaration]:
+    if cls in _TABLES:
+        return _TABLES[cls]
     hints = typing.get_type_hints(cls)
     table: dict[str, Declaration] = {}
     for f in dataclasses.fields(cls):
@@ -442,6 +437,7 @@ def _declarations(cls: type[Config]) -> dict[str, Declaration]:
             default,
             spec if spec is not None else Setting(doc=""),
         )
+    _TABLES[cls] = table
     return table
 
 

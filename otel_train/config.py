@@ -531,13 +531,6 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
         raise ConfigError(f"setting {name} = {shown} is invalid: {fix} ({where}).")
 
 
-def changed(config: Config, settings: Mapping[str, Any], source: str) -> Config:
-    """`config` with `settings` changed, checked as `init()` checks them (`ConfigError`)."""
-    new = dataclasses.replace(config, **settings)
-    validate(new, dict.fromkeys(settings, source))
-    return new
-
-
 # What a run name may not hold (see `_RUN_NAME`), as a project name given as its prefix is cleaned.
 _NOT_RUN_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:-]+")
 

@@ -8,6 +8,7 @@ Settings, limits and design: docs/design/core.md#control.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -364,7 +365,9 @@ def changed_config(config: Config, settings: Mapping[str, Any]) -> Config:
     """`config` with a change's settings (all but `profile`, which starts a window instead), checked
     as `init()` checks them (`ConfigError`)."""
     changes = {k: v for k, v in settings.items() if k != "profile"}
-    return settings_table.changed(config, changes, "the control file")
+    new = dataclasses.replace(config, **changes)
+    settings_table.validate(new, dict.fromkeys(changes, "the control file"))
+    return new
 
 
 def profile_request(options: Mapping[str, Any]) -> tuple[ProfileWindow, list[int] | None]:

@@ -95,28 +95,19 @@ def read_bounded(path: Path) -> bytes | None:
         mode = os.lstat(path).st_mode
         if not stat.S_ISREG(mode):
             raise ValueError(_not_regular(mode))
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     except OSError as exc:  # ELOOP: it became a symlink since the lstat
         raise ValueError(f"cannot open it ({exc.strerror or exc})") from None
-    try:
+    with os.fdopen(fd, "rb") as fh:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):  # swapped between lstat and open
             raise ValueError(_not_regular(mode))
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_FILE_BYTES:
-            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    if size > MAX_FILE_BYTES:
+        data = fh.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes: a control file holds a few settings")
-    return b"".join(chunks)
+    return data
 
 
 def _not_regular(mode: int) -> str:

@@ -291,26 +291,17 @@ class ControlFile:
 
     def _stamp(self, change: ControlChange) -> bool:
         """Rank 0: write `change` (and the recent earlier ones) as the stamped file."""
-        earlier = [
-            {"version": c.version, "apply_at_step": c.apply_at_step, "settings": dict(c.settings)}
-            for c in self._history
-        ]
+        earlier = [dataclasses.asdict(c) for c in self._history]
         while True:
-            body = {
-                "settings": dict(change.settings),
-                "version": change.version,
-                "apply_at_step": change.apply_at_step,
-                "earlier": earlier,
-            }
+            body = {**dataclasses.asdict(change), "earlier": earlier}
             stamp = {k: body[k] for k in ("version", "apply_at_step", "earlier")}
-            document = {**change.settings, **stamp, "digest": _digest(body)}
-            text = json.dumps(document, indent=1) + "\n"
-            if len(text.encode()) <= MAX_FILE_BYTES or not earlier:
+            text = json.dumps({**change.settings, **stamp, "digest": _digest(body)}, indent=1) + "\n"
+            if len(text.encode()) <= MAX_FILE_BYTES:
                 break
+            if not earlier:
+                self._reject(f"too large to stamp within {MAX_FILE_BYTES} bytes: write fewer settings")
+                return False
             earlier = earlier[1:]  # the oldest first: ranks have had the longest to read it
-        if len(text.encode()) > MAX_FILE_BYTES:
-            self._reject(f"too large to stamp within {MAX_FILE_BYTES} bytes: write fewer settings")
-            return False
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             tmp.write_text(text, encoding="utf-8")

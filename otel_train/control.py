@@ -20,15 +20,12 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from otel_train import config as settings_table
 from otel_train.config import Config
 from otel_train.health import EventChannel
 from otel_train.run_directory import RunFiles
-
-if TYPE_CHECKING:
-    from otel_train.profiling import ProfileWindow
 
 log = logging.getLogger("otel_train")
 
@@ -259,11 +256,17 @@ class ControlFile:
         return new
 
     def schedule(self, last_step: int, seconds_per_step: float | None) -> None:
-        """Control thread: poll the file and schedule each new change for the training thread."""
+        """Control thread: poll the file, schedule each new change for the training thread and announce
+        it (a `control` health event)."""
         for change in self.poll(last_step, seconds_per_step):
             with self._pending_lock:
                 self.pending = [*self.pending, change]
-            self.announce(change)
+            self._events.emit(
+                "control",
+                f"runtime control v{change.version}: {dict(change.settings)} from step {change.apply_at_step}",
+                {"step": change.apply_at_step, "version": change.version},
+                severity="INFO",
+            )
 
     def take_due(self, index: int) -> list[ControlChange]:
         """Training thread, as step `index` begins: the scheduled changes due by now, in order."""
@@ -272,15 +275,6 @@ class ControlFile:
             due = list(itertools.takewhile(lambda change: index >= change.apply_at_step, pending))
             self.pending = pending[len(due) :]
         return due
-
-    def announce(self, change: ControlChange) -> None:
-        """One `control` health event for a change this rank scheduled."""
-        self._events.emit(
-            "control",
-            f"runtime control v{change.version}: {dict(change.settings)} from step {change.apply_at_step}",
-            {"step": change.apply_at_step, "version": change.version},
-            severity="INFO",
-        )
 
     def reject_applied(self, change: ControlChange, index: int, problem: str) -> None:
         """A scheduled change that could not be applied at step `index` (training thread)."""
@@ -315,18 +309,17 @@ class ControlFile:
 
 def apply_due(session: Any, due: list[ControlChange], index: int) -> None:
     """Apply each change in turn; one that fails is a `control_rejected` event, never an exception
-    in the user's step."""
+    in the user's step. `session` is a `Session` with a control file (not named here: session
+    imports this module)."""
     for change in due:
         try:
             apply_change(session, change, index)
         except Exception as exc:  # torch.profiler (a `profile` change) and the sinks a setting reaches
-            if session.control is not None:
-                session.control.reject_applied(change, index, f"not applied (partly, perhaps): {exc!r}")
+            session.control.reject_applied(change, index, f"not applied (partly, perhaps): {exc!r}")
 
 
 def apply_change(session: Any, change: ControlChange, index: int) -> None:
-    """Training thread, as step `index` begins: apply one scheduled change to `session` (a
-    `Session`; not named here: session imports this module)."""
+    """Training thread, as step `index` begins: apply one scheduled change to `session`."""
     settings = dict(change.settings)
     session.config = changed_config(session.config, settings)
     session.timing_level = session.config.timer_level
@@ -334,13 +327,24 @@ def apply_change(session: Any, change: ControlChange, index: int) -> None:
         session.console.verbosity = session.config.verbosity
     if "straggler_threshold" in settings:
         session.reducer.set_threshold(session.config.straggler_threshold)
-    if "profile" in settings and session.profiler is not None and session.control is not None:
+    if "profile" in settings and session.profiler is not None:
         session.control.reject_applied(
             change, index, "its profile was not applied: a window is still running; write it again later"
         )
     elif "profile" in settings:
-        session.start_profile(*profile_request(settings["profile"]))
-    warn_if_late(change, index)
+        from otel_train.profiling import ProfileWindow
+
+        window = dict(settings["profile"])
+        ranks = window.pop("ranks", None)
+        session.start_profile(ProfileWindow(**window), ranks)
+    if index > change.apply_at_step:
+        log.warning(
+            "otel_train: runtime control v%d applied at step %d, after its step %d (this rank "
+            "read the control file late)",
+            change.version,
+            index,
+            change.apply_at_step,
+        )
 
 
 def changed_config(config: Config, settings: Mapping[str, Any]) -> Config:
@@ -350,23 +354,3 @@ def changed_config(config: Config, settings: Mapping[str, Any]) -> Config:
     new = dataclasses.replace(config, **changes)
     settings_table.validate(new, dict.fromkeys(changes, "the control file"))
     return new
-
-
-def profile_request(options: Mapping[str, Any]) -> tuple[ProfileWindow, list[int] | None]:
-    """A change's `profile` setting as the arguments of `Session.start_profile`."""
-    from otel_train.profiling import ProfileWindow
-
-    window = dict(options)
-    ranks = window.pop("ranks", None)
-    return ProfileWindow(**window), ranks
-
-
-def warn_if_late(change: ControlChange, index: int) -> None:
-    if index > change.apply_at_step:
-        log.warning(
-            "otel_train: runtime control v%d applied at step %d, after its step %d (this rank "
-            "read the control file late)",
-            change.version,
-            index,
-            change.apply_at_step,
-        )

@@ -356,13 +356,7 @@ class Session:
         if "torch" in sys.modules:
             _note_torch_state(batch, self.config.compute_dtype == "auto")
         with self._lock:  # the room was checked above (final: never waits)
-            handed = self.worker.submit_batch(batch, 0.0)
-        if not handed:  # unreachable without a wait; kept so a lost flush is never silent
-            self.lost_flushes += 1
-            self.lost_steps += batch.steps
-            self.buffer.drop("lost_flush")
-            _warn_lost_flush(batch, self.lost_flushes)
-            return False
+            self.worker.submit_batch(batch)
         return True
 
     def message(self, kind: type[Message], key: str, payload: Any, step: int | None) -> None:
@@ -503,17 +497,6 @@ def _note_torch_state(batch: FlushBatch, detect_dtype: bool) -> None:
 def _on_cuda(value: Any) -> bool:
     device = getattr(value, "device", None)
     return device is not None and getattr(device, "type", "") == "cuda"
-
-
-def _warn_lost_flush(batch: FlushBatch, lost_flushes: int) -> None:
-    log.warning(
-        "otel_train: the background worker is stuck; flush %d (%d steps, up to step %d) was "
-        "dropped (%d flushes lost so far).",
-        batch.seq,
-        batch.steps,
-        batch.step,
-        lost_flushes,
-    )
 
 
 def _drop_message(buffer: Buffer, limit: int) -> None:

@@ -100,7 +100,6 @@ class Worker:
         self.steps_put = 0
         self.steps_done = 0
         self.failed_flushes = 0
-        self._room = threading.Condition()
         self._abandoned = False
         self.final_scalars: dict[str, float] = {}
         self._stat_keys: dict[str, float] = {}  # this flush's interval statistics of users' names
@@ -137,17 +136,12 @@ class Worker:
     def pending_batches(self) -> int:
         return self.batches_put - self.batches_done
 
-    def submit_batch(self, batch: FlushBatch, wait_s: float) -> bool:
-        """Enqueue a flush batch (the caller serialises these calls). With `wait_s` > 0, wait up
-        to that long for room below `max_batches`; False (nothing enqueued) if there was none."""
-        if wait_s > 0 and self.pending_batches() >= self.max_batches:
-            with self._room:
-                if not self._room.wait_for(lambda: self.pending_batches() < self.max_batches, wait_s):
-                    return False
+    def submit_batch(self, batch: FlushBatch) -> None:
+        """Enqueue a flush batch; the caller serialises these calls and checked `pending_batches()`
+        against `max_batches` first (the queue itself is unbounded: this never waits)."""
         self.batches_put += 1
         self.steps_put += batch.steps
         self.queue.put(batch)
-        return True
 
     def stop(self, timeout_s: float) -> bool:
         """Ask the worker to finish what is queued and stop; False if it did not within timeout_s
@@ -210,10 +204,8 @@ class Worker:
             smoothed = self.flush_cpu_s
             self.flush_cpu_s = cpu_s if smoothed == 0.0 else smoothed + FLUSH_CPU_WEIGHT * (cpu_s - smoothed)
         if not self._abandoned:
-            with self._room:
-                self.steps_done += item.steps
-                self.batches_done += 1
-                self._room.notify_all()
+            self.steps_done += item.steps
+            self.batches_done += 1
 
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:

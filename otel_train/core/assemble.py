@@ -161,7 +161,7 @@ def _collective_monitor(place: RunPlace, meter: Any) -> CollectiveMonitor | None
     """Collective metrics from the Flight Recorder, on a rank of a started process group."""
     if not place.identity.distributed:
         return None
-    if not process_group_started():
+    if not process_group_initialized():
         if place.identity.rank == 0:  # the launch check's no_process_group event says why, too
             logger.warning(
                 "otel_train: torch.distributed had no process group when ot.init() ran: collective "
@@ -322,7 +322,6 @@ def _report_stuck_worker(session: Session) -> None:
 
 def _check_launch(session: Session, place: RunPlace, gpu_discovery: Discovery | None) -> dict[str, Any]:
     from otel_train.diagnostics import check_launch, local_facts
-    from otel_train.distributed import process_group_initialized
     from otel_train.hardware import RES_GPU_UUID
 
     gpu_uuid = gpu_discovery.resource_attributes().get(RES_GPU_UUID) if gpu_discovery else None
@@ -529,7 +528,7 @@ def _job_notices(
     no agreed run directory), or it asked for another log_interval, cross_rank, exchange_fanin or
     rank_series than rank 0."""
     ident = agreed.identity
-    if ident.distributed and group is None and process_group_started():
+    if ident.distributed and group is None and process_group_initialized():
         return (
             (
                 "run_split",
@@ -566,15 +565,6 @@ def _job_notices(
 
 def _cadence_text(log_interval: int | None) -> str:
     return "the adaptive cadence (log_interval unset)" if log_interval is None else f"{log_interval} steps"
-
-
-def process_group_started() -> bool:
-    try:
-        import torch.distributed as dist
-
-        return bool(dist.is_available() and dist.is_initialized())
-    except ImportError:  # no torch
-        return False
 
 
 # --- the sinks: every rank's metrics JSONL; on the reporting rank the progress file, the console

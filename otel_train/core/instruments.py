@@ -266,12 +266,10 @@ def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, floa
     elif isinstance(data, Sum):
         for point in data.data_points:
             key = key_for(name, point.attributes or {})
-            if data.is_monotonic and data.aggregation_temporality == AggregationTemporality.DELTA:
-                out[key] = float(point.value)
-                if interval_s > 0:
-                    out[key + semconv.RATE_SUFFIX] = float(point.value) / interval_s
-            else:
-                out[key] = float(point.value)
+            out[key] = float(point.value)
+            delta = data.aggregation_temporality == AggregationTemporality.DELTA
+            if data.is_monotonic and delta and interval_s > 0:
+                out[key + semconv.RATE_SUFFIX] = float(point.value) / interval_s
     elif isinstance(data, HistogramData):
         for hpoint in data.data_points:
             if hpoint.count == 0:
@@ -293,11 +291,7 @@ def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, floa
 
 
 def bucket_quantile(
-    q: float,
-    bounds: Any,
-    counts: Any,
-    observed_min: float | None = None,
-    observed_max: float | None = None,
+    q: float, bounds: Any, counts: Any, observed_min: float | None, observed_max: float | None
 ) -> float | None:
     """Quantile estimate from explicit buckets, or None when no honest estimate exists.
 

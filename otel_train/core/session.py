@@ -434,20 +434,12 @@ def count_of(value: Any, what: str, buffer: Buffer) -> int | None:
 
 
 def _uncapped_step(buffer: Buffer, tokens: int | None, samples: int | None, failed: bool) -> None:
-    """A step beyond the step_events cap: its counts only (its duration and index are dropped)."""
+    """A step beyond the step_events cap: its counts only (its duration and index are dropped);
+    a negative count is dropped, counted and warned about as under the cap."""
     buffer.drop("too_many_values")
-    if failed:
-        return
-    for what, count in (("tokens", tokens), ("samples", samples)):  # plain ints, unchecked
-        if count is not None and count < 0:  # dropped, counted and warned as under the cap
-            buffer.drop("invalid_value")
-            buffer.warn_once(
-                "<negative count>",
-                f"otel_train: ot.step({what}={count}): a count must be >= 0; such counts were "
-                "dropped and counted as otel_train.dropped{reason=invalid_value} (warned once).",
-            )
-    buffer.tokens += max(0, tokens or 0)
-    buffer.samples += max(0, samples or 0)
+    if not failed:
+        buffer.tokens += count_of(tokens, "tokens", buffer) or 0
+        buffer.samples += count_of(samples, "samples", buffer) or 0
 
 
 def message_step(step: Any, buffer: Buffer) -> int | None:

@@ -264,13 +264,7 @@ class Buffer:
             self.drop("too_many_values")
 
     def add_phase(self, name: str, seconds: float) -> None:
-        values = self.phases.get(name)
-        if values is None:
-            values = self.phases[name] = []
-        if len(values) < self.max_values:
-            values.append(seconds)
-        else:
-            self.drop("too_many_values")
+        self._append(self.phases.setdefault(name, []), seconds)
 
     def add_phase_error(self, name: str, error: str, seconds: float) -> None:
         key = (name, error)
@@ -280,10 +274,7 @@ class Buffer:
                 self.drop("too_many_error_types")
                 return
             values = self.phase_errors[key] = []
-        if len(values) < self.max_values:
-            values.append(seconds)
-        else:
-            self.drop("too_many_values")
+        self._append(values, seconds)
 
     # --- ot.watch (watched steps only) ------------------------------------------------------------
     def add_layer_stats(self, records: list[LayerStats]) -> None:
@@ -294,16 +285,10 @@ class Buffer:
 
     def add_cuda_timer(self, name: str, start: Any, end: Any) -> None:
         """A `timer(cuda=True)` phase as its two CUDA events (resolved on the worker)."""
-        if len(self.cuda_timers) < self.max_values:
-            self.cuda_timers.append((name, start, end))
-        else:
-            self.drop("too_many_values")
+        self._append(self.cuda_timers, (name, start, end))
 
     def add_histogram(self, key: str, step: int, values: Any) -> None:
-        if len(self.histograms) < self.max_values:
-            self.histograms.append((key, step, values))
-        else:
-            self.drop("too_many_values")
+        self._append(self.histograms, (key, step, values))
 
     def add_internal(self, instrument: str, value: Any) -> None:
         """A catalogue gauge fed by otel_train itself, under the instrument's own name (so no
@@ -312,10 +297,7 @@ class Buffer:
         if values is None:
             self._name_map[instrument] = instrument
             values = self.scalars[instrument] = []
-        if len(values) < self.max_values:
-            values.append(value)
-        else:
-            self.drop("too_many_values")
+        self._append(values, value)
 
     def instrument_of(self, name: str) -> str | None:
         """The instrument a record() name seen before maps to (None: unseen or rejected)."""
@@ -330,6 +312,13 @@ class Buffer:
 
     def drop(self, reason: str, count: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+    def _append(self, values: list[Any], item: Any) -> None:
+        """Append `item`, or count it as dropped when `values` holds max_values_per_interval."""
+        if len(values) < self.max_values:
+            values.append(item)
+        else:
+            self.drop("too_many_values")
 
     # --- first sight of a name (once per name, not per step) ------------------------------------
     def _open_scalar(self, name: str) -> list[Any] | None:

@@ -242,15 +242,7 @@ class Run:
             otlp_metrics_endpoint=redact_url(config.otlp_metrics_endpoint),
             timing_log_level=config.timing_log_level,
             open_step=session.running_step,
-            bridges=tuple(
-                name
-                for name, on in (
-                    ("tensorboard", config.tensorboard),
-                    ("wandb", config.wandb),
-                    ("mlflow", config.mlflow),
-                )
-                if on
-            ),
+            bridges=tuple(name for name in ("tensorboard", "wandb", "mlflow") if getattr(config, name)),
             rank_series=session.telemetry.rank_series,
         )
 

@@ -8,14 +8,13 @@ Standard OpenTelemetry variables (each setting's `env` in config) are read as th
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import typing
 from collections.abc import Mapping
 from typing import Any
 
-from otel_train.config import CONFIG_FILE_ENV, Config, ConfigError, declared, env_name, validate
+from otel_train.config import CONFIG_FILE_ENV, Config, ConfigError, Declaration, declared, env_name, validate
 
 # An HTTP header name (RFC 9110 token); values are checked for control characters only.
 _HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -40,7 +39,7 @@ def load_config(
     for name, entry in table.items():
         for key in entry.setting.env:
             if environ.get(key, "").strip() != "":
-                values[name] = (_from_standard_env(key, environ[key], name, config_cls), key)
+                values[name] = (_from_standard_env(key, environ[key], entry), key)
     for name in table:
         key = env_name(name)
         if environ.get(key, "").strip() != "":
@@ -52,7 +51,7 @@ def load_config(
             )
         values[name] = (value, f"init({name}=...)")
 
-    resolved = {name: _parse(name, value, source, config_cls) for name, (value, source) in values.items()}
+    resolved = {name: _parse(name, value, source, table[name]) for name, (value, source) in values.items()}
     config = config_cls(**resolved)
     validate(config, {name: source for name, (_, source) in values.items()})
     return config
@@ -76,8 +75,8 @@ def config_file_settings(path: str, config_cls: type[Config] = Config) -> dict[s
         raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of settings, got {type(data).__name__}.")
-    known = {f.name for f in dataclasses.fields(config_cls)}
-    unknown = sorted(set(data) - known)
+    known = declared(config_cls)
+    unknown = sorted(set(data) - known.keys())
     if unknown:
         raise ConfigError(
             f"config file {path!r} has unknown settings {unknown}. Known: {', '.join(sorted(known))}."
@@ -85,9 +84,8 @@ def config_file_settings(path: str, config_cls: type[Config] = Config) -> dict[s
     return data
 
 
-def _from_standard_env(env_key: str, raw: str, name: str, config_cls: type[Config]) -> Any:
+def _from_standard_env(env_key: str, raw: str, entry: Declaration) -> Any:
     """A standard OpenTelemetry variable's value: milliseconds as seconds where the spec says so."""
-    entry = declared(config_cls)[name]
     if not entry.setting.env_in_ms:
         return raw
     example = f"{entry.default * 1000:.0f}"  # env_in_ms settings are numbers of seconds
@@ -122,8 +120,6 @@ def parse_key_values(raw: str, setting: str) -> dict[str, str]:
             )
         key, value = item.split("=", 1)
         out[unquote(key.strip())] = unquote(value.strip())
-    if "HEADERS" in setting.upper():
-        check_headers(out, setting)
     return out
 
 
@@ -144,10 +140,9 @@ def check_headers(headers: Mapping[str, str], setting: str) -> None:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _parse(name: str, value: Any, source: str, config_cls: type[Config]) -> Any:
+def _parse(name: str, value: Any, source: str, entry: Declaration) -> Any:
     """`value` as its field's type where it is text (environment, YAML) or a looser type of the same
     thing (a list for a tuple, an int for a float); anything else is left for `validate` to refuse."""
-    entry = declared(config_cls)[name]
     hint, optional = entry.type, entry.optional
     text = value.strip() if isinstance(value, str) else None
     if optional and (value is None or (text is not None and text.lower() in ("", "none", "null"))):
@@ -162,17 +157,14 @@ def _parse(name: str, value: Any, source: str, config_cls: type[Config]) -> Any:
             return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if origin is dict:
-        headers = "header" in name
+    if origin is dict and (text is not None or isinstance(value, Mapping)):
         if text is not None:
-            return parse_key_values(
-                value, f"{source} (headers)" if headers and "HEADERS" not in source else source
-            )
-        if isinstance(value, Mapping):
+            mapping = parse_key_values(value, source)
+        else:
             mapping = {str(k): str(v) for k, v in value.items()}
-            if headers:
-                check_headers(mapping, source)
-            return mapping
+        if "header" in name:
+            check_headers(mapping, source)
+        return mapping
     if origin is tuple and text is not None:
         return tuple(v.strip() for v in value.split(",") if v.strip())
     if origin is tuple and isinstance(value, (list, tuple)):

@@ -24,9 +24,7 @@ def redact_url(value: Any) -> Any:
     userinfo and secret-looking query parameters); other values unchanged."""
     if not isinstance(value, str) or "://" not in value:
         return value
-    if "@" in value:
-        value = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@", rf"\1{REDACTED}@", value)
-    return _SECRET_IN_TEXT_RE.sub(_redacted_pair, value) if "=" in value else value
+    return _SECRET_IN_TEXT_RE.sub(_redacted_pair, _USERINFO_RE.sub(f"{REDACTED}@", value))
 
 
 # Free text (ot.log_text, samples) is capped before it is queued: a megabyte string would hold the

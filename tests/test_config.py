@@ -120,3 +120,16 @@ def test_file_values_are_read_by_their_declared_type(tmp_path) -> None:
         match=rf"queue_size = 2\.5 is invalid: use an integer >= 1 \(from {re.escape(str(path))}:queue_size",
     ):
         load_config({}, environ={}, config_file=str(path))
+
+
+def test_header_rules_apply_to_the_headers_setting_only(tmp_path) -> None:
+    # A file named after headers holds resource attributes, whose keys may have spaces; the
+    # header-name rule applies to `otlp_headers`, however its value is given.
+    path = tmp_path / "headers.yaml"
+    path.write_text('resource_attributes: "team name=ml"\n')
+    assert load_config({}, environ={}, config_file=str(path)).resource_attributes == {"team name": "ml"}
+    path.write_text('otlp_headers: "bad key=v"\n')
+    with pytest.raises(ConfigError, match="header #1"):
+        load_config({}, environ={}, config_file=str(path))
+    with pytest.raises(ConfigError, match="header #1"):
+        load_config({"otlp_headers": {"bad key": "v"}}, environ={})

@@ -57,7 +57,6 @@ class FlushEfficiency:
         self._dtype: str | None = normalize_dtype(setting) if setting != "auto" else None
         self._detected: str | None = None
         self._peak_dtype: str | None = None  # the dtype `_peak` was resolved for
-        self._flops_per_token: float | None = config.flops_per_token
         self._instruments: dict[str, Any] = {}
         self._energy_prev: tuple[float, float] | None = None
         self._cuda_prev: dict[str, int] = {}
@@ -80,19 +79,6 @@ class FlushEfficiency:
     def create_mfu_instruments(self) -> None:
         self._create((sc.FLOPS, sc.MFU))
 
-    # -- settings ------------------------------------------------------------------------------------
-    def set_flops_per_token(self, flops_per_token: float | None) -> None:
-        self._flops_per_token = flops_per_token if flops_per_token and flops_per_token > 0 else None
-
-    def set_compute_dtype(self, dtype: str) -> None:
-        key = normalize_dtype(dtype)
-        if key is None:
-            log.warning(
-                "otel_train: unknown compute dtype %r for MFU; keeping %r", dtype, self.compute_dtype()
-            )
-            return
-        self._dtype = key
-
     def compute_dtype(self, autocast: str | None = None) -> str:
         """The dtype MFU's peak is for: the setting, else the autocast dtype seen at a flush (kept
         once seen), else bf16. fp32 is tf32 when torch lets float32 matmuls use TF32 tensor cores."""
@@ -101,12 +87,9 @@ class FlushEfficiency:
         dtype = self._dtype or self._detected or "bf16"
         return float32_matmul_dtype() if dtype == "fp32" else dtype
 
-    def begin_flush(self) -> None:
-        """Forget the last flush's allocator ratio (a flush without CUDA reports no pressure from it)."""
-        self._cuda_reserved_ratio = None
-
     # -- CUDA allocator --------------------------------------------------------------------------------
     def flush_cuda(self, interval: Interval) -> None:
+        self._cuda_reserved_ratio = None  # a flush without CUDA reports no pressure from it
         tc = self.torch_cuda()
         if not cuda_initialized(tc):
             return
@@ -240,7 +223,7 @@ class FlushEfficiency:
         return peak
 
     def flush_mfu(self, interval: Interval) -> None:
-        fpt = self._flops_per_token
+        fpt = self._config.flops_per_token
         if not fpt or interval.tokens <= 0 or interval.elapsed_s <= 0:
             return
         achieved = fpt * interval.tokens / interval.elapsed_s

@@ -98,7 +98,6 @@ class HardwareMonitor:
     def on_flush(self, interval: Interval) -> None:
         if not self._started or self._closed:
             return
-        self.efficiency.begin_flush()
         eff = self.efficiency
         parts = (self._check_sampler, eff.flush_cuda, eff.flush_pressure, eff.flush_energy, eff.flush_mfu)
         for part in parts:

@@ -16,7 +16,6 @@ ZERO_STEPS = 3  # watched steps in a row without a gradient before `no_gradient`
 WARMUP = 5  # watched steps of a layer's history before it is judged
 EXPLODE = 10.0  # at least x the layer's recent level
 VANISH = 100.0  # at least 1/x of the layer's recent level
-NOISE_SPREADS = 8.0  # and more than this many of the layer's own step-to-step spreads
 SUSTAIN = 3  # ... for this many watched steps in a row
 IMMEDIATE = 1000.0  # ... or once by this factor
 _ALPHA = 0.2  # weight of the newest watched step in the layer's level (log space)
@@ -32,12 +31,11 @@ class Anomaly(Enum):
 
 
 class _Layer:
-    __slots__ = ("flag", "level", "seen", "spread", "streak", "streak_kind", "zeros")
+    __slots__ = ("flag", "level", "seen", "streak", "streak_kind", "zeros")
 
     def __init__(self) -> None:
         self.zeros = 0  # watched steps in a row (where it ran) without a gradient
         self.level = 0.0  # EWMA of log(norm)
-        self.spread = 0.0  # EWMA of |log(norm) - level|: the layer's own noise
         self.seen = 0  # non-zero finite norms taken into the level
         self.flag: Anomaly | None = None  # the anomaly last reported, until a normal value
         self.streak = 0  # anomalous watched steps in a row (of streak_kind)

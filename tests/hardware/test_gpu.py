@@ -62,7 +62,11 @@ def monitor() -> Iterator[tuple[HardwareMonitor, InMemoryMetricReader, Events]]:
     # nvmlInit without persistence mode can take seconds per GPU
     discovery = discover_with_timeout(local_rank, timeout_s=60)
     mon = HardwareMonitor(
-        Config(hardware_interval_s=0.25), provider.get_meter("gpu-test"), events, local_rank, discovery
+        Config(hardware_interval_s=0.25, flops_per_token=1e9),
+        provider.get_meter("gpu-test"),
+        events,
+        local_rank,
+        discovery,
     )
     mon.start()
     yield mon, reader, events
@@ -106,7 +110,6 @@ def test_allocator_energy_and_mfu_at_flush(
     monitor: tuple[HardwareMonitor, InMemoryMetricReader, Events],
 ) -> None:
     mon, reader, _ = monitor
-    mon.efficiency.set_flops_per_token(1e9)
     assert mon.gpu_sampler.wait_for_samples(1, timeout_s=10)
     mon.on_flush(Interval(seq=0, step=0, wall_time=time.time(), elapsed_s=1.0, steps=1, tokens=1, samples=1))
     # Live across the next flush: "allocated > 0" must not hinge on cuBLAS workspaces staying cached.

@@ -217,8 +217,20 @@ def test_auto_takes_the_autocast_dtype_seen_at_a_flush(reader: InMemoryMetricRea
         assert points["fp16"][sc.PEAK_SOURCE] == "table:h100-sxm:fp16"
         _mfu_points(mon, reader, None)  # autocast not active at this flush: the seen dtype stays
         assert mon.efficiency.compute_dtype() == "fp16"
-        mon.efficiency.set_compute_dtype("fp8")  # an explicit dtype wins over what is seen
+    finally:
+        mon.close()
+        provider.shutdown()
+
+
+def test_a_set_compute_dtype_wins_over_the_autocast_dtype_seen(reader: InMemoryMetricReader) -> None:
+    provider = MeterProvider(metric_readers=[reader])
+    nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0), name="NVIDIA H100 80GB HBM3")])
+    config = Config(flops_per_token=1e9, compute_dtype="fp8")
+    mon = HardwareMonitor(config, provider.get_meter("t"), None, 0, discover_with_timeout(0, nvml, {}))
+    mon.start(background=False)
+    try:
         points = _mfu_points(mon, reader, "bf16")
+        assert set(points) == {"fp8"}
         assert points["fp8"][sc.PEAK_FLOPS] == 1979e12
     finally:
         mon.close()
@@ -294,13 +306,12 @@ def test_unknown_device_gives_flops_but_no_mfu(reader: InMemoryMetricReader) -> 
     assert sc.MFU.name not in pts
 
 
-def test_set_flops_per_token_and_dtype(reader: InMemoryMetricReader) -> None:
+def test_configured_flops_per_token_and_dtype(reader: InMemoryMetricReader) -> None:
     provider = MeterProvider(metric_readers=[reader])
     nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0), name="NVIDIA A100-SXM4-80GB")])
-    mon = HardwareMonitor(Config(), provider.get_meter("t"), None, 0, discover_with_timeout(0, nvml, {}))
+    config = Config(flops_per_token=2e9, compute_dtype="tf32")
+    mon = HardwareMonitor(config, provider.get_meter("t"), None, 0, discover_with_timeout(0, nvml, {}))
     mon.start(background=False)
-    mon.efficiency.set_flops_per_token(2e9)
-    mon.efficiency.set_compute_dtype("tf32")
     assert mon.efficiency.resolve_peak() == (156e12, "table:a100-sxm:tf32")
     mon.on_flush(Interval(seq=0, step=0, wall_time=0.0, elapsed_s=1.0, steps=1, tokens=1000, samples=1))
     data = reader.get_metrics_data()

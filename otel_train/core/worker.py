@@ -495,8 +495,7 @@ def _write(sink: Sink, message: Message) -> None:
 
 
 def _log_body(message: Message) -> Any:
-    """The OTel log record's body for `message`."""
-    match message:
+    match message:  # a ScalarsMessage has no log record (`_log_record`)
         case TextMessage(text=text):
             return text
         case SamplesMessage(rows=rows):
@@ -508,8 +507,6 @@ def _log_body(message: Message) -> Any:
             return body
         case HparamsMessage(params=params):
             return json.dumps(params, default=str, sort_keys=True)
-        case ScalarsMessage(values=values):
-            return values
 
 
 def stuck_message(worker: Worker, limit_s: float) -> str | None:

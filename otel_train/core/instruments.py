@@ -359,9 +359,6 @@ class SpanWriter:
         parents: dict[int, Any] = {}
         for step, record in sorted(steps.items()):
             span = self._start(f"train.step {step}", record, perf_to_epoch_ns, self._virtual_root(step))
-            span.set_attribute("train.step", step)
-            for key, value in (record.attributes or {}).items():  # e.g. train.profiled
-                span.set_attribute(key, value)
             parents[step] = trace.set_span_in_context(span)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
             contexts[(None, _seconds(record))] = parents[step]
@@ -371,10 +368,6 @@ class SpanWriter:
             parent = parents.get(record.step) if record.kind is SpanRole.PHASE else None
             context = parent if parent is not None else self._virtual_root(record.step)
             span = self._start(record.name, record, perf_to_epoch_ns, context)
-            span.set_attribute(semconv.PHASE, record.name)
-            span.set_attribute("train.step", record.step)
-            for key, value in (record.attributes or {}).items():
-                span.set_attribute(key, value)
             span.end(end_time=record.end_ns + perf_to_epoch_ns)
             contexts[(record.name, _seconds(record))] = trace.set_span_in_context(span)
         return contexts
@@ -392,4 +385,8 @@ class SpanWriter:
         if record.error:
             span.set_status(Status(StatusCode.ERROR, record.error))
             span.set_attribute(semconv.ERROR_TYPE, record.error)
+        if record.kind is not SpanRole.STEP:
+            span.set_attribute(semconv.PHASE, record.name)
+        span.set_attribute("train.step", record.step)
+        span.set_attributes(record.attributes or {})  # e.g. train.profiled, an ot.span's own
         return span

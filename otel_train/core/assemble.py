@@ -1,10 +1,6 @@
-"""Assembly: `build_session(config)` builds every part of a session, in order, and wires them.
-
-The run place every rank agrees on at init (one all_gather: a refusal anywhere is every rank's, the
-exchange's shape), GPU discovery, the Resource, the SDK providers and instruments, health events,
-the sinks and the bridge process, the flush listeners (health, hardware, cross-rank reducer,
-profiled steps, goodput), the worker, the hang watchdog and the control file; then config.json and
-env.json, and the threads start. Design: docs/design/core.md#assemble.
+"""Assembly: `build_session(config)` builds every part of a session, in order, and wires them, from
+what every rank agrees at init (the run place), the Resource and the sinks. Design:
+docs/design/core.md#assemble.
 """
 
 from __future__ import annotations

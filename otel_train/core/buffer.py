@@ -1,10 +1,7 @@
-"""The hot-path accumulator and the records that leave it: the training thread only appends here.
-
-Nothing in this module calls the OTel SDK, touches a device value or does I/O. A flush swaps the
-interval's containers for fresh ones (O(number of names)) and hands the old ones, as a `FlushBatch`,
-to the background worker, which resolves them into the `Interval` every `FlushListener` (health,
-hardware, the cross-rank reducer, goodput, profiled steps) receives. The logger API's entries
-travel as `Message` records. Producers and listeners outside the core import from here.
+"""The hot-path accumulator (the training thread only appends here: no OTel SDK, device value or
+I/O) and the records that leave it: a flush's `FlushBatch`, the `Interval` the worker resolves it
+into for every `FlushListener`, and the logger API's `Message` records. Producers and listeners
+outside the core import from here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Value resolution, on the worker: a flush batch's raw values (numbers, device tensors, CUDA
-events, timers' clock readings) as host floats, bad ones (a non-str timer name too) dropped and
-counted; device tensors are copied in one transfer per device and dtype (the usual one-element
-loss per step: one stack and one copy). Durations then reach their SDK histograms in one
+"""Value resolution, on the worker: a flush batch's raw values (numbers, device tensors in one
+transfer per device and dtype, CUDA events, timers' clock readings) as host floats, bad ones (a
+non-str timer name too) dropped and counted; durations reach their SDK histograms in one
 aggregation step per series (`record_many`)."""
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The process's runtime: the one active session (`_current`), the process hooks around it (the
-atexit shutdown, the fork guard and the SIGTERM relay), and `Run`, what `ot.init()` returns:
-
-    with ot.init(run_name="sft") as run:      # shuts down at the end of the block
-        print(run.run_dir, run.prometheus_url)
-
-The hot path reads `_current` as a plain module attribute on purpose: docs/design/core.md#runtime.
+atexit shutdown, the fork guard and the SIGTERM relay), and `Run`, what `ot.init()` returns. The
+hot path reads `_current` as a plain module attribute on purpose: docs/design/core.md#runtime.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""step(), timer(), span(): the instrumentation you put in a training loop, and the same without
-a `with` block for adapters whose framework calls hooks at the start and end (`otel_train.adapters`):
-begin_step()/end_step(), `timer(name).start()`/`.stop()`, `span(name).start()`/`.stop()`, and
-phase() for a phase known only by its duration.
-
-step() and timer() are context managers and decorators. Before `init()` they do nothing; a timer
-above the configured `timing_log_level` returns a no-op object. On the training thread they only read
-`perf_counter_ns` and append to the session buffer. Clocks are `time.perf_counter_ns()`.
+"""step(), timer(), span(), and the same without a `with` block for adapters whose framework
+calls hooks at a step's start and end (`otel_train.adapters`): begin_step()/end_step(),
+`.start()`/`.stop()`, and phase() for a phase known only by its duration. Before `init()` they do
+nothing; on the training thread they only read `time.perf_counter_ns()` and append to the buffer.
 """
 
 from __future__ import annotations

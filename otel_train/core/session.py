@@ -1,9 +1,7 @@
-"""Session: the running telemetry of one process, in the order of its life: the parts it opens
-with, its steps, the hand-off of each interval to the worker, and the close.
-
-The training thread calls only `begin_step`, `end_step`, `end_timer`, `record` and `flush`, each
-one append to a flat per-interval list; the rest happens on the worker. `assemble.build_session`
-builds a session, `runtime` holds the active one. Design: docs/design/core.md#session.
+"""Session: the running telemetry of one process, in the order of its life (the parts it opens
+with, its steps, the hand-off of each interval to the worker, the close). The training thread
+calls only `begin_step`, `end_step`, `end_timer`, `record` and `flush`; the rest happens on the
+worker. Design: docs/design/core.md#session.
 """
 
 from __future__ import annotations

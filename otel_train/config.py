@@ -1,10 +1,7 @@
 """Config: one frozen dataclass of every setting, each declared once with `setting(...)`.
 
-A declaration holds the default, the allowed values, the standard OpenTelemetry variables that also
-set it, whether the control file may change it in a running job, and its one-line doc; `validate`,
-the environment and file parsing (config_loading), the control file (control) and the docs'
-configuration page (docs/hooks.py) all read it. Every field also reads `OTEL_TRAIN_<FIELD>`.
-Invalid settings raise `ConfigError` at `init()`, naming the setting, the bad value and the fix.
+Validation, the environment and file parsing (config_loading), the control file (control) and the
+docs' configuration page (docs/hooks.py) all read the declarations: docs/reference/configuration.md.
 """
 
 from __future__ import annotations

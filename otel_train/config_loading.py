@@ -1,9 +1,6 @@
 """Where settings come from: `load_config` resolves a `Config` from kwargs > environment > YAML
-file > defaults, each value parsed by its field's type, then checked (`config.validate`).
-
-Standard OpenTelemetry variables (each setting's `env` in config) are read as the spec says
-(`OTEL_EXPORTER_OTLP_HEADERS` as percent-encoded `k=v` pairs, milliseconds where the setting says
-`env_in_ms`); `OTEL_TRAIN_<FIELD>` sets any field.
+file > defaults, each value parsed by its field's type, then checked (`config.validate`). Standard
+OpenTelemetry variables are read as the spec says (docs/reference/configuration.md).
 """
 
 from __future__ import annotations

@@ -18,11 +18,6 @@ from typing import Any, Literal
 
 from otel_train.redaction import REDACTED, is_secret_key, redact, redact_url
 
-OtlpProtocol = Literal["http/protobuf", "grpc"]
-TimingLogOption = Literal["max", "minmax", "all"]
-WatchAggregate = Literal["layer", "model"]
-# The precision MFU's peak is taken for (otel_train.hardware.mfu); "auto": detected (see Config.compute_dtype).
-ComputeDtype = Literal["auto", "fp8", "bf16", "fp16", "tf32", "fp32"]
 # Which series each rank exports (README "Scale"). "auto": essential from RANK_SERIES_ESSENTIAL_FROM ranks on.
 RankSeries = Literal["auto", "full", "essential"]
 RANK_SERIES_ESSENTIAL_FROM = 1024
@@ -183,7 +178,7 @@ class Config:
         doc="Metrics only, full URL used as-is (e.g. VictoriaMetrics' `http://host:8428/opentelemetry/v1/metrics`, "
         "see [Scale-out store](../scale.md#scale-out-store)); spans and logs still go to `otlp_endpoint`",
     )
-    otlp_protocol: OtlpProtocol = setting(
+    otlp_protocol: Literal["http/protobuf", "grpc"] = setting(
         "http/protobuf", env=("OTEL_EXPORTER_OTLP_PROTOCOL",), doc="`http/protobuf` or `grpc`"
     )
     otlp_headers: dict[str, str] = setting(
@@ -259,7 +254,7 @@ class Config:
         doc="timers above this level cost ~nothing (0, 1, 2); unset, 1, except that an instrumented "
         "Megatron `Timers` keeps its own level",
     )
-    timing_log_option: TimingLogOption = setting(
+    timing_log_option: Literal["max", "minmax", "all"] = setting(
         "minmax", doc="cross-rank timer view: `max`, `minmax`, `all`"
     )
     traces: bool = setting(True, doc="emit step spans")
@@ -317,7 +312,7 @@ class Config:
     hardware_interval_s: float = setting(5.0, gt=0, doc="NVML sampling interval")
     peak_flops: float | None = setting(None, gt=0, doc="override the peak FLOP/s per GPU for MFU")
     # "auto" cannot see autocast around the forward pass alone: it has ended by the flush.
-    compute_dtype: ComputeDtype = setting(
+    compute_dtype: Literal["auto", "fp8", "bf16", "fp16", "tf32", "fp32"] = setting(
         "auto",
         doc="the precision whose peak MFU divides by: `fp8`, `bf16`, `fp16`, `tf32`, `fp32` (`fp32` counts as "
         "`tf32` when torch lets float32 matmuls use TF32); `auto`: the `torch.autocast` dtype active around "
@@ -332,7 +327,7 @@ class Config:
         True,
         doc="reset torch.cuda peak memory stats at each flush; `False` if your code reads `max_memory_allocated()`",
     )
-    watch_aggregate: WatchAggregate = setting(
+    watch_aggregate: Literal["layer", "model"] = setting(
         "layer",
         doc='`ot.watch` statistics per layer group (up to `max_layers`), or `"model"`: one group for the '
         "whole model, ~2 series per rank instead of ~2 × 64 (see [Series budget](../scale.md#series-budget))",

@@ -1,25 +1,6 @@
 """The job block: what a rank adds to the job-level series (`job_outputs`), a fixed float64 block
-that rides the one exchange per flush, merged exactly on the way up.
-
-Every value in it is a sum, a minimum or a maximum over the rows it stands for, so merging is
-exact at any depth: a parent adds its children's bucket counts, never estimates them (unlike the
-summary rows' quantiles, `merge`). In the star the block is one more block of the up row (before
-the arrivals block, whose last float the exchange stamps); in the tree it rides each bundle's
-header as the sum over every rank the bundle covers (`merge.Bundle.job`), and the exact rows
-travel without it.
-
-    block  = [header (HEAD_LEN)] [RECORDS x record (REC_LEN)]
-    header: version, rows summed, timers left out (beyond RECORDS), samples, tokens,
-            loss: sum, count, min, max (of the recorded `train.loss` values)
-    record: id (STEP_ID for the step time, else the timer's `up_row.name_id`), explicit-bucket
-            counts (the library's own bounds, `semconv.STEP_BUCKETS` / `PHASE_BUCKETS`), sum of
-            durations, smallest and largest duration, and over the ranks' mean durations: the
-            smallest with its rank, the largest with its rank, their sum, the ranks counted
-
-A rank's block holds its interval: the same finite values its own `train.step.duration` and
-`train.phase.duration` histograms took at this flush (`flush.worker`), bucketed as the SDK buckets
-them (`bucket_counts`), so the job's buckets are the sum of the ranks' own.
-A timer that raised (`error.type`) is per rank only.
+that rides the one exchange per flush, merged exactly on the way up (every value a sum, a minimum or
+a maximum). Design and layout: docs/design/crossrank.md#job-series.
 """
 
 from __future__ import annotations

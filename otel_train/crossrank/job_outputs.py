@@ -1,25 +1,6 @@
-"""Rank 0's job-level series (`semconv.JOB_SPECS`) from the merged job blocks (`job_block`).
-
-They go to a meter of their own (`exporters.job_provider`: a MeterProvider whose Resource holds
-the run identity only), so no store sees a rank label on them. What they mean:
-
-- `train.job.step.duration`, `train.job.phase.duration` (histograms) and `train.job.samples`,
-  `train.job.tokens` (counters): cumulative sums over every row rank 0 took, each row once, at the
-  flush that took it. A late row counts at the flush that takes it; a row that could not go up goes
-  with the rank's next one; the rows of a rank that is gone, and every rank's shutdown flush (never
-  exchanged), are missing. So the buckets are exactly the sum of the ranks' own buckets over the
-  flushes exchanged.
-- the gauges (`train.job.loss`, its min and max, the rates, `train.job.phase.cross_rank`,
-  `train.job.ranks`) are over the rows taken at rank 0's latest flush.
-
-At a flush rank 0 only keeps the blocks (`publish`); they are merged and fed to the SDK when an
-exporter collects (the observable instruments' callbacks, which the SDK runs before it reads the
-histograms), so rank 0's flush costs about as before and the merging runs once per export, not
-once per flush. The histograms are fed bucket counts, never values, through the SDK's aggregation
-(the internals `flush.histogram_feed` also uses, opentelemetry-sdk 1.45). Where those are not what
-is expected, the job histograms are left out (warned once): they are exact or absent.
-A timer whose name rank 0 has not learned yet (a timer only other ranks run: names travel in the
-rows' announcements) waits, counted, until it has.
+"""Rank 0's job-level series (`semconv.JOB_SPECS`) from the merged job blocks (`job_block`), on a
+meter of their own (no rank label), merged and fed to the SDK as bucket counts when an exporter
+collects. Design: docs/design/crossrank.md#job-series; what each counts: docs/scale.md#job-level-series.
 """
 
 from __future__ import annotations

@@ -18,11 +18,6 @@ from typing import Any
 from otel_train.core.buffer import FlushBatch, LayerStats, finite
 from otel_train.goodput import DATA_PHASES
 
-NO_DATA_WARNING = (
-    "otel_train: record() got a tensor with no data (a meta or fake tensor); such values are "
-    "dropped and counted as otel_train.dropped{reason=no_data_tensor}."
-)
-
 
 def has_data(tensor: Any) -> bool:
     """False for a tensor that has no values to copy (a `meta` tensor, a FakeTensor of

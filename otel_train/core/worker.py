@@ -50,7 +50,6 @@ from otel_train.core.instruments import (
     set_interval_stats,
 )
 from otel_train.core.resolve import (
-    NO_DATA_WARNING,
     column_of,
     drop_bad_timer_names,
     histogram_values,
@@ -217,8 +216,6 @@ class Worker:
                 self._own_rows.add(instrument)
             else:
                 self._own_rows.discard(instrument)
-        if batch.dropped.get("no_data_tensor"):
-            self._warn_once("no_data_tensor", NO_DATA_WARNING)
         for reason, name in batch.problems.items():
             self._warn_once(f"problem:{reason}", problem_warning(reason, name))
         self._feed_sdk(batch, interval)
@@ -355,7 +352,7 @@ def resolve_interval(batch: FlushBatch) -> Interval:
         resolved, dropped = resolve_values(raw)
         for reason, count in dropped.items():
             batch.dropped[reason] = batch.dropped.get(reason, 0) + count
-            if reason in PROBLEMS:  # the worker warns once per reason (no_data_tensor: its own)
+            if reason in PROBLEMS:  # the worker warns once per reason
                 batch.problems.setdefault(reason, instrument)
         if len(set(map(id, raw))) < len(raw) and same_tensor_twice(raw):
             batch.problems.setdefault("same_tensor", instrument)
@@ -432,6 +429,7 @@ PROBLEMS = {
     "invalid_type": "a value of {name} was not a number (None, a str, a bool, a complex number, ...)",
     "non_scalar_tensor": "a tensor of {name} had more than one element: record a scalar (x.mean())",
     "nonfinite": "a value of {name} was NaN or Inf",
+    "no_data_tensor": "a value of {name} was a tensor with no data (a meta or fake tensor):",
     "overflow": "a value of {name} was too large for a float64",
     "invalid_timer_name": "a timer's name was not a str ({name}): its phases were",
     "negative_count": "ot.step({name}): a count must be >= 0; such counts were",

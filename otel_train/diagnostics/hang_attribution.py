@@ -88,16 +88,7 @@ class Verdict:
         )
 
     def attributes(self, summaries: Mapping[int, Mapping[str, Any]]) -> dict[str, str | int]:
-        culprits = self.culprits()
-        return {
-            "process_group": self.group,
-            "op": self.op,
-            "sequence_id": self.seq,
-            "missing_ranks": ",".join(str(r) for r in culprits),
-            "missing_hosts": ",".join(str(summaries.get(r, {}).get("host", "?")) for r in culprits),
-            "waiting_ranks": ",".join(str(r) for r in self.waiting),
-            "files": ",".join(stack_files(self, summaries)),
-        }
+        return _attributes(self, summaries)
 
 
 @dataclass(frozen=True)
@@ -127,8 +118,6 @@ class Deadlock:
     def waiting(self) -> tuple[int, ...]:
         return tuple(sorted({r for _, v in self.hops for r in v.waiting}))
 
-    silent: tuple[int, ...] = ()
-
     def culprits(self) -> tuple[int, ...]:
         return self.missing
 
@@ -147,16 +136,22 @@ class Deadlock:
         )
 
     def attributes(self, summaries: Mapping[int, Mapping[str, Any]]) -> dict[str, str | int]:
-        return {
-            "process_group": self.group,
-            "op": self.op,
-            "sequence_id": self.seq,
-            "missing_ranks": ",".join(str(r) for r in self.missing),
-            "missing_hosts": ",".join(str(summaries.get(r, {}).get("host", "?")) for r in self.missing),
-            "waiting_ranks": ",".join(str(r) for r in self.waiting),
-            "cycle": " -> ".join(f"rank {r} ({v.group})" for r, v in self.hops),
-            "files": ",".join(stack_files(self, summaries)),
-        }
+        cycle = " -> ".join(f"rank {r} ({v.group})" for r, v in self.hops)
+        return {**_attributes(self, summaries), "cycle": cycle}
+
+
+def _attributes(wait: Verdict | Deadlock, summaries: Mapping[int, Mapping[str, Any]]) -> dict[str, str | int]:
+    """The `hang` event's attributes: the culprits are named as the missing ranks."""
+    culprits = wait.culprits()
+    return {
+        "process_group": wait.group,
+        "op": wait.op,
+        "sequence_id": wait.seq,
+        "missing_ranks": ",".join(str(r) for r in culprits),
+        "missing_hosts": ",".join(str(summaries.get(r, {}).get("host", "?")) for r in culprits),
+        "waiting_ranks": ",".join(str(r) for r in wait.waiting),
+        "files": ",".join(stack_files(wait, summaries)),
+    }
 
 
 def _cycle(verdicts: list[Verdict]) -> Deadlock | None:

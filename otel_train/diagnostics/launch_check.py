@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,79 +56,59 @@ def local_facts(
 ) -> RankFacts:
     env = os.environ if environ is None else environ
     recorded = {k: env[k] for k in LAUNCH_ENV if k in env}
-    return RankFacts(
-        identity.rank,
-        identity.world_size,
-        identity.local_rank,
-        identity.host,
-        gpu_uuid,
-        process_group,
-        recorded,
-    )
+    placement = (identity.rank, identity.world_size, identity.local_rank, identity.host)
+    return RankFacts(*placement, gpu_uuid, process_group, recorded)
 
 
 def find_problems(facts: Sequence[RankFacts]) -> list[LaunchProblem]:
     """Every inconsistency between the launcher's variables, the process group and the GPUs."""
-    problems: list[LaunchProblem] = []
-    for f in facts:
-        problems.extend(_own_problems(f))
+    problems = [problem for f in facts for problem in _own_problems(f)]
     if len(facts) > 1:
         problems.extend(_host_problems(facts))
     return problems
 
 
-def _own_problems(f: RankFacts) -> list[LaunchProblem]:
-    out: list[LaunchProblem] = []
+def _own_problems(f: RankFacts) -> Iterator[LaunchProblem]:
     env_world = _int(f.env.get("WORLD_SIZE"))
     env_rank = _int(f.env.get("RANK"))
     if not f.process_group:
         if env_world is not None and env_world > 1:
-            out.append(
-                LaunchProblem(
-                    "no_process_group",
-                    (f.rank,),
-                    f"WORLD_SIZE={env_world} but torch.distributed was not initialised when ot.init() "
-                    f"ran on rank {f.rank}: the ranks train independently (no gradient sync) and "
-                    "cross-rank telemetry is off. Call torch.distributed.init_process_group() before "
-                    "ot.init() (or the framework's equivalent).",
-                )
-            )
-        return out
-    if env_world is not None and env_world != f.world_size:
-        out.append(
-            LaunchProblem(
-                "world_size",
+            yield LaunchProblem(
+                "no_process_group",
                 (f.rank,),
-                f"rank {f.rank}: WORLD_SIZE={env_world} but the process group has {f.world_size} ranks. "
-                "A stale or hand-set WORLD_SIZE (a script exporting it, a launcher wrapper) misleads "
-                "every library that reads it: let the launcher set it.",
+                f"WORLD_SIZE={env_world} but torch.distributed was not initialised when ot.init() "
+                f"ran on rank {f.rank}: the ranks train independently (no gradient sync) and "
+                "cross-rank telemetry is off. Call torch.distributed.init_process_group() before "
+                "ot.init() (or the framework's equivalent).",
             )
+        return
+    if env_world is not None and env_world != f.world_size:
+        yield LaunchProblem(
+            "world_size",
+            (f.rank,),
+            f"rank {f.rank}: WORLD_SIZE={env_world} but the process group has {f.world_size} ranks. "
+            "A stale or hand-set WORLD_SIZE (a script exporting it, a launcher wrapper) misleads "
+            "every library that reads it: let the launcher set it.",
         )
     if env_rank is not None and env_rank != f.rank:
-        out.append(
-            LaunchProblem(
-                "rank",
-                (f.rank,),
-                f"process-group rank {f.rank} runs with RANK={env_rank}: the launcher's variables do "
-                "not describe this process (data sharding and checkpoint names that read RANK go wrong).",
-            )
+        yield LaunchProblem(
+            "rank",
+            (f.rank,),
+            f"process-group rank {f.rank} runs with RANK={env_rank}: the launcher's variables do "
+            "not describe this process (data sharding and checkpoint names that read RANK go wrong).",
         )
     slurm_tasks, slurm_id = _int(f.env.get("SLURM_NTASKS")), _int(f.env.get("SLURM_PROCID"))
     # srun starting every rank itself (no torchrun): SLURM's numbering must be the group's.
     if slurm_tasks == f.world_size and slurm_id is not None and slurm_id != f.rank and env_rank is None:
-        out.append(
-            LaunchProblem(
-                "slurm_rank",
-                (f.rank,),
-                f"process-group rank {f.rank} is SLURM task {slurm_id}: pass RANK=$SLURM_PROCID (and "
-                "LOCAL_RANK=$SLURM_LOCALID) to the process group, or launch with torchrun.",
-            )
+        yield LaunchProblem(
+            "slurm_rank",
+            (f.rank,),
+            f"process-group rank {f.rank} is SLURM task {slurm_id}: pass RANK=$SLURM_PROCID (and "
+            "LOCAL_RANK=$SLURM_LOCALID) to the process group, or launch with torchrun.",
         )
-    return out
 
 
-def _host_problems(facts: Sequence[RankFacts]) -> list[LaunchProblem]:
-    out: list[LaunchProblem] = []
+def _host_problems(facts: Sequence[RankFacts]) -> Iterator[LaunchProblem]:
     by_host: dict[str, list[RankFacts]] = defaultdict(list)
     for f in facts:
         by_host[f.host].append(f)
@@ -137,25 +117,21 @@ def _host_problems(facts: Sequence[RankFacts]) -> list[LaunchProblem]:
         for local_rank, count in sorted(Counter(f.local_rank for f in ranks).items()):
             if count > 1:
                 dup = tuple(sorted(f.rank for f in ranks if f.local_rank == local_rank))
-                out.append(
-                    LaunchProblem(
-                        "duplicate_local_rank",
-                        dup,
-                        f"ranks {_list(dup)} on host {host} all have LOCAL_RANK={local_rank}: they pick the "
-                        "same GPU and the same per-node files. Let the launcher set LOCAL_RANK "
-                        "(torchrun does; under srun use SLURM_LOCALID).",
-                    )
+                yield LaunchProblem(
+                    "duplicate_local_rank",
+                    dup,
+                    f"ranks {_list(dup)} on host {host} all have LOCAL_RANK={local_rank}: they pick the "
+                    "same GPU and the same per-node files. Let the launcher set LOCAL_RANK "
+                    "(torchrun does; under srun use SLURM_LOCALID).",
                 )
         declared = {_int(f.env.get("LOCAL_WORLD_SIZE")) for f in ranks} - {None}
         if declared and declared != {len(ranks)}:
             shown = ", ".join(str(d) for d in sorted(d for d in declared if d is not None))
-            out.append(
-                LaunchProblem(
-                    "local_world_size",
-                    names,
-                    f"host {host} runs {len(ranks)} rank(s) ({_list(names)}) but LOCAL_WORLD_SIZE says "
-                    f"{shown}: check --nproc-per-node / --ntasks-per-node against the GPUs per node.",
-                )
+            yield LaunchProblem(
+                "local_world_size",
+                names,
+                f"host {host} runs {len(ranks)} rank(s) ({_list(names)}) but LOCAL_WORLD_SIZE says "
+                f"{shown}: check --nproc-per-node / --ntasks-per-node against the GPUs per node.",
             )
         gpus: dict[str, list[int]] = defaultdict(list)
         for f in ranks:
@@ -164,16 +140,13 @@ def _host_problems(facts: Sequence[RankFacts]) -> list[LaunchProblem]:
         for uuid, sharing in sorted(gpus.items()):
             if len(sharing) > 1:
                 dup = tuple(sorted(sharing))
-                out.append(
-                    LaunchProblem(
-                        "shared_gpu",
-                        dup,
-                        f"ranks {_list(dup)} on host {host} use the same GPU ({uuid}): they compete for its "
-                        "memory and compute. Call torch.cuda.set_device(LOCAL_RANK) before creating "
-                        "the model, and check CUDA_VISIBLE_DEVICES (one entry per rank, or all GPUs).",
-                    )
+                yield LaunchProblem(
+                    "shared_gpu",
+                    dup,
+                    f"ranks {_list(dup)} on host {host} use the same GPU ({uuid}): they compete for its "
+                    "memory and compute. Call torch.cuda.set_device(LOCAL_RANK) before creating "
+                    "the model, and check CUDA_VISIBLE_DEVICES (one entry per rank, or all GPUs).",
                 )
-    return out
 
 
 def gather_facts(mine: RankFacts, group: Any | None, world_size: int) -> list[RankFacts] | None:

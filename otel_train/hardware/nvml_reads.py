@@ -94,10 +94,7 @@ class NvmlReads:
     def release(self, devices: Iterable[DeviceState]) -> None:
         """Free the devices' XID event sets and shut NVML down."""
         for state in devices:
-            if state.event_set is not None:
-                with contextlib.suppress(self._nvml.NVMLError):
-                    self._nvml.nvmlEventSetFree(state.event_set)
-                state.event_set = None
+            self._give_up_xids(state)
         shutdown_quietly(self._nvml)
 
     def sample_device(self, state: DeviceState, clock: Callable[[], float]) -> DeviceSample:
@@ -188,24 +185,31 @@ class NvmlReads:
         """One NVML call; None when unsupported (remembered) or failing transiently."""
         if field_name in state.unsupported:
             return None
-        nvml = self._nvml
-        fn = getattr(nvml, fn_name, None)
-        if fn is None:
+        if not hasattr(self._nvml, fn_name):
             state.unsupported.add(field_name)
             return None
-        self.current_call = fn_name
         try:
-            return fn(state.dev.handle, *args)
-        except nvml.NVMLError as exc:
-            code = getattr(exc, "value", None)
-            if code in self._lost_codes:
-                raise GpuLost(f"{fn_name}: {exc}") from exc
-            if code in self._unsupported_codes:
+            return self._invoke(fn_name, state.dev.handle, *args)
+        except self._nvml.NVMLError as exc:
+            if self._unsupported(exc):
                 state.unsupported.add(field_name)
                 log.debug("otel_train: %s not supported on %s (%s)", fn_name, state.dev.uuid, exc)
             return None
+
+    def _invoke(self, fn_name: str, *args: Any) -> Any:
+        """``nvml.<fn_name>(*args)``, named in `current_call` while it runs; a lost GPU raises `GpuLost`."""
+        self.current_call = fn_name
+        try:
+            return getattr(self._nvml, fn_name)(*args)
+        except self._nvml.NVMLError as exc:
+            if getattr(exc, "value", None) in self._lost_codes:
+                raise GpuLost(f"{fn_name}: {exc}") from exc
+            raise
         finally:
             self.current_call = ""
+
+    def _unsupported(self, exc: Exception) -> bool:
+        return getattr(exc, "value", None) in self._unsupported_codes
 
     # -- XID events --------------------------------------------------------------------------------
     def _drain_xids(self, state: DeviceState) -> bool:
@@ -214,22 +218,15 @@ class NvmlReads:
             return False
         if state.event_set is None and not self._register_xids(state):
             return False
-        nvml: Any = self._nvml
         for _ in range(MAX_XID_EVENTS_PER_SAMPLE):
             try:
-                self.current_call = "nvmlEventSetWait"
-                data = nvml.nvmlEventSetWait(state.event_set, 0)
-            except nvml.NVMLError as exc:
-                code = getattr(exc, "value", None)
-                if code in self._lost_codes:
-                    raise GpuLost(f"nvmlEventSetWait: {exc}") from exc
-                if code in self._unsupported_codes:  # a count that can never move is not a 0
+                data = self._invoke("nvmlEventSetWait", state.event_set, 0)
+            except self._nvml.NVMLError as exc:
+                if self._unsupported(exc):  # a count that can never move is not a 0
                     log.debug("otel_train: XID wait unavailable on %s (%s)", state.dev.uuid, exc)
                     self._give_up_xids(state)
                     return False
                 break  # NVML_ERROR_TIMEOUT: no pending event
-            finally:
-                self.current_call = ""
             state.xid_count += 1
             state.last_xid = int(getattr(data, "eventData", 0))
             _emit_xid(self._events, state, state.last_xid)
@@ -239,28 +236,25 @@ class NvmlReads:
         """Create the device's XID event set; False (remembered) when the device cannot."""
         nvml: Any = self._nvml
         try:
-            self.current_call = "nvmlEventSetCreate"
-            state.event_set = nvml.nvmlEventSetCreate()
-            self.current_call = "nvmlDeviceRegisterEvents"
-            nvml.nvmlDeviceRegisterEvents(
-                state.dev.handle, nvml.nvmlEventTypeXidCriticalError, state.event_set
+            state.event_set = self._invoke("nvmlEventSetCreate")
+            self._invoke(
+                "nvmlDeviceRegisterEvents",
+                state.dev.handle,
+                nvml.nvmlEventTypeXidCriticalError,
+                state.event_set,
             )
         except nvml.NVMLError as exc:
-            if getattr(exc, "value", None) in self._lost_codes:
-                raise GpuLost(f"nvmlDeviceRegisterEvents: {exc}") from exc
             log.debug("otel_train: XID events unavailable on %s (%s)", state.dev.uuid, exc)
             self._give_up_xids(state)
             return False
-        finally:
-            self.current_call = ""
         return True
 
     def _give_up_xids(self, state: DeviceState) -> None:
-        nvml: Any = self._nvml
+        """No XID count for this device (also at release): its event set, if any, is freed."""
         state.unsupported.add("xid")
         if state.event_set is not None:
-            with contextlib.suppress(nvml.NVMLError):
-                nvml.nvmlEventSetFree(state.event_set)
+            with contextlib.suppress(self._nvml.NVMLError):
+                self._nvml.nvmlEventSetFree(state.event_set)
             state.event_set = None
 
 

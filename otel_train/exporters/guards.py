@@ -29,22 +29,19 @@ class ExportStatus:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = redact_url(endpoint)  # never log userinfo
         self.failing = False
-        self.failures = 0
 
     def report(self, ok: bool, signal: str) -> None:
         if ok and self.failing:
             self.failing = False
             log.warning("otel_train: OTLP export to %s works again.", self.endpoint)
-        elif not ok:
-            self.failures += 1
-            if not self.failing:
-                self.failing = True
-                log.warning(
-                    "otel_train: OTLP %s export to %s failed (collector down or unreachable?). Training continues; "
-                    "exports retry every interval and cumulative totals stay right when it returns.",
-                    signal,
-                    self.endpoint,
-                )
+        elif not ok and not self.failing:
+            self.failing = True
+            log.warning(
+                "otel_train: OTLP %s export to %s failed (collector down or unreachable?). Training continues; "
+                "exports retry every interval and cumulative totals stay right when it returns.",
+                signal,
+                self.endpoint,
+            )
 
 
 def _not_a_header_echo(record: logging.LogRecord) -> bool:
@@ -56,10 +53,9 @@ def _not_a_header_echo(record: logging.LogRecord) -> bool:
 def quiet_sdk_exporter_logs() -> None:
     """Silence the OTLP exporters' per-retry log lines unless the user configured those loggers,
     and never let the SDK echo a header value."""
-    for name in ("opentelemetry.exporter.otlp",):
-        logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.CRITICAL)
+    logger = logging.getLogger("opentelemetry.exporter.otlp")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.CRITICAL)
     header_logger = logging.getLogger("opentelemetry.util.re")
     if _not_a_header_echo not in header_logger.filters:
         header_logger.addFilter(_not_a_header_echo)

@@ -49,15 +49,14 @@ def build_job_provider(config: Config, identity: Identity, telemetry: Telemetry)
                 export_timeout_millis=config.otlp_timeout_s * 1000,
             )
         )
-    endpoint = telemetry.pull_endpoint
-    if endpoint is not None and endpoint.registry is not None:
-        readers.append(_pull_reader(endpoint.registry))
+    if telemetry.pull_endpoint is not None:
+        readers.append(_pull_reader(telemetry.pull_endpoint.registry))
     if not readers:
         return None
     provider = MeterProvider(
         metric_readers=readers, resource=job_resource(config, identity), shutdown_on_exit=False
     )
-    telemetry.add_meter_provider(provider)
+    telemetry.others.append(provider)
     return provider
 
 

@@ -47,7 +47,7 @@ def _otlp_url(config: Config, signal: str) -> str:
     return f"{base}/v1/{signal}"
 
 
-def _otlp_metric_exporter(config: Config) -> MetricExporter:
+def otlp_metric_exporter(config: Config) -> MetricExporter:
     """The OTLP metric exporter; in the essential tier it sends that tier's series only."""
     exporter = _otlp_protocol_metric_exporter(config)
     return EssentialMetricExporter(exporter) if config.rank_series == "essential" else exporter
@@ -66,11 +66,6 @@ def _otlp_protocol_metric_exporter(config: Config) -> MetricExporter:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
     return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s)
-
-
-def otlp_metric_exporter(config: Config) -> MetricExporter:
-    """The OTLP metric exporter, for a provider beside this process's own (`job_provider`)."""
-    return _otlp_metric_exporter(config)
 
 
 def _otlp_event_exporters(config: Config) -> tuple[SpanExporter, LogRecordExporter]:
@@ -104,11 +99,7 @@ class Telemetry:
     pull_endpoint: PullEndpoint | None
     remote: bool = False  # exports over OTLP (a slow shutdown then points at the collector)
     rank_series: str = "full"  # the series tier sent to the store (`tiers`)
-    _closers: list[Callable[[], None]] = field(default_factory=list)
     others: list[MeterProvider] = field(default_factory=list)  # shut down with it (`job_provider`)
-
-    def add_meter_provider(self, provider: MeterProvider) -> None:
-        self.others.append(provider)
 
     def shutdown(self, timeout_s: float) -> bool:
         """Shut every provider down on a helper thread; give up after `timeout_s`.
@@ -170,7 +161,7 @@ def build_telemetry(
         metrics_status = ExportStatus(config.otlp_metrics_endpoint or config.otlp_endpoint or "")
         readers.append(
             PeriodicExportingMetricReader(
-                ForkGuardMetricExporter(_otlp_metric_exporter(config), metrics_status),
+                ForkGuardMetricExporter(otlp_metric_exporter(config), metrics_status),
                 export_interval_millis=interval_ms,
                 export_timeout_millis=config.otlp_timeout_s * 1000,
             )

@@ -59,7 +59,7 @@ def _pull_server_class() -> Any:
     return PullServer
 
 
-def _serve_pull(host: str, port: int, registry: Any) -> tuple[Any, threading.Thread]:
+def _serve_pull(host: str, port: int, registry: Any) -> Any:
     import socket
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -77,17 +77,15 @@ def _serve_pull(host: str, port: int, registry: Any) -> tuple[Any, threading.Thr
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0][0]
     server: Any = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=QuietHandler)
-    thread = threading.Thread(target=server.serve_forever, name="otel_train-metrics-server", daemon=True)
-    thread.start()
-    return server, thread
+    threading.Thread(target=server.serve_forever, name="otel_train-metrics-server", daemon=True).start()
+    return server
 
 
 @dataclass
 class PullEndpoint:
     url: str
     server: Any
-    thread: threading.Thread
-    registry: Any = None  # what it serves: a second provider's reader may join it (`job_provider`)
+    registry: Any  # what it serves: a second provider's reader may join it (`job_provider`)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -123,7 +121,7 @@ def start_pull_endpoint(
     reader_class = _essential_reader_class() if config.rank_series == "essential" else PrometheusMetricReader
     reader = reader_class(registry=registry, resource_attribute_filter=keys.__contains__)
     try:
-        server, thread = _serve_pull(config.prometheus_host, port, registry)
+        server = _serve_pull(config.prometheus_host, port, registry)
     except OSError as exc:
         log.warning(
             "otel_train: Prometheus pull endpoint %s:%d is unavailable (%s); continuing without it. "
@@ -134,4 +132,4 @@ def start_pull_endpoint(
             exc.strerror or exc,
         )
         return None, None
-    return reader, PullEndpoint(f"http://{config.prometheus_host}:{port}/metrics", server, thread, registry)
+    return reader, PullEndpoint(f"http://{config.prometheus_host}:{port}/metrics", server, registry)

@@ -36,9 +36,7 @@ def resolve_rank_series(setting: str, world_size: int) -> Tier:
     and the job's world size (assemble's agreement), so all ranks of a job resolve the same."""
     if setting == "auto":
         return "essential" if world_size >= RANK_SERIES_ESSENTIAL_FROM else "full"
-    if setting == "essential":
-        return "essential"
-    return "full"
+    return "essential" if setting == "essential" else "full"
 
 
 def _passes_essential(spec: semconv.MetricSpec) -> bool:

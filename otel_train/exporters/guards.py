@@ -1,9 +1,6 @@
-"""What wraps every exporter: a fork guard, and one warning per collector outage.
-
-A forked child (a DataLoader worker) inherits the SDK's threads, which the SDK restarts after fork;
-without the guard the child would re-export the parent's frozen values under the same identity.
-The SDK logs every failed retry; `ExportStatus` says an outage once and its end once, and the
-OTLP exporters' own log lines are silenced (never echoing a header value).
+"""What wraps every exporter: a fork guard, and one warning per collector outage instead of the
+SDK's line per retry (docs/design/core.md#exporters). The OTLP exporters' own log lines are
+silenced, so they never echo a header value.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Series tiers (`Config.rank_series`): which of a rank's series reach the metrics store.
 
-"full" sends every metric. "essential" sends per rank only the catalogue's `essential` specs (what
-finds and explains a bad rank) and the job-level specs (`scope == "job"`, exported by rank 0), and
-reduces each essential per-rank histogram to its sum and count: the rank's mean, in three series
-(`le="+Inf"`, `_sum`, `_count`); the distribution over the job is the job-level histogram's.
-
-The filter sits on the store-facing paths only, the OTLP metric exporter and the pull endpoint's
-reader, after the SDK has collected: the instruments, the training thread and the local outputs
-(run-dir JSONL, bridges, console line, the console exporter) get every metric in both tiers.
+"essential" keeps per rank the catalogue's `essential` specs (per-rank histograms as sum and count
+only) and the job-level specs. Only the store-facing paths filter (the OTLP metric exporter and the
+pull endpoint's reader); the local outputs get every metric (docs/scale.md, "Series tiers").
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status,
 
 from otel_train import semconv
 from otel_train.core.buffer import FlushBatch, Interval, SpanRecord, SpanRole
-from otel_train.core.resolve import record_many, resolve_layer_stats
+from otel_train.core.resolve import record_many, tensors_to_host
 from otel_train.crossrank import FINGERPRINT
 
 
@@ -94,7 +94,10 @@ def record_durations(
 def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Interval) -> None:
     """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
     and, for gradients, named in the interval (health reports them as one event per step)."""
-    for record, values in resolve_layer_stats(batch.layer_stats):
+    records = batch.layer_stats  # copied to the host with one transfer per device and dtype
+    for record, values in zip(records, tensors_to_host([r.values for r in records]), strict=True):
+        if values is None:  # a tensor that could not be converted
+            continue
         if record.instrument == FINGERPRINT:  # not a metric: compared across ranks (replicas.py)
             interval.batch_fingerprints.append((record.step, values))
             continue

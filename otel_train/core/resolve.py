@@ -15,7 +15,7 @@ from itertools import groupby
 from operator import attrgetter, itemgetter, sub
 from typing import Any
 
-from otel_train.core.buffer import FlushBatch, LayerStats, finite
+from otel_train.core.buffer import FlushBatch, finite
 from otel_train.goodput import DATA_PHASES
 
 
@@ -206,12 +206,6 @@ def _one_to_host(tensor: Any) -> list[float] | None:
             return [float(x) for x in tensor.reshape(-1).to(torch.float64).cpu().tolist()]
     except TORCH_ERRORS:
         return None
-
-
-def resolve_layer_stats(records: Sequence[LayerStats]) -> list[tuple[LayerStats, list[float]]]:
-    """Per-layer values of watched steps, copied to the host with one transfer per device and dtype."""
-    resolved = tensors_to_host([r.values for r in records])
-    return [(r, values) for r, values in zip(records, resolved, strict=True) if values is not None]
 
 
 def value_steps(

@@ -133,7 +133,7 @@ class Session:
         self.lost_flushes = self.lost_steps = 0  # flushes (and their steps) that never reached the run dir
         # The thread running ot.step(), the only one that flushes: until the first step, the one that
         # called init() (a flush from another thread before it would race the first step's counters).
-        self._step_thread: int | None = threading.get_ident()
+        self._step_thread = threading.get_ident()
         self._flush_requested = False  # another thread asked for one (log_metrics(step=)); not in lockstep
         self.shutdown_done = threading.Event()
 
@@ -324,7 +324,7 @@ class Session:
 
         Only the thread running the steps takes the buffer (the step counters are plain ints it
         alone increments); a flush asked for on another thread is done at its next step end."""
-        if not final and self._step_thread is not None and threading.get_ident() != self._step_thread:
+        if not final and threading.get_ident() != self._step_thread:
             # at the next step end; in lockstep it rides with the next aligned flush instead
             self._flush_requested = not self._lockstep
             return False

@@ -225,10 +225,8 @@ class Buffer:
     def _reset(self) -> None:
         self.scalars: dict[str, list[Any]] = {}
         self.phases: dict[str, list[float]] = {}
-        # (name, start_ns, end_ns, its step's start_ns or 0 outside a step) per timer that ended
-        # without an error, appended by scopes.TimerScope: one flat list, so that a timer's end
-        # touches as little as possible on the training thread (capped at max_timer_events; the
-        # worker caps each name at max_values and derives durations, arrivals and spans).
+        # appended by scopes.TimerScope (see FlushBatch): one flat list, so that a timer's end
+        # touches as little as possible on the training thread (capped at max_timer_events)
         self.timer_events: list[tuple[str, int, int, int]] = []
         self.step_events: list[StepEvent] = []  # appended by Session.end_step (see FlushBatch)
         self.phase_errors: dict[tuple[str, str], list[float]] = {}

@@ -30,17 +30,8 @@ TIMER = Record(
     ("id",), ("buckets", BUCKETS), ("sum",), ("dmin",), ("dmax",), ("mmin",), ("mmin_rank",), ("mmax",),
     ("mmax_rank",), ("msum",), ("n",),
 )  # fmt: skip
-(
-    _H_VERSION,
-    _H_ROWS,
-    _H_OVERFLOW,
-    _H_SAMPLES,
-    _H_TOKENS,
-    _H_LOSS_SUM,
-    _H_LOSS_COUNT,
-    _H_LOSS_MIN,
-    _H_LOSS_MAX,
-) = (HEAD.at(name) for name in HEAD.fields)
+_H = {name: HEAD.at(name) for name in HEAD.fields}  # header word of each field
+_H_ADDED = [_H[name] for name in ("rows", "overflow", "samples", "tokens", "loss_sum", "loss_count")]
 HEAD_LEN = HEAD.words
 R_ID, R_BUCKETS, R_SUM, R_DMIN, R_DMAX, R_MMIN, R_MMIN_RANK, R_MMAX, R_MMAX_RANK, R_MSUM, R_N = (
     TIMER.at(name) for name in TIMER.fields
@@ -54,17 +45,16 @@ _ADD = [R_SUM, R_MSUM, R_N, *range(R_BUCKETS, R_BUCKETS + BUCKETS)]
 
 def encode(interval: Interval, rank: int) -> Any:
     """This rank's block of `interval` (a [JOB_LEN] float64 tensor)."""
-
     block = [0.0] * JOB_LEN
-    block[_H_VERSION], block[_H_ROWS] = VERSION, 1.0
-    block[_H_SAMPLES], block[_H_TOKENS] = float(interval.samples), float(interval.tokens)
+    block[_H["version"]], block[_H["rows"]] = VERSION, 1.0
+    block[_H["samples"]], block[_H["tokens"]] = float(interval.samples), float(interval.tokens)
     loss = interval.scalars.get(semconv.LOSS.name) or []
-    block[_H_LOSS_SUM], block[_H_LOSS_COUNT] = math.fsum(loss), float(len(loss))
-    block[_H_LOSS_MIN], block[_H_LOSS_MAX] = min(loss, default=math.inf), max(loss, default=-math.inf)
+    block[_H["loss_sum"]], block[_H["loss_count"]] = math.fsum(loss), float(len(loss))
+    block[_H["loss_min"]], block[_H["loss_max"]] = min(loss, default=math.inf), max(loss, default=-math.inf)
     timers = [(STEP_ID, finite(interval.step_durations), semconv.STEP_BUCKETS)]
     phases = [(name, finite(values)) for name, values in interval.phases.items()]
     phases = sorted((p for p in phases if p[1]), key=lambda p: -len(p[1]))
-    block[_H_OVERFLOW] = float(max(0, len(phases) - (RECORDS - 1)))
+    block[_H["overflow"]] = float(max(0, len(phases) - (RECORDS - 1)))
     timers += [
         (float(name_id(name)), values, semconv.PHASE_BUCKETS) for name, values in phases[: RECORDS - 1]
     ]
@@ -76,11 +66,7 @@ def encode(interval: Interval, rank: int) -> Any:
         mean = math.fsum(ordered) / len(ordered)
         block[at + R_ID] = ident
         block[at + R_BUCKETS : at + R_SUM] = bucket_counts(ordered, bounds)
-        block[at + R_SUM], block[at + R_DMIN], block[at + R_DMAX] = (
-            math.fsum(ordered),
-            ordered[0],
-            ordered[-1],
-        )
+        block[at + R_SUM : at + R_DMAX + 1] = [math.fsum(ordered), ordered[0], ordered[-1]]
         block[at + R_MMIN : at + REC_LEN] = [mean, float(rank), mean, float(rank), mean, 1.0]
     return floats(block)
 
@@ -119,7 +105,7 @@ def combine(blocks: Any) -> Any:
     else:
         array = blocks.numpy()
     array = array.reshape(-1, JOB_LEN)
-    array = array[array[:, _H_VERSION] == VERSION]
+    array = array[array[:, _H["version"]] == VERSION]
     if not len(array):
         return empty()
     columns = _columns()
@@ -146,8 +132,8 @@ class _Columns:
 def _columns() -> _Columns:
     import numpy as np
 
-    added = [_H_ROWS, _H_OVERFLOW, _H_SAMPLES, _H_TOKENS, _H_LOSS_SUM, _H_LOSS_COUNT]
-    least, greatest = [_H_LOSS_MIN], [_H_LOSS_MAX]
+    added = list(_H_ADDED)
+    least, greatest = [_H["loss_min"]], [_H["loss_max"]]
     least_values, greatest_values, ids = [], [], []
     for index in range(RECORDS):
         at = HEAD_LEN + index * REC_LEN
@@ -191,10 +177,11 @@ def _by_id(blocks: Any) -> Any:
     import torch
 
     out = empty()
-    out[_H_VERSION] = VERSION
-    for at in (_H_ROWS, _H_OVERFLOW, _H_SAMPLES, _H_TOKENS, _H_LOSS_SUM, _H_LOSS_COUNT):
+    out[_H["version"]] = VERSION
+    for at in _H_ADDED:
         out[at] = blocks[:, at].sum()
-    out[_H_LOSS_MIN], out[_H_LOSS_MAX] = blocks[:, _H_LOSS_MIN].min(), blocks[:, _H_LOSS_MAX].max()
+    low, high = _H["loss_min"], _H["loss_max"]
+    out[low], out[high] = blocks[:, low].min(), blocks[:, high].max()
     records = blocks[:, HEAD_LEN:].reshape(-1, REC_LEN)
     records = records[records[:, R_ID] != 0]
     if not len(records):
@@ -217,7 +204,7 @@ def _by_id(blocks: Any) -> Any:
     counts = merged[:, R_BUCKETS:R_SUM].sum(1).tolist()
     order = sorted(range(len(ids)), key=lambda i: (ids[i].item() != STEP_ID, -counts[i]))
     kept = sorted(order[:RECORDS])  # by id again
-    out[_H_OVERFLOW] += float(len(order) - len(kept))
+    out[_H["overflow"]] += float(len(order) - len(kept))
     out[HEAD_LEN : HEAD_LEN + len(kept) * REC_LEN] = merged[kept].reshape(-1)
     return out
 
@@ -258,7 +245,7 @@ class JobTotals:
 
 
 def decode(block: Any) -> JobTotals:
-    values = block.tolist() if hasattr(block, "tolist") else list(block)
+    values = block.tolist()
     timers: dict[float, TimerTotals] = {}
     for index in range(RECORDS):
         at = HEAD_LEN + index * REC_LEN
@@ -279,13 +266,13 @@ def decode(block: Any) -> JobTotals:
             n,
         )
     return JobTotals(
-        int(values[_H_ROWS]),
-        int(values[_H_OVERFLOW]),
-        values[_H_SAMPLES],
-        values[_H_TOKENS],
-        values[_H_LOSS_SUM],
-        int(values[_H_LOSS_COUNT]),
-        values[_H_LOSS_MIN],
-        values[_H_LOSS_MAX],
+        int(values[_H["rows"]]),
+        int(values[_H["overflow"]]),
+        values[_H["samples"]],
+        values[_H["tokens"]],
+        values[_H["loss_sum"]],
+        int(values[_H["loss_count"]]),
+        values[_H["loss_min"]],
+        values[_H["loss_max"]],
         timers,
     )

@@ -134,7 +134,8 @@ def discover_gpus(
         handle = _rank_handle(nvml, local_rank, env, torch_cuda)
         if handle is None:
             shutdown_quietly(nvml)
-            return Discovery(None, driver_version=driver, reason=_rank_reason(local_rank, env))
+            reason = f"no GPU for local rank {local_rank} (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r})"
+            return Discovery(None, driver_version=driver, reason=reason)
         uuid = _nvml_text(nvml.nvmlDeviceGetUUID(handle))
         name = _nvml_text(nvml.nvmlDeviceGetName(handle))
         try:
@@ -146,11 +147,6 @@ def discover_gpus(
         shutdown_quietly(nvml)
         return Discovery(None, driver_version=driver, reason=f"GPU lookup failed: {exc}")
     return Discovery(nvml, [GpuDevice(handle, uuid, name, bus_id)], driver)
-
-
-def _rank_reason(local_rank: int, env: Mapping[str, str]) -> str:
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    return f"no GPU for local rank {local_rank} (CUDA_VISIBLE_DEVICES={visible!r})"
 
 
 def shutdown_quietly(nvml: Any) -> None:

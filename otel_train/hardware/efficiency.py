@@ -31,7 +31,8 @@ MEMORY_PRESSURE_REARM = 0.90  # ... re-armed once back below this
 CUDA_SPECS = (
     sc.CUDA_MEMORY_ALLOCATED, sc.CUDA_MEMORY_RESERVED, sc.CUDA_MEMORY_PEAK, sc.CUDA_ALLOC_RETRIES, sc.CUDA_OOMS,
 )  # fmt: skip
-ENERGY_SPECS = (sc.POWER_AVERAGE, sc.ENERGY_PER_STEP, sc.ENERGY_PER_TOKEN)
+ENERGY_SPECS = (sc.POWER_AVERAGE, sc.ENERGY_PER_STEP, sc.ENERGY_PER_TOKEN)  # with a GPU NVML samples
+MFU_SPECS = (sc.FLOPS, sc.MFU)
 
 
 class FlushEfficiency:
@@ -68,16 +69,9 @@ class FlushEfficiency:
         self._mfu_event_sent = False
         self.on_pressure: Callable[[str], None] | None = None  # memory_dump.MemoryDumps, when wired
 
-    def _create(self, specs: tuple[sc.MetricSpec, ...]) -> None:
+    def create(self, specs: tuple[sc.MetricSpec, ...]) -> None:
         for spec in specs:
             self._instruments[spec.name] = spec.create(self._meter)
-
-    def create_energy_instruments(self) -> None:
-        """Power and energy per step/token (only with a GPU that NVML samples)."""
-        self._create(ENERGY_SPECS)
-
-    def create_mfu_instruments(self) -> None:
-        self._create((sc.FLOPS, sc.MFU))
 
     def compute_dtype(self, autocast: str | None = None) -> str:
         """The dtype MFU's peak is for: the setting, else the autocast dtype seen at a flush (kept
@@ -99,7 +93,7 @@ class FlushEfficiency:
         if not stats:
             return
         if sc.CUDA_MEMORY_ALLOCATED.name not in self._instruments:
-            self._create(CUDA_SPECS)
+            self.create(CUDA_SPECS)
         inst = self._instruments
         allocated = stats.get("allocated_bytes.all.current")
         reserved = stats.get("reserved_bytes.all.current")

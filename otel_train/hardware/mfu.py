@@ -188,13 +188,10 @@ class PeakEntry:
     source: str
 
 
-def _p(
-    fp8: float | None, bf16: float | None, fp16: float | None, tf32: float | None, fp32: float
-) -> dict[str, float | None]:
-    def s(v: float | None) -> float | None:
-        return None if v is None else v * T
-
-    return {"fp8": s(fp8), "bf16": s(bf16), "fp16": s(fp16), "tf32": s(tf32), "fp32": s(fp32)}
+def _p(*tflops: float | None) -> dict[str, float | None]:
+    """FLOP/s by dtype from the fp8, bf16, fp16, tf32 and fp32 figures in TFLOP/s."""
+    dtypes = ("fp8", "bf16", "fp16", "tf32", "fp32")
+    return {dtype: None if v is None else v * T for dtype, v in zip(dtypes, tflops, strict=True)}
 
 
 # Most specific patterns first. Numbers in TFLOP/s, dense (datasheet sparse figures / 2). Boards of
@@ -279,15 +276,12 @@ def resolve_peak(
     returns (None, None): no MFU rather than a wrong one.
     """
     env = os.environ if environ is None else environ
-    env_value: float | None = None
-    raw = env.get(PEAK_FLOPS_ENV, "").strip()
-    if raw:
-        try:
-            env_value = float(raw)
-        except ValueError:
-            env_value = None
-        if env_value is not None and not env_value > 0:
-            env_value = None
+    try:
+        env_value: float | None = float(env.get(PEAK_FLOPS_ENV, ""))
+    except ValueError:  # unset, or not a number
+        env_value = None
+    if env_value is not None and not env_value > 0:  # NaN too
+        env_value = None
     if override is not None and override > 0:
         source = (
             f"env:{PEAK_FLOPS_ENV}"

@@ -12,11 +12,8 @@ from opentelemetry.metrics import Meter
 
 from otel_train.config import Config
 from otel_train.core.buffer import Interval
-from otel_train.hardware.discovery import (
-    Discovery,
-    shutdown_quietly,
-)
-from otel_train.hardware.efficiency import FlushEfficiency
+from otel_train.hardware.discovery import Discovery, shutdown_quietly
+from otel_train.hardware.efficiency import ENERGY_SPECS, MFU_SPECS, FlushEfficiency
 from otel_train.hardware.gpu_sampler import GpuSampler
 from otel_train.hardware.host_sampler import HostSampler
 from otel_train.health import EventChannel, NullEventChannel
@@ -65,11 +62,11 @@ class HardwareMonitor:
             d = disc.devices[0]
             log.info("otel_train: GPU metrics on for %s (%s)", d.name, d.uuid)
             self.gpu_sampler.create_instruments(self._meter)
-            self.efficiency.create_energy_instruments()
+            self.efficiency.create(ENERGY_SPECS)
         else:
             log.info("otel_train: no GPU metrics: %s", disc.reason or "no GPU")
         self.host_sampler.create_instruments(self._meter)
-        self.efficiency.create_mfu_instruments()
+        self.efficiency.create(MFU_SPECS)
         if background:
             if self.gpu_sampler.devices:
                 self._spawn(self.gpu_sampler.run, _GPU_THREAD)
@@ -99,14 +96,11 @@ class HardwareMonitor:
         if not self._started or self._closed:
             return
         eff = self.efficiency
-        parts = (self._check_sampler, eff.flush_cuda, eff.flush_pressure, eff.flush_energy, eff.flush_mfu)
-        for part in parts:
+        for part in (eff.flush_cuda, eff.flush_pressure, eff.flush_energy, eff.flush_mfu):
             try:
                 part(interval)
             except Exception:  # torch.cuda, NVML and MFU reads (code this library does not own)
                 log.debug("otel_train: hardware flush step %s failed", part.__name__, exc_info=True)
-
-    def _check_sampler(self, interval: Interval) -> None:
         self.gpu_sampler.warn_if_stuck(self._interval_s)
 
     # -- internals ---------------------------------------------------------------------------------------

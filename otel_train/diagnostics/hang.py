@@ -1,8 +1,6 @@
-"""Hang diagnosis: when a rank stops stepping (or on SIGUSR1), write every thread's Python stack
-to the run directory and raise a health event that names the file.
-
-A watchdog thread does it (not the worker, which may be stuck too), with `faulthandler` as the
-backstop for a C call that holds the GIL. Design: docs/design/diagnostics.md#hang.
+"""Hang diagnosis: when a rank stops stepping (or on SIGUSR1), a watchdog thread writes every
+thread's Python stack to the run directory and raises a health event naming the file.
+Design: docs/design/diagnostics.md#hang.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The launch doctor: at `init()`, is the distributed launch what the process group says it is?
-
-Rank 0 checks every rank's placement facts together and reports each problem as one
-`launch_config` event naming the ranks and the fix. Design: docs/design/diagnostics.md#launch-check.
+Design: docs/design/diagnostics.md#launch-check.
 """
 
 from __future__ import annotations

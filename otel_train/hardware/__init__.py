@@ -1,8 +1,5 @@
-"""Hardware telemetry for one rank: GPUs (NVML), the CUDA allocator, the host, energy and MFU.
-
-`HardwareMonitor` is the facade over the parts; nothing here runs on the step path, imports
-torch or initialises CUDA. One logger, `otel_train.hardware`, for the whole package.
-Design: docs/design/hardware-and-numerics.md#hardware.
+"""Hardware telemetry for one rank: GPUs (NVML), the CUDA allocator, the host, energy and MFU,
+behind the `HardwareMonitor` facade. Design: docs/design/hardware-and-numerics.md#hardware.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -1,8 +1,5 @@
-"""Finding this rank's GPU: NVML init and the rank -> device mapping, under a timeout.
-
-NVML is called here only on a daemon thread (``discover_with_timeout``): a hung ``nvmlInit``
-(go-nvml#152) costs at most the timeout. The rank's device is keyed by UUID, since CUDA and NVML
-enumerate devices differently (see reference/failure-modes.md §4).
+"""Finding this rank's GPU: NVML init and the rank -> device mapping (by UUID), on a daemon thread
+under a timeout. Design: docs/design/hardware-and-numerics.md#hardware.
 """
 
 from __future__ import annotations

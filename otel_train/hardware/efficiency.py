@@ -1,8 +1,5 @@
-"""Flush-time hardware figures: CUDA allocator memory, memory pressure, energy and MFU.
-
-All of it runs at the interval flush, on the background worker, never on the training thread's
-step path. torch is never imported (nor CUDA initialised) here: only a loaded, initialised
-``torch.cuda`` is read.
+"""Flush-time hardware figures, on the background worker: CUDA allocator memory, memory pressure,
+energy and MFU. Only a loaded, initialised ``torch.cuda`` is read (never imported here).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The NVML sampler: the rank's GPUs sampled on a thread of their own, read from a snapshot.
-
-NVML is called only on this sampler's thread (the calls themselves: `nvml_reads`). SDK callbacks
-read a snapshot that the sampler swaps in atomically, so a hung NVML call stalls only the sampler:
-collection and export go on with the last values (opentelemetry-python #3098/#3461: a slow
-callback kills the reader). A lost GPU (GpuIsLost / Unknown) stops its series and emits one
-``gpu_lost`` health event.
+"""The NVML sampler thread: SDK callbacks read the snapshot it swaps in, never NVML, so a hung NVML
+call stalls only the sampler. Design: docs/design/hardware-and-numerics.md#hardware.
 """
 
 from __future__ import annotations

@@ -25,12 +25,7 @@ _HOST_THREAD = "otel-train-hw-host"
 
 
 class HardwareMonitor:
-    """GPU (NVML), CUDA allocator, host, energy and MFU telemetry for one rank.
-
-    ``start()`` discovers the GPU, creates the instruments on ``meter`` and starts the sampler
-    threads; ``on_flush(interval)`` (a FlushListener, on the background worker) sets the allocator,
-    energy and MFU gauges; ``close()`` stops the threads without waiting on a hung NVML call.
-    """
+    """GPU (NVML), CUDA allocator, host, energy and MFU telemetry for one rank; a flush listener."""
 
     def __init__(
         self, config: Config, meter: Meter, events: EventChannel | None, local_rank: int, discovery: Discovery
@@ -51,8 +46,8 @@ class HardwareMonitor:
         self.efficiency = FlushEfficiency(config, meter, events, local_rank, self.gpu_sampler)
 
     def start(self, background: bool = True) -> None:
-        """Discover, create instruments, start sampling (``background=False``: no threads; call
-        ``sample_once()`` yourself; for tests and benchmarks)."""
+        """Create the instruments and start the sampler threads (``background=False``: no threads;
+        call ``sample_once()`` yourself; for tests and benchmarks)."""
         if self._started or not self._config.hardware:
             return
         self._started = True
@@ -91,7 +86,6 @@ class HardwareMonitor:
         if not self._started and self.discovery.nvml is not None:
             shutdown_quietly(self.discovery.nvml)  # discovered for resource attributes only
 
-    # -- flush (background worker) --------------------------------------------------------------------
     def on_flush(self, interval: Interval) -> None:
         if not self._started or self._closed:
             return
@@ -103,7 +97,6 @@ class HardwareMonitor:
                 log.debug("otel_train: hardware flush step %s failed", part.__name__, exc_info=True)
         self.gpu_sampler.warn_if_stuck(self._interval_s)
 
-    # -- internals ---------------------------------------------------------------------------------------
     def _spawn(self, run: Callable[[threading.Event, float], None], name: str) -> None:
         thread = threading.Thread(target=run, args=(self._stop, self._interval_s), name=name, daemon=True)
         self._threads.append(thread)

@@ -1,9 +1,5 @@
-"""One sample of one GPU through NVML, on the sampler's thread (`gpu_sampler` runs it).
-
-A value the device does not support (NotSupported, NoPermission, missing function) is omitted,
-never reported as 0, and not asked for again (`DeviceState.unsupported`). A lost GPU (GpuIsLost /
-Unknown) raises `GpuLost`; the sampler stops its series and emits one ``gpu_lost`` event. Critical
-XID events are drained from a per-device event set, each emitted as a ``gpu_xid`` event.
+"""One sample of one GPU through NVML, on the sampler's thread: unsupported values, lost GPUs and
+XID events as docs/design/hardware-and-numerics.md#hardware says.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
 """watch(model): per-layer gradient, parameter and activation statistics without host syncs.
-
-Opt-in and rate-limited: a watched step launches a handful of device kernels, read on the worker
-at the flush; other steps cost one modulo.
 Design: docs/design/hardware-and-numerics.md#model-watch.
 """
 

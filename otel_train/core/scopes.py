@@ -26,7 +26,7 @@ class _NullScope:
     for the decorator form (a function decorated before `init()` is timed once a session runs)."""
 
     __slots__ = ("cuda", "level", "name")
-    name: str  # unset on the shared `_NULL` (hence getattr in __call__)
+    name: str | None  # None on the shared `_NULL`: its decorator returns the function itself
     level: Any
     cuda: bool
 
@@ -46,12 +46,11 @@ class _NullScope:
             raise _not_ns(f"stop(at_ns={at_ns!r})", at_ns)
 
     def __call__(self, fn: F) -> F:
-        return _timed(
-            fn, getattr(self, "name", None), getattr(self, "level", 1), getattr(self, "cuda", False)
-        )
+        return _timed(fn, self.name, self.level, self.cuda)
 
 
 _NULL = _NullScope()
+_NULL.name, _NULL.level, _NULL.cuda = None, 1, False
 _new_scope = object.__new__
 
 

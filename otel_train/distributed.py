@@ -160,11 +160,10 @@ def _scheduler_run_id(env: Mapping[str, str]) -> tuple[str, RunIdSource] | None:
 def _process_group_rank_world() -> tuple[int, int] | None:
     try:
         import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank()), int(dist.get_world_size())
     except ImportError:  # no torch: the environment says
         return None
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
     return None
 
 
@@ -176,7 +175,6 @@ def process_group_initialized() -> bool:
 def detect_identity(
     run_id: str | None,
     environ: Mapping[str, str] | None = None,
-    use_process_group: bool | None = None,
     role: str = "",
 ) -> Identity:
     """Rank identity from torchrun / SLURM / Open MPI / PMI variables or an initialized process group.
@@ -188,7 +186,7 @@ def detect_identity(
     An explicit `run_id` wins, then OTEL_TRAIN_RUN_ID, a scheduler id (TORCHELASTIC_RUN_ID unless
     "none", SLURM_JOB_ID, PBS_JOBID, LSB_JOBID), else a fresh uuid (which differs per rank until
     `agree_job` replaces it with rank 0's). Rank and world size come from an initialized
-    `torch.distributed` process group when there is one (default: only when `environ` is None).
+    `torch.distributed` process group when there is one (only when `environ` is None).
     """
     env = os.environ if environ is None else environ
     local_rank = (
@@ -196,11 +194,7 @@ def detect_identity(
         or 0
     )
     rank, world, source, ignored = _launcher_rank_world(env)
-    pg = (
-        _process_group_rank_world()
-        if (use_process_group if use_process_group is not None else environ is None)
-        else None
-    )
+    pg = _process_group_rank_world() if environ is None else None
     if pg is not None:
         rank, world = pg
     else:

@@ -89,7 +89,6 @@ class StepProfiler:
 
         self.window = window
         self.out_dir = out_dir
-        self.traces: list[Path] = []
         self._position = 0
         self._active_steps: list[int] = []
         activities = [ProfilerActivity.CPU]
@@ -141,7 +140,6 @@ class StepProfiler:
         except Exception as exc:  # torch.profiler's export (and a full disk) must not stop training
             log.warning("otel_train: could not write the profiler trace %s: %s", path, exc)
             return
-        self.traces.append(path)
         log.info("otel_train: profiler trace for steps %s written to %s", steps, path)
 
 

@@ -37,8 +37,7 @@ def load_config(
         for key in entry.setting.env:
             if environ.get(key, "").strip() != "":
                 values[name] = (_from_standard_env(key, environ[key], entry), key)
-    for name in table:
-        key = env_name(name)
+        key = env_name(name)  # over the standard variables
         if environ.get(key, "").strip() != "":
             values[name] = (environ[key], key)
     for name, value in overrides.items():

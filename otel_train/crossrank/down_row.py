@@ -191,17 +191,16 @@ def decode(row: Any, rank: int) -> Down:
             (e[ENTRY.span("scores")] for e in entries if ENTRY.get(e, "rank") == rank), _encode_scores(None)
         )
         values[DOWN.span("scores")] = mine
-    verdict_seq = int(values[DOWN.at("verdict_seq")])
-    read, times = bool(values[D_READ]), (values[D_T2], values[D_T3])
-    anchor = int(values[DOWN.at("flush_anchor")])
-    down = Down(
-        int(values[H_STATUS]), int(values[H_FLUSH_INTERVAL]), verdict_seq, read_recorder=read,
-        root_times=times, flush_anchor=anchor,
-    )  # fmt: skip
-    if verdict_seq < 0:
-        return down
+    # Before the first verdict the row holds no scores (`present` 0) and no chronic reports.
     carried_n = int(values[DOWN.at("chronic_carried")])
-    chronic = [_decode_report(values, DOWN.at("chronic", i)) for i in range(carried_n)]
-    scores = _decode_scores(rank, values[DOWN.span("scores")])
-    total = int(values[DOWN.at("chronic_total")])
-    return Down(down.status, down.flush_interval, verdict_seq, scores, chronic, total, read, times, anchor)
+    return Down(
+        status=int(values[H_STATUS]),
+        flush_interval=int(values[H_FLUSH_INTERVAL]),
+        verdict_seq=int(values[DOWN.at("verdict_seq")]),
+        scores=_decode_scores(rank, values[DOWN.span("scores")]),
+        chronic=[_decode_report(values, DOWN.at("chronic", i)) for i in range(carried_n)],
+        chronic_total=int(values[DOWN.at("chronic_total")]),
+        read_recorder=bool(values[D_READ]),
+        root_times=(values[D_T2], values[D_T3]),
+        flush_anchor=int(values[DOWN.at("flush_anchor")]),
+    )

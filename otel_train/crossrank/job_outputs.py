@@ -26,7 +26,6 @@ class JobSeries:
 
     def __init__(self, meter: Any | None) -> None:
         self.meter = meter
-        self.published = 0  # flushes published (tests)
         self.unexported = False  # the SDK's histogram internals were not as expected (module doc)
         self._kept: list[Any] = []  # the blocks of the flushes since the last collection
         self._latest: tuple[Any, float] | None = None  # the latest flush's blocks and seconds
@@ -60,7 +59,6 @@ class JobSeries:
         if self.meter is None:
             return
         with self._lock:
-            self.published += 1
             self._names = names
             self._kept.append(blocks)
             self._latest = (blocks, elapsed_s)

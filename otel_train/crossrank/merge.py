@@ -104,20 +104,20 @@ def decode(message: Any, row_len: int, base_len: int, ranks: int = K_EXACT + 1) 
     return Bundle(exact, summary, weight, runs, tensor, message[HEAD.span("job")].clone())
 
 
-def merge(parts: Sequence[Bundle], capacity: int = MAX_TIMERS) -> Bundle:
+def merge(parts: Sequence[Bundle]) -> Bundle:
     """The bundles of one rank (its own first) and its children, as one (module doc)."""
     own, *others = [row for part in parts for row in part.exact]
-    parsed = [row_values(row, capacity) for row in others]
+    parsed = [row_values(row) for row in others]
     ordered = sorted(range(len(others)), key=_strays(parsed), reverse=True)
     keep = [others[i] for i in sorted(ordered[: K_EXACT - 1])]
     points = [(others[i], parsed[i], 1.0) for i in ordered[K_EXACT - 1 :]]
     for part in parts:
-        points.extend((row, row_values(row, capacity), part.weight / LEVELS) for row in part.summary)
+        points.extend((row, row_values(row), part.weight / LEVELS) for row in part.summary)
     runs = _union([run for part in parts for run in part.runs])
     if not points:
         return Bundle([own, *keep], runs=runs)
     weight = sum(w for _, _, w in points)
-    return Bundle([own, *keep], _summarize(own, points, capacity), weight, runs)
+    return Bundle([own, *keep], _summarize(own, points), weight, runs)
 
 
 def join(own: Bundle, child: Bundle) -> Bundle:
@@ -164,7 +164,7 @@ def _quantiles(points: list[tuple[float, float]]) -> list[float]:
 
 
 def _summarize(
-    template: Sequence[float], points: Sequence[tuple[Sequence[float], Parsed, float]], capacity: int
+    template: Sequence[float], points: Sequence[tuple[Sequence[float], Parsed, float]]
 ) -> list[list[float]]:
     """LEVELS summary rows of weighted rows (module doc)."""
     step_points: list[list[tuple[float, float]]] = [[] for _ in range(STATS_LEN)]
@@ -175,12 +175,12 @@ def _summarize(
             for c, value in enumerate(step):
                 step_points[c].append((value, weight))
         for ident, values in timers.items():
-            if len(timer_points) < capacity or ident in timer_points:
+            if len(timer_points) < MAX_TIMERS or ident in timer_points:
                 columns = timer_points.setdefault(ident, [[] for _ in range(COLUMNS)])
                 for c, value in enumerate(values):
                     if value == value:
                         columns[c].append((value, weight))
-        for entry in row_announcements(row, capacity):
+        for entry in row_announcements(row):
             announced.setdefault(entry[0], entry)
     steps = [_quantiles(c) if c else [0.0] * LEVELS for c in step_points]
     timers_q = {i: [_quantiles(c) if c else [0.0] * LEVELS for c in cols] for i, cols in timer_points.items()}
@@ -191,7 +191,6 @@ def _summarize(
             [steps[c][j] for c in range(STATS_LEN)],
             {i: [cols[c][j] for c in range(COLUMNS)] for i, cols in timers_q.items()},
             names[j * ANNOUNCE_SLOTS : (j + 1) * ANNOUNCE_SLOTS],
-            capacity,
         )
         for j in range(LEVELS)
     ]
@@ -226,12 +225,12 @@ class TreeView:
         return [rank for lo, hi in self.runs for rank in range(lo, hi) if rank not in exact]
 
 
-def unpacked(bundle: Bundle, base_len: int, capacity: int = MAX_TIMERS) -> TreeView:
+def unpacked(bundle: Bundle, base_len: int) -> TreeView:
     import torch
 
     rows = bundle.tensor if bundle.tensor is not None else torch.tensor(bundle.exact, dtype=torch.float64)
-    exact = unpack(bundle.exact, capacity)
-    summary = unpack(bundle.summary, capacity)
+    exact = unpack(bundle.exact)
+    summary = unpack(bundle.summary)
     weight = bundle.weight / LEVELS if summary else 0.0
     return TreeView(rows, exact, summary, weight, bundle.ranks, tuple(bundle.runs))
 

@@ -28,7 +28,6 @@ from otel_train.crossrank.timer_stats import Reduction, own_reductions, per_rank
 from otel_train.crossrank.tree_exchange import TreeExchange
 from otel_train.crossrank.up_row import (
     FLAG_SHARDED,
-    MAX_TIMERS,
     RankRecord,
     TimerTable,
     local_record,
@@ -70,7 +69,6 @@ class CrossRankReducer:
         *,
         group: Any | None = None,
         on_straggler: Callable[[list[StragglerReport]], None] | None = None,
-        max_timers: int = MAX_TIMERS,
         exchange: bool = True,
         shape: ExchangeShape | None = None,
         job_meter: Any | None = None,
@@ -83,14 +81,13 @@ class CrossRankReducer:
         grace_s = float(getattr(config, "exchange_grace_s", 1.0))
         self.settings = Settings.from_config(config)
         self.scorer = StragglerScorer(self.settings)
-        self.table = TimerTable(max_timers)
+        self.table = TimerTable()
         # Ranks other than 0: called with rank 0's flush schedule (interval, anchor step) from each
         # answer, and with (0, -1) when the exchange turns off (otel_train.core.cadence).
         self.on_cadence: Callable[[int, int], None] | None = None
         self.collectives = 0  # exchanges this rank's row went up in (tests and self-observability)
         self.pairing = RowPairing()  # rank 0: rows left out of a flush (other steps than its own)
         self.disabled_reason: str | None = None
-        self.reforms = 0  # times the exchange re-formed on a new process group (`reform`)
         self.abstain_reason: str | None = None
         self.last_reductions: dict[str, Reduction] = {}
         self.last_scores: RankScores | None = None
@@ -108,7 +105,7 @@ class CrossRankReducer:
         )
         self.grace_s, fanin = grace_s, int(getattr(config, "exchange_fanin", 16))
         self.exchange, self.fanin, unshaped = shaped_exchange(
-            self.group, identity, self._world, self.timeout_s, grace_s, fanin, max_timers, shape
+            self.group, identity, self._world, self.timeout_s, grace_s, fanin, shape
         )
         if unshaped is not None:
             self._disable(unshaped)
@@ -242,20 +239,20 @@ class CrossRankReducer:
             self.last_reductions = own_reductions(local_record(interval, self.identity))
             return
         self._reduce_rows(interval, got.records, from_step)
-        job_blocks = _job_of(got.records, _layout(self.exchange, self.table.capacity))
+        job_blocks = _job_of(got.records, _layout(self.exchange))
         self.job.publish(job_blocks, self.table.names, interval.elapsed_s)
 
     def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
         """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
         if isinstance(rows, Bundle):  # the tree's: rows of one of rank 0's flushes (tree_exchange)
-            tree = unpacked(rows, wire.up(self.table.capacity).words, self.table.capacity)
+            tree = unpacked(rows, wire.up().words)
             _learn_names(self.table, [*tree.exact, *tree.summary])  # the job series use them too
             rows, same, records = tree.rows, list(range(len(tree.exact))), tree.exact
             self.pairing.left_out_rows = getattr(self.exchange, "left_out_bundles", 0)
             self.pairing.note([], tree.ranks, self._world, from_step, interval.step)
             self._reduce_paired(interval, rows, same, records, tree)
             return
-        records = unpack(rows[:, _layout(self.exchange, self.table.capacity).span("up")], self.table.capacity)
+        records = unpack(rows[:, _layout(self.exchange).span("up")])
         _learn_names(self.table, records)  # of rows of other steps too: the job series use them
         # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
         self._expect = {r.rank for r in records} - {0}
@@ -270,7 +267,7 @@ class CrossRankReducer:
         records: list[RankRecord],
         tree: TreeView | None = None,
     ) -> None:
-        layout = _layout(self.exchange, self.table.capacity)
+        layout = _layout(self.exchange)
         if len(same) + (len(tree.summary) if tree else 0) < 2:
             self._verdict = None  # nothing to compare: no verdict rides the next answers
             self._flush_local(interval)
@@ -373,9 +370,9 @@ def _check_versions(versions: list[float], ranks: list[int]) -> None:
         wire.check(version, f"rank {rank}")
 
 
-def _layout(exchange: Any, capacity: int) -> wire.Record:
+def _layout(exchange: Any) -> wire.Record:
     """This job's up message (`wire.row`): the star's rows hold the job block, the tree's do not."""
-    return wire.row(capacity, 0 if isinstance(exchange, TreeExchange) else job_block.JOB_LEN)
+    return wire.row(job_words=0 if isinstance(exchange, TreeExchange) else job_block.JOB_LEN)
 
 
 def _job_of(rows: Any, layout: wire.Record) -> Any:
@@ -406,11 +403,10 @@ def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
     reducer.identity, reducer.group, reducer._world = identity, telemetry, identity.world_size
     reducer.exchange, reducer.fanin, unshaped = shaped_exchange(
         telemetry, identity, identity.world_size, reducer.timeout_s, reducer.grace_s, reducer.fanin,
-        reducer.table.capacity, None,
+        None,
     )  # fmt: skip
     reducer.lateness = LatenessTracker.attach(identity.rank, reducer.exchange)
     reducer.disabled_reason, reducer._expect, reducer._verdict = unshaped, None, None
-    reducer.reforms += 1
     message = (
         f"cross-rank telemetry re-formed on a new process group: {identity.world_size} rank(s), was "
         f"{before}; this rank is rank {identity.rank} of it"

@@ -73,7 +73,6 @@ def shaped_exchange(
     timeout_s: float,
     grace_s: float,
     fanin: int,
-    capacity: int,
     shape: ExchangeShape | None,
 ) -> tuple[StarExchange | TreeExchange, int, str | None]:
     """The exchange of the job's shape (`shape`, agreed at init; None: agreed here, on `group`),
@@ -85,5 +84,5 @@ def shaped_exchange(
         except Exception as exc:  # a peer gone at init: never guess a shape a peer may not share
             failed = f"the ranks could not agree on the exchange's shape ({exc})"
     shape = shape or ExchangeShape(fanin)
-    built = exchange_for(group, identity.rank, world, timeout_s, grace_s, shape.fanin, capacity, shape.nodes)
+    built = exchange_for(group, identity.rank, world, timeout_s, grace_s, shape.fanin, shape.nodes)
     return built, shape.fanin, failed

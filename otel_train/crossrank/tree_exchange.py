@@ -13,31 +13,21 @@ from otel_train.crossrank import down_row, job_block, wire
 from otel_train.crossrank.exchange import Exchanged, ExchangeFailed, StarExchange
 from otel_train.crossrank.merge import HEAD, HEAD_LEN, Bundle, bundle_len, decode, encode, join, merge
 from otel_train.crossrank.tree import Layout, layout
-from otel_train.crossrank.up_row import MAX_TIMERS, pack_len, row_steps
+from otel_train.crossrank.up_row import pack_len, row_steps
 
 KEPT_OWN = 4  # rank 0: its own rows of that many last flushes, for bundles that come late
 
 
 class TreeExchange:
-    """One flush's exchange on a tree (module doc); the interface of `exchange.StarExchange.run`.
-    `row_len`: this job's full row (up row and blocks); `base_len`: its `up_row` part."""
+    """One flush's exchange on a tree (module doc); the interface of `exchange.StarExchange.run`."""
 
-    def __init__(
-        self,
-        group: Any,
-        rank: int,
-        layout: Layout,
-        timeout_s: float,
-        grace_s: float,
-        row_len: int,
-        base_len: int,
-        capacity: int = MAX_TIMERS,
-    ) -> None:
+    def __init__(self, group: Any, rank: int, layout: Layout, timeout_s: float, grace_s: float) -> None:
         self.rank = rank
         self.layout = layout
         self.children = layout.children[rank]
         self.parent = layout.parent[rank]
-        self.row_len, self.base_len, self.capacity = row_len, base_len, capacity
+        # its rows: the up row and its blocks (`wire.row`), of which the `up_row` part is `base_len`
+        self.row_len, self.base_len = wire.row().words, pack_len()
         world, down = layout.world, down_row.TREE_DOWN_LEN
         self.below: StarExchange | None = None
         self.above: StarExchange | None = None
@@ -116,10 +106,10 @@ class TreeExchange:
         if self.below is not None:
             parts, taken, answers = self._gather(up, own, steps, answer, jobs)
         if self.above is None:  # rank 0: its deputy's bundle as it came (tree.layout)
-            merged = join(*parts) if len(parts) == 2 else merge(parts, self.capacity)
+            merged = join(*parts) if len(parts) == 2 else merge(parts)
             merged.job = torch.stack(jobs)  # merged when exported (crossrank/job_outputs)
             return Exchanged(merged, answer, [self.rank, *taken])
-        merged = merge(parts, self.capacity)
+        merged = merge(parts)
         merged.job = job_block.combine(jobs)
         try:
             got = self.above.send_up(self._encode(merged, self.rank))
@@ -225,7 +215,6 @@ def exchange_for(
     timeout_s: float,
     grace_s: float,
     fanin: int,
-    capacity: int = MAX_TIMERS,
     nodes: Sequence[int] = (),
 ) -> StarExchange | TreeExchange:
     """The star when `fanin` reaches every rank from rank 0, else the tree (per node where `nodes`,
@@ -234,5 +223,4 @@ def exchange_for(
     shape = layout(max(world, 1), fanin, nodes=nodes)
     if shape.star:
         return StarExchange(group, rank, world, timeout_s, grace_s)
-    row_len, base_len = wire.row(capacity).words, pack_len(capacity)
-    return TreeExchange(group, rank, shape, timeout_s, grace_s, row_len, base_len, capacity)
+    return TreeExchange(group, rank, shape, timeout_s, grace_s)

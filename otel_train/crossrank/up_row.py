@@ -132,7 +132,6 @@ def pack(
     interval: Interval,
     identity: Identity,
     table: TimerTable,
-    out: Any | None = None,
     flags: int = 0,
     from_step: int = -1,
 ) -> Any:
@@ -164,11 +163,7 @@ def pack(
     up.put(row, n_timers=n)
     for i, name in enumerate(table.take_announcements()):
         ANNOUNCE.put(row, up.at("announced", i), id=table.ids[name], name=name)
-    tensor = floats(row)
-    if out is not None:
-        out.copy_(tensor)
-        return out
-    return tensor
+    return floats(row)
 
 
 _UP = wire.up()
@@ -241,13 +236,10 @@ SUMMARY_RANK = -1  # the rank field of a row that stands for summarized ranks (n
 COLUMNS = SLOT.words - 1  # per timer: count, mean duration, arrival count, median, max, MAD
 
 
-def row_values(
-    row: Sequence[float], capacity: int = MAX_TIMERS
-) -> tuple[list[float], dict[int, list[float]]]:
+def row_values(row: Sequence[float]) -> tuple[list[float], dict[int, list[float]]]:
     """(step stats, {timer id: COLUMNS values}) of one packed row (a list of floats)."""
-    up = wire.up(capacity)
-    timers = {ident: values for ident, values in _timers(row, up, capacity).items() if values[0] > 0}
-    return up.get(row, "step_stats"), timers
+    timers = {ident: values for ident, values in _timers(row, _UP, MAX_TIMERS).items() if values[0] > 0}
+    return _UP.get(row, "step_stats"), timers
 
 
 def row_announcements(row: Sequence[float], capacity: int = MAX_TIMERS) -> list[list[float]]:
@@ -262,15 +254,14 @@ def summary_row(
     step: Sequence[float],
     timers: Mapping[int, Sequence[float]],
     announced: Sequence[Sequence[float]],
-    capacity: int = MAX_TIMERS,
 ) -> list[float]:
     """A row of SUMMARY_RANK with the template's steps and schedule and these values: what
     `crossrank/merge` sends for the ranks it summarizes (one row per quantile level)."""
-    up = wire.up(capacity)
+    up = _UP
     kept = ("version", "seq", "step", "flush_interval", "from_step", "flags")
     row = up.new(**{name: template[up.at(name)] for name in kept})
-    up.put(row, rank=SUMMARY_RANK, step_stats=list(step), n_timers=min(len(timers), capacity))
-    for slot, (ident, values) in enumerate(list(timers.items())[:capacity]):
+    up.put(row, rank=SUMMARY_RANK, step_stats=list(step), n_timers=min(len(timers), MAX_TIMERS))
+    for slot, (ident, values) in enumerate(list(timers.items())[:MAX_TIMERS]):
         SLOT.put(row, up.at("slots", slot), id=ident)
         row[up.at("slots", slot) + 1 : up.at("slots", slot + 1)] = list(values)
     up.put(row, announced=[v for values in announced[:ANNOUNCE_SLOTS] for v in values])

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from statistics import median
 from typing import Any
 
 from otel_train.core.buffer import Interval
@@ -86,12 +87,6 @@ class Verdict:
     abstain: str | None = None
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
-
-
 STEP_MARGIN = 3.0  # a culprit's lateness per step above this many of rank 0's mean steps: the clocks
 
 
@@ -109,12 +104,12 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
         arrivals = {r.rank: r.arrivals[key] + r.offset for r in rows}
         bound = {r.rank: r.bound for r in rows}
         last = max(arrivals, key=lambda rank: arrivals[rank])
-        late = arrivals[last] - _median([t for rank, t in arrivals.items() if rank != last])
+        late = arrivals[last] - median([t for rank, t in arrivals.items() if rank != last])
         if late <= FLOOR_S:
             continue
         # The least it can be with every clock off by its bound against it (the median is monotone).
         least = (
-            arrivals[last] - bound[last] - _median([t + bound[r] for r, t in arrivals.items() if r != last])
+            arrivals[last] - bound[last] - median([t + bound[r] for r, t in arrivals.items() if r != last])
         )
         if least <= FLOOR_S:
             unclear, bounds = unclear + 1, [*bounds, late - least]
@@ -129,11 +124,11 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
     # anyone was late (scheduling noise splits among all ranks; one long stall is one collective).
     # Its lateness: times last x its median lateness. Unclear collectives (within the clocks'
     # error) neither name nor clear anyone.
-    late_sum = {r: len(values) * _median(values) for r, values in lates.items()}
+    late_sum = {r: len(values) * median(values) for r, values in lates.items()}
     culprits = [r for r, v in lates.items() if len(v) >= max(MIN_RESOLVED, CONSISTENT * resolved)]
     if not culprits and unclear > resolved:
         return replace(verdict, abstain=(
-            f"the clocks of the ranks' hosts are known only to within {_median(bounds) * 1e3:.2f} ms (the "
+            f"the clocks of the ranks' hosts are known only to within {median(bounds) * 1e3:.2f} ms (the "
             f"offset bound from the telemetry exchange), more than the lateness at {unclear} of "
             f"{len(common)} collectives: no rank is named from collective arrivals"
         ))  # fmt: skip
@@ -209,7 +204,7 @@ def apply(
     else:
         culprit.chronic = Lateness(verdict.seconds, phase or UNTIMED, collective, collective=collective)
     culprit.waiting_ranks = tuple(waiting)
-    culprit.waited_s = _median([verdict.waits[r] for r in waiting]) if waiting else 0.0
+    culprit.waited_s = median([verdict.waits[r] for r in waiting]) if waiting else 0.0
 
 
 class LatenessTracker:

@@ -17,6 +17,7 @@ from otel_train.core.buffer import Interval
 from otel_train.crossrank import zero_partition
 from otel_train.crossrank.up_row import floats, name_id
 from otel_train.crossrank.wire import BATCH, MAX_FINGERPRINTS, MAX_LAYERS, REPLICAS
+from otel_train.crossrank.zero_partition import shown
 from otel_train.health import EventChannel
 
 logger = logging.getLogger("otel_train")
@@ -34,7 +35,6 @@ REL_TOL = 1e-4
 ALL_RANKS = -1.0  # data-parallel key when no group was named: every rank is a peer
 EXT_LEN = REPLICAS.words  # `wire.REPLICAS`; the ZeRO partition facts (zero_partition.py) ride it too
 _ZERO = REPLICAS.span("zero")
-_SHOWN = 8  # ranks named in one message
 
 
 @dataclass
@@ -208,7 +208,7 @@ class ReplicaCheck:
             return
         self._reported_data.add(ranks)
         message = (
-            f"ranks {_names(ranks)} trained on identical batches (same fingerprint at watched step "
+            f"ranks {shown(ranks)} trained on identical batches (same fingerprint at watched step "
             f"{step}): the data is not sharded across data-parallel ranks, so they repeat each other's "
             "work. Use a DistributedSampler (or shard the dataset by rank); ranks that share batches on "
             "purpose (tensor/pipeline parallel) name their data-parallel group with "
@@ -231,7 +231,7 @@ class ReplicaCheck:
         layer = labels[first] if first < len(labels) else f"#{first}"
         message = (
             f"data-parallel replicas diverged: the parameter norm of layer {layer!r} (the first in module "
-            f"order) differs between ranks {_names(ranks)} by more than {REL_TOL:g} relative at watched "
+            f"order) differs between ranks {shown(ranks)} by more than {REL_TOL:g} relative at watched "
             f"step {step}. Replicated parameters must stay identical: a gradient synchronization was "
             "skipped or failed (no_sync() left on, a custom all-reduce, a rank-dependent optimizer or "
             "parameter update)."
@@ -265,11 +265,6 @@ def _group_ranks(group: Any) -> list[int]:
     if not ranks:
         raise ValueError("data_parallel_group is empty.")
     return ranks
-
-
-def _names(ranks: Sequence[int]) -> str:
-    more = f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else ""
-    return ", ".join(str(r) for r in ranks[:_SHOWN]) + more
 
 
 def fsdp_in_use() -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import median
 
 from otel_train.crossrank.up_row import RankRecord
 
@@ -22,12 +23,6 @@ class Reduction:
     argmax: int  # rank with the largest value (lowest rank on ties)
     n: int  # ranks that ran the timer
     values: Mapping[int, float] = field(default_factory=dict)  # by rank, of the ranks that ran it
-
-
-def _median(sorted_values: Sequence[float]) -> float:
-    n = len(sorted_values)
-    mid = n // 2
-    return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2.0
 
 
 def reduce_timings(
@@ -59,7 +54,7 @@ def reduce_timings(
             min=vmin,
             max=vmax,
             mean=sum(ordered) / len(ordered),
-            median=_median(ordered),
+            median=median(ordered),
             argmin=amin,
             argmax=amax,
             n=len(present),

@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Literal
 
 from otel_train.crossrank.spread import Spread
@@ -132,13 +133,6 @@ class RankAssessment:
         return None if self.step_s is None else max(self.step_s - self.wait_s, 0.0)
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    mid = n // 2
-    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
-
-
 _Point = tuple[float, float, int]  # (value, weight, rank index)
 
 
@@ -192,7 +186,7 @@ class _Table:
                     by_phase.setdefault(name, {})[index] = spread
         self.phases = {p: by for p, by in by_phase.items() if len(by) >= 2}
         steps = {i: v.step for i, v in enumerate(views) if v.step.count}
-        self.order = sorted(self.phases, key=lambda p: _median([s.median for s in self.phases[p].values()]))
+        self.order = sorted(self.phases, key=lambda p: median([s.median for s in self.phases[p].values()]))
         if len(steps) >= 2:
             self.phases[STEP_END] = steps
             self.order.append(STEP_END)
@@ -316,7 +310,7 @@ def assess(views: Sequence[RankView], settings: Settings) -> list[RankAssessment
             key=lambda a: a.rank,
         )
         worst.waiting_ranks = tuple(sorted({a.rank for a in waiting}))  # a summary: rank < 0, once
-        worst.waited_s = _median([a.wait_s for a in waiting]) if waiting else 0.0
+        worst.waited_s = median([a.wait_s for a in waiting]) if waiting else 0.0
     return out
 
 

@@ -76,7 +76,7 @@ class ZeroPartitionCheck:
                 "partition",
                 ranks,
                 f"ZeRO-{stage} partitions are not each rank's share of the model (model / data-parallel "
-                f"size): ranks {_names(ranks)} ({_detail(rows, ranks)}).",
+                f"size): ranks {shown(ranks)} ({_detail(rows, ranks)}).",
                 "Every data-parallel rank must run deepspeed.initialize with the same model, config and "
                 "data-parallel group (mpu): check that no rank builds a different model or passes its own "
                 "zero_optimization section.",
@@ -87,7 +87,7 @@ class ZeroPartitionCheck:
             self._report(
                 "full_state",
                 full,
-                f"ranks {_names(full)} hold about the whole model's optimizer state although ZeRO-{stage} "
+                f"ranks {shown(full)} hold about the whole model's optimizer state although ZeRO-{stage} "
                 f"partitions it ({_detail(rows, full)}).",
                 "Create the optimizer state through the engine only (no torch optimizer stepped outside "
                 "it, no state loaded in full into engine.optimizer), and load checkpoints with the "
@@ -106,7 +106,8 @@ class ZeroPartitionCheck:
             self.events.emit("zero_partition", message, attributes)
 
 
-def _names(ranks: Sequence[int]) -> str:
+def shown(ranks: Sequence[int]) -> str:
+    """The ranks for a message: the first _SHOWN, then how many more."""
     more = f" and {len(ranks) - _SHOWN} more" if len(ranks) > _SHOWN else ""
     return ", ".join(map(str, ranks[:_SHOWN])) + more
 

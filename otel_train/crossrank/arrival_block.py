@@ -106,9 +106,3 @@ def decode(rank: int, block: Sequence[float]) -> Row | None:
         rank, int(get(block, "read_seq")), get(block, "offset"), get(block, "bound"),
         int(get(block, "window")), get(block, "steps"), arrivals,
     )  # fmt: skip
-
-
-def set_clock(block: list[float], offset: float, bound: float) -> None:
-    """Write this rank's current clock offset to rank 0 and its bound into its block (each flush:
-    the estimate improves between reads)."""
-    ARRIVALS.put(block, offset=offset, bound=bound)

@@ -24,13 +24,13 @@ from otel_train.crossrank.arrival_block import (
     decode,
     encode,
     sample,
-    set_clock,
     span,
     window,
 )
 from otel_train.crossrank.down_row import Down
 from otel_train.crossrank.up_row import RankRecord, floats
 from otel_train.crossrank.verdicts import UNTIMED, Lateness, RankAssessment, RankView
+from otel_train.crossrank.wire import ARRIVALS
 from otel_train.diagnostics import CollectiveMonitor
 
 FLOOR_S = 0.0005  # lateness below this is noise (as verdicts.Settings.min_lateness_s)
@@ -234,7 +234,7 @@ class LatenessTracker:
     def attach(cls, rank: int, exchange: Any) -> LatenessTracker:
         """A tracker whose clock stamps `exchange` (exchange.StarExchange) takes."""
         tracker = cls(rank)
-        exchange.stamp_clock, exchange.clock = True, tracker.clock
+        exchange.stamp(tracker.clock)
         return tracker
 
     def clock(self) -> float:
@@ -247,7 +247,7 @@ class LatenessTracker:
     def block(self) -> Any:
         """This rank's block for the up row: the latest read's sample and the clock estimate."""
         offset, bound = (0.0, 0.0) if self.rank == 0 else self.estimator.estimate(self.clock())
-        set_clock(self._block, offset, bound)
+        ARRIVALS.put(self._block, offset=offset, bound=bound)  # each flush: it improves between reads
         return floats(self._block)
 
     def after_exchange(self, interval: Interval, down: Down | None, stamps: tuple[float, float]) -> None:

@@ -99,6 +99,10 @@ class StarExchange:
         self._stamps: tuple[float, float] = (math.nan, math.nan)  # the newest answer's (t1, t4)
         self.up_lens: dict[int, int] = {}  # each peer's message length (absent: the length of this rank's)
 
+    def stamp(self, clock: Callable[[], float]) -> None:
+        """Write t1..t3 from `clock`; the caller reserves the row's last float."""
+        self.stamp_clock, self.clock = True, clock
+
     def stop_waiting(self) -> None:
         """Shutting down: every wait (the one in progress on the worker, and the queued flushes')
         ends within SHUTDOWN_WAIT_S from now, which leaves rows and answers of ranks in lockstep
@@ -111,26 +115,13 @@ class StarExchange:
         answers: Any | None,
         expect: set[int] | None = None,
         current: Callable[[Any], bool] | None = None,
-        defer: bool = False,
     ) -> Exchanged:
         """Rank 0: `answers` is [world, DOWN_LEN] (down_row.answers); it waits (up to the grace) for
         a row for which `current(row)` holds from each peer in `expect` (None: every peer; `current`
         None: any row). Others: `answers` None."""
         if self.rank == 0:
-            expected = set(self.peers) if expect is None else expect
-            return self._root(up, answers, expected, current or (lambda row: True), defer)
-        return self._leaf(up)
-
-    def gather(
-        self, up: Any, answers: Any, expect: set[int] | None, current: Callable[[Any], bool], defer: bool
-    ) -> Exchanged:
-        """The rank-0 role over `peers` (a tree's inner rank over its children): `up` is this rank's
-        own message of the peers' length. `defer`: the rows taken are answered later, by `answer`."""
-        return self._root(up, answers, set(self.peers) if expect is None else expect, current, defer)
-
-    def send_up(self, up: Any) -> Exchanged:
-        """The role of a rank r > 0 toward `parent`."""
-        return self._leaf(up)
+            return self.gather(up, answers, expect, current or (lambda row: True))
+        return self.send_up(up)
 
     def answer(self, peers: Sequence[int], answers: Any) -> None:
         """Answer the rows `gather(defer=True)` took (one answer per row, in order)."""
@@ -139,7 +130,8 @@ class StarExchange:
         self._finish([self._send(torch, answers, peer) for peer in peers])
 
     # --- rank r > 0 --------------------------------------------------------------------------------
-    def _leaf(self, up: Any) -> Exchanged:
+    def send_up(self, up: Any) -> Exchanged:
+        """The role of a rank r > 0 toward `parent`."""
         import torch
         import torch.distributed as dist
 
@@ -196,16 +188,23 @@ class StarExchange:
         return down
 
     # --- rank 0 ------------------------------------------------------------------------------------
-    def _root(
-        self, up: Any, answers: Any, expect: set[int], current: Callable[[Any], bool], defer: bool = False
+    def gather(
+        self,
+        up: Any,
+        answers: Any,
+        expect: set[int] | None,
+        current: Callable[[Any], bool],
+        defer: bool = False,
     ) -> Exchanged:
-        """`answers[peer]`: the answer row to each peer (a [world, DOWN_LEN] tensor or a dict)."""
+        """The rank-0 role over `peers` (a tree's inner rank over its children): `up` is this rank's
+        own message of the peers' length; `answers[peer]`: the answer row to each peer (a [world,
+        DOWN_LEN] tensor or a dict). `defer`: the rows taken are answered later, by `answer`."""
         import torch
 
         failed: dict[int, str] = {}
         taken: list[tuple[int, Any]] = []
         sends: list[tuple[Any, Any]] = []
-        waiting = set(expect)
+        waiting = set(self.peers) if expect is None else set(expect)
         done: set[int] = set()  # peers whose row for this flush (or a later one) is taken
 
         def drained() -> bool:
@@ -323,16 +322,12 @@ class StarExchange:
         """Post ABORT (`answers[peer]`, status and the rank `gone` set here) to every peer not in `failed`."""
         import torch
 
+        # Answering each live peer's next row, so it turns off at its next flush instead of after
+        # its own timeout. Never waited for (the peer may never flush again); kept so the buffers
+        # outlive the sends.
         for peer in self.peers:
             answers[peer][down_row.H_STATUS] = float(down_row.STATUS_ABORT)
             answers[peer][down_row.H_GONE] = float(gone)
-        self._part(torch, answers, {peer: "" for peer in failed})
-
-    def _part(self, torch: Any, answers: Any, failed: dict[int, str]) -> None:
-        """Turning off: post ABORT to every live peer, answering its next row, so it turns off at
-        its next flush instead of after its own timeout. Never waited for (the peer may never
-        flush again); kept so the buffers outlive the sends."""
-        for peer in self.peers:
             if peer not in failed:
                 work, message = self._send(torch, answers, peer)
                 if work is not None:

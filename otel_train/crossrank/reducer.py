@@ -209,7 +209,7 @@ class CrossRankReducer:
         if root:
             schedule = (interval.flush_interval, interval.flush_anchor)
             read = self.lateness.wants_read()
-            if isinstance(self.exchange, TreeExchange):  # one row for every rank: O(1), not O(world)
+            if tree:  # one row for every rank: O(1), not O(world)
                 answers = down_row.tree_answer(schedule[0], self._verdict, schedule[1], read)
             else:
                 answers = down_row.answers(self._world, schedule[0], self._verdict, schedule[1], read)
@@ -219,7 +219,9 @@ class CrossRankReducer:
             got = _run(self.exchange, row, answers, self._expect, current, job)
             down = down_row.decode(got.down, self.identity.rank) if got.down is not None else None
             if got.records is not None and not tree:  # the tree's bundles are checked as they come
-                _check_versions(got.records[:, wire.up().at("version")].tolist(), got.ranks)
+                versions = got.records[:, wire.up().at("version")].tolist()
+                for version, rank in zip(versions, got.ranks, strict=True):
+                    wire.check(version, f"rank {rank}")
         except Exception as exc:  # torch.distributed/gloo mid-exchange: its state is unknown, so it turns off
             if isinstance(exc, wire.Mismatch) and isinstance(self.exchange, StarExchange) and root:
                 self.exchange.abort_peers(answers)  # so the peers turn off at their next flush too
@@ -363,11 +365,6 @@ def _run(exchange: Any, row: Any, answers: Any, expect: set[int] | None, current
     if isinstance(exchange, TreeExchange):
         return exchange.run(row, answers, expect, current, job=job)
     return exchange.run(row, answers, expect, current)
-
-
-def _check_versions(versions: list[float], ranks: list[int]) -> None:
-    for version, rank in zip(versions, ranks, strict=True):
-        wire.check(version, f"rank {rank}")
 
 
 def _layout(exchange: Any) -> wire.Record:

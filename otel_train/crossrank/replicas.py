@@ -108,11 +108,6 @@ def duplicate_batches(rows: Sequence[ReplicaRow]) -> tuple[int, dict[tuple[int, 
     return compared, found
 
 
-def relative_difference(a: float, b: float) -> float:
-    scale = max(abs(a), abs(b))
-    return 0.0 if scale == 0.0 else abs(a - b) / scale
-
-
 def divergence(rows: Sequence[ReplicaRow]) -> tuple[float | None, int | None, list[int]]:
     """(largest relative norm difference, None when no two rows could be compared; first layer
     index above REL_TOL or None; ranks that disagree with the lowest rank there): rows of one group
@@ -130,7 +125,8 @@ def divergence(rows: Sequence[ReplicaRow]) -> tuple[float | None, int | None, li
     for layer, value in enumerate(ref.norms):
         off: list[int] = []
         for r in peers:
-            d = relative_difference(value, r.norms[layer])
+            scale = max(abs(value), abs(r.norms[layer]))
+            d = 0.0 if scale == 0.0 else abs(value - r.norms[layer]) / scale
             if math.isfinite(d):  # NaN/Inf norms are nonfinite_grad's business, not a divergence
                 worst = max(worst, d)
                 if d > REL_TOL:

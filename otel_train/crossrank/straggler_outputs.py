@@ -89,14 +89,8 @@ def _publish_cross_rank(gauge: Any, option: str, reductions: Mapping[str, Reduct
     """Rank 0: the cross-rank timer gauges."""
     for name, red in reductions.items():
         for stat in stats_for_option(option):
-            value = float(
-                red.argmax
-                if stat == "argmax_rank"
-                else red.argmin
-                if stat == "argmin_rank"
-                else getattr(red, stat)
-            )
-            gauge.set(value, {semconv.PHASE: name, semconv.STAT: stat})
+            value = getattr(red, {"argmax_rank": "argmax", "argmin_rank": "argmin"}.get(stat, stat))
+            gauge.set(float(value), {semconv.PHASE: name, semconv.STAT: stat})
 
 
 def event_attributes(report: StragglerReport, step: int) -> dict[str, str | int | float]:

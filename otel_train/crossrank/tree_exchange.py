@@ -49,24 +49,9 @@ class TreeExchange:
     def _edges(self) -> list[StarExchange]:
         return [edge for edge in (self.below, self.above) if edge is not None]
 
-    # The interface `collective_lateness.LatenessTracker.attach` and the bench use.
-    @property
-    def stamp_clock(self) -> bool:
-        return any(edge.stamp_clock for edge in self._edges)
-
-    @stamp_clock.setter
-    def stamp_clock(self, value: bool) -> None:
+    def stamp(self, clock: Callable[[], float]) -> None:
         for edge in self._edges:
-            edge.stamp_clock = value
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self._edges[0].clock
-
-    @clock.setter
-    def clock(self, value: Callable[[], float]) -> None:
-        for edge in self._edges:
-            edge.clock = value
+            edge.stamp(clock)
 
     @property
     def sent_bytes(self) -> int:

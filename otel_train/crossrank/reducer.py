@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from otel_train.config import Config
 from otel_train.core.buffer import Interval
 from otel_train.crossrank import down_row, job_block, wire
 from otel_train.crossrank.collective_lateness import LatenessTracker
@@ -65,7 +66,7 @@ class CrossRankReducer:
         identity: Identity,
         meter: Any | None,
         events: EventChannel | None,
-        config: Any,
+        config: Config,
         *,
         group: Any | None = None,
         on_straggler: Callable[[list[StragglerReport]], None] | None = None,
@@ -76,9 +77,8 @@ class CrossRankReducer:
         self.identity = identity
         self.events = events
         self.on_straggler = on_straggler
-        self.option: str = getattr(config, "timing_log_option", "minmax")
-        self.timeout_s = float(getattr(config, "collective_timeout_s", 60.0))
-        grace_s = float(getattr(config, "exchange_grace_s", 1.0))
+        self.option: str = config.timing_log_option
+        self.timeout_s = config.collective_timeout_s
         self.settings = Settings.from_config(config)
         self.scorer = StragglerScorer(self.settings)
         self.table = TimerTable()
@@ -103,9 +103,9 @@ class CrossRankReducer:
         self.group, self._world = telemetry_group(
             identity, group if exchange else None, exchange, self.timeout_s
         )
-        self.grace_s, fanin = grace_s, int(getattr(config, "exchange_fanin", 16))
+        self.grace_s, fanin = config.exchange_grace_s, config.exchange_fanin
         self.exchange, self.fanin, unshaped = shaped_exchange(
-            self.group, identity, self._world, self.timeout_s, grace_s, fanin, shape
+            self.group, identity, self._world, self.timeout_s, self.grace_s, fanin, shape
         )
         if unshaped is not None:
             self._disable(unshaped)

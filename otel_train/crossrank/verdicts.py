@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Literal
 
+from otel_train.config import Config
 from otel_train.crossrank.spread import Spread
 
 Category = Literal["data", "compute", "communication", "other"]
@@ -74,11 +75,8 @@ class Settings:
     min_lateness_s: float = 0.0005  # ... and above this floor
 
     @classmethod
-    def from_config(cls, config: object) -> Settings:
-        return cls(
-            threshold=float(getattr(config, "straggler_threshold", cls.threshold)),
-            ewma=float(getattr(config, "straggler_ewma", cls.ewma)),
-        )
+    def from_config(cls, config: Config) -> Settings:
+        return cls(threshold=config.straggler_threshold, ewma=config.straggler_ewma)
 
 
 @dataclass(frozen=True)

@@ -32,29 +32,27 @@ class ThreadedSink(Sink):
         max_consecutive_failures: int = 5,
         close_timeout_s: float = 10.0,
         retry_after_s: float = RETRY_AFTER_S,
-        max_retry_after_s: float = MAX_RETRY_AFTER_S,
     ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self.inner = inner
-        self.name: str = str(name or getattr(inner, "name", type(inner).__name__))
-        self.max_consecutive_failures = max(1, int(max_consecutive_failures))
+        self.name = name or inner.name
+        self.max_consecutive_failures = max_consecutive_failures
         self.close_timeout_s = close_timeout_s
         self._queue: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
-        self._dropped = 0
-        self._errors = 0
+        self.dropped = 0  # calls dropped: the queue full, the backend disabled, or after close
+        self.errors = 0  # backend calls that raised
         self._consecutive = 0
-        self._disabled = False
-        self.retry_after_s = max(0.0, float(retry_after_s))
-        self.max_retry_after_s = max(self.retry_after_s, float(max_retry_after_s))
+        self.disabled = False
+        self.retry_after_s = retry_after_s
         self._backoff = self.retry_after_s
         self._retry_at = 0.0  # monotonic time of the next retry while disabled
         self._dropped_while_disabled = 0
         self.retries = 0
         self.reenabled = 0
         self._closing = False
-        self._closed_cleanly = False
+        self.closed_cleanly = False  # once `close` drained the queue and the inner close returned in time
         self._warned_drop = False
         self._warned_error = False
         self._done = threading.Event()
@@ -62,20 +60,6 @@ class ThreadedSink(Sink):
         self._thread.start()
 
     # -- counters ---------------------------------------------------------------------------------
-
-    @property
-    def dropped(self) -> int:
-        """Calls dropped because the queue was full, the backend was disabled, or after close."""
-        return self._dropped
-
-    @property
-    def errors(self) -> int:
-        """Backend calls that raised."""
-        return self._errors
-
-    @property
-    def disabled(self) -> bool:
-        return self._disabled
 
     @property
     def pending(self) -> int:
@@ -86,11 +70,6 @@ class ThreadedSink(Sink):
     def capacity(self) -> int:
         """The queue's size (calls it holds before dropping)."""
         return self._queue.maxsize
-
-    @property
-    def closed_cleanly(self) -> bool:
-        """True once `close` drained the queue and the inner close returned within the timeout."""
-        return self._closed_cleanly
 
     # -- Sink API (never blocks) ------------------------------------------------------------------
 
@@ -142,7 +121,7 @@ class ThreadedSink(Sink):
         if self._closing:
             self._count_drop(None)
             return
-        if self._disabled and time.monotonic() < self._retry_at:  # a call at the retry time goes on
+        if self.disabled and time.monotonic() < self._retry_at:  # a call at the retry time goes on
             with self._lock:
                 self._dropped_while_disabled += 1
             self._count_drop(None)
@@ -157,11 +136,10 @@ class ThreadedSink(Sink):
 
     def _count_drop(self, message: str | None) -> None:
         with self._lock:
-            self._dropped += 1
+            self.dropped += 1
             warn = message is not None and not self._warned_drop
-            if warn:
-                self._warned_drop = True
-        if warn and message is not None:
+            self._warned_drop |= warn
+        if warn:
             logger.warning(message, self.name, self._queue.maxsize)
 
     def _run(self) -> None:
@@ -169,13 +147,13 @@ class ThreadedSink(Sink):
             method, args = self._queue.get()
             if method == _CLOSE:
                 self._call(method, args)
-                self._closed_cleanly = True
+                self.closed_cleanly = True
                 self._done.set()
                 return
-            if self._disabled:
+            if self.disabled:
                 if time.monotonic() < self._retry_at:
                     with self._lock:
-                        self._dropped += 1
+                        self.dropped += 1
                         self._dropped_while_disabled += 1
                     continue
                 self._retry(method, args)
@@ -188,15 +166,15 @@ class ThreadedSink(Sink):
         exc = self._attempt(method, args, reopen=True)
         if exc is not None:
             with self._lock:
-                self._errors += 1
-                self._dropped += 1
+                self.errors += 1
+                self.dropped += 1
                 self._dropped_while_disabled += 1
-            self._backoff = min(self._backoff * 2, self.max_retry_after_s)
+            self._backoff = min(self._backoff * 2, MAX_RETRY_AFTER_S)
             self._retry_at = time.monotonic() + self._backoff
             logger.debug("otel_train: the %s bridge failed again in %s", self.name, method, exc_info=exc)
             return
         with self._lock:
-            self._disabled = False
+            self.disabled = False
             self._consecutive = 0
             lost, self._dropped_while_disabled = self._dropped_while_disabled, 0
         self._backoff = self.retry_after_s
@@ -219,22 +197,16 @@ class ThreadedSink(Sink):
         return None
 
     def _call(self, method: str, args: tuple[Any, ...]) -> None:
-        if self._disabled and method != _CLOSE:
-            return
         exc = self._attempt(method, args)
         if exc is not None:
             with self._lock:
-                self._errors += 1
+                self.errors += 1
                 self._consecutive += 1
                 first = not self._warned_error
                 self._warned_error = True
-                disable = (
-                    method != _CLOSE
-                    and not self._disabled
-                    and self._consecutive >= self.max_consecutive_failures
-                )
+                disable = method != _CLOSE and self._consecutive >= self.max_consecutive_failures
                 if disable:
-                    self._disabled = True
+                    self.disabled = True
                     self._retry_at = time.monotonic() + self._backoff
             if first:
                 logger.warning(
@@ -256,7 +228,7 @@ class ThreadedSink(Sink):
                     self.name,
                     self._consecutive,
                     self._backoff,
-                    self.max_retry_after_s,
+                    MAX_RETRY_AFTER_S,
                 )
         else:
             self._consecutive = 0

@@ -145,7 +145,7 @@ def _task_ids() -> list[int]:
 
 
 def fullest_queue(sinks: list[ThreadedSink]) -> float:
-    return max((s.pending / s.capacity for s in sinks if s.capacity), default=0.0)
+    return max((s.pending / s.capacity for s in sinks), default=0.0)
 
 
 def build(specs: list[tuple[str, str, dict[str, Any]]], queue_size: int) -> list[ThreadedSink]:
@@ -170,6 +170,12 @@ def close_all(sinks: list[ThreadedSink], final_scalars: Mapping[str, float], gra
         thread.start()
     for thread in threads:
         thread.join(grace_s + 1.0)
+
+
+def _call_all(sinks: list[ThreadedSink], message: tuple[str, str, tuple[Any, ...]]) -> None:
+    _, method, args = message
+    for sink in sinks:
+        getattr(sink, method)(*args)
 
 
 def stats(sinks: list[ThreadedSink]) -> dict[str, dict[str, Any]]:
@@ -204,9 +210,7 @@ def serve(parent_pid: int, reply_fd: int, cpu: CpuPolicy) -> None:
             message = _read_whole(in_fd)
             cpu.follow_lift()
             if message[0] == "call":
-                _, method, args = message
-                for sink in sinks:
-                    getattr(sink, method)(*args)
+                _call_all(sinks, message)
                 cpu.update(fullest_queue(sinks), unread(in_fd))
             elif message[0] == "close":
                 _, final, grace_s = message
@@ -231,8 +235,6 @@ def _read_whole(in_fd: int) -> Any:
     """The next frame: waiting for it may be cut short by SIGTERM (ParentGone), reading it may not.
     A death signal that cut a frame in half left the pipe mid-frame, and `_drain` read garbage."""
     select.select([in_fd], [], [])  # interruptible: nothing read yet
-    if not hasattr(signal, "pthread_sigmask"):
-        return read_frame(in_fd, time.monotonic() + FRAME_S)
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         return read_frame(in_fd, time.monotonic() + FRAME_S)
@@ -250,9 +252,7 @@ def _drain(in_fd: int, sinks: list[ThreadedSink]) -> None:
             message = read_frame(in_fd, deadline)
             if message[0] != "call":
                 return
-            _, method, args = message
-            for sink in sinks:
-                getattr(sink, method)(*args)
+            _call_all(sinks, message)
 
 
 def main() -> None:

@@ -31,9 +31,8 @@ log = logging.getLogger("otel_train")
 SETUP_TIMEOUT_S = 120.0  # importing torch.utils.tensorboard, wandb and mlflow on a busy machine
 LIFT_EVERY_S = 5.0  # a starved bridge process is lifted to normal scheduling at most this often
 CHILD_GRACE_S = 30.0  # per bridge, in parallel, in the child: then a hung bridge is abandoned
-MAX_RESTARTS = (
-    5  # a child that keeps dying (a bridge that crashes it at every set-up) is not restarted for ever
-)
+# a child that keeps dying (a bridge that crashes it at every set-up) is not restarted for ever
+MAX_RESTARTS = 5
 RESTART_AFTER_S = 1.0  # the first restart's back-off; doubles with each restart
 MAX_RESTART_AFTER_S = 30.0
 _RESTARTING = (
@@ -54,7 +53,6 @@ class BridgeProcess(Sink):
         specs: Sequence[BridgeSpec],
         queue_size: int,
         count_drop: Callable[[str, int], None] | None = None,
-        setup_timeout_s: float = SETUP_TIMEOUT_S,
     ) -> None:
         self.specs = [(m, c, dict(kw)) for m, c, kw in specs]
         self._queue_size = queue_size
@@ -78,10 +76,10 @@ class BridgeProcess(Sink):
         self._stderr_relay: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name="otel_train-bridges", daemon=True)
         self._thread.start()
-        if not self._setup_done.wait(setup_timeout_s):
+        if not self._setup_done.wait(SETUP_TIMEOUT_S):
             self._dead = True
             self._kill()
-            raise BridgeSetupFailed(f"the bridge process did not start within {setup_timeout_s:.0f} s")
+            raise BridgeSetupFailed(f"the bridge process did not start within {SETUP_TIMEOUT_S:.0f} s")
         if self._setup_error is not None:
             raise self._setup_error
 
@@ -225,8 +223,7 @@ class BridgeProcess(Sink):
 
     def _drop(self, reason: str, count: int) -> None:
         if self._count_drop is not None and count:
-            with contextlib.suppress(Exception):
-                self._count_drop(reason, count)
+            self._count_drop(reason, count)
 
     def _start(self) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
@@ -239,8 +236,6 @@ class BridgeProcess(Sink):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
-            close_fds=True,
-            start_new_session=False,
         )
         assert proc.stderr is not None
         self._stderr_relay = threading.Thread(

@@ -38,13 +38,6 @@ def default_tracking_uri(run_dir: Path) -> str:
     return "sqlite:///" + str((RunFiles(run_dir).mlflow / "mlflow.db").resolve())
 
 
-def _template_db() -> Path:
-    import mlflow
-
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "otel_train"
-    return cache / f"mlflow-{mlflow.__version__}-empty.db"
-
-
 def seed_local_store(db_path: Path, artifact_root: Path) -> bool:
     """Start a new local store from a cached, already migrated empty database. False if not done.
 
@@ -57,7 +50,10 @@ def seed_local_store(db_path: Path, artifact_root: Path) -> bool:
     import sqlite3
     import threading
 
-    template = _template_db()
+    import mlflow
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "otel_train"
+    template = cache / f"mlflow-{mlflow.__version__}-empty.db"
     try:
         if not template.is_file():
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
@@ -95,9 +91,6 @@ class MlflowSink(Sink):
         tracking_uri: str | None,
         experiment: str,
         run_name: str,
-        params: Mapping[str, Any] | None = None,
-        *,
-        tags: Mapping[str, str] | None = None,
     ) -> None:
         import importlib.util
 
@@ -112,8 +105,6 @@ class MlflowSink(Sink):
             self.tracking_uri = tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
         self.experiment = experiment
         self.run_name = run_name
-        self.tags = dict(tags or {})
-        self._pending_params = dict(params or {})
         self._logged_params: dict[str, str] = {}
         self._client: Any = None
         self.run_id: str | None = None
@@ -133,11 +124,8 @@ class MlflowSink(Sink):
             seed_local_store(store / "mlflow.db", store / "artifacts")
         client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment_id(client)
-        run = client.create_run(experiment_id, run_name=self.run_name, tags=self.tags or None)
+        run = client.create_run(experiment_id, run_name=self.run_name)
         self._client, self.run_id = client, run.info.run_id
-        if self._pending_params:
-            params, self._pending_params = self._pending_params, {}
-            self._log_params(params)
         return client
 
     def _experiment_id(self, client: Any) -> str:
@@ -220,7 +208,5 @@ class MlflowSink(Sink):
             return
         self._closed = True
         if self._client is None:
-            if not self._pending_params:
-                return  # nothing was ever written: do not create an empty run
-            self._ensure_run()
+            return  # nothing was ever written: do not create an empty run
         self._client.set_terminated(self.run_id, status="FINISHED", end_time=int(time.time() * 1000))

@@ -28,8 +28,7 @@ class RunDirSink(Sink):
         self, run_dir: Path, rank: int, total_steps: int | None, progress: bool = True, role: str = ""
     ) -> None:
         self.files = RunFiles(run_dir, rank, role)
-        self.metrics_path = self.files.metrics
-        self._metrics = LineFile(self.metrics_path)
+        self._metrics = LineFile(self.files.metrics)
         # progress.txt is one file per run: only the reporting rank appends to it.
         self._progress: LineFile | None = LineFile(self.files.progress) if progress else None
         self._total_steps = total_steps

@@ -22,7 +22,7 @@ class TensorBoardSink(Sink):
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path | str, run_name: str, *, flush_secs: int = 30) -> None:
+    def __init__(self, log_dir: Path | str, run_name: str) -> None:
         # Only look for the packages here (cheap, so init() stays fast); the writer, which imports
         # torch, is created at the first write, on the bridge's own thread.
         for module in ("torch.utils.tensorboard", "tensorboard"):
@@ -35,7 +35,6 @@ class TensorBoardSink(Sink):
         self.log_dir = Path(log_dir)
         self.run_name = run_name
         ensure_writable_dir(self.log_dir, "TensorBoard")
-        self._flush_secs = flush_secs
         self._writer_or_none: Any = None
         self._seen: set[str] = set()
         self._last_step = 0
@@ -49,7 +48,7 @@ class TensorBoardSink(Sink):
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 raise BridgeImportError("TensorBoard", "tensorboard", exc) from exc
-            self._writer_or_none = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self._flush_secs)
+            self._writer_or_none = SummaryWriter(log_dir=str(self.log_dir), flush_secs=30)
         return self._writer_or_none
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:

@@ -22,6 +22,7 @@ from otel_train.run_directory import RunFiles
 logger = logging.getLogger("otel_train")
 
 STEP_KEY = sc.CURRENT_STEP.key  # "train/step": the x axis of every series
+FINISH_TIMEOUT_S = 10.0  # run.finish() may hang on an upload (wandb/wandb#5601): then it is left
 
 
 def has_wandb_credentials(environ: Mapping[str, str] | None = None) -> bool:
@@ -74,8 +75,6 @@ class WandbSink(Sink):
         run_id: str | None = None,
         rank: int | None = None,
         role: str = "",
-        *,
-        finish_timeout_s: float = 10.0,
     ) -> None:
         import importlib.util
 
@@ -95,7 +94,6 @@ class WandbSink(Sink):
         self.run_name = f"{run_name}{suffix}" if run_name else None
         self.run_id = _wandb_id(f"{run_id}{suffix}") if run_id else None
         self.group = group or (run_name if rank is not None else None)
-        self.finish_timeout_s = finish_timeout_s
         self._run: Any = None
         self._owns_run = True
         self._closed = False
@@ -186,16 +184,11 @@ class WandbSink(Sink):
             info["dir"] = local
             if info["offline"]:
                 info["sync_command"] = f"wandb sync {local}"
+        path = RunFiles(self.run_dir, role=self.role).wandb_run_info
         try:
-            RunFiles(self.run_dir, role=self.role).wandb_run_info.write_text(
-                json.dumps(info, indent=2) + "\n", encoding="utf-8"
-            )
+            path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         except OSError as exc:
-            logger.debug(
-                "otel_train: could not write %s: %s",
-                RunFiles(self.run_dir, role=self.role).wandb_run_info,
-                exc,
-            )
+            logger.debug("otel_train: could not write %s: %s", path, exc)
 
     # -- Sink API ---------------------------------------------------------------------------------
 
@@ -252,12 +245,12 @@ class WandbSink(Sink):
 
         thread = threading.Thread(target=finish, name="otel-train-wandb-finish", daemon=True)
         thread.start()
-        thread.join(self.finish_timeout_s)
+        thread.join(FINISH_TIMEOUT_S)
         if thread.is_alive():
             logger.warning(
                 "otel_train: wandb finish did not complete within %.1f s; leaving it. "
                 "The local copy is in %s (upload it later with `wandb sync`).",
-                self.finish_timeout_s,
+                FINISH_TIMEOUT_S,
                 RunFiles(self.run_dir).wandb,
             )
         elif errors:

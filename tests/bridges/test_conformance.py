@@ -46,7 +46,7 @@ def _make(backend: str, run_dir: Path) -> Sink:
         return WandbSink(run_dir, {"lr": 0.1}, project="otel-train-tests", mode="offline", run_name="conf")
     from otel_train.bridges.mlflow import MlflowSink
 
-    return MlflowSink(run_dir, None, "conformance", "conf", {"lr": 0.1})
+    return MlflowSink(run_dir, None, "conformance", "conf")
 
 
 def _read(backend: str, run_dir: Path) -> dict[str, list[tuple[int, float]]]:

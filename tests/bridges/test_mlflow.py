@@ -28,7 +28,8 @@ def test_local_store_round_trip(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "run-m"
     params = config_as_dict(Config(otlp_headers={"authorization": f"Bearer {MARKER}"}, run_name="run-m"))
     params["long"] = "x" * 10_000
-    sink = MlflowSink(run_dir, None, "exp-1", "run-m", params)
+    sink = MlflowSink(run_dir, None, "exp-1", "run-m")
+    sink.write_hparams(params)
     for step in (10, 20, 30):
         sink.write_scalars(step, time.time(), {"train/loss": 10.0 / step, "timers/forward/mean": 0.25})
     sink.write_text("samples/note", "**bold**", 20)
@@ -76,7 +77,8 @@ def test_explicit_tracking_uri_shared_by_two_runs(tmp_path: Path, monkeypatch: p
     seed_local_store(tmp_path / "shared.db", tmp_path / "artifacts")
     uri = "sqlite:///" + str(tmp_path / "shared.db")
     for name in ("a", "b"):
-        sink = MlflowSink(tmp_path / name, uri, "shared", name, {"name": name})
+        sink = MlflowSink(tmp_path / name, uri, "shared", name)
+        sink.write_hparams({"name": name})
         sink.write_scalars(1, time.time(), {"train/loss": 1.0})
         sink.close({})
     assert read_mlflow(uri, "shared", "b").params == {"name": "b"}

@@ -22,6 +22,7 @@ from typing import Any, TypeGuard
 
 from otel_train import semconv
 from otel_train.core.buffer import Interval
+from otel_train.run_directory import process_start, read_regular_file, write_json
 
 log = logging.getLogger("otel_train")
 
@@ -56,8 +57,12 @@ def span_cause(name: str) -> str:
 
 def _boot_stamp_now() -> tuple[str, float] | None:
     """This host's boot id and seconds since boot (CLOCK_BOOTTIME), where the system has them."""
-    boot_id = _boot_id()
-    return None if boot_id is None else (boot_id, time.clock_gettime(time.CLOCK_BOOTTIME))
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot_id = f.read(64).strip()
+    except (OSError, ValueError):
+        return None
+    return (boot_id, time.clock_gettime(time.CLOCK_BOOTTIME)) if boot_id else None
 
 
 @dataclass(frozen=True)
@@ -232,10 +237,8 @@ class GoodputListener:
             "last_step": self.last_step,
             "interruptions": self.interruptions,
         }
-        tmp = self._state_path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(state), encoding="utf-8")
-            tmp.replace(self._state_path)
+            write_json(self._state_path, state)
         except OSError as exc:
             log.debug("otel_train: cannot save %s: %s", self._state_path, exc)
 
@@ -269,14 +272,6 @@ def summary(final: Mapping[str, float]) -> str:
 # EARLIEST_UPDATED; otherwise the gap is unknown: not booked, said once.
 EARLIEST_UPDATED = 1.6e9  # 2020-09-13: no goodput file was written before it
 MAX_MTIME_DISAGREEMENT_S = 600.0  # `updated` vs the file's mtime: clocks in sync agree to far less
-
-
-def _boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read(64).strip() or None
-    except (OSError, ValueError):
-        return None
 
 
 def _restart_gap(previous: Mapping[str, Any], clock: StepClock, state_path: Path | None) -> float:
@@ -322,9 +317,7 @@ def _load(path: Path | None, run_id: str, now: float) -> dict[str, Any] | None:
     if path is None or not path.exists():
         return None
     try:
-        if path.stat().st_size > MAX_STATE_BYTES:
-            raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
-        state = json.loads(path.read_text(encoding="utf-8"))
+        state = json.loads(read_regular_file(path, MAX_STATE_BYTES))
         if not isinstance(state, dict):
             raise ValueError(f"not a JSON object but {type(state).__name__}")
         owner = state.get("run_id")
@@ -404,8 +397,10 @@ def process_start_perf_s() -> float:
     seconds, so every start would be off by up to 1 s (differently on each machine), and a restart's
     gap and the account's wall time with it. Elsewhere psutil's create_time() (microseconds on macOS),
     and when nothing answers, now."""
-    age = _age_from_proc()
-    if age is None:
+    ticks = process_start(os.getpid())
+    if ticks:
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(ticks) / os.sysconf("SC_CLK_TCK")
+    else:
         age = 0.0  # no process table: count from now
         with contextlib.suppress(ImportError):
             import psutil
@@ -413,16 +408,3 @@ def process_start_perf_s() -> float:
             with contextlib.suppress(psutil.Error, OSError):
                 age = time.time() - psutil.Process().create_time()
     return time.perf_counter() - max(0.0, age)
-
-
-def _age_from_proc() -> float | None:
-    """Seconds since this process started, from /proc/self/stat; None where that is missing."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as stat:
-            text = stat.read()
-        # Field 22 (starttime); the command name (field 2) may hold spaces and ")".
-        ticks = int(text[text.rindex(")") + 2 :].split()[19])
-        per_second = os.sysconf("SC_CLK_TCK")
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / per_second
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None

@@ -51,21 +51,16 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: st
     files (appending would interleave two runs). Other ranks of the same job share the directory,
     so only this rank's own files count, never the directory's existence."""
     files = RunFiles(run_dir, rank, role)
-    owner, metrics = files.owner, files.metrics
-    previous: str | None
-    if os.path.lexists(owner):
-        previous = _owner_run_id(owner)
-        if previous is None:  # damaged (a node died before it reached the disk): not a verdict
-            previous = _set_aside_owner(files, run_id)
-            if previous is None:
-                wrote = metrics.exists() and metrics.stat().st_size > 0
-                write_json(owner, _owner_record(run_id), fsync=True)
-                return wrote
-    elif metrics.exists() and metrics.stat().st_size > 0:
-        previous = None  # written by a version without owner files: cannot tell, so not ours
-    else:  # nothing of this rank yet: a fresh start
-        write_json(owner, _owner_record(run_id), fsync=True)
-        return False
+    wrote = files.metrics.exists() and files.metrics.stat().st_size > 0
+    if os.path.lexists(files.owner):
+        # A damaged owner file (a node died before it reached the disk) is not a verdict: taken over.
+        previous = _run_id_in(files.owner) or _set_aside_owner(files, run_id)
+        taken_over = previous is None
+    else:  # a fresh start, unless a version without owner files wrote here: cannot tell, not ours
+        previous, taken_over = None, not wrote
+    if taken_over:
+        write_json(files.owner, _owner_record(run_id), fsync=True)
+        return wrote
     if previous == run_id:
         holder = live_owner(run_dir, rank, role)
         if holder is not None:  # only when rank 0 did not see its own owner alive (see avoid_live_owner)
@@ -76,7 +71,7 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: st
                 holder.get("pid"),
                 holder.get("host"),
             )
-        write_json(owner, _owner_record(run_id), fsync=True)  # this process holds the files now
+        write_json(files.owner, _owner_record(run_id), fsync=True)  # this process holds the files now
         return True
     raise ConfigError(
         f"run_name {run_name!r}: {run_dir} already holds {role + ' ' if role else ''}rank {rank}'s files from another run "
@@ -89,14 +84,19 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: st
 MAX_OWNER_BYTES = 64 * 1024  # an owner record is ~150 bytes; anything larger is not one
 
 
-def _owner_run_id(owner: Path) -> str | None:
-    """The run id in owner file `owner`, or None when the file cannot be trusted (empty, cut short,
-    `{}`, not JSON, not a regular file, too large)."""
+def _read_record(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; empty when it cannot be trusted (empty, cut short, not JSON, not
+    an object, not a regular file, too large)."""
     try:
-        record = json.loads(read_regular_file(owner, MAX_OWNER_BYTES).decode("utf-8"))
+        record = json.loads(read_regular_file(path, MAX_OWNER_BYTES))
     except (OSError, ValueError):
-        return None
-    run_id = record.get("run_id") if isinstance(record, dict) else None
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _run_id_in(path: Path) -> str | None:
+    """The run id recorded in `path` (an owner or goodput file), or None when there is none."""
+    run_id = _read_record(path).get("run_id")
     return run_id if isinstance(run_id, str) and run_id else None
 
 
@@ -106,10 +106,9 @@ def _set_aside_owner(files: RunFiles, run_id: str) -> str | None:
     also records the run id, names another run: that run id is returned (the claim refuses it, as
     for a whole owner file) and the file is left where it is."""
     owner = files.owner
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        recorded = json.loads(read_regular_file(files.goodput, MAX_OWNER_BYTES).decode("utf-8")).get("run_id")
-        if isinstance(recorded, str) and recorded and recorded != run_id:
-            return recorded
+    recorded = _run_id_in(files.goodput)
+    if recorded is not None and recorded != run_id:
+        return recorded
     aside = owner.with_name(owner.name + ".corrupt")
     try:
         owner.replace(aside)
@@ -132,14 +131,15 @@ def _owner_record(run_id: str) -> dict[str, object]:
         "run_id": run_id,
         "pid": pid,
         "host": socket.gethostname(),
-        "process_start": _process_start(pid),
+        "process_start": process_start(pid),
         "started": time.time(),
     }
 
 
-def _process_start(pid: int) -> str | None:
-    """When process `pid` started (Linux: clock ticks since boot, telling a reused pid apart), or
-    None where that cannot be read; "" for a process that has exited (a zombie) or does not exist."""
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (Linux: clock ticks since boot on CLOCK_BOOTTIME, telling a reused
+    pid apart), or None where that cannot be read; "" for a process that has exited (a zombie) or
+    does not exist."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -153,14 +153,14 @@ def _process_start(pid: int) -> str | None:
 def live_owner(run_dir: Path, rank: int, role: str = "") -> dict[str, object] | None:
     """The owner record of rank `rank`'s files when another live process on this host holds them
     (same pid and the same process start time). Owners on other hosts cannot be checked: None."""
+    record = _read_record(RunFiles(run_dir, rank, role).owner)
     try:
-        record = json.loads(read_regular_file(RunFiles(run_dir, rank, role).owner, MAX_OWNER_BYTES))
         pid = int(record["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
     if record.get("host") != socket.gethostname() or pid == os.getpid() or pid <= 0:
         return None
-    started = _process_start(pid)
+    started = process_start(pid)
     if started is None:  # no /proc: whether the pid exists at all
         try:
             os.kill(pid, 0)
@@ -330,9 +330,8 @@ def json_default(value: Any) -> Any:
     """`default=` for json.dumps: numpy scalars and 0-dim tensors as numbers, anything else as
     text, so one odd value never empties a file."""
     try:
-        if hasattr(value, "__index__"):
-            with contextlib.suppress(TypeError):
-                return operator.index(value)  # numpy integers, integer 0-dim tensors
+        with contextlib.suppress(TypeError):
+            return operator.index(value)  # numpy integers, integer 0-dim tensors
         try:
             number = float(value)
         except (TypeError, ValueError, OverflowError):
@@ -404,25 +403,13 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes:
     is opened without waiting for a writer (O_NONBLOCK) and refused, as are devices (/dev/zero,
     endless) and directories; a file too large is refused before it is read, so a damaged or
     forged file costs at most `max_bytes` of memory."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags)
-    try:
-        info = os.fstat(fd)
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY), "rb") as f:
+        info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         if info.st_size > max_bytes:
             raise OSError(errno.EFBIG, f"{info.st_size} bytes, more than the {max_bytes} read", str(path))
-        chunks: list[bytes] = []
-        left = max_bytes + 1  # one byte more tells a file that grew past the limit while read
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
+        data = f.read(max_bytes + 1)  # one byte more tells a file that grew past the limit while read
     if len(data) > max_bytes:
         raise OSError(errno.EFBIG, f"more than the {max_bytes} bytes read", str(path))
     return data

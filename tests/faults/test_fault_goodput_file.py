@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -123,6 +124,23 @@ def test_a_damaged_goodput_file_is_set_aside_and_the_account_starts_over(
     assert fresh["run_id"] == "job-9" and fresh["badput"]["restart"] == 0.0
     assert 0 < fresh["productive_s"] <= fresh["wall_s"]
     assert all(0 <= fresh["badput"][cause] <= fresh["wall_s"] for cause in CAUSES)
+
+
+@pytest.mark.timeout(60)  # the FIFO read as a file would wait for a writer forever
+def test_a_fifo_in_place_of_the_goodput_file_is_set_aside_not_waited_on(
+    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "requeued"
+    shutil.copytree(first_run, run_dir)
+    state_file = run_dir / "goodput.rank0.json"
+    state_file.unlink()
+    os.mkfifo(state_file)
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    _restart(run_dir, monkeypatch)
+    warnings = [r.getMessage() for r in caplog.records if "goodput file" in r.getMessage()]
+    assert len(warnings) == 1 and "not a regular file" in warnings[0], warnings
+    assert stat.S_ISFIFO((run_dir / "goodput.rank0.json.corrupt").lstat().st_mode)
+    assert json.loads(state_file.read_text())["badput"]["restart"] == 0.0
 
 
 def test_a_file_from_an_older_version_is_continued(

@@ -1,10 +1,5 @@
 """The one table of bridges: what turns each on, where its sink class lives, what it is built with
-and which package it needs.
-
-`core.assemble` builds the bridge process from it (`specs`), `otel-train doctor` checks its packages and
-`env.json` records their versions. Adding a bridge (README, "How it fits together"): its sink module
-under `bridges/`, one row in `BRIDGES`, the setting that switches it on (and its own settings) in
-`config.py`, and its tests.
+and which package it needs. Its users, and how to add a bridge: docs/design/bridges.md#table.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Runtime control: change settings of a running job by writing `<run dir>/control.json`.
-
-    echo '{"timing_log_level": 2, "trace_every": 10}' > runs/<run>/control.json
-
-Rank 0 stamps each change with the step to apply it at, so all ranks switch at the same step.
-Settings, limits and design: docs/design/core.md#control.
+"""Runtime control: change settings of a running job by writing `<run dir>/control.json`; rank 0
+stamps each change with the step to apply it at, so all ranks switch at the same step. Settings,
+limits, an example and the design: docs/design/core.md#control.
 """
 
 from __future__ import annotations

@@ -91,9 +91,8 @@ THROTTLE_REASON = "otel_train.gpu.throttle.reason"
 XID = "otel_train.gpu.xid"  # the XID code on a `gpu_xid` health event
 DIRECTION = "network.io.direction"
 MEMORY_STATE = "system.memory.state"
-PEAK_SOURCE = (
-    "peak.source"  # where the MFU denominator came from: table:<entry>:<dtype> | config:peak_flops | env:...
-)
+# Where the MFU denominator came from: table:<entry>:<dtype> | config:peak_flops | env:...
+PEAK_SOURCE = "peak.source"
 COMPUTE_DTYPE = "compute.dtype"  # the precision MFU's peak is for: fp8 | bf16 | fp16 | tf32 | fp32
 PEAK_FLOPS = "peak.flops"  # the MFU denominator itself, FLOP/s per GPU
 

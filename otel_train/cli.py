@@ -95,8 +95,11 @@ def diagnose(run_dir: str, role: str = "") -> int:
 
 def _no_summaries(directory: Path, role: str) -> str:
     """Why there is no verdict: another role's files, or no rank stalled with the recorder on."""
-    pattern = f"collectives.{role}.rank<k>.json" if role else "collectives.rank<k>.json"
-    if any(directory.glob(f"collectives.{role}.rank*.json" if role else "collectives.rank*.json")):
+    from otel_train.run_directory import RunFiles
+
+    files = RunFiles(directory, role=role).collectives_glob
+    pattern = files.replace("*", "<k>")
+    if any(directory.glob(files)):
         return f"no readable {pattern}: every one was skipped (above)"
     roles = sorted(
         {
@@ -108,7 +111,7 @@ def _no_summaries(directory: Path, role: str) -> str:
     )
     if roles:
         return f"no readable {pattern}; there are files of role(s) {', '.join(roles)}: pass --role {roles[0]}"
-    if role and any(directory.glob("collectives.rank*.json")):
+    if role and any(directory.glob(RunFiles(directory).collectives_glob)):
         return f"no readable {pattern}; there are files of ranks without a role: leave out --role"
     return (
         f"no readable {pattern} (no rank stalled with PyTorch's Flight Recorder on: set "
@@ -205,7 +208,7 @@ def _pull_port_ok(config: Config) -> bool:
     state = (
         "BUSY (another job?): no endpoint for this job; set OTEL_TRAIN_PROMETHEUS_PORT" if busy else "free"
     )
-    print(f"prometheus pull endpoint: {config.prometheus_host}:{config.prometheus_port}+local_rank ({state})")
+    print(f"prometheus pull endpoint: {where}+local_rank ({state})")
     return not busy
 
 

@@ -192,6 +192,15 @@ def test_diagnose_points_at_the_role_and_at_a_wrong_directory(
     assert "skipped collectives.rank0.json: no valid written_at" in err
 
 
+def test_diagnose_with_a_role_over_ranks_without_one_says_to_leave_it_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_hang(tmp_path)
+    code, out, _ = _diagnose([str(tmp_path), "--role", "trainer"], capsys)
+    assert code == 1 and "no readable collectives.trainer.rank<k>.json" in out, out
+    assert "files of ranks without a role: leave out --role" in out, out
+
+
 def test_diagnose_says_a_roles_own_files_were_skipped_before_pointing_elsewhere(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -15,8 +15,6 @@ from typing import Any
 
 
 class Kind(str, Enum):
-    """What an instrument is; each value names its Meter factory, `create_<value>`."""
-
     COUNTER = "counter"
     HISTOGRAM = "histogram"
     GAUGE = "gauge"  # synchronous gauge, set on the flush worker
@@ -48,11 +46,21 @@ class MetricSpec:
         one way otel_train makes an instrument from the catalogue, so name, unit, description and
         buckets always come from here."""
         kw: dict[str, Any] = {"unit": self.unit, "description": self.description}
-        if self.buckets is not None:
-            kw["explicit_bucket_boundaries_advisory"] = list(self.buckets)
-        if self.kind in (Kind.OBSERVABLE_GAUGE, Kind.OBSERVABLE_COUNTER, Kind.OBSERVABLE_UP_DOWN_COUNTER):
-            kw["callbacks"] = [callback] if callback else None
-        return getattr(meter, f"create_{self.kind.value}")(self.name, **kw)
+        callbacks = [callback] if callback else None
+        match self.kind:
+            case Kind.COUNTER:
+                return meter.create_counter(self.name, **kw)
+            case Kind.HISTOGRAM:
+                buckets = None if self.buckets is None else list(self.buckets)
+                return meter.create_histogram(self.name, explicit_bucket_boundaries_advisory=buckets, **kw)
+            case Kind.GAUGE:
+                return meter.create_gauge(self.name, **kw)
+            case Kind.OBSERVABLE_GAUGE:
+                return meter.create_observable_gauge(self.name, callbacks=callbacks, **kw)
+            case Kind.OBSERVABLE_COUNTER:
+                return meter.create_observable_counter(self.name, callbacks=callbacks, **kw)
+            case Kind.OBSERVABLE_UP_DOWN_COUNTER:
+                return meter.create_observable_up_down_counter(self.name, callbacks=callbacks, **kw)
 
     @property
     def prometheus_name(self) -> str:

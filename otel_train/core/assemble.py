@@ -251,11 +251,8 @@ def _worker(
     from otel_train.core.instruments import SpanWriter
     from otel_train.core.worker import Worker
 
-    tracer = (
-        telemetry.tracer_provider.get_tracer("otel_train", _version())
-        if telemetry.tracer_provider is not None
-        else None
-    )
+    provider = telemetry.tracer_provider
+    tracer = provider.get_tracer("otel_train", _version()) if provider is not None else None
     return Worker(
         instruments,
         step_reader,

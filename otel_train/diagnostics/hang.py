@@ -77,19 +77,17 @@ class HangWatchdog:
         last_step: Callable[[], tuple[int, float | None]],
         stall_timeout_s: float,
         dump_signal: int | None = signal.SIGUSR1,
-        poll_s: float | None = None,
         on_tick: Callable[[], None] | None = None,
         on_stall: Callable[[Path | None], None] | None = None,
         role: str = "",
     ) -> None:
-        self.run_dir = run_dir
         self.rank = rank
-        self.role = role
+        self._files = RunFiles(run_dir, rank, role) if run_dir is not None else None
         self.dumps: list[Path] = []
         self._events = events
         self._last_step = last_step  # () -> (step index, perf_counter time it ended, or None)
         self._stall_timeout_s = stall_timeout_s
-        self._poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, stall_timeout_s / 4))
+        self._poll_s = min(1.0, max(0.05, stall_timeout_s / 4))
         # The faulthandler timer fires when this thread has not re-armed it for this long.
         self._backstop_s = stall_timeout_s + max(2.0, 4 * self._poll_s)
         self._on_tick = on_tick  # more work for the same wake-up (is the worker stuck?)
@@ -108,11 +106,9 @@ class HangWatchdog:
         self._thread = threading.Thread(target=self._run, name="otel_train-watchdog", daemon=True)
 
     def start(self) -> None:
-        if self.run_dir is not None:
+        if self._files is not None:
             try:
-                self._raw_file = RunFiles(self.run_dir, self.rank, self.role).raw_stacks.open(
-                    "a", encoding="utf-8"
-                )
+                self._raw_file = self._files.raw_stacks.open("a", encoding="utf-8")
             except OSError as exc:
                 log.warning("otel_train: no raw (faulthandler) stack dumps: %s", exc)
         if self._signal is not None:
@@ -142,10 +138,10 @@ class HangWatchdog:
         step, _ = self._last_step()
         header = f"otel_train stack dump: rank {self.rank}, pid {os.getpid()}, {reason}, last step {step}"
         text = format_stacks(f"{header}\n{time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
-        if self.run_dir is None:
+        if self._files is None:
             log.warning("%s", text)
             return None
-        path = RunFiles(self.run_dir, self.rank, self.role).stacks(len(self.dumps))
+        path = self._files.stacks(len(self.dumps))
         try:
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text(text, encoding="utf-8")
@@ -155,9 +151,7 @@ class HangWatchdog:
             return None
         self.dumps.append(path)
         files = [path.name]
-        recorder = dump_flight_recorder(
-            RunFiles(self.run_dir, self.rank, self.role).flight_recorder(len(self.dumps) - 1)
-        )
+        recorder = dump_flight_recorder(self._files.flight_recorder(len(self.dumps) - 1))
         if recorder is not None:
             files.append(recorder.name)
         if reason == "signal":

@@ -88,38 +88,37 @@ class Verdict:
         )
 
     def attributes(self, summaries: Mapping[int, Mapping[str, Any]]) -> dict[str, str | int]:
-        return _attributes(self, summaries)
+        culprits = self.culprits()
+        return {
+            "process_group": self.group,
+            "op": self.op,
+            "sequence_id": self.seq,
+            "missing_ranks": ",".join(str(r) for r in culprits),
+            "missing_hosts": ",".join(str(summaries.get(r, {}).get("host", "?")) for r in culprits),
+            "waiting_ranks": ",".join(str(r) for r in self.waiting),
+            "files": ",".join(stack_files(self, summaries)),
+        }
 
 
 @dataclass(frozen=True)
-class Deadlock:
+class Deadlock(Verdict):
     """Waits that close a cycle: `hops[i]`'s ranks wait for `hops[i + 1]`'s (the last for the
-    first's), each hop (the waiting rank, the verdict of the group it waits in)."""
+    first's), each hop (the waiting rank, the verdict of the group it waits in). Its groups and ops
+    are theirs joined, its missing ranks the hops' and its waiting ranks their verdicts'."""
 
-    hops: tuple[tuple[int, Verdict], ...]
+    hops: tuple[tuple[int, Verdict], ...] = ()
 
-    @property
-    def group(self) -> str:
-        return ",".join(dict.fromkeys(v.group for _, v in self.hops))
-
-    @property
-    def op(self) -> str:
-        return ",".join(dict.fromkeys(v.op for _, v in self.hops))
-
-    @property
-    def seq(self) -> int:
-        return self.hops[0][1].seq
-
-    @property
-    def missing(self) -> tuple[int, ...]:
-        return tuple(sorted({rank for rank, _ in self.hops}))
-
-    @property
-    def waiting(self) -> tuple[int, ...]:
-        return tuple(sorted({r for _, v in self.hops for r in v.waiting}))
-
-    def culprits(self) -> tuple[int, ...]:
-        return self.missing
+    @classmethod
+    def of(cls, hops: tuple[tuple[int, Verdict], ...]) -> Deadlock:
+        return cls(
+            group=",".join(dict.fromkeys(v.group for _, v in hops)),
+            op=",".join(dict.fromkeys(v.op for _, v in hops)),
+            seq=hops[0][1].seq,
+            missing=tuple(sorted({rank for rank, _ in hops})),
+            waiting=tuple(sorted({r for _, v in hops for r in v.waiting})),
+            silent=(),
+            hops=hops,
+        )
 
     def describe(self, summaries: Mapping[int, Mapping[str, Any]]) -> str:
         waits = []
@@ -137,21 +136,7 @@ class Deadlock:
 
     def attributes(self, summaries: Mapping[int, Mapping[str, Any]]) -> dict[str, str | int]:
         cycle = " -> ".join(f"rank {r} ({v.group})" for r, v in self.hops)
-        return {**_attributes(self, summaries), "cycle": cycle}
-
-
-def _attributes(wait: Verdict | Deadlock, summaries: Mapping[int, Mapping[str, Any]]) -> dict[str, str | int]:
-    """The `hang` event's attributes: the culprits are named as the missing ranks."""
-    culprits = wait.culprits()
-    return {
-        "process_group": wait.group,
-        "op": wait.op,
-        "sequence_id": wait.seq,
-        "missing_ranks": ",".join(str(r) for r in culprits),
-        "missing_hosts": ",".join(str(summaries.get(r, {}).get("host", "?")) for r in culprits),
-        "waiting_ranks": ",".join(str(r) for r in wait.waiting),
-        "files": ",".join(stack_files(wait, summaries)),
-    }
+        return {**super().attributes(summaries), "cycle": cycle}
 
 
 def _cycle(verdicts: list[Verdict]) -> Deadlock | None:
@@ -188,7 +173,7 @@ def _cycle(verdicts: list[Verdict]) -> Deadlock | None:
             hops.append(came[hops[-1][0]])
         if best is None or len(hops) < len(best):
             best = hops[::-1]
-    return Deadlock(tuple(best)) if best is not None else None
+    return Deadlock.of(tuple(best)) if best is not None else None
 
 
 def _rank_at(rank: int, summaries: Mapping[int, Mapping[str, Any]]) -> str:
@@ -196,13 +181,13 @@ def _rank_at(rank: int, summaries: Mapping[int, Mapping[str, Any]]) -> str:
     return f"rank {rank}" + (f" ({host})" if host else "")
 
 
-def stack_files(verdict: Verdict | Deadlock, summaries: Mapping[int, Mapping[str, Any]]) -> list[str]:
+def stack_files(verdict: Verdict, summaries: Mapping[int, Mapping[str, Any]]) -> list[str]:
     """The culprits' stack files first, then the waiting ranks'."""
     ranks = dict.fromkeys([*verdict.culprits(), *verdict.waiting])
     return [str(summaries[r]["stacks"]) for r in ranks if r in summaries and summaries[r].get("stacks")]
 
 
-def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Verdict | Deadlock]:
+def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Verdict]:
     """Every group where some ranks wait in a collective others never reached, most waiters first;
     ahead of them a cycle of such waits across groups (a `Deadlock`), when there is one."""
     members: dict[str, dict[int, Mapping[str, Any]]] = {}
@@ -225,7 +210,7 @@ def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> li
         op = next((g["ops"][str(top)] for g in groups.values() if str(top) in g["ops"]), "?")
         label = str(groups[waiting[0]].get("label", "?"))
         verdicts.append(Verdict(label, op, top, missing, waiting, () if missing else absent))
-    ordered: list[Verdict | Deadlock] = sorted(verdicts, key=lambda v: (-len(v.waiting), v.group))
+    ordered: list[Verdict] = sorted(verdicts, key=lambda v: (-len(v.waiting), v.group))
     deadlock = _cycle(verdicts)
     return ordered if deadlock is None else [deadlock, *ordered]
 
@@ -321,7 +306,7 @@ class HangReporter:
         # Ranks stall within a poll of each other (their last steps end together); a rank that
         # stalls later than this is not waited for, and named as silent when no member is missing.
         self.grace_s = min(max(2.0, stall_timeout_s / 2), 30.0)
-        self.verdicts: list[Verdict | Deadlock] = []  # the last comparison (tests read it)
+        self.verdicts: list[Verdict] = []  # the last comparison (tests read it)
 
     def on_stall(self, stacks: Path | None) -> None:
         dump = read_dump(entries=True)

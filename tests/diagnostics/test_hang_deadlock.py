@@ -39,7 +39,7 @@ def test_waits_that_close_a_cycle_across_groups_are_one_deadlock_naming_both() -
     }
     a = Verdict("pg1", "all_reduce", 51, (1,), (0,), ())
     b = Verdict("pg2", "all_reduce", 51, (0,), (1,), ())
-    assert attribute(summaries, 2) == [Deadlock(((0, a), (1, b))), a, b]
+    assert attribute(summaries, 2) == [Deadlock.of(((0, a), (1, b))), a, b]
     deadlock = attribute(summaries, 2)[0]
     text = deadlock.describe(summaries)
     assert "rank 0 (node0) waits in all_reduce #51 of process group pg1 for rank 1" in text, text

@@ -53,8 +53,7 @@ class GpuSampler:
         self.snapshot = GpuSnapshot()
         self._busy_since: float | None = None
         self._stuck_warned = False
-        self._samples = 0
-        self._sample_cond = threading.Condition()
+        self.samples = 0  # taken so far (tests wait on it)
 
     def attach(self, nvml: Any, devices: Iterable[GpuDevice]) -> None:
         """Sample these devices through ``nvml`` (initialised by discovery; released on stop)."""
@@ -87,15 +86,6 @@ class GpuSampler:
         if reads is not None:
             reads.release(self.devices)
 
-    @property
-    def samples_taken(self) -> int:
-        return self._samples
-
-    def wait_for_samples(self, n: int, timeout_s: float) -> bool:
-        """Block until at least ``n`` samples were taken (tests); False on timeout."""
-        with self._sample_cond:
-            return self._sample_cond.wait_for(lambda: self._samples >= n, timeout_s)
-
     def warn_if_stuck(self, interval_s: float) -> None:
         """Warn once when one NVML call has blocked the sampler for long (called at the flush)."""
         since, reads = self._busy_since, self._reads
@@ -121,9 +111,7 @@ class GpuSampler:
                 self.snapshot = self._sample_devices(reads)
             finally:
                 self._busy_since = None
-        with self._sample_cond:
-            self._samples += 1
-            self._sample_cond.notify_all()
+        self.samples += 1
 
     def _sample_devices(self, reads: NvmlReads) -> GpuSnapshot:
         obs: dict[str, list[Observation]] = {}

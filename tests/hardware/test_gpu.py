@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.events import Events
+from helpers.waiting import wait_for
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -82,11 +83,11 @@ def test_real_nvml_values_are_plausible(
     # str(_CUuuid) is the bare 8-4-4-4-12 hex form; NVML's is "GPU-<same>".
     torch_uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid).lower()
     assert mon.discovery.resource_attributes()[RES_GPU_UUID].lower().removeprefix("gpu-") == torch_uuid
-    assert mon.gpu_sampler.wait_for_samples(1, timeout_s=10)
+    wait_for(lambda: mon.gpu_sampler.samples >= 1, 10, "GPU samples")
     before = points(reader)
     matmul_workload(2.0)
-    seen = mon.gpu_sampler.samples_taken
-    assert mon.gpu_sampler.wait_for_samples(seen + 2, timeout_s=10)
+    seen = mon.gpu_sampler.samples
+    wait_for(lambda: mon.gpu_sampler.samples >= seen + 2, 10, "GPU samples")
     after = points(reader)
 
     util = one(after, sc.GPU_UTILIZATION.name)
@@ -110,14 +111,14 @@ def test_allocator_energy_and_mfu_at_flush(
     monitor: tuple[HardwareMonitor, InMemoryMetricReader, Events],
 ) -> None:
     mon, reader, _ = monitor
-    assert mon.gpu_sampler.wait_for_samples(1, timeout_s=10)
+    wait_for(lambda: mon.gpu_sampler.samples >= 1, 10, "GPU samples")
     mon.on_flush(Interval(seq=0, step=0, wall_time=time.time(), elapsed_s=1.0, steps=1, tokens=1, samples=1))
     # Live across the next flush: "allocated > 0" must not hinge on cuBLAS workspaces staying cached.
     held = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     start = time.monotonic()
     n = matmul_workload(1.5)
-    seen = mon.gpu_sampler.samples_taken
-    assert mon.gpu_sampler.wait_for_samples(seen + 1, timeout_s=10)
+    seen = mon.gpu_sampler.samples
+    wait_for(lambda: mon.gpu_sampler.samples >= seen + 1, 10, "GPU samples")
     mon.on_flush(
         Interval(
             seq=1,

@@ -19,6 +19,7 @@ from helpers.fake_nvml import (
     FakeNvml,
     gpu_uuid,
 )
+from helpers.waiting import wait_for
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -332,7 +333,7 @@ def test_hung_nvml_call_does_not_block_collection(rig: Rig, caplog: pytest.LogCa
     skew = [0.0]
     mon = rig.monitor(nvml, clock=lambda: time.monotonic() + skew[0])
     mon.start()  # background sampler threads
-    assert mon.gpu_sampler.wait_for_samples(1, timeout_s=10)
+    wait_for(lambda: mon.gpu_sampler.samples >= 1, 10, "GPU samples")
     nvml.hang("nvmlDeviceGetUtilizationRates")
     try:
         assert nvml.hanging.wait(10), "the sampler never reached the hung call"
@@ -439,7 +440,7 @@ def test_close_shuts_nvml_down(rig: Rig) -> None:
     nvml = FakeNvml()
     mon = rig.monitor(nvml)
     mon.start()
-    assert mon.gpu_sampler.wait_for_samples(2, timeout_s=10)
+    wait_for(lambda: mon.gpu_sampler.samples >= 2, 10, "GPU samples")
     mon.close(timeout_s=5)
     assert nvml.initialized == 0
     assert nvml.calls["nvmlEventSetFree"] == 1

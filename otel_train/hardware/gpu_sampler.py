@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.metrics import Meter, Observation
 
 from otel_train import semconv as sc
 from otel_train.hardware.discovery import GpuDevice
@@ -61,14 +61,8 @@ class GpuSampler:
         self.devices = [DeviceState(d) for d in devices]
 
     def create_instruments(self, meter: Meter) -> None:
-        for spec in GPU_SPECS:
-            spec.create(meter, self._observe(spec.name))
-
-    def _observe(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(options: CallbackOptions) -> Iterable[Observation]:
-            return self.snapshot.obs.get(name, ())  # cache only: never NVML here
-
-        return callback
+        for spec in GPU_SPECS:  # the callbacks read the snapshot only: never NVML
+            spec.create(meter, lambda options, name=spec.name: self.snapshot.obs.get(name, ()))
 
     # -- thread ------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, interval_s: float) -> None:

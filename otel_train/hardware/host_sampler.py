@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.metrics import Meter, Observation
 
 from otel_train import semconv as sc
 
@@ -38,13 +38,7 @@ class HostSampler:
             log.info("otel_train: no host metrics (psutil unavailable: %s)", exc)
             return
         for spec in HOST_SPECS:
-            spec.create(meter, self._observe(spec.name))
-
-    def _observe(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(options: CallbackOptions) -> Iterable[Observation]:
-            return self.observations.get(name, ())
-
-        return callback
+            spec.create(meter, lambda options, name=spec.name: self.observations.get(name, ()))
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """The host sampler thread: sample every ``interval_s`` until ``stop``."""

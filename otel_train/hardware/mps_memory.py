@@ -25,12 +25,7 @@ READINGS = (
 def loaded_torch_mps() -> Any | None:
     """`torch.mps` when torch is loaded and its mps backend is available, else None."""
     torch = sys.modules.get("torch")
-    try:
-        if torch is None or not torch.backends.mps.is_available():
-            return None
-    except AttributeError:  # a torch without the mps backend
-        return None
-    return getattr(torch, "mps", None)
+    return torch.mps if torch is not None and torch.backends.mps.is_available() else None
 
 
 class MpsMemory:

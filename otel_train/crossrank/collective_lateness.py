@@ -168,19 +168,14 @@ def _waits(
     that could have waited at least half its lateness, their clocks' bound given (every rank but
     the last waits in a collective; one that is slow too waits less)."""
     waits, waiting = {}, []
-    bound = next(r.bound for r in rows if r.rank == culprit)
+    late = next(r for r in rows if r.rank == culprit)
     for row in rows:
         if row.rank != culprit:
-            gaps = [_corrected(rows, culprit, k) - (row.arrivals[k] + row.offset) for k in keys]
+            gaps = [late.arrivals[k] + late.offset - (row.arrivals[k] + row.offset) for k in keys]
             waits[row.rank] = sum(max(0.0, g) for g in gaps)
-            if sum(max(0.0, g + row.bound + bound) for g in gaps) >= 0.5 * lateness:
+            if sum(max(0.0, g + row.bound + late.bound) for g in gaps) >= 0.5 * lateness:
                 waiting.append(row.rank)
     return waits, tuple(sorted(waiting))
-
-
-def _corrected(rows: Sequence[Row], rank: int, key: Key) -> float:
-    row = next(r for r in rows if r.rank == rank)
-    return row.arrivals[key] + row.offset
 
 
 def apply(

@@ -175,11 +175,6 @@ def tree_answer(
     return torch.cat([common, torch.tensor(table, dtype=torch.float64)])
 
 
-def no_news() -> Any:
-    """A tree's inner rank's answer when its parent's has not come: nothing to adopt."""
-    return tree_answer(0, None)
-
-
 def decode(row: Any, rank: int) -> Down:
     """One rank's down row (a DOWN_LEN float64 tensor, or a tree's TREE_DOWN_LEN) -> Down; one of
     another wire version raises `wire.Mismatch`."""

@@ -303,7 +303,6 @@ class CrossRankReducer:
     ) -> None:
         """Rank 0: reductions, verdicts, gauges and events from the rows of one flush's steps
         (`tree`: the tree's summary rows join the verdicts as weighted ranks, `merge`)."""
-        _learn_names(self.table, [*records, *(tree.summary if tree else ())])
         timings = per_rank_timings(records, self.table.names)
         self.last_reductions = reduce_timings({r.rank: t for r, t in zip(records, timings, strict=True)})
         views = [

@@ -49,11 +49,6 @@ class ReplicaRow:
     norms: list[float] = field(default_factory=list)
 
 
-def labels_id(labels: Sequence[str]) -> int:
-    """Stable 48-bit id of a layer list: rows compare norms only for the same layers."""
-    return name_id("\x00".join(labels))
-
-
 def encode(interval: Interval, key: float, zero: Sequence[float] | None = None) -> list[float]:
     """This rank's block (the latest fingerprints and parameter norms of the interval, the ZeRO
     facts of the interval or else `zero`, the block's last ZeRO part)."""
@@ -65,9 +60,8 @@ def encode(interval: Interval, key: float, zero: Sequence[float] | None = None) 
     if interval.layer_param_norms:
         step, labels, norms = interval.layer_param_norms[-1]
         kept = list(norms[:MAX_LAYERS])
-        REPLICAS.put(
-            block, param_step=step, n_layers=len(kept), labels_id=labels_id(labels[:MAX_LAYERS]), norms=kept
-        )
+        layers = name_id("\x00".join(labels[:MAX_LAYERS]))  # rows compare norms only for the same layers
+        REPLICAS.put(block, param_step=step, n_layers=len(kept), labels_id=layers, norms=kept)
     block[_ZERO] = zero_partition.encode(interval, zero)
     return block
 

@@ -45,8 +45,13 @@ class StragglerGauges:
             self.wait.set(scores.wait_s)
 
     def set_cross_rank(self, option: str, reductions: Mapping[str, Reduction]) -> None:
-        if self.cross is not None:
-            _publish_cross_rank(self.cross, option, reductions)
+        """Rank 0: the cross-rank timer gauges."""
+        if self.cross is None:
+            return
+        for name, red in reductions.items():
+            for stat in stats_for_option(option):
+                value = getattr(red, {"argmax_rank": "argmax", "argmin_rank": "argmin"}.get(stat, stat))
+                self.cross.set(float(value), {semconv.PHASE: name, semconv.STAT: stat})
 
 
 class StragglerReporter:
@@ -70,27 +75,13 @@ class StragglerReporter:
                 ", ".join(f"rank {r.rank} {r.pattern} {r.score:.2f}" for r in new[:MAX_REPORTS_PER_FLUSH]),
             )
         for report in new[:MAX_REPORTS_PER_FLUSH]:
-            _emit(self.events, report, step, threshold)
+            message = describe(report, step, threshold)
+            logger.warning("otel_train: %s", message)
+            if self.events is not None:
+                self.events.emit("straggler", message, event_attributes(report, step))
         for rank in sorted(self._flagged - now):
             logger.info("otel_train: rank %d is no longer a straggler", rank)
         self._flagged = now
-
-
-def _emit(events: EventChannel | None, report: StragglerReport, step: int, threshold: float) -> None:
-    """Rank 0: log one new straggler and emit its `crossrank/reducer` event."""
-    message = describe(report, step, threshold)
-    logger.warning("otel_train: %s", message)
-    if events is None:
-        return
-    events.emit("straggler", message, event_attributes(report, step))
-
-
-def _publish_cross_rank(gauge: Any, option: str, reductions: Mapping[str, Reduction]) -> None:
-    """Rank 0: the cross-rank timer gauges."""
-    for name, red in reductions.items():
-        for stat in stats_for_option(option):
-            value = getattr(red, {"argmax_rank": "argmax", "argmin_rank": "argmin"}.get(stat, stat))
-            gauge.set(float(value), {semconv.PHASE: name, semconv.STAT: stat})
 
 
 def event_attributes(report: StragglerReport, step: int) -> dict[str, str | int | float]:

@@ -105,7 +105,7 @@ class TreeExchange:
         # Every bundle taken is counted once: one that could not go up goes with the next.
         self._job_unsent = None if got.sent else merged.job
         if self.below is not None and taken:
-            news = got.down if got.down is not None else down_row.no_news()
+            news = got.down if got.down is not None else down_row.tree_answer(0, None)  # nothing to adopt
             for peer in set(taken):
                 stamp = answers[peer][down_row.D_T2]
                 answers[peer] = news.clone()
@@ -120,7 +120,7 @@ class TreeExchange:
         job blocks of every bundle taken join `jobs`, of whatever steps (each is taken once)."""
         assert self.below is not None
         root = self.parent < 0
-        template = answer if root and answer is not None else down_row.no_news()
+        template = answer if root and answer is not None else down_row.tree_answer(0, None)
         answers = {peer: template.clone() for peer in [self.rank, *self.children]}  # own: unused
         try:
             got = self.below.gather(

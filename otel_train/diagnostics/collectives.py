@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pickle
 import sys
@@ -133,13 +134,10 @@ def op_name(entry: dict[str, Any]) -> str:
 
 
 def input_bytes(entry: dict[str, Any]) -> int:
-    total = 0
-    for sizes, dtype in zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False):
-        count = 1
-        for dim in sizes:
-            count *= int(dim)
-        total += count * _DTYPE_BYTES.get(str(dtype), 4)
-    return total
+    sizes_and_dtypes = zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or [], strict=False)
+    return sum(
+        math.prod(map(int, sizes)) * _DTYPE_BYTES.get(str(dtype), 4) for sizes, dtype in sizes_and_dtypes
+    )
 
 
 def _done(entry: dict[str, Any]) -> bool:

@@ -39,10 +39,8 @@ class GpuSnapshot:
 
 
 class GpuSampler:
-    """Samples the rank's GPUs (``sample()``, on its own thread via ``run()``) into ``snapshot``.
-
-    Without a GPU (``attach`` never called, or no device) ``sample()`` does nothing.
-    """
+    """Samples the rank's GPUs (``sample()``, on its own thread via ``run()``) into ``snapshot``;
+    without a GPU (``attach`` never called, or no device) ``sample()`` does nothing."""
 
     def __init__(self, events: EventChannel) -> None:
         self._events = events

@@ -74,18 +74,14 @@ class DeviceSample:
 
 
 class NvmlReads:
-    """The NVML calls of a sample, through ``nvml`` (initialised by discovery; `release` frees it).
-
-    ``current_call`` names the NVML function running now ("" between calls): the sampler's warning
-    about a call that has blocked it for long names it.
-    """
+    """The NVML calls of a sample, through ``nvml`` (initialised by discovery; `release` frees it)."""
 
     def __init__(self, nvml: Any, events: EventChannel) -> None:
         self._nvml = nvml
         self._events = events
         self._unsupported_codes = _codes(nvml, _UNSUPPORTED_CODES)
         self._lost_codes = _codes(nvml, _LOST_CODES)
-        self.current_call = ""
+        self.current_call = ""  # the NVML function running now: the sampler's stuck warning names it
 
     def release(self, devices: Iterable[DeviceState]) -> None:
         """Free the devices' XID event sets and shut NVML down."""

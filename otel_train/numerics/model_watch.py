@@ -66,11 +66,8 @@ def layer_groups(param_names: Sequence[str], max_layers: int) -> tuple[list[str]
 
 
 class ModelWatch:
-    """Handle returned by `ot.watch(model)`; `remove()` stops watching.
-
-    It writes into `buffer` (the session's; any `Buffer` works, which is how it is unit-tested) and
-    calls `on_remove(self)` once when removed, so its owner can stop calling `begin_step`/`end_step`.
-    """
+    """Handle returned by `ot.watch(model)`; `remove()` stops watching. It writes into `buffer` and
+    calls `on_remove(self)` once when removed, so its owner can stop calling `begin_step`/`end_step`."""
 
     def __init__(
         self,

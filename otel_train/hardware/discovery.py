@@ -12,7 +12,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 # One logger for the whole hardware package: users filter on it.
 log = logging.getLogger("otel_train.hardware")
@@ -90,7 +90,7 @@ def torch_cuda_if_loaded() -> Any | None:
     return getattr(torch, "cuda", None) if torch is not None else None
 
 
-def cuda_initialized(torch_cuda: Any | None) -> bool:
+def cuda_initialized(torch_cuda: Any | None) -> TypeGuard[Any]:
     return torch_cuda is not None and bool(torch_cuda.is_initialized())
 
 
@@ -167,7 +167,6 @@ def _all_devices(nvml: Any) -> list[tuple[Any, str]]:
 def _rank_handle(nvml: Any, local_rank: int, env: Mapping[str, str], torch_cuda: Any | None) -> Any | None:
     if cuda_initialized(torch_cuda):
         try:
-            assert torch_cuda is not None
             index = torch_device_index(torch_cuda, local_rank)
             want = _uuid_key(str(torch_cuda.get_device_properties(index).uuid))
             # torch prints the bare UUID; NVML wants "GPU-<uuid>" (or "MIG-<uuid>" for a MIG slice,

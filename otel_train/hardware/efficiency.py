@@ -84,7 +84,6 @@ class FlushEfficiency:
         tc = self.torch_cuda()
         if not cuda_initialized(tc):
             return
-        assert tc is not None
         device = torch_device_index(tc, self._local_rank)
         stats = tc.memory_stats(device)
         if not stats:
@@ -180,7 +179,6 @@ class FlushEfficiency:
             return self._gpu.devices[0].dev.name
         tc = self.torch_cuda()
         if cuda_initialized(tc):
-            assert tc is not None
             try:
                 return str(tc.get_device_name(torch_device_index(tc, self._local_rank)))
             except RuntimeError:  # torch's CUDA errors

@@ -39,7 +39,15 @@ class RowPairing:
             self.partial_flushes += 1
         if left_out and not self._warned:
             self._warned = True
-            _warn_left_out(left_out, from_step, step)
+            logger.warning(
+                "otel_train: rank(s) %s sent rows for other steps than rank 0's (after step %d up to %d; "
+                "theirs: %s); a row is left out of a flush's cross-rank stats unless it covers the same "
+                "steps (ranks not in lockstep, or a flush that came late)",
+                [r.rank for r in left_out],
+                from_step,
+                step,
+                [(r.from_step, r.step) for r in left_out],
+            )
 
 
 def unjudged(tree: TreeView, exchange: Any, host: str) -> str | None:
@@ -62,16 +70,4 @@ def unjudged(tree: TreeView, exchange: Any, host: str) -> str | None:
         f"arrivals at collectives cannot be judged: {names}, on another host than rank 0, answer(s) to "
         f"rank(s) {sorted({parent[r] for r in far})} in the tree of exchange_fanin={fanin}, so "
         f"{'its' if len(far) == 1 else 'their'} clock offset is known to that rank, not to rank 0; {keep}"
-    )
-
-
-def _warn_left_out(left_out: Sequence[RankRecord], from_step: int, step: int) -> None:
-    logger.warning(
-        "otel_train: rank(s) %s sent rows for other steps than rank 0's (after step %d up to %d; theirs: "
-        "%s); a row is left out of a flush's cross-rank stats unless it covers the same steps (ranks "
-        "not in lockstep, or a flush that came late)",
-        [r.rank for r in left_out],
-        from_step,
-        step,
-        [(r.from_step, r.step) for r in left_out],
     )

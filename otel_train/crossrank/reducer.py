@@ -180,13 +180,6 @@ class CrossRankReducer:
             if self.on_cadence is not None:
                 self.on_cadence(0, -1)  # no more schedules from rank 0: every rank keeps its own
 
-    def _sharded(self) -> bool:
-        """Whether this process trains FSDP2 (`fully_shard`) modules; checked on the worker at each
-        flush until seen (fully_shard may be applied after init)."""
-        if not self._sharded_seen:
-            self._sharded_seen = fsdp_in_use()
-        return self._sharded_seen
-
     def _flush(self, interval: Interval) -> None:
         if not self.distributed:
             self._flush_local(interval)
@@ -194,7 +187,9 @@ class CrossRankReducer:
         import torch
 
         from_step, self._prev_step = self._prev_step, interval.step
-        flags = FLAG_SHARDED if self._sharded() else 0
+        # FSDP2 in use: looked for at each flush until seen (fully_shard may be applied after init)
+        self._sharded_seen = self._sharded_seen or fsdp_in_use()
+        flags = FLAG_SHARDED if self._sharded_seen else 0
         row = pack(interval, self.identity, self.table, flags=flags, from_step=from_step)
         job = job_block.encode(interval, self.identity.rank)
         tree = isinstance(self.exchange, TreeExchange)
@@ -241,8 +236,10 @@ class CrossRankReducer:
             self.last_reductions = own_reductions(local_record(interval, self.identity))
             return
         self._reduce_rows(interval, got.records, from_step)
-        job_blocks = _job_of(got.records, _layout(self.exchange))
-        self.job.publish(job_blocks, self.table.names, interval.elapsed_s)
+        # The job blocks of every row taken at this flush, whatever its steps (each row is taken
+        # once): the tree's bundle holds them; the star's rows each hold theirs.
+        blocks = got.records.job if tree else got.records[:, _layout(self.exchange).span("job")].clone()
+        self.job.publish(blocks, self.table.names, interval.elapsed_s)
 
     def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
         """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
@@ -369,14 +366,6 @@ def _run(exchange: Any, row: Any, answers: Any, expect: set[int] | None, current
 def _layout(exchange: Any) -> wire.Record:
     """This job's up message (`wire.row`): the star's rows hold the job block, the tree's do not."""
     return wire.row(job_words=0 if isinstance(exchange, TreeExchange) else job_block.JOB_LEN)
-
-
-def _job_of(rows: Any, layout: wire.Record) -> Any:
-    """Rank 0: the job blocks of every row taken at this flush, whatever its steps (each row is
-    taken once; job_block): the tree's bundle holds them; the star's rows each hold theirs."""
-    if isinstance(rows, Bundle):
-        return rows.job if rows.job is not None else job_block.empty()
-    return rows[:, layout.span("job")].clone()
 
 
 def _learn_names(table: TimerTable, records: Sequence[RankRecord]) -> None:

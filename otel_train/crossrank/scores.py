@@ -58,10 +58,6 @@ class RankScores:
     wait_s: float = 0.0
 
 
-def _category(phase: str) -> Category:
-    return "other" if phase in (UNTIMED, STEP_END) else phase_category(phase)
-
-
 class StragglerScorer:
     """Smoothed scores and verdicts for every rank from every rank's data (on rank 0, which sends
     each rank its scores and every rank the chronic list). EWMA with prior 1.0."""
@@ -122,7 +118,7 @@ class StragglerScorer:
             a.local_rank,
             pattern,
             late.late_in,
-            _category(late.late_in),
+            "other" if late.late_in in (UNTIMED, STEP_END) else phase_category(late.late_in),
             late.seconds,
             score,
             raw,

@@ -128,23 +128,15 @@ def detect_layers_and_width(model: Any) -> tuple[int | None, int | None]:
     d_model = _config_int(model, _WIDTH_ATTRS)
     modules = list(model.modules())
     if n_layers is None:
-        torch_layers = [
-            m for m in modules if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
-        ]
-        if torch_layers:
-            n_layers = len(torch_layers)
-        else:
-            lists = [m for m in modules if isinstance(m, nn.ModuleList) and len(m) > 0]
-            if lists:
-                n_layers = max(len(m) for m in lists)
+        torch_layers = sum(
+            isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) for m in modules
+        )
+        longest_list = max((len(m) for m in modules if isinstance(m, nn.ModuleList)), default=0)
+        n_layers = torch_layers or longest_list or None
     if d_model is None:
-        mha = [m for m in modules if isinstance(m, nn.MultiheadAttention)]
-        if mha:
-            d_model = int(mha[0].embed_dim)
-        else:
-            emb = [m for m in modules if isinstance(m, nn.Embedding)]
-            if emb:
-                d_model = int(emb[0].embedding_dim)
+        widths = [int(m.embed_dim) for m in modules if isinstance(m, nn.MultiheadAttention)]
+        widths += [int(m.embedding_dim) for m in modules if isinstance(m, nn.Embedding)]
+        d_model = widths[0] if widths else None
     return n_layers, d_model
 
 

@@ -62,14 +62,6 @@ def buffer_size() -> int:
     return 0
 
 
-def recording_by_default() -> bool:
-    """Whether torch's recorder records this process's collectives although the environment does
-    not ask for it (torch 2.13's default): its dump lists the process groups it records
-    (`pg_config`), and lists none when it is off. Meaningful once a process group exists."""
-    dump = read_dump(entries=False)
-    return dump is not None and bool(dump["pg_config"])
-
-
 def read_dump(entries: bool) -> dict[str, Any] | None:
     """This rank's Flight Recorder as one dict (`pg_status`, `pg_config`, and `entries` when
     asked), the CPU and NCCL recorders merged; None when torch or both recorders are unavailable."""
@@ -280,8 +272,12 @@ class CollectiveMonitor:
 def start_monitor(meter: Any, telemetry_group: Any | None, rank: int) -> CollectiveMonitor | None:
     """The monitor when this rank is in a process group and the Flight Recorder is on; otherwise
     None, with OFF_MESSAGE logged once for the job (rank 0; the other ranks at debug level)."""
-    if buffer_size() <= 0 or read_dump(entries=False) is None:
-        message = UNUSED_MESSAGE if buffer_size() == 0 and recording_by_default() else OFF_MESSAGE
+    dump = read_dump(entries=False)
+    if buffer_size() <= 0 or dump is None:
+        # Unasked, torch (2.13's default) may record anyway: its dump then lists the groups it
+        # records (`pg_config`), and none when it is off.
+        recording = buffer_size() == 0 and dump is not None and bool(dump["pg_config"])
+        message = UNUSED_MESSAGE if recording else OFF_MESSAGE
         log.log(logging.WARNING if rank == 0 else logging.DEBUG, "%s", message)
         return None
     excluded = {str(getattr(telemetry_group, "group_name", ""))} if telemetry_group is not None else set()

@@ -131,7 +131,8 @@ def discover_gpus(
         handle = _rank_handle(nvml, local_rank, env, torch_cuda)
         if handle is None:
             shutdown_quietly(nvml)
-            reason = f"no GPU for local rank {local_rank} (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r})"
+            visible = env.get("CUDA_VISIBLE_DEVICES")
+            reason = f"no GPU for local rank {local_rank} (CUDA_VISIBLE_DEVICES={visible!r})"
             return Discovery(None, driver_version=driver, reason=reason)
         uuid = _nvml_text(nvml.nvmlDeviceGetUUID(handle))
         name = _nvml_text(nvml.nvmlDeviceGetName(handle))
@@ -181,8 +182,6 @@ def _rank_handle(nvml: Any, local_rank: int, env: Mapping[str, str], torch_cuda:
             log.debug("torch device UUID lookup failed (%s); using CUDA_VISIBLE_DEVICES", exc)
     visible = parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
     entries = visible if visible is not None else [str(i) for i in range(int(nvml.nvmlDeviceGetCount()))]
-    if not entries:
-        return None
     if 0 <= local_rank < len(entries):
         entry = entries[local_rank]
     elif len(entries) == 1:

@@ -57,10 +57,8 @@ class ConsoleSink(Sink):
         self.total_steps = total_steps
         self.bar = progress_bar and verbosity > 0 and self.stream.isatty()
         self.started = time.time()
-        self._steps = 0.0
         # Timer totals for the end-of-run table: name -> [total seconds, count].
         self.timers: dict[str, list[float]] = {}
-        self.step_total = 0.0
         self._shown_eval_loss: float | None = None
         # summary values that came in a row without training steps (log_metrics(step=N)): the next
         # training line shows the latest of them

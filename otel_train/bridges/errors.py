@@ -16,8 +16,6 @@ class BridgeImportError(ImportError):
             f"the {backend} bridge needs the {extra!r} package, which could not be imported{detail}. "
             f"Install it with: pip install 'otel-train[{extra}]', or turn the bridge off."
         )
-        self.backend = backend
-        self.extra = extra
 
 
 class BridgeSetupError(RuntimeError):

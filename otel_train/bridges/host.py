@@ -55,7 +55,6 @@ class CpuPolicy:
     def __init__(self) -> None:
         self.idle_policy: int | None = None  # chosen by start(), at nice 10
         self.idle = False
-        self.switches = 0
 
     def start(self) -> None:
         """Nice 10, at normal scheduling while the bridges are set up (`set_up`)."""
@@ -95,7 +94,6 @@ class CpuPolicy:
                 continue
         if changed:
             self.idle = idle
-            self.switches += 1
 
 
 def _may_leave_idle() -> bool:

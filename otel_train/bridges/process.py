@@ -73,7 +73,6 @@ class BridgeProcess(Sink):
         self._close_requested = threading.Event()
         self._close_frame: bytes | None = None
         self.restarts = 0
-        self._stderr_relay: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name="otel_train-bridges", daemon=True)
         self._thread.start()
         if not self._setup_done.wait(SETUP_TIMEOUT_S):
@@ -238,10 +237,9 @@ class BridgeProcess(Sink):
             env=env,
         )
         assert proc.stderr is not None
-        self._stderr_relay = threading.Thread(
+        threading.Thread(
             target=_relay, args=(proc.stderr,), name="otel_train-bridges-stderr", daemon=True
-        )
-        self._stderr_relay.start()
+        ).start()
         return proc
 
     def _run(self) -> None:

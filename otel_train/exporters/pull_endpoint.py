@@ -36,11 +36,9 @@ def _pull_server_class() -> Any:
         def server_activate(self) -> None:
             super().server_activate()
             self.slots = threading.BoundedSemaphore(MAX_PULL_CONNECTIONS)
-            self.refused = 0
 
         def process_request(self, request: Any, client_address: Any) -> None:
-            if not self.slots.acquire(blocking=False):
-                self.refused += 1  # all slots busy (idle clients, hung scrapes): no new thread
+            if not self.slots.acquire(blocking=False):  # all busy (idle clients, hung scrapes): no thread
                 self.shutdown_request(request)
                 return
             threading.Thread(

@@ -109,15 +109,11 @@ class TensorBoardSink(Sink):
         self._writer.close()
 
 
-def _hparams_summary(tag: str, plugin_data: Any) -> Any:
-    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
-    from tensorboard.plugins.hparams import metadata
+def _hparams_summary(tag: str, **plugin_data: Any) -> Any:
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
 
-    smd = SummaryMetadata(
-        plugin_data=SummaryMetadata.PluginData(
-            plugin_name=metadata.PLUGIN_NAME, content=plugin_data.SerializeToString()
-        )
-    )
+    smd = metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(**plugin_data))
     return Summary(value=[Summary.Value(tag=tag, metadata=smd)])
 
 
@@ -132,13 +128,11 @@ def _session_start_summary(hparams: Mapping[str, bool | float | str]) -> Any:
             info.hparams[key].number_value = value
         else:
             info.hparams[key].string_value = value
-    data = plugin_data_pb2.HParamsPluginData(session_start_info=info, version=metadata.PLUGIN_DATA_VERSION)
-    return _hparams_summary(metadata.SESSION_START_INFO_TAG, data)
+    return _hparams_summary(metadata.SESSION_START_INFO_TAG, session_start_info=info)
 
 
 def _session_end_summary(end_time: float) -> Any:
     from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 
     info = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=end_time)
-    data = plugin_data_pb2.HParamsPluginData(session_end_info=info, version=metadata.PLUGIN_DATA_VERSION)
-    return _hparams_summary(metadata.SESSION_END_INFO_TAG, data)
+    return _hparams_summary(metadata.SESSION_END_INFO_TAG, session_end_info=info)

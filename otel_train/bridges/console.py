@@ -84,9 +84,8 @@ class ConsoleSink(Sink):
             self._shown_eval_loss = eval_loss
         parts = [f"step {step + 1}" + (f"/{self.total_steps}" if self.total_steps else "")]
         for key, label, fmt in _SUMMARY_FIELDS:
-            if key not in scalars or (key == sc.EVAL_LOSS.key and not new_eval):
-                continue
-            if not trained and key != sc.EVAL_LOSS.key:
+            # the eval loss when it is new; the training values after training steps
+            if key not in scalars or not (new_eval if key == sc.EVAL_LOSS.key else trained):
                 continue
             value = scalars[key]
             text = _duration(value) if fmt is None else _si(value) if fmt == "si" else fmt.format(value)

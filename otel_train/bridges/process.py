@@ -93,20 +93,19 @@ class BridgeProcess(Sink):
         return self._queue.qsize()
 
     # -- Sink API (never blocks) ------------------------------------------------------------------
+    # The worker hands plain str, int and float data (`core.worker`); hyperparameters go through `plain`.
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
-        self._submit(
-            "write_scalars", (int(step), float(wall_time), {str(k): float(v) for k, v in scalars.items()})
-        )
+        self._submit("write_scalars", (step, wall_time, dict(scalars)))
 
     def write_text(self, key: str, text: str, step: int) -> None:
-        self._submit("write_text", (str(key), str(text), int(step)))
+        self._submit("write_text", (key, text, step))
 
     def write_samples(self, key: str, rows: Sequence[tuple[str, str]], step: int) -> None:
-        self._submit("write_samples", (str(key), [(str(p), str(o)) for p, o in rows], int(step)))
+        self._submit("write_samples", (key, list(rows), step))
 
     def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
-        self._submit("write_histogram", (str(key), [float(v) for v in values], int(step)))
+        self._submit("write_histogram", (key, list(values), step))
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
         self._submit("write_hparams", (plain(dict(params)),))
@@ -121,7 +120,7 @@ class BridgeProcess(Sink):
         if not self._dead:
             self._lift()
             grace = max(CHILD_GRACE_S, deadline - time.monotonic())
-            frame = encode(("close", {str(k): float(v) for k, v in final_scalars.items()}, grace))
+            frame = encode(("close", dict(final_scalars), grace))
             self._close_frame = frame
             while not self._dead:
                 try:
@@ -340,11 +339,9 @@ class BridgeProcess(Sink):
         if proc is None:
             return
         for stream in (proc.stdin, proc.stdout):  # stderr: the relay thread closes it at EOF
-            try:
-                if stream is not None:
+            if stream is not None:
+                with contextlib.suppress(OSError):
                     stream.close()
-            except OSError:
-                pass
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -372,16 +369,11 @@ def _exit_text(proc: subprocess.Popen[bytes] | None) -> str:
 
 def _relay(stream: Any) -> None:
     """Copy the child's stderr (backends' own messages, its warnings) to this process's stderr."""
-    try:
+    with contextlib.suppress(OSError, ValueError), stream:  # closed at EOF, or when it breaks
         for line in iter(stream.readline, b""):
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # our own stderr closed or replaced: the line is lost
                 sys.stderr.write(line.decode("utf-8", errors="replace"))
                 sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            stream.close()
 
 
 def _continue_if_stopped(proc: subprocess.Popen[bytes] | None) -> bool:

@@ -17,10 +17,6 @@ from otel_train.bridges.framing import plain
 from otel_train.run_directory import LineFile, RunFiles, append_line, dumps_line, write_json
 
 
-def _clean(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
 class RunDirSink(Sink):
     name = "rundir"
 
@@ -40,7 +36,7 @@ class RunDirSink(Sink):
         row = {
             "step": step,
             "time": round(wall_time, 3),
-            **{k: _clean(v) for k, v in sorted(scalars.items())},
+            **{k: (v if math.isfinite(v) else None) for k, v in sorted(scalars.items())},
         }
         self._metrics.write_line(dumps_line(row))
         self._tokens += scalars.get(sc.TOKENS.key, 0.0)

@@ -106,13 +106,12 @@ class ThreadedSink(Sink):
                     break
         self._done.wait(max(0.0, deadline - time.monotonic()))
         if not self._done.is_set():
-            left = self._queue.qsize()
             logger.warning(
                 "otel_train: the %s bridge did not finish within %.1f s; abandoning it "
                 "(%d queued call(s) not written). Its data may be incomplete.",
                 self.name,
                 timeout,
-                left,
+                self._queue.qsize(),
             )
 
     # -- internals --------------------------------------------------------------------------------
@@ -122,9 +121,7 @@ class ThreadedSink(Sink):
             self._count_drop(None)
             return
         if self.disabled and time.monotonic() < self._retry_at:  # a call at the retry time goes on
-            with self._lock:
-                self._dropped_while_disabled += 1
-            self._count_drop(None)
+            self._drop_while_disabled()
             return
         try:
             self._queue.put_nowait((method, args))
@@ -142,6 +139,11 @@ class ThreadedSink(Sink):
         if warn:
             logger.warning(message, self.name, self._queue.maxsize)
 
+    def _drop_while_disabled(self) -> None:
+        with self._lock:
+            self.dropped += 1
+            self._dropped_while_disabled += 1
+
     def _run(self) -> None:
         while True:
             method, args = self._queue.get()
@@ -150,25 +152,20 @@ class ThreadedSink(Sink):
                 self.closed_cleanly = True
                 self._done.set()
                 return
-            if self.disabled:
-                if time.monotonic() < self._retry_at:
-                    with self._lock:
-                        self.dropped += 1
-                        self._dropped_while_disabled += 1
-                    continue
+            if not self.disabled:
+                self._call(method, args)
+            elif time.monotonic() >= self._retry_at:
                 self._retry(method, args)
-                continue
-            self._call(method, args)
+            else:
+                self._drop_while_disabled()
 
     def _retry(self, method: str, args: tuple[Any, ...]) -> None:
         """The disabled backend, once more, with a fresh writer; back-off doubles while it fails."""
         self.retries += 1
         exc = self._attempt(method, args, reopen=True)
         if exc is not None:
-            with self._lock:
-                self.errors += 1
-                self.dropped += 1
-                self._dropped_while_disabled += 1
+            self.errors += 1
+            self._drop_while_disabled()
             self._backoff = min(self._backoff * 2, MAX_RETRY_AFTER_S)
             self._retry_at = time.monotonic() + self._backoff
             logger.debug("otel_train: the %s bridge failed again in %s", self.name, method, exc_info=exc)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import functools
 import math
-from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from otel_train import semconv
 from otel_train.core.buffer import Interval, finite
+from otel_train.core.resolve import bucket_counts_of
 from otel_train.crossrank.up_row import floats, name_id
 from otel_train.crossrank.wire import Record
 
@@ -65,22 +65,10 @@ def encode(interval: Interval, rank: int) -> Any:
         ordered = sorted(values)
         mean = math.fsum(ordered) / len(ordered)
         block[at + R_ID] = ident
-        block[at + R_BUCKETS : at + R_SUM] = bucket_counts(ordered, bounds)
+        block[at + R_BUCKETS : at + R_SUM] = bucket_counts_of(ordered, bounds)  # as the SDK buckets them
         block[at + R_SUM : at + R_DMAX + 1] = [math.fsum(ordered), ordered[0], ordered[-1]]
         block[at + R_MMIN : at + REC_LEN] = [mean, float(rank), mean, float(rank), mean, 1.0]
     return floats(block)
-
-
-def bucket_counts(ordered: list[float], bounds: tuple[float, ...]) -> list[float]:
-    """Explicit-bucket counts of sorted values as the SDK buckets them: bucket i holds
-    bounds[i-1] < v <= bounds[i], the last one v > bounds[-1]."""
-    counts, below = [], 0
-    for bound in bounds:
-        upto = bisect_right(ordered, bound)
-        counts.append(float(upto - below))
-        below = upto
-    counts.append(float(len(ordered) - below))
-    return counts
 
 
 def empty() -> Any:

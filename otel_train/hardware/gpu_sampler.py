@@ -106,26 +106,20 @@ class GpuSampler:
         self.samples += 1
 
     def _sample_devices(self, reads: NvmlReads) -> GpuSnapshot:
-        obs: dict[str, list[Observation]] = {}
-        energy_total: float | None = 0.0
-        memory: list[tuple[str, int, int]] = []
-        for state in self.devices:
-            if state.lost:
-                continue
+        samples = []
+        for state in [s for s in self.devices if not s.lost]:
             try:
-                sample = reads.sample_device(state, self.clock)
+                samples.append(reads.sample_device(state, self.clock))
             except GpuLost as exc:
                 self._mark_lost(state, str(exc))
-                continue
+        obs: dict[str, list[Observation]] = {}
+        for sample in samples:
             for name, points in sample.obs.items():
                 obs.setdefault(name, []).extend(points)
-            energy = sample.energy_j
-            energy_total = None if energy is None or energy_total is None else energy_total + energy
-            if sample.memory is not None:
-                memory.append(sample.memory)
-        if not any(not s.lost for s in self.devices):
-            energy_total = None
-        return GpuSnapshot(self.clock(), obs, energy_total, tuple(memory))
+        energies = [sample.energy_j for sample in samples if sample.energy_j is not None]
+        energy = sum(energies) if samples and len(energies) == len(samples) else None  # all GPUs' or none
+        memory = tuple(sample.memory for sample in samples if sample.memory is not None)
+        return GpuSnapshot(self.clock(), obs, energy, memory)
 
     def _mark_lost(self, state: DeviceState, detail: str) -> None:
         state.lost = True

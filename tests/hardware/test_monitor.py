@@ -37,6 +37,7 @@ from otel_train.hardware import (
     gpu_sampler,
     parse_cuda_visible_devices,
 )
+from otel_train.hardware.discovery import GpuDevice
 
 GPU_SPECS = list(gpu_sampler.GPU_SPECS)
 HOST_SPECS = [sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEMORY_USAGE]
@@ -562,3 +563,23 @@ def test_discovery_for_resource_only_is_released_on_close(rig: Rig) -> None:
     assert mon.discovery.resource_attributes()[RES_GPU_UUID] == gpu_uuid(0)
     mon.close()
     assert nvml.initialized == 0
+
+
+def test_energy_sums_every_gpu_of_the_rank_or_is_none_when_one_cannot_say() -> None:
+    gpus = [FakeGpu(uuid=gpu_uuid(0), energy_mj=1_000_000), FakeGpu(uuid=gpu_uuid(1), energy_mj=2_000_000)]
+    nvml = FakeNvml(gpus)
+    nvml.nvmlInit()
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(len(gpus))]
+    sampler = gpu_sampler.GpuSampler(Events())
+    sampler.attach(nvml, [GpuDevice(h, g.uuid, g.name, None) for h, g in zip(handles, gpus, strict=True)])
+    sampler.sample()
+    assert sampler.snapshot.energy_j == 3000.0  # mJ -> J, both GPUs
+    gpus[1].unsupported.add("nvmlDeviceGetTotalEnergyConsumption")
+    sampler.sample()
+    assert sampler.snapshot.energy_j is None  # one GPU's share unknown: no partial sum
+    gpus[1].lost = True
+    sampler.sample()
+    assert sampler.snapshot.energy_j == 1000.0  # a lost GPU's series stop: the rest is every GPU
+    gpus[0].lost = True
+    sampler.sample()
+    assert sampler.snapshot.energy_j is None

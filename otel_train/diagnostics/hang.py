@@ -200,14 +200,12 @@ class HangWatchdog:
         raw = self._raw_file
         if raw is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             if os.fstat(raw.fileno()).st_size > RAW_STACKS_MAX_BYTES:
                 os.ftruncate(raw.fileno(), 0)
                 log.warning(
                     "otel_train: %s grew past %d bytes and was emptied.", raw.name, RAW_STACKS_MAX_BYTES
                 )
-        except OSError:
-            pass
 
     def _arm_backstop(self) -> None:
         """(Re-)arm faulthandler's timer once steps have begun, and report when it could have fired:

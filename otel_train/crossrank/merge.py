@@ -219,11 +219,6 @@ class TreeView:
     ranks: int  # ranks covered, exact and summarized
     runs: tuple[tuple[int, int], ...]
 
-    def summarized(self) -> list[int]:
-        """The ranks the summary stands for (covered, not exact)."""
-        exact = {r.rank for r in self.exact}
-        return [rank for lo, hi in self.runs for rank in range(lo, hi) if rank not in exact]
-
 
 def unpacked(bundle: Bundle, base_len: int) -> TreeView:
     import torch
@@ -238,8 +233,10 @@ def unpacked(bundle: Bundle, base_len: int) -> TreeView:
 def widen_waiting(assessments: Sequence[RankAssessment], tree: TreeView) -> list[RankAssessment]:
     """The assessments of real ranks; where the summary waits for a culprit, every summarized
     rank is among the ranks that wait for it."""
+    exact = {r.rank for r in tree.exact}
+    summarized = {rank for lo, hi in tree.runs for rank in range(lo, hi) if rank not in exact}
     real = [a for a in assessments if a.rank >= 0]
     for a in real:
         if SUMMARY_RANK in a.waiting_ranks:
-            a.waiting_ranks = tuple(sorted({r for r in a.waiting_ranks if r >= 0} | set(tree.summarized())))
+            a.waiting_ranks = tuple(sorted({r for r in a.waiting_ranks if r >= 0} | summarized))
     return real

@@ -109,12 +109,9 @@ class CrossRankReducer:
         )
         if unshaped is not None:
             self._disable(unshaped)
-        # Data-parallel replica checks (replicas.py): a fixed block appended to the same row.
         self.replicas = ReplicaCheck(identity.rank, meter, events)
-        # Arrivals at collectives (collective_lateness.py): the row's last block, clock stamps in it.
         self.lateness = LatenessTracker.attach(identity.rank, self.exchange)
         self.gauges = StragglerGauges(meter, identity.rank == 0)
-        # The job-level series (job_block, job_outputs): rank 0 publishes them on `job_meter`.
         self.job = JobSeries(job_meter if identity.rank == 0 else None)
         self._job_unsent: Any = None  # star, rank r > 0: the block of a row that could not go up
 

@@ -35,7 +35,10 @@ class TreeExchange:
             self.below = StarExchange(
                 group, rank, world, timeout_s, grace_s, peers=self.children, down_len=down
             )
-            self.below.up_lens = {c: self._length(c) for c in self.children}
+            # each child's bundles are of a fixed length: its subtree's size decides it
+            self.below.up_lens = {
+                c: bundle_len(self.row_len, self.base_len, self._ranks(c)) for c in self.children
+            }
         if self.parent >= 0:
             self.above = StarExchange(
                 group, rank, world, timeout_s, grace_s, parent=self.parent, down_len=down
@@ -174,10 +177,6 @@ class TreeExchange:
     def _ranks(self, rank: int) -> int:
         lo, hi = self.layout.span[rank]
         return hi - lo
-
-    def _length(self, rank: int) -> int:
-        """The length of `rank`'s bundles (fixed: its subtree's size decides it)."""
-        return bundle_len(self.row_len, self.base_len, self._ranks(rank))
 
     def _encode(self, bundle: Bundle, rank: int) -> Any:
         return encode(bundle, self.row_len, self.base_len, self._ranks(rank))

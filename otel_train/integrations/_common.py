@@ -6,13 +6,14 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import sys
 from collections.abc import Mapping
-from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
-from otel_train import adapters, semconv
-from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError
+from otel_train import adapters
+from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError, env_name
+from otel_train.config_loading import config_file_settings
 
 log = logging.getLogger("otel_train")
 
@@ -67,23 +68,23 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
     return True
 
 
-def end_phase(name: str, start_ns: int) -> int:
-    """Time `name` from `start_ns` to now on the running session (if any); returns now, where the
-    next phase of the step starts."""
-    ot.timer(name).start(at_ns=start_ns).stop()
-    return perf_counter_ns()
+def chosen(name: str, settings: Mapping[str, Any]) -> bool:
+    """Whether the user gave otel_train setting `name`: a keyword, `OTEL_TRAIN_<NAME>` or the
+    config file (read here only for its keys)."""
+    if name in settings or os.environ.get(env_name(name), "").strip():
+        return True
+    path = os.environ.get(CONFIG_FILE_ENV) or ""
+    return path != "" and name in config_file_settings(path)
 
 
-def skipped_steps_counter() -> Any:
-    """The catalogue's skipped-optimizer-step counter on the running session's meter (a no-op
-    counter before `init()`), for frameworks that report a skipped iteration themselves."""
-    return semconv.SKIPPED_STEPS.create(ot.get_meter())
+def rank_share(total: int, rank: int, world: int) -> int:
+    """This rank's even share of a job-wide count (the shares of all ranks sum to `total`)."""
+    share, rest = divmod(total, world)
+    return share + (1 if rank < rest else 0)
 
 
 def distributed_world() -> int:
     """World size of an initialised torch.distributed job, else 1 (torch imported only if loaded)."""
-    import sys
-
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 from collections.abc import Mapping
 from time import perf_counter_ns
 from typing import Any
@@ -17,9 +16,9 @@ from accelerate.tracking import GeneralTracker
 
 import otel_train as ot
 from otel_train import adapters
-from otel_train.config import CONFIG_FILE_ENV, default_run_name, env_name
-from otel_train.config_loading import config_file_settings
+from otel_train.config import default_run_name
 from otel_train.integrations._common import (
+    chosen,
     distributed_world,
     scalar_logs,
     settings_from_kwargs,
@@ -143,16 +142,10 @@ class OtelTrainTracker(GeneralTracker):
         project = self.project_name
         if project is None:
             return settings
-        path = os.environ.get(CONFIG_FILE_ENV)
-        in_file = config_file_settings(path) if path else {}
-
-        def chosen(field: str) -> bool:
-            return field in settings or field in in_file or os.environ.get(env_name(field), "").strip() != ""
-
         for field in _PROJECT_SETTINGS:
-            if not chosen(field):
+            if not chosen(field, settings):
                 settings[field] = project
-        if not chosen("run_name"):
+        if not chosen("run_name", settings):
             settings["run_name"] = default_run_name(project)
         return settings
 

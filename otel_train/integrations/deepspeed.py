@@ -16,12 +16,7 @@ from typing import Any
 
 import otel_train as ot
 from otel_train import adapters, semconv
-from otel_train.integrations._common import (
-    settings_from_kwargs,
-    skipped_steps_counter,
-    start_session,
-    with_precision,
-)
+from otel_train.integrations._common import settings_from_kwargs, start_session, with_precision
 
 __all__ = ["instrument", "zero_facts"]
 
@@ -122,7 +117,7 @@ class _Adapter:
         self.last_end: int | None = None  # perf_counter_ns where the previous optimizer step ended
         self.tokens = 0
         self.backward_timer: Any = None
-        self.skips = skipped_steps_counter()
+        self.skips = semconv.SKIPPED_STEPS.create(ot.get_meter())
         self.skipped = int(getattr(engine, "skipped_steps", 0) or 0)
         self.fp16 = precision(engine) == "fp16"
         self.breakdown = bool(_call(engine, "wall_clock_breakdown"))

@@ -25,10 +25,10 @@ from lightning.pytorch.loggers import Logger
 
 import otel_train as ot
 from otel_train import adapters
-from otel_train.config import Config, ConfigError, env_name
+from otel_train.config import ConfigError
 from otel_train.config_loading import load_config
 from otel_train.integrations._common import (
-    end_phase,
+    chosen,
     scalar_logs,
     settings_from_kwargs,
     start_session,
@@ -210,13 +210,8 @@ class OtelTrainLogger(Logger):
             self._place = _Place(str(info.output_dir), "", info.run_name)
             return self._place
         config = load_config(self._settings)
-        explicit_dir = (
-            "output_dir" in self._settings
-            or os.environ.get(env_name("output_dir"), "").strip() != ""
-            or config.output_dir != Config.output_dir
-        )
         save_dir = config.output_dir
-        if not explicit_dir and trainer is not None:
+        if not chosen("output_dir", self._settings) and trainer is not None:
             root = str(trainer.default_root_dir)
             # Lightning's default is the working directory: otel_train's "runs" goes there instead
             # of bare version_<n> folders. otel_train writes local files only: a remote base is left.
@@ -277,17 +272,13 @@ class OtelTrainLogger(Logger):
     def _session_settings(self, trainer: Trainer | None) -> dict[str, Any]:
         """The logger's settings over those of the OtelTrainCallbacks on the same Trainer, with
         what the Trainer says (total steps, precision) where the user set neither."""
-        settings: dict[str, Any] = {}
-        if trainer is not None:
-            for callback in getattr(trainer, "callbacks", ()):
-                if isinstance(callback, OtelTrainCallback):
-                    settings.update(callback._settings)
-        settings.update(self._settings)
         if trainer is None:
-            return settings
-        if trainer.max_steps and trainer.max_steps > 0:
-            settings.setdefault("total_steps", trainer.max_steps)
-        return with_precision(settings, getattr(trainer, "precision", None))
+            return dict(self._settings)
+        settings: dict[str, Any] = {}
+        for callback in getattr(trainer, "callbacks", ()):  # set by its connector, undeclared
+            if isinstance(callback, OtelTrainCallback):
+                settings.update(callback._settings)
+        return _trainer_settings(trainer, {**settings, **self._settings})
 
     def _shutdown_owned(self) -> None:
         global _owned_session, _owner_ref
@@ -336,6 +327,14 @@ class OtelTrainLogger(Logger):
             self._shutdown_owned()
 
 
+def _trainer_settings(trainer: Trainer, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """`settings` with what the Trainer says (total steps, precision) where the user set neither."""
+    out = dict(settings)
+    if trainer.max_steps and trainer.max_steps > 0:
+        out.setdefault("total_steps", trainer.max_steps)
+    return with_precision(out, trainer.precision)
+
+
 def _plain_params(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:
     """Hyperparameters as Lightning's own loggers take them: a Namespace (nested too) as a dict,
     a callable as its name; other values pass on to otel_train's writers."""
@@ -381,10 +380,7 @@ class OtelTrainCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        settings = dict(self._settings)
-        if trainer.max_steps and trainer.max_steps > 0:
-            settings.setdefault("total_steps", trainer.max_steps)
-        self._owns_session = start_session(with_precision(settings, getattr(trainer, "precision", None)))
+        self._owns_session = start_session(_trainer_settings(trainer, self._settings))
         ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
         for logger in ours:
             logger.marks_steps = False  # the steps are ours; the logger only logs values
@@ -456,7 +452,8 @@ class OtelTrainCallback(Callback):
 
     def _end_phase(self, name: str) -> None:
         if self._step is not None:
-            self._phase_start_ns = end_phase(name, self._phase_start_ns)
+            ot.timer(name).start(at_ns=self._phase_start_ns).stop()
+            self._phase_start_ns = perf_counter_ns()
 
     def _forward_logged(self, trainer: Trainer, step: int | None) -> None:
         """Without an OtelTrainLogger: send what the trainer's loggers get. Only values that changed

@@ -13,8 +13,8 @@ from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
-from otel_train import adapters
-from otel_train.integrations._common import skipped_steps_counter, start_session
+from otel_train import adapters, semconv
+from otel_train.integrations._common import rank_share, start_session
 
 __all__ = ["OtelTrainCallback", "instrument", "settings_from_logger_config"]
 
@@ -197,7 +197,7 @@ class OtelTrainCallback:
             ot.log_hyperparams(_hparams(cfg))
         if self._timers:
             instrument(state.timers)
-        self._skips = skipped_steps_counter()
+        self._skips = semconv.SKIPPED_STEPS.create(ot.get_meter())
         self._tokens, self._samples = _rank_shares(cfg)
 
     def on_train_step_start(self, context: Any) -> None:
@@ -269,10 +269,7 @@ def _rank_shares(cfg: Any) -> tuple[int | None, int | None]:
     rank, world = (info.rank, max(info.world_size, 1)) if info is not None else (0, 1)
 
     def share(total: Any) -> int | None:
-        if not isinstance(total, int) or total <= 0:
-            return None
-        base, rest = divmod(total, world)
-        return base + (1 if rank < rest else 0)
+        return rank_share(total, rank, world) if isinstance(total, int) and total > 0 else None
 
     return share(batch * seq if isinstance(batch, int) and isinstance(seq, int) else None), share(batch)
 

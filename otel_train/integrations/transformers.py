@@ -22,9 +22,10 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 import otel_train as ot
 from otel_train import adapters
-from otel_train.config import CONFIG_FILE_ENV, env_name
 from otel_train.integrations._common import (
+    chosen,
     distributed_world,
+    rank_share,
     scalar_logs,
     settings_from_kwargs,
     start_session,
@@ -152,7 +153,7 @@ class OtelTrainCallback(TrainerCallback):
         again = self._started and self._session is not None and adapters.current_run() == self._session
         if not again:
             settings = {**_adopted_settings(args, state, self._settings), **self._settings}
-            if self._took_wandb and not _chosen("wandb_project", self._settings):
+            if self._took_wandb and not chosen("wandb_project", self._settings):
                 settings["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
             max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
             if isinstance(max_steps, int) and max_steps > 0:
@@ -256,7 +257,8 @@ class OtelTrainCallback(TrainerCallback):
             return
         tokens = None
         if state is not None:
-            tokens = self._rank_tokens(state.num_input_tokens_seen - self._tokens_seen, self._rank) or None
+            job_tokens = max(state.num_input_tokens_seen - self._tokens_seen, 0)
+            tokens = rank_share(job_tokens, self._rank, self._world) or None
             self._tokens_seen = state.num_input_tokens_seen
         self._open = False
         adapters.end_step(tokens=tokens)
@@ -296,28 +298,6 @@ class OtelTrainCallback(TrainerCallback):
         ot.span(name, {"train.step": step}).start(at_ns=self._mark_ns).stop()
         self._mark_ns = perf_counter_ns()
 
-    @staticmethod
-    def _rank_tokens(job_tokens: int, rank: int) -> int:
-        """This rank's share of a job-wide token count (shares sum to the total exactly)."""
-        world = distributed_world()
-        if job_tokens <= 0 or world <= 1:
-            return max(job_tokens, 0)
-        share, rest = divmod(job_tokens, world)
-        return share + (1 if rank < rest else 0)
-
-
-def _chosen(name: str, settings: Mapping[str, Any]) -> bool:
-    """Whether the user gave otel_train setting `name`: a keyword, `OTEL_TRAIN_<NAME>` or the
-    config file (read here only for its keys)."""
-    if name in settings or os.environ.get(env_name(name), "").strip():
-        return True
-    path = os.environ.get(CONFIG_FILE_ENV)
-    if not path:
-        return False
-    from otel_train.config_loading import config_file_settings
-
-    return name in config_file_settings(path)
-
 
 def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[str, Any]) -> dict[str, Any]:
     """The otel_train settings taken from `TrainingArguments` (module doc), those the user did not
@@ -340,7 +320,7 @@ def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[s
     output_dir = getattr(args, "output_dir", None)
     if isinstance(output_dir, str) and output_dir:
         out["output_dir"] = os.path.join(output_dir, _RUN_DIRS)
-    return {name: value for name, value in out.items() if not _chosen(name, settings)}
+    return {name: value for name, value in out.items() if not chosen(name, settings)}
 
 
 def _bridges_on(settings: Mapping[str, Any]) -> set[str]:

@@ -345,6 +345,24 @@ def test_default_names_adopt_default_root_dir_and_never_shadow_the_package(
     subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True, timeout=120)
 
 
+def test_an_output_dir_named_in_the_config_file_wins_over_default_root_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config file is one of the places the user chooses `output_dir`, also when it names
+    otel_train's own default ("runs"): the Trainer's default_root_dir is not used then."""
+    monkeypatch.delenv("OTEL_TRAIN_OUTPUT_DIR")
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "otel_train.yaml"
+    config.write_text("output_dir: runs\n")
+    monkeypatch.setenv("OTEL_TRAIN_CONFIG", str(config))
+    logger = _quiet(run_name="from-file")
+    _quick_trainer(logger, default_root_dir=str(tmp_path / "root")).fit(_boring())
+    ot.shutdown()
+    assert Path(logger.log_dir) == Path("runs") / "from-file"
+    assert (tmp_path / "runs" / "from-file" / "checkpoints" / "epoch=0-step=1.ckpt").is_file()
+    assert not (tmp_path / "root").exists()
+
+
 def test_explicit_otel_train_settings_win_over_lightning_defaults(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

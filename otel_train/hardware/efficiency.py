@@ -147,10 +147,8 @@ class FlushEfficiency:
 
     # -- energy ----------------------------------------------------------------------------------------
     def flush_energy(self, interval: Interval) -> None:
-        if not self._gpu.devices:
-            return
         snap = self._gpu.snapshot
-        if snap.energy_j is None:
+        if snap.energy_j is None:  # also without a GPU
             return
         prev = self._energy_prev
         if prev is None or snap.energy_j < prev[1]:  # first flush, or the counter went back (reset)
@@ -165,9 +163,9 @@ class FlushEfficiency:
         inst[sc.POWER_AVERAGE.name].set(power)
         # Sample times do not coincide with flushes: the interval's energy is estimated as the
         # average power between the two latest samples times the interval's wall time.
-        energy = power * interval.elapsed_s if interval.elapsed_s > 0 else None
-        if energy is None:
+        if interval.elapsed_s <= 0:
             return
+        energy = power * interval.elapsed_s
         if interval.steps > 0:
             inst[sc.ENERGY_PER_STEP.name].set(energy / interval.steps)
         if interval.tokens > 0:

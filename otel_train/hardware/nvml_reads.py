@@ -112,9 +112,7 @@ class NvmlReads:
             if mem_info.total > 0:
                 out.put(sc.GPU_MEMORY_UTILIZATION, mem_info.used / mem_info.total)
             out.memory = (state.dev.uuid, int(mem_info.used), int(mem_info.total))
-        temp = self._call(
-            state, "temperature", "nvmlDeviceGetTemperature", getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
-        )
+        temp = self._call(state, "temperature", "nvmlDeviceGetTemperature", nvml.NVML_TEMPERATURE_GPU)
         if temp is not None:
             out.put(sc.GPU_TEMPERATURE, float(temp))
         power = self._call(state, "power", "nvmlDeviceGetPowerUsage")
@@ -130,10 +128,8 @@ class NvmlReads:
         nvml: Any = self._nvml
         for err_type, nvml_type in (("ecc_corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED"),
                                     ("ecc_uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED")):  # fmt: skip
-            count = self._call(
-                state, err_type, "nvmlDeviceGetTotalEccErrors", getattr(nvml, nvml_type),
-                getattr(nvml, "NVML_VOLATILE_ECC", 0),
-            )  # fmt: skip
+            ecc_type, volatile = getattr(nvml, nvml_type), nvml.NVML_VOLATILE_ECC
+            count = self._call(state, err_type, "nvmlDeviceGetTotalEccErrors", ecc_type, volatile)
             if count is not None:
                 out.put(sc.GPU_ERRORS, int(count), {sc.ERROR_TYPE: err_type})
         if self._drain_xids(state):

@@ -19,7 +19,7 @@ from time import perf_counter_ns
 from types import FrameType
 from typing import Any, NamedTuple
 
-from lightning.fabric.utilities.logger import _convert_params, _sanitize_callable_params
+from lightning.fabric.utilities.logger import _sanitize_callable_params
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 
@@ -338,10 +338,7 @@ def _trainer_settings(trainer: Trainer, settings: Mapping[str, Any]) -> dict[str
 def _plain_params(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:
     """Hyperparameters as Lightning's own loggers take them: a Namespace (nested too) as a dict,
     a callable as its name; other values pass on to otel_train's writers."""
-    if params is None:
-        return {}
-    converted = _convert_params(params if isinstance(params, Namespace) else dict(params))
-    return _sanitize_callable_params(_namespaces_as_dicts(converted))
+    return _sanitize_callable_params(_namespaces_as_dicts(params or {}))
 
 
 def _namespaces_as_dicts(value: Any) -> Any:

@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from statistics import fmean
 from typing import Any
 
 import otel_train as ot
@@ -25,19 +26,12 @@ STEP_TIME_KEY = "total_step_time"  # the timer name NeMo RL's loops use for the 
 TOKENS_KEY = "global_valid_toks"  # the step's valid tokens (GRPO, SFT)
 MAX_GAUGES = 512  # distinct ray/* names kept (a cluster's GPU monitor has a few per GPU)
 
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
-REDUCTIONS: dict[str, Callable[[list[float]], float]] = {"mean": _mean, "max": max, "min": min, "sum": sum}
+REDUCTIONS: dict[str, Callable[[list[float]], float]] = {"mean": fmean, "max": max, "min": min, "sum": sum}
 
 
 def _number(value: Any) -> float | None:
     """A finite-or-not float from a Python/numpy number or a 1-element tensor; None otherwise.
     On the controller the values are already host numbers (NeMo RL reduces them before logging)."""
-    if isinstance(value, bool):
-        return float(value)
     if isinstance(value, (int, float)):
         return float(value)
     try:

@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from time import perf_counter_ns
 from types import FrameType
 from typing import Any
@@ -388,33 +388,20 @@ def _stamping_batches(
     """`trainer.get_batch_samples`, noting in `stamp[0]` when each micro-batch left the iterator
     and in `first[0]` the step's first micro-batch (a reference: nothing is copied)."""
 
+    def stamped(epoch_iterator: Any) -> Iterator[Any]:
+        for item in epoch_iterator:  # pulls one item per next(): none is taken ahead
+            stamp[0] = perf_counter_ns()
+            yield item
+
     @functools.wraps(get_batch_samples)
     def wrapper(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
-        result = get_batch_samples(_Stamped(epoch_iterator, stamp), *args, **kwargs)
+        result = get_batch_samples(stamped(epoch_iterator), *args, **kwargs)
         samples = result[0] if isinstance(result, tuple) and result else None
         first[0] = samples[0] if isinstance(samples, list) and samples else None
         return result
 
     setattr(wrapper, _WRAPPED, True)
     return wrapper
-
-
-class _Stamped:
-    """An iterator that notes the time each item arrived (one clock read per micro-batch)."""
-
-    __slots__ = ("_inner", "_stamp")
-
-    def __init__(self, inner: Any, stamp: list[int]) -> None:
-        self._inner = inner
-        self._stamp = stamp
-
-    def __iter__(self) -> _Stamped:
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self._inner)
-        self._stamp[0] = perf_counter_ns()
-        return item
 
 
 def _ending_on_error(train: Callable[..., Any], callback: OtelTrainCallback) -> Callable[..., Any]:

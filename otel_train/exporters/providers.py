@@ -49,23 +49,21 @@ def _otlp_url(config: Config, signal: str) -> str:
 
 def otlp_metric_exporter(config: Config) -> MetricExporter:
     """The OTLP metric exporter; in the essential tier it sends that tier's series only."""
-    exporter = _otlp_protocol_metric_exporter(config)
-    return EssentialMetricExporter(exporter) if config.rank_series == "essential" else exporter
-
-
-def _otlp_protocol_metric_exporter(config: Config) -> MetricExporter:
     headers = dict(config.otlp_headers)
     endpoint = _otlp_url(config, "metrics")
+    exporter: MetricExporter
     if config.otlp_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
 
         insecure = config.otlp_insecure and not endpoint.startswith("https")
-        return GrpcMetrics(
+        exporter = GrpcMetrics(
             endpoint=endpoint, insecure=insecure, headers=headers, timeout=config.otlp_timeout_s
         )
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-    return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s)
+        exporter = OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s)
+    return EssentialMetricExporter(exporter) if config.rank_series == "essential" else exporter
 
 
 def _otlp_event_exporters(config: Config) -> tuple[SpanExporter, LogRecordExporter]:

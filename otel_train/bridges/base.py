@@ -13,8 +13,6 @@ from typing import Any
 
 
 class Sink:
-    """Base sink: every method is a no-op. Override what the backend supports."""
-
     name = "sink"
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:

@@ -1,8 +1,6 @@
-"""Length-prefixed pickle frames over a pipe: the wire between the training process and the bridge
-process (`bridges.process` writes, `bridges.host` reads; replies go the other way).
-
-Payloads are plain Python only (str, int, float, bool, None, lists, tuples, dicts): never tensors or
-user objects, so the bridge process never imports the user's code. `plain()` makes them so.
+"""Length-prefixed pickle frames over a pipe between the training process and the bridge process.
+Payloads are plain Python only (str, int, float, bool, None, lists, tuples, dicts), never tensors or
+user objects, so the bridge process never imports the user's code: `plain()` makes them so.
 """
 
 from __future__ import annotations

@@ -81,8 +81,6 @@ def seed_local_store(db_path: Path, artifact_root: Path) -> bool:
 
 
 class MlflowSink(Sink):
-    """Logs one MLflow run."""
-
     name = "mlflow"
 
     def __init__(

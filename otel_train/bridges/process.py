@@ -1,8 +1,5 @@
-"""BridgeProcess: the training process's end of the bridge process (`bridges.host`).
-
-TensorBoard, W&B and MLflow run in one child process fed once per flush through a pipe, never
-competing with the training thread for the GIL; a dead child is restarted.
-Design: docs/design/bridges.md#process.
+"""BridgeProcess: the training process's end of the bridge process (`bridges.host`), the one child
+that runs TensorBoard, W&B and MLflow off the training thread's GIL. Design: docs/design/bridges.md#process.
 """
 
 from __future__ import annotations

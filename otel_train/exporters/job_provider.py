@@ -1,13 +1,7 @@
 """Rank 0's second MeterProvider: the job-level series (`semconv.JOB_SPECS`, published by
-`crossrank.job_outputs`), once per job and without any rank label.
-
-Its Resource holds the run identity only (service.name, run_id, role where set): no rank,
-local_rank, host.name, GPU or user attribute, so neither the pull endpoint (whose labels are the
-Resource's run_id and role) nor a store that turns every resource attribute into a label (the
-Collector's `resource_to_telemetry_conversion`, VictoriaMetrics' and Mimir's OTLP ingestion) sees
-which rank sent them. It exports where rank 0's own provider does: the same OTLP endpoint and
-interval, and the same pull endpoint (a second reader on its registry, without a second
-`target_info`). It is built in both series tiers: the essential tier leaves them in.
+`crossrank.job_outputs`), once per job, in both tiers. Its Resource is the run identity alone, so
+no store gives them a rank label; it exports where rank 0's own provider does, the pull endpoint
+included (docs/scale.md, "Job-level series").
 """
 
 from __future__ import annotations

@@ -96,67 +96,37 @@ def combine(blocks: Any) -> Any:
     array = array[array[:, _H["version"]] == VERSION]
     if not len(array):
         return empty()
-    columns = _columns()
-    ids = array[:, columns.ids]
+    ids = array[:, _columns()[3] + R_ID]
     if (ids == ids[0]).all():  # the same records in the same places: column by column
-        return torch.from_numpy(_by_column(array, columns))
+        return torch.from_numpy(_by_column(array))
     return _by_id(torch.from_numpy(array))
 
 
-@dataclass(frozen=True)
-class _Columns:
-    """Which columns of a block are summed, kept at their least or greatest, or name the rank of
-    a least / greatest value (the value's column + 1); the rest (version, ids) are copied."""
-
-    added: Any  # bool masks over JOB_LEN (numpy)
-    least: Any
-    greatest: Any
-    least_values: Any  # column indices whose rank sits in the next column
-    greatest_values: Any
-    ids: Any
-
-
 @functools.cache
-def _columns() -> _Columns:
+def _columns() -> tuple[Any, Any, Any, Any]:
+    """The columns of a block that are summed, kept at their least, kept at their greatest (the
+    rest, the version and the ids, are copied), and where each record starts: numpy index arrays."""
     import numpy as np
 
-    added = list(_H_ADDED)
-    least, greatest = [_H["loss_min"]], [_H["loss_max"]]
-    least_values, greatest_values, ids = [], [], []
-    for index in range(RECORDS):
-        at = HEAD_LEN + index * REC_LEN
-        added += [at + c for c in _ADD]
-        least += [at + R_DMIN, at + R_MMIN]
-        greatest += [at + R_DMAX, at + R_MMAX]
-        least_values.append(at + R_MMIN)
-        greatest_values.append(at + R_MMAX)
-        ids.append(at + R_ID)
-
-    def mask(columns: list[int]) -> Any:
-        out = np.zeros(JOB_LEN, dtype=bool)
-        out[columns] = True
-        return out
-
-    return _Columns(
-        mask(added),
-        mask(least),
-        mask(greatest),
-        np.array(least_values),
-        np.array(greatest_values),
-        np.array(ids),
-    )
+    records = [HEAD_LEN + index * REC_LEN for index in range(RECORDS)]
+    added = _H_ADDED + [at + c for at in records for c in _ADD]
+    least = [_H["loss_min"]] + [at + c for at in records for c in (R_DMIN, R_MMIN)]
+    greatest = [_H["loss_max"]] + [at + c for at in records for c in (R_DMAX, R_MMAX)]
+    return np.array(added), np.array(least), np.array(greatest), np.array(records)
 
 
-def _by_column(blocks: Any, columns: _Columns) -> Any:
+def _by_column(blocks: Any) -> Any:
     """`combine` of blocks (a [n, JOB_LEN] numpy array) whose records sit in the same places."""
     import numpy as np
 
-    least, greatest = blocks.min(0), blocks.max(0)
-    out = np.where(columns.added, blocks.sum(0), blocks[0])
-    out = np.where(columns.least, least, np.where(columns.greatest, greatest, out))
-    for values, best in ((columns.least_values, least), (columns.greatest_values, greatest)):
-        held = np.where(blocks[:, values] == best[values], blocks[:, values + 1], math.inf)
-        out[values + 1] = held.min(0)  # the lowest rank holding it
+    added, least, greatest, records = _columns()
+    out = blocks[0].copy()
+    out[added] = blocks.sum(0)[added]
+    out[least], out[greatest] = blocks.min(0)[least], blocks.max(0)[greatest]
+    # the rank of each record's least and greatest mean (the next column): the lowest holding it
+    for values in (records + R_MMIN, records + R_MMAX):
+        held = np.where(blocks[:, values] == out[values], blocks[:, values + 1], math.inf)
+        out[values + 1] = held.min(0)
     return out
 
 

@@ -51,7 +51,7 @@ class Bridge:
 
 
 def _tensorboard(config: Config, place: BridgePlace) -> dict[str, Any]:
-    return {"log_dir": str(place.files.tensorboard), "run_name": place.display_name}
+    return {"log_dir": str(place.files.tensorboard)}  # the log dir names the run
 
 
 def _wandb(config: Config, place: BridgePlace) -> dict[str, Any]:

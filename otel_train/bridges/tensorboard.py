@@ -22,7 +22,7 @@ class TensorBoardSink(Sink):
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path | str, run_name: str) -> None:
+    def __init__(self, log_dir: Path | str) -> None:
         # Only look for the packages here (cheap, so init() stays fast); the writer, which imports
         # torch, is created at the first write, on the bridge's own thread.
         for module in ("torch.utils.tensorboard", "tensorboard"):
@@ -33,7 +33,6 @@ class TensorBoardSink(Sink):
             if not found:
                 raise BridgeImportError("TensorBoard", "tensorboard")
         self.log_dir = Path(log_dir)
-        self.run_name = run_name
         ensure_writable_dir(self.log_dir, "TensorBoard")
         self._writer_or_none: Any = None
         self._seen: set[str] = set()

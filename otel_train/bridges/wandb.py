@@ -87,7 +87,6 @@ class WandbSink(Sink):
         self.entity = entity
         self.tags = list(tags)
         self.mode = mode
-        self.rank = rank
         self.role = role  # names this role's wandb_run file (each role of a run has its own W&B run)
         # rank=None: the one run of the job. rank=N (bridge_all_ranks): one run per rank, grouped.
         suffix = f"-rank{rank}" if rank is not None else ""

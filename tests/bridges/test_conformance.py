@@ -39,7 +39,7 @@ def _make(backend: str, run_dir: Path) -> Sink:
     if backend == "tensorboard":
         from otel_train.bridges.tensorboard import TensorBoardSink
 
-        return TensorBoardSink(run_dir / "tensorboard", "conf")
+        return TensorBoardSink(run_dir / "tensorboard")
     if backend == "wandb":
         from otel_train.bridges.wandb import WandbSink
 

@@ -20,7 +20,7 @@ pytest.importorskip("torch.utils.tensorboard")
 
 def test_scalars_text_histograms_hparams_round_trip(tmp_path: Path) -> None:
     log_dir = tmp_path / "runs" / "run-a" / "tensorboard"
-    sink = TensorBoardSink(log_dir, "run-a")
+    sink = TensorBoardSink(log_dir)
     sink.write_hparams({"lr": 3e-4, "batch_size": 32, "model": "gpt2", "amp": True, "sched": {"warmup": 100}})
     for step in (10, 20, 30):
         sink.write_scalars(step, time.time(), {"train/loss": 10.0 / step, "timers/forward/mean": 0.25})
@@ -60,7 +60,7 @@ def test_two_runs_under_one_root_are_separate_runs(tmp_path: Path) -> None:
 
     root = tmp_path / "runs"
     for name, lr in (("run-a", 0.1), ("run-b", 0.2)):
-        sink = TensorBoardSink(root / name / "tensorboard", name)
+        sink = TensorBoardSink(root / name / "tensorboard")
         sink.write_hparams({"lr": lr})
         sink.write_scalars(1, time.time(), {"train/loss": lr})
         sink.close({"train/loss": lr})
@@ -73,7 +73,7 @@ def test_config_hparams_are_flat_and_redacted(tmp_path: Path) -> None:
     marker = "SENTINEL-TB-7f3a"
     config = Config(otlp_headers={"authorization": f"Bearer {marker}"}, wandb_tags=("x", "y"))
     log_dir = tmp_path / "tb"
-    sink = TensorBoardSink(log_dir, "r")
+    sink = TensorBoardSink(log_dir)
     sink.write_hparams(config_as_dict(config))
     sink.close({})
     hp = read_tensorboard(log_dir).hparams
@@ -95,5 +95,5 @@ def test_unwritable_log_dir_names_the_path(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     bad = blocker / "tb"
     with pytest.raises(BridgeSetupError) as info:
-        TensorBoardSink(bad, "r")
+        TensorBoardSink(bad)
     assert str(bad) in str(info.value) and "TensorBoard" in str(info.value)

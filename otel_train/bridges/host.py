@@ -143,7 +143,7 @@ def _task_ids() -> list[int]:
 
 
 def fullest_queue(sinks: list[ThreadedSink]) -> float:
-    return max((s.pending / s.capacity for s in sinks), default=0.0)
+    return max((s.fill for s in sinks), default=0.0)
 
 
 def build(specs: list[tuple[str, str, dict[str, Any]]], queue_size: int) -> list[ThreadedSink]:

@@ -62,14 +62,9 @@ class ThreadedSink(Sink):
     # -- counters ---------------------------------------------------------------------------------
 
     @property
-    def pending(self) -> int:
-        """Calls waiting in the queue (not counting one the backend may be executing)."""
-        return self._queue.qsize()
-
-    @property
-    def capacity(self) -> int:
-        """The queue's size (calls it holds before dropping)."""
-        return self._queue.maxsize
+    def fill(self) -> float:
+        """How full the queue is, 0 to 1 (not counting a call the backend may be executing)."""
+        return self._queue.qsize() / self._queue.maxsize
 
     # -- Sink API (never blocks) ------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import psutil
 from opentelemetry.metrics import Meter, Observation
 
 from otel_train import semconv as sc
@@ -28,22 +29,13 @@ class HostSampler:
         self.observations: Mapping[str, list[Observation]] = {}
 
     def create_instruments(self, meter: Meter) -> None:
-        """The host gauges; none (one info line) when psutil is unavailable."""
-        try:
-            import psutil
-
-            if self.process is None:
-                self.process = psutil.Process()
-        except ImportError as exc:
-            log.info("otel_train: no host metrics (psutil unavailable: %s)", exc)
-            return
+        if self.process is None:
+            self.process = psutil.Process()
         for spec in HOST_SPECS:
             spec.create(meter, lambda options, name=spec.name: self.observations.get(name, ()))
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """The host sampler thread: sample every ``interval_s`` until ``stop``."""
-        import psutil  # create_instruments found it
-
         while True:
             try:
                 self.sample()
@@ -56,8 +48,6 @@ class HostSampler:
         proc = self.process
         if proc is None:
             return
-        import psutil
-
         obs: dict[str, list[Observation]] = {}
         cpu = proc.cpu_percent(None)
         if self._primed:  # psutil's first reading has no reference interval (always 0.0)

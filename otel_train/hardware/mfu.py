@@ -52,12 +52,7 @@ def float32_matmul_dtype() -> str:
     torch = sys.modules.get("torch")
     if torch is None:
         return "fp32"
-    try:
-        tf32 = (
-            bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
-        )
-    except (AttributeError, RuntimeError):  # a torch without these settings
-        return "fp32"
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
     return "tf32" if tf32 else "fp32"
 
 

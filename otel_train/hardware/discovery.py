@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-# One logger for the whole hardware package: users filter on it.
+# One logger for the whole hardware package (its modules import it from here): users filter on it.
 log = logging.getLogger("otel_train.hardware")
 
 # Resource attribute keys for the rank's GPU (identity lives in the Resource).

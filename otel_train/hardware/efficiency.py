@@ -4,7 +4,6 @@ energy and MFU. Only a loaded, initialised ``torch.cuda`` is read (never importe
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -14,13 +13,10 @@ from opentelemetry.metrics import Meter
 from otel_train import semconv as sc
 from otel_train.config import Config
 from otel_train.core.buffer import Interval
-from otel_train.hardware.discovery import cuda_initialized, torch_cuda_if_loaded, torch_device_index
+from otel_train.hardware.discovery import cuda_initialized, log, torch_cuda_if_loaded, torch_device_index
 from otel_train.hardware.gpu_sampler import GpuSampler
 from otel_train.hardware.mfu import float32_matmul_dtype, normalize_dtype, resolve_peak
 from otel_train.health import EventChannel
-
-# One logger for the whole hardware package: users filter on it.
-log = logging.getLogger("otel_train.hardware")
 
 MEMORY_PRESSURE_RATIO = 0.95  # reserved (allocator) or used (NVML) / limit above this -> event
 MEMORY_PRESSURE_REARM = 0.90  # ... re-armed once back below this

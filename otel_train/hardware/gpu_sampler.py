@@ -4,7 +4,6 @@ call stalls only the sampler. Design: docs/design/hardware-and-numerics.md#hardw
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -14,12 +13,9 @@ from typing import Any
 from opentelemetry.metrics import Meter, Observation
 
 from otel_train import semconv as sc
-from otel_train.hardware.discovery import GpuDevice
+from otel_train.hardware.discovery import GpuDevice, log
 from otel_train.hardware.nvml_reads import DeviceState, GpuLost, NvmlReads
 from otel_train.health import EventChannel
-
-# One logger for the whole hardware package: users filter on it.
-log = logging.getLogger("otel_train.hardware")
 
 GPU_SPECS = (
     sc.GPU_UTILIZATION, sc.GPU_MEMORY_UTILIZATION, sc.GPU_MEMORY_CONTROLLER, sc.GPU_MEMORY_USAGE,

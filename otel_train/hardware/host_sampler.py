@@ -3,7 +3,6 @@ its own; SDK callbacks read the last sample."""
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -12,9 +11,7 @@ import psutil
 from opentelemetry.metrics import Meter, Observation
 
 from otel_train import semconv as sc
-
-# One logger for the whole hardware package: users filter on it.
-log = logging.getLogger("otel_train.hardware")
+from otel_train.hardware.discovery import log
 
 HOST_SPECS = (sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEMORY_USAGE)
 

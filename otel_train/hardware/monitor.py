@@ -3,7 +3,6 @@ figures (the parts: docs/design/hardware-and-numerics.md#hardware)."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -12,13 +11,11 @@ from opentelemetry.metrics import Meter
 
 from otel_train.config import Config
 from otel_train.core.buffer import Interval
-from otel_train.hardware.discovery import Discovery, shutdown_quietly
+from otel_train.hardware.discovery import Discovery, log, shutdown_quietly
 from otel_train.hardware.efficiency import ENERGY_SPECS, MFU_SPECS, FlushEfficiency
 from otel_train.hardware.gpu_sampler import GpuSampler
 from otel_train.hardware.host_sampler import HostSampler
 from otel_train.health import EventChannel, NullEventChannel
-
-log = logging.getLogger("otel_train.hardware")
 
 _GPU_THREAD = "otel-train-hw-gpu"
 _HOST_THREAD = "otel-train-hw-host"

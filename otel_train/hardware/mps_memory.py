@@ -4,15 +4,13 @@ Design: docs/design/hardware-and-numerics.md#mps.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from otel_train import semconv as sc
 from otel_train.core.buffer import Interval
-
-log = logging.getLogger("otel_train.hardware")
+from otel_train.hardware.discovery import log
 
 # (gauge, torch.mps function); a function the torch build lacks is skipped
 READINGS = (

@@ -5,7 +5,6 @@ XID events as docs/design/hardware-and-numerics.md#hardware says.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,11 +12,8 @@ from typing import Any
 from opentelemetry.metrics import Observation
 
 from otel_train import semconv as sc
-from otel_train.hardware.discovery import GpuDevice, shutdown_quietly
+from otel_train.hardware.discovery import GpuDevice, log, shutdown_quietly
 from otel_train.health import EventChannel
-
-# One logger for the whole hardware package: users filter on it.
-log = logging.getLogger("otel_train.hardware")
 
 MAX_XID_EVENTS_PER_SAMPLE = 64
 

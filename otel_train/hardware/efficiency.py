@@ -50,15 +50,14 @@ class FlushEfficiency:
         setting = config.compute_dtype
         self._dtype: str | None = normalize_dtype(setting) if setting != "auto" else None
         self._detected: str | None = None
-        self._peak_dtype: str | None = None  # the dtype `_peak` was resolved for
         self._instruments: dict[str, Any] = {}
         self._energy_prev: tuple[float, float] | None = None
         self._cuda_prev: dict[str, int] = {}
         self._cuda_total: int | None = None
         self._pressure_active = False
         self._cuda_reserved_ratio: float | None = None
-        self._peak: tuple[float | None, str | None] | None = None
-        self._peak_logged = False
+        self._peaks: dict[str, tuple[float | None, str | None]] = {}  # by dtype, resolved (and logged) once
+        self._peak_logged = False  # "no device known yet" said
         self._mfu_event_sent = False
         self.on_pressure: Callable[[str], None] | None = None  # memory_dump.MemoryDumps, when wired
 
@@ -183,10 +182,8 @@ class FlushEfficiency:
         """(peak FLOP/s, source) used for MFU at `dtype` (default: `compute_dtype()`); (None, None)
         when unknown (no MFU)."""
         dtype = dtype or self.compute_dtype()
-        if self._peak_dtype != dtype:  # resolved (and logged) once per dtype
-            self._peak_dtype, self._peak, self._peak_logged = dtype, None, False
-        if self._peak is not None:
-            return self._peak
+        if dtype in self._peaks:
+            return self._peaks[dtype]
         name = self._device_name()
         peak = resolve_peak(name, dtype, self._config.peak_flops, os.environ)
         if peak[0] is None and name is None:
@@ -195,7 +192,7 @@ class FlushEfficiency:
                 self._peak_logged = True
                 log.info("otel_train: no MFU yet: no GPU device known; set peak_flops to force one")
             return peak
-        self._peak = peak
+        self._peaks[dtype] = peak
         if peak[0] is None:
             log.info(
                 "otel_train: no MFU: peak FLOP/s unknown for device %r (dtype %s); set peak_flops or %s",

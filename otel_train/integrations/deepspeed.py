@@ -7,6 +7,7 @@ only. How it works: docs/design/integrations.md#deepspeed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -45,8 +46,7 @@ def instrument(
             f"instrument() needs the DeepSpeedEngine that deepspeed.initialize() returns first, got "
             f"{type(engine).__name__}: engine, optimizer, _, _ = deepspeed.initialize(...); instrument(engine)."
         )
-    existing = engine.__dict__.get("_otel_train")
-    if isinstance(existing, _Adapter):
+    if "_otel_train" in engine.__dict__:
         return engine
     merged = settings_from_kwargs(settings, kwargs, "instrument")
     start_session(with_precision(merged, precision(engine)))
@@ -125,7 +125,6 @@ class _Adapter:
         self.samples = int(_call(engine, "train_micro_batch_size_per_gpu") or 0) * int(
             _call(engine, "gradient_accumulation_steps") or 1
         )
-        self.facts: list[tuple[str, float]] | None = None  # recorded at every optimizer step
         self.facts_pending = True  # no optimizer state yet: read the facts again at the next step
         self.fact_reads = 0
         self.comms: _Comms | None = None
@@ -147,8 +146,8 @@ class _Adapter:
             # Looked up on the engine each time DeepSpeed runs them (from the output's backward hook
             # and the gradient post-hook, or inside engine.backward): a torch-style loss.backward()
             # passes through them too.
-            d["_backward_prologue"] = _around(prologue, before=self._backward_started)
-            d["_backward_epilogue"] = _around(epilogue, after=self._backward_ended)
+            d["_backward_prologue"] = _wraps(prologue, self._backward_started)
+            d["_backward_epilogue"] = _wraps(epilogue, self._backward_ended)
         else:
             self.backward_timer = False  # no hooks: engine.backward times the phase itself
         timers: Any = getattr(engine, "timers", None)
@@ -171,14 +170,17 @@ class _Adapter:
         with ot.timer("backward"):
             return original(loss, *args, **kwargs)
 
-    def _backward_started(self) -> None:
+    def _backward_started(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.backward_timer is None:
             self.backward_timer = ot.timer("backward").start()
+        return original(*args, **kwargs)
 
-    def _backward_ended(self) -> None:
+    def _backward_ended(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
         timer, self.backward_timer = self.backward_timer, None
         if timer:
             timer.stop()
+        return out
 
     def _step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not self.engine.is_gradient_accumulation_boundary():
@@ -259,40 +261,21 @@ class _Adapter:
         """This rank's ZeRO facts, read until the optimizer state exists (torch creates it at the
         first applied step; fp16 may skip several), recorded when they change: their gauges keep
         the value, and the partition check's block sends the last ones at every flush."""
-        if self.fact_reads < FACT_READS and (self.facts is None or self.facts_pending):
-            self.fact_reads += 1
-            try:
-                facts = zero_facts(self.engine)
-            except Exception as exc:  # DeepSpeed's optimizer internals, which differ by version and stage
-                log.warning("otel_train: DeepSpeed ZeRO facts unreadable: %s", exc)
-                self.fact_reads = FACT_READS
-                return
-            self.facts_pending = facts["optimizer_state_bytes"] == 0
-            self._set_facts(facts, say=not self.facts_pending or self.fact_reads == FACT_READS)
-            for name, value in self.facts or ():
-                ot.record(name, value)
-
-    def _set_facts(self, facts: dict[str, Any], say: bool) -> None:
-        self.facts = [
-            (semconv.ZERO_STAGE.name, facts["stage"]),
-            (semconv.ZERO_DP_SIZE.name, facts["dp_size"]),
-            (semconv.ZERO_MODEL_NUMEL.name, facts["model_numel"]),
-            (semconv.ZERO_PARTITION_NUMEL.name, facts["partition_numel"]),
-            (semconv.ZERO_OPTIMIZER_STATE_BYTES.name, facts["optimizer_state_bytes"]),
-        ]
-        if facts["param_shard_numel"] >= 0:
-            self.facts.append((semconv.ZERO_PARAM_SHARD_NUMEL.name, facts["param_shard_numel"]))
-        if not say:
+        if self.fact_reads >= FACT_READS or not self.facts_pending:
             return
-        info = ot.run_info()
-        log.info(
-            "otel_train: DeepSpeed ZeRO-%d on rank %s of %d data-parallel ranks: partition %d of %d trainable "
-            "elements (groups %s) on %s, optimizer state %d B on %s%s",
-            facts["stage"], info.rank if info else "?", facts["dp_size"], facts["partition_numel"],
-            facts["model_numel"], facts["partition_groups"], facts["master_device"] or "-",
-            facts["optimizer_state_bytes"], facts["state_device"] or "-",
-            f", parameter shard {facts['param_shard_numel']} elements" if facts["param_shard_numel"] >= 0 else "",
-        )  # fmt: skip
+        self.fact_reads += 1
+        try:
+            facts = zero_facts(self.engine)
+        except Exception as exc:  # DeepSpeed's optimizer internals, which differ by version and stage
+            log.warning("otel_train: DeepSpeed ZeRO facts unreadable: %s", exc)
+            self.fact_reads = FACT_READS
+            return
+        self.facts_pending = facts["optimizer_state_bytes"] == 0
+        for spec, key in _FACT_GAUGES:
+            if facts[key] >= 0:  # no parameter shard below ZeRO-3
+                ot.record(spec.name, facts[key])
+        if not self.facts_pending or self.fact_reads == FACT_READS:
+            _log_facts(facts)
 
     # --- once, at instrument() ------------------------------------------------------------------
 
@@ -316,6 +299,28 @@ class _Adapter:
                 "zero_partition", message, {"ranks": "all", "zero.stage": stage, "kind": "nvme_not_used"}
             )
         self.comms = _Comms.start(engine, rank0)
+
+
+_FACT_GAUGES = (
+    (semconv.ZERO_STAGE, "stage"),
+    (semconv.ZERO_DP_SIZE, "dp_size"),
+    (semconv.ZERO_MODEL_NUMEL, "model_numel"),
+    (semconv.ZERO_PARTITION_NUMEL, "partition_numel"),
+    (semconv.ZERO_OPTIMIZER_STATE_BYTES, "optimizer_state_bytes"),
+    (semconv.ZERO_PARAM_SHARD_NUMEL, "param_shard_numel"),
+)
+
+
+def _log_facts(facts: dict[str, Any]) -> None:
+    info = ot.run_info()
+    log.info(
+        "otel_train: DeepSpeed ZeRO-%d on rank %s of %d data-parallel ranks: partition %d of %d trainable "
+        "elements (groups %s) on %s, optimizer state %d B on %s%s",
+        facts["stage"], info.rank if info else "?", facts["dp_size"], facts["partition_numel"],
+        facts["model_numel"], facts["partition_groups"], facts["master_device"] or "-",
+        facts["optimizer_state_bytes"], facts["state_device"] or "-",
+        f", parameter shard {facts['param_shard_numel']} elements" if facts["param_shard_numel"] >= 0 else "",
+    )  # fmt: skip
 
 
 def hyperparams(engine: Any) -> dict[str, Any]:
@@ -382,9 +387,8 @@ class _Comms:
             )
         comms = cls(logger)
         meter = ot.get_meter()
-        semconv.DS_COMM_COUNT.create(meter, comms.observe_count)
-        semconv.DS_COMM_BYTES.create(meter, comms.observe_bytes)
-        semconv.DS_COMM_TIME.create(meter, comms.observe_time)
+        for index, spec in enumerate((semconv.DS_COMM_COUNT, semconv.DS_COMM_BYTES, semconv.DS_COMM_TIME)):
+            spec.create(meter, functools.partial(comms.observe_totals, index))
         semconv.DS_COMM_BUSBW.create(meter, comms.observe_busbw)
         return comms
 
@@ -431,21 +435,13 @@ class _Comms:
             return ("other", "other")
         return series
 
-    def _observe(self, index: int) -> Iterable[Any]:
+    def observe_totals(self, index: int, options: Any) -> Iterable[Any]:
+        """The cumulative count (`index` 0), bytes (1) or seconds (2) per series."""
         from opentelemetry.metrics import Observation
 
         with self.lock:
             self.poll()
             return [Observation(t[index], _attrs(k)) for k, t in self.totals.items()]
-
-    def observe_count(self, options: Any) -> Iterable[Any]:
-        return self._observe(0)
-
-    def observe_bytes(self, options: Any) -> Iterable[Any]:
-        return self._observe(1)
-
-    def observe_time(self, options: Any) -> Iterable[Any]:
-        return self._observe(2)
 
     def observe_busbw(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
@@ -482,23 +478,6 @@ def _wraps(original: Callable[..., Any], hook: Callable[..., Any]) -> Callable[.
     return wrapper
 
 
-def _around(
-    original: Callable[..., Any],
-    before: Callable[[], None] | None = None,
-    after: Callable[[], None] | None = None,
-) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if before is not None:
-            before()
-        out = original(*args, **kwargs)
-        if after is not None:
-            after()
-        return out
-
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    return wrapper
-
-
 def _call(obj: Any, name: str) -> Any:
     method = getattr(obj, name, None)
     if not callable(method):
@@ -518,12 +497,9 @@ def _device(cfg: Any) -> str:
 
 def _tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     """Elements of the first integer tensor handed to forward (`input_ids`): a shape, no sync."""
+    import torch
+
     for value in (kwargs.get("input_ids"), *args):
-        dtype = getattr(value, "dtype", None)
-        if (
-            dtype is not None
-            and not getattr(dtype, "is_floating_point", True)
-            and not getattr(dtype, "is_complex", True)
-        ):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex():
             return int(value.numel())
     return 0

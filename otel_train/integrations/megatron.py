@@ -24,14 +24,6 @@ _MEGATRON_DEFAULT_LEVEL = 2  # what Megatron gives a timer created without a log
 _ANY_LEVEL = 0  # kept at every timing_log_level: for a timer Megatron's own level already enabled
 
 
-def _level_set() -> bool:
-    """Whether the user set otel_train's `timing_log_level` (init kwarg, environment, config or
-    control file). Unset, Megatron's `Timers` already chose: a real `Timer` is one its log_level
-    enables (a disabled level gets the `DummyTimer`, never instrumented)."""
-    info = ot.run_info()
-    return info is not None and info.timing_log_level is not None
-
-
 class _Tracker:
     """State of one instrumented `Timers` (training thread only)."""
 
@@ -46,15 +38,19 @@ class _Tracker:
         self.pending: dict[str, tuple[int, int, int]] = {}
         self.reading = False  # inside elapsed()
         self.timer_classes: dict[type, type] = {}
-        # _level_set(), read as an outermost timer starts (a run_info() costs microseconds; the
-        # timers nested in it, one per micro-batch, share the answer)
+        # Whether the user set otel_train's `timing_log_level` (init kwarg, environment, config or
+        # control file). Unset, Megatron's `Timers` already chose: a real `Timer` is one its
+        # log_level enables (a disabled level gets the `DummyTimer`, never instrumented). Read as an
+        # outermost timer starts (a run_info() costs microseconds; the timers nested in it, one per
+        # micro-batch, share the answer).
         self.level_set = False
 
     def started(self, name: str, active: float) -> None:
         if self.reading or name in self.skip:
             return
         if self.depth == 0:
-            self.level_set = _level_set()
+            info = ot.run_info()
+            self.level_set = info is not None and info.timing_log_level is not None
         self.depth += 1
         self.marks[name] = active
 

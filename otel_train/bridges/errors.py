@@ -4,7 +4,8 @@ into a `ConfigError` naming the extra to install or the path to fix."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import tempfile
 
 
 class BridgeImportError(ImportError):
@@ -22,15 +23,12 @@ class BridgeSetupError(RuntimeError):
     """A bridge cannot start: for example its log directory cannot be created or written."""
 
 
-def ensure_writable_dir(path: Any, backend: str) -> None:
+def ensure_writable_dir(path: str | os.PathLike[str], backend: str) -> None:
     """Create `path` (and parents) and prove it is writable with a probe file.
 
     Raises `BridgeSetupError` naming the path and the reason. Uses a real write, not permission bits,
     so it also catches read-only file systems and runs as root.
     """
-    import os
-    import tempfile
-
     path = os.fspath(path)
     try:
         os.makedirs(path, exist_ok=True)

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from opentelemetry.sdk.metrics.export import (
     Histogram,
-    HistogramDataPoint,
     Metric,
     MetricExporter,
     MetricExportResult,
@@ -34,12 +33,8 @@ def resolve_rank_series(setting: str, world_size: int) -> Tier:
     return "essential" if setting == "essential" else "full"
 
 
-def _passes_essential(spec: semconv.MetricSpec) -> bool:
-    return spec.essential or spec.scope == "job"
-
-
 _ESSENTIAL_NAMES: frozenset[str] = frozenset(
-    semconv.otel_name(spec.name) for spec in semconv.CATALOGUE if _passes_essential(spec)
+    semconv.otel_name(spec.name) for spec in semconv.CATALOGUE if spec.essential or spec.scope == "job"
 )
 # Per-rank histograms among them: sent as sum and count only in the essential tier.
 _WITHOUT_BUCKETS: frozenset[str] = frozenset(
@@ -54,14 +49,10 @@ def essential_names() -> frozenset[str]:
     return _ESSENTIAL_NAMES
 
 
-def _without_buckets(point: HistogramDataPoint) -> HistogramDataPoint:
-    return replace(point, bucket_counts=(point.count,), explicit_bounds=())
-
-
 def _essential_metric(metric: Metric) -> Metric:
     if metric.name not in _WITHOUT_BUCKETS or not isinstance(metric.data, Histogram):
         return metric
-    points = [_without_buckets(p) for p in metric.data.data_points]
+    points = [replace(p, bucket_counts=(p.count,), explicit_bounds=()) for p in metric.data.data_points]
     return replace(metric, data=replace(metric.data, data_points=points))
 
 

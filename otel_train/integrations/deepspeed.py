@@ -138,22 +138,13 @@ class _Adapter:
         d["forward"] = _wraps(forward, self._forward)
         d["backward"] = _wraps(backward, self._backward)
         d["step"] = _wraps(step, self._step)
-        prologue, epilogue = (
-            getattr(engine, "_backward_prologue", None),
-            getattr(engine, "_backward_epilogue", None),
-        )
-        if callable(prologue) and callable(epilogue):
-            # Looked up on the engine each time DeepSpeed runs them (from the output's backward hook
-            # and the gradient post-hook, or inside engine.backward): a torch-style loss.backward()
-            # passes through them too.
-            d["_backward_prologue"] = _wraps(prologue, self._backward_started)
-            d["_backward_epilogue"] = _wraps(epilogue, self._backward_ended)
-        else:
-            self.backward_timer = False  # no hooks: engine.backward times the phase itself
-        timers: Any = getattr(engine, "timers", None)
-        log_method = getattr(timers, "log", None)
-        if self.breakdown and callable(log_method) and isinstance(getattr(timers, "timers", None), dict):
-            timers.__dict__["log"] = _wraps(log_method, self._timers_log)
+        # Looked up on the engine each time DeepSpeed runs them (from the output's backward hook and
+        # the gradient post-hook, or inside engine.backward): a torch-style loss.backward() passes
+        # through them too.
+        d["_backward_prologue"] = _wraps(engine._backward_prologue, self._backward_started)
+        d["_backward_epilogue"] = _wraps(engine._backward_epilogue, self._backward_ended)
+        if self.breakdown:
+            engine.timers.__dict__["log"] = _wraps(engine.timers.log, self._timers_log)
 
     def _forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.marking and not self.open:
@@ -165,10 +156,7 @@ class _Adapter:
     def _backward(self, original: Callable[..., Any], loss: Any, *args: Any, **kwargs: Any) -> Any:
         if self.steps:
             ot.record("loss", loss)  # the tensor: resolved at the flush, no sync here
-        if self.backward_timer is not False:
-            return original(loss, *args, **kwargs)
-        with ot.timer("backward"):
-            return original(loss, *args, **kwargs)
+        return original(loss, *args, **kwargs)
 
     def _backward_started(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.backward_timer is None:
@@ -368,12 +356,10 @@ class _Comms:
     def start(cls, engine: Any, rank0: bool) -> _Comms | None:
         config = getattr(engine, "config", None)
         section = config.get("comms_logger") if isinstance(config, Mapping) else None
-        try:
-            import deepspeed.comm as dist
-        except ImportError:
-            return None
-        logger = getattr(dist, "comms_logger", None)
-        if logger is None or not getattr(logger, "enabled", False):
+        import deepspeed.comm as dist
+
+        logger = dist.comms_logger
+        if not logger.enabled:
             return None
         if rank0 and "comms" not in _said:
             _said.add("comms")
@@ -393,9 +379,7 @@ class _Comms:
         return comms
 
     def poll(self) -> None:
-        raw = getattr(self.logger, "comms_dict", None)
-        if not isinstance(raw, dict):
-            return
+        raw = self.logger.comms_dict
         for _ in range(3):  # the training thread may add an op while this copies: try again
             try:
                 items = [(op, list(sizes.items())) for op, sizes in list(raw.items())]

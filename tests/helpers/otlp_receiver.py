@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
@@ -69,29 +72,52 @@ def attributes(items: Any) -> dict[str, Any]:
     return {kv.key: any_value(kv.value) for kv in items}
 
 
-def sender_pids(client: tuple[str, int], server: tuple[str, int], scans: int = 3) -> frozenset[int]:
-    """Every process that holds the client end of a connection to `server` in its fd table
-    (empty: none found, or processes of another user). psutil lists one entry per holder.
-
-    The union of `scans` scans: one scan was seen (in CI, and 3 of 8 runs here) to list a forked
-    DataLoader worker holding a request's connection but not the parent, which holds it while the
-    request is open; psutil walks /proc one process at a time, and a scan that overlaps a fork is
-    the likely cause. A connection a child opened itself is in no scan of the parent's fd table,
-    so the union still tells them apart (checked by turning the fork guard off)."""
-    import psutil
-
+def sender_pids(client: tuple[str, int], server: tuple[str, int]) -> frozenset[int]:
+    """Every process that holds the client end of a TCP connection to `server` in its fd table
+    (empty: none found, or processes of another user), read from /proc: the socket's inode from
+    /proc/net/tcp, then each process's fds. Not psutil.net_connections: it names one holder per
+    inet socket (the last process of its /proc walk), so a forked DataLoader worker that inherited
+    a keep-alive connection would hide the parent that is sending on it."""
+    inode = _tcp_inode(client, server)
+    if inode is None:
+        return frozenset()
+    target = f"socket:[{inode}]"
     holders: set[int] = set()
-    for _ in range(scans):
-        holders.update(
-            conn.pid
-            for conn in psutil.net_connections(kind="tcp4")
-            if conn.pid is not None
-            and conn.laddr
-            and conn.raddr
-            and tuple(conn.laddr) == client
-            and tuple(conn.raddr) == server
-        )
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and target in _fd_links(proc):
+            holders.add(int(proc.name))
     return frozenset(holders)
+
+
+def _fd_links(proc: Path) -> set[str]:
+    """What each open fd of a process points to (an fd closed while being read is skipped)."""
+    links: set[str] = set()
+    try:
+        fds = list((proc / "fd").iterdir())
+    except OSError:  # the process ended, or is another user's
+        return links
+    for fd in fds:
+        try:
+            links.add(os.readlink(fd))
+        except OSError:
+            continue
+    return links
+
+
+def _tcp_inode(local: tuple[str, int], remote: tuple[str, int]) -> str | None:
+    """The inode of the IPv4 TCP socket from `local` to `remote` (/proc/net/tcp writes each address
+    as the host-order hex of its 32 bits, a colon and the port in hex)."""
+
+    def hex_address(address: tuple[str, int]) -> str:
+        packed = int.from_bytes(socket.inet_aton(address[0]), sys.byteorder)
+        return f"{packed:08X}:{address[1]:04X}"
+
+    want = (hex_address(local), hex_address(remote))
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if (fields[1], fields[2]) == want:
+            return fields[9]
+    return None
 
 
 def _free_port() -> int:

@@ -112,7 +112,7 @@ def signal_number(name: str) -> int | None:
     import signal
 
     text = name.strip().upper()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # "²" is a digit to isdigit, not to int()
         number = int(text)
         return number if number in {s.value for s in signal.Signals} else None
     member = getattr(signal.Signals, text if text.startswith("SIG") else f"SIG{text}", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import socket
 import uuid
 from collections.abc import Mapping
@@ -77,11 +78,16 @@ class RunInfo:
     rank_series: str = "full"
 
 
+def env_int(raw: str | None) -> int | None:
+    """A launcher variable's integer; None for anything else (`str.isdigit` alone takes "²")."""
+    return int(raw) if raw is not None and re.fullmatch(r"\s*-?[0-9]+\s*", raw) else None
+
+
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:
     for name in names:
-        raw = environ.get(name)
-        if raw is not None and raw.strip().lstrip("-").isdigit():
-            return int(raw)
+        value = env_int(environ.get(name))
+        if value is not None:
+            return value
     return default
 
 

@@ -133,3 +133,10 @@ def test_header_rules_apply_to_the_headers_setting_only(tmp_path) -> None:
         load_config({}, environ={}, config_file=str(path))
     with pytest.raises(ConfigError, match="header #1"):
         load_config({"otlp_headers": {"bad key": "v"}}, environ={})
+
+
+@pytest.mark.parametrize("name", ["²", "٣"])
+def test_a_signal_number_in_other_digits_is_refused_with_the_fix(name: str) -> None:
+    # str.isdigit() takes both; int() refuses "²": the setting must fail as a ConfigError naming it
+    with pytest.raises(ConfigError, match="stack_dump_signal"):
+        load_config({"stack_dump_signal": name}, environ={})

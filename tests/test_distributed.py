@@ -57,6 +57,14 @@ def test_open_mpi_env() -> None:
     assert (ident.rank, ident.local_rank, ident.world_size, ident.node_rank) == (2, 0, 4, 1)
 
 
+@pytest.mark.parametrize("bad", ["²", "--1", "3a", ""])
+def test_a_launcher_variable_that_is_no_integer_is_passed_over(bad: str) -> None:
+    # "²".isdigit() is True and int("²") raises: init must not fail on a launcher's odd value
+    env = {"RANK": bad, "WORLD_SIZE": "8", "SLURM_PROCID": "2", "SLURM_NTASKS": "4", "LOCAL_RANK": bad}
+    ident = detect_identity(None, environ=env)
+    assert (ident.rank, ident.local_rank, ident.world_size) == (2, 0, 4)
+
+
 def test_precedence_explicit_then_env_then_scheduler() -> None:
     env = {"OTEL_TRAIN_RUN_ID": "mine", "SLURM_JOB_ID": "777"}
     assert detect_identity("given", environ=env).run_id_source == "explicit"

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from otel_train.distributed import Identity
+from otel_train.distributed import Identity, env_int
 from otel_train.health import EventChannel
 
 log = logging.getLogger("otel_train")
@@ -67,8 +67,8 @@ def find_problems(facts: Sequence[RankFacts]) -> list[LaunchProblem]:
 
 
 def _own_problems(f: RankFacts) -> Iterator[LaunchProblem]:
-    env_world = _int(f.env.get("WORLD_SIZE"))
-    env_rank = _int(f.env.get("RANK"))
+    env_world = env_int(f.env.get("WORLD_SIZE"))
+    env_rank = env_int(f.env.get("RANK"))
     if not f.process_group:
         if env_world is not None and env_world > 1:
             yield LaunchProblem(
@@ -95,7 +95,7 @@ def _own_problems(f: RankFacts) -> Iterator[LaunchProblem]:
             f"process-group rank {f.rank} runs with RANK={env_rank}: the launcher's variables do "
             "not describe this process (data sharding and checkpoint names that read RANK go wrong).",
         )
-    slurm_tasks, slurm_id = _int(f.env.get("SLURM_NTASKS")), _int(f.env.get("SLURM_PROCID"))
+    slurm_tasks, slurm_id = env_int(f.env.get("SLURM_NTASKS")), env_int(f.env.get("SLURM_PROCID"))
     # srun starting every rank itself (no torchrun): SLURM's numbering must be the group's.
     if slurm_tasks == f.world_size and slurm_id is not None and slurm_id != f.rank and env_rank is None:
         yield LaunchProblem(
@@ -122,7 +122,7 @@ def _host_problems(facts: Sequence[RankFacts]) -> Iterator[LaunchProblem]:
                     "same GPU and the same per-node files. Let the launcher set LOCAL_RANK "
                     "(torchrun does; under srun use SLURM_LOCALID).",
                 )
-        declared = {_int(f.env.get("LOCAL_WORLD_SIZE")) for f in ranks} - {None}
+        declared = {env_int(f.env.get("LOCAL_WORLD_SIZE")) for f in ranks} - {None}
         if declared and declared != {len(ranks)}:
             shown = ", ".join(str(d) for d in sorted(d for d in declared if d is not None))
             yield LaunchProblem(
@@ -182,12 +182,6 @@ def check_launch(mine: RankFacts, group: Any | None, events: EventChannel) -> di
         "problems": [asdict(p) for p in problems],
         "ranks": [asdict(f) for f in facts],
     }
-
-
-def _int(raw: str | None) -> int | None:
-    if raw is None or not raw.strip().lstrip("-").isdigit():
-        return None
-    return int(raw)
 
 
 def _list(ranks: Sequence[int]) -> str:

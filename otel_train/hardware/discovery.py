@@ -63,7 +63,7 @@ def parse_cuda_visible_devices(value: str | None) -> list[str] | None:
     out: list[str] = []
     for raw in value.split(","):
         entry = raw.strip()
-        if entry.isdigit() or re.match(r"^(GPU|MIG)-[0-9A-Za-z/_-]+$", entry):
+        if re.fullmatch(r"[0-9]+|(GPU|MIG)-[0-9A-Za-z/_-]+", entry):
             out.append(entry)
         else:
             break

@@ -50,6 +50,12 @@ def test_srun_numbering_that_is_not_the_groups() -> None:
     assert _checks(facts) == [("slurm_rank", (0,)), ("slurm_rank", (1,))]
 
 
+def test_launcher_values_that_are_no_integers_are_not_checked() -> None:
+    # "²".isdigit() is True and int("²") raises; the doctor runs inside init() and must not
+    facts = [_facts(0, WORLD_SIZE="²", SLURM_NTASKS="--2", LOCAL_WORLD_SIZE="²"), _facts(1, RANK="²")]
+    assert _checks(facts) == []
+
+
 def test_per_host_checks_duplicates_local_world_size_and_shared_gpus() -> None:
     facts = [_facts(0, 3, local=0, gpu="GPU-a", LOCAL_WORLD_SIZE="2"),
              _facts(1, 3, local=0, gpu="GPU-a", LOCAL_WORLD_SIZE="2"),

@@ -285,6 +285,7 @@ def test_parse_cuda_visible_devices() -> None:
     assert parse_cuda_visible_devices("1, 0") == ["1", "0"]
     assert parse_cuda_visible_devices("0,-1,2") == ["0"]  # CUDA stops at the first invalid entry
     assert parse_cuda_visible_devices("GPU-abc,MIG-GPU-abc/1/0") == ["GPU-abc", "MIG-GPU-abc/1/0"]
+    assert parse_cuda_visible_devices("0,²,1") == ["0"]  # a digit to isdigit, not to int()
 
 
 class FakeTorchCuda:

@@ -89,12 +89,15 @@ def _rank(rank: int, world: int, out: str) -> dict[str, Any]:
 @pytest.mark.multirank
 def test_a_clock_step_on_one_host_names_no_straggler(tmp_path: Path) -> None:
     """4 gloo ranks in lockstep (10 ms steps), rank 3 on host nodeB, whose clock steps +300 ms at
-    step 150: no straggler event (it was "rank 3 is chronically 299.8 ms late per step"), and rank
-    3's offset follows the step."""
+    step 150: no straggler event names rank 3 for the step (it was "rank 3 is chronically 299.8 ms
+    late per step"), and rank 3's offset follows the step."""
     env = {"TORCH_FR_BUFFER_SIZE": "200"}
     results = run_ranks(4, _rank, (str(tmp_path),), timeout=300, env=env)
     assert results[0]["matched"] > 0, results[0]  # collective arrivals were compared
-    assert results[0]["stragglers"] == [], results[0]["stragglers"]
+    # A rank the scheduler holds back on a loaded machine is really late, by a few ms per step, and
+    # may be named; a clock step taken for lateness is of the step's size (30 of these steps).
+    clocks = [e for e in results[0]["stragglers"] if e["rank"] == 3 and e["lateness_ms"] >= STEP_S * 1e3 / 2]
+    assert clocks == [], results[0]["stragglers"]
     before, after = results[3]["offsets"]
     assert abs(before) < 0.05 and after == pytest.approx(-STEP_S, abs=0.05), (before, after)
     assert math.isfinite(after)

@@ -10,9 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.fake_time import FakeTime
 from helpers.multirank import run_ranks
+from helpers.waiting import wait_for
 
 import otel_train as ot
+from otel_train.core import session as session_module
 from otel_train.core.cadence import ADAPTIVE_BASE_STEPS, Cadence, nice_interval
 from otel_train.testing import current_session
 
@@ -60,22 +63,43 @@ class _CpuBurner:
         return None
 
 
-def test_the_session_flushes_less_often_when_its_worker_spends_more_per_flush(tmp_path: Path) -> None:
+class _SessionTime:
+    """session.py's `time` module with `clock`'s perf_counter: the flush's elapsed time (what the
+    cadence divides by the steps) follows the hand-moved clock, not the machine's load."""
+
+    def __init__(self, clock: FakeTime) -> None:
+        self._clock = clock
+
+    def perf_counter(self) -> float:
+        return self._clock.perf_ns * 1e-9
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def test_the_session_flushes_less_often_when_its_worker_spends_more_per_flush(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ot.init(output_dir=str(tmp_path), run_name="stretch", prometheus_port=0, verbosity=0,
             hardware=False, log_interval_min_s=0.08, traces=False)  # fmt: skip
     session = current_session()
     assert session is not None
     session.add_listener(_CpuBurner(0.03))
+    clock = FakeTime().install(session, monkeypatch)
+    monkeypatch.setattr(session_module, "time", _SessionTime(clock))
     for step in range(1500):
         with ot.step(step):
-            time.sleep(0.001)
+            clock.advance(0.001)
+        # Each flush reaches the worker before the next is due: its CPU per flush is measured
+        # from the first flushes on, and a full queue never moves a flush off the schedule.
+        wait_for(lambda: session.worker.pending_batches() == 0, 60, "the worker to take the flush")
     ot.shutdown()
     assert session.run_dir is not None
     gaps = [b - a for a, b in itertools.pairwise(_flush_steps(session.run_dir)[:-1])]
     assert all(gap in NICE for gap in gaps), gaps
     assert session.worker.flush_cpu_s >= 0.03
-    # 30 ms a flush is 0.25 % of 12 s, so the most: 2 x 0.08 s, 101-200 steps of 0.8-1.6 ms -> 200;
-    # unstretched, 0.08 s of >= 0.8 ms steps is <= 100
+    # 30 ms a flush is 0.25 % of 12 s, so the most: 2 x 0.08 s of 1 ms steps, 160 -> 200;
+    # unstretched, 0.08 s is 80 steps -> 100
     assert max(gaps) >= 200, gaps
 
 

@@ -18,6 +18,7 @@ from helpers.integration_models import TokenDataset, tiny_causal_lm
 from helpers.multirank import run_ranks
 from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import TrainerCallback
 
 import otel_train as ot
 from otel_train.integrations.transformers import OtelTrainCallback
@@ -535,6 +536,17 @@ def test_report_to_tensorboard_keeps_the_trainers_reporter_unless_otel_trains_br
     assert "train/loss" in _tensorboard_scalars(tmp_path / "runs" / "taken" / "tensorboard")
 
 
+class _SessionSeen(TrainerCallback):
+    """Added after the OtelTrainCallback: the session it started, kept past `train()` (which
+    shuts it down)."""
+
+    def __init__(self) -> None:
+        self.session: Any = None
+
+    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+        self.session = current_session()
+
+
 def test_report_to_wandb_with_otel_trains_wandb_bridge_makes_one_wandb_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -552,7 +564,13 @@ def test_report_to_wandb_with_otel_trains_wandb_bridge_makes_one_wandb_run(
         save_strategy="no",
         report_to=["wandb"],
     )
+    sessions = _SessionSeen()
+    trainer.add_callback(sessions)
     trainer.train()
+    # train() ends the session, waiting shutdown_timeout_s for the bridges; on a busy host the
+    # bridge process writes the W&B run (and wandb_run.json) after that, then exits
+    session = sessions.session
+    assert session is not None and session.bridges is not None and session.bridges.wait(120)
     runs = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("offline-run-*") if p.is_dir())
     assert len(runs) == 1, runs
     info = json.loads((tmp_path / "runs" / "wb" / "wandb_run.json").read_text())

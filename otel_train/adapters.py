@@ -42,7 +42,9 @@ def current_run() -> Run | None:
 def idle() -> None:
     """The training loop pauses on purpose and the run stays open (a framework between `fit` and
     `test`, or after training until the process exits): no `stall` is reported until the next step
-    begins. Call it after the last step ends; a no-op before `init()`."""
+    begins, and the steps since the last flush are flushed now, so the outputs show them during
+    the pause. Call it after the last step ends, on the thread that runs the steps; a no-op before
+    `init()`."""
     session = current()
     if session is not None:
         session.mark_idle()

@@ -1,10 +1,17 @@
-"""The session's shape: one class in one module, read top to bottom (docs/design/core.md#session)."""
+"""The session's shape: one class in one module, read top to bottom (docs/design/core.md#session);
+and its flush hand-off when the loop idles."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
+import otel_train as ot
+from otel_train import adapters
+from otel_train.core.buffer import Interval
 from otel_train.core.session import Session
+from otel_train.testing import current_session
 
 
 def test_the_session_is_one_class_without_a_base_holding_part_of_it() -> None:
@@ -14,3 +21,69 @@ def test_the_session_is_one_class_without_a_base_holding_part_of_it() -> None:
     fields = {f.name for f in dataclasses.fields(Session)}
     assert {"config", "worker", "cadence", "watches"} <= fields  # the parts it opens with
     assert {"begin_step", "end_step", "flush", "shutdown"} <= set(vars(Session))  # its life, here
+
+
+class _Intervals:
+    """A flush listener that keeps (step, steps) of each interval; `hold` blocks the worker in its
+    first flush until released, so that the session's queue fills."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.seen: list[tuple[int, int]] = []
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
+
+    def on_flush(self, interval: Interval) -> None:
+        self.release.wait(30)
+        self.seen.append((interval.step, interval.steps))
+
+    def close(self) -> None:
+        self.release.set()
+
+    def wait_for(self, step: int) -> None:
+        deadline = time.monotonic() + 30  # liveness bound, not a timing assertion
+        while step not in [s for s, _ in self.seen] and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+def test_idle_flushes_the_steps_since_the_last_flush() -> None:
+    """No step end comes while the loop idles (a fit done, the test not yet begun): `idle()` hands
+    the steps it holds to the worker, so the outputs show them during the pause."""
+    ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=100)
+    session = current_session()
+    assert session is not None
+    intervals = _Intervals()
+    session.add_listener(intervals)
+    for i in range(5):
+        with ot.step(i):
+            ot.record("loss", 1.0)
+    adapters.idle()
+    intervals.wait_for(4)
+    assert intervals.seen == [(4, 5)]
+    adapters.idle()  # nothing new: no empty flush
+    for i in range(5, 8):
+        with ot.step(i):
+            pass
+    ot.shutdown()
+    assert intervals.seen == [(4, 5), (7, 3)]
+
+
+def test_idle_takes_a_flush_a_full_queue_deferred() -> None:
+    """A worker busy with one flush (queue_size=1) defers the next ones, their steps kept; the
+    pause that follows still hands them over rather than leaving them until the next step."""
+    ot.init(
+        prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=1, queue_size=1
+    )  # fmt: skip
+    session = current_session()
+    assert session is not None
+    intervals = _Intervals(hold=True)
+    session.add_listener(intervals)
+    for i in range(3):
+        with ot.step(i):
+            pass
+    assert session.deferred_flushes == 2  # steps 1 and 2: the worker still holds step 0's flush
+    adapters.idle()
+    intervals.release.set()
+    intervals.wait_for(2)
+    assert intervals.seen == [(0, 1), (2, 2)]
+    ot.shutdown()

@@ -312,25 +312,33 @@ class Session:
         return self.step_index, end_ns * 1e-9
 
     def mark_idle(self) -> None:
-        """The loop pauses on purpose (between fit and test): no stall until a step begins."""
+        """The loop pauses on purpose (between fit and test): no stall until a step begins, and the
+        steps since the last flush are flushed now (on the step thread), a full queue or not: no
+        step end would take them while the loop idles. In lockstep every rank idles after the same
+        step, so the rows still pair."""
         self._idle_mark = (self.step_index, self.step_start_ns)
+        outside_step = not self.step_start_ns and get_ident() == self._step_thread
+        if outside_step and (self.interval_steps or self._flush_requested):
+            self.flush(idle=True)
 
     # --- the flush hand-off: the interval to the worker ------------------------------------------
-    def flush(self, final: bool = False) -> bool:
+    def flush(self, final: bool = False, idle: bool = False) -> bool:
         """Hand the interval to the worker. Never blocks, in lockstep too (telemetry never makes
         this rank wait for another): if the queue is full the data stays in the buffer (counters
         keep summing) and the next step tries again; in lockstep that flush's row then covers other
         steps than the peers' and is left out of that flush's cross-rank stats (`exchange`).
 
         Only the thread running the steps takes the buffer (the step counters are plain ints it
-        alone increments); a flush asked for on another thread is done at its next step end."""
+        alone increments); a flush asked for on another thread is done at its next step end.
+        `idle`: the loop pauses (`mark_idle`): one batch over `queue_size` is taken, and the
+        schedule is kept (the next flush is at the step it was due)."""
         if not final and threading.get_ident() != self._step_thread:
             # at the next step end; in lockstep it rides with the next aligned flush instead
             self._flush_requested = not self._lockstep
             return False
         now = time.perf_counter()
         worker = self.worker
-        if not final and worker.pending_batches() >= worker.max_batches:
+        if not final and not idle and worker.pending_batches() >= worker.max_batches:
             self.deferred_flushes += 1
             return False
         with self._lock:
@@ -345,7 +353,11 @@ class Session:
         batch.rerun_through = self.clock.rerun_through
         if not final:
             # Rank 0 decides the schedule here and sends it down with this flush (cadence.py).
-            proposal = self.cadence.proposal(batch.steps, batch.elapsed_s, worker.flush_cpu_s)
+            proposal = (
+                self.cadence.interval
+                if idle
+                else self.cadence.proposal(batch.steps, batch.elapsed_s, worker.flush_cpu_s)
+            )
             self.cadence.flushed(proposal, batch.step)
             self._due_step, self._due_threshold = self.cadence.due_step, self.cadence.threshold
             batch.flush_interval, batch.flush_anchor = self.cadence.decision
@@ -353,7 +365,7 @@ class Session:
         self._due_ns = _time_due_ns(self._lockstep, now, self._interval_s)
         if "torch" in sys.modules:
             _note_torch_state(batch, self.config.compute_dtype == "auto")
-        with self._lock:  # the room was checked above (final: never waits)
+        with self._lock:  # the room was checked above (final, idle: taken regardless)
             self.worker.submit_batch(batch)
         return True
 

@@ -16,6 +16,7 @@ import pytest
 from helpers.multirank import run_ranks
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.testing import current_session
 
 pytestmark = pytest.mark.multirank
@@ -198,6 +199,43 @@ def test_a_rank_idle_after_init_never_holds_rank0_and_the_cross_rank_view_resume
     n, disabled, left_out = rank0["end"]
     assert n == 2 and disabled is None and left_out >= 1, rank0
     assert rank1["end"][1] is None
+
+
+def _pause_target(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Both ranks train 5 steps in lockstep (log_interval=10), pause on purpose (`adapters.idle`,
+    as the Lightning logger does after a fit), then train 15 more."""
+    import torch
+    import torch.distributed as dist
+
+    ot.init(
+        output_dir=out, run_name="pause", prometheus_port=0, verbosity=0, hardware=False, log_interval=10,
+        collective_timeout_s=30.0,
+    )  # fmt: skip
+    session = current_session()
+    grad = torch.zeros(4)
+    for i in range(5):
+        with ot.step(i):
+            dist.all_reduce(grad)
+    adapters.idle()
+    deadline = time.monotonic() + 60  # liveness bound: the worker takes the pause's flush
+    while session.worker.flushes < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    paused = session.reducer.last_reductions["step"].n if rank == 0 else None
+    for i in range(5, 20):
+        with ot.step(i):
+            dist.all_reduce(grad)
+    left_out = session.reducer.left_out_rows
+    ot.shutdown()
+    return {"run_dir": str(session.run_dir), "paused": paused, "left_out": left_out}
+
+
+def test_a_pause_flushes_on_every_rank_alike_and_the_schedule_holds(tmp_path: Path) -> None:
+    """The pause's flush comes after the same step on every rank in lockstep, so rank 0 pairs
+    both rows; the next flush is at the step the schedule had (9), not 10 steps after the pause."""
+    rank0 = run_ranks(2, _pause_target, (str(tmp_path),), timeout=120)[0]
+    run_dir = Path(rank0["run_dir"])
+    assert _flush_steps(run_dir, 0) == _flush_steps(run_dir, 1) == [4, 9, 19]
+    assert rank0["paused"] == 2 and rank0["left_out"] == 0, rank0
 
 
 def _paced_target(rank: int, world: int, out: str) -> dict[str, Any]:

@@ -313,12 +313,12 @@ class Session:
 
     def mark_idle(self) -> None:
         """The loop pauses on purpose (between fit and test): no stall until a step begins, and the
-        steps since the last flush are flushed now (on the step thread), a full queue or not: no
+        steps and timers since the last flush are flushed now (on the step thread), a full queue or not: no
         step end would take them while the loop idles. In lockstep every rank idles after the same
         step, so the rows still pair."""
         self._idle_mark = (self.step_index, self.step_start_ns)
         outside_step = not self.step_start_ns and get_ident() == self._step_thread
-        if outside_step and (self.interval_steps or self._flush_requested):
+        if outside_step and (self.interval_steps or self.timer_events or self._flush_requested):
             self.flush(idle=True)
 
     # --- the flush hand-off: the interval to the worker ------------------------------------------

@@ -118,6 +118,8 @@ class OtelTrainTracker(GeneralTracker):
         if self._owns_session:
             self._owns_session = False
             ot.shutdown()
+        else:  # the user's run outlives the training: no stall while it does other work
+            adapters.idle()
 
     def _ready(self) -> bool:
         if adapters.current_run() is not None:

@@ -239,6 +239,8 @@ class OtelTrainCallback:
         if self._owns_session:
             self._owns_session = False
             ot.shutdown()
+        else:  # the user's run outlives the training: no stall while it does other work
+            adapters.idle()
 
 
 def _loss_name(key: Any) -> str:

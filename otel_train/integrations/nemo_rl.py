@@ -123,6 +123,8 @@ class OtelTrainLogger:
         if self._owns_session:
             self._owns_session = False
             ot.shutdown()
+        else:  # the user's run outlives the training: no stall while it does other work
+            adapters.idle()
 
     # --- beyond LoggerInterface --------------------------------------------------------------------
     def log_val_samples(self, pairs: Sequence[tuple[str, str]], step: int | None = None) -> None:

@@ -184,14 +184,16 @@ class OtelTrainCallback(TrainerCallback):
     def close(self) -> None:
         """End this callback's run: a step still open ends as failed (`train()` raised, or a
         trainer began a step and found no batch: `OumiTrainer` at an epoch's end), and a session
-        the callback started is shut down. Called at `on_train_end` and when `train()` raises; a
-        second call does nothing."""
+        the callback started is shut down, one the user started idles (`adapters.idle`). Called at
+        `on_train_end` and when `train()` raises; a second call does nothing more."""
         self._end_abandoned_step()
         self._started = False
         self._mark_ns = None
         session, self._session = self._session, None
         if session is not None and adapters.current_run() == session:
             ot.shutdown()
+        else:  # the user's run outlives train() (an evaluate, a save, a push): no stall meanwhile
+            adapters.idle()
 
     def _end_abandoned_step(self) -> None:
         """A step that never reached `on_step_end` (see `close`) ends as failed: out of the step

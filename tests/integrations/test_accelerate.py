@@ -48,6 +48,25 @@ def test_tracker_logs_values_and_config(tmp_path: Path) -> None:
     assert "PLANTED-SECRET-42" not in hparams_text
 
 
+def test_end_training_leaves_the_users_run_idle_and_flushed(tmp_path: Path) -> None:
+    """A run the user started outlives `end_training()`: its last steps are flushed then, and the
+    pause that follows is no stall (`adapters.idle`)."""
+    ot.init(run_name="mine", output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False,
+            log_interval=100)  # fmt: skip
+    session = current_session()
+    accelerator = Accelerator(log_with=[OtelTrainTracker()], cpu=True)
+    accelerator.init_trackers("proj")
+    for step in range(3):
+        with ot.step(step):
+            accelerator.log({"loss": 1.0}, step=step)
+    accelerator.end_training()
+    try:
+        assert current_session() is session and session.last_step() == (2, None)  # idle: no stall
+        assert session.worker.batches_put == 1  # the three steps, handed over at end_training
+    finally:
+        ot.shutdown()
+
+
 def _rank_without_init(rank: int, world_size: int) -> int:
     logging.basicConfig()
     tracker = OtelTrainTracker()

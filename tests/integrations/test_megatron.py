@@ -446,6 +446,25 @@ def test_bridge_callback_in_bridges_firing_order(bridge_callbacks: Any, monkeypa
     assert hparams["train"]["global_batch_size"] == 8
 
 
+def test_train_end_leaves_the_users_run_idle_and_flushed() -> None:
+    """A run the user started outlives Bridge's training (`on_train_end`): its last steps are
+    flushed then, and the pause that follows is no stall (`adapters.idle`)."""
+    from otel_train.integrations.megatron import OtelTrainCallback
+
+    ot.init(run_dir_enabled=False, prometheus_port=0, verbosity=0, hardware=False, log_interval=100)
+    session = current_session()
+    assert session is not None
+    for step in range(3):
+        with ot.step(step):
+            pass
+    OtelTrainCallback().on_train_end(SimpleNamespace())
+    try:
+        assert current_session() is session and session.last_step() == (2, None)
+        assert session.worker.batches_put == 1  # the three steps, handed over at the end
+    finally:
+        ot.shutdown()
+
+
 # --- LoggerConfig mapping --------------------------------------------------------------------------
 
 BRIDGE_YAML = """

@@ -125,8 +125,9 @@ def test_step_finished_on_a_metrics_call_ends_the_step_once(tmp_path: Path) -> N
         for step in (1, 2):
             backend.log_metrics({"loss": 1.0}, step, "train", None, True)
             backend.log_metrics({"total_step_time": 0.1}, step, "timing/train", None, True)  # same step
-        backend.finish()  # not its session: left running
-        assert current_session() is not None
+        backend.finish()  # not its session: left running, idle (no stall until a step begins)
+        session = current_session()
+        assert session is not None and session.last_step() == (2, None)
     finally:
         ot.shutdown()
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2]

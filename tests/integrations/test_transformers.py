@@ -184,6 +184,30 @@ def test_train_raising_mid_epoch_ends_the_callbacks_session_without_a_false_stal
     assert sum(r.get("train/steps", 0) for r in _rows(run_dir)) == 2  # the failed third step is not counted
 
 
+def test_the_users_run_outlives_train_flushed_and_without_a_false_stall(tmp_path: Path) -> None:
+    """A run the user started stays open after `train()` (an evaluate, a save, a push to the hub
+    follows): its last steps reach the outputs at once, and the pause is no stall."""
+    ot.init(
+        run_name="after", output_dir=str(tmp_path / "runs"), prometheus_port=0, verbosity=0,
+        hardware=False, log_interval=100, stall_timeout_s=0.5,
+    )  # fmt: skip
+    session = current_session()
+    trainer = _trainer(tmp_path / "hf-out", OtelTrainCallback(), eval_strategy="no", save_strategy="no")
+    trainer.train()
+    trained_at = time.time()
+    deadline = time.monotonic() + 30  # liveness bound: the worker writes the pause's flush
+    while session.worker.steps_done < MAX_STEPS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sum(r.get("train/steps", 0) for r in _rows(session.run_dir)) == MAX_STEPS  # before shutdown
+    time.sleep(2.0)  # the user's work after train(): four stall timeouts
+    assert current_session() is session
+    ot.shutdown()
+    path = session.run_dir / "events.rank0.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    # (a step slower than 0.5 s on a loaded machine may be a true stall DURING training)
+    assert not [e for e in events if e["event"] == "stall" and e["time"] >= trained_at], events
+
+
 def test_callback_adds_no_host_sync_on_the_training_thread(tmp_path: Path) -> None:
     """Count Tensor.item / tolist / __float__ / cpu calls on the training thread with and without
     the callback: the Trainer's own syncs are the same, the callback adds none."""

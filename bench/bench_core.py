@@ -224,7 +224,7 @@ def bench_slow_backend(seconds: float) -> tuple[int, int, int]:
         session = current_session()
         sleepy = ThreadedSink(SleepySink(), queue_size=4, name="sleepy", close_timeout_s=0.1)
         if slow:
-            session.add_sink(sleepy)
+            session.worker.add_sink(sleepy)
         steps = 0
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:

@@ -469,7 +469,7 @@ def measure(
             if monitor is None:
                 raise SystemExit("the Flight Recorder did not start")
             timed_monitor = ThreadTimed(monitor)
-            session.add_listener(timed_monitor)
+            session.worker.add_listener(timed_monitor)
         worker = session.worker
         bridge_pid = session.bridges.pid if getattr(session, "bridges", None) is not None else None
         child = psutil.Process(bridge_pid) if bridge_pid else None

@@ -81,7 +81,7 @@ def train(steps: int, watch: bool, activations: bool = False) -> None:
 
         session = current_session()
         assert session is not None
-        session.add_listener(ScalerWatch(scaler, session.meter))
+        session.worker.add_listener(ScalerWatch(scaler, session.meter))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     for step in range(steps):
         with ot.step(step, tokens=256, samples=8):

@@ -292,11 +292,13 @@ def _watch_scaler(session: Session, scaler: Any) -> Callable[[ModelWatch], None]
     watch before its final flush) is still exported."""
     from otel_train.numerics import ScalerWatch
 
-    for listener in [x for x in session.listeners if isinstance(x, ScalerWatch) and x.scaler is scaler]:
+    for listener in [
+        x for x in session.worker.listeners if isinstance(x, ScalerWatch) and x.scaler is scaler
+    ]:
         listener.remove()
-        session.remove_listener(listener)
+        session.worker.remove_listener(listener)
     listener = ScalerWatch(scaler, session.meter)
-    session.add_listener(listener)
+    session.worker.add_listener(listener)
 
     def on_remove(handle: ModelWatch) -> None:
         session.remove_watch(handle)

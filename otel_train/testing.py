@@ -62,7 +62,7 @@ def capture_metrics(**settings: Any) -> Iterator[Capture]:
     capture = Capture()
     session = current()
     assert session is not None  # init() just returned it
-    session.add_sink(capture)
+    session.worker.add_sink(capture)
     try:
         yield capture
     finally:

@@ -84,7 +84,7 @@ def test_the_session_flushes_less_often_when_its_worker_spends_more_per_flush(
             hardware=False, log_interval_min_s=0.08, traces=False)  # fmt: skip
     session = current_session()
     assert session is not None
-    session.add_listener(_CpuBurner(0.03))
+    session.worker.add_listener(_CpuBurner(0.03))
     clock = FakeTime().install(session, monkeypatch)
     monkeypatch.setattr(session_module, "time", _SessionTime(clock))
     for step in range(1500):

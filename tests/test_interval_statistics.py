@@ -126,7 +126,7 @@ def test_the_step_of_each_value_is_known_when_each_step_recorded_it_equally_ofte
     with capture_metrics(log_interval=4, hardware=False) as _:
         session = current_session()
         assert session is not None
-        session.add_listener(listener)
+        session.worker.add_listener(listener)
         for i in range(10, 14):  # two micro-batch losses per step; grad_norm in some steps only
             with ot.step(i):
                 ot.record("loss", float(i))
@@ -146,7 +146,7 @@ def test_two_names_merged_into_one_instrument_have_no_steps() -> None:
     with capture_metrics(log_interval=2, hardware=False):
         session = current_session()
         assert session is not None
-        session.add_listener(listener)
+        session.worker.add_listener(listener)
         for i in range(2):
             with ot.step(i):
                 ot.record("loss", 1.0)
@@ -160,7 +160,7 @@ def test_nonfinite_values_keep_the_others_steps() -> None:
     with capture_metrics(log_interval=3, hardware=False):
         session = current_session()
         assert session is not None
-        session.add_listener(listener)
+        session.worker.add_listener(listener)
         for i, loss in enumerate((1.0, float("nan"), 3.0)):
             with ot.step(i):
                 ot.record("loss", torch.tensor(loss))

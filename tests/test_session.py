@@ -58,7 +58,7 @@ def test_idle_flushes_the_steps_since_the_last_flush() -> None:
     session = current_session()
     assert session is not None
     intervals = _Intervals()
-    session.add_listener(intervals)
+    session.worker.add_listener(intervals)
     for i in range(5):
         with ot.step(i):
             ot.record("loss", 1.0)
@@ -87,7 +87,7 @@ def test_idle_takes_a_flush_a_full_queue_deferred() -> None:
     session = current_session()
     assert session is not None
     intervals = _Intervals(hold=True)
-    session.add_listener(intervals)
+    session.worker.add_listener(intervals)
     for i in range(3):
         with ot.step(i):
             pass

@@ -38,7 +38,7 @@ def _listen() -> Intervals:
     listener = Intervals()
     session = current_session()
     assert session is not None
-    session.add_listener(listener)
+    session.worker.add_listener(listener)
     return listener
 
 

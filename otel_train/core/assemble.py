@@ -231,7 +231,7 @@ def _attach_goodput(session: Session) -> None:
         RunFiles(run_dir, rank, session.identity.role).goodput if run_dir else None,
         session.identity.run_id,
     )
-    session.add_listener(session.goodput)
+    session.worker.add_listener(session.goodput)
 
 
 def _attach_memory_dumps(session: Session) -> None:
@@ -269,7 +269,7 @@ def _hang_reporter(session: Session) -> HangReporter | None:
     """Hang attribution through the run directory, when the Flight Recorder feeds a monitor."""
     from otel_train.diagnostics import CollectiveMonitor, HangReporter
 
-    monitor = next((x for x in session.listeners if isinstance(x, CollectiveMonitor)), None)
+    monitor = next((x for x in session.worker.listeners if isinstance(x, CollectiveMonitor)), None)
     if monitor is None or session.run_dir is None:
         return None
     ident = session.identity

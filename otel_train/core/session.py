@@ -26,7 +26,6 @@ from otel_train.core.buffer import (
     MAX_SPAN_RECORDS,
     Buffer,
     FlushBatch,
-    FlushListener,
     SpanRecord,
     mark_record,
     step_record,
@@ -117,6 +116,7 @@ class Session:
         self.step_end_ns: int | None = None  # perf_counter_ns when it ended (the stall watchdog reads it)
         # (last step, running step's start) while the loop idles on purpose (mark_idle): no stall
         self._idle_mark: tuple[int, int] | None = None
+        self.progress_ns = 0  # perf_counter_ns of the latest eval batch (adapters.heartbeat)
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
@@ -136,27 +136,6 @@ class Session:
         self._step_thread = threading.get_ident()
         self._flush_requested = False  # another thread asked for one (log_metrics(step=)); not in lockstep
         self.shutdown_done = threading.Event()
-
-    # The worker iterates sinks and listeners at every flush; it replaces its lists, never changes them.
-    @property
-    def sinks(self) -> Sequence[Sink]:
-        return self.worker.sinks
-
-    @property
-    def listeners(self) -> Sequence[FlushListener]:
-        return self.worker.listeners
-
-    def add_listener(self, listener: FlushListener) -> None:
-        """Call `listener.on_flush(interval)` on the worker at every flush from now on."""
-        self.worker.add_listener(listener)
-
-    def remove_listener(self, listener: FlushListener) -> None:
-        """Stop calling `listener` (idempotent)."""
-        self.worker.remove_listener(listener)
-
-    def add_sink(self, sink: Sink) -> None:
-        """Hand every flush and message to `sink` too (on the worker), from the next one on."""
-        self.worker.add_sink(sink)
 
     def add_watch(self, watch: ModelWatch) -> None:
         """Call `watch` at the begin and end of the steps `watch_period` divides (training thread)
@@ -304,18 +283,18 @@ class Session:
         return self._step_index_running if self.step_start_ns else None
 
     def last_step(self) -> tuple[int, float | None]:
-        """(last completed step, its end as perf_counter seconds or None): for the watchdog thread.
-        None while the loop idles on purpose (`mark_idle`) until a step begins."""
+        """(last completed step, when the loop last made progress as perf_counter seconds: that
+        step's end or a later eval batch; None while it idles on purpose, `mark_idle`, until a step
+        begins): for the watchdog thread."""
         end_ns = self.step_end_ns
         if end_ns is None or self._idle_mark == (self.step_index, self.step_start_ns):
             return self.step_index, None
-        return self.step_index, end_ns * 1e-9
+        return self.step_index, max(end_ns, self.progress_ns) * 1e-9
 
     def mark_idle(self) -> None:
         """The loop pauses on purpose (between fit and test): no stall until a step begins, and the
-        steps and timers since the last flush are flushed now (on the step thread), a full queue or not: no
-        step end would take them while the loop idles. In lockstep every rank idles after the same
-        step, so the rows still pair."""
+        steps and timers since the last flush are flushed now, as no step end would take them (in
+        lockstep every rank pauses after the same step, so the rows still pair)."""
         self._idle_mark = (self.step_index, self.step_start_ns)
         outside_step = not self.step_start_ns and get_ident() == self._step_thread
         if outside_step and (self.interval_steps or self.timer_events or self._flush_requested):
@@ -330,8 +309,7 @@ class Session:
 
         Only the thread running the steps takes the buffer (the step counters are plain ints it
         alone increments); a flush asked for on another thread is done at its next step end.
-        `idle`: the loop pauses (`mark_idle`): one batch over `queue_size` is taken, and the
-        schedule is kept (the next flush is at the step it was due)."""
+        `idle` (`mark_idle`): taken past a full queue, and the schedule is kept."""
         if not final and threading.get_ident() != self._step_thread:
             # at the next step end; in lockstep it rides with the next aligned flush instead
             self._flush_requested = not self._lockstep
@@ -353,11 +331,8 @@ class Session:
         batch.rerun_through = self.clock.rerun_through
         if not final:
             # Rank 0 decides the schedule here and sends it down with this flush (cadence.py).
-            proposal = (
-                self.cadence.interval
-                if idle
-                else self.cadence.proposal(batch.steps, batch.elapsed_s, worker.flush_cpu_s)
-            )
+            # A pause proposes no other interval (0 steps: the current one).
+            proposal = self.cadence.proposal(0 if idle else batch.steps, batch.elapsed_s, worker.flush_cpu_s)
             self.cadence.flushed(proposal, batch.step)
             self._due_step, self._due_threshold = self.cadence.due_step, self.cadence.threshold
             batch.flush_interval, batch.flush_anchor = self.cadence.decision
@@ -534,10 +509,10 @@ def _close(session: Session) -> None:
     flushes, steps = _drain_worker(session.worker, session.instruments, budget)
     session.lost_flushes += flushes
     session.lost_steps += steps
-    for listener in session.listeners:
+    for listener in session.worker.listeners:
         listener.close()
     final = {**session.worker.final_scalars, **final_scalars(session.goodput.totals)}
-    _close_sinks(session.sinks, session.bridges, final, budget, started)
+    _close_sinks(session.worker.sinks, session.bridges, final, budget, started)
     # Keep a margin inside the budget for the abandon path itself.
     session.telemetry.shutdown(max(0.1, 0.9 * budget - (time.monotonic() - started)))
     # The user's hooks get what the last flushes raised, with what is left of the budget: a

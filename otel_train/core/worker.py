@@ -154,13 +154,17 @@ class Worker:
 
     # The worker iterates `sinks` and `listeners` at every flush: both lists are replaced
     # (copy-on-write), never changed in place, so no flush sees a list mid-change.
+    # Copy-on-write: a flush may be iterating the old list, which is never changed in place.
     def add_listener(self, listener: FlushListener) -> None:
+        """Call `listener.on_flush(interval)` on this thread at every flush from now on."""
         self.listeners = [*self.listeners, listener]
 
     def remove_listener(self, listener: FlushListener) -> None:
+        """Stop calling `listener` (idempotent)."""
         self.listeners = [x for x in self.listeners if x is not listener]
 
     def add_sink(self, sink: Sink) -> None:
+        """Hand every flush and message to `sink` too, from the next one on."""
         self.sinks = [*self.sinks, sink]
 
     def unwritten(self) -> tuple[int, int]:

@@ -104,7 +104,7 @@ def test_timers_become_durations_and_arrivals_capped_per_name() -> None:
         session = current_session()
         assert session is not None
         listener = _Intervals()
-        session.add_listener(listener)
+        session.worker.add_listener(listener)
         with ot.timer("forward"):  # outside a step: a duration, no arrival
             pass
         for i in range(4):

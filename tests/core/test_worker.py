@@ -48,7 +48,7 @@ def session(quiet_session: Session) -> Session:
 
 def test_each_message_type_reaches_its_sink_method_in_order(session: Session) -> None:
     sink = Recording()
-    session.add_sink(sink)
+    session.worker.add_sink(sink)
     ot.log_hyperparams({"lr": 0.1, "api_key": "s3cret"})
     with ot.step(0):
         ot.record("loss", 2.0)

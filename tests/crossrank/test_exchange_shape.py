@@ -76,7 +76,7 @@ def _job_target(
     session = current_session()
     views: list[int] = []  # rank 0: the ranks in each flush's cross-rank view
     if rank == 0:
-        session.add_listener(_ViewCounter(session.reducer, views))
+        session.worker.add_listener(_ViewCounter(session.reducer, views))
     grad = torch.ones(16)
     for step in range(STEPS):
         with ot.step(step):

@@ -155,7 +155,7 @@ def _hang_target(rank: int, world_size: int, out_dir: str) -> None:
         log_interval=2, output_dir=out_dir,
     )  # fmt: skip
     session = current_session()
-    assert any(isinstance(x, CollectiveMonitor) for x in session.listeners)
+    assert any(isinstance(x, CollectiveMonitor) for x in session.worker.listeners)
     stop = threading.Event()
     threading.Thread(
         target=_sample_last_seconds, args=(port, Path(out_dir) / f"last.rank{rank}.txt", stop), daemon=True

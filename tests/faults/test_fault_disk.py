@@ -58,7 +58,7 @@ def test_disk_full_mid_run(tmp_path, caplog) -> None:
                           hardware=False)  # fmt: skip
         session = current_session()
         capture = Capture()
-        session.add_sink(capture)
+        session.worker.add_sink(capture)
         _fill(disk, leave=16000)
         for step in range(40):
             with ot.step(step):

@@ -83,7 +83,7 @@ def test_shutdown_with_a_busy_worker_counts_and_warns(tmp_path, caplog) -> None:
     ot.init(output_dir=str(tmp_path), run_name="busy", prometheus_port=0, verbosity=0, log_interval=1,
                       hardware=False, shutdown_timeout_s=0.5)  # fmt: skip
     session = current_session()
-    session.add_sink(_SlowSink())
+    session.worker.add_sink(_SlowSink())
     for step in range(20):
         with ot.step(step):
             ot.record("loss", 1.0)

@@ -281,7 +281,7 @@ def test_cpu_autocast_around_the_step_is_detected_in_a_session(torch_dtype: torc
                       peak_flops=1e12, flops_per_token=1e6)  # fmt: skip
     session = current_session()
     intervals = _Intervals()
-    session.add_listener(intervals)
+    session.worker.add_listener(intervals)
     try:
         model = nn.Linear(4, 4)
         for i in range(2):

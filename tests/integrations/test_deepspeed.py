@@ -142,7 +142,7 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
     )  # fmt: skip
     session = current_session()
     seen = Intervals()
-    session.add_listener(seen)
+    session.worker.add_listener(seen)
     events: list[tuple[str, str, dict[str, Any]]] = []
     session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -426,7 +426,7 @@ def hf_job(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     ot.init(output_dir=out_dir, run_name="hf", verbosity=0, log_interval=2, hardware=False, prometheus_port=0)
     session = current_session()
     seen = Intervals()
-    session.add_listener(seen)
+    session.worker.add_listener(seen)
     events: list[tuple[str, str, dict[str, Any]]] = []
     session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
     trainer = Trainer(

@@ -64,7 +64,7 @@ def watch_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict
     ot.init(output_dir=out_dir, run_name="w", verbosity=0, log_interval=2, hardware=False, prometheus_port=0)
     session = current_session()
     seen = Seen()
-    session.add_listener(seen)
+    session.worker.add_listener(seen)
     events: list[tuple[str, str]] = []
     session.events.add_callback(lambda e, m, a: events.append((e, m)))
     logs = Records()

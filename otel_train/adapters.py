@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 # An adapter's hooks run once per step, not per op: `current()` (one call) is cheap here,
@@ -23,6 +24,7 @@ __all__ = [
     "begin_step",
     "current_run",
     "end_step",
+    "heartbeat",
     "idle",
     "on_straggler",
     "phase",
@@ -48,6 +50,16 @@ def idle() -> None:
     session = current()
     if session is not None:
         session.mark_idle()
+
+
+def heartbeat() -> None:
+    """The loop makes progress outside a training step (an eval, test or predict batch): the stall
+    watchdog (`stall_timeout_s`) counts from now, so a long evaluation is no `stall`, and one that
+    hangs still is. Call it once per batch; one clock read. A no-op before `init()` and while the
+    run idles (`idle()`)."""
+    session = current()
+    if session is not None:
+        session.progress_ns = perf_counter_ns()
 
 
 def watch_batch(batch: object) -> None:

@@ -232,11 +232,11 @@ class HangWatchdog:
         if idle < self._stall_timeout_s:
             return
         self._reported_for = ended
-        path = self.dump(f"no completed step for {idle:.0f}s")
+        path = self.dump(f"no step or eval batch for {idle:.0f}s")
         where = f"; stacks: {path}" if path is not None else ""
         self._events.emit(
             "stall",
-            f"no completed step for {idle:.0f}s after step {step}{where}",
+            f"no step or eval batch for {idle:.0f}s after step {step}{where}",
             {"step": step, **({"file": str(path)} if path is not None else {})},
         )
         if self._on_stall is not None:

@@ -468,6 +468,9 @@ class OtelTrainCallback(Callback):
         if not trainer.sanity_checking and adapters.current_run() is not None:
             self._eval = ot.span("eval", {"train.step": trainer.global_step}).start()
 
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        adapters.heartbeat()  # a long validation is no stall
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._eval is None:
             return

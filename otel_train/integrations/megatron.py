@@ -215,6 +215,11 @@ class OtelTrainCallback:
     def on_eval_start(self, context: Any) -> None:
         self._open_span("eval", context)
 
+    def on_eval_step_end(self, context: Any) -> None:
+        adapters.heartbeat()  # an eval batch: a long evaluation is no stall
+
+    on_test_step_end = on_eval_step_end
+
     def on_eval_end(self, context: Any) -> None:
         self._close_span("eval", context)
 

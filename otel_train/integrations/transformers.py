@@ -283,6 +283,11 @@ class OtelTrainCallback(TrainerCallback):
             # The training log (with its loss gather) is not data wait or eval time.
             self._mark_ns = perf_counter_ns()
 
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        adapters.heartbeat()  # an eval batch: a long evaluation is no stall
+
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

@@ -18,6 +18,7 @@ from helpers.ports import free_port
 from helpers.waiting import wait_for
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.config import ConfigError
 from otel_train.testing import current_session
 
@@ -57,6 +58,27 @@ def test_stall_writes_stacks_and_an_event_naming_them(tmp_path: Path) -> None:
     with ot.step(3):  # a step ends the stall; the next one is reported again
         pass
     wait_for(lambda: len(list(session.run_dir.glob("stacks.rank0.*.txt"))) == 2, 10, "second stall dump")
+
+
+def test_eval_batches_keep_the_stall_watchdog_quiet_until_they_stop(tmp_path: Path) -> None:
+    """An evaluation after a step, longer than stall_timeout_s, whose batches call
+    `adapters.heartbeat()` is no stall; once they stop (a hung eval), the stall is reported."""
+    ot.init(run_name="eval", stall_timeout_s=1.0, prometheus_port=0, verbosity=0, hardware=False)
+    session = current_session()
+    with ot.step(0):
+        pass
+    ended = session.last_step()[1]
+    evaluating = time.monotonic()
+    while time.monotonic() - evaluating < 3.0:  # three stall timeouts of eval batches
+        adapters.heartbeat()
+        time.sleep(0.02)
+    assert session.last_step()[1] > ended + 2.5  # the watchdog counts from the latest batch
+    assert list(session.run_dir.glob("stacks.*")) == []
+    stall = wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 10, "stall")
+    assert stall[0]["step"] == 0 and "no step or eval batch for" in stall[0]["message"]
+    adapters.idle()
+    adapters.heartbeat()  # while the run idles on purpose, a batch does not arm the watchdog
+    assert session.last_step() == (0, None)
 
 
 def test_no_stall_before_the_first_step(tmp_path: Path) -> None:

@@ -470,6 +470,34 @@ def test_the_run_idles_between_fit_and_test_without_a_stall(tmp_path: Path) -> N
     assert "stall" not in [json.loads(line)["event"] for line in lines]
 
 
+def test_a_validation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
+    """Each validation batch tells the stall watchdog the loop is alive (the callback's
+    `on_validation_batch_end`): 1.6 s of validation between steps under stall_timeout_s=1 raises no
+    stall event and writes no stacks."""
+    from otel_train.integrations.lightning import OtelTrainCallback
+
+    class SlowValidation(TinyRegression):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            time.sleep(0.2)
+            super().validation_step(batch, batch_idx)
+
+    logger = _quiet(run_name="longval", stall_timeout_s=1.0)
+    trainer = Trainer(
+        logger=logger, callbacks=[OtelTrainCallback()], max_steps=3, val_check_interval=2,
+        limit_val_batches=8, num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(SlowValidation(), _loader(32), _loader(32))
+    ot.shutdown()
+    run_dir = tmp_path / "runs" / "longval"
+    rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sum(r.get("timers/eval/count", 0) for r in rows) >= 1  # the validation ran
+    events_file = run_dir / "events.rank0.jsonl"
+    lines = events_file.read_text().splitlines() if events_file.exists() else []
+    assert "stall" not in [json.loads(line)["event"] for line in lines]
+    assert not list(run_dir.glob("stacks.*"))
+
+
 def test_a_failed_fit_ends_the_run(tmp_path: Path) -> None:
     class Fails(LightningModule):
         def __init__(self) -> None:

@@ -100,7 +100,7 @@ def megatron_job(
     )  # fmt: skip
     session = current_session()
     seen = Intervals()
-    session.add_listener(seen)
+    session.worker.add_listener(seen)
     session.events.add_callback(lambda e, m, a: events.append(dict(a)) if e == "straggler" else None)
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -224,7 +224,7 @@ def test_elapsed_reads_and_skipped_timers_are_not_phases(monkeypatch: pytest.Mon
         seen = Intervals()
         session = current_session()
         assert session is not None
-        session.add_listener(seen)
+        session.worker.add_listener(seen)
         timers("interval-time", log_level=0).start()
         for step in range(3):
             adapters.begin_step(step)
@@ -260,7 +260,7 @@ def _level_run(
     with capture_metrics(log_interval=100, run_dir_enabled=False, **settings):
         session = current_session()
         assert session is not None
-        session.add_listener(seen)
+        session.worker.add_listener(seen)
         for step in range(3):
             adapters.begin_step(step)
             timers("forward-backward", log_level=1).start()
@@ -388,9 +388,9 @@ def test_bridge_callback_in_bridges_firing_order(bridge_callbacks: Any, monkeypa
     fire("on_train_start", optimizer=optimizer)  # train.py: after model.train(), before the loop
     session = current_session()
     assert session is not None
-    session.add_sink(capture)
+    session.worker.add_sink(capture)
     seen = Intervals()
-    session.add_listener(seen)
+    session.worker.add_listener(seen)
     assert session.config.log_interval == 2 and session.config.timing_log_option == "max"
     # Bridge passes barrier=True to most of these; one process here, so no barrier.
     timers("interval-time", log_level=0).start()  # train.py, before the loop
@@ -461,6 +461,28 @@ def test_train_end_leaves_the_users_run_idle_and_flushed() -> None:
     try:
         assert current_session() is session and session.last_step() == (2, None)
         assert session.worker.batches_put == 1  # the three steps, handed over at the end
+    finally:
+        ot.shutdown()
+
+
+def test_eval_and_test_batches_keep_the_stall_watchdog_counting_from_them() -> None:
+    """Bridge's `on_eval_step_end` / `on_test_step_end` after the last step: the watchdog counts a
+    long evaluation from its latest batch, not from the step's end."""
+    from otel_train.integrations.megatron import OtelTrainCallback
+
+    ot.init(run_dir_enabled=False, prometheus_port=0, verbosity=0, hardware=False)
+    session = current_session()
+    assert session is not None
+    with ot.step(0):
+        pass
+    callback = OtelTrainCallback()
+    try:
+        last = session.last_step()[1]
+        for hook in (callback.on_eval_step_end, callback.on_test_step_end):
+            time.sleep(0.01)
+            hook(SimpleNamespace())
+            assert session.last_step()[1] > last
+            last = session.last_step()[1]
     finally:
         ot.shutdown()
 

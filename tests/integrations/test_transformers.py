@@ -208,6 +208,32 @@ def test_the_users_run_outlives_train_flushed_and_without_a_false_stall(tmp_path
     assert not [e for e in events if e["event"] == "stall" and e["time"] >= trained_at], events
 
 
+def test_an_evaluation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
+    """Each eval batch (`on_prediction_step`) tells the stall watchdog the loop is alive: an
+    evaluation of 1.6 s under stall_timeout_s=1 raises no stall event and writes no stacks."""
+    model = tiny_causal_lm()
+
+    def slow_eval_batch(module: Any, inputs: Any, output: Any) -> None:
+        if not module.training:
+            time.sleep(0.2)
+
+    model.register_forward_hook(slow_eval_batch)
+    callback = OtelTrainCallback(
+        run_name="longeval", verbosity=0, hardware=False, prometheus_port=0, stall_timeout_s=1.0
+    )
+    trainer = _trainer(
+        tmp_path / "hf-out", callback, model=model, max_steps=2, eval_steps=2, save_strategy="no",
+        per_device_eval_batch_size=1,
+    )  # fmt: skip
+    trainer.train()
+    run_dir = tmp_path / "runs" / "longeval"
+    assert sum(r.get("timers/eval/count", 0) for r in _rows(run_dir)) == 1  # the evaluation ran
+    path = run_dir / "events.rank0.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    assert not [e for e in events if e["event"] == "stall"], events
+    assert not list(run_dir.glob("stacks.*"))
+
+
 def test_callback_adds_no_host_sync_on_the_training_thread(tmp_path: Path) -> None:
     """Count Tensor.item / tolist / __float__ / cpu calls on the training thread with and without
     the callback: the Trainer's own syncs are the same, the callback adds none."""

@@ -109,7 +109,10 @@ class _Adapter:
     """The wrapped engine's state (training thread, except `comms`' callbacks on the worker)."""
 
     def __init__(self, engine: Any, steps: bool) -> None:
+        import torch
+
         self.engine = engine
+        self.grad_enabled = torch.is_grad_enabled
         self.steps = steps  # mark steps and record loss / lr / grad norm
         self.marking = steps  # False once the loop's own step is seen
         self.open = False  # a step this adapter began is open
@@ -147,6 +150,11 @@ class _Adapter:
             engine.timers.__dict__["log"] = _wraps(engine.timers.log, self._timers_log)
 
     def _forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not (self.engine.training and self.grad_enabled()):
+            # An eval batch (engine.eval() or no_grad): no training step nor phase, nor its tokens;
+            # a long evaluation is no stall.
+            adapters.heartbeat()
+            return original(*args, **kwargs)
         if self.marking and not self.open:
             self._begin()
         self.tokens += _tokens(args, kwargs)

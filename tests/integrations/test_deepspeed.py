@@ -153,7 +153,15 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
         extra = torch.nn.Parameter(torch.zeros(1))
         inner.state[extra] = {"exp_avg": torch.zeros(MODEL_NUMEL), "exp_avg_sq": torch.zeros(MODEL_NUMEL)}
     gen = torch.Generator().manual_seed(rank)
-    for _ in range(steps * GAS):
+    progress_after_eval = False
+    for i in range(steps * GAS):
+        if case.get("eval_batches") and i == steps // 2 * GAS:  # an evaluation mid-training
+            engine.eval()
+            with torch.no_grad():
+                for _ in range(case["eval_batches"]):
+                    engine(torch.randn(MICRO, 64, generator=gen))
+            engine.train()
+            progress_after_eval = session.progress_ns > (session.step_end_ns or 0)
         out = engine(
             torch.randn(MICRO, 64, generator=gen).to(torch.half if case.get("fp16") else torch.float)
         )
@@ -192,6 +200,7 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
         "samples": seen.samples,
         "steps": seen.steps,
         "events": events,
+        "progress_after_eval": progress_after_eval,
         "partition": partition,
         "shard": shard,
         "state": state,
@@ -328,9 +337,12 @@ def test_zero1_full_state_on_one_rank_is_one_event_naming_it(tmp_path: Path) -> 
 
 @pytest.mark.multirank
 def test_zero3_reports_partition_and_parameter_shard(tmp_path: Path) -> None:
-    case = {"zero": 3, "steps": 4}
+    """ZeRO-3, with an evaluation (engine.eval(), no_grad) after step 2: its forwards are neither a
+    training step, nor forward phases, nor samples, and each tells the stall watchdog the loop is alive."""
+    case = {"zero": 3, "steps": 4, "eval_batches": 3}
     results = run_ranks(2, ds_job, (str(tmp_path), case), timeout=TIMEOUT, env=RANK_ENV)
     _check_steps(results, 4)
+    assert all(r["progress_after_eval"] for r in results)
     _check_zero(results, 3)
     assert all(_zero_events(r) == [] for r in results)
 

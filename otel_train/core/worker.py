@@ -154,7 +154,6 @@ class Worker:
 
     # The worker iterates `sinks` and `listeners` at every flush: both lists are replaced
     # (copy-on-write), never changed in place, so no flush sees a list mid-change.
-    # Copy-on-write: a flush may be iterating the old list, which is never changed in place.
     def add_listener(self, listener: FlushListener) -> None:
         """Call `listener.on_flush(interval)` on this thread at every flush from now on."""
         self.listeners = [*self.listeners, listener]

@@ -190,10 +190,10 @@ class OtelTrainCallback(TrainerCallback):
         self._started = False
         self._mark_ns = None
         session, self._session = self._session, None
-        if session is not None and adapters.current_run() == session:
-            ot.shutdown()
-        else:  # the user's run outlives train() (an evaluate, a save, a push): no stall meanwhile
+        if session is None:  # the user's run outlives train() (an evaluate, a save, a push)
             adapters.idle()
+        elif adapters.current_run() == session:
+            ot.shutdown()
 
     def _end_abandoned_step(self) -> None:
         """A step that never reached `on_step_end` (see `close`) ends as failed: out of the step

@@ -28,6 +28,7 @@ __all__ = [
     "idle",
     "on_straggler",
     "phase",
+    "saving_checkpoint",
     "watch_batch",
     "watch_read",
 ]
@@ -60,6 +61,16 @@ def heartbeat() -> None:
     session = current()
     if session is not None:
         session.progress_ns = perf_counter_ns()
+
+
+def saving_checkpoint() -> None:
+    """A checkpoint save begins, or comes before the next step (a framework that knows it is due
+    but has no hook at its start): until the next step begins or an `ot.span("checkpoint")` ends,
+    the stall watchdog waits `checkpoint_timeout_s` rather than `stall_timeout_s`, so a long save
+    is no `stall` and a hung one still is. A no-op before `init()`."""
+    session = current()
+    if session is not None:
+        session.saving_ns = perf_counter_ns()
 
 
 def watch_batch(batch: object) -> None:

@@ -279,6 +279,12 @@ class Config:
         doc="no step for this long: every thread's stack goes to `stacks.rank<k>.<n>.txt` in the run dir "
         "and a stall event names the file",
     )
+    checkpoint_timeout_s: float = setting(
+        1800.0,
+        gt=0,
+        doc='in place of `stall_timeout_s` while a checkpoint save runs (an open `ot.span("checkpoint")`, '
+        "or a save a framework integration announces): a hung save is still a stall",
+    )
     stack_dump_signal: str = setting(
         "SIGUSR1",
         check=_signal_problem,

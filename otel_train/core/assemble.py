@@ -295,6 +295,8 @@ def _attach_watchdog(session: Session) -> None:
         on_tick=lambda: _report_stuck_worker(session),
         on_stall=reporter.on_stall if reporter is not None else None,
         role=session.identity.role,
+        saving=session.saving,
+        checkpoint_timeout_s=config.checkpoint_timeout_s,
     )
     session.control = (
         ControlFile(session.run_dir, rank, session.events, session.identity.world_size, session.identity.role)

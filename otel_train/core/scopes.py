@@ -261,8 +261,10 @@ class MarkScope:
         self.__exit__(_error_type(error), None, None)
 
     def __enter__(self) -> MarkScope:
-        self._session = runtime._current
+        session = self._session = runtime._current
         self._start = perf_counter_ns()
+        if session is not None:
+            session.begin_mark(self.name, self._start)
         return self
 
     def __exit__(

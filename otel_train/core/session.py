@@ -31,7 +31,7 @@ from otel_train.core.buffer import (
     step_record,
 )
 from otel_train.distributed import Identity
-from otel_train.goodput import StepClock
+from otel_train.goodput import StepClock, span_cause
 from otel_train.hardware import autocast_dtype
 from otel_train.profiling import advance_window, start_window
 
@@ -117,6 +117,7 @@ class Session:
         # (last step, running step's start) while the loop idles on purpose (mark_idle): no stall
         self._idle_mark: tuple[int, int] | None = None
         self.progress_ns = 0  # perf_counter_ns of the latest eval batch (adapters.heartbeat)
+        self.saving_ns = 0  # perf_counter_ns when a checkpoint save began (0: none; see `saving`)
         self.sampled = False  # is the current step traced?
         self._step_index_running = 0
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
@@ -261,6 +262,11 @@ class Session:
                 SpanRecord(name, start_ns, end_ns, self._step_index_running, error.__name__)
             )
 
+    def begin_mark(self, name: str, start_ns: int) -> None:
+        """An eval / checkpoint span begins: a checkpoint save's is `saving` until it ends."""
+        if span_cause(name).startswith("checkpoint"):
+            self.saving_ns = start_ns
+
     def end_mark(
         self,
         name: str,
@@ -272,6 +278,8 @@ class Session:
         """An eval / checkpoint span: always traced (rare and short), timed as a phase, and
         accounted as goodput's eval / checkpoint badput."""
         self.end_timer(name, start_ns, end_ns, error)
+        if self.saving_ns and span_cause(name).startswith("checkpoint"):
+            self.saving_ns = 0
         self.clock.note_span(name, end_ns - start_ns, self.step_start_ns != 0, self.step_end_ns)
         if self.worker.span_writer is not None and len(self.buffer.spans) < MAX_SPAN_RECORDS:
             step = max(self.step_index, 0)
@@ -290,6 +298,11 @@ class Session:
         if end_ns is None or self._idle_mark == (self.step_index, self.step_start_ns):
             return self.step_index, None
         return self.step_index, max(end_ns, self.progress_ns) * 1e-9
+
+    def saving(self) -> bool:
+        """Whether a checkpoint save runs (begun after the last step began and ended): the watchdog
+        then waits checkpoint_timeout_s instead of stall_timeout_s."""
+        return self.saving_ns > max(self.step_end_ns or 0, self.step_start_ns)
 
     def mark_idle(self) -> None:
         """The loop pauses on purpose (between fit and test): no stall until a step begins, and the

@@ -80,6 +80,8 @@ class HangWatchdog:
         on_tick: Callable[[], None] | None = None,
         on_stall: Callable[[Path | None], None] | None = None,
         role: str = "",
+        saving: Callable[[], bool] = lambda: False,
+        checkpoint_timeout_s: float = 1800.0,
     ) -> None:
         self.rank = rank
         self._files = RunFiles(run_dir, rank, role) if run_dir is not None else None
@@ -87,6 +89,8 @@ class HangWatchdog:
         self._events = events
         self._last_step = last_step  # () -> (step index, perf_counter time it ended, or None)
         self._stall_timeout_s = stall_timeout_s
+        self._saving = saving  # () -> whether a checkpoint save runs (its own timeout)
+        self._checkpoint_timeout_s = checkpoint_timeout_s
         self._poll_s = min(1.0, max(0.05, stall_timeout_s / 4))
         # The faulthandler timer fires when this thread has not re-armed it for this long.
         self._backstop_s = stall_timeout_s + max(2.0, 4 * self._poll_s)
@@ -229,14 +233,16 @@ class HangWatchdog:
         if ended is None or ended == self._reported_for:
             return  # no step yet (start-up is not a stall), or this stall was reported
         idle = time.perf_counter() - ended
-        if idle < self._stall_timeout_s:
+        saving = self._saving()
+        if idle < (self._checkpoint_timeout_s if saving else self._stall_timeout_s):
             return
         self._reported_for = ended
-        path = self.dump(f"no step or eval batch for {idle:.0f}s")
+        what = f"no step or eval batch for {idle:.0f}s" + (" (in a checkpoint save)" if saving else "")
+        path = self.dump(what)
         where = f"; stacks: {path}" if path is not None else ""
         self._events.emit(
             "stall",
-            f"no step or eval batch for {idle:.0f}s after step {step}{where}",
+            f"{what} after step {step}{where}",
             {"step": step, **({"file": str(path)} if path is not None else {})},
         )
         if self._on_stall is not None:

@@ -468,6 +468,9 @@ class OtelTrainCallback(Callback):
         if not trainer.sanity_checking and adapters.current_run() is not None:
             self._eval = ot.span("eval", {"train.step": trainer.global_step}).start()
 
+    def on_save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        adapters.saving_checkpoint()  # the file is written next: a long save is no stall
+
     def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
         adapters.heartbeat()  # a long validation is no stall
 

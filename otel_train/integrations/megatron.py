@@ -48,6 +48,8 @@ class _Tracker:
     def started(self, name: str, active: float) -> None:
         if self.reading or name in self.skip:
             return
+        if "checkpoint" in name:  # save-checkpoint: a long save is no stall (checkpoint_timeout_s)
+            adapters.saving_checkpoint()
         if self.depth == 0:
             info = ot.run_info()
             self.level_set = info is not None and info.timing_log_level is not None

@@ -265,6 +265,8 @@ class OtelTrainCallback(TrainerCallback):
         self._open = False
         adapters.end_step(tokens=tokens)
         self._mark_ns = perf_counter_ns()
+        if control.should_save:  # the Trainer saves before the next step (after its log and eval)
+            adapters.saving_checkpoint()
 
     # --- logs, eval, checkpoints -----------------------------------------------------------------
     def on_log(

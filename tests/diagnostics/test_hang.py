@@ -81,6 +81,31 @@ def test_eval_batches_keep_the_stall_watchdog_quiet_until_they_stop(tmp_path: Pa
     assert session.last_step() == (0, None)
 
 
+def test_a_checkpoint_save_has_its_own_timeout(tmp_path: Path) -> None:
+    """An open `ot.span("checkpoint")` longer than stall_timeout_s is no stall; one longer than
+    checkpoint_timeout_s is, and says so; a save a framework announces
+    (`adapters.saving_checkpoint`) counts until the next step begins."""
+    ot.init(run_name="save", stall_timeout_s=0.5, checkpoint_timeout_s=3.0, prometheus_port=0, verbosity=0,
+            hardware=False)  # fmt: skip
+    session = current_session()
+    with ot.step(0):
+        pass
+    with ot.span("checkpoint"):
+        assert session.saving()
+        time.sleep(1.5)  # three stall timeouts, half the checkpoint timeout
+    with ot.step(1):  # at once
+        pass
+    assert not session.saving() and list(session.run_dir.glob("stacks.*")) == []
+    adapters.saving_checkpoint()  # due before the next step
+    assert session.saving()
+    with ot.step(2):
+        assert not session.saving()  # the step began: the stall timeout again
+    hung = ot.span("checkpoint_save").start()
+    stall = wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 20, "stall")
+    assert stall[0]["step"] == 2 and "(in a checkpoint save)" in stall[0]["message"]
+    hung.stop()
+
+
 def test_no_stall_before_the_first_step(tmp_path: Path) -> None:
     ot.init(run_name="startup", stall_timeout_s=0.2, prometheus_port=0, verbosity=0, hardware=False)
     session = current_session()

@@ -498,6 +498,36 @@ def test_a_validation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) 
     assert not list(run_dir.glob("stacks.*"))
 
 
+def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
+    """The callback's `on_save_checkpoint` comes before the file is written: the watchdog then
+    waits checkpoint_timeout_s, so saves of 1.5 s under stall_timeout_s=0.5 raise no stall."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from otel_train.integrations.lightning import OtelTrainCallback
+
+    class SlowStorage(TorchCheckpointIO):
+        def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+            time.sleep(1.5)
+            super().save_checkpoint(*args, **kwargs)
+
+    logger = _quiet(run_name="longsave", stall_timeout_s=0.5)
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    trainer = Trainer(
+        logger=logger, callbacks=[OtelTrainCallback(), saves], plugins=[SlowStorage()], max_steps=2,
+        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        devices=1,
+    )  # fmt: skip
+    trainer.fit(TinyRegression(), _loader(32))
+    ot.shutdown()
+    run_dir = tmp_path / "runs" / "longsave"
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 2  # both saves ran
+    events_file = run_dir / "events.rank0.jsonl"
+    lines = events_file.read_text().splitlines() if events_file.exists() else []
+    assert "stall" not in [json.loads(line)["event"] for line in lines]
+    assert not list(run_dir.glob("stacks.*"))
+
+
 def test_a_failed_fit_ends_the_run(tmp_path: Path) -> None:
     class Fails(LightningModule):
         def __init__(self) -> None:

@@ -487,6 +487,31 @@ def test_eval_and_test_batches_keep_the_stall_watchdog_counting_from_them() -> N
         ot.shutdown()
 
 
+def test_the_save_checkpoint_timer_gives_the_save_its_own_stall_timeout(monkeypatch) -> None:
+    """Megatron's `save-checkpoint` timer starting is a save beginning (checkpoint_timeout_s for
+    the watchdog) and its stop ends it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # see neutralise_cuda
+    from megatron.core.timers import Timers
+
+    from otel_train.integrations.megatron import instrument
+
+    ot.init(run_dir_enabled=False, prometheus_port=0, verbosity=0, hardware=False)
+    session = current_session()
+    assert session is not None
+    timers = instrument(Timers(1, "max"))
+    try:
+        with ot.step(0):
+            pass
+        timers("save-checkpoint", log_level=0).start()
+        assert session.saving()
+        timers("save-checkpoint").stop()
+        assert not session.saving()
+    finally:
+        ot.shutdown()
+
+
 # --- LoggerConfig mapping --------------------------------------------------------------------------
 
 BRIDGE_YAML = """

@@ -234,6 +234,33 @@ def test_an_evaluation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path)
     assert not list(run_dir.glob("stacks.*"))
 
 
+def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
+    """The Trainer's save comes after `on_step_end`, which knows it is due (`control.should_save`):
+    the watchdog then waits checkpoint_timeout_s, so a 1.5 s save under stall_timeout_s=0.5 raises
+    no stall event and writes no stacks."""
+    model = tiny_causal_lm()
+    save_pretrained = model.save_pretrained
+
+    def slow_save(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.5)
+        return save_pretrained(*args, **kwargs)
+
+    model.save_pretrained = slow_save  # type: ignore[method-assign]
+    callback = OtelTrainCallback(
+        run_name="longsave", verbosity=0, hardware=False, prometheus_port=0, stall_timeout_s=0.5
+    )
+    trainer = _trainer(
+        tmp_path / "hf-out", callback, model=model, max_steps=2, save_steps=1, eval_strategy="no"
+    )
+    trainer.train()
+    run_dir = tmp_path / "runs" / "longsave"
+    assert sum(r.get("timers/checkpoint/count", 0) for r in _rows(run_dir)) == 2  # both saves ran
+    path = run_dir / "events.rank0.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    assert not [e for e in events if e["event"] == "stall"], events
+    assert not list(run_dir.glob("stacks.*"))
+
+
 def test_callback_adds_no_host_sync_on_the_training_thread(tmp_path: Path) -> None:
     """Count Tensor.item / tolist / __float__ / cpu calls on the training thread with and without
     the callback: the Trainer's own syncs are the same, the callback adds none."""

@@ -268,6 +268,12 @@ class OtelTrainCallback(TrainerCallback):
         if control.should_save:  # the Trainer saves before the next step (after its log and eval)
             adapters.saving_checkpoint()
 
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if control.should_save:  # save_strategy="epoch": the save follows
+            adapters.saving_checkpoint()
+
     # --- logs, eval, checkpoints -----------------------------------------------------------------
     def on_log(
         self,

@@ -1,8 +1,11 @@
-"""A recording double for health events, for tests of what emits them."""
+"""A recording double for health events, for tests of what emits them; the stretches a test slows."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -23,3 +26,26 @@ class Events:
 
     def named(self, event: str) -> list[tuple[str, str, dict[str, Any]]]:
         return [e for e in self.items if e[0] == event]
+
+
+class SlowStretches:
+    """The wall-clock stretches a test made slow on purpose (a long evaluation, a long save), and
+    the `stall` events of a run directory that fell inside one. On a loaded machine a training
+    step may itself outlast a short stall timeout, a true stall: only the stretches are judged."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep `seconds`: one stretch (a stall that the watchdog should not see comes while the
+        loop sleeps, not while it computes)."""
+        start = time.time()
+        time.sleep(seconds)
+        self.spans.append((start, time.time()))
+
+    def stalls_inside(self, run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
+        path = run_dir / f"events.rank{rank}.jsonl"
+        events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [
+            e for e in events if e["event"] == "stall" and any(a <= e["time"] <= b for a, b in self.spans)
+        ]

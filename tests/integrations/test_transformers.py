@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from helpers.events import SlowStretches
 from helpers.integration_models import TokenDataset, tiny_causal_lm
 from helpers.multirank import run_ranks
 from helpers.ports import free_port
@@ -210,12 +211,13 @@ def test_the_users_run_outlives_train_flushed_and_without_a_false_stall(tmp_path
 
 def test_an_evaluation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
     """Each eval batch (`on_prediction_step`) tells the stall watchdog the loop is alive: an
-    evaluation of 1.6 s under stall_timeout_s=1 raises no stall event and writes no stacks."""
+    evaluation of 8 batches of 0.2 s under stall_timeout_s=1 raises no stall event."""
     model = tiny_causal_lm()
+    slow = SlowStretches()
 
     def slow_eval_batch(module: Any, inputs: Any, output: Any) -> None:
         if not module.training:
-            time.sleep(0.2)
+            slow.sleep(0.2)
 
     model.register_forward_hook(slow_eval_batch)
     callback = OtelTrainCallback(
@@ -228,37 +230,38 @@ def test_an_evaluation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path)
     trainer.train()
     run_dir = tmp_path / "runs" / "longeval"
     assert sum(r.get("timers/eval/count", 0) for r in _rows(run_dir)) == 1  # the evaluation ran
-    path = run_dir / "events.rank0.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    assert not [e for e in events if e["event"] == "stall"], events
-    assert not list(run_dir.glob("stacks.*"))
+    assert len(slow.spans) == 8
+    assert slow.stalls_inside(run_dir) == []
 
 
-def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
-    """The Trainer's save comes after `on_step_end`, which knows it is due (`control.should_save`):
-    the watchdog then waits checkpoint_timeout_s, so a 1.5 s save under stall_timeout_s=0.5 raises
-    no stall event and writes no stacks."""
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path, strategy: str) -> None:
+    """The Trainer's save comes after `on_step_end` (or `on_epoch_end`), which knows it is due
+    (`control.should_save`): the watchdog then waits checkpoint_timeout_s, so a 1.5 s save under
+    stall_timeout_s=0.5 raises no stall event."""
     model = tiny_causal_lm()
     save_pretrained = model.save_pretrained
+    slow = SlowStretches()
 
     def slow_save(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(1.5)
+        slow.sleep(1.5)
         return save_pretrained(*args, **kwargs)
 
     model.save_pretrained = slow_save  # type: ignore[method-assign]
     callback = OtelTrainCallback(
         run_name="longsave", verbosity=0, hardware=False, prometheus_port=0, stall_timeout_s=0.5
     )
+    by_epoch = strategy == "epoch"  # 2 epochs of 2 steps (8 rows, batch 2, accumulation 2)
     trainer = _trainer(
-        tmp_path / "hf-out", callback, model=model, max_steps=2, save_steps=1, eval_strategy="no"
-    )
+        tmp_path / "hf-out", callback, model=model, max_steps=-1 if by_epoch else 2, save_steps=1,
+        eval_strategy="no", save_strategy=strategy, num_train_epochs=2,
+        dataset=TokenDataset(8) if by_epoch else None,
+    )  # fmt: skip
     trainer.train()
     run_dir = tmp_path / "runs" / "longsave"
     assert sum(r.get("timers/checkpoint/count", 0) for r in _rows(run_dir)) == 2  # both saves ran
-    path = run_dir / "events.rank0.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    assert not [e for e in events if e["event"] == "stall"], events
-    assert not list(run_dir.glob("stacks.*"))
+    assert len(slow.spans) == 2
+    assert slow.stalls_inside(run_dir) == []
 
 
 def test_callback_adds_no_host_sync_on_the_training_thread(tmp_path: Path) -> None:

@@ -300,9 +300,9 @@ class Session:
         return self.step_index, max(end_ns, self.progress_ns) * 1e-9
 
     def saving(self) -> bool:
-        """Whether a checkpoint save runs (begun after the last step began and ended): the watchdog
-        then waits checkpoint_timeout_s instead of stall_timeout_s."""
-        return self.saving_ns > max(self.step_end_ns or 0, self.step_start_ns)
+        """Whether a checkpoint save runs (begun after the last step began and ended, and after the
+        last eval batch): the watchdog then waits checkpoint_timeout_s instead of stall_timeout_s."""
+        return self.saving_ns > max(self.step_end_ns or 0, self.step_start_ns, self.progress_ns)
 
     def mark_idle(self) -> None:
         """The loop pauses on purpose (between fit and test): no stall until a step begins, and the

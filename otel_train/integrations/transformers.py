@@ -300,6 +300,8 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._close_mark("eval", state)
+        if control.should_save:  # the save follows the evaluation (whose batches ended `saving`)
+            adapters.saving_checkpoint()
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -98,6 +98,9 @@ def test_a_checkpoint_save_has_its_own_timeout(tmp_path: Path) -> None:
     assert not session.saving() and list(session.run_dir.glob("stacks.*")) == []
     adapters.saving_checkpoint()  # due before the next step
     assert session.saving()
+    adapters.heartbeat()  # an evaluation before the save: its batches keep the stall timeout
+    assert not session.saving()
+    adapters.saving_checkpoint()  # announced again after it
     with ot.step(2):
         assert not session.saving()  # the step began: the stall timeout again
     hung = ot.span("checkpoint_save").start()

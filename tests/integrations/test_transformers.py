@@ -234,11 +234,12 @@ def test_an_evaluation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path)
     assert slow.stalls_inside(run_dir) == []
 
 
-@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+@pytest.mark.parametrize("strategy", ["steps", "epoch", "eval_then_save"])
 def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path, strategy: str) -> None:
     """The Trainer's save comes after `on_step_end` (or `on_epoch_end`), which knows it is due
-    (`control.should_save`): the watchdog then waits checkpoint_timeout_s, so a 1.5 s save under
-    stall_timeout_s=0.5 raises no stall event."""
+    (`control.should_save`), and after the evaluation due at the same step (`on_evaluate`): the
+    watchdog then waits checkpoint_timeout_s, so a 1.5 s save under stall_timeout_s=0.5 raises no
+    stall event."""
     model = tiny_causal_lm()
     save_pretrained = model.save_pretrained
     slow = SlowStretches()
@@ -254,7 +255,8 @@ def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: P
     by_epoch = strategy == "epoch"  # 2 epochs of 2 steps (8 rows, batch 2, accumulation 2)
     trainer = _trainer(
         tmp_path / "hf-out", callback, model=model, max_steps=-1 if by_epoch else 2, save_steps=1,
-        eval_strategy="no", save_strategy=strategy, num_train_epochs=2,
+        eval_strategy="steps" if strategy == "eval_then_save" else "no", eval_steps=1,
+        save_strategy="epoch" if by_epoch else "steps", num_train_epochs=2,
         dataset=TokenDataset(8) if by_epoch else None,
     )  # fmt: skip
     trainer.train()

@@ -265,13 +265,13 @@ class OtelTrainCallback(TrainerCallback):
         self._open = False
         adapters.end_step(tokens=tokens)
         self._mark_ns = perf_counter_ns()
-        if control.should_save:  # the Trainer saves before the next step (after its log and eval)
+        if _save_due(control):  # the Trainer saves before the next step (after its log and eval)
             adapters.saving_checkpoint()
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if control.should_save:  # save_strategy="epoch": the save follows
+        if _save_due(control):  # save_strategy="epoch": the save follows
             adapters.saving_checkpoint()
 
     # --- logs, eval, checkpoints -----------------------------------------------------------------
@@ -300,7 +300,7 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._close_mark("eval", state)
-        if control.should_save:  # the save follows the evaluation (whose batches ended `saving`)
+        if _save_due(control):  # the save follows the evaluation (whose batches ended `saving`)
             adapters.saving_checkpoint()
 
     def on_save(
@@ -442,3 +442,8 @@ def _precision(args: Any) -> str | None:
         if getattr(args, flag, None) is True:
             return flag
     return None
+
+
+def _save_due(control: TrainerControl | None) -> bool:
+    """Whether the Trainer saves a checkpoint next (OumiTrainer calls the hooks without a control)."""
+    return control is not None and bool(control.should_save)

@@ -70,9 +70,10 @@ def test_eval_batches_keep_the_stall_watchdog_quiet_until_they_stop(tmp_path: Pa
     ended = session.last_step()[1]
     evaluating = time.monotonic()
     while time.monotonic() - evaluating < 3.0:  # three stall timeouts of eval batches
+        before_batch = time.perf_counter()
         adapters.heartbeat()
         time.sleep(0.02)
-    assert session.last_step()[1] > ended + 2.5  # the watchdog counts from the latest batch
+    assert session.last_step()[1] >= before_batch > ended  # the watchdog counts from the latest batch
     assert list(session.run_dir.glob("stacks.*")) == []
     stall = wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 10, "stall")
     assert stall[0]["step"] == 0 and "no step or eval batch for" in stall[0]["message"]

@@ -262,6 +262,12 @@ HEALTH_EVENTS = _m(
     "mfu_over_100).",
     "health/{otel_train.event}", attributes=(EVENT,), essential=True,
 )  # fmt: skip
+STALL_DURATION = _m(
+    "train.stall.duration", S.OBSERVABLE_GAUGE, "s",
+    "How long this rank has had no step or eval batch, once past stall_timeout_s (checkpoint_timeout_s "
+    "during a checkpoint save); 0 while it progresses or idles on purpose. The stall alerts read it.",
+    "health/stall_duration", essential=True,
+)  # fmt: skip
 DROPPED = _m(
     "otel_train.dropped", S.COUNTER, "{value}",
     "Measurements otel_train dropped (bad value, bad or excess name, full queue, slow sink).",

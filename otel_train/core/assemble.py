@@ -280,12 +280,14 @@ def _hang_reporter(session: Session) -> HangReporter | None:
 
 
 def _attach_watchdog(session: Session) -> None:
+    from opentelemetry.metrics import Observation
+
     from otel_train.control import ControlFile
     from otel_train.diagnostics import HangWatchdog
 
     config, rank = session.config, session.identity.rank
     reporter = _hang_reporter(session)
-    session.watchdog = HangWatchdog(
+    watchdog = session.watchdog = HangWatchdog(
         session.run_dir,
         rank,
         session.events,
@@ -298,6 +300,8 @@ def _attach_watchdog(session: Session) -> None:
         saving=session.saving,
         checkpoint_timeout_s=config.checkpoint_timeout_s,
     )
+    # Read at each export, on the SDK's thread: it rises while the step thread hangs.
+    semconv.STALL_DURATION.create(session.meter, lambda options: [Observation(watchdog.stalled_s())])
     session.control = (
         ControlFile(session.run_dir, rank, session.events, session.identity.world_size, session.identity.role)
         if session.run_dir

@@ -228,13 +228,26 @@ class HangWatchdog:
         self._last_tick = now
         faulthandler.dump_traceback_later(self._backstop_s, repeat=False, file=self._raw_file, exit=False)
 
+    def stalled_s(self) -> float:
+        """How long this rank has had no step or eval batch, once that passes the stall timeout
+        (the checkpoint timeout during a save); 0 before the first step, while the rank progresses
+        or idles on purpose. The `train.stall.duration` gauge: the alert rules' stall signal."""
+        _, ended = self._last_step()
+        if ended is None:
+            return 0.0
+        idle = time.perf_counter() - ended
+        return idle if idle >= self._timeout_s(self._saving()) else 0.0
+
+    def _timeout_s(self, saving: bool) -> float:
+        return self._checkpoint_timeout_s if saving else self._stall_timeout_s
+
     def _check_stall(self) -> None:
         step, ended = self._last_step()
         if ended is None or ended == self._reported_for:
             return  # no step yet (start-up is not a stall), or this stall was reported
         idle = time.perf_counter() - ended
         saving = self._saving()
-        if idle < (self._checkpoint_timeout_s if saving else self._stall_timeout_s):
+        if idle < self._timeout_s(saving):
             return
         self._reported_for = ended
         what = f"no step or eval batch for {idle:.0f}s" + (" (in a checkpoint save)" if saving else "")

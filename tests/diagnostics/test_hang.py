@@ -10,15 +10,17 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.ports import free_port
 from helpers.waiting import wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 import otel_train as ot
-from otel_train import adapters
+from otel_train import adapters, semconv
 from otel_train.config import ConfigError
 from otel_train.testing import current_session
 
@@ -108,6 +110,47 @@ def test_a_checkpoint_save_has_its_own_timeout(tmp_path: Path) -> None:
     stall = wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 20, "stall")
     assert stall[0]["step"] == 2 and "(in a checkpoint save)" in stall[0]["message"]
     hung.stop()
+
+
+def _stalled_s(port: int) -> float:
+    """`train.stall.duration` as the rank's pull endpoint serves it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    name = semconv.STALL_DURATION.prometheus_name
+    values = [s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+    assert len(values) == 1, text
+    return values[0]
+
+
+def test_the_stall_gauge_follows_the_watchdogs_verdict(tmp_path: Path) -> None:
+    """What the alert rules read: 0 before the first step, through an evaluation's batches, during a
+    save shorter than checkpoint_timeout_s and while idle; the seconds since the last step or batch
+    once a stall (or a hung save) passes its timeout, back to 0 at the next step."""
+    port = free_port()
+    ot.init(run_name="gauge", stall_timeout_s=1.0, checkpoint_timeout_s=4.0, prometheus_port=port, verbosity=0,
+            hardware=False)  # fmt: skip
+    time.sleep(1.5)
+    assert _stalled_s(port) == 0.0  # start-up is no stall
+    with ot.step(0):
+        pass
+    evaluating = time.monotonic()
+    while time.monotonic() - evaluating < 2.5:  # an evaluation longer than the stall timeout
+        adapters.heartbeat()
+        time.sleep(0.02)
+    assert _stalled_s(port) == 0.0
+    assert wait_for(lambda: _stalled_s(port) >= 1.0, 10, "the hung evaluation's stall")
+    with ot.step(1):
+        pass
+    assert _stalled_s(port) == 0.0
+    with ot.span("checkpoint"):
+        time.sleep(2.0)  # twice the stall timeout, half the checkpoint timeout
+        assert _stalled_s(port) == 0.0
+        assert wait_for(lambda: _stalled_s(port) >= 4.0, 15, "the hung save's stall")
+    with ot.step(2):
+        pass
+    adapters.idle()
+    time.sleep(1.5)
+    assert _stalled_s(port) == 0.0  # a pause on purpose
 
 
 def test_no_stall_before_the_first_step(tmp_path: Path) -> None:

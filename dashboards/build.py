@@ -1015,6 +1015,14 @@ def health() -> DashboardDef:
                         T(agg("sum", _R, rate(sc.STEPS)), _lg(RANK)),
                         unit="short",
                     ),
+                    ts(
+                        "Stalled for, by rank (0 = progressing, evaluating, saving or paused)",
+                        T(agg("max", _R, selector(sc.STALL_DURATION)), _lg(RANK)),
+                        unit="s",
+                        thresholds=((None, "green"), (1.0, "red")),
+                        description="The rank's watchdog: no step or eval batch for stall_timeout_s "
+                        "(checkpoint_timeout_s in a save). TrainingRankStalled and TrainingStalled read it.",
+                    ),
                 ),
             ),
             (

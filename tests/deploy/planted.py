@@ -5,7 +5,8 @@
   divergence  rank 3 nudges a weight outside DDP once: its replica drifts from the others
   GPU         rank 0's (fake NVML) GPU runs hot, thermally throttled, 97 % full, with ECC errors
               that keep coming
-  stall       after training every rank stays alive but stops stepping (a whole-run stall)
+  stall       after training every rank stays alive but stops stepping (a whole-run stall: each
+              rank's watchdog judges it after stall_timeout_s)
 
 Every rank runs the same loop as tests/deploy/test_stack_e2e.py's (four timed phases, loss, lr,
 grad norm, eval metrics, ot.watch with activations and a GradScaler), so every dashboard panel has
@@ -79,7 +80,7 @@ def planted_rank(rank: int, world: int, out_dir: str, seconds: float, stall_s: f
     ot.init(
         **export, run_id=run_id, output_dir=out_dir, verbosity=0, log_interval=2, total_steps=100_000,
         collective_timeout_s=5.0, peak_flops=1e12, flops_per_token=1e6, hardware_interval_s=1.0,
-        rank_series=tier,
+        rank_series=tier, stall_timeout_s=5.0,  # the stall alerts read the watchdog's verdict
     )  # fmt: skip
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     scaler = torch.amp.GradScaler("cpu")

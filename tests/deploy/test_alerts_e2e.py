@@ -1,11 +1,14 @@
 """End to end: fake rank endpoints -> real Prometheus (the alert pack, windows 30x shorter) -> real Alertmanager.
 
-Three fake 4-rank runs serve pull endpoints with prometheus_client on 127.0.0.1 (one endpoint per
+Five fake runs serve pull endpoints with prometheus_client on 127.0.0.1 (one endpoint per
 rank, series named from otel_train.semconv as the in-process exporter names them):
   run "slow":     rank 3 arrives late (relative straggler score 0.6) while, as under DDP, the ranks
                   that wait for it have the longer phase times   -> TrainingStraggler for rank 3 only
   run "balanced": every rank alike                                  -> no alert at all
-  run "frozen":   rank 1's steps counter stops after a few seconds  -> TrainingRankStalled for rank 1
+  run "frozen":   rank 1's steps counter stops after a few seconds and, a stall timeout later, its
+                  watchdog's train.stall.duration rises                 -> TrainingRankStalled for rank 1
+  run "eval":     every rank stops stepping to evaluate; their eval batches keep train.stall.duration
+                  at 0                                                  -> no alert at all
   run "hung":     both ranks stop in a collective: train.collective.last_seconds rises on each
                   (100 s per second: its threshold is a value, not a window)
                                                                     -> TrainingCollectiveHang for both
@@ -29,6 +32,7 @@ from otel_train import semconv
 RULES_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules"
 LABELS = ["run_id", "rank", "local_rank", "host_name", "otel_scope_name"]
 TICK_S = 0.1  # one fake step per tick on every rank
+STALL_TIMEOUT_S = 1.0  # the fake ranks' stall_timeout_s
 
 
 @dataclass
@@ -39,6 +43,7 @@ class FakeRank:
     freeze_after_s: float | None = None
     score: float = 1.0  # relative straggler score, as the in-process detector exports it
     hang_after_s: float | None = None  # then stuck in a collective: no steps, last_seconds rising
+    heartbeats: bool = False  # no steps after freeze_after_s, but eval batches: never stalled
     port: int = field(default_factory=free_port)
 
     def __post_init__(self) -> None:
@@ -76,9 +81,16 @@ class FakeRank:
         self.last_collective = Gauge(
             semconv.COLLECTIVE_LAST.prometheus_name, "last", LABELS, registry=self.registry
         ).labels(**labels)
+        self.stalled = Gauge(
+            semconv.STALL_DURATION.prometheus_name, "stalled", LABELS, registry=self.registry
+        ).labels(**labels)
         self.server, self.thread = start_http_server(self.port, addr="127.0.0.1", registry=self.registry)
 
     def tick(self, elapsed_s: float) -> None:
+        stopped = min(x for x in (self.hang_after_s, self.freeze_after_s, float("inf")) if x is not None)
+        idle_s = elapsed_s - stopped
+        # the in-process watchdog's verdict, as the library exports it
+        self.stalled.set(idle_s if idle_s >= STALL_TIMEOUT_S and not self.heartbeats else 0.0)
         if self.hang_after_s is not None and elapsed_s > self.hang_after_s:
             self.last_collective.set((elapsed_s - self.hang_after_s) * 100)
             return
@@ -102,6 +114,7 @@ def fake_ranks() -> Iterator[list[FakeRank]]:
     ranks += [FakeRank("balanced", r, 0.1) for r in range(4)]
     ranks += [FakeRank("frozen", r, 0.1, freeze_after_s=3.0 if r == 1 else None) for r in range(4)]
     ranks += [FakeRank("hung", r, 0.1, hang_after_s=3.0) for r in range(2)]
+    ranks += [FakeRank("eval", r, 0.1, freeze_after_s=3.0, heartbeats=True) for r in range(2)]
     stop = threading.Event()
     start = time.monotonic()
 
@@ -129,6 +142,7 @@ def _firing(am, **labels: str) -> list[dict]:
 def test_straggler_and_rank_stall_reach_alertmanager(fake_ranks: list[FakeRank], tmp_path: Path) -> None:
     rules = shorten_rules(sorted(RULES_DIR.glob("*.yml")), tmp_path, for_="5s", scale=30)
     targets = [f"127.0.0.1:{f.port}" for f in fake_ranks]
+    started = time.monotonic()
     with alertmanager() as am, prometheus(targets=targets, rule_files=rules, alertmanager_url=am.url) as prom:
         wait_until(lambda: prom.targets_up() == len(targets), timeout=20, what="all fake ranks scraped")
 
@@ -154,6 +168,10 @@ def test_straggler_and_rank_stall_reach_alertmanager(fake_ranks: list[FakeRank],
         # the balanced run: nothing at all, not even pending; no straggler in the other runs
         assert not prom.alerts(run_id="balanced")
         assert not _firing(am, run_id="balanced")
+        # the evaluating run: nothing, long after a stall would have fired (stop, window, `for:`)
+        time.sleep(max(0.0, 3.0 + 10.0 + 5.0 + 5.0 - (time.monotonic() - started)))
+        assert not prom.alerts(run_id="eval")
+        assert not _firing(am, run_id="eval")
         assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStraggler")} == {"slow"}
         assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStalled")} <= {"hung"}
 

@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, s
     ot.init(
         prometheus_port=0 if push else base_port, run_id=run_id, output_dir=out_dir, verbosity=0,
         log_interval=2, total_steps=100_000, collective_timeout_s=5.0, peak_flops=1e12,
-        flops_per_token=1e6, hardware_interval_s=1.0, **push,
+        flops_per_token=1e6, hardware_interval_s=1.0, stall_timeout_s=3.0, **push,
     )  # fmt: skip
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     scaler = torch.amp.GradScaler("cpu")  # feeds the mixed-precision panels

@@ -5,8 +5,10 @@
   divergence  rank 3 nudges a weight outside DDP once: its replica drifts from the others
   GPU         rank 0's (fake NVML) GPU runs hot, thermally throttled, 97 % full, with ECC errors
               that keep coming
-  stall       after training every rank stays alive but stops stepping (a whole-run stall: each
-              rank's watchdog judges it after stall_timeout_s)
+  eval        (with eval_s) after training every rank evaluates, its batches calling
+              adapters.heartbeat(), for longer than the stall alert's window: no stall alert
+  stall       then every rank stays alive but stops stepping (a whole-run stall: each rank's
+              watchdog judges it after stall_timeout_s)
 
 Every rank runs the same loop as tests/deploy/test_stack_e2e.py's (four timed phases, loss, lr,
 grad norm, eval metrics, ot.watch with activations and a GradScaler), so every dashboard panel has
@@ -15,8 +17,10 @@ its data, with `rank_series` as the test asks.
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from helpers.dashboard_queries import assert_all_queries_return_data, query_failures
@@ -60,8 +64,9 @@ def _fake_gpus(world: int) -> Any:
 
 
 def planted_rank(rank: int, world: int, out_dir: str, seconds: float, stall_s: float, run_id: str,
-                 tier: str, otlp_metrics_url: str = "", base_port: int = 0) -> int:  # fmt: skip
-    """One rank: pushes OTLP to `otlp_metrics_url`, or serves its pull endpoint on base_port + rank."""
+                 tier: str, otlp_metrics_url: str = "", base_port: int = 0, eval_s: float = 0.0) -> int:  # fmt: skip
+    """One rank: pushes OTLP to `otlp_metrics_url`, or serves its pull endpoint on base_port + rank.
+    With `eval_s`, the wall time its evaluation ended is in `<out_dir>/eval_end.rank<k>`."""
     import os
     import sys
 
@@ -71,6 +76,7 @@ def planted_rank(rank: int, world: int, out_dir: str, seconds: float, stall_s: f
     import torch.distributed as dist
 
     import otel_train as ot
+    from otel_train import adapters
 
     export: dict[str, Any] = (
         {"otlp_metrics_endpoint": otlp_metrics_url, "metric_export_interval_s": 1.0, "prometheus_port": 0}
@@ -118,17 +124,30 @@ def planted_rank(rank: int, world: int, out_dir: str, seconds: float, stall_s: f
         step += 1
         if done.item() > 0:
             break
+    if eval_s:
+        evaluating = time.monotonic()
+        while time.monotonic() - evaluating < eval_s:
+            adapters.heartbeat()  # an eval batch, as the framework integrations report them
+            time.sleep(0.05)
+        Path(out_dir, f"eval_end.rank{rank}").write_text(str(time.time()))
     time.sleep(stall_s)  # alive and exporting, no step: the whole run stalls
     ot.shutdown()
     return step
 
 
-def collect_alerts(am: Any, until: float, seen: dict[str, set[str | None]]) -> None:
+def collect_alerts(
+    am: Any, until: float, seen: dict[str, set[str | None]], fired_at: dict[str, float] | None = None
+) -> None:
     """Every alert Alertmanager has held so far, by name, with the ranks it named (alerts without
-    `for:` resolve again within their short window, so they are gathered as they come)."""
+    `for:` resolve again within their short window, so they are gathered as they come); in
+    `fired_at`, the earliest time (Unix seconds) each alert name began firing."""
     while time.monotonic() < until and not all(name in seen for name in EXPECTED):
         for alert in am.alerts():
-            seen.setdefault(alert["labels"]["alertname"], set()).add(alert["labels"].get("rank"))
+            name = alert["labels"]["alertname"]
+            seen.setdefault(name, set()).add(alert["labels"].get("rank"))
+            if fired_at is not None:
+                began = datetime.datetime.fromisoformat(alert["startsAt"]).timestamp()
+                fired_at[name] = min(fired_at.get(name, began), began)
         time.sleep(0.5)
 
 

@@ -128,30 +128,37 @@ def test_every_planted_fault_pages_in_the_essential_tier_and_dashboards_have_dat
     base = _free_base_port(WORLD)
     targets = [f"127.0.0.1:{base + r}" for r in range(WORLD)]
     rules = shorten_rules(sorted(RULES_DIR.glob("*.yml")), tmp_path / "rules", for_="5s", scale=30)
-    train_s, stall_s = 30.0, 28.0
-    args = (str(tmp_path), train_s, stall_s, "planted", TIER_ESSENTIAL, "", base)
+    # The evaluation outlasts what TrainingStalled needs on steps alone (the stall timeout, the 10 s
+    # window, `for:`): only the ranks' eval batches keep it quiet.
+    train_s, eval_s, stall_s = 30.0, 24.0, 28.0
+    args = (str(tmp_path), train_s, stall_s, "planted", TIER_ESSENTIAL, "", base, eval_s)
     results: list[int] = []
     errors: list[BaseException] = []
 
     def train() -> None:
         try:
             env = {"LOCAL_WORLD_SIZE": str(WORLD), "TORCH_FR_BUFFER_SIZE": "2000"}
-            results.extend(run_ranks(WORLD, planted_rank, args, timeout=train_s + stall_s + 90, env=env))
+            timeout = train_s + eval_s + stall_s + 90
+            results.extend(run_ranks(WORLD, planted_rank, args, timeout=timeout, env=env))
         except BaseException as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=train)
     seen: dict[str, set[str | None]] = {}
+    fired_at: dict[str, float] = {}
     with alertmanager() as am, prometheus(targets=targets, rule_files=rules, alertmanager_url=am.url) as prom:
         thread.start()
         try:
-            collect_alerts(am, time.monotonic() + train_s + stall_s + 30, seen)
+            collect_alerts(am, time.monotonic() + train_s + eval_s + stall_s + 30, seen, fired_at)
             check_alerts(seen, prom.log())
             check_dashboards(prom.url, TIER_ESSENTIAL, "planted")
         finally:
             thread.join()
     assert not errors, errors
     assert min(results) > 50  # it trained
+    eval_ends = [float(p.read_text()) for p in tmp_path.glob("eval_end.rank*")]
+    assert len(eval_ends) == WORLD
+    assert fired_at["TrainingStalled"] > max(eval_ends), "the stall alert fired during the evaluation"
 
 
 def test_balanced_run_fires_no_straggler_alert(tmp_path) -> None:

@@ -54,10 +54,11 @@ def idle() -> None:
 
 
 def heartbeat() -> None:
-    """The loop makes progress outside a training step (an eval, test or predict batch): the stall
-    watchdog (`stall_timeout_s`) counts from now, so a long evaluation is no `stall`, and one that
-    hangs still is. Call it once per batch; one clock read. A no-op before `init()` and while the
-    run idles (`idle()`)."""
+    """The loop makes progress that is no step's end (an eval, test or predict batch; a micro-batch
+    of a step that accumulates gradients): the stall watchdog (`stall_timeout_s`) counts from now,
+    so a long evaluation or a long step of many micro-batches is no `stall`, and one that hangs
+    still is. Call it once per batch; one clock read. A no-op before `init()` and while the run
+    idles (`idle()`)."""
     session = current()
     if session is not None:
         session.progress_ns = perf_counter_ns()

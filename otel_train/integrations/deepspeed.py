@@ -180,6 +180,7 @@ class _Adapter:
 
     def _step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not self.engine.is_gradient_accumulation_boundary():
+            adapters.heartbeat()  # a micro-batch of the step: a long step is no stall
             return original(*args, **kwargs)
         try:
             with ot.timer("optimizer"):

@@ -440,6 +440,7 @@ class OtelTrainCallback(Callback):
     ) -> None:
         if self._step is None or trainer.global_step == self._step_global:
             self._mark_ns = perf_counter_ns()
+            adapters.heartbeat()  # a long step of many micro-batches is no stall
             return  # a micro-batch that accumulated gradients: the step goes on
         self._end_phase("optimizer")
         self._forward_logged(trainer, None)  # this step's values (the trainer computes them now)

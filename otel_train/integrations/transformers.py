@@ -231,6 +231,11 @@ class OtelTrainCallback(TrainerCallback):
         else:
             ot.timer("data").start(at_ns=start).stop()
 
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        adapters.heartbeat()  # a micro-batch of a step that accumulates: a long step is no stall
+
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

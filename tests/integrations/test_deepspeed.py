@@ -154,6 +154,7 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
         inner.state[extra] = {"exp_avg": torch.zeros(MODEL_NUMEL), "exp_avg_sq": torch.zeros(MODEL_NUMEL)}
     gen = torch.Generator().manual_seed(rank)
     progress_after_eval = False
+    micro_batch_heartbeats = 0  # engine.step() calls inside a step that told the watchdog so
     for i in range(steps * GAS):
         if case.get("eval_batches") and i == steps // 2 * GAS:  # an evaluation mid-training
             engine.eval()
@@ -170,7 +171,10 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
             loss.backward()
         else:
             engine.backward(loss)
+        before = session.progress_ns
+        inside_step = not engine.is_gradient_accumulation_boundary()
         engine.step()
+        micro_batch_heartbeats += inside_step and session.progress_ns > before
     time.sleep(0.5)  # the last aligned flush's exchange
     ot.shutdown()
     # What the engine holds on this rank (ground truth for the exported gauges)
@@ -201,6 +205,7 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
         "steps": seen.steps,
         "events": events,
         "progress_after_eval": progress_after_eval,
+        "micro_batch_heartbeats": micro_batch_heartbeats,
         "partition": partition,
         "shard": shard,
         "state": state,
@@ -246,6 +251,8 @@ def _check_steps(results: list[dict[str, Any]], steps: int) -> None:
         assert res["counts"]["forward"] == steps * GAS, rank
         assert res["counts"]["backward"] == steps * GAS, rank
         assert res["counts"]["optimizer"] == steps, rank  # the accumulation boundary only
+        # a micro-batch inside a step tells the stall watchdog the loop is alive: a long step is no stall
+        assert res["micro_batch_heartbeats"] == steps * (GAS - 1), rank
         assert res["samples"] == steps * GAS * MICRO
         assert res["arrivals"].get("forward", 0) == steps * GAS
 

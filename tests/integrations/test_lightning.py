@@ -499,6 +499,33 @@ def test_a_validation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) 
     assert slow.stalls_inside(run_dir) == []
 
 
+def test_a_step_that_accumulates_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
+    """Each micro-batch of a step that accumulates gradients tells the stall watchdog the loop is
+    alive (the callback's `on_train_batch_end`): steps of 4 micro-batches of 0.3 s under
+    stall_timeout_s=1 raise no stall event."""
+    from otel_train.integrations.lightning import OtelTrainCallback
+
+    slow = SlowStretches()
+
+    class SlowMicroBatches(TinyRegression):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            slow.sleep(0.3)
+            return super().training_step(batch, batch_idx)
+
+    logger = _quiet(run_name="accumulating", stall_timeout_s=1.0)
+    trainer = Trainer(
+        logger=logger, callbacks=[OtelTrainCallback()], max_steps=2, accumulate_grad_batches=4,
+        limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(SlowMicroBatches(), _loader(64))
+    ot.shutdown()
+    run_dir = tmp_path / "runs" / "accumulating"
+    assert _total(_rows(run_dir), "train/steps") == 2
+    assert len(slow.spans) == 8  # 2 steps of 4 micro-batches, each step longer than the timeout
+    assert slow.stalls_inside(run_dir) == []
+
+
 def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
     """The callback's `on_save_checkpoint` comes before the file is written: the watchdog then
     waits checkpoint_timeout_s, so saves of 1.5 s under stall_timeout_s=0.5 raise no stall."""

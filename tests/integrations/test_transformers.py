@@ -234,6 +234,32 @@ def test_an_evaluation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path)
     assert slow.stalls_inside(run_dir) == []
 
 
+def test_a_step_that_accumulates_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
+    """Each micro-batch of a step that accumulates gradients (`on_substep_end`) tells the stall
+    watchdog the loop is alive: steps of 4 micro-batches of 0.3 s under stall_timeout_s=1 raise no
+    stall event."""
+    model = tiny_causal_lm()
+    slow = SlowStretches()
+
+    def slow_micro_batch(module: Any, inputs: Any, output: Any) -> None:
+        if module.training:
+            slow.sleep(0.3)
+
+    model.register_forward_hook(slow_micro_batch)
+    callback = OtelTrainCallback(
+        run_name="accumulating", verbosity=0, hardware=False, prometheus_port=0, stall_timeout_s=1.0
+    )
+    trainer = _trainer(
+        tmp_path / "hf-out", callback, model=model, max_steps=2, gradient_accumulation_steps=4,
+        eval_strategy="no", save_strategy="no",
+    )  # fmt: skip
+    trainer.train()
+    run_dir = tmp_path / "runs" / "accumulating"
+    assert sum(r.get("train/steps", 0) for r in _rows(run_dir)) == 2
+    assert len(slow.spans) == 8  # 2 steps of 4 micro-batches, each longer than the timeout
+    assert slow.stalls_inside(run_dir) == []
+
+
 @pytest.mark.parametrize("strategy", ["steps", "epoch", "eval_then_save"])
 def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path, strategy: str) -> None:
     """The Trainer's save comes after `on_step_end` (or `on_epoch_end`), which knows it is due

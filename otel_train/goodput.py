@@ -87,22 +87,28 @@ class StepClock:
         self.startup_span_ns = 0  # eval/checkpoint spans before the first step (not startup)
         self.stall_ns = 0
         self.nested_badput_ns = 0  # eval/checkpoint spans inside steps (not productive)
-        self.span_ns: dict[str, int] = {}  # per cause, all eval/checkpoint spans
+        self.span_ns: dict[str, int] = {}  # per cause: all eval/checkpoint spans, gaps of eval batches
         self.rerun_through = -1  # the last step of the previous processes (-1: none); set by the listener
         # spans between two steps (not stall time): their total, and the end of the step before them
         self.gap_span_ns = 0
         self.gap_after_ns: int | None = None
         self.stall_gap_ns = int(stall_timeout_s * 1e9)
 
-    def note_gap(self, start_ns: int, previous_end_ns: int | None) -> None:
+    def note_gap(self, start_ns: int, previous_end_ns: int | None, progress_ns: int = 0) -> None:
         """The first step starts (`previous_end_ns` None), or a step starts at `start_ns` more than
-        stall_timeout_s after the last one ended: that gap is stall time, less the spans in it."""
+        stall_timeout_s after the last one ended: that gap, less the spans in it, is stall time, or
+        eval time when eval batches ran in it (`progress_ns`: the latest `adapters.heartbeat()`, as
+        DeepSpeed's eval forwards and a loop's own evaluation without an `ot.span("eval")` call it)."""
         if previous_end_ns is None:
             self.first_step_start_ns = start_ns
             return
         spans = self.gap_span_ns if self.gap_after_ns == previous_end_ns else 0
         stalled = start_ns - previous_end_ns - spans
-        if stalled > self.stall_gap_ns:
+        if stalled <= self.stall_gap_ns:
+            return
+        if progress_ns > previous_end_ns:
+            self.span_ns["eval"] = self.span_ns.get("eval", 0) + stalled
+        else:
             self.stall_ns += stalled
 
     def note_span(self, name: str, duration_ns: int, in_step: bool, last_step_end_ns: int | None) -> None:

@@ -15,6 +15,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.core.buffer import Interval
 from otel_train.goodput import CAUSES, GoodputListener, StepClock, span_cause
 from otel_train.testing import current_session
@@ -72,6 +73,33 @@ def test_account_of_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     )  # 6 x 50 ms of step work (the nested eval excluded)
     progress = (session.run_dir / "progress.txt").read_text()
     assert "end of process | goodput" in progress and "stall" in progress
+
+
+def test_a_gap_of_eval_batches_is_eval_time_not_a_stall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation between steps that opens no span but whose batches call `adapters.heartbeat()`
+    (DeepSpeed's eval forwards, a loop's own evaluation) is eval badput; a gap without a batch that
+    follows is still a stall."""
+    ot.init(run_name="gp-eval-batches", stall_timeout_s=0.3, prometheus_port=0, verbosity=0, hardware=False)
+    session = current_session()
+    clock = FakeTime().install(session, monkeypatch)
+    monkeypatch.setattr(adapters, "perf_counter_ns", lambda: clock.perf_ns)
+    with ot.step(0):
+        clock.advance(0.05)
+    for _ in range(4):  # 0.8 s of eval batches
+        clock.advance(0.2)
+        adapters.heartbeat()
+    with ot.step(1):
+        clock.advance(0.05)
+    clock.advance(0.5)  # no batch at all
+    with ot.step(2):
+        clock.advance(0.05)
+    ot.shutdown()
+    account = _account(session.run_dir)
+    _assert_sums_to_wall(account)
+    assert account["eval"] == pytest.approx(0.8, abs=1e-6)
+    assert account["stall"] == pytest.approx(0.5, abs=1e-6)
 
 
 _DEMO = [sys.executable, "-m", "examples.demo", "--steps", "12", "--batch-size", "4",

@@ -16,6 +16,7 @@ import operator
 import os
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -345,36 +346,57 @@ def dumps_line(row: Mapping[str, Any]) -> bytes:
     return (json.dumps(row, default=json_default) + "\n").encode("utf-8")
 
 
+CLOSE_WAIT_S = 1.0  # how long a close waits for a line in flight on another thread
+
+
 class LineFile:
-    """An append-only file written a whole line at a time (unbuffered, one os.write per line)."""
+    """An append-only file written a whole line at a time (unbuffered, one os.write per line).
+
+    A close waits for a line another thread is writing (the shutdown closes the sinks while a
+    worker it gave up on may still write): closed under it, the descriptor number could go to the
+    next file the program opens, and the line, or the cut-back of a failed one, into that file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._size = os.fstat(self._fd).st_size
+        self._lock = threading.Lock()
 
     def write_line(self, data: bytes) -> None:
         """Append `data` (one line); on any error the file is cut back to its previous end and an
-        OSError naming the file is raised."""
-        try:
-            view = memoryview(data)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, self._size)  # no torn last line
-            raise OSError(exc.errno, f"{exc.strerror or exc}; line not written", str(self.path)) from None
-        self._size += len(data)
+        OSError naming the file is raised (also after `close`)."""
+        with self._lock:
+            fd = self._fd
+            try:
+                if fd < 0:
+                    raise OSError(errno.EBADF, "closed")
+                view = memoryview(data)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+            except OSError as exc:
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, self._size)  # no torn last line
+                raise OSError(exc.errno, f"{exc.strerror or exc}; line not written", str(self.path)) from None
+            self._size += len(data)
 
     def close(self, fsync: bool = True) -> None:
-        if self._fd < 0:
+        if not self._lock.acquire(timeout=CLOSE_WAIT_S):
+            # A write is stuck (a hung file system): its descriptor stays open, so no other file
+            # can take its number, and no later line is written.
+            self._fd = -1
             return
-        if fsync:
-            with contextlib.suppress(OSError):
-                os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
+        try:
+            if self._fd < 0:
+                return
+            if fsync:
+                with contextlib.suppress(OSError):
+                    os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+        finally:
+            self._lock.release()
 
 
 def append_line(path: Path, row: Mapping[str, Any]) -> None:

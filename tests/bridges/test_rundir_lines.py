@@ -1,0 +1,79 @@
+"""The run directory's line files: a close never leaves a line in flight on another thread with a
+descriptor number a file opened next may take (the shutdown closes the sinks while a worker it gave
+up on may still be writing)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from otel_train import run_directory
+from otel_train.run_directory import LineFile
+
+
+def test_a_close_waits_for_the_line_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    metrics = LineFile(tmp_path / "metrics.rank0.jsonl")
+    writing, release = threading.Event(), threading.Event()
+    real_write = os.write
+
+    def slow_write(fd: int, data: bytes) -> int:  # the worker, with the descriptor number in hand
+        if threading.current_thread().name == "worker":
+            writing.set()
+            release.wait(10)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(run_directory.os, "write", slow_write)
+    worker = threading.Thread(target=metrics.write_line, args=(b'{"step": 7}\n',), name="worker")
+    worker.start()
+    assert writing.wait(10)
+    threading.Timer(0.3, release.set).start()
+    metrics.close()  # the shutdown's: the worker's line is still in flight
+    user_file = tmp_path / "checkpoint.bin"  # what the program opens next may take the number
+    fd = os.open(user_file, os.O_WRONLY | os.O_CREAT, 0o644)
+    release.set()
+    worker.join(10)
+    os.close(fd)
+    assert user_file.read_bytes() == b""
+    assert (tmp_path / "metrics.rank0.jsonl").read_bytes() == b'{"step": 7}\n'
+
+
+def test_a_line_after_the_close_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    metrics = LineFile(tmp_path / "metrics.rank0.jsonl")
+    metrics.close()
+    with pytest.raises(OSError, match=r"metrics\.rank0\.jsonl"):
+        metrics.write_line(b"{}\n")
+
+
+def test_a_write_stuck_past_the_wait_keeps_its_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung file system: the close gives up waiting, and the stuck line's descriptor stays open,
+    so a file opened next gets another number and the line, when it goes, goes to its own file."""
+    metrics = LineFile(tmp_path / "metrics.rank0.jsonl")
+    writing, release = threading.Event(), threading.Event()
+    real_write = os.write
+
+    def stuck_write(fd: int, data: bytes) -> int:
+        if threading.current_thread().name == "worker":
+            writing.set()
+            release.wait(10)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(run_directory.os, "write", stuck_write)
+    monkeypatch.setattr(run_directory, "CLOSE_WAIT_S", 0.1)
+    worker = threading.Thread(target=metrics.write_line, args=(b'{"step": 7}\n',), name="worker")
+    worker.start()
+    assert writing.wait(10)
+    metrics.close()  # returns while the line is still stuck
+    user_file = tmp_path / "checkpoint.bin"
+    fd = os.open(user_file, os.O_WRONLY | os.O_CREAT, 0o644)
+    release.set()
+    worker.join(10)
+    os.close(fd)
+    assert user_file.read_bytes() == b""
+    assert (tmp_path / "metrics.rank0.jsonl").read_bytes() == b'{"step": 7}\n'
+    with pytest.raises(OSError, match=r"metrics\.rank0\.jsonl"):
+        metrics.write_line(b"{}\n")

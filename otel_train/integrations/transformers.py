@@ -87,6 +87,8 @@ class OtelTrainCallback(TrainerCallback):
         self._world = 1
         self._data_ready_ns = [0]  # when the wrapped get_batch_samples last got a micro-batch
         self._batches: list[Any] = [None]  # the next step's first micro-batch (get_batch_samples)
+        self._batch_tokens = [0]  # the next step's input tokens, from its micro-batches' shapes
+        self._trainer_counts_tokens = False  # include_num_input_tokens_seen: the Trainer's count
 
     # --- lifecycle -----------------------------------------------------------------------------
     def on_init_end(
@@ -144,7 +146,11 @@ class OtelTrainCallback(TrainerCallback):
             trainer.train = _ending_on_error(trainer.train, self)
         if not getattr(trainer.get_batch_samples, _WRAPPED, False):
             trainer.get_batch_samples = _stamping_batches(
-                trainer.get_batch_samples, self._data_ready_ns, self._batches
+                trainer.get_batch_samples,
+                self._data_ready_ns,
+                self._batches,
+                self._batch_tokens,
+                getattr(trainer.model, "main_input_name", None) or "input_ids",
             )
 
     def _start(self, args: Any, state: TrainerState | None, model: Any) -> None:
@@ -169,6 +175,10 @@ class OtelTrainCallback(TrainerCallback):
             if params:
                 ot.log_hyperparams(params)
         self._tokens_seen = state.num_input_tokens_seen if state is not None else 0
+        self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in (
+            "no",
+            False,
+        )
         self._steps = 0
         if self._watch_every > 0 and model is not None:
             # ZeRO leaves p.grad None after backward by design: parameter statistics only (the
@@ -262,8 +272,9 @@ class OtelTrainCallback(TrainerCallback):
         self._steps += 1
         if not self._open:
             return
-        tokens = None
-        if state is not None:
+        tokens = self._batch_tokens[0] or None  # this rank's, as the Trainer's "all" counts them
+        self._batch_tokens[0] = 0
+        if state is not None and self._trainer_counts_tokens:  # the Trainer's count (non_padding, say)
             job_tokens = max(state.num_input_tokens_seen - self._tokens_seen, 0)
             tokens = rank_share(job_tokens, self._rank, self._world) or None
             self._tokens_seen = state.num_input_tokens_seen
@@ -405,10 +416,16 @@ def _calling_trainer(callback: OtelTrainCallback) -> Any:
 
 
 def _stamping_batches(
-    get_batch_samples: Callable[..., Any], stamp: list[int], first: list[Any]
+    get_batch_samples: Callable[..., Any],
+    stamp: list[int],
+    first: list[Any],
+    tokens: list[int],
+    input_name: str,
 ) -> Callable[..., Any]:
-    """`trainer.get_batch_samples`, noting in `stamp[0]` when each micro-batch left the iterator
-    and in `first[0]` the step's first micro-batch (a reference: nothing is copied)."""
+    """`trainer.get_batch_samples`, noting in `stamp[0]` when each micro-batch left the iterator,
+    in `first[0]` the step's first micro-batch (a reference: nothing is copied) and in `tokens[0]`
+    the elements of its micro-batches' `input_name` tensors (the Trainer's own count with
+    include_num_input_tokens_seen="all": a shape, no device read)."""
 
     def stamped(epoch_iterator: Any) -> Iterator[Any]:
         for item in epoch_iterator:  # pulls one item per next(): none is taken ahead
@@ -420,10 +437,19 @@ def _stamping_batches(
         result = get_batch_samples(stamped(epoch_iterator), *args, **kwargs)
         samples = result[0] if isinstance(result, tuple) and result else None
         first[0] = samples[0] if isinstance(samples, list) and samples else None
+        if isinstance(samples, list):
+            tokens[0] = sum(_elements(batch, input_name) for batch in samples)
         return result
 
     setattr(wrapper, _WRAPPED, True)
     return wrapper
+
+
+def _elements(batch: Any, name: str) -> int:
+    """The number of elements of `batch[name]`, a tensor (0 when there is none)."""
+    value = batch.get(name) if isinstance(batch, Mapping) else None
+    numel = getattr(value, "numel", None)
+    return int(numel()) if callable(numel) else 0
 
 
 def _ending_on_error(train: Callable[..., Any], callback: OtelTrainCallback) -> Callable[..., Any]:

@@ -234,6 +234,26 @@ def test_an_evaluation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path)
     assert slow.stalls_inside(run_dir) == []
 
 
+def test_tokens_are_counted_when_the_trainer_does_not_count_them(tmp_path: Path) -> None:
+    """The Trainer counts input tokens only with include_num_input_tokens_seen (its default is
+    "no"); without it the callback counts them as the Trainer's "all" would, from the shapes of
+    each step's micro-batches (no device read): tokens/s from the first run."""
+    callback = OtelTrainCallback(run_name="tokens", verbosity=0, hardware=False, prometheus_port=0)
+    trainer = _trainer(
+        tmp_path / "hf-out",
+        callback,
+        include_num_input_tokens_seen="no",
+        eval_strategy="no",
+        save_strategy="no",
+    )
+    trainer.train()
+    assert trainer.state.num_input_tokens_seen == 0  # the Trainer counted none
+    rows = _rows(tmp_path / "runs" / "tokens")
+    # 2 rows of 16 tokens per micro-batch, GRAD_ACCUM micro-batches per step
+    assert sum(r.get("throughput/tokens", 0) for r in rows) == MAX_STEPS * GRAD_ACCUM * 2 * 16
+    assert any(r.get("throughput/tokens_per_s", 0) > 0 for r in rows)
+
+
 def test_a_step_that_accumulates_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
     """Each micro-batch of a step that accumulates gradients (`on_substep_end`) tells the stall
     watchdog the loop is alive: steps of 4 micro-batches of 0.3 s under stall_timeout_s=1 raise no

@@ -14,6 +14,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from trl.extras.profiling import ProfilingContext
 
 import otel_train as ot
+from otel_train import adapters
 from otel_train.integrations._common import settings_from_kwargs
 from otel_train.integrations.transformers import OtelTrainCallback
 
@@ -60,6 +61,7 @@ def enable_profiling(reward_names: Iterable[str] = ()) -> None:
         timer = self.__dict__.pop(_TIMER_ATTR, None)
         if timer is not None:
             timer.stop(exc_type)
+        adapters.heartbeat()  # a block of the step done: a step of many (GRPO's) is no stall
         return exit_(self, exc_type, exc, tb)
 
     _original = (enter, exit_)

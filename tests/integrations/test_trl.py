@@ -21,6 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.extras.profiling import ProfilingContext
 
+import otel_train as ot
 from otel_train.integrations import trl as ot_trl
 from otel_train.testing import current_session
 
@@ -123,6 +124,23 @@ def test_profiling_patch_is_explicit_and_reversible() -> None:
     ot_trl.disable_profiling()
     ot_trl.disable_profiling()
     assert (ProfilingContext.__enter__, ProfilingContext.__exit__) == (enter, exit_)
+
+
+def test_each_profiled_block_tells_the_stall_watchdog_the_step_goes_on(tmp_path: Path) -> None:
+    """A GRPO step is generation, rewards, log-probs and loss blocks: each one's end is progress,
+    so a step of many blocks longer than stall_timeout_s is no stall."""
+    ot.init(**_settings(tmp_path, "blocks"), stall_timeout_s=1.0)
+    session = current_session()
+    ot_trl.enable_profiling()
+    try:
+        with ot.step(0):
+            before = session.progress_ns
+            with ProfilingContext("GRPOTrainer._calculate_rewards", report_to=[]):
+                pass
+            assert session.progress_ns > before
+    finally:
+        ot_trl.disable_profiling()
+        ot.shutdown()
 
 
 def test_nothing_imported_unless_asked() -> None:

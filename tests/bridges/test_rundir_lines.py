@@ -14,37 +14,45 @@ from otel_train import run_directory
 from otel_train.run_directory import LineFile
 
 
-def test_a_close_waits_for_the_line_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    metrics = LineFile(tmp_path / "metrics.rank0.jsonl")
+def _line_in_flight(
+    metrics: LineFile, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Thread, threading.Event]:
+    """A "worker" thread writing one line, held inside os.write with the descriptor number in hand
+    until the returned event is set."""
     writing, release = threading.Event(), threading.Event()
     real_write = os.write
 
-    def slow_write(fd: int, data: bytes) -> int:  # the worker, with the descriptor number in hand
+    def held_write(fd: int, data: bytes) -> int:
         if threading.current_thread().name == "worker":
             writing.set()
             release.wait(10)
         return real_write(fd, data)
 
-    monkeypatch.setattr(run_directory.os, "write", slow_write)
+    monkeypatch.setattr(run_directory.os, "write", held_write)
     worker = threading.Thread(target=metrics.write_line, args=(b'{"step": 7}\n',), name="worker")
     worker.start()
     assert writing.wait(10)
-    threading.Timer(0.3, release.set).start()
-    metrics.close()  # the shutdown's: the worker's line is still in flight
-    user_file = tmp_path / "checkpoint.bin"  # what the program opens next may take the number
+    return worker, release
+
+
+def _open_next_and_release(tmp_path: Path, worker: threading.Thread, release: threading.Event) -> bytes:
+    """What the program opens next (it may take a closed descriptor's number) while the line is
+    still in flight; its content once the line went."""
+    user_file = tmp_path / "checkpoint.bin"
     fd = os.open(user_file, os.O_WRONLY | os.O_CREAT, 0o644)
     release.set()
     worker.join(10)
     os.close(fd)
-    assert user_file.read_bytes() == b""
-    assert (tmp_path / "metrics.rank0.jsonl").read_bytes() == b'{"step": 7}\n'
+    return user_file.read_bytes()
 
 
-def test_a_line_after_the_close_is_an_error_naming_the_file(tmp_path: Path) -> None:
+def test_a_close_waits_for_the_line_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     metrics = LineFile(tmp_path / "metrics.rank0.jsonl")
-    metrics.close()
-    with pytest.raises(OSError, match=r"metrics\.rank0\.jsonl"):
-        metrics.write_line(b"{}\n")
+    worker, release = _line_in_flight(metrics, monkeypatch)
+    threading.Timer(0.3, release.set).start()
+    metrics.close()  # the shutdown's: the worker's line is still in flight
+    assert _open_next_and_release(tmp_path, worker, release) == b""
+    assert (tmp_path / "metrics.rank0.jsonl").read_bytes() == b'{"step": 7}\n'
 
 
 def test_a_write_stuck_past_the_wait_keeps_its_descriptor(
@@ -53,27 +61,17 @@ def test_a_write_stuck_past_the_wait_keeps_its_descriptor(
     """A hung file system: the close gives up waiting, and the stuck line's descriptor stays open,
     so a file opened next gets another number and the line, when it goes, goes to its own file."""
     metrics = LineFile(tmp_path / "metrics.rank0.jsonl")
-    writing, release = threading.Event(), threading.Event()
-    real_write = os.write
-
-    def stuck_write(fd: int, data: bytes) -> int:
-        if threading.current_thread().name == "worker":
-            writing.set()
-            release.wait(10)
-        return real_write(fd, data)
-
-    monkeypatch.setattr(run_directory.os, "write", stuck_write)
     monkeypatch.setattr(run_directory, "CLOSE_WAIT_S", 0.1)
-    worker = threading.Thread(target=metrics.write_line, args=(b'{"step": 7}\n',), name="worker")
-    worker.start()
-    assert writing.wait(10)
+    worker, release = _line_in_flight(metrics, monkeypatch)
     metrics.close()  # returns while the line is still stuck
-    user_file = tmp_path / "checkpoint.bin"
-    fd = os.open(user_file, os.O_WRONLY | os.O_CREAT, 0o644)
-    release.set()
-    worker.join(10)
-    os.close(fd)
-    assert user_file.read_bytes() == b""
+    assert _open_next_and_release(tmp_path, worker, release) == b""
     assert (tmp_path / "metrics.rank0.jsonl").read_bytes() == b'{"step": 7}\n'
+    with pytest.raises(OSError, match=r"metrics\.rank0\.jsonl"):
+        metrics.write_line(b"{}\n")
+
+
+def test_a_line_after_the_close_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    metrics = LineFile(tmp_path / "metrics.rank0.jsonl")
+    metrics.close()
     with pytest.raises(OSError, match=r"metrics\.rank0\.jsonl"):
         metrics.write_line(b"{}\n")

@@ -61,7 +61,9 @@ def heartbeat() -> None:
     idles (`idle()`)."""
     session = current()
     if session is not None:
-        session.progress_ns = perf_counter_ns()
+        session.progress_ns = now = perf_counter_ns()
+        if not session.step_start_ns:  # between steps: an evaluation, in goodput's books
+            session.clock.eval_batch_ns = now
 
 
 def saving_checkpoint() -> None:

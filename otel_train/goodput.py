@@ -77,8 +77,9 @@ class Clocks:
 
 class StepClock:
     """Goodput's books on the training thread: a few cumulative nanosecond counters, written by
-    that thread only (at a long gap between steps and when a span ends, never per step or timer),
-    read by `GoodputListener` on the worker, which also reads time through `clocks`."""
+    that thread only (at a long gap between steps, when a span ends and at an eval batch, never
+    per step or timer), read by `GoodputListener` on the worker, which also reads time through
+    `clocks`."""
 
     def __init__(self, stall_timeout_s: float, clocks: Clocks | None = None) -> None:
         self.clocks = clocks if clocks is not None else Clocks()
@@ -93,12 +94,13 @@ class StepClock:
         self.gap_span_ns = 0
         self.gap_after_ns: int | None = None
         self.stall_gap_ns = int(stall_timeout_s * 1e9)
+        self.eval_batch_ns = 0  # the latest eval batch between steps (adapters.heartbeat)
 
-    def note_gap(self, start_ns: int, previous_end_ns: int | None, progress_ns: int = 0) -> None:
+    def note_gap(self, start_ns: int, previous_end_ns: int | None) -> None:
         """The first step starts (`previous_end_ns` None), or a step starts at `start_ns` more than
         stall_timeout_s after the last one ended: that gap, less the spans in it, is stall time, or
-        eval time when eval batches ran in it (`progress_ns`: the latest `adapters.heartbeat()`, as
-        DeepSpeed's eval forwards and a loop's own evaluation without an `ot.span("eval")` call it)."""
+        eval time when eval batches ran in it (`adapters.heartbeat()` between steps, as DeepSpeed's
+        eval forwards and a loop's own evaluation without an `ot.span("eval")` call it)."""
         if previous_end_ns is None:
             self.first_step_start_ns = start_ns
             return
@@ -106,7 +108,7 @@ class StepClock:
         stalled = start_ns - previous_end_ns - spans
         if stalled <= self.stall_gap_ns:
             return
-        if progress_ns > previous_end_ns:
+        if self.eval_batch_ns > previous_end_ns:
             self.span_ns["eval"] = self.span_ns.get("eval", 0) + stalled
         else:
             self.stall_ns += stalled

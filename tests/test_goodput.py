@@ -80,7 +80,7 @@ def test_a_gap_of_eval_batches_is_eval_time_not_a_stall(
 ) -> None:
     """An evaluation between steps that opens no span but whose batches call `adapters.heartbeat()`
     (DeepSpeed's eval forwards, a loop's own evaluation) is eval badput; a gap without a batch that
-    follows is still a stall."""
+    follows is still a stall, though the next step's micro-batches call it too."""
     ot.init(run_name="gp-eval-batches", stall_timeout_s=0.3, prometheus_port=0, verbosity=0, hardware=False)
     session = current_session()
     clock = FakeTime().install(session, monkeypatch)
@@ -90,11 +90,13 @@ def test_a_gap_of_eval_batches_is_eval_time_not_a_stall(
     for _ in range(4):  # 0.8 s of eval batches
         clock.advance(0.2)
         adapters.heartbeat()
-    with ot.step(1):
-        clock.advance(0.05)
-    clock.advance(0.5)  # no batch at all
-    with ot.step(2):
-        clock.advance(0.05)
+    for step in (1, 2):  # steps of two micro-batches, each telling the watchdog
+        with ot.step(step):
+            clock.advance(0.025)
+            adapters.heartbeat()
+            clock.advance(0.025)
+        if step == 1:
+            clock.advance(0.5)  # no batch at all: the micro-batches of the step after it are no eval
     ot.shutdown()
     account = _account(session.run_dir)
     _assert_sums_to_wall(account)

@@ -201,7 +201,7 @@ class Session:
         previous_end = self.step_end_ns
         self.step_end_ns = end_ns
         if previous_end is None or start_ns - previous_end > self._stall_gap_ns:
-            self.clock.note_gap(start_ns, previous_end, self.progress_ns)
+            self.clock.note_gap(start_ns, previous_end)
         if self.watches and index % self.watch_period == 0:
             for watch in self.watches:
                 watch.end_step(index, failed)

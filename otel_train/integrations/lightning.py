@@ -438,10 +438,13 @@ class OtelTrainCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._step is None or trainer.global_step == self._step_global:
+        if self._step is None:
             self._mark_ns = perf_counter_ns()
-            adapters.heartbeat()  # a long step of many micro-batches is no stall
-            return  # a micro-batch that accumulated gradients: the step goes on
+            return
+        if trainer.global_step == self._step_global:  # a micro-batch that accumulated gradients
+            self._mark_ns = perf_counter_ns()
+            adapters.heartbeat()  # the step goes on: a long one of many micro-batches is no stall
+            return
         self._end_phase("optimizer")
         self._forward_logged(trainer, None)  # this step's values (the trainer computes them now)
         adapters.end_step(tokens=self._tokens or None)

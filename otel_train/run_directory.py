@@ -440,8 +440,10 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes:
 def write_json(path: Path, data: Any, fsync: bool = False) -> None:
     """Write via a temporary file and rename: the old file stays whole if the disk is full. With
     `fsync`, the data reaches the disk before the rename and the rename before this returns (a node
-    that dies right after would otherwise leave an empty file under the new name)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    that dies right after would otherwise leave an empty file under the new name). The temporary
+    file is the writer's own: files one per run (hparams.json) are written by every rank, and the
+    last rename wins, whole."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     text = json.dumps(_finite(data), indent=2, sort_keys=True, default=json_default) + "\n"
     try:
         with open(tmp, "w", encoding="utf-8") as f:

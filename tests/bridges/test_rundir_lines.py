@@ -4,6 +4,7 @@ up on may still be writing)."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -75,3 +76,27 @@ def test_a_line_after_the_close_is_an_error_naming_the_file(tmp_path: Path) -> N
     metrics.close()
     with pytest.raises(OSError, match=r"metrics\.rank0\.jsonl"):
         metrics.write_line(b"{}\n")
+
+
+def test_writers_of_one_json_file_never_trip_over_each_other(tmp_path: Path) -> None:
+    """Every rank writes the run's hparams.json (each logs the hyperparameters): concurrent writers
+    each rename a whole file of their own, and none fails."""
+    path = tmp_path / "hparams.json"
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        for i in range(200):
+            try:
+                run_directory.write_json(path, {"writer": n, "i": i, "pad": "x" * (n * 1000)})
+            except OSError as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    final = json.loads(path.read_text())
+    assert final["pad"] == "x" * (final["writer"] * 1000)  # one writer's whole file
+    assert [p.name for p in tmp_path.iterdir()] == ["hparams.json"]  # no temporary file left

@@ -357,20 +357,32 @@ def test_callback_adds_no_host_sync_on_the_training_thread(tmp_path: Path) -> No
     assert instrumented == baseline
 
 
-def _ddp_rank(rank: int, world_size: int, out: str) -> dict[str, Any]:
+def _ddp_rank(rank: int, world_size: int, out: str, count_tokens: str) -> dict[str, Any]:
     ot.init(verbosity=0, log_interval=2, hardware=False, prometheus_port=0)
     session = current_session()
     assert session is not None
-    trainer = _trainer(Path(out) / f"hf-out{rank}", OtelTrainCallback(), max_steps=4, ddp=True)
+    trainer = _trainer(
+        Path(out) / f"hf-out{rank}", OtelTrainCallback(), max_steps=4, ddp=True,
+        include_num_input_tokens_seen=count_tokens,
+    )  # fmt: skip
     trainer.train()
     run_dir = str(session.run_dir)
     ot.shutdown()
-    return {"run_dir": run_dir, "steps": trainer.state.global_step}
+    return {
+        "run_dir": run_dir,
+        "steps": trainer.state.global_step,
+        "sink_errors": dict(session.worker.sink_errors),
+    }
 
 
 @pytest.mark.multirank
-def test_trainer_under_two_gloo_ranks_one_run_dir_and_cross_rank_timers(tmp_path: Path) -> None:
-    results = run_ranks(2, _ddp_rank, (str(tmp_path),), timeout=240)
+@pytest.mark.parametrize("count_tokens", ["all", "no"])  # the Trainer's gathered count, or each rank's own
+def test_trainer_under_two_gloo_ranks_one_run_dir_and_cross_rank_timers(
+    tmp_path: Path, count_tokens: str
+) -> None:
+    results = run_ranks(2, _ddp_rank, (str(tmp_path), count_tokens), timeout=240)
+    # every rank writes the run's hparams.json (log_hyperparams on each): none fails doing so
+    assert [r["sink_errors"] for r in results] == [{}, {}]
     run_dirs = {r["run_dir"] for r in results}
     assert len(run_dirs) == 1, run_dirs  # one run directory for the job
     run_dir = Path(run_dirs.pop())
@@ -378,6 +390,8 @@ def test_trainer_under_two_gloo_ranks_one_run_dir_and_cross_rank_timers(tmp_path
         rows = _rows(run_dir, rank)
         assert sum(r.get("train/steps", 0) for r in rows) == 4
         assert any(r.get("train/loss") is not None for r in rows)
+        # each rank: 4 steps of GRAD_ACCUM micro-batches of 2 rows of 16 tokens
+        assert sum(r.get("throughput/tokens", 0) for r in rows) == 4 * GRAD_ACCUM * 2 * 16
     keys = set().union(*_rows(run_dir, 0))
     # Cross-rank reductions of the callback's timers appear on rank 0.
     assert any(k.startswith("timers/forward_backward/") and "max" in k for k in keys), sorted(keys)

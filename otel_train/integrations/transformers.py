@@ -175,10 +175,8 @@ class OtelTrainCallback(TrainerCallback):
             if params:
                 ot.log_hyperparams(params)
         self._tokens_seen = state.num_input_tokens_seen if state is not None else 0
-        self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in (
-            "no",
-            False,
-        )
+        counting = getattr(args, "include_num_input_tokens_seen", "no")
+        self._trainer_counts_tokens = counting not in ("no", False)
         self._steps = 0
         if self._watch_every > 0 and model is not None:
             # ZeRO leaves p.grad None after backward by design: parameter statistics only (the

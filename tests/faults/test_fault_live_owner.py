@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -146,4 +147,5 @@ def test_owner_records_reach_the_disk_before_the_rename(
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(Path, "replace", replace)
     assert run_directory.claim_run_dir(tmp_path, 0, "job-1", "exp") is False
-    assert calls == ["fsync .owner.rank0.json.tmp", "rename .owner.rank0.json", f"fsync {tmp_path.name}"]
+    tmp = f"..owner.rank0.json.{os.getpid()}-{threading.get_ident()}.tmp"  # the writer's own
+    assert calls == [f"fsync {tmp}", "rename .owner.rank0.json", f"fsync {tmp_path.name}"]

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from lightning.fabric.utilities.logger import _sanitize_callable_params
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.loggers import Logger
 
 import otel_train as ot
@@ -130,8 +131,9 @@ class OtelTrainLogger(Logger):
     `name=` and `version=` are Lightning's, as TensorBoardLogger/CSVLogger take them.
 
     One logger is one otel_train run, lasting across `fit`, `validate`, `test` and `predict`, and
-    its `log_dir` is that run's directory. Alone (no `OtelTrainCallback`) it also marks one step per
-    distinct step Lightning logs at. Directories, session life and step marking:
+    its `log_dir` is that run's directory. On a Trainer without an `OtelTrainCallback` it adds one
+    (default settings) for the steps, phases and progress; used outside a Trainer it marks one step
+    per distinct step logged at. Directories, session life and step marking:
     docs/design/integrations.md#lightning-logger."""
 
     def __init__(
@@ -225,11 +227,20 @@ class OtelTrainLogger(Logger):
 
     def _join(self, trainer: Trainer) -> None:
         """Settle what this logger does on `trainer`: the first OtelTrainLogger there works, the
-        others share its run and send nothing (each step and value once)."""
+        others share its run and send nothing (each step and value once); a Trainer without an
+        OtelTrainCallback gets one."""
         ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
         self._primary = ours[0] if ours and ours[0] is not self else None
         if self._primary is not None and self._place is None:
             self._place = self._primary._resolve(trainer)
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by its connector
+        if not any(isinstance(cb, OtelTrainCallback) for cb in callbacks):
+            # Lightning tells a logger only of the steps it logs at (every `log_every_n_steps`):
+            # without the callback's batch hooks a slow logging interval, a long validation or a
+            # save would look like a stall. Placed where Lightning puts a callback the user passes,
+            # before the checkpoint callbacks, so that a step ends before its save.
+            at = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
+            callbacks.insert(at, OtelTrainCallback())
 
     # --- the session ------------------------------------------------------------------------------
     def _ensure_session(self, trainer: Trainer | None = None) -> None:

@@ -172,14 +172,14 @@ def test_logger_alone_records_every_logged_value_at_its_step(tmp_path: Path) -> 
     # shutdown() waits shutdown_timeout_s for the bridges; on a busy host they finish later
     bridges = scrape.session.bridges if scrape.session is not None else None
     assert bridges is not None and bridges.wait(120)
-    assert scraped["train_loss"] > 0 and scraped["eval_loss"] > 0 and scraped["train_steps_total"] == 8
+    assert scraped["train_loss"] > 0 and scraped["eval_loss"] > 0 and scraped["train_steps_total"] == 40
     tb = read_tensorboard(tmp_path / "runs" / "alone" / "tensorboard")
     assert sorted({step for step, _ in tb.scalars["train/loss"]}) == list(range(4, 40, 5))
     rows = _rows(tmp_path / "runs" / "alone")
-    losses = {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")}
-    assert sorted(losses) == list(range(4, 40, 5))  # Lightning's steps, one logged step each
+    losses = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    assert sorted(losses) == list(range(4, 40, 5))  # Lightning's steps, one logged value each
     assert len(set(losses.values())) == len(losses)  # each its own value, not one repeated
-    assert _total(rows, "train/steps") == 8  # alone, the logger counts the logged steps
+    assert _total(rows, "train/steps") == 40  # every optimizer step: the callback the logger added
     evals = [(r["step"], r["eval/loss"]) for r in rows if "eval/loss" in r]
     first_seen = {value: step for step, value in reversed(evals)}
     assert sorted(first_seen.values()) == [19, 39]  # both validations, each at the step it followed
@@ -556,6 +556,70 @@ def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: P
     assert slow.stalls_inside(run_dir) == []
 
 
+def test_the_logger_alone_sees_every_batch_so_slow_intervals_validations_and_saves_are_no_stall(
+    tmp_path: Path,
+) -> None:
+    """Lightning hands a logger only the steps it logs at: with `log_every_n_steps=5` and 0.3 s
+    batches, a logger that marked only those would see 1.5 s without progress at every interval,
+    and a validation or a save longer still, each a stall under stall_timeout_s=1. The logger adds
+    the callback, whose batch hooks count every optimizer step and keep the watchdog fed."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    slow = SlowStretches()
+
+    class SlowModel(TinyRegression):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            slow.sleep(0.3)
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            slow.sleep(0.3)
+            super().validation_step(batch, batch_idx)
+
+    class SlowStorage(TorchCheckpointIO):
+        def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+            slow.sleep(1.5)
+            super().save_checkpoint(*args, **kwargs)
+
+    logger = _quiet(run_name="alone-slow", stall_timeout_s=1.0)
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    trainer = Trainer(
+        logger=logger, callbacks=[saves], plugins=[SlowStorage()], max_steps=12, log_every_n_steps=5,
+        val_check_interval=6, limit_val_batches=5, num_sanity_val_steps=0, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(SlowModel(), _loader(64), _loader(32))
+    ot.shutdown()
+    run_dir = tmp_path / "runs" / "alone-slow"
+    rows = _rows(run_dir)
+    assert _total(rows, "train/steps") == 12
+    assert _total(rows, "timers/forward/count") == 12 and _total(rows, "timers/eval/count") == 2
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 2
+    assert len(slow.spans) == 12 + 2 * 5 + 2
+    assert slow.stalls_inside(run_dir) == []
+
+
+def test_the_logger_adds_one_callback_before_the_checkpoint_callbacks(tmp_path: Path) -> None:
+    """Where Lightning orders a callback the user passes (a step ends before its save), once per
+    Trainer across fit and test; a Trainer that has one keeps only its own."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    trainer = _quick_trainer(_quiet(run_name="added"), max_steps=2, callbacks=[saves])
+    trainer.fit(_boring())
+    trainer.test(_boring())
+    ot.shutdown()
+    added = [i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, OtelTrainCallback)]
+    assert len(added) == 1 and added[0] < trainer.callbacks.index(saves)
+
+    own = OtelTrainCallback()
+    trainer = _quick_trainer(_quiet(run_name="own"), max_steps=2, callbacks=[own])
+    trainer.fit(_boring())
+    ot.shutdown()
+    assert [cb for cb in trainer.callbacks if isinstance(cb, OtelTrainCallback)] == [own]
+
+
 def test_a_failed_fit_ends_the_run(tmp_path: Path) -> None:
     class Fails(LightningModule):
         def __init__(self) -> None:
@@ -599,7 +663,8 @@ def test_two_loggers_on_one_trainer_count_each_step_once(tmp_path: Path) -> None
         rows = _rows(tmp_path / "runs" / f"x{count}")
         totals[count] = (_total(rows, "train/steps"), [r["train/loss"] for r in rows if "train/loss" in r])
         versions[count] = [lg.version for lg in loggers]
-    assert totals[1][0] == 4  # steps 2, 5, 8, 11
+        assert sum(isinstance(cb, OtelTrainCallback) for cb in trainer.callbacks) == 1
+    assert totals[1][0] == 12  # every optimizer step (the callback the first logger added)
     assert totals[2] == totals[1]  # the same steps and values, not twice
     assert versions[2] == ["x2", "x2"]  # the second shares the first one's run
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["x1", "x2"]

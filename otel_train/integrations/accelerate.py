@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 import operator
+import sys
 from collections.abc import Mapping
 from time import perf_counter_ns
+from types import FrameType
 from typing import Any
 
+from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
 
 import otel_train as ot
@@ -72,6 +75,8 @@ class OtelTrainTracker(GeneralTracker):
         self._marks_steps = True  # until the loop marks a step itself (or the job is multi-rank)
         self._marked = -1  # the last step this tracker marked; -1: none (a fresh session's last step)
         self._mark_ns: int | None = None  # where the next marked step starts
+        self._fed: Accelerator | None = None  # the Accelerator whose calls feed the stall watchdog
+        self._save_hook: Any = None
 
     @property
     def tracker(self) -> Any:
@@ -81,6 +86,49 @@ class OtelTrainTracker(GeneralTracker):
     def start(self) -> None:
         if self._ready():
             self._mark_ns = perf_counter_ns()  # the first logged step starts at init_trackers
+            accelerator = self._calling_accelerator()
+            if accelerator is not None and self._fed is None:
+                self._feed_watchdog(accelerator)
+
+    def _calling_accelerator(self) -> Accelerator | None:
+        """The Accelerator whose `init_trackers` calls `start`: Accelerate hands a tracker none."""
+        frame: FrameType | None = sys._getframe(2)
+        for _ in range(8):
+            if frame is None:
+                return None
+            caller = frame.f_locals.get("self")
+            if isinstance(caller, Accelerator) and any(t is self for t in caller.trackers):
+                return caller
+            frame = frame.f_back
+        return None
+
+    def _feed_watchdog(self, accelerator: Accelerator) -> None:
+        """A tracker hears of the loop only when it logs, maybe once an epoch: each
+        `accelerator.backward` (a micro-batch) and `gather_for_metrics` (an eval batch) tells the
+        stall watchdog the loop is alive, and `save_state` announces a save, so a long logging
+        interval, evaluation or save is no stall, and a loop that hangs still is one."""
+        backward, gather = accelerator.backward, accelerator.gather_for_metrics
+
+        def backward_fed(loss: Any, **kwargs: Any) -> Any:
+            result = backward(loss, **kwargs)
+            adapters.heartbeat()
+            return result
+
+        def gather_fed(input_data: Any, *args: Any, **kwargs: Any) -> Any:
+            result = gather(input_data, *args, **kwargs)
+            adapters.heartbeat()
+            return result
+
+        accelerator.backward = backward_fed  # type: ignore[method-assign]
+        accelerator.gather_for_metrics = gather_fed  # type: ignore[method-assign]
+        self._save_hook = accelerator.register_save_state_pre_hook(lambda *_: adapters.saving_checkpoint())
+        self._fed = accelerator
+
+    def _unfeed_watchdog(self) -> None:
+        accelerator, self._fed = self._fed, None
+        if accelerator is not None:
+            del accelerator.backward, accelerator.gather_for_metrics  # the class's methods again
+            self._save_hook.remove()
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         if self._ready():
@@ -115,6 +163,7 @@ class OtelTrainTracker(GeneralTracker):
             ot.log_metrics(scalars, step=step if number is None else number)
 
     def finish(self) -> None:
+        self._unfeed_watchdog()
         if self._owns_session:
             self._owns_session = False
             ot.shutdown()

@@ -14,8 +14,10 @@ pytest.importorskip("accelerate")
 
 from accelerate import Accelerator
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, register_tracker_class
+from helpers.events import SlowStretches
 from helpers.multirank import run_ranks
 from helpers.readback import read_tensorboard
+from helpers.waiting import wait_for
 
 import otel_train as ot
 from otel_train.integrations.accelerate import OtelTrainTracker
@@ -125,6 +127,53 @@ def test_tracker_alone_files_each_logged_step_under_its_step(tmp_path: Path) -> 
     assert 0 < rows[-1]["train/goodput"] <= 1  # the time between logs is step time
     tb = read_tensorboard(tmp_path / "runs" / "alone" / "tensorboard")
     assert dict(tb.scalars["train/loss"]) == {step: 100.0 + step for step in logged}
+
+
+def test_tracker_alone_logging_once_an_epoch_sees_no_stall_in_training_eval_or_save(tmp_path: Path) -> None:
+    """The tracker hears of the loop only when it logs, here once an epoch: 2 s of 0.25 s batches,
+    1.25 s of eval batches and a 1.5 s `save_state` between logs under stall_timeout_s=1. Each
+    `accelerator.backward`, `gather_for_metrics` and the save's pre-hook tell the watchdog the
+    loop is alive, and once the loop stops it is a stall; after `end_training` the Accelerator's own
+    methods are back."""
+    import torch
+
+    slow = SlowStretches()
+    tracker = OtelTrainTracker(run_name="epochs", stall_timeout_s=1.0, **EVERY_STEP, **QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("proj")
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_save_state_pre_hook(lambda *_: slow.sleep(1.5))  # a slow file system
+    step = 0
+    for epoch in range(2):
+        for _ in range(8):
+            slow.sleep(0.25)
+            accelerator.backward(model(torch.randn(2, 4)).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+        for _ in range(5):
+            slow.sleep(0.25)
+            accelerator.gather_for_metrics(model(torch.randn(2, 4)))
+        accelerator.save_state(str(tmp_path / f"ckpt{epoch}"))
+        accelerator.log({"loss": 1.0 / (epoch + 1)}, step=step)
+    wait_for(lambda: _stalls(tmp_path / "runs" / "epochs"), 30, "a stall once the loop stops")  # it hangs
+    accelerator.end_training()
+    assert "backward" not in vars(accelerator) and "gather_for_metrics" not in vars(accelerator)
+    assert len(accelerator._save_model_state_pre_hook) == 1  # the user's own, ours removed
+
+    run_dir = tmp_path / "runs" / "epochs"
+    assert sum(r.get("train/steps") or 0 for r in _rows(run_dir)) == 2  # one per logged step
+    assert len(slow.spans) == 2 * (8 + 5 + 1)
+    assert slow.stalls_inside(run_dir) == []
+    assert len(_stalls(run_dir)) == 1
+
+
+def _stalls(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.rank0.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [e for e in events if e["event"] == "stall"]
 
 
 @pytest.mark.parametrize("every_step", [False, True], ids=["adaptive", "every-step"])

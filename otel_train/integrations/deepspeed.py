@@ -146,6 +146,9 @@ class _Adapter:
         # through them too.
         d["_backward_prologue"] = _wraps(engine._backward_prologue, self._backward_started)
         d["_backward_epilogue"] = _wraps(engine._backward_epilogue, self._backward_ended)
+        if self.steps:  # a Trainer that drives the engine spans its own saves
+            d["save_checkpoint"] = _wraps(engine.save_checkpoint, _spanned("checkpoint"))
+            d["load_checkpoint"] = _wraps(engine.load_checkpoint, _spanned("load_checkpoint"))
         if self.breakdown:
             engine.timers.__dict__["log"] = _wraps(engine.timers.log, self._timers_log)
 
@@ -469,6 +472,17 @@ def _wraps(original: Callable[..., Any], hook: Callable[..., Any]) -> Callable[.
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     wrapper.__doc__ = getattr(original, "__doc__", None)
     return wrapper
+
+
+def _spanned(name: str) -> Callable[..., Any]:
+    """A hook running the call in `ot.span(name)`: a checkpoint save or load is goodput's
+    checkpoint time, and the stall watchdog waits `checkpoint_timeout_s` while it runs."""
+
+    def hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with ot.span(name):
+            return original(*args, **kwargs)
+
+    return hook
 
 
 def _call(obj: Any, name: str) -> Any:

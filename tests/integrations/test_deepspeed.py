@@ -102,7 +102,8 @@ def allow_fp16_on_this_cpu() -> None:
 
 def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[str, Any]:
     """`case`: zero (stage), offload ("cpu"/"nvme"/None), fp16, breakdown, comms, csv (a dir),
-    slow_rank, torch_backward, plant_full_state, steps."""
+    slow_rank, torch_backward, plant_full_state, steps, eval_batches, save_s (a save and a load
+    mid-training, each file write that much slower), stall_timeout_s."""
     import deepspeed
     import torch
     from deepspeed.comm import comms_logger
@@ -138,13 +139,13 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
     )
     ot.init(
         output_dir=out_dir, run_name=f"ds{case['zero']}", verbosity=0, log_interval=2, hardware=False,
-        prometheus_port=0, collective_timeout_s=60.0,
+        prometheus_port=0, collective_timeout_s=60.0, stall_timeout_s=case.get("stall_timeout_s", 300.0),
     )  # fmt: skip
     session = current_session()
     seen = Intervals()
     session.worker.add_listener(seen)
     events: list[tuple[str, str, dict[str, Any]]] = []
-    session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
+    session.events.add_callback(lambda e, m, a: events.append((e, m, {**a, "time": time.time()})))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     instrument(engine)
@@ -154,6 +155,7 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
         inner.state[extra] = {"exp_avg": torch.zeros(MODEL_NUMEL), "exp_avg_sq": torch.zeros(MODEL_NUMEL)}
     gen = torch.Generator().manual_seed(rank)
     progress_after_eval = False
+    save_window = (0.0, 0.0)  # when the mid-training save and load ran
     micro_batch_heartbeats = 0  # engine.step() calls inside a step that told the watchdog so
     for i in range(steps * GAS):
         if case.get("eval_batches") and i == steps // 2 * GAS:  # an evaluation mid-training
@@ -163,6 +165,8 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
                     engine(torch.randn(MICRO, 64, generator=gen))
             engine.train()
             progress_after_eval = session.progress_ns > (session.step_end_ns or 0)
+        if case.get("save_s") and i == steps // 2 * GAS:
+            save_window = (time.time(), _slow_save_and_load(engine, Path(out_dir) / "ckpt", case["save_s"]))
         out = engine(
             torch.randn(MICRO, 64, generator=gen).to(torch.half if case.get("fp16") else torch.float)
         )
@@ -205,6 +209,7 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
         "steps": seen.steps,
         "events": events,
         "progress_after_eval": progress_after_eval,
+        "save_window": save_window,
         "micro_batch_heartbeats": micro_batch_heartbeats,
         "partition": partition,
         "shard": shard,
@@ -215,6 +220,22 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
         "master_device": str(engine.optimizer.single_partition_of_fp32_groups[0].device) if stage < 3 else "",
         "run_dir": ot_run_dir(out_dir, f"ds{case['zero']}"),
     }
+
+
+def _slow_save_and_load(engine: Any, path: Path, seconds: float) -> float:
+    """A save and a load through the engine, each file write `seconds` slower (a slow file system);
+    returns when they ended."""
+    write = engine.checkpoint_engine.save
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return write(*args, **kwargs)
+
+    engine.checkpoint_engine.save = slow_write
+    engine.save_checkpoint(str(path))
+    engine.checkpoint_engine.save = write
+    engine.load_checkpoint(str(path))
+    return time.time()
 
 
 def ot_run_dir(out_dir: str, run_name: str) -> str:
@@ -345,11 +366,19 @@ def test_zero1_full_state_on_one_rank_is_one_event_naming_it(tmp_path: Path) -> 
 @pytest.mark.multirank
 def test_zero3_reports_partition_and_parameter_shard(tmp_path: Path) -> None:
     """ZeRO-3, with an evaluation (engine.eval(), no_grad) after step 2: its forwards are neither a
-    training step, nor forward phases, nor samples, and each tells the stall watchdog the loop is alive."""
-    case = {"zero": 3, "steps": 4, "eval_batches": 3}
+    training step, nor forward phases, nor samples, and each tells the stall watchdog the loop is
+    alive. Then `engine.save_checkpoint` with slow file writes and `load_checkpoint`, longer than
+    stall_timeout_s: each a span (goodput's checkpoint time), and no stall."""
+    case = {"zero": 3, "steps": 4, "eval_batches": 3, "save_s": 0.6, "stall_timeout_s": 1.0}
     results = run_ranks(2, ds_job, (str(tmp_path), case), timeout=TIMEOUT, env=RANK_ENV)
     _check_steps(results, 4)
     assert all(r["progress_after_eval"] for r in results)
+    for rank, res in enumerate(results):
+        assert (res["counts"].get("checkpoint"), res["counts"].get("load_checkpoint")) == (1, 1), rank
+        first, last = res["save_window"]
+        assert last - first > 1.0  # several slowed writes: longer than the stall timeout
+        stalls = [a for e, _, a in res["events"] if e == "stall" and first <= a["time"] <= last]
+        assert stalls == [], rank
     _check_zero(results, 3)
     assert all(_zero_events(r) == [] for r in results)
 
@@ -447,7 +476,7 @@ def hf_job(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     seen = Intervals()
     session.worker.add_listener(seen)
     events: list[tuple[str, str, dict[str, Any]]] = []
-    session.events.add_callback(lambda e, m, a: events.append((e, m, dict(a))))
+    session.events.add_callback(lambda e, m, a: events.append((e, m, {**a, "time": time.time()})))
     trainer = Trainer(
         model=Model(), args=args, train_dataset=data, callbacks=[OtelTrainCallback(watch_every=1)]
     )

@@ -1057,12 +1057,13 @@ def health() -> DashboardDef:
                 "Collectives (PyTorch Flight Recorder: TORCH_FR_BUFFER_SIZE)",
                 (
                     ts(
-                        "Seconds since last collective by rank (hang: rises on every rank)",
+                        "Seconds since last collective by rank, while waiting in one or stalled",
                         T(agg("max", _R, selector(sc.COLLECTIVE_LAST)), _lg(RANK)),
                         unit="s",
                         thresholds=((None, "green"), (60.0, "orange"), (300.0, "red")),
-                        description="Since this rank last enqueued or completed a collective; the `hang` "
-                        "event and `otel-train diagnose` name the rank the others wait for.",
+                        description="Since this rank last enqueued or completed a collective, while one "
+                        "is pending or the rank is stalled (else 0); the `hang` event and `otel-train "
+                        "diagnose` name the rank the others wait for.",
                     ),
                     ts(
                         "Collectives per second by process group and op",

@@ -517,7 +517,8 @@ COLLECTIVE_TIME = _m(
 )  # fmt: skip
 COLLECTIVE_LAST = _m(
     "train.collective.last_seconds", S.OBSERVABLE_GAUGE, "s",
-    "Seconds since this rank last enqueued or completed a collective: rises in a hang, no step needed.",
+    "Seconds since this rank last enqueued or completed a collective, while one is pending or the rank "
+    "is stalled (else 0): rises in a hang, no step needed.",
     "collective/last_seconds", essential=True,
 )  # fmt: skip
 

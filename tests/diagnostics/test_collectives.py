@@ -252,6 +252,74 @@ def _summary(rank: int, enqueued: int, completed: int, ops: dict[str, str]) -> d
     return {"rank": rank, "host": f"h{rank}", "stacks": f"stacks.rank{rank}.0.txt", "groups": {"0": group}}
 
 
+def _quiet_work_target(rank: int, world_size: int, out_dir: str) -> dict[str, list[float]]:
+    """Both ranks evaluate 3 s with no collective; then rank 0 alone while rank 1 waits for it in a
+    barrier; then both sit 2.5 s with no progress at all (stalled). `last_seconds` sampled in each."""
+    import torch
+    import torch.distributed as dist
+
+    import otel_train as ot
+    from otel_train import adapters
+    from otel_train.testing import current_session
+
+    ot.init(
+        run_name="quiet", stall_timeout_s=STALL_S, prometheus_port=0, verbosity=0, hardware=False,
+        output_dir=out_dir,
+    )  # fmt: skip
+    session = current_session()
+    monitor = next(x for x in session.worker.listeners if isinstance(x, CollectiveMonitor))
+    seen: dict[str, list[float]] = {"eval": [], "alone": [], "waiting": [], "stalled": []}
+
+    def evaluate(key: str, batches: int) -> None:
+        for _ in range(batches):
+            time.sleep(0.2)
+            adapters.heartbeat()  # an eval batch: progress, and no collective
+            seen[key].append(monitor.last_seconds())
+
+    tensor = torch.ones(4)
+    for step in range(3):
+        with ot.step(step):
+            dist.all_reduce(tensor)
+    evaluate("eval", 15)
+    if rank == 0:
+        evaluate("alone", 10)
+    else:
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.2):
+                seen["waiting"].append(monitor.last_seconds())
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        dist.barrier()
+        stop.set()
+        sampler.join()
+    if rank == 0:
+        dist.barrier()
+    for _ in range(10):  # no step, no eval batch: past the stall timeout, with no collective pending
+        time.sleep(0.25)
+        seen["stalled"].append(monitor.last_seconds())  # read as each export reads it
+    dist.barrier()
+    ot.shutdown()
+    return seen
+
+
+@pytest.mark.multirank
+def test_last_seconds_rises_in_a_pending_collective_or_a_stall_not_in_quiet_progress(tmp_path: Path) -> None:
+    """An evaluation that runs no collective is no collective hang (it read 3 s here, and paged at
+    5 min): 0 on a rank that makes progress with nothing pending, rising on the rank waiting in the
+    barrier for it, and on a stalled rank even with nothing pending."""
+    rank0, rank1 = run_ranks(2, _quiet_work_target, (str(tmp_path),), timeout=120, env=FR_ON)
+    for seen in (rank0, rank1):
+        assert len(seen["eval"]) == 15 and set(seen["eval"]) == {0.0}
+        assert seen["stalled"][-1] > STALL_S
+    assert len(rank0["alone"]) == 10 and set(rank0["alone"]) == {0.0}
+    waiting = rank1["waiting"]  # (the last sample may come after the barrier let go)
+    rising = waiting[: waiting.index(max(waiting)) + 1]
+    assert len(rising) >= 5 and rising == sorted(rising) and rising[-1] > 1.0, waiting
+
+
 def test_a_waiting_rank_leaves_the_word_to_a_lower_rank_whose_summary_comes_late(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -339,10 +339,11 @@ class OtelTrainLogger(Logger):
 
 
 def _trainer_settings(trainer: Trainer, settings: Mapping[str, Any]) -> dict[str, Any]:
-    """`settings` with what the Trainer says (total steps, precision) where the user set neither."""
+    """`settings` with what the Trainer says (total steps, precision) where the user chose neither
+    (a keyword, `OTEL_TRAIN_<FIELD>`, the config file)."""
     out = dict(settings)
-    if trainer.max_steps and trainer.max_steps > 0:
-        out.setdefault("total_steps", trainer.max_steps)
+    if trainer.max_steps and trainer.max_steps > 0 and not chosen("total_steps", out):
+        out["total_steps"] = trainer.max_steps
     return with_precision(out, trainer.precision)
 
 

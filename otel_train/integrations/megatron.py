@@ -14,7 +14,7 @@ from typing import Any
 
 import otel_train as ot
 from otel_train import adapters, semconv
-from otel_train.integrations._common import rank_share, start_session
+from otel_train.integrations._common import chosen, rank_share, start_session
 
 __all__ = ["OtelTrainCallback", "instrument", "settings_from_logger_config"]
 
@@ -183,12 +183,14 @@ class OtelTrainCallback:
         state = context.state
         cfg: Any = getattr(state, "cfg", None)
         logger = getattr(cfg, "logger", None)
-        settings: dict[str, Any] = {}
+        adopted: dict[str, Any] = {}
         if self._logger_config and logger is not None:
-            settings.update(settings_from_logger_config(logger))
+            adopted.update(settings_from_logger_config(logger))
         train_iters = _get(getattr(cfg, "train", None), "train_iters")
         if isinstance(train_iters, int) and train_iters > 0:
-            settings["total_steps"] = train_iters
+            adopted["total_steps"] = train_iters
+        # What the user chose (a keyword, OTEL_TRAIN_<FIELD>, the config file) wins over Bridge's config.
+        settings = {name: value for name, value in adopted.items() if not chosen(name, self._settings)}
         settings.update(self._settings)
         self._owns_session = start_session(settings)
         if self._hyperparams and cfg is not None:

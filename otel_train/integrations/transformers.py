@@ -162,8 +162,8 @@ class OtelTrainCallback(TrainerCallback):
             if self._took_wandb and not chosen("wandb_project", self._settings):
                 settings["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
             max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
-            if isinstance(max_steps, int) and max_steps > 0:
-                settings.setdefault("total_steps", max_steps)
+            if isinstance(max_steps, int) and max_steps > 0 and not chosen("total_steps", settings):
+                settings["total_steps"] = max_steps
             started = start_session(with_precision(settings, _precision(args)))
             self._session = adapters.current_run() if started else None
         self._started = True

@@ -399,6 +399,18 @@ def test_explicit_otel_train_settings_win_over_lightning_defaults(
         OtelTrainLogger(version="a/b")
 
 
+def test_the_trainers_max_steps_is_adopted_unless_the_user_chose_total_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for run_name, variable, expected in (("adopted", None, 3), ("chosen", "100", 100)):
+        if variable is not None:
+            monkeypatch.setenv("OTEL_TRAIN_TOTAL_STEPS", variable)
+        _quick_trainer(_quiet(run_name=run_name), max_steps=3).fit(_boring())
+        session = current_session()
+        assert session is not None and session.config.total_steps == expected
+        ot.shutdown()
+
+
 def test_fit_then_test_is_one_run_and_the_next_logger_ends_it(tmp_path: Path) -> None:
     class Logs(LightningModule):
         def __init__(self) -> None:

@@ -446,6 +446,30 @@ def test_bridge_callback_in_bridges_firing_order(bridge_callbacks: Any, monkeypa
     assert hparams["train"]["global_batch_size"] == 8
 
 
+def test_what_the_user_chose_wins_over_bridges_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bridge's `cfg.logger.log_interval` and `train_iters` are adopted, unless the user chose
+    otel_train's own setting: here by `OTEL_TRAIN_<FIELD>` (a keyword wins the same way)."""
+    from megatron.core.timers import Timers
+
+    from otel_train.integrations.megatron import OtelTrainCallback
+
+    quiet = {"run_dir_enabled": False, "prometheus_port": 0, "verbosity": 0, "hardware": False}
+    for variables, expected in (
+        ({}, (2, 6, "max")),
+        ({"LOG_INTERVAL": "5", "TOTAL_STEPS": "50"}, (5, 50, "max")),
+    ):
+        for name, value in variables.items():
+            monkeypatch.setenv(f"OTEL_TRAIN_{name}", value)
+        callback = OtelTrainCallback(quiet)
+        callback.on_train_start(SimpleNamespace(state=_bridge_state(Timers(1, "max"))))
+        session = current_session()
+        assert session is not None
+        config = session.config
+        assert (config.log_interval, config.total_steps, config.timing_log_option) == expected
+        callback.on_train_end(SimpleNamespace())
+        assert current_session() is None
+
+
 def test_train_end_leaves_the_users_run_idle_and_flushed() -> None:
     """A run the user started outlives Bridge's training (`on_train_end`): its last steps are
     flushed then, and the pause that follows is no stall (`adapters.idle`)."""

@@ -140,6 +140,11 @@ def test_callback_starts_and_ends_its_own_session(tmp_path: Path, monkeypatch: p
     assert sum(r.get("train/steps", 0) for r in rows) == 4
     config = json.loads((run_dir / "config.json").read_text())
     assert config["total_steps"] == 4  # taken from the Trainer's max_steps
+    # ... unless the user chose it: here by its variable
+    monkeypatch.setenv("OTEL_TRAIN_TOTAL_STEPS", "40")
+    callback = OtelTrainCallback(settings={"run_name": "chosen", "verbosity": 0, "hardware": False})
+    _trainer(tmp_path / "hf-out", callback, max_steps=4).train()
+    assert json.loads((tmp_path / "runs" / "chosen" / "config.json").read_text())["total_steps"] == 40
 
 
 def test_callback_takes_settings_as_keyword_arguments(tmp_path: Path) -> None:

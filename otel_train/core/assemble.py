@@ -303,8 +303,10 @@ def _attach_watchdog(session: Session) -> None:
     # Read at each export, on the SDK's thread: it rises while the step thread hangs.
     semconv.STALL_DURATION.create(session.meter, lambda options: [Observation(watchdog.stalled_s())])
     collectives = session.reducer.lateness.monitor
-    if collectives is not None:  # a rank that progresses and waits in no collective is no collective hang
-        collectives.stalled_s = watchdog.stalled_s
+    if (
+        collectives is not None
+    ):  # a rank that progresses, or waits inside a declared save, is no collective hang
+        collectives.stalled_s, collectives.saving = watchdog.stalled_s, session.saving
     session.control = (
         ControlFile(session.run_dir, rank, session.events, session.identity.world_size, session.identity.role)
         if session.run_dir

@@ -167,23 +167,27 @@ class CollectiveMonitor:
         self.overwritten = 0  # entries the ring buffer dropped before a flush read them
         self._next_read = 0.0  # monotonic time of the next full read (see MAX_READ_SHARE)
         self._read: tuple[int, dict[str, Any] | None] = (-1, None)  # (flush seq, its dump)
-        # The stall watchdog's verdict (`HangWatchdog.stalled_s`), wired once the session has one.
+        # The stall watchdog's verdict (`HangWatchdog.stalled_s`) and whether a checkpoint save is
+        # declared (`Session.saving`), wired once the session has them.
         self.stalled_s: Callable[[], float] = lambda: 0.0
+        self.saving: Callable[[], bool] = lambda: False
         semconv.COLLECTIVE_LAST.create(meter, self._observe_last)
 
     # --- the hang signal ---------------------------------------------------------------------------
     def last_seconds(self) -> float:
         """Seconds since this rank's sequence ids last moved (to within one read of them), while it
         waits in a collective or its watchdog finds it stalled; 0 while it makes progress with no
-        collective pending: an evaluation, a save or data preparation that runs none is no hang.
-        (A point-to-point op is in no sequence id: a rank blocked in one counts once stalled.)"""
+        collective pending (an evaluation, a save or data preparation that runs none is no hang),
+        and while it waits inside a declared checkpoint save (rank 0 writes, the others wait in a
+        barrier), which the watchdog gives `checkpoint_timeout_s`. (A point-to-point op is in no
+        sequence id: a rank blocked in one counts once stalled.)"""
         dump = read_dump(entries=False)
         with self._lock:
             if dump is not None:
                 self._note_progress(progress_key(dump["pg_status"], self.excluded))
             since = time.monotonic() - self._progress_at
             pending = any(enqueued != completed for _, enqueued, completed in self._progress)
-        return since if pending or self.stalled_s() > 0 else 0.0
+        return since if (pending and not self.saving()) or self.stalled_s() > 0 else 0.0
 
     def _note_progress(self, key: tuple[tuple[str, str, str], ...]) -> None:
         if key != self._progress:

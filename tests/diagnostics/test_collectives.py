@@ -254,7 +254,9 @@ def _summary(rank: int, enqueued: int, completed: int, ops: dict[str, str]) -> d
 
 def _quiet_work_target(rank: int, world_size: int, out_dir: str) -> dict[str, list[float]]:
     """Both ranks evaluate 3 s with no collective; then rank 0 alone while rank 1 waits for it in a
-    barrier; then both sit 2.5 s with no progress at all (stalled). `last_seconds` sampled in each."""
+    barrier; then both sit 2.5 s with no progress at all (stalled); then rank 0 writes a checkpoint
+    for 2 s while rank 1 waits for it in a barrier, both inside `ot.span("checkpoint")`.
+    `last_seconds` sampled in each."""
     import torch
     import torch.distributed as dist
 
@@ -268,13 +270,26 @@ def _quiet_work_target(rank: int, world_size: int, out_dir: str) -> dict[str, li
     )  # fmt: skip
     session = current_session()
     monitor = next(x for x in session.worker.listeners if isinstance(x, CollectiveMonitor))
-    seen: dict[str, list[float]] = {"eval": [], "alone": [], "waiting": [], "stalled": []}
+    seen: dict[str, list[float]] = {"eval": [], "alone": [], "waiting": [], "stalled": [], "saving": []}
 
     def evaluate(key: str, batches: int) -> None:
         for _ in range(batches):
             time.sleep(0.2)
             adapters.heartbeat()  # an eval batch: progress, and no collective
             seen[key].append(monitor.last_seconds())
+
+    def wait_in_barrier(key: str) -> None:
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.2):
+                seen[key].append(monitor.last_seconds())
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        dist.barrier()
+        stop.set()
+        sampler.join()
 
     tensor = torch.ones(4)
     for step in range(3):
@@ -283,24 +298,19 @@ def _quiet_work_target(rank: int, world_size: int, out_dir: str) -> dict[str, li
     evaluate("eval", 15)
     if rank == 0:
         evaluate("alone", 10)
+        dist.barrier()
     else:
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.wait(0.2):
-                seen["waiting"].append(monitor.last_seconds())
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        dist.barrier()
-        stop.set()
-        sampler.join()
-    if rank == 0:
-        dist.barrier()
+        wait_in_barrier("waiting")
     for _ in range(10):  # no step, no eval batch: past the stall timeout, with no collective pending
         time.sleep(0.25)
         seen["stalled"].append(monitor.last_seconds())  # read as each export reads it
     dist.barrier()
+    with ot.span("checkpoint"):
+        if rank == 0:
+            time.sleep(2.0)  # torch.save of the whole model
+            dist.barrier()
+        else:
+            wait_in_barrier("saving")
     ot.shutdown()
     return seen
 
@@ -309,7 +319,8 @@ def _quiet_work_target(rank: int, world_size: int, out_dir: str) -> dict[str, li
 def test_last_seconds_rises_in_a_pending_collective_or_a_stall_not_in_quiet_progress(tmp_path: Path) -> None:
     """An evaluation that runs no collective is no collective hang (it read 3 s here, and paged at
     5 min): 0 on a rank that makes progress with nothing pending, rising on the rank waiting in the
-    barrier for it, and on a stalled rank even with nothing pending."""
+    barrier for it, and on a stalled rank even with nothing pending; 0 on a rank that waits in a
+    barrier inside a declared checkpoint save."""
     rank0, rank1 = run_ranks(2, _quiet_work_target, (str(tmp_path),), timeout=120, env=FR_ON)
     for seen in (rank0, rank1):
         assert len(seen["eval"]) == 15 and set(seen["eval"]) == {0.0}
@@ -318,6 +329,7 @@ def test_last_seconds_rises_in_a_pending_collective_or_a_stall_not_in_quiet_prog
     waiting = rank1["waiting"]  # (the last sample may come after the barrier let go)
     rising = waiting[: waiting.index(max(waiting)) + 1]
     assert len(rising) >= 5 and rising == sorted(rising) and rising[-1] > 1.0, waiting
+    assert len(rank1["saving"]) >= 5 and set(rank1["saving"]) == {0.0}, rank1["saving"]
 
 
 def test_a_waiting_rank_leaves_the_word_to_a_lower_rank_whose_summary_comes_late(

@@ -302,10 +302,9 @@ def _attach_watchdog(session: Session) -> None:
     )
     # Read at each export, on the SDK's thread: it rises while the step thread hangs.
     semconv.STALL_DURATION.create(session.meter, lambda options: [Observation(watchdog.stalled_s())])
+    # A rank that progresses, or waits in a collective inside a declared save, is no collective hang.
     collectives = session.reducer.lateness.monitor
-    if (
-        collectives is not None
-    ):  # a rank that progresses, or waits inside a declared save, is no collective hang
+    if collectives is not None:
         collectives.stalled_s, collectives.saving = watchdog.stalled_s, session.saving
     session.control = (
         ControlFile(session.run_dir, rank, session.events, session.identity.world_size, session.identity.role)

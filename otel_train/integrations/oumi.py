@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import otel_train as ot
+from otel_train import adapters
 from otel_train.integrations.transformers import OtelTrainCallback
 
 __all__ = ["instrument", "train"]
@@ -23,18 +25,22 @@ def instrument(
     callback: OtelTrainCallback | None = None, settings: Mapping[str, Any] | None = None, **kwargs: Any
 ) -> Iterator[OtelTrainCallback]:
     """Inside the block, `oumi.train` runs with `callback` (default: a new `OtelTrainCallback`
-    with these settings) after Oumi's own callbacks. If the block raises, the callback's open
-    step ends as failed and a session it started is shut down."""
+    with these settings) after Oumi's own callbacks, and Oumi's own trainer (`OUMI`) evaluates
+    and saves inside `eval` / `checkpoint` spans. If the block raises, the callback's open step
+    ends as failed and a session it started is shut down."""
     # The module, not the function: `import oumi.train` would make `oumi.train` name the module.
     module = importlib.import_module("oumi.train")
+    native = importlib.import_module("oumi.core.trainers.oumi_trainer").Trainer
     if callback is None:
         callback = OtelTrainCallback(settings, **kwargs)
     original = getattr(module, _SEAM)
+    evaluate, save_state = native.evaluate, native.save_state
 
     def build_training_callbacks(config: Any, model: Any, profiler: Any) -> list[Any]:
         return [*original(config, model, profiler), callback]
 
     setattr(module, _SEAM, build_training_callbacks)
+    native.evaluate, native.save_state = _evaluating(evaluate), _spanned(save_state, "checkpoint")
     try:
         yield callback
     except BaseException:
@@ -42,6 +48,49 @@ def instrument(
         raise
     finally:
         setattr(module, _SEAM, original)
+        native.evaluate, native.save_state = evaluate, save_state
+
+
+# Oumi's own trainer calls no callback while it evaluates or saves: without these, an evaluation or
+# a save longer than `stall_timeout_s` would be a stall, and its time goodput's `stall`.
+
+
+def _spanned(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def spanned(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with ot.span(name):
+            return method(self, *args, **kwargs)
+
+    return spanned
+
+
+def _evaluating(evaluate: Callable[..., Any]) -> Callable[..., Any]:
+    """`OumiTrainer.evaluate` in an `eval` span, each batch of its loader a heartbeat."""
+
+    def evaluating(self: Any, *args: Any, **kwargs: Any) -> Any:
+        loader = self.eval_dataloader
+        self.eval_dataloader = _Heartbeats(loader) if loader is not None else None
+        try:
+            with ot.span("eval"):
+                return evaluate(self, *args, **kwargs)
+        finally:
+            self.eval_dataloader = loader
+
+    return evaluating
+
+
+class _Heartbeats:
+    """A loader whose every batch, once the loop is done with it, is a heartbeat."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield batch
+            adapters.heartbeat()
 
 
 def train(config: Any, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:

@@ -20,6 +20,8 @@ import pytest
 
 pytest.importorskip("oumi")
 
+from helpers.events import SlowStretches
+
 from otel_train.testing import current_session
 
 ROWS = 64
@@ -191,3 +193,48 @@ def test_oumi_train_raising_restores_oumi_and_ends_the_session(
         for x in (tmp_path / "runs" / "stopped" / "metrics.rank0.jsonl").read_text().splitlines()
     ]
     assert sum(r.get("train/steps", 0) for r in rows) == 3
+
+
+def test_oumis_own_trainer_evaluates_and_saves_in_spans_and_a_long_evaluation_is_no_stall(
+    local_model: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Oumi's own trainer calls no callback while it evaluates or saves. Evaluations of 8 batches
+    of 0.25 s (a slow eval forward) after steps 3 and 6 under stall_timeout_s=0.75: each an `eval`
+    span whose batches are heartbeats (no stall), and each `save_state` a `checkpoint` span."""
+    from oumi.core.configs import DatasetParams, DatasetSplitParams
+    from transformers import GPT2LMHeadModel
+
+    from otel_train.integrations.oumi import train
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _register_dataset()
+    slow = SlowStretches()
+    forward = GPT2LMHeadModel.forward
+
+    def slow_in_eval(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.training:
+            slow.sleep(0.25)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT2LMHeadModel, "forward", slow_in_eval)
+    model_dir, data = local_model
+    config = _config("oumi", model_dir, data, tmp_path / "oumi-out")
+    config.data.validation = DatasetSplitParams(
+        datasets=[DatasetParams(dataset_name=DATASET, dataset_path=str(data))],
+        collator_name="text_with_padding",
+    )
+    config.training.eval_strategy, config.training.eval_steps = "steps", 3
+    config.training.save_steps = 3
+    native = importlib.import_module("oumi.core.trainers.oumi_trainer").Trainer
+    originals = (native.evaluate, native.save_state)
+
+    train(config, run_name="evals", verbosity=0, hardware=False, prometheus_port=0, stall_timeout_s=0.75)
+
+    assert (native.evaluate, native.save_state) == originals  # Oumi is left as it was
+    run_dir = tmp_path / "runs" / "evals"
+    rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sum(r.get("train/steps", 0) for r in rows) == STEPS
+    assert sum(r.get("timers/eval/count", 0) for r in rows) == 2
+    assert sum(r.get("timers/checkpoint/count", 0) for r in rows) == 2
+    assert len(slow.spans) == 2 * ROWS // 8  # two evaluations of 8 batches
+    assert slow.stalls_inside(run_dir) == []

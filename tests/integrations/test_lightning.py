@@ -538,25 +538,31 @@ def test_a_step_that_accumulates_longer_than_the_stall_timeout_is_no_stall(tmp_p
     assert slow.stalls_inside(run_dir) == []
 
 
+def _slow_storage(slow: SlowStretches, seconds: float) -> Any:
+    """Lightning's checkpoint writer, each file `seconds` slower (a slow file system)."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class SlowStorage(TorchCheckpointIO):
+        def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+            slow.sleep(seconds)
+            super().save_checkpoint(*args, **kwargs)
+
+    return SlowStorage()
+
+
 def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
     """The callback's `on_save_checkpoint` comes before the file is written: the watchdog then
     waits checkpoint_timeout_s, so saves of 1.5 s under stall_timeout_s=0.5 raise no stall."""
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
 
     from otel_train.integrations.lightning import OtelTrainCallback
 
     slow = SlowStretches()
 
-    class SlowStorage(TorchCheckpointIO):
-        def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-            slow.sleep(1.5)
-            super().save_checkpoint(*args, **kwargs)
-
     logger = _quiet(run_name="longsave", stall_timeout_s=0.5)
     saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
     trainer = Trainer(
-        logger=logger, callbacks=[OtelTrainCallback(), saves], plugins=[SlowStorage()], max_steps=2,
+        logger=logger, callbacks=[OtelTrainCallback(), saves], plugins=[_slow_storage(slow, 1.5)], max_steps=2,
         limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
         devices=1,
     )  # fmt: skip
@@ -576,7 +582,6 @@ def test_the_logger_alone_sees_every_batch_so_slow_intervals_validations_and_sav
     and a validation or a save longer still, each a stall under stall_timeout_s=1. The logger adds
     the callback, whose batch hooks count every optimizer step and keep the watchdog fed."""
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
 
     slow = SlowStretches()
 
@@ -589,15 +594,10 @@ def test_the_logger_alone_sees_every_batch_so_slow_intervals_validations_and_sav
             slow.sleep(0.3)
             super().validation_step(batch, batch_idx)
 
-    class SlowStorage(TorchCheckpointIO):
-        def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-            slow.sleep(1.5)
-            super().save_checkpoint(*args, **kwargs)
-
     logger = _quiet(run_name="alone-slow", stall_timeout_s=1.0)
     saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
     trainer = Trainer(
-        logger=logger, callbacks=[saves], plugins=[SlowStorage()], max_steps=12, log_every_n_steps=5,
+        logger=logger, callbacks=[saves], plugins=[_slow_storage(slow, 1.5)], max_steps=12, log_every_n_steps=5,
         val_check_interval=6, limit_val_batches=5, num_sanity_val_steps=0, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu", devices=1,
     )  # fmt: skip

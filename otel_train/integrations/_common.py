@@ -7,8 +7,9 @@ import difflib
 import logging
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import Any, TypeVar
 
 import otel_train as ot
 from otel_train import adapters
@@ -16,6 +17,7 @@ from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError, env_name
 from otel_train.config_loading import config_file_settings
 
 log = logging.getLogger("otel_train")
+T = TypeVar("T")
 
 
 def settings_from_kwargs(
@@ -108,3 +110,33 @@ def _record_name(key: str) -> str:
         if key.startswith(prefix) and key != "eval_loss":
             return f"{prefix[:-1]}/{key[len(prefix) :]}"
     return key
+
+
+def holder_on_stack(
+    kind: type[T], member: object, members: str, names: tuple[str, ...] = ("self",)
+) -> T | None:
+    """The `kind` object (a Trainer, an Accelerator) whose `members` list holds `member`, found in
+    the callers' local variables `names`: frameworks hand their loggers and trackers no reference
+    to it. None when `member` is used outside one."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            return None
+        for name in names:
+            candidate = frame.f_locals.get(name)
+            if isinstance(candidate, kind) and any(m is member for m in getattr(candidate, members)):
+                return candidate
+        frame = frame.f_back
+    return None
+
+
+def spanned(call: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`call` run inside `ot.span(name)`, for a framework's save or load that calls no hook of ours:
+    goodput books its time, and during a checkpoint span the stall watchdog waits
+    `checkpoint_timeout_s`."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with ot.span(name):
+            return call(*args, **kwargs)
+
+    return run

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import logging
 import operator
-import sys
 from collections.abc import Mapping
 from time import perf_counter_ns
-from types import FrameType
 from typing import Any
 
 from accelerate import Accelerator
@@ -23,6 +21,7 @@ from otel_train.config import default_run_name
 from otel_train.integrations._common import (
     chosen,
     distributed_world,
+    holder_on_stack,
     scalar_logs,
     settings_from_kwargs,
     start_session,
@@ -86,21 +85,10 @@ class OtelTrainTracker(GeneralTracker):
     def start(self) -> None:
         if self._ready():
             self._mark_ns = perf_counter_ns()  # the first logged step starts at init_trackers
-            accelerator = self._calling_accelerator()
+            # Accelerate hands a tracker no Accelerator: the one whose init_trackers calls this
+            accelerator = holder_on_stack(Accelerator, self, "trackers")
             if accelerator is not None and self._fed is None:
                 self._feed_watchdog(accelerator)
-
-    def _calling_accelerator(self) -> Accelerator | None:
-        """The Accelerator whose `init_trackers` calls `start`: Accelerate hands a tracker none."""
-        frame: FrameType | None = sys._getframe(2)
-        for _ in range(8):
-            if frame is None:
-                return None
-            caller = frame.f_locals.get("self")
-            if isinstance(caller, Accelerator) and any(t is self for t in caller.trackers):
-                return caller
-            frame = frame.f_back
-        return None
 
     def _feed_watchdog(self, accelerator: Accelerator) -> None:
         """A tracker hears of the loop only when it logs, maybe once an epoch: each

@@ -17,7 +17,7 @@ from typing import Any
 
 import otel_train as ot
 from otel_train import adapters, semconv
-from otel_train.integrations._common import settings_from_kwargs, start_session, with_precision
+from otel_train.integrations._common import settings_from_kwargs, spanned, start_session, with_precision
 
 __all__ = ["instrument", "zero_facts"]
 
@@ -147,8 +147,8 @@ class _Adapter:
         d["_backward_prologue"] = _wraps(engine._backward_prologue, self._backward_started)
         d["_backward_epilogue"] = _wraps(engine._backward_epilogue, self._backward_ended)
         if self.steps:  # a Trainer that drives the engine spans its own saves
-            d["save_checkpoint"] = _wraps(engine.save_checkpoint, _spanned("checkpoint"))
-            d["load_checkpoint"] = _wraps(engine.load_checkpoint, _spanned("load_checkpoint"))
+            d["save_checkpoint"] = spanned(engine.save_checkpoint, "checkpoint")
+            d["load_checkpoint"] = spanned(engine.load_checkpoint, "load_checkpoint")
         if self.breakdown:
             engine.timers.__dict__["log"] = _wraps(engine.timers.log, self._timers_log)
 
@@ -472,17 +472,6 @@ def _wraps(original: Callable[..., Any], hook: Callable[..., Any]) -> Callable[.
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     wrapper.__doc__ = getattr(original, "__doc__", None)
     return wrapper
-
-
-def _spanned(name: str) -> Callable[..., Any]:
-    """A hook running the call in `ot.span(name)`: a checkpoint save or load is goodput's
-    checkpoint time, and the stall watchdog waits `checkpoint_timeout_s` while it runs."""
-
-    def hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with ot.span(name):
-            return original(*args, **kwargs)
-
-    return hook
 
 
 def _call(obj: Any, name: str) -> Any:

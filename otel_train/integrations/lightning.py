@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 import weakref
 from argparse import Namespace
 from collections.abc import Callable, Mapping
 from time import perf_counter_ns
-from types import FrameType
 from typing import Any, NamedTuple
 
 from lightning.fabric.utilities.logger import _sanitize_callable_params
@@ -30,6 +28,7 @@ from otel_train.config import ConfigError
 from otel_train.config_loading import load_config
 from otel_train.integrations._common import (
     chosen,
+    holder_on_stack,
     scalar_logs,
     settings_from_kwargs,
     start_session,
@@ -108,20 +107,9 @@ def _next_version(root: str) -> str:
 
 
 def _trainer_on_stack(logger: OtelTrainLogger) -> Trainer | None:
-    """The Trainer running this logger, found on the caller's stack: Lightning hands a logger no
-    Trainer, and its base dir (`default_root_dir`) and other otel_train pieces are the Trainer's.
-    Only a Trainer holding this very logger counts; none when the user asks outside a run."""
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(40):
-        if frame is None:
-            return None
-        local = frame.f_locals
-        for key in ("trainer", "self"):
-            candidate = local.get(key)
-            if isinstance(candidate, Trainer) and any(lg is logger for lg in candidate.loggers):
-                return candidate
-        frame = frame.f_back
-    return None
+    """The Trainer running this logger: its base dir (`default_root_dir`) and other otel_train
+    pieces are the Trainer's, and Lightning hands a logger none."""
+    return holder_on_stack(Trainer, logger, "loggers", ("trainer", "self"))
 
 
 class OtelTrainLogger(Logger):

@@ -13,6 +13,7 @@ from typing import Any
 
 import otel_train as ot
 from otel_train import adapters
+from otel_train.integrations._common import spanned
 from otel_train.integrations.transformers import OtelTrainCallback
 
 __all__ = ["instrument", "train"]
@@ -40,7 +41,7 @@ def instrument(
         return [*original(config, model, profiler), callback]
 
     setattr(module, _SEAM, build_training_callbacks)
-    native.evaluate, native.save_state = _evaluating(evaluate), _spanned(save_state, "checkpoint")
+    native.evaluate, native.save_state = _evaluating(evaluate), spanned(save_state, "checkpoint")
     try:
         yield callback
     except BaseException:
@@ -53,14 +54,6 @@ def instrument(
 
 # Oumi's own trainer calls no callback while it evaluates or saves: without these, an evaluation or
 # a save longer than `stall_timeout_s` would be a stall, and its time goodput's `stall`.
-
-
-def _spanned(method: Callable[..., Any], name: str) -> Callable[..., Any]:
-    def spanned(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with ot.span(name):
-            return method(self, *args, **kwargs)
-
-    return spanned
 
 
 def _evaluating(evaluate: Callable[..., Any]) -> Callable[..., Any]:

@@ -170,7 +170,8 @@ class GoodputListener:
         self.rerun_s += interval.rerun_s
         self.steps += interval.steps
         if interval.steps:
-            self.last_step = max(self.last_step, interval.step)
+            done = interval.step if interval.completed_step is None else interval.completed_step
+            self.last_step = max(self.last_step, done)
             self._set_deviation(interval.step_durations)
         account = self.account()
         self.totals = account

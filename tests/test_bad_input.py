@@ -300,3 +300,19 @@ def test_a_negative_count_beyond_the_step_event_cap_adds_nothing(caplog) -> None
     assert cap.flushes[-1][1]["throughput/tokens"] == 30
     assert cap.flushes[-1][1]["otel_train/dropped/invalid_value"] == 1  # counted, as under the cap
     assert any("ot.step(tokens=-50)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bool_or_a_count_beyond_int64_adds_no_tokens(caplog) -> None:
+    """tokens=True is no count, and 2**70 tokens would wreck the throughput: both are dropped and
+    counted (under the step-event cap, where the worker adds the plain ints up, and beyond it)."""
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    for cap_values in (1000, 2):
+        with capture_metrics(log_interval=4, max_values_per_interval=cap_values) as cap:
+            for i, tokens in enumerate((10, True, 2**70, 10)):
+                with ot.step(i, tokens=tokens):
+                    pass
+        flushed = cap.flushes[-1][1]
+        assert flushed["throughput/tokens"] == 20, cap_values
+        assert flushed["otel_train/dropped/invalid_type"] == 1  # True
+        assert flushed["otel_train/dropped/invalid_value"] == 1  # 2**70
+    assert any("2**63" in r.getMessage() for r in caplog.records)

@@ -250,6 +250,21 @@ def _run_resumed(script: Path, output_dir: Path, *args: object) -> None:
     )
 
 
+def test_a_step_that_raised_is_not_the_last_completed_step(tmp_path: Path) -> None:
+    """A process that dies in step 12, after steps 0-11 in the same flush interval: the file says
+    11 was the last step completed, so a resumed process's step 12 is new progress, not waste."""
+    ot.init(prometheus_port=0, verbosity=0, log_interval=100, output_dir=str(tmp_path), run_name="dies",
+            hardware=False)  # fmt: skip
+    with pytest.raises(RuntimeError):
+        for step in range(20):
+            with ot.step(step):
+                if step == 12:
+                    raise RuntimeError("out of memory")
+    ot.shutdown()
+    saved = json.loads((tmp_path / "dies" / "goodput.rank0.json").read_text())
+    assert saved["last_step"] == 11
+
+
 def test_steps_re_run_after_a_restart_are_wasted_progress_and_the_restart_is_counted(tmp_path: Path) -> None:
     """The first process completes steps 0-9; the second resumes from a checkpoint of step 5 and
     runs 5-12: steps 5-9 again are wasted progress, not productive; one interruption."""

@@ -1,6 +1,7 @@
 """Values recorded every step, over the flush interval: the mean is the value (HF Trainer / Megatron
 convention), min / max / last go alongside, spikes are seen and named at their own step, and the
-final flush does not repeat the last row."""
+final flush does not repeat the last row. A row carries a value only from the interval it was
+recorded in; a `log_metrics(step=N)` value gets a row of its own and no stale copy of the last one."""
 
 from __future__ import annotations
 
@@ -108,6 +109,54 @@ def test_a_value_recorded_after_the_last_step_still_gets_its_row(tmp_path) -> No
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [4, 4]
     assert rows[-1][sc.EVAL_LOSS.key] == 0.5
+
+
+def test_a_log_metrics_row_after_a_flush_adds_no_stale_copy_of_the_last_row(tmp_path) -> None:
+    """An evaluation logged at the step that just flushed gets its own row at that step, and no
+    second row of the training values already written under it (nor a progress line)."""
+    ot.init(prometheus_port=0, verbosity=0, log_interval=10, output_dir=str(tmp_path), hardware=False)
+    session = current_session()
+    for step in range(20):
+        with ot.step(step, tokens=100):
+            ot.record("loss", 1.0 / (step + 1))
+        if step == 9:
+            ot.log_metrics({"eval_loss": 0.5}, step=9)
+    run_dir = session.run_dir
+    ot.shutdown()
+    assert run_dir is not None
+    rows = [{k: r.get(k) for k in ("step", sc.LOSS.key, sc.EVAL_LOSS.key)} for r in _rows(run_dir)]
+    assert rows == [
+        {"step": 9, sc.LOSS.key: sum(1.0 / (i + 1) for i in range(10)) / 10, sc.EVAL_LOSS.key: None},
+        {"step": 9, sc.LOSS.key: None, sc.EVAL_LOSS.key: 0.5},
+        {"step": 19, sc.LOSS.key: sum(1.0 / (i + 1) for i in range(10, 20)) / 10, sc.EVAL_LOSS.key: None},
+    ]
+    progress = RunFiles(run_dir).progress.read_text().splitlines()
+    assert [line.split(" | ")[1] for line in progress if "end of process" not in line] == [
+        "step 10", "step 20"
+    ]  # fmt: skip
+
+
+def test_a_value_recorded_in_one_interval_is_in_that_intervals_row_only(tmp_path) -> None:
+    """An eval loss recorded at steps 0 and 20 is in the rows of those intervals only (a bridge
+    shows it where it was measured), while the OTel gauge keeps its latest value for Prometheus."""
+    port = free_port()
+    ot.init(prometheus_port=port, verbosity=0, log_interval=5, output_dir=str(tmp_path), hardware=False)
+    session = current_session()
+    for step in range(40):
+        with ot.step(step):
+            ot.record("loss", 1.0)
+            if step in (0, 20):
+                ot.record("eval_loss", 0.5 + step)
+    session.worker.stop(timeout_s=10)
+    text = urllib.request.urlopen(session.prometheus_url, timeout=10).read().decode()
+    run_dir = session.run_dir
+    ot.shutdown()
+    assert run_dir is not None
+    rows = _rows(run_dir)
+    assert [(r["step"], r[sc.EVAL_LOSS.key]) for r in rows if sc.EVAL_LOSS.key in r] == [(4, 0.5), (24, 20.5)]
+    assert [r["step"] for r in rows if sc.interval_key(sc.EVAL_LOSS.key, "last") in r] == [4, 24]
+    assert all(sc.LOSS.key in r for r in rows)  # recorded in every interval
+    assert _samples(text)[sc.EVAL_LOSS.prometheus_name] == [20.5]
 
 
 class _Intervals:

@@ -40,8 +40,8 @@ class RunDirSink(Sink):
         }
         self._metrics.write_line(dumps_line(row))
         self._tokens += scalars.get(sc.TOKENS.key, 0.0)
-        if self._progress is None:
-            return
+        if self._progress is None or sc.STEPS.key not in scalars:
+            return  # a row without training steps (log_metrics(step=N), an eval) is no progress
         elapsed = wall_time - self._started
         steps = f"{step + 1}/{self._total_steps}" if self._total_steps else f"{step + 1}"
         parts = [

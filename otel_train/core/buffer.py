@@ -38,6 +38,9 @@ class FlushHeader:
     # rank 0's is its decision, which its answers carry to the other ranks)
     flush_interval: int = 0
     flush_anchor: int = -1
+    # the highest index of a step that ended without an error, where steps failed (else `step`);
+    # set by the worker (worker.resolve_steps)
+    completed_step: int | None = None
 
 
 def finite(values: Iterable[float]) -> list[float]:
@@ -91,6 +94,7 @@ class FlushListener(Protocol):
 
 
 # --- the buffer ---
+MAX_STEP = 2**63 - 1  # a step or a count must fit an int64 (Prometheus, TensorBoard, JSON readers)
 MAX_ERROR_TYPES = 8
 MAX_SPAN_RECORDS = 10_000  # span records per interval (sampled steps, their timers, ot.span marks)
 # All timers together may append this many times max_values_per_interval events per interval (the

@@ -147,10 +147,11 @@ def keep_case(
     scalars.update(fresh)
 
 
-def leave_out_own_rows(scalars: dict[str, float], instruments: Collection[str]) -> None:
-    """Take out of a flush's row the keys of instruments whose values have rows of their own
-    (`log_metrics(step=N)`): their value, its interval statistics and, for the loss, its min/max/last
-    gauges; a bridge then shows each at its own step only, as a framework's built-in logger does."""
+def leave_out(scalars: dict[str, float], instruments: Collection[str]) -> None:
+    """Take `instruments` out of a flush's row: their value, its interval statistics and, for the
+    loss, its min/max/last gauges. For values with rows of their own (`log_metrics(step=N)`) and
+    values not recorded in the interval: a bridge then shows each at the steps it was recorded
+    at only, as a framework's built-in logger does."""
     for instrument in instruments:
         key = key_for(instrument, {})
         scalars.pop(key, None)

@@ -24,6 +24,7 @@ from otel_train.bridges.console import ConsoleSink
 from otel_train.config import Config
 from otel_train.core.buffer import (
     MAX_SPAN_RECORDS,
+    MAX_STEP,
     Buffer,
     FlushBatch,
     SpanRecord,
@@ -56,7 +57,6 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
 
 log = logging.getLogger("otel_train")
 
-MAX_STEP = 2**63 - 1  # a step must fit an int64 (Prometheus, TensorBoard, JSON readers)
 _NEVER_NS = 2**63  # a perf_counter_ns no step ends at
 
 
@@ -417,6 +417,8 @@ def count_of(value: Any, what: str, buffer: Buffer) -> int | None:
     if value is None or (value.__class__ is int and 0 <= value <= MAX_STEP):
         return value  # type: ignore[no-any-return]
     try:
+        if isinstance(value, bool):
+            raise TypeError  # True is no count of tokens
         number = operator.index(value)
     except TypeError:
         buffer.drop("invalid_type")

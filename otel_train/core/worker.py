@@ -23,6 +23,7 @@ from otel_train import semconv
 from otel_train.bridges.base import Sink
 from otel_train.core.buffer import (
     MAX_SPAN_RECORDS,
+    MAX_STEP,
     FlushBatch,
     FlushListener,
     HistogramMessage,
@@ -45,7 +46,7 @@ from otel_train.core.instruments import (
     feed_layer_stats,
     keep_case,
     key_for,
-    leave_out_own_rows,
+    leave_out,
     record_durations,
     set_interval_stats,
 )
@@ -106,6 +107,7 @@ class Worker:
         # instruments whose values last came only with an explicit step: they have rows of their
         # own at those steps (ScalarsMessage), so the flushes' rows leave them out
         self._own_rows: set[str] = set()
+        self._recorded: set[str] = set()  # instruments ever given a value (ot.record, log_metrics)
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
@@ -115,7 +117,7 @@ class Worker:
         self.flush_cpu_s = 0.0
         self._errors_warned: set[str] = set()
         self.sink_errors: dict[str, int] = {}
-        self._started_at = time.time()
+        self._first_step_at: float | None = None  # epoch seconds when the first step began (the ETA)
         self._steps_done = 0
         self.busy_since: float | None = None  # perf_counter when its item began (`stuck_message`)
         self.doing = "idle"
@@ -238,12 +240,18 @@ class Worker:
         for key in add_stat_keys(scalars, self._stat_keys):
             self._warn_once(f"stat:{key}", STAT_KEY_TAKEN.format(key=key))
         self._stat_keys.clear()
-        leave_out_own_rows(scalars, self._own_rows)
+        leave_out(scalars, self._own_rows)
         self.final_scalars.update(scalars)
         self.flushes += 1
-        if not (interval.steps or batch.scalars or batch.dropped or interval.phases or batch.phase_errors):
-            # Nothing new since the last row (the final flush after the last step): the gauges
-            # would write that row again under the same step.
+        # A recorded value's gauge holds it until the next one: a row carries it only from the
+        # interval it was recorded in, as a framework's own logger writes an eval loss at its eval.
+        self._recorded.update(interval.scalars)
+        leave_out(scalars, self._recorded.difference(interval.scalars))
+        fresh = any(instrument not in self._own_rows for instrument in batch.scalars)
+        if not (interval.steps or fresh or batch.dropped or interval.phases or batch.phase_errors):
+            # Nothing new since the last row (the final flush after the last step, the flush that
+            # files a log_metrics(step=N) row of its own): the gauges would write that row again
+            # under the same step.
             return
         self._to_sinks(lambda sink: sink.write_scalars(interval.step, interval.wall_time, scalars))
 
@@ -285,12 +293,15 @@ class Worker:
             set_interval_stats(ins, self._stat_keys, instrument, values)
         for reason, count in batch.dropped.items():
             ins.dropped.add(count, {semconv.REASON: reason})
+        if self._first_step_at is None and batch.step_events:
+            # the rate counts from the first step: set-up (a checkpoint load, compiling) is not a step
+            self._first_step_at = (batch.step_events[0][1] + batch.perf_to_epoch_ns) * 1e-9
         self._steps_done += interval.steps
         if self.total_steps:
             ins.total_steps.set(self.total_steps)
-            remaining = self.total_steps - (interval.step + 1)
-            elapsed = interval.wall_time - self._started_at
-            if self._steps_done and remaining >= 0:
+            remaining = max(0, self.total_steps - (interval.step + 1))
+            if self._steps_done and self._first_step_at is not None:
+                elapsed = interval.wall_time - self._first_step_at
                 ins.eta.set(remaining * elapsed / self._steps_done)
 
     def _deliver_message(self, message: Message) -> None:
@@ -402,6 +413,7 @@ def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
         indices, starts, ends, tokens, samples = (
             list(compress(column, done)) for column in (indices, starts, ends, tokens, samples)
         )
+        batch.completed_step = max(indices, default=-1)
     batch.step_durations.extend(seconds_between(starts, ends))
     batch.tokens += count_sum(batch, "tokens", tokens)
     batch.samples += count_sum(batch, "samples", samples)
@@ -415,14 +427,14 @@ def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
 
 
 def count_sum(batch: FlushBatch, what: str, counts: Sequence[int | None]) -> int:
-    """The steps' tokens= or samples=, without negative ones (the hot path appends a plain int
-    unchecked; a negative count would take tokens away): those are dropped and counted."""
+    """The steps' tokens= or samples=, without negative or huge ones (the hot path appends a plain
+    int unchecked; a negative count would take tokens away): those are dropped and counted."""
     given: list[int] = list(filter(None, counts))
-    if given and min(given) < 0:
-        bad = [c for c in given if c < 0]
+    if given and (min(given) < 0 or max(given) > MAX_STEP):
+        bad = [c for c in given if not 0 <= c <= MAX_STEP]
         batch.dropped["invalid_value"] = batch.dropped.get("invalid_value", 0) + len(bad)
-        batch.problems.setdefault("negative_count", f"{what}={bad[0]}")
-        given = [c for c in given if c > 0]
+        batch.problems.setdefault("bad_count", f"{what}={bad[0]}")
+        given = [c for c in given if 0 < c <= MAX_STEP]
     return sum(given)
 
 
@@ -435,7 +447,7 @@ PROBLEMS = {
     "no_data_tensor": "a value of {name} was a tensor with no data (a meta or fake tensor):",
     "overflow": "a value of {name} was too large for a float64",
     "invalid_timer_name": "a timer's name was not a str ({name}): its phases were",
-    "negative_count": "ot.step({name}): a count must be >= 0; such counts were",
+    "bad_count": "ot.step({name}): a count must be >= 0 (and < 2**63); such counts were",
     "same_tensor": (
         "the same tensor object was recorded several times in one interval as {name}: values are "
         "read at the flush, so a tensor changed in place (an accumulator, a Parameter) gives its "
@@ -449,7 +461,7 @@ def problem_warning(reason: str, name: str) -> str:
     text = PROBLEMS.get(reason, "values of {name} were").format(name=name)
     if reason == "same_tensor":
         return f"otel_train: {text}."
-    counted = "invalid_value" if reason == "negative_count" else reason
+    counted = "invalid_value" if reason == "bad_count" else reason
     return f"otel_train: {text} dropped and counted as otel_train.dropped{{reason={counted}}} (warned once)."
 
 

@@ -149,7 +149,7 @@ def test_the_interval_carries_every_header_field_of_its_batch() -> None:
     assert header_of(interval) == {
         "seq": 7, "step": 41, "wall_time": batch.wall_time, "elapsed_s": 2.5, "steps": 3, "tokens": 300,
         "samples": 6, "step_durations": [0.1, 0.2], "final": True, "autocast_dtype": "bfloat16",
-        "flush_interval": 5, "flush_anchor": 20,
+        "flush_interval": 5, "flush_anchor": 20, "completed_step": 6,
     }  # fmt: skip
 
 

@@ -5,6 +5,7 @@ floats), in the order they were logged with the flushes around them."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,9 +13,18 @@ import pytest
 import torch
 
 import otel_train as ot
+from otel_train import semconv
 from otel_train.bridges.base import Sink
-from otel_train.core.buffer import HistogramMessage, HparamsMessage, SamplesMessage, TextMessage
+from otel_train.core.buffer import (
+    Buffer,
+    FlushBatch,
+    HistogramMessage,
+    HparamsMessage,
+    SamplesMessage,
+    TextMessage,
+)
 from otel_train.core.session import Session
+from otel_train.testing import current_session
 
 
 class Recording(Sink):
@@ -75,3 +85,44 @@ def test_messages_are_typed_records() -> None:
         text.text = "changed"  # type: ignore[misc]
     names = {cls.event_name for cls in (TextMessage, SamplesMessage, HistogramMessage, HparamsMessage)}
     assert names == {"otel_train.text", "otel_train.samples", "otel_train.histogram", "otel_train.hparams"}
+
+
+class _Eta(Sink):
+    name = "eta"
+
+    def __init__(self) -> None:
+        self.etas: list[float | None] = []
+
+    def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
+        self.etas.append(scalars.get(semconv.ETA.key))
+
+
+def _steps_batch(first: int, count: int, start_s: float, seconds_each: float) -> FlushBatch:
+    """A flush of `count` steps from index `first`, the first beginning at epoch second `start_s`,
+    each `seconds_each` long, flushed as the last ends (step events on the epoch clock)."""
+    buffer = Buffer(max_names=10, max_values=1000)
+    ns = int(seconds_each * 1e9)
+    begin = int(start_s * 1e9)
+    buffer.steps = count
+    buffer.step_events.extend(
+        (first + i, begin + i * ns, begin + (i + 1) * ns, None, None, False) for i in range(count)
+    )
+    batch = buffer.take(1, first + count - 1, count * seconds_each, perf_to_epoch_ns=0)
+    batch.wall_time = start_s + count * seconds_each
+    return batch
+
+
+def test_the_eta_counts_from_the_first_step_and_reads_0_past_the_planned_last(tmp_path) -> None:
+    """A resumed run (steps from 5000 of 6000) whose set-up before its first step took an hour:
+    the ETA is the steps left at the steps' own rate (1 s each), not diluted by the set-up; once
+    a step passes total_steps it reads 0, not the last estimate."""
+    ot.init(total_steps=6000, prometheus_port=0, verbosity=0, output_dir=str(tmp_path), hardware=False)
+    worker = current_session().worker
+    sink = _Eta()
+    worker.add_sink(sink)
+    first_step_at = time.time() + 3600.0
+    worker._process(_steps_batch(5000, 10, first_step_at, 1.0))
+    worker._process(_steps_batch(5010, 1000, first_step_at + 10.0, 1.0))
+    ot.shutdown()
+    assert sink.etas[0] == pytest.approx(990.0)  # 990 steps left at 1 s each
+    assert sink.etas[1] == 0.0  # step 6009 of 6000

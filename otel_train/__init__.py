@@ -246,6 +246,8 @@ def watch(
     health event naming the layers. `scaler` (a `torch.amp.GradScaler`) also exports its loss
     scale (`train.loss_scale`) and counts the optimizer steps it skips for inf/NaN gradients
     (`train.optimizer.skipped_steps`) on every step, with no host sync; use the scaler as usual.
+    A step the scaler skips has no gradient statistics (its gradients overflowed at the loss scale
+    and were discarded): no `nonfinite_grad` event for what the scaler handled.
     Watching the same model again replaces the earlier watch; `.remove()` on the returned handle
     stops it (and the scaler's). With the `watch_aggregate="model"` setting every watch is one
     group, the whole model (series budget). Across ranks, the watched steps' batches and parameter
@@ -273,6 +275,7 @@ def watch(
         session.buffer, model, every, grads, params, activations, histograms, layers, on_remove
     )
     handle.fingerprints = session.identity.distributed and session.config.cross_rank
+    handle.scaled = scaler is not None
     session.add_watch(handle)
     return handle
 

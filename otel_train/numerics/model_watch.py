@@ -25,6 +25,7 @@ log = logging.getLogger("otel_train")
 _WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 ROOT_LABEL = "(root)"
 HISTOGRAM_SAMPLE = 1024  # values per layer and histogram, strided over the layer's tensors
+UNAPPLIED_WARNING = 10  # scaled watched steps in a row without an optimizer step before a warning
 
 
 def clean_name(name: str, ddp: bool) -> str:
@@ -122,6 +123,10 @@ class ModelWatch:
         # Fingerprint batches only where an exchange compares them (ot.watch turns it off for a
         # single process or cross_rank=False): otherwise a float64 pass over the input for nothing.
         self.fingerprints = True
+        # Watched with a GradScaler (ot.watch(scaler=)): a step whose optimizer step did not run
+        # was skipped by the scaler, its gradients still scaled and discarded (`_collect`).
+        self.scaled = False
+        self._unapplied = 0  # scaled watched steps in a row without an optimizer step
         self._warned: set[str] = set()
 
     def _place_on(self, device: Any) -> None:
@@ -215,7 +220,11 @@ class ModelWatch:
         if self._params[0].device != self._device:
             self._place_on(self._params[0].device)
         records: list[LayerStats] = []
-        if self.grads and not self._zero_stage:
+        if self.grads and not self._zero_stage and self.scaled and not self._reads.applied:
+            self._reads.clear()
+            self._scaler_skipped(index)
+        elif self.grads and not self._zero_stage:
+            self._unapplied = 0
             norms, samples = self._reads.final()
             if all(n is None for n in norms):
                 self._warn_once(
@@ -252,6 +261,21 @@ class ModelWatch:
             records.append(LayerStats(FINGERPRINT, FINGERPRINT_LABELS, self._fingerprint, index))
             self._fingerprint = None
         buffer.add_layer_stats(records)
+
+    def _scaler_skipped(self, index: int) -> None:
+        """A scaled step whose optimizer step did not run: the GradScaler found inf/NaN gradients
+        at its loss scale and skipped it (counted in train.optimizer.skipped_steps). Its gradients
+        are still scaled and were discarded, so the step has no gradient statistics and its
+        overflow is no `nonfinite_grad`. Many in a row mean the optimizer steps outside `ot.step`."""
+        self._unapplied += 1
+        if self._unapplied == UNAPPLIED_WARNING:
+            self._warn_once(
+                "unapplied",
+                f"ot.watch: no optimizer step ran inside the last {UNAPPLIED_WARNING} watched steps "
+                f"(through step {index}), so they have no gradient statistics: with scaler=, only the "
+                "gradients an optimizer step applies are read. Call scaler.step(optimizer) inside "
+                "the step, or the GradScaler is skipping every step (its loss scale keeps overflowing).",
+            )
 
     def _see_zero(self) -> None:
         if not self._zero_stage and (stage := deepspeed_zero(self._params)):
@@ -388,6 +412,7 @@ class GradientReads:
         self.clear()
 
     def clear(self) -> None:
+        self.applied = False  # an optimizer step pre-hook read this step's gradients
         self._norms: list[Any] = []
         self._samples: list[Any] = []
         self._kept: list[Any] = []
@@ -396,6 +421,7 @@ class GradientReads:
         """Start a watched step: its reads empty, the hooks' handles appended to `handles`."""
         n = len(self.params)
         self._norms, self._samples, self._kept = [None] * n, [None] * n, [None] * n
+        self.applied = False
         self.histograms = histograms
         handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
         for param, keep in zip(self.params, self._keep_hooks, strict=True):
@@ -420,6 +446,7 @@ class GradientReads:
                 if (i := self._position.get(id(p))) is not None
             ]
             if positions and len(self._norms) == len(self.params):
+                self.applied = True
                 # set by GradScaler.step on optimizers that unscale inside their own (fused) step
                 scale = getattr(optimizer, "grad_scale", None)
                 self._read(positions, scale if isinstance(scale, torch.Tensor) else None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import io
+import json
+import logging
 import pickle
 import threading
 from collections.abc import Callable
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 import otel_train as ot
-from otel_train.testing import capture_metrics
+from otel_train.run_directory import RunFiles
+from otel_train.testing import capture_metrics, current_session
 
 
 def _model() -> torch.nn.Module:
@@ -54,6 +57,49 @@ def test_scale_and_skipped_steps_are_exported() -> None:
     assert capture.last("train/loss_scale") == scaler.get_scale() == 1024.0 * 0.5 * 0.5
     assert handle is not None
     assert "update" not in scaler.__dict__  # shutdown handed the scaler its own update() back
+
+
+def _events(run_dir: Any) -> list[str]:
+    path = RunFiles(run_dir).events
+    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_step_the_scaler_skips_has_no_gradient_statistics_and_no_nonfinite_grad(tmp_path) -> None:
+    """Every step watched; steps 3 and 7 overflow and the scaler skips them, as it is built to: no
+    `nonfinite_grad` event (it pages as critical) and no statistics of the discarded, still scaled
+    gradients; the other 8 steps have theirs, unscaled."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    with capture_metrics(log_interval=1, hardware=False, output_dir=str(tmp_path)) as capture:
+        model = _model()
+        ot.watch(model, every=1, scaler=scaler)
+        _train(scaler, 10, poison={3, 7}, model=model)
+        run_dir = current_session().run_dir
+    assert sum(v for _, v in capture.series("train/skipped_steps")) == 2
+    assert "nonfinite_grad" not in _events(run_dir)
+    norms = capture.series("train/grad_norm")
+    assert [step for step, _ in norms] == [0, 1, 2, 4, 5, 6, 8, 9]
+    assert all(0 < norm < 100 for _, norm in norms), norms  # unscaled (the scale is 1024, then 256)
+    assert "otel_train/dropped/nonfinite" not in capture.flushes[-1][1]
+
+
+def test_a_scaled_watch_whose_optimizer_steps_outside_the_step_says_so(caplog) -> None:
+    """scaler.step(optimizer) after the step's block: no watched step sees its gradients applied,
+    so none has statistics, and after 10 such steps a warning names the fix."""
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with capture_metrics(log_interval=5, hardware=False) as capture:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        ot.watch(model, every=1, scaler=scaler)
+        for step in range(12):
+            with ot.step(step):
+                scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    assert capture.series("train/grad_norm") == []
+    warnings = [r.getMessage() for r in caplog.records if "no optimizer step ran inside" in r.getMessage()]
+    assert len(warnings) == 1 and "scaler.step(optimizer) inside the step" in warnings[0]
 
 
 def _host_reads_on_this_thread(run: Callable[[], None]) -> int:

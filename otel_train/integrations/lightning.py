@@ -328,24 +328,33 @@ class OtelTrainLogger(Logger):
 
 def _trainer_settings(trainer: Trainer, settings: Mapping[str, Any]) -> dict[str, Any]:
     """`settings` with what the Trainer says (total steps, precision) where the user chose neither
-    (a keyword, `OTEL_TRAIN_<FIELD>`, the config file)."""
+    (a keyword, `OTEL_TRAIN_<FIELD>`, the config file). Under manual optimization `max_steps`
+    counts every optimizer's steps, several per batch (a GAN's two), so it is no step count."""
     out = dict(settings)
-    if trainer.max_steps and trainer.max_steps > 0 and not chosen("total_steps", out):
+    manual = not getattr(trainer.lightning_module, "automatic_optimization", True)
+    if trainer.max_steps and trainer.max_steps > 0 and not manual and not chosen("total_steps", out):
         out["total_steps"] = trainer.max_steps
     return with_precision(out, trainer.precision)
 
 
+def _logging_step(trainer: Trainer) -> int:
+    """The step Lightning's loggers file a training batch's values at: the batches that stepped
+    the optimizers so far (one per batch however many optimizers it steps, unlike `global_step`)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
 def _plain_params(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:
-    """Hyperparameters as Lightning's own loggers take them: a Namespace (nested too) as a dict,
-    a callable as its name; other values pass on to otel_train's writers."""
-    return _sanitize_callable_params(_namespaces_as_dicts(params or {}))
+    """Hyperparameters as Lightning's own loggers take them (they flatten, then sanitize): a
+    Namespace as a dict and a callable as its name, nested ones too; other values pass on to
+    otel_train's writers."""
+    return _plain(params or {})  # type: ignore[no-any-return]
 
 
-def _namespaces_as_dicts(value: Any) -> Any:
+def _plain(value: Any) -> Any:
     if isinstance(value, Namespace):
         value = vars(value)
     if isinstance(value, Mapping):
-        return {k: _namespaces_as_dicts(v) for k, v in value.items()}
+        return _sanitize_callable_params({k: _plain(v) for k, v in value.items()})
     return value
 
 
@@ -365,8 +374,7 @@ class OtelTrainCallback(Callback):
         self._tokens_of = tokens
         self._tokens = 0
         self._owns_session = False
-        self._forwards_logged = False
-        self._forwarded: dict[str, Any] = {}  # the logged values already sent, by name
+        self._unwrap: Callable[[], None] | None = None  # undoes the forwarding of logged values
         self._step: int | None = None
         self._step_global = 0  # trainer.global_step when the open step began
         self._phase_start_ns = 0
@@ -381,7 +389,8 @@ class OtelTrainCallback(Callback):
         ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
         for logger in ours:
             logger.marks_steps = False  # the steps are ours; the logger only logs values
-        self._forwards_logged = not ours
+        if not ours:
+            self._unwrap = _forward_logged_metrics(trainer)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._watch_every > 0:
@@ -391,11 +400,17 @@ class OtelTrainCallback(Callback):
         self._mark_ns = perf_counter_ns()  # after the sanity check: it is not the first step's data
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
         if stage == "fit" and self._owns_session:
             self._owns_session = False
             ot.shutdown()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
         if self._step is not None:
             adapters.end_step(failed=True)
             self._step = None
@@ -415,7 +430,7 @@ class OtelTrainCallback(Callback):
             # Backdated to the previous batch's end: the data wait belongs to this step, and the
             # arrivals are measured from there (a rank slow to load arrives late at the backward
             # all-reduce: that makes it the straggler, not the ranks that wait for it).
-            self._step = adapters.begin_step(trainer.global_step, start_ns=start)
+            self._step = adapters.begin_step(_logging_step(trainer), start_ns=start)
             self._step_global = trainer.global_step
             self._tokens = 0
             # unsharded data (watched steps only): training_step need not pass the batch to forward
@@ -446,7 +461,6 @@ class OtelTrainCallback(Callback):
             adapters.heartbeat()  # the step goes on: a long one of many micro-batches is no stall
             return
         self._end_phase("optimizer")
-        self._forward_logged(trainer, None)  # this step's values (the trainer computes them now)
         adapters.end_step(tokens=self._tokens or None)
         self._step = None
         self._mark_ns = perf_counter_ns()
@@ -455,17 +469,6 @@ class OtelTrainCallback(Callback):
         if self._step is not None:
             ot.timer(name).start(at_ns=self._phase_start_ns).stop()
             self._phase_start_ns = perf_counter_ns()
-
-    def _forward_logged(self, trainer: Trainer, step: int | None) -> None:
-        """Without an OtelTrainLogger: send what the trainer's loggers get. Only values that changed
-        since the last call (new objects; tensors stay on device) so that a validation value is
-        not re-sent at every later step."""
-        if not self._forwards_logged or adapters.current_run() is None:
-            return
-        fresh = {k: v for k, v in trainer.logged_metrics.items() if self._forwarded.get(k) is not v}
-        if fresh:
-            self._forwarded.update(fresh)
-            ot.log_metrics(_lightning_scalars(fresh), step=step)
 
     # --- validation ------------------------------------------------------------------------------
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -483,11 +486,34 @@ class OtelTrainCallback(Callback):
             return
         self._eval.stop()
         self._eval = None
-        # The validation's values, now, under the step it followed (where Lightning's own loggers
-        # file them): also the final validation's, after which no training step ends to carry them.
-        info = ot.run_info()
-        self._forward_logged(trainer, info.step if info is not None else trainer.global_step - 1)
         self._mark_ns = perf_counter_ns()
+
+
+def _forward_logged_metrics(trainer: Trainer) -> Callable[[], None]:
+    """Without an OtelTrainLogger, the callback sends otel_train what the Trainer's loggers get,
+    when and at the step they get it (each batch's, each epoch's, each validation's): the
+    Trainer's one place that hands metrics to its loggers, `_logger_connector.log_metrics`, is
+    wrapped on this Trainer (also with no logger at all, where it hands them to nobody). Returns
+    what undoes it."""
+    connector = trainer._logger_connector
+    handed = connector.log_metrics  # the bound method
+
+    def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
+        handed(metrics, step)
+        if not metrics or adapters.current_run() is None:
+            return
+        values = dict(metrics)
+        given = values.pop("step", None)  # Lightning's rule: a logged "step" value is the step
+        if step is None:
+            step = int(given) if given is not None else _logging_step(trainer)
+        ot.log_metrics(_lightning_scalars(values), step=step)
+
+    def unwrap() -> None:
+        if connector.__dict__.get("log_metrics") is log_metrics:
+            del connector.log_metrics
+
+    connector.log_metrics = log_metrics  # type: ignore[method-assign]
+    return unwrap
 
 
 def callbacks_factory() -> list[Callback]:

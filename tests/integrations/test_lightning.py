@@ -702,6 +702,7 @@ def test_hyperparameters_of_every_type_reach_hparams_json(tmp_path: Path) -> Non
         "tensor": torch.tensor([1.5, 2.0]), "scalar_tensor": torch.tensor(3), "np_array": np.arange(3),
         "np_float": np.float32(0.5), "enum": _Flavour.SALTY, "dataclass": _Opts(), "callable": torch.nn.ReLU,
         "layer": torch.nn.Linear(1, 1), "set": {1, 2},
+        "nested_callables": {"act": torch.relu, "loss": Namespace(fn=torch.nn.functional.mse_loss)},
     }  # fmt: skip
     logger.log_hyperparams(Namespace(**params))
     logger.log_hyperparams(params)
@@ -710,6 +711,8 @@ def test_hyperparameters_of_every_type_reach_hparams_json(tmp_path: Path) -> Non
     assert written["float"] == 0.3 and written["string"] == "abc" and written["bool"] is True
     assert written["namespace"] == {"foo": {"bar": "x"}}  # nested Namespaces as mappings
     assert written["callable"] == "ReLU"  # a callable by its name, as Lightning's loggers write it
+    # nested ones too (Lightning's loggers flatten, then sanitize): no "<function ... at 0x...>"
+    assert written["nested_callables"] == {"act": "relu", "loss": {"fn": "mse_loss"}}
     assert {"tensor", "np_array", "enum", "dataclass", "layer", "set"} <= set(written)
 
 
@@ -753,3 +756,91 @@ def test_ddp_ranks_agree_on_the_version(tmp_path: Path) -> None:
     node0 = tmp_path / "node0" / "version_1"
     assert {Path(r["ckpt_dir"]) for r in results} == {node0 / "checkpoints"}  # Lightning broadcasts rank 0's
     assert sorted(p.name for p in (node0 / "checkpoints").iterdir()) == ["epoch=0-step=2.ckpt"]
+
+
+class _EpochLogged(TinyRegression):
+    """Logs its loss as an epoch mean only (`on_step=False, on_epoch=True`)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        self.log("lr_like", float(batch_idx))  # a per-step value beside it
+        return loss
+
+
+def test_the_callback_alone_sends_what_the_loggers_get_at_their_steps(tmp_path: Path) -> None:
+    """No OtelTrainLogger: the callback sends otel_train what the Trainer's own CSVLogger gets, the
+    same values at the same steps: per-step values and each epoch's mean at its epoch's last
+    step, the last epoch's too (not a running mean sent again at every later batch)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    ot.init(
+        run_name="cb",
+        prometheus_port=0,
+        verbosity=0,
+        log_interval=1,
+        hardware=False,
+        output_dir=str(tmp_path),
+    )
+    session = current_session()
+    csv = CSVLogger(str(tmp_path / "csv"))
+    trainer = Trainer(
+        max_epochs=3, logger=csv, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, accelerator="cpu", devices=1, callbacks=[OtelTrainCallback()],
+    )  # fmt: skip
+    trainer.fit(_EpochLogged(), _loader(12))  # 3 batches an epoch
+    ot.shutdown()
+    import csv as csv_module
+
+    with open(Path(csv.log_dir) / "metrics.csv") as f:
+        logged = list(csv_module.DictReader(f))
+    lightning_epochs = [(int(r["step"]), float(r["train_loss"])) for r in logged if r["train_loss"]]
+    lightning_steps = [(int(r["step"]), float(r["lr_like"])) for r in logged if r["lr_like"]]
+    rows = _rows(session.run_dir)
+    assert [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r] == lightning_epochs
+    assert [(r["step"], r["train/lr_like"]) for r in rows if "train/lr_like" in r] == lightning_steps
+    assert [step for step, _ in lightning_epochs] == [2, 5, 8]
+    assert _total(rows, "train/steps") == 9
+
+
+class _TwoOptimizers(TinyRegression):
+    """Manual optimization stepping two optimizers per batch, as a GAN does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        first, second = self.optimizers()  # type: ignore[misc]
+        for optimizer, layer in ((first, self.layer), (second, self.other)):
+            loss = torch.nn.functional.mse_loss(layer(x), y)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        self.log("batch", float(batch_idx))
+
+    def configure_optimizers(self) -> Any:
+        return [
+            torch.optim.SGD(self.layer.parameters(), lr=0.05),
+            torch.optim.SGD(self.other.parameters(), lr=0.05),
+        ]
+
+
+def test_manual_optimization_with_two_optimizers_numbers_steps_as_lightning_logs_them(tmp_path: Path) -> None:
+    """A GAN's batch steps two optimizers: `global_step` moves by 2 and `max_steps=8` ends after 4
+    batches. otel_train's steps are the batches, numbered as Lightning's loggers number them, so
+    each logged value is filed under its own step; `max_steps` is not taken as the step count."""
+    logger = _quiet(run_name="gan", log_interval=1)
+    trainer = _quick_trainer(logger, max_steps=8, log_every_n_steps=1, default_root_dir=str(tmp_path))
+    trainer.fit(_TwoOptimizers(), _loader(64))
+    ot.shutdown()
+    assert trainer.global_step == 8
+    rows = _rows(Path(logger.log_dir))
+    assert [r["step"] for r in rows if "train/steps" in r] == [0, 1, 2, 3]
+    assert [(r["step"], r["train/batch"]) for r in rows if "train/batch" in r] == [
+        (i, float(i)) for i in range(4)
+    ]
+    assert json.loads((Path(logger.log_dir) / "config.json").read_text())["total_steps"] is None

@@ -118,6 +118,15 @@ def holder_on_stack(
     """The `kind` object (a Trainer, an Accelerator) whose `members` list holds `member`, found in
     the callers' local variables `names`: frameworks hand their loggers and trackers no reference
     to it. None when `member` is used outside one."""
+    found = call_holding(kind, member, members, names)
+    return None if found is None else found[0]
+
+
+def call_holding(
+    kind: type[T], member: object, members: str, names: tuple[str, ...] = ("self",)
+) -> tuple[T, dict[str, Any]] | None:
+    """`holder_on_stack`'s object and the local variables of the nearest call that has it (the
+    arguments of, say, the `init_trackers` that starts a tracker)."""
     frame: FrameType | None = sys._getframe(1)
     for _ in range(40):
         if frame is None:
@@ -125,7 +134,7 @@ def holder_on_stack(
         for name in names:
             candidate = frame.f_locals.get(name)
             if isinstance(candidate, kind) and any(m is member for m in getattr(candidate, members)):
-                return candidate
+                return candidate, frame.f_locals
         frame = frame.f_back
     return None
 

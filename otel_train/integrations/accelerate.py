@@ -19,9 +19,9 @@ import otel_train as ot
 from otel_train import adapters
 from otel_train.config import default_run_name
 from otel_train.integrations._common import (
+    call_holding,
     chosen,
     distributed_world,
-    holder_on_stack,
     scalar_logs,
     settings_from_kwargs,
     start_session,
@@ -71,11 +71,18 @@ class OtelTrainTracker(GeneralTracker):
         self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._owns_session = False
         self._warned = False
+        self._fed: Accelerator | None = None  # the Accelerator whose calls feed the stall watchdog
+        self._save_hook: Any = None
+        self._new_run()
+
+    def _new_run(self) -> None:
+        """What one run (`init_trackers` to `end_training`) learns: an instance given to a second
+        Accelerator starts again as a new one would."""
         self._marks_steps = True  # until the loop marks a step itself (or the job is multi-rank)
         self._marked = -1  # the last step this tracker marked; -1: none (a fresh session's last step)
         self._mark_ns: int | None = None  # where the next marked step starts
-        self._fed: Accelerator | None = None  # the Accelerator whose calls feed the stall watchdog
-        self._save_hook: Any = None
+        self._run_project: str | None = None  # init_trackers' project_name
+        self._run_settings: dict[str, Any] = {}  # init_trackers' init_kwargs["otel_train"]
 
     @property
     def tracker(self) -> Any:
@@ -83,10 +90,20 @@ class OtelTrainTracker(GeneralTracker):
         return adapters.current_run()
 
     def start(self) -> None:
+        # Accelerate hands a tracker neither its Accelerator nor, for an instance given in
+        # `log_with` (not created by name), `init_trackers`' project_name and init_kwargs: both
+        # come from the `init_trackers` call that starts it.
+        found = call_holding(Accelerator, self, "trackers")
+        accelerator, call = found if found is not None else (None, {})
+        project, init_kwargs = call.get("project_name"), call.get("init_kwargs")
+        if isinstance(project, str) and project:
+            self._run_project = project
+        if isinstance(init_kwargs, Mapping):
+            self._run_settings = settings_from_kwargs(
+                init_kwargs.get(self.name), {}, f"init_trackers(init_kwargs={{{self.name!r}: ...}})"
+            )
         if self._ready():
             self._mark_ns = perf_counter_ns()  # the first logged step starts at init_trackers
-            # Accelerate hands a tracker no Accelerator: the one whose init_trackers calls this
-            accelerator = holder_on_stack(Accelerator, self, "trackers")
             if accelerator is not None and self._fed is None:
                 self._feed_watchdog(accelerator)
 
@@ -136,6 +153,9 @@ class OtelTrainTracker(GeneralTracker):
             # The loop marks steps (or a step's flush must pair across ranks): only file values.
             self._marks_steps = False
         number = _step_number(step)
+        if step is None and self._marks_steps:
+            # Accelerate's step is optional: a log without one is the step after the last logged
+            number = self._marked + 1
         if self._marks_steps and number is not None and number > self._marked:
             adapters.begin_step(number, start_ns=self._mark_ns)
             ot.log_metrics(scalars)  # inside the step: they leave with its flush, filed under it
@@ -157,6 +177,7 @@ class OtelTrainTracker(GeneralTracker):
             ot.shutdown()
         else:  # the user's run outlives the training: no stall while it does other work
             adapters.idle()
+        self._new_run()
 
     def _ready(self) -> bool:
         if adapters.current_run() is not None:
@@ -175,10 +196,13 @@ class OtelTrainTracker(GeneralTracker):
         return True
 
     def _session_settings(self) -> dict[str, Any]:
-        """The user's settings plus what the project name stands for, where the user chose nothing
-        (a keyword, `OTEL_TRAIN_<FIELD>`, the config file)."""
-        settings = dict(self._settings)
-        project = self.project_name
+        """`init_trackers`' `init_kwargs["otel_train"]` under the constructor's settings (ot.init()
+        keywords both, so both beat `OTEL_TRAIN_<FIELD>` and the config file), plus what the project
+        name stands for where the user chose nothing (a keyword, init_kwargs, `OTEL_TRAIN_<FIELD>`,
+        the config file). The constructor's project name wins over init_trackers'.
+        """
+        settings = {**self._run_settings, **self._settings}
+        project = self.project_name or self._run_project
         if project is None:
             return settings
         for field in _PROJECT_SETTINGS:

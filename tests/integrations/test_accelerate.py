@@ -348,3 +348,98 @@ def test_constructor_forms() -> None:
         OtelTrainTracker(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="two settings mappings"):
         OtelTrainTracker({"run_name": "a"}, settings={"run_name": "b"})
+
+
+def test_tracker_alone_numbers_a_log_without_a_step_after_the_last_logged_step(tmp_path: Path) -> None:
+    """`step` is optional in `accelerator.log`: with no ot.step in the loop, each log without one
+    is one otel_train step, numbered after the last step logged (with or without a number), with
+    its own values in the run dir and TensorBoard; a log for an earlier step still marks none."""
+    tracker = OtelTrainTracker(run_name="no-step", tensorboard=True, **EVERY_STEP, **QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("proj")
+    for i in range(3):
+        accelerator.log({"loss": 10.0 + i})  # steps 0, 1, 2
+    accelerator.log({"loss": 20.0}, step=20)
+    accelerator.log({"loss": 21.0})  # 21
+    accelerator.log({"eval_score": 0.5}, step=1)  # filed under 1, marks no step
+    accelerator.log({"loss": 22.0})  # 22, not 2
+    accelerator.end_training()
+
+    expected = {0: 10.0, 1: 11.0, 2: 12.0, 20: 20.0, 21: 21.0, 22: 22.0}
+    rows = _rows(tmp_path / "runs" / "no-step")
+    assert {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")} == expected
+    assert sum(r.get("train/steps") or 0 for r in rows) == len(expected)
+    assert next((r["step"], r["eval/score"]) for r in rows if "eval/score" in r) == (1, 0.5)
+    assert 0 < rows[-1]["train/goodput"] <= 1  # the time between logs is step time
+    tb = read_tensorboard(tmp_path / "runs" / "no-step" / "tensorboard")
+    assert dict(tb.scalars["train/loss"]) == expected
+
+
+@pytest.mark.parametrize("form", ["instance", "by-name"])
+def test_both_forms_take_init_trackers_project_and_init_kwargs_alike(
+    tmp_path: Path, registry: None, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """`log_with=[OtelTrainTracker()]` as `log_with="otel_train"`: the project begins the run's name
+    and names the W&B project and MLflow experiment unless the user chose them, and
+    `init_kwargs["otel_train"]` are ot.init() keywords (so they beat `OTEL_TRAIN_<FIELD>`)."""
+    monkeypatch.setenv("OTEL_TRAIN_MLFLOW_EXPERIMENT", "from-env")
+    monkeypatch.setenv("OTEL_TRAIN_LOG_INTERVAL", "5")
+    register_tracker_class(OtelTrainTracker)
+    accelerator = Accelerator(log_with=[OtelTrainTracker()] if form == "instance" else "otel_train", cpu=True)
+    accelerator.init_trackers(
+        "my-proj",
+        config={"lr": 0.1},
+        init_kwargs={"otel_train": {**QUIET, "log_interval": 7, "wandb_project": "wp"}},
+    )
+    session = current_session()
+    assert session is not None
+    assert session.run_name.startswith("my-proj-") and session.run_name != "my-proj-"
+    assert (session.config.wandb_project, session.config.mlflow_experiment) == ("wp", "from-env")
+    assert session.config.log_interval == 7
+    assert session.config.prometheus_port == 0
+    accelerator.end_training()
+    assert current_session() is None
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "hparams.json").read_text())["lr"] == 0.1
+
+
+def test_the_constructors_settings_and_project_win_over_init_trackers(tmp_path: Path) -> None:
+    tracker = OtelTrainTracker("mine", log_interval=3, **QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("other", init_kwargs={"otel_train": {"log_interval": 7, "tensorboard": True}})
+    session = current_session()
+    assert session is not None
+    assert session.run_name.startswith("mine-") and session.config.wandb_project == "mine"
+    assert (session.config.log_interval, session.config.tensorboard) == (3, True)
+    accelerator.end_training()
+
+
+@pytest.mark.parametrize("form", ["instance", "by-name"])
+def test_a_misspelt_init_kwargs_setting_raises_in_both_forms(registry: None, form: str) -> None:
+    register_tracker_class(OtelTrainTracker)
+    accelerator = Accelerator(log_with=[OtelTrainTracker()] if form == "instance" else "otel_train", cpu=True)
+    with pytest.raises(ot.ConfigError, match=r"'log_intervall'.*'log_interval'"):
+        accelerator.init_trackers("proj", init_kwargs={"otel_train": {"log_intervall": 7}})
+    assert current_session() is None
+
+
+def test_a_tracker_given_to_a_second_accelerator_marks_that_runs_steps(tmp_path: Path) -> None:
+    """One OtelTrainTracker instance, two Accelerators one after the other (two runs): the second
+    run counts its logged steps as the first did, and takes its own project."""
+    tracker = OtelTrainTracker(**EVERY_STEP, **QUIET)
+    for run in range(2):
+        accelerator = Accelerator(log_with=[tracker], cpu=True)
+        accelerator.init_trackers(f"proj{run}", config={"run": run})
+        for step in range(3):
+            accelerator.log({"loss": float(10 * run + step)}, step=step)
+        accelerator.end_training()
+        assert current_session() is None
+
+    runs = {json.loads((d / "hparams.json").read_text())["run"]: d for d in (tmp_path / "runs").iterdir()}
+    for run, run_dir in sorted(runs.items()):
+        rows = _rows(run_dir)
+        assert sum(r.get("train/steps") or 0 for r in rows) == 3
+        assert {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")} == {
+            step: float(10 * run + step) for step in range(3)
+        }
+        assert run_dir.name.startswith(f"proj{run}-")

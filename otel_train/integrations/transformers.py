@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -272,7 +273,12 @@ class OtelTrainCallback(TrainerCallback):
             return
         tokens = self._batch_tokens[0] or None  # this rank's, as the Trainer's "all" counts them
         self._batch_tokens[0] = 0
-        if state is not None and self._trainer_counts_tokens:  # the Trainer's count (non_padding, say)
+        # The trainer's own job-wide count where it keeps one: the Trainer's with
+        # include_num_input_tokens_seen (non_padding, say), or TRL's GRPO/RLOO prompt and completion
+        # tokens, whose batches hold text (no input_ids to count).
+        if state is not None and (
+            self._trainer_counts_tokens or state.num_input_tokens_seen != self._tokens_seen
+        ):
             job_tokens = max(state.num_input_tokens_seen - self._tokens_seen, 0)
             tokens = rank_share(job_tokens, self._rank, self._world) or None
             self._tokens_seen = state.num_input_tokens_seen
@@ -299,11 +305,40 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         if not logs or ot.run_info() is None:
             return
-        ot.log_metrics(scalar_logs(logs, _SKIPPED_LOG_KEYS))
+        # The Trainer logs (and evaluates) after on_step_end, when the step's interval may already
+        # be flushed: without an explicit step its values would be filed under the next flush's.
+        step = self._ended_step(state)
+        ot.log_metrics(scalar_logs(logs, _SKIPPED_LOG_KEYS), step=step)
+        grad_norm = logs.get("grad_norm")
+        if isinstance(grad_norm, float) and not math.isfinite(grad_norm) and not self._scaler_skipped():
+            # With logging_nan_inf_filter (the default) the Trainer replaces a NaN/Inf loss by the
+            # mean of its log window's finite ones (0.0 when none is): the gradient norm it logs is
+            # then the only sign that training went NaN.
+            ot.event(
+                "nonfinite_grad",
+                f"the Trainer logged grad_norm={grad_norm} at step {step}: non-finite gradients "
+                "(no layer named: ot.watch or OtelTrainCallback(watch_every=N) names them)",
+                {"step": step} if step is not None else None,
+            )
         in_eval = any(isinstance(k, str) and k.startswith(_EVAL_PREFIXES) for k in logs)
         if self._mark_ns is not None and not in_eval:
             # The training log (with its loss gather) is not data wait or eval time.
             self._mark_ns = perf_counter_ns()
+
+    def _ended_step(self, state: TrainerState | None) -> int | None:
+        """The index of the step a log or an evaluation follows: the step that ended last (its
+        index is the Trainer's global_step - 1). None inside a step (the values leave with that
+        step's flush, filed under it) and before the first step."""
+        if self._open:
+            return None
+        ended = state.global_step if state is not None else self._steps
+        return ended - 1 if ended > 0 else None
+
+    def _scaler_skipped(self) -> bool:
+        """Whether the loss scaler skipped the last optimizer step for inf/NaN gradients (fp16):
+        what the scaler handles is no `nonfinite_grad`, as for `ot.watch(scaler=...)`."""
+        accelerator = getattr(_calling_trainer(self), "accelerator", None)
+        return bool(getattr(accelerator, "optimizer_step_was_skipped", False))
 
     def on_prediction_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

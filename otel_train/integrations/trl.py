@@ -7,7 +7,8 @@ How it works: docs/design/integrations.md#trl.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -33,6 +34,7 @@ _PHASES = {
 _TIMER_ATTR = "_otel_train_timer"  # the otel_train timer a ProfilingContext instance runs
 _original: tuple[Any, Any] | None = None  # ProfilingContext's own __enter__/__exit__ while patched
 _reward_names: frozenset[str] = frozenset()
+_ENDING = "_otel_train_trl_wrapped"  # marks a trainer.train that ends the run on error (instrument)
 
 
 def phase_name(profiled: str) -> str:
@@ -97,16 +99,18 @@ class OtelTrainTrlCallback(TrainerCallback):
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if not state.is_world_process_zero or state.global_step == self._samples_step:
+        # The step the log follows (HF calls on_log after on_step_end): index global_step - 1.
+        step = state.global_step - 1
+        if not state.is_world_process_zero or step < 0 or step == self._samples_step:
             return
         # GRPO keeps the latest generation batch's prompts and completions in `_logs` (gathered
         # from every rank) for its own console table; TRL has no public accessor for them.
         logs = getattr(self._trainer, "_logs", None)
         if not isinstance(logs, dict) or not logs.get("completion"):
             return
-        self._samples_step = state.global_step
+        self._samples_step = step
         rows = list(zip(logs.get("prompt", ()), logs["completion"], strict=False))
-        ot.log_samples([(_text(p), _text(c)) for p, c in rows], step=state.global_step, name="completions")
+        ot.log_samples([(_text(p), _text(c)) for p, c in rows], step=step, name="completions")
 
 
 def _text(value: Any) -> str:
@@ -123,8 +127,30 @@ def instrument(trainer: Trainer, **settings: Any) -> Trainer:
     (`Config` fields) for the session the HF callback starts. Returns the trainer."""
     settings = settings_from_kwargs(None, settings, "instrument")
     callbacks = trainer.callback_handler.callbacks
-    if not any(isinstance(cb, OtelTrainCallback) for cb in callbacks):
-        trainer.add_callback(OtelTrainCallback(settings))
+    hf = next((cb for cb in callbacks if isinstance(cb, OtelTrainCallback)), None)
+    if hf is None:
+        hf = OtelTrainCallback(settings)
+        trainer.add_callback(hf)
     if not any(isinstance(cb, OtelTrainTrlCallback) for cb in callbacks):
         trainer.add_callback(OtelTrainTrlCallback(trainer))
+    if not getattr(trainer.train, _ENDING, False):
+        trainer.train = _ending_on_error(trainer.train, hf)  # type: ignore[method-assign]
     return trainer
+
+
+def _ending_on_error(train: Callable[..., Any], callback: OtelTrainCallback) -> Callable[..., Any]:
+    """`trainer.train`, ending the HF callback's run and restoring TRL's `ProfilingContext` when it
+    raises (no on_train_end comes then). The callback wraps `train` itself only at its first
+    on_train_begin when added with `add_callback`, too late for that first call."""
+
+    @functools.wraps(train)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        except BaseException:
+            disable_profiling()
+            callback.close()  # idempotent: the callback's own wrapper may call it too
+            raise
+
+    setattr(wrapper, _ENDING, True)
+    return wrapper

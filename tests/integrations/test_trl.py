@@ -87,13 +87,45 @@ def test_grpo_phases_rewards_and_completions(tmp_path: Path) -> None:
     # rewards as metrics (the Trainer's logs through the HF callback): 6-word completions at most
     rewards = [r["rewards/reward_len/mean"] for r in rows if "rewards/reward_len/mean" in r]
     assert rewards and all(0 <= v <= 6 for v in rewards) and {"train/reward", "train/reward_std"} <= keys
+    # each log filed at the step it follows (global_step - 1), not at the next flush's
+    assert [r["step"] for r in rows if "train/reward" in r] == list(range(STEPS))
+    # tokens: GRPO's own count of prompt and completion tokens (its batches hold text, no input_ids)
+    assert trainer.state.num_input_tokens_seen > 0
+    assert sum(r.get("throughput/tokens") or 0 for r in rows) == trainer.state.num_input_tokens_seen
     # GRPO's completions table through ot.log_samples
     samples = [
         json.loads(line) for line in (tmp_path / "runs" / "grpo" / "samples.jsonl").read_text().splitlines()
     ]
     completions = [s for s in samples if s["key"] == "completions"]
-    assert {s["step"] for s in completions} == set(range(1, STEPS + 1))  # once per training log
+    assert {s["step"] for s in completions} == set(range(STEPS))  # once per training log, at its step
     assert all(s["prompt"].startswith("w") and len(s["output"].split()) <= 6 for s in completions)
+
+
+def test_train_raising_restores_profiling_and_ends_the_run(tmp_path: Path) -> None:
+    """A reward function raises in the second step: TRL's ProfilingContext is restored and the
+    session the HF callback started is shut down before the exception reaches the caller, as at a
+    normal end (no on_train_end comes)."""
+    calls = [0]
+
+    def reward_server(completions: list[str], **kwargs: Any) -> list[float]:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise ConnectionError("reward server down")
+        return reward_len(completions)
+
+    data = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
+    args = GRPOConfig(**_common(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6)  # fmt: skip
+    trainer = GRPOTrainer(model=_model(), reward_funcs=reward_server, args=args, train_dataset=data,
+                          processing_class=_tokenizer())  # fmt: skip
+    original = (ProfilingContext.__enter__, ProfilingContext.__exit__)
+    ot_trl.instrument(trainer, **_settings(tmp_path, "raises"))
+    with pytest.raises(ConnectionError, match="reward server down"):
+        trainer.train()
+    assert (ProfilingContext.__enter__, ProfilingContext.__exit__) == original
+    assert current_session() is None
+    rows = _rows(tmp_path, "raises")
+    assert sum(r.get("train/steps") or 0 for r in rows) == 1  # the failed second step is not counted
 
 
 def test_sft_steps_and_metrics(tmp_path: Path) -> None:

@@ -1,0 +1,131 @@
+"""Hugging Face Trainer + OtelTrainCallback: where the Trainer's logs are filed (the step each one
+follows) and what a non-finite gradient norm in them raises. Real Trainer, tiny config-built GPT-2,
+CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch
+from helpers.integration_models import TokenDataset, tiny_causal_lm
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import otel_train as ot
+from otel_train.integrations.transformers import OtelTrainCallback
+
+
+def _trainer(out: Path, callbacks: list[Any], max_steps: int, **overrides: Any) -> Trainer:
+    args = TrainingArguments(
+        **{
+            **dict(
+                output_dir=str(out),
+                max_steps=max_steps,
+                per_device_train_batch_size=2,
+                per_device_eval_batch_size=4,
+                learning_rate=1e-3,
+                report_to="none",
+                use_cpu=True,
+                disable_tqdm=True,
+                dataloader_num_workers=0,
+                save_strategy="no",
+            ),
+            **overrides,
+        }
+    )
+    return Trainer(
+        model=tiny_causal_lm(),
+        args=args,
+        train_dataset=TokenDataset(64),
+        eval_dataset=TokenDataset(8, seed=1),
+        callbacks=callbacks,
+    )
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _steps_of(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+
+
+@pytest.mark.parametrize("own_session", [False, True], ids=["callbacks-session", "users-session"])
+def test_the_trainers_logs_are_filed_at_the_step_they_follow(tmp_path: Path, own_session: bool) -> None:
+    """HF logs the loss at global steps 3, 6 and 9 (step indices 2, 5, 8) and evaluates there, after
+    on_step_end: each value is filed at that step, not one log interval later. The user's session
+    flushes every 100 steps: the logs are still filed at their own steps."""
+    settings: dict[str, Any] = dict(run_name="logs", verbosity=0, hardware=False, prometheus_port=0)
+    if own_session:
+        ot.init(**settings, output_dir=str(tmp_path / "runs"), log_interval=100)
+        callback = OtelTrainCallback()
+    else:
+        callback = OtelTrainCallback(**settings)  # logging_steps=3 becomes log_interval=3
+    trainer = _trainer(
+        tmp_path / "hf-out", [callback], max_steps=9, logging_steps=3, eval_strategy="steps", eval_steps=3
+    )
+    trainer.train()
+    ot.shutdown()
+
+    rows = _lines(tmp_path / "runs" / "logs" / "metrics.rank0.jsonl")
+    hf_losses = [(h["step"] - 1, h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    hf_evals = [(h["step"] - 1, h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    assert [step for step, _ in hf_losses] == [2, 5, 8]
+    assert _steps_of(rows, "train/loss") == [(s, pytest.approx(v, rel=1e-6)) for s, v in hf_losses]
+    assert _steps_of(rows, "eval/loss") == [(s, pytest.approx(v, rel=1e-6)) for s, v in hf_evals]
+    assert [s for s, _ in _steps_of(rows, "train/learning_rate")] == [2, 5, 8]
+    # the step counts are unchanged: every step counted once
+    assert sum(r.get("train/steps", 0) for r in rows) == 9
+
+
+class _PoisonAfter(TrainerCallback):
+    """Fills a weight with NaN after global step `step`: from the next step on the loss and every
+    gradient are NaN (a run gone bad)."""
+
+    def __init__(self, step: int) -> None:
+        self._step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.global_step == self._step:
+            with torch.no_grad():
+                model.transformer.h[0].mlp.c_fc.weight.fill_(float("nan"))
+
+
+def _nan_run(tmp_path: Path) -> tuple[Trainer, list[dict[str, Any]]]:
+    callback = OtelTrainCallback(run_name="nan", verbosity=0, hardware=False, prometheus_port=0)
+    # logging_nan_inf_filter=True is the Trainer's default: it logs the NaN loss as 0.0
+    trainer = _trainer(tmp_path / "hf-out", [callback, _PoisonAfter(2)], max_steps=6, logging_steps=2)
+    trainer.train()
+    return trainer, _lines(tmp_path / "runs" / "nan" / "events.rank0.jsonl")
+
+
+def test_a_nan_gradient_norm_in_the_trainers_logs_raises_nonfinite_grad(tmp_path: Path) -> None:
+    """The Trainer's NaN filter hides the NaN loss (no `nonfinite` event from the loss): its NaN
+    grad_norm raises `nonfinite_grad` at each log that has one (global steps 4 and 6)."""
+    trainer, events = _nan_run(tmp_path)
+    logged = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    assert [step for step, _, _ in logged] == [2, 4, 6]
+    assert [loss for _, loss, _ in logged][1:] == [0.0, 0.0]  # the NaN losses, as the filter logs them
+    assert [math.isnan(norm) for _, _, norm in logged] == [False, True, True]
+    assert [(e["event"], e["step"]) for e in events] == [("nonfinite_grad", 3), ("nonfinite_grad", 5)]
+    assert "grad_norm=nan" in events[0]["message"]
+
+
+def test_a_step_the_loss_scaler_skipped_raises_no_nonfinite_grad(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp16 with a loss scaler: an inf/NaN gradient norm makes the scaler skip the step and lower its
+    scale, which is how fp16 training works, not a run gone bad (as for ot.watch(scaler=...))."""
+    from accelerate import Accelerator
+
+    # fp16's scaler needs a GPU: its verdict on the last step is what the callback reads
+    monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped", property(lambda self: True))
+    _, events = _nan_run(tmp_path)
+    assert [e for e in events if e["event"] == "nonfinite_grad"] == []

@@ -72,7 +72,7 @@ class Clocks:
     perf: Callable[[], float] = time.perf_counter  # the steps' clock (timing's perf_counter_ns, in s)
     wall: Callable[[], float] = time.time  # `updated` in the file; a restart gap across hosts
     boot: Callable[[], tuple[str, float] | None] = _boot_stamp_now  # a restart gap on the same boot
-    started: Callable[[], float] = lambda: process_start_perf_s()  # process start on `perf`
+    started: Callable[[], float] = lambda: run_start_perf_s()  # where the account begins, on `perf`
 
 
 class StepClock:
@@ -83,7 +83,7 @@ class StepClock:
 
     def __init__(self, stall_timeout_s: float, clocks: Clocks | None = None) -> None:
         self.clocks = clocks if clocks is not None else Clocks()
-        self.process_start_s = self.clocks.started()  # `clocks.perf` seconds at process start
+        self.process_start_s = self.clocks.started()  # `clocks.perf` seconds where the account begins
         self.first_step_start_ns: int | None = None
         self.startup_span_ns = 0  # eval/checkpoint spans before the first step (not startup)
         self.stall_ns = 0
@@ -395,6 +395,21 @@ def _field(
 def _in_range(value: object, low: float, high: float) -> TypeGuard[float]:
     """A real number (not a bool) in [low, high]; NaN never is."""
     return isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high
+
+
+_process_has_run = False  # a run's account already began at this process's start
+
+
+def run_start_perf_s() -> float:
+    """Where a run's account begins, on the perf_counter clock: the process's first run at the
+    process's start (imports and the set-up before `ot.init()` are its startup); a later run of the
+    same process (a sweep's next trial, a second Trainer, a notebook cell run again) at its own
+    `ot.init()`, so the earlier runs' time is not its startup."""
+    global _process_has_run
+    if _process_has_run:
+        return time.perf_counter()
+    _process_has_run = True
+    return process_start_perf_s()
 
 
 def process_start_perf_s() -> float:

@@ -372,3 +372,23 @@ def test_a_restart_gap_is_read_on_the_injected_clocks(tmp_path: Path, same_boot:
     )
     assert _restart_badput(reader) == pytest.approx(30.0, abs=1e-6)
     assert second.interruptions == 1 and second.last_step == 9
+
+
+def test_a_later_run_of_the_process_begins_its_account_at_its_own_init(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep's second trial (or a second Trainer, a notebook cell run again) in one process: the
+    first run's account begins at the process's start (imports are its startup), the second's at
+    its own ot.init(), so the first run's whole life is not the second's startup badput."""
+    from otel_train import goodput
+
+    monkeypatch.setattr(goodput, "_process_has_run", False, raising=False)
+    starts = []
+    for name in ("trial0", "trial1"):
+        began = time.perf_counter()
+        ot.init(prometheus_port=0, verbosity=0, output_dir=str(tmp_path), run_name=name, hardware=False)
+        starts.append((began, current_session().clock.process_start_s))
+        ot.shutdown()
+    (first_init, first_start), (second_init, second_start) = starts
+    assert first_start == pytest.approx(goodput.process_start_perf_s(), abs=0.05) and first_start < first_init
+    assert second_start >= second_init

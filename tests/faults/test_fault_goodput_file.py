@@ -19,6 +19,7 @@ import pytest
 from helpers.fake_time import FakeTime
 
 import otel_train as ot
+from otel_train import goodput
 from otel_train.goodput import CAUSES, process_start_perf_s
 from otel_train.testing import current_session
 
@@ -89,7 +90,9 @@ def _valid_text(first_run: Path) -> str:
 
 def _restart(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> ot.Session:
     """The same run id started again on `run_dir` (the restart path of `ot.init()`), a few steps
-    of 10 ms on a hand-moved clock."""
+    of 10 ms on a hand-moved clock. In this process, as a later run of it: its account begins at
+    this `ot.init()` (`goodput.run_start_perf_s`), whichever test runs first."""
+    monkeypatch.setattr(goodput, "_process_has_run", True)
     ot.init(run_name=run_dir.name, run_id="job-9", output_dir=str(run_dir.parent), prometheus_port=0,
                       verbosity=0, hardware=False, log_interval=2)  # fmt: skip
     session = current_session()
@@ -186,9 +189,9 @@ def behind_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _no_gap_booked(before: dict[str, float]) -> float:
-    """The most wall time a restart that books no gap may add: this process's own lifetime (the
-    restart is in-process, so its wall time counts from when pytest started) plus a margin, far
-    below the 2 h or 56 years a wrong gap would add."""
+    """The most wall time a restart that books no gap may add: this process's own lifetime (more
+    than the in-process restart's, which counts from its `ot.init()`) plus a margin, far below the
+    2 h or 56 years a wrong gap would add."""
     return before["wall_s"] + (time.perf_counter() - process_start_perf_s()) + 300.0
 
 
@@ -207,7 +210,7 @@ def test_a_clock_hours_behind_on_the_same_boot_books_the_real_gap(
     caplog.set_level(logging.WARNING, logger="otel_train")
     _restart(run_dir, monkeypatch)
     after = _valid(run_dir)
-    # (in-process restart: this process started before the first one, so the gap reads as 0 here)
+    # (the in-process restart begins seconds after the first process's last record)
     assert 0.0 <= after["badput"]["restart"] < 120.0, after
     assert after["wall_s"] < _no_gap_booked(before), after
     assert not _gap_warnings(caplog) and not (run_dir / "goodput.rank0.json.corrupt").exists()
@@ -259,8 +262,8 @@ def test_a_restart_on_another_host_with_clocks_in_sync_books_its_gap(
     run_dir = tmp_path / "requeued"
     shutil.copytree(first_run, run_dir)
     state_file = run_dir / "goodput.rank0.json"
-    # 30 s before this process started (the restart is in-process: this pytest process)
-    updated = time.time() - (time.perf_counter() - process_start_perf_s()) - 30.0
+    # 30 s before the restart's account begins (its ot.init(), in _restart just below)
+    updated = time.time() - 30.0
     state_file.write_text(
         json.dumps({**_valid(first_run), "boot_id": "another-host-boot", "updated": updated})
     )

@@ -272,10 +272,18 @@ def watch(
     layers = 1 if session.config.watch_aggregate == "model" else max_layers
     on_remove = session.remove_watch if scaler is None else _watch_scaler(session, scaler)
     handle = ModelWatch(
-        session.buffer, model, every, grads, params, activations, histograms, layers, on_remove
+        session.buffer,
+        model,
+        every,
+        grads,
+        params,
+        activations,
+        histograms,
+        layers,
+        on_remove,
+        scaled=scaler is not None,
     )
     handle.fingerprints = session.identity.distributed and session.config.cross_rank
-    handle.scaled = scaler is not None
     session.add_watch(handle)
     return handle
 

@@ -81,6 +81,7 @@ class ModelWatch:
         histograms: bool,
         max_layers: int,
         on_remove: Callable[[ModelWatch], None] | None = None,
+        scaled: bool = False,
     ) -> None:
         self.model = model
         self.every = every
@@ -102,7 +103,7 @@ class ModelWatch:
             self._members[group].append(position)
         # values per tensor in a histogram: its layer's HISTOGRAM_SAMPLE shared among its tensors
         self._sample_sizes = [max(1, HISTOGRAM_SAMPLE // len(self._members[g])) for g in groups]
-        self._reads = GradientReads(self._params, self._sample_sizes, self._fail)
+        self._reads = GradientReads(self._params, self._sample_sizes, self._fail, scaled)
         self._place_on(self._params[0].device)
         # Each parameter's owning module and the layers it marks as run when its forward runs.
         owners: dict[str, set[int]] = {}
@@ -123,10 +124,6 @@ class ModelWatch:
         # Fingerprint batches only where an exchange compares them (ot.watch turns it off for a
         # single process or cross_rank=False): otherwise a float64 pass over the input for nothing.
         self.fingerprints = True
-        # Watched with a GradScaler (ot.watch(scaler=)): a step whose optimizer step did not run
-        # was skipped by the scaler, its gradients still scaled and discarded (`_collect`).
-        self.scaled = False
-        self._unapplied = 0  # scaled watched steps in a row without an optimizer step
         self._warned: set[str] = set()
 
     def _place_on(self, device: Any) -> None:
@@ -220,11 +217,16 @@ class ModelWatch:
         if self._params[0].device != self._device:
             self._place_on(self._params[0].device)
         records: list[LayerStats] = []
-        if self.grads and not self._zero_stage and self.scaled and not self._reads.applied:
-            self._reads.clear()
-            self._scaler_skipped(index)
+        if self.grads and not self._zero_stage and self._reads.skipped_by_scaler():
+            if self._reads.unapplied == UNAPPLIED_WARNING:
+                self._warn_once(
+                    "unapplied",
+                    f"ot.watch: no optimizer step ran inside the last {UNAPPLIED_WARNING} watched steps "
+                    f"(through step {index}), so they have no gradient statistics: with scaler=, only "
+                    "the gradients an optimizer step applies are read. Call scaler.step(optimizer) inside "
+                    "the step, or the GradScaler is skipping every step (its loss scale keeps overflowing).",
+                )
         elif self.grads and not self._zero_stage:
-            self._unapplied = 0
             norms, samples = self._reads.final()
             if all(n is None for n in norms):
                 self._warn_once(
@@ -261,21 +263,6 @@ class ModelWatch:
             records.append(LayerStats(FINGERPRINT, FINGERPRINT_LABELS, self._fingerprint, index))
             self._fingerprint = None
         buffer.add_layer_stats(records)
-
-    def _scaler_skipped(self, index: int) -> None:
-        """A scaled step whose optimizer step did not run: the GradScaler found inf/NaN gradients
-        at its loss scale and skipped it (counted in train.optimizer.skipped_steps). Its gradients
-        are still scaled and were discarded, so the step has no gradient statistics and its
-        overflow is no `nonfinite_grad`. Many in a row mean the optimizer steps outside `ot.step`."""
-        self._unapplied += 1
-        if self._unapplied == UNAPPLIED_WARNING:
-            self._warn_once(
-                "unapplied",
-                f"ot.watch: no optimizer step ran inside the last {UNAPPLIED_WARNING} watched steps "
-                f"(through step {index}), so they have no gradient statistics: with scaler=, only the "
-                "gradients an optimizer step applies are read. Call scaler.step(optimizer) inside "
-                "the step, or the GradScaler is skipping every step (its loss scale keeps overflowing).",
-            )
 
     def _see_zero(self) -> None:
         if not self._zero_stage and (stage := deepspeed_zero(self._params)):
@@ -401,8 +388,16 @@ class GradientReads:
     tensor the last backward left (a reference until a pre-hook reads it), else its `.grad` when
     the step ends. The hooks exist only between `begin` and the removal of the handles it adds."""
 
-    def __init__(self, params: Sequence[Any], sample_sizes: Sequence[int], fail: Callable[[Exception], None]):
+    def __init__(
+        self,
+        params: Sequence[Any],
+        sample_sizes: Sequence[int],
+        fail: Callable[[Exception], None],
+        scaled: bool = False,
+    ):
         self.params = params
+        self.scaled = scaled  # watched with a GradScaler (ot.watch(scaler=)): see skipped_by_scaler
+        self.unapplied = 0  # scaled steps in a row whose optimizer step did not run
         self.sample_sizes = sample_sizes
         self.device: Any = None
         self.histograms = False
@@ -468,6 +463,18 @@ class GradientReads:
             if self.histograms:
                 values = sample(grad, self.sample_sizes[i])
                 self._samples[i] = values if scale is None else values / scale.to(values.device)
+
+    def skipped_by_scaler(self) -> bool:
+        """Whether this scaled step's optimizer step did not run: the GradScaler found inf/NaN
+        gradients at its loss scale and skipped it (counted in train.optimizer.skipped_steps). Its
+        gradients are still scaled and were discarded, so the step has no gradient statistics and
+        its overflow is no `nonfinite_grad`; its reads are cleared."""
+        if not self.scaled or self.applied:
+            self.unapplied = 0
+            return False
+        self.clear()
+        self.unapplied += 1
+        return True
 
     def final(self) -> tuple[list[Any], list[Any]]:
         """Per watched parameter, (norm, histogram sample) of its gradient as last seen in the step;

@@ -69,7 +69,8 @@ def test_a_step_the_scaler_skips_has_no_gradient_statistics_and_no_nonfinite_gra
     `nonfinite_grad` event (it pages as critical) and no statistics of the discarded, still scaled
     gradients; the other 8 steps have theirs, unscaled."""
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
-    with capture_metrics(log_interval=1, hardware=False, output_dir=str(tmp_path)) as capture:
+    # a row per step: the worker's queue holds every flush (a busy host defers none into the next)
+    with capture_metrics(log_interval=1, queue_size=100, hardware=False, output_dir=str(tmp_path)) as capture:
         model = _model()
         ot.watch(model, every=1, scaler=scaler)
         _train(scaler, 10, poison={3, 7}, model=model)

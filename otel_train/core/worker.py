@@ -108,6 +108,8 @@ class Worker:
         # own at those steps (ScalarsMessage), so the flushes' rows leave them out
         self._own_rows: set[str] = set()
         self._recorded: set[str] = set()  # instruments ever given a value (ot.record, log_metrics)
+        self._layer_keys: set[str] = set()  # every bridge key ot.watch's per-layer gauges have had
+        self._label_keys: dict[tuple[str, tuple[str, ...]], set[str]] = {}  # (instrument, labels) -> keys
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
@@ -247,6 +249,7 @@ class Worker:
         # interval it was recorded in, as a framework's own logger writes an eval loss at its eval.
         self._recorded.update(interval.scalars)
         leave_out(scalars, self._recorded.difference(interval.scalars))
+        self._leave_out_unwatched_layers(scalars, batch)
         fresh = any(instrument not in self._own_rows for instrument in batch.scalars)
         if not (interval.steps or fresh or batch.dropped or interval.phases or batch.phase_errors):
             # Nothing new since the last row (the final flush after the last step, the flush that
@@ -254,6 +257,22 @@ class Worker:
             # under the same step.
             return
         self._to_sinks(lambda sink: sink.write_scalars(interval.step, interval.wall_time, scalars))
+
+    def _leave_out_unwatched_layers(self, scalars: dict[str, float], batch: FlushBatch) -> None:
+        """ot.watch's per-layer gauges likewise: a layer's norms are in the rows of the intervals
+        whose watched steps measured it (every=100 at a flush every 10 steps: one row in ten)."""
+        fed: set[str] = set()
+        for record in batch.layer_stats:
+            if record.instrument in semconv.BY_NAME:  # not the batch fingerprints
+                keys = self._label_keys.get((record.instrument, record.labels))
+                if keys is None:
+                    keys = {key_for(record.instrument, {semconv.LAYER: label}) for label in record.labels}
+                    self._label_keys[(record.instrument, record.labels)] = keys
+                    self._layer_keys |= keys
+                fed |= keys
+        if len(fed) < len(self._layer_keys):
+            for key in self._layer_keys - fed:
+                scalars.pop(key, None)
 
     def _feed_sdk(self, batch: FlushBatch, interval: Interval) -> None:
         """Layer statistics, sampled steps' spans, then the instruments (with exemplars)."""

@@ -117,13 +117,11 @@ def test_norms_match_torch_on_watched_steps_only(cap: Capture) -> None:
         assert scalars["train/param_norm"] == pytest.approx(
             math.sqrt(sum(v**2 for v in params.values())), rel=1e-5
         )
-    # steps 1, 2 and 4 are not watched: the gauges keep the last watched step's values although the
-    # gradients changed
-    for step, watched in ((1, 0), (2, 0), (4, 3)):
-        assert _flush_at(cap, step)["grad_norm/head"] == _flush_at(cap, watched)["grad_norm/head"]
-    assert _by_label(refs[1]["grads"], handle.labels)["head"] != pytest.approx(
-        _flush_at(cap, 0)["grad_norm/head"], rel=1e-6
-    )
+    # steps 1, 2 and 4 are not watched: their rows have no layer statistics (the OTel gauges keep
+    # the last watched step's values; a bridge shows each layer at its watched steps only)
+    for step in (1, 2, 4):
+        assert not [k for k in _flush_at(cap, step) if k.startswith(("grad_norm/", "param_norm/"))]
+        assert "train/grad_norm" not in _flush_at(cap, step)
     assert not any("frozen" in key for _, scalars in cap.flushes for key in scalars)
 
 

@@ -271,17 +271,9 @@ def watch(
     # watch_aggregate="model" (a job-wide setting for huge jobs) makes every watch one group
     layers = 1 if session.config.watch_aggregate == "model" else max_layers
     on_remove = session.remove_watch if scaler is None else _watch_scaler(session, scaler)
+    scaled = scaler is not None
     handle = ModelWatch(
-        session.buffer,
-        model,
-        every,
-        grads,
-        params,
-        activations,
-        histograms,
-        layers,
-        on_remove,
-        scaled=scaler is not None,
+        session.buffer, model, every, grads, params, activations, histograms, layers, on_remove, scaled
     )
     handle.fingerprints = session.identity.distributed and session.config.cross_rank
     session.add_watch(handle)

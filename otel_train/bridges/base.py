@@ -47,6 +47,20 @@ def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>")
 
 
+def merge_params(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`old` updated with `new`, nested mappings merged key by key: a later
+    `{"optim": {"lr": 2e-3}}` changes that one value and keeps `optim`'s other keys. How every
+    bridge and hparams.json combine the hyperparameters of several `log_hyperparams` calls."""
+    merged = dict(old)
+    for key, value in new.items():
+        previous = merged.get(key)
+        if isinstance(value, Mapping) and isinstance(previous, Mapping):
+            merged[key] = merge_params(previous, value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def flatten_params(params: Mapping[str, Any], typed: bool = False, prefix: str = "") -> dict[str, Any]:
     """Nested mappings become `a.b` keys. Values become strings (lists and dicts as JSON); with
     `typed`, bools stay bools and finite numbers become floats (what TensorBoard's hparams take)."""

@@ -1,7 +1,8 @@
 """The bridge process: TensorBoard, W&B and MLflow run here, off the training process's GIL.
 
 Started as `python -m otel_train.bridges.host <parent pid>`; reads frames (`bridges.framing`)
-from stdin and never outlives its parent for long. Design: docs/design/bridges.md#host.
+from stdin (a private copy: fd 0 is /dev/null for everything it starts) and never outlives its
+parent for long. Design: docs/design/bridges.md#host.
 """
 
 from __future__ import annotations
@@ -180,8 +181,7 @@ def stats(sinks: list[ThreadedSink]) -> dict[str, dict[str, Any]]:
     return {s.name: {"dropped": s.dropped, "errors": s.errors, "clean": s.closed_cleanly} for s in sinks}
 
 
-def serve(parent_pid: int, reply_fd: int, cpu: CpuPolicy) -> None:
-    in_fd = sys.stdin.fileno()
+def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
     closing = threading.Event()
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -255,6 +255,14 @@ def _drain(in_fd: int, sinks: list[ThreadedSink]) -> None:
 
 def main() -> None:
     parent_pid = int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid()
+    # Frames come from a private copy of stdin, and stdin becomes /dev/null: a process a backend
+    # starts (W&B's service) inherits fd 0, and holding the frame pipe it would keep the parent's
+    # writes succeeding after this process died, so those frames would vanish instead of being
+    # sent to a restarted bridge process. os.dup's copies are not inherited.
+    in_fd = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     # Replies go to the original stdout; anything a backend prints goes to stderr instead.
     reply_fd = os.dup(1)
     os.dup2(2, 1)
@@ -262,7 +270,7 @@ def main() -> None:
     cpu = CpuPolicy()
     cpu.start()
     try:
-        serve(parent_pid, reply_fd, cpu)
+        serve(parent_pid, in_fd, reply_fd, cpu)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

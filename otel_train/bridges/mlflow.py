@@ -25,6 +25,7 @@ MAX_PARAM_VALUE_LENGTH = 6000
 PARAMS_PER_BATCH = 100
 METRICS_PER_BATCH = 1000
 _BAD_CHARS = re.compile(r"[^/\w.\- ]")  # MLflow's set minus ':' (rejected on Windows)
+RUN_KEY_TAG = "otel_train.run_id"  # the MLflow run's otel_train run id: the run a resume continues
 
 
 def sanitize_key(key: str) -> str:
@@ -32,6 +33,14 @@ def sanitize_key(key: str) -> str:
     key = _BAD_CHARS.sub("_", key)
     parts = [p for p in key.split("/") if p not in ("", ".", "..")]
     return "/".join(parts)[:MAX_KEY_LENGTH].rstrip("/") or "_"
+
+
+def _quoted(value: str) -> str | None:
+    """`value` as a string literal of MLflow's search filter (which has no escapes), or None."""
+    for quote in ("'", '"'):
+        if quote not in value:
+            return f"{quote}{value}{quote}"
+    return None
 
 
 def default_tracking_uri(run_dir: Path) -> str:
@@ -89,6 +98,7 @@ class MlflowSink(Sink):
         tracking_uri: str | None,
         experiment: str,
         run_name: str,
+        run_key: str | None = None,
     ) -> None:
         import importlib.util
 
@@ -103,6 +113,9 @@ class MlflowSink(Sink):
             self.tracking_uri = tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
         self.experiment = experiment
         self.run_name = run_name
+        # otel_train's run id (with role and rank where they name their own MLflow run): a process
+        # that resumes the run, or a restarted bridge process, logs into the MLflow run tagged so.
+        self.run_key = run_key
         self._logged_params: dict[str, str] = {}
         self._client: Any = None
         self.run_id: str | None = None
@@ -122,9 +135,33 @@ class MlflowSink(Sink):
             seed_local_store(store / "mlflow.db", store / "artifacts")
         client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment_id(client)
-        run = client.create_run(experiment_id, run_name=self.run_name)
+        run = self._run_to_resume(client, experiment_id)
+        if run is not None:
+            client.update_run(run.info.run_id, status="RUNNING")  # what mlflow.start_run(run_id) does
+            # MLflow refuses to change a logged param: the resumed run's are known as logged.
+            self._logged_params = dict(run.data.params)
+        else:
+            tags = {RUN_KEY_TAG: self.run_key} if self.run_key else None
+            run = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
         self._client, self.run_id = client, run.info.run_id
         return client
+
+    def _run_to_resume(self, client: Any, experiment_id: str) -> Any:
+        """The latest run of the experiment tagged with this run key, or None."""
+        if not self.run_key:
+            return None
+        quoted = _quoted(self.run_key)
+        if quoted is None:  # both quote characters in the run id: no filter can name it
+            return None
+        runs = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{RUN_KEY_TAG}` = {quoted}",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        if runs and runs[0].data.tags.get(RUN_KEY_TAG) == self.run_key:
+            return runs[0]
+        return None
 
     def _experiment_id(self, client: Any) -> str:
         existing = client.get_experiment_by_name(self.experiment)

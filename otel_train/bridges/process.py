@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.bridges.base import Sink
+from otel_train.bridges.base import Sink, merge_params
 from otel_train.bridges.errors import BridgeSetupFailed
 from otel_train.bridges.framing import encode, plain, read_frame, write_frame
 from otel_train.bridges.table import BridgeSpec
@@ -32,6 +32,10 @@ CHILD_GRACE_S = 30.0  # per bridge, in parallel, in the child: then a hung bridg
 MAX_RESTARTS = 5
 RESTART_AFTER_S = 1.0  # the first restart's back-off; doubles with each restart
 MAX_RESTART_AFTER_S = 30.0
+# Past the grace it is given, the bridge process still joins its bridges' threads (1 s) and W&B's
+# service writes its offline log until it sees the bridge process exit: what a close that must
+# see it all written (this process is PID 1, see close()) waits for on top of the grace.
+AFTER_GRACE_S = 15.0
 _RESTARTING = (
     "otel_train: the bridge process (pid %s) died (%s); restarting it in %.0f s (restart %d of at most "
     "%d). What it had not written, and updates meanwhile, are lost (counted)."
@@ -70,6 +74,13 @@ class BridgeProcess(Sink):
         self._close_requested = threading.Event()
         self._close_frame: bytes | None = None
         self.restarts = 0
+        # every hyperparameter so far, merged as the bridges merge them: a restarted bridge process
+        # gets them at its set-up (its W&B run directory and MLflow run would otherwise lack them)
+        self._hparams: dict[str, Any] = {}
+        if any(module == "otel_train.bridges.wandb" for module, _, _ in self.specs):
+            from otel_train.bridges.wandb import warn_if_user_run_active
+
+            warn_if_user_run_active()
         self._thread = threading.Thread(target=self._run, name="otel_train-bridges", daemon=True)
         self._thread.start()
         if not self._setup_done.wait(SETUP_TIMEOUT_S):
@@ -105,7 +116,9 @@ class BridgeProcess(Sink):
         self._submit("write_histogram", (key, list(values), step))
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
-        self._submit("write_hparams", (plain(dict(params)),))
+        params = plain(dict(params))
+        self._hparams = merge_params(self._hparams, params)  # a new dict: the feeder reads it whole
+        self._submit("write_hparams", (params,))
 
     def close(self, final_scalars: Mapping[str, float], timeout: float | None = None) -> None:
         """Hand over the close and wait at most `timeout` seconds for the bridges to finish."""
@@ -126,11 +139,9 @@ class BridgeProcess(Sink):
                 except queue.Full:
                     if time.monotonic() >= deadline:
                         break
-            while not self._closed_reply.is_set() and not self._ended.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._closed_reply.wait(min(left, 0.1))
+            self._wait_for_reply(deadline)
+            if _is_namespace_init():
+                _finish_as_namespace_init(self, grace)
         if self._closed_reply.is_set():
             self.closed_cleanly = all(s.get("clean") for s in self.bridge_stats.values())
             for name, stat in self.bridge_stats.items():
@@ -143,7 +154,7 @@ class BridgeProcess(Sink):
                 self.pid,
                 _exit_text(self.proc),
             )
-        else:
+        elif not _is_namespace_init():  # (PID 1: _finish_as_namespace_init said what is lost)
             continued = _continue_if_stopped(self.proc)
             log.warning(
                 "otel_train: the bridges did not finish within %.1f s; the bridge process (pid %s%s) "
@@ -153,6 +164,13 @@ class BridgeProcess(Sink):
                 ", found stopped: continued" if continued else "",
                 CHILD_GRACE_S,
             )
+
+    def _wait_for_reply(self, deadline: float) -> None:
+        while not self._closed_reply.is_set() and not self._ended.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._closed_reply.wait(min(left, 0.1))
 
     def wait(self, timeout: float) -> bool:
         """After close: wait until the bridge process has written everything and exited."""
@@ -272,7 +290,8 @@ class BridgeProcess(Sink):
             self._ended.set()
 
     def _set_up_child(self) -> None:
-        """Start the child and have it build the bridges; BridgeSetupFailed when it refuses."""
+        """Start the child and have it build the bridges; BridgeSetupFailed when it refuses. A
+        restarted child gets the hyperparameters so far first."""
         self.proc = self._start()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         write_frame(self.proc.stdin.fileno(), encode(("setup", self.specs, self._queue_size)))
@@ -282,6 +301,9 @@ class BridgeProcess(Sink):
             known = kind in ("BridgeImportError", "BridgeSetupError")
             self._setup_error = BridgeSetupFailed(message if known else f"{kind}: {message}")
             raise self._setup_error
+        hparams = self._hparams
+        if hparams:
+            write_frame(self.proc.stdin.fileno(), encode(("call", "write_hparams", (hparams,))))
 
     def _feed(self, unsent: bytes | None) -> None:
         """Write the queue into the pipe until the close, then read the child's answer."""
@@ -371,6 +393,70 @@ def _relay(stream: Any) -> None:
             with contextlib.suppress(Exception):  # our own stderr closed or replaced: the line is lost
                 sys.stderr.write(line.decode("utf-8", errors="replace"))
                 sys.stderr.flush()
+
+
+def _finish_as_namespace_init(bridges: BridgeProcess, grace: float) -> None:
+    """This process is PID 1 of its PID namespace: when it exits the kernel kills every other
+    process there, so the bridge process cannot finish on its own after it. Wait for the bridges'
+    answer and then for the bridge process and W&B's service (which writes its offline log until
+    then) to exit, within the bound the bridge process itself keeps to."""
+    deadline = time.monotonic() + grace + AFTER_GRACE_S
+    if not bridges._closed_reply.is_set() and not bridges._ended.is_set():
+        continued = _continue_if_stopped(bridges.proc)
+        log.warning(
+            "otel_train: this process is PID 1 of its PID namespace (a container without an init), "
+            "so the bridge process (pid %s%s) ends when it exits: shutdown waits for the bridges to "
+            "finish (at most %.0f s more).",
+            bridges.pid,
+            ", found stopped: continued" if continued else "",
+            grace + AFTER_GRACE_S,
+        )
+        bridges._wait_for_reply(deadline)
+    if bridges._closed_reply.is_set():
+        _wait_for_exit(bridges.proc, deadline)
+    elif not bridges._dead and bridges.proc is not None and bridges.proc.poll() is None:
+        log.warning(
+            "otel_train: the bridges did not finish in time; the bridge process (pid %s) ends with "
+            "this process (PID 1 of its PID namespace): what they had not written is lost (the run "
+            "directory's JSONL has every value).",
+            bridges.pid,
+        )
+
+
+def _wait_for_exit(proc: subprocess.Popen[bytes] | None, deadline: float) -> None:
+    """Until the bridge process and what it started (W&B's service) have exited, or `deadline`.
+    Here (PID 1) the orphaned service becomes this process's child: waiting reaps it too."""
+    import psutil
+
+    waiting: dict[int, psutil.Process] = {}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            if proc is not None and proc.poll() is None:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    waiting.setdefault(child.pid, child)
+        alive = [p for p in waiting.values() if _running(p)]
+        if not alive and (proc is None or proc.poll() is not None):
+            return
+        time.sleep(0.05)
+
+
+def _is_namespace_init() -> bool:
+    """PID 1 of its PID namespace (a container or pod without an init): when this process exits, the
+    kernel kills every other process of the namespace, the bridge process and W&B's service too."""
+    return os.getpid() == 1
+
+
+def _running(proc: Any) -> bool:
+    """A psutil.Process still running (reaped here when it is this process's child)."""
+    import psutil
+
+    try:
+        proc.wait(0)
+    except psutil.TimeoutExpired:
+        return True
+    except psutil.Error:
+        pass
+    return False
 
 
 def _continue_if_stopped(proc: subprocess.Popen[bytes] | None) -> bool:

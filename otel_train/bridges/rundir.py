@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import semconv as sc
-from otel_train.bridges.base import Sink
+from otel_train.bridges.base import Sink, merge_params
 from otel_train.bridges.framing import plain
 from otel_train.run_directory import LineFile, RunFiles, append_line, dumps_line, write_json
 
@@ -71,9 +71,9 @@ class RunDirSink(Sink):
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
         # The values the bridge process sends W&B and MLflow (numpy/torch scalars as bool, int,
-        # float; a complex as its text), so hparams.json agrees with them. A later call adds keys
-        # (W&B's config and MLflow's params do too).
-        self._hparams.update(plain(dict(params)))
+        # float; a complex as its text), so hparams.json agrees with them. A later call adds and
+        # changes keys, nested ones too, merged as W&B's config merges them (`merge_params`).
+        self._hparams = merge_params(self._hparams, plain(dict(params)))
         write_json(self.files.hparams, self._hparams)
 
     def close(self, final_scalars: Mapping[str, float]) -> None:

@@ -73,11 +73,14 @@ def _wandb(config: Config, place: BridgePlace) -> dict[str, Any]:
 
 
 def _mlflow(config: Config, place: BridgePlace) -> dict[str, Any]:
+    key = place.run_id if not place.role else f"{place.run_id}-{place.role}"
     return {
         "run_dir": str(place.run_dir),
         "tracking_uri": config.mlflow_tracking_uri,
         "experiment": config.mlflow_experiment,
         "run_name": place.display_name,
+        # the MLflow run is tagged with it, and a resume of the same run id continues that run
+        "run_key": f"{key}-rank{place.rank}" if place.every_rank else key,
     }
 
 

@@ -9,19 +9,21 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from otel_train import semconv as sc
-from otel_train.bridges.base import Sink
+from otel_train.bridges.base import Sink, merge_params
 from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
 from otel_train.run_directory import RunFiles
 
 logger = logging.getLogger("otel_train")
 
 STEP_KEY = sc.CURRENT_STEP.key  # "train/step": the x axis of every series
+TRANSACTION_LOG_FLUSH_S = 1.0  # W&B's default is 15 s (`_settings`)
 FINISH_TIMEOUT_S = 10.0  # run.finish() may hang on an upload (wandb/wandb#5601): then it is left
 
 
@@ -50,6 +52,20 @@ def resolve_mode(mode: str, environ: Mapping[str, str] | None = None) -> str | N
     if environ.get("WANDB_MODE", "").strip():
         return None
     return "online" if has_wandb_credentials(environ) else "offline"
+
+
+def warn_if_user_run_active() -> None:
+    """In the training process, at init: the W&B bridge logs to a run of its own, in the bridge
+    process; a run the user started with `wandb.init` is a second one. Never imports wandb."""
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is None:
+        return
+    logger.warning(
+        "otel_train: a W&B run is active in this process (%s); otel_train's W&B bridge logs to its "
+        "own run (in the bridge process), not into yours. Pass wandb=False to keep only yours.",
+        getattr(run, "id", "?"),
+    )
 
 
 def _wandb_id(value: str) -> str:
@@ -94,7 +110,6 @@ class WandbSink(Sink):
         self.run_id = _wandb_id(f"{run_id}{suffix}") if run_id else None
         self.group = group or (run_name if rank is not None else None)
         self._run: Any = None
-        self._owns_run = True
         self._closed = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -106,24 +121,21 @@ class WandbSink(Sink):
             import wandb
         except ImportError as exc:
             raise BridgeImportError("W&B", "wandb", exc) from exc
-        if wandb.run is not None:  # the user's own run: log into it, leave its lifecycle alone
-            self._run, self._owns_run = wandb.run, False
-            self._run.config.update(self.config, allow_val_change=True)
-        else:
-            mode = resolve_mode(self.mode)
-            try:
-                self._run = self._init(wandb, mode)
-            except Exception as exc:  # wandb.init (its service, the network)
-                if self.mode != "auto" or mode != "online":
-                    raise
-                # wandb/wandb#9865, #7671: an online init that fails must not cost the run its data
-                logger.warning(
-                    "otel_train: wandb.init (online) failed (%s: %s); logging offline instead. "
-                    "Upload later with `wandb sync`.",
-                    type(exc).__name__,
-                    exc,
-                )
-                self._run = self._init(wandb, "offline")
+        # This runs in the bridge process, where no user code ran: wandb.run is never the user's.
+        mode = resolve_mode(self.mode)
+        try:
+            self._run = self._init(wandb, mode)
+        except Exception as exc:  # wandb.init (its service, the network)
+            if self.mode != "auto" or mode != "online":
+                raise
+            # wandb/wandb#9865, #7671: an online init that fails must not cost the run its data
+            logger.warning(
+                "otel_train: wandb.init (online) failed (%s: %s); logging offline instead. "
+                "Upload later with `wandb sync`.",
+                type(exc).__name__,
+                exc,
+            )
+            self._run = self._init(wandb, "offline")
         self._run.define_metric(STEP_KEY)
         self._run.define_metric("*", step_metric=STEP_KEY)
         self._save_run_info()
@@ -157,6 +169,9 @@ class WandbSink(Sink):
             "disable_code": True,
             "x_save_requirements": False,
             "disable_job_creation": True,
+            # wandb-core buffers the offline log (`.wandb`) and writes it every 15 s by default: a
+            # bridge process killed (OOM) in between loses what it had logged since the last write
+            "x_transaction_log_flush_interval": TRANSACTION_LOG_FLUSH_S,
         }
         fields = getattr(wandb.Settings, "model_fields", None)
         if fields is not None:
@@ -221,7 +236,10 @@ class WandbSink(Sink):
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
         run = self._ensure_run()
-        run.config.update(dict(params), allow_val_change=True)
+        # config.update replaces a top-level key whole: merge nested ones with what the run has,
+        # so {"optim": {"lr": 2e-3}} after {"optim": {"lr": 1e-3, "betas": [...]}} keeps "betas".
+        held = {key: run.config[key] for key in params if key in run.config}
+        run.config.update(merge_params(held, params), allow_val_change=True)
 
     def close(self, final_scalars: Mapping[str, float]) -> None:
         if self._closed:
@@ -232,8 +250,6 @@ class WandbSink(Sink):
             return  # never initialised: nothing was written, do not create an empty run now
         for key, value in final_scalars.items():
             run.summary[key] = float(value)
-        if not self._owns_run:
-            return
         errors: list[BaseException] = []
 
         def finish() -> None:

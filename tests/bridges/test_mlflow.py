@@ -89,3 +89,33 @@ def test_unwritable_run_dir_names_the_path(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(BridgeSetupError, match=re.escape("file.txt/run/mlflow")):
         MlflowSink(blocker / "run", None, "e", "r")
+
+
+def test_a_resumed_run_id_continues_its_mlflow_run(tmp_path: Path) -> None:
+    """A second process of the same otel_train run id (a preempted job requeued, a restarted bridge
+    process) logs into the MLflow run tagged with that id, as W&B resumes its run by id."""
+    from mlflow.entities import RunStatus
+
+    run_dir = tmp_path / "runs" / "res"
+    first = MlflowSink(run_dir, None, "exp", "res", run_key="job123")
+    first.write_hparams({"lr": 0.1, "bs": 32})
+    first.write_scalars(0, time.time(), {"train/loss": 1.0})
+    first.close({})
+    other = MlflowSink(run_dir, None, "exp", "other", run_key="job999")  # another run id: its own run
+    other.write_scalars(0, time.time(), {"train/loss": 5.0})
+    other.close({})
+
+    second = MlflowSink(run_dir, None, "exp", "res", run_key="job123")
+    second.write_scalars(1, time.time(), {"train/loss": 0.5})
+    from mlflow import MlflowClient
+
+    client = MlflowClient(default_tracking_uri(run_dir))
+    assert client.get_run(first.run_id).info.status == RunStatus.to_string(RunStatus.RUNNING)
+    second.write_hparams({"lr": 0.2, "warmup": 10})  # a logged param cannot change: kept, no error
+    second.close({})
+    assert second.run_id == first.run_id != other.run_id
+    run = read_mlflow(default_tracking_uri(run_dir), "exp", "res")
+    assert run.status == "FINISHED"
+    assert run.metrics["train/loss"] == [(0, 1.0), (1, 0.5)]
+    assert run.params == {"lr": "0.1", "bs": "32", "warmup": "10"}
+    assert read_mlflow(default_tracking_uri(run_dir), "exp", "other").metrics["train/loss"] == [(0, 5.0)]

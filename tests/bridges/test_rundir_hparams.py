@@ -144,3 +144,41 @@ def test_hparams_json_agrees_with_real_wandb_config_and_mlflow_params(
     here = flatten_params(read)
     assert here.pop("nan") == "None" and mlflow["nan"] == "nan"
     assert {k: mlflow[k] for k in here} == here
+
+
+NESTED_FIRST = {"optim": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}, "seed": 1}
+NESTED_LATER = {"optim": {"lr": 2e-3}}
+NESTED_MERGED = {"optim": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}, "seed": 1}
+
+
+def test_a_later_nested_update_keeps_its_siblings_in_hparams_json(tmp_path: Path) -> None:
+    sink = RunDirSink(tmp_path, rank=0, total_steps=None, progress=False)
+    sink.write_hparams(NESTED_FIRST)
+    sink.write_hparams(NESTED_LATER)
+    sink.close({})
+    assert json.loads(sink.files.hparams.read_text()) == NESTED_MERGED
+
+
+def test_a_later_nested_update_keeps_its_siblings_in_wandbs_config(tmp_path: Path) -> None:
+    """W&B's config.update replaces a top-level key whole (online, the server keeps the last
+    value of each key): the last config record of `optim` must hold its siblings too."""
+    pytest.importorskip("wandb")
+    import glob
+
+    from helpers.readback import iter_wandb_records, read_wandb_offline
+
+    from otel_train.bridges.wandb import WandbSink
+
+    sink = WandbSink(tmp_path / "run", {}, project="p", run_name="nested", mode="offline")
+    sink.write_hparams(NESTED_FIRST)
+    sink.write_scalars(0, 0.0, {"train/loss": 1.0})
+    sink.write_hparams(NESTED_LATER)
+    sink.close({})
+    run = read_wandb_offline(tmp_path / "run")
+    assert run.exited
+    (log,) = glob.glob(str(run.run_dir / "run-*.wandb"))
+    last: dict[str, Any] = {}
+    for record in iter_wandb_records(log):
+        if record.WhichOneof("record_type") == "config":
+            last.update((i.key, json.loads(i.value_json)) for i in record.config.update)
+    assert last["optim"] == NESTED_MERGED["optim"] and last["seed"] == 1

@@ -7,7 +7,10 @@ the conformance test; mode resolution is tested without starting W&B.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -108,3 +111,48 @@ def test_unwritable_run_dir_names_the_path(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(BridgeSetupError, match=re.escape("file.txt/run")):
         WandbSink(blocker / "run", {}, project="p")
+
+
+def test_a_users_own_wandb_run_gets_a_warning_at_init(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The W&B bridge runs in the bridge process, so it never logs into a run the user started
+    with wandb.init in the training process: init() says so, once."""
+    import wandb
+
+    import otel_train as ot
+
+    user_run = wandb.init(project="mine", dir=str(tmp_path), mode="offline",
+                          settings=wandb.Settings(silent=True, console="off"))  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="otel_train"):
+            ot.init(output_dir=str(tmp_path), run_name="userwb", wandb=True, prometheus_port=0, verbosity=0,
+                    hardware=False)  # fmt: skip
+            ot.shutdown()
+    finally:
+        user_run.finish()
+    warned = [r.getMessage() for r in caplog.records if "W&B run is active" in r.getMessage()]
+    assert len(warned) == 1 and user_run.id in warned[0] and "wandb=False" in warned[0], warned
+
+
+def test_the_user_run_check_never_imports_wandb() -> None:
+    code = (
+        "import sys\n"
+        "from otel_train.bridges.wandb import warn_if_user_run_active\n"
+        "warn_if_user_run_active()\n"
+        "assert 'wandb' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_wandbs_service_writes_the_offline_log_as_the_run_goes() -> None:
+    """wandb-core keeps the `.wandb` log in memory between writes (every 15 s by default): a bridge
+    process killed in between lost everything since. The sink asks for a write every second."""
+    import wandb
+
+    from otel_train.bridges.wandb import TRANSACTION_LOG_FLUSH_S
+
+    settings = WandbSink._settings(wandb)
+    assert settings.x_transaction_log_flush_interval == TRANSACTION_LOG_FLUSH_S <= 1.0
+    assert wandb.Settings().x_transaction_log_flush_interval > TRANSACTION_LOG_FLUSH_S  # W&B's own default

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers.readback import read_tensorboard
+from helpers.waiting import process_gone
 
 import otel_train as ot
 from otel_train.bridges import host
@@ -38,18 +39,6 @@ def fixtures_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
     )
-
-
-def _gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _idle_policy() -> int:
@@ -369,7 +358,7 @@ def test_calls_still_in_the_pipe_when_the_trainer_is_killed_reach_the_bridges(tm
             trainer.kill()
         if bridge_pid:
             os.kill(bridge_pid, signal.SIGCONT)
-    assert _gone(bridge_pid, 60), "the bridge process outlived the SIGKILLed trainer"
+    assert process_gone(bridge_pid, 60), "the bridge process outlived the SIGKILLed trainer"
     steps = [s for s, _ in read_tensorboard(tmp_path / "killed" / "tensorboard").scalars["train/loss"]]
     assert steps == list(range(20)), steps
 
@@ -392,7 +381,7 @@ def test_sigkill_of_the_trainer_loses_at_most_one_flush_and_no_orphan(tmp_path: 
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    assert _gone(bridge_pid, 60), "the bridge process outlived the SIGKILLed trainer"
+    assert process_gone(bridge_pid, 60), "the bridge process outlived the SIGKILLed trainer"
     steps = [s for s, _ in read_tensorboard(tmp_path / "killed" / "tensorboard").scalars["train/loss"]]
     assert steps == sorted(set(steps)) and steps[0] == 0, steps
     assert steps[-1] >= 18, steps  # every flush handed over, except at most the one in flight
@@ -461,7 +450,7 @@ def test_a_killed_bridge_process_is_restarted_and_later_steps_reach_tensorboard(
         before = _wait_for_steps(log_dir, 20, 120)
         assert before and before[-1] > 20, before
         os.kill(first_pid, signal.SIGKILL)  # what the OOM killer does
-        assert _gone(first_pid, 30)
+        assert process_gone(first_pid, 30)
         killed_at = _tb_steps(log_dir)[-1]
         after = _wait_for_steps(log_dir, killed_at + 20, 120)
         trainer.stdin.write("stop\n")
@@ -480,7 +469,7 @@ def test_a_killed_bridge_process_is_restarted_and_later_steps_reach_tensorboard(
     assert f"the bridge process (pid {first_pid}) died (killed by SIGKILL); restarting it" in err, err[-3000:]
     assert "finishes on its own" not in err and "is gone" not in err, err[-3000:]
     steps = _tb_steps(log_dir)
-    assert steps[-1] == last and _gone(second_pid, 30)  # the close reached the new one: every step
+    assert steps[-1] == last and process_gone(second_pid, 30)  # the close reached the new one: every step
 
 
 def test_a_bridge_process_stopped_past_the_trainers_exit_never_holds_its_output(tmp_path: Path) -> None:
@@ -502,8 +491,8 @@ def test_a_bridge_process_stopped_past_the_trainers_exit_never_holds_its_output(
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
-        if bridge_pid and not _gone(bridge_pid, 0):
+        if bridge_pid and not process_gone(bridge_pid, 0):
             os.kill(bridge_pid, signal.SIGCONT)
     assert trainer.returncode == 0, err[-3000:]
     assert f"pid {bridge_pid}, found stopped: continued" in err, err[-3000:]
-    assert _gone(bridge_pid, 60), "the stopped bridge process outlived the trainer"
+    assert process_gone(bridge_pid, 60), "the stopped bridge process outlived the trainer"

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers.readback import iter_wandb_records, read_mlflow, read_tensorboard, read_wandb_offline
+from helpers.waiting import process_gone
 
 import otel_train as ot
 from otel_train.testing import current_session
@@ -31,19 +32,6 @@ def _env() -> dict[str, str]:
     return dict(
         os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     )
-
-
-def _gone(pid: int, guard_s: float) -> bool:
-    """Exited (a zombie counts: its pipes are closed); the guard only ends a wait that never would."""
-    deadline = time.monotonic() + guard_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _files_closed(pid: int) -> bool:
@@ -225,7 +213,7 @@ def test_a_restarted_bridge_process_gets_the_hyperparameters_and_continues_the_m
     first_pid = bridges.pid
     assert first_pid is not None
     psutil.Process(first_pid).kill()
-    assert _gone(first_pid, 30)
+    assert process_gone(first_pid, 30)
     step = 5
     while bridges.restarts == 0 or step < 10:  # steps until the successor runs
         with ot.step(step):

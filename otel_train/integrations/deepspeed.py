@@ -57,6 +57,12 @@ def instrument(
     return engine
 
 
+def _is_pipeline(engine: Any) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
 def precision(engine: Any) -> str:
     """`fp16`, `bf16` or `fp32`: what the engine trains in."""
     if _call(engine, "fp16_enabled"):
@@ -147,8 +153,13 @@ class _Adapter:
         d["_backward_prologue"] = _wraps(engine._backward_prologue, self._backward_started)
         d["_backward_epilogue"] = _wraps(engine._backward_epilogue, self._backward_ended)
         if self.steps:  # a Trainer that drives the engine spans its own saves
-            d["save_checkpoint"] = spanned(engine.save_checkpoint, "checkpoint")
-            d["load_checkpoint"] = spanned(engine.load_checkpoint, "load_checkpoint")
+            d["save_checkpoint"] = _wraps(spanned(engine.save_checkpoint, "checkpoint"), self._between)
+            d["load_checkpoint"] = _wraps(spanned(engine.load_checkpoint, "load_checkpoint"), self._between)
+        if _is_pipeline(engine):
+            # train_batch runs the module's forward, backward and step inside itself, past the
+            # instance's wrapped methods: the whole call is the step
+            d["train_batch"] = _wraps(engine.train_batch, self._train_batch)
+            d["eval_batch"] = _wraps(engine.eval_batch, self._eval_batch)
         if self.breakdown:
             engine.timers.__dict__["log"] = _wraps(engine.timers.log, self._timers_log)
 
@@ -157,12 +168,42 @@ class _Adapter:
             # An eval batch (engine.eval() or no_grad): no training step nor phase, nor its tokens;
             # a long evaluation is no stall.
             adapters.heartbeat()
-            return original(*args, **kwargs)
+            return self._between(original, *args, **kwargs)
         if self.marking and not self.open:
             self._begin()
         self.tokens += _tokens(args, kwargs)
         with ot.timer("forward"):
             return original(*args, **kwargs)
+
+    def _between(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """An eval batch, a save or a load between two steps: the next step begins after it (its
+        data wait is backdated to here, not over it, so goodput books it as eval or checkpoint
+        time and the step's duration leaves it out)."""
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if not self.open:
+                self.last_end = perf_counter_ns()
+
+    def _eval_batch(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        adapters.heartbeat()  # PipelineEngine.eval_batch: an eval batch, as an eval-mode forward is
+        return self._between(original, *args, **kwargs)
+
+    def _train_batch(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """PipelineEngine.train_batch: one optimizer step over all its micro-batches."""
+        if self.marking and not self.open:
+            self._begin()
+        try:
+            loss = original(*args, **kwargs)
+        except BaseException:
+            if self.open:
+                self.open = False
+                adapters.end_step(failed=True)
+            raise
+        if self.steps and loss is not None:
+            ot.record("loss", loss)  # the mean over the micro-batches, as train_batch returns it
+        self._after_step()
+        return loss
 
     def _backward(self, original: Callable[..., Any], loss: Any, *args: Any, **kwargs: Any) -> Any:
         if self.steps:
@@ -219,7 +260,10 @@ class _Adapter:
             if info.open_step is not None:  # the loop marks its own steps
                 self.marking = False
                 return
-        self.open = adapters.begin_step(start_ns=self.last_end) is not None
+        # numbered as DeepSpeed counts its optimizer steps: a resumed engine (load_checkpoint)
+        # continues its own count
+        index = int(getattr(self.engine, "global_steps", 0) or 0)
+        self.open = adapters.begin_step(index, start_ns=self.last_end) is not None
 
     def _after_step(self) -> None:
         engine = self.engine

@@ -21,8 +21,14 @@ from otel_train.integrations._common import settings_from_kwargs, start_session
 __all__ = ["REDUCTIONS", "OtelTrainLogger", "publish_reductions"]
 
 GPU_MONITOR_PREFIX = "ray"  # RayGpuMonitorLogger's metric_prefix
-TIMING_PREFIX = "timing"  # timing/train, timing/validation
+# Of the timing batches NeMo RL's loops log (nemo_rl/algorithms/grpo.py, sft.py, dpo.py), only the
+# training one, last in each step, ends a step: timing/setup comes once at step 0, before any step,
+# and a validation step logs timing/validation before that step's timing/train.
+TRAIN_TIMING_PREFIX = "timing/train"
+VALIDATION_TIMING_PREFIX = "timing/validation"
 STEP_TIME_KEY = "total_step_time"  # the timer name NeMo RL's loops use for the whole step
+VALIDATION_TIME_KEY = "total_validation_time"  # the timer name of NeMo RL's validate()
+VALIDATION_SPAN = "validation"  # an ot.span name goodput books as eval
 TOKENS_KEY = "global_valid_toks"  # the step's valid tokens (GRPO, SFT)
 MAX_GAUGES = 512  # distinct ray/* names kept (a cluster's GPU monitor has a few per GPU)
 
@@ -84,6 +90,7 @@ class OtelTrainLogger:
         self._tokens: float | None = None
         self._last_end_ns: int | None = None
         self._ended_step: int | None = None
+        self._validation_s: dict[int, float] = {}  # validation seconds booked per step number
 
     # --- LoggerInterface ---------------------------------------------------------------------------
     def log_metrics(
@@ -98,9 +105,11 @@ class OtelTrainLogger:
         if prefix == GPU_MONITOR_PREFIX:
             self._keep_gauges(metrics, step_metric)
             return
-        if prefix.split("/")[0] == TIMING_PREFIX:
+        if prefix == TRAIN_TIMING_PREFIX:
             self._end_step(step, metrics, prefix)
             return
+        if prefix == VALIDATION_TIMING_PREFIX:
+            self._book_validation(step, metrics)
         values = flatten_numbers(metrics, prefix)
         tokens = metrics.get(TOKENS_KEY)
         if tokens is not None and _number(tokens) is not None:
@@ -142,6 +151,16 @@ class OtelTrainLogger:
                 if name in self._gauges or len(self._gauges) < MAX_GAUGES:
                     self._gauges[name] = value
 
+    def _book_validation(self, step: int, timing: Mapping[str, Any]) -> None:
+        """A validation that has just ended, as an eval span backdated by its duration: eval badput,
+        not a step (no training step is open on the controller while it runs)."""
+        seconds = _number(timing.get(VALIDATION_TIME_KEY))
+        if seconds is None or not math.isfinite(seconds) or seconds < 0:
+            return
+        now = time.perf_counter_ns()
+        ot.span(VALIDATION_SPAN).start(at_ns=max(1, now - int(seconds * 1e9))).stop()
+        self._validation_s[step] = self._validation_s.get(step, 0.0) + seconds
+
     def _end_step(self, step: int, timing: Mapping[str, Any], prefix: str) -> None:
         if self._ended_step == step:
             return  # the timing batch and a step_finished call of the same step end it once
@@ -150,8 +169,12 @@ class OtelTrainLogger:
         total = durations.pop(STEP_TIME_KEY, None)
         rates = {k: v for k, v in durations.items() if "per_sec" in k}
         start = self._last_end_ns if self._last_end_ns is not None else now
+        # A validation at this step ran inside NeMo RL's `total_step_time` timer (validate() is
+        # called within it): it is already booked as eval, so the step is the rest.
+        validation = self._validation_s.pop(step, 0.0)
+        self._validation_s.clear()  # earlier steps' validations (val_at_start's step 0) were between steps
         if total is not None and math.isfinite(total) and total >= 0:
-            start = now - int(total * 1e9)
+            start = now - int(max(0.0, total - validation) * 1e9)
         adapters.begin_step(int(step), start_ns=start)
         for name, seconds in durations.items():
             if name not in rates and math.isfinite(seconds) and seconds >= 0:

@@ -149,3 +149,92 @@ def test_reductions_over_workers_and_validation_samples(tmp_path: Path) -> None:
     assert row["policy/grad_norm/mean"] == 2.0 and row["policy/grad_norm/max"] == 3.0
     samples = RunFiles(tmp_path / "grpo", 0, "controller").samples.read_text()
     assert "2+2?" in samples and "6" in samples
+
+
+def _backend(tmp_path: Path) -> NemoLogger:
+    logger = NemoLogger()
+    logger.loggers.append(
+        OtelTrainLogger(
+            role="controller",
+            output_dir=str(tmp_path),
+            run_name="grpo",
+            log_interval=1,
+            verbosity=0,
+            prometheus_port=0,
+        )
+    )
+    return logger
+
+
+def _goodput(tmp_path: Path) -> dict[str, Any]:
+    account: dict[str, Any] = json.loads(RunFiles(tmp_path / "grpo", 0, "controller").goodput.read_text())
+    return account
+
+
+def test_grpo_setup_and_validation_timings_end_no_step(tmp_path: Path) -> None:
+    """grpo.py's real order (NVIDIA-NeMo/RL nemo_rl/algorithms/grpo.py at 7ea279a): `timing/setup`
+    at step 0 (lines 1668-1670); val_at_start: `validation`, then `timing/validation` at step 0
+    (2770-2771); a validation step runs validate() inside its `total_step_time` timer (2832, 3387)
+    and logs `timing/validation` then `validation` (3398-3403) BEFORE the step's `train` and
+    `timing/train` with step_finished=True (3762-3771)."""
+    logger = _backend(tmp_path)
+    logger.log_metrics({"total_setup_time_s": 30.0, "policy_init_time_s": 20.0}, 0, prefix="timing/setup")
+    logger.log_metrics({"accuracy": 0.1}, 0, prefix="validation")
+    logger.log_metrics({"total_validation_time": 0.2}, 0, prefix="timing/validation")
+    for total_steps in range(3):
+        step = total_steps + 1
+        validation = 0.5 if step == 2 else 0.0  # val_period=2
+        if validation:
+            logger.log_metrics({"total_validation_time": validation}, step, prefix="timing/validation")
+            logger.log_metrics({"accuracy": 0.5}, step, prefix="validation")
+        logger.log_metrics({"loss": float(step), "global_valid_toks": 1000}, step, prefix="train")
+        logger.log_metrics({"samples_per_second": 8.0}, step, prefix="performance")
+        timing = {"policy_training": 0.07, "generation": 0.03, "total_step_time": 0.1 + validation}
+        logger.log_metrics(timing, step, prefix="timing/train", step_finished=True)
+    logger.finish()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # setup and val_at_start are no step 0
+    for row in rows:
+        assert row["train/loss"] == row["step"]  # each step keeps its own loss, none averaged in
+        assert row["throughput/tokens"] == 1000
+        assert row["timers/policy_training/total"] == pytest.approx(0.07)
+        assert row["timers/generation/total"] == pytest.approx(0.03)
+        assert row["timers/step/total"] == pytest.approx(0.1, abs=0.05)  # the validation is not step time
+        assert "timers/total_setup_time_s/total" not in row  # setup is startup, not a phase of a step
+        assert "timers/total_validation_time/total" not in row
+    assert rows[0]["timing/setup/total_setup_time_s"] == 30.0  # recorded, as a metric
+    assert rows[0]["timers/validation/total"] == pytest.approx(0.2, abs=0.05)  # val_at_start
+    assert rows[1]["timers/validation/total"] == pytest.approx(0.5, abs=0.05)
+    assert rows[1]["validation/accuracy"] == 0.5
+    account = _goodput(tmp_path)
+    assert account["last_step"] == 3
+    assert account["badput"]["eval"] == pytest.approx(0.7, abs=0.05)  # both validations, once each
+    assert account["productive_s"] == pytest.approx(0.3, abs=0.05)  # three steps of 0.1 s
+
+
+def test_dpo_per_dataset_validation_timings_book_eval_once(tmp_path: Path) -> None:
+    """dpo.py's real order (NVIDIA-NeMo/RL nemo_rl/algorithms/dpo.py at 7ea279a): validate(), called
+    inside the step's `total_step_time` timer (593, 616), logs per dataset `validation-<name>` and
+    `timing/validation-<name>`, then their sum as `timing/validation` (380-396); then `train` and
+    `timing/train`, without step_finished (794-795). SFT logs the same way (sft.py 503-507,
+    653-654)."""
+    logger = _backend(tmp_path)
+    for total_steps in range(2):
+        step = total_steps + 1
+        if step == 2:
+            for name, seconds in (("math", 0.3), ("code", 0.1)):
+                logger.log_metrics({"loss": 0.9}, step, prefix=f"validation-{name}")
+                per_dataset = {"total_validation_time": seconds}
+                logger.log_metrics(per_dataset, step, prefix=f"timing/validation-{name}")
+            logger.log_metrics({"total_validation_time": 0.4}, step, prefix="timing/validation")
+        logger.log_metrics({"loss": float(step), "global_valid_toks": 64}, step, prefix="train")
+        total = 0.2 + (0.4 if step == 2 else 0.0)
+        logger.log_metrics({"policy_training": 0.2, "total_step_time": total}, step, prefix="timing/train")
+    logger.finish()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[1]["train/loss"] == 2.0 and rows[1]["throughput/tokens"] == 64
+    assert rows[1]["timers/policy_training/total"] == pytest.approx(0.2)
+    assert rows[1]["timers/step/total"] == pytest.approx(0.2, abs=0.05)
+    assert rows[1]["timing/validation_math/total_validation_time"] == 0.3  # per dataset: a metric only
+    assert _goodput(tmp_path)["badput"]["eval"] == pytest.approx(0.4, abs=0.05)  # the sum, once

@@ -509,6 +509,9 @@ def agree_run_place(config: Config) -> RunPlace:
     notices = _job_notices(config, agreed, group, run_dir, facts)
     for _, message in notices:
         logger.warning("otel_train: %s", message)
+    # A rank split off from the others (no telemetry group) keeps to itself: no exchange, and no
+    # second try at the collective group creation (a peer that never joins would make it wait again).
+    split = identity.distributed and group is None
     return RunPlace(
         identity,
         group,
@@ -517,7 +520,7 @@ def agree_run_place(config: Config) -> RunPlace:
         run_dir,
         resumed,
         agreed.log_interval,
-        agreed.cross_rank,
+        agreed.cross_rank and not split,
         notices,
         facts.shape if facts is not None else None,
         rank_series,
@@ -537,7 +540,7 @@ def _job_notices(
                 "run_split",
                 f"rank {ident.rank} could not join the other ranks' telemetry group within "
                 f"collective_timeout_s={config.collective_timeout_s:g} s (a rank called ot.init() that "
-                f"much later than another, or a peer is gone): it writes its own run directory "
+                f"much later than another or never, or a peer is gone): it writes its own run directory "
                 f"{run_dir or agreed.run_name} under run id {ident.run_id}, and has no cross-rank stats. "
                 "Give every rank the same run_name (or OTEL_TRAIN_RUN_ID) to keep one directory, call "
                 "ot.init() at the same point on every rank, or raise collective_timeout_s.",

@@ -95,6 +95,34 @@ def test_a_late_init_says_it_splits_the_job_and_names_the_setting(tmp_path: Path
         assert any("collective_timeout_s=1 s" in m for m in result["warnings"])
 
 
+def _only_rank_0_target(rank: int, world: int, out: str, timeout_s: float) -> dict[str, Any]:
+    """Rank 0 calls ot.init(); rank 1 never does (it only trains)."""
+    if rank != 0:
+        time.sleep(3 * timeout_s + 2.0)
+        return {}
+    warnings = _Warnings()
+    logging.getLogger("otel_train").addHandler(warnings)
+    ot.init(output_dir=out, prometheus_port=0, verbosity=0, hardware=False, collective_timeout_s=timeout_s)
+    session = current_session()
+    for i in range(3):
+        with ot.step(i):
+            pass
+    ot.shutdown()
+    return {"warnings": warnings.messages, "cross_rank": session.config.cross_rank}
+
+
+def test_a_rank_that_never_calls_init_makes_the_other_wait_for_the_group_once(tmp_path: Path) -> None:
+    """Rank 0 gives up on the telemetry group after collective_timeout_s, says why (a rank that
+    never called ot.init() among the causes) and keeps to itself: no exchange, so no second
+    collective group creation that would wait as long again (and pair with the training's own
+    new_group calls on the other rank)."""
+    [result, _] = run_ranks(2, _only_rank_0_target, (str(tmp_path), 1.0), timeout=120)
+    failures = [m for m in result["warnings"] if "cannot create the gloo telemetry group" in m]
+    assert len(failures) == 1, result["warnings"]
+    assert any("much later than another or never" in m for m in result["warnings"])
+    assert result["cross_rank"] is False
+
+
 def _independent_target(rank: int, world: int, out: str, cross_rank: bool) -> dict[str, Any]:
     """Rank 0 steps every 5 ms; rank 1 (an evaluator, say) idles 3 s after init, then steps every
     50 ms. Rank 0 counts its steps in 1.5 s without telemetry calls, then in 1.5 s of ot.step."""

@@ -86,17 +86,7 @@ def _rows(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 def test_grpo_loop_gives_steps_phases_and_gauges(tmp_path: Path) -> None:
-    logger = NemoLogger()
-    logger.loggers.append(
-        OtelTrainLogger(
-            role="controller",
-            output_dir=str(tmp_path),
-            run_name="grpo",
-            log_interval=1,
-            verbosity=0,
-            prometheus_port=0,
-        )
-    )
+    logger = _backend(tmp_path)
     _grpo_loop(logger, steps=3)
     logger.finish()
     assert current_session() is None  # the backend shut down the session it started

@@ -196,14 +196,18 @@ class _Adapter:
         try:
             loss = original(*args, **kwargs)
         except BaseException:
-            if self.open:
-                self.open = False
-                adapters.end_step(failed=True)
+            self._fail_open_step()
             raise
         if self.steps and loss is not None:
             ot.record("loss", loss)  # the mean over the micro-batches, as train_batch returns it
         self._after_step()
         return loss
+
+    def _fail_open_step(self) -> None:
+        """The optimizer step raised: the step this adapter began ends as failed."""
+        if self.open:
+            self.open = False
+            adapters.end_step(failed=True)
 
     def _backward(self, original: Callable[..., Any], loss: Any, *args: Any, **kwargs: Any) -> Any:
         if self.steps:
@@ -230,9 +234,7 @@ class _Adapter:
             with ot.timer("optimizer"):
                 out = original(*args, **kwargs)
         except BaseException:
-            if self.open:
-                self.open = False
-                adapters.end_step(failed=True)
+            self._fail_open_step()
             raise
         self._after_step()
         return out

@@ -538,9 +538,10 @@ def _job_notices(
         return (
             (
                 "run_split",
-                f"rank {ident.rank} could not join the other ranks' telemetry group within "
-                f"collective_timeout_s={config.collective_timeout_s:g} s (a rank called ot.init() that "
-                f"much later than another or never, or a peer is gone): it writes its own run directory "
+                f"rank {ident.rank} could not join the other ranks' telemetry group (the warning above "
+                f"says why: a rank called ot.init() more than collective_timeout_s="
+                f"{config.collective_timeout_s:g} s later than another or never, or a peer is gone or "
+                f"refused the connection): it writes its own run directory "
                 f"{run_dir or agreed.run_name} under run id {ident.run_id}, and has no cross-rank stats. "
                 "Give every rank the same run_name (or OTEL_TRAIN_RUN_ID) to keep one directory, call "
                 "ot.init() at the same point on every rank, or raise collective_timeout_s.",

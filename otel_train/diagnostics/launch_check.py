@@ -75,9 +75,10 @@ def _own_problems(f: RankFacts) -> Iterator[LaunchProblem]:
                 "no_process_group",
                 (f.rank,),
                 f"WORLD_SIZE={env_world} but torch.distributed was not initialised when ot.init() "
-                f"ran on rank {f.rank}: the ranks train independently (no gradient sync) and "
-                "cross-rank telemetry is off. Call torch.distributed.init_process_group() before "
-                "ot.init() (or the framework's equivalent).",
+                f"ran on rank {f.rank}, so cross-rank telemetry (stragglers, job series, one run "
+                "directory) is off. Call torch.distributed.init_process_group() before ot.init() (or "
+                "the framework's equivalent); without a process group at all the ranks also train "
+                "independently (no gradient sync).",
             )
         return
     if env_world is not None and env_world != f.world_size:

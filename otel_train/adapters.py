@@ -7,7 +7,9 @@ value. Example: docs/design/core.md#adapters.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
@@ -19,6 +21,8 @@ from otel_train.core import Run, begin_step, current, end_step, phase
 if TYPE_CHECKING:
     from otel_train.crossrank import StragglerReport
 
+log = logging.getLogger("otel_train")
+
 __all__ = [
     "Run",
     "begin_step",
@@ -29,6 +33,7 @@ __all__ = [
     "on_straggler",
     "phase",
     "saving_checkpoint",
+    "set_total_steps",
     "watch_batch",
     "watch_read",
 ]
@@ -74,6 +79,23 @@ def saving_checkpoint() -> None:
     session = current()
     if session is not None:
         session.saving_ns = perf_counter_ns()
+
+
+def set_total_steps(total_steps: int) -> None:
+    """The run's plan changed: a second `fit` with another `max_steps`, or early stopping that ends
+    training at this step. The ETA, the progress lines and `train.steps.planned` use `total_steps`
+    from the next flush. Not an int >= 1: ignored with a warning (never raised into the framework).
+    A no-op before `init()`."""
+    session = current()
+    if session is None:
+        return
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        log.warning(
+            "otel_train: set_total_steps(%r) ignored: the plan is a number of steps >= 1", total_steps
+        )
+        return
+    session.config = dataclasses.replace(session.config, total_steps=total_steps)
+    session.worker.total_steps = total_steps
 
 
 def watch_batch(batch: object) -> None:

@@ -270,7 +270,7 @@ class Config:
         doc="0 quiet, 1 summaries and final table, 2 debug",
     )
     progress_bar: bool = setting(True, doc="progress bar on a terminal")
-    total_steps: int | None = setting(None, ge=1, doc="planned steps (ETA, progress)")
+    total_steps: int | None = setting(None, ge=1, runtime=True, doc="planned steps (ETA, progress)")
     # health
     loss_spike_factor: float = setting(3.0, gt=1, doc="loss above factor x recent mean is a spike event")
     stall_timeout_s: float = setting(

@@ -320,6 +320,7 @@ def apply_change(session: Any, change: ControlChange, index: int) -> None:
     settings = dict(change.settings)
     session.config = changed_config(session.config, settings)
     session.timing_level = session.config.timer_level
+    session.worker.total_steps = session.config.total_steps
     if session.console is not None:
         session.console.verbosity = session.config.verbosity
     if "straggler_threshold" in settings:

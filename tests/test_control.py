@@ -41,13 +41,14 @@ def test_single_process_change_and_rejected_file(tmp_path: Path) -> None:
             time.sleep(0.01)
         step += 1
     assert session.timing_level == 1  # a broken file changes nothing
-    control.write_text(json.dumps({"timing_log_level": 2, "trace_every": 7}))
+    control.write_text(json.dumps({"timing_log_level": 2, "trace_every": 7, "total_steps": 500}))
     while time.monotonic() < deadline and session.timing_level != 2:
         with ot.step(step):
             level_at[step] = session.timing_level
             time.sleep(0.01)
         step += 1
     assert session.timing_level == 2 and session.config.trace_every == 7
+    assert session.worker.total_steps == 500  # the ETA and progress read the new plan
     stamped = json.loads(control.read_text())
     assert stamped["version"] == 1 and stamped["apply_at_step"] > 0
     switched = min(s for s, level in level_at.items() if level == 2) if 2 in level_at.values() else step

@@ -134,6 +134,7 @@ def test_the_control_file_may_change_only_runtime_settings(tmp_path: Path) -> No
         "trace_first",
         "trace_every",
         "verbosity",
+        "total_steps",
         "straggler_threshold",
     ]
     events = _Events()

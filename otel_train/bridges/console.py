@@ -49,12 +49,9 @@ _TOTAL = sc.stat_key("", "total")
 class ConsoleSink(Sink):
     name = "console"
 
-    def __init__(
-        self, verbosity: int, progress_bar: bool, total_steps: int | None, stream: TextIO | None = None
-    ) -> None:
+    def __init__(self, verbosity: int, progress_bar: bool, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
         self.verbosity = verbosity
-        self.total_steps = total_steps
         self.bar = progress_bar and verbosity > 0 and self.stream.isatty()
         self.started = time.time()
         # Timer totals for the end-of-run table: name -> [total seconds, count].
@@ -82,7 +79,8 @@ class ConsoleSink(Sink):
             return  # nothing new to show (e.g. the shutdown flush after the last interval)
         if new_eval:
             self._shown_eval_loss = eval_loss
-        parts = [f"step {step + 1}" + (f"/{self.total_steps}" if self.total_steps else "")]
+        total = int(scalars.get(sc.TOTAL_STEPS.key, 0))  # the plan may change in a run (set_total_steps)
+        parts = [f"step {step + 1}" + (f"/{total}" if total else "")]
         for key, label, fmt in _SUMMARY_FIELDS:
             # the eval loss when it is new; the training values after training steps
             if key not in scalars or not (new_eval if key == sc.EVAL_LOSS.key else trained):
@@ -93,8 +91,8 @@ class ConsoleSink(Sink):
         if sc.ETA.key in scalars and trained:
             parts.append(f"eta {_duration(scalars[sc.ETA.key])}")
         line = " | ".join(parts)
-        if self.bar and self.total_steps:
-            done = min(1.0, (step + 1) / self.total_steps)
+        if self.bar and total:
+            done = min(1.0, (step + 1) / total)
             filled = int(done * 24)
             rate = (step + 1) / max(1e-9, wall_time - self.started)
             line = f"[{'#' * filled}{'.' * (24 - filled)}] {done:4.0%} {rate:.1f} it/s | " + line

@@ -20,14 +20,11 @@ from otel_train.run_directory import LineFile, RunFiles, append_line, dumps_line
 class RunDirSink(Sink):
     name = "rundir"
 
-    def __init__(
-        self, run_dir: Path, rank: int, total_steps: int | None, progress: bool = True, role: str = ""
-    ) -> None:
+    def __init__(self, run_dir: Path, rank: int, progress: bool = True, role: str = "") -> None:
         self.files = RunFiles(run_dir, rank, role)
         self._metrics = LineFile(self.files.metrics)
         # progress.txt is one file per run: only the reporting rank appends to it.
         self._progress: LineFile | None = LineFile(self.files.progress) if progress else None
-        self._total_steps = total_steps
         self._started = time.time()
         self._tokens = 0.0
         self._hparams: dict[str, Any] = {}
@@ -43,7 +40,8 @@ class RunDirSink(Sink):
         if self._progress is None or sc.STEPS.key not in scalars:
             return  # a row without training steps (log_metrics(step=N), an eval) is no progress
         elapsed = wall_time - self._started
-        steps = f"{step + 1}/{self._total_steps}" if self._total_steps else f"{step + 1}"
+        total = int(scalars.get(sc.TOTAL_STEPS.key, 0))  # the plan may change in a run (set_total_steps)
+        steps = f"{step + 1}/{total}" if total else f"{step + 1}"
         parts = [
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall_time)),
             f"step {steps}",

@@ -585,12 +585,12 @@ def build_sinks(
     if place.run_dir is not None:
         progress = place.is_reporting_rank
         ident = place.identity
-        sinks.append(RunDirSink(place.run_dir, ident.rank, config.total_steps, progress, ident.role))
+        sinks.append(RunDirSink(place.run_dir, ident.rank, progress, ident.role))
     if not place.is_reporting_rank:
         return sinks, None, None
     console = None
     if place.identity.rank == 0:
-        console = ConsoleSink(config.verbosity, config.progress_bar, config.total_steps)
+        console = ConsoleSink(config.verbosity, config.progress_bar)
         sinks.append(console)
     bridges = _bridge_process(config, place, instruments)
     if bridges is not None:

@@ -86,7 +86,8 @@ class Worker:
         self.sinks = sinks
         self.listeners = listeners
         self.span_writer = span_writer
-        self.total_steps = total_steps
+        self.total_steps = total_steps  # the plan; set_total_steps and the control file change it
+        self._plan_in_rows = total_steps  # the plan the rows have carried so far
         self.otel_logger = otel_logger
         # Unbounded as a queue; flush batches are bounded by `max_batches` (the session defers a
         # flush when the worker has that many pending) and messages by `max_messages`, so a burst
@@ -251,6 +252,9 @@ class Worker:
         leave_out(scalars, self._recorded.difference(interval.scalars))
         self._leave_out_unwatched_layers(scalars, batch)
         fresh = any(instrument not in self._own_rows for instrument in batch.scalars)
+        # a plan changed after the last step (early stopping) reaches the rows at the final flush
+        fresh = fresh or self.total_steps != self._plan_in_rows
+        self._plan_in_rows = self.total_steps
         if not (interval.steps or fresh or batch.dropped or interval.phases or batch.phase_errors):
             # Nothing new since the last row (the final flush after the last step, the flush that
             # files a log_metrics(step=N) row of its own): the gauges would write that row again

@@ -387,6 +387,11 @@ class OtelTrainCallback(Callback):
             return
         self._owns_session = start_session(_trainer_settings(trainer, self._settings))
         ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
+        if ours and not self._owns_session and _owner_of(adapters.current_run()) is ours[0]:
+            # The logger's run goes on into this fit: its plan is this fit's max_steps.
+            planned = ours[0]._session_settings(trainer).get("total_steps")
+            if planned is not None:
+                adapters.set_total_steps(planned)
         for logger in ours:
             logger.marks_steps = False  # the steps are ours; the logger only logs values
         if not ours:
@@ -398,6 +403,11 @@ class OtelTrainCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._mark_ns = perf_counter_ns()  # after the sanity check: it is not the first step's data
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.should_stop and _logging_step(trainer) > 0:
+            # Early stopping (or a callback) ended the fit before its plan: the steps run are the plan.
+            adapters.set_total_steps(_logging_step(trainer))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and self._unwrap is not None:

@@ -188,6 +188,9 @@ class OtelTrainCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if control.should_training_stop and 0 < state.global_step < state.max_steps:
+            # Early stopping (or a callback) ended training before its plan: the steps run are the plan.
+            adapters.set_total_steps(state.global_step)
         self.close()
 
     def close(self) -> None:

@@ -101,7 +101,7 @@ def test_hparams_json_reads_back_numpy_and_torch_scalars_as_the_bridges_get_them
 
 
 def test_sink_merges_later_hparams_without_a_warning(tmp_path: Path) -> None:
-    sink = RunDirSink(tmp_path, rank=0, total_steps=None, progress=False)
+    sink = RunDirSink(tmp_path, rank=0, progress=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sink.write_hparams({"z": np.complex128(3 - 4j), "flag": np.bool_(False)})
@@ -152,7 +152,7 @@ NESTED_MERGED = {"optim": {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.1
 
 
 def test_a_later_nested_update_keeps_its_siblings_in_hparams_json(tmp_path: Path) -> None:
-    sink = RunDirSink(tmp_path, rank=0, total_steps=None, progress=False)
+    sink = RunDirSink(tmp_path, rank=0, progress=False)
     sink.write_hparams(NESTED_FIRST)
     sink.write_hparams(NESTED_LATER)
     sink.close({})

@@ -91,6 +91,11 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
 
 
+def _progress_lines(run_dir: Path) -> list[str]:
+    """progress.txt's step lines (not its end-of-process goodput line)."""
+    return [line for line in (run_dir / "progress.txt").read_text().splitlines() if "| step " in line]
+
+
 def _total(rows: list[dict[str, Any]], key: str) -> float:
     return sum(r.get(key) or 0 for r in rows)
 
@@ -409,6 +414,31 @@ def test_the_trainers_max_steps_is_adopted_unless_the_user_chose_total_steps(
         session = current_session()
         assert session is not None and session.config.total_steps == expected
         ot.shutdown()
+
+
+def test_a_second_fit_on_the_logger_plans_its_own_max_steps(tmp_path: Path) -> None:
+    logger = _quiet(run_name="refit", log_interval=1)
+    _quick_trainer(logger, max_steps=2, enable_checkpointing=False).fit(_boring())
+    _quick_trainer(logger, max_steps=5, enable_checkpointing=False).fit(_boring())
+    ot.shutdown()
+    planned = [r["train/steps_planned"] for r in _rows(tmp_path / "runs" / "refit") if "train/steps" in r]
+    assert planned == [2, 2, 5, 5, 5, 5, 5]
+    assert "step 5/5" in _progress_lines(tmp_path / "runs" / "refit")[-1]
+
+
+def test_early_stopping_makes_the_steps_run_the_plan(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    # min_delta so large that the second epoch never improves: stops after 2 epochs of 4 batches
+    stop = EarlyStopping(monitor="train_loss", min_delta=1e6, patience=1, check_on_train_epoch_end=True)
+    logger = _quiet(run_name="early", log_interval=1000)
+    trainer = _quick_trainer(logger, max_steps=100, callbacks=[stop], enable_checkpointing=False)
+    trainer.fit(TinyRegression(), _loader(16))
+    ot.shutdown()
+    assert trainer.global_step == 8
+    last = _rows(tmp_path / "runs" / "early")[-1]  # the plan changed after the last step's row
+    assert last["train/steps_planned"] == 8 and last["progress/eta_s"] == 0
+    assert "step 8/8" in _progress_lines(tmp_path / "runs" / "early")[-1]
 
 
 def test_fit_then_test_is_one_run_and_the_next_logger_ends_it(tmp_path: Path) -> None:

@@ -147,6 +147,27 @@ def test_callback_starts_and_ends_its_own_session(tmp_path: Path, monkeypatch: p
     assert json.loads((tmp_path / "runs" / "chosen" / "config.json").read_text())["total_steps"] == 40
 
 
+class _StopAtStep3(TrainerCallback):
+    """What EarlyStoppingCallback does when patience runs out: ask the Trainer to stop."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 3:
+            control.should_training_stop = True
+
+
+def test_early_stopping_makes_the_steps_run_the_plan(tmp_path: Path) -> None:
+    callback = OtelTrainCallback(
+        run_name="early", verbosity=0, hardware=False, prometheus_port=0, log_interval=100
+    )
+    trainer = _trainer(tmp_path / "hf-out", callback, max_steps=20, eval_strategy="no", save_strategy="no")
+    trainer.add_callback(_StopAtStep3())
+    trainer.train()
+    assert trainer.state.global_step == 3
+    # the plan changed after the last step's row (the Trainer's end-of-train log has a row of its own)
+    last = [r for r in _rows(tmp_path / "runs" / "early") if "train/steps_planned" in r][-1]
+    assert last["train/steps_planned"] == 3 and last["progress/eta_s"] == 0
+
+
 def test_callback_takes_settings_as_keyword_arguments(tmp_path: Path) -> None:
     callback = OtelTrainCallback(
         run_name="kw", verbosity=0, hardware=False, prometheus_port=0, log_interval=2

@@ -70,6 +70,21 @@ def test_steps_timers_and_flattened_keys() -> None:
     assert cap.last("train/loss") == -2.5
 
 
+def test_step_and_phase_quantiles_are_the_intervals_own() -> None:
+    """Not the buckets' interpolation: 0.1 ms durations share the first bucket with a slow one, and
+    interpolating there put the median ~20 times above them (and above the mean)."""
+    from otel_train import adapters
+
+    with capture_metrics(log_interval=10) as cap:
+        for i in range(10):
+            with ot.step(i):
+                adapters.phase("generate", 0.004 if i == 9 else 0.0001)
+    row = cap.flushes[0][1]
+    assert row["timers/generate/p50"] == pytest.approx(0.0001)
+    assert row["timers/generate/p95"] == pytest.approx(0.0001 + 0.0039 * 0.55)  # rank 8.55 of 0..9
+    assert row["timers/step/p50"] <= row["timers/step/p95"] <= row["timers/step/max"]
+
+
 def test_decorators_nesting_threads_async_and_errors() -> None:
     @ot.step
     def train_step() -> None:

@@ -56,7 +56,6 @@ class ConsoleSink(Sink):
         self.started = time.time()
         # Timer totals for the end-of-run table: name -> [total seconds, count].
         self.timers: dict[str, list[float]] = {}
-        self._shown_eval_loss: float | None = None
         # summary values that came in a row without training steps (log_metrics(step=N)): the next
         # training line shows the latest of them
         self._latest: dict[str, float] = {}
@@ -65,11 +64,10 @@ class ConsoleSink(Sink):
         self._accumulate(scalars)
         if self.verbosity == 0:
             return
-        # Gauges keep their last value, so a flush repeats the previous eval loss until the next
-        # eval: show it only when it is new. A flush without training steps (log_metrics(step=...)
-        # after an eval, the shutdown flush) shows only what is new, never the stale training values.
-        eval_loss = scalars.get(sc.EVAL_LOSS.key)
-        new_eval = eval_loss is not None and eval_loss != self._shown_eval_loss
+        # A row has the eval loss only from the interval it was logged in. A flush without training
+        # steps (log_metrics(step=...) after an eval, the shutdown flush) shows only what is new,
+        # never the stale training values.
+        new_eval = sc.EVAL_LOSS.key in scalars
         trained = sc.STEPS.key in scalars
         if not trained:
             self._latest.update((k, scalars[k]) for k, _, _ in _SUMMARY_FIELDS if k in scalars)
@@ -77,8 +75,6 @@ class ConsoleSink(Sink):
             scalars = {**self._latest, **scalars}
         if not trained and not new_eval:
             return  # nothing new to show (e.g. the shutdown flush after the last interval)
-        if new_eval:
-            self._shown_eval_loss = eval_loss
         total = int(scalars.get(sc.TOTAL_STEPS.key, 0))  # the plan may change in a run (set_total_steps)
         parts = [f"step {step + 1}" + (f"/{total}" if total else "")]
         for key, label, fmt in _SUMMARY_FIELDS:

@@ -11,7 +11,7 @@ from collections.abc import Collection, Container, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.sdk.metrics import Counter, Histogram, ObservableCounter
+from opentelemetry.sdk.metrics import Counter, Histogram, ObservableCounter, _Gauge
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     Gauge,
@@ -127,9 +127,9 @@ def keep_case(
     stepped: Container[str] = frozenset(),
 ) -> None:
     """Give the user's own names their keys in the case they were recorded (`eval/F1`): the SDK's
-    instruments are case-folded (OTel names are case-insensitive) and a gauge goes on reporting its
-    last value in later flushes, under the folded key. `spelling` (the worker's, kept across
-    flushes) maps a folded key to the spelling whose value the SDK's gauge holds: the last one set.
+    instruments are case-folded (OTel names are case-insensitive), so the row has the folded key.
+    `spelling` (the worker's, kept across flushes) maps a folded key to the spelling whose value
+    the SDK's gauge holds: the last one set (a row of its own, log_metrics(step=N), may set it).
     Names differing only in case each get their own interval mean (the latest value for `stepped`
     instruments, as the worker set the gauge). A name the SDK did not export
     (over max_metric_names) gets no key."""
@@ -212,6 +212,10 @@ class StepReader(MetricReader):
                 Counter: AggregationTemporality.DELTA,
                 Histogram: AggregationTemporality.DELTA,
                 ObservableCounter: AggregationTemporality.DELTA,
+                # A row carries a gauge only from the interval it was set in (a recorded eval loss
+                # at its eval, ot.watch's layer norms at watched steps, cross-rank stats while
+                # there are ranks to compare), as a framework's own logger writes a value at its step.
+                _Gauge: AggregationTemporality.DELTA,
             }
         )
         self._latest: MetricsData | None = None
@@ -292,6 +296,26 @@ def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, floa
                 )
                 if estimate is not None:
                     out[semconv.stat_key(key, suffix)] = estimate
+
+
+def exact_quantiles(scalars: dict[str, float], interval: Interval) -> None:
+    """The rows' p50/p95 of the step and phase times from the interval's own durations, where the
+    buckets could only bound them (0.1 ms steps all fall in the first, 0-5 ms, bucket)."""
+    series = [(key_for(semconv.STEP_DURATION.name, {}), interval.step_durations)]
+    series += [
+        (key_for(semconv.PHASE_DURATION.name, {semconv.PHASE: n}), v) for n, v in interval.phases.items()
+    ]
+    for key, values in series:
+        if not values:
+            continue
+        ordered = sorted(values)
+        for q, suffix in ((0.5, "p50"), (0.95, "p95")):
+            at = q * (len(ordered) - 1)  # linear interpolation between the closest ranks
+            low = int(at)
+            high = min(low + 1, len(ordered) - 1)
+            scalars[semconv.stat_key(key, suffix)] = ordered[low] + (ordered[high] - ordered[low]) * (
+                at - low
+            )
 
 
 def bucket_quantile(

@@ -43,6 +43,7 @@ from otel_train.core.instruments import (
     SpanWriter,
     StepReader,
     add_stat_keys,
+    exact_quantiles,
     feed_layer_stats,
     keep_case,
     key_for,
@@ -108,9 +109,6 @@ class Worker:
         # instruments whose values last came only with an explicit step: they have rows of their
         # own at those steps (ScalarsMessage), so the flushes' rows leave them out
         self._own_rows: set[str] = set()
-        self._recorded: set[str] = set()  # instruments ever given a value (ot.record, log_metrics)
-        self._layer_keys: set[str] = set()  # every bridge key ot.watch's per-layer gauges have had
-        self._label_keys: dict[tuple[str, tuple[str, ...]], set[str]] = {}  # (instrument, labels) -> keys
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
@@ -239,6 +237,7 @@ class Worker:
                 )
         self.doing = "collecting metrics (observable-instrument callbacks, e.g. ones made on ot.get_meter())"
         scalars = self.step_reader.collect_scalars(interval.elapsed_s)
+        exact_quantiles(scalars, interval)
         keep_case(scalars, interval.scalars, self._spelling, batch.stepped)
         for key in add_stat_keys(scalars, self._stat_keys):
             self._warn_once(f"stat:{key}", STAT_KEY_TAKEN.format(key=key))
@@ -246,11 +245,6 @@ class Worker:
         leave_out(scalars, self._own_rows)
         self.final_scalars.update(scalars)
         self.flushes += 1
-        # A recorded value's gauge holds it until the next one: a row carries it only from the
-        # interval it was recorded in, as a framework's own logger writes an eval loss at its eval.
-        self._recorded.update(interval.scalars)
-        leave_out(scalars, self._recorded.difference(interval.scalars))
-        self._leave_out_unwatched_layers(scalars, batch)
         fresh = any(instrument not in self._own_rows for instrument in batch.scalars)
         # a plan changed after the last step (early stopping) reaches the rows at the final flush
         fresh = fresh or self.total_steps != self._plan_in_rows
@@ -261,22 +255,6 @@ class Worker:
             # under the same step.
             return
         self._to_sinks(lambda sink: sink.write_scalars(interval.step, interval.wall_time, scalars))
-
-    def _leave_out_unwatched_layers(self, scalars: dict[str, float], batch: FlushBatch) -> None:
-        """ot.watch's per-layer gauges likewise: a layer's norms are in the rows of the intervals
-        whose watched steps measured it (every=100 at a flush every 10 steps: one row in ten)."""
-        fed: set[str] = set()
-        for record in batch.layer_stats:
-            if record.instrument in semconv.BY_NAME:  # not the batch fingerprints
-                keys = self._label_keys.get((record.instrument, record.labels))
-                if keys is None:
-                    keys = {key_for(record.instrument, {semconv.LAYER: label}) for label in record.labels}
-                    self._label_keys[(record.instrument, record.labels)] = keys
-                    self._layer_keys |= keys
-                fed |= keys
-        if len(fed) < len(self._layer_keys):
-            for key in self._layer_keys - fed:
-                scalars.pop(key, None)
 
     def _feed_sdk(self, batch: FlushBatch, interval: Interval) -> None:
         """Layer statistics, sampled steps' spans, then the instruments (with exemplars)."""

@@ -262,3 +262,28 @@ def test_balanced_ddp_beside_a_busy_loop_reports_nothing(tmp_path: Path) -> None
         busy.join(timeout=5)
     assert _reported(results, 0) == []
     assert all(r[0]["relative"] > 0.9 for r in results)
+
+
+def _leaves_early(rank: int, world: int, out_dir: str) -> None:
+    import otel_train as ot
+
+    ot.init(run_name="leaves", output_dir=out_dir, prometheus_port=0, verbosity=0, hardware=False,
+            log_interval=LOG_INTERVAL)  # fmt: skip
+    for step in range(30 if rank == 0 else 10):
+        with ot.step(step), ot.timer("forward"):
+            time.sleep(0.002)
+    ot.shutdown()  # rank 1 after 10 steps: rank 0 goes on alone
+
+
+def test_cross_rank_stats_leave_the_rows_when_the_peer_has_left(tmp_path: Path) -> None:
+    """Rank 0's rows carry the cross-rank timer statistics while a peer's rows pair with its own,
+    never the last ones again once the peer is gone (a gauge keeps its value; a row does not)."""
+    import json
+
+    run_ranks(2, _leaves_early, (str(tmp_path),), timeout=120)
+    rows = [
+        json.loads(line) for line in (tmp_path / "leaves" / "metrics.rank0.jsonl").read_text().splitlines()
+    ]
+    stats = {row["step"]: "timers/forward/ranks_max" in row for row in rows if "train/steps" in row}
+    assert stats[4] and stats[9]  # both ranks' rows at the first two flushes
+    assert not any(stats[step] for step in stats if step >= 19)  # rank 1 long gone

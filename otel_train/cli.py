@@ -22,9 +22,12 @@ _DEMO_MOVED = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from otel_train.version import __version__
+
     parser = argparse.ArgumentParser(
         prog="otel-train", description="OpenTelemetry-native observability for ML training."
     )
+    parser.add_argument("--version", action="version", version=f"otel-train {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{doctor,diagnose}")
     sub.add_parser(
         "doctor",
@@ -137,10 +140,9 @@ def doctor() -> int:
     from otel_train.bridges.table import BRIDGES
 
     for extra, module in [(b.extra, b.import_name) for b in BRIDGES] + [("gpu", "pynvml")]:
-        present = find_spec(module) is not None
-        print(
-            f"extra [{extra}]: {'installed' if present else 'missing: pip install otel-train[' + extra + ']'}"
-        )
+        # quoted as the README quotes it: zsh reads an unquoted [...] as a glob
+        hint = f'missing: pip install "otel-train[{extra}]"'
+        print(f"extra [{extra}]: {'installed' if find_spec(module) is not None else hint}")
     if find_spec("pynvml") is not None:
         try:
             import pynvml

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import re
 import secrets
 import types
@@ -46,6 +47,9 @@ class Setting:
     fix: str | None = None  # the error's advice where the type and range alone say too little
     env: tuple[str, ...] = ()  # standard OpenTelemetry variables that also set it
     env_in_ms: bool = False  # those variables give milliseconds (the OpenTelemetry spec's unit)
+    # A float setting must be finite (inf overflows the int conversions of timeouts and cadences)
+    # unless this says what inf means there, e.g. "never by time".
+    inf_means: str | None = None
     runtime: bool = False  # the control file may change it in a running job
 
 
@@ -102,7 +106,17 @@ def _blank_problem(text: str) -> str | None:
 
 
 def _signal_problem(name: str) -> str | None:
-    if name == "" or signal_number(name) is not None:
+    import signal
+
+    if name == "":
+        return None
+    number = signal_number(name)
+    if number in (signal.SIGKILL, signal.SIGSTOP):  # the OS lets no process handle these
+        return (
+            f"{signal.Signals(number).name} cannot be caught, so it cannot trigger a dump: use a signal such "
+            "as SIGUSR1 or SIGUSR2, or an empty string to turn signal dumps off"
+        )
+    if number is not None:
         return None
     return "use a signal name such as SIGUSR1 or SIGUSR2, or an empty string to turn signal dumps off"
 
@@ -233,6 +247,7 @@ class Config:
     log_interval_s: float = setting(
         30.0,
         gt=0,
+        inf_means="never by time",
         doc="...or after N seconds (not for ranks in lockstep, `cross_rank=True`, whose flush steps must "
         "match); it also caps the adaptive interval, on every rank",
     )
@@ -276,6 +291,9 @@ class Config:
     stall_timeout_s: float = setting(
         300.0,
         gt=0,
+        # There is no off switch: the watchdog's stack dumps are the only evidence of a hang.
+        fix="use a number of seconds > 0 (stall detection has no off switch: for stack dumps after very long "
+        "gaps only, use e.g. 86400, a day)",
         doc="no step for this long: every thread's stack goes to `stacks.rank<k>.<n>.txt` in the run dir "
         "and a stall event names the file",
     )
@@ -312,7 +330,7 @@ class Config:
         None, doc="unset: the `MLFLOW_TRACKING_URI` variable if set, else a local store under the run dir"
     )
     mlflow_experiment: str = setting("otel-train", doc="MLflow experiment")
-    samples_to_show: int = setting(4, doc="validation samples shown per call")
+    samples_to_show: int = setting(4, ge=0, doc="validation samples shown per call")
     # hardware
     hardware: bool = setting(True, doc="NVML / CUDA allocator / host metrics")
     hardware_interval_s: float = setting(5.0, gt=0, doc="NVML sampling interval")
@@ -328,7 +346,7 @@ class Config:
         '`Trainer(precision="bf16-mixed")`, ...) unless you set one. The MFU point carries `compute.dtype`, '
         "`peak.flops` and `peak.source`",
     )
-    flops_per_token: float | None = setting(None, doc="model FLOPs per token for MFU")
+    flops_per_token: float | None = setting(None, gt=0, doc="model FLOPs per token for MFU")
     cuda_peak_per_interval: bool = setting(
         True,
         doc="reset torch.cuda peak memory stats at each flush; `False` if your code reads `max_memory_allocated()`",
@@ -444,17 +462,25 @@ def runtime_settings(cls: type[Config] = Config) -> list[str]:
     return [name for name, entry in declared(cls).items() if entry.setting.runtime]
 
 
-def allowed(name: str, cls: type[Config] = Config) -> str:
-    """The values setting `name` accepts, in words (an error's fix, the docs page)."""
+def allowed(name: str, cls: type[Config] = Config, in_ms: bool = False) -> str:
+    """The values setting `name` accepts, in words (an error's fix, the docs page); `in_ms`: as
+    its standard variables give them, in milliseconds (an `env_in_ms` setting)."""
     entry = declared(cls)[name]
     spec = entry.setting
+    scale = 1000 if in_ms else 1
+    if in_ms:
+        kind = "a number of milliseconds" if spec.inf_means else "a finite number of milliseconds"
+    else:
+        kind = _kind(entry.type, name)
     bounds = [(spec.ge, "[", ">="), (spec.gt, "(", ">"), (spec.le, "]", "<="), (spec.lt, ")", "<")]
-    given = [(f"{v:g}", bracket, op) for v, bracket, op in bounds if v is not None]
+    given = [(f"{v * scale:g}", bracket, op) for v, bracket, op in bounds if v is not None]
     if len(given) == 2:
         (low, left, _), (high, right, _) = given
-        text = f"{_kind(entry.type, name)} in {left}{low}, {high}{right}"
+        text = f"{kind} in {left}{low}, {high}{right}"
     else:
-        text = " ".join([_kind(entry.type, name), *(f"{op} {v}" for v, _, op in given)])
+        text = " ".join([kind, *(f"{op} {v}" for v, _, op in given)])
+    if spec.inf_means is not None:
+        text += f", or inf ({spec.inf_means})"
     return text + ", or leave it unset" * entry.optional
 
 
@@ -497,6 +523,8 @@ def problem(name: str, value: Any, cls: type[Config] = Config) -> str | None:
     advice = spec.fix or f"use {allowed(name, cls)}"
     if not _is_a(value, entry.type):
         return f"expected {_kind(entry.type, name)}; {advice}" if spec.fix else advice
+    if entry.type is float and not math.isfinite(value) and not (value > 0 and spec.inf_means is not None):
+        return f"it must be a finite number; {advice}"
     in_range = (
         (spec.ge is None or value >= spec.ge)
         and (spec.gt is None or value > spec.gt)

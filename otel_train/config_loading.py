@@ -5,13 +5,24 @@ OpenTelemetry variables are read as the spec says (docs/reference/configuration.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from otel_train.config import CONFIG_FILE_ENV, Config, ConfigError, Declaration, declared, env_name, validate
+from otel_train.config import (
+    CONFIG_FILE_ENV,
+    Config,
+    ConfigError,
+    Declaration,
+    allowed,
+    declared,
+    env_name,
+    problem,
+    validate,
+)
 
 # An HTTP header name (RFC 9110 token); values are checked for control characters only.
 _HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -36,14 +47,15 @@ def load_config(
     for name, entry in table.items():
         for key in entry.setting.env:
             if environ.get(key, "").strip() != "":
-                values[name] = (_from_standard_env(key, environ[key], entry), key)
+                values[name] = (_from_standard_env(key, environ[key], name, config_cls), key)
         key = env_name(name)  # over the standard variables
         if environ.get(key, "").strip() != "":
             values[name] = (environ[key], key)
     for name, value in overrides.items():
         if name not in table:
             raise ConfigError(
-                f"init() got an unknown setting {name!r}. Known settings: {', '.join(sorted(table))}."
+                f"init() got an unknown setting {name!r}: {did_you_mean(name, table)}Settings are "
+                f"otel_train.Config fields (docs/reference/configuration.md): {', '.join(sorted(table))}."
             )
         values[name] = (value, f"init({name}=...)")
 
@@ -72,16 +84,29 @@ def config_file_settings(path: str, config_cls: type[Config] = Config) -> dict[s
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of settings, got {type(data).__name__}.")
     known = declared(config_cls)
-    unknown = sorted(set(data) - known.keys())
+    unknown = sorted(set(data) - known.keys(), key=str)
     if unknown:
+        hints = "".join(did_you_mean(name, known, about=True) for name in unknown)
         raise ConfigError(
-            f"config file {path!r} has unknown settings {unknown}. Known: {', '.join(sorted(known))}."
+            f"config file {path!r} has unknown settings {unknown}: {hints}Settings are otel_train.Config "
+            f"fields (docs/reference/configuration.md): {', '.join(sorted(known))}."
         )
     return data
 
 
-def _from_standard_env(env_key: str, raw: str, entry: Declaration) -> Any:
-    """A standard OpenTelemetry variable's value: milliseconds as seconds where the spec says so."""
+def did_you_mean(name: object, known: Iterable[str], about: bool = False) -> str:
+    """`did you mean 'tensorboard'? ` for a misspelt setting `name` (`about`: `for 'tensorbaord'`
+    added, where several names are refused at once), or "" when no setting is close."""
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    if not close:
+        return ""
+    return f"did you mean {close[0]!r}{f' for {name!r}' if about else ''}? "
+
+
+def _from_standard_env(env_key: str, raw: str, name: str, config_cls: type[Config]) -> Any:
+    """A standard OpenTelemetry variable's value: milliseconds as seconds where the spec says so,
+    checked here, so that an error shows the milliseconds the user wrote, not our seconds."""
+    entry = declared(config_cls)[name]
     if not entry.setting.env_in_ms:
         return raw
     example = f"{entry.default * 1000:.0f}"  # env_in_ms settings are numbers of seconds
@@ -98,7 +123,14 @@ def _from_standard_env(env_key: str, raw: str, entry: Declaration) -> Any:
             f"{millis:g} ms, too short for an export. Set it to e.g. {example} ({entry.default:g} s) "
             "or unset it."
         )
-    return millis / 1000.0
+    seconds = millis / 1000.0
+    if problem(name, seconds, config_cls) is not None:
+        raise ConfigError(
+            f"{env_key}={raw!r} is invalid: it is in milliseconds (the OpenTelemetry spec's unit) and "
+            f"sets {name} in seconds; use {allowed(name, config_cls, in_ms=True)}, e.g. {example}, or "
+            "unset it."
+        )
+    return seconds
 
 
 def parse_key_values(raw: str, setting: str) -> dict[str, str]:

@@ -140,3 +140,90 @@ def test_a_signal_number_in_other_digits_is_refused_with_the_fix(name: str) -> N
     # str.isdigit() takes both; int() refuses "²": the setting must fail as a ConfigError naming it
     with pytest.raises(ConfigError, match="stack_dump_signal"):
         load_config({"stack_dump_signal": name}, environ={})
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["log_interval_min_s", "stall_timeout_s", "hardware_interval_s", "checkpoint_timeout_s", "peak_flops"],
+)
+@pytest.mark.parametrize("text", ["inf", "nan", "-inf", "1e400"])
+def test_a_float_setting_must_be_finite(name: str, text: str) -> None:
+    # inf passed `> 0` and then overflowed an int conversion in the step, at init, or in a thread
+    env_key = f"OTEL_TRAIN_{name.upper()}"
+    with pytest.raises(ConfigError, match=rf"setting {name} = .* it must be a finite number.*{env_key}"):
+        load_config({}, environ={env_key: text})
+    with pytest.raises(ConfigError, match=rf"setting {name} = .* it must be a finite number"):
+        load_config({name: float(text)}, environ={})
+
+
+def test_stall_timeout_s_inf_names_how_to_hear_of_long_gaps_only() -> None:
+    with pytest.raises(ConfigError, match=r"no off switch.*86400"):
+        load_config({"stall_timeout_s": float("inf")}, environ={})
+
+
+def test_log_interval_s_inf_means_never_by_time() -> None:
+    assert load_config({}, environ={"OTEL_TRAIN_LOG_INTERVAL_S": "inf"}).log_interval_s == float("inf")
+    with pytest.raises(ConfigError, match=r"or inf \(never by time\)"):
+        load_config({"log_interval_s": -1.0}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        ({"samples_to_show": -3}, ["samples_to_show", "-3", "an integer >= 0"]),
+        ({"samples_to_show": 0}, None),
+        ({"flops_per_token": -6e9}, ["flops_per_token", "a number > 0"]),
+        ({"flops_per_token": 0.0}, ["flops_per_token", "a number > 0"]),
+        ({"flops_per_token": 6e9}, None),
+    ],
+)
+def test_sample_count_and_flops_per_token_have_ranges(overrides, fragments) -> None:
+    if fragments is None:
+        load_config(overrides, environ={})
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides, environ={})
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "fragments"),
+    [
+        (
+            {"OTEL_METRIC_EXPORT_INTERVAL": "-5"},
+            [
+                "OTEL_METRIC_EXPORT_INTERVAL='-5'",
+                "milliseconds > 0",
+                "e.g. 10000",
+                "metric_export_interval_s",
+            ],
+        ),
+        ({"OTEL_METRIC_EXPORT_INTERVAL": "inf"}, ["OTEL_METRIC_EXPORT_INTERVAL='inf'", "finite"]),
+        (
+            {"OTEL_EXPORTER_OTLP_TIMEOUT": "70000"},
+            ["OTEL_EXPORTER_OTLP_TIMEOUT='70000'", "milliseconds in (0, 60000]"],
+        ),
+    ],
+)
+def test_a_standard_variable_in_milliseconds_is_refused_as_written(env, fragments) -> None:
+    """The error shows the milliseconds the user wrote and the range in milliseconds, not the
+    seconds they became (-5 ms is not "-0.005")."""
+    with pytest.raises(ConfigError) as info:
+        load_config({}, environ=env)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    assert "-0.005" not in message and "70.0" not in message
+
+
+def test_an_unknown_setting_names_the_closest_one(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="unknown setting 'tensorbaord': did you mean 'tensorboard'"):
+        load_config({"tensorbaord": True}, environ={})
+    path = tmp_path / "ot.yaml"
+    path.write_text("tensorbaord: true\nrun_nme: x\n")
+    with pytest.raises(ConfigError) as info:
+        load_config({}, environ={}, config_file=str(path))
+    message = str(info.value)
+    assert "did you mean 'tensorboard' for 'tensorbaord'?" in message, message
+    assert "did you mean 'run_name' for 'run_nme'?" in message, message

@@ -146,6 +146,44 @@ def test_readme_is_a_front_door() -> None:
     assert not missing, missing
 
 
+# The docs site's home page is the README as the site shows it: without the README's pointer to the
+# site, links relative to docs/, and the developer's part (the two commands, the license) as one line.
+INDEX = ROOT / "docs" / "index.md"
+_SITE_POINTER = "**Documentation: [docs/](docs/index.md)** (build the site with `make docs`).\n\n"
+_DEVELOPER_PART = "## Two commands\n"
+_INDEX_END = (
+    "Working on otel_train itself (`make demo`, `make test`, `make docs`): [Development](development.md).\n"
+)
+
+
+def readme_as_index(readme: str) -> str:
+    """docs/index.md as it must be for `readme` (README.md)."""
+    assert _SITE_POINTER in readme and _DEVELOPER_PART in readme, "the README's layout changed: update this"
+    front = readme.replace(_SITE_POINTER, "").split(_DEVELOPER_PART, 1)[0]
+    return front.replace("](docs/", "](") + _INDEX_END
+
+
+def test_the_docs_home_page_is_the_readme() -> None:
+    """docs/index.md once fell behind the README (an extra, an integration and a section missing):
+    it is the README, its links made relative to docs/. Fix it by writing `readme_as_index()`."""
+    expected = readme_as_index(README.read_text(encoding="utf-8"))
+    assert INDEX.read_text(encoding="utf-8") == expected, (
+        "docs/index.md differs from README.md; regenerate it"
+    )
+
+
+def test_the_api_page_lists_every_adapter_name() -> None:
+    """docs/reference/api.md names each member of `otel_train.adapters.__all__` for mkdocstrings
+    (`Run` has a section of its own): a new adapter call is documented, not left out."""
+    from otel_train import adapters
+
+    page = (ROOT / "docs" / "reference" / "api.md").read_text(encoding="utf-8")
+    section = page.split("::: otel_train.adapters", 1)[1]
+    listed = re.findall(r"^ {8}- (\w+)$", section.split("members:", 1)[1], re.M)
+    assert sorted(listed) == sorted(set(adapters.__all__) - {"Run"})
+    assert "::: otel_train.core.runtime.Run" in page
+
+
 def _readme_quickstart() -> str:
     section = README.read_text().split("## Quickstart", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S)

@@ -78,3 +78,15 @@ def test_a_synchronous_event_callback_that_raises_reaches_the_emitter() -> None:
     events.add_callback(broken)
     with pytest.raises(KeyError, match="stall"):
         events.emit("stall", "no step for 60 s")
+
+
+@pytest.mark.parametrize("every", ["10", 2.0, True, None])
+def test_watch_every_of_a_wrong_type_is_a_type_error(every: object) -> None:
+    """A wrong type is TypeError, a wrong int ValueError (docs/reliability.md#error-policy)."""
+    torch = pytest.importorskip("torch")
+    import otel_train as ot
+
+    with pytest.raises(TypeError, match=rf"ot\.watch\(every={every!r}\): needs an int"):
+        ot.watch(torch.nn.Linear(2, 2), every=every)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        ot.watch(torch.nn.Linear(2, 2), every=0)

@@ -12,6 +12,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -53,7 +54,15 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart_and_cli(tmp_path
         "the wheel ships only the package"
     )
     assert not [n for n in names if "demo" in n], "the demo is an example in the checkout, not in the wheel"
-    assert sdist.stat().st_size > 0
+    # Apache-2.0 asks that a redistribution carries the license text: both archives hold it
+    license_text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read(f"otel_train-{version}.dist-info/licenses/LICENSE").decode() == license_text
+        assert "License-File: LICENSE" in archive.read(f"otel_train-{version}.dist-info/METADATA").decode()
+    with tarfile.open(sdist) as archive:
+        member = archive.extractfile(f"otel_train-{version}/LICENSE")
+        assert member is not None and member.read().decode() == license_text
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env, 120)
@@ -85,7 +94,7 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart_and_cli(tmp_path
     doctor = _run([str(bin_dir / "otel-train"), "doctor"], work, doctor_env, 120).stdout
     assert "config: ok" in doctor
     # Core only: the doctor says how to add a bridge, and that alone is no failure (exit 0).
-    assert "extra [tensorboard]: missing: pip install otel-train[tensorboard]" in doctor
+    assert 'extra [tensorboard]: missing: pip install "otel-train[tensorboard]"' in doctor
 
 
 def test_the_package_version_is_spelled_once() -> None:

@@ -1,7 +1,8 @@
 """step(), timer(), span(), and the same without a `with` block for adapters whose framework
 calls hooks at a step's start and end (`otel_train.adapters`): begin_step()/end_step(),
 `.start()`/`.stop()`, and phase() for a phase known only by its duration. Before `init()` they do
-nothing; on the training thread they only read `time.perf_counter_ns()` and append to the buffer.
+nothing (but a wrong argument type raises, as with a session: docs/reliability.md#error-policy); on
+the training thread they only read `time.perf_counter_ns()` and append to the buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, TypeVar, overload
 
 # The hot path reads `runtime._current` directly, on purpose: docs/design/core.md#runtime.
 from otel_train.core import runtime
-from otel_train.core.session import Session
+from otel_train.core.session import Session, as_int
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,9 +69,11 @@ class StepScope:
     def __enter__(self) -> StepScope:
         session = runtime._current
         self._session = session
-        if session is not None:
-            self._index = session.begin_step(self.index)
-            self._start = session.step_start_ns = perf_counter_ns()
+        if session is None:  # before init(): a no-op, but a wrong type is a bug there too
+            _check_index(self.index)
+            return self
+        self._index = session.begin_step(self.index)
+        self._start = session.step_start_ns = perf_counter_ns()
         return self
 
     def __exit__(
@@ -200,6 +203,7 @@ def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullSc
     above the configured `timing_log_level` it does nothing."""
     session = runtime._current
     if session is None:
+        _check_level("timer", name, level)  # before init() too: a wrong type is the caller's bug
         return _off(name, level, cuda)
     try:
         if level > session.timing_level:
@@ -220,6 +224,22 @@ def _off(name: str, level: Any, cuda: bool) -> _NullScope:
     scope = _new_scope(_NullScope)
     scope.name, scope.level, scope.cuda = name, level, cuda
     return scope
+
+
+def _check_level(call: str, name: Any, level: Any) -> None:
+    """Before `init()`: refuse a level a running session could not compare with its
+    `timing_log_level` (the same TypeError as then), off the hot path."""
+    try:
+        level > 1  # noqa: B015 (the comparison is the check)
+    except TypeError:
+        raise _bad_level(call, name, level) from None
+
+
+def _check_index(index: Any) -> None:
+    """Before `init()`: the step number's type check a running session makes (`as_int`); the
+    value itself is not looked at (a huge one is a bad value, dropped once a session runs)."""
+    if index is not None and index.__class__ is not int:
+        as_int(index, "ot.step(index)")
 
 
 def _bad_level(call: str, name: Any, level: Any) -> TypeError:
@@ -301,6 +321,7 @@ def begin_step(index: Any = None, *, start_ns: int | None = None) -> int | None:
         raise _not_ns(f"begin_step(start_ns={start_ns!r})", start_ns)
     session = runtime._current
     if session is None:
+        _check_index(index)  # before init() too: a wrong type is the caller's bug
         return None
     earlier: StepScope | None = session.open_step
     if earlier is not None:
@@ -345,6 +366,7 @@ def phase(name: str, seconds: float, level: int = 1) -> None:
     non-numeric duration is dropped and counted; a level that is not an int raises TypeError."""
     session = runtime._current
     if session is None:
+        _check_level("phase", name, level)  # before init() too: a wrong type is the caller's bug
         return
     try:
         if level > session.timing_level:

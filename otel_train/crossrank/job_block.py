@@ -71,6 +71,15 @@ def encode(interval: Interval, rank: int) -> Any:
     return floats(block)
 
 
+@functools.cache
+def available() -> bool:
+    """Whether a block can be made here: blocks are torch tensors, and a single-process run may
+    have no torch (no dependency of otel_train); a distributed job always has it."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
 def empty() -> Any:
     """A block that stands for no row (what a merge of nothing gives)."""
     import torch

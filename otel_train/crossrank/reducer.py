@@ -335,7 +335,9 @@ class CrossRankReducer:
     def _flush_local(self, interval: Interval) -> None:
         """Not distributed (or the exchange is off): this rank's timers and individual score."""
         record = local_record(interval, self.identity)
-        if self._world <= 1:  # one process: it is the job (a job whose exchange is off has none)
+        # One process: it is the job (a job whose exchange is off has none). Its block is a torch
+        # tensor, and torch is no dependency of a single-process run: without it, no job series.
+        if self._world <= 1 and job_block.available():
             self.job.publish(
                 job_block.encode(interval, self.identity.rank), record.announced, interval.elapsed_s
             )

@@ -283,7 +283,8 @@ class HangWatchdog:
         if previous_handler not in (signal.SIG_DFL, None) and not ours:
             log.warning(
                 "otel_train: signal %s already has a handler; stack dumps stay on stall only "
-                "(set dump_signal to another signal, or 0 to silence this).",
+                "(set stack_dump_signal to another signal, e.g. SIGUSR2, or to an empty string to "
+                "silence this).",
                 signal.Signals(signum).name,
             )
             return

@@ -625,7 +625,11 @@ def _first_tensor(output: Any) -> Any:
 def check_watch_args(model: Any, every: int, max_layers: int, flags: Iterable[bool]) -> None:
     if not hasattr(model, "named_parameters") or not hasattr(model, "named_modules"):
         raise TypeError(f"ot.watch(model): expected a torch.nn.Module, got {type(model).__name__}.")
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+    if not isinstance(every, int) or isinstance(every, bool):  # "10", 2.0, True: the caller's bug
+        raise TypeError(
+            f"ot.watch(every={every!r}): needs an int (steps between watched steps), got {type(every).__name__}."
+        )
+    if every < 1:
         raise ValueError(f"ot.watch(every={every!r}): must be an integer >= 1 (steps between watched steps).")
     if not isinstance(max_layers, int) or isinstance(max_layers, bool) or max_layers < 1:
         raise ValueError(f"ot.watch(max_layers={max_layers!r}): must be an integer >= 1.")

@@ -180,6 +180,29 @@ def test_stack_dump_signal_is_validated() -> None:
         ot.init(stack_dump_signal="SIGNOPE", prometheus_port=0)
 
 
+@pytest.mark.parametrize("name", ["SIGKILL", "9", "SIGSTOP", "stop"])
+def test_a_signal_that_cannot_be_caught_is_refused_naming_the_fix(name: str) -> None:
+    # signal.signal() raises a bare OSError for these: refused as a setting instead, before init
+    with pytest.raises(ConfigError, match=r"stack_dump_signal = .*cannot be caught.*SIGUSR1.*empty string"):
+        ot.init(stack_dump_signal=name, prometheus_port=0)
+
+
+def test_a_signal_someone_else_handles_is_left_alone_with_a_true_fix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: None)
+    try:
+        with caplog.at_level("WARNING", logger="otel_train"):
+            ot.init(stack_dump_signal="SIGUSR2", prometheus_port=0, verbosity=0, hardware=False)
+            ot.shutdown()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    [warning] = [r.getMessage() for r in caplog.records if "already has a handler" in r.getMessage()]
+    # the fix it names is one the settings accept
+    assert "set stack_dump_signal to another signal" in warning and "an empty string" in warning, warning
+    assert "0 to silence" not in warning
+
+
 _RANK_SCRIPT = """
 import os, sys, time
 import torch, torch.distributed as dist

@@ -11,7 +11,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-_SECRET_RE = re.compile(r"(key|token|secret|passw|auth|credential|header|cookie|bearer)", re.I)
+# `tokens`/`tokenizer` are counts and model names, not secrets (`max_new_tokens`, `tokenizer_name`).
+_SECRET_RE = re.compile(r"(key|token(?!s|iz)|secret|passw|auth|credential|header|cookie|bearer)", re.I)
 REDACTED = "***"
 
 
@@ -90,8 +91,9 @@ def redact_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def redact(value: Any, key: str = "") -> Any:
-    """Replace secret-looking values (by key name) with '***', recursively."""
-    if key and is_secret_key(key):
+    """Replace secret-looking values (by key name) with '***', recursively. A number or a bool is
+    kept whatever its name: `num_key_value_heads: 8` and `flops_per_token: 6e9` are no secrets."""
+    if key and is_secret_key(key) and not isinstance(value, (int, float)):
         return REDACTED if value not in (None, "", {}, ()) else value
     if isinstance(value, Mapping):
         return {str(k): redact(v, str(k)) for k, v in value.items()}

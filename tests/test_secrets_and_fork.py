@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -32,7 +33,10 @@ def test_secrets_never_reach_files_console_or_payloads(tmp_path, monkeypatch, ca
             resource_attributes={"team": "ml", "api_token": field_marker},
         )
         session = current_session()
-        ot.log_hyperparams({"lr": 1e-3, "api_key": hparam_marker, "nested": {"password": hparam_marker}})
+        look_alike = {"max_new_tokens": 512, "num_key_value_heads": 8, "tokenizer_name": "gpt2"}
+        ot.log_hyperparams(
+            {"lr": 1e-3, "api_key": hparam_marker, "nested": {"password": hparam_marker}, **look_alike}
+        )
         for i in range(4):
             with ot.step(i):
                 ot.record("loss", 1.0)
@@ -46,6 +50,9 @@ def test_secrets_never_reach_files_console_or_payloads(tmp_path, monkeypatch, ca
             assert marker.encode() not in path.read_bytes(), (marker, path)
         for body in received.raw:
             assert marker.encode() not in body, marker
+    # names that only look like secrets keep their values (hyperparameters of every LLM config)
+    hparams = json.loads((Path(session.run_dir) / "hparams.json").read_text())
+    assert {k: hparams[k] for k in look_alike} == look_alike
     # the header was used for what it is for: authenticating the export
     assert any(h.get("authorization") == f"Bearer {header_marker}" for h in received.headers)
     assert received.metrics and received.raw

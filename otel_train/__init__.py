@@ -15,6 +15,7 @@ Importing this package is light: no torch, SDK exporters, wandb or tensorboard a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,8 @@ from otel_train.core.buffer import (
 from otel_train.distributed import RunInfo as RunInfo
 from otel_train.redaction import cap_text, redact
 from otel_train.version import __version__ as __version__
+
+_log = logging.getLogger("otel_train")
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
@@ -276,6 +279,15 @@ def watch(
         session.buffer, model, every, grads, params, activations, histograms, layers, on_remove, scaled
     )
     handle.fingerprints = session.identity.distributed and session.config.cross_rank
+    shared = sorted({label for w in session.watches for label in w.labels} & set(handle.labels))
+    if shared:  # two models with the same module names (a GAN of two nn.Sequential)
+        _log.warning(
+            "otel_train: ot.watch(%s): layers %s are also layers of an already watched model: their "
+            "series mix, and train.grad_norm averages the two models' norms. Watch them as one: "
+            "ot.watch(torch.nn.ModuleDict({'generator': G, 'discriminator': D}))",
+            type(model).__name__,
+            ", ".join(shared[:5]) + (", ..." if len(shared) > 5 else ""),
+        )
     session.add_watch(handle)
     return handle
 

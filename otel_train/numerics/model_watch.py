@@ -280,13 +280,24 @@ class ModelWatch:
         held layers when no forward hook fired; None when none of the held ones ran."""
         ran, self._ran = self._ran, set()
         held = self._held[1] if self._held is not None else self.labels
-        if not ran or len(ran) == len(self.labels):
+        frozen = self._frozen_groups()
+        if not frozen and (not ran or len(ran) == len(self.labels)):
             return self._held_only(per_layer)
-        groups = [g for g, label in enumerate(self.labels) if g in ran and label in held]
+        ran = ran or set(range(len(self.labels)))
+        groups = [g for g, label in enumerate(self.labels) if g in ran and label in held and g not in frozen]
         if not groups:
             return None
         # views and one stack: no index tensor (a host-to-device copy would sync)
         return tuple(self.labels[g] for g in groups), torch.stack([per_layer[g] for g in groups])
+
+    def _frozen_groups(self) -> set[int]:
+        """The layers whose parameters were all frozen after `watch()` (`requires_grad_(False)`): they
+        have no gradient by design, so they are left out rather than read as a layer without one."""
+        return {
+            g
+            for g, members in enumerate(self._members)
+            if not any(self._params[i].requires_grad for i in members)
+        }
 
     def _held_only(self, per_layer: Any) -> tuple[tuple[str, ...], Any]:
         """(labels, per-layer values) of the layers with elements on this rank (all, unsharded)."""
@@ -420,7 +431,8 @@ class GradientReads:
         self.histograms = histograms
         handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
         for param, keep in zip(self.params, self._keep_hooks, strict=True):
-            handles.append(param.register_post_accumulate_grad_hook(keep))
+            if param.requires_grad:  # one frozen since watch() gets no gradient (and takes no hook)
+                handles.append(param.register_post_accumulate_grad_hook(keep))
 
     def _keep_hook(self, position: int) -> Callable[[Any], None]:
         def hook(param: Any) -> None:

@@ -605,3 +605,35 @@ def test_a_watched_step_never_ended_does_not_lend_its_batch_to_the_next_watched_
         [fingerprint] = [r for r in session.buffer.layer_stats if r.instrument == FINGERPRINT]
         assert fingerprint.step == 2
         assert fingerprint.values.tolist() == pytest.approx(_fingerprint_of(later))
+
+
+def test_a_layer_frozen_after_watch_is_left_out_not_a_layer_without_gradient(cap: Capture) -> None:
+    """Freezing part of a watched model mid-run (fine-tuning's `requires_grad_(False)`): its layer
+    leaves the gradient statistics; no failed hook registration, no `no_gradient` event."""
+    events: list[str] = []
+    ot.on_event(lambda event, message, attributes: events.append(event))
+    model = Tiny()
+    ot.watch(model, every=1)
+    _train(model, 8, on_step=lambda i, m: i == 2 and m.embed.requires_grad_(False))
+    ot.shutdown()
+    before, after = _flush_at(cap, 1), [_flush_at(cap, step) for step in range(4, 8)]
+    assert "grad_norm/embed" in before
+    for scalars in after:
+        assert "grad_norm/embed" not in scalars and "grad_norm/head" in scalars
+        assert "param_norm/embed" in scalars  # its parameters are still watched
+    assert "otel_train/dropped/watch_failed" not in {key for _, scalars in cap.flushes for key in scalars}
+    assert "no_gradient" not in events
+
+
+def test_two_watched_models_with_the_same_layer_names_are_warned_about(
+    cap: Capture, caplog: pytest.LogCaptureFixture
+) -> None:
+    generator, discriminator = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 1))
+    ot.watch(generator)
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        ot.watch(discriminator)
+    assert "layers 0 are also layers of an already watched model" in caplog.text
+    assert "nn.ModuleDict" in caplog.text
+    caplog.clear()
+    ot.watch(nn.ModuleDict({"generator": generator, "discriminator": discriminator}))
+    assert "already watched" not in caplog.text  # prefixed labels: generator.0, discriminator.0

@@ -279,17 +279,22 @@ def watch(
         session.buffer, model, every, grads, params, activations, histograms, layers, on_remove, scaled
     )
     handle.fingerprints = session.identity.distributed and session.config.cross_rank
+    _warn_if_layers_shared(session, handle)
+    session.add_watch(handle)
+    return handle
+
+
+def _warn_if_layers_shared(session: Session, handle: ModelWatch) -> None:
+    """Two watched models with the same module names (a GAN of two nn.Sequential) share series."""
     shared = sorted({label for w in session.watches for label in w.labels} & set(handle.labels))
-    if shared:  # two models with the same module names (a GAN of two nn.Sequential)
+    if shared:
         _log.warning(
             "otel_train: ot.watch(%s): layers %s are also layers of an already watched model: their "
             "series mix, and train.grad_norm averages the two models' norms. Watch them as one: "
             "ot.watch(torch.nn.ModuleDict({'generator': G, 'discriminator': D}))",
-            type(model).__name__,
+            type(handle.model).__name__,
             ", ".join(shared[:5]) + (", ..." if len(shared) > 5 else ""),
         )
-    session.add_watch(handle)
-    return handle
 
 
 def _need_mapping(call: str, value: Any) -> None:

@@ -142,7 +142,8 @@ def test_a_timer_name_that_is_not_a_str_never_loses_the_interval(caplog) -> None
     assert flushed["otel_train/dropped/invalid_name"] == 2  # the spans
     assert not any("Phase" in k or "None" in k for k in flushed), sorted(flushed)
     warnings = [r.getMessage() for r in caplog.records]
-    assert sum("timer's name was not a str" in w for w in warnings) == 1, warnings
+    # once per bad name (the Enum and None), not once per flush
+    assert sum("timer's name was not a str" in w for w in warnings) == 2, warnings
     assert not any("flush" in w and "failed" in w for w in warnings), warnings
 
 
@@ -316,3 +317,43 @@ def test_a_bool_or_a_count_beyond_int64_adds_no_tokens(caplog) -> None:
         assert flushed["otel_train/dropped/invalid_type"] == 1  # True
         assert flushed["otel_train/dropped/invalid_value"] == 1  # 2**70
     assert any("2**63" in r.getMessage() for r in caplog.records)
+
+
+def test_a_second_name_dropped_for_the_same_reason_is_warned_about_too(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=2):
+        for i in range(4):
+            with ot.step(i):
+                ot.record("acc", None if i == 0 else 0.5)  # not computed yet, once
+                ot.record("lr", [3e-4])  # scheduler.get_last_lr(): a list, every step
+    warnings = [r.getMessage() for r in caplog.records]
+    for name in ("train.acc", "train.learning_rate"):
+        assert sum(f"a value of {name} was not a number" in w for w in warnings) == 1, warnings
+
+
+def test_warnings_per_name_stop_after_a_bound_with_one_line_for_the_rest(caplog) -> None:
+    from otel_train.core.worker import MAX_NAMES_WARNED
+
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    names = [f"metric{k}" for k in range(MAX_NAMES_WARNED + 5)]
+    with capture_metrics(log_interval=1, max_metric_names=len(names)):
+        for i in range(2):
+            with ot.step(i):
+                for name in names:
+                    ot.record(name, None)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("was not a number" in w for w in warnings) == MAX_NAMES_WARNED, warnings
+    assert sum(f"more than {MAX_NAMES_WARNED} names" in w for w in warnings) == 1, warnings
+
+
+def test_values_beyond_max_values_per_interval_are_warned_about_naming_the_metric(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=10, max_values_per_interval=20) as cap:
+        for i in range(20):
+            with ot.step(i):
+                for _ in range(3):  # a loss per micro-batch: 30 values an interval
+                    ot.record("loss", 1.0)
+    assert cap.last("otel_train/dropped/too_many_values") == 10
+    warnings = [r.getMessage() for r in caplog.records if "too_many_values" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "train.loss" in warnings[0] and "MAX_VALUES_PER_INTERVAL" in warnings[0]

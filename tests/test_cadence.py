@@ -48,6 +48,58 @@ def test_a_costly_flush_stretches_the_adaptive_interval_up_to_twice() -> None:
     assert Cadence(7, 1.0, 30.0, coordinated=False).proposal(100, 1.0, flush_cpu_s=1.0) == 7  # explicit
 
 
+def test_the_adaptive_interval_never_outgrows_max_values_per_interval() -> None:
+    from otel_train.core.cadence import steps_that_fit
+
+    # 1 us steps would want 1,000,000 steps a second; 10,000 values hold 5,000 steps at twice the
+    # measured density (one value a step), and 1,000 at three values a step (10,000 / 6 -> 1,000)
+    assert steps_that_fit(10_000, 0.0) == 5_000 and steps_that_fit(10_000, 1.0) == 5_000
+    assert nice_interval(1e-6, 1.0, 30.0, most_steps=steps_that_fit(10_000, 1.0)) == 5_000
+    assert nice_interval(1e-6, 1.0, 30.0, most_steps=steps_that_fit(10_000, 3.0)) == 1_000
+    assert nice_interval(1e-6, 1.0, 30.0, most_steps=4) == 4  # below the base: what fits
+    assert nice_interval(0.5, 1.0, 30.0, most_steps=5_000) == ADAPTIVE_BASE_STEPS  # slow: unchanged
+    cadence = Cadence(None, 1.0, 30.0, coordinated=False)
+    assert cadence.proposal(1000, 0.001, most_steps=300) == 200
+    assert Cadence(7000, 1.0, 30.0, coordinated=False).proposal(1000, 0.001, most_steps=300) == 7000
+
+
+def test_fast_steps_flush_before_a_value_recorded_every_step_overflows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ot.init(output_dir=str(tmp_path), run_name="fits", prometheus_port=0, verbosity=0,
+            hardware=False, max_values_per_interval=100, traces=False)  # fmt: skip
+    session = current_session()
+    assert session is not None
+    clock = FakeTime().install(session, monkeypatch)
+    monkeypatch.setattr(session_module, "time", _SessionTime(clock))
+    for step in range(600):
+        with ot.step(step):
+            clock.advance(0.0001)  # 10,000 steps a second: one flush a second is 10,000 steps
+            ot.record("loss", float(step))
+        wait_for(lambda: session.worker.pending_batches() == 0, 60, "the worker to take the flush")
+    ot.shutdown()
+    assert session.run_dir is not None
+    lines = (session.run_dir / "metrics.rank0.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert all(row.get("train/steps", 0) <= 100 for row in rows), [r.get("train/steps") for r in rows]
+    assert not any(row.get("otel_train/dropped/too_many_values") for row in rows)
+    assert sum(row.get("train/steps", 0) for row in rows) == 600
+    assert max(row.get("train/steps", 0) for row in rows) == 50  # 100 values / (2 x 1 a step)
+
+
+def test_an_explicit_log_interval_beyond_max_values_per_interval_is_kept_and_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="otel_train")
+    ot.init(output_dir=str(tmp_path), run_name="explicit_big", prometheus_port=0, verbosity=0,
+            hardware=False, log_interval=500, max_values_per_interval=100)  # fmt: skip
+    session = current_session()
+    assert session is not None and session.flush_interval_steps == 500
+    ot.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if "log_interval=500" in r.getMessage()]
+    assert len(warnings) == 1 and "max_values_per_interval=100" in warnings[0], warnings
+
+
 class _CpuBurner:
     """A flush listener that spends `cpu_s` of the worker's CPU at every flush."""
 

@@ -4,6 +4,7 @@ and its flush hand-off when the loop idles."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 
@@ -97,3 +98,29 @@ def test_idle_takes_a_flush_a_full_queue_deferred() -> None:
     intervals.wait_for(2)
     assert intervals.seen == [(0, 1), (2, 2)]
     ot.shutdown()
+
+
+def test_a_log_metrics_row_every_step_reaches_the_run_dir_while_the_worker_is_behind(tmp_path) -> None:
+    """`wandb.log(..., step=i)` ported as `ot.log_metrics(..., step=i)` after every step: the rows
+    ride the flushes (bounded like every per-interval list), so a worker that is a few flushes
+    behind loses none of them (a queue of their own would overflow)."""
+    ot.init(output_dir=str(tmp_path), run_name="rows", prometheus_port=0, verbosity=0,
+            hardware=False, queue_size=1)  # fmt: skip
+    session = current_session()
+    assert session is not None and session.run_dir is not None
+    intervals = _Intervals(hold=True)
+    session.worker.add_listener(intervals)
+    steps = session.worker.max_messages * 2
+    for i in range(steps):
+        with ot.step(i):
+            pass
+        ot.log_metrics({"loss": float(i), "lr": 0.1}, step=i)
+    intervals.release.set()
+    ot.shutdown()
+    lines = (session.run_dir / "metrics.rank0.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    own = {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
+    assert own == {i: float(i) for i in range(steps)}
+    assert not any(row.get("otel_train/dropped/message_queue_full") for row in rows)
+    filed = [row["step"] for row in rows]
+    assert filed == sorted(filed)  # in step order: W&B refuses a step that goes back

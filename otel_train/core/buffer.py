@@ -208,7 +208,12 @@ class FlushBatch(FlushHeader):
     step_events: list[StepEvent] = field(default_factory=list)
     value_cap: int = 0  # max_values_per_interval: the worker caps each timer's durations at it (0: no cap)
     rerun_through: int = -1  # steps up to this index re-run the previous processes' (goodput)
-    problems: dict[str, str] = field(default_factory=dict)  # worker: reason -> the first name (warned once)
+    # worker: (reason, name) of each problem found (an ordered set; warned once per reason and name)
+    problems: dict[tuple[str, str], None] = field(default_factory=dict)
+    # log_metrics(values, step=N)'s rows: (N, instrument -> value as recorded), in call order. They
+    # ride the flush (bounded like every per-interval list) rather than the message queue: a row
+    # every step would otherwise outrun the queue whenever the worker is a few flushes behind
+    rows: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
 
 class Buffer:
@@ -222,6 +227,10 @@ class Buffer:
         self._owners: dict[str, str] = {}  # instrument name -> first record name that claimed it
         self._prom_owners: dict[str, str] = {}  # Prometheus name -> the user instrument holding it
         self._reserved_names: set[str] = set()  # record names refused as the library's own
+        # rejected record names cached in _name_map, oldest first: at most max_names x 8 of them
+        # (the oldest is forgotten for a new one), so a run that invents a name every step keeps a
+        # bounded map while the names it repeats stay cheap
+        self._rejected: dict[str, None] = {}
         self.warned: set[str] = set()
         self._user_names = 0
         self._reset()
@@ -240,6 +249,7 @@ class Buffer:
         self.layer_stats: list[LayerStats] = []
         self.histograms: list[tuple[str, int, Any]] = []
         self.stepped: dict[str, int] = {}  # see FlushBatch.stepped
+        self.rows: list[tuple[int, dict[str, Any]]] = []  # see FlushBatch.rows
         self.steps = 0  # steps that ended without failing: set by the session before take()
         self.tokens = 0  # of the steps beyond the step_events cap only (session._uncapped_step)
         self.samples = 0
@@ -289,6 +299,10 @@ class Buffer:
     def add_histogram(self, key: str, step: int, values: Any) -> None:
         self._append(self.histograms, (key, step, values))
 
+    def add_row(self, step: int, values: dict[str, Any]) -> None:
+        """A log_metrics(values, step=N) row, written by the worker with the next flush."""
+        self._append(self.rows, (step, values))
+
     def add_internal(self, instrument: str, value: Any) -> None:
         """A catalogue gauge fed by otel_train itself, under the instrument's own name (so no
         user record name is ever reported as merged with it)."""
@@ -331,9 +345,12 @@ class Buffer:
             instrument = self._name_map[name]
         else:
             instrument = self._map_name(name)
-            # Rejections are cached only up to a bound, so invented names cannot grow the map.
-            if instrument is not None or len(self._name_map) < self.max_names * 8:
-                self._name_map[name] = instrument
+            self._name_map[name] = instrument
+            if instrument is None:
+                self._rejected[name] = None
+                if len(self._rejected) > self.max_names * 8:
+                    oldest = next(iter(self._rejected))
+                    del self._rejected[oldest], self._name_map[oldest]
         if instrument is None:
             self.drop("reserved_name" if name in self._reserved_names else "invalid_name")
             return None
@@ -347,6 +364,12 @@ class Buffer:
             self.warn_once(name, f"record() name {name!r} cannot be made a valid metric name; dropped.")
             return None
         spec = semconv.BY_NAME.get(instrument)
+        if spec is None and self._user_names >= self.max_names and self._is_new(instrument):
+            # The name table is full and this name would open a new one: refused before the ~100
+            # pattern matches of reserved_by (~15 us), which a name beyond the cache would pay at
+            # every call.
+            self._warn_too_many_names(name)
+            return None
         if spec is not None and spec.kind is not semconv.Kind.GAUGE:
             self.warn_once(
                 name, f"record() name {name!r} collides with the {spec.kind.value} {instrument!r}; dropped."
@@ -386,12 +409,7 @@ class Buffer:
         owner = self._owners.get(instrument)
         if owner is None:
             if spec is None and self._user_names >= self.max_names:
-                self.warn_once(
-                    "<max_metric_names>",
-                    f"record() got more than max_metric_names={self.max_names} distinct names (first over: {name!r}); "
-                    "new names are dropped and counted as otel_train.dropped{reason=invalid_name}. "
-                    "Raise OTEL_TRAIN_MAX_METRIC_NAMES if intended.",
-                )
+                self._warn_too_many_names(name)
                 return None
             if spec is None:
                 self._user_names += 1
@@ -399,6 +417,21 @@ class Buffer:
         elif owner != name:
             self.warn_once(name, f"record() names {owner!r} and {name!r} both map to {instrument!r}; merged.")
         return instrument
+
+    def _is_new(self, instrument: str) -> bool:
+        """Whether a user instrument name would claim a new instrument (not one held already, nor
+        a spelling merged into one by its Prometheus name)."""
+        if instrument in self._owners:
+            return False
+        return semconv.prometheus_sanitized(semconv.otel_name(instrument)) not in self._prom_owners
+
+    def _warn_too_many_names(self, name: str) -> None:
+        self.warn_once(
+            "<max_metric_names>",
+            f"record() got more than max_metric_names={self.max_names} distinct names (first over: {name!r}); "
+            "new names are dropped and counted as otel_train.dropped{reason=invalid_name}. "
+            "Raise OTEL_TRAIN_MAX_METRIC_NAMES if intended.",
+        )
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned and len(self.warned) < 1000:
@@ -443,13 +476,15 @@ class Buffer:
             stepped=self.stepped,
             step_events=self.step_events,
             value_cap=self.max_values,
+            rows=self.rows,
         )
         self._reset()
         return batch
 
 
 # --- what the logger API hands the worker besides flushes (log_text, log_samples, log_histogram,
-# log_hyperparams, log_metrics(step=N)'s row): in the flushes' queue, so they keep their order ---
+# log_hyperparams: in the flushes' queue, so they keep their order; log_metrics(step=N)'s row rides
+# the next flush itself, FlushBatch.rows) ---
 @dataclass(frozen=True)
 class TextMessage:
     event_name: ClassVar[str] = "otel_train.text"  # the OTel log record's event name

@@ -22,13 +22,17 @@ WORKER_SHARE = 0.0025
 MAX_STRETCH = 2.0
 _NEVER = 2**62  # due_step when flushes are counted, not scheduled
 _NICE = (1, 2, 5)
+VALUE_HEADROOM = 2.0  # the adaptive interval leaves room for twice the measured values per step
 
 
-def nice_interval(step_s: float, min_s: float, max_s: float, base: int = ADAPTIVE_BASE_STEPS) -> int:
+def nice_interval(
+    step_s: float, min_s: float, max_s: float, base: int = ADAPTIVE_BASE_STEPS, most_steps: int = _NEVER
+) -> int:
     """Steps per flush for steps of `step_s` seconds: the smallest of base x (1, 2, 5) x 10^k that
-    lasts at least `min_s`, never below `base`, and no longer than `max_s` (when that is >= base)."""
+    lasts at least `min_s`, never below `base`, and no longer than `max_s` (when that is >= base);
+    never more than `most_steps` (what the per-interval lists hold), not even to reach `base`."""
     if not math.isfinite(step_s) or step_s <= 0:
-        return base
+        return min(base, most_steps)
     needed = math.ceil(min_s / step_s)
     scale = 1
     while True:
@@ -36,8 +40,34 @@ def nice_interval(step_s: float, min_s: float, max_s: float, base: int = ADAPTIV
             steps = base * factor * scale
             if steps >= needed:
                 longest = max(base, int(min(max_s / step_s, _NEVER)))  # log_interval_s=inf
-                return min(steps, longest)
+                return min(steps, longest, _nice_at_most(most_steps, base))
         scale *= 10
+
+
+def _nice_at_most(steps: int, base: int) -> int:
+    """The largest of base x (1, 2, 5) x 10^k that is at most `steps` (`steps` itself below base)."""
+    if steps < base:
+        return max(1, steps)
+    scale, best = 1, base
+    while base * scale <= steps:
+        for factor in _NICE:
+            if base * factor * scale <= steps:
+                best = base * factor * scale
+        scale *= 10
+    return best
+
+
+def steps_that_fit(max_values: int, values_per_step: float) -> int:
+    """The most steps one flush interval may span so that no per-interval list outgrows
+    `max_values` (max_values_per_interval), given the densest list's values per step measured on
+    the last flush (worker.values_per_step; 0: not measured yet).
+
+    Every step fills at least one list once (the step durations), and most loops fill others once
+    a step (a record() per step, a timer per step); some fill one several times (a loss per
+    micro-batch, a timer per gradient-accumulation step), which the worker measures only after the
+    fact. VALUE_HEADROOM keeps room for twice the measured density, so that a loop whose density
+    rises (or is not measured yet: the first intervals are short) still fits."""
+    return max(1, int(max_values / (VALUE_HEADROOM * max(1.0, values_per_step))))
 
 
 def _grid_next(anchor: int, interval: int, step: int) -> int:
@@ -84,12 +114,16 @@ class Cadence:
         return self._next if self._next is not None else (self.interval, self.anchor)
 
     # --- training thread ---------------------------------------------------------------------------
-    def proposal(self, steps: int, elapsed_s: float, flush_cpu_s: float = 0.0) -> int:
+    def proposal(
+        self, steps: int, elapsed_s: float, flush_cpu_s: float = 0.0, most_steps: int = _NEVER
+    ) -> int:
         """This process's proposed interval after an interval of `steps` steps over `elapsed_s`,
-        its worker spending `flush_cpu_s` of CPU on a flush (smoothed; 0: not known yet)."""
+        its worker spending `flush_cpu_s` of CPU on a flush (smoothed; 0: not known yet), at most
+        `most_steps` (`steps_that_fit`: beyond, values would be dropped)."""
         if not self.adaptive or steps <= 0:
             return self.interval
-        return nice_interval(elapsed_s / steps, self.min_flush_s(flush_cpu_s), self._max_s)
+        min_s = self.min_flush_s(flush_cpu_s)
+        return nice_interval(elapsed_s / steps, min_s, self._max_s, most_steps=most_steps)
 
     def min_flush_s(self, flush_cpu_s: float) -> float:
         """The shortest time between adaptive flushes: log_interval_min_s, stretched (at most

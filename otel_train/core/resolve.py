@@ -382,7 +382,7 @@ def _plain_name(batch: FlushBatch, name: Any, count: int = 1) -> str | None:
     if isinstance(name, str):
         return str.__str__(name)
     batch.dropped["invalid_timer_name"] = batch.dropped.get("invalid_timer_name", 0) + count
-    batch.problems.setdefault("invalid_timer_name", repr(name))
+    batch.problems["invalid_timer_name", repr(name)] = None
     return None
 
 

@@ -27,10 +27,12 @@ from otel_train.core.buffer import (
     MAX_STEP,
     Buffer,
     FlushBatch,
+    ScalarsMessage,
     SpanRecord,
     mark_record,
     step_record,
 )
+from otel_train.core.cadence import steps_that_fit
 from otel_train.distributed import Identity
 from otel_train.goodput import StepClock, span_cause
 from otel_train.hardware import autocast_dtype
@@ -137,6 +139,7 @@ class Session:
         self._step_thread = threading.get_ident()
         self._flush_requested = False  # another thread asked for one (log_metrics(step=)); not in lockstep
         self.shutdown_done = threading.Event()
+        _warn_if_interval_outgrows_values(config)
 
     def add_watch(self, watch: ModelWatch) -> None:
         """Call `watch` at the begin and end of the steps `watch_period` divides (training thread)
@@ -192,10 +195,8 @@ class Session:
         if (tokens.__class__ is not int and tokens is not None) or (
             samples.__class__ is not int and samples is not None
         ):
-            tokens, samples = (
-                count_of(tokens, "tokens", self.buffer),
-                count_of(samples, "samples", self.buffer),
-            )
+            tokens = count_of(tokens, "tokens", self.buffer)
+            samples = count_of(samples, "samples", self.buffer)
         self.step_start_ns = 0
         self.step_index = index
         previous_end = self.step_end_ns
@@ -345,7 +346,9 @@ class Session:
         if not final:
             # Rank 0 decides the schedule here and sends it down with this flush (cadence.py).
             # A pause proposes no other interval (0 steps: the current one).
-            proposal = self.cadence.proposal(0 if idle else batch.steps, batch.elapsed_s, worker.flush_cpu_s)
+            steps = 0 if idle else batch.steps
+            most = steps_that_fit(self.config.max_values_per_interval, worker.values_per_step)
+            proposal = self.cadence.proposal(steps, batch.elapsed_s, worker.flush_cpu_s, most)
             self.cadence.flushed(proposal, batch.step)
             self._due_step, self._due_threshold = self.cadence.due_step, self.cadence.threshold
             batch.flush_interval, batch.flush_anchor = self.cadence.decision
@@ -358,8 +361,11 @@ class Session:
         return True
 
     def message(self, kind: type[Message], key: str, payload: Any, step: int | None) -> None:
-        """Hand a log_text / log_samples / log_histogram / log_hyperparams entry to the worker."""
-        if not self.worker.submit_message(kind(key, payload, self.step_index if step is None else step)):
+        """A log_text/samples/histogram/hyperparams entry to the worker; a log_metrics row: the buffer."""
+        filed = self.step_index if step is None else step
+        if kind is ScalarsMessage:
+            self.buffer.add_row(filed, payload)  # rides the next flush: no queue for it to fill
+        elif not self.worker.submit_message(kind(key, payload, filed)):
             _drop_message(self.buffer, self.worker.max_messages)
 
     # --- close -----------------------------------------------------------------------------------
@@ -578,3 +584,17 @@ def _close_sinks(
                 sink.close(dict(final))
         except Exception as exc:  # the sinks' backends (bridges, their process, the disk)
             log.warning("otel_train: closing %s failed: %s", sink.name, exc)
+
+
+def _warn_if_interval_outgrows_values(config: Config) -> None:
+    """The user's log_interval stands (they may record less than once a step), but a value recorded
+    every step would lose what does not fit at every flush: say so at init, not later."""
+    if config.log_interval is not None and config.log_interval > config.max_values_per_interval:
+        log.warning(
+            "otel_train: log_interval=%d is more steps than max_values_per_interval=%d values: "
+            "the step durations and any value recorded every step lose what does not fit at "
+            "each flush (counted as otel_train.dropped{reason=too_many_values}). Raise "
+            "OTEL_TRAIN_MAX_VALUES_PER_INTERVAL or lower OTEL_TRAIN_LOG_INTERVAL.",
+            config.log_interval,
+            config.max_values_per_interval,
+        )

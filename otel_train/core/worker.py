@@ -24,6 +24,7 @@ from otel_train.bridges.base import Sink
 from otel_train.core.buffer import (
     MAX_SPAN_RECORDS,
     MAX_STEP,
+    TIMER_EVENTS_PER_VALUE,
     FlushBatch,
     FlushListener,
     HistogramMessage,
@@ -116,6 +117,11 @@ class Worker:
         # cadence flushes less often when it is large (cadence.WORKER_SHARE). Read by the training
         # thread: one float.
         self.flush_cpu_s = 0.0
+        # The densest per-interval list's values per step in the last flush with steps (the
+        # adaptive cadence keeps its interval short enough for max_values_per_interval to hold them,
+        # cadence.steps_that_fit; 0: not measured yet). Read by the training thread: one float.
+        self.values_per_step = 0.0
+        self._names_warned: dict[str, int] = {}  # reason -> names warned about (MAX_NAMES_WARNED)
         self._errors_warned: set[str] = set()
         self.sink_errors: dict[str, int] = {}
         self._first_step_at: float | None = None  # epoch seconds when the first step began (the ETA)
@@ -222,9 +228,12 @@ class Worker:
                 self._own_rows.add(instrument)
             else:
                 self._own_rows.discard(instrument)
-        for reason, name in batch.problems.items():
-            self._warn_once(f"problem:{reason}", problem_warning(reason, name))
+        self.values_per_step = values_per_step(batch, interval) or self.values_per_step
+        for reason, name in batch.problems:
+            self._warn_problem(reason, name)
         self._feed_sdk(batch, interval)
+        for step, values in batch.rows:  # steps up to this flush's: before its own row
+            self._deliver_message(ScalarsMessage("", values, step))
         for key, step, values in batch.histograms:
             self._deliver_message(HistogramMessage(key, values, step))
         for listener in self.listeners:
@@ -351,6 +360,26 @@ class Worker:
             self._errors_warned.add(key)
             log.warning(message)
 
+    def _warn_problem(self, reason: str, name: str) -> None:
+        """Once per reason and name, for the first MAX_NAMES_WARNED names of a reason; then one
+        line for the rest (a run inventing names must not flood the log, nor grow this set)."""
+        key = f"problem:{reason}:{name}"
+        if key in self._errors_warned:
+            return
+        warned = self._names_warned.get(reason, 0)
+        if warned < MAX_NAMES_WARNED:
+            self._names_warned[reason] = warned + 1
+            self._warn_once(key, problem_warning(reason, name))
+        elif warned == MAX_NAMES_WARNED:
+            self._names_warned[reason] = warned + 1
+            log.warning(
+                "otel_train: values of more than %d names were dropped for %s; no more warnings for "
+                "it (all are counted in otel_train.dropped{reason=%s}).",
+                MAX_NAMES_WARNED,
+                reason,
+                "invalid_value" if reason == "bad_count" else reason,
+            )
+
 
 # --- one flush's interval: the batch's raw data as host floats ----------------------------
 def resolve_interval(batch: FlushBatch) -> Interval:
@@ -367,10 +396,10 @@ def resolve_interval(batch: FlushBatch) -> Interval:
         resolved, dropped = resolve_values(raw)
         for reason, count in dropped.items():
             batch.dropped[reason] = batch.dropped.get(reason, 0) + count
-            if reason in PROBLEMS:  # the worker warns once per reason
-                batch.problems.setdefault(reason, instrument)
+            if reason in PROBLEMS:  # the worker warns once per reason and name
+                batch.problems[reason, instrument] = None
         if len(set(map(id, raw))) < len(raw) and same_tensor_twice(raw):
-            batch.problems.setdefault("same_tensor", instrument)
+            batch.problems["same_tensor", instrument] = None
         if dropped.get("nonfinite", 0):
             nonfinite[instrument] = dropped["nonfinite"]
         values = [v for v in resolved if v is not None]
@@ -386,6 +415,8 @@ def resolve_interval(batch: FlushBatch) -> Interval:
             phases.setdefault(name, []).append(start.elapsed_time(end) / 1000.0)
         except RuntimeError:  # a CUDA error of torch's events
             batch.dropped["cuda_timer"] = batch.dropped.get("cuda_timer", 0) + 1
+    if batch.dropped.get("too_many_values"):
+        batch.problems["too_many_values", overflowed(batch, phases)] = None
     return Interval(
         **header_of(batch),
         phases=phases,
@@ -434,13 +465,41 @@ def count_sum(batch: FlushBatch, what: str, counts: Sequence[int | None]) -> int
     if given and (min(given) < 0 or max(given) > MAX_STEP):
         bad = [c for c in given if not 0 <= c <= MAX_STEP]
         batch.dropped["invalid_value"] = batch.dropped.get("invalid_value", 0) + len(bad)
-        batch.problems.setdefault("bad_count", f"{what}={bad[0]}")
+        batch.problems["bad_count", f"{what}={bad[0]}"] = None
         given = [c for c in given if 0 < c <= MAX_STEP]
     return sum(given)
 
 
-# What the worker says, once per reason, the first time values are dropped (or suspect); {name}: the
-# instrument. Every drop is also counted in otel_train.dropped{reason}.
+def overflowed(batch: FlushBatch, phases: Mapping[str, list[float]]) -> str:
+    """What outgrew max_values_per_interval in `batch` (for the warning): the first full list."""
+    cap = batch.value_cap or MAX_STEP  # 0: uncapped lists (a test's batch)
+    full = [name for name, raw in batch.scalars.items() if len(raw) >= cap]
+    full += [f"the timer {name!r}" for name, values in phases.items() if len(values) >= cap]
+    if len(batch.step_events) >= cap:
+        full.append("the step durations (ot.step)")
+    if len(batch.timer_events) >= cap * TIMER_EVENTS_PER_VALUE:
+        full.append("all timers together")
+    return full[0] if full else "a per-interval list (phases, CUDA timers, histograms, ot.watch)"
+
+
+def values_per_step(batch: FlushBatch, interval: Interval) -> float | None:
+    """Values per step of the batch's densest per-interval list (None: no step ended). Values
+    dropped beyond the cap are counted as the densest list's, the list that most likely overflowed."""
+    steps = len(batch.step_indices)
+    if not steps:
+        return None
+    densest = max(
+        max(map(len, batch.scalars.values()), default=0),
+        max(map(len, interval.phases.values()), default=0),
+    )
+    return max(1, densest + batch.dropped.get("too_many_values", 0)) / steps
+
+
+# The warnings about one reason name at most this many names; then one line for the rest.
+MAX_NAMES_WARNED = 20
+
+# What the worker says, once per reason and name, the first time values are dropped (or suspect);
+# {name}: the instrument. Every drop is also counted in otel_train.dropped{reason}.
 PROBLEMS = {
     "invalid_type": "a value of {name} was not a number (None, a str, a bool, a complex number, ...)",
     "non_scalar_tensor": "a tensor of {name} had more than one element: record a scalar (x.mean())",
@@ -449,6 +508,10 @@ PROBLEMS = {
     "overflow": "a value of {name} was too large for a float64",
     "invalid_timer_name": "a timer's name was not a str ({name}): its phases were",
     "bad_count": "ot.step({name}): a count must be >= 0 (and < 2**63); such counts were",
+    "too_many_values": (
+        "more values of {name} than max_values_per_interval came in one flush interval (raise "
+        "OTEL_TRAIN_MAX_VALUES_PER_INTERVAL, or flush more often with log_interval); the rest were"
+    ),
     "same_tensor": (
         "the same tensor object was recorded several times in one interval as {name}: values are "
         "read at the flush, so a tensor changed in place (an accumulator, a Parameter) gives its "

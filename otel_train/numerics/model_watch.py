@@ -280,7 +280,7 @@ class ModelWatch:
         held layers when no forward hook fired; None when none of the held ones ran."""
         ran, self._ran = self._ran, set()
         held = self._held[1] if self._held is not None else self.labels
-        frozen = self._frozen_groups()
+        frozen = frozen_groups(self._members, self._params)
         if not frozen and (not ran or len(ran) == len(self.labels)):
             return self._held_only(per_layer)
         ran = ran or set(range(len(self.labels)))
@@ -289,15 +289,6 @@ class ModelWatch:
             return None
         # views and one stack: no index tensor (a host-to-device copy would sync)
         return tuple(self.labels[g] for g in groups), torch.stack([per_layer[g] for g in groups])
-
-    def _frozen_groups(self) -> set[int]:
-        """The layers whose parameters were all frozen after `watch()` (`requires_grad_(False)`): they
-        have no gradient by design, so they are left out rather than read as a layer without one."""
-        return {
-            g
-            for g, members in enumerate(self._members)
-            if not any(self._params[i].requires_grad for i in members)
-        }
 
     def _held_only(self, per_layer: Any) -> tuple[tuple[str, ...], Any]:
         """(labels, per-layer values) of the layers with elements on this rank (all, unsharded)."""
@@ -509,6 +500,12 @@ class GradientReads:
                 if self.histograms:
                     samples[i] = sample(grad, self.sample_sizes[i])
         return norms, samples
+
+
+def frozen_groups(members: Sequence[Sequence[int]], params: Sequence[Any]) -> set[int]:
+    """The layers whose parameters were all frozen after `watch()` (`requires_grad_(False)`): they
+    have no gradient by design, so they are left out rather than read as a layer without one."""
+    return {g for g, group in enumerate(members) if not any(params[i].requires_grad for i in group)}
 
 
 def foreach_norms(tensors: Sequence[Any], device: Any) -> list[Any]:

@@ -281,6 +281,7 @@ class Session:
         self.end_timer(name, start_ns, end_ns, error)
         if self.saving_ns and span_cause(name).startswith("checkpoint"):
             self.saving_ns = 0
+        self.progress_ns = max(self.progress_ns, end_ns)  # the stall watchdog counts from its end
         self.clock.note_span(name, end_ns - start_ns, self.step_start_ns != 0, self.step_end_ns)
         if self.worker.span_writer is not None and len(self.buffer.spans) < MAX_SPAN_RECORDS:
             step = max(self.step_index, 0)

@@ -188,7 +188,8 @@ class OtelTrainCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if control.should_training_stop and 0 < state.global_step < state.max_steps:
+        stopped = getattr(control, "should_training_stop", False)  # OumiTrainer passes no control
+        if stopped and state is not None and 0 < state.global_step < state.max_steps:
             # Early stopping (or a callback) ended training before its plan: the steps run are the plan.
             adapters.set_total_steps(state.global_step)
         self.close()

@@ -193,7 +193,11 @@ class Config:
         "see [Scale-out store](../scale.md#scale-out-store)); spans and logs still go to `otlp_endpoint`",
     )
     otlp_protocol: Literal["http/protobuf", "grpc"] = setting(
-        "http/protobuf", env=("OTEL_EXPORTER_OTLP_PROTOCOL",), doc="`http/protobuf` or `grpc`"
+        "http/protobuf",
+        env=("OTEL_EXPORTER_OTLP_PROTOCOL",),
+        fix="OpenTelemetry's Python SDK has no http/json exporter; set OTEL_TRAIN_OTLP_PROTOCOL="
+        "http/protobuf to keep another tool's OTEL_EXPORTER_OTLP_PROTOCOL",
+        doc="`http/protobuf` or `grpc`",
     )
     otlp_headers: dict[str, str] = setting(
         factory=dict,

@@ -227,3 +227,11 @@ def test_an_unknown_setting_names_the_closest_one(tmp_path) -> None:
     message = str(info.value)
     assert "did you mean 'tensorboard' for 'tensorbaord'?" in message, message
     assert "did you mean 'run_name' for 'run_nme'?" in message, message
+
+
+def test_http_json_names_the_sdk_gap_and_the_variable_that_keeps_it_for_other_tools() -> None:
+    """OTEL_EXPORTER_OTLP_PROTOCOL=http/json is valid OpenTelemetry, set for other tools too."""
+    with pytest.raises(ConfigError, match="no http/json exporter; set OTEL_TRAIN_OTLP_PROTOCOL"):
+        load_config({}, environ={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    both = {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json", "OTEL_TRAIN_OTLP_PROTOCOL": "http/protobuf"}
+    assert load_config({}, environ=both).otlp_protocol == "http/protobuf"

@@ -21,6 +21,7 @@ logger = logging.getLogger("otel_train")
 # Where the run id came from. "agreed" = taken from rank 0 through the telemetry group.
 RunIdSource = str  # explicit | env | torchelastic | slurm | pbs | lsf | generated | agreed
 
+NODE_UNKNOWN = -1  # Identity.node_rank when no launcher names the node and the job spans several hosts
 RUN_ID_MAX_BYTES = 255  # run id and run name each travel in at most this many UTF-8 bytes
 
 
@@ -30,6 +31,9 @@ class Identity:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    # The launcher's node rank (GROUP_RANK, NODE_RANK, SLURM_NODEID); NODE_UNKNOWN when none gives
+    # it on a job of several hosts: each rank knows only its own host's shape, so the node is then
+    # decided from every rank's host at init (`crossrank.shape.node_ranks`).
     node_rank: int = 0
     host: str = ""
     run_id_source: RunIdSource = "generated"
@@ -208,7 +212,10 @@ def detect_identity(
     local_world = _first_int(env, ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"), None)
     node = _first_int(env, ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"), None)
     if node is None:
-        node = rank // local_world if local_world and local_world > 0 else 0
+        # rank // LOCAL_WORLD_SIZE would need every host to run as many ranks as this one: on a
+        # 1-rank and a 3-rank host it puts the second host's ranks on nodes 0, 0 and 1.
+        one_host = world <= 1 or (local_world is not None and local_world >= world)
+        node = 0 if one_host else NODE_UNKNOWN
     if run_id:
         job, source = run_id, "explicit"
     else:

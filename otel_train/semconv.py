@@ -295,7 +295,7 @@ STRAGGLER_WAIT = _m(
 )  # fmt: skip
 PHASE_CROSS_RANK = _m(
     "train.phase.cross_rank", S.GAUGE, "s",
-    "Cross-rank statistic (min/max/mean/median) of a phase's mean time over the interval (argmin_rank/argmax_rank: the rank).",
+    "Cross-rank statistic (min/max/mean/median) of a phase's mean time over the interval; for the step, of each rank's lower-median step time (argmin_rank/argmax_rank: the rank).",
     "timers/{train.phase}/ranks_{stat}", attributes=(PHASE, STAT),
 )  # fmt: skip
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from helpers.multirank import run_ranks
 
-from otel_train.distributed import Identity, agree_job, detect_identity
+from otel_train.crossrank import decide_shape, node_key, node_ranks
+from otel_train.distributed import NODE_UNKNOWN, Identity, agree_job, detect_identity
 
 
 def test_single_process_defaults() -> None:
@@ -34,7 +36,8 @@ def test_torchrun_default_run_id_none_is_absent() -> None:
     env = {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "1"}
     ident = detect_identity(None, environ=env)
     assert ident.run_id != "none" and ident.run_id_source == "generated"
-    assert ident.node_rank == 1  # rank // LOCAL_WORLD_SIZE when no node rank is given
+    # No launcher names the node on a job of several hosts: the hosts decide it at init
+    assert ident.node_rank == NODE_UNKNOWN
 
 
 def test_slurm_env() -> None:
@@ -54,7 +57,26 @@ def test_open_mpi_env() -> None:
     env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
            "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}  # fmt: skip
     ident = detect_identity(None, environ=env)
-    assert (ident.rank, ident.local_rank, ident.world_size, ident.node_rank) == (2, 0, 4, 1)
+    assert (ident.rank, ident.local_rank, ident.world_size, ident.node_rank) == (2, 0, 4, NODE_UNKNOWN)
+
+
+def test_one_host_needs_no_launcher_node_rank() -> None:
+    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    assert detect_identity(None, environ=env).node_rank == 0
+
+
+def test_uneven_hosts_without_a_launcher_node_rank_are_one_node_each() -> None:
+    # mpirun on a 1-rank and a 3-rank host: each rank's environment gives its own host's shape
+    # only, so its node cannot be rank // local size (that splits the 3-rank host in two).
+    hosts = [("host0", 1, 0), ("host1", 3, 0), ("host1", 3, 1), ("host1", 3, 2)]
+    keys = []
+    for rank, (host, local_world, local_rank) in enumerate(hosts):
+        env = {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "4",
+               "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_world), "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank)}  # fmt: skip
+        ident = replace(detect_identity(None, environ=env), host=host)
+        keys.append(node_key(ident.host, ident.node_rank))
+    assert decide_shape([16] * 4, keys).nodes == (1,)  # the tree groups ranks 1..3 as one node
+    assert node_ranks(keys) == [0, 1, 1, 1]  # the node rank every rank reports once agreed
 
 
 @pytest.mark.parametrize("bad", ["²", "--1", "3a", ""])

@@ -20,8 +20,9 @@ from otel_train.bridges.rundir import RunDirSink
 from otel_train.config import Config, ConfigError, RankSeries, config_as_dict, signal_number
 from otel_train.core.buffer import FlushListener
 from otel_train.core.session import Session
-from otel_train.crossrank import ExchangeShape, decide_shape, node_key
+from otel_train.crossrank import ExchangeShape, decide_shape, node_key, node_ranks
 from otel_train.distributed import (
+    NODE_UNKNOWN,
     Agreement,
     Identity,
     agree_job,
@@ -299,6 +300,8 @@ def _attach_watchdog(session: Session) -> None:
         role=session.identity.role,
         saving=session.saving,
         checkpoint_timeout_s=config.checkpoint_timeout_s,
+        step_start=lambda: session.step_start_ns,
+        on_step_stall=session.clock.note_step_stall,
     )
     # Read at each export, on the SDK's thread: it rises while the step thread hangs.
     semconv.STALL_DURATION.create(session.meter, lambda options: [Observation(watchdog.stalled_s())])
@@ -366,6 +369,7 @@ class JobFacts:
     refusals: tuple[tuple[int, str], ...]  # (rank, its message), for each rank that refused
     shape: ExchangeShape
     rank_series: tuple[str, ...] = ()  # the rank_series setting each rank asked for (rank 0's wins)
+    node_keys: tuple[int, ...] = ()  # each rank's `node_key`
 
 
 def gather_job_facts(
@@ -398,7 +402,8 @@ def gather_job_facts(
     fanins = tuple(f[_FANIN] for f in fields)
     shape = decide_shape(fanins, [f[_NODE] for f in fields])
     tiers = tuple(RANK_SERIES_CODES[f[_RANK_SERIES]] for f in fields)
-    return JobFacts(fanins, tuple(f[_ROLE] for f in fields), refusals, shape, tiers)
+    keys = tuple(f[_NODE] for f in fields)
+    return JobFacts(fanins, tuple(f[_ROLE] for f in fields), refusals, shape, tiers, keys)
 
 
 def refuse_if_any(facts: JobFacts, identity: Identity) -> None:
@@ -485,6 +490,8 @@ def agree_run_place(config: Config) -> RunPlace:
         group = None  # this rank could not agree with the others: it keeps to itself (run_split)
     else:
         refuse_if_any(facts, identity)
+        if identity.node_rank == NODE_UNKNOWN:  # no launcher named the node: every rank's host does
+            identity = replace(identity, node_rank=node_ranks(facts.node_keys)[identity.rank])
     # One run per job: every rank adopts rank 0's run id, run name (a generated name differs per
     # process) and log_interval, so all ranks write into one run directory and flush together.
     run_name = config.run_name or default_run_name()

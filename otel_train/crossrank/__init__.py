@@ -9,7 +9,15 @@ From outside, import only the names below (tests/test_architecture.py: walled pa
 from otel_train.crossrank.reducer import CrossRankReducer
 from otel_train.crossrank.replicas import FINGERPRINT
 from otel_train.crossrank.scores import StragglerReport
-from otel_train.crossrank.shape import ExchangeShape, node_key
+from otel_train.crossrank.shape import ExchangeShape, node_key, node_ranks
 from otel_train.crossrank.shape import decide as decide_shape
 
-__all__ = ["FINGERPRINT", "CrossRankReducer", "ExchangeShape", "StragglerReport", "decide_shape", "node_key"]
+__all__ = [
+    "FINGERPRINT",
+    "CrossRankReducer",
+    "ExchangeShape",
+    "StragglerReport",
+    "decide_shape",
+    "node_key",
+    "node_ranks",
+]

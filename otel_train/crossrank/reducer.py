@@ -208,7 +208,7 @@ class CrossRankReducer:
         try:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
             current = lambda up: row_steps(up)[1] >= interval.step  # noqa: E731
-            got = _run(self.exchange, row, answers, self._expect, current, job)
+            got = _run(self.exchange, row, answers, self._expected(root, tree, interval.step), current, job)
             down = down_row.decode(got.down, self.identity.rank) if got.down is not None else None
             if got.records is not None and not tree:  # the tree's bundles are checked as they come
                 versions = got.records[:, wire.up().at("version")].tolist()
@@ -238,6 +238,14 @@ class CrossRankReducer:
         blocks = got.records.job if tree else got.records[:, _layout(self.exchange).span("job")].clone()
         self.job.publish(blocks, self.table.names, interval.elapsed_s)
 
+    def _expected(self, root: bool, tree: bool, step: int) -> set[int] | None:
+        """The peers rank 0 waits for (None: all): not one whose held row already reaches `step`
+        (it has nothing more to send for this flush; the star's pairing, `Pairing.hold`)."""
+        if not root or tree:
+            return self._expect
+        expect = set(range(1, self._world)) if self._expect is None else self._expect
+        return expect - self.pairing.ready(step)
+
     def _reduce_rows(self, interval: Interval, rows: Any, from_step: int) -> None:
         """Rank 0: the rows that cover exactly its own steps make this flush's cross-rank view."""
         if isinstance(rows, Bundle):  # the tree's: rows of one of rank 0's flushes (tree_exchange)
@@ -248,10 +256,12 @@ class CrossRankReducer:
             self.pairing.note([], tree.ranks, self._world, from_step, interval.step)
             self._reduce_paired(interval, rows, same, records, tree)
             return
+        rows = self.pairing.with_held(rows)
         records = unpack(rows[:, _layout(self.exchange).span("up")])
         _learn_names(self.table, records)  # of rows of other steps too: the job series use them
         # Wait next time for every peer whose row came now (a late one catches up in a flush or two).
         self._expect = {r.rank for r in records} - {0}
+        rows, records = self.pairing.hold(rows, records, interval.step)
         same = self.pairing.same_steps(records, from_step, interval.step, self._world)
         self._reduce_paired(interval, rows, same, records)
 
@@ -391,6 +401,7 @@ def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
     )  # fmt: skip
     reducer.lateness = LatenessTracker.attach(identity.rank, reducer.exchange)
     reducer.disabled_reason, reducer._expect, reducer._verdict = unshaped, None, None
+    reducer.pairing.forget_held()  # rows of the old group's ranks
     message = (
         f"cross-rank telemetry re-formed on a new process group: {identity.world_size} rank(s), was "
         f"{before}; this rank is rank {identity.rank} of it"

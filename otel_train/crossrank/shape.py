@@ -29,7 +29,8 @@ class ExchangeShape:
 
 
 def node_key(host: str, node_rank: int) -> int:
-    """A rank's node as a signed 64-bit number (the same in every process: not Python's hash)."""
+    """A rank's node as a signed 64-bit number (the same in every process: not Python's hash).
+    A node rank no launcher gave (`distributed.NODE_UNKNOWN`) leaves the host alone to say it."""
     digest = hashlib.blake2b(f"{host}\0{node_rank}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
@@ -38,6 +39,15 @@ def decide(fanins: Sequence[int], keys: Sequence[int]) -> ExchangeShape:
     """The shape from every rank's facts, by rank (module doc)."""
     starts = tuple(rank for rank in range(1, len(keys)) if keys[rank] != keys[rank - 1])
     return ExchangeShape(int(fanins[0]) if fanins else 16, starts)
+
+
+def node_ranks(keys: Sequence[int]) -> list[int]:
+    """Each rank's node rank from every rank's `node_key`, by rank: its node's place among the
+    job's nodes in the order of their lowest rank (how a launcher numbers them)."""
+    first: dict[int, int] = {}
+    for key in keys:
+        first.setdefault(key, len(first))
+    return [first[key] for key in keys]
 
 
 def agree(group: Any, world: int, fanin: int, key: int) -> ExchangeShape:

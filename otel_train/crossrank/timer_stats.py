@@ -83,6 +83,8 @@ def per_rank_timings(
     for record in records:
         timings: dict[str, float | None] = {n: s.mean for n, s in record.named_timers(names).items()}
         if not has_step_timer and record.step_stats.count:
+            # The row carries the step time's lower median (the verdicts' robust statistic), not
+            # its mean: the cross-rank step series is over it (semconv.PHASE_CROSS_RANK says so).
             timings[STEP_PHASE] = record.step_stats.median
         out.append(timings)
     return out

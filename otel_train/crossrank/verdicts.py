@@ -183,6 +183,13 @@ class _Table:
                 if spread.count and name != STEP_END:
                     by_phase.setdefault(name, {})[index] = spread
         self.phases = {p: by for p, by in by_phase.items() if len(by) >= 2}
+        # Timers only one rank ran (a rank-0-only eval) have nobody to compare with, but they say
+        # where that rank was when its lateness arose after every phase the ranks share.
+        self.solo: dict[int, dict[str, Spread]] = {}
+        for name, by in by_phase.items():
+            if len(by) == 1:
+                ((index, spread),) = by.items()
+                self.solo.setdefault(index, {})[name] = spread
         steps = {i: v.step for i, v in enumerate(views) if v.step.count}
         self.order = sorted(self.phases, key=lambda p: median([s.median for s in self.phases[p].values()]))
         if len(steps) >= 2:
@@ -193,6 +200,16 @@ class _Table:
 
     def holds_collective(self, phase: str) -> bool:
         return holds_collective(phase, self.timed_communication)
+
+    def solo_phase(self, index: int, use_max: bool, after: str | None) -> str | None:
+        """The timer only rank `index` ran that ends latest after its phase end `after` (None: its
+        step start): where it was when lateness arose past the phases the ranks share."""
+        own = self.solo.get(index, {})
+        start = self.phases[after].get(index) if after is not None else None
+        since = 0.0 if start is None else (start.max if use_max else start.median)
+        ends = {name: (spread.max if use_max else spread.median) for name, spread in own.items()}
+        later = [name for name, end in ends.items() if end > since]
+        return max(later, key=lambda name: ends[name]) if later else None
 
     def lateness(self, index: int, use_max: bool) -> dict[str, float]:
         """Leave-one-out lateness of rank `index` at every phase end it has (noise clamped to 0)."""
@@ -231,7 +248,7 @@ class _Table:
         return (a.max - b.max) if use_max else (a.median - b.median)
 
 
-def _late(series: Mapping[str, float], table: _Table) -> Lateness | None:
+def _late(series: Mapping[str, float], table: _Table, index: int, use_max: bool) -> Lateness | None:
     """A rank that arrives late: where, since which phase, and whether the lateness collapses."""
     phases = [p for p in table.order if p in series]
     if not phases:
@@ -255,7 +272,10 @@ def _late(series: Mapping[str, float], table: _Table) -> Lateness | None:
         end = series.get(STEP_END, series[after[-1]])
         if end > 0.5 * peak:
             sync = None  # still late at the end: nobody waited for it (independent ranks)
-    return Lateness(peak, late_in if late_in != STEP_END else UNTIMED, sync)
+    if late_in == STEP_END:  # past every shared phase: in a timer of its own, if it ran one there
+        before = phases[phases.index(late_in) - 1] if len(phases) > 1 else None
+        late_in = table.solo_phase(index, use_max, before) or UNTIMED
+    return Lateness(peak, late_in, sync)
 
 
 def _early_at_collective(series: Mapping[str, float], table: _Table) -> Lateness | None:
@@ -277,7 +297,7 @@ def _early_at_collective(series: Mapping[str, float], table: _Table) -> Lateness
 
 def _culprit_lateness(table: _Table, index: int, use_max: bool) -> Lateness:
     series = table.lateness(index, use_max)
-    late = _late(series, table)
+    late = _late(series, table, index, use_max)
     early = _early_at_collective(series, table)
     if late is not None and (early is None or late.seconds >= early.seconds):
         return late

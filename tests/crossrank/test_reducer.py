@@ -509,3 +509,10 @@ def test_ewma_default_comes_from_config() -> None:
     assert (reducer.settings.ewma, reducer.settings.threshold) != (0.3, 0.8)
     default = CrossRankReducer(Identity("r"), None, None, Config()).settings
     assert (default.ewma, default.threshold) == (Config().straggler_ewma, Config().straggler_threshold)
+
+
+def test_the_cross_rank_step_series_is_over_lower_medians_as_documented() -> None:
+    interval = Interval(0, 3, 0.0, 13.0, 4, 0, 0, step_durations=[1.0, 1.0, 1.0, 10.0])
+    record = unpack(pack(interval, Identity("run", world_size=2), TimerTable()).unsqueeze(0))[0]
+    assert per_rank_timings([record], {})[0]["step"] == 1.0  # not the mean, 3.25
+    assert "lower-median step time" in semconv.PHASE_CROSS_RANK.description

@@ -65,6 +65,9 @@ def train(rank: int, scenario: dict[str, Any], out_dir: str) -> dict[str, Any]:
         # torch.multiprocessing.spawn style: only the process group says who is who
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)
+    if scenario.get("local_world"):  # nodes of that many ranks on this one host, as torchrun names them
+        os.environ["LOCAL_WORLD_SIZE"] = str(scenario["local_world"])
+        os.environ["GROUP_RANK"] = str(rank // scenario["local_world"])
     events: list[tuple[str, str, dict[str, Any]]] = []
     ot.init(
         output_dir=out_dir, run_name=scenario.get("run_name"), verbosity=0, log_interval=LOG_INTERVAL,
@@ -216,9 +219,8 @@ def test_ddp_forward_straggler_on_2_and_8_ranks(
 ) -> None:
     slow = world - 1
     job = {"kind": "ddp", "steps": 20 if world == 2 else 15, "run_name": "r", "fanin": fanin,
-           "slow": {"rank": slow, "phase": "forward", "factor": 1.5}}  # fmt: skip
-    env = {"LOCAL_WORLD_SIZE": str(local_world)} if local_world else None
-    results = run_ranks(world, jobs_target, ([job], str(tmp_path)), timeout=240, env=env)
+           "slow": {"rank": slow, "phase": "forward", "factor": 1.5}, "local_world": local_world}  # fmt: skip
+    results = run_ranks(world, jobs_target, ([job], str(tmp_path)), timeout=240)
     if local_world:
         assert results[0][0]["parents"] == (-1, 0, 1, 1, 1, 4, 5, 4)
     reported = _reported(results, 0)

@@ -331,3 +331,26 @@ def test_every_ranks_leave_one_out_median_at_once_is_the_one_pass_one() -> None:
                     [v for i, v in enumerate(values) if i != skip], [1.0] * (n - 1)
                 )
                 assert got[skip] == plain, (values, skip)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_stall_in_a_timer_only_that_rank_runs_names_that_timer(world: int) -> None:
+    # Rank 0 alone runs `ot.timer("eval")` at the end of step 13 (the others are past it, in
+    # model.join() or a barrier): the time it lost was in "eval", not outside every timer.
+    job = Job(world)
+    scorer = StragglerScorer(Settings())
+    tables = [TimerTable() for _ in range(world)]
+    names: dict[int, str] = {}
+    per_flush = []
+    for seq in range(4):
+        intervals = job.interval(8, seq)
+        if seq == 1:
+            rank0, at = intervals[0], 13 - 8  # step 13's place in the second interval
+            rank0.phases["eval"] = [0.3]
+            rank0.arrivals["eval"] = [rank0.arrivals["optimizer"][at] + 0.3]
+            rank0.step_durations[at] += 0.3
+        _, reports = scorer.update(
+            assess(_views(intervals, tables, names), scorer.settings), one_offs=seq > 0
+        )
+        per_flush.append(reports)
+    assert [(r.rank, r.pattern, r.phase) for r in _flat(per_flush)] == [(0, "one_off", "eval")]

@@ -174,10 +174,10 @@ def mean(spec: MetricSpec, by: str, window: str = RATE) -> str:
 
 
 def job_or_ranks(job: str, ranks: str) -> str:
-    """The job-level series (rank 0 exports them once per job, in both tiers, for every distributed
-    job), or, for a run without them (a single process: no exchange), the same figure from the
-    per-rank series. `or` keeps the left side's series for each label set both sides have, so a
-    run is never counted twice."""
+    """The job-level series (rank 0 exports them once per job, in both tiers: every distributed job
+    whose ranks exchange, and a single process), or, for a run without them (ranks whose exchange is
+    off, cross_rank=False), the same figure from the per-rank series. `or` keeps the left side's
+    series for each label set both sides have, so a run is never counted twice."""
     return f"({job}) or ({ranks})"
 
 
@@ -301,8 +301,9 @@ def in_essential_tier(spec: MetricSpec, series: str = "") -> bool:
 def expr_tier(expr: str) -> str:
     """The tier an expression needs: "full" when it reads a series the essential tier leaves out,
     unless it also reads a job-level one. The queries here that read both are
-    `<job-level> or <per-rank sum>`: the job's series serve every distributed job in either tier,
-    the per-rank sum a single process (no exchange, no job-level series)."""
+    `<job-level> or <per-rank sum>`: the job's series serve every job in either tier (a single
+    process exports them too), the per-rank sum ranks whose exchange is off (cross_rank=False: no
+    job-level series)."""
     tokens = [tok for tok in _IDENT.findall(expr) if tok in _NAMES]
     if any(_NAMES[tok].scope == "job" for tok in tokens):
         return TIER_ESSENTIAL
@@ -352,6 +353,20 @@ def _interval_targets(spec: MetricSpec) -> tuple[Target, ...]:
         T(agg("max", RUN, selector(stats["max"])), _lg(suffix=" max")),
         T(agg("avg", RUN, selector(stats["last"])), _lg(suffix=" last")),
     )
+
+
+def _goodput_rolling_1h() -> str:
+    """Each rank's share of the run's own time in the last hour spent in productive steps, as
+    otel_train:goodput:rolling1h computes it: 1 - badput seconds per second when the rank reported
+    an hour ago (and still does), else (a run younger than the hour) its goodput account, which is
+    that part. The library has no productive- or wall-time counter to divide instead."""
+    badput = selector(sc.BADPUT_DURATION)
+    hour = (
+        f"1 - {agg('sum', _R, rate(sc.BADPUT_DURATION, window='1h'))}"
+        f" and on ({_R}) {agg('sum', _R, f'{badput} offset 1h')}"
+        f" and on ({_R}) {agg('sum', _R, badput)}"
+    )
+    return f"clamp_min(({hour}) or {agg('min', _R, selector(sc.GOODPUT))}, 0)"
 
 
 def _loss_targets() -> tuple[Target, ...]:
@@ -491,16 +506,14 @@ def overview() -> DashboardDef:
                     ),
                     ts(
                         "Goodput, rolling 1h",
-                        T(
-                            f"clamp_min(1 - max by ({RUN}) ("
-                            f"{agg('sum', _R, rate(sc.BADPUT_DURATION, window='1h'))}), 0)",
-                            _lg(suffix=" (worst rank)"),
-                        ),
+                        T(agg("min", RUN, _goodput_rolling_1h()), _lg(suffix=" (worst rank)")),
                         unit="percentunit",
                         min_val=0,
-                        description="1 - badput seconds per second of wall time over the last hour (the "
-                        "recording rule otel_train:goodput:rolling1h, computed here so the panel works "
-                        "without it). A restart's gap shows in the hour after it.",
+                        description="Share of the run's own time in the last hour spent in training "
+                        "steps (the recording rule otel_train:goodput:rolling1h, computed here so the "
+                        "panel works without it): 1 - badput seconds per second for a rank that "
+                        "reported an hour ago, the goodput since its start for a younger run. A "
+                        "restart's gap shows in the hour after it.",
                     ),
                     ts(
                         "Interruptions",

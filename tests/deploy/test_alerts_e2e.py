@@ -1,6 +1,6 @@
 """End to end: fake rank endpoints -> real Prometheus (the alert pack, windows 30x shorter) -> real Alertmanager.
 
-Five fake runs serve pull endpoints with prometheus_client on 127.0.0.1 (one endpoint per
+Seven fake runs serve pull endpoints with prometheus_client on 127.0.0.1 (one endpoint per
 rank, series named from otel_train.semconv as the in-process exporter names them):
   run "slow":     rank 3 arrives late (relative straggler score 0.6) while, as under DDP, the ranks
                   that wait for it have the longer phase times   -> TrainingStraggler for rank 3 only
@@ -9,6 +9,10 @@ rank, series named from otel_train.semconv as the in-process exporter names them
                   watchdog's train.stall.duration rises                 -> TrainingRankStalled for rank 1
   run "eval":     every rank stops stepping to evaluate; their eval batches keep train.stall.duration
                   at 0                                                  -> no alert at all
+  run "eval0":    rank 0 alone evaluates (eval batches) while rank 1 waits for it, past its stall
+                  timeout                                               -> no alert at all
+  run "solo":     a single process stops stepping; its watchdog judges it stalled
+                                                                    -> TrainingStalled, never TrainingRankStalled
   run "hung":     both ranks stop in a collective: train.collective.last_seconds rises on each
                   (100 s per second: its threshold is a value, not a window)
                                                                     -> TrainingCollectiveHang for both
@@ -115,6 +119,8 @@ def fake_ranks() -> Iterator[list[FakeRank]]:
     ranks += [FakeRank("frozen", r, 0.1, freeze_after_s=3.0 if r == 1 else None) for r in range(4)]
     ranks += [FakeRank("hung", r, 0.1, hang_after_s=3.0) for r in range(2)]
     ranks += [FakeRank("eval", r, 0.1, freeze_after_s=3.0, heartbeats=True) for r in range(2)]
+    ranks += [FakeRank("eval0", r, 0.1, freeze_after_s=3.0, heartbeats=r == 0) for r in range(2)]
+    ranks += [FakeRank("solo", 0, 0.1, freeze_after_s=3.0)]
     stop = threading.Event()
     start = time.monotonic()
 
@@ -168,12 +174,21 @@ def test_straggler_and_rank_stall_reach_alertmanager(fake_ranks: list[FakeRank],
         # the balanced run: nothing at all, not even pending; no straggler in the other runs
         assert not prom.alerts(run_id="balanced")
         assert not _firing(am, run_id="balanced")
-        # the evaluating run: nothing, long after a stall would have fired (stop, window, `for:`)
+        # the evaluating runs: nothing, long after a stall would have fired (stop, window, `for:`)
         time.sleep(max(0.0, 3.0 + 10.0 + 5.0 + 5.0 - (time.monotonic() - started)))
-        assert not prom.alerts(run_id="eval")
-        assert not _firing(am, run_id="eval")
+        for run_id in ("eval", "eval0"):
+            assert not prom.alerts(run_id=run_id), run_id
+            assert not _firing(am, run_id=run_id), run_id
         assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStraggler")} == {"slow"}
-        assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStalled")} <= {"hung"}
+        assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingStalled")} <= {"hung", "solo"}
+        # the single process: the run's stall (its own earlier steps are no other rank stepping)
+        wait_until(
+            lambda: _firing(am, alertname="TrainingStalled", run_id="solo"),
+            timeout=30,
+            what="TrainingStalled for the single process in Alertmanager",
+        )
+        assert not prom.alerts(alertname="TrainingRankStalled", run_id="solo")
+        assert {a["labels"]["run_id"] for a in _firing(am, alertname="TrainingRankStalled")} == {"frozen"}
 
         # Each rank's alert reaches Alertmanager on its own: wait until both ranks of the hung run
         # are there (a rank that never fires times out), then check that no healthy rank is.

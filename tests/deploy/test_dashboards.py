@@ -97,6 +97,7 @@ def parse_metric_names(expr: str) -> tuple[list[str], list[str]]:
     regexes = re.findall(r'__name__\s*=~\s*"([^"]*)"', expr)
     text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
     text = re.sub(r"\[[^\]]*\]", "", text)  # range selectors
+    text = re.sub(r"\boffset\s+-?\w+", " ", text)  # offset modifiers (`offset 1h`)
     text = re.sub(r"\{[^}]*\}", "{}", text)  # label matchers
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
     text = re.sub(r"(?<![\w.])\d+(\.\d+)?([eE][+-]?\d+)?", " ", text)  # numbers

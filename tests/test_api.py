@@ -9,6 +9,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,6 +84,22 @@ def test_step_and_phase_quantiles_are_the_intervals_own() -> None:
     assert row["timers/generate/p50"] == pytest.approx(0.0001)
     assert row["timers/generate/p95"] == pytest.approx(0.0001 + 0.0039 * 0.55)  # rank 8.55 of 0..9
     assert row["timers/step/p50"] <= row["timers/step/p95"] <= row["timers/step/max"]
+
+
+def test_a_generator_function_is_refused_as_a_timed_function() -> None:
+    """Its call only makes the generator: a timer around it would time nothing (a bug to say)."""
+
+    def batches() -> Any:
+        yield 1
+
+    async def agen() -> Any:
+        yield 1
+
+    for fn in (batches, agen):
+        with pytest.raises(TypeError, match="cannot decorate the generator function"):
+            ot.timer("data")(fn)
+        with pytest.raises(TypeError, match="around the loop body"):
+            ot.step(fn)
 
 
 def test_decorators_nesting_threads_async_and_errors() -> None:

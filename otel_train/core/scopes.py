@@ -198,7 +198,8 @@ class CudaTimerScope(TimerScope):
 
 def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullScope:
     """`with ot.timer("forward"):` — time a phase; `@ot.timer("forward")` times each call of a
-    function (sync or async), also one decorated before `init()`. `cuda=True` times the device work
+    function (sync or async; a generator function raises TypeError), also one decorated before
+    `init()`. `cuda=True` times the device work
     with CUDA events (resolved on the worker, no sync on the training thread). Before `init()` or
     above the configured `timing_log_level` it does nothing."""
     session = runtime._current
@@ -421,7 +422,14 @@ def _error_type(error: Any) -> type[BaseException] | None:
 
 
 def _wrap(fn: F, scope: Callable[[], Any]) -> F:
-    """Decorate `fn` (sync or async) so each call runs inside a fresh `scope()`."""
+    """Decorate `fn` (sync or async) so each call runs inside a fresh `scope()`. A generator
+    function is refused: its call only makes the generator, so the scope would time nothing."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(
+            f"ot.timer/ot.step cannot decorate the generator function {fn.__qualname__}: a call only "
+            "makes the generator. Time its use instead: `with ot.timer(name):` around the loop body "
+            "(or around `next(it)` for the data wait)."
+        )
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)

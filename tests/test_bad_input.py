@@ -247,6 +247,20 @@ def test_hyperparameters_logged_twice_are_merged_and_non_finite_ones_stay_json(t
     assert json.loads(text) == {"model": "gpt", "dropout": None, "lr": 0.1}, text  # strict JSON: no NaN
 
 
+def test_numpy_arrays_are_read_as_tensors_are() -> None:
+    """One element is the value (numpy 2 refuses float() on a 1-element array); more elements, a
+    bool or complex array are dropped as a tensor's would be."""
+    import numpy as np
+
+    with capture_metrics(log_interval=1) as cap, ot.step(0):
+        for value in (np.array([9.0]), np.array([[1.0]], dtype=np.float16), np.zeros(3), np.array([True])):
+            ot.record("arr", value)
+    flushed = cap.flushes[-1][1]
+    assert flushed["train/arr"] == 5.0  # the interval's mean of 9 and 1
+    assert flushed["otel_train/dropped/non_scalar_tensor"] == 1
+    assert flushed["otel_train/dropped/invalid_type"] == 1
+
+
 def test_odd_numeric_types_samples_and_prefixes(caplog) -> None:
     """numpy bools and complex numbers are dropped as Python's are (not read as 1.0 or as their
     real part); a str row of log_samples is not a (prompt, output) pair; prefix=None is no

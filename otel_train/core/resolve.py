@@ -92,8 +92,15 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str,
                     tensors.append((i, value))
                 else:
                     dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1
+            elif getattr(value, "ndim", 0) and hasattr(value, "item"):  # a numpy array, as a tensor
+                if value.size != 1:
+                    dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1
+                elif value.dtype.kind in "bcOUS":  # bool, complex, objects, text: as Python's
+                    dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
+                else:
+                    out[i] = float(value.item())
             else:
-                out[i] = float(value)  # numpy scalars, Decimal, ...
+                out[i] = float(value)  # numpy scalars and 0-d arrays, Decimal, ...
         except OverflowError:
             dropped["overflow"] = dropped.get("overflow", 0) + 1
         except Exception:  # the value's own code (its __float__, __class__, a tensor subclass's)

@@ -76,6 +76,12 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str,
         # One value at a time: whatever a value does (10**400, a __float__ that raises anything),
         # only that value is dropped and counted, never the flush.
         try:
+            if getattr(value, "ndim", 0) and hasattr(value, "item") and not hasattr(value, "detach"):
+                # a numpy array: one element is its value, as a 1-element tensor's is
+                if value.size != 1:
+                    dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1
+                    continue
+                value = value.item()  # a Python number (bool, complex: refused below, as Python's)
             cls = value.__class__
             if cls is float:
                 out[i] = value
@@ -92,13 +98,6 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str,
                     tensors.append((i, value))
                 else:
                     dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1
-            elif getattr(value, "ndim", 0) and hasattr(value, "item"):  # a numpy array, as a tensor
-                if value.size != 1:
-                    dropped["non_scalar_tensor"] = dropped.get("non_scalar_tensor", 0) + 1
-                elif value.dtype.kind in "bcOUS":  # bool, complex, objects, text: as Python's
-                    dropped["invalid_type"] = dropped.get("invalid_type", 0) + 1
-                else:
-                    out[i] = float(value.item())
             else:
                 out[i] = float(value)  # numpy scalars and 0-d arrays, Decimal, ...
         except OverflowError:
@@ -283,6 +282,18 @@ def _period(names: Sequence[str]) -> int:
     return period
 
 
+def _arrivals(began: Sequence[int], ends: Sequence[int], inside: bool) -> list[float]:
+    """One arrival per step (from its start to the timer's end): a timer run several times in a
+    step (micro-batches under gradient accumulation) arrives at its LAST end there, where the rank
+    reaches the step's synchronization (the all-reduce runs in the last micro-batch's backward).
+    One value per step keeps the ranks' medians and noise (MAD) over steps, not micro-batches."""
+    if inside and len(set(began)) == len(began):  # the usual case: once per step
+        return seconds_between(began, ends)
+    last = dict(zip(began, ends, strict=True))  # per step start, its latest end (ends come in order)
+    last.pop(0, None)  # outside a step: no arrival
+    return seconds_between(list(last), list(last.values()))
+
+
 def timer_phases(
     batch: FlushBatch, rerun_starts: Set[int] = frozenset()
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], float]:
@@ -315,11 +326,7 @@ def timer_phases(
             over += len(starts) - room
             starts, ends, began = starts[:room], ends[:room], began[:room]
         durations.extend(seconds_between(starts, ends))
-        arrived = (
-            seconds_between(began, ends)
-            if inside
-            else [(e - b) * 1e-9 for e, b in zip(ends, began, strict=True) if b]
-        )
+        arrived = _arrivals(began, ends, inside)
         if arrived:
             arrivals[name] = arrived
     if over:

@@ -323,6 +323,7 @@ def apply_change(session: Any, change: ControlChange, index: int) -> None:
     session.worker.total_steps = session.config.total_steps
     if session.console is not None:
         session.console.verbosity = session.config.verbosity
+    session.events.echo = session.config.verbosity > 0  # as init() sets it (assemble._health_events)
     if "straggler_threshold" in settings:
         session.reducer.set_threshold(session.config.straggler_threshold)
     if "profile" in settings and session.profiler is not None:

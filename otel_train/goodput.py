@@ -41,6 +41,9 @@ DATA_PHASES = frozenset(
     {"data", "dataloader", "data_wait", "datawait", "data_loading", "batch", "get_batch", "input"}
 )
 DEVIATION_BASELINE = 100  # the typical step time is the median of the last this many intervals' means
+# A stall inside a step reaches the listener up to a watchdog tick (<= 1 s) after its step's flush:
+# the data-phase timers of this many recent intervals are looked at to tell a hung data wait.
+RECENT_INTERVALS = 64
 
 
 def span_cause(name: str) -> str:
@@ -79,7 +82,7 @@ class StepClock:
     """Goodput's books on the training thread: a few cumulative nanosecond counters, written by
     that thread only (at a long gap between steps, when a span ends and at an eval batch, never
     per step or timer), read by `GoodputListener` on the worker, which also reads time through
-    `clocks`."""
+    `clocks`. The stall watchdog adds the stalls it saw inside steps (`note_step_stall`)."""
 
     def __init__(self, stall_timeout_s: float, clocks: Clocks | None = None) -> None:
         self.clocks = clocks if clocks is not None else Clocks()
@@ -95,6 +98,14 @@ class StepClock:
         self.gap_after_ns: int | None = None
         self.stall_gap_ns = int(stall_timeout_s * 1e9)
         self.eval_batch_ns = 0  # the latest eval batch between steps (adapters.heartbeat)
+        # (the last step completed before the stalled one, seconds): appended by the watchdog
+        # thread, taken by the listener once that step is flushed
+        self.step_stalls: deque[tuple[int, float]] = deque()
+
+    def note_step_stall(self, after_step: int, seconds: float) -> None:
+        """The watchdog declared a stall inside the step after `after_step`, and the loop progressed
+        again `seconds` after it last had (or after that step began): the step's stalled time."""
+        self.step_stalls.append((after_step, seconds))
 
     def note_gap(self, start_ns: int, previous_end_ns: int | None) -> None:
         """The first step starts (`previous_end_ns` None), or a step starts at `start_ns` more than
@@ -140,13 +151,17 @@ class GoodputListener:
         self._badput = semconv.BADPUT_DURATION.create(meter)
         interruptions = semconv.INTERRUPTIONS.create(meter)
         self._deviation = semconv.STEP_DEVIATION.create(meter)
+        self._dropped = semconv.DROPPED.create(meter)
         self._means: deque[float] = deque(maxlen=DEVIATION_BASELINE)
         self.step_s = 0.0  # this process's step time (worker-side, from the flushed durations)
         self.data_s = 0.0  # data-phase timers inside steps that are not re-runs (from the flushes)
         self.rerun_s = 0.0  # steps that re-ran a step of the previous processes (from the flushes)
         self.steps = 0
+        self.step_stall_s = 0.0  # stalls inside steps (the watchdog's), taken out of the steps' time
+        self._data_peaks: deque[float] = deque(maxlen=RECENT_INTERVALS)
         self._previous = _load(state_path, run_id, clock.clocks.wall())
         self._saved_at = -math.inf
+        self.failed_saves = 0  # in a row: the file on disk is stale meanwhile
         self.totals: dict[str, float] = {}  # the last account, job-wide (for tests and summaries)
         self.interruptions = 0
         self.last_step = -1  # the highest step index completed under this run id
@@ -173,12 +188,25 @@ class GoodputListener:
             done = interval.step if interval.completed_step is None else interval.completed_step
             self.last_step = max(self.last_step, done)
             self._set_deviation(interval.step_durations)
+        self._book_step_stalls(interval)
         account = self.account()
         self.totals = account
         if interval.steps:
             self._report(account)
         if interval.final or self._clock.clocks.perf() - self._saved_at >= SAVE_EVERY_S:
             self._save(account)
+
+    def _book_step_stalls(self, interval: Interval) -> None:
+        """The watchdog's stalls inside steps become stall badput once their step is flushed
+        (numbered steps; any left at the last flush), less the longest data-phase timer of the recent
+        intervals: a hang inside `ot.timer("data")` is data badput, booked already."""
+        if interval.steps:
+            data = [max(values) for name, values in interval.phases.items() if name in DATA_PHASES and values]
+            self._data_peaks.append(max(data, default=0.0))
+        stalls = self._clock.step_stalls
+        while stalls and (interval.final or interval.step > stalls[0][0]):
+            _, seconds = stalls.popleft()
+            self.step_stall_s += max(0.0, seconds - max(self._data_peaks, default=0.0))
 
     def _report(self, account: dict[str, float]) -> None:
         """Metrics move only with flushes that carry steps: a flush without steps (a
@@ -211,6 +239,8 @@ class GoodputListener:
         before_first = (first * 1e-9 - clock.process_start_s) if first is not None else wall
         data, wasted = self.data_s, self.rerun_s
         productive = max(0.0, self.step_s - clock.nested_badput_ns * 1e-9 - data - wasted)
+        stalled_in_steps = min(self.step_stall_s, productive)  # out of the steps' own productive time
+        productive -= stalled_in_steps
         spans = {cause: clock.span_ns.get(cause, 0) * 1e-9 for cause in SPAN_CAUSES}
         startup_spans = clock.startup_span_ns if first is not None else sum(clock.span_ns.values())
         badput = {
@@ -218,7 +248,7 @@ class GoodputListener:
             **spans,
             "data": data,
             "wasted_progress": wasted,
-            "stall": clock.stall_ns * 1e-9,
+            "stall": clock.stall_ns * 1e-9 + stalled_in_steps,
             "restart": 0.0,
         }
         badput["other"] = max(0.0, wall - productive - sum(badput.values()))
@@ -249,7 +279,24 @@ class GoodputListener:
         try:
             write_json(self._state_path, state)
         except OSError as exc:
-            log.debug("otel_train: cannot save %s: %s", self._state_path, exc)
+            # A stale file misleads the next process of this run: it would book its restart gap
+            # and re-run steps from the last account that was saved. Said once per failing spell.
+            self.failed_saves += 1
+            self._dropped.add(1, {semconv.REASON: "goodput_save_failed"})
+            if self.failed_saves == 1:
+                log.warning(
+                    "otel_train: cannot save the goodput account (%s); a restart would book its gap and "
+                    "wasted progress from the last account saved. Retried every %.0f s; failures are "
+                    "counted in otel_train.dropped{reason=goodput_save_failed}.",
+                    exc, SAVE_EVERY_S,
+                )  # fmt: skip
+            return
+        if self.failed_saves:
+            log.warning(
+                "otel_train: the goodput account is saved again to %s, after %d failed save(s).",
+                self._state_path, self.failed_saves,
+            )  # fmt: skip
+            self.failed_saves = 0
 
     def close(self) -> None:
         pass

@@ -150,7 +150,7 @@ class HealthEvents:
         self._otel_logger = otel_logger
         self._events_path = events_path
         self._base = dict(base_attributes)
-        self._echo = echo
+        self.echo = echo  # a log line per event; runtime control's `verbosity` changes it
         self._lock = threading.Lock()
         self._callbacks: list[EventCallback] = []
         self._hook_callbacks: list[EventCallback] = []
@@ -217,7 +217,7 @@ class HealthEvents:
                         exc,
                     )
                     self._events_path = None
-        if self._echo:
+        if self.echo:
             log.warning("otel_train %s: %s", event, message)
         for callback in self._callbacks:
             callback(event, message, attrs)

@@ -359,7 +359,7 @@ class LineFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._size = os.fstat(self._fd).st_size
+        self._size = _cut_torn_tail(self._fd, path)
         self._lock = threading.Lock()
 
     def write_line(self, data: bytes) -> None:
@@ -397,6 +397,41 @@ class LineFile:
             self._fd = -1
         finally:
             self._lock.release()
+
+
+TAIL_CHUNK_BYTES = 64 * 1024
+
+
+def _cut_torn_tail(fd: int, path: Path) -> int:
+    """The size of the file open as `fd` once a torn last line (its writer killed mid-write or out
+    of disk) is cut off, back to its last newline: a fragment of a JSON row is no row, and the next
+    line appended onto it would be lost with it. Said once, when it happens."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+        return info.st_size
+    size = end = info.st_size
+    try:
+        with open(path, "rb") as reader:  # `fd` is write-only
+            if os.pread(reader.fileno(), 1, size - 1) == b"\n":
+                return size
+            while end > 0:  # back to the last newline, a chunk at a time
+                start = max(0, end - TAIL_CHUNK_BYTES)
+                newline = os.pread(reader.fileno(), end - start, start).rfind(b"\n")
+                if newline >= 0:
+                    end = start + newline + 1
+                    break
+                end = start
+        os.ftruncate(fd, end)
+    except OSError as exc:  # a write-only file: appended to as it is
+        log.debug("otel_train: cannot check %s for a torn last line: %s", path, exc)
+        return size
+    log.warning(
+        "otel_train: %s ended in a torn line (%d bytes without a newline, left by a process that "
+        "stopped mid-write); cut off before appending.",
+        path,
+        size - end,
+    )
+    return end
 
 
 def append_line(path: Path, row: Mapping[str, Any]) -> None:

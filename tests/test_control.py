@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -100,3 +101,25 @@ def test_timing_level_flips_at_the_same_step_on_every_rank(tmp_path: Path) -> No
     for rank in (0, 1):
         rows = [json.loads(line) for line in (run_dir / f"metrics.rank{rank}.jsonl").read_text().splitlines()]
         assert any("timers/detail/count" in r for r in rows)  # level-2 timers reach the output
+
+
+@pytest.mark.parametrize(("start", "new"), [(1, 0), (0, 1)])
+def test_verbosity_change_turns_the_health_event_lines_off_and_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, start: int, new: int
+) -> None:
+    ot.init(run_name=f"ctl-verbosity-{start}{new}", prometheus_port=0, verbosity=start, log_interval=5)
+    session = current_session()
+    (session.run_dir / "control.json").write_text(json.dumps({"verbosity": new}))
+    step = 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and session.config.verbosity != new:
+        with ot.step(step):
+            time.sleep(0.01)
+        step += 1
+    assert session.config.verbosity == new
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        ot.event("loss_spike", "loss 100.0 is 100x its average")
+    echoed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("otel_train loss_spike")]
+    assert len(echoed) == new, echoed
+    ot.shutdown()

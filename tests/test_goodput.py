@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -392,3 +395,71 @@ def test_a_later_run_of_the_process_begins_its_account_at_its_own_init(
     (first_init, first_start), (second_init, second_start) = starts
     assert first_start == pytest.approx(goodput.process_start_perf_s(), abs=0.05) and first_start < first_init
     assert second_start >= second_init
+
+
+def test_a_failed_save_is_warned_about_counted_and_its_recovery_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk keeps an old goodput file, from which a restart would book its gap and wasted
+    progress: one warning per failing spell, every failure counted, one line once it saves again."""
+    from otel_train import goodput
+
+    clock, state_file = FakeTime(), tmp_path / "goodput.rank0.json"
+    listener, reader = _process(clock, state_file)
+    disk_full = True
+
+    def write_json(path: Path, data: object, fsync: bool = False) -> None:
+        if disk_full:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        goodput_write_json(path, data, fsync)
+
+    goodput_write_json = goodput.write_json
+    monkeypatch.setattr(goodput, "write_json", write_json)
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        for step in range(3):  # three saves fail (one per SAVE_EVERY_S)
+            clock.advance(goodput.SAVE_EVERY_S)
+            listener.on_flush(Interval(step, step, clock.wall_s, 5.0, 1, 0, 0, [0.4]))
+        assert not state_file.exists()
+        disk_full = False
+        clock.advance(goodput.SAVE_EVERY_S)
+        listener.on_flush(Interval(3, 3, clock.wall_s, 5.0, 1, 0, 0, [0.4]))
+    assert json.loads(state_file.read_text())["last_step"] == 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("cannot save the goodput account" in m and "No space left" in m for m in messages) == 1
+    assert sum("saved again" in m and "after 3 failed save(s)" in m for m in messages) == 1, messages
+    data = reader.get_metrics_data()
+    assert data is not None
+    dropped = [
+        point.value
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "otel_train.dropped"
+        for point in metric.data.data_points
+        if point.attributes.get("otel_train.reason") == "goodput_save_failed"
+    ]
+    assert dropped == [3]
+
+
+@pytest.mark.parametrize("where", ["step", "data"])
+def test_a_hang_inside_a_step_is_stall_badput_not_productive_time(tmp_path: Path, where: str) -> None:
+    """A step that hangs past stall_timeout_s (a collective, a lock, a sleep) is stall time from its
+    start to its end, as the watchdog saw it; a hang inside the step's data timer stays data badput,
+    booked once."""
+    ot.init(run_name=f"gp-hang-{where}", stall_timeout_s=0.3, prometheus_port=0, verbosity=0, hardware=False)
+    session = current_session()
+    stalled = threading.Event()
+    session.events.add_callback(lambda event, message, attributes: event == "stall" and stalled.set())
+    for step in range(8):
+        with ot.step(step):
+            if step == 3:
+                with ot.timer("data" if where == "data" else "forward"):
+                    assert stalled.wait(30), "no stall event"  # the watchdog declared the stall
+            time.sleep(0.01)
+    ot.shutdown()
+    account = _account(session.run_dir)
+    _assert_sums_to_wall(account)
+    hung = account["data"] if where == "data" else account["stall"]
+    assert hung >= 0.3
+    if where == "data":
+        assert account["stall"] < 0.05  # the step's time after its data wait (10 ms here) at most

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers.otlp_receiver import http_receiver
 from torch.utils.data import DataLoader, Dataset
@@ -108,3 +112,54 @@ def test_forked_dataloader_workers_export_nothing() -> None:
     last_tokens = points[semconv.TOKENS.name][-1][1].sum.data_points[0]
     assert (last_tokens.as_int or last_tokens.as_double) == 16 * 16
     assert semconv.instrument_name_for("worker_value") not in points  # workers' records went nowhere
+
+
+FORK_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import otel_train as ot
+
+    out, how = sys.argv[1], sys.argv[2]
+    with ot.init(output_dir=out, run_name="r", prometheus_port=0, log_interval=2, stall_timeout_s=1.0) as run:
+        for step in range(12):  # long enough for the watchdog to arm its faulthandler backstop
+            with ot.step(step):
+                time.sleep(0.1)
+        pid = os.fork()
+        if pid == 0:  # leaves the `with` block: Run.__exit__, atexit, the interpreter's finalization
+            if how == "raise":
+                raise RuntimeError("the child fails")
+            sys.exit(0)
+        deadline = time.monotonic() + 30
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                print("child hung", flush=True)
+                break
+            time.sleep(0.05)
+        progress = (run.run_dir / "progress.txt").read_text()
+        print("ends before the parent's", progress.count("end of process"), flush=True)
+        with ot.step(12):
+            pass
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_forked_child_leaving_the_run_block_leaves_the_parents_session_alone(tmp_path, how) -> None:
+    # The child inherits the `with ot.init() as run:` block, not the session's threads: its way out
+    # must neither shut the parent's session down (a second end-of-process line, the parent's
+    # summary printed) nor wait for the parent's faulthandler timer thread (forever, GIL held).
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_EXIT_SCRIPT, str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "child hung" not in proc.stdout, proc.stdout
+    assert "ends before the parent's 0" in proc.stdout, proc.stdout
+    progress = (tmp_path / "r" / "progress.txt").read_text()
+    assert progress.count("end of process") == 1, progress
+    rows = (tmp_path / "r" / "metrics.rank0.jsonl").read_text().splitlines()
+    assert json.loads(rows[-1])["step"] == 12  # the parent kept recording after the child left

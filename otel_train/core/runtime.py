@@ -188,10 +188,14 @@ def _install_hooks() -> None:
 class Run:
     """One running session, as `ot.init()` returns it (a second `init()` returns the same run)."""
 
-    __slots__ = ("_session",)
+    __slots__ = ("_pid", "_session")
 
     def __init__(self, session: Session) -> None:
         self._session = session
+        # A forked child inherits this object (a `with ot.init() as run:` block it exits through
+        # sys.exit or an exception) but not the session's threads: the parent's session is never
+        # the child's to shut down (its watchdog's faulthandler timer would wait forever there).
+        self._pid = os.getpid()
 
     @property
     def run_id(self) -> str:
@@ -266,7 +270,10 @@ class Run:
         return self._session.start_profile(window, ranks)
 
     def shutdown(self) -> None:
-        """`ot.shutdown()` for this run: final flush, exporters stopped. Safe to call twice."""
+        """`ot.shutdown()` for this run: final flush, exporters stopped. Safe to call twice; a
+        no-op in a forked child (the session is the parent's)."""
+        if os.getpid() != self._pid:
+            return
         if current() is self._session:
             shutdown()
         else:  # already replaced or shut down: idempotent, waits for a shutdown in progress

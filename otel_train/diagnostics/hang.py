@@ -62,8 +62,55 @@ def dump_flight_recorder(path: Path) -> Path | None:
     return None
 
 
+# faulthandler's timer (the watchdog's backstop) lives in a C thread that a forked child does not
+# inherit, yet the child's interpreter, exiting normally (sys.exit, the end of the script), waits
+# for that thread to stop, forever, holding the GIL. So the timer is cancelled before every fork
+# and re-armed by the watchdog's next tick in the parent; the lock keeps the watchdog thread from
+# re-arming it between the cancel and the fork.
+_backstop_lock = threading.Lock()
+_backstop_armed = False
+
+
+def _cancel_backstop_before_fork() -> None:
+    global _backstop_armed
+    _backstop_lock.acquire()
+    if _backstop_armed:
+        faulthandler.cancel_dump_traceback_later()
+        _backstop_armed = False
+
+
+def _release_backstop_after_fork() -> None:
+    _backstop_lock.release()
+
+
+os.register_at_fork(
+    before=_cancel_backstop_before_fork,
+    after_in_parent=_release_backstop_after_fork,
+    after_in_child=_release_backstop_after_fork,
+)
+
+
+def _arm_backstop_timer(timeout_s: float, file: IO[str]) -> None:
+    global _backstop_armed
+    with _backstop_lock:
+        faulthandler.dump_traceback_later(timeout_s, repeat=False, file=file, exit=False)
+        _backstop_armed = True
+
+
+def _cancel_backstop_timer() -> None:
+    global _backstop_armed
+    with _backstop_lock:
+        if _backstop_armed:
+            faulthandler.cancel_dump_traceback_later()
+            _backstop_armed = False
+
+
 SIGNAL_DUMP_INTERVAL_S = 5.0  # at most one stack dump per this many seconds on the dump signal
 RAW_STACKS_MAX_BYTES = 8 * 1024 * 1024  # faulthandler's file: emptied beyond this
+# Stack dumps on stall per session: a loop slower than stall_timeout_s stalls at every step, and the
+# first dumps say where it waits. Later stalls are still events; the dump signal still dumps.
+MAX_STALL_DUMPS = 10
+STALLED_POLL_S = 0.01  # how closely a stalled step's end is watched for (goodput's stall ends there)
 
 
 class HangWatchdog:
@@ -82,6 +129,8 @@ class HangWatchdog:
         role: str = "",
         saving: Callable[[], bool] = lambda: False,
         checkpoint_timeout_s: float = 1800.0,
+        step_start: Callable[[], int] = lambda: 0,
+        on_step_stall: Callable[[int, float], None] | None = None,
     ) -> None:
         self.rank = rank
         self._files = RunFiles(run_dir, rank, role) if run_dir is not None else None
@@ -96,6 +145,12 @@ class HangWatchdog:
         self._backstop_s = stall_timeout_s + max(2.0, 4 * self._poll_s)
         self._on_tick = on_tick  # more work for the same wake-up (is the worker stuck?)
         self._on_stall = on_stall  # called with the stacks file after a stall event (hang attribution)
+        self._step_start = step_start  # () -> perf_counter_ns of the running step's start, 0 outside one
+        self._on_step_stall = on_step_stall  # goodput's: (the last step before the stalled one, seconds)
+        # A stall declared inside a step, until the loop progresses: (last step, the progress time it
+        # was measured from, where the step's stalled part began), perf_counter seconds.
+        self._stalled_in_step: tuple[int, float, float] | None = None
+        self._stall_dumps = 0
         self._reported_for: float | None = None  # the step end time whose stall was reported
         self._stop = threading.Event()
         self._wake_r: int | None = None
@@ -125,8 +180,9 @@ class HangWatchdog:
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"\0")
         self._thread.join(timeout=1.0)
+        self._settle_step_stall()  # a stalled step that ended just before the shutdown
         if self._last_tick is not None:
-            faulthandler.cancel_dump_traceback_later()
+            _cancel_backstop_timer()
         self._uninstall_signal()
         if self._raw_file is not None:
             self._raw_file.close()
@@ -171,19 +227,35 @@ class HangWatchdog:
     # --- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._wake_r is not None:
-                ready, _, _ = select.select([self._wake_r], [], [], self._poll_s)
-                if ready:
-                    self._requests += self._drain_signals()
-            else:
-                self._stop.wait(self._poll_s)
+            self._wait()
             if self._stop.is_set():
                 return
             self._answer_signals()
+            self._settle_step_stall()
             self._check_stall()
             self._arm_backstop()
             if self._on_tick is not None:
                 self._on_tick()
+
+    def _wait(self) -> None:
+        """Until the next tick (poll_s) or a dump signal; while a step stalls, also until the loop
+        progresses again, looked for every STALLED_POLL_S (goodput's stall ends where the step did)."""
+        stalled = self._stalled_in_step
+        deadline = time.monotonic() + self._poll_s
+        while True:
+            timeout = self._poll_s if stalled is None else STALLED_POLL_S
+            if self._wake_r is not None:
+                ready, _, _ = select.select([self._wake_r], [], [], timeout)
+                if ready:
+                    self._requests += self._drain_signals()
+                    return
+            elif self._stop.wait(timeout):
+                return
+            if stalled is None or self._stop.is_set() or time.monotonic() >= deadline:
+                return
+            progressed = self._last_step()[1]
+            if progressed is not None and progressed != stalled[1]:
+                return
 
     def _answer_signals(self) -> None:
         """One dump for the requests so far, unless the last one is under SIGNAL_DUMP_INTERVAL_S old
@@ -226,7 +298,7 @@ class HangWatchdog:
                 {"step": step, "file": self._raw_file.name},
             )
         self._last_tick = now
-        faulthandler.dump_traceback_later(self._backstop_s, repeat=False, file=self._raw_file, exit=False)
+        _arm_backstop_timer(self._backstop_s, self._raw_file)
 
     def stalled_s(self) -> float:
         """How long this rank has had no step or eval batch, once that passes the stall timeout
@@ -250,8 +322,18 @@ class HangWatchdog:
         if idle < self._timeout_s(saving):
             return
         self._reported_for = ended
+        step_start_ns = self._step_start()
+        if step_start_ns and not saving:  # a hung save is checkpoint time, booked by its span
+            self._stalled_in_step = (step, ended, max(ended, step_start_ns * 1e-9))
         what = f"no step or eval batch for {idle:.0f}s" + (" (in a checkpoint save)" if saving else "")
-        path = self.dump(what)
+        path = self.dump(what) if self._stall_dumps < MAX_STALL_DUMPS else None
+        self._stall_dumps += 1
+        if self._stall_dumps == MAX_STALL_DUMPS:
+            log.warning(
+                "otel_train: stall stack dump %d of %d for this run; later stalls are reported without "
+                "stacks (the dump signal still writes them). Raise stall_timeout_s if steps are this slow.",
+                self._stall_dumps, MAX_STALL_DUMPS,
+            )  # fmt: skip
         where = f"; stacks: {path}" if path is not None else ""
         self._events.emit(
             "stall",
@@ -263,6 +345,20 @@ class HangWatchdog:
                 self._on_stall(path)
             except Exception as exc:  # it parses torch's Flight Recorder dump, whose format is torch's
                 log.warning("otel_train: hang attribution failed: %s", exc)
+
+    def _settle_step_stall(self) -> None:
+        """A stall declared inside a step is over once the loop progresses (the step ends, or an eval
+        batch): the step's time without progress goes to goodput as stall badput."""
+        stalled = self._stalled_in_step
+        if stalled is None:
+            return
+        after_step, since, stalled_from = stalled
+        _, progressed = self._last_step()
+        if progressed is None or progressed == since:
+            return
+        self._stalled_in_step = None
+        if self._on_step_stall is not None:
+            self._on_step_stall(after_step, max(0.0, progressed - stalled_from))
 
     def _drain_signals(self) -> int:
         """How many dump signals arrived (one byte each in the wakeup fd)."""

@@ -263,3 +263,33 @@ def test_rank_blocked_in_a_collective_dumps_its_stack_and_answers_sigusr1(tmp_pa
         for proc in procs:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_stall_stack_dumps_are_capped_per_run_and_the_cap_is_said(tmp_path: Path, caplog) -> None:
+    """A loop slower than stall_timeout_s stalls at every step: the first MAX_STALL_DUMPS stalls
+    write stacks, later ones are events without a file, and reaching the cap is said once."""
+    from otel_train.diagnostics.hang import MAX_STALL_DUMPS, HangWatchdog
+
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    class Events:
+        def emit(self, event: str, message: str, attributes: Any = None, severity: str = "WARNING") -> None:
+            events.append((event, dict(attributes or {})))
+
+    last = {"step": 0}
+    long_ago = time.perf_counter() - 100.0
+    watchdog = HangWatchdog(
+        tmp_path, 0, Events(), lambda: (last["step"], long_ago + last["step"]), 0.5, dump_signal=None
+    )
+    with caplog.at_level("WARNING", logger="otel_train"):
+        for step in range(MAX_STALL_DUMPS + 5):  # each step ended long ago: a new stall each time
+            last["step"] = step
+            watchdog._check_stall()
+    stalls = [attributes for event, attributes in events if event == "stall"]
+    assert len(stalls) == MAX_STALL_DUMPS + 5
+    assert [("file" in a) for a in stalls] == [True] * MAX_STALL_DUMPS + [False] * 5
+    assert len(list(tmp_path.glob("stacks.rank0.*.txt"))) == MAX_STALL_DUMPS
+    said = [
+        r.getMessage() for r in caplog.records if "later stalls are reported without stacks" in r.getMessage()
+    ]
+    assert len(said) == 1, said

@@ -157,7 +157,9 @@ def describe(report: StragglerReport, step: int, threshold: float) -> str:
             f" in {report.sync_phase!r}"
         )
     elif report.sync_phase is not None:
-        cost = f"; the others wait for it in {report.sync_phase!r}"
+        # its lateness collapses there, but no rank's wait is measured (a one-off's waits are not
+        # computed): claim no waiting that `waiting_ranks` and `wait_ms` do not show
+        cost = f"; it rejoins the others in {report.sync_phase!r}"
     else:
         cost = "; nobody waits for it (no synchronization after it in the step)"
     if report.collective and report.collective != report.sync_phase:

@@ -290,7 +290,10 @@ def _early_at_collective(series: Mapping[str, float], table: _Table) -> Lateness
     trough = -series[trough_at]
     after = phases[phases.index(trough_at) + 1 :]
     recovered = next((p for p in after if series[p] > -0.5 * trough), None)
-    if recovered is None:
+    if recovered is None or table.holds_collective(recovered):
+        # Caught up inside a collective: it lost that time waiting there, for a rank outside the
+        # group it reached its earlier collective with (tensor and data-parallel groups: half the
+        # ranks leave a group's collective early by design). A waiter, never a culprit.
         return None
     return Lateness(trough, recovered if recovered != STEP_END else UNTIMED, trough_at, mirrored=True)
 

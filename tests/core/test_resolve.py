@@ -188,7 +188,8 @@ def _timers_per_event(batch: Any, rerun_starts: set[int]) -> tuple[dict, dict, f
             over += len(readings) - room
             readings = readings[:room]
         durations.extend([(e - s) * 1e-9 for _, s, e, _ in readings])
-        arrived = [(e - b) * 1e-9 for _, _, e, b in readings if b]
+        last = {b: e for _, _, e, b in readings if b}  # one arrival per step: the timer's last end there
+        arrived = [(e - b) * 1e-9 for b, e in last.items()]
         if arrived:
             arrivals[name] = arrived
     if over:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from otel_train.core.buffer import Interval
-from otel_train.crossrank.scores import StragglerReport, StragglerScorer
+from otel_train.crossrank.scores import StragglerReport, StragglerScorer, describe
 from otel_train.crossrank.spread import Spread
 from otel_train.crossrank.up_row import TimerTable, pack, unpack
 from otel_train.crossrank.verdicts import (
@@ -42,6 +42,8 @@ class Job:
     sync: frozenset[str] = frozenset({"backward"})
     slow: Mapping[tuple[int, str], float] = field(default_factory=dict)  # (rank, phase) -> factor
     stalls: Mapping[tuple[int, int, str], float] = field(default_factory=dict)  # (rank, step, phase) -> s
+    # phase -> process groups whose collective ends it (each group waits for its own latest rank)
+    groups: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
     jitter: float = 0.02  # relative noise of every phase
     seed: int = 0
 
@@ -62,6 +64,10 @@ class Job:
                 if name in self.sync:
                     latest = max(self.clock)
                     self.clock = [latest] * self.world
+                for group in self.groups.get(name, ()):
+                    latest = max(self.clock[r] for r in group)
+                    for r in group:
+                        self.clock[r] = latest
                 for r in range(self.world):
                     out[r].phases.setdefault(name, []).append(self.clock[r] - before[r])
                     out[r].arrivals.setdefault(name, []).append(self.clock[r] - start[r])
@@ -147,11 +153,35 @@ def test_one_stall_is_a_one_off_for_that_rank_only(world: int) -> None:
     assert per_flush[1] == reports and reports[0].lateness_s == pytest.approx(0.4, rel=0.1)
 
 
+def test_a_one_off_claims_no_wait_that_its_attributes_do_not_show() -> None:
+    job = Job(2, stalls={(1, 13, "forward"): 0.4})
+    (report,) = _flat(run(job, flushes=3))
+    assert report.pattern == "one_off" and report.sync_phase == "backward"
+    assert report.waiting_ranks == () and report.wait_s == 0.0
+    text = describe(report, 13, 0.9)
+    assert "wait" not in text and "rejoins the others in 'backward'" in text, text
+
+
 def test_one_stall_on_top_of_a_chronic_straggler() -> None:
     job = Job(4, slow={(2, "forward"): 1.4}, stalls={(0, 20, "data"): 0.5})
     reports = _flat(run(job, flushes=6))
     assert {r.rank for r in reports if r.chronic} == {2}
     assert [(r.rank, r.phase) for r in reports if not r.chronic] == [(0, "data")]
+
+
+def test_subgroup_collectives_blame_the_slow_rank_never_its_groups_waiters() -> None:
+    """Tensor-parallel pairs [0, 1], [2, 3] then data-parallel pairs [0, 2], [1, 3], rank 3 slow in
+    forward: ranks 0 and 1 leave `tp_comm` early (their pair waits for nobody) and lose that time
+    waiting in `dp_comm`. Reaching a collective earliest is no blame when the time is lost in a
+    later collective: only rank 3 is named."""
+    phases = (("data", 0.002), ("forward", 0.010), ("backward", 0.010), ("tp_comm", 0.001),
+              ("dp_comm", 0.002), ("optimizer", 0.003))  # fmt: skip
+    groups = {"tp_comm": [[0, 1], [2, 3]], "dp_comm": [[0, 2], [1, 3]]}
+    job = Job(4, phases, sync=frozenset(), groups=groups, slow={(3, "forward"): 3.0})
+    # from the second flush: the first one's rows announce only ANNOUNCE_SLOTS of the 6 timer names
+    reports = _flat(run(job, flushes=6)[1:])
+    assert reports and {r.rank for r in reports} == {3}
+    assert {(r.phase, r.category) for r in reports} == {("forward", "compute")}
 
 
 def test_independent_ranks_slow_rank_flagged_nobody_waits() -> None:

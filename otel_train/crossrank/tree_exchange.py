@@ -12,6 +12,7 @@ from typing import Any
 from otel_train.crossrank import down_row, job_block, wire
 from otel_train.crossrank.exchange import Exchanged, ExchangeFailed, StarExchange
 from otel_train.crossrank.merge import HEAD, HEAD_LEN, Bundle, bundle_len, decode, encode, join, merge
+from otel_train.crossrank.pairing import MAX_HELD
 from otel_train.crossrank.tree import Layout, layout
 from otel_train.crossrank.up_row import pack_len, row_steps
 
@@ -46,6 +47,11 @@ class TreeExchange:
         self.left_out_bundles = 0  # bundles (its own row too) of other steps than the ones kept (step 1)
         self._expect: set[int] | None = None  # children whose bundles to wait for (None: all)
         self._own: dict[tuple[int, int], Bundle] = {}  # rank 0: its rows of its last flushes, by steps
+        # Each child's bundles taken before this rank's flush reached their steps (at most MAX_HELD
+        # each; step 1 of the module doc): kept for the flush that reaches them, so that a late
+        # flush of this rank, which takes a child's bundle that reaches past it, does not make it
+        # take that child's NEXT bundle at every flush from then on, one flush early for good.
+        self._held: dict[int, list[Bundle]] = {}
         self._job_unsent: Any = None  # the job block of a bundle that could not go up (sent with the next)
 
     @property
@@ -120,21 +126,25 @@ class TreeExchange:
         self, up: Any, own: Bundle, steps: tuple[int, int], answer: Any | None, jobs: list[Any]
     ) -> tuple[list[Bundle], list[int], dict[int, Any]]:
         """Step 1 (module doc): this rank's bundle and its children's that cover its steps. The
-        job blocks of every bundle taken join `jobs`, of whatever steps (each is taken once)."""
+        job blocks of every bundle taken join `jobs`, of whatever steps (each is taken once, and
+        answered at the flush that takes it, held or not)."""
         assert self.below is not None
         root = self.parent < 0
         template = answer if root and answer is not None else down_row.tree_answer(0, None)
         answers = {peer: template.clone() for peer in [self.rank, *self.children]}  # own: unused
+        # A child whose held bundle reaches this flush has sent its bundle for it: not waited for.
+        ready = {peer for peer, held in self._held.items() if any(_steps(b)[1] >= steps[1] for b in held)}
+        expect = set(self.children if self._expect is None else self._expect) - ready
         try:
             got = self.below.gather(
-                up, answers, self._expect, lambda b: row_steps(b[HEAD_LEN:])[1] >= steps[1], defer=not root
+                up, answers, expect, lambda b: row_steps(b[HEAD_LEN:])[1] >= steps[1], defer=not root
             )
         except ExchangeFailed as exc:
             self._fail_up(own, exc.gone)
             raise
         taken = got.ranks[1:]
         assert got.records is not None
-        bundles = []
+        bundles: list[tuple[int, Bundle]] = []
         for peer, message in zip(taken, got.records[1:], strict=True):
             version = message[HEAD.at("version")].item()
             if version != wire.VERSION:  # a failed child below, or another release: turn off
@@ -144,35 +154,60 @@ class TreeExchange:
                 if version == wire.FAILED:
                     raise ExchangeFailed(f"a rank below found a failed peer (reported by rank {peer})", gone)
                 raise ExchangeFailed(wire.refusal(version, f"rank {peer}"))
-            bundles.append(decode(message, self.row_len, self.base_len, self._ranks(peer)))
-            jobs.append(bundles[-1].job)
-        self._expect = set(taken)
-        return self._parts(own, steps, bundles), taken, answers
+            bundles.append((peer, decode(message, self.row_len, self.base_len, self._ranks(peer))))
+            jobs.append(bundles[-1][1].job)  # counted here, once, whether the bundle is held or not
+        self._expect = set(taken) | set(self._held)  # the children in at this flush
+        return self._parts(own, steps, bundles, ready), taken, answers
 
-    def _parts(self, own: Bundle, steps: tuple[int, int], bundles: list[Bundle]) -> list[Bundle]:
-        """Step 1's choice (module doc): the bundles of the steps most ranks at hand cover, this
-        rank's own row first when it covers them (rank 0: its row of those steps, kept from its
-        last `KEPT_OWN` flushes). The rest are left out (counted)."""
+    def _parts(
+        self, own: Bundle, steps: tuple[int, int], fresh: list[tuple[int, Bundle]], ready: set[int]
+    ) -> list[Bundle]:
+        """Step 1's choice (module doc): of the children's bundles (the held ones, then the ones
+        taken now), hold those that reach past this flush (`_holds`), then keep the bundles of the
+        steps most ranks at hand cover, this rank's own row first when it covers them (rank 0: its
+        row of those steps, kept from its last `KEPT_OWN` flushes). The rest are left out (counted)."""
         mine = {steps: own}
         if self.above is None:  # rank 0 joins a bundle that came a flush or more late
             mine = {**self._own, steps: own}
             self._own = dict(list(mine.items())[-KEPT_OWN:])
+        candidates = [(peer, b) for peer, held in self._held.items() for b in held] + fresh
+        self._held = {}
+        now = []
+        for peer, bundle in candidates:
+            if not bundle.exact:
+                self.left_out_bundles += 1
+            elif not self._holds(_steps(bundle), steps, peer in ready):
+                now.append(bundle)
+            elif len(self._held.setdefault(peer, [])) < MAX_HELD:
+                self._held[peer].append(bundle)
+            else:  # a child this far ahead is not in step with this rank: never paired
+                self.left_out_bundles += 1
+        self._held = {peer: held for peer, held in self._held.items() if held}
         weight = {at: 1 for at in mine}
-        for bundle in bundles:
-            if bundle.exact:
-                at = row_steps(bundle.exact[0])
-                weight[at] = weight.get(at, 0) + bundle.ranks
+        for bundle in now:
+            weight[_steps(bundle)] = weight.get(_steps(bundle), 0) + bundle.ranks
         # Rank 0 pairs only steps of its own rows; most ranks, then its current steps, the newest.
         best = max(mine if self.above is None else weight, key=lambda at: (weight[at], at == steps, at[1]))
         parts = [mine[best]] if best in mine else []
-        for bundle in bundles:
-            if bundle.exact and row_steps(bundle.exact[0]) == best:
+        for bundle in now:
+            if _steps(bundle) == best:
                 parts.append(bundle)
             else:
                 self.left_out_bundles += 1
         if self.above is None and len(parts) > 1:  # a view of those steps is made: never again
             self._own = {at: row for at, row in self._own.items() if at[1] > best[1]}
         return parts
+
+    def _holds(self, at: tuple[int, int], steps: tuple[int, int], ready: bool) -> bool:
+        """Whether a child's bundle of steps `at` waits for a later flush of this rank (of `steps`):
+        rank 0 pairs only its own steps, so it holds every bundle that ends after them. A rank
+        with a parent forwards the steps most ranks at hand cover, which may be ahead of its own
+        for good (its steps fell behind: paused, stopped), so it holds only a bundle that begins
+        before its flush and ends after it (its flush came at other steps than the child's: late)
+        and, until that child's bundles end within its flushes again, the ones after it."""
+        if at[1] <= steps[1]:
+            return False
+        return self.above is None or ready or at[0] < steps[1]
 
     def _ranks(self, rank: int) -> int:
         lo, hi = self.layout.span[rank]
@@ -190,6 +225,11 @@ class TreeExchange:
         message[HEAD.at("version")], message[HEAD.at("gone")] = wire.FAILED, float(gone)
         with contextlib.suppress(ExchangeFailed):  # turning off anyway
             self.above.send_up(message)
+
+
+def _steps(bundle: Bundle) -> tuple[int, int]:
+    """The steps a bundle covers: those of its first exact row (the merging rank's own, when kept)."""
+    return row_steps(bundle.exact[0])
 
 
 def exchange_for(

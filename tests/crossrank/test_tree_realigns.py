@@ -1,0 +1,147 @@
+"""The tree exchange realigns after one late flush (real gloo ranks, exchange_fanin=2 so that 4
+ranks form a tree: rank 0 heads ranks 1 and 3, rank 1 heads rank 2; `tree.layout`).
+
+A stall on rank 0's background worker merges several of its flushes into one: rank 0 flushes
+(19, 38] where every other rank flushed (19, 24] and then (24, 39]. Rank 0 takes both of a child's
+bundles at that flush, the second reaching past it; from its next flush on, every rank's rows
+cover the same steps again, so the cross-rank view must come back whole (docs/reliability.md),
+and each rank's job block still counts once. An inner rank whose own flush came late is the same
+case one level down: it is driven here flush by flush (`TreeExchange._gather`), with its child's
+bundles as `StarExchange.gather` takes them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from helpers.multirank import run_ranks
+
+from otel_train.crossrank import job_block, wire
+from otel_train.crossrank.exchange import Exchanged
+from otel_train.crossrank.merge import HEAD, HEAD_LEN, Bundle
+from otel_train.crossrank.tree import layout
+from otel_train.crossrank.tree_exchange import TreeExchange
+from otel_train.crossrank.up_row import row_steps
+
+STEP_S = 0.02
+WORLD = 4
+# The flushes' last steps: every 5 steps, except that one rank's worker stalled over 24..34
+PEER_STEPS = [4, 9, 14, 19, 24, 39, 44, 49, 54, 59]
+LATE_STEPS = [4, 9, 14, 19, 38, 39, 44, 49, 54, 59]
+
+
+def _interval(seq: int, step: int, steps: int) -> Any:
+    from otel_train.core.buffer import Interval
+
+    return Interval(
+        seq=seq,
+        step=step,
+        wall_time=time.time(),
+        elapsed_s=steps * STEP_S,
+        steps=steps,
+        tokens=steps,  # so the job's tokens are the steps every rank ran, each counted once
+        samples=0,
+        step_durations=[STEP_S] * steps,
+        phases={"forward": [STEP_S / 2] * steps},
+        arrivals={"forward": [STEP_S / 2] * steps},
+    )
+
+
+def stalled_root_target(rank: int, world: int) -> dict[str, Any]:
+    from otel_train.config import Config
+    from otel_train.crossrank.reducer import CrossRankReducer
+    from otel_train.distributed import detect_identity
+
+    # A grace long enough that every rank takes its children's next bundles at the late flush
+    # however slow the machine (the ranks here flush back to back; a real job's flushes are
+    # seconds apart).
+    config = Config(collective_timeout_s=30.0, exchange_grace_s=10.0, exchange_fanin=2)
+    reducer = CrossRankReducer(detect_identity(None), None, None, config)
+    assert isinstance(reducer.exchange, TreeExchange)
+    tokens = []  # rank 0: the job blocks' tokens that each flush brought
+
+    def publish(blocks: Any, names: Any, elapsed_s: float) -> None:
+        tokens.append(job_block.decode(job_block.combine(blocks.reshape(-1, blocks.shape[-1]))).tokens)
+
+    reducer.job.publish = publish  # type: ignore[method-assign]
+    ranks_seen = []  # rank 0: at each flush, how many ranks its step statistics are over
+    previous = -1
+    for seq, step in enumerate(LATE_STEPS if rank == 0 else PEER_STEPS):
+        reducer.on_flush(_interval(seq, step, step - previous))
+        previous = step
+        ranks_seen.append(reducer.last_reductions["step"].n)
+    assert reducer.disabled_reason is None
+    return {"ranks": ranks_seen, "tokens": sum(tokens), "left_out": reducer.pairing.left_out_rows}
+
+
+@pytest.mark.multirank
+def test_the_tree_view_comes_back_after_one_late_flush_on_rank_0() -> None:
+    result = run_ranks(WORLD, stalled_root_target, timeout=180)[0]
+    ranks_seen = result["ranks"]
+    assert ranks_seen[:4] == [WORLD] * 4, ranks_seen  # in lockstep before the stall
+    # The late flush (19, 38] and the next, (38, 39], match no child's bundle; then all pair again.
+    assert ranks_seen[6:] == [WORLD] * 4, ranks_seen
+    assert result["left_out"] <= 2 * 3, result  # at most the three other ranks' two rows of the stall
+    assert result["tokens"] == WORLD * (PEER_STEPS[-1] + 1), result  # every rank's steps, once each
+
+
+class _Child:
+    """`StarExchange.gather` over one child, as it takes rows: those come, in order, up to the
+    first that reaches the flush, and for an expected child without one, the next row (it comes
+    within the grace: the flushes here are closer together than the grace)."""
+
+    def __init__(self, child: int, messages: list[Any]) -> None:
+        self.child, self.messages = child, messages
+        self.come = 0  # the messages come so far (the caller moves it along with the child's flushes)
+        self.taken: list[tuple[int, int]] = []  # the steps of each bundle taken, in order
+
+    def gather(self, up: Any, answers: Any, expect: Any, current: Any, defer: bool = False) -> Exchanged:
+        got: list[Any] = []
+        waited = expect is None or self.child in expect
+        while self.messages and (self.come > 0 or waited):
+            got.append(self.messages.pop(0))
+            self.come = max(self.come - 1, 0)
+            self.taken.append(row_steps(got[-1][HEAD_LEN:]))
+            if current(got[-1]):
+                break
+        return Exchanged([up, *got], None, [1, *([self.child] * len(got))])
+
+
+def _bundle(exchange: TreeExchange, rank: int, steps: tuple[int, int]) -> Any:
+    from otel_train.crossrank.up_row import TimerTable, pack
+    from otel_train.distributed import Identity
+
+    interval = _interval(0, steps[1], steps[1] - steps[0])
+    row = pack(interval, Identity("job", rank=rank, world_size=WORLD), TimerTable(), from_step=steps[0])
+    row = torch.cat([row, torch.zeros(exchange.row_len - row.numel(), dtype=torch.float64)])
+    message = exchange._encode(Bundle.of_row(row.tolist(), rank, row), rank)
+    assert message[HEAD.at("version")].item() == wire.VERSION
+    return row, message
+
+
+def test_an_inner_rank_forwards_its_childs_bundle_of_its_own_steps_after_its_late_flush() -> None:
+    shape = layout(WORLD, 2)
+    assert shape.children[1] == (2,) and shape.parent[1] == 0
+    exchange = TreeExchange(None, 1, shape, timeout_s=30.0, grace_s=1.0)
+    ends = list(zip([-1, *PEER_STEPS], PEER_STEPS, strict=False))
+    # Rank 2 flushes PEER_STEPS; rank 1 flushes LATE_STEPS, its late flush (19, 38] just after
+    # rank 2's flush of (24, 39] and just before its own of (38, 39].
+    child = _Child(2, [_bundle(exchange, 2, steps)[1] for steps in ends])
+    exchange.below = child  # type: ignore[assignment]
+    come = [1, 1, 1, 1, 2, 0, 1, 1, 1, 1]  # rank 2's bundles come before each of rank 1's flushes
+    forwarded = []  # at each of rank 1's flushes, how many ranks' rows of its own steps it sends up
+    previous = -1
+    for index, step in enumerate(LATE_STEPS):
+        child.come += come[index]
+        own_row, _ = _bundle(exchange, 1, (previous, step))
+        own = Bundle.of_row(own_row.tolist(), 1, own_row)
+        parts, _, _ = exchange._gather(own_row, own, (previous, step), None, [])
+        forwarded.append(sum(row_steps(p.exact[0]) == (previous, step) for p in parts))
+        previous = step
+    assert child.taken == ends, child.taken  # each bundle once, in order
+    # From the flush after the late one's next on, each flush sends rank 2's row up with its own.
+    assert forwarded[:4] == [2] * 4, forwarded
+    assert forwarded[6:] == [2] * 4, (forwarded, child.taken)

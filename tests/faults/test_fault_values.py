@@ -58,7 +58,7 @@ _FUZZ_POOL: list[tuple[object, str | None]] = [
     (1e308 * 10, "nonfinite"), (float("nan"), "nonfinite"), (Decimal("NaN"), "nonfinite"),
     (True, "invalid_type"), (None, "invalid_type"), ("x", "invalid_type"), (b"y", "invalid_type"),
     ([1.0], "invalid_type"), ((2,), "invalid_type"), ({"a": 1}, "invalid_type"), (object(), "invalid_type"),
-    (_Explodes(), "invalid_type"), (_Weird(1.0), "invalid_type"), (np.array([1.0, 2.0]), "invalid_type"),
+    (_Explodes(), "invalid_type"), (_Weird(1.0), "invalid_type"), (np.array([1.0, 2.0]), "non_scalar_tensor"),
     (torch.tensor(1 + 1j), "invalid_type"), (complex(1, 2), "invalid_type"),
     (torch.ones(2), "non_scalar_tensor"),
 ]  # fmt: skip

@@ -336,18 +336,23 @@ def _process(clock: FakeTime, state_file: Path) -> tuple[GoodputListener, InMemo
     return listener, reader
 
 
-def _restart_badput(reader: InMemoryMetricReader) -> float:
+def _points(reader: InMemoryMetricReader, name: str, attribute: str, value: str) -> list[float]:
+    """The values of metric `name`'s points whose `attribute` is `value`."""
     data = reader.get_metrics_data()
     assert data is not None
-    return sum(
+    return [
         point.value
         for resource in data.resource_metrics
         for scope in resource.scope_metrics
         for metric in scope.metrics
-        if metric.name == "train.badput.duration"
+        if metric.name == name
         for point in metric.data.data_points
-        if point.attributes.get("train.badput.cause") == "restart"
-    )
+        if point.attributes.get(attribute) == value
+    ]
+
+
+def _restart_badput(reader: InMemoryMetricReader) -> float:
+    return sum(_points(reader, "train.badput.duration", "train.badput.cause", "restart"))
 
 
 @pytest.mark.parametrize("same_boot", [True, False], ids=["same boot", "another host"])
@@ -427,18 +432,7 @@ def test_a_failed_save_is_warned_about_counted_and_its_recovery_said(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("cannot save the goodput account" in m and "No space left" in m for m in messages) == 1
     assert sum("saved again" in m and "after 3 failed save(s)" in m for m in messages) == 1, messages
-    data = reader.get_metrics_data()
-    assert data is not None
-    dropped = [
-        point.value
-        for resource in data.resource_metrics
-        for scope in resource.scope_metrics
-        for metric in scope.metrics
-        if metric.name == "otel_train.dropped"
-        for point in metric.data.data_points
-        if point.attributes.get("otel_train.reason") == "goodput_save_failed"
-    ]
-    assert dropped == [3]
+    assert _points(reader, "otel_train.dropped", "otel_train.reason", "goodput_save_failed") == [3]
 
 
 @pytest.mark.parametrize("where", ["step", "data"])

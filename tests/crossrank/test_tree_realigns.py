@@ -12,11 +12,11 @@ bundles as `StarExchange.gather` takes them.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 import torch
+from helpers.late_flush import LATE_STEPS, PEER_STEPS, flush_through, interval
 from helpers.multirank import run_ranks
 
 from otel_train.crossrank import job_block, wire
@@ -26,28 +26,7 @@ from otel_train.crossrank.tree import layout
 from otel_train.crossrank.tree_exchange import TreeExchange
 from otel_train.crossrank.up_row import row_steps
 
-STEP_S = 0.02
 WORLD = 4
-# The flushes' last steps: every 5 steps, except that one rank's worker stalled over 24..34
-PEER_STEPS = [4, 9, 14, 19, 24, 39, 44, 49, 54, 59]
-LATE_STEPS = [4, 9, 14, 19, 38, 39, 44, 49, 54, 59]
-
-
-def _interval(seq: int, step: int, steps: int) -> Any:
-    from otel_train.core.buffer import Interval
-
-    return Interval(
-        seq=seq,
-        step=step,
-        wall_time=time.time(),
-        elapsed_s=steps * STEP_S,
-        steps=steps,
-        tokens=steps,  # so the job's tokens are the steps every rank ran, each counted once
-        samples=0,
-        step_durations=[STEP_S] * steps,
-        phases={"forward": [STEP_S / 2] * steps},
-        arrivals={"forward": [STEP_S / 2] * steps},
-    )
 
 
 def stalled_root_target(rank: int, world: int) -> dict[str, Any]:
@@ -67,13 +46,7 @@ def stalled_root_target(rank: int, world: int) -> dict[str, Any]:
         tokens.append(job_block.decode(job_block.combine(blocks.reshape(-1, blocks.shape[-1]))).tokens)
 
     reducer.job.publish = publish  # type: ignore[method-assign]
-    ranks_seen = []  # rank 0: at each flush, how many ranks its step statistics are over
-    previous = -1
-    for seq, step in enumerate(LATE_STEPS if rank == 0 else PEER_STEPS):
-        reducer.on_flush(_interval(seq, step, step - previous))
-        previous = step
-        ranks_seen.append(reducer.last_reductions["step"].n)
-    assert reducer.disabled_reason is None
+    ranks_seen = flush_through(reducer, rank)  # rank 0: at each flush, the ranks it pairs
     return {"ranks": ranks_seen, "tokens": sum(tokens), "left_out": reducer.pairing.left_out_rows}
 
 
@@ -114,8 +87,8 @@ def _bundle(exchange: TreeExchange, rank: int, steps: tuple[int, int]) -> Any:
     from otel_train.crossrank.up_row import TimerTable, pack
     from otel_train.distributed import Identity
 
-    interval = _interval(0, steps[1], steps[1] - steps[0])
-    row = pack(interval, Identity("job", rank=rank, world_size=WORLD), TimerTable(), from_step=steps[0])
+    flushed = interval(0, steps[1], steps[1] - steps[0])
+    row = pack(flushed, Identity("job", rank=rank, world_size=WORLD), TimerTable(), from_step=steps[0])
     row = torch.cat([row, torch.zeros(exchange.row_len - row.numel(), dtype=torch.float64)])
     message = exchange._encode(Bundle.of_row(row.tolist(), rank, row), rank)
     assert message[HEAD.at("version")].item() == wire.VERSION

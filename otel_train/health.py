@@ -207,9 +207,8 @@ class HealthEvents:
         with self._lock:
             if self._events_path is not None:
                 try:
-                    append_line(
-                        self._events_path, {"time": time.time(), "event": event, "message": message, **attrs}
-                    )
+                    row = {"time": time.time(), "event": event, "message": message, **attrs}
+                    append_line(self._events_path, row, single_writer=True)  # this rank's
                 except OSError as exc:
                     log.warning(
                         "otel_train: cannot write %s (%s); health events stay in OTel only.",

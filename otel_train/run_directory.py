@@ -354,12 +354,16 @@ class LineFile:
 
     A close waits for a line another thread is writing (the shutdown closes the sinks while a
     worker it gave up on may still write): closed under it, the descriptor number could go to the
-    next file the program opens, and the line, or the cut-back of a failed one, into that file."""
+    next file the program opens, and the line, or the cut-back of a failed one, into that file.
 
-    def __init__(self, path: Path) -> None:
+    `single_writer`: this process alone appends to the file (a per-rank file), so a torn last line
+    can only be its previous writer's, and is cut off; a file several ranks append to (a per-run
+    file with bridge_all_ranks, on a shared file system) may show another's line half-written."""
+
+    def __init__(self, path: Path, single_writer: bool = False) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._size = _cut_torn_tail(self._fd, path)
+        self._size = _cut_torn_tail(self._fd, path) if single_writer else os.fstat(self._fd).st_size
         self._lock = threading.Lock()
 
     def write_line(self, data: bytes) -> None:
@@ -434,9 +438,9 @@ def _cut_torn_tail(fd: int, path: Path) -> int:
     return end
 
 
-def append_line(path: Path, row: Mapping[str, Any]) -> None:
-    """Open, append one whole JSON line, close (for the rarely written files)."""
-    line = LineFile(path)
+def append_line(path: Path, row: Mapping[str, Any], single_writer: bool = False) -> None:
+    """Open, append one whole JSON line, close (for the rarely written files; `LineFile`)."""
+    line = LineFile(path, single_writer)
     try:
         line.write_line(dumps_line(row))
     finally:

@@ -22,7 +22,7 @@ class RunDirSink(Sink):
 
     def __init__(self, run_dir: Path, rank: int, progress: bool = True, role: str = "") -> None:
         self.files = RunFiles(run_dir, rank, role)
-        self._metrics = LineFile(self.files.metrics)
+        self._metrics = LineFile(self.files.metrics, single_writer=True)  # this rank's
         # progress.txt is one file per run: only the reporting rank appends to it.
         self._progress: LineFile | None = LineFile(self.files.progress) if progress else None
         self._started = time.time()

@@ -18,8 +18,8 @@ def test_a_torn_last_line_is_cut_off_once_before_appending(tmp_path, caplog, fra
     path = tmp_path / "events.rank0.jsonl"
     path.write_text('{"a": 1}\n{"b": 2}\n' + fragment)
     with caplog.at_level(logging.WARNING, logger="otel_train"):
-        append_line(path, {"c": 3})
-        append_line(path, {"d": 4})
+        append_line(path, {"c": 3}, single_writer=True)
+        append_line(path, {"d": 4}, single_writer=True)
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"a": 1}, {"b": 2}, {"c": 3}, {"d": 4},
     ]  # fmt: skip
@@ -33,7 +33,7 @@ def test_a_file_of_one_torn_line_is_emptied_and_a_whole_one_is_kept(tmp_path, ca
     whole.write_bytes(b'{"step": 3}\n')
     with caplog.at_level(logging.WARNING, logger="otel_train"):
         for path in (torn, whole):
-            line = LineFile(path)
+            line = LineFile(path, single_writer=True)
             line.write_line(dumps_line({"step": 4}))
             line.close()
     assert torn.read_text() == '{"step": 4}\n'
@@ -59,3 +59,12 @@ def test_a_resumed_run_appends_whole_lines_after_a_crash_mid_write(tmp_path, mon
     assert "restart" in [e["event"] for e in events]
     metrics = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 7
+
+
+def test_a_file_several_ranks_append_to_is_never_cut(tmp_path) -> None:
+    """A per-run file (text, samples) may show another rank's line half-written on a shared file
+    system: it is appended to as it is."""
+    path = tmp_path / "text.jsonl"
+    path.write_text('{"a": 1}\n{"b"')
+    append_line(path, {"c": 3})
+    assert path.read_text() == '{"a": 1}\n{"b"{"c": 3}\n'

@@ -3,7 +3,6 @@ arguments, framework log names."""
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import sys
@@ -14,7 +13,7 @@ from typing import Any, TypeVar
 import otel_train as ot
 from otel_train import adapters
 from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError, env_name
-from otel_train.config_loading import config_file_settings
+from otel_train.config_loading import config_file_settings, did_you_mean
 
 log = logging.getLogger("otel_train")
 T = TypeVar("T")
@@ -30,10 +29,9 @@ def settings_from_kwargs(
     merged = {**dict(settings or {}), **kwargs}
     for name in merged:
         if name not in FIELDS:
-            close = difflib.get_close_matches(str(name), FIELDS, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(
-                f"{owner} got an unknown setting {name!r}: {hint}Settings are otel_train.Config fields "
+                f"{owner} got an unknown setting {name!r}: {did_you_mean(name, FIELDS)}Settings are "
+                "otel_train.Config fields "
                 f"(docs/reference/configuration.md): {', '.join(sorted(FIELDS))}."
             )
     return merged

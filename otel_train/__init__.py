@@ -123,8 +123,8 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
     that step in the run dir and every bridge, as every built-in logger files what a framework logs
     at its step, and only there (the flushes' rows leave them out, also while their gauge keeps its
     value): written in order with the flushes, with no collective. The OTel gauges (the latest value)
-    and the health checks get them with the next flush; after step N with `step=N` in one process
-    that flush happens at once.
+    and the health checks get them with the next scheduled flush (a call per step does not flush per
+    step), or at a pause (`adapters.idle()`) or the end of the run.
     """
     _need_mapping("log_metrics", metrics)
     session = _runtime._current
@@ -138,18 +138,13 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
         return
     buffer = session.buffer
     filed = message_step(step, buffer)
-    one_process = not session.identity.distributed
     if filed is None:  # no step number: filed under the current step, as without `step`
-        if one_process:
-            session.flush()
         return
     row: dict[str, Any] = {}
     for instrument, (_, value) in zip(map(buffer.instrument_of, names), items, strict=True):
         if instrument is not None:
             row[instrument] = value
             buffer.stepped[instrument] = buffer.stepped.get(instrument, 0) + 1
-    if filed == session.step_index and one_process:
-        session.flush()  # the gauges and checks now; the row follows, after the step's own
     if row:
         session.message(ScalarsMessage, "", row, filed)
 

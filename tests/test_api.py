@@ -197,7 +197,7 @@ def test_log_metrics_prefix_and_eval_keys() -> None:
             pass
         ot.log_metrics({"loss": 1.25, "perplexity": 3.49, "accuracy": 0.5}, step=0, prefix="eval/")
         ot.log_metrics({"my_metric": 2})
-    # step= is one row at that step (log_interval=100 would not flush otherwise), and only there
+    # step= is one row at that step (it rides the final flush: log_interval=100), and only there
     evals = [(s, f) for s, f in cap.flushes if "eval/loss" in f]
     assert [s for s, _ in evals] == [0]
     assert evals[0][1]["eval/loss"] == 1.25
@@ -221,7 +221,7 @@ def test_log_metrics_files_values_under_the_step_given(tmp_path) -> None:  # typ
             if i == 4:
                 ot.log_metrics({"eval/F1": 0.25}, step=4)  # inside the open step 4
     ot.log_metrics({"eval/F1": 0.5, "eval/loss": 2.0}, step=6)  # late: after step 9
-    ot.log_metrics({"eval/F1": 0.75}, step=9)  # the last completed step: a flush now
+    ot.log_metrics({"eval/F1": 0.75}, step=9)  # the last completed step
     for i in range(10, 20):
         with ot.step(i):
             ot.record("loss", 1.0)
@@ -235,6 +235,49 @@ def test_log_metrics_files_values_under_the_step_given(tmp_path) -> None:  # typ
     scalars = read_tensorboard(tmp_path / "s" / "tensorboard").scalars
     assert sorted(scalars["eval/F1"]) == [(4, 0.25), (6, 0.5), (9, 0.75)]
     assert sorted(scalars["eval/loss"]) == [(6, 2.0)]
+
+
+def test_log_metrics_with_each_step_keeps_the_flush_schedule(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A `wandb.log(..., step=i)` port: `log_metrics(step=i)` after every step files each value at
+    its step, and the flushes stay on their schedule (every 10 steps here), not one per call."""
+    ot.init(prometheus_port=0, verbosity=0, log_interval=10, output_dir=str(tmp_path), run_name="s")
+    for i in range(50):
+        with ot.step(i):
+            pass
+        ot.log_metrics({"loss": float(i)}, step=i)
+    ot.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "s" / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sorted((r["step"], r["train/loss"]) for r in rows if "train/loss" in r) == [
+        (i, float(i)) for i in range(50)
+    ]
+    assert sum("train/steps" in r for r in rows) <= 6  # the flushes' rows: 5 scheduled and the final
+
+
+def test_values_logged_after_the_last_flush_leave_at_a_pause() -> None:
+    """An eval logged after the last step's flush is on /metrics once the loop pauses
+    (`adapters.idle()`, which a framework calls at fit's end), with no step after it."""
+    import urllib.request
+
+    from helpers.ports import free_port
+    from helpers.waiting import wait_for
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from otel_train import adapters
+
+    port = free_port()
+    ot.init(prometheus_port=port, verbosity=0, log_interval=1, hardware=False)
+    session = current_session()
+    assert session is not None
+    for i in range(3):
+        with ot.step(i):
+            pass
+    ot.log_metrics({"eval/loss": 2.5}, step=2)
+    adapters.idle()
+    wait_for(lambda: session.worker.pending_batches() == 0, 60, "the worker to take every flush")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    ot.shutdown()
+    scraped = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert scraped.get("eval_loss") == 2.5
 
 
 def test_user_instruments_on_library_meter_reach_bridges() -> None:

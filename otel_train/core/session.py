@@ -308,11 +308,14 @@ class Session:
 
     def mark_idle(self) -> None:
         """The loop pauses on purpose (between fit and test): no stall until a step begins, and the
-        steps and timers since the last flush are flushed now, as no step end would take them (in
-        lockstep every rank pauses after the same step, so the rows still pair)."""
+        steps and timers (in one process also values) since the last flush are flushed now, as no
+        step end would take them (in lockstep every rank pauses after the same step, so the rows
+        still pair)."""
         self._idle_mark = (self.step_index, self.step_start_ns)
         outside_step = not self.step_start_ns and get_ident() == self._step_thread
-        if outside_step and (self.interval_steps or self.timer_events or self._flush_requested):
+        # values alone (a rank-0-only eval) flush only where no peer's flush pairs with this one
+        values = not self._lockstep and (self.buffer.scalars or self.buffer.rows)
+        if outside_step and (self.interval_steps or self.timer_events or values or self._flush_requested):
             self.flush(idle=True)
 
     # --- the flush hand-off: the interval to the worker ------------------------------------------

@@ -307,7 +307,7 @@ class OtelTrainLogger(Logger):
             values = {}
         if step is not None:
             self._last_step = step if self._last_step is None else max(step, self._last_step)
-        # With a step: flushed now, filed under that step (see ot.log_metrics).
+        # With a step: filed under that step, with the next flush (see ot.log_metrics).
         ot.log_metrics(values, step=step)
 
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:

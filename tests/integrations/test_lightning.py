@@ -152,31 +152,23 @@ def test_logger_alone_records_every_logged_value_at_its_step(tmp_path: Path) -> 
     port = free_port()
     logger = OtelTrainLogger(run_name="alone", output_dir=str(tmp_path / "runs"), prometheus_port=port,
                              verbosity=0, hardware=False, tensorboard=True)  # fmt: skip
-    scraped: dict[str, float] = {}
-
-    class Scrape(Callback):  # the session is still up at train end; the logger ends it later
-        session: Any = None
-
-        def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-            # /metrics shows what the background worker has recorded: the last flushes may still
-            # be queued behind it on a busy host
-            self.session = session = current_session()
-            assert session is not None
-            wait_for(lambda: session.worker.pending_batches() == 0, 60, "the worker to take every flush")
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            scraped.update({s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples})
-
-    scrape = Scrape()
     trainer = Trainer(
         max_steps=40, log_every_n_steps=5, val_check_interval=20, num_sanity_val_steps=0, logger=logger,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu", devices=1, default_root_dir=str(tmp_path), callbacks=[scrape],
+        accelerator="cpu", devices=1, default_root_dir=str(tmp_path),
     )  # fmt: skip
     trainer.fit(TinyRegression(), _loader(160), _loader(8))
+    # fit's end is a pause (Logger.finalize): it flushes what was logged since the last flush, the
+    # last eval included. /metrics shows what the background worker has recorded: the last
+    # flushes may still be queued behind it on a busy host.
+    session = current_session()
+    assert session is not None
+    wait_for(lambda: session.worker.pending_batches() == 0, 60, "the worker to take every flush")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    scraped = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     ot.shutdown()
     # shutdown() waits shutdown_timeout_s for the bridges; on a busy host they finish later
-    bridges = scrape.session.bridges if scrape.session is not None else None
-    assert bridges is not None and bridges.wait(120)
+    assert session.bridges is not None and session.bridges.wait(120)
     assert scraped["train_loss"] > 0 and scraped["eval_loss"] > 0 and scraped["train_steps_total"] == 40
     tb = read_tensorboard(tmp_path / "runs" / "alone" / "tensorboard")
     assert sorted({step for step, _ in tb.scalars["train/loss"]}) == list(range(4, 40, 5))

@@ -499,7 +499,7 @@ def measure(
             "C": model.plain,
         }
         if keeping:  # the cheapest API that keeps what B keeps, flushed as often
-            keeping_api = KeepingApi(session.flush_interval_steps or 1000)
+            keeping_api = KeepingApi(session.cadence.interval or 1000)
             loops["K"] = lambda: model.instrumented(keeping_api, 0)
             c_floor = CFloorApi()
             loops["F"] = lambda: model.instrumented(c_floor, 0)
@@ -518,7 +518,7 @@ def measure(
         worker_cpu = getattr(worker, "cpu_s", 0.0) - cpu0
         monitor_ns = 1e9 * (timed_monitor.cpu_s - monitor_cpu0) if config in COLLECTIVE else 0.0
         child_cpu = (sum(child.cpu_times()[:2]) - child_cpu0) if child else 0.0
-        interval = session.flush_interval_steps
+        interval = session.cadence.interval
     if config in COLLECTIVE:
         torch.distributed.destroy_process_group()
     b_time_s = sum(sums["B"]) / 1e9

@@ -94,7 +94,7 @@ def test_an_explicit_log_interval_beyond_max_values_per_interval_is_kept_and_war
     ot.init(output_dir=str(tmp_path), run_name="explicit_big", prometheus_port=0, verbosity=0,
             hardware=False, log_interval=500, max_values_per_interval=100)  # fmt: skip
     session = current_session()
-    assert session is not None and session.flush_interval_steps == 500
+    assert session is not None and session.cadence.interval == 500
     ot.shutdown()
     warnings = [r.getMessage() for r in caplog.records if "log_interval=500" in r.getMessage()]
     assert len(warnings) == 1 and "max_values_per_interval=100" in warnings[0], warnings

@@ -238,7 +238,14 @@ def test_a_single_process_flushes_after_log_interval_s_and_when_another_thread_a
         assert [x.step for x in seen.seen] == [1]
         with ot.step(2):
             pass  # within log_interval_s of the last flush: none
-        asker = threading.Thread(target=lambda: ot.log_metrics({"eval/loss": 1.5}, step=2))
+        session = current_session()
+        assert session is not None
+
+        def ask() -> None:  # as the SIGTERM thread does when a user handler keeps the run going
+            ot.log_metrics({"eval/loss": 1.5}, step=2)
+            session.flush()
+
+        asker = threading.Thread(target=ask)
         asker.start()
         asker.join()
         with ot.step(3):

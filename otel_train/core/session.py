@@ -120,8 +120,7 @@ class Session:
         self._idle_mark: tuple[int, int] | None = None
         self.progress_ns = 0  # perf_counter_ns of the latest eval batch (adapters.heartbeat)
         self.saving_ns = 0  # perf_counter_ns when a checkpoint save began (0: none; see `saving`)
-        self.sampled = False  # is the current step traced?
-        self._step_index_running = 0
+        self.sampled, self._step_index_running = False, 0  # is the running step traced? its index
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
         self.open_step: Any = None  # the scopes.StepScope ot.begin_step() opened, until ot.end_step()
         self._seq = 0
@@ -137,7 +136,7 @@ class Session:
         # The thread running ot.step(), the only one that flushes: until the first step, the one that
         # called init() (a flush from another thread before it would race the first step's counters).
         self._step_thread = threading.get_ident()
-        self._flush_requested = False  # another thread asked for one (log_metrics(step=)); not in lockstep
+        self._flush_requested = False  # another thread asked for one (SIGTERM's); not in lockstep
         self.shutdown_done = threading.Event()
         _warn_if_interval_outgrows_values(config)
 
@@ -152,11 +151,6 @@ class Session:
         """Stop calling `watch` (idempotent; `ModelWatch.remove()` calls it)."""
         self.watches = [x for x in self.watches if x is not watch]
         self.watch_period = math.gcd(*(w.every for w in self.watches)) or 1  # then: a multiple
-
-    @property
-    def flush_interval_steps(self) -> int:
-        """Steps per flush now (the explicit log_interval, or the adaptive cadence's current value)."""
-        return self.cadence.interval
 
     @property
     def prometheus_url(self) -> str | None:
@@ -222,9 +216,12 @@ class Session:
             return
         steps = self.interval_steps = self.interval_steps + 1
         # Due at the cadence's step or count, or once log_interval_s has passed (`_due_ns`, on
-        # end_ns's clock: one comparison), or when another thread asked for a flush.
+        # end_ns's clock: one comparison), or when another thread asked for a flush; a step nested
+        # in a framework's open step leaves it to that step's end.
         by_steps = index >= self._due_step or steps >= self._due_threshold
-        if (by_steps and self._cadence_due(steps, index)) or end_ns >= self._due_ns or self._flush_requested:
+        if (
+            (by_steps and self._cadence_due(steps, index)) or end_ns >= self._due_ns or self._flush_requested
+        ) and self.open_step is None:
             self.flush()
 
     def _cadence_due(self, steps: int, index: int) -> bool:
@@ -307,13 +304,11 @@ class Session:
         return self.saving_ns > max(self.step_end_ns or 0, self.step_start_ns, self.progress_ns)
 
     def mark_idle(self) -> None:
-        """The loop pauses on purpose (between fit and test): no stall until a step begins, and the
-        steps and timers (in one process also values) since the last flush are flushed now, as no
-        step end would take them (in lockstep every rank pauses after the same step, so the rows
-        still pair)."""
+        """The loop pauses on purpose (between fit and test): no stall until a step begins, and what
+        no step end would take is flushed now: steps, timers, and values where no peer pairs flushes
+        (a rank-0-only eval's alone would unpair them; every rank pauses after the same step)."""
         self._idle_mark = (self.step_index, self.step_start_ns)
         outside_step = not self.step_start_ns and get_ident() == self._step_thread
-        # values alone (a rank-0-only eval) flush only where no peer's flush pairs with this one
         values = not self._lockstep and (self.buffer.scalars or self.buffer.rows)
         if outside_step and (self.interval_steps or self.timer_events or values or self._flush_requested):
             self.flush(idle=True)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from itertools import compress
+from operator import le
 from typing import Any
 
 from opentelemetry._logs import SeverityNumber
@@ -33,6 +34,7 @@ from otel_train.core.buffer import (
     Message,
     SamplesMessage,
     ScalarsMessage,
+    StepEvent,
     TextMessage,
     header_of,
     span_records,
@@ -125,6 +127,7 @@ class Worker:
         self._errors_warned: set[str] = set()
         self.sink_errors: dict[str, int] = {}
         self._first_step_at: float | None = None  # epoch seconds when the first step began (the ETA)
+        self._last_step: StepEvent | None = None  # the last flush's last step (nested steps)
         self._steps_done = 0
         self.busy_since: float | None = None  # perf_counter when its item began (`stuck_message`)
         self.doing = "idle"
@@ -222,7 +225,8 @@ class Worker:
     def _process(self, batch: FlushBatch) -> None:
         """One flush: resolve -> feed the SDK -> histograms to the sinks -> listeners -> collect ->
         scalars to the sinks."""
-        interval = resolve_interval(batch)
+        interval = resolve_interval(batch, self._last_step)
+        self._last_step = batch.step_events[-1] if batch.step_events else self._last_step
         for instrument, raw in batch.scalars.items():
             if raw and batch.stepped.get(instrument, 0) >= len(raw):
                 self._own_rows.add(instrument)
@@ -382,13 +386,14 @@ class Worker:
 
 
 # --- one flush's interval: the batch's raw data as host floats ----------------------------
-def resolve_interval(batch: FlushBatch) -> Interval:
+def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> Interval:
     """The batch as host floats (waiting on its CUDA event, here on the worker); bad values are
-    dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval."""
+    dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval.
+    `last_step`: the previous flush's last step event."""
     if batch.cuda_event is not None:
         batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
     drop_bad_timer_names(batch)
-    rerun_s, rerun_starts = resolve_steps(batch)
+    rerun_s, rerun_starts = resolve_steps(batch, last_step)
     scalars: dict[str, list[float]] = {}
     scalar_steps: dict[str, list[int]] = {}
     nonfinite: dict[str, int] = {}
@@ -429,15 +434,19 @@ def resolve_interval(batch: FlushBatch) -> Interval:
     )
 
 
-def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
+def resolve_steps(batch: FlushBatch, last_step: StepEvent | None = None) -> tuple[float, set[int]]:
     """Fill the batch's step durations, indices, tokens and samples from its step events (the
     training thread only appended them); return goodput's wasted progress in seconds (steps whose
     index is at most `rerun_through`) and those steps' starts. Each column is read in one C-level
     pass (`map`): the worker's time per step bounds its share of a 1-2 ms step, since it holds the
-    GIL the training thread needs."""
+    GIL the training thread needs. `last_step`: the previous flush's last step event."""
     events = batch.step_events
     if not events:
         return 0.0, set()
+    starts = column_of(events, 1)
+    # a step that began before one that ended ahead of it held that one (ot.step in an open ot.step)
+    if not all(map(le, starts, starts[1:])) or (last_step is not None and starts[0] <= last_step[1]):
+        events = batch.step_events = outermost_steps(batch, last_step)
     indices, starts, ends, tokens, samples, failed = (column_of(events, k) for k in range(6))
     batch.step_indices.extend(indices)
     if any(failed):  # failed steps: no duration, no counts
@@ -456,6 +465,36 @@ def resolve_steps(batch: FlushBatch) -> tuple[float, set[int]]:
         (start, end) for index, start, end in zip(indices, starts, ends, strict=True) if index <= through
     ]
     return sum([end - start for start, end in reruns]) * 1e-9, {start for start, _ in reruns}
+
+
+def outermost_steps(batch: FlushBatch, last_step: StepEvent | None) -> list[StepEvent]:
+    """The batch's step events without those nested in another (`ot.step` inside an open `ot.step`:
+    a decorated train step under a framework's step marks, or two decorated layers), so a step
+    counts once: as the outer one, with the inner one's tokens/samples where it gave none. Events
+    are in the order the steps ended, so an inner step comes before the step it ran in; where the
+    previous flush took the inner one (`last_step`, flushed at its end), the outer one is dropped
+    instead, its counts kept where the inner one gave none. Either is counted (`nested_step`) and
+    warned about."""
+    kept: list[StepEvent] = []
+    for index, start, end, tokens, samples, failed in batch.step_events:
+        while kept and kept[-1][1] >= start:  # the last kept step ran inside this one
+            inner = kept.pop()
+            tokens = inner[3] if tokens is None else tokens
+            samples = inner[4] if samples is None else samples
+            _count_nested(batch, inner[5])
+        if not kept and last_step is not None and last_step[1] >= start:
+            _count_nested(batch, failed)  # held the previous flush's last step, counted there
+            batch.tokens += count_sum(batch, "tokens", [tokens if last_step[3] is None else None])
+            batch.samples += count_sum(batch, "samples", [samples if last_step[4] is None else None])
+            continue
+        kept.append((index, start, end, tokens, samples, failed))
+    return kept
+
+
+def _count_nested(batch: FlushBatch, failed: bool) -> None:
+    batch.steps -= not failed
+    batch.dropped["nested_step"] = batch.dropped.get("nested_step", 0) + 1
+    batch.problems["nested_step", "ot.step"] = None
 
 
 def count_sum(batch: FlushBatch, what: str, counts: Sequence[int | None]) -> int:
@@ -508,6 +547,11 @@ PROBLEMS = {
     "overflow": "a value of {name} was too large for a float64",
     "invalid_timer_name": "a timer's name was not a str ({name}): its phases were",
     "bad_count": "ot.step({name}): a count must be >= 0 (and < 2**63); such counts were",
+    "nested_step": (
+        "an {name} began inside an open step (a decorated step under a framework's step marks, or "
+        "two decorated layers): a step is counted once, as the outer one; mark steps in one place "
+        "and time the parts of a step with ot.timer. The nested steps were"
+    ),
     "too_many_values": (
         "more values of {name} than max_values_per_interval came in one flush interval (raise "
         "OTEL_TRAIN_MAX_VALUES_PER_INTERVAL, or flush more often with log_interval); the rest were"

@@ -136,6 +136,26 @@ def test_callback_alone_counts_steps_tokens_and_watches(tmp_path: Path) -> None:
     assert _total(rows, "throughput/tokens") == MAX_STEPS * ACCUMULATE * 4 * 10
 
 
+def test_callback_with_a_decorated_training_step_counts_each_step_once(tmp_path: Path) -> None:
+    """The callback marks the optimizer steps; a user's `@ot.step` on `training_step` (one per
+    micro-batch) runs inside them: counted once, as the callback's steps, and warned about."""
+
+    class DecoratedStep(TinyRegression):
+        @ot.step
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return super().training_step(batch, batch_idx)
+
+    ot.init(run_name="cb", prometheus_port=0, verbosity=0, log_interval=2, hardware=False)
+    session = current_session()
+    assert session is not None
+    trainer = _trainer(tmp_path, logger=False, callbacks=[OtelTrainCallback()])
+    trainer.fit(DecoratedStep(), _loader(64))
+    ot.shutdown()
+    rows = _rows(session.run_dir)
+    assert _total(rows, "train/steps") == MAX_STEPS
+    assert _total(rows, "otel_train/dropped/nested_step") == MAX_STEPS * ACCUMULATE
+
+
 def test_logger_alone_starts_a_session_on_first_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "0")
     monkeypatch.setenv("OTEL_TRAIN_RUN_NAME", "logger-only")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -228,9 +229,22 @@ class HealthEvents:
                 hooks.submit(hook, event, message, dict(attrs))
 
 
+# A loss is a spike when it exceeds the exponentially weighted mean of the losses before it by more
+# than both (spike_factor - 1) x |mean| (for a positive loss: above factor x mean; |mean| keeps the
+# bar meaningful for a negative one) and _SPIKE_SIGMAS exponentially weighted standard deviations.
+# The relative bar alone shrinks to nothing as the loss nears zero (a memorised batch, a loss that
+# crosses zero) and then fires on every noisy step; the deviation bar alone fires on a loss too
+# steady to have noise. 8 deviations, not a control chart's 3, and a variance with a longer memory
+# than the mean: a loss's step-to-step noise is heavy-tailed (multiplicative near zero), and for an
+# ordinary loss (noise under 25 % of it) the relative bar decides anyway.
+_SPIKE_MEAN_WEIGHT = 0.1  # weight of the newest loss: a memory of about 20 values
+_SPIKE_VAR_WEIGHT = 0.02  # about 100
+_SPIKE_SIGMAS = 8.0
+
+
 class HealthMonitor:
     """Flush listener: non-finite losses and gradients (what the interval says the worker dropped)
-    and loss spikes (EWMA), all from the interval it is handed."""
+    and loss spikes (exponentially weighted mean and deviation), all from the interval it is handed."""
 
     def __init__(
         self, events: HealthEvents, nonfinite_counter: Any, spike_factor: float, warmup: int = 5
@@ -239,7 +253,8 @@ class HealthMonitor:
         self._nonfinite = nonfinite_counter
         self._spike_factor = spike_factor
         self._warmup = warmup
-        self._ewma: float | None = None
+        self._mean = 0.0
+        self._var = 0.0
         self._seen = 0
         self.nonfinite_loss = 0
 
@@ -253,14 +268,25 @@ class HealthMonitor:
         steps = interval.scalar_steps.get(semconv.LOSS.name)
         # One pass, inline: it runs for every loss value (one per step), on the worker's share of a
         # 1-2 ms step.
-        ewma, seen, factor, warmup = self._ewma, self._seen, self._spike_factor, self._warmup
+        mean, var, seen, warmup = self._mean, self._var, self._seen, self._warmup
+        relative = self._spike_factor - 1.0
         for i, value in enumerate(losses):
-            if ewma is not None and seen >= warmup and value > factor * ewma > 0:
-                self._report_spike(value, ewma, steps[i] if steps else interval.step, steps is not None)
-                continue  # a spike does not move the baseline
-            ewma = value if ewma is None else 0.9 * ewma + 0.1 * value
+            if seen == 0:
+                mean, seen = value, 1
+                continue
+            diff = value - mean
+            std = math.sqrt(var)
+            if seen >= warmup and diff > max(relative * abs(mean), _SPIKE_SIGMAS * std) > 0:
+                self._report_spike(value, mean, std, steps[i] if steps else interval.step, steps is not None)
+                continue  # a spike moves neither the mean nor the deviation
+            # Exponentially weighted mean and variance, updated incrementally (Finch 2009); the first
+            # values weigh equally (Welford's running mean and variance), so neither starts biased.
+            first = 1.0 / (seen + 1)
+            mean += max(_SPIKE_MEAN_WEIGHT, first) * diff
+            weight = max(_SPIKE_VAR_WEIGHT, first)
+            var = (1.0 - weight) * (var + weight * diff * diff)
             seen += 1
-        self._ewma, self._seen = ewma, seen
+        self._mean, self._var, self._seen = mean, var, seen
 
     def _report_nonfinite_loss(self, count: int, step: int) -> None:
         if count == 0:
@@ -286,11 +312,12 @@ class HealthMonitor:
             severity="ERROR",
         )
 
-    def _report_spike(self, value: float, ewma: float, step: int, exact: bool) -> None:
+    def _report_spike(self, value: float, mean: float, std: float, step: int, exact: bool) -> None:
         where = f"at step {step}" if exact else f"in the interval ending at step {step}"
         self._events.emit(
             "loss_spike",
-            f"loss {value:.4g} {where} is {value / ewma:.1f}x its recent mean {ewma:.4g}",
+            f"loss {value:.4g} {where} is {value - mean:.4g} above its recent mean {mean:.4g} "
+            f"(recent standard deviation {std:.2g})",
             {"step": step, "loss": value},
         )
 

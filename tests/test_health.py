@@ -3,6 +3,8 @@ handed (the worker records what it dropped there; it never calls health on the s
 
 from __future__ import annotations
 
+import math
+import random
 from typing import Any
 
 from otel_train import semconv
@@ -63,3 +65,44 @@ def test_a_loss_spike_after_warmup_is_one_event_and_keeps_the_baseline() -> None
     assert events.emitted == [("loss_spike", {"step": 5, "loss": 10.0})]
     health.on_flush(_interval(6, [10.0]))  # the spike did not move the baseline: spikes again
     assert [e for e, _ in events.emitted] == ["loss_spike", "loss_spike"]
+
+
+def _spikes(losses: list[float], per_flush: int = 10) -> list[int]:
+    """The steps the detector calls spikes in a trace of one loss per step, flushed every `per_flush`."""
+    events = RecordingEvents()
+    health = HealthMonitor(events, Counter(), spike_factor=3.0)  # type: ignore[arg-type]
+    for start in range(0, len(losses), per_flush):
+        chunk = losses[start : start + per_flush]
+        steps = list(range(start, start + len(chunk)))
+        health.on_flush(_interval(steps[-1], chunk, scalar_steps={semconv.LOSS.name: steps}))
+    return [attrs["step"] for event, attrs in events.emitted if event == "loss_spike"]
+
+
+def test_a_loss_converging_near_zero_with_multiplicative_noise_raises_almost_no_spikes() -> None:
+    # A memorising model: the loss falls from 2 to a floor of 1e-5 where it jitters by a factor of
+    # ~1.6 per step (lognormal noise). 3x its mean is noise at that scale: the relative bar alone
+    # calls 1 step in 100 on the floor a spike; the noise bar leaves about 1 in 5000.
+    rng = random.Random(0)
+    losses = [
+        2.0 * math.exp(-i / 300 + rng.gauss(0, 0.03)) + 1e-5 * math.exp(rng.gauss(0, 0.5))
+        for i in range(10000)
+    ]
+    assert len(_spikes(losses)) <= len(losses) // 2000
+
+
+def test_a_loss_crossing_zero_raises_no_spikes_and_a_negative_loss_spike_is_seen() -> None:
+    rng = random.Random(1)
+    crossing = [0.5 - i / 2000 + rng.gauss(0, 0.05) for i in range(3000)]  # a contrastive / RL objective
+    assert _spikes(crossing) == []
+    negative = [-2.0 + rng.gauss(0, 0.1) for i in range(500)]
+    negative[300] = 5.0
+    assert _spikes(negative) == [300]
+
+
+def test_a_true_spike_is_seen_and_a_slow_drift_is_not() -> None:
+    rng = random.Random(2)
+    losses = [0.5 + rng.gauss(0, 0.02) for _ in range(500)]
+    losses[300] = 5.0
+    assert _spikes(losses) == [300]
+    drifting = [1.0 + 2.0 * i / 5000 + rng.gauss(0, 0.03) for i in range(5000)]
+    assert _spikes(drifting) == []

@@ -54,6 +54,7 @@ class ConsoleSink(Sink):
         self.verbosity = verbosity
         self.bar = progress_bar and verbosity > 0 and self.stream.isatty()
         self.started = time.time()
+        self._opened = time.monotonic()  # the timer table's wall clock (timers read a monotonic one)
         # Timer totals for the end-of-run table: name -> [total seconds, count].
         self.timers: dict[str, list[float]] = {}
         # summary values that came in a row without training steps (log_metrics(step=N)): the next
@@ -127,17 +128,21 @@ class ConsoleSink(Sink):
         from otel_train.goodput import summary
 
         line = summary(final_scalars)
-        self.stream.write(self.timer_table() + (f"{line}\n" if line else ""))
+        table = self.timer_table(time.monotonic() - self._opened)
+        self.stream.write(table + (f"{line}\n" if line else ""))
         self.stream.flush()
 
-    def timer_table(self) -> str:
-        if not self.timers:
+    def timer_table(self, wall_s: float) -> str:
+        """Each timer's total, mean, count and share of the `wall_s` seconds since init. The wall,
+        not the step time: a timer outside steps (an eval loop, a checkpoint save) would otherwise
+        show hundreds of percent. A timer inside another (forward in step) counts in both, so the
+        shares need not add up to 100 %."""
+        if not self.timers or wall_s <= 0:
             return ""
-        step = self.timers.get("step")
-        reference = step[0] if step and step[0] > 0 else sum(t for t, _ in self.timers.values())
         lines = [f"{'timer':<20} {'total':>10} {'mean':>10} {'count':>8} {'% time':>7}"]
         for name, (total, count) in sorted(self.timers.items(), key=lambda kv: -kv[1][0]):
             mean = total / count if count else 0.0
-            share = 100.0 * total / reference if reference else 0.0
+            share = 100.0 * total / wall_s
             lines.append(f"{name:<20} {total:>9.2f}s {mean * 1000:>8.2f}ms {int(count):>8d} {share:>6.1f}%")
+        lines.append(f"% time: of the {wall_s:.1f}s since init; a timer inside another counts in both")
         return "\n".join(lines) + "\n"

@@ -168,6 +168,29 @@ def test_early_stopping_makes_the_steps_run_the_plan(tmp_path: Path) -> None:
     assert last["train/steps_planned"] == 3 and last["progress/eta_s"] == 0
 
 
+def test_a_decorated_training_step_under_the_callback_counts_each_step_once(tmp_path: Path) -> None:
+    """The callback marks the optimizer steps; a user's `@ot.step` on `training_step` (one per
+    micro-batch) runs inside them: counted once, as the callback's steps."""
+    from transformers import Trainer
+
+    class DecoratedStep(Trainer):
+        @ot.step
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            return super().training_step(*args, **kwargs)
+
+    callback = OtelTrainCallback(
+        run_name="nested", verbosity=0, hardware=False, prometheus_port=0, log_interval=1
+    )
+    plain = _trainer(tmp_path / "hf-out", callback, eval_strategy="no", save_strategy="no")
+    trainer = DecoratedStep(
+        model=plain.model, args=plain.args, train_dataset=plain.train_dataset, callbacks=[callback]
+    )
+    trainer.train()
+    rows = _rows(tmp_path / "runs" / "nested")
+    assert sum(r.get("train/steps", 0) for r in rows) == MAX_STEPS
+    assert sum(r.get("otel_train/dropped/nested_step", 0) for r in rows) == MAX_STEPS * GRAD_ACCUM
+
+
 def test_callback_takes_settings_as_keyword_arguments(tmp_path: Path) -> None:
     callback = OtelTrainCallback(
         run_name="kw", verbosity=0, hardware=False, prometheus_port=0, log_interval=2

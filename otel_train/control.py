@@ -33,7 +33,7 @@ POLL_S = 1.0
 MAX_FILE_BYTES = 64 * 1024  # a larger control file is refused unread
 _HISTORY = 8  # earlier changes rank 0 keeps in the stamped file, for ranks that missed one
 _PROFILE_KEYS = {"wait", "warmup", "active", "repeat", "skip_first", "ranks"}
-_STAMP_KEYS = ("version", "apply_at_step", "earlier", "digest")
+_STAMP_KEYS = ("version", "apply_at_step", "earlier", "by", "digest")
 
 
 @dataclass(frozen=True)
@@ -141,25 +141,44 @@ def _change(entry: Any, world_size: int, config_cls: type[Config]) -> ControlCha
     return ControlChange(version, at, settings)
 
 
-def stamped_changes(
-    document: Mapping[str, Any], world_size: int, config_cls: type[Config] = Config
-) -> list[ControlChange] | None:
-    """The changes of a file rank 0 stamped (earlier ones first), None when it is not one: no
-    digest, or a digest that does not match (someone edited it since)."""
+def _stamp_body(document: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The stamp of a file rank 0 stamped, None when it is not one: no digest, or a digest that does
+    not match (someone edited it since)."""
     settings = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
-    earlier = document.get("earlier", [])
     body = {
         "settings": settings,
         "version": document.get("version"),
         "apply_at_step": document.get("apply_at_step"),
-        "earlier": earlier,
+        "earlier": document.get("earlier", []),
+        "by": document.get("by"),
     }
-    if document.get("digest") != _digest(body) or not isinstance(earlier, list):
+    if document.get("digest") != _digest(body) or not isinstance(body["earlier"], list):
         return None
-    changes = [_change(entry, world_size, config_cls) for entry in [*earlier, body]]
+    return body
+
+
+def stamped_changes(
+    document: Mapping[str, Any], world_size: int, config_cls: type[Config] = Config
+) -> list[ControlChange] | None:
+    """The changes of a file rank 0 stamped (earlier ones first), None when it is not one."""
+    body = _stamp_body(document)
+    if body is None:
+        return None
+    changes = [_change(entry, world_size, config_cls) for entry in [*body["earlier"], body]]
     if any(change is None for change in changes):
         return None
     return [change for change in changes if change is not None]
+
+
+def _lasting_settings(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a stamp's changes (earlier ones first) leave a run with: each one's latest
+    value, without `profile` (a window to run, not a setting)."""
+    settings: dict[str, Any] = {}
+    for entry in [*body["earlier"], body]:
+        if isinstance(entry, Mapping) and isinstance(entry.get("settings"), Mapping):
+            settings.update(entry["settings"])
+    settings.pop("profile", None)
+    return settings
 
 
 class ControlFile:
@@ -175,6 +194,7 @@ class ControlFile:
         config_cls: type[Config] = Config,
     ) -> None:
         self.path = RunFiles(run_dir, rank, role).control
+        self._owner = RunFiles(run_dir, 0, role).owner  # names rank 0's process (`_incarnation`)
         self.rank = rank
         self.world_size = world_size
         self.config_cls = config_cls  # whose settings declared `runtime=True` the file may change
@@ -228,29 +248,57 @@ class ControlFile:
         except ValueError as exc:
             self._reject(f"does not parse: {exc}")
             return []
-        changes = stamped_changes(document, self.world_size, self.config_cls)
-        if changes is not None and self.rank == 0 and changes[-1].version < self._version:
-            # An older stamp written back (an editor's undo, a saved copy): rank 0 only ever
-            # writes newer ones, so a person asked for those settings again.
-            changes = None
-        if changes is None:  # written by a person (or edited since rank 0 stamped it)
-            settings = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
-            problem = validate(settings, self.world_size, self.config_cls)
-            if problem is not None:
-                self._reject(problem)
-                return []
-            if self.rank != 0:
-                return []  # rank 0 stamps it; this rank reads the stamped file at a later poll
-            lead_steps = 1 if not seconds_per_step else math.ceil(LEAD_TIME_S / max(seconds_per_step, 1e-6))
-            change = ControlChange(self._version + 1, last_step + 1 + max(1, lead_steps), settings)
-            if not self._stamp(change):
-                return []
-            changes = [change]
+        changes = self._changes(document, last_step, seconds_per_step)
         new = [change for change in changes if change.version > self._version]
         if new:
             self._version = new[-1].version
             self._history = [*self._history, *new][-_HISTORY:]
         return new
+
+    def _changes(
+        self, document: dict[str, Any], last_step: int, seconds_per_step: float | None
+    ) -> list[ControlChange]:
+        """The changes a file asks for (only new ones count: see `poll`)."""
+        body = _stamp_body(document)
+        # No `by` (rank 0 could not read its owner record) or none to compare: this process's stamp.
+        if body is not None and body["by"] is not None and self._incarnation() not in (None, body["by"]):
+            # Stamped by an earlier rank-0 process of this run (a resume), which applied it: its
+            # settings stay the run's, stamped again as a change of this process; its profile
+            # window (an action, done then) does not run again.
+            lasting = _lasting_settings(body)
+            return self._asked(lasting, last_step, seconds_per_step) if lasting else []
+        changes = stamped_changes(document, self.world_size, self.config_cls)
+        if changes is not None and (self.rank != 0 or changes[-1].version >= self._version):
+            return changes
+        # Written by a person, edited since rank 0 stamped it, or an older stamp written back (an
+        # editor's undo, a saved copy: rank 0 only ever writes newer ones, so a person asked for
+        # those settings again).
+        settings = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
+        return self._asked(settings, last_step, seconds_per_step)
+
+    def _asked(
+        self, settings: dict[str, Any], last_step: int, seconds_per_step: float | None
+    ) -> list[ControlChange]:
+        """Settings asked for anew, validated; rank 0 stamps them as the next change, other ranks
+        read that stamp at a later poll."""
+        problem = validate(settings, self.world_size, self.config_cls)
+        if problem is not None:
+            self._reject(problem)
+            return []
+        if self.rank != 0:
+            return []
+        lead_steps = 1 if not seconds_per_step else math.ceil(LEAD_TIME_S / max(seconds_per_step, 1e-6))
+        change = ControlChange(self._version + 1, last_step + 1 + max(1, lead_steps), settings)
+        return [change] if self._stamp(change) else []
+
+    def _incarnation(self) -> str | None:
+        """Which process is rank 0 of this run now: a digest of its owner record, which it writes at
+        init before any rank's first poll (None when unreadable: every stamp counts as this one's)."""
+        try:
+            record = read_bounded(self._owner)
+        except ValueError:
+            return None
+        return hashlib.sha256(record).hexdigest()[:16] if record else None
 
     def schedule(self, last_step: int, seconds_per_step: float | None) -> None:
         """Control thread: poll the file, schedule each new change for the training thread and announce
@@ -283,9 +331,10 @@ class ControlFile:
     def _stamp(self, change: ControlChange) -> bool:
         """Rank 0: write `change` (and the recent earlier ones) as the stamped file."""
         earlier = [dataclasses.asdict(c) for c in self._history]
+        by = self._incarnation()
         while True:
-            body = {**dataclasses.asdict(change), "earlier": earlier}
-            stamp = {k: body[k] for k in ("version", "apply_at_step", "earlier")}
+            body = {**dataclasses.asdict(change), "earlier": earlier, "by": by}
+            stamp = {k: body[k] for k in ("version", "apply_at_step", "earlier", "by")}
             text = json.dumps({**change.settings, **stamp, "digest": _digest(body)}, indent=1) + "\n"
             if len(text.encode()) <= MAX_FILE_BYTES:
                 break

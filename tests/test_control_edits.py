@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.control import ControlFile
+from otel_train.run_directory import claim_run_dir
 
 
 class _Events:
@@ -62,3 +63,25 @@ def test_a_rank_other_than_zero_applies_an_old_stamp_once_and_never_restamps(tmp
     assert [c.version for c in rank1.take_due(10**6)] == [1]
     assert rank1.path.read_text() == stamped + "\n"  # rank 1 never writes the file
     assert [e for e, _ in events.seen] == ["control"]
+
+
+def test_a_resume_keeps_the_settings_and_never_reruns_a_profile_window(tmp_path: Path) -> None:
+    claim_run_dir(tmp_path, 0, "job-1", "ctl")  # rank 0's first process
+    before = ControlFile(tmp_path, rank=0, events=_Events())
+    asked = {"trace_every": 10, "profile": {"wait": 0, "warmup": 0, "active": 1}}
+    _write_and_schedule(before, json.dumps(asked), step=100)
+    _write_and_schedule(before, json.dumps({"verbosity": 0}), step=200)
+    assert [c.version for c in before.take_due(10**6)] == [1, 2]
+
+    assert claim_run_dir(tmp_path, 0, "job-1", "ctl")  # the job restarted: rank 0's new process
+    events0, events1 = _Events(), _Events()
+    rank0 = ControlFile(tmp_path, rank=0, events=events0)
+    rank1 = ControlFile(tmp_path, rank=1, events=events1, world_size=2)
+    rank1.schedule(last_step=0, seconds_per_step=None)  # reads the earlier process's stamp first
+    rank0.schedule(last_step=0, seconds_per_step=None)
+    rank1.schedule(last_step=1, seconds_per_step=None)
+    lasting = {"trace_every": 10, "verbosity": 0}  # the settings stay; the window ran already
+    for rank in (rank0, rank1):
+        assert [(c.version, dict(c.settings)) for c in rank.take_due(10**6)] == [(1, lasting)]
+    assert [e for e, _ in events0.seen + events1.seen] == ["control", "control"]
+    assert json.loads(rank0.path.read_text())["earlier"] == []

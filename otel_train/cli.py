@@ -171,22 +171,65 @@ def _output_dir_ok(config: Config) -> bool:
     return True
 
 
+OTLP_PROBE_S = 3.0  # the longest the doctor waits for the collector (an export and a connect each)
+
+
 def _otlp_ok(config: Config) -> bool:
+    """Does the collector take an OTLP export? One empty metrics export with the exporter `init()`
+    builds (its protocol, TLS and headers): a port that only accepts TCP is no collector."""
+    from dataclasses import replace
+
+    from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
+
+    from otel_train.exporters import otlp_metric_exporter, quiet_sdk_exporter_logs
     from otel_train.redaction import redact_url
 
-    if not config.otlp_endpoint:
+    url = config.otlp_metrics_endpoint or config.otlp_endpoint
+    if not url:
         print("otlp: off (set OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://127.0.0.1:4318)")
         return True
-    parsed = urlparse(config.otlp_endpoint)
-    port = parsed.port or (4317 if config.otlp_protocol == "grpc" else 4318)
-    endpoint = f"{redact_url(config.otlp_endpoint)} ({config.otlp_protocol})"
+    endpoint = f"{redact_url(url)} ({config.otlp_protocol})"
+    probe_s = min(config.otlp_timeout_s, OTLP_PROBE_S)
+    quiet_sdk_exporter_logs()  # its per-retry lines are not the doctor's verdict
     try:
-        with socket.create_connection((parsed.hostname or "localhost", port), timeout=2):
-            print(f"otlp: {endpoint} reachable")
+        exporter = otlp_metric_exporter(replace(config, otlp_timeout_s=probe_s))  # as init() builds it
+        try:
+            result = exporter.export(MetricsData(resource_metrics=[]), timeout_millis=probe_s * 1000)
+        finally:
+            exporter.shutdown(timeout_millis=0)
+    except Exception as exc:  # a bad URL or TLS file: the exporter raises rather than fails
+        # Its type only: the message may quote the URL or a header, secrets included.
+        result, cause = MetricExportResult.FAILURE, f"the exporter failed ({type(exc).__name__})"
+    else:
+        if result == MetricExportResult.SUCCESS:
+            print(f"otlp: {endpoint} reachable (it accepted an empty OTLP export)")
             return True
-    except OSError as exc:
-        print(f"otlp: {endpoint} NOT reachable ({exc}); training still runs, exports are dropped")
-        return False
+        cause = _no_export_cause(url, config.otlp_protocol, probe_s)
+    print(
+        f"otlp: {endpoint} NOT reachable: {cause}; training still runs, exports are dropped. Fix "
+        "OTEL_EXPORTER_OTLP_ENDPOINT (the collector's OTLP port: 4317 for grpc, 4318 for "
+        "http/protobuf), OTEL_EXPORTER_OTLP_PROTOCOL to match it, or OTEL_EXPORTER_OTLP_HEADERS"
+    )
+    return False
+
+
+def _no_export_cause(url: str, protocol: str, waited_s: float) -> str:
+    """Why an export failed, as far as one TCP connect tells: nothing listens, nothing answers at
+    all (SYNs dropped), or something accepts connections but is no collector taking OTLP here."""
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    default_port = 443 if parsed.scheme == "https" or protocol == "grpc" else 80
+    try:
+        address = (parsed.hostname or "localhost", parsed.port or default_port)
+        with socket.create_connection(address, timeout=OTLP_PROBE_S):
+            pass
+    except TimeoutError:
+        return f"no answer to a TCP connect within {OTLP_PROBE_S:g} s (packets dropped: a firewall or a wrong host?)"
+    except (OSError, ValueError) as exc:  # ValueError: a port out of range
+        return f"cannot connect ({exc})"
+    return (
+        f"it accepts TCP connections but did not take an OTLP/{protocol} export within "
+        f"{waited_s:g} s (another service or protocol there, a wrong path, or refused headers)"
+    )
 
 
 def _pull_port_ok(config: Config) -> bool:

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.otlp_receiver import grpc_receiver, http_receiver, refused_endpoint, tarpit
 
+from otel_train import cli
 from otel_train.cli import main
 from otel_train.diagnostics.hang_attribution import summarize
 from otel_train.run_directory import RunFiles
@@ -302,3 +304,57 @@ def test_demo_is_refused_with_where_to_run_it_from(tmp_path: Path) -> None:
         assert err.startswith("otel-train demo: error:") and err.count("\n") == 1, err
         assert "`make demo`" in err and "`python -m examples.demo`" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def _doctor_otlp(
+    endpoint: str, protocol: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> tuple[int, str]:
+    monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "0")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "500")  # milliseconds: the export's deadline
+    monkeypatch.setattr(cli, "OTLP_PROBE_S", 0.5)  # the connect's
+    code = main(["doctor"])
+    return code, next(line for line in capsys.readouterr().out.splitlines() if line.startswith("otlp:"))
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_doctor_calls_reachable_only_an_endpoint_that_takes_an_otlp_export(
+    protocol: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with tarpit() as endpoint:  # accepts TCP connections, never answers
+        code, line = _doctor_otlp(endpoint, protocol, monkeypatch, capsys)
+    assert code == 1 and "NOT reachable: it accepts TCP connections but did not take" in line, line
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL" in line
+    code, line = _doctor_otlp(refused_endpoint(), protocol, monkeypatch, capsys)
+    assert code == 1 and "NOT reachable: cannot connect" in line and "refused" in line, line
+    receiver = http_receiver if protocol == "http/protobuf" else grpc_receiver
+    with receiver() as (endpoint, received):
+        code, line = _doctor_otlp(endpoint, protocol, monkeypatch, capsys)
+    assert code == 0 and "reachable (it accepted an empty OTLP export)" in line, line
+    assert len(received.metrics) == 1
+
+
+def test_doctor_names_an_endpoint_that_drops_connection_attempts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A listener whose accept queue is full: Linux drops further SYNs, as a firewall would."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        address = listener.getsockname()
+        fillers = [socket.socket() for _ in range(4)]
+        for filler in fillers:
+            filler.setblocking(False)
+            filler.connect_ex(address)
+        try:
+            try:
+                socket.create_connection(address, timeout=0.5).close()
+                pytest.skip("this kernel answers a full accept queue (tcp_abort_on_overflow?)")
+            except TimeoutError:
+                pass
+            code, line = _doctor_otlp(f"http://127.0.0.1:{address[1]}", "http/protobuf", monkeypatch, capsys)
+        finally:
+            for filler in fillers:
+                filler.close()
+    assert code == 1 and "NOT reachable: no answer to a TCP connect within 0.5 s" in line, line

@@ -4,8 +4,9 @@
 Importing this package imports the OTel SDK: it is imported at init(), never by `import otel_train`.
 """
 
+from otel_train.exporters.guards import quiet_sdk_exporter_logs
 from otel_train.exporters.job_provider import build_job_provider
-from otel_train.exporters.providers import Telemetry, build_telemetry
+from otel_train.exporters.providers import Telemetry, build_telemetry, otlp_metric_exporter
 from otel_train.exporters.tiers import essential_names, essential_only, resolve_rank_series
 
 __all__ = [
@@ -14,5 +15,7 @@ __all__ = [
     "build_telemetry",
     "essential_names",
     "essential_only",
+    "otlp_metric_exporter",
+    "quiet_sdk_exporter_logs",
     "resolve_rank_series",
 ]

@@ -6,6 +6,7 @@ OpenTelemetry variables are read as the spec says (docs/reference/configuration.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 import typing
@@ -24,6 +25,14 @@ from otel_train.config import (
     validate,
 )
 
+log = logging.getLogger("otel_train")
+
+# `OTEL_TRAIN_*` variables that are no setting: the config file, the Lightning switch
+# (integrations.lightning.ENV_SWITCH) and the repository's pinned-tools folder (Makefile, tests).
+NOT_SETTINGS_ENV = frozenset({CONFIG_FILE_ENV, "OTEL_TRAIN_LIGHTNING", "OTEL_TRAIN_TOOLS"})
+_PREFIX = "OTEL_TRAIN_"
+_warned_env: set[str] = set()  # each unknown variable is named once per process
+
 # An HTTP header name (RFC 9110 token); values are checked for control characters only.
 _HEADER_KEY_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 
@@ -38,6 +47,7 @@ def load_config(
     environ = os.environ if environ is None else environ
     overrides = dict(overrides or {})
     table = declared(config_cls)
+    warn_unknown_env(environ, config_cls)
     values: dict[str, tuple[Any, str]] = {}  # field -> (value, where it came from)
 
     path = config_file or overrides.pop("config_file", None) or environ.get(CONFIG_FILE_ENV)
@@ -63,6 +73,32 @@ def load_config(
     config = config_cls(**resolved)
     validate(config, {name: source for name, (_, source) in values.items()})
     return config
+
+
+def warn_unknown_env(environ: Mapping[str, str], config_cls: type[Config] = Config) -> None:
+    """Warn once per variable about an `OTEL_TRAIN_*` variable that names no setting (a misspelt
+    one is otherwise ignored without a word). A warning, not an error: a stale variable left in a
+    job script must not stop the job."""
+    table = declared(config_cls)
+    settings_env = {env_name(name) for name in table}
+    known = settings_env | NOT_SETTINGS_ENV
+    # Compared without their prefixes, which every candidate shares: EXPORT_INTERVAL is close to
+    # OTEL_METRIC_EXPORT_INTERVAL's METRIC_EXPORT_INTERVAL; OTEL_TRAIN_ alone matches nothing.
+    standard = [key for entry in table.values() for key in entry.setting.env]
+    suggestions = {key.removeprefix("OTEL_"): key for key in standard}
+    suggestions.update({key.removeprefix(_PREFIX): key for key in settings_env})
+    for key in environ:
+        if not key.upper().startswith(_PREFIX) or key in known or key in _warned_env:
+            continue
+        _warned_env.add(key)
+        close = difflib.get_close_matches(key.upper().removeprefix(_PREFIX), list(suggestions), n=1)
+        hint = f"did you mean {suggestions[close[0]]!r}? " if close else ""
+        log.warning(
+            "otel_train: environment variable %s is no otel_train setting and is ignored: %sthe "
+            "settings' variables are OTEL_TRAIN_<FIELD> of the fields in docs/reference/configuration.md.",
+            key,
+            hint,
+        )
 
 
 def config_file_settings(path: str, config_cls: type[Config] = Config) -> dict[str, Any]:

@@ -235,3 +235,44 @@ def test_http_json_names_the_sdk_gap_and_the_variable_that_keeps_it_for_other_to
         load_config({}, environ={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
     both = {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json", "OTEL_TRAIN_OTLP_PROTOCOL": "http/protobuf"}
     assert load_config({}, environ=both).otlp_protocol == "http/protobuf"
+
+
+def test_a_misspelt_otel_train_variable_is_named_once_with_the_closest_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import otel_train as ot
+    from otel_train import config_loading
+
+    monkeypatch.setattr(config_loading, "_warned_env", set(), raising=False)
+    monkeypatch.setenv("OTEL_TRAIN_SERVICE_NAMe", "mine")
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_INTERVAL", "5000")
+    monkeypatch.setenv("OTEL_TRAIN_ZZQQ", "1")
+    for name in ("OTEL_TRAIN_CONFIG", "OTEL_TRAIN_LIGHTNING", "OTEL_TRAIN_TOOLS", "OTEL_TRAIN_VERBOSITY"):
+        monkeypatch.setenv(name, "0" if name == "OTEL_TRAIN_VERBOSITY" else "")
+    run = ot.init(prometheus_port=0, hardware=False, run_dir_enabled=False)  # a warning, not an error
+    load_config()  # a second look at the same variables: no second warning
+    ot.shutdown()
+    assert run is not None
+    warned = sorted(r.getMessage() for r in caplog.records if "is no otel_train setting" in r.getMessage())
+    assert len(warned) == 3, warned
+    assert "OTEL_TRAIN_EXPORT_INTERVAL is no otel_train setting" in warned[0]
+    assert "did you mean 'OTEL_METRIC_EXPORT_INTERVAL'?" in warned[0]
+    assert "OTEL_TRAIN_SERVICE_NAMe" in warned[1] and "did you mean 'OTEL_TRAIN_SERVICE_NAME'?" in warned[1]
+    assert "OTEL_TRAIN_ZZQQ" in warned[2] and "did you mean" not in warned[2]
+
+
+def test_every_otel_train_variable_the_package_reads_is_a_setting_or_a_known_switch() -> None:
+    """A variable the library reads that is no setting must be in NOT_SETTINGS_ENV, or init() would
+    warn about it."""
+    from pathlib import Path
+
+    import otel_train
+    from otel_train.config import declared, env_name
+    from otel_train.config_loading import NOT_SETTINGS_ENV
+
+    package = Path(otel_train.__file__).parent
+    named = {
+        m for p in package.rglob("*.py") for m in re.findall(r"OTEL_TRAIN_[A-Z0-9_]*[A-Z0-9]", p.read_text())
+    }
+    assert named - {env_name(name) for name in declared()} - NOT_SETTINGS_ENV == set()
+    assert "OTEL_TRAIN_LIGHTNING" in named  # integrations.lightning.ENV_SWITCH

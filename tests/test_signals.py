@@ -55,3 +55,41 @@ def test_exception_final_flush_and_exit_code(tmp_path) -> None:
     code, rows, _ = _run(tmp_path, "raise")
     assert code == 1
     assert sum(r.get("train/steps", 0) for r in rows) == 50
+
+
+KEEPS_TRAINING = textwrap.dedent(
+    """
+    import json, signal, sys
+    stop = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))  # checkpoint and go on
+    import otel_train as ot
+    ot.init(output_dir=sys.argv[1], run_name="k", prometheus_port=0, verbosity=0, log_interval=10, hardware=False)
+    print("ready", flush=True)
+    step = 0
+    while not stop:
+        with ot.step(step, tokens=1):
+            ot.record("loss", 1.0)
+        step += 1
+    for _ in range(100):  # the steps a preempted job still runs (a checkpoint, the epoch's end)
+        with ot.step(step, tokens=1):
+            ot.record("loss", 1.0)
+        step += 1
+    print(json.dumps({"steps": step, "handled": len(stop)}), flush=True)
+    """
+)
+
+
+def test_a_handler_of_the_trainings_own_that_trains_on_keeps_its_telemetry(tmp_path) -> None:
+    """SIGTERM with the training's own handler installed: the handler runs and nothing shuts down;
+    the steps after the signal are recorded, and the exit (here the script's end) shuts down."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KEEPS_TRAINING, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    done = json.loads(proc.stdout.readline())
+    assert done["handled"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "k" / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sum(r.get("train/steps", 0) for r in rows) == done["steps"]

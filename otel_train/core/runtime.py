@@ -6,6 +6,7 @@ hot path reads `_current` as a plain module attribute on purpose: docs/design/co
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -107,8 +108,13 @@ class _SigtermRelay:
     holds the session lock or a queue's mutex (flush takes both); a handler that took either would
     wait forever. So the handler only writes a byte to a pipe (no lock anywhere) and returns; this
     thread shuts down (the training thread keeps running and releases its locks) and then sends
-    SIGTERM again, which the handler now answers with the previous handler or the default action,
-    so the exit status still says "terminated by SIGTERM"."""
+    SIGTERM again, which the handler now answers with the default action, so the exit status
+    still says "terminated by SIGTERM".
+
+    With the training's own handler (installed before init()) the training decides: a handler may
+    set a flag, save a checkpoint and train on (Lightning, SLURM preemption code). It runs at once
+    and nothing shuts down; this thread only asks for a flush at the next step end. The shutdown
+    comes with the exit (atexit, or the SystemExit the handler raises)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -122,6 +128,11 @@ class _SigtermRelay:
         if os.getpid() != self.pid or self.done:  # a forked child, or our shutdown is over
             _deliver_sigterm(signum, frame)
             return
+        user_handler = _previous_sigterm
+        if callable(user_handler):
+            self._wake()
+            user_handler(signum, frame)
+            return
         if not self.requested:
             self.requested = True
             try:
@@ -131,11 +142,24 @@ class _SigtermRelay:
                 _deliver_sigterm(signum, frame)
         # else: the shutdown is under way; the relay delivers when it is done
 
+    def _wake(self) -> None:
+        if not self.requested:
+            self.requested = True
+            with contextlib.suppress(OSError):  # a full pipe: a wake-up is pending already
+                os.write(self._write_fd, b"F")
+
     def _run(self) -> None:
-        try:
-            os.read(self._read_fd, 1)
-        except OSError:
-            return
+        while True:
+            try:
+                os.read(self._read_fd, 1)
+            except OSError:
+                return
+            if not callable(_previous_sigterm):
+                break
+            self.requested = False
+            session = _current
+            if session is not None:
+                session.flush()  # off the training thread: done at its next step end
         session = _current or _closing
         budget = session.config.shutdown_timeout_s + 1.0 if session is not None else 0.0
         worker = threading.Thread(target=shutdown, name="otel_train-sigterm-shutdown", daemon=True)

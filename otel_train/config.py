@@ -291,7 +291,11 @@ class Config:
     progress_bar: bool = setting(True, doc="progress bar on a terminal")
     total_steps: int | None = setting(None, ge=1, runtime=True, doc="planned steps (ETA, progress)")
     # health
-    loss_spike_factor: float = setting(3.0, gt=1, doc="loss above factor x recent mean is a spike event")
+    loss_spike_factor: float = setting(
+        3.0,
+        gt=1,
+        doc="a loss above factor x its recent mean, and 8 recent standard deviations above it, is a spike event",
+    )
     stall_timeout_s: float = setting(
         300.0,
         gt=0,

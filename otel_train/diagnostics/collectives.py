@@ -71,8 +71,15 @@ def read_dump(entries: bool) -> dict[str, Any] | None:
         import torch._C._distributed_c10d as c10d
     except ImportError:
         return None
-    # "recorders": each recorder's own entries (record ids count per recorder, from 0 in each)
-    merged: dict[str, Any] = {"pg_status": {}, "pg_config": {}, "entries": [], "recorders": {}}
+    # "recorders": each recorder's own entries (record ids count per recorder, from 0 in each);
+    # "statuses": each recorder's own pg_status
+    merged: dict[str, Any] = {
+        "pg_status": {},
+        "pg_config": {},
+        "entries": [],
+        "recorders": {},
+        "statuses": {},
+    }
     found = False
     for name, pickled, as_json in DUMPS:
         data = _dump(c10d, pickled, as_json, entries)
@@ -83,6 +90,7 @@ def read_dump(entries: bool) -> dict[str, Any] | None:
         merged["pg_config"].update(data.get("pg_config") or {})  # empty while it records nothing
         merged["entries"].extend(data.get("entries") or [])
         merged["recorders"][name] = data.get("entries") or []
+        merged["statuses"][name] = data.get("pg_status") or {}
     return merged if found else None
 
 
@@ -164,6 +172,7 @@ class CollectiveMonitor:
         self._lock = threading.Lock()
         self._progress: tuple[tuple[str, str, str], ...] = ()
         self._progress_at = time.monotonic()
+        self._retired: tuple[tuple[str, str, str], ...] = ()  # a key whose pending ops are retired
         self.overwritten = 0  # entries the ring buffer dropped before a flush read them
         self._next_read = 0.0  # monotonic time of the next full read (see MAX_READ_SHARE)
         self._read: tuple[int, dict[str, Any] | None] = (-1, None)  # (flush seq, its dump)
@@ -186,8 +195,30 @@ class CollectiveMonitor:
             if dump is not None:
                 self._note_progress(progress_key(dump["pg_status"], self.excluded))
             since = time.monotonic() - self._progress_at
-            pending = any(enqueued != completed for _, enqueued, completed in self._progress)
-        return since if (pending and not self.saving()) or self.stalled_s() > 0 else 0.0
+            key = self._progress
+        return since if (self._pending(key, dump) and not self.saving()) or self.stalled_s() > 0 else 0.0
+
+    def _pending(self, key: tuple[tuple[str, str, str], ...], dump: dict[str, Any] | None) -> bool:
+        """Whether a group's last enqueued collective is not its last completed one. Gloo's status
+        (the CPU recorder's) can stay one behind for good after an op that completed (torch 2.13,
+        about one run in ten), while the op's entry is retired: there the entries say (read until
+        they do, then not again for that key). NCCL's watchdog updates its status as it retires."""
+        waiting = {(group, enqueued) for group, enqueued, completed in key if enqueued != completed}
+        cpu_groups = dump["statuses"].get("cpu", {}) if dump is not None else {}
+        if not any(group in cpu_groups for group, _ in waiting):
+            return bool(waiting)
+        if key == self._retired:
+            return False
+        full = read_dump(entries=True)
+        entries = full["recorders"].get("cpu", []) if full is not None else []
+        retired = {
+            (str((e.get("process_group") or ["?"])[0]), str(e.get("collective_seq_id")))
+            for e in entries
+            if _done(e)
+        }
+        if waiting <= retired:
+            self._retired = key
+        return key != self._retired
 
     def _note_progress(self, key: tuple[tuple[str, str, str], ...]) -> None:
         if key != self._progress:

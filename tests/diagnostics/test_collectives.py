@@ -13,6 +13,7 @@ import pickle
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -253,10 +254,12 @@ def _summary(rank: int, enqueued: int, completed: int, ops: dict[str, str]) -> d
 
 
 def _quiet_work_target(rank: int, world_size: int, out_dir: str) -> dict[str, list[float]]:
-    """Both ranks evaluate 3 s with no collective; then rank 0 alone while rank 1 waits for it in a
-    barrier; then both sit 2.5 s with no progress at all (stalled); then rank 0 writes a checkpoint
-    for 2 s while rank 1 waits for it in a barrier, both inside `ot.span("checkpoint")`.
-    `last_seconds` sampled in each."""
+    """Both ranks evaluate 15 batches with no collective; then rank 0 alone while rank 1 waits for it
+    in a barrier; then both sit 2.5 s with no progress at all (stalled); then rank 0 writes a
+    checkpoint while rank 1 waits for it in a barrier, both inside `ot.span("checkpoint")`.
+    `last_seconds` sampled in each. Rank 0 ends its evaluation and its save when rank 1 says (a
+    file) it has the samples of its wait that the test needs, not after a set time: on a loaded
+    host rank 1 may reach the barrier late, or sample it seldom."""
     import torch
     import torch.distributed as dist
 
@@ -278,12 +281,14 @@ def _quiet_work_target(rank: int, world_size: int, out_dir: str) -> dict[str, li
             adapters.heartbeat()  # an eval batch: progress, and no collective
             seen[key].append(monitor.last_seconds())
 
-    def wait_in_barrier(key: str) -> None:
+    def wait_in_barrier(key: str, enough: Callable[[list[float]], bool]) -> None:
         stop = threading.Event()
 
         def sample() -> None:
             while not stop.wait(0.2):
                 seen[key].append(monitor.last_seconds())
+                if enough(seen[key]):
+                    (Path(out_dir) / key).touch()  # rank 0 may let it go
 
         sampler = threading.Thread(target=sample)
         sampler.start()
@@ -291,26 +296,32 @@ def _quiet_work_target(rank: int, world_size: int, out_dir: str) -> dict[str, li
         stop.set()
         sampler.join()
 
+    def until_rank1_has(key: str, work: Callable[[], None]) -> None:
+        give_up = time.monotonic() + 60  # rank 1 never says: its samples fail the test below
+        while not (Path(out_dir) / key).exists() and time.monotonic() < give_up:
+            work()
+
     tensor = torch.ones(4)
     for step in range(3):
         with ot.step(step):
             dist.all_reduce(tensor)
     evaluate("eval", 15)
     if rank == 0:
-        evaluate("alone", 10)
+        evaluate("alone", 5)
+        until_rank1_has("waiting", lambda: evaluate("alone", 1))
         dist.barrier()
     else:
-        wait_in_barrier("waiting")
+        wait_in_barrier("waiting", lambda waited: len(waited) >= 5 and waited[-1] > 1.0)
     for _ in range(10):  # no step, no eval batch: past the stall timeout, with no collective pending
         time.sleep(0.25)
         seen["stalled"].append(monitor.last_seconds())  # read as each export reads it
     dist.barrier()
     with ot.span("checkpoint"):
         if rank == 0:
-            time.sleep(2.0)  # torch.save of the whole model
+            until_rank1_has("saving", lambda: time.sleep(0.05))  # torch.save of the whole model
             dist.barrier()
         else:
-            wait_in_barrier("saving")
+            wait_in_barrier("saving", lambda waited: len(waited) >= 5)
     ot.shutdown()
     return seen
 
@@ -325,7 +336,7 @@ def test_last_seconds_rises_in_a_pending_collective_or_a_stall_not_in_quiet_prog
     for seen in (rank0, rank1):
         assert len(seen["eval"]) == 15 and set(seen["eval"]) == {0.0}
         assert seen["stalled"][-1] > STALL_S
-    assert len(rank0["alone"]) == 10 and set(rank0["alone"]) == {0.0}
+    assert len(rank0["alone"]) >= 5 and set(rank0["alone"]) == {0.0}
     waiting = rank1["waiting"]  # (the last sample may come after the barrier let go)
     rising = waiting[: waiting.index(max(waiting)) + 1]
     assert len(rising) >= 5 and rising == sorted(rising) and rising[-1] > 1.0, waiting
@@ -425,6 +436,32 @@ def test_each_collective_is_counted_once_and_a_wrapped_buffer_is_said_once(caplo
     assert {op for (_, op) in points} == {"all_reduce", "broadcast", "reduce_scatter"}
     assert monitor.overwritten == 5
     assert len([r for r in caplog.records if "wrapped" in r.getMessage()]) == 1
+
+
+def test_a_gloo_status_behind_its_retired_entry_is_no_pending_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.13's gloo status can keep `last_completed_collective` one behind an op whose entry is
+    retired, for good (about one run in ten after a step's all_reduce): then nothing is pending and
+    an evaluation after it reads 0, not a wait rising from that op. An op not retired still pends,
+    and so does a group NCCL records (its watchdog keeps its status with its entries)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from otel_train.diagnostics import collectives
+
+    status = {"0": {"last_enqueued_collective": 3, "last_completed_collective": 2}}
+    entry = {**_entry(7), "collective_seq_id": 3}
+    dump: dict[str, Any] = {"pg_status": status, "statuses": {"cpu": status}, "recorders": {"cpu": [entry]}}
+    monkeypatch.setattr(collectives, "read_dump", lambda entries: dump)
+    monitor = CollectiveMonitor(MeterProvider().get_meter("t"), set())
+    assert [monitor.last_seconds(), monitor.last_seconds()] == [0.0, 0.0]
+    status["0"] = {"last_enqueued_collective": 4, "last_completed_collective": 2}  # 4 runs, unretired
+    monitor.last_seconds()  # the sequence ids moved: the wait counts from here
+    assert monitor.last_seconds() > 0.0
+    dump["statuses"] = {"nccl": status}
+    status["0"] = {"last_enqueued_collective": 3, "last_completed_collective": 2}
+    monitor.last_seconds()
+    assert monitor.last_seconds() > 0.0
 
 
 def test_stray_and_malformed_files_are_skipped_not_fatal(tmp_path: Path) -> None:

@@ -357,16 +357,11 @@ def _interval_targets(spec: MetricSpec) -> tuple[Target, ...]:
 
 def _goodput_rolling_1h() -> str:
     """Each rank's share of the run's own time in the last hour spent in productive steps, as
-    otel_train:goodput:rolling1h computes it: 1 - badput seconds per second when the rank reported
-    an hour ago (and still does), else (a run younger than the hour) its goodput account, which is
-    that part. The library has no productive- or wall-time counter to divide instead."""
-    badput = selector(sc.BADPUT_DURATION)
-    hour = (
-        f"1 - {agg('sum', _R, rate(sc.BADPUT_DURATION, window='1h'))}"
-        f" and on ({_R}) {agg('sum', _R, f'{badput} offset 1h')}"
-        f" and on ({_R}) {agg('sum', _R, badput)}"
-    )
-    return f"clamp_min(({hour}) or {agg('min', _R, selector(sc.GOODPUT))}, 0)"
+    otel_train:goodput:rolling1h computes it: productive seconds in the hour over the hour, or over
+    the run id's whole time (productive + badput) when that is shorter."""
+    own = " + ".join(agg("sum", _R, selector(spec)) for spec in (sc.PRODUCTIVE_DURATION, sc.BADPUT_DURATION))
+    productive = agg("sum", _R, rate(sc.PRODUCTIVE_DURATION, window="1h", fn="increase"))
+    return f"clamp_max({productive} / (clamp_max({own}, 3600) > 0), 1)"
 
 
 def _loss_targets() -> tuple[Target, ...]:
@@ -511,9 +506,9 @@ def overview() -> DashboardDef:
                         min_val=0,
                         description="Share of the run's own time in the last hour spent in training "
                         "steps (the recording rule otel_train:goodput:rolling1h, computed here so the "
-                        "panel works without it): 1 - badput seconds per second for a rank that "
-                        "reported an hour ago, the goodput since its start for a younger run. A "
-                        "restart's gap shows in the hour after it.",
+                        "panel works without it): productive step seconds in the hour over the hour, "
+                        "or over the run's whole time for a run younger than that. A restart's gap "
+                        "shows in the hour after it.",
                     ),
                     ts(
                         "Interruptions",

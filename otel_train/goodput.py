@@ -1,8 +1,8 @@
 """Goodput: each rank's wall time split into productive steps and badput by cause.
 
-The training thread keeps a few cumulative counters; this listener publishes `train.goodput` and
-`train.badput.duration` at each flush and keeps the account in `goodput.rank<k>.json` across
-restarts. The causes: docs/design/core.md#goodput.
+The training thread keeps a few cumulative counters; this listener publishes `train.goodput`,
+`train.productive.duration` and `train.badput.duration` at each flush and keeps the account in
+`goodput.rank<k>.json` across restarts. The causes: docs/design/core.md#goodput.
 """
 
 from __future__ import annotations
@@ -148,7 +148,12 @@ class GoodputListener:
         self._state_path = state_path
         self._run_id = run_id
         self._gauge = semconv.GOODPUT.create(meter)
-        self._badput = semconv.BADPUT_DURATION.create(meter)
+        badput = semconv.BADPUT_DURATION.create(meter)
+        # (counter, account key, attributes): productive time and each badput cause, in seconds
+        self._counters: list[tuple[Any, str, dict[str, str]]] = [
+            (semconv.PRODUCTIVE_DURATION.create(meter), "productive_s", {})
+        ]
+        self._counters += [(badput, cause, {semconv.BADPUT_CAUSE: cause}) for cause in CAUSES]
         interruptions = semconv.INTERRUPTIONS.create(meter)
         self._deviation = semconv.STEP_DEVIATION.create(meter)
         self._dropped = semconv.DROPPED.create(meter)
@@ -174,9 +179,10 @@ class GoodputListener:
             self.last_step = clock.rerun_through = previous["last_step"]
         # The counters start at the job's totals: a restarted process's series continue from where
         # the previous one left them (no reset to 0 for rate() to misread).
-        self._reported = {c: previous["badput"][c] if previous else 0.0 for c in CAUSES}
-        for cause in CAUSES:
-            self._badput.add(self._reported[cause], {semconv.BADPUT_CAUSE: cause})
+        totals = {"productive_s": previous["productive_s"], **previous["badput"]} if previous else {}
+        self._reported = {key: totals.get(key, 0.0) for _, key, _ in self._counters}
+        for counter, key, attributes in self._counters:
+            counter.add(self._reported[key], attributes)
         interruptions.add(self.interruptions)
 
     def on_flush(self, interval: Interval) -> None:
@@ -212,11 +218,11 @@ class GoodputListener:
         """Metrics move only with flushes that carry steps: a flush without steps (a
         `log_metrics(step=...)` or the final one) repeats the last step, and bridges keep one
         value per step. The state file and the end-of-run summary still get the last account."""
-        for cause in CAUSES:
-            delta = account[cause] - self._reported[cause]
+        for counter, key, attributes in self._counters:
+            delta = account[key] - self._reported[key]
             if delta > 0:
-                self._badput.add(delta, {semconv.BADPUT_CAUSE: cause})
-                self._reported[cause] = account[cause]
+                counter.add(delta, attributes)
+                self._reported[key] = account[key]
         if account["wall_s"] > 0:
             self._gauge.set(account["productive_s"] / account["wall_s"])
 

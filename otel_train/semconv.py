@@ -231,6 +231,12 @@ BADPUT_DURATION = _m(
     "Wall time (all restarts of the run id) not spent in productive training steps, by cause.",
     "train/badput/{train.badput.cause}", (BADPUT_CAUSE,),
 )  # fmt: skip
+PRODUCTIVE_DURATION = _m(
+    "train.productive.duration", S.COUNTER, "s",
+    "Wall time (all restarts of the run id) spent in productive training steps; with "
+    "train.badput.duration, the run id's whole wall time.",
+    "train/productive",
+)  # fmt: skip
 INTERRUPTIONS = _m(
     "train.interruptions", S.COUNTER, "{interruption}",
     "Restarts of the run id: each process after the first one of a run id counts one.",

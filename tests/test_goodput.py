@@ -382,6 +382,34 @@ def test_a_restart_gap_is_read_on_the_injected_clocks(tmp_path: Path, same_boot:
     assert second.interruptions == 1 and second.last_step == 9
 
 
+def _total(reader: InMemoryMetricReader, name: str) -> float:
+    """The sum of metric `name`'s points (every attribute set)."""
+    data = reader.get_metrics_data()
+    assert data is not None
+    metrics = [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+    return sum(p.value for m in metrics if m.name == name for p in m.data.data_points)
+
+
+def test_productive_time_is_a_counter_that_continues_across_restarts(tmp_path: Path) -> None:
+    """`train.productive.duration` (what otel_train:goodput:rolling1h divides) is the account's
+    productive time, continued by the next process of the run id from where the last one left it,
+    and with `train.badput.duration` it sums to the run id's wall time, the restart's gap included:
+    a process of 5 s (4 s of steps), a 30 s gap, then 10 s (9 s of steps)."""
+    clock, state_file = FakeTime(), tmp_path / "goodput.rank0.json"
+    first, reader = _process(clock, state_file)
+    clock.advance(5.0)
+    first.on_flush(Interval(0, 9, clock.wall_s, 5.0, 10, 0, 0, [0.4] * 10, final=True))
+    assert _total(reader, "train.productive.duration") == pytest.approx(4.0)
+    clock.advance(30.0)
+    second, reader = _process(clock, state_file)
+    assert _total(reader, "train.productive.duration") == pytest.approx(4.0)  # before its first step
+    clock.advance(10.0)
+    second.on_flush(Interval(1, 19, clock.wall_s, 10.0, 10, 0, 0, [0.9] * 10))
+    productive, badput = _total(reader, "train.productive.duration"), _total(reader, "train.badput.duration")
+    assert productive == pytest.approx(13.0) == pytest.approx(second.totals["productive_s"])
+    assert productive + badput == pytest.approx(45.0) == pytest.approx(second.totals["wall_s"])
+
+
 def test_a_later_run_of_the_process_begins_its_account_at_its_own_init(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

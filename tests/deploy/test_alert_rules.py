@@ -133,7 +133,7 @@ FULL_ONLY_TESTS = {
     "phase_seconds_recording": "per-rank phase histograms (otel_train:phase_seconds:mean5m per phase)",
     "loss_spike_vs_average": "per-rank train_loss / train_loss_max (cross_rank=False: no job-level loss)",
     "throughput_drop_no_exchange": "per-rank train_tokens_total (cross_rank=False: no job-level tokens)",
-    "goodput_rolling1h": "per-rank train_badput_duration_seconds_total and train_goodput",
+    "goodput_rolling1h": "per-rank train_productive_duration_seconds_total and train_badput_duration_seconds_total",
 }
 _SERIES_RE = re.compile(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\{.*\})?\s*$")
 

@@ -9,8 +9,9 @@ rank, series named from otel_train.semconv as the in-process exporter names them
                   watchdog's train.stall.duration rises                 -> TrainingRankStalled for rank 1
   run "eval":     every rank stops stepping to evaluate; their eval batches keep train.stall.duration
                   at 0                                                  -> no alert at all
-  run "eval0":    rank 0 alone evaluates (eval batches) while rank 1 waits for it, past its stall
-                  timeout                                               -> no alert at all
+  run "eval0":    rank 0 alone evaluates (eval batches) while rank 1 waits for it in a barrier, past
+                  its stall timeout: its train.collective.last_seconds rises as in "hung"
+                                                                        -> no alert at all
   run "solo":     a single process stops stepping; its watchdog judges it stalled
                                                                     -> TrainingStalled, never TrainingRankStalled
   run "hung":     both ranks stop in a collective: train.collective.last_seconds rises on each
@@ -119,7 +120,8 @@ def fake_ranks() -> Iterator[list[FakeRank]]:
     ranks += [FakeRank("frozen", r, 0.1, freeze_after_s=3.0 if r == 1 else None) for r in range(4)]
     ranks += [FakeRank("hung", r, 0.1, hang_after_s=3.0) for r in range(2)]
     ranks += [FakeRank("eval", r, 0.1, freeze_after_s=3.0, heartbeats=True) for r in range(2)]
-    ranks += [FakeRank("eval0", r, 0.1, freeze_after_s=3.0, heartbeats=r == 0) for r in range(2)]
+    ranks += [FakeRank("eval0", 0, 0.1, freeze_after_s=3.0, heartbeats=True)]
+    ranks += [FakeRank("eval0", 1, 0.1, hang_after_s=3.0)]  # in the barrier rank 0 comes to at the end
     ranks += [FakeRank("solo", 0, 0.1, freeze_after_s=3.0)]
     stop = threading.Event()
     start = time.monotonic()

@@ -12,7 +12,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from otel_train import semconv
@@ -144,6 +144,22 @@ def _done(entry: dict[str, Any]) -> bool:
     return bool(entry.get("retired")) or entry.get("state") == "completed"
 
 
+def gloo_retired(dump: Mapping[str, Any]) -> dict[str, set[int]]:
+    """Per gloo group, the sequence ids whose entries are retired or completed. torch 2.13's gloo
+    status can keep `last_completed_collective` some ids behind ops that completed, for good (1 to
+    4 behind seen after back-to-back all_reduces): a rank done with its collectives would read as
+    waiting in its last one. NCCL's watchdog updates its status as it retires: only the CPU
+    recorder's groups (`read_dump(entries=True)`) are read."""
+    cpu = {str(name) for name in (dump.get("statuses") or {}).get("cpu") or {}}
+    retired: dict[str, set[int]] = {}
+    for entry in (dump.get("recorders") or {}).get("cpu") or []:
+        group = str((entry.get("process_group") or ["?"])[0])
+        seq = entry.get("collective_seq_id")
+        if group in cpu and _done(entry) and not entry.get("is_p2p") and type(seq) is int:
+            retired.setdefault(group, set()).add(seq)
+    return retired
+
+
 def progress_key(status: dict[str, Any], excluded: Iterable[str]) -> tuple[tuple[str, str, str], ...]:
     """Every group's (name, last enqueued, last completed) sequence ids, the excluded groups left out."""
     skip = set(excluded)
@@ -199,10 +215,9 @@ class CollectiveMonitor:
         return since if (self._pending(key, dump) and not self.saving()) or self.stalled_s() > 0 else 0.0
 
     def _pending(self, key: tuple[tuple[str, str, str], ...], dump: dict[str, Any] | None) -> bool:
-        """Whether a group's last enqueued collective is not its last completed one. Gloo's status
-        (the CPU recorder's) can stay one behind for good after an op that completed (torch 2.13,
-        about one run in ten), while the op's entry is retired: there the entries say (read until
-        they do, then not again for that key). NCCL's watchdog updates its status as it retires."""
+        """Whether a group's last enqueued collective is not its last completed one; for a gloo
+        group, whose status can lag (`gloo_retired`), nor retired in the entries (read until they
+        say so, then not again for that key)."""
         waiting = {(group, enqueued) for group, enqueued, completed in key if enqueued != completed}
         cpu_groups = dump["statuses"].get("cpu", {}) if dump is not None else {}
         if not any(group in cpu_groups for group, _ in waiting):
@@ -210,13 +225,8 @@ class CollectiveMonitor:
         if key == self._retired:
             return False
         full = read_dump(entries=True)
-        entries = full["recorders"].get("cpu", []) if full is not None else []
-        retired = {
-            (str((e.get("process_group") or ["?"])[0]), str(e.get("collective_seq_id")))
-            for e in entries
-            if _done(e)
-        }
-        if waiting <= retired:
+        retired = gloo_retired(full) if full is not None else {}
+        if all(enqueued.isdigit() and int(enqueued) in retired.get(group, ()) for group, enqueued in waiting):
             self._retired = key
         return key != self._retired
 

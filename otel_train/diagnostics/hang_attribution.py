@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otel_train.diagnostics.collectives import CollectiveMonitor, group_label, op_name, read_dump
+from otel_train.diagnostics.collectives import (
+    CollectiveMonitor,
+    gloo_retired,
+    group_label,
+    op_name,
+    read_dump,
+)
 from otel_train.health import EventChannel
 from otel_train.run_directory import RunFiles, read_regular_file
 
@@ -35,14 +41,20 @@ def summarize(
 ) -> dict[str, Any]:  # fmt: skip
     """What a rank's collectives look like now (the content of `collectives.rank<k>.json`)."""
     skip = set(excluded)
+    retired = gloo_retired(dump)
     groups: dict[str, dict[str, Any]] = {}
     for name, status in (dump.get("pg_status") or {}).items():
         if str(name) in skip:
             continue
+        enqueued = int(status.get("last_enqueued_collective", -1))
+        completed = int(status.get("last_completed_collective", -1))
+        done = retired.get(str(name), set())
+        while completed < enqueued and completed + 1 in done:
+            completed += 1
         groups[str(name)] = {
             "label": f"pg{name}",
-            "last_enqueued": int(status.get("last_enqueued_collective", -1)),
-            "last_completed": int(status.get("last_completed_collective", -1)),
+            "last_enqueued": enqueued,
+            "last_completed": completed,
             "ops": {},
         }
     for entry in dump.get("entries") or []:

@@ -464,6 +464,40 @@ def test_a_gloo_status_behind_its_retired_entry_is_no_pending_collective(
     assert monitor.last_seconds() > 0.0
 
 
+def _gloo_dump(completed: int, seqs: list[int], backend: str = "cpu") -> dict[str, Any]:
+    """A rank's dump after all_reduce #10, the shape a real gloo rank wrote: its status says `completed`,
+    and its recorder holds entries for `seqs` (all retired but #10 when `seqs` ends at 9)."""
+    status = {"0": {"last_enqueued_collective": 10, "last_completed_collective": completed}}
+    entries = [{**_entry(s), "collective_seq_id": s, "is_p2p": False} for s in seqs]
+    if 10 not in seqs:
+        entries.append({**_entry(10, retired=False), "collective_seq_id": 10, "is_p2p": False})
+    return {
+        "pg_status": status,
+        "statuses": {backend: status},
+        "entries": entries,
+        "recorders": {backend: entries},
+    }
+
+
+def test_a_gloo_status_behind_its_retired_entries_is_not_a_rank_waiting_for_a_silent_peer() -> None:
+    """torch 2.13's gloo status can stay behind ops whose entries are retired (seen 3 behind, with
+    #8-#10 retired, after back-to-back all_reduces): every rank is done with #10 and stalled outside
+    the collectives, one rank left no file. Nobody waits in a collective, so no verdict (read as is,
+    rank 0 waited in #10 for silent rank 2)."""
+    from otel_train.diagnostics.hang_attribution import summarize
+
+    def completed(dump: dict[str, Any]) -> int:
+        return int(summarize(dump, set(), 0, 3, "h0", None, None)["groups"]["0"]["last_completed"])
+
+    lagging, healthy = _gloo_dump(7, [8, 9, 10]), _gloo_dump(10, [8, 9, 10])
+    summaries = {r: summarize(d, set(), r, 3, f"h{r}", None, None) for r, d in enumerate([lagging, healthy])}
+    assert summaries[0]["groups"]["0"]["last_completed"] == 10
+    assert attribute(summaries, 3) == []
+    assert completed(_gloo_dump(7, [8, 9])) == 9  # #10 still runs: rank 0 waits in it
+    assert completed(_gloo_dump(7, [9, 10])) == 7  # #8 has no entry: nothing past it is assumed
+    assert completed(_gloo_dump(7, [8, 9, 10], "nccl")) == 7  # NCCL's status is read as it is
+
+
 def test_stray_and_malformed_files_are_skipped_not_fatal(tmp_path: Path) -> None:
     from otel_train.diagnostics.hang_attribution import read_summaries, summarize
     from otel_train.run_directory import RunFiles

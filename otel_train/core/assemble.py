@@ -68,6 +68,8 @@ def build_session(config: Config) -> Session:
         config, place.identity, gpu_discovery.resource_attributes() if gpu_discovery else {}
     )
     session = _build_session(config, place, resource, gpu_discovery)
+    reducer = session.reducer
+    session.worker.row_values = lambda: reducer.job_row  # rank 0: a pipeline's last-stage loss
     _attach_memory_dumps(session)
     launch = _check_launch(session, place, gpu_discovery)  # collective (one gather) when distributed
     _attach_goodput(session)

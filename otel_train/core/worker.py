@@ -74,6 +74,10 @@ FLUSH_CPU_WEIGHT = 0.3  # the newest flush's weight in the smoothed CPU per flus
 class Worker:
     """The one background thread that turns flushes into telemetry."""
 
+    # Row values another part adds where this rank has none (the reducer on rank 0: the loss a
+    # pipeline's last stage recorded); rows only, this rank's own series stay as recorded.
+    row_values: Callable[[], Mapping[str, float]] = dict
+
     def __init__(
         self,
         instruments: Instruments,
@@ -256,6 +260,8 @@ class Worker:
             self._warn_once(f"stat:{key}", STAT_KEY_TAKEN.format(key=key))
         self._stat_keys.clear()
         leave_out(scalars, self._own_rows)
+        for key, value in self.row_values().items():
+            scalars.setdefault(key, value)
         self.final_scalars.update(scalars)
         self.flushes += 1
         fresh = any(instrument not in self._own_rows for instrument in batch.scalars)

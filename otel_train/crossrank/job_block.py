@@ -211,6 +211,18 @@ class JobTotals:
     timers: Mapping[float, TimerTotals]
 
 
+def loss_of(blocks: Any) -> tuple[float, float, float] | None:
+    """(mean, min, max) of the loss values the ranks of `blocks` ([JOB_LEN] or [n, JOB_LEN])
+    recorded in their intervals, or None when none did: the loss columns alone, not a `combine`."""
+    array = blocks.numpy().reshape(-1, JOB_LEN)
+    array = array[array[:, _H["version"]] == VERSION]
+    count = float(array[:, _H["loss_count"]].sum())
+    if not count:
+        return None
+    mean = float(array[:, _H["loss_sum"]].sum()) / count
+    return mean, float(array[:, _H["loss_min"]].min()), float(array[:, _H["loss_max"]].max())
+
+
 def decode(block: Any) -> JobTotals:
     values = block.tolist()
     timers: dict[float, TimerTotals] = {}

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from otel_train import semconv
 from otel_train.config import Config
 from otel_train.core.buffer import Interval
 from otel_train.crossrank import down_row, job_block, wire
@@ -114,6 +115,7 @@ class CrossRankReducer:
         self.gauges = StragglerGauges(meter, identity.rank == 0)
         self.job = JobSeries(job_meter if identity.rank == 0 else None)
         self._job_unsent: Any = None  # star, rank r > 0: the block of a row that could not go up
+        self.job_row: dict[str, float] = {}  # rank 0: `_loss_row` of this flush's job blocks
 
     @property
     def left_out_rows(self) -> int:
@@ -178,6 +180,7 @@ class CrossRankReducer:
                 self.on_cadence(0, -1)  # no more schedules from rank 0: every rank keeps its own
 
     def _flush(self, interval: Interval) -> None:
+        self.job_row = {}  # (set again from this flush's job blocks on rank 0)
         if not self.distributed:
             self._flush_local(interval)
             return
@@ -233,10 +236,14 @@ class CrossRankReducer:
             self.last_reductions = own_reductions(local_record(interval, self.identity))
             return
         self._reduce_rows(interval, got.records, from_step)
-        # The job blocks of every row taken at this flush, whatever its steps (each row is taken
-        # once): the tree's bundle holds them; the star's rows each hold theirs.
-        blocks = got.records.job if tree else got.records[:, _layout(self.exchange).span("job")].clone()
+        self._publish_job(interval, got.records, tree)
+
+    def _publish_job(self, interval: Interval, records: Any, tree: bool) -> None:
+        """Rank 0: the job blocks of every row taken at this flush, whatever its steps (each row is
+        taken once; the tree's bundle holds them, the star's rows each hold theirs)."""
+        blocks = records.job if tree else records[:, _layout(self.exchange).span("job")].clone()
         self.job.publish(blocks, self.table.names, interval.elapsed_s)
+        self.job_row = {} if interval.scalars.get(semconv.LOSS.name) else _loss_row(blocks)
 
     def _expected(self, root: bool, tree: bool, step: int) -> set[int] | None:
         """The peers rank 0 waits for (None: all): not one whose held row already reaches `step`
@@ -310,14 +317,7 @@ class CrossRankReducer:
         timings = per_rank_timings(records, self.table.names)
         self.last_reductions = reduce_timings({r.rank: t for r, t in zip(records, timings, strict=True)})
         views = [
-            RankView(
-                r.rank,
-                r.host,
-                r.local_rank,
-                r.step_stats,
-                {n: t.arrival for n, t in r.named_timers(self.table.names).items() if t.arrival.count},
-                tree.weight if r.rank < 0 and tree else 1.0,
-            )
+            _view(r, self.table.names, tree.weight if r.rank < 0 and tree else 1.0)
             for r in [*records, *(tree.summary if tree else ())]
         ]
         self._note_abstain(views, records)
@@ -410,3 +410,22 @@ def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
     if reducer.events is not None:
         attributes = {"rank": identity.rank, "world_size": identity.world_size, "world_size_before": before}
         reducer.events.emit("membership_change", message, attributes)
+
+
+def _view(record: RankRecord, names: Mapping[int, str], weight: float) -> RankView:
+    """One row as the straggler model sees it (`verdicts.RankView`): timers inside steps only."""
+    timers = {n: t for n, t in record.named_timers(names).items() if t.arrival.count}
+    return RankView(
+        record.rank, record.host, record.local_rank, record.step_stats,
+        {n: t.arrival for n, t in timers.items()}, weight, timers,
+    )  # fmt: skip
+
+
+def _loss_row(blocks: Any) -> dict[str, float]:
+    """Rank 0's row values (bridge keys) from job blocks where it recorded no loss itself: the
+    loss other ranks recorded (a pipeline's last stage; `job_block.loss_of`), or none. Rows only:
+    rank 0's own series keep to what it recorded (the job's loss is `train.job.loss`)."""
+    loss = job_block.loss_of(blocks)
+    if loss is None:
+        return {}
+    return dict(zip((semconv.LOSS.key, semconv.LOSS_MIN.key, semconv.LOSS_MAX.key), loss, strict=True))

@@ -96,6 +96,13 @@ class TimerStats:
     mean: float  # mean duration (s): the cross-rank timer gauges and console
     arrival: Spread  # seconds from the step's start to the timer's end
 
+    @property
+    def per_step(self) -> tuple[float, float]:
+        """(runs, seconds) of this timer per step it ran in (its arrivals' count): runs > 1 when it
+        runs several times a step (micro-batches under gradient accumulation)."""
+        steps = self.arrival.count
+        return (self.count / steps, self.mean * self.count / steps) if steps else (0.0, 0.0)
+
 
 @dataclass
 class RankRecord:

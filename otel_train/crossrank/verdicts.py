@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Literal
+from typing import Literal, Protocol
 
 from otel_train.config import Config
 from otel_train.crossrank.spread import Spread
@@ -79,6 +79,13 @@ class Settings:
         return cls(threshold=config.straggler_threshold, ewma=config.straggler_ewma)
 
 
+class Timed(Protocol):
+    """A timer's interval as `RankView.timers` holds it (`up_row.TimerStats`)."""
+
+    @property
+    def per_step(self) -> tuple[float, float]: ...
+
+
 @dataclass(frozen=True)
 class RankView:
     """One rank's interval as the model sees it."""
@@ -90,6 +97,8 @@ class RankView:
     arrivals: Mapping[str, Spread]  # timer name -> arrival statistics (timers inside steps only)
     # How many ranks it stands for: 1, or a summary row of the tree (`merge`: rank < 0, never named)
     weight: float = 1.0
+    # timer name -> its (runs, seconds) per step, read only where a timer repeats in a step
+    timers: Mapping[str, Timed] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -183,6 +192,7 @@ class _Table:
                 if spread.count and name != STEP_END:
                     by_phase.setdefault(name, {})[index] = spread
         self.phases = {p: by for p, by in by_phase.items() if len(by) >= 2}
+        self.timers = [v.timers for v in views]
         # Timers only one rank ran (a rank-0-only eval) have nobody to compare with, but they say
         # where that rank was when its lateness arose after every phase the ranks share.
         self.solo: dict[int, dict[str, Spread]] = {}
@@ -197,6 +207,7 @@ class _Table:
             self.order.append(STEP_END)
         self.timed_communication = any(phase_category(p) == "communication" for p in self.order)
         self._orders: dict[str, tuple[dict[int, float], dict[int, float], dict[int, float]]] = {}
+        self._per_step_medians: dict[str, dict[int, float]] = {}
 
     def holds_collective(self, phase: str) -> bool:
         return holds_collective(phase, self.timed_communication)
@@ -224,6 +235,42 @@ class _Table:
             floor = max(noise_mads * max(own.mad, mads[index]), least)
             out[phase] = value if abs(value) > floor else 0.0
         return out
+
+    def repeated_phase(
+        self, index: int, phases: Sequence[str], late_in: str, peak: float, use_max: bool
+    ) -> str:
+        """Where the lateness first seen at `late_in` arose when this rank runs that timer several
+        times a step (micro-batches): its last end holds what every earlier micro-batch lost in
+        every phase, so arrivals cannot tell. Of `phases` (up to the peak; not a collective's, where
+        time is lost waiting), the first whose time per step exceeds the other ranks' by half the
+        most, if that explains half the lateness (a one-off's whole stall: the interval's excess);
+        else `late_in`."""
+        mine = self.timers[index]
+        if late_in not in mine or mine[late_in].per_step[0] <= 1.0:
+            return late_in
+        excess: dict[str, float] = {}
+        for phase in phases:
+            others = self._per_step_others(phase) if phase in mine and phase != STEP_END else {}
+            if index in others and not self.holds_collective(phase):
+                excess[phase] = mine[phase].per_step[1] - others[index]
+        best = max(excess.values(), default=0.0)
+        steps = self.phases[late_in][index].count if use_max else 1
+        if best * steps < 0.5 * peak:
+            return late_in
+        return next(p for p, e in excess.items() if e >= 0.5 * best)
+
+    def _per_step_others(self, phase: str) -> dict[int, float]:
+        """The median of the other ranks' seconds per step in `phase`, for every rank index."""
+        got = self._per_step_medians.get(phase)
+        if got is None:
+            weights = self.weights
+            by = {i: self.timers[i][phase].per_step[1] for i in self.phases[phase] if phase in self.timers[i]}
+            ordered = sorted((own, weights[i], i) for i, own in by.items())
+            total = sum(weights[i] for i in by)
+            got = self._per_step_medians[phase] = (
+                _medians_without(ordered, weights, total) if len(by) > 1 else {}
+            )
+        return got
 
     def _others(self, phase: str) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
         """The phase's median of the others' medians, of their maxima and of their MADs, for every
@@ -260,6 +307,8 @@ def _late(series: Mapping[str, float], table: _Table, index: int, use_max: bool)
     late_in = next(p for p in phases if series[p] >= 0.5 * peak)
     if table.holds_collective(late_in):
         return None  # lateness that arises inside the collective is waiting: a victim, not a culprit
+    if late_in != STEP_END:
+        late_in = table.repeated_phase(index, phases[: phases.index(peak_at) + 1], late_in, peak, use_max)
     sync: str | None = None
     after = phases[phases.index(peak_at) + 1 :]
     if after:

@@ -4,7 +4,8 @@ backward. Real gloo ranks (CPU), a full otel_train session per rank.
 
 Each timer ends several times a step, so its arrival in the step is its LAST end there (where the
 rank reaches the step's one synchronization): a rank slower in every micro-batch is chronically
-late by the sum of its micro-batches' delays, and the other rank waits for it in backward.
+late by the sum of its micro-batches' delays, and the other rank waits for it in backward. The
+phase is named by each timer's time per step, not by the first last end that is late.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def test_a_rank_slower_in_every_micro_batch_is_chronic(tmp_path: Path) -> None:
     assert {(e["rank"], e["pattern"]) for e in events} == {(1, "chronic")}, events
     first = events[0]
     assert first["sync_phase"] == "backward" and first["waiting_ranks"] == "0", first["message"]
+    # where it lost that time: forward (data's last end already holds 3 slower forwards)
+    assert (first["train.phase"], first["category"]) == ("forward", "compute"), first["message"]
     # its delay of every micro-batch: rank 0 waits that long once per step, in the last backward
     assert first["lateness_ms"] == pytest.approx(MICRO_BATCHES * SLOW_S * 1000, rel=0.3)
     assert first["wait_ms"] == pytest.approx(MICRO_BATCHES * SLOW_S * 1000, rel=0.3)

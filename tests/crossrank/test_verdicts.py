@@ -46,6 +46,10 @@ class Job:
     groups: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
     jitter: float = 0.02  # relative noise of every phase
     seed: int = 0
+    # Gradient accumulation: `micro` runs a step of the phases in `repeat` (placed before the others),
+    # a sync phase synchronizing only in its last run (`no_sync()`); a timer's arrival is its last end.
+    micro: int = 1
+    repeat: frozenset[str] = frozenset({"data", "forward", "backward"})
 
     def __post_init__(self) -> None:
         self.clock = [0.0] * self.world
@@ -56,12 +60,21 @@ class Job:
         out = [Interval(seq, 0, 0.0, 0.0, steps, 0, 0) for _ in range(self.world)]
         for _ in range(steps):
             start = list(self.clock)
-            for name, base in self.phases:
+            runs = [(n, b, True) for n, b in self.phases]
+            if self.micro > 1:
+                runs = [
+                    (n, b, m == self.micro - 1)
+                    for m in range(self.micro)
+                    for n, b, _ in runs
+                    if n in self.repeat
+                ]
+                runs += [(n, b, True) for n, b in self.phases if n not in self.repeat]
+            for name, base, last in runs:
                 before = list(self.clock)
                 for r in range(self.world):
                     work = base * self.slow.get((r, name), 1.0) * (1 + self.jitter * self.rng.uniform(-1, 1))
                     self.clock[r] += work + self.stalls.get((r, self.step, name), 0.0)
-                if name in self.sync:
+                if name in self.sync and last:
                     latest = max(self.clock)
                     self.clock = [latest] * self.world
                 for group in self.groups.get(name, ()):
@@ -70,7 +83,8 @@ class Job:
                         self.clock[r] = latest
                 for r in range(self.world):
                     out[r].phases.setdefault(name, []).append(self.clock[r] - before[r])
-                    out[r].arrivals.setdefault(name, []).append(self.clock[r] - start[r])
+                    if last:
+                        out[r].arrivals.setdefault(name, []).append(self.clock[r] - start[r])
             for r in range(self.world):
                 out[r].step_durations.append(self.clock[r] - start[r])
             self.step += 1
@@ -89,7 +103,8 @@ def _views(intervals: Sequence[Interval], tables: list[TimerTable], names: dict[
         names.update(rec.announced)
     return [
         RankView(rec.rank, rec.host, rec.local_rank, rec.step_stats,
-                 {n: t.arrival for n, t in rec.named_timers(names).items() if t.arrival.count})
+                 {n: t.arrival for n, t in rec.named_timers(names).items() if t.arrival.count},
+                 timers={n: t for n, t in rec.named_timers(names).items() if t.arrival.count})
         for rec in records
     ]  # fmt: skip
 
@@ -384,3 +399,19 @@ def test_a_stall_in_a_timer_only_that_rank_runs_names_that_timer(world: int) -> 
         )
         per_flush.append(reports)
     assert [(r.rank, r.pattern, r.phase) for r in _flat(per_flush)] == [(0, "one_off", "eval")]
+
+
+@pytest.mark.parametrize(("world", "phase"), [(2, "forward"), (4, "forward"), (2, "data"), (4, "data")])
+def test_gradient_accumulation_names_the_phase_a_rank_is_slow_in(world: int, phase: str) -> None:
+    """4 micro-batches a step under `no_sync()`: the last end of `data` already holds 3 slower
+    micro-batches of any phase, so arrivals alone name `data`; the time per step names the phase."""
+    job = Job(world, micro=4, slow={(world - 1, phase): 2.0 if phase == "forward" else 6.0})
+    reports = _flat(run(job, flushes=6))
+    assert reports and {(r.rank, r.pattern, r.phase) for r in reports} == {(world - 1, "chronic", phase)}
+    assert reports[0].sync_phase == "backward"
+
+
+def test_gradient_accumulation_one_off_names_the_stalled_phase() -> None:
+    job = Job(4, micro=4, stalls={(3, 13, "forward"): 0.4})  # step 13: the second interval
+    reports = _flat(run(job, flushes=4))
+    assert [(r.rank, r.pattern, r.phase) for r in reports] == [(3, "one_off", "forward")]

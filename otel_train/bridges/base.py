@@ -9,7 +9,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+HISTOGRAM_BINS = 64  # W&B's default; TensorBoard and MLflow get the same bins
 
 
 class Sink:
@@ -83,3 +89,41 @@ def flatten_params(params: Mapping[str, Any], typed: bool = False, prefix: str =
             except (TypeError, ValueError):
                 out[name] = str(value)
     return out
+
+
+def histogram_bins(
+    values: Sequence[float], bins: int = HISTOGRAM_BINS
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], npt.NDArray[np.float64]] | None:
+    """(finite values, counts, edges) of `values` in `bins` equal bins from their min to their max;
+    None when no value is finite. How every backend bins, so they show one distribution alike.
+
+    Never raises for finite values, where `np.histogram(values, bins)` does ("Too many bins"):
+    a range with fewer distinct floats than bins (1.7e16 + 0..7: nanosecond timestamps) gets fewer
+    bins; a constant past 2**53 (numpy widens it by +-0.5, which is no width there) gets one bin one
+    float wide; a range wider than the largest float (-1e308..1e308) is split without `max - min`.
+    Other constants get numpy's bins, from value - 0.5 to value + 0.5."""
+    import numpy as np
+
+    array = np.asarray(values, dtype=np.float64).ravel()
+    array = array[np.isfinite(array)]
+    if array.size == 0:
+        return None
+    lo, hi = float(array.min()), float(array.max())
+    count = bins
+    while True:
+        try:
+            if math.isfinite(hi - lo):
+                counts, edges = np.histogram(array, bins=count, range=(lo, hi))
+            else:  # numpy would compute max - min: split the range by weights instead
+                fraction = np.arange(count + 1, dtype=np.float64) / count
+                edges = np.clip(lo * (1.0 - fraction) + hi * fraction, lo, hi)
+                counts, edges = np.histogram(array, bins=edges)
+            return array, counts.astype(np.int64), edges.astype(np.float64)
+        except ValueError:  # "Too many bins for data range": fewer floats than bins between lo and hi
+            if count > 1:
+                count //= 2
+            elif lo == hi:  # a constant numpy cannot widen: one bin one float wide
+                up = math.nextafter(hi, math.inf)
+                lo, hi = (lo, up) if math.isfinite(up) else (math.nextafter(lo, -math.inf), hi)
+            else:  # lo < hi: one bin always fits
+                raise

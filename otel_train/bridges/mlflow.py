@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import time
@@ -14,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.bridges.base import Sink, flatten_params
+from otel_train.bridges.base import Sink, flatten_params, histogram_bins
 from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
 from otel_train.run_directory import RunFiles
 
@@ -215,19 +216,21 @@ class MlflowSink(Sink):
     def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
         import numpy as np
 
-        array = np.asarray(values, dtype=np.float64).ravel()
-        array = array[np.isfinite(array)]
-        if array.size == 0:
+        binned = histogram_bins(values)
+        if binned is None:
             return
-        counts, edges = np.histogram(array, bins=64)
+        array, counts, edges = binned
+        with np.errstate(over="ignore", invalid="ignore"):  # values near the largest float
+            mean, std = float(array.mean()), float(array.std())
         doc = {
             "key": key,
             "step": step,
             "count": int(array.size),
             "min": float(array.min()),
             "max": float(array.max()),
-            "mean": float(array.mean()),
-            "std": float(array.std()),
+            # null where the sum overflowed: the file stays strict JSON (no Infinity, NaN)
+            "mean": mean if math.isfinite(mean) else None,
+            "std": std if math.isfinite(std) else None,
             "bin_edges": [float(e) for e in edges],
             "counts": [int(c) for c in counts],
         }

@@ -58,7 +58,8 @@ def _wandb(config: Config, place: BridgePlace) -> dict[str, Any]:
     role = place.role
     return {
         "run_dir": str(place.run_dir),
-        "config_dict": plain({"otel_train": config_as_dict(config)}),
+        # the run id the ranks agreed at init (the config's is None unless the user set one)
+        "config_dict": plain({"otel_train": {**config_as_dict(config), "run_id": place.run_id}}),
         "project": config.wandb_project,
         "entity": config.wandb_entity,
         # with a role, its own W&B run (id and name carry the role), grouped under the run name

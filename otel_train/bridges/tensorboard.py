@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.bridges.base import Sink, flatten_params
+from otel_train.bridges.base import Sink, flatten_params, histogram_bins
 from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
 
 logger = logging.getLogger("otel_train")
@@ -52,10 +52,17 @@ class TensorBoardSink(Sink):
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         for key, value in scalars.items():
-            self._writer.add_scalar(key, float(value), global_step=step, walltime=wall_time)
+            self._add_scalar(key, value, step, wall_time)
             self._seen.add(key)
         self._last_step = max(self._last_step, step)
         self._writer.flush()  # make every flush visible to a running TensorBoard
+
+    def _add_scalar(self, key: str, value: float, step: int, wall_time: float) -> None:
+        # As a float64 tensor: the default (a float32 `simple_value`) shows 1e39 as inf and 1e-46
+        # as 0, where the JSONL, W&B and MLflow keep the value.
+        self._writer.add_scalar(
+            key, float(value), global_step=step, walltime=wall_time, new_style=True, double_precision=True
+        )
 
     def write_text(self, key: str, text: str, step: int) -> None:
         self._writer.add_text(key, text, global_step=step)
@@ -64,11 +71,25 @@ class TensorBoardSink(Sink):
     def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
         import numpy as np
 
-        array = np.asarray(values, dtype=np.float64).ravel()
-        array = array[np.isfinite(array)]
-        if array.size == 0:
-            return  # add_histogram raises on an empty histogram
-        self._writer.add_histogram(key, array, global_step=step)
+        # The bins W&B and MLflow get: add_histogram's own ("tensorflow") end at 1e20, and it
+        # raises on values past them
+        binned = histogram_bins(values)
+        if binned is None:
+            return  # nothing finite to show
+        array, counts, edges = binned
+        with np.errstate(over="ignore"):  # a sum past the largest float is inf, not an error
+            total, squares = float(array.sum()), float(array.dot(array))
+        self._writer.add_histogram_raw(
+            key,
+            min=float(array.min()),
+            max=float(array.max()),
+            num=int(array.size),
+            sum=total,
+            sum_squares=squares,
+            bucket_limits=edges[1:].tolist(),  # right edges; the reader takes `min` as the first left
+            bucket_counts=counts.tolist(),
+            global_step=step,
+        )
         self._writer.flush()
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
@@ -101,7 +122,7 @@ class TensorBoardSink(Sink):
         now = time.time()
         for key, value in final_scalars.items():
             if key not in self._seen:  # a final value the curves never carried
-                self._writer.add_scalar(key, float(value), global_step=self._last_step, walltime=now)
+                self._add_scalar(key, value, self._last_step, now)
         if self._hparams_written:
             self._writer._get_file_writer().add_summary(_session_end_summary(now))
         self._writer.flush()

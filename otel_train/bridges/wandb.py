@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import semconv as sc
-from otel_train.bridges.base import Sink, merge_params
+from otel_train.bridges.base import Sink, histogram_bins, merge_params
 from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
 from otel_train.run_directory import RunFiles
 
@@ -68,9 +67,32 @@ def warn_if_user_run_active() -> None:
     )
 
 
-def _wandb_id(value: str) -> str:
-    """W&B run ids allow letters, digits, '-' and '_' (at most 64 characters here)."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", value)[:64]
+# W&B's SDK rejects `:;,#?/'` and outer whitespace in a run id and sets no length; the id also names
+# the run's artifacts (`run-<id>-history`), which W&B's server keeps to 128 characters.
+WANDB_ID_MAX = 64
+_NOT_IN_ID = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _wandb_id(run_id: str, role: str = "", rank: int | None = None) -> str:
+    """The W&B run id of `run_id` (which ends in `-<role>` with a role), `-rank<k>` appended for a
+    rank's own run: letters, digits, '-' and '_', at most WANDB_ID_MAX characters.
+
+    An id that needs no change is kept as it is, so a resumed run continues its W&B run. Any other
+    (characters mapped, or too long) gets 8 hex of the whole id's SHA-1 before its role and rank, which
+    stay in it: `exp.1` and `exp-1`, two ranks or roles, or two run ids alike in their first 64
+    characters never share a W&B run, and the same run id always maps to the same W&B run."""
+    import hashlib
+
+    tail = f"-rank{rank}" if rank is not None else ""
+    whole = f"{run_id}{tail}"
+    if not _NOT_IN_ID.search(whole) and len(whole) <= WANDB_ID_MAX:
+        return whole
+    if role and run_id.endswith(f"-{role}"):
+        run_id, tail = run_id[: -len(role) - 1], f"-{role}{tail}"
+    digest = hashlib.sha1(whole.encode("utf-8"), usedforsecurity=False).hexdigest()[:8]
+    tail = _NOT_IN_ID.sub("-", tail)[: WANDB_ID_MAX - len(digest) - 2]
+    head = _NOT_IN_ID.sub("-", run_id)[: WANDB_ID_MAX - len(digest) - 1 - len(tail)].rstrip("-")
+    return f"{head}-{digest}{tail}"
 
 
 class WandbSink(Sink):
@@ -107,7 +129,7 @@ class WandbSink(Sink):
         # rank=None: the one run of the job. rank=N (bridge_all_ranks): one run per rank, grouped.
         suffix = f"-rank{rank}" if rank is not None else ""
         self.run_name = f"{run_name}{suffix}" if run_name else None
-        self.run_id = _wandb_id(f"{run_id}{suffix}") if run_id else None
+        self.run_id = _wandb_id(run_id, role, rank) if run_id else None
         self.group = group or (run_name if rank is not None else None)
         self._run: Any = None
         self._closed = False
@@ -228,11 +250,12 @@ class WandbSink(Sink):
     def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
         import wandb
 
-        finite = [float(v) for v in values if math.isfinite(v)]
-        if not finite:
+        binned = histogram_bins(values)  # wandb.Histogram(values) raises on a range it cannot bin
+        if binned is None:
             return
+        _, counts, edges = binned
         run = self._ensure_run()
-        run.log({key: wandb.Histogram(finite), STEP_KEY: step})
+        run.log({key: wandb.Histogram(np_histogram=(counts, edges)), STEP_KEY: step})
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
         run = self._ensure_run()

@@ -55,6 +55,19 @@ def test_scalars_text_histograms_hparams_round_trip(tmp_path: Path) -> None:
     assert [p.name for p in log_dir.iterdir() if p.is_dir()] == []
 
 
+def test_scalars_keep_double_precision(tmp_path: Path) -> None:
+    """Finite values past float32 (exp of a diverging loss) and below it, and every digit of a
+    learning rate, read back as the JSONL, W&B and MLflow have them."""
+    log_dir = tmp_path / "tb"
+    sink = TensorBoardSink(log_dir)
+    values = {"train/ppl": 1e39, "train/tiny": 1e-46, "train/lr": 1.23456789012e-4}
+    sink.write_scalars(0, time.time(), values)
+    sink.close({**values, "eval/ppl": 3e300})  # a final value no flush carried: written at close
+    tb = read_tensorboard(log_dir)
+    assert {k: tb.scalars[k] for k in values} == {k: [(0, v)] for k, v in values.items()}
+    assert tb.scalars["eval/ppl"] == [(0, 3e300)]
+
+
 def test_two_runs_under_one_root_are_separate_runs(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
 

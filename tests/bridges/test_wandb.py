@@ -53,7 +53,7 @@ def test_offline_round_trip_and_no_secret(tmp_path: Path, monkeypatch: pytest.Mo
 
     run = read_wandb_offline(run_dir)
     assert run.exited and run.name == "run-w" and run.group == "g1" and run.tags == ["unit"]
-    assert run.run_id == "job-42"  # ':' is not allowed in W&B ids
+    assert re.fullmatch(r"job-42-[0-9a-f]{8}", run.run_id)  # ':' is not allowed in W&B ids
     # every series is plotted against the training step
     assert {"name": "train/step", "glob_name": "", "step_metric": ""} in run.metric_defs
     assert {"name": "", "glob_name": "*", "step_metric": "train/step"} in run.metric_defs
@@ -73,7 +73,7 @@ def test_offline_round_trip_and_no_secret(tmp_path: Path, monkeypatch: pytest.Mo
     assert run.summary["train/loss"] == pytest.approx(1 / 3)
 
     info = json.loads((run_dir / "wandb_run.json").read_text())
-    assert info["id"] == "job-42" and info["offline"] is True
+    assert info["id"] == run.run_id and info["offline"] is True
     assert info["sync_command"] == f"wandb sync {run.run_dir}"
     # the planted secret is nowhere in the run dir (config, .wandb log, metadata, debug logs)
     for path in run_dir.rglob("*"):
@@ -92,6 +92,57 @@ def test_rank_runs_are_named_and_grouped(tmp_path: Path) -> None:
     assert (sink.run_name, sink.run_id, sink.group) == ("exp-rank3", "u1-rank3", "exp")
     single = WandbSink(tmp_path, {}, project="p", run_name="exp", run_id="u1")
     assert (single.run_name, single.run_id, single.group) == ("exp", "u1", None)
+
+
+LONG_ID = "llama3-70b-pretrain-phase2-lr3e-4-bs2048-seq8192-node64-2026-11-29"  # 66 chars, a valid run_id
+
+
+def test_wandb_ids_are_distinct_stable_and_keep_role_and_rank(tmp_path: Path) -> None:
+    """Mapping characters W&B rejects, or cutting to 64 characters, never makes two ids one."""
+
+    def wandb_id(run_id: str, rank: int | None = None, role: str = "") -> str:
+        return str(WandbSink(tmp_path, {}, "p", run_name="r", run_id=run_id, rank=rank, role=role).run_id)
+
+    assert Config(run_id=LONG_ID).run_id == LONG_ID
+    ids = [
+        *(wandb_id(LONG_ID, rank) for rank in (0, 1, 2)),
+        *(wandb_id(f"{LONG_ID}-{role}", role=role) for role in ("actor", "critic")),
+        wandb_id(f"{LONG_ID}-attempt1"),
+        wandb_id(f"{LONG_ID}-attempt2"),
+        wandb_id("exp.1"),
+        wandb_id("exp-1"),
+        wandb_id("x" * 128),
+    ]
+    assert len(set(ids)) == len(ids), ids
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", i) for i in ids), ids
+    assert ids[0].endswith("-rank0") and ids[3].endswith("-actor") and ids[4].endswith("-critic")
+    assert wandb_id(LONG_ID, 1) == ids[1]  # the same run id always names the same W&B run (resume)
+    # ids W&B takes as they are stay as they were, so existing runs resume into the same W&B run
+    assert [wandb_id("exp-1"), wandb_id("u1", 3), wandb_id("job_7-actor", role="actor")] == [
+        "exp-1",
+        "u1-rank3",
+        "job_7-actor",
+    ]
+
+
+def test_each_role_logs_its_own_run_recording_the_run_id(tmp_path: Path) -> None:
+    """Two roles of one job with a 66-character run id: two W&B runs, each id naming its role, and
+    the config records the run id the job runs under (None there before: it is agreed at init)."""
+    from otel_train.bridges.table import BridgePlace, specs
+
+    config = Config(wandb=True, wandb_mode="offline", role="actor")  # no run_id: agreed at init
+    ids = []
+    for role in ("actor", "critic"):
+        place = BridgePlace(run_dir=tmp_path / role, run_name="rl", run_id=LONG_ID, rank=0, role=role)
+        [kwargs] = [k for _, cls, k in specs(config, place) if cls == "WandbSink"]
+        sink = WandbSink(**kwargs)
+        sink.write_scalars(1, time.time(), {"train/loss": 1.0})
+        sink.close({})
+        run = read_wandb_offline(tmp_path / role)
+        assert run.run_id.endswith(f"-{role}") and run.series("train/loss") == [(1, 1.0)]
+        assert run.config["otel_train/run_id"] == LONG_ID
+        ids.append(run.run_id)
+    assert ids[0] != ids[1]
 
 
 def test_auto_mode_is_offline_without_credentials(tmp_path: Path) -> None:

@@ -41,8 +41,11 @@ class ThreadedSink(Sink):
         self.close_timeout_s = close_timeout_s
         self._queue: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
-        self.dropped = 0  # calls dropped: the queue full, the backend disabled, or after close
-        self.errors = 0  # backend calls that raised
+        # updates not written: the queue full, the backend raised or was disabled, after close, or
+        # left queued (or hung in the backend) when close gave up
+        self.dropped = 0
+        self.errors = 0  # backend calls that raised (each update among them is also dropped)
+        self._in_flight: str | None = None  # the call the backend is executing, if any
         self._consecutive = 0
         self.disabled = False
         self.retry_after_s = retry_after_s
@@ -103,11 +106,27 @@ class ThreadedSink(Sink):
         if not self._done.is_set():
             logger.warning(
                 "otel_train: the %s bridge did not finish within %.1f s; abandoning it "
-                "(%d queued call(s) not written). Its data may be incomplete.",
+                "(%d call(s) not written, counted in dropped). Its data may be incomplete.",
                 self.name,
                 timeout,
-                self._queue.qsize(),
+                self._abandon(item),
             )
+
+    def _abandon(self, close_item: tuple[str, tuple[Any, ...]]) -> int:
+        """Take the queued updates back unwritten and count them, with one the backend hangs in,
+        as dropped; the close stays queued, so a backend that comes back is still closed."""
+        lost = int(self._in_flight not in (None, _CLOSE))
+        while True:
+            try:
+                method, _ = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if method != _CLOSE:
+                lost += 1
+        self._queue.put_nowait(close_item)  # nothing else is queued after _closing
+        with self._lock:
+            self.dropped += lost
+        return lost
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -180,12 +199,15 @@ class ThreadedSink(Sink):
 
     def _attempt(self, method: str, args: tuple[Any, ...], reopen: bool = False) -> Exception | None:
         """One call of the backend (after a fresh writer, with `reopen`); the error it raised."""
+        self._in_flight = method
         try:
             if reopen:
                 self.inner.reopen()
             getattr(self.inner, method)(*args)
         except Exception as exc:  # the backend (TensorBoard, W&B, MLflow, a disk): never escapes the bridge
             return exc
+        finally:
+            self._in_flight = None
         return None
 
     def _call(self, method: str, args: tuple[Any, ...]) -> None:
@@ -193,6 +215,8 @@ class ThreadedSink(Sink):
         if exc is not None:
             with self._lock:
                 self.errors += 1
+                if method != _CLOSE:  # the update it carried is not written
+                    self.dropped += 1
                 self._consecutive += 1
                 first = not self._warned_error
                 self._warned_error = True

@@ -105,16 +105,21 @@ def test_close_is_bounded_when_the_backend_hangs(caplog: pytest.LogCaptureFixtur
     inner = Slow()
     sink = ThreadedSink(inner, queue_size=2, name="hung")
     sink.write_scalars(0, 0.0, {"x": 0.0})
-    sink.write_scalars(1, 0.0, {"x": 1.0})
-    sink.write_scalars(2, 0.0, {"x": 2.0})
     assert inner.started.wait(2.0)
+    sink.write_scalars(1, 0.0, {"x": 1.0})
+    sink.write_scalars(2, 0.0, {"x": 2.0})  # the queue is full: close's own call cannot be queued
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="otel_train"):
         sink.close({}, timeout=0.3)
     assert time.monotonic() - t0 < 2.0  # far below the backend's 5 s stall
     assert not sink.closed_cleanly and not inner.closed.is_set()
     assert any("did not finish within" in r.getMessage() and "hung" in r.getMessage() for r in caplog.records)
+    # the call it hangs in and the two queued behind it are not written: counted as dropped
+    assert sink.dropped == 3
+    assert any("3 call(s) not written, counted in dropped" in r.getMessage() for r in caplog.records)
     inner.release.set()
+    assert inner.closed.wait(10.0)  # a backend that comes back is still closed ...
+    assert [c[1][0] for c in inner.calls if c[0] == "scalars"] == [0]  # ... without the dropped calls
 
 
 def test_raising_backend_warns_once_then_is_disabled(caplog: pytest.LogCaptureFixture) -> None:
@@ -132,7 +137,7 @@ def test_raising_backend_warns_once_then_is_disabled(caplog: pytest.LogCaptureFi
     assert len(failures) == 1 and "broken-backend" in failures[0] and "backend exploded" in failures[0]
     assert sum("3 times in a row and is disabled" in m and "retried" in m for m in messages) == 1
     assert sink.disabled and sink.errors == 3
-    assert sink.dropped == 8  # 7 scalars + 1 text after disabling
+    assert sink.dropped == 11  # the 3 that raised, then 7 scalars + 1 text after disabling
     assert inner.calls == [("close", {"x": 1.0})]  # close still reaches the backend to release it
     assert sink.closed_cleanly
 
@@ -149,7 +154,7 @@ def test_intermittent_failures_do_not_disable() -> None:
     for step in range(10):
         sink.write_scalars(step, 0.0, {"x": 1.0})
     sink.close({}, timeout=5)
-    assert not sink.disabled and sink.errors == 5
+    assert not sink.disabled and sink.errors == 5 and sink.dropped == 5  # each that raised: unwritten
     assert [c[1][0] for c in inner.calls if c[0] == "scalars"] == [0, 2, 4, 6, 8]
 
 
@@ -191,7 +196,7 @@ def test_a_disabled_backend_is_retried_with_a_fresh_writer_until_it_works(
         sink.close({}, timeout=10)
     assert not sink.disabled and sink.reenabled == 1 and inner.reopened == 4
     assert [c[1][0] for c in inner.calls if c[0] == "scalars"] == [5, 6, 7]
-    assert sink.errors == 5 and sink.dropped == 3
+    assert sink.errors == 5 and sink.dropped == 5  # 2 failed calls, then 3 failed retries
     messages = [r.getMessage() for r in caplog.records]
     assert any("the disk bridge works again" in m and "3 update(s) were dropped" in m for m in messages), (
         messages

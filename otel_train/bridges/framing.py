@@ -17,20 +17,42 @@ _LENGTH = struct.Struct("<I")
 MAX_FRAME = 256 * 1024 * 1024
 
 
+class FrameTooLarge(ValueError):
+    """A message whose frame would be larger than MAX_FRAME: never sent (the reader refuses it)."""
+
+
+class BadFrame(ValueError):
+    """A frame that arrived whole but cannot be read (over MAX_FRAME, or a pickle that does not
+    load): its bytes are consumed, so the next frame reads normally."""
+
+
+class FrameCut(OSError):
+    """A write that failed after part of the frame went into the pipe: the reader may have read
+    that part, and died of it (so the frame is not sent to its successor)."""
+
+
 def encode(message: Any) -> bytes:
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(f"{len(body)} bytes, over the bridge frame limit of {MAX_FRAME}")
     return _LENGTH.pack(len(body)) + body
 
 
 def write_frame(fd: int, frame: bytes) -> None:
     view = memoryview(frame)
     while view:
-        written = os.write(fd, view)
+        try:
+            written = os.write(fd, view)
+        except OSError as exc:
+            if len(view) < len(frame):
+                raise FrameCut(exc.errno, exc.strerror) from exc
+            raise
         view = view[written:]
 
 
-def _read_exact(fd: int, size: int, deadline: float | None) -> bytes | None:
-    """`size` bytes from `fd`, or None on EOF; TimeoutError past `deadline` (monotonic)."""
+def _read_exact(fd: int, size: int, deadline: float | None, keep: bool = True) -> bytes | None:
+    """`size` bytes from `fd` (b"" when not `keep`: read and let go), or None on EOF;
+    TimeoutError past `deadline` (monotonic)."""
     chunks: list[bytes] = []
     left = size
     while left:
@@ -41,23 +63,28 @@ def _read_exact(fd: int, size: int, deadline: float | None) -> bytes | None:
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
             return None
-        chunks.append(chunk)
+        if keep:
+            chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
 
 
 def read_frame(fd: int, deadline: float | None = None) -> Any:
-    """The next message from `fd`; EOFError at end of stream, TimeoutError past `deadline`."""
+    """The next message from `fd`; EOFError at end of stream, TimeoutError past `deadline`,
+    BadFrame for a whole frame that cannot be read (the stream stays at a frame boundary)."""
     header = _read_exact(fd, _LENGTH.size, deadline)
     if header is None:
         raise EOFError
     (size,) = _LENGTH.unpack(header)
-    if size > MAX_FRAME:
-        raise ValueError(f"bridge frame of {size} bytes is larger than {MAX_FRAME}")
-    body = _read_exact(fd, size, deadline)
+    body = _read_exact(fd, size, deadline, keep=size <= MAX_FRAME)
     if body is None:
         raise EOFError
-    return pickle.loads(body)
+    if size > MAX_FRAME:
+        raise BadFrame(f"a bridge frame of {size} bytes, over the limit of {MAX_FRAME}")
+    try:
+        return pickle.loads(body)
+    except Exception as exc:  # a truncated pickle raises EOFError too: never read as the pipe's end
+        raise BadFrame(f"a bridge frame that cannot be unpickled: {exc!r}") from exc
 
 
 def plain(value: Any, depth: int = 0) -> Any:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from otel_train.bridges.framing import encode, read_frame, write_frame
+from otel_train.bridges.framing import BadFrame, encode, read_frame, write_frame
 from otel_train.bridges.threaded import ThreadedSink
 
 log = logging.getLogger("otel_train")
@@ -181,6 +181,44 @@ def stats(sinks: list[ThreadedSink]) -> dict[str, dict[str, Any]]:
     return {s.name: {"dropped": s.dropped, "errors": s.errors, "clean": s.closed_cleanly} for s in sinks}
 
 
+REPORT_EVERY_S = 1.0  # the bridges' drop counts go to the training process at most this often
+
+
+class Reports:
+    """The bridges' drop counts and the frames skipped here, sent to the training process as they
+    grow (at most every REPORT_EVERY_S), so it counts them during the run: the close's answer may
+    come after it stopped waiting, or never."""
+
+    def __init__(self, reply_fd: int, sinks: list[ThreadedSink]) -> None:
+        self.reply_fd = reply_fd
+        self.sinks = sinks
+        self.skipped = 0  # frames that arrived whole but could not be read (`framing.BadFrame`)
+        self._sent = self._counts()
+        self._next = 0.0  # monotonic time before which no report is sent
+
+    def _counts(self) -> tuple[int, ...]:
+        return (self.skipped, *(s.dropped for s in self.sinks))
+
+    def skip(self, exc: BadFrame) -> None:
+        if not self.skipped:
+            log.warning(
+                "otel_train: the bridge process skipped %s; the bridges miss that update (counted as "
+                "otel_train.dropped{reason=bridge_bad_frame}). Shown once.",
+                exc,
+            )
+        self.skipped += 1
+
+    def send_if_grown(self) -> None:
+        now = time.monotonic()
+        counts = self._counts()
+        if counts != self._sent and now >= self._next:
+            write_frame(self.reply_fd, encode(("stats", stats(self.sinks), self.skipped)))
+            self._sent, self._next = counts, now + REPORT_EVERY_S
+
+    def closed(self) -> None:
+        write_frame(self.reply_fd, encode(("closed", stats(self.sinks), self.skipped)))
+
+
 def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
     closing = threading.Event()
 
@@ -190,6 +228,7 @@ def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     sinks: list[ThreadedSink] = []
+    reports: Reports | None = None
     final: Mapping[str, float] = {}
     grace_s = DEFAULT_GRACE_S
     reply = True
@@ -203,9 +242,17 @@ def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
             write_frame(reply_fd, encode(("error", type(exc).__name__, str(exc))))
             return
         cpu.set_up()  # W&B's service included: it started in build()
+        reports = Reports(reply_fd, sinks)
         write_frame(reply_fd, encode(("ready", [s.name for s in sinks])))
         while True:
-            message = _read_whole(in_fd)
+            reports.send_if_grown()
+            try:
+                message = _read_whole(in_fd, REPORT_EVERY_S)
+            except BadFrame as exc:  # skipped, never the end of this process (or of its successor)
+                reports.skip(exc)
+                continue
+            if message is None:
+                continue
             cpu.follow_lift()
             if message[0] == "call":
                 _call_all(sinks, message)
@@ -220,19 +267,21 @@ def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
     if not reply:
         _drain(in_fd, sinks)
     close_all(sinks, final, grace_s)
-    if reply:
+    if reply and reports is not None:
         with contextlib.suppress(OSError):
-            write_frame(reply_fd, encode(("closed", stats(sinks))))
+            reports.closed()
 
 
 DRAIN_S = 5.0  # after the parent's death: how long the calls still in the pipe are read
 FRAME_S = 5.0  # a frame whose first byte arrived is whole within this (the parent writes it at once)
 
 
-def _read_whole(in_fd: int) -> Any:
-    """The next frame: waiting for it may be cut short by SIGTERM (ParentGone), reading it may not.
-    A death signal that cut a frame in half left the pipe mid-frame, and `_drain` read garbage."""
-    select.select([in_fd], [], [])  # interruptible: nothing read yet
+def _read_whole(in_fd: int, wait_s: float | None = None) -> Any:
+    """The next frame, or None when none began within `wait_s`: waiting for it may be cut short by
+    SIGTERM (ParentGone), reading it may not. A death signal that cut a frame in half left the pipe
+    mid-frame, and `_drain` read garbage."""
+    if not select.select([in_fd], [], [], wait_s)[0]:  # interruptible: nothing read yet
+        return None
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         return read_frame(in_fd, time.monotonic() + FRAME_S)
@@ -247,7 +296,10 @@ def _drain(in_fd: int, sinks: list[ThreadedSink]) -> None:
     deadline = time.monotonic() + DRAIN_S
     with contextlib.suppress(Exception):  # EOF, a cut frame, the deadline: what was read is kept
         while True:
-            message = read_frame(in_fd, deadline)
+            try:
+                message = read_frame(in_fd, deadline)
+            except BadFrame:
+                continue
             if message[0] != "call":
                 return
             _call_all(sinks, message)
@@ -269,13 +321,17 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     cpu = CpuPolicy()
     cpu.start()
+    code = 0
     try:
         serve(parent_pid, in_fd, reply_fd, cpu)
+    except BaseException:  # a bug: said, and an exit code the parent's warning shows
+        log.exception("otel_train: the bridge process failed")
+        code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         # Backends may leave non-daemon threads (W&B's service); what they had to write is written.
-        os._exit(0)
+        os._exit(code)
 
 
 if __name__ == "__main__":

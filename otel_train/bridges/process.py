@@ -16,11 +16,19 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from otel_train.bridges.base import Sink, merge_params
 from otel_train.bridges.errors import BridgeSetupFailed
-from otel_train.bridges.framing import encode, plain, read_frame, write_frame
+from otel_train.bridges.framing import (
+    BadFrame,
+    FrameCut,
+    FrameTooLarge,
+    encode,
+    plain,
+    read_frame,
+    write_frame,
+)
 from otel_train.bridges.table import BridgeSpec
 
 log = logging.getLogger("otel_train")
@@ -39,6 +47,19 @@ AFTER_GRACE_S = 15.0
 _RESTARTING = (
     "otel_train: the bridge process (pid %s) died (%s); restarting it in %.0f s (restart %d of at most "
     "%d). What it had not written, and updates meanwhile, are lost (counted)."
+)
+_FALLING_BEHIND = (
+    "otel_train: the bridges are falling behind (queue of %d full) or gone; dropping their updates "
+    "(counted in otel_train.dropped). Training is not slowed down. Shown once."
+)
+_AFTER_CLOSE = (
+    "otel_train: updates handed to the bridges after their close (the background worker was still "
+    "busy past the shutdown deadline) are dropped (counted as otel_train.dropped{reason=bridge_closed}). "
+    "Shown once."
+)
+_TOO_LARGE = (
+    "otel_train: a %s call for the bridges is %s; it is dropped (counted as "
+    "otel_train.dropped{reason=bridge_frame_too_large}). Shown once."
 )
 _GONE_FOR_GOOD = (
     "otel_train: the bridge process died again (%s) after %d restarts; it is not restarted and bridge "
@@ -65,7 +86,8 @@ class BridgeProcess(Sink):
         self.closed_cleanly = False
         self._dead = False
         self._closing = False
-        self._warned_drop = False
+        self._warned: set[str] = set()  # the drop reasons warned about (once each)
+        self._listener: threading.Thread | None = None  # reads the child's answers (`_listen`)
         self._next_lift = 0.0  # monotonic time before which _catch_up does nothing
         self._setup_done = threading.Event()
         self._setup_error: BaseException | None = None
@@ -142,28 +164,10 @@ class BridgeProcess(Sink):
             self._wait_for_reply(deadline)
             if _is_namespace_init():
                 _finish_as_namespace_init(self, grace)
-        if self._closed_reply.is_set():
+        if self._closed_reply.is_set():  # its drop counts were counted as it came (`_listen`)
             self.closed_cleanly = all(s.get("clean") for s in self.bridge_stats.values())
-            for name, stat in self.bridge_stats.items():
-                if stat.get("dropped"):
-                    self._drop(f"bridge_{name}", int(stat["dropped"]))
-        elif self.proc is None or self.proc.poll() is not None or self._dead:
-            log.warning(
-                "otel_train: the bridge process is gone (pid %s, %s); what it had not written is lost "
-                "(the run directory's JSONL has every value).",
-                self.pid,
-                _exit_text(self.proc),
-            )
-        elif not _is_namespace_init():  # (PID 1: _finish_as_namespace_init said what is lost)
-            continued = _continue_if_stopped(self.proc)
-            log.warning(
-                "otel_train: the bridges did not finish within %.1f s; the bridge process (pid %s%s) "
-                "finishes on its own (at most %.0f s more) and exits.",
-                timeout or CHILD_GRACE_S,
-                self.pid,
-                ", found stopped: continued" if continued else "",
-                CHILD_GRACE_S,
-            )
+        else:
+            _warn_unfinished(self, timeout or CHILD_GRACE_S)
 
     def _wait_for_reply(self, deadline: float) -> None:
         while not self._closed_reply.is_set() and not self._ended.is_set():
@@ -185,16 +189,22 @@ class BridgeProcess(Sink):
     def forget_in_child(self) -> None:
         """After fork: the forked child must not hold the pipe (the bridge process waits for EOF)."""
         self._dead = True
-        self._release()  # closes the file objects (never a bare fd number a later open() may reuse)
+        self._release(replies_too=True)  # the file objects (never a bare fd a later open() may reuse)
 
     # -- internals --------------------------------------------------------------------------------
 
     def _submit(self, method: str, args: tuple[Any, ...]) -> None:
-        if self._dead or self._closing:
+        if self._closing:  # the worker, still busy past the shutdown deadline, hands on its backlog
+            self._on_drop("bridge_closed", _AFTER_CLOSE)
+            return
+        if self._dead:
             self._on_drop()
             return
         try:
             frame = encode(("call", method, args))
+        except FrameTooLarge as exc:  # never sent: the bridge process could not read it
+            self._on_drop("bridge_frame_too_large", _TOO_LARGE % (method, exc))
+            return
         except (pickle.PicklingError, TypeError, AttributeError, ValueError, RecursionError) as exc:
             log.warning("otel_train: a %s call could not be encoded for the bridges: %r", method, exc)
             self._on_drop()
@@ -223,22 +233,20 @@ class BridgeProcess(Sink):
         with contextlib.suppress(OSError):  # another user's process: left as it is
             os.sched_setscheduler(self.proc.pid, os.SCHED_OTHER, os.sched_param(0))
 
-    def _on_drop(self) -> None:
+    def _on_drop(self, reason: str = "bridge_queue", warning: str | None = None) -> None:
+        """One call dropped: counted under `reason`, warned about once per reason."""
         self.dropped += 1
-        self._drop("bridge_queue", 1)
-        if not self._warned_drop and not self._closing:
-            self._warned_drop = True
-            log.warning(
-                "otel_train: the bridges are falling behind (queue of %d full) or gone; dropping their "
-                "updates (counted in otel_train.dropped). Training is not slowed down. Shown once.",
-                self._queue_size,
-            )
+        self._drop(reason, 1)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning(warning or _FALLING_BEHIND % self._queue_size)
 
     def _drop(self, reason: str, count: int) -> None:
         if self._count_drop is not None and count:
             self._count_drop(reason, count)
 
     def _start(self) -> subprocess.Popen[bytes]:
+        self._listener = None
         env = dict(os.environ)
         env["CUDA_VISIBLE_DEVICES"] = ""  # the bridge process never touches a GPU
         package_root = str(Path(__file__).resolve().parents[2])  # otel_train importable as the parent has it
@@ -301,28 +309,37 @@ class BridgeProcess(Sink):
             known = kind in ("BridgeImportError", "BridgeSetupError")
             self._setup_error = BridgeSetupFailed(message if known else f"{kind}: {message}")
             raise self._setup_error
+        self._listener = threading.Thread(
+            target=_listen, args=(self, self.proc.stdout), name="otel_train-bridges-replies", daemon=True
+        )
+        self._listener.start()
         hparams = self._hparams
         if hparams:
             write_frame(self.proc.stdin.fileno(), encode(("call", "write_hparams", (hparams,))))
 
     def _feed(self, unsent: bytes | None) -> None:
-        """Write the queue into the pipe until the close, then read the child's answer."""
-        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
-        out_fd, in_fd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        """Write the queue into the pipe until the close, then wait for the child's answer (which
+        `_listen` reads)."""
+        assert self.proc is not None and self.proc.stdin is not None and self._listener is not None
+        out_fd = self.proc.stdin.fileno()
         while True:
             frame = unsent if unsent is not None else self._queue.get()
             unsent = None
             try:
                 write_frame(out_fd, frame)
+            except FrameCut:  # the child may have died of this frame: its successor never gets it
+                self._drop("bridge_cut_frame", 1)
+                raise
             except OSError as exc:
                 raise _Unsent(exc, frame) from exc
             if frame is self._close_frame:
                 break
-        reply = read_frame(in_fd, time.monotonic() + 2 * CHILD_GRACE_S + 5.0)
-        if reply[0] == "closed":
-            self.bridge_stats = reply[1]
-            self._closed_reply.set()
-        self.proc.wait(5.0)  # reap it (it exits right after answering)
+        self._listener.join(2 * CHILD_GRACE_S + 5.0)  # it ends when the child exits, after answering
+        if self._listener.is_alive():
+            raise TimeoutError
+        if not self._closed_reply.is_set():
+            raise EOFError
+        self.proc.wait(5.0)  # reap it
 
     def _restart(self, exc: BaseException) -> bool:
         """The child died (or its pipe broke): a new one after the back-off, unless restarts are
@@ -353,11 +370,15 @@ class BridgeProcess(Sink):
             return False
         return True
 
-    def _release(self) -> None:
+    def _release(self, replies_too: bool = False) -> None:
+        """Close the pipes to the child; the one it answers on only where no listener reads it
+        (`_listen` closes it), or with `replies_too` (after fork: that thread is not here)."""
         proc = self.proc
         if proc is None:
             return
-        for stream in (proc.stdin, proc.stdout):  # stderr: the relay thread closes it at EOF
+        listening = self._listener is not None and not replies_too
+        # stderr: the relay thread closes it at EOF
+        for stream in (proc.stdin, None if listening else proc.stdout):
             if stream is not None:
                 with contextlib.suppress(OSError):
                     stream.close()
@@ -373,6 +394,49 @@ class _Unsent(OSError):
     def __init__(self, cause: OSError, frame: bytes) -> None:
         super().__init__(cause.errno, cause.strerror)
         self.frame = frame
+
+
+def _listen(bridges: BridgeProcess, replies: IO[bytes]) -> None:
+    """The child's answers as they come, on a thread of their own (the feeder may block in a write
+    meanwhile): its bridges' drop counts, counted here as they grow (during the run, and from a
+    close's answer that comes after `BridgeProcess.close` stopped waiting), and the close's answer.
+    This thread closes the pipe, at its end: never while it reads."""
+    counted: dict[str, int] = {}  # this child's drops counted so far, by reason
+    with contextlib.suppress(OSError, ValueError, EOFError), replies:  # EOF: the child exited
+        while True:
+            try:
+                answer, stats, skipped = read_frame(replies.fileno())
+            except BadFrame:
+                continue
+            bridges.bridge_stats = stats
+            grown = {f"bridge_{name}": int(s.get("dropped", 0)) for name, s in stats.items()}
+            for reason, total in {**grown, "bridge_bad_frame": int(skipped)}.items():
+                bridges._drop(reason, max(0, total - counted.get(reason, 0)))
+                counted[reason] = total
+            if answer == "closed":
+                bridges._closed_reply.set()
+
+
+def _warn_unfinished(bridges: BridgeProcess, waited_s: float) -> None:
+    """The close's answer did not come: what became of the bridge process, in one warning."""
+    proc = bridges.proc
+    if proc is None or proc.poll() is not None or bridges._dead:
+        log.warning(
+            "otel_train: the bridge process is gone (pid %s, %s); what it had not written is lost "
+            "(the run directory's JSONL has every value).",
+            bridges.pid,
+            _exit_text(proc),
+        )
+    elif not _is_namespace_init():  # (PID 1: _finish_as_namespace_init said what is lost)
+        continued = _continue_if_stopped(proc)
+        log.warning(
+            "otel_train: the bridges did not finish within %.1f s; the bridge process (pid %s%s) "
+            "finishes on its own (at most %.0f s more) and exits; its drops are counted when it answers.",
+            waited_s,
+            bridges.pid,
+            ", found stopped: continued" if continued else "",
+            CHILD_GRACE_S,
+        )
 
 
 def _exit_text(proc: subprocess.Popen[bytes] | None) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import random
 import sys
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence, Set
@@ -30,14 +31,25 @@ def has_data(tensor: Any) -> bool:
     return fake is None or not isinstance(tensor, fake.FakeTensor)
 
 
+# More values than this make a histogram a sample of this many (`_sample_positions`), with the
+# exact min and max among them. The backends show them binned (64 bins), where 100,000 values give
+# a bin holding a tenth of them its share within about 1 %, and the bridge process gets a frame
+# under a megabyte: one 4096 x 8192 weight's 33.5M values, as a list of floats, pickle to ~300 MB,
+# over the pipe's frame limit, and cost the worker GBs of Python floats.
+MAX_HISTOGRAM_VALUES = 100_000
+
+
 def histogram_values(values: Any) -> list[float]:
-    """A distribution (tensor, array or sequence) as finite floats; runs on the worker."""
+    """A distribution (tensor, array or sequence) as finite floats, at most MAX_HISTOGRAM_VALUES
+    of them; runs on the worker. A tensor or array is sampled before its copy to the host."""
     if hasattr(values, "detach") and (not has_data(values) or str(values.dtype) == "torch.bool"):
         return []
     if hasattr(values, "detach"):
-        values = values.detach().reshape(-1).double().cpu().tolist()
+        values = _bounded_tensor(values.detach().reshape(-1)).double().cpu().tolist()
     elif hasattr(values, "tolist"):
-        values = values.reshape(-1).tolist() if hasattr(values, "reshape") else values.tolist()
+        values = (
+            _bounded_array(values.reshape(-1)).tolist() if hasattr(values, "reshape") else values.tolist()
+        )
     if isinstance(values, (int, float)):  # one number: a distribution of one value
         values = [values]
     out: list[float] = []
@@ -57,7 +69,53 @@ def histogram_values(values: Any) -> list[float]:
             continue
         if math.isfinite(number):
             out.append(number)
+    if len(out) > MAX_HISTOGRAM_VALUES:
+        out = [min(out), max(out), *(out[i] for i in _sample_positions(len(out)))]
     return out
+
+
+def _sample_positions(size: int) -> list[int]:
+    """MAX_HISTOGRAM_VALUES - 2 of `size` positions, uniformly without replacement, in order: the
+    same ones for the same size (a generator of its own, seeded: the training's random state is
+    never touched, and a layer's histograms sample the same elements from step to step)."""
+    return sorted(random.Random(0).sample(range(size), MAX_HISTOGRAM_VALUES - 2))
+
+
+def _bounded_tensor(flat: Any) -> Any:
+    """A 1-d tensor, or past MAX_HISTOGRAM_VALUES its finite values' min, max and sample, taken on
+    its device (only those are copied to the host)."""
+    if flat.numel() <= MAX_HISTOGRAM_VALUES:
+        return flat
+    import torch
+
+    if flat.is_complex():
+        flat = flat.real  # as `double()` reads a complex tensor
+    finite = flat.isfinite()
+    if not bool(finite.all()):
+        flat = flat[finite]
+    if flat.numel() <= MAX_HISTOGRAM_VALUES:
+        return flat
+    low, high = flat.aminmax()
+    positions = torch.tensor(_sample_positions(flat.numel()), device=flat.device)
+    return torch.cat([low.reshape(1), high.reshape(1), flat[positions]])
+
+
+def _bounded_array(flat: Any) -> Any:
+    """A 1-d numpy array, or past MAX_HISTOGRAM_VALUES its finite values' min, max and sample
+    (of any other kind of array, a sample, filtered as a list is). Other arrays: as they are."""
+    np = sys.modules.get("numpy")
+    if np is None or not isinstance(flat, np.ndarray) or flat.size <= MAX_HISTOGRAM_VALUES:
+        return flat
+    if not (np.issubdtype(flat.dtype, np.floating) or np.issubdtype(flat.dtype, np.integer)):
+        # objects, bools, complex numbers: kept or dropped by the loop, as ever
+        return flat[np.asarray(_sample_positions(flat.size))]
+    finite = np.isfinite(flat)
+    if not finite.all():
+        flat = flat[finite]
+    if flat.size <= MAX_HISTOGRAM_VALUES:
+        return flat
+    ends = np.array([flat.min(), flat.max()], dtype=flat.dtype)
+    return np.concatenate([ends, flat[np.asarray(_sample_positions(flat.size))]])
 
 
 def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str, int]]:

@@ -46,15 +46,8 @@ def window(
             continue
         at = int(entry.get("time_created_ns") or 0) / 1e9 + skew
         if after < at <= until:
-            out.append(
-                Arrival(
-                    str(names[0]),
-                    group_label(dict(entry)),
-                    int(entry.get("collective_seq_id") or 0),
-                    op_name(dict(entry)),
-                    at,
-                )
-            )
+            seq = int(entry.get("collective_seq_id") or 0)
+            out.append(Arrival(str(names[0]), group_label(dict(entry)), seq, op_name(dict(entry)), at))
     out.sort(key=lambda a: a.at)
     return out
 

@@ -96,13 +96,11 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
     if len(rows) < max(world, 2) or len({r.read_seq for r in rows}) != 1:
         return None
     common = set(rows[0].arrivals).intersection(*(r.arrivals for r in rows[1:]))
-    lates: dict[int, list[float]] = {}
-    last_at: dict[int, list[Key]] = {}
-    worst: dict[int, tuple[float, Key]] = {}
+    found: dict[int, list[tuple[float, Key]]] = {}  # rank -> (lateness, collective) where it was last
     unclear, bounds = 0, list[float]()
+    bound = {r.rank: r.bound for r in rows}
     for key in sorted(common):
         arrivals = {r.rank: r.arrivals[key] + r.offset for r in rows}
-        bound = {r.rank: r.bound for r in rows}
         last = max(arrivals, key=lambda rank: arrivals[rank])
         late = arrivals[last] - median([t for rank, t in arrivals.items() if rank != last])
         if late <= FLOOR_S:
@@ -114,18 +112,12 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
         if least <= FLOOR_S:
             unclear, bounds = unclear + 1, [*bounds, late - least]
             continue
-        lates.setdefault(last, []).append(late)
-        last_at.setdefault(last, []).append(key)
-        if late > worst.get(last, (0.0, key))[0]:
-            worst[last] = (late, key)
-    resolved = sum(len(keys) for keys in last_at.values())
+        found.setdefault(last, []).append((late, key))
+    resolved = sum(map(len, found.values()))
     verdict = Verdict(rows[0].read_seq, len(common), resolved, unclear)
-    # Consistently last: at MIN_RESOLVED collectives at least, and at >= CONSISTENT of those where
-    # anyone was late (scheduling noise splits among all ranks; one long stall is one collective).
-    # Its lateness: times last x its median lateness. Unclear collectives (within the clocks'
-    # error) neither name nor clear anyone.
-    late_sum = {r: len(values) * median(values) for r, values in lates.items()}
-    culprits = [r for r, v in lates.items() if len(v) >= max(MIN_RESOLVED, CONSISTENT * resolved)]
+    # Consistently last; unclear collectives neither name nor clear anyone (design page).
+    late_sum = {r: len(v) * median([late for late, _ in v]) for r, v in found.items()}
+    culprits = [r for r, v in found.items() if len(v) >= max(MIN_RESOLVED, CONSISTENT * resolved)]
     if not culprits and unclear > resolved:
         return replace(verdict, abstain=(
             f"the clocks of the ranks' hosts are known only to within {median(bounds) * 1e3:.2f} ms (the "
@@ -138,27 +130,18 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
     # The sample stands for the whole window (window / matched collectives each), over its steps
     # (the same window on every rank: the first row's).
     scale = (rows[0].window / max(len(common), 1)) / max(rows[0].steps, 1)
-    if step_s and (seconds := late_sum[culprit] * scale) > STEP_MARGIN * step_s:
-        return replace(verdict, abstain=_longer_than_a_step(culprit, seconds, step_s))
     seconds = late_sum[culprit] * scale
-    waits, waiting = _waits(rows, culprit, last_at[culprit], late_sum[culprit])
-    return replace(
-        verdict,
-        culprit=culprit,
-        seconds=seconds,
-        key=worst[culprit][1],
-        waits={r: w * scale for r, w in waits.items()},
-        waiting=waiting,
-    )
-
-
-def _longer_than_a_step(culprit: int, seconds: float, step_s: float) -> str:
-    return (
-        f"rank {culprit} would be {seconds * 1e3:.1f} ms late per step, far longer than a step "
-        f"({step_s * 1e3:.1f} ms on rank 0): its host's clock stepped or is off by more than the "
-        "telemetry exchange measured; no rank is named from collective arrivals until it is "
-        "measured again"
-    )
+    if step_s and seconds > STEP_MARGIN * step_s:
+        return replace(verdict, abstain=(
+            f"rank {culprit} would be {seconds * 1e3:.1f} ms late per step, far longer than a step "
+            f"({step_s * 1e3:.1f} ms on rank 0): its host's clock stepped or is off by more than the "
+            "telemetry exchange measured; no rank is named from collective arrivals until it is "
+            "measured again"
+        ))  # fmt: skip
+    waits, waiting = _waits(rows, culprit, [key for _, key in found[culprit]], late_sum[culprit])
+    worst = max(found[culprit], key=lambda late_key: late_key[0])[1]  # the first of the latest
+    scaled = {r: w * scale for r, w in waits.items()}
+    return replace(verdict, culprit=culprit, seconds=seconds, key=worst, waits=scaled, waiting=waiting)
 
 
 def _waits(
@@ -221,7 +204,7 @@ class LatenessTracker:
         self._own: dict[int, tuple[list[Arrival], int, float]] = {}
         self._step_s: dict[int, float] = {}  # rank 0: its mean step time in those windows
         self._exchanges = 0
-        # rank 0: why the exchange's rows do not let it judge arrivals (a tree's, `pairing.unjudged`)
+        # rank 0: why the exchange's rows do not let it judge arrivals (a tree's, `reducer.unjudged`)
         self.unjudged: str | None = None
         self._told = False
 

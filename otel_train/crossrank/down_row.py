@@ -81,30 +81,18 @@ def _encode_report(row: list[float], at: int, report: StragglerReport) -> None:
 
 
 def _decode_report(row: Sequence[float], at: int) -> StragglerReport:
-    def get(name: str) -> Any:
-        return REPORT.get(row, name, at)
-
-    runs = get("waiting_runs")
+    got = {name: REPORT.get(row, name, at) for name in REPORT.fields}
+    runs = got["waiting_runs"]
     waiting = [
-        r
-        for first, last in zip(runs[::2], runs[1::2], strict=True)
-        if first >= 0
+        r for first, last in zip(runs[::2], runs[1::2], strict=True) if first >= 0
         for r in range(int(first), int(last) + 1)
-    ]
+    ]  # fmt: skip
     return StragglerReport(
-        rank=int(get("rank")),
-        host=get("host"),
-        local_rank=int(get("local_rank")),
-        pattern="chronic",
-        phase=get("phase"),
-        category=CATEGORIES[int(get("category"))],
-        lateness_s=get("lateness"),
-        score=get("score"),
-        raw_score=get("raw_score"),
-        sync_phase=get("sync_phase") if get("has_sync") else None,
-        waiting_ranks=tuple(waiting),
-        wait_s=get("wait"),
-    )
+        rank=int(got["rank"]), host=got["host"], local_rank=int(got["local_rank"]), pattern="chronic",
+        phase=got["phase"], category=CATEGORIES[int(got["category"])], lateness_s=got["lateness"],
+        score=got["score"], raw_score=got["raw_score"], waiting_ranks=tuple(waiting), wait_s=got["wait"],
+        sync_phase=got["sync_phase"] if got["has_sync"] else None,
+    )  # fmt: skip
 
 
 def _optional(value: float | None) -> float:
@@ -189,13 +177,10 @@ def decode(row: Any, rank: int) -> Down:
     # Before the first verdict the row holds no scores (`present` 0) and no chronic reports.
     carried_n = int(values[DOWN.at("chronic_carried")])
     return Down(
-        status=int(values[H_STATUS]),
-        flush_interval=int(values[H_FLUSH_INTERVAL]),
+        status=int(values[H_STATUS]), flush_interval=int(values[H_FLUSH_INTERVAL]),
         verdict_seq=int(values[DOWN.at("verdict_seq")]),
         scores=_decode_scores(rank, values[DOWN.span("scores")]),
         chronic=[_decode_report(values, DOWN.at("chronic", i)) for i in range(carried_n)],
-        chronic_total=int(values[DOWN.at("chronic_total")]),
-        read_recorder=bool(values[D_READ]),
-        root_times=(values[D_T2], values[D_T3]),
-        flush_anchor=int(values[DOWN.at("flush_anchor")]),
-    )
+        chronic_total=int(values[DOWN.at("chronic_total")]), read_recorder=bool(values[D_READ]),
+        root_times=(values[D_T2], values[D_T3]), flush_anchor=int(values[DOWN.at("flush_anchor")]),
+    )  # fmt: skip

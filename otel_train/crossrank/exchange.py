@@ -23,6 +23,9 @@ _ARRIVED = 2.0**40 + 18.0  # the trailer's value; a posted buffer holds NaN ther
 POLL_S = 0.002  # how often a waiting worker looks at its posted buffers
 SHUTDOWN_WAIT_S = 0.5  # at shutdown, how much longer the worker may wait for peers, in all
 MAX_UNANSWERED = 2  # rank r > 0: rows up without an answer; beyond, a flush sends none (skipped)
+# Rows of one peer held for a later flush of its parent (`reducer.RowPairing`, `tree_exchange`): a
+# peer ahead by more flushes (not in lockstep) could never be paired, and they would grow with its lead.
+MAX_HELD = 2
 
 
 class ExchangeFailed(RuntimeError):
@@ -78,8 +81,7 @@ class StarExchange:
         peers: Sequence[int] | None = None,
         down_len: int = down_row.DOWN_LEN,
     ) -> None:
-        # `parent`, `peers`, `down_len`: one edge of the tree (`tree_exchange`) uses the same two
-        # roles with another rank than 0 above (its parent) and its children below.
+        # `parent`, `peers`, `down_len`: a tree edge's (design page, "Tree edges")
         self.parent = parent
         self.peers = list(range(1, world)) if peers is None else list(peers)
         self.down_len, self.group, self.rank, self.world = down_len, group, rank, world
@@ -322,9 +324,7 @@ class StarExchange:
         """Post ABORT (`answers[peer]`, status and the rank `gone` set here) to every peer not in `failed`."""
         import torch
 
-        # Answering each live peer's next row, so it turns off at its next flush instead of after
-        # its own timeout. Never waited for (the peer may never flush again); kept so the buffers
-        # outlive the sends.
+        # Never waited for (the peer may never flush again); kept so the buffers outlive the sends.
         for peer in self.peers:
             answers[peer][down_row.H_STATUS] = float(down_row.STATUS_ABORT)
             answers[peer][down_row.H_GONE] = float(gone)

@@ -226,32 +226,15 @@ def loss_of(blocks: Any) -> tuple[float, float, float] | None:
 def decode(block: Any) -> JobTotals:
     values = block.tolist()
     timers: dict[float, TimerTotals] = {}
-    for index in range(RECORDS):
-        at = HEAD_LEN + index * REC_LEN
+    for at in range(HEAD_LEN, JOB_LEN, REC_LEN):
         record = values[at : at + REC_LEN]
-        if not record[R_ID]:
-            continue
-        n = int(record[R_N])
-        timers[record[R_ID]] = TimerTotals(
-            tuple(int(c) for c in record[R_BUCKETS:R_SUM]),
-            record[R_SUM],
-            record[R_DMIN],
-            record[R_DMAX],
-            record[R_MMIN],
-            int(record[R_MMIN_RANK]),
-            record[R_MMAX],
-            int(record[R_MMAX_RANK]),
-            record[R_MSUM] / n if n else math.nan,
-            n,
-        )
-    return JobTotals(
-        int(values[_H["rows"]]),
-        int(values[_H["overflow"]]),
-        values[_H["samples"]],
-        values[_H["tokens"]],
-        values[_H["loss_sum"]],
-        int(values[_H["loss_count"]]),
-        values[_H["loss_min"]],
-        values[_H["loss_max"]],
-        timers,
-    )
+        if record[R_ID]:
+            n = int(record[R_N])
+            timers[record[R_ID]] = TimerTotals(
+                tuple(int(c) for c in record[R_BUCKETS:R_SUM]), record[R_SUM], record[R_DMIN], record[R_DMAX],
+                record[R_MMIN], int(record[R_MMIN_RANK]), record[R_MMAX], int(record[R_MMAX_RANK]),
+                record[R_MSUM] / n if n else math.nan, n,
+            )  # fmt: skip
+    head: dict[str, Any] = {name: values[at] for name, at in _H.items() if name != "version"}
+    counts = {name: int(head[name]) for name in ("rows", "overflow", "loss_count")}
+    return JobTotals(**{**head, **counts}, timers=timers)

@@ -42,14 +42,9 @@ class JobSeries:
         semconv.JOB_SAMPLES.create(meter, self._observe("samples"))
         semconv.JOB_TOKENS.create(meter, self._observe("tokens"))
         for spec in (
-            semconv.JOB_SAMPLES_RATE,
-            semconv.JOB_TOKENS_RATE,
-            semconv.JOB_LOSS,
-            semconv.JOB_LOSS_MIN,
-            semconv.JOB_LOSS_MAX,
-            semconv.JOB_PHASE_CROSS_RANK,
-            semconv.JOB_RANKS,
-        ):
+            semconv.JOB_SAMPLES_RATE, semconv.JOB_TOKENS_RATE, semconv.JOB_LOSS, semconv.JOB_LOSS_MIN,
+            semconv.JOB_LOSS_MAX, semconv.JOB_PHASE_CROSS_RANK, semconv.JOB_RANKS,
+        ):  # fmt: skip
             spec.create(meter, self._observe(spec.name))
 
     def publish(self, blocks: Any, names: Mapping[int, str], elapsed_s: float) -> None:
@@ -149,12 +144,9 @@ def _gauges(
         if name is None:
             continue
         for stat, value in (
-            ("min", timer.mean_min),
-            ("max", timer.mean_max),
-            ("mean", timer.mean_of_means),
-            ("argmin_rank", float(timer.mean_min_rank)),
-            ("argmax_rank", float(timer.mean_max_rank)),
-        ):
+            ("min", timer.mean_min), ("max", timer.mean_max), ("mean", timer.mean_of_means),
+            ("argmin_rank", float(timer.mean_min_rank)), ("argmax_rank", float(timer.mean_max_rank)),
+        ):  # fmt: skip
             if math.isfinite(value):
                 stats.append((value, {semconv.PHASE: name, semconv.STAT: stat}))
     return out

@@ -2,11 +2,13 @@
 
 `CrossRankReducer` packs this rank's interval into one row, runs the exchange on the telemetry
 gloo group, and on rank 0 reduces the rows and publishes the verdicts; its answer carries them
-to the other ranks one flush later. Design: docs/design/crossrank.md#reducer.
+to the other ranks one flush later; `RowPairing`: which rows it pairs at a flush.
+Design: docs/design/crossrank.md#reducer.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -18,14 +20,18 @@ from otel_train.config import Config
 from otel_train.core.buffer import Interval
 from otel_train.crossrank import down_row, job_block, wire
 from otel_train.crossrank.collective_lateness import LatenessTracker
-from otel_train.crossrank.exchange import StarExchange
+from otel_train.crossrank.exchange import MAX_HELD, StarExchange
 from otel_train.crossrank.job_outputs import JobSeries
 from otel_train.crossrank.merge import Bundle, TreeView, unpacked, widen_waiting
-from otel_train.crossrank.pairing import RowPairing, unjudged
 from otel_train.crossrank.replicas import ReplicaCheck, fsdp_in_use
-from otel_train.crossrank.scores import RankScores, StragglerReport, StragglerScorer
+from otel_train.crossrank.scores import (
+    RankScores,
+    StragglerGauges,
+    StragglerReport,
+    StragglerReporter,
+    StragglerScorer,
+)
 from otel_train.crossrank.shape import ExchangeShape, shaped_exchange, telemetry_group
-from otel_train.crossrank.straggler_outputs import StragglerGauges, StragglerReporter
 from otel_train.crossrank.timer_stats import Reduction, own_reductions, per_rank_timings, reduce_timings
 from otel_train.crossrank.tree_exchange import TreeExchange
 from otel_train.crossrank.up_row import (
@@ -45,21 +51,14 @@ logger = logging.getLogger("otel_train")
 
 
 class CrossRankReducer:
-    """Flush listener: cross-rank timer stats and straggler verdicts (docs/design/crossrank.md#reducer).
-
-    Construct it on EVERY rank at init (it may create the dedicated gloo group, a collective).
-    `exchange=False` (cross_rank=False: independent ranks): no exchange at all, as if not distributed.
-    `group`: the telemetry group from `distributed.create_telemetry_group` (created here when None
-    and distributed). `on_straggler(reports)`: called on every rank with the same list of chronic
-    stragglers (at most `down_row.MAX_CHRONIC`, the lowest scores) at each flush where there are
-    any, one flush after rank 0 found them (every rank gets the same list at the same flush, so a
-    decision taken there, such as stopping, is the same on all ranks).
-
-    After each flush, `last_reductions` (name -> Reduction, including the step time under "step";
-    across ranks on rank 0, this rank's own elsewhere), `last_scores` (this rank's RankScores; on
-    ranks other than 0 those rank 0 sent down, one flush old) and `last_reports` (rank 0: this
-    flush's; others: the chronic list delivered) are available for the console and the bridges;
-    `abstain_reason` (rank 0) says why stragglers cannot be found, when they cannot.
+    """Flush listener: cross-rank timer stats and straggler verdicts. Construct it on EVERY rank at
+    init (it may create the gloo telemetry `group`, a collective, when None and distributed);
+    `exchange=False` (cross_rank=False): no exchange at all. `on_straggler(reports)` gets the same
+    chronic list (at most `wire.MAX_CHRONIC`) on every rank at the same flush, one flush after rank
+    0 found them, so a decision taken there is the same on all ranks. After each flush:
+    `last_reductions` (across ranks on rank 0, this rank's own elsewhere; the step under "step"),
+    `last_scores` (elsewhere than rank 0: those it sent down, one flush old), `last_reports` and, on
+    rank 0, `abstain_reason` (docs/design/crossrank.md#reducer).
     """
 
     def __init__(
@@ -201,13 +200,11 @@ class CrossRankReducer:
         row = torch.cat([row, *blocks])
         root = self.identity.rank == 0
         answers = None
-        if root:
-            schedule = (interval.flush_interval, interval.flush_anchor)
-            read = self.lateness.wants_read()
-            if tree:  # one row for every rank: O(1), not O(world)
-                answers = down_row.tree_answer(schedule[0], self._verdict, schedule[1], read)
-            else:
-                answers = down_row.answers(self._world, schedule[0], self._verdict, schedule[1], read)
+        if root:  # the tree's answer is one row for every rank: O(1), not O(world)
+            make = down_row.tree_answer if tree else functools.partial(down_row.answers, self._world)
+            answers = make(
+                interval.flush_interval, self._verdict, interval.flush_anchor, self.lateness.wants_read()
+            )
         try:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
             current = lambda up: row_steps(up)[1] >= interval.step  # noqa: E731
@@ -384,31 +381,31 @@ def _learn_names(table: TimerTable, records: Sequence[RankRecord]) -> None:
 
 
 def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
-    """`CrossRankReducer.reform`, under its lock: a new telemetry group and exchange, this rank's
-    rank and world on the job's new group, a fresh view (the verdicts' state per rank is kept)."""
+    """`CrossRankReducer.reform`, under its lock: a new telemetry group and exchange, a fresh view
+    (the verdicts' state per rank is kept)."""
     import torch.distributed as dist
 
     before = reducer._world
-    identity = replace(reducer.identity, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    identity = replace(reducer.identity, rank=rank, world_size=world)
     ranks = None if group is None else list(dist.get_process_group_ranks(group))
     telemetry = create_telemetry_group(identity, reducer.timeout_s, ranks)
     if telemetry is None:
         return
-    reducer.identity, reducer.group, reducer._world = identity, telemetry, identity.world_size
+    reducer.identity, reducer.group, reducer._world = identity, telemetry, world
     reducer.exchange, reducer.fanin, unshaped = shaped_exchange(
-        telemetry, identity, identity.world_size, reducer.timeout_s, reducer.grace_s, reducer.fanin,
-        None,
-    )  # fmt: skip
-    reducer.lateness = LatenessTracker.attach(identity.rank, reducer.exchange)
+        telemetry, identity, world, reducer.timeout_s, reducer.grace_s, reducer.fanin, None
+    )
+    reducer.lateness = LatenessTracker.attach(rank, reducer.exchange)
     reducer.disabled_reason, reducer._expect, reducer._verdict = unshaped, None, None
     reducer.pairing.forget_held()  # rows of the old group's ranks
     message = (
-        f"cross-rank telemetry re-formed on a new process group: {identity.world_size} rank(s), was "
-        f"{before}; this rank is rank {identity.rank} of it"
+        f"cross-rank telemetry re-formed on a new process group: {world} rank(s), was {before}; "
+        f"this rank is rank {rank} of it"
     )
     logger.warning("otel_train: %s", message)
     if reducer.events is not None:
-        attributes = {"rank": identity.rank, "world_size": identity.world_size, "world_size_before": before}
+        attributes = {"rank": rank, "world_size": world, "world_size_before": before}
         reducer.events.emit("membership_change", message, attributes)
 
 
@@ -429,3 +426,93 @@ def _loss_row(blocks: Any) -> dict[str, float]:
     if loss is None:
         return {}
     return dict(zip((semconv.LOSS.key, semconv.LOSS_MIN.key, semconv.LOSS_MAX.key), loss, strict=True))
+
+
+class RowPairing:
+    """Rank 0 pairs only rows that cover exactly its own steps; the rest are left out, counted and
+    warned about once, or (a star row that reaches past its flush) held for the flush that reaches
+    them. Also whether a tree's rows let rank 0 judge arrivals at collectives (`unjudged`)."""
+
+    def __init__(self) -> None:
+        self.left_out_rows = 0  # rows taken that covered other steps than rank 0's own
+        self.partial_flushes = 0  # flushes whose cross-rank view lacked a rank
+        self._warned = False
+        # Star rows that reach past rank 0's flush ([n, row] or None), and each one's (rank, last
+        # step): held for the flush that reaches them (docs/design/crossrank.md#reducer).
+        self._held: Any = None
+        self._held_steps: list[tuple[int, int]] = []
+
+    def ready(self, step: int) -> set[int]:
+        """The peers whose held row already reaches `step`: rank 0 need not wait for them."""
+        return {rank for rank, last in self._held_steps if last >= step}
+
+    def with_held(self, rows: Any) -> Any:
+        """Rank 0 (star): this flush's rows with the rows held for it, after its own row (so each
+        peer's rows stay in the order they came)."""
+        import torch
+
+        return rows if self._held is None else torch.cat([rows[:1], self._held, rows[1:]])
+
+    def hold(self, rows: Any, records: Sequence[RankRecord], step: int) -> tuple[Any, list[RankRecord]]:
+        """Rank 0 (star): of `rows` (`with_held`'s) and their `records`, hold the peers' rows that
+        end after `step` for a later flush; returns the others (this flush's), rank 0's first."""
+        kept, later, held = [], [], dict[int, int]()
+        for i, record in enumerate(records):
+            if i == 0 or record.step <= step:
+                kept.append(i)
+            elif held.get(record.rank, 0) < MAX_HELD:
+                held[record.rank] = held.get(record.rank, 0) + 1
+                later.append(i)
+            else:  # a peer this far ahead is not in lockstep with rank 0: never paired
+                self.left_out_rows += 1
+        self._held = rows[later].clone() if later else None
+        self._held_steps = [(records[i].rank, records[i].step) for i in later]
+        return rows[kept], [records[i] for i in kept]
+
+    def forget_held(self) -> None:
+        self._held, self._held_steps = None, []
+
+    def same_steps(self, records: Sequence[RankRecord], from_step: int, step: int, world: int) -> list[int]:
+        """The indexes of the rows that cover exactly (from_step, step]; the others are counted."""
+        same = [i for i, r in enumerate(records) if (r.from_step, r.step) == (from_step, step)]
+        self.note([r for i, r in enumerate(records) if i not in same], len(same), world, from_step, step)
+        return same
+
+    def note(
+        self, left_out: Sequence[RankRecord], paired: int, world: int, from_step: int, step: int
+    ) -> None:
+        """Count the rows left out of a flush (and the flush, when it lacked a rank); warn once."""
+        self.left_out_rows += len(left_out)
+        if paired < world:
+            self.partial_flushes += 1
+        if left_out and not self._warned:
+            self._warned = True
+            logger.warning(
+                "otel_train: rank(s) %s sent rows for other steps than rank 0's (after step %d up to %d; "
+                "theirs: %s); a row is left out of a flush's cross-rank stats unless it covers the same "
+                "steps (ranks not in lockstep, or a flush that came late)",
+                [r.rank for r in left_out], from_step, step, [(r.from_step, r.step) for r in left_out],
+            )  # fmt: skip
+
+
+def unjudged(tree: TreeView, exchange: Any, host: str) -> str | None:
+    """Why a tree's rows do not let rank 0 judge arrivals at collectives (None: they do). That
+    needs every rank's row whole, and each one's clock offset to rank 0 (rank 0's host reads its
+    clock; elsewhere a rank's offset is to its parent, so that parent must be rank 0)."""
+    world, fanin = exchange.layout.world, exchange.layout.fanin
+    keep = f"an exchange_fanin of at least {world - 1} keeps the exact star (every rank answers to rank 0)"
+    if tree.summary:
+        return (
+            f"arrivals at collectives cannot be judged: rank 0 has {len(tree.exact)} of {world} ranks' "
+            f"rows whole (the tree of exchange_fanin={fanin} summarizes the rest); {keep}"
+        )
+    parent = exchange.layout.parent
+    far = sorted(r.rank for r in tree.exact if r.host != host and parent[r.rank] != 0)
+    if not far:
+        return None
+    names = f"rank {far[0]}" if len(far) == 1 else f"ranks {', '.join(str(r) for r in far)}"
+    return (
+        f"arrivals at collectives cannot be judged: {names}, on another host than rank 0, answer(s) to "
+        f"rank(s) {sorted({parent[r] for r in far})} in the tree of exchange_fanin={fanin}, so "
+        f"{'its' if len(far) == 1 else 'their'} clock offset is known to that rank, not to rank 0; {keep}"
+    )

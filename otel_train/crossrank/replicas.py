@@ -25,12 +25,8 @@ logger = logging.getLogger("otel_train")
 # Internal name of ot.watch's batch fingerprint record (never a metric: the worker routes it into
 # `Interval.batch_fingerprints`).
 FINGERPRINT = "otel_train.batch.fingerprint"
-# Largest relative difference of a layer's parameter norm between DDP replicas that is still
-# float noise. Measured: ordinary DDP on CPU gloo (2 ranks, 500 steps, SGD and AdamW) gives exactly
-# 0.0 (the all-reduce hands every rank the same bits, so the same step gives the same parameters);
-# different kernels or hardware per rank could differ by a few float32 ulps in the norm's
-# reduction (~1e-6 relative). A replica that missed one gradient sync differs by lr * gradient,
-# 1e-3..1e-2 relative within steps. 1e-4 sits between with two orders of margin each side.
+# Largest relative difference of a layer's parameter norm between DDP replicas that is still float
+# noise (measured: docs/design/crossrank.md#replicas).
 REL_TOL = 1e-4
 ALL_RANKS = -1.0  # data-parallel key when no group was named: every rank is a peer
 EXT_LEN = REPLICAS.words  # `wire.REPLICAS`; the ZeRO partition facts (zero_partition.py) ride it too
@@ -181,7 +177,12 @@ class ReplicaCheck:
             for ranks_set, step in found.items():
                 self._report_data(ranks_set, step)
             if sharded:
-                self._say_sharded()
+                if not self._sharded_said:  # a warning, once (rank 0): a check they may rely on is off
+                    self._sharded_said = True
+                    logger.warning(
+                        "otel_train: parameters are sharded (FSDP): replicas' parameter norms are of "
+                        "different shards, so replica_divergence is not checked (data_not_sharded still is)"
+                    )
                 continue
             diff, first, diverging = divergence(members)
             if diff is not None:
@@ -228,20 +229,9 @@ class ReplicaCheck:
         )
         logger.warning("otel_train: %s", message)
         if self.events is not None:
+            ranks_text = ",".join(map(str, ranks))
             self.events.emit(
-                "replica_divergence",
-                message,
-                {"step": step, semconv.LAYER: layer, "ranks": ",".join(map(str, ranks))},
-            )
-
-    def _say_sharded(self) -> None:
-        if not self._sharded_said:
-            self._sharded_said = True
-            # A warning, once for the job (rank 0): at info level nobody would see that a check
-            # they may rely on is off. data_not_sharded is still checked.
-            logger.warning(
-                "otel_train: parameters are sharded (FSDP): replicas' parameter norms are of "
-                "different shards, so replica_divergence is not checked (data_not_sharded still is)"
+                "replica_divergence", message, {"step": step, semconv.LAYER: layer, "ranks": ranks_text}
             )
 
 

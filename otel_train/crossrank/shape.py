@@ -44,9 +44,7 @@ def decide(fanins: Sequence[int], keys: Sequence[int]) -> ExchangeShape:
 def node_ranks(keys: Sequence[int]) -> list[int]:
     """Each rank's node rank from every rank's `node_key`, by rank: its node's place among the
     job's nodes in the order of their lowest rank (how a launcher numbers them)."""
-    first: dict[int, int] = {}
-    for key in keys:
-        first.setdefault(key, len(first))
+    first = {key: node for node, key in enumerate(dict.fromkeys(keys))}
     return [first[key] for key in keys]
 
 

@@ -11,6 +11,7 @@ from statistics import median
 from otel_train.crossrank.up_row import RankRecord
 
 STEP_PHASE = "step"  # reduction key of the step time (unless a timer is itself named "step")
+_STATS = {"max": ("max", "argmax_rank"), "minmax": ("min", "max", "argmin_rank", "argmax_rank")}
 
 
 @dataclass(frozen=True)
@@ -34,42 +35,27 @@ def reduce_timings(
     passes only the ranks it holds whole)."""
     by_rank = per_rank if isinstance(per_rank, Mapping) else dict(enumerate(per_rank))
     ranks = sorted(by_rank.items())
-    names: dict[str, None] = {}
-    for _, timings in ranks:
-        for name in timings:
-            names.setdefault(name, None)
     out: dict[str, Reduction] = {}
-    for name in names:
-        present = []
-        for rank, timings in ranks:
-            v = timings.get(name)
-            if v is not None and math.isfinite(v):
-                present.append((float(v), rank))
+    for name in dict.fromkeys(n for _, timings in ranks for n in timings):
+        present = [
+            (float(v), rank)
+            for rank, timings in ranks
+            if (v := timings.get(name)) is not None and math.isfinite(v)
+        ]
         if not present:
             continue
         vmin, amin = min(present, key=lambda t: (t[0], t[1]))
         vmax, amax = max(present, key=lambda t: (t[0], -t[1]))
         ordered = sorted(v for v, _ in present)
-        out[name] = Reduction(
-            min=vmin,
-            max=vmax,
-            mean=sum(ordered) / len(ordered),
-            median=median(ordered),
-            argmin=amin,
-            argmax=amax,
-            n=len(present),
-            values={rank: v for v, rank in present},
-        )
+        values = {rank: v for v, rank in present}
+        mean = sum(ordered) / len(ordered)
+        out[name] = Reduction(vmin, vmax, mean, median(ordered), amin, amax, len(present), values)
     return out
 
 
 def stats_for_option(option: str) -> tuple[str, ...]:
     """Cross-rank gauge stats published for a `timing_log_option` (`stat` attribute values)."""
-    if option == "max":
-        return ("max", "argmax_rank")
-    if option == "minmax":
-        return ("min", "max", "argmin_rank", "argmax_rank")
-    return ("min", "max", "mean", "median", "argmin_rank", "argmax_rank")
+    return _STATS.get(option, ("min", "max", "mean", "median", "argmin_rank", "argmax_rank"))
 
 
 def per_rank_timings(

@@ -6,6 +6,7 @@ every other rank. Design: docs/design/crossrank.md#tree; user view: docs/scale.m
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,12 +43,8 @@ def _blocks(lo: int, hi: int, fanin: int) -> list[tuple[int, int]]:
     """[lo, hi) cut into at most `fanin` contiguous blocks of near-equal size."""
     n = hi - lo
     parts = min(fanin, n)
-    out, at = [], lo
-    for i in range(parts):
-        size = n // parts + (1 if i < n % parts else 0)
-        out.append((at, at + size))
-        at += size
-    return out
+    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    return list(itertools.pairwise(itertools.accumulate(sizes, initial=lo)))
 
 
 def layout(

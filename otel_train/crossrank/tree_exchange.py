@@ -10,9 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from otel_train.crossrank import down_row, job_block, wire
-from otel_train.crossrank.exchange import Exchanged, ExchangeFailed, StarExchange
+from otel_train.crossrank.exchange import MAX_HELD, Exchanged, ExchangeFailed, StarExchange
 from otel_train.crossrank.merge import HEAD, HEAD_LEN, Bundle, bundle_len, decode, encode, join, merge
-from otel_train.crossrank.pairing import MAX_HELD
 from otel_train.crossrank.tree import Layout, layout
 from otel_train.crossrank.up_row import pack_len, row_steps
 
@@ -47,10 +46,8 @@ class TreeExchange:
         self.left_out_bundles = 0  # bundles (its own row too) of other steps than the ones kept (step 1)
         self._expect: set[int] | None = None  # children whose bundles to wait for (None: all)
         self._own: dict[tuple[int, int], Bundle] = {}  # rank 0: its rows of its last flushes, by steps
-        # Each child's bundles taken before this rank's flush reached their steps (at most MAX_HELD
-        # each; step 1 of the module doc): kept for the flush that reaches them, so that a late
-        # flush of this rank, which takes a child's bundle that reaches past it, does not make it
-        # take that child's NEXT bundle at every flush from then on, one flush early for good.
+        # Each child's bundles that reach past this rank's flush (at most MAX_HELD each), kept for
+        # the flush that reaches them (step 1 of docs/design/crossrank.md#tree-exchange).
         self._held: dict[int, list[Bundle]] = {}
         self._job_unsent: Any = None  # the job block of a bundle that could not go up (sent with the next)
 
@@ -125,9 +122,8 @@ class TreeExchange:
     def _gather(
         self, up: Any, own: Bundle, steps: tuple[int, int], answer: Any | None, jobs: list[Any]
     ) -> tuple[list[Bundle], list[int], dict[int, Any]]:
-        """Step 1 (module doc): this rank's bundle and its children's that cover its steps. The
-        job blocks of every bundle taken join `jobs`, of whatever steps (each is taken once, and
-        answered at the flush that takes it, held or not)."""
+        """Step 1 (design page): this rank's bundle and its children's that cover its steps. The
+        job blocks of every bundle taken join `jobs`, of whatever steps (each is taken once)."""
         assert self.below is not None
         root = self.parent < 0
         template = answer if root and answer is not None else down_row.tree_answer(0, None)
@@ -162,10 +158,8 @@ class TreeExchange:
     def _parts(
         self, own: Bundle, steps: tuple[int, int], fresh: list[tuple[int, Bundle]], ready: set[int]
     ) -> list[Bundle]:
-        """Step 1's choice (module doc): of the children's bundles (the held ones, then the ones
-        taken now), hold those that reach past this flush (`_holds`), then keep the bundles of the
-        steps most ranks at hand cover, this rank's own row first when it covers them (rank 0: its
-        row of those steps, kept from its last `KEPT_OWN` flushes). The rest are left out (counted)."""
+        """Step 1's choice (design page): hold the children's bundles that reach past this flush,
+        keep those of the steps most ranks at hand cover (and this rank's row of them); count the rest."""
         mine = {steps: own}
         if self.above is None:  # rank 0 joins a bundle that came a flush or more late
             mine = {**self._own, steps: own}
@@ -199,12 +193,8 @@ class TreeExchange:
         return parts
 
     def _holds(self, at: tuple[int, int], steps: tuple[int, int], ready: bool) -> bool:
-        """Whether a child's bundle of steps `at` waits for a later flush of this rank (of `steps`):
-        rank 0 pairs only its own steps, so it holds every bundle that ends after them. A rank
-        with a parent forwards the steps most ranks at hand cover, which may be ahead of its own
-        for good (its steps fell behind: paused, stopped), so it holds only a bundle that begins
-        before its flush and ends after it (its flush came at other steps than the child's: late)
-        and, until that child's bundles end within its flushes again, the ones after it."""
+        """Whether a child's bundle of steps `at` waits for a later flush of this rank (of `steps`);
+        why rank 0 and the other ranks hold different ones: step 1 of the design page."""
         if at[1] <= steps[1]:
             return False
         return self.above is None or ready or at[0] < steps[1]

@@ -65,11 +65,8 @@ class TimerTable:
         other = self.names.get(ident)
         if other is not None and other != name and other in self.slots:  # a peer's name may be truncated
             self.dropped.add(name)
-            logger.warning(
-                "otel_train: timer %r collides with %r (same id); it is left out of cross-rank stats",
-                name,
-                other,
-            )
+            message = "otel_train: timer %r collides with %r (same id); it is left out of cross-rank stats"
+            logger.warning(message, name, other)
             return False
         if len(self.slots) >= self.capacity:
             self.dropped.add(name)
@@ -127,12 +124,7 @@ class RankRecord:
 
     def named_timers(self, names: Mapping[int, str]) -> dict[str, TimerStats]:
         """This rank's timers by name (ids whose name is not known yet are left out)."""
-        out: dict[str, TimerStats] = {}
-        for ident, stats in self.timers.items():
-            name = names.get(ident)
-            if name is not None and stats.count > 0:
-                out[name] = stats
-        return out
+        return {names[i]: stats for i, stats in self.timers.items() if i in names and stats.count > 0}
 
 
 def pack(
@@ -157,15 +149,8 @@ def pack(
         if not kept or not table.add(name):
             continue
         arrival = Spread.of(interval.arrivals.get(name, ())).encode()
-        mean = sum(kept) / len(kept)
-        SLOT.put(
-            row,
-            up.at("slots", table.slots[name]),
-            id=table.ids[name],
-            count=len(kept),
-            mean=mean,
-            arrival=arrival,
-        )
+        at = up.at("slots", table.slots[name])
+        SLOT.put(row, at, id=table.ids[name], count=len(kept), mean=sum(kept) / len(kept), arrival=arrival)
         n += 1
     up.put(row, n_timers=n)
     for i, name in enumerate(table.take_announcements()):
@@ -187,11 +172,8 @@ def unpack(gathered: Any, capacity: int = MAX_TIMERS) -> list[RankRecord]:
     as lists of floats) -> records."""
     up = wire.up(capacity)
     # rows already as lists (crossrank/merge): their first `up.words` floats
-    flat = (
-        [r[: up.words] for r in gathered]
-        if isinstance(gathered, list)
-        else gathered.reshape(-1, up.words).tolist()
-    )
+    is_list = isinstance(gathered, list)
+    flat = [r[: up.words] for r in gathered] if is_list else gathered.reshape(-1, up.words).tolist()
     records: list[RankRecord] = []
     for row in flat:
         numbers: dict[str, Any] = {name: int(row[up.at(name)]) for name in _NUMBERS}
@@ -219,20 +201,14 @@ def _timers(row: Sequence[float], up: wire.Record, capacity: int) -> dict[int, l
 def local_record(interval: Interval, identity: Identity) -> RankRecord:
     """This rank's record without packing (not distributed): the same statistics, by name id."""
     record = RankRecord(
-        identity.rank,
-        interval.seq,
-        interval.step,
-        identity.node_rank,
-        identity.host,
-        Spread.of(interval.step_durations),
-        identity.local_rank,
-    )
+        identity.rank, interval.seq, interval.step, identity.node_rank, identity.host,
+        Spread.of(interval.step_durations), identity.local_rank,
+    )  # fmt: skip
     for name, durations in interval.phases.items():
         kept = finite(durations)
         if kept:
-            record.timers[name_id(name)] = TimerStats(
-                len(kept), sum(kept) / len(kept), Spread.of(interval.arrivals.get(name, ()))
-            )
+            arrival = Spread.of(interval.arrivals.get(name, ()))
+            record.timers[name_id(name)] = TimerStats(len(kept), sum(kept) / len(kept), arrival)
             record.announced[name_id(name)] = name
     return record
 

@@ -13,10 +13,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Literal, Protocol
+from typing import Literal
 
 from otel_train.config import Config
 from otel_train.crossrank.spread import Spread
+from otel_train.crossrank.up_row import TimerStats
 
 Category = Literal["data", "compute", "communication", "other"]
 Pattern = Literal["chronic", "one_off"]
@@ -42,8 +43,7 @@ def _pieces(name: str) -> set[str]:
 
 @functools.lru_cache(maxsize=1024)  # called per rank and phase at every flush; names are few
 def phase_category(name: str) -> Category:
-    """data (data/dataloader/data_wait...), compute (forward/backward/optimizer...),
-    communication (allreduce/comm...), else other. Matched on the name and its word pieces."""
+    """Matched on the name and its word pieces (`_COMM`, `_DATA`, `_COMPUTE`), else other."""
     pieces = _pieces(name)
     if pieces & _COMM:
         return "communication"
@@ -79,13 +79,6 @@ class Settings:
         return cls(threshold=config.straggler_threshold, ewma=config.straggler_ewma)
 
 
-class Timed(Protocol):
-    """A timer's interval as `RankView.timers` holds it (`up_row.TimerStats`)."""
-
-    @property
-    def per_step(self) -> tuple[float, float]: ...
-
-
 @dataclass(frozen=True)
 class RankView:
     """One rank's interval as the model sees it."""
@@ -98,7 +91,7 @@ class RankView:
     # How many ranks it stands for: 1, or a summary row of the tree (`merge`: rank < 0, never named)
     weight: float = 1.0
     # timer name -> its (runs, seconds) per step, read only where a timer repeats in a step
-    timers: Mapping[str, Timed] = field(default_factory=dict)
+    timers: Mapping[str, TimerStats] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -240,11 +233,7 @@ class _Table:
         self, index: int, phases: Sequence[str], late_in: str, peak: float, use_max: bool
     ) -> str:
         """Where the lateness first seen at `late_in` arose when this rank runs that timer several
-        times a step (micro-batches): its last end holds what every earlier micro-batch lost in
-        every phase, so arrivals cannot tell. Of `phases` (up to the peak; not a collective's, where
-        time is lost waiting), the first whose time per step exceeds the other ranks' by half the
-        most, if that explains half the lateness (a one-off's whole stall: the interval's excess);
-        else `late_in`."""
+        times a step (micro-batches): named by time per step instead of arrivals (design page)."""
         mine = self.timers[index]
         if late_in not in mine or mine[late_in].per_step[0] <= 1.0:
             return late_in
@@ -328,9 +317,8 @@ def _late(series: Mapping[str, float], table: _Table, index: int, use_max: bool)
 
 
 def _early_at_collective(series: Mapping[str, float], table: _Table) -> Lateness | None:
-    """A rank that reaches the end of a collective-holding phase EARLIEST, relative to its step
-    start, and is caught up with afterwards: it arrived last at the collective (it started its step
-    late) and the others waited for it there. Its lost time shows where its earliness collapses."""
+    """A rank that reaches the end of a collective-holding phase EARLIEST and is caught up with
+    afterwards: it started its step late and the others waited for it there (design page)."""
     phases = [p for p in table.order if p in series]
     candidates = [p for p in phases if table.holds_collective(p) and series[p] < 0]
     if not candidates:
@@ -340,9 +328,8 @@ def _early_at_collective(series: Mapping[str, float], table: _Table) -> Lateness
     after = phases[phases.index(trough_at) + 1 :]
     recovered = next((p for p in after if series[p] > -0.5 * trough), None)
     if recovered is None or table.holds_collective(recovered):
-        # Caught up inside a collective: it lost that time waiting there, for a rank outside the
-        # group it reached its earlier collective with (tensor and data-parallel groups: half the
-        # ranks leave a group's collective early by design). A waiter, never a culprit.
+        # Caught up inside a collective: it waited there for a rank outside its earlier
+        # collective's group (design page). A waiter, never a culprit.
         return None
     return Lateness(trough, recovered if recovered != STEP_END else UNTIMED, trough_at, mirrored=True)
 

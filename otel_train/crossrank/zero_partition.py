@@ -65,41 +65,30 @@ class ZeroPartitionCheck:
         stage = int(max(b["stage"] for _, b in rows))
         if stage < 1:
             return
-        unbalanced = [rank for rank, b in rows if _off_share(b, b["partition_numel"], stage)]
-        if stage >= 3:
-            unbalanced += [
-                rank for rank, b in rows if b["shard_numel"] >= 0 and _off_share(b, b["shard_numel"], stage)
-            ]
-        if unbalanced:
-            ranks = sorted(set(unbalanced))
-            self._report(
-                "partition",
-                ranks,
+        # ZeRO-3: each rank's parameter shard must be its share too
+        held = ("partition_numel", "shard_numel") if stage >= 3 else ("partition_numel",)
+        ranks = sorted({rank for rank, b in rows if any(_off_share(b, b[name]) for name in held)})
+        if ranks:
+            self._report("partition", ranks, stage, (
                 f"ZeRO-{stage} partitions are not each rank's share of the model (model / data-parallel "
-                f"size): ranks {shown(ranks)} ({_detail(rows, ranks)}).",
-                "Every data-parallel rank must run deepspeed.initialize with the same model, config and "
-                "data-parallel group (mpu): check that no rank builds a different model or passes its own "
-                "zero_optimization section.",
-                stage,
-            )
+                f"size): ranks {shown(ranks)} ({_detail(rows, ranks)}). Every data-parallel rank must run "
+                "deepspeed.initialize with the same model, config and data-parallel group (mpu): check that "
+                "no rank builds a different model or passes its own zero_optimization section."
+            ))  # fmt: skip
         full = _full_state(rows)
         if full:
-            self._report(
-                "full_state",
-                full,
+            self._report("full_state", full, stage, (
                 f"ranks {shown(full)} hold about the whole model's optimizer state although ZeRO-{stage} "
-                f"partitions it ({_detail(rows, full)}).",
-                "Create the optimizer state through the engine only (no torch optimizer stepped outside "
-                "it, no state loaded in full into engine.optimizer), and load checkpoints with the "
-                "engine's load_checkpoint so each rank keeps its own partition.",
-                stage,
-            )
+                f"partitions it ({_detail(rows, full)}). Create the optimizer state through the engine "
+                "only (no torch optimizer stepped outside it, no state loaded in full into "
+                "engine.optimizer), and load checkpoints with the engine's load_checkpoint so each rank "
+                "keeps its own partition."
+            ))  # fmt: skip
 
-    def _report(self, kind: str, ranks: list[int], what: str, fix: str, stage: int) -> None:
+    def _report(self, kind: str, ranks: list[int], stage: int, message: str) -> None:
         if kind in self._reported:
             return
         self._reported.add(kind)
-        message = f"{what} {fix}"
         logger.warning("otel_train: %s", message)
         if self.events is not None:
             attributes = {"ranks": ",".join(map(str, ranks)), "zero.stage": stage, "kind": kind}
@@ -121,7 +110,7 @@ def _detail(rows: Sequence[tuple[int, Facts]], ranks: Sequence[int]) -> str:
     )
 
 
-def _off_share(block: Facts, held: float, stage: int) -> bool:
+def _off_share(block: Facts, held: float) -> bool:
     dp, model = block["dp_size"], block["model_numel"]
     if dp < 2 or model <= 0 or held < 0:
         return False

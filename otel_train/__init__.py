@@ -45,9 +45,8 @@ if TYPE_CHECKING:
     from otel_train.core import Session
     from otel_train.numerics import ModelWatch, NullWatch
 
-# The public API: one name per job (tests/test_api.py says why each is here). Adapters for frameworks
-# use `otel_train.adapters` as well; `Run`, `RunInfo`, `Config` and `ConfigError` are importable
-# types (what `init`/`run_info` return, what settings are, what bad settings raise), not functions.
+# The public API: one name per job (tests/test_api.py says why each is here); adapters also use
+# `otel_train.adapters`. `Run`, `RunInfo`, `Config` and `ConfigError` are importable types.
 __all__ = [
     "event",
     "get_meter",
@@ -116,15 +115,13 @@ def record(name: str, value: Any) -> None:
 
 
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str = "") -> None:
-    """Record several scalars (`{"eval/loss": v, ...}`).
+    """Record several scalars (`{"eval/loss": v, ...}`); `metrics` that is not a mapping raises
+    TypeError, bad names and values in it are dropped and counted, as by `record`.
 
-    Without `step` they leave with the next flush, like `record`. `metrics` that is not a mapping
-    raises TypeError; bad names and values in it are dropped and counted, as by `record`. With `step` they are one row at
-    that step in the run dir and every bridge, as every built-in logger files what a framework logs
-    at its step, and only there (the flushes' rows leave them out, also while their gauge keeps its
-    value): written in order with the flushes, with no collective. The OTel gauges (the latest value)
-    and the health checks get them with the next scheduled flush (a call per step does not flush per
-    step), or at a pause (`adapters.idle()`) or the end of the run.
+    Without `step` they leave with the next flush, like `record`. With `step` they are one row at
+    that step in the run dir and every bridge (and only there: the flushes' rows leave them out),
+    written in order with the flushes, with no collective; the OTel gauges (the latest value) and
+    the health checks get them with the next scheduled flush, a pause or the end of the run.
     """
     _need_mapping("log_metrics", metrics)
     session = _runtime._current
@@ -132,7 +129,8 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
         return
     items = list(metrics.items())
     names = [f"{prefix or ''}{name}" if isinstance(name, str) else name for name, _ in items]
-    for name, (_, value) in zip(names, items, strict=True):
+    values = [value for _, value in items]
+    for name, value in zip(names, values, strict=True):
         record(name, value)
     if step is None:
         return
@@ -141,7 +139,7 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, prefix: str
     if filed is None:  # no step number: filed under the current step, as without `step`
         return
     row: dict[str, Any] = {}
-    for instrument, (_, value) in zip(map(buffer.instrument_of, names), items, strict=True):
+    for instrument, value in zip(map(buffer.instrument_of, names), values, strict=True):
         if instrument is not None:
             row[instrument] = value
             buffer.stepped[instrument] = buffer.stepped.get(instrument, 0) + 1
@@ -293,7 +291,6 @@ def _warn_if_layers_shared(session: Session, handle: ModelWatch) -> None:
 
 
 def _need_mapping(call: str, value: Any) -> None:
-    """A mapping argument of the logger API: anything else is the caller's bug."""
     if not callable(getattr(value, "items", None)):
         raise TypeError(
             f"ot.{call}() needs a mapping (a dict of names to values), got {type(value).__name__}"
@@ -302,9 +299,9 @@ def _need_mapping(call: str, value: Any) -> None:
 
 def _watch_scaler(session: Session, scaler: Any) -> Callable[[ModelWatch], None]:
     """Start the scaler's listener (replacing one on the same scaler); returns the model watch's
-    `on_remove`, which also hands the scaler its own `update` back. The listener stays until the
-    session ends, so what the scaler did before the removal (or the shutdown, which removes every
-    watch before its final flush) is still exported."""
+    `on_remove`, which also hands the scaler its `update` back. The listener stays until the
+    session ends, so what the scaler did before the removal is still exported."""
+
     from otel_train.numerics import ScalerWatch
 
     for listener in [

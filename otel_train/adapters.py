@@ -40,30 +40,26 @@ __all__ = [
 
 
 def current_run() -> Run | None:
-    """The running run (what `ot.init()` returned), or None when none is running; unlike
-    `ot.init()` it never starts one. Runs compare equal when they are the same session: an adapter
-    that started a run keeps it and checks `adapters.current_run() == mine` before ending it."""
+    """The running run, or None; unlike `ot.init()` it never starts one. Runs compare equal when
+    they are the same session: an adapter that started a run checks `current_run() == mine`
+    before ending it."""
     session = current()
     return Run(session) if session is not None else None
 
 
 def idle() -> None:
-    """The training loop pauses on purpose and the run stays open (a framework between `fit` and
-    `test`, or after training until the process exits): no `stall` is reported until the next step
-    begins, and the steps since the last flush are flushed now, so the outputs show them during
-    the pause. Call it after the last step ends, on the thread that runs the steps; a no-op before
-    `init()`."""
+    """The training loop pauses on purpose and the run stays open (between `fit` and `test`, or
+    after training): no `stall` until the next step begins, and the steps since the last flush are
+    flushed now. Call it after the last step ends, on the thread that runs the steps."""
     session = current()
     if session is not None:
         session.mark_idle()
 
 
 def heartbeat() -> None:
-    """The loop makes progress that is no step's end (an eval, test or predict batch; a micro-batch
-    of a step that accumulates gradients): the stall watchdog (`stall_timeout_s`) counts from now,
-    so a long evaluation or a long step of many micro-batches is no `stall`, and one that hangs
-    still is. Call it once per batch; one clock read. A no-op before `init()` and while the run
-    idles (`idle()`)."""
+    """The loop makes progress that is no step's end (an eval batch; a micro-batch of a step that
+    accumulates gradients): the stall watchdog (`stall_timeout_s`) counts from now, so a long
+    evaluation is no `stall` and a hung one still is. Call it once per batch; one clock read."""
     session = current()
     if session is not None:
         session.progress_ns = now = perf_counter_ns()
@@ -72,20 +68,18 @@ def heartbeat() -> None:
 
 
 def saving_checkpoint() -> None:
-    """A checkpoint save begins, or comes before the next step (a framework that knows it is due
-    but has no hook at its start): until the next step begins or an `ot.span("checkpoint")` ends,
-    the stall watchdog waits `checkpoint_timeout_s` rather than `stall_timeout_s`, so a long save
-    is no `stall` and a hung one still is. A no-op before `init()`."""
+    """A checkpoint save begins, or comes before the next step: until the next step begins or an
+    `ot.span("checkpoint")` ends, the stall watchdog waits `checkpoint_timeout_s` rather than
+    `stall_timeout_s`, so a long save is no `stall` and a hung one still is."""
     session = current()
     if session is not None:
         session.saving_ns = perf_counter_ns()
 
 
 def set_total_steps(total_steps: int) -> None:
-    """The run's plan changed: a second `fit` with another `max_steps`, or early stopping that ends
-    training at this step. The ETA, the progress lines and `train.steps.planned` use `total_steps`
-    from the next flush. Not an int >= 1: ignored with a warning (never raised into the framework).
-    A no-op before `init()`."""
+    """The run's plan changed (a second `fit` with another `max_steps`, early stopping): the ETA,
+    the progress lines and `train.steps.planned` use `total_steps` from the next flush. Not an int
+    >= 1: ignored with a warning."""
     session = current()
     if session is None:
         return
@@ -112,9 +106,10 @@ def watch_batch(batch: object) -> None:
 
 
 def watch_read() -> None:
-    """Take the current watched step's `ot.watch` statistics now rather than when the step ends:
-    for a framework that clears the gradients before its step-end hook and outside an optimizer
-    step `ot.watch` sees. Call it after the optimizer step; unwatched steps cost nothing."""
+    """Take the watched step's `ot.watch` statistics now, not at the step's end: for a framework
+    that clears the gradients before its step-end hook, outside an optimizer step `ot.watch` sees.
+    Call it after the optimizer step; unwatched steps cost nothing."""
+
     session = current()
     if session is not None and session.watches:
         for handle in session.watches:

@@ -137,15 +137,10 @@ def _build_session(
     gradient_flow = GradientFlowMonitor(events)  # reads ot.watch's gradient norms: idle without a watch
     collectives = _collective_monitor(place, meter)
     reducer.lateness.monitor = collectives  # arrivals at collectives share its recorder reads
-    listeners: list[FlushListener] = [
-        health,
-        gradient_flow,
-        *([hardware] if hardware else []),
-        *([MpsMemory(meter)] if hardware else []),  # Apple silicon memory (idle elsewhere)
-        reducer,
-        profiled_steps,
-        *([collectives] if collectives else []),
-    ]
+    # MpsMemory: Apple silicon's memory (idle elsewhere)
+    on_hardware: list[FlushListener] = [hardware, MpsMemory(meter)] if hardware else []
+    listeners: list[FlushListener] = [health, gradient_flow, *on_hardware, reducer, profiled_steps]
+    listeners += [collectives] if collectives else []
     return Session(
         config=config, identity=ident, run_name=place.run_name, run_dir=place.run_dir,
         resource=resource, step_reader=step_reader, telemetry=telemetry, meter=meter,
@@ -200,7 +195,7 @@ def _start_hardware(
 
 
 def _reducer_and_cadence(
-    config: Config, place: RunPlace, meter: Any, events: HealthEvents, job_meter: Any = None
+    config: Config, place: RunPlace, meter: Any, events: HealthEvents, job_meter: Any
 ) -> tuple[CrossRankReducer, Cadence]:
     """The cross-rank reducer, and the flush cadence it adopts from rank 0's proposal."""
     from otel_train.core.cadence import Cadence
@@ -212,13 +207,8 @@ def _reducer_and_cadence(
         ident, meter, events, config, group=place.telemetry_group, exchange=config.cross_rank,
         shape=place.exchange, job_meter=job_meter,
     )  # fmt: skip
-    cadence = Cadence(
-        config.log_interval,
-        config.log_interval_min_s,
-        config.log_interval_s,
-        coordinated=lockstep,
-        decides=ident.rank == 0,
-    )
+    interval, min_s, max_s = config.log_interval, config.log_interval_min_s, config.log_interval_s
+    cadence = Cadence(interval, min_s, max_s, coordinated=lockstep, decides=ident.rank == 0)
     if lockstep:
         reducer.on_cadence = cadence.adopt
     return reducer, cadence
@@ -227,13 +217,9 @@ def _reducer_and_cadence(
 def _attach_goodput(session: Session) -> None:
     from otel_train.goodput import GoodputListener
 
-    run_dir, rank = session.run_dir, session.identity.rank
-    session.goodput = GoodputListener(
-        session.clock,
-        session.meter,
-        RunFiles(run_dir, rank, session.identity.role).goodput if run_dir else None,
-        session.identity.run_id,
-    )
+    run_dir, ident = session.run_dir, session.identity
+    path = RunFiles(run_dir, ident.rank, ident.role).goodput if run_dir else None
+    session.goodput = GoodputListener(session.clock, session.meter, path, ident.run_id)
     session.worker.add_listener(session.goodput)
 
 
@@ -255,16 +241,11 @@ def _worker(
     from otel_train.core.worker import Worker
 
     provider = telemetry.tracer_provider
-    tracer = provider.get_tracer("otel_train", _version()) if provider is not None else None
+    writer = None
+    if provider is not None:
+        writer = SpanWriter(provider.get_tracer("otel_train", _version()), ident.run_id, ident.rank)
     return Worker(
-        instruments,
-        step_reader,
-        sinks,
-        listeners,
-        SpanWriter(tracer, ident.run_id, ident.rank) if tracer is not None else None,
-        queue_size=config.queue_size,
-        total_steps=config.total_steps,
-        otel_logger=otel_logger,
+        instruments, step_reader, sinks, listeners, writer, config.queue_size, config.total_steps, otel_logger
     )
 
 
@@ -311,16 +292,14 @@ def _attach_watchdog(session: Session) -> None:
     collectives = session.reducer.lateness.monitor
     if collectives is not None:
         collectives.stalled_s, collectives.saving = watchdog.stalled_s, session.saving
-    session.control = (
-        ControlFile(session.run_dir, rank, session.events, session.identity.world_size, session.identity.role)
-        if session.run_dir
-        else None
-    )
+    session.control = None
+    if session.run_dir:
+        ident = session.identity
+        session.control = ControlFile(session.run_dir, rank, session.events, ident.world_size, ident.role)
 
 
 def _report_stuck_worker(session: Session) -> None:
-    """Watchdog tick: one `worker_stuck` event per flush the worker spends longer than
-    stall_timeout_s on (the training's buffers are capped meanwhile)."""
+    """Watchdog tick: one `worker_stuck` event per flush the worker spends over stall_timeout_s on."""
     from otel_train.core.worker import stuck_message
 
     message = stuck_message(session.worker, session.config.stall_timeout_s)
@@ -340,8 +319,7 @@ def _check_launch(session: Session, place: RunPlace, gpu_discovery: Discovery | 
 def write_run_files(run_dir: Path, config: Config, place: RunPlace, launch: dict[str, Any]) -> None:
     from otel_train.envinfo import collect_env
 
-    resolved = config_as_dict(config)
-    resolved.update({"run_name": place.run_name, "run_id": place.identity.run_id})
+    resolved = {**config_as_dict(config), "run_name": place.run_name, "run_id": place.identity.run_id}
     files = RunFiles(run_dir, place.identity.rank, place.identity.role)
     write_json(files.config, resolved)
     write_json(files.env, {**collect_env(), "launch": launch})
@@ -502,13 +480,10 @@ def agree_run_place(config: Config) -> RunPlace:
     agreed = agree_job(identity, group, run_name, config.log_interval, config.cross_rank)
     identity, run_name = agreed.identity, agreed.run_name
     run_dir = make_run_dir(config, run_name)
-    resumed = False
-    if run_dir is not None:
-        rank, run_id = identity.rank, identity.run_id
-        role = identity.role
-        resumed = run_dir_errors_as_config_errors(
-            lambda: claim_run_dir(run_dir, rank, run_id, run_name, role)
-        )
+    resumed = run_dir is not None and run_dir_errors_as_config_errors(
+        lambda: claim_run_dir(run_dir, identity.rank, identity.run_id, run_name, identity.role)
+    )
+
     reporting = identity.rank == 0 or config.bridge_all_ranks
     from otel_train.exporters import resolve_rank_series
 
@@ -590,15 +565,14 @@ def build_sinks(
 ) -> tuple[list[Sink], ConsoleSink | None, BridgeProcess | None]:
     """Every rank keeps its own metrics JSONL (the local copy); progress, console and bridges
     are written by the reporting rank (rank 0, or every rank with bridge_all_ranks)."""
+    ident = place.identity
     sinks: list[Sink] = []
     if place.run_dir is not None:
-        progress = place.is_reporting_rank
-        ident = place.identity
-        sinks.append(RunDirSink(place.run_dir, ident.rank, progress, ident.role))
+        sinks.append(RunDirSink(place.run_dir, ident.rank, place.is_reporting_rank, ident.role))
     if not place.is_reporting_rank:
         return sinks, None, None
     console = None
-    if place.identity.rank == 0:
+    if ident.rank == 0:
         console = ConsoleSink(config.verbosity, config.progress_bar)
         sinks.append(console)
     bridges = _bridge_process(config, place, instruments)
@@ -611,23 +585,16 @@ def bridge_specs(config: Config, place: RunPlace) -> list[BridgeSpec]:
     """The switched-on bridges (`bridges/table`) as the bridge process builds them."""
     from otel_train.bridges.table import BridgePlace, specs
 
-    return specs(
-        config,
-        BridgePlace(
-            run_dir=place.run_dir or Path(config.output_dir) / place.run_name,
-            run_name=place.run_name,
-            run_id=place.identity.run_id,
-            rank=place.identity.rank,
-            role=place.identity.role,
-            every_rank=config.bridge_all_ranks,
-        ),
+    ident, run_dir = place.identity, place.run_dir or Path(config.output_dir) / place.run_name
+    where = BridgePlace(
+        run_dir, place.run_name, ident.run_id, ident.rank, ident.role, config.bridge_all_ranks
     )
+    return specs(config, where)
 
 
 def _bridge_process(config: Config, place: RunPlace, instruments: Instruments) -> BridgeProcess | None:
-    """TensorBoard / W&B / MLflow in one child process (`bridges.process`), off this process's
-    GIL. A missing package or an unwritable directory raises here, at
-    init(), naming the extra or the path (the child reports its set-up before init() returns)."""
+    """TensorBoard / W&B / MLflow in one child process, off this process's GIL. A missing package
+    or an unwritable directory raises here, at init(), naming the extra or the path."""
     from otel_train.bridges.errors import BridgeSetupFailed
     from otel_train.bridges.process import BridgeProcess
 
@@ -649,11 +616,8 @@ def _bridge_process(config: Config, place: RunPlace, instruments: Instruments) -
 def build_resource(config: Config, ident: Identity, gpu_attributes: Mapping[str, str]) -> Resource:
     from opentelemetry.sdk.resources import Resource
 
-    attributes: dict[str, Any] = {
-        k: v
-        for k, v in config.resource_attributes.items()
-        if not is_secret_key(k)  # a secret-looking resource attribute would reach every exporter
-    }
+    # a secret-looking resource attribute would reach every exporter
+    attributes: dict[str, Any] = {k: v for k, v in config.resource_attributes.items() if not is_secret_key(k)}
     attributes.update(gpu_attributes)
     attributes.update(
         {
@@ -668,6 +632,7 @@ def build_resource(config: Config, ident: Identity, gpu_attributes: Mapping[str,
             "host.name": ident.host,
         }
     )
+
     # Resource.create() merges OTEL_RESOURCE_ATTRIBUTES (and the SDK defaults and detectors)
     # back in, so the filters run on what it returns, not only on what went in. No per-process
     # attribute stays (semconv.PROCESS_ATTRIBUTE_PREFIX): this Resource labels metric series;

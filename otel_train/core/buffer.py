@@ -1,7 +1,7 @@
 """The hot-path accumulator (the training thread only appends here: no OTel SDK, device value or
 I/O) and the records that leave it: a flush's `FlushBatch`, the `Interval` the worker resolves it
-into for every `FlushListener`, and the logger API's `Message` records. Producers and listeners
-outside the core import from here.
+into for every `FlushListener`, and the logger API's `Message` records. Design:
+docs/design/core.md#one-flush.
 """
 
 from __future__ import annotations
@@ -34,19 +34,14 @@ class FlushHeader:
     _: KW_ONLY  # the rest by name only, so the subclasses' own fields keep their positions
     final: bool = False  # the last flush, from shutdown()
     autocast_dtype: str | None = None  # the torch.autocast dtype active on the training thread at the flush
-    # this process's flush schedule: every flush_interval steps from step flush_anchor on (core/cadence.py;
-    # rank 0's is its decision, which its answers carry to the other ranks)
+    # this process's flush schedule: every flush_interval steps from step flush_anchor on (cadence.py)
     flush_interval: int = 0
     flush_anchor: int = -1
-    # the highest index of a step that ended without an error, where steps failed (else `step`);
-    # set by the worker (worker.resolve_steps)
-    completed_step: int | None = None
+    completed_step: int | None = None  # where steps failed: the highest index of one that did not
 
 
 def finite(values: Iterable[float]) -> list[float]:
-    """The finite values, in order. Durations and arrivals are finite by construction (integer
-    clock readings), so the usual case is one check at C speed, not a Python test per value: the
-    worker's time per value is what bounds its share of a 1-2 ms step."""
+    """The finite values, in order: in the usual case (all finite) one check at C speed."""
     values = values if isinstance(values, list) else list(values)
     if all(map(math.isfinite, values)):
         return values
@@ -54,7 +49,6 @@ def finite(values: Iterable[float]) -> list[float]:
 
 
 def header_of(flush: FlushHeader) -> dict[str, Any]:
-    """The header fields of `flush`, by name (for building an `Interval` from a `FlushBatch`)."""
     return {f.name: getattr(flush, f.name) for f in fields(FlushHeader)}
 
 
@@ -83,10 +77,8 @@ class Interval(FlushHeader):
 
 
 class FlushListener(Protocol):
-    """Called on the background worker at every flush, before the StepReader collects for the sinks.
-
-    Gauges a listener sets here appear in the same flush's sink output.
-    """
+    """Called on the worker at every flush, before the StepReader collects: gauges a listener sets
+    here appear in the same flush's sink output."""
 
     def on_flush(self, interval: Interval) -> None: ...
 
@@ -103,8 +95,8 @@ TIMER_EVENTS_PER_VALUE = 16
 
 
 class SpanRole(Enum):
-    """What a span record times: a whole step, a timer inside one (a child of the step's span), or
-    an `ot.span` mark (a sibling under the step's trace root)."""
+    """A whole step, a timer inside one (a child of the step's span), or an `ot.span` mark (a
+    sibling under the step's trace root)."""
 
     STEP = "step"
     PHASE = "phase"
@@ -117,8 +109,6 @@ StepEvent = tuple[int, int, int, int | None, int | None, bool]
 
 @dataclass
 class SpanRecord:
-    """A timer or step interval on a sampled step, turned into a span at the flush."""
-
     name: str
     start_ns: int  # perf_counter_ns
     end_ns: int
@@ -129,11 +119,8 @@ class SpanRecord:
 
 
 def step_record(start_ns: int, end_ns: int, index: int, failed: bool, profiled: bool) -> SpanRecord:
-    """A sampled step as a span record (`profiled`: inside an ot.profile window)."""
-    error = "StepFailed" if failed else None
-    return SpanRecord(
-        "step", start_ns, end_ns, index, error, SpanRole.STEP, {"train.profiled": True} if profiled else None
-    )
+    attrs: dict[str, str | int | float] | None = {"train.profiled": True} if profiled else None
+    return SpanRecord("step", start_ns, end_ns, index, "StepFailed" if failed else None, SpanRole.STEP, attrs)
 
 
 def mark_record(
@@ -150,8 +137,8 @@ def mark_record(
 
 
 def span_records(batch: FlushBatch, limit: int) -> list[SpanRecord]:
-    """The batch's span records and, for each traced step among them, its timers' (read from
-    `timer_events` by the step's start): at most `limit` (worker side)."""
+    """The batch's span records and its traced steps' timers (matched by the step's start), at most
+    `limit` in all."""
     records = batch.spans
     traced = {r.start_ns: r.step for r in records if r.kind is SpanRole.STEP}
     if not traced:
@@ -166,19 +153,17 @@ def span_records(batch: FlushBatch, limit: int) -> list[SpanRecord]:
 
 @dataclass
 class LayerStats:
-    """One ot.watch statistic for every layer of a watched step: a 1-D device tensor, one value per
-    label, resolved on the worker."""
+    """One ot.watch statistic for every layer of a watched step."""
 
     instrument: str
     labels: tuple[str, ...]
-    values: Any
+    values: Any  # a 1-D device tensor, one value per label
     step: int
 
 
 @dataclass(kw_only=True)
 class FlushBatch(FlushHeader):
-    """One interval as the training thread hands it over: raw values (numbers, device tensors),
-    resolved on the worker into an `Interval`."""
+    """One interval as the training thread hands it over (raw values), for the worker to resolve."""
 
     phases: dict[str, list[float]]  # ot.phase() durations (timers' are in `timer_events`)
     # every timer that ended without an error, in order: (name, start_ns, end_ns, its step's start_ns
@@ -193,32 +178,24 @@ class FlushBatch(FlushHeader):
     cuda_event: Any = None  # recorded on the training stream at the flush, when tensors are on CUDA
     layer_stats: list[LayerStats] = field(default_factory=list)
     histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
-    # Every step that ended in the interval, failed ones too, in order (filled on the worker from
-    # step_events): a name recorded k times in each of them has k * len(step_indices) values, and
-    # value i belongs to step_indices[i // k].
+    # every step that ended, failed ones too, in order (the worker fills it from step_events)
     step_indices: list[int] = field(default_factory=list)
     merged: set[str] = field(default_factory=set)  # instruments fed by several record names (no order)
-    # instrument -> how many of its values were logged with an explicit step (log_metrics(step=N)):
-    # such a value has a row of its own at its step, and its latest, not the interval's mean, is what
-    # the gauge holds; an instrument with only such values is left out of the flushes' rows
+    # instrument -> how many of its values were logged with log_metrics(step=N): such a value has
+    # a row of its own and the gauge holds its latest, not the interval's mean
     stepped: dict[str, int] = field(default_factory=dict)
-    # every step that ended, failed ones too, in order, up to max_values_per_interval (the counts of
-    # the rest are in the header's tokens and samples): (index, start_ns, end_ns, tokens, samples,
-    # failed); the worker adds them up into the header (worker.resolve_steps)
+    # every step that ended, up to max_values_per_interval (the rest: counts in the header only)
     step_events: list[StepEvent] = field(default_factory=list)
     value_cap: int = 0  # max_values_per_interval: the worker caps each timer's durations at it (0: no cap)
     rerun_through: int = -1  # steps up to this index re-run the previous processes' (goodput)
     # worker: (reason, name) of each problem found (an ordered set; warned once per reason and name)
     problems: dict[tuple[str, str], None] = field(default_factory=dict)
-    # log_metrics(values, step=N)'s rows: (N, instrument -> value as recorded), in call order. They
-    # ride the flush (bounded like every per-interval list) rather than the message queue: a row
-    # every step would otherwise outrun the queue whenever the worker is a few flushes behind
+    # log_metrics(values, step=N)'s rows, in call order: with the flush, not the message queue,
+    # which a row every step would outrun whenever the worker is a few flushes behind
     rows: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
 
 class Buffer:
-    """Per-process accumulator for one flush interval."""
-
     def __init__(self, max_names: int, max_values: int) -> None:
         self.max_names = max_names
         self.max_values = max_values
@@ -227,9 +204,8 @@ class Buffer:
         self._owners: dict[str, str] = {}  # instrument name -> first record name that claimed it
         self._prom_owners: dict[str, str] = {}  # Prometheus name -> the user instrument holding it
         self._reserved_names: set[str] = set()  # record names refused as the library's own
-        # rejected record names cached in _name_map, oldest first: at most max_names x 8 of them
-        # (the oldest is forgotten for a new one), so a run that invents a name every step keeps a
-        # bounded map while the names it repeats stay cheap
+        # rejected record names cached in _name_map, oldest first, at most max_names x 8: a run
+        # inventing a name every step keeps a bounded map, while repeated names stay cheap
         self._rejected: dict[str, None] = {}
         self.warned: set[str] = set()
         self._user_names = 0
@@ -238,8 +214,7 @@ class Buffer:
     def _reset(self) -> None:
         self.scalars: dict[str, list[Any]] = {}
         self.phases: dict[str, list[float]] = {}
-        # appended by scopes.TimerScope (see FlushBatch): one flat list, so that a timer's end
-        # touches as little as possible on the training thread (capped at max_timer_events)
+        # one flat list (see FlushBatch), so a timer's end touches little (capped at max_timer_events)
         self.timer_events: list[tuple[str, int, int, int]] = []
         self.step_events: list[StepEvent] = []  # appended by Session.end_step (see FlushBatch)
         self.phase_errors: dict[tuple[str, str], list[float]] = {}
@@ -293,14 +268,12 @@ class Buffer:
             self.drop("too_many_values", len(records))
 
     def add_cuda_timer(self, name: str, start: Any, end: Any) -> None:
-        """A `timer(cuda=True)` phase as its two CUDA events (resolved on the worker)."""
         self._append(self.cuda_timers, (name, start, end))
 
     def add_histogram(self, key: str, step: int, values: Any) -> None:
         self._append(self.histograms, (key, step, values))
 
     def add_row(self, step: int, values: dict[str, Any]) -> None:
-        """A log_metrics(values, step=N) row, written by the worker with the next flush."""
         self._append(self.rows, (step, values))
 
     def add_internal(self, instrument: str, value: Any) -> None:
@@ -327,7 +300,6 @@ class Buffer:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
 
     def _append(self, values: list[Any], item: Any) -> None:
-        """Append `item`, or count it as dropped when `values` holds max_values_per_interval."""
         if len(values) < self.max_values:
             values.append(item)
         else:
@@ -335,8 +307,7 @@ class Buffer:
 
     # --- first sight of a name (once per name, not per step) ------------------------------------
     def _open_scalar(self, name: str) -> list[Any] | None:
-        """Register a record() name. Keys of `self.scalars` are record names; the worker merges
-        names that map to the same instrument."""
+        """Register a record() name (`scalars` is by record name; take() merges by instrument)."""
         if not isinstance(name, str):
             self.drop("invalid_name")
             self.warn_once(repr(name), f"record() name {name!r} is not a string; dropped.")
@@ -365,9 +336,8 @@ class Buffer:
             return None
         spec = semconv.BY_NAME.get(instrument)
         if spec is None and self._user_names >= self.max_names and self._is_new(instrument):
-            # The name table is full and this name would open a new one: refused before the ~100
-            # pattern matches of reserved_by (~15 us), which a name beyond the cache would pay at
-            # every call.
+            # Refused before reserved_by's ~100 pattern matches (~15 us), which a name beyond the
+            # cache would pay at every call.
             self._warn_too_many_names(name)
             return None
         if spec is not None and spec.kind is not semconv.Kind.GAUGE:
@@ -419,11 +389,9 @@ class Buffer:
         return instrument
 
     def _is_new(self, instrument: str) -> bool:
-        """Whether a user instrument name would claim a new instrument (not one held already, nor
-        a spelling merged into one by its Prometheus name)."""
-        if instrument in self._owners:
-            return False
-        return semconv.prometheus_sanitized(semconv.otel_name(instrument)) not in self._prom_owners
+        """Whether a user instrument name would claim a new instrument (nor held, nor merged)."""
+        otel = semconv.otel_name(instrument)
+        return instrument not in self._owners and semconv.prometheus_sanitized(otel) not in self._prom_owners
 
     def _warn_too_many_names(self, name: str) -> None:
         self.warn_once(
@@ -440,7 +408,7 @@ class Buffer:
 
     # --- flush ----------------------------------------------------------------------------------
     def take(self, seq: int, step: int, elapsed_s: float, perf_to_epoch_ns: int) -> FlushBatch:
-        """Swap out this interval's data (called on the training thread; O(names))."""
+        """Swap out this interval's data (training thread; O(names))."""
         scalars: dict[str, list[Any]] = {}
         merged_names: set[str] = set()
         # A snapshot: another thread may record a new name meanwhile (list() copies under the GIL).

@@ -1,14 +1,14 @@
-"""When the training thread flushes: every `log_interval` steps, or, by default, at a human cadence.
-
-Distributed, flush steps are step-anchored and rank 0's schedule travels in its answers, so ranks
-in lockstep flush at the same steps without waiting for each other.
-Design: docs/design/core.md#cadence.
+"""When the training thread flushes: every `log_interval` steps, or, by default, at a human cadence;
+distributed, at step-anchored steps, rank 0's schedule travelling in its answers. Design:
+docs/design/core.md#cadence.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from collections.abc import Iterator
 
 log = logging.getLogger("otel_train")
 
@@ -28,45 +28,34 @@ VALUE_HEADROOM = 2.0  # the adaptive interval leaves room for twice the measured
 def nice_interval(
     step_s: float, min_s: float, max_s: float, base: int = ADAPTIVE_BASE_STEPS, most_steps: int = _NEVER
 ) -> int:
-    """Steps per flush for steps of `step_s` seconds: the smallest of base x (1, 2, 5) x 10^k that
-    lasts at least `min_s`, never below `base`, and no longer than `max_s` (when that is >= base);
+    """Steps per flush for steps of `step_s` seconds: the smallest nice number of steps that lasts
+    at least `min_s`, never below `base`, and no longer than `max_s` (when that is >= base);
     never more than `most_steps` (what the per-interval lists hold), not even to reach `base`."""
     if not math.isfinite(step_s) or step_s <= 0:
         return min(base, most_steps)
     needed = math.ceil(min_s / step_s)
-    scale = 1
-    while True:
-        for factor in _NICE:
-            steps = base * factor * scale
-            if steps >= needed:
-                longest = max(base, int(min(max_s / step_s, _NEVER)))  # log_interval_s=inf
-                return min(steps, longest, _nice_at_most(most_steps, base))
-        scale *= 10
+    steps = next(n for n in _nice(base) if n >= needed)
+    longest = max(base, int(min(max_s / step_s, _NEVER)))  # log_interval_s=inf
+    return min(steps, longest, _nice_at_most(most_steps, base))
+
+
+def _nice(base: int) -> Iterator[int]:
+    """base x (1, 2, 5) x 10^k, ascending, without end."""
+    for scale in itertools.count():
+        yield from (base * factor * 10**scale for factor in _NICE)
 
 
 def _nice_at_most(steps: int, base: int) -> int:
-    """The largest of base x (1, 2, 5) x 10^k that is at most `steps` (`steps` itself below base)."""
+    """The largest nice number of steps that is at most `steps` (`steps` itself below base)."""
     if steps < base:
         return max(1, steps)
-    scale, best = 1, base
-    while base * scale <= steps:
-        for factor in _NICE:
-            if base * factor * scale <= steps:
-                best = base * factor * scale
-        scale *= 10
-    return best
+    return max(itertools.takewhile(lambda n: n <= steps, _nice(base)))
 
 
 def steps_that_fit(max_values: int, values_per_step: float) -> int:
     """The most steps one flush interval may span so that no per-interval list outgrows
-    `max_values` (max_values_per_interval), given the densest list's values per step measured on
-    the last flush (worker.values_per_step; 0: not measured yet).
-
-    Every step fills at least one list once (the step durations), and most loops fill others once
-    a step (a record() per step, a timer per step); some fill one several times (a loss per
-    micro-batch, a timer per gradient-accumulation step), which the worker measures only after the
-    fact. VALUE_HEADROOM keeps room for twice the measured density, so that a loop whose density
-    rises (or is not measured yet: the first intervals are short) still fits."""
+    `max_values`, given the densest list's values per step on the last flush (0: not measured).
+    VALUE_HEADROOM keeps room for a loop whose density rises or is not measured yet."""
     return max(1, int(max_values / (VALUE_HEADROOM * max(1.0, values_per_step))))
 
 
@@ -77,11 +66,8 @@ def _grid_next(anchor: int, interval: int, step: int) -> int:
 
 class Cadence:
     """The training thread's flush trigger (hot path: `index >= due_step or steps >= threshold`,
-    then `due()`).
-
-    `log_interval`: the user's explicit value (None: adaptive). `coordinated`: distributed with the
-    exchange on, so flush steps are step-anchored (docs/design/core.md#cadence); `decides`: this is rank 0,
-    which decides the adaptive interval (the others get it through `adopt()`, from the worker).
+    then `due()`). `log_interval`: None is adaptive; `coordinated`: flush steps are step-anchored;
+    `decides`: this is rank 0 (the others `adopt()` its decisions, from the worker).
     """
 
     def __init__(
@@ -117,17 +103,15 @@ class Cadence:
     def proposal(
         self, steps: int, elapsed_s: float, flush_cpu_s: float = 0.0, most_steps: int = _NEVER
     ) -> int:
-        """This process's proposed interval after an interval of `steps` steps over `elapsed_s`,
-        its worker spending `flush_cpu_s` of CPU on a flush (smoothed; 0: not known yet), at most
-        `most_steps` (`steps_that_fit`: beyond, values would be dropped)."""
+        """This process's proposed interval after `steps` steps over `elapsed_s`, its worker
+        spending `flush_cpu_s` a flush (0: unknown), at most `most_steps` (`steps_that_fit`)."""
         if not self.adaptive or steps <= 0:
             return self.interval
         min_s = self.min_flush_s(flush_cpu_s)
         return nice_interval(elapsed_s / steps, min_s, self._max_s, most_steps=most_steps)
 
     def min_flush_s(self, flush_cpu_s: float) -> float:
-        """The shortest time between adaptive flushes: log_interval_min_s, stretched (at most
-        MAX_STRETCH x) so that a flush's CPU stays under WORKER_SHARE of it."""
+        """log_interval_min_s, stretched (at most MAX_STRETCH x) to keep a flush's CPU under WORKER_SHARE."""
         return max(self._min_s, min(flush_cpu_s / WORKER_SHARE, self._min_s * MAX_STRETCH))
 
     def flushed(self, proposal: int, step: int) -> None:

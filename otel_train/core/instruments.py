@@ -1,7 +1,6 @@
-"""What the worker writes a flush into: the SDK instruments (created once at init(), user gauges
-created lazily, bounded by max_metric_names) and the recording that is more than one call
-(durations with their spans' exemplars, ot.watch's per-layer statistics); the step reader that
-collects them for the sinks; the sampled steps' spans."""
+"""What the worker writes a flush into: the SDK instruments (user gauges created lazily, bounded by
+max_metric_names), the step reader that collects them for the sinks
+(docs/design/core.md#step-reader), and the sampled steps' spans."""
 
 from __future__ import annotations
 
@@ -77,7 +76,7 @@ def record_durations(
     attributes: dict[str, str],
     exemplars: ExemplarContexts,
 ) -> None:
-    """Durations with an exemplar context (sampled spans) one by one, the rest in bulk."""
+    """Durations with an exemplar context (sampled spans) one by one, the rest in one step."""
     if not exemplars:
         record_many(histogram, values, attributes)
         return
@@ -94,7 +93,7 @@ def record_durations(
 def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Interval) -> None:
     """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
     and, for gradients, named in the interval (health reports them as one event per step)."""
-    records = batch.layer_stats  # copied to the host with one transfer per device and dtype
+    records = batch.layer_stats
     for record, values in zip(records, tensors_to_host([r.values for r in records]), strict=True):
         if values is None:  # a tensor that could not be converted
             continue
@@ -127,12 +126,9 @@ def keep_case(
     stepped: Container[str] = frozenset(),
 ) -> None:
     """Give the user's own names their keys in the case they were recorded (`eval/F1`): the SDK's
-    instruments are case-folded (OTel names are case-insensitive), so the row has the folded key.
-    `spelling` (the worker's, kept across flushes) maps a folded key to the spelling whose value
-    the SDK's gauge holds: the last one set (a row of its own, log_metrics(step=N), may set it).
-    Names differing only in case each get their own interval mean (the latest value for `stepped`
-    instruments, as the worker set the gauge). A name the SDK did not export
-    (over max_metric_names) gets no key."""
+    instruments are case-folded, so the row has the folded key. `spelling` (kept across flushes)
+    maps a folded key to the spelling whose value the gauge holds (the last one set). Names
+    differing only in case each get their own value; one the SDK did not export gets no key."""
     fresh: dict[str, float] = {}
     for instrument, values in recorded.items():  # the order the worker set the gauges in
         if instrument in semconv.BY_NAME or not values:
@@ -148,10 +144,8 @@ def keep_case(
 
 
 def leave_out(scalars: dict[str, float], instruments: Collection[str]) -> None:
-    """Take `instruments` out of a flush's row: their value, its interval statistics and, for the
-    loss, its min/max/last gauges. For values with rows of their own (`log_metrics(step=N)`) and
-    values not recorded in the interval: a bridge then shows each at the steps it was recorded
-    at only, as a framework's built-in logger does."""
+    """Take `instruments` (values with rows of their own, `log_metrics(step=N)`) out of a flush's
+    row, with their interval statistics, as a framework's built-in logger would."""
     for instrument in instruments:
         key = key_for(instrument, {})
         scalars.pop(key, None)
@@ -172,17 +166,15 @@ def add_stat_keys(scalars: dict[str, float], stat_keys: Mapping[str, float]) -> 
     """Add the interval statistics' keys to a flush's scalars; return those a user's own record
     name already wrote (it keeps its value)."""
     taken = [key for key in stat_keys if key in scalars]
-    for key, value in stat_keys.items():
-        scalars.setdefault(key, value)
+    scalars.update({key: value for key, value in stat_keys.items() if key not in scalars})
     return taken
 
 
 def set_interval_stats(
     instruments: Instruments, stat_keys: dict[str, float], instrument: str, values: Sequence[float]
 ) -> None:
-    """The interval's min, max and last value beside the mean: gauges of their own for the
-    instruments semconv gives them (the loss), bridge keys (into `stat_keys`) for the others
-    (series budget)."""
+    """The interval's min, max and last value beside the mean: gauges of their own where semconv
+    has them (the loss), else bridge keys (into `stat_keys`: series budget)."""
     stats = {"min": min(values), "max": max(values), "last": values[-1]}
     specs = semconv.INTERVAL_STAT_SPECS.get(instrument)
     if specs is None:
@@ -196,10 +188,10 @@ def set_interval_stats(
             gauge.set(stats[stat])
 
 
-# Attributes that never become key segments: the SDK's overflow marker, and the MFU's peak, its
-# source and dtype (they describe the value; as segments they would rename the key).
 # --- the step reader: a delta-temporality MetricReader collected at each flush, flattened into one
 # key per value for the sinks (docs/design/core.md#step-reader) ---
+# Attributes that never become key segments: the SDK's overflow marker, and the MFU's peak, its
+# source and dtype (they describe the value; as segments they would rename the key).
 _IGNORED_ATTRIBUTES = frozenset(
     {"otel.metric.overflow", semconv.PEAK_SOURCE, semconv.COMPUTE_DTYPE, semconv.PEAK_FLOPS}
 )
@@ -207,17 +199,11 @@ _IGNORED_ATTRIBUTES = frozenset(
 
 class StepReader(MetricReader):
     def __init__(self) -> None:
-        super().__init__(
-            preferred_temporality={
-                Counter: AggregationTemporality.DELTA,
-                Histogram: AggregationTemporality.DELTA,
-                ObservableCounter: AggregationTemporality.DELTA,
-                # A row carries a gauge only from the interval it was set in (a recorded eval loss
-                # at its eval, ot.watch's layer norms at watched steps, cross-rank stats while
-                # there are ranks to compare), as a framework's own logger writes a value at its step.
-                _Gauge: AggregationTemporality.DELTA,
-            }
-        )
+        # Gauges too: a row carries a gauge only from the interval it was set in (an eval loss at its
+        # eval, ot.watch's layer norms at watched steps), as a framework's logger writes it at its step.
+        kinds = (Counter, Histogram, ObservableCounter, _Gauge)
+        super().__init__(preferred_temporality=dict.fromkeys(kinds, AggregationTemporality.DELTA))
+
         self._latest: MetricsData | None = None
 
     def _receive_metrics(
@@ -286,10 +272,9 @@ def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, floa
             out[semconv.stat_key(key, "mean")] = hpoint.sum / hpoint.count
             out[semconv.stat_key(key, "count")] = float(hpoint.count)
             out[semconv.stat_key(key, "total")] = float(hpoint.sum)
-            if hpoint.min is not None and math.isfinite(hpoint.min):
-                out[semconv.stat_key(key, "min")] = float(hpoint.min)
-            if hpoint.max is not None and math.isfinite(hpoint.max):
-                out[semconv.stat_key(key, "max")] = float(hpoint.max)
+            for stat, bound in (("min", hpoint.min), ("max", hpoint.max)):
+                if bound is not None and math.isfinite(bound):
+                    out[semconv.stat_key(key, stat)] = float(bound)
             for q, suffix in ((0.5, "p50"), (0.95, "p95")):
                 estimate = bucket_quantile(
                     q, hpoint.explicit_bounds, hpoint.bucket_counts, hpoint.min, hpoint.max
@@ -299,8 +284,8 @@ def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, floa
 
 
 def exact_quantiles(scalars: dict[str, float], interval: Interval) -> None:
-    """The rows' p50/p95 of the step and phase times from the interval's own durations, where the
-    buckets could only bound them (0.1 ms steps all fall in the first, 0-5 ms, bucket)."""
+    """The rows' p50/p95 of the step and phase times from the interval's own durations (the
+    buckets could only bound them: 0.1 ms steps all fall in the first, 0-5 ms, bucket)."""
     series = [(key_for(semconv.STEP_DURATION.name, {}), interval.step_durations)]
     series += [
         (key_for(semconv.PHASE_DURATION.name, {semconv.PHASE: n}), v) for n, v in interval.phases.items()
@@ -321,11 +306,8 @@ def exact_quantiles(scalars: dict[str, float], interval: Interval) -> None:
 def bucket_quantile(
     q: float, bounds: Any, counts: Any, observed_min: float | None, observed_max: float | None
 ) -> float | None:
-    """Quantile estimate from explicit buckets, or None when no honest estimate exists.
-
-    The bucket holding the q-th observation must have finite bounds on both sides after clamping
-    to the observed min/max (the first bucket is bounded below by min, the last above by max).
-    """
+    """Quantile estimate from explicit buckets, or None unless the bucket holding it has finite
+    bounds on both sides once clamped to the observed min/max."""
     total = sum(counts)
     if total == 0:
         return None
@@ -380,24 +362,23 @@ class SpanWriter:
         self._rank = rank
 
     def write(self, records: Sequence[SpanRecord], perf_to_epoch_ns: int) -> ExemplarContexts:
-        """Export the spans; return the context of each one, keyed by what its duration histogram
-        records (so that those points carry the span's trace id as an exemplar)."""
+        """Export the spans; return each one's context, keyed as `ExemplarContexts`."""
         contexts: ExemplarContexts = {}
         steps = {r.step: r for r in records if r.kind is SpanRole.STEP}
         parents: dict[int, Any] = {}
         for step, record in sorted(steps.items()):
-            span = self._start(f"train.step {step}", record, perf_to_epoch_ns, self._virtual_root(step))
-            parents[step] = trace.set_span_in_context(span)
-            span.end(end_time=record.end_ns + perf_to_epoch_ns)
+            parents[step] = self._span(
+                f"train.step {step}", record, perf_to_epoch_ns, self._virtual_root(step)
+            )
             contexts[(None, _seconds(record))] = parents[step]
         for record in records:
             if record.kind is SpanRole.STEP:
                 continue
             parent = parents.get(record.step) if record.kind is SpanRole.PHASE else None
             context = parent if parent is not None else self._virtual_root(record.step)
-            span = self._start(record.name, record, perf_to_epoch_ns, context)
-            span.end(end_time=record.end_ns + perf_to_epoch_ns)
-            contexts[(record.name, _seconds(record))] = trace.set_span_in_context(span)
+            contexts[(record.name, _seconds(record))] = self._span(
+                record.name, record, perf_to_epoch_ns, context
+            )
         return contexts
 
     def _virtual_root(self, step: int) -> Any:
@@ -405,7 +386,8 @@ class SpanWriter:
         root = SpanContext(trace_id, root_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
         return trace.set_span_in_context(NonRecordingSpan(root))
 
-    def _start(self, name: str, record: SpanRecord, perf_to_epoch_ns: int, context: Any) -> Any:
+    def _span(self, name: str, record: SpanRecord, perf_to_epoch_ns: int, context: Any) -> Any:
+        """The span of `record`, ended; returns the context holding it."""
         span = self._tracer.start_span(
             name, context=context, kind=SpanKind.INTERNAL, start_time=record.start_ns + perf_to_epoch_ns
         )
@@ -417,4 +399,5 @@ class SpanWriter:
             span.set_attribute(semconv.PHASE, record.name)
         span.set_attribute("train.step", record.step)
         span.set_attributes(record.attributes or {})  # e.g. train.profiled, an ot.span's own
-        return span
+        span.end(end_time=record.end_ns + perf_to_epoch_ns)
+        return trace.set_span_in_context(span)

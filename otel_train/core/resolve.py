@@ -1,7 +1,6 @@
-"""Value resolution, on the worker: a flush batch's raw values (numbers, device tensors in one
-transfer per device and dtype, CUDA events, timers' clock readings) as host floats, bad ones (a
-non-str timer name too) dropped and counted; durations reach their SDK histograms in one
-aggregation step per series (`record_many`)."""
+"""Value resolution, on the worker: a flush batch's raw values as host floats, bad ones dropped
+and counted; durations reach their SDK histograms in one aggregation step per series
+(`record_many`: docs/design/core.md#histogram-feed)."""
 
 from __future__ import annotations
 
@@ -21,10 +20,8 @@ from otel_train.goodput import DATA_PHASES
 
 
 def has_data(tensor: Any) -> bool:
-    """False for a tensor that has no values to copy (a `meta` tensor, a FakeTensor of
-    torch.compile's tracing): copying one raises from deep in C++, slowly (its C++ stack is
-    symbolised), and a worker still inside that at interpreter exit aborts the process (SIGABRT),
-    losing the last flushes. Such values are dropped (`otel_train.dropped{reason=no_data_tensor}`)."""
+    """False for a `meta` tensor or a FakeTensor: copying one raises from deep in C++, slowly, and
+    a worker still inside that at interpreter exit aborts the process (SIGABRT)."""
     if getattr(tensor, "is_meta", False):
         return False
     fake = sys.modules.get("torch._subclasses.fake_tensor")
@@ -40,8 +37,8 @@ MAX_HISTOGRAM_VALUES = 100_000
 
 
 def histogram_values(values: Any) -> list[float]:
-    """A distribution (tensor, array or sequence) as finite floats, at most MAX_HISTOGRAM_VALUES
-    of them; runs on the worker. A tensor or array is sampled before its copy to the host."""
+    """A distribution as finite floats, at most MAX_HISTOGRAM_VALUES of them (a tensor or array
+    is sampled before its copy to the host)."""
     if hasattr(values, "detach") and (not has_data(values) or str(values.dtype) == "torch.bool"):
         return []
     if hasattr(values, "detach"):
@@ -75,15 +72,13 @@ def histogram_values(values: Any) -> list[float]:
 
 
 def _sample_positions(size: int) -> list[int]:
-    """MAX_HISTOGRAM_VALUES - 2 of `size` positions, uniformly without replacement, in order: the
-    same ones for the same size (a generator of its own, seeded: the training's random state is
-    never touched, and a layer's histograms sample the same elements from step to step)."""
+    """MAX_HISTOGRAM_VALUES - 2 of `size` positions, uniformly, in order: the same ones for the same
+    size, from a seeded generator of its own (the training's random state is never touched)."""
     return sorted(random.Random(0).sample(range(size), MAX_HISTOGRAM_VALUES - 2))
 
 
 def _bounded_tensor(flat: Any) -> Any:
-    """A 1-d tensor, or past MAX_HISTOGRAM_VALUES its finite values' min, max and sample, taken on
-    its device (only those are copied to the host)."""
+    """A 1-d tensor, or past MAX_HISTOGRAM_VALUES its finite values' min, max and sample (on its device)."""
     if flat.numel() <= MAX_HISTOGRAM_VALUES:
         return flat
     import torch
@@ -101,8 +96,7 @@ def _bounded_tensor(flat: Any) -> Any:
 
 
 def _bounded_array(flat: Any) -> Any:
-    """A 1-d numpy array, or past MAX_HISTOGRAM_VALUES its finite values' min, max and sample
-    (of any other kind of array, a sample, filtered as a list is). Other arrays: as they are."""
+    """`_bounded_tensor` for a numpy array (one of non-numbers: a sample); other arrays as they are."""
     np = sys.modules.get("numpy")
     if np is None or not isinstance(flat, np.ndarray) or flat.size <= MAX_HISTOGRAM_VALUES:
         return flat
@@ -119,11 +113,8 @@ def _bounded_array(flat: Any) -> Any:
 
 
 def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str, int]]:
-    """Turn recorded values (numbers, 0-dim or 1-element tensors) into finite floats, position by
-    position (None where a value was dropped: bad type, non-scalar tensor, NaN/Inf).
-
-    Device tensors are stacked and copied in ONE transfer. Returns (values, drop counts).
-    """
+    """Recorded values as finite floats, position by position (None where dropped), and the drop
+    counts. Device tensors are copied in one transfer."""
     dropped: dict[str, int] = {}
     stacked = _stacked_scalars(values)
     if stacked is not None:
@@ -172,7 +163,6 @@ def resolve_values(values: Sequence[Any]) -> tuple[list[float | None], dict[str,
 
 
 def _finite_only(values: list[float | None], dropped: dict[str, int]) -> list[float | None]:
-    """`values` with NaN/Inf replaced by None, counted as dropped `nonfinite`."""
     if None not in values and all(map(math.isfinite, values)):  # type: ignore[arg-type]  # usual case, C speed
         return values
     for i, value in enumerate(values):
@@ -183,8 +173,7 @@ def _finite_only(values: list[float | None], dropped: dict[str, int]) -> list[fl
 
 
 def _not_real(value: Any) -> bool:
-    """A complex number (Python's or numpy's) or a numpy bool: dropped as Python's bool is, where
-    float() would drop an imaginary part or read True as 1.0."""
+    """A complex number or a numpy bool, which float() would not refuse."""
     if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
         return True
     dtype = getattr(value, "dtype", None)
@@ -199,11 +188,9 @@ _dtype = attrgetter("dtype")
 
 
 def _stacked_scalars(values: Sequence[Any]) -> list[float | None] | None:
-    """The common interval (one loss tensor per step): every value a plain, real, one-element
-    `torch.Tensor` of one shape on one device, read with one stack and one copy, without the
-    per-value checks of `resolve_values` (~3x cheaper per value on the worker). None for anything
-    else (a number, a subclass such as FakeTensor, a meta or complex tensor, mixed shapes or
-    devices), which takes the careful path: the result is the same either way."""
+    """The common interval (one loss tensor per step: plain, real, one-element tensors of one shape,
+    device and dtype) with one stack and one copy, ~3x cheaper than `resolve_values`' checks; None
+    for anything else, which takes the careful path to the same result."""
     torch = sys.modules.get("torch")
     if torch is None or not values:
         return None
@@ -226,8 +213,8 @@ def _stacked_scalars(values: Sequence[Any]) -> list[float | None] | None:
 
 
 def tensors_to_host(tensors: Sequence[Any]) -> list[list[float] | None]:
-    """Each tensor's values as floats, copied to the host in ONE transfer per device and dtype
-    (a stack would promote mixed dtypes); None for a tensor whose group could not be converted."""
+    """Each tensor's values as floats, copied to the host in one transfer per device and dtype;
+    None for a tensor that could not be converted."""
     import torch
 
     by_device: dict[Any, list[int]] = {}  # by device and dtype: a stack would promote mixed dtypes
@@ -275,9 +262,8 @@ def _one_to_host(tensor: Any) -> list[float] | None:
 def value_steps(
     resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
 ) -> list[int] | None:
-    """The step of each kept value, when the values were recorded k times in every step of the
-    interval (the usual once-per-step loss); None when that cannot be told (values recorded outside
-    steps, in some steps only, or under two names merged into one instrument)."""
+    """The step of each kept value when they were recorded k times in every step of the interval;
+    None when that cannot be told."""
     if merged or not step_indices or len(resolved) % len(step_indices):
         return None
     per_step = len(resolved) // len(step_indices)
@@ -296,8 +282,7 @@ _NS = 1e-9  # seconds per clock tick: `_NS.__mul__(ticks)` is `ticks * 1e-9`, bi
 
 
 def seconds_between(starts: Sequence[int], ends: Sequence[int]) -> list[float]:
-    """[(end - start) * 1e-9 ...], computed in C (the same float as the expression: IEEE products
-    commute), as tracing._seconds computes a span's duration, so exemplars match."""
+    """[(end - start) * 1e-9 ...] in C, the same floats as a span's `_seconds`, so exemplars match."""
     return list(map(_NS.__mul__, map(sub, ends, starts)))
 
 
@@ -355,12 +340,9 @@ def _arrivals(began: Sequence[int], ends: Sequence[int], inside: bool) -> list[f
 def timer_phases(
     batch: FlushBatch, rerun_starts: Set[int] = frozenset()
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], float]:
-    """(phase durations, arrivals, data seconds): `ot.phase` values, then each timer's raw clock
-    readings (durations computed exactly as `_seconds` does for its span, so exemplars match;
-    the arrival, from its step's start to the timer's end, only for timers inside a step), each
-    timer name capped at `batch.value_cap` values (the rest dropped and counted); and the seconds
-    of goodput's data cause: data-phase timers inside steps that did not re-run an earlier step
-    (`rerun_starts`: those steps' starts)."""
+    """(phase durations, arrivals, data seconds): `ot.phase` values and each timer's durations (at
+    most `batch.value_cap` a name), arrivals of timers inside a step, and goodput's data cause:
+    data-phase timers inside steps that re-ran no earlier step (`rerun_starts`: their starts)."""
     phases = {name: list(values) for name, values in batch.phases.items()}
     arrivals: dict[str, list[float]] = {}
     cap = batch.value_cap or len(batch.timer_events)
@@ -371,13 +353,9 @@ def timer_phases(
             if inside and not rerun_starts:
                 data_ns += sum(map(sub, ends, starts))
             else:
-                data_ns += sum(
-                    [
-                        e - s
-                        for s, e, b in zip(starts, ends, began, strict=True)
-                        if b and b not in rerun_starts
-                    ]
-                )
+                readings = zip(starts, ends, began, strict=True)
+                data_ns += sum([e - s for s, e, b in readings if b and b not in rerun_starts])
+
         durations = phases.setdefault(name, [])
         room = max(0, cap - len(durations))
         if len(starts) > room:
@@ -407,19 +385,16 @@ def same_tensor_twice(values: Sequence[Any]) -> bool:
 
 
 def drop_bad_timer_names(batch: FlushBatch) -> None:
-    """`ot.timer(name)` does not check its name on the hot path; here, before anything sorts or
-    exports the names, a str subclass (a `str` Enum) becomes its plain string, and any other name
-    (an Enum, None, an int) is dropped and counted, instead of failing the whole flush. The same
-    for every other place a timer's name reaches: a raising block's phase errors and span, a CUDA
-    timer's events and `ot.phase()` durations."""
+    """The hot path does not check timer names: here a str subclass (a `str` Enum) becomes its
+    plain string and any other name is dropped and counted, wherever a timer's name went."""
     events = batch.timer_events
     if events and set(map(type, map(_timer_name, events))) != {str}:
-        kept: list[tuple[str, int, int, int]] = []
-        for name, start, end, began in events:
-            plain = _plain_name(batch, name)
-            if plain is not None:
-                kept.append((plain, start, end, began))
-        batch.timer_events = kept
+        batch.timer_events = [
+            (plain, start, end, began)
+            for name, start, end, began in events
+            if (plain := _plain_name(batch, name)) is not None
+        ]
+
     if any(name.__class__ is not str for name, _ in batch.phase_errors):
         errors: dict[tuple[str, str], list[float]] = {}
         for (name, error), values in batch.phase_errors.items():
@@ -449,8 +424,7 @@ def drop_bad_timer_names(batch: FlushBatch) -> None:
 
 
 def _plain_name(batch: FlushBatch, name: Any, count: int = 1) -> str | None:
-    """A timer's name as a plain str, or None (its `count` values dropped, counted and warned
-    about once) when it is not a str."""
+    """A timer's name as a plain str, or None (its `count` values dropped) when it is not a str."""
     if isinstance(name, str):
         return str.__str__(name)
     batch.dropped["invalid_timer_name"] = batch.dropped.get("invalid_timer_name", 0) + count
@@ -484,9 +458,8 @@ def record_many(histogram: Any, values: Sequence[float], attributes: Mapping[str
 
 
 def bucket_counts_of(ordered: Sequence[float], bounds: Sequence[float]) -> list[int]:
-    """Explicit-bucket counts of sorted values, as the SDK buckets each one (`bisect_left(bounds,
-    value)`: bucket i holds bounds[i-1] < v <= bounds[i]): one binary search per boundary, not
-    one per value."""
+    """Explicit-bucket counts of sorted values as the SDK buckets them (bounds[i-1] < v <= bounds[i]),
+    one binary search per boundary."""
     counts, below = [], 0
     for bound in bounds:
         upto = bisect_right(ordered, bound)  # values <= bound
@@ -521,19 +494,17 @@ def _merge(histogram: Any, values: list[float], attributes: dict[str, Any]) -> b
     targets = _targets(histogram, attributes)
     if targets is None:
         return False
-    aggregations = []
-    for match, key, attrs in targets:
+    for match, key, attrs in targets:  # all checked before anything is merged
         with match._lock:
             aggregation = match._get_or_create_aggregation(key, attrs)
         if type(aggregation) is not _ExplicitBucketHistogramAggregation or not all(
             hasattr(aggregation, name) for name in _FIELDS
         ):
             return False
-        aggregations.append((match, key, attrs))
     ordered = sorted(values)
     total, low, high = math.fsum(ordered), ordered[0], ordered[-1]
     counts_by_bounds: dict[tuple[float, ...], list[int]] = {}
-    for match, key, attrs in aggregations:
+    for match, key, attrs in targets:
         # Held like record() holds it when collect() discards aggregations (delta readers).
         with match._lock:
             aggregation = match._get_or_create_aggregation(key, attrs)

@@ -53,7 +53,7 @@ def init(
 def _warn_if_different(
     session: Session, config: Config | None, config_file: str | None, settings: Mapping[str, Any] | None
 ) -> None:
-    """A second init() returns the running session; if it asked for other settings, say so once."""
+    """A second init() that asked for other settings: say so once."""
     if session.reinit_warned or (config is None and not config_file and not settings):
         return
     try:
@@ -97,24 +97,15 @@ def _forget_in_child() -> None:
     global _current, _closing
     if _current is not None and _current.bridges is not None:
         _current.bridges.forget_in_child()
-    _current = None
-    _closing = None
+    _current = _closing = None
 
 
 class _SigtermRelay:
-    """Does the SIGTERM shutdown on a thread of its own.
-
-    A signal handler runs on the main thread between two bytecodes, possibly while that thread
-    holds the session lock or a queue's mutex (flush takes both); a handler that took either would
-    wait forever. So the handler only writes a byte to a pipe (no lock anywhere) and returns; this
-    thread shuts down (the training thread keeps running and releases its locks) and then sends
-    SIGTERM again, which the handler now answers with the default action, so the exit status
-    still says "terminated by SIGTERM".
-
-    With the training's own handler (installed before init()) the training decides: a handler may
-    set a flag, save a checkpoint and train on (Lightning, SLURM preemption code). It runs at once
-    and nothing shuts down; this thread only asks for a flush at the next step end. The shutdown
-    comes with the exit (atexit, or the SystemExit the handler raises)."""
+    """Does the SIGTERM shutdown on a thread of its own: a signal handler runs between two
+    bytecodes, maybe while the main thread holds the session lock or a queue's mutex, so it only
+    writes a byte to a pipe. This thread shuts down, then sends SIGTERM again for the default
+    action. The training's own handler (which may train on) runs at once instead, and this thread
+    only asks for a flush (docs/design/core.md#runtime)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -207,8 +198,8 @@ def _install_hooks() -> None:
             signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-# --- Run: what `ot.init()` returns (ids, directory, rank, the pull endpoint, `profile`); the session's
-# internals stay behind `otel_train.testing.current_session()` ---
+# --- Run: what `ot.init()` returns; the session's internals stay behind
+# `otel_train.testing.current_session()` ---
 class Run:
     """One running session, as `ot.init()` returns it (a second `init()` returns the same run)."""
 
@@ -216,9 +207,8 @@ class Run:
 
     def __init__(self, session: Session) -> None:
         self._session = session
-        # A forked child inherits this object (a `with ot.init() as run:` block it exits through
-        # sys.exit or an exception) but not the session's threads: the parent's session is never
-        # the child's to shut down (its watchdog's faulthandler timer would wait forever there).
+        # A forked child inherits this object but not the session's threads: the parent's session
+        # is never the child's to shut down (its watchdog's faulthandler timer would wait forever).
         self._pid = os.getpid()
 
     @property
@@ -231,7 +221,7 @@ class Run:
 
     @property
     def run_dir(self) -> Path | None:
-        """This run's directory (None when `run_dir_enabled=False`)."""
+        """None when `run_dir_enabled=False`."""
         return self._session.run_dir
 
     @property
@@ -248,7 +238,7 @@ class Run:
         return self._session.prometheus_url
 
     def info(self) -> RunInfo:
-        """Everything `ot.run_info()` says, for this run (the last step as of now)."""
+        """`ot.run_info()` for this run."""
         session = self._session
         ident, config = session.identity, session.config
         return RunInfo(
@@ -294,8 +284,7 @@ class Run:
         return self._session.start_profile(window, ranks)
 
     def shutdown(self) -> None:
-        """`ot.shutdown()` for this run: final flush, exporters stopped. Safe to call twice; a
-        no-op in a forked child (the session is the parent's)."""
+        """`ot.shutdown()` for this run; safe to call twice, a no-op in a forked child."""
         if os.getpid() != self._pid:
             return
         if current() is self._session:

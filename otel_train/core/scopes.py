@@ -1,8 +1,7 @@
-"""step(), timer(), span(), and the same without a `with` block for adapters whose framework
-calls hooks at a step's start and end (`otel_train.adapters`): begin_step()/end_step(),
-`.start()`/`.stop()`, and phase() for a phase known only by its duration. Before `init()` they do
-nothing (but a wrong argument type raises, as with a session: docs/reliability.md#error-policy); on
-the training thread they only read `time.perf_counter_ns()` and append to the buffer.
+"""step(), timer(), span(), and for framework hooks begin_step()/end_step(), `.start()`/`.stop()`
+and phase(). Before `init()` they do nothing (but a wrong argument type raises:
+docs/reliability.md#error-policy); on the training thread they only read the clock and append.
+Design: docs/design/core.md#session.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _NullScope:
-    """No-op scope: the shared `_NULL`, or, from `timer()`, one that keeps the timer's arguments
-    for the decorator form (a function decorated before `init()` is timed once a session runs)."""
+    """No-op scope: the shared `_NULL`, or one from `timer()` that keeps its arguments for the
+    decorator form (a function decorated before `init()` is timed once a session runs)."""
 
     __slots__ = ("cuda", "level", "name")
     name: str | None  # None on the shared `_NULL`: its decorator returns the function itself
@@ -107,9 +106,8 @@ def step(index: Any = None, *, tokens: int | None = None, samples: int | None = 
 
 
 class TimerScope:
-    """`with ot.timer("forward"):`. Its end appends one tuple to the interval's `timer_events` and
-    touches nothing else: at 1-2 ms steps each object touched between torch's calls costs cache
-    misses (README, Performance); the worker derives durations, arrivals, spans and goodput."""
+    """`with ot.timer("forward"):`. Its end appends one tuple to `timer_events` and touches nothing
+    else: each object touched between torch's calls costs cache misses (README, Performance)."""
 
     __slots__ = ("_session", "_start", "name")
     _start: int  # perf_counter_ns at the start (set by __enter__)
@@ -162,10 +160,8 @@ class TimerScope:
         session.end_timer(self.name, self._start, end_ns, error)
 
     def __call__(self, fn: F) -> F:
-        """`@ot.timer("forward")`: each call of `fn` runs in a fresh timer of that name. A scope
-        does not keep its level (a slot stored on every timer would cost each one): a timer made
-        enabled after `init()` decorates at the default level 1; one made before `init()` or above
-        the level keeps its own (the common case: a decorator runs at import)."""
+        """`@ot.timer("forward")`: each call of `fn` in a fresh timer. An enabled scope keeps no
+        level (a slot would cost every timer): it decorates at level 1; a no-op one keeps its own."""
         return _timed(fn, self.name, 1, isinstance(self, CudaTimerScope))
 
 
@@ -219,17 +215,15 @@ def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullSc
 
 
 def _off(name: str, level: Any, cuda: bool) -> _NullScope:
-    """A no-op scope that keeps the timer's arguments for the decorator form (before `init()`, or
-    above the level, which may be raised later): not the shared `_NULL`, at an object's cost off
-    the measured path."""
+    """A no-op scope that keeps the timer's arguments for the decorator form (the level may be
+    raised later)."""
     scope = _new_scope(_NullScope)
     scope.name, scope.level, scope.cuda = name, level, cuda
     return scope
 
 
 def _check_level(call: str, name: Any, level: Any) -> None:
-    """Before `init()`: refuse a level a running session could not compare with its
-    `timing_log_level` (the same TypeError as then), off the hot path."""
+    """Before `init()`: the TypeError a running session would raise for the level."""
     try:
         level > 1  # noqa: B015 (the comparison is the check)
     except TypeError:
@@ -237,8 +231,7 @@ def _check_level(call: str, name: Any, level: Any) -> None:
 
 
 def _check_index(index: Any) -> None:
-    """Before `init()`: the step number's type check a running session makes (`as_int`); the
-    value itself is not looked at (a huge one is a bad value, dropped once a session runs)."""
+    """Before `init()`: the step number's type check a running session makes (`as_int`)."""
     if index is not None and index.__class__ is not int:
         as_int(index, "ot.step(index)")
 
@@ -251,9 +244,7 @@ def _bad_level(call: str, name: Any, level: Any) -> TypeError:
 
 
 def _timed(fn: F, name: str | None, level: int, cuda: bool) -> F:
-    """`fn`, each call timed by `timer(name, level, cuda)`, made anew per call (before init() or
-    above the level that is a no-op scope: ~free). Without a name (the shared `_NULL`, which an
-    invalid level returns) `fn` itself."""
+    """`fn`, each call timed by a fresh `timer(name, level, cuda)`; without a name (`_NULL`) `fn`."""
     if name is None:
         return fn
     return _wrap(fn, lambda: timer(name, level, cuda))
@@ -271,8 +262,7 @@ class MarkScope:
         self._session: Session | None = None
 
     def start(self, at_ns: int | None = None) -> MarkScope:
-        """Start without a `with` block (`at_ns`: an earlier `perf_counter_ns()` reading);
-        `stop()` ends the span. Returns the scope."""
+        """Start without a `with` block (`at_ns`: an earlier `perf_counter_ns()` reading)."""
         self.__enter__()
         self._start = _earlier(self._session, at_ns, self._start)
         return self
@@ -388,8 +378,7 @@ def phase(name: str, seconds: float, level: int = 1) -> None:
 
 
 def _earlier(session: Session | None, at_ns: Any, now_ns: int) -> int:
-    """`start(at_ns=)`: an earlier `perf_counter_ns()` reading; a later or non-positive one is a
-    bad value (dropped, counted, warned once: timed from now), any other type the caller's bug."""
+    """`start(at_ns=)`; a later or non-positive reading is a bad value: timed from now, counted."""
     if at_ns is None:
         return now_ns
     if at_ns.__class__ is not int:
@@ -413,7 +402,6 @@ def _not_ns(call: str, value: Any) -> TypeError:
 
 
 def _error_type(error: Any) -> type[BaseException] | None:
-    """stop(error=...) takes the exception class (or None)."""
     if error is None or (isinstance(error, type) and issubclass(error, BaseException)):
         return error  # type: ignore[no-any-return]
     raise TypeError(
@@ -422,8 +410,7 @@ def _error_type(error: Any) -> type[BaseException] | None:
 
 
 def _wrap(fn: F, scope: Callable[[], Any]) -> F:
-    """Decorate `fn` (sync or async) so each call runs inside a fresh `scope()`. A generator
-    function is refused: its call only makes the generator, so the scope would time nothing."""
+    """Decorate `fn` (sync or async) so each call runs inside a fresh `scope()`."""
     if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
         raise TypeError(
             f"ot.timer/ot.step cannot decorate the generator function {fn.__qualname__}: a call only "

@@ -1,7 +1,5 @@
-"""Session: the running telemetry of one process, in the order of its life (the parts it opens
-with, its steps, the hand-off of each interval to the worker, the close). The training thread
-calls only `begin_step`, `end_step`, `end_timer`, `record` and `flush`; the rest happens on the
-worker. Design: docs/design/core.md#session.
+"""Session: the running telemetry of one process, in the order of its life (its parts, its steps,
+the hand-off of each interval to the worker, the close). Design: docs/design/core.md#session.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 from otel_train import semconv
-from otel_train.bridges.base import Sink
 from otel_train.bridges.console import ConsoleSink
 from otel_train.config import Config
 from otel_train.core.buffer import (
@@ -86,8 +83,8 @@ class Session:
     cadence: Cadence
     profiled_steps: ProfiledStepsCounter
     watches: list[ModelWatch] = field(default_factory=list)  # ot.watch(model) handles
-    # gcd of the watches' `every` (1 without watches, never 0: another thread may change them while a
-    # step reads both): only a step it divides can be watched; the others cost a modulo, not calls
+    # gcd of the watches' `every` (never 0: a step may read it while another thread changes them):
+    # only a step it divides can be watched; the others cost a modulo, not calls
     watch_period: int = 1
     memory_dumps: MemoryDumps | None = None  # CUDA allocator dumps on an OOM inside ot.step
     # attached by assemble.build_session once the session exists (they call back into it)
@@ -101,8 +98,8 @@ class Session:
         self.clock = StepClock(config.stall_timeout_s)  # goodput's books, kept by the hot path
         self.profiler: StepProfiler | None = None  # an ot.profile window, advanced at step ends
         self.buffer = Buffer(config.max_metric_names, config.max_values_per_interval)
-        # The interval's timer and step events, read here by scopes.TimerScope and end_step (one
-        # attribute, not two); flush() points them at the fresh lists each time it takes the buffer.
+        # The interval's event lists, read here by the hot path (one attribute, not two); flush()
+        # points them at the fresh lists.
         self.timer_events = self.buffer.timer_events
         self.max_timer_events = self.buffer.max_timer_events
         self.step_events = self.buffer.step_events
@@ -133,22 +130,18 @@ class Session:
         self._lock = threading.Lock()
         self.deferred_flushes = 0  # the worker's queue was full: the data goes with a later flush
         self.lost_flushes = self.lost_steps = 0  # flushes (and their steps) that never reached the run dir
-        # The thread running ot.step(), the only one that flushes: until the first step, the one that
-        # called init() (a flush from another thread before it would race the first step's counters).
+        # The thread running ot.step(), the only one that flushes (until the first step, init()'s).
         self._step_thread = threading.get_ident()
         self._flush_requested = False  # another thread asked for one (SIGTERM's); not in lockstep
         self.shutdown_done = threading.Event()
         _warn_if_interval_outgrows_values(config)
 
     def add_watch(self, watch: ModelWatch) -> None:
-        """Call `watch` at the begin and end of the steps `watch_period` divides (training thread)
-        until `remove_watch`."""
         watches = [*self.watches, watch]  # copy-on-write too: a step may be iterating it
         self.watch_period = math.gcd(*(w.every for w in watches))  # first: a divisor of the old one
         self.watches = watches
 
     def remove_watch(self, watch: ModelWatch) -> None:
-        """Stop calling `watch` (idempotent; `ModelWatch.remove()` calls it)."""
         self.watches = [x for x in self.watches if x is not watch]
         self.watch_period = math.gcd(*(w.every for w in self.watches)) or 1  # then: a multiple
 
@@ -184,8 +177,7 @@ class Session:
     def end_step(
         self, index: int, start_ns: int, end_ns: int, tokens: int | None, samples: int | None, failed: bool
     ) -> None:
-        """One append to `step_events` and the flush check; the worker derives durations, counts,
-        goodput's re-runs (worker.resolve_steps). Cold-cache cost: see scopes.TimerScope."""
+        """One append to `step_events` and the flush check; the worker derives the rest."""
         if (tokens.__class__ is not int and tokens is not None) or (
             samples.__class__ is not int and samples is not None
         ):
@@ -231,7 +223,7 @@ class Session:
         return due
 
     def seconds_per_step(self) -> float | None:
-        """The mean step time so far (the control thread schedules changes with it)."""
+        """The mean step time so far (for the control thread)."""
         steps, end, first = self.goodput.steps, self.step_end_ns, self.clock.first_step_start_ns
         return (end - first) * 1e-9 / steps if steps and end and first else None
 
@@ -245,8 +237,7 @@ class Session:
         return self.profiler is not None
 
     def end_timer(self, name: str, start_ns: int, end_ns: int, error: type[BaseException] | None) -> None:
-        """A timer's end off the `with` path (`stop()`, `ot.span`, a failed phase). A `with ot.timer`
-        that ends without an error appends to `timer_events` itself (scopes.TimerScope)."""
+        """A timer's end off the `with` path (`stop()`, `ot.span`, a failed phase)."""
         if error is None:
             events = self.timer_events
             if len(events) < self.max_timer_events:
@@ -271,7 +262,7 @@ class Session:
         start_ns: int,
         end_ns: int,
         error: type[BaseException] | None,
-        attributes: Mapping[str, Any] | None,
+        attrs: Mapping[str, Any] | None,
     ) -> None:
         """An eval / checkpoint span: always traced (rare and short), timed as a phase, and
         accounted as goodput's eval / checkpoint badput."""
@@ -282,11 +273,10 @@ class Session:
         self.clock.note_span(name, end_ns - start_ns, self.step_start_ns != 0, self.step_end_ns)
         if self.worker.span_writer is not None and len(self.buffer.spans) < MAX_SPAN_RECORDS:
             step = max(self.step_index, 0)
-            self.buffer.spans.append(mark_record(name, start_ns, end_ns, step, error, attributes))
+            self.buffer.spans.append(mark_record(name, start_ns, end_ns, step, error, attrs))
 
     @property
     def running_step(self) -> int | None:
-        """The index of the step begun and not yet ended (None outside a step)."""
         return self._step_index_running if self.step_start_ns else None
 
     def last_step(self) -> tuple[int, float | None]:
@@ -315,14 +305,9 @@ class Session:
 
     # --- the flush hand-off: the interval to the worker ------------------------------------------
     def flush(self, final: bool = False, idle: bool = False) -> bool:
-        """Hand the interval to the worker. Never blocks, in lockstep too (telemetry never makes
-        this rank wait for another): if the queue is full the data stays in the buffer (counters
-        keep summing) and the next step tries again; in lockstep that flush's row then covers other
-        steps than the peers' and is left out of that flush's cross-rank stats (`exchange`).
-
-        Only the thread running the steps takes the buffer (the step counters are plain ints it
-        alone increments); a flush asked for on another thread is done at its next step end.
-        `idle` (`mark_idle`): taken past a full queue, and the schedule is kept."""
+        """Hand the interval to the worker, never blocking: with the queue full the data stays in the
+        buffer for the next step's try. Only the thread running the steps takes the buffer; one on
+        another thread is done at its next step end. `idle`: past a full queue, schedule kept."""
         if not final and threading.get_ident() != self._step_thread:
             # at the next step end; in lockstep it rides with the next aligned flush instead
             self._flush_requested = not self._lockstep
@@ -360,7 +345,6 @@ class Session:
         return True
 
     def message(self, kind: type[Message], key: str, payload: Any, step: int | None) -> None:
-        """A log_text/samples/histogram/hyperparams entry to the worker; a log_metrics row: the buffer."""
         filed = self.step_index if step is None else step
         if kind is ScalarsMessage:
             self.buffer.add_row(filed, payload)  # rides the next flush: no queue for it to fill
@@ -369,8 +353,7 @@ class Session:
 
     # --- close -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Final flush, drain the worker, close sinks, stop exporters: bounded by shutdown_timeout_s
-        for the network part. Idempotent."""
+        """Final flush, drain the worker, close sinks, stop exporters, within shutdown_timeout_s."""
         with self._lock:
             already = self._closed
             self._closed = True
@@ -383,12 +366,9 @@ class Session:
             self.shutdown_done.set()
 
 
-# --- steps: what ot.step() accepts (docs/reliability.md#error-policy), and a step past the cap -----
-# A step number of any integer type (numpy integers, 0-dim integer tensors) becomes a plain int, any
-# other type is the caller's bug (TypeError naming the fix); tokens=/samples= and the logger API's
-# step= arrive as values: a bad one is dropped, counted and warned about once.
-
-
+# --- what ot.step() accepts (docs/reliability.md#error-policy): tokens=/samples= and the logger
+# API's step= are values (a bad one is dropped, counted and warned about once), a step number's
+# type is the caller's.
 def as_int(value: Any, call: str) -> int:
     """`value` as a plain int when it is an integer of any kind (numpy, a 0-dim integer tensor);
     any other type (a float, a str, a bool) is the caller's bug: TypeError naming the fix."""
@@ -401,8 +381,7 @@ def as_int(value: Any, call: str) -> int:
 
 
 def step_number(step: Any, buffer: Buffer, last_step: int) -> int:
-    """The step number as a plain int; one beyond int64 continues from the last step, counted and
-    warned about once."""
+    """A step number as a plain int; one beyond int64 continues from the last step."""
     index = as_int(step, "ot.step(index)")
     if -MAX_STEP <= index <= MAX_STEP:
         return index
@@ -416,9 +395,8 @@ def step_number(step: Any, buffer: Buffer, last_step: int) -> int:
 
 
 def count_of(value: Any, what: str, buffer: Buffer) -> int | None:
-    """tokens= / samples= as a plain int (numpy integers, 0-dim integer tensors). They arrive as
-    a step ends, where raising would hide the step's own exception: a count of another type, a
-    negative or a huge one, is a bad value, ignored, counted and warned about once."""
+    """tokens= / samples= as a plain int. They arrive as a step ends, where raising would hide the
+    step's own exception: a bad count is ignored, counted and warned about once."""
     if value is None or (value.__class__ is int and 0 <= value <= MAX_STEP):
         return value  # type: ignore[no-any-return]
     try:
@@ -439,8 +417,7 @@ def count_of(value: Any, what: str, buffer: Buffer) -> int | None:
 
 
 def _uncapped_step(buffer: Buffer, tokens: int | None, samples: int | None, failed: bool) -> None:
-    """A step beyond the step_events cap: its counts only (its duration and index are dropped);
-    a negative count is dropped, counted and warned about as under the cap."""
+    """A step beyond the step_events cap: its counts only."""
     buffer.drop("too_many_values")
     if not failed:
         buffer.tokens += count_of(tokens, "tokens", buffer) or 0
@@ -448,9 +425,8 @@ def _uncapped_step(buffer: Buffer, tokens: int | None, samples: int | None, fail
 
 
 def message_step(step: Any, buffer: Buffer) -> int | None:
-    """A step= argument of the logger API (a framework's logger hands its own on: a value, not
-    the caller's bug) as a plain int, or None (the current step): also for a step that is no
-    integer (2.5, True, "3") or does not fit an int64, which is counted and warned about once."""
+    """The logger API's step= (a framework hands its own on: a value, not the caller's bug) as a
+    plain int, or None (the current step), also for a bad one (counted, warned about once)."""
     if step is None or (step.__class__ is int and -MAX_STEP <= step <= MAX_STEP):
         return step  # type: ignore[no-any-return]
     try:
@@ -467,9 +443,8 @@ def message_step(step: Any, buffer: Buffer) -> int | None:
     return None
 
 
-# --- the flush hand-off: when, and what the training thread adds to a batch -----------------------
 def _time_due_ns(lockstep: bool, last_flush_s: float, interval_s: float) -> int:
-    """The perf_counter_ns when log_interval_s will have passed since the last flush; never in
+    """When log_interval_s will have passed since the last flush (perf_counter_ns); never in
     lockstep (time-based flushes would desync the ranks)."""
     due = (last_flush_s + interval_s) * 1e9
     return int(due) if not lockstep and due < _NEVER_NS else _NEVER_NS  # log_interval_s=inf: never
@@ -478,11 +453,9 @@ def _time_due_ns(lockstep: bool, last_flush_s: float, interval_s: float) -> int:
 def _note_torch_state(batch: FlushBatch, detect_dtype: bool) -> None:
     """A CUDA event when the batch holds CUDA values (the worker waits on it, never the training
     thread), and the active torch.autocast dtype for MFU's peak (thread-local: only readable here)."""
-    if (
-        any(_on_cuda(v) for vs in batch.scalars.values() for v in vs[-1:])
-        or any(_on_cuda(r.values) for r in batch.layer_stats)
-        or any(_on_cuda(h[2]) for h in batch.histograms)
-    ):
+    latest = [v for vs in batch.scalars.values() for v in vs[-1:]]
+    latest += [r.values for r in batch.layer_stats] + [h[2] for h in batch.histograms]
+    if any(getattr(getattr(v, "device", None), "type", "") == "cuda" for v in latest):
         import torch
 
         batch.cuda_event = torch.cuda.Event()
@@ -491,14 +464,8 @@ def _note_torch_state(batch: FlushBatch, detect_dtype: bool) -> None:
         batch.autocast_dtype = autocast_dtype()
 
 
-def _on_cuda(value: Any) -> bool:
-    device = getattr(value, "device", None)
-    return device is not None and getattr(device, "type", "") == "cuda"
-
-
 def _drop_message(buffer: Buffer, limit: int) -> None:
-    """A log_text / log_samples / log_histogram / log_hyperparams entry that found `limit` entries
-    waiting for the worker: dropped, counted and warned about once, never waited for."""
+    """A logger API entry that found `limit` entries waiting: dropped, never waited for."""
     buffer.drop("message_queue_full")
     buffer.warn_once(
         "<message_queue_full>",
@@ -511,7 +478,6 @@ def _drop_message(buffer: Buffer, limit: int) -> None:
 
 # --- close: each part within what is left of shutdown_timeout_s -----------------------------------
 def _close(session: Session) -> None:
-    """The shutdown's parts in order, each within what is left of the budget."""
     from otel_train.goodput import final_scalars
 
     started = time.monotonic()
@@ -532,18 +498,25 @@ def _close(session: Session) -> None:
     for listener in session.worker.listeners:
         listener.close()
     final = {**session.worker.final_scalars, **final_scalars(session.goodput.totals)}
-    _close_sinks(session.worker.sinks, session.bridges, final, budget, started)
+    for sink in session.worker.sinks:  # the bridge process gets what is left of 80 % of the budget
+        try:
+            if sink is session.bridges:
+                session.bridges.close(
+                    dict(final), timeout=max(0.1, 0.8 * budget - (time.monotonic() - started))
+                )
+            else:
+                sink.close(dict(final))
+        except Exception as exc:  # the sinks' backends (bridges, their process, the disk)
+            log.warning("otel_train: closing %s failed: %s", sink.name, exc)
     # Keep a margin inside the budget for the abandon path itself.
     session.telemetry.shutdown(max(0.1, 0.9 * budget - (time.monotonic() - started)))
-    # The user's hooks get what the last flushes raised, with what is left of the budget: a
-    # hook that hangs (a webhook) never takes the sinks' and exporters' time. From a hook
-    # itself this returns at once.
+    # Last, with what is left: a user hook that hangs (a webhook) never takes the sinks' and
+    # exporters' time. From a hook itself this returns at once.
     session.events.close(max(0.1, budget - (time.monotonic() - started)))
 
 
 def _drain_worker(worker: Worker, instruments: Instruments, budget_s: float) -> tuple[int, int]:
-    """Stop the worker within half the budget. Returns the (flushes, steps) it never wrote, counted
-    as dropped{reason=shutdown_deadline} and warned about, as are sinks that failed in this run."""
+    """Stop the worker within half the budget; returns the (flushes, steps) it never wrote."""
     unwritten = (0, 0)
     if not worker.stop(timeout_s=max(0.2, budget_s * 0.5)):
         flushes, steps = worker.unwritten()
@@ -565,29 +538,8 @@ def _drain_worker(worker: Worker, instruments: Instruments, budget_s: float) -> 
     return unwritten
 
 
-def _close_sinks(
-    sinks: Sequence[Sink],
-    bridges: BridgeProcess | None,
-    final: Mapping[str, float],
-    budget_s: float,
-    started: float,
-) -> None:
-    """Each sink gets the run's final scalars; the bridge process gets what is left of 80 % of the
-    budget (it finishes on its own past it)."""
-    for sink in sinks:
-        try:
-            if sink is bridges:
-                left = max(0.1, 0.8 * budget_s - (time.monotonic() - started))
-                bridges.close(dict(final), timeout=left)
-            else:
-                sink.close(dict(final))
-        except Exception as exc:  # the sinks' backends (bridges, their process, the disk)
-            log.warning("otel_train: closing %s failed: %s", sink.name, exc)
-
-
 def _warn_if_interval_outgrows_values(config: Config) -> None:
-    """The user's log_interval stands (they may record less than once a step), but a value recorded
-    every step would lose what does not fit at every flush: say so at init, not later."""
+    """The user's log_interval stands (they may record less than once a step): a warning only."""
     if config.log_interval is not None and config.log_interval > config.max_values_per_interval:
         log.warning(
             "otel_train: log_interval=%d is more steps than max_values_per_interval=%d values: "

@@ -1,7 +1,6 @@
-"""The background worker: everything a flush does off the training thread (the batch resolved
-into an `Interval`, its steps' durations and counts included; the SDK, the flush listeners, the
-sinks), and the logger API's `Message` records, in one ordered queue. Design:
-docs/design/core.md#worker.
+"""The background worker: each flush off the training thread (the batch resolved into an
+`Interval`; the SDK, the flush listeners, the sinks) and the logger API's `Message` records, in
+one ordered queue. Design: docs/design/core.md#worker.
 """
 
 from __future__ import annotations
@@ -97,17 +96,14 @@ class Worker:
         self.total_steps = total_steps  # the plan; set_total_steps and the control file change it
         self._plan_in_rows = total_steps  # the plan the rows have carried so far
         self.otel_logger = otel_logger
-        # Unbounded as a queue; flush batches are bounded by `max_batches` (the session defers a
-        # flush when the worker has that many pending) and messages by `max_messages`, so a burst
-        # of messages from another thread can never make a flush batch fail to enqueue.
+        # Unbounded: the session bounds flush batches by `max_batches` and messages by
+        # `max_messages`, so a burst of messages can never make a flush batch fail to enqueue.
         self.queue: queue.Queue[FlushBatch | Message | None] = queue.Queue()
         self.max_batches = queue_size
         self.max_messages = max(64, queue_size * 8)
         # Single-writer counters: *_put by the session (under its lock), *_done by this thread.
-        self.batches_put = 0
-        self.batches_done = 0
-        self.steps_put = 0
-        self.steps_done = 0
+        self.batches_put = self.batches_done = 0
+        self.steps_put = self.steps_done = 0
         self.failed_flushes = 0
         self._abandoned = False
         self.final_scalars: dict[str, float] = {}
@@ -119,13 +115,10 @@ class Worker:
         self.flushes = 0
         self.busy_s = 0.0  # worker time spent processing, for benchmarks
         self.cpu_s = 0.0  # the worker thread's own CPU time spent processing (time.thread_time)
-        # CPU of one flush, smoothed (the first, which pays one-off set-up, left out): the adaptive
-        # cadence flushes less often when it is large (cadence.WORKER_SHARE). Read by the training
-        # thread: one float.
+        # Read by the training thread's adaptive cadence: the smoothed CPU of one flush (the first,
+        # with its one-off set-up, left out; cadence.WORKER_SHARE), and the densest per-interval
+        # list's values per step in the last flush with steps (cadence.steps_that_fit; 0: unknown).
         self.flush_cpu_s = 0.0
-        # The densest per-interval list's values per step in the last flush with steps (the
-        # adaptive cadence keeps its interval short enough for max_values_per_interval to hold them,
-        # cadence.steps_that_fit; 0: not measured yet). Read by the training thread: one float.
         self.values_per_step = 0.0
         self._names_warned: dict[str, int] = {}  # reason -> names warned about (MAX_NAMES_WARNED)
         self._errors_warned: set[str] = set()
@@ -142,7 +135,7 @@ class Worker:
         self._thread.start()
 
     def submit_message(self, message: Message) -> bool:
-        """Queue a message; False (not queued) when `max_messages` are already waiting."""
+        """Queue a message; False (not queued) when `max_messages` are waiting."""
         if self.queue.qsize() >= self.max_messages:
             return False
         self.queue.put(message)
@@ -152,15 +145,14 @@ class Worker:
         return self.batches_put - self.batches_done
 
     def submit_batch(self, batch: FlushBatch) -> None:
-        """Enqueue a flush batch; the caller serialises these calls and checked `pending_batches()`
-        against `max_batches` first (the queue itself is unbounded: this never waits)."""
+        """Never waits: the caller serialises these calls and checked `max_batches` first."""
         self.batches_put += 1
         self.steps_put += batch.steps
         self.queue.put(batch)
 
     def stop(self, timeout_s: float) -> bool:
-        """Ask the worker to finish what is queued and stop; False if it did not within timeout_s
-        (then it is told to abandon what is left: see `unwritten`)."""
+        """Finish what is queued and stop; False if not done within timeout_s (the rest is then
+        abandoned: see `unwritten`)."""
         self.queue.put(None)
         self._thread.join(max(0.0, timeout_s))
         if self._thread.is_alive():
@@ -171,15 +163,12 @@ class Worker:
     # The worker iterates `sinks` and `listeners` at every flush: both lists are replaced
     # (copy-on-write), never changed in place, so no flush sees a list mid-change.
     def add_listener(self, listener: FlushListener) -> None:
-        """Call `listener.on_flush(interval)` on this thread at every flush from now on."""
         self.listeners = [*self.listeners, listener]
 
     def remove_listener(self, listener: FlushListener) -> None:
-        """Stop calling `listener` (idempotent)."""
         self.listeners = [x for x in self.listeners if x is not listener]
 
     def add_sink(self, sink: Sink) -> None:
-        """Hand every flush and message to `sink` too, from the next one on."""
         self.sinks = [*self.sinks, sink]
 
     def unwritten(self) -> tuple[int, int]:
@@ -214,7 +203,6 @@ class Worker:
                 self._done(item, time.thread_time() - cpu_started)
 
     def _done(self, item: FlushBatch | Message, cpu_s: float) -> None:
-        """Account for one processed item that took `cpu_s` of this thread's CPU."""
         self.cpu_s += cpu_s
         if not isinstance(item, FlushBatch):
             return
@@ -227,8 +215,6 @@ class Worker:
 
     # --- one flush ------------------------------------------------------------------------------
     def _process(self, batch: FlushBatch) -> None:
-        """One flush: resolve -> feed the SDK -> histograms to the sinks -> listeners -> collect ->
-        scalars to the sinks."""
         interval = resolve_interval(batch, self._last_step)
         self._last_step = batch.step_events[-1] if batch.step_events else self._last_step
         for instrument, raw in batch.scalars.items():
@@ -239,7 +225,13 @@ class Worker:
         self.values_per_step = values_per_step(batch, interval) or self.values_per_step
         for reason, name in batch.problems:
             self._warn_problem(reason, name)
-        self._feed_sdk(batch, interval)
+        if batch.layer_stats:
+            feed_layer_stats(self.instruments, batch, interval)
+        exemplars: ExemplarContexts = {}
+        if self.span_writer is not None and batch.spans:  # first: the exemplars link to the spans
+            records = span_records(batch, MAX_SPAN_RECORDS)
+            exemplars = self.span_writer.write(records, batch.perf_to_epoch_ns)
+        self._feed(batch, interval, exemplars)
         for step, values in batch.rows:  # steps up to this flush's: before its own row
             self._deliver_message(ScalarsMessage("", values, step))
         for key, step, values in batch.histograms:
@@ -268,22 +260,10 @@ class Worker:
         # a plan changed after the last step (early stopping) reaches the rows at the final flush
         fresh = fresh or self.total_steps != self._plan_in_rows
         self._plan_in_rows = self.total_steps
-        if not (interval.steps or fresh or batch.dropped or interval.phases or batch.phase_errors):
-            # Nothing new since the last row (the final flush after the last step, the flush that
-            # files a log_metrics(step=N) row of its own): the gauges would write that row again
-            # under the same step.
-            return
-        self._to_sinks(lambda sink: sink.write_scalars(interval.step, interval.wall_time, scalars))
-
-    def _feed_sdk(self, batch: FlushBatch, interval: Interval) -> None:
-        """Layer statistics, sampled steps' spans, then the instruments (with exemplars)."""
-        if batch.layer_stats:
-            feed_layer_stats(self.instruments, batch, interval)
-        exemplars: ExemplarContexts = {}
-        if self.span_writer is not None and batch.spans:
-            records = span_records(batch, MAX_SPAN_RECORDS)
-            exemplars = self.span_writer.write(records, batch.perf_to_epoch_ns)
-        self._feed(batch, interval, exemplars)
+        # Nothing new since the last row (a final flush after the last step, a flush filing a
+        # log_metrics(step=N) row of its own): the gauges would write that row again.
+        if interval.steps or fresh or batch.dropped or interval.phases or batch.phase_errors:
+            self._to_sinks(lambda sink: sink.write_scalars(interval.step, interval.wall_time, scalars))
 
     def _feed(self, batch: FlushBatch, interval: Interval, exemplars: ExemplarContexts) -> None:
         ins = self.instruments
@@ -335,23 +315,17 @@ class Worker:
             try:
                 write(sink)
             except Exception as exc:  # the run directory's files, the console, the bridges' backends
-                self._sink_failed(sink, exc)
-
-    def _sink_failed(self, sink: Sink, exc: Exception) -> None:
-        """A write a sink could not do (full disk, ...): counted, and warned once per sink with
-        the error's text, which names the file for OSErrors."""
-        self.sink_errors[sink.name] = self.sink_errors.get(sink.name, 0) + 1
-        self.instruments.dropped.add(1, {semconv.REASON: "sink_error"})
-        self._warn_once(
-            f"{sink.name}:{getattr(exc, 'filename', None)}",  # once per sink and file
-            f"otel_train: sink {sink.name} failed: {type(exc).__name__}: {exc}. "
-            "Further failures of this sink are counted in otel_train.dropped{reason=sink_error}.",
-        )
+                self.sink_errors[sink.name] = self.sink_errors.get(sink.name, 0) + 1
+                self.instruments.dropped.add(1, {semconv.REASON: "sink_error"})
+                self._warn_once(
+                    f"{sink.name}:{getattr(exc, 'filename', None)}",  # once per sink and file
+                    f"otel_train: sink {sink.name} failed: {type(exc).__name__}: {exc}. "
+                    "Further failures of this sink are counted in otel_train.dropped{reason=sink_error}.",
+                )
 
     def _log_record(self, message: Message) -> None:
-        """Text, samples, histograms and hyperparameters also leave as OTel log records, so the
-        collector (and whatever sits behind it) sees them, not only the bridges. (A step's row of
-        scalars does not: its values reach the OTel gauges with the next flush.)"""
+        """Messages also leave as OTel log records, for the collector, except a step's row of
+        scalars: its values reach the OTel gauges with the next flush."""
         if self.otel_logger is None or isinstance(message, ScalarsMessage):
             return
         try:
@@ -371,8 +345,8 @@ class Worker:
             log.warning(message)
 
     def _warn_problem(self, reason: str, name: str) -> None:
-        """Once per reason and name, for the first MAX_NAMES_WARNED names of a reason; then one
-        line for the rest (a run inventing names must not flood the log, nor grow this set)."""
+        """Once per name for the first MAX_NAMES_WARNED names of a reason, then one line for the
+        rest: a run inventing names must not flood the log, nor grow this set."""
         key = f"problem:{reason}:{name}"
         if key in self._errors_warned:
             return
@@ -393,9 +367,8 @@ class Worker:
 
 # --- one flush's interval: the batch's raw data as host floats ----------------------------
 def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> Interval:
-    """The batch as host floats (waiting on its CUDA event, here on the worker); bad values are
-    dropped and counted in `batch.dropped`, non-finite ones also per instrument in the interval.
-    `last_step`: the previous flush's last step event."""
+    """The batch as host floats; bad values are dropped and counted in `batch.dropped`, non-finite
+    ones also per instrument in the interval. `last_step`: the previous flush's last step event."""
     if batch.cuda_event is not None:
         batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
     drop_bad_timer_names(batch)
@@ -441,11 +414,9 @@ def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> I
 
 
 def resolve_steps(batch: FlushBatch, last_step: StepEvent | None = None) -> tuple[float, set[int]]:
-    """Fill the batch's step durations, indices, tokens and samples from its step events (the
-    training thread only appended them); return goodput's wasted progress in seconds (steps whose
-    index is at most `rerun_through`) and those steps' starts. Each column is read in one C-level
-    pass (`map`): the worker's time per step bounds its share of a 1-2 ms step, since it holds the
-    GIL the training thread needs. `last_step`: the previous flush's last step event."""
+    """Fill the batch's step durations, indices, tokens and samples from its step events; return
+    goodput's wasted progress in seconds (steps up to `rerun_through`) and those steps' starts.
+    Columns are read in C (`map`): the worker holds the GIL the training thread needs."""
     events = batch.step_events
     if not events:
         return 0.0, set()
@@ -474,13 +445,9 @@ def resolve_steps(batch: FlushBatch, last_step: StepEvent | None = None) -> tupl
 
 
 def outermost_steps(batch: FlushBatch, last_step: StepEvent | None) -> list[StepEvent]:
-    """The batch's step events without those nested in another (`ot.step` inside an open `ot.step`:
-    a decorated train step under a framework's step marks, or two decorated layers), so a step
-    counts once: as the outer one, with the inner one's tokens/samples where it gave none. Events
-    are in the order the steps ended, so an inner step comes before the step it ran in; where the
-    previous flush took the inner one (`last_step`, flushed at its end), the outer one is dropped
-    instead, its counts kept where the inner one gave none. Either is counted (`nested_step`) and
-    warned about."""
+    """The step events without those nested in another, so a step counts once: as the outer one,
+    with the inner one's counts where it gave none. An inner step ends first; where the previous
+    flush took it (`last_step`), the outer one is dropped instead. Counted as `nested_step`."""
     kept: list[StepEvent] = []
     for index, start, end, tokens, samples, failed in batch.step_events:
         while kept and kept[-1][1] >= start:  # the last kept step ran inside this one
@@ -504,8 +471,8 @@ def _count_nested(batch: FlushBatch, failed: bool) -> None:
 
 
 def count_sum(batch: FlushBatch, what: str, counts: Sequence[int | None]) -> int:
-    """The steps' tokens= or samples=, without negative or huge ones (the hot path appends a plain
-    int unchecked; a negative count would take tokens away): those are dropped and counted."""
+    """The steps' tokens= or samples=; negative or huge ones (the hot path appends a plain int
+    unchecked) are dropped and counted."""
     given: list[int] = list(filter(None, counts))
     if given and (min(given) < 0 or max(given) > MAX_STEP):
         bad = [c for c in given if not 0 <= c <= MAX_STEP]
@@ -528,8 +495,8 @@ def overflowed(batch: FlushBatch, phases: Mapping[str, list[float]]) -> str:
 
 
 def values_per_step(batch: FlushBatch, interval: Interval) -> float | None:
-    """Values per step of the batch's densest per-interval list (None: no step ended). Values
-    dropped beyond the cap are counted as the densest list's, the list that most likely overflowed."""
+    """Values per step of the densest per-interval list, counting the values dropped beyond the
+    cap as its own (None: no step ended)."""
     steps = len(batch.step_indices)
     if not steps:
         return None
@@ -571,7 +538,6 @@ PROBLEMS = {
 
 
 def problem_warning(reason: str, name: str) -> str:
-    """The one warning for `reason` (a PROBLEMS key or a count reason without a message)."""
     text = PROBLEMS.get(reason, "values of {name} were").format(name=name)
     if reason == "same_tensor":
         return f"otel_train: {text}."
@@ -580,8 +546,7 @@ def problem_warning(reason: str, name: str) -> str:
 
 
 def _prepared(message: Message) -> Message:
-    """`message` as the sinks and the log record get it: a histogram's values as finite floats,
-    text redacted (hyperparameters were redacted by `ot.log_hyperparams`)."""
+    """As the sinks and the log record get it (hyperparameters were redacted by the API)."""
     match message:
         case HistogramMessage():
             return replace(message, values=histogram_values(message.values))
@@ -596,14 +561,9 @@ def _prepared(message: Message) -> Message:
 
 
 def _row(values: Mapping[str, Any]) -> dict[str, float]:
-    """A step's row: bridge keys and finite floats. What is dropped here was counted when the same
-    values were recorded for the flush."""
-    row: dict[str, float] = {}
-    for instrument, value in values.items():
-        resolved, _ = resolve_values([value])
-        if resolved and resolved[0] is not None:
-            row[key_for(instrument, {})] = resolved[0]
-    return row
+    """A step's row: bridge keys and finite floats (drops were counted with the flush's values)."""
+    resolved, _ = resolve_values(list(values.values()))
+    return {key_for(k, {}): v for k, v in zip(values, resolved, strict=True) if v is not None}
 
 
 def _write(sink: Sink, message: Message) -> None:
@@ -637,8 +597,8 @@ def _log_body(message: Message) -> Any:
 
 
 def stuck_message(worker: Worker, limit_s: float) -> str | None:
-    """Once per item: what `worker` has been doing when it is longer than `limit_s` on one
-    (watchdog thread; a user callback that hangs, a dead file system), else None."""
+    """Once per item: what `worker` is doing when it has been on it for `limit_s` (a user callback
+    that hangs, a dead file system), else None."""
     since, doing = worker.busy_since, worker.doing
     if since is None or since == worker.stuck_reported:
         return None

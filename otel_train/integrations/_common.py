@@ -3,10 +3,11 @@ arguments, framework log names."""
 
 from __future__ import annotations
 
-import logging
+import functools
 import os
 import sys
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -15,8 +16,8 @@ from otel_train import adapters
 from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError, env_name
 from otel_train.config_loading import config_file_settings, did_you_mean
 
-log = logging.getLogger("otel_train")
 T = TypeVar("T")
+EVAL_PREFIXES = ("eval_", "test_", "predict_")  # a framework's evaluation, test and prediction logs
 
 
 def settings_from_kwargs(
@@ -27,13 +28,12 @@ def settings_from_kwargs(
     that is not a `Config` field raises `ConfigError` naming it and the closest field, at
     construction, not later at the first step."""
     merged = {**dict(settings or {}), **kwargs}
-    for name in merged:
-        if name not in FIELDS:
-            raise ConfigError(
-                f"{owner} got an unknown setting {name!r}: {did_you_mean(name, FIELDS)}Settings are "
-                "otel_train.Config fields "
-                f"(docs/reference/configuration.md): {', '.join(sorted(FIELDS))}."
-            )
+    unknown = next((name for name in merged if name not in FIELDS), None)
+    if unknown is not None:
+        raise ConfigError(
+            f"{owner} got an unknown setting {unknown!r}: {did_you_mean(unknown, FIELDS)}Settings are "
+            f"otel_train.Config fields (docs/reference/configuration.md): {', '.join(sorted(FIELDS))}."
+        )
     return merged
 
 
@@ -99,39 +99,27 @@ def scalar_logs(logs: Mapping[str, Any], skip: frozenset[str] = frozenset()) -> 
     for key, value in logs.items():
         if not isinstance(key, str) or key in skip or isinstance(value, (str, bytes, bool, dict, list)):
             continue
-        out[_record_name(key)] = value  # NaN/Inf pass on: the worker counts them as non-finite
+        prefix = next((p for p in EVAL_PREFIXES if key.startswith(p) and key != "eval_loss"), "")
+        # NaN/Inf pass on: the worker counts them as non-finite
+        out[f"{prefix[:-1]}/{key[len(prefix) :]}" if prefix else key] = value
     return out
-
-
-def _record_name(key: str) -> str:
-    for prefix in ("eval_", "test_", "predict_"):
-        if key.startswith(prefix) and key != "eval_loss":
-            return f"{prefix[:-1]}/{key[len(prefix) :]}"
-    return key
-
-
-def holder_on_stack(
-    kind: type[T], member: object, members: str, names: tuple[str, ...] = ("self",)
-) -> T | None:
-    """The `kind` object (a Trainer, an Accelerator) whose `members` list holds `member`, found in
-    the callers' local variables `names`: frameworks hand their loggers and trackers no reference
-    to it. None when `member` is used outside one."""
-    found = call_holding(kind, member, members, names)
-    return None if found is None else found[0]
 
 
 def call_holding(
     kind: type[T], member: object, members: str, names: tuple[str, ...] = ("self",)
 ) -> tuple[T, dict[str, Any]] | None:
-    """`holder_on_stack`'s object and the local variables of the nearest call that has it (the
-    arguments of, say, the `init_trackers` that starts a tracker)."""
+    """The `kind` object (a Trainer, an Accelerator) whose `members` list (a dotted attribute path)
+    holds `member`, found in the callers' local variables `names`, and the local variables of the
+    nearest call that has it (the arguments of, say, the `init_trackers` that starts a tracker):
+    frameworks hand their loggers, callbacks and trackers no reference to it. None outside one."""
+    held = attrgetter(members)
     frame: FrameType | None = sys._getframe(1)
     for _ in range(40):
         if frame is None:
             return None
         for name in names:
             candidate = frame.f_locals.get(name)
-            if isinstance(candidate, kind) and any(m is member for m in getattr(candidate, members)):
+            if isinstance(candidate, kind) and any(m is member for m in held(candidate)):
                 return candidate, frame.f_locals
         frame = frame.f_back
     return None
@@ -147,3 +135,20 @@ def spanned(call: Callable[..., Any], name: str) -> Callable[..., Any]:
             return call(*args, **kwargs)
 
     return run
+
+
+def ending_on_error(call: Callable[..., Any], marker: str, *ends: Callable[[], None]) -> Callable[..., Any]:
+    """`call` (a trainer's `train`), running `ends` when it raises: no framework hook says so. The
+    wrapper carries the attribute `marker`, so that the same wrapping is not done twice."""
+
+    @functools.wraps(call)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except BaseException:
+            for end in ends:
+                end()
+            raise
+
+    setattr(wrapper, marker, True)
+    return wrapper

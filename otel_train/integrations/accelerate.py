@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from time import perf_counter_ns
 from typing import Any
 
@@ -90,9 +90,8 @@ class OtelTrainTracker(GeneralTracker):
         return adapters.current_run()
 
     def start(self) -> None:
-        # Accelerate hands a tracker neither its Accelerator nor, for an instance given in
-        # `log_with` (not created by name), `init_trackers`' project_name and init_kwargs: both
-        # come from the `init_trackers` call that starts it.
+        # Accelerate hands an instance given in `log_with` neither its Accelerator nor init_trackers'
+        # project_name and init_kwargs: they come from the init_trackers call that starts it.
         found = call_holding(Accelerator, self, "trackers")
         accelerator, call = found if found is not None else (None, {})
         project, init_kwargs = call.get("project_name"), call.get("init_kwargs")
@@ -105,29 +104,14 @@ class OtelTrainTracker(GeneralTracker):
         if self._ready():
             self._mark_ns = perf_counter_ns()  # the first logged step starts at init_trackers
             if accelerator is not None and self._fed is None:
-                self._feed_watchdog(accelerator)
-
-    def _feed_watchdog(self, accelerator: Accelerator) -> None:
-        """A tracker hears of the loop only when it logs, maybe once an epoch: each
-        `accelerator.backward` (a micro-batch) and `gather_for_metrics` (an eval batch) tells the
-        stall watchdog the loop is alive, and `save_state` announces a save, so a long logging
-        interval, evaluation or save is no stall, and a loop that hangs still is one."""
-        backward, gather = accelerator.backward, accelerator.gather_for_metrics
-
-        def backward_fed(loss: Any, **kwargs: Any) -> Any:
-            result = backward(loss, **kwargs)
-            adapters.heartbeat()
-            return result
-
-        def gather_fed(input_data: Any, *args: Any, **kwargs: Any) -> Any:
-            result = gather(input_data, *args, **kwargs)
-            adapters.heartbeat()
-            return result
-
-        accelerator.backward = backward_fed  # type: ignore[method-assign]
-        accelerator.gather_for_metrics = gather_fed  # type: ignore[method-assign]
-        self._save_hook = accelerator.register_save_state_pre_hook(lambda *_: adapters.saving_checkpoint())
-        self._fed = accelerator
+                # A tracker hears of the loop only when it logs: micro-batches, eval batches and
+                # saves tell the stall watchdog the loop is alive (docs/design/integrations.md#accelerate).
+                for name in ("backward", "gather_for_metrics"):
+                    setattr(accelerator, name, _heartbeat_after(getattr(accelerator, name)))
+                self._save_hook = accelerator.register_save_state_pre_hook(
+                    lambda *_: adapters.saving_checkpoint()
+                )
+                self._fed = accelerator
 
     def _unfeed_watchdog(self) -> None:
         accelerator, self._fed = self._fed, None
@@ -196,11 +180,9 @@ class OtelTrainTracker(GeneralTracker):
         return True
 
     def _session_settings(self) -> dict[str, Any]:
-        """`init_trackers`' `init_kwargs["otel_train"]` under the constructor's settings (ot.init()
-        keywords both, so both beat `OTEL_TRAIN_<FIELD>` and the config file), plus what the project
-        name stands for where the user chose nothing (a keyword, init_kwargs, `OTEL_TRAIN_<FIELD>`,
-        the config file). The constructor's project name wins over init_trackers'.
-        """
+        """`init_trackers`' `init_kwargs["otel_train"]` under the constructor's settings, plus what
+        the project name (the constructor's, else init_trackers') stands for where the user chose
+        nothing (docs/design/integrations.md#accelerate)."""
         settings = {**self._run_settings, **self._settings}
         project = self.project_name or self._run_project
         if project is None:
@@ -211,6 +193,15 @@ class OtelTrainTracker(GeneralTracker):
         if not chosen("run_name", settings):
             settings["run_name"] = default_run_name(project)
         return settings
+
+
+def _heartbeat_after(call: Callable[..., Any]) -> Callable[..., Any]:
+    def fed(*args: Any, **kwargs: Any) -> Any:
+        result = call(*args, **kwargs)
+        adapters.heartbeat()
+        return result
+
+    return fed
 
 
 def _step_number(step: Any) -> int | None:

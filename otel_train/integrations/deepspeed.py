@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Mapping
 from time import perf_counter_ns
 from typing import Any
 
+from opentelemetry.metrics import Observation
+
 import otel_train as ot
 from otel_train import adapters, semconv
 from otel_train.integrations._common import settings_from_kwargs, spanned, start_session, with_precision
@@ -39,9 +41,8 @@ def instrument(
     """Instrument a `deepspeed.DeepSpeedEngine` (what `deepspeed.initialize` returns first); returns
     the same engine. Idempotent. `steps=False`: the caller (a Trainer) marks steps and logs loss, lr
     and grad norm. Keyword arguments / `settings`: `ot.init()` settings for a session started here."""
-    if not callable(getattr(engine, "is_gradient_accumulation_boundary", None)) or not callable(
-        getattr(engine, "zero_optimization_stage", None)
-    ):
+    needed = ("is_gradient_accumulation_boundary", "zero_optimization_stage")
+    if not all(callable(getattr(engine, name, None)) for name in needed):
         raise TypeError(
             f"instrument() needs the DeepSpeedEngine that deepspeed.initialize() returns first, got "
             f"{type(engine).__name__}: engine, optimizer, _, _ = deepspeed.initialize(...); instrument(engine)."
@@ -55,12 +56,6 @@ def instrument(
     adapter.wrap()
     adapter.announce()
     return engine
-
-
-def _is_pipeline(engine: Any) -> bool:
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    return isinstance(engine, PipelineEngine)
 
 
 def precision(engine: Any) -> str:
@@ -131,9 +126,8 @@ class _Adapter:
         self.fp16 = precision(engine) == "fp16"
         self.breakdown = bool(_call(engine, "wall_clock_breakdown"))
         self.optimizer_times: dict[str, float] = {}  # ms, as DeepSpeed's timers.log read them
-        self.samples = int(_call(engine, "train_micro_batch_size_per_gpu") or 0) * int(
-            _call(engine, "gradient_accumulation_steps") or 1
-        )
+        micro_batch = int(_call(engine, "train_micro_batch_size_per_gpu") or 0)
+        self.samples = micro_batch * int(_call(engine, "gradient_accumulation_steps") or 1)
         self.facts_pending = True  # no optimizer state yet: read the facts again at the next step
         self.fact_reads = 0
         self.comms: _Comms | None = None
@@ -141,21 +135,21 @@ class _Adapter:
     # --- wrapping -------------------------------------------------------------------------------
 
     def wrap(self) -> None:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
         engine = self.engine
         d = engine.__dict__
-        forward, backward, step = engine.forward, engine.backward, engine.step
-        d["forward"] = _wraps(forward, self._forward)
-        d["backward"] = _wraps(backward, self._backward)
-        d["step"] = _wraps(step, self._step)
-        # Looked up on the engine each time DeepSpeed runs them (from the output's backward hook and
-        # the gradient post-hook, or inside engine.backward): a torch-style loss.backward() passes
+        d["forward"] = _wraps(engine.forward, self._forward)
+        d["backward"] = _wraps(engine.backward, self._backward)
+        d["step"] = _wraps(engine.step, self._step)
+        # Looked up on the engine each time DeepSpeed runs them: a torch-style loss.backward() passes
         # through them too.
         d["_backward_prologue"] = _wraps(engine._backward_prologue, self._backward_started)
         d["_backward_epilogue"] = _wraps(engine._backward_epilogue, self._backward_ended)
         if self.steps:  # a Trainer that drives the engine spans its own saves
             d["save_checkpoint"] = _wraps(spanned(engine.save_checkpoint, "checkpoint"), self._between)
             d["load_checkpoint"] = _wraps(spanned(engine.load_checkpoint, "load_checkpoint"), self._between)
-        if _is_pipeline(engine):
+        if isinstance(engine, PipelineEngine):
             # train_batch runs the module's forward, backward and step inside itself, past the
             # instance's wrapped methods: the whole call is the step
             d["train_batch"] = _wraps(engine.train_batch, self._train_batch)
@@ -165,10 +159,8 @@ class _Adapter:
 
     def _forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not (self.engine.training and self.grad_enabled()):
-            # An eval batch (engine.eval() or no_grad): no training step nor phase, nor its tokens;
-            # a long evaluation is no stall.
-            adapters.heartbeat()
-            return self._between(original, *args, **kwargs)
+            # engine.eval() or no_grad: no training step nor phase, nor its tokens
+            return self._eval_batch(original, *args, **kwargs)
         if self.marking and not self.open:
             self._begin()
         self.tokens += _tokens(args, kwargs)
@@ -186,7 +178,8 @@ class _Adapter:
                 self.last_end = perf_counter_ns()
 
     def _eval_batch(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        adapters.heartbeat()  # PipelineEngine.eval_batch: an eval batch, as an eval-mode forward is
+        """An eval-mode forward, or PipelineEngine.eval_batch: a long evaluation is no stall."""
+        adapters.heartbeat()
         return self._between(original, *args, **kwargs)
 
     def _train_batch(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -381,11 +374,8 @@ def hyperparams(engine: Any) -> dict[str, Any]:
         "overlap_comm": _call(engine, "zero_overlap_comm"),
         "wall_clock_breakdown": bool(_call(engine, "wall_clock_breakdown")),
     }
-    for key, method in (
-        ("offload_optimizer", "zero_offload_optimizer"),
-        ("offload_param", "zero_offload_param"),
-    ):
-        cfg = _call(engine, method)
+    for key in ("offload_optimizer", "offload_param"):
+        cfg = _call(engine, f"zero_{key}")
         out[f"{key}.device"] = _device(cfg)
         if cfg is not None and _device(cfg) != "none":
             for field in ("nvme_path", "pin_memory", "ratio", "buffer_count"):
@@ -439,17 +429,15 @@ class _Comms:
     def poll(self) -> None:
         raw = self.logger.comms_dict
         for _ in range(3):  # the training thread may add an op while this copies: try again
-            try:
+            with contextlib.suppress(RuntimeError):
                 items = [(op, list(sizes.items())) for op, sizes in list(raw.items())]
                 break
-            except RuntimeError:
-                continue
         else:
             return
         for op, sizes in items:
             for size, entry in sizes:
                 try:
-                    count, lats, _, busbws = int(entry[0]), entry[1], entry[2], entry[3]
+                    count, lats, busbws = int(entry[0]), entry[1], entry[3]
                 except (TypeError, IndexError, ValueError):
                     continue
                 key = (str(op), int(size))
@@ -459,12 +447,11 @@ class _Comms:
                 if count == done:
                     continue
                 self.seen[key] = count
-                series = self._series(str(op), int(size))
-                new_lats = lats[done:count]
+                series = self._series(*key)
                 total = self.totals.setdefault(series, [0.0, 0.0, 0.0])
                 total[0] += count - done
                 total[1] += (count - done) * int(size)
-                total[2] += sum(float(v) for v in new_lats) / 1000.0  # ms -> s
+                total[2] += sum(float(v) for v in lats[done:count]) / 1000.0  # ms -> s
                 bw = self.busbw.setdefault(series, [0.0, 0.0])
                 new_bw = [float(v) for v in busbws[done:count] if math.isfinite(float(v))]
                 bw[0] += sum(new_bw)
@@ -479,15 +466,11 @@ class _Comms:
 
     def observe_totals(self, index: int, options: Any) -> Iterable[Any]:
         """The cumulative count (`index` 0), bytes (1) or seconds (2) per series."""
-        from opentelemetry.metrics import Observation
-
         with self.lock:
             self.poll()
             return [Observation(t[index], _attrs(k)) for k, t in self.totals.items()]
 
     def observe_busbw(self, options: Any) -> Iterable[Any]:
-        from opentelemetry.metrics import Observation
-
         with self.lock:
             self.poll()
             out = [Observation(s / n, _attrs(k)) for k, (s, n) in self.busbw.items() if n > 0]

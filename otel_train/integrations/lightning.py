@@ -27,8 +27,8 @@ from otel_train import adapters
 from otel_train.config import ConfigError
 from otel_train.config_loading import load_config
 from otel_train.integrations._common import (
+    call_holding,
     chosen,
-    holder_on_stack,
     scalar_logs,
     settings_from_kwargs,
     start_session,
@@ -109,20 +109,16 @@ def _next_version(root: str) -> str:
 def _trainer_on_stack(logger: OtelTrainLogger) -> Trainer | None:
     """The Trainer running this logger: its base dir (`default_root_dir`) and other otel_train
     pieces are the Trainer's, and Lightning hands a logger none."""
-    return holder_on_stack(Trainer, logger, "loggers", ("trainer", "self"))
+    found = call_holding(Trainer, logger, "loggers", ("trainer", "self"))
+    return None if found is None else found[0]
 
 
 class OtelTrainLogger(Logger):
     """`Trainer(logger=OtelTrainLogger(run_name="x"))`: every `self.log` value reaches otel_train at
     Lightning's step, on every rank. Keyword arguments are `ot.init()` settings (`Config` fields;
     a `settings={...}` mapping is accepted too), used when the logger starts the session;
-    `name=` and `version=` are Lightning's, as TensorBoardLogger/CSVLogger take them.
-
-    One logger is one otel_train run, lasting across `fit`, `validate`, `test` and `predict`, and
-    its `log_dir` is that run's directory. On a Trainer without an `OtelTrainCallback` it adds one
-    (default settings) for the steps, phases and progress; used outside a Trainer it marks one step
-    per distinct step logged at. Directories, session life and step marking:
-    docs/design/integrations.md#lightning-logger."""
+    `name=` and `version=` are Lightning's, as TensorBoardLogger/CSVLogger take them. One logger is
+    one otel_train run (docs/design/integrations.md#lightning-logger)."""
 
     def __init__(
         self,
@@ -223,10 +219,8 @@ class OtelTrainLogger(Logger):
             self._place = self._primary._resolve(trainer)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by its connector
         if not any(isinstance(cb, OtelTrainCallback) for cb in callbacks):
-            # Lightning tells a logger only of the steps it logs at (every `log_every_n_steps`):
-            # without the callback's batch hooks a slow logging interval, a long validation or a
-            # save would look like a stall. Placed where Lightning puts a callback the user passes,
-            # before the checkpoint callbacks, so that a step ends before its save.
+            # A logger alone sees only the steps logged at (docs/design/integrations.md#lightning-logger).
+            # Before the checkpoint callbacks, as Lightning places a user's: a step ends before its save.
             at = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
             callbacks.insert(at, OtelTrainCallback())
 
@@ -279,13 +273,6 @@ class OtelTrainLogger(Logger):
                 settings.update(callback._settings)
         return _trainer_settings(trainer, {**settings, **self._settings})
 
-    def _shutdown_owned(self) -> None:
-        global _owned_session, _owner_ref
-        session = adapters.current_run()
-        if session is not None and _owner_of(session) is self:
-            _owned_session, _owner_ref = None, None
-            ot.shutdown()
-
     # --- what Lightning logs ----------------------------------------------------------------------
     def log_graph(self, model: Any, input_array: Any = None) -> None:
         # Lightning calls this on every logger once at fit start: the first logged step starts here.
@@ -314,16 +301,18 @@ class OtelTrainLogger(Logger):
         if self._primary is not None:
             return
         self._ensure_session()
-        ot.log_hyperparams(_plain_params(params))
+        ot.log_hyperparams(_plain(params or {}))
 
     def finalize(self, status: str) -> None:
         # "success" ends one fit/validate/test/predict, not the run: a test after the fit belongs
         # to it, and until then the run idles (no stall). A failure or an interruption ends it now
         # (final flush), as process exit would.
+        global _owned_session, _owner_ref
         if status == "success":
             adapters.idle()
-        elif self._primary is None:
-            self._shutdown_owned()
+        elif self._primary is None and _owner_of(adapters.current_run()) is self:
+            _owned_session, _owner_ref = None, None
+            ot.shutdown()
 
 
 def _trainer_settings(trainer: Trainer, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -343,14 +332,10 @@ def _logging_step(trainer: Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
-def _plain_params(params: Mapping[str, Any] | Namespace | None) -> dict[str, Any]:
+def _plain(value: Any) -> Any:
     """Hyperparameters as Lightning's own loggers take them (they flatten, then sanitize): a
     Namespace as a dict and a callable as its name, nested ones too; other values pass on to
     otel_train's writers."""
-    return _plain(params or {})  # type: ignore[no-any-return]
-
-
-def _plain(value: Any) -> Any:
     if isinstance(value, Namespace):
         value = vars(value)
     if isinstance(value, Mapping):
@@ -410,20 +395,20 @@ class OtelTrainCallback(Callback):
             adapters.set_total_steps(_logging_step(trainer))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self._unwrap is not None:
-            self._unwrap()
-            self._unwrap = None
-        if stage == "fit" and self._owns_session:
-            self._owns_session = False
-            ot.shutdown()
+        if stage == "fit":
+            self._release()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._unwrap is not None:
-            self._unwrap()
-            self._unwrap = None
         if self._step is not None:
             adapters.end_step(failed=True)
             self._step = None
+        self._release()
+
+    def _release(self) -> None:
+        """Stop forwarding logged values; shut down the session this callback started."""
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
         if self._owns_session:
             self._owns_session = False
             ot.shutdown()
@@ -437,9 +422,7 @@ class OtelTrainCallback(Callback):
         now = perf_counter_ns()
         start = self._mark_ns if self._mark_ns is not None else now
         if self._step is None:
-            # Backdated to the previous batch's end: the data wait belongs to this step, and the
-            # arrivals are measured from there (a rank slow to load arrives late at the backward
-            # all-reduce: that makes it the straggler, not the ranks that wait for it).
+            # Backdated to the previous batch's end: the data wait, and a rank slow to load, are this step's
             self._step = adapters.begin_step(_logging_step(trainer), start_ns=start)
             self._step_global = trainer.global_step
             self._tokens = 0
@@ -463,16 +446,13 @@ class OtelTrainCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._step is None:
-            self._mark_ns = perf_counter_ns()
-            return
-        if trainer.global_step == self._step_global:  # a micro-batch that accumulated gradients
-            self._mark_ns = perf_counter_ns()
-            adapters.heartbeat()  # the step goes on: a long one of many micro-batches is no stall
-            return
-        self._end_phase("optimizer")
-        adapters.end_step(tokens=self._tokens or None)
-        self._step = None
+        if self._step is not None and trainer.global_step == self._step_global:
+            # a micro-batch that accumulated gradients: a step of many micro-batches is no stall
+            adapters.heartbeat()
+        elif self._step is not None:
+            self._end_phase("optimizer")
+            adapters.end_step(tokens=self._tokens or None)
+            self._step = None
         self._mark_ns = perf_counter_ns()
 
     def _end_phase(self, name: str) -> None:

@@ -8,6 +8,7 @@ How it works: docs/design/integrations.md#megatron.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from time import perf_counter_ns
 from typing import Any
@@ -38,11 +39,8 @@ class _Tracker:
         self.pending: dict[str, tuple[int, int, int]] = {}
         self.reading = False  # inside elapsed()
         self.timer_classes: dict[type, type] = {}
-        # Whether the user set otel_train's `timing_log_level` (init kwarg, environment, config or
-        # control file). Unset, Megatron's `Timers` already chose: a real `Timer` is one its
-        # log_level enables (a disabled level gets the `DummyTimer`, never instrumented). Read as an
-        # outermost timer starts (a run_info() costs microseconds; the timers nested in it, one per
-        # micro-batch, share the answer).
+        # Whether the user set otel_train's `timing_log_level` (else Megatron's level already chose
+        # the real timers); read as an outermost timer starts, shared by the timers nested in it.
         self.level_set = False
 
     def started(self, name: str, active: float) -> None:
@@ -217,7 +215,10 @@ class OtelTrainCallback:
         adapters.end_step(tokens=self._tokens, samples=self._samples)
 
     def on_eval_start(self, context: Any) -> None:
-        self._open_span("eval", context)
+        self._span = ot.span("eval", {"train.step": context.state.train_state.step}).start()
+
+    def on_test_start(self, context: Any) -> None:
+        self._span = ot.span("test", {"train.step": context.state.train_state.step}).start()
 
     def on_eval_step_end(self, context: Any) -> None:
         adapters.heartbeat()  # an eval batch: a long evaluation is no stall
@@ -227,14 +228,8 @@ class OtelTrainCallback:
     def on_eval_end(self, context: Any) -> None:
         self._close_span("eval", context)
 
-    def on_test_start(self, context: Any) -> None:
-        self._open_span("test", context)
-
     def on_test_end(self, context: Any) -> None:
         self._close_span("test", context)
-
-    def _open_span(self, name: str, context: Any) -> None:
-        self._span = ot.span(name, {"train.step": context.state.train_state.step}).start()
 
     def _close_span(self, name: str, context: Any) -> None:
         """End the eval/test span; its losses (`total_loss_dict`, tensors) as `<name>/<loss>`."""
@@ -319,33 +314,30 @@ def _get(source: Any, name: str) -> Any:
 def settings_from_logger_config(logger: Any) -> dict[str, Any]:
     """`ot.init()` settings from a Bridge `LoggerConfig` (or the `logger:` mapping of a Bridge YAML).
     Only options that are set appear; see the README's Megatron section for the full mapping."""
+    get = functools.partial(_get, logger)
     out: dict[str, Any] = {}
-    if isinstance(_get(logger, "log_interval"), int) and _get(logger, "log_interval") > 0:
-        out["log_interval"] = _get(logger, "log_interval")
-    level = _get(logger, "timing_log_level")
-    if level is not None:
-        out["timing_log_level"] = min(max(int(level), 0), 2)  # Bridge's -1 (no timers): 0, step time only
-    if _get(logger, "timing_log_option") is not None:
-        out["timing_log_option"] = _get(logger, "timing_log_option")
-    if _get(logger, "tensorboard_dir"):
+    if isinstance(get("log_interval"), int) and get("log_interval") > 0:
+        out["log_interval"] = get("log_interval")
+    if get("timing_log_level") is not None:  # Bridge's -1 (no timers): 0, step time only
+        out["timing_log_level"] = min(max(int(get("timing_log_level")), 0), 2)
+    if get("timing_log_option") is not None:
+        out["timing_log_option"] = get("timing_log_option")
+    if get("tensorboard_dir"):
         # otel_train writes <output_dir>/<run>/tensorboard: `tensorboard --logdir <tensorboard_dir>` still works
-        out["tensorboard"] = True
-        out["output_dir"] = str(_get(logger, "tensorboard_dir"))
+        out.update(tensorboard=True, output_dir=str(get("tensorboard_dir")))
     run_name = None
-    if _get(logger, "wandb_project"):
-        out["wandb"] = True
-        out["wandb_project"] = _get(logger, "wandb_project")
-        if _get(logger, "wandb_entity"):
-            out["wandb_entity"] = _get(logger, "wandb_entity")
-        run_name = _get(logger, "wandb_exp_name") or None
-    if _get(logger, "mlflow_experiment"):
-        out["mlflow"] = True
-        out["mlflow_experiment"] = _get(logger, "mlflow_experiment")
-        run_name = run_name or _get(logger, "mlflow_run_name") or None
-    if _get(logger, "mlflow_tracking_uri"):
-        out["mlflow_tracking_uri"] = _get(logger, "mlflow_tracking_uri")
+    if get("wandb_project"):
+        out.update(wandb=True, wandb_project=get("wandb_project"))
+        if get("wandb_entity"):
+            out["wandb_entity"] = get("wandb_entity")
+        run_name = get("wandb_exp_name") or None
+    if get("mlflow_experiment"):
+        out.update(mlflow=True, mlflow_experiment=get("mlflow_experiment"))
+        run_name = run_name or get("mlflow_run_name") or None
+    if get("mlflow_tracking_uri"):
+        out["mlflow_tracking_uri"] = get("mlflow_tracking_uri")
     if run_name:
         out["run_name"] = str(run_name)
-    if _get(logger, "log_memory_to_tensorboard") or _get(logger, "log_energy"):
+    if get("log_memory_to_tensorboard") or get("log_energy"):
         out["hardware"] = True  # otel_train samples memory, power and energy with `hardware` (default on)
     return out

@@ -21,9 +21,8 @@ from otel_train.integrations._common import settings_from_kwargs, start_session
 __all__ = ["REDUCTIONS", "OtelTrainLogger", "publish_reductions"]
 
 GPU_MONITOR_PREFIX = "ray"  # RayGpuMonitorLogger's metric_prefix
-# Of the timing batches NeMo RL's loops log (nemo_rl/algorithms/grpo.py, sft.py, dpo.py), only the
-# training one, last in each step, ends a step: timing/setup comes once at step 0, before any step,
-# and a validation step logs timing/validation before that step's timing/train.
+# Of the timing batches NeMo RL's loops log only the training one, last in each step, ends a step
+# (docs/design/integrations.md#nemo-rl).
 TRAIN_TIMING_PREFIX = "timing/train"
 VALIDATION_TIMING_PREFIX = "timing/validation"
 STEP_TIME_KEY = "total_step_time"  # the timer name NeMo RL's loops use for the whole step
@@ -111,11 +110,10 @@ class OtelTrainLogger:
         if prefix == VALIDATION_TIMING_PREFIX:
             self._book_validation(step, metrics)
         values = flatten_numbers(metrics, prefix)
-        tokens = metrics.get(TOKENS_KEY)
-        if tokens is not None and _number(tokens) is not None:
-            self._tokens = _number(tokens)
-        if values:
-            ot.log_metrics(values)
+        tokens = _number(metrics.get(TOKENS_KEY))
+        if tokens is not None:
+            self._tokens = tokens
+        ot.log_metrics(values)
         if step_finished:
             self._end_step(step, {}, prefix)
 
@@ -179,12 +177,10 @@ class OtelTrainLogger:
         for name, seconds in durations.items():
             if name not in rates and math.isfinite(seconds) and seconds >= 0:
                 adapters.phase(name, seconds)
-        if rates:
-            ot.log_metrics({f"{prefix}/{k}": v for k, v in rates.items()})
+        ot.log_metrics(rates, prefix=f"{prefix}/")
         with self._lock:
             gauges, self._gauges = self._gauges, {}
-        if gauges:
-            ot.log_metrics({f"{GPU_MONITOR_PREFIX}/{k}": v for k, v in gauges.items()})
+        ot.log_metrics(gauges, prefix=f"{GPU_MONITOR_PREFIX}/")
         tokens, self._tokens = self._tokens, None
         adapters.end_step(tokens=int(tokens) if tokens is not None and math.isfinite(tokens) else None)
         self._last_end_ns, self._ended_step = now, step

@@ -68,16 +68,12 @@ _CREDENTIAL_PARAMETER = re.compile(
 )
 
 
-def _has_credentials(url: str) -> bool:
-    netloc = url.partition("://")[2].partition("/")[0].partition("?")[0]
-    return "@" in netloc or _CREDENTIAL_PARAMETER.search(url) is not None
-
-
 def _shareable(url: str | None, setting: str) -> str | None:
     """An endpoint that may travel in a runtime_env (Ray shows runtime_envs in its dashboard and
     job info): not one with credentials in it (`user:password@`, `?api_key=...`), which is left
     out, warned (a redacted copy would reach the actors as a wrong endpoint)."""
-    if url is None or not _has_credentials(url):
+    netloc = (url or "").partition("://")[2].partition("/")[0].partition("?")[0]
+    if url is None or ("@" not in netloc and _CREDENTIAL_PARAMETER.search(url) is None):
         return url
     log.warning(
         "otel_train: %s carries credentials (user:password@ or a key in its query); it is not copied "

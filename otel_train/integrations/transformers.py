@@ -13,10 +13,8 @@ import functools
 import logging
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from time import perf_counter_ns
-from types import FrameType
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -24,8 +22,11 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import otel_train as ot
 from otel_train import adapters
 from otel_train.integrations._common import (
+    EVAL_PREFIXES,
+    call_holding,
     chosen,
     distributed_world,
+    ending_on_error,
     rank_share,
     scalar_logs,
     settings_from_kwargs,
@@ -40,20 +41,12 @@ log = logging.getLogger("otel_train")
 _BRIDGES = ("tensorboard", "wandb", "mlflow")  # otel_train bridges that are also `report_to` names
 _RUN_DIRS = "_otel_train"  # under the Trainer's output_dir; push_to_hub skips names starting with _
 
-# Keys of the Trainer's logs that duplicate what otel_train measures itself (the last four: Oumi's).
-_SKIPPED_LOG_KEYS = frozenset(
-    {
-        "num_input_tokens_seen",
-        "train_tokens_per_second",
-        "step",  # TRL
-        "global_step",
-        "total_tokens_seen",
-        "global_steps_per_second",
-        "tokens_per_second",
-        "tokens_per_step_per_gpu",
-    }
-)
-_EVAL_PREFIXES = ("eval_", "test_", "predict_")
+# Keys of the Trainer's logs that duplicate what otel_train measures itself (`step`: TRL's; from
+# `global_step` on: Oumi's).
+_SKIPPED_LOG_KEYS = frozenset({
+    "num_input_tokens_seen", "train_tokens_per_second", "step", "global_step", "total_tokens_seen",
+    "global_steps_per_second", "tokens_per_second", "tokens_per_step_per_gpu",
+})  # fmt: skip
 _WRAPPED = "_otel_train_wrapped"
 
 
@@ -86,9 +79,9 @@ class OtelTrainCallback(TrainerCallback):
         self._steps = 0  # optimizer steps counted here, for trainers that pass no state
         self._rank = 0
         self._world = 1
-        self._data_ready_ns = [0]  # when the wrapped get_batch_samples last got a micro-batch
-        self._batches: list[Any] = [None]  # the next step's first micro-batch (get_batch_samples)
-        self._batch_tokens = [0]  # the next step's input tokens, from its micro-batches' shapes
+        self._data_ready_ns = 0  # when the wrapped get_batch_samples last got a micro-batch
+        self._batch: Any = None  # the next step's first micro-batch (get_batch_samples)
+        self._batch_tokens = 0  # the next step's input tokens, from its micro-batches' shapes
         self._trainer_counts_tokens = False  # include_num_input_tokens_seen: the Trainer's count
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -120,8 +113,7 @@ class OtelTrainCallback(TrainerCallback):
             ", ".join(names),
             ", ".join(f"{n}=False" for n in names),
         )
-        if "wandb" in names:
-            self._took_wandb = True
+        self._took_wandb = self._took_wandb or "wandb" in names
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -129,30 +121,44 @@ class OtelTrainCallback(TrainerCallback):
         self._end_abandoned_step()  # a failed attempt of auto_find_batch_size, or a stale step
         trainer = _calling_trainer(self)
         self._adopt(trainer)  # added with add_callback: no on_init_end was seen
-        self._deepspeed = _deepspeed_engine(trainer) is not None
+        engine = _deepspeed_engine(trainer)
+        self._deepspeed = engine is not None
         self._start(args, state, kwargs.get("model"))
-        if self._deepspeed:
+        if engine is not None:  # its step() (in accelerator.backward) is the `optimizer` phase
             from otel_train.integrations import deepspeed
 
-            # Accelerate runs engine.step() inside accelerator.backward (the Trainer's own
-            # optimizer.step() is a no-op): the adapter times it as `optimizer`, inside
-            # `forward_backward`, and adds the ZeRO facts; the Trainer keeps marking the steps.
-            deepspeed.instrument(_deepspeed_engine(trainer), steps=False)
+            deepspeed.instrument(engine, steps=False)
 
     def _adopt(self, trainer: Any) -> None:
         """Wrap the Trainer's `train` and `get_batch_samples` (that instance only, once)."""
         if trainer is None:
             return
-        if not getattr(trainer.train, _WRAPPED, False):
-            trainer.train = _ending_on_error(trainer.train, self)
+        if not getattr(trainer.train, _WRAPPED, False):  # ends the run (failed step, owned session)
+            trainer.train = ending_on_error(trainer.train, _WRAPPED, self.close)
         if not getattr(trainer.get_batch_samples, _WRAPPED, False):
-            trainer.get_batch_samples = _stamping_batches(
-                trainer.get_batch_samples,
-                self._data_ready_ns,
-                self._batches,
-                self._batch_tokens,
-                getattr(trainer.model, "main_input_name", None) or "input_ids",
-            )
+            input_name = getattr(trainer.model, "main_input_name", None) or "input_ids"
+            trainer.get_batch_samples = self._stamping(trainer.get_batch_samples, input_name)
+
+    def _stamping(self, get_batch_samples: Callable[..., Any], input_name: str) -> Callable[..., Any]:
+        """`trainer.get_batch_samples`, noting when each micro-batch left the iterator, the step's
+        first micro-batch (a reference) and its micro-batches' `input_name` elements (shapes only)."""
+
+        def stamped(epoch_iterator: Any) -> Iterator[Any]:
+            for item in epoch_iterator:  # pulls one item per next(): none is taken ahead
+                self._data_ready_ns = perf_counter_ns()
+                yield item
+
+        @functools.wraps(get_batch_samples)
+        def wrapper(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+            result = get_batch_samples(stamped(epoch_iterator), *args, **kwargs)
+            samples = result[0] if isinstance(result, tuple) and result else None
+            self._batch = samples[0] if isinstance(samples, list) and samples else None
+            if isinstance(samples, list):
+                self._batch_tokens = sum(_elements(batch, input_name) for batch in samples)
+            return result
+
+        setattr(wrapper, _WRAPPED, True)
+        return wrapper
 
     def _start(self, args: Any, state: TrainerState | None, model: Any) -> None:
         # Began already and its session still runs: the Trainer re-entered its training loop in the
@@ -180,8 +186,7 @@ class OtelTrainCallback(TrainerCallback):
         self._trainer_counts_tokens = counting not in ("no", False)
         self._steps = 0
         if self._watch_every > 0 and model is not None:
-            # ZeRO leaves p.grad None after backward by design: parameter statistics only (the
-            # Trainer logs DeepSpeed's global grad norm), and no "no gradient" verdict.
+            # ZeRO leaves p.grad None by design: parameter statistics only, no "no gradient" verdict
             ot.watch(model, every=self._watch_every, grads=not self._deepspeed)
         self._mark_ns = perf_counter_ns()
 
@@ -195,10 +200,9 @@ class OtelTrainCallback(TrainerCallback):
         self.close()
 
     def close(self) -> None:
-        """End this callback's run: a step still open ends as failed (`train()` raised, or a
-        trainer began a step and found no batch: `OumiTrainer` at an epoch's end), and a session
-        the callback started is shut down, one the user started idles (`adapters.idle`). Called at
-        `on_train_end` and when `train()` raises; a second call does nothing more."""
+        """End this callback's run (at `on_train_end`, or when `train()` raises; idempotent): a step
+        still open ends as failed (`OumiTrainer` may begin one and find no batch at an epoch's end),
+        a session the callback started is shut down, one the user started idles."""
         self._end_abandoned_step()
         self._started = False
         self._mark_ns = None
@@ -228,7 +232,7 @@ class OtelTrainCallback(TrainerCallback):
         if adapters.begin_step(index, start_ns=start) is None:
             return  # no session (the user's was shut down)
         self._open = True
-        batch, self._batches[0] = self._batches[0], None
+        batch, self._batch = self._batch, None
         if batch is not None:
             adapters.watch_batch(batch)  # unsharded data: the batch as it left the loader (watched steps)
         if state is not None and start < now:  # OumiTrainer fetches the batch inside the step
@@ -236,7 +240,7 @@ class OtelTrainCallback(TrainerCallback):
         self._phase_start_ns = now
 
     def _time_data(self, start: int, now: int) -> None:
-        ready = self._data_ready_ns[0]
+        ready = self._data_ready_ns
         if self._world > 1 and start < ready <= now:
             # Arrival where this rank's batches were ready, before the gather where it may wait.
             ot.timer("data").start(at_ns=start).stop(at_ns=ready)
@@ -248,6 +252,8 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         adapters.heartbeat()  # a micro-batch of a step that accumulates: a long step is no stall
+
+    on_prediction_step = on_substep_end  # an eval batch: a long evaluation is no stall
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -275,8 +281,8 @@ class OtelTrainCallback(TrainerCallback):
         self._steps += 1
         if not self._open:
             return
-        tokens = self._batch_tokens[0] or None  # this rank's, as the Trainer's "all" counts them
-        self._batch_tokens[0] = 0
+        tokens = self._batch_tokens or None  # this rank's, as the Trainer's "all" counts them
+        self._batch_tokens = 0
         # The trainer's own job-wide count where it keeps one: the Trainer's with
         # include_num_input_tokens_seen (non_padding, say), or TRL's GRPO/RLOO prompt and completion
         # tokens, whose batches hold text (no input_ids to count).
@@ -324,7 +330,7 @@ class OtelTrainCallback(TrainerCallback):
                 "(no layer named: ot.watch or OtelTrainCallback(watch_every=N) names them)",
                 {"step": step} if step is not None else None,
             )
-        in_eval = any(isinstance(k, str) and k.startswith(_EVAL_PREFIXES) for k in logs)
+        in_eval = any(isinstance(k, str) and k.startswith(EVAL_PREFIXES) for k in logs)
         if self._mark_ns is not None and not in_eval:
             # The training log (with its loss gather) is not data wait or eval time.
             self._mark_ns = perf_counter_ns()
@@ -343,11 +349,6 @@ class OtelTrainCallback(TrainerCallback):
         what the scaler handles is no `nonfinite_grad`, as for `ot.watch(scaler=...)`."""
         accelerator = getattr(_calling_trainer(self), "accelerator", None)
         return bool(getattr(accelerator, "optimizer_step_was_skipped", False))
-
-    def on_prediction_step(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        adapters.heartbeat()  # an eval batch: a long evaluation is no stall
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -374,15 +375,11 @@ def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[s
     choose."""
     out: dict[str, Any] = {}
     strategy = getattr(args, "logging_strategy", None)
-    strategy = getattr(strategy, "value", strategy)  # IntervalStrategy, a str enum
     steps = getattr(args, "logging_steps", None)
     field = getattr(type(args), "__dataclass_fields__", {}).get("logging_steps")
-    if (
-        strategy == "steps"
-        and isinstance(steps, (int, float))
-        and field is not None
-        and steps != field.default
-    ):
+    if getattr(strategy, "value", strategy) != "steps" or field is None or steps == field.default:
+        steps = None  # not a logging_steps of the user's (IntervalStrategy is a str enum)
+    if isinstance(steps, (int, float)):
         # A ratio of the run (0 < steps < 1) is resolved by the Trainer into state.logging_steps.
         resolved = state.logging_steps if state is not None and steps < 1 else steps
         if isinstance(resolved, (int, float)) and resolved >= 1:
@@ -441,45 +438,8 @@ def _calling_trainer(callback: OtelTrainCallback) -> Any:
     `callback`), found on the call stack."""
     from transformers import Trainer
 
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(16):  # hook <- CallbackHandler.call_event <- .on_x <- Trainer method (+ subclasses)
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer) and callback in candidate.callback_handler.callbacks:
-            return candidate
-        frame = frame.f_back
-    return None
-
-
-def _stamping_batches(
-    get_batch_samples: Callable[..., Any],
-    stamp: list[int],
-    first: list[Any],
-    tokens: list[int],
-    input_name: str,
-) -> Callable[..., Any]:
-    """`trainer.get_batch_samples`, noting in `stamp[0]` when each micro-batch left the iterator,
-    in `first[0]` the step's first micro-batch (a reference: nothing is copied) and in `tokens[0]`
-    the elements of its micro-batches' `input_name` tensors (the Trainer's own count with
-    include_num_input_tokens_seen="all": a shape, no device read)."""
-
-    def stamped(epoch_iterator: Any) -> Iterator[Any]:
-        for item in epoch_iterator:  # pulls one item per next(): none is taken ahead
-            stamp[0] = perf_counter_ns()
-            yield item
-
-    @functools.wraps(get_batch_samples)
-    def wrapper(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
-        result = get_batch_samples(stamped(epoch_iterator), *args, **kwargs)
-        samples = result[0] if isinstance(result, tuple) and result else None
-        first[0] = samples[0] if isinstance(samples, list) and samples else None
-        if isinstance(samples, list):
-            tokens[0] = sum(_elements(batch, input_name) for batch in samples)
-        return result
-
-    setattr(wrapper, _WRAPPED, True)
-    return wrapper
+    found = call_holding(Trainer, callback, "callback_handler.callbacks")
+    return None if found is None else found[0]
 
 
 def _elements(batch: Any, name: str) -> int:
@@ -489,27 +449,9 @@ def _elements(batch: Any, name: str) -> int:
     return int(numel()) if callable(numel) else 0
 
 
-def _ending_on_error(train: Callable[..., Any], callback: OtelTrainCallback) -> Callable[..., Any]:
-    """`trainer.train`, ending the callback's run (failed step, owned session) when it raises."""
-
-    @functools.wraps(train)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return train(*args, **kwargs)
-        except BaseException:
-            callback.close()
-            raise
-
-    setattr(wrapper, _WRAPPED, True)
-    return wrapper
-
-
 def _precision(args: Any) -> str | None:
     """The precision `TrainingArguments` asks for (`bf16`, `fp16`, `tf32`), for MFU's peak."""
-    for flag in ("bf16", "fp16", "tf32"):
-        if getattr(args, flag, None) is True:
-            return flag
-    return None
+    return next((flag for flag in ("bf16", "fp16", "tf32") if getattr(args, flag, None) is True), None)
 
 
 def _save_due(control: TrainerControl | None) -> bool:

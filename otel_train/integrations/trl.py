@@ -7,8 +7,7 @@ How it works: docs/design/integrations.md#trl.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -16,7 +15,7 @@ from trl.extras.profiling import ProfilingContext
 
 import otel_train as ot
 from otel_train import adapters
-from otel_train.integrations._common import settings_from_kwargs
+from otel_train.integrations._common import ending_on_error, settings_from_kwargs
 from otel_train.integrations.transformers import OtelTrainCallback
 
 __all__ = ["OtelTrainTrlCallback", "disable_profiling", "enable_profiling", "instrument", "phase_name"]
@@ -40,9 +39,7 @@ _ENDING = "_otel_train_trl_wrapped"  # marks a trainer.train that ends the run o
 def phase_name(profiled: str) -> str:
     """otel_train's phase for a TRL profiling name such as `GRPOTrainer._calculate_rewards`."""
     block = profiled.split(".", 1)[1] if "." in profiled else profiled
-    if block in _reward_names:
-        return f"reward.{block}"
-    return _PHASES.get(block, block.lstrip("_") or block)
+    return f"reward.{block}" if block in _reward_names else _PHASES.get(block, block.lstrip("_") or block)
 
 
 def enable_profiling(reward_names: Iterable[str] = ()) -> None:
@@ -134,23 +131,9 @@ def instrument(trainer: Trainer, **settings: Any) -> Trainer:
     if not any(isinstance(cb, OtelTrainTrlCallback) for cb in callbacks):
         trainer.add_callback(OtelTrainTrlCallback(trainer))
     if not getattr(trainer.train, _ENDING, False):
-        trainer.train = _ending_on_error(trainer.train, hf)  # type: ignore[method-assign]
+        # If train() raises, no on_train_end comes: TRL's ProfilingContext is restored and the HF
+        # callback's run ended (idempotent: its own wrapper may end it too, but it wraps `train`
+        # only at its first on_train_begin when added with add_callback, too late for that call).
+        ending = ending_on_error(trainer.train, _ENDING, disable_profiling, hf.close)
+        trainer.train = ending  # type: ignore[method-assign]
     return trainer
-
-
-def _ending_on_error(train: Callable[..., Any], callback: OtelTrainCallback) -> Callable[..., Any]:
-    """`trainer.train`, ending the HF callback's run and restoring TRL's `ProfilingContext` when it
-    raises (no on_train_end comes then). The callback wraps `train` itself only at its first
-    on_train_begin when added with `add_callback`, too late for that first call."""
-
-    @functools.wraps(train)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return train(*args, **kwargs)
-        except BaseException:
-            disable_profiling()
-            callback.close()  # idempotent: the callback's own wrapper may call it too
-            raise
-
-    setattr(wrapper, _ENDING, True)
-    return wrapper

@@ -44,9 +44,8 @@ class Sink:
         """End of run: the last value of every scalar key (for hparams' final metrics)."""
 
     def reopen(self) -> None:
-        """Before a disabled bridge is retried (`ThreadedSink`): drop the backend's writer, which
-        may be broken for good by the failure (TensorBoard's keeps its first I/O error), so the
-        next call opens a fresh one. Default: nothing to drop."""
+        """Before a disabled bridge is retried (`ThreadedSink`): drop the backend's writer, which may
+        be broken for good (TensorBoard's keeps its first I/O error). Default: nothing to drop."""
 
 
 def _md_cell(text: str) -> str:
@@ -54,9 +53,8 @@ def _md_cell(text: str) -> str:
 
 
 def merge_params(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """`old` updated with `new`, nested mappings merged key by key: a later
-    `{"optim": {"lr": 2e-3}}` changes that one value and keeps `optim`'s other keys. How every
-    bridge and hparams.json combine the hyperparameters of several `log_hyperparams` calls."""
+    """`old` updated with `new`, nested mappings merged key by key (a later `{"optim": {"lr": 2e-3}}`
+    keeps `optim`'s other keys): how every bridge and hparams.json combine `log_hyperparams` calls."""
     merged = dict(old)
     for key, value in new.items():
         previous = merged.get(key)
@@ -95,13 +93,8 @@ def histogram_bins(
     values: Sequence[float], bins: int = HISTOGRAM_BINS
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], npt.NDArray[np.float64]] | None:
     """(finite values, counts, edges) of `values` in `bins` equal bins from their min to their max;
-    None when no value is finite. How every backend bins, so they show one distribution alike.
-
-    Never raises for finite values, where `np.histogram(values, bins)` does ("Too many bins"):
-    a range with fewer distinct floats than bins (1.7e16 + 0..7: nanosecond timestamps) gets fewer
-    bins; a constant past 2**53 (numpy widens it by +-0.5, which is no width there) gets one bin one
-    float wide; a range wider than the largest float (-1e308..1e308) is split without `max - min`.
-    Other constants get numpy's bins, from value - 0.5 to value + 0.5."""
+    None when no value is finite. Never raises for finite values, where `np.histogram` does ("Too
+    many bins"): docs/design/bridges.md#histogram-bins."""
     import numpy as np
 
     array = np.asarray(values, dtype=np.float64).ravel()

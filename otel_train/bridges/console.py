@@ -25,10 +25,9 @@ def _si(value: float) -> str:
 def _duration(seconds: float) -> str:
     if seconds < 1:
         return f"{seconds * 1000:.1f} ms"
-    seconds_int = int(seconds)
-    if seconds_int < 3600:
-        return f"{seconds_int // 60}:{seconds_int % 60:02d}"
-    return f"{seconds_int // 3600}:{seconds_int % 3600 // 60:02d}:{seconds_int % 60:02d}"
+    hours, rest = divmod(int(seconds), 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 # The summary line: (bridge key, label, format; None: a duration, "si": k/M/G).

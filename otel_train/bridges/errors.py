@@ -24,11 +24,8 @@ class BridgeSetupError(RuntimeError):
 
 
 def ensure_writable_dir(path: str | os.PathLike[str], backend: str) -> None:
-    """Create `path` (and parents) and prove it is writable with a probe file.
-
-    Raises `BridgeSetupError` naming the path and the reason. Uses a real write, not permission bits,
-    so it also catches read-only file systems and runs as root.
-    """
+    """Create `path` and prove it writable (BridgeSetupError otherwise) with a real write, not
+    permission bits: that also catches read-only file systems and runs as root."""
     path = os.fspath(path)
     try:
         os.makedirs(path, exist_ok=True)

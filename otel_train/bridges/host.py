@@ -1,8 +1,7 @@
 """The bridge process: TensorBoard, W&B and MLflow run here, off the training process's GIL.
 
-Started as `python -m otel_train.bridges.host <parent pid>`; reads frames (`bridges.framing`)
-from stdin (a private copy: fd 0 is /dev/null for everything it starts) and never outlives its
-parent for long. Design: docs/design/bridges.md#host.
+Started as `python -m otel_train.bridges.host <parent pid>`; protocol, stdin handling and lifetime:
+docs/design/bridges.md#host.
 """
 
 from __future__ import annotations
@@ -25,6 +24,9 @@ from otel_train.bridges.threaded import ThreadedSink
 log = logging.getLogger("otel_train")
 
 DEFAULT_GRACE_S = 10.0
+REPORT_EVERY_S = 1.0  # the bridges' drop counts go to the training process at most this often
+DRAIN_S = 5.0  # after the parent's death: how long the calls still in the pipe are read
+FRAME_S = 5.0  # a frame whose first byte arrived is whole within this (the parent writes it at once)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -33,22 +35,17 @@ class ParentGone(Exception):
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: stdin EOF still ends this process
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux (no prctl): stdin EOF still ends this process
-        pass
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         raise ParentGone
 
 
 class CpuPolicy:
-    """The bridge process runs below the training (nice 10, and SCHED_IDLE or SCHED_BATCH where
-    the OS has them), except while its bridges fall behind: a half-full queue lifts the process
-    tree to normal scheduling until every queue is nearly empty again. The measurements and the
-    choice of policy: docs/design/bridges.md#cpu-policy."""
+    """Below the training (nice 10, SCHED_IDLE or SCHED_BATCH) except while the bridges fall
+    behind; why and how: docs/design/bridges.md#cpu-policy."""
 
     CATCH_UP_AT = 0.5  # a bridge queue this full: normal scheduling
     IDLE_AT = 0.1  # every queue at most this full again: back to the idle policy
@@ -65,7 +62,6 @@ class CpuPolicy:
             self.idle_policy = os.SCHED_IDLE if _may_leave_idle() else os.SCHED_BATCH
 
     def set_up(self) -> None:
-        """The bridges are ready: below the training from now on (the idle policy)."""
         self._set(idle=True)
 
     def follow_lift(self) -> None:
@@ -75,8 +71,7 @@ class CpuPolicy:
             self._set(idle=False)
 
     def update(self, fullest: float, unread: bool = False) -> None:
-        """`fullest`: the largest fill fraction of the bridges' queues; `unread`: frames wait in
-        the pipe (a backlog the queues do not show: back to idle only once it is read)."""
+        """`fullest`: the fullest bridge queue's fill; `unread`: frames wait in the pipe."""
         if self.idle and fullest >= self.CATCH_UP_AT:
             self._set(idle=False)
         elif not self.idle and fullest <= self.IDLE_AT and not unread:
@@ -88,18 +83,16 @@ class CpuPolicy:
         policy = self.idle_policy if idle else os.SCHED_OTHER
         changed = False
         for tid in _task_ids():
-            try:
+            with contextlib.suppress(OSError):  # a thread that just ended
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
                 changed = True
-            except OSError:  # a thread that just ended
-                continue
         if changed:
             self.idle = idle
 
 
 def _may_leave_idle() -> bool:
-    """May this process's threads (at their nice value) go from SCHED_IDLE back to SCHED_OTHER?
-    Tried on a short-lived thread of its own: the policy is per thread."""
+    """May this process's threads go from SCHED_IDLE back to SCHED_OTHER? Tried on a thread of
+    its own: the policy is per thread."""
     allowed: list[bool] = []
 
     def probe() -> None:
@@ -143,10 +136,6 @@ def _task_ids() -> list[int]:
     return tids or [0]
 
 
-def fullest_queue(sinks: list[ThreadedSink]) -> float:
-    return max((s.fill for s in sinks), default=0.0)
-
-
 def build(specs: list[tuple[str, str, dict[str, Any]]], queue_size: int) -> list[ThreadedSink]:
     sinks: list[ThreadedSink] = []
     try:
@@ -177,17 +166,9 @@ def _call_all(sinks: list[ThreadedSink], message: tuple[str, str, tuple[Any, ...
         getattr(sink, method)(*args)
 
 
-def stats(sinks: list[ThreadedSink]) -> dict[str, dict[str, Any]]:
-    return {s.name: {"dropped": s.dropped, "errors": s.errors, "clean": s.closed_cleanly} for s in sinks}
-
-
-REPORT_EVERY_S = 1.0  # the bridges' drop counts go to the training process at most this often
-
-
 class Reports:
     """The bridges' drop counts and the frames skipped here, sent to the training process as they
-    grow (at most every REPORT_EVERY_S), so it counts them during the run: the close's answer may
-    come after it stopped waiting, or never."""
+    grow (at most every REPORT_EVERY_S): the close's answer may come after it stopped waiting."""
 
     def __init__(self, reply_fd: int, sinks: list[ThreadedSink]) -> None:
         self.reply_fd = reply_fd
@@ -208,15 +189,17 @@ class Reports:
             )
         self.skipped += 1
 
-    def send_if_grown(self) -> None:
-        now = time.monotonic()
-        counts = self._counts()
-        if counts != self._sent and now >= self._next:
-            write_frame(self.reply_fd, encode(("stats", stats(self.sinks), self.skipped)))
-            self._sent, self._next = counts, now + REPORT_EVERY_S
+    def send(self, answer: str = "stats") -> None:
+        stats = {
+            s.name: {"dropped": s.dropped, "errors": s.errors, "clean": s.closed_cleanly} for s in self.sinks
+        }
+        write_frame(self.reply_fd, encode((answer, stats, self.skipped)))
 
-    def closed(self) -> None:
-        write_frame(self.reply_fd, encode(("closed", stats(self.sinks), self.skipped)))
+    def send_if_grown(self) -> None:
+        now, counts = time.monotonic(), self._counts()
+        if counts != self._sent and now >= self._next:
+            self.send()
+            self._sent, self._next = counts, now + REPORT_EVERY_S
 
 
 def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
@@ -231,7 +214,6 @@ def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
     reports: Reports | None = None
     final: Mapping[str, float] = {}
     grace_s = DEFAULT_GRACE_S
-    reply = True
     try:
         _die_with_parent(parent_pid)
         kind, specs, queue_size = read_frame(in_fd)
@@ -256,30 +238,25 @@ def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
             cpu.follow_lift()
             if message[0] == "call":
                 _call_all(sinks, message)
-                cpu.update(fullest_queue(sinks), unread(in_fd))
+                cpu.update(max((s.fill for s in sinks), default=0.0), unread(in_fd))
             elif message[0] == "close":
                 _, final, grace_s = message
                 break
     except (EOFError, ParentGone, OSError):  # OSError: TimeoutError too (a frame cut by a death)
-        reply = False  # the parent is gone: still close the bridges, so what they got is on disk
+        reports = None  # the parent is gone: still close the bridges, so what they got is on disk
     closing.set()
     cpu.update(1.0)  # closing: finish the backlog at normal priority, within the grace period
-    if not reply:
+    if reports is None:
         _drain(in_fd, sinks)
     close_all(sinks, final, grace_s)
-    if reply and reports is not None:
+    if reports is not None:
         with contextlib.suppress(OSError):
-            reports.closed()
-
-
-DRAIN_S = 5.0  # after the parent's death: how long the calls still in the pipe are read
-FRAME_S = 5.0  # a frame whose first byte arrived is whole within this (the parent writes it at once)
+            reports.send("closed")
 
 
 def _read_whole(in_fd: int, wait_s: float | None = None) -> Any:
     """The next frame, or None when none began within `wait_s`: waiting for it may be cut short by
-    SIGTERM (ParentGone), reading it may not. A death signal that cut a frame in half left the pipe
-    mid-frame, and `_drain` read garbage."""
+    SIGTERM (ParentGone), reading it may not (a frame cut in half would leave `_drain` garbage)."""
     if not select.select([in_fd], [], [], wait_s)[0]:  # interruptible: nothing read yet
         return None
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -290,9 +267,8 @@ def _read_whole(in_fd: int, wait_s: float | None = None) -> Any:
 
 
 def _drain(in_fd: int, sinks: list[ThreadedSink]) -> None:
-    """The parent died (SIGKILL, OOM) with calls in the pipe that this process, behind (starved on a
-    busy machine), had not read: hand them to the bridges too. Never blocks past DRAIN_S: a forked
-    grandchild may still hold the pipe open, and the death signal may have cut a frame in half."""
+    """The parent died with calls in the pipe this process had not read: hand them on too. Never
+    blocks past DRAIN_S: a forked grandchild may hold the pipe open, or a frame was cut in half."""
     deadline = time.monotonic() + DRAIN_S
     with contextlib.suppress(Exception):  # EOF, a cut frame, the deadline: what was read is kept
         while True:
@@ -307,10 +283,8 @@ def _drain(in_fd: int, sinks: list[ThreadedSink]) -> None:
 
 def main() -> None:
     parent_pid = int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid()
-    # Frames come from a private copy of stdin, and stdin becomes /dev/null: a process a backend
-    # starts (W&B's service) inherits fd 0, and holding the frame pipe it would keep the parent's
-    # writes succeeding after this process died, so those frames would vanish instead of being
-    # sent to a restarted bridge process. os.dup's copies are not inherited.
+    # Frames come from a private copy of stdin (os.dup's copies are not inherited), and fd 0
+    # becomes /dev/null: see docs/design/bridges.md#host.
     in_fd = os.dup(0)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

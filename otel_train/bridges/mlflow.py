@@ -36,14 +36,6 @@ def sanitize_key(key: str) -> str:
     return "/".join(parts)[:MAX_KEY_LENGTH].rstrip("/") or "_"
 
 
-def _quoted(value: str) -> str | None:
-    """`value` as a string literal of MLflow's search filter (which has no escapes), or None."""
-    for quote in ("'", '"'):
-        if quote not in value:
-            return f"{quote}{value}{quote}"
-    return None
-
-
 def default_tracking_uri(run_dir: Path) -> str:
     return "sqlite:///" + str((RunFiles(run_dir).mlflow / "mlflow.db").resolve())
 
@@ -106,12 +98,12 @@ class MlflowSink(Sink):
         if importlib.util.find_spec("mlflow") is None:
             raise BridgeImportError("MLflow", "mlflow")
         self.run_dir = Path(run_dir)
-        self.local_store = not (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        self._store = RunFiles(self.run_dir).mlflow  # the local store's, without a tracking URI
+        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        self.local_store = not uri
         if self.local_store:
-            ensure_writable_dir(RunFiles(self.run_dir).mlflow, "MLflow")
-            self.tracking_uri = default_tracking_uri(self.run_dir)
-        else:
-            self.tracking_uri = tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
+            ensure_writable_dir(self._store, "MLflow")
+        self.tracking_uri = uri or default_tracking_uri(self.run_dir)
         self.experiment = experiment
         self.run_name = run_name
         # otel_train's run id (with role and rank where they name their own MLflow run): a process
@@ -122,8 +114,6 @@ class MlflowSink(Sink):
         self.run_id: str | None = None
         self._closed = False
 
-    # -- lifecycle --------------------------------------------------------------------------------
-
     def _ensure_run(self) -> Any:
         if self._client is not None:
             return self._client
@@ -132,8 +122,7 @@ class MlflowSink(Sink):
         except ImportError as exc:
             raise BridgeImportError("MLflow", "mlflow", exc) from exc
         if self.local_store:
-            store = RunFiles(self.run_dir).mlflow
-            seed_local_store(store / "mlflow.db", store / "artifacts")
+            seed_local_store(self._store / "mlflow.db", self._store / "artifacts")
         client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment_id = self._experiment_id(client)
         run = self._run_to_resume(client, experiment_id)
@@ -149,14 +138,13 @@ class MlflowSink(Sink):
 
     def _run_to_resume(self, client: Any, experiment_id: str) -> Any:
         """The latest run of the experiment tagged with this run key, or None."""
-        if not self.run_key:
-            return None
-        quoted = _quoted(self.run_key)
-        if quoted is None:  # both quote characters in the run id: no filter can name it
+        # MLflow's search filter has no escapes: a run id with both quote characters cannot be named
+        quote = next((q for q in ("'", '"') if q not in (self.run_key or "")), None)
+        if not self.run_key or quote is None:
             return None
         runs = client.search_runs(
             [experiment_id],
-            filter_string=f"tags.`{RUN_KEY_TAG}` = {quoted}",
+            filter_string=f"tags.`{RUN_KEY_TAG}` = {quote}{self.run_key}{quote}",
             order_by=["attributes.start_time DESC"],
             max_results=1,
         )
@@ -168,9 +156,7 @@ class MlflowSink(Sink):
         existing = client.get_experiment_by_name(self.experiment)
         if existing is not None:
             return str(existing.experiment_id)
-        artifact_location = None
-        if self.local_store:
-            artifact_location = (RunFiles(self.run_dir).mlflow / "artifacts").resolve().as_uri()
+        artifact_location = (self._store / "artifacts").resolve().as_uri() if self.local_store else None
         from mlflow.exceptions import MlflowException
 
         try:
@@ -180,25 +166,6 @@ class MlflowSink(Sink):
             if existing is None:
                 raise
             return str(existing.experiment_id)
-
-    def _log_params(self, params: Mapping[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        batch: list[Any] = []
-        for key, value in flatten_params(params).items():
-            name = sanitize_key(key)
-            text = value[:MAX_PARAM_VALUE_LENGTH]
-            previous = self._logged_params.get(name)
-            if previous is not None:
-                if previous != text:
-                    logger.debug("otel_train: MLflow param %r cannot change; keeping %r", name, previous)
-                continue
-            self._logged_params[name] = text
-            batch.append(Param(name, text))
-        for i in range(0, len(batch), PARAMS_PER_BATCH):
-            self._client.log_batch(self.run_id, params=batch[i : i + PARAMS_PER_BATCH], synchronous=True)
-
-    # -- Sink API ---------------------------------------------------------------------------------
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
@@ -238,8 +205,20 @@ class MlflowSink(Sink):
         client.log_dict(self.run_id, doc, f"histograms/{sanitize_key(key)}/step_{step:09d}.json")
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
         self._ensure_run()
-        self._log_params(params)
+        batch: list[Any] = []
+        for key, value in flatten_params(params).items():
+            name, text = sanitize_key(key), value[:MAX_PARAM_VALUE_LENGTH]
+            previous = self._logged_params.get(name)
+            if previous is None:
+                self._logged_params[name] = text
+                batch.append(Param(name, text))
+            elif previous != text:  # MLflow refuses to change a logged param
+                logger.debug("otel_train: MLflow param %r cannot change; keeping %r", name, previous)
+        for i in range(0, len(batch), PARAMS_PER_BATCH):
+            self._client.log_batch(self.run_id, params=batch[i : i + PARAMS_PER_BATCH], synchronous=True)
 
     def close(self, final_scalars: Mapping[str, float]) -> None:
         if self._closed:

@@ -36,13 +36,11 @@ log = logging.getLogger("otel_train")
 SETUP_TIMEOUT_S = 120.0  # importing torch.utils.tensorboard, wandb and mlflow on a busy machine
 LIFT_EVERY_S = 5.0  # a starved bridge process is lifted to normal scheduling at most this often
 CHILD_GRACE_S = 30.0  # per bridge, in parallel, in the child: then a hung bridge is abandoned
-# a child that keeps dying (a bridge that crashes it at every set-up) is not restarted for ever
-MAX_RESTARTS = 5
+MAX_RESTARTS = 5  # a child that keeps dying (a bridge that crashes it at every set-up) is let go
 RESTART_AFTER_S = 1.0  # the first restart's back-off; doubles with each restart
 MAX_RESTART_AFTER_S = 30.0
-# Past the grace it is given, the bridge process still joins its bridges' threads (1 s) and W&B's
-# service writes its offline log until it sees the bridge process exit: what a close that must
-# see it all written (this process is PID 1, see close()) waits for on top of the grace.
+# what a close that must see it all written (this process is PID 1) waits on top of the grace: the
+# child joins its bridges' threads, and W&B's service writes its offline log until the child exits
 AFTER_GRACE_S = 15.0
 _RESTARTING = (
     "otel_train: the bridge process (pid %s) died (%s); restarting it in %.0f s (restart %d of at most "
@@ -85,16 +83,16 @@ class BridgeProcess(Sink):
         self.bridge_stats: dict[str, dict[str, Any]] = {}
         self.closed_cleanly = False
         self._dead = False
-        self._closing = False
         self._warned: set[str] = set()  # the drop reasons warned about (once each)
         self._listener: threading.Thread | None = None  # reads the child's answers (`_listen`)
-        self._next_lift = 0.0  # monotonic time before which _catch_up does nothing
+        self._next_lift = 0.0  # monotonic time before which _submit lifts no more
         self._setup_done = threading.Event()
         self._setup_error: BaseException | None = None
         self._closed_reply = threading.Event()
         self._ended = threading.Event()  # the feeder thread is done (closed, or the child gone for good)
-        self._close_requested = threading.Event()
+        self._closing = threading.Event()
         self._close_frame: bytes | None = None
+        self._unsent: bytes | None = None  # the frame whose write found the child dead
         self.restarts = 0
         # every hyperparameter so far, merged as the bridges merge them: a restarted bridge process
         # gets them at its set-up (its W&B run directory and MLflow run would otherwise lack them)
@@ -118,12 +116,10 @@ class BridgeProcess(Sink):
 
     @property
     def queued(self) -> int:
-        """Calls handed over and not yet written into the pipe (lost if this process is killed;
-        what is in the pipe is still read and written by the bridge process)."""
+        """Calls handed over and not yet written into the pipe (lost if this process is killed)."""
         return self._queue.qsize()
 
-    # -- Sink API (never blocks) ------------------------------------------------------------------
-    # The worker hands plain str, int and float data (`core.worker`); hyperparameters go through `plain`.
+    # Sink API, never blocking: the worker hands plain data (`core.worker`), hyperparameters `plain`.
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         self._submit("write_scalars", (step, wall_time, dict(scalars)))
@@ -144,10 +140,9 @@ class BridgeProcess(Sink):
 
     def close(self, final_scalars: Mapping[str, float], timeout: float | None = None) -> None:
         """Hand over the close and wait at most `timeout` seconds for the bridges to finish."""
-        if self._closing:
+        if self._closing.is_set():
             return
-        self._closing = True
-        self._close_requested.set()
+        self._closing.set()
         deadline = time.monotonic() + (CHILD_GRACE_S if timeout is None else max(0.0, timeout))
         if not self._dead:
             self._lift()
@@ -162,7 +157,7 @@ class BridgeProcess(Sink):
                     if time.monotonic() >= deadline:
                         break
             self._wait_for_reply(deadline)
-            if _is_namespace_init():
+            if os.getpid() == 1:  # PID 1 of its PID namespace (a container without an init)
                 _finish_as_namespace_init(self, grace)
         if self._closed_reply.is_set():  # its drop counts were counted as it came (`_listen`)
             self.closed_cleanly = all(s.get("clean") for s in self.bridge_stats.values())
@@ -191,10 +186,8 @@ class BridgeProcess(Sink):
         self._dead = True
         self._release(replies_too=True)  # the file objects (never a bare fd a later open() may reuse)
 
-    # -- internals --------------------------------------------------------------------------------
-
     def _submit(self, method: str, args: tuple[Any, ...]) -> None:
-        if self._closing:  # the worker, still busy past the shutdown deadline, hands on its backlog
+        if self._closing.is_set():  # the worker, busy past the shutdown deadline, hands on its backlog
             self._on_drop("bridge_closed", _AFTER_CLOSE)
             return
         if self._dead:
@@ -213,21 +206,14 @@ class BridgeProcess(Sink):
             self._queue.put_nowait(frame)
         except queue.Full:
             self._on_drop()
-        if self._queue.qsize() * 2 >= self._queue_size:
-            self._catch_up()
-
-    def _catch_up(self) -> None:
-        """The bridge process is not reading (starved under SCHED_IDLE while every core is busy, so
-        it cannot see its own queues fill): lift it to normal scheduling, at most every LIFT_EVERY_S;
-        it returns to SCHED_IDLE by itself once its queues are nearly empty (host.CpuPolicy)."""
-        now = time.monotonic()
-        if now >= self._next_lift:
-            self._next_lift = now + LIFT_EVERY_S
+        # a half-full queue: the bridge process is not reading (starved under SCHED_IDLE, it cannot
+        # see its own queues fill): lift it, at most every LIFT_EVERY_S (docs/design/bridges.md#cpu-policy)
+        if self._queue.qsize() * 2 >= self._queue_size and time.monotonic() >= self._next_lift:
+            self._next_lift = time.monotonic() + LIFT_EVERY_S
             self._lift()
 
     def _lift(self) -> None:
-        """The bridge process's main thread to normal scheduling (at its nice 10): one system call;
-        it lifts its other threads and W&B's service itself when it notices (host.CpuPolicy)."""
+        """The bridge process's main thread to normal scheduling; it lifts the rest (host.CpuPolicy)."""
         if self.proc is None or not hasattr(os, "sched_setscheduler") or self.proc.poll() is not None:
             return  # not Linux, or exited (poll reaps it: its pid is never another process's here)
         with contextlib.suppress(OSError):  # another user's process: left as it is
@@ -245,25 +231,6 @@ class BridgeProcess(Sink):
         if self._count_drop is not None and count:
             self._count_drop(reason, count)
 
-    def _start(self) -> subprocess.Popen[bytes]:
-        self._listener = None
-        env = dict(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the bridge process never touches a GPU
-        package_root = str(Path(__file__).resolve().parents[2])  # otel_train importable as the parent has it
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "otel_train.bridges.host", str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-        )
-        assert proc.stderr is not None
-        threading.Thread(
-            target=_relay, args=(proc.stderr,), name="otel_train-bridges-stderr", daemon=True
-        ).start()
-        return proc
-
     def _run(self) -> None:
         try:
             self._set_up_child()
@@ -277,16 +244,14 @@ class BridgeProcess(Sink):
             return
         finally:
             self._setup_done.set()
-        unsent: bytes | None = None  # the frame whose write found the child dead
         try:
             while True:
                 try:
-                    self._feed(unsent)
+                    self._feed()
                     return
                 except (OSError, EOFError, TimeoutError, subprocess.TimeoutExpired) as exc:
-                    unsent = exc.frame if isinstance(exc, _Unsent) else None
-                    if self._closing or not self._restart(exc):
-                        if not self._closing:
+                    if self._closing.is_set() or not self._restart():
+                        if not self._closing.is_set():
                             log.warning(
                                 "otel_train: the bridge process is gone (%r); bridge updates are dropped.",
                                 exc,
@@ -300,8 +265,22 @@ class BridgeProcess(Sink):
     def _set_up_child(self) -> None:
         """Start the child and have it build the bridges; BridgeSetupFailed when it refuses. A
         restarted child gets the hyperparameters so far first."""
-        self.proc = self._start()
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._listener = None
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the bridge process never touches a GPU
+        package_root = str(Path(__file__).resolve().parents[2])  # otel_train importable as the parent has it
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "otel_train.bridges.host", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
+        relay = threading.Thread(target=_relay, args=(self.proc.stderr,), name="otel_train-bridges-stderr")
+        relay.daemon = True
+        relay.start()
         write_frame(self.proc.stdin.fileno(), encode(("setup", self.specs, self._queue_size)))
         reply = read_frame(self.proc.stdout.fileno(), time.monotonic() + SETUP_TIMEOUT_S)
         if reply[0] == "error":
@@ -317,21 +296,21 @@ class BridgeProcess(Sink):
         if hparams:
             write_frame(self.proc.stdin.fileno(), encode(("call", "write_hparams", (hparams,))))
 
-    def _feed(self, unsent: bytes | None) -> None:
-        """Write the queue into the pipe until the close, then wait for the child's answer (which
-        `_listen` reads)."""
+    def _feed(self) -> None:
+        """Write the queue into the pipe until the close, then wait for the child's answer."""
         assert self.proc is not None and self.proc.stdin is not None and self._listener is not None
         out_fd = self.proc.stdin.fileno()
         while True:
-            frame = unsent if unsent is not None else self._queue.get()
-            unsent = None
+            frame = self._unsent if self._unsent is not None else self._queue.get()
+            self._unsent = None
             try:
                 write_frame(out_fd, frame)
             except FrameCut:  # the child may have died of this frame: its successor never gets it
                 self._drop("bridge_cut_frame", 1)
                 raise
-            except OSError as exc:
-                raise _Unsent(exc, frame) from exc
+            except OSError:
+                self._unsent = frame  # it never reached the child: the next child gets it
+                raise
             if frame is self._close_frame:
                 break
         self._listener.join(2 * CHILD_GRACE_S + 5.0)  # it ends when the child exits, after answering
@@ -341,9 +320,8 @@ class BridgeProcess(Sink):
             raise EOFError
         self.proc.wait(5.0)  # reap it
 
-    def _restart(self, exc: BaseException) -> bool:
-        """The child died (or its pipe broke): a new one after the back-off, unless restarts are
-        used up or the close came meanwhile. True when a new child runs the bridges."""
+    def _restart(self) -> bool:
+        """The child died (or its pipe broke): True when a new one, after the back-off, runs the bridges."""
         self._kill()  # a pipe broken under a live child: that child is of no more use
         with contextlib.suppress(subprocess.TimeoutExpired):
             if self.proc is not None:
@@ -357,7 +335,7 @@ class BridgeProcess(Sink):
         self.restarts += 1
         log.warning(_RESTARTING, self.pid, how, delay, self.restarts, MAX_RESTARTS)
         self._drop("bridge_restart", 1)
-        if self._close_requested.wait(delay):
+        if self._closing.wait(delay):
             return False  # the run ends: nothing left that a new child would write
         try:
             self._set_up_child()
@@ -371,8 +349,8 @@ class BridgeProcess(Sink):
         return True
 
     def _release(self, replies_too: bool = False) -> None:
-        """Close the pipes to the child; the one it answers on only where no listener reads it
-        (`_listen` closes it), or with `replies_too` (after fork: that thread is not here)."""
+        """Close the pipes to the child; the reply pipe only where no `_listen` closes it, or with
+        `replies_too` (after fork: that thread is not here)."""
         proc = self.proc
         if proc is None:
             return
@@ -388,19 +366,9 @@ class BridgeProcess(Sink):
             self.proc.kill()
 
 
-class _Unsent(OSError):
-    """A write into the pipe failed: `frame` never reached the child."""
-
-    def __init__(self, cause: OSError, frame: bytes) -> None:
-        super().__init__(cause.errno, cause.strerror)
-        self.frame = frame
-
-
 def _listen(bridges: BridgeProcess, replies: IO[bytes]) -> None:
-    """The child's answers as they come, on a thread of their own (the feeder may block in a write
-    meanwhile): its bridges' drop counts, counted here as they grow (during the run, and from a
-    close's answer that comes after `BridgeProcess.close` stopped waiting), and the close's answer.
-    This thread closes the pipe, at its end: never while it reads."""
+    """The child's answers, on a thread of their own (the feeder may block in a write meanwhile):
+    drop counts, counted as they grow, and the close's answer. It closes the pipe at its end."""
     counted: dict[str, int] = {}  # this child's drops counted so far, by reason
     with contextlib.suppress(OSError, ValueError, EOFError), replies:  # EOF: the child exited
         while True:
@@ -427,14 +395,13 @@ def _warn_unfinished(bridges: BridgeProcess, waited_s: float) -> None:
             bridges.pid,
             _exit_text(proc),
         )
-    elif not _is_namespace_init():  # (PID 1: _finish_as_namespace_init said what is lost)
-        continued = _continue_if_stopped(proc)
+    elif os.getpid() != 1:  # (PID 1: _finish_as_namespace_init said what is lost)
         log.warning(
             "otel_train: the bridges did not finish within %.1f s; the bridge process (pid %s%s) "
             "finishes on its own (at most %.0f s more) and exits; its drops are counted when it answers.",
             waited_s,
             bridges.pid,
-            ", found stopped: continued" if continued else "",
+            _continue_if_stopped(proc),
             CHILD_GRACE_S,
         )
 
@@ -460,19 +427,16 @@ def _relay(stream: Any) -> None:
 
 
 def _finish_as_namespace_init(bridges: BridgeProcess, grace: float) -> None:
-    """This process is PID 1 of its PID namespace: when it exits the kernel kills every other
-    process there, so the bridge process cannot finish on its own after it. Wait for the bridges'
-    answer and then for the bridge process and W&B's service (which writes its offline log until
-    then) to exit, within the bound the bridge process itself keeps to."""
+    """PID 1 of its PID namespace: the kernel kills the bridge process with it, so wait for the
+    bridges' answer and their exit within the child's own bound (docs/design/bridges.md#process)."""
     deadline = time.monotonic() + grace + AFTER_GRACE_S
     if not bridges._closed_reply.is_set() and not bridges._ended.is_set():
-        continued = _continue_if_stopped(bridges.proc)
         log.warning(
             "otel_train: this process is PID 1 of its PID namespace (a container without an init), "
             "so the bridge process (pid %s%s) ends when it exits: shutdown waits for the bridges to "
             "finish (at most %.0f s more).",
             bridges.pid,
-            ", found stopped: continued" if continued else "",
+            _continue_if_stopped(bridges.proc),
             grace + AFTER_GRACE_S,
         )
         bridges._wait_for_reply(deadline)
@@ -504,12 +468,6 @@ def _wait_for_exit(proc: subprocess.Popen[bytes] | None, deadline: float) -> Non
         time.sleep(0.05)
 
 
-def _is_namespace_init() -> bool:
-    """PID 1 of its PID namespace (a container or pod without an init): when this process exits, the
-    kernel kills every other process of the namespace, the bridge process and W&B's service too."""
-    return os.getpid() == 1
-
-
 def _running(proc: Any) -> bool:
     """A psutil.Process still running (reaped here when it is this process's child)."""
     import psutil
@@ -523,17 +481,18 @@ def _running(proc: Any) -> bool:
     return False
 
 
-def _continue_if_stopped(proc: subprocess.Popen[bytes] | None) -> bool:
-    """A child stopped (SIGSTOP, a debugger gone) cannot finish on its own: continue it."""
+def _continue_if_stopped(proc: subprocess.Popen[bytes] | None) -> str:
+    """A child stopped (SIGSTOP, a debugger gone) cannot finish on its own: continue it. The note
+    for a warning that names the child."""
     if proc is None or proc.poll() is not None:
-        return False
+        return ""
     try:
         with open(f"/proc/{proc.pid}/stat", encoding="ascii", errors="replace") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return ""
     if state not in ("T", "t"):
-        return False
+        return ""
     with contextlib.suppress(OSError):
         os.kill(proc.pid, signal.SIGCONT)
-    return True
+    return ", found stopped: continued"

@@ -1,6 +1,5 @@
-"""`RunDirSink`: the sink that writes the run directory's per-flush files (`metrics.rank<k>.jsonl`,
-`progress.txt`, `text.jsonl`, `samples.jsonl`, `histograms.jsonl`, `hparams.json`). The layout and
-the whole-line writers live in `otel_train.run_directory`."""
+"""`RunDirSink`: writes the run directory's per-flush files (metrics, progress, text, samples,
+histograms, hparams); the layout and the whole-line writers live in `otel_train.run_directory`."""
 
 from __future__ import annotations
 
@@ -68,9 +67,7 @@ class RunDirSink(Sink):
         append_line(self.files.histograms, {"step": step, "key": key, **summary})
 
     def write_hparams(self, params: Mapping[str, Any]) -> None:
-        # The values the bridge process sends W&B and MLflow (numpy/torch scalars as bool, int,
-        # float; a complex as its text), so hparams.json agrees with them. A later call adds and
-        # changes keys, nested ones too, merged as W&B's config merges them (`merge_params`).
+        # `plain`: the values the bridge process sends W&B and MLflow, so hparams.json agrees with them
         self._hparams = merge_params(self._hparams, plain(dict(params)))
         write_json(self.files.hparams, self._hparams)
 
@@ -83,9 +80,9 @@ class RunDirSink(Sink):
                 self._progress.write_line(
                     f"{time.strftime('%Y-%m-%d %H:%M:%S')} | end of process | {line}\n".encode()
                 )
-        for fh in (self._metrics, self._progress):
-            if fh is not None:
-                fh.close()
+        self._metrics.close()
+        if self._progress is not None:
+            self._progress.close()
 
 
 def _hms(seconds: float) -> str:

@@ -27,15 +27,8 @@ class BridgePlace:
     role: str = ""
     every_rank: bool = False  # bridge_all_ranks: each rank writes its own, named with its rank
 
-    @property
-    def display_name(self) -> str:
-        """run name, then `-<role>` with a role, then `-rank<k>` when every rank writes its own."""
-        name = self.run_name if not self.role else f"{self.run_name}-{self.role}"
-        return f"{name}-rank{self.rank}" if self.every_rank else name
-
-    @property
-    def files(self) -> RunFiles:
-        return RunFiles(self.run_dir, self.rank, self.role)
+    def with_role(self, name: str) -> str:
+        return f"{name}-{self.role}" if self.role else name
 
 
 @dataclass(frozen=True)
@@ -51,11 +44,10 @@ class Bridge:
 
 
 def _tensorboard(config: Config, place: BridgePlace) -> dict[str, Any]:
-    return {"log_dir": str(place.files.tensorboard)}  # the log dir names the run
+    return {"log_dir": str(RunFiles(place.run_dir, place.rank, place.role).tensorboard)}  # it names the run
 
 
 def _wandb(config: Config, place: BridgePlace) -> dict[str, Any]:
-    role = place.role
     return {
         "run_dir": str(place.run_dir),
         # the run id the ranks agreed at init (the config's is None unless the user set one)
@@ -63,25 +55,25 @@ def _wandb(config: Config, place: BridgePlace) -> dict[str, Any]:
         "project": config.wandb_project,
         "entity": config.wandb_entity,
         # with a role, its own W&B run (id and name carry the role), grouped under the run name
-        "group": config.wandb_group or (place.run_name if role else None),
+        "group": config.wandb_group or (place.run_name if place.role else None),
         "tags": list(config.wandb_tags),
         "mode": config.wandb_mode,
-        "run_name": place.run_name if not role else f"{place.run_name}-{role}",
-        "run_id": place.run_id if not role else f"{place.run_id}-{role}",
+        "run_name": place.with_role(place.run_name),
+        "run_id": place.with_role(place.run_id),
         "rank": place.rank if place.every_rank else None,
-        "role": role,
+        "role": place.role,
     }
 
 
 def _mlflow(config: Config, place: BridgePlace) -> dict[str, Any]:
-    key = place.run_id if not place.role else f"{place.run_id}-{place.role}"
+    rank = f"-rank{place.rank}" if place.every_rank else ""
     return {
         "run_dir": str(place.run_dir),
         "tracking_uri": config.mlflow_tracking_uri,
         "experiment": config.mlflow_experiment,
-        "run_name": place.display_name,
+        "run_name": place.with_role(place.run_name) + rank,
         # the MLflow run is tagged with it, and a resume of the same run id continues that run
-        "run_key": f"{key}-rank{place.rank}" if place.every_rank else key,
+        "run_key": place.with_role(place.run_id) + rank,
     }
 
 

@@ -96,9 +96,13 @@ class TensorBoardSink(Sink):
         if self._hparams_written:
             logger.debug("otel_train: TensorBoard keeps the first hparams of a run; later ones are ignored")
             return
-        self._writer._get_file_writer().add_summary(
-            _session_start_summary(flatten_params(params, typed=True))
-        )
+        from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+        info = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        for key, value in flatten_params(params, typed=True).items():
+            kind = "bool" if isinstance(value, bool) else "number" if isinstance(value, float) else "string"
+            setattr(info.hparams[key], f"{kind}_value", value)
+        self._add_hparams_summary(metadata.SESSION_START_INFO_TAG, session_start_info=info)
         self._hparams_written = True
         self._writer.flush()
 
@@ -124,35 +128,17 @@ class TensorBoardSink(Sink):
             if key not in self._seen:  # a final value the curves never carried
                 self._add_scalar(key, value, self._last_step, now)
         if self._hparams_written:
-            self._writer._get_file_writer().add_summary(_session_end_summary(now))
+            from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+
+            info = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=now)
+            self._add_hparams_summary(metadata.SESSION_END_INFO_TAG, session_end_info=info)
         self._writer.flush()
         self._writer.close()
 
+    def _add_hparams_summary(self, tag: str, **plugin_data: Any) -> None:
+        """An hparams plugin summary, into this run's own event file (docs/design/bridges.md#tensorboard)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.plugins.hparams import metadata, plugin_data_pb2
 
-def _hparams_summary(tag: str, **plugin_data: Any) -> Any:
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
-
-    smd = metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(**plugin_data))
-    return Summary(value=[Summary.Value(tag=tag, metadata=smd)])
-
-
-def _session_start_summary(hparams: Mapping[str, bool | float | str]) -> Any:
-    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
-
-    info = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
-    for key, value in hparams.items():
-        if isinstance(value, bool):
-            info.hparams[key].bool_value = value
-        elif isinstance(value, float):
-            info.hparams[key].number_value = value
-        else:
-            info.hparams[key].string_value = value
-    return _hparams_summary(metadata.SESSION_START_INFO_TAG, session_start_info=info)
-
-
-def _session_end_summary(end_time: float) -> Any:
-    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
-
-    info = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS, end_time_secs=end_time)
-    return _hparams_summary(metadata.SESSION_END_INFO_TAG, session_end_info=info)
+        smd = metadata.create_summary_metadata(plugin_data_pb2.HParamsPluginData(**plugin_data))
+        self._writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, metadata=smd)]))

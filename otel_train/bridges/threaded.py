@@ -1,6 +1,5 @@
-"""ThreadedSink: gives one backend its own bounded queue and daemon thread, so a slow or hung
-backend never delays the worker that feeds every sink. Design: docs/design/bridges.md#threaded.
-"""
+"""ThreadedSink: one backend behind its own bounded queue and daemon thread, so a slow or hung
+backend never delays the worker that feeds every sink. Design: docs/design/bridges.md#threaded."""
 
 from __future__ import annotations
 
@@ -33,17 +32,13 @@ class ThreadedSink(Sink):
         close_timeout_s: float = 10.0,
         retry_after_s: float = RETRY_AFTER_S,
     ) -> None:
-        if queue_size < 1:
-            raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self.inner = inner
         self.name = name or inner.name
         self.max_consecutive_failures = max_consecutive_failures
         self.close_timeout_s = close_timeout_s
         self._queue: queue.Queue[tuple[str, tuple[Any, ...]]] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
-        # updates not written: the queue full, the backend raised or was disabled, after close, or
-        # left queued (or hung in the backend) when close gave up
-        self.dropped = 0
+        self.dropped = 0  # every update not written (docs/design/bridges.md#threaded)
         self.errors = 0  # backend calls that raised (each update among them is also dropped)
         self._in_flight: str | None = None  # the call the backend is executing, if any
         self._consecutive = 0
@@ -62,14 +57,10 @@ class ThreadedSink(Sink):
         self._thread = threading.Thread(target=self._run, name=f"otel-train-{self.name}", daemon=True)
         self._thread.start()
 
-    # -- counters ---------------------------------------------------------------------------------
-
     @property
     def fill(self) -> float:
         """How full the queue is, 0 to 1 (not counting a call the backend may be executing)."""
         return self._queue.qsize() / self._queue.maxsize
-
-    # -- Sink API (never blocks) ------------------------------------------------------------------
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         self._submit("write_scalars", (step, wall_time, dict(scalars)))
@@ -128,35 +119,30 @@ class ThreadedSink(Sink):
             self.dropped += lost
         return lost
 
-    # -- internals --------------------------------------------------------------------------------
-
     def _submit(self, method: str, args: tuple[Any, ...]) -> None:
         if self._closing:
-            self._count_drop(None)
-            return
-        if self.disabled and time.monotonic() < self._retry_at:  # a call at the retry time goes on
-            self._drop_while_disabled()
-            return
-        try:
-            self._queue.put_nowait((method, args))
-        except queue.Full:
-            self._count_drop(
-                "otel_train: the %s bridge is falling behind (queue of %d full); dropping its updates "
-                "(counted in dropped). Training is not slowed down. This warning is shown once."
-            )
+            self._drop()
+        elif self.disabled and time.monotonic() < self._retry_at:  # a call at the retry time goes on
+            self._drop(while_disabled=True)
+        else:
+            try:
+                self._queue.put_nowait((method, args))
+            except queue.Full:
+                self._drop(full=True)
 
-    def _count_drop(self, message: str | None) -> None:
+    def _drop(self, while_disabled: bool = False, full: bool = False) -> None:
         with self._lock:
             self.dropped += 1
-            warn = message is not None and not self._warned_drop
+            self._dropped_while_disabled += while_disabled
+            warn = full and not self._warned_drop
             self._warned_drop |= warn
         if warn:
-            logger.warning(message, self.name, self._queue.maxsize)
-
-    def _drop_while_disabled(self) -> None:
-        with self._lock:
-            self.dropped += 1
-            self._dropped_while_disabled += 1
+            logger.warning(
+                "otel_train: the %s bridge is falling behind (queue of %d full); dropping its updates "
+                "(counted in dropped). Training is not slowed down. This warning is shown once.",
+                self.name,
+                self._queue.maxsize,
+            )
 
     def _run(self) -> None:
         while True:
@@ -171,7 +157,7 @@ class ThreadedSink(Sink):
             elif time.monotonic() >= self._retry_at:
                 self._retry(method, args)
             else:
-                self._drop_while_disabled()
+                self._drop(while_disabled=True)
 
     def _retry(self, method: str, args: tuple[Any, ...]) -> None:
         """The disabled backend, once more, with a fresh writer; back-off doubles while it fails."""
@@ -179,7 +165,7 @@ class ThreadedSink(Sink):
         exc = self._attempt(method, args, reopen=True)
         if exc is not None:
             self.errors += 1
-            self._drop_while_disabled()
+            self._drop(while_disabled=True)
             self._backoff = min(self._backoff * 2, MAX_RETRY_AFTER_S)
             self._retry_at = time.monotonic() + self._backoff
             logger.debug("otel_train: the %s bridge failed again in %s", self.name, method, exc_info=exc)
@@ -212,39 +198,39 @@ class ThreadedSink(Sink):
 
     def _call(self, method: str, args: tuple[Any, ...]) -> None:
         exc = self._attempt(method, args)
-        if exc is not None:
-            with self._lock:
-                self.errors += 1
-                if method != _CLOSE:  # the update it carried is not written
-                    self.dropped += 1
-                self._consecutive += 1
-                first = not self._warned_error
-                self._warned_error = True
-                disable = method != _CLOSE and self._consecutive >= self.max_consecutive_failures
-                if disable:
-                    self.disabled = True
-                    self._retry_at = time.monotonic() + self._backoff
-            if first:
-                logger.warning(
-                    "otel_train: the %s bridge failed in %s: %s: %s. Training continues; further "
-                    "errors from this bridge are logged at DEBUG.",
-                    self.name,
-                    method,
-                    type(exc).__name__,
-                    exc,
-                    exc_info=exc if logger.isEnabledFor(logging.DEBUG) else None,
-                )
-            else:
-                logger.debug("otel_train: the %s bridge failed in %s", self.name, method, exc_info=exc)
-            if disable:
-                logger.warning(
-                    "otel_train: the %s bridge failed %d times in a row and is disabled; its updates "
-                    "are dropped (counted) and it is retried with a fresh writer after %.0f s, then "
-                    "less often (at most every %.0f s).",
-                    self.name,
-                    self._consecutive,
-                    self._backoff,
-                    MAX_RETRY_AFTER_S,
-                )
-        else:
+        if exc is None:
             self._consecutive = 0
+            return
+        with self._lock:
+            self.errors += 1
+            if method != _CLOSE:  # the update it carried is not written
+                self.dropped += 1
+            self._consecutive += 1
+            first = not self._warned_error
+            self._warned_error = True
+            disable = method != _CLOSE and self._consecutive >= self.max_consecutive_failures
+            if disable:
+                self.disabled = True
+                self._retry_at = time.monotonic() + self._backoff
+        if first:
+            logger.warning(
+                "otel_train: the %s bridge failed in %s: %s: %s. Training continues; further "
+                "errors from this bridge are logged at DEBUG.",
+                self.name,
+                method,
+                type(exc).__name__,
+                exc,
+                exc_info=exc if logger.isEnabledFor(logging.DEBUG) else None,
+            )
+        else:
+            logger.debug("otel_train: the %s bridge failed in %s", self.name, method, exc_info=exc)
+        if disable:
+            logger.warning(
+                "otel_train: the %s bridge failed %d times in a row and is disabled; its updates "
+                "are dropped (counted) and it is retried with a fresh writer after %.0f s, then "
+                "less often (at most every %.0f s).",
+                self.name,
+                self._consecutive,
+                self._backoff,
+                MAX_RETRY_AFTER_S,
+            )

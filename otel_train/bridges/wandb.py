@@ -54,8 +54,8 @@ def resolve_mode(mode: str, environ: Mapping[str, str] | None = None) -> str | N
 
 
 def warn_if_user_run_active() -> None:
-    """In the training process, at init: the W&B bridge logs to a run of its own, in the bridge
-    process; a run the user started with `wandb.init` is a second one. Never imports wandb."""
+    """In the training process, at init: warn that a user's active W&B run is not the bridge's.
+    Never imports wandb."""
     wandb = sys.modules.get("wandb")
     run = getattr(wandb, "run", None) if wandb is not None else None
     if run is None:
@@ -67,20 +67,13 @@ def warn_if_user_run_active() -> None:
     )
 
 
-# W&B's SDK rejects `:;,#?/'` and outer whitespace in a run id and sets no length; the id also names
-# the run's artifacts (`run-<id>-history`), which W&B's server keeps to 128 characters.
-WANDB_ID_MAX = 64
+WANDB_ID_MAX = 64  # why 64, and the id scheme: docs/design/bridges.md#wandb
 _NOT_IN_ID = re.compile(r"[^A-Za-z0-9_-]")
 
 
 def _wandb_id(run_id: str, role: str = "", rank: int | None = None) -> str:
-    """The W&B run id of `run_id` (which ends in `-<role>` with a role), `-rank<k>` appended for a
-    rank's own run: letters, digits, '-' and '_', at most WANDB_ID_MAX characters.
-
-    An id that needs no change is kept as it is, so a resumed run continues its W&B run. Any other
-    (characters mapped, or too long) gets 8 hex of the whole id's SHA-1 before its role and rank, which
-    stay in it: `exp.1` and `exp-1`, two ranks or roles, or two run ids alike in their first 64
-    characters never share a W&B run, and the same run id always maps to the same W&B run."""
+    """The W&B run id of `run_id` (ending in `-<role>` with a role), `-rank<k>` appended for a rank's
+    own run: kept when W&B takes it as it is, else mapped, with 8 hex of its SHA-1 (never colliding)."""
     import hashlib
 
     tail = f"-rank{rank}" if rank is not None else ""
@@ -133,8 +126,6 @@ class WandbSink(Sink):
         self.group = group or (run_name if rank is not None else None)
         self._run: Any = None
         self._closed = False
-
-    # -- lifecycle --------------------------------------------------------------------------------
 
     def _ensure_run(self) -> Any:
         if self._run is not None:
@@ -202,37 +193,25 @@ class WandbSink(Sink):
 
     def _save_run_info(self) -> None:
         run = self._run
-        info: dict[str, Any] = {
-            "id": getattr(run, "id", None),
-            "name": getattr(run, "name", None),
-            "project": getattr(run, "project", None),
-            "entity": getattr(run, "entity", None),
-            "group": self.group,
-            # run.url warns on stdout in offline mode; an offline run has no URL anyway.
-            "url": None if getattr(run, "offline", False) else getattr(run, "url", None),
-            "offline": bool(getattr(run, "offline", False)),
-            "dir": None,
-            "sync_command": None,
-        }
+        offline = bool(getattr(run, "offline", False))
         files_dir = getattr(run, "dir", None)  # <dir>/wandb/<offline-run-...>/files
-        if files_dir:
-            local = str(Path(files_dir).parent)
-            info["dir"] = local
-            if info["offline"]:
-                info["sync_command"] = f"wandb sync {local}"
+        local = str(Path(files_dir).parent) if files_dir else None
+        info = {
+            **{key: getattr(run, key, None) for key in ("id", "name", "project", "entity")},
+            "group": self.group,
+            "url": None if offline else getattr(run, "url", None),  # run.url warns on stdout offline
+            "offline": offline,
+            "dir": local,
+            "sync_command": f"wandb sync {local}" if local and offline else None,
+        }
         path = RunFiles(self.run_dir, role=self.role).wandb_run_info
         try:
             path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         except OSError as exc:
             logger.debug("otel_train: could not write %s: %s", path, exc)
 
-    # -- Sink API ---------------------------------------------------------------------------------
-
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
-        run = self._ensure_run()
-        row: dict[str, Any] = {key: float(value) for key, value in scalars.items()}
-        row[STEP_KEY] = step
-        run.log(row)
+        self._ensure_run().log({**{key: float(value) for key, value in scalars.items()}, STEP_KEY: step})
 
     def write_text(self, key: str, text: str, step: int) -> None:
         import wandb

@@ -1,14 +1,12 @@
-"""What wraps every exporter: a fork guard, and one warning per collector outage instead of the
-SDK's line per retry (docs/design/core.md#exporters). The OTLP exporters' own log lines are
-silenced, so they never echo a header value.
-"""
+"""What wraps every exporter: a fork guard, one warning per collector outage instead of the SDK's
+line per retry, and silenced OTLP exporter logs (no header echo). Design: docs/design/core.md#exporters."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
@@ -17,9 +15,9 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from otel_train.redaction import redact_url
 
 log = logging.getLogger("otel_train")
+_Result = TypeVar("_Result")
 
 
-# --- export status: one warning per outage instead of the SDK's line per retry -------------------
 class ExportStatus:
     """Reports a collector outage once and its recovery once (the SDK logs every retry)."""
 
@@ -58,68 +56,61 @@ def quiet_sdk_exporter_logs() -> None:
         header_logger.addFilter(_not_a_header_echo)
 
 
-# --- fork guards -----------------------------------------------------------------------------------
-class ForkGuardMetricExporter(MetricExporter):
+class _ForkGuard:
+    """A forked child never exports: there exports succeed and shutdowns do nothing."""
+
+    def __init__(self, inner: Any, status: ExportStatus | None = None) -> None:
+        self._inner = inner
+        self._pid = os.getpid()
+        self._status = status
+
+    def _forked(self) -> bool:
+        return os.getpid() != self._pid
+
+    def _export(self, success: _Result, signal: str, *args: Any, **kwargs: Any) -> _Result:
+        if self._forked():
+            return success
+        result = self._inner.export(*args, **kwargs)
+        if self._status is not None:
+            self._status.report(result == success, signal)
+        return result
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        if not self._forked():
+            self._inner.shutdown(*args, **kwargs)
+
+
+class ForkGuardMetricExporter(_ForkGuard, MetricExporter):
     def __init__(self, inner: MetricExporter, status: ExportStatus | None = None) -> None:
-        super().__init__(
+        MetricExporter.__init__(
+            self,
             preferred_temporality=inner._preferred_temporality,
             preferred_aggregation=inner._preferred_aggregation,
         )
-        self._inner = inner
-        self._pid = os.getpid()
-        self._status = status
+        _ForkGuard.__init__(self, inner, status)
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
-        if os.getpid() != self._pid:
-            return MetricExportResult.SUCCESS  # a forked child never exports
-        result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
-        if self._status is not None:
-            self._status.report(result == MetricExportResult.SUCCESS, "metrics")
-        return result
+        success = MetricExportResult.SUCCESS
+        return self._export(success, "metrics", metrics_data, timeout_millis=timeout_millis, **kwargs)
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return os.getpid() != self._pid or self._inner.force_flush(timeout_millis=timeout_millis)
+        return self._forked() or self._inner.force_flush(timeout_millis=timeout_millis)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        if os.getpid() == self._pid:
-            self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+        super().shutdown(timeout_millis=timeout_millis, **kwargs)
 
 
-class ForkGuardSpanExporter(SpanExporter):
-    def __init__(self, inner: SpanExporter, status: ExportStatus | None = None) -> None:
-        self._inner = inner
-        self._pid = os.getpid()
-        self._status = status
-
+class ForkGuardSpanExporter(_ForkGuard, SpanExporter):
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        if os.getpid() != self._pid:
-            return SpanExportResult.SUCCESS
-        result = self._inner.export(spans)
-        if self._status is not None:
-            self._status.report(result == SpanExportResult.SUCCESS, "span")
-        return result
-
-    def shutdown(self) -> None:
-        if os.getpid() == self._pid:
-            self._inner.shutdown()
+        return self._export(SpanExportResult.SUCCESS, "span", spans)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return os.getpid() != self._pid or self._inner.force_flush(timeout_millis)
+        return self._forked() or self._inner.force_flush(timeout_millis)
 
 
-class ForkGuardLogExporter(LogRecordExporter):
-    def __init__(self, inner: LogRecordExporter) -> None:
-        self._inner = inner
-        self._pid = os.getpid()
-
+class ForkGuardLogExporter(_ForkGuard, LogRecordExporter):
     def export(self, batch: Sequence[Any]) -> LogRecordExportResult:
-        if os.getpid() != self._pid:
-            return LogRecordExportResult.SUCCESS
-        return self._inner.export(batch)
-
-    def shutdown(self) -> None:
-        if os.getpid() == self._pid:
-            self._inner.shutdown()
+        return self._export(LogRecordExportResult.SUCCESS, "log", batch)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return True

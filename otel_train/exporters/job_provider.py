@@ -6,8 +6,6 @@ included (docs/scale.md, "Job-level series").
 
 from __future__ import annotations
 
-from typing import Any
-
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -44,7 +42,16 @@ def build_job_provider(config: Config, identity: Identity, telemetry: Telemetry)
             )
         )
     if telemetry.pull_endpoint is not None:
-        readers.append(_pull_reader(telemetry.pull_endpoint.registry))
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        # rank 0's own reader already serves target_info on this registry: one per endpoint
+        readers.append(
+            PrometheusMetricReader(
+                disable_target_info=True,
+                registry=telemetry.pull_endpoint.registry,
+                resource_attribute_filter=frozenset(JOB_LABEL_KEYS).__contains__,
+            )
+        )
     if not readers:
         return None
     provider = MeterProvider(
@@ -52,13 +59,3 @@ def build_job_provider(config: Config, identity: Identity, telemetry: Telemetry)
     )
     telemetry.others.append(provider)
     return provider
-
-
-def _pull_reader(registry: Any) -> MetricReader:
-    from opentelemetry.exporter.prometheus import PrometheusMetricReader
-
-    keys = frozenset(JOB_LABEL_KEYS)
-    # rank 0's own reader already serves target_info on this registry: one per endpoint
-    return PrometheusMetricReader(
-        disable_target_info=True, registry=registry, resource_attribute_filter=keys.__contains__
-    )

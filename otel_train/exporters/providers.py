@@ -7,6 +7,7 @@ exporter is wrapped in a fork guard (`guards`); `Telemetry.shutdown` bounds the 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -47,45 +48,32 @@ def _otlp_url(config: Config, signal: str) -> str:
     return f"{base}/v1/{signal}"
 
 
+# per signal: (module under opentelemetry.exporter.otlp.proto.<http or grpc>, exporter class)
+_OTLP_EXPORTERS = {
+    "metrics": ("metric_exporter", "OTLPMetricExporter"),
+    "traces": ("trace_exporter", "OTLPSpanExporter"),
+    "logs": ("_log_exporter", "OTLPLogExporter"),
+}
+
+
+def _otlp_exporter(config: Config, signal: str) -> Any:
+    """The OTLP exporter of `signal` over `config.otlp_protocol`, with a bounded timeout (seconds:
+    the Python SDK's unit)."""
+    grpc = config.otlp_protocol == "grpc"
+    module, name = _OTLP_EXPORTERS[signal]
+    package = "opentelemetry.exporter.otlp.proto." + ("grpc" if grpc else "http")
+    exporter_class = getattr(importlib.import_module(f"{package}.{module}"), name)
+    endpoint = _otlp_url(config, signal)
+    options: dict[str, Any] = {"endpoint": endpoint, "headers": dict(config.otlp_headers)}
+    if grpc:
+        options["insecure"] = config.otlp_insecure and not endpoint.startswith("https")
+    return exporter_class(**options, timeout=config.otlp_timeout_s)
+
+
 def otlp_metric_exporter(config: Config) -> MetricExporter:
     """The OTLP metric exporter; in the essential tier it sends that tier's series only."""
-    headers = dict(config.otlp_headers)
-    endpoint = _otlp_url(config, "metrics")
-    exporter: MetricExporter
-    if config.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
-
-        insecure = config.otlp_insecure and not endpoint.startswith("https")
-        exporter = GrpcMetrics(
-            endpoint=endpoint, insecure=insecure, headers=headers, timeout=config.otlp_timeout_s
-        )
-    else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-        exporter = OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s)
+    exporter: MetricExporter = _otlp_exporter(config, "metrics")
     return EssentialMetricExporter(exporter) if config.rank_series == "essential" else exporter
-
-
-def _otlp_event_exporters(config: Config) -> tuple[SpanExporter, LogRecordExporter]:
-    headers = dict(config.otlp_headers)
-    timeout = config.otlp_timeout_s  # seconds: the Python SDK's unit
-    if config.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcLogs
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpans
-
-        insecure = config.otlp_insecure and not config.otlp_endpoint.startswith("https")  # type: ignore[union-attr]
-        endpoint = _otlp_url(config, "traces")
-        return (
-            GrpcSpans(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
-            GrpcLogs(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout),
-        )
-    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return (
-        OTLPSpanExporter(endpoint=_otlp_url(config, "traces"), headers=headers, timeout=timeout),
-        OTLPLogExporter(endpoint=_otlp_url(config, "logs"), headers=headers, timeout=timeout),
-    )
 
 
 @dataclass
@@ -100,19 +88,14 @@ class Telemetry:
     others: list[MeterProvider] = field(default_factory=list)  # shut down with it (`job_provider`)
 
     def shutdown(self, timeout_s: float) -> bool:
-        """Shut every provider down on a helper thread; give up after `timeout_s`.
-
-        The SDK's own timeouts are not honoured by the OTLP exporters (seconds vs millis, retries),
-        so the bound is enforced here. Returns False when something was abandoned.
-        """
-        steps: list[Callable[[], Any]] = []
-        if self.tracer_provider is not None:
-            steps.append(self.tracer_provider.shutdown)
-        if self.logger_provider is not None:
-            steps.append(self.logger_provider.shutdown)
+        """Shut every provider down on a helper thread; False when it gave up after `timeout_s` (the
+        OTLP exporters do not honour the SDK's own timeouts: seconds vs millis, retries)."""
         millis = max(1, int(timeout_s * 1000))
-        steps.append(lambda: self.meter_provider.shutdown(timeout_millis=millis))
-        steps += [functools.partial(provider.shutdown, timeout_millis=millis) for provider in self.others]
+        events = (self.tracer_provider, self.logger_provider)
+        steps: list[Callable[[], Any]] = [provider.shutdown for provider in events if provider is not None]
+        steps += [
+            functools.partial(p.shutdown, timeout_millis=millis) for p in (self.meter_provider, *self.others)
+        ]
         if self.pull_endpoint is not None:
             steps.append(self.pull_endpoint.close)
 
@@ -152,35 +135,30 @@ def build_telemetry(
     span_exporters: list[SpanExporter] = []
     log_exporters: list[LogRecordExporter] = []
     interval_ms = config.metric_export_interval_s * 1000
-
-    if config.otlp_endpoint or config.otlp_metrics_endpoint:
+    timeout_ms = config.otlp_timeout_s * 1000
+    remote = bool(config.otlp_endpoint or config.otlp_metrics_endpoint)
+    if remote:
         quiet_sdk_exporter_logs()
         # Named by the endpoint the user set: the base URL for all signals, or the metrics URL.
         metrics_status = ExportStatus(config.otlp_metrics_endpoint or config.otlp_endpoint or "")
+        metrics = ForkGuardMetricExporter(otlp_metric_exporter(config), metrics_status)
         readers.append(
             PeriodicExportingMetricReader(
-                ForkGuardMetricExporter(otlp_metric_exporter(config), metrics_status),
-                export_interval_millis=interval_ms,
-                export_timeout_millis=config.otlp_timeout_s * 1000,
+                metrics, export_interval_millis=interval_ms, export_timeout_millis=timeout_ms
             )
         )
     if config.otlp_endpoint:
-        spans, logs = _otlp_event_exporters(config)
         same = not config.otlp_metrics_endpoint  # one endpoint: one outage warning for all signals
-        span_exporters.append(
-            ForkGuardSpanExporter(spans, metrics_status if same else ExportStatus(config.otlp_endpoint))
-        )
-        log_exporters.append(ForkGuardLogExporter(logs))
+        status = metrics_status if same else ExportStatus(config.otlp_endpoint)
+        span_exporters.append(ForkGuardSpanExporter(_otlp_exporter(config, "traces"), status))
+        log_exporters.append(ForkGuardLogExporter(_otlp_exporter(config, "logs")))
     if config.console_exporter:
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-        readers.append(
-            PeriodicExportingMetricReader(
-                ForkGuardMetricExporter(ConsoleMetricExporter()), export_interval_millis=interval_ms
-            )
-        )
+        console = ForkGuardMetricExporter(ConsoleMetricExporter())
+        readers.append(PeriodicExportingMetricReader(console, export_interval_millis=interval_ms))
         span_exporters.append(ForkGuardSpanExporter(ConsoleSpanExporter()))
         log_exporters.append(ForkGuardLogExporter(ConsoleLogRecordExporter()))
 
@@ -192,30 +170,28 @@ def build_telemetry(
     # Spans and logs are events, not series: they name the process (to find it on the host).
     event_resource = resource.merge(Resource(dict(event_attributes)))
     tracer_provider, logger_provider = _event_providers(config, event_resource, span_exporters, log_exporters)
-    remote = bool(config.otlp_endpoint or config.otlp_metrics_endpoint)
     tier = "essential" if config.rank_series == "essential" else "full"
     return Telemetry(resource, meter_provider, tracer_provider, logger_provider, pull_endpoint, remote, tier)
 
 
 def _event_providers(
     config: Config,
-    event_resource: Resource,
+    resource: Resource,
     span_exporters: list[SpanExporter],
     log_exporters: list[LogRecordExporter],
 ) -> tuple[TracerProvider | None, LoggerProvider | None]:
     """The tracer and logger providers that batch spans and log records to their exporters."""
-    tracer_provider: TracerProvider | None = None
-    logger_provider: LoggerProvider | None = None
+    tracer_provider = logger_provider = None
     if span_exporters and config.traces:
-        tracer_provider = TracerProvider(resource=event_resource, shutdown_on_exit=False)
-        for exporter in span_exporters:
-            tracer_provider.add_span_processor(
-                BatchSpanProcessor(
-                    exporter, schedule_delay_millis=2000, export_timeout_millis=config.otlp_timeout_s * 1000
-                )
+        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        timeout_ms = config.otlp_timeout_s * 1000
+        for span_exporter in span_exporters:
+            batch = BatchSpanProcessor(
+                span_exporter, schedule_delay_millis=2000, export_timeout_millis=timeout_ms
             )
+            tracer_provider.add_span_processor(batch)
     if log_exporters:
-        logger_provider = LoggerProvider(resource=event_resource, shutdown_on_exit=False)
+        logger_provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
         for log_exporter in log_exporters:
             logger_provider.add_log_record_processor(
                 BatchLogRecordProcessor(log_exporter, schedule_delay_millis=2000)

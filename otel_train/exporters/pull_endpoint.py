@@ -24,10 +24,14 @@ MAX_PULL_CONNECTIONS = 8
 PULL_READ_TIMEOUT_S = 10.0
 
 
-def _pull_server_class() -> Any:
-    """A threading WSGI server with a cap on connections (built on first use: wsgiref at init())."""
+def _serve_pull(host: str, port: int, registry: Any) -> Any:
+    """A threading WSGI server with a cap on connections, serving `registry` (built here, on first
+    use: wsgiref is imported at init() only where a pull endpoint is asked for)."""
+    import socket
     from socketserver import ThreadingMixIn
-    from wsgiref.simple_server import WSGIServer
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
 
     class PullServer(ThreadingMixIn, WSGIServer):
         daemon_threads = True
@@ -54,27 +58,17 @@ def _pull_server_class() -> Any:
             finally:
                 self.slots.release()
 
-    return PullServer
-
-
-def _serve_pull(host: str, port: int, registry: Any) -> Any:
-    import socket
-    from wsgiref.simple_server import WSGIRequestHandler, make_server
-
-    from prometheus_client import make_wsgi_app
-
     class QuietHandler(WSGIRequestHandler):
         timeout = PULL_READ_TIMEOUT_S  # socket timeout on every read and write of the connection
 
         def log_message(self, format: str, *args: Any) -> None:
             """No line per request on stderr."""
 
-    server_class = _pull_server_class()
     # IPv6 hosts need an AF_INET6 socket (as prometheus_client's own server picks it).
-    server_class.address_family = socket.getaddrinfo(
+    PullServer.address_family = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0][0]
-    server: Any = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=QuietHandler)
+    server: Any = make_server(host, port, make_wsgi_app(registry), PullServer, handler_class=QuietHandler)
     threading.Thread(target=server.serve_forever, name="otel_train-metrics-server", daemon=True).start()
     return server
 

@@ -28,9 +28,8 @@ def resolve_rank_series(setting: str, world_size: int) -> Tier:
     """The tier `setting` means for a job of `world_size` ranks: "auto" is "essential" from
     `RANK_SERIES_ESSENTIAL_FROM` ranks on, else "full". Every rank passes rank 0's setting
     and the job's world size (assemble's agreement), so all ranks of a job resolve the same."""
-    if setting == "auto":
-        return "essential" if world_size >= RANK_SERIES_ESSENTIAL_FROM else "full"
-    return "essential" if setting == "essential" else "full"
+    auto_essential = setting == "auto" and world_size >= RANK_SERIES_ESSENTIAL_FROM
+    return "essential" if setting == "essential" or auto_essential else "full"
 
 
 _ESSENTIAL_NAMES: frozenset[str] = frozenset(

@@ -12,16 +12,6 @@ from otel_train.diagnostics.launch_check import check_launch, local_facts
 from otel_train.diagnostics.memory_dump import MemoryDumps
 
 __all__ = [
-    "CollectiveMonitor",
-    "HangReporter",
-    "HangWatchdog",
-    "MemoryDumps",
-    "attribute",
-    "check_launch",
-    "group_label",
-    "local_facts",
-    "op_name",
-    "read_summaries",
-    "scan_summaries",
-    "start_monitor",
-]
+    "CollectiveMonitor", "HangReporter", "HangWatchdog", "MemoryDumps", "attribute", "check_launch",
+    "group_label", "local_facts", "op_name", "read_summaries", "scan_summaries", "start_monitor"
+]  # fmt: skip

@@ -48,18 +48,13 @@ UNUSED_MESSAGE = (
 
 
 def buffer_size() -> int:
-    """The Flight Recorder's entries per rank as the environment asks for them (0: not asked).
-    otel_train reads the recorder only when asked: with torch 2.13's default (on, unset) the
-    cross-rank verdicts change (arrivals at collectives join them), which the straggler tests of
-    an unset environment have not been checked against yet (`UNUSED_MESSAGE`)."""
-    for name in BUFFER_ENV:
-        raw = os.environ.get(name, "").strip()
-        if raw:
-            try:
-                return int(raw)
-            except ValueError:
-                return 0
-    return 0
+    """The Flight Recorder's entries per rank as the environment asks for them (0: not asked, and
+    then not read: design page, #collectives)."""
+    raw = next((value for name in BUFFER_ENV if (value := os.environ.get(name, "").strip())), "0")
+    try:
+        return int(raw)
+    except ValueError:
+        return 0
 
 
 def read_dump(entries: bool) -> dict[str, Any] | None:
@@ -80,18 +75,16 @@ def read_dump(entries: bool) -> dict[str, Any] | None:
         "recorders": {},
         "statuses": {},
     }
-    found = False
     for name, pickled, as_json in DUMPS:
         data = _dump(c10d, pickled, as_json, entries)
         if data is None:
             continue
-        found = True
         merged["pg_status"].update(data.get("pg_status") or {})
         merged["pg_config"].update(data.get("pg_config") or {})  # empty while it records nothing
         merged["entries"].extend(data.get("entries") or [])
         merged["recorders"][name] = data.get("entries") or []
         merged["statuses"][name] = data.get("pg_status") or {}
-    return merged if found else None
+    return merged if merged["recorders"] else None
 
 
 # (recorder, its pickle dump, its JSON dump): the pickle without stack traces is what torch's own
@@ -145,11 +138,8 @@ def _done(entry: dict[str, Any]) -> bool:
 
 
 def gloo_retired(dump: Mapping[str, Any]) -> dict[str, set[int]]:
-    """Per gloo group, the sequence ids whose entries are retired or completed. torch 2.13's gloo
-    status can keep `last_completed_collective` some ids behind ops that completed, for good (1 to
-    4 behind seen after back-to-back all_reduces): a rank done with its collectives would read as
-    waiting in its last one. NCCL's watchdog updates its status as it retires: only the CPU
-    recorder's groups (`read_dump(entries=True)`) are read."""
+    """Per gloo group (the CPU recorder's), the sequence ids whose entries are retired or completed:
+    torch 2.13's gloo status can stay 1 to 4 ids behind for good (design page, #collectives)."""
     cpu = {str(name) for name in (dump.get("statuses") or {}).get("cpu") or {}}
     retired: dict[str, set[int]] = {}
     for entry in (dump.get("recorders") or {}).get("cpu") or []:
@@ -200,12 +190,8 @@ class CollectiveMonitor:
 
     # --- the hang signal ---------------------------------------------------------------------------
     def last_seconds(self) -> float:
-        """Seconds since this rank's sequence ids last moved (to within one read of them), while it
-        waits in a collective or its watchdog finds it stalled; 0 while it makes progress with no
-        collective pending (an evaluation, a save or data preparation that runs none is no hang),
-        and while it waits inside a declared checkpoint save (rank 0 writes, the others wait in a
-        barrier), which the watchdog gives `checkpoint_timeout_s`. (A point-to-point op is in no
-        sequence id: a rank blocked in one counts once stalled.)"""
+        """Seconds since this rank's sequence ids last moved, while a collective is pending outside a
+        declared checkpoint save or the watchdog finds it stalled; else 0 (design page, #collectives)."""
         dump = read_dump(entries=False)
         with self._lock:
             if dump is not None:
@@ -215,9 +201,8 @@ class CollectiveMonitor:
         return since if (self._pending(key, dump) and not self.saving()) or self.stalled_s() > 0 else 0.0
 
     def _pending(self, key: tuple[tuple[str, str, str], ...], dump: dict[str, Any] | None) -> bool:
-        """Whether a group's last enqueued collective is not its last completed one; for a gloo
-        group, whose status can lag (`gloo_retired`), nor retired in the entries (read until they
-        say so, then not again for that key)."""
+        """Whether a group's last enqueued collective is not its last completed one (for a gloo group
+        nor retired in the entries: read until they say so, then not again for that key)."""
         waiting = {(group, enqueued) for group, enqueued, completed in key if enqueued != completed}
         cpu_groups = dump["statuses"].get("cpu", {}) if dump is not None else {}
         if not any(group in cpu_groups for group, _ in waiting):
@@ -245,8 +230,7 @@ class CollectiveMonitor:
         return time.monotonic() >= self._next_read
 
     def read(self, seq: int, force: bool = False) -> dict[str, Any] | None:
-        """The dump (with entries) of flush `seq`: read once per flush, when `force` or the budget
-        allows; None when not read (or the recorder is unavailable)."""
+        """The dump (with entries) of flush `seq`, read once when `force` or the budget allows; else None."""
         if self._read[0] == seq:
             return self._read[1]
         if not force and not self.may_read():
@@ -318,7 +302,7 @@ class CollectiveMonitor:
         return pair
 
     def close(self) -> None:
-        return None
+        pass
 
 
 def start_monitor(meter: Any, telemetry_group: Any | None, rank: int) -> CollectiveMonitor | None:

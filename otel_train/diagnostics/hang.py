@@ -62,31 +62,28 @@ def dump_flight_recorder(path: Path) -> Path | None:
     return None
 
 
-# faulthandler's timer (the watchdog's backstop) lives in a C thread that a forked child does not
-# inherit, yet the child's interpreter, exiting normally (sys.exit, the end of the script), waits
-# for that thread to stop, forever, holding the GIL. So the timer is cancelled before every fork
-# and re-armed by the watchdog's next tick in the parent; the lock keeps the watchdog thread from
-# re-arming it between the cancel and the fork.
+# faulthandler's timer (the watchdog's backstop) is cancelled before every fork, under a lock the
+# watchdog arms it under: docs/design/diagnostics.md#hang.
 _backstop_lock = threading.Lock()
 _backstop_armed = False
 
 
-def _cancel_backstop_before_fork() -> None:
+def _cancel_backstop_locked() -> None:
     global _backstop_armed
-    _backstop_lock.acquire()
     if _backstop_armed:
         faulthandler.cancel_dump_traceback_later()
         _backstop_armed = False
 
 
-def _release_backstop_after_fork() -> None:
-    _backstop_lock.release()
+def _cancel_backstop_before_fork() -> None:
+    _backstop_lock.acquire()  # released after the fork, in parent and child
+    _cancel_backstop_locked()
 
 
 os.register_at_fork(
     before=_cancel_backstop_before_fork,
-    after_in_parent=_release_backstop_after_fork,
-    after_in_child=_release_backstop_after_fork,
+    after_in_parent=_backstop_lock.release,
+    after_in_child=_backstop_lock.release,
 )
 
 
@@ -98,18 +95,13 @@ def _arm_backstop_timer(timeout_s: float, file: IO[str]) -> None:
 
 
 def _cancel_backstop_timer() -> None:
-    global _backstop_armed
     with _backstop_lock:
-        if _backstop_armed:
-            faulthandler.cancel_dump_traceback_later()
-            _backstop_armed = False
+        _cancel_backstop_locked()
 
 
 SIGNAL_DUMP_INTERVAL_S = 5.0  # at most one stack dump per this many seconds on the dump signal
 RAW_STACKS_MAX_BYTES = 8 * 1024 * 1024  # faulthandler's file: emptied beyond this
-# Stack dumps on stall per session: a loop slower than stall_timeout_s stalls at every step, and the
-# first dumps say where it waits. Later stalls are still events; the dump signal still dumps.
-MAX_STALL_DUMPS = 10
+MAX_STALL_DUMPS = 10  # stack dumps on stall per session (a slow loop stalls at every step)
 STALLED_POLL_S = 0.01  # how closely a stalled step's end is watched for (goodput's stall ends there)
 
 
@@ -238,8 +230,7 @@ class HangWatchdog:
                 self._on_tick()
 
     def _wait(self) -> None:
-        """Until the next tick (poll_s) or a dump signal; while a step stalls, also until the loop
-        progresses again, looked for every STALLED_POLL_S (goodput's stall ends where the step did)."""
+        """Until the next tick, a dump signal or (during a step's stall, every STALLED_POLL_S) progress."""
         stalled = self._stalled_in_step
         deadline = time.monotonic() + self._poll_s
         while True:
@@ -258,8 +249,7 @@ class HangWatchdog:
                 return
 
     def _answer_signals(self) -> None:
-        """One dump for the requests so far, unless the last one is under SIGNAL_DUMP_INTERVAL_S old
-        (then they wait, counted, for the next)."""
+        """One dump for the requests so far, at most one per SIGNAL_DUMP_INTERVAL_S."""
         now = time.monotonic()
         if now - self._last_signal_dump < SIGNAL_DUMP_INTERVAL_S:
             return
@@ -270,9 +260,7 @@ class HangWatchdog:
         self._bound_raw_file()
 
     def _bound_raw_file(self) -> None:
-        """faulthandler appends one raw dump per signal (it cannot be paused safely: unregistering
-        it while a signal is being handled leaves the signal swallowed for good), so the file is
-        cut back to empty beyond RAW_STACKS_MAX_BYTES (its writes append, at the new end)."""
+        """Empty faulthandler's file beyond RAW_STACKS_MAX_BYTES (design page, #hang)."""
         raw = self._raw_file
         if raw is None:
             return
@@ -284,8 +272,7 @@ class HangWatchdog:
                 )
 
     def _arm_backstop(self) -> None:
-        """(Re-)arm faulthandler's timer once steps have begun, and report when it could have fired:
-        this thread did not run for longer than the timer (a C call holding the GIL)."""
+        """(Re-)arm faulthandler's timer once steps have begun; report when it could have fired."""
         if self._raw_file is None or self._last_step()[1] is None:
             return
         now = time.monotonic()
@@ -301,9 +288,8 @@ class HangWatchdog:
         _arm_backstop_timer(self._backstop_s, self._raw_file)
 
     def stalled_s(self) -> float:
-        """How long this rank has had no step or eval batch, once that passes the stall timeout
-        (the checkpoint timeout during a save); 0 before the first step, while the rank progresses
-        or idles on purpose. The `train.stall.duration` gauge: the alert rules' stall signal."""
+        """The `train.stall.duration` gauge: how long this rank has had no step or eval batch, once
+        past the stall timeout (the checkpoint timeout during a save), else 0."""
         _, ended = self._last_step()
         if ended is None:
             return 0.0
@@ -347,8 +333,7 @@ class HangWatchdog:
                 log.warning("otel_train: hang attribution failed: %s", exc)
 
     def _settle_step_stall(self) -> None:
-        """A stall declared inside a step is over once the loop progresses (the step ends, or an eval
-        batch): the step's time without progress goes to goodput as stall badput."""
+        """End a stall declared inside a step once the loop progresses (its time: goodput's badput)."""
         stalled = self._stalled_in_step
         if stalled is None:
             return

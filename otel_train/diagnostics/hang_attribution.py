@@ -11,6 +11,7 @@ import math
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,28 +164,19 @@ def _cycle(verdicts: list[Verdict]) -> Deadlock | None:
     best: list[tuple[int, Verdict]] | None = None
     for start in sorted(edges):
         # breadth first from `start`: the shortest way back to it
-        came: dict[int, tuple[int, Verdict]] = {}  # rank -> (the rank waiting for it, in which group)
-        frontier, closing = [start], None
-        while frontier and closing is None:
-            reached = []
-            for rank in frontier:
-                for awaited, verdict in edges.get(rank, []):
-                    if awaited == start:
-                        closing = (rank, verdict)
-                        break
-                    if awaited not in came:
-                        came[awaited] = (rank, verdict)
-                        reached.append(awaited)
-                if closing is not None:
+        paths: dict[int, list[tuple[int, Verdict]]] = {start: []}  # rank -> the waits from start to it
+        queue, cycle = deque([start]), None
+        while queue and cycle is None:
+            rank = queue.popleft()
+            for awaited, verdict in edges.get(rank, []):
+                if awaited == start:
+                    cycle = [*paths[rank], (rank, verdict)]
                     break
-            frontier = reached
-        if closing is None:
-            continue
-        hops = [closing]
-        while hops[-1][0] != start:
-            hops.append(came[hops[-1][0]])
-        if best is None or len(hops) < len(best):
-            best = hops[::-1]
+                if awaited not in paths:
+                    paths[awaited] = [*paths[rank], (rank, verdict)]
+                    queue.append(awaited)
+        if cycle is not None and (best is None or len(cycle) < len(best)):
+            best = cycle
     return Deadlock.of(tuple(best)) if best is not None else None
 
 

@@ -44,8 +44,7 @@ def has_history(snapshot: Any) -> bool:
 
 
 class MemoryDumps:
-    """Writes the dumps and emits the events (docs/design/diagnostics.md#memory-dump). `torch_cuda` returns the loaded,
-    initialised `torch.cuda` or None (tests pass a fake)."""
+    """Writes the dumps and emits the events; `torch_cuda`: the loaded, initialised `torch.cuda` or None."""
 
     def __init__(
         self,

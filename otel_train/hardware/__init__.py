@@ -20,17 +20,9 @@ if TYPE_CHECKING:
     from otel_train.hardware.monitor import HardwareMonitor
 
 __all__ = [
-    "RES_GPU_DRIVER_VERSION",
-    "RES_GPU_NAME",
-    "RES_GPU_PCI_BUS_ID",
-    "RES_GPU_UUID",
-    "Discovery",
-    "HardwareMonitor",
-    "MpsMemory",
-    "autocast_dtype",
-    "discover_with_timeout",
-    "parse_cuda_visible_devices",
-]
+    "RES_GPU_DRIVER_VERSION", "RES_GPU_NAME", "RES_GPU_PCI_BUS_ID", "RES_GPU_UUID", "Discovery",
+    "HardwareMonitor", "MpsMemory", "autocast_dtype", "discover_with_timeout", "parse_cuda_visible_devices"
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

@@ -5,6 +5,7 @@ under a timeout. Design: docs/design/hardware-and-numerics.md#hardware.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -55,28 +56,16 @@ class Discovery:
 
 def parse_cuda_visible_devices(value: str | None) -> list[str] | None:
     """Entries of CUDA_VISIBLE_DEVICES (indices, GPU-/MIG- UUIDs); None when unset (all devices).
-
-    Like CUDA, parsing stops at the first invalid entry (e.g. ``-1`` hides every GPU).
-    """
+    Like CUDA, parsing stops at the first invalid entry (e.g. ``-1`` hides every GPU)."""
     if value is None:
         return None
-    out: list[str] = []
-    for raw in value.split(","):
-        entry = raw.strip()
-        if re.fullmatch(r"[0-9]+|(GPU|MIG)-[0-9A-Za-z/_-]+", entry):
-            out.append(entry)
-        else:
-            break
-    return out
+    entries = (raw.strip() for raw in value.split(","))
+    return list(itertools.takewhile(lambda e: re.fullmatch(r"[0-9]+|(GPU|MIG)-[0-9A-Za-z/_-]+", e), entries))
 
 
 def _uuid_key(uuid: str) -> str:
     """Comparable form of a GPU UUID: NVML says 'GPU-3b6a…', torch '3b6a…'."""
-    u = uuid.strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if u.startswith(prefix):
-            u = u[len(prefix) :]
-    return u
+    return re.sub(r"^(gpu-)?(mig-)?", "", uuid.strip().lower())
 
 
 def _nvml_text(value: Any) -> str:
@@ -86,8 +75,7 @@ def _nvml_text(value: Any) -> str:
 
 
 def torch_cuda_if_loaded() -> Any | None:
-    torch = sys.modules.get("torch")  # never import torch (or initialise CUDA) on our own
-    return getattr(torch, "cuda", None) if torch is not None else None
+    return getattr(sys.modules.get("torch"), "cuda", None)  # never import torch (or initialise CUDA)
 
 
 def cuda_initialized(torch_cuda: Any | None) -> TypeGuard[Any]:
@@ -105,12 +93,9 @@ def discover_gpus(
     environ: Mapping[str, str] | None = None,
     torch_cuda: Any | None = None,
 ) -> Discovery:
-    """Initialise NVML and find this rank's GPU (synchronous: NVML may block; see discover_with_timeout).
-
-    The rank's device is entry ``local_rank`` of CUDA_VISIBLE_DEVICES (or the only entry). When
-    torch has already initialised CUDA, torch's own UUID for that device wins: CUDA's default
-    device order (FASTEST_FIRST) can differ from NVML's PCI order.
-    """
+    """Initialise NVML and find this rank's GPU (synchronous: NVML may block). The rank's device is
+    entry ``local_rank`` of CUDA_VISIBLE_DEVICES (or the only entry), unless torch has initialised
+    CUDA: then torch's UUID for it wins (CUDA's FASTEST_FIRST order can differ from NVML's PCI order)."""
     env = os.environ if environ is None else environ
     if nvml is None:
         try:

@@ -1,5 +1,5 @@
-"""Flush-time hardware figures, on the background worker: CUDA allocator memory, memory pressure,
-energy and MFU. Only a loaded, initialised ``torch.cuda`` is read (never imported here).
+"""Flush-time hardware figures on the background worker (CUDA allocator memory, memory pressure,
+energy, MFU): docs/design/hardware-and-numerics.md#hardware.
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from otel_train.health import EventChannel
 MEMORY_PRESSURE_RATIO = 0.95  # reserved (allocator) or used (NVML) / limit above this -> event
 MEMORY_PRESSURE_REARM = 0.90  # ... re-armed once back below this
 
-CUDA_SPECS = (
-    sc.CUDA_MEMORY_ALLOCATED, sc.CUDA_MEMORY_RESERVED, sc.CUDA_MEMORY_PEAK, sc.CUDA_ALLOC_RETRIES, sc.CUDA_OOMS,
-)  # fmt: skip
+# (instrument, its torch.cuda.memory_stats key): gauges, and counters of torch's running totals
+CUDA_GAUGES = ((sc.CUDA_MEMORY_ALLOCATED, "allocated_bytes.all.current"),
+               (sc.CUDA_MEMORY_RESERVED, "reserved_bytes.all.current"),
+               (sc.CUDA_MEMORY_PEAK, "allocated_bytes.all.peak"))  # fmt: skip
+CUDA_COUNTS = ((sc.CUDA_ALLOC_RETRIES, "num_alloc_retries"), (sc.CUDA_OOMS, "num_ooms"))
+CUDA_SPECS = tuple(spec for spec, _ in CUDA_GAUGES + CUDA_COUNTS)
 ENERGY_SPECS = (sc.POWER_AVERAGE, sc.ENERGY_PER_STEP, sc.ENERGY_PER_TOKEN)  # with a GPU NVML samples
 MFU_SPECS = (sc.FLOPS, sc.MFU)
 
@@ -32,12 +35,7 @@ class FlushEfficiency:
     """The flush-time gauges of one rank; ``gpu`` is the NVML sampler whose snapshot they read."""
 
     def __init__(
-        self,
-        config: Config,
-        meter: Meter,
-        events: EventChannel,
-        local_rank: int,
-        gpu: GpuSampler,
+        self, config: Config, meter: Meter, events: EventChannel, local_rank: int, gpu: GpuSampler
     ) -> None:
         self._config = config
         self._meter = meter
@@ -85,32 +83,25 @@ class FlushEfficiency:
             return
         if sc.CUDA_MEMORY_ALLOCATED.name not in self._instruments:
             self.create(CUDA_SPECS)
-        inst = self._instruments
-        allocated = stats.get("allocated_bytes.all.current")
-        reserved = stats.get("reserved_bytes.all.current")
-        peak = stats.get("allocated_bytes.all.peak")
-        if allocated is not None:
-            inst[sc.CUDA_MEMORY_ALLOCATED.name].set(int(allocated))
-        if reserved is not None:
-            inst[sc.CUDA_MEMORY_RESERVED.name].set(int(reserved))
-        if peak is not None:
-            inst[sc.CUDA_MEMORY_PEAK.name].set(int(peak))
-            if self._config.cuda_peak_per_interval:
-                # Next interval's peak starts from the current level. Process-wide: it also resets
-                # what torch.cuda.max_memory_allocated() returns to user code (hence the setting).
-                tc.reset_peak_memory_stats(device)
+        for spec, key in CUDA_GAUGES:
+            if stats.get(key) is not None:
+                self._instruments[spec.name].set(int(stats[key]))
+        if stats.get("allocated_bytes.all.peak") is not None and self._config.cuda_peak_per_interval:
+            # Next interval's peak starts from the current level. Process-wide: it also resets
+            # what torch.cuda.max_memory_allocated() returns to user code (hence the setting).
+            tc.reset_peak_memory_stats(device)
         self._add_cuda_counts(stats)
         if self._cuda_total is None:
             try:
                 self._cuda_total = int(tc.get_device_properties(device).total_memory)
             except RuntimeError:  # torch's CUDA errors
                 self._cuda_total = 0
-        if reserved is not None and self._cuda_total:
-            self._cuda_reserved_ratio = int(reserved) / self._cuda_total
+        if stats.get("reserved_bytes.all.current") is not None and self._cuda_total:
+            self._cuda_reserved_ratio = int(stats["reserved_bytes.all.current"]) / self._cuda_total
 
     def _add_cuda_counts(self, stats: Mapping[str, Any]) -> None:
         """Allocator retries and OOMs since the last flush (torch keeps running totals)."""
-        for spec, key in ((sc.CUDA_ALLOC_RETRIES, "num_alloc_retries"), (sc.CUDA_OOMS, "num_ooms")):
+        for spec, key in CUDA_COUNTS:
             value = stats.get(key)
             if value is None:
                 continue
@@ -179,8 +170,7 @@ class FlushEfficiency:
         return None
 
     def resolve_peak(self, dtype: str | None = None) -> tuple[float | None, str | None]:
-        """(peak FLOP/s, source) used for MFU at `dtype` (default: `compute_dtype()`); (None, None)
-        when unknown (no MFU)."""
+        """(peak FLOP/s, source) for MFU at `dtype` (default: `compute_dtype()`); (None, None): no MFU."""
         dtype = dtype or self.compute_dtype()
         if dtype in self._peaks:
             return self._peaks[dtype]

@@ -1,5 +1,5 @@
-"""The host sampler: this process's CPU and memory and the node's memory (psutil), on a thread of
-its own; SDK callbacks read the last sample."""
+"""The host sampler thread: this process's CPU and memory and the node's memory (psutil); SDK
+callbacks read the last sample. Design: docs/design/hardware-and-numerics.md#hardware."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ HOST_SPECS = (sc.PROCESS_CPU_UTILIZATION, sc.PROCESS_MEMORY_USAGE, sc.SYSTEM_MEM
 
 
 class HostSampler:
-    """Samples a ``psutil.Process`` (``process``: this one unless set before
-    ``create_instruments``) into ``observations``."""
+    """Samples ``process`` (this one unless set before ``create_instruments``) into ``observations``."""
 
     def __init__(self) -> None:
         self.process: Any | None = None

@@ -1,7 +1,5 @@
-"""Model FLOPs per token and the peak-FLOP/s table that MFU divides by.
-
-The conventions (PaLM's FLOPs, no embeddings, dense peaks; an unknown device gets no MFU):
-docs/design/hardware-and-numerics.md#mfu.
+"""Model FLOPs per token and the peak-FLOP/s table that MFU divides by (PaLM's FLOPs, no
+embeddings, dense peaks): docs/design/hardware-and-numerics.md#mfu.
 """
 
 from __future__ import annotations
@@ -65,12 +63,9 @@ def transformer_flops_per_token(
     causal: bool = False,
     include_attention: bool = True,
 ) -> float:
-    """Training (forward + backward) FLOPs per token of a decoder/encoder transformer.
-
-    ``6·n_params + 12·n_layers·seq_len·d_model`` (PaLM appendix B); the attention term is halved
-    with ``causal=True`` and dropped with ``include_attention=False``. ``n_params`` must exclude
-    embedding lookups (docs/design/hardware-and-numerics.md#mfu).
-    """
+    """Training FLOPs per token of a transformer: ``6·n_params + 12·n_layers·seq_len·d_model`` (PaLM
+    appendix B; the attention term halved by ``causal``, dropped by ``include_attention=False``);
+    ``n_params`` without embeddings."""
     if n_params < 0 or n_layers < 0 or seq_len < 0 or d_model < 0:
         raise ValueError("transformer_flops_per_token: all sizes must be >= 0")
     attention = 12.0 * n_layers * seq_len * d_model if include_attention else 0.0
@@ -111,12 +106,9 @@ def _config_int(model: Any, names: tuple[str, ...]) -> int | None:
 
 
 def detect_layers_and_width(model: Any) -> tuple[int | None, int | None]:
-    """Best-effort (n_layers, d_model) of a torch transformer.
-
-    Order: a HF-style ``config`` (``num_hidden_layers``/``hidden_size``, ``n_layer``/``n_embd``),
-    then ``nn.TransformerEncoderLayer``/``DecoderLayer`` and ``nn.MultiheadAttention`` modules,
-    then the longest ``nn.ModuleList`` for layers and the token embedding's width.
-    """
+    """Best-effort (n_layers, d_model) of a torch transformer: a HF-style ``config``, then
+    ``nn.Transformer{Encoder,Decoder}Layer`` / ``nn.MultiheadAttention`` modules, then the longest
+    ``nn.ModuleList`` and the token embedding's width."""
     from torch import nn
 
     n_layers = _config_int(model, _LAYER_ATTRS)
@@ -136,19 +128,10 @@ def detect_layers_and_width(model: Any) -> tuple[int | None, int | None]:
 
 
 def flops_per_token_from_model(
-    model: Any,
-    seq_len: int,
-    *,
-    n_layers: int | None = None,
-    d_model: int | None = None,
-    causal: bool = False,
+    model: Any, seq_len: int, *, n_layers: int | None = None, d_model: int | None = None, causal: bool = False
 ) -> float:
-    """Training FLOPs per token of ``model`` at ``seq_len`` (PaLM convention, see module doc).
-
-    ``n_layers``/``d_model`` are detected when not given (see ``detect_layers_and_width``); if they
-    cannot be detected a ``ValueError`` names the argument to pass, rather than returning a number
-    that silently lacks the attention term.
-    """
+    """Training FLOPs per token of ``model`` at ``seq_len`` (PaLM convention). Undetectable
+    ``n_layers``/``d_model`` raise a ValueError naming them, not a number without attention."""
     detected_layers, detected_width = detect_layers_and_width(model)
     layers = n_layers if n_layers is not None else detected_layers
     width = d_model if d_model is not None else detected_width
@@ -187,53 +170,33 @@ _HOPPER_SXM = _p(1979, 989.5, 989.5, 494.7, 67)
 _HOPPER_NVL = _p(1670.5, 835.5, 835.5, 417.5, 60)
 _A100 = _p(None, 312, 312, 156, 19.5)
 _MI300 = _p(2614.9, 1307.4, 1307.4, 653.7, 163.4)
+# fmt: off
 PEAK_TABLE: tuple[PeakEntry, ...] = (
-    PeakEntry(
-        "h100-nvl", r"H100\s*NVL", _HOPPER_NVL, "NVIDIA H100 datasheet (NVL column, per GPU; sparse/2)"
-    ),
-    PeakEntry(
-        "h100-pcie",
-        r"H100\s*PCIe",
-        _p(1513, 756.5, 756.5, 378, 51),
-        "NVIDIA H100 datasheet (PCIe column; sparse/2)",
-    ),
-    PeakEntry(
-        "gh200", r"GH200", _HOPPER_SXM, "NVIDIA GH200 datasheet (H100/H200-class Hopper GPU; sparse/2)"
-    ),
-    PeakEntry(
-        "h100-sxm",
-        r"H100",
-        _HOPPER_SXM,
-        "NVIDIA H100 datasheet (SXM column; sparse/2); other H100 names assumed SXM",
-    ),
+    PeakEntry("h100-nvl", r"H100\s*NVL", _HOPPER_NVL,
+              "NVIDIA H100 datasheet (NVL column, per GPU; sparse/2)"),
+    PeakEntry("h100-pcie", r"H100\s*PCIe", _p(1513, 756.5, 756.5, 378, 51),
+              "NVIDIA H100 datasheet (PCIe column; sparse/2)"),
+    PeakEntry("gh200", r"GH200", _HOPPER_SXM,
+              "NVIDIA GH200 datasheet (H100/H200-class Hopper GPU; sparse/2)"),
+    PeakEntry("h100-sxm", r"H100", _HOPPER_SXM,
+              "NVIDIA H100 datasheet (SXM column; sparse/2); other H100 names assumed SXM"),
     PeakEntry("h200-nvl", r"H200\s*NVL", _HOPPER_NVL, "NVIDIA H200 datasheet (NVL column; sparse/2)"),
     PeakEntry("h200-sxm", r"H200", _HOPPER_SXM, "NVIDIA H200 datasheet (SXM column; sparse/2)"),
     PeakEntry("h20", r"\bH20\b", _p(296, 148, 148, 74, 44), "NVIDIA H20 product brief (dense)"),
-    PeakEntry(
-        "b200",
-        r"\bB200\b",
-        _p(4500, 2250, 2250, 1100, 75),
-        "NVIDIA HGX B200 datasheet (8-GPU totals / 8, sparse/2)",
-    ),
-    PeakEntry(
-        "a100-pcie",
-        r"A100.*PCIe",
-        _A100,
-        "NVIDIA A100 datasheet (PCIe: same peak as SXM, lower sustained clocks)",
-    ),
+    PeakEntry("b200", r"\bB200\b", _p(4500, 2250, 2250, 1100, 75),
+              "NVIDIA HGX B200 datasheet (8-GPU totals / 8, sparse/2)"),
+    PeakEntry("a100-pcie", r"A100.*PCIe", _A100,
+              "NVIDIA A100 datasheet (PCIe: same peak as SXM, lower sustained clocks)"),
     PeakEntry("a100-sxm", r"A100", _A100, "NVIDIA A100 datasheet (SXM; dense)"),
     PeakEntry("l40s", r"L40S", _p(733, 366, 366, 183, 91.6), "NVIDIA L40S datasheet (sparse/2)"),
     PeakEntry("l4", r"\bL4\b", _p(242.5, 121, 121, 60, 30.3), "NVIDIA L4 datasheet (sparse/2)"),
-    PeakEntry(
-        "rtx-4090",
-        r"RTX\s*4090",
-        _p(330.3, 165.2, 165.2, 82.6, 82.6),
-        "NVIDIA Ada whitepaper, RTX 4090 (FP32-accumulate tensor rates; dense)",
-    ),
+    PeakEntry("rtx-4090", r"RTX\s*4090", _p(330.3, 165.2, 165.2, 82.6, 82.6),
+              "NVIDIA Ada whitepaper, RTX 4090 (FP32-accumulate tensor rates; dense)"),
     PeakEntry("v100", r"V100", _p(None, None, 125, None, 15.7), "NVIDIA V100 datasheet (SXM2; no BF16/TF32)"),
     PeakEntry("mi325x", r"MI325X", _MI300, "AMD Instinct MI325X data sheet (dense)"),
     PeakEntry("mi300x", r"MI300X", _MI300, "AMD Instinct MI300X data sheet (dense)"),
 )
+# fmt: on
 
 
 def match_peak_entry(device_name: str | None) -> PeakEntry | None:
@@ -255,13 +218,9 @@ def resolve_peak(
     override: float | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[float | None, str | None]:
-    """(peak FLOP/s per GPU, source) for MFU, or (None, None) when unknown.
-
-    Order: ``override`` (the ``peak_flops`` setting; reported as ``env:OTEL_TRAIN_PEAK_FLOPS`` when
-    that variable supplied it), then ``OTEL_TRAIN_PEAK_FLOPS``, then the table
-    (``table:<entry>:<dtype>``). An unknown device or a dtype the device has no tensor path for
-    returns (None, None): no MFU rather than a wrong one.
-    """
+    """(peak FLOP/s per GPU, source) for MFU: ``override`` (the ``peak_flops`` setting; its source is
+    ``env:OTEL_TRAIN_PEAK_FLOPS`` when that variable supplied it), then that variable, then the table
+    (``table:<entry>:<dtype>``); (None, None) for an unknown device or a dtype it has no path for."""
     env = os.environ if environ is None else environ
     try:
         env_value: float | None = float(env.get(PEAK_FLOPS_ENV, ""))

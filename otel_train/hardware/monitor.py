@@ -27,8 +27,7 @@ class HardwareMonitor:
     def __init__(
         self, config: Config, meter: Meter, events: EventChannel | None, local_rank: int, discovery: Discovery
     ) -> None:
-        """`discovery`: this rank's GPU as `discover_with_timeout` found it (before the Resource,
-        whose GPU attributes it gives)."""
+        """`discovery`: this rank's GPU as found before the Resource (whose GPU attributes it gives)."""
         self._config = config
         self._meter = meter
         events = events if events is not None else NullEventChannel()

@@ -27,6 +27,7 @@ THROTTLE_BITS: dict[str, int] = {
     "sw_slowdown": 0x10,  # SyncBoost
 }
 
+PCIE_COUNTERS = {"receive": "NVML_PCIE_UTIL_RX_BYTES", "transmit": "NVML_PCIE_UTIL_TX_BYTES"}
 _UNSUPPORTED_CODES = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR_FUNCTION_NOT_FOUND")
 _LOST_CODES = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN")
 
@@ -88,9 +89,8 @@ class NvmlReads:
     def sample_device(self, state: DeviceState, clock: Callable[[], float]) -> DeviceSample:
         """One sample of the device; raises `GpuLost` when it is gone. `clock` times the PCIe counter."""
         out = DeviceSample(state)
-        self._sample_load(state, out)
-        self._sample_errors(state, out)
-        self._sample_clocks(state, out)
+        for part in (self._sample_load, self._sample_errors, self._sample_clocks):
+            part(state, out)
         self._sample_pcie(state, out, clock)
         return out
 
@@ -101,13 +101,13 @@ class NvmlReads:
         if util is not None:
             out.put(sc.GPU_UTILIZATION, util.gpu / 100.0)
             out.put(sc.GPU_MEMORY_CONTROLLER, util.memory / 100.0)
-        mem_info = self._call(state, "memory", "nvmlDeviceGetMemoryInfo")
-        if mem_info is not None:
-            out.put(sc.GPU_MEMORY_USAGE, int(mem_info.used))
-            out.put(sc.GPU_MEMORY_LIMIT, int(mem_info.total))
-            if mem_info.total > 0:
-                out.put(sc.GPU_MEMORY_UTILIZATION, mem_info.used / mem_info.total)
-            out.memory = (state.dev.uuid, int(mem_info.used), int(mem_info.total))
+        mem = self._call(state, "memory", "nvmlDeviceGetMemoryInfo")
+        if mem is not None:
+            out.put(sc.GPU_MEMORY_USAGE, int(mem.used))
+            out.put(sc.GPU_MEMORY_LIMIT, int(mem.total))
+            if mem.total > 0:
+                out.put(sc.GPU_MEMORY_UTILIZATION, mem.used / mem.total)
+            out.memory = (state.dev.uuid, int(mem.used), int(mem.total))
         temp = self._call(state, "temperature", "nvmlDeviceGetTemperature", nvml.NVML_TEMPERATURE_GPU)
         if temp is not None:
             out.put(sc.GPU_TEMPERATURE, float(temp))
@@ -115,8 +115,8 @@ class NvmlReads:
         if power is not None:
             out.put(sc.GPU_POWER, power / 1000.0)  # mW -> W
         energy_mj = self._call(state, "energy", "nvmlDeviceGetTotalEnergyConsumption")
-        out.energy_j = energy_mj / 1000.0 if energy_mj is not None else None  # mJ -> J
-        if out.energy_j is not None:
+        if energy_mj is not None:
+            out.energy_j = energy_mj / 1000.0  # mJ -> J
             out.put(sc.GPU_ENERGY, out.energy_j)
 
     def _sample_errors(self, state: DeviceState, out: DeviceSample) -> None:
@@ -153,10 +153,7 @@ class NvmlReads:
         now = clock()
         elapsed = now - state.io_sampled_at if state.io_sampled_at is not None else 0.0
         state.io_sampled_at = now
-        for direction, counter in (
-            ("receive", "NVML_PCIE_UTIL_RX_BYTES"),
-            ("transmit", "NVML_PCIE_UTIL_TX_BYTES"),
-        ):
+        for direction, counter in PCIE_COUNTERS.items():
             kbs = self._call(
                 state, f"pcie_{direction}", "nvmlDeviceGetPcieThroughput", getattr(nvml, counter)
             )
@@ -221,12 +218,8 @@ class NvmlReads:
         nvml: Any = self._nvml
         try:
             state.event_set = self._invoke("nvmlEventSetCreate")
-            self._invoke(
-                "nvmlDeviceRegisterEvents",
-                state.dev.handle,
-                nvml.nvmlEventTypeXidCriticalError,
-                state.event_set,
-            )
+            xid = nvml.nvmlEventTypeXidCriticalError
+            self._invoke("nvmlDeviceRegisterEvents", state.dev.handle, xid, state.event_set)
         except nvml.NVMLError as exc:
             log.debug("otel_train: XID events unavailable on %s (%s)", state.dev.uuid, exc)
             self._give_up_xids(state)

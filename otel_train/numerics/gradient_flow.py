@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 
 from otel_train import semconv
@@ -30,16 +31,14 @@ class Anomaly(Enum):
     VANISHING = "gradient_vanishing"
 
 
+@dataclass(slots=True)
 class _Layer:
-    __slots__ = ("flag", "level", "seen", "streak", "streak_kind", "zeros")
-
-    def __init__(self) -> None:
-        self.zeros = 0  # watched steps in a row (where it ran) without a gradient
-        self.level = 0.0  # EWMA of log(norm)
-        self.seen = 0  # non-zero finite norms taken into the level
-        self.flag: Anomaly | None = None  # the anomaly last reported, until a normal value
-        self.streak = 0  # anomalous watched steps in a row (of streak_kind)
-        self.streak_kind: Anomaly | None = None
+    zeros: int = 0  # watched steps in a row (where it ran) without a gradient
+    level: float = 0.0  # EWMA of log(norm)
+    seen: int = 0  # non-zero finite norms taken into the level
+    flag: Anomaly | None = None  # the anomaly last reported, until a normal value
+    streak: int = 0  # anomalous watched steps in a row (of streak_kind)
+    streak_kind: Anomaly | None = None
 
 
 class GradientFlowMonitor:
@@ -60,9 +59,7 @@ class GradientFlowMonitor:
         missing: list[str] = []
         anomalies: dict[Anomaly, list[tuple[str, float]]] = {kind: [] for kind in Anomaly}
         for label, norm in zip(labels, norms, strict=True):
-            layer = self._layers.get(label)
-            if layer is None:
-                layer = self._layers[label] = _Layer()
+            layer = self._layers.setdefault(label, _Layer())
             if not math.isfinite(norm):
                 continue
             if norm == 0.0:
@@ -85,13 +82,11 @@ class GradientFlowMonitor:
         """(the anomaly newly seen, or None; the factor from the layer's level)."""
         if layer.seen >= WARMUP:
             change = log_norm - layer.level
-            kind = (
-                Anomaly.EXPLOSION
-                if change > math.log(EXPLODE)
-                else Anomaly.VANISHING
-                if -change > math.log(VANISH)
-                else None
-            )
+            kind = None
+            if change > math.log(EXPLODE):
+                kind = Anomaly.EXPLOSION
+            elif -change > math.log(VANISH):
+                kind = Anomaly.VANISHING
             if kind is not None:
                 layer.streak = layer.streak + 1 if layer.streak_kind is kind else 1
                 layer.streak_kind = kind
@@ -131,11 +126,10 @@ class GradientFlowMonitor:
             how = f"far above its own recent level ({SUSTAIN} watched steps in a row, or {IMMEDIATE:.0f}x at once)"
         else:
             how = f"far below its own recent level ({SUSTAIN} watched steps in a row)"
-        shown = ", ".join(f"{label} ({f:.0f}x)" for label, f in found[:_SHOWN])
-        more = f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+        shown = _names([f"{label} ({f:.0f}x)" for label, f in found])
         self._events.emit(
             kind.value,
-            f"gradient norm of {len(found)} layer(s) at step {step} is {how}: {shown}{more}. Check the "
+            f"gradient norm of {len(found)} layer(s) at step {step} is {how}: {shown}. Check the "
             "learning rate and warmup, the loss scale, and that layer's inputs (activation panels) "
             "around this step.",
             {"step": step, semconv.LAYER: worst, "factor": round(factor, 3), "layers": len(found)},

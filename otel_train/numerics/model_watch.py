@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,8 +30,7 @@ UNAPPLIED_WARNING = 10  # scaled watched steps in a row without an optimizer ste
 
 
 def clean_name(name: str, ddp: bool) -> str:
-    """`module._orig_mod.blocks.0.attn` -> `blocks.0.attn` (`ddp`: drop DistributedDataParallel's
-    leading `module.`)."""
+    """`module._orig_mod.blocks.0.attn` -> `blocks.0.attn` (`ddp`: drop DDP's leading `module.`)."""
     parts = [part for part in name.split(".") if part not in _WRAPPER_SEGMENTS]
     if ddp and parts and parts[0] == "module":
         parts = parts[1:]
@@ -45,8 +45,7 @@ def is_ddp_wrapped(model: Any) -> bool:
 
 
 def layer_groups(param_names: Sequence[str], max_layers: int) -> tuple[list[str], list[int]]:
-    """(labels, group index per parameter): parameters (cleaned names) grouped by owning module
-    path, at the deepest path depth that gives at most `max_layers` groups."""
+    """(labels, group per parameter): by owning module path, at the deepest depth with <= max_layers."""
     modules = [name.rpartition(".")[0] for name in param_names]
     depth = max((m.count(".") + 1 for m in modules if m), default=0)
     while True:
@@ -54,16 +53,9 @@ def layer_groups(param_names: Sequence[str], max_layers: int) -> tuple[list[str]
         if depth == 0 or len(set(prefixes)) <= max_layers:
             break
         depth -= 1
-    labels: list[str] = []
-    index: dict[str, int] = {}
-    groups: list[int] = []
-    for prefix in prefixes:
-        label = prefix or ROOT_LABEL
-        if label not in index:
-            index[label] = len(labels)
-            labels.append(label)
-        groups.append(index[label])
-    return labels, groups
+    labels = list(dict.fromkeys(prefix or ROOT_LABEL for prefix in prefixes))
+    index = {label: i for i, label in enumerate(labels)}
+    return labels, [index[prefix or ROOT_LABEL] for prefix in prefixes]
 
 
 class ModelWatch:
@@ -96,23 +88,20 @@ class ModelWatch:
             raise ValueError("ot.watch(model): the model has no trainable parameters to watch.")
         self._params = [p for _, p in named]
         self._ddp = is_ddp_wrapped(model)
-        self.labels, groups = layer_groups([clean_name(name, self._ddp) for name, _ in named], max_layers)
-        self._groups = groups
+        self.labels, self._groups = layer_groups([clean_name(n, self._ddp) for n, _ in named], max_layers)
         self._members: list[list[int]] = [[] for _ in self.labels]
-        for position, group in enumerate(groups):
+        for position, group in enumerate(self._groups):
             self._members[group].append(position)
         # values per tensor in a histogram: its layer's HISTOGRAM_SAMPLE shared among its tensors
-        self._sample_sizes = [max(1, HISTOGRAM_SAMPLE // len(self._members[g])) for g in groups]
+        self._sample_sizes = [max(1, HISTOGRAM_SAMPLE // len(self._members[g])) for g in self._groups]
         self._reads = GradientReads(self._params, self._sample_sizes, self._fail, scaled)
         self._place_on(self._params[0].device)
         # Each parameter's owning module and the layers it marks as run when its forward runs.
         owners: dict[str, set[int]] = {}
-        for (name, _), group in zip(named, groups, strict=True):
+        for (name, _), group in zip(named, self._groups, strict=True):
             owners.setdefault(name.rpartition(".")[0], set()).add(group)
-        modules = dict(model.named_modules())
         self._compiled = compiled_modules(model)  # hooks there would make Dynamo recompile
-        if self._compiled:
-            owners = {}
+        modules = {} if self._compiled else dict(model.named_modules())
         self._owners = [(modules[n], tuple(sorted(g))) for n, g in owners.items() if n in modules]
         self._zero_stage = 0  # DeepSpeed's ZeRO stage once seen on the parameters (deepspeed_zero)
         self._ran: set[int] = set()  # layers whose module ran in this watched step
@@ -127,8 +116,8 @@ class ModelWatch:
         self._warned: set[str] = set()
 
     def _place_on(self, device: Any) -> None:
-        """Index tensors on the parameters' device. Built here, outside the step path (a host-to-
-        device copy would sync); again only if the model moves (`watch()` before `.cuda()`)."""
+        """Index tensors on the parameters' device, built off the step path (a host-to-device copy
+        would sync); again only if the model moves (`watch()` before `.cuda()`)."""
         self._device = device
         self._reads.device = device
         self._group_index = torch.tensor(self._groups, dtype=torch.long, device=device)
@@ -158,7 +147,7 @@ class ModelWatch:
                 self._see_zero()
                 if self.grads and not self._zero_stage:
                     for module, marks in self._owners:
-                        self._hooks.append(module.register_forward_hook(self._ran_hook(marks)))
+                        self._hooks.append(module.register_forward_hook(partial(self._ran_hook, marks)))
                     self._reads.begin(self._hooks, self.histograms)
                 if self.fingerprints and id(self.model) not in self._compiled:  # replicas.py
                     self._hooks.append(
@@ -180,8 +169,8 @@ class ModelWatch:
         self._collect_or_skip(index, self._buffer)
 
     def read_now(self) -> None:
-        """Take this watched step's statistics now instead of when the step ends (`ot.watch_read`):
-        for frameworks that clear the gradients before the step ends. Unwatched steps: nothing."""
+        """`ot.watch_read`: take this watched step's statistics now, not when the step ends (for
+        frameworks that clear the gradients before then)."""
         index, buffer = self._step, self._buffer
         if index is None or buffer is None:
             return
@@ -190,9 +179,8 @@ class ModelWatch:
         self._collect_or_skip(index, buffer)
 
     def see_batch(self, batch: Any) -> None:
-        """Fingerprint `batch` (its first tensor) as this watched step's (`ot.watch_batch`), unless
-        the step already has one: for training steps whose batch never reaches the watched module's
-        forward as an argument (Lightning's `training_step` calling submodules)."""
+        """`ot.watch_batch`: fingerprint `batch` unless the step has a fingerprint, for steps whose
+        batch never reaches the watched module's forward (Lightning's `training_step`)."""
         if self._step is None or not self.fingerprints or self._fingerprint is not None:
             return
         try:
@@ -243,14 +231,14 @@ class ModelWatch:
                 if not buffer.has_user_values_for(semconv.GRAD_NORM.name):  # the user's own grad_norm wins
                     buffer.add_internal(semconv.GRAD_NORM.name, total)
                 if self.histograms:
-                    self._add_histograms("gradients", samples, index)
+                    self._add_histograms(buffer, "gradients", samples, index)
         if self.params and self._zero_stage != 3:
-            per_layer, total = self._norms(self._params)
+            per_layer, total = self._group_norms(foreach_norms(self._params, self._device))
             records.append(LayerStats(semconv.LAYER_PARAM_NORM.name, *self._held_only(per_layer), index))
             buffer.add_internal(semconv.PARAM_NORM.name, total)
             if self.histograms:
                 samples = [sample(t, size) for t, size in zip(self._params, self._sample_sizes, strict=True)]
-                self._add_histograms("parameters", samples, index)
+                self._add_histograms(buffer, "parameters", samples, index)
         if self._activations:
             groups = sorted(self._activations)
             rms = torch.stack([self._activations[g][0] for g in groups])
@@ -276,8 +264,7 @@ class ModelWatch:
             )
 
     def _ran_only(self, per_layer: Any) -> tuple[tuple[str, ...], Any] | None:
-        """(labels, values) of the layers held here that ran in this watched step (module doc); all
-        held layers when no forward hook fired; None when none of the held ones ran."""
+        """(labels, values) of the held layers that ran (all when no forward hook fired), or None."""
         ran, self._ran = self._ran, set()
         held = self._held[1] if self._held is not None else self.labels
         frozen = frozen_groups(self._members, self._params)
@@ -298,21 +285,13 @@ class ModelWatch:
         return labels, per_layer.index_select(0, index)
 
     def remove(self) -> None:
-        """Stop watching (idempotent). Also called by `ot.shutdown()`."""
+        """Stop watching (idempotent; also called by `ot.shutdown()`)."""
         self._remove_activation_hooks()
         buffer, self._buffer = self._buffer, None
         if buffer is not None and self._on_remove is not None:
             self._on_remove(self)
 
     # --- device math (no host sync: results stay device tensors) ----------------------------------
-    def _norms(self, tensors: Sequence[Any]) -> tuple[Any, Any]:
-        """(per-layer L2 norms, global L2 norm) of `tensors` (one per watched parameter; None = absent)."""
-        present = [(i, t) for i, t in enumerate(tensors) if t is not None and not t.is_sparse]
-        norms: list[Any] = [None] * len(tensors)
-        for (i, _), norm in zip(present, foreach_norms([t for _, t in present], self._device), strict=True):
-            norms[i] = norm
-        return self._group_norms(norms)
-
     def _group_norms(self, norms: Sequence[Any]) -> tuple[Any, Any]:
         """(per-layer L2 norms, global L2 norm) from one norm per watched parameter (None = 0)."""
         stacked = torch.stack([self._zero if n is None else n for n in norms]).square_()
@@ -320,10 +299,8 @@ class ModelWatch:
         per_layer.index_add_(0, self._group_index, stacked)
         return per_layer.sqrt_(), stacked.sum().sqrt()
 
-    def _add_histograms(self, kind: str, samples: Sequence[Any], index: int) -> None:
+    def _add_histograms(self, buffer: Buffer, kind: str, samples: Sequence[Any], index: int) -> None:
         """One histogram per layer from its parameters' samples (at most HISTOGRAM_SAMPLE values)."""
-        buffer = self._buffer
-        assert buffer is not None
         for group, members in enumerate(self._members):
             present = [samples[i] for i in members if samples[i] is not None]
             if present:
@@ -340,28 +317,22 @@ class ModelWatch:
                 self._warn_once("compiled", "ot.watch: no activation statistics of compiled modules "
                                 "(a hook there would make torch.compile recompile).")  # fmt: skip
                 continue
-            self._hooks.append(module.register_forward_hook(self._activation_hook(group)))
+            self._hooks.append(module.register_forward_hook(partial(self._activation_hook, group)))
 
-    def _activation_hook(self, group: int) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            tensor = _first_tensor(output)
-            if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
-                return
-            t = _local(tensor.detach())
-            rms = torch.linalg.vector_norm(t, dtype=torch.float32) / math.sqrt(t.numel())
-            low, high = torch.aminmax(t)  # an inf-norm is ~40x slower on CPU
-            absmax = torch.maximum(high, -low).to(torch.float32)
-            if rms.device != self._device:
-                rms, absmax = rms.to(self._device), absmax.to(self._device)
-            self._activations[group] = (rms, absmax)  # the last call of the step wins
+    def _activation_hook(self, group: int, module: Any, args: Any, output: Any) -> None:
+        tensor = _first_tensor(output)
+        if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
+            return
+        t = _local(tensor.detach())
+        rms = torch.linalg.vector_norm(t, dtype=torch.float32) / math.sqrt(t.numel())
+        low, high = torch.aminmax(t)  # an inf-norm is ~40x slower on CPU
+        absmax = torch.maximum(high, -low).to(torch.float32)
+        if rms.device != self._device:
+            rms, absmax = rms.to(self._device), absmax.to(self._device)
+        self._activations[group] = (rms, absmax)  # the last call of the step wins
 
-        return hook
-
-    def _ran_hook(self, groups: tuple[int, ...]) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            self._ran.update(groups)
-
-        return hook
+    def _ran_hook(self, groups: tuple[int, ...], module: Any, args: Any, output: Any) -> None:
+        self._ran.update(groups)
 
     def _fingerprint_hook(self, module: Any, args: Any, kwargs: Any) -> None:
         """The fingerprint of the tensor arguments of the step's first forward."""
@@ -385,10 +356,8 @@ class ModelWatch:
 
 
 class GradientReads:
-    """A watched step's gradients, read at the last point they exist (module doc). Per watched
-    parameter: the norm (and histogram sample) an optimizer step pre-hook read, else the gradient
-    tensor the last backward left (a reference until a pre-hook reads it), else its `.grad` when
-    the step ends. The hooks exist only between `begin` and the removal of the handles it adds."""
+    """A watched step's gradients, read at the last point they exist (design page, model-watch):
+    an optimizer step pre-hook's read, else the last backward's gradient, else `.grad` at the end."""
 
     def __init__(
         self,
@@ -405,7 +374,7 @@ class GradientReads:
         self.histograms = False
         self._fail = fail
         self._position = {id(p): i for i, p in enumerate(params)}
-        self._keep_hooks = [self._keep_hook(i) for i in range(len(params))]
+        self._keep_hooks = [partial(self._keep_hook, i) for i in range(len(params))]
         self.clear()
 
     def clear(self) -> None:
@@ -425,17 +394,13 @@ class GradientReads:
             if param.requires_grad:  # one frozen since watch() gets no gradient (and takes no hook)
                 handles.append(param.register_post_accumulate_grad_hook(keep))
 
-    def _keep_hook(self, position: int) -> Callable[[Any], None]:
-        def hook(param: Any) -> None:
-            # a reference, not a copy: the loop may set .grad to None before the step ends
-            if position < len(self._kept):
-                self._kept[position] = param.grad
-
-        return hook
+    def _keep_hook(self, position: int, param: Any) -> None:
+        # a reference, not a copy: the loop may set .grad to None before the step ends
+        if position < len(self._kept):
+            self._kept[position] = param.grad
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Global optimizer step pre-hook: read the watched gradients this optimizer is about to
-        apply (every optimizer's step calls it; other models' parameters are not ours)."""
+        """Global optimizer step pre-hook: read the watched gradients this optimizer will apply."""
         try:
             positions = [
                 i
@@ -452,26 +417,23 @@ class GradientReads:
             self._fail(exc)
 
     def _read(self, positions: Sequence[int], scale: Any) -> None:
-        """Norms (and samples) of the present gradients at `positions`, divided by `scale` when they
-        are still scaled; they replace earlier reads of those parameters."""
-        present = [(i, g) for i in positions if (g := self.params[i].grad) is not None and not g.is_sparse]
-        if not present:
-            return
-        norms = foreach_norms([g for _, g in present], self.device)
-        if scale is not None:
+        """Norms (and samples) of the gradients at `positions`, unscaled by `scale` when given."""
+        grads = [self.params[i].grad for i in positions]
+        norms = foreach_norms(grads, self.device)
+        if scale is not None and any(norm is not None for norm in norms):
             inverse = scale.to(self.device, torch.float32).reciprocal()
-            norms = [norm * inverse for norm in norms]
-        for (i, grad), norm in zip(present, norms, strict=True):
+            norms = [None if norm is None else norm * inverse for norm in norms]
+        for i, grad, norm in zip(positions, grads, norms, strict=True):
+            if norm is None:
+                continue
             self._norms[i], self._kept[i] = norm, None  # read: the tensor may be freed by zero_grad
             if self.histograms:
                 values = sample(grad, self.sample_sizes[i])
                 self._samples[i] = values if scale is None else values / scale.to(values.device)
 
     def skipped_by_scaler(self) -> bool:
-        """Whether this scaled step's optimizer step did not run: the GradScaler found inf/NaN
-        gradients at its loss scale and skipped it (counted in train.optimizer.skipped_steps). Its
-        gradients are still scaled and were discarded, so the step has no gradient statistics and
-        its overflow is no `nonfinite_grad`; its reads are cleared."""
+        """Whether the GradScaler skipped this scaled step's optimizer step (inf/NaN gradients): its
+        gradients are still scaled and discarded, so no statistics (and no `nonfinite_grad`)."""
         if not self.scaled or self.applied:
             self.unapplied = 0
             return False
@@ -486,19 +448,13 @@ class GradientReads:
         self.clear()
         if len(norms) != len(self.params):  # a watch added inside the step: only what is there now
             norms, samples, kept = ([None] * len(self.params) for _ in range(3))
-        unread = [
-            (i, g)
-            for i, p in enumerate(self.params)
-            if norms[i] is None and (g := p.grad if p.grad is not None else kept[i]) is not None
-        ]
-        unread = [(i, g) for i, g in unread if not g.is_sparse]
-        if unread:
-            for (i, grad), norm in zip(
-                unread, foreach_norms([g for _, g in unread], self.device), strict=True
-            ):
+        last = [p.grad if p.grad is not None else kept[i] for i, p in enumerate(self.params)]
+        unread = [None if norms[i] is not None else grad for i, grad in enumerate(last)]
+        for i, norm in enumerate(foreach_norms(unread, self.device)):
+            if norm is not None:
                 norms[i] = norm
                 if self.histograms:
-                    samples[i] = sample(grad, self.sample_sizes[i])
+                    samples[i] = sample(unread[i], self.sample_sizes[i])
         return norms, samples
 
 
@@ -509,14 +465,19 @@ def frozen_groups(members: Sequence[Sequence[int]], params: Sequence[Any]) -> se
 
 
 def foreach_norms(tensors: Sequence[Any], device: Any) -> list[Any]:
-    """The float32 L2 norm of each tensor's local part, on `device` (device kernels, no sync)."""
-    norms = torch._foreach_norm([_local(t) for t in tensors], 2, dtype=torch.float32)
-    return [norm if norm.device == device else norm.to(device) for norm in norms]
+    """Each tensor's local float32 L2 norm on `device` (no sync); None for a None or sparse one."""
+    present = [i for i, t in enumerate(tensors) if t is not None and not t.is_sparse]
+    norms: list[Any] = [None] * len(tensors)
+    if present:
+        found = torch._foreach_norm([_local(tensors[i]) for i in present], 2, dtype=torch.float32)
+        for i, norm in zip(present, found, strict=True):
+            norms[i] = norm if norm.device == device else norm.to(device)
+    return norms
 
 
 def sample(tensor: Any, size: int) -> Any:
-    """A strided float32 copy of at most `size` of the tensor's local values: a copy now, so the
-    optimizer or zero_grad cannot change it before the worker reads it."""
+    """A strided float32 copy (so the optimizer or zero_grad cannot change it before the worker
+    reads it) of at most `size` of the tensor's local values."""
     flat = _local(tensor).detach().reshape(-1)
     stride = max(1, flat.numel() // size)
     return flat[::stride][:size].to(torch.float32, copy=True)
@@ -526,7 +487,7 @@ class NullWatch:
     """What `ot.watch()` returns before `init()`: nothing to remove."""
 
     def remove(self) -> None:
-        return None
+        pass
 
 
 def compiled_modules(model: Any) -> set[int]:
@@ -543,8 +504,7 @@ def compiled_modules(model: Any) -> set[int]:
 
 def deepspeed_zero(params: Iterable[Any]) -> int:
     """3 where DeepSpeed ZeRO-3 partitions the parameters (`ds_id`), 1 where a ZeRO-1/2 (or bf16)
-    optimizer holds their gradients (`_hp_mapping`), else 0: attributes DeepSpeed (0.19) sets on
-    the parameters it manages, read without importing deepspeed."""
+    optimizer holds their gradients (`_hp_mapping`), else 0 (DeepSpeed 0.19's attributes)."""
     stage = 0
     for param in params:
         if hasattr(param, "ds_id"):
@@ -560,11 +520,7 @@ def _local(tensor: Any) -> Any:
     return to_local() if to_local is not None else tensor
 
 
-# The batch fingerprint (`replicas.py`: ranks that trained on identical batches). Sums alone see
-# only the shape of one-hot inputs and of all-ones masks (every rank's sum is the count of ones), so
-# each element is weighted by a pseudo-random weight of its position, and the first few tensors of
-# the batch go in together (an all-ones attention_mask ahead of the input ids). Two weightings: the
-# second, of the squares, is 0 only for an all-zero batch (which proves nothing).
+# The batch fingerprint: docs/design/hardware-and-numerics.md#batch-fingerprint.
 FINGERPRINT_LABELS = ("position_weighted_sum", "position_weighted_sum_of_squares")
 FINGERPRINT_TENSORS = 4  # tensors of a batch that go into its fingerprint
 FINGERPRINT_ELEMENTS = 1 << 20  # elements per tensor; larger ones are sampled at a stride
@@ -572,10 +528,8 @@ _WEIGHTS = ((40503, 65521), (10007, 65519))  # weight(p) = (p * a) % m + 1, m pr
 
 
 def _fingerprint(tensors: Sequence[Any]) -> Any:
-    """[sum of x * w1(p), sum of x^2 * w2(p)] in float64 over `tensors` (the first
-    FINGERPRINT_TENSORS non-empty real ones on the first one's device, positions p counted across
-    them), or None without any. Device kernels only: identical batches give identical fingerprints,
-    and the weights make the content count, not only the shape."""
+    """[sum of x * w1(p), sum of x^2 * w2(p)] in float64 over the first FINGERPRINT_TENSORS non-empty
+    real `tensors` on the first one's device (positions p counted across them), or None."""
     device, parts = None, []
     for tensor in tensors:
         if tensor is None or tensor.numel() == 0 or tensor.is_complex():
@@ -622,13 +576,8 @@ def _batch_tensors(batch: Any, depth: int = 0) -> list[Any]:
 
 
 def _first_tensor(output: Any) -> Any:
-    if hasattr(output, "is_floating_point"):
-        return output
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            if hasattr(item, "is_floating_point"):
-                return item
-    return None
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    return next((item for item in items if hasattr(item, "is_floating_point")), None)
 
 
 def check_watch_args(model: Any, every: int, max_layers: int, flags: Iterable[bool]) -> None:

@@ -65,9 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def diagnose(run_dir: str, role: str = "") -> int:
-    """Print the hang verdict from the `collectives.rank<k>.json` files the ranks left at their stall
-    (see otel_train/diagnostics/hang_attribution.py); 1 when there is none to give, 2 when RUN_DIR
-    is not a directory."""
+    """Print the hang verdict from the `collectives.rank<k>.json` files the ranks left at their
+    stall; 1 when there is none to give, 2 when RUN_DIR is not a directory."""
     from otel_train.diagnostics import attribute, scan_summaries
 
     directory = Path(run_dir)
@@ -104,14 +103,10 @@ def _no_summaries(directory: Path, role: str) -> str:
     pattern = files.replace("*", "<k>")
     if any(directory.glob(files)):
         return f"no readable {pattern}: every one was skipped (above)"
-    roles = sorted(
-        {
-            m.group(1)
-            for p in directory.glob("collectives.*.json")
-            if (m := re.match(r"collectives\.(.+)\.rank\d+\.json$", p.name))
-        }
-        - {role}
+    named = (
+        re.match(r"collectives\.(.+)\.rank\d+\.json$", p.name) for p in directory.glob("collectives.*.json")
     )
+    roles = sorted({m.group(1) for m in named if m} - {role})
     if roles:
         return f"no readable {pattern}; there are files of role(s) {', '.join(roles)}: pass --role {roles[0]}"
     if role and any(directory.glob(RunFiles(directory).collectives_glob)):
@@ -124,7 +119,7 @@ def _no_summaries(directory: Path, role: str) -> str:
 
 def doctor() -> int:
     """Print what otel_train would do here and whether each piece works; 1 when one would fail or
-    lose data (an invalid setting, an unwritable output dir, an unreachable endpoint, a busy port)."""
+    lose data."""
     from importlib.util import find_spec
 
     from otel_train.config import ConfigError

@@ -56,8 +56,7 @@ class Setting:
 def setting(
     default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None, **rules: Any
 ) -> Any:
-    """A `Config` field: its default (or `factory` for a mutable one) and its `Setting`, made of
-    `rules` (`doc` and any of the other `Setting` fields)."""
+    """A `Config` field: its default (or `factory`) and its `Setting` made of `rules`."""
     metadata = {_METADATA_KEY: Setting(**rules)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
@@ -141,138 +140,105 @@ _RUN_NAME_FIX = "use letters, digits and _ . : - (max 128 characters)"
 class Config:
     # identity
     service_name: str = setting(
-        "otel-train",
+        "otel-train", check=_blank_problem, env=("OTEL_SERVICE_NAME",),
         doc="`service.name` resource attribute",
-        check=_blank_problem,
-        env=("OTEL_SERVICE_NAME",),
-    )
+    )  # fmt: skip
     run_name: str | None = setting(
-        None,
-        pattern=_RUN_NAME,
-        fix=_RUN_NAME_FIX,
+        None, pattern=_RUN_NAME, fix=_RUN_NAME_FIX,
         doc="run directory name (default: UTC date-time + 4 hex); see [Reusing a run name](../reliability.md#reusing-a-run-name)",
-    )
+    )  # fmt: skip
     run_id: str | None = setting(
-        None,
-        pattern=_RUN_NAME,
-        fix=_RUN_NAME_FIX,
+        None, pattern=_RUN_NAME, fix=_RUN_NAME_FIX,
         doc="shared by all ranks of a job; default: TORCHELASTIC_RUN_ID / SLURM_JOB_ID, else agreed at init",
-    )
+    )  # fmt: skip
     # Joins run_id and rank in the identity, so two roles' rank 0 never share a file or a series.
     role: str = setting(
-        "",
-        pattern=r"([A-Za-z0-9][A-Za-z0-9_-]{0,63})?",
+        "", pattern=r"([A-Za-z0-9][A-Za-z0-9_-]{0,63})?",
         fix="use letters, digits, _ and - (max 64 characters, no dots: the role is part of file names), "
         "e.g. controller, policy, generation; or leave it empty",
         doc="this process's part in a single-controller job (`controller`, `policy`, `generation`, ...): a "
         "`role` label on every series, in `service.instance.id` and in run-dir file names "
         "(`metrics.<role>.rank<k>.jsonl`); empty: no role. See "
         "[Ray, NeMo RL and other single-controller jobs](../frameworks/ray-nemo-rl.md)",
-    )
+    )  # fmt: skip
     resource_attributes: dict[str, str] = setting(
-        factory=dict,
-        env=("OTEL_RESOURCE_ATTRIBUTES",),
+        factory=dict, env=("OTEL_RESOURCE_ATTRIBUTES",),
         doc="extra resource attributes (secret-looking keys are dropped)",
-    )
+    )  # fmt: skip
     output_dir: str = setting("runs", doc="root of run directories: `<output_dir>/<run_name>/`")
     run_dir_enabled: bool = setting(True, doc="write the run directory (JSONL, progress, config, env)")
     # OTLP push
     otlp_endpoint: str | None = setting(
-        None,
-        check=_otlp_base_url_problem,
-        env=("OTEL_EXPORTER_OTLP_ENDPOINT",),
+        None, check=_otlp_base_url_problem, env=("OTEL_EXPORTER_OTLP_ENDPOINT",),
         doc="OTLP collector base URL (no `/v1/metrics`: the signal path is appended); OTLP is off when "
         "unset; `user:password@` and secret-looking query keys (`?api_key=`) are used but written "
         "everywhere as `***`",
-    )
+    )  # fmt: skip
     otlp_metrics_endpoint: str | None = setting(
-        None,
-        check=_otlp_metrics_url_problem,
-        env=("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",),
+        None, check=_otlp_metrics_url_problem, env=("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",),
         doc="Metrics only, full URL used as-is (e.g. VictoriaMetrics' `http://host:8428/opentelemetry/v1/metrics`, "
         "see [Scale-out store](../scale.md#scale-out-store)); spans and logs still go to `otlp_endpoint`",
-    )
+    )  # fmt: skip
     otlp_protocol: Literal["http/protobuf", "grpc"] = setting(
-        "http/protobuf",
-        env=("OTEL_EXPORTER_OTLP_PROTOCOL",),
+        "http/protobuf", env=("OTEL_EXPORTER_OTLP_PROTOCOL",),
         fix="OpenTelemetry's Python SDK has no http/json exporter; set OTEL_TRAIN_OTLP_PROTOCOL="
         "http/protobuf to keep another tool's OTEL_EXPORTER_OTLP_PROTOCOL",
         doc="`http/protobuf` or `grpc`",
-    )
+    )  # fmt: skip
     otlp_headers: dict[str, str] = setting(
-        factory=dict,
-        env=("OTEL_EXPORTER_OTLP_HEADERS",),
+        factory=dict, env=("OTEL_EXPORTER_OTLP_HEADERS",),
         doc="headers sent with every export (never written anywhere)",
-    )
+    )  # fmt: skip
     otlp_timeout_s: float = setting(
-        5.0,
-        gt=0,
-        le=60,
-        env=("OTEL_EXPORTER_OTLP_TIMEOUT",),
-        env_in_ms=True,
+        5.0, gt=0, le=60, env=("OTEL_EXPORTER_OTLP_TIMEOUT",), env_in_ms=True,
         fix="use seconds in (0, 60]; OTEL_EXPORTER_OTLP_TIMEOUT is in milliseconds: (0, 60000]",
         doc="per-export timeout, seconds (the `OTEL_EXPORTER_OTLP_TIMEOUT` variable is milliseconds, as the "
         "OTel spec says; below 100 ms is refused as a seconds-vs-ms mistake, above 60 s as too long to wait "
         "at each export)",
-    )
+    )  # fmt: skip
     otlp_insecure: bool = setting(True, doc="gRPC without TLS for `http://` endpoints")
     metric_export_interval_s: float = setting(
-        10.0,
-        gt=0,
-        env=("OTEL_METRIC_EXPORT_INTERVAL",),
-        env_in_ms=True,
+        10.0, gt=0, env=("OTEL_METRIC_EXPORT_INTERVAL",), env_in_ms=True,
         doc="OTLP metric push interval (env var in ms, as the spec says)",
-    )
+    )  # fmt: skip
     # in-process Prometheus pull endpoint: http://<host>:<port + local_rank>/metrics
     prometheus_port: int = setting(
-        9464,
-        ge=0,
-        le=65535,
-        fix="use a TCP port 1-65535, or 0 to disable (0 turns the pull endpoint off)",
+        9464, ge=0, le=65535, fix="use a TCP port 1-65535, or 0 to disable (0 turns the pull endpoint off)",
         doc="pull endpoint base port (+ local rank); 0 disables",
-    )
+    )  # fmt: skip
     prometheus_host: str = setting("127.0.0.1", doc="pull endpoint bind address")
     console_exporter: bool = setting(False, doc="print OTel metrics/spans/logs to stdout (debugging)")
     # flush cadence and hot-path bounds
     log_interval: int | None = setting(
-        None,
-        ge=1,
-        fix="use a whole number of steps >= 1, or leave it unset for the adaptive cadence",
+        None, ge=1, fix="use a whole number of steps >= 1, or leave it unset for the adaptive cadence",
         doc="flush every N steps; unset: adaptive (every 10 steps, but at most about once per "
         "`log_interval_min_s`, rounded to 10/20/50/100/... steps, decided on rank 0; with `cross_rank=False` "
         "each rank decides its own)",
-    )
+    )  # fmt: skip
     log_interval_min_s: float = setting(
-        1.0,
-        gt=0,
+        1.0, gt=0,
         doc="adaptive cadence: flush at most about this often (up to 2x less often when a flush's worker CPU "
         "would exceed 0.25 % of the time between flushes)",
-    )
+    )  # fmt: skip
     log_interval_s: float = setting(
-        30.0,
-        gt=0,
-        inf_means="never by time",
+        30.0, gt=0, inf_means="never by time",
         doc="...or after N seconds (not for ranks in lockstep, `cross_rank=True`, whose flush steps must "
         "match); it also caps the adaptive interval, on every rank",
-    )
+    )  # fmt: skip
     max_metric_names: int = setting(64, ge=1, doc="distinct `record()` names; more are dropped and counted")
     max_values_per_interval: int = setting(
-        10_000,
-        ge=1,
+        10_000, ge=1,
         doc="values kept per name between flushes (also step durations and timers: every per-interval list)",
-    )
+    )  # fmt: skip
     queue_size: int = setting(8, ge=1, doc="flushes waiting for the background worker")
     shutdown_timeout_s: float = setting(2.0, gt=0, le=60, doc="bound on exporter shutdown (at most 60 s)")
     # timers and traces
     timing_log_level: int | None = setting(
-        None,
-        ge=0,
-        le=2,
-        runtime=True,
+        None, ge=0, le=2, runtime=True,
         fix="use 0, 1 or 2, or leave it unset (1; Megatron's Timers keep their own level)",
         doc="timers above this level cost ~nothing (0, 1, 2); unset, 1, except that an instrumented "
         "Megatron `Timers` keeps its own level",
-    )
+    )  # fmt: skip
     timing_log_option: Literal["max", "minmax", "all"] = setting(
         "minmax", doc="cross-rank timer view: `max`, `minmax`, `all`"
     )
@@ -281,42 +247,34 @@ class Config:
     trace_every: int = setting(100, ge=1, runtime=True, doc="...then every N-th step")
     # console
     verbosity: int = setting(
-        1,
-        ge=0,
-        le=2,
-        runtime=True,
-        fix="use 0 (quiet), 1 or 2",
+        1, ge=0, le=2, runtime=True, fix="use 0 (quiet), 1 or 2",
         doc="0 quiet, 1 summaries and final table, 2 debug",
-    )
+    )  # fmt: skip
     progress_bar: bool = setting(True, doc="progress bar on a terminal")
     total_steps: int | None = setting(None, ge=1, runtime=True, doc="planned steps (ETA, progress)")
     # health
     loss_spike_factor: float = setting(
-        3.0,
-        gt=1,
+        3.0, gt=1,
         doc="a loss above factor x its recent mean, and 8 recent standard deviations above it, is a spike event",
-    )
+    )  # fmt: skip
     stall_timeout_s: float = setting(
-        300.0,
-        gt=0,
+        300.0, gt=0,
         # There is no off switch: the watchdog's stack dumps are the only evidence of a hang.
         fix="use a number of seconds > 0 (stall detection has no off switch: for stack dumps after very long "
         "gaps only, use e.g. 86400, a day)",
         doc="no step for this long: every thread's stack goes to `stacks.rank<k>.<n>.txt` in the run dir "
         "and a stall event names the file",
-    )
+    )  # fmt: skip
     checkpoint_timeout_s: float = setting(
-        1800.0,
-        gt=0,
+        1800.0, gt=0,
         doc='in place of `stall_timeout_s` while a checkpoint save runs (an open `ot.span("checkpoint")`, '
         "or a save a framework integration announces): a hung save is still a stall",
-    )
+    )  # fmt: skip
     stack_dump_signal: str = setting(
-        "SIGUSR1",
-        check=_signal_problem,
+        "SIGUSR1", check=_signal_problem,
         doc="`kill -USR1 <pid>` writes the same stack dump, also while the rank is blocked in a collective; "
         '`""` turns it off',
-    )
+    )  # fmt: skip
     # bridges
     tensorboard: bool = setting(False, doc="TensorBoard bridge")
     wandb: bool = setting(False, doc="Weights & Biases bridge")
@@ -366,40 +324,32 @@ class Config:
     )
     # distributed
     straggler_threshold: float = setting(
-        0.9,
-        gt=0,
-        lt=1,
-        runtime=True,
-        fix="use a score in (0, 1), e.g. 0.9",
+        0.9, gt=0, lt=1, runtime=True, fix="use a score in (0, 1), e.g. 0.9",
         doc="a rank whose smoothed relative score (1 − lateness ÷ step time) falls below this is a chronic "
         "straggler",
-    )
+    )  # fmt: skip
     straggler_ewma: float = setting(
         0.5, gt=0, le=1, doc="weight of the newest flush interval in the smoothed straggler scores"
     )
     collective_timeout_s: float = setting(
-        60.0,
-        gt=0,
+        60.0, gt=0,
         doc="a rank that sends no telemetry row for this long turns the exchange off (and the timeout of "
         "the run id broadcast at `init()`)",
-    )
+    )  # fmt: skip
     exchange_grace_s: float = setting(
-        1.0,
-        gt=0,
+        1.0, gt=0,
         doc="how long rank 0's worker waits at a flush for the rows of the ranks that were in at its previous "
         "flush (lockstep ranks: milliseconds); later rows are taken at a later flush, never waited for on "
         "the training thread",
-    )
+    )  # fmt: skip
     exchange_fanin: int = setting(
-        16,
-        ge=2,
-        fix="use a whole number of children per rank >= 2, e.g. 16",
+        16, ge=2, fix="use a whole number of children per rank >= 2, e.g. 16",
         doc="children per rank in the exchange's reduction tree (at least 2; ranks grouped per node first "
         "where `LOCAL_WORLD_SIZE` says which share one; a node leader has up to twice this): every rank's "
         "CPU and bytes per flush are O(fan-in), the depth O(log N). A fan-in >= the world size - 1 is the "
         "star around rank 0 (exact rows of every rank); larger jobs carry 4 rows whole per subtree and a "
         "mergeable summary of the rest ([Cross-rank exchange](../scale.md#cross-rank-exchange))",
-    )
+    )  # fmt: skip
     cross_rank: bool = setting(
         True,
         doc="one exchange per flush with rank 0 (cross-rank stats, stragglers, one flush cadence), never "
@@ -430,8 +380,7 @@ def env_name(field_name: str) -> str:
 # --- the table, read by the loaders, the control file and the docs ----------------------------------
 @dataclass(frozen=True)
 class Declaration:
-    """A field as the table holds it: its type (`X` of `X | None`), whether it may be None, its
-    default and its `Setting`."""
+    """A field as the table holds it: its type (`X` of `X | None`), optional, default, `Setting`."""
 
     type: Any
     optional: bool
@@ -492,20 +441,15 @@ def allowed(name: str, cls: type[Config] = Config, in_ms: bool = False) -> str:
     return text + ", or leave it unset" * entry.optional
 
 
+_KINDS = {bool: "true or false", int: "an integer", dict: "a mapping of strings", tuple: "a list of strings"}
+
+
 def _kind(hint: Any, name: str) -> str:
-    if hint is bool:
-        return "true or false"
-    if hint is int:
-        return "an integer"
     if hint is float:
         return "a number of seconds" if name.endswith("_s") else "a number"
     if typing.get_origin(hint) is Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(hint)))
-    if typing.get_origin(hint) is dict:
-        return "a mapping of strings"
-    if typing.get_origin(hint) is tuple:
-        return "a list of strings"
-    return "a string"
+    return _KINDS.get(typing.get_origin(hint) or hint, "a string")
 
 
 def _is_a(value: Any, hint: Any) -> bool:
@@ -545,9 +489,8 @@ def problem(name: str, value: Any, cls: type[Config] = Config) -> str | None:
 
 
 def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
-    """Check every setting against its declaration; `sources` (field -> where the value came from)
-    makes errors name the variable or file the user actually set, e.g. OTEL_EXPORTER_OTLP_TIMEOUT
-    rather than OTEL_TRAIN_*."""
+    """Check every setting; `sources` (field -> where its value came from) makes an error name what
+    the user set (e.g. OTEL_EXPORTER_OTLP_TIMEOUT rather than OTEL_TRAIN_*)."""
     sources = sources or {}
     for name in declared(type(config)):
         value = getattr(config, name)
@@ -570,9 +513,8 @@ _NOT_RUN_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:-]+")
 
 
 def default_run_name(prefix: str | None = None) -> str:
-    """The run name when none is set: `<UTC date-time>-<4 hex>`, so a run never reuses the previous
-    run's directory. With `prefix` (a framework's project name), `<prefix>-<UTC date-time>-<4 hex>`,
-    the prefix made a valid run name's start (other characters as `-`, at most 100 of them)."""
+    """`[<prefix>-]<UTC date-time>-<4 hex>`, so a run never reuses the previous run's directory;
+    `prefix` (a framework's project name) is made a valid run name's start (at most 100 characters)."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     name = f"{stamp}-{secrets.token_hex(2)}"
     start = _NOT_RUN_NAME_CHARS.sub("-", prefix or "").lstrip("-_.:")[:100]

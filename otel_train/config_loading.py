@@ -76,9 +76,8 @@ def load_config(
 
 
 def warn_unknown_env(environ: Mapping[str, str], config_cls: type[Config] = Config) -> None:
-    """Warn once per variable about an `OTEL_TRAIN_*` variable that names no setting (a misspelt
-    one is otherwise ignored without a word). A warning, not an error: a stale variable left in a
-    job script must not stop the job."""
+    """Warn once about each `OTEL_TRAIN_*` variable that names no setting: a warning, since a stale
+    variable left in a job script must not stop the job."""
     table = declared(config_cls)
     settings_env = {env_name(name) for name in table}
     known = settings_env | NOT_SETTINGS_ENV
@@ -96,15 +95,13 @@ def warn_unknown_env(environ: Mapping[str, str], config_cls: type[Config] = Conf
         log.warning(
             "otel_train: environment variable %s is no otel_train setting and is ignored: %sthe "
             "settings' variables are OTEL_TRAIN_<FIELD> of the fields in docs/reference/configuration.md.",
-            key,
-            hint,
-        )
+            key, hint,
+        )  # fmt: skip
 
 
 def config_file_settings(path: str, config_cls: type[Config] = Config) -> dict[str, Any]:
-    """The settings a YAML config file names, as written there (not yet parsed nor checked): an
-    adapter asks it which settings the user chose. A missing or malformed file, or one naming an
-    unknown setting, raises `ConfigError` naming the file and the fix."""
+    """The settings a YAML config file names, as written (an adapter asks which the user chose).
+    A missing or malformed file, or an unknown setting, raises `ConfigError` naming the fix."""
     import yaml
 
     try:
@@ -134,9 +131,7 @@ def did_you_mean(name: object, known: Iterable[str], about: bool = False) -> str
     """`did you mean 'tensorboard'? ` for a misspelt setting `name` (`about`: `for 'tensorbaord'`
     added, where several names are refused at once), or "" when no setting is close."""
     close = difflib.get_close_matches(str(name), list(known), n=1)
-    if not close:
-        return ""
-    return f"did you mean {close[0]!r}{f' for {name!r}' if about else ''}? "
+    return f"did you mean {close[0]!r}{f' for {name!r}' if about else ''}? " if close else ""
 
 
 def _from_standard_env(env_key: str, raw: str, name: str, config_cls: type[Config]) -> Any:
@@ -232,5 +227,5 @@ def _parse(name: str, value: Any, source: str, entry: Declaration) -> Any:
     if origin is tuple and text is not None:
         return tuple(v.strip() for v in value.split(",") if v.strip())
     if origin is tuple and isinstance(value, (list, tuple)):
-        return tuple(str(v) for v in value)
+        return tuple(map(str, value))
     return value

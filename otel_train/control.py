@@ -46,8 +46,7 @@ class ControlChange:
 def validate(
     settings: Mapping[str, Any], world_size: int = 1, config_cls: type[Config] = Config
 ) -> str | None:
-    """None when every setting may change at runtime and its value is allowed, else what is wrong
-    and how to fix it."""
+    """None when every setting may change at runtime and its value is allowed, else the fix."""
     runtime = settings_table.runtime_settings(config_cls)
     if not settings:
         return f"no setting: use one or more of {sorted([*runtime, 'profile'])}"
@@ -72,11 +71,10 @@ def _profile_problem(value: Any, world_size: int) -> str | None:
     if not isinstance(value, Mapping) or not set(value) <= _PROFILE_KEYS:
         return f"profile: use an object with keys from {sorted(_PROFILE_KEYS)}"
     ranks = value.get("ranks")
-    if ranks is not None and (
-        not isinstance(ranks, list)
-        or not ranks
-        or not all(r.__class__ is int and 0 <= r < world_size for r in ranks)
-    ):
+    valid_ranks = (
+        isinstance(ranks, list) and ranks and all(r.__class__ is int and 0 <= r < world_size for r in ranks)
+    )
+    if ranks is not None and not valid_ranks:
         return f"profile ranks={ranks!r}: use a non-empty list of ranks in [0, {world_size - 1}]"
     problem = window_problem({k: v for k, v in value.items() if k != "ranks"})
     return f"profile: {problem}" if problem is not None else None
@@ -142,16 +140,10 @@ def _change(entry: Any, world_size: int, config_cls: type[Config]) -> ControlCha
 
 
 def _stamp_body(document: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The stamp of a file rank 0 stamped, None when it is not one: no digest, or a digest that does
-    not match (someone edited it since)."""
-    settings = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
-    body = {
-        "settings": settings,
-        "version": document.get("version"),
-        "apply_at_step": document.get("apply_at_step"),
-        "earlier": document.get("earlier", []),
-        "by": document.get("by"),
-    }
+    """The stamp of a file rank 0 stamped; None without one or when edited since (digest mismatch)."""
+    body = {key: document.get(key) for key in ("version", "apply_at_step", "by")}
+    body["settings"] = {k: v for k, v in document.items() if k not in _STAMP_KEYS}
+    body["earlier"] = document.get("earlier", [])
     if document.get("digest") != _digest(body) or not isinstance(body["earlier"], list):
         return None
     return body
@@ -165,14 +157,11 @@ def stamped_changes(
     if body is None:
         return None
     changes = [_change(entry, world_size, config_cls) for entry in [*body["earlier"], body]]
-    if any(change is None for change in changes):
-        return None
-    return [change for change in changes if change is not None]
+    return None if None in changes else [change for change in changes if change is not None]
 
 
 def _lasting_settings(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings a stamp's changes (earlier ones first) leave a run with: each one's latest
-    value, without `profile` (a window to run, not a setting)."""
+    """What a stamp's changes leave a run with: each setting's latest value, without `profile`."""
     settings: dict[str, Any] = {}
     for entry in [*body["earlier"], body]:
         if isinstance(entry, Mapping) and isinstance(entry.get("settings"), Mapping):
@@ -279,8 +268,7 @@ class ControlFile:
     def _asked(
         self, settings: dict[str, Any], last_step: int, seconds_per_step: float | None
     ) -> list[ControlChange]:
-        """Settings asked for anew, validated; rank 0 stamps them as the next change, other ranks
-        read that stamp at a later poll."""
+        """Settings asked for anew, validated; rank 0 stamps them as the next change."""
         problem = validate(settings, self.world_size, self.config_cls)
         if problem is not None:
             self._reject(problem)
@@ -301,8 +289,7 @@ class ControlFile:
         return hashlib.sha256(record).hexdigest()[:16] if record else None
 
     def schedule(self, last_step: int, seconds_per_step: float | None) -> None:
-        """Control thread: poll the file, schedule each new change for the training thread and announce
-        it (a `control` health event)."""
+        """Control thread: schedule each new change for the training thread, as a `control` event."""
         for change in self.poll(last_step, seconds_per_step):
             with self._pending_lock:
                 self.pending = [*self.pending, change]
@@ -355,8 +342,7 @@ class ControlFile:
 
 def apply_due(session: Any, due: list[ControlChange], index: int) -> None:
     """Apply each change in turn; one that fails is a `control_rejected` event, never an exception
-    in the user's step. `session` is a `Session` with a control file (not named here: session
-    imports this module)."""
+    in the user's step. `session`: a `Session` (not imported: session imports this module)."""
     for change in due:
         try:
             apply_change(session, change, index)
@@ -389,15 +375,12 @@ def apply_change(session: Any, change: ControlChange, index: int) -> None:
         log.warning(
             "otel_train: runtime control v%d applied at step %d, after its step %d (this rank "
             "read the control file late)",
-            change.version,
-            index,
-            change.apply_at_step,
-        )
+            change.version, index, change.apply_at_step,
+        )  # fmt: skip
 
 
 def changed_config(config: Config, settings: Mapping[str, Any]) -> Config:
-    """`config` with a change's settings (all but `profile`, which starts a window instead), checked
-    as `init()` checks them (`ConfigError`)."""
+    """`config` with a change's settings but `profile`, checked as `init()` checks them."""
     changes = {k: v for k, v in settings.items() if k != "profile"}
     new = dataclasses.replace(config, **changes)
     settings_table.validate(new, dict.fromkeys(changes, "the control file"))

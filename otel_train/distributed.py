@@ -45,9 +45,7 @@ class Identity:
 
     @property
     def instance_id(self) -> str:
-        if self.role:
-            return f"{self.run_id}-{self.role}-rank{self.rank}"
-        return f"{self.run_id}-rank{self.rank}"
+        return f"{self.run_id}-{self.role}-rank{self.rank}" if self.role else f"{self.run_id}-rank{self.rank}"
 
 
 @dataclass(frozen=True)
@@ -88,11 +86,7 @@ def env_int(raw: str | None) -> int | None:
 
 
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:
-    for name in names:
-        value = env_int(environ.get(name))
-        if value is not None:
-            return value
-    return default
+    return next((value for name in names if (value := env_int(environ.get(name))) is not None), default)
 
 
 # (rank, world size) as each launcher sets them: torchrun / env://, srun, Open MPI, MPICH's PMI.
@@ -106,15 +100,14 @@ _said: set[str] = set()  # what detect_identity told this process already (said 
 
 
 def _launcher_rank_world(env: Mapping[str, str]) -> tuple[int, int, str, str]:
-    """(rank, world size, the variables they came from, what was ignored and why): from the
-    first launcher whose rank variable is set, read together with that launcher's world size.
-    A rank without its world size, or outside it, describes no job (an `export RANK=3` left in a
-    shell, variables of two launchers mixed): it is ignored, and the process is rank 0 of 1."""
+    """(rank, world size, their variables, what was ignored and why), from the first launcher whose
+    rank variable is set. A rank without its world size, or outside it (an `export RANK=3` left in a
+    shell, two launchers mixed), describes no job: ignored, the process is rank 0 of 1."""
     for rank_name, world_name in _LAUNCHER_RANKS:
-        rank = _first_int(env, (rank_name,), None)
+        rank = env_int(env.get(rank_name))
         if rank is None:
             continue
-        world = _first_int(env, (world_name,), None)
+        world = env_int(env.get(world_name))
         if world is not None and 0 <= rank < world:
             return rank, world, f"{rank_name}={rank}, {world_name}={world}", ""
         given = f"{rank_name}={env[rank_name].strip()}" + (
@@ -152,15 +145,10 @@ def _explain_rank(rank: int, world: int, source: str, ignored: str) -> None:
 
 def _scheduler_run_id(env: Mapping[str, str]) -> tuple[str, RunIdSource] | None:
     """A run id shared by every rank and stable across restarts, when the launcher gives one."""
-    candidates: tuple[tuple[str, RunIdSource], ...] = (
-        ("OTEL_TRAIN_RUN_ID", "env"),
-        # torchrun sets TORCHELASTIC_RUN_ID="none" unless --rdzv-id is given: treat that as absent.
-        ("TORCHELASTIC_RUN_ID", "torchelastic"),
-        ("SLURM_JOB_ID", "slurm"),
-        ("PBS_JOBID", "pbs"),
-        ("LSB_JOBID", "lsf"),
-    )
-    for name, source in candidates:
+    # torchrun sets TORCHELASTIC_RUN_ID="none" unless --rdzv-id is given: treat that as absent.
+    candidates = {"OTEL_TRAIN_RUN_ID": "env", "TORCHELASTIC_RUN_ID": "torchelastic", "SLURM_JOB_ID": "slurm",
+                  "PBS_JOBID": "pbs", "LSB_JOBID": "lsf"}  # fmt: skip
+    for name, source in candidates.items():
         value = (env.get(name) or "").strip()
         if value and value.lower() != "none":
             return value, source
@@ -178,31 +166,20 @@ def _process_group_rank_world() -> tuple[int, int] | None:
 
 
 def process_group_initialized() -> bool:
-    """Is there an initialised torch.distributed process group (torch imported only if loaded)?"""
     return _process_group_rank_world() is not None
 
 
-def detect_identity(
-    run_id: str | None,
-    environ: Mapping[str, str] | None = None,
-    role: str = "",
-) -> Identity:
-    """Rank identity from torchrun / SLURM / Open MPI / PMI variables or an initialized process group.
+def detect_identity(run_id: str | None, environ: Mapping[str, str] | None = None, role: str = "") -> Identity:
+    """Rank identity from torchrun / SLURM / Open MPI / PMI variables, or from an initialized process
+    group (only when `environ` is None). Without a group, what `_launcher_rank_world` ignores is said
+    once, as is a non-zero rank's missing console.
 
-    Without a process group, a launcher's rank counts only with its own world size and inside it
-    (`_launcher_rank_world`); what does not is ignored and said once, as is a non-zero rank's
-    missing console (a job whose process group starts after `ot.init()` keeps its ranks).
-
-    An explicit `run_id` wins, then OTEL_TRAIN_RUN_ID, a scheduler id (TORCHELASTIC_RUN_ID unless
-    "none", SLURM_JOB_ID, PBS_JOBID, LSB_JOBID), else a fresh uuid (which differs per rank until
-    `agree_job` replaces it with rank 0's). Rank and world size come from an initialized
-    `torch.distributed` process group when there is one (only when `environ` is None).
+    The run id: an explicit `run_id`, then OTEL_TRAIN_RUN_ID, a scheduler id, else a fresh uuid (per
+    rank until `agree_job` replaces it with rank 0's).
     """
     env = os.environ if environ is None else environ
-    local_rank = (
-        _first_int(env, ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"), 0)
-        or 0
-    )
+    local_names = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+    local_rank = _first_int(env, local_names, 0) or 0
     rank, world, source, ignored = _launcher_rank_world(env)
     pg = _process_group_rank_world() if environ is None else None
     if pg is not None:
@@ -229,10 +206,9 @@ def create_telemetry_group(
 ) -> Any | None:
     """The dedicated gloo group the telemetry exchange runs on (never the training's default group).
 
-    Collective: every rank must call it, in the same order relative to other `new_group` calls
-    (otel_train calls it once, from `init()`). Returns None when not distributed or when the group
-    cannot be created (logged; cross-rank telemetry is then off on this rank). `ranks`: the group
-    among these global ranks only (a job's new group after a peer died): only they call it.
+    Collective: every rank calls it, in the same order relative to other `new_group` calls. None
+    when not distributed or when it fails (logged; cross-rank telemetry off on this rank). `ranks`:
+    a group among these global ranks only (after a peer died), and only they call it.
     """
     if _process_group_rank_world() is None or not identity.distributed:
         return None
@@ -264,16 +240,13 @@ class Agreement:
 def agree_job(
     identity: Identity, group: Any | None, run_name: str, log_interval: int | None, cross_rank: bool = True
 ) -> Agreement:
-    """Every rank adopts rank 0's run id, run name, cross_rank and (in lockstep, cross_rank on)
-    log_interval: one broadcast on the telemetry group at init, so every rank of a job writes into
-    one run directory (a generated name differs per process) and, in lockstep, flushes at the same
-    steps (each flush's exchange pairs the same steps on every rank; a rank flushing every 7 steps
-    beside one flushing every 10 would pair different steps).
+    """Every rank adopts rank 0's run id, run name, cross_rank and (in lockstep) log_interval, in
+    one broadcast at init: one run directory per job, and lockstep ranks flush at the same steps
+    (each flush's exchange pairs the same steps on every rank).
 
-    Always broadcasts when `group` is given (every rank issues the same collective whatever its
-    environment says), so ranks can never disagree on whether to communicate. Without a group
-    (single process, or no process group) the inputs are returned unchanged. A failure (peer gone,
-    timeout) keeps the local values and logs a warning.
+    With a `group` it always broadcasts, whatever the environment says, so ranks never disagree on
+    whether to communicate; without one the inputs come back unchanged. A failure keeps the local
+    values (warned).
     """
     local = Agreement(identity, run_name, log_interval, cross_rank)
     if group is None or not identity.distributed:

@@ -62,11 +62,8 @@ def _gpus() -> list[dict[str, Any]]:
     torch = sys.modules.get("torch")  # never import torch just for this
     if torch is None or not torch.cuda.is_available():
         return []
-    gpus = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        gpus.append({"index": i, "name": props.name, "memory_bytes": props.total_memory})
-    return gpus
+    devices = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return [{"index": i, "name": p.name, "memory_bytes": p.total_memory} for i, p in enumerate(devices)]
 
 
 def _git_commit() -> str | None:

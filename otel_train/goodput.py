@@ -79,10 +79,9 @@ class Clocks:
 
 
 class StepClock:
-    """Goodput's books on the training thread: a few cumulative nanosecond counters, written by
-    that thread only (at a long gap between steps, when a span ends and at an eval batch, never
-    per step or timer), read by `GoodputListener` on the worker, which also reads time through
-    `clocks`. The stall watchdog adds the stalls it saw inside steps (`note_step_stall`)."""
+    """Goodput's books on the training thread: cumulative nanosecond counters written by that thread
+    only (at a long gap, a span's end, an eval batch; never per step), read by `GoodputListener` on
+    the worker. The stall watchdog adds the stalls it saw inside steps (`note_step_stall`)."""
 
     def __init__(self, stall_timeout_s: float, clocks: Clocks | None = None) -> None:
         self.clocks = clocks if clocks is not None else Clocks()
@@ -103,15 +102,13 @@ class StepClock:
         self.step_stalls: deque[tuple[int, float]] = deque()
 
     def note_step_stall(self, after_step: int, seconds: float) -> None:
-        """The watchdog declared a stall inside the step after `after_step`, and the loop progressed
-        again `seconds` after it last had (or after that step began): the step's stalled time."""
+        """The watchdog saw the step after `after_step` stalled for `seconds` (without progress)."""
         self.step_stalls.append((after_step, seconds))
 
     def note_gap(self, start_ns: int, previous_end_ns: int | None) -> None:
-        """The first step starts (`previous_end_ns` None), or a step starts at `start_ns` more than
-        stall_timeout_s after the last one ended: that gap, less the spans in it, is stall time, or
-        eval time when eval batches ran in it (`adapters.heartbeat()` between steps, as DeepSpeed's
-        eval forwards and a loop's own evaluation without an `ot.span("eval")` call it)."""
+        """A step starts at `start_ns` (the first one: `previous_end_ns` None). A gap over
+        stall_timeout_s, less the spans in it, is stall time, or eval time when eval batches ran in it
+        (`adapters.heartbeat()` between steps, as an eval without `ot.span("eval")` calls it)."""
         if previous_end_ns is None:
             self.first_step_start_ns = start_ns
             return
@@ -125,15 +122,14 @@ class StepClock:
             self.stall_ns += stalled
 
     def note_span(self, name: str, duration_ns: int, in_step: bool, last_step_end_ns: int | None) -> None:
-        """An `ot.span` ended (`in_step`: inside a step; `last_step_end_ns`: when the last step
-        ended): its cause's time, and where it sits (inside a step, between steps, before the first
-        one)."""
+        """An `ot.span` ended: its cause's time, and where it sits (inside a step, between steps,
+        before the first one)."""
         cause = span_cause(name)
         if cause != "other":
             self.span_ns[cause] = self.span_ns.get(cause, 0) + duration_ns
-        if in_step:
-            if cause != "other":
+            if in_step:
                 self.nested_badput_ns += duration_ns
+        if in_step:
             return
         if self.gap_after_ns != last_step_end_ns:  # the first span of a new gap
             self.gap_after_ns, self.gap_span_ns = last_step_end_ns, 0
@@ -203,9 +199,8 @@ class GoodputListener:
             self._save(account)
 
     def _book_step_stalls(self, interval: Interval) -> None:
-        """The watchdog's stalls inside steps become stall badput once their step is flushed
-        (numbered steps; any left at the last flush), less the longest data-phase timer of the recent
-        intervals: a hang inside `ot.timer("data")` is data badput, booked already."""
+        """The watchdog's stalls inside steps become stall badput once their step is flushed, less the
+        longest recent data-phase timer (a hang inside `ot.timer("data")` is data badput already)."""
         if interval.steps:
             data = [max(values) for name, values in interval.phases.items() if name in DATA_PHASES and values]
             self._data_peaks.append(max(data, default=0.0))
@@ -215,9 +210,8 @@ class GoodputListener:
             self.step_stall_s += max(0.0, seconds - max(self._data_peaks, default=0.0))
 
     def _report(self, account: dict[str, float]) -> None:
-        """Metrics move only with flushes that carry steps: a flush without steps (a
-        `log_metrics(step=...)` or the final one) repeats the last step, and bridges keep one
-        value per step. The state file and the end-of-run summary still get the last account."""
+        """Metrics move only with flushes that carry steps (one without repeats the last step, and
+        bridges keep one value per step); the state file and the summary still get the account."""
         for counter, key, attributes in self._counters:
             delta = account[key] - self._reported[key]
             if delta > 0:
@@ -227,8 +221,7 @@ class GoodputListener:
             self._gauge.set(account["productive_s"] / account["wall_s"])
 
     def _set_deviation(self, durations: list[float]) -> None:
-        """`train.step.deviation`: this interval's mean step time against the typical one (the
-        median of the last DEVIATION_BASELINE intervals' means, this one included), minus 1."""
+        """`train.step.deviation` (the typical mean includes this interval's)."""
         if not durations:
             return
         mean = math.fsum(durations) / len(durations)
@@ -373,9 +366,8 @@ MAX_CLOCK_AHEAD_S = 86400.0  # an `updated` later than now by more than this (cl
 
 
 def _load(path: Path | None, run_id: str, now: float) -> dict[str, Any] | None:
-    """The account of an earlier process of the same run id, if any. A file we cannot trust
-    (unreadable, not our shape, a value out of range) never stops a restart: it is warned about
-    once, kept aside as `<name>.corrupt` and the account starts over from this process."""
+    """The account of an earlier process of the same run id, if any. A file we cannot trust never
+    stops a restart: warned once, kept aside as `<name>.corrupt`, and the account starts over."""
     if path is None or not path.exists():
         return None
     try:
@@ -400,9 +392,8 @@ def _load(path: Path | None, run_id: str, now: float) -> dict[str, Any] | None:
 
 
 def _validated(state: dict[str, Any], now: float) -> dict[str, Any]:
-    """`state` as numbers we can add to, or ValueError naming the first bad field. Fields an older
-    writer did not have take defaults: a cause 0, `last_step` -1, `interruptions` 0, and its one
-    `checkpoint` cause is checkpoint_save; a boot stamp that is not one leaves the gap to `updated`."""
+    """`state` as numbers we can add to, or ValueError naming the first bad field. An older writer's
+    missing fields take defaults; its one `checkpoint` cause is checkpoint_save."""
     if not isinstance(state.get("run_id"), str):
         raise ValueError("no run_id")
     badput = state.get("badput")
@@ -454,10 +445,9 @@ _process_has_run = False  # a run's account already began at this process's star
 
 
 def run_start_perf_s() -> float:
-    """Where a run's account begins, on the perf_counter clock: the process's first run at the
-    process's start (imports and the set-up before `ot.init()` are its startup); a later run of the
-    same process (a sweep's next trial, a second Trainer, a notebook cell run again) at its own
-    `ot.init()`, so the earlier runs' time is not its startup."""
+    """Where a run's account begins (perf_counter clock): the process's start for its first run
+    (imports and set-up are startup); a later run of the same process (a sweep's next trial) at its
+    own `ot.init()`."""
     global _process_has_run
     if _process_has_run:
         return time.perf_counter()
@@ -468,12 +458,9 @@ def run_start_perf_s() -> float:
 def process_start_perf_s() -> float:
     """This process's start time on the perf_counter clock.
 
-    Linux: `/proc/self/stat`'s starttime (clock ticks since boot, on CLOCK_BOOTTIME), against
-    CLOCK_BOOTTIME now; exact to one clock tick (10 ms at the usual USER_HZ of 100, always early).
-    Not psutil's create_time(): it adds the ticks to `/proc/stat`'s btime, a whole number of
-    seconds, so every start would be off by up to 1 s (differently on each machine), and a restart's
-    gap and the account's wall time with it. Elsewhere psutil's create_time() (microseconds on macOS),
-    and when nothing answers, now."""
+    Linux: `/proc/self/stat`'s starttime against CLOCK_BOOTTIME now, exact to one clock tick. Not
+    psutil's create_time() there: it adds the ticks to `/proc/stat`'s whole-second btime, off by up
+    to 1 s. Elsewhere psutil's create_time(), and when nothing answers, now."""
     ticks = process_start(os.getpid())
     if ticks:
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(ticks) / os.sysconf("SC_CLK_TCK")

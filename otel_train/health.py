@@ -26,20 +26,16 @@ from otel_train.run_directory import append_line
 log = logging.getLogger("otel_train")
 
 AttributeValue = str | int | float | bool
+Attributes = Mapping[str, AttributeValue] | None
 _SEVERITY = {"INFO": SeverityNumber.INFO, "WARNING": SeverityNumber.WARN, "ERROR": SeverityNumber.ERROR}
 
 
 class EventChannel(Protocol):
-    """Where health events go: the one seam every part that reports an event uses (the watchdog,
-    the runtime control, the hardware samplers, the straggler listener). `HealthEvents` is the
-    session's; tests pass a recording double."""
+    """Where health events go: the one seam every reporting part uses (watchdog, runtime control,
+    hardware samplers, straggler listener). `HealthEvents` is the session's."""
 
     def emit(
-        self,
-        event: str,
-        message: str,
-        attributes: Mapping[str, AttributeValue] | None = None,
-        severity: str = "WARNING",
+        self, event: str, message: str, attributes: Attributes = None, severity: str = "WARNING"
     ) -> None: ...
 
 
@@ -47,13 +43,9 @@ class NullEventChannel:
     """An EventChannel that drops every event (a part built without one)."""
 
     def emit(
-        self,
-        event: str,
-        message: str,
-        attributes: Mapping[str, AttributeValue] | None = None,
-        severity: str = "WARNING",
+        self, event: str, message: str, attributes: Attributes = None, severity: str = "WARNING"
     ) -> None:
-        return None
+        pass
 
 
 EventCallback = Callable[[str, str, dict[str, AttributeValue]], None]
@@ -66,12 +58,11 @@ CALLBACK_QUEUE = 1024
 class HookThread:
     """Runs the user's hooks (`ot.on_event`, `ot.on_straggler`) on a thread of their own, in order.
 
-    A hook is the user's code: a webhook that hangs, a call to `ot.shutdown()`, an `ot.event` that
-    forwards what it is given. Run on the thread that raised the event, the first held the worker
-    (no step written) and the watchdog (no stall reported), the second could not join the thread
-    it ran on, the third fed itself. Here the raising thread only queues the call (never waits:
-    a full queue drops it, counted and warned once), `ot.shutdown()` from a hook closes
-    everything but this thread, and an event raised on this thread is not handed to the hooks."""
+    A hook is the user's code: a hanging webhook would hold the worker or the watchdog, an
+    `ot.shutdown()` could not join the thread it runs on, an `ot.event` forwarding its input would feed
+    itself. So the raising thread only queues the call (a full queue drops it, counted and warned
+    once), `ot.shutdown()` from a hook closes everything but this thread, and an event raised on this
+    thread is not handed to the hooks."""
 
     def __init__(self, dropped: Any, maxsize: int = CALLBACK_QUEUE) -> None:
         self._dropped = dropped
@@ -118,8 +109,7 @@ class HookThread:
 
     def close(self, timeout_s: float) -> None:
         """Let the queued calls run for up to `timeout_s`, then stop (a hook still running is left
-        behind: the thread is a daemon). From a hook itself (`ot.shutdown()` in a callback): stop
-        once that hook returns, without waiting for it."""
+        behind: a daemon). From a hook itself: stop once that hook returns, without waiting."""
         if self._closed:
             return
         if self.on_hook_thread():
@@ -134,10 +124,7 @@ class HookThread:
 
 class HealthEvents:
     """One way out for every health event: counter + OTel log record + events JSONL + log line.
-
-    Thread-safe; called from the worker, the hardware sampler and the reducer. Attributes and
-    message are redacted here (an `ot.event` may carry a token), whoever raised them.
-    """
+    Thread-safe; attributes and message are redacted here (an `ot.event` may carry a token)."""
 
     def __init__(
         self,
@@ -158,9 +145,8 @@ class HealthEvents:
         self.hooks: HookThread | None = None  # started by the first user hook (`hook_thread`)
 
     def add_callback(self, callback: EventCallback) -> None:
-        """Call `callback(event, message, attributes)` after each event ON THE EMITTING THREAD (an
-        exception it raises reaches the emitter): for quick observers that never block nor call
-        the API (the library's own, tests). The user's go through `add_hook`."""
+        """Call `callback(event, message, attributes)` after each event ON THE EMITTING THREAD (its
+        exceptions reach the emitter): for quick observers that never block; the user's use `add_hook`."""
         self._callbacks = [*self._callbacks, callback]  # replaced, not mutated: emit() iterates it
 
     def hook_thread(self, dropped: Any) -> HookThread:
@@ -184,11 +170,7 @@ class HealthEvents:
             hooks.close(timeout_s)
 
     def emit(
-        self,
-        event: str,
-        message: str,
-        attributes: Mapping[str, AttributeValue] | None = None,
-        severity: str = "WARNING",
+        self, event: str, message: str, attributes: Attributes = None, severity: str = "WARNING"
     ) -> None:
         message = redact_text(message)
         extra = redact_attributes(attributes) if attributes else {}
@@ -213,9 +195,8 @@ class HealthEvents:
                 except OSError as exc:
                     log.warning(
                         "otel_train: cannot write %s (%s); health events stay in OTel only.",
-                        self._events_path,
-                        exc,
-                    )
+                        self._events_path, exc,
+                    )  # fmt: skip
                     self._events_path = None
         if self.echo:
             log.warning("otel_train %s: %s", event, message)
@@ -230,13 +211,9 @@ class HealthEvents:
 
 
 # A loss is a spike when it exceeds the exponentially weighted mean of the losses before it by more
-# than both (spike_factor - 1) x |mean| (for a positive loss: above factor x mean; |mean| keeps the
-# bar meaningful for a negative one) and _SPIKE_SIGMAS exponentially weighted standard deviations.
-# The relative bar alone shrinks to nothing as the loss nears zero (a memorised batch, a loss that
-# crosses zero) and then fires on every noisy step; the deviation bar alone fires on a loss too
-# steady to have noise. 8 deviations, not a control chart's 3, and a variance with a longer memory
-# than the mean: a loss's step-to-step noise is heavy-tailed (multiplicative near zero), and for an
-# ordinary loss (noise under 25 % of it) the relative bar decides anyway.
+# than both (spike_factor - 1) x |mean| and _SPIKE_SIGMAS weighted standard deviations: either bar
+# alone fires on every step of a loss near zero, or of one too steady to have noise
+# (docs/design/diagnostics.md#loss-spike).
 _SPIKE_MEAN_WEIGHT = 0.1  # weight of the newest loss: a memory of about 20 values
 _SPIKE_VAR_WEIGHT = 0.02  # about 100
 _SPIKE_SIGMAS = 8.0

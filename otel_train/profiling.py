@@ -8,6 +8,7 @@ Each active stretch becomes a chrome trace in the run directory. Design: docs/de
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from collections.abc import Callable, Sequence
@@ -64,7 +65,7 @@ class ProfileWindow:
     skip_first: int = 0
 
     def __post_init__(self) -> None:
-        problem = window_problem({key: getattr(self, key) for key in _FIELDS})
+        problem = window_problem(dataclasses.asdict(self))
         if problem is not None:
             raise ValueError(f"ot.profile: {problem} (got {self})")
 
@@ -94,16 +95,9 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
+        # ProfileWindow's fields are torch.profiler.schedule's arguments
         self._profiler = profile(
-            activities=activities,
-            schedule=schedule(
-                wait=window.wait,
-                warmup=window.warmup,
-                active=window.active,
-                repeat=window.repeat,
-                skip_first=window.skip_first,
-            ),
-            on_trace_ready=self._save,
+            activities=activities, schedule=schedule(**dataclasses.asdict(window)), on_trace_ready=self._save
         )
         self._profiler.start()
 

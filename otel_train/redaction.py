@@ -70,18 +70,16 @@ def _redacted_pair(match: re.Match[str]) -> str:
 
 
 def redact_text(text: str) -> str:
-    """Best effort for free text (ot.log_text, samples), in linear time: the values of
-    secret-looking names (`key=value`, `key: value`, quoted, JSON, dict and Namespace reprs,
-    `--flag value`), bearer tokens and URL userinfo become '***'."""
+    """Best effort for free text, in linear time: the values of secret-looking names (`k=v`, `k: v`,
+    quoted, JSON, reprs, `--flag value`), bearer tokens and URL userinfo become '***'."""
     text = _SECRET_IN_TEXT_RE.sub(_redacted_pair, text)
     text = _BEARER_RE.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     return _USERINFO_RE.sub(f"{REDACTED}@", text)
 
 
 def redact_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
-    """Flat attributes (a health event's, an OTel log record's): a str under a secret-looking
-    name becomes '***', every other str gets the free-text redaction; numbers and bools are kept
-    (a count named `tokens` is no secret)."""
+    """Flat attributes (a health event's, a log record's): a str under a secret-looking name becomes
+    '***', every other str gets the free-text redaction; numbers and bools are kept."""
     out: dict[str, Any] = {}
     for key, value in attributes.items():
         if isinstance(value, str):

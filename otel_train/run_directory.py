@@ -46,11 +46,9 @@ def make_run_dir(config: Config, run_name: str) -> Path | None:
 
 
 def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: str = "") -> bool:
-    """Decide whether this process may write rank `rank`'s files in `run_dir`. Returns True for a
-    resume (the same run_id restarted: torchrun elastic restart, SLURM requeue: append), False for
-    a fresh start; raises ConfigError when an EARLIER run with another run_id wrote this rank's
-    files (appending would interleave two runs). Other ranks of the same job share the directory,
-    so only this rank's own files count, never the directory's existence."""
+    """May this process write rank `rank`'s files in `run_dir`? True for a resume (the same
+    run_id restarted: append), False for a fresh start; ConfigError when an earlier run with another
+    run_id wrote them. Only this rank's own files count: other ranks share the directory."""
     files = RunFiles(run_dir, rank, role)
     wrote = files.metrics.exists() and files.metrics.stat().st_size > 0
     if os.path.lexists(files.owner):
@@ -67,11 +65,8 @@ def claim_run_dir(run_dir: Path, rank: int, run_id: str, run_name: str, role: st
         if holder is not None:  # only when rank 0 did not see its own owner alive (see avoid_live_owner)
             log.warning(
                 "otel_train: %s: rank %d's files are still held by live process %s on %s; both append.",
-                run_dir,
-                rank,
-                holder.get("pid"),
-                holder.get("host"),
-            )
+                run_dir, rank, holder.get("pid"), holder.get("host"),
+            )  # fmt: skip
         write_json(files.owner, _owner_record(run_id), fsync=True)  # this process holds the files now
         return True
     raise ConfigError(
@@ -102,10 +97,8 @@ def _run_id_in(path: Path) -> str | None:
 
 
 def _set_aside_owner(files: RunFiles, run_id: str) -> str | None:
-    """A damaged owner file never stops a restart (as a damaged goodput file): it is kept aside as
-    `<name>.corrupt` with one warning, and None returned. Unless this rank's goodput file, which
-    also records the run id, names another run: that run id is returned (the claim refuses it, as
-    for a whole owner file) and the file is left where it is."""
+    """A damaged owner file never stops a restart: kept aside as `<name>.corrupt` (warned), None
+    returned; unless this rank's goodput file names another run id, which is returned instead."""
     owner = files.owner
     recorded = _run_id_in(files.goodput)
     if recorded is not None and recorded != run_id:
@@ -118,11 +111,8 @@ def _set_aside_owner(files: RunFiles, run_id: str) -> str | None:
     log.warning(
         "otel_train: %s is damaged (empty, cut short or not an owner record); kept as %s. Nothing "
         "names another run, so run_id %s takes rank %d's files over and appends to them.",
-        owner,
-        aside,
-        run_id,
-        files.rank,
-    )
+        owner, aside, run_id, files.rank,
+    )  # fmt: skip
     return None
 
 
@@ -138,9 +128,8 @@ def _owner_record(run_id: str) -> dict[str, object]:
 
 
 def process_start(pid: int) -> str | None:
-    """When process `pid` started (Linux: clock ticks since boot on CLOCK_BOOTTIME, telling a reused
-    pid apart), or None where that cannot be read; "" for a process that has exited (a zombie) or
-    does not exist."""
+    """When process `pid` started (Linux: ticks since boot, telling a reused pid apart); None where
+    unreadable; "" for an exited (zombie) or absent process."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -174,9 +163,8 @@ def live_owner(run_dir: Path, rank: int, role: str = "") -> dict[str, object] | 
 
 
 def avoid_live_owner(output_dir: Path, run_name: str, run_id: str, role: str = "") -> str:
-    """Rank 0, before the run name is agreed: a run name whose files another live process of the
-    SAME run id still writes (a requeued job racing its zombie) becomes `<run_name>-<pid>`, so the
-    two never interleave rows in one file. Warns naming the directory and the setting."""
+    """Rank 0, before the run name is agreed: a run name whose files a live process of the SAME run
+    id still writes (a requeued job racing its zombie) becomes `<run_name>-<pid>` (warned)."""
     holder = live_owner(output_dir / run_name, 0, role)
     if holder is None or str(holder.get("run_id")) != run_id:
         return run_name  # nobody alive there (resume), or another run (claim_run_dir refuses it)
@@ -210,47 +198,53 @@ def run_dir_errors_as_config_errors(make: Callable[[], _T]) -> _T:
 
 
 # --- the layout and the whole-line writers ---------------------------------------------------------
+class _RunFile:
+    """A `RunFiles` path: `<stem>.<role>.rank<k><suffix>` for a file per rank, or
+    `<stem>[.<role>]<suffix>` for one per run (whichever rank writes it) or per role."""
+
+    def __init__(self, stem: str, suffix: str, per_rank: bool = True) -> None:
+        self.stem, self.suffix, self.per_rank = stem, suffix, per_rank
+
+    def __get__(self, files: RunFiles, owner: object = None) -> Path:
+        if self.per_rank:
+            return files.run_dir / f"{self.stem}.{files._who}{self.suffix}"
+        role = f".{files.role}" if files.role else ""
+        return files.run_dir / f"{self.stem}{role}{self.suffix}"
+
+
 @dataclass(frozen=True)
 class RunFiles:
-    """Where each file goes in `run_dir`, as rank `rank` of role `role` sees it (docs/design/core.md#run-directory;
-    the files that are one per run do not depend on the rank). With a role, every name carries it
-    (`metrics.<role>.rank<k>.jsonl`, `progress.<role>.txt`): two roles of one run (a controller and
-    its policy workers, each with its own rank 0) never share a file. Without one, the names are
-    those of a job without roles."""
+    """Where each file goes in `run_dir`, as rank `rank` of role `role` sees it
+    (docs/design/core.md#run-directory). With a role every name carries it, so two roles of one run
+    (each with its own rank 0) never share a file."""
 
     run_dir: Path
     rank: int = 0
     role: str = ""
 
+    metrics = _RunFile("metrics", ".jsonl")
+    owner = _RunFile(".owner", ".json")
+    events = _RunFile("events", ".jsonl")
+    goodput = _RunFile("goodput", ".json")
+    raw_stacks = _RunFile("faulthandler", ".txt")
+    # Where this rank's collectives stood at its last stall (hang attribution reads them all).
+    collectives = _RunFile("collectives", ".json")
+    progress = _RunFile("progress", ".txt", per_rank=False)
+    text = _RunFile("text", ".jsonl", per_rank=False)
+    samples = _RunFile("samples", ".jsonl", per_rank=False)
+    histograms = _RunFile("histograms", ".jsonl", per_rank=False)
+    hparams = _RunFile("hparams", ".json", per_rank=False)
+    config = _RunFile("config", ".json", per_rank=False)
+    env = _RunFile("env", ".json", per_rank=False)
+    control = _RunFile("control", ".json", per_rank=False)
+    wandb_run_info = _RunFile("wandb_run", ".json", per_rank=False)
+
     @property
     def _who(self) -> str:
         return f"{self.role}.rank{self.rank}" if self.role else f"rank{self.rank}"
 
-    def _per_run(self, stem: str, suffix: str) -> Path:
-        return self.run_dir / (f"{stem}.{self.role}{suffix}" if self.role else f"{stem}{suffix}")
-
-    @property
-    def metrics(self) -> Path:
-        return self.run_dir / f"metrics.{self._who}.jsonl"
-
-    @property
-    def owner(self) -> Path:
-        return self.run_dir / f".owner.{self._who}.json"
-
-    @property
-    def events(self) -> Path:
-        return self.run_dir / f"events.{self._who}.jsonl"
-
-    @property
-    def goodput(self) -> Path:
-        return self.run_dir / f"goodput.{self._who}.json"
-
     def stacks(self, dump: int) -> Path:
         return self.run_dir / f"stacks.{self._who}.{dump}.txt"
-
-    @property
-    def raw_stacks(self) -> Path:
-        return self.run_dir / f"faulthandler.{self._who}.txt"
 
     def flight_recorder(self, dump: int) -> Path:
         return self.run_dir / f"flight_recorder.{self._who}.{dump}"
@@ -263,11 +257,6 @@ class RunFiles:
         return self.run_dir / f"memory_snapshot.{self._who}.{dump}.pickle"
 
     @property
-    def collectives(self) -> Path:
-        """Where this rank's collectives stood at its last stall (hang attribution reads them all)."""
-        return self.run_dir / f"collectives.{self._who}.json"
-
-    @property
     def collectives_glob(self) -> str:
         """Every rank's `collectives` file of this role."""
         return f"collectives.{self.role}.rank*.json" if self.role else "collectives.rank*.json"
@@ -276,40 +265,6 @@ class RunFiles:
     def profiles(self) -> Path:
         return self.run_dir / "profiles" / self._who
 
-    # One per run (whichever rank writes them), or per role.
-
-    @property
-    def progress(self) -> Path:
-        return self._per_run("progress", ".txt")
-
-    @property
-    def text(self) -> Path:
-        return self._per_run("text", ".jsonl")
-
-    @property
-    def samples(self) -> Path:
-        return self._per_run("samples", ".jsonl")
-
-    @property
-    def histograms(self) -> Path:
-        return self._per_run("histograms", ".jsonl")
-
-    @property
-    def hparams(self) -> Path:
-        return self._per_run("hparams", ".json")
-
-    @property
-    def config(self) -> Path:
-        return self._per_run("config", ".json")
-
-    @property
-    def env(self) -> Path:
-        return self._per_run("env", ".json")
-
-    @property
-    def control(self) -> Path:
-        return self._per_run("control", ".json")
-
     @property
     def tensorboard(self) -> Path:
         return self.run_dir / "tensorboard" / self.role if self.role else self.run_dir / "tensorboard"
@@ -317,10 +272,6 @@ class RunFiles:
     @property
     def wandb(self) -> Path:
         return self.run_dir / "wandb"
-
-    @property
-    def wandb_run_info(self) -> Path:
-        return self._per_run("wandb_run", ".json")
 
     @property
     def mlflow(self) -> Path:
@@ -352,13 +303,9 @@ CLOSE_WAIT_S = 1.0  # how long a close waits for a line in flight on another thr
 class LineFile:
     """An append-only file written a whole line at a time (unbuffered, one os.write per line).
 
-    A close waits for a line another thread is writing (the shutdown closes the sinks while a
-    worker it gave up on may still write): closed under it, the descriptor number could go to the
-    next file the program opens, and the line, or the cut-back of a failed one, into that file.
-
-    `single_writer`: this process alone appends to the file (a per-rank file), so a torn last line
-    can only be its previous writer's, and is cut off; a file several ranks append to (a per-run
-    file with bridge_all_ranks, on a shared file system) may show another's line half-written."""
+    A close waits for a line another thread is writing: closed under it, the descriptor number could
+    go to the next file opened, and the line into that file. `single_writer` (a per-rank file): a torn
+    last line can only be its previous writer's, and is cut off."""
 
     def __init__(self, path: Path, single_writer: bool = False) -> None:
         self.path = path
@@ -407,9 +354,8 @@ TAIL_CHUNK_BYTES = 64 * 1024
 
 
 def _cut_torn_tail(fd: int, path: Path) -> int:
-    """The size of the file open as `fd` once a torn last line (its writer killed mid-write or out
-    of disk) is cut off, back to its last newline: a fragment of a JSON row is no row, and the next
-    line appended onto it would be lost with it. Said once, when it happens."""
+    """The size of the file open as `fd` once a torn last line (writer killed mid-write, disk full)
+    is cut off, back to its last newline; warned once."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
         return info.st_size
@@ -432,9 +378,8 @@ def _cut_torn_tail(fd: int, path: Path) -> int:
     log.warning(
         "otel_train: %s ended in a torn line (%d bytes without a newline, left by a process that "
         "stopped mid-write); cut off before appending.",
-        path,
-        size - end,
-    )
+        path, size - end,
+    )  # fmt: skip
     return end
 
 
@@ -459,11 +404,9 @@ def _finite(data: Any) -> Any:
 
 
 def read_regular_file(path: Path, max_bytes: int) -> bytes:
-    """The bytes of `path` when it is a regular file of at most `max_bytes`; OSError naming the
-    file otherwise. A reader of files that anyone who can write the run directory may plant: a FIFO
-    is opened without waiting for a writer (O_NONBLOCK) and refused, as are devices (/dev/zero,
-    endless) and directories; a file too large is refused before it is read, so a damaged or
-    forged file costs at most `max_bytes` of memory."""
+    """The bytes of `path` if it is a regular file of at most `max_bytes`, else OSError naming it.
+    For files anyone who can write the run dir may plant: FIFOs (opened O_NONBLOCK), devices and
+    directories are refused, and a file too large before it is read."""
     with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY), "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
@@ -477,11 +420,8 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes:
 
 
 def write_json(path: Path, data: Any, fsync: bool = False) -> None:
-    """Write via a temporary file and rename: the old file stays whole if the disk is full. With
-    `fsync`, the data reaches the disk before the rename and the rename before this returns (a node
-    that dies right after would otherwise leave an empty file under the new name). The temporary
-    file is the writer's own: files one per run (hparams.json) are written by every rank, and the
-    last rename wins, whole."""
+    """Write via a writer-own temporary file and rename, so the old file stays whole on a full disk
+    and concurrent writers' last rename wins whole. `fsync`: data and rename on disk before returning."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     text = json.dumps(_finite(data), indent=2, sort_keys=True, default=json_default) + "\n"
     try:

@@ -42,10 +42,7 @@ class Capture(Sink):
         self.hparams.append(dict(params))
 
     def last(self, key: str) -> float | None:
-        for _, scalars in reversed(self.flushes):
-            if key in scalars:
-                return scalars[key]
-        return None
+        return next((scalars[key] for _, scalars in reversed(self.flushes) if key in scalars), None)
 
     def series(self, key: str) -> list[tuple[int, float]]:
         return [(step, scalars[key]) for step, scalars in self.flushes if key in scalars]

@@ -8,7 +8,6 @@ Design: docs/design/crossrank.md#reducer.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -200,11 +199,13 @@ class CrossRankReducer:
         row = torch.cat([row, *blocks])
         root = self.identity.rank == 0
         answers = None
-        if root:  # the tree's answer is one row for every rank: O(1), not O(world)
-            make = down_row.tree_answer if tree else functools.partial(down_row.answers, self._world)
-            answers = make(
-                interval.flush_interval, self._verdict, interval.flush_anchor, self.lateness.wants_read()
-            )
+        if root:
+            schedule, anchor = interval.flush_interval, interval.flush_anchor
+            read = self.lateness.wants_read()
+            if tree:  # one row for every rank: O(1), not O(world)
+                answers = down_row.tree_answer(schedule, self._verdict, anchor, read)
+            else:
+                answers = down_row.answers(self._world, schedule, self._verdict, anchor, read)
         try:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
             current = lambda up: row_steps(up)[1] >= interval.step  # noqa: E731

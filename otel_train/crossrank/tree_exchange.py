@@ -50,6 +50,7 @@ class TreeExchange:
         # the flush that reaches them (step 1 of docs/design/crossrank.md#tree-exchange).
         self._held: dict[int, list[Bundle]] = {}
         self._job_unsent: Any = None  # the job block of a bundle that could not go up (sent with the next)
+        self._sent_through = -1  # a rank with a parent: the last step of the newest bundle it sent up
 
     @property
     def _edges(self) -> list[StarExchange]:
@@ -131,9 +132,12 @@ class TreeExchange:
         # A child whose held bundle reaches this flush has sent its bundle for it: not waited for.
         ready = {peer for peer, held in self._held.items() if any(_steps(b)[1] >= steps[1] for b in held)}
         expect = set(self.children if self._expect is None else self._expect) - ready
+        # A rank whose own steps are behind its children's reaches for the steps after those it sent
+        # up last, so a child whose bundle came a flush late catches up with the others.
+        reach = steps[1] if root else max(steps[1], self._sent_through + 1)
         try:
             got = self.below.gather(
-                up, answers, expect, lambda b: row_steps(b[HEAD_LEN:])[1] >= steps[1], defer=not root
+                up, answers, expect, lambda b: row_steps(b[HEAD_LEN:])[1] >= reach, defer=not root
             )
         except ExchangeFailed as exc:
             self._fail_up(own, exc.gone)
@@ -190,6 +194,8 @@ class TreeExchange:
                 self.left_out_bundles += 1
         if self.above is None and len(parts) > 1:  # a view of those steps is made: never again
             self._own = {at: row for at, row in self._own.items() if at[1] > best[1]}
+        if self.above is not None and parts:
+            self._sent_through = max(self._sent_through, best[1])
         return parts
 
     def _holds(self, at: tuple[int, int], steps: tuple[int, int], ready: bool) -> bool:

@@ -21,7 +21,7 @@ from helpers.multirank import run_ranks
 
 from otel_train.crossrank import job_block, wire
 from otel_train.crossrank.exchange import Exchanged
-from otel_train.crossrank.merge import HEAD, HEAD_LEN, Bundle
+from otel_train.crossrank.merge import HEAD, HEAD_LEN, Bundle, merge
 from otel_train.crossrank.tree import layout
 from otel_train.crossrank.tree_exchange import TreeExchange
 from otel_train.crossrank.up_row import row_steps
@@ -61,26 +61,30 @@ def test_the_tree_view_comes_back_after_one_late_flush_on_rank_0() -> None:
     assert result["tokens"] == WORLD * (PEER_STEPS[-1] + 1), result  # every rank's steps, once each
 
 
-class _Child:
-    """`StarExchange.gather` over one child, as it takes rows: those come, in order, up to the
-    first that reaches the flush, and for an expected child without one, the next row (it comes
-    within the grace: the flushes here are closer together than the grace)."""
+class _Children:
+    """`StarExchange.gather` over some children, as it takes rows: of each child, the messages that
+    came (the caller moves `come` along with the child's flushes), in order, up to the first that
+    reaches the flush; for an expected child without one, its next message when `within_grace`
+    (the flushes here are closer together than the grace)."""
 
-    def __init__(self, child: int, messages: list[Any]) -> None:
-        self.child, self.messages = child, messages
-        self.come = 0  # the messages come so far (the caller moves it along with the child's flushes)
-        self.taken: list[tuple[int, int]] = []  # the steps of each bundle taken, in order
+    def __init__(self, messages: dict[int, list[Any]], within_grace: bool = True) -> None:
+        self.messages, self.within_grace = messages, within_grace
+        self.come = dict.fromkeys(messages, 0)
+        self.taken: dict[int, list[tuple[int, int]]] = {child: [] for child in messages}  # steps, in order
 
     def gather(self, up: Any, answers: Any, expect: Any, current: Any, defer: bool = False) -> Exchanged:
         got: list[Any] = []
-        waited = expect is None or self.child in expect
-        while self.messages and (self.come > 0 or waited):
-            got.append(self.messages.pop(0))
-            self.come = max(self.come - 1, 0)
-            self.taken.append(row_steps(got[-1][HEAD_LEN:]))
-            if current(got[-1]):
-                break
-        return Exchanged([up, *got], None, [1, *([self.child] * len(got))])
+        ranks = [1]
+        for child, messages in self.messages.items():
+            waited = self.within_grace and (expect is None or child in expect)
+            while messages and (self.come[child] > 0 or waited):
+                got.append(messages.pop(0))
+                ranks.append(child)
+                self.come[child] = max(self.come[child] - 1, 0)
+                self.taken[child].append(row_steps(got[-1][HEAD_LEN:]))
+                if current(got[-1]):
+                    break
+        return Exchanged([up, *got], None, ranks)
 
 
 def _bundle(exchange: TreeExchange, rank: int, steps: tuple[int, int]) -> Any:
@@ -88,7 +92,8 @@ def _bundle(exchange: TreeExchange, rank: int, steps: tuple[int, int]) -> Any:
     from otel_train.distributed import Identity
 
     flushed = interval(0, steps[1], steps[1] - steps[0])
-    row = pack(flushed, Identity("job", rank=rank, world_size=WORLD), TimerTable(), from_step=steps[0])
+    identity = Identity("job", rank=rank, world_size=exchange.layout.world)
+    row = pack(flushed, identity, TimerTable(), from_step=steps[0])
     row = torch.cat([row, torch.zeros(exchange.row_len - row.numel(), dtype=torch.float64)])
     message = exchange._encode(Bundle.of_row(row.tolist(), rank, row), rank)
     assert message[HEAD.at("version")].item() == wire.VERSION
@@ -102,19 +107,58 @@ def test_an_inner_rank_forwards_its_childs_bundle_of_its_own_steps_after_its_lat
     ends = list(zip([-1, *PEER_STEPS], PEER_STEPS, strict=False))
     # Rank 2 flushes PEER_STEPS; rank 1 flushes LATE_STEPS, its late flush (19, 38] just after
     # rank 2's flush of (24, 39] and just before its own of (38, 39].
-    child = _Child(2, [_bundle(exchange, 2, steps)[1] for steps in ends])
+    child = _Children({2: [_bundle(exchange, 2, steps)[1] for steps in ends]})
     exchange.below = child  # type: ignore[assignment]
     come = [1, 1, 1, 1, 2, 0, 1, 1, 1, 1]  # rank 2's bundles come before each of rank 1's flushes
     forwarded = []  # at each of rank 1's flushes, how many ranks' rows of its own steps it sends up
     previous = -1
     for index, step in enumerate(LATE_STEPS):
-        child.come += come[index]
+        child.come[2] += come[index]
         own_row, _ = _bundle(exchange, 1, (previous, step))
         own = Bundle.of_row(own_row.tolist(), 1, own_row)
         parts, _, _ = exchange._gather(own_row, own, (previous, step), None, [])
         forwarded.append(sum(row_steps(p.exact[0]) == (previous, step) for p in parts))
         previous = step
-    assert child.taken == ends, child.taken  # each bundle once, in order
+    assert child.taken[2] == ends, child.taken  # each bundle once, in order
     # From the flush after the late one's next on, each flush sends rank 2's row up with its own.
     assert forwarded[:4] == [2] * 4, forwarded
     assert forwarded[6:] == [2] * 4, (forwarded, child.taken)
+
+
+def _subtree_bundle(exchange: TreeExchange, head: int, steps: tuple[int, int]) -> Any:
+    """The bundle rank `head` sends up for its whole subtree, every rank of it at `steps`."""
+    lo, hi = exchange.layout.span[head]
+    rows = [_bundle(exchange, rank, steps)[0] for rank in range(lo, hi)]
+    merged = merge(
+        [Bundle.of_row(row.tolist(), rank, row) for rank, row in zip(range(lo, hi), rows, strict=True)]
+    )
+    return exchange._encode(merged, head)
+
+
+def test_an_inner_rank_behind_for_good_keeps_its_children_in_step_after_one_comes_late() -> None:
+    """Rank 1 of 8 (fan-in 2) heads ranks 2 and 5, each the head of 3 ranks; its own steps are
+    behind theirs for good (a paused deputy), so it forwards its children's bundles as they come.
+    Rank 5's bundle of one flush comes after the grace, with its next one: from then on rank 1
+    must still forward both children's bundles of the same steps (6 ranks), not one child's a
+    flush behind the other's for good (left out every flush)."""
+    shape = layout(8, 2)
+    assert shape.children[1] == (2, 5) and shape.span[2] == (2, 5) and shape.span[5] == (5, 8)
+    exchange = TreeExchange(None, 1, shape, timeout_s=30.0, grace_s=1.0)
+    flushes = 10
+    theirs = [(1000 + 10 * i, 1009 + 10 * i) for i in range(flushes)]
+    children = _Children({head: [_subtree_bundle(exchange, head, at) for at in theirs] for head in (2, 5)})
+    children.within_grace = False  # each message is taken only once it came (`come`)
+    exchange.below = children  # type: ignore[assignment]
+    late = 3  # rank 5's bundle of this flush comes with its next one
+    forwarded = []  # at each flush of rank 1, the ranks of its children's rows it sends up
+    for index in range(flushes):
+        children.come[2] += 1
+        children.come[5] += 0 if index == late else 2 if index == late + 1 else 1
+        mine = (10 * index, 10 * index + 9)
+        own_row, _ = _bundle(exchange, 1, mine)
+        own = Bundle.of_row(own_row.tolist(), 1, own_row)
+        parts, _, _ = exchange._gather(own_row, own, mine, None, [])
+        forwarded.append(sum(part.ranks for part in parts if row_steps(part.exact[0]) != mine))
+    assert forwarded[:late] == [6] * late, forwarded
+    assert forwarded[late] == 3, forwarded  # rank 5's bundle did not come
+    assert forwarded[late + 1 :] == [6] * (flushes - late - 1), (forwarded, children.taken)

@@ -36,7 +36,7 @@ from otel_train.diagnostics import CollectiveMonitor
 FLOOR_S = 0.0005  # lateness below this is noise (as verdicts.Settings.min_lateness_s)
 MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
-PENDING_FLUSHES = 8  # flushes that new reports wait for the first collective verdict
+PENDING_FLUSHES = 8  # flushes that new reports wait for a verdict that names a culprit
 DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
 
 logger = logging.getLogger("otel_train")
@@ -291,10 +291,13 @@ class LatenessTracker:
             apply(assessments, self.verdict, collective, phase)
 
     def pending(self) -> bool:
-        """Rank 0: the recorder is on and its first verdict is still on its way (a read travels
-        one flush): new straggler reports wait for it, so that their event names the collective.
-        Bounded: after PENDING_FLUSHES exchanges the timers' reports go out without it."""
-        waiting = self.verdict is None and self.unjudged is None
+        """Rank 0: the recorder is on and the latest verdict neither names a culprit nor abstains (a
+        read travels one flush, and one read's window may hold too few collectives where a rank is late):
+        new straggler reports wait, so that their event names the collective. Bounded: after
+        PENDING_FLUSHES exchanges the timers' reports go out without it."""
+        verdict = self.verdict
+        decided = verdict is not None and (verdict.culprit >= 0 or verdict.abstain is not None)
+        waiting = not decided and self.unjudged is None
         return self.monitor is not None and waiting and self._exchanges <= PENDING_FLUSHES
 
     def abstain(self, timer_reason: str | None) -> str | None:

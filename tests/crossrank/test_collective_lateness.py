@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,13 @@ from otel_train.crossrank.arrival_block import (
     span,
     window,
 )
-from otel_train.crossrank.collective_lateness import ClockEstimator, LatenessTracker, judge
+from otel_train.crossrank.collective_lateness import (
+    PENDING_FLUSHES,
+    ClockEstimator,
+    LatenessTracker,
+    Verdict,
+    judge,
+)
 from otel_train.crossrank.up_row import name_id
 
 FR_ON = {"TORCH_FR_BUFFER_SIZE": "200"}
@@ -205,6 +212,25 @@ def test_the_collective_is_named_by_op_place_in_the_step_and_timer() -> None:
     assert tracker.name(5, (name_id("0"), 4), ends) == ("all_gather #1 in 'forward' (default_pg)", "forward")
     assert tracker.name(5, (name_id("0"), 6), {}) == ("reduce_scatter #1 of the step (default_pg)", None)
     assert tracker.name(6, (name_id("0"), 6), {}) == ("a collective", None)  # not that read's window
+
+
+def test_new_reports_wait_for_a_verdict_that_names_a_culprit_or_abstains() -> None:
+    """A read whose window names nobody (too few collectives where a rank was late) does not let the
+    timers' reports out without the collective; a verdict that names a culprit, or says why it
+    cannot, does; and PENDING_FLUSHES exchanges bound the wait."""
+    tracker = LatenessTracker(0)
+    assert not tracker.pending()  # no recorder: nothing to wait for
+    tracker.monitor = _Budget(True)  # type: ignore[assignment]
+    assert tracker.pending()  # the first read is on its way
+    tracker.verdict = Verdict(read_seq=1, matched=22, resolved=21, unclear=0)  # nobody named
+    assert tracker.pending()
+    tracker.verdict = replace(tracker.verdict, abstain="the clocks")
+    assert not tracker.pending()
+    tracker.verdict = Verdict(read_seq=2, matched=22, resolved=22, unclear=0, culprit=2)
+    assert not tracker.pending()
+    tracker.verdict = Verdict(read_seq=3, matched=22, resolved=21, unclear=0)
+    tracker._exchanges = PENDING_FLUSHES + 1
+    assert not tracker.pending()
 
 
 def test_without_a_recorder_rank_0_never_asks_for_reads_and_sends_an_empty_block() -> None:

@@ -1,6 +1,7 @@
 """otel_train.integrations.deepspeed's steps against real DeepSpeed 0.19.8 (one gloo rank, CPU
 accelerator): what lies between two steps (an evaluation, a save) is not the next step's time, a
-resumed engine goes on with its own step count, and a PipelineEngine's `train_batch` is a step.
+resumed engine goes on with its own step count, a PipelineEngine's `train_batch` is a step, and a
+loop that marks its own steps keeps them.
 Each job runs in a process of its own (`helpers.multirank`); see test_deepspeed.py for the set-up."""
 
 from __future__ import annotations
@@ -182,3 +183,45 @@ def test_a_pipeline_engines_train_batch_is_one_step(tmp_path: Path) -> None:
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert [row["train/loss"] for row in rows] == pytest.approx(result["losses"], rel=1e-6)
     assert sum(row["throughput/samples"] for row in rows) == 4 * MICRO * GAS
+
+
+def loop_steps_job(rank: int, world: int, out_dir: str) -> list[dict[str, Any]]:
+    """A loop that marks its own steps (`ot.step` around each optimizer step of GAS micro-batches),
+    then instruments its engine: 3 steps."""
+    import deepspeed
+    import torch
+
+    from otel_train.integrations.deepspeed import instrument
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ot.init(output_dir=out_dir, run_name="loop", verbosity=0, log_interval=1, hardware=False,
+            prometheus_port=0)  # fmt: skip
+    model = _model()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=_config()
+    )
+    instrument(engine)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        with ot.step(step, samples=MICRO * GAS):
+            for _ in range(GAS):
+                engine.backward(engine(torch.randn(MICRO, 16, generator=gen)).pow(2).mean())
+                engine.step()
+    ot.shutdown()
+    return _rows(Path(out_dir) / "loop")
+
+
+def test_a_loop_that_marks_its_own_steps_keeps_them_under_the_engines_phases(tmp_path: Path) -> None:
+    """The engine's adapter sees the loop's open step at its first forward and leaves the steps to
+    it (docs/design/integrations.md#deepspeed): each counted once, no step nested in another, and
+    the adapter's phases and values inside them."""
+    [rows] = run_ranks(1, loop_steps_job, (str(tmp_path),), timeout=TIMEOUT, env=RANK_ENV)
+    stepped = [row for row in rows if "train/steps" in row]
+    assert [row["step"] for row in stepped] == [0, 1, 2]
+    assert sum(row["train/steps"] for row in stepped) == 3
+    assert not any(row.get("otel_train/dropped/nested_step") for row in rows), rows
+    assert sum(row["timers/forward/count"] for row in stepped) == 3 * GAS
+    assert sum(row["timers/backward/count"] for row in stepped) == 3 * GAS
+    assert sum(row["timers/optimizer/count"] for row in stepped) == 3  # at the boundary only
+    assert sum(row["throughput/samples"] for row in stepped) == 3 * MICRO * GAS
+    assert all("train/loss" in row and "train/grad_norm" in row for row in stepped), stepped

@@ -489,6 +489,44 @@ def test_train_end_leaves_the_users_run_idle_and_flushed() -> None:
         ot.shutdown()
 
 
+def test_a_decorated_forward_step_under_bridges_steps_counts_each_step_once() -> None:
+    """Bridge marks the optimizer steps (`on_train_step_start`/`_end`); a user's `@ot.step` on the
+    forward step function (one call per micro-batch) runs inside them: counted once, as Bridge's
+    steps, the nested ones counted as `nested_step`."""
+    from megatron.core.timers import Timers
+
+    from otel_train.integrations.megatron import OtelTrainCallback
+    from otel_train.testing import Capture
+
+    @ot.step
+    def forward_step(batch: int) -> int:
+        return batch
+
+    callback = OtelTrainCallback({"run_dir_enabled": False, "prometheus_port": 0, "verbosity": 0})
+    state = _bridge_state(Timers(1, "max"))
+    optimizer = SimpleNamespace(param_groups=[{"lr": 0.5, "is_decoupled_lr": False}])
+    callback.on_train_start(SimpleNamespace(state=state, optimizer=optimizer))
+    session = current_session()
+    assert session is not None
+    capture = Capture()
+    session.worker.add_sink(capture)
+    micro_batches = 4
+    while state.train_state.step < 6:
+        context = SimpleNamespace(
+            state=state, optimizer=optimizer, loss_dict={}, grad_norm=None, skipped_iter=False
+        )
+        callback.on_train_step_start(context)
+        for batch in range(micro_batches):
+            forward_step(batch)
+        callback.on_train_step_end(context)
+        state.train_state.step += 1
+    callback.on_train_end(SimpleNamespace(optimizer=optimizer))
+    assert current_session() is None
+    assert sum(v for _, v in capture.series("train/steps")) == 6
+    assert sum(v for _, v in capture.series("otel_train/dropped/nested_step")) == 6 * micro_batches
+    assert sum(v for _, v in capture.series("throughput/samples")) == 6 * 8  # Bridge's, not the inner steps'
+
+
 def test_eval_and_test_batches_keep_the_stall_watchdog_counting_from_them() -> None:
     """Bridge's `on_eval_step_end` / `on_test_step_end` after the last step: the watchdog counts a
     long evaluation from its latest batch, not from the step's end."""

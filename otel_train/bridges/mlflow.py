@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.bridges.base import Sink, flatten_params, histogram_bins
-from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
+from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir, require_packages
 from otel_train.run_directory import RunFiles
 
 logger = logging.getLogger("otel_train")
@@ -93,10 +93,7 @@ class MlflowSink(Sink):
         run_name: str,
         run_key: str | None = None,
     ) -> None:
-        import importlib.util
-
-        if importlib.util.find_spec("mlflow") is None:
-            raise BridgeImportError("MLflow", "mlflow")
+        require_packages("MLflow", "mlflow", "mlflow")
         self.run_dir = Path(run_dir)
         self._store = RunFiles(self.run_dir).mlflow  # the local store's, without a tracking URI
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")

@@ -4,7 +4,6 @@ one log dir per run. Layout and hparams: docs/design/bridges.md#tensorboard.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.bridges.base import Sink, flatten_params, histogram_bins
-from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
+from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir, require_packages
 
 logger = logging.getLogger("otel_train")
 
@@ -23,15 +22,8 @@ class TensorBoardSink(Sink):
     name = "tensorboard"
 
     def __init__(self, log_dir: Path | str) -> None:
-        # Only look for the packages here (cheap, so init() stays fast); the writer, which imports
-        # torch, is created at the first write, on the bridge's own thread.
-        for module in ("torch.utils.tensorboard", "tensorboard"):
-            try:
-                found = importlib.util.find_spec(module) is not None
-            except (ImportError, ValueError) as exc:  # a parent package missing, or blocked
-                raise BridgeImportError("TensorBoard", "tensorboard", exc) from exc
-            if not found:
-                raise BridgeImportError("TensorBoard", "tensorboard")
+        # the writer, which imports torch, is created at the first write
+        require_packages("TensorBoard", "tensorboard", "torch.utils.tensorboard", "tensorboard")
         self.log_dir = Path(log_dir)
         ensure_writable_dir(self.log_dir, "TensorBoard")
         self._writer_or_none: Any = None
@@ -107,9 +99,8 @@ class TensorBoardSink(Sink):
         self._writer.flush()
 
     def reopen(self) -> None:
-        """A fresh writer at the next call, into a new event file of the same log dir (TensorBoard
-        reads them all as one run): the old one keeps its first write error for good, and its file
-        may end in a record cut by the full disk, which the reader stops at."""
+        """A fresh writer at the next call, into a new event file of the same log dir
+        (docs/design/bridges.md#tensorboard)."""
         old, self._writer_or_none = self._writer_or_none, None
         if old is not None:
             try:

@@ -104,8 +104,7 @@ class ThreadedSink(Sink):
             )
 
     def _abandon(self, close_item: tuple[str, tuple[Any, ...]]) -> int:
-        """Take the queued updates back unwritten and count them, with one the backend hangs in,
-        as dropped; the close stays queued, so a backend that comes back is still closed."""
+        """Count the queued updates, and one the backend hangs in, as dropped (design page, #threaded)."""
         lost = int(self._in_flight not in (None, _CLOSE))
         while True:
             try:

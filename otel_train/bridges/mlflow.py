@@ -41,11 +41,8 @@ def default_tracking_uri(run_dir: Path) -> str:
 
 
 def seed_local_store(db_path: Path, artifact_root: Path) -> bool:
-    """Start a new local store from a cached, already migrated empty database. False if not done.
-
-    Any failure (cache not writable, a schema MLflow rejects) leaves `db_path` absent, and MLflow then
-    creates and migrates it itself.
-    """
+    """Start a new local store from a cached, already migrated empty database (design page, #mlflow).
+    False if not done: any failure leaves `db_path` absent, and MLflow then migrates it itself."""
     if db_path.exists():
         return False
     import shutil
@@ -103,9 +100,7 @@ class MlflowSink(Sink):
         self.tracking_uri = uri or default_tracking_uri(self.run_dir)
         self.experiment = experiment
         self.run_name = run_name
-        # otel_train's run id (with role and rank where they name their own MLflow run): a process
-        # that resumes the run, or a restarted bridge process, logs into the MLflow run tagged so.
-        self.run_key = run_key
+        self.run_key = run_key  # the RUN_KEY_TAG of the MLflow run a resume continues
         self._logged_params: dict[str, str] = {}
         self._client: Any = None
         self.run_id: str | None = None

@@ -50,8 +50,7 @@ class TensorBoardSink(Sink):
         self._writer.flush()  # make every flush visible to a running TensorBoard
 
     def _add_scalar(self, key: str, value: float, step: int, wall_time: float) -> None:
-        # As a float64 tensor: the default (a float32 `simple_value`) shows 1e39 as inf and 1e-46
-        # as 0, where the JSONL, W&B and MLflow keep the value.
+        # float64, not the default float32 `simple_value` (docs/design/bridges.md#tensorboard)
         self._writer.add_scalar(
             key, float(value), global_step=step, walltime=wall_time, new_style=True, double_precision=True
         )
@@ -63,9 +62,7 @@ class TensorBoardSink(Sink):
     def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
         import numpy as np
 
-        # The bins W&B and MLflow get: add_histogram's own ("tensorflow") end at 1e20, and it
-        # raises on values past them
-        binned = histogram_bins(values)
+        binned = histogram_bins(values)  # not add_histogram's own bins (design page, #histogram-bins)
         if binned is None:
             return  # nothing finite to show
         array, counts, edges = binned

@@ -179,9 +179,7 @@ class WandbSink(Sink):
             "disable_code": True,
             "x_save_requirements": False,
             "disable_job_creation": True,
-            # wandb-core buffers the offline log (`.wandb`) and writes it every 15 s by default: a
-            # bridge process killed (OOM) in between loses what it had logged since the last write
-            "x_transaction_log_flush_interval": TRANSACTION_LOG_FLUSH_S,
+            "x_transaction_log_flush_interval": TRANSACTION_LOG_FLUSH_S,  # design page, #wandb
         }
         fields = getattr(wandb.Settings, "model_fields", None)
         if fields is not None:

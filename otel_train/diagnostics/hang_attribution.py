@@ -63,7 +63,7 @@ def summarize(
         if group is None or entry.get("is_p2p"):
             continue
         seq = entry.get("collective_seq_id")
-        if not isinstance(seq, int) or isinstance(seq, bool):  # an entry without a sequence id: skip it
+        if not _is_int(seq):  # an entry without a sequence id: skip it
             continue
         group["label"] = group_label(entry)
         group["ops"][str(seq)] = op_name(entry)

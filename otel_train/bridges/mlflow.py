@@ -1,7 +1,5 @@
 """MLflow bridge through `MlflowClient` (no global `mlflow.start_run` state, safe on a worker thread).
-
-Tracking store, params, metrics and artifacts: docs/design/bridges.md#mlflow.
-"""
+Design: docs/design/bridges.md#mlflow."""
 
 from __future__ import annotations
 

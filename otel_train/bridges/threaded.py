@@ -104,7 +104,8 @@ class ThreadedSink(Sink):
             )
 
     def _abandon(self, close_item: tuple[str, tuple[Any, ...]]) -> int:
-        """Count the queued updates, and one the backend hangs in, as dropped (design page, #threaded)."""
+        """Take the queued updates back unwritten and count them, with one the backend hangs in, as
+        dropped; the close is queued again (design page, #threaded)."""
         lost = int(self._in_flight not in (None, _CLOSE))
         while True:
             try:

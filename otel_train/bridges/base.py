@@ -1,8 +1,5 @@
-"""The sink seam: everything that receives flattened scalars at each flush.
-
-`Sink` is a null object: subclasses override only what their backend supports. Sinks never run
-on the training thread. Design: docs/design/bridges.md#sinks.
-"""
+"""The sink seam: everything that receives flattened scalars at each flush; `Sink` is a null
+object. Design: docs/design/bridges.md#sinks."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""The errors a bridge raises while it starts, and the check behind the second one. The bridge
+"""The errors a bridge raises while it starts, and the checks behind them. The bridge
 process (`bridges/process`) reports either by name to the training process, where `init()` turns it
 into a `ConfigError` naming the extra to install or the path to fix."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -17,6 +18,18 @@ class BridgeImportError(ImportError):
             f"the {backend} bridge needs the {extra!r} package, which could not be imported{detail}. "
             f"Install it with: pip install 'otel-train[{extra}]', or turn the bridge off."
         )
+
+
+def require_packages(backend: str, extra: str, *modules: str) -> None:
+    """BridgeImportError unless every module of `modules` is found. Only looked for (cheap, so
+    init() stays fast): the bridge imports its backend at its first write, on its own thread."""
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError) as exc:  # a parent package missing, or blocked
+            raise BridgeImportError(backend, extra, exc) from exc
+        if not found:
+            raise BridgeImportError(backend, extra)
 
 
 class BridgeSetupError(RuntimeError):

@@ -1,8 +1,5 @@
-"""The bridge process: TensorBoard, W&B and MLflow run here, off the training process's GIL.
-
-Started as `python -m otel_train.bridges.host <parent pid>`; protocol, stdin handling and lifetime:
-docs/design/bridges.md#host.
-"""
+"""The bridge process (`python -m otel_train.bridges.host <parent pid>`): TensorBoard, W&B and
+MLflow run here, off the training process's GIL. Design: docs/design/bridges.md#host."""
 
 from __future__ import annotations
 

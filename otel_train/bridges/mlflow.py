@@ -1,7 +1,5 @@
 """MLflow bridge through `MlflowClient` (no global `mlflow.start_run` state, safe on a worker thread).
-
-Tracking store, params, metrics and artifacts: docs/design/bridges.md#mlflow.
-"""
+Design: docs/design/bridges.md#mlflow."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.bridges.base import Sink, flatten_params, histogram_bins
-from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
+from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir, require_packages
 from otel_train.run_directory import RunFiles
 
 logger = logging.getLogger("otel_train")
@@ -41,11 +39,8 @@ def default_tracking_uri(run_dir: Path) -> str:
 
 
 def seed_local_store(db_path: Path, artifact_root: Path) -> bool:
-    """Start a new local store from a cached, already migrated empty database. False if not done.
-
-    Any failure (cache not writable, a schema MLflow rejects) leaves `db_path` absent, and MLflow then
-    creates and migrates it itself.
-    """
+    """Start a new local store from a cached, already migrated empty database (design page, #mlflow).
+    False if not done: any failure leaves `db_path` absent, and MLflow then migrates it itself."""
     if db_path.exists():
         return False
     import shutil
@@ -93,10 +88,7 @@ class MlflowSink(Sink):
         run_name: str,
         run_key: str | None = None,
     ) -> None:
-        import importlib.util
-
-        if importlib.util.find_spec("mlflow") is None:
-            raise BridgeImportError("MLflow", "mlflow")
+        require_packages("MLflow", "mlflow", "mlflow")
         self.run_dir = Path(run_dir)
         self._store = RunFiles(self.run_dir).mlflow  # the local store's, without a tracking URI
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -106,9 +98,7 @@ class MlflowSink(Sink):
         self.tracking_uri = uri or default_tracking_uri(self.run_dir)
         self.experiment = experiment
         self.run_name = run_name
-        # otel_train's run id (with role and rank where they name their own MLflow run): a process
-        # that resumes the run, or a restarted bridge process, logs into the MLflow run tagged so.
-        self.run_key = run_key
+        self.run_key = run_key  # the RUN_KEY_TAG of the MLflow run a resume continues
         self._logged_params: dict[str, str] = {}
         self._client: Any = None
         self.run_id: str | None = None

@@ -4,7 +4,6 @@ one log dir per run. Layout and hparams: docs/design/bridges.md#tensorboard.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.bridges.base import Sink, flatten_params, histogram_bins
-from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
+from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir, require_packages
 
 logger = logging.getLogger("otel_train")
 
@@ -23,15 +22,8 @@ class TensorBoardSink(Sink):
     name = "tensorboard"
 
     def __init__(self, log_dir: Path | str) -> None:
-        # Only look for the packages here (cheap, so init() stays fast); the writer, which imports
-        # torch, is created at the first write, on the bridge's own thread.
-        for module in ("torch.utils.tensorboard", "tensorboard"):
-            try:
-                found = importlib.util.find_spec(module) is not None
-            except (ImportError, ValueError) as exc:  # a parent package missing, or blocked
-                raise BridgeImportError("TensorBoard", "tensorboard", exc) from exc
-            if not found:
-                raise BridgeImportError("TensorBoard", "tensorboard")
+        # the writer, which imports torch, is created at the first write
+        require_packages("TensorBoard", "tensorboard", "torch.utils.tensorboard", "tensorboard")
         self.log_dir = Path(log_dir)
         ensure_writable_dir(self.log_dir, "TensorBoard")
         self._writer_or_none: Any = None
@@ -58,8 +50,7 @@ class TensorBoardSink(Sink):
         self._writer.flush()  # make every flush visible to a running TensorBoard
 
     def _add_scalar(self, key: str, value: float, step: int, wall_time: float) -> None:
-        # As a float64 tensor: the default (a float32 `simple_value`) shows 1e39 as inf and 1e-46
-        # as 0, where the JSONL, W&B and MLflow keep the value.
+        # float64, not the default float32 `simple_value` (docs/design/bridges.md#tensorboard)
         self._writer.add_scalar(
             key, float(value), global_step=step, walltime=wall_time, new_style=True, double_precision=True
         )
@@ -71,9 +62,7 @@ class TensorBoardSink(Sink):
     def write_histogram(self, key: str, values: Sequence[float], step: int) -> None:
         import numpy as np
 
-        # The bins W&B and MLflow get: add_histogram's own ("tensorflow") end at 1e20, and it
-        # raises on values past them
-        binned = histogram_bins(values)
+        binned = histogram_bins(values)  # not add_histogram's own bins (design page, #histogram-bins)
         if binned is None:
             return  # nothing finite to show
         array, counts, edges = binned
@@ -107,9 +96,8 @@ class TensorBoardSink(Sink):
         self._writer.flush()
 
     def reopen(self) -> None:
-        """A fresh writer at the next call, into a new event file of the same log dir (TensorBoard
-        reads them all as one run): the old one keeps its first write error for good, and its file
-        may end in a record cut by the full disk, which the reader stops at."""
+        """A fresh writer at the next call, into a new event file of the same log dir
+        (docs/design/bridges.md#tensorboard)."""
         old, self._writer_or_none = self._writer_or_none, None
         if old is not None:
             try:

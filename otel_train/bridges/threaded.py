@@ -104,8 +104,8 @@ class ThreadedSink(Sink):
             )
 
     def _abandon(self, close_item: tuple[str, tuple[Any, ...]]) -> int:
-        """Take the queued updates back unwritten and count them, with one the backend hangs in,
-        as dropped; the close stays queued, so a backend that comes back is still closed."""
+        """Take the queued updates back unwritten and count them, with one the backend hangs in, as
+        dropped; the close is queued again (design page, #threaded)."""
         lost = int(self._in_flight not in (None, _CLOSE))
         while True:
             try:
@@ -121,21 +121,26 @@ class ThreadedSink(Sink):
 
     def _submit(self, method: str, args: tuple[Any, ...]) -> None:
         if self._closing:
-            self._drop()
+            with self._lock:
+                self.dropped += 1
         elif self.disabled and time.monotonic() < self._retry_at:  # a call at the retry time goes on
-            self._drop(while_disabled=True)
+            self._drop_while_disabled()
         else:
             try:
                 self._queue.put_nowait((method, args))
             except queue.Full:
-                self._drop(full=True)
+                self._drop_queue_full()
 
-    def _drop(self, while_disabled: bool = False, full: bool = False) -> None:
+    def _drop_while_disabled(self) -> None:
         with self._lock:
             self.dropped += 1
-            self._dropped_while_disabled += while_disabled
-            warn = full and not self._warned_drop
-            self._warned_drop |= warn
+            self._dropped_while_disabled += 1
+
+    def _drop_queue_full(self) -> None:
+        with self._lock:
+            self.dropped += 1
+            warn = not self._warned_drop
+            self._warned_drop = True
         if warn:
             logger.warning(
                 "otel_train: the %s bridge is falling behind (queue of %d full); dropping its updates "
@@ -157,7 +162,7 @@ class ThreadedSink(Sink):
             elif time.monotonic() >= self._retry_at:
                 self._retry(method, args)
             else:
-                self._drop(while_disabled=True)
+                self._drop_while_disabled()
 
     def _retry(self, method: str, args: tuple[Any, ...]) -> None:
         """The disabled backend, once more, with a fresh writer; back-off doubles while it fails."""
@@ -165,7 +170,7 @@ class ThreadedSink(Sink):
         exc = self._attempt(method, args, reopen=True)
         if exc is not None:
             self.errors += 1
-            self._drop(while_disabled=True)
+            self._drop_while_disabled()
             self._backoff = min(self._backoff * 2, MAX_RETRY_AFTER_S)
             self._retry_at = time.monotonic() + self._backoff
             logger.debug("otel_train: the %s bridge failed again in %s", self.name, method, exc_info=exc)

@@ -16,7 +16,7 @@ from typing import Any
 
 from otel_train import semconv as sc
 from otel_train.bridges.base import Sink, histogram_bins, merge_params
-from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir
+from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir, require_packages
 from otel_train.run_directory import RunFiles
 
 logger = logging.getLogger("otel_train")
@@ -107,10 +107,7 @@ class WandbSink(Sink):
         rank: int | None = None,
         role: str = "",
     ) -> None:
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise BridgeImportError("W&B", "wandb")
+        require_packages("W&B", "wandb", "wandb")
         self.run_dir = Path(run_dir)
         ensure_writable_dir(self.run_dir, "W&B")
         self.config = dict(config_dict)
@@ -182,9 +179,7 @@ class WandbSink(Sink):
             "disable_code": True,
             "x_save_requirements": False,
             "disable_job_creation": True,
-            # wandb-core buffers the offline log (`.wandb`) and writes it every 15 s by default: a
-            # bridge process killed (OOM) in between loses what it had logged since the last write
-            "x_transaction_log_flush_interval": TRANSACTION_LOG_FLUSH_S,
+            "x_transaction_log_flush_interval": TRANSACTION_LOG_FLUSH_S,  # design page, #wandb
         }
         fields = getattr(wandb.Settings, "model_fields", None)
         if fields is not None:

@@ -1,9 +1,6 @@
-"""Diagnostics: what tells a person why a run is stuck, dying or misconfigured (`hang`,
-`collectives`, `hang_attribution`, `memory_dump`, `launch_check`).
-Design: docs/design/diagnostics.md#diagnostics.
-
-From outside, import only the names below (tests/test_architecture.py: walled packages).
-"""
+"""Diagnostics: what tells a person why a run is stuck, dying or misconfigured.
+Design: docs/design/diagnostics.md#diagnostics. From outside, import only the names below
+(tests/test_architecture.py: walled packages)."""
 
 from otel_train.diagnostics.collectives import CollectiveMonitor, group_label, op_name, start_monitor
 from otel_train.diagnostics.hang import HangWatchdog

@@ -50,11 +50,14 @@ UNUSED_MESSAGE = (
 def buffer_size() -> int:
     """The Flight Recorder's entries per rank as the environment asks for them (0: not asked, and
     then not read: design page, #collectives)."""
-    raw = next((value for name in BUFFER_ENV if (value := os.environ.get(name, "").strip())), "0")
-    try:
-        return int(raw)
-    except ValueError:
-        return 0
+    for name in BUFFER_ENV:
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            try:
+                return int(raw)
+            except ValueError:
+                return 0
+    return 0
 
 
 def read_dump(entries: bool) -> dict[str, Any] | None:

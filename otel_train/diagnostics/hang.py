@@ -414,5 +414,4 @@ class HangWatchdog:
 
 
 def _ignore_signal(signum: int, frame: object) -> None:
-    """Runs on the main thread when it next executes bytecode; the watchdog already dumped. Stays
-    after shutdown (a no-op then), where the default action would terminate the process."""
+    """Runs on the main thread when it next executes bytecode; the watchdog already dumped."""

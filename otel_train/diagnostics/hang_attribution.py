@@ -63,7 +63,7 @@ def summarize(
         if group is None or entry.get("is_p2p"):
             continue
         seq = entry.get("collective_seq_id")
-        if not isinstance(seq, int) or isinstance(seq, bool):  # an entry without a sequence id: skip it
+        if not _is_int(seq):  # an entry without a sequence id: skip it
             continue
         group["label"] = group_label(entry)
         group["ops"][str(seq)] = op_name(entry)
@@ -265,10 +265,8 @@ def _is_seconds(value: Any) -> bool:
 
 
 def _malformed(summary: Any) -> str | None:
-    """Why `attribute` and `otel-train diagnose` cannot read this summary, or None: groups of int
-    sequence ids and an ops mapping, an int rank below the world size, a number `written_at` (a
-    file of another version or a stray JSON is skipped, never a crash or a hang of the comparing
-    thread or of diagnose, which looks at every rank below the world size)."""
+    """Why `attribute` and `otel-train diagnose` cannot read this summary, or None (it is skipped,
+    never a crash, nor a hang of diagnose, which looks at every rank below the world size)."""
     if not isinstance(summary, dict):
         return f"not a summary (a JSON {type(summary).__name__})"
     rank: Any = summary.get("rank")
@@ -331,9 +329,8 @@ class HangReporter:
         threading.Thread(target=self._compare, args=(since,), name="otel_train-hang", daemon=True).start()
 
     def _lower_rank_silent(self, summaries: Mapping[int, Any]) -> bool:
-        """Would this rank speak while a lower rank, which would speak instead, left no summary,
-        though the culprit is already known (a rank that never reached the collective wrote one)?
-        A silent rank may be the culprit itself when none is known: then this rank speaks now."""
+        """Would this rank speak only because a lower rank, which would speak instead, left no
+        summary yet, though the culprit is known (design page, #hang-attribution)?"""
         verdict = self.verdicts[0] if self.verdicts else None
         speaks = verdict is not None and verdict.waiting[0] == self.rank and bool(verdict.missing)
         return speaks and any(r not in summaries for r in range(self.rank))
@@ -346,9 +343,6 @@ class HangReporter:
             summaries = read_summaries(self.run_dir, since, self.role)
         self.verdicts = attribute(summaries, self.world_size)
         if self._lower_rank_silent(summaries):
-            # This rank would speak only because a lower rank has not written yet (its stall came
-            # late, e.g. on a loaded host): give it one more grace to write and speak for the job
-            # with every waiting rank; a lower rank that stays silent leaves the word to this one.
             deadline = time.monotonic() + self.grace_s
             while self._lower_rank_silent(summaries) and time.monotonic() < deadline:
                 time.sleep(0.2)

@@ -1,8 +1,5 @@
 """OpenTelemetry pipelines: one MeterProvider, TracerProvider and LoggerProvider per process
-(`providers`, `pull_endpoint`, `guards`). Design: docs/design/core.md#exporters.
-
-Importing this package imports the OTel SDK: it is imported at init(), never by `import otel_train`.
-"""
+(`providers`, `pull_endpoint`, `guards`). Design: docs/design/core.md#exporters."""
 
 from otel_train.exporters.guards import quiet_sdk_exporter_logs
 from otel_train.exporters.job_provider import build_job_provider

@@ -1,8 +1,5 @@
-"""The providers: one MeterProvider, TracerProvider and LoggerProvider per process, and what they
-export to: OTLP (HTTP/protobuf by default, or gRPC) with bounded timeouts, the console (debugging),
-the Prometheus pull endpoint (`pull_endpoint`) and the per-flush StepReader (passed in). Every
-exporter is wrapped in a fork guard (`guards`); `Telemetry.shutdown` bounds the shutdown.
-"""
+"""The providers and what they export to (OTLP, the console, the pull endpoint, the StepReader),
+every exporter behind a fork guard. Design: docs/design/core.md#exporters."""
 
 from __future__ import annotations
 

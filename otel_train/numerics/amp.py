@@ -63,10 +63,8 @@ class ScalerWatch:
 
 
 class _WatchedUpdate:
-    """The `update` the watched scaler's instance holds. It lives in the scaler's `__dict__`, which
-    GradScaler pickles (torch.save of a checkpoint, copy.deepcopy): it pickles as the scaler's own
-    `update`, so a copy or a loaded checkpoint is a plain, unwatched scaler and the watch's meter
-    and locks are never pickled."""
+    """The `update` the watched scaler's instance holds. GradScaler pickles its `__dict__` (a
+    checkpoint, copy.deepcopy): this pickles as the scaler's own `update` (design page, #amp)."""
 
     def __init__(self, watch: ScalerWatch) -> None:
         self.watch = watch

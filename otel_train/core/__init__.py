@@ -5,7 +5,8 @@ training thread's `scopes` append to the session's `buffer`; `session` hands eac
 docs/design/core.md#one-flush.
 
 From outside the core, import the names below, the records in `otel_train.core.buffer` (what
-producers append and flush listeners receive) and `otel_train.core.resolve.tensors_to_host`.
+producers append and flush listeners receive) and `otel_train.core.resolve`'s device-to-host copy
+and histogram bucket counts.
 """
 
 from __future__ import annotations

@@ -13,11 +13,8 @@ from collections.abc import Iterator
 log = logging.getLogger("otel_train")
 
 ADAPTIVE_BASE_STEPS = 10
-# The worker's flush holds the training process's GIL: ~5 ms a flush of 100-200 steps on the
-# launch-bound bench at ~10 ms steps, 0.5 % of wall time at one flush a second, about 3 ms of it
-# fixed (SDK collection, files, the exchange) and ~12-19 us a step. The adaptive cadence keeps it
-# under WORKER_SHARE by flushing less often, but at most MAX_STRETCH x log_interval_min_s: at 1-2
-# ms steps the per-step part dominates, and no cadence amortizes that.
+# The worker's CPU per flush stays under WORKER_SHARE of the time between flushes, stretching the
+# interval at most MAX_STRETCH x log_interval_min_s (docs/design/core.md#cadence).
 WORKER_SHARE = 0.0025
 MAX_STRETCH = 2.0
 _NEVER = 2**62  # due_step when flushes are counted, not scheduled

@@ -9,7 +9,7 @@ import numbers
 import random
 import sys
 from bisect import bisect_right
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import replace
 from itertools import groupby
 from operator import attrgetter, itemgetter, sub
@@ -327,9 +327,7 @@ def _period(names: Sequence[str]) -> int:
 
 def _arrivals(began: Sequence[int], ends: Sequence[int], inside: bool) -> list[float]:
     """One arrival per step (from its start to the timer's end): a timer run several times in a
-    step (micro-batches under gradient accumulation) arrives at its LAST end there, where the rank
-    reaches the step's synchronization (the all-reduce runs in the last micro-batch's backward).
-    One value per step keeps the ranks' medians and noise (MAD) over steps, not micro-batches."""
+    step arrives at its LAST end there (why: docs/design/crossrank.md#verdicts)."""
     if inside and len(set(began)) == len(began):  # the usual case: once per step
         return seconds_between(began, ends)
     last = dict(zip(began, ends, strict=True))  # per step start, its latest end (ends come in order)
@@ -434,7 +432,7 @@ def _plain_name(batch: FlushBatch, name: Any, count: int = 1) -> str | None:
 
 # --- many values into one SDK histogram series at once: one aggregation step per flush, not per
 # value; falls back to one public record() per value when the SDK's internals are not as expected
-# (docs/design/core.md#histogram-feed) ---
+# (docs/design/core.md#histogram-feed). The job series add their bucket counts the same way. ---
 _FIELDS = (
     "_lock",
     "_value",
@@ -469,49 +467,57 @@ def bucket_counts_of(ordered: Sequence[float], bounds: Sequence[float]) -> list[
     return counts
 
 
-def _targets(histogram: Any, attributes: dict[str, Any]) -> list[tuple[Any, Any, dict[str, Any]]] | None:
-    """(view match, hashed attributes, attributes) for every reader, or None if not mergeable."""
+def _merge(histogram: Any, values: list[float], attributes: dict[str, Any]) -> bool:
+    try:
+        if not histogram._is_enabled():
+            return False
+    except (AttributeError, TypeError):  # not the SDK's histogram: use record()
+        return False
+    ordered = sorted(values)
+
+    def counts_for(bounds: Sequence[float]) -> list[int]:
+        return bucket_counts_of(ordered, bounds)
+
+    return add_bucket_counts(histogram, attributes, counts_for, math.fsum(ordered), ordered[0], ordered[-1])
+
+
+def add_bucket_counts(
+    histogram: Any,
+    attributes: dict[str, Any],
+    counts_for: Callable[[Sequence[float]], Sequence[int] | None],
+    total: float,
+    low: float,
+    high: float,
+) -> bool:
+    """Add bucket counts (`counts_for(a reader's bounds)`; None: none for those), a sum, a min and a
+    max to `histogram`'s series of `attributes` in every reader, as the SDK's own `record()` of the
+    values would; False, with nothing added, when the SDK's internals are not the expected ones."""
+    targets = []
     try:
         from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
+        from opentelemetry.sdk.metrics._internal.aggregation import _ExplicitBucketHistogramAggregation
 
-        if not histogram._is_enabled():
-            return None
-        storages = list(histogram._measurement_consumer._reader_storages.values())
-        targets = []
-        for storage in storages:
+        for storage in list(histogram._measurement_consumer._reader_storages.values()):
             for match in storage._get_or_init_view_instrument_match(histogram):
                 keys = match._view._attribute_keys
                 attrs = attributes if keys is None else {k: v for k, v in attributes.items() if k in keys}
-                targets.append((match, _hash_attributes(attrs), attrs))
-        return targets
-    except (ImportError, AttributeError, TypeError):  # the SDK's internals moved: use record()
-        return None
-
-
-def _merge(histogram: Any, values: list[float], attributes: dict[str, Any]) -> bool:
-    from opentelemetry.sdk.metrics._internal.aggregation import _ExplicitBucketHistogramAggregation
-
-    targets = _targets(histogram, attributes)
-    if targets is None:
+                key = _hash_attributes(attrs)
+                with match._lock:
+                    aggregation = match._get_or_create_aggregation(key, attrs)
+                if type(aggregation) is not _ExplicitBucketHistogramAggregation or not all(
+                    hasattr(aggregation, name) for name in _FIELDS
+                ):
+                    return False
+                counts = counts_for(aggregation._boundaries)
+                if counts is None:
+                    return False
+                targets.append((match, key, attrs, counts))
+    except (ImportError, AttributeError, TypeError):  # the SDK's internals moved
         return False
-    for match, key, attrs in targets:  # all checked before anything is merged
-        with match._lock:
-            aggregation = match._get_or_create_aggregation(key, attrs)
-        if type(aggregation) is not _ExplicitBucketHistogramAggregation or not all(
-            hasattr(aggregation, name) for name in _FIELDS
-        ):
-            return False
-    ordered = sorted(values)
-    total, low, high = math.fsum(ordered), ordered[0], ordered[-1]
-    counts_by_bounds: dict[tuple[float, ...], list[int]] = {}
-    for match, key, attrs in targets:
+    for match, key, attrs, counts in targets:  # all checked above, before anything is added
         # Held like record() holds it when collect() discards aggregations (delta readers).
         with match._lock:
             aggregation = match._get_or_create_aggregation(key, attrs)
-            bounds = aggregation._boundaries
-            counts = counts_by_bounds.get(bounds)
-            if counts is None:
-                counts = counts_by_bounds[bounds] = bucket_counts_of(ordered, bounds)
             with aggregation._lock:
                 if aggregation._value is None:
                     aggregation._value = aggregation._get_empty_bucket_counts()

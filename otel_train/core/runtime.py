@@ -101,11 +101,8 @@ def _forget_in_child() -> None:
 
 
 class _SigtermRelay:
-    """Does the SIGTERM shutdown on a thread of its own: a signal handler runs between two
-    bytecodes, maybe while the main thread holds the session lock or a queue's mutex, so it only
-    writes a byte to a pipe. This thread shuts down, then sends SIGTERM again for the default
-    action. The training's own handler (which may train on) runs at once instead, and this thread
-    only asks for a flush (docs/design/core.md#runtime)."""
+    """Does the SIGTERM shutdown on a thread of its own, woken through a pipe by the handler; with
+    the training's own handler, only asks for a flush (docs/design/core.md#runtime)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()

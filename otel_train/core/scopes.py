@@ -195,9 +195,8 @@ class CudaTimerScope(TimerScope):
 def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullScope:
     """`with ot.timer("forward"):` — time a phase; `@ot.timer("forward")` times each call of a
     function (sync or async; a generator function raises TypeError), also one decorated before
-    `init()`. `cuda=True` times the device work
-    with CUDA events (resolved on the worker, no sync on the training thread). Before `init()` or
-    above the configured `timing_log_level` it does nothing."""
+    `init()`. `cuda=True` times the device work with CUDA events (resolved on the worker, no sync on
+    the training thread). Before `init()` or above the configured `timing_log_level` it does nothing."""
     session = runtime._current
     if session is None:
         _check_level("timer", name, level)  # before init() too: a wrong type is the caller's bug

@@ -224,6 +224,7 @@ def loss_of(blocks: Any) -> tuple[float, float, float] | None:
 
 
 def decode(block: Any) -> JobTotals:
+    """A block ([JOB_LEN] float64) as its totals."""
     values = block.tolist()
     timers: dict[float, TimerTotals] = {}
     for at in range(HEAD_LEN, JOB_LEN, REC_LEN):
@@ -235,6 +236,14 @@ def decode(block: Any) -> JobTotals:
                 record[R_MMIN], int(record[R_MMIN_RANK]), record[R_MMAX], int(record[R_MMAX_RANK]),
                 record[R_MSUM] / n if n else math.nan, n,
             )  # fmt: skip
-    head: dict[str, Any] = {name: values[at] for name, at in _H.items() if name != "version"}
-    counts = {name: int(head[name]) for name in ("rows", "overflow", "loss_count")}
-    return JobTotals(**{**head, **counts}, timers=timers)
+    return JobTotals(
+        rows=int(values[_H["rows"]]),
+        overflow=int(values[_H["overflow"]]),
+        samples=values[_H["samples"]],
+        tokens=values[_H["tokens"]],
+        loss_sum=values[_H["loss_sum"]],
+        loss_count=int(values[_H["loss_count"]]),
+        loss_min=values[_H["loss_min"]],
+        loss_max=values[_H["loss_max"]],
+        timers=timers,
+    )

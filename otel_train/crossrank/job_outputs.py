@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from otel_train import semconv
+from otel_train.core.resolve import add_bucket_counts
 from otel_train.crossrank.job_block import STEP_ID, JobTotals, TimerTotals, combine, decode
 from otel_train.crossrank.timer_stats import STEP_PHASE
 
@@ -160,35 +161,8 @@ def add_counts(
     when the SDK's internals are not the expected ones or its buckets are not `bounds`."""
     if not timer.count:
         return True
-    try:
-        from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
-        from opentelemetry.sdk.metrics._internal.aggregation import _ExplicitBucketHistogramAggregation
 
-        aggregations = []
-        for storage in histogram._measurement_consumer._reader_storages.values():
-            for match in storage._get_or_init_view_instrument_match(histogram):
-                keys = match._view._attribute_keys
-                attrs = attributes if keys is None else {k: v for k, v in attributes.items() if k in keys}
-                with match._lock:
-                    aggregation = match._get_or_create_aggregation(_hash_attributes(attrs), attrs)
-                if type(aggregation) is not _ExplicitBucketHistogramAggregation:
-                    return False
-                if tuple(aggregation._boundaries) != tuple(bounds):
-                    return False
-                aggregations.append((match, _hash_attributes(attrs), attrs))
-    except (AttributeError, ImportError, TypeError):
-        return False
-    for match, key, attrs in aggregations:
-        # Held like record() holds it when collect() swaps aggregations (delta readers).
-        with match._lock:
-            aggregation = match._get_or_create_aggregation(key, attrs)
-            with aggregation._lock:
-                if aggregation._value is None:
-                    aggregation._value = aggregation._get_empty_bucket_counts()
-                aggregation._sum += timer.total
-                if aggregation._record_min_max:
-                    aggregation._min = min(aggregation._min, timer.low)
-                    aggregation._max = max(aggregation._max, timer.high)
-                for index, count in enumerate(timer.buckets):
-                    aggregation._value[index] += count
-    return True
+    def counts_for(reader_bounds: Sequence[float]) -> tuple[int, ...] | None:
+        return timer.buckets if tuple(reader_bounds) == tuple(bounds) else None
+
+    return add_bucket_counts(histogram, attributes, counts_for, timer.total, timer.low, timer.high)

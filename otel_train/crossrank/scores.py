@@ -1,8 +1,6 @@
 """Straggler scores over flushes, from each flush's assessments (`verdicts.assess`): smoothed
-relative and individual scores per rank (NVRx semantics: 1 = healthy, lower = slower), chronic
-stragglers (the smoothed relative score below the threshold) and one-off stalls as
-`StragglerReport`s, and what they become: the straggler gauges and, on rank 0, the `straggler`
-events, each new straggler once (a chronic one until it recovers).
+per-rank scores, chronic and one-off `StragglerReport`s, the straggler gauges and, on rank 0, the
+`straggler` events. Design: docs/design/crossrank.md#verdicts.
 """
 
 from __future__ import annotations

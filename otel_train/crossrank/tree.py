@@ -101,4 +101,4 @@ def _node_starts(world: int, local_world: int | None, nodes: Sequence[int] | Non
         starts = sorted({n for n in nodes if 0 < n < world})
         return [0, *starts]
     unit = local_world if local_world and 1 < local_world < world and world % local_world == 0 else 1
-    return list(range(0, max(world, 1), unit)) if unit > 1 else list(range(max(world, 1)))
+    return list(range(0, max(world, 1), unit))

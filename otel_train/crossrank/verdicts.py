@@ -362,10 +362,7 @@ def assess(views: Sequence[RankView], settings: Settings) -> list[RankAssessment
         waits = _waits(table, worst, out)
         for a in out:
             a.wait_s = waits.get(a.index, 0.0)
-        waiting = sorted(
-            (a for a in out if a.index != worst.index and a.wait_s >= 0.5 * worst.chronic.seconds),
-            key=lambda a: a.rank,
-        )
+        waiting = [a for a in out if a.index != worst.index and a.wait_s >= 0.5 * worst.chronic.seconds]
         worst.waiting_ranks = tuple(sorted({a.rank for a in waiting}))  # a summary: rank < 0, once
         worst.waited_s = median([a.wait_s for a in waiting]) if waiting else 0.0
     return out

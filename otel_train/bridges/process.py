@@ -143,7 +143,8 @@ class BridgeProcess(Sink):
         if self._closing.is_set():
             return
         self._closing.set()
-        deadline = time.monotonic() + (CHILD_GRACE_S if timeout is None else max(0.0, timeout))
+        wait_s = CHILD_GRACE_S if timeout is None else max(0.0, timeout)
+        deadline = time.monotonic() + wait_s
         if not self._dead:
             self._lift()
             grace = max(CHILD_GRACE_S, deadline - time.monotonic())
@@ -162,7 +163,7 @@ class BridgeProcess(Sink):
         if self._closed_reply.is_set():  # its drop counts were counted as it came (`_listen`)
             self.closed_cleanly = all(s.get("clean") for s in self.bridge_stats.values())
         else:
-            _warn_unfinished(self, timeout or CHILD_GRACE_S)
+            _warn_unfinished(self, wait_s)
 
     def _wait_for_reply(self, deadline: float) -> None:
         while not self._closed_reply.is_set() and not self._ended.is_set():

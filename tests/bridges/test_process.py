@@ -131,6 +131,19 @@ def test_the_close_lifts_the_bridge_process_out_of_sched_idle_from_the_parent(tm
     assert len(policies) == 20 and set(policies) == {os.SCHED_OTHER}, policies  # the whole backlog
 
 
+@pytest.mark.usefixtures("fixtures_on_path")
+def test_a_close_that_may_not_wait_says_it_waited_no_time(caplog: pytest.LogCaptureFixture) -> None:
+    """`close(timeout=0)` (no budget left at shutdown) on a bridge still writing: the warning names
+    the wait it had, not the default grace."""
+    bridges = BridgeProcess([("helpers.bridge_fixtures", "Slow", {"seconds": 2.0})], 64)
+    bridges.write_scalars(0, 0.0, {"x": 1.0})
+    with caplog.at_level("WARNING", logger="otel_train"):
+        bridges.close({}, timeout=0.0)
+    assert bridges.wait(30)
+    warned = [r.getMessage() for r in caplog.records if "did not finish within" in r.getMessage()]
+    assert len(warned) == 1 and "within 0.0 s" in warned[0], warned
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 @pytest.mark.usefixtures("fixtures_on_path")
 def test_a_bridge_process_that_stops_reading_is_lifted_and_returns_to_sched_idle(tmp_path: Path) -> None:

@@ -254,7 +254,8 @@ def _one_to_host(tensor: Any) -> list[float] | None:
 
     try:
         with torch.no_grad():
-            return [float(x) for x in tensor.reshape(-1).to(torch.float64).cpu().tolist()]
+            # to the host first: Metal (MPS) has no float64
+            return [float(x) for x in tensor.reshape(-1).cpu().to(torch.float64).tolist()]
     except TORCH_ERRORS:
         return None
 

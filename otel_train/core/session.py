@@ -519,17 +519,19 @@ def _drain_worker(worker: Worker, instruments: Instruments, budget_s: float) -> 
     """Stop the worker within half the budget; returns the (flushes, steps) it never wrote."""
     unwritten = (0, 0)
     if not worker.stop(timeout_s=max(0.2, budget_s * 0.5)):
-        flushes, steps = worker.unwritten()
-        if flushes > 0:
+        flushes, steps, messages = worker.unwritten()
+        if flushes > 0 or messages > 0:
             unwritten = flushes, steps
-            instruments.dropped.add(flushes, {semconv.REASON: "shutdown_deadline"})
+            instruments.dropped.add(flushes + messages, {semconv.REASON: "shutdown_deadline"})
             log.warning(
                 "otel_train: shutdown deadline (%.1fs): the background worker was still busy; %d "
-                "flush(es) holding %d step(s) were not written to the run dir or exporters. Raise "
+                "flush(es) holding %d step(s) and %d log_text/log_samples/log_histogram/"
+                "log_hyperparams entries were not written to the run dir or exporters. Raise "
                 "OTEL_TRAIN_SHUTDOWN_TIMEOUT_S if this happens often.",
                 budget_s,
                 flushes,
                 steps,
+                messages,
             )
     for name, count in worker.sink_errors.items():
         log.warning(

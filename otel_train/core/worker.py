@@ -171,9 +171,13 @@ class Worker:
     def add_sink(self, sink: Sink) -> None:
         self.sinks = [*self.sinks, sink]
 
-    def unwritten(self) -> tuple[int, int]:
-        """(flush batches, steps) handed to the worker that it has not written (yet)."""
-        return self.batches_put - self.batches_done, self.steps_put - self.steps_done
+    def unwritten(self) -> tuple[int, int, int]:
+        """(flush batches, steps, log_* messages) handed to the worker that it has not written (yet);
+        the messages are those still queued."""
+        with self.queue.mutex:  # a snapshot: the training thread may still queue more
+            queued = list(self.queue.queue)
+        messages = sum(1 for item in queued if item is not None and not isinstance(item, FlushBatch))
+        return self.batches_put - self.batches_done, self.steps_put - self.steps_done, messages
 
     def _run(self) -> None:
         while True:

@@ -95,3 +95,38 @@ def test_shutdown_with_a_busy_worker_counts_and_warns(tmp_path, caplog) -> None:
     shortfall = _warned_shortfall(caplog)
     assert shortfall >= 20 - written, ([r.getMessage() for r in caplog.records], written)
     assert written + session.lost_steps >= 20
+
+
+class _TextCounter(Sink):
+    name = "texts"
+
+    def __init__(self) -> None:
+        self.texts = 0
+
+    def write_text(self, key: str, text: str, step: int) -> None:
+        self.texts += 1
+
+
+def test_shutdown_with_a_busy_worker_counts_the_log_entries_it_never_wrote(tmp_path, caplog) -> None:
+    """`log_text` entries queued behind flushes the worker could not finish: each is written or in
+    the warning's count, none silently lost."""
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    ot.init(output_dir=str(tmp_path), run_name="texts", prometheus_port=0, verbosity=0, log_interval=1,
+            hardware=False, shutdown_timeout_s=0.5)  # fmt: skip
+    session = current_session()
+    counter = _TextCounter()
+    session.worker.add_sink(_SlowSink())
+    session.worker.add_sink(counter)
+    for step in range(10):
+        with ot.step(step):
+            ot.record("loss", 1.0)
+        ot.log_text("note", f"step {step}")
+    ot.shutdown()
+    time.sleep(0.7)  # let the abandoned worker finish what it was doing (it must not write more)
+    warned = 0
+    for record in caplog.records:
+        match = re.search(r"and (\d+) log_text", record.getMessage())
+        if match:
+            warned += int(match.group(1))
+    assert warned > 0, [r.getMessage() for r in caplog.records]  # the case under test
+    assert counter.texts + warned == 10, (counter.texts, warned)

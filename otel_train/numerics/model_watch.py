@@ -139,7 +139,7 @@ class ModelWatch:
         self._step = None
         if index % self.every == 0:
             if self._hooks:  # a watched step begun and never ended (ot.begin_step without end_step)
-                self._remove_activation_hooks()
+                self._remove_step_hooks()
             self._activations, self._fingerprint, self._read = {}, None, None
             self._ran = set()
             self._step = index
@@ -160,7 +160,7 @@ class ModelWatch:
 
     def end_step(self, index: int, failed: bool) -> None:
         if self._hooks:
-            self._remove_activation_hooks()
+            self._remove_step_hooks()
         self._step = None
         if failed or index % self.every != 0 or self._buffer is None or self._read == index:
             self._activations, self._fingerprint, self._read = {}, None, None
@@ -175,7 +175,7 @@ class ModelWatch:
         if index is None or buffer is None:
             return
         self._step, self._read = None, index
-        self._remove_activation_hooks()
+        self._remove_step_hooks()
         self._collect_or_skip(index, buffer)
 
     def see_batch(self, batch: Any) -> None:
@@ -286,7 +286,7 @@ class ModelWatch:
 
     def remove(self) -> None:
         """Stop watching (idempotent; also called by `ot.shutdown()`)."""
-        self._remove_activation_hooks()
+        self._remove_step_hooks()
         buffer, self._buffer = self._buffer, None
         if buffer is not None and self._on_remove is not None:
             self._on_remove(self)
@@ -344,7 +344,7 @@ class ModelWatch:
         except (RuntimeError, TypeError, ValueError) as exc:  # torch on an odd input tensor
             self._fail(exc)
 
-    def _remove_activation_hooks(self) -> None:
+    def _remove_step_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

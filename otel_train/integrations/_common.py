@@ -1,5 +1,5 @@
-"""What the framework integrations share: lazy session start, settings given as keyword
-arguments, framework log names."""
+"""What the framework integrations share: lazy session start and end, settings given as keyword
+arguments, framework log names, steps begun and ended by hooks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from operator import attrgetter
+from time import perf_counter_ns
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -66,6 +67,55 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
         return False
     ot.init(**dict(settings or {}))
     return True
+
+
+def end_training(owns_session: bool) -> None:
+    """Shut down the session the integration started; else the user's run outlives the training
+    and idles: no stall while it does other work."""
+    if owns_session:
+        ot.shutdown()
+    else:
+        adapters.idle()
+
+
+class HookStep:
+    """A step that a framework's hooks begin and end, with its phases timed back to back."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.phase_start_ns = 0  # where the running phase started
+
+    def begin(self, index: int, start_ns: int | None) -> bool:
+        """Begin step `index` at `start_ns`; False when no session runs."""
+        self.open = adapters.begin_step(index, start_ns=start_ns) is not None
+        return self.open
+
+    def end_phase(self, name: str) -> None:
+        """Phase `name`, from the end of the one before to now (nothing outside the step)."""
+        if self.open:
+            ot.timer(name).start(at_ns=self.phase_start_ns).stop()
+            self.phase_start_ns = perf_counter_ns()
+
+    def end(self, tokens: int | None = None, samples: int | None = None) -> None:
+        if self.open:
+            self.open = False
+            adapters.end_step(tokens=tokens, samples=samples)
+
+    def fail(self) -> None:
+        """The open step never reached its end hook: it ends as failed, out of the step counts
+        and durations."""
+        if self.open:
+            self.open = False
+            adapters.end_step(failed=True)
+
+
+def logged_step(index: int, start_ns: int | None, values: Mapping[str, Any]) -> int:
+    """Step `index` marked by a framework's log: begun at `start_ns`, holding `values` (they leave
+    with its flush, filed under it), ended now. Returns its end, where the next one starts."""
+    adapters.begin_step(index, start_ns=start_ns)
+    ot.log_metrics(values)
+    adapters.end_step()
+    return perf_counter_ns()
 
 
 def chosen(name: str, settings: Mapping[str, Any]) -> bool:

@@ -22,6 +22,8 @@ from otel_train.integrations._common import (
     call_holding,
     chosen,
     distributed_world,
+    end_training,
+    logged_step,
     scalar_logs,
     settings_from_kwargs,
     start_session,
@@ -141,11 +143,8 @@ class OtelTrainTracker(GeneralTracker):
             # Accelerate's step is optional: a log without one is the step after the last logged
             number = self._marked + 1
         if self._marks_steps and number is not None and number > self._marked:
-            adapters.begin_step(number, start_ns=self._mark_ns)
-            ot.log_metrics(scalars)  # inside the step: they leave with its flush, filed under it
-            adapters.end_step()
+            self._mark_ns = logged_step(number, self._mark_ns, scalars)
             self._marked = number
-            self._mark_ns = perf_counter_ns()
         elif number is not None and number == info.open_step:
             # the step open now: its values, like ot.record's, leave with the flush (a row of
             # their own per log would be a bridge write per step)
@@ -156,11 +155,8 @@ class OtelTrainTracker(GeneralTracker):
 
     def finish(self) -> None:
         self._unfeed_watchdog()
-        if self._owns_session:
-            self._owns_session = False
-            ot.shutdown()
-        else:  # the user's run outlives the training: no stall while it does other work
-            adapters.idle()
+        owns_session, self._owns_session = self._owns_session, False
+        end_training(owns_session)
         self._new_run()
 
     def _ready(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import otel_train as ot
 from otel_train import adapters, semconv
-from otel_train.integrations._common import chosen, rank_share, start_session
+from otel_train.integrations._common import chosen, end_training, rank_share, start_session
 
 __all__ = ["OtelTrainCallback", "instrument", "settings_from_logger_config"]
 
@@ -240,11 +240,8 @@ class OtelTrainCallback:
         ot.log_metrics({f"{name}/{_loss_name(k)}": v for k, v in losses.items() if isinstance(k, str)})
 
     def on_train_end(self, context: Any) -> None:
-        if self._owns_session:
-            self._owns_session = False
-            ot.shutdown()
-        else:  # the user's run outlives the training: no stall while it does other work
-            adapters.idle()
+        owns_session, self._owns_session = self._owns_session, False
+        end_training(owns_session)
 
 
 def _loss_name(key: Any) -> str:

@@ -23,6 +23,7 @@ import otel_train as ot
 from otel_train import adapters
 from otel_train.integrations._common import (
     EVAL_PREFIXES,
+    HookStep,
     call_holding,
     chosen,
     distributed_world,
@@ -73,8 +74,7 @@ class OtelTrainCallback(TrainerCallback):
         self._started = False  # this callback's run began (on_train_begin or a lazy first step)
         self._session: Any = None  # the session this callback started (and ends), else None
         self._mark_ns: int | None = None  # end of the last accounted stretch (step, log, eval, save)
-        self._open = False  # a step this callback began is open
-        self._phase_start_ns = 0
+        self._hook_step = HookStep()  # the step this callback began
         self._tokens_seen = 0
         self._steps = 0  # optimizer steps counted here, for trainers that pass no state
         self._rank = 0
@@ -118,7 +118,7 @@ class OtelTrainCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_abandoned_step()  # a failed attempt of auto_find_batch_size, or a stale step
+        self._hook_step.fail()  # a failed attempt of auto_find_batch_size, or a stale step
         trainer = _calling_trainer(self)
         self._adopt(trainer)  # added with add_callback: no on_init_end was seen
         engine = _deepspeed_engine(trainer)
@@ -203,7 +203,7 @@ class OtelTrainCallback(TrainerCallback):
         """End this callback's run (at `on_train_end`, or when `train()` raises; idempotent): a step
         still open ends as failed (`OumiTrainer` may begin one and find no batch at an epoch's end),
         a session the callback started is shut down, one the user started idles."""
-        self._end_abandoned_step()
+        self._hook_step.fail()
         self._started = False
         self._mark_ns = None
         session, self._session = self._session, None
@@ -212,32 +212,24 @@ class OtelTrainCallback(TrainerCallback):
         elif adapters.current_run() == session:
             ot.shutdown()
 
-    def _end_abandoned_step(self) -> None:
-        """A step that never reached `on_step_end` (see `close`) ends as failed: out of the step
-        counts and durations."""
-        if self._open:
-            self._open = False
-            adapters.end_step(failed=True)
-
     # --- one optimizer step ----------------------------------------------------------------------
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_abandoned_step()
+        self._hook_step.fail()
         if not self._started:  # no on_train_begin (OumiTrainer)
             self._start(args, state, kwargs.get("model"))
         now = perf_counter_ns()
         start = self._mark_ns if self._mark_ns is not None else now
         index = state.global_step if state is not None else self._steps
-        if adapters.begin_step(index, start_ns=start) is None:
+        if not self._hook_step.begin(index, start):
             return  # no session (the user's was shut down)
-        self._open = True
         batch, self._batch = self._batch, None
         if batch is not None:
             adapters.watch_batch(batch)  # unsharded data: the batch as it left the loader (watched steps)
         if state is not None and start < now:  # OumiTrainer fetches the batch inside the step
             self._time_data(start, now)
-        self._phase_start_ns = now
+        self._hook_step.phase_start_ns = now
 
     def _time_data(self, start: int, now: int) -> None:
         ready = self._data_ready_ns
@@ -258,28 +250,23 @@ class OtelTrainCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_phase("forward_backward")
+        self._hook_step.end_phase("forward_backward")
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self._deepspeed:  # the Trainer's optimizer.step() is a no-op: DeepSpeed's is timed
-            self._phase_start_ns = perf_counter_ns()
+            self._hook_step.phase_start_ns = perf_counter_ns()
         else:
-            self._end_phase("optimizer")
-        if self._open:
+            self._hook_step.end_phase("optimizer")
+        if self._hook_step.open:
             adapters.watch_read()  # the Trainer zeroes the gradients before on_step_end
-
-    def _end_phase(self, name: str) -> None:
-        if self._open:
-            ot.timer(name).start(at_ns=self._phase_start_ns).stop()
-            self._phase_start_ns = perf_counter_ns()
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._steps += 1
-        if not self._open:
+        if not self._hook_step.open:
             return
         tokens = self._batch_tokens or None  # this rank's, as the Trainer's "all" counts them
         self._batch_tokens = 0
@@ -292,8 +279,7 @@ class OtelTrainCallback(TrainerCallback):
             job_tokens = max(state.num_input_tokens_seen - self._tokens_seen, 0)
             tokens = rank_share(job_tokens, self._rank, self._world) or None
             self._tokens_seen = state.num_input_tokens_seen
-        self._open = False
-        adapters.end_step(tokens=tokens)
+        self._hook_step.end(tokens=tokens)
         self._mark_ns = perf_counter_ns()
         if _save_due(control):  # the Trainer saves before the next step (after its log and eval)
             adapters.saving_checkpoint()
@@ -339,7 +325,7 @@ class OtelTrainCallback(TrainerCallback):
         """The index of the step a log or an evaluation follows: the step that ended last (its
         index is the Trainer's global_step - 1). None inside a step (the values leave with that
         step's flush, filed under it) and before the first step."""
-        if self._open:
+        if self._hook_step.open:
             return None
         ended = state.global_step if state is not None else self._steps
         return ended - 1 if ended > 0 else None

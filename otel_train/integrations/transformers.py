@@ -90,30 +90,8 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         trainer = _calling_trainer(self)
         self._adopt(trainer)
-        if trainer is not None:
-            self._drop_duplicate_reporters(trainer)
-
-    def _drop_duplicate_reporters(self, trainer: Any) -> None:
-        """Take the Trainer's `report_to` reporter off for each backend an otel_train bridge writes
-        to (before any reporter's `on_train_begin` opened a run there)."""
-        on = _bridges_on(self._settings)
-        handler = trainer.callback_handler
-        dropped = [c for c in handler.callbacks if _reporter_backend(c) in on]
-        if not dropped:
-            return
-        # A new list, not remove(): the handler is iterating over the old one (this on_init_end).
-        handler.callbacks = [c for c in handler.callbacks if c not in dropped]
-        names = sorted({_reporter_backend(c) or "" for c in dropped})
-        log.warning(
-            "otel_train: the Trainer reports to %s and otel_train's bridge does too: the Trainer's %s "
-            "is taken off, its logs reach %s through otel_train (one run, not two). To keep the "
-            "Trainer's reporter instead, set %s on OtelTrainCallback.",
-            ", ".join(names),
-            ", ".join(type(c).__name__ for c in dropped),
-            ", ".join(names),
-            ", ".join(f"{n}=False" for n in names),
-        )
-        self._took_wandb = self._took_wandb or "wandb" in names
+        if trainer is not None and "wandb" in _drop_duplicate_reporters(trainer, self._settings):
+            self._took_wandb = True
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -374,6 +352,29 @@ def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[s
     if isinstance(output_dir, str) and output_dir:
         out["output_dir"] = os.path.join(output_dir, _RUN_DIRS)
     return {name: value for name, value in out.items() if not chosen(name, settings)}
+
+
+def _drop_duplicate_reporters(trainer: Any, settings: Mapping[str, Any]) -> list[str]:
+    """Take the Trainer's `report_to` reporter off for each backend an otel_train bridge writes
+    to (before any reporter's `on_train_begin` opened a run there); returns those backends."""
+    on = _bridges_on(settings)
+    handler = trainer.callback_handler
+    dropped = [c for c in handler.callbacks if _reporter_backend(c) in on]
+    if not dropped:
+        return []
+    # A new list, not remove(): the handler is iterating over the old one (this on_init_end).
+    handler.callbacks = [c for c in handler.callbacks if c not in dropped]
+    names = sorted({_reporter_backend(c) or "" for c in dropped})
+    log.warning(
+        "otel_train: the Trainer reports to %s and otel_train's bridge does too: the Trainer's %s "
+        "is taken off, its logs reach %s through otel_train (one run, not two). To keep the "
+        "Trainer's reporter instead, set %s on OtelTrainCallback.",
+        ", ".join(names),
+        ", ".join(type(c).__name__ for c in dropped),
+        ", ".join(names),
+        ", ".join(f"{n}=False" for n in names),
+    )
+    return names
 
 
 def _bridges_on(settings: Mapping[str, Any]) -> set[str]:

@@ -127,6 +127,12 @@ def chosen(name: str, settings: Mapping[str, Any]) -> bool:
     return path != "" and name in config_file_settings(path)
 
 
+def with_adopted(settings: Mapping[str, Any], adopted: Mapping[str, Any]) -> dict[str, Any]:
+    """`settings` plus the `adopted` values (what the framework's own config says) of the settings
+    the user did not choose (`chosen`)."""
+    return {**{name: value for name, value in adopted.items() if not chosen(name, settings)}, **settings}
+
+
 def rank_share(total: int, rank: int, world: int) -> int:
     """This rank's even share of a job-wide count (the shares of all ranks sum to `total`)."""
     share, rest = divmod(total, world)

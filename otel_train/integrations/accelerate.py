@@ -20,13 +20,13 @@ from otel_train import adapters
 from otel_train.config import default_run_name
 from otel_train.integrations._common import (
     call_holding,
-    chosen,
     distributed_world,
     end_training,
     logged_step,
     scalar_logs,
     settings_from_kwargs,
     start_session,
+    with_adopted,
 )
 
 __all__ = ["OtelTrainTracker"]
@@ -183,12 +183,9 @@ class OtelTrainTracker(GeneralTracker):
         project = self.project_name or self._run_project
         if project is None:
             return settings
-        for field in _PROJECT_SETTINGS:
-            if not chosen(field, settings):
-                settings[field] = project
-        if not chosen("run_name", settings):
-            settings["run_name"] = default_run_name(project)
-        return settings
+        adopted = dict.fromkeys(_PROJECT_SETTINGS, project)
+        adopted["run_name"] = default_run_name(project)
+        return with_adopted(settings, adopted)
 
 
 def _heartbeat_after(call: Callable[..., Any]) -> Callable[..., Any]:

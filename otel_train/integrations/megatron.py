@@ -15,7 +15,7 @@ from typing import Any
 
 import otel_train as ot
 from otel_train import adapters, semconv
-from otel_train.integrations._common import chosen, end_training, rank_share, start_session
+from otel_train.integrations._common import end_training, rank_share, start_session, with_adopted
 
 __all__ = ["OtelTrainCallback", "instrument", "settings_from_logger_config"]
 
@@ -187,10 +187,7 @@ class OtelTrainCallback:
         train_iters = _get(getattr(cfg, "train", None), "train_iters")
         if isinstance(train_iters, int) and train_iters > 0:
             adopted["total_steps"] = train_iters
-        # What the user chose (a keyword, OTEL_TRAIN_<FIELD>, the config file) wins over Bridge's config.
-        settings = {name: value for name, value in adopted.items() if not chosen(name, self._settings)}
-        settings.update(self._settings)
-        self._owns_session = start_session(settings)
+        self._owns_session = start_session(with_adopted(self._settings, adopted))
         if self._hyperparams and cfg is not None:
             ot.log_hyperparams(_hparams(cfg))
         if self._timers:

@@ -25,13 +25,13 @@ from otel_train.integrations._common import (
     EVAL_PREFIXES,
     HookStep,
     call_holding,
-    chosen,
     distributed_world,
     ending_on_error,
     rank_share,
     scalar_logs,
     settings_from_kwargs,
     start_session,
+    with_adopted,
     with_precision,
 )
 
@@ -57,7 +57,7 @@ class OtelTrainCallback(TrainerCallback):
     Settings are `ot.init()` settings used when the callback starts the session itself, by keyword
     (`OtelTrainCallback(run_name="x", tensorboard=True)`) or as a `settings` mapping; an unknown
     name raises `ConfigError`. `hyperparams=False` skips logging the `TrainingArguments`.
-    `watch_every=N` (> 0) calls `ot.watch(model, every=N)` when training begins (module doc)."""
+    `watch_every=N` (> 0) calls `ot.watch(model, every=N)` when training begins."""
 
     def __init__(
         self,
@@ -143,13 +143,13 @@ class OtelTrainCallback(TrainerCallback):
         # same train() (auto_find_batch_size after an out-of-memory error). The run goes on.
         again = self._started and self._session is not None and adapters.current_run() == self._session
         if not again:
-            settings = {**_adopted_settings(args, state, self._settings), **self._settings}
-            if self._took_wandb and not chosen("wandb_project", self._settings):
-                settings["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
+            adopted = _adopted_settings(args, state)
+            if self._took_wandb:
+                adopted["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
             max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
-            if isinstance(max_steps, int) and max_steps > 0 and not chosen("total_steps", settings):
-                settings["total_steps"] = max_steps
-            started = start_session(with_precision(settings, _precision(args)))
+            if isinstance(max_steps, int) and max_steps > 0:
+                adopted["total_steps"] = max_steps
+            started = start_session(with_precision(with_adopted(self._settings, adopted), _precision(args)))
             self._session = adapters.current_run() if started else None
         self._started = True
         info = ot.run_info()
@@ -334,9 +334,8 @@ class OtelTrainCallback(TrainerCallback):
         self._mark_ns = perf_counter_ns()
 
 
-def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The otel_train settings taken from `TrainingArguments` (module doc), those the user did not
-    choose."""
+def _adopted_settings(args: Any, state: TrainerState | None) -> dict[str, Any]:
+    """The otel_train settings `TrainingArguments` stand for (docs/design/integrations.md#transformers)."""
     out: dict[str, Any] = {}
     strategy = getattr(args, "logging_strategy", None)
     steps = getattr(args, "logging_steps", None)
@@ -351,7 +350,7 @@ def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[s
     output_dir = getattr(args, "output_dir", None)
     if isinstance(output_dir, str) and output_dir:
         out["output_dir"] = os.path.join(output_dir, _RUN_DIRS)
-    return {name: value for name, value in out.items() if not chosen(name, settings)}
+    return out
 
 
 def _drop_duplicate_reporters(trainer: Any, settings: Mapping[str, Any]) -> list[str]:

@@ -1,5 +1,6 @@
-"""What the framework integrations share: lazy session start and end, settings given as keyword
-arguments, framework log names, steps begun and ended by hooks."""
+"""What the framework integrations share: the session's start and end, settings given as keyword
+arguments or adopted from the framework, framework log names, steps begun and ended by hooks
+(docs/design/integrations.md#common)."""
 
 from __future__ import annotations
 

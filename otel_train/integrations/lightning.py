@@ -470,11 +470,9 @@ class OtelTrainCallback(Callback):
 
 
 def _forward_logged_metrics(trainer: Trainer) -> Callable[[], None]:
-    """Without an OtelTrainLogger, the callback sends otel_train what the Trainer's loggers get,
-    when and at the step they get it (each batch's, each epoch's, each validation's): the
-    Trainer's one place that hands metrics to its loggers, `_logger_connector.log_metrics`, is
-    wrapped on this Trainer (also with no logger at all, where it hands them to nobody). Returns
-    what undoes it."""
+    """Wrap this Trainer's `_logger_connector.log_metrics`: otel_train gets what the Trainer's
+    loggers get, when and at the step they get it (docs/design/integrations.md#lightning).
+    Returns what undoes it."""
     connector = trainer._logger_connector
     handed = connector.log_metrics  # the bound method
 

@@ -80,7 +80,8 @@ def end_training(owns_session: bool) -> None:
 
 
 class HookStep:
-    """A step that a framework's hooks begin and end, with its phases timed back to back."""
+    """A step that a framework's hooks begin and end, its phases timed back to back
+    (docs/design/integrations.md#common)."""
 
     def __init__(self) -> None:
         self.open = False
@@ -103,8 +104,7 @@ class HookStep:
             adapters.end_step(tokens=tokens, samples=samples)
 
     def fail(self) -> None:
-        """The open step never reached its end hook: it ends as failed, out of the step counts
-        and durations."""
+        """The end hook never came: the open step ends as failed (out of step counts and durations)."""
         if self.open:
             self.open = False
             adapters.end_step(failed=True)

@@ -259,14 +259,12 @@ class OtelTrainCallback(TrainerCallback):
             self._tokens_seen = state.num_input_tokens_seen
         self._hook_step.end(tokens=tokens)
         self._mark_ns = perf_counter_ns()
-        if _save_due(control):  # the Trainer saves before the next step (after its log and eval)
-            adapters.saving_checkpoint()
+        _saving_if_due(control)  # the Trainer saves before the next step (after its log and eval)
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if _save_due(control):  # save_strategy="epoch": the save follows
-            adapters.saving_checkpoint()
+        _saving_if_due(control)  # save_strategy="epoch": the save follows
 
     # --- logs, eval, checkpoints -----------------------------------------------------------------
     def on_log(
@@ -318,8 +316,7 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._close_mark("eval", state)
-        if _save_due(control):  # the save follows the evaluation (whose batches ended `saving`)
-            adapters.saving_checkpoint()
+        _saving_if_due(control)  # the save follows the evaluation (whose batches ended `saving`)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -440,6 +437,8 @@ def _precision(args: Any) -> str | None:
     return next((flag for flag in ("bf16", "fp16", "tf32") if getattr(args, flag, None) is True), None)
 
 
-def _save_due(control: TrainerControl | None) -> bool:
-    """Whether the Trainer saves a checkpoint next (OumiTrainer calls the hooks without a control)."""
-    return control is not None and bool(control.should_save)
+def _saving_if_due(control: TrainerControl | None) -> None:
+    """`adapters.saving_checkpoint()` when the Trainer saves a checkpoint next (OumiTrainer calls
+    the hooks without a control)."""
+    if control is not None and control.should_save:
+        adapters.saving_checkpoint()

@@ -100,12 +100,12 @@ def _next_version(root: str) -> str:
         names = os.listdir(root)
     except OSError:  # not created yet: the first version
         return "version_0"
-    taken = [
-        int(m.group(1))
-        for n in names
-        if (m := _VERSION_DIR.fullmatch(n)) and os.path.isdir(os.path.join(root, n))
-    ]
-    return f"version_{max(taken) + 1 if taken else 0}"
+    highest = -1
+    for name in names:
+        match = _VERSION_DIR.fullmatch(name)
+        if match is not None and os.path.isdir(os.path.join(root, name)):
+            highest = max(highest, int(match.group(1)))
+    return f"version_{highest + 1}"
 
 
 def _trainer_on_stack(logger: OtelTrainLogger) -> Trainer | None:

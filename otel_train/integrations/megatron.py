@@ -8,7 +8,6 @@ How it works: docs/design/integrations.md#megatron.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Mapping
 from time import perf_counter_ns
 from typing import Any
@@ -308,7 +307,10 @@ def _get(source: Any, name: str) -> Any:
 def settings_from_logger_config(logger: Any) -> dict[str, Any]:
     """`ot.init()` settings from a Bridge `LoggerConfig` (or the `logger:` mapping of a Bridge YAML).
     Only options that are set appear; see the README's Megatron section for the full mapping."""
-    get = functools.partial(_get, logger)
+
+    def get(name: str) -> Any:
+        return _get(logger, name)
+
     out: dict[str, Any] = {}
     if isinstance(get("log_interval"), int) and get("log_interval") > 0:
         out["log_interval"] = get("log_interval")

@@ -131,7 +131,9 @@ def chosen(name: str, settings: Mapping[str, Any]) -> bool:
 def with_adopted(settings: Mapping[str, Any], adopted: Mapping[str, Any]) -> dict[str, Any]:
     """`settings` plus the `adopted` values (what the framework's own config says) of the settings
     the user did not choose (`chosen`)."""
-    return {**{name: value for name, value in adopted.items() if not chosen(name, settings)}, **settings}
+    out = {name: value for name, value in adopted.items() if not chosen(name, settings)}
+    out.update(settings)
+    return out
 
 
 def rank_share(total: int, rank: int, world: int) -> int:

@@ -115,12 +115,6 @@ class OtelTrainTracker(GeneralTracker):
                 )
                 self._fed = accelerator
 
-    def _unfeed_watchdog(self) -> None:
-        accelerator, self._fed = self._fed, None
-        if accelerator is not None:
-            del accelerator.backward, accelerator.gather_for_metrics  # the class's methods again
-            self._save_hook.remove()
-
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         if self._ready():
             ot.log_hyperparams(values)
@@ -154,7 +148,10 @@ class OtelTrainTracker(GeneralTracker):
             ot.log_metrics(scalars, step=step if number is None else number)
 
     def finish(self) -> None:
-        self._unfeed_watchdog()
+        accelerator, self._fed = self._fed, None
+        if accelerator is not None:  # the stall watchdog is no longer fed
+            del accelerator.backward, accelerator.gather_for_metrics  # the class's methods again
+            self._save_hook.remove()
         owns_session, self._owns_session = self._owns_session, False
         end_training(owns_session)
         self._new_run()

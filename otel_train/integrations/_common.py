@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import otel_train as ot
 from otel_train import adapters
-from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError, env_name
-from otel_train.config_loading import config_file_settings, did_you_mean
+from otel_train.config import CONFIG_FILE_ENV, FIELDS, env_name
+from otel_train.config_loading import config_file_settings, unknown_setting
 
 T = TypeVar("T")
 EVAL_PREFIXES = ("eval_", "test_", "predict_")  # a framework's evaluation, test and prediction logs
@@ -32,10 +32,7 @@ def settings_from_kwargs(
     merged = {**dict(settings or {}), **kwargs}
     unknown = next((name for name in merged if name not in FIELDS), None)
     if unknown is not None:
-        raise ConfigError(
-            f"{owner} got an unknown setting {unknown!r}: {did_you_mean(unknown, FIELDS)}Settings are "
-            f"otel_train.Config fields (docs/reference/configuration.md): {', '.join(sorted(FIELDS))}."
-        )
+        raise unknown_setting(owner, unknown, FIELDS)
     return merged
 
 

@@ -194,7 +194,7 @@ class OtelTrainCallback(TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._hook_step.fail()
+        self._hook_step.fail()  # one that never reached on_step_end
         if not self._started:  # no on_train_begin (OumiTrainer)
             self._start(args, state, kwargs.get("model"))
         now = perf_counter_ns()

@@ -10,7 +10,7 @@ import logging
 import os
 import re
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from otel_train.config import (
@@ -63,10 +63,7 @@ def load_config(
             values[name] = (environ[key], key)
     for name, value in overrides.items():
         if name not in table:
-            raise ConfigError(
-                f"init() got an unknown setting {name!r}: {did_you_mean(name, table)}Settings are "
-                f"otel_train.Config fields (docs/reference/configuration.md): {', '.join(sorted(table))}."
-            )
+            raise unknown_setting("init()", name, table)
         values[name] = (value, f"init({name}=...)")
 
     resolved = {name: _parse(name, value, source, table[name]) for name, (value, source) in values.items()}
@@ -125,6 +122,14 @@ def config_file_settings(path: str, config_cls: type[Config] = Config) -> dict[s
             f"fields (docs/reference/configuration.md): {', '.join(sorted(known))}."
         )
     return data
+
+
+def unknown_setting(owner: str, name: str, known: Collection[str]) -> ConfigError:
+    """The error for a setting that `owner` (`init()`, an integration) got and is no Config field."""
+    return ConfigError(
+        f"{owner} got an unknown setting {name!r}: {did_you_mean(name, known)}Settings are "
+        f"otel_train.Config fields (docs/reference/configuration.md): {', '.join(sorted(known))}."
+    )
 
 
 def did_you_mean(name: object, known: Iterable[str], about: bool = False) -> str:

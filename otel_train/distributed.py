@@ -86,7 +86,12 @@ def env_int(raw: str | None) -> int | None:
 
 
 def _first_int(environ: Mapping[str, str], names: tuple[str, ...], default: int | None) -> int | None:
-    return next((value for name in names if (value := env_int(environ.get(name))) is not None), default)
+    """The integer of the first of `names` that holds one, else `default`."""
+    for name in names:
+        value = env_int(environ.get(name))
+        if value is not None:
+            return value
+    return default
 
 
 # (rank, world size) as each launcher sets them: torchrun / env://, srun, Open MPI, MPICH's PMI.

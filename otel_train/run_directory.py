@@ -282,8 +282,10 @@ def json_default(value: Any) -> Any:
     """`default=` for json.dumps: numpy scalars and 0-dim tensors as numbers, anything else as
     text, so one odd value never empties a file."""
     try:
-        with contextlib.suppress(TypeError):
+        try:
             return operator.index(value)  # numpy integers, integer 0-dim tensors
+        except TypeError:  # not an integer: a float, or text
+            pass
         try:
             number = float(value)
         except (TypeError, ValueError, OverflowError):

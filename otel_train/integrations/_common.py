@@ -1,5 +1,6 @@
-"""What the framework integrations share: lazy session start, settings given as keyword
-arguments, framework log names."""
+"""What the framework integrations share: the session's start and end, settings given as keyword
+arguments or adopted from the framework, framework log names, steps begun and ended by hooks
+(docs/design/integrations.md#common)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from operator import attrgetter
+from time import perf_counter_ns
 from types import FrameType
 from typing import Any, TypeVar
 
 import otel_train as ot
 from otel_train import adapters
-from otel_train.config import CONFIG_FILE_ENV, FIELDS, ConfigError, env_name
-from otel_train.config_loading import config_file_settings, did_you_mean
+from otel_train.config import CONFIG_FILE_ENV, FIELDS, env_name
+from otel_train.config_loading import config_file_settings, unknown_setting
 
 T = TypeVar("T")
 EVAL_PREFIXES = ("eval_", "test_", "predict_")  # a framework's evaluation, test and prediction logs
@@ -30,10 +32,7 @@ def settings_from_kwargs(
     merged = {**dict(settings or {}), **kwargs}
     unknown = next((name for name in merged if name not in FIELDS), None)
     if unknown is not None:
-        raise ConfigError(
-            f"{owner} got an unknown setting {unknown!r}: {did_you_mean(unknown, FIELDS)}Settings are "
-            f"otel_train.Config fields (docs/reference/configuration.md): {', '.join(sorted(FIELDS))}."
-        )
+        raise unknown_setting(owner, unknown, FIELDS)
     return merged
 
 
@@ -68,6 +67,55 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
     return True
 
 
+def end_training(owns_session: bool) -> None:
+    """Shut down the session the integration started; else the user's run outlives the training
+    and idles: no stall while it does other work."""
+    if owns_session:
+        ot.shutdown()
+    else:
+        adapters.idle()
+
+
+class HookStep:
+    """A step that a framework's hooks begin and end, its phases timed back to back
+    (docs/design/integrations.md#common)."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.phase_start_ns = 0  # where the running phase started
+
+    def begin(self, index: int, start_ns: int | None) -> bool:
+        """Begin step `index` at `start_ns`; False when no session runs."""
+        self.open = adapters.begin_step(index, start_ns=start_ns) is not None
+        return self.open
+
+    def end_phase(self, name: str) -> None:
+        """Phase `name`, from the end of the one before to now (nothing outside the step)."""
+        if self.open:
+            ot.timer(name).start(at_ns=self.phase_start_ns).stop()
+            self.phase_start_ns = perf_counter_ns()
+
+    def end(self, tokens: int | None = None, samples: int | None = None) -> None:
+        if self.open:
+            self.open = False
+            adapters.end_step(tokens=tokens, samples=samples)
+
+    def fail(self) -> None:
+        """The end hook never came: the open step ends as failed (out of step counts and durations)."""
+        if self.open:
+            self.open = False
+            adapters.end_step(failed=True)
+
+
+def logged_step(index: int, start_ns: int | None, values: Mapping[str, Any]) -> int:
+    """Step `index` marked by a framework's log: begun at `start_ns`, holding `values` (they leave
+    with its flush, filed under it), ended now. Returns its end, where the next one starts."""
+    adapters.begin_step(index, start_ns=start_ns)
+    ot.log_metrics(values)
+    adapters.end_step()
+    return perf_counter_ns()
+
+
 def chosen(name: str, settings: Mapping[str, Any]) -> bool:
     """Whether the user gave otel_train setting `name`: a keyword, `OTEL_TRAIN_<NAME>` or the
     config file (read here only for its keys)."""
@@ -75,6 +123,14 @@ def chosen(name: str, settings: Mapping[str, Any]) -> bool:
         return True
     path = os.environ.get(CONFIG_FILE_ENV) or ""
     return path != "" and name in config_file_settings(path)
+
+
+def with_adopted(settings: Mapping[str, Any], adopted: Mapping[str, Any]) -> dict[str, Any]:
+    """`settings` plus the `adopted` values (what the framework's own config says) of the settings
+    the user did not choose (`chosen`)."""
+    out = {name: value for name, value in adopted.items() if not chosen(name, settings)}
+    out.update(settings)
+    return out
 
 
 def rank_share(total: int, rank: int, world: int) -> int:

@@ -20,11 +20,13 @@ from otel_train import adapters
 from otel_train.config import default_run_name
 from otel_train.integrations._common import (
     call_holding,
-    chosen,
     distributed_world,
+    end_training,
+    logged_step,
     scalar_logs,
     settings_from_kwargs,
     start_session,
+    with_adopted,
 )
 
 __all__ = ["OtelTrainTracker"]
@@ -113,12 +115,6 @@ class OtelTrainTracker(GeneralTracker):
                 )
                 self._fed = accelerator
 
-    def _unfeed_watchdog(self) -> None:
-        accelerator, self._fed = self._fed, None
-        if accelerator is not None:
-            del accelerator.backward, accelerator.gather_for_metrics  # the class's methods again
-            self._save_hook.remove()
-
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         if self._ready():
             ot.log_hyperparams(values)
@@ -141,11 +137,8 @@ class OtelTrainTracker(GeneralTracker):
             # Accelerate's step is optional: a log without one is the step after the last logged
             number = self._marked + 1
         if self._marks_steps and number is not None and number > self._marked:
-            adapters.begin_step(number, start_ns=self._mark_ns)
-            ot.log_metrics(scalars)  # inside the step: they leave with its flush, filed under it
-            adapters.end_step()
+            self._mark_ns = logged_step(number, self._mark_ns, scalars)
             self._marked = number
-            self._mark_ns = perf_counter_ns()
         elif number is not None and number == info.open_step:
             # the step open now: its values, like ot.record's, leave with the flush (a row of
             # their own per log would be a bridge write per step)
@@ -155,12 +148,12 @@ class OtelTrainTracker(GeneralTracker):
             ot.log_metrics(scalars, step=step if number is None else number)
 
     def finish(self) -> None:
-        self._unfeed_watchdog()
-        if self._owns_session:
-            self._owns_session = False
-            ot.shutdown()
-        else:  # the user's run outlives the training: no stall while it does other work
-            adapters.idle()
+        accelerator, self._fed = self._fed, None
+        if accelerator is not None:  # the stall watchdog is no longer fed
+            del accelerator.backward, accelerator.gather_for_metrics  # the class's methods again
+            self._save_hook.remove()
+        owns_session, self._owns_session = self._owns_session, False
+        end_training(owns_session)
         self._new_run()
 
     def _ready(self) -> bool:
@@ -187,12 +180,9 @@ class OtelTrainTracker(GeneralTracker):
         project = self.project_name or self._run_project
         if project is None:
             return settings
-        for field in _PROJECT_SETTINGS:
-            if not chosen(field, settings):
-                settings[field] = project
-        if not chosen("run_name", settings):
-            settings["run_name"] = default_run_name(project)
-        return settings
+        adopted = dict.fromkeys(_PROJECT_SETTINGS, project)
+        adopted["run_name"] = default_run_name(project)
+        return with_adopted(settings, adopted)
 
 
 def _heartbeat_after(call: Callable[..., Any]) -> Callable[..., Any]:

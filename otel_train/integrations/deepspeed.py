@@ -19,7 +19,13 @@ from opentelemetry.metrics import Observation
 
 import otel_train as ot
 from otel_train import adapters, semconv
-from otel_train.integrations._common import settings_from_kwargs, spanned, start_session, with_precision
+from otel_train.integrations._common import (
+    HookStep,
+    settings_from_kwargs,
+    spanned,
+    start_session,
+    with_precision,
+)
 
 __all__ = ["instrument", "zero_facts"]
 
@@ -116,7 +122,7 @@ class _Adapter:
         self.grad_enabled = torch.is_grad_enabled
         self.steps = steps  # mark steps and record loss / lr / grad norm
         self.marking = steps  # False once the loop's own step is seen
-        self.open = False  # a step this adapter began is open
+        self.hook_step = HookStep()  # the step this adapter began
         self.checked = False  # whether the loop's own ot.step was looked for (at the first forward)
         self.last_end: int | None = None  # perf_counter_ns where the previous optimizer step ended
         self.tokens = 0
@@ -161,7 +167,7 @@ class _Adapter:
         if not (self.engine.training and self.grad_enabled()):
             # engine.eval() or no_grad: no training step nor phase, nor its tokens
             return self._eval_batch(original, *args, **kwargs)
-        if self.marking and not self.open:
+        if self.marking and not self.hook_step.open:
             self._begin()
         self.tokens += _tokens(args, kwargs)
         with ot.timer("forward"):
@@ -174,7 +180,7 @@ class _Adapter:
         try:
             return original(*args, **kwargs)
         finally:
-            if not self.open:
+            if not self.hook_step.open:
                 self.last_end = perf_counter_ns()
 
     def _eval_batch(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -184,23 +190,17 @@ class _Adapter:
 
     def _train_batch(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """PipelineEngine.train_batch: one optimizer step over all its micro-batches."""
-        if self.marking and not self.open:
+        if self.marking and not self.hook_step.open:
             self._begin()
         try:
             loss = original(*args, **kwargs)
         except BaseException:
-            self._fail_open_step()
+            self.hook_step.fail()
             raise
         if self.steps and loss is not None:
             ot.record("loss", loss)  # the mean over the micro-batches, as train_batch returns it
         self._after_step()
         return loss
-
-    def _fail_open_step(self) -> None:
-        """The optimizer step raised: the step this adapter began ends as failed."""
-        if self.open:
-            self.open = False
-            adapters.end_step(failed=True)
 
     def _backward(self, original: Callable[..., Any], loss: Any, *args: Any, **kwargs: Any) -> Any:
         if self.steps:
@@ -227,7 +227,7 @@ class _Adapter:
             with ot.timer("optimizer"):
                 out = original(*args, **kwargs)
         except BaseException:
-            self._fail_open_step()
+            self.hook_step.fail()
             raise
         self._after_step()
         return out
@@ -258,7 +258,7 @@ class _Adapter:
         # numbered as DeepSpeed counts its optimizer steps: a resumed engine (load_checkpoint)
         # continues its own count
         index = int(getattr(self.engine, "global_steps", 0) or 0)
-        self.open = adapters.begin_step(index, start_ns=self.last_end) is not None
+        self.hook_step.begin(index, self.last_end)
 
     def _after_step(self) -> None:
         engine = self.engine
@@ -281,10 +281,9 @@ class _Adapter:
         if self.breakdown:
             self._finer_phases()
         self._zero()
-        if self.open:
-            self.open = False
+        if self.hook_step.open:
             tokens, self.tokens = self.tokens, 0
-            adapters.end_step(tokens=tokens or None, samples=self.samples or None)
+            self.hook_step.end(tokens=tokens or None, samples=self.samples or None)
         self.last_end = perf_counter_ns()
 
     def _finer_phases(self) -> None:

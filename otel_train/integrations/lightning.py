@@ -27,8 +27,10 @@ from otel_train import adapters
 from otel_train.config import ConfigError
 from otel_train.config_loading import load_config
 from otel_train.integrations._common import (
+    HookStep,
     call_holding,
     chosen,
+    logged_step,
     scalar_logs,
     settings_from_kwargs,
     start_session,
@@ -98,12 +100,12 @@ def _next_version(root: str) -> str:
         names = os.listdir(root)
     except OSError:  # not created yet: the first version
         return "version_0"
-    taken = [
-        int(m.group(1))
-        for n in names
-        if (m := _VERSION_DIR.fullmatch(n)) and os.path.isdir(os.path.join(root, n))
-    ]
-    return f"version_{max(taken) + 1 if taken else 0}"
+    highest = -1
+    for name in names:
+        match = _VERSION_DIR.fullmatch(name)
+        if match is not None and os.path.isdir(os.path.join(root, name)):
+            highest = max(highest, int(match.group(1)))
+    return f"version_{highest + 1}"
 
 
 def _trainer_on_stack(logger: OtelTrainLogger) -> Trainer | None:
@@ -287,10 +289,7 @@ class OtelTrainLogger(Logger):
         self._ensure_session()
         values = _lightning_scalars(metrics)
         if step is not None and self.marks_steps and (self._last_step is None or step > self._last_step):
-            adapters.begin_step(step, start_ns=self._mark_ns)
-            ot.log_metrics(values)  # inside the step: they leave with its flush
-            adapters.end_step()
-            self._mark_ns = perf_counter_ns()
+            self._mark_ns = logged_step(step, self._mark_ns, values)
             values = {}
         if step is not None:
             self._last_step = step if self._last_step is None else max(step, self._last_step)
@@ -360,9 +359,8 @@ class OtelTrainCallback(Callback):
         self._tokens = 0
         self._owns_session = False
         self._unwrap: Callable[[], None] | None = None  # undoes the forwarding of logged values
-        self._step: int | None = None
+        self._hook_step = HookStep()
         self._step_global = 0  # trainer.global_step when the open step began
-        self._phase_start_ns = 0
         self._mark_ns: int | None = None  # end of the previous batch (or validation): data starts
         self._eval: Any = None  # the open eval span
 
@@ -399,9 +397,7 @@ class OtelTrainCallback(Callback):
             self._release()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._step is not None:
-            adapters.end_step(failed=True)
-            self._step = None
+        self._hook_step.fail()
         self._release()
 
     def _release(self) -> None:
@@ -421,9 +417,9 @@ class OtelTrainCallback(Callback):
             return
         now = perf_counter_ns()
         start = self._mark_ns if self._mark_ns is not None else now
-        if self._step is None:
+        if not self._hook_step.open:
             # Backdated to the previous batch's end: the data wait, and a rank slow to load, are this step's
-            self._step = adapters.begin_step(_logging_step(trainer), start_ns=start)
+            self._hook_step.begin(_logging_step(trainer), start)
             self._step_global = trainer.global_step
             self._tokens = 0
             # unsharded data (watched steps only): training_step need not pass the batch to forward
@@ -432,33 +428,27 @@ class OtelTrainCallback(Callback):
             self._tokens += int(self._tokens_of(batch))
         if start < now:
             ot.timer("data").start(at_ns=start).stop()
-        self._phase_start_ns = now
+        self._hook_step.phase_start_ns = now
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
-        self._end_phase("forward")
+        self._hook_step.end_phase("forward")
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._end_phase("backward")
+        self._hook_step.end_phase("backward")
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        self._phase_start_ns = perf_counter_ns()
+        self._hook_step.phase_start_ns = perf_counter_ns()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._step is not None and trainer.global_step == self._step_global:
+        if self._hook_step.open and trainer.global_step == self._step_global:
             # a micro-batch that accumulated gradients: a step of many micro-batches is no stall
             adapters.heartbeat()
-        elif self._step is not None:
-            self._end_phase("optimizer")
-            adapters.end_step(tokens=self._tokens or None)
-            self._step = None
+        elif self._hook_step.open:
+            self._hook_step.end_phase("optimizer")
+            self._hook_step.end(tokens=self._tokens or None)
         self._mark_ns = perf_counter_ns()
-
-    def _end_phase(self, name: str) -> None:
-        if self._step is not None:
-            ot.timer(name).start(at_ns=self._phase_start_ns).stop()
-            self._phase_start_ns = perf_counter_ns()
 
     # --- validation ------------------------------------------------------------------------------
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -480,11 +470,9 @@ class OtelTrainCallback(Callback):
 
 
 def _forward_logged_metrics(trainer: Trainer) -> Callable[[], None]:
-    """Without an OtelTrainLogger, the callback sends otel_train what the Trainer's loggers get,
-    when and at the step they get it (each batch's, each epoch's, each validation's): the
-    Trainer's one place that hands metrics to its loggers, `_logger_connector.log_metrics`, is
-    wrapped on this Trainer (also with no logger at all, where it hands them to nobody). Returns
-    what undoes it."""
+    """Wrap this Trainer's `_logger_connector.log_metrics`: otel_train gets what the Trainer's
+    loggers get, when and at the step they get it (docs/design/integrations.md#lightning).
+    Returns what undoes it."""
     connector = trainer._logger_connector
     handed = connector.log_metrics  # the bound method
 

@@ -8,14 +8,13 @@ How it works: docs/design/integrations.md#megatron.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Mapping
 from time import perf_counter_ns
 from typing import Any
 
 import otel_train as ot
 from otel_train import adapters, semconv
-from otel_train.integrations._common import chosen, rank_share, start_session
+from otel_train.integrations._common import end_training, rank_share, start_session, with_adopted
 
 __all__ = ["OtelTrainCallback", "instrument", "settings_from_logger_config"]
 
@@ -187,10 +186,7 @@ class OtelTrainCallback:
         train_iters = _get(getattr(cfg, "train", None), "train_iters")
         if isinstance(train_iters, int) and train_iters > 0:
             adopted["total_steps"] = train_iters
-        # What the user chose (a keyword, OTEL_TRAIN_<FIELD>, the config file) wins over Bridge's config.
-        settings = {name: value for name, value in adopted.items() if not chosen(name, self._settings)}
-        settings.update(self._settings)
-        self._owns_session = start_session(settings)
+        self._owns_session = start_session(with_adopted(self._settings, adopted))
         if self._hyperparams and cfg is not None:
             ot.log_hyperparams(_hparams(cfg))
         if self._timers:
@@ -240,11 +236,8 @@ class OtelTrainCallback:
         ot.log_metrics({f"{name}/{_loss_name(k)}": v for k, v in losses.items() if isinstance(k, str)})
 
     def on_train_end(self, context: Any) -> None:
-        if self._owns_session:
-            self._owns_session = False
-            ot.shutdown()
-        else:  # the user's run outlives the training: no stall while it does other work
-            adapters.idle()
+        owns_session, self._owns_session = self._owns_session, False
+        end_training(owns_session)
 
 
 def _loss_name(key: Any) -> str:
@@ -314,7 +307,10 @@ def _get(source: Any, name: str) -> Any:
 def settings_from_logger_config(logger: Any) -> dict[str, Any]:
     """`ot.init()` settings from a Bridge `LoggerConfig` (or the `logger:` mapping of a Bridge YAML).
     Only options that are set appear; see the README's Megatron section for the full mapping."""
-    get = functools.partial(_get, logger)
+
+    def get(name: str) -> Any:
+        return _get(logger, name)
+
     out: dict[str, Any] = {}
     if isinstance(get("log_interval"), int) and get("log_interval") > 0:
         out["log_interval"] = get("log_interval")

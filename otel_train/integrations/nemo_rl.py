@@ -16,7 +16,7 @@ from typing import Any
 
 import otel_train as ot
 from otel_train import adapters
-from otel_train.integrations._common import settings_from_kwargs, start_session
+from otel_train.integrations._common import end_training, settings_from_kwargs, start_session
 
 __all__ = ["REDUCTIONS", "OtelTrainLogger", "publish_reductions"]
 
@@ -127,11 +127,8 @@ class OtelTrainLogger:
         """Figures are not telemetry: nothing is recorded."""
 
     def finish(self) -> None:
-        if self._owns_session:
-            self._owns_session = False
-            ot.shutdown()
-        else:  # the user's run outlives the training: no stall while it does other work
-            adapters.idle()
+        owns_session, self._owns_session = self._owns_session, False
+        end_training(owns_session)
 
     # --- beyond LoggerInterface --------------------------------------------------------------------
     def log_val_samples(self, pairs: Sequence[tuple[str, str]], step: int | None = None) -> None:

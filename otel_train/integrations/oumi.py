@@ -52,12 +52,9 @@ def instrument(
         native.evaluate, native.save_state = evaluate, save_state
 
 
-# Oumi's own trainer calls no callback while it evaluates or saves: without these, an evaluation or
-# a save longer than `stall_timeout_s` would be a stall, and its time goodput's `stall`.
-
-
 def _evaluating(evaluate: Callable[..., Any]) -> Callable[..., Any]:
-    """`OumiTrainer.evaluate` in an `eval` span, each batch of its loader a heartbeat."""
+    """`OumiTrainer.evaluate` in an `eval` span, each batch of its loader a heartbeat (it calls no
+    callback: docs/design/integrations.md#oumi)."""
 
     def evaluating(self: Any, *args: Any, **kwargs: Any) -> Any:
         loader = self.eval_dataloader

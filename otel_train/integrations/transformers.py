@@ -23,14 +23,15 @@ import otel_train as ot
 from otel_train import adapters
 from otel_train.integrations._common import (
     EVAL_PREFIXES,
+    HookStep,
     call_holding,
-    chosen,
     distributed_world,
     ending_on_error,
     rank_share,
     scalar_logs,
     settings_from_kwargs,
     start_session,
+    with_adopted,
     with_precision,
 )
 
@@ -56,7 +57,7 @@ class OtelTrainCallback(TrainerCallback):
     Settings are `ot.init()` settings used when the callback starts the session itself, by keyword
     (`OtelTrainCallback(run_name="x", tensorboard=True)`) or as a `settings` mapping; an unknown
     name raises `ConfigError`. `hyperparams=False` skips logging the `TrainingArguments`.
-    `watch_every=N` (> 0) calls `ot.watch(model, every=N)` when training begins (module doc)."""
+    `watch_every=N` (> 0) calls `ot.watch(model, every=N)` when training begins."""
 
     def __init__(
         self,
@@ -73,8 +74,7 @@ class OtelTrainCallback(TrainerCallback):
         self._started = False  # this callback's run began (on_train_begin or a lazy first step)
         self._session: Any = None  # the session this callback started (and ends), else None
         self._mark_ns: int | None = None  # end of the last accounted stretch (step, log, eval, save)
-        self._open = False  # a step this callback began is open
-        self._phase_start_ns = 0
+        self._hook_step = HookStep()  # the step this callback began
         self._tokens_seen = 0
         self._steps = 0  # optimizer steps counted here, for trainers that pass no state
         self._rank = 0
@@ -90,35 +90,13 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         trainer = _calling_trainer(self)
         self._adopt(trainer)
-        if trainer is not None:
-            self._drop_duplicate_reporters(trainer)
-
-    def _drop_duplicate_reporters(self, trainer: Any) -> None:
-        """Take the Trainer's `report_to` reporter off for each backend an otel_train bridge writes
-        to (before any reporter's `on_train_begin` opened a run there)."""
-        on = _bridges_on(self._settings)
-        handler = trainer.callback_handler
-        dropped = [c for c in handler.callbacks if _reporter_backend(c) in on]
-        if not dropped:
-            return
-        # A new list, not remove(): the handler is iterating over the old one (this on_init_end).
-        handler.callbacks = [c for c in handler.callbacks if c not in dropped]
-        names = sorted({_reporter_backend(c) or "" for c in dropped})
-        log.warning(
-            "otel_train: the Trainer reports to %s and otel_train's bridge does too: the Trainer's %s "
-            "is taken off, its logs reach %s through otel_train (one run, not two). To keep the "
-            "Trainer's reporter instead, set %s on OtelTrainCallback.",
-            ", ".join(names),
-            ", ".join(type(c).__name__ for c in dropped),
-            ", ".join(names),
-            ", ".join(f"{n}=False" for n in names),
-        )
-        self._took_wandb = self._took_wandb or "wandb" in names
+        if trainer is not None and "wandb" in _drop_duplicate_reporters(trainer, self._settings):
+            self._took_wandb = True
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_abandoned_step()  # a failed attempt of auto_find_batch_size, or a stale step
+        self._hook_step.fail()  # a failed attempt of auto_find_batch_size, or a stale step
         trainer = _calling_trainer(self)
         self._adopt(trainer)  # added with add_callback: no on_init_end was seen
         engine = _deepspeed_engine(trainer)
@@ -165,13 +143,13 @@ class OtelTrainCallback(TrainerCallback):
         # same train() (auto_find_batch_size after an out-of-memory error). The run goes on.
         again = self._started and self._session is not None and adapters.current_run() == self._session
         if not again:
-            settings = {**_adopted_settings(args, state, self._settings), **self._settings}
-            if self._took_wandb and not chosen("wandb_project", self._settings):
-                settings["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
+            adopted = _adopted_settings(args, state)
+            if self._took_wandb:
+                adopted["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
             max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
-            if isinstance(max_steps, int) and max_steps > 0 and not chosen("total_steps", settings):
-                settings["total_steps"] = max_steps
-            started = start_session(with_precision(settings, _precision(args)))
+            if isinstance(max_steps, int) and max_steps > 0:
+                adopted["total_steps"] = max_steps
+            started = start_session(with_precision(with_adopted(self._settings, adopted), _precision(args)))
             self._session = adapters.current_run() if started else None
         self._started = True
         info = ot.run_info()
@@ -203,7 +181,7 @@ class OtelTrainCallback(TrainerCallback):
         """End this callback's run (at `on_train_end`, or when `train()` raises; idempotent): a step
         still open ends as failed (`OumiTrainer` may begin one and find no batch at an epoch's end),
         a session the callback started is shut down, one the user started idles."""
-        self._end_abandoned_step()
+        self._hook_step.fail()
         self._started = False
         self._mark_ns = None
         session, self._session = self._session, None
@@ -212,32 +190,24 @@ class OtelTrainCallback(TrainerCallback):
         elif adapters.current_run() == session:
             ot.shutdown()
 
-    def _end_abandoned_step(self) -> None:
-        """A step that never reached `on_step_end` (see `close`) ends as failed: out of the step
-        counts and durations."""
-        if self._open:
-            self._open = False
-            adapters.end_step(failed=True)
-
     # --- one optimizer step ----------------------------------------------------------------------
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_abandoned_step()
+        self._hook_step.fail()  # one that never reached on_step_end
         if not self._started:  # no on_train_begin (OumiTrainer)
             self._start(args, state, kwargs.get("model"))
         now = perf_counter_ns()
         start = self._mark_ns if self._mark_ns is not None else now
         index = state.global_step if state is not None else self._steps
-        if adapters.begin_step(index, start_ns=start) is None:
+        if not self._hook_step.begin(index, start):
             return  # no session (the user's was shut down)
-        self._open = True
         batch, self._batch = self._batch, None
         if batch is not None:
             adapters.watch_batch(batch)  # unsharded data: the batch as it left the loader (watched steps)
         if state is not None and start < now:  # OumiTrainer fetches the batch inside the step
             self._time_data(start, now)
-        self._phase_start_ns = now
+        self._hook_step.phase_start_ns = now
 
     def _time_data(self, start: int, now: int) -> None:
         ready = self._data_ready_ns
@@ -258,28 +228,23 @@ class OtelTrainCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._end_phase("forward_backward")
+        self._hook_step.end_phase("forward_backward")
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self._deepspeed:  # the Trainer's optimizer.step() is a no-op: DeepSpeed's is timed
-            self._phase_start_ns = perf_counter_ns()
+            self._hook_step.phase_start_ns = perf_counter_ns()
         else:
-            self._end_phase("optimizer")
-        if self._open:
+            self._hook_step.end_phase("optimizer")
+        if self._hook_step.open:
             adapters.watch_read()  # the Trainer zeroes the gradients before on_step_end
-
-    def _end_phase(self, name: str) -> None:
-        if self._open:
-            ot.timer(name).start(at_ns=self._phase_start_ns).stop()
-            self._phase_start_ns = perf_counter_ns()
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._steps += 1
-        if not self._open:
+        if not self._hook_step.open:
             return
         tokens = self._batch_tokens or None  # this rank's, as the Trainer's "all" counts them
         self._batch_tokens = 0
@@ -292,17 +257,14 @@ class OtelTrainCallback(TrainerCallback):
             job_tokens = max(state.num_input_tokens_seen - self._tokens_seen, 0)
             tokens = rank_share(job_tokens, self._rank, self._world) or None
             self._tokens_seen = state.num_input_tokens_seen
-        self._open = False
-        adapters.end_step(tokens=tokens)
+        self._hook_step.end(tokens=tokens)
         self._mark_ns = perf_counter_ns()
-        if _save_due(control):  # the Trainer saves before the next step (after its log and eval)
-            adapters.saving_checkpoint()
+        _saving_if_due(control)  # the Trainer saves before the next step (after its log and eval)
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if _save_due(control):  # save_strategy="epoch": the save follows
-            adapters.saving_checkpoint()
+        _saving_if_due(control)  # save_strategy="epoch": the save follows
 
     # --- logs, eval, checkpoints -----------------------------------------------------------------
     def on_log(
@@ -339,7 +301,7 @@ class OtelTrainCallback(TrainerCallback):
         """The index of the step a log or an evaluation follows: the step that ended last (its
         index is the Trainer's global_step - 1). None inside a step (the values leave with that
         step's flush, filed under it) and before the first step."""
-        if self._open:
+        if self._hook_step.open:
             return None
         ended = state.global_step if state is not None else self._steps
         return ended - 1 if ended > 0 else None
@@ -354,8 +316,7 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._close_mark("eval", state)
-        if _save_due(control):  # the save follows the evaluation (whose batches ended `saving`)
-            adapters.saving_checkpoint()
+        _saving_if_due(control)  # the save follows the evaluation (whose batches ended `saving`)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -370,9 +331,8 @@ class OtelTrainCallback(TrainerCallback):
         self._mark_ns = perf_counter_ns()
 
 
-def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The otel_train settings taken from `TrainingArguments` (module doc), those the user did not
-    choose."""
+def _adopted_settings(args: Any, state: TrainerState | None) -> dict[str, Any]:
+    """The otel_train settings `TrainingArguments` stand for (docs/design/integrations.md#transformers)."""
     out: dict[str, Any] = {}
     strategy = getattr(args, "logging_strategy", None)
     steps = getattr(args, "logging_steps", None)
@@ -387,7 +347,30 @@ def _adopted_settings(args: Any, state: TrainerState | None, settings: Mapping[s
     output_dir = getattr(args, "output_dir", None)
     if isinstance(output_dir, str) and output_dir:
         out["output_dir"] = os.path.join(output_dir, _RUN_DIRS)
-    return {name: value for name, value in out.items() if not chosen(name, settings)}
+    return out
+
+
+def _drop_duplicate_reporters(trainer: Any, settings: Mapping[str, Any]) -> list[str]:
+    """Take the Trainer's `report_to` reporter off for each backend an otel_train bridge writes
+    to (before any reporter's `on_train_begin` opened a run there); returns those backends."""
+    on = _bridges_on(settings)
+    handler = trainer.callback_handler
+    dropped = [c for c in handler.callbacks if _reporter_backend(c) in on]
+    if not dropped:
+        return []
+    # A new list, not remove(): the handler is iterating over the old one (this on_init_end).
+    handler.callbacks = [c for c in handler.callbacks if c not in dropped]
+    names = sorted({_reporter_backend(c) or "" for c in dropped})
+    log.warning(
+        "otel_train: the Trainer reports to %s and otel_train's bridge does too: the Trainer's %s "
+        "is taken off, its logs reach %s through otel_train (one run, not two). To keep the "
+        "Trainer's reporter instead, set %s on OtelTrainCallback.",
+        ", ".join(names),
+        ", ".join(type(c).__name__ for c in dropped),
+        ", ".join(names),
+        ", ".join(f"{n}=False" for n in names),
+    )
+    return names
 
 
 def _bridges_on(settings: Mapping[str, Any]) -> set[str]:
@@ -454,6 +437,8 @@ def _precision(args: Any) -> str | None:
     return next((flag for flag in ("bf16", "fp16", "tf32") if getattr(args, flag, None) is True), None)
 
 
-def _save_due(control: TrainerControl | None) -> bool:
-    """Whether the Trainer saves a checkpoint next (OumiTrainer calls the hooks without a control)."""
-    return control is not None and bool(control.should_save)
+def _saving_if_due(control: TrainerControl | None) -> None:
+    """`adapters.saving_checkpoint()` when the Trainer saves a checkpoint next (OumiTrainer calls
+    the hooks without a control)."""
+    if control is not None and control.should_save:
+        adapters.saving_checkpoint()

@@ -51,6 +51,7 @@ class TreeExchange:
         self._held: dict[int, list[Bundle]] = {}
         self._job_unsent: Any = None  # the job block of a bundle that could not go up (sent with the next)
         self._sent_through = -1  # a rank with a parent: the last step of the newest bundle it sent up
+        self._own_through = -1  # the last step of its own row at its previous flush
 
     @property
     def _edges(self) -> list[StarExchange]:
@@ -133,7 +134,11 @@ class TreeExchange:
         ready = {peer for peer, held in self._held.items() if any(_steps(b)[1] >= steps[1] for b in held)}
         expect = set(self.children if self._expect is None else self._expect) - ready
         # A rank whose own steps are behind its children's reaches for the steps after those it sent
-        # up last, so a child whose bundle came a flush late catches up with the others.
+        # up last, so a child whose bundle came a flush late catches up with the others; from where
+        # its own steps began again (a restarted loop), for those only.
+        if steps[1] < self._own_through:
+            self._sent_through = -1
+        self._own_through = steps[1]
         reach = steps[1] if root else max(steps[1], self._sent_through + 1)
         try:
             got = self.below.gather(

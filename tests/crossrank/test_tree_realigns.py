@@ -71,6 +71,7 @@ class _Children:
         self.messages, self.within_grace = messages, within_grace
         self.come = dict.fromkeys(messages, 0)
         self.taken: dict[int, list[tuple[int, int]]] = {child: [] for child in messages}  # steps, in order
+        self.reached: list[bool] = []  # of each message taken, whether it reached the flush
 
     def gather(self, up: Any, answers: Any, expect: Any, current: Any, defer: bool = False) -> Exchanged:
         got: list[Any] = []
@@ -82,7 +83,8 @@ class _Children:
                 ranks.append(child)
                 self.come[child] = max(self.come[child] - 1, 0)
                 self.taken[child].append(row_steps(got[-1][HEAD_LEN:]))
-                if current(got[-1]):
+                self.reached.append(current(got[-1]))
+                if self.reached[-1]:
                     break
         return Exchanged([up, *got], None, ranks)
 
@@ -162,3 +164,26 @@ def test_an_inner_rank_behind_for_good_keeps_its_children_in_step_after_one_come
     assert forwarded[:late] == [6] * late, forwarded
     assert forwarded[late] == 3, forwarded  # rank 5's bundle did not come
     assert forwarded[late + 1 :] == [6] * (flushes - late - 1), (forwarded, children.taken)
+
+
+def test_an_inner_rank_whose_steps_begin_again_reaches_for_its_new_steps() -> None:
+    """Rank 1 behind its children for good, then the whole job's loop begins again at step 0 (a
+    retried `train()`): the children's bundles of its new steps reach its flush at once (no wait
+    for bundles of steps past those it sent up before), and both are forwarded with its own row."""
+    shape = layout(8, 2)
+    exchange = TreeExchange(None, 1, shape, timeout_s=30.0, grace_s=1.0)
+    theirs = [(1000 + 10 * i, 1009 + 10 * i) for i in range(3)] + [(10 * i, 10 * i + 9) for i in range(3)]
+    children = _Children({head: [_subtree_bundle(exchange, head, at) for at in theirs] for head in (2, 5)})
+    children.within_grace = False
+    exchange.below = children  # type: ignore[assignment]
+    mine = [(10 * i, 10 * i + 9) for i in range(3)] * 2  # behind, then the loop begins again
+    forwarded = []
+    for steps in mine:
+        children.come[2] += 1
+        children.come[5] += 1
+        own_row, _ = _bundle(exchange, 1, steps)
+        own = Bundle.of_row(own_row.tolist(), 1, own_row)
+        parts, _, _ = exchange._gather(own_row, own, steps, None, [])
+        forwarded.append(sum(part.ranks for part in parts))
+    assert children.reached == [True] * 12, children.reached
+    assert forwarded == [6, 6, 6, 7, 7, 7], forwarded  # its own row with them once in step again

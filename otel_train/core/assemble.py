@@ -417,7 +417,7 @@ def refuse_if_any(facts: JobFacts, identity: Identity) -> None:
     )
 
 
-def refuse_together(reason: str, collective_timeout_s: float = 60.0) -> None:
+def refuse_together(reason: str) -> None:
     """This rank refuses ot.init() (`reason`: its ConfigError): where it is one rank of a process
     group, it joins the telemetry group and the facts gather first, so that every other rank
     refuses with it at once. The caller raises its own error after this."""
@@ -426,7 +426,8 @@ def refuse_together(reason: str, collective_timeout_s: float = 60.0) -> None:
     identity = detect_identity(None)
     if not identity.distributed:
         return
-    group = create_telemetry_group(identity, collective_timeout_s)
+    # Its settings are what failed: the group waits as long as the default collective_timeout_s.
+    group = create_telemetry_group(identity, Config.collective_timeout_s)
     if group is not None:
         gather_job_facts(group, identity, 0, reason)
 

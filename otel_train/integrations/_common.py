@@ -50,10 +50,10 @@ def with_precision(settings: Mapping[str, Any], framework_precision: str | None)
     with one the framework's word is left out). Unknown precisions leave `compute_dtype` alone."""
     out = dict(settings)
     dtype = _PRECISIONS.get(str(framework_precision).lower()) if framework_precision is not None else None
-    chosen = (
+    user_chose = (
         "compute_dtype" in out or "OTEL_TRAIN_COMPUTE_DTYPE" in os.environ or CONFIG_FILE_ENV in os.environ
     )
-    if dtype is not None and not chosen:
+    if dtype is not None and not user_chose:
         out["compute_dtype"] = dtype
     return out
 

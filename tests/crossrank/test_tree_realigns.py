@@ -7,7 +7,9 @@ bundles at that flush, the second reaching past it; from its next flush on, ever
 cover the same steps again, so the cross-rank view must come back whole (docs/reliability.md),
 and each rank's job block still counts once. An inner rank whose own flush came late is the same
 case one level down: it is driven here flush by flush (`TreeExchange._gather`), with its child's
-bundles as `StarExchange.gather` takes them.
+bundles as `StarExchange.gather` takes them. So is an inner rank whose own steps are behind its
+children's for good: a child whose bundle came one flush late must catch up with its sibling, and
+when the loop begins again the rank reaches for its own steps again.
 """
 
 from __future__ import annotations

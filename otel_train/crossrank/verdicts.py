@@ -230,21 +230,31 @@ class _Table:
         return out
 
     def repeated_phase(
-        self, index: int, phases: Sequence[str], late_in: str, peak: float, use_max: bool
+        self, index: int, series: Mapping[str, float], peak_at: str, late_in: str, use_max: bool
     ) -> str:
         """Where the lateness first seen at `late_in` arose when this rank runs that timer several
         times a step (micro-batches): named by time per step instead of arrivals (design page)."""
         mine = self.timers[index]
         if late_in not in mine or mine[late_in].per_step[0] <= 1.0:
             return late_in
-        excess: dict[str, float] = {}
-        for phase in phases:
-            others = self._per_step_others(phase) if phase in mine and phase != STEP_END else {}
-            if index in others and not self.holds_collective(phase):
-                excess[phase] = mine[phase].per_step[1] - others[index]
-        best = max(excess.values(), default=0.0)
+        phases = [p for p in self.order if p in series]
+        upto = phases.index(peak_at)
         steps = self.phases[late_in][index].count if use_max else 1
-        if best * steps < 0.5 * peak:
+        excess: dict[str, float] = {}
+        for at, phase in enumerate(phases):
+            others = self._per_step_others(phase) if phase in mine and phase != STEP_END else {}
+            if index not in others:
+                continue
+            own = mine[phase].per_step[1] - others[index]
+            if not self.holds_collective(phase):
+                if at <= upto:
+                    excess[phase] = own
+            elif mine[phase].per_step[0] > 1.0 and at > 0:
+                # The others wait in the synchronizing micro-batch for the lateness this rank brings
+                # to it, which hides as much of its own excess there: added back.
+                excess[phase] = own + series[phases[at - 1]] / steps
+        best = max(excess.values(), default=0.0)
+        if best * steps < 0.5 * series[peak_at]:
             return late_in
         return next(p for p, e in excess.items() if e >= 0.5 * best)
 
@@ -297,7 +307,7 @@ def _late(series: Mapping[str, float], table: _Table, index: int, use_max: bool)
     if table.holds_collective(late_in):
         return None  # lateness that arises inside the collective is waiting: a victim, not a culprit
     if late_in != STEP_END:
-        late_in = table.repeated_phase(index, phases[: phases.index(peak_at) + 1], late_in, peak, use_max)
+        late_in = table.repeated_phase(index, series, peak_at, late_in, use_max)
     sync: str | None = None
     after = phases[phases.index(peak_at) + 1 :]
     if after:

@@ -5,7 +5,8 @@ backward. Real gloo ranks (CPU), a full otel_train session per rank.
 Each timer ends several times a step, so its arrival in the step is its LAST end there (where the
 rank reaches the step's one synchronization): a rank slower in every micro-batch is chronically
 late by the sum of its micro-batches' delays, and the other rank waits for it in backward. The
-phase is named by each timer's time per step, not by the first last end that is late.
+phase is named by each timer's time per step, not by the first last end that is late; backward's
+own, where the other rank waits, counts that wait back in.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ pytestmark = [pytest.mark.multirank]
 
 LOG_INTERVAL = 5
 MICRO_BATCHES = 4
-SLOW_S = 0.010  # the slow rank's extra forward time in every micro-batch
+SLOW_S = 0.010  # the slow rank's extra time in every micro-batch
 
 
-def train(rank: int, world: int, out_dir: str) -> list[dict[str, Any]]:
-    """20 steps of 4 micro-batches, rank 1 slower in each forward; rank 0's straggler events."""
+def train(rank: int, world: int, out_dir: str, slow_phase: str) -> list[dict[str, Any]]:
+    """20 steps of 4 micro-batches, rank 1 slower in each `slow_phase`; rank 0's straggler events."""
     import torch
 
     import otel_train as ot
@@ -51,9 +52,11 @@ def train(rank: int, world: int, out_dir: str) -> list[dict[str, Any]]:
                         x, y = torch.randn(8, 16), torch.randn(8, 1)
                     with ot.timer("forward"):
                         loss = (model(x) - y).pow(2).mean()
-                        if rank == 1:
+                        if rank == 1 and slow_phase == "forward":
                             time.sleep(SLOW_S)  # stands in for a slower device
                     with ot.timer("backward"):
+                        if rank == 1 and slow_phase == "backward":
+                            time.sleep(SLOW_S)  # its compute, before the all-reduce
                         loss.backward()  # the all-reduce: in the last micro-batch only
             with ot.timer("optimizer"):
                 opt.step()
@@ -62,14 +65,17 @@ def train(rank: int, world: int, out_dir: str) -> list[dict[str, Any]]:
     return events
 
 
-def test_a_rank_slower_in_every_micro_batch_is_chronic(tmp_path: Path) -> None:
-    events = run_ranks(2, train, (str(tmp_path),), timeout=240)[0]
+@pytest.mark.parametrize("slow_phase", ["forward", "backward"])
+def test_a_rank_slower_in_every_micro_batch_is_chronic(slow_phase: str, tmp_path: Path) -> None:
+    events = run_ranks(2, train, (str(tmp_path), slow_phase), timeout=240)[0]
     assert events, "the rank slower in every micro-batch was never reported"
     assert {(e["rank"], e["pattern"]) for e in events} == {(1, "chronic")}, events
     first = events[0]
     assert first["sync_phase"] == "backward" and first["waiting_ranks"] == "0", first["message"]
-    # where it lost that time: forward (data's last end already holds 3 slower forwards)
-    assert (first["train.phase"], first["category"]) == ("forward", "compute"), first["message"]
-    # its delay of every micro-batch: rank 0 waits that long once per step, in the last backward
-    assert first["lateness_ms"] == pytest.approx(MICRO_BATCHES * SLOW_S * 1000, rel=0.3)
-    assert first["wait_ms"] == pytest.approx(MICRO_BATCHES * SLOW_S * 1000, rel=0.3)
+    # where it lost that time (data's last end already holds 3 slower micro-batches)
+    assert (first["train.phase"], first["category"]) == (slow_phase, "compute"), first["message"]
+    # its delay of every micro-batch: rank 0 waits that long once per step, in the last backward;
+    # the last one's slower backward is inside the all-reduce, where arrivals cannot see it
+    late = MICRO_BATCHES if slow_phase == "forward" else MICRO_BATCHES - 1
+    assert first["lateness_ms"] == pytest.approx(late * SLOW_S * 1000, rel=0.3)
+    assert first["wait_ms"] == pytest.approx(late * SLOW_S * 1000, rel=0.3)

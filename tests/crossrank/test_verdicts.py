@@ -50,6 +50,7 @@ class Job:
     # a sync phase synchronizing only in its last run (`no_sync()`); a timer's arrival is its last end.
     micro: int = 1
     repeat: frozenset[str] = frozenset({"data", "forward", "backward"})
+    untimed: frozenset[str] = frozenset()  # phases that take time but run in no timer
 
     def __post_init__(self) -> None:
         self.clock = [0.0] * self.world
@@ -82,6 +83,8 @@ class Job:
                     for r in group:
                         self.clock[r] = latest
                 for r in range(self.world):
+                    if name in self.untimed:
+                        continue
                     out[r].phases.setdefault(name, []).append(self.clock[r] - before[r])
                     if last:
                         out[r].arrivals.setdefault(name, []).append(self.clock[r] - start[r])
@@ -401,17 +404,30 @@ def test_a_stall_in_a_timer_only_that_rank_runs_names_that_timer(world: int) -> 
     assert [(r.rank, r.pattern, r.phase) for r in _flat(per_flush)] == [(0, "one_off", "eval")]
 
 
-@pytest.mark.parametrize(("world", "phase"), [(2, "forward"), (4, "forward"), (2, "data"), (4, "data")])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("phase", ["forward", "data", "backward"])
 def test_gradient_accumulation_names_the_phase_a_rank_is_slow_in(world: int, phase: str) -> None:
     """4 micro-batches a step under `no_sync()`: the last end of `data` already holds 3 slower
-    micro-batches of any phase, so arrivals alone name `data`; the time per step names the phase."""
-    job = Job(world, micro=4, slow={(world - 1, phase): 2.0 if phase == "forward" else 6.0})
+    micro-batches of any phase, so arrivals alone name `data`; the time per step names the phase
+    (backward's with the others' wait there counted back in)."""
+    job = Job(world, micro=4, slow={(world - 1, phase): 6.0 if phase == "data" else 2.0})
     reports = _flat(run(job, flushes=6))
     assert reports and {(r.rank, r.pattern, r.phase) for r in reports} == {(world - 1, "chronic", phase)}
     assert reports[0].sync_phase == "backward"
 
 
-def test_gradient_accumulation_one_off_names_the_stalled_phase() -> None:
-    job = Job(4, micro=4, stalls={(3, 13, "forward"): 0.4})  # step 13: the second interval
+def test_gradient_accumulation_slow_outside_every_timer_is_not_named_backward() -> None:
+    """Slower between micro-batches, in no timer: the others' wait in the last backward is all
+    that rank brought to it, so backward explains nothing; the arrivals' phase stays."""
+    phases = (*DDP[:3], ("between", 0.004), DDP[3])
+    job = Job(4, phases=phases, micro=4, repeat=frozenset({"data", "forward", "backward", "between"}),
+              untimed=frozenset({"between"}), slow={(3, "between"): 6.0})  # fmt: skip
+    reports = _flat(run(job, flushes=6))
+    assert reports and {(r.rank, r.pattern, r.phase) for r in reports} == {(3, "chronic", "data")}
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_gradient_accumulation_one_off_names_the_stalled_phase(phase: str) -> None:
+    job = Job(4, micro=4, stalls={(3, 13, phase): 0.4})  # step 13: the second interval
     reports = _flat(run(job, flushes=4))
-    assert [(r.rank, r.pattern, r.phase) for r in reports] == [(3, "one_off", "forward")]
+    assert [(r.rank, r.pattern, r.phase) for r in reports] == [(3, "one_off", phase)]

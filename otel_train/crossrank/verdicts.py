@@ -251,8 +251,12 @@ class _Table:
                     excess[phase] = own
             elif mine[phase].per_step[0] > 1.0 and at > 0:
                 # The others wait in the synchronizing micro-batch for the lateness this rank brings
-                # to it, which hides as much of its own excess there: added back.
-                excess[phase] = own + series[phases[at - 1]] / steps
+                # to it, which hides as much of its own excess there: added back. A rank that
+                # spends clearly longer there than the others did its own waiting there (a stall
+                # elsewhere early in the interval), so it hides nothing.
+                brought = series[phases[at - 1]] / steps
+                if own <= 0.5 * brought:
+                    excess[phase] = own + brought
         best = max(excess.values(), default=0.0)
         if best * steps < 0.5 * series[peak_at]:
             return late_in

@@ -426,6 +426,15 @@ def test_gradient_accumulation_slow_outside_every_timer_is_not_named_backward() 
     assert reports and {(r.rank, r.pattern, r.phase) for r in reports} == {(3, "chronic", "data")}
 
 
+def test_gradient_accumulation_a_wait_in_backward_is_not_named_backward() -> None:
+    """Rank 0 stalls 3 s at the first step; rank 1, slower in every forward, waits for it in that
+    step's backward, so its backward time per step that interval exceeds the other's: waiting, not
+    a backward it was slower in (DeepSpeed's first step on a loaded host)."""
+    job = Job(2, micro=4, slow={(1, "forward"): 2.0}, stalls={(0, 0, "data"): 3.0})
+    reports = _flat(run(job, flushes=6))
+    assert reports and {(r.rank, r.pattern, r.phase) for r in reports} == {(1, "chronic", "forward")}
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_gradient_accumulation_one_off_names_the_stalled_phase(phase: str) -> None:
     job = Job(4, micro=4, stalls={(3, 13, phase): 0.4})  # step 13: the second interval

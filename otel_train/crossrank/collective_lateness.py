@@ -185,6 +185,23 @@ def apply(
     culprit.waited_s = median([verdict.waits[r] for r in waiting]) if waiting else 0.0
 
 
+def lost_in(views: Sequence[RankView], culprit: int, seconds: float) -> str | None:
+    """The culprit's timer whose time per step exceeds the other ranks' median the most, if by at
+    least half its lateness at the collective (None: no timer explains it). The others may wait for
+    it in a later phase than the one it lost time in: Lightning's broadcast at every batch's start
+    sits in `data` and holds the wait for a rank slower in each micro-batch's backward."""
+    mine = next((v for v in views if v.rank == culprit), None)
+    if mine is None:
+        return None
+    excess: dict[str, float] = {}
+    for name, stats in mine.timers.items():
+        others = [v.timers[name].per_step[1] for v in views if v.rank != culprit and name in v.timers]
+        if others:
+            excess[name] = stats.per_step[1] - median(others)
+    most = max(excess, key=lambda n: excess[n], default=None)
+    return most if most is not None and excess[most] >= 0.5 * seconds > 0 else None
+
+
 class LatenessTracker:
     """One rank's side (module doc): reads the recorder at the flushes rank 0 picks, keeps the
     next block and the clock estimate; on rank 0 also judges every rank's block and names the
@@ -286,9 +303,10 @@ class LatenessTracker:
         place the collective in a phase)."""
         own = next((v for v in views if v.rank == 0), None)
         phase_ends = {n: s.median for n, s in own.arrivals.items()} if own else {}
-        if self.verdict is not None and self.verdict.key is not None:
-            collective, phase = self.name(self.verdict.read_seq, self.verdict.key, phase_ends)
-            apply(assessments, self.verdict, collective, phase)
+        verdict = self.verdict
+        if verdict is not None and verdict.key is not None:
+            collective, phase = self.name(verdict.read_seq, verdict.key, phase_ends)
+            apply(assessments, verdict, collective, lost_in(views, verdict.culprit, verdict.seconds) or phase)
 
     def pending(self) -> bool:
         """Rank 0: the recorder is on and the latest verdict neither names a culprit nor abstains (a

@@ -30,8 +30,11 @@ from otel_train.crossrank.collective_lateness import (
     LatenessTracker,
     Verdict,
     judge,
+    lost_in,
 )
-from otel_train.crossrank.up_row import name_id
+from otel_train.crossrank.spread import Spread
+from otel_train.crossrank.up_row import TimerStats, name_id
+from otel_train.crossrank.verdicts import RankView
 
 FR_ON = {"TORCH_FR_BUFFER_SIZE": "200"}
 # Real jobs here are seconds long: reads may take 2 % of wall time (not 0.2 %) so that a verdict
@@ -214,6 +217,25 @@ def test_the_collective_is_named_by_op_place_in_the_step_and_timer() -> None:
     assert tracker.name(6, (name_id("0"), 6), {}) == ("a collective", None)  # not that read's window
 
 
+def test_the_culprit_is_placed_in_the_timer_it_spends_longer_in_than_the_others() -> None:
+    """4 micro-batches a step: rank 1's backward takes 30 ms a step longer; rank 0 waits for it in
+    `data` (a broadcast at each batch's start). Its lateness at that collective is 40 ms a step."""
+
+    def view(rank: int, seconds: dict[str, float]) -> RankView:
+        timers = {n: TimerStats(32, s / 4, Spread(8, 0.1, 0.1, 0.0)) for n, s in seconds.items()}  # 8 steps
+        return RankView(rank, "h", rank, Spread(8, 0.2, 0.2, 0.0), {}, timers=timers)
+
+    views = [
+        view(0, {"data": 0.045, "forward": 0.04, "backward": 0.05}),
+        view(1, {"data": 0.015, "forward": 0.04, "backward": 0.08}),
+        view(2, {"data": 0.044, "forward": 0.041, "backward": 0.051}),
+    ]
+    assert lost_in(views, 1, 0.040) == "backward"
+    assert lost_in(views, 1, 0.070) is None  # explains under half of it: the collective's timer stays
+    assert lost_in(views, 5, 0.040) is None  # a culprit whose row is not among the views
+    assert lost_in(views[:1] + views[1:2], 1, 0.0) is None  # no lateness to explain
+
+
 def test_new_reports_wait_for_a_verdict_that_names_a_culprit_or_abstains() -> None:
     """A read whose window names nobody (too few collectives where a rank was late) does not let the
     timers' reports out without the collective; a verdict that names a culprit, or says why it
@@ -380,6 +402,56 @@ def test_hf_trainer_ddp_names_the_slow_rank_and_the_collective_where_the_others_
     # (include_num_input_tokens_seen), in the callback's `data_sync`; DDP's all-reduce comes later.
     assert first["collective"].startswith("all_gather"), first
     assert first["collective"] in first["message"], first
+
+
+def _lightning_rank(rank: int, world: int, out: str) -> list[dict[str, Any]]:
+    from integrations.test_lightning import TinyRegression, _loader
+    from lightning.pytorch import Trainer
+
+    import otel_train as ot
+    from otel_train.diagnostics import collectives
+    from otel_train.integrations.lightning import OtelTrainLogger
+    from otel_train.testing import current_session
+
+    class SlowBackward(TinyRegression):
+        def backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
+            if rank == 1:
+                time.sleep(0.010)  # a slower device's backward, before DDP's all-reduce
+            super().backward(loss, *args, **kwargs)
+
+    collectives.MAX_READ_SHARE = READ_SHARE
+    ot.init(output_dir=out, run_name="pl", verbosity=0, log_interval=5, hardware=False,
+            prometheus_port=0, collective_timeout_s=60.0)  # fmt: skip
+    events: list[dict[str, Any]] = []
+    current_session().events.add_callback(
+        lambda event, message, attrs: (
+            events.append({"message": message, **attrs}) if event == "straggler" else None
+        )
+    )
+    trainer = Trainer(
+        max_steps=40, accumulate_grad_batches=4, accelerator="cpu", devices=world, strategy="ddp",
+        logger=OtelTrainLogger(), limit_val_batches=0, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+    )  # fmt: skip
+    trainer.fit(SlowBackward(), _loader(2048))
+    ot.shutdown()
+    return events
+
+
+@pytest.mark.multirank
+def test_lightning_ddp_names_a_rank_slow_in_backward_from_collective_arrivals(tmp_path: Path) -> None:
+    """2 gloo ranks, the logger alone, 4 micro-batches a step, rank 1 slower in every backward.
+    Lightning broadcasts at every batch's start (its SIGTERM check), so rank 0 waits for rank 1
+    there, inside the logger's `data`, as well as in DDP's all-reduce: the timers' arrivals at their
+    last ends are even, and only the collectives' arrivals name rank 1."""
+    reported = run_ranks(2, _lightning_rank, (str(tmp_path),), timeout=240, env=FR_ON)[0]
+    assert reported and {e["rank"] for e in reported} == {1}, reported
+    first = reported[0]
+    assert first["pattern"] == "chronic" and first["waiting_ranks"] == "0", first
+    assert first["collective"] and first["collective"] in first["message"], first
+    # where it lost the time: its backward takes longer per step than rank 0's, whatever the
+    # collective (the broadcast in `data` or DDP's all-reduce in `backward`)
+    assert (first["train.phase"], first["category"]) == ("backward", "compute"), first
 
 
 def test_the_answer_carries_rank_0s_clock_stamps_and_the_read_request() -> None:

@@ -37,6 +37,7 @@ FLOOR_S = 0.0005  # lateness below this is noise (as verdicts.Settings.min_laten
 MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
 PENDING_FLUSHES = 8  # flushes that new reports wait for a verdict that names a culprit
+EXPLAINS = 0.25  # share of a culprit's lateness a timer's excess must reach to be where it arose
 DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
 
 logger = logging.getLogger("otel_train")
@@ -176,7 +177,8 @@ def apply(
         if rank in by_rank:  # it waits inside the collective: never a culprit
             by_rank[rank].chronic = Lateness()
             by_rank[rank].wait_s = verdict.waits[rank]
-    if culprit.chronic.seconds > 0:  # the timers saw it too: their phase says where it arose
+    timers_saw = culprit.chronic.seconds
+    if timers_saw > 0 and timers_saw >= 0.5 * verdict.seconds:  # most of it: their phase says where it arose
         seconds = max(culprit.chronic.seconds, verdict.seconds)
         culprit.chronic = replace(culprit.chronic, seconds=seconds, collective=collective)
     else:
@@ -187,9 +189,11 @@ def apply(
 
 def lost_in(views: Sequence[RankView], culprit: int, seconds: float) -> str | None:
     """The culprit's timer whose time per step exceeds the other ranks' median the most, if by at
-    least half its lateness at the collective (None: no timer explains it). The others may wait for
-    it in a later phase than the one it lost time in: Lightning's broadcast at every batch's start
-    sits in `data` and holds the wait for a rank slower in each micro-batch's backward."""
+    least EXPLAINS of its lateness at the collectives (None: no timer explains it). The others may
+    wait for it in a later phase than the one it lost time in: Lightning's broadcast at every
+    batch's start sits in `data` and holds the wait for a rank slower in each micro-batch's
+    backward. Only a part of its lateness shows as excess: what the others wait for inside the
+    same timer (the last micro-batch's all-reduce) is in their time there too."""
     mine = next((v for v in views if v.rank == culprit), None)
     if mine is None:
         return None
@@ -199,7 +203,7 @@ def lost_in(views: Sequence[RankView], culprit: int, seconds: float) -> str | No
         if others:
             excess[name] = stats.per_step[1] - median(others)
     most = max(excess, key=lambda n: excess[n], default=None)
-    return most if most is not None and excess[most] >= 0.5 * seconds > 0 else None
+    return most if most is not None and excess[most] >= EXPLAINS * seconds > 0 else None
 
 
 class LatenessTracker:

@@ -59,7 +59,8 @@ def idle() -> None:
 def heartbeat() -> None:
     """The loop makes progress that is no step's end (an eval batch; a micro-batch of a step that
     accumulates gradients): the stall watchdog (`stall_timeout_s`) counts from now, so a long
-    evaluation is no `stall` and a hung one still is. Call it once per batch; one clock read."""
+    evaluation is no `stall` and a hung one still is, as is one still running `eval_timeout_s`
+    after the last step. Call it once per batch; one clock read."""
     session = current()
     if session is not None:
         session.progress_ns = now = perf_counter_ns()

@@ -270,6 +270,11 @@ class Config:
         doc='in place of `stall_timeout_s` while a checkpoint save runs (an open `ot.span("checkpoint")`, '
         "or a save a framework integration announces): a hung save is still a stall",
     )  # fmt: skip
+    eval_timeout_s: float = setting(
+        7200.0, gt=0,
+        doc="eval batches between steps (`adapters.heartbeat()`) keep the stall watchdog quiet for this long "
+        "after the last step, then `stall_timeout_s` runs: an evaluation whose loader never ends is a stall",
+    )  # fmt: skip
     stack_dump_signal: str = setting(
         "SIGUSR1", check=_signal_problem,
         doc="`kill -USR1 <pid>` writes the same stack dump, also while the rank is blocked in a collective; "

@@ -116,6 +116,7 @@ class Session:
         # (last step, running step's start) while the loop idles on purpose (mark_idle): no stall
         self._idle_mark: tuple[int, int] | None = None
         self.progress_ns = 0  # perf_counter_ns of the latest eval batch (adapters.heartbeat)
+        self._eval_timeout_ns = int(config.eval_timeout_s * 1e9)
         self.saving_ns = 0  # perf_counter_ns when a checkpoint save began (0: none; see `saving`)
         self.sampled, self._step_index_running = False, 0  # is the running step traced? its index
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
@@ -281,12 +282,24 @@ class Session:
 
     def last_step(self) -> tuple[int, float | None]:
         """(last completed step, when the loop last made progress as perf_counter seconds: that
-        step's end or a later eval batch; None while it idles on purpose, `mark_idle`, until a step
-        begins): for the watchdog thread."""
+        step's end or a later eval batch, eval batches counting up to `eval_timeout_s` after it;
+        None while it idles on purpose, `mark_idle`, until a step begins): for the watchdog thread."""
         end_ns = self.step_end_ns
         if end_ns is None or self._idle_mark == (self.step_index, self.step_start_ns):
             return self.step_index, None
-        return self.step_index, max(end_ns, self.progress_ns) * 1e-9
+        progress = self.progress_ns
+        if self.evaluating_s():
+            progress = end_ns + self._eval_timeout_ns
+        return self.step_index, max(end_ns, progress) * 1e-9
+
+    def evaluating_s(self) -> float:
+        """Seconds from the last step's end to the latest eval batch, when those batches have run
+        past `eval_timeout_s` with no step (an evaluation that never ends); else 0."""
+        end_ns, batch_ns = self.step_end_ns, self.clock.eval_batch_ns
+        if end_ns is None or self.step_start_ns or batch_ns != self.progress_ns:
+            return 0.0  # in a step (micro-batches), or the latest progress was no eval batch (a span's end)
+        since = batch_ns - end_ns
+        return since * 1e-9 if since > self._eval_timeout_ns else 0.0
 
     def saving(self) -> bool:
         """Whether a checkpoint save runs (begun after the last step began and ended, and after the

@@ -123,6 +123,7 @@ class HangWatchdog:
         checkpoint_timeout_s: float = 1800.0,
         step_start: Callable[[], int] = lambda: 0,
         on_step_stall: Callable[[int, float], None] | None = None,
+        evaluating_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.rank = rank
         self._files = RunFiles(run_dir, rank, role) if run_dir is not None else None
@@ -132,6 +133,7 @@ class HangWatchdog:
         self._stall_timeout_s = stall_timeout_s
         self._saving = saving  # () -> whether a checkpoint save runs (its own timeout)
         self._checkpoint_timeout_s = checkpoint_timeout_s
+        self._evaluating_s = evaluating_s  # () -> seconds of eval batches past eval_timeout_s, else 0
         self._poll_s = min(1.0, max(0.05, stall_timeout_s / 4))
         # The faulthandler timer fires when this thread has not re-armed it for this long.
         self._backstop_s = stall_timeout_s + max(2.0, 4 * self._poll_s)
@@ -312,6 +314,9 @@ class HangWatchdog:
         if step_start_ns and not saving:  # a hung save is checkpoint time, booked by its span
             self._stalled_in_step = (step, ended, max(ended, step_start_ns * 1e-9))
         what = f"no step or eval batch for {idle:.0f}s" + (" (in a checkpoint save)" if saving else "")
+        evaluating = self._evaluating_s()
+        if evaluating:
+            what = f"eval batches but no step for {evaluating:.0f}s (past eval_timeout_s): an evaluation that never ends?"
         path = self.dump(what) if self._stall_dumps < MAX_STALL_DUMPS else None
         self._stall_dumps += 1
         if self._stall_dumps == MAX_STALL_DUMPS:

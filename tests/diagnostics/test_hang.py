@@ -84,6 +84,35 @@ def test_eval_batches_keep_the_stall_watchdog_quiet_until_they_stop(tmp_path: Pa
     assert session.last_step() == (0, None)
 
 
+def test_eval_batches_past_eval_timeout_s_are_a_stall(tmp_path: Path) -> None:
+    """An evaluation whose loader never ends: its batches call `adapters.heartbeat()` forever, so
+    past `eval_timeout_s` after the last step they keep the watchdog quiet no longer, and the stall
+    (event, stacks, `train.stall.duration`) says so; a step ends it."""
+    ot.init(run_name="endless-eval", stall_timeout_s=0.5, eval_timeout_s=1.5, prometheus_port=0, verbosity=0,
+            hardware=False)  # fmt: skip
+    session = current_session()
+    with ot.step(0):
+        pass
+    ended = session.last_step()[1]
+    assert ended is not None
+
+    def stalls() -> list[dict[str, Any]]:
+        adapters.heartbeat()  # an eval batch, while the test waits
+        time.sleep(0.02)
+        return [e for e in _events(session.run_dir) if e["event"] == "stall"]
+
+    stall = wait_for(stalls, 20, "a stall while eval batches go on")[0]
+    assert stall["step"] == 0 and "(past eval_timeout_s)" in stall["message"], stall
+    evaluated_s = float(stall["message"].split("no step for ")[1].split("s ")[0])
+    assert evaluated_s >= 1.5  # never before the eval timeout, whatever the heartbeats
+    assert Path(stall["file"]).exists()
+    assert session.evaluating_s() >= 1.5 and session.watchdog.stalled_s() > 0
+    assert session.last_step()[1] == pytest.approx(ended + 1.5)  # batches count until the timeout only
+    with ot.step(1):
+        pass
+    assert session.evaluating_s() == 0.0 and session.watchdog.stalled_s() == 0.0
+
+
 def test_a_checkpoint_save_has_its_own_timeout(tmp_path: Path) -> None:
     """An open `ot.span("checkpoint")` longer than stall_timeout_s is no stall; one longer than
     checkpoint_timeout_s is, and says so; a save a framework announces

@@ -313,10 +313,11 @@ class HangWatchdog:
         step_start_ns = self._step_start()
         if step_start_ns and not saving:  # a hung save is checkpoint time, booked by its span
             self._stalled_in_step = (step, ended, max(ended, step_start_ns * 1e-9))
-        what = f"no step or eval batch for {idle:.0f}s" + (" (in a checkpoint save)" if saving else "")
         evaluating = self._evaluating_s()
         if evaluating:
             what = f"eval batches but no step for {evaluating:.0f}s (past eval_timeout_s): an evaluation that never ends?"
+        else:
+            what = f"no step or eval batch for {idle:.0f}s" + (" (in a checkpoint save)" if saving else "")
         path = self.dump(what) if self._stall_dumps < MAX_STALL_DUMPS else None
         self._stall_dumps += 1
         if self._stall_dumps == MAX_STALL_DUMPS:

@@ -14,6 +14,7 @@ from otel_train.crossrank.up_row import name_id
 from otel_train.crossrank.wire import ARRIVAL, ARRIVALS, MAX_ARRIVALS
 from otel_train.diagnostics import group_label, op_name
 
+RUN = 8  # consecutive collectives sampled together
 SPAN = 8 * MAX_ARRIVALS  # the latest collectives of a window they are sampled from (<< a ring buffer)
 BLOCK_LEN = ARRIVALS.words  # its last word: the send time t1 (written by the exchange)
 
@@ -59,9 +60,11 @@ def span(arrivals: Sequence[Arrival]) -> Sequence[Arrival]:
 
 
 def sample(arrivals: Sequence[Arrival], read_seq: int, cap: int = MAX_ARRIVALS) -> list[Arrival]:
-    """At most `cap` of a span (`span`), picked by their ids alone (module doc)."""
+    """At most `cap` of a span (`span`), picked by their ids alone (module doc), in runs of RUN
+    consecutive ids: a collective enqueued right after another without waiting for it is judged
+    against the one before (`collective_lateness._floors`)."""
     stride = max(1, math.ceil(len(arrivals) / cap))
-    return [a for a in arrivals if (a.seq + read_seq) % stride == 0][-cap:]
+    return [a for a in arrivals if (a.seq // RUN + read_seq) % stride == 0][-cap:]
 
 
 def encode(

@@ -37,6 +37,7 @@ FLOOR_S = 0.0005  # lateness below this is noise (as verdicts.Settings.min_laten
 MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
 PENDING_FLUSHES = 8  # flushes that new reports wait for a verdict that names a culprit
+CLIP = 2.0  # a collective's lateness counts at most this many times the culprit's median
 EXPLAINS = 0.25  # share of a culprit's lateness a timer's excess must reach to be where it arose
 DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
 
@@ -100,16 +101,16 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
     found: dict[int, list[tuple[float, Key]]] = {}  # rank -> (lateness, collective) where it was last
     unclear, bounds = 0, list[float]()
     bound = {r.rank: r.bound for r in rows}
+    floors = _floors(rows, common)
     for key in sorted(common):
         arrivals = {r.rank: r.arrivals[key] + r.offset for r in rows}
         last = max(arrivals, key=lambda rank: arrivals[rank])
-        late = arrivals[last] - median([t for rank, t in arrivals.items() if rank != last])
+        others = {r: max(t, floors[key]) for r, t in arrivals.items() if r != last}
+        late = arrivals[last] - median(others.values())
         if late <= FLOOR_S:
             continue
         # The least it can be with every clock off by its bound against it (the median is monotone).
-        least = (
-            arrivals[last] - bound[last] - median([t + bound[r] for r, t in arrivals.items() if r != last])
-        )
+        least = arrivals[last] - bound[last] - median([t + bound[r] for r, t in others.items()])
         if least <= FLOOR_S:
             unclear, bounds = unclear + 1, [*bounds, late - least]
             continue
@@ -117,7 +118,7 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
     resolved = sum(map(len, found.values()))
     verdict = Verdict(rows[0].read_seq, len(common), resolved, unclear)
     # Consistently last; unclear collectives neither name nor clear anyone (design page).
-    late_sum = {r: len(v) * median([late for late, _ in v]) for r, v in found.items()}
+    late_sum = {r: _clipped_sum([late for late, _ in v]) for r, v in found.items()}
     culprits = [r for r, v in found.items() if len(v) >= max(MIN_RESOLVED, CONSISTENT * resolved)]
     if not culprits and unclear > resolved:
         return replace(verdict, abstain=(
@@ -139,23 +140,47 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
             "telemetry exchange measured; no rank is named from collective arrivals until it is "
             "measured again"
         ))  # fmt: skip
-    waits, waiting = _waits(rows, culprit, [key for _, key in found[culprit]], late_sum[culprit])
+    waits, waiting = _waits(rows, culprit, [key for _, key in found[culprit]], late_sum[culprit], floors)
     worst = max(found[culprit], key=lambda late_key: late_key[0])[1]  # the first of the latest
     scaled = {r: w * scale for r, w in waits.items()}
     return replace(verdict, culprit=culprit, seconds=seconds, key=worst, waits=scaled, waiting=waiting)
 
 
+def _clipped_sum(lateness: Sequence[float]) -> float:
+    """The sum of a rank's lateness at its collectives, each at most CLIP times their median: one
+    long stall weighs about as one collective, and a collective where it was barely last weighs
+    what it lost there (not the median: 3 of 11 at 0.6 ms read as 30 ms each, +35 % per step)."""
+    cap = CLIP * median(lateness)
+    return sum(min(late, cap) for late in lateness)
+
+
+def _floors(rows: Sequence[Row], keys: set[Key]) -> dict[Key, float]:
+    """Per collective, the latest arrival at the one before it (in time): the earliest the previous
+    one completes. A rank that waits there arrives at the next one after it anyway; one that enqueued
+    both without waiting (DDP's asynchronous gradient buckets, a small all_reduce right after them)
+    still carries the wait it has not served, which would be counted again at the next."""
+    order = sorted(keys, key=lambda k: median([r.arrivals[k] + r.offset for r in rows]))
+    floors, latest = {}, -math.inf
+    for key in order:
+        floors[key] = latest
+        latest = max(r.arrivals[key] + r.offset for r in rows)
+    return floors
+
+
 def _waits(
-    rows: Sequence[Row], culprit: int, keys: Sequence[Key], lateness: float
+    rows: Sequence[Row], culprit: int, keys: Sequence[Key], lateness: float, floors: Mapping[Key, float]
 ) -> tuple[dict[int, float], tuple[int, ...]]:
-    """Each other rank's summed wait for `culprit` at `keys`, and the ranks that wait for it: those
-    that could have waited at least half its lateness, their clocks' bound given (every rank but
-    the last waits in a collective; one that is slow too waits less)."""
+    """Each other rank's summed wait for `culprit` at `keys` (from its arrival, or the earliest the
+    collective before could complete: `_floors`), and the ranks that wait for it: those that could
+    have waited at least half its lateness, their clocks' bound given (every rank but the last waits
+    in a collective; one that is slow too waits less)."""
     waits, waiting = {}, []
     late = next(r for r in rows if r.rank == culprit)
     for row in rows:
         if row.rank != culprit:
-            gaps = [late.arrivals[k] + late.offset - (row.arrivals[k] + row.offset) for k in keys]
+            gaps = [
+                late.arrivals[k] + late.offset - max(row.arrivals[k] + row.offset, floors[k]) for k in keys
+            ]
             waits[row.rank] = sum(max(0.0, g) for g in gaps)
             if sum(max(0.0, g + row.bound + late.bound) for g in gaps) >= 0.5 * lateness:
                 waiting.append(row.rank)
@@ -240,8 +265,9 @@ class LatenessTracker:
         return time.time() + self.skew_s
 
     def wants_read(self) -> bool:
-        """Rank 0: whether every rank reads its recorder at this flush."""
-        return self.monitor is not None and self.monitor.may_read()
+        """Rank 0: whether every rank reads its recorder at this flush (not at the first answer,
+        which only starts the window)."""
+        return self.monitor is not None and bool(self._after) and self.monitor.may_read()
 
     def block(self) -> Any:
         """This rank's block for the up row: the latest read's sample and the clock estimate."""
@@ -258,26 +284,28 @@ class LatenessTracker:
             return
         if self.rank != 0:
             self.estimator.add(stamps[0], down.root_times[0], down.root_times[1], stamps[1])
+        until = interval.wall_time + self.skew_s
+        if not self._after:  # the first answer only starts the window: before it, setup and warm-up
+            self._after, self._steps = until, 0
+            return
         monitor = self.monitor if down.read_recorder else None
         dump = monitor.read(interval.seq, force=True) if monitor is not None else None
         if monitor is None or dump is None:
             return
-        until = interval.wall_time + self.skew_s
-        if self._after:  # the first read only sets the start: its window holds setup and warm-up
-            arrivals = window(dump["entries"], monitor.excluded, self._after, until, self.skew_s)
-            latest = span(arrivals)
-            steps = float(self._steps)
-            if latest and len(latest) < len(arrivals):  # the span covers part of the window's time
-                steps *= (until - latest[0].at) / max(until - self._after, 1e-9)
-            picked = sample(latest, interval.seq)
-            self._block = encode(interval.seq, 0.0, math.inf, len(latest), steps, picked)
-            if self.rank == 0:
-                last = interval.step_durations[-1] if interval.step_durations else math.nan
-                self._own = {s: v for s, v in self._own.items() if s == max(self._own, default=-1)}
-                self._own[interval.seq] = (arrivals, self._steps, until - last)
-                self._step_s = {s: v for s, v in self._step_s.items() if s in self._own}
-                if self._steps:
-                    self._step_s[interval.seq] = (until - self._after) / self._steps
+        arrivals = window(dump["entries"], monitor.excluded, self._after, until, self.skew_s)
+        latest = span(arrivals)
+        steps = float(self._steps)
+        if latest and len(latest) < len(arrivals):  # the span covers part of the window's time
+            steps *= (until - latest[0].at) / max(until - self._after, 1e-9)
+        picked = sample(latest, interval.seq)
+        self._block = encode(interval.seq, 0.0, math.inf, len(latest), steps, picked)
+        if self.rank == 0:
+            last = interval.step_durations[-1] if interval.step_durations else math.nan
+            self._own = {s: v for s, v in self._own.items() if s == max(self._own, default=-1)}
+            self._own[interval.seq] = (arrivals, self._steps, until - last)
+            self._step_s = {s: v for s, v in self._step_s.items() if s in self._own}
+            if self._steps:
+                self._step_s[interval.seq] = (until - self._after) / self._steps
         self._after, self._steps = until, 0
 
     def judgeable(self, unjudged: str | None) -> bool:
@@ -313,12 +341,16 @@ class LatenessTracker:
             apply(assessments, verdict, collective, lost_in(views, verdict.culprit, verdict.seconds) or phase)
 
     def pending(self) -> bool:
-        """Rank 0: the recorder is on and the latest verdict neither names a culprit nor abstains (a
-        read travels one flush, and one read's window may hold too few collectives where a rank is late):
-        new straggler reports wait, so that their event names the collective. Bounded: after
-        PENDING_FLUSHES exchanges the timers' reports go out without it."""
+        """Rank 0: the recorder is on and the latest verdict neither names a culprit, nor abstains, nor
+        found no collective (a read travels one flush, and one read's window may hold too few
+        collectives where a rank is late): new chronic straggler reports wait, so that their event
+        names the collective. Bounded: after PENDING_FLUSHES exchanges the timers' reports go out
+        without it."""
         verdict = self.verdict
-        decided = verdict is not None and (verdict.culprit >= 0 or verdict.abstain is not None)
+        # A read with no collective common to every rank (independent ranks) has nobody to name.
+        decided = verdict is not None and (
+            verdict.culprit >= 0 or verdict.abstain is not None or verdict.matched == 0
+        )
         waiting = not decided and self.unjudged is None
         return self.monitor is not None and waiting and self._exchanges <= PENDING_FLUSHES
 

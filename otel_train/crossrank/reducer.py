@@ -337,8 +337,8 @@ class CrossRankReducer:
         if mine is not None:
             self.gauges.set_scores(mine)
         self.gauges.set_cross_rank(self.option, self.last_reductions)
-        if not self.lateness.pending():  # else at the next flush, with the collective where they wait
-            self._reporter.report(reports, interval.step, self.settings.threshold)
+        held = self.lateness.pending()  # new chronic ones: at a later flush, with the collective
+        self._reporter.report(reports, interval.step, self.settings.threshold, hold_new_chronic=held)
 
     def _flush_local(self, interval: Interval) -> None:
         """Not distributed (or the exchange is off): this rank's timers and individual score."""

@@ -214,9 +214,16 @@ class StragglerReporter:
         self.events = events
         self._flagged: set[int] = set()
 
-    def report(self, reports: Sequence[StragglerReport], step: int, threshold: float) -> None:
+    def report(
+        self, reports: Sequence[StragglerReport], step: int, threshold: float, hold_new_chronic: bool = False
+    ) -> None:
+        """`hold_new_chronic`: a new chronic straggler waits for a later flush (its event then names
+        the collective); one-offs never wait, they are this interval's only."""
         now = {r.rank for r in reports if r.chronic}
         new = [r for r in reports if not r.chronic or r.rank not in self._flagged]
+        if hold_new_chronic:
+            new = [r for r in new if not r.chronic]
+            now &= self._flagged
         new.sort(key=lambda r: (not r.chronic, r.score, r.rank))
         shown = new[:MAX_REPORTS_PER_FLUSH]
         if len(new) > MAX_REPORTS_PER_FLUSH:

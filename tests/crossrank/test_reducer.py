@@ -516,3 +516,22 @@ def test_the_cross_rank_step_series_is_over_lower_medians_as_documented() -> Non
     record = unpack(pack(interval, Identity("run", world_size=2), TimerTable()).unsqueeze(0))[0]
     assert per_rank_timings([record], {})[0]["step"] == 1.0  # not the mean, 3.25
     assert "lower-median step time" in semconv.PHASE_CROSS_RANK.description
+
+
+def test_a_held_flush_reports_one_offs_and_holds_only_new_chronic_stragglers() -> None:
+    """While the collective verdict is pending (reducer), a one-off goes out at once (the next
+    interval will not hold it) and a new chronic straggler waits; one already reported stays
+    flagged, so it is neither reported again nor said to have recovered."""
+    from otel_train.crossrank.scores import StragglerReport, StragglerReporter
+
+    def report(rank: int, pattern: str) -> StragglerReport:
+        return StragglerReport(rank, "h", rank, pattern, "data", "data", 0.5, 0.5, 0.5, None)  # type: ignore[arg-type]
+
+    events = Events()
+    reporter = StragglerReporter(events)
+    reporter.report([report(1, "chronic")], step=9, threshold=0.9)
+    held = [report(1, "chronic"), report(2, "chronic"), report(3, "one_off")]
+    reporter.report(held, step=19, threshold=0.9, hold_new_chronic=True)
+    assert [(e[2]["rank"], e[2]["pattern"]) for e in events.items] == [(1, "chronic"), (3, "one_off")]
+    reporter.report(held[:2], step=29, threshold=0.9)  # no longer held: rank 2 goes out now
+    assert [(e[2]["rank"], e[2]["pattern"]) for e in events.items[2:]] == [(2, "chronic")]

@@ -97,7 +97,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 WATCHED = frozenset({"watch"})  # configurations that also call ot.watch(model.net)
 COLLECTIVE = frozenset({"fr"})  # a 1-rank gloo group, the Flight Recorder on, an all_reduce per step
-FR_BUFFER = "2000"  # TORCH_FR_BUFFER_SIZE, as collectives.RECOMMENDED_BUFFER
+FR_BUFFER = "2000"  # TORCH_FR_BUFFER_SIZE, as collectives.TORCH_DEFAULT_BUFFER
 PRESETS = {"2ms": 2.0, "10ms": 10.0}  # --preset: that step time, defaults watch all fr fr-own
 
 

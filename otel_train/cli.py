@@ -112,8 +112,8 @@ def _no_summaries(directory: Path, role: str) -> str:
     if role and any(directory.glob(RunFiles(directory).collectives_glob)):
         return f"no readable {pattern}; there are files of ranks without a role: leave out --role"
     return (
-        f"no readable {pattern} (no rank stalled with PyTorch's Flight Recorder on: set "
-        "TORCH_FR_BUFFER_SIZE before init_process_group)"
+        f"no readable {pattern} (no rank stalled with PyTorch's Flight Recorder on: it is torch's "
+        "default unless TORCH_FR_BUFFER_SIZE=0)"
     )
 
 

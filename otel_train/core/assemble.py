@@ -137,6 +137,8 @@ def _build_session(
     gradient_flow = GradientFlowMonitor(events)  # reads ot.watch's gradient norms: idle without a watch
     collectives = _collective_monitor(place, meter)
     reducer.lateness.monitor = collectives  # arrivals at collectives share its recorder reads
+    if collectives is not None:
+        collectives.led = lambda: reducer.distributed
     # MpsMemory: Apple silicon's memory (idle elsewhere)
     on_hardware: list[FlushListener] = [hardware, MpsMemory(meter)] if hardware else []
     listeners: list[FlushListener] = [health, gradient_flow, *on_hardware, reducer, profiled_steps]

@@ -21,7 +21,8 @@ from otel_train.core.buffer import Interval
 log = logging.getLogger("otel_train")
 
 BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-RECOMMENDED_BUFFER = 2000  # entries; documented in the README ("Collectives and hangs")
+# torch's own default when neither variable is set (2.13's FlightRecorder, gloo and NCCL alike)
+TORCH_DEFAULT_BUFFER = 2000
 # The dump holds the GIL while torch serializes the buffer (~10 us an entry on a quiet core, so tens
 # of ms for 2000): entries are read (dumped, loaded and counted) at most so often that this stays
 # under 0.2 % of wall time.
@@ -33,23 +34,17 @@ _DTYPE_BYTES = {
     "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16,
 }  # fmt: skip
 OFF_MESSAGE = (
-    "otel_train: PyTorch's Flight Recorder is off, so there are no train.collective.* metrics and no "
-    "`hang` event naming the rank the others wait for (stall events and stack dumps stay). Turn it on "
-    f"with TORCH_FR_BUFFER_SIZE={RECOMMENDED_BUFFER} in the launch environment (it must be set before "
-    "init_process_group; the shipped Kubernetes and SLURM recipes set it)."
-)
-UNUSED_MESSAGE = (
-    "otel_train: PyTorch's Flight Recorder records this job's collectives (torch's default when "
-    "TORCH_FR_BUFFER_SIZE is unset), but otel_train reads it only when the variable is set, so there "
-    "are no train.collective.* metrics and no `hang` event naming the rank the others wait for. Set "
-    f"TORCH_FR_BUFFER_SIZE={RECOMMENDED_BUFFER} in the launch environment to use it (0 turns the "
-    "recorder off, and its cost with it)."
+    "otel_train: PyTorch's Flight Recorder is off, so there are no train.collective.* metrics, no "
+    "`hang` event naming the rank the others wait for, and no collective arrivals for the straggler "
+    "verdicts (stall events and stack dumps stay). Turn it on with "
+    f"TORCH_FR_BUFFER_SIZE={TORCH_DEFAULT_BUFFER} in the launch environment (torch 2.13's default "
+    "when the variable is unset; it must be set before init_process_group)."
 )
 
 
 def buffer_size() -> int:
-    """The Flight Recorder's entries per rank as the environment asks for them (0: not asked, and
-    then not read: design page, #collectives)."""
+    """The Flight Recorder's entries per rank, read from the environment as torch reads it: the
+    variable's value, else torch's default (0: off; design page, #collectives)."""
     for name in BUFFER_ENV:
         raw = os.environ.get(name, "").strip()
         if raw:
@@ -57,7 +52,7 @@ def buffer_size() -> int:
                 return int(raw)
             except ValueError:
                 return 0
-    return 0
+    return TORCH_DEFAULT_BUFFER
 
 
 def read_dump(entries: bool) -> dict[str, Any] | None:
@@ -189,6 +184,10 @@ class CollectiveMonitor:
         # declared (`Session.saving`), wired once the session has them.
         self.stalled_s: Callable[[], float] = lambda: 0.0
         self.saving: Callable[[], bool] = lambda: False
+        # Whether the cross-rank exchange times the reads (every rank at the flushes rank 0 picks,
+        # for the arrivals), wired once the session has it: then a flush reads only when asked, or
+        # a read of its own, on the budget freed since, would leave none for rank 0's next ask.
+        self.led: Callable[[], bool] = lambda: False
         semconv.COLLECTIVE_LAST.create(meter, self._observe_last)
 
     # --- the hang signal ---------------------------------------------------------------------------
@@ -246,6 +245,8 @@ class CollectiveMonitor:
 
     def on_flush(self, interval: Interval) -> None:
         # Without a read the counts catch up at the next one, from what the ring buffer still holds.
+        if self.led() and self._read[0] != interval.seq and not interval.final:
+            return
         dump = self.read(interval.seq, force=interval.final)
         if dump is None:
             return
@@ -309,15 +310,14 @@ class CollectiveMonitor:
 
 
 def start_monitor(meter: Any, telemetry_group: Any | None, rank: int) -> CollectiveMonitor | None:
-    """The monitor when this rank is in a process group and the Flight Recorder is on; otherwise
-    None, with OFF_MESSAGE logged once for the job (rank 0; the other ranks at debug level)."""
+    """The monitor when this rank is in a process group and the Flight Recorder records (torch's
+    default, or the variable > 0); otherwise None, with OFF_MESSAGE logged once for the job (rank 0;
+    the other ranks at debug level)."""
     dump = read_dump(entries=False)
-    if buffer_size() <= 0 or dump is None:
-        # Unasked, torch (2.13's default) may record anyway: its dump then lists the groups it
-        # records (`pg_config`), and none when it is off.
-        recording = buffer_size() == 0 and dump is not None and bool(dump["pg_config"])
-        message = UNUSED_MESSAGE if recording else OFF_MESSAGE
-        log.log(logging.WARNING if rank == 0 else logging.DEBUG, "%s", message)
+    # A recording torch lists the groups it records (`pg_config`); an older torch whose default is
+    # off lists none.
+    if buffer_size() <= 0 or dump is None or not dump["pg_config"]:
+        log.log(logging.WARNING if rank == 0 else logging.DEBUG, "%s", OFF_MESSAGE)
         return None
     excluded = {str(getattr(telemetry_group, "group_name", ""))} if telemetry_group is not None else set()
     return CollectiveMonitor(meter, excluded - {""})

@@ -40,7 +40,7 @@ def format_stacks(header: str) -> str:
 
 
 def dump_flight_recorder(path: Path) -> Path | None:
-    """The Flight Recorder buffer (pickled, readable with torch's fr_trace tool), when enabled: the
+    """The Flight Recorder buffer (pickled, readable with torch's fr_trace tool), when it records: the
     NCCL recorder on CUDA builds, the CPU (gloo) one on CPU-only builds."""
     if buffer_size() <= 0 or "torch" not in sys.modules:
         return None

@@ -65,17 +65,27 @@ def train(rank: int, world: int, out_dir: str, slow_phase: str) -> list[dict[str
     return events
 
 
-@pytest.mark.parametrize("slow_phase", ["forward", "backward"])
-def test_a_rank_slower_in_every_micro_batch_is_chronic(slow_phase: str, tmp_path: Path) -> None:
-    events = run_ranks(2, train, (str(tmp_path), slow_phase), timeout=240)[0]
+RECORDER_OFF = {"TORCH_FR_BUFFER_SIZE": "0"}
+
+
+@pytest.mark.parametrize(
+    ("slow_phase", "recorder"), [("forward", "default"), ("backward", "default"), ("backward", "off")]
+)
+def test_a_rank_slower_in_every_micro_batch_is_chronic(slow_phase: str, recorder: str, tmp_path: Path) -> None:
+    """With torch's default Flight Recorder the verdict also holds the collective arrivals; with it
+    off, the timers' arrivals alone."""
+    env = RECORDER_OFF if recorder == "off" else {"TORCH_FR_BUFFER_SIZE": None}
+    events = run_ranks(2, train, (str(tmp_path), slow_phase), timeout=240, env=env)[0]
     assert events, "the rank slower in every micro-batch was never reported"
     assert {(e["rank"], e["pattern"]) for e in events} == {(1, "chronic")}, events
     first = events[0]
     assert first["sync_phase"] == "backward" and first["waiting_ranks"] == "0", first["message"]
     # where it lost that time (data's last end already holds 3 slower micro-batches)
     assert (first["train.phase"], first["category"]) == (slow_phase, "compute"), first["message"]
-    # its delay of every micro-batch: rank 0 waits that long once per step, in the last backward;
-    # the last one's slower backward is inside the all-reduce, where arrivals cannot see it
-    late = MICRO_BATCHES if slow_phase == "forward" else MICRO_BATCHES - 1
+    # its delay of every micro-batch: rank 0 waits that long once per step, in the last backward.
+    # The last one's slower backward is inside the all-reduce: its arrival there sees it, the
+    # timers' arrivals cannot.
+    late = MICRO_BATCHES - 1 if (slow_phase, recorder) == ("backward", "off") else MICRO_BATCHES
     assert first["lateness_ms"] == pytest.approx(late * SLOW_S * 1000, rel=0.3)
     assert first["wait_ms"] == pytest.approx(late * SLOW_S * 1000, rel=0.3)
+    assert bool(first["collective"]) == (recorder == "default"), first["message"]

@@ -24,7 +24,7 @@ from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from otel_train import semconv
-from otel_train.diagnostics.collectives import OFF_MESSAGE, UNUSED_MESSAGE, CollectiveMonitor
+from otel_train.diagnostics.collectives import OFF_MESSAGE, CollectiveMonitor
 from otel_train.diagnostics.hang_attribution import Verdict, attribute
 
 FR_ON = {"TORCH_FR_BUFFER_SIZE": "500"}
@@ -111,15 +111,17 @@ def test_collectives_per_group_and_op_on_the_pull_endpoint(tmp_path: Path) -> No
 
 
 @pytest.mark.multirank
-def test_recorder_on_by_torch_default_but_unread_is_said_once_and_exports_nothing(tmp_path: Path) -> None:
-    """torch 2.13 records collectives with neither variable set (2,000 entries); otel_train reads
-    the recorder only when the variable asks for it, and says so rather than "off"."""
+def test_recorder_on_by_torch_default_is_read_without_the_variable(tmp_path: Path) -> None:
+    """torch 2.13 records collectives with neither variable set (2,000 entries): otel_train reads
+    that recorder as it reads one the variable asked for, and says nothing about it being off."""
     env: dict[str, str | None] = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
     results = run_ranks(2, _metrics_target, (str(tmp_path),), timeout=120, env=env)
-    said = [[m for m in result["messages"] if "Flight Recorder" in m] for result in results]
-    assert said == [[UNUSED_MESSAGE], []]  # once for the job (rank 0), and not "off"
+    assert [[m for m in result["messages"] if "Flight Recorder" in m] for result in results] == [[], []]
+    count = semconv.COLLECTIVE_COUNT.prometheus_name
     for result in results:
-        assert not [n for (n, _) in result["samples"] if n.startswith("train_collective")]
+        counts = _series(result["samples"], count)
+        all_reduce = (("train_collective_group", "default_pg"), ("train_collective_op", "all_reduce"))
+        assert counts[all_reduce] == 6, counts
 
 
 @pytest.mark.multirank
@@ -518,3 +520,35 @@ def test_stray_and_malformed_files_are_skipped_not_fatal(tmp_path: Path) -> None
                         {"process_group": ["0", "default_pg"], "collective_seq_id": 2, "profiling_name": "gloo:all_reduce"}]}  # fmt: skip
     summary = summarize(dump, set(), 0, 2, "h0", None, 1.0)
     assert list(summary["groups"]["0"]["ops"]) == ["2"]
+
+
+def test_led_by_the_exchange_a_flush_reads_only_when_rank_0_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the cross-rank exchange timing the reads, a flush's own read on the budget freed since
+    the last one would leave none for rank 0's next ask (its arrivals never came): the flush reads
+    only the dump the exchange asked for at that flush, or at the final flush."""
+    from types import SimpleNamespace
+
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from otel_train.diagnostics import collectives
+
+    reads: list[bool] = []
+
+    def read_dump(entries: bool) -> dict[str, Any]:
+        reads.append(entries)
+        return {"pg_status": {}, "statuses": {}, "recorders": {"cpu": [_entry(len(reads))]}}
+
+    monkeypatch.setattr(collectives, "read_dump", read_dump)
+    monitor = CollectiveMonitor(MeterProvider().get_meter("t"), set())
+    monitor.led = lambda: True
+    monitor.on_flush(SimpleNamespace(seq=1, final=False))  # type: ignore[arg-type]
+    assert reads == [] and monitor.may_read()  # the budget is left for rank 0's ask
+    monitor.read(2, force=True)  # the exchange's read at flush 2
+    monitor.on_flush(SimpleNamespace(seq=2, final=False))  # type: ignore[arg-type]
+    assert reads == [True]  # counted from that read, not read again
+    monitor.on_flush(SimpleNamespace(seq=3, final=True))  # type: ignore[arg-type]
+    assert reads == [True, True]
+    monitor.led = lambda: False  # the exchange is off: the flushes read on their own budget
+    monitor._next_read = 0.0
+    monitor.on_flush(SimpleNamespace(seq=4, final=False))  # type: ignore[arg-type]
+    assert reads == [True, True, True]

@@ -490,6 +490,42 @@ def test_trainer_under_ddp_names_the_rank_slow_in_data_and_never_the_waiting_ran
     assert first["pattern"] == "chronic" and first["waiting_ranks"] == "0"
 
 
+def _ddp_slow_compute_rank(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    """Rank 1's model 30 ms slower in every forward (a slower GPU), the callback alone."""
+    ot.init(verbosity=0, log_interval=4, hardware=False, prometheus_port=0, collective_timeout_s=60.0)
+    session = current_session()
+    events: list[dict[str, Any]] = []
+    session.events.add_callback(lambda event, message, attrs: events.append({"event": event, **attrs}))
+    model = tiny_causal_lm()
+    if rank == 1:
+        model.register_forward_pre_hook(lambda module, args: time.sleep(0.03))
+    trainer = _trainer(
+        Path(out) / f"hf-out{rank}", OtelTrainCallback(), max_steps=STRAGGLER_STEPS, ddp=True,
+        dataset=TokenDataset(256), model=model, eval_strategy="no", save_strategy="no",
+    )  # fmt: skip
+    trainer.train()
+    ot.shutdown()
+    return {"stragglers": [e for e in events if e["event"] == "straggler"]}
+
+
+@pytest.mark.multirank
+def test_trainer_under_ddp_names_the_rank_slow_in_compute_from_torchs_default_flight_recorder(
+    tmp_path: Path,
+) -> None:
+    """One timer holds the micro-batches' forward and backward and the all-reduce, so every timer
+    ends at the same time on both ranks: only the arrivals at the all-reduce, from the Flight
+    Recorder torch keeps without being asked, find the rank the other waits for."""
+    env = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
+    results = run_ranks(2, _ddp_slow_compute_rank, (str(tmp_path),), timeout=240, env=env)
+    (first,) = results[0]["stragglers"]  # named once while it stays a straggler; rank 0 never
+    assert (first["rank"], first["train.phase"], first["category"]) == (1, "forward_backward", "compute")
+    assert first["pattern"] == "chronic" and first["waiting_ranks"] == "0", first
+    assert "in 'forward_backward' (default_pg)" in first["collective"], first  # DDP's, or a gather
+    # 2 micro-batches a step, each 30 ms slower on rank 1
+    assert first["lateness_ms"] == pytest.approx(GRAD_ACCUM * 30, rel=0.35), first
+    assert first["wait_ms"] == pytest.approx(GRAD_ACCUM * 30, rel=0.35), first
+
+
 _HOOKS = (
     "on_step_begin",
     "on_pre_optimizer_step",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -154,7 +155,9 @@ def test_a_collective_enqueued_without_waiting_does_not_count_the_wait_again() -
     verdict = judge(rows, 4)
     assert verdict is not None and verdict.culprit == 1
     assert verdict.seconds == pytest.approx(0.060, rel=0.05)
-    assert verdict.waits is not None and all(w == pytest.approx(0.060, rel=0.05) for w in verdict.waits.values())
+    assert verdict.waits is not None and all(
+        w == pytest.approx(0.060, rel=0.05) for w in verdict.waits.values()
+    )
 
 
 def test_collectives_where_the_culprit_was_barely_last_weigh_what_it_lost_there() -> None:
@@ -198,7 +201,7 @@ def test_ranks_pick_the_same_collectives_and_the_block_round_trips() -> None:
     a, b = sample(mine, read_seq=3), sample(theirs, read_seq=3)
     assert [x.seq for x in a] == [x.seq for x in b] and 0 < len(a) <= MAX_ARRIVALS
     assert [x.seq for x in sample(mine, read_seq=4)] != [x.seq for x in a]  # rotates with the read
-    runs = sum(1 for x, y in zip(a, a[1:], strict=False) if y.seq != x.seq + 1)
+    runs = sum(1 for x, y in pairwise(a) if y.seq != x.seq + 1)
     assert runs < len(a) // 4, [x.seq for x in a]  # mostly consecutive: each judged after the one before
     block = encode(3, -0.25, 0.001, len(mine), 5, a)
     assert len(block) == BLOCK_LEN

@@ -71,7 +71,9 @@ RECORDER_OFF = {"TORCH_FR_BUFFER_SIZE": "0"}
 @pytest.mark.parametrize(
     ("slow_phase", "recorder"), [("forward", "default"), ("backward", "default"), ("backward", "off")]
 )
-def test_a_rank_slower_in_every_micro_batch_is_chronic(slow_phase: str, recorder: str, tmp_path: Path) -> None:
+def test_a_rank_slower_in_every_micro_batch_is_chronic(
+    slow_phase: str, recorder: str, tmp_path: Path
+) -> None:
     """With torch's default Flight Recorder the verdict also holds the collective arrivals; with it
     off, the timers' arrivals alone."""
     env = RECORDER_OFF if recorder == "off" else {"TORCH_FR_BUFFER_SIZE": None}

@@ -37,7 +37,7 @@ FLOOR_S = 0.0005  # lateness below this is noise (as verdicts.Settings.min_laten
 MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
 PENDING_FLUSHES = 8  # flushes that new reports wait for a verdict that names a culprit
-CLIP = 2.0  # a collective's lateness counts at most this many times the culprit's median
+CLIP = 2.0  # a collective's lateness counts at most this many times its typical one (`_clipped_sum`)
 EXPLAINS = 0.25  # share of a culprit's lateness a timer's excess must reach to be where it arose
 DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
 
@@ -147,11 +147,12 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
 
 
 def _clipped_sum(lateness: Sequence[float]) -> float:
-    """The sum of a rank's lateness at its collectives, each at most CLIP times their median: one
-    long stall weighs about as one collective, and a collective where it was barely last weighs
-    what it lost there (not the median: 3 of 11 at 0.6 ms read as 30 ms each, +35 % per step)."""
-    cap = CLIP * median(lateness)
-    return sum(min(late, cap) for late in lateness)
+    """The sum of a rank's lateness at its collectives, each at most CLIP times the median of their
+    larger half: one long stall weighs about as one collective, and one where it was barely last
+    weighs what it lost there, however many there are (a median of them all is either)."""
+    ordered = sorted(lateness)
+    cap = CLIP * median(ordered[len(ordered) // 2 :])
+    return sum(min(late, cap) for late in ordered)
 
 
 def _floors(rows: Sequence[Row], keys: set[Key]) -> dict[Key, float]:

@@ -149,7 +149,7 @@ def judge(rows: Sequence[Row], world: int, step_s: float | None = None) -> Verdi
 def _clipped_sum(lateness: Sequence[float]) -> float:
     """The sum of a rank's lateness at its collectives, each at most CLIP times the median of their
     larger half: one long stall weighs about as one collective, and one where it was barely last
-    weighs what it lost there, however many there are (a median of them all is either)."""
+    weighs what it lost there, however many there are (a median over them all does neither)."""
     ordered = sorted(lateness)
     cap = CLIP * median(ordered[len(ordered) // 2 :])
     return sum(min(late, cap) for late in ordered)

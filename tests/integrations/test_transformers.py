@@ -513,7 +513,7 @@ def test_trainer_under_ddp_names_the_rank_slow_in_compute_from_torchs_default_fl
     tmp_path: Path,
 ) -> None:
     """One timer holds the micro-batches' forward and backward and the all-reduce, so every timer
-    ends at the same time on both ranks: only the arrivals at the all-reduce, from the Flight
+    ends at the same time on both ranks: only the arrivals at the collectives, from the Flight
     Recorder torch keeps without being asked, find the rank the other waits for."""
     env = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
     results = run_ranks(2, _ddp_slow_compute_rank, (str(tmp_path),), timeout=240, env=env)

@@ -96,6 +96,85 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
 
 
+ACCELERATE_STEPS = 24
+SLOW_FORWARD_S = 0.03
+
+
+def _accelerate_ddp_job(rank: int, world_size: int, out: str, init_first: bool) -> dict[str, Any]:
+    """The multi-process job the docs describe: `ot.init()` and `ot.step` on every rank, the
+    tracker on the main process (Accelerate logs there only); rank 1's model 30 ms slower per forward."""
+    import time
+
+    import torch
+
+    def init() -> None:
+        ot.init(output_dir=out, run_name="ddp", log_interval=4, collective_timeout_s=60.0, **QUIET)
+
+    if init_first:  # before the Accelerator: it adopts the process group the launcher made
+        init()
+    accelerator = Accelerator(cpu=True, log_with=[OtelTrainTracker()])
+    if not init_first:
+        init()
+    events: list[dict[str, Any]] = []
+    current_session().events.add_callback(
+        lambda event, message, attrs: events.append({"event": event, **attrs})
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    if rank == 1:
+        model.register_forward_pre_hook(lambda module, args: time.sleep(SLOW_FORWARD_S))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    rows = ACCELERATE_STEPS * 4 * world_size
+    data = torch.utils.data.TensorDataset(torch.randn(rows, 32), torch.randn(rows, 1))
+    model, optimizer, loader = accelerator.prepare(
+        model, optimizer, torch.utils.data.DataLoader(data, batch_size=4)
+    )
+    accelerator.init_trackers("proj", config={"lr": 1e-2})
+    for step, (x, y) in enumerate(loader):
+        with ot.step(step, samples=len(x)):
+            with ot.timer("forward"):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            with ot.timer("backward"):
+                accelerator.backward(loss)
+            with ot.timer("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
+            accelerator.log({"loss": loss.item(), "epoch": 0}, step=step)
+    accelerator.end_training()
+    ot.shutdown()
+    return {"stragglers": [e for e in events if e["event"] == "straggler"]}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("init_first", [False, True], ids=["init_after_accelerator", "init_before"])
+def test_a_multi_process_job_names_the_slow_rank_and_files_the_trackers_values(
+    tmp_path: Path, init_first: bool
+) -> None:
+    """2 gloo ranks under the Accelerator, torch's default Flight Recorder: rank 1 is named, slow
+    in `forward`, with rank 0 waiting for it at DDP's all-reduce; the main process's logs land
+    once at their steps, beside every rank's steps counted once."""
+    env = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
+    results = run_ranks(2, _accelerate_ddp_job, (str(tmp_path), init_first), timeout=240, env=env)
+    (first,) = results[0]["stragglers"]  # named once while it stays a straggler; rank 0 never
+    assert (first["rank"], first["train.phase"], first["category"]) == (1, "forward", "compute"), first
+    assert (first["sync_phase"], first["waiting_ranks"]) == ("backward", "0"), first
+    assert "in 'backward' (default_pg)" in first["collective"], first
+    assert first["lateness_ms"] == pytest.approx(SLOW_FORWARD_S * 1e3, rel=0.35), first
+    assert first["wait_ms"] == pytest.approx(SLOW_FORWARD_S * 1e3, rel=0.35), first
+    assert results[1]["stragglers"] == []
+    run_dir = tmp_path / "ddp"
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (run_dir / f"metrics.rank{rank}.jsonl").read_text().splitlines()]
+        assert sum(r.get("train/steps", 0) for r in rows) == ACCELERATE_STEPS
+    # the tracker's logs: every step's loss joined its flush (4 steps an interval), on rank 0 only
+    flushed = [r for r in _rows(run_dir) if "train/loss_last" in r]
+    assert [r["step"] for r in flushed] == list(range(3, ACCELERATE_STEPS, 4))
+    assert all(r["train/epoch"] == 0 for r in flushed)
+    rank1 = (run_dir / "metrics.rank1.jsonl").read_text()
+    assert "train/loss" not in rank1 and "train/epoch" not in rank1
+    assert json.loads((run_dir / "hparams.json").read_text()) == {"lr": 1e-2}
+
+
 @pytest.fixture
 def registry() -> Iterator[None]:
     """Accelerate's tracker registry as it was: registering is process-wide."""

@@ -72,7 +72,7 @@ class OtelTrainTracker(GeneralTracker):
         self.project_name = project_name or None
         self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._owns_session = False
-        self._warned = False
+        self._warned = False  # that no session exists in a multi-process job
         self._fed: Accelerator | None = None  # the Accelerator whose calls feed the stall watchdog
         self._save_hook: Any = None
         self._new_run()
@@ -82,6 +82,7 @@ class OtelTrainTracker(GeneralTracker):
         Accelerator starts again as a new one would."""
         self._marks_steps = True  # until the loop marks a step itself (or the job is multi-rank)
         self._marked = -1  # the last step this tracker marked; -1: none (a fresh session's last step)
+        self._unmarked: set[int] = set()  # steps logged in a multi-process job before any step was marked
         self._mark_ns: int | None = None  # where the next marked step starts
         self._run_project: str | None = None  # init_trackers' project_name
         self._run_settings: dict[str, Any] = {}  # init_trackers' init_kwargs["otel_train"]
@@ -133,6 +134,8 @@ class OtelTrainTracker(GeneralTracker):
             # The loop marks steps (or a step's flush must pair across ranks): only file values.
             self._marks_steps = False
         number = _step_number(step)
+        if info.world_size > 1 and info.step < 0 and info.open_step is None and number is not None:
+            self._warn_unmarked(number, info.world_size)
         if step is None and self._marks_steps:
             # Accelerate's step is optional: a log without one is the step after the last logged
             number = self._marked + 1
@@ -155,6 +158,21 @@ class OtelTrainTracker(GeneralTracker):
         owns_session, self._owns_session = self._owns_session, False
         end_training(owns_session)
         self._new_run()
+
+    def _warn_unmarked(self, step: int, world_size: int) -> None:
+        """Once, at the second step logged while the job has marked none: a value logged before
+        training (step 0) is no sign yet."""
+        if len(self._unmarked) >= 2:
+            return
+        self._unmarked.add(step)
+        if len(self._unmarked) == 2:
+            log.warning(
+                "otel_train: this %d-process job marks no steps, so steps, throughput, goodput and "
+                "stragglers stay empty: wrap each training step in `with ot.step(step):` on every "
+                "rank. Accelerate calls trackers on the main process only, so OtelTrainTracker "
+                "cannot mark steps that every rank agrees on.",
+                world_size,
+            )
 
     def _ready(self) -> bool:
         if adapters.current_run() is not None:

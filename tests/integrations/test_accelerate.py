@@ -110,6 +110,7 @@ def _accelerate_ddp_job(rank: int, world_size: int, out: str, init_first: bool) 
     def init() -> None:
         ot.init(output_dir=out, run_name="ddp", log_interval=4, collective_timeout_s=60.0, **QUIET)
 
+    warnings = _warnings()
     if init_first:  # before the Accelerator: it adopts the process group the launcher made
         init()
     accelerator = Accelerator(cpu=True, log_with=[OtelTrainTracker()])
@@ -142,7 +143,16 @@ def _accelerate_ddp_job(rank: int, world_size: int, out: str, init_first: bool) 
             accelerator.log({"loss": loss.item(), "epoch": 0}, step=step)
     accelerator.end_training()
     ot.shutdown()
-    return {"stragglers": [e for e in events if e["event"] == "straggler"]}
+    return {"stragglers": [e for e in events if e["event"] == "straggler"], "warnings": warnings}
+
+
+def _warnings() -> list[str]:
+    """The otel_train warnings this process logs from now on."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("otel_train").addHandler(handler)
+    return messages
 
 
 @pytest.mark.multirank
@@ -162,6 +172,7 @@ def test_a_multi_process_job_names_the_slow_rank_and_files_the_trackers_values(
     assert first["lateness_ms"] == pytest.approx(SLOW_FORWARD_S * 1e3, rel=0.35), first
     assert first["wait_ms"] == pytest.approx(SLOW_FORWARD_S * 1e3, rel=0.35), first
     assert results[1]["stragglers"] == []
+    assert not [m for r in results for m in r["warnings"] if "marks no steps" in m]
     run_dir = tmp_path / "ddp"
     for rank in (0, 1):
         rows = [json.loads(line) for line in (run_dir / f"metrics.rank{rank}.jsonl").read_text().splitlines()]
@@ -522,3 +533,39 @@ def test_a_tracker_given_to_a_second_accelerator_marks_that_runs_steps(tmp_path:
             step: float(10 * run + step) for step in range(3)
         }
         assert run_dir.name.startswith(f"proj{run}-")
+
+
+def _job_without_steps(rank: int, world_size: int, out: str) -> list[str]:
+    """`ot.init()` on every rank and the tracker, but no `ot.step` in the loop."""
+    import torch
+
+    warnings = _warnings()
+    accelerator = Accelerator(cpu=True, log_with=[OtelTrainTracker()])
+    ot.init(output_dir=out, run_name="unmarked", log_interval=2, **QUIET)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.init_trackers("proj")
+    accelerator.log({"lr": 1e-2}, step=0)  # before training: no sign yet
+    for step in range(4):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.log({"loss": loss.item()}, step=step)
+    accelerator.end_training()
+    ot.shutdown()
+    return warnings
+
+
+@pytest.mark.multirank
+def test_a_multi_process_job_that_marks_no_steps_is_told_to_use_ot_step_once(tmp_path: Path) -> None:
+    """Accelerate logs on the main process only, so the tracker cannot mark steps every rank
+    agrees on: without `ot.step` the job would have no steps, silently. The main process says so
+    once, at the second step logged; its values still land under their steps."""
+    results = run_ranks(2, _job_without_steps, (str(tmp_path),), timeout=120)
+    told = [m for m in results[0] if "marks no steps" in m]
+    assert len(told) == 1 and "`with ot.step(step):` on every rank" in told[0], results[0]
+    assert results[1] == []  # the other rank's tracker is never called
+    rows = _rows(tmp_path / "unmarked")
+    assert [r["step"] for r in rows if "train/loss" in r] == [0, 1, 2, 3]

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import otel_train as ot
 from otel_train import adapters
@@ -124,3 +127,38 @@ def test_a_log_metrics_row_every_step_reaches_the_run_dir_while_the_worker_is_be
     assert not any(row.get("otel_train/dropped/message_queue_full") for row in rows)
     filed = [row["step"] for row in rows]
     assert filed == sorted(filed)  # in step order: W&B refuses a step that goes back
+
+
+FORGOT_STEP = "marked no step"
+
+
+def _shutdown_warnings(caplog: Any, loop: Callable[[], None]) -> list[str]:
+    ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=4)
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        loop()
+        ot.shutdown()
+    return [r.getMessage() for r in caplog.records if FORGOT_STEP in r.getMessage()]
+
+
+def test_a_run_that_times_phases_but_marks_no_step_is_told_at_shutdown(caplog: Any) -> None:
+    def loop() -> None:
+        for _ in range(3):
+            with ot.timer("forward"):
+                pass
+            ot.record("loss", 1.0)
+
+    (told,) = _shutdown_warnings(caplog, loop)
+    assert "`with ot.step(step):`" in told
+
+
+def test_steps_or_values_alone_are_no_forgotten_step(caplog: Any) -> None:
+    def steps() -> None:
+        for i in range(3):
+            with ot.step(i), ot.timer("forward"):
+                pass
+
+    def evaluation_only() -> None:  # a framework's evaluate(): values at a step, no training step
+        ot.log_metrics({"eval/loss": 1.0}, step=0)
+
+    assert _shutdown_warnings(caplog, steps) == []
+    assert _shutdown_warnings(caplog, evaluation_only) == []

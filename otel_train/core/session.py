@@ -504,6 +504,7 @@ def _close(session: Session) -> None:
         session.profiler.stop()
         session.profiler = None
     session.reducer.stop_waiting()  # the flushes still queued must not wait for a peer's row
+    _warn_if_no_step(session)
     session.flush(final=True)
     flushes, steps = _drain_worker(session.worker, session.instruments, budget)
     session.lost_flushes += flushes
@@ -526,6 +527,19 @@ def _close(session: Session) -> None:
     # Last, with what is left: a user hook that hangs (a webhook) never takes the sinks' and
     # exporters' time. From a hook itself this returns at once.
     session.events.close(max(0.1, budget - (time.monotonic() - started)))
+
+
+def _warn_if_no_step(session: Session) -> None:
+    """A run that timed phases but never marked a step has empty steps, throughput and goodput:
+    ot.step was forgotten. (Values alone are no sign: an evaluation-only run logs them too.)"""
+    buffer = session.buffer
+    timed = buffer.timer_events or any(buffer.phases.values())
+    if timed and session.step_end_ns is None and session.open_step is None:
+        log.warning(
+            "otel_train: the run timed phases but marked no step, so steps, throughput and "
+            "goodput are empty: wrap each training step in `with ot.step(step):` (or "
+            "`@ot.step`), or use a framework integration, which marks them."
+        )
 
 
 def _drain_worker(worker: Worker, instruments: Instruments, budget_s: float) -> tuple[int, int]:

@@ -130,7 +130,9 @@ def planted_rank(rank: int, world: int, out_dir: str, seconds: float, stall_s: f
             adapters.heartbeat()  # an eval batch, as the framework integrations report them
             time.sleep(0.05)
         Path(out_dir, f"eval_end.rank{rank}").write_text(str(time.time()))
-    time.sleep(stall_s)  # alive and exporting, no step: the whole run stalls
+    stalled, stop = time.monotonic(), Path(out_dir, "stop")  # the test has seen every alert: end early
+    while time.monotonic() - stalled < stall_s and not stop.exists():
+        time.sleep(0.2)  # alive and exporting, no step: the whole run stalls
     ot.shutdown()
     return step
 

@@ -70,8 +70,9 @@ def _rank(rank: int, world: int, base_port: int, out_dir: str, seconds: float, s
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     deadline = time.monotonic() + seconds
     step = 0
+    stop = Path(out_dir, "stop")  # the test has seen what it waited for: end early
     while True:
-        if not synced and time.monotonic() >= deadline:
+        if not synced and (time.monotonic() >= deadline or stop.exists()):
             break
         if rank == freeze_rank and step >= 40:
             time.sleep(0.05)  # alive (endpoint still served), but no more steps
@@ -153,6 +154,7 @@ def test_every_planted_fault_pages_in_the_essential_tier_and_dashboards_have_dat
             check_alerts(seen, prom.log())
             check_dashboards(prom.url, TIER_ESSENTIAL, "planted")
         finally:
+            (tmp_path / "stop").touch()  # the ranks' stall ends here (deploy/planted.py)
             thread.join()
     assert not errors, errors
     assert min(results) > 50  # it trained
@@ -182,5 +184,6 @@ def test_frozen_rank_fires_rank_stalled(tmp_path) -> None:
             )
             assert {a["labels"]["rank"] for a in stalled} == {"1"}
         finally:
+            (tmp_path / "stop").touch()
             thread.join()
     assert not errors, errors

@@ -37,6 +37,7 @@ FLOOR_S = 0.0005  # lateness below this is noise (as verdicts.Settings.min_laten
 MIN_RESOLVED = 3  # collectives with a late rank needed before anyone is named
 CONSISTENT = 0.5  # share of those where the culprit must arrive last
 PENDING_FLUSHES = 8  # flushes that new reports wait for a verdict that names a culprit
+PENDING_S = 30.0  # or seconds from the first exchange, if later: short flushes outpace the reads
 CLIP = 2.0  # a collective's lateness counts at most this many times its typical one (`_clipped_sum`)
 EXPLAINS = 0.25  # share of a culprit's lateness a timer's excess must reach to be where it arose
 DRIFT = 20e-6  # s/s: how fast an older offset measurement loses accuracy (unsynchronized quartz)
@@ -251,6 +252,7 @@ class LatenessTracker:
         self._own: dict[int, tuple[list[Arrival], int, float]] = {}
         self._step_s: dict[int, float] = {}  # rank 0: its mean step time in those windows
         self._exchanges = 0
+        self._first_exchange: float | None = None  # time.monotonic() of the first
         # rank 0: why the exchange's rows do not let it judge arrivals (a tree's, `reducer.unjudged`)
         self.unjudged: str | None = None
         self._told = False
@@ -280,6 +282,8 @@ class LatenessTracker:
         """The exchange's answer (None: none came at this flush), its stamps on a leaf (t1 of the
         row it answers, t4 when it was taken) and, when rank 0 asked in it, this flush's read."""
         self._exchanges += 1
+        if self._first_exchange is None:
+            self._first_exchange = time.monotonic()
         self._steps += interval.steps
         if down is None:
             return
@@ -345,15 +349,18 @@ class LatenessTracker:
         """Rank 0: the recorder is on and the latest verdict neither names a culprit, nor abstains, nor
         found no collective (a read travels one flush, and one read's window may hold too few
         collectives where a rank is late): new chronic straggler reports wait, so that their event
-        names the collective. Bounded: after PENDING_FLUSHES exchanges the timers' reports go out
-        without it."""
+        names the collective. Bounded: after PENDING_FLUSHES exchanges and PENDING_S seconds from
+        the first, the timers' reports go out without it (reads are spaced out by their budget, so
+        a job flushing every step may pass 8 flushes before its second read)."""
         verdict = self.verdict
         # A read with no collective common to every rank (independent ranks) has nobody to name.
         decided = verdict is not None and (
             verdict.culprit >= 0 or verdict.abstain is not None or verdict.matched == 0
         )
         waiting = not decided and self.unjudged is None
-        return self.monitor is not None and waiting and self._exchanges <= PENDING_FLUSHES
+        since = 0.0 if self._first_exchange is None else time.monotonic() - self._first_exchange
+        young = self._exchanges <= PENDING_FLUSHES or since < PENDING_S
+        return self.monitor is not None and waiting and young
 
     def abstain(self, timer_reason: str | None) -> str | None:
         """Rank 0: why culprits cannot be found, the collectives considered."""

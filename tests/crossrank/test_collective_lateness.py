@@ -28,6 +28,7 @@ from otel_train.crossrank.arrival_block import (
 )
 from otel_train.crossrank.collective_lateness import (
     PENDING_FLUSHES,
+    PENDING_S,
     ClockEstimator,
     LatenessTracker,
     Verdict,
@@ -40,6 +41,7 @@ from otel_train.crossrank.up_row import TimerStats, name_id
 from otel_train.crossrank.verdicts import Lateness, RankAssessment, RankView
 
 FR_ON = {"TORCH_FR_BUFFER_SIZE": "200"}
+DEFAULT_FR = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}  # torch's default: on
 # Real jobs here are seconds long: reads may take 2 % of wall time (not 0.2 %) so that a verdict
 # comes within them. Each read holds the GIL (~17 us an entry): rank by rank, that is lateness.
 READ_SHARE = 0.02
@@ -307,8 +309,8 @@ def test_the_timers_phase_stands_only_when_they_saw_most_of_the_lateness(timers_
 def test_new_reports_wait_for_a_verdict_that_names_a_culprit_or_abstains() -> None:
     """A read whose window names nobody (too few collectives where a rank was late) does not let the
     timers' reports out without the collective; a verdict that names a culprit, says why it
-    cannot, or found no collective common to the ranks does; and PENDING_FLUSHES exchanges bound
-    the wait."""
+    cannot, or found no collective common to the ranks does; and PENDING_FLUSHES exchanges and
+    PENDING_S seconds from the first, whichever ends later, bound the wait."""
     tracker = LatenessTracker(0)
     assert not tracker.pending()  # no recorder: nothing to wait for
     tracker.monitor = _Budget(True)  # type: ignore[assignment]
@@ -324,7 +326,11 @@ def test_new_reports_wait_for_a_verdict_that_names_a_culprit_or_abstains() -> No
     tracker.verdict = Verdict(read_seq=4, matched=22, resolved=21, unclear=0)
     assert tracker.pending()
     tracker._exchanges = PENDING_FLUSHES + 1
+    assert tracker.pending()  # flushes every step: more than 8 may pass before the second read
+    tracker._first_exchange = time.monotonic() - PENDING_S
     assert not tracker.pending()
+    tracker._exchanges = PENDING_FLUSHES
+    assert tracker.pending()  # long flushes: 8 of them may outlast PENDING_S
 
 
 def test_without_a_recorder_rank_0_never_asks_for_reads_and_sends_an_empty_block() -> None:
@@ -524,6 +530,61 @@ def test_lightning_ddp_names_a_rank_slow_in_backward_from_collective_arrivals(tm
     # where it lost the time: its backward takes longer per step than rank 0's, whatever the
     # collective (the broadcast in `data` or DDP's all-reduce in `backward`)
     assert (first["train.phase"], first["category"]) == ("backward", "compute"), first
+
+
+def _every_step_rank(rank: int, world: int, out: str, read_share: float | None) -> list[dict[str, Any]]:
+    """DDP, a flush at every step (log_interval=1), rank 1 20 ms slower in forward; the default
+    recorder, and the default read budget unless `read_share`."""
+    import torch
+
+    import otel_train as ot
+    from otel_train.diagnostics import collectives
+    from otel_train.testing import current_session
+
+    if read_share is not None:
+        collectives.MAX_READ_SHARE = read_share
+
+    ot.init(output_dir=out, run_name="every", verbosity=0, log_interval=1, hardware=False,
+            prometheus_port=0, collective_timeout_s=60.0)  # fmt: skip
+    events: list[dict[str, Any]] = []
+    current_session().events.add_callback(
+        lambda event, message, attrs: events.append(dict(attrs)) if event == "straggler" else None
+    )
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(80):
+        with ot.step(step):
+            with ot.timer("forward"):
+                loss = model(torch.randn(8, 16)).pow(2).mean()
+                time.sleep(0.03 if rank == 1 else 0.01)
+            with ot.timer("backward"):
+                loss.backward()  # DDP's all-reduce: rank 0 waits here
+            with ot.timer("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
+    ot.shutdown()
+    return events
+
+
+@pytest.mark.multirank
+def test_a_job_flushing_every_step_still_names_the_collective(tmp_path: Path) -> None:
+    """The first read's window is one step, one all-reduce: too few to name anyone, and the read
+    budget spaces the next one out past 8 flushes. The report waits (PENDING_S) for it."""
+    (first,) = run_ranks(2, _every_step_rank, (str(tmp_path), None), timeout=240, env=DEFAULT_FR)[0]
+    assert (first["rank"], first["train.phase"], first["pattern"]) == (1, "forward", "chronic"), first
+    # enqueued a fraction of a millisecond after rank 0's forward ends: placed in either timer
+    assert first["collective"] in {f"all_reduce #1 in {p!r} (default_pg)" for p in ("forward", "backward")}
+    assert first["lateness_ms"] == pytest.approx(20, rel=0.35), first
+
+
+@pytest.mark.multirank
+def test_a_report_waiting_for_a_verdict_that_never_comes_goes_out_at_the_last_flush(tmp_path: Path) -> None:
+    """No read after the first (a budget that allows none): the verdict never names anyone, and the
+    job ends before PENDING_S. Its last flush holds nothing back: the timers' report goes out."""
+    (first,) = run_ranks(2, _every_step_rank, (str(tmp_path), 1e-12), timeout=240, env=DEFAULT_FR)[0]
+    assert (first["rank"], first["train.phase"], first["pattern"]) == (1, "forward", "chronic"), first
+    assert first["collective"] == "", first
 
 
 def test_the_answer_carries_rank_0s_clock_stamps_and_the_read_request() -> None:

@@ -82,7 +82,8 @@ class OtelTrainTracker(GeneralTracker):
         Accelerator starts again as a new one would."""
         self._marks_steps = True  # until the loop marks a step itself (or the job is multi-rank)
         self._marked = -1  # the last step this tracker marked; -1: none (a fresh session's last step)
-        self._unmarked: set[int] = set()  # steps logged in a multi-process job before any step was marked
+        # logs of a new step (or of none) in a multi-process job that has marked no step yet
+        self._unmarked_logs, self._unmarked_step = 0, -1
         self._mark_ns: int | None = None  # where the next marked step starts
         self._run_project: str | None = None  # init_trackers' project_name
         self._run_settings: dict[str, Any] = {}  # init_trackers' init_kwargs["otel_train"]
@@ -134,7 +135,7 @@ class OtelTrainTracker(GeneralTracker):
             # The loop marks steps (or a step's flush must pair across ranks): only file values.
             self._marks_steps = False
         number = _step_number(step)
-        if info.world_size > 1 and info.step < 0 and info.open_step is None and number is not None:
+        if info.world_size > 1 and info.step < 0 and info.open_step is None:
             self._warn_unmarked(number, info.world_size)
         if step is None and self._marks_steps:
             # Accelerate's step is optional: a log without one is the step after the last logged
@@ -159,13 +160,14 @@ class OtelTrainTracker(GeneralTracker):
         end_training(owns_session)
         self._new_run()
 
-    def _warn_unmarked(self, step: int, world_size: int) -> None:
-        """Once, at the second step logged while the job has marked none: a value logged before
-        training (step 0) is no sign yet."""
-        if len(self._unmarked) >= 2:
+    def _warn_unmarked(self, step: int | None, world_size: int) -> None:
+        """Once, at the second step logged while the job has marked none (a log without a step is
+        a new one): a value logged before training is no sign yet."""
+        if step is not None and step == self._unmarked_step:
             return
-        self._unmarked.add(step)
-        if len(self._unmarked) == 2:
+        self._unmarked_logs += 1
+        self._unmarked_step = step if step is not None else -1
+        if self._unmarked_logs == 2:
             log.warning(
                 "otel_train: this %d-process job marks no steps, so steps, throughput, goodput and "
                 "stragglers stay empty: wrap each training step in `with ot.step(step):` on every "

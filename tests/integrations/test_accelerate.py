@@ -535,8 +535,9 @@ def test_a_tracker_given_to_a_second_accelerator_marks_that_runs_steps(tmp_path:
         assert run_dir.name.startswith(f"proj{run}-")
 
 
-def _job_without_steps(rank: int, world_size: int, out: str) -> list[str]:
-    """`ot.init()` on every rank and the tracker, but no `ot.step` in the loop."""
+def _job_without_steps(rank: int, world_size: int, out: str, numbered: bool) -> list[str]:
+    """`ot.init()` on every rank and the tracker, but no `ot.step` in the loop; the logs with
+    `step=` when `numbered`."""
     import torch
 
     warnings = _warnings()
@@ -552,20 +553,25 @@ def _job_without_steps(rank: int, world_size: int, out: str) -> list[str]:
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        accelerator.log({"loss": loss.item()}, step=step)
+        accelerator.log({"loss": loss.item()}, step=step if numbered else None)
     accelerator.end_training()
     ot.shutdown()
     return warnings
 
 
 @pytest.mark.multirank
-def test_a_multi_process_job_that_marks_no_steps_is_told_to_use_ot_step_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("numbered", [True, False], ids=["step", "no_step"])
+def test_a_multi_process_job_that_marks_no_steps_is_told_to_use_ot_step_once(
+    tmp_path: Path, numbered: bool
+) -> None:
     """Accelerate logs on the main process only, so the tracker cannot mark steps every rank
     agrees on: without `ot.step` the job would have no steps, silently. The main process says so
-    once, at the second step logged; its values still land under their steps."""
-    results = run_ranks(2, _job_without_steps, (str(tmp_path),), timeout=120)
+    once, at the second step logged (a log without `step=` is a new one); numbered values still
+    land under their steps."""
+    results = run_ranks(2, _job_without_steps, (str(tmp_path), numbered), timeout=120)
     told = [m for m in results[0] if "marks no steps" in m]
     assert len(told) == 1 and "`with ot.step(step):` on every rank" in told[0], results[0]
     assert results[1] == []  # the other rank's tracker is never called
-    rows = _rows(tmp_path / "unmarked")
-    assert [r["step"] for r in rows if "train/loss" in r] == [0, 1, 2, 3]
+    if numbered:
+        rows = _rows(tmp_path / "unmarked")
+        assert [r["step"] for r in rows if "train/loss" in r] == [0, 1, 2, 3]

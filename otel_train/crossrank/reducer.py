@@ -134,8 +134,11 @@ class CrossRankReducer:
         if interval.final:
             # Shutdown flushes are not aligned across ranks (a peer may already be gone), so they
             # never issue an exchange; the last aligned flush already carried the cross-rank view.
-            with self._lock:
-                self._report_held(interval)
+            # Rank 0 reports the new chronic stragglers still held for the collective verdict.
+            if self.identity.rank == 0 and self.distributed:
+                with self._lock:
+                    held = [r for r in self.last_reports if r.chronic]  # those reported are not again
+                    self._reporter.report(held, interval.step, self.settings.threshold)
             return
         with self._lock:
             if self._closed:
@@ -341,13 +344,6 @@ class CrossRankReducer:
         self.gauges.set_cross_rank(self.option, self.last_reductions)
         held = self.lateness.pending()  # new chronic ones: at a later flush, with the collective
         self._reporter.report(reports, interval.step, self.settings.threshold, hold_new_chronic=held)
-
-    def _report_held(self, interval: Interval) -> None:
-        """Rank 0, the last flush: new chronic stragglers still waiting for the collective verdict
-        are reported without it (those reported already are not again)."""
-        if self.identity.rank == 0 and self.distributed:
-            chronic = [r for r in self.last_reports if r.chronic]
-            self._reporter.report(chronic, interval.step, self.settings.threshold)
 
     def _flush_local(self, interval: Interval) -> None:
         """Not distributed (or the exchange is off): this rank's timers and individual score."""

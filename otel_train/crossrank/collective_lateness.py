@@ -248,8 +248,10 @@ class LatenessTracker:
         self._after = 0.0  # the previous read's cutoff (epoch seconds, this rank's clock)
         self._steps = 0  # steps since then
         # rank 0: its own windows by read flush (this read's and the one its verdict is about), each
-        # with its steps and the start of its last step, for naming the collective
-        self._own: dict[int, tuple[list[Arrival], int, float]] = {}
+        # with its steps, the start of its last step and where that step's timers ended in it (the
+        # collective is placed among the timers of its own step: a forward a little shorter than
+        # usual would otherwise put the all-reduce just after it into the forward)
+        self._own: dict[int, tuple[list[Arrival], int, float, dict[str, float]]] = {}
         self._step_s: dict[int, float] = {}  # rank 0: its mean step time in those windows
         self._exchanges = 0
         self._first_exchange: float | None = None  # time.monotonic() of the first
@@ -306,8 +308,10 @@ class LatenessTracker:
         self._block = encode(interval.seq, 0.0, math.inf, len(latest), steps, picked)
         if self.rank == 0:
             last = interval.step_durations[-1] if interval.step_durations else math.nan
+            # a timer that ran once in each of the interval's steps: its last arrival is the last step's
+            ends = {n: a[-1] for n, a in interval.arrivals.items() if a and len(a) == interval.steps}
             self._own = {s: v for s, v in self._own.items() if s == max(self._own, default=-1)}
-            self._own[interval.seq] = (arrivals, self._steps, until - last)
+            self._own[interval.seq] = (arrivals, self._steps, until - last, ends)
             self._step_s = {s: v for s, v in self._step_s.items() if s in self._own}
             if self._steps:
                 self._step_s[interval.seq] = (until - self._after) / self._steps
@@ -377,8 +381,10 @@ class LatenessTracker:
     def name(self, read_seq: int, key: Key, phase_ends: Mapping[str, float]) -> tuple[str, str | None]:
         """('all_gather #3 in 'forward' (default_pg)', 'forward'): the collective's op, its place
         among the same op in the last step of rank 0's window of that read, and the timer it sits
-        in; without whole steps in the window, its sequence id and group."""
-        own, steps, last_start = self._own.get(read_seq, ([], 0, math.nan))
+        in (by that step's own timer ends, else by `phase_ends`, typical ones); without whole steps
+        in the window, its sequence id and group."""
+        own, steps, last_start, last_ends = self._own.get(read_seq, ([], 0, math.nan, {}))
+        phase_ends = {**phase_ends, **last_ends}
         mine = next((i for i, a in enumerate(own) if a.key == key), None)
         if mine is None:
             return "a collective", None

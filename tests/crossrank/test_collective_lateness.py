@@ -260,9 +260,8 @@ def test_the_collective_is_named_by_op_place_in_the_step_and_timer() -> None:
     tracker = LatenessTracker(0)
     ops = ["all_gather", "all_gather", "reduce_scatter"]
     times = [9.0, 9.06, 9.3, 10.0, 10.07, 10.1]
-    tracker._own = {
-        5: ([Arrival("0", "default_pg", i + 1, ops[i % 3], t) for i, t in enumerate(times)], 2, 10.0)
-    }
+    arrivals = [Arrival("0", "default_pg", i + 1, ops[i % 3], t) for i, t in enumerate(times)]
+    tracker._own = {5: (arrivals, 2, 10.0, {})}
     ends = {"forward": 0.05, "backward": 0.2}
     assert tracker.name(5, (name_id("0"), 2), ends) == (
         "all_gather #2 in 'backward' (default_pg)",
@@ -271,6 +270,31 @@ def test_the_collective_is_named_by_op_place_in_the_step_and_timer() -> None:
     assert tracker.name(5, (name_id("0"), 4), ends) == ("all_gather #1 in 'forward' (default_pg)", "forward")
     assert tracker.name(5, (name_id("0"), 6), {}) == ("reduce_scatter #1 of the step (default_pg)", None)
     assert tracker.name(6, (name_id("0"), 6), {}) == ("a collective", None)  # not that read's window
+    # the last step's own forward ended at 0.04 s, before its second all_gather (0.07 s): that
+    # step's timers place it, whatever the forward's typical end
+    tracker._own = {5: (arrivals, 2, 10.0, {"forward": 0.04, "backward": 0.2})}
+    assert tracker.name(5, (name_id("0"), 5), {"forward": 0.09}) == (
+        "all_gather #2 in 'backward' (default_pg)",
+        "backward",
+    )
+
+
+def test_rank_0_keeps_the_timer_ends_of_its_reads_last_step() -> None:
+    """Only timers that ran once in every step of the interval: their last arrival is the last
+    step's (one run in some steps only could be an earlier step's)."""
+    tracker = LatenessTracker(0)
+    tracker.monitor = SimpleNamespace(read=lambda seq, force: {"entries": []}, excluded=set())  # type: ignore[assignment]
+    answer = SimpleNamespace(read_recorder=True, root_times=(0.0, 0.0))
+    tracker.after_exchange(SimpleNamespace(steps=4, wall_time=99.0, seq=0), answer, (0.0, 0.0))  # type: ignore[arg-type]
+    interval = SimpleNamespace(
+        steps=3,
+        wall_time=100.0,
+        seq=1,
+        step_durations=[0.5, 0.5, 0.4],
+        arrivals={"forward": [0.2, 0.3, 0.1], "backward": [0.45, 0.45, 0.35], "eval": [0.3]},
+    )
+    tracker.after_exchange(interval, answer, (0.0, 0.0))  # type: ignore[arg-type]
+    assert tracker._own[1][2:] == (pytest.approx(99.6), {"forward": 0.1, "backward": 0.35})
 
 
 def test_the_culprit_is_placed_in_the_timer_it_spends_longer_in_than_the_others() -> None:
@@ -585,6 +609,49 @@ def test_a_report_waiting_for_a_verdict_that_never_comes_goes_out_at_the_last_fl
     (first,) = run_ranks(2, _every_step_rank, (str(tmp_path), 1e-12), timeout=240, env=DEFAULT_FR)[0]
     assert (first["rank"], first["train.phase"], first["pattern"]) == (1, "forward", "chronic"), first
     assert first["collective"] == "", first
+
+
+def _uneven_forward_rank(rank: int, world: int, out: str) -> list[dict[str, Any]]:
+    """DDP, a flush every 4 steps, rank 1 30 ms slower in forward. Rank 0's forward takes 10 ms
+    but in the last step of each interval, where it takes under one (inputs of uneven length)."""
+    import torch
+
+    import otel_train as ot
+    from otel_train.diagnostics import collectives
+    from otel_train.testing import current_session
+
+    collectives.MAX_READ_SHARE = READ_SHARE
+    ot.init(output_dir=out, run_name="uneven", verbosity=0, log_interval=4, hardware=False,
+            prometheus_port=0, collective_timeout_s=60.0)  # fmt: skip
+    events: list[dict[str, Any]] = []
+    current_session().events.add_callback(
+        lambda event, message, attrs: events.append(dict(attrs)) if event == "straggler" else None
+    )
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(48):
+        with ot.step(step):
+            with ot.timer("forward"):
+                loss = model(torch.randn(8, 16)).pow(2).mean()
+                time.sleep(0.04 if rank == 1 else 0.0 if step % 4 == 3 else 0.01)
+            with ot.timer("backward"):
+                loss.backward()  # DDP's all-reduce: rank 0 waits here
+            with ot.timer("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
+    ot.shutdown()
+    return events
+
+
+@pytest.mark.multirank
+def test_the_collective_is_placed_by_the_timers_of_its_own_step(tmp_path: Path) -> None:
+    """The all-reduce of the read's last step comes a fraction of a millisecond after rank 0's
+    forward ends in that step, long before the forward usually ends: its own step's timers place
+    it in `backward`; the window's typical (median) forward end would place it in `forward`."""
+    (first,) = run_ranks(2, _uneven_forward_rank, (str(tmp_path),), timeout=240, env=DEFAULT_FR)[0]
+    assert (first["rank"], first["train.phase"], first["pattern"]) == (1, "forward", "chronic"), first
+    assert first["collective"] == "all_reduce #1 in 'backward' (default_pg)", first
 
 
 def test_the_answer_carries_rank_0s_clock_stamps_and_the_read_request() -> None:

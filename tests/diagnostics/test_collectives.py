@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from helpers.events import Events
+from helpers.events import Events, log_messages
 from helpers.multirank import RankError, run_ranks
 from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,12 +48,7 @@ def _metrics_target(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     import otel_train as ot
     from otel_train.testing import current_session
 
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: (  # type: ignore[method-assign]
-        messages.append(record.getMessage()) if record.levelno >= logging.WARNING else None
-    )
-    logging.getLogger("otel_train").addHandler(handler)
+    messages = log_messages()
     from otel_train.diagnostics import collectives
 
     collectives.MAX_READ_SHARE = 1.0  # read the recorder at every flush: this test counts exactly

@@ -1,8 +1,10 @@
-"""A recording double for health events, for tests of what emits them; the stretches a test slows."""
+"""A recording double for health events, for tests of what emits them; the log messages a spawned
+rank writes (pytest's caplog sees only the test's own process); the stretches a test slows."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +28,15 @@ class Events:
 
     def named(self, event: str) -> list[tuple[str, str, dict[str, Any]]]:
         return [e for e in self.items if e[0] == event]
+
+
+def log_messages(logger: str = "otel_train", level: int = logging.WARNING) -> list[str]:
+    """The messages `logger` logs at `level` or above from now on in this process."""
+    messages: list[str] = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(logger).addHandler(handler)
+    return messages
 
 
 class SlowStretches:

@@ -14,7 +14,7 @@ pytest.importorskip("accelerate")
 
 from accelerate import Accelerator
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, register_tracker_class
-from helpers.events import SlowStretches
+from helpers.events import SlowStretches, log_messages
 from helpers.multirank import run_ranks
 from helpers.readback import read_tensorboard
 from helpers.waiting import wait_for
@@ -110,7 +110,7 @@ def _accelerate_ddp_job(rank: int, world_size: int, out: str, init_first: bool) 
     def init() -> None:
         ot.init(output_dir=out, run_name="ddp", log_interval=4, collective_timeout_s=60.0, **QUIET)
 
-    warnings = _warnings()
+    warnings = log_messages()
     if init_first:  # before the Accelerator: it adopts the process group the launcher made
         init()
     accelerator = Accelerator(cpu=True, log_with=[OtelTrainTracker()])
@@ -144,15 +144,6 @@ def _accelerate_ddp_job(rank: int, world_size: int, out: str, init_first: bool) 
     accelerator.end_training()
     ot.shutdown()
     return {"stragglers": [e for e in events if e["event"] == "straggler"], "warnings": warnings}
-
-
-def _warnings() -> list[str]:
-    """The otel_train warnings this process logs from now on."""
-    messages: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("otel_train").addHandler(handler)
-    return messages
 
 
 @pytest.mark.multirank
@@ -540,7 +531,7 @@ def _job_without_steps(rank: int, world_size: int, out: str, numbered: bool) -> 
     `step=` when `numbered`."""
     import torch
 
-    warnings = _warnings()
+    warnings = log_messages()
     accelerator = Accelerator(cpu=True, log_with=[OtelTrainTracker()])
     ot.init(output_dir=out, run_name="unmarked", log_interval=2, **QUIET)
     model = torch.nn.Linear(8, 1)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers.events import log_messages
 from helpers.multirank import run_ranks
 
 import otel_train as ot
@@ -85,10 +86,7 @@ def megatron_job(
 
     from otel_train.integrations.megatron import instrument
 
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("megatron.core.timers").addHandler(handler)
+    records = log_messages("megatron.core.timers", logging.INFO)
     logging.getLogger("megatron.core.timers").setLevel(logging.INFO)
 
     timers = Timers(2, log_option)

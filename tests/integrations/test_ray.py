@@ -109,6 +109,71 @@ def test_torch_trainer_controller_and_workers_share_one_run(ray_cluster: Any, tm
     assert "restart" in restarted
 
 
+RAY_STEPS = 24
+SLOW_FORWARD_S = 0.03
+
+
+def _ddp_train_fn(config: dict[str, Any]) -> None:
+    """A Ray Train loop as its docs write it (`prepare_model`: DDP over Ray's gloo group), timed
+    with otel_train; worker 1's forward 30 ms slower. The model is big enough that the backward
+    before DDP's all-reduce takes a millisecond or more: the collective is placed by its time in
+    the step, and a backward of a tenth of that is within the timers' jitter of the forward's end."""
+    import time
+
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    import otel_train as ot
+    import otel_train.integrations.ray as otr
+
+    otr.init_worker(log_interval=4, collective_timeout_s=60.0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1))
+    if ray.train.get_context().get_world_rank() == 1:
+        model.register_forward_pre_hook(lambda module, args: time.sleep(SLOW_FORWARD_S))
+    model = ray.train.torch.prepare_model(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 512), torch.randn(16, 1)
+    for step in range(RAY_STEPS):
+        with ot.step(step, samples=len(x)):
+            with ot.timer("forward"):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+            with ot.timer("backward"):
+                loss.backward()
+            with ot.timer("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
+        if step % 8 == 7:
+            ray.train.report({"loss": loss.item()})
+    ot.shutdown()
+
+
+@pytest.mark.multirank
+def test_a_slow_worker_is_named_where_ddp_waits_for_it(ray_cluster: Any, tmp_path: Path) -> None:
+    """Ray Train's own process group and DDP, torch's default Flight Recorder: worker 1 is named,
+    slow in `forward`, with worker 0 waiting for it at DDP's all-reduce in `backward`."""
+    trainer = TorchTrainer(
+        _ddp_train_fn,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=RunConfig(name="rt-ddp", storage_path=str(tmp_path / "ray_results")),
+    )
+    trainer.fit()
+    run_dir = tmp_path / ray_cluster["env_vars"]["OTEL_TRAIN_RUN_NAME"]
+    events = [RunFiles(run_dir, rank, "worker").events for rank in (0, 1)]
+    stragglers = [[e for e in _rows(p) if e["event"] == "straggler"] if p.exists() else [] for p in events]
+    assert stragglers[1] == []  # the report is worker 0's (the reducer's)
+    (first,) = stragglers[0]  # once, while worker 1 stays slow
+    assert (first["rank"], first["train.phase"], first["category"]) == (1, "forward", "compute"), first
+    assert (first["sync_phase"], first["waiting_ranks"]) == ("backward", "0"), first
+    assert "in 'backward'" in first["collective"], first
+    assert first["lateness_ms"] == pytest.approx(SLOW_FORWARD_S * 1e3, rel=0.35), first
+    assert first["wait_ms"] == pytest.approx(SLOW_FORWARD_S * 1e3, rel=0.35), first
+    for rank in (0, 1):
+        rows = _rows(RunFiles(run_dir, rank, "worker").metrics)
+        assert sum(r.get("train/steps", 0) for r in rows) == RAY_STEPS
+
+
 def test_runtime_env_carries_the_running_session(tmp_path: Path) -> None:
     import otel_train as ot
 

@@ -556,9 +556,12 @@ def test_lightning_ddp_names_a_rank_slow_in_backward_from_collective_arrivals(tm
     assert (first["train.phase"], first["category"]) == ("backward", "compute"), first
 
 
-def _every_step_rank(rank: int, world: int, out: str, read_share: float | None) -> list[dict[str, Any]]:
-    """DDP, a flush at every step (log_interval=1), rank 1 20 ms slower in forward; the default
-    recorder, and the default read budget unless `read_share`."""
+def _ddp_rank(
+    rank: int, world: int, out: str, log_interval: int, read_share: float | None, short_last: bool
+) -> list[dict[str, Any]]:
+    """DDP, rank 1 20 ms slower in forward; the default recorder, and the default read budget
+    unless `read_share`. `short_last`: rank 0's forward takes under a millisecond in the last step
+    of each flush interval, not 10 ms (inputs of uneven length)."""
     import torch
 
     import otel_train as ot
@@ -568,7 +571,7 @@ def _every_step_rank(rank: int, world: int, out: str, read_share: float | None) 
     if read_share is not None:
         collectives.MAX_READ_SHARE = read_share
 
-    ot.init(output_dir=out, run_name="every", verbosity=0, log_interval=1, hardware=False,
+    ot.init(output_dir=out, run_name="ddp", verbosity=0, log_interval=log_interval, hardware=False,
             prometheus_port=0, collective_timeout_s=60.0)  # fmt: skip
     events: list[dict[str, Any]] = []
     current_session().events.add_callback(
@@ -578,10 +581,11 @@ def _every_step_rank(rank: int, world: int, out: str, read_share: float | None) 
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(80):
+        short = short_last and step % log_interval == log_interval - 1
         with ot.step(step):
             with ot.timer("forward"):
                 loss = model(torch.randn(8, 16)).pow(2).mean()
-                time.sleep(0.03 if rank == 1 else 0.01)
+                time.sleep(0.03 if rank == 1 else 0.0 if short else 0.01)
             with ot.timer("backward"):
                 loss.backward()  # DDP's all-reduce: rank 0 waits here
             with ot.timer("optimizer"):
@@ -595,7 +599,7 @@ def _every_step_rank(rank: int, world: int, out: str, read_share: float | None) 
 def test_a_job_flushing_every_step_still_names_the_collective(tmp_path: Path) -> None:
     """The first read's window is one step, one all-reduce: too few to name anyone, and the read
     budget spaces the next one out past 8 flushes. The report waits (PENDING_S) for it."""
-    (first,) = run_ranks(2, _every_step_rank, (str(tmp_path), None), timeout=240, env=DEFAULT_FR)[0]
+    (first,) = run_ranks(2, _ddp_rank, (str(tmp_path), 1, None, False), timeout=240, env=DEFAULT_FR)[0]
     assert (first["rank"], first["train.phase"], first["pattern"]) == (1, "forward", "chronic"), first
     # enqueued a fraction of a millisecond after rank 0's forward ends: placed in either timer
     assert first["collective"] in {f"all_reduce #1 in {p!r} (default_pg)" for p in ("forward", "backward")}
@@ -606,50 +610,19 @@ def test_a_job_flushing_every_step_still_names_the_collective(tmp_path: Path) ->
 def test_a_report_waiting_for_a_verdict_that_never_comes_goes_out_at_the_last_flush(tmp_path: Path) -> None:
     """No read after the first (a budget that allows none): the verdict never names anyone, and the
     job ends before PENDING_S. Its last flush holds nothing back: the timers' report goes out."""
-    (first,) = run_ranks(2, _every_step_rank, (str(tmp_path), 1e-12), timeout=240, env=DEFAULT_FR)[0]
+    (first,) = run_ranks(2, _ddp_rank, (str(tmp_path), 1, 1e-12, False), timeout=240, env=DEFAULT_FR)[0]
     assert (first["rank"], first["train.phase"], first["pattern"]) == (1, "forward", "chronic"), first
     assert first["collective"] == "", first
 
 
-def _uneven_forward_rank(rank: int, world: int, out: str) -> list[dict[str, Any]]:
-    """DDP, a flush every 4 steps, rank 1 30 ms slower in forward. Rank 0's forward takes 10 ms
-    but in the last step of each interval, where it takes under one (inputs of uneven length)."""
-    import torch
-
-    import otel_train as ot
-    from otel_train.diagnostics import collectives
-    from otel_train.testing import current_session
-
-    collectives.MAX_READ_SHARE = READ_SHARE
-    ot.init(output_dir=out, run_name="uneven", verbosity=0, log_interval=4, hardware=False,
-            prometheus_port=0, collective_timeout_s=60.0)  # fmt: skip
-    events: list[dict[str, Any]] = []
-    current_session().events.add_callback(
-        lambda event, message, attrs: events.append(dict(attrs)) if event == "straggler" else None
-    )
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(48):
-        with ot.step(step):
-            with ot.timer("forward"):
-                loss = model(torch.randn(8, 16)).pow(2).mean()
-                time.sleep(0.04 if rank == 1 else 0.0 if step % 4 == 3 else 0.01)
-            with ot.timer("backward"):
-                loss.backward()  # DDP's all-reduce: rank 0 waits here
-            with ot.timer("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad()
-    ot.shutdown()
-    return events
-
-
 @pytest.mark.multirank
 def test_the_collective_is_placed_by_the_timers_of_its_own_step(tmp_path: Path) -> None:
-    """The all-reduce of the read's last step comes a fraction of a millisecond after rank 0's
-    forward ends in that step, long before the forward usually ends: its own step's timers place
-    it in `backward`; the window's typical (median) forward end would place it in `forward`."""
-    (first,) = run_ranks(2, _uneven_forward_rank, (str(tmp_path),), timeout=240, env=DEFAULT_FR)[0]
+    """A flush every 4 steps, rank 0's forward short in the last: the all-reduce of the read's
+    last step comes a fraction of a millisecond after rank 0's forward ends in that step, long
+    before the forward usually ends. Its own step's timers place it in `backward`; the window's
+    typical (median) forward end would place it in `forward`."""
+    args = (str(tmp_path), 4, READ_SHARE, True)
+    (first,) = run_ranks(2, _ddp_rank, args, timeout=240, env=DEFAULT_FR)[0]
     assert (first["rank"], first["train.phase"], first["pattern"]) == (1, "forward", "chronic"), first
     assert first["collective"] == "all_reduce #1 in 'backward' (default_pg)", first
 

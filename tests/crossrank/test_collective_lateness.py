@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from helpers.multirank import run_ranks
+from helpers.multirank import DEFAULT_FR, run_ranks
 
 from otel_train.crossrank.arrival_block import (
     BLOCK_LEN,
@@ -41,7 +41,6 @@ from otel_train.crossrank.up_row import TimerStats, name_id
 from otel_train.crossrank.verdicts import Lateness, RankAssessment, RankView
 
 FR_ON = {"TORCH_FR_BUFFER_SIZE": "200"}
-DEFAULT_FR = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}  # torch's default: on
 # Real jobs here are seconds long: reads may take 2 % of wall time (not 0.2 %) so that a verdict
 # comes within them. Each read holds the GIL (~17 us an entry): rank by rank, that is lateness.
 READ_SHARE = 0.02

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.multirank import run_ranks
+from helpers.multirank import DEFAULT_FR, run_ranks
 
 pytestmark = [pytest.mark.multirank]
 
@@ -76,7 +76,7 @@ def test_a_rank_slower_in_every_micro_batch_is_chronic(
 ) -> None:
     """With torch's default Flight Recorder the verdict also holds the collective arrivals; with it
     off, the timers' arrivals alone."""
-    env = RECORDER_OFF if recorder == "off" else {"TORCH_FR_BUFFER_SIZE": None}
+    env = RECORDER_OFF if recorder == "off" else DEFAULT_FR
     events = run_ranks(2, train, (str(tmp_path), slow_phase), timeout=240, env=env)[0]
     assert events, "the rank slower in every micro-batch was never reported"
     assert {(e["rank"], e["pattern"]) for e in events} == {(1, "chronic")}, events

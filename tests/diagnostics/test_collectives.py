@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import pytest
 from helpers.events import Events, log_messages
-from helpers.multirank import RankError, run_ranks
+from helpers.multirank import DEFAULT_FR, RankError, run_ranks
 from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -109,8 +109,7 @@ def test_collectives_per_group_and_op_on_the_pull_endpoint(tmp_path: Path) -> No
 def test_recorder_on_by_torch_default_is_read_without_the_variable(tmp_path: Path) -> None:
     """torch 2.13 records collectives with neither variable set (2,000 entries): otel_train reads
     that recorder as it reads one the variable asked for, and says nothing about it being off."""
-    env: dict[str, str | None] = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
-    results = run_ranks(2, _metrics_target, (str(tmp_path),), timeout=120, env=env)
+    results = run_ranks(2, _metrics_target, (str(tmp_path),), timeout=120, env=DEFAULT_FR)
     assert [[m for m in result["messages"] if "Flight Recorder" in m] for result in results] == [[], []]
     count = semconv.COLLECTIVE_COUNT.prometheus_name
     for result in results:

@@ -25,6 +25,10 @@ from typing import Any
 
 from helpers.ports import free_port
 
+# `env` for ranks that run as torch does unasked: neither variable set, so its Flight Recorder is on
+# (an empty value would hang torch's init: None unsets).
+DEFAULT_FR: dict[str, str | None] = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
+
 
 class RankError(RuntimeError):
     """A rank raised; the message holds its traceback."""

@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")
 from accelerate import Accelerator
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, register_tracker_class
 from helpers.events import SlowStretches, log_messages
-from helpers.multirank import run_ranks
+from helpers.multirank import DEFAULT_FR, run_ranks
 from helpers.readback import read_tensorboard
 from helpers.waiting import wait_for
 
@@ -154,8 +154,7 @@ def test_a_multi_process_job_names_the_slow_rank_and_files_the_trackers_values(
     """2 gloo ranks under the Accelerator, torch's default Flight Recorder: rank 1 is named, slow
     in `forward`, with rank 0 waiting for it at DDP's all-reduce; the main process's logs land
     once at their steps, beside every rank's steps counted once."""
-    env = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
-    results = run_ranks(2, _accelerate_ddp_job, (str(tmp_path), init_first), timeout=240, env=env)
+    results = run_ranks(2, _accelerate_ddp_job, (str(tmp_path), init_first), timeout=240, env=DEFAULT_FR)
     (first,) = results[0]["stragglers"]  # named once while it stays a straggler; rank 0 never
     assert (first["rank"], first["train.phase"], first["category"]) == (1, "forward", "compute"), first
     assert (first["sync_phase"], first["waiting_ranks"]) == ("backward", "0"), first

@@ -16,7 +16,7 @@ pytest.importorskip("accelerate")
 
 from helpers.events import SlowStretches
 from helpers.integration_models import TokenDataset, tiny_causal_lm
-from helpers.multirank import run_ranks
+from helpers.multirank import DEFAULT_FR, run_ranks
 from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import TrainerCallback
@@ -515,8 +515,7 @@ def test_trainer_under_ddp_names_the_rank_slow_in_compute_from_torchs_default_fl
     """One timer holds the micro-batches' forward and backward and the all-reduce, so every timer
     ends at the same time on both ranks: only the arrivals at the collectives, from the Flight
     Recorder torch keeps without being asked, find the rank the other waits for."""
-    env = {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
-    results = run_ranks(2, _ddp_slow_compute_rank, (str(tmp_path),), timeout=240, env=env)
+    results = run_ranks(2, _ddp_slow_compute_rank, (str(tmp_path),), timeout=240, env=DEFAULT_FR)
     (first,) = results[0]["stragglers"]  # named once while it stays a straggler; rank 0 never
     assert (first["rank"], first["train.phase"], first["category"]) == (1, "forward_backward", "compute")
     assert first["pattern"] == "chronic" and first["waiting_ranks"] == "0", first

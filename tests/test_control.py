@@ -9,16 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.events import run_events
 from helpers.multirank import run_ranks
 
 import otel_train as ot
 from otel_train.control import validate
 from otel_train.testing import current_session
-
-
-def _events(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
-    path = run_dir / f"events.rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_validation_names_the_problem() -> None:
@@ -54,12 +50,12 @@ def test_single_process_change_and_rejected_file(tmp_path: Path) -> None:
     assert stamped["version"] == 1 and stamped["apply_at_step"] > 0
     switched = min(s for s, level in level_at.items() if level == 2) if 2 in level_at.values() else step
     assert switched == stamped["apply_at_step"]
-    events = [e for e in _events(session.run_dir) if e["event"] == "control"]
+    events = run_events(session.run_dir, event="control")
     assert len(events) == 1 and events[0]["step"] == stamped["apply_at_step"]
 
 
 def _rejected(run_dir: Path) -> bool:
-    return any(e["event"] == "control_rejected" for e in _events(run_dir))
+    return any(e["event"] == "control_rejected" for e in run_events(run_dir))
 
 
 def _rank_with_control(rank: int, world_size: int, out: str) -> dict[str, Any]:

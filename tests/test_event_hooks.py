@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.events import run_events
 from helpers.ports import free_port
 
 import otel_train as ot
@@ -22,13 +23,6 @@ from otel_train import adapters, semconv
 from otel_train.testing import current_session
 
 HANG_GUARD_S = 60.0  # only a bound on a test that went wrong: nothing here waits this long when it works
-
-
-def _events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "events.rank0.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _wait_for(predicate: Any, timeout_s: float = HANG_GUARD_S) -> bool:
@@ -69,8 +63,8 @@ def test_a_blocking_callback_holds_neither_the_worker_nor_the_watchdog(tmp_path)
             time.sleep(0.002)
         assert _wait_for(lambda: entered), "the callback was never called"
         # a real stall of the training thread, after the callback blocked: the watchdog must see it
-        stalled = _wait_for(lambda: any(e["event"] == "stall" for e in _events(run_dir)), HANG_GUARD_S / 2)
-        assert stalled, [e["event"] for e in _events(run_dir)]
+        stalled = _wait_for(lambda: any(e["event"] == "stall" for e in run_events(run_dir)), HANG_GUARD_S / 2)
+        assert stalled, [e["event"] for e in run_events(run_dir)]
         with ot.step(steps):
             ot.record("loss", 1.0)
         ot.shutdown()
@@ -79,7 +73,7 @@ def test_a_blocking_callback_holds_neither_the_worker_nor_the_watchdog(tmp_path)
     rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     assert sum(row.get("timers/step/count", 0) for row in rows) == steps + 1  # every step written
     assert rows[-1]["step"] == steps
-    events = _events(run_dir)
+    events = run_events(run_dir)
     (stall,) = [e for e in events if e["event"] == "stall"]
     assert stall["step"] == steps - 1
     dump = Path(stall["file"])
@@ -158,7 +152,7 @@ def test_a_callback_forwarding_with_ot_event_gives_one_event(tmp_path) -> None:
         time.sleep(0.01)
         i += 1
     ot.shutdown()
-    events = [e["event"] for e in _events(session.run_dir)]
+    events = [e["event"] for e in run_events(session.run_dir)]
     assert events.count("loss_spike") == 1, events
     assert events.count("escalated") == 1, events  # one forward; not one per forward of a forward
     assert forwarded == ["loss_spike"]

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from helpers.events import run_events
 
 import otel_train as ot
 from otel_train.run_directory import TAIL_CHUNK_BYTES, LineFile, append_line, dumps_line
@@ -68,3 +69,15 @@ def test_a_file_several_ranks_append_to_is_never_cut(tmp_path) -> None:
     path.write_text('{"a": 1}\n{"b"')
     append_line(path, {"c": 3})
     assert path.read_text() == '{"a": 1}\n{"b"{"c": 3}\n'
+
+
+def test_a_reader_during_a_write_sees_whole_lines_only(tmp_path) -> None:
+    """The tests' reader of a live run (a reader can see part of one os.write): a line counts once
+    its newline is there."""
+    path = tmp_path / "events.rank0.jsonl"
+    assert run_events(tmp_path) == []
+    whole = dumps_line({"event": "stall", "message": "rank 1"})
+    path.write_bytes(whole + whole[:20])
+    assert run_events(tmp_path) == [{"event": "stall", "message": "rank 1"}]
+    path.write_bytes(whole * 2)
+    assert run_events(tmp_path, event="stall") == [{"event": "stall", "message": "rank 1"}] * 2

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from helpers.events import Events, log_messages
+from helpers.events import Events, every_rank_events, log_messages
 from helpers.multirank import DEFAULT_FR, RankError, run_ranks
 from helpers.ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
@@ -176,10 +176,7 @@ def _hang_target(rank: int, world_size: int, out_dir: str) -> None:
 
 
 def _hang_events(run_dir: Path) -> list[dict[str, Any]]:
-    events = []
-    for path in run_dir.glob("events.rank*.jsonl"):
-        events += [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "hang"]
-    return events
+    return [e for events in every_rank_events(run_dir, "hang").values() for e in events]
 
 
 def _run_the_hang(tmp_path: Path, world_size: int) -> tuple[Path, str]:
@@ -201,10 +198,7 @@ def _run_the_hang(tmp_path: Path, world_size: int) -> tuple[Path, str]:
 
 def _events_by_rank(run_dir: Path) -> dict[str, list[str]]:
     """Every rank's event names (what a failure prints)."""
-    return {
-        path.name: [json.loads(line)["event"] for line in path.read_text().splitlines()]
-        for path in sorted(run_dir.glob("events.rank*.jsonl"))
-    }
+    return {name: [e["event"] for e in events] for name, events in every_rank_events(run_dir).items()}
 
 
 @pytest.mark.multirank

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.events import run_events
 from helpers.ports import free_port
 from helpers.waiting import wait_for
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,13 +23,6 @@ import otel_train as ot
 from otel_train import adapters, semconv
 from otel_train.config import ConfigError
 from otel_train.testing import current_session
-
-
-def _events(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
-    path = run_dir / f"events.rank{rank}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _parked_in_marker_function(release: threading.Event) -> None:
@@ -50,7 +43,7 @@ def test_stall_writes_stacks_and_an_event_naming_them(tmp_path: Path) -> None:
         text = path.read_text()
         assert "rank 0" in text and "last step 2" in text
         assert '--- thread "trainer-like"' in text and "_parked_in_marker_function" in text
-        stall = wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 5, "event")
+        stall = wait_for(lambda: run_events(session.run_dir, event="stall"), 5, "event")
         assert stall[0]["file"] == str(path) and stall[0]["step"] == 2
         time.sleep(1.0)
         assert len(list(session.run_dir.glob("stacks.rank0.*.txt"))) == 1  # one stall, one dump
@@ -77,7 +70,7 @@ def test_eval_batches_keep_the_stall_watchdog_quiet_until_they_stop(tmp_path: Pa
         time.sleep(0.02)
     assert session.last_step()[1] >= before_batch > ended  # the watchdog counts from the latest batch
     assert list(session.run_dir.glob("stacks.*")) == []
-    stall = wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 10, "stall")
+    stall = wait_for(lambda: run_events(session.run_dir, event="stall"), 10, "stall")
     assert stall[0]["step"] == 0 and "no step or eval batch for" in stall[0]["message"]
     adapters.idle()
     adapters.heartbeat()  # while the run idles on purpose, a batch does not arm the watchdog
@@ -99,7 +92,7 @@ def test_eval_batches_past_eval_timeout_s_are_a_stall(tmp_path: Path) -> None:
     def stalls() -> list[dict[str, Any]]:
         adapters.heartbeat()  # an eval batch, while the test waits
         time.sleep(0.02)
-        return [e for e in _events(session.run_dir) if e["event"] == "stall"]
+        return run_events(session.run_dir, event="stall")
 
     stall = wait_for(stalls, 20, "a stall while eval batches go on")[0]
     assert stall["step"] == 0 and "(past eval_timeout_s)" in stall["message"], stall
@@ -140,7 +133,7 @@ def test_a_checkpoint_save_has_its_own_timeout(tmp_path: Path) -> None:
     with ot.step(2):
         assert not session.saving()  # the step began: the stall timeout again
     hung = ot.span("checkpoint_save").start()
-    stall = wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 20, "stall")
+    stall = wait_for(lambda: run_events(session.run_dir, event="stall"), 20, "stall")
     assert stall[0]["step"] == 2 and "(in a checkpoint save)" in stall[0]["message"]
     hung.stop()
 
@@ -201,7 +194,7 @@ def test_sigusr1_dumps_on_the_watchdog_thread(tmp_path: Path) -> None:
     os.kill(os.getpid(), signal.SIGUSR1)
     path = wait_for(lambda: next(iter(session.run_dir.glob("stacks.rank0.*.txt")), None), 10, "stacks")
     assert "signal" in path.read_text().splitlines()[0]
-    wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stack_dump"], 5, "event")
+    wait_for(lambda: run_events(session.run_dir, event="stack_dump"), 5, "event")
     ot.shutdown()
     # At shutdown a no-op handler stays, not the default action (which would kill the process).
     assert signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, signal.SIG_IGN)
@@ -277,10 +270,8 @@ def test_rank_blocked_in_a_collective_dumps_its_stack_and_answers_sigusr1(tmp_pa
         assert "time.sleep(300)" in (run_dir / "stacks.rank0.0.txt").read_text()
         for rank in (0, 1):
             # the watchdog writes the stacks first, then the event that names them
-            wait_for(
-                lambda r=rank: [e for e in _events(run_dir, r) if e["event"] == "stall"], 30, "stall event"
-            )
-            stalls = [e for e in _events(run_dir, rank) if e["event"] == "stall"]
+            wait_for(lambda r=rank: run_events(run_dir, r, event="stall"), 30, "stall event")
+            stalls = run_events(run_dir, rank, event="stall")
             assert stalls[0]["file"].endswith(f"stacks.rank{rank}.0.txt")
         # The main thread of rank 1 is inside gloo (C++, GIL released): a Python-level handler
         # would never run, the watchdog still answers.

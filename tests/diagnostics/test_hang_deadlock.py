@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.events import every_rank_events
 from helpers.multirank import RankError, run_ranks
 
 from otel_train.diagnostics.hang_attribution import Deadlock, Verdict, attribute
@@ -57,10 +58,7 @@ def test_waits_that_close_a_cycle_across_groups_are_one_deadlock_naming_both() -
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
-    found = []
-    for path in run_dir.glob("events.rank*.jsonl"):
-        found += [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "hang"]
-    return found
+    return [e for events in every_rank_events(run_dir, "hang").values() for e in events]
 
 
 def _leave_after_the_verdict(run_dir: Path) -> None:

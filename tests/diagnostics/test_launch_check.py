@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.events import run_events
 from helpers.multirank import run_ranks
 
 import otel_train as ot
@@ -68,11 +69,6 @@ def test_per_host_checks_duplicates_local_world_size_and_shared_gpus() -> None:
     assert _checks(other_host) == []
 
 
-def _events(run_dir: Path, rank: int = 0) -> list[dict]:
-    path = run_dir / f"events.rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _run_dir(output_dir: Path) -> Path:
     (run_dir,) = [p for p in output_dir.iterdir() if p.is_dir()]
     return run_dir
@@ -84,7 +80,7 @@ def test_a_process_without_its_process_group_is_told_at_init(tmp_path: Path, mon
     ot.init(prometheus_port=0, verbosity=0, hardware=False, collective_timeout_s=5)
     ot.shutdown()
     run_dir = _run_dir(tmp_path / "runs")
-    [event] = [e for e in _events(run_dir) if e["event"] == "launch_config"]
+    [event] = run_events(run_dir, event="launch_config")
     assert event["check"] == "no_process_group" and event["ranks"] == "0"
     launch = json.loads((run_dir / "env.json").read_text())["launch"]
     assert [p["check"] for p in launch["problems"]] == ["no_process_group"]
@@ -107,7 +103,7 @@ def _launch_rank(rank: int, world: int, output_dir: str, stale_world: str | None
     ot.shutdown()
     run_dir = Path(output_dir) / "launch"
     env = json.loads((run_dir / "env.json").read_text()) if rank == 0 else {}
-    return {"events": [e for e in _events(run_dir, rank) if e["event"] == "launch_config"],
+    return {"events": run_events(run_dir, rank, event="launch_config"),
             "launch": env.get("launch")}  # fmt: skip
 
 

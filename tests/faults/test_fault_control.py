@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.events import run_events
 from helpers.multirank import run_ranks
 from helpers.waiting import wait_for
 
@@ -35,13 +36,8 @@ BAD_FILES = [
 BAD_STAMP = '{"timing_log_level": 2, "version": "x", "apply_at_step": -3}'
 
 
-def _events(run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
-    path = run_dir / f"events.rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _count(run_dir: Path, event: str) -> int:
-    return sum(e["event"] == event for e in _events(run_dir))
+    return sum(e["event"] == event for e in run_events(run_dir))
 
 
 def _stamped_version(path: Path) -> int:
@@ -111,7 +107,7 @@ def _rank_with_hostile_control(rank: int, world_size: int, out: str) -> dict[str
             finished_at = step
         if finished_at is not None and step >= finished_at + 10:
             break
-    events = _events(run_dir, rank)
+    events = run_events(run_dir, rank)
     ot.shutdown()
     return {
         "seen": seen,
@@ -136,7 +132,7 @@ def test_hostile_control_files_on_two_ranks(tmp_path: Path) -> None:
 
 
 def _rejections(run_dir: Path) -> list[str]:
-    return [e["message"] for e in _events(run_dir) if e["event"] == "control_rejected"]
+    return [e["message"] for e in run_events(run_dir) if e["event"] == "control_rejected"]
 
 
 def test_special_and_huge_control_files_are_refused_unread(tmp_path: Path) -> None:
@@ -189,10 +185,8 @@ def test_a_blocked_control_read_does_not_stop_stack_dumps(tmp_path: Path) -> Non
             pass
         wait_for(reading.is_set, 10, "the control thread to block")
         os.kill(os.getpid(), signal.SIGUSR1)
-        wait_for(
-            lambda: [e for e in _events(session.run_dir) if e["event"] == "stack_dump"], 10, "SIGUSR1 dump"
-        )
-        wait_for(lambda: [e for e in _events(session.run_dir) if e["event"] == "stall"], 10, "stall dump")
+        wait_for(lambda: run_events(session.run_dir, event="stack_dump"), 10, "SIGUSR1 dump")
+        wait_for(lambda: run_events(session.run_dir, event="stall"), 10, "stall dump")
     finally:
         release.set()
 

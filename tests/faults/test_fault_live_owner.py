@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers.events import run_events
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,8 +55,7 @@ def _steps(run_dir: Path) -> tuple[list[int], int]:
 
 
 def _events(run_dir: Path) -> list[str]:
-    path = run_dir / "events.rank0.jsonl"
-    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
+    return [e["event"] for e in run_events(run_dir)]
 
 
 def test_a_live_owner_is_never_appended_to(tmp_path: Path) -> None:

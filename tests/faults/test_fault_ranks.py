@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.events import run_events
 from helpers.multirank import run_ranks
 
 import otel_train as ot
@@ -29,11 +30,6 @@ class _Warnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
-
-
-def _events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    path = run_dir / f"events.rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _flush_steps(run_dir: Path, rank: int) -> list[int]:
@@ -60,10 +56,10 @@ def test_a_different_log_interval_is_warned_and_rank0s_is_kept(tmp_path: Path) -
     results = run_ranks(2, _own_interval_target, (str(tmp_path),), timeout=120)
     run_dir = Path(results[0]["run_dir"])
     assert results[1]["run_dir"] == str(run_dir)
-    (mismatch,) = [e for e in _events(run_dir, 1) if e["event"] == "settings_mismatch"]
+    (mismatch,) = run_events(run_dir, 1, event="settings_mismatch")
     assert "rank 1 asked for 7 steps, rank 0 for 10 steps" in mismatch["message"]
     assert any("log_interval differs across ranks" in m for m in results[1]["warnings"])
-    assert not [e for e in _events(run_dir, 0) if e["event"] == "settings_mismatch"]
+    assert not run_events(run_dir, 0, event="settings_mismatch")
     # the same flush steps on both ranks (the shutdown flush carries no step: no row of its own)
     assert _flush_steps(run_dir, 0) == _flush_steps(run_dir, 1) == [9, 19, 29, 39]
 
@@ -90,7 +86,7 @@ def test_a_late_init_says_it_splits_the_job_and_names_the_setting(tmp_path: Path
     results = run_ranks(2, _late_target, (str(tmp_path), timeout_s), timeout=120)
     for rank, result in enumerate(results):
         run_dir = Path(result["run_dir"])
-        (split,) = [e for e in _events(run_dir, rank) if e["event"] == "run_split"]
+        (split,) = run_events(run_dir, rank, event="run_split")
         assert "collective_timeout_s=1 s" in split["message"] and str(run_dir) in split["message"]
         assert any("collective_timeout_s=1 s" in m for m in result["warnings"])
 

@@ -3,15 +3,14 @@ C call that holds the GIL (no Python thread can run, the watchdog neither)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+from helpers.events import run_events
 from helpers.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,12 +25,6 @@ def _spawn(script: Path, *args: str) -> subprocess.Popen[str]:
         text=True,
         env=env,
     )
-
-
-def _events(run_dir: Path, event: str) -> list[dict[str, Any]]:
-    path = run_dir / "events.rank0.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [row for row in rows if row["event"] == event]
 
 
 FLOOD = """
@@ -78,7 +71,7 @@ def test_a_flood_of_dump_signals_is_coalesced_and_a_late_one_is_harmless(tmp_pat
         proc.wait()
     run_dir = tmp_path / "flood"
     assert 1 <= len(list(run_dir.glob("stacks.rank0.*.txt"))) <= 2
-    dumps = _events(run_dir, "stack_dump")
+    dumps = run_events(run_dir, event="stack_dump")
     assert 1 <= len(dumps) <= 2
     # Requests after the first dump are counted into the next event (a burst may merge a few
     # signals in the kernel before the handler runs: most, not all, are seen).
@@ -131,6 +124,6 @@ def test_a_c_call_holding_the_gil_still_gets_stall_and_signal_dumps(tmp_path: Pa
         proc.kill()
         proc.wait()
     run_dir = tmp_path / "gil"
-    stalls = [e for e in _events(run_dir, "stall") if "could not run" in e["message"]]
+    stalls = [e for e in run_events(run_dir, event="stall") if "could not run" in e["message"]]
     assert stalls and stalls[0]["file"] == str(raw)
-    assert _events(run_dir, "stack_dump")  # the Python-level dump once the GIL came back
+    assert run_events(run_dir, event="stack_dump")  # the Python-level dump once the GIL came back

@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from helpers.events import run_events
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -52,11 +54,6 @@ def test_meta_tensor_before_shutdown_is_dropped_and_the_process_exits_cleanly(tm
     assert [r["train/loss"] for r in rows if "train/loss" in r][-1] == 2.0
 
 
-def _events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.rank0.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def test_hung_gauge_callback_bounds_memory_and_warns_naming_it(tmp_path: Path) -> None:
     import otel_train as ot
     from otel_train.testing import current_session
@@ -83,10 +80,10 @@ def test_hung_gauge_callback_bounds_memory_and_warns_naming_it(tmp_path: Path) -
                 pass
             step += 1
             if step % 1000 == 0:
-                if step > 2000 and any(e["event"] == "worker_stuck" for e in _events(session.run_dir)):
+                if step > 2000 and any(e["event"] == "worker_stuck" for e in run_events(session.run_dir)):
                     break
                 time.sleep(0.05)  # a training step takes time: let the watchdog see the worker's age
-        stuck = [e for e in _events(session.run_dir) if e["event"] == "worker_stuck"]
+        stuck = run_events(session.run_dir, event="worker_stuck")
         assert len(stuck) == 1, stuck  # once per stuck flush
         assert "observable-instrument callbacks" in stuck[0]["message"]
         # The training thread's interval stays within the cap while every flush is deferred.

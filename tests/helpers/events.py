@@ -1,5 +1,6 @@
-"""A recording double for health events, for tests of what emits them; the log messages a spawned
-rank writes (pytest's caplog sees only the test's own process); the stretches a test slows."""
+"""A run directory's events as a test reads them while the run still writes them; a recording
+double for health events, for tests of what emits them; the log messages a spawned rank writes
+(pytest's caplog sees only the test's own process); the stretches a test slows."""
 
 from __future__ import annotations
 
@@ -9,6 +10,30 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+
+def jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file so far ([] before it exists). A file still being written may
+    end mid-line (a reader can see part of one os.write): only lines with their newline count."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
+
+
+def run_events(run_dir: Path, rank: int = 0, event: str | None = None) -> list[dict[str, Any]]:
+    """Rank `rank`'s events in `run_dir` so far (only those named `event`, if given)."""
+    rows = jsonl_rows(run_dir / f"events.rank{rank}.jsonl")
+    return rows if event is None else [row for row in rows if row["event"] == event]
+
+
+def every_rank_events(run_dir: Path, event: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Each rank's events so far, by file name."""
+    return {
+        path.name: [row for row in jsonl_rows(path) if event is None or row["event"] == event]
+        for path in sorted(run_dir.glob("events.rank*.jsonl"))
+    }
 
 
 class Events:
@@ -55,8 +80,6 @@ class SlowStretches:
         self.spans.append((start, time.time()))
 
     def stalls_inside(self, run_dir: Path, rank: int = 0) -> list[dict[str, Any]]:
-        path = run_dir / f"events.rank{rank}.jsonl"
-        events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         return [
-            e for e in events if e["event"] == "stall" and any(a <= e["time"] <= b for a, b in self.spans)
+            e for e in run_events(run_dir, rank, "stall") if any(a <= e["time"] <= b for a, b in self.spans)
         ]

@@ -14,7 +14,7 @@ pytest.importorskip("accelerate")
 
 from accelerate import Accelerator
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, register_tracker_class
-from helpers.events import SlowStretches, log_messages
+from helpers.events import SlowStretches, log_messages, run_events
 from helpers.multirank import DEFAULT_FR, run_ranks
 from helpers.readback import read_tensorboard
 from helpers.waiting import wait_for
@@ -238,7 +238,9 @@ def test_tracker_alone_logging_once_an_epoch_sees_no_stall_in_training_eval_or_s
             accelerator.gather_for_metrics(model(torch.randn(2, 4)))
         accelerator.save_state(str(tmp_path / f"ckpt{epoch}"))
         accelerator.log({"loss": 1.0 / (epoch + 1)}, step=step)
-    wait_for(lambda: _stalls(tmp_path / "runs" / "epochs"), 30, "a stall once the loop stops")  # it hangs
+    wait_for(
+        lambda: run_events(tmp_path / "runs" / "epochs", event="stall"), 30, "a stall once the loop stops"
+    )  # it hangs
     accelerator.end_training()
     assert "backward" not in vars(accelerator) and "gather_for_metrics" not in vars(accelerator)
     assert len(accelerator._save_model_state_pre_hook) == 1  # the user's own, ours removed
@@ -247,13 +249,7 @@ def test_tracker_alone_logging_once_an_epoch_sees_no_stall_in_training_eval_or_s
     assert sum(r.get("train/steps") or 0 for r in _rows(run_dir)) == 2  # one per logged step
     assert len(slow.spans) == 2 * (8 + 5 + 1)
     assert slow.stalls_inside(run_dir) == []
-    assert len(_stalls(run_dir)) == 1
-
-
-def _stalls(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "events.rank0.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [e for e in events if e["event"] == "stall"]
+    assert len(run_events(run_dir, event="stall")) == 1
 
 
 @pytest.mark.parametrize("every_step", [False, True], ids=["adaptive", "every-step"])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.events import run_events
 from helpers.multirank import run_ranks
 
 DETECTORS = ("data_not_sharded", "no_gradient", "replica_divergence")
@@ -25,9 +26,7 @@ STEPS = 16
 
 
 def _events(out: str, run_name: str, rank: int) -> list[dict[str, Any]]:
-    path = Path(out) / run_name / f"events.rank{rank}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [e for e in rows if e["event"] in DETECTORS]
+    return [e for e in run_events(Path(out) / run_name, rank) if e["event"] in DETECTORS]
 
 
 def _metrics(out: Path, run_name: str, rank: int = 0) -> dict[str, Any]:

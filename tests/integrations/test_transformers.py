@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from helpers.events import SlowStretches
+from helpers.events import SlowStretches, run_events
 from helpers.integration_models import TokenDataset, tiny_causal_lm
 from helpers.multirank import DEFAULT_FR, run_ranks
 from helpers.ports import free_port
@@ -227,10 +227,8 @@ def test_train_raising_mid_epoch_ends_the_callbacks_session_without_a_false_stal
     time.sleep(2.0)  # the user handles the error: four stall timeouts
     ot.shutdown()  # (what a user would call; without the fix it writes the pending stall event)
     run_dir = tmp_path / "runs" / "boom"
-    path = run_dir / "events.rank0.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     # (a step slower than 0.5 s on a loaded machine may be a true stall DURING training)
-    assert not [e for e in events if e["event"] == "stall" and e["time"] >= raised_at], events
+    assert not [e for e in run_events(run_dir, event="stall") if e["time"] >= raised_at], run_events(run_dir)
     assert sum(r.get("train/steps", 0) for r in _rows(run_dir)) == 2  # the failed third step is not counted
 
 
@@ -252,10 +250,9 @@ def test_the_users_run_outlives_train_flushed_and_without_a_false_stall(tmp_path
     time.sleep(2.0)  # the user's work after train(): four stall timeouts
     assert current_session() is session
     ot.shutdown()
-    path = session.run_dir / "events.rank0.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     # (a step slower than 0.5 s on a loaded machine may be a true stall DURING training)
-    assert not [e for e in events if e["event"] == "stall" and e["time"] >= trained_at], events
+    stalls = run_events(session.run_dir, event="stall")
+    assert not [e for e in stalls if e["time"] >= trained_at], run_events(session.run_dir)
 
 
 def test_an_evaluation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:

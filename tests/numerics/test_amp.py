@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import io
-import json
 import logging
 import pickle
 import threading
@@ -14,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.events import run_events
 
 import otel_train as ot
-from otel_train.run_directory import RunFiles
 from otel_train.testing import capture_metrics, current_session
 
 
@@ -60,8 +59,7 @@ def test_scale_and_skipped_steps_are_exported() -> None:
 
 
 def _events(run_dir: Any) -> list[str]:
-    path = RunFiles(run_dir).events
-    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
+    return [e["event"] for e in run_events(run_dir)]
 
 
 def test_a_step_the_scaler_skips_has_no_gradient_statistics_and_no_nonfinite_grad(tmp_path) -> None:

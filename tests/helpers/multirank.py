@@ -2,15 +2,16 @@
 
     results = run_ranks(4, my_target, (arg1, arg2), timeout=60)
 
-Each rank is a fresh ``spawn`` process with MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE /
-LOCAL_RANK / LOCAL_WORLD_SIZE set and ``torch.distributed.init_process_group("gloo")`` already
-called; it runs ``target_fn(rank, world_size, *args)`` and its (picklable) return value comes back
+Each rank is a new process forked from a ``forkserver`` that imported torch once (a spawned one
+would spend seconds importing it), with the test process's environment as it is at the call,
+MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE set and
+``torch.distributed.init_process_group("gloo")`` already called; it runs ``target_fn(rank, world_size, *args)`` and its (picklable) return value comes back
 through a multiprocessing queue. ``run_ranks`` returns the values ordered by rank, raises
 ``RankError`` carrying the child traceback when a rank raised, and ``TimeoutError`` (after killing
 every child) when the ranks have not all answered within ``timeout`` seconds.
 
 ``target_fn`` must be importable by the children (a module-level function of a test module or of
-an importable module): ``spawn`` pickles it by qualified name.
+an importable module): it is pickled by qualified name.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def _child(
     results: Any,
     env: Mapping[str, str | None],
     init_timeout_s: float,
+    parent_env: Mapping[str, str],
 ) -> None:
+    os.environ.clear()  # the server's environment is the test process's when the server started
+    os.environ.update(parent_env)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -94,15 +98,13 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``target_fn(rank, world_size, *args)`` on ``world_size`` real gloo ranks; results by rank.
     ``env``: variables set in each rank before its process group is created (None: unset)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # read when the server starts
     results = ctx.Queue()
     port = free_port()
+    setup = (results, dict(env or {}), init_timeout_s, dict(os.environ))
     procs = [
-        ctx.Process(
-            target=_child,
-            args=(rank, world_size, port, target_fn, tuple(args), results, dict(env or {}), init_timeout_s),
-            daemon=True,
-        )
+        ctx.Process(target=_child, args=(rank, world_size, port, target_fn, tuple(args), *setup), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -5,8 +5,9 @@
 Each rank is a new process forked from a ``forkserver`` that imported torch once (a spawned one
 would spend seconds importing it), with the test process's environment as it is at the call,
 MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE set and
-``torch.distributed.init_process_group("gloo")`` already called; it runs ``target_fn(rank, world_size, *args)`` and its (picklable) return value comes back
-through a multiprocessing queue. ``run_ranks`` returns the values ordered by rank, raises
+``torch.distributed.init_process_group("gloo")`` already called; it runs
+``target_fn(rank, world_size, *args)`` and its (picklable) return value comes back through a
+multiprocessing queue. ``run_ranks`` returns the values ordered by rank, raises
 ``RankError`` carrying the child traceback when a rank raised, and ``TimeoutError`` (after killing
 every child) when the ranks have not all answered within ``timeout`` seconds.
 

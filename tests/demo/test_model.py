@@ -200,9 +200,5 @@ def test_demo_main_uninstrumented_end_to_end(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_demo_main_instrumented_end_to_end(tmp_path: Path) -> None:
-    import otel_train
-
-    if not hasattr(otel_train, "init"):
-        pytest.skip("otel_train core API not available yet")
     assert main([*_tiny_args(tmp_path), "--quiet"]) == 0
     assert list((tmp_path / "runs").rglob("checkpoint.pt"))

@@ -286,7 +286,7 @@ OPTIONAL_ATTRIBUTES = {sc.ERROR_TYPE}  # only present on errors
 
 
 class FakeTrainingEndpoint:
-    """A prometheus_client collector that serves every non-GPU catalogue metric for 2 runs x 4 ranks.
+    """A prometheus_client collector that serves every catalogue metric for 2 runs x 4 ranks.
 
     Generated from the catalogue (kind, unit, attributes, buckets), so a new metric is covered as
     soon as it is added.  Rank 3 is a straggler (1.5x slower).  Counters grow with wall time.
@@ -310,7 +310,7 @@ class FakeTrainingEndpoint:
         now = time.time()
         elapsed = now - self.start + 1.0
         for spec in sc.CATALOGUE:
-            if spec.gpu_only or (self.tier == build.TIER_ESSENTIAL and not build.in_essential_tier(spec)):
+            if self.tier == build.TIER_ESSENTIAL and not build.in_essential_tier(spec):
                 continue
             job = spec.scope == "job"
             attrs = [a for a in spec.attributes if a not in OPTIONAL_ATTRIBUTES]
@@ -468,10 +468,9 @@ QUERIES = all_queries()
 @pytest.mark.parametrize("run_id", list(RUNS))
 @pytest.mark.parametrize("query", QUERIES, ids=[f"{q.uid}:{q.title}:{i}" for i, q in enumerate(QUERIES)])
 def test_query_returns_data(prometheus_with_fake_run: str, query: DashboardQuery, run_id: str) -> None:
-    """Each non-GPU query has data on both namings (run-pull: pull endpoint, run-collector: Collector)."""
-    if query.gpu_only:
-        pytest.skip("GPU-only panel: needs NVIDIA GPUs (hw.*/CUDA metrics); the fake endpoint serves none")
-    failures = query_failures(prometheus_with_fake_run, [query], variables={"run_id": run_id})
+    """Each query has data on both namings (run-pull: pull endpoint, run-collector: Collector)."""
+    variables = {"run_id": run_id}
+    failures = query_failures(prometheus_with_fake_run, [query], variables=variables, exclude_gpu=False)
     assert not failures, failures[0][1]
 
 
@@ -480,9 +479,9 @@ def test_assert_all_queries_return_data(prometheus_with_fake_run: str) -> None:
     """The reusable check, with every dashboard variable set to one value."""
     variables = {"run_id": "run-collector", "host": "node-1", "rank": "3"}
     checked = assert_all_queries_return_data(
-        prometheus_with_fake_run, exclude_gpu=True, variables=variables, exclude_deepspeed=False
-    )  # the fake run has every catalogue metric, DeepSpeed's included
-    assert checked == len([q for q in QUERIES if not q.gpu_only]) > 40
+        prometheus_with_fake_run, exclude_gpu=False, variables=variables, exclude_deepspeed=False
+    )  # the fake run has every catalogue metric, GPUs' and DeepSpeed's included
+    assert checked == len(QUERIES) > 40
     with pytest.raises(AssertionError, match="no data"):
         assert_all_queries_return_data(prometheus_with_fake_run, variables={"run_id": "no-such-run"})
 
@@ -519,11 +518,17 @@ def test_panels_have_data_in_the_tier_they_say_they_need(
 ) -> None:
     """In the essential tier every panel marked for it has data, and every panel marked full has an
     empty query (so the tier each panel names is the truth, both ways)."""
-    queries = [q for q in QUERIES if not q.gpu_only]
-    failing = _panels_of([q for q, _ in query_failures(prometheus_with_essential_run, queries, variables={"run_id": run_id}, exclude_deepspeed=False)])  # fmt: skip
-    full = _panels_of([q for q in queries if q.tier == build.TIER_FULL])
-    assert failing == full
-    assert len(full) > 10 and len(_panels_of(queries)) - len(full) > 20
+    variables = {"run_id": run_id}
+    failures = query_failures(
+        prometheus_with_essential_run,
+        QUERIES,
+        variables=variables,
+        exclude_gpu=False,
+        exclude_deepspeed=False,
+    )
+    full = _panels_of([q for q in QUERIES if q.tier == build.TIER_FULL])
+    assert _panels_of([q for q, _ in failures]) == full
+    assert len(full) > 10 and len(_panels_of(QUERIES)) - len(full) > 20
 
 
 def test_full_tier_panels_say_so_in_their_description() -> None:

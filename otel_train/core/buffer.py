@@ -38,6 +38,7 @@ class FlushHeader:
     flush_interval: int = 0
     flush_anchor: int = -1
     completed_step: int | None = None  # where steps failed: the highest index of one that did not
+    last_step_start: float = math.nan  # time.time() when the interval's last completed step began
 
 
 def finite(values: Iterable[float]) -> list[float]:
@@ -175,6 +176,7 @@ class FlushBatch(FlushHeader):
     spans: list[SpanRecord]
     dropped: dict[str, int]
     perf_to_epoch_ns: int
+    wall_perf_ns: int = 0  # time.perf_counter_ns() read with wall_time: the clocks paired at the flush
     cuda_event: Any = None  # recorded on the training stream at the flush, when tensors are on CUDA
     layer_stats: list[LayerStats] = field(default_factory=list)
     histograms: list[tuple[str, int, Any]] = field(default_factory=list)  # (key, step, device tensor)
@@ -426,6 +428,7 @@ class Buffer:
             seq=seq,
             step=step,
             wall_time=time.time(),
+            wall_perf_ns=time.perf_counter_ns(),
             elapsed_s=elapsed_s,
             steps=self.steps,
             tokens=self.tokens,

@@ -437,6 +437,8 @@ def resolve_steps(batch: FlushBatch, last_step: StepEvent | None = None) -> tupl
         )
         batch.completed_step = max(indices, default=-1)
     batch.step_durations.extend(seconds_between(starts, ends))
+    if starts:
+        batch.last_step_start = batch.wall_time - (batch.wall_perf_ns - starts[-1]) * 1e-9
     batch.tokens += count_sum(batch, "tokens", tokens)
     batch.samples += count_sum(batch, "samples", samples)
     through = batch.rerun_through

@@ -307,11 +307,10 @@ class LatenessTracker:
         picked = sample(latest, interval.seq)
         self._block = encode(interval.seq, 0.0, math.inf, len(latest), steps, picked)
         if self.rank == 0:
-            last = interval.step_durations[-1] if interval.step_durations else math.nan
             # a timer that ran once in each of the interval's steps: its last arrival is the last step's
             ends = {n: a[-1] for n, a in interval.arrivals.items() if a and len(a) == interval.steps}
             self._own = {s: v for s, v in self._own.items() if s == max(self._own, default=-1)}
-            self._own[interval.seq] = (arrivals, self._steps, until - last, ends)
+            self._own[interval.seq] = (arrivals, self._steps, interval.last_step_start + self.skew_s, ends)
             self._step_s = {s: v for s, v in self._step_s.items() if s in self._own}
             if self._steps:
                 self._step_s[interval.seq] = (until - self._after) / self._steps

@@ -150,7 +150,24 @@ def test_the_interval_carries_every_header_field_of_its_batch() -> None:
         "seq": 7, "step": 41, "wall_time": batch.wall_time, "elapsed_s": 2.5, "steps": 3, "tokens": 300,
         "samples": 6, "step_durations": [0.1, 0.2], "final": True, "autocast_dtype": "bfloat16",
         "flush_interval": 5, "flush_anchor": 20, "completed_step": 6,
+        "last_step_start": batch.wall_time - batch.wall_perf_ns * 1e-9,  # step 6 began at perf 0
     }  # fmt: skip
+
+
+def test_the_last_completed_steps_start_is_read_on_the_flush_s_wall_clock() -> None:
+    """Where the step began on the wall clock, from the perf_counter reading paired with the
+    flush's time.time(): exact however long after the step's end the flush ran."""
+    buffer = Buffer(max_names=10, max_values=10)
+    began = perf_counter_ns()
+    buffer.step_events.append((0, began - 9_000_000, began - 5_000_000, None, None, False))
+    buffer.step_events.append((1, began, began + 2_000_000, None, None, False))
+    buffer.step_events.append((2, began + 2_000_000, began + 3_000_000, None, None, True))  # failed
+    batch = buffer.take(1, 2, 1.0, 0)
+    interval = worker.resolve_interval(batch)
+    assert interval.last_step_start == batch.wall_time - (batch.wall_perf_ns - began) * 1e-9  # step 1's
+    assert 0 < batch.wall_time - interval.last_step_start < 60
+    no_step = Buffer(max_names=10, max_values=10).take(2, 2, 1.0, 0)
+    assert math.isnan(worker.resolve_interval(no_step).last_step_start)
 
 
 # --- the column reading of step and timer events equals the per-event reading it replaced ----------

@@ -280,7 +280,7 @@ def test_the_collective_is_named_by_op_place_in_the_step_and_timer() -> None:
 
 def test_rank_0_keeps_the_timer_ends_of_its_reads_last_step() -> None:
     """Only timers that ran once in every step of the interval: their last arrival is the last
-    step's (one run in some steps only could be an earlier step's)."""
+    step's (one run in some steps only could be an earlier step's); with that step's start."""
     tracker = LatenessTracker(0)
     tracker.monitor = SimpleNamespace(read=lambda seq, force: {"entries": []}, excluded=set())  # type: ignore[assignment]
     answer = SimpleNamespace(read_recorder=True, root_times=(0.0, 0.0))
@@ -290,10 +290,11 @@ def test_rank_0_keeps_the_timer_ends_of_its_reads_last_step() -> None:
         wall_time=100.0,
         seq=1,
         step_durations=[0.5, 0.5, 0.4],
+        last_step_start=99.5,  # the flush ran 0.1 s after the last step's end
         arrivals={"forward": [0.2, 0.3, 0.1], "backward": [0.45, 0.45, 0.35], "eval": [0.3]},
     )
     tracker.after_exchange(interval, answer, (0.0, 0.0))  # type: ignore[arg-type]
-    assert tracker._own[1][2:] == (pytest.approx(99.6), {"forward": 0.1, "backward": 0.35})
+    assert tracker._own[1][2:] == (99.5, {"forward": 0.1, "backward": 0.35})
 
 
 def test_the_culprit_is_placed_in_the_timer_it_spends_longer_in_than_the_others() -> None:
@@ -556,19 +557,35 @@ def test_lightning_ddp_names_a_rank_slow_in_backward_from_collective_arrivals(tm
 
 
 def _ddp_rank(
-    rank: int, world: int, out: str, log_interval: int, read_share: float | None, short_last: bool
+    rank: int,
+    world: int,
+    out: str,
+    log_interval: int,
+    read_share: float | None,
+    short_last: bool,
+    flush_lag_s: float = 0.0,
 ) -> list[dict[str, Any]]:
     """DDP, rank 1 20 ms slower in forward; the default recorder, and the default read budget
     unless `read_share`. `short_last`: rank 0's forward takes under a millisecond in the last step
-    of each flush interval, not 10 ms (inputs of uneven length)."""
+    of each flush interval, not 10 ms (inputs of uneven length). `flush_lag_s`: rank 0's flushes
+    run that long after their step's end (a loaded machine)."""
     import torch
 
     import otel_train as ot
+    from otel_train.core.buffer import Buffer
     from otel_train.diagnostics import collectives
     from otel_train.testing import current_session
 
     if read_share is not None:
         collectives.MAX_READ_SHARE = read_share
+    if rank == 0 and flush_lag_s:
+        take = Buffer.take
+
+        def late_take(self: Buffer, *args: Any) -> Any:
+            time.sleep(flush_lag_s)
+            return take(self, *args)
+
+        Buffer.take = late_take  # type: ignore[method-assign]
 
     ot.init(output_dir=out, run_name="ddp", verbosity=0, log_interval=log_interval, hardware=False,
             prometheus_port=0, collective_timeout_s=60.0)  # fmt: skip
@@ -600,8 +617,8 @@ def test_a_job_flushing_every_step_still_names_the_collective(tmp_path: Path) ->
     budget spaces the next one out past 8 flushes. The report waits (PENDING_S) for it."""
     (first,) = run_ranks(2, _ddp_rank, (str(tmp_path), 1, None, False), timeout=240, env=DEFAULT_FR)[0]
     assert (first["rank"], first["train.phase"], first["pattern"]) == (1, "forward", "chronic"), first
-    # enqueued a fraction of a millisecond after rank 0's forward ends: placed in either timer
-    assert first["collective"] in {f"all_reduce #1 in {p!r} (default_pg)" for p in ("forward", "backward")}
+    # enqueued a fraction of a millisecond after rank 0's forward ends, placed by the step's exact start
+    assert first["collective"] == "all_reduce #1 in 'backward' (default_pg)", first
     assert first["lateness_ms"] == pytest.approx(20, rel=0.35), first
 
 
@@ -619,8 +636,10 @@ def test_the_collective_is_placed_by_the_timers_of_its_own_step(tmp_path: Path) 
     """A flush every 4 steps, rank 0's forward short in the last: the all-reduce of the read's
     last step comes a fraction of a millisecond after rank 0's forward ends in that step, long
     before the forward usually ends. Its own step's timers place it in `backward`; the window's
-    typical (median) forward end would place it in `forward`."""
-    args = (str(tmp_path), 4, READ_SHARE, True)
+    typical (median) forward end would place it in `forward`. Rank 0's flushes run 5 ms after
+    their step's end: the step's start, taken as the flush's time less the step's duration, would
+    be 5 ms late and place it in `forward` too."""
+    args = (str(tmp_path), 4, READ_SHARE, True, 0.005)
     (first,) = run_ranks(2, _ddp_rank, args, timeout=240, env=DEFAULT_FR)[0]
     assert (first["rank"], first["train.phase"], first["pattern"]) == (1, "forward", "chronic"), first
     assert first["collective"] == "all_reduce #1 in 'backward' (default_pg)", first

@@ -28,6 +28,7 @@ def _serve_pull(host: str, port: int, registry: Any) -> Any:
     """A threading WSGI server with a cap on connections, serving `registry` (built here, on first
     use: wsgiref is imported at init() only where a pull endpoint is asked for)."""
     import socket
+    import sys
     from socketserver import ThreadingMixIn
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -57,6 +58,18 @@ def _serve_pull(host: str, port: int, registry: Any) -> Any:
                 self.process_request_thread(request, client_address)
             finally:
                 self.slots.release()
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            """A client that went quiet (closed at the read timeout) or away is no error of the
+            training's: no traceback on its stderr, where socketserver prints one."""
+            if isinstance(sys.exc_info()[1], OSError):
+                log.debug(
+                    "otel_train: pull endpoint: connection from %s ended: %s",
+                    client_address,
+                    sys.exc_info()[1],
+                )
+                return
+            super().handle_error(request, client_address)
 
     class QuietHandler(WSGIRequestHandler):
         timeout = PULL_READ_TIMEOUT_S  # socket timeout on every read and write of the connection

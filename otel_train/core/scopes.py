@@ -88,6 +88,12 @@ class StepScope:
                 session.memory_dumps.on_step_error(exc_type, exc)
 
     def __call__(self, fn: F) -> F:
+        if self.index is not None:
+            raise TypeError(
+                f"@ot.step({self.index!r}) on {getattr(fn, '__qualname__', fn)!r}: a decorated function is one "
+                "step per call, numbered on from the last, so it takes no step number. Write @ot.step "
+                "(or @ot.step(tokens=..., samples=...)), or number the steps with `with ot.step(n):`."
+            )
         tokens, samples = self.tokens, self.samples
         return _wrap(fn, lambda: StepScope(None, tokens, samples))
 

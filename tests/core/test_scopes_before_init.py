@@ -24,6 +24,8 @@ BAD_CALLS: list[tuple[str, Callable[[], Any], str]] = [
     ("ot.step(3.5)", lambda: _step(3.5), r"ot.step\(index\) needs an int, got float 3.5"),
     ("ot.step('3')", lambda: _step("3"), r"ot.step\(index\) needs an int, got str '3'"),
     ("ot.step(True)", lambda: _step(True), r"ot.step\(index\) needs an int, got bool"),
+    ("@ot.step(100)", lambda: ot.step(100)(_step), r"@ot.step\(100\) on '_step': .* takes no step number"),
+    ("@ot.step(3.5)", lambda: ot.step(3.5)(_step), r"@ot.step\(3.5\) on '_step': .* takes no step number"),
     (
         "timer level='1'",
         lambda: ot.timer("x", level="1"),

@@ -57,7 +57,7 @@ _new_scope = object.__new__
 class StepScope:
     """`with ot.step(n, tokens=..., samples=...):` or `@ot.step` / `@ot.step(tokens=...)`."""
 
-    __slots__ = ("_index", "_session", "_start", "index", "samples", "tokens")
+    __slots__ = ("_index", "_outer", "_session", "_start", "index", "samples", "tokens")
 
     def __init__(self, index: int | None, tokens: int | None, samples: int | None) -> None:
         self.index = index
@@ -72,6 +72,7 @@ class StepScope:
             _check_index(self.index)
             return self
         self._index = session.begin_step(self.index)
+        self._outer = session.step_start_ns  # the start of a step this one is nested in; 0: none
         self._start = session.step_start_ns = perf_counter_ns()
         return self
 
@@ -81,7 +82,13 @@ class StepScope:
         session = self._session
         if session is not None:
             session.end_step(
-                self._index, self._start, perf_counter_ns(), self.tokens, self.samples, exc_type is not None
+                self._index,
+                self._start,
+                perf_counter_ns(),
+                self.tokens,
+                self.samples,
+                exc_type is not None,
+                self._outer,
             )
             self._session = None
             if exc_type is not None and session.memory_dumps is not None:  # a raising step only

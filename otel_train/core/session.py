@@ -105,6 +105,7 @@ class Session:
         self.step_events = self.buffer.step_events
         self.max_step_events = config.max_values_per_interval
         self.interval_steps = 0  # steps that ended (not failed) since the last flush
+        self.nested_steps = 0  # of those, the ones nested in an open step (the worker drops them)
         # Copies of what the hot path reads from other objects, so that a step touches the session only:
         self._due_step, self._due_threshold = self.cadence.due_step, self.cadence.threshold
         self._tracing = self.worker.span_writer is not None
@@ -176,15 +177,26 @@ class Session:
         return index
 
     def end_step(
-        self, index: int, start_ns: int, end_ns: int, tokens: int | None, samples: int | None, failed: bool
+        self,
+        index: int,
+        start_ns: int,
+        end_ns: int,
+        tokens: int | None,
+        samples: int | None,
+        failed: bool,
+        outer_start_ns: int = 0,
     ) -> None:
-        """One append to `step_events` and the flush check; the worker derives the rest."""
+        """One append to `step_events` and the flush check; the worker derives the rest. A step
+        nested in another (`outer_start_ns`: the outer one's start) hands the step back to it: the
+        outer step's later timers are its own, and only the outer one counts toward a flush."""
         if (tokens.__class__ is not int and tokens is not None) or (
             samples.__class__ is not int and samples is not None
         ):
             tokens = count_of(tokens, "tokens", self.buffer)
             samples = count_of(samples, "samples", self.buffer)
-        self.step_start_ns = 0
+        if outer_start_ns and self.step_start_ns != start_ns:
+            outer_start_ns = 0  # the outer step ended first (a framework's step outlived a `with`)
+        self.step_start_ns = outer_start_ns
         self.step_index = index
         previous_end = self.step_end_ns
         self.step_end_ns = end_ns
@@ -206,6 +218,9 @@ class Session:
         else:  # a worker stuck for hours defers every flush: counts only (~43 MB per 1M steps otherwise)
             _uncapped_step(self.buffer, tokens, samples, failed)
         if failed:
+            return
+        if outer_start_ns:  # the outer step's end decides the flush, counting itself only
+            self.nested_steps += 1
             return
         steps = self.interval_steps = self.interval_steps + 1
         # Due at the cadence's step or count, or once log_interval_s has passed (`_due_ns`, on
@@ -332,7 +347,8 @@ class Session:
             return False
         with self._lock:
             self._flush_requested = False
-            self.buffer.steps, self.interval_steps = self.interval_steps, 0
+            self.buffer.steps = self.interval_steps + self.nested_steps
+            self.interval_steps = self.nested_steps = 0
             batch = self.buffer.take(
                 self._seq, self.step_index, now - self._last_flush, self._perf_to_epoch_ns
             )

@@ -63,3 +63,41 @@ def test_steps_one_after_another_are_not_nested(tmp_path: Path) -> None:
     rows = _rows(tmp_path / "n")
     assert sum(r.get("train/steps", 0) for r in rows) == 6
     assert not any("otel_train/dropped/nested_step" in r for r in rows)
+
+
+def test_a_nested_step_leaves_the_flush_cadence_to_the_outer_one(tmp_path: Path) -> None:
+    """Flushes come every `log_interval` outer steps, at an outer step's end, as without the inner
+    steps."""
+    ot.init(prometheus_port=0, verbosity=0, hardware=False, log_interval=5, output_dir=str(tmp_path),
+            run_name="n")  # fmt: skip
+    for i in range(20):
+        with ot.step(i, tokens=10):
+            with ot.step():
+                ot.record("loss", 1.0)
+            with ot.timer("after_inner"):  # the outer step's own phase, after the inner one ended
+                pass
+    ot.shutdown()
+    rows = [r for r in _rows(tmp_path / "n") if "train/steps" in r]
+    assert [(r["step"], r["train/steps"]) for r in rows] == [(4, 5), (9, 5), (14, 5), (19, 5)]
+    assert [r["throughput/tokens"] for r in rows] == [50] * 4
+    assert sum(r["timers/after_inner/count"] for r in rows) == 20
+
+
+def test_a_framework_step_that_outlives_the_step_around_it_leaves_no_step_open(tmp_path: Path) -> None:
+    """`adapters.begin_step` inside a `with ot.step` whose block ends first: the later steps are
+    steps of their own (not nested in the ended one), each flushed at its log_interval."""
+    from otel_train import adapters
+    from otel_train.testing import current_session
+
+    ot.init(prometheus_port=0, verbosity=0, hardware=False, log_interval=1, output_dir=str(tmp_path),
+            run_name="n")  # fmt: skip
+    with ot.step(0):
+        adapters.begin_step(1)
+    adapters.end_step()
+    assert current_session().step_start_ns == 0  # no step is open
+    for i in range(2, 6):
+        with ot.step(i):
+            pass
+    ot.shutdown()
+    rows = [r for r in _rows(tmp_path / "n") if r.get("train/steps")]
+    assert [r["step"] for r in rows][-4:] == [2, 3, 4, 5]

@@ -105,7 +105,6 @@ class Session:
         self.step_events = self.buffer.step_events
         self.max_step_events = config.max_values_per_interval
         self.interval_steps = 0  # steps that ended (not failed) since the last flush
-        self.nested_steps = 0  # of those, the ones nested in an open step (the worker drops them)
         # Copies of what the hot path reads from other objects, so that a step touches the session only:
         self._due_step, self._due_threshold = self.cadence.due_step, self.cadence.threshold
         self._tracing = self.worker.span_writer is not None
@@ -177,26 +176,17 @@ class Session:
         return index
 
     def end_step(
-        self,
-        index: int,
-        start_ns: int,
-        end_ns: int,
-        tokens: int | None,
-        samples: int | None,
-        failed: bool,
-        outer_start_ns: int = 0,
+        self, index: int, start_ns: int, end_ns: int, tokens: Any, samples: Any, failed: bool, outer: int
     ) -> None:
-        """One append to `step_events` and the flush check; the worker derives the rest. A step
-        nested in another (`outer_start_ns`: the outer one's start) hands the step back to it: the
-        outer step's later timers are its own, and only the outer one counts toward a flush."""
+        """One append to `step_events` and the flush check (`outer`: a nested step's outer one's start)."""
         if (tokens.__class__ is not int and tokens is not None) or (
             samples.__class__ is not int and samples is not None
         ):
             tokens = count_of(tokens, "tokens", self.buffer)
             samples = count_of(samples, "samples", self.buffer)
-        if outer_start_ns and self.step_start_ns != start_ns:
-            outer_start_ns = 0  # the outer step ended first (a framework's step outlived a `with`)
-        self.step_start_ns = outer_start_ns
+        if outer and self.step_start_ns != start_ns:
+            outer = 0  # the outer step ended first (a framework's step outlived a `with`)
+        self.step_start_ns = outer  # a nested step's end: the outer one runs on, with its later timers
         self.step_index = index
         previous_end = self.step_end_ns
         self.step_end_ns = end_ns
@@ -217,15 +207,13 @@ class Session:
             events.append((index, start_ns, end_ns, tokens, samples, failed))
         else:  # a worker stuck for hours defers every flush: counts only (~43 MB per 1M steps otherwise)
             _uncapped_step(self.buffer, tokens, samples, failed)
-        if failed:
-            return
-        if outer_start_ns:  # the outer step's end decides the flush, counting itself only
-            self.nested_steps += 1
+        if failed or outer:  # a nested step: counted (the worker drops it), its outer one flushes
+            self.buffer.steps += not failed
             return
         steps = self.interval_steps = self.interval_steps + 1
         # Due at the cadence's step or count, or once log_interval_s has passed (`_due_ns`, on
-        # end_ns's clock: one comparison), or when another thread asked for a flush; a step nested
-        # in a framework's open step leaves it to that step's end.
+        # end_ns's clock: one comparison), or when another thread asked for a flush; not inside a
+        # framework's open step (one that outlived the `with` block it began in).
         by_steps = index >= self._due_step or steps >= self._due_threshold
         if (
             (by_steps and self._cadence_due(steps, index)) or end_ns >= self._due_ns or self._flush_requested
@@ -347,8 +335,7 @@ class Session:
             return False
         with self._lock:
             self._flush_requested = False
-            self.buffer.steps = self.interval_steps + self.nested_steps
-            self.interval_steps = self.nested_steps = 0
+            self.buffer.steps, self.interval_steps = self.buffer.steps + self.interval_steps, 0
             batch = self.buffer.take(
                 self._seq, self.step_index, now - self._last_flush, self._perf_to_epoch_ns
             )

@@ -27,8 +27,8 @@ def instrument(
 ) -> Iterator[OtelTrainCallback]:
     """Inside the block, `oumi.train` runs with `callback` (default: a new `OtelTrainCallback`
     with these settings) after Oumi's own callbacks, and Oumi's own trainer (`OUMI`) evaluates
-    and saves inside `eval` / `checkpoint` spans. If the block raises, the callback's open step
-    ends as failed and a session it started is shut down."""
+    and saves inside `eval` / `checkpoint` spans. A session the callback started ends with the
+    block; if the block raises, the callback's open step ends as failed first."""
     # The module, not the function: `import oumi.train` would make `oumi.train` name the module.
     module = importlib.import_module("oumi.train")
     native = importlib.import_module("oumi.core.trainers.oumi_trainer").Trainer
@@ -44,6 +44,7 @@ def instrument(
     native.evaluate, native.save_state = _evaluating(evaluate), spanned(save_state, "checkpoint")
     try:
         yield callback
+        callback.close()  # oumi.train evaluated and saved inside the block: the run ends with it
     except BaseException:
         callback.close()
         raise

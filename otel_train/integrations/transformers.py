@@ -50,6 +50,10 @@ _SKIPPED_LOG_KEYS = frozenset({
 })  # fmt: skip
 _WRAPPED = "_otel_train_wrapped"
 
+# The run an OtelTrainCallback started: it idles after its train() (an evaluate, a save or a push
+# afterwards is still part of it) until process exit, or until another callback's run begins.
+_owned_run: Any = None
+
 
 class OtelTrainCallback(TrainerCallback):
     """Telemetry for `transformers.Trainer` (and its subclasses: TRL, Oumi).
@@ -70,8 +74,10 @@ class OtelTrainCallback(TrainerCallback):
         self._hyperparams = hyperparams
         self._watch_every = watch_every
         self._took_wandb = False  # the Trainer's W&B reporter was taken off for otel_train's bridge
+        self._saw_init = False  # given to Trainer(callbacks=...): on_init_end ran, reporters checked
         self._deepspeed = False  # the Trainer trains a DeepSpeed engine (instrumented at train begin)
         self._started = False  # this callback's run began (on_train_begin or a lazy first step)
+        self._ran = False  # it began once: a log before any train() starts it, one after does not
         self._session: Any = None  # the session this callback started (and ends), else None
         self._mark_ns: int | None = None  # end of the last accounted stretch (step, log, eval, save)
         self._hook_step = HookStep()  # the step this callback began
@@ -90,6 +96,7 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         trainer = _calling_trainer(self)
         self._adopt(trainer)
+        self._saw_init = True
         if trainer is not None and "wandb" in _drop_duplicate_reporters(trainer, self._settings):
             self._took_wandb = True
 
@@ -99,6 +106,9 @@ class OtelTrainCallback(TrainerCallback):
         self._hook_step.fail()  # a failed attempt of auto_find_batch_size, or a stale step
         trainer = _calling_trainer(self)
         self._adopt(trainer)  # added with add_callback: no on_init_end was seen
+        if trainer is not None and not self._saw_init:
+            self._saw_init = True
+            _warn_duplicate_reporters(trainer, self._settings)
         engine = _deepspeed_engine(trainer)
         self._deepspeed = engine is not None
         self._start(args, state, kwargs.get("model"))
@@ -141,17 +151,26 @@ class OtelTrainCallback(TrainerCallback):
     def _start(self, args: Any, state: TrainerState | None, model: Any) -> None:
         # Began already and its session still runs: the Trainer re-entered its training loop in the
         # same train() (auto_find_batch_size after an out-of-memory error). The run goes on.
-        again = self._started and self._session is not None and adapters.current_run() == self._session
+        # The same for a second train() (or one after an evaluate() that began the run): it goes on.
+        global _owned_run
+        again = self._session is not None and adapters.current_run() == self._session
+        max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
+        planned = max_steps if isinstance(max_steps, int) and max_steps > 0 else None
+        if again and planned is not None:
+            adapters.set_total_steps(planned)
         if not again:
+            if _owned_run is not None and adapters.current_run() == _owned_run:
+                ot.shutdown()  # another callback's run, idle since its train(): this one's begins
             adopted = _adopted_settings(args, state)
             if self._took_wandb:
                 adopted["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
-            max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
-            if isinstance(max_steps, int) and max_steps > 0:
-                adopted["total_steps"] = max_steps
+            if planned is not None:
+                adopted["total_steps"] = planned
             started = start_session(with_precision(with_adopted(self._settings, adopted), _precision(args)))
             self._session = adapters.current_run() if started else None
-        self._started = True
+            if started:
+                _owned_run = self._session
+        self._started = self._ran = True
         info = ot.run_info()
         self._rank = info.rank if info is not None else 0
         self._world = distributed_world()
@@ -175,20 +194,25 @@ class OtelTrainCallback(TrainerCallback):
         if stopped and state is not None and 0 < state.global_step < state.max_steps:
             # Early stopping (or a callback) ended training before its plan: the steps run are the plan.
             adapters.set_total_steps(state.global_step)
-        self.close()
+        self.close(end_run=False)
 
-    def close(self) -> None:
-        """End this callback's run (at `on_train_end`, or when `train()` raises; idempotent): a step
-        still open ends as failed (`OumiTrainer` may begin one and find no batch at an epoch's end),
-        a session the callback started is shut down, one the user started idles."""
+    def close(self, end_run: bool = True) -> None:
+        """End this callback's training (at `on_train_end`, when `train()` raises, at the end of
+        `oumi.train`; idempotent): a step still open ends as failed (`OumiTrainer` may begin one and
+        find no batch at an epoch's end). After `on_train_end` the run idles: an evaluate, a save or
+        a push after train() is still part of it, and it ends at process exit (or when another
+        callback's run begins). Otherwise (`end_run`) a session the callback started ends now."""
         self._hook_step.fail()
         self._started = False
         self._mark_ns = None
-        session, self._session = self._session, None
-        if session is None:  # the user's run outlives train() (an evaluate, a save, a push)
-            adapters.idle()
-        elif adapters.current_run() == session:
+        session = self._session
+        if session is not None and adapters.current_run() != session:
+            self._session = None  # shut down by someone else
+        elif session is not None and end_run:
+            self._session = None
             ot.shutdown()
+        else:
+            adapters.idle()
 
     # --- one optimizer step ----------------------------------------------------------------------
     def on_step_begin(
@@ -275,7 +299,11 @@ class OtelTrainCallback(TrainerCallback):
         logs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        if not logs or ot.run_info() is None:
+        if not logs:
+            return
+        if not self._ran:  # an evaluate() before any train(): the run begins here
+            self._start(args, state, None)
+        if ot.run_info() is None:
             return
         # The Trainer logs (and evaluates) after on_step_end, when the step's interval may already
         # be flushed: without an explicit step its values would be filed under the next flush's.
@@ -299,12 +327,12 @@ class OtelTrainCallback(TrainerCallback):
 
     def _ended_step(self, state: TrainerState | None) -> int | None:
         """The index of the step a log or an evaluation follows: the step that ended last (its
-        index is the Trainer's global_step - 1). None inside a step (the values leave with that
-        step's flush, filed under it) and before the first step."""
+        index is the Trainer's global_step - 1), step 0 before the first one (an evaluation at
+        the start). None inside a step (the values leave with that step's flush, filed under it)."""
         if self._hook_step.open:
             return None
         ended = state.global_step if state is not None else self._steps
-        return ended - 1 if ended > 0 else None
+        return max(ended - 1, 0)
 
     def _scaler_skipped(self) -> bool:
         """Whether the loss scaler skipped the last optimizer step for inf/NaN gradients (fp16):
@@ -316,7 +344,10 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._close_mark("eval", state)
-        _saving_if_due(control)  # the save follows the evaluation (whose batches ended `saving`)
+        # The save follows the evaluation (whose batches ended `saving`). With save_strategy="best"
+        # the Trainer decides only after this hook whether it saves: a save may follow.
+        strategy = getattr(args, "save_strategy", None)
+        _saving_if_due(control, getattr(strategy, "value", strategy) == "best")
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -353,9 +384,8 @@ def _adopted_settings(args: Any, state: TrainerState | None) -> dict[str, Any]:
 def _drop_duplicate_reporters(trainer: Any, settings: Mapping[str, Any]) -> list[str]:
     """Take the Trainer's `report_to` reporter off for each backend an otel_train bridge writes
     to (before any reporter's `on_train_begin` opened a run there); returns those backends."""
-    on = _bridges_on(settings)
     handler = trainer.callback_handler
-    dropped = [c for c in handler.callbacks if _reporter_backend(c) in on]
+    dropped = _duplicate_reporters(trainer, settings)
     if not dropped:
         return []
     # A new list, not remove(): the handler is iterating over the old one (this on_init_end).
@@ -371,6 +401,28 @@ def _drop_duplicate_reporters(trainer: Any, settings: Mapping[str, Any]) -> list
         ", ".join(f"{n}=False" for n in names),
     )
     return names
+
+
+def _duplicate_reporters(trainer: Any, settings: Mapping[str, Any]) -> list[Any]:
+    """The Trainer's `report_to` reporters for backends an otel_train bridge writes to."""
+    on = _bridges_on(settings)
+    return [c for c in trainer.callback_handler.callbacks if _reporter_backend(c) in on]
+
+
+def _warn_duplicate_reporters(trainer: Any, settings: Mapping[str, Any]) -> None:
+    """Added with `trainer.add_callback`, the callback sees the Trainer first at `on_train_begin`,
+    after the reporters began their runs: too late to take them off, so say how."""
+    late = _duplicate_reporters(trainer, settings)
+    if late:
+        names = sorted({_reporter_backend(c) or "" for c in late})
+        log.warning(
+            "otel_train: OtelTrainCallback was added with trainer.add_callback, after the Trainer's "
+            "%s began: both write to %s (two runs). Pass it as Trainer(callbacks=[OtelTrainCallback("
+            "...)]) and the Trainer's reporter is taken off, or set %s on OtelTrainCallback.",
+            ", ".join(type(c).__name__ for c in late),
+            ", ".join(names),
+            ", ".join(f"{n}=False" for n in names),
+        )
 
 
 def _bridges_on(settings: Mapping[str, Any]) -> set[str]:
@@ -437,8 +489,9 @@ def _precision(args: Any) -> str | None:
     return next((flag for flag in ("bf16", "fp16", "tf32") if getattr(args, flag, None) is True), None)
 
 
-def _saving_if_due(control: TrainerControl | None) -> None:
-    """`adapters.saving_checkpoint()` when the Trainer saves a checkpoint next (OumiTrainer calls
-    the hooks without a control)."""
-    if control is not None and control.should_save:
+def _saving_if_due(control: TrainerControl | None, may_save: bool = False) -> None:
+    """`adapters.saving_checkpoint()` when the Trainer saves a checkpoint next, or `may_save` (no
+    save then only eases the stall timeout until the next step; OumiTrainer calls the hooks without
+    a control)."""
+    if may_save or (control is not None and control.should_save):
         adapters.saving_checkpoint()

@@ -31,7 +31,7 @@ GRAD_ACCUM = 2
 
 def _trainer(
     out: Path,
-    callback: OtelTrainCallback,
+    callback: OtelTrainCallback | None,
     max_steps: int = MAX_STEPS,
     ddp: bool = False,
     dataset: Any = None,
@@ -66,7 +66,7 @@ def _trainer(
         args=args,
         train_dataset=dataset if dataset is not None else TokenDataset(64),
         eval_dataset=TokenDataset(8, seed=1),
-        callbacks=[callback],
+        callbacks=[callback] if callback is not None else None,
     )
 
 
@@ -129,21 +129,26 @@ def test_trainer_steps_logs_eval_and_tokens_reach_pull_endpoint_and_jsonl(tmp_pa
     assert "PLANTED_SECRET" not in (session.run_dir / "hparams.json").read_text()
 
 
-def test_callback_starts_and_ends_its_own_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_callback_starts_its_own_session_and_leaves_it_to_the_next_callbacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "0")
     callback = OtelTrainCallback(settings={"run_name": "lazy", "verbosity": 0, "hardware": False})
     trainer = _trainer(tmp_path / "hf-out", callback, max_steps=4)
     trainer.train()
-    assert current_session() is None  # started at on_train_begin, shut down at on_train_end
+    lazy = current_session()  # started at on_train_begin; idle after train(), for an evaluate or a save
+    assert lazy is not None and lazy.run_name == "lazy"
+    # ... until another callback's run begins (or the process exits): the user chose total_steps here
+    monkeypatch.setenv("OTEL_TRAIN_TOTAL_STEPS", "40")
+    callback = OtelTrainCallback(settings={"run_name": "chosen", "verbosity": 0, "hardware": False})
+    _trainer(tmp_path / "hf-out", callback, max_steps=4).train()
+    assert current_session() is not lazy
+    ot.shutdown()
     run_dir = tmp_path / "runs" / "lazy"
     rows = _rows(run_dir)
     assert sum(r.get("train/steps", 0) for r in rows) == 4
     config = json.loads((run_dir / "config.json").read_text())
     assert config["total_steps"] == 4  # taken from the Trainer's max_steps
-    # ... unless the user chose it: here by its variable
-    monkeypatch.setenv("OTEL_TRAIN_TOTAL_STEPS", "40")
-    callback = OtelTrainCallback(settings={"run_name": "chosen", "verbosity": 0, "hardware": False})
-    _trainer(tmp_path / "hf-out", callback, max_steps=4).train()
     assert json.loads((tmp_path / "runs" / "chosen" / "config.json").read_text())["total_steps"] == 40
 
 
@@ -162,6 +167,7 @@ def test_early_stopping_makes_the_steps_run_the_plan(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path / "hf-out", callback, max_steps=20, eval_strategy="no", save_strategy="no")
     trainer.add_callback(_StopAtStep3())
     trainer.train()
+    ot.shutdown()  # the callback's run idles after train(), until process exit
     assert trainer.state.global_step == 3
     # the plan changed after the last step's row (the Trainer's end-of-train log has a row of its own)
     last = [r for r in _rows(tmp_path / "runs" / "early") if "train/steps_planned" in r][-1]
@@ -274,6 +280,7 @@ def test_an_evaluation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path)
         per_device_eval_batch_size=1,
     )  # fmt: skip
     trainer.train()
+    ot.shutdown()
     run_dir = tmp_path / "runs" / "longeval"
     assert sum(r.get("timers/eval/count", 0) for r in _rows(run_dir)) == 1  # the evaluation ran
     assert len(slow.spans) == 8
@@ -326,12 +333,12 @@ def test_a_step_that_accumulates_longer_than_the_stall_timeout_is_no_stall(tmp_p
     assert slow.stalls_inside(run_dir) == []
 
 
-@pytest.mark.parametrize("strategy", ["steps", "epoch", "eval_then_save"])
+@pytest.mark.parametrize("strategy", ["steps", "epoch", "eval_then_save", "best"])
 def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path, strategy: str) -> None:
     """The Trainer's save comes after `on_step_end` (or `on_epoch_end`), which knows it is due
-    (`control.should_save`), and after the evaluation due at the same step (`on_evaluate`): the
-    watchdog then waits checkpoint_timeout_s, so a 1.5 s save under stall_timeout_s=0.5 raises no
-    stall event."""
+    (`control.should_save`), and after the evaluation due at the same step (`on_evaluate`; with
+    save_strategy="best" the Trainer decides after it): the watchdog then waits
+    checkpoint_timeout_s, so a 1.5 s save under stall_timeout_s=0.5 raises no stall event."""
     model = tiny_causal_lm()
     save_pretrained = model.save_pretrained
     slow = SlowStretches()
@@ -347,11 +354,15 @@ def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: P
     by_epoch = strategy == "epoch"  # 2 epochs of 2 steps (8 rows, batch 2, accumulation 2)
     trainer = _trainer(
         tmp_path / "hf-out", callback, model=model, max_steps=-1 if by_epoch else 2, save_steps=1,
-        eval_strategy="steps" if strategy == "eval_then_save" else "no", eval_steps=1,
-        save_strategy="epoch" if by_epoch else "steps", num_train_epochs=2,
-        dataset=TokenDataset(8) if by_epoch else None,
+        eval_strategy="steps" if strategy in ("eval_then_save", "best") else "no", eval_steps=1,
+        save_strategy="epoch" if by_epoch else strategy if strategy == "best" else "steps",
+        num_train_epochs=2, dataset=TokenDataset(8) if by_epoch else None,
+        metric_for_best_model="rising" if strategy == "best" else None, greater_is_better=True,
     )  # fmt: skip
+    evaluations = iter(range(1, 100))
+    trainer.compute_metrics = lambda _: {"rising": next(evaluations)}  # each evaluation a new best
     trainer.train()
+    ot.shutdown()
     run_dir = tmp_path / "runs" / "longsave"
     assert sum(r.get("timers/checkpoint/count", 0) for r in _rows(run_dir)) == 2  # both saves ran
     assert len(slow.spans) == 2
@@ -603,8 +614,8 @@ def _oom_at_batch_size(model: Any, size: int) -> list[int]:
 def test_auto_find_batch_size_retry_keeps_one_run_and_ends_it(tmp_path: Path) -> None:
     """`auto_find_batch_size`: the first batch size runs out of memory in its first step and
     accelerate re-enters the training loop (a second `on_train_begin` in one `train()`). The
-    callback's session still ends at `on_train_end`, the failed attempt's step is not a success,
-    and the next Trainer gets a run of its own."""
+    callback's run goes on (idle after train()), the failed attempt's step is not a success, and
+    the next Trainer gets a run of its own."""
     run_dirs = []
     for attempt in range(2):
         model = tiny_causal_lm()
@@ -616,7 +627,8 @@ def test_auto_find_batch_size_retry_keeps_one_run_and_ends_it(tmp_path: Path) ->
         )  # fmt: skip
         trainer.train()
         assert seen[0] == 8 and trainer._train_batch_size == 7  # a real retry, at accelerate's 0.9 x
-        assert current_session() is None  # the session the callback started ended with train()
+        assert current_session() is not None  # the session the callback started idles after train()
+        ot.shutdown()
         (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if d not in run_dirs]
         run_dirs.append(run_dir)
         rows = _rows(run_dir)
@@ -663,6 +675,7 @@ def test_trainer_logging_steps_and_output_dir_are_adopted_unless_otel_train_has_
         Path("hf-out"), callback, max_steps=4, eval_strategy="no", save_strategy="no", **overrides
     )
     trainer.train()
+    ot.shutdown()
     run_dir = tmp_path / run_dirs / "adopt"
     config = json.loads((run_dir / "config.json").read_text())
     assert config["log_interval"] == log_interval
@@ -740,6 +753,7 @@ def test_report_to_tensorboard_keeps_the_trainers_reporter_unless_otel_trains_br
     )  # fmt: skip
     assert any(type(c) is TensorBoardCallback for c in kept.callback_handler.callbacks)
     kept.train()
+    ot.shutdown()  # the callback's run idles after train(), until process exit
     assert "loss" in _tensorboard_scalars(tmp_path / "hf-tb") or "train/loss" in _tensorboard_scalars(
         tmp_path / "hf-tb"
     )
@@ -755,13 +769,26 @@ def test_report_to_tensorboard_keeps_the_trainers_reporter_unless_otel_trains_br
     assert not any(type(c) is TensorBoardCallback for c in taken.callback_handler.callbacks)
     assert "tensorboard=False" in caplog.text
     taken.train()
+    ot.shutdown()
     assert not (tmp_path / "hf-tb2").exists()  # the Trainer's reporter never ran
     assert "train/loss" in _tensorboard_scalars(tmp_path / "runs" / "taken" / "tensorboard")
 
+    # Added with add_callback, it first sees the Trainer after the reporter began its run: too late
+    # to take it off, so it says so, and how to pass it instead.
+    late = _trainer(
+        tmp_path / "c", None, max_steps=2, eval_strategy="no", save_strategy="no", report_to=["tensorboard"]
+    )
+    late.add_callback(OtelTrainCallback(run_name="late", tensorboard=True, **settings))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="otel_train"):
+        late.train()
+    ot.shutdown()
+    assert "added with trainer.add_callback, after the Trainer's TensorBoardCallback began" in caplog.text
+    assert "Trainer(callbacks=[OtelTrainCallback(" in caplog.text and "tensorboard=False" in caplog.text
+
 
 class _SessionSeen(TrainerCallback):
-    """Added after the OtelTrainCallback: the session it started, kept past `train()` (which
-    shuts it down)."""
+    """Added after the OtelTrainCallback: the session it started, kept past its shutdown."""
 
     def __init__(self) -> None:
         self.session: Any = None
@@ -790,8 +817,9 @@ def test_report_to_wandb_with_otel_trains_wandb_bridge_makes_one_wandb_run(
     sessions = _SessionSeen()
     trainer.add_callback(sessions)
     trainer.train()
-    # train() ends the session, waiting shutdown_timeout_s for the bridges; on a busy host the
-    # bridge process writes the W&B run (and wandb_run.json) after that, then exits
+    ot.shutdown()
+    # shutdown waits shutdown_timeout_s for the bridges; on a busy host the bridge process writes
+    # the W&B run (and wandb_run.json) after that, then exits
     session = sessions.session
     assert session is not None and session.bridges is not None and session.bridges.wait(120)
     runs = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("offline-run-*") if p.is_dir())

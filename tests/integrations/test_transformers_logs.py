@@ -85,6 +85,49 @@ def test_the_trainers_logs_are_filed_at_the_step_they_follow(tmp_path: Path, own
     assert sum(r.get("train/steps", 0) for r in rows) == 9
 
 
+def test_evaluations_before_and_after_train_belong_to_the_callbacks_run(tmp_path: Path) -> None:
+    """`trainer.evaluate()` before `train()` begins the callback's run, and those after it (as HF's
+    example scripts evaluate) are still part of it: each filed once at the step it follows (step 0
+    before training), in the one run directory, as the Trainer's own TensorBoard reporter has them."""
+    callback = OtelTrainCallback(run_name="evals", verbosity=0, hardware=False, prometheus_port=0)
+    trainer = _trainer(
+        tmp_path / "hf-out", [callback], max_steps=4, logging_steps=2, eval_strategy="steps", eval_steps=4
+    )
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    test = trainer.evaluate(metric_key_prefix="test")["test_loss"]
+    ot.shutdown()
+
+    assert [d.name for d in (tmp_path / "runs").iterdir()] == ["evals"]
+    rows = _lines(tmp_path / "runs" / "evals" / "metrics.rank0.jsonl")
+    in_training = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h][1]
+    assert _steps_of(rows, "eval/loss") == [
+        (0, pytest.approx(before, rel=1e-6)),
+        (3, pytest.approx(in_training, rel=1e-6)),
+        (3, pytest.approx(after, rel=1e-6)),
+    ]
+    assert _steps_of(rows, "test/loss") == [(3, pytest.approx(test, rel=1e-6))]
+    assert sum(r.get("train/steps", 0) for r in rows) == 4
+    assert not any("eval/loss_min" in r for r in rows)  # each a logged value, none aggregated
+
+
+def test_the_evaluation_at_the_start_is_filed_at_step_0(tmp_path: Path) -> None:
+    """`eval_on_start=True`: the Trainer evaluates at global step 0, before the first step."""
+    callback = OtelTrainCallback(run_name="start", verbosity=0, hardware=False, prometheus_port=0)
+    trainer = _trainer(
+        tmp_path / "hf-out", [callback], max_steps=4, logging_steps=2, eval_strategy="steps", eval_steps=4,
+        eval_on_start=True,
+    )  # fmt: skip
+    trainer.train()
+    ot.shutdown()
+    rows = _lines(tmp_path / "runs" / "start" / "metrics.rank0.jsonl")
+    hf_evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    assert [step for step, _ in hf_evals] == [0, 4]
+    assert _steps_of(rows, "eval/loss") == [(max(s - 1, 0), pytest.approx(v, rel=1e-6)) for s, v in hf_evals]
+    assert not any("eval/loss_min" in r for r in rows)
+
+
 class _PoisonAfter(TrainerCallback):
     """Fills a weight with NaN after global step `step`: from the next step on the loss and every
     gradient are NaN (a run gone bad)."""

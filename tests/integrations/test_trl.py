@@ -73,7 +73,8 @@ def test_grpo_phases_rewards_and_completions(tmp_path: Path) -> None:
     original = ProfilingContext.__enter__
     assert ot_trl.instrument(trainer, **_settings(tmp_path, "grpo")) is trainer
     trainer.train()
-    assert current_session() is None  # the HF callback started the session and ended it
+    assert current_session() is not None  # the HF callback's run idles after train(), until exit
+    ot.shutdown()
     assert ProfilingContext.__enter__ is original  # the patch is undone at train end
 
     rows = _rows(tmp_path, "grpo")
@@ -134,6 +135,7 @@ def test_sft_steps_and_metrics(tmp_path: Path) -> None:
     trainer = SFTTrainer(model=_model(), args=args, train_dataset=data, processing_class=_tokenizer())
     ot_trl.instrument(trainer, **_settings(tmp_path, "sft"))
     trainer.train()
+    ot.shutdown()
     rows = _rows(tmp_path, "sft")
     keys = set().union(*rows)
     assert sum(r.get("train/steps") or 0 for r in rows) == STEPS

@@ -826,3 +826,54 @@ def test_report_to_wandb_with_otel_trains_wandb_bridge_makes_one_wandb_run(
     assert len(runs) == 1, runs
     info = json.loads((tmp_path / "runs" / "wb" / "wandb_run.json").read_text())
     assert info["project"] == "hf-project"
+
+
+TORCHRUN_SCRIPT = """
+import sys
+import torch.distributed as dist
+from transformers import Trainer, TrainingArguments
+from helpers.integration_models import TokenDataset, tiny_causal_lm
+from otel_train.integrations.transformers import OtelTrainCallback
+
+args = TrainingArguments(
+    output_dir=sys.argv[1], max_steps=4, per_device_train_batch_size=2, per_device_eval_batch_size=4,
+    logging_steps=2, report_to="none", use_cpu=True, ddp_backend="gloo", save_strategy="no",
+    eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+)
+callback = OtelTrainCallback(run_name="tr", verbosity=0, hardware=False, prometheus_port=0)
+trainer = Trainer(model=tiny_causal_lm(), args=args, train_dataset=TokenDataset(64),
+                  eval_dataset=TokenDataset(8, seed=1), callbacks=[callback])
+trainer.train()
+trainer.evaluate()  # after train(), as HF's example scripts evaluate
+dist.destroy_process_group()  # a script may; the callback's run still ends at process exit
+"""
+
+
+@pytest.mark.multirank
+def test_a_torchrun_job_evaluating_after_train_keeps_its_eval_and_ends_its_run_at_exit(
+    tmp_path: Path,
+) -> None:
+    """Two ranks under the real launcher, the run the callback started left to process exit (atexit
+    shutdown, after the script destroyed its process group): every rank exits 0 with its steps, the
+    evaluation after train() and its goodput account in the run directory."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run(
+        [*launch, str(script), str(tmp_path / "hf-out")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "tr"  # the suite's OTEL_TRAIN_OUTPUT_DIR
+    for rank in (0, 1):
+        rows = _rows(run_dir, rank)
+        assert sum(r.get("train/steps", 0) for r in rows) == 4
+        assert [r["step"] for r in rows if "eval/loss" in r] == [3]
+        assert json.loads((run_dir / f"goodput.rank{rank}.json").read_text())["last_step"] == 3
+    assert "end of process" in (run_dir / "progress.txt").read_text()

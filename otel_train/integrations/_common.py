@@ -20,6 +20,7 @@ from otel_train.config_loading import config_file_settings, unknown_setting
 
 T = TypeVar("T")
 EVAL_PREFIXES = ("eval_", "test_", "predict_")  # a framework's evaluation, test and prediction logs
+LEFT_OUT = (str, bytes, bool, dict, list)  # what `scalar_logs` leaves out of a trainer's logs
 
 
 def settings_from_kwargs(
@@ -108,11 +109,13 @@ class HookStep:
 
 
 def logged_step(index: int, start_ns: int | None, values: Mapping[str, Any]) -> int:
-    """Step `index` marked by a framework's log: begun at `start_ns`, holding `values` (they leave
-    with its flush, filed under it), ended now. Returns its end, where the next one starts."""
+    """Step `index` marked by a framework's log: begun at `start_ns`, ended now, with `values` as
+    one row at that step (each log a point of its own, as the framework's own loggers write it;
+    in a flush's statistics they would be averaged over `log_interval` logs). Returns its end,
+    where the next one starts."""
     adapters.begin_step(index, start_ns=start_ns)
-    ot.log_metrics(values)
     adapters.end_step()
+    ot.log_metrics(values, step=index)
     return perf_counter_ns()
 
 
@@ -147,13 +150,17 @@ def distributed_world() -> int:
     return int(dist.get_world_size())
 
 
-def scalar_logs(logs: Mapping[str, Any], skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+def scalar_logs(
+    logs: Mapping[str, Any], skip: frozenset[str] = frozenset(), left_out: tuple[type, ...] = LEFT_OUT
+) -> dict[str, Any]:
     """A framework's log dict as otel_train record names: `eval_loss` -> `eval/loss`, `loss`,
-    `learning_rate`, `grad_norm` stay (they are catalogue aliases); strings, booleans and containers
-    are left out. Values are passed through untouched: tensors stay on device."""
+    `learning_rate`, `grad_norm` stay (they are catalogue aliases); values of the `left_out` types
+    (by default strings, booleans and containers: a trainer's own bookkeeping) are left out, the
+    others passed through untouched (tensors stay on device; `log_metrics` drops what is no number,
+    counted and warned about)."""
     out: dict[str, Any] = {}
     for key, value in logs.items():
-        if not isinstance(key, str) or key in skip or isinstance(value, (str, bytes, bool, dict, list)):
+        if not isinstance(key, str) or key in skip or isinstance(value, left_out):
             continue
         prefix = next((p for p in EVAL_PREFIXES if key.startswith(p) and key != "eval_loss"), "")
         # NaN/Inf pass on: the worker counts them as non-finite

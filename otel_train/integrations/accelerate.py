@@ -72,9 +72,10 @@ class OtelTrainTracker(GeneralTracker):
         self.project_name = project_name or None
         self._settings = settings_from_kwargs(settings, kwargs, type(self).__name__)
         self._owns_session = False
-        self._warned = False  # that no session exists in a multi-process job
+        self._warned = False  # that it records nothing (no session in a multi-process job, or ended)
         self._fed: Accelerator | None = None  # the Accelerator whose calls feed the stall watchdog
         self._save_hook: Any = None
+        self._ended = False  # end_training() shut down the run this tracker started (until a new start)
         self._new_run()
 
     def _new_run(self) -> None:
@@ -99,6 +100,7 @@ class OtelTrainTracker(GeneralTracker):
         found = call_holding(Accelerator, self, "trackers")
         accelerator, call = found if found is not None else (None, {})
         project, init_kwargs = call.get("project_name"), call.get("init_kwargs")
+        self._ended = False
         if isinstance(project, str) and project:
             self._run_project = project
         if isinstance(init_kwargs, Mapping):
@@ -128,7 +130,10 @@ class OtelTrainTracker(GeneralTracker):
         info = ot.run_info()
         if info is None:
             return
-        scalars = scalar_logs(values)
+        # Nested dicts flattened, strings as text: as Accelerate's TensorBoard and W&B trackers keep
+        # them; anything else that is no number is dropped by log_metrics, counted and warned about.
+        flat = _flattened(values)
+        scalars = scalar_logs(flat, left_out=(str,))
         if self._marks_steps and (
             info.open_step is not None or info.world_size > 1 or info.step != self._marked
         ):
@@ -140,6 +145,9 @@ class OtelTrainTracker(GeneralTracker):
         if step is None and self._marks_steps:
             # Accelerate's step is optional: a log without one is the step after the last logged
             number = self._marked + 1
+        for name, text in flat.items():
+            if isinstance(name, str) and isinstance(text, str):
+                ot.log_text(name, text, step=number)
         if self._marks_steps and number is not None and number > self._marked:
             self._mark_ns = logged_step(number, self._mark_ns, scalars)
             self._marked = number
@@ -159,6 +167,7 @@ class OtelTrainTracker(GeneralTracker):
         owns_session, self._owns_session = self._owns_session, False
         end_training(owns_session)
         self._new_run()
+        self._ended = owns_session  # its run is over: a later log starts no other
 
     def _warn_unmarked(self, step: int | None, world_size: int) -> None:
         """Once, at the second step logged while the job has marked none (a log without a step is
@@ -179,6 +188,15 @@ class OtelTrainTracker(GeneralTracker):
     def _ready(self) -> bool:
         if adapters.current_run() is not None:
             return True
+        if self._ended:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "otel_train: a log to OtelTrainTracker after accelerator.end_training(), which "
+                    "ended its run: not recorded. Log before end_training(), or call init_trackers() "
+                    "again for a new run."
+                )
+            return False
         if distributed_world() > 1:
             if not self._warned:
                 self._warned = True
@@ -230,3 +248,15 @@ def _step_number(step: Any) -> int | None:
             return None
         number = int(as_float)
     return number if -(2**63) <= number < 2**63 else None
+
+
+def _flattened(values: Mapping[Any, Any], prefix: str = "") -> dict[Any, Any]:
+    """`values` with nested mappings as `outer/inner` names (W&B and TensorBoard keep them too)."""
+    out: dict[Any, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}" if prefix else key
+        if isinstance(value, Mapping):
+            out.update(_flattened(value, f"{name}/"))
+        else:
+            out[name] = value
+    return out

@@ -200,11 +200,11 @@ def test_tracker_alone_files_each_logged_step_under_its_step(tmp_path: Path) -> 
     accelerator.end_training()
 
     rows = _rows(tmp_path / "runs" / "alone")
-    losses = {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")}
+    losses = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}  # one row a log
     assert losses == {step: 100.0 + step for step in logged}
     assert sum(r.get("train/steps") or 0 for r in rows) == len(logged)  # one step per logged step
     assert min(r["step"] for r in rows if "eval/accuracy" in r) == 15
-    assert 0 < rows[-1]["train/goodput"] <= 1  # the time between logs is step time
+    assert 0 < [r["train/goodput"] for r in rows if "train/goodput" in r][-1] <= 1  # logs' gaps: step time
     tb = read_tensorboard(tmp_path / "runs" / "alone" / "tensorboard")
     assert dict(tb.scalars["train/loss"]) == {step: 100.0 + step for step in logged}
 
@@ -319,7 +319,7 @@ def test_tracker_alone_files_a_late_log_under_its_step_and_reads_step_numbers(tm
     accelerator.end_training()
 
     rows = _rows(tmp_path / "runs" / "alone-late")
-    assert {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")} == {
+    assert {r["step"]: r["train/loss"] for r in rows if "train/loss" in r} == {
         10: 10.0,
         20: 20.0,
         30: 30.0,
@@ -369,7 +369,7 @@ def test_register_by_name_adopts_project_config_and_init_kwargs(tmp_path: Path, 
     assert current_session() is None
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "hparams.json").read_text())["lr"] == 0.1
-    assert [r["train/loss"] for r in _rows(run_dir) if r.get("train/steps")] == [3.0]
+    assert [r["train/loss"] for r in _rows(run_dir) if "train/loss" in r] == [3.0]
 
 
 def test_an_explicit_setting_wins_over_the_project(
@@ -443,10 +443,10 @@ def test_tracker_alone_numbers_a_log_without_a_step_after_the_last_logged_step(t
 
     expected = {0: 10.0, 1: 11.0, 2: 12.0, 20: 20.0, 21: 21.0, 22: 22.0}
     rows = _rows(tmp_path / "runs" / "no-step")
-    assert {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")} == expected
+    assert {r["step"]: r["train/loss"] for r in rows if "train/loss" in r} == expected
     assert sum(r.get("train/steps") or 0 for r in rows) == len(expected)
     assert next((r["step"], r["eval/score"]) for r in rows if "eval/score" in r) == (1, 0.5)
-    assert 0 < rows[-1]["train/goodput"] <= 1  # the time between logs is step time
+    assert 0 < [r["train/goodput"] for r in rows if "train/goodput" in r][-1] <= 1  # logs' gaps: step time
     tb = read_tensorboard(tmp_path / "runs" / "no-step" / "tensorboard")
     assert dict(tb.scalars["train/loss"]) == expected
 
@@ -515,7 +515,7 @@ def test_a_tracker_given_to_a_second_accelerator_marks_that_runs_steps(tmp_path:
     for run, run_dir in sorted(runs.items()):
         rows = _rows(run_dir)
         assert sum(r.get("train/steps") or 0 for r in rows) == 3
-        assert {r["step"]: r["train/loss"] for r in rows if r.get("train/steps")} == {
+        assert {r["step"]: r["train/loss"] for r in rows if "train/loss" in r} == {
             step: float(10 * run + step) for step in range(3)
         }
         assert run_dir.name.startswith(f"proj{run}-")
@@ -561,3 +561,61 @@ def test_a_multi_process_job_that_marks_no_steps_is_told_to_use_ot_step_once(
     if numbered:
         rows = _rows(tmp_path / "unmarked")
         assert [r["step"] for r in rows if "train/loss" in r] == [0, 1, 2, 3]
+
+
+def test_tracker_alone_keeps_each_log_a_point_of_its_own_at_the_default_interval(tmp_path: Path) -> None:
+    """Default settings (a flush every ~10 steps): each `accelerator.log(values, step=N)` is still one
+    point at step N, as Accelerate's own TensorBoard tracker writes it, not a flush's mean."""
+    tracker = OtelTrainTracker(run_name="points", tensorboard=True, **QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("proj")
+    for step in range(25):
+        accelerator.log({"loss": float(step)}, step=step)
+    accelerator.end_training()
+    rows = _rows(tmp_path / "runs" / "points")
+    assert [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r] == [
+        (s, float(s)) for s in range(25)
+    ]
+    assert sum(r.get("train/steps") or 0 for r in rows) == 25
+    tb = read_tensorboard(tmp_path / "runs" / "points" / "tensorboard")
+    assert dict(tb.scalars["train/loss"]) == {s: float(s) for s in range(25)}
+
+
+def test_nested_values_are_flattened_text_is_text_and_the_rest_is_counted(tmp_path: Path) -> None:
+    """As Accelerate's TensorBoard and W&B trackers keep them: a nested dict's numbers as
+    `outer/inner`, a string as text; a value that is no number (a list) is dropped, counted and
+    warned about, never silently."""
+    warned = log_messages()
+    tracker = OtelTrainTracker(run_name="kinds", **QUIET, **EVERY_STEP)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("proj")
+    accelerator.log({"nested": {"a": 1.0, "deeper": {"b": 2.0}}, "note": "hello", "hist": [1, 2]}, step=0)
+    accelerator.log({"loss": 1.0}, step=1)
+    accelerator.end_training()
+    run_dir = tmp_path / "runs" / "kinds"
+    rows = _rows(run_dir)
+    (first,) = [r for r in rows if "nested/a" in r]
+    assert (first["step"], first["nested/a"], first["nested/deeper/b"]) == (0, 1.0, 2.0)
+    texts = [json.loads(line) for line in (run_dir / "text.jsonl").read_text().splitlines()]
+    assert [(t["key"], t["text"], t["step"]) for t in texts] == [("note", "hello", 0)]
+    assert sum(r.get("otel_train/dropped/invalid_type") or 0 for r in rows) == 1
+    assert any("hist" in message for message in warned), warned
+
+
+def test_a_log_after_end_training_is_refused_not_a_new_run(tmp_path: Path) -> None:
+    """The tracker's run ended with `end_training()`: a later log says so and records nothing, and
+    no second (unnamed) run appears; `init_trackers` again starts a new run."""
+    warned = log_messages()
+    tracker = OtelTrainTracker(**QUIET)
+    accelerator = Accelerator(log_with=[tracker], cpu=True)
+    accelerator.init_trackers("first")
+    accelerator.log({"loss": 1.0}, step=0)
+    accelerator.end_training()
+    accelerator.log({"loss": 2.0}, step=1)
+    assert current_session() is None
+    assert len(list((tmp_path / "runs").iterdir())) == 1
+    assert any("after accelerator.end_training()" in m and "init_trackers()" in m for m in warned), warned
+    accelerator.init_trackers("second")
+    accelerator.log({"loss": 3.0}, step=0)
+    accelerator.end_training()
+    assert len(list((tmp_path / "runs").iterdir())) == 2

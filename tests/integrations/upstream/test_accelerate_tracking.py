@@ -165,10 +165,13 @@ def test_logged_values_reach_every_tracker(tmp_path: Path, arm: str) -> None:
     assert _first_csv_row(tmp_path / "csv" / "log.csv") == _csv_row(
         total_loss="0.1", iteration="1", my_text="some_value"
     )
-    if arm == "with_otel_train":  # otel_train: the numbers under step 0 in our run dir, no text
-        (stepped,) = [row for row in _run_dir()[0] if row.get("train/steps")]
+    if arm == "with_otel_train":  # otel_train: the numbers under step 0 in our run dir, the text as text
+        (stepped,) = [row for row in _run_dir()[0] if "train/total_loss" in row]
         assert (stepped["step"], stepped["train/total_loss"], stepped["train/iteration"]) == (0, 0.1, 1)
         assert not [key for key in stepped if "my_text" in key]
+        (run_dir,) = Path(os.environ["OTEL_TRAIN_OUTPUT_DIR"]).iterdir()
+        texts = [json.loads(line) for line in (run_dir / "text.jsonl").read_text().splitlines()]
+        assert [(t["key"], t["text"], t["step"]) for t in texts] == [("my_text", "some_value", 0)]
 
 
 @pytest.mark.parametrize("arm", ARMS)
@@ -269,7 +272,7 @@ def test_otel_train_registered_is_made_by_name(registry: None) -> None:
     assert info is not None and info.run_name.startswith("some_project-")
     rows, hparams = _run_dir()
     assert hparams == config
-    assert [(row["step"], row["train/total_loss"]) for row in rows if row.get("train/steps")] == [(0, 0.1)]
+    assert [(row["step"], row["train/total_loss"]) for row in rows if "train/total_loss" in row] == [(0, 0.1)]
 
 
 def test_registering_a_non_tracker_fails(registry: None) -> None:

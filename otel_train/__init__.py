@@ -157,7 +157,7 @@ def log_hyperparams(params: Mapping[str, Any]) -> None:
 
 def event(name: str, message: str, attributes: Mapping[str, str | int | float | bool] | None = None) -> None:
     """A health event, as the library's own (events file, OTel log record, the events counter
-    `otel_train.health.events{otel_train.event=name}`): for what an integration sees happen, e.g. a
+    `train.health.events{otel_train.event=name}`): for what an integration sees happen, e.g. a
     worker failure. `name` is a label value: use a few fixed names, put the details in `message`."""
     if attributes is not None:
         _need_mapping("event", attributes)

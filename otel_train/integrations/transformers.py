@@ -88,6 +88,7 @@ class OtelTrainCallback(TrainerCallback):
         self._data_ready_ns = 0  # when the wrapped get_batch_samples last got a micro-batch
         self._batch: Any = None  # the next step's first micro-batch (get_batch_samples)
         self._batch_tokens = 0  # the next step's input tokens, from its micro-batches' shapes
+        self._batch_rows = 0  # and its samples (rows)
         self._trainer_counts_tokens = False  # include_num_input_tokens_seen: the Trainer's count
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -143,6 +144,7 @@ class OtelTrainCallback(TrainerCallback):
             self._batch = samples[0] if isinstance(samples, list) and samples else None
             if isinstance(samples, list):
                 self._batch_tokens = sum(_elements(batch, input_name) for batch in samples)
+                self._batch_rows = sum(_rows(batch, input_name) for batch in samples)
             return result
 
         setattr(wrapper, _WRAPPED, True)
@@ -271,7 +273,8 @@ class OtelTrainCallback(TrainerCallback):
         if not self._hook_step.open:
             return
         tokens = self._batch_tokens or None  # this rank's, as the Trainer's "all" counts them
-        self._batch_tokens = 0
+        samples = self._batch_rows or None
+        self._batch_tokens = self._batch_rows = 0
         # The trainer's own job-wide count where it keeps one: the Trainer's with
         # include_num_input_tokens_seen (non_padding, say), or TRL's GRPO/RLOO prompt and completion
         # tokens, whose batches hold text (no input_ids to count).
@@ -281,7 +284,7 @@ class OtelTrainCallback(TrainerCallback):
             job_tokens = max(state.num_input_tokens_seen - self._tokens_seen, 0)
             tokens = rank_share(job_tokens, self._rank, self._world) or None
             self._tokens_seen = state.num_input_tokens_seen
-        self._hook_step.end(tokens=tokens)
+        self._hook_step.end(tokens=tokens, samples=samples)
         self._mark_ns = perf_counter_ns()
         _saving_if_due(control)  # the Trainer saves before the next step (after its log and eval)
 
@@ -482,6 +485,13 @@ def _elements(batch: Any, name: str) -> int:
     value = batch.get(name) if isinstance(batch, Mapping) else None
     numel = getattr(value, "numel", None)
     return int(numel()) if callable(numel) else 0
+
+
+def _rows(batch: Any, name: str) -> int:
+    """The rows (samples) of `batch[name]`, a tensor of at least one dimension (0 when there is none)."""
+    value = batch.get(name) if isinstance(batch, Mapping) else None
+    shape = getattr(value, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) > 0 else 0
 
 
 def _precision(args: Any) -> str | None:

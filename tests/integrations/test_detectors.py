@@ -127,6 +127,7 @@ def _hf_rank(rank: int, world: int, out: str, mode: str) -> list[dict[str, Any]]
     from helpers.integration_models import VOCAB, TokenDataset
     from transformers import Trainer, TrainingArguments
 
+    import otel_train as ot
     from otel_train.integrations.transformers import OtelTrainCallback
 
     detached = mode == "unsharded_detached"
@@ -163,6 +164,7 @@ def _hf_rank(rank: int, world: int, out: str, mode: str) -> list[dict[str, Any]]
     trainer_class = PlainLoaderTrainer if mode.startswith("unsharded") else Trainer
     trainer = trainer_class(model=TinyLM(), args=args, train_dataset=TokenDataset(64), callbacks=[callback])
     trainer.train()
+    ot.shutdown()  # the callback's run idles after train(), until process exit
     return _events(out, mode, rank)
 
 

@@ -111,6 +111,7 @@ def test_trainer_steps_logs_eval_and_tokens_reach_pull_endpoint_and_jsonl(tmp_pa
         assert metrics[name] > 0, name
     # Every row has 2 x 16 tokens per micro-batch, 2 micro-batches per step.
     assert metrics["train_tokens_total"] == MAX_STEPS * GRAD_ACCUM * 2 * 16
+    assert metrics["train_samples_total"] == MAX_STEPS * GRAD_ACCUM * 2  # the rows of those batches
 
     rows = _rows(session.run_dir)
     keys = set().union(*rows)
@@ -120,6 +121,7 @@ def test_trainer_steps_logs_eval_and_tokens_reach_pull_endpoint_and_jsonl(tmp_pa
     assert sum(r.get("timers/eval/count", 0) for r in rows) == 2  # eval_steps=3 over 6 steps
     assert sum(r.get("timers/checkpoint/count", 0) for r in rows) == 1
     assert sum(r.get("throughput/tokens", 0) for r in rows) == MAX_STEPS * GRAD_ACCUM * 2 * 16
+    assert sum(r.get("throughput/samples", 0) for r in rows) == MAX_STEPS * GRAD_ACCUM * 2
     last_loss = [r["train/loss"] for r in rows if r.get("train/loss") is not None][-1]
     trainer_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert last_loss == pytest.approx(trainer_losses[-1], rel=1e-6)
@@ -192,6 +194,7 @@ def test_a_decorated_training_step_under_the_callback_counts_each_step_once(tmp_
         model=plain.model, args=plain.args, train_dataset=plain.train_dataset, callbacks=[callback]
     )
     trainer.train()
+    ot.shutdown()  # the callback's run idles after train(), until process exit
     rows = _rows(tmp_path / "runs" / "nested")
     assert sum(r.get("train/steps", 0) for r in rows) == MAX_STEPS
     assert sum(r.get("otel_train/dropped/nested_step", 0) for r in rows) == MAX_STEPS * GRAD_ACCUM
@@ -300,6 +303,7 @@ def test_tokens_are_counted_when_the_trainer_does_not_count_them(tmp_path: Path)
         save_strategy="no",
     )
     trainer.train()
+    ot.shutdown()  # the callback's run idles after train(), until process exit
     assert trainer.state.num_input_tokens_seen == 0  # the Trainer counted none
     rows = _rows(tmp_path / "runs" / "tokens")
     # 2 rows of 16 tokens per micro-batch, GRAD_ACCUM micro-batches per step
@@ -327,6 +331,7 @@ def test_a_step_that_accumulates_longer_than_the_stall_timeout_is_no_stall(tmp_p
         eval_strategy="no", save_strategy="no",
     )  # fmt: skip
     trainer.train()
+    ot.shutdown()  # the callback's run idles after train(), until process exit
     run_dir = tmp_path / "runs" / "accumulating"
     assert sum(r.get("train/steps", 0) for r in _rows(run_dir)) == 2
     assert len(slow.spans) == 8  # 2 steps of 4 micro-batches, each longer than the timeout

@@ -25,6 +25,7 @@ from otel_train.integrations._common import (
     EVAL_PREFIXES,
     HookStep,
     call_holding,
+    chosen,
     distributed_world,
     ending_on_error,
     rank_share,
@@ -78,6 +79,7 @@ class OtelTrainCallback(TrainerCallback):
         self._deepspeed = False  # the Trainer trains a DeepSpeed engine (instrumented at train begin)
         self._started = False  # this callback's run began (on_train_begin or a lazy first step)
         self._ran = False  # it began once: a log before any train() starts it, one after does not
+        self._idle = False  # its run idles after train(): a later train() starts a new one
         self._session: Any = None  # the session this callback started (and ends), else None
         self._mark_ns: int | None = None  # end of the last accounted stretch (step, log, eval, save)
         self._hook_step = HookStep()  # the step this callback began
@@ -152,17 +154,17 @@ class OtelTrainCallback(TrainerCallback):
 
     def _start(self, args: Any, state: TrainerState | None, model: Any) -> None:
         # Began already and its session still runs: the Trainer re-entered its training loop in the
-        # same train() (auto_find_batch_size after an out-of-memory error). The run goes on.
-        # The same for a second train() (or one after an evaluate() that began the run): it goes on.
+        # same train() (auto_find_batch_size after an out-of-memory error), or an evaluate() before
+        # train() began the run. The run goes on.
         global _owned_run
-        again = self._session is not None and adapters.current_run() == self._session
+        again = self._session is not None and adapters.current_run() == self._session and not self._idle
         max_steps = state.max_steps if state is not None else getattr(args, "max_steps", None)
         planned = max_steps if isinstance(max_steps, int) and max_steps > 0 else None
-        if again and planned is not None:
+        if again and planned is not None and not chosen("total_steps", self._settings):
             adapters.set_total_steps(planned)
         if not again:
             if _owned_run is not None and adapters.current_run() == _owned_run:
-                ot.shutdown()  # another callback's run, idle since its train(): this one's begins
+                ot.shutdown()  # a callback's run, idle since its train() (this one's or another's)
             adopted = _adopted_settings(args, state)
             if self._took_wandb:
                 adopted["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
@@ -173,6 +175,7 @@ class OtelTrainCallback(TrainerCallback):
             if started:
                 _owned_run = self._session
         self._started = self._ran = True
+        self._idle = False
         info = ot.run_info()
         self._rank = info.rank if info is not None else 0
         self._world = distributed_world()
@@ -202,8 +205,9 @@ class OtelTrainCallback(TrainerCallback):
         """End this callback's training (at `on_train_end`, when `train()` raises, at the end of
         `oumi.train`; idempotent): a step still open ends as failed (`OumiTrainer` may begin one and
         find no batch at an epoch's end). After `on_train_end` the run idles: an evaluate, a save or
-        a push after train() is still part of it, and it ends at process exit (or when another
-        callback's run begins). Otherwise (`end_run`) a session the callback started ends now."""
+        a push after train() is still part of it, and it ends at process exit (or when the next
+        train() of this or another callback begins a new run). Otherwise (`end_run`) a session the
+        callback started ends now."""
         self._hook_step.fail()
         self._started = False
         self._mark_ns = None
@@ -214,6 +218,7 @@ class OtelTrainCallback(TrainerCallback):
             self._session = None
             ot.shutdown()
         else:
+            self._idle = session is not None
             adapters.idle()
 
     # --- one optimizer step ----------------------------------------------------------------------

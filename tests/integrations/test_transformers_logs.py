@@ -112,6 +112,29 @@ def test_evaluations_before_and_after_train_belong_to_the_callbacks_run(tmp_path
     assert not any("eval/loss_min" in r for r in rows)  # each a logged value, none aggregated
 
 
+def test_a_second_train_with_the_same_callback_is_a_run_of_its_own(tmp_path: Path) -> None:
+    """The run idles after `train()` (the evaluation after it is still its own); the next `train()`,
+    whose steps count from 0 again, ends it and begins a new run."""
+    from otel_train.testing import current_session
+
+    callback = OtelTrainCallback(verbosity=0, hardware=False, prometheus_port=0)
+    trainer = _trainer(tmp_path / "hf-out", [callback], max_steps=3, logging_steps=1)
+    trainer.train()
+    first = current_session()
+    trainer.evaluate()
+    trainer.train()
+    assert current_session() is not first
+    ot.shutdown()
+    assert first is not None and first.run_dir is not None
+    runs = sorted(d.name for d in (tmp_path / "runs").iterdir())
+    assert len(runs) == 2
+    for run in runs:
+        rows = _lines(tmp_path / "runs" / run / "metrics.rank0.jsonl")
+        assert sum(r.get("train/steps", 0) for r in rows) == 3
+        evals = [r["step"] for r in rows if "eval/loss" in r]
+        assert evals == ([2] if run == first.run_dir.name else [])
+
+
 def test_the_evaluation_at_the_start_is_filed_at_step_0(tmp_path: Path) -> None:
     """`eval_on_start=True`: the Trainer evaluates at global step 0, before the first step."""
     callback = OtelTrainCallback(run_name="start", verbosity=0, hardware=False, prometheus_port=0)

@@ -168,6 +168,18 @@ def scalar_logs(
     return out
 
 
+def flattened(values: Mapping[Any, Any], prefix: str = "") -> dict[Any, Any]:
+    """`values` with nested mappings as `outer/inner` names (W&B and TensorBoard keep them too)."""
+    out: dict[Any, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}" if prefix else key
+        if isinstance(value, Mapping):
+            out.update(flattened(value, f"{name}/"))
+        else:
+            out[name] = value
+    return out
+
+
 def call_holding(
     kind: type[T], member: object, members: str, names: tuple[str, ...] = ("self",)
 ) -> tuple[T, dict[str, Any]] | None:

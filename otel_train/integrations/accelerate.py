@@ -22,6 +22,7 @@ from otel_train.integrations._common import (
     call_holding,
     distributed_world,
     end_training,
+    flattened,
     logged_step,
     scalar_logs,
     settings_from_kwargs,
@@ -132,7 +133,7 @@ class OtelTrainTracker(GeneralTracker):
             return
         # Nested dicts flattened, strings as text: as Accelerate's TensorBoard and W&B trackers keep
         # them; anything else that is no number is dropped by log_metrics, counted and warned about.
-        flat = _flattened(values)
+        flat = flattened(values)
         scalars = scalar_logs(flat, left_out=(str,))
         if self._marks_steps and (
             info.open_step is not None or info.world_size > 1 or info.step != self._marked
@@ -248,15 +249,3 @@ def _step_number(step: Any) -> int | None:
             return None
         number = int(as_float)
     return number if -(2**63) <= number < 2**63 else None
-
-
-def _flattened(values: Mapping[Any, Any], prefix: str = "") -> dict[Any, Any]:
-    """`values` with nested mappings as `outer/inner` names (W&B and TensorBoard keep them too)."""
-    out: dict[Any, Any] = {}
-    for key, value in values.items():
-        name = f"{prefix}{key}" if prefix else key
-        if isinstance(value, Mapping):
-            out.update(_flattened(value, f"{name}/"))
-        else:
-            out[name] = value
-    return out

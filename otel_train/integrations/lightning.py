@@ -30,6 +30,7 @@ from otel_train.integrations._common import (
     HookStep,
     call_holding,
     chosen,
+    flattened,
     logged_step,
     scalar_logs,
     settings_from_kwargs,
@@ -49,9 +50,13 @@ log = logging.getLogger("otel_train")
 
 
 def _lightning_scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    renamed = {_RENAMES.get(k, k): v for k, v in metrics.items() if isinstance(k, str)}
+    """Lightning's names onto the catalogue's; a nested dict (Fabric's `log_dict`) flattened to
+    `outer/inner`, as TensorBoardLogger keeps it; a value that is no number goes on to
+    `log_metrics`, which drops, counts and warns."""
+    flat = flattened(metrics)
+    renamed = {_RENAMES.get(k, k): v for k, v in flat.items() if isinstance(k, str)}
     renamed = {(f"eval_{k[4:]}" if k.startswith("val_") else k): v for k, v in renamed.items()}
-    return scalar_logs(renamed, _SKIPPED)
+    return scalar_logs(renamed, _SKIPPED, left_out=())
 
 
 class _Place(NamedTuple):
@@ -142,6 +147,7 @@ class OtelTrainLogger(Logger):
         self._primary: OtelTrainLogger | None = None  # another OtelTrainLogger on our Trainer does the work
         self.marks_steps = True  # OtelTrainCallback on the same Trainer turns it off: it marks them
         self._last_step: int | None = None
+        self._marked = -1  # the last step this logger marked (-1: none, as a fresh session's last step)
         self._mark_ns: int | None = None  # where the next logged step starts
 
     def __getstate__(self) -> dict[str, Any]:
@@ -288,8 +294,20 @@ class OtelTrainLogger(Logger):
             return  # the first OtelTrainLogger on the Trainer sent these
         self._ensure_session()
         values = _lightning_scalars(metrics)
+        info = ot.run_info()
+        if (
+            self.marks_steps
+            and info is not None
+            and (info.open_step is not None or info.world_size > 1 or info.step != self._marked)
+        ):
+            # The loop marks steps itself (Fabric with ot.step), or a flush must pair across ranks:
+            # this logger only files values, as Accelerate's tracker does.
+            self.marks_steps = False
+        if step is None and self.marks_steps:  # Fabric's log without a step: the next one
+            step = self._marked + 1
         if step is not None and self.marks_steps and (self._last_step is None or step > self._last_step):
             self._mark_ns = logged_step(step, self._mark_ns, values)
+            self._marked = step
             values = {}
         if step is not None:
             self._last_step = step if self._last_step is None else max(step, self._last_step)
@@ -312,6 +330,8 @@ class OtelTrainLogger(Logger):
         elif self._primary is None and _owner_of(adapters.current_run()) is self:
             _owned_session, _owner_ref = None, None
             ot.shutdown()
+        else:  # the user's run outlives the failed fit: no stall while the user handles it
+            adapters.idle()
 
 
 def _trainer_settings(trainer: Trainer, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -366,17 +386,17 @@ class OtelTrainCallback(Callback):
 
     # --- lifecycle -----------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
+        for logger in ours:
+            logger.marks_steps = False  # the steps are ours (validate and test have none)
         if stage != "fit":
             return
         self._owns_session = start_session(_trainer_settings(trainer, self._settings))
-        ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
         if ours and not self._owns_session and _owner_of(adapters.current_run()) is ours[0]:
             # The logger's run goes on into this fit: its plan is this fit's max_steps.
             planned = ours[0]._session_settings(trainer).get("total_steps")
             if planned is not None:
                 adapters.set_total_steps(planned)
-        for logger in ours:
-            logger.marks_steps = False  # the steps are ours; the logger only logs values
         if not ours:
             self._unwrap = _forward_logged_metrics(trainer)
 
@@ -401,13 +421,16 @@ class OtelTrainCallback(Callback):
         self._release()
 
     def _release(self) -> None:
-        """Stop forwarding logged values; shut down the session this callback started."""
+        """Stop forwarding logged values; shut down the session this callback started, or let the
+        user's idle (no stall while it does other work, its last steps flushed)."""
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
         if self._owns_session:
             self._owns_session = False
             ot.shutdown()
+        else:
+            adapters.idle()
 
     # --- one optimizer step (one or more micro-batches) ------------------------------------------
     def on_train_batch_start(

@@ -22,7 +22,7 @@ pytest.importorskip("lightning")
 import urllib.request
 
 import torch
-from helpers.events import SlowStretches
+from helpers.events import SlowStretches, log_messages, run_events
 from helpers.ports import free_port
 from helpers.readback import read_tensorboard
 from helpers.waiting import wait_for
@@ -94,6 +94,9 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
 def _progress_lines(run_dir: Path) -> list[str]:
     """progress.txt's step lines (not its end-of-process goodput line)."""
     return [line for line in (run_dir / "progress.txt").read_text().splitlines() if "| step " in line]
+
+
+QUIET_LOGGER = {"prometheus_port": 0, "verbosity": 0, "hardware": False}
 
 
 def _total(rows: list[dict[str, Any]], key: str) -> float:
@@ -886,3 +889,81 @@ def test_manual_optimization_with_two_optimizers_numbers_steps_as_lightning_logs
         (i, float(i)) for i in range(4)
     ]
     assert json.loads((Path(logger.log_dir) / "config.json").read_text())["total_steps"] is None
+
+
+def test_validate_or_test_without_fit_marks_no_training_steps(tmp_path: Path) -> None:
+    """`trainer.validate()` / `trainer.test()` alone: their per-batch logs are no training steps,
+    and their time is no productive time."""
+
+    class Evaluated(TinyRegression):
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("test_loss", torch.nn.functional.mse_loss(self.layer(x), y), on_step=True)
+
+    logger = OtelTrainLogger(run_name="eval-only", output_dir=str(tmp_path / "runs"), **QUIET_LOGGER)
+    trainer = _trainer(tmp_path, logger=logger)
+    trainer.validate(Evaluated(), _loader(16))
+    trainer.test(Evaluated(), _loader(16))
+    ot.shutdown()
+    rows = _rows(tmp_path / "runs" / "eval-only")
+    assert _total(rows, "train/steps") == 0
+    assert _total(rows, "train/productive") == 0
+    assert any("eval/loss" in r for r in rows) and any("test/loss_step" in r for r in rows)
+
+
+def test_fabric_logs_each_value_once_at_its_step_beside_the_loops_steps_or_alone(tmp_path: Path) -> None:
+    """Fabric with `OtelTrainLogger`: alone, each `fabric.log` is a step (one without `step=` the
+    next one), a nested `log_dict` flattened, a bool counted and warned; with `ot.step` in the
+    loop the logger marks none (each step counted once)."""
+    from lightning.fabric import Fabric
+
+    warned = log_messages()
+    alone = OtelTrainLogger(run_name="fabric-alone", output_dir=str(tmp_path / "runs"), **QUIET_LOGGER)
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=[alone])
+    for i in range(6):
+        fabric.log("loss", float(i))  # no step: the next one
+    fabric.log_dict({"losses": {"a": 1.0, "b": 2.0}, "flag": True}, step=6)
+    ot.shutdown()
+    rows = _rows(tmp_path / "runs" / "fabric-alone")
+    assert [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r] == [
+        (i, float(i)) for i in range(6)
+    ]
+    assert [(r["step"], r["losses/a"], r["losses/b"]) for r in rows if "losses/a" in r] == [(6, 1.0, 2.0)]
+    assert _total(rows, "otel_train/dropped/invalid_type") == 1 and any("flag" in m for m in warned), warned
+    assert _total(rows, "train/steps") == 7
+
+    beside = OtelTrainLogger(run_name="fabric-steps", output_dir=str(tmp_path / "runs"), log_interval=5,
+                             **QUIET_LOGGER)  # fmt: skip
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=[beside])
+    for i in range(10):
+        with ot.step(i):
+            fabric.log("loss", float(i), step=i)
+    ot.shutdown()
+    rows = _rows(tmp_path / "runs" / "fabric-steps")
+    assert _total(rows, "train/steps") == 10
+    assert [r["step"] for r in rows if r.get("train/steps")] == [4, 9]  # flushed every 5 steps
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["fit-ends", "fit-raises"])
+def test_the_users_own_run_idles_after_the_fit_with_the_callback_alone(tmp_path: Path, fails: bool) -> None:
+    """`ot.init()` first, the callback alone: when the fit ends (or raises, the user handling it)
+    the run idles, its last steps flushed: no stall however long the pause after it."""
+
+    class FailsAt3(TinyRegression):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if fails and self.global_step == 3:
+                raise RuntimeError("planted")
+            return super().training_step(batch, batch_idx)
+
+    ot.init(run_name="mine", output_dir=str(tmp_path / "runs"), stall_timeout_s=0.5, **QUIET_LOGGER)
+    session = current_session()
+    trainer = _trainer(tmp_path, logger=False, callbacks=[OtelTrainCallback()])
+    try:
+        trainer.fit(FailsAt3(), _loader(64))
+    except RuntimeError:
+        assert fails
+    assert current_session() is session
+    assert session.last_step()[1] is None  # idle: the watchdog judges nothing until the next step
+    time.sleep(1.5)  # three stall timeouts
+    ot.shutdown()
+    assert run_events(tmp_path / "runs" / "mine", event="stall") == []

@@ -97,6 +97,7 @@ class StepClock:
         self.gap_after_ns: int | None = None
         self.stall_gap_ns = int(stall_timeout_s * 1e9)
         self.eval_batch_ns = 0  # the latest eval batch between steps (adapters.heartbeat)
+        self.idle_after_ns: int | None = None  # the end of the step after which the loop idled on purpose
         # (the last step completed before the stalled one, seconds): appended by the watchdog
         # thread, taken by the listener once that step is flushed
         self.step_stalls: deque[tuple[int, float]] = deque()
@@ -108,7 +109,8 @@ class StepClock:
     def note_gap(self, start_ns: int, previous_end_ns: int | None) -> None:
         """A step starts at `start_ns` (the first one: `previous_end_ns` None). A gap over
         stall_timeout_s, less the spans in it, is stall time, or eval time when eval batches ran in it
-        (`adapters.heartbeat()` between steps, as an eval without `ot.span("eval")` calls it)."""
+        (`adapters.heartbeat()` between steps, as an eval without `ot.span("eval")` calls it); a
+        pause on purpose (`adapters.idle()`) stays `other`."""
         if previous_end_ns is None:
             self.first_step_start_ns = start_ns
             return
@@ -118,7 +120,7 @@ class StepClock:
             return
         if self.eval_batch_ns > previous_end_ns:
             self.span_ns["eval"] = self.span_ns.get("eval", 0) + stalled
-        else:
+        elif self.idle_after_ns != previous_end_ns:  # not a pause on purpose (`adapters.idle()`)
             self.stall_ns += stalled
 
     def note_span(self, name: str, duration_ns: int, in_step: bool, last_step_end_ns: int | None) -> None:

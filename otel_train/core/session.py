@@ -313,7 +313,7 @@ class Session:
         """The loop pauses on purpose (between fit and test): no stall until a step begins, and what
         no step end would take is flushed now: steps, timers, and values where no peer pairs flushes
         (a rank-0-only eval's alone would unpair them; every rank pauses after the same step)."""
-        self._idle_mark = (self.step_index, self.step_start_ns)
+        self._idle_mark, self.clock.idle_after_ns = (self.step_index, self.step_start_ns), self.step_end_ns
         outside_step = not self.step_start_ns and get_ident() == self._step_thread
         values = not self._lockstep and (self.buffer.scalars or self.buffer.rows)
         if outside_step and (self.interval_steps or self.timer_events or values or self._flush_requested):

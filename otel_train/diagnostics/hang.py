@@ -274,8 +274,13 @@ class HangWatchdog:
                 )
 
     def _arm_backstop(self) -> None:
-        """(Re-)arm faulthandler's timer once steps have begun; report when it could have fired."""
-        if self._raw_file is None or self._last_step()[1] is None:
+        """(Re-)arm faulthandler's timer once steps have begun; report when it could have fired.
+        While the loop idles on purpose nothing is judged: no timer, and no gap since the last tick."""
+        if self._raw_file is None:
+            return
+        if self._last_step()[1] is None:
+            _cancel_backstop_timer()
+            self._last_tick = None
             return
         now = time.monotonic()
         if self._last_tick is not None and now - self._last_tick > self._backstop_s:

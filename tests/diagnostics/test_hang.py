@@ -77,6 +77,30 @@ def test_eval_batches_keep_the_stall_watchdog_quiet_until_they_stop(tmp_path: Pa
     assert session.last_step() == (0, None)
 
 
+def test_a_pause_marked_idle_longer_than_the_backstop_is_no_stall(tmp_path: Path) -> None:
+    """`adapters.idle()` then a pause longer than faulthandler's backstop (stall_timeout_s + 2 s):
+    no stack dump, no `stall` event (neither during the pause nor at the next step, as a watchdog
+    that could not run), and no stall time in goodput."""
+    import json
+
+    ot.init(run_name="idle", stall_timeout_s=0.5, prometheus_port=0, verbosity=0, hardware=False)
+    session = current_session()
+    for step in range(3):
+        with ot.step(step):
+            time.sleep(0.2)  # the watchdog ticks (and arms its backstop) while the loop steps
+    adapters.idle()  # e.g. evaluating after fit, or pushing to the Hub after train()
+    time.sleep(3.5)
+    with ot.step(3):
+        pass
+    time.sleep(0.5)  # a few watchdog ticks after the pause
+    ot.shutdown()
+    assert run_events(session.run_dir, event="stall") == []
+    raw = session.run_dir / "faulthandler.rank0.txt"  # removed at shutdown when nothing was dumped
+    assert not raw.exists() or "Timeout" not in raw.read_text()
+    goodput = json.loads((session.run_dir / "goodput.rank0.json").read_text())
+    assert goodput["badput"]["stall"] == 0
+
+
 def test_eval_batches_past_eval_timeout_s_are_a_stall(tmp_path: Path) -> None:
     """An evaluation whose loader never ends: its batches call `adapters.heartbeat()` forever, so
     past `eval_timeout_s` after the last step they keep the watchdog quiet no longer, and the stall

@@ -425,6 +425,9 @@ def resolve_steps(batch: FlushBatch, last_step: StepEvent | None = None) -> tupl
     if not events:
         return 0.0, set()
     starts = column_of(events, 1)
+    # The process's first steps: their interval's rates count from the first one's start, not init().
+    if last_step is None and batch.wall_perf_ns > starts[0]:
+        batch.elapsed_s = min(batch.elapsed_s, (batch.wall_perf_ns - starts[0]) * 1e-9)
     # a step that began before one that ended ahead of it held that one (ot.step in an open ot.step)
     if not all(map(le, starts, starts[1:])) or (last_step is not None and starts[0] <= last_step[1]):
         events = batch.step_events = outermost_steps(batch, last_step)

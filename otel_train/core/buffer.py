@@ -291,12 +291,11 @@ class Buffer:
         """The instrument a record() name seen before maps to (None: unseen or rejected)."""
         return self._name_map.get(name) if isinstance(name, str) else None
 
-    def has_user_values_for(self, instrument: str) -> bool:
-        """Whether a user's record() name mapping to `instrument` has values in this interval."""
-        return any(
-            values and name != instrument and self._name_map.get(name) == instrument
-            for name, values in self.scalars.items()
-        )
+    def has_user_name_for(self, instrument: str) -> bool:
+        """Whether a user's record() name maps to `instrument` (from its first record on, so the
+        series stays the user's and never switches back to otel_train's own values)."""
+        owner = self._owners.get(instrument)
+        return owner is not None and owner != instrument
 
     def drop(self, reason: str, count: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count

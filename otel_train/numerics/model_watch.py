@@ -228,7 +228,7 @@ class ModelWatch:
                 ran = self._ran_only(per_layer)
                 if ran is not None:
                     records.append(LayerStats(semconv.LAYER_GRAD_NORM.name, *ran, index))
-                if not buffer.has_user_values_for(semconv.GRAD_NORM.name):  # the user's own grad_norm wins
+                if not buffer.has_user_name_for(semconv.GRAD_NORM.name):  # the user's own grad_norm wins
                     buffer.add_internal(semconv.GRAD_NORM.name, total)
                 if self.histograms:
                     self._add_histograms(buffer, "gradients", samples, index)

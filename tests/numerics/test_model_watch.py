@@ -350,6 +350,17 @@ def test_users_own_grad_norm_is_kept(cap: Capture) -> None:
     assert _flush_at(cap, 0)["grad_norm/head"] > 0  # per-layer values still come
 
 
+def test_users_grad_norm_recorded_now_and_then_keeps_the_series_theirs(cap: Capture) -> None:
+    """A user who records the (pre-clip) norm only on some steps: from the first one on, the series
+    is theirs (flushes without a record of theirs have none), never the watch's post-clip values."""
+    model = Tiny()
+    ot.watch(model, every=1)
+    _train(model, 6, on_step=lambda i, m: ot.record("grad_norm", 123.0) if i in (2, 5) else None)
+    ot.shutdown()
+    assert _flush_at(cap, 0)["train/grad_norm"] != 123.0  # before the user's first: the watch's
+    assert [_flush_at(cap, i).get("train/grad_norm") for i in range(2, 6)] == [123.0, None, None, 123.0]
+
+
 def test_nonfinite_gradient_names_the_layer(cap: Capture) -> None:
     session = current_session()
     assert session is not None

@@ -270,6 +270,11 @@ class Config:
         doc='in place of `stall_timeout_s` while a checkpoint save runs (an open `ot.span("checkpoint")`, '
         "or a save a framework integration announces): a hung save is still a stall",
     )  # fmt: skip
+    first_step_timeout_s: float = setting(
+        1800.0, gt=0,
+        doc="in place of `stall_timeout_s` while the first step runs (compilation, warm-up and the collectives' "
+        "set-up are in it): a first batch or first all-reduce that never comes is still a stall",
+    )  # fmt: skip
     eval_timeout_s: float = setting(
         7200.0, gt=0,
         doc="eval batches between steps (`adapters.heartbeat()`) keep the stall watchdog quiet for this long "

@@ -285,6 +285,7 @@ def _attach_watchdog(session: Session) -> None:
         role=session.identity.role,
         saving=session.saving,
         checkpoint_timeout_s=config.checkpoint_timeout_s,
+        first_step_timeout_s=config.first_step_timeout_s,
         step_start=lambda: session.step_start_ns,
         on_step_stall=session.clock.note_step_stall,
         evaluating_s=session.evaluating_s,

@@ -121,6 +121,7 @@ class HangWatchdog:
         role: str = "",
         saving: Callable[[], bool] = lambda: False,
         checkpoint_timeout_s: float = 1800.0,
+        first_step_timeout_s: float = 1800.0,
         step_start: Callable[[], int] = lambda: 0,
         on_step_stall: Callable[[int, float], None] | None = None,
         evaluating_s: Callable[[], float] = lambda: 0.0,
@@ -133,6 +134,7 @@ class HangWatchdog:
         self._stall_timeout_s = stall_timeout_s
         self._saving = saving  # () -> whether a checkpoint save runs (its own timeout)
         self._checkpoint_timeout_s = checkpoint_timeout_s
+        self._first_step_timeout_s = first_step_timeout_s
         self._evaluating_s = evaluating_s  # () -> seconds of eval batches past eval_timeout_s, else 0
         self._poll_s = min(1.0, max(0.05, stall_timeout_s / 4))
         # The faulthandler timer fires when this thread has not re-armed it for this long.
@@ -296,20 +298,37 @@ class HangWatchdog:
 
     def stalled_s(self) -> float:
         """The `train.stall.duration` gauge: how long this rank has had no step or eval batch, once
-        past the stall timeout (the checkpoint timeout during a save), else 0."""
-        _, ended = self._last_step()
+        past the stall timeout (the checkpoint timeout during a save, the first step's timeout
+        while it runs), else 0."""
+        step, ended = self._last_step()
         if ended is None:
-            return 0.0
+            return self._first_step_s(step)
         idle = time.perf_counter() - ended
         return idle if idle >= self._timeout_s(self._saving()) else 0.0
 
     def _timeout_s(self, saving: bool) -> float:
         return self._checkpoint_timeout_s if saving else self._stall_timeout_s
 
+    def _first_step_s(self, step: int) -> float:
+        """How long the first step has run, once past `first_step_timeout_s` (compilation, warm-up
+        and the collectives' set-up are in it), else 0: a first batch or all-reduce that never comes."""
+        started = self._step_start() * 1e-9
+        if step >= 0 or not started:
+            return 0.0  # idle on purpose after steps, or no step begun: start-up is not a stall
+        running = time.perf_counter() - started
+        return running if running >= self._first_step_timeout_s else 0.0
+
     def _check_stall(self) -> None:
         step, ended = self._last_step()
-        if ended is None or ended == self._reported_for:
-            return  # no step yet (start-up is not a stall), or this stall was reported
+        if ended is None:
+            running = self._first_step_s(step)
+            started = self._step_start() * 1e-9
+            if running and started != self._reported_for:
+                self._reported_for = started
+                self._report(step, f"the first step has run for {running:.0f}s (past first_step_timeout_s)")
+            return
+        if ended == self._reported_for:
+            return  # this stall was reported
         idle = time.perf_counter() - ended
         saving = self._saving()
         if idle < self._timeout_s(saving):
@@ -323,6 +342,10 @@ class HangWatchdog:
             what = f"eval batches but no step for {evaluating:.0f}s (past eval_timeout_s): an evaluation that never ends?"
         else:
             what = f"no step or eval batch for {idle:.0f}s" + (" (in a checkpoint save)" if saving else "")
+        self._report(step, f"{what} after step {step}")
+
+    def _report(self, step: int, what: str) -> None:
+        """A stall: this rank's stacks (up to MAX_STALL_DUMPS), its event, the hang attribution."""
         path = self.dump(what) if self._stall_dumps < MAX_STALL_DUMPS else None
         self._stall_dumps += 1
         if self._stall_dumps == MAX_STALL_DUMPS:
@@ -334,7 +357,7 @@ class HangWatchdog:
         where = f"; stacks: {path}" if path is not None else ""
         self._events.emit(
             "stall",
-            f"{what} after step {step}{where}",
+            f"{what}{where}",
             {"step": step, **({"file": str(path)} if path is not None else {})},
         )
         if self._on_stall is not None:

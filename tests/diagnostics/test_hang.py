@@ -210,6 +210,35 @@ def test_no_stall_before_the_first_step(tmp_path: Path) -> None:
     assert list(session.run_dir.glob("stacks.*")) == []
 
 
+def test_a_first_step_that_never_ends_is_a_stall_after_its_own_timeout(tmp_path: Path) -> None:
+    """The classic hang at the first batch or the first all-reduce: no step has ended, so it is
+    judged from the first step's start by first_step_timeout_s (longer than stall_timeout_s:
+    compilation and warm-up run in it), with stacks, an event and the stall gauge."""
+    port = free_port()
+    ot.init(run_name="first", stall_timeout_s=0.2, first_step_timeout_s=1.0, prometheus_port=port,
+            verbosity=0, hardware=False)  # fmt: skip
+    session = current_session()
+    release = threading.Event()
+    first = threading.Thread(target=_first_step_parked, args=(release,), name="trainer-like")
+    first.start()
+    try:
+        time.sleep(0.6)  # past stall_timeout_s, inside first_step_timeout_s: warm-up, no stall
+        assert run_events(session.run_dir, event="stall") == [] and _stalled_s(port) == 0.0
+        (stall,) = wait_for(lambda: run_events(session.run_dir, event="stall"), 10, "the first step's stall")
+        assert stall["step"] == -1 and "the first step has run for" in stall["message"]
+        assert "_parked_in_marker_function" in Path(stall["file"]).read_text()
+        assert _stalled_s(port) >= 1.0
+    finally:
+        release.set()
+        first.join()
+    ot.shutdown()
+
+
+def _first_step_parked(release: threading.Event) -> None:
+    with ot.step(0):
+        _parked_in_marker_function(release)
+
+
 def test_sigusr1_dumps_on_the_watchdog_thread(tmp_path: Path) -> None:
     ot.init(run_name="usr1", prometheus_port=0, verbosity=0, hardware=False)
     session = current_session()

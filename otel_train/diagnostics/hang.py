@@ -99,6 +99,72 @@ def _cancel_backstop_timer() -> None:
         _cancel_backstop_locked()
 
 
+class RawStacks:
+    """faulthandler's stack dumps, written from C where no Python thread can run: its file (bounded
+    to RAW_STACKS_MAX_BYTES), its timer (the watchdog's backstop, re-armed at each tick: a tick
+    missed for longer is a stall of its own) and its registration on the dump signal."""
+
+    def __init__(self, backstop_s: float) -> None:
+        self.file: IO[str] | None = None
+        self._backstop_s = backstop_s
+        self._last_tick: float | None = None
+        self._signal: int | None = None  # the dump signal faulthandler is registered for
+
+    def open(self, path: Path) -> None:
+        try:
+            self.file = path.open("a", encoding="utf-8")
+        except OSError as exc:
+            log.warning("otel_train: no raw (faulthandler) stack dumps: %s", exc)
+
+    def tick(self) -> float | None:
+        """Re-arm the timer; the seconds since the last tick when they outran it (the watchdog
+        thread could not run, and the timer could have fired), else None."""
+        if self.file is None:
+            return None
+        now, last = time.monotonic(), self._last_tick
+        self._last_tick = now
+        _arm_backstop_timer(self._backstop_s, self.file)
+        return now - last if last is not None and now - last > self._backstop_s else None
+
+    def disarm(self) -> None:
+        """No timer, and no gap judged from the last tick (the loop idles on purpose, or has no step)."""
+        if self._last_tick is not None:
+            _cancel_backstop_timer()
+        self._last_tick = None
+
+    def bound(self) -> None:
+        """Empty the file beyond RAW_STACKS_MAX_BYTES (design page, #hang)."""
+        if self.file is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.fstat(self.file.fileno()).st_size > RAW_STACKS_MAX_BYTES:
+                os.ftruncate(self.file.fileno(), 0)
+                log.warning(
+                    "otel_train: %s grew past %d bytes and was emptied.", self.file.name, RAW_STACKS_MAX_BYTES
+                )
+
+    def register(self, signum: int, chain: bool) -> None:
+        """Raw stacks from C on the dump signal, then (chain) the handler the signal had."""
+        if self.file is not None and self._signal is None:
+            faulthandler.register(signum, file=self.file, all_threads=True, chain=chain)
+            self._signal = signum
+
+    def unregister(self) -> None:
+        if self._signal is not None:
+            faulthandler.unregister(self._signal)  # gives the signal back to the wakeup-fd handler
+            self._signal = None
+
+    def close(self) -> None:
+        self.disarm()
+        self.unregister()
+        if self.file is not None:
+            self.file.close()
+            with contextlib.suppress(OSError):
+                if Path(self.file.name).stat().st_size == 0:
+                    Path(self.file.name).unlink()  # no raw dump was written: leave no empty file
+            self.file = None
+
+
 SIGNAL_DUMP_INTERVAL_S = 5.0  # at most one stack dump per this many seconds on the dump signal
 RAW_STACKS_MAX_BYTES = 8 * 1024 * 1024  # faulthandler's file: emptied beyond this
 MAX_STALL_DUMPS = 10  # stack dumps on stall per session (a slow loop stalls at every step)
@@ -137,8 +203,8 @@ class HangWatchdog:
         self._first_step_timeout_s = first_step_timeout_s
         self._evaluating_s = evaluating_s  # () -> seconds of eval batches past eval_timeout_s, else 0
         self._poll_s = min(1.0, max(0.05, stall_timeout_s / 4))
-        # The faulthandler timer fires when this thread has not re-armed it for this long.
-        self._backstop_s = stall_timeout_s + max(2.0, 4 * self._poll_s)
+        # faulthandler's timer fires when this thread has not re-armed it for this long.
+        self._raw = RawStacks(stall_timeout_s + max(2.0, 4 * self._poll_s))
         self._on_tick = on_tick  # more work for the same wake-up (is the worker stuck?)
         self._on_stall = on_stall  # called with the stacks file after a stall event (hang attribution)
         self._step_start = step_start  # () -> perf_counter_ns of the running step's start, 0 outside one
@@ -155,17 +221,11 @@ class HangWatchdog:
         self._signal = dump_signal
         self._requests = 0  # dump-signal requests not yet answered by a dump
         self._last_signal_dump = -math.inf
-        self._raw_file: IO[str] | None = None  # faulthandler's output
-        self._raw_on_signal = False  # faulthandler registered for the dump signal
-        self._last_tick: float | None = None
         self._thread = threading.Thread(target=self._run, name="otel_train-watchdog", daemon=True)
 
     def start(self) -> None:
         if self._files is not None:
-            try:
-                self._raw_file = self._files.raw_stacks.open("a", encoding="utf-8")
-            except OSError as exc:
-                log.warning("otel_train: no raw (faulthandler) stack dumps: %s", exc)
+            self._raw.open(self._files.raw_stacks)
         if self._signal is not None:
             self._install_signal(self._signal)
         self._thread.start()
@@ -177,16 +237,8 @@ class HangWatchdog:
                 os.write(self._wake_w, b"\0")
         self._thread.join(timeout=1.0)
         self._settle_step_stall()  # a stalled step that ended just before the shutdown
-        if self._last_tick is not None:
-            _cancel_backstop_timer()
         self._uninstall_signal()
-        if self._raw_file is not None:
-            self._raw_file.close()
-            raw = Path(self._raw_file.name)
-            with contextlib.suppress(OSError):
-                if raw.stat().st_size == 0:
-                    raw.unlink()  # no raw dump was written: leave no empty file
-            self._raw_file = None
+        self._raw.close()
 
     # --- the dump --------------------------------------------------------------------------------
     def dump(self, reason: str, requests: int = 1) -> Path | None:
@@ -261,40 +313,23 @@ class HangWatchdog:
             requests, self._requests = self._requests, 0
             self._last_signal_dump = now
             self.dump("signal", requests)
-        self._bound_raw_file()
-
-    def _bound_raw_file(self) -> None:
-        """Empty faulthandler's file beyond RAW_STACKS_MAX_BYTES (design page, #hang)."""
-        raw = self._raw_file
-        if raw is None:
-            return
-        with contextlib.suppress(OSError):
-            if os.fstat(raw.fileno()).st_size > RAW_STACKS_MAX_BYTES:
-                os.ftruncate(raw.fileno(), 0)
-                log.warning(
-                    "otel_train: %s grew past %d bytes and was emptied.", raw.name, RAW_STACKS_MAX_BYTES
-                )
+        self._raw.bound()
 
     def _arm_backstop(self) -> None:
         """(Re-)arm faulthandler's timer once steps have begun; report when it could have fired.
         While the loop idles on purpose nothing is judged: no timer, and no gap since the last tick."""
-        if self._raw_file is None:
+        step, progressed = self._last_step()
+        if progressed is None:
+            self._raw.disarm()
             return
-        if self._last_step()[1] is None:
-            _cancel_backstop_timer()
-            self._last_tick = None
-            return
-        now = time.monotonic()
-        if self._last_tick is not None and now - self._last_tick > self._backstop_s:
-            step, _ = self._last_step()
+        missed = self._raw.tick()
+        if missed is not None and self._raw.file is not None:
             self._events.emit(
                 "stall",
-                f"the watchdog thread could not run for {now - self._last_tick:.0f}s after step {step} "
-                f"(a C call holding the GIL?); faulthandler's stacks: {self._raw_file.name}",
-                {"step": step, "file": self._raw_file.name},
+                f"the watchdog thread could not run for {missed:.0f}s after step {step} "
+                f"(a C call holding the GIL?); faulthandler's stacks: {self._raw.file.name}",
+                {"step": step, "file": self._raw.file.name},
             )
-        self._last_tick = now
-        _arm_backstop_timer(self._backstop_s, self._raw_file)
 
     def stalled_s(self) -> float:
         """The `train.stall.duration` gauge: how long this rank has had no step or eval batch, once
@@ -411,25 +446,15 @@ class HangWatchdog:
             signal.set_wakeup_fd(previous_fd)
             os.close(read_fd)
             os.close(write_fd)
-            self._set_raw_on_signal(True, chain=False)
+            self._raw.register(signum, chain=False)
             return
         self._wake_r, self._wake_w = read_fd, write_fd
         self._previous_handler = signal.SIG_DFL if ours else previous_handler
         signal.signal(signum, _ignore_signal)  # the dump happens on the watchdog thread
-        self._set_raw_on_signal(True, chain=True)  # faulthandler first (from C), then the handler above
-
-    def _set_raw_on_signal(self, on: bool, chain: bool = False) -> None:
-        """faulthandler on the dump signal: raw stacks from C, then (chain) the handler it had."""
-        if self._signal is None or self._raw_file is None or on == self._raw_on_signal:
-            return
-        if on:
-            faulthandler.register(self._signal, file=self._raw_file, all_threads=True, chain=chain)
-        else:
-            faulthandler.unregister(self._signal)  # gives the signal back to the wakeup-fd handler
-        self._raw_on_signal = on
+        self._raw.register(signum, chain=True)  # faulthandler first (from C), then the handler above
 
     def _uninstall_signal(self) -> None:
-        self._set_raw_on_signal(False)  # from any thread: its file is closed next
+        self._raw.unregister()  # from any thread: its file is closed next
         if self._signal is None or threading.current_thread() is not threading.main_thread():
             return  # (a shutdown on the SIGTERM thread) the handler stays ours: it ignores the signal
         if self._wake_w is not None:

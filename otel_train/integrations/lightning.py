@@ -42,7 +42,9 @@ __all__ = ["OtelTrainCallback", "OtelTrainLogger", "callbacks_factory"]
 
 ENV_SWITCH = "OTEL_TRAIN_LIGHTNING"
 # Lightning's conventional names onto otel_train's catalogue.
-_RENAMES = {"train_loss": "loss", "val_loss": "eval_loss"}
+# (`self.log(..., on_step=True, on_epoch=True)` suffixes `_step` and `_epoch`: the per-step value is
+# the loss the health checks read; the epoch's mean stays a series of its own.)
+_RENAMES = {"train_loss": "loss", "train_loss_step": "loss", "val_loss": "eval_loss"}
 _SKIPPED = frozenset({"epoch", "step"})
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")  # Config's run_name rule
 _VERSION_DIR = re.compile(r"version_(\d+)")
@@ -55,7 +57,7 @@ def _lightning_scalars(metrics: Mapping[str, Any]) -> dict[str, Any]:
     `log_metrics`, which drops, counts and warns."""
     flat = flattened(metrics)
     renamed = {_RENAMES.get(k, k): v for k, v in flat.items() if isinstance(k, str)}
-    renamed = {(f"eval_{k[4:]}" if k.startswith("val_") else k): v for k, v in renamed.items()}
+    renamed = {(f"eval{k[3]}{k[4:]}" if k.startswith(("val_", "val/")) else k): v for k, v in renamed.items()}
     return scalar_logs(renamed, _SKIPPED, left_out=())
 
 

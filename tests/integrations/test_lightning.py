@@ -967,3 +967,31 @@ def test_the_users_own_run_idles_after_the_fit_with_the_callback_alone(tmp_path:
     time.sleep(1.5)  # three stall timeouts
     ot.shutdown()
     assert run_events(tmp_path / "runs" / "mine", event="stall") == []
+
+
+def test_lightnings_step_and_epoch_suffixes_and_slash_names_reach_the_catalogue(tmp_path: Path) -> None:
+    """`self.log("train_loss", on_step=True, on_epoch=True)` logs `train_loss_step` and
+    `train_loss_epoch`: the per-step one is the loss (its NaN raises `nonfinite`); `val/loss` is the
+    eval loss, as `val_loss` is."""
+
+    class Suffixed(TinyRegression):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            shown = torch.tensor(float("nan")) if self.global_step == 3 else loss.detach()
+            self.log("train_loss", shown, on_step=True, on_epoch=True)
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val/loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+    logger = OtelTrainLogger(run_name="suffixes", output_dir=str(tmp_path / "runs"), **QUIET_LOGGER)
+    trainer = _trainer(tmp_path, logger=logger)
+    trainer.fit(Suffixed(), _loader(32), _loader(8))  # epochs of 4 steps: an epoch mean at 3
+    ot.shutdown()
+    run_dir = tmp_path / "runs" / "suffixes"
+    keys = set().union(*_rows(run_dir))
+    assert {"train/loss", "train/train_loss_epoch", "eval/loss"} <= keys
+    assert "train/train_loss_step" not in keys and "val/loss" not in keys
+    assert run_events(run_dir, event="nonfinite")  # the health checks read the per-step loss

@@ -9,6 +9,7 @@ How it works: docs/design/integrations.md#lightning.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import weakref
@@ -408,6 +409,24 @@ class OtelTrainCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._mark_ns = perf_counter_ns()  # after the sanity check: it is not the first step's data
+        self._plan_by_the_data(trainer)
+
+    def _plan_by_the_data(self, trainer: Trainer) -> None:
+        """`max_epochs` (or a short loader) can end the fit before `max_steps`, or no `max_steps` is
+        set: Lightning's estimate of the optimizer steps is then the plan of a run this integration
+        started, unless the user chose `total_steps` (under manual optimization the estimate counts
+        every optimizer's steps: no plan then)."""
+        owner = _owner_of(adapters.current_run())
+        if not self._owns_session and owner is None:
+            return  # the user's own run: its plan is theirs
+        settings = {**self._settings, **(owner._settings if owner is not None else {})}
+        if chosen("total_steps", settings) or not getattr(
+            trainer.lightning_module, "automatic_optimization", True
+        ):
+            return
+        planned = trainer.estimated_stepping_batches
+        if math.isfinite(planned) and planned >= 1:
+            adapters.set_total_steps(int(planned))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.should_stop and _logging_step(trainer) > 0:

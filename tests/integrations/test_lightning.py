@@ -431,6 +431,21 @@ def test_the_trainers_max_steps_is_adopted_unless_the_user_chose_total_steps(
         ot.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("limits", "planned"),
+    [({"max_steps": 100, "max_epochs": 1}, 5), ({"max_steps": -1, "max_epochs": 2}, 10)],
+    ids=["epochs-end-first", "epochs-only"],
+)
+def test_the_plan_is_the_steps_the_epochs_allow(tmp_path: Path, limits: dict[str, int], planned: int) -> None:
+    """`max_epochs` ends the fit before `max_steps`, or sets the only limit: the plan is Lightning's
+    estimate of the optimizer steps (5 batches an epoch here), and the run ends at "step N/N"."""
+    _quick_trainer(_quiet(run_name="epochs"), limit_train_batches=5, **limits).fit(_boring())
+    session = current_session()
+    assert session is not None and session.config.total_steps == planned
+    ot.shutdown()
+    assert f"step {planned}/{planned}" in _progress_lines(tmp_path / "runs" / "epochs")[-1]
+
+
 def test_a_second_fit_on_the_logger_plans_its_own_max_steps(tmp_path: Path) -> None:
     logger = _quiet(run_name="refit", log_interval=1)
     _quick_trainer(logger, max_steps=2, enable_checkpointing=False).fit(_boring())

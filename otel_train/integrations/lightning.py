@@ -75,6 +75,10 @@ class _Place(NamedTuple):
 # holding the logger alive for the module's life would keep its Trainer's objects too.
 _owned_session: Any = None
 _owner_ref: weakref.ref[OtelTrainLogger] | None = None
+# The run an OtelTrainCallback without a logger started: it idles after each fit, validate or test
+# (the next one on the Trainer is still part of it) until process exit, or until another callback
+# or a logger starts its own.
+_callback_run: Any = None
 
 
 def _owner_of(session: Any) -> OtelTrainLogger | None:
@@ -202,8 +206,10 @@ class OtelTrainLogger(Logger):
         if self._primary is not None:
             self._place = self._primary._resolve(trainer)
             return self._place
-        info = ot.run_info()
-        if info is not None and _owner_of(adapters.current_run()) is None:  # the user's session names the run
+        info, running = ot.run_info(), adapters.current_run()
+        if (
+            info is not None and _owner_of(running) is None and running != _callback_run
+        ):  # the user's names it
             self._place = _Place(str(info.output_dir), "", info.run_name)
             return self._place
         config = load_config(self._settings)
@@ -244,9 +250,9 @@ class OtelTrainLogger(Logger):
         session = adapters.current_run()
         if session is not None:
             owner = _owner_of(session)
-            if owner is None or owner is self:
-                return  # the user's session, or ours
-            ot.shutdown()  # another logger's run is over: this logger's run begins
+            if owner is self or (owner is None and session != _callback_run):
+                return  # ours, or the user's session
+            ot.shutdown()  # another logger's (or a callback's) run is over: this logger's run begins
         place = self._resolve(trainer)
         settings = self._session_settings(trainer)
         settings["run_name"] = place.version
@@ -381,6 +387,7 @@ class OtelTrainCallback(Callback):
         self._tokens_of = tokens
         self._tokens = 0
         self._owns_session = False
+        self._run: Any = None  # the session this callback started (it may idle between stages)
         self._unwrap: Callable[[], None] | None = None  # undoes the forwarding of logged values
         self._hook_step = HookStep()
         self._step_global = 0  # trainer.global_step when the open step began
@@ -390,17 +397,27 @@ class OtelTrainCallback(Callback):
     # --- lifecycle -----------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
+        global _callback_run
         for logger in ours:
             logger.marks_steps = False  # the steps are ours (validate and test have none)
-        if stage != "fit":
-            return
-        self._owns_session = start_session(_trainer_settings(trainer, self._settings))
-        if ours and not self._owns_session and _owner_of(adapters.current_run()) is ours[0]:
+        if stage == "fit" or (not ours and adapters.current_run() is None):
+            running = adapters.current_run()
+            if running is not None and running == _callback_run and running != self._run:
+                ot.shutdown()  # another callback's run, idle since its fit: this one's begins
+            if start_session(_trainer_settings(trainer, self._settings)):
+                self._run = _callback_run = adapters.current_run()
+            self._owns_session = self._run is not None and adapters.current_run() == self._run
+        if (
+            stage == "fit"
+            and ours
+            and not self._owns_session
+            and _owner_of(adapters.current_run()) is ours[0]
+        ):
             # The logger's run goes on into this fit: its plan is this fit's max_steps.
             planned = ours[0]._session_settings(trainer).get("total_steps")
             if planned is not None:
                 adapters.set_total_steps(planned)
-        if not ours:
+        if not ours and self._unwrap is None:
             self._unwrap = _forward_logged_metrics(trainer)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -434,21 +451,21 @@ class OtelTrainCallback(Callback):
             adapters.set_total_steps(_logging_step(trainer))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._release()
+        self._release(end_run=False)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._hook_step.fail()
-        self._release()
+        self._release(end_run=True)
 
-    def _release(self) -> None:
-        """Stop forwarding logged values; shut down the session this callback started, or let the
-        user's idle (no stall while it does other work, its last steps flushed)."""
+    def _release(self, end_run: bool) -> None:
+        """Stop forwarding logged values (until the next stage's set-up); a failed stage (`end_run`)
+        ends a session this callback started, else the run idles: no stall while it does other
+        work, its last steps flushed, and a `test` after the fit is still part of it."""
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
-        if self._owns_session:
-            self._owns_session = False
+        if self._owns_session and end_run and adapters.current_run() == self._run:
+            self._owns_session, self._run = False, None
             ot.shutdown()
         else:
             adapters.idle()

@@ -520,6 +520,34 @@ def test_fit_then_test_is_one_run_and_the_next_logger_ends_it(tmp_path: Path) ->
     assert len(_rows(runs / "first")) > len(rows)
 
 
+def test_the_callback_alone_keeps_its_run_for_the_test_after_the_fit(tmp_path: Path) -> None:
+    """`OtelTrainCallback` alone (what OTEL_TRAIN_LIGHTNING=1 adds to an unmodified script): the
+    `test` after the `fit` is still its run; a new Trainer's callback, or a logger, starts its own."""
+
+    class Tested(TinyRegression):
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("test_loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+    def trainer() -> Trainer:
+        return _quick_trainer(False, callbacks=[OtelTrainCallback(**QUIET_LOGGER)], max_steps=3,
+                              log_every_n_steps=1, enable_checkpointing=False)  # fmt: skip
+
+    first = trainer()
+    first.fit(Tested(), _loader(16))
+    session = current_session()
+    assert session is not None  # idle after the fit
+    first.test(Tested(), _loader(8))
+    assert current_session() is session
+    trainer().fit(Tested(), _loader(16))  # another callback: its own run
+    second = current_session()
+    assert second is not session and session.shutdown_done.is_set()
+    _quick_trainer(_quiet(run_name="logged"), max_steps=1).fit(_boring())  # a logger: its own run too
+    assert current_session() is not second and second is not None and second.shutdown_done.is_set()
+    ot.shutdown()
+    keys = set().union(*_rows(session.run_dir))
+    assert {"train/loss", "test/loss"} <= keys
+
+
 def test_the_run_idles_between_fit_and_test_without_a_stall(tmp_path: Path) -> None:
     """The run stays open after a successful fit (for the test that follows): the stall watchdog
     must not take the pause for a hung step, and the next fit's steps arm it again."""

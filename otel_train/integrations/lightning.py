@@ -254,7 +254,7 @@ class OtelTrainLogger(Logger):
                 return  # ours, or the user's session
             ot.shutdown()  # another logger's (or a callback's) run is over: this logger's run begins
         place = self._resolve(trainer)
-        settings = self._session_settings(trainer)
+        settings = self._session_settings(trainer, starting=True)
         settings["run_name"] = place.version
         settings["output_dir"] = os.path.join(place.save_dir, place.name) if place.name else place.save_dir
         if self._run_id is not None:
@@ -279,15 +279,23 @@ class OtelTrainLogger(Logger):
                 self._place = place._replace(version=info.run_name)
         self._mark_ns = None
 
-    def _session_settings(self, trainer: Trainer | None) -> dict[str, Any]:
+    def _session_settings(self, trainer: Trainer | None, starting: bool = False) -> dict[str, Any]:
         """The logger's settings over those of the OtelTrainCallbacks on the same Trainer, with
-        what the Trainer says (total steps, precision) where the user set neither."""
+        what the Trainer says (total steps, precision) where the user set neither (`starting`: the
+        session starts with them, and a callback's run name or directory is said to go unused)."""
         if trainer is None:
             return dict(self._settings)
         settings: dict[str, Any] = {}
         for callback in getattr(trainer, "callbacks", ()):  # set by its connector, undeclared
             if isinstance(callback, OtelTrainCallback):
                 settings.update(callback._settings)
+                placed = sorted({"run_name", "output_dir"} & set(callback._settings))
+                if placed and starting:
+                    log.warning(
+                        "otel_train: OtelTrainCallback(%s) is not used: the OtelTrainLogger on the Trainer "
+                        "names the run and its directory. Give %s to OtelTrainLogger instead.",
+                        ", ".join(f"{k}=..." for k in placed), " and ".join(placed),
+                    )  # fmt: skip
         return _trainer_settings(trainer, {**settings, **self._settings})
 
     # --- what Lightning logs ----------------------------------------------------------------------

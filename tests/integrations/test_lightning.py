@@ -1038,3 +1038,15 @@ def test_lightnings_step_and_epoch_suffixes_and_slash_names_reach_the_catalogue(
     assert {"train/loss", "train/train_loss_epoch", "eval/loss"} <= keys
     assert "train/train_loss_step" not in keys and "val/loss" not in keys
     assert run_events(run_dir, event="nonfinite")  # the health checks read the per-step loss
+
+
+def test_a_callbacks_run_name_beside_a_logger_is_said_to_go_unused(tmp_path: Path) -> None:
+    """The logger names the run and its directory: a callback's `run_name`/`output_dir` would be
+    dropped silently, so a warning says where to give them."""
+    warned = log_messages()
+    callback = OtelTrainCallback(run_name="cbname", output_dir=str(tmp_path / "cbdir"))
+    _quick_trainer(_quiet(run_name="logged"), callbacks=[callback]).fit(_boring())
+    ot.shutdown()
+    assert (tmp_path / "runs" / "logged").is_dir() and not (tmp_path / "cbdir").exists()
+    said = [m for m in warned if "OtelTrainCallback(output_dir=..., run_name=...) is not used" in m]
+    assert len(said) == 1 and "Give output_dir and run_name to OtelTrainLogger" in said[0], warned

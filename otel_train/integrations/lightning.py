@@ -207,9 +207,8 @@ class OtelTrainLogger(Logger):
             self._place = self._primary._resolve(trainer)
             return self._place
         info, running = ot.run_info(), adapters.current_run()
-        if (
-            info is not None and _owner_of(running) is None and running != _callback_run
-        ):  # the user's names it
+        # The user's own session names the run (not a logger's, nor a callback's left idle).
+        if info is not None and _owner_of(running) is None and running != _callback_run:
             self._place = _Place(str(info.output_dir), "", info.run_name)
             return self._place
         config = load_config(self._settings)
@@ -404,8 +403,8 @@ class OtelTrainCallback(Callback):
 
     # --- lifecycle -----------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
         global _callback_run
+        ours = [lg for lg in trainer.loggers if isinstance(lg, OtelTrainLogger)]
         for logger in ours:
             logger.marks_steps = False  # the steps are ours (validate and test have none)
         if stage == "fit" or (not ours and adapters.current_run() is None):

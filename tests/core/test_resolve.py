@@ -333,23 +333,18 @@ def test_a_histogram_drops_bools_and_complex_numbers_and_never_reads_a_str_as_di
     assert resolve.histogram_values(torch.tensor([[1.0, 2.0]])) == [1.0, 2.0]
 
 
-def test_the_first_intervals_rates_count_from_the_first_step_not_from_init(tmp_path) -> None:
-    """A pause between `init()` and the first step (loading a model, say) is no part of the first
-    interval's tokens/s and steps/s: they equal the later intervals'."""
-    import json
-    import time
-
-    import otel_train as ot
-
-    ot.init(run_name="rates", output_dir=str(tmp_path), prometheus_port=0, verbosity=0, hardware=False,
-            log_interval=5)  # fmt: skip
-    time.sleep(1.0)
-    for step in range(10):
-        with ot.step(step, tokens=100):
-            time.sleep(0.01)
-    ot.shutdown()
-    rows = [
-        json.loads(line) for line in (tmp_path / "rates" / "metrics.rank0.jsonl").read_text().splitlines()
-    ]
-    first, second = [r["throughput/tokens_per_s"] for r in rows if r.get("train/steps")][:2]
-    assert first > 0.5 * second  # with init()'s second in it, the first would be about a sixth
+def test_the_first_intervals_rates_count_from_the_first_step_not_from_init() -> None:
+    """A flush's seconds (its rates' denominator) for the process's first steps are counted from
+    the first one's start, not from init() (model loading before step 0 is no step time); later
+    flushes keep theirs."""
+    buffer = Buffer(max_names=10, max_values=10)
+    now = perf_counter_ns()
+    for k in range(5):  # 5 steps over the last 0.5 s, a minute after init()
+        buffer.step_events.append(
+            (k, now - 500_000_000 + k * 100_000_000, now - 400_000_000 + k * 100_000_000, 100, None, False)
+        )
+    first = buffer.take(1, 4, 60.0, 0)
+    assert 0.5 <= worker.resolve_interval(first).elapsed_s < 1.0  # from step 0's start to the flush
+    buffer.step_events.append((5, now, now + 1000, 100, None, False))
+    later = buffer.take(2, 5, 60.0, 0)
+    assert worker.resolve_interval(later, first.step_events[-1]).elapsed_s == 60.0  # not the first steps

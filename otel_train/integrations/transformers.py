@@ -52,7 +52,7 @@ _SKIPPED_LOG_KEYS = frozenset({
 _WRAPPED = "_otel_train_wrapped"
 
 # The run an OtelTrainCallback started: it idles after its train() (an evaluate, a save or a push
-# afterwards is still part of it) until process exit, or until another callback's run begins.
+# afterwards is still part of it) until process exit, or until the next train() begins a new run.
 _owned_run: Any = None
 
 

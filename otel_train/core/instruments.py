@@ -197,6 +197,14 @@ _IGNORED_ATTRIBUTES = frozenset(
 )
 
 
+# Counters a sampler thread reads off the device on its own clock (`hardware_interval_s`), not at
+# flushes: a flush interval holds the increase of zero, one or several samples, so a rate over it is
+# no rate (0 at most flushes, several times the truth at the next; `hw.power` and
+# `energy/avg_power_w` are the rates), and the first reading counts from driver load, not from this
+# run. Rows carry their increase from the second reading on, and no `_per_s`.
+SAMPLED_COUNTERS = frozenset({semconv.GPU_ENERGY.name, semconv.GPU_ERRORS.name, semconv.GPU_IO.name})
+
+
 class StepReader(MetricReader):
     def __init__(self) -> None:
         # Gauges too: a row carries a gauge only from the interval it was set in (an eval loss at its
@@ -205,6 +213,7 @@ class StepReader(MetricReader):
         super().__init__(preferred_temporality=dict.fromkeys(kinds, AggregationTemporality.DELTA))
 
         self._latest: MetricsData | None = None
+        self._baselines: set[str] = set()  # keys of SAMPLED_COUNTERS whose first reading was taken
 
     def _receive_metrics(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
@@ -219,7 +228,7 @@ class StepReader(MetricReader):
         self._latest = None
         self.collect()
         data, self._latest = self._latest, None
-        return flatten(data, interval_s) if data is not None else {}
+        return flatten(data, interval_s, self._baselines) if data is not None else {}
 
 
 def key_for(instrument_name: str, attributes: Mapping[str, Any]) -> str:
@@ -244,25 +253,33 @@ def _segment(value: Any) -> str:
     return text or "_"
 
 
-def flatten(data: MetricsData, interval_s: float) -> dict[str, float]:
+def flatten(data: MetricsData, interval_s: float, baselines: set[str]) -> dict[str, float]:
+    """`{key: value}` of one collection; `baselines` holds the SAMPLED_COUNTERS keys already read
+    once (updated here)."""
     out: dict[str, float] = {}
     for resource_metrics in data.resource_metrics:
         for scope_metrics in resource_metrics.scope_metrics:
             for metric in scope_metrics.metrics:
-                _flatten_metric(metric.name, metric.data, interval_s, out)
+                _flatten_metric(metric.name, metric.data, interval_s, baselines, out)
     return out
 
 
-def _flatten_metric(name: str, data: Any, interval_s: float, out: dict[str, float]) -> None:
+def _flatten_metric(
+    name: str, data: Any, interval_s: float, baselines: set[str], out: dict[str, float]
+) -> None:
     if isinstance(data, Gauge):
         for point in data.data_points:
             out[key_for(name, point.attributes or {})] = float(point.value)
     elif isinstance(data, Sum):
+        sampled = name in SAMPLED_COUNTERS
         for point in data.data_points:
             key = key_for(name, point.attributes or {})
+            if sampled and key not in baselines:
+                baselines.add(key)
+                continue
             out[key] = float(point.value)
             delta = data.aggregation_temporality == AggregationTemporality.DELTA
-            if data.is_monotonic and delta and interval_s > 0:
+            if data.is_monotonic and delta and interval_s > 0 and not sampled:
                 out[key + semconv.RATE_SUFFIX] = float(point.value) / interval_s
     elif isinstance(data, HistogramData):
         for hpoint in data.data_points:

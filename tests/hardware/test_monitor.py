@@ -26,6 +26,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from otel_train import semconv as sc
 from otel_train.config import Config
 from otel_train.core.buffer import Interval
+from otel_train.core.instruments import StepReader, key_for
 from otel_train.hardware import (
     RES_GPU_DRIVER_VERSION,
     RES_GPU_NAME,
@@ -525,6 +526,53 @@ def test_nvml_memory_pressure_without_torch(rig: Rig) -> None:
     mon.on_flush(interval())
     [(_, message, _)] = rig.events.named("memory_pressure")
     assert "96.0%" in message
+
+
+def test_run_dir_rows_carry_sampled_counters_increase_from_the_second_reading_with_no_rate() -> None:
+    """The sampler reads energy, ECC errors and PCIe bytes every `hardware_interval_s`, while rows
+    come at every flush (about once a second by default): the rows the run directory writes
+    (`StepReader`) leave out the first reading (energy and ECC counts since driver load, not this
+    run's), carry each later reading's increase in the interval it arrived in (0 in the others),
+    and give them no `_per_s`: a rate over a flush interval would be 0 most of the time and a
+    multiple of the truth at the flush after a sample."""
+    gpu = FakeGpu(uuid=gpu_uuid(0), energy_mj=3_600_000_000, ecc_corrected=7)  # 3.6 MJ since driver load
+    reader = StepReader()
+    provider = MeterProvider(metric_readers=[reader])
+    now = [100.0]
+    rig = Rig(InMemoryMetricReader(), provider, Events())
+    mon = rig.monitor(FakeNvml([gpu]), settings={"hardware_interval_s": 5.0}, clock=lambda: now[0])
+    mon.start(background=False)
+    energy = key_for(sc.GPU_ENERGY.name, {sc.HW_ID: gpu.uuid, sc.HW_NAME: gpu.name, sc.HW_TYPE: "gpu"})
+    ecc = key_for(
+        sc.GPU_ERRORS.name,
+        {sc.HW_ID: gpu.uuid, sc.HW_NAME: gpu.name, sc.HW_TYPE: "gpu", sc.ERROR_TYPE: "ecc_corrected"},
+    )
+    sampled = (sc.GPU_ENERGY.key.split("/")[-1], "/errors/", "/io/")
+    try:
+        mon.sample_once()
+        first = reader.collect_scalars(interval_s=1.0)
+        assert (
+            first[key_for(sc.GPU_POWER.name, {sc.HW_ID: gpu.uuid, sc.HW_NAME: gpu.name, sc.HW_TYPE: "gpu"})]
+            == 350.0
+        )
+        assert not [k for k in first if any(part in k for part in sampled)], sorted(first)
+        rows = []
+        for second in range(1, 11):  # flushes every second; a sample every 5
+            now[0] += 1.0
+            if second % 5 == 0:
+                gpu.energy_mj += 5 * 350_000  # 350 W for 5 s
+                gpu.ecc_corrected += 1
+                mon.sample_once()
+            rows.append(reader.collect_scalars(interval_s=1.0))
+    finally:
+        mon.close()
+        provider.shutdown()
+    assert [row[energy] for row in rows] == [0, 0, 0, 0, 1750.0, 0, 0, 0, 0, 1750.0]
+    assert [row[ecc] for row in rows] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert sum(row[energy] for row in rows) == 2 * 1750.0  # nothing of the 3.6 MJ before the run
+    io = [k for row in rows for k in row if "/io/" in k]
+    assert io and all(row[k] >= 0 for row in rows for k in row if "/io/" in k)
+    assert not [k for row in rows for k in row if k.endswith("_per_s") and any(p in k for p in sampled)]
 
 
 def test_energy_per_step_token_and_average_power(rig: Rig) -> None:

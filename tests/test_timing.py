@@ -269,3 +269,76 @@ def test_an_infinite_log_interval_s_never_flushes_on_time_and_never_raises(log_i
         while not seen.seen and time.monotonic() < deadline:
             time.sleep(0.01)
         assert seen.seen and seen.seen[0].step in (4, 9)
+
+
+class _FakeCuda:
+    """torch.cuda's part a CUDA timer uses, on a host: streams are names, and an event's time is
+    the fake clock's reading when it was recorded (what the device reports, in ms)."""
+
+    def __init__(self) -> None:
+        self.stream = "default"
+        self.now_ms = 0.0
+        self.stream_lookups = 0
+        self.recorded: list[str] = []
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.at_ms: float | None = None
+
+            def record(self, stream: str | None = None) -> None:
+                assert stream is not None  # the stream of the timer's start, never a fresh lookup
+                cuda.recorded.append(stream)
+                self.at_ms = cuda.now_ms
+
+            def synchronize(self) -> None:
+                assert self.at_ms is not None
+
+            def elapsed_time(self, end: Event) -> float:
+                assert self.at_ms is not None and end.at_ms is not None
+                return end.at_ms - self.at_ms
+
+        self.Event = Event
+
+    def current_stream(self) -> str:
+        self.stream_lookups += 1
+        return self.stream
+
+
+def test_a_cuda_timer_records_both_events_on_the_stream_current_at_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ot.timer(cuda=True)` looks the current stream up once and records its end event there too,
+    even when the body switched streams; the worker reads the device's time between the two."""
+    from otel_train.core import scopes
+
+    cuda = _FakeCuda()
+    monkeypatch.setattr(scopes, "_torch_cuda", cuda)
+    with capture_metrics(log_interval=2, run_dir_enabled=False):
+        seen = _listen()
+        for i in range(2):
+            with ot.step(i):
+                with ot.timer("forward", cuda=True):
+                    cuda.stream = "side"  # the body moves to another stream and stays there
+                    cuda.now_ms += 30.0
+                cuda.stream = "default"
+                with ot.timer("backward", cuda=True):
+                    cuda.now_ms += 50.0
+    assert cuda.stream_lookups == 4  # one per timer
+    assert cuda.recorded == ["default"] * 8
+    phases = seen.merged("phases")
+    assert phases["forward"] == pytest.approx([0.030, 0.030])  # the device's time, not the host's
+    assert phases["backward"] == pytest.approx([0.050, 0.050])
+
+
+def test_a_cuda_timer_without_cuda_is_a_host_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_train.core import scopes
+
+    monkeypatch.setattr(scopes, "_torch_cuda", False)
+    with capture_metrics(log_interval=1, run_dir_enabled=False):
+        seen = _listen()
+        with ot.step(0), ot.timer("forward", cuda=True):
+            time.sleep(0.002)
+    [forward] = seen.merged("phases")["forward"]
+    assert forward >= 0.002

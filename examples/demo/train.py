@@ -280,7 +280,13 @@ def build_parser(prog: str = "python -m examples.demo") -> argparse.ArgumentPars
     t.add_argument(
         "--output-dir", default=None, help="run dirs go under here; when unset, otel_train's (./runs)"
     )
-    t.add_argument("--log-interval", type=int, default=10, help="flush telemetry every N steps")
+    t.add_argument(
+        "--log-interval",
+        type=int,
+        default=None,
+        help="flush telemetry every N steps; when unset, otel_train's adaptive cadence (every 10 steps, "
+        "at most about once a second: a flush's worker CPU is the training thread's loss on a fast GPU)",
+    )
     t.add_argument(
         "--otlp-endpoint", default=None, help="e.g. http://localhost:4318; when unset, no OTLP push"
     )
@@ -611,7 +617,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         "eval_interval", "eval_batches", "sample_interval", "sample_tokens", "trace_every",
     )  # fmt: skip
     for name in positive:
-        if getattr(args, name) < 1:
+        value = getattr(args, name)
+        if value is not None and value < 1:  # --log-interval may be unset
             return f"--{name.replace('_', '-')} must be >= 1"
     for name in ("warmup", "watch_every", "prometheus_port"):
         if getattr(args, name) < 0:

@@ -283,8 +283,9 @@ class _FakeCuda:
         cuda = self
 
         class Event:
-            def __init__(self, enable_timing: bool = False) -> None:
-                assert enable_timing
+            def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
+                # blocking: the worker waiting for the end event sleeps instead of spinning a core
+                assert enable_timing and blocking
                 self.at_ms: float | None = None
 
             def record(self, stream: str | None = None) -> None:

@@ -468,7 +468,8 @@ def _cuda_stream() -> Any:
 
 
 def _cuda_event(stream: Any) -> Any:
-    """A timing event recorded now on `stream` (from `_cuda_stream()`)."""
-    event = _torch_cuda.Event(enable_timing=True)
+    """A timing event recorded now on `stream` (from `_cuda_stream()`). Blocking: the worker that
+    waits for it sleeps rather than spinning a CPU core until the device gets there."""
+    event = _torch_cuda.Event(enable_timing=True, blocking=True)
     event.record(stream)
     return event

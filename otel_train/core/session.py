@@ -474,7 +474,8 @@ def _note_torch_state(batch: FlushBatch, detect_dtype: bool) -> None:
     if any(getattr(getattr(v, "device", None), "type", "") == "cuda" for v in latest):
         import torch
 
-        batch.cuda_event = torch.cuda.Event()
+        # blocking: the worker waiting for it sleeps rather than spinning a CPU core
+        batch.cuda_event = torch.cuda.Event(blocking=True)
         batch.cuda_event.record()  # on the training thread's current stream
     if detect_dtype:
         batch.autocast_dtype = autocast_dtype()

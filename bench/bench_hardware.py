@@ -1,10 +1,11 @@
 """Cost of hardware telemetry: NVML sampling (off the training thread) and per-step cost on it.
 
-    .venv/bin/python bench/bench_hardware.py [--quick]
+    .venv/bin/python bench/bench_hardware.py [--quick] [--real]
 
 Runs against tests/helpers/fake_nvml.py (no GPU needed), so "NVML cost" here is our Python overhead per
 sample; a real driver adds its own per-call latency (~10 µs to ms, PCIe throughput ~20 ms), which
-lands on the sampler thread only. The training-thread numbers compare an identical CPU "step" with
+lands on the sampler thread only. `--real` samples the machine's own GPU 0 through the driver
+(needs nvidia-ml-py and an NVIDIA driver): the driver's latency included. The training-thread numbers compare an identical CPU "step" with
 the sampler running (at an aggressive interval, to magnify any GIL contention) and without it,
 in interleaved rounds.
 """
@@ -39,16 +40,22 @@ def per_call_us(fn: Callable[[], object], n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def make(interval_s: float) -> tuple[HardwareMonitor, InMemoryMetricReader, FakeNvml, MeterProvider]:
+def make(
+    interval_s: float, real: bool
+) -> tuple[HardwareMonitor, InMemoryMetricReader, FakeNvml | None, MeterProvider]:
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
-    nvml = FakeNvml([FakeGpu(uuid=gpu_uuid(0))])
+    nvml = None if real else FakeNvml([FakeGpu(uuid=gpu_uuid(0))])
+    # nvmlInit without persistence mode can take seconds per GPU
+    discovery = discover_with_timeout(0, timeout_s=60) if real else discover_with_timeout(0, nvml, {})
+    if real and not discovery.devices:
+        raise SystemExit(f"--real: no GPU found through NVML: {discovery.reason}")
     mon = HardwareMonitor(
         Config(hardware_interval_s=interval_s, flops_per_token=1e9),
         provider.get_meter("bench"),
         None,
         0,
-        discover_with_timeout(0, nvml, {}),
+        discovery,
     )
     return mon, reader, nvml, provider
 
@@ -62,22 +69,21 @@ def step_work() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--real", action="store_true", help="the machine's GPU 0 through its NVIDIA driver")
     args = parser.parse_args()
     n = 200 if args.quick else 1000
     rows: list[tuple[str, str, str]] = []
 
-    mon, reader, nvml, provider = make(3600.0)
+    mon, reader, nvml, provider = make(3600.0, args.real)
     mon.start(background=False)
     mon.sample_once()  # the first sample also registers the XID event set
-    calls_before = sum(nvml.calls.values())
+    calls_before = sum(nvml.calls.values()) if nvml else 0
     mon.sample_once()
-    calls_per_sample = sum(nvml.calls.values()) - calls_before
+    calls_per_sample = (
+        f"{sum(nvml.calls.values()) - calls_before} NVML calls per sample" if nvml else "real driver"
+    )
     rows.append(
-        (
-            "GPU sample (sampler thread)",
-            f"{per_call_us(mon.gpu_sampler.sample, n):.1f} µs",
-            f"{calls_per_sample} NVML calls per sample",
-        )
+        ("GPU sample (sampler thread)", f"{per_call_us(mon.gpu_sampler.sample, n):.1f} µs", calls_per_sample)
     )
     rows.append(
         ("host sample (sampler thread)", f"{per_call_us(mon.host_sampler.sample, n // 4):.1f} µs", "psutil")
@@ -97,16 +103,17 @@ def main() -> None:
             "energy + MFU (+ CUDA if init)",
         )
     )
-    nvml.call_latency_s = 0.001
-    t0 = time.perf_counter()
-    mon.gpu_sampler.sample()
-    rows.append(
-        (
-            "GPU sample, 1 ms/NVML call",
-            f"{(time.perf_counter() - t0) * 1e3:.1f} ms",
-            "all of it off the training thread",
+    if nvml is not None:
+        nvml.call_latency_s = 0.001
+        t0 = time.perf_counter()
+        mon.gpu_sampler.sample()
+        rows.append(
+            (
+                "GPU sample, 1 ms/NVML call",
+                f"{(time.perf_counter() - t0) * 1e3:.1f} ms",
+                "all of it off the training thread",
+            )
         )
-    )
     mon.close()
     provider.shutdown()
 
@@ -119,7 +126,7 @@ def main() -> None:
         for running in (False, True):
             m = None
             if running:
-                m, _, _, p = make(0.005)  # 200 samples/s: far above the 5 s default
+                m, _, _, p = make(0.005, args.real)  # 200 samples/s: far above the 5 s default
                 m.start()
             t0 = time.perf_counter()
             for _ in range(steps):

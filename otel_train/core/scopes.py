@@ -105,6 +105,10 @@ class StepScope:
         return _wrap(fn, lambda: StepScope(None, tokens, samples))
 
 
+# no __init__ frame and one global lookup: a step scope is made on every step
+_new_step_scope = functools.partial(_new_scope, StepScope)
+
+
 @overload
 def step(index: F, *, tokens: int | None = None, samples: int | None = None) -> F: ...
 @overload
@@ -113,7 +117,7 @@ def step(index: Any = None, *, tokens: int | None = None, samples: int | None = 
     """Mark one training step. Steps are numbered from 0; `index=None` continues from the last."""
     if callable(index):
         return StepScope(None, tokens, samples)(index)
-    scope = _new_scope(StepScope)  # no __init__ frame: a step scope is made on every step
+    scope = _new_step_scope()
     scope.index, scope.tokens, scope.samples, scope._session = index, tokens, samples, None
     return scope
 
@@ -178,6 +182,10 @@ class TimerScope:
         return _timed(fn, self.name, 1, isinstance(self, CudaTimerScope))
 
 
+# no __init__ frame and one global lookup: a timer is made on every step
+_new_timer_scope = functools.partial(_new_scope, TimerScope)
+
+
 class CudaTimerScope(TimerScope):
     """`ot.timer(name, cuda=True)`: the device time between two CUDA events, resolved on the
     worker (no sync on the training thread); off CUDA, a CPU timer. Both events go on the stream
@@ -224,7 +232,7 @@ def timer(name: str, level: int = 1, cuda: bool = False) -> TimerScope | _NullSc
         raise _bad_level("timer", name, level) from None
     if cuda:
         return CudaTimerScope(name)
-    scope = _new_scope(TimerScope)  # no __init__ frame: a timer is made on every step
+    scope = _new_timer_scope()
     scope.name = name
     return scope
 

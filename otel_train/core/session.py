@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # the SDK is imported at init(), not when `import otel_train`
 log = logging.getLogger("otel_train")
 
 _NEVER_NS = 2**63  # a perf_counter_ns no step ends at
+_PLAIN_COUNTS = frozenset({int, type(None)})  # a step's tokens/samples taken as given (one lookup)
 
 
 @dataclass(kw_only=True, eq=False, repr=False)
@@ -153,7 +154,7 @@ class Session:
 
     # --- steps (training thread) -----------------------------------------------------------------
     def begin_step(self, step: Any) -> int:
-        if step.__class__ is int and -MAX_STEP <= step <= MAX_STEP:
+        if step.__class__ is int and abs(step) <= MAX_STEP:  # one call fewer than a chained comparison
             index: int = step
         elif step is None:
             index = self.step_index + 1
@@ -163,11 +164,8 @@ class Session:
         self._step_thread = get_ident()
         self._step_index_running = index
         self.sampled = self._tracing and (index < self._trace_first or index % self._trace_every == 0)
-        control = self.control
-        if control is not None and control.pending and index >= control.pending[0].apply_at_step:
-            from otel_train.control import apply_due  # imports the OTel API: not at `import otel_train`
-
-            apply_due(self, control.take_due(index), index)
+        if self.control is not None and self.control.pending:
+            _apply_due_changes(self, index)
         if self.profiler is not None and self.profiler.next_step_active():
             self.sampled = self._tracing  # profiled steps are always traced
         if self.watches and index % self.watch_period == 0:
@@ -179,9 +177,7 @@ class Session:
         self, index: int, start_ns: int, end_ns: int, tokens: Any, samples: Any, failed: bool, outer: int
     ) -> None:
         """One append to `step_events` and the flush check (`outer`: a nested step's outer one's start)."""
-        if (tokens.__class__ is not int and tokens is not None) or (
-            samples.__class__ is not int and samples is not None
-        ):
+        if tokens.__class__ not in _PLAIN_COUNTS or samples.__class__ not in _PLAIN_COUNTS:
             tokens = count_of(tokens, "tokens", self.buffer)
             samples = count_of(samples, "samples", self.buffer)
         if outer and self.step_start_ns != start_ns:
@@ -464,6 +460,16 @@ def _time_due_ns(lockstep: bool, last_flush_s: float, interval_s: float) -> int:
     lockstep (time-based flushes would desync the ranks)."""
     due = (last_flush_s + interval_s) * 1e9
     return int(due) if not lockstep and due < _NEVER_NS else _NEVER_NS  # log_interval_s=inf: never
+
+
+def _apply_due_changes(session: Session, index: int) -> None:
+    """The control file's changes due at step `index` (it has some pending)."""
+    control = session.control
+    assert control is not None
+    if index >= control.pending[0].apply_at_step:
+        from otel_train.control import apply_due  # imports the OTel API: not at `import otel_train`
+
+        apply_due(session, control.take_due(index), index)
 
 
 def _note_torch_state(batch: FlushBatch, detect_dtype: bool) -> None:

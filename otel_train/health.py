@@ -236,7 +236,11 @@ class HealthMonitor:
         self.nonfinite_loss = 0
 
     def on_flush(self, interval: Interval) -> None:
-        self._report_nonfinite_loss(interval.nonfinite.get(semconv.LOSS.name, 0), interval.step)
+        self._report_nonfinite_loss(
+            interval.nonfinite.get(semconv.LOSS.name, 0),
+            interval.nonfinite_steps.get(semconv.LOSS.name),
+            interval.step,
+        )
         for step, layers in interval.nonfinite_grads:
             self._report_nonfinite_grads(layers, step)
         # Every recorded loss value, each with the step it was recorded at where the worker could
@@ -265,17 +269,21 @@ class HealthMonitor:
             seen += 1
         self._mean, self._var, self._seen = mean, var, seen
 
-    def _report_nonfinite_loss(self, count: int, step: int) -> None:
+    def _report_nonfinite_loss(self, count: int, steps: list[int] | None, last_step: int) -> None:
+        """`steps`: the steps of the NaN/Inf values where the worker could tell; else the event
+        names the interval by its last step."""
         if count == 0:
             return
         self.nonfinite_loss += count
         self._nonfinite.add(count)
-        self._events.emit(
-            "nonfinite",
-            f"{count} non-finite loss value(s) in the interval ending at step {step}",
-            {"step": step},
-            severity="ERROR",
-        )
+        if steps:
+            step = steps[0]
+            more = f" ({count} in the interval, the last at step {steps[-1]})" if count > 1 else ""
+            what = f"non-finite loss at step {step}{more}"
+        else:
+            step = last_step
+            what = f"{count} non-finite loss value(s) in the interval ending at step {step}"
+        self._events.emit("nonfinite", what, {"step": step}, severity="ERROR")
 
     def _report_nonfinite_grads(self, layers: list[str], step: int) -> None:
         # Backpropagation carries a NaN from where it starts towards the input, so the affected

@@ -529,3 +529,24 @@ def test_event_reaches_the_events_file(tmp_path) -> None:  # type: ignore[no-unt
     (line,) = (tmp_path / "ev" / "events.rank0.jsonl").read_text().splitlines()
     row = json.loads(line)
     assert (row["event"], row["message"], row["worker.rank"]) == ("worker_failure", "worker 1 failed", 1)
+
+
+def test_a_nan_loss_event_names_its_own_step_in_a_long_interval(tmp_path: Path) -> None:
+    """One loss a step, flushed every 50 steps: a NaN at step 13 is reported at step 13 (not at
+    the interval's last step, 49), with the count and the last one when there are several; a loss
+    recorded twice in some steps (no way to tell the steps) falls back to the interval's end."""
+    from helpers.events import run_events
+
+    ot.init(prometheus_port=0, verbosity=0, log_interval=50, output_dir=str(tmp_path), run_name="nan")
+    for i in range(150):
+        with ot.step(i):
+            nan = i == 13 or i in (70, 81)
+            ot.record("loss", float("nan") if nan else 1.0)
+            if 100 <= i < 102:
+                ot.record("loss", float("nan") if i == 100 else 1.0)  # 152 values for 50 steps
+    ot.shutdown()
+    events = run_events(tmp_path / "nan", event="nonfinite")
+    assert [e["step"] for e in events] == [13, 70, 149], events
+    assert "at step 13" in events[0]["message"]
+    assert "2 in the interval, the last at step 81" in events[1]["message"]
+    assert "in the interval ending at step 149" in events[2]["message"]

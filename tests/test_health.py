@@ -55,6 +55,15 @@ def test_nonfinite_losses_and_gradients_come_from_the_interval() -> None:
     assert len(events.emitted) == 3 and counter.total == 2
 
 
+def test_a_nonfinite_loss_event_names_the_step_of_its_first_value_where_the_worker_told_it() -> None:
+    events = RecordingEvents()
+    health = HealthMonitor(events, Counter(), spike_factor=3.0)  # type: ignore[arg-type]
+    health.on_flush(
+        _interval(99, [1.0], nonfinite={semconv.LOSS.name: 2}, nonfinite_steps={semconv.LOSS.name: [93, 97]})
+    )
+    assert events.emitted == [("nonfinite", {"step": 93})]
+
+
 def test_a_loss_spike_after_warmup_is_one_event_and_keeps_the_baseline() -> None:
     events = RecordingEvents()
     health = HealthMonitor(events, Counter(), spike_factor=3.0, warmup=5)  # type: ignore[arg-type]

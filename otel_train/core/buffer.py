@@ -66,6 +66,8 @@ class Interval(FlushHeader):
     # number of times in every step of the interval (see FlushBatch.step_indices); absent otherwise
     scalar_steps: dict[str, list[int]] = field(default_factory=dict)
     nonfinite: dict[str, int] = field(default_factory=dict)  # instrument name -> NaN/Inf values dropped
+    # instrument name -> the steps of those values, where the worker could tell (one value a step)
+    nonfinite_steps: dict[str, list[int]] = field(default_factory=dict)
     # (step, layers) for each watched step whose per-layer gradient norms held NaN/Inf, in module order
     nonfinite_grads: list[tuple[int, list[str]]] = field(default_factory=list)
     # (step, layer labels, per-layer gradient L2 norms) for each watched step, in step order; an

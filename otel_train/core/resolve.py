@@ -265,12 +265,30 @@ def value_steps(
 ) -> list[int] | None:
     """The step of each kept value when they were recorded k times in every step of the interval;
     None when that cannot be told."""
-    if merged or not step_indices or len(resolved) % len(step_indices):
+    per_step = _values_per_step(resolved, step_indices, merged)
+    if not per_step:
         return None
-    per_step = len(resolved) // len(step_indices)
     if per_step == 1 and None not in resolved:  # once a step, nothing dropped: the usual loss
         return list(step_indices)
     return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is not None]
+
+
+def dropped_steps(
+    resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
+) -> list[int] | None:
+    """The step of each dropped value (None in `resolved`), as `value_steps` tells them."""
+    per_step = _values_per_step(resolved, step_indices, merged)
+    if not per_step:
+        return None
+    return [step_indices[i // per_step] for i, v in enumerate(resolved) if v is None]
+
+
+def _values_per_step(resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool) -> int:
+    """k when the interval's values were recorded k times in every one of its steps; 0 when that
+    cannot be told (merged from several lists, no steps, a count that does not divide)."""
+    if merged or not step_indices or len(resolved) % len(step_indices):
+        return 0
+    return len(resolved) // len(step_indices)
 
 
 def column_of(rows: Sequence[tuple[Any, ...]], k: int) -> list[Any]:

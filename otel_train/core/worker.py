@@ -56,6 +56,7 @@ from otel_train.core.instruments import (
 from otel_train.core.resolve import (
     column_of,
     drop_bad_timer_names,
+    dropped_steps,
     histogram_values,
     resolve_values,
     same_tensor_twice,
@@ -380,6 +381,7 @@ def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> I
     scalars: dict[str, list[float]] = {}
     scalar_steps: dict[str, list[int]] = {}
     nonfinite: dict[str, int] = {}
+    nonfinite_steps: dict[str, list[int]] = {}
     for instrument, raw in batch.scalars.items():
         resolved, dropped = resolve_values(raw)
         for reason, count in dropped.items():
@@ -390,6 +392,10 @@ def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> I
             batch.problems["same_tensor", instrument] = None
         if dropped.get("nonfinite", 0):
             nonfinite[instrument] = dropped["nonfinite"]
+            if len(dropped) == 1:  # every value dropped was NaN/Inf: the dropped positions are theirs
+                steps = dropped_steps(resolved, batch.step_indices, instrument in batch.merged)
+                if steps is not None:
+                    nonfinite_steps[instrument] = steps
         values = [v for v in resolved if v is not None]
         if values:
             scalars[instrument] = values
@@ -414,6 +420,7 @@ def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> I
         scalars=scalars,
         scalar_steps=scalar_steps,
         nonfinite=nonfinite,
+        nonfinite_steps=nonfinite_steps,
     )
 
 

@@ -110,6 +110,9 @@ def record(name: str, value: Any) -> None:
                 values.append(value)
                 return
             buffer.add_scalar(name, value)
+            if values is None and not session.step_start_ns:
+                # the interval's first value of `name`, between steps: of the step that ended last
+                buffer.after_step.setdefault(name, len(buffer.step_events))
         except TypeError:  # an unhashable name (a list): dropped like any name that is not a str
             buffer.drop("invalid_name")
 

@@ -550,3 +550,27 @@ def test_a_nan_loss_event_names_its_own_step_in_a_long_interval(tmp_path: Path) 
     assert "at step 13" in events[0]["message"]
     assert "2 in the interval, the last at step 81" in events[1]["message"]
     assert "in the interval ending at step 149" in events[2]["message"]
+
+
+def test_a_loss_recorded_after_its_decorated_step_returns_is_filed_under_that_step(tmp_path: Path) -> None:
+    """`loss = train_step(batch); ot.record("loss", loss)` with `@ot.step`: each value comes between
+    steps, after the step it belongs to. A NaN at step 13 and a spike at step 30 are named there,
+    also across flushes (every 10 steps) and in the first interval; a value recorded inside the
+    steps keeps its own step."""
+    from helpers.events import run_events
+
+    @ot.step
+    def train_step(i: int) -> float:
+        ot.record("grad_norm", 1.0)  # inside the step
+        if i == 13:
+            return float("nan")
+        return 50.0 if i == 30 else 1.0
+
+    ot.init(prometheus_port=0, verbosity=0, log_interval=10, output_dir=str(tmp_path), run_name="dec")
+    for i in range(45):
+        loss = train_step(i)
+        ot.record("loss", loss)
+    ot.shutdown()
+    run_dir = tmp_path / "dec"
+    assert [e["step"] for e in run_events(run_dir, event="nonfinite")] == [13]
+    assert [e["step"] for e in run_events(run_dir, event="loss_spike")] == [30]

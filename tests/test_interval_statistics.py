@@ -182,12 +182,12 @@ def test_the_step_of_each_value_is_known_when_each_step_recorded_it_equally_ofte
                 ot.record("loss", float(i) + 0.5)
                 if i % 2:
                     ot.record("grad_norm", 1.0)
-        ot.record("lr", 1e-3)  # outside any step, once
+        ot.record("lr", 1e-3)  # after the last step, once: that step's
     first = listener.seen[0]
     assert first.scalars[sc.LOSS.name] == [10.0, 10.5, 11.0, 11.5, 12.0, 12.5, 13.0, 13.5]
     assert first.scalar_steps[sc.LOSS.name] == [10, 10, 11, 11, 12, 12, 13, 13]
     assert sc.GRAD_NORM.name not in first.scalar_steps  # 2 values in 4 steps: which steps is unknown
-    assert sc.LEARNING_RATE.name not in listener.seen[-1].scalar_steps
+    assert listener.seen[-1].scalar_steps[sc.LEARNING_RATE.name] == [13]
 
 
 def test_two_names_merged_into_one_instrument_have_no_steps() -> None:

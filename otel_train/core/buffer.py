@@ -185,6 +185,9 @@ class FlushBatch(FlushHeader):
     # every step that ended, failed ones too, in order (the worker fills it from step_events)
     step_indices: list[int] = field(default_factory=list)
     merged: set[str] = field(default_factory=set)  # instruments fed by several record names (no order)
+    # instrument -> how many of the interval's steps had ended when its first value came, where
+    # that value came between steps (`ot.record` after a decorated step returned): see value_owners
+    after_step: dict[str, int] = field(default_factory=dict)
     # instrument -> how many of its values were logged with log_metrics(step=N): such a value has
     # a row of its own and the gauge holds its latest, not the interval's mean
     stepped: dict[str, int] = field(default_factory=dict)
@@ -228,6 +231,7 @@ class Buffer:
         self.layer_stats: list[LayerStats] = []
         self.histograms: list[tuple[str, int, Any]] = []
         self.stepped: dict[str, int] = {}  # see FlushBatch.stepped
+        self.after_step: dict[str, int] = {}  # record name -> see FlushBatch.after_step
         self.rows: list[tuple[int, dict[str, Any]]] = []  # see FlushBatch.rows
         self.steps = 0  # steps that ended without failing: set by the session before take()
         self.tokens = 0  # of the steps beyond the step_events cap only (session._uncapped_step)
@@ -445,6 +449,11 @@ class Buffer:
             layer_stats=self.layer_stats,
             histograms=self.histograms,
             merged=merged_names,
+            after_step={
+                instrument: ended
+                for name, ended in self.after_step.items()
+                if (instrument := self._name_map.get(name)) is not None and instrument not in merged_names
+            },
             stepped=self.stepped,
             step_events=self.step_events,
             value_cap=self.max_values,

@@ -260,6 +260,25 @@ def _one_to_host(tensor: Any) -> list[float] | None:
         return None
 
 
+def value_owners(
+    step_indices: Sequence[int], after_step: int | None, previous: int | None, count: int
+) -> Sequence[int]:
+    """The steps an instrument's `count` values belong to, in order, for `value_steps`. Where its
+    first value came between steps, after `after_step` of the interval's steps had ended (`None`:
+    it came in a step), and each later one after the next step (`ot.record(name, train_step(b))`
+    with `@ot.step`): the step that ended before each value, `previous` (the last step of the
+    interval before) for a first value ahead of this interval's steps. Else `step_indices`."""
+    if after_step is None:
+        return step_indices
+    ended = [previous, *step_indices] if previous is not None else list(step_indices)
+    first = after_step if previous is not None else after_step - 1
+    # one value after each step from the first's on, the interval's last step's value included or
+    # not (it comes after the flush, except at the final one)
+    if first < 0 or first + count not in (len(ended) - 1, len(ended)):
+        return step_indices
+    return ended[first : first + count]
+
+
 def value_steps(
     resolved: Sequence[float | None], step_indices: Sequence[int], merged: bool
 ) -> list[int] | None:

@@ -62,6 +62,7 @@ from otel_train.core.resolve import (
     same_tensor_twice,
     seconds_between,
     timer_phases,
+    value_owners,
     value_steps,
 )
 from otel_train.redaction import redact_text
@@ -377,6 +378,7 @@ def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> I
     if batch.cuda_event is not None:
         batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
     drop_bad_timer_names(batch)
+    previous = last_step[0] if last_step is not None else None
     rerun_s, rerun_starts = resolve_steps(batch, last_step)
     scalars: dict[str, list[float]] = {}
     scalar_steps: dict[str, list[int]] = {}
@@ -390,16 +392,17 @@ def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> I
                 batch.problems[reason, instrument] = None
         if len(set(map(id, raw))) < len(raw) and same_tensor_twice(raw):
             batch.problems["same_tensor", instrument] = None
+        owners = value_owners(batch.step_indices, batch.after_step.get(instrument), previous, len(raw))
         if dropped.get("nonfinite", 0):
             nonfinite[instrument] = dropped["nonfinite"]
             if len(dropped) == 1:  # every value dropped was NaN/Inf: the dropped positions are theirs
-                steps = dropped_steps(resolved, batch.step_indices, instrument in batch.merged)
+                steps = dropped_steps(resolved, owners, instrument in batch.merged)
                 if steps is not None:
                     nonfinite_steps[instrument] = steps
         values = [v for v in resolved if v is not None]
         if values:
             scalars[instrument] = values
-            steps = value_steps(resolved, batch.step_indices, instrument in batch.merged)
+            steps = value_steps(resolved, owners, instrument in batch.merged)
             if steps is not None:
                 scalar_steps[instrument] = steps
     phases, arrivals, data_s = timer_phases(batch, rerun_starts)

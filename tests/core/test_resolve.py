@@ -348,3 +348,21 @@ def test_the_first_intervals_rates_count_from_the_first_step_not_from_init() -> 
     buffer.step_events.append((5, now, now + 1000, 100, None, False))
     later = buffer.take(2, 5, 60.0, 0)
     assert worker.resolve_interval(later, first.step_events[-1]).elapsed_s == 60.0  # not the first steps
+
+
+def test_value_owners_give_values_recorded_after_each_step_the_step_before_them() -> None:
+    from otel_train.core.resolve import value_owners
+
+    steps = [10, 11, 12, 13]
+    # recorded in the steps: the interval's steps, whatever the count
+    assert value_owners(steps, None, 9, 4) == steps
+    # after each step, the first after the previous interval's last step (9): 9..12 (13's comes later)
+    assert value_owners(steps, 0, 9, 4) == [9, 10, 11, 12]
+    # the final flush holds the last step's value too
+    assert value_owners(steps, 0, 9, 5) == [9, 10, 11, 12, 13]
+    # the first interval: the first value came after its first step
+    assert value_owners([0, 1, 2, 3], 1, None, 3) == [0, 1, 2]
+    # before any step at all, or a count that does not fit one value after each step: unchanged
+    assert value_owners([0, 1, 2, 3], 0, None, 4) == [0, 1, 2, 3]
+    assert value_owners(steps, 0, 9, 2) == steps
+    assert value_owners(steps, 0, 9, 8) == steps

@@ -74,7 +74,7 @@ def saving_checkpoint() -> None:
     `stall_timeout_s`, so a long save is no `stall` and a hung one still is."""
     session = current()
     if session is not None:
-        session.saving_ns = perf_counter_ns()
+        session.open_marks["checkpoint"] = perf_counter_ns()
 
 
 def set_total_steps(total_steps: int) -> None:

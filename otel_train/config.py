@@ -278,7 +278,8 @@ class Config:
     eval_timeout_s: float = setting(
         7200.0, gt=0,
         doc="eval batches between steps (`adapters.heartbeat()`) keep the stall watchdog quiet for this long "
-        "after the last step, then `stall_timeout_s` runs: an evaluation whose loader never ends is a stall",
+        "after the last step, then `stall_timeout_s` runs: an evaluation whose loader never ends is a stall; "
+        "inside an open `ot.span(\"eval\")` the watchdog waits this long for any progress",
     )  # fmt: skip
     stack_dump_signal: str = setting(
         "SIGUSR1", check=_signal_problem,

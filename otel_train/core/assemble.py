@@ -289,6 +289,8 @@ def _attach_watchdog(session: Session) -> None:
         step_start=lambda: session.step_start_ns,
         on_step_stall=session.clock.note_step_stall,
         evaluating_s=session.evaluating_s,
+        in_eval=session.in_eval,
+        eval_timeout_s=config.eval_timeout_s,
     )
     # Read at each export, on the SDK's thread: it rises while the step thread hangs.
     semconv.STALL_DURATION.create(session.meter, lambda options: [Observation(watchdog.stalled_s())])

@@ -118,7 +118,7 @@ class Session:
         self._idle_mark: tuple[int, int] | None = None
         self.progress_ns = 0  # perf_counter_ns of the latest eval batch (adapters.heartbeat)
         self._eval_timeout_ns = int(config.eval_timeout_s * 1e9)
-        self.saving_ns = 0  # perf_counter_ns when a checkpoint save began (0: none; see `saving`)
+        self.open_marks: dict[str, int] = {}  # "eval" / "checkpoint" -> an open span's start
         self.sampled, self._step_index_running = False, 0  # is the running step traced? its index
         self.step_start_ns = 0  # perf_counter_ns at the running step's start; 0 outside a step
         self.open_step: Any = None  # the scopes.StepScope ot.begin_step() opened, until ot.end_step()
@@ -252,9 +252,8 @@ class Session:
             )
 
     def begin_mark(self, name: str, start_ns: int) -> None:
-        """An eval / checkpoint span begins: a checkpoint save's is `saving` until it ends."""
-        if span_cause(name).startswith("checkpoint"):
-            self.saving_ns = start_ns
+        """An eval / checkpoint span begins: a checkpoint's is `saving`, an eval's `in_eval`."""
+        self.open_marks[span_cause(name).partition("_")[0]] = start_ns  # eval, checkpoint, other
 
     def end_mark(
         self,
@@ -267,8 +266,7 @@ class Session:
         """An eval / checkpoint span: always traced (rare and short), timed as a phase, and
         accounted as goodput's eval / checkpoint badput."""
         self.end_timer(name, start_ns, end_ns, error)
-        if self.saving_ns and span_cause(name).startswith("checkpoint"):
-            self.saving_ns = 0
+        self.open_marks.pop(span_cause(name).partition("_")[0], None)
         self.progress_ns = max(self.progress_ns, end_ns)  # the stall watchdog counts from its end
         self.clock.note_span(name, end_ns - start_ns, self.step_start_ns != 0, self.step_end_ns)
         if self.worker.span_writer is not None and len(self.buffer.spans) < MAX_SPAN_RECORDS:
@@ -303,7 +301,13 @@ class Session:
     def saving(self) -> bool:
         """Whether a checkpoint save runs (begun after the last step began and ended, and after the
         last eval batch): the watchdog then waits checkpoint_timeout_s instead of stall_timeout_s."""
-        return self.saving_ns > max(self.step_end_ns or 0, self.step_start_ns, self.progress_ns)
+        latest = max(self.step_end_ns or 0, self.step_start_ns, self.progress_ns)
+        return self.open_marks.get("checkpoint", 0) > latest
+
+    def in_eval(self) -> bool:
+        """Whether an `ot.span("eval")` begun after the last step began and ended is open: the
+        watchdog then waits eval_timeout_s (the metrics computed after the last batch included)."""
+        return self.open_marks.get("eval", 0) > max(self.step_end_ns or 0, self.step_start_ns)
 
     def mark_idle(self) -> None:
         """The loop pauses on purpose (between fit and test): no stall until a step begins, and what

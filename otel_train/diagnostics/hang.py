@@ -191,6 +191,8 @@ class HangWatchdog:
         step_start: Callable[[], int] = lambda: 0,
         on_step_stall: Callable[[int, float], None] | None = None,
         evaluating_s: Callable[[], float] = lambda: 0.0,
+        in_eval: Callable[[], bool] = lambda: False,
+        eval_timeout_s: float = 7200.0,
     ) -> None:
         self.rank = rank
         self._files = RunFiles(run_dir, rank, role) if run_dir is not None else None
@@ -202,6 +204,8 @@ class HangWatchdog:
         self._checkpoint_timeout_s = checkpoint_timeout_s
         self._first_step_timeout_s = first_step_timeout_s
         self._evaluating_s = evaluating_s  # () -> seconds of eval batches past eval_timeout_s, else 0
+        self._in_eval = in_eval  # () -> whether an ot.span("eval") runs (eval_timeout_s applies)
+        self._eval_timeout_s = eval_timeout_s
         self._poll_s = min(1.0, max(0.05, stall_timeout_s / 4))
         # faulthandler's timer fires when this thread has not re-armed it for this long.
         self._raw = RawStacks(stall_timeout_s + max(2.0, 4 * self._poll_s))
@@ -342,7 +346,9 @@ class HangWatchdog:
         return idle if idle >= self._timeout_s(self._saving()) else 0.0
 
     def _timeout_s(self, saving: bool) -> float:
-        return self._checkpoint_timeout_s if saving else self._stall_timeout_s
+        if saving:
+            return self._checkpoint_timeout_s
+        return self._eval_timeout_s if self._in_eval() else self._stall_timeout_s
 
     def _first_step_s(self, step: int) -> float:
         """How long the first step has run, once past `first_step_timeout_s` (compilation, warm-up
@@ -376,7 +382,8 @@ class HangWatchdog:
         if evaluating:
             what = f"eval batches but no step for {evaluating:.0f}s (past eval_timeout_s): an evaluation that never ends?"
         else:
-            what = f"no step or eval batch for {idle:.0f}s" + (" (in a checkpoint save)" if saving else "")
+            inside = " (in a checkpoint save)" if saving else " (in an eval span)" if self._in_eval() else ""
+            what = f"no step or eval batch for {idle:.0f}s{inside}"
         self._report(step, f"{what} after step {step}")
 
     def _report(self, step: int, what: str) -> None:

@@ -162,6 +162,30 @@ def test_a_checkpoint_save_has_its_own_timeout(tmp_path: Path) -> None:
     hung.stop()
 
 
+def test_an_eval_span_has_the_eval_timeout(tmp_path: Path) -> None:
+    """An open `ot.span("eval")` (the user's evaluation, no heartbeats: its batches, then its
+    metrics) longer than stall_timeout_s is no stall; one longer than eval_timeout_s is, and says
+    so; the next step ends it either way."""
+    ot.init(run_name="eval", stall_timeout_s=0.5, eval_timeout_s=3.0, prometheus_port=0, verbosity=0,
+            hardware=False)  # fmt: skip
+    session = current_session()
+    with ot.step(0):
+        pass
+    with ot.span("eval"):
+        assert session.in_eval()
+        time.sleep(1.5)  # three stall timeouts, half the eval timeout
+    assert not session.in_eval()
+    started = time.perf_counter()
+    with ot.step(1):  # at once
+        pass
+    assert list(session.run_dir.glob("stacks.*")) == [] and run_events(session.run_dir, event="stall") == []
+    hung = ot.span("evaluate").start()
+    stall = wait_for(lambda: run_events(session.run_dir, event="stall"), 20, "stall")
+    assert time.perf_counter() - started >= 3.0
+    assert stall[0]["step"] == 1 and "(in an eval span)" in stall[0]["message"], stall
+    hung.stop()
+
+
 def _stalled_s(port: int) -> float:
     """`train.stall.duration` as the rank's pull endpoint serves it."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:

@@ -82,6 +82,7 @@ class OtelTrainCallback(TrainerCallback):
         self._idle = False  # its run idles after train(): a later train() starts a new one
         self._session: Any = None  # the session this callback started (and ends), else None
         self._mark_ns: int | None = None  # end of the last accounted stretch (step, log, eval, save)
+        self._eval_span: Any = None  # the evaluation's ot.span, from its first batch to on_evaluate
         self._hook_step = HookStep()  # the step this callback began
         self._tokens_seen = 0
         self._steps = 0  # optimizer steps counted here, for trainers that pass no state
@@ -211,6 +212,7 @@ class OtelTrainCallback(TrainerCallback):
         self._hook_step.fail()
         self._started = False
         self._mark_ns = None
+        self._eval_span = None
         session = self._session
         if session is not None and adapters.current_run() != session:
             self._session = None  # shut down by someone else
@@ -226,6 +228,8 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._hook_step.fail()  # one that never reached on_step_end
+        if self._eval_span is not None:  # an evaluation that never reached on_evaluate is over
+            self._close_mark("eval", state)
         if not self._started:  # no on_train_begin (OumiTrainer)
             self._start(args, state, kwargs.get("model"))
         now = perf_counter_ns()
@@ -254,7 +258,15 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         adapters.heartbeat()  # a micro-batch of a step that accumulates: a long step is no stall
 
-    on_prediction_step = on_substep_end  # an eval batch: a long evaluation is no stall
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        adapters.heartbeat()  # an eval batch: a long evaluation is no stall
+        if self._eval_span is None and self._mark_ns is not None and not self._hook_step.open:
+            # Open until on_evaluate: compute_metrics, after the last batch, is then eval time the
+            # watchdog waits eval_timeout_s for, not stall_timeout_s.
+            step = state.global_step if state is not None else self._steps
+            self._eval_span = ot.span("eval", {"train.step": step}).start(at_ns=self._mark_ns)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -362,11 +374,26 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         self._close_mark("checkpoint", state)
 
+    def on_predict(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: Any,
+        **kwargs: Any,
+    ) -> None:
+        if self._eval_span is not None:  # trainer.predict() during training: its batches' span ends
+            self._close_mark("eval", state)
+
     def _close_mark(self, name: str, state: TrainerState | None) -> None:
-        if self._mark_ns is None:
+        if name == "eval" and self._eval_span is not None:  # begun at the evaluation's first batch
+            self._eval_span.stop()
+            self._eval_span = None
+        elif self._mark_ns is None:
             return  # e.g. trainer.evaluate() outside training: no start point known
-        step = state.global_step if state is not None else self._steps
-        ot.span(name, {"train.step": step}).start(at_ns=self._mark_ns).stop()
+        else:
+            step = state.global_step if state is not None else self._steps
+            ot.span(name, {"train.step": step}).start(at_ns=self._mark_ns).stop()
         self._mark_ns = perf_counter_ns()
 
 

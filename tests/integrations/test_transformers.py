@@ -374,6 +374,33 @@ def test_a_checkpoint_save_longer_than_the_stall_timeout_is_no_stall(tmp_path: P
     assert slow.stalls_inside(run_dir) == []
 
 
+def test_compute_metrics_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
+    """The Trainer computes the metrics after the evaluation's last batch, with no hook between:
+    the callback's eval span is open from the first batch to `on_evaluate`, so the watchdog waits
+    eval_timeout_s, and a 1.5 s `compute_metrics` under stall_timeout_s=0.5 raises no stall event;
+    the span is still one eval per evaluation."""
+    slow = SlowStretches()
+
+    def compute_metrics(_: Any) -> dict[str, float]:
+        slow.sleep(1.5)
+        return {"score": 1.0}
+
+    callback = OtelTrainCallback(
+        run_name="slowmetrics", verbosity=0, hardware=False, prometheus_port=0, stall_timeout_s=0.5
+    )
+    trainer = _trainer(
+        tmp_path / "hf-out", callback, max_steps=2, eval_strategy="steps", eval_steps=1, save_strategy="no"
+    )
+    trainer.compute_metrics = compute_metrics
+    trainer.train()
+    ot.shutdown()
+    run_dir = tmp_path / "runs" / "slowmetrics"
+    assert len(slow.spans) == 2
+    assert slow.stalls_inside(run_dir) == []
+    assert sum(r.get("timers/eval/count", 0) for r in _rows(run_dir)) == 2
+    assert [r["eval/score"] for r in _rows(run_dir) if "eval/score" in r] == [1.0, 1.0]
+
+
 def test_callback_adds_no_host_sync_on_the_training_thread(tmp_path: Path) -> None:
     """Count Tensor.item / tolist / __float__ / cpu calls on the training thread with and without
     the callback: the Trainer's own syncs are the same, the callback adds none."""

@@ -52,6 +52,11 @@ ratios: flushes, the worker thread's CPU per flush (time.thread_time inside the 
 bridge process's CPU per flush (psutil on the child process, when bridges run there: another
 process, it never holds the training process's GIL).
 
+`--device cuda` runs the loop on the GPU (each op a kernel launch: the launch-bound case of a small
+model on a fast GPU), B's forward, backward and optimizer timers with CUDA events
+(`ot.timer(..., cuda=True)`), and every block ends with `torch.cuda.synchronize()` before its last
+reading, so a block's sum holds the device's queued work; the `fr` configurations stay on the host.
+
 The step time is reached by calibration: the number of passes over the 8 tiny layers is scaled
 until a plain step takes `--step-ms` (each op is a few microseconds of dispatch, so ~2 ms is a few
 hundred ops on a 2-core VM, 60 on a fast core); the row's `ops` column is the resulting ops per step.
@@ -104,16 +109,20 @@ PRESETS = {"2ms": 2.0, "10ms": 10.0}  # --preset: that step time, defaults watch
 class LaunchBoundModel:
     """`depth` tiny layers applied `repeats` times: every op is a few microseconds of dispatch."""
 
-    def __init__(self, ops_per_step: int, seed: int = 0) -> None:
+    def __init__(self, ops_per_step: int, seed: int = 0, device: str = "cpu") -> None:
         import torch
 
         torch.manual_seed(seed)
         self.torch = torch
-        self.layers = [torch.nn.Linear(16, 16) for _ in range(8)]
+        # on a GPU: every op a kernel launch, the phases timed with CUDA events (ot.timer(cuda=True))
+        # and a block's end waits for the device, so a block's time is its steps' whole time
+        self.cuda = device == "cuda"
+        self.sync: Callable[[], None] | None = torch.cuda.synchronize if self.cuda else None
+        self.layers = [torch.nn.Linear(16, 16, device=device) for _ in range(8)]
         self.net = stack_module(self)  # the same layers as one module (what ot.watch is given)
         self.params = [p for layer in self.layers for p in layer.parameters()]
         self.opt = torch.optim.SGD(self.params, lr=1e-3)
-        self.x = torch.randn(4, 16)
+        self.x = torch.randn(4, 16, device=device)
         # forward: 2 ops per layer; backward about 2x; optimizer: one per parameter (foreach off)
         self.passes = max(1, ops_per_step // (6 * len(self.layers)))
         self.lr = 1e-3
@@ -155,11 +164,11 @@ class LaunchBoundModel:
         with ot.step(index, tokens=64, samples=4):
             with ot.timer("data"):
                 x = self.data()
-            with ot.timer("forward"):
+            with ot.timer("forward", cuda=self.cuda):
                 loss = self.forward(x)
-            with ot.timer("backward"):
+            with ot.timer("backward", cuda=self.cuda):
                 self.backward(loss)
-            with ot.timer("optimizer"):
+            with ot.timer("optimizer", cuda=self.cuda):
                 self.optimize()
             ot.record("loss", loss.detach())
             ot.record("lr", self.lr)
@@ -184,7 +193,7 @@ class NullApi:
     def step(self, index: int, tokens: int, samples: int) -> NullScope:
         return self.scope
 
-    def timer(self, name: str) -> NullScope:
+    def timer(self, name: str, cuda: bool = False) -> NullScope:
         return self.scope
 
     def record(self, name: str, value: Any) -> None:
@@ -259,7 +268,7 @@ class KeepingApi:
         scope.events, scope.index, scope.tokens, scope.samples = self.steps_kept, index, tokens, samples
         return scope
 
-    def timer(self, name: str) -> KeepingScope:
+    def timer(self, name: str, cuda: bool = False) -> KeepingScope:
         return self._scope(name)
 
     def record(self, name: str, value: Any) -> None:
@@ -284,11 +293,16 @@ def stack_module(model: LaunchBoundModel) -> Any:
     return Stack()
 
 
-def timed_block(step: Callable[[], None], n: int) -> list[int]:
+def timed_block(step: Callable[[], None], n: int, sync: Callable[[], None] | None = None) -> list[int]:
+    """Each step's nanoseconds; `sync` (the device's) before the last reading, whose step then
+    holds the device's queued work."""
     stamps = [time.perf_counter_ns()]
     for _ in range(n):
         step()
         stamps.append(time.perf_counter_ns())
+    if sync is not None:
+        sync()
+        stamps[-1] = time.perf_counter_ns()
     return [b - a for a, b in itertools.pairwise(stamps)]
 
 
@@ -319,8 +333,8 @@ def calibrate(model: LaunchBoundModel, target_ms: float) -> None:
     """Scale the number of passes so a plain step takes about target_ms: three quick rounds, then
     one over CALIBRATION_S (a 20-step median landed anywhere from 5 to 13.5 ms for "10 ms")."""
     for steps in (20, 20, 20, max(20, round(CALIBRATION_S * 1e3 / target_ms))):
-        timed_block(model.plain, 5)
-        ms = statistics.median(timed_block(model.plain, steps)) / 1e6
+        timed_block(model.plain, 5, model.sync)
+        ms = statistics.median(timed_block(model.plain, steps, model.sync)) / 1e6
         model.passes = max(1, round(model.passes * target_ms / ms))
 
 
@@ -434,7 +448,13 @@ def measure_fr_own(
 
 
 def measure(
-    step_ms: float, config: str, seconds: float, seed: int, resamples: int, keeping: bool = False
+    step_ms: float,
+    config: str,
+    seconds: float,
+    seed: int,
+    resamples: int,
+    keeping: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """One configuration at one step time (runs in its own process); `keeping`: a fifth loop, K."""
     import psutil
@@ -444,7 +464,7 @@ def measure(
     from otel_train.testing import current_session
 
     torch.set_num_threads(1)
-    model = LaunchBoundModel(300, seed)
+    model = LaunchBoundModel(300, seed, device)
     out = tempfile.TemporaryDirectory(prefix="bench_launch-")
     if config in COLLECTIVE:
         start_collective(model, out.name, flight_recorder=True)
@@ -477,7 +497,7 @@ def measure(
         def step_b() -> None:
             model.instrumented(ot, next(index))
 
-        timed_block(model.plain, warmup_steps(step_ms))
+        timed_block(model.plain, warmup_steps(step_ms), model.sync)
         settle_cadence(session, step_b, step_ms)
         if child is not None:  # wait for the bridges' one-off set-up (imports, run creation) to end
             deadline, last = time.monotonic() + 120, sum(child.cpu_times()[:2])
@@ -509,7 +529,7 @@ def measure(
         for _ in range(rounds):
             shuffle(order)  # a random order per round: a fixed rotation always put N after B,
             for kind in order:  # and with it the flush B's last step set off
-                sums[kind].append(sum(timed_block(loops[kind], block)))
+                sums[kind].append(sum(timed_block(loops[kind], block, model.sync)))
         wall = time.perf_counter() - start
         background = background_cpu_ns()  # before the wait: the last flush's work
         # belongs to B steps, but so does the first one's, which began before the window
@@ -670,6 +690,12 @@ def main() -> int:
         action="store_true",
         help="a fifth loop K, the cheapest API that keeps what B keeps (K/A - 1, B/K - 1), and a sixth, F, an all-C API keeping nothing (F/A - 1)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the loop on the GPU, CUDA-event timers",
+    )
     parser.add_argument("--resamples", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--json", type=Path, default=None)
@@ -685,7 +711,13 @@ def main() -> int:
         return 0
     if args.one:
         result = measure(
-            float(args.one[0]), args.one[1], args.seconds, args.seed, args.resamples, args.keeping
+            float(args.one[0]),
+            args.one[1],
+            args.seconds,
+            args.seed,
+            args.resamples,
+            args.keeping,
+            args.device,
         )
         print("RESULT " + json.dumps(result), flush=True)
         return 0
@@ -693,6 +725,11 @@ def main() -> int:
         args.step_ms, args.configs, args.seconds = [10.0], ["defaults", "all"], 15.0
     if args.preset:
         args.step_ms, args.configs = [PRESETS[args.preset]], ["defaults", "watch", "all", "fr", "fr-own"]
+    if args.device == "cuda":
+        on_host = [c for c in args.configs if c in COLLECTIVE or c == "fr-own"]
+        if on_host:  # a gloo all_reduce of host tensors
+            print(f"--device cuda: {', '.join(on_host)} left out (a gloo collective on the host)", flush=True)
+        args.configs = [c for c in args.configs if c not in on_host]
     print(
         "launch-bound loop, 1 torch thread; ~10 ms blocks of A (plain), B (otel_train), N (no-op API), "
         f"C (plain: A/A control) in random order; {args.seconds:.0f} s measured per row; CI: bootstrap 95% "
@@ -707,6 +744,7 @@ def main() -> int:
             else:
                 child = ["--one", str(step_ms), config, "--seconds", str(args.seconds)]
                 child += ["--keeping"] if args.keeping else []
+                child += ["--device", args.device]
                 result = run_child([*child, "--resamples", str(args.resamples), "--seed", str(args.seed)])
             if isinstance(result, str):
                 print(f"{step_ms:>5.0f} ms {config:<12} FAILED: {result}", flush=True)

@@ -7,6 +7,7 @@ How it works: docs/design/integrations.md#trl.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -82,6 +83,7 @@ class OtelTrainTrlCallback(TrainerCallback):
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
         self._samples_step = -1  # the step whose completions were last sent
+        self._sent: list[Any] = []  # those completions (held: compared by identity)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -105,8 +107,11 @@ class OtelTrainTrlCallback(TrainerCallback):
         logs = getattr(self._trainer, "_logs", None)
         if not isinstance(logs, dict) or not logs.get("completion"):
             return
-        self._samples_step = step
-        rows = list(zip(logs.get("prompt", ()), logs["completion"], strict=False))
+        completions = list(logs["completion"])
+        if len(completions) == len(self._sent) and all(map(operator.is_, completions, self._sent)):
+            return  # the batch already sent: TRL keeps it until the next generation (steps_per_generation)
+        self._samples_step, self._sent = step, completions
+        rows = list(zip(logs.get("prompt", ()), completions, strict=False))
         ot.log_samples([(_text(p), _text(c)) for p, c in rows], step=step, name="completions")
 
 

@@ -102,6 +102,28 @@ def test_grpo_phases_rewards_and_completions(tmp_path: Path) -> None:
     assert all(s["prompt"].startswith("w") and len(s["output"].split()) <= 6 for s in completions)
 
 
+def test_grpo_completions_are_sent_once_per_generation(tmp_path: Path) -> None:
+    """`steps_per_generation=2`: GRPO generates at steps 0 and 2 only and keeps the batch in
+    `_logs` until the next generation; each batch is one set of samples, at the step that
+    generated it, not again at the step after."""
+    data = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(16)]})
+    args = GRPOConfig(**{**_common(tmp_path), "max_steps": 4}, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=6, log_completions=True,
+                      steps_per_generation=2)  # fmt: skip
+    trainer = GRPOTrainer(model=_model(), reward_funcs=reward_len, args=args, train_dataset=data,
+                          processing_class=_tokenizer())  # fmt: skip
+    ot_trl.instrument(trainer, **_settings(tmp_path, "grpo2"))
+    trainer.train()
+    ot.shutdown()
+    rows = _rows(tmp_path, "grpo2")
+    generated = sorted(r["step"] for r in rows if r.get("timers/generation/count"))
+    assert generated == [0, 2]
+    text = (tmp_path / "runs" / "grpo2" / "samples.jsonl").read_text()
+    completions = [s for s in map(json.loads, text.splitlines()) if s["key"] == "completions"]
+    assert sorted({s["step"] for s in completions}) == generated
+    assert len(completions) == 2 * 4  # two batches of 4 (prompt, completion) rows
+
+
 def test_train_raising_restores_profiling_and_ends_the_run(tmp_path: Path) -> None:
     """A reward function raises in the second step: TRL's ProfilingContext is restored and the
     session the HF callback started is shut down before the exception reaches the caller, as at a

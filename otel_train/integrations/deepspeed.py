@@ -133,7 +133,9 @@ class _Adapter:
         self.breakdown = bool(_call(engine, "wall_clock_breakdown"))
         self.optimizer_times: dict[str, float] = {}  # ms, as DeepSpeed's timers.log read them
         micro_batch = int(_call(engine, "train_micro_batch_size_per_gpu") or 0)
-        self.samples = micro_batch * int(_call(engine, "gradient_accumulation_steps") or 1)
+        # the configured samples per step, where a step's forwards showed no tensor to count rows of
+        self.configured_samples = micro_batch * int(_call(engine, "gradient_accumulation_steps") or 1)
+        self.rows = 0  # this step's micro-batches' rows (samples), from their shapes
         self.facts_pending = True  # no optimizer state yet: read the facts again at the next step
         self.fact_reads = 0
         self.comms: _Comms | None = None
@@ -169,7 +171,9 @@ class _Adapter:
             return self._eval_batch(original, *args, **kwargs)
         if self.marking and not self.hook_step.open:
             self._begin()
-        self.tokens += _tokens(args, kwargs)
+        tokens, rows = _batch_counts(args, kwargs)
+        self.tokens += tokens
+        self.rows += rows
         with ot.timer("forward"):
             return original(*args, **kwargs)
 
@@ -283,7 +287,8 @@ class _Adapter:
         self._zero()
         if self.hook_step.open:
             tokens, self.tokens = self.tokens, 0
-            self.hook_step.end(tokens=tokens or None, samples=self.samples or None)
+            samples, self.rows = self.rows or self.configured_samples, 0
+            self.hook_step.end(tokens=tokens or None, samples=samples or None)
         self.last_end = perf_counter_ns()
 
     def _finer_phases(self) -> None:
@@ -519,11 +524,24 @@ def _device(cfg: Any) -> str:
     return str(getattr(device, "value", device) or "none")
 
 
-def _tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
-    """Elements of the first integer tensor handed to forward (`input_ids`): a shape, no sync."""
+def _batch_counts(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, int]:
+    """(tokens, rows) of one forward's inputs, from shapes (no sync). Tokens: the elements of
+    `input_ids`, else of the first integer tensor of two or more dimensions (a classifier's labels
+    are none); rows: that tensor's first dimension, else the first tensor's. The positional
+    arguments come first, then the keywords; a mapping among them (`engine(batch)`) is looked into."""
     import torch
 
-    for value in (kwargs.get("input_ids"), *args):
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex():
-            return int(value.numel())
-    return 0
+    tensors: list[Any] = []
+    for value in (*args, kwargs):
+        if isinstance(value, Mapping):
+            ids = value.get("input_ids")
+            if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+                return int(ids.numel()), int(ids.shape[0]) if ids.ndim >= 2 else 1
+            tensors += [v for v in value.values() if isinstance(v, torch.Tensor)]
+        elif isinstance(value, torch.Tensor):
+            tensors.append(value)
+    for tensor in tensors:
+        if tensor.ndim >= 2 and not tensor.is_floating_point() and not tensor.is_complex():
+            return int(tensor.numel()), int(tensor.shape[0])
+    first = next((t for t in tensors if t.ndim >= 1), None)
+    return 0, int(first.shape[0]) if first is not None else 0

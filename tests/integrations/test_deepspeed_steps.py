@@ -225,3 +225,74 @@ def test_a_loop_that_marks_its_own_steps_keeps_them_under_the_engines_phases(tmp
     assert sum(row["timers/optimizer/count"] for row in stepped) == 3  # at the boundary only
     assert sum(row["throughput/samples"] for row in stepped) == 3 * MICRO * GAS
     assert all("train/loss" in row and "train/grad_norm" in row for row in stepped), stepped
+
+
+def batch_counts_job(rank: int, world: int, out_dir: str) -> list[dict[str, Any]]:
+    """A token model called with a batch dict (`engine(batch)`), 2 steps of GAS micro-batches, the
+    last micro-batch one row short (a loader's last batch)."""
+    import deepspeed
+    import torch
+
+    from otel_train.integrations.deepspeed import instrument
+
+    class TokenModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 4)
+
+        def forward(self, batch: dict[str, Any]) -> Any:
+            return self.head(self.embed(batch["input_ids"])).pow(2).mean()
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ot.init(output_dir=out_dir, run_name="counts", verbosity=0, log_interval=1, hardware=False,
+            prometheus_port=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = TokenModel()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=_config()
+    )
+    instrument(engine)
+    for rows in (MICRO, MICRO, MICRO, MICRO - 1):
+        ids = torch.randint(0, 50, (rows, 5))
+        engine.backward(engine({"input_ids": ids, "attention_mask": torch.ones_like(ids)}))
+        engine.step()
+    ot.shutdown()
+    return _rows(Path(out_dir) / "counts")
+
+
+def test_samples_and_tokens_are_counted_from_the_batches_that_ran(tmp_path: Path) -> None:
+    """Samples per step are the micro-batches' rows, not micro batch x accumulation from the
+    config (a short last batch), and tokens are found in a batch dict's `input_ids`."""
+    [rows] = run_ranks(1, batch_counts_job, (str(tmp_path),), timeout=TIMEOUT, env=RANK_ENV)
+    steps = [row for row in rows if "train/steps" in row]
+    assert [row["throughput/samples"] for row in steps] == [MICRO * GAS, MICRO * GAS - 1]
+    assert [row["throughput/tokens"] for row in steps] == [5 * MICRO * GAS, 5 * (MICRO * GAS - 1)]
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        ("positional ids", (12, 3)),
+        ("input_ids keyword", (12, 3)),
+        ("batch dict", (12, 3)),
+        ("other keywords", (12, 3)),
+        ("image and labels", (0, 3)),
+        ("no tensor", (0, 0)),
+    ],
+)
+def test_a_forwards_tokens_and_rows_come_from_its_inputs_shapes(call: str, expected: tuple[int, int]) -> None:
+    import torch
+
+    from otel_train.integrations.deepspeed import _batch_counts
+
+    ids, mask = torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4, dtype=torch.long)
+    pixels, labels = torch.zeros(3, 3, 8, 8), torch.zeros(3, dtype=torch.long)
+    args, kwargs = {
+        "positional ids": ((ids,), {}),
+        "input_ids keyword": ((), {"input_ids": ids, "attention_mask": mask}),
+        "batch dict": (({"attention_mask": mask, "input_ids": ids},), {}),
+        "other keywords": ((), {"a": ids, "b": mask}),
+        "image and labels": ((pixels, labels), {}),  # a classifier's integer labels are no tokens
+        "no tensor": (("text",), {}),
+    }[call]
+    assert _batch_counts(args, kwargs) == expected

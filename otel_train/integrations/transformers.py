@@ -129,29 +129,7 @@ class OtelTrainCallback(TrainerCallback):
             trainer.train = ending_on_error(trainer.train, _WRAPPED, self.close)
         if not getattr(trainer.get_batch_samples, _WRAPPED, False):
             input_name = getattr(trainer.model, "main_input_name", None) or "input_ids"
-            trainer.get_batch_samples = self._stamping(trainer.get_batch_samples, input_name)
-
-    def _stamping(self, get_batch_samples: Callable[..., Any], input_name: str) -> Callable[..., Any]:
-        """`trainer.get_batch_samples`, noting when each micro-batch left the iterator, the step's
-        first micro-batch (a reference) and its micro-batches' `input_name` elements (shapes only)."""
-
-        def stamped(epoch_iterator: Any) -> Iterator[Any]:
-            for item in epoch_iterator:  # pulls one item per next(): none is taken ahead
-                self._data_ready_ns = perf_counter_ns()
-                yield item
-
-        @functools.wraps(get_batch_samples)
-        def wrapper(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
-            result = get_batch_samples(stamped(epoch_iterator), *args, **kwargs)
-            samples = result[0] if isinstance(result, tuple) and result else None
-            self._batch = samples[0] if isinstance(samples, list) and samples else None
-            if isinstance(samples, list):
-                self._batch_tokens = sum(_elements(batch, input_name) for batch in samples)
-                self._batch_rows = sum(_rows(batch, input_name) for batch in samples)
-            return result
-
-        setattr(wrapper, _WRAPPED, True)
-        return wrapper
+            trainer.get_batch_samples = _stamping(self, trainer.get_batch_samples, input_name)
 
     def _start(self, args: Any, state: TrainerState | None, model: Any) -> None:
         # Began already and its session still runs: the Trainer re-entered its training loop in the
@@ -374,17 +352,6 @@ class OtelTrainCallback(TrainerCallback):
     ) -> None:
         self._close_mark("checkpoint", state)
 
-    def on_predict(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        metrics: Any,
-        **kwargs: Any,
-    ) -> None:
-        if self._eval_span is not None:  # trainer.predict() during training: its batches' span ends
-            self._close_mark("eval", state)
-
     def _close_mark(self, name: str, state: TrainerState | None) -> None:
         if name == "eval" and self._eval_span is not None:  # begun at the evaluation's first batch
             self._eval_span.stop()
@@ -395,6 +362,32 @@ class OtelTrainCallback(TrainerCallback):
             step = state.global_step if state is not None else self._steps
             ot.span(name, {"train.step": step}).start(at_ns=self._mark_ns).stop()
         self._mark_ns = perf_counter_ns()
+
+
+def _stamping(
+    callback: OtelTrainCallback, get_batch_samples: Callable[..., Any], input_name: str
+) -> Callable[..., Any]:
+    """`trainer.get_batch_samples`, noting on `callback` when each micro-batch left the iterator,
+    the step's first micro-batch (a reference) and its micro-batches' `input_name` elements and
+    rows (shapes only)."""
+
+    def stamped(epoch_iterator: Any) -> Iterator[Any]:
+        for item in epoch_iterator:  # pulls one item per next(): none is taken ahead
+            callback._data_ready_ns = perf_counter_ns()
+            yield item
+
+    @functools.wraps(get_batch_samples)
+    def wrapper(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+        result = get_batch_samples(stamped(epoch_iterator), *args, **kwargs)
+        samples = result[0] if isinstance(result, tuple) and result else None
+        callback._batch = samples[0] if isinstance(samples, list) and samples else None
+        if isinstance(samples, list):
+            callback._batch_tokens = sum(_elements(batch, input_name) for batch in samples)
+            callback._batch_rows = sum(_rows(batch, input_name) for batch in samples)
+        return result
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
 
 
 def _adopted_settings(args: Any, state: TrainerState | None) -> dict[str, Any]:

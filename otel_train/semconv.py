@@ -131,7 +131,8 @@ SAMPLES = _m("train.samples", S.COUNTER, "{sample}", "Samples processed.", "thro
 STEP_DURATION = _m("train.step.duration", S.HISTOGRAM, "s", "Wall time of one training step.", "timers/step",
                    buckets=STEP_BUCKETS, essential=True)  # fmt: skip
 PHASE_DURATION = _m("train.phase.duration", S.HISTOGRAM, "s",
-                    "Wall time of a timed phase (forward, backward, ...).", "timers/{train.phase}",
+                    "Wall time of a timed phase (forward, backward, ...); one that raised carries its "
+                    "error.type, and a step that raised is phase `step` with its error.type.", "timers/{train.phase}",
                     attributes=(PHASE, ERROR_TYPE), buckets=PHASE_BUCKETS)  # fmt: skip
 CURRENT_STEP = _m("train.step.current", S.GAUGE, "{step}", "Index of the last completed step.", "train/step",
                   essential=True)  # fmt: skip

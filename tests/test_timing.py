@@ -3,6 +3,7 @@ ot.phase, ot.run_info — checked through what a flush hands to listeners and si
 
 from __future__ import annotations
 
+import contextlib
 import time
 from time import perf_counter_ns
 
@@ -136,6 +137,22 @@ def test_failed_step_is_not_counted() -> None:
         adapters.begin_step(1)
         adapters.end_step()
     assert sum(x.steps for x in seen.seen) == 1
+
+
+def test_failed_steps_are_counted_by_error_type() -> None:
+    """A loop that skips a failing batch (an OOM, a bad sample) sees each failure as phase `step`
+    with the error's type, beside the counts and durations of the steps that completed."""
+    with capture_metrics(log_interval=100) as cap:
+        for index in range(5):
+            with contextlib.suppress(MemoryError), ot.step(index):
+                if index in (1, 3):
+                    raise MemoryError
+        adapters.begin_step(5)
+        adapters.end_step(failed=True)  # a framework's step whose end hook never came
+    flushed = cap.flushes[-1][1]
+    assert flushed["train/steps"] == 3 and flushed["timers/step/count"] == 3
+    assert flushed["timers/step/MemoryError/count"] == 2
+    assert flushed["timers/step/StepFailed/count"] == 1
 
 
 def test_everything_is_a_no_op_before_init() -> None:

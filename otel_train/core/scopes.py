@@ -91,8 +91,11 @@ class StepScope:
                 self._outer,
             )
             self._session = None
-            if exc_type is not None and session.memory_dumps is not None:  # a raising step only
-                session.memory_dumps.on_step_error(exc_type, exc)
+            if exc_type is not None:  # a failed step's duration: phase "step" of its error type
+                seconds = (perf_counter_ns() - self._start) * 1e-9
+                session.buffer.add_phase_error("step", exc_type.__name__, seconds)
+                if session.memory_dumps is not None:
+                    session.memory_dumps.on_step_error(exc_type, exc)
 
     def __call__(self, fn: F) -> F:
         if self.index is not None:
@@ -354,7 +357,8 @@ def begin_step(index: Any = None, *, start_ns: int | None = None) -> int | None:
 
 def end_step(*, tokens: int | None = None, samples: int | None = None, failed: bool = False) -> None:
     """End the step `ot.begin_step()` began: `tokens`/`samples` processed in it on this rank;
-    `failed=True` traces it as failed and leaves it out of the step counts and durations."""
+    `failed=True` traces it as failed and leaves it out of the step counts and durations (its
+    duration goes to phase `step` with error.type `StepFailed`, as a raising `ot.step`'s with its error's)."""
     session = runtime._current
     if session is None:
         return
@@ -367,11 +371,11 @@ def end_step(*, tokens: int | None = None, samples: int | None = None, failed: b
         return
     session.open_step = None
     scope.tokens, scope.samples = tokens, samples
-    scope.__exit__(_StepFailed if failed else None, None, None)
+    scope.__exit__(StepFailed if failed else None, None, None)
 
 
-class _StepFailed(Exception):
-    """`ot.end_step(failed=True)`: the step ended without an exception object."""
+class StepFailed(Exception):
+    """`ot.end_step(failed=True)`: the step ended without an exception object (its error type)."""
 
 
 def phase(name: str, seconds: float, level: int = 1) -> None:

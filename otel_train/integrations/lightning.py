@@ -521,7 +521,8 @@ class OtelTrainCallback(Callback):
     # --- validation ------------------------------------------------------------------------------
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and adapters.current_run() is not None:
-            self._eval = ot.span("eval", {"train.step": trainer.global_step}).start()
+            # the step its metrics are logged at (global_step counts each optimizer's steps)
+            self._eval = ot.span("eval", {"train.step": _logging_step(trainer)}).start()
 
     def on_save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         adapters.saving_checkpoint()  # the file is written next: a long save is no stall

@@ -599,6 +599,35 @@ def test_a_validation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) 
     assert slow.stalls_inside(run_dir) == []
 
 
+def test_metrics_computed_at_the_validation_epochs_end_past_the_stall_timeout_are_no_stall(
+    tmp_path: Path,
+) -> None:
+    """`on_validation_epoch_end` runs after the last validation batch (gathering predictions,
+    computing a corpus metric): no batch marks progress then, but the callback's eval span is still
+    open, so the watchdog waits eval_timeout_s: 2.5 s of it under stall_timeout_s=1 is no stall."""
+    from otel_train.integrations.lightning import OtelTrainCallback
+
+    slow = SlowStretches()
+
+    class SlowCorpusMetric(TinyRegression):
+        def on_validation_epoch_end(self) -> None:
+            slow.sleep(2.5)
+
+    logger = _quiet(run_name="epochend", stall_timeout_s=1.0)
+    trainer = Trainer(
+        logger=logger, callbacks=[OtelTrainCallback()], max_steps=3, val_check_interval=2,
+        limit_val_batches=2, num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    trainer.fit(SlowCorpusMetric(), _loader(32), _loader(32))
+    ot.shutdown()
+    run_dir = tmp_path / "runs" / "epochend"
+    rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sum(r.get("timers/eval/count", 0) for r in rows) >= 1  # the validation ran
+    assert len(slow.spans) == 1
+    assert slow.stalls_inside(run_dir) == []
+
+
 def test_a_step_that_accumulates_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
     """Each micro-batch of a step that accumulates gradients tells the stall watchdog the loop is
     alive (the callback's `on_train_batch_end`): steps of 4 micro-batches of 0.3 s under
@@ -932,6 +961,30 @@ def test_manual_optimization_with_two_optimizers_numbers_steps_as_lightning_logs
         (i, float(i)) for i in range(4)
     ]
     assert json.loads((Path(logger.log_dir) / "config.json").read_text())["total_steps"] is None
+
+
+def test_an_eval_span_names_the_step_its_metrics_are_logged_at(tmp_path: Path) -> None:
+    """A GAN's validation: its eval span's `train.step` is the step Lightning's loggers file its
+    `val_loss` at, not `global_step` (twice that, with two optimizers)."""
+    from helpers.otlp_receiver import attributes, http_receiver
+
+    class Validated(_TwoOptimizers):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+    with http_receiver() as (endpoint, received):
+        logger = _quiet(run_name="ganval", otlp_endpoint=endpoint, otlp_protocol="http/protobuf")
+        trainer = _quick_trainer(
+            logger, max_steps=8, val_check_interval=2, num_sanity_val_steps=0, default_root_dir=str(tmp_path)
+        )
+        trainer.fit(Validated(), _loader(64), _loader(8))
+        ot.shutdown()
+        wait_for(lambda: any(s.name == "eval" for _, s in received.spans()), 10, "the eval spans")
+    rows = _rows(Path(logger.log_dir))
+    logged = [r["step"] for r in rows if "eval/loss" in r]
+    spans = [attributes(span.attributes)["train.step"] for _, span in received.spans() if span.name == "eval"]
+    assert logged == [1, 3] and sorted(spans) == logged
 
 
 def test_validate_or_test_without_fit_marks_no_training_steps(tmp_path: Path) -> None:

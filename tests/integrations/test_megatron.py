@@ -527,7 +527,8 @@ def test_a_decorated_forward_step_under_bridges_steps_counts_each_step_once() ->
 
 def test_eval_and_test_batches_keep_the_stall_watchdog_counting_from_them() -> None:
     """Bridge's `on_eval_step_end` / `on_test_step_end` after the last step: the watchdog counts a
-    long evaluation from its latest batch, not from the step's end."""
+    long evaluation from its latest batch, not from the step's end; the eval/test span keeps it
+    on eval_timeout_s after the last batch, until its end hook."""
     from otel_train.integrations.megatron import OtelTrainCallback
 
     ot.init(run_dir_enabled=False, prometheus_port=0, verbosity=0, hardware=False)
@@ -543,6 +544,21 @@ def test_eval_and_test_batches_keep_the_stall_watchdog_counting_from_them() -> N
             hook(SimpleNamespace())
             assert session.last_step()[1] > last
             last = session.last_step()[1]
+        # After the last batch Bridge reduces the losses across ranks: the open span keeps the
+        # watchdog on eval_timeout_s until on_eval_end / on_test_end.
+        context = SimpleNamespace(
+            state=SimpleNamespace(train_state=SimpleNamespace(step=1)), total_loss_dict={}
+        )
+        for start, batch_end, end in (
+            (callback.on_eval_start, callback.on_eval_step_end, callback.on_eval_end),
+            (callback.on_test_start, callback.on_test_step_end, callback.on_test_end),
+        ):
+            assert not session.in_eval()
+            start(context)
+            batch_end(context)
+            assert session.in_eval()
+            end(context)
+        assert not session.in_eval()
     finally:
         ot.shutdown()
 

@@ -176,12 +176,17 @@ class GoodputListener:
             self.interruptions = previous["interruptions"] + 1
             self.last_step = clock.rerun_through = previous["last_step"]
         # The counters start at the job's totals: a restarted process's series continue from where
-        # the previous one left them (no reset to 0 for rate() to misread).
+        # the previous one left them (no reset to 0 for rate() to misread). `carried`: those totals
+        # as (instrument, attributes, amount), which the per-flush rows leave out (StepReader.carry).
         totals = {"productive_s": previous["productive_s"], **previous["badput"]} if previous else {}
         self._reported = {key: totals.get(key, 0.0) for _, key, _ in self._counters}
+        self.carried: list[tuple[str, dict[str, str], float]] = []
         for counter, key, attributes in self._counters:
             counter.add(self._reported[key], attributes)
-        interruptions.add(self.interruptions)
+            spec = semconv.PRODUCTIVE_DURATION if key == "productive_s" else semconv.BADPUT_DURATION
+            self.carried.append((spec.name, attributes, self._reported[key]))
+        interruptions.add(self.interruptions)  # this process's restart is its row's 1
+        self.carried.append((semconv.INTERRUPTIONS.name, {}, self.interruptions - bool(previous)))
 
     def on_flush(self, interval: Interval) -> None:
         self.step_s += math.fsum(interval.step_durations)

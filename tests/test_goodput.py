@@ -291,6 +291,18 @@ def test_steps_re_run_after_a_restart_are_wasted_progress_and_the_restart_is_cou
     assert after["productive_s"] - before["productive_s"] == pytest.approx(0.3, abs=1e-6)
     rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     assert sum(row.get("train/interruptions", 0) for row in rows) == 1
+    run(13, 16, 0.05)  # a second restart
+    final = json.loads((run_dir / "goodput.rank0.json").read_text())
+    assert final["interruptions"] == 2
+    # Each row holds its interval's share: summed, the rows are the account (the counters of a
+    # restarted process begin at the job's totals, which no row repeats).
+    rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sum(row.get("train/interruptions", 0) for row in rows) == 2
+    assert sum(row.get("train/productive", 0) for row in rows) == pytest.approx(
+        final["productive_s"], abs=1e-6
+    )
+    startup = sum(row.get("train/badput/startup", 0) for row in rows)
+    assert startup == pytest.approx(final["badput"]["startup"], abs=1e-6)
 
 
 def test_step_deviation_is_the_interval_against_the_typical_step(

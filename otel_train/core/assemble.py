@@ -222,6 +222,9 @@ def _attach_goodput(session: Session) -> None:
     run_dir, ident = session.run_dir, session.identity
     path = RunFiles(run_dir, ident.rank, ident.role).goodput if run_dir else None
     session.goodput = GoodputListener(session.clock, session.meter, path, ident.run_id)
+    for instrument, attributes, amount in session.goodput.carried:
+        if amount:
+            session.step_reader.carry(instrument, attributes, amount)
     session.worker.add_listener(session.goodput)
 
 

@@ -214,6 +214,7 @@ class StepReader(MetricReader):
 
         self._latest: MetricsData | None = None
         self._baselines: set[str] = set()  # keys of SAMPLED_COUNTERS whose first reading was taken
+        self._carried: dict[str, float] = {}  # key -> what a counter began at, left out of its first row
 
     def _receive_metrics(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
@@ -223,12 +224,20 @@ class StepReader(MetricReader):
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         self._latest = None
 
+    def carry(self, instrument_name: str, attributes: Mapping[str, Any], amount: float) -> None:
+        """A counter began at `amount` carried over from a previous process of the run (goodput's
+        totals): the rows take its deltas from there, so the first one does not repeat it."""
+        key = key_for(instrument_name, attributes)
+        self._carried[key] = self._carried.get(key, 0.0) + amount
+
     def collect_scalars(self, interval_s: float) -> dict[str, float]:
         """Collect now (in this thread) and flatten to `{key: value}`."""
         self._latest = None
         self.collect()
         data, self._latest = self._latest, None
-        return flatten(data, interval_s, self._baselines) if data is not None else {}
+        if data is None:
+            return {}
+        return flatten(data, interval_s, self._baselines, self._carried)
 
 
 def key_for(instrument_name: str, attributes: Mapping[str, Any]) -> str:
@@ -253,19 +262,27 @@ def _segment(value: Any) -> str:
     return text or "_"
 
 
-def flatten(data: MetricsData, interval_s: float, baselines: set[str]) -> dict[str, float]:
+def flatten(
+    data: MetricsData, interval_s: float, baselines: set[str], carried: dict[str, float]
+) -> dict[str, float]:
     """`{key: value}` of one collection; `baselines` holds the SAMPLED_COUNTERS keys already read
-    once (updated here)."""
+    once, `carried` the amounts counters began at (`StepReader.carry`) not yet left out (both
+    updated here)."""
     out: dict[str, float] = {}
     for resource_metrics in data.resource_metrics:
         for scope_metrics in resource_metrics.scope_metrics:
             for metric in scope_metrics.metrics:
-                _flatten_metric(metric.name, metric.data, interval_s, baselines, out)
+                _flatten_metric(metric.name, metric.data, interval_s, baselines, carried, out)
     return out
 
 
 def _flatten_metric(
-    name: str, data: Any, interval_s: float, baselines: set[str], out: dict[str, float]
+    name: str,
+    data: Any,
+    interval_s: float,
+    baselines: set[str],
+    carried: dict[str, float],
+    out: dict[str, float],
 ) -> None:
     if isinstance(data, Gauge):
         for point in data.data_points:
@@ -277,10 +294,11 @@ def _flatten_metric(
             if sampled and key not in baselines:
                 baselines.add(key)
                 continue
-            out[key] = float(point.value)
+            value = float(point.value) - carried.pop(key, 0.0) if carried else float(point.value)
+            out[key] = value
             delta = data.aggregation_temporality == AggregationTemporality.DELTA
             if data.is_monotonic and delta and interval_s > 0 and not sampled:
-                out[key + semconv.RATE_SUFFIX] = float(point.value) / interval_s
+                out[key + semconv.RATE_SUFFIX] = value / interval_s
     elif isinstance(data, HistogramData):
         for hpoint in data.data_points:
             if hpoint.count == 0:

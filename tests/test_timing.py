@@ -155,6 +155,23 @@ def test_failed_steps_are_counted_by_error_type() -> None:
     assert flushed["timers/step/StepFailed/count"] == 1
 
 
+def test_a_span_stopped_at_an_earlier_reading_ends_there() -> None:
+    """`ot.span(name).start(at_ns=a).stop(at_ns=b)`: a hook that runs after the end books the
+    span's own time (b - a); a reading before its start ends it at its start; a float is a bug."""
+    with capture_metrics(log_interval=100, run_dir_enabled=False):
+        seen = _listen()
+        begun = perf_counter_ns() - 10_000_000  # 10 ms ago
+        ot.span("checkpoint_restore").start(at_ns=begun).stop(at_ns=begun + 2_000_000)
+        ot.span("eval").start(at_ns=begun).stop(at_ns=begun - 5)
+        with pytest.raises(TypeError, match="at_ns"):
+            ot.span("eval").start().stop(at_ns=1.5)  # type: ignore[arg-type]
+        with ot.step(0):
+            pass
+    phases = seen.merged("phases")
+    assert phases["checkpoint_restore"] == [pytest.approx(0.002)]
+    assert phases["eval"][0] == 0.0
+
+
 def test_everything_is_a_no_op_before_init() -> None:
     assert adapters.begin_step(3) is None
     adapters.end_step(tokens=5)

@@ -293,9 +293,16 @@ class MarkScope:
         self._start = _earlier(self._session, at_ns, self._start)
         return self
 
-    def stop(self, error: type[BaseException] | None = None) -> None:
-        """End the span `start()` began; a second stop does nothing."""
-        self.__exit__(_error_type(error), None, None)
+    def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
+        """End the span `start()` began (`at_ns`: an earlier `perf_counter_ns()` reading where it
+        ended, for a hook that runs after the end); a second stop does nothing."""
+        error = _error_type(error)
+        if at_ns is not None and at_ns.__class__ is not int:
+            raise _not_ns(f"stop(at_ns={at_ns!r})", at_ns)
+        if self._session is not None:
+            end = perf_counter_ns() if at_ns is None else min(max(at_ns, self._start), perf_counter_ns())
+            self._session.end_mark(self.name, self._start, end, error, self.attributes)
+            self._session = None
 
     def __enter__(self) -> MarkScope:
         session = self._session = runtime._current

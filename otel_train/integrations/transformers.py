@@ -50,6 +50,9 @@ _SKIPPED_LOG_KEYS = frozenset({
     "global_steps_per_second", "tokens_per_second", "tokens_per_step_per_gpu",
 })  # fmt: skip
 _WRAPPED = "_otel_train_wrapped"
+# What a Trainer resuming from a checkpoint loads before on_train_begin (model, optimizer and
+# scheduler, grad scaler), when no run is there yet to time it.
+_RESTORE_CALLS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler")
 
 # The run an OtelTrainCallback started: it idles after its train() (an evaluate, a save or a push
 # afterwards is still part of it) until process exit, or until the next train() begins a new run.
@@ -93,6 +96,7 @@ class OtelTrainCallback(TrainerCallback):
         self._batch_tokens = 0  # the next step's input tokens, from its micro-batches' shapes
         self._batch_rows = 0  # and its samples (rows)
         self._trainer_counts_tokens = False  # include_num_input_tokens_seen: the Trainer's count
+        self._restores: list[tuple[int, int]] = []  # a resume's checkpoint loads (before the run began)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def on_init_end(
@@ -116,6 +120,9 @@ class OtelTrainCallback(TrainerCallback):
         engine = _deepspeed_engine(trainer)
         self._deepspeed = engine is not None
         self._start(args, state, kwargs.get("model"))
+        for start, end in self._restores:  # goodput's checkpoint_restore, not startup
+            ot.span("checkpoint_restore").start(at_ns=start).stop(at_ns=end)
+        self._restores.clear()
         if engine is not None:  # its step() (in accelerator.backward) is the `optimizer` phase
             from otel_train.integrations import deepspeed
 
@@ -130,6 +137,10 @@ class OtelTrainCallback(TrainerCallback):
         if not getattr(trainer.get_batch_samples, _WRAPPED, False):
             input_name = getattr(trainer.model, "main_input_name", None) or "input_ids"
             trainer.get_batch_samples = _stamping(self, trainer.get_batch_samples, input_name)
+        for name in _RESTORE_CALLS:
+            load = getattr(trainer, name, None)
+            if load is not None and not getattr(load, _WRAPPED, False):
+                setattr(trainer, name, _timing_restore(load, self._restores))
 
     def _start(self, args: Any, state: TrainerState | None, model: Any) -> None:
         # Began already and its session still runs: the Trainer re-entered its training loop in the
@@ -362,6 +373,22 @@ class OtelTrainCallback(TrainerCallback):
             step = state.global_step if state is not None else self._steps
             ot.span(name, {"train.step": step}).start(at_ns=self._mark_ns).stop()
         self._mark_ns = perf_counter_ns()
+
+
+def _timing_restore(load: Callable[..., Any], restores: list[tuple[int, int]]) -> Callable[..., Any]:
+    """`trainer.<load>`, noting in `restores` when it loaded a checkpoint (its first argument)."""
+
+    @functools.wraps(load)
+    def wrapper(checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+        start = perf_counter_ns()
+        try:
+            return load(checkpoint, *args, **kwargs)
+        finally:
+            if checkpoint is not None:
+                restores.append((start, perf_counter_ns()))
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
 
 
 def _stamping(

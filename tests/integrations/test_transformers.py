@@ -176,6 +176,37 @@ def test_early_stopping_makes_the_steps_run_the_plan(tmp_path: Path) -> None:
     assert last["train/steps_planned"] == 3 and last["progress/eta_s"] == 0
 
 
+def test_a_resumes_checkpoint_loading_is_checkpoint_restore_not_startup(tmp_path: Path) -> None:
+    """`train(resume_from_checkpoint=...)` loads the model, optimizer and scheduler before
+    `on_train_begin`, when the callback's run has not begun: goodput books that time as
+    checkpoint_restore (each load's own time), not startup. (In a fresh process the account begins
+    at the process's start; here, a later run of the test process, at its init.)"""
+    from transformers import Trainer
+
+    slow = SlowStretches()
+
+    class SlowLoading(Trainer):
+        def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+            if checkpoint is not None:
+                slow.sleep(0.5)  # a large optimizer state on a slow file system
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    settings = dict(run_id="resumed-hf", verbosity=0, hardware=False, prometheus_port=0)
+    first = _trainer(tmp_path / "hf-out", OtelTrainCallback(run_name="first", **settings), max_steps=2,
+                     eval_strategy="no", save_steps=2)  # fmt: skip
+    first.train()
+    ot.shutdown()
+    again = _trainer(tmp_path / "hf-out", OtelTrainCallback(run_name="resumed", **settings), max_steps=4,
+                     eval_strategy="no", save_strategy="no")  # fmt: skip
+    resumed = SlowLoading(model=again.model, args=again.args, train_dataset=again.train_dataset,
+                          callbacks=[OtelTrainCallback(run_name="resumed", **settings)])  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "hf-out" / "checkpoint-2"))
+    ot.shutdown()
+    assert resumed.state.global_step == 4
+    account = json.loads((tmp_path / "runs" / "resumed" / "goodput.rank0.json").read_text())
+    assert account["badput"]["checkpoint_restore"] >= 0.5, account  # startup before (no span)
+
+
 def test_a_decorated_training_step_under_the_callback_counts_each_step_once(tmp_path: Path) -> None:
     """The callback marks the optimizer steps; a user's `@ot.step` on `training_step` (one per
     micro-batch) runs inside them: counted once, as the callback's steps."""

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -190,14 +191,22 @@ class WandbSink(Sink):
         run = self._run
         offline = bool(getattr(run, "offline", False))
         files_dir = getattr(run, "dir", None)  # <dir>/wandb/<offline-run-...>/files
-        local = str(Path(files_dir).parent) if files_dir else None
+        local = Path(files_dir).resolve().parent if files_dir else None
+        # Each process of a restarted run writes its own offline directory of the one W&B run id;
+        # `wandb sync` merges those it is given, in order: all of them, oldest first (named by time).
+        dirs = sorted(local.parent.glob(f"offline-run-*-{run.id}")) if local and offline else []
+        if local is not None and offline and local not in dirs:
+            dirs.append(local)
         info = {
             **{key: getattr(run, key, None) for key in ("id", "name", "project", "entity")},
             "group": self.group,
             "url": None if offline else getattr(run, "url", None),  # run.url warns on stdout offline
             "offline": offline,
-            "dir": local,
-            "sync_command": f"wandb sync {local}" if local and offline else None,
+            "dir": str(local) if local else None,
+            "dirs": [str(path) for path in dirs],
+            "sync_command": "wandb sync " + " ".join(shlex.quote(str(path)) for path in dirs)
+            if dirs
+            else None,
         }
         path = RunFiles(self.run_dir, role=self.role).wandb_run_info
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +44,9 @@ def test_offline_round_trip_and_no_secret(tmp_path: Path, monkeypatch: pytest.Mo
         run_name="run-w",
         run_id="job:42",
     )
+    # what an earlier process of this run (a restart) left: W&B writes one offline directory a process
+    earlier = run_dir / "wandb" / f"offline-run-20260101_000000-{sink.run_id}"
+    earlier.mkdir(parents=True)
     for step in (10, 20, 30):
         sink.write_scalars(step, time.time(), {"train/loss": 10.0 / step, "throughput/tokens_per_s": 1e5})
     sink.write_text("samples/note", "**bold**", 20)
@@ -50,6 +54,7 @@ def test_offline_round_trip_and_no_secret(tmp_path: Path, monkeypatch: pytest.Mo
     sink.write_histogram("grad/norm", [1.0, 2.0, 2.0, 3.0, float("inf")], 30)
     sink.write_hparams({"lr": 3e-4})
     sink.close({"train/loss": 1 / 3})
+    shutil.rmtree(earlier)
 
     run = read_wandb_offline(run_dir)
     assert run.exited and run.name == "run-w" and run.group == "g1" and run.tags == ["unit"]
@@ -74,7 +79,9 @@ def test_offline_round_trip_and_no_secret(tmp_path: Path, monkeypatch: pytest.Mo
 
     info = json.loads((run_dir / "wandb_run.json").read_text())
     assert info["id"] == run.run_id and info["offline"] is True
-    assert info["sync_command"] == f"wandb sync {run.run_dir}"
+    # every process's directory, oldest first: `wandb sync` merges them into the one run
+    assert info["dirs"] == [str(earlier), str(run.run_dir)]
+    assert info["sync_command"] == f"wandb sync {earlier} {run.run_dir}"
     # the planted secret is nowhere in the run dir (config, .wandb log, metadata, debug logs)
     for path in run_dir.rglob("*"):
         if path.is_file() and not path.is_symlink():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from time import perf_counter_ns
 from types import FrameType
@@ -108,12 +108,20 @@ class HookStep:
             adapters.end_step(failed=True)
 
 
-def logged_step(index: int, start_ns: int | None, values: Mapping[str, Any]) -> int:
+def logged_step(
+    index: int, start_ns: int | None, values: Mapping[str, Any], stretches: Sequence[tuple[str, int]] = ()
+) -> int:
     """Step `index` marked by a framework's log: begun at `start_ns`, ended now, with `values` as
     one row at that step (each log a point of its own, as the framework's own loggers write it;
-    in a flush's statistics they would be averaged over `log_interval` logs). Returns its end,
-    where the next one starts."""
+    in a flush's statistics they would be averaged over `log_interval` logs). `stretches`: (kind,
+    start) where training, an evaluation ("eval") or a save ("checkpoint") began inside it, each
+    lasting to the next one's start or now; the evaluations and saves become spans inside the step
+    (goodput's eval / checkpoint time, not productive). Returns its end, where the next one starts."""
     adapters.begin_step(index, start_ns=start_ns)
+    for position, (kind, begun) in enumerate(stretches):
+        if kind != "train":
+            ended = stretches[position + 1][1] if position + 1 < len(stretches) else None
+            ot.span(kind).start(at_ns=begun).stop(at_ns=ended)
     adapters.end_step()
     ot.log_metrics(values, step=index)
     return perf_counter_ns()

@@ -76,6 +76,9 @@ class OtelTrainTracker(GeneralTracker):
         self._warned = False  # that it records nothing (no session in a multi-process job, or ended)
         self._fed: Accelerator | None = None  # the Accelerator whose calls feed the stall watchdog
         self._save_hook: Any = None
+        # Since the last logged step, where its calls said training, an evaluation or a save began:
+        # (kind, perf_counter_ns), a new entry only when the kind changes.
+        self._stretches: list[tuple[str, int]] = []
         self._ended = False  # end_training() shut down the run this tracker started (until a new start)
         self._new_run()
 
@@ -113,10 +116,15 @@ class OtelTrainTracker(GeneralTracker):
             if accelerator is not None and self._fed is None:
                 # A tracker hears of the loop only when it logs: micro-batches, eval batches and
                 # saves tell the stall watchdog the loop is alive (docs/design/integrations.md#accelerate).
-                for name in ("backward", "gather_for_metrics"):
-                    setattr(accelerator, name, _heartbeat_after(getattr(accelerator, name)))
+                # They also mark where an evaluation or a save began inside a step this tracker
+                # marks from the logs, so that goodput books them as such, not as training.
+                accelerator.backward = _noting(accelerator.backward, lambda: self._began("train"))
+                gather = accelerator.gather_for_metrics
+                accelerator.gather_for_metrics = _noting(
+                    gather, lambda: self._began(_gather_kind(accelerator))
+                )
                 self._save_hook = accelerator.register_save_state_pre_hook(
-                    lambda *_: adapters.saving_checkpoint()
+                    lambda *_: self._began("checkpoint")
                 )
                 self._fed = accelerator
 
@@ -150,8 +158,9 @@ class OtelTrainTracker(GeneralTracker):
             if isinstance(name, str) and isinstance(text, str):
                 ot.log_text(name, text, step=number)
         if self._marks_steps and number is not None and number > self._marked:
-            self._mark_ns = logged_step(number, self._mark_ns, scalars)
+            self._mark_ns = logged_step(number, self._mark_ns, scalars, self._stretches)
             self._marked = number
+            self._stretches = []
         elif number is not None and number == info.open_step:
             # the step open now: its values, like ot.record's, leave with the flush (a row of
             # their own per log would be a bridge write per step)
@@ -169,6 +178,14 @@ class OtelTrainTracker(GeneralTracker):
         end_training(owns_session)
         self._new_run()
         self._ended = owns_session  # its run is over: a later log starts no other
+
+    def _began(self, kind: str) -> None:
+        """Training, an evaluation ("eval") or a save ("checkpoint") goes on from now."""
+        if kind == "checkpoint":
+            adapters.saving_checkpoint()
+        stretches = self._stretches
+        if self._marks_steps and (not stretches or stretches[-1][0] != kind) and len(stretches) < 256:
+            stretches.append((kind, perf_counter_ns()))
 
     def _warn_unmarked(self, step: int | None, world_size: int) -> None:
         """Once, at the second step logged while the job has marked none (a log without a step is
@@ -224,13 +241,24 @@ class OtelTrainTracker(GeneralTracker):
         return with_adopted(settings, adopted)
 
 
-def _heartbeat_after(call: Callable[..., Any]) -> Callable[..., Any]:
+def _noting(call: Callable[..., Any], note: Callable[[], None]) -> Callable[..., Any]:
+    """`call` (a micro-batch's backward, an eval batch's gather), `note()` before and a heartbeat
+    after it."""
+
     def fed(*args: Any, **kwargs: Any) -> Any:
+        note()
         result = call(*args, **kwargs)
         adapters.heartbeat()
         return result
 
     return fed
+
+
+def _gather_kind(accelerator: Accelerator) -> str:
+    """ "eval" when every model the Accelerator prepared is in eval mode (`model.eval()`), else
+    "train" (a loop that gathers its training metrics)."""
+    models = getattr(accelerator, "_models", None) or []
+    return "eval" if models and not any(getattr(model, "training", True) for model in models) else "train"
 
 
 def _step_number(step: Any) -> int | None:

@@ -214,7 +214,9 @@ def test_tracker_alone_logging_once_an_epoch_sees_no_stall_in_training_eval_or_s
     1.25 s of eval batches and a 1.5 s `save_state` between logs under stall_timeout_s=1. Each
     `accelerator.backward`, `gather_for_metrics` and the save's pre-hook tell the watchdog the
     loop is alive, and once the loop stops it is a stall; after `end_training` the Accelerator's own
-    methods are back."""
+    methods are back. Inside each logged step, the evaluation (from its first gather with the model
+    in eval mode) and the save (from its pre-hook) are goodput's eval and checkpoint time, not
+    training."""
     import torch
 
     slow = SlowStretches()
@@ -233,9 +235,11 @@ def test_tracker_alone_logging_once_an_epoch_sees_no_stall_in_training_eval_or_s
             optimizer.step()
             optimizer.zero_grad()
             step += 1
+        model.eval()
         for _ in range(5):
             slow.sleep(0.25)
             accelerator.gather_for_metrics(model(torch.randn(2, 4)))
+        model.train()
         accelerator.save_state(str(tmp_path / f"ckpt{epoch}"))
         accelerator.log({"loss": 1.0 / (epoch + 1)}, step=step)
     wait_for(
@@ -250,6 +254,10 @@ def test_tracker_alone_logging_once_an_epoch_sees_no_stall_in_training_eval_or_s
     assert len(slow.spans) == 2 * (8 + 5 + 1)
     assert slow.stalls_inside(run_dir) == []
     assert len(run_events(run_dir, event="stall")) == 1
+    ot.shutdown()
+    badput = json.loads((run_dir / "goodput.rank0.json").read_text())["badput"]
+    assert badput["eval"] >= 2 * 4 * 0.25  # the first eval batch's forward runs before its gather
+    assert badput["checkpoint_save"] >= 2 * 1.5
 
 
 @pytest.mark.parametrize("every_step", [False, True], ids=["adaptive", "every-step"])

@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except BrokenPipeError:  # `otel-train doctor | head`: the reader left, which is no error to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush would raise again
+        return 1
+
+
+def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv[:1] == ["demo"]:  # argparse's "invalid choice" would not say where the demo went
@@ -90,7 +98,13 @@ def diagnose(run_dir: str, role: str = "") -> int:
     print(f"{run_dir}: summaries from ranks {sorted(summaries)} of {world_size}")
     for verdict in verdicts:
         print(verdict.describe(summaries))
-    if not verdicts:
+    absent = sorted(set(range(world_size)) - set(summaries))
+    if not verdicts and absent:
+        print(
+            f"no verdict: rank(s) {', '.join(map(str, absent))} left no readable summary, and every rank "
+            "that did is in the same collective (read the stacks.rank<k>.*.txt files of those ranks)"
+        )
+    elif not verdicts:
         print("no rank behind the others: every rank that left a summary is in the same collective")
     return 0 if verdicts else 1
 
@@ -111,6 +125,10 @@ def _no_summaries(directory: Path, role: str) -> str:
         return f"no readable {pattern}; there are files of role(s) {', '.join(roles)}: pass --role {roles[0]}"
     if role and any(directory.glob(RunFiles(directory).collectives_glob)):
         return f"no readable {pattern}; there are files of ranks without a role: leave out --role"
+    if not (directory / "config.json").is_file():  # not a run directory: its parent, or elsewhere
+        runs = sorted(p.parent.name for p in directory.glob("*/config.json"))
+        inside = f"; the run directories in it: {', '.join(runs[:5])}{' ...' if len(runs) > 5 else ''}"
+        return f"not a run directory (no config.json){inside if runs else ''}: give the job's run directory"
     return (
         f"no readable {pattern} (no rank stalled with PyTorch's Flight Recorder on: it is torch's "
         "default unless TORCH_FR_BUFFER_SIZE=0)"

@@ -67,7 +67,9 @@ def test_diagnose_names_a_damaged_summary_instead_of_a_missing_one(
     rank1.write_bytes(rank1.read_bytes()[:60])  # a crash mid-write on a file system without rename
     code, out, err = _diagnose([str(tmp_path)], capsys)
     assert "skipped collectives.rank1.json: unreadable" in err, err
-    assert code == 0 and "rank 1 (" not in out and "rank 1 left no Flight Recorder summary" in out, out
+    assert code == 0 and "rank 1 (" not in out and "rank 1 left no readable Flight Recorder summary" in out, (
+        out
+    )
 
 
 @pytest.mark.parametrize(
@@ -166,7 +168,7 @@ def test_diagnose_never_lets_one_ranks_file_stand_in_for_another(
     code, out, err = _diagnose([str(tmp_path)], capsys)
     assert "skipped collectives.rank1.json: claims rank 0, but its name is another rank's" in err, err
     assert "elsewhere" not in out and "summaries from ranks [0, 2, 3] of 4" in out, out
-    assert code == 0 and "rank 1 left no Flight Recorder summary" in out, out
+    assert code == 0 and "rank 1 left no readable Flight Recorder summary" in out, out
 
 
 def test_diagnose_points_at_the_role_and_at_a_wrong_directory(
@@ -187,11 +189,31 @@ def test_diagnose_points_at_the_role_and_at_a_wrong_directory(
     empty = tmp_path / "empty"
     empty.mkdir()
     code, out, _ = _diagnose([str(empty)], capsys)
+    assert code == 1 and "not a run directory (no config.json): give the job's run directory" in out, out
+    (empty / "config.json").write_text("{}")  # a run whose ranks never stalled
+    code, out, _ = _diagnose([str(empty)], capsys)
     assert code == 1 and "no rank stalled with PyTorch's Flight Recorder on" in out
+    outputs = tmp_path / "runs"  # output_dir, the run directories' parent
+    (outputs / "run-a").mkdir(parents=True)
+    (outputs / "run-a" / "config.json").write_text("{}")
+    code, out, _ = _diagnose([str(outputs)], capsys)
+    assert code == 1 and "not a run directory (no config.json); the run directories in it: run-a" in out, out
     (empty / "collectives.rank0.json").write_text('{"rank": 0}')  # a rank stalled; its file is bad
     code, out, err = _diagnose([str(empty)], capsys)
     assert code == 1 and "every one was skipped" in out and "Flight Recorder on" not in out, out
     assert "skipped collectives.rank0.json: no valid written_at" in err
+
+
+def test_diagnose_without_the_waiting_ranks_summaries_names_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only the late rank's file is readable: no rank can be named behind, and the output says
+    whose summaries are missing rather than that every rank is in the same collective."""
+    _write_hang(tmp_path)
+    for rank in (0, 2, 3):
+        RunFiles(tmp_path, rank).collectives.unlink()
+    code, out, _ = _diagnose([str(tmp_path)], capsys)
+    assert code == 1 and "no verdict: rank(s) 0, 2, 3 left no readable summary" in out, out
 
 
 def test_diagnose_with_a_role_over_ranks_without_one_says_to_leave_it_out(
@@ -231,6 +253,21 @@ def test_usage_errors_exit_2_and_help_exits_0(capsys: pytest.CaptureFixture[str]
     # `python -m otel_train` is the same command
     proc = subprocess.run([sys.executable, "-m", "otel_train", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: otel-train" in proc.stdout, proc.stderr
+
+
+def test_doctor_into_a_pipe_closed_early_ends_without_a_traceback(tmp_path: Path) -> None:
+    """`otel-train doctor | head -1`: the reader leaves after a line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "otel_train", "doctor"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"config:")
+    proc.stdout.close()
+    proc.wait(timeout=60)
+    assert b"Traceback" not in proc.stderr.read()
 
 
 def test_doctor_fails_on_an_unwritable_output_dir_and_a_busy_pull_port(

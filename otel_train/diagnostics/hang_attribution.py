@@ -93,7 +93,7 @@ class Verdict:
 
     def describe(self, summaries: Mapping[int, Mapping[str, Any]]) -> str:
         who = ", ".join(_rank_at(r, summaries) for r in self.culprits())
-        what = "never reached" if self.missing else "left no Flight Recorder summary for"
+        what = "never reached" if self.missing else "left no readable Flight Recorder summary for"
         waiting = ",".join(str(r) for r in self.waiting)
         return (
             f"{who} {what} {self.op} #{self.seq} of process group {self.group}, "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 # An adapter's hooks run once per step, not per op: `current()` (one call) is cheap here,
 # unlike in ot.record/ot.timer, which read the module attribute directly.
-from otel_train.core import Run, begin_step, current, end_step, phase
+from otel_train.core import Run, begin_step, current, end_step, phase, shutdown
 
 if TYPE_CHECKING:
     from otel_train.crossrank import StragglerReport
@@ -27,6 +27,7 @@ __all__ = [
     "Run",
     "begin_step",
     "current_run",
+    "end_run",
     "end_step",
     "heartbeat",
     "idle",
@@ -66,6 +67,12 @@ def heartbeat() -> None:
         session.progress_ns = now = perf_counter_ns()
         if not session.step_start_ns:  # between steps: an evaluation, in goodput's books
             session.clock.eval_batch_ns = now
+
+
+def end_run(failed: bool = False) -> None:
+    """End the run now, as `ot.shutdown()` does (an integration's training is over); `failed`: the
+    training raised, so the W&B and MLflow runs end as failed, and the progress file says so."""
+    shutdown(failed)
 
 
 def saving_checkpoint() -> None:

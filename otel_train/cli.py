@@ -125,10 +125,11 @@ def _no_summaries(directory: Path, role: str) -> str:
         return f"no readable {pattern}; there are files of role(s) {', '.join(roles)}: pass --role {roles[0]}"
     if role and any(directory.glob(RunFiles(directory).collectives_glob)):
         return f"no readable {pattern}; there are files of ranks without a role: leave out --role"
-    if not (directory / "config.json").is_file():  # not a run directory: its parent, or elsewhere
-        runs = sorted(p.parent.name for p in directory.glob("*/config.json"))
+    config = RunFiles(directory, role=role).config
+    if not config.is_file():  # not a run directory: its parent, or elsewhere
+        runs = sorted(p.parent.name for p in directory.glob(f"*/{config.name}"))
         inside = f"; the run directories in it: {', '.join(runs[:5])}{' ...' if len(runs) > 5 else ''}"
-        return f"not a run directory (no config.json){inside if runs else ''}: give the job's run directory"
+        return f"not a run directory (no {config.name}){inside if runs else ''}: give the job's run directory"
     return (
         f"no readable {pattern} (no rank stalled with PyTorch's Flight Recorder on: it is torch's "
         "default unless TORCH_FR_BUFFER_SIZE=0)"

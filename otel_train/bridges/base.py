@@ -37,8 +37,10 @@ class Sink:
     def write_hparams(self, params: Mapping[str, Any]) -> None:
         """Hyperparameters (already redacted), once or a few times per run."""
 
-    def close(self, final_scalars: Mapping[str, float]) -> None:
-        """End of run: the last value of every scalar key (for hparams' final metrics)."""
+    def close(self, final_scalars: Mapping[str, float], failed: bool = False) -> None:
+        """End of run: the last value of every scalar key (for hparams' final metrics); `failed`:
+        the run ended by an error (an uncaught exception, a training that raised, the training
+        process gone), which W&B and MLflow record as the run's state."""
 
     def reopen(self) -> None:
         """Before a disabled bridge is retried (`ThreadedSink`): drop the backend's writer, which may

@@ -121,7 +121,7 @@ class ConsoleSink(Sink):
         if self.verbosity >= 2:
             self.stream.write(f"[{key} @ {step}] {text}\n")
 
-    def close(self, final_scalars: Mapping[str, float]) -> None:
+    def close(self, final_scalars: Mapping[str, float], failed: bool = False) -> None:
         if self.verbosity == 0:
             return
         from otel_train.goodput import summary

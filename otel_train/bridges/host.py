@@ -145,10 +145,12 @@ def build(specs: list[tuple[str, str, dict[str, Any]]], queue_size: int) -> list
     return sinks
 
 
-def close_all(sinks: list[ThreadedSink], final_scalars: Mapping[str, float], grace_s: float) -> None:
+def close_all(
+    sinks: list[ThreadedSink], final_scalars: Mapping[str, float], grace_s: float, failed: bool = False
+) -> None:
     """Close every bridge at once (a hung one costs `grace_s` once, not once per bridge)."""
     threads = [
-        threading.Thread(target=sink.close, args=(dict(final_scalars), grace_s), daemon=True)
+        threading.Thread(target=sink.close, args=(dict(final_scalars), failed, grace_s), daemon=True)
         for sink in sinks
     ]
     for thread in threads:
@@ -211,6 +213,7 @@ def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
     reports: Reports | None = None
     final: Mapping[str, float] = {}
     grace_s = DEFAULT_GRACE_S
+    failed = True  # until the parent says how the run ended
     try:
         _die_with_parent(parent_pid)
         kind, specs, queue_size = read_frame(in_fd)
@@ -237,7 +240,7 @@ def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
                 _call_all(sinks, message)
                 cpu.update(max((s.fill for s in sinks), default=0.0), unread(in_fd))
             elif message[0] == "close":
-                _, final, grace_s = message
+                _, final, grace_s, failed = message
                 break
     except (EOFError, ParentGone, OSError):  # OSError: TimeoutError too (a frame cut by a death)
         reports = None  # the parent is gone: still close the bridges, so what they got is on disk
@@ -245,7 +248,7 @@ def serve(parent_pid: int, in_fd: int, reply_fd: int, cpu: CpuPolicy) -> None:
     cpu.update(1.0)  # closing: finish the backlog at normal priority, within the grace period
     if reports is None:
         _drain(in_fd, sinks)
-    close_all(sinks, final, grace_s)
+    close_all(sinks, final, grace_s, failed)
     if reports is not None:
         with contextlib.suppress(OSError):
             reports.send("closed")

@@ -210,10 +210,11 @@ class MlflowSink(Sink):
         for i in range(0, len(batch), PARAMS_PER_BATCH):
             self._client.log_batch(self.run_id, params=batch[i : i + PARAMS_PER_BATCH], synchronous=True)
 
-    def close(self, final_scalars: Mapping[str, float]) -> None:
+    def close(self, final_scalars: Mapping[str, float], failed: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
         if self._client is None:
             return  # nothing was ever written: do not create an empty run
-        self._client.set_terminated(self.run_id, status="FINISHED", end_time=int(time.time() * 1000))
+        status = "FAILED" if failed else "FINISHED"
+        self._client.set_terminated(self.run_id, status=status, end_time=int(time.time() * 1000))

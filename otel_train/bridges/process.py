@@ -138,7 +138,9 @@ class BridgeProcess(Sink):
         self._hparams = merge_params(self._hparams, params)  # a new dict: the feeder reads it whole
         self._submit("write_hparams", (params,))
 
-    def close(self, final_scalars: Mapping[str, float], timeout: float | None = None) -> None:
+    def close(
+        self, final_scalars: Mapping[str, float], failed: bool = False, timeout: float | None = None
+    ) -> None:
         """Hand over the close and wait at most `timeout` seconds for the bridges to finish."""
         if self._closing.is_set():
             return
@@ -148,7 +150,7 @@ class BridgeProcess(Sink):
         if not self._dead:
             self._lift()
             grace = max(CHILD_GRACE_S, deadline - time.monotonic())
-            frame = encode(("close", dict(final_scalars), grace))
+            frame = encode(("close", dict(final_scalars), grace, failed))
             self._close_frame = frame
             while not self._dead:
                 try:

@@ -71,14 +71,15 @@ class RunDirSink(Sink):
         self._hparams = merge_params(self._hparams, plain(dict(params)))
         write_json(self.files.hparams, self._hparams)
 
-    def close(self, final_scalars: Mapping[str, float]) -> None:
+    def close(self, final_scalars: Mapping[str, float], failed: bool = False) -> None:
         from otel_train.goodput import summary
 
         line = summary(final_scalars)
         if self._progress is not None and line:
             with contextlib.suppress(OSError):  # a full disk: the summary line is the one thing lost
                 self._progress.write_line(
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S')} | end of process | {line}\n".encode()
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')} | end of process{' (failed)' if failed else ''} | "
+                    f"{line}\n".encode()
                 )
         self._metrics.close()
         if self._progress is not None:

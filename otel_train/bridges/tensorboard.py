@@ -105,7 +105,7 @@ class TensorBoardSink(Sink):
             except Exception as exc:  # TensorBoard's writer re-raises the error it kept: counted already
                 logger.debug("otel_train: closing the failed TensorBoard writer: %r", exc)
 
-    def close(self, final_scalars: Mapping[str, float]) -> None:
+    def close(self, final_scalars: Mapping[str, float], failed: bool = False) -> None:
         if self._closed:
             return
         self._closed = True

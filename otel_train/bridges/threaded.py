@@ -77,7 +77,9 @@ class ThreadedSink(Sink):
     def write_hparams(self, params: Mapping[str, Any]) -> None:
         self._submit("write_hparams", (dict(params),))
 
-    def close(self, final_scalars: Mapping[str, float], timeout: float | None = None) -> None:
+    def close(
+        self, final_scalars: Mapping[str, float], failed: bool = False, timeout: float | None = None
+    ) -> None:
         """Queue the inner close and wait at most `timeout` seconds (default `close_timeout_s`)."""
         timeout = self.close_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + max(0.0, timeout)
@@ -85,7 +87,7 @@ class ThreadedSink(Sink):
             if self._closing:
                 return
             self._closing = True
-        item = (_CLOSE, (dict(final_scalars),))
+        item = (_CLOSE, (dict(final_scalars), failed))
         while True:
             try:
                 self._queue.put(item, timeout=min(0.05, max(0.0, deadline - time.monotonic())))

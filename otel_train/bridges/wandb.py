@@ -247,7 +247,7 @@ class WandbSink(Sink):
         held = {key: run.config[key] for key in params if key in run.config}
         run.config.update(merge_params(held, params), allow_val_change=True)
 
-    def close(self, final_scalars: Mapping[str, float]) -> None:
+    def close(self, final_scalars: Mapping[str, float], failed: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
@@ -260,7 +260,7 @@ class WandbSink(Sink):
 
         def finish() -> None:
             try:
-                run.finish()
+                run.finish(exit_code=1 if failed else 0)  # 1: W&B shows the run as failed
             except BaseException as exc:
                 errors.append(exc)
 

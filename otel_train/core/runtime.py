@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -75,7 +76,8 @@ def _warn_if_different(
     )
 
 
-def shutdown() -> None:
+def shutdown(failed: bool = False) -> None:
+    """End the running session (`failed`: the run ended by an error, see Sink.close)."""
     global _current, _closing
     session = _current
     if session is None:
@@ -85,11 +87,18 @@ def shutdown() -> None:
         return
     _current = None  # from here on every record call is a no-op
     _closing = session
-    session.shutdown()
+    session.shutdown(failed)
 
 
 def current() -> Session | None:
     return _current
+
+
+def _shutdown_at_exit() -> None:
+    """atexit: a script that ends by an uncaught exception ends its run as failed. (An interactive
+    interpreter keeps the last error of any earlier command, so there the run ends as it is.)"""
+    interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
+    shutdown(failed=not interactive and getattr(sys, "last_value", None) is not None)
 
 
 def _forget_in_child() -> None:
@@ -185,7 +194,7 @@ def _install_hooks() -> None:
             _relay = _SigtermRelay()
         return
     _hooks_installed = True
-    atexit.register(shutdown)
+    atexit.register(_shutdown_at_exit)
     os.register_at_fork(after_in_child=_forget_in_child)
     if threading.current_thread() is threading.main_thread():
         previous = signal.getsignal(signal.SIGTERM)

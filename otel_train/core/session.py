@@ -368,8 +368,8 @@ class Session:
             _drop_message(self.buffer, self.worker.max_messages)
 
     # --- close -----------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Final flush, drain the worker, close sinks, stop exporters, within shutdown_timeout_s."""
+    def shutdown(self, failed: bool = False) -> None:
+        """Final flush, drain the worker, close sinks (`failed`: see Sink.close), stop exporters."""
         with self._lock:
             already = self._closed
             self._closed = True
@@ -377,7 +377,7 @@ class Session:
             self.shutdown_done.wait(self.config.shutdown_timeout_s + 1.0)
             return
         try:
-            _close(self)
+            _close(self, failed)
         finally:
             self.shutdown_done.set()
 
@@ -504,7 +504,7 @@ def _drop_message(buffer: Buffer, limit: int) -> None:
 
 
 # --- close: each part within what is left of shutdown_timeout_s -----------------------------------
-def _close(session: Session) -> None:
+def _close(session: Session, failed: bool) -> None:
     from otel_train.goodput import final_scalars
 
     started = time.monotonic()
@@ -529,11 +529,10 @@ def _close(session: Session) -> None:
     for sink in session.worker.sinks:  # the bridge process gets what is left of 80 % of the budget
         try:
             if sink is session.bridges:
-                session.bridges.close(
-                    dict(final), timeout=max(0.1, 0.8 * budget - (time.monotonic() - started))
-                )
+                timeout = max(0.1, 0.8 * budget - (time.monotonic() - started))
+                session.bridges.close(dict(final), timeout=timeout, failed=failed)
             else:
-                sink.close(dict(final))
+                sink.close(dict(final), failed)
         except Exception as exc:  # the sinks' backends (bridges, their process, the disk)
             log.warning("otel_train: closing %s failed: %s", sink.name, exc)
     # Keep a margin inside the budget for the abandon path itself.

@@ -68,11 +68,11 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
     return True
 
 
-def end_training(owns_session: bool) -> None:
-    """Shut down the session the integration started; else the user's run outlives the training
-    and idles: no stall while it does other work."""
+def end_training(owns_session: bool, failed: bool = False) -> None:
+    """Shut down the session the integration started (`failed`: its training raised); else the
+    user's run outlives the training and idles: no stall while it does other work."""
     if owns_session:
-        ot.shutdown()
+        adapters.end_run(failed)
     else:
         adapters.idle()
 
@@ -109,19 +109,23 @@ class HookStep:
 
 
 def logged_step(
-    index: int, start_ns: int | None, values: Mapping[str, Any], stretches: Sequence[tuple[str, int]] = ()
+    index: int,
+    start_ns: int | None,
+    values: Mapping[str, Any],
+    stretches: Sequence[tuple[str | None, int]] = (),
 ) -> int:
     """Step `index` marked by a framework's log: begun at `start_ns`, ended now, with `values` as
     one row at that step (each log a point of its own, as the framework's own loggers write it;
-    in a flush's statistics they would be averaged over `log_interval` logs). `stretches`: (kind,
-    start) where training, an evaluation ("eval") or a save ("checkpoint") began inside it, each
-    lasting to the next one's start or now; the evaluations and saves become spans inside the step
-    (goodput's eval / checkpoint time, not productive). Returns its end, where the next one starts."""
+    in a flush's statistics they would be averaged over `log_interval` logs). `stretches`: (span
+    name, start) where training (None), an evaluation ("eval") or a save ("checkpoint") began inside
+    it, each lasting to the next one's start or now; the evaluations and saves become spans inside
+    the step (goodput's eval / checkpoint time, not productive). Returns its end, where the next
+    one starts."""
     adapters.begin_step(index, start_ns=start_ns)
-    for position, (kind, begun) in enumerate(stretches):
-        if kind != "train":
+    for position, (span, begun) in enumerate(stretches):
+        if span is not None:
             ended = stretches[position + 1][1] if position + 1 < len(stretches) else None
-            ot.span(kind).start(at_ns=begun).stop(at_ns=ended)
+            ot.span(span).start(at_ns=begun).stop(at_ns=ended)
     adapters.end_step()
     ot.log_metrics(values, step=index)
     return perf_counter_ns()

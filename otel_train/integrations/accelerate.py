@@ -76,9 +76,9 @@ class OtelTrainTracker(GeneralTracker):
         self._warned = False  # that it records nothing (no session in a multi-process job, or ended)
         self._fed: Accelerator | None = None  # the Accelerator whose calls feed the stall watchdog
         self._save_hook: Any = None
-        # Since the last logged step, where its calls said training, an evaluation or a save began:
-        # (kind, perf_counter_ns), a new entry only when the kind changes.
-        self._stretches: list[tuple[str, int]] = []
+        # Since the last logged step, where its calls said training (None), an evaluation ("eval")
+        # or a save ("checkpoint") began: (span name, perf_counter_ns), an entry when it changes.
+        self._stretches: list[tuple[str | None, int]] = []
         self._ended = False  # end_training() shut down the run this tracker started (until a new start)
         self._new_run()
 
@@ -118,14 +118,12 @@ class OtelTrainTracker(GeneralTracker):
                 # saves tell the stall watchdog the loop is alive (docs/design/integrations.md#accelerate).
                 # They also mark where an evaluation or a save began inside a step this tracker
                 # marks from the logs, so that goodput books them as such, not as training.
-                accelerator.backward = _noting(accelerator.backward, lambda: self._began("train"))
+                accelerator.backward = _noting(accelerator.backward, lambda: self._began(None))
                 gather = accelerator.gather_for_metrics
                 accelerator.gather_for_metrics = _noting(
-                    gather, lambda: self._began(_gather_kind(accelerator))
+                    gather, lambda: self._began(_evaluating(accelerator))
                 )
-                self._save_hook = accelerator.register_save_state_pre_hook(
-                    lambda *_: self._began("checkpoint")
-                )
+                self._save_hook = accelerator.register_save_state_pre_hook(self._saving)
                 self._fed = accelerator
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
@@ -179,13 +177,16 @@ class OtelTrainTracker(GeneralTracker):
         self._new_run()
         self._ended = owns_session  # its run is over: a later log starts no other
 
-    def _began(self, kind: str) -> None:
-        """Training, an evaluation ("eval") or a save ("checkpoint") goes on from now."""
-        if kind == "checkpoint":
-            adapters.saving_checkpoint()
+    def _began(self, span: str | None) -> None:
+        """Training (None), an evaluation ("eval") or a save ("checkpoint") goes on from now."""
         stretches = self._stretches
-        if self._marks_steps and (not stretches or stretches[-1][0] != kind) and len(stretches) < 256:
-            stretches.append((kind, perf_counter_ns()))
+        if self._marks_steps and (not stretches or stretches[-1][0] != span) and len(stretches) < 256:
+            stretches.append((span, perf_counter_ns()))
+
+    def _saving(self, *_: Any) -> None:
+        """`save_state`'s pre-hook: the save begins."""
+        adapters.saving_checkpoint()
+        self._began("checkpoint")
 
     def _warn_unmarked(self, step: int | None, world_size: int) -> None:
         """Once, at the second step logged while the job has marked none (a log without a step is
@@ -254,11 +255,11 @@ def _noting(call: Callable[..., Any], note: Callable[[], None]) -> Callable[...,
     return fed
 
 
-def _gather_kind(accelerator: Accelerator) -> str:
-    """ "eval" when every model the Accelerator prepared is in eval mode (`model.eval()`), else
-    "train" (a loop that gathers its training metrics)."""
+def _evaluating(accelerator: Accelerator) -> str | None:
+    """`"eval"` when every model the Accelerator prepared is in eval mode (`model.eval()`), else
+    None (training: a loop that gathers its training metrics)."""
     models = getattr(accelerator, "_models", None) or []
-    return "eval" if models and not any(getattr(model, "training", True) for model in models) else "train"
+    return "eval" if models and not any(getattr(model, "training", True) for model in models) else None
 
 
 def _step_number(step: Any) -> int | None:

@@ -345,7 +345,7 @@ class OtelTrainLogger(Logger):
             adapters.idle()
         elif self._primary is None and _owner_of(adapters.current_run()) is self:
             _owned_session, _owner_ref = None, None
-            ot.shutdown()
+            adapters.end_run(failed=status == "failed")
         else:  # the user's run outlives the failed fit: no stall while the user handles it
             adapters.idle()
 
@@ -473,7 +473,7 @@ class OtelTrainCallback(Callback):
             self._unwrap = None
         if self._owns_session and end_run and adapters.current_run() == self._run:
             self._owns_session, self._run = False, None
-            ot.shutdown()
+            adapters.end_run(failed=True)
         else:
             adapters.idle()
 

@@ -133,7 +133,7 @@ class OtelTrainCallback(TrainerCallback):
         if trainer is None:
             return
         if not getattr(trainer.train, _WRAPPED, False):  # ends the run (failed step, owned session)
-            trainer.train = ending_on_error(trainer.train, _WRAPPED, self.close)
+            trainer.train = ending_on_error(trainer.train, _WRAPPED, lambda: self.close(failed=True))
         if not getattr(trainer.get_batch_samples, _WRAPPED, False):
             input_name = getattr(trainer.model, "main_input_name", None) or "input_ids"
             trainer.get_batch_samples = _stamping(self, trainer.get_batch_samples, input_name)
@@ -191,7 +191,7 @@ class OtelTrainCallback(TrainerCallback):
             adapters.set_total_steps(state.global_step)
         self.close(end_run=False)
 
-    def close(self, end_run: bool = True) -> None:
+    def close(self, end_run: bool = True, failed: bool = False) -> None:
         """End this callback's training (at `on_train_end`, when `train()` raises, at the end of
         `oumi.train`; idempotent): a step still open ends as failed (`OumiTrainer` may begin one and
         find no batch at an epoch's end). After `on_train_end` the run idles: an evaluate, a save or
@@ -207,7 +207,7 @@ class OtelTrainCallback(TrainerCallback):
             self._session = None  # shut down by someone else
         elif session is not None and end_run:
             self._session = None
-            ot.shutdown()
+            adapters.end_run(failed)
         else:
             self._idle = session is not None
             adapters.idle()

@@ -139,6 +139,6 @@ def instrument(trainer: Trainer, **settings: Any) -> Trainer:
         # If train() raises, no on_train_end comes: TRL's ProfilingContext is restored and the HF
         # callback's run ended (idempotent: its own wrapper may end it too, but it wraps `train`
         # only at its first on_train_begin when added with add_callback, too late for that call).
-        ending = ending_on_error(trainer.train, _ENDING, disable_profiling, hf.close)
+        ending = ending_on_error(trainer.train, _ENDING, disable_profiling, lambda: hf.close(failed=True))
         trainer.train = ending  # type: ignore[method-assign]
     return trainer

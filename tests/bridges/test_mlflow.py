@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -119,3 +121,48 @@ def test_a_resumed_run_id_continues_its_mlflow_run(tmp_path: Path) -> None:
     assert run.metrics["train/loss"] == [(0, 1.0), (1, 0.5)]
     assert run.params == {"lr": "0.1", "bs": "32", "warmup": "10"}
     assert read_mlflow(default_tracking_uri(run_dir), "exp", "other").metrics["train/loss"] == [(0, 5.0)]
+
+
+_ENDING = """
+import os, signal, sys, time
+import otel_train as ot
+ot.init(output_dir=sys.argv[1], run_name=sys.argv[2], mlflow=True, prometheus_port=0, verbosity=0,
+        hardware=False, log_interval=1)
+for step in range(3):
+    with ot.step(step):
+        ot.record("loss", 1.0)
+if sys.argv[2] == "raises":
+    raise RuntimeError("the loss diverged")
+time.sleep(3)  # the bridge process has the rows and the MLflow run
+os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer
+"""
+
+
+@pytest.mark.parametrize("ending", ["raises", "killed"])
+def test_a_run_that_raises_or_whose_process_is_killed_ends_failed(tmp_path: Path, ending: str) -> None:
+    """A script that ends by an uncaught exception, or is killed (the bridge process finishes the
+    run alone): the MLflow run ends FAILED, not FINISHED; progress.txt's end line says so."""
+    from mlflow import MlflowClient
+
+    script = tmp_path / "train.py"
+    script.write_text(_ENDING)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), ending], capture_output=True, timeout=120
+    )
+    assert done.returncode == (1 if ending == "raises" else -9), done.stderr.decode()
+    uri = default_tracking_uri(tmp_path / ending)
+    deadline = time.monotonic() + 60  # a killed process's bridge process ends the run on its own
+
+    def status() -> str | None:
+        if not (tmp_path / ending / "mlflow" / "mlflow.db").exists():
+            return None
+        runs = MlflowClient(uri).search_runs(
+            [exp.experiment_id for exp in MlflowClient(uri).search_experiments()]
+        )
+        return runs[0].info.status if runs else None
+
+    while status() in (None, "RUNNING") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status() == "FAILED"
+    if ending == "raises":  # the killed process writes no end line
+        assert "| end of process (failed) |" in (tmp_path / ending / "progress.txt").read_text()

@@ -33,7 +33,7 @@ class Recording(Sink):
     def write_hparams(self, params: Mapping[str, Any]) -> None:
         self.calls.append(("hparams", dict(params)))
 
-    def close(self, final_scalars: Mapping[str, float]) -> None:
+    def close(self, final_scalars: Mapping[str, float], failed: bool = False) -> None:
         self.calls.append(("close", dict(final_scalars)))
         self.closed.set()
 

@@ -57,7 +57,13 @@ def test_offline_round_trip_and_no_secret(tmp_path: Path, monkeypatch: pytest.Mo
     shutil.rmtree(earlier)
 
     run = read_wandb_offline(run_dir)
-    assert run.exited and run.name == "run-w" and run.group == "g1" and run.tags == ["unit"]
+    assert (
+        run.exited
+        and run.exit_code == 0
+        and run.name == "run-w"
+        and run.group == "g1"
+        and run.tags == ["unit"]
+    )
     assert re.fullmatch(r"job-42-[0-9a-f]{8}", run.run_id)  # ':' is not allowed in W&B ids
     # every series is plotted against the training step
     assert {"name": "train/step", "glob_name": "", "step_metric": ""} in run.metric_defs
@@ -86,6 +92,14 @@ def test_offline_round_trip_and_no_secret(tmp_path: Path, monkeypatch: pytest.Mo
     for path in run_dir.rglob("*"):
         if path.is_file() and not path.is_symlink():
             assert MARKER.encode() not in path.read_bytes(), path
+
+
+def test_a_failed_run_ends_with_a_failing_exit_code(tmp_path: Path) -> None:
+    """`close(failed=True)` (the training raised, or its process died): W&B shows the run failed."""
+    sink = WandbSink(tmp_path / "run", {}, project="p", run_name="r", mode="offline")
+    sink.write_scalars(0, time.time(), {"train/loss": 1.0})
+    sink.close({}, failed=True)
+    assert read_wandb_offline(tmp_path / "run").exit_code == 1
 
 
 def test_no_run_is_created_when_nothing_was_written(tmp_path: Path) -> None:

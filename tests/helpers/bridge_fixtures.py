@@ -44,7 +44,7 @@ class Recording(Sink):
     def write_hparams(self, params: Mapping[str, Any]) -> None:
         self._log("hparams", dict(params))
 
-    def close(self, final_scalars: Mapping[str, float]) -> None:
+    def close(self, final_scalars: Mapping[str, float], failed: bool = False) -> None:
         self._log("close", dict(final_scalars))
         self._file.close()
 
@@ -57,7 +57,7 @@ class Hanging(Sink):
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         threading.Event().wait()
 
-    def close(self, final_scalars: Mapping[str, float]) -> None:
+    def close(self, final_scalars: Mapping[str, float], failed: bool = False) -> None:
         threading.Event().wait()
 
 

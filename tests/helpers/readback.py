@@ -153,6 +153,7 @@ class WandbOfflineRun:
     metric_defs: list[dict[str, str]] = field(default_factory=list)
     record_kinds: list[str] = field(default_factory=list)
     exited: bool = False
+    exit_code: int | None = None  # the exit record's: 0 finished, else failed
 
     def series(self, key: str, step_key: str = "train/step") -> list[tuple[int, Any]]:
         """(training step, value) for every history row that has `key`."""
@@ -213,7 +214,7 @@ def _parse_wandb_file(run_dir: Path, path: str) -> WandbOfflineRun:
             m = record.metric
             out.metric_defs.append({"name": m.name, "glob_name": m.glob_name, "step_metric": m.step_metric})
         elif kind == "exit":
-            out.exited = True
+            out.exited, out.exit_code = True, record.exit.exit_code
     out.config.pop("_wandb", None)
     return out
 

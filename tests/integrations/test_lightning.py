@@ -776,6 +776,7 @@ def test_a_failed_fit_ends_the_run(tmp_path: Path) -> None:
     assert current_session() is None
     assert started[0] is not None and started[0].shutdown_done.is_set()  # the final flush ran
     assert logger.version == "fails"
+    assert "| end of process (failed) |" in (Path(logger.log_dir) / "progress.txt").read_text()
 
 
 def test_two_loggers_on_one_trainer_count_each_step_once(tmp_path: Path) -> None:

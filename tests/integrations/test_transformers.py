@@ -270,6 +270,8 @@ def test_train_raising_mid_epoch_ends_the_callbacks_session_without_a_false_stal
     # (a step slower than 0.5 s on a loaded machine may be a true stall DURING training)
     assert not [e for e in run_events(run_dir, event="stall") if e["time"] >= raised_at], run_events(run_dir)
     assert sum(r.get("train/steps", 0) for r in _rows(run_dir)) == 2  # the failed third step is not counted
+    # the run ended as failed (W&B and MLflow mark it so; progress.txt's end line says it)
+    assert "| end of process (failed) |" in (run_dir / "progress.txt").read_text()
 
 
 def test_the_users_run_outlives_train_flushed_and_without_a_false_stall(tmp_path: Path) -> None:

@@ -140,11 +140,11 @@ def selector(
     """
     if suffix and (spec.kind is not Kind.HISTOGRAM or suffix not in _HISTOGRAM_SUFFIXES):
         raise ValueError(f"suffix {suffix!r} does not apply to {spec.name}")
-    matchers = [f'{RUN}=~"${VAR_RUN}"']
+    # the role on every selector: a job-level series (no rank, no host) carries its role too
+    matchers = [f'{RUN}=~"${VAR_RUN}"', f'{ROLE}=~"${VAR_ROLE}"']
     if host:
         matchers.append(f'{HOST}=~"${VAR_HOST}"')
     if rank:
-        matchers.append(f'{ROLE}=~"${VAR_ROLE}"')
         matchers.append(f'{RANK}=~"${VAR_RANK}"')
     for key, value in extra.items():
         op, value = ("=~", value[1:]) if value.startswith("~") else ("=", value)
@@ -165,12 +165,17 @@ def agg(op: str, by: str, inner: str) -> str:
 
 
 def quantile(q: float, spec: MetricSpec, by: str, window: str = RATE) -> str:
-    return f"histogram_quantile({q}, {agg('sum', f'le, {by}', rate(spec, '_bucket', window))})"
+    """A quantile of the per-rank buckets; `>= 0` leaves out the NaN of a series with no count in
+    the window, or only the +Inf bucket (the essential tier's per-rank histograms)."""
+    return f"histogram_quantile({q}, {agg('sum', f'le, {by}', rate(spec, '_bucket', window))}) >= 0"
 
 
 def mean(spec: MetricSpec, by: str, window: str = RATE) -> str:
-    """Mean of a histogram over the window: rate(sum) / rate(count)."""
-    return f"{agg('sum', by, rate(spec, '_sum', window))} / {agg('sum', by, rate(spec, '_count', window))}"
+    """Mean of a histogram over the window: rate(sum) / rate(count), for the series with a count in
+    it (a phase that did not run, a stalled rank: no value rather than 0/0 = NaN)."""
+    return (
+        f"{agg('sum', by, rate(spec, '_sum', window))} / ({agg('sum', by, rate(spec, '_count', window))} > 0)"
+    )
 
 
 def job_or_ranks(job: str, ranks: str) -> str:
@@ -192,13 +197,14 @@ def job_quantile(q: float, job: MetricSpec, ranks: MetricSpec, by: str, window: 
 def job_mean(job: MetricSpec, ranks: MetricSpec, by: str, window: str = RATE) -> str:
     job_kw: dict[str, object] = {"rank": False, "host": False}
     return job_or_ranks(
-        f"{agg('sum', by, rate(job, '_sum', window, **job_kw))} / {agg('sum', by, rate(job, '_count', window, **job_kw))}",
+        f"{agg('sum', by, rate(job, '_sum', window, **job_kw))} / ({agg('sum', by, rate(job, '_count', window, **job_kw))} > 0)",
         mean(ranks, by, window),
     )
 
 
-def job_rate(job: MetricSpec, ranks: MetricSpec, by: str = RUN) -> str:
+def job_rate(job: MetricSpec, ranks: MetricSpec, by: str = "") -> str:
     """Rate of a job-level counter (the sum over the ranks), or the per-rank counters' summed."""
+    by = by or _RUN
     return job_or_ranks(agg("sum", by, rate(job, rank=False, host=False)), agg("sum", by, rate(ranks)))
 
 
@@ -339,8 +345,9 @@ def panel_deepspeed_only(panel: PanelDef) -> bool:
 
 
 # --- the four dashboards --------------------------------------------------------------------------
+_RUN = f"{RUN}, {ROLE}"  # a run's series: one per role (an RL job's policy and generation)
 _R = f"{RUN}, {ROLE}, {RANK}"
-_GPU_BY = f"{RUN}, {HOST}, {HW_ID}, {HW_NAME}"
+_GPU_BY = f"{RUN}, {ROLE}, {HOST}, {HW_ID}, {HW_NAME}"
 _GPU_LEGEND = f"{{{{{HOST}}}}} {{{{{HW_ID}}}}}"
 
 
@@ -348,10 +355,10 @@ def _interval_targets(spec: MetricSpec) -> tuple[Target, ...]:
     """A per-step value's interval mean (averaged over ranks) and its steps' min, max and last."""
     stats = sc.INTERVAL_STAT_SPECS[spec.name]
     return (
-        T(agg("avg", RUN, selector(spec)), _lg(suffix=" mean")),
-        T(agg("min", RUN, selector(stats["min"])), _lg(suffix=" min")),
-        T(agg("max", RUN, selector(stats["max"])), _lg(suffix=" max")),
-        T(agg("avg", RUN, selector(stats["last"])), _lg(suffix=" last")),
+        T(agg("avg", _RUN, selector(spec)), _lg(suffix=" mean")),
+        T(agg("min", _RUN, selector(stats["min"])), _lg(suffix=" min")),
+        T(agg("max", _RUN, selector(stats["max"])), _lg(suffix=" max")),
+        T(agg("avg", _RUN, selector(stats["last"])), _lg(suffix=" last")),
     )
 
 
@@ -370,18 +377,19 @@ def _loss_targets() -> tuple[Target, ...]:
     stats = sc.INTERVAL_STAT_SPECS[sc.LOSS.name]
     job: dict[str, object] = {"rank": False, "host": False}
     return (
-        T(job_or_ranks(agg("avg", RUN, selector(sc.JOB_LOSS, **job)), agg("avg", RUN, selector(sc.LOSS))),
+        T(job_or_ranks(agg("avg", _RUN, selector(sc.JOB_LOSS, **job)), agg("avg", _RUN, selector(sc.LOSS))),
           _lg(suffix=" mean")),
-        T(job_or_ranks(agg("min", RUN, selector(sc.JOB_LOSS_MIN, **job)), agg("min", RUN, selector(stats["min"]))),
+        T(job_or_ranks(agg("min", _RUN, selector(sc.JOB_LOSS_MIN, **job)), agg("min", _RUN, selector(stats["min"]))),
           _lg(suffix=" min")),
-        T(job_or_ranks(agg("max", RUN, selector(sc.JOB_LOSS_MAX, **job)), agg("max", RUN, selector(stats["max"]))),
+        T(job_or_ranks(agg("max", _RUN, selector(sc.JOB_LOSS_MAX, **job)), agg("max", _RUN, selector(stats["max"]))),
           _lg(suffix=" max")),
     )  # fmt: skip
 
 
 def _lg(*labels: str, prefix: str = "", suffix: str = "") -> str:
-    """Legend format such as `{{run_id}} rank {{rank}}`."""
-    parts = [f"{{{{{RUN}}}}}"]
+    """Legend format such as `{{run_id}} {{role}}` or `{{run_id}} {{role}} rank {{rank}}` (the role
+    is empty in a run without roles)."""
+    parts = [f"{{{{{RUN}}}}}"] if RANK in labels else [f"{{{{{RUN}}}}} {{{{{ROLE}}}}}"]
     for name in labels:
         parts.append(f"{{{{{ROLE}}}}} rank {{{{{RANK}}}}}" if name == RANK else f"{{{{{name}}}}}")
     text = " ".join(parts)
@@ -398,22 +406,22 @@ def overview() -> DashboardDef:
             (
                 "Progress",
                 (
-                    stat("Current step", T(agg("max", RUN, selector(sc.CURRENT_STEP)), _lg()), unit="none"),
+                    stat("Current step", T(agg("max", _RUN, selector(sc.CURRENT_STEP)), _lg()), unit="none"),
                     stat(
                         "Progress",
                         T(
-                            f"{agg('max', RUN, selector(sc.CURRENT_STEP))} / {agg('max', RUN, selector(sc.TOTAL_STEPS))}",
+                            f"{agg('max', _RUN, selector(sc.CURRENT_STEP))} / {agg('max', _RUN, selector(sc.TOTAL_STEPS))}",
                             _lg(),
                         ),
                         unit="percentunit",
                     ),
-                    stat("ETA", T(agg("max", RUN, selector(sc.ETA)), _lg()), unit="dtdurations"),
+                    stat("ETA", T(agg("max", _RUN, selector(sc.ETA)), _lg()), unit="dtdurations"),
                     stat(
                         "Tokens/s (all ranks)",
                         T(
                             job_or_ranks(
-                                agg("max", RUN, selector(sc.JOB_TOKENS_RATE, rank=False, host=False)),
-                                agg("sum", RUN, rate(sc.TOKENS)),
+                                agg("max", _RUN, selector(sc.JOB_TOKENS_RATE, rank=False, host=False)),
+                                agg("sum", _RUN, rate(sc.TOKENS)),
                             ),
                             _lg(),
                         ),
@@ -422,10 +430,17 @@ def overview() -> DashboardDef:
                     ),
                     stat(
                         "Ranks reporting",
-                        T(agg("max", RUN, selector(sc.JOB_RANKS, rank=False, host=False)), _lg()),
+                        T(
+                            job_or_ranks(
+                                agg("max", _RUN, selector(sc.JOB_RANKS, rank=False, host=False)),
+                                agg("count", _RUN, agg("max", _R, selector(sc.STEPS))),
+                            ),
+                            _lg(),
+                        ),
                         unit="none",
                         description="Ranks whose rows rank 0's latest flush took into the job-level "
-                        "series (a distributed job; fewer than the world size: some ranks were late).",
+                        "series (a distributed job; fewer than the world size: some ranks were late); for "
+                        "ranks that do not exchange (cross_rank=False), the ranks whose step counters report.",
                     ),
                 ),
             ),
@@ -436,16 +451,16 @@ def overview() -> DashboardDef:
                         "Training loss (interval mean over the ranks; the steps' min and max)",
                         *_loss_targets(),
                     ),
-                    ts("Learning rate", T(agg("max", RUN, selector(sc.LEARNING_RATE)), _lg())),
+                    ts("Learning rate", T(agg("max", _RUN, selector(sc.LEARNING_RATE)), _lg())),
                     ts(
                         "Gradient norm (interval mean; its steps' min, max, last)",
                         *_interval_targets(sc.GRAD_NORM),
                     ),
-                    ts("Eval loss", T(agg("avg", RUN, selector(sc.EVAL_LOSS)), _lg())),
-                    ts("Eval perplexity", T(agg("avg", RUN, selector(sc.EVAL_PERPLEXITY)), _lg())),
+                    ts("Eval loss", T(agg("avg", _RUN, selector(sc.EVAL_LOSS)), _lg())),
+                    ts("Eval perplexity", T(agg("avg", _RUN, selector(sc.EVAL_PERPLEXITY)), _lg())),
                     ts(
                         "Eval accuracy",
-                        T(agg("avg", RUN, selector(sc.EVAL_ACCURACY)), _lg()),
+                        T(agg("avg", _RUN, selector(sc.EVAL_ACCURACY)), _lg()),
                         unit="percentunit",
                     ),
                 ),
@@ -457,7 +472,7 @@ def overview() -> DashboardDef:
                         "Tokens/s",
                         T(job_rate(sc.JOB_TOKENS, sc.TOKENS), _lg()),
                         T(
-                            agg("max", RUN, selector(sc.JOB_TOKENS_RATE, rank=False, host=False)),
+                            agg("max", _RUN, selector(sc.JOB_TOKENS_RATE, rank=False, host=False)),
                             _lg(suffix=" (rank 0's flush interval)"),
                         ),
                     ),
@@ -465,16 +480,18 @@ def overview() -> DashboardDef:
                         "Samples/s",
                         T(job_rate(sc.JOB_SAMPLES, sc.SAMPLES), _lg()),
                         T(
-                            agg("max", RUN, selector(sc.JOB_SAMPLES_RATE, rank=False, host=False)),
+                            agg("max", _RUN, selector(sc.JOB_SAMPLES_RATE, rank=False, host=False)),
                             _lg(suffix=" (rank 0's flush interval)"),
                         ),
                     ),
-                    ts("Steps/s", T(agg("avg", RUN, rate(sc.STEPS)), _lg())),
-                    ts("MFU", T(agg("avg", RUN, selector(sc.MFU)), _lg()), unit="percentunit", min_val=0),
+                    ts("Steps/s", T(agg("avg", _RUN, rate(sc.STEPS)), _lg())),
+                    ts("MFU", T(agg("avg", _RUN, selector(sc.MFU)), _lg()), unit="percentunit", min_val=0),
                     ts(
-                        "Achieved FLOP/s per GPU", T(agg("avg", RUN, selector(sc.FLOPS)), _lg()), unit="flops"
+                        "Achieved FLOP/s per GPU",
+                        T(agg("avg", _RUN, selector(sc.FLOPS)), _lg()),
+                        unit="flops",
                     ),
-                    ts("ETA over time", T(agg("max", RUN, selector(sc.ETA)), _lg()), unit="s"),
+                    ts("ETA over time", T(agg("max", _RUN, selector(sc.ETA)), _lg()), unit="s"),
                 ),
             ),
             (
@@ -482,7 +499,7 @@ def overview() -> DashboardDef:
                 (
                     ts(
                         "Goodput",
-                        T(agg("min", RUN, selector(sc.GOODPUT)), _lg(suffix=" (worst rank)")),
+                        T(agg("min", _RUN, selector(sc.GOODPUT)), _lg(suffix=" (worst rank)")),
                         unit="percentunit",
                         min_val=0,
                         description="Share of the job's wall time (all restarts of the run id) spent in "
@@ -491,7 +508,7 @@ def overview() -> DashboardDef:
                     ts(
                         "Badput by cause",
                         T(
-                            agg("max", f"{RUN}, {label(sc.BADPUT_CAUSE)}", rate(sc.BADPUT_DURATION)),
+                            agg("max", f"{RUN}, {ROLE}, {label(sc.BADPUT_CAUSE)}", rate(sc.BADPUT_DURATION)),
                             _lg(label(sc.BADPUT_CAUSE)),
                         ),
                         unit="percentunit",
@@ -501,7 +518,7 @@ def overview() -> DashboardDef:
                     ),
                     ts(
                         "Goodput, rolling 1h",
-                        T(agg("min", RUN, _goodput_rolling_1h()), _lg(suffix=" (worst rank)")),
+                        T(agg("min", _RUN, _goodput_rolling_1h()), _lg(suffix=" (worst rank)")),
                         unit="percentunit",
                         min_val=0,
                         description="Share of the run's own time in the last hour spent in training "
@@ -512,7 +529,7 @@ def overview() -> DashboardDef:
                     ),
                     ts(
                         "Interruptions",
-                        T(agg("max", RUN, selector(sc.INTERRUPTIONS)), _lg()),
+                        T(agg("max", _RUN, selector(sc.INTERRUPTIONS)), _lg()),
                         description="Restarts of the run id so far (job-wide count, kept across restarts).",
                     ),
                     ts(
@@ -529,17 +546,17 @@ def overview() -> DashboardDef:
                 (
                     ts(
                         "Loss scale",
-                        T(agg("min", RUN, selector(sc.LOSS_SCALE)), _lg()),
+                        T(agg("min", _RUN, selector(sc.LOSS_SCALE)), _lg()),
                         description="GradScaler's loss scale (ot.watch(model, scaler=...)); it halves on every skipped step.",
                     ),
                     ts(
                         "Skipped optimizer steps",
-                        T(agg("sum", RUN, rate(sc.SKIPPED_STEPS, fn="increase")), _lg()),
+                        T(agg("sum", _RUN, rate(sc.SKIPPED_STEPS, fn="increase")), _lg()),
                         description="Steps GradScaler skipped for inf/NaN gradients (ot.watch(model, scaler=...)).",
                     ),
                     ts(
                         "Profiled steps",
-                        T(agg("sum", RUN, rate(sc.PROFILED_STEPS, fn="increase")), _lg()),
+                        T(agg("sum", _RUN, rate(sc.PROFILED_STEPS, fn="increase")), _lg()),
                         description="Steps inside a run.profile window: step times there are skewed by the profiler.",
                     ),
                 ),
@@ -549,32 +566,38 @@ def overview() -> DashboardDef:
                 (
                     ts(
                         "Gradient norm by layer",
-                        T(agg("max", f"{RUN}, {LAYER}", selector(sc.LAYER_GRAD_NORM)), _lg(LAYER)),
+                        T(agg("max", f"{RUN}, {ROLE}, {LAYER}", selector(sc.LAYER_GRAD_NORM)), _lg(LAYER)),
                         description="Per-layer gradient L2 norm on watched steps (max over the selected ranks).",
                     ),
                     ts(
                         "Parameter norm by layer",
-                        T(agg("max", f"{RUN}, {LAYER}", selector(sc.LAYER_PARAM_NORM)), _lg(LAYER)),
+                        T(agg("max", f"{RUN}, {ROLE}, {LAYER}", selector(sc.LAYER_PARAM_NORM)), _lg(LAYER)),
                     ),
                     ts(
                         "Activation RMS by layer",
-                        T(agg("max", f"{RUN}, {LAYER}", selector(sc.LAYER_ACTIVATION_RMS)), _lg(LAYER)),
+                        T(
+                            agg("max", f"{RUN}, {ROLE}, {LAYER}", selector(sc.LAYER_ACTIVATION_RMS)),
+                            _lg(LAYER),
+                        ),
                         description="Only with ot.watch(model, activations=True).",
                     ),
                     ts(
                         "Activation abs-max by layer",
-                        T(agg("max", f"{RUN}, {LAYER}", selector(sc.LAYER_ACTIVATION_ABSMAX)), _lg(LAYER)),
+                        T(
+                            agg("max", f"{RUN}, {ROLE}, {LAYER}", selector(sc.LAYER_ACTIVATION_ABSMAX)),
+                            _lg(LAYER),
+                        ),
                         description="Only with ot.watch(model, activations=True); watch for overflow in low precision.",
                     ),
-                    ts("Parameter norm", T(agg("max", RUN, selector(sc.PARAM_NORM)), _lg())),
+                    ts("Parameter norm", T(agg("max", _RUN, selector(sc.PARAM_NORM)), _lg())),
                     ts(
                         "Data-parallel replicas",
                         T(
-                            agg("max", RUN, selector(sc.DATA_DUPLICATE_RANKS)),
+                            agg("max", _RUN, selector(sc.DATA_DUPLICATE_RANKS, rank=False)),
                             _lg(suffix=" ranks on duplicate batches"),
                         ),
                         T(
-                            agg("max", RUN, selector(sc.REPLICA_DIVERGENCE)),
+                            agg("max", _RUN, selector(sc.REPLICA_DIVERGENCE, rank=False)),
                             _lg(suffix=" replica divergence"),
                         ),
                         description="From ot.watch on every rank, compared by rank 0: ranks training on identical "
@@ -588,10 +611,10 @@ def overview() -> DashboardDef:
                 (
                     ts(
                         "Step time p50 / p95 / p99",
-                        TX(job_quantile(0.5, job_step, step, RUN), _lg(suffix=" p50")),
-                        TX(job_quantile(0.95, job_step, step, RUN), _lg(suffix=" p95")),
-                        TX(job_quantile(0.99, job_step, step, RUN), _lg(suffix=" p99")),
-                        T(job_mean(job_step, step, RUN), _lg(suffix=" mean")),
+                        TX(job_quantile(0.5, job_step, step, _RUN), _lg(suffix=" p50")),
+                        TX(job_quantile(0.95, job_step, step, _RUN), _lg(suffix=" p95")),
+                        TX(job_quantile(0.99, job_step, step, _RUN), _lg(suffix=" p99")),
+                        T(job_mean(job_step, step, _RUN), _lg(suffix=" mean")),
                         unit="s",
                         description="Every rank's steps (the job-level histogram). Dots are exemplars "
                         '(per-rank buckets, rank_series="full"): click one to open that sampled step\'s '
@@ -619,7 +642,9 @@ def overview() -> DashboardDef:
                     ts(
                         "Phase time p95 by phase",
                         TX(
-                            job_quantile(0.95, sc.JOB_PHASE_DURATION, sc.PHASE_DURATION, f"{RUN}, {PHASE}"),
+                            job_quantile(
+                                0.95, sc.JOB_PHASE_DURATION, sc.PHASE_DURATION, f"{RUN}, {ROLE}, {PHASE}"
+                            ),
                             _lg(PHASE, suffix=" p95"),
                         ),
                         unit="s",
@@ -716,7 +741,7 @@ def ranks() -> DashboardDef:
                 (
                     ts(
                         "Cross-rank min / max of phase time",
-                        T(_cross_rank(f"{RUN}, {PHASE}, {STAT}", "~min|max"), _lg(PHASE, STAT)),
+                        T(_cross_rank(f"{RUN}, {ROLE}, {PHASE}, {STAT}", "~min|max"), _lg(PHASE, STAT)),
                         unit="s",
                     ),
                     ts(
@@ -733,7 +758,7 @@ def ranks() -> DashboardDef:
                     ),
                     table(
                         "Slowest and fastest rank per phase",
-                        T(_cross_rank(f"{RUN}, {PHASE}, {STAT}", "~argmax_rank|argmin_rank")),
+                        T(_cross_rank(f"{RUN}, {ROLE}, {PHASE}, {STAT}", "~argmax_rank|argmin_rank")),
                         unit="none",
                         width=24,
                         description="Rank index with the longest (argmax_rank) and shortest (argmin_rank) mean phase time.",
@@ -746,7 +771,7 @@ def ranks() -> DashboardDef:
 
 
 def _stat(spec: MetricSpec, stat_value: str) -> str:
-    return agg("max", f"{RUN}, {PHASE}", selector(spec, rank=False, host=False, **{STAT: stat_value}))
+    return agg("max", f"{RUN}, {ROLE}, {PHASE}", selector(spec, rank=False, host=False, **{STAT: stat_value}))
 
 
 def _cross_rank(by: str, stats: str) -> str:
@@ -797,7 +822,10 @@ def _deepspeed_row() -> tuple[str, tuple[PanelDef, ...]]:
             ),
             ts(
                 "Message bytes/s by size class (comms logger)",
-                T(agg("sum", f"{RUN}, {COLL_OP}, {ds_size}", rate(sc.DS_COMM_BYTES)), _lg(COLL_OP, ds_size)),
+                T(
+                    agg("sum", f"{RUN}, {ROLE}, {COLL_OP}, {ds_size}", rate(sc.DS_COMM_BYTES)),
+                    _lg(COLL_OP, ds_size),
+                ),
                 unit="Bps",
             ),
             ts(
@@ -897,12 +925,12 @@ def gpus_host() -> DashboardDef:
                 (
                     ts(
                         "Energy per token",
-                        T(agg("avg", RUN, selector(sc.ENERGY_PER_TOKEN)), _lg()),
+                        T(agg("avg", _RUN, selector(sc.ENERGY_PER_TOKEN)), _lg()),
                         unit="joule",
                     ),
                     ts(
                         "Energy per step",
-                        T(agg("avg", RUN, selector(sc.ENERGY_PER_STEP)), _lg()),
+                        T(agg("avg", _RUN, selector(sc.ENERGY_PER_STEP)), _lg()),
                         unit="joule",
                     ),
                     ts(
@@ -964,7 +992,7 @@ def gpus_host() -> DashboardDef:
                         T(
                             agg(
                                 "max",
-                                f"{RUN}, {HOST}, {MEMORY_STATE}",
+                                f"{RUN}, {ROLE}, {HOST}, {MEMORY_STATE}",
                                 selector(sc.SYSTEM_MEMORY_USAGE, rank=False),
                             ),
                             _lg(HOST, MEMORY_STATE),
@@ -990,25 +1018,25 @@ def health() -> DashboardDef:
                 (
                     stat(
                         "Time since last step (slowest rank)",
-                        T(f"time() - {agg('min', RUN, selector(sc.LAST_STEP_TIME))}", _lg()),
+                        T(f"time() - {agg('min', _RUN, selector(sc.LAST_STEP_TIME))}", _lg()),
                         unit="s",
                         thresholds=stale,
                     ),
                     stat(
                         "Non-finite losses in range",
-                        T(agg("sum", RUN, rate(sc.NONFINITE_LOSS, window=RANGE, fn="increase")), _lg()),
+                        T(agg("sum", _RUN, rate(sc.NONFINITE_LOSS, window=RANGE, fn="increase")), _lg()),
                         unit="short",
                         thresholds=((None, "green"), (1.0, "red")),
                     ),
                     stat(
                         "Health events in range",
-                        T(agg("sum", RUN, rate(sc.HEALTH_EVENTS, window=RANGE, fn="increase")), _lg()),
+                        T(agg("sum", _RUN, rate(sc.HEALTH_EVENTS, window=RANGE, fn="increase")), _lg()),
                         unit="short",
                         thresholds=((None, "green"), (1.0, "orange")),
                     ),
                     stat(
                         "Dropped measurements in range",
-                        T(agg("sum", RUN, rate(sc.DROPPED, window=RANGE, fn="increase")), _lg()),
+                        T(agg("sum", _RUN, rate(sc.DROPPED, window=RANGE, fn="increase")), _lg()),
                         unit="short",
                         thresholds=((None, "green"), (1.0, "orange")),
                     ),
@@ -1051,7 +1079,10 @@ def health() -> DashboardDef:
                     ),
                     ts(
                         "Health events by kind (loss spikes, stalls, stragglers, ...)",
-                        T(agg("sum", f"{RUN}, {EVENT}", rate(sc.HEALTH_EVENTS, fn="increase")), _lg(EVENT)),
+                        T(
+                            agg("sum", f"{RUN}, {ROLE}, {EVENT}", rate(sc.HEALTH_EVENTS, fn="increase")),
+                            _lg(EVENT),
+                        ),
                         unit="short",
                     ),
                     table(
@@ -1076,7 +1107,7 @@ def health() -> DashboardDef:
                     ts(
                         "Collectives per second by process group and op",
                         T(
-                            agg("sum", f"{RUN}, {COLL_GROUP}, {COLL_OP}", rate(sc.COLLECTIVE_COUNT)),
+                            agg("max", f"{RUN}, {ROLE}, {COLL_GROUP}, {COLL_OP}", rate(sc.COLLECTIVE_COUNT)),
                             _lg(COLL_GROUP, COLL_OP),
                         ),
                         unit="short",
@@ -1171,9 +1202,12 @@ def _render_panel(panel: PanelDef, panel_id: int) -> object:
     elif panel.viz == "table":
         builder = TablePanel()
     elif panel.viz == "heatmap":
-        builder = HeatmapPanel().calculate(False).y_axis(YAxisConfig().unit(panel.unit))
+        builder = HeatmapPanel().calculate(False)
         if all(t.fmt is not PromQueryFormat.HEATMAP for t in panel.targets):  # one row per series
+            # the y axis names the series (ranks); the unit is the cells' (the panel's unit)
             builder = builder.rows_frame(RowsHeatmapOptions().layout(HeatmapCellLayout.UNKNOWN))
+        else:  # one row per bucket: the y axis is the buckets' bounds, in the panel's unit
+            builder = builder.y_axis(YAxisConfig().unit(panel.unit))
     else:
         raise ValueError(panel.viz)
     b = builder  # type: ignore[assignment]

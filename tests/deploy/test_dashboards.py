@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -591,3 +592,39 @@ def test_tier_marking_agrees_with_the_export_filter() -> None:
             (point,) = kept[spec.name].data.data_points
             bucket = f"{spec.prometheus_name}_bucket"
             assert bool(point.explicit_bounds) == build.in_essential_tier(spec, bucket), spec.name
+
+
+@pytest.mark.integration
+def test_the_role_variable_filters_every_query(prometheus_with_fake_run: str) -> None:
+    """Every selector carries the role, the job-level series' too: with a role no series has, no
+    panel has data (a panel ignoring it would merge an RL job's roles into one line). The firing
+    alerts keep the run's alerts that have no role (TrainingStalled is one per run)."""
+    variables = {"run_id": "run-pull", "role": "no-such-role"}
+    empty = {q for q, _ in query_failures(prometheus_with_fake_run, variables=variables, exclude_gpu=False,
+                                          exclude_deepspeed=False)}  # fmt: skip
+    shown = [f"{q.uid} / {q.title}" for q in QUERIES if q not in empty]
+    assert shown == ["otel-train-health / Firing alerts"]
+
+
+@pytest.mark.integration
+def test_collectives_per_second_are_one_ranks_not_the_sum_over_ranks(prometheus_with_fake_run: str) -> None:
+    """Every rank calls each collective once: four ranks each completing n a second is a job
+    running n a second, not 4n (the panel against the per-rank rates, at one evaluation time)."""
+    [query] = [q for q in QUERIES if q.title == "Collectives per second by process group and op"]
+    panel = substitute_variables(query.expr, {"run_id": "run-pull"})
+    per_rank = f'rate({sc.COLLECTIVE_COUNT.prometheus_name}{{run_id="run-pull"}}[1m])'
+    at = time.time()
+
+    def value(expr: str) -> float:
+        url = f"{prometheus_with_fake_run}/api/v1/query?" + urllib.parse.urlencode(
+            {"query": expr, "time": at}
+        )
+        with urllib.request.urlopen(url, timeout=10) as response:
+            [sample] = json.loads(response.read())["data"]["result"]
+        return float(sample["value"][1])
+
+    assert (
+        value(panel)
+        == pytest.approx(value(f"max({per_rank})"))
+        == pytest.approx(value(f"sum({per_rank})") / 4)
+    )

@@ -76,9 +76,6 @@ class OtelTrainTracker(GeneralTracker):
         self._warned = False  # that it records nothing (no session in a multi-process job, or ended)
         self._fed: Accelerator | None = None  # the Accelerator whose calls feed the stall watchdog
         self._save_hook: Any = None
-        # Since the last logged step, where its calls said training (None), an evaluation ("eval")
-        # or a save ("checkpoint") began: (span name, perf_counter_ns), an entry when it changes.
-        self._stretches: list[tuple[str | None, int]] = []
         self._ended = False  # end_training() shut down the run this tracker started (until a new start)
         self._new_run()
 
@@ -90,6 +87,9 @@ class OtelTrainTracker(GeneralTracker):
         # logs of a new step (or of none) in a multi-process job that has marked no step yet
         self._unmarked_logs, self._unmarked_step = 0, -1
         self._mark_ns: int | None = None  # where the next marked step starts
+        # Since the last logged step, where its calls said training (None), an evaluation ("eval")
+        # or a save ("checkpoint") began: (span name, perf_counter_ns), an entry when it changes.
+        self._stretches: list[tuple[str | None, int]] = []
         self._run_project: str | None = None  # init_trackers' project_name
         self._run_settings: dict[str, Any] = {}  # init_trackers' init_kwargs["otel_train"]
 

@@ -84,6 +84,7 @@ class HookStep:
     def __init__(self) -> None:
         self.open = False
         self.phase_start_ns = 0  # where the running phase started
+        self._held: tuple[int | None, int | None] | None = None  # an ended step's counts, until release
 
     def begin(self, index: int, start_ns: int | None) -> bool:
         """Begin step `index` at `start_ns`; False when no session runs."""
@@ -96,13 +97,30 @@ class HookStep:
             ot.timer(name).start(at_ns=self.phase_start_ns).stop()
             self.phase_start_ns = perf_counter_ns()
 
-    def end(self, tokens: int | None = None, samples: int | None = None) -> None:
-        if self.open:
+    def end(self, tokens: int | None = None, samples: int | None = None, hold: bool = False) -> None:
+        """End the step; `hold`: the framework logs it next (the HF Trainer's on_log comes after
+        on_step_end), so it stays open until `release()`, and the log's values leave with its own
+        flush (the console's line, the flush's row) rather than the next one's."""
+        if self.open and hold:
+            self._held = (tokens, samples)
+        elif self.open:
             self.open = False
             adapters.end_step(tokens=tokens, samples=samples)
 
+    @property
+    def held(self) -> bool:
+        return self._held is not None
+
+    def release(self) -> None:
+        """End a held step (its log came, or the next hook did)."""
+        if self._held is not None:
+            (tokens, samples), self._held = self._held, None
+            self.end(tokens, samples)
+
     def fail(self) -> None:
-        """The end hook never came: the open step ends as failed (out of step counts and durations)."""
+        """The end hook never came: the open step ends as failed (out of step counts and durations).
+        A held one is whole: it ends."""
+        self.release()
         if self.open:
             self.open = False
             adapters.end_step(failed=True)

@@ -290,7 +290,7 @@ class OtelTrainCallback(TrainerCallback):
             job_tokens = max(state.num_input_tokens_seen - self._tokens_seen, 0)
             tokens = rank_share(job_tokens, self._rank, self._world) or None
             self._tokens_seen = state.num_input_tokens_seen
-        self._hook_step.end(tokens=tokens, samples=samples)
+        self._hook_step.end(tokens=tokens, samples=samples, hold=bool(getattr(control, "should_log", False)))
         self._mark_ns = perf_counter_ns()
         _saving_if_due(control)  # the Trainer saves before the next step (after its log and eval)
 
@@ -318,6 +318,8 @@ class OtelTrainCallback(TrainerCallback):
         # be flushed: without an explicit step its values would be filed under the next flush's.
         step = self._ended_step(state)
         ot.log_metrics(scalar_logs(logs, _SKIPPED_LOG_KEYS), step=step)
+        self._hook_step.release()  # the step this log follows (held open for it) ends with its values
+        _saving_if_due(control)  # a save due next (noted at on_step_end) comes after this step's end
         grad_norm = logs.get("grad_norm")
         if isinstance(grad_norm, float) and not math.isfinite(grad_norm) and not self._scaler_skipped():
             # With logging_nan_inf_filter (the default) the Trainer replaces a NaN/Inf loss by the
@@ -337,8 +339,9 @@ class OtelTrainCallback(TrainerCallback):
     def _ended_step(self, state: TrainerState | None) -> int | None:
         """The index of the step a log or an evaluation follows: the step that ended last (its
         index is the Trainer's global_step - 1), step 0 before the first one (an evaluation at
-        the start). None inside a step (the values leave with that step's flush, filed under it)."""
-        if self._hook_step.open:
+        the start). None inside a step (the values leave with that step's flush, filed under it); a
+        step held open for its log is one that ended."""
+        if self._hook_step.open and not self._hook_step.held:
             return None
         ended = state.global_step if state is not None else self._steps
         return max(ended - 1, 0)

@@ -207,6 +207,26 @@ def test_a_resumes_checkpoint_loading_is_checkpoint_restore_not_startup(tmp_path
     assert account["badput"]["checkpoint_restore"] >= 0.5, account  # startup before (no span)
 
 
+def test_each_log_leaves_with_its_own_steps_flush(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The Trainer logs after on_step_end: the step stays open for its log, so the loss it logged
+    leaves with that step's flush (the console's line for the step shows it; its row comes before
+    the step's flush row), not with the next one's, and the last log is not left for the end."""
+    callback = OtelTrainCallback(run_name="logs", verbosity=1, hardware=False, prometheus_port=0)
+    trainer = _trainer(tmp_path / "hf-out", callback, logging_steps=2, eval_strategy="no", save_strategy="no")
+    trainer.train()
+    printed = capsys.readouterr().out
+    ot.shutdown()
+    logged = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+    assert sorted(logged) == [2, 4, 6]
+    for step, loss in logged.items():
+        assert f"step {step}/{MAX_STEPS} | loss {loss:.4f}" in printed, printed
+    rows = _rows(tmp_path / "runs" / "logs")
+    for step in logged:
+        log_row = next(i for i, r in enumerate(rows) if r["step"] == step - 1 and "train/loss" in r)
+        flush_row = next(i for i, r in enumerate(rows) if r["step"] == step - 1 and "train/steps" in r)
+        assert log_row < flush_row, rows
+
+
 def test_a_decorated_training_step_under_the_callback_counts_each_step_once(tmp_path: Path) -> None:
     """The callback marks the optimizer steps; a user's `@ot.step` on `training_step` (one per
     micro-batch) runs inside them: counted once, as the callback's steps."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TextIO
 
 from otel_train import semconv as sc
@@ -48,9 +49,14 @@ _TOTAL = sc.stat_key("", "total")
 class ConsoleSink(Sink):
     name = "console"
 
-    def __init__(self, verbosity: int, progress_bar: bool, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, verbosity: int, progress_bar: bool, stream: TextIO | None = None, run_dir: Path | None = None
+    ) -> None:
         self.stream = stream or sys.stdout
         self.verbosity = verbosity
+        self.run_dir = run_dir  # said at the start and the end: where the outputs are
+        if verbosity > 0 and run_dir is not None:
+            self.stream.write(f"otel_train: writing to {run_dir}\n")
         self.bar = progress_bar and verbosity > 0 and self.stream.isatty()
         self.started = time.time()
         self._opened = time.monotonic()  # the timer table's wall clock (timers read a monotonic one)
@@ -128,7 +134,8 @@ class ConsoleSink(Sink):
 
         line = summary(final_scalars)
         table = self.timer_table(time.monotonic() - self._opened)
-        self.stream.write(table + (f"{line}\n" if line else ""))
+        where = f"run dir: {self.run_dir}\n" if self.run_dir is not None else ""
+        self.stream.write(table + (f"{line}\n" if line else "") + where)
         self.stream.flush()
 
     def timer_table(self, wall_s: float) -> str:

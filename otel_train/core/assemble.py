@@ -583,7 +583,7 @@ def build_sinks(
         return sinks, None, None
     console = None
     if ident.rank == 0:
-        console = ConsoleSink(config.verbosity, config.progress_bar)
+        console = ConsoleSink(config.verbosity, config.progress_bar, run_dir=place.run_dir)
         sinks.append(console)
     bridges = _bridge_process(config, place, instruments)
     if bridges is not None:

@@ -316,14 +316,18 @@ def final_scalars(account: dict[str, float]) -> dict[str, float]:
 
 
 def summary(final: Mapping[str, float]) -> str:
-    """`goodput 91.3% of 60.0s | badput startup 2.1s eval 1.0s ...` from the final scalars, for
-    progress.txt and the console; empty when there is no account."""
+    """`goodput 91.3% of 60.0s | badput startup 2.1s eval 1.0s` from the final scalars (the causes
+    that took 0.1 s or more), for progress.txt and the console; empty when there is no account."""
     account = {k[len(SUMMARY_PREFIX) :]: v for k, v in final.items() if k.startswith(SUMMARY_PREFIX)}
     wall = account.get("wall_s", 0.0)
     if wall <= 0:
         return ""
-    causes = " ".join(f"{cause} {account.get(cause, 0.0):.1f}s" for cause in CAUSES)
-    return f"goodput {100 * account['productive_s'] / wall:.1f}% of {wall:.1f}s | badput {causes}"
+    causes = " ".join(
+        f"{cause} {seconds:.1f}s" for cause in CAUSES if (seconds := account.get(cause, 0.0)) >= 0.05
+    )
+    return f"goodput {100 * account['productive_s'] / wall:.1f}% of {wall:.1f}s" + (
+        f" | badput {causes}" if causes else ""
+    )
 
 
 # Restart gaps. `updated` is the previous process's wall clock, which may have been off (a host

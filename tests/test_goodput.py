@@ -76,6 +76,8 @@ def test_account_of_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     )  # 6 x 50 ms of step work (the nested eval excluded)
     progress = (session.run_dir / "progress.txt").read_text()
     assert "end of process | goodput" in progress and "stall" in progress
+    end = [line for line in progress.splitlines() if "end of process" in line][-1]
+    assert "stall 0.6s" in end and "restart" not in end and "data" not in end  # causes that took time
 
 
 def test_a_gap_of_eval_batches_is_eval_time_not_a_stall(

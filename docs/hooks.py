@@ -4,11 +4,14 @@
 each build this hook writes the table from the settings table of `otel_train.config` (every field,
 its environment variables, its default, its doc, its allowed values and whether `control.json` may
 change it) and from `otel_train.semconv.CATALOGUE`, so a changed default, a new setting or a
-renamed metric changes the page. A setting declared without a doc fails the build.
+renamed metric changes the page. A setting declared without a doc fails the build. The pages in
+the repository carry the tables too (read on GitHub, or offline): `python docs/hooks.py` writes
+them, and tests/test_docs.py says when they are stale.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 SETTINGS_MARKER = "<!-- generated: settings -->"
@@ -106,9 +109,22 @@ def metric_catalogue(catalogue: tuple[Any, ...] | None = None) -> str:
     return "\n".join(parts)
 
 
-def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    if SETTINGS_MARKER in markdown:
-        markdown = markdown.replace(SETTINGS_MARKER, settings_table())
-    if METRICS_MARKER in markdown:
-        markdown = markdown.replace(METRICS_MARKER, metric_catalogue())
+def with_tables(markdown: str) -> str:
+    """`markdown` with what follows its marker replaced by the table generated now."""
+    for marker, table in ((SETTINGS_MARKER, settings_table), (METRICS_MARKER, metric_catalogue)):
+        if marker in markdown:
+            markdown = f"{markdown.split(marker, 1)[0]}{marker}\n\n{table()}\n"
     return markdown
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    return with_tables(markdown)
+
+
+PAGES = ("reference/configuration.md", "reference/metrics.md")
+
+
+if __name__ == "__main__":  # python docs/hooks.py: the committed pages' tables, regenerated
+    for name in PAGES:
+        path = Path(__file__).parent / name
+        path.write_text(with_tables(path.read_text(encoding="utf-8")), encoding="utf-8")

@@ -214,3 +214,11 @@ def run_quickstart(python: str, cwd: Path, env: dict[str, str]) -> Path:
 def test_readme_quickstart_runs(tmp_path) -> None:
     run_dir = run_quickstart(sys.executable, tmp_path, dict(os.environ))
     assert run_dir.is_relative_to(tmp_path)
+
+
+@pytest.mark.parametrize("page", ["reference/configuration.md", "reference/metrics.md"])
+def test_the_committed_reference_tables_are_fresh(page: str) -> None:
+    """The reference pages carry their generated tables in the repository too (a reader on GitHub,
+    the README's links): the table after the marker is the one the code makes now."""
+    text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+    assert text == _hooks().with_tables(text), f"docs/{page} is stale: run `python docs/hooks.py`"

@@ -222,3 +222,28 @@ def test_the_committed_reference_tables_are_fresh(page: str) -> None:
     the README's links): the table after the marker is the one the code makes now."""
     text = (ROOT / "docs" / page).read_text(encoding="utf-8")
     assert text == _hooks().with_tables(text), f"docs/{page} is stale: run `python docs/hooks.py`"
+
+
+def test_the_quickstart_pages_first_example_runs(tmp_path: Path) -> None:
+    """docs/quickstart.md's first code block, as a reader copies it: it runs and its run directory
+    holds the loss and the tokens of every step."""
+    page = (ROOT / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    block = re.search(r"```python\n(.*?)```", page, re.S)
+    assert block, "the quickstart page lost its first example"
+    script = tmp_path / "train.py"
+    script.write_text(block.group(1))
+    env = {
+        **os.environ,
+        "OTEL_TRAIN_PROMETHEUS_PORT": "0",
+        "OTEL_TRAIN_HARDWARE": "0",
+        "OTEL_TRAIN_RUN_NAME": "qs",
+    }
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env,
+                            timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "qs" / "metrics.rank0.jsonl").read_text().splitlines()
+    ]
+    assert rows[-1]["step"] == 49 and all(isinstance(row.get("train/loss"), float) for row in rows)
+    assert sum(row.get("throughput/tokens", 0) for row in rows) == 50 * 8 * 64

@@ -83,12 +83,19 @@ class ConsoleSink(Sink):
             return  # nothing new to show (e.g. the shutdown flush after the last interval)
         total = int(scalars.get(sc.TOTAL_STEPS.key, 0))  # the plan may change in a run (set_total_steps)
         parts = [f"step {step + 1}" + (f"/{total}" if total else "")]
+        # NaN/Inf losses are left out of the loss (the finite values' mean): the line says so
+        count = scalars.get(sc.NONFINITE_LOSS.key, 0.0) if trained else 0.0
+        nonfinite = f"{count:.0f} NaN/Inf" if count else ""
+        if nonfinite and sc.LOSS.key not in scalars:
+            parts.append(f"loss {nonfinite}")
         for key, label, fmt in _SUMMARY_FIELDS:
             # the eval loss when it is new; the training values after training steps
             if key not in scalars or not (new_eval if key == sc.EVAL_LOSS.key else trained):
                 continue
             value = scalars[key]
             text = _duration(value) if fmt is None else _si(value) if fmt == "si" else fmt.format(value)
+            if key == sc.LOSS.key and nonfinite:
+                text += f" (+{nonfinite})"
             parts.append(f"{label} {text}")
         if sc.ETA.key in scalars and trained:
             parts.append(f"eta {_duration(scalars[sc.ETA.key])}")

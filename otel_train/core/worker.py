@@ -533,7 +533,7 @@ MAX_NAMES_WARNED = 20
 # {name}: the instrument. Every drop is also counted in otel_train.dropped{reason}.
 PROBLEMS = {
     "invalid_type": "a value of {name} was not a number (None, a str, a bool, a complex number, ...)",
-    "non_scalar_tensor": "a tensor of {name} had more than one element: record a scalar (x.mean())",
+    "non_scalar_tensor": "a tensor of {name} had more than one element (record a scalar, x.mean())",
     "nonfinite": "a value of {name} was NaN or Inf",
     "no_data_tensor": "a value of {name} was a tensor with no data (a meta or fake tensor):",
     "overflow": "a value of {name} was too large for a float64",
@@ -561,7 +561,8 @@ def problem_warning(reason: str, name: str) -> str:
     if reason == "same_tensor":
         return f"otel_train: {text}."
     counted = "invalid_value" if reason == "bad_count" else reason
-    return f"otel_train: {text} dropped and counted as otel_train.dropped{{reason={counted}}} (warned once)."
+    joined = f"{text} dropped" if text.endswith(("were", ":")) else f"{text}: dropped"  # "... were dropped"
+    return f"otel_train: {joined} and counted as otel_train.dropped{{reason={counted}}} (warned once)."
 
 
 def _prepared(message: Message) -> Message:

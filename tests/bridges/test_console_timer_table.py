@@ -31,3 +31,22 @@ def test_a_timer_outside_steps_gets_a_share_of_the_wall_time(capsys) -> None:
     assert shares["step"] + shares["eval"] <= 100.0, out
     assert shares["forward"] <= shares["step"], out  # nested: a part of the step's share
     assert "of the " in out and "since init; a timer inside another counts in both" in out
+
+
+def test_the_console_says_where_the_run_is_and_when_losses_were_nan(capsys, tmp_path) -> None:
+    """The run directory at the start and the end; a flush whose interval had NaN losses says how
+    many next to the loss (the finite values' mean), or in its place when none was finite."""
+    ot.init(prometheus_port=0, verbosity=1, progress_bar=False, log_interval=10, hardware=False,
+            output_dir=str(tmp_path), run_name="nan")  # fmt: skip
+    for i in range(30):
+        with ot.step(i):
+            ot.record("loss", float("nan") if i >= 12 else 1.0)
+    ot.shutdown()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert (
+        lines[0] == f"otel_train: writing to {tmp_path / 'nan'}" and f"run dir: {tmp_path / 'nan'}" in lines
+    )
+    assert "step 10 | loss 1.0000 | step" in out
+    assert "step 20 | loss 1.0000 (+8 NaN/Inf) | step" in out
+    assert "step 30 | loss 10 NaN/Inf | step" in out, out

@@ -313,6 +313,15 @@ def test_total_steps_gives_eta_and_progress_file(tmp_path) -> None:
     assert env["python"] and "opentelemetry-sdk" in env["packages"]
 
 
+def test_the_progress_file_counts_samples_when_the_steps_count_no_tokens(tmp_path) -> None:
+    with ot.init(prometheus_port=0, verbosity=0, log_interval=5, output_dir=str(tmp_path)) as run:
+        for i in range(10):
+            with ot.step(i, samples=4):
+                pass
+    first = (run.run_dir / "progress.txt").read_text().splitlines()[0]
+    assert "samples 20 | throughput" in first and "samples/s" in first and "tokens" not in first, first
+
+
 def test_console_summary_and_timer_table(capsys) -> None:
     ot.init(prometheus_port=0, verbosity=1, log_interval=2, run_dir_enabled=False)
     for i in range(4):

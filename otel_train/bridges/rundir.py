@@ -25,7 +25,7 @@ class RunDirSink(Sink):
         # progress.txt is one file per run: only the reporting rank appends to it.
         self._progress: LineFile | None = LineFile(self.files.progress) if progress else None
         self._started = time.time()
-        self._tokens = 0.0
+        self._tokens = self._samples = 0.0
         self._hparams: dict[str, Any] = {}
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
@@ -36,16 +36,21 @@ class RunDirSink(Sink):
         }
         self._metrics.write_line(dumps_line(row))
         self._tokens += scalars.get(sc.TOKENS.key, 0.0)
+        self._samples += scalars.get(sc.SAMPLES.key, 0.0)
         if self._progress is None or sc.STEPS.key not in scalars:
             return  # a row without training steps (log_metrics(step=N), an eval) is no progress
         elapsed = wall_time - self._started
         total = int(scalars.get(sc.TOTAL_STEPS.key, 0))  # the plan may change in a run (set_total_steps)
         steps = f"{step + 1}/{total}" if total else f"{step + 1}"
+        if self._samples and not self._tokens:  # ot.step(samples=...) alone: the steps count samples
+            unit, counted, rate = "samples", self._samples, sc.rate_key(sc.SAMPLES)
+        else:
+            unit, counted, rate = "tokens", self._tokens, sc.rate_key(sc.TOKENS)
         parts = [
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall_time)),
             f"step {steps}",
-            f"tokens {int(self._tokens)}",
-            f"throughput {scalars.get(sc.rate_key(sc.TOKENS), 0.0):.1f} tokens/s",
+            f"{unit} {int(counted)}",
+            f"throughput {scalars.get(rate, 0.0):.1f} {unit}/s",
             f"elapsed {_hms(elapsed)}",
         ]
         if sc.ETA.key in scalars:

@@ -349,9 +349,9 @@ def test_console_prints_no_stale_line_after_an_eval(capsys) -> None:
     lines = [line for line in capsys.readouterr().out.splitlines() if re.match(r"step \d+( |$)", line)]
     assert [line.split(" |")[0] for line in lines] == ["step 10", "step 20", "step 20", "step 30", "step 40",
                                                        "step 40"]  # fmt: skip
-    assert "val_loss" not in lines[1] and lines[2] == "step 20 | val_loss 1.5000"  # only the new eval
+    assert "eval_loss" not in lines[1] and lines[2] == "step 20 | eval_loss 1.5000"  # only the new eval
     assert "val_loss" not in lines[3]  # the eval after step 20 is not repeated as if new
-    assert "val_loss" not in lines[4] and lines[5] == "step 40 | val_loss 1.2500"  # never the stale 1.5
+    assert "eval_loss" not in lines[4] and lines[5] == "step 40 | eval_loss 1.2500"  # never the stale 1.5
 
 
 def test_quiet_mode_prints_nothing(capsys) -> None:

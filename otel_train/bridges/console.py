@@ -38,7 +38,7 @@ _SUMMARY_FIELDS: tuple[tuple[str, str, str | None], ...] = (
     (sc.stat_key(sc.STEP_DURATION.key, "mean"), "step", None),
     (sc.rate_key(sc.TOKENS), "tok/s", "si"),
     (sc.GRAD_NORM.key, "grad", "{:.3f}"),
-    (sc.EVAL_LOSS.key, "val_loss", "{:.4f}"),
+    (sc.EVAL_LOSS.key, "eval_loss", "{:.4f}"),
     (sc.MFU.key, "mfu", "{:.1%}"),
 )
 # Timer totals: `timers/step/total` and `timers/<phase>/total` (the step and phase histograms).

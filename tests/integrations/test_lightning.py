@@ -571,60 +571,41 @@ def test_the_run_idles_between_fit_and_test_without_a_stall(tmp_path: Path) -> N
     assert "stall" not in [json.loads(line)["event"] for line in lines]
 
 
-def test_a_validation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path) -> None:
-    """Each validation batch tells the stall watchdog the loop is alive (the callback's
-    `on_validation_batch_end`): 8 batches of 0.2 s between steps under stall_timeout_s=1 raise no
-    stall event."""
+@pytest.mark.parametrize("slow_part", ["batches", "epoch_end"])
+def test_a_validation_longer_than_the_stall_timeout_is_no_stall(tmp_path: Path, slow_part: str) -> None:
+    """Under stall_timeout_s=1, no stall event for a validation between steps that takes longer:
+    - "batches": 8 batches of 0.2 s, each telling the watchdog the loop is alive (the callback's
+      `on_validation_batch_end`);
+    - "epoch_end": a 2.5 s `on_validation_epoch_end` after the last batch (gathering predictions,
+      a corpus metric), with no batch marking progress: the callback's eval span is still open, so
+      the watchdog waits eval_timeout_s."""
     from otel_train.integrations.lightning import OtelTrainCallback
 
     slow = SlowStretches()
 
     class SlowValidation(TinyRegression):
         def validation_step(self, batch: Any, batch_idx: int) -> None:
-            slow.sleep(0.2)
+            if slow_part == "batches":
+                slow.sleep(0.2)
             super().validation_step(batch, batch_idx)
+
+        def on_validation_epoch_end(self) -> None:
+            if slow_part == "epoch_end":
+                slow.sleep(2.5)
 
     logger = _quiet(run_name="longval", stall_timeout_s=1.0)
     trainer = Trainer(
         logger=logger, callbacks=[OtelTrainCallback()], max_steps=3, val_check_interval=2,
-        limit_val_batches=8, num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", devices=1,
+        limit_val_batches=8 if slow_part == "batches" else 2, num_sanity_val_steps=0,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=1,
     )  # fmt: skip
     trainer.fit(SlowValidation(), _loader(32), _loader(32))
     ot.shutdown()
     run_dir = tmp_path / "runs" / "longval"
     rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     assert sum(r.get("timers/eval/count", 0) for r in rows) >= 1  # the validation ran
-    assert len(slow.spans) == 8
-    assert slow.stalls_inside(run_dir) == []
-
-
-def test_metrics_computed_at_the_validation_epochs_end_past_the_stall_timeout_are_no_stall(
-    tmp_path: Path,
-) -> None:
-    """`on_validation_epoch_end` runs after the last validation batch (gathering predictions,
-    computing a corpus metric): no batch marks progress then, but the callback's eval span is still
-    open, so the watchdog waits eval_timeout_s: 2.5 s of it under stall_timeout_s=1 is no stall."""
-    from otel_train.integrations.lightning import OtelTrainCallback
-
-    slow = SlowStretches()
-
-    class SlowCorpusMetric(TinyRegression):
-        def on_validation_epoch_end(self) -> None:
-            slow.sleep(2.5)
-
-    logger = _quiet(run_name="epochend", stall_timeout_s=1.0)
-    trainer = Trainer(
-        logger=logger, callbacks=[OtelTrainCallback()], max_steps=3, val_check_interval=2,
-        limit_val_batches=2, num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", devices=1,
-    )  # fmt: skip
-    trainer.fit(SlowCorpusMetric(), _loader(32), _loader(32))
-    ot.shutdown()
-    run_dir = tmp_path / "runs" / "epochend"
-    rows = [json.loads(line) for line in (run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
-    assert sum(r.get("timers/eval/count", 0) for r in rows) >= 1  # the validation ran
-    assert len(slow.spans) == 1
+    assert len(slow.spans) == (8 if slow_part == "batches" else 1)
     assert slow.stalls_inside(run_dir) == []
 
 

@@ -81,6 +81,7 @@ assert _HOST_KEY in sc.LABEL_RESOURCE_KEYS
 RUN = label(sc.RUN_ID)
 RANK = label(sc.RANK)
 ROLE = label(sc.ROLE)
+_RUN = f"{RUN}, {ROLE}"  # a run's series: one per role (an RL job's policy and generation)
 HOST = label(_HOST_KEY)
 PHASE = label(sc.PHASE)
 STRAGGLER_KIND = label(sc.STRAGGLER_KIND)
@@ -202,9 +203,8 @@ def job_mean(job: MetricSpec, ranks: MetricSpec, by: str, window: str = RATE) ->
     )
 
 
-def job_rate(job: MetricSpec, ranks: MetricSpec, by: str = "") -> str:
+def job_rate(job: MetricSpec, ranks: MetricSpec, by: str = _RUN) -> str:
     """Rate of a job-level counter (the sum over the ranks), or the per-rank counters' summed."""
-    by = by or _RUN
     return job_or_ranks(agg("sum", by, rate(job, rank=False, host=False)), agg("sum", by, rate(ranks)))
 
 
@@ -345,7 +345,6 @@ def panel_deepspeed_only(panel: PanelDef) -> bool:
 
 
 # --- the four dashboards --------------------------------------------------------------------------
-_RUN = f"{RUN}, {ROLE}"  # a run's series: one per role (an RL job's policy and generation)
 _R = f"{RUN}, {ROLE}, {RANK}"
 _GPU_BY = f"{RUN}, {ROLE}, {HOST}, {HW_ID}, {HW_NAME}"
 _GPU_LEGEND = f"{{{{{HOST}}}}} {{{{{HW_ID}}}}}"

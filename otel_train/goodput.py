@@ -185,8 +185,9 @@ class GoodputListener:
             counter.add(self._reported[key], attributes)
             spec = semconv.PRODUCTIVE_DURATION if key == "productive_s" else semconv.BADPUT_DURATION
             self.carried.append((spec.name, attributes, self._reported[key]))
-        interruptions.add(self.interruptions)  # this process's restart is its row's 1
-        self.carried.append((semconv.INTERRUPTIONS.name, {}, self.interruptions - bool(previous)))
+        interruptions.add(self.interruptions)  # the previous processes' count, and this restart: its row's 1
+        earlier = previous["interruptions"] if previous else 0
+        self.carried.append((semconv.INTERRUPTIONS.name, {}, float(earlier)))
 
     def on_flush(self, interval: Interval) -> None:
         self.step_s += math.fsum(interval.step_durations)

@@ -81,7 +81,9 @@ def test_timer_stop_at_an_earlier_reading_ends_and_arrives_there() -> None:
         time.sleep(0.08)  # the hook runs later than the phase's end
         ot.timer("data").start(at_ns=start).stop(at_ns=ended)
         ot.timer("late").start(at_ns=ended).stop(at_ns=ended - 1)  # before its start: zero, not negative
+        ot.timer("ahead").start(at_ns=start).stop(at_ns=start + 10**12)  # after now: ends now, not 1000 s on
         adapters.end_step()
+    assert 0.08 <= seen.merged("phases")["ahead"][0] < 100.0
     assert seen.merged("phases")["data"] == [pytest.approx(0.03)]
     assert seen.merged("arrivals")["data"] == [pytest.approx(0.03)]  # where it ended, not when stopped
     assert seen.merged("phases")["late"] == [0.0]

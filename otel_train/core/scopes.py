@@ -147,15 +147,12 @@ class TimerScope:
         """End the phase `start()` began (`error`: the exception type if the phase failed; `at_ns`:
         an earlier `perf_counter_ns()` reading where it ended, for a hook that runs after the end:
         that is also this rank's arrival). A stop without a start, or a second stop, does nothing."""
-        error = _error_type(error)
-        if at_ns is not None and at_ns.__class__ is not int:
-            raise _not_ns(f"stop(at_ns={at_ns!r})", at_ns)
+        error, end = _error_type(error), _stop_ns(at_ns)
         session = getattr(self, "_session", None)  # unset: made by timer() and never started
         if session is None:
             return
         self._session = None
-        end = perf_counter_ns() if at_ns is None else max(at_ns, self._start)
-        self._end(session, end, error)
+        self._end(session, max(end, self._start), error)
 
     def __enter__(self) -> TimerScope:
         self._session = runtime._current
@@ -296,12 +293,9 @@ class MarkScope:
     def stop(self, error: type[BaseException] | None = None, at_ns: int | None = None) -> None:
         """End the span `start()` began (`at_ns`: an earlier `perf_counter_ns()` reading where it
         ended, for a hook that runs after the end); a second stop does nothing."""
-        error = _error_type(error)
-        if at_ns is not None and at_ns.__class__ is not int:
-            raise _not_ns(f"stop(at_ns={at_ns!r})", at_ns)
+        error, end = _error_type(error), _stop_ns(at_ns)
         if self._session is not None:
-            end = perf_counter_ns() if at_ns is None else min(max(at_ns, self._start), perf_counter_ns())
-            self._session.end_mark(self.name, self._start, end, error, self.attributes)
+            self._session.end_mark(self.name, self._start, max(end, self._start), error, self.attributes)
             self._session = None
 
     def __enter__(self) -> MarkScope:
@@ -426,6 +420,16 @@ def _earlier(session: Session | None, at_ns: Any, now_ns: int) -> int:
             f"start(at_ns={at_ns}) is not an earlier time.perf_counter_ns() reading; timed from now.",
         )
     return now_ns
+
+
+def _stop_ns(at_ns: Any) -> int:
+    """`stop(at_ns=)`: where the scope ended, never later than now (its start bounds it below)."""
+    now = perf_counter_ns()
+    if at_ns is None:
+        return now
+    if at_ns.__class__ is not int:
+        raise _not_ns(f"stop(at_ns={at_ns!r})", at_ns)
+    return min(at_ns, now)  # type: ignore[no-any-return]
 
 
 def _not_ns(call: str, value: Any) -> TypeError:

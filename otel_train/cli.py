@@ -126,6 +126,8 @@ def _no_summaries(directory: Path, role: str) -> str:
     if role and any(directory.glob(RunFiles(directory).collectives_glob)):
         return f"no readable {pattern}; there are files of ranks without a role: leave out --role"
     config = RunFiles(directory, role=role).config
+    if role and not config.is_file() and RunFiles(directory).config.is_file():
+        return f"the run has no role {role!r} (its ranks have none): leave out --role"
     if not config.is_file():  # not a run directory: its parent, or elsewhere
         runs = sorted(p.parent.name for p in directory.glob(f"*/{config.name}"))
         inside = f"; the run directories in it: {', '.join(runs[:5])}{' ...' if len(runs) > 5 else ''}"

@@ -107,24 +107,29 @@ def _blank_problem(text: str) -> str | None:
 def _signal_problem(name: str) -> str | None:
     import signal
 
-    if name == "":
+    if name.strip().lower() in SIGNAL_OFF:
         return None
     number = signal_number(name)
     if number in (signal.SIGKILL, signal.SIGSTOP):  # the OS lets no process handle these
         return (
             f"{signal.Signals(number).name} cannot be caught, so it cannot trigger a dump: use a signal such "
-            "as SIGUSR1 or SIGUSR2, or an empty string to turn signal dumps off"
+            "as SIGUSR1 or SIGUSR2, or off to turn signal dumps off"
         )
     if number is not None:
         return None
-    return "use a signal name such as SIGUSR1 or SIGUSR2, or an empty string to turn signal dumps off"
+    return "use a signal name such as SIGUSR1 or SIGUSR2, or off to turn signal dumps off"
+
+
+SIGNAL_OFF = ("", "off", "none")  # stack_dump_signal values that turn signal dumps off
 
 
 def signal_number(name: str) -> int | None:
-    """`SIGUSR1` / `USR1` / `10` as a signal number, None if there is no such signal."""
+    """`SIGUSR1` / `USR1` / `10` as a signal number, None if there is no such signal (or it is off)."""
     import signal
 
     text = name.strip().upper()
+    if text.lower() in SIGNAL_OFF:
+        return None
     if text.isascii() and text.isdigit():  # "²" is a digit to isdigit, not to int()
         number = int(text)
         return number if number in {s.value for s in signal.Signals} else None
@@ -284,7 +289,7 @@ class Config:
     stack_dump_signal: str = setting(
         "SIGUSR1", check=_signal_problem,
         doc="`kill -USR1 <pid>` writes the same stack dump, also while the rank is blocked in a collective; "
-        '`""` turns it off',
+        "`off` turns it off",
     )  # fmt: skip
     # bridges
     tensorboard: bool = setting(False, doc="TensorBoard bridge")
@@ -485,6 +490,9 @@ def problem(name: str, value: Any, cls: type[Config] = Config) -> str | None:
         return None
     advice = spec.fix or f"use {allowed(name, cls)}"
     if not _is_a(value, entry.type):
+        if _kind(entry.type, name) == "a string" or typing.get_origin(entry.type) is Literal:
+            # YAML reads off, no, 2024-01-01 and 42 as a bool, a date and a number
+            advice += f" (got {type(value).__name__}: in a YAML file, quote it)"
         return f"expected {_kind(entry.type, name)}; {advice}" if spec.fix else advice
     if entry.type is float and not math.isfinite(value) and not (value > 0 and spec.inf_means is not None):
         return f"it must be a finite number; {advice}"

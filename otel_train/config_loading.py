@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import difflib
 import logging
+import numbers
 import os
 import re
 import typing
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from otel_train.config import (
     CONFIG_FILE_ENV,
@@ -50,17 +51,28 @@ def load_config(
     warn_unknown_env(environ, config_cls)
     values: dict[str, tuple[Any, str]] = {}  # field -> (value, where it came from)
 
+    for given in (config_file, overrides.get("config_file")):
+        if given is not None and not isinstance(given, (str, os.PathLike)):
+            raise TypeError(
+                f"config_file={given!r} needs the path of a YAML file; settings are keyword arguments, "
+                "e.g. ot.init(log_interval=10)"
+            )
     path = config_file or overrides.pop("config_file", None) or environ.get(CONFIG_FILE_ENV)
     if path:
-        for name, value in config_file_settings(path, config_cls).items():
+        for name, value in config_file_settings(os.fspath(path), config_cls).items():
             values[name] = (value, f"{path}:{name}")
     for name, entry in table.items():
-        for key in entry.setting.env:
+        if name in overrides:
+            continue  # a keyword wins: a malformed variable under it is never read
+        # OTEL_TRAIN_<FIELD> over the standard variables, and of those the last (the more specific)
+        for key in (env_name(name), *reversed(entry.setting.env)):
             if environ.get(key, "").strip() != "":
-                values[name] = (_from_standard_env(key, environ[key], name, config_cls), key)
-        key = env_name(name)  # over the standard variables
-        if environ.get(key, "").strip() != "":
-            values[name] = (environ[key], key)
+                raw = environ[key]
+                values[name] = (
+                    raw if key == env_name(name) else _from_standard_env(key, raw, name, config_cls),
+                    key,
+                )
+                break
     for name, value in overrides.items():
         if name not in table:
             raise unknown_setting("init()", name, table)
@@ -109,6 +121,11 @@ def config_file_settings(path: str, config_cls: type[Config] = Config) -> dict[s
             f"config file {path!r} (from {CONFIG_FILE_ENV} or config_file=) does not exist. "
             "Fix the path or unset it."
         ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"config file {path!r} (from {CONFIG_FILE_ENV} or config_file=) cannot be read as a UTF-8 YAML "
+            f"file: {exc}. Point it at the file."
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -152,11 +169,11 @@ def _from_standard_env(env_key: str, raw: str, name: str, config_cls: type[Confi
         raise ConfigError(
             f"{env_key}={raw!r} is not a number of milliseconds. Set it to e.g. {example} or unset it."
         ) from None
-    if env_key == "OTEL_EXPORTER_OTLP_TIMEOUT" and 0 < millis < 100:
-        # The Python SDK once read this variable as seconds; a value that small is that mistake.
+    if 0 < millis < 100:
+        # Seconds written where the spec wants milliseconds (the Python SDK once read the timeout so).
         raise ConfigError(
             f"{env_key}={raw!r} is in milliseconds (the OpenTelemetry spec's unit), so this is "
-            f"{millis:g} ms, too short for an export. Set it to e.g. {example} ({entry.default:g} s) "
+            f"{millis:g} ms, surely meant as seconds. Set it to e.g. {example} ({entry.default:g} s) "
             "or unset it."
         )
     seconds = millis / 1000.0
@@ -212,6 +229,10 @@ def _parse(name: str, value: Any, source: str, entry: Declaration) -> Any:
     if optional and (value is None or (text is not None and text.lower() in ("", "none", "null"))):
         return None
     origin = typing.get_origin(hint)
+    if origin is Literal and text is not None:  # `GRPC` is the choice `grpc`
+        return next((c for c in typing.get_args(hint) if str(c).lower() == text.lower()), text)
+    if hint in (int, float) and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return hint(value)  # a numpy integer
     if hint is bool and text is not None and text.lower() in (*_TRUE, *_FALSE):
         return text.lower() in _TRUE
     if hint in (int, float) and text is not None:
@@ -233,4 +254,4 @@ def _parse(name: str, value: Any, source: str, entry: Declaration) -> Any:
         return tuple(v.strip() for v in value.split(",") if v.strip())
     if origin is tuple and isinstance(value, (list, tuple)):
         return tuple(map(str, value))
-    return value
+    return value if text is None else text

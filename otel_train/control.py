@@ -235,7 +235,7 @@ class ControlFile:
         try:
             document = parse(data)
         except ValueError as exc:
-            self._reject(f"does not parse: {exc}")
+            self._reject(f'does not parse ({exc}): write one JSON object, e.g. {{"log_interval": 50}}')
             return []
         changes = self._changes(document, last_step, seconds_per_step)
         new = [change for change in changes if change.version > self._version]
@@ -270,6 +270,9 @@ class ControlFile:
     ) -> list[ControlChange]:
         """Settings asked for anew, validated; rank 0 stamps them as the next change."""
         problem = validate(settings, self.world_size, self.config_cls)
+        total = settings.get("total_steps")
+        if problem is None and isinstance(total, int) and total <= last_step:
+            problem = f"total_steps={total}: the run is at step {last_step} already; plan more steps"
         if problem is not None:
             self._reject(problem)
             return []

@@ -193,6 +193,8 @@ def test_diagnose_points_at_the_role_and_at_a_wrong_directory(
     (empty / "config.json").write_text("{}")  # a run whose ranks never stalled
     code, out, _ = _diagnose([str(empty)], capsys)
     assert code == 1 and "no rank stalled with PyTorch's Flight Recorder on" in out
+    code, out, _ = _diagnose([str(empty), "--role", "policy"], capsys)
+    assert code == 1 and "the run has no role 'policy' (its ranks have none): leave out --role" in out, out
     outputs = tmp_path / "runs"  # output_dir, the run directories' parent
     (outputs / "run-a").mkdir(parents=True)
     (outputs / "run-a" / "config.json").write_text("{}")

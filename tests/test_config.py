@@ -276,3 +276,74 @@ def test_every_otel_train_variable_the_package_reads_is_a_setting_or_a_known_swi
     }
     assert named - {env_name(name) for name in declared()} - NOT_SETTINGS_ENV == set()
     assert "OTEL_TRAIN_LIGHTNING" in named  # integrations.lightning.ENV_SWITCH
+
+
+def test_a_keyword_wins_over_a_malformed_variable_it_overrides() -> None:
+    """Only the value in force is read: a malformed standard variable under a keyword or under
+    its OTEL_TRAIN_ variable stops nothing."""
+    bad = {"OTEL_EXPORTER_OTLP_TIMEOUT": "abc", "OTEL_METRIC_EXPORT_INTERVAL": "5"}
+    config = load_config({"otlp_timeout_s": 7.0, "metric_export_interval_s": 5.0}, environ=bad)
+    assert (config.otlp_timeout_s, config.metric_export_interval_s) == (7.0, 5.0)
+    assert (
+        load_config(
+            {},
+            environ={**bad, "OTEL_TRAIN_OTLP_TIMEOUT_S": "7", **{"OTEL_TRAIN_METRIC_EXPORT_INTERVAL_S": "5"}},
+        ).otlp_timeout_s
+        == 7.0
+    )
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TIMEOUT='abc'"):
+        load_config({}, environ=bad)
+
+
+@pytest.mark.parametrize("key", ["OTEL_METRIC_EXPORT_INTERVAL", "OTEL_EXPORTER_OTLP_TIMEOUT"])
+def test_seconds_written_in_a_milliseconds_variable_are_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{key}='60' is in milliseconds .* surely meant as seconds"):
+        load_config({}, environ={key: "60"})
+
+
+def test_config_file_must_be_a_path(tmp_path) -> None:
+    """`ot.init(3)` would open file descriptor 3 as the config file, and close it."""
+    for given in (3, True, 0, ["a.yaml"]):
+        with pytest.raises(TypeError, match="needs the path of a YAML file; settings are keyword arguments"):
+            load_config({}, environ={}, config_file=given)  # type: ignore[arg-type]
+    path = tmp_path / "ot.yaml"
+    path.write_text("log_interval: 3\n")
+    assert load_config({}, environ={}, config_file=path).log_interval == 3  # type: ignore[arg-type]
+
+
+def test_an_unreadable_config_file_is_a_config_error(tmp_path) -> None:
+    binary = tmp_path / "ot.yaml"
+    binary.write_bytes(b"run_name: \xff\xfe\n")
+    for path in (tmp_path, binary):
+        with pytest.raises(ConfigError, match="cannot be read as a UTF-8 YAML file"):
+            load_config({}, environ={"OTEL_TRAIN_CONFIG": str(path)})
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", "none", " off "])
+def test_stack_dump_signal_off_from_the_environment(value: str) -> None:
+    """An empty variable means unset (the OpenTelemetry convention), so `off` turns dumps off."""
+    from otel_train.config import signal_number
+
+    config = load_config({}, environ={"OTEL_TRAIN_STACK_DUMP_SIGNAL": value})
+    assert signal_number(config.stack_dump_signal) is None
+    assert load_config({}, environ={"OTEL_TRAIN_STACK_DUMP_SIGNAL": ""}).stack_dump_signal == "SIGUSR1"
+
+
+def test_yaml_values_that_are_not_text_are_refused_with_quote_it(tmp_path) -> None:
+    path = tmp_path / "ot.yaml"
+    for line in ("stack_dump_signal: off", "run_name: 2024-01-01", "run_name: 42", "otlp_protocol: no"):
+        path.write_text(line + "\n")
+        with pytest.raises(ConfigError, match="in a YAML file, quote it"):
+            load_config({}, environ={}, config_file=str(path))
+    path.write_text("run_name: '42'\nstack_dump_signal: 'off'\n")
+    assert load_config({}, environ={}, config_file=str(path)).run_name == "42"
+
+
+def test_text_settings_are_read_as_the_environment_reads_them() -> None:
+    import numpy as np
+
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": " http://x:4318 ", "OTEL_TRAIN_OTLP_PROTOCOL": "GRPC "}
+    config = load_config({"total_steps": np.int64(5), "log_interval_s": np.int32(2)}, environ=env)
+    assert (config.otlp_endpoint, config.otlp_protocol) == ("http://x:4318", "grpc")
+    assert config.total_steps == 5 and type(config.total_steps) is int
+    assert config.log_interval_s == 2.0 and type(config.log_interval_s) is float

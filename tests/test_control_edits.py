@@ -85,3 +85,15 @@ def test_a_resume_keeps_the_settings_and_never_reruns_a_profile_window(tmp_path:
         assert [(c.version, dict(c.settings)) for c in rank.take_due(10**6)] == [(1, lasting)]
     assert [e for e, _ in events0.seen + events1.seen] == ["control", "control"]
     assert json.loads(rank0.path.read_text())["earlier"] == []
+
+
+def test_a_plan_shorter_than_the_run_so_far_and_a_yaml_file_are_refused_with_the_fix(tmp_path: Path) -> None:
+    events = _Events()
+    control = ControlFile(tmp_path, rank=0, events=events)
+    _write_and_schedule(control, json.dumps({"total_steps": 10}), step=520)
+    _write_and_schedule(control, "verbosity: 1\n", step=521)  # the config file's format, not this one's
+    _write_and_schedule(control, json.dumps({"total_steps": 2000}), step=522)
+    assert [e for e, _ in events.seen] == ["control_rejected", "control_rejected", "control"]
+    assert "total_steps=10: the run is at step 520 already; plan more steps" in events.seen[0][1]
+    assert 'write one JSON object, e.g. {"log_interval": 50}' in events.seen[1][1]
+    assert [dict(c.settings) for c in control.take_due(10**6)] == [{"total_steps": 2000}]

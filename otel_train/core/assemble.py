@@ -282,7 +282,7 @@ def _attach_watchdog(session: Session) -> None:
         session.events,
         session.last_step,
         config.stall_timeout_s,
-        signal_number(config.stack_dump_signal) if config.stack_dump_signal else None,
+        signal_number(config.stack_dump_signal),
         on_tick=lambda: _report_stuck_worker(session),
         on_stall=reporter.on_stall if reporter is not None else None,
         role=session.identity.role,

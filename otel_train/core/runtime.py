@@ -54,25 +54,19 @@ def init(
 def _warn_if_different(
     session: Session, config: Config | None, config_file: str | None, settings: Mapping[str, Any] | None
 ) -> None:
-    """A second init() that asked for other settings: say so once."""
-    if session.reinit_warned or (config is None and not config_file and not settings):
+    """A second init() that asked for other settings: say so once. Invalid ones raise, as they
+    would on a first call (a notebook cell run again with a misspelt keyword)."""
+    if config is None and not config_file and not settings:
         return
-    try:
-        wanted = config or load_config(settings, config_file=config_file)
-    except ConfigError:
-        wanted = None
-    if wanted == session.config:
+    wanted = config or load_config(settings, config_file=config_file)
+    if wanted == session.config or session.reinit_warned:
         return
     session.reinit_warned = True
-    differing = (
-        sorted(k for k in FIELDS if getattr(wanted, k) != getattr(session.config, k))
-        if wanted is not None
-        else sorted(settings or {})
-    )
+    differing = sorted(k for k in FIELDS if getattr(wanted, k) != getattr(session.config, k))
     log.warning(
         "otel_train: init() was called again with different settings (%s); the running session keeps "
         "its own. Call ot.shutdown() first to start a new session with them.",
-        ", ".join(differing) or "invalid settings",
+        ", ".join(differing),
     )
 
 

@@ -438,12 +438,12 @@ class HangWatchdog:
         previous_handler = signal.getsignal(signum)
         ours = previous_handler is _ignore_signal  # left by an earlier session of this process
         if previous_handler not in (signal.SIG_DFL, None) and not ours:
+            other = "SIGUSR1" if signum == signal.SIGUSR2 else "SIGUSR2"
             log.warning(
                 "otel_train: signal %s already has a handler; stack dumps stay on stall only "
-                "(set stack_dump_signal to another signal, e.g. SIGUSR2, or to an empty string to "
-                "silence this).",
-                signal.Signals(signum).name,
-            )
+                "(set stack_dump_signal to another signal, e.g. %s, or to off to silence this).",
+                signal.Signals(signum).name, other,
+            )  # fmt: skip
             return
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)

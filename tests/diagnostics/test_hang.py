@@ -286,7 +286,7 @@ def test_stack_dump_signal_is_validated() -> None:
 @pytest.mark.parametrize("name", ["SIGKILL", "9", "SIGSTOP", "stop"])
 def test_a_signal_that_cannot_be_caught_is_refused_naming_the_fix(name: str) -> None:
     # signal.signal() raises a bare OSError for these: refused as a setting instead, before init
-    with pytest.raises(ConfigError, match=r"stack_dump_signal = .*cannot be caught.*SIGUSR1.*empty string"):
+    with pytest.raises(ConfigError, match=r"stack_dump_signal = .*cannot be caught.*SIGUSR1.*or off to turn"):
         ot.init(stack_dump_signal=name, prometheus_port=0)
 
 
@@ -302,7 +302,7 @@ def test_a_signal_someone_else_handles_is_left_alone_with_a_true_fix(
         signal.signal(signal.SIGUSR2, previous)
     [warning] = [r.getMessage() for r in caplog.records if "already has a handler" in r.getMessage()]
     # the fix it names is one the settings accept
-    assert "set stack_dump_signal to another signal" in warning and "an empty string" in warning, warning
+    assert "to another signal, e.g. SIGUSR1, or to off to silence this" in warning, warning
     assert "0 to silence" not in warning
 
 

@@ -62,3 +62,17 @@ def test_second_init_with_other_settings_warns_once(tmp_path, caplog) -> None:
     assert len(warnings) == 1 and "log_interval" in warnings[0] and "ot.shutdown()" in warnings[0]
     assert session is not None and session.config.log_interval == 5
     ot.shutdown()
+
+
+def test_second_init_with_invalid_settings_raises_as_the_first_would(tmp_path, caplog) -> None:
+    """A notebook cell run again with a misspelt keyword is told, every time."""
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    first = ot.init(output_dir=str(tmp_path), prometheus_port=0, verbosity=0)
+    assert ot.init(log_interval=50) == first  # the one warning about other settings
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="did you mean 'tensorboard'"):
+            ot.init(tensorbaord=True)
+        with pytest.raises(ConfigError, match="verbosity"):
+            ot.init(verbosity=9)
+    assert current_session() is not None and current_session().config.verbosity == 0
+    ot.shutdown()

@@ -161,6 +161,10 @@ class GoodputListener:
         self.rerun_s = 0.0  # steps that re-ran a step of the previous processes (from the flushes)
         self.steps = 0
         self.step_stall_s = 0.0  # stalls inside steps (the watchdog's), taken out of the steps' time
+        # stalls inside steps that then failed (a hung collective that timed out): stall time, but
+        # out of no productive time, as a failed step has none; (step before it, seconds) of recent ones
+        self.failed_stall_s = 0.0
+        self._failed_steps: deque[tuple[int, float]] = deque(maxlen=RECENT_INTERVALS)
         self._data_peaks: deque[float] = deque(maxlen=RECENT_INTERVALS)
         self._previous = _load(state_path, run_id, clock.clocks.wall())
         self._saved_at = -math.inf
@@ -212,10 +216,17 @@ class GoodputListener:
         if interval.steps:
             data = [max(values) for name, values in interval.phases.items() if name in DATA_PHASES and values]
             self._data_peaks.append(max(data, default=0.0))
+        self._failed_steps.extend(interval.failed_steps)
         stalls = self._clock.step_stalls
         while stalls and (interval.final or interval.step > stalls[0][0]):
-            _, seconds = stalls.popleft()
-            self.step_stall_s += max(0.0, seconds - max(self._data_peaks, default=0.0))
+            after, seconds = stalls.popleft()
+            stalled = max(0.0, seconds - max(self._data_peaks, default=0.0))
+            failed = next((f for f in self._failed_steps if f[0] == after), None)
+            if failed is None:
+                self.step_stall_s += stalled
+            else:
+                self._failed_steps.remove(failed)
+                self.failed_stall_s += min(stalled, failed[1])
 
     def _report(self, account: dict[str, float]) -> None:
         """Metrics move only with flushes that carry steps (one without repeats the last step, and
@@ -255,7 +266,7 @@ class GoodputListener:
             **spans,
             "data": data,
             "wasted_progress": wasted,
-            "stall": clock.stall_ns * 1e-9 + stalled_in_steps,
+            "stall": clock.stall_ns * 1e-9 + stalled_in_steps + self.failed_stall_s,
             "restart": 0.0,
         }
         badput["other"] = max(0.0, wall - productive - sum(badput.values()))

@@ -499,3 +499,25 @@ def test_a_hang_inside_a_step_is_stall_badput_not_productive_time(tmp_path: Path
     assert hung >= 0.3
     if where == "data":
         assert account["stall"] < 0.05  # the step's time after its data wait (10 ms here) at most
+
+
+def test_a_hung_step_that_then_raises_is_stall_and_keeps_the_earlier_steps_productive(tmp_path: Path) -> None:
+    """A collective that hangs and then times out (gloo and NCCL raise): the failed step's stall is
+    stall badput, and the steps before it stay productive (the stall was carved out of them)."""
+    ot.init(run_name="gp-hang-raise", stall_timeout_s=0.3, prometheus_port=0, verbosity=0, hardware=False)
+    session = current_session()
+    stalled = threading.Event()
+    session.events.add_callback(lambda event, message, attributes: event == "stall" and stalled.set())
+    for step in range(20):
+        with ot.step(step):
+            time.sleep(0.02)
+    with pytest.raises(RuntimeError), ot.step(20):
+        assert stalled.wait(30), "no stall event"
+        time.sleep(0.3)  # the watchdog sees the step's end as progress, before shutdown
+        raise RuntimeError("collective timed out")
+    time.sleep(0.3)
+    ot.shutdown()
+    account = _account(session.run_dir)
+    _assert_sums_to_wall(account)
+    assert account["productive_s"] >= 0.3  # 20 steps of 20 ms
+    assert account["stall"] >= 0.3

@@ -61,6 +61,7 @@ class Interval(FlushHeader):
     # seconds of data-phase timers (goodput.DATA_PHASES) inside steps that did not re-run a step
     data_s: float = 0.0
     rerun_s: float = 0.0  # seconds of steps that re-ran a step of the previous processes (goodput)
+    failed_steps: list[tuple[int, float]] = field(default_factory=list)  # (step ended before it, seconds)
     scalars: dict[str, list[float]] = field(default_factory=dict)  # instrument name -> finite values
     # instrument name -> the step of each of its finite values, where known: values recorded the same
     # number of times in every step of the interval (see FlushBatch.step_indices); absent otherwise

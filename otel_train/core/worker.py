@@ -379,7 +379,7 @@ def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> I
         batch.cuda_event.synchronize()  # waits here, on the worker, never on the training thread
     drop_bad_timer_names(batch)
     previous = last_step[0] if last_step is not None else None
-    rerun_s, rerun_starts = resolve_steps(batch, last_step)
+    rerun_s, rerun_starts, failed_steps = resolve_steps(batch, last_step)
     scalars: dict[str, list[float]] = {}
     scalar_steps: dict[str, list[int]] = {}
     nonfinite: dict[str, int] = {}
@@ -420,6 +420,7 @@ def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> I
         arrivals=arrivals,
         data_s=data_s,
         rerun_s=rerun_s,
+        failed_steps=failed_steps,
         scalars=scalars,
         scalar_steps=scalar_steps,
         nonfinite=nonfinite,
@@ -427,13 +428,16 @@ def resolve_interval(batch: FlushBatch, last_step: StepEvent | None = None) -> I
     )
 
 
-def resolve_steps(batch: FlushBatch, last_step: StepEvent | None = None) -> tuple[float, set[int]]:
+def resolve_steps(
+    batch: FlushBatch, last_step: StepEvent | None = None
+) -> tuple[float, set[int], list[tuple[int, float]]]:
     """Fill the batch's step durations, indices, tokens and samples from its step events; return
-    goodput's wasted progress in seconds (steps up to `rerun_through`) and those steps' starts.
-    Columns are read in C (`map`): the worker holds the GIL the training thread needs."""
+    goodput's wasted progress in seconds (steps up to `rerun_through`), those steps' starts, and the
+    failed steps as (the step that ended before it, seconds). Columns are read in C (`map`): the
+    worker holds the GIL the training thread needs."""
     events = batch.step_events
     if not events:
-        return 0.0, set()
+        return 0.0, set(), []
     starts = column_of(events, 1)
     # The process's first steps: their interval's rates count from the first one's start, not init().
     if last_step is None and batch.wall_perf_ns > starts[0]:
@@ -443,7 +447,12 @@ def resolve_steps(batch: FlushBatch, last_step: StepEvent | None = None) -> tupl
         events = batch.step_events = outermost_steps(batch, last_step)
     indices, starts, ends, tokens, samples, failed = (column_of(events, k) for k in range(6))
     batch.step_indices.extend(indices)
+    failed_steps: list[tuple[int, float]] = []
     if any(failed):  # failed steps: no duration, no counts
+        before = [last_step[0] if last_step is not None else -1, *indices[:-1]]
+        failed_steps = [
+            (b, (e - s) * 1e-9) for b, s, e, f in zip(before, starts, ends, failed, strict=True) if f
+        ]
         done = [not f for f in failed]
         indices, starts, ends, tokens, samples = (
             list(compress(column, done)) for column in (indices, starts, ends, tokens, samples)
@@ -456,11 +465,11 @@ def resolve_steps(batch: FlushBatch, last_step: StepEvent | None = None) -> tupl
     batch.samples += count_sum(batch, "samples", samples)
     through = batch.rerun_through
     if through < 0:  # no earlier process of this run id (or unnumbered steps)
-        return 0.0, set()
+        return 0.0, set(), failed_steps
     reruns = [
         (start, end) for index, start, end in zip(indices, starts, ends, strict=True) if index <= through
     ]
-    return sum([end - start for start, end in reruns]) * 1e-9, {start for start, _ in reruns}
+    return sum([end - start for start, end in reruns]) * 1e-9, {start for start, _ in reruns}, failed_steps
 
 
 def outermost_steps(batch: FlushBatch, last_step: StepEvent | None) -> list[StepEvent]:

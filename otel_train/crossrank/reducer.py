@@ -409,8 +409,9 @@ def _reform(reducer: CrossRankReducer, group: Any | None) -> None:
         f"cross-rank telemetry re-formed on a new process group: {world} rank(s), was {before}; "
         f"this rank is rank {rank} of it"
     )
-    logger.warning("otel_train: %s", message)
-    if reducer.events is not None:
+    if reducer.events is None:
+        logger.warning("otel_train: %s", message)
+    else:
         attributes = {"rank": rank, "world_size": world, "world_size_before": before}
         reducer.events.emit("membership_change", message, attributes)
 

@@ -205,8 +205,9 @@ class ReplicaCheck:
             "purpose (tensor/pipeline parallel) name their data-parallel group with "
             "ot.watch(model, data_parallel_group=...)."
         )
-        logger.warning("otel_train: %s", message)
-        if self.events is not None:
+        if self.events is None:
+            logger.warning("otel_train: %s", message)
+        else:
             self.events.emit("data_not_sharded", message, {"step": step, "ranks": ",".join(map(str, ranks))})
 
     def _report_divergence(
@@ -227,8 +228,9 @@ class ReplicaCheck:
             "skipped or failed (no_sync() left on, a custom all-reduce, a rank-dependent optimizer or "
             "parameter update)."
         )
-        logger.warning("otel_train: %s", message)
-        if self.events is not None:
+        if self.events is None:
+            logger.warning("otel_train: %s", message)
+        else:
             ranks_text = ",".join(map(str, ranks))
             self.events.emit(
                 "replica_divergence", message, {"step": step, semconv.LAYER: layer, "ranks": ranks_text}

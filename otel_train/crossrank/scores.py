@@ -232,8 +232,9 @@ class StragglerReporter:
             logger.warning(message, len(new), step, MAX_REPORTS_PER_FLUSH, slowest)
         for report in shown:
             message = describe(report, step, threshold)
-            logger.warning("otel_train: %s", message)
-            if self.events is not None:
+            if self.events is None:
+                logger.warning("otel_train: %s", message)
+            else:  # echoed on the console by the events (as `verbosity` says)
                 self.events.emit("straggler", message, event_attributes(report, step))
         for rank in sorted(self._flagged - now):
             logger.info("otel_train: rank %d is no longer a straggler", rank)

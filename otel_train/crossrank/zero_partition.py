@@ -89,8 +89,9 @@ class ZeroPartitionCheck:
         if kind in self._reported:
             return
         self._reported.add(kind)
-        logger.warning("otel_train: %s", message)
-        if self.events is not None:
+        if self.events is None:
+            logger.warning("otel_train: %s", message)
+        else:
             attributes = {"ranks": ",".join(map(str, ranks)), "zero.stage": stage, "kind": kind}
             self.events.emit("zero_partition", message, attributes)
 

@@ -82,7 +82,6 @@ class MemoryDumps:
                     "one with the stack of every allocation)"
                 )
             where = ", ".join(f"{k}={v}" for k, v in attributes.items())
-            log.warning("otel_train: %s; memory dump: %s", message, where)
             self.events.emit(event, f"{message}; memory dump: {where}", attributes)
         except Exception as exc:  # torch's allocator snapshot and the disk: never hide the OOM
             log.warning("otel_train: memory dump failed: %r", exc)

@@ -124,7 +124,6 @@ class FlushEfficiency:
         if worst > MEMORY_PRESSURE_RATIO and not self._pressure_active:
             self._pressure_active = True
             message = f"GPU memory pressure: {what} is {worst:.1%} of the device's memory"
-            log.warning("otel_train: %s", message)
             self._events.emit("memory_pressure", message, {"ratio": round(worst, 4)})
             if self.on_pressure is not None:
                 self.on_pressure(message)
@@ -212,5 +211,4 @@ class FlushEfficiency:
                 f"MFU {mfu:.0%} > 100%: the peak ({peak:.4g} FLOP/s from {source}) or flops_per_token "
                 f"({fpt:.4g}) is wrong for this device/dtype"
             )
-            log.warning("otel_train: %s", message)
             self._events.emit("mfu_over_100", message, {"mfu": round(mfu, 4), sc.PEAK_SOURCE: source})

@@ -535,3 +535,20 @@ def test_a_held_flush_reports_one_offs_and_holds_only_new_chronic_stragglers() -
     assert [(e[2]["rank"], e[2]["pattern"]) for e in events.items] == [(1, "chronic"), (3, "one_off")]
     reporter.report(held[:2], step=29, threshold=0.9)  # no longer held: rank 2 goes out now
     assert [(e[2]["rank"], e[2]["pattern"]) for e in events.items[2:]] == [(2, "chronic")]
+
+
+def test_a_straggler_is_one_console_line(caplog: pytest.LogCaptureFixture) -> None:
+    """The events echo each event on the console; the reporter adds no line of its own (a line
+    of its own only where there are no events)."""
+    from otel_train.crossrank.scores import StragglerReport, StragglerReporter
+    from otel_train.health import HealthEvents
+
+    counter = type("Counter", (), {"add": lambda self, *a, **k: None})()
+    report = StragglerReport(3, "hostB", 0, "chronic", "forward", "compute", 0.5, 0.03, 0.5, None)  # type: ignore[arg-type]
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    StragglerReporter(HealthEvents(counter, None, None, {}, echo=True)).report(
+        [report], step=9, threshold=0.9
+    )
+    StragglerReporter(None).report([report], step=9, threshold=0.9)
+    lines = [r.getMessage() for r in caplog.records if "rank 3 (hostB" in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith("otel_train straggler: "), lines

@@ -75,7 +75,7 @@ def _run(argv: list[str] | None) -> int:
 def diagnose(run_dir: str, role: str = "") -> int:
     """Print the hang verdict from the `collectives.rank<k>.json` files the ranks left at their
     stall; 1 when there is none to give, 2 when RUN_DIR is not a directory."""
-    from otel_train.diagnostics import attribute, scan_summaries
+    from otel_train.diagnostics import attribute, scan_summaries, with_launch_hosts
 
     directory = Path(run_dir)
     if not directory.is_dir():
@@ -96,8 +96,9 @@ def diagnose(run_dir: str, role: str = "") -> int:
     world_size = max(world_size, max(summaries) + 1)
     verdicts = attribute(summaries, world_size)
     print(f"{run_dir}: summaries from ranks {sorted(summaries)} of {world_size}")
+    named = with_launch_hosts(summaries, directory, role)
     for verdict in verdicts:
-        print(verdict.describe(summaries))
+        print(verdict.describe(named))
     absent = sorted(set(range(world_size)) - set(summaries))
     if not verdicts and absent:
         print(

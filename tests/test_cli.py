@@ -397,3 +397,25 @@ def test_doctor_names_an_endpoint_that_drops_connection_attempts(
             for filler in fillers:
                 filler.close()
     assert code == 1 and "NOT reachable: no answer to a TCP connect within 0.5 s" in line, line
+
+
+def test_a_frozen_rank_is_named_with_its_host_from_the_launch_facts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dead or frozen rank writes no summary: its host comes from env.json, where rank 0 wrote
+    every rank's placement at init."""
+    from otel_train.diagnostics import attribute, read_summaries, with_launch_hosts
+
+    _write_hang(tmp_path)
+    RunFiles(tmp_path, 1).collectives.unlink()
+    code, out, _ = _diagnose([str(tmp_path)], capsys)
+    assert code == 0 and "rank 1 left no readable Flight Recorder summary" in out, out
+    launch = {"ranks": [{"rank": r, "host": "hostB" if r == 1 else "vm"} for r in range(4)]}
+    RunFiles(tmp_path).env.write_text(json.dumps({"host": "vm", "launch": launch}))
+    code, out, _ = _diagnose([str(tmp_path)], capsys)
+    assert code == 0 and "rank 1 (hostB) left no readable Flight Recorder summary" in out, out
+    summaries = read_summaries(tmp_path)
+    [verdict] = attribute(summaries, 4)
+    assert verdict.attributes(with_launch_hosts(summaries, tmp_path))["missing_hosts"] == "hostB"
+    RunFiles(tmp_path).env.write_text("{not json")  # a damaged file: the summaries' hosts alone
+    assert with_launch_hosts(summaries, tmp_path) == summaries

@@ -219,6 +219,20 @@ def attribute(summaries: Mapping[int, Mapping[str, Any]], world_size: int) -> li
     return ordered if deadlock is None else [deadlock, *ordered]
 
 
+def with_launch_hosts(
+    summaries: Mapping[int, Mapping[str, Any]], run_dir: Path, role: str = ""
+) -> dict[int, Mapping[str, Any]]:
+    """`summaries`, and for each rank that left none (dead or frozen: when its host matters most)
+    its host as the launch check gathered it at init (env.json), for the verdict's words only."""
+    try:
+        env = json.loads(RunFiles(run_dir, role=role).env.read_text(encoding="utf-8"))
+        ranks = env["launch"]["ranks"]
+        hosts = {int(r["rank"]): {"host": str(r["host"])} for r in ranks if r.get("host")}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # no env.json, or not the launch's
+        hosts = {}
+    return {**hosts, **summaries}
+
+
 def read_summaries(run_dir: Path, written_after: float = 0.0, role: str = "") -> dict[int, dict[str, Any]]:
     """Every rank's summary (of `role`) in `run_dir` written after `written_after` (unix time)."""
     return scan_summaries(run_dir, written_after, role)[0]
@@ -350,6 +364,6 @@ class HangReporter:
             self.verdicts = attribute(summaries, self.world_size)
         if not self.verdicts or self.verdicts[0].waiting[0] != self.rank:
             return  # nothing to name, or another rank speaks for the job
-        verdict = self.verdicts[0]
+        verdict, named = self.verdicts[0], with_launch_hosts(summaries, self.run_dir, self.role)
         with contextlib.suppress(Exception):  # never let the report kill the thread noisily
-            self._events.emit("hang", verdict.describe(summaries), verdict.attributes(summaries))
+            self._events.emit("hang", verdict.describe(named), verdict.attributes(named))

@@ -75,6 +75,9 @@ class BridgeProcess(Sink):
         count_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         self.specs = [(m, c, dict(kw)) for m, c, kw in specs]
+        self.names = [
+            module.rsplit(".", 1)[-1] for module, _, _ in specs
+        ]  # "otel_train.bridges.wandb": wandb
         self._queue_size = queue_size
         self._count_drop = count_drop
         self._queue: queue.Queue[bytes] = queue.Queue(maxsize=queue_size)
@@ -399,9 +402,14 @@ def _warn_unfinished(bridges: BridgeProcess, waited_s: float) -> None:
             _exit_text(proc),
         )
     elif os.getpid() != 1:  # (PID 1: _finish_as_namespace_init said what is lost)
+        stats = bridges.bridge_stats  # empty until the child first answered: then every bridge
+        backends = sorted(n for n, s in stats.items() if not s.get("clean")) if stats else bridges.names
         log.warning(
-            "otel_train: the bridges did not finish within %.1f s; the bridge process (pid %s%s) "
-            "finishes on its own (at most %.0f s more) and exits; its drops are counted when it answers.",
+            "otel_train: the bridges (%s) did not finish within %.1f s; the bridge process (pid %s%s) "
+            "finishes on its own (at most %.0f s more) and exits. Until then their stores lack the "
+            "last values (a job whose processes are killed at exit keeps them so): raise "
+            "shutdown_timeout_s to wait for them.",
+            ", ".join(backends),
             waited_s,
             bridges.pid,
             _continue_if_stopped(proc),

@@ -142,6 +142,8 @@ def test_a_close_that_may_not_wait_says_it_waited_no_time(caplog: pytest.LogCapt
     assert bridges.wait(30)
     warned = [r.getMessage() for r in caplog.records if "did not finish within" in r.getMessage()]
     assert len(warned) == 1 and "within 0.0 s" in warned[0], warned
+    assert "bridges (bridge_fixtures) did not" in warned[0], warned
+    assert "raise shutdown_timeout_s to wait for them" in warned[0], warned
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")

@@ -218,7 +218,8 @@ class Config:
         None, ge=1, fix="use a whole number of steps >= 1, or leave it unset for the adaptive cadence",
         doc="flush every N steps; unset: adaptive (every 10 steps, but at most about once per "
         "`log_interval_min_s`, rounded to 10/20/50/100/... steps, decided on rank 0; with `cross_rank=False` "
-        "each rank decides its own)",
+        "each rank decides its own); steps faster than the worker writes flushes (its `queue_size` full) "
+        "go with a later flush, said once",
     )  # fmt: skip
     log_interval_min_s: float = setting(
         1.0, gt=0,

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 import otel_train as ot
 from otel_train import adapters
 from otel_train.core.buffer import Interval
@@ -82,9 +84,10 @@ def test_idle_flushes_the_steps_since_the_last_flush() -> None:
     assert intervals.seen == [(4, 5), (4, 0), (7, 3)]
 
 
-def test_idle_takes_a_flush_a_full_queue_deferred() -> None:
-    """A worker busy with one flush (queue_size=1) defers the next ones, their steps kept; the
-    pause that follows still hands them over rather than leaving them until the next step."""
+def test_idle_takes_a_flush_a_full_queue_deferred(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker busy with one flush (queue_size=1) defers the next ones, their steps kept, and says
+    so once (the asked-for log_interval is not kept); the pause that follows still hands them over
+    rather than leaving them until the next step."""
     ot.init(
         prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False, log_interval=1, queue_size=1
     )  # fmt: skip
@@ -92,10 +95,13 @@ def test_idle_takes_a_flush_a_full_queue_deferred() -> None:
     assert session is not None
     intervals = _Intervals(hold=True)
     session.worker.add_listener(intervals)
-    for i in range(3):
-        with ot.step(i):
-            pass
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        for i in range(3):
+            with ot.step(i):
+                pass
     assert session.deferred_flushes == 2  # steps 1 and 2: the worker still holds step 0's flush
+    warned = [r.getMessage() for r in caplog.records if "faster than the worker" in r.getMessage()]
+    assert len(warned) == 1 and "log_interval=1" in warned[0], warned
     adapters.idle()
     intervals.release.set()
     intervals.wait_for(2)

@@ -332,6 +332,14 @@ class Session:
         worker = self.worker
         if not final and not idle and worker.pending_batches() >= worker.max_batches:
             self.deferred_flushes += 1
+            if self.deferred_flushes == 1 and self.config.log_interval is not None:
+                log.warning(
+                    "otel_train: the steps came faster than the worker writes flushes (its queue of %d "
+                    "is full): with log_interval=%d a flush's steps now go with a later one, whose row "
+                    "covers them all. Raise log_interval, or use ot.log_metrics(values, step=N) for a "
+                    "row per step.",
+                    worker.max_batches, self.config.log_interval,
+                )  # fmt: skip
             return False
         with self._lock:
             self._flush_requested = False

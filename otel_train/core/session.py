@@ -331,15 +331,7 @@ class Session:
         now = time.perf_counter()
         worker = self.worker
         if not final and not idle and worker.pending_batches() >= worker.max_batches:
-            self.deferred_flushes += 1
-            if self.deferred_flushes == 1 and self.config.log_interval is not None:
-                log.warning(
-                    "otel_train: the steps came faster than the worker writes flushes (its queue of %d "
-                    "is full): with log_interval=%d a flush's steps now go with a later one, whose row "
-                    "covers them all. Raise log_interval, or use ot.log_metrics(values, step=N) for a "
-                    "row per step.",
-                    worker.max_batches, self.config.log_interval,
-                )  # fmt: skip
+            _defer_flush(self)
             return False
         with self._lock:
             self._flush_requested = False
@@ -586,6 +578,19 @@ def _drain_worker(worker: Worker, instruments: Instruments, budget_s: float) -> 
             "otel_train: sink %s failed %d time(s) in this run; those writes are missing.", name, count
         )
     return unwritten
+
+
+def _defer_flush(session: Session) -> None:
+    """The worker's queue is full: the flush's steps go with a later one (counted; with an asked-for
+    `log_interval`, said once)."""
+    session.deferred_flushes += 1
+    if session.deferred_flushes == 1 and session.config.log_interval is not None:
+        log.warning(
+            "otel_train: the steps came faster than the worker writes flushes (its queue of %d is "
+            "full): with log_interval=%d a flush's steps now go with a later one, whose row covers "
+            "them all. Raise log_interval, or use ot.log_metrics(values, step=N) for a row per step.",
+            session.worker.max_batches, session.config.log_interval,
+        )  # fmt: skip
 
 
 def _warn_if_interval_outgrows_values(config: Config) -> None:

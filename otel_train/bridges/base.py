@@ -17,6 +17,7 @@ HISTOGRAM_BINS = 64  # W&B's default; TensorBoard and MLflow get the same bins
 
 class Sink:
     name = "sink"
+    destination = ""  # where the backend writes, as warnings name it: a server and the setting that chose it
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         """One call per flush with every flattened scalar of the interval (keys like `train/loss`)."""

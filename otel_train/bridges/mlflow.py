@@ -15,6 +15,7 @@ from typing import Any
 
 from otel_train.bridges.base import Sink, flatten_params, histogram_bins
 from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir, require_packages
+from otel_train.redaction import redact_url
 from otel_train.run_directory import RunFiles
 
 logger = logging.getLogger("otel_train")
@@ -96,6 +97,9 @@ class MlflowSink(Sink):
         if self.local_store:
             ensure_writable_dir(self._store, "MLflow")
         self.tracking_uri = uri or default_tracking_uri(self.run_dir)
+        if not self.local_store:
+            chosen = "mlflow_tracking_uri" if tracking_uri else "MLFLOW_TRACKING_URI"
+            self.destination = f"tracking URI {redact_url(uri)}, from {chosen}"
         self.experiment = experiment
         self.run_name = run_name
         self.run_key = run_key  # the RUN_KEY_TAG of the MLflow run a resume continues

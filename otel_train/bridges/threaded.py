@@ -17,6 +17,7 @@ logger = logging.getLogger("otel_train")
 _CLOSE = "close"
 RETRY_AFTER_S = 2.0  # a disabled backend's first retry
 MAX_RETRY_AFTER_S = 60.0  # the back-off's ceiling: a disk that gets room is written again within this
+STUCK_CALL_S = 5.0  # a backend call this long is named as the cause when the queue fills
 
 
 class ThreadedSink(Sink):
@@ -41,6 +42,7 @@ class ThreadedSink(Sink):
         self.dropped = 0  # every update not written (docs/design/bridges.md#threaded)
         self.errors = 0  # backend calls that raised (each update among them is also dropped)
         self._in_flight: str | None = None  # the call the backend is executing, if any
+        self._in_flight_since = 0.0  # its start, time.monotonic()
         self._consecutive = 0
         self.disabled = False
         self.retry_after_s = retry_after_s
@@ -143,13 +145,24 @@ class ThreadedSink(Sink):
             self.dropped += 1
             warn = not self._warned_drop
             self._warned_drop = True
-        if warn:
-            logger.warning(
-                "otel_train: the %s bridge is falling behind (queue of %d full); dropping its updates "
-                "(counted in dropped). Training is not slowed down. This warning is shown once.",
-                self.name,
-                self._queue.maxsize,
-            )
+        if not warn:
+            return
+        waited = time.monotonic() - self._in_flight_since
+        cause = (
+            f"its backend has been in {self._in_flight}() for {waited:.0f} s{self._where()}: a server "
+            "that does not answer?"
+            if self._in_flight is not None and waited >= STUCK_CALL_S
+            else "the backend writes slower than the flushes come"
+        )
+        logger.warning(
+            "otel_train: the %s bridge is falling behind (queue of %d full; %s); dropping its updates "
+            "(counted in dropped). Training is not slowed down. This warning is shown once.",
+            self.name, self._queue.maxsize, cause,
+        )  # fmt: skip
+
+    def _where(self) -> str:
+        destination = getattr(self.inner, "destination", "")
+        return f" ({destination})" if destination else ""
 
     def _run(self) -> None:
         while True:
@@ -192,7 +205,7 @@ class ThreadedSink(Sink):
 
     def _attempt(self, method: str, args: tuple[Any, ...], reopen: bool = False) -> Exception | None:
         """One call of the backend (after a fresh writer, with `reopen`); the error it raised."""
-        self._in_flight = method
+        self._in_flight, self._in_flight_since = method, time.monotonic()
         try:
             if reopen:
                 self.inner.reopen()
@@ -221,10 +234,11 @@ class ThreadedSink(Sink):
                 self._retry_at = time.monotonic() + self._backoff
         if first:
             logger.warning(
-                "otel_train: the %s bridge failed in %s: %s: %s. Training continues; further "
+                "otel_train: the %s bridge failed in %s%s: %s: %s. Training continues; further "
                 "errors from this bridge are logged at DEBUG.",
                 self.name,
                 method,
+                self._where(),
                 type(exc).__name__,
                 exc,
                 exc_info=exc if logger.isEnabledFor(logging.DEBUG) else None,

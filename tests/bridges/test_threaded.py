@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,3 +202,43 @@ def test_a_disabled_backend_is_retried_with_a_fresh_writer_until_it_works(
     assert any("the disk bridge works again" in m and "3 update(s) were dropped" in m for m in messages), (
         messages
     )
+
+
+def test_a_backend_stuck_in_one_call_is_named_as_the_cause_with_its_server(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue that fills behind one call that does not return (an unreachable server, retried by
+    its client) is no slow backend: the warning says which call, for how long, and where to."""
+    from otel_train.bridges import threaded
+
+    monkeypatch.setattr(threaded, "STUCK_CALL_S", 0.2)
+    inner = Slow()
+    inner.destination = "tracking URI http://localhost:1, from MLFLOW_TRACKING_URI"
+    sink = ThreadedSink(inner, queue_size=2, name="mlflow")
+    sink.write_scalars(0, 0.0, {"x": 0.0})
+    assert inner.started.wait(2.0)
+    time.sleep(0.3)
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        for step in range(1, 5):
+            sink.write_scalars(step, 0.0, {"x": float(step)})
+    [warning] = [r.getMessage() for r in caplog.records if "falling behind" in r.getMessage()]
+    assert (
+        "its backend has been in write_scalars() for 0 s (tracking URI http://localhost:1, from " in warning
+    )
+    assert "MLFLOW_TRACKING_URI): a server that does not answer?" in warning, warning
+    inner.release.set()
+    sink.close({}, timeout=10)
+
+
+def test_the_mlflow_bridge_names_its_server_and_the_setting_that_chose_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from otel_train.bridges.mlflow import MlflowSink
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://user:secret@localhost:1")
+    assert MlflowSink(tmp_path, None, "e", "r").destination == (
+        "tracking URI http://***@localhost:1, from MLFLOW_TRACKING_URI"
+    )
+    assert "from mlflow_tracking_uri" in MlflowSink(tmp_path, "http://h:5000", "e", "r").destination
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert MlflowSink(tmp_path, None, "e", "r").destination == ""  # the run directory's own store

@@ -104,6 +104,8 @@ class MlflowSink(Sink):
         self.run_name = run_name
         self.run_key = run_key  # the RUN_KEY_TAG of the MLflow run a resume continues
         self._logged_params: dict[str, str] = {}
+        self._param_keys: dict[str, str] = {}  # MLflow param name -> the first hyperparameter key given it
+        self._collisions: set[tuple[str, str]] = set()  # (name, a later key given it), warned once
         self._client: Any = None
         self.run_id: str | None = None
         self._closed = False
@@ -206,9 +208,18 @@ class MlflowSink(Sink):
         for key, value in flatten_params(params).items():
             name, text = sanitize_key(key), value[:MAX_PARAM_VALUE_LENGTH]
             previous = self._logged_params.get(name)
+            first_key = self._param_keys.setdefault(name, key)
             if previous is None:
                 self._logged_params[name] = text
                 batch.append(Param(name, text))
+            elif first_key != key and previous != text and (name, key) not in self._collisions:
+                self._collisions.add((name, key))
+                logger.warning(
+                    "otel_train: hyperparameters %r and %r are both %r in MLflow (its names allow letters, "
+                    "digits, spaces and _-./, up to 250 characters); MLflow keeps %r's value, hparams.json "
+                    "has both.",
+                    first_key, key, name, first_key,
+                )  # fmt: skip
             elif previous != text:  # MLflow refuses to change a logged param
                 logger.debug("otel_train: MLflow param %r cannot change; keeping %r", name, previous)
         for i in range(0, len(batch), PARAMS_PER_BATCH):

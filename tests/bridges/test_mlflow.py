@@ -166,3 +166,18 @@ def test_a_run_that_raises_or_whose_process_is_killed_ends_failed(tmp_path: Path
     assert status() == "FAILED"
     if ending == "raises":  # the killed process writes no end line
         assert "| end of process (failed) |" in (tmp_path / ending / "progress.txt").read_text()
+
+
+def test_two_hyperparameters_with_one_mlflow_name_are_warned_about_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run_dir = tmp_path / "runs" / "run-c"
+    sink = MlflowSink(run_dir, None, "exp-c", "run-c")
+    with caplog.at_level("WARNING", logger="otel_train"):
+        sink.write_hparams({"has:colon": 1, "has_colon": 2, "lr": 0.1})
+        sink.write_hparams({"has:colon": 1, "has_colon": 2, "lr": 0.2})  # lr changed: MLflow's rule, quiet
+    sink.close({})
+    warned = [r.getMessage() for r in caplog.records if "are both" in r.getMessage()]
+    assert len(warned) == 1 and "'has:colon' and 'has_colon' are both 'has_colon'" in warned[0], warned
+    run = read_mlflow(default_tracking_uri(run_dir), "exp-c")
+    assert run.params["has_colon"] == "1" and run.params["lr"] == "0.1"

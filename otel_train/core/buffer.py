@@ -340,7 +340,11 @@ class Buffer:
     def _map_name(self, name: str) -> str | None:
         instrument = semconv.instrument_name_for(name)
         if instrument is None:
-            self.warn_once(name, f"record() name {name!r} cannot be made a valid metric name; dropped.")
+            self.warn_once(
+                name,
+                f"record() name {name!r} cannot be made a valid metric name (ASCII letters, digits, _ and "
+                "/, at most 120 characters); dropped.",
+            )
             return None
         spec = semconv.BY_NAME.get(instrument)
         if spec is None and self._user_names >= self.max_names and self._is_new(instrument):

@@ -58,3 +58,29 @@ def test_a_full_name_table_still_merges_a_spelling_of_a_held_name() -> None:
     assert buffer.instrument_of("mine.metric.1") == "mine.metric_1"
     assert buffer.instrument_of("loss") == "train.loss"
     assert "invalid_name" not in buffer.dropped
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("my metric", "train.my_metric"),
+        ("metric-dash", "train.metric_dash"),
+        ("a.b", "a.b"),
+        ("/lead/x", "lead.x"),
+    ],
+)
+def test_names_are_made_metric_names_as_the_quickstart_says(name: str, key: str) -> None:
+    assert semconv.instrument_name_for(name) == key
+
+
+@pytest.mark.parametrize("name", ["损失", "val:acc", "a#b", "grad(layer[0])", "x" * 121])
+def test_a_name_that_cannot_be_a_metric_name_is_dropped_saying_what_can(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    buffer = Buffer(8, max_values=100)
+    with caplog.at_level("WARNING", logger="otel_train"):
+        buffer.add_scalar(name, 1.0)
+        buffer.add_scalar(name, 2.0)
+    assert buffer.dropped["invalid_name"] == 2
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "(ASCII letters, digits, _ and /, at most 120 characters); dropped" in warning

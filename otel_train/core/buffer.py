@@ -107,6 +107,11 @@ class SpanRole(Enum):
     MARK = "mark"
 
 
+BAD_NAME = (
+    "record() name {!r} cannot be made a valid metric name (ASCII letters, digits, _ and /, at most 120 "
+    "characters); dropped."
+)
+
 # (index, start_ns, end_ns, tokens, samples, failed): one step as the training thread saw it end
 StepEvent = tuple[int, int, int, int | None, int | None, bool]
 
@@ -340,11 +345,7 @@ class Buffer:
     def _map_name(self, name: str) -> str | None:
         instrument = semconv.instrument_name_for(name)
         if instrument is None:
-            self.warn_once(
-                name,
-                f"record() name {name!r} cannot be made a valid metric name (ASCII letters, digits, _ and "
-                "/, at most 120 characters); dropped.",
-            )
+            self.warn_once(name, BAD_NAME.format(name))
             return None
         spec = semconv.BY_NAME.get(instrument)
         if spec is None and self._user_names >= self.max_names and self._is_new(instrument):

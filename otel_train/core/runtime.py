@@ -89,10 +89,22 @@ def current() -> Session | None:
 
 
 def _shutdown_at_exit() -> None:
-    """atexit: a script that ends by an uncaught exception ends its run as failed. (An interactive
-    interpreter keeps the last error of any earlier command, so there the run ends as it is.)"""
+    """atexit: a script that ends by an uncaught exception ends its run as failed, with a
+    `run_failed` event naming the error (what a reader of the run directory sees of a collective
+    that broke because a peer died). An interactive interpreter keeps the last error of any earlier
+    command, so there the run ends as it is."""
     interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
-    shutdown(failed=not interactive and getattr(sys, "last_value", None) is not None)
+    error = None if interactive else getattr(sys, "last_value", None)
+    session = _current
+    if error is not None and session is not None:
+        name, text = type(error).__name__, str(error).strip().splitlines()
+        session.events.emit(
+            "run_failed",
+            f"the script ended by an uncaught {name} at step {session.step_index}: {(text or [''])[0][:500]}",
+            {"error.type": name, "step": session.step_index},
+            severity="ERROR",
+        )
+    shutdown(failed=error is not None)
 
 
 def _forget_in_child() -> None:

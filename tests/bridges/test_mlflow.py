@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.events import run_events
 from helpers.readback import read_mlflow
 
 from otel_train.bridges.errors import BridgeSetupError
@@ -164,8 +165,11 @@ def test_a_run_that_raises_or_whose_process_is_killed_ends_failed(tmp_path: Path
     while status() in (None, "RUNNING") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert status() == "FAILED"
-    if ending == "raises":  # the killed process writes no end line
+    if ending == "raises":  # the killed process writes no end line, and no event
         assert "| end of process (failed) |" in (tmp_path / ending / "progress.txt").read_text()
+        [event] = run_events(tmp_path / ending, event="run_failed")
+        assert event["message"] == "the script ended by an uncaught RuntimeError at step 2: the loss diverged"
+        assert event["error.type"] == "RuntimeError" and event["step"] == 2
 
 
 def test_two_hyperparameters_with_one_mlflow_name_are_warned_about_once(

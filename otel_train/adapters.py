@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 # An adapter's hooks run once per step, not per op: `current()` (one call) is cheap here,
 # unlike in ot.record/ot.timer, which read the module attribute directly.
-from otel_train.core import Run, begin_step, current, end_step, phase, shutdown
+from otel_train.core import Run, begin_step, current, end_step, phase, report_failure, shutdown
 
 if TYPE_CHECKING:
     from otel_train.crossrank import StragglerReport
@@ -71,7 +72,11 @@ def heartbeat() -> None:
 
 def end_run(failed: bool = False) -> None:
     """End the run now, as `ot.shutdown()` does (an integration's training is over); `failed`: the
-    training raised, so the W&B and MLflow runs end as failed, and the progress file says so."""
+    training raised, so the W&B and MLflow runs end as failed, and the progress file says so; called
+    while that exception is handled, a `run_failed` event names it."""
+    error = sys.exc_info()[1]
+    if failed and error is not None:
+        report_failure(error, "the training ended by")
     shutdown(failed)
 
 

@@ -11,7 +11,7 @@ and histogram bucket counts.
 
 from __future__ import annotations
 
-from otel_train.core.runtime import Run, current, shutdown
+from otel_train.core.runtime import Run, current, report_failure, shutdown
 from otel_train.core.scopes import begin_step, end_step, phase, span, step, timer
 from otel_train.core.session import Session, message_step
 
@@ -23,6 +23,7 @@ __all__ = [
     "end_step",
     "message_step",
     "phase",
+    "report_failure",
     "shutdown",
     "span",
     "step",

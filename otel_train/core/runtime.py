@@ -95,16 +95,22 @@ def _shutdown_at_exit() -> None:
     command, so there the run ends as it is."""
     interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
     error = None if interactive else getattr(sys, "last_value", None)
+    if error is not None:
+        report_failure(error, "the script ended by an uncaught")
+    shutdown(failed=error is not None)
+
+
+def report_failure(error: BaseException, ended: str) -> None:
+    """The `run_failed` event: `<ended> <error type> at step N: <its first line>`."""
     session = _current
-    if error is not None and session is not None:
-        name, text = type(error).__name__, str(error).strip().splitlines()
+    if session is not None:
+        name, lines = type(error).__name__, str(error).strip().splitlines()
         session.events.emit(
             "run_failed",
-            f"the script ended by an uncaught {name} at step {session.step_index}: {(text or [''])[0][:500]}",
+            f"{ended} {name} at step {session.step_index}: {(lines or [''])[0][:500]}",
             {"error.type": name, "step": session.step_index},
             severity="ERROR",
         )
-    shutdown(failed=error is not None)
 
 
 def _forget_in_child() -> None:

@@ -758,6 +758,8 @@ def test_a_failed_fit_ends_the_run(tmp_path: Path) -> None:
     assert started[0] is not None and started[0].shutdown_done.is_set()  # the final flush ran
     assert logger.version == "fails"
     assert "| end of process (failed) |" in (Path(logger.log_dir) / "progress.txt").read_text()
+    [failed] = run_events(Path(logger.log_dir), event="run_failed")
+    assert failed["message"].startswith("the training ended by RuntimeError at step 1: boom"), failed
 
 
 def test_two_loggers_on_one_trainer_count_each_step_once(tmp_path: Path) -> None:

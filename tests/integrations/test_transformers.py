@@ -292,6 +292,9 @@ def test_train_raising_mid_epoch_ends_the_callbacks_session_without_a_false_stal
     assert sum(r.get("train/steps", 0) for r in _rows(run_dir)) == 2  # the failed third step is not counted
     # the run ended as failed (W&B and MLflow mark it so; progress.txt's end line says it)
     assert "| end of process (failed) |" in (run_dir / "progress.txt").read_text()
+    [failed] = run_events(run_dir, event="run_failed")
+    assert failed["message"].startswith("the training ended by RuntimeError at step 2: ")  # the third
+    assert "illegal memory access" in failed["message"] and failed["error.type"] == "RuntimeError"
 
 
 def test_the_users_run_outlives_train_flushed_and_without_a_false_stall(tmp_path: Path) -> None:

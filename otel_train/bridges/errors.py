@@ -55,3 +55,8 @@ def ensure_writable_dir(path: str | os.PathLike[str], backend: str) -> None:
 
 class BridgeSetupFailed(RuntimeError):
     """The bridge process could not build a bridge; the message is the bridge's own."""
+
+
+class BridgeDisabled(RuntimeError):
+    """A backend is off for the rest of the run: retrying cannot help (W&B could start neither
+    online nor offline). `ThreadedSink` logs its message once and drops, counted, what follows."""

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from otel_train.bridges.base import Sink
+from otel_train.bridges.errors import BridgeDisabled
 
 logger = logging.getLogger("otel_train")
 
@@ -179,6 +180,23 @@ class ThreadedSink(Sink):
             else:
                 self._drop_while_disabled()
 
+    def _disable_for_good(self, method: str, exc: BridgeDisabled) -> None:
+        """The backend says a retry cannot help: one warning, then its updates are dropped
+        (counted) for the rest of the run, never retried (a retry of a W&B init costs a run
+        directory and up to WANDB_INIT_TIMEOUT each time)."""
+        with self._lock:
+            self.errors += 1
+            self.dropped += 1  # the update this call carried
+            self.disabled = True
+            self._retry_at = float("inf")
+        logger.warning(
+            "otel_train: the %s bridge is off for the rest of this run (in %s): %s. Its updates "
+            "are dropped (counted in dropped).",
+            self.name,
+            method,
+            exc,
+        )
+
     def _retry(self, method: str, args: tuple[Any, ...]) -> None:
         """The disabled backend, once more, with a fresh writer; back-off doubles while it fails."""
         self.retries += 1
@@ -220,6 +238,9 @@ class ThreadedSink(Sink):
         exc = self._attempt(method, args)
         if exc is None:
             self._consecutive = 0
+            return
+        if isinstance(exc, BridgeDisabled) and method != _CLOSE:
+            self._disable_for_good(method, exc)
             return
         with self._lock:
             self.errors += 1

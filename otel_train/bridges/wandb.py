@@ -13,11 +13,16 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from otel_train import semconv as sc
 from otel_train.bridges.base import Sink, histogram_bins, merge_params
-from otel_train.bridges.errors import BridgeImportError, ensure_writable_dir, require_packages
+from otel_train.bridges.errors import (
+    BridgeDisabled,
+    BridgeImportError,
+    ensure_writable_dir,
+    require_packages,
+)
 from otel_train.run_directory import RunFiles
 
 logger = logging.getLogger("otel_train")
@@ -25,6 +30,7 @@ logger = logging.getLogger("otel_train")
 STEP_KEY = sc.CURRENT_STEP.key  # "train/step": the x axis of every series
 TRANSACTION_LOG_FLUSH_S = 1.0  # W&B's default is 15 s (`_settings`)
 FINISH_TIMEOUT_S = 10.0  # run.finish() may hang on an upload (wandb/wandb#5601): then it is left
+TEARDOWN_TIMEOUT_S = 10.0  # wandb.teardown() after a failed init waits for wandb-core to exit
 
 
 def has_wandb_credentials(environ: Mapping[str, str] | None = None) -> bool:
@@ -89,6 +95,32 @@ def _wandb_id(run_id: str, role: str = "", rank: int | None = None) -> str:
     return f"{head}-{digest}{tail}"
 
 
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _release_failed_init(wandb: Any) -> None:
+    """Stop W&B's service after a `wandb.init` that raised, so the next init can use the run id.
+
+    A failed init leaves its run's stream registered in wandb-core under the run id, and a second
+    init of that id is refused ("run ID <id> is in use", core/internal/stream/stream_mux.go,
+    AddStream). Closing that one stream (`inform_finish`) blocks wandb-core until an exit record
+    that never comes (stream.go, Stream.Close), so the whole service is torn down instead: the
+    only run in the bridge process is this bridge's. `wandb.teardown` forgets the service before it
+    waits for it to exit, so even when that wait is cut short here the next init starts a fresh
+    one."""
+
+    def teardown() -> None:
+        try:
+            wandb.teardown()
+        except Exception as exc:  # wandb's service teardown: the next init starts a new service anyway
+            logger.debug("otel_train: wandb.teardown after a failed init: %r", exc)
+
+    thread = threading.Thread(target=teardown, name="otel-train-wandb-teardown", daemon=True)
+    thread.start()
+    thread.join(TEARDOWN_TIMEOUT_S)
+
+
 class WandbSink(Sink):
     """Logs one W&B run (per rank when `rank` is given) into `run_dir/wandb/`."""
 
@@ -123,34 +155,57 @@ class WandbSink(Sink):
         self.run_id = _wandb_id(run_id, role, rank) if run_id else None
         self.group = group or (run_name if rank is not None else None)
         self._run: Any = None
+        self._off: str | None = None  # why this bridge is off, once W&B could not start at all
         self._closed = False
 
     def _ensure_run(self) -> Any:
         if self._run is not None:
             return self._run
+        if self._off is not None:
+            raise BridgeDisabled(self._off)  # W&B could not start (_turn_off): no second try
         try:
             import wandb
         except ImportError as exc:
             raise BridgeImportError("W&B", "wandb", exc) from exc
         # This runs in the bridge process, where no user code ran: wandb.run is never the user's.
         mode = resolve_mode(self.mode)
+        failed_online: Exception | None = None
         try:
             self._run = self._init(wandb, mode)
         except Exception as exc:  # wandb.init (its service, the network)
-            if self.mode != "auto" or mode != "online":
-                raise
-            # wandb/wandb#9865, #7671: an online init that fails must not cost the run its data
-            logger.warning(
-                "otel_train: wandb.init (online) failed (%s: %s); logging offline instead. "
-                "Upload later with `wandb sync`.",
-                type(exc).__name__,
-                exc,
-            )
-            self._run = self._init(wandb, "offline")
+            self._run = self._init_offline_after(wandb, mode, exc)
+            failed_online = exc
         self._run.define_metric(STEP_KEY)
         self._run.define_metric("*", step_metric=STEP_KEY)
-        self._save_run_info()
+        info = self._save_run_info()
+        if failed_online is not None:  # said once the offline run works, with how to upload it
+            logger.warning(
+                "otel_train: wandb.init (online) failed (%s); logging offline instead, as W&B run "
+                "%s. Upload it later with: %s",
+                _why(failed_online),
+                self._run.id,
+                info["sync_command"],
+            )
         return self._run
+
+    def _init_offline_after(self, wandb: Any, mode: str | None, exc: Exception) -> Any:
+        """The offline run that replaces an online init that raised `exc` ("auto" mode only).
+        Otherwise, or if offline fails too, the bridge is off for the run (BridgeDisabled)."""
+        _release_failed_init(wandb)
+        if self.mode != "auto" or mode != "online":
+            self._turn_off(f"wandb.init ({mode or os.environ.get('WANDB_MODE', '')}) failed", exc)
+        # wandb/wandb#9865, #7671: an online init that fails must not cost the run its data
+        try:
+            return self._init(wandb, "offline")
+        except Exception as offline_exc:  # wandb.init again (its service, the disk)
+            _release_failed_init(wandb)
+            self._turn_off(f"wandb.init failed online ({_why(exc)}) and offline", offline_exc)
+
+    def _turn_off(self, what: str, exc: Exception) -> NoReturn:
+        """Raise, now and at every later write, that this bridge is off for the run: a retried init
+        would wait up to WANDB_INIT_TIMEOUT and leave one more run directory each time."""
+        self._off = f"{what} ({_why(exc)}); no W&B run is logged"
+        raise BridgeDisabled(self._off) from exc
 
     def _init(self, wandb: Any, mode: str | None) -> Any:
         return wandb.init(
@@ -187,7 +242,8 @@ class WandbSink(Sink):
             wanted = {k: v for k, v in wanted.items() if k in fields}
         return wandb.Settings(**wanted)
 
-    def _save_run_info(self) -> None:
+    def _save_run_info(self) -> dict[str, Any]:
+        """Write `wandb_run.json` (best effort) and return what it holds."""
         run = self._run
         offline = bool(getattr(run, "offline", False))
         files_dir = getattr(run, "dir", None)  # <dir>/wandb/<offline-run-...>/files
@@ -213,6 +269,7 @@ class WandbSink(Sink):
             path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         except OSError as exc:
             logger.debug("otel_train: could not write %s: %s", path, exc)
+        return info
 
     def write_scalars(self, step: int, wall_time: float, scalars: Mapping[str, float]) -> None:
         self._ensure_run().log({**{key: float(value) for key, value in scalars.items()}, STEP_KEY: step})

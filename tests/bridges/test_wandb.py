@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 from helpers.readback import read_wandb_offline
 
-from otel_train.bridges.errors import BridgeSetupError
+from otel_train.bridges.errors import BridgeDisabled, BridgeSetupError
+from otel_train.bridges.threaded import ThreadedSink
 from otel_train.bridges.wandb import WandbSink, has_wandb_credentials, resolve_mode
 from otel_train.config import Config, config_as_dict
 
@@ -228,3 +230,77 @@ def test_wandbs_service_writes_the_offline_log_as_the_run_goes() -> None:
     settings = WandbSink._settings(wandb)
     assert settings.x_transaction_log_flush_interval == TRANSACTION_LOG_FLUSH_S <= 1.0
     assert wandb.Settings().x_transaction_log_flush_interval > TRANSACTION_LOG_FLUSH_S  # W&B's own default
+
+
+def _closed_port() -> int:
+    """A localhost port with nothing listening: connecting to it is refused at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_an_unreachable_server_logs_offline_into_one_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Credentials but no reachable W&B server: the online init fails after WANDB_INIT_TIMEOUT and
+    the run logs offline under the same run id, in one directory with all its data. The failed
+    init's run id stays taken in wandb-core ("run ID ... is in use") until its service is stopped."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # "auto" then means online (credentials)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "2")
+    run_dir = tmp_path / "run"
+    sink = WandbSink(run_dir, {"lr": 1e-3}, project="p", mode="auto", run_name="r", run_id="job-7")
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        for step in (1, 2, 3):
+            sink.write_scalars(step, time.time(), {"train/loss": 1.0 / step})
+        sink.write_hparams({"lr": 2e-3})
+        sink.close({"train/loss": 1 / 3})
+
+    run = read_wandb_offline(run_dir)  # exactly one offline directory
+    assert run.run_id == "job-7" and run.exited and run.exit_code == 0
+    assert run.series("train/loss") == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
+    assert run.config["lr"] == 2e-3 and run.summary["train/loss"] == pytest.approx(1 / 3)
+    info = json.loads((run_dir / "wandb_run.json").read_text())
+    assert info["id"] == "job-7" and info["offline"] is True
+    assert info["sync_command"] == f"wandb sync {run.run_dir}"
+    ours = [r.getMessage() for r in caplog.records if r.name == "otel_train" and r.levelno >= logging.WARNING]
+    assert len(ours) == 1 and "logging offline" in ours[0] and info["sync_command"] in ours[0], ours
+
+
+def test_when_wandb_cannot_start_at_all_the_bridge_is_off_after_one_try(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Online and offline init both fail: the bridge is off for the run, with one warning naming
+    both errors. No init is retried (each would leave a run directory and wait up to
+    WANDB_INIT_TIMEOUT); what it was sent is dropped and counted."""
+    import wandb
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    modes: list[str | None] = []
+
+    def failing_init(self: WandbSink, wandb: object, mode: str | None) -> None:
+        modes.append(mode)
+        raise RuntimeError(f"no {mode} run")
+
+    torn_down: list[object] = []
+    monkeypatch.setattr(WandbSink, "_init", failing_init)
+    monkeypatch.setattr(wandb, "teardown", lambda *args: torn_down.append(args))
+    sink = WandbSink(tmp_path / "run", {}, project="p", mode="auto", run_name="r")
+    # retry_after_s=0: a backend that is merely disabled would be retried at every call
+    threaded = ThreadedSink(sink, queue_size=64, max_consecutive_failures=3, retry_after_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        for step in range(10):
+            threaded.write_scalars(step, time.time(), {"train/loss": 1.0})
+        threaded.close({"train/loss": 1.0}, timeout=10)
+
+    assert modes == ["online", "offline"] and len(torn_down) == 2  # each failed init released
+    assert threaded.disabled and threaded.retries == 0 and threaded.dropped == 10
+    ours = [r.getMessage() for r in caplog.records if r.name == "otel_train"]
+    assert len(ours) == 1 and "off for the rest of this run" in ours[0], ours
+    assert "no online run" in ours[0] and "no offline run" in ours[0]
+    with pytest.raises(BridgeDisabled):
+        sink.write_scalars(10, time.time(), {"train/loss": 1.0})
+    assert modes == ["online", "offline"]
+    assert not (tmp_path / "run" / "wandb_run.json").exists()

@@ -307,7 +307,8 @@ class Config:
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = setting(
         "auto",
         doc="`auto` (online with W&B credentials: `WANDB_API_KEY` or a `wandb login` entry in the netrc "
-        "file; offline without; a `WANDB_MODE` variable wins over `auto`), `online`, `offline`, `disabled`",
+        "file; offline without; a `WANDB_MODE` variable wins over `auto`; an online init that fails logs "
+        "offline, with the `wandb sync` command in a warning), `online`, `offline`, `disabled`",
     )
     mlflow_tracking_uri: str | None = setting(
         None, doc="unset: the `MLFLOW_TRACKING_URI` variable if set, else a local store under the run dir"

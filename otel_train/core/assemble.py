@@ -70,6 +70,9 @@ def build_session(config: Config) -> Session:
     session = _build_session(config, place, resource, gpu_discovery)
     reducer = session.reducer
     session.worker.row_values = lambda: reducer.job_row  # rank 0: a pipeline's last-stage loss
+    if reducer.group is not None:  # a rank that is not flushing still tells rank 0 it is alive
+        session.worker.idle_s = reducer.keepalive_s / 2
+        session.worker.on_idle = reducer.keep_alive
     _attach_memory_dumps(session)
     launch = _check_launch(session, place, gpu_discovery)  # collective (one gather) when distributed
     _attach_goodput(session)

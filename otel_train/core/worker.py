@@ -78,6 +78,11 @@ class Worker:
     # Row values another part adds where this rank has none (the reducer on rank 0: the loss a
     # pipeline's last stage recorded); rows only, this rank's own series stay as recorded.
     row_values: Callable[[], Mapping[str, float]] = dict
+    # Called every `idle_s` while no flush or message comes (None: never): the cross-rank reducer's
+    # keep-alive (`CrossRankReducer.keep_alive`), so that a rank that is alive but not flushing
+    # is not taken for gone; it runs here because the exchange is used by this thread alone.
+    on_idle: Callable[[], None] | None = None
+    idle_s = 1.0
 
     def __init__(
         self,
@@ -183,7 +188,11 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            item = self.queue.get()
+            try:
+                item = self.queue.get(timeout=self.idle_s) if self.on_idle is not None else self.queue.get()
+            except queue.Empty:
+                self._idle()
+                continue
             if item is None or self._abandoned:
                 return
             started, cpu_started = time.perf_counter(), time.thread_time()
@@ -207,6 +216,11 @@ class Worker:
                 self.busy_since, self.doing = None, "idle"
                 self.busy_s += time.perf_counter() - started
                 self._done(item, time.thread_time() - cpu_started)
+
+    def _idle(self) -> None:
+        on_idle = self.on_idle
+        if on_idle is not None:
+            on_idle()  # the reducer's keep-alive: it turns its exchange off rather than raise
 
     def _done(self, item: FlushBatch | Message, cpu_s: float) -> None:
         self.cpu_s += cpu_s

@@ -134,9 +134,6 @@ class StarExchange:
     # --- rank r > 0 --------------------------------------------------------------------------------
     def send_up(self, up: Any) -> Exchanged:
         """The role of a rank r > 0 toward `parent`."""
-        import torch
-        import torch.distributed as dist
-
         down = self._take_answers()
         if len(self._unanswered) >= MAX_UNANSWERED:
             if time.monotonic() - self._unanswered[0].since >= 2.0 * self.timeout_s:
@@ -146,6 +143,29 @@ class StarExchange:
             self.skipped += 1
             self._prompt = False
             return Exchanged(None, down, sent=False, stamps=self._stamps_of(down))
+        buffer = self._post_row(up)
+        if self._prompt:
+            if self._poll(lambda: _arrived(buffer), self.leaf_wait_s):
+                down = self._take_answers()
+            else:
+                self._prompt = False  # rank 0 is behind: do not wait at the next flushes either
+        return Exchanged(None, down, stamps=self._stamps_of(down))
+
+    def keep_alive(self, up: Any) -> Any | None:
+        """A rank r > 0 that has not flushed for a while: take the answers that came and, when no
+        row of this rank is still unanswered, send `up` (a keep-alive row, `up_row.keepalive`), so
+        that rank 0, which takes a silent peer for gone after `timeout_s`, hears from it. Never
+        waits. The newest answer taken (None: none); ABORT raises, as at a flush."""
+        down = self._take_answers()
+        if not self._unanswered:  # else rank 0 takes that row at its next flush, and hears from it then
+            self._post_row(up)
+        return down
+
+    def _post_row(self, up: Any) -> Any:
+        """Send `up` to the parent and post the receive of its answer; the answer's buffer."""
+        import torch
+        import torch.distributed as dist
+
         buffer = _empty(torch, self.down_len)
         sent_at = math.nan
         if self.stamp_clock:
@@ -158,12 +178,7 @@ class StarExchange:
             raise ExchangeFailed(f"no connection to rank {self.parent} ({exc})", self.parent) from exc
         self.sent_bytes += message.numel() * message.element_size()
         self._unanswered.append(_Posted(recv, buffer, time.monotonic(), send, sent_at))
-        if self._prompt:
-            if self._poll(lambda: _arrived(buffer), self.leaf_wait_s):
-                down = self._take_answers()
-            else:
-                self._prompt = False  # rank 0 is behind: do not wait at the next flushes either
-        return Exchanged(None, down, stamps=self._stamps_of(down))
+        return buffer
 
     def _stamps_of(self, down: Any | None) -> tuple[float, float]:
         return self._stamps if down is not None else (math.nan, math.nan)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,7 +20,7 @@ from otel_train.config import Config
 from otel_train.core.buffer import Interval
 from otel_train.crossrank import down_row, job_block, wire
 from otel_train.crossrank.collective_lateness import LatenessTracker
-from otel_train.crossrank.exchange import MAX_HELD, StarExchange
+from otel_train.crossrank.exchange import MAX_HELD, Exchanged, ExchangeFailed, StarExchange
 from otel_train.crossrank.job_outputs import JobSeries
 from otel_train.crossrank.merge import Bundle, TreeView, unpacked, widen_waiting
 from otel_train.crossrank.replicas import ReplicaCheck, fsdp_in_use
@@ -37,6 +38,8 @@ from otel_train.crossrank.up_row import (
     FLAG_SHARDED,
     RankRecord,
     TimerTable,
+    is_keepalive,
+    keepalive,
     local_record,
     pack,
     row_steps,
@@ -47,6 +50,11 @@ from otel_train.distributed import Identity, create_telemetry_group
 from otel_train.health import EventChannel
 
 logger = logging.getLogger("otel_train")
+
+# A rank r > 0 that sent no row for this share of collective_timeout_s sends a keep-alive row
+# (`keep_alive`): rank 0 takes a rank silent for the whole timeout for gone, and a rank that is
+# alive but not flushing (idle, evaluating, in a rank-local pause) is not gone.
+KEEPALIVE_SHARE = 0.25
 
 
 class CrossRankReducer:
@@ -78,6 +86,8 @@ class CrossRankReducer:
         self.on_straggler = on_straggler
         self.option: str = config.timing_log_option
         self.timeout_s = config.collective_timeout_s
+        self.keepalive_s = KEEPALIVE_SHARE * self.timeout_s
+        self._sent_at = time.monotonic()  # rank r > 0: when its last row (or keep-alive) went up
         self.settings = Settings.from_config(config)
         self.scorer = StragglerScorer(self.settings)
         self.table = TimerTable()
@@ -159,6 +169,10 @@ class CrossRankReducer:
         with self._lock:
             _reform(self, group)
 
+    def keep_alive(self) -> None:
+        """The worker has no flush to run (`Worker.on_idle`): a keep-alive row, when due (`_keep_alive`)."""
+        _keep_alive(self)
+
     def stop_waiting(self) -> None:
         """Shutting down (called before the worker is drained): no exchange waits for a peer."""
         self.exchange.stop_waiting()
@@ -170,15 +184,10 @@ class CrossRankReducer:
         self.settings = replace(self.settings, threshold=float(threshold))
         self.scorer.settings = self.settings
 
-    def _disable(self, reason: str) -> None:
+    def _disable(self, reason: str, gone: int = -1) -> None:
         if self.disabled_reason is None:
             self.disabled_reason = reason
-            logger.error(
-                "otel_train: cross-rank telemetry disabled on rank %d: %s (a peer died, hung or stopped "
-                "flushing; this rank issues no more telemetry exchanges)",
-                self.identity.rank,
-                reason,
-            )
+            _report_disabled(self.identity.rank, self.events, reason, gone)
             if self.on_cadence is not None:
                 self.on_cadence(0, -1)  # no more schedules from rank 0: every rank keeps its own
 
@@ -213,33 +222,30 @@ class CrossRankReducer:
                 answers = down_row.answers(self._world, schedule, self._verdict, anchor, read)
         try:
             # rank 0 waits (up to the grace) for a row that reaches its step from each expected peer
-            current = lambda up: row_steps(up)[1] >= interval.step  # noqa: E731
+            current = lambda up: _reaches(up, interval.step)  # noqa: E731
             got = _run(self.exchange, row, answers, self._expected(root, tree, interval.step), current, job)
             down = down_row.decode(got.down, self.identity.rank) if got.down is not None else None
-            if got.records is not None and not tree:  # the tree's bundles are checked as they come
-                versions = got.records[:, wire.up().at("version")].tolist()
-                for version, rank in zip(versions, got.ranks, strict=True):
-                    wire.check(version, f"rank {rank}")
+            records = got.records if tree else _checked_rows(got)  # the tree's are checked as they come
         except Exception as exc:  # torch.distributed/gloo mid-exchange: its state is unknown, so it turns off
             if isinstance(exc, wire.Mismatch) and isinstance(self.exchange, StarExchange) and root:
                 self.exchange.abort_peers(answers)  # so the peers turn off at their next flush too
             self.collectives += 1
-            self._disable(f"telemetry exchange failed at flush {interval.seq}: {exc}")
+            self._disable(f"telemetry exchange failed at flush {interval.seq}: {exc}", _gone(exc))
             self._flush_local(interval)
             return
         self.collectives += int(got.sent)
+        if got.sent:
+            self._sent_at = time.monotonic()
         if not tree:
             self._job_unsent = None if got.sent else job
         if down is not None:
-            if not root and self.on_cadence is not None and down.flush_interval >= 1:
-                self.on_cadence(down.flush_interval, down.flush_anchor)
-            self._deliver(down, root)
+            _take_down(self, down, root)
         self.lateness.after_exchange(interval, down, got.stamps)
-        if got.records is None:
+        if records is None:
             self.last_reductions = own_reductions(local_record(interval, self.identity))
             return
-        self._reduce_rows(interval, got.records, from_step)
-        self._publish_job(interval, got.records, tree)
+        self._reduce_rows(interval, records, from_step)
+        self._publish_job(interval, records, tree)
 
     def _publish_job(self, interval: Interval, records: Any, tree: bool) -> None:
         """Rank 0: the job blocks of every row taken at this flush, whatever its steps (each row is
@@ -366,6 +372,71 @@ class CrossRankReducer:
         if reason is not None and self.abstain_reason is None and self.identity.rank == 0:
             logger.warning("otel_train: straggler detection abstains: %s", reason)
         self.abstain_reason = reason
+
+
+def _keep_alive(reducer: CrossRankReducer) -> None:
+    """`CrossRankReducer.keep_alive`, on the worker thread while it has no flush to run. A rank r > 0 of
+    the star that sent no row for `keepalive_s` (idle, evaluating, in a rank-local pause) sends a
+    keep-alive row, so that rank 0 does not take it for gone; a rank that died or is frozen sends
+    none, and rank 0 still finds it gone after `collective_timeout_s`. Ranks of the tree, and rank 0,
+    send none (docs/design/crossrank.md#reducer)."""
+    with reducer._lock:
+        exchange = reducer.exchange
+        if reducer.identity.rank == 0 or not reducer.distributed or not isinstance(exchange, StarExchange):
+            return
+        if time.monotonic() - reducer._sent_at < reducer.keepalive_s:
+            return
+        try:
+            up = keepalive(reducer.identity, reducer._prev_step, _layout(exchange).words)
+            answer = exchange.keep_alive(up)
+            reducer._sent_at = time.monotonic()
+            if answer is not None:
+                _take_down(reducer, down_row.decode(answer, reducer.identity.rank), root=False)
+        except Exception as exc:  # torch.distributed/gloo: its state is unknown, so it turns off
+            reducer._disable(f"telemetry exchange failed while this rank was not flushing: {exc}", _gone(exc))
+
+
+def _take_down(reducer: CrossRankReducer, down: down_row.Down, root: bool) -> None:
+    """An answer from rank 0: its flush schedule (ranks other than 0 adopt it) and verdicts."""
+    if not root and reducer.on_cadence is not None and down.flush_interval >= 1:
+        reducer.on_cadence(down.flush_interval, down.flush_anchor)
+    reducer._deliver(down, root)
+
+
+def _report_disabled(rank: int, events: EventChannel | None, reason: str, gone: int) -> None:
+    """The exchange turned off for good (`gone`: the rank found gone, -1: not known): a
+    `cross_rank_disabled` event in this rank's events file (its echo the console's line)."""
+    message = (
+        f"cross-rank telemetry disabled on rank {rank}: {reason} (a peer died, hung or stopped flushing; "
+        "this rank issues no more telemetry exchanges, per-rank telemetry goes on)"
+    )
+    if events is None:
+        logger.error("otel_train: %s", message)
+    else:
+        events.emit("cross_rank_disabled", message, {"rank": rank, "gone_rank": gone}, severity="ERROR")
+
+
+def _reaches(row: Any, step: int) -> bool:
+    """Whether a peer's row reaches rank 0's flush of `step`; a keep-alive row reaches no step, so
+    rank 0 goes on taking that peer's rows after it."""
+    return not is_keepalive(row) and row_steps(row)[1] >= step
+
+
+def _checked_rows(got: Exchanged) -> Any:
+    """Rank 0 (star): the rows taken, each of this release's wire format (else `wire.Mismatch`),
+    without the keep-alive rows (`keep_alive`): those only said that their rank is alive."""
+    if got.records is None:
+        return None
+    versions = got.records[:, wire.up().at("version")].tolist()
+    for version, rank in zip(versions, got.ranks, strict=True):
+        wire.check(version, f"rank {rank}")
+    keep = [i for i, row in enumerate(got.records) if not is_keepalive(row)]
+    return got.records if len(keep) == len(got.records) else got.records[keep]
+
+
+def _gone(exc: Exception) -> int:
+    """The rank an exchange failure found gone (-1: not known)."""
+    return exc.gone if isinstance(exc, ExchangeFailed) else -1
 
 
 def _run(exchange: Any, row: Any, answers: Any, expect: set[int] | None, current: Any, job: Any) -> Any:

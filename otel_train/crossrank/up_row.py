@@ -23,6 +23,9 @@ logger = logging.getLogger("otel_train")
 
 NAME_BYTES = wire.NAME.size  # names travel as up to 48 UTF-8 bytes
 FLAG_SHARDED = 1  # this rank trains FSDP-sharded modules: collectives run inside forward too
+# A keep-alive row: the rank is alive but has not flushed for a while (idle, a rank-local pause). It
+# covers no steps and carries no statistics; rank 0 only notes that the rank is there.
+FLAG_KEEPALIVE = 2
 
 
 def pack_len(max_timers: int = MAX_TIMERS) -> int:
@@ -160,6 +163,25 @@ def pack(
 
 _UP = wire.up()
 _NUMBERS = ("rank", "seq", "step", "node_rank", "local_rank", "flags", "flush_interval", "from_step")
+
+
+def keepalive(identity: Identity, step: int, length: int) -> Any:
+    """A keep-alive up message of `length` floats (`FLAG_KEEPALIVE`; `step`: the last step of this
+    rank's previous flush): the up row's header and zeros, so every block after it is empty."""
+    import torch
+
+    header = _UP.new(
+        version=wire.VERSION, rank=identity.rank, seq=-1, step=step, node_rank=identity.node_rank,
+        local_rank=identity.local_rank, flags=FLAG_KEEPALIVE, from_step=step, host=identity.host,
+    )  # fmt: skip
+    message = torch.zeros(length, dtype=torch.float64)
+    message[: len(header)] = floats(header)
+    return message
+
+
+def is_keepalive(row: Any) -> bool:
+    """Whether one packed up message is a keep-alive (`keepalive`), without unpacking it."""
+    return bool(int(row[_UP.at("flags")]) & FLAG_KEEPALIVE)
 
 
 def row_steps(row: Any) -> tuple[int, int]:

@@ -308,3 +308,63 @@ def test_independent_ranks_at_different_paces_never_hold_rank0_nor_mix_steps(tmp
     # cross-rank view rank 0 made paired rows of exactly the same steps.
     assert rank0["left_out"] >= 1, rank0
     assert all(len(set(ranges)) == 1 for ranges in rank0["paired"]), rank0["paired"]
+
+
+def _wait_for(path: Path, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _idle_then_dead_target(rank: int, world: int, out: str, timeout_s: float) -> dict[str, Any]:
+    """Rank 1 calls ot.init() and never steps (an evaluator, a data worker). Rank 0 and rank 2 step
+    at their own pace for three collective_timeout_s; then rank 2 dies (its process exits) and rank
+    0 steps on until its exchange turns off."""
+    ot.init(
+        output_dir=out, run_name="idle-dead", prometheus_port=0, verbosity=0, hardware=False,
+        log_interval=10, exchange_grace_s=0.2, collective_timeout_s=timeout_s,
+    )  # fmt: skip
+    session = current_session()
+    reducer = session.reducer
+    done, heard = Path(out) / "done", Path(out) / "heard"
+    result: dict[str, Any] = {"run_dir": str(session.run_dir)}
+    if rank == 1:
+        _wait_for(done)
+        deadline = time.monotonic() + 5.0  # the ABORT reaches it with its next keep-alive's answer
+        while reducer.disabled_reason is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        heard.write_text("1")
+    else:
+        step, start = 0, time.monotonic()
+        while time.monotonic() - start < 3 * timeout_s:
+            with ot.step(step):
+                time.sleep(0.005)
+            step += 1
+        result["idled"] = reducer.disabled_reason
+        if rank == 2:
+            return result  # dies: no shutdown, its connections close when its process exits
+        deadline = time.monotonic() + 2 * timeout_s + 5.0
+        while reducer.disabled_reason is None and time.monotonic() < deadline:
+            with ot.step(step):
+                time.sleep(0.005)
+            step += 1
+        done.write_text("1")
+        _wait_for(heard, 10.0)  # alive until rank 1 took the ABORT it posted (else: rank 0 is gone)
+    result["disabled"] = reducer.disabled_reason
+    ot.shutdown()
+    return result
+
+
+def test_an_idle_rank_is_not_gone_and_a_dead_one_is_an_event(tmp_path: Path) -> None:
+    """A rank that is alive but does not step for longer than collective_timeout_s keeps the
+    exchange on (its worker sends keep-alive rows); a rank that dies still turns it off, naming
+    that rank, and each rank says so in its events file."""
+    timeout_s = 2.0
+    rank0, rank1, _ = run_ranks(3, _idle_then_dead_target, (str(tmp_path), timeout_s), timeout=120)
+    assert rank0["idled"] is None, rank0  # rank 1 idled three timeouts: not gone
+    assert rank0["disabled"] is not None and rank0["disabled"].endswith("rank 2 is gone"), rank0
+    assert rank1["disabled"] is not None and rank1["disabled"].endswith("rank 2 is gone"), rank1
+    run_dir = Path(rank0["run_dir"])
+    for rank in (0, 1):
+        (event,) = run_events(run_dir, rank, event="cross_rank_disabled")
+        assert event["gone_rank"] == 2 and "rank 2 is gone" in event["message"], event

@@ -129,12 +129,15 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         self._start()
         now = time.perf_counter_ns()
+        began = self._last_report_ns
         if self._failed_ns is not None:
+            # The restart (failure to this report) is a span between steps, badput "other": a step
+            # begun at the last report would hold it, and count it productive.
             ot.span("ray_train_restart").start(at_ns=self._failed_ns).stop()
             ot.event("worker_group_restart", "the worker group reported again after a failure", {})
-            self._failed_ns = None
+            self._failed_ns, began = None, time.perf_counter_ns()
         self._step += 1
-        adapters.begin_step(self._step, start_ns=self._last_report_ns)
+        adapters.begin_step(self._step, start_ns=began)
         per_name: dict[str, list[float]] = {}
         for worker_metrics in metrics:
             for name, value in flatten_numbers(worker_metrics).items():

@@ -105,6 +105,10 @@ def test_torch_trainer_controller_and_workers_share_one_run(ray_cluster: Any, tm
     assert failures and failures[0]["worker.rank"] == 1 and failures[0]["error.type"] == "RuntimeError"
     assert "worker boom" in failures[0]["message"]
     assert any(e["event"] == "worker_group_restart" for e in events)
+    # the restart is badput, not inside a productive step
+    restart_s = sum(r.get("timers/ray_train_restart/total", 0.0) for r in rows)
+    account = json.loads(controller.goodput.read_text())
+    assert restart_s > 0 and account["badput"]["other"] >= 0.9 * restart_s, (restart_s, account)
     restarted = [json.loads(line)["event"] for line in workers[1].events.read_text().splitlines()]
     assert "restart" in restarted
 

@@ -49,6 +49,9 @@ def job_settings(role: str = "") -> dict[str, Any]:
                 run_id=source.run_id or uuid.uuid4().hex[:12],
                 run_name=source.run_name or time.strftime("ray-%Y%m%d-%H%M%S"),
             )
+            # A session the driver starts later (NeMo RL makes its Logger after init_ray) joins it.
+            os.environ.setdefault(env_name("run_id"), _driver_run["run_id"])
+            os.environ.setdefault(env_name("run_name"), _driver_run["run_name"])
         run = dict(_driver_run)
     settings: dict[str, Any] = {
         **run,

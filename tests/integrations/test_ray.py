@@ -199,12 +199,19 @@ def test_runtime_env_carries_the_running_session(tmp_path: Path) -> None:
     }
 
 
-def test_without_a_session_the_driver_makes_one_run_for_every_role(tmp_path: Path) -> None:
-    os.environ["OTEL_TRAIN_OUTPUT_DIR"] = str(tmp_path)
+def test_without_a_session_the_driver_makes_one_run_for_every_role(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also for a session the driver starts afterwards (NeMo RL makes its Logger after init_ray)."""
+    import otel_train as ot
+
+    monkeypatch.setenv("OTEL_TRAIN_OUTPUT_DIR", str(tmp_path))
     try:
         policy, generation = otr.job_settings("policy"), otr.job_settings("generation")
+        driver = ot.init(role="controller", prometheus_port=0, verbosity=0, hardware=False)
+        assert (driver.run_id, driver.run_name) == (policy["run_id"], policy["run_name"])
     finally:
-        os.environ.pop("OTEL_TRAIN_OUTPUT_DIR", None)
+        ot.shutdown()
         otr._driver_run.clear()
     assert policy["run_id"] == generation["run_id"] and policy["run_name"] == generation["run_name"]
     assert (policy["role"], generation["role"]) == ("policy", "generation")

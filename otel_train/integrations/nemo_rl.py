@@ -16,7 +16,7 @@ from typing import Any
 
 import otel_train as ot
 from otel_train import adapters
-from otel_train.integrations._common import end_training, settings_from_kwargs, start_session
+from otel_train.integrations._common import end_training, settings_from_kwargs, start_session, with_adopted
 
 __all__ = ["REDUCTIONS", "OtelTrainLogger", "publish_reductions"]
 
@@ -30,6 +30,9 @@ VALIDATION_TIME_KEY = "total_validation_time"  # the timer name of NeMo RL's val
 VALIDATION_SPAN = "validation"  # an ot.span name goodput books as eval
 TOKENS_KEY = "global_valid_toks"  # the step's valid tokens (GRPO, SFT)
 MAX_GAUGES = 512  # distinct ray/* names kept (a cluster's GPU monitor has a few per GPU)
+# max_metric_names unless the user chose it: a GRPO step logs hundreds of names (train, rollout,
+# timing, the GPU monitor's per GPU), past the default's 64
+MANY_NAMES = 1024
 
 REDUCTIONS: dict[str, Callable[[list[float]], float]] = {"mean": fmean, "max": max, "min": min, "sum": sum}
 
@@ -40,9 +43,12 @@ def _number(value: Any) -> float | None:
     if isinstance(value, (int, float)):
         return float(value)
     try:
-        if getattr(value, "ndim", None) == 0 or getattr(value, "size", None) == 1:
+        if getattr(value, "ndim", None) == 0:
             return float(value)
-    except (TypeError, ValueError):
+        count = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)  # torch; numpy
+        if count == 1:
+            return float(value.reshape(-1)[0])
+    except (TypeError, ValueError, AttributeError):
         return None
     return None
 
@@ -82,7 +88,8 @@ class OtelTrainLogger:
     shuts down only a session it started (`finish()`, which NeMo RL's `Logger.finish` calls)."""
 
     def __init__(self, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self._settings = settings_from_kwargs(settings, kwargs, "OtelTrainLogger")
+        chosen = settings_from_kwargs(settings, kwargs, "OtelTrainLogger")
+        self._settings = with_adopted(chosen, {"max_metric_names": MANY_NAMES})
         self._owns_session = start_session(self._settings)
         self._lock = threading.Lock()  # the GPU monitor flushes from its own thread
         self._gauges: dict[str, float] = {}

@@ -19,8 +19,8 @@ import otel_train as ot
 from otel_train import adapters
 from otel_train.config import env_name
 from otel_train.config_loading import load_config
-from otel_train.integrations._common import settings_from_kwargs, start_session
-from otel_train.integrations.nemo_rl import flatten_numbers, publish_reductions
+from otel_train.integrations._common import settings_from_kwargs, start_session, with_adopted
+from otel_train.integrations.nemo_rl import MANY_NAMES, flatten_numbers, publish_reductions
 
 log = logging.getLogger("otel_train")
 
@@ -119,7 +119,9 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
         merged = settings_from_kwargs(settings, kwargs, "ControllerCallback")
         role = str(merged.pop("role", "controller"))
         # A flush per report: reports are few, and the controller actor may end without shutdown.
-        self.settings = {"log_interval": 1, **job_settings(role), **merged}
+        self.settings = with_adopted(
+            {"log_interval": 1, **job_settings(role), **merged}, {"max_metric_names": MANY_NAMES}
+        )
         self._step = 0
         self._last_report_ns: int | None = None
         self._failed_ns: int | None = None

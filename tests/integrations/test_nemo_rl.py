@@ -228,3 +228,37 @@ def test_dpo_per_dataset_validation_timings_book_eval_once(tmp_path: Path) -> No
     assert rows[1]["timers/step/total"] == pytest.approx(0.2, abs=0.05)
     assert rows[1]["timing/validation_math/total_validation_time"] == 0.3  # per dataset: a metric only
     assert _goodput(tmp_path)["badput"]["eval"] == pytest.approx(0.4, abs=0.05)  # the sum, once
+
+
+def test_a_grpo_step_of_hundreds_of_names_keeps_them_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real GRPO step logs train, rollout and timing names and the GPU monitor's per GPU, past
+    the 64 names a plain `ot.init()` keeps: the backend raises the cap unless the user set it."""
+    logger = _backend(tmp_path)
+    train = {f"metric_{k}": float(k) for k in range(150)}
+    logger.log_metrics(train, 1, prefix="train")
+    logger.log_metrics({"total_step_time": 0.1}, 1, "timing/train", None, True)
+    logger.finish()
+    [row] = _rows(tmp_path)
+    assert all(row[f"train/metric_{k}"] == float(k) for k in range(150))
+    assert "otel_train/dropped/invalid_name" not in row
+
+    monkeypatch.setenv("OTEL_TRAIN_MAX_METRIC_NAMES", "100")  # the user's choice stands
+    OtelTrainLogger(output_dir=str(tmp_path), run_name="own", prometheus_port=0, verbosity=0).finish()
+    assert json.loads(RunFiles(tmp_path / "own").config.read_text())["max_metric_names"] == 100
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_one_element_arrays_are_numbers(kind: str) -> None:
+    from otel_train.integrations.nemo_rl import _number
+
+    if kind == "torch":
+        import torch
+
+        values = [torch.tensor([2.0]), torch.tensor([[2.0]]), torch.tensor(2.0), torch.tensor([1.0, 2.0])]
+    else:
+        import numpy as np
+
+        values = [np.array([2.0]), np.array([[2.0]]), np.float64(2.0), np.array([1.0, 2.0])]
+    assert [_number(v) for v in values] == [2.0, 2.0, 2.0, None]

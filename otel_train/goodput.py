@@ -192,6 +192,9 @@ class GoodputListener:
         interruptions.add(self.interruptions)  # the previous processes' count, and this restart: its row's 1
         earlier = previous["interruptions"] if previous else 0
         self.carried.append((semconv.INTERRUPTIONS.name, {}, float(earlier)))
+        # Saved at once: a process that dies before its first flush (a worker that fails at its
+        # first steps) still leaves the account, so its successor books the restart.
+        self._save(self.account())
 
     def on_flush(self, interval: Interval) -> None:
         self.step_s += math.fsum(interval.step_durations)

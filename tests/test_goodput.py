@@ -466,7 +466,7 @@ def test_a_failed_save_is_warned_about_counted_and_its_recovery_said(
         for step in range(3):  # three saves fail (one per SAVE_EVERY_S)
             clock.advance(goodput.SAVE_EVERY_S)
             listener.on_flush(Interval(step, step, clock.wall_s, 5.0, 1, 0, 0, [0.4]))
-        assert not state_file.exists()
+        assert json.loads(state_file.read_text())["last_step"] == -1  # the account saved at the start
         disk_full = False
         clock.advance(goodput.SAVE_EVERY_S)
         listener.on_flush(Interval(3, 3, clock.wall_s, 5.0, 1, 0, 0, [0.4]))
@@ -521,3 +521,15 @@ def test_a_hung_step_that_then_raises_is_stall_and_keeps_the_earlier_steps_produ
     _assert_sums_to_wall(account)
     assert account["productive_s"] >= 0.3  # 20 steps of 20 ms
     assert account["stall"] >= 0.3
+
+
+def test_a_process_that_dies_before_its_first_flush_still_leaves_its_account(tmp_path: Path) -> None:
+    """A Ray Train worker that fails at its first steps (no flush yet): its successor under the
+    same run id books the restart, and counts the interruption."""
+    clock, state_file = FakeTime(), tmp_path / "goodput.rank0.json"
+    _process(clock, state_file)  # dies: no flush, no close
+    assert json.loads(state_file.read_text())["interruptions"] == 0
+    clock.advance(30.0)
+    listener, _ = _process(clock, state_file)
+    assert listener.interruptions == 1
+    assert listener.account()["restart"] == pytest.approx(30.0, abs=1.0)

@@ -122,7 +122,7 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
         self.settings = with_adopted(
             {"log_interval": 1, **job_settings(role), **merged}, {"max_metric_names": MANY_NAMES}
         )
-        self._step = 0
+        self._step = -1  # the report's index: steps count from 0, as the console's "step N" expects
         self._last_report_ns: int | None = None
         self._failed_ns: int | None = None
 

@@ -94,6 +94,7 @@ def test_torch_trainer_controller_and_workers_share_one_run(ray_cluster: Any, tm
     # the controller: one step per report, the workers' values reduced over workers
     rows = _rows(controller.metrics)
     assert rows and all("ray_train/loss/mean" in r and "ray_train/loss/max" in r for r in rows)
+    assert rows[0]["step"] == 0  # the first report (a step index, as the console's `step N` reads it)
     assert max(r["ray_train/loss/max"] for r in rows) == 4.0  # worker 1's last report: 1 + 2 + 1
     # the workers: one process group, cross-rank keys on worker rank 0
     worker0 = _rows(workers[0].metrics)

@@ -129,6 +129,10 @@ def _no_summaries(directory: Path, role: str) -> str:
     config = RunFiles(directory, role=role).config
     if role and not config.is_file() and RunFiles(directory).config.is_file():
         return f"the run has no role {role!r} (its ranks have none): leave out --role"
+    run_roles = sorted(p.name[len("config.") : -len(".json")] for p in directory.glob("config.*.json"))
+    if not config.is_file() and run_roles:
+        what = f"the run has no role {role!r}" if role else "the run's ranks have roles"
+        return f"no readable {pattern}; {what} ({', '.join(run_roles)}): pass --role {run_roles[0]}"
     if not config.is_file():  # not a run directory: its parent, or elsewhere
         runs = sorted(p.parent.name for p in directory.glob(f"*/{config.name}"))
         inside = f"; the run directories in it: {', '.join(runs[:5])}{' ...' if len(runs) > 5 else ''}"

@@ -195,6 +195,14 @@ def test_diagnose_points_at_the_role_and_at_a_wrong_directory(
     assert code == 1 and "no rank stalled with PyTorch's Flight Recorder on" in out
     code, out, _ = _diagnose([str(empty), "--role", "policy"], capsys)
     assert code == 1 and "the run has no role 'policy' (its ranks have none): leave out --role" in out, out
+    roles = tmp_path / "roles"  # a single-controller run whose ranks all have roles, none stalled
+    roles.mkdir()
+    for role in ("policy", "generation"):
+        RunFiles(roles, role=role).config.write_text("{}")
+    code, out, _ = _diagnose([str(roles)], capsys)
+    assert code == 1 and "the run's ranks have roles (generation, policy): pass --role generation" in out, out
+    code, out, _ = _diagnose([str(roles), "--role", "nosuch"], capsys)
+    assert code == 1 and "the run has no role 'nosuch' (generation, policy)" in out, out
     outputs = tmp_path / "runs"  # output_dir, the run directories' parent
     (outputs / "run-a").mkdir(parents=True)
     (outputs / "run-a" / "config.json").write_text("{}")

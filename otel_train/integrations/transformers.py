@@ -97,6 +97,7 @@ class OtelTrainCallback(TrainerCallback):
         self._batch_rows = 0  # and its samples (rows)
         self._trainer_counts_tokens = False  # include_num_input_tokens_seen: the Trainer's count
         self._restores: list[tuple[int, int]] = []  # a resume's checkpoint loads (before the run began)
+        self._grad_nonfinite = False  # the logged grad_norm is NaN/Inf since a `nonfinite_grad` event
 
     # --- lifecycle -----------------------------------------------------------------------------
     def on_init_end(
@@ -320,17 +321,9 @@ class OtelTrainCallback(TrainerCallback):
         ot.log_metrics(scalar_logs(logs, _SKIPPED_LOG_KEYS), step=step)
         self._hook_step.release()  # the step this log follows (held open for it) ends with its values
         _saving_if_due(control)  # a save due next (noted at on_step_end) comes after this step's end
-        grad_norm = logs.get("grad_norm")
-        if isinstance(grad_norm, float) and not math.isfinite(grad_norm) and not self._scaler_skipped():
-            # With logging_nan_inf_filter (the default) the Trainer replaces a NaN/Inf loss by the
-            # mean of its log window's finite ones (0.0 when none is): the gradient norm it logs is
-            # then the only sign that training went NaN.
-            ot.event(
-                "nonfinite_grad",
-                f"the Trainer logged grad_norm={grad_norm} at step {step}: non-finite gradients "
-                "(no layer named: ot.watch or OtelTrainCallback(watch_every=N) names them)",
-                {"step": step} if step is not None else None,
-            )
+        self._grad_nonfinite = _nonfinite_grad(
+            logs.get("grad_norm"), step, self._grad_nonfinite, self._scaler_skipped
+        )
         in_eval = any(isinstance(k, str) and k.startswith(EVAL_PREFIXES) for k in logs)
         if self._mark_ns is not None and not in_eval:
             # The training log (with its loss gather) is not data wait or eval time.
@@ -524,6 +517,29 @@ def _deepspeed_engine(trainer: Any) -> Any:
         return None
     engine = getattr(trainer, "model_wrapped", None)
     return engine if callable(getattr(engine, "zero_optimization_stage", None)) else None
+
+
+def _nonfinite_grad(
+    grad_norm: Any, step: int | None, in_spell: bool, scaler_skipped: Callable[[], bool]
+) -> bool:
+    """One `nonfinite_grad` event when the logged grad_norm turns NaN/Inf (not each log while it
+    stays so: a diverged run logs it at every `logging_steps`); whether it is non-finite now. With
+    logging_nan_inf_filter (the default) the Trainer replaces a NaN/Inf loss by the mean of its log
+    window's finite ones (0.0 when none is): the gradient norm it logs is then the only sign that
+    training went NaN. What the loss scaler skipped is no event, as for `ot.watch(scaler=...)`."""
+    if not isinstance(grad_norm, float) or scaler_skipped():
+        return in_spell
+    if math.isfinite(grad_norm):
+        return False
+    if not in_spell:
+        ot.event(
+            "nonfinite_grad",
+            f"the Trainer logged grad_norm={grad_norm} at step {step}: non-finite gradients, said once "
+            "until it is finite again (no layer named: ot.watch or OtelTrainCallback(watch_every=N) "
+            "names them)",
+            {"step": step} if step is not None else None,
+        )
+    return True
 
 
 def _calling_trainer(callback: OtelTrainCallback) -> Any:

@@ -175,14 +175,33 @@ def _nan_run(tmp_path: Path) -> tuple[Trainer, list[dict[str, Any]]]:
 
 def test_a_nan_gradient_norm_in_the_trainers_logs_raises_nonfinite_grad(tmp_path: Path) -> None:
     """The Trainer's NaN filter hides the NaN loss (no `nonfinite` event from the loss): its NaN
-    grad_norm raises `nonfinite_grad` at each log that has one (global steps 4 and 6)."""
+    grad_norm raises `nonfinite_grad` at the first log that has one (global step 4), not again at
+    each later log while it stays NaN (a diverged run logs it every `logging_steps`)."""
     trainer, events = _nan_run(tmp_path)
     logged = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
     assert [step for step, _, _ in logged] == [2, 4, 6]
     assert [loss for _, loss, _ in logged][1:] == [0.0, 0.0]  # the NaN losses, as the filter logs them
     assert [math.isnan(norm) for _, _, norm in logged] == [False, True, True]
-    assert [(e["event"], e["step"]) for e in events] == [("nonfinite_grad", 3), ("nonfinite_grad", 5)]
-    assert "grad_norm=nan" in events[0]["message"]
+    assert [(e["event"], e["step"]) for e in events] == [("nonfinite_grad", 3)]
+    assert (
+        "grad_norm=nan" in events[0]["message"]
+        and "said once until it is finite again" in events[0]["message"]
+    )
+
+
+def test_nonfinite_grad_is_said_once_a_spell() -> None:
+    from otel_train.integrations.transformers import _nonfinite_grad
+
+    said: list[str] = []
+    ot.init(run_name="spells", verbosity=0, hardware=False, prometheus_port=0)
+    ot.on_event(lambda event, message, attributes: said.append(event))
+    spell = False
+    for norm in (1.0, float("nan"), float("inf"), float("nan"), 2.0, float("nan")):
+        spell = _nonfinite_grad(norm, 1, spell, lambda: False)
+    assert spell is True
+    spell = _nonfinite_grad(float("nan"), 1, False, lambda: True)  # the scaler skipped it: no spell
+    ot.shutdown()
+    assert said == ["nonfinite_grad", "nonfinite_grad"] and spell is False
 
 
 def test_a_step_the_loss_scaler_skipped_raises_no_nonfinite_grad(

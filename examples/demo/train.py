@@ -288,7 +288,7 @@ def build_parser(prog: str = "python -m examples.demo") -> argparse.ArgumentPars
         "at most about once a second: a flush's worker CPU is the training thread's loss on a fast GPU)",
     )
     t.add_argument(
-        "--otlp-endpoint", default=None, help="e.g. http://localhost:4318; when unset, no OTLP push"
+        "--otlp-endpoint", default=None, help="e.g. http://localhost:4318; when unset, OTEL_EXPORTER_OTLP_ENDPOINT (no OTLP push without either)"
     )
     t.add_argument("--prometheus-port", type=int, default=9464, help="pull endpoint port, 0 disables")
     t.add_argument("--trace-every", type=int, default=100, help="trace every N-th step")

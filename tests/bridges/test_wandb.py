@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -239,6 +240,18 @@ def _closed_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@pytest.fixture
+def wandb_setup_forgotten() -> Iterator[None]:
+    """After the test, W&B's process-wide set-up is torn down: it keeps the settings it started with
+    (this test's unreachable WANDB_BASE_URL and key), which later tests' W&B runs in this process
+    would otherwise use."""
+    import wandb
+
+    yield
+    wandb.teardown()
+
+
+@pytest.mark.usefixtures("wandb_setup_forgotten")
 def test_an_unreachable_server_logs_offline_into_one_run_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -503,7 +503,7 @@ def test_a_hang_inside_a_step_is_stall_badput_not_productive_time(tmp_path: Path
 
 def test_a_hung_step_that_then_raises_is_stall_and_keeps_the_earlier_steps_productive(tmp_path: Path) -> None:
     """A collective that hangs and then times out (gloo and NCCL raise): the failed step's stall is
-    stall badput, and the steps before it stay productive (the stall was carved out of them)."""
+    stall badput, and the steps before it stay productive (the stall is not carved out of them)."""
     ot.init(run_name="gp-hang-raise", stall_timeout_s=0.3, prometheus_port=0, verbosity=0, hardware=False)
     session = current_session()
     stalled = threading.Event()

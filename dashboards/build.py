@@ -974,7 +974,7 @@ def gpus_host() -> DashboardDef:
                 "Host",
                 (
                     ts(
-                        "Process CPU (1 = one core)",
+                        "Process CPU (share of its CPUs)",
                         T(agg("max", host_by, selector(sc.PROCESS_CPU_UTILIZATION)), _lg(HOST, RANK)),
                         unit="percentunit",
                         min_val=0,

@@ -383,11 +383,13 @@ MPS_MEMORY_LIMIT = _m("train.mps.memory.limit", S.GAUGE, "By", "MPS: recommended
 
 # --- host ------------------------------------------------------------------------------------------
 PROCESS_CPU_UTILIZATION = _m("process.cpu.utilization", S.OBSERVABLE_GAUGE, "1",
-                             "Process CPU use (1 = one core).", "host/process_cpu")  # fmt: skip
+                             "Process CPU use as a share of the CPUs available to it (1 = all busy).",
+                             "host/process_cpu")  # fmt: skip
 PROCESS_MEMORY_USAGE = _m("process.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By",
                           "Process resident memory.", "host/process_rss")  # fmt: skip
 SYSTEM_MEMORY_USAGE = _m("system.memory.usage", S.OBSERVABLE_UP_DOWN_COUNTER, "By",
-                         "Host memory by state (used, free).", "host/memory_{system.memory.state}",
+                         "Host memory by state: free = available to new allocations (MemAvailable), "
+                         "used = the rest.", "host/memory_{system.memory.state}",
                          (MEMORY_STATE,))  # fmt: skip
 
 # --- collectives (PyTorch's Flight Recorder; see otel_train/diagnostics/collectives.py) --------------

@@ -91,10 +91,11 @@ def build_session(config: Config) -> Session:
 def _discover_gpus(config: Config, identity: Identity) -> Discovery | None:
     if not config.hardware:
         return None
-    from otel_train.hardware import discover_with_timeout
+    from otel_train.hardware import discover_with_timeout, torch_cuda_if_loaded
 
-    # Before the Resource: the rank's GPU UUID and PCI bus id join DCGM series to ranks.
-    return discover_with_timeout(identity.local_rank, timeout_s=5.0)
+    # Before the Resource: the rank's GPU UUID and PCI bus id join DCGM series to ranks. Torch's
+    # device, when CUDA is initialised already; else CUDA_VISIBLE_DEVICES (checked again later).
+    return discover_with_timeout(identity.local_rank, torch_cuda=torch_cuda_if_loaded(), timeout_s=5.0)
 
 
 def _build_session(

@@ -12,6 +12,7 @@ from otel_train.hardware.discovery import (
     Discovery,
     discover_with_timeout,
     parse_cuda_visible_devices,
+    torch_cuda_if_loaded,
 )
 from otel_train.hardware.mfu import autocast_dtype
 from otel_train.hardware.mps_memory import MpsMemory
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RES_GPU_DRIVER_VERSION", "RES_GPU_NAME", "RES_GPU_PCI_BUS_ID", "RES_GPU_UUID", "Discovery",
-    "HardwareMonitor", "MpsMemory", "autocast_dtype", "discover_with_timeout", "parse_cuda_visible_devices"
+    "HardwareMonitor", "MpsMemory", "autocast_dtype", "discover_with_timeout", "parse_cuda_visible_devices",
+    "torch_cuda_if_loaded",
 ]  # fmt: skip
 
 

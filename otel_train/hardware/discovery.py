@@ -119,17 +119,53 @@ def discover_gpus(
             visible = env.get("CUDA_VISIBLE_DEVICES")
             reason = f"no GPU for local rank {local_rank} (CUDA_VISIBLE_DEVICES={visible!r})"
             return Discovery(None, driver_version=driver, reason=reason)
-        uuid = _nvml_text(nvml.nvmlDeviceGetUUID(handle))
-        name = _nvml_text(nvml.nvmlDeviceGetName(handle))
-        try:
-            pci = nvml.nvmlDeviceGetPciInfo(handle)
-            bus_id: str | None = _nvml_text(getattr(pci, "busId", b"")) or None
-        except nvml.NVMLError:
-            bus_id = None
+        device = describe_device(nvml, handle)
     except nvml.NVMLError as exc:
         shutdown_quietly(nvml)
         return Discovery(None, driver_version=driver, reason=f"GPU lookup failed: {exc}")
-    return Discovery(nvml, [GpuDevice(handle, uuid, name, bus_id)], driver)
+    return Discovery(nvml, [device], driver)
+
+
+def describe_device(nvml: Any, handle: Any) -> GpuDevice:
+    """The device behind ``handle``: its UUID, name and PCI bus id (NVML errors propagate)."""
+    uuid = _nvml_text(nvml.nvmlDeviceGetUUID(handle))
+    name = _nvml_text(nvml.nvmlDeviceGetName(handle))
+    try:
+        pci = nvml.nvmlDeviceGetPciInfo(handle)
+        bus_id: str | None = _nvml_text(getattr(pci, "busId", b"")) or None
+    except nvml.NVMLError:
+        bus_id = None
+    return GpuDevice(handle, uuid, name, bus_id)
+
+
+def torch_uuid(torch_cuda: Any, local_rank: int) -> str | None:
+    """The comparable UUID of the CUDA device this rank uses, once torch has initialised CUDA."""
+    if not cuda_initialized(torch_cuda):
+        return None
+    try:
+        return _uuid_key(
+            str(torch_cuda.get_device_properties(torch_device_index(torch_cuda, local_rank)).uuid)
+        )
+    except (RuntimeError, AttributeError) as exc:  # torch without `.uuid`, a CUDA error
+        log.debug("torch device UUID lookup failed (%s)", exc)
+        return None
+
+
+def same_uuid(a: str, b: str) -> bool:
+    return _uuid_key(a) == _uuid_key(b)
+
+
+def handle_for_uuid(nvml: Any, want: str) -> Any | None:
+    """NVML's handle of the device with comparable UUID ``want`` (a physical GPU or a MIG slice)."""
+    # torch prints the bare UUID; NVML wants "GPU-<uuid>" (or "MIG-<uuid>" for a MIG slice,
+    # which no enumeration of physical GPUs below would find).
+    for prefix in ("GPU-", "MIG-"):
+        with contextlib.suppress(nvml.NVMLError):
+            return nvml.nvmlDeviceGetHandleByUUID(prefix + want)
+    for handle, uuid in _all_devices(nvml):
+        if _uuid_key(uuid) == want:
+            return handle
+    return None
 
 
 def shutdown_quietly(nvml: Any) -> None:
@@ -151,20 +187,13 @@ def _all_devices(nvml: Any) -> list[tuple[Any, str]]:
 
 
 def _rank_handle(nvml: Any, local_rank: int, env: Mapping[str, str], torch_cuda: Any | None) -> Any | None:
-    if cuda_initialized(torch_cuda):
-        try:
-            index = torch_device_index(torch_cuda, local_rank)
-            want = _uuid_key(str(torch_cuda.get_device_properties(index).uuid))
-            # torch prints the bare UUID; NVML wants "GPU-<uuid>" (or "MIG-<uuid>" for a MIG slice,
-            # which no enumeration of physical GPUs below would find).
-            for prefix in ("GPU-", "MIG-"):
-                with contextlib.suppress(nvml.NVMLError):
-                    return nvml.nvmlDeviceGetHandleByUUID(prefix + want)
-            for handle, uuid in _all_devices(nvml):
-                if _uuid_key(uuid) == want:
-                    return handle
-        except (RuntimeError, AttributeError, nvml.NVMLError) as exc:  # torch without `.uuid`, ...
-            log.debug("torch device UUID lookup failed (%s); using CUDA_VISIBLE_DEVICES", exc)
+    want = torch_uuid(torch_cuda, local_rank)
+    if want is not None:
+        with contextlib.suppress(nvml.NVMLError):
+            handle = handle_for_uuid(nvml, want)
+            if handle is not None:
+                return handle
+        log.debug("torch's device %s not found through NVML; using CUDA_VISIBLE_DEVICES", want)
     visible = parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
     entries = visible if visible is not None else [str(i) for i in range(int(nvml.nvmlDeviceGetCount()))]
     if 0 <= local_rank < len(entries):
@@ -190,16 +219,27 @@ def discover_with_timeout(
     torch_cuda: Any | None = None,
     timeout_s: float = 5.0,
 ) -> Discovery:
-    """discover_gpus on a daemon thread; a hung ``nvmlInit`` (go-nvml#152) costs at most timeout_s."""
+    """discover_gpus on a daemon thread; a hung ``nvmlInit`` (go-nvml#152) costs at most timeout_s.
+    One that returns after the timeout is shut down again: nobody samples through it."""
     result: list[Discovery] = []
+    abandoned: list[bool] = []
+    lock = threading.Lock()
     env = dict(os.environ if environ is None else environ)
-    thread = threading.Thread(
-        target=lambda: result.append(discover_gpus(local_rank, nvml, env, torch_cuda)),
-        name="otel-train-nvml-init",
-        daemon=True,
-    )
+
+    def discover() -> None:
+        found = discover_gpus(local_rank, nvml, env, torch_cuda)
+        with lock:
+            if not abandoned:
+                result.append(found)
+                return
+        if found.nvml is not None:
+            shutdown_quietly(found.nvml)
+
+    thread = threading.Thread(target=discover, name="otel-train-nvml-init", daemon=True)
     thread.start()
     thread.join(timeout_s)
-    if not result:
-        return Discovery(None, reason=f"NVML init/lookup did not return within {timeout_s:g}s")
+    with lock:
+        if not result:
+            abandoned.append(True)
+            return Discovery(None, reason=f"NVML init/lookup did not return within {timeout_s:g}s")
     return result[0]

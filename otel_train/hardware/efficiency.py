@@ -49,12 +49,12 @@ class FlushEfficiency:
         self._dtype: str | None = normalize_dtype(setting) if setting != "auto" else None
         self._detected: str | None = None
         self._instruments: dict[str, Any] = {}
-        self._energy_prev: tuple[float, float] | None = None
+        self._energy_prev: tuple[float, float, tuple[str, ...]] | None = None
         self._cuda_prev: dict[str, int] = {}
         self._cuda_total: int | None = None
         self._pressure_active = False
         self._cuda_reserved_ratio: float | None = None
-        self._peaks: dict[str, tuple[float | None, str | None]] = {}  # by dtype, resolved (and logged) once
+        self._peaks: dict[tuple[str | None, str], tuple[float | None, str | None]] = {}  # logged once each
         self._peak_logged = False  # "no device known yet" said
         self._mfu_event_sent = False
         self.on_pressure: Callable[[str], None] | None = None  # memory_dump.MemoryDumps, when wired
@@ -136,14 +136,15 @@ class FlushEfficiency:
         if snap.energy_j is None:  # also without a GPU
             return
         prev = self._energy_prev
-        if prev is None or snap.energy_j < prev[1]:  # first flush, or the counter went back (reset)
-            self._energy_prev = (snap.time, snap.energy_j)
+        if prev is None or snap.energy_j < prev[1] or snap.devices != prev[2]:
+            # first flush, the counter went back (a reset), or other GPUs (one lost, one followed)
+            self._energy_prev = (snap.time, snap.energy_j, snap.devices)
             return
         dt = snap.time - prev[0]
         if dt <= 0:  # no new sample since the last flush: keep the baseline, report next time
             return
         power = (snap.energy_j - prev[1]) / dt
-        self._energy_prev = (snap.time, snap.energy_j)
+        self._energy_prev = (snap.time, snap.energy_j, snap.devices)
         inst = self._instruments
         inst[sc.POWER_AVERAGE.name].set(power)
         # Sample times do not coincide with flushes: the interval's energy is estimated as the
@@ -171,9 +172,9 @@ class FlushEfficiency:
     def resolve_peak(self, dtype: str | None = None) -> tuple[float | None, str | None]:
         """(peak FLOP/s, source) for MFU at `dtype` (default: `compute_dtype()`); (None, None): no MFU."""
         dtype = dtype or self.compute_dtype()
-        if dtype in self._peaks:
-            return self._peaks[dtype]
         name = self._device_name()
+        if (name, dtype) in self._peaks:
+            return self._peaks[name, dtype]
         peak = resolve_peak(name, dtype, self._config.peak_flops, os.environ)
         if peak[0] is None and name is None:
             # No device known yet (CUDA may be initialised later): resolve again next flush.
@@ -181,7 +182,7 @@ class FlushEfficiency:
                 self._peak_logged = True
                 log.info("otel_train: no MFU yet: no GPU device known; set peak_flops to force one")
             return peak
-        self._peaks[dtype] = peak
+        self._peaks[name, dtype] = peak
         if peak[0] is None:
             log.info(
                 "otel_train: no MFU: peak FLOP/s unknown for device %r (dtype %s); set peak_flops or %s",

@@ -32,6 +32,7 @@ class GpuSnapshot:
     obs: Mapping[str, list[Observation]] = field(default_factory=dict)
     energy_j: float | None = None  # summed over the rank's GPUs (None when not all report it)
     memory: tuple[tuple[str, int, int], ...] = ()  # (uuid, used, total)
+    devices: tuple[str, ...] = ()  # the UUIDs sampled (an energy baseline holds for these only)
 
 
 class GpuSampler:
@@ -47,6 +48,7 @@ class GpuSampler:
         self.snapshot = GpuSnapshot()
         self._busy_since: float | None = None
         self._stuck_warned = False
+        self._follow: str | None = None  # a UUID to sample instead, from `follow`
         self.samples = 0  # taken so far (tests wait on it)
 
     def attach(self, nvml: Any, devices: Iterable[GpuDevice]) -> None:
@@ -58,6 +60,11 @@ class GpuSampler:
         for spec in GPU_SPECS:  # the callbacks read the snapshot only: never NVML
             spec.create(meter, lambda options, name=spec.name: self.snapshot.obs.get(name, ()))
 
+    def follow(self, uuid: str) -> None:
+        """Sample the GPU with this UUID from the next sample on: the device torch uses, when it
+        is not the one discovery found before CUDA was initialised (CUDA's FASTEST_FIRST order)."""
+        self._follow = uuid
+
     # -- thread ------------------------------------------------------------------------------------
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """The sampler thread: sample every ``interval_s`` until ``stop``; then release NVML."""
@@ -67,6 +74,8 @@ class GpuSampler:
                 if stop.wait(interval_s):
                     break
         finally:
+            if not stop.is_set():  # a bug ended the thread (its traceback says which): no stale gauges
+                self.snapshot = GpuSnapshot()
             self.release_nvml()
 
     def release_nvml(self) -> None:
@@ -96,16 +105,33 @@ class GpuSampler:
         with self._lock:
             self._busy_since = self.clock()
             try:
+                if self._follow is not None:
+                    self._switch_device(reads, self._follow)
                 self.snapshot = self._sample_devices(reads)
             finally:
                 self._busy_since = None
         self.samples += 1
 
+    def _switch_device(self, reads: NvmlReads, uuid: str) -> None:
+        self._follow = None
+        device = reads.device_for_uuid(uuid)
+        if device is None:
+            return
+        was = self.devices[0].dev if self.devices else None
+        self.devices = [DeviceState(device)]
+        log.warning(
+            "otel_train: this rank's CUDA device is %s (%s), not %s: GPU metrics follow it from now on; "
+            "the resource attribute hw.gpu.uuid still names the other. Set CUDA_DEVICE_ORDER=PCI_BUS_ID "
+            "or initialise CUDA before ot.init() to find it from the start",
+            device.name, device.uuid, f"{was.name} ({was.uuid})" if was else "the GPU found at start",
+        )  # fmt: skip
+
     def _sample_devices(self, reads: NvmlReads) -> GpuSnapshot:
-        samples = []
+        samples, uuids = [], []
         for state in [s for s in self.devices if not s.lost]:
             try:
                 samples.append(reads.sample_device(state, self.clock))
+                uuids.append(state.dev.uuid)
             except GpuLost as exc:
                 self._mark_lost(state, str(exc))
         obs: dict[str, list[Observation]] = {}
@@ -115,10 +141,11 @@ class GpuSampler:
         energies = [sample.energy_j for sample in samples if sample.energy_j is not None]
         energy = sum(energies) if samples and len(energies) == len(samples) else None  # all GPUs' or none
         memory = tuple(sample.memory for sample in samples if sample.memory is not None)
-        return GpuSnapshot(self.clock(), obs, energy, memory)
+        return GpuSnapshot(self.clock(), obs, energy, memory, tuple(uuids))
 
     def _mark_lost(self, state: DeviceState, detail: str) -> None:
         state.lost = True
         message = f"GPU {state.dev.name} ({state.dev.uuid}) is lost: {detail}; its metrics stop"
         log.error("otel_train: %s", message)
-        self._events.emit("gpu_lost", message, {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name})
+        attributes = {sc.HW_ID: state.dev.uuid, sc.HW_NAME: state.dev.name}
+        self._events.emit("gpu_lost", message, attributes, severity="ERROR")

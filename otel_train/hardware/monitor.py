@@ -11,7 +11,7 @@ from opentelemetry.metrics import Meter
 
 from otel_train.config import Config
 from otel_train.core.buffer import Interval
-from otel_train.hardware.discovery import Discovery, log, shutdown_quietly
+from otel_train.hardware.discovery import Discovery, log, same_uuid, shutdown_quietly, torch_uuid
 from otel_train.hardware.efficiency import ENERGY_SPECS, MFU_SPECS, FlushEfficiency
 from otel_train.hardware.gpu_sampler import GpuSampler
 from otel_train.hardware.host_sampler import HostSampler
@@ -32,6 +32,8 @@ class HardwareMonitor:
         self._meter = meter
         events = events if events is not None else NullEventChannel()
         self.discovery = discovery
+        self._local_rank = local_rank
+        self._device_checked = False  # against torch's device, once CUDA is initialised
         self._interval_s = config.hardware_interval_s
         self._started = False
         self._closed = False
@@ -85,6 +87,8 @@ class HardwareMonitor:
     def on_flush(self, interval: Interval) -> None:
         if not self._started or self._closed:
             return
+        if not self._device_checked:
+            self._check_device()
         eff = self.efficiency
         for part in (eff.flush_cuda, eff.flush_pressure, eff.flush_energy, eff.flush_mfu):
             try:
@@ -92,6 +96,17 @@ class HardwareMonitor:
             except Exception:  # torch.cuda, NVML and MFU reads (code this library does not own)
                 log.debug("otel_train: hardware flush step %s failed", part.__name__, exc_info=True)
         self.gpu_sampler.warn_if_stuck(self._interval_s)
+
+    def _check_device(self) -> None:
+        """Discovery ran before CUDA was initialised, by CUDA_VISIBLE_DEVICES index (NVML's PCI
+        order); once torch knows its device, a different GPU is followed from then on."""
+        want = torch_uuid(self.efficiency.torch_cuda(), self._local_rank)
+        if want is None:
+            return  # CUDA not initialised yet (or never: a CPU run)
+        self._device_checked = True
+        devices = self.gpu_sampler.devices
+        if devices and not same_uuid(devices[0].dev.uuid, want):
+            self.gpu_sampler.follow(want)
 
     def _spawn(self, run: Callable[[threading.Event, float], None], name: str) -> None:
         thread = threading.Thread(target=run, args=(self._stop, self._interval_s), name=name, daemon=True)

@@ -12,7 +12,7 @@ from typing import Any
 from opentelemetry.metrics import Observation
 
 from otel_train import semconv as sc
-from otel_train.hardware.discovery import GpuDevice, log, shutdown_quietly
+from otel_train.hardware.discovery import GpuDevice, describe_device, handle_for_uuid, log, shutdown_quietly
 from otel_train.health import EventChannel
 
 MAX_XID_EVENTS_PER_SAMPLE = 64
@@ -29,7 +29,10 @@ THROTTLE_BITS: dict[str, int] = {
 
 PCIE_COUNTERS = {"receive": "NVML_PCIE_UTIL_RX_BYTES", "transmit": "NVML_PCIE_UTIL_TX_BYTES"}
 _UNSUPPORTED_CODES = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR_FUNCTION_NOT_FOUND")
-_LOST_CODES = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN")
+# A GPU that needs a reset (after a fatal XID) reports nothing trustworthy until it gets one: lost too.
+_LOST_CODES = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_RESET_REQUIRED")
+# NVML's "any unexpected error": one field failing on a healthy GPU, or the GPU gone. A probe tells.
+_UNKNOWN_CODES = ("NVML_ERROR_UNKNOWN",)
 
 
 class GpuLost(Exception):
@@ -48,6 +51,7 @@ class DeviceState:
     last_xid: int | None = None
     io_bytes: dict[str, float] = field(default_factory=dict)  # hw.gpu.io by direction (integrated)
     io_sampled_at: float | None = None
+    failures_told: set[tuple[str, int]] = field(default_factory=set)  # (field, NVML code) warned about
 
 
 def _codes(nvml: Any, names: tuple[str, ...]) -> frozenset[int]:
@@ -78,6 +82,7 @@ class NvmlReads:
         self._events = events
         self._unsupported_codes = _codes(nvml, _UNSUPPORTED_CODES)
         self._lost_codes = _codes(nvml, _LOST_CODES)
+        self._unknown_codes = _codes(nvml, _UNKNOWN_CODES)
         self.current_call = ""  # the NVML function running now: the sampler's stuck warning names it
 
     def release(self, devices: Iterable[DeviceState]) -> None:
@@ -163,7 +168,7 @@ class NvmlReads:
                 out.put(sc.GPU_IO, int(total), {sc.DIRECTION: direction})
 
     def _call(self, state: DeviceState, field_name: str, fn_name: str, *args: Any) -> Any | None:
-        """One NVML call; None when unsupported (remembered) or failing transiently."""
+        """One NVML call; None when unsupported (remembered) or failing (said once, asked again)."""
         if field_name in state.unsupported:
             return None
         if not hasattr(self._nvml, fn_name):
@@ -175,6 +180,37 @@ class NvmlReads:
             if self._unsupported(exc):
                 state.unsupported.add(field_name)
                 log.debug("otel_train: %s not supported on %s (%s)", fn_name, state.dev.uuid, exc)
+                return None
+            if getattr(exc, "value", None) in self._unknown_codes:
+                self._probe(state, fn_name, exc)  # raises GpuLost when the GPU itself is gone
+            self._tell_failure(state, field_name, fn_name, exc)
+            return None
+
+    def _probe(self, state: DeviceState, fn_name: str, exc: Exception) -> None:
+        """After an Unknown error: a GPU that cannot even say its UUID is gone."""
+        try:
+            self._invoke("nvmlDeviceGetUUID", state.dev.handle)
+        except self._nvml.NVMLError as probe_exc:
+            raise GpuLost(f"{fn_name}: {exc}; nvmlDeviceGetUUID: {probe_exc}") from probe_exc
+
+    @staticmethod
+    def _tell_failure(state: DeviceState, field_name: str, fn_name: str, exc: Exception) -> None:
+        """A failing read is retried at every sample; each kind of failure is said once."""
+        told = (field_name, int(getattr(exc, "value", -1)))
+        if told not in state.failures_told:
+            state.failures_told.add(told)
+            log.warning(
+                "otel_train: NVML %s failed on %s (%s); its value is missing while it fails (said once)",
+                fn_name, state.dev.uuid, exc,
+            )  # fmt: skip
+
+    def device_for_uuid(self, want: str) -> GpuDevice | None:
+        """The device with comparable UUID ``want``, through NVML (on the sampler's thread)."""
+        try:
+            handle = handle_for_uuid(self._nvml, want)
+            return None if handle is None else describe_device(self._nvml, handle)
+        except self._nvml.NVMLError as exc:
+            log.warning("otel_train: NVML cannot find the GPU torch uses (%s): %s", want, exc)
             return None
 
     def _invoke(self, fn_name: str, *args: Any) -> Any:

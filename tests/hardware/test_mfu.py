@@ -120,7 +120,8 @@ def test_peak_table(name: str, dtype: Any, peak: float, entry: str) -> None:
     ("name", "dtype"),
     [("NVIDIA GeForce GTX 1080", "fp32"), ("Tesla K80", "fp32"), (None, "bf16"), ("NVIDIA A100-SXM4-80GB", "fp8"),
      ("NVIDIA H100 80GB HBM3", "int4"),
-     ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "bf16"),  # a MIG slice: the board's peak would be wrong
+     ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "bf16"),
+     ("NVIDIA RTX A1000", "bf16"), ("NVIDIA RTX A1000 6GB Laptop GPU", "fp16"),  # not an A100  # a MIG slice: the board's peak would be wrong
      ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", "bf16")],
 )  # fmt: skip
 def test_unknown_device_or_dtype_has_no_peak(name: str | None, dtype: str) -> None:

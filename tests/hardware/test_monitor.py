@@ -14,7 +14,10 @@ import pytest
 from helpers.events import Events
 from helpers.fake_nvml import (
     NVML_ERROR_DRIVER_NOT_LOADED,
+    NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_LIBRARY_NOT_FOUND,
+    NVML_ERROR_RESET_REQUIRED,
+    NVML_ERROR_UNKNOWN,
     FakeGpu,
     FakeNvml,
     gpu_uuid,
@@ -298,8 +301,10 @@ class FakeTorchCuda:
         self.total = total
         self.peak_resets = 0
 
+    initialized = True
+
     def is_initialized(self) -> bool:
-        return True
+        return self.initialized
 
     def device_count(self) -> int:
         return len(self.uuids)
@@ -374,6 +379,109 @@ def test_hung_nvml_init_is_abandoned(rig: Rig, caplog: pytest.LogCaptureFixture)
         assert not any(n.startswith("hw.") for n in rig.points())
     finally:
         nvml.release()
+    # the init that returned after the timeout is shut down again: nobody samples through it
+    wait_for(lambda: nvml.calls["nvmlShutdown"] == 1, 10, "the late NVML init shut down")
+    assert nvml.initialized == 0
+
+
+def test_sampler_follows_the_gpu_torch_uses_once_cuda_is_initialised(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Discovery before CUDA goes by index (NVML's PCI order); CUDA's FASTEST_FIRST order put the
+    H100 first on this workstation, so torch's cuda:0 is NVML's device 1."""
+    a1000 = FakeGpu(uuid=gpu_uuid(0), name="NVIDIA RTX A1000", energy_mj=5_000_000)
+    h100 = FakeGpu(uuid=gpu_uuid(1), name="NVIDIA H100 80GB HBM3", energy_mj=1_000_000)
+    nvml = FakeNvml([a1000, h100])
+    torch_cuda = FakeTorchCuda([gpu_uuid(1), gpu_uuid(0)])
+    torch_cuda.initialized = False
+    mon = rig.monitor(nvml, torch_cuda=torch_cuda, settings={"flops_per_token": 1e9})
+    mon.start(background=False)
+    assert mon.discovery.resource_attributes()[RES_GPU_UUID] == gpu_uuid(0)  # by index, as before CUDA
+    mon.sample_once()
+    mon.on_flush(interval(tokens=1000))  # CUDA not initialised yet: nothing to check against
+    torch_cuda.initialized = True
+    with caplog.at_level(logging.WARNING, logger="otel_train.hardware"):
+        mon.on_flush(interval(tokens=1000))
+        mon.sample_once()
+    assert "CUDA device is NVIDIA H100 80GB HBM3" in caplog.text and "CUDA_DEVICE_ORDER" in caplog.text
+    pts = rig.points()
+    assert {a[sc.HW_ID] for a, _, _ in pts[sc.GPU_UTILIZATION.name]} == {gpu_uuid(1)}
+    assert mon.efficiency.resolve_peak("bf16")[1] == "table:h100-sxm:bf16"  # not the A1000's "no peak"
+    mon.on_flush(interval(tokens=1000))  # the energy baseline starts again on the followed GPU
+    h100.energy_mj += 2_000_000
+    mon.sample_once()
+    mon.on_flush(interval(tokens=1000))
+    assert value(rig.points(), sc.POWER_AVERAGE.name) > 0  # from the H100's counter alone
+
+
+def test_an_unknown_nvml_error_on_one_field_of_a_healthy_gpu_does_not_lose_it(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(0), errors={"nvmlDeviceGetPcieThroughput": NVML_ERROR_UNKNOWN})
+    mon = rig.monitor(FakeNvml([gpu]))
+    mon.start(background=False)
+    with caplog.at_level(logging.WARNING, logger="otel_train.hardware"):
+        for _ in range(3):
+            mon.sample_once()
+    assert not rig.events.named("gpu_lost")
+    pts = rig.points()
+    assert value(pts, sc.GPU_UTILIZATION.name) == pytest.approx(0.75)
+    assert sc.GPU_IO.name not in pts
+    told = [r for r in caplog.records if "nvmlDeviceGetPcieThroughput failed" in r.getMessage()]
+    assert len(told) == 2, told  # once per field (receive, transmit) over three samples
+
+
+def test_an_unknown_error_from_a_gpu_that_cannot_say_its_uuid_is_a_lost_gpu(rig: Rig) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(0))
+    mon = rig.monitor(FakeNvml([gpu]))
+    mon.start(background=False)
+    mon.sample_once()
+    gpu.errors = dict.fromkeys(("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetUUID"), NVML_ERROR_UNKNOWN)
+    mon.sample_once()
+    (lost,) = rig.events.named("gpu_lost")
+    assert "nvmlDeviceGetUUID" in lost[1]
+    assert rig.events.severities["gpu_lost"] == ["ERROR"]
+
+
+def test_a_gpu_that_requires_a_reset_is_lost(rig: Rig) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(0), errors={"nvmlDeviceGetMemoryInfo": NVML_ERROR_RESET_REQUIRED})
+    mon = rig.monitor(FakeNvml([gpu]))
+    mon.start(background=False)
+    mon.sample_once()
+    assert len(rig.events.named("gpu_lost")) == 1
+    assert not any(spec.name in rig.points() for spec in GPU_SPECS)
+
+
+def test_a_read_that_keeps_failing_is_absent_and_said_once(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpu = FakeGpu(uuid=gpu_uuid(0), errors={"nvmlDeviceGetPowerUsage": NVML_ERROR_INVALID_ARGUMENT})
+    nvml = FakeNvml([gpu])
+    mon = rig.monitor(nvml)
+    mon.start(background=False)
+    with caplog.at_level(logging.WARNING, logger="otel_train.hardware"):
+        for _ in range(3):
+            mon.sample_once()
+    assert sc.GPU_POWER.name not in rig.points()
+    assert nvml.calls["nvmlDeviceGetPowerUsage"] == 3  # asked again: it may recover
+    assert sum("nvmlDeviceGetPowerUsage failed" in r.getMessage() for r in caplog.records) == 1
+    del gpu.errors["nvmlDeviceGetPowerUsage"]
+    mon.sample_once()
+    assert value(rig.points(), sc.GPU_POWER.name) == pytest.approx(350.0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_sampler_thread_ended_by_a_bug_leaves_no_stale_gauges(rig: Rig) -> None:
+    nvml = FakeNvml()
+    mon = rig.monitor(nvml)
+    mon.start()
+    wait_for(lambda: mon.gpu_sampler.samples >= 1, 10, "GPU samples")
+    assert sc.GPU_UTILIZATION.name in rig.points()
+    nvml.nvmlDeviceGetTemperature = None  # type: ignore[method-assign]  # calling it: TypeError, a bug
+    (thread,) = [t for t in mon._threads if t.name == "otel-train-hw-gpu"]
+    thread.join(10)
+    assert not thread.is_alive()
+    assert not any(spec.name in rig.points() for spec in GPU_SPECS)  # gone, not frozen at old values
 
 
 def test_gpu_lost_stops_its_gauges_and_emits_one_event(rig: Rig) -> None:
@@ -459,12 +567,33 @@ def test_host_metrics(rig: Rig) -> None:
     sum(i * i for i in range(20000))  # a little CPU between the two samples
     mon.sample_once()
     pts = rig.points()
-    assert value(pts, sc.PROCESS_CPU_UTILIZATION.name) >= 0.0
+    assert 0.0 <= value(pts, sc.PROCESS_CPU_UTILIZATION.name) <= 1.0
     assert value(pts, sc.PROCESS_MEMORY_USAGE.name) > 10 * 1024**2
     used = value(pts, sc.SYSTEM_MEMORY_USAGE.name, **{sc.MEMORY_STATE: "used"})
     free = value(pts, sc.SYSTEM_MEMORY_USAGE.name, **{sc.MEMORY_STATE: "free"})
     assert used > 0 and free > 0
     assert used + free == pytest.approx(psutil.virtual_memory().total, rel=0.05)
+
+
+def test_process_cpu_utilization_is_a_share_of_the_cpus_available_to_it(rig: Rig) -> None:
+    """The OTel convention: CPU time over elapsed time and the CPUs the process may use."""
+
+    class FourCpuProcess:
+        def cpu_percent(self, interval: None) -> float:
+            return 150.0  # psutil: one and a half cores busy
+
+        def cpu_affinity(self) -> list[int]:
+            return [0, 1, 2, 3]
+
+        def memory_info(self) -> Any:
+            return type("Mem", (), {"rss": 1})()
+
+    mon = rig.monitor(FakeNvml())
+    mon.host_sampler.process = FourCpuProcess()
+    mon.start(background=False)
+    mon.sample_once()
+    mon.sample_once()
+    assert value(rig.points(), sc.PROCESS_CPU_UTILIZATION.name) == pytest.approx(0.375)
 
 
 # --- flush: allocator, pressure, energy ------------------------------------------------------------------

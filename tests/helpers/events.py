@@ -41,6 +41,7 @@ class Events:
 
     def __init__(self) -> None:
         self.items: list[tuple[str, str, dict[str, Any]]] = []
+        self.severities: dict[str, list[str]] = {}  # event name -> the severities it was emitted at
 
     def emit(
         self,
@@ -50,6 +51,7 @@ class Events:
         severity: str = "WARNING",
     ) -> None:
         self.items.append((event, message, dict(attributes or {})))
+        self.severities.setdefault(event, []).append(severity)
 
     def named(self, event: str) -> list[tuple[str, str, dict[str, Any]]]:
         return [e for e in self.items if e[0] == event]

@@ -2,13 +2,15 @@
 
 Same function names and argument order, same constants, same error model: ``NVMLError(code)``
 returns the matching ``NVMLError_<Name>`` subclass and carries ``.value``. Strings come back as
-``str`` (pynvml decodes them), the PCI bus id inside the PCI-info struct as ``bytes`` (it does not).
+``str``, the PCI bus id inside the PCI-info struct too (pynvml decodes both).
 Units are NVML's: mW, mJ, MHz, KB/s, percent, °C.
 
 Knobs for tests:
 * ``FakeGpu.unsupported``: names of functions (``"nvmlDeviceGetUtilizationRates"``) that raise
   ``NVMLError_NotSupported`` for that GPU (``no_permission`` likewise raises NoPermission).
 * ``FakeGpu.lost = True``: every call on that handle raises ``NVMLError_GpuIsLost``.
+* ``FakeGpu.errors``: function name -> the NVML error code it raises for that GPU (Unknown,
+  ResetRequired, InvalidArgument, ...).
 * ``FakeNvml.init_error``: the code ``nvmlInit`` raises (LibraryNotFound, DriverNotLoaded, ...).
 * ``FakeNvml.hang(names)``: calls to those functions block on a ``threading.Event`` until
   ``release()``; ``hanging`` is set while a call is blocked.
@@ -36,6 +38,7 @@ NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_RESET_REQUIRED = 16
 NVML_ERROR_UNKNOWN = 999
 
 NVML_TEMPERATURE_GPU = 0
@@ -109,6 +112,7 @@ NVMLError_FunctionNotFound = _error_class(
     "FunctionNotFound", NVML_ERROR_FUNCTION_NOT_FOUND, "Function Not Found"
 )
 NVMLError_GpuIsLost = _error_class("GpuIsLost", NVML_ERROR_GPU_IS_LOST, "GPU is lost")
+NVMLError_ResetRequired = _error_class("ResetRequired", NVML_ERROR_RESET_REQUIRED, "GPU requires restart")
 NVMLError_Unknown = _error_class("Unknown", NVML_ERROR_UNKNOWN, "Unknown Error")
 
 
@@ -128,8 +132,8 @@ class c_nvmlUtilization_t:
 
 @dataclass
 class nvmlPciInfo_t:
-    busId: bytes  # pynvml leaves char arrays in structs as bytes
-    busIdLegacy: bytes
+    busId: str  # pynvml decodes the struct's char arrays
+    busIdLegacy: str
     domain: int
     bus: int
     device: int
@@ -166,6 +170,7 @@ class FakeGpu:
     unsupported: set[str] = field(default_factory=set)
     no_permission: set[str] = field(default_factory=set)
     lost: bool = False
+    errors: dict[str, int] = field(default_factory=dict)  # function name -> NVML error code
     xids: list[int] = field(default_factory=list)  # pending critical XID events
 
 
@@ -236,6 +241,8 @@ class FakeNvml:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         if name in gpu.no_permission:
             raise NVMLError(NVML_ERROR_NO_PERMISSION)
+        if name in gpu.errors:
+            raise NVMLError(gpu.errors[name])
         return gpu
 
     # -- library --
@@ -281,7 +288,7 @@ class FakeNvml:
 
     def nvmlDeviceGetPciInfo(self, handle: FakeHandle) -> nvmlPciInfo_t:
         gpu = self._dev("nvmlDeviceGetPciInfo", handle)
-        bus_id = gpu.pci_bus_id.encode()
+        bus_id = gpu.pci_bus_id
         return nvmlPciInfo_t(busId=bus_id, busIdLegacy=bus_id[-12:], domain=0, bus=1, device=0)
 
     def nvmlDeviceGetUtilizationRates(self, handle: FakeHandle) -> c_nvmlUtilization_t:

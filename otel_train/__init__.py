@@ -275,22 +275,25 @@ def watch(
         session.buffer, model, every, grads, params, activations, histograms, layers, on_remove, scaled
     )
     handle.fingerprints = session.identity.distributed and session.config.cross_rank
-    _warn_if_layers_shared(session, handle)
+    _warn_if_second_model(session, handle)
     session.add_watch(handle)
     return handle
 
 
-def _warn_if_layers_shared(session: Session, handle: ModelWatch) -> None:
-    """Two watched models with the same module names (a GAN of two nn.Sequential) share series."""
+def _warn_if_second_model(session: Session, handle: ModelWatch) -> None:
+    """A second watched model (a GAN, an actor and a critic): the global norms mix the two, and
+    layers with the same module names (two nn.Sequential) share series."""
+    if not session.watches:
+        return
     shared = sorted({label for w in session.watches for label in w.labels} & set(handle.labels))
-    if shared:
-        _log.warning(
-            "otel_train: ot.watch(%s): layers %s are also layers of an already watched model: their "
-            "series mix, and train.grad_norm averages the two models' norms. Watch them as one: "
-            "ot.watch(torch.nn.ModuleDict({'generator': G, 'discriminator': D}))",
-            type(handle.model).__name__,
-            ", ".join(shared[:5]) + (", ..." if len(shared) > 5 else ""),
-        )
+    also = ", ".join(shared[:5]) + (", ..." if len(shared) > 5 else "")
+    _log.warning(
+        "otel_train: ot.watch(%s) while another model is watched: train.grad_norm, train.param_norm "
+        "and the console's grad mix the two models' norms%s. Watch them as one for one global norm: "
+        "ot.watch(torch.nn.ModuleDict({'generator': G, 'discriminator': D}))",
+        type(handle.model).__name__,
+        f"; layers {also} are also layers of an already watched model: their series mix" if shared else "",
+    )
 
 
 def _need_mapping(call: str, value: Any) -> None:

@@ -133,12 +133,15 @@ class HealthEvents:
         events_path: Path | None,
         base_attributes: Mapping[str, AttributeValue],
         echo: bool,
+        echo_source: str = "",
     ) -> None:
+        """`echo_source`: who the console line speaks for (" (rank 1)"), as every rank echoes."""
         self._counter = counter
         self._otel_logger = otel_logger
         self._events_path = events_path
         self._base = dict(base_attributes)
         self.echo = echo  # a log line per event; runtime control's `verbosity` changes it
+        self._echo_source = echo_source
         self._lock = threading.Lock()
         self._callbacks: list[EventCallback] = []
         self._hook_callbacks: list[EventCallback] = []
@@ -199,7 +202,7 @@ class HealthEvents:
                     )  # fmt: skip
                     self._events_path = None
         if self.echo:
-            log.warning("otel_train %s: %s", event, message)
+            log.warning("otel_train %s%s: %s", event, self._echo_source, message)
         for callback in self._callbacks:
             callback(event, message, attrs)
         hooks = self.hooks
@@ -234,6 +237,7 @@ class HealthMonitor:
         self._var = 0.0
         self._seen = 0
         self.nonfinite_loss = 0
+        self._grads_nonfinite = False  # the last watched step's gradients were NaN/Inf (one event a spell)
 
     def on_flush(self, interval: Interval) -> None:
         self._report_nonfinite_loss(
@@ -241,8 +245,7 @@ class HealthMonitor:
             interval.nonfinite_steps.get(semconv.LOSS.name),
             interval.step,
         )
-        for step, layers in interval.nonfinite_grads:
-            self._report_nonfinite_grads(layers, step)
+        self._follow_grads(interval)
         # Every recorded loss value, each with the step it was recorded at where the worker could
         # tell (one value per step, the usual case); otherwise named by the interval's last step.
         losses = interval.scalars.get(semconv.LOSS.name, ())
@@ -285,6 +288,19 @@ class HealthMonitor:
             what = f"{count} non-finite loss value(s) in the interval ending at step {step}"
         self._events.emit("nonfinite", what, {"step": step}, severity="ERROR")
 
+    def _follow_grads(self, interval: Interval) -> None:
+        """One `nonfinite_grad` event when the watched gradients turn NaN/Inf, none while they stay
+        so (a diverged run would raise one each watched step, on every rank), another after they
+        were finite again."""
+        bad = dict(interval.nonfinite_grads)
+        for step in sorted({step for step, _, _ in interval.layer_grad_norms} | bad.keys()):
+            layers = bad.get(step)
+            if layers is None:
+                self._grads_nonfinite = False
+            elif not self._grads_nonfinite:
+                self._grads_nonfinite = True
+                self._report_nonfinite_grads(layers, step)
+
     def _report_nonfinite_grads(self, layers: list[str], step: int) -> None:
         # Backpropagation carries a NaN from where it starts towards the input, so the affected
         # layer nearest the output (last in module order) is the likeliest origin.
@@ -292,7 +308,7 @@ class HealthMonitor:
         self._events.emit(
             "nonfinite_grad",
             f"non-finite gradient norm at step {step} in {len(layers)} layer(s): {shown}; "
-            f"nearest the output: {layers[-1]}",
+            f"nearest the output: {layers[-1]} (said once until the gradients are finite again)",
             {"step": step, semconv.LAYER: layers[-1]},
             severity="ERROR",
         )

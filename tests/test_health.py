@@ -46,13 +46,30 @@ def test_nonfinite_losses_and_gradients_come_from_the_interval() -> None:
             nonfinite_grads=[(6, ["layer1", "layer2"]), (7, ["head"])],
         )
     )
-    assert [e for e, _ in events.emitted] == ["nonfinite", "nonfinite_grad", "nonfinite_grad"]
+    # steps 6 and 7 are one spell of non-finite gradients: one event, at its first step
+    assert [e for e, _ in events.emitted] == ["nonfinite", "nonfinite_grad"]
     assert events.emitted[0][1] == {"step": 7}
     assert events.emitted[1][1] == {"step": 6, semconv.LAYER: "layer2"}  # nearest the output
-    assert events.emitted[2][1] == {"step": 7, semconv.LAYER: "head"}
     assert health.nonfinite_loss == 2 and counter.total == 2
     health.on_flush(_interval(8, [1.0]))  # nothing dropped: nothing reported
-    assert len(events.emitted) == 3 and counter.total == 2
+    assert len(events.emitted) == 2 and counter.total == 2
+
+
+def test_nonfinite_gradients_are_one_event_a_spell_across_flushes() -> None:
+    """A diverged run's gradients stay NaN: one event when they turn, another only after a watched
+    step with finite gradients (not one per watched step on every rank)."""
+    events = RecordingEvents()
+    health = HealthMonitor(events, Counter(), spike_factor=3.0)  # type: ignore[arg-type]
+    finite = [1.0]
+    health.on_flush(
+        _interval(2, [], nonfinite_grads=[(2, ["head"])], layer_grad_norms=[(1, ("head",), finite)])
+    )
+    health.on_flush(_interval(4, [], nonfinite_grads=[(3, ["head"]), (4, ["head"])]))
+    assert [a["step"] for _, a in events.emitted] == [2]
+    health.on_flush(
+        _interval(6, [], layer_grad_norms=[(5, ("head",), finite)], nonfinite_grads=[(6, ["head"])])
+    )
+    assert [a["step"] for _, a in events.emitted] == [2, 6]  # finite at 5: a new spell at 6
 
 
 def test_a_nonfinite_loss_event_names_the_step_of_its_first_value_where_the_worker_told_it() -> None:
@@ -115,3 +132,17 @@ def test_a_true_spike_is_seen_and_a_slow_drift_is_not() -> None:
     assert _spikes(losses) == [300]
     drifting = [1.0 + 2.0 * i / 5000 + rng.gauss(0, 0.03) for i in range(5000)]
     assert _spikes(drifting) == []
+
+
+def test_the_console_line_of_an_event_names_the_rank_it_speaks_for(caplog: Any) -> None:
+    """Every rank echoes its events: a NaN on rank 1 must not read as rank 0's."""
+    import logging
+
+    from otel_train.health import HealthEvents
+
+    events = HealthEvents(Counter(), None, None, {}, echo=True, echo_source=" (rank 1)")
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        events.emit("nonfinite", "non-finite loss at step 12", severity="ERROR")
+    assert [r.getMessage() for r in caplog.records] == [
+        "otel_train nonfinite (rank 1): non-finite loss at step 12"
+    ]

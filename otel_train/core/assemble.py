@@ -185,6 +185,7 @@ def _health_events(
         RunFiles(place.run_dir, rank, place.identity.role).events if place.run_dir else None,
         {semconv.RANK: rank, "host.name": place.identity.host, **role_attribute(place.identity)},
         echo=config.verbosity > 0,
+        echo_source=f" (rank {rank})" if place.identity.distributed else "",
     )
 
 

@@ -160,6 +160,11 @@ def span_records(batch: FlushBatch, limit: int) -> list[SpanRecord]:
     return records + timers[: max(0, limit - len(records))]
 
 
+# A LayerStats record that is no metric: the GradScaler's found_inf of a fused optimizer's step (its
+# optimizer step ran, and skipped the update on the device), so the worker drops that step's gradients.
+SCALER_FOUND_INF = "otel_train.scaler_found_inf"
+
+
 @dataclass
 class LayerStats:
     """One ot.watch statistic for every layer of a watched step."""

@@ -22,7 +22,7 @@ from opentelemetry.sdk.metrics.export import Histogram as HistogramData
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otel_train import semconv
-from otel_train.core.buffer import FlushBatch, Interval, SpanRecord, SpanRole
+from otel_train.core.buffer import SCALER_FOUND_INF, FlushBatch, Interval, SpanRecord, SpanRole
 from otel_train.core.resolve import record_many, tensors_to_host
 from otel_train.crossrank import FINGERPRINT
 
@@ -90,12 +90,45 @@ def record_durations(
     record_many(histogram, bulk, attributes)
 
 
-def feed_layer_stats(instruments: Instruments, batch: FlushBatch, interval: Interval) -> None:
+def scaler_skipped_steps(batch: FlushBatch, interval: Interval) -> set[int]:
+    """The watched steps whose fused optimizer step the GradScaler skipped (found inf/NaN): their
+    gradient statistics are NaN by design and no sign of divergence, so they are taken out of the
+    interval's non-finite grad_norm and counted as dropped `scaler_skipped` instead."""
+    marks = [r for r in batch.layer_stats if r.instrument == SCALER_FOUND_INF]
+    if not marks:
+        return set()
+    found = tensors_to_host([r.values for r in marks])
+    skipped = {r.step for r, f in zip(marks, found, strict=True) if f is not None and f[0] > 0}
+    steps = interval.nonfinite_steps.get(semconv.GRAD_NORM.name)
+    if skipped and steps is not None:
+        kept = [step for step in steps if step not in skipped]
+        forgiven = len(steps) - len(kept)
+        dropped = batch.dropped
+        dropped["nonfinite"] -= forgiven
+        dropped["scaler_skipped"] = dropped.get("scaler_skipped", 0) + forgiven
+        if not dropped["nonfinite"]:
+            del dropped["nonfinite"]
+        if kept:
+            interval.nonfinite_steps[semconv.GRAD_NORM.name] = kept
+            interval.nonfinite[semconv.GRAD_NORM.name] = len(kept)
+        else:
+            del interval.nonfinite_steps[semconv.GRAD_NORM.name], interval.nonfinite[semconv.GRAD_NORM.name]
+            batch.problems.pop(("nonfinite", semconv.GRAD_NORM.name), None)
+    return skipped
+
+
+def feed_layer_stats(
+    instruments: Instruments, batch: FlushBatch, interval: Interval, scaler_skipped: Container[int] = ()
+) -> None:
     """ot.watch statistics: one gauge point per layer; non-finite values are dropped, counted
-    and, for gradients, named in the interval (health reports them as one event per step)."""
+    and, for gradients, named in the interval (health reports them once a spell). A step the
+    scaler skipped (`scaler_skipped_steps`) has no gradient statistics."""
     records = batch.layer_stats
     for record, values in zip(records, tensors_to_host([r.values for r in records]), strict=True):
-        if values is None:  # a tensor that could not be converted
+        if values is None or record.instrument == SCALER_FOUND_INF:  # unconvertible, or no metric
+            continue
+        if record.instrument == semconv.LAYER_GRAD_NORM.name and record.step in scaler_skipped:
+            batch.dropped["scaler_skipped"] = batch.dropped.get("scaler_skipped", 0) + len(record.labels)
             continue
         if record.instrument == FINGERPRINT:  # not a metric: compared across ranks (replicas.py)
             interval.batch_fingerprints.append((record.step, values))

@@ -51,6 +51,7 @@ from otel_train.core.instruments import (
     key_for,
     leave_out,
     record_durations,
+    scaler_skipped_steps,
     set_interval_stats,
 )
 from otel_train.core.resolve import (
@@ -243,10 +244,11 @@ class Worker:
             else:
                 self._own_rows.discard(instrument)
         self.values_per_step = values_per_step(batch, interval) or self.values_per_step
+        skipped = scaler_skipped_steps(batch, interval) if batch.layer_stats else set()
         for reason, name in batch.problems:
             self._warn_problem(reason, name)
         if batch.layer_stats:
-            feed_layer_stats(self.instruments, batch, interval)
+            feed_layer_stats(self.instruments, batch, interval, skipped)
         exemplars: ExemplarContexts = {}
         if self.span_writer is not None and batch.spans:  # first: the exemplars link to the spans
             records = span_records(batch, MAX_SPAN_RECORDS)

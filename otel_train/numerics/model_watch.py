@@ -14,7 +14,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from otel_train import semconv
-from otel_train.core.buffer import LayerStats
+from otel_train.core.buffer import SCALER_FOUND_INF, LayerStats
 from otel_train.crossrank import FINGERPRINT
 
 if TYPE_CHECKING:
@@ -114,6 +114,7 @@ class ModelWatch:
         # single process or cross_rank=False): otherwise a float64 pass over the input for nothing.
         self.fingerprints = True
         self._warned: set[str] = set()
+        self._params_checked = False  # see stale_parameters
 
     def _place_on(self, device: Any) -> None:
         """Index tensors on the parameters' device, built off the step path (a host-to-device copy
@@ -204,6 +205,10 @@ class ModelWatch:
     def _collect(self, index: int, buffer: Buffer) -> None:
         if self._params[0].device != self._device:
             self._place_on(self._params[0].device)
+        if not self._params_checked:
+            self._params_checked = True
+            if (stale := stale_parameters(self.model, self._params)) is not None:
+                self._warn_once("stale", stale)
         records: list[LayerStats] = []
         if self.grads and not self._zero_stage and self._reads.skipped_by_scaler():
             if self._reads.unapplied == UNAPPLIED_WARNING:
@@ -215,6 +220,7 @@ class ModelWatch:
                     "the step, or the GradScaler is skipping every step (its loss scale keeps overflowing).",
                 )
         elif self.grads and not self._zero_stage:
+            found_inf = self._reads.found_inf
             norms, samples = self._reads.final()
             if all(n is None for n in norms):
                 self._warn_once(
@@ -225,7 +231,10 @@ class ModelWatch:
                 )
             else:
                 per_layer, total = self._group_norms(norms)
-                ran = self._ran_only(per_layer)
+                if found_inf is not None:  # a fused optimizer's step the scaler may have skipped
+                    per_layer, total, mark = scaler_skip(found_inf, self._device, per_layer, total, index)
+                    records.append(mark)
+                ran = self._ran_only(per_layer, norms)
                 if ran is not None:
                     records.append(LayerStats(semconv.LAYER_GRAD_NORM.name, *ran, index))
                 if not buffer.has_user_name_for(semconv.GRAD_NORM.name):  # the user's own grad_norm wins
@@ -263,14 +272,16 @@ class ModelWatch:
                 " and no parameter statistics (the parameters are partitioned too)" if stage == 3 else "",
             )
 
-    def _ran_only(self, per_layer: Any) -> tuple[tuple[str, ...], Any] | None:
-        """(labels, values) of the held layers that ran (all when no forward hook fired), or None."""
+    def _ran_only(self, per_layer: Any, norms: Sequence[Any]) -> tuple[tuple[str, ...], Any] | None:
+        """(labels, values) of the held layers that ran, or None. When no forward hook fired (a
+        compiled model runs none), the layers that got a gradient are the ones that ran."""
         ran, self._ran = self._ran, set()
+        if not ran:
+            ran = {g for g, members in enumerate(self._members) if any(norms[i] is not None for i in members)}
         held = self._held[1] if self._held is not None else self.labels
         frozen = frozen_groups(self._members, self._params)
-        if not frozen and (not ran or len(ran) == len(self.labels)):
+        if not frozen and len(ran) == len(self.labels):
             return self._held_only(per_layer)
-        ran = ran or set(range(len(self.labels)))
         groups = [g for g, label in enumerate(self.labels) if g in ran and label in held and g not in frozen]
         if not groups:
             return None
@@ -379,6 +390,7 @@ class GradientReads:
 
     def clear(self) -> None:
         self.applied = False  # an optimizer step pre-hook read this step's gradients
+        self.found_inf: Any = None  # a GradScaler's found_inf handed to a fused optimizer's step
         self._norms: list[Any] = []
         self._samples: list[Any] = []
         self._kept: list[Any] = []
@@ -388,6 +400,7 @@ class GradientReads:
         n = len(self.params)
         self._norms, self._samples, self._kept = [None] * n, [None] * n, [None] * n
         self.applied = False
+        self.found_inf = None
         self.histograms = histograms
         handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
         for param, keep in zip(self.params, self._keep_hooks, strict=True):
@@ -410,7 +423,11 @@ class GradientReads:
             ]
             if positions and len(self._norms) == len(self.params):
                 self.applied = True
-                # set by GradScaler.step on optimizers that unscale inside their own (fused) step
+                # set by GradScaler.step on optimizers that unscale inside their own (fused) step,
+                # which runs even when the scaler found inf/NaN gradients (it skips on the device)
+                found_inf = getattr(optimizer, "found_inf", None)
+                if isinstance(found_inf, torch.Tensor):
+                    self.found_inf = found_inf if self.found_inf is None else self.found_inf + found_inf
                 scale = getattr(optimizer, "grad_scale", None)
                 self._read(positions, scale if isinstance(scale, torch.Tensor) else None)
         except Exception as exc:  # inside the user's optimizer step (its param_groups): never raise there
@@ -456,6 +473,32 @@ class GradientReads:
                 if self.histograms:
                     samples[i] = sample(unread[i], self.sample_sizes[i])
         return norms, samples
+
+
+def scaler_skip(
+    found_inf: Any, device: Any, per_layer: Any, total: Any, index: int
+) -> tuple[Any, Any, LayerStats]:
+    """A fused optimizer (`fused=True`) runs its step even when the GradScaler found inf/NaN
+    gradients, and skips the update on the device: the step's norms are NaN then, and its
+    found_inf goes to the worker (the returned record), which drops them as the scaler's business.
+    No host sync here."""
+    skipped = found_inf.to(device).reshape(()) > 0
+    mark = LayerStats(SCALER_FOUND_INF, ("found_inf",), found_inf.reshape(1).float(), index)
+    return per_layer.masked_fill(skipped, math.nan), total.masked_fill(skipped, math.nan), mark
+
+
+def stale_parameters(model: Any, params: Sequence[Any]) -> str | None:
+    """What to say when watched parameters are no longer the model's (it was wrapped or sharded
+    after `watch()`: FSDP2's fully_shard replaces its parameters), else None."""
+    current = {id(p) for p in model.parameters()}
+    stale = sum(id(p) not in current for p in params)
+    if not stale:
+        return None
+    return (
+        f"ot.watch: {stale} of the {len(params)} watched parameters are no longer the model's (it was "
+        "wrapped or sharded after ot.watch: FSDP2's fully_shard replaces its parameters): their "
+        "statistics are stale. Call ot.watch(model) after wrapping it."
+    )
 
 
 def frozen_groups(members: Sequence[Sequence[int]], params: Sequence[Any]) -> set[int]:

@@ -81,6 +81,47 @@ def test_a_step_the_scaler_skips_has_no_gradient_statistics_and_no_nonfinite_gra
     assert "otel_train/dropped/nonfinite" not in capture.flushes[-1][1]
 
 
+@pytest.mark.parametrize("unscale", [False, True], ids=["plain", "unscale_-then-clip"])
+@pytest.mark.parametrize("scaler_given", [True, False], ids=["watch-scaler", "watch-only"])
+def test_a_fused_optimizers_step_the_scaler_skips_has_no_statistics_and_no_nonfinite_grad(
+    tmp_path, caplog, unscale: bool, scaler_given: bool
+) -> None:
+    """A fused optimizer (nanoGPT's AdamW(fused=True)) runs its step even when the scaler found
+    inf/NaN gradients, skipping the update on the device: its statistics are dropped as the
+    scaler's business, with no host sync on the step and no `nonfinite_grad` or NaN warning."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    with capture_metrics(log_interval=1, queue_size=100, hardware=False, output_dir=str(tmp_path)) as capture:
+        model = _model()
+        ot.watch(model, every=1, scaler=scaler if scaler_given else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+        x = torch.randn(16, 8)
+        with caplog.at_level(logging.WARNING, logger="otel_train"):
+            for step in range(10):
+                with ot.step(step):
+                    optimizer.zero_grad()
+                    loss = model(x).float().pow(2).mean()
+                    if step in (3, 7):
+                        loss = loss * float("inf")
+                    scaler.scale(loss).backward()
+                    if unscale:
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    scaler.step(optimizer)
+                    scaler.update()
+        run_dir = current_session().run_dir
+    assert scaler.get_scale() == 1024.0 * 0.5 * 0.5  # the scaler did skip steps 3 and 7
+    assert "nonfinite_grad" not in _events(run_dir)
+    norms = capture.series("train/grad_norm")
+    assert [step for step, _ in norms] == [0, 1, 2, 4, 5, 6, 8, 9]
+    assert all(0 < norm < 100 for _, norm in norms), norms
+    assert sum(v for _, v in capture.series("otel_train/dropped/scaler_skipped")) > 0
+    assert (
+        not capture.series("otel_train/dropped/nonfinite")
+        or capture.last("otel_train/dropped/nonfinite") == 0
+    )
+    assert not [r for r in caplog.records if "non-finite" in r.getMessage() or "NaN" in r.getMessage()]
+
+
 def test_a_scaled_watch_whose_optimizer_steps_outside_the_step_says_so(caplog) -> None:
     """scaler.step(optimizer) after the step's block: no watched step sees its gradients applied,
     so none has statistics, and after 10 such steps a warning names the fix."""

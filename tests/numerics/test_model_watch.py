@@ -644,7 +644,32 @@ def test_two_watched_models_with_the_same_layer_names_are_warned_about(
     with caplog.at_level(logging.WARNING, logger="otel_train"):
         ot.watch(discriminator)
     assert "layers 0 are also layers of an already watched model" in caplog.text
-    assert "nn.ModuleDict" in caplog.text
+    assert "mix the two models' norms" in caplog.text and "nn.ModuleDict" in caplog.text
     caplog.clear()
     ot.watch(nn.ModuleDict({"generator": generator, "discriminator": discriminator}))
     assert "already watched" not in caplog.text  # prefixed labels: generator.0, discriminator.0
+
+
+def test_a_second_watched_model_is_warned_about_for_the_global_norms(
+    cap: Capture, caplog: pytest.LogCaptureFixture
+) -> None:
+    actor, critic = nn.Linear(4, 2), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        ot.watch(actor)
+        assert "another model is watched" not in caplog.text
+        ot.watch(critic)  # no shared layer names, but one train.grad_norm for both
+    assert "another model is watched" in caplog.text and "already watched" not in caplog.text
+
+
+def test_a_model_whose_parameters_were_replaced_after_watch_is_warned_about(
+    cap: Capture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FSDP2's fully_shard (or any wrapper that swaps parameters) after ot.watch: the watch would
+    read parameters nobody trains, silently. The first watched step says so, with the fix."""
+    model = Tiny()
+    ot.watch(model, every=1)
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())  # as fully_shard does
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        _train(model, 3)
+    stale = [r.getMessage() for r in caplog.records if "no longer the model's" in r.getMessage()]
+    assert len(stale) == 1 and "1 of the" in stale[0] and "after wrapping" in stale[0], stale

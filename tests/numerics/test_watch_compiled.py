@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.events import run_events
 from torch import nn
 
 import otel_train as ot
-from otel_train.testing import capture_metrics
+from otel_train.testing import capture_metrics, current_session
 
 
 class Block(nn.Module):
@@ -71,3 +72,40 @@ def test_compiled_model_is_not_recompiled_by_watch(how: str, activations: bool) 
         for layer in ("embed", "block.inner", "head"):
             assert scalars[f"grad_norm/{layer}"] > 0, (step, layer)
         assert scalars["train/grad_norm"] > 0
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.head_a = nn.Linear(8, 1)
+        self.head_b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
+        return (self.head_a if task == 0 else self.head_b)(torch.tanh(self.trunk(x)))
+
+
+def test_a_compiled_models_layer_that_did_not_run_is_left_out_not_zero(tmp_path: Any) -> None:
+    """No forward hook runs in a compiled model: the layers that got a gradient are the ones that
+    ran. A task head that sits a step out is absent that step, never a made-up 0.0 or a
+    `no_gradient` event (as in eager mode, where the hooks tell)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = TwoHeads()
+    model = torch.compile(net, backend=lambda gm, inputs: gm.forward)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with capture_metrics(log_interval=1, output_dir=str(tmp_path), hardware=False) as cap:
+        ot.watch(model, every=1)
+        for i in range(8):
+            with ot.step(i):
+                opt.zero_grad(set_to_none=True)
+                model(torch.randn(4, 6), i % 2).pow(2).mean().backward()
+                opt.step()
+        run_dir = current_session().run_dir
+    for step, scalars in cap.flushes:
+        ran, sat_out = ("head_a", "head_b") if step % 2 == 0 else ("head_b", "head_a")
+        assert scalars[f"grad_norm/{ran}"] > 0, (step, scalars)
+        # the gauge keeps its last value between points: no new point is what "absent" means
+        assert step < 2 or scalars.get(f"grad_norm/{sat_out}") != 0.0, (step, scalars)
+    events = [e["event"] for e in run_events(run_dir)]
+    assert "no_gradient" not in events, events

@@ -9,7 +9,6 @@ import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
 
 if TYPE_CHECKING:
     from otel_train.config import Config
@@ -202,7 +201,7 @@ def _otlp_ok(config: Config) -> bool:
 
     from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
-    from otel_train.exporters import otlp_metric_exporter, quiet_sdk_exporter_logs
+    from otel_train.exporters import export_failure_cause, otlp_metric_exporter, quiet_sdk_exporter_logs
     from otel_train.redaction import redact_url
 
     url = config.otlp_metrics_endpoint or config.otlp_endpoint
@@ -225,32 +224,13 @@ def _otlp_ok(config: Config) -> bool:
         if result == MetricExportResult.SUCCESS:
             print(f"otlp: {endpoint} reachable (it accepted an empty OTLP export)")
             return True
-        cause = _no_export_cause(url, config.otlp_protocol, probe_s)
+        cause = export_failure_cause(url, config.otlp_protocol, OTLP_PROBE_S)
     print(
         f"otlp: {endpoint} NOT reachable: {cause}; training still runs, exports are dropped. Fix "
         "OTEL_EXPORTER_OTLP_ENDPOINT (the collector's OTLP port: 4317 for grpc, 4318 for "
         "http/protobuf), OTEL_EXPORTER_OTLP_PROTOCOL to match it, or OTEL_EXPORTER_OTLP_HEADERS"
     )
     return False
-
-
-def _no_export_cause(url: str, protocol: str, waited_s: float) -> str:
-    """Why an export failed, as far as one TCP connect tells: nothing listens, nothing answers at
-    all (SYNs dropped), or something accepts connections but is no collector taking OTLP here."""
-    parsed = urlparse(url if "://" in url else f"http://{url}")
-    default_port = 443 if parsed.scheme == "https" or protocol == "grpc" else 80
-    try:
-        address = (parsed.hostname or "localhost", parsed.port or default_port)
-        with socket.create_connection(address, timeout=OTLP_PROBE_S):
-            pass
-    except TimeoutError:
-        return f"no answer to a TCP connect within {OTLP_PROBE_S:g} s (packets dropped: a firewall or a wrong host?)"
-    except (OSError, ValueError) as exc:  # ValueError: a port out of range
-        return f"cannot connect ({exc})"
-    return (
-        f"it accepts TCP connections but did not take an OTLP/{protocol} export within "
-        f"{waited_s:g} s (another service or protocol there, a wrong path, or refused headers)"
-    )
 
 
 def _pull_port_ok(config: Config) -> bool:

@@ -1,7 +1,7 @@
 """OpenTelemetry pipelines: one MeterProvider, TracerProvider and LoggerProvider per process
 (`providers`, `pull_endpoint`, `guards`). Design: docs/design/core.md#exporters."""
 
-from otel_train.exporters.guards import quiet_sdk_exporter_logs
+from otel_train.exporters.guards import export_failure_cause, quiet_sdk_exporter_logs
 from otel_train.exporters.job_provider import build_job_provider
 from otel_train.exporters.providers import Telemetry, build_telemetry, otlp_metric_exporter
 from otel_train.exporters.tiers import essential_names, essential_only, resolve_rank_series
@@ -12,6 +12,7 @@ __all__ = [
     "build_telemetry",
     "essential_names",
     "essential_only",
+    "export_failure_cause",
     "otlp_metric_exporter",
     "quiet_sdk_exporter_logs",
     "resolve_rank_series",

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
@@ -19,10 +21,13 @@ _Result = TypeVar("_Result")
 
 
 class ExportStatus:
-    """Reports a collector outage once and its recovery once (the SDK logs every retry)."""
+    """Reports a collector outage once and its recovery once (the SDK logs every retry), with what
+    one TCP connect tells of the cause (its log lines, muted, may quote a secret)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, protocol: str = "http/protobuf") -> None:
+        self._url = endpoint
         self.endpoint = redact_url(endpoint)  # never log userinfo
+        self._protocol = protocol
         self.failing = False
 
     def report(self, ok: bool, signal: str) -> None:
@@ -32,11 +37,41 @@ class ExportStatus:
         elif not ok and not self.failing:
             self.failing = True
             log.warning(
-                "otel_train: OTLP %s export to %s failed (collector down or unreachable?). Training continues; "
-                "exports retry every interval and cumulative totals stay right when it returns.",
+                "otel_train: OTLP %s export to %s failed: %s. Training continues; exports retry every "
+                "interval and cumulative totals stay right when it returns (`otel-train doctor` checks "
+                "the endpoint).",
                 signal,
                 self.endpoint,
+                export_failure_cause(self._url, self._protocol),
             )
+
+
+PROBE_S = 2.0  # the TCP connect that tells a collector that is down from one that refuses
+
+
+def export_failure_cause(url: str, protocol: str, probe_s: float = PROBE_S) -> str:
+    """Why an export failed, as far as one TCP connect (of at most `probe_s`) tells: nothing
+    listens, nothing answers at all (SYNs dropped), or something accepts connections and refused
+    or ignored the export."""
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    default_port = 443 if parsed.scheme == "https" or protocol == "grpc" else 80
+    try:
+        address = (parsed.hostname or "localhost", parsed.port or default_port)
+        with socket.create_connection(address, timeout=probe_s):
+            pass
+    except TimeoutError:
+        return (
+            f"no answer to a TCP connect within {probe_s:g} s (packets dropped: a firewall or a wrong host?)"
+        )
+    except (OSError, ValueError) as exc:  # ValueError: a port out of range
+        return (
+            f"the collector is down or unreachable (cannot connect: {getattr(exc, 'strerror', None) or exc})"
+        )
+    return (
+        f"something accepts TCP connections there but refused or did not take the OTLP/{protocol} "
+        "export (another service or protocol on that port, a wrong path, refused headers, or a "
+        "collector too slow for otlp_timeout_s)"
+    )
 
 
 def _not_a_header_echo(record: logging.LogRecord) -> bool:

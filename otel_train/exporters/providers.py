@@ -7,6 +7,7 @@ import functools
 import importlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +62,10 @@ def _otlp_exporter(config: Config, signal: str) -> Any:
     package = "opentelemetry.exporter.otlp.proto." + ("grpc" if grpc else "http")
     exporter_class = getattr(importlib.import_module(f"{package}.{module}"), name)
     endpoint = _otlp_url(config, signal)
-    options: dict[str, Any] = {"endpoint": endpoint, "headers": dict(config.otlp_headers)}
+    # gRPC refuses a metadata key with a capital letter (every export would fail); HTTP header
+    # names are case-insensitive, so lower case serves both.
+    headers = {name.lower(): value for name, value in config.otlp_headers.items()}
+    options: dict[str, Any] = {"endpoint": endpoint, "headers": headers}
     if grpc:
         options["insecure"] = config.otlp_insecure and not endpoint.startswith("https")
     return exporter_class(**options, timeout=config.otlp_timeout_s)
@@ -85,8 +89,10 @@ class Telemetry:
     others: list[MeterProvider] = field(default_factory=list)  # shut down with it (`job_provider`)
 
     def shutdown(self, timeout_s: float) -> bool:
-        """Shut every provider down on a helper thread; False when it gave up after `timeout_s` (the
-        OTLP exporters do not honour the SDK's own timeouts: seconds vs millis, retries)."""
+        """Shut every provider down, each on a helper thread of its own and all at once, so a slow
+        collector's span export does not eat the metrics' time; False when one gave up after
+        `timeout_s` (the OTLP exporters do not honour the SDK's own timeouts: seconds vs millis,
+        retries)."""
         millis = max(1, int(timeout_s * 1000))
         events = (self.tracer_provider, self.logger_provider)
         steps: list[Callable[[], Any]] = [provider.shutdown for provider in events if provider is not None]
@@ -95,18 +101,16 @@ class Telemetry:
         ]
         if self.pull_endpoint is not None:
             steps.append(self.pull_endpoint.close)
-
-        def run() -> None:
-            for step in steps:
-                try:
-                    step()
-                except Exception as exc:  # shutdown must not raise into the training's exit path
-                    log.debug("otel_train: shutdown step failed: %s", exc)
-
-        thread = threading.Thread(target=run, name="otel_train-shutdown", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
+        threads = [
+            threading.Thread(target=_shut_down, args=(step,), name="otel_train-shutdown", daemon=True)
+            for step in steps
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in threads):
             log.warning(
                 "otel_train: exporters did not finish within %.1fs%s; abandoning the last export. "
                 "Local run-dir files are complete (more time: shutdown_timeout_s).",
@@ -115,6 +119,13 @@ class Telemetry:
             )
             return False
         return True
+
+
+def _shut_down(step: Callable[[], Any]) -> None:
+    try:
+        step()
+    except Exception as exc:  # shutdown must not raise into the training's exit path
+        log.debug("otel_train: shutdown step failed: %s", exc)
 
 
 def build_telemetry(
@@ -137,7 +148,9 @@ def build_telemetry(
     if remote:
         quiet_sdk_exporter_logs()
         # Named by the endpoint the user set: the base URL for all signals, or the metrics URL.
-        metrics_status = ExportStatus(config.otlp_metrics_endpoint or config.otlp_endpoint or "")
+        metrics_status = ExportStatus(
+            config.otlp_metrics_endpoint or config.otlp_endpoint or "", config.otlp_protocol
+        )
         metrics = ForkGuardMetricExporter(otlp_metric_exporter(config), metrics_status)
         readers.append(
             PeriodicExportingMetricReader(
@@ -146,7 +159,7 @@ def build_telemetry(
         )
     if config.otlp_endpoint:
         same = not config.otlp_metrics_endpoint  # one endpoint: one outage warning for all signals
-        status = metrics_status if same else ExportStatus(config.otlp_endpoint)
+        status = metrics_status if same else ExportStatus(config.otlp_endpoint, config.otlp_protocol)
         span_exporters.append(ForkGuardSpanExporter(_otlp_exporter(config, "traces"), status))
         log_exporters.append(ForkGuardLogExporter(_otlp_exporter(config, "logs")))
     if config.console_exporter:

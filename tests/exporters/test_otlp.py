@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -121,6 +122,54 @@ def test_otlp_grpc_metrics_spans_resource() -> None:
     _check_spans(received)
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_headers_named_in_capitals_reach_the_collector_over_either_protocol(protocol: str) -> None:
+    """gRPC refuses metadata keys with capital letters: `Authorization=...` or `X-Tenant=...`
+    (how people write them) made every gRPC export fail as if the collector were down."""
+    receiver = grpc_receiver if protocol == "grpc" else http_receiver
+    with receiver() as (endpoint, received):
+        ot.init(otlp_endpoint=endpoint, otlp_protocol=protocol, otlp_headers={"X-Tenant": "team-a"},
+                prometheus_port=0, verbosity=0, log_interval=5, metric_export_interval_s=0.5)  # fmt: skip
+        _train()
+        ot.shutdown()
+    assert received.metrics, "no export reached the collector"
+    assert all(headers.get("x-tenant") == "team-a" for headers in received.headers), received.headers[:1]
+
+
+def test_a_slow_collectors_span_export_does_not_take_the_metrics_shutdown_time() -> None:
+    """Shutdown sends the last spans and the last metrics at once: one after the other, a collector
+    answering in 3 s (past the 2 s shutdown bound) left no time for the metrics of a run shorter
+    than one export interval: they were never sent."""
+    with http_receiver(delay_s=3.0) as (endpoint, received):
+        ot.init(otlp_endpoint=endpoint, otlp_protocol="http/protobuf", prometheus_port=0, verbosity=0,
+                log_interval=5, metric_export_interval_s=60, trace_first=2, shutdown_timeout_s=2.0)  # fmt: skip
+        _train()
+        ot.shutdown()
+        assert received.traces, "the spans were sent too"
+        assert received.metrics, "the run's only metrics export was never sent"
+
+
+def test_a_collector_that_refuses_the_export_is_not_called_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A collector that answers with a refusal (HTTP 400: a proxy, a wrong path, a schema it
+    rejects) is up: the one warning says so (a TCP connect tells), not "collector down?"."""
+    with (
+        http_receiver(status=400) as (endpoint, _received),
+        caplog.at_level(logging.WARNING, logger="otel_train"),
+    ):
+        ot.init(otlp_endpoint=endpoint, otlp_protocol="http/protobuf", prometheus_port=0, verbosity=0,
+                log_interval=5, metric_export_interval_s=0.5)  # fmt: skip
+        _train()
+        ot.shutdown()
+    failed = [
+        r.getMessage() for r in caplog.records if "export to" in r.getMessage() and "failed" in r.getMessage()
+    ]
+    assert failed and all("accepts TCP connections there but refused" in message for message in failed), (
+        failed
+    )
+
+
 def test_duration_histograms_carry_exemplars_of_the_sampled_spans() -> None:
     """Step- and phase-duration points carry exemplars whose trace and span ids are those of the
     exported spans of the sampled steps (Grafana links a slow step to its trace in Tempo)."""
@@ -228,7 +277,7 @@ def test_collector_outage_warns_once_and_recovery_is_reported(caplog) -> None:
             time.sleep(0.1)
         ot.shutdown()
     messages = [r.getMessage() for r in caplog.records if r.name == "otel_train"]
-    assert sum("failed (collector down" in m for m in messages) == 1, messages
+    assert sum("failed: the collector is down or unreachable" in m for m in messages) == 1, messages
     assert sum("works again" in m for m in messages) == 1, messages
     assert not [r for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
     steps = received.metric_points()[semconv.STEPS.name][-1][1].sum.data_points[0]

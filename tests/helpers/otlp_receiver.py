@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -127,8 +128,12 @@ def _free_port() -> int:
 
 
 @contextmanager
-def http_receiver(port: int | None = None, record_senders: bool = False) -> Iterator[tuple[str, Received]]:
-    """`record_senders`: note the pid of the process that sent each request (received.sender_pids)."""
+def http_receiver(
+    port: int | None = None, record_senders: bool = False, delay_s: float = 0.0, status: int = 200
+) -> Iterator[tuple[str, Received]]:
+    """`record_senders`: note the pid of the process that sent each request (received.sender_pids);
+    `delay_s`: a slow collector, which answers each request that much later; `status`: what it
+    answers (400: a collector refusing the payload)."""
     received = Received()
     lock = threading.Lock()
     kinds = {
@@ -162,8 +167,9 @@ def http_receiver(port: int | None = None, record_senders: bool = False) -> Iter
                 sink.append(message)
                 received.raw.append(body)
                 received.headers.append(dict(self.headers.items()))
+            time.sleep(delay_s)
             payload = response_type().SerializeToString()
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()

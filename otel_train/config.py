@@ -231,7 +231,11 @@ class Config:
         doc="...or after N seconds (not for ranks in lockstep, `cross_rank=True`, whose flush steps must "
         "match); it also caps the adaptive interval, on every rank",
     )  # fmt: skip
-    max_metric_names: int = setting(64, ge=1, doc="distinct `record()` names; more are dropped and counted")
+    max_metric_names: int = setting(
+        64,
+        ge=1,
+        doc="distinct `record()` names, and as many timer and span names; more are dropped and counted",
+    )
     max_values_per_interval: int = setting(
         10_000, ge=1,
         doc="values kept per name between flushes (also step durations and timers: every per-interval list)",

@@ -122,6 +122,10 @@ class HookThread:
         self._closed = True
 
 
+MAX_EVENT_NAMES = 64  # distinct event names the health-events counter carries; the rest count as:
+OTHER_EVENT = "other"
+
+
 class HealthEvents:
     """One way out for every health event: counter + OTel log record + events JSONL + log line.
     Thread-safe; attributes and message are redacted here (an `ot.event` may carry a token)."""
@@ -142,10 +146,23 @@ class HealthEvents:
         self._base = dict(base_attributes)
         self.echo = echo  # a log line per event; runtime control's `verbosity` changes it
         self._echo_source = echo_source
+        self._counted: frozenset[str] = frozenset()  # event names the counter carries (`_counted_as`)
         self._lock = threading.Lock()
         self._callbacks: list[EventCallback] = []
         self._hook_callbacks: list[EventCallback] = []
         self.hooks: HookThread | None = None  # started by the first user hook (`hook_thread`)
+
+    def _counted_as(self, event: str) -> str:
+        """The counter's `otel_train.event` value: the event's name for the first MAX_EVENT_NAMES
+        names, `other` after them (`ot.event` names made per step must not grow the series; the
+        events file and the log records keep every name)."""
+        counted = self._counted
+        if event in counted:
+            return event
+        if len(counted) < MAX_EVENT_NAMES:
+            self._counted = counted | {event}  # replaced, not mutated: emit() runs on many threads
+            return event
+        return OTHER_EVENT
 
     def add_callback(self, callback: EventCallback) -> None:
         """Call `callback(event, message, attributes)` after each event ON THE EMITTING THREAD (its
@@ -178,7 +195,7 @@ class HealthEvents:
         message = redact_text(message)
         extra = redact_attributes(attributes) if attributes else {}
         attrs: dict[str, AttributeValue] = {**self._base, **extra, semconv.EVENT: event}
-        self._counter.add(1, {semconv.EVENT: event})
+        self._counter.add(1, {semconv.EVENT: self._counted_as(event)})
         if self._otel_logger is not None:
             try:
                 self._otel_logger.emit(

@@ -371,3 +371,33 @@ def test_values_beyond_max_values_per_interval_are_warned_about_naming_the_metri
     warnings = [r.getMessage() for r in caplog.records if "too_many_values" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "train.loss" in warnings[0] and "MAX_VALUES_PER_INTERVAL" in warnings[0]
+
+
+def test_timer_span_and_event_names_made_per_step_stay_within_the_series_budget(caplog) -> None:
+    """A timer, a span or an event named per step (f"step_{i}") must not grow the series, the
+    rows and memory without bound: timer and span names get the record names' budget (the
+    rest dropped and counted), event names count as "other" past theirs (each event is kept)."""
+    from otel_train.health import MAX_EVENT_NAMES
+
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    with capture_metrics(log_interval=10, max_metric_names=8, verbosity=0) as cap:
+        for i in range(200):
+            with ot.step(i):
+                with ot.timer("forward"):
+                    pass
+                with ot.timer(f"block_{i}"):
+                    pass
+                with ot.span(f"eval_{i}"):
+                    pass
+                ot.event(f"custom_{i}", "made per step")
+        session = current_session()
+        assert session is not None
+        counted = session.events._counted
+    keys = set().union(*(scalars for _, scalars in cap.flushes))
+    timer_names = {k.split("/")[1] for k in keys if k.startswith("timers/")} - {"step"}  # step: the steps
+    assert "forward" in timer_names and len(timer_names) <= 8, sorted(timer_names)
+    dropped = sum(v for _, v in cap.series("otel_train/dropped/too_many_names"))
+    assert dropped == 2 * 200 - (8 - 1), dropped  # every block_/eval_ value past the first 7 names
+    warned = [r.getMessage() for r in caplog.records if "max_metric_names distinct timer" in r.getMessage()]
+    assert 1 <= len(warned) <= 21, len(warned)  # a line per name for the first 20, then one for the rest
+    assert len(counted) == MAX_EVENT_NAMES

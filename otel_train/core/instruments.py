@@ -46,11 +46,36 @@ class Instruments:
         self.dropped = semconv.DROPPED.create(meter)
         self._gauges: dict[str, Any] = {}
         self._max_user_gauges = max_user_gauges
+        self._phase_names: set[str] = set()  # train.phase values so far (see admit_phases)
         # Zero-valued series from the start, so increase() in alert rules sees the first event.
         self.dropped.add(0, {semconv.REASON: "nonfinite"})
         self.nonfinite_loss.add(0)
         for event in ("nonfinite", "nonfinite_grad", "loss_spike", "straggler", "stall"):
             self.health_events.add(0, {semconv.EVENT: event})
+
+    def admit_phases(self, batch: FlushBatch, interval: Interval) -> None:
+        """At most as many distinct timer and span names (`train.phase` values, one series set and
+        row keys each) as record names (max_metric_names) in the process's life: a name invented
+        per step must not grow the series and rows without bound. The values of a name past them
+        are dropped and counted (`too_many_names`), as a record name's are."""
+        known = self._phase_names
+        if interval.phases.keys() <= known and all(name in known for name, _ in batch.phase_errors):
+            return
+        seen = [
+            *batch.phases,
+            *(event[0] for event in batch.timer_events),
+            *(n for n, _ in batch.phase_errors),
+        ]
+        for name in [name for name in dict.fromkeys(seen) if name not in known]:  # first seen first
+            if len(known) < self._max_user_gauges:
+                known.add(name)
+                continue
+            values = interval.phases.pop(name, [])
+            interval.arrivals.pop(name, None)
+            errors = [key for key in batch.phase_errors if key[0] == name]
+            count = len(values) + sum(len(batch.phase_errors.pop(key)) for key in errors)
+            batch.dropped["too_many_names"] = batch.dropped.get("too_many_names", 0) + count
+            batch.problems["too_many_names", name] = None
 
     def gauge(self, instrument: str) -> Any | None:
         gauge = self._gauges.get(instrument)

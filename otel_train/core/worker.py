@@ -245,6 +245,7 @@ class Worker:
                 self._own_rows.discard(instrument)
         self.values_per_step = values_per_step(batch, interval) or self.values_per_step
         skipped = scaler_skipped_steps(batch, interval) if batch.layer_stats else set()
+        self.instruments.admit_phases(batch, interval)
         for reason, name in batch.problems:
             self._warn_problem(reason, name)
         if batch.layer_stats:
@@ -563,6 +564,10 @@ PROBLEMS = {
     "no_data_tensor": "a value of {name} was a tensor with no data (a meta or fake tensor):",
     "overflow": "a value of {name} was too large for a float64",
     "invalid_timer_name": "a timer's name was not a str ({name}): its phases were",
+    "too_many_names": (
+        "the timer or span {name!r} is one name more than max_metric_names distinct timer and span "
+        "names (a name made per step? raise OTEL_TRAIN_MAX_METRIC_NAMES if intended): its phases were"
+    ),
     "bad_count": "ot.step({name}): a count must be >= 0 (and < 2**63); such counts were",
     "nested_step": (
         "an {name} began inside an open step (a decorated step under a framework's step marks, or "

@@ -23,6 +23,12 @@ SCRIPT = textwrap.dedent(
         step += 1
         if sys.argv[2] == "raise" and step == 50:
             raise RuntimeError("training bug")
+        if sys.argv[2] == "exit" and step == 50:
+            with ot.step(step):
+                sys.exit(3)
+        if sys.argv[2] == "exit0" and step == 50:
+            with ot.step(step):
+                sys.exit(0)
         time.sleep(0.001)
     """
 )
@@ -45,10 +51,34 @@ def _run(tmp_path: Path, mode: str) -> tuple[int, list[dict], float]:
     return code, rows, elapsed
 
 
+def _events(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "r" / "events.rank0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def test_sigterm_final_flush_and_exit_status(tmp_path) -> None:
     code, rows, _ = _run(tmp_path, "term")
     assert code == -signal.SIGTERM  # still "terminated by SIGTERM" for the scheduler
     assert rows and rows[-1]["train/steps"] > 0  # the partial interval (< log_interval) was flushed
+    # a preempted run does not read as a clean finish: its events say when the signal came
+    (terminated,) = [e for e in _events(tmp_path) if e["event"] == "terminated"]
+    assert "SIGTERM at step" in terminated["message"] and terminated["step"] >= 0
+
+
+def test_sys_exit_with_a_code_out_of_a_step_ends_the_run_failed(tmp_path) -> None:
+    """sys.exit(3) leaves no sys.last_value (as an uncaught exception does): the step it left
+    tells atexit the run failed. sys.exit(0) is a clean end."""
+    code, _, _ = _run(tmp_path, "exit")
+    assert code == 3
+    (failed,) = [e for e in _events(tmp_path) if e["event"] == "run_failed"]
+    assert "sys.exit" in failed["message"] and failed["error.type"] == "SystemExit" and failed["step"] == 50
+    assert "end of process (failed)" in (tmp_path / "r" / "progress.txt").read_text()
+
+
+def test_sys_exit_0_out_of_a_step_is_a_clean_end(tmp_path) -> None:
+    code, _, _ = _run(tmp_path, "exit0")
+    assert code == 0
+    assert not [e for e in _events(tmp_path) if e["event"] == "run_failed"]
 
 
 def test_exception_final_flush_and_exit_code(tmp_path) -> None:

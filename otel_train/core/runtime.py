@@ -89,14 +89,22 @@ def current() -> Session | None:
 
 
 def _shutdown_at_exit() -> None:
-    """atexit: a script that ends by an uncaught exception ends its run as failed, with a
-    `run_failed` event naming the error (what a reader of the run directory sees of a collective
-    that broke because a peer died). An interactive interpreter keeps the last error of any earlier
-    command, so there the run ends as it is."""
+    """atexit: a script that ends by an uncaught exception, or by `sys.exit(code)` with a code
+    other than 0 out of a step, ends its run as failed, with a `run_failed` event naming the error
+    (what a reader of the run directory sees of a collective that broke because a peer died). An
+    interactive interpreter keeps the last error of any earlier command, so there the run ends as
+    it is."""
     interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
     error = None if interactive else getattr(sys, "last_value", None)
+    session = _current
+    exited = session.exit_error if session is not None else None
+    if error is None and session is not None and exited is not None and exited[1] == session.step_index:
+        # sys.exit(1) leaves no sys.last_value: the step it left says so (`StepScope.__exit__`)
+        error, ended = exited[0], "the script exited by sys.exit in a step:"
+    else:
+        ended = "the script ended by an uncaught"
     if error is not None:
-        report_failure(error, "the script ended by an uncaught")
+        report_failure(error, ended)
     shutdown(failed=error is not None)
 
 
@@ -170,6 +178,14 @@ class _SigtermRelay:
             if session is not None:
                 session.flush()  # off the training thread: done at its next step end
         session = _current or _closing
+        if session is not None and session is _current:
+            step = session.step_index
+            session.events.emit(
+                "terminated",
+                f"SIGTERM at step {step}: the final flush and shutdown run, then the signal is "
+                "delivered again; steps the loop runs meanwhile are not recorded",
+                {"step": step},
+            )
         budget = session.config.shutdown_timeout_s + 1.0 if session is not None else 0.0
         worker = threading.Thread(target=shutdown, name="otel_train-sigterm-shutdown", daemon=True)
         worker.start()

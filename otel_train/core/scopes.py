@@ -94,6 +94,8 @@ class StepScope:
             if exc_type is not None:  # a failed step's duration: phase "step" of its error type
                 seconds = (perf_counter_ns() - self._start) * 1e-9
                 session.buffer.add_phase_error("step", exc_type.__name__, seconds)
+                if isinstance(exc, SystemExit) and exc.code not in (0, None):
+                    session.exit_error = (exc, self._index)
                 if session.memory_dumps is not None:
                     session.memory_dumps.on_step_error(exc_type, exc)
 

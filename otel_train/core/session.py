@@ -88,6 +88,7 @@ class Session:
     # only a step it divides can be watched; the others cost a modulo, not calls
     watch_period: int = 1
     memory_dumps: MemoryDumps | None = None  # CUDA allocator dumps on an OOM inside ot.step
+    exit_error: tuple[SystemExit, int] | None = None  # sys.exit(code) out of step N: atexit says failed
     # attached by assemble.build_session once the session exists (they call back into it)
     goodput: GoodputListener = field(init=False)
     watchdog: HangWatchdog = field(init=False)

@@ -570,9 +570,10 @@ PROBLEMS = {
     ),
     "bad_count": "ot.step({name}): a count must be >= 0 (and < 2**63); such counts were",
     "nested_step": (
-        "an {name} began inside an open step (a decorated step under a framework's step marks, or "
-        "two decorated layers): a step is counted once, as the outer one; mark steps in one place "
-        "and time the parts of a step with ot.timer. The nested steps were"
+        "an {name} began inside an open step (a decorated step under a framework's step marks, two "
+        "decorated layers, or a step never ended: a generator left suspended inside `with "
+        "ot.step()` holds its step open): a step is counted once, as the outer one; mark steps in "
+        "one place and time the parts of a step with ot.timer. The nested steps were"
     ),
     "too_many_values": (
         "more values of {name} than max_values_per_interval came in one flush interval (raise "

@@ -229,6 +229,8 @@ class RunFiles:
     raw_stacks = _RunFile("faulthandler", ".txt")
     # Where this rank's collectives stood at its last stall (hang attribution reads them all).
     collectives = _RunFile("collectives", ".json")
+    # A stalled rank's question to the ranks that left no summary: are you alive? (hang attribution)
+    hang_request = _RunFile("hang_request", ".json", per_rank=False)
     progress = _RunFile("progress", ".txt", per_rank=False)
     text = _RunFile("text", ".jsonl", per_rank=False)
     samples = _RunFile("samples", ".jsonl", per_rank=False)

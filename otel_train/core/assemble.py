@@ -273,6 +273,12 @@ def _hang_reporter(session: Session) -> HangReporter | None:
     )  # fmt: skip
 
 
+def _on_watchdog_tick(session: Session, reporter: HangReporter | None) -> None:
+    _report_stuck_worker(session)
+    if reporter is not None and not session.watchdog.stalled_s():
+        reporter.answer_requests()  # a stalled peer may ask whether this rank is alive
+
+
 def _attach_watchdog(session: Session) -> None:
     from opentelemetry.metrics import Observation
 
@@ -288,7 +294,7 @@ def _attach_watchdog(session: Session) -> None:
         session.last_step,
         config.stall_timeout_s,
         signal_number(config.stack_dump_signal),
-        on_tick=lambda: _report_stuck_worker(session),
+        on_tick=lambda: _on_watchdog_tick(session, reporter),
         on_stall=reporter.on_stall if reporter is not None else None,
         role=session.identity.role,
         saving=session.saving,

@@ -34,6 +34,7 @@ KEEP_OPS = 8  # the last ops per group kept in a summary (the waiting ranks' op 
 # A rank's summary is a few KiB per process group; a file beyond this is damaged or planted and is
 # skipped before it is parsed (json.loads of 100 MB took +0.7 GB).
 MAX_SUMMARY_BYTES = 4 << 20
+REQUEST_POLL_S = 1.0  # how often a rank that is not stalled looks for a stalled peer's question
 
 
 def summarize(
@@ -91,13 +92,27 @@ class Verdict:
     def culprits(self) -> tuple[int, ...]:
         return self.missing or self.silent
 
+    def busy(self, summaries: Mapping[int, Mapping[str, Any]]) -> bool:
+        """Whether every culprit answered that it is not stalled (`HangReporter.answer_requests`):
+        the others wait for ranks busy outside the collective (an evaluation, a checkpoint, a
+        data wait on some ranks only), which is no hang."""
+        return all(summaries.get(r, {}).get("progressing") is True for r in self.culprits())
+
     def describe(self, summaries: Mapping[int, Mapping[str, Any]]) -> str:
         who = ", ".join(_rank_at(r, summaries) for r in self.culprits())
         what = "never reached" if self.missing else "left no readable Flight Recorder summary for"
         waiting = ",".join(str(r) for r in self.waiting)
+        if self.busy(summaries):
+            what = "has not reached"
+        why = (
+            ": not stalled, it is busy outside that collective (an evaluation, a checkpoint or a data "
+            "wait on some ranks only?)"
+            if self.busy(summaries)
+            else ""
+        )
         return (
             f"{who} {what} {self.op} #{self.seq} of process group {self.group}, "
-            f"where rank(s) {waiting} wait; stacks: {', '.join(stack_files(self, summaries)) or 'none'}"
+            f"where rank(s) {waiting} wait{why}; stacks: {', '.join(stack_files(self, summaries)) or 'none'}"
         )
 
     def attributes(self, summaries: Mapping[int, Mapping[str, Any]]) -> dict[str, str | int]:
@@ -264,6 +279,18 @@ def scan_summaries(
     return found, skipped
 
 
+def _write_whole(path: Path, content: Mapping[str, Any]) -> bool:
+    """`content` as JSON at `path`, whole or absent for the peers polling for it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(content), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        log.debug("otel_train: cannot write %s (%s)", path, exc)
+        return False
+    return True
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -323,24 +350,59 @@ class HangReporter:
         # stalls later than this is not waited for, and named as silent when no member is missing.
         self.grace_s = min(max(2.0, stall_timeout_s / 2), 30.0)
         self.verdicts: list[Verdict] = []  # the last comparison (tests read it)
+        self._files = RunFiles(run_dir, rank, role)
+        self._answered_at = 0.0  # the request this rank last answered (its written_at)
+        self._request_checked = 0.0  # monotonic time of the last look at the request file
 
     def on_stall(self, stacks: Path | None) -> None:
-        dump = read_dump(entries=True)
-        if dump is None:
-            return
-        last = self._monitor.last_seconds()
-        summary = summarize(dump, self._monitor.excluded, self.rank, self.world_size, self.host, stacks, last)
-        summary["stall_timeout_s"] = self._stall_timeout_s  # the window `otel-train diagnose` reads in
-        path = RunFiles(self.run_dir, self.rank, self.role).collectives
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(summary), encoding="utf-8")
-            tmp.replace(path)  # whole or absent for the peers polling for it
-        except OSError as exc:
-            log.warning("otel_train: cannot write %s (%s): no hang attribution from this rank", path, exc)
+        summary = self._write_summary(stacks)
+        if summary is None:
             return
         since = float(summary["written_at"]) - self._stall_timeout_s
         threading.Thread(target=self._compare, args=(since,), name="otel_train-hang", daemon=True).start()
+
+    def answer_requests(self) -> None:
+        """On the watchdog's tick of a rank that is NOT stalled: a stalled peer asked the ranks
+        that left no summary whether they are alive (`_ask_the_silent`); this one writes its
+        summary, marked progressing, so it is named as busy rather than as dead. At most one look at
+        the request file every REQUEST_POLL_S (one stat)."""
+        now = time.monotonic()
+        if now - self._request_checked < REQUEST_POLL_S:
+            return
+        self._request_checked = now
+        try:
+            asked_at = float(json.loads(self._files.hang_request.read_text(encoding="utf-8"))["written_at"])
+        except (OSError, ValueError, TypeError, KeyError):  # no request (the usual case), or a damaged one
+            return
+        if asked_at > self._answered_at:
+            self._answered_at = asked_at
+            self._write_summary(None, progressing=True)
+
+    def _write_summary(self, stacks: Path | None, progressing: bool = False) -> dict[str, Any] | None:
+        dump = read_dump(entries=True)
+        if dump is None:
+            return None
+        last = self._monitor.last_seconds()
+        summary = summarize(dump, self._monitor.excluded, self.rank, self.world_size, self.host, stacks, last)
+        summary["stall_timeout_s"] = self._stall_timeout_s  # the window `otel-train diagnose` reads in
+        if progressing:
+            summary["progressing"] = True
+        path = self._files.collectives
+        if not _write_whole(path, summary):
+            log.warning("otel_train: cannot write %s: no hang attribution from this rank", path)
+            return None
+        return summary
+
+    def _ask_the_silent(self, since: float) -> dict[int, dict[str, Any]]:
+        """The verdict names only ranks that left no summary: ask them (`answer_requests`) and
+        wait a grace for their answers; what the summaries are then."""
+        _write_whole(self._files.hang_request, {"written_at": time.time(), "by": self.rank})
+        deadline = time.monotonic() + self.grace_s + 2 * REQUEST_POLL_S
+        summaries = read_summaries(self.run_dir, since, self.role)
+        while len(summaries) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+            summaries = read_summaries(self.run_dir, since, self.role)
+        return summaries
 
     def _lower_rank_silent(self, summaries: Mapping[int, Any]) -> bool:
         """Would this rank speak only because a lower rank, which would speak instead, left no
@@ -364,6 +426,13 @@ class HangReporter:
             self.verdicts = attribute(summaries, self.world_size)
         if not self.verdicts or self.verdicts[0].waiting[0] != self.rank:
             return  # nothing to name, or another rank speaks for the job
+        if not self.verdicts[0].missing:  # only silent ranks: dead or frozen, or busy? ask them
+            summaries = self._ask_the_silent(since)
+            self.verdicts = attribute(summaries, self.world_size)
+            if not self.verdicts or self.verdicts[0].waiting[0] != self.rank:
+                return
         verdict, named = self.verdicts[0], with_launch_hosts(summaries, self.run_dir, self.role)
+        # A wait for ranks that answered they are busy is no hang: `collective_wait`, not paged.
+        event = "collective_wait" if verdict.busy(named) else "hang"
         with contextlib.suppress(Exception):  # never let the report kill the thread noisily
-            self._events.emit("hang", verdict.describe(named), verdict.attributes(named))
+            self._events.emit(event, verdict.describe(named), verdict.attributes(named))

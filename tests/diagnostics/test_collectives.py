@@ -238,6 +238,42 @@ def test_hang_names_the_rank_that_never_reached_the_collective(tmp_path: Path) -
     assert "rank 1" in text and "never reached all_reduce" in text and "default_pg" in text, text
 
 
+def _busy_target(rank: int, world_size: int, out_dir: str) -> None:
+    """Rank 0 evaluates (inside ot.span("eval"), no stall) for three stall windows while rank 1
+    waits for it in the next all_reduce and stalls there."""
+    import torch
+    import torch.distributed as dist
+
+    import otel_train as ot
+
+    ot.init(run_name="busy", stall_timeout_s=STALL_S, prometheus_port=0, verbosity=0, hardware=False,
+            log_interval=2, output_dir=out_dir)  # fmt: skip
+    tensor = torch.ones(4)
+    for step in range(8):
+        with ot.step(step):
+            dist.all_reduce(tensor)
+        if step == 3 and rank == 0:
+            with ot.span("eval"):
+                time.sleep(3 * STALL_S + 6.0)  # past rank 1's stall, its grace and the question
+    ot.shutdown()
+
+
+@pytest.mark.multirank
+def test_a_rank_busy_outside_the_collective_is_named_busy_not_hung(tmp_path: Path) -> None:
+    """The ranks waiting in a collective ask the ranks that left no stall summary whether they are
+    alive: rank 0, evaluating, answers, so its wait is a `collective_wait` naming it busy, never a
+    `hang` (which reads as a dead host, and which an `on_event` hook may stop the job on)."""
+    run_ranks(2, _busy_target, (str(tmp_path),), timeout=150, env=FR_ON)
+    run_dir = tmp_path / "busy"
+    events = every_rank_events(run_dir)
+    assert not _hang_events(run_dir), _events_by_rank(run_dir)
+    waits = [e for rank_events in events.values() for e in rank_events if e["event"] == "collective_wait"]
+    assert len(waits) == 1, _events_by_rank(run_dir)
+    (wait,) = waits
+    assert wait["missing_ranks"] == "0" and wait["waiting_ranks"] == "1" and wait["rank"] == 1
+    assert "rank 0" in wait["message"] and "not stalled" in wait["message"], wait["message"]
+
+
 def _summary(rank: int, enqueued: int, completed: int, ops: dict[str, str]) -> dict[str, Any]:
     group = {"label": "default_pg", "last_enqueued": enqueued, "last_completed": completed, "ops": ops}
     return {"rank": rank, "host": f"h{rank}", "stacks": f"stacks.rank{rank}.0.txt", "groups": {"0": group}}

@@ -90,6 +90,7 @@ class StepProfiler:
 
         self.window = window
         self.out_dir = out_dir
+        self.saving = False  # a trace is being written (seconds for a large window): no stall
         self._position = 0
         self._active_steps: list[int] = []
         activities = [ProfilerActivity.CPU]
@@ -129,11 +130,14 @@ class StepProfiler:
         name = f"steps{steps[0]}-{steps[-1]}.json" if steps else f"position{self._position}.json"
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / name
+        self.saving = True
         try:
             profiler.export_chrome_trace(str(path))
         except Exception as exc:  # torch.profiler's export (and a full disk) must not stop training
             log.warning("otel_train: could not write the profiler trace %s: %s", path, exc)
             return
+        finally:
+            self.saving = False
         log.info("otel_train: profiler trace for steps %s written to %s", steps, path)
 
 

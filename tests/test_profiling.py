@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,24 @@ def test_profile_after_shutdown_and_bad_arguments() -> None:
         with pytest.raises(ValueError, match="active >= 1"):
             run.profile(active=0)
     assert run.profile() is False  # the run has ended: nothing to profile
+
+
+def test_a_trace_that_takes_seconds_to_write_is_no_stall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing a large window's trace (145 MB took 2 s) comes after its step's end: the watchdog
+    must count it as progress, not page a stall with a stack dump."""
+    from helpers.events import run_events
+
+    export = torch.profiler.profile.export_chrome_trace
+
+    def slow_export(self: torch.profiler.profile, path: str) -> None:
+        time.sleep(3.0)  # a big trace on a slow disk: three stall windows
+        export(self, path)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", slow_export)
+    with capture_metrics(run_name="slow-trace", output_dir=str(tmp_path), stall_timeout_s=1.0, hardware=False):
+        _train(3)
+        assert ot.init().profile(wait=0, warmup=0, active=2) is True
+        _train(4, start=3)
+        run_dir = current_session().run_dir
+    assert sorted(p.name for p in (run_dir / "profiles" / "rank0").glob("*.json")) == ["steps3-4.json"]
+    assert "stall" not in [e["event"] for e in run_events(run_dir)]

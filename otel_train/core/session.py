@@ -264,8 +264,7 @@ class Session:
         error: type[BaseException] | None,
         attrs: Mapping[str, Any] | None,
     ) -> None:
-        """An eval / checkpoint span: always traced (rare and short), timed as a phase, and
-        accounted as goodput's eval / checkpoint badput."""
+        """An eval / checkpoint span: always traced, timed as a phase, goodput's eval / checkpoint."""
         self.end_timer(name, start_ns, end_ns, error)
         self.open_marks.pop(span_cause(name).partition("_")[0], None)
         self.progress_ns = max(self.progress_ns, end_ns)  # the stall watchdog counts from its end
@@ -282,17 +281,18 @@ class Session:
         """(last completed step, when the loop last made progress as perf_counter seconds: that
         step's end or a later eval batch, eval batches counting up to `eval_timeout_s` after it;
         None while it idles on purpose, `mark_idle`, until a step begins): for the watchdog thread."""
-        end_ns = self.step_end_ns
+        end_ns, profiler = self.step_end_ns, self.profiler
         if end_ns is None or self._idle_mark == (self.step_index, self.step_start_ns):
             return self.step_index, None
+        if profiler is not None and profiler.saving:  # a trace being written is progress
+            return self.step_index, time.perf_counter()
         progress = self.progress_ns
         if self.evaluating_s():
             progress = end_ns + self._eval_timeout_ns
         return self.step_index, max(end_ns, progress) * 1e-9
 
     def evaluating_s(self) -> float:
-        """Seconds from the last step's end to the latest eval batch, when those batches have run
-        past `eval_timeout_s` with no step (an evaluation that never ends); else 0."""
+        """Seconds from the last step's end to the latest eval batch past `eval_timeout_s`; else 0."""
         end_ns, batch_ns = self.step_end_ns, self.clock.eval_batch_ns
         if end_ns is None or self.step_start_ns or batch_ns != self.progress_ns:
             return 0.0  # in a step (micro-batches), or the latest progress was no eval batch (a span's end)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import socket
@@ -99,14 +100,62 @@ def diagnose(run_dir: str, role: str = "") -> int:
     for verdict in verdicts:
         print(verdict.describe(named))
     absent = sorted(set(range(world_size)) - set(summaries))
+    pending = any(
+        g["last_completed"] < g["last_enqueued"] for s in summaries.values() for g in s["groups"].values()
+    )
     if not verdicts and absent:
+        where = "is in the same collective" if pending else "was inside no collective"
         print(
             f"no verdict: rank(s) {', '.join(map(str, absent))} left no readable summary, and every rank "
-            "that did is in the same collective (read the stacks.rank<k>.*.txt files of those ranks)"
+            f"that did {where} (read the stacks.rank<k>.*.txt files of those ranks)"
+        )
+    elif not verdicts and not pending:
+        print(
+            "no rank was inside a collective when it stalled: the stall is outside collectives (a data "
+            "wait, an evaluation, the loop itself): read the stacks.rank<k>.*.txt files"
         )
     elif not verdicts:
         print("no rank behind the others: every rank that left a summary is in the same collective")
+    went_on = _went_on_after(directory, newest, role)
+    if went_on is not None:
+        step, later_s = went_on
+        print(
+            f"the run went on after this stall: its last metrics row (step {step}) came {later_s:.0f} s "
+            "later, so the stall resolved (a slow rank, not a hang)"
+        )
     return 0 if verdicts else 1
+
+
+def _went_on_after(directory: Path, stalled_at: float, role: str) -> tuple[int, float] | None:
+    """(step, seconds after `stalled_at`) of the latest metrics row written after it, if any."""
+    from otel_train.run_directory import RunFiles
+
+    latest: tuple[int, float] | None = None
+    for path in directory.glob(RunFiles(directory, role=role).metrics_glob):
+        row = _last_row(path)
+        if row is not None and _after(row, stalled_at, latest):
+            latest = (int(row["step"]), float(row["time"]) - stalled_at)
+    return latest
+
+
+def _after(row: dict, stalled_at: float, latest: tuple[int, float] | None) -> bool:
+    time_, step = row.get("time"), row.get("step")
+    if not isinstance(time_, (int, float)) or not isinstance(step, int) or time_ <= stalled_at:
+        return False
+    return latest is None or time_ - stalled_at > latest[1]
+
+
+def _last_row(path: Path) -> dict | None:
+    """The last whole JSON line of a metrics file, read from its end (it may be large)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(0, 2)
+            file.seek(max(0, file.tell() - 65536))
+            lines = file.read().splitlines()
+        row = json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):  # unreadable, or a torn last line
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def _no_summaries(directory: Path, role: str) -> str:

@@ -259,6 +259,11 @@ class RunFiles:
         return self.run_dir / f"memory_snapshot.{self._who}.{dump}.pickle"
 
     @property
+    def metrics_glob(self) -> str:
+        """Every rank's `metrics` file of this role."""
+        return f"metrics.{self.role}.rank*.jsonl" if self.role else "metrics.rank*.jsonl"
+
+    @property
     def collectives_glob(self) -> str:
         """Every rank's `collectives` file of this role."""
         return f"collectives.{self.role}.rank*.json" if self.role else "collectives.rank*.json"

@@ -59,6 +59,27 @@ def test_diagnose_names_the_rank_that_never_reached_the_collective(
     assert "where rank(s) 0,2,3 wait" in out
 
 
+def test_diagnose_says_a_stall_outside_collectives_and_one_the_run_went_on_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both ranks stalled in data loading (every collective they began was done): no rank "in the
+    same collective"; and the run's metrics rows went on after the stall: it resolved."""
+    for rank in range(2):
+        dump = {"pg_status": {"0": {"last_enqueued_collective": 12, "last_completed_collective": 12}}}
+        summary = summarize(dump, (), rank, 2, f"host{rank}", None, 0.0)
+        summary["stall_timeout_s"] = 10.0
+        RunFiles(tmp_path, rank).collectives.write_text(json.dumps(summary), encoding="utf-8")
+    code, out, _ = _diagnose([str(tmp_path)], capsys)
+    assert code == 1 and "no rank was inside a collective when it stalled" in out, out
+    assert "same collective" not in out and "went on" not in out
+    later = {"step": 40, "time": summary["written_at"] + 30.0, "train/loss": 1.0}
+    RunFiles(tmp_path, 0).metrics.write_text(
+        json.dumps({"step": 10, "time": 1.0}) + "\n" + json.dumps(later) + "\n"
+    )
+    code, out, _ = _diagnose([str(tmp_path)], capsys)
+    assert "the run went on after this stall: its last metrics row (step 40) came 30 s later" in out, out
+
+
 def test_diagnose_names_a_damaged_summary_instead_of_a_missing_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -90,7 +90,9 @@ def test_profile_after_shutdown_and_bad_arguments() -> None:
     assert run.profile() is False  # the run has ended: nothing to profile
 
 
-def test_a_trace_that_takes_seconds_to_write_is_no_stall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_trace_that_takes_seconds_to_write_is_no_stall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Writing a large window's trace (145 MB took 2 s) comes after its step's end: the watchdog
     must count it as progress, not page a stall with a stack dump."""
     from helpers.events import run_events
@@ -102,7 +104,9 @@ def test_a_trace_that_takes_seconds_to_write_is_no_stall(tmp_path: Path, monkeyp
         export(self, path)
 
     monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", slow_export)
-    with capture_metrics(run_name="slow-trace", output_dir=str(tmp_path), stall_timeout_s=1.0, hardware=False):
+    with capture_metrics(
+        run_name="slow-trace", output_dir=str(tmp_path), stall_timeout_s=1.0, hardware=False
+    ):
         _train(3)
         assert ot.init().profile(wait=0, warmup=0, active=2) is True
         _train(4, start=3)

@@ -364,15 +364,16 @@ def apply_change(session: Any, change: ControlChange, index: int) -> None:
     session.events.echo = session.config.verbosity > 0  # as init() sets it (assemble._health_events)
     if "straggler_threshold" in settings:
         session.reducer.set_threshold(session.config.straggler_threshold)
-    if "profile" in settings and session.profiler is not None:
+    window = dict(settings.get("profile") or {})
+    ranks = window.pop("ranks", None)
+    here = "profile" in settings and (ranks is None or session.identity.rank in ranks)  # for this rank
+    if here and session.profiler is not None:
         session.control.reject_applied(
             change, index, "its profile was not applied: a window is still running; write it again later"
         )
-    elif "profile" in settings:
+    elif here:
         from otel_train.profiling import ProfileWindow
 
-        window = dict(settings["profile"])
-        ranks = window.pop("ranks", None)
         session.start_profile(ProfileWindow(**window), ranks)
     if index > change.apply_at_step:
         log.warning(

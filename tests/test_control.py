@@ -119,3 +119,24 @@ def test_verbosity_change_turns_the_health_event_lines_off_and_on(
     echoed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("otel_train loss_spike")]
     assert len(echoed) == new, echoed
     ot.shutdown()
+
+
+def test_a_profile_change_for_other_ranks_is_not_rejected_by_a_rank_whose_window_runs() -> None:
+    """`{"profile": {..., "ranks": [1]}}` is not this rank's business: rank 0, with a window of its
+    own running, neither starts one nor rejects the change (it did, with a `control_rejected`)."""
+    from otel_train.control import ControlChange, apply_change
+
+    ot.init(run_name="ctl-ranks", prometheus_port=0, verbosity=0, hardware=False)
+    session = current_session()
+    assert session is not None and session.identity.rank == 0
+    rejected: list[str] = []
+    session.events.add_callback(
+        lambda event, message, attrs: rejected.append(message) if event == "control_rejected" else None
+    )
+    assert ot.init().profile(active=50) is True  # rank 0's own window, running
+    running = session.profiler
+    apply_change(session, ControlChange(2, 0, {"profile": {"active": 2, "ranks": [1]}}), 0)
+    assert rejected == [] and session.profiler is running
+    apply_change(session, ControlChange(3, 0, {"profile": {"active": 2, "ranks": [0]}}), 0)
+    assert len(rejected) == 1 and "a window is still running" in rejected[0]
+    ot.shutdown()

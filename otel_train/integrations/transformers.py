@@ -103,7 +103,11 @@ class OtelTrainCallback(TrainerCallback):
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        trainer = _calling_trainer(self)
+        self.attach(_calling_trainer(self))
+
+    def attach(self, trainer: Any) -> None:
+        """Take `trainer`'s settings, and its reporters off for the backends otel_train bridges to,
+        before any of them began a run (at its `__init__`, or right after, as TRL's instrument)."""
         self._adopt(trainer)
         self._saw_init = True
         if trainer is not None and "wandb" in _drop_duplicate_reporters(trainer, self._settings):

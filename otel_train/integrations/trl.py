@@ -133,6 +133,9 @@ def instrument(trainer: Trainer, **settings: Any) -> Trainer:
     if hf is None:
         hf = OtelTrainCallback(settings)
         trainer.add_callback(hf)
+        # As if passed to Trainer(callbacks=...): no reporter has begun a run yet, so the Trainer's
+        # reporter for a backend otel_train bridges to comes off here (one run there, not two).
+        hf.attach(trainer)
     if not any(isinstance(cb, OtelTrainTrlCallback) for cb in callbacks):
         trainer.add_callback(OtelTrainTrlCallback(trainer))
     if not getattr(trainer.train, _ENDING, False):

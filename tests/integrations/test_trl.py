@@ -169,6 +169,24 @@ def test_sft_steps_and_metrics(tmp_path: Path) -> None:
     } <= keys
 
 
+def test_instrument_takes_the_trainers_own_reporter_off_for_a_bridged_backend(tmp_path: Path) -> None:
+    """report_to="tensorboard" and instrument(trainer, tensorboard=True): one TensorBoard run (the
+    bridge's), as with Trainer(callbacks=[OtelTrainCallback(tensorboard=True)]), not two."""
+    from transformers.integrations import TensorBoardCallback
+
+    data = Dataset.from_dict({"text": [" ".join(f"w{(i + j) % 61}" for j in range(10)) for i in range(16)]})
+    args = SFTConfig(**{**_common(tmp_path), "report_to": "tensorboard"}, per_device_train_batch_size=4,
+                     max_length=16)  # fmt: skip
+    trainer = SFTTrainer(model=_model(), args=args, train_dataset=data, processing_class=_tokenizer())
+    assert any(isinstance(c, TensorBoardCallback) for c in trainer.callback_handler.callbacks)
+    ot_trl.instrument(trainer, tensorboard=True, **_settings(tmp_path, "sft-tb"))
+    assert not any(isinstance(c, TensorBoardCallback) for c in trainer.callback_handler.callbacks)
+    trainer.train()
+    ot.shutdown()
+    assert list((tmp_path / "runs" / "sft-tb").rglob("events.out.tfevents.*")), "the bridge's run"
+    assert not list((tmp_path / "out").rglob("events.out.tfevents.*")), "the Trainer's own run too"
+
+
 def test_profiling_patch_is_explicit_and_reversible() -> None:
     enter, exit_ = ProfilingContext.__enter__, ProfilingContext.__exit__
     ot_trl.enable_profiling(["my_reward"])

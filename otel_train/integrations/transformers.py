@@ -305,6 +305,10 @@ class OtelTrainCallback(TrainerCallback):
         _saving_if_due(control)  # save_strategy="epoch": the save follows
 
     # --- logs, eval, checkpoints -----------------------------------------------------------------
+    def on_predict(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                   metrics: Mapping[str, Any] | None = None, **kwargs: Any) -> None:  # fmt: skip
+        self.on_log(args, state, control, logs=metrics)  # predict()'s test_* metrics reach no on_log
+
     def on_log(
         self,
         args: TrainingArguments,

@@ -154,6 +154,25 @@ def test_callback_starts_its_own_session_and_leaves_it_to_the_next_callbacks(
     assert json.loads((tmp_path / "runs" / "chosen" / "config.json").read_text())["total_steps"] == 40
 
 
+def test_predicts_test_metrics_are_filed_like_an_evaluations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trainer.predict() hands test_loss and test_runtime to on_predict only (never to on_log):
+    they reach the rows at the step they follow, as eval_* do."""
+    monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "0")
+    callback = OtelTrainCallback(settings={"run_name": "predict", "verbosity": 0, "hardware": False,
+                                           "output_dir": str(tmp_path / "runs")})  # fmt: skip
+    trainer = _trainer(tmp_path / "hf-out", callback, max_steps=4)
+    trainer.train()
+    output = trainer.predict(TokenDataset(8, seed=2))
+    ot.shutdown()
+    rows = _rows(tmp_path / "runs" / "predict")
+    tested = [r for r in rows if "test/loss" in r]
+    assert tested, sorted(set().union(*rows))
+    value = tested[-1]["test/loss"]
+    assert value == pytest.approx(output.metrics["test_loss"]) and tested[-1]["step"] == 3
+
+
 class _StopAtStep3(TrainerCallback):
     """What EarlyStoppingCallback does when patience runs out: ask the Trainer to stop."""
 

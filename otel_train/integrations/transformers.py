@@ -255,10 +255,12 @@ class OtelTrainCallback(TrainerCallback):
     def on_prediction_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if not self._ran:  # an evaluate() before any train(): the run begins at its first batch
+            self._start(args, state, None)
         adapters.heartbeat()  # an eval batch: a long evaluation is no stall
-        if self._eval_span is None and self._mark_ns is not None and not self._hook_step.open:
-            # Open until on_evaluate: compute_metrics, after the last batch, is then eval time the
-            # watchdog waits eval_timeout_s for, not stall_timeout_s.
+        if self._eval_span is None and not self._hook_step.open:
+            # Open until on_evaluate (compute_metrics is eval time: eval_timeout_s), from the last
+            # mark in training, from this first batch outside it (an evaluate() after train()).
             step = state.global_step if state is not None else self._steps
             self._eval_span = ot.span("eval", {"train.step": step}).start(at_ns=self._mark_ns)
 

@@ -984,3 +984,23 @@ def test_a_torchrun_job_evaluating_after_train_keeps_its_eval_and_ends_its_run_a
         assert [r["step"] for r in rows if "eval/loss" in r] == [3]
         assert json.loads((run_dir / f"goodput.rank{rank}.json").read_text())["last_step"] == 3
     assert "end of process" in (run_dir / "progress.txt").read_text()
+
+
+def test_an_evaluate_after_train_and_one_without_train_are_eval_spans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trainer.evaluate() outside training: its time is an `eval` span (goodput's eval), from its
+    first batch (no mark of a training step to start from), whether train() ran before or not."""
+    monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "0")
+    for name, train in (("after", True), ("alone", False)):
+        settings = {"run_name": name, "verbosity": 0, "hardware": False, "output_dir": str(tmp_path / "runs")}
+        trainer = _trainer(tmp_path / f"hf-{name}", OtelTrainCallback(settings=settings), max_steps=2,
+                           eval_strategy="no")  # fmt: skip
+        if train:
+            trainer.train()
+        trainer.evaluate()
+        ot.shutdown()
+        rows = _rows(tmp_path / "runs" / name)
+        evals = [r["timers/eval/total"] for r in rows if "timers/eval/total" in r]
+        assert len(evals) == 1 and evals[0] > 0, (name, sorted(set().union(*rows)))
+        assert any("eval/loss" in r for r in rows), name

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,7 @@ class StepProfiler:
 
         self.window = window
         self.out_dir = out_dir
-        self.saving = False  # a trace is being written (seconds for a large window): no stall
+        self.busy = False  # torch.profiler works between steps (stops, processes, writes a trace)
         self._position = 0
         self._active_steps: list[int] = []
         activities = [ProfilerActivity.CPU]
@@ -115,9 +116,13 @@ class StepProfiler:
         if active:
             self._active_steps.append(step)
         self._position += 1
-        self._profiler.step()  # may call _save (on this thread) when an active stretch ends
-        if self.done:
-            self._profiler.stop()
+        self.busy = True  # seconds for a large window: the stall watchdog counts it as progress
+        try:
+            self._profiler.step()  # may call _save (on this thread) when an active stretch ends
+            if self.done:
+                self._profiler.stop()
+        finally:
+            self.busy = False
         return active
 
     def stop(self) -> None:
@@ -126,18 +131,15 @@ class StepProfiler:
             self._profiler.stop()
 
     def _save(self, profiler: Any) -> None:
-        steps = self._active_steps[-self.window.active :]
+        steps, self._active_steps = self._active_steps, []  # this stretch's (one cut short: fewer)
         name = f"steps{steps[0]}-{steps[-1]}.json" if steps else f"position{self._position}.json"
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / name
-        self.saving = True
         try:
             profiler.export_chrome_trace(str(path))
         except Exception as exc:  # torch.profiler's export (and a full disk) must not stop training
             log.warning("otel_train: could not write the profiler trace %s: %s", path, exc)
             return
-        finally:
-            self.saving = False
         log.info("otel_train: profiler trace for steps %s written to %s", steps, path)
 
 
@@ -178,16 +180,19 @@ def start_window(
         return None
 
 
-def advance_window(
-    profiler: StepProfiler, index: int, counter: ProfiledStepsCounter
-) -> tuple[bool, StepProfiler | None]:
-    """Step `index` ended: (was it profiled, the profiler if its window goes on). A profiler that
-    fails is stopped with a warning: it must not stop training."""
+def advance_window(session: Any, index: int) -> bool:
+    """Step `index` ended: advance `session.profiler` (None once its window is done) and count the
+    profiler's own work, which may take seconds (stopping, writing a trace), as the loop's progress
+    (`session.progress_ns`: no stall). Whether the step was profiled. A profiler that fails is
+    stopped with a warning: it must not stop training."""
+    profiler: StepProfiler = session.profiler
     try:
         profiled = profiler.step_ended(index)
     except RuntimeError as exc:  # torch.profiler's errors
         log.warning("otel_train: torch.profiler failed and was stopped: %s", exc)
-        return False, None
-    if profiled:
-        counter.total += 1
-    return profiled, None if profiler.done else profiler
+        profiled, session.profiler = False, None
+    else:
+        session.profiler = None if profiler.done else profiler
+    session.profiled_steps.total += profiled
+    session.progress_ns = max(session.progress_ns, time.perf_counter_ns())
+    return profiled

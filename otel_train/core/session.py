@@ -194,7 +194,7 @@ class Session:
                 watch.end_step(index, failed)
         profiled = False
         if self.profiler is not None:
-            profiled, self.profiler = advance_window(self.profiler, index, self.profiled_steps)
+            profiled = advance_window(self, index)
         if self.sampled:
             if len(self.buffer.spans) < MAX_SPAN_RECORDS:
                 self.buffer.spans.append(step_record(start_ns, end_ns, index, failed, profiled))
@@ -284,7 +284,7 @@ class Session:
         end_ns, profiler = self.step_end_ns, self.profiler
         if end_ns is None or self._idle_mark == (self.step_index, self.step_start_ns):
             return self.step_index, None
-        if profiler is not None and profiler.saving:  # a trace being written is progress
+        if profiler is not None and profiler.busy:  # the profiler's work between steps is progress
             return self.step_index, time.perf_counter()
         progress = self.progress_ns
         if self.evaluating_s():

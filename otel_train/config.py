@@ -91,13 +91,17 @@ def _otlp_base_url_problem(url: str) -> str | None:
     return None
 
 
-def _otlp_metrics_url_problem(url: str) -> str | None:
-    if _URL_RE.match(url) is not None and _url_port_ok(url):
-        return None
-    return (
-        "use the full metrics URL, e.g. http://localhost:8428/opentelemetry/v1/metrics "
-        "(VictoriaMetrics) or http://localhost:4318/v1/metrics, or unset it"
-    )
+def _signal_url_problem(signal: str) -> Callable[[str], str | None]:
+    """The check of one signal's own URL, which is used as-is (the OTel spec's rule)."""
+    example = f"http://localhost:4318/v1/{signal}"
+    if signal == "metrics":
+        example = f"http://localhost:8428/opentelemetry/v1/metrics (VictoriaMetrics) or {example}"
+
+    def problem(url: str) -> str | None:
+        ok = _URL_RE.match(url) is not None and _url_port_ok(url)
+        return None if ok else f"use the full {signal} URL, e.g. {example}, or unset it"
+
+    return problem
 
 
 def _blank_problem(text: str) -> str | None:
@@ -180,9 +184,17 @@ class Config:
         "everywhere as `***`",
     )  # fmt: skip
     otlp_metrics_endpoint: str | None = setting(
-        None, check=_otlp_metrics_url_problem, env=("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",),
+        None, check=_signal_url_problem("metrics"), env=("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",),
         doc="Metrics only, full URL used as-is (e.g. VictoriaMetrics' `http://host:8428/opentelemetry/v1/metrics`, "
         "see [Scale-out store](../scale.md#scale-out-store)); spans and logs still go to `otlp_endpoint`",
+    )  # fmt: skip
+    otlp_traces_endpoint: str | None = setting(
+        None, check=_signal_url_problem("traces"), env=("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",),
+        doc="Spans only, full URL used as-is (e.g. a Tempo or Jaeger OTLP receiver's `.../v1/traces`)",
+    )  # fmt: skip
+    otlp_logs_endpoint: str | None = setting(
+        None, check=_signal_url_problem("logs"), env=("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT",),
+        doc="Health events as OTel logs only, full URL used as-is (e.g. a Loki OTLP receiver's `.../v1/logs`)",
     )  # fmt: skip
     otlp_protocol: Literal["http/protobuf", "grpc"] = setting(
         "http/protobuf", env=("OTEL_EXPORTER_OTLP_PROTOCOL",),

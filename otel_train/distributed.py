@@ -66,6 +66,8 @@ class RunInfo:
     service_name: str = ""
     otlp_endpoint: str | None = None
     otlp_metrics_endpoint: str | None = None
+    otlp_traces_endpoint: str | None = None
+    otlp_logs_endpoint: str | None = None
     # The timing_log_level setting as the user gave it (None: unset), so an adapter whose framework
     # has its own timer level (Megatron's Timers) knows whether the user chose otel_train's.
     timing_log_level: int | None = None

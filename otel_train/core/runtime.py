@@ -288,6 +288,8 @@ class Run:
             service_name=config.service_name,
             otlp_endpoint=redact_url(config.otlp_endpoint),  # user:password@ -> ***@
             otlp_metrics_endpoint=redact_url(config.otlp_metrics_endpoint),
+            otlp_traces_endpoint=redact_url(config.otlp_traces_endpoint),
+            otlp_logs_endpoint=redact_url(config.otlp_logs_endpoint),
             timing_log_level=config.timing_log_level,
             open_step=session.running_step,
             bridges=tuple(name for name in ("tensorboard", "wandb", "mlflow") if getattr(config, name)),

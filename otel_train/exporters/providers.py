@@ -36,10 +36,20 @@ log = logging.getLogger("otel_train")
 
 
 # --- builders --------------------------------------------------------------------------------------
-def _otlp_url(config: Config, signal: str) -> str:
-    if signal == "metrics" and config.otlp_metrics_endpoint:
-        return config.otlp_metrics_endpoint  # used as-is, as the OTel spec says
-    assert config.otlp_endpoint is not None
+def _own_otlp_url(config: Config, signal: str) -> str | None:
+    """The URL the user gave for `signal` alone; it is used as-is (the OTel spec's rule)."""
+    return {
+        "metrics": config.otlp_metrics_endpoint,
+        "traces": config.otlp_traces_endpoint,
+        "logs": config.otlp_logs_endpoint,
+    }[signal]
+
+
+def _otlp_url(config: Config, signal: str) -> str | None:
+    """Where `signal` is pushed: its own URL, else the base URL with the signal's path; None: nowhere."""
+    own = _own_otlp_url(config, signal)
+    if own or not config.otlp_endpoint:
+        return own
     base = config.otlp_endpoint.rstrip("/")
     if config.otlp_protocol == "grpc":
         return base
@@ -62,6 +72,7 @@ def _otlp_exporter(config: Config, signal: str) -> Any:
     package = "opentelemetry.exporter.otlp.proto." + ("grpc" if grpc else "http")
     exporter_class = getattr(importlib.import_module(f"{package}.{module}"), name)
     endpoint = _otlp_url(config, signal)
+    assert endpoint is not None
     # gRPC refuses a metadata key with a capital letter (every export would fail); HTTP header
     # names are case-insensitive, so lower case serves both.
     headers = {name.lower(): value for name, value in config.otlp_headers.items()}
@@ -144,23 +155,27 @@ def build_telemetry(
     log_exporters: list[LogRecordExporter] = []
     interval_ms = config.metric_export_interval_s * 1000
     timeout_ms = config.otlp_timeout_s * 1000
-    remote = bool(config.otlp_endpoint or config.otlp_metrics_endpoint)
+    remote = any(_otlp_url(config, signal) for signal in _OTLP_EXPORTERS)
     if remote:
         quiet_sdk_exporter_logs()
-        # Named by the endpoint the user set: the base URL for all signals, or the metrics URL.
-        metrics_status = ExportStatus(
-            config.otlp_metrics_endpoint or config.otlp_endpoint or "", config.otlp_protocol
-        )
-        metrics = ForkGuardMetricExporter(otlp_metric_exporter(config), metrics_status)
+    statuses: dict[str, ExportStatus] = {}  # one outage warning per endpoint the user set
+
+    def status(signal: str) -> ExportStatus:
+        name = _own_otlp_url(config, signal) or config.otlp_endpoint or ""
+        if name not in statuses:
+            statuses[name] = ExportStatus(name, config.otlp_protocol)
+        return statuses[name]
+
+    if _otlp_url(config, "metrics"):
+        metrics = ForkGuardMetricExporter(otlp_metric_exporter(config), status("metrics"))
         readers.append(
             PeriodicExportingMetricReader(
                 metrics, export_interval_millis=interval_ms, export_timeout_millis=timeout_ms
             )
         )
-    if config.otlp_endpoint:
-        same = not config.otlp_metrics_endpoint  # one endpoint: one outage warning for all signals
-        status = metrics_status if same else ExportStatus(config.otlp_endpoint, config.otlp_protocol)
-        span_exporters.append(ForkGuardSpanExporter(_otlp_exporter(config, "traces"), status))
+    if _otlp_url(config, "traces"):
+        span_exporters.append(ForkGuardSpanExporter(_otlp_exporter(config, "traces"), status("traces")))
+    if _otlp_url(config, "logs"):
         log_exporters.append(ForkGuardLogExporter(_otlp_exporter(config, "logs")))
     if config.console_exporter:
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter

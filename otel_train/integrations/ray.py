@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - ray is an optional extra
 
 __all__ = ["ControllerCallback", "init_worker", "job_settings", "runtime_env"]
 
+_ENDPOINTS = ("otlp_endpoint", "otlp_metrics_endpoint", "otlp_traces_endpoint", "otlp_logs_endpoint")
 _driver_run: dict[str, str] = {}  # run id and name made once per driver when no session runs
 
 
@@ -56,8 +57,7 @@ def job_settings(role: str = "") -> dict[str, Any]:
     settings: dict[str, Any] = {
         **run,
         "output_dir": os.path.abspath(source.output_dir),
-        "otlp_endpoint": _shareable(source.otlp_endpoint, "otlp_endpoint"),
-        "otlp_metrics_endpoint": _shareable(source.otlp_metrics_endpoint, "otlp_metrics_endpoint"),
+        **{name: _shareable(getattr(source, name), name) for name in _ENDPOINTS},
         "service_name": source.service_name,
     }
     settings = {k: v for k, v in settings.items() if v is not None}

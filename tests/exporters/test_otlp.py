@@ -115,6 +115,21 @@ def test_metrics_endpoint_takes_metrics_only_and_is_used_as_is() -> None:
     assert to_collector.traces and not to_collector.metrics
 
 
+def test_traces_and_logs_endpoints_from_the_environment_take_their_signal_only(monkeypatch) -> None:
+    """OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / _LOGS_ENDPOINT alone (spans to Tempo, logs to Loki, no
+    base endpoint): each signal reaches its own URL as-is, and metrics go nowhere."""
+    with http_receiver() as (tempo, to_tempo), http_receiver() as (loki, to_loki):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"{tempo}/v1/traces")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", f"{loki}/v1/logs")
+        ot.init(prometheus_port=0, verbosity=0, log_interval=5, run_dir_enabled=False, trace_first=2)
+        assert ot.run_info().otlp_traces_endpoint == f"{tempo}/v1/traces"
+        _train(10)
+        ot.event("checkpoint_slow", "a health event for the logs endpoint")
+        ot.shutdown()
+    assert to_tempo.traces and not to_tempo.logs and not to_tempo.metrics
+    assert to_loki.logs and not to_loki.traces and not to_loki.metrics
+
+
 def test_otlp_grpc_metrics_spans_resource() -> None:
     with grpc_receiver() as (endpoint, received):
         _run(endpoint, "grpc")

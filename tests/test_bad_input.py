@@ -75,7 +75,8 @@ def test_ten_thousand_names_stay_within_series_budget(caplog) -> None:
     keys = set().union(*(scalars for _, scalars in cap.flushes))
     user_keys = {k for k in keys if k.startswith("train/metric_")}
     assert len(user_keys) == 64 * 4  # each with its interval's min, max and last beside it
-    assert sum(v for _, v in cap.series("otel_train/dropped/invalid_name")) == 10_000 - 64
+    assert sum(v for _, v in cap.series("otel_train/dropped/too_many_names")) == 10_000 - 64
+    assert not cap.series("otel_train/dropped/invalid_name")
     assert sum("max_metric_names" in r.getMessage() for r in caplog.records) == 1
 
 

@@ -221,10 +221,10 @@ class Buffer:
         self._name_map: dict[str, str | None] = {}  # record name -> instrument name (None: rejected)
         self._owners: dict[str, str] = {}  # instrument name -> first record name that claimed it
         self._prom_owners: dict[str, str] = {}  # Prometheus name -> the user instrument holding it
-        self._reserved_names: set[str] = set()  # record names refused as the library's own
-        # rejected record names cached in _name_map, oldest first, at most max_names x 8: a run
-        # inventing a name every step keeps a bounded map, while repeated names stay cheap
-        self._rejected: dict[str, None] = {}
+        # rejected record names cached in _name_map, oldest first, at most max_names x 8, with the
+        # reason they are dropped: a run inventing a name every step keeps a bounded map, while
+        # repeated names stay cheap
+        self._rejected: dict[str, str] = {}
         self.warned: set[str] = set()
         self._user_names = 0
         self._reset()
@@ -333,41 +333,40 @@ class Buffer:
         if name in self._name_map:
             instrument = self._name_map[name]
         else:
-            instrument = self._map_name(name)
+            instrument, refusal = self._map_name(name)
             self._name_map[name] = instrument
             if instrument is None:
-                self._rejected[name] = None
+                self._rejected[name] = refusal
                 if len(self._rejected) > self.max_names * 8:
                     oldest = next(iter(self._rejected))
                     del self._rejected[oldest], self._name_map[oldest]
         if instrument is None:
-            self.drop("reserved_name" if name in self._reserved_names else "invalid_name")
+            self.drop(self._rejected[name])
             return None
         values: list[Any] = []
         self.scalars[name] = values
         return values
 
-    def _map_name(self, name: str) -> str | None:
+    def _map_name(self, name: str) -> tuple[str | None, str]:
+        """The instrument `name` feeds, or None and the reason it is dropped."""
         instrument = semconv.instrument_name_for(name)
         if instrument is None:
             self.warn_once(name, BAD_NAME.format(name))
-            return None
+            return None, "invalid_name"
         spec = semconv.BY_NAME.get(instrument)
         if spec is None and self._user_names >= self.max_names and self._is_new(instrument):
             # Refused before reserved_by's ~100 pattern matches (~15 us), which a name beyond the
             # cache would pay at every call.
             self._warn_too_many_names(name)
-            return None
+            return None, "too_many_names"
         if spec is not None and spec.kind is not semconv.Kind.GAUGE:
             self.warn_once(
                 name, f"record() name {name!r} collides with the {spec.kind.value} {instrument!r}; dropped."
             )
-            return None
+            return None, "invalid_name"
         if spec is None or instrument in semconv.INTERVAL_STAT_NAMES:
             reserved = semconv.reserved_by(semconv.otel_name(instrument))
             if reserved is not None:
-                if len(self._reserved_names) < self.max_names * 8:
-                    self._reserved_names.add(name)
                 self.warn_once(
                     name,
                     f"record() name {name!r} would overwrite or duplicate otel_train's own {reserved!r} "
@@ -375,7 +374,7 @@ class Buffer:
                     "as otel_train.dropped{reason=reserved_name}. Use a name of your own, e.g. "
                     f"'custom/{name.strip('/').replace('/', '_')}'.",
                 )
-                return None
+                return None, "reserved_name"
             # Names that differ only in . _ / - become ONE Prometheus name: one instrument for them.
             # Names that differ only in case stay apart (run dir and bridges are case-sensitive)
             # and share one OTel instrument (its names are not).
@@ -398,13 +397,13 @@ class Buffer:
         if owner is None:
             if spec is None and self._user_names >= self.max_names:
                 self._warn_too_many_names(name)
-                return None
+                return None, "too_many_names"
             if spec is None:
                 self._user_names += 1
             self._owners[instrument] = name
         elif owner != name:
             self.warn_once(name, f"record() names {owner!r} and {name!r} both map to {instrument!r}; merged.")
-        return instrument
+        return instrument, ""
 
     def _is_new(self, instrument: str) -> bool:
         """Whether a user instrument name would claim a new instrument (nor held, nor merged)."""
@@ -415,7 +414,7 @@ class Buffer:
         self.warn_once(
             "<max_metric_names>",
             f"record() got more than max_metric_names={self.max_names} distinct names (first over: {name!r}); "
-            "new names are dropped and counted as otel_train.dropped{reason=invalid_name}. "
+            "new names are dropped and counted as otel_train.dropped{reason=too_many_names}. "
             "Raise OTEL_TRAIN_MAX_METRIC_NAMES if intended.",
         )
 

@@ -33,7 +33,7 @@ def test_a_name_past_the_cap_never_runs_the_reserved_name_patterns(monkeypatch: 
         for name in names:
             buffer.add_scalar(name, 1.0)
     assert calls == []
-    assert buffer.dropped["invalid_name"] == 2 * len(names)
+    assert buffer.dropped["too_many_names"] == 2 * len(names)
     assert len(buffer._name_map) <= buffer.max_names + buffer.max_names * 8  # bounded
 
 

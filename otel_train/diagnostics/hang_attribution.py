@@ -102,14 +102,13 @@ class Verdict:
         who = ", ".join(_rank_at(r, summaries) for r in self.culprits())
         what = "never reached" if self.missing else "left no readable Flight Recorder summary for"
         waiting = ",".join(str(r) for r in self.waiting)
+        why = ""
         if self.busy(summaries):
             what = "has not reached"
-        why = (
-            ": not stalled, it is busy outside that collective (an evaluation, a checkpoint or a data "
-            "wait on some ranks only?)"
-            if self.busy(summaries)
-            else ""
-        )
+            why = (
+                ": not stalled, it is busy outside that collective (an evaluation, a checkpoint or a "
+                "data wait on some ranks only?)"
+            )
         return (
             f"{who} {what} {self.op} #{self.seq} of process group {self.group}, "
             f"where rank(s) {waiting} wait{why}; stacks: {', '.join(stack_files(self, summaries)) or 'none'}"

@@ -7,6 +7,8 @@ setting an error message shows.
 
 from __future__ import annotations
 
+import math
+import operator
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -96,7 +98,41 @@ def redact(value: Any, key: str = "") -> Any:
     if isinstance(value, Mapping):
         return {str(k): redact(v, str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [redact(v) for v in value]
-    # A string leaf may itself hold secrets (a nested config rendered with str(): `{'hf_token':
-    # ...}`, a command line): the free-text redaction, which also covers URL userinfo.
-    return redact_text(value) if isinstance(value, str) else value
+        return _redact_sequence(value)
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    # A string may itself hold secrets (a nested config rendered with str(): `{'hf_token': ...}`, a
+    # command line), and so may any other object's text (`Namespace(hf_token='...')`, a dataclass):
+    # each is written as its number or its text, redacted as free text.
+    shown = plain_value(value)
+    return redact_text(shown) if isinstance(shown, str) else shown
+
+
+_SECRET_FLAG_RE = re.compile(rf"(?i)--?[\w.-]{{0,64}}{_SECRET_WORD}[\w.-]{{0,64}}")
+
+
+def _redact_sequence(items: list[Any] | tuple[Any, ...]) -> list[Any]:
+    """Each item redacted; a command line's secret-looking flag hides the item after it
+    (`["--hf-token", "hf_..."]`)."""
+    out: list[Any] = []
+    for item in items:
+        follows_flag = bool(out) and isinstance(out[-1], str) and _SECRET_FLAG_RE.fullmatch(out[-1])
+        out.append(REDACTED if follows_flag and isinstance(item, str) else redact(item))
+    return out
+
+
+def plain_value(value: Any) -> Any:
+    """A value JSON has no form for, as a number (numpy scalars, 0-dim tensors) or as text, so one
+    odd value never empties a file (json.dumps's `default=`)."""
+    try:
+        try:
+            return operator.index(value)  # numpy integers, integer 0-dim tensors
+        except TypeError:  # not an integer: a float, or text
+            pass
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            return str(value)
+        return number if math.isfinite(number) else None
+    except Exception:  # the value's own __index__, __float__ or __str__: any code at all
+        return f"<{type(value).__name__}>"

@@ -12,7 +12,6 @@ import errno
 import json
 import logging
 import math
-import operator
 import os
 import socket
 import stat
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 
 from otel_train.config import Config, ConfigError
 from otel_train.config import default_run_name as default_run_name  # its default name (assemble)
+from otel_train.redaction import plain_value
 
 _T = TypeVar("_T")
 log = logging.getLogger("otel_train")
@@ -285,25 +285,8 @@ class RunFiles:
         return self.run_dir / "mlflow"
 
 
-def json_default(value: Any) -> Any:
-    """`default=` for json.dumps: numpy scalars and 0-dim tensors as numbers, anything else as
-    text, so one odd value never empties a file."""
-    try:
-        try:
-            return operator.index(value)  # numpy integers, integer 0-dim tensors
-        except TypeError:  # not an integer: a float, or text
-            pass
-        try:
-            number = float(value)
-        except (TypeError, ValueError, OverflowError):
-            return str(value)
-        return number if math.isfinite(number) else None
-    except Exception:  # the value's own __index__, __float__ or __str__: any code at all
-        return f"<{type(value).__name__}>"
-
-
 def dumps_line(row: Mapping[str, Any]) -> bytes:
-    return (json.dumps(row, default=json_default) + "\n").encode("utf-8")
+    return (json.dumps(row, default=plain_value) + "\n").encode("utf-8")
 
 
 CLOSE_WAIT_S = 1.0  # how long a close waits for a line in flight on another thread
@@ -432,7 +415,7 @@ def write_json(path: Path, data: Any, fsync: bool = False) -> None:
     """Write via a writer-own temporary file and rename, so the old file stays whole on a full disk
     and concurrent writers' last rename wins whole. `fsync`: data and rename on disk before returning."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    text = json.dumps(_finite(data), indent=2, sort_keys=True, default=json_default) + "\n"
+    text = json.dumps(_finite(data), indent=2, sort_keys=True, default=plain_value) + "\n"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

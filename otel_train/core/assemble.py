@@ -30,7 +30,7 @@ from otel_train.distributed import (
     detect_identity,
     process_group_initialized,
 )
-from otel_train.redaction import is_secret_key
+from otel_train.redaction import is_secret_key, redact_attributes
 from otel_train.run_directory import (
     RunFiles,
     avoid_live_owner,
@@ -637,8 +637,7 @@ def _bridge_process(config: Config, place: RunPlace, instruments: Instruments) -
 def build_resource(config: Config, ident: Identity, gpu_attributes: Mapping[str, str]) -> Resource:
     from opentelemetry.sdk.resources import Resource
 
-    # a secret-looking resource attribute would reach every exporter
-    attributes: dict[str, Any] = {k: v for k, v in config.resource_attributes.items() if not is_secret_key(k)}
+    attributes: dict[str, Any] = dict(config.resource_attributes)
     attributes.update(gpu_attributes)
     attributes.update(
         {
@@ -664,7 +663,8 @@ def build_resource(config: Config, ident: Identity, gpu_attributes: Mapping[str,
         for k, v in created.attributes.items()
         if not is_secret_key(k) and not k.startswith(semconv.PROCESS_ATTRIBUTE_PREFIX)
     }
-    return Resource(kept, created.schema_url)
+    # a value may hold one too (`db.url=postgres://user:password@db`)
+    return Resource(redact_attributes(kept), created.schema_url)
 
 
 def role_attribute(ident: Identity) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 import urllib.request
@@ -23,7 +24,10 @@ def test_planted_secret_reaches_no_output(tmp_path, monkeypatch, capfd, caplog) 
     # environment: a token of the user's, secret-looking resource attributes, OTLP headers (one
     # of them a value the SDK's own parser rejects and used to log verbatim)
     monkeypatch.setenv("MY_SERVICE_TOKEN", SECRET)
-    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", f"team=ml,api_token={SECRET},db.password={SECRET}")
+    monkeypatch.setenv(
+        "OTEL_RESOURCE_ATTRIBUTES",
+        f"team=ml,api_token={SECRET},db.password={SECRET},db.url=pg://bob:{SECRET}@db/x",
+    )
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", f'authorization=Bearer%20{SECRET},x-api-key="{SECRET}"')
     with http_receiver() as (endpoint, received):
         # config file: endpoint and tracking URI with userinfo
@@ -45,8 +49,9 @@ def test_planted_secret_reaches_no_output(tmp_path, monkeypatch, capfd, caplog) 
         )
         session = current_session()
         ot.log_hyperparams(
-            {"lr": 1e-3, "api_key": SECRET, "nested": {"password": SECRET}, "url": f"http://u:{SECRET}@h"}
-        )
+            {"lr": 1e-3, "api_key": SECRET, "nested": {"password": SECRET}, "url": f"http://u:{SECRET}@h",
+             "args": argparse.Namespace(hf_token=SECRET, lr=0.1), "argv": ["train.py", "--password", SECRET]}
+        )  # fmt: skip
         ot.log_text("note", f"started with api_key={SECRET} and Authorization: Bearer {SECRET}")
         ot.log_samples([("prompt", f"password: {SECRET}")])
         for i in range(6):

@@ -534,7 +534,7 @@ def validate(config: Config, sources: Mapping[str, str] | None = None) -> None:
         fix = problem(name, value, type(config))
         if fix is None:
             continue
-        shown = REDACTED if is_secret_key(name) and isinstance(value, str) else repr(redact_url(value))
+        shown = REDACTED if is_secret_key(name) else repr(redact_url(value))
         source = sources.get(name)
         if source is None:
             where = f"env {env_name(name)}"

@@ -208,9 +208,12 @@ def check_headers(headers: Mapping[str, str], setting: str) -> None:
     """Reject what an HTTP/gRPC client would reject, naming the header but never its value."""
     for number, (key, value) in enumerate(headers.items(), start=1):
         if not _HEADER_KEY_RE.match(key):
+            # its first word only: `Authorization: Basic <token>` (`:` for `=`) is all one "name"
+            shown = re.split(r"[\s:]", key.strip(), maxsplit=1)[0][:40]
             raise ConfigError(
-                f"{setting}: header #{number} has an invalid name {key[:40]!r} (letters, digits and "
-                "!#$%&'*+-.^_`|~ only). Fix the name; percent-encode the value if it has commas or spaces."
+                f"{setting}: header #{number} has an invalid name (it starts {shown!r}; letters, digits "
+                "and !#$%&'*+-.^_`|~ only). Write each header as name=value (not name: value); "
+                "percent-encode the value if it has commas or spaces."
             )
         if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
             raise ConfigError(

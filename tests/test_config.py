@@ -135,6 +135,18 @@ def test_header_rules_apply_to_the_headers_setting_only(tmp_path) -> None:
         load_config({"otlp_headers": {"bad key": "v"}}, environ={})
 
 
+def test_a_header_error_never_shows_the_credential() -> None:
+    # `:` for `=` makes the whole `Authorization: Basic <token>` the header's name; base64's `=`
+    # padding then splits it into a "name" and a "value"
+    secret = "dXNlcjpTRUNSRVRfQkFTSUM"
+    with pytest.raises(ConfigError, match=r"starts 'Authorization'.*name=value") as raised:
+        load_config({}, environ={"OTEL_EXPORTER_OTLP_HEADERS": f"Authorization: Basic {secret}="})
+    assert secret[:8] not in str(raised.value)
+    with pytest.raises(ConfigError, match="otlp_headers") as raised:  # a list, not a mapping
+        load_config({"otlp_headers": [f"authorization=Bearer {secret}"]}, environ={})
+    assert secret[:8] not in str(raised.value)
+
+
 @pytest.mark.parametrize("name", ["²", "٣"])
 def test_a_signal_number_in_other_digits_is_refused_with_the_fix(name: str) -> None:
     # str.isdigit() takes both; int() refuses "²": the setting must fail as a ConfigError naming it

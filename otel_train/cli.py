@@ -147,11 +147,10 @@ def _after(row: dict, stalled_at: float, latest: tuple[int, float] | None) -> bo
 
 def _last_row(path: Path) -> dict | None:
     """The last whole JSON line of a metrics file, read from its end (it may be large)."""
+    from otel_train.run_directory import read_regular_file
+
     try:
-        with path.open("rb") as file:
-            file.seek(0, 2)
-            file.seek(max(0, file.tell() - 65536))
-            lines = file.read().splitlines()
+        lines = read_regular_file(path, 65536, tail=True).splitlines()
         row = json.loads(lines[-1]) if lines else None
     except (OSError, ValueError):  # unreadable, or a torn last line
         return None

@@ -395,14 +395,17 @@ def _finite(data: Any) -> Any:
     return data
 
 
-def read_regular_file(path: Path, max_bytes: int) -> bytes:
-    """The bytes of `path` if it is a regular file of at most `max_bytes`, else OSError naming it.
-    For files anyone who can write the run dir may plant: FIFOs (opened O_NONBLOCK), devices and
-    directories are refused, and a file too large before it is read."""
+def read_regular_file(path: Path, max_bytes: int, tail: bool = False) -> bytes:
+    """The bytes of `path` if it is a regular file of at most `max_bytes`, else OSError naming it;
+    `tail`: its last `max_bytes` whatever its size. For files anyone who can write the run dir may
+    plant: FIFOs (opened O_NONBLOCK), devices and directories are refused, and a file too large
+    before it is read."""
     with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY), "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if tail:
+            return os.pread(f.fileno(), max_bytes, max(0, info.st_size - max_bytes))
         if info.st_size > max_bytes:
             raise OSError(errno.EFBIG, f"{info.st_size} bytes, more than the {max_bytes} read", str(path))
         data = f.read(max_bytes + 1)  # one byte more tells a file that grew past the limit while read

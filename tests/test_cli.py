@@ -151,12 +151,13 @@ def test_diagnose_skips_a_fifo_or_a_device_named_like_a_summary_without_blocking
     planted: str, tmp_path: Path
 ) -> None:
     _write_hang(tmp_path)
-    path = RunFiles(tmp_path, 2).collectives
-    path.unlink()
-    if planted == "fifo":
-        os.mkfifo(path)  # nobody ever writes it: an open() without O_NONBLOCK waits for ever
-    else:
-        path.symlink_to("/dev/zero")  # endless: a read() to the end never ends
+    RunFiles(tmp_path, 2).collectives.unlink()
+    # a summary, the launch facts (hosts) and the metrics file (did the run go on?) are all read
+    for path in (RunFiles(tmp_path, 2).collectives, RunFiles(tmp_path).env, tmp_path / "metrics.rank0.jsonl"):
+        if planted == "fifo":
+            os.mkfifo(path)  # nobody ever writes it: an open() without O_NONBLOCK waits for ever
+        else:
+            path.symlink_to("/dev/zero")  # endless: a read() to the end never ends
     done = _diagnose_in_child(tmp_path)
     assert "skipped collectives.rank2.json: unreadable (not a regular file)" in done.stderr, done.stderr
     assert done.returncode == 0 and "rank 1 (host1) never reached all_reduce #7" in done.stdout, done.stdout

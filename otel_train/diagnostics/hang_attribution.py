@@ -35,6 +35,7 @@ KEEP_OPS = 8  # the last ops per group kept in a summary (the waiting ranks' op 
 # skipped before it is parsed (json.loads of 100 MB took +0.7 GB).
 MAX_SUMMARY_BYTES = 4 << 20
 REQUEST_POLL_S = 1.0  # how often a rank that is not stalled looks for a stalled peer's question
+MAX_ENV_BYTES = 64 << 20  # env.json names every rank of the launch (about 100 bytes each)
 
 
 def summarize(
@@ -239,7 +240,7 @@ def with_launch_hosts(
     """`summaries`, and for each rank that left none (dead or frozen: when its host matters most)
     its host as the launch check gathered it at init (env.json), for the verdict's words only."""
     try:
-        env = json.loads(RunFiles(run_dir, role=role).env.read_text(encoding="utf-8"))
+        env = json.loads(read_regular_file(RunFiles(run_dir, role=role).env, MAX_ENV_BYTES))
         ranks = env["launch"]["ranks"]
         hosts = {int(r["rank"]): {"host": str(r["host"])} for r in ranks if r.get("host")}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):  # no env.json, or not the launch's
@@ -370,7 +371,8 @@ class HangReporter:
             return
         self._request_checked = now
         try:
-            asked_at = float(json.loads(self._files.hang_request.read_text(encoding="utf-8"))["written_at"])
+            request = json.loads(read_regular_file(self._files.hang_request, MAX_SUMMARY_BYTES))
+            asked_at = float(request["written_at"])
         except (OSError, ValueError, TypeError, KeyError):  # no request (the usual case), or a damaged one
             return
         if asked_at > self._answered_at:

@@ -576,3 +576,18 @@ def test_led_by_the_exchange_a_flush_reads_only_when_rank_0_asked(monkeypatch: p
     monitor._next_read = 0.0
     monitor.on_flush(SimpleNamespace(seq=4, final=False))  # type: ignore[arg-type]
     assert reads == [True, True, True]
+
+
+def test_a_planted_fifo_as_the_hang_request_never_blocks_the_watchdog(tmp_path: Path) -> None:
+    """A rank that is not stalled looks for a stalled peer's request on its watchdog's tick: a FIFO
+    there (anyone who can write the run dir may plant one) would block that thread for ever, and
+    with it every later stall report."""
+    from otel_train.diagnostics.hang_attribution import HangReporter
+    from otel_train.run_directory import RunFiles
+
+    os.mkfifo(RunFiles(tmp_path).hang_request)
+    reporter = HangReporter(tmp_path, 1, 2, "host", cast(Any, None), cast(Any, None), stall_timeout_s=5.0)
+    tick = threading.Thread(target=reporter.answer_requests, daemon=True)
+    tick.start()
+    tick.join(10)  # guards against the block only; it never measures speed
+    assert not tick.is_alive(), "answer_requests blocked on a FIFO"

@@ -4,6 +4,7 @@ served by a threading WSGI server in the training process with a cap on connecti
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Sequence
@@ -126,6 +127,8 @@ def start_pull_endpoint(
     reader_class = _essential_reader_class() if config.rank_series == "essential" else PrometheusMetricReader
     reader = reader_class(registry=registry, resource_attribute_filter=keys.__contains__)
     try:
+        if port > 65535:  # bind() raises OverflowError, not OSError
+            raise OSError(errno.EINVAL, f"port {config.prometheus_port} + local rank {local_rank} is past 65535")
         server = _serve_pull(config.prometheus_host, port, registry)
     except OSError as exc:
         log.warning(

@@ -84,3 +84,17 @@ def test_busy_port_warns_and_continues(caplog) -> None:
         ot.shutdown()
     messages = [r.getMessage() for r in caplog.records]
     assert any(str(port) in m and "OTEL_TRAIN_PROMETHEUS_PORT" in m for m in messages), messages
+
+
+def test_a_base_port_whose_local_rank_port_is_past_65535_warns_and_continues(monkeypatch, caplog) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the pull endpoint's port is the base port + local rank
+    ot.init(prometheus_port=65535, verbosity=0, run_dir_enabled=False, hardware=False)
+    session = current_session()
+    with ot.step(0):
+        ot.record("loss", 1.0)
+    assert session.prometheus_url is None
+    ot.shutdown()
+    assert any(
+        "past 65535" in r.getMessage() and "OTEL_TRAIN_PROMETHEUS_PORT" in r.getMessage()
+        for r in caplog.records
+    )

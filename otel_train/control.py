@@ -22,7 +22,7 @@ from typing import Any
 from otel_train import config as settings_table
 from otel_train.config import Config
 from otel_train.health import EventChannel
-from otel_train.run_directory import RunFiles
+from otel_train.run_directory import RunFiles, replace_whole
 
 log = logging.getLogger("otel_train")
 
@@ -332,10 +332,8 @@ class ControlFile:
                 self._reject(f"too large to stamp within {MAX_FILE_BYTES} bytes: write fewer settings")
                 return False
             earlier = earlier[1:]  # the oldest first: ranks have had the longest to read it
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(self.path)
+            replace_whole(self.path, text)
         except OSError as exc:
             self._reject(f"cannot stamp it ({exc})")
             return False

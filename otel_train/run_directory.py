@@ -1,5 +1,5 @@
 """The run directory: every file in it is named here (`RunFiles`), with the primitives that write
-them whole (`LineFile`, `append_line`, `write_json`), its default name, creating it, and claiming
+them whole (`LineFile`, `append_line`, `write_json`, `replace_whole`), its default name, creating it, and claiming
 this rank's files in it (`claim_run_dir`, `live_owner`).
 
 The files: docs/design/core.md#run-directory.
@@ -301,7 +301,7 @@ class LineFile:
 
     def __init__(self, path: Path, single_writer: bool = False) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         self._size = _cut_torn_tail(self._fd, path) if single_writer else os.fstat(self._fd).st_size
         self._lock = threading.Lock()
 
@@ -415,12 +415,22 @@ def read_regular_file(path: Path, max_bytes: int, tail: bool = False) -> bytes:
 
 
 def write_json(path: Path, data: Any, fsync: bool = False) -> None:
-    """Write via a writer-own temporary file and rename, so the old file stays whole on a full disk
-    and concurrent writers' last rename wins whole. `fsync`: data and rename on disk before returning."""
+    """`data` as indented JSON at `path`, whole (`replace_whole`)."""
+    replace_whole(
+        path, json.dumps(_finite(data), indent=2, sort_keys=True, default=plain_value) + "\n", fsync
+    )
+
+
+def replace_whole(path: Path, text: str, fsync: bool = False) -> None:
+    """Write `text` to a writer-own temporary file and rename it to `path`: readers see the old file
+    or the new one whole, the old one stays whole on a full disk, and concurrent writers' last
+    rename wins whole. The temporary file is made new (O_EXCL | O_NOFOLLOW), so a link planted under
+    its name in the run dir is never written through. `fsync`: data and rename on disk first."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    text = json.dumps(_finite(data), indent=2, sort_keys=True, default=plain_value) + "\n"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        tmp.unlink(missing_ok=True)  # a crashed writer's with this pid, or a planted link (not followed)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with open(fd, "w", encoding="utf-8") as f:
             f.write(text)
             if fsync:
                 f.flush()
@@ -429,7 +439,8 @@ def write_json(path: Path, data: Any, fsync: bool = False) -> None:
         if fsync:
             _fsync_dir(path.parent)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
 
 

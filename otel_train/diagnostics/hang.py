@@ -23,7 +23,7 @@ from typing import IO
 
 from otel_train.diagnostics.collectives import buffer_size
 from otel_train.health import EventChannel
-from otel_train.run_directory import RunFiles
+from otel_train.run_directory import RunFiles, replace_whole
 
 log = logging.getLogger("otel_train")
 
@@ -255,9 +255,9 @@ class HangWatchdog:
             return None
         path = self._files.stacks(len(self.dumps))
         try:
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(path)  # whole or absent: a reader polling for the file never sees it half-written
+            replace_whole(
+                path, text
+            )  # whole or absent: a reader polling for the file never sees it half-written
         except OSError as exc:
             log.warning("otel_train: cannot write %s (%s); the stacks follow.\n%s", path, exc, text)
             return None

@@ -25,7 +25,7 @@ from otel_train.diagnostics.collectives import (
     read_dump,
 )
 from otel_train.health import EventChannel
-from otel_train.run_directory import RunFiles, read_regular_file
+from otel_train.run_directory import RunFiles, read_regular_file, replace_whole
 
 log = logging.getLogger("otel_train")
 
@@ -281,10 +281,8 @@ def scan_summaries(
 
 def _write_whole(path: Path, content: Mapping[str, Any]) -> bool:
     """`content` as JSON at `path`, whole or absent for the peers polling for it."""
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(json.dumps(content), encoding="utf-8")
-        tmp.replace(path)
+        replace_whole(path, json.dumps(content))
     except OSError as exc:
         log.debug("otel_train: cannot write %s (%s)", path, exc)
         return False

@@ -128,7 +128,9 @@ def start_pull_endpoint(
     reader = reader_class(registry=registry, resource_attribute_filter=keys.__contains__)
     try:
         if port > 65535:  # bind() raises OverflowError, not OSError
-            raise OSError(errno.EINVAL, f"port {config.prometheus_port} + local rank {local_rank} is past 65535")
+            raise OSError(
+                errno.EINVAL, f"port {config.prometheus_port} + local rank {local_rank} is past 65535"
+            )
         server = _serve_pull(config.prometheus_host, port, registry)
     except OSError as exc:
         log.warning(

@@ -132,6 +132,21 @@ def test_metric_catalogue_is_the_code_table() -> None:
 
 
 # --- the README ------------------------------------------------------------------------------------
+def test_every_event_the_docs_name_is_one_the_library_emits() -> None:
+    """An `on_event` filter written from the docs must match: a page naming the straggler event by
+    its module's name (`crossrank/reducer`) gave a filter that never fired."""
+    source = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "otel_train").rglob("*.py"))
+    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    named = {
+        (page.name, name)
+        for page in pages
+        if page.name != "changelog.md"  # history names what no longer exists
+        for name in re.findall(r"`([\w/.-]+)` (?:health )?event\b", page.read_text(encoding="utf-8"))
+    }
+    assert len(named) > 20
+    assert [(page, name) for page, name in sorted(named) if f'"{name}"' not in source] == []
+
+
 def test_readme_is_a_front_door() -> None:
     """At most 250 lines; shows the install line and the two set-up commands; every relative link
     leads to a file of the repository (the docs pages)."""

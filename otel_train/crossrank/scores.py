@@ -242,7 +242,7 @@ class StragglerReporter:
 
 
 def event_attributes(report: StragglerReport, step: int) -> dict[str, str | int | float]:
-    """The `crossrank/reducer` health event's attributes (documented in the README)."""
+    """The `straggler` health event's attributes (documented in docs/multi-gpu.md)."""
     return {
         "rank": report.rank,
         "host.name": report.host,

@@ -98,9 +98,11 @@ def metric_catalogue(catalogue: tuple[Any, ...] | None = None) -> str:
             series = f"`{spec.collector_prometheus_name}`"
             if spec.prometheus_name != spec.collector_prometheus_name:
                 series += f" (pull endpoint: `{spec.prometheus_name}`)"
+            # the job's series are rank 0's OTel instruments only: no bridge or run-dir row has them
+            key = f"`{spec.key}`" if spec.scope == "rank" else "— (OTLP and pull endpoint only)"
             parts.append(
                 f"| `{spec.name}` | {spec.kind.value} | `{spec.unit}` | {attrs} | "
-                f"{series} | `{spec.key}` | {_cell(spec.description)}{gpu} |"
+                f"{series} | {key} | {_cell(spec.description)}{gpu} |"
             )
         parts.append("")
     parts += ["## Names `ot.record` maps onto the catalogue", ""]

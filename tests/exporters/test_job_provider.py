@@ -100,6 +100,9 @@ def test_job_series_carry_the_run_and_no_rank(tmp_path: Path) -> None:
         own = _series(texts[0], "train_steps_total")
         assert own and all(labels["rank"] == "0" for _, labels in own)  # rank 0's own keep theirs
         stored = _stored(vm)
+    # as the metric catalogue says, the job's series reach no run-dir row (nor any bridge)
+    rows = [line for path in tmp_path.rglob("metrics.rank*.jsonl") for line in path.read_text().splitlines()]
+    assert rows and not [row for row in rows if '"job/' in row]
     assert {"train_job_phase_duration_seconds_bucket", "train_job_samples_total"} <= {
         s["__name__"] for s in stored
     }

@@ -102,6 +102,25 @@ def test_a_generator_function_is_refused_as_a_timed_function() -> None:
             ot.step(fn)
 
 
+@pytest.mark.parametrize("initialised", [False, True])
+def test_a_timer_decorator_without_a_name_says_so_at_the_first_call(initialised: bool) -> None:
+    """`@ot.timer` (as `@ot.step` may be written) made the function the name: each call returned a
+    wrapper of its argument instead of the result, silently."""
+    if initialised:
+        ot.init(prometheus_port=0, verbosity=0, run_dir_enabled=False, hardware=False)
+
+    @ot.timer  # type: ignore[arg-type]
+    def forward(x: int) -> int:
+        return 2 * x
+
+    with pytest.raises(
+        TypeError, match=r"@ot.timer on .*forward.* needs a name: write @ot.timer\('forward'\)"
+    ):
+        forward(21)
+    with pytest.raises(TypeError, match="needs a name"):
+        forward(lambda: None)  # a callable argument too (a model) would be wrapped, not timed
+
+
 def test_decorators_nesting_threads_async_and_errors() -> None:
     @ot.step
     def train_step() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -168,3 +169,30 @@ def test_steps_or_values_alone_are_no_forgotten_step(caplog: Any) -> None:
 
     assert _shutdown_warnings(caplog, steps) == []
     assert _shutdown_warnings(caplog, evaluation_only) == []
+
+
+def test_a_ctrl_c_as_a_step_ends_leaves_no_step_open(tmp_path) -> None:
+    """Jupyter's interrupt is a KeyboardInterrupt wherever the interpreter next checks for signals:
+    at the entry to end_step it left the step open, so every later step counted as nested in it
+    and nothing flushed until shutdown."""
+    run = ot.init(output_dir=str(tmp_path), verbosity=0, prometheus_port=0, log_interval=5, hardware=False)
+    for _ in range(3):
+        with ot.step():
+            ot.record("loss", 1.0)
+
+    def interrupt(frame: Any, event: str, arg: Any) -> None:  # a signal checked at end_step's entry
+        if event == "call" and frame.f_code is Session.end_step.__code__:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    sys.settrace(interrupt)
+    with pytest.raises(KeyboardInterrupt), ot.step():
+        ot.record("loss", 1.0)
+    sys.settrace(None)
+    assert ot.run_info().open_step is None
+    for _ in range(20):  # the notebook's next cell trains on
+        with ot.step():
+            ot.record("loss", 2.0)
+    ot.shutdown()
+    rows = [json.loads(line) for line in (run.run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert len([row for row in rows if "train/steps" in row]) >= 4  # a row every 5 steps, not one at the end

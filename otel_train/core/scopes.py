@@ -81,16 +81,21 @@ class StepScope:
     ) -> None:
         session = self._session
         if session is not None:
-            session.end_step(
-                self._index,
-                self._start,
-                perf_counter_ns(),
-                self.tokens,
-                self.samples,
-                exc_type is not None,
-                self._outer,
-            )
-            self._session = None
+            try:
+                session.end_step(
+                    self._index,
+                    self._start,
+                    perf_counter_ns(),
+                    self.tokens,
+                    self.samples,
+                    exc_type is not None,
+                    self._outer,
+                )
+            finally:
+                # A Ctrl-C (Jupyter's interrupt) landing before end_step closed the step: close it,
+                # or every later step would count as nested in it and never flush.
+                if session.step_start_ns == self._start:
+                    session.step_start_ns = self._outer
             if exc_type is not None:  # a failed step's duration: phase "step" of its error type
                 seconds = (perf_counter_ns() - self._start) * 1e-9
                 session.buffer.add_phase_error("step", exc_type.__name__, seconds)
@@ -270,6 +275,11 @@ def _bad_level(call: str, name: Any, level: Any) -> TypeError:
 
 def _timed(fn: F, name: str | None, level: int, cuda: bool) -> F:
     """`fn`, each call timed by a fresh `timer(name, level, cuda)`; without a name (`_NULL`) `fn`."""
+    if callable(name):  # `@ot.timer` with no name: the function became the name, its call's argument `fn`
+        raise TypeError(
+            f"@ot.timer on {getattr(name, '__qualname__', name)!r} needs a name: write "
+            "@ot.timer('forward') (the phase it times), as `with ot.timer('forward'):` does."
+        )
     if name is None:
         return fn
     return _wrap(fn, lambda: timer(name, level, cuda))

@@ -196,3 +196,41 @@ def test_a_ctrl_c_as_a_step_ends_leaves_no_step_open(tmp_path) -> None:
     ot.shutdown()
     rows = [json.loads(line) for line in (run.run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
     assert len([row for row in rows if "train/steps" in row]) >= 4  # a row every 5 steps, not one at the end
+
+
+def test_a_ctrl_c_during_shutdown_is_delivered_after_the_close(tmp_path, monkeypatch) -> None:
+    """Cut in the middle, the close left the run's rows unwritten, its worker thread and pull port
+    held, and a second shutdown() could not finish it: the interrupt now waits for the (bounded)
+    close, then raises."""
+    import os
+    import signal
+
+    from helpers.ports import free_port
+
+    from otel_train.core import session as session_module
+
+    port = free_port()
+    run = ot.init(
+        output_dir=str(tmp_path), verbosity=0, prometheus_port=port, log_interval=1000, hardware=False
+    )
+    for _ in range(5):
+        with ot.step():
+            ot.record("loss", 1.0)
+    drain = session_module._drain_worker
+
+    def interrupted_drain(*args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)  # Jupyter's interrupt, as the worker drains
+        return drain(*args)
+
+    monkeypatch.setattr(session_module, "_drain_worker", interrupted_drain)
+    with pytest.raises(KeyboardInterrupt):
+        ot.shutdown()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    rows = [json.loads(line) for line in (run.run_dir / "metrics.rank0.jsonl").read_text().splitlines()]
+    assert sum(row.get("train/steps", 0) for row in rows) == 5
+    ours = [t.name for t in threading.enumerate() if t.name.startswith("otel_train")]
+    assert ours in ([], ["otel_train-sigterm"]), ours  # the SIGTERM relay is the process's, not the run's
+    monkeypatch.setattr(session_module, "_drain_worker", drain)
+    second = ot.init(output_dir=str(tmp_path), verbosity=0, prometheus_port=port, hardware=False)
+    assert second.prometheus_url is not None  # the first run let its port go
+    ot.shutdown()

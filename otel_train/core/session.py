@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import signal
 import sys
 import threading
 import time
@@ -378,7 +379,7 @@ class Session:
             self.shutdown_done.wait(self.config.shutdown_timeout_s + 1.0)
             return
         try:
-            _close(self, failed)
+            _close_deferring_interrupt(self, failed)
         finally:
             self.shutdown_done.set()
 
@@ -505,6 +506,24 @@ def _drop_message(buffer: Buffer, limit: int) -> None:
 
 
 # --- close: each part within what is left of shutdown_timeout_s -----------------------------------
+def _close_deferring_interrupt(session: Session, failed: bool) -> None:
+    """`_close`, with a Ctrl-C during it delivered when it ends (within `shutdown_timeout_s`): cut in
+    the middle, the close left the run's last rows unwritten, its threads and port held, and no way
+    to finish it (a notebook's interrupt while `ot.shutdown()` drains)."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        _close(session, failed)  # a user's own SIGINT handler decides for itself
+        return
+    interrupts: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: interrupts.append(signum))
+    try:
+        _close(session, failed)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if interrupts:
+        raise KeyboardInterrupt
+
+
 def _close(session: Session, failed: bool) -> None:
     from otel_train.goodput import final_scalars
 

@@ -399,6 +399,8 @@ class OtelTrainCallback(Callback):
         self._hook_step = HookStep()
         self._step_global = 0  # trainer.global_step when the open step began
         self._mark_ns: int | None = None  # end of the previous batch (or validation): data starts
+        self._manual = False  # manual optimization: a step per batch, each optimizer step timed
+        self._untime_optimizers: Callable[[], None] | None = None
         self._eval: Any = None  # the open eval span
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -434,6 +436,9 @@ class OtelTrainCallback(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._mark_ns = perf_counter_ns()  # after the sanity check: it is not the first step's data
         self._plan_by_the_data(trainer)
+        self._manual = not getattr(pl_module, "automatic_optimization", True)
+        if self._manual:
+            self._untime_optimizers = _time_optimizer_steps(pl_module, self._hook_step)
 
     def _plan_by_the_data(self, trainer: Trainer) -> None:
         """`max_epochs` (or a short loader) can end the fit before `max_steps`, or no `max_steps` is
@@ -453,6 +458,7 @@ class OtelTrainCallback(Callback):
             adapters.set_total_steps(int(planned))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._hook_step.end(tokens=self._tokens or None)  # micro-batches that stepped no optimizer
         if trainer.should_stop and _logging_step(trainer) > 0:
             # Early stopping (or a callback) ended the fit before its plan: the steps run are the plan.
             adapters.set_total_steps(_logging_step(trainer))
@@ -471,6 +477,9 @@ class OtelTrainCallback(Callback):
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
+        if self._untime_optimizers is not None:
+            self._untime_optimizers()
+            self._untime_optimizers = None
         if self._owns_session and end_run and adapters.current_run() == self._run:
             self._owns_session, self._run = False, None
             adapters.end_run(failed=True)
@@ -510,7 +519,9 @@ class OtelTrainCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._hook_step.open and trainer.global_step == self._step_global:
+        if self._manual:  # a step per batch (as Lightning's loggers count them), its optimizers timed
+            self._hook_step.end(tokens=self._tokens or None)
+        elif self._hook_step.open and trainer.global_step == self._step_global:
             # a micro-batch that accumulated gradients: a step of many micro-batches is no stall
             adapters.heartbeat()
         elif self._hook_step.open:
@@ -536,6 +547,30 @@ class OtelTrainCallback(Callback):
         self._eval.stop()
         self._eval = None
         self._mark_ns = perf_counter_ns()
+
+
+def _time_optimizer_steps(pl_module: LightningModule, hook_step: HookStep) -> Callable[[], None]:
+    """Manual optimization: each `optimizer.step()` of the module's optimizers ends an "optimizer"
+    phase as it returns (no Lightning hook follows a step; a GAN steps two per batch, and the first
+    one's update would be timed as the second one's forward). Returns what undoes it."""
+    optimizers = pl_module.optimizers()
+    wrapped = optimizers if isinstance(optimizers, list) else [optimizers]
+    for optimizer in wrapped:
+        step = optimizer.step
+
+        def timed_step(*args: Any, _step: Callable[..., Any] = step, **kwargs: Any) -> Any:
+            try:
+                return _step(*args, **kwargs)
+            finally:
+                hook_step.end_phase("optimizer")
+
+        optimizer.step = timed_step  # type: ignore[method-assign]  # the instance's: its class keeps its own
+
+    def untime() -> None:
+        for optimizer in wrapped:
+            optimizer.__dict__.pop("step", None)
+
+    return untime
 
 
 def _forward_logged_metrics(trainer: Trainer) -> Callable[[], None]:

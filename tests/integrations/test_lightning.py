@@ -947,6 +947,51 @@ def test_manual_optimization_with_two_optimizers_numbers_steps_as_lightning_logs
     assert json.loads((Path(logger.log_dir) / "config.json").read_text())["total_steps"] is None
 
 
+class _SlowSGD(torch.optim.SGD):
+    """An update that takes a while, as a large model's does."""
+
+    def step(self, closure: Any = None) -> Any:
+        result = super().step(closure)
+        time.sleep(0.02)
+        return result
+
+
+def test_manual_optimization_times_each_optimizer_step_and_ends_a_step_per_batch(tmp_path: Path) -> None:
+    """A GAN's first optimizer step was timed as the second one's forward (no Lightning hook
+    follows a step), and a batch that stepped no optimizer (manual accumulation) merged into the
+    next one's step, the last left open after fit()."""
+
+    class Gan(_TwoOptimizers):
+        def configure_optimizers(self) -> Any:
+            return [_SlowSGD(self.layer.parameters(), lr=0.05), _SlowSGD(self.other.parameters(), lr=0.05)]
+
+    class Accumulating(TinyRegression):  # Lightning's documented manual accumulation
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.manual_backward(torch.nn.functional.mse_loss(self.layer(x), y) / 4)
+            if (batch_idx + 1) % 4 == 0:
+                self.optimizers().step()  # type: ignore[union-attr]
+                self.optimizers().zero_grad()  # type: ignore[union-attr]
+
+    logger = _quiet(run_name="gan-phases", log_interval=100)
+    _quick_trainer(logger, max_epochs=1, max_steps=-1, default_root_dir=str(tmp_path)).fit(Gan(), _loader(16))
+    ot.shutdown()
+    rows = _rows(Path(logger.log_dir))
+    assert _total(rows, "timers/step/count") == 4 and _total(rows, "timers/optimizer/count") == 8  # 2 a batch
+    assert _total(rows, "timers/forward/count") == 8 and _total(rows, "timers/optimizer/total") >= 8 * 0.02
+    logger = _quiet(run_name="accumulating", log_interval=100)
+    trainer = _quick_trainer(logger, max_epochs=1, max_steps=-1, default_root_dir=str(tmp_path))
+    trainer.fit(Accumulating(), _loader(4 * 18))
+    assert ot.run_info().open_step is None
+    ot.shutdown()
+    rows = _rows(Path(logger.log_dir))
+    assert _total(rows, "train/steps") == 18 and _total(rows, "timers/optimizer/count") == 4
+
+
 def test_an_eval_span_names_the_step_its_metrics_are_logged_at(tmp_path: Path) -> None:
     """A GAN's validation: its eval span's `train.step` is the step Lightning's loggers file its
     `val_loss` at, not `global_step` (twice that, with two optimizers)."""

@@ -228,8 +228,8 @@ SKIPPED_STEPS = _m("train.optimizer.skipped_steps", S.COUNTER, "{step}",
 PROFILED_STEPS = _m("train.profiler.steps", S.COUNTER, "{step}",
                     "Steps run inside a run.profile window (their durations are skewed by the profiler).",
                     "train/profiled_steps")  # fmt: skip
-HEALTH_EVENTS = _m("train.health.events", S.COUNTER, "{event}", "Health events (nonfinite, nonfinite_grad, "
-                   "loss_spike, straggler, stall, gpu_lost, gpu_xid, memory_pressure, mfu_over_100).",
+HEALTH_EVENTS = _m("train.health.events", S.COUNTER, "{event}", "Health events by name, every one the run "
+                   "raises (e.g. nonfinite, nonfinite_grad, loss_spike, straggler, stall, hang, gpu_lost).",
                    "health/{otel_train.event}", attributes=(EVENT,), essential=True)  # fmt: skip
 STALL_DURATION = _m("train.stall.duration", S.OBSERVABLE_GAUGE, "s", "How long this rank has had no step or "
                     "eval batch, once past stall_timeout_s (checkpoint_timeout_s during a checkpoint save); "

@@ -141,7 +141,11 @@ class OtelTrainCallback(TrainerCallback):
             trainer.train = ending_on_error(trainer.train, _WRAPPED, lambda: self.close(failed=True))
         if not getattr(trainer.get_batch_samples, _WRAPPED, False):
             input_name = getattr(trainer.model, "main_input_name", None) or "input_ids"
-            trainer.get_batch_samples = _stamping(self, trainer.get_batch_samples, input_name)
+            # TRL's DPO and reward trainers batch each pair as two rows: the chosen, then the rejected
+            pairs = type(getattr(trainer, "data_collator", None)).__name__ == "DataCollatorForPreference"
+            trainer.get_batch_samples = _stamping(
+                self, trainer.get_batch_samples, input_name, 2 if pairs else 1
+            )
         for name in _RESTORE_CALLS:
             load = getattr(trainer, name, None)
             if load is not None and not getattr(load, _WRAPPED, False):
@@ -398,11 +402,11 @@ def _timing_restore(load: Callable[..., Any], restores: list[tuple[int, int]]) -
 
 
 def _stamping(
-    callback: OtelTrainCallback, get_batch_samples: Callable[..., Any], input_name: str
+    callback: OtelTrainCallback, get_batch_samples: Callable[..., Any], input_name: str, rows_per_sample: int
 ) -> Callable[..., Any]:
     """`trainer.get_batch_samples`, noting on `callback` when each micro-batch left the iterator,
     the step's first micro-batch (a reference) and its micro-batches' `input_name` elements and
-    rows (shapes only)."""
+    samples (rows / `rows_per_sample`; shapes only)."""
 
     def stamped(epoch_iterator: Any) -> Iterator[Any]:
         for item in epoch_iterator:  # pulls one item per next(): none is taken ahead
@@ -416,7 +420,7 @@ def _stamping(
         callback._batch = samples[0] if isinstance(samples, list) and samples else None
         if isinstance(samples, list):
             callback._batch_tokens = sum(_elements(batch, input_name) for batch in samples)
-            callback._batch_rows = sum(_rows(batch, input_name) for batch in samples)
+            callback._batch_rows = sum(_rows(batch, input_name) for batch in samples) // rows_per_sample
         return result
 
     setattr(wrapper, _WRAPPED, True)

@@ -169,6 +169,28 @@ def test_sft_steps_and_metrics(tmp_path: Path) -> None:
     } <= keys
 
 
+def test_dpo_counts_a_preference_pair_as_one_sample(tmp_path: Path) -> None:
+    """DPO batches each pair as two rows (the chosen, then the rejected): counted by rows, samples
+    and samples/s were twice the pairs trained on."""
+    from trl import DPOConfig, DPOTrainer
+
+    pairs = Dataset.from_dict({
+        "prompt": [f"w{i} w{i + 1}" for i in range(8)],
+        "chosen": [f"w{i + 2} w{i + 3}" for i in range(8)],
+        "rejected": [f"w{i + 9} w{i + 7}" for i in range(8)],
+    })  # fmt: skip
+    args = DPOConfig(**_common(tmp_path), per_device_train_batch_size=2, max_length=16)
+    trainer = DPOTrainer(
+        model=_model(), ref_model=_model(), args=args, train_dataset=pairs, processing_class=_tokenizer()
+    )
+    ot_trl.instrument(trainer, **_settings(tmp_path, "dpo"))
+    trainer.train()
+    ot.shutdown()
+    rows = _rows(tmp_path, "dpo")
+    assert sum(r.get("train/steps") or 0 for r in rows) == STEPS
+    assert sum(r.get("throughput/samples") or 0 for r in rows) == STEPS * 2  # pairs, not rows
+
+
 def test_instrument_takes_the_trainers_own_reporter_off_for_a_bridged_backend(tmp_path: Path) -> None:
     """report_to="tensorboard" and instrument(trainer, tensorboard=True): one TensorBoard run (the
     bridge's), as with Trainer(callbacks=[OtelTrainCallback(tensorboard=True)]), not two."""

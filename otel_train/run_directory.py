@@ -171,8 +171,10 @@ def avoid_live_owner(output_dir: Path, run_name: str, run_id: str, role: str = "
     diverted = f"{run_name}-{os.getpid()}"
     log.warning(
         "otel_train: %s is still written by live process %s (run_id %s) on this host; this process "
-        "writes to %s instead. Stop the old process first to resume the run in place, or set a "
-        "distinct run_name / OTEL_TRAIN_RUN_NAME.",
+        "writes to %s instead. Stop the old process first to resume the run in place. A second "
+        "process of its own (an evaluation or a tool started by the job, which inherits its run id "
+        "from SLURM_JOB_ID / TORCHELASTIC_RUN_ID) also shares that process's OTLP and Prometheus "
+        "series: give it init(role=...) or its own OTEL_TRAIN_RUN_ID.",
         output_dir / run_name,
         holder.get("pid"),
         run_id,

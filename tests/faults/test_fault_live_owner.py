@@ -70,7 +70,8 @@ def test_a_live_owner_is_never_appended_to(tmp_path: Path) -> None:
         diverted = Path(second.stdout.readline().strip())
         assert diverted == tmp_path / f"job-{second.pid}"
         stderr = _finish(second)
-        assert str(owned) in stderr and "OTEL_TRAIN_RUN_NAME" in stderr and str(first.pid) in stderr
+        assert str(owned) in stderr and "OTEL_TRAIN_RUN_ID" in stderr and str(first.pid) in stderr
+        assert "role=" in stderr  # a second process of its own shares the first one's series
         _finish(first)
     finally:
         for proc in (first, second):

@@ -78,6 +78,8 @@ def test_ten_thousand_names_stay_within_series_budget(caplog) -> None:
     assert sum(v for _, v in cap.series("otel_train/dropped/too_many_names")) == 10_000 - 64
     assert not cap.series("otel_train/dropped/invalid_name")
     assert sum("max_metric_names" in r.getMessage() for r in caplog.records) == 1
+    # a user's log shows whose warning it is
+    assert [r.getMessage() for r in caplog.records if not r.getMessage().startswith("otel_train: ")] == []
 
 
 def test_pull_endpoint_series_budget(tmp_path) -> None:

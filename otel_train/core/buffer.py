@@ -421,7 +421,7 @@ class Buffer:
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned and len(self.warned) < 1000:
             self.warned.add(key)
-            log.warning(message)
+            log.warning(message if message.startswith("otel_train: ") else f"otel_train: {message}")
 
     # --- flush ----------------------------------------------------------------------------------
     def take(self, seq: int, step: int, elapsed_s: float, perf_to_epoch_ns: int) -> FlushBatch:

@@ -98,13 +98,15 @@ class StepClock:
         self.stall_gap_ns = int(stall_timeout_s * 1e9)
         self.eval_batch_ns = 0  # the latest eval batch between steps (adapters.heartbeat)
         self.idle_after_ns: int | None = None  # the end of the step after which the loop idled on purpose
-        # (the last step completed before the stalled one, seconds): appended by the watchdog
-        # thread, taken by the listener once that step is flushed
-        self.step_stalls: deque[tuple[int, float]] = deque()
+        # (the last step completed before the stalled one, seconds, frozen): appended by the
+        # watchdog thread, taken by the listener once that step is flushed
+        self.step_stalls: deque[tuple[int, float, bool]] = deque()
 
-    def note_step_stall(self, after_step: int, seconds: float) -> None:
-        """The watchdog saw the step after `after_step` stalled for `seconds` (without progress)."""
-        self.step_stalls.append((after_step, seconds))
+    def note_step_stall(self, after_step: int, seconds: float, frozen: bool = False) -> None:
+        """The watchdog saw the step after `after_step` stalled for `seconds` (without progress);
+        `frozen`: it could not run itself for that long (the process was stopped or frozen), so the
+        freeze may also have been between steps, where `note_gap` books it."""
+        self.step_stalls.append((after_step, seconds, frozen))
 
     def note_gap(self, start_ns: int, previous_end_ns: int | None) -> None:
         """A step starts at `start_ns` (the first one: `previous_end_ns` None). A gap over
@@ -166,6 +168,7 @@ class GoodputListener:
         self.failed_stall_s = 0.0
         self._failed_steps: deque[tuple[int, float]] = deque(maxlen=RECENT_INTERVALS)
         self._data_peaks: deque[float] = deque(maxlen=RECENT_INTERVALS)
+        self._step_peaks: deque[tuple[int, float]] = deque(maxlen=RECENT_INTERVALS)  # (last step, longest)
         self._previous = _load(state_path, run_id, clock.clocks.wall())
         self._saved_at = -math.inf
         self.failed_saves = 0  # in a row: the file on disk is stale meanwhile
@@ -219,10 +222,14 @@ class GoodputListener:
         if interval.steps:
             data = [max(values) for name, values in interval.phases.items() if name in DATA_PHASES and values]
             self._data_peaks.append(max(data, default=0.0))
+            self._step_peaks.append((interval.step, max(interval.step_durations, default=0.0)))
         self._failed_steps.extend(interval.failed_steps)
         stalls = self._clock.step_stalls
         while stalls and (interval.final or interval.step > stalls[0][0]):
-            after, seconds = stalls.popleft()
+            after, seconds, frozen = stalls.popleft()
+            longest = max((peak for last, peak in self._step_peaks if last > after), default=0.0)
+            if frozen and longest < 0.9 * seconds:
+                continue  # no step lasted the freeze: it was between steps (note_gap's)
             stalled = max(0.0, seconds - max(self._data_peaks, default=0.0))
             failed = next((f for f in self._failed_steps if f[0] == after), None)
             if failed is None:

@@ -533,3 +533,46 @@ def test_a_process_that_dies_before_its_first_flush_still_leaves_its_account(tmp
     listener, _ = _process(clock, state_file)
     assert listener.interruptions == 1
     assert listener.account()["restart"] == pytest.approx(30.0, abs=1.0)
+
+
+FROZEN = """
+import os, signal, subprocess, sys, time
+import otel_train as ot
+where, freeze_s, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+ot.init(output_dir=out, run_name="frozen", prometheus_port=0, verbosity=0, hardware=False,
+        log_interval=5, stall_timeout_s=1.5)
+def freeze():  # SIGSTOP from outside, as a VM pause or a debugger does; SIGCONT after freeze_s
+    subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(0.2); "
+                      f"os.kill({os.getpid()}, signal.SIGSTOP); time.sleep({freeze_s}); "
+                      f"os.kill({os.getpid()}, signal.SIGCONT)"])
+for i in range(30):
+    if i == 20 and where == "between":
+        freeze(); time.sleep(0.6)
+    with ot.step(i):
+        if i == 20 and where == "in":
+            freeze(); time.sleep(0.6)
+        time.sleep(0.05)
+time.sleep(1.2)  # the watchdog's next tick
+ot.shutdown()
+"""
+
+
+@pytest.mark.parametrize("where", ["in", "between"])
+def test_a_frozen_process_is_stall_time_once_inside_a_step_or_between(where: str, tmp_path: Path) -> None:
+    """A SIGSTOP (a VM or container pause) also stops the watchdog: a freeze inside a step that ended
+    before the watchdog ran again was productive time, and named the step the loop had reached by
+    then. A freeze between steps is goodput's own gap, and is booked once."""
+    freeze_s = 5.0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", FROZEN, where, str(freeze_s), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    account = json.loads((tmp_path / "frozen" / "goodput.rank0.json").read_text())
+    stall = account["badput"]["stall"]
+    assert freeze_s * 0.9 <= stall <= freeze_s * 1.5, account  # booked, and once
+    assert account["productive_s"] >= 30 * 0.05 * 0.9, account  # the steps' own time stays productive
+    events = [
+        json.loads(line) for line in (tmp_path / "frozen" / "events.rank0.jsonl").read_text().splitlines()
+    ]
+    [frozen] = [e for e in events if "could not run" in e["message"]]
+    assert "stopped or frozen" in frozen["message"] and frozen["step"] <= 20, frozen

@@ -189,7 +189,7 @@ class HangWatchdog:
         checkpoint_timeout_s: float = 1800.0,
         first_step_timeout_s: float = 1800.0,
         step_start: Callable[[], int] = lambda: 0,
-        on_step_stall: Callable[[int, float], None] | None = None,
+        on_step_stall: Callable[[int, float, bool], None] | None = None,
         evaluating_s: Callable[[], float] = lambda: 0.0,
         in_eval: Callable[[], bool] = lambda: False,
         eval_timeout_s: float = 7200.0,
@@ -212,10 +212,13 @@ class HangWatchdog:
         self._on_tick = on_tick  # more work for the same wake-up (is the worker stuck?)
         self._on_stall = on_stall  # called with the stacks file after a stall event (hang attribution)
         self._step_start = step_start  # () -> perf_counter_ns of the running step's start, 0 outside one
-        self._on_step_stall = on_step_stall  # goodput's: (the last step before the stalled one, seconds)
+        self._on_step_stall = (
+            on_step_stall  # goodput's: (the last step before the stalled one, seconds, frozen)
+        )
         # A stall declared inside a step, until the loop progresses: (last step, the progress time it
         # was measured from, where the step's stalled part began), perf_counter seconds.
         self._stalled_in_step: tuple[int, float, float] | None = None
+        self._ticked: int | None = None  # the last step at the previous tick: where a gap began
         self._stall_dumps = 0
         self._reported_for: float | None = None  # the step end time whose stall was reported
         self._stop = threading.Event()
@@ -325,15 +328,25 @@ class HangWatchdog:
         step, progressed = self._last_step()
         if progressed is None:
             self._raw.disarm()
+            self._ticked = None
             return
         missed = self._raw.tick()
-        if missed is not None and self._raw.file is not None:
+        ticked, self._ticked = self._ticked, step
+        if missed is None or ticked is None:
+            return
+        was_step = ticked  # where the loop was when the gap began: it has gone on since
+        if self._raw.file is not None:
             self._events.emit(
                 "stall",
-                f"the watchdog thread could not run for {missed:.0f}s after step {step} "
-                f"(a C call holding the GIL?); faulthandler's stacks: {self._raw.file.name}",
-                {"step": step, "file": self._raw.file.name},
+                f"the watchdog thread could not run for {missed:.0f}s after step {was_step}: the process "
+                "was stopped or frozen (SIGSTOP, a VM or container pause) or a C call held the GIL; "
+                f"faulthandler's stacks: {self._raw.file.name}",
+                {"step": was_step, "file": self._raw.file.name},
             )
+        # A freeze inside a step that ended before this thread ran again is seen by nobody else
+        # (goodput books one between steps itself, and a stall declared this tick is settled later).
+        if self._stalled_in_step is None and self._on_step_stall is not None:
+            self._on_step_stall(was_step, missed, True)
 
     def stalled_s(self) -> float:
         """The `train.stall.duration` gauge: how long this rank has had no step or eval batch, once
@@ -419,7 +432,7 @@ class HangWatchdog:
             return
         self._stalled_in_step = None
         if self._on_step_stall is not None:
-            self._on_step_stall(after_step, max(0.0, progressed - stalled_from))
+            self._on_step_stall(after_step, max(0.0, progressed - stalled_from), False)
 
     def _drain_signals(self) -> int:
         """How many dump signals arrived (one byte each in the wakeup fd)."""

@@ -58,7 +58,7 @@ class ConsoleSink(Sink):
         if verbosity > 0 and run_dir is not None:
             self.stream.write(f"otel_train: writing to {run_dir}\n")
         self.bar = progress_bar and verbosity > 0 and self.stream.isatty()
-        self.started = time.time()
+        self.started = time.perf_counter()  # monotonic: a wall-clock step is no elapsed time
         self._opened = time.monotonic()  # the timer table's wall clock (timers read a monotonic one)
         # Timer totals for the end-of-run table: name -> [total seconds, count].
         self.timers: dict[str, list[float]] = {}
@@ -103,7 +103,7 @@ class ConsoleSink(Sink):
         if self.bar and total:
             done = min(1.0, (step + 1) / total)
             filled = int(done * 24)
-            rate = (step + 1) / max(1e-9, wall_time - self.started)
+            rate = (step + 1) / max(1e-9, time.perf_counter() - self.started)
             line = f"[{'#' * filled}{'.' * (24 - filled)}] {done:4.0%} {rate:.1f} it/s | " + line
         self.stream.write(line + "\n")
         self.stream.flush()

@@ -24,7 +24,7 @@ class RunDirSink(Sink):
         self._metrics = LineFile(self.files.metrics, single_writer=True)  # this rank's
         # progress.txt is one file per run: only the reporting rank appends to it.
         self._progress: LineFile | None = LineFile(self.files.progress) if progress else None
-        self._started = time.time()
+        self._started = time.perf_counter()  # monotonic: a wall-clock step is no elapsed time
         self._tokens = self._samples = 0.0
         self._hparams: dict[str, Any] = {}
 
@@ -39,7 +39,7 @@ class RunDirSink(Sink):
         self._samples += scalars.get(sc.SAMPLES.key, 0.0)
         if self._progress is None or sc.STEPS.key not in scalars:
             return  # a row without training steps (log_metrics(step=N), an eval) is no progress
-        elapsed = wall_time - self._started
+        elapsed = time.perf_counter() - self._started
         total = int(scalars.get(sc.TOTAL_STEPS.key, 0))  # the plan may change in a run (set_total_steps)
         steps = f"{step + 1}/{total}" if total else f"{step + 1}"
         if self._samples and not self._tokens:  # ot.step(samples=...) alone: the steps count samples

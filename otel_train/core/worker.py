@@ -131,7 +131,7 @@ class Worker:
         self._names_warned: dict[str, int] = {}  # reason -> names warned about (MAX_NAMES_WARNED)
         self._errors_warned: set[str] = set()
         self.sink_errors: dict[str, int] = {}
-        self._first_step_at: float | None = None  # epoch seconds when the first step began (the ETA)
+        self._first_step_ns: int | None = None  # perf_counter_ns when the first step began (the ETA)
         self._last_step: StepEvent | None = None  # the last flush's last step (nested steps)
         self._steps_done = 0
         self.busy_since: float | None = None  # perf_counter when its item began (`stuck_message`)
@@ -316,15 +316,16 @@ class Worker:
             set_interval_stats(ins, self._stat_keys, instrument, values)
         for reason, count in batch.dropped.items():
             ins.dropped.add(count, {semconv.REASON: reason})
-        if self._first_step_at is None and batch.step_events:
+        if self._first_step_ns is None and batch.step_events:
             # the rate counts from the first step: set-up (a checkpoint load, compiling) is not a step
-            self._first_step_at = (batch.step_events[0][1] + batch.perf_to_epoch_ns) * 1e-9
+            self._first_step_ns = batch.step_events[0][1]
         self._steps_done += interval.steps
         if self.total_steps:
             ins.total_steps.set(self.total_steps)
             remaining = max(0, self.total_steps - (interval.step + 1))
-            if self._steps_done and self._first_step_at is not None:
-                elapsed = interval.wall_time - self._first_step_at
+            if self._steps_done and self._first_step_ns is not None:
+                # on the monotonic clock: a wall-clock step (NTP, a resumed VM) is no elapsed time
+                elapsed = (batch.wall_perf_ns - self._first_step_ns) * 1e-9
                 ins.eta.set(remaining * elapsed / self._steps_done)
 
     def _deliver_message(self, message: Message) -> None:

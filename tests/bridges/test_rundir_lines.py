@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,19 @@ def test_writers_of_one_json_file_never_trip_over_each_other(tmp_path: Path) -> 
     final = json.loads(path.read_text())
     assert final["pad"] == "x" * (final["writer"] * 1000)  # one writer's whole file
     assert [p.name for p in tmp_path.iterdir()] == ["hparams.json"]  # no temporary file left
+
+
+def test_progress_elapsed_is_monotonic_through_a_wall_clock_step(tmp_path: Path) -> None:
+    """A wall clock stepped an hour ahead (NTP, a resumed VM) made a 3 s run's progress line read
+    `elapsed 01:00:01`; one stepped back read 00:00:00 while steps remained."""
+    from otel_train import semconv
+    from otel_train.bridges.rundir import RunDirSink
+
+    sink = RunDirSink(tmp_path, 0)
+    for shift in (3600.0, -3600.0):
+        sink.write_scalars(5, time.time() + shift, {semconv.STEPS.key: 1.0})  # the flush's wall stamp
+    sink.close({}, False)
+    lines = (tmp_path / "progress.txt").read_text().splitlines()
+    assert [line.split("elapsed ")[1].split(" ")[0] for line in lines if "elapsed" in line] == [
+        "00:00:00"
+    ] * 2

@@ -109,6 +109,7 @@ def _steps_batch(first: int, count: int, start_s: float, seconds_each: float) ->
     )
     batch = buffer.take(1, first + count - 1, count * seconds_each, perf_to_epoch_ns=0)
     batch.wall_time = start_s + count * seconds_each
+    batch.wall_perf_ns = begin + count * ns  # the two clocks paired at the flush (one clock here)
     return batch
 
 
@@ -126,3 +127,19 @@ def test_the_eta_counts_from_the_first_step_and_reads_0_past_the_planned_last(tm
     ot.shutdown()
     assert sink.etas[0] == pytest.approx(990.0)  # 990 steps left at 1 s each
     assert sink.etas[1] == 0.0  # step 6009 of 6000
+
+
+def test_a_wall_clock_step_leaves_the_eta_alone(tmp_path) -> None:
+    """NTP or a resumed VM moves time.time() by an hour mid-run: the ETA read 5,041 s for 2 s left
+    (and a negative one for a step back). It is timed on the monotonic clock."""
+    ot.init(total_steps=100, prometheus_port=0, verbosity=0, output_dir=str(tmp_path), hardware=False)
+    worker = current_session().worker
+    sink = _Eta()
+    worker.add_sink(sink)
+    worker._process(_steps_batch(0, 10, 1000.0, 1.0))
+    for first, shift in ((10, 3600.0), (20, -3600.0)):
+        batch = _steps_batch(first, 10, 1000.0 + first, 1.0)
+        batch.wall_time += shift  # the wall clock stepped; the monotonic one did not
+        worker._process(batch)
+    ot.shutdown()
+    assert sink.etas == [pytest.approx(90.0), pytest.approx(80.0), pytest.approx(70.0)]

@@ -207,10 +207,13 @@ def doctor() -> int:
     ok = _output_dir_ok(config) & _otlp_ok(config) & _pull_port_ok(config)  # `&`: every check prints
     from otel_train.bridges.table import BRIDGES
 
-    for extra, module in [(b.extra, b.import_name) for b in BRIDGES] + [("gpu", "pynvml")]:
+    for extra, modules in [(b.extra, b.import_names) for b in BRIDGES] + [("gpu", ("pynvml",))]:
+        missing = [module for module in modules if find_spec(module) is None]
         # quoted as the README quotes it: zsh reads an unquoted [...] as a glob
         hint = f'missing: pip install "otel-train[{extra}]"'
-        print(f"extra [{extra}]: {'installed' if find_spec(module) is not None else hint}")
+        if missing == ["torch"]:  # not in the extra: the user picks its CPU or CUDA build
+            hint = "missing: PyTorch, which writes the TensorBoard files (torch.utils.tensorboard)"
+        print(f"extra [{extra}]: {'installed' if not missing else hint}")
     if find_spec("pynvml") is not None:
         try:
             import pynvml

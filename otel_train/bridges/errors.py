@@ -12,12 +12,18 @@ import tempfile
 class BridgeImportError(ImportError):
     """The backend package of a bridge is not installed. The message names the extra to install."""
 
-    def __init__(self, backend: str, extra: str, cause: BaseException | None = None) -> None:
+    def __init__(
+        self, backend: str, extra: str, cause: BaseException | None = None, needs: str | None = None
+    ) -> None:
         detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
-        super().__init__(
-            f"the {backend} bridge needs the {extra!r} package, which could not be imported{detail}. "
-            f"Install it with: pip install 'otel-train[{extra}]', or turn the bridge off."
-        )
+        if needs is not None:  # a package the extra does not install
+            message = f"the {backend} bridge needs {needs}, which is not installed. Install it, or turn the bridge off."
+        else:
+            message = (
+                f"the {backend} bridge needs the {extra!r} package, which could not be imported{detail}. "
+                f"Install it with: pip install 'otel-train[{extra}]', or turn the bridge off."
+            )
+        super().__init__(message)
 
 
 def require_packages(backend: str, extra: str, *modules: str) -> None:

@@ -40,7 +40,7 @@ class Bridge:
     settings: Callable[[Config, BridgePlace], dict[str, Any]]  # the sink's keyword arguments
     extra: str  # pip install 'otel-train[<extra>]'
     distribution: str  # the PyPI distribution whose version env.json records
-    import_name: str  # the module `otel-train doctor` looks for
+    import_names: tuple[str, ...]  # the modules `otel-train doctor` looks for
 
 
 def _tensorboard(config: Config, place: BridgePlace) -> dict[str, Any]:
@@ -80,15 +80,15 @@ def _mlflow(config: Config, place: BridgePlace) -> dict[str, Any]:
 BRIDGES: tuple[Bridge, ...] = (
     Bridge(
         "TensorBoard", "otel_train.bridges.tensorboard", "TensorBoardSink", lambda c: c.tensorboard,
-        _tensorboard, "tensorboard", "tensorboard", "tensorboard",
+        _tensorboard, "tensorboard", "tensorboard", ("tensorboard", "torch"),
     ),
     Bridge(
         "W&B", "otel_train.bridges.wandb", "WandbSink", lambda c: c.wandb,
-        _wandb, "wandb", "wandb", "wandb",
+        _wandb, "wandb", "wandb", ("wandb", "numpy"),
     ),
     Bridge(
         "MLflow", "otel_train.bridges.mlflow", "MlflowSink", lambda c: c.mlflow,
-        _mlflow, "mlflow", "mlflow", "mlflow",
+        _mlflow, "mlflow", "mlflow", ("mlflow",),
     ),
 )  # fmt: skip
 

@@ -4,6 +4,7 @@ one log dir per run. Layout and hparams: docs/design/bridges.md#tensorboard.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,10 @@ class TensorBoardSink(Sink):
 
     def __init__(self, log_dir: Path | str) -> None:
         # the writer, which imports torch, is created at the first write
+        if importlib.util.find_spec("torch") is None:  # not in the extra: its CPU or CUDA build is the user's
+            raise BridgeImportError(
+                "TensorBoard", "tensorboard", needs="PyTorch, whose torch.utils.tensorboard writes the files"
+            )
         require_packages("TensorBoard", "tensorboard", "torch.utils.tensorboard", "tensorboard")
         self.log_dir = Path(log_dir)
         ensure_writable_dir(self.log_dir, "TensorBoard")

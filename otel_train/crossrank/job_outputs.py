@@ -118,7 +118,7 @@ class JobSeries:
             self._warn(
                 "sdk",
                 "otel_train: the job-level histograms are left out: this OpenTelemetry SDK's histogram "
-                "aggregation is not the one otel_train merges bucket counts into (opentelemetry-sdk 1.45)",
+                "aggregation is not the one otel_train merges bucket counts into (it needs opentelemetry-sdk >= 1.45.2)",
             )
 
     def _warn(self, key: str, message: str) -> None:

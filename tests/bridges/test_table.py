@@ -49,7 +49,7 @@ def recording_bridge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         settings=lambda config, place: {"path": str(path)},
         extra="recording",
         distribution="pytest",
-        import_name="helpers.bridge_fixtures",
+        import_names=("helpers.bridge_fixtures",),
     )
     monkeypatch.setattr(table, "BRIDGES", (*table.BRIDGES, row))
     monkeypatch.setenv(

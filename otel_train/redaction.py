@@ -7,6 +7,8 @@ setting an error message shows.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 import operator
 import re
@@ -102,10 +104,20 @@ def redact(value: Any, key: str = "") -> Any:
     if value is None or isinstance(value, (bool, int, float)):
         return value
     # A string may itself hold secrets (a nested config rendered with str(): `{'hf_token': ...}`, a
-    # command line), and so may any other object's text (`Namespace(hf_token='...')`, a dataclass):
-    # each is written as its number or its text, redacted as free text.
+    # command line): the free-text redaction, which also covers URL userinfo.
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, argparse.Namespace) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    ):
+        return redact(vars(value) if isinstance(value, argparse.Namespace) else _fields(value))
+    # Any other object is written as its number or its text, redacted as free text.
     shown = plain_value(value)
     return redact_text(shown) if isinstance(shown, str) else shown
+
+
+def _fields(instance: Any) -> dict[str, Any]:
+    return {field.name: getattr(instance, field.name) for field in dataclasses.fields(instance)}
 
 
 _SECRET_FLAG_RE = re.compile(rf"(?i)--?[\w.-]{{0,64}}{_SECRET_WORD}[\w.-]{{0,64}}")
@@ -125,6 +137,8 @@ def plain_value(value: Any) -> Any:
     """A value JSON has no form for, as a number (numpy scalars, 0-dim tensors) or as text, so one
     odd value never empties a file (json.dumps's `default=`)."""
     try:
+        if str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+            return bool(value)  # numpy's and torch's: a bool, not the number 1
         try:
             return operator.index(value)  # numpy integers, integer 0-dim tensors
         except TypeError:  # not an integer: a float, or text

@@ -115,3 +115,33 @@ def test_huge_texts_and_samples_are_cut_and_say_so(tmp_path) -> None:
     rows = [(row["prompt"], row["output"]) for row in _read_jsonl(run_dir / "samples.jsonl")]
     cut = blob[:TEXT_LIMIT] + marker
     assert rows == [(cut, cut), ("short prompt", cut), (cut, "short output")]
+
+
+def test_hyperparameters_keep_their_values_and_shapes_through_the_redaction() -> None:
+    """Redaction changes secrets only: a numeric string stays a string ("1.10" is no 1.1, "0042" no
+    42), a Namespace or dataclass stays a mapping (its secret fields redacted), numpy and torch
+    scalars become plain numbers and bools, a command line's flag value is hidden."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from otel_train.redaction import REDACTED, redact
+
+    @dataclasses.dataclass
+    class Args:
+        hf_token: str = "hf_abc"
+        lr: float = 0.1
+
+    given = {
+        "version": "1.10", "seed": "0042", "schedule": "inf", "devices": "8",
+        "args": argparse.Namespace(password="pw", layers=3), "cfg": Args(),
+        "flag": np.bool_(True), "mask": torch.tensor(False), "steps": np.int64(7), "scale": torch.tensor(2.5),
+        "argv": ["train.py", "--api-key", "K3Y", "--lr", "0.1"],
+    }  # fmt: skip
+    assert redact(given) == {
+        "version": "1.10", "seed": "0042", "schedule": "inf", "devices": "8",
+        "args": {"password": REDACTED, "layers": 3}, "cfg": {"hf_token": REDACTED, "lr": 0.1},
+        "flag": True, "mask": False, "steps": 7, "scale": 2.5,
+        "argv": ["train.py", "--api-key", REDACTED, "--lr", "0.1"],
+    }  # fmt: skip

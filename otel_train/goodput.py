@@ -98,15 +98,16 @@ class StepClock:
         self.stall_gap_ns = int(stall_timeout_s * 1e9)
         self.eval_batch_ns = 0  # the latest eval batch between steps (adapters.heartbeat)
         self.idle_after_ns: int | None = None  # the end of the step after which the loop idled on purpose
-        # (the last step completed before the stalled one, seconds, frozen): appended by the
+        # (the last step completed before the stalled one, seconds, frozen through): appended by the
         # watchdog thread, taken by the listener once that step is flushed
-        self.step_stalls: deque[tuple[int, float, bool]] = deque()
+        self.step_stalls: deque[tuple[int, float, int | None]] = deque()
 
-    def note_step_stall(self, after_step: int, seconds: float, frozen: bool = False) -> None:
-        """The watchdog saw the step after `after_step` stalled for `seconds` (without progress);
-        `frozen`: it could not run itself for that long (the process was stopped or frozen), so the
-        freeze may also have been between steps, where `note_gap` books it."""
-        self.step_stalls.append((after_step, seconds, frozen))
+    def note_step_stall(self, after_step: int, seconds: float, frozen_through: int | None = None) -> None:
+        """The watchdog saw the step after `after_step` stalled for `seconds` (without progress).
+        `frozen_through`: it could not run itself for that long (the process was stopped or frozen)
+        and found the loop at this step after it: the freeze lay inside one of the steps in between,
+        or between two of them, where `note_gap` books it."""
+        self.step_stalls.append((after_step, seconds, frozen_through))
 
     def note_gap(self, start_ns: int, previous_end_ns: int | None) -> None:
         """A step starts at `start_ns` (the first one: `previous_end_ns` None). A gap over
@@ -226,9 +227,8 @@ class GoodputListener:
         self._failed_steps.extend(interval.failed_steps)
         stalls = self._clock.step_stalls
         while stalls and (interval.final or interval.step > stalls[0][0]):
-            after, seconds, frozen = stalls.popleft()
-            longest = max((peak for last, peak in self._step_peaks if last > after), default=0.0)
-            if frozen and longest < 0.9 * seconds:
+            after, seconds, frozen_through = stalls.popleft()
+            if frozen_through is not None and self._longest_step(after, frozen_through) < 0.9 * seconds:
                 continue  # no step lasted the freeze: it was between steps (note_gap's)
             stalled = max(0.0, seconds - max(self._data_peaks, default=0.0))
             failed = next((f for f in self._failed_steps if f[0] == after), None)
@@ -237,6 +237,16 @@ class GoodputListener:
             else:
                 self._failed_steps.remove(failed)
                 self.failed_stall_s += min(stalled, failed[1])
+
+    def _longest_step(self, after: int, through: int) -> float:
+        """The longest step of the recent flushes that hold the steps after `after` through `through`."""
+        longest = 0.0
+        for last, peak in self._step_peaks:
+            if last > after:
+                longest = max(longest, peak)
+                if last >= through:
+                    break
+        return longest
 
     def _report(self, account: dict[str, float]) -> None:
         """Metrics move only with flushes that carry steps (one without repeats the last step, and

@@ -542,15 +542,23 @@ where, freeze_s, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 ot.init(output_dir=out, run_name="frozen", prometheus_port=0, verbosity=0, hardware=False,
         log_interval=5, stall_timeout_s=1.5)
 def freeze():  # SIGSTOP from outside, as a VM pause or a debugger does; SIGCONT after freeze_s
-    subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(0.2); "
+    subprocess.Popen([sys.executable, "-c", f"import os, signal, time; "
                       f"os.kill({os.getpid()}, signal.SIGSTOP); time.sleep({freeze_s}); "
                       f"os.kill({os.getpid()}, signal.SIGCONT)"])
+    last, deadline = time.monotonic(), time.monotonic() + 60
+    while time.monotonic() < deadline:  # here until the freeze has come and gone, however late
+        time.sleep(0.01)
+        now = time.monotonic()
+        if now - last > 0.8 * freeze_s:
+            return
+        last = now
+    raise SystemExit("no freeze came")
 for i in range(30):
     if i == 20 and where == "between":
-        freeze(); time.sleep(0.6)
+        freeze()
     with ot.step(i):
         if i == 20 and where == "in":
-            freeze(); time.sleep(0.6)
+            freeze()
         time.sleep(0.05)
 time.sleep(1.2)  # the watchdog's next tick
 ot.shutdown()

@@ -189,7 +189,7 @@ class HangWatchdog:
         checkpoint_timeout_s: float = 1800.0,
         first_step_timeout_s: float = 1800.0,
         step_start: Callable[[], int] = lambda: 0,
-        on_step_stall: Callable[[int, float, bool], None] | None = None,
+        on_step_stall: Callable[[int, float, int | None], None] | None = None,
         evaluating_s: Callable[[], float] = lambda: 0.0,
         in_eval: Callable[[], bool] = lambda: False,
         eval_timeout_s: float = 7200.0,
@@ -212,9 +212,7 @@ class HangWatchdog:
         self._on_tick = on_tick  # more work for the same wake-up (is the worker stuck?)
         self._on_stall = on_stall  # called with the stacks file after a stall event (hang attribution)
         self._step_start = step_start  # () -> perf_counter_ns of the running step's start, 0 outside one
-        self._on_step_stall = (
-            on_step_stall  # goodput's: (the last step before the stalled one, seconds, frozen)
-        )
+        self._on_step_stall = on_step_stall  # goodput's note_step_stall
         # A stall declared inside a step, until the loop progresses: (last step, the progress time it
         # was measured from, where the step's stalled part began), perf_counter seconds.
         self._stalled_in_step: tuple[int, float, float] | None = None
@@ -286,9 +284,9 @@ class HangWatchdog:
             if self._stop.is_set():
                 return
             self._answer_signals()
-            self._settle_step_stall()
+            settled = self._settle_step_stall()
             self._check_stall()
-            self._arm_backstop()
+            self._arm_backstop(booked=settled or self._stalled_in_step is not None)
             if self._on_tick is not None:
                 self._on_tick()
 
@@ -322,9 +320,10 @@ class HangWatchdog:
             self.dump("signal", requests)
         self._raw.bound()
 
-    def _arm_backstop(self) -> None:
+    def _arm_backstop(self, booked: bool) -> None:
         """(Re-)arm faulthandler's timer once steps have begun; report when it could have fired.
-        While the loop idles on purpose nothing is judged: no timer, and no gap since the last tick."""
+        While the loop idles on purpose nothing is judged: no timer, and no gap since the last tick.
+        `booked`: a stall this tick settled or declared holds the gap's time already."""
         step, progressed = self._last_step()
         if progressed is None:
             self._raw.disarm()
@@ -344,9 +343,10 @@ class HangWatchdog:
                 {"step": was_step, "file": self._raw.file.name},
             )
         # A freeze inside a step that ended before this thread ran again is seen by nobody else
-        # (goodput books one between steps itself, and a stall declared this tick is settled later).
-        if self._stalled_in_step is None and self._on_step_stall is not None:
-            self._on_step_stall(was_step, missed, True)
+        # (goodput books one between steps itself; a save's or an evaluation's time is theirs).
+        if not booked and not self._saving() and not self._in_eval() and self._on_step_stall is not None:
+            # at least the freeze: the gap less the wait it began in (at most one poll)
+            self._on_step_stall(was_step, max(0.0, missed - self._poll_s), step + 1)
 
     def stalled_s(self) -> float:
         """The `train.stall.duration` gauge: how long this rank has had no step or eval batch, once
@@ -421,18 +421,20 @@ class HangWatchdog:
             except Exception as exc:  # it parses torch's Flight Recorder dump, whose format is torch's
                 log.warning("otel_train: hang attribution failed: %s", exc)
 
-    def _settle_step_stall(self) -> None:
-        """End a stall declared inside a step once the loop progresses (its time: goodput's badput)."""
+    def _settle_step_stall(self) -> bool:
+        """End a stall declared inside a step once the loop progresses (its time: goodput's badput);
+        whether it did."""
         stalled = self._stalled_in_step
         if stalled is None:
-            return
+            return False
         after_step, since, stalled_from = stalled
         _, progressed = self._last_step()
         if progressed is None or progressed == since:
-            return
+            return False
         self._stalled_in_step = None
         if self._on_step_stall is not None:
-            self._on_step_stall(after_step, max(0.0, progressed - stalled_from), False)
+            self._on_step_stall(after_step, max(0.0, progressed - stalled_from), None)
+        return True
 
     def _drain_signals(self) -> int:
         """How many dump signals arrived (one byte each in the wakeup fd)."""

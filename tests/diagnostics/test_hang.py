@@ -390,3 +390,41 @@ def test_stall_stack_dumps_are_capped_per_run_and_the_cap_is_said(tmp_path: Path
         r.getMessage() for r in caplog.records if "later stalls are reported without stacks" in r.getMessage()
     ]
     assert len(said) == 1, said
+
+
+def test_a_freeze_after_a_declared_stall_is_booked_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog declared a stall inside step 5; then the process froze for 20 s and the step
+    ended: settling the stall books the freeze's time already, so the freeze itself adds none."""
+    from otel_train.diagnostics.hang import HangWatchdog
+
+    class Events:
+        def emit(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    booked: list[tuple[Any, ...]] = []
+    state: dict[str, Any] = {"step": 4, "ended": 100.0, "start_ns": int(100.5e9)}
+    watchdog = HangWatchdog(
+        tmp_path, 0, Events(), lambda: (state["step"], state["ended"]), 1.5, dump_signal=None,  # type: ignore[arg-type]
+        step_start=lambda: state["start_ns"], on_step_stall=lambda *a: booked.append(a),
+    )  # fmt: skip
+    watchdog._raw.open(tmp_path / "faulthandler.txt")
+    monotonic = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: monotonic[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: 103.0)
+    monkeypatch.setattr(watchdog, "dump", lambda *a: None)
+
+    def tick() -> None:  # one pass of the watchdog's loop
+        settled = watchdog._settle_step_stall()
+        watchdog._check_stall()
+        watchdog._arm_backstop(booked=settled or watchdog._stalled_in_step is not None)
+
+    tick()
+    monotonic[0] += 0.4
+    tick()  # 3 s without progress: a stall declared inside step 5
+    monotonic[0] += 20.0  # SIGSTOP for 20 s, then step 5 ends
+    state.update(step=5, ended=123.5, start_ns=0)
+    tick()
+    watchdog._raw.close()
+    assert booked == [(4, 23.0, None)]

@@ -431,7 +431,7 @@ def replace_whole(path: Path, text: str, fsync: bool = False) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         tmp.unlink(missing_ok=True)  # a crashed writer's with this pid, or a planted link (not followed)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)  # the umask decides
         with open(fd, "w", encoding="utf-8") as f:
             f.write(text)
             if fsync:

@@ -234,3 +234,28 @@ def test_a_ctrl_c_during_shutdown_is_delivered_after_the_close(tmp_path, monkeyp
     second = ot.init(output_dir=str(tmp_path), verbosity=0, prometheus_port=port, hardware=False)
     assert second.prometheus_url is not None  # the first run let its port go
     ot.shutdown()
+
+
+def test_a_second_ctrl_c_during_shutdown_cuts_it_short(tmp_path, monkeypatch) -> None:
+    """The first Ctrl-C waits for the close; an impatient second one raises at once."""
+    import os
+    import signal
+
+    from otel_train.core import session as session_module
+
+    ot.init(output_dir=str(tmp_path), verbosity=0, prometheus_port=0, hardware=False)
+    drain = session_module._drain_worker
+    reached: list[str] = []
+
+    def twice_interrupted_drain(*args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        reached.append("first held")
+        os.kill(os.getpid(), signal.SIGINT)
+        reached.append("never")  # the second raised inside the close
+        return drain(*args)
+
+    monkeypatch.setattr(session_module, "_drain_worker", twice_interrupted_drain)
+    with pytest.raises(KeyboardInterrupt):
+        ot.shutdown()
+    assert reached == ["first held"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -341,7 +341,7 @@ class Buffer:
                     oldest = next(iter(self._rejected))
                     del self._rejected[oldest], self._name_map[oldest]
         if instrument is None:
-            self.drop(self._rejected[name])
+            self.drop(self._rejected.get(name, "invalid_name"))  # evicted meanwhile by another thread
             return None
         values: list[Any] = []
         self.scalars[name] = values

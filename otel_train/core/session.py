@@ -509,17 +509,23 @@ def _drop_message(buffer: Buffer, limit: int) -> None:
 def _close_deferring_interrupt(session: Session, failed: bool) -> None:
     """`_close`, with a Ctrl-C during it delivered when it ends (within `shutdown_timeout_s`): cut in
     the middle, the close left the run's last rows unwritten, its threads and port held, and no way
-    to finish it (a notebook's interrupt while `ot.shutdown()` drains)."""
+    to finish it (a notebook's interrupt while `ot.shutdown()` drains). A second Ctrl-C raises at once."""
     main = threading.current_thread() is threading.main_thread()
     if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         _close(session, failed)  # a user's own SIGINT handler decides for itself
         return
     interrupts: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: interrupts.append(signum))
+
+    def held(signum: int, frame: Any) -> None:
+        interrupts.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C cuts the close short
+
+    signal.signal(signal.SIGINT, held)
     try:
         _close(session, failed)
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if signal.getsignal(signal.SIGINT) is held:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     if interrupts:
         raise KeyboardInterrupt
 

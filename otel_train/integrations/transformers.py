@@ -40,7 +40,11 @@ __all__ = ["OtelTrainCallback"]
 
 log = logging.getLogger("otel_train")
 
-_BRIDGES = ("tensorboard", "wandb", "mlflow")  # otel_train bridges that are also `report_to` names
+_BRIDGES = ("tensorboard", "wandb", "mlflow")
+# TRL's collators that batch each preference pair as two rows (the chosen, then the rejected)
+_PAIR_COLLATORS = frozenset(
+    {"DataCollatorForPreference", "DataCollatorForVisionPreference"}
+)  # otel_train bridges that are also `report_to` names
 _RUN_DIRS = "_otel_train"  # under the Trainer's output_dir; push_to_hub skips names starting with _
 
 # Keys of the Trainer's logs that duplicate what otel_train measures itself (`step`: TRL's; from
@@ -141,8 +145,8 @@ class OtelTrainCallback(TrainerCallback):
             trainer.train = ending_on_error(trainer.train, _WRAPPED, lambda: self.close(failed=True))
         if not getattr(trainer.get_batch_samples, _WRAPPED, False):
             input_name = getattr(trainer.model, "main_input_name", None) or "input_ids"
-            # TRL's DPO and reward trainers batch each pair as two rows: the chosen, then the rejected
-            pairs = type(getattr(trainer, "data_collator", None)).__name__ == "DataCollatorForPreference"
+            collator = type(getattr(trainer, "data_collator", None))
+            pairs = any(c.__name__ in _PAIR_COLLATORS for c in collator.__mro__)
             trainer.get_batch_samples = _stamping(
                 self, trainer.get_batch_samples, input_name, 2 if pairs else 1
             )

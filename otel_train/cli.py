@@ -257,7 +257,12 @@ def _otlp_ok(config: Config) -> bool:
 
     url = config.otlp_metrics_endpoint or config.otlp_endpoint
     if not url:
-        print("otlp: off (set OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://127.0.0.1:4318)")
+        others = [f"{signal} to {redact_url(own)}" for signal, own in
+                  (("spans", config.otlp_traces_endpoint), ("logs", config.otlp_logs_endpoint)) if own]  # fmt: skip
+        if others:
+            print(f"otlp: metrics off; {', '.join(others)} (not probed)")
+        else:
+            print("otlp: off (set OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://127.0.0.1:4318)")
         return True
     endpoint = f"{redact_url(url)} ({config.otlp_protocol})"
     probe_s = min(config.otlp_timeout_s, OTLP_PROBE_S)

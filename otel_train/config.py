@@ -186,7 +186,7 @@ class Config:
     otlp_metrics_endpoint: str | None = setting(
         None, check=_signal_url_problem("metrics"), env=("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",),
         doc="Metrics only, full URL used as-is (e.g. VictoriaMetrics' `http://host:8428/opentelemetry/v1/metrics`, "
-        "see [Scale-out store](../scale.md#scale-out-store)); spans and logs still go to `otlp_endpoint`",
+        "see [Scale-out store](../scale.md#scale-out-store)); spans and logs go to their own URLs or `otlp_endpoint`",
     )  # fmt: skip
     otlp_traces_endpoint: str | None = setting(
         None, check=_signal_url_problem("traces"), env=("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",),

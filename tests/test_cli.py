@@ -456,3 +456,14 @@ def test_a_frozen_rank_is_named_with_its_host_from_the_launch_facts(
     assert verdict.attributes(with_launch_hosts(summaries, tmp_path))["missing_hosts"] == "hostB"
     RunFiles(tmp_path).env.write_text("{not json")  # a damaged file: the summaries' hosts alone
     assert with_launch_hosts(summaries, tmp_path) == summaries
+
+
+def test_doctor_names_the_traces_endpoint_when_only_it_is_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_OUTPUT_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "0")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://tempo:4318/v1/traces")
+    main(["doctor"])
+    assert "otlp: metrics off; spans to http://tempo:4318/v1/traces" in capsys.readouterr().out

@@ -75,7 +75,8 @@ def _run(argv: list[str] | None) -> int:
 def diagnose(run_dir: str, role: str = "") -> int:
     """Print the hang verdict from the `collectives.rank<k>.json` files the ranks left at their
     stall; 1 when there is none to give, 2 when RUN_DIR is not a directory."""
-    from otel_train.diagnostics import attribute, scan_summaries, with_launch_hosts
+    from otel_train.diagnostics import attribute, scan_summaries, summary_since, with_launch_hosts
+    from otel_train.run_directory import RunFiles
 
     directory = Path(run_dir)
     if not directory.is_dir():
@@ -86,9 +87,11 @@ def diagnose(run_dir: str, role: str = "") -> int:
     for line in skipped:  # a rank whose file is damaged is not one that left none
         print(f"skipped {line}", file=sys.stderr)
     if summaries:  # the last stall only: a rank's file from an earlier, resolved stall is stale
-        newest = max(float(s["written_at"]) for s in summaries.values())
+        latest = max(summaries.values(), key=lambda s: float(s["written_at"]))
+        newest = float(latest["written_at"])
         window = max(float(s.get("stall_timeout_s") or 0.0) for s in summaries.values())
-        summaries = scan_summaries(directory, newest - window, role)[0]
+        since = summary_since(RunFiles(directory, int(latest["rank"]), role).collectives, newest, window)
+        summaries = scan_summaries(directory, since, role)[0]
     if not summaries:
         print(f"{run_dir}: {_no_summaries(directory, role)}")
         return 1

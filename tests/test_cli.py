@@ -59,6 +59,23 @@ def test_diagnose_names_the_rank_that_never_reached_the_collective(
     assert "where rank(s) 0,2,3 wait" in out
 
 
+@pytest.mark.parametrize("skewed", [1, 2])
+def test_diagnose_reads_every_rank_of_the_stall_though_one_hosts_clock_is_off(
+    skewed: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank `skewed`'s host clock is 60 s ahead (past the 10 s window): its written_at made the
+    others' summaries look stale ("no verdict" when the culprit's clock was ahead, the waiting
+    rank named when a waiter's was). The files' mtimes, one clock on a shared file system, tell."""
+    _write_hang(tmp_path)
+    path = RunFiles(tmp_path, skewed).collectives
+    summary = json.loads(path.read_text())
+    summary["written_at"] += 60.0
+    path.write_text(json.dumps(summary))
+    code, out, _ = _diagnose([str(tmp_path)], capsys)
+    assert code == 0 and "summaries from ranks [0, 1, 2, 3] of 4" in out, out
+    assert "rank 1 (host1) never reached all_reduce #7" in out, out
+
+
 def test_diagnose_says_a_stall_outside_collectives_and_one_the_run_went_on_from(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,6 +9,7 @@ from otel_train.diagnostics.hang_attribution import (
     attribute,
     read_summaries,
     scan_summaries,
+    summary_since,
     with_launch_hosts,
 )
 from otel_train.diagnostics.launch_check import check_launch, local_facts
@@ -16,5 +17,6 @@ from otel_train.diagnostics.memory_dump import MemoryDumps
 
 __all__ = [
     "CollectiveMonitor", "HangReporter", "HangWatchdog", "MemoryDumps", "attribute", "check_launch",
-    "group_label", "local_facts", "op_name", "read_summaries", "scan_summaries", "start_monitor", "with_launch_hosts"
+    "group_label", "local_facts", "op_name", "read_summaries", "scan_summaries", "start_monitor", "summary_since",
+    "with_launch_hosts",
 ]  # fmt: skip

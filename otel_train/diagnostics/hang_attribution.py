@@ -248,13 +248,29 @@ def with_launch_hosts(
     return {**hosts, **summaries}
 
 
-def read_summaries(run_dir: Path, written_after: float = 0.0, role: str = "") -> dict[int, dict[str, Any]]:
-    """Every rank's summary (of `role`) in `run_dir` written after `written_after` (unix time)."""
-    return scan_summaries(run_dir, written_after, role)[0]
+# (its written_at, its file's mtime), unix time: a summary that reaches either is of this stall. The
+# ranks' clocks may disagree by more than the window (hosts apart, one off); a shared file system
+# stamps every file's mtime with one clock.
+Since = tuple[float, float]
+
+
+def read_summaries(run_dir: Path, since: Since = (0.0, 0.0), role: str = "") -> dict[int, dict[str, Any]]:
+    """Every rank's summary (of `role`) in `run_dir` written since `since`."""
+    return scan_summaries(run_dir, since, role)[0]
+
+
+def summary_since(path: Path, written_at: float, window_s: float) -> Since:
+    """The `Since` of the summaries of a stall whose newest summary is the file `path`, written at
+    `written_at`: `window_s` before either of its stamps."""
+    try:
+        modified = path.stat().st_mtime
+    except OSError:
+        modified = math.inf  # the written_at stamps alone
+    return written_at - window_s, modified - window_s
 
 
 def scan_summaries(
-    run_dir: Path, written_after: float = 0.0, role: str = ""
+    run_dir: Path, since: Since = (0.0, 0.0), role: str = ""
 ) -> tuple[dict[int, dict[str, Any]], list[str]]:
     """`read_summaries`, and one line for each file it skipped as unreadable or malformed (a
     truncated file, another version's, a stray JSON): `otel-train diagnose` names them."""
@@ -274,9 +290,16 @@ def scan_summaries(
             problem = f"claims rank {summary['rank']}, but its name is another rank's"
         if problem is not None:
             skipped.append(f"{path.name}: {problem}")
-        elif summary["written_at"] >= written_after:
+        elif summary["written_at"] >= since[0] or _modified(path) >= since[1]:
             found[summary["rank"]] = summary
     return found, skipped
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return -math.inf
 
 
 def _write_whole(path: Path, content: Mapping[str, Any]) -> bool:
@@ -356,7 +379,7 @@ class HangReporter:
         summary = self._write_summary(stacks)
         if summary is None:
             return
-        since = float(summary["written_at"]) - self._stall_timeout_s
+        since = summary_since(self._files.collectives, float(summary["written_at"]), self._stall_timeout_s)
         threading.Thread(target=self._compare, args=(since,), name="otel_train-hang", daemon=True).start()
 
     def answer_requests(self) -> None:
@@ -392,7 +415,7 @@ class HangReporter:
             return None
         return summary
 
-    def _ask_the_silent(self, since: float) -> dict[int, dict[str, Any]]:
+    def _ask_the_silent(self, since: Since) -> dict[int, dict[str, Any]]:
         """The verdict names only ranks that left no summary: ask them (`answer_requests`) and
         wait a grace for their answers; what the summaries are then."""
         _write_whole(self._files.hang_request, {"written_at": time.time(), "by": self.rank})
@@ -410,7 +433,7 @@ class HangReporter:
         speaks = verdict is not None and verdict.waiting[0] == self.rank and bool(verdict.missing)
         return speaks and any(r not in summaries for r in range(self.rank))
 
-    def _compare(self, since: float) -> None:
+    def _compare(self, since: Since) -> None:
         deadline = time.monotonic() + self.grace_s
         summaries = read_summaries(self.run_dir, since, self.role)
         while len(summaries) < self.world_size and time.monotonic() < deadline:

@@ -420,7 +420,9 @@ def _load(path: Path | None, run_id: str, now: float) -> dict[str, Any] | None:
         owner = state.get("run_id")
         if isinstance(owner, str) and owner != run_id:
             return None  # another job's account: this one starts over and overwrites it
-        return _validated(state, now)
+        # This process's clock may be the one that is off (stepped back a day): the file's own
+        # modification time, the file system's clock, vouches for an `updated` as late as it.
+        return _validated(state, max(now, path.stat().st_mtime))
     except Exception as exc:  # a file on disk that anything may have damaged must not crash a restart
         aside = path.with_name(path.name + ".corrupt")
         try:

@@ -272,3 +272,26 @@ def test_a_restart_on_another_host_with_clocks_in_sync_books_its_gap(
     _restart(run_dir, monkeypatch)
     assert _valid(run_dir)["badput"]["restart"] == pytest.approx(30.0, abs=1.0)
     assert not _gap_warnings(caplog)
+
+
+def test_a_reader_clock_stepped_back_two_days_keeps_the_account(
+    first_run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restarted process's clock is two days behind the one that wrote the file (and its
+    mtime): the account is no damaged file, and goes on (its restart gap alone is unknown)."""
+    run_dir = tmp_path / "requeued"
+    shutil.copytree(first_run, run_dir)
+    state_file = run_dir / "goodput.rank0.json"
+    before = json.loads(state_file.read_text())
+    ahead = time.time() + 2 * 86400  # the writer's clock, and the file system's, as this one sees them
+    state_file.write_text(json.dumps({**before, "updated": ahead}))
+    os.utime(state_file, (ahead, ahead))
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    _restart(run_dir, monkeypatch)
+    assert not (run_dir / "goodput.rank0.json.corrupt").exists()
+    assert not [r for r in caplog.records if "ignoring the goodput file" in r.getMessage()]
+    after = json.loads(state_file.read_text())
+    assert (
+        after["productive_s"] > before["productive_s"]
+        and after["interruptions"] == before["interruptions"] + 1
+    )

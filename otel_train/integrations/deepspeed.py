@@ -89,6 +89,9 @@ def zero_facts(engine: Any) -> dict[str, Any]:
     state = getattr(holder, "state", None) or {}
     if not params:  # ZeRO-3 hands its flat partitions to the torch optimizer only inside step()
         params = [p for p in state if isinstance(p, torch.Tensor)]
+    if not params and stage >= 3:  # and until a step is applied (fp16's first ones may overflow)
+        flat = getattr(outer, "fp32_partitioned_groups_flat", None) or ()
+        params = [p for p in flat if isinstance(p, torch.Tensor)]
     state_tensors = [
         t for s in state.values() if isinstance(s, Mapping) for t in s.values() if isinstance(t, torch.Tensor)
     ]
@@ -131,6 +134,9 @@ class _Adapter:
         self.skipped = int(getattr(engine, "skipped_steps", 0) or 0)
         self.fp16 = precision(engine) == "fp16"
         self.breakdown = bool(_call(engine, "wall_clock_breakdown"))
+        # managed_gradient_accumulation=false: every step() is the caller's boundary (the engine
+        # says "boundary" only while step() runs)
+        self.unmanaged = _call(engine, "managed_gradient_accumulation") is False
         self.optimizer_times: dict[str, float] = {}  # ms, as DeepSpeed's timers.log read them
         micro_batch = int(_call(engine, "train_micro_batch_size_per_gpu") or 0)
         # the configured samples per step, where a step's forwards showed no tensor to count rows of
@@ -224,7 +230,7 @@ class _Adapter:
         return out
 
     def _step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not self.engine.is_gradient_accumulation_boundary():
+        if not self.unmanaged and not self.engine.is_gradient_accumulation_boundary():
             adapters.heartbeat()  # a micro-batch of the step: a long step is no stall
             return original(*args, **kwargs)
         try:

@@ -103,7 +103,8 @@ def allow_fp16_on_this_cpu() -> None:
 def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[str, Any]:
     """`case`: zero (stage), offload ("cpu"/"nvme"/None), fp16, breakdown, comms, csv (a dir),
     slow_rank, torch_backward, plant_full_state, steps, eval_batches, save_s (a save and a load
-    mid-training, each file write that much slower), stall_timeout_s."""
+    mid-training, each file write that much slower), stall_timeout_s, unmanaged
+    (managed_gradient_accumulation=false)."""
     import deepspeed
     import torch
     from deepspeed.comm import comms_logger
@@ -129,6 +130,9 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
     }
     if case.get("fp16"):
         config["fp16"] = {"enabled": True, "initial_scale_power": 32}
+    if case.get("unmanaged"):  # the caller accumulates and calls step() at its own boundaries
+        config["managed_gradient_accumulation"] = False
+        zero["overlap_comm"] = False
     if case.get("comms"):
         config["comms_logger"] = {"enabled": True}
     if case.get("csv"):
@@ -175,6 +179,8 @@ def ds_job(rank: int, world: int, out_dir: str, case: dict[str, Any]) -> dict[st
             loss.backward()
         else:
             engine.backward(loss)
+        if case.get("unmanaged") and (i + 1) % GAS:
+            continue
         before = session.progress_ns
         inside_step = not engine.is_gradient_accumulation_boundary()
         engine.step()
@@ -405,6 +411,22 @@ def test_fp16_skipped_steps_and_loss_scale_and_nvme_under_zero2(tmp_path: Path) 
         for line in (Path(results[0]["run_dir"]) / "events.rank0.jsonl").read_text().splitlines()
     ]
     assert [e for e in events if e.get("event") == "zero_partition"]
+
+
+@pytest.mark.multirank
+def test_zero3_fp16_every_step_overflowing_with_the_callers_own_accumulation(tmp_path: Path) -> None:
+    """managed_gradient_accumulation=false: the engine says "boundary" only while step() runs, so
+    no step was recorded at all. ZeRO-3 fp16 whose steps overflow: the torch optimizer holds no
+    partition until a step is applied, so the partition read 0 and a false zero_partition event
+    said the ranks built different models."""
+    case = {"zero": 3, "fp16": True, "steps": 4, "unmanaged": True}
+    results = run_ranks(2, ds_job, (str(tmp_path), case), timeout=TIMEOUT, env=RANK_ENV)
+    for rank, res in enumerate(results):
+        assert res["global_steps"] == 4 and res["skipped"] == 4, rank
+        assert res["steps"] == 4 and res["counts"]["optimizer"] == 4, rank
+        assert res["counts"]["forward"] == 4 * GAS and res["samples"] == 4 * GAS * MICRO, rank
+        assert res["scalars"][semconv.ZERO_PARTITION_NUMEL.name][0] == res["partition"] > 0, rank
+    assert all(_zero_events(r) == [] for r in results)
 
 
 def test_instrument_refuses_what_is_not_an_engine() -> None:

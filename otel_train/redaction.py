@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import numbers
 import operator
 import re
 from collections.abc import Mapping
@@ -101,8 +102,8 @@ def redact(value: Any, key: str = "") -> Any:
         return {str(k): redact(v, str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return _redact_sequence(value)
-    if value is None or isinstance(value, (bool, int, float)):
-        return value
+    if value is None or isinstance(value, numbers.Number) or hasattr(value, "dtype"):
+        return value  # numpy's and torch's numbers too: each writer keeps their kind (plain())
     # A string may itself hold secrets (a nested config rendered with str(): `{'hf_token': ...}`, a
     # command line): the free-text redaction, which also covers URL userinfo.
     if isinstance(value, str):
@@ -111,9 +112,9 @@ def redact(value: Any, key: str = "") -> Any:
         dataclasses.is_dataclass(value) and not isinstance(value, type)
     ):
         return redact(vars(value) if isinstance(value, argparse.Namespace) else _fields(value))
-    # Any other object is written as its number or its text, redacted as free text.
+    # Any other object is written as its text (an Enum, a Path, a class of the user's): redacted.
     shown = plain_value(value)
-    return redact_text(shown) if isinstance(shown, str) else shown
+    return redact_text(shown) if isinstance(shown, str) else value
 
 
 def _fields(instance: Any) -> dict[str, Any]:

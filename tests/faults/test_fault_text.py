@@ -120,7 +120,8 @@ def test_huge_texts_and_samples_are_cut_and_say_so(tmp_path) -> None:
 def test_hyperparameters_keep_their_values_and_shapes_through_the_redaction() -> None:
     """Redaction changes secrets only: a numeric string stays a string ("1.10" is no 1.1, "0042" no
     42), a Namespace or dataclass stays a mapping (its secret fields redacted), numpy and torch
-    scalars become plain numbers and bools, a command line's flag value is hidden."""
+    scalars pass on as they are (each writer's plain() keeps their kind), a command line's flag
+    value is hidden."""
     import dataclasses
 
     import numpy as np

@@ -1,6 +1,6 @@
 """The run directory: every file in it is named here (`RunFiles`), with the primitives that write
-them whole (`LineFile`, `append_line`, `write_json`, `replace_whole`), its default name, creating it, and claiming
-this rank's files in it (`claim_run_dir`, `live_owner`).
+them whole (`LineFile`, `append_line`, `write_json`, `replace_whole`), its default name, creating
+it, and claiming this rank's files in it (`claim_run_dir`, `live_owner`).
 
 The files: docs/design/core.md#run-directory.
 """

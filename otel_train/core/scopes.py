@@ -275,7 +275,7 @@ def _bad_level(call: str, name: Any, level: Any) -> TypeError:
 
 def _timed(fn: F, name: str | None, level: int, cuda: bool) -> F:
     """`fn`, each call timed by a fresh `timer(name, level, cuda)`; without a name (`_NULL`) `fn`."""
-    if callable(name):  # `@ot.timer` with no name: the function became the name, its call's argument `fn`
+    if callable(name):  # a bare `@ot.timer`: the decorated function was taken as the name
         raise TypeError(
             f"@ot.timer on {getattr(name, '__qualname__', name)!r} needs a name: write "
             "@ot.timer('forward') (the phase it times), as `with ot.timer('forward'):` does."

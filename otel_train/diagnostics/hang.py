@@ -256,9 +256,8 @@ class HangWatchdog:
             return None
         path = self._files.stacks(len(self.dumps))
         try:
-            replace_whole(
-                path, text
-            )  # whole or absent: a reader polling for the file never sees it half-written
+            # whole or absent: a reader polling for the file never sees it half-written
+            replace_whole(path, text)
         except OSError as exc:
             log.warning("otel_train: cannot write %s (%s); the stacks follow.\n%s", path, exc, text)
             return None

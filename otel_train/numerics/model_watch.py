@@ -83,9 +83,7 @@ class ModelWatch:
         self.histograms = histograms
         self._buffer: Buffer | None = buffer  # None once removed
         self._on_remove = on_remove
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("ot.watch(model): the model has no trainable parameters to watch.")
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # some: checked
         self._params = [p for _, p in named]
         self._ddp = is_ddp_wrapped(model)
         self.labels, self._groups = layer_groups([clean_name(n, self._ddp) for n, _ in named], max_layers)
@@ -636,3 +634,5 @@ def check_watch_args(model: Any, every: int, max_layers: int, flags: Iterable[bo
         raise ValueError(f"ot.watch(max_layers={max_layers!r}): must be an integer >= 1.")
     if not any(flags):
         raise ValueError("ot.watch(): grads, params and activations are all False; nothing to watch.")
+    if not any(p.requires_grad for p in model.parameters()):  # before init() too: it never changes that
+        raise ValueError("ot.watch(model): the model has no trainable parameters to watch.")

@@ -431,6 +431,9 @@ def test_arguments_are_checked_and_a_no_op_before_init() -> None:
         ot.watch(object())
     with pytest.raises(ValueError, match="nothing to watch"):
         ot.watch(Tiny(), grads=False, params=False, activations=False)
+    frozen = Tiny().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):  # as after init() (it was a NullWatch)
+        ot.watch(frozen)
 
 
 def test_a_failing_statistic_never_breaks_the_step(cap: Capture, monkeypatch: pytest.MonkeyPatch) -> None:

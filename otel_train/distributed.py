@@ -158,7 +158,8 @@ def _scheduler_run_id(env: Mapping[str, str]) -> tuple[str, RunIdSource] | None:
     for name, source in candidates.items():
         value = (env.get(name) or "").strip()
         if value and value.lower() != "none":
-            return value, source
+            # as a run_id setting must be (it names files and series): `--rdzv-id` is free text
+            return re.sub(r"[^A-Za-z0-9_.:-]", "_", value)[:128].lstrip("_.:-") or "job", source
     return None
 
 

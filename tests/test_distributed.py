@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +39,19 @@ def test_torchrun_default_run_id_none_is_absent() -> None:
     assert ident.run_id != "none" and ident.run_id_source == "generated"
     # No launcher names the node on a job of several hosts: the hosts decide it at init
     assert ident.node_rank == NODE_UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("given", "run_id"),
+    [("../../evil\n", "evil"), ("my job/2024 #3", "my_job_2024__3"), ("x" * 300, "x" * 128), ("///", "job")],
+)
+def test_a_launchers_run_id_is_made_one_a_run_id_setting_may_be(given: str, run_id: str) -> None:
+    """`torchrun --rdzv-id` is free text; the run id names files and series (as the run_id setting's
+    own pattern requires): the same text on every rank gives the same id."""
+    from otel_train.config import _RUN_NAME
+
+    ident = detect_identity(None, environ={"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": given})
+    assert ident.run_id == run_id and re.fullmatch(_RUN_NAME, ident.run_id)
 
 
 def test_slurm_env() -> None:

@@ -91,11 +91,11 @@ class StepScope:
                     exc_type is not None,
                     self._outer,
                 )
-            finally:
-                # A Ctrl-C (Jupyter's interrupt) landing before end_step closed the step: close it,
-                # or every later step would count as nested in it and never flush.
+            except BaseException:  # re-raised: a Ctrl-C (Jupyter's interrupt) before end_step closed
+                # the step; close it, or every later step would count as nested in it, never flushed
                 if session.step_start_ns == self._start:
                     session.step_start_ns = self._outer
+                raise
             if exc_type is not None:  # a failed step's duration: phase "step" of its error type
                 seconds = (perf_counter_ns() - self._start) * 1e-9
                 session.buffer.add_phase_error("step", exc_type.__name__, seconds)

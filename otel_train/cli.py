@@ -87,7 +87,11 @@ def diagnose(run_dir: str, role: str = "") -> int:
     for line in skipped:  # a rank whose file is damaged is not one that left none
         print(f"skipped {line}", file=sys.stderr)
     if summaries:  # the last stall only: a rank's file from an earlier, resolved stall is stale
-        latest = max(summaries.values(), key=lambda s: float(s["written_at"]))
+        # from the newest stall summary: a busy rank's answer (`progressing`) comes a grace later
+        stalled = [s for s in summaries.values() if s.get("progressing") is not True] or list(
+            summaries.values()
+        )
+        latest = max(stalled, key=lambda s: float(s["written_at"]))
         newest = float(latest["written_at"])
         window = max(float(s.get("stall_timeout_s") or 0.0) for s in summaries.values())
         since = summary_since(RunFiles(directory, int(latest["rank"]), role).collectives, newest, window)

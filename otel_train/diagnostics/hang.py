@@ -53,7 +53,9 @@ def dump_flight_recorder(path: Path) -> Path | None:
     for name in ("_dump_nccl_trace", "_dump_fr_trace"):
         dump = getattr(c10d, name, None)
         try:
-            data = dump() if dump is not None else None
+            # without C++ stack traces: symbolizing them imports torch._dynamo and _inductor at the
+            # first dump (seconds on a loaded host, a frozen-looking watchdog); ours are in stacks.*
+            data = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False) if dump else None
             if data and pickle.loads(data).get("entries"):
                 path.write_bytes(data)
                 return path

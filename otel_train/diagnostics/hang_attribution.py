@@ -105,7 +105,7 @@ class Verdict:
         waiting = ",".join(str(r) for r in self.waiting)
         why = ""
         if self.busy(summaries):
-            what = "has not reached"
+            what = "has not reached" if len(self.culprits()) == 1 else "have not reached"
             why = (
                 ": not stalled, it is busy outside that collective (an evaluation, a checkpoint or a "
                 "data wait on some ranks only?)"
@@ -391,12 +391,18 @@ class HangReporter:
         if now - self._request_checked < REQUEST_POLL_S:
             return
         self._request_checked = now
+        path = self._files.hang_request
         try:
-            request = json.loads(read_regular_file(self._files.hang_request, MAX_SUMMARY_BYTES))
+            request = json.loads(read_regular_file(path, MAX_SUMMARY_BYTES))
             asked_at = float(request["written_at"])
         except (OSError, ValueError, TypeError, KeyError):  # no request (the usual case), or a damaged one
             return
-        if asked_at > self._answered_at:
+        # Only a question asked within its wait (by its stamp or its file's mtime: one host's clock
+        # may be off), by another rank: an old one answered would overwrite this rank's summary
+        # from its own stall, the evidence `otel-train diagnose` reads.
+        waited = self.grace_s + 2 * REQUEST_POLL_S
+        fresh = time.time() - asked_at <= waited or time.time() - _modified(path) <= waited
+        if fresh and request.get("by") != self.rank and asked_at > self._answered_at:
             self._answered_at = asked_at
             self._write_summary(None, progressing=True)
 
@@ -424,6 +430,8 @@ class HangReporter:
         while len(summaries) < self.world_size and time.monotonic() < deadline:
             time.sleep(0.2)
             summaries = read_summaries(self.run_dir, since, self.role)
+        with contextlib.suppress(OSError):
+            self._files.hang_request.unlink()  # answered: a rank that looks later has nothing to answer
         return summaries
 
     def _lower_rank_silent(self, summaries: Mapping[int, Any]) -> bool:

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import threading
@@ -396,13 +397,13 @@ def test_a_waiting_rank_leaves_the_word_to_a_lower_rank_whose_summary_comes_late
 
     monkeypatch.setattr(hang_attribution, "read_summaries", read)
     monkeypatch.setattr(hang_attribution, "attribute", compare)
-    reporter._compare(since=0.0)
+    reporter._compare(since=(0.0, 0.0))
     assert compared == [2, 4]
     assert reporter.verdicts == [Verdict("default_pg", "all_reduce", 7, (1,), (0, 2, 3), ())]
     assert events.named("hang") == []  # rank 0 speaks for the job
     # Ranks 0 and 3 never write: after its second grace rank 2 speaks, naming the culprit
     del everyone[0], everyone[3]
-    reporter._compare(since=0.0)
+    reporter._compare(since=(0.0, 0.0))
     assert [e[2]["missing_ranks"] for e in events.named("hang")] == ["1"]
     assert events.named("hang")[0][2]["waiting_ranks"] == "2"
 
@@ -591,3 +592,28 @@ def test_a_planted_fifo_as_the_hang_request_never_blocks_the_watchdog(tmp_path: 
     tick.start()
     tick.join(10)  # guards against the block only; it never measures speed
     assert not tick.is_alive(), "answer_requests blocked on a FIFO"
+
+
+def test_only_a_fresh_question_of_another_rank_is_answered(tmp_path: Path) -> None:
+    """An old hang_request.json (a stall long resolved) answered later overwrote the rank's summary
+    from its own stall, which `otel-train diagnose` reads: it named invented culprits. Nor does a
+    rank answer its own question."""
+    from otel_train.diagnostics.hang_attribution import HangReporter
+    from otel_train.run_directory import RunFiles
+
+    reporter = HangReporter(tmp_path, 1, 4, "host", cast(Any, None), cast(Any, None), stall_timeout_s=4.0)
+    answered: list[bool] = []
+    reporter._write_summary = lambda stacks, progressing=False: answered.append(progressing)  # type: ignore[method-assign]
+    request = RunFiles(tmp_path).hang_request
+
+    def ask(by: int, age_s: float) -> None:
+        request.write_text(json.dumps({"written_at": time.time() - age_s, "by": by}))
+        os.utime(request, (time.time() - age_s, time.time() - age_s))
+        reporter._request_checked = -math.inf  # the next tick looks
+        reporter.answer_requests()
+
+    ask(by=0, age_s=120.0)  # a stall long over
+    ask(by=1, age_s=0.0)  # its own question
+    assert answered == []
+    ask(by=0, age_s=0.5)
+    assert answered == [True]

@@ -259,6 +259,7 @@ def _otlp_ok(config: Config) -> bool:
 
     from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
+    from otel_train.config import ConfigError
     from otel_train.exporters import export_failure_cause, otlp_metric_exporter, quiet_sdk_exporter_logs
     from otel_train.redaction import redact_url
 
@@ -280,6 +281,9 @@ def _otlp_ok(config: Config) -> bool:
             result = exporter.export(MetricsData(resource_metrics=[]), timeout_millis=probe_s * 1000)
         finally:
             exporter.shutdown(timeout_millis=0)
+    except ConfigError as exc:  # a setting the exporter cannot take (the message holds no secret)
+        print(f"otlp: INVALID - {exc}")
+        return False
     except Exception as exc:  # a bad URL or TLS file: the exporter raises rather than fails
         # Its type only: the message may quote the URL or a header, secrets included.
         result, cause = MetricExportResult.FAILURE, f"the exporter failed ({type(exc).__name__})"

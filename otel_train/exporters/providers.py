@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -21,7 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
 from otel_train import semconv
-from otel_train.config import Config
+from otel_train.config import Config, ConfigError
 from otel_train.exporters.guards import (
     ExportStatus,
     ForkGuardLogExporter,
@@ -79,7 +80,24 @@ def _otlp_exporter(config: Config, signal: str) -> Any:
     options: dict[str, Any] = {"endpoint": endpoint, "headers": headers}
     if grpc:
         options["insecure"] = config.otlp_insecure and not endpoint.startswith("https")
+        options["compression"] = _grpc_compression(signal)
     return exporter_class(**options, timeout=config.otlp_timeout_s)
+
+
+def _grpc_compression(signal: str) -> Any:
+    """The gRPC exporter's compression from the OTel variables (the signal's, else the global one),
+    read here: the SDK's gRPC exporter lacks the spec's "none", and init() raised on it."""
+    import grpc
+
+    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION"):
+        value = os.environ.get(name, "").strip().lower()
+        if value == "gzip":
+            return grpc.Compression.Gzip
+        if value == "none":
+            return grpc.Compression.NoCompression
+        if value:
+            raise ConfigError(f"{name}={value!r}: OTLP over gRPC takes gzip or none; set one, or unset it")
+    return None
 
 
 def otlp_metric_exporter(config: Config) -> MetricExporter:
@@ -176,7 +194,7 @@ def build_telemetry(
     if _otlp_url(config, "traces"):
         span_exporters.append(ForkGuardSpanExporter(_otlp_exporter(config, "traces"), status("traces")))
     if _otlp_url(config, "logs"):
-        log_exporters.append(ForkGuardLogExporter(_otlp_exporter(config, "logs")))
+        log_exporters.append(ForkGuardLogExporter(_otlp_exporter(config, "logs"), status("logs")))
     if config.console_exporter:
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter

@@ -130,6 +130,39 @@ def test_traces_and_logs_endpoints_from_the_environment_take_their_signal_only(m
     assert to_loki.logs and not to_loki.traces and not to_loki.metrics
 
 
+@pytest.mark.parametrize("value", ["none", "gzip", "GZIP "])
+def test_grpc_takes_the_specs_compression_values(value: str, monkeypatch) -> None:
+    """OTEL_EXPORTER_OTLP_COMPRESSION=none is the spec's, and the SDK's gRPC exporter raised on it:
+    init() failed. Both spec values work; another is a ConfigError naming the variable."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", value)
+    with grpc_receiver() as (endpoint, received):
+        ot.init(otlp_endpoint=endpoint, otlp_protocol="grpc", prometheus_port=0, verbosity=0,
+                log_interval=5, metric_export_interval_s=0.2, run_dir_enabled=False, trace_first=1)  # fmt: skip
+        _train(10)
+        ot.shutdown()
+    assert received.metrics and received.traces
+
+
+def test_an_unknown_compression_is_a_config_error_naming_the_variable(monkeypatch) -> None:
+    from otel_train.config import ConfigError
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "zstd")
+    with pytest.raises(ConfigError, match=r"OTEL_EXPORTER_OTLP_TRACES_COMPRESSION='zstd'.*gzip or none"):
+        ot.init(otlp_endpoint=refused_endpoint(), otlp_protocol="grpc", prometheus_port=0, verbosity=0)
+
+
+def test_a_logs_endpoint_that_fails_is_warned_about(caplog) -> None:
+    """Health events sent to their own logs endpoint were lost without a word when it failed."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="otel_train")
+    ot.init(otlp_logs_endpoint=f"{refused_endpoint()}/v1/logs", prometheus_port=0, verbosity=0,
+            run_dir_enabled=False, otlp_timeout_s=1.0, shutdown_timeout_s=2.0)  # fmt: skip
+    ot.event("checkpoint_slow", "a health event for the logs endpoint")
+    ot.shutdown()
+    assert any("OTLP log export" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+
+
 def test_otlp_grpc_metrics_spans_resource() -> None:
     with grpc_receiver() as (endpoint, received):
         _run(endpoint, "grpc")

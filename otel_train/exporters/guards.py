@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 from collections.abc import Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -57,8 +58,11 @@ def export_failure_cause(url: str, protocol: str, probe_s: float = PROBE_S) -> s
     default_port = 443 if parsed.scheme == "https" or protocol == "grpc" else 80
     try:
         address = (parsed.hostname or "localhost", parsed.port or default_port)
-        with socket.create_connection(address, timeout=probe_s):
-            pass
+        with socket.create_connection(address, timeout=probe_s) as connection:
+            if parsed.scheme == "https":
+                problem = _tls_problem(connection, address[0], protocol)
+                if problem is not None:
+                    return problem
     except TimeoutError:
         return (
             f"no answer to a TCP connect within {probe_s:g} s (packets dropped: a firewall or a wrong host?)"
@@ -72,6 +76,45 @@ def export_failure_cause(url: str, protocol: str, probe_s: float = PROBE_S) -> s
         "export (another service or protocol on that port, a wrong path, refused headers, or a "
         "collector too slow for otlp_timeout_s)"
     )
+
+
+def _tls_problem(connection: socket.socket, host: str, protocol: str) -> str | None:
+    """What a TLS handshake, with the CA and client certificate the OTel variables name, says
+    against an `https://` collector; None when it completes."""
+    ca = os.environ.get("OTEL_EXPORTER_OTLP_CERTIFICATE") or None
+    overridden = [n for n in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE") if os.environ.get(n)]
+    trap = (
+        f" ({' and '.join(overridden)} set: for http/protobuf they win over OTEL_EXPORTER_OTLP_CERTIFICATE)"
+        if ca and overridden and protocol != "grpc"
+        else ""
+    )
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        cert, key = (
+            os.environ.get("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"),
+            os.environ.get("OTEL_EXPORTER_OTLP_CLIENT_KEY"),
+        )
+        if cert:
+            context.load_cert_chain(cert, key or None)
+        with context.wrap_socket(connection, server_hostname=host):
+            if not trap:
+                return None
+        one = len(overridden) == 1
+        return (
+            f"the TLS handshake with OTEL_EXPORTER_OTLP_CERTIFICATE's CA succeeds, but {' and '.join(overridden)} "
+            f"{'is' if one else 'are'} set, which the http/protobuf exporter's requests library uses "
+            f"instead: unset {'it' if one else 'them'}, or add the collector's CA there"
+        )
+    except ssl.SSLCertVerificationError as exc:
+        return (
+            f"its TLS certificate is not trusted ({exc.verify_message}): set OTEL_EXPORTER_OTLP_CERTIFICATE "
+            f"to the collector's CA file{trap}"
+        )
+    except (ssl.SSLError, OSError) as exc:  # a CA or client file unreadable, another TLS failure
+        return (
+            f"the TLS handshake failed ({exc}): check OTEL_EXPORTER_OTLP_CERTIFICATE, and for mTLS "
+            f"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE / _CLIENT_KEY{trap}"
+        )
 
 
 def _not_a_header_echo(record: logging.LogRecord) -> bool:

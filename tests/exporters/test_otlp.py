@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -330,3 +331,47 @@ def test_collector_outage_warns_once_and_recovery_is_reported(caplog) -> None:
     assert not [r for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
     steps = received.metric_points()[semconv.STEPS.name][-1][1].sum.data_points[0]
     assert (steps.as_int or steps.as_double) == 10  # cumulative: nothing lost across the outage
+
+
+def test_an_https_collectors_untrusted_certificate_is_named_as_the_cause(tmp_path, monkeypatch) -> None:
+    """A TLS failure read as "something accepts TCP connections there but refused the export":
+    the cause names the CA variable, and the trap of REQUESTS_CA_BUNDLE winning over it."""
+    import socket
+    import ssl
+    import subprocess
+    import threading
+
+    from otel_train.exporters import export_failure_cause
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"https://127.0.0.1:{listener.getsockname()[1]}"
+
+    def serve() -> None:  # TLS handshakes, nothing more
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            with contextlib.suppress(OSError), server.wrap_socket(connection, server_side=True):
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    for name in ("OTEL_EXPORTER_OTLP_CERTIFICATE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        assert "TLS certificate is not trusted" in export_failure_cause(url, "http/protobuf")
+        assert "OTEL_EXPORTER_OTLP_CERTIFICATE" in export_failure_cause(url, "grpc")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(cert))
+        assert "TLS" not in export_failure_cause(url, "http/protobuf")  # trusted: the export's own fault
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")
+        assert "REQUESTS_CA_BUNDLE is set" in export_failure_cause(url, "http/protobuf")
+    finally:
+        listener.close()

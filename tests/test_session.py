@@ -198,7 +198,18 @@ def test_a_ctrl_c_as_a_step_ends_leaves_no_step_open(tmp_path) -> None:
     assert len([row for row in rows if "train/steps" in row]) >= 4  # a row every 5 steps, not one at the end
 
 
-def test_a_ctrl_c_during_shutdown_is_delivered_after_the_close(tmp_path, monkeypatch) -> None:
+@pytest.fixture
+def python_sigint() -> Any:
+    """Python's own SIGINT handler for the test (another test's framework, Ray's TorchTrainer,
+    leaves its own installed in this process), the earlier one back after it."""
+    import signal
+
+    earlier = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, earlier)
+
+
+def test_a_ctrl_c_during_shutdown_is_delivered_after_the_close(tmp_path, monkeypatch, python_sigint) -> None:
     """Cut in the middle, the close left the run's rows unwritten, its worker thread and pull port
     held, and a second shutdown() could not finish it: the interrupt now waits for the (bounded)
     close, then raises."""
@@ -236,7 +247,7 @@ def test_a_ctrl_c_during_shutdown_is_delivered_after_the_close(tmp_path, monkeyp
     ot.shutdown()
 
 
-def test_a_second_ctrl_c_during_shutdown_cuts_it_short(tmp_path, monkeypatch) -> None:
+def test_a_second_ctrl_c_during_shutdown_cuts_it_short(tmp_path, monkeypatch, python_sigint) -> None:
     """The first Ctrl-C waits for the close; an impatient second one raises at once."""
     import os
     import signal

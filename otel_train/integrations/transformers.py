@@ -145,11 +145,7 @@ class OtelTrainCallback(TrainerCallback):
             trainer.train = ending_on_error(trainer.train, _WRAPPED, lambda: self.close(failed=True))
         if not getattr(trainer.get_batch_samples, _WRAPPED, False):
             input_name = getattr(trainer.model, "main_input_name", None) or "input_ids"
-            collator = type(getattr(trainer, "data_collator", None))
-            pairs = any(c.__name__ in _PAIR_COLLATORS for c in collator.__mro__)
-            trainer.get_batch_samples = _stamping(
-                self, trainer.get_batch_samples, input_name, 2 if pairs else 1
-            )
+            trainer.get_batch_samples = _stamping(self, trainer, input_name)
         for name in _RESTORE_CALLS:
             load = getattr(trainer, name, None)
             if load is not None and not getattr(load, _WRAPPED, False):
@@ -405,12 +401,17 @@ def _timing_restore(load: Callable[..., Any], restores: list[tuple[int, int]]) -
     return wrapper
 
 
-def _stamping(
-    callback: OtelTrainCallback, get_batch_samples: Callable[..., Any], input_name: str, rows_per_sample: int
-) -> Callable[..., Any]:
+def _rows_per_sample(trainer: Any) -> int:
+    """2 for TRL's preference trainers, whose collator batches each pair as two rows; else 1."""
+    collator = type(getattr(trainer, "data_collator", None))
+    return 2 if any(c.__name__ in _PAIR_COLLATORS for c in collator.__mro__) else 1
+
+
+def _stamping(callback: OtelTrainCallback, trainer: Any, input_name: str) -> Callable[..., Any]:
     """`trainer.get_batch_samples`, noting on `callback` when each micro-batch left the iterator,
     the step's first micro-batch (a reference) and its micro-batches' `input_name` elements and
-    samples (rows / `rows_per_sample`; shapes only)."""
+    samples (their rows; shapes only)."""
+    get_batch_samples, rows_per_sample = trainer.get_batch_samples, _rows_per_sample(trainer)
 
     def stamped(epoch_iterator: Any) -> Iterator[Any]:
         for item in epoch_iterator:  # pulls one item per next(): none is taken ahead

@@ -306,6 +306,8 @@ def _attach_watchdog(session: Session) -> None:
         in_eval=session.in_eval,
         eval_timeout_s=config.eval_timeout_s,
     )
+    if reporter is not None:
+        reporter.stalled = lambda: not session.shutdown_done.is_set() and watchdog.stalled_s() > 0
     # Read at each export, on the SDK's thread: it rises while the step thread hangs.
     semconv.STALL_DURATION.create(session.meter, lambda options: [Observation(watchdog.stalled_s())])
     # A rank that progresses, or waits in a collective inside a declared save, is no collective hang.

@@ -12,7 +12,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -312,6 +312,15 @@ def _write_whole(path: Path, content: Mapping[str, Any]) -> bool:
     return True
 
 
+def _answered(summaries: Mapping[int, Mapping[str, Any]], asked: Since, run_dir: Path, role: str) -> set[int]:
+    """The ranks whose summary was written after the question asked at `asked` (by its written_at
+    or its file's mtime: one host's clock may be off)."""
+    return {
+        rank for rank, summary in summaries.items()
+        if float(summary["written_at"]) >= asked[0] or _modified(RunFiles(run_dir, rank, role).collectives) >= asked[1]
+    }  # fmt: skip
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -374,6 +383,9 @@ class HangReporter:
         self._files = RunFiles(run_dir, rank, role)
         self._answered_at = 0.0  # the request this rank last answered (its written_at)
         self._request_checked = 0.0  # monotonic time of the last look at the request file
+        # Whether this rank's stall lasts (the watchdog's; set at assembly): while it does, ranks
+        # named busy are asked again, and one that stops answering or stalls itself makes a `hang`.
+        self.stalled: Callable[[], bool] = lambda: False
 
     def on_stall(self, stacks: Path | None) -> None:
         summary = self._write_summary(stacks)
@@ -421,18 +433,53 @@ class HangReporter:
             return None
         return summary
 
-    def _ask_the_silent(self, since: Since) -> dict[int, dict[str, Any]]:
-        """The verdict names only ranks that left no summary: ask them (`answer_requests`) and
-        wait a grace for their answers; what the summaries are then."""
-        _write_whole(self._files.hang_request, {"written_at": time.time(), "by": self.rank})
+    def _ask(self, since: Since, again: Iterable[int] = ()) -> dict[int, dict[str, Any]]:
+        """Ask the ranks that left no summary, and those in `again` (which answered before), whether
+        they are alive (`answer_requests`), and wait a grace for their answers; what the summaries
+        are then. A rank of `again` that did not answer this question is no longer vouched for as
+        progressing (frozen or gone since)."""
+        asked_at = time.time()
+        request = self._files.hang_request
+        _write_whole(request, {"written_at": asked_at, "by": self.rank})
+        asked = (asked_at, _modified(request))  # an answer reaching either stamp answers this question
+        again = set(again)
         deadline = time.monotonic() + self.grace_s + 2 * REQUEST_POLL_S
         summaries = read_summaries(self.run_dir, since, self.role)
-        while len(summaries) < self.world_size and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            len(summaries) < self.world_size
+            or not again <= _answered(summaries, asked, self.run_dir, self.role)
+        ):
             time.sleep(0.2)
             summaries = read_summaries(self.run_dir, since, self.role)
         with contextlib.suppress(OSError):
-            self._files.hang_request.unlink()  # answered: a rank that looks later has nothing to answer
+            request.unlink()  # answered: a rank that looks later has nothing to answer
+        answered = _answered(summaries, asked, self.run_dir, self.role)
+        for rank in again - answered:
+            if rank in summaries:
+                summaries[rank] = {k: v for k, v in summaries[rank].items() if k != "progressing"}
         return summaries
+
+    def _watch_the_busy(self, since: Since, busy: tuple[int, ...]) -> None:
+        """After a `collective_wait`, while this rank's stall lasts: ask the busy ranks again every
+        stall timeout. One that stopped answering (frozen, or its host gone) or that stalled itself
+        (its own summary, not marked progressing) is a culprit: the wait is then a `hang`."""
+        period = max(self.grace_s, self._stall_timeout_s)
+        asked = time.monotonic()
+        while self.stalled():
+            if time.monotonic() - asked < period:
+                time.sleep(min(0.5, period))
+                continue
+            summaries = self._ask(since, busy)
+            asked = time.monotonic()
+            if not self.stalled():
+                return  # the wait ended while the question was out
+            verdicts = attribute(summaries, self.world_size)
+            named = with_launch_hosts(summaries, self.run_dir, self.role)
+            if verdicts and not verdicts[0].busy(named):
+                self.verdicts = verdicts
+                with contextlib.suppress(Exception):  # never let the report kill the thread noisily
+                    self._events.emit("hang", verdicts[0].describe(named), verdicts[0].attributes(named))
+                return
 
     def _lower_rank_silent(self, summaries: Mapping[int, Any]) -> bool:
         """Would this rank speak only because a lower rank, which would speak instead, left no
@@ -457,7 +504,7 @@ class HangReporter:
         if not self.verdicts or self.verdicts[0].waiting[0] != self.rank:
             return  # nothing to name, or another rank speaks for the job
         if not self.verdicts[0].missing:  # only silent ranks: dead or frozen, or busy? ask them
-            summaries = self._ask_the_silent(since)
+            summaries = self._ask(since)
             self.verdicts = attribute(summaries, self.world_size)
             if not self.verdicts or self.verdicts[0].waiting[0] != self.rank:
                 return
@@ -466,3 +513,5 @@ class HangReporter:
         event = "collective_wait" if verdict.busy(named) else "hang"
         with contextlib.suppress(Exception):  # never let the report kill the thread noisily
             self._events.emit(event, verdict.describe(named), verdict.attributes(named))
+        if event == "collective_wait":
+            self._watch_the_busy(since, verdict.culprits())

@@ -275,6 +275,77 @@ def test_a_rank_busy_outside_the_collective_is_named_busy_not_hung(tmp_path: Pat
     assert "rank 0" in wait["message"] and "not stalled" in wait["message"], wait["message"]
 
 
+def _wait_for_event(run_dir: Path, name: str, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(every_rank_events(run_dir, name).values()):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _busy_then_stuck_target(rank: int, world_size: int, out_dir: str, how: str) -> None:
+    """Rank 0 evaluates while rank 1 waits for it in the next all_reduce; once rank 1 named it busy
+    (`collective_wait`), rank 0 gets stuck in its evaluation: its own stall (past eval_timeout_s),
+    or frozen (SIGSTOP; rank 1 sends SIGCONT once a `hang` is out, or after a minute)."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    import otel_train as ot
+    from otel_train.testing import current_session
+
+    ot.init(run_name="stuck", stall_timeout_s=STALL_S, prometheus_port=0, verbosity=0, hardware=False,
+            log_interval=2, output_dir=out_dir, eval_timeout_s=20.0 if how == "stalls" else 7200.0)  # fmt: skip
+    run_dir = current_session().run_dir
+    assert run_dir is not None
+    pid_file = Path(out_dir) / "rank0.pid"
+    if rank == 0:
+        pid_file.write_text(str(os.getpid()))
+    tensor = torch.ones(4)
+    for step in range(8):
+        with ot.step(step):
+            dist.all_reduce(tensor)
+        if step == 3 and rank == 0:
+            with ot.span("eval"):
+                _wait_for_event(run_dir, "collective_wait")
+                (Path(out_dir) / "stuck_at").write_text(str(time.time()))
+                if how == "freezes":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    _wait_for_event(run_dir, "hang")
+        if step == 3 and rank == 1 and how == "freezes":
+
+            def wake_rank0() -> None:
+                _wait_for_event(run_dir, "hang")
+                os.kill(int(pid_file.read_text()), signal.SIGCONT)
+
+            threading.Thread(target=wake_rank0, daemon=True).start()
+    ot.shutdown()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("how", ["stalls", "freezes"])
+def test_a_busy_rank_that_then_gets_stuck_turns_the_wait_into_a_hang(tmp_path: Path, how: str) -> None:
+    """A `collective_wait` is not the last word: while the waiting rank stays stalled it asks the
+    busy rank again every stall timeout, and a busy rank that stalls itself, or stops answering
+    (frozen), is then named in a `hang`."""
+    run_ranks(2, _busy_then_stuck_target, (str(tmp_path), how), timeout=150, env=FR_ON)
+    run_dir = tmp_path / "stuck"
+    names = _events_by_rank(run_dir)
+    waits = [e for events in every_rank_events(run_dir, "collective_wait").values() for e in events]
+    assert len(waits) == 1 and waits[0]["rank"] == 1, names
+    hangs = _hang_events(run_dir)
+    assert len(hangs) == 1, names
+    (hang,) = hangs
+    assert hang["rank"] == 1 and hang["missing_ranks"] == "0" and hang["waiting_ranks"] == "1"
+    assert "not stalled" not in hang["message"], hang["message"]
+    # after rank 0 got stuck: within its eval timeout (its own stall) or a few questions (frozen)
+    stuck_at = float((tmp_path / "stuck_at").read_text())
+    assert hang["time"] > stuck_at
+
+
 def _summary(rank: int, enqueued: int, completed: int, ops: dict[str, str]) -> dict[str, Any]:
     group = {"label": "default_pg", "last_enqueued": enqueued, "last_completed": completed, "ops": ops}
     return {"rank": rank, "host": f"h{rank}", "stacks": f"stacks.rank{rank}.0.txt", "groups": {"0": group}}

@@ -76,6 +76,31 @@ def test_diagnose_reads_every_rank_of_the_stall_though_one_hosts_clock_is_off(
     assert "rank 1 (host1) never reached all_reduce #7" in out, out
 
 
+def test_diagnose_reads_the_stall_from_its_summaries_though_busy_ranks_answered_later(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ranks 2 and 3 stalled in all_reduce #7; ranks 0 and 1, busy elsewhere, answered the question
+    (marked progressing) 25 s later, past the 10 s window (a question asked again while the wait
+    lasts). The stall's window is read back from its stall summaries, not from the newest answer
+    (which left the waiting ranks out: no verdict)."""
+    _write_hang(tmp_path)
+    stalled_at = 1_000_000.0
+    for rank in range(4):
+        path = RunFiles(tmp_path, rank).collectives
+        summary = json.loads(path.read_text())
+        busy = rank in (0, 1)
+        if busy:  # not in all_reduce #7, answering
+            summary["groups"]["0"].update(last_enqueued=6, last_completed=6)
+            summary["progressing"] = True
+        summary["written_at"] = stalled_at + (25.0 if busy else 0.0)
+        path.write_text(json.dumps(summary))
+        os.utime(path, (summary["written_at"], summary["written_at"]))
+    code, out, _ = _diagnose([str(tmp_path)], capsys)
+    assert code == 0 and "summaries from ranks [0, 1, 2, 3] of 4" in out, out
+    assert "rank 0 (host0), rank 1 (host1) have not reached all_reduce #7 of process group default_pg" in out
+    assert "where rank(s) 2,3 wait: not stalled" in out, out
+
+
 def test_diagnose_says_a_stall_outside_collectives_and_one_the_run_went_on_from(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -215,8 +215,10 @@ def test_hang_names_the_rank_that_never_reached_the_collective(tmp_path: Path) -
     assert event["waiting_ranks"] == "0,2,3" and event["rank"] == 0
     assert event["files"].split(",")[0].endswith("stacks.rank1.0.txt")
     assert "rank 1" in event["message"] and "all_reduce" in event["message"]
-    # the raw buffer beside the stacks, for torch's own fr_trace tool
-    assert pickle.loads((run_dir / "flight_recorder.rank1.0").read_bytes())["entries"]
+    # the raw buffer beside the stacks, for torch's own fr_trace tool, without C++ stack traces
+    # (symbolizing them imports torch._dynamo at the first dump: seconds of a frozen-looking watchdog)
+    entries = pickle.loads((run_dir / "flight_recorder.rank1.0").read_bytes())["entries"]
+    assert entries and not any(entry.get("frames") for entry in entries)
     # within one stall timeout (+ the grace for the peers' files), and while rank 1 still slept
     blocked_at = max(float((tmp_path / f"blocked_at.rank{r}").read_text()) for r in (0, 2, 3))
     # (a bound for 4 ranks on 2 shared cores, not a speed claim: the fresh-clone CI run measured

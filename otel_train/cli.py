@@ -253,49 +253,47 @@ OTLP_PROBE_S = 3.0  # the longest the doctor waits for the collector (an export 
 
 
 def _otlp_ok(config: Config) -> bool:
-    """Does the collector take an OTLP export? One empty metrics export with the exporter `init()`
-    builds (its protocol, TLS and headers): a port that only accepts TCP is no collector."""
+    """Does each collector init() pushes to take an OTLP export (`otlp_probes`)? A port that only
+    accepts TCP is no collector."""
     from dataclasses import replace
 
-    from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
+    from otel_train.exporters import otlp_probes, quiet_sdk_exporter_logs
 
+    probes = otlp_probes(config)
+    if not probes:
+        print("otlp: off (set OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://127.0.0.1:4318)")
+        return True
+    quiet_sdk_exporter_logs()  # its per-retry lines are not the doctor's verdict
+    probing = replace(config, otlp_timeout_s=min(config.otlp_timeout_s, OTLP_PROBE_S))
+    return all([_otlp_probe_ok(probing, signal, url) for signal, url in probes])
+
+
+def _otlp_probe_ok(config: Config, signal: str, url: str) -> bool:
     from otel_train.config import ConfigError
-    from otel_train.exporters import export_failure_cause, otlp_metric_exporter, quiet_sdk_exporter_logs
+    from otel_train.exporters import export_failure_cause, otlp_probe
     from otel_train.redaction import redact_url
 
-    url = config.otlp_metrics_endpoint or config.otlp_endpoint
-    if not url:
-        others = [f"{signal} to {redact_url(own)}" for signal, own in
-                  (("spans", config.otlp_traces_endpoint), ("logs", config.otlp_logs_endpoint)) if own]  # fmt: skip
-        if others:
-            print(f"otlp: metrics off; {', '.join(others)} (not probed)")
-        else:
-            print("otlp: off (set OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://127.0.0.1:4318)")
-        return True
-    endpoint = f"{redact_url(url)} ({config.otlp_protocol})"
-    probe_s = min(config.otlp_timeout_s, OTLP_PROBE_S)
-    quiet_sdk_exporter_logs()  # its per-retry lines are not the doctor's verdict
+    what = "otlp:" if signal == "metrics" else f"otlp {signal}:"
+    own = url != config.otlp_endpoint  # the signal's own URL, not the base one
+    variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT" if own else "OTEL_EXPORTER_OTLP_ENDPOINT"
     try:
-        exporter = otlp_metric_exporter(replace(config, otlp_timeout_s=probe_s))  # as init() builds it
-        try:
-            result = exporter.export(MetricsData(resource_metrics=[]), timeout_millis=probe_s * 1000)
-        finally:
-            exporter.shutdown(timeout_millis=0)
+        accepted = otlp_probe(config, signal)
     except ConfigError as exc:  # a setting the exporter cannot take (the message holds no secret)
-        print(f"otlp: INVALID - {exc}")
+        print(f"{what} INVALID - {exc}")
         return False
     except Exception as exc:  # a bad URL or TLS file: the exporter raises rather than fails
         # Its type only: the message may quote the URL or a header, secrets included.
-        result, cause = MetricExportResult.FAILURE, f"the exporter failed ({type(exc).__name__})"
+        accepted, cause = False, f"the exporter failed ({type(exc).__name__})"
     else:
-        if result == MetricExportResult.SUCCESS:
-            print(f"otlp: {endpoint} reachable (it accepted an empty OTLP export)")
-            return True
-        cause = export_failure_cause(url, config.otlp_protocol, OTLP_PROBE_S)
+        cause = "" if accepted else export_failure_cause(url, config.otlp_protocol, OTLP_PROBE_S)
+    endpoint = f"{redact_url(url)} ({config.otlp_protocol})"
+    if accepted:
+        print(f"{what} {endpoint} reachable (it accepted an empty OTLP export)")
+        return True
     print(
-        f"otlp: {endpoint} NOT reachable: {cause}; training still runs, exports are dropped. Fix "
-        "OTEL_EXPORTER_OTLP_ENDPOINT (the collector's OTLP port: 4317 for grpc, 4318 for "
-        "http/protobuf), OTEL_EXPORTER_OTLP_PROTOCOL to match it, or OTEL_EXPORTER_OTLP_HEADERS"
+        f"{what} {endpoint} NOT reachable: {cause}; training still runs, exports are dropped. Fix "
+        f"{variable} (the collector's OTLP port: 4317 for grpc, 4318 for http/protobuf), "
+        "OTEL_EXPORTER_OTLP_PROTOCOL to match it, or OTEL_EXPORTER_OTLP_HEADERS"
     )
     return False
 

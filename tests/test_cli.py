@@ -500,12 +500,33 @@ def test_a_frozen_rank_is_named_with_its_host_from_the_launch_facts(
     assert with_launch_hosts(summaries, tmp_path) == summaries
 
 
-def test_doctor_names_the_traces_endpoint_when_only_it_is_set(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_doctor_probes_each_signals_own_endpoint(
+    protocol: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Spans to their own collector (a Tempo), logs to a down one, metrics to a third: each URL is
+    probed with its signal's exporter, and the dead one is named with the variable to fix."""
     monkeypatch.setenv("OTEL_TRAIN_OUTPUT_DIR", str(tmp_path / "runs"))
     monkeypatch.setenv("OTEL_TRAIN_PROMETHEUS_PORT", "0")
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://tempo:4318/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    receiver = http_receiver if protocol == "http/protobuf" else grpc_receiver
+    down = refused_endpoint()
+    with receiver() as (metrics_url, metrics), receiver() as (traces_url, traces):
+        own = "/v1/traces" if protocol == "http/protobuf" else ""
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", metrics_url)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", traces_url + own)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT", down)
+        assert main(["doctor"]) == 1
+        out = capsys.readouterr().out
+        assert len(metrics.metrics) == 1 and not metrics.traces and not metrics.logs
+        assert len(traces.traces) == 1 and not traces.metrics
+    assert f"otlp: {metrics_url} ({protocol}) reachable" in out, out
+    assert f"otlp traces: {traces_url + own} ({protocol}) reachable" in out, out
+    assert f"otlp logs: {down} ({protocol}) NOT reachable" in out, out
+    assert "Fix OTEL_EXPORTER_OTLP_LOGS_ENDPOINT" in out, out
+    # spans alone, to their own URL: probed (no metrics line)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")
     main(["doctor"])
-    assert "otlp: metrics off; spans to http://tempo:4318/v1/traces" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"otlp traces: {traces_url + own} ({protocol}) NOT reachable" in out and "otlp:" not in out, out

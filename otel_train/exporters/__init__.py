@@ -3,7 +3,7 @@
 
 from otel_train.exporters.guards import export_failure_cause, quiet_sdk_exporter_logs
 from otel_train.exporters.job_provider import build_job_provider
-from otel_train.exporters.providers import Telemetry, build_telemetry, otlp_metric_exporter
+from otel_train.exporters.providers import Telemetry, build_telemetry, otlp_probe, otlp_probes
 from otel_train.exporters.tiers import essential_names, essential_only, resolve_rank_series
 
 __all__ = [
@@ -13,7 +13,8 @@ __all__ = [
     "essential_names",
     "essential_only",
     "export_failure_cause",
-    "otlp_metric_exporter",
+    "otlp_probe",
+    "otlp_probes",
     "quiet_sdk_exporter_logs",
     "resolve_rank_series",
 ]

@@ -100,6 +100,27 @@ def _grpc_compression(signal: str) -> Any:
     return None
 
 
+def otlp_probes(config: Config) -> list[tuple[str, str]]:
+    """What `otel-train doctor` probes, as (signal, the URL the user set for it): metrics, and each
+    other signal init() pushes to a URL of its own (one at the base URL reaches the same collector)."""
+    pushed = [s for s in _OTLP_EXPORTERS if _otlp_url(config, s) and (s != "traces" or config.traces)]
+    probes = [s for s in pushed if s == "metrics" or _own_otlp_url(config, s)] or pushed[:1]
+    return [(s, _own_otlp_url(config, s) or config.otlp_endpoint or "") for s in probes]
+
+
+def otlp_probe(config: Config, signal: str) -> bool:
+    """Whether `signal`'s endpoint accepts one empty OTLP export, sent with the exporter init()
+    builds (protocol, TLS, headers, `otlp_timeout_s`). ConfigError: a setting it cannot take."""
+    from opentelemetry.sdk.metrics.export import MetricsData
+
+    exporter: Any = otlp_metric_exporter(config) if signal == "metrics" else _otlp_exporter(config, signal)
+    try:
+        result = exporter.export(MetricsData(resource_metrics=[]) if signal == "metrics" else [])
+    finally:
+        exporter.shutdown()
+    return bool(result.name == "SUCCESS")
+
+
 def otlp_metric_exporter(config: Config) -> MetricExporter:
     """The OTLP metric exporter; in the essential tier it sends that tier's series only."""
     exporter: MetricExporter = _otlp_exporter(config, "metrics")

@@ -96,7 +96,13 @@ def _tls_problem(connection: socket.socket, host: str, protocol: str) -> str | N
         )
         if cert:
             context.load_cert_chain(cert, key or None)
-        with context.wrap_socket(connection, server_hostname=host):
+        with context.wrap_socket(connection, server_hostname=host) as tls:
+            refused = _alert_after_handshake(tls)
+            if refused is not None:
+                return (
+                    f"the collector ended the TLS session ({refused}): it wants a client certificate "
+                    "it trusts (mTLS): set OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and _CLIENT_KEY"
+                )
             if not trap:
                 return None
         one = len(overridden) == 1
@@ -115,6 +121,22 @@ def _tls_problem(connection: socket.socket, host: str, protocol: str) -> str | N
             f"the TLS handshake failed ({exc}): check OTEL_EXPORTER_OTLP_CERTIFICATE, and for mTLS "
             f"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE / _CLIENT_KEY{trap}"
         )
+
+
+def _alert_after_handshake(tls: ssl.SSLSocket) -> str | None:
+    """Under TLS 1.3 a server checks the client's certificate after the client's side of the
+    handshake is done: its refusal, an alert, arrives with the first read. Its reason, or None (no
+    alert within a moment, data, or the connection closed)."""
+    tls.settimeout(0.5)
+    try:
+        tls.recv(1)
+    except (ssl.SSLEOFError, ssl.SSLZeroReturnError, TimeoutError):
+        return None
+    except ssl.SSLError as exc:
+        return str(exc.reason or exc)
+    except OSError:
+        return None
+    return None
 
 
 def _not_a_header_echo(record: logging.LogRecord) -> bool:

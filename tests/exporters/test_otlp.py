@@ -351,27 +351,42 @@ def test_an_https_collectors_untrusted_certificate_is_named_as_the_cause(tmp_pat
     )  # fmt: skip
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(cert, key)
-    listener = socket.create_server(("127.0.0.1", 0))
-    url = f"https://127.0.0.1:{listener.getsockname()[1]}"
+    mutual = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # mTLS: a client certificate its CA signed
+    mutual.load_cert_chain(cert, key)
+    mutual.load_verify_locations(cert)
+    mutual.verify_mode = ssl.CERT_REQUIRED
+    urls = []
 
-    def serve() -> None:  # TLS handshakes, nothing more
+    def serve(listener: socket.socket, context: ssl.SSLContext) -> None:  # TLS handshakes, nothing more
         while True:
             try:
                 connection, _ = listener.accept()
             except OSError:
                 return
-            with contextlib.suppress(OSError), server.wrap_socket(connection, server_side=True):
+            with contextlib.suppress(OSError), context.wrap_socket(connection, server_side=True):
                 pass
 
-    threading.Thread(target=serve, daemon=True).start()
-    for name in ("OTEL_EXPORTER_OTLP_CERTIFICATE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    for listener, context in zip(listeners, (server, mutual), strict=True):
+        urls.append(f"https://127.0.0.1:{listener.getsockname()[1]}")
+        threading.Thread(target=serve, args=(listener, context), daemon=True).start()
+    url, mutual_url = urls
+    for name in ("OTEL_EXPORTER_OTLP_CERTIFICATE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+                 "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_CLIENT_KEY"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     try:
         assert "TLS certificate is not trusted" in export_failure_cause(url, "http/protobuf")
         assert "OTEL_EXPORTER_OTLP_CERTIFICATE" in export_failure_cause(url, "grpc")
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(cert))
         assert "TLS" not in export_failure_cause(url, "http/protobuf")  # trusted: the export's own fault
+        # mTLS without a client certificate: under TLS 1.3 the refusal comes after the handshake
+        cause = export_failure_cause(mutual_url, "http/protobuf")
+        assert "ended the TLS session" in cause and "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE" in cause, cause
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", str(cert))
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_KEY", str(key))
+        assert "TLS" not in export_failure_cause(mutual_url, "http/protobuf")  # its certificate taken
         monkeypatch.setenv("REQUESTS_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")
         assert "REQUESTS_CA_BUNDLE is set" in export_failure_cause(url, "http/protobuf")
     finally:
-        listener.close()
+        for listener in listeners:
+            listener.close()

@@ -285,7 +285,7 @@ def _otlp_probe_ok(config: Config, signal: str, url: str) -> bool:
         # Its type only: the message may quote the URL or a header, secrets included.
         accepted, cause = False, f"the exporter failed ({type(exc).__name__})"
     else:
-        cause = "" if accepted else export_failure_cause(url, config.otlp_protocol, OTLP_PROBE_S)
+        cause = "" if accepted else export_failure_cause(url, config.otlp_protocol, OTLP_PROBE_S, signal)
     endpoint = f"{redact_url(url)} ({config.otlp_protocol})"
     if accepted:
         print(f"{what} {endpoint} reachable (it accepted an empty OTLP export)")

@@ -43,24 +43,24 @@ class ExportStatus:
                 "the endpoint).",
                 signal,
                 self.endpoint,
-                export_failure_cause(self._url, self._protocol),
+                export_failure_cause(self._url, self._protocol, signal=signal),
             )
 
 
 PROBE_S = 2.0  # the TCP connect that tells a collector that is down from one that refuses
 
 
-def export_failure_cause(url: str, protocol: str, probe_s: float = PROBE_S) -> str:
-    """Why an export failed, as far as one TCP connect (of at most `probe_s`) tells: nothing
-    listens, nothing answers at all (SYNs dropped), or something accepts connections and refused
-    or ignored the export."""
+def export_failure_cause(url: str, protocol: str, probe_s: float = PROBE_S, signal: str = "metrics") -> str:
+    """Why an export of `signal` failed, as far as one TCP connect (of at most `probe_s`) tells:
+    nothing listens, nothing answers at all (SYNs dropped), or something accepts connections and
+    refused or ignored the export."""
     parsed = urlparse(url if "://" in url else f"http://{url}")
     default_port = 443 if parsed.scheme == "https" or protocol == "grpc" else 80
     try:
         address = (parsed.hostname or "localhost", parsed.port or default_port)
         with socket.create_connection(address, timeout=probe_s) as connection:
             if parsed.scheme == "https":
-                problem = _tls_problem(connection, address[0], protocol)
+                problem = _tls_problem(connection, address[0], protocol, signal)
                 if problem is not None:
                     return problem
     except TimeoutError:
@@ -78,48 +78,56 @@ def export_failure_cause(url: str, protocol: str, probe_s: float = PROBE_S) -> s
     )
 
 
-def _tls_problem(connection: socket.socket, host: str, protocol: str) -> str | None:
-    """What a TLS handshake, with the CA and client certificate the OTel variables name, says
-    against an `https://` collector; None when it completes."""
-    ca = os.environ.get("OTEL_EXPORTER_OTLP_CERTIFICATE") or None
+def _otlp_file(signal: str, what: str) -> tuple[str, str | None]:
+    """The OTel variable naming `signal`'s `what` file (the signal's own, else the general one, as
+    the SDK's exporters read them) and its value."""
+    own = f"OTEL_EXPORTER_OTLP_{signal.upper()}_{what}"
+    name = own if os.environ.get(own) else f"OTEL_EXPORTER_OTLP_{what}"
+    return name, os.environ.get(name) or None
+
+
+def _tls_problem(connection: socket.socket, host: str, protocol: str, signal: str) -> str | None:
+    """What a TLS handshake, with the CA and client certificate the OTel variables name for
+    `signal`, says against an `https://` collector; None when it completes."""
+    ca_name, ca = _otlp_file(signal, "CERTIFICATE")
     overridden = [n for n in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE") if os.environ.get(n)]
     trap = (
-        f" ({' and '.join(overridden)} set: for http/protobuf they win over OTEL_EXPORTER_OTLP_CERTIFICATE)"
+        f" ({' and '.join(overridden)} set: for http/protobuf they win over {ca_name})"
         if ca and overridden and protocol != "grpc"
         else ""
     )
     try:
         context = ssl.create_default_context(cafile=ca)
-        cert, key = (
-            os.environ.get("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"),
-            os.environ.get("OTEL_EXPORTER_OTLP_CLIENT_KEY"),
+        (cert_name, cert), (_, key) = (
+            _otlp_file(signal, "CLIENT_CERTIFICATE"),
+            _otlp_file(signal, "CLIENT_KEY"),
         )
         if cert:
-            context.load_cert_chain(cert, key or None)
+            context.load_cert_chain(cert, key)
         with context.wrap_socket(connection, server_hostname=host) as tls:
             refused = _alert_after_handshake(tls)
             if refused is not None:
                 return (
                     f"the collector ended the TLS session ({refused}): it wants a client certificate "
-                    "it trusts (mTLS): set OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and _CLIENT_KEY"
+                    f"it trusts (mTLS): set {cert_name} and its _CLIENT_KEY"
                 )
             if not trap:
                 return None
         one = len(overridden) == 1
         return (
-            f"the TLS handshake with OTEL_EXPORTER_OTLP_CERTIFICATE's CA succeeds, but {' and '.join(overridden)} "
+            f"the TLS handshake with {ca_name}'s CA succeeds, but {' and '.join(overridden)} "
             f"{'is' if one else 'are'} set, which the http/protobuf exporter's requests library uses "
             f"instead: unset {'it' if one else 'them'}, or add the collector's CA there"
         )
     except ssl.SSLCertVerificationError as exc:
         return (
-            f"its TLS certificate is not trusted ({exc.verify_message}): set OTEL_EXPORTER_OTLP_CERTIFICATE "
-            f"to the collector's CA file{trap}"
+            f"its TLS certificate is not trusted ({exc.verify_message}): set {ca_name} to the collector's "
+            f"CA file{trap}"
         )
     except (ssl.SSLError, OSError) as exc:  # a CA or client file unreadable, another TLS failure
         return (
-            f"the TLS handshake failed ({exc}): check OTEL_EXPORTER_OTLP_CERTIFICATE, and for mTLS "
-            f"OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE / _CLIENT_KEY{trap}"
+            f"the TLS handshake failed ({exc}): check {ca_name}, and for mTLS "
+            f"{_otlp_file(signal, 'CLIENT_CERTIFICATE')[0]} / _CLIENT_KEY{trap}"
         )
 
 

@@ -336,6 +336,7 @@ def test_collector_outage_warns_once_and_recovery_is_reported(caplog) -> None:
 def test_an_https_collectors_untrusted_certificate_is_named_as_the_cause(tmp_path, monkeypatch) -> None:
     """A TLS failure read as "something accepts TCP connections there but refused the export":
     the cause names the CA variable, and the trap of REQUESTS_CA_BUNDLE winning over it."""
+    import os
     import socket
     import ssl
     import subprocess
@@ -371,12 +372,20 @@ def test_an_https_collectors_untrusted_certificate_is_named_as_the_cause(tmp_pat
         urls.append(f"https://127.0.0.1:{listener.getsockname()[1]}")
         threading.Thread(target=serve, args=(listener, context), daemon=True).start()
     url, mutual_url = urls
-    for name in ("OTEL_EXPORTER_OTLP_CERTIFICATE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-                 "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_CLIENT_KEY"):  # fmt: skip
+    for name in [
+        *(n for n in os.environ if n.startswith("OTEL_EXPORTER_OTLP")),
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+    ]:
         monkeypatch.delenv(name, raising=False)
     try:
         assert "TLS certificate is not trusted" in export_failure_cause(url, "http/protobuf")
         assert "OTEL_EXPORTER_OTLP_CERTIFICATE" in export_failure_cause(url, "grpc")
+        # a signal's own CA file, as the SDK's exporters read it: that signal's handshake only
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", str(cert))
+        assert "TLS" not in export_failure_cause(url, "grpc", signal="traces")
+        assert "set OTEL_EXPORTER_OTLP_CERTIFICATE" in export_failure_cause(url, "grpc", signal="logs")
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE")
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(cert))
         assert "TLS" not in export_failure_cause(url, "http/protobuf")  # trusted: the export's own fault
         # mTLS without a client certificate: under TLS 1.3 the refusal comes after the handshake

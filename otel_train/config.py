@@ -341,9 +341,9 @@ class Config:
         doc="the precision whose peak MFU divides by: `fp8`, `bf16`, `fp16`, `tf32`, `fp32` (`fp32` counts as "
         "`tf32` when torch lets float32 matmuls use TF32); `auto`: the `torch.autocast` dtype active around "
         "`ot.step` at a flush (it is per thread: autocast around the forward pass alone ends before the "
-        "flush and is not seen), else `bf16`. The HF and Lightning integrations, when they start the "
-        "session, pass the precision the framework trains in (`TrainingArguments(bf16/fp16/tf32=True)`, "
-        '`Trainer(precision="bf16-mixed")`, ...) unless you set one. The MFU point carries `compute.dtype`, '
+        "flush and is not seen), else `bf16`. The HF, Lightning and Accelerate integrations, when they start "
+        "the session, pass the precision the framework trains in (`TrainingArguments(bf16/fp16/tf32=True)`, "
+        '`Trainer(precision="bf16-mixed")`, `Accelerator(mixed_precision="bf16")`, ...) unless you set one. The MFU point carries `compute.dtype`, '
         "`peak.flops` and `peak.source`",
     )
     flops_per_token: float | None = setting(None, gt=0, doc="model FLOPs per token for MFU")

@@ -28,6 +28,7 @@ from otel_train.integrations._common import (
     settings_from_kwargs,
     start_session,
     with_adopted,
+    with_precision,
 )
 
 __all__ = ["OtelTrainTracker"]
@@ -92,6 +93,8 @@ class OtelTrainTracker(GeneralTracker):
         self._stretches: list[tuple[str | None, int]] = []
         self._run_project: str | None = None  # init_trackers' project_name
         self._run_settings: dict[str, Any] = {}  # init_trackers' init_kwargs["otel_train"]
+        self._accelerator_settings: dict[str, Any] = {}  # what the Accelerator's own settings stand for
+        self._precision: str | None = None  # the Accelerator's mixed_precision
 
     @property
     def tracker(self) -> Any:
@@ -111,6 +114,11 @@ class OtelTrainTracker(GeneralTracker):
             self._run_settings = settings_from_kwargs(
                 init_kwargs.get(self.name), {}, f"init_trackers(init_kwargs={{{self.name!r}: ...}})"
             )
+        if accelerator is not None:
+            # "no" is no precision: the model's own dtype may be bf16 (compute_dtype's auto then)
+            self._precision = accelerator.mixed_precision if accelerator.mixed_precision != "no" else None
+            if accelerator.logging_dir:  # ProjectConfiguration(logging_dir=...): beside its other trackers
+                self._accelerator_settings["output_dir"] = str(accelerator.logging_dir)
         if self._ready():
             self._mark_ns = perf_counter_ns()  # the first logged step starts at init_trackers
             if accelerator is not None and self._fed is None:
@@ -139,7 +147,8 @@ class OtelTrainTracker(GeneralTracker):
             return
         # Nested dicts flattened, strings as text: as Accelerate's TensorBoard and W&B trackers keep
         # them; anything else that is no number is dropped by log_metrics, counted and warned about.
-        flat = flattened(values)
+        # A bool is an int to Accelerate (its log contract) and its TensorBoard tracker: 0 or 1.
+        flat = {name: int(v) if isinstance(v, bool) else v for name, v in flattened(values).items()}
         scalars = scalar_logs(flat, left_out=(str,))
         if self._marks_steps and (
             info.open_step is not None or info.world_size > 1 or info.step != self._marked
@@ -175,7 +184,8 @@ class OtelTrainTracker(GeneralTracker):
         owns_session, self._owns_session = self._owns_session, False
         end_training(owns_session)
         self._new_run()
-        self._ended = owns_session  # its run is over: a later log starts no other
+        # its run is over: a later log starts no other (also after a second end_training())
+        self._ended = self._ended or owns_session
 
     def _began(self, span: str | None) -> None:
         """Training (None), an evaluation ("eval") or a save ("checkpoint") goes on from now."""
@@ -235,11 +245,10 @@ class OtelTrainTracker(GeneralTracker):
         nothing (docs/design/integrations.md#accelerate)."""
         settings = {**self._run_settings, **self._settings}
         project = self.project_name or self._run_project
-        if project is None:
-            return settings
-        adopted = dict.fromkeys(_PROJECT_SETTINGS, project)
-        adopted["run_name"] = default_run_name(project)
-        return with_adopted(settings, adopted)
+        adopted = dict(self._accelerator_settings)
+        if project is not None:
+            adopted.update(dict.fromkeys(_PROJECT_SETTINGS, project), run_name=default_run_name(project))
+        return with_precision(with_adopted(settings, adopted), self._precision)
 
 
 def _noting(call: Callable[..., Any], note: Callable[[], None]) -> Callable[..., Any]:

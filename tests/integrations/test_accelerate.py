@@ -597,13 +597,19 @@ def test_nested_values_are_flattened_text_is_text_and_the_rest_is_counted(tmp_pa
     tracker = OtelTrainTracker(run_name="kinds", **QUIET, **EVERY_STEP)
     accelerator = Accelerator(log_with=[tracker], cpu=True)
     accelerator.init_trackers("proj")
-    accelerator.log({"nested": {"a": 1.0, "deeper": {"b": 2.0}}, "note": "hello", "hist": [1, 2]}, step=0)
+    accelerator.log(
+        {"nested": {"a": 1.0, "deeper": {"b": 2.0}}, "note": "hello", "hist": [1, 2], "did_eval": True},
+        step=0,
+    )
     accelerator.log({"loss": 1.0}, step=1)
     accelerator.end_training()
     run_dir = tmp_path / "runs" / "kinds"
     rows = _rows(run_dir)
     (first,) = [r for r in rows if "nested/a" in r]
     assert (first["step"], first["nested/a"], first["nested/deeper/b"]) == (0, 1.0, 2.0)
+    assert (
+        first["train/did_eval"] == 1
+    )  # a bool is an int to Accelerate, as its TensorBoard tracker writes it
     texts = [json.loads(line) for line in (run_dir / "text.jsonl").read_text().splitlines()]
     assert [(t["key"], t["text"], t["step"]) for t in texts] == [("note", "hello", 0)]
     assert sum(r.get("otel_train/dropped/invalid_type") or 0 for r in rows) == 1
@@ -621,9 +627,48 @@ def test_a_log_after_end_training_is_refused_not_a_new_run(tmp_path: Path) -> No
     accelerator.end_training()
     accelerator.log({"loss": 2.0}, step=1)
     assert current_session() is None
+    accelerator.end_training()  # again (a `finally` of the user's): still ended
+    accelerator.log({"loss": 2.0}, step=2)
+    assert current_session() is None
     assert len(list((tmp_path / "runs").iterdir())) == 1
     assert any("after accelerator.end_training()" in m and "init_trackers()" in m for m in warned), warned
     accelerator.init_trackers("second")
     accelerator.log({"loss": 3.0}, step=0)
     accelerator.end_training()
     assert len(list((tmp_path / "runs").iterdir())) == 2
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", "bf16"), ("fp16", "fp16"), ("no", "auto")])
+def test_the_accelerators_precision_and_logging_dir_are_adopted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, precision: str, dtype: str
+) -> None:
+    """The session the tracker starts divides MFU by the peak of the precision the Accelerator
+    trains in ("no" says nothing of the model's dtype: auto), and puts its run directory in the
+    Accelerator's logging_dir, beside its other trackers' files; a setting of the user's wins."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import ProjectConfiguration
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OTEL_TRAIN_OUTPUT_DIR")  # not chosen by the user here
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {})  # one precision per process, else
+    monkeypatch.setattr(PartialState, "_shared_state", {})
+    config = ProjectConfiguration(project_dir="exp", logging_dir="exp/logs")
+    accelerator = Accelerator(
+        log_with=[OtelTrainTracker(run_name="acc", **QUIET)], cpu=True, mixed_precision=precision,
+        project_config=config,
+    )  # fmt: skip
+    accelerator.init_trackers("proj")
+    accelerator.log({"loss": 1.0}, step=0)
+    accelerator.end_training()
+    written = json.loads((tmp_path / "exp" / "logs" / "acc" / "config.json").read_text())
+    assert written["compute_dtype"] == dtype
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {})
+    monkeypatch.setattr(PartialState, "_shared_state", {})
+    chosen = Accelerator(
+        log_with=[OtelTrainTracker(run_name="own", compute_dtype="fp32", output_dir="mine", **QUIET)], cpu=True,
+        mixed_precision="bf16", project_config=config,
+    )  # fmt: skip
+    chosen.init_trackers("proj")
+    chosen.log({"loss": 1.0}, step=0)
+    chosen.end_training()
+    assert json.loads((tmp_path / "mine" / "own" / "config.json").read_text())["compute_dtype"] == "fp32"

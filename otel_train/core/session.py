@@ -133,7 +133,7 @@ class Session:
         self._closed = False
         self._lock = threading.Lock()
         self.deferred_flushes = 0  # the worker's queue was full: the data goes with a later flush
-        self.lost_flushes = self.lost_steps = 0  # flushes (and their steps) that never reached the run dir
+        self.lost_steps = 0  # steps of flushes that never reached the run dir
         # The thread running ot.step(), the only one that flushes (until the first step, init()'s).
         self._step_thread = threading.get_ident()
         self._flush_requested = False  # another thread asked for one (SIGTERM's); not in lockstep
@@ -546,9 +546,7 @@ def _close(session: Session, failed: bool) -> None:
     session.reducer.stop_waiting()  # the flushes still queued must not wait for a peer's row
     _warn_if_no_step(session)
     session.flush(final=True)
-    flushes, steps = _drain_worker(session.worker, session.instruments, budget)
-    session.lost_flushes += flushes
-    session.lost_steps += steps
+    session.lost_steps += _drain_worker(session.worker, session.instruments, budget)
     for listener in session.worker.listeners:
         listener.close()
     final = {**session.worker.final_scalars, **final_scalars(session.goodput.totals)}
@@ -581,13 +579,13 @@ def _warn_if_no_step(session: Session) -> None:
         )
 
 
-def _drain_worker(worker: Worker, instruments: Instruments, budget_s: float) -> tuple[int, int]:
-    """Stop the worker within half the budget; returns the (flushes, steps) it never wrote."""
-    unwritten = (0, 0)
+def _drain_worker(worker: Worker, instruments: Instruments, budget_s: float) -> int:
+    """Stop the worker within half the budget; returns the steps it never wrote."""
+    unwritten = 0
     if not worker.stop(timeout_s=max(0.2, budget_s * 0.5)):
         flushes, steps, messages = worker.unwritten()
         if flushes > 0 or messages > 0:
-            unwritten = flushes, steps
+            unwritten = steps
             instruments.dropped.add(flushes + messages, {semconv.REASON: "shutdown_deadline"})
             log.warning(
                 "otel_train: shutdown deadline (%.1fs): the background worker was still busy; %d "

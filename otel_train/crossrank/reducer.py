@@ -442,7 +442,7 @@ def _gone(exc: Exception) -> int:
 def _run(exchange: Any, row: Any, answers: Any, expect: set[int] | None, current: Any, job: Any) -> Any:
     """One exchange: the tree takes this rank's job block beside its row (the star's row holds it)."""
     if isinstance(exchange, TreeExchange):
-        return exchange.run(row, answers, expect, current, job=job)
+        return exchange.run(row, answers, job=job)
     return exchange.run(row, answers, expect, current)
 
 

@@ -77,14 +77,7 @@ class TreeExchange:
         for edge in self._edges:
             edge.stop_waiting()
 
-    def run(
-        self,
-        up: Any,
-        answer: Any | None,
-        expect: set[int] | None = None,
-        current: Any = None,
-        job: Any = None,
-    ) -> Exchanged:
+    def run(self, up: Any, answer: Any | None, job: Any = None) -> Exchanged:
         """`up`: this rank's row; `answer`: rank 0's `down_row.tree_answer` (None elsewhere);
         `job`: this rank's `job_block`. Rank 0 gets `records`: the merged `merge.Bundle` of the
         whole tree, whose `job` sums every bundle taken (module doc of `job_block`)."""

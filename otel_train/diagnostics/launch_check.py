@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,11 +49,8 @@ class LaunchProblem:
     message: str  # what is wrong and how to fix it
 
 
-def local_facts(
-    identity: Identity, gpu_uuid: str | None, process_group: bool, environ: Mapping[str, str] | None = None
-) -> RankFacts:
-    env = os.environ if environ is None else environ
-    recorded = {k: env[k] for k in LAUNCH_ENV if k in env}
+def local_facts(identity: Identity, gpu_uuid: str | None, process_group: bool) -> RankFacts:
+    recorded = {k: os.environ[k] for k in LAUNCH_ENV if k in os.environ}
     placement = (identity.rank, identity.world_size, identity.local_rank, identity.host)
     return RankFacts(*placement, gpu_uuid, process_group, recorded)
 

@@ -4,14 +4,13 @@
 from otel_train.exporters.guards import export_failure_cause, quiet_sdk_exporter_logs
 from otel_train.exporters.job_provider import build_job_provider
 from otel_train.exporters.providers import Telemetry, build_telemetry, otlp_probe, otlp_probes
-from otel_train.exporters.tiers import essential_names, essential_only, resolve_rank_series
+from otel_train.exporters.tiers import essential_names, resolve_rank_series
 
 __all__ = [
     "Telemetry",
     "build_job_provider",
     "build_telemetry",
     "essential_names",
-    "essential_only",
     "export_failure_cause",
     "otlp_probe",
     "otlp_probes",

@@ -204,9 +204,6 @@ class ForkGuardMetricExporter(_ForkGuard, MetricExporter):
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return self._forked() or self._inner.force_flush(timeout_millis=timeout_millis)
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        super().shutdown(timeout_millis=timeout_millis, **kwargs)
-
 
 class ForkGuardSpanExporter(_ForkGuard, SpanExporter):
     def export(self, spans: Sequence[Any]) -> SpanExportResult:

@@ -68,11 +68,11 @@ def start_session(settings: Mapping[str, Any] | None) -> bool:
     return True
 
 
-def end_training(owns_session: bool, failed: bool = False) -> None:
-    """Shut down the session the integration started (`failed`: its training raised); else the
-    user's run outlives the training and idles: no stall while it does other work."""
+def end_training(owns_session: bool) -> None:
+    """Shut down the session the integration started; else the user's run outlives the training
+    and idles: no stall while it does other work."""
     if owns_session:
-        adapters.end_run(failed)
+        adapters.end_run()
     else:
         adapters.idle()
 

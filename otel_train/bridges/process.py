@@ -44,7 +44,8 @@ MAX_RESTART_AFTER_S = 30.0
 AFTER_GRACE_S = 15.0
 _RESTARTING = (
     "otel_train: the bridge process (pid %s) died (%s); restarting it in %.0f s (restart %d of at most "
-    "%d). What it had not written, and updates meanwhile, are lost (counted)."
+    "%d). What it had received but not yet written is lost, and not counted (only the restart is, "
+    "as otel_train.dropped{reason=bridge_restart}); updates meanwhile wait for the new process."
 )
 _FALLING_BEHIND = (
     "otel_train: the bridges are falling behind (queue of %d full) or gone; dropping their updates "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 import re
 import secrets
 import types
@@ -310,13 +311,19 @@ class Config:
     )  # fmt: skip
     # bridges
     tensorboard: bool = setting(False, doc="TensorBoard bridge")
-    wandb: bool = setting(False, doc="Weights & Biases bridge")
+    wandb: bool = setting(
+        False,
+        doc="Weights & Biases bridge; W&B's `WANDB_DIR` and `WANDB_RUN_ID`, if set, are where it writes "
+        "(in place of `<run_dir>/wandb/`) and its run id",
+    )
     mlflow: bool = setting(False, doc="MLflow bridge")
     bridge_all_ranks: bool = setting(False, doc="bridges on every rank (one run per rank) instead of rank 0")
     bridge_queue_size: int = setting(
         64, ge=1, doc="per-bridge queue; a slow backend drops (counted) beyond it"
     )
-    wandb_project: str = setting("otel-train", doc="W&B project")
+    wandb_project: str | None = setting(
+        None, doc="W&B project; unset: W&B's `WANDB_PROJECT` variable if set, else `otel-train`"
+    )
     wandb_entity: str | None = setting(None, doc="W&B entity")
     wandb_group: str | None = setting(None, doc="W&B group")
     wandb_tags: tuple[str, ...] = setting((), doc="W&B tags (comma-separated in env)")
@@ -329,7 +336,12 @@ class Config:
     mlflow_tracking_uri: str | None = setting(
         None, doc="unset: the `MLFLOW_TRACKING_URI` variable if set, else a local store under the run dir"
     )
-    mlflow_experiment: str = setting("otel-train", doc="MLflow experiment")
+    mlflow_experiment: str | None = setting(
+        None,
+        doc="MLflow experiment; unset: MLflow's `MLFLOW_EXPERIMENT_NAME`, else `MLFLOW_EXPERIMENT_ID` variable "
+        "if set, else `otel-train`. A `MLFLOW_RUN_ID` variable names an existing run the bridge logs into "
+        "(not with a `role` or `bridge_all_ranks`: each has a run of its own)",
+    )
     samples_to_show: int = setting(4, ge=0, doc="validation samples shown per call")
     # hardware
     hardware: bool = setting(True, doc="NVML / CUDA allocator / host metrics")
@@ -405,6 +417,16 @@ class Config:
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+
+
+DEFAULT_PROJECT = "otel-train"  # the W&B project and MLflow experiment where nothing names one
+
+
+def wandb_project_from_env(fallback: str = DEFAULT_PROJECT, environ: Mapping[str, str] | None = None) -> str:
+    """The W&B project where the user set no `wandb_project`: W&B's own `WANDB_PROJECT` (settings
+    the user already gave the framework are adopted), else `fallback`."""
+    environ = os.environ if environ is None else environ
+    return environ.get("WANDB_PROJECT", "").strip() or fallback
 
 
 def env_name(field_name: str) -> str:

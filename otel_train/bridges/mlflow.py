@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,25 @@ PARAMS_PER_BATCH = 100
 METRICS_PER_BATCH = 1000
 _BAD_CHARS = re.compile(r"[^/\w.\- ]")  # MLflow's set minus ':' (rejected on Windows)
 RUN_KEY_TAG = "otel_train.run_id"  # the MLflow run's otel_train run id: the run a resume continues
+
+
+def warn_if_user_run_active() -> None:
+    """In the training process, at init: warn that a user's active MLflow run is not the bridge's,
+    unless `MLFLOW_RUN_ID` names it (the bridge then logs into it too). Never imports mlflow."""
+    mlflow = sys.modules.get("mlflow")
+    active_run = getattr(mlflow, "active_run", None) if mlflow is not None else None
+    run = active_run() if active_run is not None else None
+    if run is None:
+        return
+    run_id = run.info.run_id
+    if os.environ.get("MLFLOW_RUN_ID", "").strip() == run_id:
+        return
+    logger.warning(
+        "otel_train: an MLflow run is active in this process (%s); otel_train's MLflow bridge logs to "
+        "its own run (in the bridge process), not into yours. To log into yours, set MLFLOW_RUN_ID=%s "
+        "(and the same MLFLOW_TRACKING_URI) before ot.init; or pass mlflow=False to keep only yours.",
+        run_id, run_id,
+    )  # fmt: skip
 
 
 def sanitize_key(key: str) -> str:
@@ -85,10 +105,14 @@ class MlflowSink(Sink):
         self,
         run_dir: Path | str,
         tracking_uri: str | None,
-        experiment: str,
+        experiment: str | None,
         run_name: str,
         run_key: str | None = None,
+        experiment_id: str | None = None,
+        user_run_id: str | None = None,
     ) -> None:
+        """`experiment` by name, else `experiment_id` (MLFLOW_EXPERIMENT_ID: it must exist);
+        `user_run_id` (MLFLOW_RUN_ID): the existing run to log into, in whatever experiment it is."""
         require_packages("MLflow", "mlflow", "mlflow")
         self.run_dir = Path(run_dir)
         self._store = RunFiles(self.run_dir).mlflow  # the local store's, without a tracking URI
@@ -101,6 +125,8 @@ class MlflowSink(Sink):
             chosen = "mlflow_tracking_uri" if tracking_uri else "MLFLOW_TRACKING_URI"
             self.destination = f"tracking URI {redact_url(uri)}, from {chosen}"
         self.experiment = experiment
+        self.experiment_id = experiment_id
+        self.user_run_id = user_run_id
         self.run_name = run_name
         self.run_key = run_key  # the RUN_KEY_TAG of the MLflow run a resume continues
         self._logged_params: dict[str, str] = {}
@@ -120,8 +146,12 @@ class MlflowSink(Sink):
         if self.local_store:
             seed_local_store(self._store / "mlflow.db", self._store / "artifacts")
         client = MlflowClient(tracking_uri=self.tracking_uri)
-        experiment_id = self._experiment_id(client)
-        run = self._run_to_resume(client, experiment_id)
+        if self.user_run_id:
+            run = client.get_run(self.user_run_id)  # raises if there is no such run
+            experiment_id = run.info.experiment_id
+        else:
+            experiment_id = self._experiment_id(client)
+            run = self._run_to_resume(client, experiment_id)
         if run is not None:
             client.update_run(run.info.run_id, status="RUNNING")  # what mlflow.start_run(run_id) does
             # MLflow refuses to change a logged param: the resumed run's are known as logged.
@@ -149,6 +179,8 @@ class MlflowSink(Sink):
         return None
 
     def _experiment_id(self, client: Any) -> str:
+        if self.experiment is None:  # MLFLOW_EXPERIMENT_ID, which MLflow too needs to exist
+            return str(client.get_experiment(self.experiment_id).experiment_id)
         existing = client.get_experiment_by_name(self.experiment)
         if existing is not None:
             return str(existing.experiment_id)

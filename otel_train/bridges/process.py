@@ -101,10 +101,15 @@ class BridgeProcess(Sink):
         # every hyperparameter so far, merged as the bridges merge them: a restarted bridge process
         # gets them at its set-up (its W&B run directory and MLflow run would otherwise lack them)
         self._hparams: dict[str, Any] = {}
-        if any(module == "otel_train.bridges.wandb" for module, _, _ in self.specs):
-            from otel_train.bridges.wandb import warn_if_user_run_active
+        modules = {module for module, _, _ in self.specs}
+        if "otel_train.bridges.wandb" in modules:
+            from otel_train.bridges import wandb as wandb_bridge
 
-            warn_if_user_run_active()
+            wandb_bridge.warn_if_user_run_active()
+        if "otel_train.bridges.mlflow" in modules:
+            from otel_train.bridges import mlflow as mlflow_bridge
+
+            mlflow_bridge.warn_if_user_run_active()
         self._thread = threading.Thread(target=self._run, name="otel_train-bridges", daemon=True)
         self._thread.start()
         if not self._setup_done.wait(SETUP_TIMEOUT_S):

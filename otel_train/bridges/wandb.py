@@ -122,7 +122,7 @@ def _release_failed_init(wandb: Any) -> None:
 
 
 class WandbSink(Sink):
-    """Logs one W&B run (per rank when `rank` is given) into `run_dir/wandb/`."""
+    """Logs one W&B run (per rank when `rank` is given) into `<wandb_dir or run_dir>/wandb/`."""
 
     name = "wandb"
 
@@ -139,10 +139,16 @@ class WandbSink(Sink):
         run_id: str | None = None,
         rank: int | None = None,
         role: str = "",
+        wandb_dir: Path | str | None = None,
+        resume: str = "allow",
     ) -> None:
         require_packages("W&B", "wandb", "wandb")
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir)  # wandb_run.json's
         ensure_writable_dir(self.run_dir, "W&B")
+        self.wandb_dir = Path(wandb_dir) if wandb_dir else self.run_dir  # WANDB_DIR: where W&B writes
+        if self.wandb_dir != self.run_dir:
+            ensure_writable_dir(self.wandb_dir, "W&B")
+        self.resume = resume
         self.config = dict(config_dict)
         self.project = project
         self.entity = entity
@@ -213,10 +219,10 @@ class WandbSink(Sink):
             entity=self.entity,
             name=self.run_name,
             id=self.run_id,
-            resume="allow" if self.run_id else None,
+            resume=self.resume if self.run_id else None,
             group=self.group,
             tags=self.tags or None,
-            dir=str(self.run_dir),
+            dir=str(self.wandb_dir),
             mode=mode,
             config=self.config,
             settings=self._settings(wandb),
@@ -329,7 +335,7 @@ class WandbSink(Sink):
                 "otel_train: wandb finish did not complete within %.1f s; leaving it. "
                 "The local copy is in %s (upload it later with `wandb sync`).",
                 FINISH_TIMEOUT_S,
-                RunFiles(self.run_dir).wandb,
+                self.wandb_dir / "wandb",
             )
         elif errors:
             raise errors[0]

@@ -21,6 +21,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 import otel_train as ot
 from otel_train import adapters
+from otel_train.config import wandb_project_from_env
 from otel_train.integrations._common import (
     EVAL_PREFIXES,
     HookStep,
@@ -166,7 +167,7 @@ class OtelTrainCallback(TrainerCallback):
                 ot.shutdown()  # a callback's run, idle since its train() (this one's or another's)
             adopted = _adopted_settings(args, state)
             if self._took_wandb:
-                adopted["wandb_project"] = os.environ.get("WANDB_PROJECT") or "huggingface"
+                adopted["wandb_project"] = wandb_project_from_env("huggingface")  # HF's reporter's default
             if planned is not None:
                 adopted["total_steps"] = planned
             started = start_session(with_precision(with_adopted(self._settings, adopted), _precision(args)))

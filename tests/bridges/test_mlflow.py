@@ -185,3 +185,83 @@ def test_two_hyperparameters_with_one_mlflow_name_are_warned_about_once(
     assert len(warned) == 1 and "'has:colon' and 'has_colon' are both 'has_colon'" in warned[0], warned
     run = read_mlflow(default_tracking_uri(run_dir), "exp-c")
     assert run.params["has_colon"] == "1" and run.params["lr"] == "0.1"
+
+
+def _mlflow_sink(config: Config, run_dir: Path, role: str = "") -> MlflowSink:
+    """The MLflow sink as the bridge process builds it for `config` (bridges/table.py)."""
+    from otel_train.bridges.table import BridgePlace, specs
+
+    place = BridgePlace(run_dir=run_dir, run_name="mfenv", run_id="job-8", rank=0, role=role)
+    [kwargs] = [k for _, cls, k in specs(config, place) if cls == "MlflowSink"]
+    return MlflowSink(**kwargs)
+
+
+def test_mlflows_own_variables_name_the_experiment_and_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLFLOW_EXPERIMENT_NAME / MLFLOW_EXPERIMENT_ID are the user's MLflow settings where the user set
+    no mlflow_experiment; MLFLOW_RUN_ID names the run to log into, as `mlflow.start_run()` reads it."""
+    from mlflow import MlflowClient
+
+    seed_local_store(tmp_path / "user.db", tmp_path / "artifacts")
+    uri = "sqlite:///" + str(tmp_path / "user.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri)
+    by_id = client.create_experiment("by-id", artifact_location=(tmp_path / "a").as_uri())
+    config = Config(mlflow=True)
+
+    def log(sink: MlflowSink, loss: float) -> str:
+        sink.write_scalars(1, time.time(), {"train/loss": loss})
+        sink.close({})
+        return str(sink.run_id)
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "by-name")
+    log(_mlflow_sink(config, tmp_path / "r1"), 1.0)
+    assert read_mlflow(uri, "by-name").metrics["train/loss"] == [(1, 1.0)]
+    log(_mlflow_sink(Config(mlflow=True, mlflow_experiment="mine"), tmp_path / "r2"), 2.0)  # the user's own
+    assert read_mlflow(uri, "mine").metrics["train/loss"] == [(1, 2.0)]
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", by_id)
+    log(_mlflow_sink(config, tmp_path / "r3"), 3.0)
+    assert read_mlflow(uri, "by-id").metrics["train/loss"] == [(1, 3.0)]
+
+    users = client.create_run(by_id, run_name="user_run")
+    client.log_metric(users.info.run_id, "train/loss", 9.0, step=0)
+    client.set_terminated(users.info.run_id)
+    monkeypatch.setenv("MLFLOW_RUN_ID", users.info.run_id)
+    assert log(_mlflow_sink(config, tmp_path / "r4"), 4.0) == users.info.run_id
+    run = read_mlflow(uri, "by-id", "user_run")
+    assert run.status == "FINISHED" and run.metrics["train/loss"] == [(0, 9.0), (1, 4.0)]
+    assert len(client.search_runs([by_id])) == 2  # r3's and the user's: none made for r4
+    # a role's run is its own: MLflow names runs itself, so one id cannot be several runs
+    assert _mlflow_sink(config, tmp_path / "r5", role="actor").user_run_id is None
+
+
+def test_a_users_active_mlflow_run_gets_a_warning_naming_mlflow_run_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The MLflow bridge runs in the bridge process, so a run the user started with mlflow.start_run
+    in the training process is not its run: init() says so once, with how to log into it."""
+    import logging
+
+    import mlflow
+
+    import otel_train as ot
+    from otel_train.bridges.mlflow import warn_if_user_run_active
+
+    seed_local_store(tmp_path / "user.db", tmp_path / "artifacts")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///" + str(tmp_path / "user.db"))
+    user_run = mlflow.start_run(run_name="mine")
+    try:
+        with caplog.at_level(logging.WARNING, logger="otel_train"):
+            ot.init(output_dir=str(tmp_path), run_name="usermf", mlflow=True, prometheus_port=0, verbosity=0,
+                    hardware=False)  # fmt: skip
+            ot.shutdown()
+            warned = [r.getMessage() for r in caplog.records if "MLflow run is active" in r.getMessage()]
+            assert len(warned) == 1 and f"MLFLOW_RUN_ID={user_run.info.run_id}" in warned[0], warned
+            caplog.clear()
+            monkeypatch.setenv("MLFLOW_RUN_ID", user_run.info.run_id)  # the bridge logs into it
+            warn_if_user_run_active()
+            assert caplog.records == []
+    finally:
+        mlflow.end_run()

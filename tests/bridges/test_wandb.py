@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.readback import read_wandb_offline
+from helpers.readback import find_wandb_offline_runs, read_wandb_offline
 
 from otel_train.bridges.errors import BridgeDisabled, BridgeSetupError
 from otel_train.bridges.threaded import ThreadedSink
@@ -317,3 +317,50 @@ def test_when_wandb_cannot_start_at_all_the_bridge_is_off_after_one_try(
         sink.write_scalars(10, time.time(), {"train/loss": 1.0})
     assert modes == ["online", "offline"]
     assert not (tmp_path / "run" / "wandb_run.json").exists()
+
+
+def _wandb_sink(config: Config, run_dir: Path) -> WandbSink:
+    """The W&B sink as the bridge process builds it for `config` (bridges/table.py)."""
+    from otel_train.bridges.table import BridgePlace, specs
+
+    place = BridgePlace(run_dir=run_dir, run_name="wenv", run_id="job-7", rank=0)
+    [kwargs] = [k for _, cls, k in specs(config, place) if cls == "WandbSink"]
+    return WandbSink(**kwargs)
+
+
+def test_wandbs_own_variables_name_the_project_directory_and_run_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WANDB_PROJECT, WANDB_DIR and WANDB_RUN_ID are the user's W&B settings: the bridge adopts them
+    where the user set no otel_train setting; a second bridge process resumes the same W&B run."""
+    wandb_dir = tmp_path / "user-wandb"
+    monkeypatch.setenv("WANDB_PROJECT", "userproj")
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    monkeypatch.setenv("WANDB_RUN_ID", "userrun123")
+    run_dir = tmp_path / "runs" / "wenv"
+    config = Config(wandb=True, wandb_mode="offline")
+    for step in (1, 2):  # the second: a restarted bridge process
+        sink = _wandb_sink(config, run_dir)
+        sink.write_scalars(step, time.time(), {"train/loss": 1.0 / step})
+        sink.close({})
+    first, second = find_wandb_offline_runs(wandb_dir)
+    # W&B names a second directory of the same id in the same second `...-userrun123-1`
+    assert all("-userrun123" in path.name for path in (first, second)), (first, second)
+    for path, step in ((first, 1), (second, 2)):
+        run = read_wandb_offline(path)
+        assert (run.run_id, run.project) == ("userrun123", "userproj")
+        assert run.series("train/loss") == [(step, 1.0 / step)]
+    assert not (run_dir / "wandb").exists()  # W&B wrote under WANDB_DIR only
+    info = json.loads((run_dir / "wandb_run.json").read_text())
+    assert (info["id"], info["project"], info["dirs"]) == (
+        "userrun123",
+        "userproj",
+        [str(first), str(second)],
+    )
+
+    # otel_train's own setting, given by the user, wins (an explicit wandb.init argument, in W&B's words)
+    chosen = _wandb_sink(Config(wandb=True, wandb_project="mine"), run_dir)
+    assert chosen.project == "mine"
+    monkeypatch.delenv("WANDB_PROJECT")
+    assert _wandb_sink(config, run_dir).project == "otel-train"  # neither: otel_train's default
+

@@ -167,6 +167,8 @@ class WandbOfflineRun:
 
 def find_wandb_offline_runs(root: str | os.PathLike[str]) -> list[Path]:
     """`offline-run-*` dirs under `root` (`root` itself, its `wandb/`, or deeper); skips `latest-run`."""
+    if Path(root).name.startswith("offline-run-"):  # one run's own directory
+        return [Path(root)]
     found = glob.glob(os.path.join(os.fspath(root), "**", "offline-run-*"), recursive=True)
     return sorted(Path(p) for p in found if "latest-run" not in p and os.path.isdir(p))
 

@@ -251,8 +251,11 @@ class WandbSink(Sink):
     def _save_run_info(self) -> dict[str, Any]:
         """Write `wandb_run.json` (best effort) and return what it holds."""
         run = self._run
-        offline = bool(getattr(run, "offline", False))
-        files_dir = getattr(run, "dir", None)  # <dir>/wandb/<offline-run-...>/files
+        # WANDB_MODE=disabled (or wandb_mode): a no-op run, with a made-up id, entity "dummy" and a
+        # directory that is never written. Nothing was logged, so no id and no directory is named.
+        disabled = bool(getattr(run, "disabled", False))
+        offline = bool(getattr(run, "offline", False)) and not disabled
+        files_dir = None if disabled else getattr(run, "dir", None)  # <dir>/wandb/<offline-run-...>/files
         local = Path(files_dir).resolve().parent if files_dir else None
         # Each process of a restarted run writes its own offline directory of the one W&B run id;
         # `wandb sync` merges those it is given, in order: all of them, oldest first (named by time).
@@ -260,9 +263,14 @@ class WandbSink(Sink):
         if local is not None and offline and local not in dirs:
             dirs.append(local)
         info = {
-            **{key: getattr(run, key, None) for key in ("id", "name", "project", "entity")},
+            **{
+                key: None if disabled else getattr(run, key, None)
+                for key in ("id", "name", "project", "entity")
+            },
             "group": self.group,
-            "url": None if offline else getattr(run, "url", None),  # run.url warns on stdout offline
+            # run.url warns on stdout offline
+            "url": None if offline or disabled else getattr(run, "url", None),
+            "mode": "disabled" if disabled else "offline" if offline else "online",
             "offline": offline,
             "dir": str(local) if local else None,
             "dirs": [str(path) for path in dirs],

@@ -364,3 +364,16 @@ def test_wandbs_own_variables_name_the_project_directory_and_run_id(
     monkeypatch.delenv("WANDB_PROJECT")
     assert _wandb_sink(config, run_dir).project == "otel-train"  # neither: otel_train's default
 
+
+def test_a_disabled_run_claims_no_directory(tmp_path: Path) -> None:
+    """WANDB_MODE=disabled (or wandb_mode): W&B's no-op run has a made-up id, entity "dummy" and a
+    directory it never writes; wandb_run.json says the run is disabled and names none of them.
+    (W&B reads WANDB_MODE once a process, so this process passes the mode.)"""
+    run_dir = tmp_path / "run"
+    sink = WandbSink(run_dir, {}, project="p", run_name="r", run_id="job-1", mode="disabled")
+    sink.write_scalars(0, time.time(), {"train/loss": 1.0})
+    sink.close({})
+    info = json.loads((run_dir / "wandb_run.json").read_text())
+    assert info["mode"] == "disabled" and info["offline"] is False
+    assert info["id"] is info["entity"] is info["dir"] is info["sync_command"] is None and info["dirs"] == []
+    assert find_wandb_offline_runs(tmp_path) == [] and not (run_dir / "wandb").exists()

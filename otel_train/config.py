@@ -422,11 +422,10 @@ FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fiel
 DEFAULT_PROJECT = "otel-train"  # the W&B project and MLflow experiment where nothing names one
 
 
-def wandb_project_from_env(fallback: str = DEFAULT_PROJECT, environ: Mapping[str, str] | None = None) -> str:
+def wandb_project_from_env(fallback: str = DEFAULT_PROJECT) -> str:
     """The W&B project where the user set no `wandb_project`: W&B's own `WANDB_PROJECT` (settings
     the user already gave the framework are adopted), else `fallback`."""
-    environ = os.environ if environ is None else environ
-    return environ.get("WANDB_PROJECT", "").strip() or fallback
+    return os.environ.get("WANDB_PROJECT", "").strip() or fallback
 
 
 def env_name(field_name: str) -> str:

@@ -233,8 +233,8 @@ def test_each_log_leaves_with_its_own_steps_flush(tmp_path: Path, capsys: pytest
     callback = OtelTrainCallback(run_name="logs", verbosity=1, hardware=False, prometheus_port=0)
     trainer = _trainer(tmp_path / "hf-out", callback, logging_steps=2, eval_strategy="no", save_strategy="no")
     trainer.train()
+    ot.shutdown()  # the worker prints the console's lines: all of them are out once it is drained
     printed = capsys.readouterr().out
-    ot.shutdown()
     logged = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
     assert sorted(logged) == [2, 4, 6]
     for step, loss in logged.items():

@@ -133,7 +133,6 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         self._start()
-        now = time.perf_counter_ns()
         began = self._last_report_ns
         if self._failed_ns is not None:
             # The restart (failure to this report) is a span between steps, badput "other": a step
@@ -141,6 +140,9 @@ class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
             ot.span("ray_train_restart").start(at_ns=self._failed_ns).stop()
             ot.event("worker_group_restart", "the worker group reported again after a failure", {})
             self._failed_ns, began = None, time.perf_counter_ns()
+        # Read after `began`: the next step begins here, after this one (a step begun at or before
+        # another is taken as its outer step, and the inner one dropped).
+        now = time.perf_counter_ns()
         self._step += 1
         adapters.begin_step(self._step, start_ns=began)
         per_name: dict[str, list[float]] = {}

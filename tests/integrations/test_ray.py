@@ -96,6 +96,9 @@ def test_torch_trainer_controller_and_workers_share_one_run(ray_cluster: Any, tm
     assert rows and all("ray_train/loss/mean" in r and "ray_train/loss/max" in r for r in rows)
     assert rows[0]["step"] == 0  # the first report (a step index, as the console's `step N` reads it)
     assert max(r["ray_train/loss/max"] for r in rows) == 4.0  # worker 1's last report: 1 + 2 + 1
+    # every report a step, also the one after the restart (step 0, the failure, steps 0 to 2 again)
+    assert sum(r.get("train/steps", 0) for r in rows) == 4, rows
+    assert not any("otel_train/dropped/nested_step" in r for r in rows), rows
     # the workers: one process group, cross-rank keys on worker rank 0
     worker0 = _rows(workers[0].metrics)
     assert any("timers/step/ranks_max" in r for r in worker0)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,23 +39,16 @@ _driver_run: dict[str, str] = {}  # run id and name made once per driver when no
 
 def job_settings(role: str = "") -> dict[str, Any]:
     """The run's shared settings (run id, run name, output dir, OTLP endpoints, service name) and
-    `role`: from the running session, else from this driver's settings (environment, config file)
-    with a run id and name made once for this driver (unless those settings name them)."""
+    `role`: from the running session, else from this process's settings (environment, config file)
+    with, in a Ray Tune trial, the trial's run (`_tune_trial_run`), else a run id and name made once
+    for this driver (unless those settings name them)."""
     info = ot.run_info()
     if info is not None:
         source: Any = info
         run = {"run_id": info.run_id, "run_name": info.run_name}
-    else:  # the driver's settings (environment, config file) and a run made once for this driver
+    else:
         source = load_config()
-        if not _driver_run:
-            _driver_run.update(
-                run_id=source.run_id or uuid.uuid4().hex[:12],
-                run_name=source.run_name or time.strftime("ray-%Y%m%d-%H%M%S"),
-            )
-            # A session the driver starts later (NeMo RL makes its Logger after init_ray) joins it.
-            os.environ.setdefault(env_name("run_id"), _driver_run["run_id"])
-            os.environ.setdefault(env_name("run_name"), _driver_run["run_name"])
-        run = dict(_driver_run)
+        run = _tune_trial_run(source.run_id) or _driver_run_once(source.run_id, source.run_name)
     settings: dict[str, Any] = {
         **run,
         "output_dir": os.path.abspath(source.output_dir),
@@ -62,6 +57,43 @@ def job_settings(role: str = "") -> dict[str, Any]:
     }
     settings = {k: v for k, v in settings.items() if v is not None}
     return {**settings, "role": role} if role else settings
+
+
+def _driver_run_once(run_id: str | None, run_name: str | None) -> dict[str, str]:
+    """This driver's run: the given id and name, else made at the first call."""
+    if not _driver_run:
+        _driver_run.update(
+            run_id=run_id or uuid.uuid4().hex[:12],
+            run_name=run_name or time.strftime("ray-%Y%m%d-%H%M%S"),
+        )
+        # A session the driver starts later (NeMo RL makes its Logger after init_ray) joins it.
+        os.environ.setdefault(env_name("run_id"), _driver_run["run_id"])
+        os.environ.setdefault(env_name("run_name"), _driver_run["run_name"])
+    return dict(_driver_run)
+
+
+def _tune_trial_run(job_run_id: str | None) -> dict[str, str] | None:
+    """The run of the Ray Tune trial this process runs, None outside one: one run per trial, as
+    Tune's own logger callbacks make, so that concurrent trials do not share a run directory and
+    a later trial is not taken for a restart of an earlier one. Run id `<job's run id>-<trial id>`
+    (a trial id is unique only within its tuning job), run name the trial's name; the same for a
+    trial that Tune starts again, which continues its run."""
+    if "ray.tune" not in sys.modules:  # a trial has imported Tune; elsewhere it is not worth importing
+        return None
+    from ray import tune
+
+    with warnings.catch_warnings():  # outside a trial Ray warns that it returns None
+        warnings.simplefilter("ignore")
+        context = tune.get_context()
+        trial_id, trial_name = context.get_trial_id(), context.get_trial_name()
+    if not trial_id:
+        return None
+    # A trial_name_creator may use any characters; a run name is part of a path
+    run_name = re.sub(r"[^A-Za-z0-9_.:-]", "_", str(trial_name or trial_id)).lstrip("_.:-")[:128]
+    return {
+        "run_id": f"{job_run_id}-{trial_id}" if job_run_id else str(trial_id),
+        "run_name": run_name or str(trial_id),
+    }
 
 
 # A query parameter named like a credential (`?api_key=`, `&access_token=`; not `tokens=`), in clear
@@ -99,21 +131,36 @@ def runtime_env(role: str, base: Mapping[str, Any] | None = None) -> dict[str, A
 
 def init_worker(settings: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
     """In a Ray Train worker: `ot.init()` with Ray Train's local rank and local world size (Ray
-    Train sets no LOCAL_RANK; the rank and world size come from its torch process group). The run,
-    endpoints and role come from the environment (`runtime_env`), unless given here."""
+    Train sets no LOCAL_RANK; the rank and world size come from its torch process group). The run
+    is the trainer's `ControllerCallback`'s where it has one (in a Ray Tune trial, the trial's run),
+    else the environment's (`runtime_env`), as are the endpoints and role, unless given here."""
     from ray import train
 
     context = train.get_context()
     os.environ.setdefault("LOCAL_RANK", str(context.get_local_rank()))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(context.get_local_world_size()))
     os.environ.setdefault("GROUP_RANK", str(context.get_node_rank()))
-    return ot.init(**settings_from_kwargs(settings, kwargs, "init_worker"))
+    return ot.init(**{**_controller_run(), **settings_from_kwargs(settings, kwargs, "init_worker")})
+
+
+def _controller_run() -> dict[str, Any]:
+    """The run id and name of this Ray Train run's `ControllerCallback`, {} without one. Ray Train
+    copies the RunConfig, callbacks included, to every worker; the workers' runtime_env names the
+    job's run, which is not the controller's in a Ray Tune trial (`_tune_trial_run`)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    run_config = get_train_context().train_run_context.run_config
+    for callback in run_config.callbacks or []:
+        if isinstance(callback, ControllerCallback):
+            return {name: callback.settings[name] for name in ("run_id", "run_name")}
+    return {}
 
 
 class ControllerCallback(_CallbackBase):  # type: ignore[misc,valid-type]
     """A `ray.train.UserCallback` for the Ray Train controller (docs/design/integrations.md#ray). Made on
-    the driver, where it captures the run (`job_settings`); pickled into the controller actor,
-    where it starts a session with role `role` (default `controller`) at its first call."""
+    the driver (or in a Ray Tune trial), where it captures the run (`job_settings`); pickled into the
+    controller actor, where it starts a session with role `role` (default `controller`) at its first
+    call; `init_worker()` reads its run from the copy Ray Train gives every worker."""
 
     def __init__(self, settings: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         merged = settings_from_kwargs(settings, kwargs, "ControllerCallback")

@@ -182,6 +182,71 @@ def test_a_slow_worker_is_named_where_ddp_waits_for_it(ray_cluster: Any, tmp_pat
         assert sum(r.get("train/steps", 0) for r in rows) == RAY_STEPS
 
 
+TUNE_STEPS = 3
+
+
+def _tune_train_fn(config: dict[str, Any]) -> None:
+    import ray.train
+
+    import otel_train as ot
+    import otel_train.integrations.ray as otr
+
+    otr.init_worker(log_interval=1)
+    for step in range(TUNE_STEPS):
+        with ot.step(step, samples=4):
+            ot.record("loss", config["lr"] * step)
+        ray.train.report({"loss": config["lr"] * step})
+    ot.shutdown()
+
+
+def _tune_trial(config: dict[str, Any]) -> None:
+    """A Tune trial as Ray's docs write one: a TorchTrainer run inside it."""
+    from ray import tune
+
+    trainer = TorchTrainer(
+        _tune_train_fn,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=False),
+        run_config=RunConfig(
+            storage_path=config["storage"],
+            callbacks=[otr.ControllerCallback(prometheus_port=0, verbosity=0, hardware=False)],
+        ),
+    )
+    trainer.fit()
+    tune.report({"done": 1})
+
+
+def test_each_tune_trial_is_a_run_of_its_own(ray_cluster: Any, tmp_path: Path) -> None:
+    """Two trials, one after the other, with the driver's runtime_env: each trial's controller and
+    worker share the trial's run, and the second trial is not taken for a restart of the first."""
+    from ray import tune
+
+    storage = str(tmp_path / "ray_results")
+    tuner = tune.Tuner(
+        _tune_trial,
+        param_space={"lr": tune.grid_search([1.0, 2.0]), "storage": storage},
+        tune_config=tune.TuneConfig(max_concurrent_trials=1),
+        run_config=tune.RunConfig(storage_path=storage, name="tune"),
+    )
+    assert not tuner.fit().errors
+    job_run_id = ray_cluster["env_vars"]["OTEL_TRAIN_RUN_ID"]
+    run_dirs = sorted(p for p in tmp_path.iterdir() if (p / "config.controller.json").exists())
+    assert len(run_dirs) == 2, sorted(p.name for p in tmp_path.iterdir())
+    run_ids = set()
+    for run_dir in run_dirs:
+        files = [RunFiles(run_dir, 0, role) for role in ("controller", "worker")]
+        (run_id,) = {json.loads(f.config.read_text())["run_id"] for f in files}  # one run per trial
+        assert run_id.startswith(f"{job_run_id}-"), run_id
+        run_ids.add(run_id)
+        for f in files:
+            rows = _rows(f.metrics)
+            assert sum(r.get("train/steps", 0) for r in rows) == TUNE_STEPS, (f.metrics, rows)
+            assert [r["step"] for r in rows if "train/steps" in r] == list(range(TUNE_STEPS))
+            events = [e["event"] for e in _rows(f.events)] if f.events.exists() else []
+            assert "restart" not in events, (f.events, events)
+    assert len(run_ids) == 2
+
+
 def test_runtime_env_carries_the_running_session(tmp_path: Path) -> None:
     import otel_train as ot
 

@@ -147,9 +147,13 @@ def _controller_run() -> dict[str, Any]:
     """The run id and name of this Ray Train run's `ControllerCallback`, {} without one. Ray Train
     copies the RunConfig, callbacks included, to every worker; the workers' runtime_env names the
     job's run, which is not the controller's in a Ray Tune trial (`_tune_trial_run`)."""
-    from ray.train.v2._internal.execution.context import get_train_context
+    try:  # Ray Train v2's internals (Ray pinned; v1, RAY_TRAIN_V2_ENABLED=0, has none of it)
+        from ray.train.v2._internal.execution.context import get_train_context
 
-    run_config = get_train_context().train_run_context.run_config
+        run_config = get_train_context().train_run_context.run_config
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        log.debug("otel_train: no ControllerCallback's run read in this worker (%s)", exc)
+        return {}
     for callback in run_config.callbacks or []:
         if isinstance(callback, ControllerCallback):
             return {name: callback.settings[name] for name in ("run_id", "run_name")}

@@ -230,15 +230,16 @@ def test_each_log_leaves_with_its_own_steps_flush(tmp_path: Path, capsys: pytest
     """The Trainer logs after on_step_end: the step stays open for its log, so the loss it logged
     leaves with that step's flush (the console's line for the step shows it; its row comes before
     the step's flush row), not with the next one's, and the last log is not left for the end."""
-    # the worker prints the console's lines: on a loaded host, a first flush (imports, the SDK's
-    # set-up) can outlast the default shutdown budget, whose unwritten flushes print nothing
+    # (a shutdown budget a loaded host's worker needs: a flush it has not written by then prints nothing)
     callback = OtelTrainCallback(
         run_name="logs", verbosity=1, hardware=False, prometheus_port=0, shutdown_timeout_s=60.0
     )
     trainer = _trainer(tmp_path / "hf-out", callback, logging_steps=2, eval_strategy="no", save_strategy="no")
     trainer.train()
-    printed = capsys.readouterr().out
+    # The run idles after train() (an evaluate may follow); the worker prints the console's lines,
+    # the last one maybe after train() returned: all are out once shutdown drained it.
     ot.shutdown()
+    printed = capsys.readouterr().out
     logged = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
     assert sorted(logged) == [2, 4, 6]
     for step, loss in logged.items():
